@@ -1,0 +1,68 @@
+// Benchmarks of the absolute encodings at real model shapes, beside this machine's measured
+// limits (STREAM-like copy and non-temporal copy, measured at start-up in the same run).
+//
+//   build/posenc_bench                          all cases
+//   build/posenc_bench --benchmark_filter=sinusoidal/32768/1024
+//
+// Each case reports bytes/s (bytes the kernel must move) and `ratio` = bytes/s ÷ its limit.
+#include <benchmark/benchmark.h>
+
+#include <cstdio>
+#include <string>
+
+#include "kernels.hpp"
+#include "limits.hpp"
+#include "posenc/posenc.hpp"
+
+namespace {
+
+posenc::perf::Limits g_limits;
+
+void run_case(benchmark::State& state, const std::string& name, posenc::perf::CaseOptions shape) {
+  posenc::perf::Case c = posenc::perf::make_case(name, shape);
+  c.run();  // warm-up and first touch
+  for (auto _ : state) c.run();
+  const double bytes = c.bytes_per_run * static_cast<double>(state.iterations());
+  state.SetBytesProcessed(static_cast<std::int64_t>(bytes));
+  state.counters["ratio_" + c.limit_name] =
+      benchmark::Counter(bytes / 1e9 / g_limits.get(c.limit_name), benchmark::Counter::kIsRate);
+  state.SetLabel(c.description);
+}
+
+// Shapes: d = 768 (GPT-2 small, BERT base), 1024 (GPT-2 medium, the table), 4096
+// (Llama-2 7B width); S from 2048 to 32768.
+void register_all() {
+  struct Shape {
+    std::int64_t batch, length, dim;
+  };
+  const Shape tables[] = {{1, 2048, 768}, {1, 8192, 1024}, {1, 32768, 1024}, {1, 32768, 4096}};
+  const Shape embeddings[] = {{8, 1024, 768}, {4, 2048, 1024}, {1, 32768, 1024}, {1, 4096, 4096}};
+  auto add = [](const std::string& name, const Shape& s) {
+    const std::string label = name + "/" + std::to_string(s.batch) + "x" + std::to_string(s.length) +
+                              "/" + std::to_string(s.dim);
+    benchmark::RegisterBenchmark(label.c_str(), [name, s](benchmark::State& st) {
+      run_case(st, name, {s.length, s.dim, s.batch});
+    })->UseRealTime()->Unit(benchmark::kMillisecond);
+  };
+  for (const Shape& s : tables) add("sinusoidal", s);
+  for (const Shape& s : embeddings) {
+    add("sinusoidal-add", s);
+    add("learned-forward", s);
+    add("learned-backward", s);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  g_limits = posenc::perf::measure_limits(posenc::num_threads());
+  std::printf("posenc %s, target %s, %d thread(s)\n", std::string(posenc::version()).c_str(),
+              posenc::active_target().c_str(), posenc::num_threads());
+  std::printf("limits measured now: copy %.2f GB/s, copy_nt %.2f GB/s (read + write bytes)\n",
+              g_limits.copy_gbs, g_limits.copy_nt_gbs);
+  register_all();
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

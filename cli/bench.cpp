@@ -1,0 +1,71 @@
+// posenc bench KERNEL [--length N] [--dim D] [--batch B] [--threads N] [--format text|json]
+// Times one kernel and, in the same run, the machine limit it is judged against (perf/limits.hpp).
+#include <fmt/core.h>
+
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "commands.hpp"
+#include "kernels.hpp"
+#include "limits.hpp"
+#include "posenc/posenc.hpp"
+
+namespace posenc::cli {
+namespace {
+
+struct BenchOptions {
+  std::string kernel;
+  perf::CaseOptions shape;
+  int threads = 0;
+  std::string format = "text";
+};
+
+void run_bench(const BenchOptions& o) {
+  if (o.format != "text" && o.format != "json") {
+    throw Error("bench", "--format", o.format, "text or json");
+  }
+  if (o.threads < 0) throw Error("bench", "--threads", std::to_string(o.threads), ">= 1");
+  if (o.threads > 0) set_num_threads(o.threads);
+  const int threads = num_threads();
+  perf::Case c = perf::make_case(o.kernel, o.shape);
+  const perf::Limits limits = perf::measure_limits(threads);
+  const double seconds = perf::time_best(c.run);
+  const double throughput = c.bytes_per_run / seconds / 1e9;
+  const double limit = limits.get(c.limit_name);
+  if (o.format == "json") {
+    const nlohmann::json doc = {
+        {"kernel", c.name},          {"shape", c.description},
+        {"target", active_target()}, {"threads", threads},
+        {"seconds", seconds},        {"bytes", c.bytes_per_run},
+        {"throughput", throughput},  {"unit", "GB/s"},
+        {"limit", limit},            {"limit_name", c.limit_name},
+        {"ratio", throughput / limit},
+        {"limits", {{"copy", limits.copy_gbs}, {"copy_nt", limits.copy_nt_gbs}}}};
+    fmt::print("{}\n", doc.dump(2));
+  } else {
+    fmt::print("{} {} on {} with {} thread(s)\n", c.name, c.description, active_target(), threads);
+    fmt::print("  time        {:.3f} ms (best of repeated runs)\n", seconds * 1e3);
+    fmt::print("  throughput  {:.2f} GB/s\n", throughput);
+    fmt::print("  limit       {:.2f} GB/s ({}, measured now; copy {:.2f}, copy_nt {:.2f})\n", limit,
+               c.limit_name, limits.copy_gbs, limits.copy_nt_gbs);
+    fmt::print("  ratio       {:.2f}\n", throughput / limit);
+  }
+}
+
+}  // namespace
+
+Runner add_bench(CLI::App& app) {
+  auto o = std::make_shared<BenchOptions>();
+  CLI::App* sub = app.add_subcommand("bench", "Benchmark one kernel against this machine's measured limit");
+  std::string names;
+  for (const auto& n : perf::case_names()) names += (names.empty() ? "" : ", ") + n;
+  sub->add_option("kernel", o->kernel, "Kernel: " + names)->required();
+  sub->add_option("--length,-n", o->shape.length, "Tokens (table rows)")->capture_default_str();
+  sub->add_option("--dim,-d", o->shape.dim, "Width")->capture_default_str();
+  sub->add_option("--batch,-b", o->shape.batch, "Batch rows")->capture_default_str();
+  sub->add_option("--threads,-t", o->threads, "Threads (default: OpenMP's default)");
+  sub->add_option("--format", o->format, "text or json")->capture_default_str();
+  return [o] { run_bench(*o); };
+}
+
+}  // namespace posenc::cli

@@ -1,0 +1,16 @@
+// Subcommands of the `posenc` command. Each registers its options on a CLI11 subcommand and
+// returns the function that runs it after parsing.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <functional>
+
+namespace posenc::cli {
+
+using Runner = std::function<void()>;
+
+Runner add_tour(CLI::App& app);
+Runner add_table(CLI::App& app);
+Runner add_bench(CLI::App& app);
+
+}  // namespace posenc::cli

@@ -1,0 +1,44 @@
+// posenc — the command-line tool. Errors: one line on stderr, exit status 1 (2 for usage).
+#include <fmt/core.h>
+
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <string>
+
+#include "commands.hpp"
+#include "posenc/posenc.hpp"
+
+int main(int argc, char** argv) {
+  CLI::App app{"posenc: positional encodings for transformers — exact, fast, trainable on the CPU"};
+  app.set_version_flag("--version", std::string("posenc ") + std::string(posenc::version()));
+  app.require_subcommand(1);
+  std::string target = "auto";
+  app.add_option("--target", target,
+                 "Kernel target: auto, avx512, avx2, sse4, scalar or ref (fp64 reference)")
+      ->envname("POSENC_TARGET");
+
+  posenc::cli::Runner tour = posenc::cli::add_tour(app);
+  posenc::cli::Runner table = posenc::cli::add_table(app);
+  posenc::cli::Runner bench = posenc::cli::add_bench(app);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help, --version
+    fmt::print(stderr, "posenc: {}\n", e.what());
+    return 2;
+  }
+  try {
+    posenc::set_target(target);
+    for (CLI::App* sub : app.get_subcommands()) {
+      if (sub->get_name() == "tour") tour();
+      if (sub->get_name() == "table") table();
+      if (sub->get_name() == "bench") bench();
+    }
+  } catch (const std::exception& e) {
+    std::fflush(stdout);
+    fmt::print(stderr, "posenc: {}\n", e.what());
+    return 1;
+  }
+  return 0;
+}

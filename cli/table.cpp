@@ -1,0 +1,142 @@
+// posenc table sinusoidal --length N --dim D [--base B] [--layout interleaved|split] [--offset P]
+//                         [--dtype f32|f64|bf16|f16] [--format text|csv|json]
+#include <fmt/core.h>
+
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "commands.hpp"
+#include "posenc/posenc.hpp"
+
+namespace posenc::cli {
+namespace {
+
+struct TableOptions {
+  std::string encoding;
+  std::int64_t length = 10;
+  std::int64_t dim = 4;
+  double base = 10000.0;
+  std::string layout = "interleaved";
+  std::int64_t offset = 0;
+  std::string dtype = "f32";
+  std::string format = "text";
+};
+
+DType parse_dtype(const std::string& name) {
+  if (name == "f32") return DType::kF32;
+  if (name == "f64") return DType::kF64;
+  if (name == "bf16") return DType::kBF16;
+  if (name == "f16") return DType::kF16;
+  throw Error("table", "--dtype", name, "f32, f64, bf16 or f16");
+}
+
+// The printed form of a 2-D tensor in PyTorch (4 decimals, common width, the first and last three
+// rows and columns when there are more than 1000 values), so the classic tutorial table matches.
+std::string torch_style(const std::vector<double>& v, std::int64_t rows, std::int64_t cols) {
+  const bool summarize = rows * cols > 1000;
+  constexpr std::int64_t kEdge = 3;
+  auto shown = [&](std::int64_t i, std::int64_t n) { return !summarize || n <= 2 * kEdge || i < kEdge || i >= n - kEdge; };
+  std::size_t width = 0;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    for (std::int64_t c = 0; c < cols; ++c) {
+      if (shown(r, rows) && shown(c, cols)) {
+        width = std::max(width, fmt::format("{:.4f}", v[static_cast<std::size_t>(r * cols + c)]).size());
+      }
+    }
+  }
+  std::string out = "tensor([";
+  bool first_row = true;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    if (!shown(r, rows)) {
+      if (r == kEdge) out += ",\n        ...";
+      continue;
+    }
+    if (!first_row) out += ",\n        ";
+    first_row = false;
+    out += "[";
+    bool first_col = true;
+    for (std::int64_t c = 0; c < cols; ++c) {
+      if (!shown(c, cols)) {
+        if (c == kEdge) out += ", ...";
+        continue;
+      }
+      if (!first_col) out += ", ";
+      first_col = false;
+      out += fmt::format("{:>{}.4f}", v[static_cast<std::size_t>(r * cols + c)], width);
+    }
+    out += "]";
+  }
+  return out + "])";
+}
+
+void run_table(const TableOptions& o) {
+  if (o.encoding != "sinusoidal") {
+    throw Error("table", "encoding", o.encoding, "sinusoidal (more encodings arrive with later releases)");
+  }
+  if (o.length < 0) throw Error("table", "--length", std::to_string(o.length), ">= 0");
+  SinusoidalLayout layout = SinusoidalLayout::kInterleaved;
+  if (o.layout == "split") {
+    layout = SinusoidalLayout::kSplitHalves;
+  } else if (o.layout != "interleaved") {
+    throw Error("table", "--layout", o.layout, "interleaved or split");
+  }
+  const SinusoidalParams params(o.dim, o.base, layout);
+  const Positions positions = Positions::range(o.length, o.offset);
+  const DType dtype = parse_dtype(o.dtype);
+  const auto count = static_cast<std::size_t>(checked_mul(o.length, o.dim, "table size"));
+  std::vector<double> values(count);
+  // Build in the requested dtype, then widen for printing (so bf16 prints its rounding).
+  std::vector<unsigned char> storage(count * dtype_size(dtype) + 1);
+  sinusoidal_table(params, positions, TensorView::contiguous(storage.data(), dtype, std::vector<std::int64_t>{o.length, o.dim}));
+  for (std::size_t i = 0; i < count; ++i) {
+    switch (dtype) {
+      case DType::kF32: values[i] = reinterpret_cast<const float*>(storage.data())[i]; break;
+      case DType::kF64: values[i] = reinterpret_cast<const double*>(storage.data())[i]; break;
+      case DType::kBF16: values[i] = from_bf16(reinterpret_cast<const bf16*>(storage.data())[i]); break;
+      case DType::kF16: values[i] = from_f16(reinterpret_cast<const f16*>(storage.data())[i]); break;
+    }
+  }
+  if (o.format == "text") {
+    fmt::print("{}\n", torch_style(values, o.length, o.dim));
+  } else if (o.format == "csv") {
+    std::string line = "position";
+    for (std::int64_t j = 0; j < o.dim; ++j) line += fmt::format(",d{}", j);
+    fmt::print("{}\n", line);
+    for (std::int64_t r = 0; r < o.length; ++r) {
+      line = std::to_string(o.offset + r);
+      for (std::int64_t j = 0; j < o.dim; ++j) line += fmt::format(",{}", values[static_cast<std::size_t>(r * o.dim + j)]);
+      fmt::print("{}\n", line);
+    }
+  } else if (o.format == "json") {
+    nlohmann::json rows = nlohmann::json::array();
+    for (std::int64_t r = 0; r < o.length; ++r) {
+      rows.push_back(std::vector<double>(values.begin() + r * o.dim, values.begin() + (r + 1) * o.dim));
+    }
+    const nlohmann::json doc = {{"encoding", "sinusoidal"}, {"dim", o.dim},       {"base", o.base},
+                                {"layout", o.layout},       {"offset", o.offset}, {"length", o.length},
+                                {"dtype", o.dtype},         {"values", rows}};
+    fmt::print("{}\n", doc.dump());
+  } else {
+    throw Error("table", "--format", o.format, "text, csv or json");
+  }
+}
+
+}  // namespace
+
+Runner add_table(CLI::App& app) {
+  auto o = std::make_shared<TableOptions>();
+  CLI::App* sub = app.add_subcommand("table", "Print an encoding table (rows = positions)");
+  sub->add_option("encoding", o->encoding, "Encoding: sinusoidal")->required();
+  sub->add_option("--length,-n", o->length, "Number of positions (rows)")->capture_default_str();
+  sub->add_option("--dim,-d", o->dim, "Encoding width (even)")->capture_default_str();
+  sub->add_option("--base", o->base, "Frequency base")->capture_default_str();
+  sub->add_option("--layout", o->layout, "interleaved (sin, cos pairs) or split ([sin | cos])")
+      ->capture_default_str();
+  sub->add_option("--offset", o->offset, "First position")->capture_default_str();
+  sub->add_option("--dtype", o->dtype, "f32, f64, bf16 or f16")->capture_default_str();
+  sub->add_option("--format", o->format, "text (PyTorch-style), csv or json")->capture_default_str();
+  return [o] { run_table(*o); };
+}
+
+}  // namespace posenc::cli

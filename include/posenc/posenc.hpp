@@ -1,0 +1,10 @@
+// posenc/posenc.hpp — everything public in one include.
+#pragma once
+
+#include "posenc/absolute.hpp"
+#include "posenc/dtype.hpp"
+#include "posenc/error.hpp"
+#include "posenc/positions.hpp"
+#include "posenc/reference.hpp"
+#include "posenc/runtime.hpp"
+#include "posenc/tensor.hpp"

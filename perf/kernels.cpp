@@ -1,0 +1,98 @@
+#include "kernels.hpp"
+
+#include <vector>
+
+#include "posenc/posenc.hpp"
+
+namespace posenc::perf {
+namespace {
+
+struct Buffers {
+  std::vector<float> a, b, c;
+  std::vector<std::int64_t> ids;
+};
+
+void require_positive(const char* name, std::int64_t value) {
+  if (value < 1) throw Error("bench", name, std::to_string(value), ">= 1");
+}
+
+std::string shape(const CaseOptions& o) {
+  return "[" + std::to_string(o.batch) + ", " + std::to_string(o.length) + ", " +
+         std::to_string(o.dim) + "] f32";
+}
+
+}  // namespace
+
+std::vector<std::string> case_names() {
+  return {"sinusoidal", "sinusoidal-add", "learned-forward", "learned-backward"};
+}
+
+Case make_case(const std::string& name, const CaseOptions& o) {
+  require_positive("length", o.length);
+  require_positive("dim", o.dim);
+  require_positive("batch", o.batch);
+  auto buf = std::make_shared<Buffers>();
+  const auto tokens = static_cast<std::size_t>(checked_mul(o.batch, o.length, "tokens"));
+  const auto elems = static_cast<std::size_t>(checked_mul(static_cast<std::int64_t>(tokens), o.dim, "elements"));
+  const double bytes = static_cast<double>(elems) * sizeof(float);
+  Case c;
+  c.name = name;
+  c.state = buf;
+  if (name == "sinusoidal") {
+    const SinusoidalParams params(o.dim);
+    buf->a.assign(static_cast<std::size_t>(o.length * o.dim), 0.0f);
+    c.description = "table [" + std::to_string(o.length) + ", " + std::to_string(o.dim) + "] f32";
+    c.bytes_per_run = static_cast<double>(buf->a.size()) * sizeof(float);
+    c.limit_name = "copy_nt";
+    c.run = [params, buf, o] {
+      sinusoidal_table(params, Positions::range(o.length),
+                       TensorView::of(buf->a.data(), {o.length, o.dim}));
+    };
+  } else if (name == "sinusoidal-add") {
+    const SinusoidalParams params(o.dim);
+    buf->a.assign(elems, 1.0f);
+    buf->b.assign(elems, 0.0f);
+    c.description = "x, out " + shape(o);
+    c.bytes_per_run = 2 * bytes;  // read x, write out
+    c.limit_name = "copy";
+    c.run = [params, buf, o] {
+      sinusoidal_add(params, ConstTensorView::of(buf->a.data(), {o.batch, o.length, o.dim}),
+                     Positions::range(o.length),
+                     TensorView::of(buf->b.data(), {o.batch, o.length, o.dim}));
+    };
+  } else if (name == "learned-forward" || name == "learned-backward") {
+    // A GPT-2-like table of max_len = length rows; positions 0 … length-1 per batch row.
+    buf->a.assign(elems, 1.0f);                                    // x or dy
+    buf->b.assign(static_cast<std::size_t>(o.length * o.dim), 0.5f);  // table or d_table
+    buf->c.assign(elems, 0.0f);                                    // y or dx
+    c.limit_name = "copy";
+    if (name == "learned-forward") {
+      c.description = "x, y " + shape(o) + ", table [" + std::to_string(o.length) + ", " +
+                      std::to_string(o.dim) + "]";
+      c.bytes_per_run = 2 * bytes + static_cast<double>(buf->b.size()) * sizeof(float);
+      c.run = [buf, o] {
+        learned_forward(ConstTensorView::of(buf->b.data(), {o.length, o.dim}),
+                        ConstTensorView::of(buf->a.data(), {o.batch, o.length, o.dim}),
+                        Positions::range(o.length),
+                        TensorView::of(buf->c.data(), {o.batch, o.length, o.dim}));
+      };
+    } else {
+      c.description = "dy " + shape(o) + " scattered into d_table [" + std::to_string(o.length) +
+                      ", " + std::to_string(o.dim) + "]";
+      // read dy; read and write each touched d_table row once per batch row
+      c.bytes_per_run = bytes + 2 * static_cast<double>(buf->b.size()) * sizeof(float);
+      c.run = [buf, o] {
+        learned_backward(ConstTensorView::of(buf->a.data(), {o.batch, o.length, o.dim}),
+                         Positions::range(o.length),
+                         TensorView::of(buf->b.data(), {o.length, o.dim}));
+      };
+    }
+  } else {
+    std::string names;
+    for (const auto& n : case_names()) names += (names.empty() ? "" : ", ") + n;
+    throw Error("bench", "kernel", name, "one of: " + names);
+  }
+  return c;
+}
+
+}  // namespace posenc::perf

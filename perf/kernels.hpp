@@ -1,0 +1,34 @@
+// Benchmark cases of posenc's kernels, shared by `posenc bench` and the Google Benchmark binary
+// (bench/), so that both measure exactly the same work. Internal, not installed.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace posenc::perf {
+
+struct CaseOptions {
+  std::int64_t length = 32768;  // tokens (or table rows)
+  std::int64_t dim = 1024;
+  std::int64_t batch = 1;
+};
+
+// One prepared case: buffers allocated and touched, `run` does one call of the kernel.
+struct Case {
+  std::string name;
+  std::string description;  // shapes, for reports
+  double bytes_per_run = 0;  // bytes the kernel must move at least (reads + writes)
+  std::string limit_name;    // "copy" or "copy_nt": the limit this kernel is compared with
+  std::function<void()> run;
+  std::shared_ptr<void> state;  // owns the buffers
+};
+
+// Kernel names: sinusoidal (table build), sinusoidal-add, learned-forward, learned-backward.
+std::vector<std::string> case_names();
+// Throws posenc::Error for an unknown name or bad options.
+Case make_case(const std::string& name, const CaseOptions& options);
+
+}  // namespace posenc::perf

@@ -1,0 +1,70 @@
+// STREAM-like copy kernels (plain and non-temporal stores), Highway with dynamic dispatch.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "limits.cpp"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include <hwy/highway.h>
+#include <hwy/cache_control.h>
+#include <hwy/aligned_allocator.h>
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "limits.hpp"
+
+HWY_BEFORE_NAMESPACE();
+namespace posenc::perf {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+// dst[i] = src[i] for i < n; both 64-byte aligned, n a multiple of 64 floats.
+void CopyF32(const float* HWY_RESTRICT src, float* HWY_RESTRICT dst, std::size_t n, bool stream) {
+  const hn::ScalableTag<float> d;
+  const std::size_t lanes = hn::Lanes(d);
+  if (stream) {
+    for (std::size_t i = 0; i < n; i += lanes) hn::Stream(hn::Load(d, src + i), d, dst + i);
+    hwy::FlushStream();
+  } else {
+    for (std::size_t i = 0; i < n; i += lanes) hn::Store(hn::Load(d, src + i), d, dst + i);
+  }
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace posenc::perf
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace posenc::perf {
+
+HWY_EXPORT(CopyF32);
+
+Limits measure_limits(int threads, std::size_t bytes, int reps) {
+  const std::size_t n = bytes / sizeof(float) / 1024 * 1024;
+  auto src = hwy::AllocateAligned<float>(n);
+  auto dst = hwy::AllocateAligned<float>(n);
+  const std::size_t chunk = n / static_cast<std::size_t>(threads) / 64 * 64;
+  auto run = [&](bool stream) {
+#pragma omp parallel num_threads(threads)
+    {
+      const auto t = static_cast<std::size_t>(omp_get_thread_num());
+      const std::size_t begin = t * chunk;
+      const std::size_t end = t + 1 == static_cast<std::size_t>(threads) ? n : begin + chunk;
+      HWY_DYNAMIC_DISPATCH(CopyF32)(src.get() + begin, dst.get() + begin, end - begin, stream);
+    }
+  };
+  // First touch by the threads that will use the pages.
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (std::size_t i = 0; i < n; ++i) {
+    src[i] = static_cast<float>(i & 1023);
+    dst[i] = 0.0f;
+  }
+  Limits limits;
+  const double moved = 2.0 * static_cast<double>(n * sizeof(float));
+  limits.copy_gbs = moved / time_best([&] { run(false); }, reps, 0.0) / 1e9;
+  limits.copy_nt_gbs = moved / time_best([&] { run(true); }, reps, 0.0) / 1e9;
+  return limits;
+}
+
+}  // namespace posenc::perf
+#endif  // HWY_ONCE

@@ -1,0 +1,47 @@
+// Measured limits of this machine, for the ratios every benchmark prints beside its throughput.
+// Internal to posenc's CLI and benchmarks (not installed).
+//
+//   copy      STREAM-like copy b[i] = a[i] with ordinary stores
+//   copy_nt   the same copy with non-temporal (streaming) stores, which skip the read-for-ownership
+//
+// Both count bytes read + bytes written (STREAM's convention) and use the given thread count on
+// buffers much larger than the last-level cache, touched before timing.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <string>
+#include <vector>
+
+namespace posenc::perf {
+
+struct Limits {
+  double copy_gbs = 0;     // GB/s, 1e9 bytes per second
+  double copy_nt_gbs = 0;
+  double get(const std::string& name) const { return name == "copy_nt" ? copy_nt_gbs : copy_gbs; }
+};
+
+// Best of `reps` copies of `bytes` bytes each way.
+Limits measure_limits(int threads, std::size_t bytes = std::size_t{128} << 20, int reps = 8);
+
+// Seconds per call of `fn`: the fastest of at least `min_reps` calls and of as many as fit into
+// `min_seconds` (the machine is shared and noisy; the minimum is the least disturbed run).
+template <class Fn>
+double time_best(Fn&& fn, int min_reps = 5, double min_seconds = 0.5) {
+  using Clock = std::chrono::steady_clock;
+  fn();  // warm-up: first touch, caches, thread pool
+  double best = 1e300;
+  const auto start = Clock::now();
+  for (int rep = 0;; ++rep) {
+    const auto t0 = Clock::now();
+    fn();
+    const auto t1 = Clock::now();
+    best = std::min(best, std::chrono::duration<double>(t1 - t0).count());
+    if (rep + 1 >= min_reps && std::chrono::duration<double>(t1 - start).count() >= min_seconds) {
+      break;
+    }
+  }
+  return best;
+}
+
+}  // namespace posenc::perf

@@ -1,0 +1,110 @@
+#include "absolute_checks.hpp"
+
+#include <cstdint>
+#include <string>
+
+namespace posenc::detail {
+namespace {
+
+// [first byte, one past the last byte] touched by a view.
+struct ByteRange {
+  std::uintptr_t begin = 0, end = 0;
+};
+
+ByteRange byte_range(ConstTensorView v) {
+  std::int64_t last = 0;
+  for (int axis = 0; axis < v.rank(); ++axis) {
+    if (v.size(axis) == 0) return {};
+    last += (v.size(axis) - 1) * v.stride(axis);
+  }
+  const auto begin = reinterpret_cast<std::uintptr_t>(v.data());
+  const auto size = static_cast<std::uintptr_t>(dtype_size(v.dtype()));
+  return {begin, begin + (static_cast<std::uintptr_t>(last) + 1) * size};
+}
+
+bool same_layout(ConstTensorView a, ConstTensorView b) {
+  if (a.data() != b.data() || a.rank() != b.rank()) return false;
+  for (int axis = 0; axis < a.rank(); ++axis) {
+    if (a.size(axis) != b.size(axis) || a.stride(axis) != b.stride(axis)) return false;
+  }
+  return true;
+}
+
+void check_positions_against_table(const char* where, const Positions& positions,
+                                   std::int64_t max_len) {
+  if (positions.seq_len() > 0 && positions.max_position() >= max_len) {
+    throw Error(where, "position", std::to_string(positions.max_position()),
+                "a position < max_len = " + std::to_string(max_len) +
+                    ": a learned table has no row beyond max_len and does not extrapolate");
+  }
+}
+
+}  // namespace
+
+void check_alias(const char* where, const char* out_name, ConstTensorView out,
+                 const char* in_name, ConstTensorView in) {
+  if (same_layout(out, in)) return;
+  const ByteRange a = byte_range(out), b = byte_range(in);
+  if (a.begin < b.end && b.begin < a.end) {
+    throw Error(where, out_name, out.describe(),
+                std::string("memory disjoint from ") + in_name + " (" + in.describe() +
+                    ") or exactly the same view (in place)");
+  }
+}
+
+Grid check_sinusoidal_table(const SinusoidalParams& params, const Positions& positions,
+                            ConstTensorView out) {
+  const char* where = "sinusoidal_table";
+  const Grid g = matrix_grid(where, "out", out);
+  if (g.dim != params.dim()) {
+    throw Error(where, "out.size(1)", std::to_string(g.dim),
+                "params.dim() = " + std::to_string(params.dim()));
+  }
+  if (positions.batch() > 1) {
+    throw Error(where, "positions.batch()", std::to_string(positions.batch()),
+                "0 or 1 (a table has one row per position)");
+  }
+  positions.check_grid(where, 1, g.seq);
+  check_writable(where, "out", out);
+  return g;
+}
+
+AddGrids check_sinusoidal_add(const SinusoidalParams& params, ConstTensorView x,
+                              const Positions& positions, ConstTensorView out) {
+  const char* where = "sinusoidal_add";
+  AddGrids g{token_grid(where, "x", x), token_grid(where, "out", out)};
+  if (g.x.dim != params.dim()) {
+    throw Error(where, "x.size(-1)", std::to_string(g.x.dim),
+                "params.dim() = " + std::to_string(params.dim()));
+  }
+  check_same_dims(where, "out", g.out, "x", g.x);
+  check_dtype(where, "out", out.dtype(), x.dtype());
+  positions.check_grid(where, g.x.batch, g.x.seq);
+  check_writable(where, "out", out);
+  check_alias(where, "out", out, "x", x);
+  return g;
+}
+
+LearnedGrids check_learned(const char* where, ConstTensorView table, ConstTensorView x,
+                           const Positions& positions, ConstTensorView out, bool out_optional) {
+  LearnedGrids g;
+  g.table = matrix_grid(where, "table", table);
+  g.x = token_grid(where, "x", x);
+  if (g.x.dim != g.table.dim) {
+    throw Error(where, "x.size(-1)", std::to_string(g.x.dim),
+                "the table width " + std::to_string(g.table.dim));
+  }
+  check_dtype(where, "x", x.dtype(), table.dtype());
+  positions.check_grid(where, g.x.batch, g.x.seq);
+  check_positions_against_table(where, positions, g.table.seq);
+  g.has_dx = !(out_optional && out.data() == nullptr && out.rank() == 0);
+  if (g.has_dx) {
+    g.out = token_grid(where, "out", out);
+    check_same_dims(where, "out", g.out, "x", g.x);
+    check_dtype(where, "out", out.dtype(), table.dtype());
+    check_writable(where, "out", out);
+  }
+  return g;
+}
+
+}  // namespace posenc::detail

@@ -1,0 +1,30 @@
+// Argument validation of the absolute encodings, shared by the SIMD entry points (absolute.cpp)
+// and the fp64 reference (ref/absolute_ref.cpp), so that both reject exactly the same input.
+#pragma once
+
+#include "internal.hpp"
+#include "posenc/absolute.hpp"
+
+namespace posenc::detail {
+
+struct AddGrids {
+  Grid x, out;
+};
+struct LearnedGrids {
+  Grid table, x, out;
+  bool has_dx = false;
+};
+
+Grid check_sinusoidal_table(const SinusoidalParams& params, const Positions& positions,
+                            ConstTensorView out);
+AddGrids check_sinusoidal_add(const SinusoidalParams& params, ConstTensorView x,
+                              const Positions& positions, ConstTensorView out);
+// forward: (table, x, y); backward: (d_table, dy, dx) with dx optional.
+LearnedGrids check_learned(const char* where, ConstTensorView table, ConstTensorView x,
+                           const Positions& positions, ConstTensorView out, bool out_optional);
+
+// `out` may be `in` exactly (same pointer, shape and strides) or disjoint from it.
+void check_alias(const char* where, const char* out_name, ConstTensorView out,
+                 const char* in_name, ConstTensorView in);
+
+}  // namespace posenc::detail

@@ -1,0 +1,69 @@
+// Internal helpers shared by the public entry points and the fp64 reference: argument checks that
+// produce posenc::Error messages, element access for any dtype, and the thread count.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "posenc/dtype.hpp"
+#include "posenc/error.hpp"
+#include "posenc/positions.hpp"
+#include "posenc/tensor.hpp"
+
+namespace posenc::detail {
+
+// A [B, S, D] token grid, from a rank-3 view or a rank-2 [S, D] view (B = 1).
+struct Grid {
+  std::int64_t batch = 1, seq = 0, dim = 0;
+  std::int64_t batch_stride = 0, seq_stride = 0, dim_stride = 1;
+
+  std::int64_t offset(std::int64_t b, std::int64_t s) const {
+    return b * batch_stride + s * seq_stride;
+  }
+};
+
+Grid token_grid(const char* where, const char* name, ConstTensorView view);
+// [rows, cols] of a rank-2 view, as a Grid with batch = 1.
+Grid matrix_grid(const char* where, const char* name, ConstTensorView view);
+
+void check_same_dims(const char* where, const char* name, const Grid& got, const char* ref_name,
+                     const Grid& ref);
+void check_dtype(const char* where, const char* name, DType got, DType expected);
+// An output must not write one element twice (stride 0 over an extent > 1).
+void check_writable(const char* where, const char* name, ConstTensorView view);
+
+inline double load(const void* base, DType dtype, std::int64_t offset) {
+  switch (dtype) {
+    case DType::kF32: return static_cast<const float*>(base)[offset];
+    case DType::kF64: return static_cast<const double*>(base)[offset];
+    case DType::kBF16: return from_bf16(static_cast<const bf16*>(base)[offset]);
+    case DType::kF16: return from_f16(static_cast<const f16*>(base)[offset]);
+  }
+  return 0.0;
+}
+
+// Rounds once to the destination type (bf16/f16 through f32: the double rounding can move a
+// result by at most one unit in the last place of the 16-bit type, as documented).
+inline void store(void* base, DType dtype, std::int64_t offset, double value) {
+  switch (dtype) {
+    case DType::kF32: static_cast<float*>(base)[offset] = static_cast<float>(value); return;
+    case DType::kF64: static_cast<double*>(base)[offset] = value; return;
+    case DType::kBF16:
+      static_cast<bf16*>(base)[offset] = to_bf16(static_cast<float>(value));
+      return;
+    case DType::kF16: static_cast<f16*>(base)[offset] = to_f16(static_cast<float>(value)); return;
+  }
+}
+
+// Dispatch state (dispatch.cpp). Every public entry point calls init_dispatch() first, so that
+// POSENC_TARGET takes effect before the first kernel runs.
+void init_dispatch();
+bool use_reference();
+
+// Threads for a parallel region of `work` elementary operations (1 when too small to share).
+int threads_for(std::int64_t work);
+
+// ω_i = base^(-2i/d) in extended precision, rounded to fp64.
+double sinusoid_inv_frequency(double base, std::int64_t dim, std::int64_t i);
+
+}  // namespace posenc::detail

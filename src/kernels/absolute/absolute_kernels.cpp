@@ -1,0 +1,224 @@
+// SIMD kernels of the absolute encodings (Highway, dynamic dispatch).
+//
+// Sinusoids are computed for runs of consecutive positions p0, p0+1, … (at most kMaxRun rows):
+//
+// 1. The first row exactly: for each column, sin(x + q·π/2) with x = p0·ω_j >= 0, q ∈ {0, 1}.
+//    Angle reduction in fp64: k = round(x·2/π), r = x - k·(π/2)_hi - k·(π/2)_lo, |r| <= π/4.
+//    The two-part π/2 (hi = fp64(π/2), lo = fp64(π/2 - hi)) with fused multiply-adds keeps r
+//    exact to ~1e-16 for any k < 2^51, so the error is that of x = p0·ω itself (<= p0·2^-53) —
+//    the bits an fp32 `p * div_term` loses at long positions are kept. The quadrant
+//    m = (k + q) mod 4 picks ±sin r or ±cos r; sin and cos on [-π/4, π/4] are their Taylor
+//    polynomials to degree 11 and 12 (truncation <= (π/4)^13/13! ≈ 7e-12 and
+//    (π/4)^14/14! ≈ 4e-13).
+// 2. Every further row by rotating each (value, partner) pair by ω_j in fp64 (see the recurrence
+//    in absolute_kernels.hpp): four multiply-adds per column instead of a reduction and two
+//    polynomials. Contiguous loads only — no shuffles — so every layout and target share it.
+//    The run walks a tile of two vectors of columns down all its rows with the state in
+//    registers: no scratch memory, and each row receives one whole 64-byte line (AVX-512) at a
+//    time, which suits non-temporal stores.
+// 3. Each value is rounded once to f32 (<= 2^-25 for |value| <= 1).
+// Error against the exact sin/cos: 2^-25 + p·2^-52 + 1e-11 (see posenc/absolute.hpp).
+//
+// Data flow for one tile of columns [j, j+16) (AVX-512: two vectors of 8 fp64 lanes):
+//   row 0:   p0·ω ──► reduce, polynomials ──► v, u (registers) ──► demote ──► out[0][j..j+16)
+//   row r:   v, u ──► rotate by ω ─────────► v, u              ──► demote ──► out[r][j..j+16)
+// The float vector has as many lanes as the double one (half width), which every target supports,
+// including Highway's one-lane HWY_SCALAR (the baseline when GCC < 12.3 cannot build EMU128).
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/absolute/absolute_kernels.cpp"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include <hwy/highway.h>
+#include <hwy/cache_control.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "kernels/absolute/absolute_kernels.hpp"
+
+HWY_BEFORE_NAMESPACE();
+namespace posenc::kernels {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+using DD = hn::ScalableTag<double>;
+using DF = hn::Rebind<float, DD>;  // as many lanes as DD, half the width
+using VD = hn::Vec<DD>;
+
+// sin(x + q·π/2) for x >= 0 (x < 2^51) and q ∈ {0, 1}, lane-wise, in fp64.
+HWY_INLINE VD SinQuadrant(DD d, VD x, VD q) {
+  const hn::RebindToUnsigned<DD> du;
+  const auto k = hn::Round(hn::Mul(x, hn::Set(d, 0.63661977236758134308)));  // 2/π
+  auto r = hn::NegMulAdd(k, hn::Set(d, 1.5707963267948966), x);               // (π/2)_hi
+  r = hn::NegMulAdd(k, hn::Set(d, 6.123233995736766e-17), r);                 // (π/2)_lo
+  // m = k + q as an integer in the low mantissa bits (exact for 0 <= k + q < 2^51).
+  const auto m = hn::BitCast(du, hn::Add(hn::Add(k, q), hn::Set(d, 6755399441055744.0)));  // 1.5·2^52
+  const auto z = hn::Mul(r, r);
+  // Taylor coefficients ±1/n!.
+  auto s = hn::Set(d, -1.0 / 39916800.0);
+  s = hn::MulAdd(s, z, hn::Set(d, 1.0 / 362880.0));
+  s = hn::MulAdd(s, z, hn::Set(d, -1.0 / 5040.0));
+  s = hn::MulAdd(s, z, hn::Set(d, 1.0 / 120.0));
+  s = hn::MulAdd(s, z, hn::Set(d, -1.0 / 6.0));
+  s = hn::MulAdd(hn::Mul(s, z), r, r);
+  auto c = hn::Set(d, 1.0 / 479001600.0);
+  c = hn::MulAdd(c, z, hn::Set(d, -1.0 / 3628800.0));
+  c = hn::MulAdd(c, z, hn::Set(d, 1.0 / 40320.0));
+  c = hn::MulAdd(c, z, hn::Set(d, -1.0 / 720.0));
+  c = hn::MulAdd(c, z, hn::Set(d, 1.0 / 24.0));
+  c = hn::MulAdd(c, z, hn::Set(d, -0.5));
+  c = hn::MulAdd(c, z, hn::Set(d, 1.0));
+  const auto one = hn::Set(du, 1);
+  const auto odd = hn::RebindMask(d, hn::Eq(hn::And(m, one), one));
+  const auto value = hn::IfThenElse(odd, c, s);
+  // Quadrants 2 and 3 negate: move bit 1 of m into the sign bit.
+  const auto sign = hn::BitCast(d, hn::ShiftLeft<62>(hn::And(m, hn::Set(du, 2))));
+  return hn::Xor(value, sign);
+}
+
+// Values of columns [j, j + 2·Lanes) for rows 0 … rows-1 (positions p0 + r), handed to
+// emit(r, low half, high half) as f32 vectors.
+template <class Emit>
+HWY_INLINE void Tile(const SinusoidColumns& cols, double p0, std::int64_t rows, std::int64_t j,
+                     const Emit& emit) {
+  const DD dd;
+  const DF df;
+  const std::int64_t n = static_cast<std::int64_t>(hn::Lanes(dd));
+  const VD p = hn::Set(dd, p0);
+  const VD x0 = hn::Mul(p, hn::LoadU(dd, cols.freq + j));
+  const VD x1 = hn::Mul(p, hn::LoadU(dd, cols.freq + j + n));
+  VD v0 = SinQuadrant(dd, x0, hn::LoadU(dd, cols.quadrant + j));
+  VD v1 = SinQuadrant(dd, x1, hn::LoadU(dd, cols.quadrant + j + n));
+  VD u0 = SinQuadrant(dd, x0, hn::LoadU(dd, cols.partner_quadrant + j));
+  VD u1 = SinQuadrant(dd, x1, hn::LoadU(dd, cols.partner_quadrant + j + n));
+  emit(0, hn::DemoteTo(df, v0), hn::DemoteTo(df, v1));
+  if (rows == 1) return;
+  const VD c0 = hn::LoadU(dd, cols.step_cos + j), s0 = hn::LoadU(dd, cols.step_sin + j);
+  const VD c1 = hn::LoadU(dd, cols.step_cos + j + n), s1 = hn::LoadU(dd, cols.step_sin + j + n);
+  for (std::int64_t r = 1; r < rows; ++r) {
+    const VD next_v0 = hn::MulAdd(u0, s0, hn::Mul(v0, c0));
+    const VD next_v1 = hn::MulAdd(u1, s1, hn::Mul(v1, c1));
+    u0 = hn::NegMulAdd(v0, s0, hn::Mul(u0, c0));
+    u1 = hn::NegMulAdd(v1, s1, hn::Mul(u1, c1));
+    v0 = next_v0;
+    v1 = next_v1;
+    emit(r, hn::DemoteTo(df, v0), hn::DemoteTo(df, v1));
+  }
+}
+
+// The first `valid` (< 2·Lanes) of the values lo ++ hi, stored at out.
+HWY_INLINE void StorePartial(hn::Vec<DF> lo, hn::Vec<DF> hi, float* out, size_t valid) {
+  const DF df;
+  HWY_ALIGN float buffer[2 * hn::MaxLanes(df)];
+  hn::Store(lo, df, buffer);
+  hn::Store(hi, df, buffer + hn::Lanes(df));
+  std::memcpy(out, buffer, valid * sizeof(float));
+}
+
+void SinusoidRunF32(const SinusoidColumns& cols, double first_position, std::int64_t rows,
+                    float* HWY_RESTRICT out, std::int64_t out_row_stride, bool stream) {
+  const DF df;
+  const auto n = static_cast<std::int64_t>(hn::Lanes(df));
+  const std::int64_t dim = cols.dim;
+  const std::uintptr_t vector_bytes = static_cast<std::uintptr_t>(n) * sizeof(float);
+  // Columns before row 0's first line boundary form a partial tile, so that the full tiles of
+  // row 0 (and of every row whose stride keeps that alignment) can be streamed.
+  std::int64_t j = 0;
+  if (stream) {
+    const std::uintptr_t line = 2 * vector_bytes;
+    const std::uintptr_t misalignment = reinterpret_cast<std::uintptr_t>(out) % line;
+    if (misalignment != 0 && misalignment % sizeof(float) == 0) {
+      j = std::min<std::int64_t>(dim, static_cast<std::int64_t>((line - misalignment) / sizeof(float)));
+      Tile(cols, first_position, rows, 0, [&](std::int64_t r, auto lo, auto hi) {
+        StorePartial(lo, hi, out + r * out_row_stride, static_cast<size_t>(j));
+      });
+    }
+  }
+  for (; j + 2 * n <= dim; j += 2 * n) {
+    Tile(cols, first_position, rows, j, [&](std::int64_t r, auto lo, auto hi) {
+      float* dst = out + r * out_row_stride + j;
+      if (stream && reinterpret_cast<std::uintptr_t>(dst) % vector_bytes == 0) {
+        hn::Stream(lo, df, dst);
+        hn::Stream(hi, df, dst + n);
+      } else {
+        hn::StoreU(lo, df, dst);
+        hn::StoreU(hi, df, dst + n);
+      }
+    });
+  }
+  if (j < dim) {
+    Tile(cols, first_position, rows, j, [&](std::int64_t r, auto lo, auto hi) {
+      StorePartial(lo, hi, out + r * out_row_stride + j, static_cast<size_t>(dim - j));
+    });
+  }
+}
+
+void SinusoidAddRunF32(const SinusoidColumns& cols, double first_position, std::int64_t rows,
+                       const float* x, std::int64_t x_row_stride, float* out,
+                       std::int64_t out_row_stride) {
+  const DF df;
+  const auto n = static_cast<std::int64_t>(hn::Lanes(df));
+  const std::int64_t dim = cols.dim;
+  std::int64_t j = 0;
+  for (; j + 2 * n <= dim; j += 2 * n) {
+    Tile(cols, first_position, rows, j, [&](std::int64_t r, auto lo, auto hi) {
+      const float* src = x + r * x_row_stride + j;
+      float* dst = out + r * out_row_stride + j;
+      const auto sum_lo = hn::Add(hn::LoadU(df, src), lo);
+      const auto sum_hi = hn::Add(hn::LoadU(df, src + n), hi);
+      hn::StoreU(sum_lo, df, dst);
+      hn::StoreU(sum_hi, df, dst + n);
+    });
+  }
+  if (j < dim) {
+    const auto valid = static_cast<size_t>(dim - j);
+    Tile(cols, first_position, rows, j, [&](std::int64_t r, auto lo, auto hi) {
+      // Through a buffer: only `valid` columns of x may be read, and of out written.
+      HWY_ALIGN float buffer[2 * hn::MaxLanes(df)] = {};
+      std::memcpy(buffer, x + r * x_row_stride + j, valid * sizeof(float));
+      StorePartial(hn::Add(hn::Load(df, buffer), lo), hn::Add(hn::Load(df, buffer + n), hi),
+                   out + r * out_row_stride + j, valid);
+    });
+  }
+}
+
+void AddRowsF32(const float* a, const float* b, float* out, std::int64_t n) {
+  const hn::ScalableTag<float> df;
+  const auto lanes = static_cast<std::int64_t>(hn::Lanes(df));
+  std::int64_t j = 0;
+  for (; j + lanes <= n; j += lanes) {
+    hn::StoreU(hn::Add(hn::LoadU(df, a + j), hn::LoadU(df, b + j)), df, out + j);
+  }
+  for (; j < n; ++j) out[j] = a[j] + b[j];
+}
+
+void FlushStreams() { hwy::FlushStream(); }
+
+}  // namespace HWY_NAMESPACE
+}  // namespace posenc::kernels
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace posenc::kernels {
+
+HWY_EXPORT(SinusoidRunF32);
+HWY_EXPORT(SinusoidAddRunF32);
+HWY_EXPORT(AddRowsF32);
+HWY_EXPORT(FlushStreams);
+
+void sinusoid_run_f32(const SinusoidColumns& cols, double first_position, std::int64_t rows,
+                      float* out, std::int64_t out_row_stride, bool stream) {
+  HWY_DYNAMIC_DISPATCH(SinusoidRunF32)(cols, first_position, rows, out, out_row_stride, stream);
+}
+void sinusoid_add_run_f32(const SinusoidColumns& cols, double first_position, std::int64_t rows,
+                          const float* x, std::int64_t x_row_stride, float* out,
+                          std::int64_t out_row_stride) {
+  HWY_DYNAMIC_DISPATCH(SinusoidAddRunF32)(cols, first_position, rows, x, x_row_stride, out,
+                                          out_row_stride);
+}
+void add_rows_f32(const float* a, const float* b, float* out, std::int64_t n) {
+  HWY_DYNAMIC_DISPATCH(AddRowsF32)(a, b, out, n);
+}
+void flush_streams() { HWY_DYNAMIC_DISPATCH(FlushStreams)(); }
+
+}  // namespace posenc::kernels
+#endif  // HWY_ONCE

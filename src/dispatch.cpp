@@ -42,7 +42,17 @@ void choose(std::int64_t bits) {
 }
 
 std::int64_t g_forced_bit = 0;  // 0: the best usable target
-std::mutex g_mutex;
+std::mutex g_mutex;              // guards g_forced_bit and Highway's target mask
+
+// Names of the usable targets, best first, then "ref".
+std::vector<std::string> names_of(std::int64_t usable) {
+  std::vector<std::string> names;
+  for (const TargetName& t : kTargets) {
+    if ((usable & t.bit) != 0 && (names.empty() || names.back() != t.name)) names.push_back(t.name);
+  }
+  names.push_back("ref");
+  return names;
+}
 
 void apply(std::string_view name) {
   if (name == "ref") {
@@ -64,8 +74,9 @@ void apply(std::string_view name) {
       return;
     }
   }
+  if (g_forced_bit != 0) choose(g_forced_bit);  // usable_targets() lifted the narrowing
   std::string names;
-  for (const std::string& n : available_targets()) names += (names.empty() ? "" : ", ") + n;
+  for (const std::string& n : names_of(usable)) names += (names.empty() ? "" : ", ") + n;
   throw Error("set_target", "name", std::string(name), "auto or one of: " + names);
 }
 
@@ -108,12 +119,7 @@ std::vector<std::string> available_targets() {
   std::lock_guard lock(g_mutex);
   const std::int64_t usable = usable_targets();
   if (g_forced_bit != 0) choose(g_forced_bit);  // usable_targets() lifted the narrowing
-  std::vector<std::string> names;
-  for (const TargetName& t : kTargets) {
-    if ((usable & t.bit) != 0 && (names.empty() || names.back() != t.name)) names.push_back(t.name);
-  }
-  names.push_back("ref");
-  return names;
+  return names_of(usable);
 }
 
 std::string active_target() {

@@ -122,8 +122,11 @@ void SinusoidRunF32(const SinusoidColumns& cols, double first_position, std::int
   const std::uintptr_t vector_bytes = static_cast<std::uintptr_t>(n) * sizeof(float);
   // Columns before row 0's first line boundary form a partial tile, so that the full tiles of
   // row 0 (and of every row whose stride keeps that alignment) can be streamed.
+  // x86 streaming stores move whole 16-byte vectors at least; the 8-byte float vectors of SSE4
+  // (2 lanes, demoted from 2 doubles) use ordinary stores.
+  const bool streamable = stream && (vector_bytes >= 16 || HWY_TARGET == HWY_SCALAR);
   std::int64_t j = 0;
-  if (stream) {
+  if (streamable) {
     const std::uintptr_t line = 2 * vector_bytes;
     const std::uintptr_t misalignment = reinterpret_cast<std::uintptr_t>(out) % line;
     if (misalignment != 0 && misalignment % sizeof(float) == 0) {
@@ -136,7 +139,7 @@ void SinusoidRunF32(const SinusoidColumns& cols, double first_position, std::int
   for (; j + 2 * n <= dim; j += 2 * n) {
     Tile(cols, first_position, rows, j, [&](std::int64_t r, auto lo, auto hi) {
       float* dst = out + r * out_row_stride + j;
-      if (stream && reinterpret_cast<std::uintptr_t>(dst) % vector_bytes == 0) {
+      if (streamable && reinterpret_cast<std::uintptr_t>(dst) % vector_bytes == 0) {
         hn::Stream(lo, df, dst);
         hn::Stream(hi, df, dst + n);
       } else {

@@ -1,0 +1,191 @@
+// Core types: 16-bit floats, tensor views, positions, errors, runtime target control.
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "testing.hpp"
+
+namespace posenc {
+namespace {
+
+using testing::expect_error;
+
+// ─── 16-bit floats ─────────────────────────────────────────────────────────────────────────────
+
+TEST(Float16, EveryHalfRoundTrips) {
+  for (std::uint32_t bits = 0; bits < 0x10000u; ++bits) {
+    const f16 h{static_cast<std::uint16_t>(bits)};
+    const float f = from_f16(h);
+    if (std::isnan(f)) {
+      EXPECT_TRUE(std::isnan(from_f16(to_f16(f)))) << bits;
+    } else {
+      EXPECT_EQ(to_f16(f).bits, h.bits) << "bits " << bits;
+    }
+  }
+}
+
+TEST(Float16, RoundsToNearestEven) {
+  // Between consecutive halves a and b, the midpoint goes to the one with an even mantissa, and
+  // anything off the midpoint to the nearer one. Checked for every positive finite half pair.
+  for (std::uint32_t bits = 0; bits < 0x7bffu; ++bits) {
+    const double a = from_f16(f16{static_cast<std::uint16_t>(bits)});
+    const double b = from_f16(f16{static_cast<std::uint16_t>(bits + 1)});
+    const double mid = 0.5 * (a + b);
+    const std::uint16_t even = (bits % 2 == 0) ? bits : bits + 1;
+    EXPECT_EQ(to_f16(static_cast<float>(mid)).bits, even) << bits;
+    EXPECT_EQ(to_f16(static_cast<float>(a + 0.25 * (b - a))).bits, bits) << bits;
+    EXPECT_EQ(to_f16(static_cast<float>(a + 0.75 * (b - a))).bits, bits + 1) << bits;
+  }
+  EXPECT_EQ(to_f16(65504.0f).bits, 0x7bffu);
+  EXPECT_EQ(to_f16(65519.0f).bits, 0x7bffu);   // below the midpoint to 2^16
+  EXPECT_EQ(to_f16(65520.0f).bits, 0x7c00u);   // the midpoint rounds (to even) to infinity
+  EXPECT_EQ(to_f16(-std::numeric_limits<float>::infinity()).bits, 0xfc00u);
+  EXPECT_EQ(to_f16(-0.0f).bits, 0x8000u);
+}
+
+TEST(BFloat16, RoundsToNearestEvenAndKeepsNaN) {
+  for (std::uint32_t top = 0; top < 0x7f7fu; top += 7) {
+    const float a = from_bf16(bf16{static_cast<std::uint16_t>(top)});
+    const float b = from_bf16(bf16{static_cast<std::uint16_t>(top + 1)});
+    const float mid = std::bit_cast<float>((static_cast<std::uint32_t>(top) << 16) | 0x8000u);
+    EXPECT_EQ(to_bf16(a).bits, top);
+    EXPECT_EQ(to_bf16(b).bits, top + 1);
+    EXPECT_EQ(to_bf16(mid).bits, top % 2 == 0 ? top : top + 1) << top;
+  }
+  EXPECT_TRUE(std::isnan(from_bf16(to_bf16(std::numeric_limits<float>::quiet_NaN()))));
+  // A NaN whose payload sits only in the low 16 bits must not become infinity.
+  EXPECT_TRUE(std::isnan(from_bf16(to_bf16(std::bit_cast<float>(0x7f800001u)))));
+}
+
+// ─── Tensor views ──────────────────────────────────────────────────────────────────────────────
+
+TEST(TensorView, ContiguousStridesAndDescription) {
+  std::vector<float> data(24);
+  const TensorView v = TensorView::of(data.data(), {2, 3, 4});
+  EXPECT_EQ(v.rank(), 3);
+  EXPECT_EQ(v.stride(0), 12);
+  EXPECT_EQ(v.stride(1), 4);
+  EXPECT_EQ(v.stride(2), 1);
+  EXPECT_EQ(v.numel(), 24);
+  EXPECT_TRUE(v.is_contiguous());
+  EXPECT_EQ(v.describe(), "[2, 3, 4] strides [12, 4, 1] f32");
+  const ConstTensorView c = v;  // mutable converts to const
+  EXPECT_EQ(c.data(), data.data());
+  // A [S, D] view of every other row is not contiguous.
+  const TensorView rows = TensorView::of(data.data(), {3, 4}, {8, 1});
+  EXPECT_FALSE(rows.is_contiguous());
+}
+
+TEST(TensorView, RejectsBadShapesWithClearMessages) {
+  float x = 0;
+  expect_error([&] { TensorView::of(&x, {2, -1}); }, {"tensor view", "shape[1] = -1", ">= 0"});
+  expect_error([&] { TensorView::of(&x, {2, 2}, {-1, 1}); }, {"strides[0] = -1", ">= 0"});
+  expect_error([&] { TensorView::of(&x, {2, 2}, {1}); }, {"strides", "one stride per axis"});
+  expect_error([&] { TensorView::of(&x, {1, 1, 1, 1, 1, 1, 1}); }, {"rank = 7", "1 to 6"});
+  expect_error([&] { TensorView::of(static_cast<float*>(nullptr), {2}); }, {"data = null"});
+  // Extents that overflow int64 — in elements, or only once multiplied by the element size.
+  expect_error([&] { TensorView::of(&x, {std::int64_t{1} << 40, std::int64_t{1} << 30}); },
+               {"size arithmetic", "fits in int64"});
+  expect_error([&] { TensorView::of(&x, {std::int64_t{1} << 62}); },
+               {"tensor view extent in bytes", "fits in int64"});
+  // An empty view may have a null pointer.
+  EXPECT_NO_THROW(TensorView::of(static_cast<float*>(nullptr), {0, 4}));
+}
+
+TEST(CheckedArithmetic, DetectsOverflow) {
+  EXPECT_EQ(checked_mul(1 << 20, 1 << 20, "x"), std::int64_t{1} << 40);
+  expect_error([] { checked_mul(std::int64_t{1} << 32, std::int64_t{1} << 31, "table size"); },
+               {"table size", "4294967296 * 2147483648"});
+  expect_error([] { checked_add(std::numeric_limits<std::int64_t>::max(), 1, "sum"); }, {"sum"});
+}
+
+// ─── Positions ─────────────────────────────────────────────────────────────────────────────────
+
+TEST(Positions, EveryKindAddressesTokens) {
+  const Positions range = Positions::range(5, 100);
+  EXPECT_EQ(range.batch(), 0);
+  EXPECT_EQ(range.at(3, 4), 104);
+  EXPECT_EQ(range.max_position(), 104);
+
+  const std::vector<std::int64_t> starts = {0, 7};
+  const Positions ranges = Positions::ranges(starts, 3);
+  EXPECT_EQ(ranges.batch(), 2);
+  EXPECT_EQ(ranges.at(1, 2), 9);
+  EXPECT_EQ(ranges.max_position(), 9);
+
+  const std::vector<std::int64_t> ids = {5, 1, 9};
+  const Positions shared = Positions::ids(ids);
+  EXPECT_EQ(shared.at(7, 2), 9);
+  EXPECT_EQ(shared.max_position(), 9);
+
+  const std::vector<std::int64_t> grid = {0, 1, 2, 10, 11, 12};
+  const Positions per_row = Positions::ids(grid, 2, 3);
+  EXPECT_EQ(per_row.at(1, 0), 10);
+
+  const std::vector<std::int64_t> cu = {0, 3, 5, 5, 9};  // includes an empty sequence
+  const Positions packed = Positions::packed(cu);
+  EXPECT_EQ(packed.seq_len(), 9);
+  const std::int64_t expected[] = {0, 1, 2, 0, 1, 0, 1, 2, 3};
+  for (std::int64_t t = 0; t < 9; ++t) EXPECT_EQ(packed.at(0, t), expected[t]) << t;
+  EXPECT_EQ(packed.max_position(), 3);
+}
+
+TEST(Positions, RejectsInvalidIds) {
+  const std::vector<std::int64_t> negative = {0, 1, -3};
+  expect_error([&] { Positions::ids(negative); }, {"Positions::ids", "ids[2] = -3", "[0, 2^40]"});
+  const std::vector<std::int64_t> huge = {(std::int64_t{1} << 40) + 1};
+  expect_error([&] { Positions::ids(huge); }, {"ids[0] = 1099511627777"});
+  expect_error([] { Positions::range(4, -1); }, {"Positions::range", "start = -1"});
+  expect_error([] { Positions::range(-2); }, {"seq_len = -2", ">= 0"});
+  expect_error([] { Positions::range(10, std::int64_t{1} << 40); }, {"start + seq_len - 1"});
+  const std::vector<std::int64_t> grid = {0, 1, 2};
+  expect_error([&] { Positions::ids(grid, 2, 2); }, {"ids.size() = 3", "batch * seq_len = 4"});
+  const std::vector<std::int64_t> bad_start = {1, 4};
+  expect_error([&] { Positions::packed(bad_start); }, {"cu_seqlens[0] = 1", "start at 0"});
+  const std::vector<std::int64_t> decreasing = {0, 4, 2};
+  expect_error([&] { Positions::packed(decreasing); }, {"cu_seqlens[2] = 2", ">= cu_seqlens[1] = 4"});
+  const std::vector<std::int64_t> starts = {0, -5};
+  expect_error([&] { Positions::ranges(starts, 3); }, {"starts[1] = -5"});
+}
+
+TEST(Positions, GridCheckNamesTheMismatch) {
+  const std::vector<std::int64_t> starts = {0, 7};
+  const Positions p = Positions::ranges(starts, 3);
+  EXPECT_NO_THROW(p.check_grid("op", 2, 3));
+  expect_error([&] { p.check_grid("op", 3, 3); }, {"op: positions.batch() = 2", "batch size 3"});
+  expect_error([&] { p.check_grid("op", 2, 4); }, {"positions.seq_len() = 3", "4 (one position per token)"});
+}
+
+// ─── Runtime ───────────────────────────────────────────────────────────────────────────────────
+
+TEST(Runtime, TargetsCanBeForcedAndRestored) {
+  const std::vector<std::string> targets = available_targets();
+  ASSERT_GE(targets.size(), 2u);
+  EXPECT_EQ(targets.back(), "ref");
+  EXPECT_EQ(targets[targets.size() - 2], "scalar");  // the portable baseline is always there
+  for (const std::string& t : targets) {
+    set_target(t);
+    EXPECT_EQ(active_target(), t);
+  }
+  set_target("auto");
+  EXPECT_EQ(active_target(), targets.front());
+  expect_error([] { set_target("avx9000"); }, {"set_target", "name = avx9000", "auto or one of:", "ref"});
+}
+
+TEST(Runtime, ThreadsAndVersion) {
+  set_num_threads(1);
+  EXPECT_EQ(num_threads(), 1);
+  set_num_threads(2);
+  EXPECT_EQ(num_threads(), 2);
+  expect_error([] { set_num_threads(0); }, {"set_num_threads", "n = 0", ">= 1"});
+  EXPECT_EQ(version(), "0.1.0");
+}
+
+TEST(Error, CarriesTheParameter) {
+  const Error e("where", "dim", "7", "an even number");
+  EXPECT_STREQ(e.what(), "where: dim = 7; expected an even number");
+  EXPECT_EQ(e.param(), "dim");
+}
+
+}  // namespace
+}  // namespace posenc

@@ -1,0 +1,46 @@
+// Shared test helpers: run a test body under every compiled target, check error messages,
+// random inputs with printed seeds.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <functional>
+#include <initializer_list>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "posenc/posenc.hpp"
+
+namespace posenc::testing {
+
+// Every target this build and CPU can run, "ref" included (it must agree with itself too).
+std::vector<std::string> all_targets();
+
+// Test fixture parametrised by target name; restores "auto" and the thread count afterwards.
+class EveryTarget : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override;
+  void TearDown() override;
+};
+
+// Asserts that fn throws posenc::Error whose message contains every fragment.
+void expect_error(const std::function<void()>& fn, std::initializer_list<std::string> fragments);
+
+// Deterministic generator; its seed appears in failure messages via SCOPED_TRACE.
+std::mt19937_64& rng();
+double uniform(double lo, double hi);
+std::int64_t uniform_int(std::int64_t lo, std::int64_t hi);  // inclusive
+
+// Read element i of a buffer of any dtype, widened to double.
+double element(const void* data, DType dtype, std::int64_t i);
+
+// `values` rounded once to `dtype` (through the public conversions), as raw bytes.
+std::vector<unsigned char> to_dtype(const std::vector<double>& values, DType dtype);
+
+// A raw buffer for `count` elements of `dtype`, filled with NaN-like garbage so that untouched
+// elements are noticed.
+std::vector<unsigned char> garbage_buffer(DType dtype, std::int64_t count);
+
+}  // namespace posenc::testing

@@ -1,5 +1,8 @@
 #include "kernels.hpp"
 
+#include <hwy/aligned_allocator.h>
+
+#include <algorithm>
 #include <vector>
 
 #include "posenc/posenc.hpp"
@@ -7,9 +10,20 @@
 namespace posenc::perf {
 namespace {
 
+// 64-byte aligned, as PyTorch and NumPy allocate tensors.
+struct Buffer {
+  hwy::AlignedFreeUniquePtr<float[]> data;
+  std::size_t count = 0;
+  void assign(std::size_t n, float value) {
+    data = hwy::AllocateAligned<float>(n);
+    count = n;
+    std::fill(data.get(), data.get() + n, value);
+  }
+  std::size_t size() const { return count; }
+  float* get() const { return data.get(); }
+};
 struct Buffers {
-  std::vector<float> a, b, c;
-  std::vector<std::int64_t> ids;
+  Buffer a, b, c;
 };
 
 void require_positive(const char* name, std::int64_t value) {
@@ -46,7 +60,7 @@ Case make_case(const std::string& name, const CaseOptions& o) {
     c.limit_name = "copy_nt";
     c.run = [params, buf, o] {
       sinusoidal_table(params, Positions::range(o.length),
-                       TensorView::of(buf->a.data(), {o.length, o.dim}));
+                       TensorView::of(buf->a.get(), {o.length, o.dim}));
     };
   } else if (name == "sinusoidal-add") {
     const SinusoidalParams params(o.dim);
@@ -56,9 +70,9 @@ Case make_case(const std::string& name, const CaseOptions& o) {
     c.bytes_per_run = 2 * bytes;  // read x, write out
     c.limit_name = "copy";
     c.run = [params, buf, o] {
-      sinusoidal_add(params, ConstTensorView::of(buf->a.data(), {o.batch, o.length, o.dim}),
+      sinusoidal_add(params, ConstTensorView::of(buf->a.get(), {o.batch, o.length, o.dim}),
                      Positions::range(o.length),
-                     TensorView::of(buf->b.data(), {o.batch, o.length, o.dim}));
+                     TensorView::of(buf->b.get(), {o.batch, o.length, o.dim}));
     };
   } else if (name == "learned-forward" || name == "learned-backward") {
     // A GPT-2-like table of max_len = length rows; positions 0 … length-1 per batch row.
@@ -71,10 +85,10 @@ Case make_case(const std::string& name, const CaseOptions& o) {
                       std::to_string(o.dim) + "]";
       c.bytes_per_run = 2 * bytes + static_cast<double>(buf->b.size()) * sizeof(float);
       c.run = [buf, o] {
-        learned_forward(ConstTensorView::of(buf->b.data(), {o.length, o.dim}),
-                        ConstTensorView::of(buf->a.data(), {o.batch, o.length, o.dim}),
+        learned_forward(ConstTensorView::of(buf->b.get(), {o.length, o.dim}),
+                        ConstTensorView::of(buf->a.get(), {o.batch, o.length, o.dim}),
                         Positions::range(o.length),
-                        TensorView::of(buf->c.data(), {o.batch, o.length, o.dim}));
+                        TensorView::of(buf->c.get(), {o.batch, o.length, o.dim}));
       };
     } else {
       c.description = "dy " + shape(o) + " scattered into d_table [" + std::to_string(o.length) +
@@ -82,9 +96,9 @@ Case make_case(const std::string& name, const CaseOptions& o) {
       // read dy; read and write each touched d_table row once per batch row
       c.bytes_per_run = bytes + 2 * static_cast<double>(buf->b.size()) * sizeof(float);
       c.run = [buf, o] {
-        learned_backward(ConstTensorView::of(buf->a.data(), {o.batch, o.length, o.dim}),
+        learned_backward(ConstTensorView::of(buf->a.get(), {o.batch, o.length, o.dim}),
                          Positions::range(o.length),
-                         TensorView::of(buf->b.data(), {o.length, o.dim}));
+                         TensorView::of(buf->b.get(), {o.length, o.dim}));
       };
     }
   } else {

@@ -31,7 +31,7 @@ class ColumnCache {
     }
     const std::size_t stride = static_cast<std::size_t>(dim_ + kernels::kColumnPadding);
     const double* t = table_.data();
-    return {t, t + stride, t + 2 * stride, t + 3 * stride, t + 4 * stride, dim_};
+    return {t, t + stride, t + 2 * stride, t + 3 * stride, dim_};
   }
 
  private:
@@ -41,12 +41,11 @@ class ColumnCache {
     layout_ = params.layout();
     const std::vector<double> inv_freq = params.inv_frequencies();
     const auto stride = static_cast<std::size_t>(dim_ + kernels::kColumnPadding);
-    table_.assign(5 * stride, 0.0);
+    table_.assign(4 * stride, 0.0);
     double* freq = table_.data();
     double* quadrant = freq + stride;
-    double* partner_quadrant = freq + 2 * stride;
-    double* step_cos = freq + 3 * stride;
-    double* step_sin = freq + 4 * stride;
+    double* step_cos = freq + 2 * stride;
+    double* step_sin = freq + 3 * stride;
     const std::int64_t half = dim_ / 2;
     const bool interleaved = layout_ == SinusoidalLayout::kInterleaved;
     for (std::int64_t j = 0; j < dim_; ++j) {
@@ -55,7 +54,6 @@ class ColumnCache {
       const bool is_cos = interleaved ? (j % 2 == 1) : (j >= half);
       freq[col] = w;
       quadrant[col] = is_cos ? 1.0 : 0.0;
-      partner_quadrant[col] = is_cos ? 0.0 : 1.0;
       step_cos[col] = std::cos(w);
       step_sin[col] = is_cos ? -std::sin(w) : std::sin(w);
     }

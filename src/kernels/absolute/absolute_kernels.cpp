@@ -10,8 +10,9 @@
 //    m = (k + q) mod 4 picks ±sin r or ±cos r; sin and cos on [-π/4, π/4] are their Taylor
 //    polynomials to degree 11 and 12 (truncation <= (π/4)^13/13! ≈ 7e-12 and
 //    (π/4)^14/14! ≈ 4e-13).
-// 2. Every further row by rotating each (value, partner) pair by ω_j in fp64 (see the recurrence
-//    in absolute_kernels.hpp): four multiply-adds per column instead of a reduction and two
+// 2. Every further row by rotating each (value, partner) pair in fp64 (see the recurrence in
+//    absolute_kernels.hpp): row 1 by ω_j from row 0, then even and odd rows as two independent
+//    chains stepping by 2ω_j — four multiply-adds per column instead of a reduction and two
 //    polynomials. Contiguous loads only — no shuffles — so every layout and target share it.
 //    The run walks a tile of two vectors of columns down all its rows with the state in
 //    registers: no scratch memory, and each row receives one whole 64-byte line (AVX-512) at a
@@ -44,8 +45,9 @@ using DD = hn::ScalableTag<double>;
 using DF = hn::Rebind<float, DD>;  // as many lanes as DD, half the width
 using VD = hn::Vec<DD>;
 
-// sin(x + q·π/2) for x >= 0 (x < 2^51) and q ∈ {0, 1}, lane-wise, in fp64.
-HWY_INLINE VD SinQuadrant(DD d, VD x, VD q) {
+// value = sin(x + q·π/2) and partner = sin(x + (1 - q)·π/2) for x >= 0 (x < 2^51) and
+// q ∈ {0, 1}, lane-wise, in fp64: one reduction and one pair of polynomials serve both.
+HWY_INLINE void SinPair(DD d, VD x, VD q, VD& value, VD& partner) {
   const hn::RebindToUnsigned<DD> du;
   const auto k = hn::Round(hn::Mul(x, hn::Set(d, 0.63661977236758134308)));  // 2/π
   auto r = hn::NegMulAdd(k, hn::Set(d, 1.5707963267948966), x);               // (π/2)_hi
@@ -67,12 +69,17 @@ HWY_INLINE VD SinQuadrant(DD d, VD x, VD q) {
   c = hn::MulAdd(c, z, hn::Set(d, 1.0 / 24.0));
   c = hn::MulAdd(c, z, hn::Set(d, -0.5));
   c = hn::MulAdd(c, z, hn::Set(d, 1.0));
+  // sin(r + m·π/2) is sin r, cos r, -sin r, -cos r for m mod 4 = 0, 1, 2, 3; the partner's
+  // quadrant is m + 1 - 2q, i.e. m + 1 for a sin column and m - 1 for a cos column.
   const auto one = hn::Set(du, 1);
   const auto odd = hn::RebindMask(d, hn::Eq(hn::And(m, one), one));
-  const auto value = hn::IfThenElse(odd, c, s);
-  // Quadrants 2 and 3 negate: move bit 1 of m into the sign bit.
-  const auto sign = hn::BitCast(d, hn::ShiftLeft<62>(hn::And(m, hn::Set(du, 2))));
-  return hn::Xor(value, sign);
+  const auto sign_of = [&](auto quadrant) {  // bit 1 of the quadrant into the sign bit
+    return hn::BitCast(d, hn::ShiftLeft<62>(hn::And(quadrant, hn::Set(du, 2))));
+  };
+  const auto q_bits = hn::BitCast(du, hn::Add(q, hn::Set(d, 6755399441055744.0)));
+  const auto partner_m = hn::Sub(hn::Add(m, one), hn::ShiftLeft<1>(hn::And(q_bits, one)));
+  value = hn::Xor(hn::IfThenElse(odd, c, s), sign_of(m));
+  partner = hn::Xor(hn::IfThenElse(odd, s, c), sign_of(partner_m));
 }
 
 // Values of columns [j, j + 2·Lanes) for rows 0 … rows-1 (positions p0 + r), handed to
@@ -86,32 +93,90 @@ HWY_INLINE void Tile(const SinusoidColumns& cols, double p0, std::int64_t rows, 
   const VD p = hn::Set(dd, p0);
   const VD x0 = hn::Mul(p, hn::LoadU(dd, cols.freq + j));
   const VD x1 = hn::Mul(p, hn::LoadU(dd, cols.freq + j + n));
-  VD v0 = SinQuadrant(dd, x0, hn::LoadU(dd, cols.quadrant + j));
-  VD v1 = SinQuadrant(dd, x1, hn::LoadU(dd, cols.quadrant + j + n));
-  VD u0 = SinQuadrant(dd, x0, hn::LoadU(dd, cols.partner_quadrant + j));
-  VD u1 = SinQuadrant(dd, x1, hn::LoadU(dd, cols.partner_quadrant + j + n));
+  VD v0, v1, u0, u1;
+  SinPair(dd, x0, hn::LoadU(dd, cols.quadrant + j), v0, u0);
+  SinPair(dd, x1, hn::LoadU(dd, cols.quadrant + j + n), v1, u1);
   emit(0, hn::DemoteTo(df, v0), hn::DemoteTo(df, v1));
   if (rows == 1) return;
+  // Rotation by ω: (v, u) ← (v·c + u·s, u·c - v·s).
+  const auto rotate = [](VD& v, VD& u, VD c, VD s) {
+    const VD next_v = hn::MulAdd(u, s, hn::Mul(v, c));
+    u = hn::NegMulAdd(v, s, hn::Mul(u, c));
+    v = next_v;
+  };
   const VD c0 = hn::LoadU(dd, cols.step_cos + j), s0 = hn::LoadU(dd, cols.step_sin + j);
   const VD c1 = hn::LoadU(dd, cols.step_cos + j + n), s1 = hn::LoadU(dd, cols.step_sin + j + n);
-  for (std::int64_t r = 1; r < rows; ++r) {
-    const VD next_v0 = hn::MulAdd(u0, s0, hn::Mul(v0, c0));
-    const VD next_v1 = hn::MulAdd(u1, s1, hn::Mul(v1, c1));
-    u0 = hn::NegMulAdd(v0, s0, hn::Mul(u0, c0));
-    u1 = hn::NegMulAdd(v1, s1, hn::Mul(u1, c1));
-    v0 = next_v0;
-    v1 = next_v1;
+  VD odd_v0 = v0, odd_u0 = u0, odd_v1 = v1, odd_u1 = u1;
+  rotate(odd_v0, odd_u0, c0, s0);
+  rotate(odd_v1, odd_u1, c1, s1);
+  emit(1, hn::DemoteTo(df, odd_v0), hn::DemoteTo(df, odd_v1));
+  // Two independent chains — even rows and odd rows — each stepping by 2ω: a rotation's
+  // latency (multiply, then multiply-add) would otherwise bound the loop. Double angle:
+  // cos 2ω = c² - s², sin 2ω = 2·c·s (signs follow the column's convention).
+  const VD cc0 = hn::NegMulAdd(s0, s0, hn::Mul(c0, c0)), ss0 = hn::Mul(hn::Add(c0, c0), s0);
+  const VD cc1 = hn::NegMulAdd(s1, s1, hn::Mul(c1, c1)), ss1 = hn::Mul(hn::Add(c1, c1), s1);
+  std::int64_t r = 2;
+  for (; r + 1 < rows; r += 2) {
+    rotate(v0, u0, cc0, ss0);
+    rotate(v1, u1, cc1, ss1);
+    rotate(odd_v0, odd_u0, cc0, ss0);
+    rotate(odd_v1, odd_u1, cc1, ss1);
+    emit(r, hn::DemoteTo(df, v0), hn::DemoteTo(df, v1));
+    emit(r + 1, hn::DemoteTo(df, odd_v0), hn::DemoteTo(df, odd_v1));
+  }
+  if (r < rows) {
+    rotate(v0, u0, cc0, ss0);
+    rotate(v1, u1, cc1, ss1);
     emit(r, hn::DemoteTo(df, v0), hn::DemoteTo(df, v1));
   }
 }
 
-// The first `valid` (< 2·Lanes) of the values lo ++ hi, stored at out.
+// Partial tiles: the first `valid` (< 2·Lanes) floats of lo ++ hi. AVX2 and AVX-512 have true
+// masked loads and stores; on older targets Highway emulates a masked store by a read-modify-write
+// of the whole vector, which could race with the thread that owns the next row, so those go
+// through a buffer and memcpy.
+#if HWY_TARGET <= HWY_AVX2
+constexpr bool kNativeMasks = true;
+#else
+constexpr bool kNativeMasks = false;
+#endif
+
 HWY_INLINE void StorePartial(hn::Vec<DF> lo, hn::Vec<DF> hi, float* out, size_t valid) {
   const DF df;
-  HWY_ALIGN float buffer[2 * hn::MaxLanes(df)];
-  hn::Store(lo, df, buffer);
-  hn::Store(hi, df, buffer + hn::Lanes(df));
-  std::memcpy(out, buffer, valid * sizeof(float));
+  const size_t n = hn::Lanes(df);
+  if constexpr (kNativeMasks) {
+    if (valid >= n) {
+      hn::StoreU(lo, df, out);
+      hn::BlendedStore(hi, hn::FirstN(df, valid - n), df, out + n);
+    } else {
+      hn::BlendedStore(lo, hn::FirstN(df, valid), df, out);
+    }
+  } else {
+    HWY_ALIGN float buffer[2 * hn::MaxLanes(df)];
+    hn::Store(lo, df, buffer);
+    hn::Store(hi, df, buffer + n);
+    std::memcpy(out, buffer, valid * sizeof(float));
+  }
+}
+
+// Loads the first `valid` (< 2·Lanes) floats at src into lo ++ hi, zeros elsewhere.
+HWY_INLINE void LoadPartial(const float* src, size_t valid, hn::Vec<DF>& lo, hn::Vec<DF>& hi) {
+  const DF df;
+  const size_t n = hn::Lanes(df);
+  if constexpr (kNativeMasks) {
+    if (valid >= n) {
+      lo = hn::LoadU(df, src);
+      hi = hn::MaskedLoad(hn::FirstN(df, valid - n), df, src + n);
+    } else {
+      lo = hn::MaskedLoad(hn::FirstN(df, valid), df, src);
+      hi = hn::Zero(df);
+    }
+  } else {
+    HWY_ALIGN float buffer[2 * hn::MaxLanes(df)] = {};
+    std::memcpy(buffer, src, valid * sizeof(float));
+    lo = hn::Load(df, buffer);
+    hi = hn::Load(df, buffer + n);
+  }
 }
 
 void SinusoidRunF32(const SinusoidColumns& cols, double first_position, std::int64_t rows,
@@ -175,11 +240,10 @@ void SinusoidAddRunF32(const SinusoidColumns& cols, double first_position, std::
   if (j < dim) {
     const auto valid = static_cast<size_t>(dim - j);
     Tile(cols, first_position, rows, j, [&](std::int64_t r, auto lo, auto hi) {
-      // Through a buffer: only `valid` columns of x may be read, and of out written.
-      HWY_ALIGN float buffer[2 * hn::MaxLanes(df)] = {};
-      std::memcpy(buffer, x + r * x_row_stride + j, valid * sizeof(float));
-      StorePartial(hn::Add(hn::Load(df, buffer), lo), hn::Add(hn::Load(df, buffer + n), hi),
-                   out + r * out_row_stride + j, valid);
+      // Only `valid` columns of x may be read, and of out written.
+      hn::Vec<DF> x_lo, x_hi;
+      LoadPartial(x + r * x_row_stride + j, valid, x_lo, x_hi);
+      StorePartial(hn::Add(x_lo, lo), hn::Add(x_hi, hi), out + r * out_row_stride + j, valid);
     });
   }
 }

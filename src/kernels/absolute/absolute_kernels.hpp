@@ -20,7 +20,6 @@ namespace posenc::kernels {
 struct SinusoidColumns {
   const double* freq = nullptr;
   const double* quadrant = nullptr;
-  const double* partner_quadrant = nullptr;
   const double* step_cos = nullptr;
   const double* step_sin = nullptr;
   std::int64_t dim = 0;

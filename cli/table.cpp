@@ -84,7 +84,14 @@ void run_table(const TableOptions& o) {
   const SinusoidalParams params(o.dim, o.base, layout);
   const Positions positions = Positions::range(o.length, o.offset);
   const DType dtype = parse_dtype(o.dtype);
-  const auto count = static_cast<std::size_t>(checked_mul(o.length, o.dim, "table size"));
+  const std::int64_t elements = checked_mul(o.length, o.dim, "table size");
+  // The command holds the table and its printed form in memory: refuse what cannot fit.
+  constexpr std::int64_t kMaxElements = std::int64_t{1} << 30;
+  if (elements > kMaxElements) {
+    throw Error("table", "--length × --dim", std::to_string(o.length) + " × " + std::to_string(o.dim),
+                "at most 2^30 values (the C++ API has no such limit)");
+  }
+  const auto count = static_cast<std::size_t>(elements);
   std::vector<double> values(count);
   // Build in the requested dtype, then widen for printing (so bf16 prints its rounding).
   std::vector<unsigned char> storage(count * dtype_size(dtype) + 1);

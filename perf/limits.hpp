@@ -8,6 +8,7 @@
 // buffers much larger than the last-level cache, touched before timing.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <string>

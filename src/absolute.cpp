@@ -238,10 +238,7 @@ void add_row(const void* a, std::int64_t a_off, std::int64_t a_stride, const voi
 void learned_forward(ConstTensorView table, ConstTensorView x, const Positions& positions,
                      TensorView y) {
   detail::init_dispatch();
-  const char* where = "learned_forward";
-  const detail::LearnedGrids g = detail::check_learned(where, table, x, positions, y, false);
-  detail::check_alias(where, "y", y, "x", x);
-  detail::check_alias(where, "y", y, "table", table);
+  const detail::LearnedGrids g = detail::check_learned_forward(table, x, positions, y);
   if (detail::use_reference() || x.dtype() == DType::kF64) {
     ref::learned_forward(table, x, positions, y);
     return;
@@ -260,11 +257,7 @@ void learned_forward(ConstTensorView table, ConstTensorView x, const Positions& 
 void learned_backward(ConstTensorView dy, const Positions& positions, TensorView d_table,
                       TensorView dx) {
   detail::init_dispatch();
-  const char* where = "learned_backward";
-  const detail::LearnedGrids g = detail::check_learned(where, d_table, dy, positions, dx, true);
-  detail::check_writable(where, "d_table", d_table);
-  detail::check_alias(where, "d_table", d_table, "dy", dy);
-  if (g.has_dx) detail::check_alias(where, "dx", dx, "d_table", d_table);
+  const detail::LearnedGrids g = detail::check_learned_backward(dy, positions, d_table, dx);
   if (detail::use_reference() || dy.dtype() == DType::kF64) {
     ref::learned_backward(dy, positions, d_table, dx);
     return;

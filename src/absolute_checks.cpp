@@ -85,6 +85,8 @@ AddGrids check_sinusoidal_add(const SinusoidalParams& params, ConstTensorView x,
   return g;
 }
 
+namespace {
+
 LearnedGrids check_learned(const char* where, ConstTensorView table, ConstTensorView x,
                            const Positions& positions, ConstTensorView out, bool out_optional) {
   LearnedGrids g;
@@ -104,6 +106,27 @@ LearnedGrids check_learned(const char* where, ConstTensorView table, ConstTensor
     check_dtype(where, "out", out.dtype(), table.dtype());
     check_writable(where, "out", out);
   }
+  return g;
+}
+
+}  // namespace
+
+LearnedGrids check_learned_forward(ConstTensorView table, ConstTensorView x,
+                                   const Positions& positions, ConstTensorView y) {
+  const char* where = "learned_forward";
+  const LearnedGrids g = check_learned(where, table, x, positions, y, false);
+  check_alias(where, "y", y, "x", x);
+  check_alias(where, "y", y, "table", table);
+  return g;
+}
+
+LearnedGrids check_learned_backward(ConstTensorView dy, const Positions& positions,
+                                    ConstTensorView d_table, ConstTensorView dx) {
+  const char* where = "learned_backward";
+  const LearnedGrids g = check_learned(where, d_table, dy, positions, dx, true);
+  check_writable(where, "d_table", d_table);
+  check_alias(where, "d_table", d_table, "dy", dy);
+  if (g.has_dx) check_alias(where, "dx", dx, "d_table", d_table);
   return g;
 }
 

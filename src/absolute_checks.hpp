@@ -19,9 +19,11 @@ Grid check_sinusoidal_table(const SinusoidalParams& params, const Positions& pos
                             ConstTensorView out);
 AddGrids check_sinusoidal_add(const SinusoidalParams& params, ConstTensorView x,
                               const Positions& positions, ConstTensorView out);
-// forward: (table, x, y); backward: (d_table, dy, dx) with dx optional.
-LearnedGrids check_learned(const char* where, ConstTensorView table, ConstTensorView x,
-                           const Positions& positions, ConstTensorView out, bool out_optional);
+// Grids: forward (table, x, y); backward (d_table, dy, dx) with dx optional (an empty view).
+LearnedGrids check_learned_forward(ConstTensorView table, ConstTensorView x,
+                                   const Positions& positions, ConstTensorView y);
+LearnedGrids check_learned_backward(ConstTensorView dy, const Positions& positions,
+                                    ConstTensorView d_table, ConstTensorView dx);
 
 // `out` may be `in` exactly (same pointer, shape and strides) or disjoint from it.
 void check_alias(const char* where, const char* out_name, ConstTensorView out,

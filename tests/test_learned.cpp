@@ -246,7 +246,7 @@ TEST(Learned, OwnedTable) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Targets, EveryTarget, ::testing::ValuesIn(testing::all_targets()),
-                         [](const auto& info) { return info.param; });
+                         [](const ::testing::TestParamInfo<std::string>& target) { return target.param; });
 
 }  // namespace
 }  // namespace posenc

@@ -308,7 +308,7 @@ TEST(Sinusoidal, RejectsBadArguments) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Targets, EveryTarget, ::testing::ValuesIn(testing::all_targets()),
-                         [](const auto& info) { return info.param; });
+                         [](const ::testing::TestParamInfo<std::string>& target) { return target.param; });
 
 }  // namespace
 }  // namespace posenc

@@ -11,7 +11,8 @@
 //
 // The environment variable POSENC_TARGET=<name> (read at the first posenc call) or set_target()
 // forces one, so that tests and benchmarks can run and compare every compiled path. set_target
-// is process-wide: do not call it while other threads run posenc kernels.
+// is process-wide: do not call it while other threads run posenc kernels. Forcing a SIMD target
+// narrows Highway's own run-time choice, which other Highway users in the same process share.
 #pragma once
 
 #include <string>

@@ -55,10 +55,7 @@ void sinusoidal_add(const SinusoidalParams& params, ConstTensorView x, const Pos
 void learned_forward(ConstTensorView table, ConstTensorView x, const Positions& positions,
                      TensorView y) {
   detail::init_dispatch();
-  const char* where = "learned_forward";
-  const detail::LearnedGrids g = detail::check_learned(where, table, x, positions, y, false);
-  detail::check_alias(where, "y", y, "x", x);
-  detail::check_alias(where, "y", y, "table", table);
+  const detail::LearnedGrids g = detail::check_learned_forward(table, x, positions, y);
   for (std::int64_t b = 0; b < g.x.batch; ++b) {
     for (std::int64_t s = 0; s < g.x.seq; ++s) {
       const std::int64_t row = positions.at(b, s);
@@ -75,11 +72,7 @@ void learned_forward(ConstTensorView table, ConstTensorView x, const Positions& 
 void learned_backward(ConstTensorView dy, const Positions& positions, TensorView d_table,
                       TensorView dx) {
   detail::init_dispatch();
-  const char* where = "learned_backward";
-  const detail::LearnedGrids g = detail::check_learned(where, d_table, dy, positions, dx, true);
-  detail::check_writable(where, "d_table", d_table);
-  detail::check_alias(where, "d_table", d_table, "dy", dy);
-  if (g.has_dx) detail::check_alias(where, "dx", dx, "d_table", d_table);
+  const detail::LearnedGrids g = detail::check_learned_backward(dy, positions, d_table, dx);
   // Restating the forward: y[b, s] = x[b, s] + W[pos(b, s)].
   // Each table row accumulates in fp64 over its tokens in token order, then rounds once.
   std::vector<double> row_sum(static_cast<std::size_t>(g.table.dim));

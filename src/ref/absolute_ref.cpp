@@ -2,7 +2,9 @@
 // Plain loops over any dtype and strides; every value is computed and accumulated in fp64 and
 // rounded once on store. Deliberately written without the column tables or the angle reduction
 // of the SIMD kernels, so that it is an independent oracle for them.
+#include <algorithm>
 #include <cmath>
+#include <utility>
 #include <vector>
 
 #include "absolute_checks.hpp"
@@ -74,32 +76,36 @@ void learned_backward(ConstTensorView dy, const Positions& positions, TensorView
   detail::init_dispatch();
   const detail::LearnedGrids g = detail::check_learned_backward(dy, positions, d_table, dx);
   // Restating the forward: y[b, s] = x[b, s] + W[pos(b, s)].
-  // Each table row accumulates in fp64 over its tokens in token order, then rounds once.
+  // Each table row accumulates in fp64 over its tokens in token order, then rounds once. Tokens
+  // are grouped by row with a stable sort of (row, token index).
+  std::vector<std::pair<std::int64_t, std::int64_t>> by_row;  // (row, token)
+  by_row.reserve(static_cast<std::size_t>(g.x.batch * g.x.seq));
+  for (std::int64_t t = 0; t < g.x.batch * g.x.seq; ++t) {
+    by_row.emplace_back(positions.at(t / g.x.seq, t % g.x.seq), t);
+  }
+  std::sort(by_row.begin(), by_row.end());
   std::vector<double> row_sum(static_cast<std::size_t>(g.table.dim));
-  std::vector<char> done(static_cast<std::size_t>(g.table.seq), 0);
-  for (std::int64_t b0 = 0; b0 < g.x.batch; ++b0) {
-    for (std::int64_t s0 = 0; s0 < g.x.seq; ++s0) {
-      const std::int64_t row = positions.at(b0, s0);
-      if (done[static_cast<std::size_t>(row)]) continue;
-      done[static_cast<std::size_t>(row)] = 1;
-      for (std::int64_t j = 0; j < g.table.dim; ++j) {
-        row_sum[static_cast<std::size_t>(j)] = detail::load(
-            d_table.data(), d_table.dtype(), g.table.offset(0, row) + j * g.table.dim_stride);
-      }
-      for (std::int64_t b = b0; b < g.x.batch; ++b) {
-        for (std::int64_t s = (b == b0 ? s0 : 0); s < g.x.seq; ++s) {
-          if (positions.at(b, s) != row) continue;
-          for (std::int64_t j = 0; j < g.x.dim; ++j) {
-            row_sum[static_cast<std::size_t>(j)] +=
-                detail::load(dy.data(), dy.dtype(), g.x.offset(b, s) + j * g.x.dim_stride);
-          }
-        }
-      }
-      for (std::int64_t j = 0; j < g.table.dim; ++j) {
-        detail::store(d_table.data(), d_table.dtype(), g.table.offset(0, row) + j * g.table.dim_stride,
-                      row_sum[static_cast<std::size_t>(j)]);
+  for (std::size_t first = 0; first < by_row.size();) {
+    const std::int64_t row = by_row[first].first;
+    const std::int64_t row_off = g.table.offset(0, row);
+    for (std::int64_t j = 0; j < g.table.dim; ++j) {
+      row_sum[static_cast<std::size_t>(j)] =
+          detail::load(d_table.data(), d_table.dtype(), row_off + j * g.table.dim_stride);
+    }
+    std::size_t last = first;
+    for (; last < by_row.size() && by_row[last].first == row; ++last) {
+      const std::int64_t t = by_row[last].second;
+      const std::int64_t dy_off = g.x.offset(t / g.x.seq, t % g.x.seq);
+      for (std::int64_t j = 0; j < g.x.dim; ++j) {
+        row_sum[static_cast<std::size_t>(j)] +=
+            detail::load(dy.data(), dy.dtype(), dy_off + j * g.x.dim_stride);
       }
     }
+    for (std::int64_t j = 0; j < g.table.dim; ++j) {
+      detail::store(d_table.data(), d_table.dtype(), row_off + j * g.table.dim_stride,
+                    row_sum[static_cast<std::size_t>(j)]);
+    }
+    first = last;
   }
   if (!g.has_dx) return;
   for (std::int64_t b = 0; b < g.x.batch; ++b) {

@@ -5,7 +5,8 @@
 //   build/posenc_bench --benchmark_filter=sinusoidal/32768/1024
 //
 // Each case reports bytes/s (bytes the kernel must move) and `ratio` = bytes/s ÷ its limit
-// (copy_nt for table builds, which only write; copy for kernels that read and write).
+// (copy_nt for table builds, which only write; rmw for the learned backward, which updates its
+// table in place; copy for the rest, which read one buffer and write another).
 #include <benchmark/benchmark.h>
 
 #include <chrono>
@@ -68,8 +69,8 @@ int main(int argc, char** argv) {
   g_limits = posenc::perf::measure_limits(posenc::num_threads());
   std::printf("posenc %s, target %s, %d thread(s)\n", std::string(posenc::version()).c_str(),
               posenc::active_target().c_str(), posenc::num_threads());
-  std::printf("limits measured now: copy %.2f GB/s, copy_nt %.2f GB/s (read + write bytes)\n",
-              g_limits.copy_gbs, g_limits.copy_nt_gbs);
+  std::printf("limits measured now: copy %.2f GB/s, copy_nt %.2f GB/s, rmw %.2f GB/s (read + write bytes)\n",
+              g_limits.copy_gbs, g_limits.copy_nt_gbs, g_limits.rmw_gbs);
   register_all();
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();

@@ -2,7 +2,7 @@
 """PyTorch eager baseline for the sinusoidal table, to compare with `posenc bench sinusoidal`.
 
 The tutorial formulation (div_term = exp(arange(0, d, 2) * -ln(10000)/d); pe[:, 0::2] = sin(p * div);
-pe[:, 1::2] = cos(p * div)), timed as the best of several runs, and its error at long positions.
+pe[:, 1::2] = cos(p * div)), timed as the best of several runs.
 Needs Debian's python3-torch (apt-get install python3-torch); run with /usr/bin/python3:
 
     /usr/bin/python3 bench/torch_sinusoidal.py --length 32768 --dim 1024 --threads 2

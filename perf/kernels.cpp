@@ -93,8 +93,10 @@ Case make_case(const std::string& name, const CaseOptions& o) {
     } else {
       c.description = "dy " + shape(o) + " scattered into d_table [" + std::to_string(o.length) +
                       ", " + std::to_string(o.dim) + "]";
-      // read dy; read and write each touched d_table row once per batch row
+      // read dy; read and write each d_table row (all rows are touched, and a row's repeats
+      // across the batch stay in cache)
       c.bytes_per_run = bytes + 2 * static_cast<double>(buf->b.size()) * sizeof(float);
+      c.limit_name = "rmw";
       c.run = [buf, o] {
         learned_backward(ConstTensorView::of(buf->a.get(), {o.batch, o.length, o.dim}),
                          Positions::range(o.length),

@@ -30,6 +30,13 @@ void CopyF32(const float* HWY_RESTRICT src, float* HWY_RESTRICT dst, std::size_t
   }
 }
 
+// a[i] += 1 for i < n; 64-byte aligned, n a multiple of 64 floats.
+void AddOneF32(float* HWY_RESTRICT a, std::size_t n) {
+  const hn::ScalableTag<float> d;
+  const auto one = hn::Set(d, 1.0f);
+  for (std::size_t i = 0; i < n; i += hn::Lanes(d)) hn::Store(hn::Add(hn::Load(d, a + i), one), d, a + i);
+}
+
 }  // namespace HWY_NAMESPACE
 }  // namespace posenc::perf
 HWY_AFTER_NAMESPACE();
@@ -38,19 +45,25 @@ HWY_AFTER_NAMESPACE();
 namespace posenc::perf {
 
 HWY_EXPORT(CopyF32);
+HWY_EXPORT(AddOneF32);
 
 Limits measure_limits(int threads, std::size_t bytes, int reps) {
   const std::size_t n = bytes / sizeof(float) / 1024 * 1024;
   auto src = hwy::AllocateAligned<float>(n);
   auto dst = hwy::AllocateAligned<float>(n);
   const std::size_t chunk = n / static_cast<std::size_t>(threads) / 64 * 64;
-  auto run = [&](bool stream) {
+  // kind 0: copy, 1: copy with streaming stores, 2: in-place add.
+  auto run = [&](int kind) {
 #pragma omp parallel num_threads(threads)
     {
       const auto t = static_cast<std::size_t>(omp_get_thread_num());
       const std::size_t begin = t * chunk;
       const std::size_t end = t + 1 == static_cast<std::size_t>(threads) ? n : begin + chunk;
-      HWY_DYNAMIC_DISPATCH(CopyF32)(src.get() + begin, dst.get() + begin, end - begin, stream);
+      if (kind == 2) {
+        HWY_DYNAMIC_DISPATCH(AddOneF32)(dst.get() + begin, end - begin);
+      } else {
+        HWY_DYNAMIC_DISPATCH(CopyF32)(src.get() + begin, dst.get() + begin, end - begin, kind == 1);
+      }
     }
   };
   // First touch by the threads that will use the pages.
@@ -61,8 +74,9 @@ Limits measure_limits(int threads, std::size_t bytes, int reps) {
   }
   Limits limits;
   const double moved = 2.0 * static_cast<double>(n * sizeof(float));
-  limits.copy_gbs = moved / time_best([&] { run(false); }, reps, 0.0) / 1e9;
-  limits.copy_nt_gbs = moved / time_best([&] { run(true); }, reps, 0.0) / 1e9;
+  limits.copy_gbs = moved / time_best([&] { run(0); }, reps, 0.0) / 1e9;
+  limits.copy_nt_gbs = moved / time_best([&] { run(1); }, reps, 0.0) / 1e9;
+  limits.rmw_gbs = moved / time_best([&] { run(2); }, reps, 0.0) / 1e9;
   return limits;
 }
 

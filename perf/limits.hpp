@@ -3,9 +3,12 @@
 //
 //   copy      STREAM-like copy b[i] = a[i] with ordinary stores
 //   copy_nt   the same copy with non-temporal (streaming) stores, which skip the read-for-ownership
+//   rmw       in-place read-modify-write a[i] = a[i] + 1: the bound of kernels that update a
+//             buffer in place (no read-for-ownership either: the line was just read)
 //
-// Both count bytes read + bytes written (STREAM's convention) and use the given thread count on
-// buffers much larger than the last-level cache, touched before timing.
+// All count bytes read + bytes written (STREAM's convention) and use the given thread count on
+// 128 MiB buffers, touched before timing. Always measured with the best SIMD target, whatever
+// target the kernel under test is forced to.
 #pragma once
 
 #include <algorithm>
@@ -17,9 +20,12 @@
 namespace posenc::perf {
 
 struct Limits {
-  double copy_gbs = 0;     // GB/s, 1e9 bytes per second
+  double copy_gbs = 0;  // GB/s, 1e9 bytes per second
   double copy_nt_gbs = 0;
-  double get(const std::string& name) const { return name == "copy_nt" ? copy_nt_gbs : copy_gbs; }
+  double rmw_gbs = 0;
+  double get(const std::string& name) const {
+    return name == "copy_nt" ? copy_nt_gbs : name == "rmw" ? rmw_gbs : copy_gbs;
+  }
 };
 
 // Best of `reps` copies of `bytes` bytes each way.

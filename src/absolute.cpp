@@ -70,11 +70,20 @@ kernels::SinusoidColumns columns_for(const SinusoidalParams& params) {
   return cache.get(params);
 }
 
+// Non-temporal stores pay off once the output is much larger than the caches.
+constexpr std::int64_t kStreamBytes = std::int64_t{8} << 20;
+
+// Rows per run when the rows pass through the caches. A run walks a column tile down all its
+// rows; with rows 4 KiB apart (d = 1024 f32) those lines share one L1 set, and 64 rows thrash
+// the 8-way L1 (measured: sinusoid-add at 0.34 of copy bandwidth with 64 rows, 0.82 with 16).
+// Streamed tables bypass the caches and use the full kMaxRun, which amortises the exact rows best.
+constexpr std::int64_t kCachedRun = 16;
+
 // Per-thread f32 rows for dtypes or strides the kernels do not write directly. Grown on demand,
 // never shrunk: no allocation per call once warm.
 std::vector<float>& scratch_rows(std::int64_t dim) {
   thread_local std::vector<float> rows;
-  const auto size = static_cast<std::size_t>(kernels::kMaxRun * dim);
+  const auto size = static_cast<std::size_t>(kCachedRun * dim);  // only unstreamed runs use it
   if (rows.size() < size) rows.resize(size);
   return rows;
 }
@@ -88,14 +97,6 @@ std::int64_t run_length(const Positions& positions, std::int64_t b, std::int64_t
   return n;
 }
 
-// Non-temporal stores pay off once the output is much larger than the caches.
-constexpr std::int64_t kStreamBytes = std::int64_t{8} << 20;
-
-// Rows per run when the rows pass through the caches. A run walks a column tile down all its
-// rows; with rows 4 KiB apart (d = 1024 f32) those lines share one L1 set, and 64 rows thrash
-// the 8-way L1 (measured: sinusoid-add at 0.34 of copy bandwidth with 64 rows, 0.82 with 16).
-// Streamed tables bypass the caches and use the full kMaxRun, which amortises the exact rows best.
-constexpr std::int64_t kCachedRun = 16;
 
 }  // namespace
 
@@ -105,7 +106,7 @@ SinusoidalParams::SinusoidalParams(std::int64_t dim, double base, SinusoidalLayo
     throw Error("sinusoidal", "dim", std::to_string(dim), "an even number in [2, 2^20]");
   }
   if (!(base > 1.0) || !std::isfinite(base)) {
-    throw Error("sinusoidal", "base", std::to_string(base), "a finite number > 1");
+    throw Error("sinusoidal", "base", detail::to_text(base), "a finite number > 1");
   }
   if (layout != SinusoidalLayout::kInterleaved && layout != SinusoidalLayout::kSplitHalves) {
     throw Error("sinusoidal", "layout", std::to_string(static_cast<int>(layout)),
@@ -316,7 +317,7 @@ void learned_init_normal(TensorView table, double std, std::uint64_t seed) {
   const Grid g = detail::matrix_grid(where, "table", table);
   detail::check_writable(where, "table", table);
   if (!(std >= 0.0) || !std::isfinite(std)) {
-    throw Error(where, "std", std::to_string(std), "a finite number >= 0");
+    throw Error(where, "std", detail::to_text(std), "a finite number >= 0");
   }
   const std::uint64_t stream = splitmix64(seed);
   const std::int64_t count = g.seq * g.dim;
@@ -348,7 +349,13 @@ LearnedTable::LearnedTable(std::int64_t max_len, std::int64_t dim)
     : max_len_(max_len), dim_(dim) {
   if (max_len < 1) throw Error("LearnedTable", "max_len", std::to_string(max_len), ">= 1");
   if (dim < 1) throw Error("LearnedTable", "dim", std::to_string(dim), ">= 1");
-  values_.assign(static_cast<std::size_t>(checked_mul(max_len, dim, "LearnedTable size")), 0.0f);
+  const std::int64_t count = checked_mul(max_len, dim, "LearnedTable size");
+  try {
+    values_.assign(static_cast<std::size_t>(count), 0.0f);
+  } catch (const std::exception&) {  // bad_alloc, length_error
+    throw Error("LearnedTable", "max_len × dim", std::to_string(max_len) + " × " + std::to_string(dim),
+                "a table that fits in memory");
+  }
 }
 
 }  // namespace posenc

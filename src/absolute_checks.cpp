@@ -42,13 +42,13 @@ void check_positions_against_table(const char* where, const Positions& positions
 }  // namespace
 
 void check_alias(const char* where, const char* out_name, ConstTensorView out,
-                 const char* in_name, ConstTensorView in) {
-  if (same_layout(out, in)) return;
+                 const char* in_name, ConstTensorView in, Alias allowed) {
+  if (allowed == Alias::kDisjointOrInPlace && same_layout(out, in)) return;
   const ByteRange a = byte_range(out), b = byte_range(in);
   if (a.begin < b.end && b.begin < a.end) {
     throw Error(where, out_name, out.describe(),
-                std::string("memory disjoint from ") + in_name + " (" + in.describe() +
-                    ") or exactly the same view (in place)");
+                std::string("memory disjoint from ") + in_name + " (" + in.describe() + ")" +
+                    (allowed == Alias::kDisjointOrInPlace ? " or exactly the same view (in place)" : ""));
   }
 }
 
@@ -81,30 +81,39 @@ AddGrids check_sinusoidal_add(const SinusoidalParams& params, ConstTensorView x,
   check_dtype(where, "out", out.dtype(), x.dtype());
   positions.check_grid(where, g.x.batch, g.x.seq);
   check_writable(where, "out", out);
-  check_alias(where, "out", out, "x", x);
+  check_alias(where, "out", out, "x", x, Alias::kDisjointOrInPlace);
   return g;
 }
 
 namespace {
 
-LearnedGrids check_learned(const char* where, ConstTensorView table, ConstTensorView x,
-                           const Positions& positions, ConstTensorView out, bool out_optional) {
+// Names of the three tensors of a learned op, for messages: forward (table, x, y), backward
+// (d_table, dy, dx).
+struct LearnedNames {
+  const char* table;
+  const char* x;
+  const char* out;
+};
+
+LearnedGrids check_learned(const char* where, const LearnedNames& names, ConstTensorView table,
+                           ConstTensorView x, const Positions& positions, ConstTensorView out,
+                           bool out_optional) {
   LearnedGrids g;
-  g.table = matrix_grid(where, "table", table);
-  g.x = token_grid(where, "x", x);
+  g.table = matrix_grid(where, names.table, table);
+  g.x = token_grid(where, names.x, x);
   if (g.x.dim != g.table.dim) {
-    throw Error(where, "x.size(-1)", std::to_string(g.x.dim),
-                "the table width " + std::to_string(g.table.dim));
+    throw Error(where, std::string(names.x) + ".size(-1)", std::to_string(g.x.dim),
+                "the width of " + std::string(names.table) + ", " + std::to_string(g.table.dim));
   }
-  check_dtype(where, "x", x.dtype(), table.dtype());
+  check_dtype(where, names.x, x.dtype(), table.dtype());
   positions.check_grid(where, g.x.batch, g.x.seq);
   check_positions_against_table(where, positions, g.table.seq);
   g.has_dx = !(out_optional && out.data() == nullptr && out.rank() == 0);
   if (g.has_dx) {
-    g.out = token_grid(where, "out", out);
-    check_same_dims(where, "out", g.out, "x", g.x);
-    check_dtype(where, "out", out.dtype(), table.dtype());
-    check_writable(where, "out", out);
+    g.out = token_grid(where, names.out, out);
+    check_same_dims(where, names.out, g.out, names.x, g.x);
+    check_dtype(where, names.out, out.dtype(), table.dtype());
+    check_writable(where, names.out, out);
   }
   return g;
 }
@@ -114,19 +123,22 @@ LearnedGrids check_learned(const char* where, ConstTensorView table, ConstTensor
 LearnedGrids check_learned_forward(ConstTensorView table, ConstTensorView x,
                                    const Positions& positions, ConstTensorView y) {
   const char* where = "learned_forward";
-  const LearnedGrids g = check_learned(where, table, x, positions, y, false);
-  check_alias(where, "y", y, "x", x);
-  check_alias(where, "y", y, "table", table);
+  const LearnedGrids g = check_learned(where, {"table", "x", "y"}, table, x, positions, y, false);
+  check_alias(where, "y", y, "x", x, Alias::kDisjointOrInPlace);
+  check_alias(where, "y", y, "table", table, Alias::kDisjoint);
   return g;
 }
 
 LearnedGrids check_learned_backward(ConstTensorView dy, const Positions& positions,
                                     ConstTensorView d_table, ConstTensorView dx) {
   const char* where = "learned_backward";
-  const LearnedGrids g = check_learned(where, d_table, dy, positions, dx, true);
+  const LearnedGrids g = check_learned(where, {"d_table", "dy", "dx"}, d_table, dy, positions, dx, true);
   check_writable(where, "d_table", d_table);
-  check_alias(where, "d_table", d_table, "dy", dy);
-  if (g.has_dx) check_alias(where, "dx", dx, "d_table", d_table);
+  check_alias(where, "d_table", d_table, "dy", dy, Alias::kDisjoint);
+  if (g.has_dx) {
+    check_alias(where, "dx", dx, "d_table", d_table, Alias::kDisjoint);
+    check_alias(where, "dx", dx, "dy", dy, Alias::kDisjoint);
+  }
   return g;
 }
 

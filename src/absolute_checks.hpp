@@ -25,8 +25,9 @@ LearnedGrids check_learned_forward(ConstTensorView table, ConstTensorView x,
 LearnedGrids check_learned_backward(ConstTensorView dy, const Positions& positions,
                                     ConstTensorView d_table, ConstTensorView dx);
 
-// `out` may be `in` exactly (same pointer, shape and strides) or disjoint from it.
+enum class Alias : bool { kDisjoint, kDisjointOrInPlace };
+// `out` must not overlap `in`, except (with kDisjointOrInPlace) by being exactly the same view.
 void check_alias(const char* where, const char* out_name, ConstTensorView out,
-                 const char* in_name, ConstTensorView in);
+                 const char* in_name, ConstTensorView in, Alias allowed);
 
 }  // namespace posenc::detail

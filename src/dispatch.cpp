@@ -11,6 +11,7 @@
 #include <string>
 
 #include "internal.hpp"
+#include "kernels/absolute/absolute_kernels.hpp"
 #include "posenc/runtime.hpp"
 
 namespace posenc {
@@ -18,65 +19,53 @@ namespace {
 
 std::atomic<bool> g_reference{false};
 std::atomic<int> g_threads{0};  // 0: OpenMP's default
+std::mutex g_mutex;             // serialises changes of the target
+std::int64_t g_usable = 0;      // compiled and supported targets, read once at initialisation
 
 struct TargetName {
   std::int64_t bit;
   const char* name;
 };
-// Best first. HWY_SCALAR only appears when the compiler cannot build EMU128.
+// Best first. HWY_SCALAR only appears when the compiler cannot build EMU128 (GCC < 12.3).
 constexpr TargetName kTargets[] = {
     {HWY_AVX3, "avx512"}, {HWY_AVX2, "avx2"},     {HWY_SSE4, "sse4"},
     {HWY_EMU128, "scalar"}, {HWY_SCALAR, "scalar"},
 };
 
-// Compiled into this library (the kernel translation units share these compile definitions)
-// and supported by this CPU.
-std::int64_t usable_targets() {
-  hwy::SetSupportedTargetsForTest(0);
-  return hwy::SupportedTargets() & HWY_TARGETS;
-}
-
-void choose(std::int64_t bits) {
+void choose(std::int64_t bits) {  // 0: no restriction
   hwy::SetSupportedTargetsForTest(bits);
   hwy::GetChosenTarget().Update(hwy::SupportedTargets());
 }
 
-std::int64_t g_forced_bit = 0;  // 0: the best usable target
-std::mutex g_mutex;              // guards g_forced_bit and Highway's target mask
-
 // Names of the usable targets, best first, then "ref".
-std::vector<std::string> names_of(std::int64_t usable) {
+std::vector<std::string> usable_names() {
   std::vector<std::string> names;
   for (const TargetName& t : kTargets) {
-    if ((usable & t.bit) != 0 && (names.empty() || names.back() != t.name)) names.push_back(t.name);
+    if ((g_usable & t.bit) != 0 && (names.empty() || names.back() != t.name)) names.push_back(t.name);
   }
   names.push_back("ref");
   return names;
 }
 
-void apply(std::string_view name) {
+void apply(std::string_view name) {  // under g_mutex
   if (name == "ref") {
     g_reference = true;
     return;
   }
-  const std::int64_t usable = usable_targets();
   if (name == "auto") {
     g_reference = false;
-    g_forced_bit = 0;
     choose(0);
     return;
   }
   for (const TargetName& t : kTargets) {
-    if (name == t.name && (usable & t.bit) != 0) {
+    if (name == t.name && (g_usable & t.bit) != 0) {
       g_reference = false;
-      g_forced_bit = t.bit;
       choose(t.bit);
       return;
     }
   }
-  if (g_forced_bit != 0) choose(g_forced_bit);  // usable_targets() lifted the narrowing
   std::string names;
-  for (const std::string& n : names_of(usable)) names += (names.empty() ? "" : ", ") + n;
+  for (const std::string& n : usable_names()) names += (names.empty() ? "" : ", ") + n;
   throw Error("set_target", "name", std::string(name), "auto or one of: " + names);
 }
 
@@ -86,16 +75,15 @@ namespace detail {
 
 void init_dispatch() {
   static const bool once = [] {
-    const char* env = std::getenv("POSENC_TARGET");
     std::lock_guard lock(g_mutex);
-    if (env != nullptr && *env != '\0') {
-      try {
-        apply(env);
-      } catch (const Error& e) {
-        throw Error(std::string("POSENC_TARGET: ") + e.what());
-      }
-    } else {
-      apply("auto");
+    // The kernel translation units share these compile definitions, hence HWY_TARGETS.
+    hwy::SetSupportedTargetsForTest(0);
+    g_usable = hwy::SupportedTargets() & HWY_TARGETS;
+    const char* env = std::getenv("POSENC_TARGET");
+    try {
+      apply(env != nullptr && *env != '\0' ? env : "auto");
+    } catch (const Error& e) {
+      throw Error(std::string("POSENC_TARGET: ") + e.what());
     }
     return true;
   }();
@@ -116,26 +104,18 @@ int threads_for(std::int64_t work) {
 
 std::vector<std::string> available_targets() {
   detail::init_dispatch();
-  std::lock_guard lock(g_mutex);
-  const std::int64_t usable = usable_targets();
-  if (g_forced_bit != 0) choose(g_forced_bit);  // usable_targets() lifted the narrowing
-  return names_of(usable);
+  return usable_names();
 }
 
 std::string active_target() {
   detail::init_dispatch();
   if (detail::use_reference()) return "ref";
-  std::lock_guard lock(g_mutex);
-  if (g_forced_bit != 0) {
-    for (const TargetName& t : kTargets) {
-      if (t.bit == g_forced_bit) return t.name;
-    }
-  }
-  const std::int64_t usable = usable_targets();
+  // Ask the kernels themselves, so that a forced target is verified, not just remembered.
+  const std::int64_t bit = kernels::dispatched_target();
   for (const TargetName& t : kTargets) {
-    if ((usable & t.bit) != 0) return t.name;
+    if (t.bit == bit) return t.name;
   }
-  return "scalar";
+  return hwy::TargetName(bit);
 }
 
 void set_target(std::string_view name) {

@@ -1,6 +1,9 @@
 #include "internal.hpp"
 
+#include <algorithm>
+#include <charconv>
 #include <cmath>
+#include <vector>
 
 namespace posenc::detail {
 
@@ -52,12 +55,37 @@ void check_dtype(const char* where, const char* name, DType got, DType expected)
 }
 
 void check_writable(const char* where, const char* name, ConstTensorView view) {
+  // Axes of extent > 1 by increasing stride: each stride must reach past everything the axes
+  // inside it span, or two indices would name one element and threads would race on it. (A
+  // sufficient condition; it accepts every layout made by slicing a contiguous tensor.)
+  struct Axis {
+    std::int64_t size, stride;
+    int index;
+  };
+  std::vector<Axis> axes;
   for (int axis = 0; axis < view.rank(); ++axis) {
-    if (view.stride(axis) == 0 && view.size(axis) > 1) {
-      throw Error(where, std::string(name) + ".stride(" + std::to_string(axis) + ")", "0",
-                  "a non-zero stride: an output cannot broadcast (" + view.describe() + ")");
-    }
+    if (view.size(axis) == 0) return;  // an empty view writes nothing
+    if (view.size(axis) > 1) axes.push_back({view.size(axis), view.stride(axis), axis});
   }
+  std::sort(axes.begin(), axes.end(), [](const Axis& a, const Axis& b) {
+    return a.stride != b.stride ? a.stride < b.stride : a.size < b.size;
+  });
+  std::int64_t span = 1;  // elements covered by the axes already visited (their extent + 1)
+  for (const Axis& a : axes) {
+    if (a.stride < span) {
+      throw Error(where, std::string(name) + ".stride(" + std::to_string(a.index) + ")",
+                  std::to_string(a.stride),
+                  ">= " + std::to_string(span) +
+                      ", so that no two elements of an output share memory (" + view.describe() + ")");
+    }
+    span = a.stride * (a.size - 1) + span;  // <= the view's extent + 1: checked at construction
+  }
+}
+
+std::string to_text(double value) {
+  char buffer[32];
+  const auto result = std::to_chars(buffer, buffer + sizeof(buffer), value);
+  return std::string(buffer, result.ptr);
 }
 
 double sinusoid_inv_frequency(double base, std::int64_t dim, std::int64_t i) {

@@ -29,8 +29,12 @@ Grid matrix_grid(const char* where, const char* name, ConstTensorView view);
 void check_same_dims(const char* where, const char* name, const Grid& got, const char* ref_name,
                      const Grid& ref);
 void check_dtype(const char* where, const char* name, DType got, DType expected);
-// An output must not write one element twice (stride 0 over an extent > 1).
+// An output must not name one element by two indices (stride 0 over an extent > 1, or strides
+// that make rows overlap): throws posenc::Error naming the offending stride.
 void check_writable(const char* where, const char* name, ConstTensorView view);
+
+// Shortest text that reads back as the same double ("1e-09", "0.5", "nan"), for error messages.
+std::string to_text(double value);
 
 inline double load(const void* base, DType dtype, std::int64_t offset) {
   switch (dtype) {

@@ -44,6 +44,9 @@ Positions Positions::range(std::int64_t seq_len, std::int64_t start) {
 
 Positions Positions::ranges(std::span<const std::int64_t> starts, std::int64_t seq_len) {
   check_seq_len("Positions::ranges", seq_len);
+  if (starts.empty()) {
+    throw Error("Positions::ranges", "starts.size()", "0", "one start per batch row (>= 1)");
+  }
   Positions p;
   p.kind_ = Kind::kRanges;
   p.batch_ = static_cast<std::int64_t>(starts.size());
@@ -51,10 +54,14 @@ Positions Positions::ranges(std::span<const std::int64_t> starts, std::int64_t s
   p.data_ = starts.data();
   p.data_len_ = p.batch_;
   for (std::int64_t b = 0; b < p.batch_; ++b) {
-    check_position("Positions::ranges", "starts", b, starts[static_cast<std::size_t>(b)]);
-    const std::int64_t last = starts[static_cast<std::size_t>(b)] + std::max<std::int64_t>(seq_len - 1, 0);
-    check_position("Positions::ranges", "starts + seq_len - 1", b, last);
-    p.max_position_ = std::max(p.max_position_, last);
+    const std::int64_t start = starts[static_cast<std::size_t>(b)];
+    check_position("Positions::ranges", "starts", b, start);
+    const std::int64_t steps = std::max<std::int64_t>(seq_len - 1, 0);
+    if (steps > kMaxPosition - start) {  // start + steps would pass 2^40 (or overflow)
+      throw Error("Positions::ranges", "starts[" + std::to_string(b) + "] + seq_len - 1",
+                  std::to_string(start) + " + " + std::to_string(steps), "a last position <= 2^40");
+    }
+    p.max_position_ = std::max(p.max_position_, start + steps);
   }
   return p;
 }

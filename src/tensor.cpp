@@ -1,5 +1,6 @@
 #include "posenc/tensor.hpp"
 
+#include <cstdio>
 #include <string>
 
 #include "posenc/error.hpp"
@@ -61,6 +62,14 @@ BasicTensorView<kMutable>::BasicTensorView(Pointer data, DType dtype,
               static_cast<std::int64_t>(dtype_size(dtype)), "tensor view extent in bytes");
   if (count > 0 && data == nullptr) {
     throw Error("tensor view", "data", "null", "a valid pointer for a non-empty view");
+  }
+  const auto alignment = static_cast<std::uintptr_t>(dtype_size(dtype));  // natural alignment
+  if (reinterpret_cast<std::uintptr_t>(data) % alignment != 0) {
+    char address[32];
+    std::snprintf(address, sizeof(address), "%p", static_cast<const void*>(data));
+    throw Error("tensor view", "data", address,
+                "a pointer aligned to " + std::to_string(alignment) + " bytes for " +
+                    std::string(dtype_name(dtype)));
   }
 }
 

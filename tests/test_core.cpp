@@ -88,6 +88,10 @@ TEST(TensorView, RejectsBadShapesWithClearMessages) {
                {"size arithmetic", "fits in int64"});
   expect_error([&] { TensorView::of(&x, {std::int64_t{1} << 62}); },
                {"tensor view extent in bytes", "fits in int64"});
+  // Misaligned for the dtype: undefined behaviour in any scalar loop, so refused.
+  std::vector<double> wide(4);
+  auto* odd = reinterpret_cast<double*>(reinterpret_cast<char*>(wide.data()) + 4);
+  expect_error([&] { TensorView::of(odd, {2}); }, {"tensor view: data = 0x", "aligned to 8 bytes for f64"});
   // An empty view may have a null pointer.
   EXPECT_NO_THROW(TensorView::of(static_cast<float*>(nullptr), {0, 4}));
 }
@@ -146,6 +150,10 @@ TEST(Positions, RejectsInvalidIds) {
   expect_error([&] { Positions::packed(decreasing); }, {"cu_seqlens[2] = 2", ">= cu_seqlens[1] = 4"});
   const std::vector<std::int64_t> starts = {0, -5};
   expect_error([&] { Positions::ranges(starts, 3); }, {"starts[1] = -5"});
+  expect_error([] { Positions::ranges({}, 3); }, {"Positions::ranges", "starts.size() = 0", "one start per batch row"});
+  const std::vector<std::int64_t> late = {5};
+  expect_error([&] { Positions::ranges(late, std::numeric_limits<std::int64_t>::max()); },
+               {"starts[0] + seq_len - 1 = 5 + 9223372036854775806", "<= 2^40"});
 }
 
 TEST(Positions, GridCheckNamesTheMismatch) {

@@ -49,6 +49,30 @@ TEST_P(EveryTarget, LearnedForwardMatchesReference) {
   }
 }
 
+// bf16 tables and embeddings with strided columns take the converting path.
+TEST_P(EveryTarget, LearnedForwardBf16Strided) {
+  const std::int64_t max_len = 9, dim = 6, seq = 11;
+  std::vector<double> table_values(static_cast<std::size_t>(max_len * dim)), x_values(static_cast<std::size_t>(seq * dim * 2));
+  for (auto& v : table_values) v = uniform(-1, 1);
+  for (auto& v : x_values) v = uniform(-1, 1);
+  const auto table = testing::to_dtype(table_values, DType::kBF16);
+  const auto x = testing::to_dtype(x_values, DType::kBF16);
+  std::vector<bf16> y(static_cast<std::size_t>(seq * dim));
+  std::vector<std::int64_t> ids(static_cast<std::size_t>(seq));
+  for (auto& id : ids) id = uniform_int(0, max_len - 1);
+  learned_forward(ConstTensorView::contiguous(table.data(), DType::kBF16, std::vector<std::int64_t>{max_len, dim}),
+                  ConstTensorView(x.data(), DType::kBF16, std::vector<std::int64_t>{seq, dim}, std::vector<std::int64_t>{2 * dim, 2}),
+                  Positions::ids(ids), TensorView::of(y.data(), {seq, dim}));
+  for (std::int64_t s = 0; s < seq; ++s) {
+    for (std::int64_t j = 0; j < dim; ++j) {
+      // One f32 addition of two bf16 values, rounded once to bf16: replayed exactly.
+      const float sum = static_cast<float>(testing::element(x.data(), DType::kBF16, s * 2 * dim + 2 * j)) +
+                        static_cast<float>(testing::element(table.data(), DType::kBF16, ids[static_cast<std::size_t>(s)] * dim + j));
+      ASSERT_EQ(y[static_cast<std::size_t>(s * dim + j)].bits, to_bf16(sum).bits) << s << ", " << j;
+    }
+  }
+}
+
 TEST_P(EveryTarget, LearnedBackwardMatchesReference) {
   const DType dtypes[] = {DType::kF32, DType::kF64, DType::kBF16, DType::kF16};
   for (int trial = 0; trial < 30; ++trial) {
@@ -68,6 +92,7 @@ TEST_P(EveryTarget, LearnedBackwardMatchesReference) {
       return testing::to_dtype(values, dtype);
     };
     auto dy = make(tokens), d_table = make(table_size), dx = make(tokens);
+    const auto d_table_initial = d_table;
     auto d_table_ref = d_table, dx_ref = dx;
     const std::vector<std::int64_t> tok_shape = {batch, seq, dim}, tab_shape = {max_len, dim};
     auto view = [&](std::vector<unsigned char>& b, const std::vector<std::int64_t>& shape) {
@@ -75,17 +100,22 @@ TEST_P(EveryTarget, LearnedBackwardMatchesReference) {
     };
     learned_backward(view(dy, tok_shape), positions, view(d_table, tab_shape), view(dx, tok_shape));
     ref::learned_backward(view(dy, tok_shape), positions, view(d_table_ref, tab_shape), view(dx_ref, tok_shape));
-    // The reference sums each row in fp64 and rounds once; the fast path adds in f32, token by
-    // token. With at most batch·seq = 180 terms of size <= 1 on top of a value <= 1, the f32
-    // round-off is below 181 additions × 2^-24 × 181 ≈ 2e-3 in the worst case and ~1e-5 in
-    // practice: 2e-3. f64 goes to the reference itself (1e-12 allows for nothing but equality in
-    // practice). bf16/f16 round after every token, which BackwardRounds16BitAccumulationInTokenOrder
-    // replays exactly; here only their dx is compared.
-    if (dtype == DType::kF32 || dtype == DType::kF64) {
-      const double tol = dtype == DType::kF64 ? 1e-12 : 2e-3;
-      for (std::int64_t i = 0; i < table_size; ++i) {
-        ASSERT_NEAR(testing::element(d_table.data(), dtype, i), testing::element(d_table_ref.data(), dtype, i), tol)
-            << "d_table element " << i;
+    // d_table, replayed exactly so that the comparison is bitwise: the SIMD path adds each
+    // token's row in f32 and rounds to the dtype after every token, in token order; the fp64
+    // reference (target "ref", or any f64 tensor) sums in fp64 in token order and rounds once.
+    const bool reference_path = GetParam() == "ref" || dtype == DType::kF64;
+    for (std::int64_t row = 0; row < max_len; ++row) {
+      for (std::int64_t j = 0; j < dim; ++j) {
+        const std::int64_t at = row * dim + j;
+        double acc = testing::element(d_table_initial.data(), dtype, at);
+        for (std::int64_t t = 0; t < batch * seq; ++t) {
+          if (ids[static_cast<std::size_t>(t)] != row) continue;
+          const double term = testing::element(dy.data(), dtype, t * dim + j);
+          acc = reference_path ? acc + term
+                               : testing::round_to(static_cast<float>(acc) + static_cast<float>(term), dtype);
+        }
+        ASSERT_EQ(testing::element(d_table.data(), dtype, at), testing::round_to(acc, dtype))
+            << "d_table[" << row << ", " << j << "]";
       }
     }
     for (std::int64_t i = 0; i < tokens; ++i) {
@@ -100,36 +130,19 @@ TEST_P(EveryTarget, LearnedBackwardMatchesReference) {
   }
 }
 
-// For bf16/f16 the backward rounds after every token, in token order: replayed exactly here.
-TEST(Learned, BackwardRounds16BitAccumulationInTokenOrder) {
-  const std::int64_t dim = 3, tokens = 50;
-  std::vector<std::int64_t> ids(tokens);
-  for (std::int64_t t = 0; t < tokens; ++t) ids[static_cast<std::size_t>(t)] = t % 2;
-  std::vector<bf16> dy(static_cast<std::size_t>(tokens * dim)), d_table(2 * dim);
-  for (auto& v : dy) v = to_bf16(static_cast<float>(uniform(-1, 1)));
-  learned_backward(ConstTensorView::of(dy.data(), {tokens, dim}), Positions::ids(ids),
-                   TensorView::of(d_table.data(), {2, dim}));
-  for (std::int64_t row = 0; row < 2; ++row) {
-    for (std::int64_t j = 0; j < dim; ++j) {
-      bf16 acc{};
-      for (std::int64_t t = row; t < tokens; t += 2) {
-        acc = to_bf16(from_bf16(acc) + from_bf16(dy[static_cast<std::size_t>(t * dim + j)]));
-      }
-      EXPECT_EQ(d_table[static_cast<std::size_t>(row * dim + j)].bits, acc.bits) << row << ", " << j;
-    }
-  }
-}
-
-// Gradient by central finite differences in fp64. L = Σ g·y with random g, y = x + W[pos];
-// dL/dW[r, j] = Σ over tokens at r of g. L is linear in W, so the difference quotient is exact
-// up to the rounding of L (~1e-16·|L| / h): tolerance 1e-8 with h = 1e-3.
-TEST(Learned, GradientMatchesFiniteDifferences) {
+// Gradient by central finite differences, L = Σ g·y with random g, y = x + W[pos];
+// dL/dW[r, j] = Σ over tokens at r of g. In fp64 (the reference path) L is linear in W, so the
+// quotient is exact up to the rounding of L (~1e-16·|L|/h): tolerance 1e-8 with h = 1e-3. In f32
+// (the SIMD kernels) y rounds to f32: |L| <= 90 terms of size <= 2, each off by <= 2^-23, so L is
+// off by <= 90·2^-22 ≈ 2.1e-5 and the quotient with h = 2^-4 by <= 2·2.1e-5·8 ≈ 3.4e-4: 5e-4.
+template <class T>
+void check_learned_gradient(double h, double tol) {
   const std::int64_t max_len = 7, dim = 5, batch = 2, seq = 9;
-  std::vector<double> table(static_cast<std::size_t>(max_len * dim)), x(static_cast<std::size_t>(batch * seq * dim));
-  std::vector<double> g(x.size()), y(x.size());
-  for (auto& v : table) v = uniform(-1, 1);
-  for (auto& v : x) v = uniform(-1, 1);
-  for (auto& v : g) v = uniform(-1, 1);
+  std::vector<T> table(static_cast<std::size_t>(max_len * dim)), x(static_cast<std::size_t>(batch * seq * dim));
+  std::vector<T> g(x.size()), y(x.size());
+  for (auto& v : table) v = static_cast<T>(uniform(-1, 1));
+  for (auto& v : x) v = static_cast<T>(uniform(-1, 1));
+  for (auto& v : g) v = static_cast<T>(uniform(-1, 1));
   std::vector<std::int64_t> ids(static_cast<std::size_t>(batch * seq));
   for (auto& id : ids) id = uniform_int(0, max_len - 1);
   const Positions positions = Positions::ids(ids, batch, seq);
@@ -137,23 +150,27 @@ TEST(Learned, GradientMatchesFiniteDifferences) {
     learned_forward(ConstTensorView::of(table.data(), {max_len, dim}), ConstTensorView::of(x.data(), {batch, seq, dim}),
                     positions, TensorView::of(y.data(), {batch, seq, dim}));
     double sum = 0;
-    for (std::size_t i = 0; i < y.size(); ++i) sum += g[i] * y[i];
+    for (std::size_t i = 0; i < y.size(); ++i) sum += static_cast<double>(g[i]) * static_cast<double>(y[i]);
     return sum;
   };
-  std::vector<double> d_table(table.size(), 0.0), dx(x.size(), 0.0);
+  std::vector<T> d_table(table.size(), T(0)), dx(x.size(), T(0));
   learned_backward(ConstTensorView::of(g.data(), {batch, seq, dim}), positions,
                    TensorView::of(d_table.data(), {max_len, dim}), TensorView::of(dx.data(), {batch, seq, dim}));
-  const double h = 1e-3;
   for (std::size_t k = 0; k < table.size(); ++k) {
-    const double saved = table[k];
-    table[k] = saved + h;
+    const T saved = table[k];
+    table[k] = static_cast<T>(saved + h);
     const double up = loss();
-    table[k] = saved - h;
+    table[k] = static_cast<T>(saved - h);
     const double down = loss();
     table[k] = saved;
-    EXPECT_NEAR(d_table[k], (up - down) / (2 * h), 1e-8) << "W element " << k;
+    EXPECT_NEAR(static_cast<double>(d_table[k]), (up - down) / (2 * h), tol) << "W element " << k;
   }
   for (std::size_t k = 0; k < x.size(); ++k) EXPECT_EQ(dx[k], g[k]);  // dx = 0 + dy
+}
+
+TEST_P(EveryTarget, LearnedGradientMatchesFiniteDifferences) {
+  check_learned_gradient<double>(1e-3, 1e-8);
+  check_learned_gradient<float>(0.0625, 5e-4);
 }
 
 TEST(Learned, BackwardIsBitwiseIdenticalForAnyThreadCount) {
@@ -219,7 +236,16 @@ TEST(Learned, RejectsBadArguments) {
   std::vector<double> wide(8 * 4);
   expect_error([&] { learned_forward(ConstTensorView::of(table.data(), {16, 4}), ConstTensorView::of(x.data(), {4, 8}),
                                      Positions::range(4), TensorView::of(y.data(), {4, 8})); },
-               {"x.size(-1) = 8", "the table width 4"});
+               {"x.size(-1) = 8", "the width of table, 4"});
+  expect_error([&] { learned_backward(ConstTensorView::of(x.data(), {4, 8}), Positions::range(4),
+                                      TensorView::of(table.data(), {8, 4})); },
+               {"learned_backward: dy.size(-1) = 8", "the width of d_table, 4"});
+  expect_error([&] { learned_forward(ConstTensorView::of(table.data(), {16, 4}), ConstTensorView::of(table.data(), {16, 4}),
+                                     Positions::range(16), TensorView::of(table.data(), {16, 4})); },
+               {"y = [16, 4]", "disjoint from table"});
+  expect_error([&] { learned_backward(ConstTensorView::of(x.data(), {8, 4}), Positions::range(8),
+                                      TensorView::of(table.data(), {16, 4}), TensorView::of(x.data(), {8, 4})); },
+               {"dx = [8, 4]", "disjoint from dy"});
   expect_error([&] { learned_forward(ConstTensorView::of(table.data(), {16, 4}), ConstTensorView::of(wide.data(), {8, 4}),
                                      Positions::range(8), TensorView::of(y.data(), {8, 4})); },
                {"x.dtype() = f64", "f32"});
@@ -229,7 +255,9 @@ TEST(Learned, RejectsBadArguments) {
   expect_error([&] { learned_backward(ConstTensorView::of(x.data(), {8, 4}), Positions::range(8),
                                       TensorView::of(table.data(), {16, 4}, {0, 1})); },
                {"d_table.stride(0) = 0"});
-  expect_error([&] { learned_init_normal(TensorView::of(table.data(), {16, 4}), -1.0, 0); }, {"std = -1"});
+  expect_error([] { LearnedTable(std::int64_t{1} << 40, std::int64_t{1} << 20); },
+               {"LearnedTable", "max_len × dim = 1099511627776 × 1048576", "fits in memory"});
+  expect_error([&] { learned_init_normal(TensorView::of(table.data(), {16, 4}), -1.0, 0); }, {"std = -1;"});
   expect_error([] { LearnedTable(0, 4); }, {"LearnedTable", "max_len = 0"});
   expect_error([] { LearnedTable(4, -1); }, {"dim = -1"});
 }

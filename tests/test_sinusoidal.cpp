@@ -14,19 +14,28 @@ using testing::EveryTarget;
 using testing::expect_error;
 using testing::uniform_int;
 
-// Tolerance of an output against the fp64 reference for position p, by dtype.
+// One unit in the last place of `value` in a 16-bit float format with `mantissa_bits` stored
+// mantissa bits and smallest normal exponent `min_exponent` (below it the spacing is constant).
+double ulp16(double value, int mantissa_bits, int min_exponent) {
+  const int exponent = value == 0.0 ? min_exponent : std::max(std::ilogb(value), min_exponent);
+  return std::ldexp(1.0, exponent - mantissa_bits);
+}
+
+// Tolerance of an output against the fp64 reference value `want` at position p, by dtype.
 //   f32:  both sides are within p·2^-52 + 2^-53 (angle) of the truth, the SIMD path adds a
 //         rotation error (< 1e-13) and rounds to f32 once (<= 2^-25): 2^-25 + p·2^-50 + 2^-40
 //         covers the sum with room to spare, and stays below 2^-24 for every p <= 2^24.
-//   bf16: the reference and the kernel may round a value that sits on a bf16 midpoint in f32
-//         opposite ways: one bf16 ulp at the top binade [0.5, 1) is 2^-8.
-//   f16:  likewise one f16 ulp at [0.5, 1): 2^-11.
+//   bf16, f16: the kernel rounds to f32, then to the 16-bit type; the reference rounds its fp64
+//         value to f32, then to the 16-bit type. The two f32 values differ by at most the f32
+//         tolerance, which can move a value across a rounding midpoint: one ulp of the 16-bit type
+//         at |want| (bf16 7 mantissa bits, f16 10) plus that f32 tolerance.
 //   f64:  the f64 path is the reference itself: exact agreement.
-double tolerance(DType dtype, std::int64_t p) {
+double tolerance(DType dtype, std::int64_t p, double want) {
+  const double f32 = std::ldexp(1.0, -25) + static_cast<double>(p) * std::ldexp(1.0, -50) + std::ldexp(1.0, -40);
   switch (dtype) {
-    case DType::kF32: return std::ldexp(1.0, -25) + static_cast<double>(p) * std::ldexp(1.0, -50) + std::ldexp(1.0, -40);
-    case DType::kBF16: return std::ldexp(1.0, -8);
-    case DType::kF16: return std::ldexp(1.0, -11);
+    case DType::kF32: return f32;
+    case DType::kBF16: return ulp16(want, 7, -126) + f32;
+    case DType::kF16: return ulp16(want, 10, -14) + f32;
     case DType::kF64: return 0.0;
   }
   return 0;
@@ -37,7 +46,8 @@ TEST(SinusoidalParams, RejectsInvalidValues) {
   expect_error([] { SinusoidalParams(0); }, {"dim = 0"});
   expect_error([] { SinusoidalParams(-4); }, {"dim = -4"});
   expect_error([] { SinusoidalParams((1 << 20) + 2); }, {"dim = 1048578"});
-  expect_error([] { SinusoidalParams(8, 1.0); }, {"base = 1.0", "finite number > 1"});
+  expect_error([] { SinusoidalParams(8, 1.0); }, {"base = 1;", "finite number > 1"});
+  expect_error([] { SinusoidalParams(8, 1.0 - 1e-9); }, {"base = 0.999999999;"});
   expect_error([] { SinusoidalParams(8, 0.5); }, {"base = 0.5"});
   expect_error([] { SinusoidalParams(8, std::nan("")); }, {"base = nan"});
   expect_error([] { SinusoidalParams(8, INFINITY); }, {"base = inf"});
@@ -98,10 +108,10 @@ void expect_matches_reference(const SinusoidalParams& params, const Positions& p
   ref::sinusoidal_table(params, positions, TensorView::of(expected.data(), {rows, params.dim()}));
   int reported = 0;
   for (std::int64_t r = 0; r < rows; ++r) {
-    const double tol = tolerance(dtype, positions.at(0, r));
     for (std::int64_t j = 0; j < params.dim(); ++j) {
       const double got = element(out, dtype, r * row_stride + j * col_stride);
       const double want = expected[static_cast<std::size_t>(r * params.dim() + j)];
+      const double tol = tolerance(dtype, positions.at(0, r), want);
       if (!(std::fabs(got - want) <= tol) && reported++ < 5) {
         ADD_FAILURE() << "row " << r << " (position " << positions.at(0, r) << ") column " << j
                       << ": got " << got << ", reference " << want << ", tolerance " << tol;
@@ -216,13 +226,16 @@ TEST_P(EveryTarget, SinusoidalAddMatchesReference) {
     int reported = 0;
     for (std::int64_t b = 0; b < batch; ++b) {
       for (std::int64_t s = 0; s < seq; ++s) {
-        // The sum x + PE rounds once more in the output dtype: tolerance of the encoding plus
-        // one ulp of a value up to 3 in magnitude (f32 2^-22, bf16 2^-6, f16 2^-9).
-        const double ulp3 = dtype == DType::kF32 ? std::ldexp(1.0, -22) : dtype == DType::kBF16 ? std::ldexp(1.0, -6) : dtype == DType::kF16 ? std::ldexp(1.0, -9) : 0.0;
-        const double tol = tolerance(dtype, positions.at(b, s)) + ulp3;
         for (std::int64_t j = 0; j < dim; ++j) {
           const double got = element(out_buffer.data(), dtype, b * seq * row_stride + s * row_stride + j);
           const double want = expected[static_cast<std::size_t>((b * seq + s) * dim + j)];
+          // The sum x + PE (|x| <= 2) rounds once more in the output dtype: the encoding's
+          // tolerance plus one ulp of the sum in that dtype (f32 2^-23 relative).
+          const double ulp_sum = dtype == DType::kF32    ? std::ldexp(std::fabs(want), -23)
+                                 : dtype == DType::kBF16 ? ulp16(want, 7, -126)
+                                 : dtype == DType::kF16  ? ulp16(want, 10, -14)
+                                                         : 0.0;
+          const double tol = tolerance(dtype, positions.at(b, s), want) + ulp_sum;
           if (!(std::fabs(got - want) <= tol) && reported++ < 5) {
             ADD_FAILURE() << "[" << b << ", " << s << ", " << j << "] got " << got << ", reference " << want;
           }
@@ -230,6 +243,51 @@ TEST_P(EveryTarget, SinusoidalAddMatchesReference) {
       }
     }
   }
+}
+
+// Column strides, x and out with different strides (both paths of the add), packed positions.
+TEST_P(EveryTarget, SinusoidalAddStridedAndPacked) {
+  const SinusoidalParams params(22, 500.0, SinusoidalLayout::kSplitHalves);
+  const std::vector<std::int64_t> cu_seqlens = {0, 5, 20, 20, 37};  // an empty sequence too
+  const Positions packed = Positions::packed(cu_seqlens);
+  const std::int64_t tokens = 37, dim = 22;
+  auto check = [&](const ConstTensorView& x, const TensorView& out, const std::vector<float>& out_buffer,
+                   std::int64_t out_row, std::int64_t out_col, const Positions& positions, std::int64_t batch,
+                   std::int64_t seq) {
+    std::vector<double> x64(static_cast<std::size_t>(batch * seq * dim)), expected(x64.size());
+    for (std::int64_t b = 0; b < batch; ++b) {
+      for (std::int64_t s = 0; s < seq; ++s) {
+        for (std::int64_t j = 0; j < dim; ++j) {
+          const std::int64_t at = x.rank() == 3 ? b * x.stride(0) + s * x.stride(1) + j * x.stride(2)
+                                                : s * x.stride(0) + j * x.stride(1);
+          x64[static_cast<std::size_t>((b * seq + s) * dim + j)] = x.typed<float>()[at];
+        }
+      }
+    }
+    ref::sinusoidal_add(params, ConstTensorView::of(x64.data(), {batch, seq, dim}), positions,
+                        TensorView::of(expected.data(), {batch, seq, dim}));
+    sinusoidal_add(params, x, positions, out);
+    for (std::int64_t t = 0; t < batch * seq; ++t) {
+      for (std::int64_t j = 0; j < dim; ++j) {
+        const double want = expected[static_cast<std::size_t>(t * dim + j)];
+        // Encoding tolerance plus one f32 ulp of the sum (|x| <= 1).
+        ASSERT_NEAR(out_buffer[static_cast<std::size_t>(t * out_row + j * out_col)], want,
+                    tolerance(DType::kF32, 40, want) + std::ldexp(2.0, -23))
+            << "token " << t << ", column " << j;
+      }
+    }
+  };
+  // x every other column of a padded buffer, out contiguous: packed positions.
+  std::vector<float> x_buffer(static_cast<std::size_t>(tokens * 50));
+  for (auto& v : x_buffer) v = static_cast<float>(testing::uniform(-1, 1));
+  std::vector<float> out(static_cast<std::size_t>(tokens * dim), NAN);
+  check(ConstTensorView::of(x_buffer.data(), {tokens, dim}, {50, 2}), TensorView::of(out.data(), {tokens, dim}),
+        out, dim, 1, packed, 1, tokens);
+  // x contiguous [2, 18, 22], out with padded rows; per-row cache offsets.
+  const std::vector<std::int64_t> starts = {3, 1000};
+  std::vector<float> out_padded(static_cast<std::size_t>(2 * 18 * 25), NAN);
+  check(ConstTensorView::of(x_buffer.data(), {2, 18, dim}), TensorView::of(out_padded.data(), {2, 18, dim}, {18 * 25, 25, 1}),
+        out_padded, 25, 1, Positions::ranges(starts, 18), 2, 18);
 }
 
 // Large enough to use every thread and non-temporal stores; the output starts 4 bytes past a
@@ -286,7 +344,10 @@ TEST(Sinusoidal, RejectsBadArguments) {
   expect_error([&] { sinusoidal_table(params, Positions::ranges(starts, 8), TensorView::of(table.data(), {8, 8})); },
                {"positions.batch() = 2", "0 or 1"});
   expect_error([&] { sinusoidal_table(params, Positions::range(8), TensorView::of(table.data(), {8, 8}, {0, 1})); },
-               {"out.stride(0) = 0", "cannot broadcast"});
+               {"out.stride(0) = 0", "expected >= 1, so that no two elements of an output share memory"});
+  // Rows that overlap (stride 4 < width 8) would have two threads write one element.
+  expect_error([&] { sinusoidal_table(params, Positions::range(8), TensorView::of(table.data(), {8, 8}, {4, 1})); },
+               {"out.stride(0) = 4", ">= 8"});
   expect_error([&] { sinusoidal_add(params, ConstTensorView::of(x.data(), {8, 8}), Positions::range(8),
                                     TensorView::of(wide.data(), {8, 8})); },
                {"sinusoidal_add", "out.dtype() = f64", "f32"});

@@ -52,6 +52,16 @@ double element(const void* data, DType dtype, std::int64_t i) {
   return 0;
 }
 
+double round_to(double value, DType dtype) {
+  switch (dtype) {
+    case DType::kF32: return static_cast<float>(value);
+    case DType::kF64: return value;
+    case DType::kBF16: return from_bf16(to_bf16(static_cast<float>(value)));
+    case DType::kF16: return from_f16(to_f16(static_cast<float>(value)));
+  }
+  return value;
+}
+
 std::vector<unsigned char> to_dtype(const std::vector<double>& values, DType dtype) {
   std::vector<unsigned char> bytes(values.size() * dtype_size(dtype));
   for (std::size_t i = 0; i < values.size(); ++i) {

@@ -36,6 +36,9 @@ std::int64_t uniform_int(std::int64_t lo, std::int64_t hi);  // inclusive
 // Read element i of a buffer of any dtype, widened to double.
 double element(const void* data, DType dtype, std::int64_t i);
 
+// `value` rounded to `dtype` and widened back (f32, bf16, f16; f64 unchanged).
+double round_to(double value, DType dtype);
+
 // `values` rounded once to `dtype` (through the public conversions), as raw bytes.
 std::vector<unsigned char> to_dtype(const std::vector<double>& values, DType dtype);
 

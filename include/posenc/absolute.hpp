@@ -87,6 +87,9 @@ void learned_forward(ConstTensorView table, ConstTensorView x, const Positions& 
 // Backward of learned_forward. Restating the forward: y = x + W[pos]. Then
 //   d_table[pos(b, s), :] += dy[b, s, :]   (rows of repeated positions sum in token order)
 //   dx += dy                                (skipped when dx is an empty view)
+// Like every posenc backward, it accumulates into the gradients, so that contributions from
+// several ops sum without temporaries; zero dx first for the plain dx = dy. dx, d_table and dy
+// must not overlap one another.
 void learned_backward(ConstTensorView dy, const Positions& positions, TensorView d_table,
                       TensorView dx = {});
 

@@ -84,6 +84,9 @@ HWY_INLINE void SinPair(DD d, VD x, VD q, VD& value, VD& partner) {
 
 // Values of columns [j, j + 2·Lanes) for rows 0 … rows-1 (positions p0 + r), handed to
 // emit(r, low half, high half) as f32 vectors.
+// A tile reads columns [j, j + 2·Lanes) of the column tables, j < dim: the padding must cover it.
+static_assert(kColumnPadding >= 2 * hn::MaxLanes(DD()), "column tables need more padding");
+
 template <class Emit>
 HWY_INLINE void Tile(const SinusoidColumns& cols, double p0, std::int64_t rows, std::int64_t j,
                      const Emit& emit) {
@@ -131,10 +134,10 @@ HWY_INLINE void Tile(const SinusoidColumns& cols, double p0, std::int64_t rows, 
   }
 }
 
-// Partial tiles: the first `valid` (< 2·Lanes) floats of lo ++ hi. AVX2 and AVX-512 have true
-// masked loads and stores; on older targets Highway emulates a masked store by a read-modify-write
-// of the whole vector, which could race with the thread that owns the next row, so those go
-// through a buffer and memcpy.
+// Partial tiles: the first `valid` (< 2·Lanes) floats of lo ++ hi. AVX2 and AVX-512 have native
+// masked loads and stores, which touch exactly the valid lanes; older targets go through a small
+// buffer and memcpy, which touches exactly the valid bytes too (never an element of a row that
+// another thread writes).
 #if HWY_TARGET <= HWY_AVX2
 constexpr bool kNativeMasks = true;
 #else
@@ -260,6 +263,9 @@ void AddRowsF32(const float* a, const float* b, float* out, std::int64_t n) {
 
 void FlushStreams() { hwy::FlushStream(); }
 
+// The Highway target this translation unit's dispatch selects (for runtime.hpp's active_target).
+std::int64_t DispatchedTarget() { return HWY_TARGET; }
+
 }  // namespace HWY_NAMESPACE
 }  // namespace posenc::kernels
 HWY_AFTER_NAMESPACE();
@@ -271,6 +277,7 @@ HWY_EXPORT(SinusoidRunF32);
 HWY_EXPORT(SinusoidAddRunF32);
 HWY_EXPORT(AddRowsF32);
 HWY_EXPORT(FlushStreams);
+HWY_EXPORT(DispatchedTarget);
 
 void sinusoid_run_f32(const SinusoidColumns& cols, double first_position, std::int64_t rows,
                       float* out, std::int64_t out_row_stride, bool stream) {
@@ -286,6 +293,7 @@ void add_rows_f32(const float* a, const float* b, float* out, std::int64_t n) {
   HWY_DYNAMIC_DISPATCH(AddRowsF32)(a, b, out, n);
 }
 void flush_streams() { HWY_DYNAMIC_DISPATCH(FlushStreams)(); }
+std::int64_t dispatched_target() { return HWY_DYNAMIC_DISPATCH(DispatchedTarget)(); }
 
 }  // namespace posenc::kernels
 #endif  // HWY_ONCE

@@ -43,5 +43,7 @@ void sinusoid_add_run_f32(const SinusoidColumns& cols, double first_position, st
 void add_rows_f32(const float* a, const float* b, float* out, std::int64_t n);
 // Orders this thread's non-temporal stores before later loads and stores.
 void flush_streams();
+// The Highway target bit (HWY_AVX3, HWY_AVX2, …) these kernels currently dispatch to.
+std::int64_t dispatched_target();
 
 }  // namespace posenc::kernels

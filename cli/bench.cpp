@@ -68,6 +68,9 @@ Runner add_bench(CLI::App& app) {
   sub->add_option("--length,-n", o->shape.length, "Tokens (table rows)")->capture_default_str();
   sub->add_option("--dim,-d", o->shape.dim, "Width")->capture_default_str();
   sub->add_option("--batch,-b", o->shape.batch, "Batch rows")->capture_default_str();
+  sub->add_option("--heads", o->shape.heads, "rope: query heads")->capture_default_str();
+  sub->add_option("--kv-heads", o->shape.kv_heads, "rope: key heads")->capture_default_str();
+  sub->add_flag("--interleaved", o->shape.interleaved, "rope: interleaved pairs (default half-split)");
   sub->add_option("--threads,-t", o->threads, "Threads (default: OpenMP's default)");
   sub->add_option("--format", o->format, "text or json")->capture_default_str();
   return [o] { run_bench(*o); };

@@ -38,7 +38,7 @@ std::string shape(const CaseOptions& o) {
 }  // namespace
 
 std::vector<std::string> case_names() {
-  return {"sinusoidal", "sinusoidal-add", "learned-forward", "learned-backward"};
+  return {"sinusoidal", "sinusoidal-add", "learned-forward", "learned-backward", "rope"};
 }
 
 Case make_case(const std::string& name, const CaseOptions& o) {
@@ -103,6 +103,26 @@ Case make_case(const std::string& name, const CaseOptions& o) {
                          TensorView::of(buf->b.get(), {o.length, o.dim}));
       };
     }
+  } else if (name == "rope") {
+    require_positive("heads", o.heads);
+    require_positive("kv_heads", o.kv_heads);
+    const RopeParams params(o.dim, o.dim, 10000.0, o.interleaved ? RopeLayout::kInterleaved : RopeLayout::kHalfSplit);
+    const std::int64_t q_count = checked_mul(static_cast<std::int64_t>(tokens), o.heads * o.dim, "q elements");
+    const std::int64_t k_count = checked_mul(static_cast<std::int64_t>(tokens), o.kv_heads * o.dim, "k elements");
+    buf->a.assign(static_cast<std::size_t>(q_count + k_count), 0.5f);  // q then k
+    buf->b.assign(static_cast<std::size_t>(q_count + k_count), 0.0f);  // q_out then k_out
+    c.description = "q [" + std::to_string(o.batch) + ", " + std::to_string(o.length) + ", " + std::to_string(o.heads) +
+                    ", " + std::to_string(o.dim) + "], k with " + std::to_string(o.kv_heads) + " heads, f32, " +
+                    (o.interleaved ? "interleaved" : "half-split") + ", out of place";
+    c.bytes_per_run = 2.0 * static_cast<double>(q_count + k_count) * sizeof(float);  // read + write
+    c.limit_name = "copy_nt";
+    c.run = [params, buf, o, q_count] {
+      rope_apply(params, Positions::range(o.length),
+                 ConstTensorView::of(buf->a.get(), {o.batch, o.length, o.heads, o.dim}),
+                 ConstTensorView::of(buf->a.get() + q_count, {o.batch, o.length, o.kv_heads, o.dim}),
+                 TensorView::of(buf->b.get(), {o.batch, o.length, o.heads, o.dim}),
+                 TensorView::of(buf->b.get() + q_count, {o.batch, o.length, o.kv_heads, o.dim}));
+    };
   } else {
     std::string names;
     for (const auto& n : case_names()) names += (names.empty() ? "" : ", ") + n;

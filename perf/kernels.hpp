@@ -12,8 +12,12 @@ namespace posenc::perf {
 
 struct CaseOptions {
   std::int64_t length = 32768;  // tokens (or table rows)
-  std::int64_t dim = 1024;
+  std::int64_t dim = 1024;      // width (head_dim for rope)
   std::int64_t batch = 1;
+  // rope: [batch, length, heads, dim] q and [batch, length, kv_heads, dim] k
+  std::int64_t heads = 32;
+  std::int64_t kv_heads = 8;
+  bool interleaved = false;
 };
 
 // One prepared case: buffers allocated and touched, `run` does one call of the kernel.
@@ -26,7 +30,8 @@ struct Case {
   std::shared_ptr<void> state;  // owns the buffers
 };
 
-// Kernel names: sinusoidal (table build), sinusoidal-add, learned-forward, learned-backward.
+// Kernel names: sinusoidal (table build), sinusoidal-add, learned-forward, learned-backward,
+// rope (out of place, q and k together, contiguous positions).
 std::vector<std::string> case_names();
 // Throws posenc::Error for an unknown name or bad options.
 Case make_case(const std::string& name, const CaseOptions& options);

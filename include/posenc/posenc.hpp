@@ -6,5 +6,6 @@
 #include "posenc/error.hpp"
 #include "posenc/positions.hpp"
 #include "posenc/reference.hpp"
+#include "posenc/rotary.hpp"
 #include "posenc/runtime.hpp"
 #include "posenc/tensor.hpp"

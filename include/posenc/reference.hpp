@@ -3,10 +3,11 @@
 // Plain loops, fp64 arithmetic inside whatever the tensor dtype, libm sin/cos. These are the test
 // oracle for the SIMD kernels, the fallback for f64 tensors, and what runs under
 // POSENC_TARGET=ref (the CLI's `--target ref`). Signatures and contracts are those of the public
-// functions of the same name (absolute.hpp); inputs are validated the same way.
+// functions of the same name (absolute.hpp, rotary.hpp); inputs are validated the same way.
 #pragma once
 
 #include "posenc/absolute.hpp"
+#include "posenc/rotary.hpp"
 
 namespace posenc::ref {
 
@@ -17,5 +18,11 @@ void learned_forward(ConstTensorView table, ConstTensorView x, const Positions& 
                      TensorView y);
 void learned_backward(ConstTensorView dy, const Positions& positions, TensorView d_table,
                       TensorView dx = {});
+
+void rope_apply(const RopeParams& params, const Positions& positions, ConstTensorView q,
+                ConstTensorView k, TensorView q_out, TensorView k_out,
+                RopeDirection direction = RopeDirection::kForward, std::int64_t seq_len = 0);
+void rope_cos_sin(const RopeParams& params, const Positions& positions, TensorView cos,
+                  TensorView sin, std::int64_t seq_len = 0);
 
 }  // namespace posenc::ref

@@ -35,6 +35,7 @@
 #include <cstring>
 
 #include "kernels/absolute/absolute_kernels.hpp"
+#include "kernels/common/sincos-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace posenc::kernels {
@@ -44,46 +45,8 @@ namespace hn = hwy::HWY_NAMESPACE;
 using DD = hn::ScalableTag<double>;
 using DF = hn::Rebind<float, DD>;  // as many lanes as DD, half the width
 using VD = hn::Vec<DD>;
+using common::HWY_NAMESPACE::SinPair;
 
-// value = sin(x + q·π/2) and partner = sin(x + (1 - q)·π/2) for x >= 0 (x < 2^51) and
-// q ∈ {0, 1}, lane-wise, in fp64: one reduction and one pair of polynomials serve both.
-HWY_INLINE void SinPair(DD d, VD x, VD q, VD& value, VD& partner) {
-  const hn::RebindToUnsigned<DD> du;
-  const auto k = hn::Round(hn::Mul(x, hn::Set(d, 0.63661977236758134308)));  // 2/π
-  auto r = hn::NegMulAdd(k, hn::Set(d, 1.5707963267948966), x);               // (π/2)_hi
-  r = hn::NegMulAdd(k, hn::Set(d, 6.123233995736766e-17), r);                 // (π/2)_lo
-  // m = k + q as an integer in the low mantissa bits (exact for 0 <= k + q < 2^51).
-  const auto m = hn::BitCast(du, hn::Add(hn::Add(k, q), hn::Set(d, 6755399441055744.0)));  // 1.5·2^52
-  const auto z = hn::Mul(r, r);
-  // Taylor coefficients ±1/n!.
-  auto s = hn::Set(d, -1.0 / 39916800.0);
-  s = hn::MulAdd(s, z, hn::Set(d, 1.0 / 362880.0));
-  s = hn::MulAdd(s, z, hn::Set(d, -1.0 / 5040.0));
-  s = hn::MulAdd(s, z, hn::Set(d, 1.0 / 120.0));
-  s = hn::MulAdd(s, z, hn::Set(d, -1.0 / 6.0));
-  s = hn::MulAdd(hn::Mul(s, z), r, r);
-  auto c = hn::Set(d, 1.0 / 479001600.0);
-  c = hn::MulAdd(c, z, hn::Set(d, -1.0 / 3628800.0));
-  c = hn::MulAdd(c, z, hn::Set(d, 1.0 / 40320.0));
-  c = hn::MulAdd(c, z, hn::Set(d, -1.0 / 720.0));
-  c = hn::MulAdd(c, z, hn::Set(d, 1.0 / 24.0));
-  c = hn::MulAdd(c, z, hn::Set(d, -0.5));
-  c = hn::MulAdd(c, z, hn::Set(d, 1.0));
-  // sin(r + m·π/2) is sin r, cos r, -sin r, -cos r for m mod 4 = 0, 1, 2, 3; the partner's
-  // quadrant is m + 1 - 2q, i.e. m + 1 for a sin column and m - 1 for a cos column.
-  const auto one = hn::Set(du, 1);
-  const auto odd = hn::RebindMask(d, hn::Eq(hn::And(m, one), one));
-  const auto sign_of = [&](auto quadrant) {  // bit 1 of the quadrant into the sign bit
-    return hn::BitCast(d, hn::ShiftLeft<62>(hn::And(quadrant, hn::Set(du, 2))));
-  };
-  const auto q_bits = hn::BitCast(du, hn::Add(q, hn::Set(d, 6755399441055744.0)));
-  const auto partner_m = hn::Sub(hn::Add(m, one), hn::ShiftLeft<1>(hn::And(q_bits, one)));
-  value = hn::Xor(hn::IfThenElse(odd, c, s), sign_of(m));
-  partner = hn::Xor(hn::IfThenElse(odd, s, c), sign_of(partner_m));
-}
-
-// Values of columns [j, j + 2·Lanes) for rows 0 … rows-1 (positions p0 + r), handed to
-// emit(r, low half, high half) as f32 vectors.
 // A tile reads columns [j, j + 2·Lanes) of the column tables, j < dim: the padding must cover it.
 static_assert(kColumnPadding >= 2 * hn::MaxLanes(DD()), "column tables need more padding");
 

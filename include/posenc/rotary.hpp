@@ -1,0 +1,153 @@
+// posenc/rotary.hpp — rotary position embedding (RoPE; Su et al. 2021, RoFormer).
+//
+// ─── Math ──────────────────────────────────────────────────────────────────────────────────────
+// For a head vector x of width D (head_dim) at position p, the first r = rotary_dim entries form
+// r/2 pairs (a_i, b_i); pair i turns by the angle θ_i = p·ω_i:
+//
+//     a'_i = a_i·cos θ_i − b_i·sin θ_i          b'_i = b_i·cos θ_i + a_i·sin θ_i
+//
+// with ω_i = base^(−2i/r) before scaling (RopeScaling below). Entries r … D−1 pass through
+// unchanged (partial rotary). Then <R(m) q, R(n) k> depends on m − n only. The inverse rotation
+// (angle −θ) is both the inverse and the gradient: backward is forward with the sine negated.
+// An attention factor α (yarn, longrope) multiplies cos and sin, as Hugging Face does, so q·k
+// scales by α².
+//
+// ─── Layouts (where a pair's two members sit; r = 8 shown, D = 10, "·" passes through) ──────────
+//
+//   kInterleaved   [a0 b0 a1 b1 a2 b2 a3 b3 · ·]   RoFormer, GPT-J, Meta's original Llama code
+//   kHalfSplit     [a0 a1 a2 a3 b0 b1 b2 b3 · ·]   GPT-NeoX, Hugging Face `rotate_half`
+//
+// ─── Frequencies (Hugging Face transformers' `rope_type` semantics; docs/hf-rope-semantics.md) ──
+//   default    ω_i = base^(−2i/r)
+//   linear     ω_i / factor                                          (position interpolation)
+//   ntk        base' = base·factor^(r/(r−2)), then default            (static NTK-aware)
+//   dynamic    base' = base·(factor·L/M − (factor − 1))^(r/(r−2)), L = max(seq_len, M),
+//              M = max_position_embeddings; seq_len <= M gives the default frequencies
+//   yarn       blend of ω_i (high frequencies) and ω_i/factor (low) over a linear ramp between
+//              the correction dims of beta_fast and beta_slow for M0 = original_max_position_
+//              embeddings; α = mscale(factor, mscale)/mscale(factor, mscale_all_dim) when both are
+//              set (DeepSeek), else 0.1·ln(factor) + 1, unless attention_factor is given
+//   longrope   ω_i / long_factor[i] when seq_len > M0, else ω_i / short_factor[i];
+//              α = sqrt(1 + ln(factor)/ln(M0)) (factor = M/M0 unless given), unless given
+//   llama3     wavelength 2π/ω_i above M0/low_freq_factor: ω_i/factor; below M0/high_freq_factor:
+//              ω_i; between: a smooth blend
+// Per-dim frequency factors (llama.cpp's freq_factors) divide ω_i after the scaling.
+// All of this is computed in fp64 (Hugging Face computes in fp32: its ω differ from posenc's by
+// up to an fp32 ulp or two; posenc's are the more exact ones).
+//
+// ─── Views, positions, dtypes ──────────────────────────────────────────────────────────────────
+// q and k are [B, S, H, D] or packed [T, H, D] views with any non-negative strides, so
+// [B, H, S, D] memory is passed as a [B, S, H, D] view with permuted strides — no copy. q and k
+// may have different head counts (GQA/MQA); either may be an empty view (not rotated). Positions
+// are per token (positions.hpp). f32, bf16 and f16 compute in f32; f64 runs the fp64 reference.
+//
+// ─── Numerics ──────────────────────────────────────────────────────────────────────────────────
+// cos θ and sin θ are computed from the fp64 angle p·ω_i with an exact reduction (as the
+// sinusoidal encoding), then rounded to f32: within 2^-25 + p·2^-52 of the true values, so the
+// relative-position property survives to p = 2^24 and beyond, where fp32 angles lose it. The
+// rotation itself is f32 (one multiply and one fused multiply-add per output).
+//
+// Errors: posenc::Error for odd rotary_dim, rotary_dim > head_dim, base <= 1, factor < 1 where
+// the type needs >= 1, beta_fast < beta_slow, factor lists of the wrong length, shape or dtype
+// mismatches, and positions out of range.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <string_view>
+#include <vector>
+
+#include "posenc/positions.hpp"
+#include "posenc/tensor.hpp"
+
+namespace posenc {
+
+enum class RopeLayout : std::uint8_t {
+  kInterleaved,  // pairs (x[2i], x[2i+1])
+  kHalfSplit,    // pairs (x[i], x[i + r/2])
+};
+
+enum class RopeType : std::uint8_t { kDefault, kLinear, kNtk, kDynamic, kYarn, kLongRope, kLlama3 };
+
+// "default", "linear", "ntk", "dynamic", "yarn", "longrope", "llama3" (Hugging Face's names).
+std::string_view rope_type_name(RopeType type) noexcept;
+// Throws posenc::Error naming the unknown type and the known ones.
+RopeType rope_type_from_name(std::string_view name);
+
+struct RopeScaling {
+  RopeType type = RopeType::kDefault;
+  double factor = 1.0;
+  // M0, the pre-training context (yarn, longrope, llama3); 0 means max_position_embeddings.
+  std::int64_t original_max_position_embeddings = 0;
+  // yarn
+  double beta_fast = 32.0;
+  double beta_slow = 1.0;
+  double mscale = 0.0;          // 0: unset
+  double mscale_all_dim = 0.0;  // 0: unset
+  bool truncate = true;         // floor/ceil the correction range
+  // yarn, longrope: NaN means "derive it" (see above)
+  double attention_factor = std::numeric_limits<double>::quiet_NaN();
+  // llama3
+  double low_freq_factor = 1.0;
+  double high_freq_factor = 4.0;
+  // longrope: r/2 factors each
+  std::vector<double> short_factor, long_factor;
+};
+
+// Validated at construction: throws posenc::Error naming the field.
+class RopeParams {
+ public:
+  RopeParams(std::int64_t head_dim, std::int64_t rotary_dim, double base = 10000.0,
+             RopeLayout layout = RopeLayout::kHalfSplit, RopeScaling scaling = {},
+             std::int64_t max_position_embeddings = 2048, std::vector<double> freq_factors = {});
+
+  std::int64_t head_dim() const { return head_dim_; }
+  std::int64_t rotary_dim() const { return rotary_dim_; }
+  double base() const { return base_; }
+  RopeLayout layout() const { return layout_; }
+  const RopeScaling& scaling() const { return scaling_; }
+  std::int64_t max_position_embeddings() const { return max_position_embeddings_; }
+  const std::vector<double>& freq_factors() const { return freq_factors_; }
+  // M0: original_max_position_embeddings, or max_position_embeddings when that is 0.
+  std::int64_t original_max_position_embeddings() const;
+
+  // ω_i, i < rotary_dim/2, in fp64, for a sequence of `seq_len` tokens (dynamic and longrope
+  // depend on it; 0 means "at initialisation": default frequencies for dynamic, short factors
+  // for longrope).
+  std::vector<double> inv_frequencies(std::int64_t seq_len = 0) const;
+  // α, the factor that multiplies cos and sin.
+  double attention_factor() const;
+
+ private:
+  std::int64_t head_dim_;
+  std::int64_t rotary_dim_;
+  double base_;
+  RopeLayout layout_;
+  RopeScaling scaling_;
+  std::int64_t max_position_embeddings_;
+  std::vector<double> freq_factors_;
+};
+
+enum class RopeDirection : std::uint8_t {
+  kForward,  // rotate by +θ
+  kInverse,  // rotate by −θ: the inverse, and the backward pass (dx = R(−θ) dy)
+};
+
+// In place: q and k rotated for their tokens' positions. q: [B, S, Hq, D] or [T, Hq, D];
+// k: [B, S, Hk, D] or [T, Hk, D] with the same tokens, or an empty view. `seq_len` selects the
+// frequencies of dynamic and longrope scaling (0: positions.max_position() + 1).
+void rope_apply(const RopeParams& params, const Positions& positions, TensorView q, TensorView k,
+                RopeDirection direction = RopeDirection::kForward, std::int64_t seq_len = 0);
+
+// Out of place: q_out = R q, k_out = R k (the entries past rotary_dim copied). Outputs may be the
+// inputs themselves (in place) but must not otherwise overlap them.
+void rope_apply(const RopeParams& params, const Positions& positions, ConstTensorView q,
+                ConstTensorView k, TensorView q_out, TensorView k_out,
+                RopeDirection direction = RopeDirection::kForward, std::int64_t seq_len = 0);
+
+// cos and sin tables [N, r/2] (N = positions.seq_len(), batch() must be 0 or 1), α included:
+// one column per frequency, as `posenc table rope` prints them.
+void rope_cos_sin(const RopeParams& params, const Positions& positions, TensorView cos,
+                  TensorView sin, std::int64_t seq_len = 0);
+
+}  // namespace posenc

@@ -1,0 +1,86 @@
+// fp64 scalar reference of rotary embedding (see posenc/rotary.hpp). Every angle p·ω_i, its libm
+// cos/sin and the rotation in fp64, rounded once on store. Independent of the kernels' exact
+// reduction and coefficient layout.
+#include <cmath>
+#include <vector>
+
+#include "posenc/reference.hpp"
+#include "rotary_checks.hpp"
+
+namespace posenc::ref {
+namespace {
+
+// Index of the two members of pair i.
+struct PairIndex {
+  std::int64_t first, second;
+};
+PairIndex pair_index(const RopeParams& params, std::int64_t i) {
+  if (params.layout() == RopeLayout::kInterleaved) return {2 * i, 2 * i + 1};
+  return {i, i + params.rotary_dim() / 2};
+}
+
+void rotate(const detail::HeadsGrid& in_g, const void* in, const detail::HeadsGrid& out_g, void* out,
+            DType dtype, std::int64_t b, std::int64_t s, const RopeParams& params,
+            const std::vector<double>& cos_a, const std::vector<double>& sin_a) {
+  std::vector<double> row(static_cast<std::size_t>(params.head_dim()));
+  for (std::int64_t h = 0; h < in_g.heads; ++h) {
+    const std::int64_t in_off = in_g.offset(b, s) + h * in_g.head_stride;
+    const std::int64_t out_off = out_g.offset(b, s) + h * out_g.head_stride;
+    for (std::int64_t j = 0; j < params.head_dim(); ++j) {
+      row[static_cast<std::size_t>(j)] = detail::load(in, dtype, in_off + j * in_g.dim_stride);
+    }
+    for (std::int64_t i = 0; i < params.rotary_dim() / 2; ++i) {
+      const PairIndex p = pair_index(params, i);
+      const double a = row[static_cast<std::size_t>(p.first)], bb = row[static_cast<std::size_t>(p.second)];
+      const double c = cos_a[static_cast<std::size_t>(i)], sn = sin_a[static_cast<std::size_t>(i)];
+      row[static_cast<std::size_t>(p.first)] = a * c - bb * sn;
+      row[static_cast<std::size_t>(p.second)] = bb * c + a * sn;
+    }
+    for (std::int64_t j = 0; j < params.head_dim(); ++j) {
+      detail::store(out, dtype, out_off + j * out_g.dim_stride, row[static_cast<std::size_t>(j)]);
+    }
+  }
+}
+
+}  // namespace
+
+void rope_apply(const RopeParams& params, const Positions& positions, ConstTensorView q, ConstTensorView k,
+                TensorView q_out, TensorView k_out, RopeDirection direction, std::int64_t seq_len) {
+  detail::init_dispatch();
+  const detail::RopeGrids g = detail::check_rope(params, positions, q, k, q_out, k_out);
+  const std::int64_t len = seq_len > 0 ? seq_len : positions.max_position() + 1;
+  const std::vector<double> w = params.inv_frequencies(len);
+  const double alpha = params.attention_factor();
+  const double sign = direction == RopeDirection::kInverse ? -1.0 : 1.0;
+  std::vector<double> cos_a(w.size()), sin_a(w.size());
+  for (std::int64_t b = 0; b < g.q.batch; ++b) {
+    for (std::int64_t s = 0; s < g.q.seq; ++s) {
+      const auto p = static_cast<double>(positions.at(b, s));
+      for (std::size_t i = 0; i < w.size(); ++i) {
+        cos_a[i] = alpha * std::cos(p * w[i]);
+        sin_a[i] = sign * alpha * std::sin(p * w[i]);
+      }
+      rotate(g.q, q.data(), g.q_out, q_out.data(), q.dtype(), b, s, params, cos_a, sin_a);
+      if (g.has_k) rotate(g.k, k.data(), g.k_out, k_out.data(), k.dtype(), b, s, params, cos_a, sin_a);
+    }
+  }
+}
+
+void rope_cos_sin(const RopeParams& params, const Positions& positions, TensorView cos, TensorView sin,
+                  std::int64_t seq_len) {
+  detail::init_dispatch();
+  const detail::Grid g = detail::check_rope_cos_sin(params, positions, cos, sin);
+  const std::int64_t len = seq_len > 0 ? seq_len : positions.max_position() + 1;
+  const std::vector<double> w = params.inv_frequencies(len);
+  const double alpha = params.attention_factor();
+  for (std::int64_t n = 0; n < g.seq; ++n) {
+    const auto p = static_cast<double>(positions.at(0, n));
+    for (std::size_t i = 0; i < w.size(); ++i) {
+      const auto col = static_cast<std::int64_t>(i);
+      detail::store(cos.data(), cos.dtype(), g.offset(0, n) + col * g.dim_stride, alpha * std::cos(p * w[i]));
+      detail::store(sin.data(), sin.dtype(), n * sin.stride(0) + col * sin.stride(1), alpha * std::sin(p * w[i]));
+    }
+  }
+}
+
+}  // namespace posenc::ref

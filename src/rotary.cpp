@@ -1,0 +1,339 @@
+// Rotary position embedding: parameters and frequencies (Hugging Face semantics, in fp64; see
+// docs/hf-rope-semantics.md), and the entry points around the SIMD kernels.
+#include "posenc/rotary.hpp"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numbers>
+#include <string>
+
+#include "absolute_checks.hpp"
+#include "internal.hpp"
+#include "kernels/rotary/rotary_kernels.hpp"
+#include "posenc/reference.hpp"
+#include "rotary_checks.hpp"
+
+namespace posenc {
+namespace {
+
+constexpr const char* kWhere = "rope";
+
+void require(bool ok, const char* param, const std::string& value, const std::string& expected) {
+  if (!ok) throw Error(kWhere, param, value, expected);
+}
+
+// Hugging Face's yarn_get_mscale: 1 for factor <= 1, else 0.1·m·ln(factor) + 1.
+double yarn_mscale(double factor, double m) { return factor <= 1.0 ? 1.0 : 0.1 * m * std::log(factor) + 1.0; }
+
+// The pair index whose wavelength spans M0 / rotations (YaRN, Peng et al. 2023, eq. 19).
+double yarn_correction_dim(double rotations, double dim, double base, double m0) {
+  return dim * std::log(m0 / (rotations * 2.0 * std::numbers::pi)) / (2.0 * std::log(base));
+}
+
+}  // namespace
+
+std::string_view rope_type_name(RopeType type) noexcept {
+  switch (type) {
+    case RopeType::kDefault: return "default";
+    case RopeType::kLinear: return "linear";
+    case RopeType::kNtk: return "ntk";
+    case RopeType::kDynamic: return "dynamic";
+    case RopeType::kYarn: return "yarn";
+    case RopeType::kLongRope: return "longrope";
+    case RopeType::kLlama3: return "llama3";
+  }
+  return "?";
+}
+
+RopeType rope_type_from_name(std::string_view name) {
+  for (RopeType t : {RopeType::kDefault, RopeType::kLinear, RopeType::kNtk, RopeType::kDynamic,
+                     RopeType::kYarn, RopeType::kLongRope, RopeType::kLlama3}) {
+    if (name == rope_type_name(t)) return t;
+  }
+  throw Error(kWhere, "rope_type", std::string(name),
+              "one of default, linear, ntk, dynamic, yarn, longrope, llama3");
+}
+
+RopeParams::RopeParams(std::int64_t head_dim, std::int64_t rotary_dim, double base, RopeLayout layout,
+                       RopeScaling scaling, std::int64_t max_position_embeddings,
+                       std::vector<double> freq_factors)
+    : head_dim_(head_dim),
+      rotary_dim_(rotary_dim),
+      base_(base),
+      layout_(layout),
+      scaling_(std::move(scaling)),
+      max_position_embeddings_(max_position_embeddings),
+      freq_factors_(std::move(freq_factors)) {
+  using detail::to_text;
+  require(head_dim >= 2 && head_dim <= (1 << 16), "head_dim", std::to_string(head_dim), "2 to 65536");
+  require(rotary_dim >= 2 && rotary_dim % 2 == 0, "rotary_dim", std::to_string(rotary_dim),
+          "an even number >= 2");
+  require(rotary_dim <= head_dim, "rotary_dim", std::to_string(rotary_dim),
+          "<= head_dim = " + std::to_string(head_dim));
+  require(base > 1.0 && std::isfinite(base), "base", to_text(base), "a finite number > 1");
+  require(layout == RopeLayout::kInterleaved || layout == RopeLayout::kHalfSplit, "layout",
+          std::to_string(static_cast<int>(layout)), "kInterleaved or kHalfSplit");
+  require(max_position_embeddings >= 1, "max_position_embeddings", std::to_string(max_position_embeddings), ">= 1");
+  const RopeScaling& s = scaling_;
+  require(s.original_max_position_embeddings >= 0, "original_max_position_embeddings",
+          std::to_string(s.original_max_position_embeddings), ">= 0 (0: max_position_embeddings)");
+  const std::size_t pairs = static_cast<std::size_t>(rotary_dim / 2);
+  switch (s.type) {
+    case RopeType::kDefault: break;
+    case RopeType::kLinear:
+    case RopeType::kNtk:
+    case RopeType::kDynamic:
+    case RopeType::kYarn:
+    case RopeType::kLlama3:
+      require(s.factor >= 1.0 && std::isfinite(s.factor), "factor", to_text(s.factor),
+              std::string("a finite number >= 1 for rope_type ") + std::string(rope_type_name(s.type)));
+      break;
+    case RopeType::kLongRope:
+      require(s.factor > 0.0 && std::isfinite(s.factor), "factor", to_text(s.factor), "a finite number > 0");
+      require(s.short_factor.size() == pairs, "short_factor.size()", std::to_string(s.short_factor.size()),
+              "rotary_dim / 2 = " + std::to_string(pairs));
+      require(s.long_factor.size() == pairs, "long_factor.size()", std::to_string(s.long_factor.size()),
+              "rotary_dim / 2 = " + std::to_string(pairs));
+      for (std::size_t i = 0; i < pairs; ++i) {
+        require(s.short_factor[i] > 0 && std::isfinite(s.short_factor[i]), "short_factor[i]",
+                to_text(s.short_factor[i]) + " at i = " + std::to_string(i), "a finite number > 0");
+        require(s.long_factor[i] > 0 && std::isfinite(s.long_factor[i]), "long_factor[i]",
+                to_text(s.long_factor[i]) + " at i = " + std::to_string(i), "a finite number > 0");
+      }
+      break;
+  }
+  if (s.type == RopeType::kYarn) {
+    require(s.beta_fast >= s.beta_slow, "beta_fast", to_text(s.beta_fast),
+            ">= beta_slow = " + to_text(s.beta_slow));
+    require(s.beta_slow > 0, "beta_slow", to_text(s.beta_slow), "> 0");
+  }
+  if (s.type == RopeType::kLlama3) {
+    require(s.low_freq_factor > 0, "low_freq_factor", to_text(s.low_freq_factor), "> 0");
+    require(s.high_freq_factor > s.low_freq_factor, "high_freq_factor", to_text(s.high_freq_factor),
+            "> low_freq_factor = " + to_text(s.low_freq_factor));
+  }
+  require(std::isnan(s.attention_factor) || (s.attention_factor > 0 && std::isfinite(s.attention_factor)),
+          "attention_factor", to_text(s.attention_factor), "a finite number > 0, or NaN to derive it");
+  require(freq_factors_.empty() || freq_factors_.size() == pairs, "freq_factors.size()",
+          std::to_string(freq_factors_.size()), "0 or rotary_dim / 2 = " + std::to_string(pairs));
+  for (std::size_t i = 0; i < freq_factors_.size(); ++i) {
+    require(freq_factors_[i] > 0 && std::isfinite(freq_factors_[i]), "freq_factors[i]",
+            to_text(freq_factors_[i]) + " at i = " + std::to_string(i), "a finite number > 0");
+  }
+}
+
+std::int64_t RopeParams::original_max_position_embeddings() const {
+  return scaling_.original_max_position_embeddings > 0 ? scaling_.original_max_position_embeddings
+                                                       : max_position_embeddings_;
+}
+
+std::vector<double> RopeParams::inv_frequencies(std::int64_t seq_len) const {
+  const RopeScaling& s = scaling_;
+  const auto r = static_cast<long double>(rotary_dim_);
+  const std::int64_t pairs = rotary_dim_ / 2;
+  // ω_i = base'^(−2i/r) in extended precision, rounded once to fp64.
+  auto default_frequencies = [&](long double base) {
+    std::vector<double> w(static_cast<std::size_t>(pairs));
+    for (std::int64_t i = 0; i < pairs; ++i) {
+      w[static_cast<std::size_t>(i)] = static_cast<double>(std::pow(base, -2.0L * static_cast<long double>(i) / r));
+    }
+    return w;
+  };
+  const auto base = static_cast<long double>(base_);
+  const double m = static_cast<double>(max_position_embeddings_);
+  const double m0 = static_cast<double>(original_max_position_embeddings());
+  std::vector<double> w;
+  switch (s.type) {
+    case RopeType::kDefault: w = default_frequencies(base); break;
+    case RopeType::kLinear:
+      w = default_frequencies(base);
+      for (double& x : w) x /= s.factor;
+      break;
+    case RopeType::kNtk:  // "NTK-aware scaled RoPE" (bloc97, 2023): base·factor^(r/(r−2))
+      w = default_frequencies(base * std::pow(static_cast<long double>(s.factor), r / (r - 2)));
+      break;
+    case RopeType::kDynamic: {
+      // Hugging Face's dynamic NTK: L = max(seq_len, M); at L = M the base is unchanged.
+      const long double l = static_cast<long double>(std::max<double>(static_cast<double>(seq_len), m));
+      const long double f = s.factor;
+      const long double scaled = f * l / static_cast<long double>(m) - (f - 1.0L);
+      w = default_frequencies(base * std::pow(scaled, r / (r - 2)));
+      break;
+    }
+    case RopeType::kYarn: {
+      const std::vector<double> extrapolation = default_frequencies(base);
+      double low = yarn_correction_dim(s.beta_fast, static_cast<double>(rotary_dim_), base_, m0);
+      double high = yarn_correction_dim(s.beta_slow, static_cast<double>(rotary_dim_), base_, m0);
+      if (s.truncate) {
+        low = std::floor(low);
+        high = std::ceil(high);
+      }
+      low = std::max(low, 0.0);
+      high = std::min(high, static_cast<double>(rotary_dim_ - 1));
+      if (low == high) high += 0.001;  // Hugging Face's guard against a zero-width ramp
+      w.resize(extrapolation.size());
+      for (std::size_t i = 0; i < w.size(); ++i) {
+        const double ramp = std::clamp((static_cast<double>(i) - low) / (high - low), 0.0, 1.0);
+        const double extrapolate = 1.0 - ramp;  // weight of the unscaled frequency
+        w[i] = extrapolation[i] / s.factor * ramp + extrapolation[i] * extrapolate;
+      }
+      break;
+    }
+    case RopeType::kLongRope: {
+      w = default_frequencies(base);
+      const bool use_long = seq_len > original_max_position_embeddings();
+      const std::vector<double>& factors = use_long ? s.long_factor : s.short_factor;
+      for (std::size_t i = 0; i < w.size(); ++i) w[i] /= factors[i];
+      break;
+    }
+    case RopeType::kLlama3: {
+      // Llama 3.1 (Meta, 2024): wavelengths above M0/low_freq_factor are scaled by 1/factor, below
+      // M0/high_freq_factor kept, in between blended by the position of M0/wavelength.
+      w = default_frequencies(base);
+      const double low_wavelength = m0 / s.low_freq_factor;
+      const double high_wavelength = m0 / s.high_freq_factor;
+      for (double& x : w) {
+        const double wavelength = 2.0 * std::numbers::pi / x;
+        if (wavelength > low_wavelength) {
+          x /= s.factor;
+        } else if (wavelength >= high_wavelength) {  // the band is inclusive at both ends
+          const double smooth = (m0 / wavelength - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+          x = (1.0 - smooth) * x / s.factor + smooth * x;
+        }
+      }
+      break;
+    }
+  }
+  for (std::size_t i = 0; i < freq_factors_.size(); ++i) w[i] /= freq_factors_[i];
+  return w;
+}
+
+double RopeParams::attention_factor() const {
+  const RopeScaling& s = scaling_;
+  if (!std::isnan(s.attention_factor)) return s.attention_factor;
+  if (s.type == RopeType::kYarn) {
+    if (s.mscale != 0.0 && s.mscale_all_dim != 0.0) {
+      return yarn_mscale(s.factor, s.mscale) / yarn_mscale(s.factor, s.mscale_all_dim);
+    }
+    return yarn_mscale(s.factor, 1.0);
+  }
+  if (s.type == RopeType::kLongRope) {
+    const double m0 = static_cast<double>(original_max_position_embeddings());
+    return s.factor <= 1.0 ? 1.0 : std::sqrt(1.0 + std::log(s.factor) / std::log(m0));
+  }
+  return 1.0;
+}
+
+// ─── Application ───────────────────────────────────────────────────────────────────────────────
+
+namespace {
+
+// Frequencies padded for the kernels' vector loads.
+std::vector<double> padded_frequencies(const RopeParams& params, std::int64_t seq_len) {
+  std::vector<double> w = params.inv_frequencies(seq_len);
+  w.resize(w.size() + kernels::kRopeFreqPadding, 0.0);
+  return w;
+}
+
+struct RopeScratch {
+  std::vector<float> cos_e, sin_e, row;
+};
+RopeScratch& rope_scratch(std::int64_t rotary_dim, std::int64_t head_dim) {
+  thread_local RopeScratch s;
+  if (s.cos_e.size() < static_cast<std::size_t>(rotary_dim)) {
+    s.cos_e.resize(static_cast<std::size_t>(rotary_dim));
+    s.sin_e.resize(static_cast<std::size_t>(rotary_dim));
+  }
+  if (s.row.size() < static_cast<std::size_t>(head_dim)) s.row.resize(static_cast<std::size_t>(head_dim));
+  return s;
+}
+
+// Rotates every head of one token of one tensor (in → out, f32 math).
+void rotate_token(const detail::HeadsGrid& in_g, const void* in, const detail::HeadsGrid& out_g, void* out,
+                  DType dtype, std::int64_t b, std::int64_t s, const RopeParams& params, RopeScratch& buf,
+                  bool interleaved) {
+  const std::int64_t d = params.head_dim(), r = params.rotary_dim();
+  const std::int64_t in_off = in_g.offset(b, s), out_off = out_g.offset(b, s);
+  if (dtype == DType::kF32 && in_g.dim_stride == 1 && out_g.dim_stride == 1) {
+    kernels::rope_rotate_f32(buf.cos_e.data(), buf.sin_e.data(), r, interleaved, d, in_g.heads,
+                             static_cast<const float*>(in) + in_off, in_g.head_stride,
+                             static_cast<float*>(out) + out_off, out_g.head_stride);
+    return;
+  }
+  for (std::int64_t h = 0; h < in_g.heads; ++h) {
+    for (std::int64_t j = 0; j < d; ++j) {
+      buf.row[static_cast<std::size_t>(j)] =
+          static_cast<float>(detail::load(in, dtype, in_off + h * in_g.head_stride + j * in_g.dim_stride));
+    }
+    kernels::rope_rotate_f32(buf.cos_e.data(), buf.sin_e.data(), r, interleaved, d, 1, buf.row.data(), 0,
+                             buf.row.data(), 0);
+    for (std::int64_t j = 0; j < d; ++j) {
+      detail::store(out, dtype, out_off + h * out_g.head_stride + j * out_g.dim_stride,
+                    buf.row[static_cast<std::size_t>(j)]);
+    }
+  }
+}
+
+}  // namespace
+
+void rope_apply(const RopeParams& params, const Positions& positions, ConstTensorView q, ConstTensorView k,
+                TensorView q_out, TensorView k_out, RopeDirection direction, std::int64_t seq_len) {
+  detail::init_dispatch();
+  const detail::RopeGrids g = detail::check_rope(params, positions, q, k, q_out, k_out);
+  if (detail::use_reference() || q.dtype() == DType::kF64) {
+    ref::rope_apply(params, positions, q, k, q_out, k_out, direction, seq_len);
+    return;
+  }
+  const std::int64_t len = seq_len > 0 ? seq_len : positions.max_position() + 1;
+  const std::vector<double> w = padded_frequencies(params, len);
+  const double alpha = params.attention_factor();
+  const bool interleaved = params.layout() == RopeLayout::kInterleaved;
+  const bool inverse = direction == RopeDirection::kInverse;
+  const std::int64_t tokens = g.q.batch * g.q.seq;
+  const int threads = detail::threads_for(tokens * (g.q.heads + g.k.heads) * params.head_dim() * 4);
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    const std::int64_t b = t / g.q.seq, s = t % g.q.seq;
+    RopeScratch& buf = rope_scratch(params.rotary_dim(), params.head_dim());
+    kernels::rope_coefficients(w.data(), params.rotary_dim(), interleaved, inverse, alpha,
+                               static_cast<double>(positions.at(b, s)), buf.cos_e.data(), buf.sin_e.data());
+    rotate_token(g.q, q.data(), g.q_out, q_out.data(), q.dtype(), b, s, params, buf, interleaved);
+    if (g.has_k) rotate_token(g.k, k.data(), g.k_out, k_out.data(), k.dtype(), b, s, params, buf, interleaved);
+  }
+}
+
+void rope_apply(const RopeParams& params, const Positions& positions, TensorView q, TensorView k,
+                RopeDirection direction, std::int64_t seq_len) {
+  rope_apply(params, positions, ConstTensorView(q), ConstTensorView(k), q, k, direction, seq_len);
+}
+
+void rope_cos_sin(const RopeParams& params, const Positions& positions, TensorView cos, TensorView sin,
+                  std::int64_t seq_len) {
+  detail::init_dispatch();
+  const detail::Grid g = detail::check_rope_cos_sin(params, positions, cos, sin);
+  if (detail::use_reference() || cos.dtype() == DType::kF64) {
+    ref::rope_cos_sin(params, positions, cos, sin, seq_len);
+    return;
+  }
+  const std::int64_t len = seq_len > 0 ? seq_len : positions.max_position() + 1;
+  const std::vector<double> w = padded_frequencies(params, len);
+  const double alpha = params.attention_factor();
+  const std::int64_t pairs = params.rotary_dim() / 2;
+  const int threads = detail::threads_for(g.seq * pairs * 16);
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (std::int64_t n = 0; n < g.seq; ++n) {
+    RopeScratch& buf = rope_scratch(params.rotary_dim(), params.head_dim());
+    // Half-split coefficients: cos_e[i] = α cos θ_i and sin_e[i + r/2] = α sin θ_i.
+    kernels::rope_coefficients(w.data(), params.rotary_dim(), false, false, alpha,
+                               static_cast<double>(positions.at(0, n)), buf.cos_e.data(), buf.sin_e.data());
+    for (std::int64_t i = 0; i < pairs; ++i) {
+      detail::store(cos.data(), cos.dtype(), g.offset(0, n) + i * g.dim_stride, buf.cos_e[static_cast<std::size_t>(i)]);
+      detail::store(sin.data(), sin.dtype(), n * sin.stride(0) + i * sin.stride(1),
+                    buf.sin_e[static_cast<std::size_t>(pairs + i)]);
+    }
+  }
+}
+
+}  // namespace posenc

@@ -1,0 +1,393 @@
+// Rotary embedding: parameters and frequencies (Hugging Face semantics), rotation on every target
+// against the fp64 reference (layouts × partial × dtypes × positions × strides × GQA), the inverse,
+// gradients by finite differences, norms, the relative-position property at long positions, the
+// exactness of cos/sin, and errors.
+#include <cmath>
+#include <cstring>
+#include <numbers>
+
+#include "testing.hpp"
+
+namespace posenc {
+namespace {
+
+using testing::element;
+using testing::EveryTarget;
+using testing::expect_error;
+using testing::uniform;
+using testing::uniform_int;
+
+TEST(RopeParams, RejectsInvalidValues) {
+  expect_error([] { RopeParams(128, 127); }, {"rope: rotary_dim = 127", "even number"});
+  expect_error([] { RopeParams(64, 128); }, {"rotary_dim = 128", "<= head_dim = 64"});
+  expect_error([] { RopeParams(64, 64, 1.0); }, {"base = 1;", "> 1"});
+  RopeScaling linear;
+  linear.type = RopeType::kLinear;
+  linear.factor = 0.5;
+  expect_error([&] { RopeParams(64, 64, 1e4, RopeLayout::kHalfSplit, linear); }, {"factor = 0.5", ">= 1 for rope_type linear"});
+  RopeScaling yarn;
+  yarn.type = RopeType::kYarn;
+  yarn.factor = 4;
+  yarn.beta_fast = 1;
+  yarn.beta_slow = 32;
+  expect_error([&] { RopeParams(64, 64, 1e4, RopeLayout::kHalfSplit, yarn); }, {"beta_fast = 1", ">= beta_slow = 32"});
+  RopeScaling longrope;
+  longrope.type = RopeType::kLongRope;
+  longrope.short_factor.assign(31, 1.0);
+  longrope.long_factor.assign(32, 1.0);
+  expect_error([&] { RopeParams(64, 64, 1e4, RopeLayout::kHalfSplit, longrope); }, {"short_factor.size() = 31", "rotary_dim / 2 = 32"});
+  expect_error([] { RopeParams(64, 64, 1e4, RopeLayout::kHalfSplit, {}, 2048, std::vector<double>(3, 1.0)); },
+               {"freq_factors.size() = 3", "0 or rotary_dim / 2 = 32"});
+  expect_error([] { rope_type_from_name("su"); }, {"rope_type = su", "one of default, linear"});
+  EXPECT_EQ(rope_type_from_name("llama3"), RopeType::kLlama3);
+}
+
+TEST(RopeParams, DefaultLinearAndNtkFrequencies) {
+  const RopeParams plain(128, 96, 10000.0);
+  const std::vector<double> w = plain.inv_frequencies();
+  ASSERT_EQ(w.size(), 48u);
+  for (int i = 0; i < 48; ++i) {
+    // base^(−2i/r) with r = rotary_dim (partial rotary), correctly rounded from long double.
+    EXPECT_EQ(w[i], static_cast<double>(std::pow(10000.0L, -2.0L * i / 96.0L))) << i;
+  }
+  RopeScaling linear;
+  linear.type = RopeType::kLinear;
+  linear.factor = 4;
+  const std::vector<double> wl = RopeParams(128, 96, 1e4, RopeLayout::kHalfSplit, linear).inv_frequencies();
+  for (int i = 0; i < 48; ++i) EXPECT_EQ(wl[i], w[i] / 4) << i;
+  RopeScaling ntk;
+  ntk.type = RopeType::kNtk;
+  ntk.factor = 4;
+  const std::vector<double> wn = RopeParams(128, 128, 1e4, RopeLayout::kHalfSplit, ntk).inv_frequencies();
+  // base' = 1e4 · 4^(128/126): the lowest frequency becomes base'^(−126/128) = ω_63 / 4.
+  EXPECT_EQ(wn[0], 1.0);
+  EXPECT_NEAR(wn[63] / RopeParams(128, 128).inv_frequencies()[63], 0.25, 1e-15);
+}
+
+// Hugging Face's dynamic NTK: unchanged up to max_position_embeddings M, then base·(f·L/M − f + 1)^(r/(r−2)).
+TEST(RopeParams, DynamicFrequenciesFollowTheSequenceLength) {
+  RopeScaling dynamic;
+  dynamic.type = RopeType::kDynamic;
+  dynamic.factor = 2;
+  const RopeParams params(64, 64, 1e4, RopeLayout::kHalfSplit, dynamic, 4096);
+  EXPECT_EQ(params.inv_frequencies(0), RopeParams(64, 64).inv_frequencies());
+  EXPECT_EQ(params.inv_frequencies(4096), RopeParams(64, 64).inv_frequencies());
+  const std::vector<double> w = params.inv_frequencies(8192);
+  const long double base = 1e4L * std::pow(2.0L * 8192 / 4096 - 1.0L, 64.0L / 62.0L);  // 3^(64/62)·1e4
+  for (int i = 0; i < 32; ++i) EXPECT_EQ(w[i], static_cast<double>(std::pow(base, -2.0L * i / 64))) << i;
+}
+
+// Values from docs/hf-rope-semantics.md (Hugging Face modeling_rope_utils, checked there with
+// Python doubles): the correction range of d = 128, θ = 1e6, M0 = 32768 is [23, 40] (Qwen2-style
+// yarn), and attention factors 0.1·ln 4 + 1 = 1.1386294361 (yarn, factor 4), 1.0 for DeepSeek's
+// mscale = mscale_all_dim = 1, sqrt(1 + ln 32 / ln 4096) = 1.1902380714 (Phi-3 128k longrope).
+TEST(RopeParams, YarnRampAndAttentionFactors) {
+  RopeScaling yarn;
+  yarn.type = RopeType::kYarn;
+  yarn.factor = 4;
+  yarn.original_max_position_embeddings = 32768;
+  const RopeParams params(128, 128, 1e6, RopeLayout::kHalfSplit, yarn, 131072);
+  const std::vector<double> w = params.inv_frequencies();
+  const std::vector<double> w0 = RopeParams(128, 128, 1e6).inv_frequencies();
+  for (int i = 0; i <= 23; ++i) EXPECT_EQ(w[i], w0[i]) << "extrapolated pair " << i;
+  for (int i = 40; i < 64; ++i) EXPECT_NEAR(w[i], w0[i] / 4, 1e-18) << "interpolated pair " << i;
+  for (int i = 24; i < 40; ++i) {
+    const double ramp = (i - 23.0) / 17.0;
+    EXPECT_NEAR(w[i], w0[i] / 4 * ramp + w0[i] * (1 - ramp), 1e-17) << "blended pair " << i;
+  }
+  EXPECT_NEAR(params.attention_factor(), 1.1386294361, 1e-10);
+  RopeScaling deepseek = yarn;
+  deepseek.factor = 40;
+  deepseek.mscale = 1;
+  deepseek.mscale_all_dim = 1;
+  EXPECT_EQ(RopeParams(64, 64, 1e4, RopeLayout::kInterleaved, deepseek, 163840).attention_factor(), 1.0);
+  RopeScaling phi3;
+  phi3.type = RopeType::kLongRope;
+  phi3.factor = 32;
+  phi3.original_max_position_embeddings = 4096;
+  phi3.short_factor.assign(48, 1.0);
+  phi3.long_factor.assign(48, 2.0);
+  const RopeParams longrope(96, 96, 1e4, RopeLayout::kHalfSplit, phi3, 131072);
+  EXPECT_NEAR(longrope.attention_factor(), 1.1902380714, 1e-10);
+  // Short factors up to M0, long ones beyond.
+  EXPECT_EQ(longrope.inv_frequencies(4096)[5], RopeParams(96, 96).inv_frequencies()[5]);
+  EXPECT_EQ(longrope.inv_frequencies(4097)[5], RopeParams(96, 96).inv_frequencies()[5] / 2);
+}
+
+// Llama 3.1 8B (config.json: rope_theta 500000, factor 8, low_freq_factor 1, high_freq_factor 4,
+// original_max_position_embeddings 8192): wavelengths under 2048 keep their frequency, over 8192
+// are divided by 8, in between blend by s = (8192/λ − 1)/3.
+TEST(RopeParams, Llama3Bands) {
+  RopeScaling llama3;
+  llama3.type = RopeType::kLlama3;
+  llama3.factor = 8;
+  llama3.low_freq_factor = 1;
+  llama3.high_freq_factor = 4;
+  llama3.original_max_position_embeddings = 8192;
+  const std::vector<double> w = RopeParams(128, 128, 5e5, RopeLayout::kHalfSplit, llama3, 131072).inv_frequencies();
+  const std::vector<double> w0 = RopeParams(128, 128, 5e5).inv_frequencies();
+  int kept = 0, scaled = 0, blended = 0;
+  for (int i = 0; i < 64; ++i) {
+    const double wavelength = 2 * std::numbers::pi / w0[i];
+    if (wavelength < 2048) {
+      EXPECT_EQ(w[i], w0[i]) << i;
+      ++kept;
+    } else if (wavelength > 8192) {
+      EXPECT_EQ(w[i], w0[i] / 8) << i;
+      ++scaled;
+    } else {
+      const double s = (8192 / wavelength - 1) / 3;
+      EXPECT_NEAR(w[i], (1 - s) * w0[i] / 8 + s * w0[i], 1e-17) << i;
+      ++blended;
+    }
+  }
+  // All three bands are exercised: for θ = 500000, d = 128 the wavelengths 2π·θ^(2i/128) split
+  // 29 / 6 / 29.
+  EXPECT_EQ(kept, 29);
+  EXPECT_EQ(blended, 6);
+  EXPECT_EQ(scaled, 29);
+}
+
+// ─── Rotation ──────────────────────────────────────────────────────────────────────────────────
+
+struct Case {
+  std::int64_t batch, seq, q_heads, k_heads, head_dim, rotary_dim;
+  RopeLayout layout;
+  DType dtype;
+  bool bhsd;      // memory [B, H, S, D], viewed as [B, S, H, D]
+  bool in_place;
+  RopeDirection direction;
+  int position_kind;  // 0 range+offset, 1 per-row ranges, 2 ids, 3 packed (B = 1)
+};
+
+std::string describe(const Case& c) {
+  return "[" + std::to_string(c.batch) + ", " + std::to_string(c.seq) + ", q " + std::to_string(c.q_heads) + " / k " +
+         std::to_string(c.k_heads) + " heads, D " + std::to_string(c.head_dim) + ", r " + std::to_string(c.rotary_dim) +
+         "] " + (c.layout == RopeLayout::kInterleaved ? "interleaved " : "half-split ") + std::string(dtype_name(c.dtype)) +
+         (c.bhsd ? " BHSD" : " BSHD") + (c.in_place ? " in place" : "") +
+         (c.direction == RopeDirection::kInverse ? " inverse" : "") + " positions " + std::to_string(c.position_kind);
+}
+
+// Strides of a [B, S, H, D] view over memory laid out [B, S, H, D] or [B, H, S, D].
+std::vector<std::int64_t> strides_of(const Case& c, std::int64_t heads) {
+  if (c.bhsd) return {heads * c.seq * c.head_dim, c.head_dim, c.seq * c.head_dim, 1};
+  return {c.seq * heads * c.head_dim, heads * c.head_dim, c.head_dim, 1};
+}
+
+void run_case(const Case& c) {
+  SCOPED_TRACE(describe(c));
+  RopeScaling scaling;
+  if (uniform_int(0, 1)) {
+    scaling.type = RopeType::kYarn;  // α != 1 too
+    scaling.factor = 4;
+    scaling.original_max_position_embeddings = 1024;
+  }
+  const RopeParams params(c.head_dim, c.rotary_dim, 1e4, c.layout, scaling, 4096);
+  const std::vector<std::int64_t> q_shape = {c.batch, c.seq, c.q_heads, c.head_dim};
+  const std::vector<std::int64_t> k_shape = {c.batch, c.seq, c.k_heads, c.head_dim};
+  const std::int64_t q_count = c.batch * c.seq * c.q_heads * c.head_dim, k_count = c.batch * c.seq * c.k_heads * c.head_dim;
+  std::vector<double> q_values(static_cast<std::size_t>(q_count)), k_values(static_cast<std::size_t>(k_count));
+  for (auto& v : q_values) v = uniform(-1, 1);
+  for (auto& v : k_values) v = uniform(-1, 1);
+  auto q = testing::to_dtype(q_values, c.dtype), k = testing::to_dtype(k_values, c.dtype);
+  std::vector<std::int64_t> starts, ids, cu = {0};
+  for (std::int64_t b = 0; b < c.batch; ++b) starts.push_back(uniform_int(0, 1 << 20));
+  for (std::int64_t t = 0; t < c.batch * c.seq; ++t) ids.push_back(uniform_int(0, 1 << 24));
+  while (cu.back() < c.seq) cu.push_back(std::min<std::int64_t>(c.seq, cu.back() + uniform_int(1, 9)));
+  const Positions positions = c.position_kind == 0   ? Positions::range(c.seq, starts[0])
+                              : c.position_kind == 1 ? Positions::ranges(starts, c.seq)
+                              : c.position_kind == 2 ? Positions::ids(ids, c.batch, c.seq)
+                                                     : Positions::packed(cu);
+  // The reference, in f64 on the inputs as rounded to the dtype.
+  std::vector<double> q64(q.size() / dtype_size(c.dtype)), k64(k.size() / dtype_size(c.dtype));
+  for (std::size_t i = 0; i < q64.size(); ++i) q64[i] = element(q.data(), c.dtype, static_cast<std::int64_t>(i));
+  for (std::size_t i = 0; i < k64.size(); ++i) k64[i] = element(k.data(), c.dtype, static_cast<std::int64_t>(i));
+  std::vector<double> q_ref(q64.size()), k_ref(k64.size());
+  const std::vector<std::int64_t> qs = strides_of(c, c.q_heads), ks = strides_of(c, c.k_heads);
+  ref::rope_apply(params, positions, ConstTensorView(q64.data(), DType::kF64, q_shape, qs),
+                  ConstTensorView(k64.data(), DType::kF64, k_shape, ks), TensorView(q_ref.data(), DType::kF64, q_shape, qs),
+                  TensorView(k_ref.data(), DType::kF64, k_shape, ks), c.direction);
+  // The call under test.
+  std::vector<unsigned char> q_out = c.in_place ? q : testing::garbage_buffer(c.dtype, q_count);
+  std::vector<unsigned char> k_out = c.in_place ? k : testing::garbage_buffer(c.dtype, k_count);
+  if (c.in_place) {
+    rope_apply(params, positions, TensorView(q_out.data(), c.dtype, q_shape, qs), TensorView(k_out.data(), c.dtype, k_shape, ks),
+               c.direction);
+  } else {
+    rope_apply(params, positions, ConstTensorView(q.data(), c.dtype, q_shape, qs), ConstTensorView(k.data(), c.dtype, k_shape, ks),
+               TensorView(q_out.data(), c.dtype, q_shape, qs), TensorView(k_out.data(), c.dtype, k_shape, ks), c.direction);
+  }
+  // Tolerance per element (|inputs| <= 1, α <= 1.14, so |outputs| <= 2.3):
+  //   f32: cos/sin off by <= 2^-24 each (rounded from exact values; the reference's own libm
+  //        angle error p·2^-52 <= 2^-28 at p <= 2^24), times |a| + |b| <= 2; the product, the
+  //        fused multiply-add and the store add <= 2 ulps of 2.3: 2·2^-24·1.14 + 3·2^-22 < 1e-6.
+  //   bf16, f16: one ulp of the output (<= 2^-6 for bf16, 2^-9 for f16, at |x| < 4) on top.
+  //   f64: the reference itself: exact.
+  const double tol = c.dtype == DType::kF32 ? 1e-6 : c.dtype == DType::kBF16 ? std::ldexp(1.0, -6) + 1e-6
+                     : c.dtype == DType::kF16 ? std::ldexp(1.0, -9) + 1e-6 : 0.0;
+  int reported = 0;
+  auto compare = [&](const std::vector<unsigned char>& got, const std::vector<double>& want, const char* name) {
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      const double g = element(got.data(), c.dtype, static_cast<std::int64_t>(i));
+      if (!(std::fabs(g - want[i]) <= tol) && reported++ < 5) {
+        ADD_FAILURE() << name << " element " << i << ": got " << g << ", reference " << want[i];
+      }
+    }
+  };
+  compare(q_out, q_ref, "q");
+  compare(k_out, k_ref, "k");
+}
+
+TEST_P(EveryTarget, RopeMatchesReference) {
+  const std::int64_t head_dims[] = {2, 34, 64, 80, 96, 128, 256};
+  const DType dtypes[] = {DType::kF32, DType::kF32, DType::kBF16, DType::kF16, DType::kF64};
+  for (int trial = 0; trial < 40; ++trial) {
+    Case c;
+    c.head_dim = head_dims[uniform_int(0, 6)];
+    c.rotary_dim = uniform_int(0, 2) ? c.head_dim : 2 * uniform_int(1, c.head_dim / 2);  // partial rotary
+    c.position_kind = static_cast<int>(uniform_int(0, 3));
+    c.batch = c.position_kind == 3 ? 1 : uniform_int(1, 2);
+    c.seq = uniform_int(1, 20);
+    c.k_heads = uniform_int(1, 3);
+    c.q_heads = c.k_heads * uniform_int(1, 3);  // GQA
+    c.layout = uniform_int(0, 1) ? RopeLayout::kInterleaved : RopeLayout::kHalfSplit;
+    c.dtype = dtypes[uniform_int(0, 4)];
+    c.bhsd = uniform_int(0, 1) == 1;
+    c.in_place = uniform_int(0, 1) == 1;
+    c.direction = uniform_int(0, 1) ? RopeDirection::kInverse : RopeDirection::kForward;
+    run_case(c);
+  }
+}
+
+// Forward then inverse is the identity; the rotation keeps norms (α = 1).
+TEST_P(EveryTarget, RopeInverseAndNorms) {
+  for (const RopeLayout layout : {RopeLayout::kInterleaved, RopeLayout::kHalfSplit}) {
+    const RopeParams params(128, 96, 5e5, layout);
+    const std::int64_t seq = 33, heads = 4, d = 128;
+    std::vector<float> x(static_cast<std::size_t>(seq * heads * d)), y(x.size()), z(x.size());
+    for (auto& v : x) v = static_cast<float>(uniform(-1, 1));
+    const Positions positions = Positions::range(seq, (1 << 24) - 40);
+    rope_apply(params, positions, ConstTensorView::of(x.data(), {seq, heads, d}), TensorView(),
+               TensorView::of(y.data(), {seq, heads, d}), TensorView());
+    rope_apply(params, positions, ConstTensorView::of(y.data(), {seq, heads, d}), TensorView(),
+               TensorView::of(z.data(), {seq, heads, d}), TensorView(), RopeDirection::kInverse);
+    for (std::int64_t t = 0; t < seq * heads; ++t) {
+      double nx = 0, ny = 0;
+      for (std::int64_t j = 0; j < d; ++j) {
+        const auto i = static_cast<std::size_t>(t * d + j);
+        // Two rotations in f32 with rounded cos/sin: |z − x| <= 2·(2·2^-24 + 2^-23)·2 < 1e-6.
+        ASSERT_NEAR(z[i], x[i], 1e-6) << "token-head " << t << ", entry " << j;
+        nx += static_cast<double>(x[i]) * x[i];
+        ny += static_cast<double>(y[i]) * y[i];
+      }
+      // |y|² = |x|²·(cos² + sin²) with f32 rounding of each pair: relative 1e-6 covers it.
+      EXPECT_NEAR(ny, nx, 1e-6 * nx) << t;
+      // Partial rotary: entries past r untouched.
+      for (std::int64_t j = 96; j < d; ++j) ASSERT_EQ(y[static_cast<std::size_t>(t * d + j)], x[static_cast<std::size_t>(t * d + j)]);
+    }
+  }
+}
+
+// <R(m)q, R(n)k> depends only on m − n, also 2^24 positions later. Against an fp64 dot product
+// of the exact rotations: the f32 rotated vectors are within ~2^-23 per entry, so the dot
+// product of 128 entries of size <= 1 is within 128·2·2^-23·1.5 ≈ 5e-5 of the exact one.
+TEST_P(EveryTarget, RopeRelativePositionHoldsAtLongContext) {
+  const RopeParams params(128, 128, 1e4, RopeLayout::kHalfSplit);
+  std::vector<float> q(128), k(128);
+  for (auto& v : q) v = static_cast<float>(uniform(-1, 1));
+  for (auto& v : k) v = static_cast<float>(uniform(-1, 1));
+  auto score = [&](std::int64_t m, std::int64_t n) {
+    std::vector<float> qr(128), kr(128);
+    const std::vector<std::int64_t> pm = {m}, pn = {n};
+    rope_apply(params, Positions::ids(pm), ConstTensorView::of(q.data(), {1, 1, 128}), TensorView(),
+               TensorView::of(qr.data(), {1, 1, 128}), TensorView());
+    rope_apply(params, Positions::ids(pn), ConstTensorView::of(k.data(), {1, 1, 128}), TensorView(),
+               TensorView::of(kr.data(), {1, 1, 128}), TensorView());
+    double dot = 0;
+    for (int i = 0; i < 128; ++i) dot += static_cast<double>(qr[i]) * kr[i];
+    return dot;
+  };
+  const double near_start = score(10, 3);
+  for (const std::int64_t t : {std::int64_t{1} << 16, std::int64_t{1} << 20, (std::int64_t{1} << 24) - 11}) {
+    EXPECT_NEAR(score(10 + t, 3 + t), near_start, 5e-5) << "shift " << t;
+  }
+}
+
+// cos and sin tables within 2^-24 of long double at positions near 2^24 (the issue asks 2^-23).
+TEST_P(EveryTarget, RopeCosSinExact) {
+  const RopeParams params(128, 128, 5e5, RopeLayout::kHalfSplit);
+  const std::int64_t rows = 20;
+  std::vector<float> cos(static_cast<std::size_t>(rows * 64)), sin(cos.size());
+  rope_cos_sin(params, Positions::range(rows, (1 << 24) - rows + 1), TensorView::of(cos.data(), {rows, 64}),
+               TensorView::of(sin.data(), {rows, 64}));
+  for (std::int64_t r = 0; r < rows; ++r) {
+    for (int i = 0; i < 64; ++i) {
+      const long double angle = static_cast<long double>((1 << 24) - rows + 1 + r) * std::pow(5e5L, -2.0L * i / 128);
+      ASSERT_LE(std::fabs(cos[static_cast<std::size_t>(r * 64 + i)] - std::cos(angle)), std::ldexp(1.0, -24)) << r << ", " << i;
+      ASSERT_LE(std::fabs(sin[static_cast<std::size_t>(r * 64 + i)] - std::sin(angle)), std::ldexp(1.0, -24)) << r << ", " << i;
+    }
+  }
+}
+
+// L = Σ g·R(x): dL/dx = R(−θ) g, the inverse rotation. Central differences: L is linear in x, so
+// in fp64 the quotient is exact up to rounding (1e-8 with h = 1e-3); in f32, y rounds to f32
+// (L off by <= 2·64·2^-23·... ≈ 2e-5, quotient with h = 2^-4 off by <= 3e-4): 5e-4.
+template <class T>
+void check_rope_gradient(double h, double tol, RopeLayout layout) {
+  const std::int64_t seq = 3, heads = 2, d = 16;
+  const RopeParams params(d, 12, 1e4, layout);
+  std::vector<T> x(static_cast<std::size_t>(seq * heads * d)), g(x.size()), y(x.size()), dx(x.size());
+  for (auto& v : x) v = static_cast<T>(uniform(-1, 1));
+  for (auto& v : g) v = static_cast<T>(uniform(-1, 1));
+  const Positions positions = Positions::range(seq, 1000);
+  auto loss = [&] {
+    rope_apply(params, positions, ConstTensorView::of(x.data(), {seq, heads, d}), TensorView(),
+               TensorView::of(y.data(), {seq, heads, d}), TensorView());
+    double sum = 0;
+    for (std::size_t i = 0; i < y.size(); ++i) sum += static_cast<double>(g[i]) * static_cast<double>(y[i]);
+    return sum;
+  };
+  rope_apply(params, positions, ConstTensorView::of(g.data(), {seq, heads, d}), TensorView(),
+             TensorView::of(dx.data(), {seq, heads, d}), TensorView(), RopeDirection::kInverse);
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    const T saved = x[i];
+    x[i] = static_cast<T>(saved + h);
+    const double up = loss();
+    x[i] = static_cast<T>(saved - h);
+    const double down = loss();
+    x[i] = saved;
+    EXPECT_NEAR(static_cast<double>(dx[i]), (up - down) / (2 * h), tol) << "x element " << i;
+  }
+}
+
+TEST_P(EveryTarget, RopeGradientIsTheInverseRotation) {
+  for (const RopeLayout layout : {RopeLayout::kInterleaved, RopeLayout::kHalfSplit}) {
+    check_rope_gradient<double>(1e-3, 1e-8, layout);
+    check_rope_gradient<float>(0.0625, 5e-4, layout);
+  }
+}
+
+TEST(Rope, RejectsBadArguments) {
+  const RopeParams params(8, 8);
+  std::vector<float> q(2 * 3 * 8), k(2 * 3 * 8), out(2 * 3 * 8);
+  expect_error([&] { rope_apply(params, Positions::range(3), TensorView::of(q.data(), {1, 3, 2, 4}), TensorView()); },
+               {"rope_apply: q.size(-1) = 4", "params.head_dim() = 8"});
+  expect_error([&] { rope_apply(params, Positions::range(3), TensorView::of(q.data(), {6, 8}), TensorView()); },
+               {"q.rank() = 2", "4 ([B, S, H, D]) or 3"});
+  expect_error([&] { rope_apply(params, Positions::range(3), TensorView::of(q.data(), {3, 2, 8}), TensorView::of(k.data(), {2, 2, 8})); },
+               {"k shape = [1, 2, 2, 8]", "the tokens and head_dim of q [1, 3, 2, 8]"});
+  expect_error([&] { rope_apply(params, Positions::range(4), TensorView::of(q.data(), {3, 2, 8}), TensorView()); },
+               {"positions.seq_len() = 4"});
+  expect_error([&] { rope_apply(params, Positions::range(3), ConstTensorView::of(q.data(), {3, 2, 8}), TensorView(),
+                                TensorView::of(q.data() + 8, {3, 2, 8}), TensorView()); },
+               {"q_out = [3, 2, 8]", "disjoint from q"});
+  expect_error([&] { rope_apply(params, Positions::range(3), ConstTensorView::of(q.data(), {3, 2, 8}), ConstTensorView::of(k.data(), {3, 2, 8}),
+                                TensorView::of(out.data(), {3, 2, 8}), TensorView()); },
+               {"k_out = empty", "a view exactly when k is one"});
+}
+
+INSTANTIATE_TEST_SUITE_P(Targets, EveryTarget, ::testing::ValuesIn(testing::all_targets()),
+                         [](const ::testing::TestParamInfo<std::string>& target) { return target.param; });
+
+}  // namespace
+}  // namespace posenc

@@ -20,12 +20,15 @@ struct CaseOptions {
   bool interleaved = false;
 };
 
-// One prepared case: buffers allocated and touched, `run` does one call of the kernel.
+// One prepared case: buffers allocated and touched, `run` does one call of the kernel. A case
+// holds enough copies of its buffers to exceed twice the last-level cache and each call uses the
+// next copy, so that every call streams its data from memory — as a model step does with fresh
+// activations, and as the memory limits it is compared with are measured.
 struct Case {
   std::string name;
   std::string description;  // shapes, for reports
   double bytes_per_run = 0;  // bytes the kernel must move at least (reads + writes)
-  std::string limit_name;    // "copy" or "copy_nt": the limit this kernel is compared with
+  std::string limit_name;    // "copy", "copy_nt" or "rmw": the limit this kernel is compared with
   std::function<void()> run;
   std::shared_ptr<void> state;  // owns the buffers
 };

@@ -11,6 +11,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include <unistd.h>
+
 #include "limits.hpp"
 
 HWY_BEFORE_NAMESPACE();
@@ -47,7 +49,17 @@ namespace posenc::perf {
 HWY_EXPORT(CopyF32);
 HWY_EXPORT(AddOneF32);
 
-Limits measure_limits(int threads, std::size_t bytes, int reps) {
+std::size_t last_level_cache_bytes() {
+  for (const int name : {_SC_LEVEL4_CACHE_SIZE, _SC_LEVEL3_CACHE_SIZE, _SC_LEVEL2_CACHE_SIZE}) {
+    const long size = sysconf(name);
+    if (size > 0) return static_cast<std::size_t>(size);
+  }
+  return std::size_t{32} << 20;
+}
+
+Limits measure_limits(int threads, int reps) {
+  const std::size_t bytes = std::clamp<std::size_t>(4 * last_level_cache_bytes(), std::size_t{128} << 20,
+                                                    std::size_t{2} << 30);
   const std::size_t n = bytes / sizeof(float) / 1024 * 1024;
   auto src = hwy::AllocateAligned<float>(n);
   auto dst = hwy::AllocateAligned<float>(n);

@@ -7,8 +7,9 @@
 //             buffer in place (no read-for-ownership either: the line was just read)
 //
 // All count bytes read + bytes written (STREAM's convention) and use the given thread count on
-// 128 MiB buffers, touched before timing. Always measured with the best SIMD target, whatever
-// target the kernel under test is forced to.
+// buffers of 4× the last-level cache each (STREAM's rule, so that they measure memory, not
+// cache; 128 MiB at least, 2 GiB at most), touched before timing. Always measured with the best
+// SIMD target, whatever target the kernel under test is forced to.
 #pragma once
 
 #include <algorithm>
@@ -28,8 +29,11 @@ struct Limits {
   }
 };
 
-// Best of `reps` copies of `bytes` bytes each way.
-Limits measure_limits(int threads, std::size_t bytes = std::size_t{128} << 20, int reps = 8);
+// Size of the last-level cache in bytes (sysconf; 32 MiB when unknown).
+std::size_t last_level_cache_bytes();
+
+// Best of `reps` runs of each kind.
+Limits measure_limits(int threads, int reps = 5);
 
 // Seconds per call of `fn`: the fastest of at least `min_reps` calls and of as many as fit into
 // `min_seconds` (the machine is shared and noisy; the minimum is the least disturbed run).

@@ -11,6 +11,7 @@
 
 #include "absolute_checks.hpp"
 #include "internal.hpp"
+#include "kernels/absolute/absolute_kernels.hpp"  // flush_streams
 #include "kernels/rotary/rotary_kernels.hpp"
 #include "posenc/reference.hpp"
 #include "rotary_checks.hpp"
@@ -230,21 +231,49 @@ double RopeParams::attention_factor() const {
 
 namespace {
 
-// Frequencies padded for the kernels' vector loads.
-std::vector<double> padded_frequencies(const RopeParams& params, std::int64_t seq_len) {
-  std::vector<double> w = params.inv_frequencies(seq_len);
-  w.resize(w.size() + kernels::kRopeFreqPadding, 0.0);
-  return w;
-}
+// The kernels' per-call column tables (kernels::RopeColumns), expanded to the layout.
+class RopeTables {
+ public:
+  RopeTables(const RopeParams& params, std::int64_t seq_len, RopeLayout layout, bool inverse) {
+    const std::vector<double> w = params.inv_frequencies(seq_len);
+    const std::int64_t r = params.rotary_dim(), half = r / 2;
+    const auto stride = static_cast<std::size_t>(r + kernels::kRopePadding);
+    values_.assign(4 * stride, 0.0);
+    double* freq = values_.data();
+    double* step_cos = freq + stride;
+    double* step_sin = freq + 2 * stride;
+    double* sign = freq + 3 * stride;
+    for (std::int64_t j = 0; j < r; ++j) {
+      const bool interleaved = layout == RopeLayout::kInterleaved;
+      const std::int64_t pair = interleaved ? j / 2 : j % half;
+      const bool first = interleaved ? j % 2 == 0 : j < half;
+      const auto at = static_cast<std::size_t>(j);
+      freq[at] = w[static_cast<std::size_t>(pair)];
+      step_cos[at] = std::cos(freq[at]);
+      step_sin[at] = std::sin(freq[at]);
+      sign[at] = (first != inverse) ? -1.0 : 1.0;
+    }
+    columns_ = {freq, step_cos, step_sin, sign, r};
+  }
+  const kernels::RopeColumns& columns() const { return columns_; }
 
+ private:
+  std::vector<double> values_;
+  kernels::RopeColumns columns_;
+};
+
+// Per-thread scratch, grown on demand: the run state, the f32 coefficients, one head row.
 struct RopeScratch {
+  std::vector<double> state;
   std::vector<float> cos_e, sin_e, row;
 };
 RopeScratch& rope_scratch(std::int64_t rotary_dim, std::int64_t head_dim) {
   thread_local RopeScratch s;
-  if (s.cos_e.size() < static_cast<std::size_t>(rotary_dim)) {
-    s.cos_e.resize(static_cast<std::size_t>(rotary_dim));
-    s.sin_e.resize(static_cast<std::size_t>(rotary_dim));
+  const auto padded = static_cast<std::size_t>(rotary_dim + kernels::kRopePadding);
+  if (s.cos_e.size() < padded) {
+    s.state.resize(2 * padded);
+    s.cos_e.resize(padded);
+    s.sin_e.resize(padded);
   }
   if (s.row.size() < static_cast<std::size_t>(head_dim)) s.row.resize(static_cast<std::size_t>(head_dim));
   return s;
@@ -253,13 +282,13 @@ RopeScratch& rope_scratch(std::int64_t rotary_dim, std::int64_t head_dim) {
 // Rotates every head of one token of one tensor (in → out, f32 math).
 void rotate_token(const detail::HeadsGrid& in_g, const void* in, const detail::HeadsGrid& out_g, void* out,
                   DType dtype, std::int64_t b, std::int64_t s, const RopeParams& params, RopeScratch& buf,
-                  bool interleaved) {
+                  bool interleaved, bool stream) {
   const std::int64_t d = params.head_dim(), r = params.rotary_dim();
   const std::int64_t in_off = in_g.offset(b, s), out_off = out_g.offset(b, s);
   if (dtype == DType::kF32 && in_g.dim_stride == 1 && out_g.dim_stride == 1) {
     kernels::rope_rotate_f32(buf.cos_e.data(), buf.sin_e.data(), r, interleaved, d, in_g.heads,
                              static_cast<const float*>(in) + in_off, in_g.head_stride,
-                             static_cast<float*>(out) + out_off, out_g.head_stride);
+                             static_cast<float*>(out) + out_off, out_g.head_stride, stream);
     return;
   }
   for (std::int64_t h = 0; h < in_g.heads; ++h) {
@@ -268,13 +297,16 @@ void rotate_token(const detail::HeadsGrid& in_g, const void* in, const detail::H
           static_cast<float>(detail::load(in, dtype, in_off + h * in_g.head_stride + j * in_g.dim_stride));
     }
     kernels::rope_rotate_f32(buf.cos_e.data(), buf.sin_e.data(), r, interleaved, d, 1, buf.row.data(), 0,
-                             buf.row.data(), 0);
+                             buf.row.data(), 0, false);
     for (std::int64_t j = 0; j < d; ++j) {
       detail::store(out, dtype, out_off + h * out_g.head_stride + j * out_g.dim_stride,
                     buf.row[static_cast<std::size_t>(j)]);
     }
   }
 }
+
+// Non-temporal stores pay off once the output is much larger than the caches.
+constexpr std::int64_t kStreamBytes = std::int64_t{8} << 20;
 
 }  // namespace
 
@@ -287,20 +319,40 @@ void rope_apply(const RopeParams& params, const Positions& positions, ConstTenso
     return;
   }
   const std::int64_t len = seq_len > 0 ? seq_len : positions.max_position() + 1;
-  const std::vector<double> w = padded_frequencies(params, len);
-  const double alpha = params.attention_factor();
   const bool interleaved = params.layout() == RopeLayout::kInterleaved;
-  const bool inverse = direction == RopeDirection::kInverse;
-  const std::int64_t tokens = g.q.batch * g.q.seq;
-  const int threads = detail::threads_for(tokens * (g.q.heads + g.k.heads) * params.head_dim() * 4);
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (std::int64_t t = 0; t < tokens; ++t) {
-    const std::int64_t b = t / g.q.seq, s = t % g.q.seq;
+  const RopeTables tables(params, len, params.layout(), direction == RopeDirection::kInverse);
+  const double alpha = params.attention_factor();
+  const bool in_place = q.data() == q_out.data();
+  const bool stream = !in_place && q.dtype() == DType::kF32 &&
+                      (g.q.batch * g.q.seq * (g.q.heads + g.k.heads) * params.head_dim() * 4) >= kStreamBytes;
+  // Blocks of kRopeMaxRun tokens at fixed offsets in each batch row, and runs of consecutive
+  // positions inside them: where a run restarts never depends on the thread count, so results
+  // are bitwise identical for any thread count.
+  const std::int64_t blocks_per_row = (g.q.seq + kernels::kRopeMaxRun - 1) / kernels::kRopeMaxRun;
+  const int threads = detail::threads_for(g.q.batch * g.q.seq * (g.q.heads + g.k.heads) * params.head_dim() * 4);
+#pragma omp parallel num_threads(threads)
+  {
     RopeScratch& buf = rope_scratch(params.rotary_dim(), params.head_dim());
-    kernels::rope_coefficients(w.data(), params.rotary_dim(), interleaved, inverse, alpha,
-                               static_cast<double>(positions.at(b, s)), buf.cos_e.data(), buf.sin_e.data());
-    rotate_token(g.q, q.data(), g.q_out, q_out.data(), q.dtype(), b, s, params, buf, interleaved);
-    if (g.has_k) rotate_token(g.k, k.data(), g.k_out, k_out.data(), k.dtype(), b, s, params, buf, interleaved);
+#pragma omp for schedule(static)
+    for (std::int64_t block = 0; block < g.q.batch * blocks_per_row; ++block) {
+      const std::int64_t b = block / blocks_per_row;
+      const std::int64_t begin = (block % blocks_per_row) * kernels::kRopeMaxRun;
+      const std::int64_t end = std::min(g.q.seq, begin + kernels::kRopeMaxRun);
+      for (std::int64_t s = begin; s < end; ++s) {
+        const std::int64_t p = positions.at(b, s);
+        if (s > begin && p == positions.at(b, s - 1) + 1) {
+          kernels::rope_state_step(tables.columns(), buf.state.data());
+        } else {
+          kernels::rope_state_start(tables.columns(), static_cast<double>(p), buf.state.data());
+        }
+        kernels::rope_state_emit(tables.columns(), buf.state.data(), alpha, buf.cos_e.data(), buf.sin_e.data());
+        rotate_token(g.q, q.data(), g.q_out, q_out.data(), q.dtype(), b, s, params, buf, interleaved, stream);
+        if (g.has_k) {
+          rotate_token(g.k, k.data(), g.k_out, k_out.data(), k.dtype(), b, s, params, buf, interleaved, stream);
+        }
+      }
+    }
+    if (stream) kernels::flush_streams();
   }
 }
 
@@ -318,16 +370,16 @@ void rope_cos_sin(const RopeParams& params, const Positions& positions, TensorVi
     return;
   }
   const std::int64_t len = seq_len > 0 ? seq_len : positions.max_position() + 1;
-  const std::vector<double> w = padded_frequencies(params, len);
+  // Half-split tables, forward: cos_e[i] = α·cos θ_i and sin_e[i + r/2] = +α·sin θ_i.
+  const RopeTables tables(params, len, RopeLayout::kHalfSplit, false);
   const double alpha = params.attention_factor();
   const std::int64_t pairs = params.rotary_dim() / 2;
   const int threads = detail::threads_for(g.seq * pairs * 16);
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (std::int64_t n = 0; n < g.seq; ++n) {
     RopeScratch& buf = rope_scratch(params.rotary_dim(), params.head_dim());
-    // Half-split coefficients: cos_e[i] = α cos θ_i and sin_e[i + r/2] = α sin θ_i.
-    kernels::rope_coefficients(w.data(), params.rotary_dim(), false, false, alpha,
-                               static_cast<double>(positions.at(0, n)), buf.cos_e.data(), buf.sin_e.data());
+    kernels::rope_state_start(tables.columns(), static_cast<double>(positions.at(0, n)), buf.state.data());
+    kernels::rope_state_emit(tables.columns(), buf.state.data(), alpha, buf.cos_e.data(), buf.sin_e.data());
     for (std::int64_t i = 0; i < pairs; ++i) {
       detail::store(cos.data(), cos.dtype(), g.offset(0, n) + i * g.dim_stride, buf.cos_e[static_cast<std::size_t>(i)]);
       detail::store(sin.data(), sin.dtype(), n * sin.stride(0) + i * sin.stride(1),

@@ -1,8 +1,9 @@
 // SIMD kernels of rotary position embedding (Highway, dynamic dispatch). See rotary_kernels.hpp
 // for the coefficient layout and posenc/rotary.hpp for the math.
 //
-// rope_coefficients: θ_i = p·ω_i in fp64, SinPair (kernels/common/sincos-inl.h) for exact
-//   sin/cos, times α, rounded once to f32 — the angle keeps every bit an fp32 `p·ω` would lose.
+// rope_state_*: θ = p·ω in fp64, SinPair (kernels/common/sincos-inl.h) for exact sin/cos at the
+//   start of a run of consecutive positions, an fp64 rotation by ω per further position; times α,
+//   rounded once to f32 — the angle keeps every bit an fp32 `p·ω` would lose.
 // rope_rotate_f32: out = x·cos_e + partner(x)·sin_e over the rotated entries, in f32:
 //   half-split      partner vectors are the other half, loaded contiguously;
 //   interleaved     partner vector = x with adjacent lanes swapped (Shuffle2301); the one-lane
@@ -12,6 +13,7 @@
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
 #include <hwy/highway.h>
 
+#include <cstdint>
 #include <cstring>
 
 #include "kernels/common/sincos-inl.h"
@@ -23,39 +25,60 @@ namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 using common::HWY_NAMESPACE::SinPair;
 
-void RopeCoefficients(const double* inv_freq, std::int64_t rotary_dim, bool interleaved,
-                      bool inverse, double alpha, double position, float* cos_e, float* sin_e) {
+void RopeStateStart(const RopeColumns& cols, double position, double* HWY_RESTRICT state) {
+  const hn::ScalableTag<double> dd;
+  const auto n = static_cast<std::int64_t>(hn::Lanes(dd));
+  const std::int64_t stride = cols.rotary_dim + kRopePadding;
+  const auto p = hn::Set(dd, position);
+  for (std::int64_t j = 0; j < cols.rotary_dim; j += n) {
+    hn::Vec<decltype(dd)> s, c;
+    SinPair(dd, hn::Mul(p, hn::LoadU(dd, cols.freq + j)), hn::Zero(dd), s, c);
+    hn::StoreU(c, dd, state + j);
+    hn::StoreU(s, dd, state + stride + j);
+  }
+}
+
+void RopeStateStep(const RopeColumns& cols, double* HWY_RESTRICT state) {
+  const hn::ScalableTag<double> dd;
+  const auto n = static_cast<std::int64_t>(hn::Lanes(dd));
+  const std::int64_t stride = cols.rotary_dim + kRopePadding;
+  for (std::int64_t j = 0; j < cols.rotary_dim; j += n) {
+    // (cos, sin)(θ + ω) = (cos θ·cos ω − sin θ·sin ω, sin θ·cos ω + cos θ·sin ω)
+    const auto c = hn::LoadU(dd, state + j), s = hn::LoadU(dd, state + stride + j);
+    const auto sc = hn::LoadU(dd, cols.step_cos + j), ss = hn::LoadU(dd, cols.step_sin + j);
+    hn::StoreU(hn::NegMulAdd(s, ss, hn::Mul(c, sc)), dd, state + j);
+    hn::StoreU(hn::MulAdd(c, ss, hn::Mul(s, sc)), dd, state + stride + j);
+  }
+}
+
+void RopeStateEmit(const RopeColumns& cols, const double* HWY_RESTRICT state, double alpha,
+                   float* HWY_RESTRICT cos_e, float* HWY_RESTRICT sin_e) {
   const hn::ScalableTag<double> dd;
   const hn::Rebind<float, decltype(dd)> df;
   const auto n = static_cast<std::int64_t>(hn::Lanes(dd));
-  const std::int64_t half = rotary_dim / 2;
-  const auto p = hn::Set(dd, position);
+  const std::int64_t stride = cols.rotary_dim + kRopePadding;
   const auto a = hn::Set(dd, alpha);
-  const auto zero = hn::Zero(dd);
-  // sin_e of the first member of a pair is −α·sin θ (forward); the inverse flips both signs.
-  const float first_sign = inverse ? 1.0f : -1.0f;
-  HWY_ALIGN float c_buf[hn::MaxLanes(df)];
-  HWY_ALIGN float s_buf[hn::MaxLanes(df)];
-  for (std::int64_t i = 0; i < half; i += n) {
-    hn::Vec<decltype(dd)> s, c;
-    SinPair(dd, hn::Mul(p, hn::LoadU(dd, inv_freq + i)), zero, s, c);
-    hn::Store(hn::DemoteTo(df, hn::Mul(c, a)), df, c_buf);
-    hn::Store(hn::DemoteTo(df, hn::Mul(s, a)), df, s_buf);
-    const std::int64_t count = half - i < n ? half - i : n;
-    for (std::int64_t l = 0; l < count; ++l) {
-      const std::int64_t pair = i + l;
-      const std::int64_t first = interleaved ? 2 * pair : pair;
-      const std::int64_t second = interleaved ? 2 * pair + 1 : pair + half;
-      cos_e[first] = cos_e[second] = c_buf[l];
-      sin_e[first] = first_sign * s_buf[l];
-      sin_e[second] = -first_sign * s_buf[l];
-    }
+  // cos_e and sin_e hold r + kRopePadding floats: full vectors may be stored past r.
+  for (std::int64_t j = 0; j < cols.rotary_dim; j += n) {
+    hn::StoreU(hn::DemoteTo(df, hn::Mul(hn::LoadU(dd, state + j), a)), df, cos_e + j);
+    const auto signed_alpha = hn::Mul(hn::LoadU(dd, cols.sign + j), a);
+    hn::StoreU(hn::DemoteTo(df, hn::Mul(hn::LoadU(dd, state + stride + j), signed_alpha)), df, sin_e + j);
+  }
+}
+
+// Stores a full vector, streaming it when asked and aligned.
+template <class D, class V>
+HWY_INLINE void StoreOut(V v, D d, float* dst, bool stream) {
+  if (stream && reinterpret_cast<std::uintptr_t>(dst) % (hn::Lanes(d) * sizeof(float)) == 0) {
+    hn::Stream(v, d, dst);
+  } else {
+    hn::StoreU(v, d, dst);
   }
 }
 
 void RopeRotateF32(const float* cos_e, const float* sin_e, std::int64_t rotary_dim,
                    bool interleaved, std::int64_t head_dim, std::int64_t heads, const float* x,
-                   std::int64_t x_head_stride, float* out, std::int64_t out_head_stride) {
+                   std::int64_t x_head_stride, float* out, std::int64_t out_head_stride, bool stream) {
   const hn::ScalableTag<float> df;
   [[maybe_unused]] const auto n = static_cast<std::int64_t>(hn::Lanes(df));
   const std::int64_t half = rotary_dim / 2;
@@ -68,8 +91,8 @@ void RopeRotateF32(const float* cos_e, const float* sin_e, std::int64_t rotary_d
       for (; j + n <= rotary_dim; j += n) {
         const auto v = hn::LoadU(df, src + j);
         const auto swapped = hn::Shuffle2301(v);
-        hn::StoreU(hn::MulAdd(swapped, hn::LoadU(df, sin_e + j), hn::Mul(v, hn::LoadU(df, cos_e + j))),
-                   df, dst + j);
+        StoreOut(hn::MulAdd(swapped, hn::LoadU(df, sin_e + j), hn::Mul(v, hn::LoadU(df, cos_e + j))),
+                 df, dst + j, stream);
       }
 #endif
       for (; j < rotary_dim; j += 2) {  // tail (and the whole row on HWY_SCALAR)
@@ -83,8 +106,8 @@ void RopeRotateF32(const float* cos_e, const float* sin_e, std::int64_t rotary_d
         const auto b = hn::LoadU(df, src + half + j);
         const auto first = hn::MulAdd(b, hn::LoadU(df, sin_e + j), hn::Mul(a, hn::LoadU(df, cos_e + j)));
         const auto second = hn::MulAdd(a, hn::LoadU(df, sin_e + half + j), hn::Mul(b, hn::LoadU(df, cos_e + half + j)));
-        hn::StoreU(first, df, dst + j);
-        hn::StoreU(second, df, dst + half + j);
+        StoreOut(first, df, dst + j, stream);
+        StoreOut(second, df, dst + half + j, stream);
       }
       for (; j < half; ++j) {
         const float a = src[j], b = src[half + j];
@@ -105,20 +128,25 @@ HWY_AFTER_NAMESPACE();
 #if HWY_ONCE
 namespace posenc::kernels {
 
-HWY_EXPORT(RopeCoefficients);
+HWY_EXPORT(RopeStateStart);
+HWY_EXPORT(RopeStateStep);
+HWY_EXPORT(RopeStateEmit);
 HWY_EXPORT(RopeRotateF32);
 
-void rope_coefficients(const double* inv_freq, std::int64_t rotary_dim, bool interleaved,
-                       bool inverse, double alpha, double position, float* cos_e, float* sin_e) {
-  HWY_DYNAMIC_DISPATCH(RopeCoefficients)(inv_freq, rotary_dim, interleaved, inverse, alpha,
-                                         position, cos_e, sin_e);
+void rope_state_start(const RopeColumns& cols, double position, double* state) {
+  HWY_DYNAMIC_DISPATCH(RopeStateStart)(cols, position, state);
 }
-
+void rope_state_step(const RopeColumns& cols, double* state) {
+  HWY_DYNAMIC_DISPATCH(RopeStateStep)(cols, state);
+}
+void rope_state_emit(const RopeColumns& cols, const double* state, double alpha, float* cos_e, float* sin_e) {
+  HWY_DYNAMIC_DISPATCH(RopeStateEmit)(cols, state, alpha, cos_e, sin_e);
+}
 void rope_rotate_f32(const float* cos_e, const float* sin_e, std::int64_t rotary_dim,
                      bool interleaved, std::int64_t head_dim, std::int64_t heads, const float* x,
-                     std::int64_t x_head_stride, float* out, std::int64_t out_head_stride) {
+                     std::int64_t x_head_stride, float* out, std::int64_t out_head_stride, bool stream) {
   HWY_DYNAMIC_DISPATCH(RopeRotateF32)(cos_e, sin_e, rotary_dim, interleaved, head_dim, heads, x,
-                                      x_head_stride, out, out_head_stride);
+                                      x_head_stride, out, out_head_stride, stream);
 }
 
 }  // namespace posenc::kernels

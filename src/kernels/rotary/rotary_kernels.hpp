@@ -11,17 +11,34 @@ namespace posenc::kernels {
 // of j's pair (j ^ 1 interleaved; j ± r/2 half-split) and sin_e carries the sign (−sin for the
 // first member of a pair, +sin for the second; negated again for the inverse rotation).
 //
-// Fills cos_e[0, r) and sin_e[0, r) for one position: θ_i = position·inv_freq[i] in fp64,
-// reduced exactly, times `alpha`, rounded to f32. inv_freq holds r/2 values followed by at
-// least kRopeFreqPadding zeros.
-inline constexpr std::int64_t kRopeFreqPadding = 16;
-void rope_coefficients(const double* inv_freq, std::int64_t rotary_dim, bool interleaved,
-                       bool inverse, double alpha, double position, float* cos_e, float* sin_e);
+// Per-call tables, expanded to the layout (r entries each, then kRopePadding zeros):
+//   freq[j]      ω of j's pair
+//   step_cos[j]  cos ω, step_sin[j] = sin ω        (one position further)
+//   sign[j]      −1 for the first member of a pair, +1 for the second (negated for the inverse)
+struct RopeColumns {
+  const double* freq = nullptr;
+  const double* step_cos = nullptr;
+  const double* step_sin = nullptr;
+  const double* sign = nullptr;
+  std::int64_t rotary_dim = 0;
+};
+inline constexpr std::int64_t kRopePadding = 16;
+
+// Runs of consecutive positions share their coefficients' computation: the first position's
+// (cos θ, sin θ) exactly (fp64 angle, exact reduction), each next one by rotating that fp64 state
+// by ω (error < 64·2^-51 over a run of at most kRopeMaxRun positions).
+inline constexpr std::int64_t kRopeMaxRun = 64;
+// state: 2·(r + kRopePadding) doubles, cos θ then sin θ, per entry of the expanded layout.
+void rope_state_start(const RopeColumns& cols, double position, double* state);
+void rope_state_step(const RopeColumns& cols, double* state);
+// cos_e = α·cos θ, sin_e = sign·α·sin θ, rounded to f32 (r entries each).
+void rope_state_emit(const RopeColumns& cols, const double* state, double alpha, float* cos_e, float* sin_e);
 
 // Rotates `heads` head vectors of one token: head h at x + h·x_head_stride → out + h·out_head_stride,
 // each of head_dim contiguous f32 entries; entries r … head_dim−1 are copied when out != x.
+// With `stream`, aligned vectors of out use non-temporal stores (flush_streams() afterwards).
 void rope_rotate_f32(const float* cos_e, const float* sin_e, std::int64_t rotary_dim,
                      bool interleaved, std::int64_t head_dim, std::int64_t heads, const float* x,
-                     std::int64_t x_head_stride, float* out, std::int64_t out_head_stride);
+                     std::int64_t x_head_stride, float* out, std::int64_t out_head_stride, bool stream);
 
 }  // namespace posenc::kernels

@@ -12,5 +12,6 @@ using Runner = std::function<void()>;
 Runner add_tour(CLI::App& app);
 Runner add_table(CLI::App& app);
 Runner add_bench(CLI::App& app);
+Runner add_rope_freqs(CLI::App& app);
 
 }  // namespace posenc::cli

@@ -20,6 +20,7 @@ int main(int argc, char** argv) {
   posenc::cli::Runner tour = posenc::cli::add_tour(app);
   posenc::cli::Runner table = posenc::cli::add_table(app);
   posenc::cli::Runner bench = posenc::cli::add_bench(app);
+  posenc::cli::Runner rope_freqs = posenc::cli::add_rope_freqs(app);
 
   try {
     app.parse(argc, argv);
@@ -34,6 +35,7 @@ int main(int argc, char** argv) {
       if (sub->get_name() == "tour") tour();
       if (sub->get_name() == "table") table();
       if (sub->get_name() == "bench") bench();
+      if (sub->get_name() == "rope-freqs") rope_freqs();
     }
   } catch (const std::exception& e) {
     std::fflush(stdout);

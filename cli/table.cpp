@@ -70,32 +70,9 @@ std::string torch_style(const std::vector<double>& v, std::int64_t rows, std::in
   return out + "])";
 }
 
-void run_table(const TableOptions& o) {
-  if (o.encoding != "sinusoidal") {
-    throw Error("table", "encoding", o.encoding, "sinusoidal (more encodings arrive with later releases)");
-  }
-  if (o.length < 0) throw Error("table", "--length", std::to_string(o.length), ">= 0");
-  SinusoidalLayout layout = SinusoidalLayout::kInterleaved;
-  if (o.layout == "split") {
-    layout = SinusoidalLayout::kSplitHalves;
-  } else if (o.layout != "interleaved") {
-    throw Error("table", "--layout", o.layout, "interleaved or split");
-  }
-  const SinusoidalParams params(o.dim, o.base, layout);
-  const Positions positions = Positions::range(o.length, o.offset);
-  const DType dtype = parse_dtype(o.dtype);
-  const std::int64_t elements = checked_mul(o.length, o.dim, "table size");
-  // The command holds the table and its printed form in memory: refuse what cannot fit.
-  constexpr std::int64_t kMaxElements = std::int64_t{1} << 30;
-  if (elements > kMaxElements) {
-    throw Error("table", "--length × --dim", std::to_string(o.length) + " × " + std::to_string(o.dim),
-                "at most 2^30 values (the C++ API has no such limit)");
-  }
-  const auto count = static_cast<std::size_t>(elements);
+// Widens `count` values of `dtype` at `data` to double.
+std::vector<double> widen(const std::vector<unsigned char>& storage, DType dtype, std::size_t count) {
   std::vector<double> values(count);
-  // Build in the requested dtype, then widen for printing (so bf16 prints its rounding).
-  std::vector<unsigned char> storage(count * dtype_size(dtype) + 1);
-  sinusoidal_table(params, positions, TensorView::contiguous(storage.data(), dtype, std::vector<std::int64_t>{o.length, o.dim}));
   for (std::size_t i = 0; i < count; ++i) {
     switch (dtype) {
       case DType::kF32: values[i] = reinterpret_cast<const float*>(storage.data())[i]; break;
@@ -104,28 +81,89 @@ void run_table(const TableOptions& o) {
       case DType::kF16: values[i] = from_f16(reinterpret_cast<const f16*>(storage.data())[i]); break;
     }
   }
+  return values;
+}
+
+nlohmann::json rows_of(const std::vector<double>& values, std::int64_t rows, std::int64_t cols) {
+  nlohmann::json out = nlohmann::json::array();
+  for (std::int64_t r = 0; r < rows; ++r) {
+    out.push_back(std::vector<double>(values.begin() + r * cols, values.begin() + (r + 1) * cols));
+  }
+  return out;
+}
+
+// Prints named tables of the same shape, rows = positions, in the requested format.
+void print_tables(const TableOptions& o, const std::vector<std::pair<std::string, std::vector<double>>>& tables,
+                  std::int64_t cols, nlohmann::json doc) {
   if (o.format == "text") {
-    fmt::print("{}\n", torch_style(values, o.length, o.dim));
+    for (const auto& [name, values] : tables) {
+      if (tables.size() > 1) fmt::print("{} = ", name);
+      fmt::print("{}\n", torch_style(values, o.length, cols));
+    }
   } else if (o.format == "csv") {
     std::string line = "position";
-    for (std::int64_t j = 0; j < o.dim; ++j) line += fmt::format(",d{}", j);
+    for (const auto& [name, values] : tables) {
+      for (std::int64_t j = 0; j < cols; ++j) line += tables.size() > 1 ? fmt::format(",{}{}", name, j) : fmt::format(",d{}", j);
+    }
     fmt::print("{}\n", line);
     for (std::int64_t r = 0; r < o.length; ++r) {
       line = std::to_string(o.offset + r);
-      for (std::int64_t j = 0; j < o.dim; ++j) line += fmt::format(",{}", values[static_cast<std::size_t>(r * o.dim + j)]);
+      for (const auto& [name, values] : tables) {
+        for (std::int64_t j = 0; j < cols; ++j) line += fmt::format(",{}", values[static_cast<std::size_t>(r * cols + j)]);
+      }
       fmt::print("{}\n", line);
     }
   } else if (o.format == "json") {
-    nlohmann::json rows = nlohmann::json::array();
-    for (std::int64_t r = 0; r < o.length; ++r) {
-      rows.push_back(std::vector<double>(values.begin() + r * o.dim, values.begin() + (r + 1) * o.dim));
-    }
-    const nlohmann::json doc = {{"encoding", "sinusoidal"}, {"dim", o.dim},       {"base", o.base},
-                                {"layout", o.layout},       {"offset", o.offset}, {"length", o.length},
-                                {"dtype", o.dtype},         {"values", rows}};
+    for (const auto& [name, values] : tables) doc[name] = rows_of(values, o.length, cols);
     fmt::print("{}\n", doc.dump());
   } else {
     throw Error("table", "--format", o.format, "text, csv or json");
+  }
+}
+
+void run_table(const TableOptions& o) {
+  if (o.encoding != "sinusoidal" && o.encoding != "rope") {
+    throw Error("table", "encoding", o.encoding, "sinusoidal or rope");
+  }
+  if (o.length < 0) throw Error("table", "--length", std::to_string(o.length), ">= 0");
+  if (o.format != "text" && o.format != "csv" && o.format != "json") {
+    throw Error("table", "--format", o.format, "text, csv or json");
+  }
+  const Positions positions = Positions::range(o.length, o.offset);
+  const DType dtype = parse_dtype(o.dtype);
+  // Columns: d for sinusoidal; d/2 frequencies (cos and sin tables) for rope.
+  const std::int64_t cols = o.encoding == "rope" ? o.dim / 2 : o.dim;
+  const std::int64_t elements = checked_mul(o.length, std::max<std::int64_t>(cols, 1), "table size");
+  // The command holds the table and its printed form in memory: refuse what cannot fit.
+  constexpr std::int64_t kMaxElements = std::int64_t{1} << 30;
+  if (elements > kMaxElements) {
+    throw Error("table", "--length × --dim", std::to_string(o.length) + " × " + std::to_string(o.dim),
+                "at most 2^30 values (the C++ API has no such limit)");
+  }
+  const auto count = static_cast<std::size_t>(elements);
+  const std::vector<std::int64_t> shape = {o.length, cols};
+  if (o.encoding == "sinusoidal") {
+    SinusoidalLayout layout = SinusoidalLayout::kInterleaved;
+    if (o.layout == "split") {
+      layout = SinusoidalLayout::kSplitHalves;
+    } else if (o.layout != "interleaved") {
+      throw Error("table", "--layout", o.layout, "interleaved or split");
+    }
+    const SinusoidalParams params(o.dim, o.base, layout);
+    // Build in the requested dtype, then widen for printing (so bf16 prints its rounding).
+    std::vector<unsigned char> storage(count * dtype_size(dtype) + 1);
+    sinusoidal_table(params, positions, TensorView::contiguous(storage.data(), dtype, shape));
+    print_tables(o, {{"values", widen(storage, dtype, count)}}, cols,
+                 {{"encoding", "sinusoidal"}, {"dim", o.dim}, {"base", o.base}, {"layout", o.layout},
+                  {"offset", o.offset}, {"length", o.length}, {"dtype", o.dtype}});
+  } else {
+    const RopeParams params(o.dim, o.dim, o.base);
+    std::vector<unsigned char> cos(count * dtype_size(dtype) + 1), sin(cos.size());
+    rope_cos_sin(params, positions, TensorView::contiguous(cos.data(), dtype, shape),
+                 TensorView::contiguous(sin.data(), dtype, shape));
+    print_tables(o, {{"cos", widen(cos, dtype, count)}, {"sin", widen(sin, dtype, count)}}, cols,
+                 {{"encoding", "rope"}, {"dim", o.dim}, {"base", o.base}, {"offset", o.offset},
+                  {"length", o.length}, {"dtype", o.dtype}});
   }
 }
 
@@ -134,9 +172,9 @@ void run_table(const TableOptions& o) {
 Runner add_table(CLI::App& app) {
   auto o = std::make_shared<TableOptions>();
   CLI::App* sub = app.add_subcommand("table", "Print an encoding table (rows = positions)");
-  sub->add_option("encoding", o->encoding, "Encoding: sinusoidal")->required();
+  sub->add_option("encoding", o->encoding, "Encoding: sinusoidal, or rope (cos and sin, one column per frequency)")->required();
   sub->add_option("--length,-n", o->length, "Number of positions (rows)")->capture_default_str();
-  sub->add_option("--dim,-d", o->dim, "Encoding width (even)")->capture_default_str();
+  sub->add_option("--dim,-d", o->dim, "Encoding width, or rope's rotary dim (even)")->capture_default_str();
   sub->add_option("--base", o->base, "Frequency base")->capture_default_str();
   sub->add_option("--layout", o->layout, "interleaved (sin, cos pairs) or split ([sin | cos])")
       ->capture_default_str();

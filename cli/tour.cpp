@@ -1,6 +1,7 @@
 // posenc tour — a short printed tour of every encoding implemented so far, on small examples.
 // It grows as encodings land; each section shows the math, a few numbers and one property.
 #include <fmt/core.h>
+#include <fmt/ranges.h>
 
 #include <cmath>
 #include <string>
@@ -97,6 +98,73 @@ void tour_learned() {
   }
 }
 
+// q·k after rotating q to position m and k to n, with angles in f32 (as most code computes them).
+double fp32_rope_score(const std::vector<float>& q, const std::vector<float>& k, std::int64_t m, std::int64_t n,
+                       const std::vector<double>& inv_freq) {
+  const std::size_t half = inv_freq.size();
+  double dot = 0;
+  for (std::size_t i = 0; i < half; ++i) {
+    const float w = static_cast<float>(inv_freq[i]);
+    const float am = static_cast<float>(m) * w, an = static_cast<float>(n) * w;
+    const float qa = q[i] * std::cos(am) - q[i + half] * std::sin(am), qb = q[i + half] * std::cos(am) + q[i] * std::sin(am);
+    const float ka = k[i] * std::cos(an) - k[i + half] * std::sin(an), kb = k[i + half] * std::cos(an) + k[i] * std::sin(an);
+    dot += static_cast<double>(qa) * ka + static_cast<double>(qb) * kb;
+  }
+  return dot;
+}
+
+void tour_rope() {
+  section("Rotary (RoPE; Su et al. 2021)");
+  fmt::print("  pairs (a_i, b_i) turn by p·ω_i, ω_i = base^(-2i/r); <R(m)q, R(n)k> depends on m - n only\n\n");
+  const std::int64_t d = 8;
+  std::vector<float> x(d);
+  for (std::int64_t j = 0; j < d; ++j) x[static_cast<std::size_t>(j)] = static_cast<float>(j + 1);
+  for (auto layout : {RopeLayout::kInterleaved, RopeLayout::kHalfSplit}) {
+    std::vector<float> y(d);
+    rope_apply(RopeParams(d, d, 10000.0, layout), Positions::range(1, 1), ConstTensorView::of(x.data(), {1, 1, d}),
+               TensorView(), TensorView::of(y.data(), {1, 1, d}), TensorView());
+    fmt::print("  {:<28} x = 1..8 at position 1 → [{:.4f}]\n",
+               layout == RopeLayout::kInterleaved ? "interleaved [a0 b0 a1 b1 …]" : "half-split [a0 a1 … b0 b1 …]",
+               fmt::join(y, ", "));
+  }
+  // Relative position at long context: the score of (m + t, n + t) should equal that of (m, n).
+  const std::int64_t dim = 128;
+  const RopeParams params(dim, dim, 10000.0);
+  std::vector<float> q(dim), k(dim);
+  for (std::int64_t j = 0; j < dim; ++j) {
+    q[static_cast<std::size_t>(j)] = static_cast<float>(std::sin(0.7 * static_cast<double>(j) + 0.3));
+    k[static_cast<std::size_t>(j)] = static_cast<float>(std::cos(1.3 * static_cast<double>(j)));
+  }
+  auto score = [&](std::int64_t m, std::int64_t n) {
+    std::vector<float> qr(dim), kr(dim);
+    const std::vector<std::int64_t> pm = {m}, pn = {n};
+    rope_apply(params, Positions::ids(pm), ConstTensorView::of(q.data(), {1, 1, dim}), TensorView(),
+               TensorView::of(qr.data(), {1, 1, dim}), TensorView());
+    rope_apply(params, Positions::ids(pn), ConstTensorView::of(k.data(), {1, 1, dim}), TensorView(),
+               TensorView::of(kr.data(), {1, 1, dim}), TensorView());
+    double dot = 0;
+    for (std::int64_t j = 0; j < dim; ++j) dot += static_cast<double>(qr[static_cast<std::size_t>(j)]) * kr[static_cast<std::size_t>(j)];
+    return dot;
+  };
+  const std::vector<double> w = params.inv_frequencies();
+  const double exact = score(10, 3);
+  fmt::print("\n  q·k for positions (10 + t, 3 + t), d = 128: the same for every t, ideally ({:.5f})\n", exact);
+  fmt::print("    {:>10}   {:>12}   {:>16}\n", "t", "posenc", "fp32 angles");
+  for (const std::int64_t t : {std::int64_t{0}, std::int64_t{1} << 16, std::int64_t{1} << 20, (std::int64_t{1} << 24) - 11}) {
+    fmt::print("    {:>10}   {:>12.5f}   {:>16.5f}\n", t, score(10 + t, 3 + t), fp32_rope_score(q, k, 10 + t, 3 + t, w));
+  }
+  RopeScaling llama3;
+  llama3.type = RopeType::kLlama3;
+  llama3.factor = 8;
+  llama3.low_freq_factor = 1;
+  llama3.high_freq_factor = 4;
+  llama3.original_max_position_embeddings = 8192;
+  const std::vector<double> scaled = RopeParams(128, 128, 5e5, RopeLayout::kHalfSplit, llama3, 131072).inv_frequencies();
+  fmt::print("\n  Llama 3.1 (rope_type llama3, factor 8): ω_0 = {:.6g}, ω_40 = {:.6g}, ω_63 = {:.6g}\n", scaled[0],
+             scaled[40], scaled[63]);
+  fmt::print("  (`posenc rope-freqs --config config.json` prints them for any Hugging Face config)\n");
+}
+
 void run_tour() {
   fmt::print("posenc {} — a tour of the encodings implemented so far\n", version());
   std::string targets;
@@ -104,7 +172,9 @@ void run_tour() {
   fmt::print("kernels: {} (available: {}), {} thread(s)\n", active_target(), targets, num_threads());
   tour_sinusoidal();
   tour_learned();
-  fmt::print("\nNext: `posenc table sinusoidal --length 10 --dim 4`, `posenc bench sinusoidal`.\n");
+  tour_rope();
+  fmt::print("\nNext: `posenc table sinusoidal --length 10 --dim 4`, `posenc table rope --length 4 --dim 8`,\n"
+             "`posenc bench sinusoidal`, `posenc bench rope --length 4096 --dim 128`.\n");
 }
 
 }  // namespace

@@ -227,6 +227,54 @@ double RopeParams::attention_factor() const {
   return 1.0;
 }
 
+RopeParams rope_params_from_hf(const HfRopeConfig& c, RopeLayout layout) {
+  const char* where = "rope_params_from_hf";
+  using detail::to_text;
+  std::int64_t head_dim = c.head_dim;
+  if (head_dim <= 0) {
+    if (c.hidden_size <= 0 || c.num_attention_heads <= 0) {
+      throw Error(where, "head_dim", "missing", "head_dim, or hidden_size and num_attention_heads");
+    }
+    head_dim = c.hidden_size / c.num_attention_heads;
+  }
+  if (!(c.partial_rotary_factor > 0.0 && c.partial_rotary_factor <= 1.0)) {
+    throw Error(where, "partial_rotary_factor", to_text(c.partial_rotary_factor), "a number in (0, 1]");
+  }
+  // Hugging Face: int(head_dim * partial_rotary_factor), the float product truncated.
+  const auto rotary_dim = static_cast<std::int64_t>(static_cast<double>(head_dim) * c.partial_rotary_factor);
+  RopeScaling s;
+  s.type = rope_type_from_name(c.rope_type == "su" ? "longrope" : c.rope_type);
+  const bool needs_factor = s.type != RopeType::kDefault && s.type != RopeType::kLongRope;
+  if (needs_factor && std::isnan(c.factor)) {
+    throw Error(where, "rope_scaling.factor", "missing", "a number for rope_type " + c.rope_type);
+  }
+  s.original_max_position_embeddings = c.top_level_original_max_position_embeddings > 0
+                                           ? c.top_level_original_max_position_embeddings
+                                           : c.original_max_position_embeddings;
+  s.factor = std::isnan(c.factor) ? 1.0 : c.factor;
+  if (s.type == RopeType::kLongRope && std::isnan(c.factor) && s.original_max_position_embeddings > 0) {
+    s.factor = static_cast<double>(c.max_position_embeddings) / static_cast<double>(s.original_max_position_embeddings);
+  }
+  // Hugging Face treats 0 (falsy) like unset for the yarn betas.
+  s.beta_fast = std::isnan(c.beta_fast) || c.beta_fast == 0.0 ? 32.0 : c.beta_fast;
+  s.beta_slow = std::isnan(c.beta_slow) || c.beta_slow == 0.0 ? 1.0 : c.beta_slow;
+  s.mscale = c.mscale;
+  s.mscale_all_dim = c.mscale_all_dim;
+  s.truncate = c.truncate;
+  s.attention_factor = c.attention_factor;
+  if (s.type == RopeType::kLlama3) {
+    if (std::isnan(c.low_freq_factor) || std::isnan(c.high_freq_factor) || s.original_max_position_embeddings <= 0) {
+      throw Error(where, "rope_scaling", "llama3 without low_freq_factor, high_freq_factor or original_max_position_embeddings",
+                  "all three (Hugging Face requires them)");
+    }
+    s.low_freq_factor = c.low_freq_factor;
+    s.high_freq_factor = c.high_freq_factor;
+  }
+  s.short_factor = c.short_factor;
+  s.long_factor = c.long_factor;
+  return RopeParams(head_dim, rotary_dim, c.rope_theta, layout, std::move(s), c.max_position_embeddings);
+}
+
 // ─── Application ───────────────────────────────────────────────────────────────────────────────
 
 namespace {

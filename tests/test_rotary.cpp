@@ -148,6 +148,68 @@ TEST(RopeParams, Llama3Bands) {
   EXPECT_EQ(scaled, 29);
 }
 
+// Hugging Face config fields → RopeParams, for the configurations the issue names.
+TEST(RopeParams, FromHuggingFaceConfigs) {
+  HfRopeConfig llama;  // Llama 3.1 8B config.json
+  llama.hidden_size = 4096;
+  llama.num_attention_heads = 32;
+  llama.max_position_embeddings = 131072;
+  llama.rope_theta = 500000.0;
+  llama.rope_type = "llama3";
+  llama.factor = 8;
+  llama.low_freq_factor = 1;
+  llama.high_freq_factor = 4;
+  llama.original_max_position_embeddings = 8192;
+  const RopeParams p = rope_params_from_hf(llama);
+  EXPECT_EQ(p.head_dim(), 128);
+  EXPECT_EQ(p.rotary_dim(), 128);
+  EXPECT_EQ(p.layout(), RopeLayout::kHalfSplit);  // Hugging Face's rotate_half
+  EXPECT_EQ(p.original_max_position_embeddings(), 8192);
+  EXPECT_EQ(p.inv_frequencies().back(), std::pow(500000.0, -126.0 / 128.0) / 8);
+
+  HfRopeConfig phi3;  // Phi-3-mini-128k: longrope, M0 at the top level, no explicit factor
+  phi3.hidden_size = 3072;
+  phi3.num_attention_heads = 32;
+  phi3.max_position_embeddings = 131072;
+  phi3.top_level_original_max_position_embeddings = 4096;
+  phi3.rope_type = "su";  // the legacy name Phi-3 configs used
+  phi3.short_factor.assign(48, 1.05);
+  phi3.long_factor.assign(48, 3.0);
+  const RopeParams q = rope_params_from_hf(phi3);
+  EXPECT_EQ(q.scaling().type, RopeType::kLongRope);
+  EXPECT_EQ(q.head_dim(), 96);
+  EXPECT_EQ(q.scaling().factor, 32.0);  // max_position_embeddings / M0
+  EXPECT_NEAR(q.attention_factor(), 1.1902380714, 1e-10);
+
+  HfRopeConfig neox;  // GPT-NeoX / Pythia-2.8B: partial rotary
+  neox.hidden_size = 2560;
+  neox.num_attention_heads = 32;
+  neox.partial_rotary_factor = 0.25;
+  EXPECT_EQ(rope_params_from_hf(neox).rotary_dim(), 20);
+
+  HfRopeConfig deepseek;  // DeepSeek-V2-Lite: yarn with the mscale ratio, rope head dim 64
+  deepseek.head_dim = 64;
+  deepseek.rope_type = "yarn";
+  deepseek.factor = 40;
+  deepseek.original_max_position_embeddings = 4096;
+  deepseek.mscale = 0.707;
+  deepseek.mscale_all_dim = 0.707;
+  deepseek.max_position_embeddings = 163840;
+  EXPECT_EQ(rope_params_from_hf(deepseek).attention_factor(), 1.0);  // equal mscales: ratio 1
+  deepseek.mscale = 1.0;
+  EXPECT_NEAR(rope_params_from_hf(deepseek).attention_factor(),
+              (0.1 * std::log(40.0) + 1) / (0.1 * 0.707 * std::log(40.0) + 1), 1e-15);
+
+  HfRopeConfig broken = llama;
+  broken.low_freq_factor = std::nan("");
+  expect_error([&] { rope_params_from_hf(broken); }, {"rope_params_from_hf", "llama3 without low_freq_factor"});
+  HfRopeConfig no_dims;
+  expect_error([&] { rope_params_from_hf(no_dims); }, {"head_dim = missing", "hidden_size and num_attention_heads"});
+  HfRopeConfig no_factor = llama;
+  no_factor.factor = std::nan("");
+  expect_error([&] { rope_params_from_hf(no_factor); }, {"rope_scaling.factor = missing"});
+}
+
 // ─── Rotation ──────────────────────────────────────────────────────────────────────────────────
 
 struct Case {

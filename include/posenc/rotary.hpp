@@ -54,6 +54,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -127,6 +128,42 @@ class RopeParams {
   std::int64_t max_position_embeddings_;
   std::vector<double> freq_factors_;
 };
+
+// The RoPE fields of a Hugging Face config.json, as plain values (the JSON itself is parsed by
+// the caller: the CLI, or Python). `rope_scaling` and the newer `rope_parameters` carry the same
+// keys; a `rope_theta` inside them wins over the top-level one. Unset numbers are NaN (or 0 for
+// integers), unset lists empty.
+struct HfRopeConfig {
+  std::string rope_type = "default";  // rope_type, or the legacy "type"; "su" means longrope
+  double rope_theta = 10000.0;
+  std::int64_t hidden_size = 0;
+  std::int64_t num_attention_heads = 0;
+  std::int64_t head_dim = 0;  // 0: hidden_size / num_attention_heads
+  double partial_rotary_factor = 1.0;
+  std::int64_t max_position_embeddings = 2048;
+  // Phi-3 keeps original_max_position_embeddings at the top level; it then sets M0 (and, for
+  // longrope without an explicit factor, factor = max_position_embeddings / M0).
+  std::int64_t top_level_original_max_position_embeddings = 0;
+  // Inside rope_scaling / rope_parameters:
+  std::int64_t original_max_position_embeddings = 0;
+  double factor = std::numeric_limits<double>::quiet_NaN();
+  double beta_fast = std::numeric_limits<double>::quiet_NaN();
+  double beta_slow = std::numeric_limits<double>::quiet_NaN();
+  double mscale = 0.0;
+  double mscale_all_dim = 0.0;
+  bool truncate = true;
+  double attention_factor = std::numeric_limits<double>::quiet_NaN();
+  double low_freq_factor = std::numeric_limits<double>::quiet_NaN();
+  double high_freq_factor = std::numeric_limits<double>::quiet_NaN();
+  std::vector<double> short_factor, long_factor;
+};
+
+// RopeParams as Hugging Face transformers builds them from such a config: head_dim =
+// config.head_dim or hidden_size / num_attention_heads, rotary_dim = int(head_dim ·
+// partial_rotary_factor), defaults beta_fast 32, beta_slow 1, low/high_freq_factor required for
+// llama3, factor required where the type needs one. The layout is Hugging Face's rotate_half
+// (half-split) unless given. Throws posenc::Error naming the missing or invalid key.
+RopeParams rope_params_from_hf(const HfRopeConfig& config, RopeLayout layout = RopeLayout::kHalfSplit);
 
 enum class RopeDirection : std::uint8_t {
   kForward,  // rotate by +θ

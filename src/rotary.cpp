@@ -275,6 +275,17 @@ RopeParams rope_params_from_hf(const HfRopeConfig& c, RopeLayout layout) {
   return RopeParams(head_dim, rotary_dim, c.rope_theta, layout, std::move(s), c.max_position_embeddings);
 }
 
+RopeParams RopeParams::with_xpos(double scale_base, double center) const {
+  require(scale_base > 0 && std::isfinite(scale_base), "xpos scale_base", detail::to_text(scale_base),
+          "a finite number > 0");
+  require(std::isfinite(center), "xpos center", detail::to_text(center), "a finite number");
+  RopeParams copy = *this;
+  copy.xpos_ = true;
+  copy.xpos_scale_base_ = scale_base;
+  copy.xpos_center_ = center;
+  return copy;
+}
+
 // ─── Application ───────────────────────────────────────────────────────────────────────────────
 
 namespace {
@@ -312,7 +323,7 @@ class RopeTables {
 
 // Per-thread scratch, grown on demand: the run state, the f32 coefficients, one head row.
 struct RopeScratch {
-  std::vector<double> state;
+  std::vector<double> state, xpos_cos, xpos_sin;
   std::vector<float> cos_e, sin_e, row;
 };
 RopeScratch& rope_scratch(std::int64_t rotary_dim, std::int64_t head_dim) {
@@ -368,8 +379,21 @@ void rope_apply(const RopeParams& params, const Positions& positions, ConstTenso
   }
   const std::int64_t len = seq_len > 0 ? seq_len : positions.max_position() + 1;
   const bool interleaved = params.layout() == RopeLayout::kInterleaved;
-  const RopeTables tables(params, len, params.layout(), direction == RopeDirection::kInverse);
-  const double alpha = params.attention_factor();
+  const RopeTables tables(params, len, params.layout(), direction != RopeDirection::kForward);
+  const double alpha = direction == RopeDirection::kInverse ? 1.0 / params.attention_factor() : params.attention_factor();
+  // xPos: per-entry log ζ of each entry's pair, and the sign of the exponent for q (k uses the
+  // opposite one); the inverse divides where forward multiplies.
+  std::vector<double> log_zeta;
+  double xpos_sign = direction == RopeDirection::kInverse ? -1.0 : 1.0;
+  if (params.xpos()) {
+    const std::int64_t r = params.rotary_dim(), half = r / 2;
+    log_zeta.resize(static_cast<std::size_t>(r));
+    for (std::int64_t j = 0; j < r; ++j) {
+      const std::int64_t pair = interleaved ? j / 2 : j % half;
+      log_zeta[static_cast<std::size_t>(j)] =
+          std::log((2.0 * static_cast<double>(pair) + 0.4 * static_cast<double>(r)) / (1.4 * static_cast<double>(r)));
+    }
+  }
   const bool in_place = q.data() == q_out.data();
   const bool stream = !in_place && q.dtype() == DType::kF32 &&
                       (g.q.batch * g.q.seq * (g.q.heads + g.k.heads) * params.head_dim() * 4) >= kStreamBytes;
@@ -394,9 +418,31 @@ void rope_apply(const RopeParams& params, const Positions& positions, ConstTenso
           kernels::rope_state_start(tables.columns(), static_cast<double>(p), buf.state.data());
         }
         kernels::rope_state_emit(tables.columns(), buf.state.data(), alpha, buf.cos_e.data(), buf.sin_e.data());
-        rotate_token(g.q, q.data(), g.q_out, q_out.data(), q.dtype(), b, s, params, buf, interleaved, stream);
-        if (g.has_k) {
-          rotate_token(g.k, k.data(), g.k_out, k_out.data(), k.dtype(), b, s, params, buf, interleaved, stream);
+        if (!params.xpos()) {
+          rotate_token(g.q, q.data(), g.q_out, q_out.data(), q.dtype(), b, s, params, buf, interleaved, stream);
+          if (g.has_k) {
+            rotate_token(g.k, k.data(), g.k_out, k_out.data(), k.dtype(), b, s, params, buf, interleaved, stream);
+          }
+          continue;
+        }
+        // xPos: q's coefficients times ζ^(±e), then k's times ζ^(∓e), from the same cos/sin.
+        const double e = (static_cast<double>(p) - params.xpos_center()) / params.xpos_scale_base();
+        const std::int64_t r = params.rotary_dim();
+        buf.xpos_cos.assign(buf.cos_e.begin(), buf.cos_e.begin() + r);
+        buf.xpos_sin.assign(buf.sin_e.begin(), buf.sin_e.begin() + r);
+        for (const double side : {1.0, -1.0}) {  // q, then k
+          if (side < 0 && !g.has_k) break;
+          for (std::int64_t j = 0; j < r; ++j) {
+            const auto at = static_cast<std::size_t>(j);
+            const double scale = std::exp(side * xpos_sign * e * log_zeta[at]);
+            buf.cos_e[at] = static_cast<float>(buf.xpos_cos[at] * scale);
+            buf.sin_e[at] = static_cast<float>(buf.xpos_sin[at] * scale);
+          }
+          if (side > 0) {
+            rotate_token(g.q, q.data(), g.q_out, q_out.data(), q.dtype(), b, s, params, buf, interleaved, stream);
+          } else {
+            rotate_token(g.k, k.data(), g.k_out, k_out.data(), k.dtype(), b, s, params, buf, interleaved, stream);
+          }
         }
       }
     }

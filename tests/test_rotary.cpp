@@ -220,6 +220,7 @@ struct Case {
   bool in_place;
   RopeDirection direction;
   int position_kind;  // 0 range+offset, 1 per-row ranges, 2 ids, 3 packed (B = 1)
+  bool xpos;          // positions then stay below 4096, centred at 2048 (ζ^e within [0.006, 150])
 };
 
 std::string describe(const Case& c) {
@@ -227,7 +228,8 @@ std::string describe(const Case& c) {
          std::to_string(c.k_heads) + " heads, D " + std::to_string(c.head_dim) + ", r " + std::to_string(c.rotary_dim) +
          "] " + (c.layout == RopeLayout::kInterleaved ? "interleaved " : "half-split ") + std::string(dtype_name(c.dtype)) +
          (c.bhsd ? " BHSD" : " BSHD") + (c.in_place ? " in place" : "") +
-         (c.direction == RopeDirection::kInverse ? " inverse" : "") + " positions " + std::to_string(c.position_kind);
+         (c.direction == RopeDirection::kInverse ? " inverse" : c.direction == RopeDirection::kBackward ? " backward" : "") +
+         " positions " + std::to_string(c.position_kind) + (c.xpos ? " xpos" : "");
 }
 
 // Strides of a [B, S, H, D] view over memory laid out [B, S, H, D] or [B, H, S, D].
@@ -244,7 +246,9 @@ void run_case(const Case& c) {
     scaling.factor = 4;
     scaling.original_max_position_embeddings = 1024;
   }
-  const RopeParams params(c.head_dim, c.rotary_dim, 1e4, c.layout, scaling, 4096);
+  const RopeParams plain(c.head_dim, c.rotary_dim, 1e4, c.layout, scaling, 4096);
+  const RopeParams params = c.xpos ? plain.with_xpos(512.0, 2048.0) : plain;
+  const std::int64_t far = c.xpos ? 4000 - c.seq : 1 << 20, far_ids = c.xpos ? 4000 : 1 << 24;
   const std::vector<std::int64_t> q_shape = {c.batch, c.seq, c.q_heads, c.head_dim};
   const std::vector<std::int64_t> k_shape = {c.batch, c.seq, c.k_heads, c.head_dim};
   const std::int64_t q_count = c.batch * c.seq * c.q_heads * c.head_dim, k_count = c.batch * c.seq * c.k_heads * c.head_dim;
@@ -253,8 +257,8 @@ void run_case(const Case& c) {
   for (auto& v : k_values) v = uniform(-1, 1);
   auto q = testing::to_dtype(q_values, c.dtype), k = testing::to_dtype(k_values, c.dtype);
   std::vector<std::int64_t> starts, ids, cu = {0};
-  for (std::int64_t b = 0; b < c.batch; ++b) starts.push_back(uniform_int(0, 1 << 20));
-  for (std::int64_t t = 0; t < c.batch * c.seq; ++t) ids.push_back(uniform_int(0, 1 << 24));
+  for (std::int64_t b = 0; b < c.batch; ++b) starts.push_back(uniform_int(0, far));
+  for (std::int64_t t = 0; t < c.batch * c.seq; ++t) ids.push_back(uniform_int(0, far_ids));
   while (cu.back() < c.seq) cu.push_back(std::min<std::int64_t>(c.seq, cu.back() + uniform_int(1, 9)));
   const Positions positions = c.position_kind == 0   ? Positions::range(c.seq, starts[0])
                               : c.position_kind == 1 ? Positions::ranges(starts, c.seq)
@@ -279,18 +283,21 @@ void run_case(const Case& c) {
     rope_apply(params, positions, ConstTensorView(q.data(), c.dtype, q_shape, qs), ConstTensorView(k.data(), c.dtype, k_shape, ks),
                TensorView(q_out.data(), c.dtype, q_shape, qs), TensorView(k_out.data(), c.dtype, k_shape, ks), c.direction);
   }
-  // Tolerance per element (|inputs| <= 1, α <= 1.14, so |outputs| <= 2.3):
-  //   f32: cos/sin off by <= 2^-24 each (rounded from exact values; the reference's own libm
-  //        angle error p·2^-52 <= 2^-28 at p <= 2^24), times |a| + |b| <= 2; the product, the
-  //        fused multiply-add and the store add <= 2 ulps of 2.3: 2·2^-24·1.14 + 3·2^-22 < 1e-6.
-  //   bf16, f16: one ulp of the output (<= 2^-6 for bf16, 2^-9 for f16, at |x| < 4) on top.
+  // Tolerance per element, relative to the coefficients' size σ = α·S (α <= 1.14; the xPos
+  // scale S up to 150, or its inverse), with |inputs| <= 1:
+  //   f32: each coefficient is σ·cos or σ·sin rounded to f32 (relative 2^-24, plus the
+  //        reference's libm angle error p·2^-52 <= 2^-28), times |a| + |b| <= 2; the product, the
+  //        fused multiply-add and the store add <= 3 ulps of the output: within
+  //        1e-6·(1 + |want| + σ) with room.
+  //   bf16, f16: one ulp of the output (relative 2^-7 for bf16, 2^-10 for f16) on top.
   //   f64: the reference itself: exact.
-  const double tol = c.dtype == DType::kF32 ? 1e-6 : c.dtype == DType::kBF16 ? std::ldexp(1.0, -6) + 1e-6
-                     : c.dtype == DType::kF16 ? std::ldexp(1.0, -9) + 1e-6 : 0.0;
+  const double rel = c.dtype == DType::kF32 ? 0.0 : c.dtype == DType::kBF16 ? std::ldexp(1.0, -7) : c.dtype == DType::kF16 ? std::ldexp(1.0, -10) : 0.0;
   int reported = 0;
   auto compare = [&](const std::vector<unsigned char>& got, const std::vector<double>& want, const char* name) {
     for (std::size_t i = 0; i < want.size(); ++i) {
       const double g = element(got.data(), c.dtype, static_cast<std::int64_t>(i));
+      const double sigma = c.xpos ? 150.0 : 1.2;
+      const double tol = c.dtype == DType::kF64 ? 0.0 : 1e-6 * (1 + std::fabs(want[i]) + sigma) + rel * std::fabs(want[i]) + rel;
       if (!(std::fabs(g - want[i]) <= tol) && reported++ < 5) {
         ADD_FAILURE() << name << " element " << i << ": got " << g << ", reference " << want[i];
       }
@@ -316,12 +323,33 @@ TEST_P(EveryTarget, RopeMatchesReference) {
     c.dtype = dtypes[uniform_int(0, 4)];
     c.bhsd = uniform_int(0, 1) == 1;
     c.in_place = uniform_int(0, 1) == 1;
-    c.direction = uniform_int(0, 1) ? RopeDirection::kInverse : RopeDirection::kForward;
+    const RopeDirection directions[] = {RopeDirection::kForward, RopeDirection::kBackward, RopeDirection::kInverse};
+    c.direction = directions[uniform_int(0, 2)];
+    c.xpos = uniform_int(0, 3) == 0;
     run_case(c);
   }
 }
 
-// Forward then inverse is the identity; the rotation keeps norms (α = 1).
+// Inverse undoes forward, also with an attention factor and xPos; the plain rotation keeps norms.
+TEST_P(EveryTarget, RopeInverseUndoesForward) {
+  RopeScaling yarn;
+  yarn.type = RopeType::kYarn;
+  yarn.factor = 8;
+  const RopeParams params = RopeParams(64, 64, 1e4, RopeLayout::kInterleaved, yarn, 4096).with_xpos(512, 1000);
+  const std::int64_t seq = 70, heads = 3, d = 64;
+  std::vector<float> x(static_cast<std::size_t>(seq * heads * d)), y(x.size()), z(x.size());
+  for (auto& v : x) v = static_cast<float>(uniform(-1, 1));
+  for (const Positions& positions : {Positions::range(seq, 960)}) {
+    rope_apply(params, positions, ConstTensorView::of(x.data(), {seq, heads, d}), TensorView(),
+               TensorView::of(y.data(), {seq, heads, d}), TensorView());
+    rope_apply(params, positions, ConstTensorView::of(y.data(), {seq, heads, d}), TensorView(),
+               TensorView::of(z.data(), {seq, heads, d}), TensorView(), RopeDirection::kInverse);
+    // Scales within ζ^±0.1 and α = 1.21: two f32 roundings of each coefficient and output, well
+    // within 2e-6 of |x| <= 1.
+    for (std::size_t i = 0; i < x.size(); ++i) ASSERT_NEAR(z[i], x[i], 2e-6) << i;
+  }
+}
+
 TEST_P(EveryTarget, RopeInverseAndNorms) {
   for (const RopeLayout layout : {RopeLayout::kInterleaved, RopeLayout::kHalfSplit}) {
     const RopeParams params(128, 96, 5e5, layout);
@@ -391,13 +419,17 @@ TEST_P(EveryTarget, RopeCosSinExact) {
   }
 }
 
-// L = Σ g·R(x): dL/dx = R(−θ) g, the inverse rotation. Central differences: L is linear in x, so
+// L = Σ g·(α·S·R(θ)x): dL/dx = α·S·R(−θ) g, the backward direction. Central differences: L is linear in x, so
 // in fp64 the quotient is exact up to rounding (1e-8 with h = 1e-3); in f32, y rounds to f32
 // (L off by <= 2·64·2^-23·... ≈ 2e-5, quotient with h = 2^-4 off by <= 3e-4): 5e-4.
 template <class T>
 void check_rope_gradient(double h, double tol, RopeLayout layout) {
   const std::int64_t seq = 3, heads = 2, d = 16;
-  const RopeParams params(d, 12, 1e4, layout);
+  // α != 1 and xPos: the gradient (backward) differs from the inverse here.
+  RopeScaling yarn;
+  yarn.type = RopeType::kYarn;
+  yarn.factor = 4;
+  const RopeParams params = RopeParams(d, 12, 1e4, layout, yarn, 512).with_xpos(512, 900);
   std::vector<T> x(static_cast<std::size_t>(seq * heads * d)), g(x.size()), y(x.size()), dx(x.size());
   for (auto& v : x) v = static_cast<T>(uniform(-1, 1));
   for (auto& v : g) v = static_cast<T>(uniform(-1, 1));
@@ -410,7 +442,7 @@ void check_rope_gradient(double h, double tol, RopeLayout layout) {
     return sum;
   };
   rope_apply(params, positions, ConstTensorView::of(g.data(), {seq, heads, d}), TensorView(),
-             TensorView::of(dx.data(), {seq, heads, d}), TensorView(), RopeDirection::kInverse);
+             TensorView::of(dx.data(), {seq, heads, d}), TensorView(), RopeDirection::kBackward);
   for (std::size_t i = 0; i < x.size(); ++i) {
     const T saved = x[i];
     x[i] = static_cast<T>(saved + h);
@@ -422,7 +454,7 @@ void check_rope_gradient(double h, double tol, RopeLayout layout) {
   }
 }
 
-TEST_P(EveryTarget, RopeGradientIsTheInverseRotation) {
+TEST_P(EveryTarget, RopeGradientIsTheBackwardDirection) {
   for (const RopeLayout layout : {RopeLayout::kInterleaved, RopeLayout::kHalfSplit}) {
     check_rope_gradient<double>(1e-3, 1e-8, layout);
     check_rope_gradient<float>(0.0625, 5e-4, layout);

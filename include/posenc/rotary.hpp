@@ -7,10 +7,18 @@
 //     a'_i = a_i·cos θ_i − b_i·sin θ_i          b'_i = b_i·cos θ_i + a_i·sin θ_i
 //
 // with ω_i = base^(−2i/r) before scaling (RopeScaling below). Entries r … D−1 pass through
-// unchanged (partial rotary). Then <R(m) q, R(n) k> depends on m − n only. The inverse rotation
-// (angle −θ) is both the inverse and the gradient: backward is forward with the sine negated.
-// An attention factor α (yarn, longrope) multiplies cos and sin, as Hugging Face does, so q·k
-// scales by α².
+// unchanged (partial rotary). Then <R(m) q, R(n) k> depends on m − n only. An attention factor α
+// (yarn, longrope) multiplies cos and sin, as Hugging Face does, so q·k scales by α².
+//
+// xPos (Sun et al. 2022, "A Length-Extrapolatable Transformer"), when enabled, also scales pair i
+// by ζ_i^(+e) in queries and ζ_i^(−e) in keys, ζ_i = (2i + 0.4·r)/(1.4·r), e = (p − c)/scale_base
+// (scale_base 512 in the paper): q·k then decays as ζ^((m−n)/scale_base). The centre c cancels in
+// q·k; it only keeps ζ^e near 1 (torchscale centres each call's positions on their middle — pass
+// that middle as c to match it; with a KV cache, keep one c for the whole sequence).
+//
+// Directions: forward y = α·S·R(θ)·x; backward (the gradient, i.e. the transpose)
+// dx = α·S·R(−θ)·dy — forward with the sine negated; inverse x = R(−θ)·y/(α·S), which undoes
+// forward. Without α and xPos (S = 1) backward and inverse coincide.
 //
 // ─── Layouts (where a pair's two members sit; r = 8 shown, D = 10, "·" passes through) ──────────
 //
@@ -119,6 +127,12 @@ class RopeParams {
   // α, the factor that multiplies cos and sin.
   double attention_factor() const;
 
+  // A copy with xPos enabled (see above). scale_base > 0 and finite; center finite.
+  RopeParams with_xpos(double scale_base = 512.0, double center = 0.0) const;
+  bool xpos() const { return xpos_; }
+  double xpos_scale_base() const { return xpos_scale_base_; }
+  double xpos_center() const { return xpos_center_; }
+
  private:
   std::int64_t head_dim_;
   std::int64_t rotary_dim_;
@@ -127,6 +141,9 @@ class RopeParams {
   RopeScaling scaling_;
   std::int64_t max_position_embeddings_;
   std::vector<double> freq_factors_;
+  bool xpos_ = false;
+  double xpos_scale_base_ = 512.0;
+  double xpos_center_ = 0.0;
 };
 
 // The RoPE fields of a Hugging Face config.json, as plain values (the JSON itself is parsed by
@@ -166,8 +183,9 @@ struct HfRopeConfig {
 RopeParams rope_params_from_hf(const HfRopeConfig& config, RopeLayout layout = RopeLayout::kHalfSplit);
 
 enum class RopeDirection : std::uint8_t {
-  kForward,  // rotate by +θ
-  kInverse,  // rotate by −θ: the inverse, and the backward pass (dx = R(−θ) dy)
+  kForward,   // y = α·S·R(θ)·x
+  kBackward,  // dx = α·S·R(−θ)·dy: the gradient of forward
+  kInverse,   // x = R(−θ)·y / (α·S): undoes forward
 };
 
 // In place: q and k rotated for their tokens' positions. q: [B, S, Hq, D] or [T, Hq, D];

@@ -50,18 +50,33 @@ void rope_apply(const RopeParams& params, const Positions& positions, ConstTenso
   const detail::RopeGrids g = detail::check_rope(params, positions, q, k, q_out, k_out);
   const std::int64_t len = seq_len > 0 ? seq_len : positions.max_position() + 1;
   const std::vector<double> w = params.inv_frequencies(len);
-  const double alpha = params.attention_factor();
-  const double sign = direction == RopeDirection::kInverse ? -1.0 : 1.0;
+  // forward: α·S·R(θ); backward: α·S·R(−θ); inverse: R(−θ)/(α·S).
+  const bool inverse = direction == RopeDirection::kInverse;
+  const double alpha = inverse ? 1.0 / params.attention_factor() : params.attention_factor();
+  const double sign = direction == RopeDirection::kForward ? 1.0 : -1.0;
+  const double r = static_cast<double>(params.rotary_dim());
   std::vector<double> cos_a(w.size()), sin_a(w.size());
   for (std::int64_t b = 0; b < g.q.batch; ++b) {
     for (std::int64_t s = 0; s < g.q.seq; ++s) {
       const auto p = static_cast<double>(positions.at(b, s));
-      for (std::size_t i = 0; i < w.size(); ++i) {
-        cos_a[i] = alpha * std::cos(p * w[i]);
-        sin_a[i] = sign * alpha * std::sin(p * w[i]);
+      for (const double side : {1.0, -1.0}) {  // q, then k (they differ only under xPos)
+        if (side < 0 && !g.has_k) break;
+        for (std::size_t i = 0; i < w.size(); ++i) {
+          double scale = alpha;
+          if (params.xpos()) {
+            const double zeta = (2.0 * static_cast<double>(i) + 0.4 * r) / (1.4 * r);
+            const double e = (p - params.xpos_center()) / params.xpos_scale_base();
+            scale *= std::pow(zeta, (inverse ? -side : side) * e);
+          }
+          cos_a[i] = scale * std::cos(p * w[i]);
+          sin_a[i] = sign * scale * std::sin(p * w[i]);
+        }
+        if (side > 0) {
+          rotate(g.q, q.data(), g.q_out, q_out.data(), q.dtype(), b, s, params, cos_a, sin_a);
+        } else {
+          rotate(g.k, k.data(), g.k_out, k_out.data(), k.dtype(), b, s, params, cos_a, sin_a);
+        }
       }
-      rotate(g.q, q.data(), g.q_out, q_out.data(), q.dtype(), b, s, params, cos_a, sin_a);
-      if (g.has_k) rotate(g.k, k.data(), g.k_out, k_out.data(), k.dtype(), b, s, params, cos_a, sin_a);
     }
   }
 }

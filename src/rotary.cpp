@@ -455,6 +455,66 @@ void rope_apply(const RopeParams& params, const Positions& positions, TensorView
   rope_apply(params, positions, ConstTensorView(q), ConstTensorView(k), q, k, direction, seq_len);
 }
 
+void rope_rerotate(const RopeParams& from, const Positions& from_positions, std::int64_t from_seq_len,
+                   const RopeParams& to, const Positions& to_positions, std::int64_t to_seq_len,
+                   ConstTensorView k, TensorView k_out) {
+  detail::init_dispatch();
+  const char* where = "rope_rerotate";
+  if (from.head_dim() != to.head_dim() || from.rotary_dim() != to.rotary_dim() || from.layout() != to.layout()) {
+    throw Error(where, "to", "head_dim " + std::to_string(to.head_dim()) + ", rotary_dim " + std::to_string(to.rotary_dim()),
+                "the head_dim (" + std::to_string(from.head_dim()) + "), rotary_dim (" +
+                    std::to_string(from.rotary_dim()) + ") and layout of from");
+  }
+  // Both position sets must fit the keys' token grid: checked as two "q" views of one grid.
+  const detail::RopeGrids g = detail::check_rope(to, to_positions, k, {}, k_out, {});
+  from_positions.check_grid(where, g.q.batch, g.q.seq);
+  if (detail::use_reference() || k.dtype() == DType::kF64) {
+    ref::rope_rerotate(from, from_positions, from_seq_len, to, to_positions, to_seq_len, k, k_out);
+    return;
+  }
+  const bool interleaved = to.layout() == RopeLayout::kInterleaved;
+  const RopeTables from_tables(from, from_seq_len > 0 ? from_seq_len : from_positions.max_position() + 1, from.layout(), false);
+  const RopeTables to_tables(to, to_seq_len > 0 ? to_seq_len : to_positions.max_position() + 1, to.layout(), false);
+  const std::int64_t r = to.rotary_dim(), half = r / 2;
+  // Keys carry ζ^(−e) under xPos: undoing `from` multiplies by ζ^(e_from), `to` by ζ^(−e_to).
+  auto log_zeta = [&](std::int64_t j) {
+    const std::int64_t pair = interleaved ? j / 2 : j % half;
+    return std::log((2.0 * static_cast<double>(pair) + 0.4 * static_cast<double>(r)) / (1.4 * static_cast<double>(r)));
+  };
+  const double alpha_ratio = to.attention_factor() / from.attention_factor();
+  const std::int64_t tokens = g.q.batch * g.q.seq;
+  const int threads = detail::threads_for(tokens * g.q.heads * to.head_dim() * 4);
+#pragma omp parallel num_threads(threads)
+  {
+    RopeScratch& buf = rope_scratch(r, to.head_dim());
+    thread_local std::vector<double> from_state;
+    from_state.resize(buf.state.size());
+#pragma omp for schedule(static)
+    for (std::int64_t t = 0; t < tokens; ++t) {
+      const std::int64_t b = t / g.q.seq, s = t % g.q.seq;
+      const std::int64_t p_from = from_positions.at(b, s), p_to = to_positions.at(b, s);
+      kernels::rope_state_start(from_tables.columns(), static_cast<double>(p_from), from_state.data());
+      kernels::rope_state_start(to_tables.columns(), static_cast<double>(p_to), buf.state.data());
+      const std::size_t stride = static_cast<std::size_t>(r + kernels::kRopePadding);
+      const double e_from = from.xpos() ? (static_cast<double>(p_from) - from.xpos_center()) / from.xpos_scale_base() : 0.0;
+      const double e_to = to.xpos() ? (static_cast<double>(p_to) - to.xpos_center()) / to.xpos_scale_base() : 0.0;
+      for (std::int64_t j = 0; j < r; ++j) {
+        const auto at = static_cast<std::size_t>(j);
+        const double ca = from_state[at], sa = from_state[stride + at];
+        const double cb = buf.state[at], sb = buf.state[stride + at];
+        // cos(θb − θa), sin(θb − θa)
+        const double c = cb * ca + sb * sa, sn = sb * ca - cb * sa;
+        double scale = alpha_ratio;
+        if (from.xpos() || to.xpos()) scale *= std::exp((e_from - e_to) * log_zeta(j));
+        const bool first = interleaved ? j % 2 == 0 : j < half;
+        buf.cos_e[at] = static_cast<float>(scale * c);
+        buf.sin_e[at] = static_cast<float>((first ? -scale : scale) * sn);
+      }
+      rotate_token(g.q, k.data(), g.q_out, k_out.data(), k.dtype(), b, s, to, buf, interleaved, false);
+    }
+  }
+}
+
 void rope_cos_sin(const RopeParams& params, const Positions& positions, TensorView cos, TensorView sin,
                   std::int64_t seq_len) {
   detail::init_dispatch();

@@ -461,6 +461,65 @@ TEST_P(EveryTarget, RopeGradientIsTheBackwardDirection) {
   }
 }
 
+// Re-rotating cached keys equals rotating the raw keys from scratch under the new parameters:
+// a context shift, a dynamic-NTK base change, LongRoPE's short-to-long switch, and xPos with a
+// new centre. Keys |x| <= 1, coefficients <= 1.3: the re-rotated keys went through two f32
+// rotations (each ~2 ulps plus the coefficients' rounding) against one, so 4e-6 covers them.
+TEST_P(EveryTarget, RopeRerotationMatchesRotatingFromScratch) {
+  const std::int64_t seq = 70, heads = 2, d = 64;
+  std::vector<float> raw(static_cast<std::size_t>(seq * heads * d));
+  for (auto& v : raw) v = static_cast<float>(uniform(-1, 1));
+  RopeScaling dynamic;
+  dynamic.type = RopeType::kDynamic;
+  dynamic.factor = 2;
+  RopeScaling longrope;
+  longrope.type = RopeType::kLongRope;
+  longrope.factor = 8;
+  longrope.original_max_position_embeddings = 1024;
+  for (int i = 0; i < 32; ++i) {
+    longrope.short_factor.push_back(1.0 + 0.01 * i);
+    longrope.long_factor.push_back(1.0 + 0.2 * i);
+  }
+  struct Scenario {
+    const char* name;
+    RopeParams from, to;
+    Positions from_positions, to_positions;
+    std::int64_t from_seq_len, to_seq_len;
+  };
+  const RopeParams plain(d, d, 1e4, RopeLayout::kInterleaved);
+  const RopeParams dyn(d, d, 1e4, RopeLayout::kHalfSplit, dynamic, 1024);
+  const RopeParams lr(d, d, 1e4, RopeLayout::kHalfSplit, longrope, 8192);
+  const RopeParams xp = RopeParams(d, 48, 1e4, RopeLayout::kHalfSplit).with_xpos(512, 1000);
+  const Scenario scenarios[] = {
+      {"context shift", plain, plain, Positions::range(seq, 5000), Positions::range(seq, 4), 0, 0},
+      {"dynamic NTK growth", dyn, dyn, Positions::range(seq, 900), Positions::range(seq, 900), 1024, 4096},
+      {"longrope short to long", lr, lr, Positions::range(seq, 950), Positions::range(seq, 950), 1000, 2000},
+      {"xpos new centre", xp, xp.with_xpos(512, 1100), Positions::range(seq, 1000), Positions::range(seq, 1000), 0, 0},
+  };
+  for (const Scenario& sc : scenarios) {
+    SCOPED_TRACE(sc.name);
+    std::vector<float> cached(raw.size()), moved(raw.size()), direct(raw.size()), q_dummy(raw.size());
+    const auto view = [&](std::vector<float>& v) { return TensorView::of(v.data(), {seq, heads, d}); };
+    // Keys go in the k slot: xPos treats keys with ζ^(−e).
+    rope_apply(sc.from, sc.from_positions, ConstTensorView::of(q_dummy.data(), {seq, heads, d}),
+               ConstTensorView::of(raw.data(), {seq, heads, d}), view(q_dummy), view(cached), RopeDirection::kForward,
+               sc.from_seq_len);
+    rope_rerotate(sc.from, sc.from_positions, sc.from_seq_len, sc.to, sc.to_positions, sc.to_seq_len,
+                  ConstTensorView::of(cached.data(), {seq, heads, d}), view(moved));
+    rope_apply(sc.to, sc.to_positions, ConstTensorView::of(q_dummy.data(), {seq, heads, d}),
+               ConstTensorView::of(raw.data(), {seq, heads, d}), view(q_dummy), view(direct), RopeDirection::kForward,
+               sc.to_seq_len);
+    for (std::size_t i = 0; i < raw.size(); ++i) ASSERT_NEAR(moved[i], direct[i], 4e-6) << "element " << i;
+    // In place too.
+    rope_rerotate(sc.from, sc.from_positions, sc.from_seq_len, sc.to, sc.to_positions, sc.to_seq_len, view(cached), view(cached));
+    EXPECT_EQ(std::memcmp(cached.data(), moved.data(), cached.size() * sizeof(float)), 0);
+  }
+  expect_error([&] { std::vector<float> k(64 * 4);
+                     rope_rerotate(plain, Positions::range(4), 0, RopeParams(d, 32), Positions::range(4), 0,
+                                   ConstTensorView::of(k.data(), {4, 1, 64}), TensorView::of(k.data(), {4, 1, 64})); },
+               {"rope_rerotate", "rotary_dim 32", "the head_dim (64), rotary_dim (64) and layout of from"});
+}
+
 TEST(Rope, RejectsBadArguments) {
   const RopeParams params(8, 8);
   std::vector<float> q(2 * 3 * 8), k(2 * 3 * 8), out(2 * 3 * 8);

@@ -200,6 +200,18 @@ void rope_apply(const RopeParams& params, const Positions& positions, ConstTenso
                 ConstTensorView k, TensorView q_out, TensorView k_out,
                 RopeDirection direction = RopeDirection::kForward, std::int64_t seq_len = 0);
 
+// KV-cache re-rotation: keys rotated under (from, from_positions) become keys rotated under
+// (to, to_positions), in one pass — k_out = R_to(p_to) · R_from(p_from)^-1 · k — for a context
+// shift (StreamingLLM-style eviction), a dynamic-NTK base change as the sequence grows, or
+// LongRoPE's switch from short to long factors. Each side uses its own frequencies (for its
+// seq_len, 0: its positions' max + 1), attention factor and xPos. Both must share head_dim,
+// rotary_dim and layout. k, k_out: [B, S, H, D] or [T, H, D]; k_out may be k (in place).
+// Equals un-rotating and rotating again to within the exactness bound: the combined angle
+// θ_to − θ_from is formed from the two exact fp64 (cos, sin) pairs.
+void rope_rerotate(const RopeParams& from, const Positions& from_positions, std::int64_t from_seq_len,
+                   const RopeParams& to, const Positions& to_positions, std::int64_t to_seq_len,
+                   ConstTensorView k, TensorView k_out);
+
 // cos and sin tables [N, r/2] (N = positions.seq_len(), batch() must be 0 or 1), α included:
 // one column per frequency, as `posenc table rope` prints them.
 void rope_cos_sin(const RopeParams& params, const Positions& positions, TensorView cos,

@@ -81,6 +81,43 @@ void rope_apply(const RopeParams& params, const Positions& positions, ConstTenso
   }
 }
 
+void rope_rerotate(const RopeParams& from, const Positions& from_positions, std::int64_t from_seq_len,
+                   const RopeParams& to, const Positions& to_positions, std::int64_t to_seq_len,
+                   ConstTensorView k, TensorView k_out) {
+  // The definition: undo `from`, then apply `to` (as keys), both in fp64, through an f64 copy.
+  detail::init_dispatch();
+  const detail::RopeGrids g = detail::check_rope(to, to_positions, k, {}, k_out, {});
+  from_positions.check_grid("rope_rerotate", g.q.batch, g.q.seq);
+  const std::vector<std::int64_t> shape = {g.q.batch, g.q.seq, g.q.heads, g.q.dim};
+  std::vector<double> keys(static_cast<std::size_t>(g.q.batch * g.q.seq * g.q.heads * g.q.dim));
+  const TensorView copy = TensorView::contiguous(keys.data(), DType::kF64, shape);
+  std::vector<double> dummy(keys.size());
+  const TensorView q_dummy = TensorView::contiguous(dummy.data(), DType::kF64, shape);
+  // Keys go in the k slot (xPos treats keys with ζ^(−e)); q is a zero dummy.
+  for (std::int64_t b = 0; b < g.q.batch; ++b) {
+    for (std::int64_t s = 0; s < g.q.seq; ++s) {
+      for (std::int64_t h = 0; h < g.q.heads; ++h) {
+        for (std::int64_t j = 0; j < g.q.dim; ++j) {
+          keys[static_cast<std::size_t>(((b * g.q.seq + s) * g.q.heads + h) * g.q.dim + j)] =
+              detail::load(k.data(), k.dtype(), g.q.offset(b, s) + h * g.q.head_stride + j * g.q.dim_stride);
+        }
+      }
+    }
+  }
+  ref::rope_apply(from, from_positions, q_dummy, copy, q_dummy, copy, RopeDirection::kInverse, from_seq_len);
+  ref::rope_apply(to, to_positions, q_dummy, copy, q_dummy, copy, RopeDirection::kForward, to_seq_len);
+  for (std::int64_t b = 0; b < g.q.batch; ++b) {
+    for (std::int64_t s = 0; s < g.q.seq; ++s) {
+      for (std::int64_t h = 0; h < g.q.heads; ++h) {
+        for (std::int64_t j = 0; j < g.q.dim; ++j) {
+          detail::store(k_out.data(), k_out.dtype(), g.q_out.offset(b, s) + h * g.q_out.head_stride + j * g.q_out.dim_stride,
+                        keys[static_cast<std::size_t>(((b * g.q.seq + s) * g.q.heads + h) * g.q.dim + j)]);
+        }
+      }
+    }
+  }
+}
+
 void rope_cos_sin(const RopeParams& params, const Positions& positions, TensorView cos, TensorView sin,
                   std::int64_t seq_len) {
   detail::init_dispatch();

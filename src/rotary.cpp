@@ -293,9 +293,12 @@ namespace {
 // The kernels' per-call column tables (kernels::RopeColumns), expanded to the layout.
 class RopeTables {
  public:
-  RopeTables(const RopeParams& params, std::int64_t seq_len, RopeLayout layout, bool inverse) {
-    const std::vector<double> w = params.inv_frequencies(seq_len);
-    const std::int64_t r = params.rotary_dim(), half = r / 2;
+  RopeTables(const RopeParams& params, std::int64_t seq_len, RopeLayout layout, bool negate_sine)
+      : RopeTables(params.inv_frequencies(seq_len), params.rotary_dim(), layout, negate_sine) {}
+
+  // From explicit per-pair frequencies w (r/2 of them).
+  RopeTables(const std::vector<double>& w, std::int64_t r, RopeLayout layout, bool negate_sine) {
+    const std::int64_t half = r / 2;
     const auto stride = static_cast<std::size_t>(r + kernels::kRopePadding);
     values_.assign(4 * stride, 0.0);
     double* freq = values_.data();
@@ -303,16 +306,19 @@ class RopeTables {
     double* step_sin = freq + 2 * stride;
     double* sign = freq + 3 * stride;
     for (std::int64_t j = 0; j < r; ++j) {
-      const bool interleaved = layout == RopeLayout::kInterleaved;
-      const std::int64_t pair = interleaved ? j / 2 : j % half;
-      const bool first = interleaved ? j % 2 == 0 : j < half;
+      const std::int64_t pair = pair_of(j, r, layout);
+      const bool first = layout == RopeLayout::kInterleaved ? j % 2 == 0 : j < half;
       const auto at = static_cast<std::size_t>(j);
       freq[at] = w[static_cast<std::size_t>(pair)];
       step_cos[at] = std::cos(freq[at]);
       step_sin[at] = std::sin(freq[at]);
-      sign[at] = (first != inverse) ? -1.0 : 1.0;
+      sign[at] = (first != negate_sine) ? -1.0 : 1.0;
     }
     columns_ = {freq, step_cos, step_sin, sign, r};
+  }
+  // The pair that entry j of a head vector belongs to.
+  static std::int64_t pair_of(std::int64_t j, std::int64_t r, RopeLayout layout) {
+    return layout == RopeLayout::kInterleaved ? j / 2 : j % (r / 2);
   }
   const kernels::RopeColumns& columns() const { return columns_; }
 
@@ -453,6 +459,57 @@ void rope_apply(const RopeParams& params, const Positions& positions, ConstTenso
 void rope_apply(const RopeParams& params, const Positions& positions, TensorView q, TensorView k,
                 RopeDirection direction, std::int64_t seq_len) {
   rope_apply(params, positions, ConstTensorView(q), ConstTensorView(k), q, k, direction, seq_len);
+}
+
+void rope_apply_multi(const RopeParams& params, std::span<const std::int64_t> sections,
+                      std::span<const Positions> axis_positions, ConstTensorView q, ConstTensorView k,
+                      TensorView q_out, TensorView k_out, RopeDirection direction, bool restart_frequencies,
+                      std::int64_t seq_len) {
+  detail::init_dispatch();
+  const detail::MultiAxis m =
+      detail::check_rope_multi(params, sections, axis_positions, q, k, q_out, k_out, restart_frequencies, seq_len);
+  if (detail::use_reference() || q.dtype() == DType::kF64) {
+    ref::rope_apply_multi(params, sections, axis_positions, q, k, q_out, k_out, direction, restart_frequencies, seq_len);
+    return;
+  }
+  const detail::RopeGrids& g = m.grids;
+  const std::int64_t r = params.rotary_dim();
+  const RopeTables tables(m.pair_freq, r, params.layout(), direction != RopeDirection::kForward);
+  const double alpha = direction == RopeDirection::kInverse ? 1.0 / params.attention_factor() : params.attention_factor();
+  const bool interleaved = params.layout() == RopeLayout::kInterleaved;
+  std::vector<std::int64_t> entry_axis(static_cast<std::size_t>(r));
+  for (std::int64_t j = 0; j < r; ++j) {
+    entry_axis[static_cast<std::size_t>(j)] = m.pair_axis[static_cast<std::size_t>(RopeTables::pair_of(j, r, params.layout()))];
+  }
+  const std::size_t axes = axis_positions.size();
+  const std::int64_t tokens = g.q.batch * g.q.seq;
+  const int threads = detail::threads_for(tokens * (g.q.heads + g.k.heads) * params.head_dim() * 4);
+#pragma omp parallel num_threads(threads)
+  {
+    RopeScratch& buf = rope_scratch(r, params.head_dim());
+    thread_local std::vector<double> axis_states;
+    const std::size_t state_size = buf.state.size();
+    axis_states.resize(axes * state_size);
+    const std::size_t stride = static_cast<std::size_t>(r + kernels::kRopePadding);
+#pragma omp for schedule(static)
+    for (std::int64_t t = 0; t < tokens; ++t) {
+      const std::int64_t b = t / g.q.seq, s = t % g.q.seq;
+      // Exact (cos, sin) of every entry for each axis' position, then each entry takes its axis'.
+      for (std::size_t a = 0; a < axes; ++a) {
+        kernels::rope_state_start(tables.columns(), static_cast<double>(axis_positions[a].at(b, s)),
+                                  axis_states.data() + a * state_size);
+      }
+      for (std::int64_t j = 0; j < r; ++j) {
+        const auto at = static_cast<std::size_t>(j);
+        const double* source = axis_states.data() + static_cast<std::size_t>(entry_axis[at]) * state_size;
+        buf.state[at] = source[at];
+        buf.state[stride + at] = source[stride + at];
+      }
+      kernels::rope_state_emit(tables.columns(), buf.state.data(), alpha, buf.cos_e.data(), buf.sin_e.data());
+      rotate_token(g.q, q.data(), g.q_out, q_out.data(), q.dtype(), b, s, params, buf, interleaved, false);
+      if (g.has_k) rotate_token(g.k, k.data(), g.k_out, k_out.data(), k.dtype(), b, s, params, buf, interleaved, false);
+    }
+  }
 }
 
 void rope_rerotate(const RopeParams& from, const Positions& from_positions, std::int64_t from_seq_len,

@@ -71,6 +71,52 @@ RopeGrids check_rope(const RopeParams& params, const Positions& positions, Const
   return g;
 }
 
+MultiAxis check_rope_multi(const RopeParams& params, std::span<const std::int64_t> sections,
+                           std::span<const Positions> axis_positions, ConstTensorView q, ConstTensorView k,
+                           ConstTensorView q_out, ConstTensorView k_out, bool restart_frequencies,
+                           std::int64_t seq_len) {
+  const char* where = "rope_apply_multi";
+  if (axis_positions.empty() || axis_positions.size() != sections.size()) {
+    throw Error(where, "axis_positions.size()", std::to_string(axis_positions.size()),
+                "one Positions per section (" + std::to_string(sections.size()) + "), at least one");
+  }
+  const std::int64_t pairs = params.rotary_dim() / 2;
+  std::int64_t total = 0;
+  for (std::size_t a = 0; a < sections.size(); ++a) {
+    if (sections[a] < 1) {
+      throw Error(where, "sections[" + std::to_string(a) + "]", std::to_string(sections[a]), ">= 1 pairs");
+    }
+    total += sections[a];
+  }
+  if (total != pairs) {
+    throw Error(where, "sum of sections", std::to_string(total), "rotary_dim / 2 = " + std::to_string(pairs));
+  }
+  if (params.xpos()) throw Error(where, "params.xpos()", "true", "false (xPos is defined for one axis)");
+  if (restart_frequencies && params.scaling().type != RopeType::kDefault) {
+    throw Error(where, "params.scaling().type", std::string(rope_type_name(params.scaling().type)),
+                "default when frequencies restart per axis");
+  }
+  MultiAxis m;
+  m.grids = check_rope(params, axis_positions[0], q, k, q_out, k_out);
+  std::int64_t max_position = 0;
+  for (const Positions& p : axis_positions) {
+    p.check_grid(where, m.grids.q.batch, m.grids.q.seq);
+    max_position = std::max(max_position, p.max_position());
+  }
+  const std::vector<double> w = params.inv_frequencies(seq_len > 0 ? seq_len : max_position + 1);
+  std::int64_t first = 0;
+  for (std::size_t a = 0; a < sections.size(); ++a) {
+    for (std::int64_t i = 0; i < sections[a]; ++i) {
+      m.pair_axis.push_back(static_cast<std::int64_t>(a));
+      m.pair_freq.push_back(restart_frequencies
+                                ? sinusoid_inv_frequency(params.base(), 2 * sections[a], i)
+                                : w[static_cast<std::size_t>(first + i)]);
+    }
+    first += sections[a];
+  }
+  return m;
+}
+
 Grid check_rope_cos_sin(const RopeParams& params, const Positions& positions, ConstTensorView cos,
                         ConstTensorView sin) {
   const char* where = "rope_cos_sin";

@@ -2,6 +2,9 @@
 // fp64 reference (ref/rotary_ref.cpp).
 #pragma once
 
+#include <span>
+#include <vector>
+
 #include "internal.hpp"
 #include "posenc/rotary.hpp"
 
@@ -22,6 +25,18 @@ struct RopeGrids {
 
 RopeGrids check_rope(const RopeParams& params, const Positions& positions, ConstTensorView q,
                      ConstTensorView k, ConstTensorView q_out, ConstTensorView k_out);
+// Multi-axis RoPE: validates sections and axes (and the views, through check_rope); returns the
+// views' grids and, per rotary pair, its axis and frequency.
+struct MultiAxis {
+  RopeGrids grids;
+  std::vector<std::int64_t> pair_axis;
+  std::vector<double> pair_freq;
+};
+MultiAxis check_rope_multi(const RopeParams& params, std::span<const std::int64_t> sections,
+                           std::span<const Positions> axis_positions, ConstTensorView q, ConstTensorView k,
+                           ConstTensorView q_out, ConstTensorView k_out, bool restart_frequencies,
+                           std::int64_t seq_len);
+
 // cos and sin: [N, r/2] each, same dtype.
 Grid check_rope_cos_sin(const RopeParams& params, const Positions& positions, ConstTensorView cos,
                         ConstTensorView sin);

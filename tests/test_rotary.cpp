@@ -461,6 +461,82 @@ TEST_P(EveryTarget, RopeGradientIsTheBackwardDirection) {
   }
 }
 
+// Multi-axis RoPE against the fp64 reference: random sections (M-RoPE style, or 2-D axial with
+// restarting frequencies), layouts, dtypes and directions. Tolerance as for plain RoPE (α = 1):
+// 1e-6 of |x| <= 1 in f32, plus one output ulp for bf16/f16.
+TEST_P(EveryTarget, RopeMultiAxisMatchesReference) {
+  for (int trial = 0; trial < 20; ++trial) {
+    const std::int64_t d = 2 * uniform_int(4, 40), r = 2 * uniform_int(3, d / 2);
+    const std::int64_t pairs = r / 2, axes = uniform_int(2, 3);
+    std::vector<std::int64_t> sections;
+    std::int64_t left = pairs;
+    for (std::int64_t a = 0; a < axes - 1; ++a) {
+      sections.push_back(uniform_int(1, left - (axes - 1 - a)));
+      left -= sections.back();
+    }
+    sections.push_back(left);
+    const bool restart = uniform_int(0, 1) == 1;
+    const RopeLayout layout = uniform_int(0, 1) ? RopeLayout::kInterleaved : RopeLayout::kHalfSplit;
+    const DType dtypes[] = {DType::kF32, DType::kBF16, DType::kF16, DType::kF64};
+    const DType dtype = dtypes[uniform_int(0, 3)];
+    const RopeDirection directions[] = {RopeDirection::kForward, RopeDirection::kBackward, RopeDirection::kInverse};
+    const RopeDirection direction = directions[uniform_int(0, 2)];
+    const std::int64_t seq = uniform_int(1, 30), heads = uniform_int(1, 3);
+    SCOPED_TRACE("trial " + std::to_string(trial) + ": d " + std::to_string(d) + ", r " + std::to_string(r) + ", " +
+                 std::to_string(axes) + " axes" + (restart ? " restart" : "") + " " + std::string(dtype_name(dtype)));
+    const RopeParams params(d, r, 1e4, layout);
+    std::vector<std::vector<std::int64_t>> ids(static_cast<std::size_t>(axes));
+    std::vector<Positions> axis_positions;
+    for (auto& axis : ids) {
+      for (std::int64_t t = 0; t < seq; ++t) axis.push_back(uniform_int(0, 1 << 16));
+      axis_positions.push_back(Positions::ids(axis));
+    }
+    std::vector<double> values(static_cast<std::size_t>(seq * heads * d));
+    for (auto& v : values) v = uniform(-1, 1);
+    const auto x = testing::to_dtype(values, dtype);
+    std::vector<double> x64(values.size()), want(values.size());
+    for (std::size_t i = 0; i < values.size(); ++i) x64[i] = element(x.data(), dtype, static_cast<std::int64_t>(i));
+    const std::vector<std::int64_t> shape = {seq, heads, d};
+    ref::rope_apply_multi(params, sections, axis_positions, ConstTensorView::of(x64.data(), {seq, heads, d}), {},
+                          TensorView::of(want.data(), {seq, heads, d}), {}, direction, restart);
+    auto out = testing::garbage_buffer(dtype, seq * heads * d);
+    rope_apply_multi(params, sections, axis_positions, ConstTensorView::contiguous(x.data(), dtype, shape), {},
+                     TensorView::contiguous(out.data(), dtype, shape), {}, direction, restart);
+    const double rel = dtype == DType::kBF16 ? std::ldexp(1.0, -7) : dtype == DType::kF16 ? std::ldexp(1.0, -10) : 0.0;
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      const double tol = dtype == DType::kF64 ? 0.0 : 1e-6 * (2 + std::fabs(want[i])) + rel * (1 + std::fabs(want[i]));
+      ASSERT_NEAR(element(out.data(), dtype, static_cast<std::int64_t>(i)), want[i], tol) << "element " << i;
+    }
+  }
+}
+
+// M-RoPE with the same ids on every axis (Qwen2-VL's text tokens) is plain RoPE.
+TEST_P(EveryTarget, RopeMultiAxisWithEqualIdsIsPlainRope) {
+  const RopeParams params(128, 128, 1e6, RopeLayout::kHalfSplit);
+  const std::int64_t seq = 40, heads = 2, d = 128;
+  std::vector<float> x(static_cast<std::size_t>(seq * heads * d)), plain(x.size()), multi(x.size());
+  for (auto& v : x) v = static_cast<float>(uniform(-1, 1));
+  const std::vector<std::int64_t> sections = {16, 24, 24};
+  const Positions ids = Positions::range(seq, 300);
+  const std::vector<Positions> axes = {ids, ids, ids};
+  rope_apply(params, ids, ConstTensorView::of(x.data(), {seq, heads, d}), {}, TensorView::of(plain.data(), {seq, heads, d}), {});
+  rope_apply_multi(params, sections, axes, ConstTensorView::of(x.data(), {seq, heads, d}), {},
+                   TensorView::of(multi.data(), {seq, heads, d}), {});
+  // Exact coefficients against run-rotated ones (< 1e-13 apart), then one f32 rounding each.
+  for (std::size_t i = 0; i < x.size(); ++i) ASSERT_NEAR(multi[i], plain[i], 1e-6) << i;
+  expect_error([&] { const std::vector<std::int64_t> bad = {16, 24, 20};
+                     rope_apply_multi(params, bad, axes, ConstTensorView::of(x.data(), {seq, heads, d}), {},
+                                      TensorView::of(multi.data(), {seq, heads, d}), {}); },
+               {"rope_apply_multi", "sum of sections = 60", "rotary_dim / 2 = 64"});
+  expect_error([&] { const std::vector<Positions> two = {ids, ids};
+                     rope_apply_multi(params, sections, two, ConstTensorView::of(x.data(), {seq, heads, d}), {},
+                                      TensorView::of(multi.data(), {seq, heads, d}), {}); },
+               {"axis_positions.size() = 2", "one Positions per section (3)"});
+  expect_error([&] { rope_apply_multi(params.with_xpos(), sections, axes, ConstTensorView::of(x.data(), {seq, heads, d}), {},
+                                      TensorView::of(multi.data(), {seq, heads, d}), {}); },
+               {"params.xpos() = true"});
+}
+
 // Re-rotating cached keys equals rotating the raw keys from scratch under the new parameters:
 // a context shift, a dynamic-NTK base change, LongRoPE's short-to-long switch, and xPos with a
 // new centre. Keys |x| <= 1, coefficients <= 1.3: the re-rotated keys went through two f32

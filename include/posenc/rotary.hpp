@@ -62,6 +62,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -199,6 +200,20 @@ void rope_apply(const RopeParams& params, const Positions& positions, TensorView
 void rope_apply(const RopeParams& params, const Positions& positions, ConstTensorView q,
                 ConstTensorView k, TensorView q_out, TensorView k_out,
                 RopeDirection direction = RopeDirection::kForward, std::int64_t seq_len = 0);
+
+// Multi-axis RoPE: the r/2 rotary pairs split into consecutive sections, the pairs of section a
+// turning by the positions of axis a. M-RoPE (Qwen2-VL, Wang et al. 2024): sections such as
+// [16, 24, 24] pairs for (time, height, width) ids — with equal ids on all axes (text tokens) it
+// is plain RoPE. 2-D axial RoPE for images (Heo et al. 2024, "RoPE-Axial"): two sections, (x, y),
+// with `restart_frequencies`, so that each axis spans the full frequency range:
+// ω^(a)_i = base^(−2i/(2·n_a)) for i < n_a, n_a the section's pairs (the params' scaling must then
+// be `default`). Pairs follow the params' layout (a half-split pair i is entries i and i + r/2).
+// One Positions per axis, each over the same token grid. xPos is not defined for several axes:
+// an error.
+void rope_apply_multi(const RopeParams& params, std::span<const std::int64_t> sections,
+                      std::span<const Positions> axis_positions, ConstTensorView q, ConstTensorView k,
+                      TensorView q_out, TensorView k_out, RopeDirection direction = RopeDirection::kForward,
+                      bool restart_frequencies = false, std::int64_t seq_len = 0);
 
 // KV-cache re-rotation: keys rotated under (from, from_positions) become keys rotated under
 // (to, to_positions), in one pass — k_out = R_to(p_to) · R_from(p_from)^-1 · k — for a context

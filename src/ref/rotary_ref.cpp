@@ -81,6 +81,31 @@ void rope_apply(const RopeParams& params, const Positions& positions, ConstTenso
   }
 }
 
+void rope_apply_multi(const RopeParams& params, std::span<const std::int64_t> sections,
+                      std::span<const Positions> axis_positions, ConstTensorView q, ConstTensorView k,
+                      TensorView q_out, TensorView k_out, RopeDirection direction, bool restart_frequencies,
+                      std::int64_t seq_len) {
+  detail::init_dispatch();
+  const detail::MultiAxis m =
+      detail::check_rope_multi(params, sections, axis_positions, q, k, q_out, k_out, restart_frequencies, seq_len);
+  const detail::RopeGrids& g = m.grids;
+  const bool inverse = direction == RopeDirection::kInverse;
+  const double alpha = inverse ? 1.0 / params.attention_factor() : params.attention_factor();
+  const double sign = direction == RopeDirection::kForward ? 1.0 : -1.0;
+  std::vector<double> cos_a(m.pair_freq.size()), sin_a(m.pair_freq.size());
+  for (std::int64_t b = 0; b < g.q.batch; ++b) {
+    for (std::int64_t s = 0; s < g.q.seq; ++s) {
+      for (std::size_t i = 0; i < m.pair_freq.size(); ++i) {
+        const auto p = static_cast<double>(axis_positions[static_cast<std::size_t>(m.pair_axis[i])].at(b, s));
+        cos_a[i] = alpha * std::cos(p * m.pair_freq[i]);
+        sin_a[i] = sign * alpha * std::sin(p * m.pair_freq[i]);
+      }
+      rotate(g.q, q.data(), g.q_out, q_out.data(), q.dtype(), b, s, params, cos_a, sin_a);
+      if (g.has_k) rotate(g.k, k.data(), g.k_out, k_out.data(), k.dtype(), b, s, params, cos_a, sin_a);
+    }
+  }
+}
+
 void rope_rerotate(const RopeParams& from, const Positions& from_positions, std::int64_t from_seq_len,
                    const RopeParams& to, const Positions& to_positions, std::int64_t to_seq_len,
                    ConstTensorView k, TensorView k_out) {

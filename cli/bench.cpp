@@ -65,12 +65,19 @@ Runner add_bench(CLI::App& app) {
   std::string names;
   for (const auto& n : perf::case_names()) names += (names.empty() ? "" : ", ") + n;
   sub->add_option("kernel", o->kernel, "Kernel: " + names)->required();
-  sub->add_option("--length,-n", o->shape.length, "Tokens (table rows)")->capture_default_str();
-  sub->add_option("--dim,-d", o->shape.dim, "Width")->capture_default_str();
+  sub->add_option("--length,-n,--seq", o->shape.length, "Tokens (table rows)")->capture_default_str();
+  sub->add_option("--dim,-d,--head-dim", o->shape.dim, "Width (rope: head_dim)")->capture_default_str();
   sub->add_option("--batch,-b", o->shape.batch, "Batch rows")->capture_default_str();
   sub->add_option("--heads", o->shape.heads, "rope: query heads")->capture_default_str();
   sub->add_option("--kv-heads", o->shape.kv_heads, "rope: key heads")->capture_default_str();
   sub->add_flag("--interleaved", o->shape.interleaved, "rope: interleaved pairs (default half-split)");
+  sub->add_option_function<std::string>("--layout", [o](const std::string& layout) {
+    if (layout != "interleaved" && layout != "half-split") throw Error("bench", "--layout", layout, "interleaved or half-split");
+    o->shape.interleaved = layout == "interleaved";
+  }, "rope: interleaved or half-split");
+  sub->add_option("--positions", o->shape.positions, "rope: contiguous, arbitrary or packed")->capture_default_str();
+  sub->add_option("--dtype", o->shape.dtype, "rope: f32 or bf16")->capture_default_str();
+  sub->add_flag("--in-place", o->shape.in_place, "rope: rotate in place (judged against rmw)");
   sub->add_option("--threads,-t", o->threads, "Threads (default: OpenMP's default)");
   sub->add_option("--format", o->format, "text or json")->capture_default_str();
   return [o] { run_bench(*o); };

@@ -123,21 +123,54 @@ Case make_case(const std::string& name, const CaseOptions& o) {
   } else if (name == "rope") {
     require_positive("heads", o.heads);
     require_positive("kv_heads", o.kv_heads);
+    if (o.dtype != "f32" && o.dtype != "bf16") throw Error("bench", "--dtype", o.dtype, "f32 or bf16");
+    const DType dtype = o.dtype == "bf16" ? DType::kBF16 : DType::kF32;
+    const std::size_t width = dtype_size(dtype);
     const RopeParams params(o.dim, o.dim, 10000.0, o.interleaved ? RopeLayout::kInterleaved : RopeLayout::kHalfSplit);
     const std::int64_t q_count = checked_mul(static_cast<std::int64_t>(tokens), o.heads * o.dim, "q elements");
     const std::int64_t k_count = checked_mul(static_cast<std::int64_t>(tokens), o.kv_heads * o.dim, "k elements");
-    size_a = size_b = static_cast<std::size_t>(q_count + k_count);  // q then k; q_out then k_out
-    fill_a = 0.5f;
+    // Buffers are float arrays; a bf16 case uses the first half of each (2 bytes per element).
+    const auto floats = static_cast<std::size_t>((q_count + k_count) * static_cast<std::int64_t>(width) / 4 + 1);
+    size_a = floats;
+    size_b = o.in_place ? 0 : floats;
+    fill_a = 0.5f;  // as bf16 pairs: two small normal numbers
+    // Positions: 0 … S-1 per batch row; random ids; or packed sequences of 64 to 1024 tokens.
+    auto ids = std::make_shared<std::vector<std::int64_t>>();
+    if (o.positions == "arbitrary") {
+      std::uint64_t state = 12345;
+      for (std::size_t t = 0; t < tokens; ++t) {
+        state = state * 6364136223846793005ull + 1442695040888963407ull;
+        ids->push_back(static_cast<std::int64_t>((state >> 33) % (1u << 20)));
+      }
+    } else if (o.positions == "packed") {
+      if (o.batch != 1) throw Error("bench", "--batch", std::to_string(o.batch), "1 with --positions packed");
+      ids->push_back(0);
+      std::uint64_t state = 777;
+      while (ids->back() < o.length) {
+        state = state * 6364136223846793005ull + 1442695040888963407ull;
+        ids->push_back(std::min<std::int64_t>(o.length, ids->back() + 64 + static_cast<std::int64_t>((state >> 33) % 961)));
+      }
+    } else if (o.positions != "contiguous") {
+      throw Error("bench", "--positions", o.positions, "contiguous, arbitrary or packed");
+    }
     c.description = "q [" + std::to_string(o.batch) + ", " + std::to_string(o.length) + ", " + std::to_string(o.heads) +
-                    ", " + std::to_string(o.dim) + "], k with " + std::to_string(o.kv_heads) + " heads, f32, " +
-                    (o.interleaved ? "interleaved" : "half-split") + ", out of place";
-    c.bytes_per_run = 2.0 * static_cast<double>(q_count + k_count) * sizeof(float);  // read + write
-    c.limit_name = "copy_nt";
-    call = [params, o, q_count](Buffers& bs) {
-      rope_apply(params, Positions::range(o.length), ConstTensorView::of(bs.a.get(), {o.batch, o.length, o.heads, o.dim}),
-                 ConstTensorView::of(bs.a.get() + q_count, {o.batch, o.length, o.kv_heads, o.dim}),
-                 TensorView::of(bs.b.get(), {o.batch, o.length, o.heads, o.dim}),
-                 TensorView::of(bs.b.get() + q_count, {o.batch, o.length, o.kv_heads, o.dim}));
+                    ", " + std::to_string(o.dim) + "], k with " + std::to_string(o.kv_heads) + " heads, " + o.dtype + ", " +
+                    (o.interleaved ? "interleaved" : "half-split") + ", " + o.positions + " positions, " +
+                    (o.in_place ? "in place" : "out of place");
+    c.bytes_per_run = 2.0 * static_cast<double>((q_count + k_count) * static_cast<std::int64_t>(width));  // read + write
+    c.limit_name = o.in_place ? "rmw" : "copy_nt";
+    call = [params, o, q_count, dtype, width, ids](Buffers& bs) {
+      const Positions positions = o.positions == "contiguous" ? Positions::range(o.length)
+                                  : o.positions == "packed"   ? Positions::packed(*ids)
+                                                              : Positions::ids(*ids, o.batch, o.length);
+      auto* in = reinterpret_cast<unsigned char*>(bs.a.get());
+      auto* out = o.in_place ? in : reinterpret_cast<unsigned char*>(bs.b.get());
+      const std::vector<std::int64_t> q_shape = {o.batch, o.length, o.heads, o.dim};
+      const std::vector<std::int64_t> k_shape = {o.batch, o.length, o.kv_heads, o.dim};
+      const std::size_t k_offset = static_cast<std::size_t>(q_count) * width;
+      rope_apply(params, positions, ConstTensorView::contiguous(in, dtype, q_shape),
+                 ConstTensorView::contiguous(in + k_offset, dtype, k_shape), TensorView::contiguous(out, dtype, q_shape),
+                 TensorView::contiguous(out + k_offset, dtype, k_shape));
     };
   } else {
     std::string names;

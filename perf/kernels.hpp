@@ -18,6 +18,9 @@ struct CaseOptions {
   std::int64_t heads = 32;
   std::int64_t kv_heads = 8;
   bool interleaved = false;
+  std::string positions = "contiguous";  // rope: contiguous, arbitrary, packed
+  std::string dtype = "f32";             // rope: f32, bf16
+  bool in_place = false;                 // rope
 };
 
 // One prepared case: buffers allocated and touched, `run` does one call of the kernel. A case
@@ -34,7 +37,7 @@ struct Case {
 };
 
 // Kernel names: sinusoidal (table build), sinusoidal-add, learned-forward, learned-backward,
-// rope (out of place, q and k together, contiguous positions).
+// rope (q and k together; layout, positions, dtype and in-place from the options).
 std::vector<std::string> case_names();
 // Throws posenc::Error for an unknown name or bad options.
 Case make_case(const std::string& name, const CaseOptions& options);

@@ -300,11 +300,13 @@ class RopeTables {
   RopeTables(const std::vector<double>& w, std::int64_t r, RopeLayout layout, bool negate_sine) {
     const std::int64_t half = r / 2;
     const auto stride = static_cast<std::size_t>(r + kernels::kRopePadding);
-    values_.assign(4 * stride, 0.0);
+    values_.assign(5 * stride, 0.0);
     double* freq = values_.data();
     double* step_cos = freq + stride;
     double* step_sin = freq + 2 * stride;
     double* sign = freq + 3 * stride;
+    double* pair_freq = freq + 4 * stride;
+    for (std::int64_t i = 0; i < half; ++i) pair_freq[i] = w[static_cast<std::size_t>(i)];
     for (std::int64_t j = 0; j < r; ++j) {
       const std::int64_t pair = pair_of(j, r, layout);
       const bool first = layout == RopeLayout::kInterleaved ? j % 2 == 0 : j < half;
@@ -314,7 +316,7 @@ class RopeTables {
       step_sin[at] = std::sin(freq[at]);
       sign[at] = (first != negate_sine) ? -1.0 : 1.0;
     }
-    columns_ = {freq, step_cos, step_sin, sign, r};
+    columns_ = {freq, step_cos, step_sin, sign, pair_freq, r, layout == RopeLayout::kInterleaved};
   }
   // The pair that entry j of a head vector belongs to.
   static std::int64_t pair_of(std::int64_t j, std::int64_t r, RopeLayout layout) {

@@ -28,13 +28,32 @@ using common::HWY_NAMESPACE::SinPair;
 void RopeStateStart(const RopeColumns& cols, double position, double* HWY_RESTRICT state) {
   const hn::ScalableTag<double> dd;
   const auto n = static_cast<std::int64_t>(hn::Lanes(dd));
-  const std::int64_t stride = cols.rotary_dim + kRopePadding;
+  const std::int64_t r = cols.rotary_dim, half = r / 2;
+  const std::int64_t stride = r + kRopePadding;
   const auto p = hn::Set(dd, position);
-  for (std::int64_t j = 0; j < cols.rotary_dim; j += n) {
+  // One SinPair per pair (not per entry): both members of a pair share (cos θ, sin θ).
+  HWY_ALIGN double c_buf[hn::MaxLanes(dd)];
+  HWY_ALIGN double s_buf[hn::MaxLanes(dd)];
+  for (std::int64_t i = 0; i < half; i += n) {
     hn::Vec<decltype(dd)> s, c;
-    SinPair(dd, hn::Mul(p, hn::LoadU(dd, cols.freq + j)), hn::Zero(dd), s, c);
-    hn::StoreU(c, dd, state + j);
-    hn::StoreU(s, dd, state + stride + j);
+    SinPair(dd, hn::Mul(p, hn::LoadU(dd, cols.pair_freq + i)), hn::Zero(dd), s, c);
+    if (!cols.interleaved && i + n <= half) {  // entries i and i + r/2
+      hn::StoreU(c, dd, state + i);
+      hn::StoreU(s, dd, state + stride + i);
+      hn::StoreU(c, dd, state + half + i);
+      hn::StoreU(s, dd, state + stride + half + i);
+      continue;
+    }
+    // Interleaved (entries 2i and 2i + 1), or the last, partial vector of pairs.
+    hn::Store(c, dd, c_buf);
+    hn::Store(s, dd, s_buf);
+    const std::int64_t count = half - i < n ? half - i : n;
+    for (std::int64_t l = 0; l < count; ++l) {
+      const std::int64_t first = cols.interleaved ? 2 * (i + l) : i + l;
+      const std::int64_t second = cols.interleaved ? first + 1 : first + half;
+      state[first] = state[second] = c_buf[l];
+      state[stride + first] = state[stride + second] = s_buf[l];
+    }
   }
 }
 

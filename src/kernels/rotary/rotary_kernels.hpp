@@ -15,12 +15,15 @@ namespace posenc::kernels {
 //   freq[j]      ω of j's pair
 //   step_cos[j]  cos ω, step_sin[j] = sin ω        (one position further)
 //   sign[j]      −1 for the first member of a pair, +1 for the second (negated for the inverse)
+//   pair_freq[i] ω of pair i (r/2 entries, then kRopePadding zeros)
 struct RopeColumns {
   const double* freq = nullptr;
   const double* step_cos = nullptr;
   const double* step_sin = nullptr;
   const double* sign = nullptr;
+  const double* pair_freq = nullptr;
   std::int64_t rotary_dim = 0;
+  bool interleaved = false;
 };
 inline constexpr std::int64_t kRopePadding = 16;
 

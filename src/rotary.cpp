@@ -358,6 +358,12 @@ void rotate_token(const detail::HeadsGrid& in_g, const void* in, const detail::H
                              static_cast<float*>(out) + out_off, out_g.head_stride, stream);
     return;
   }
+  if (dtype == DType::kBF16 && in_g.dim_stride == 1 && out_g.dim_stride == 1) {
+    kernels::rope_rotate_bf16(buf.cos_e.data(), buf.sin_e.data(), r, interleaved, d, in_g.heads,
+                              static_cast<const std::uint16_t*>(in) + in_off, in_g.head_stride,
+                              static_cast<std::uint16_t*>(out) + out_off, out_g.head_stride);
+    return;
+  }
   for (std::int64_t h = 0; h < in_g.heads; ++h) {
     for (std::int64_t j = 0; j < d; ++j) {
       buf.row[static_cast<std::size_t>(j)] =

@@ -18,6 +18,7 @@
 
 #include "kernels/common/sincos-inl.h"
 #include "kernels/rotary/rotary_kernels.hpp"
+#include "posenc/dtype.hpp"
 
 HWY_BEFORE_NAMESPACE();
 namespace posenc::kernels {
@@ -140,6 +141,72 @@ void RopeRotateF32(const float* cos_e, const float* sin_e, std::int64_t rotary_d
   }
 }
 
+// bf16 ↔ f32 for a vector of DF lanes. Widening is exact (bf16 is the top half of an f32);
+// narrowing rounds to nearest even (Highway 1.0.3's DemoteTo truncates) and keeps NaN a NaN.
+template <class DF>
+HWY_INLINE hn::Vec<DF> LoadBF16(DF df, const std::uint16_t* p) {
+  const hn::RebindToUnsigned<DF> du32;
+  const hn::Rebind<std::uint16_t, DF> du16;
+  return hn::BitCast(df, hn::ShiftLeft<16>(hn::PromoteTo(du32, hn::LoadU(du16, p))));
+}
+
+template <class DF>
+HWY_INLINE void StoreBF16(hn::Vec<DF> v, DF /* tag */, std::uint16_t* p) {
+  const hn::RebindToUnsigned<DF> du32;
+  const hn::RebindToSigned<DF> di32;
+  const hn::Rebind<std::uint16_t, DF> du16;
+  const auto bits = hn::BitCast(du32, v);
+  const auto odd = hn::And(hn::ShiftRight<16>(bits), hn::Set(du32, 1));
+  auto rounded = hn::ShiftRight<16>(hn::Add(bits, hn::Add(hn::Set(du32, 0x7fff), odd)));
+  const auto quiet_nan = hn::Or(hn::ShiftRight<16>(bits), hn::Set(du32, 0x40));
+  rounded = hn::IfThenElse(hn::RebindMask(du32, hn::IsNaN(v)), quiet_nan, rounded);
+  hn::StoreU(hn::DemoteTo(du16, hn::BitCast(di32, rounded)), du16, p);
+}
+
+void RopeRotateBF16(const float* cos_e, const float* sin_e, std::int64_t rotary_dim, bool interleaved,
+                    std::int64_t head_dim, std::int64_t heads, const std::uint16_t* x, std::int64_t x_head_stride,
+                    std::uint16_t* out, std::int64_t out_head_stride) {
+  const hn::ScalableTag<float> df;
+  [[maybe_unused]] const auto n = static_cast<std::int64_t>(hn::Lanes(df));
+  const std::int64_t half = rotary_dim / 2;
+  const auto widen = [](std::uint16_t b) { return from_bf16(bf16{b}); };
+  const auto narrow = [](float f) { return to_bf16(f).bits; };
+  for (std::int64_t h = 0; h < heads; ++h) {
+    const std::uint16_t* src = x + h * x_head_stride;
+    std::uint16_t* dst = out + h * out_head_stride;
+    std::int64_t j = 0;
+    if (interleaved) {
+#if HWY_TARGET != HWY_SCALAR
+      for (; j + n <= rotary_dim; j += n) {
+        const auto v = LoadBF16(df, src + j);
+        StoreBF16(hn::MulAdd(hn::Shuffle2301(v), hn::LoadU(df, sin_e + j), hn::Mul(v, hn::LoadU(df, cos_e + j))), df, dst + j);
+      }
+#endif
+      for (; j < rotary_dim; j += 2) {
+        const float a = widen(src[j]), b = widen(src[j + 1]);
+        dst[j] = narrow(a * cos_e[j] + b * sin_e[j]);
+        dst[j + 1] = narrow(b * cos_e[j + 1] + a * sin_e[j + 1]);
+      }
+    } else {
+      for (; j + n <= half; j += n) {
+        const auto a = LoadBF16(df, src + j);
+        const auto b = LoadBF16(df, src + half + j);
+        StoreBF16(hn::MulAdd(b, hn::LoadU(df, sin_e + j), hn::Mul(a, hn::LoadU(df, cos_e + j))), df, dst + j);
+        StoreBF16(hn::MulAdd(a, hn::LoadU(df, sin_e + half + j), hn::Mul(b, hn::LoadU(df, cos_e + half + j))), df,
+                  dst + half + j);
+      }
+      for (; j < half; ++j) {
+        const float a = widen(src[j]), b = widen(src[half + j]);
+        dst[j] = narrow(a * cos_e[j] + b * sin_e[j]);
+        dst[half + j] = narrow(b * cos_e[half + j] + a * sin_e[half + j]);
+      }
+    }
+    if (dst != src && head_dim > rotary_dim) {
+      std::memcpy(dst + rotary_dim, src + rotary_dim, static_cast<size_t>(head_dim - rotary_dim) * sizeof(std::uint16_t));
+    }
+  }
+}
+
 }  // namespace HWY_NAMESPACE
 }  // namespace posenc::kernels
 HWY_AFTER_NAMESPACE();
@@ -151,6 +218,7 @@ HWY_EXPORT(RopeStateStart);
 HWY_EXPORT(RopeStateStep);
 HWY_EXPORT(RopeStateEmit);
 HWY_EXPORT(RopeRotateF32);
+HWY_EXPORT(RopeRotateBF16);
 
 void rope_state_start(const RopeColumns& cols, double position, double* state) {
   HWY_DYNAMIC_DISPATCH(RopeStateStart)(cols, position, state);
@@ -166,6 +234,13 @@ void rope_rotate_f32(const float* cos_e, const float* sin_e, std::int64_t rotary
                      std::int64_t x_head_stride, float* out, std::int64_t out_head_stride, bool stream) {
   HWY_DYNAMIC_DISPATCH(RopeRotateF32)(cos_e, sin_e, rotary_dim, interleaved, head_dim, heads, x,
                                       x_head_stride, out, out_head_stride, stream);
+}
+
+void rope_rotate_bf16(const float* cos_e, const float* sin_e, std::int64_t rotary_dim, bool interleaved,
+                      std::int64_t head_dim, std::int64_t heads, const std::uint16_t* x, std::int64_t x_head_stride,
+                      std::uint16_t* out, std::int64_t out_head_stride) {
+  HWY_DYNAMIC_DISPATCH(RopeRotateBF16)(cos_e, sin_e, rotary_dim, interleaved, head_dim, heads, x, x_head_stride, out,
+                                       out_head_stride);
 }
 
 }  // namespace posenc::kernels

@@ -44,4 +44,9 @@ void rope_rotate_f32(const float* cos_e, const float* sin_e, std::int64_t rotary
                      bool interleaved, std::int64_t head_dim, std::int64_t heads, const float* x,
                      std::int64_t x_head_stride, float* out, std::int64_t out_head_stride, bool stream);
 
+// The same on bf16 head vectors (raw bits), computing in f32; results rounded to nearest even.
+void rope_rotate_bf16(const float* cos_e, const float* sin_e, std::int64_t rotary_dim,
+                      bool interleaved, std::int64_t head_dim, std::int64_t heads, const std::uint16_t* x,
+                      std::int64_t x_head_stride, std::uint16_t* out, std::int64_t out_head_stride);
+
 }  // namespace posenc::kernels

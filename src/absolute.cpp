@@ -177,6 +177,8 @@ void sinusoidal_add(const SinusoidalParams& params, ConstTensorView x, const Pos
   }
   const kernels::SinusoidColumns cols = columns_for(params);
   const bool direct = x.dtype() == DType::kF32 && g.x.dim_stride == 1 && g.out.dim_stride == 1;
+  // Out of place and large: the output bypasses the caches (in place, the lines were just read).
+  const bool stream = direct && x.data() != out.data() && g.x.batch * g.x.seq * g.x.dim * 4 >= kStreamBytes;
   const std::int64_t blocks_per_row = (g.x.seq + kCachedRun - 1) / kCachedRun;
   const std::int64_t blocks = g.x.batch * blocks_per_row;
   const int threads = detail::threads_for(g.x.batch * g.x.seq * g.x.dim * 4);
@@ -194,7 +196,7 @@ void sinusoidal_add(const SinusoidalParams& params, ConstTensorView x, const Pos
         if (direct) {
           kernels::sinusoid_add_run_f32(cols, p, rows, x.typed<float>(g.x.offset(b, s)),
                                         g.x.seq_stride, out.typed<float>(g.out.offset(b, s)),
-                                        g.out.seq_stride);
+                                        g.out.seq_stride, stream);
         } else {
           kernels::sinusoid_run_f32(cols, p, rows, buf.data(), g.x.dim, false);
           for (std::int64_t r = 0; r < rows; ++r) {
@@ -210,6 +212,7 @@ void sinusoidal_add(const SinusoidalParams& params, ConstTensorView x, const Pos
         s += rows;
       }
     }
+    if (stream) kernels::flush_streams();
   }
 }
 
@@ -220,11 +223,11 @@ namespace {
 // out[j] = a[j] + b[j] along one row of any dtype and column strides (f32 arithmetic).
 void add_row(const void* a, std::int64_t a_off, std::int64_t a_stride, const void* b,
              std::int64_t b_off, std::int64_t b_stride, void* out, std::int64_t out_off,
-             std::int64_t out_stride, DType dtype, std::int64_t dim) {
+             std::int64_t out_stride, DType dtype, std::int64_t dim, bool stream = false) {
   if (dtype == DType::kF32 && a_stride == 1 && b_stride == 1 && out_stride == 1) {
     kernels::add_rows_f32(static_cast<const float*>(a) + a_off,
                           static_cast<const float*>(b) + b_off,
-                          static_cast<float*>(out) + out_off, dim);
+                          static_cast<float*>(out) + out_off, dim, stream);
     return;
   }
   for (std::int64_t j = 0; j < dim; ++j) {
@@ -246,12 +249,18 @@ void learned_forward(ConstTensorView table, ConstTensorView x, const Positions& 
   }
   const std::int64_t tokens = g.x.batch * g.x.seq;
   const int threads = detail::threads_for(tokens * g.x.dim);
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (std::int64_t t = 0; t < tokens; ++t) {
-    const std::int64_t b = t / g.x.seq, s = t % g.x.seq;
-    add_row(x.data(), g.x.offset(b, s), g.x.dim_stride, table.data(),
-            g.table.offset(0, positions.at(b, s)), g.table.dim_stride, y.data(),
-            g.out.offset(b, s), g.out.dim_stride, x.dtype(), g.x.dim);
+  // Out of place and large: y bypasses the caches.
+  const bool stream = x.dtype() == DType::kF32 && y.data() != x.data() && tokens * g.x.dim * 4 >= kStreamBytes;
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(static)
+    for (std::int64_t t = 0; t < tokens; ++t) {
+      const std::int64_t b = t / g.x.seq, s = t % g.x.seq;
+      add_row(x.data(), g.x.offset(b, s), g.x.dim_stride, table.data(),
+              g.table.offset(0, positions.at(b, s)), g.table.dim_stride, y.data(),
+              g.out.offset(b, s), g.out.dim_stride, x.dtype(), g.x.dim, stream);
+    }
+    if (stream) kernels::flush_streams();
   }
 }
 

@@ -49,6 +49,24 @@ TEST_P(EveryTarget, LearnedForwardMatchesReference) {
   }
 }
 
+// Outputs over 8 MiB are written with streaming stores: checked exactly, with y starting one
+// float past the allocation (so aligned and unaligned vectors both occur).
+TEST_P(EveryTarget, LearnedForwardLargeIsExact) {
+  const std::int64_t max_len = 2200, seq = 2100, dim = 1030;
+  const std::vector<float> table = random_floats(max_len * dim), x = random_floats(seq * dim);
+  std::vector<float> y(static_cast<std::size_t>(seq * dim + 1));
+  std::vector<std::int64_t> ids(static_cast<std::size_t>(seq));
+  for (auto& id : ids) id = uniform_int(0, max_len - 1);
+  learned_forward(ConstTensorView::of(table.data(), {max_len, dim}), ConstTensorView::of(x.data(), {seq, dim}),
+                  Positions::ids(ids), TensorView::of(y.data() + 1, {seq, dim}));
+  for (std::int64_t s = 0; s < seq; ++s) {
+    for (std::int64_t j = 0; j < dim; ++j) {
+      const auto at = static_cast<std::size_t>(s * dim + j);
+      ASSERT_EQ(y[at + 1], x[at] + table[static_cast<std::size_t>(ids[static_cast<std::size_t>(s)] * dim + j)]) << s << ", " << j;
+    }
+  }
+}
+
 // bf16 tables and embeddings with strided columns take the converting path.
 TEST_P(EveryTarget, LearnedForwardBf16Strided) {
   const std::int64_t max_len = 9, dim = 6, seq = 11;

@@ -311,6 +311,14 @@ TEST_P(EveryTarget, SinusoidalBitwiseIdenticalForAnyThreadCount) {
   sinusoidal_add(params, ConstTensorView::of(x.data(), {4, 600, dim}), Positions::range(600, 7),
                  TensorView::of(y2.data(), {4, 600, dim}));
   EXPECT_EQ(std::memcmp(y1.data(), y2.data(), y1.size() * sizeof(float)), 0);
+  // 9.9 MB out of place: the streaming path of the add, against the reference (encoding
+  // tolerance plus one f32 ulp of the sum, |x + PE| < 2).
+  std::vector<double> x64(x.begin(), x.end()), want(x.size());
+  ref::sinusoidal_add(params, ConstTensorView::of(x64.data(), {4, 600, dim}), Positions::range(600, 7),
+                      TensorView::of(want.data(), {4, 600, dim}));
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    ASSERT_NEAR(y1[i], want[i], tolerance(DType::kF32, 700, want[i]) + std::ldexp(1.0, -23)) << i;
+  }
 }
 
 // Tables larger than the streaming threshold (8 MiB) take the non-temporal path.

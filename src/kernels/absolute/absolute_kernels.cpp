@@ -188,10 +188,13 @@ void SinusoidRunF32(const SinusoidColumns& cols, double first_position, std::int
 
 void SinusoidAddRunF32(const SinusoidColumns& cols, double first_position, std::int64_t rows,
                        const float* x, std::int64_t x_row_stride, float* out,
-                       std::int64_t out_row_stride) {
+                       std::int64_t out_row_stride, bool stream) {
   const DF df;
   const auto n = static_cast<std::int64_t>(hn::Lanes(df));
   const std::int64_t dim = cols.dim;
+  const std::uintptr_t vector_bytes = static_cast<std::uintptr_t>(n) * sizeof(float);
+  // As in SinusoidRunF32: x86 streams whole 16-byte vectors at least.
+  const bool streamable = stream && (vector_bytes >= 16 || HWY_TARGET == HWY_SCALAR);
   std::int64_t j = 0;
   for (; j + 2 * n <= dim; j += 2 * n) {
     Tile(cols, first_position, rows, j, [&](std::int64_t r, auto lo, auto hi) {
@@ -199,8 +202,13 @@ void SinusoidAddRunF32(const SinusoidColumns& cols, double first_position, std::
       float* dst = out + r * out_row_stride + j;
       const auto sum_lo = hn::Add(hn::LoadU(df, src), lo);
       const auto sum_hi = hn::Add(hn::LoadU(df, src + n), hi);
-      hn::StoreU(sum_lo, df, dst);
-      hn::StoreU(sum_hi, df, dst + n);
+      if (streamable && reinterpret_cast<std::uintptr_t>(dst) % vector_bytes == 0) {
+        hn::Stream(sum_lo, df, dst);
+        hn::Stream(sum_hi, df, dst + n);
+      } else {
+        hn::StoreU(sum_lo, df, dst);
+        hn::StoreU(sum_hi, df, dst + n);
+      }
     });
   }
   if (j < dim) {
@@ -214,12 +222,18 @@ void SinusoidAddRunF32(const SinusoidColumns& cols, double first_position, std::
   }
 }
 
-void AddRowsF32(const float* a, const float* b, float* out, std::int64_t n) {
+void AddRowsF32(const float* a, const float* b, float* out, std::int64_t n, bool stream) {
   const hn::ScalableTag<float> df;
   const auto lanes = static_cast<std::int64_t>(hn::Lanes(df));
+  const std::uintptr_t vector_bytes = static_cast<std::uintptr_t>(lanes) * sizeof(float);
   std::int64_t j = 0;
   for (; j + lanes <= n; j += lanes) {
-    hn::StoreU(hn::Add(hn::LoadU(df, a + j), hn::LoadU(df, b + j)), df, out + j);
+    const auto sum = hn::Add(hn::LoadU(df, a + j), hn::LoadU(df, b + j));
+    if (stream && reinterpret_cast<std::uintptr_t>(out + j) % vector_bytes == 0) {
+      hn::Stream(sum, df, out + j);
+    } else {
+      hn::StoreU(sum, df, out + j);
+    }
   }
   for (; j < n; ++j) out[j] = a[j] + b[j];
 }
@@ -248,12 +262,12 @@ void sinusoid_run_f32(const SinusoidColumns& cols, double first_position, std::i
 }
 void sinusoid_add_run_f32(const SinusoidColumns& cols, double first_position, std::int64_t rows,
                           const float* x, std::int64_t x_row_stride, float* out,
-                          std::int64_t out_row_stride) {
+                          std::int64_t out_row_stride, bool stream) {
   HWY_DYNAMIC_DISPATCH(SinusoidAddRunF32)(cols, first_position, rows, x, x_row_stride, out,
-                                          out_row_stride);
+                                          out_row_stride, stream);
 }
-void add_rows_f32(const float* a, const float* b, float* out, std::int64_t n) {
-  HWY_DYNAMIC_DISPATCH(AddRowsF32)(a, b, out, n);
+void add_rows_f32(const float* a, const float* b, float* out, std::int64_t n, bool stream) {
+  HWY_DYNAMIC_DISPATCH(AddRowsF32)(a, b, out, n, stream);
 }
 void flush_streams() { HWY_DYNAMIC_DISPATCH(FlushStreams)(); }
 std::int64_t dispatched_target() { return HWY_DYNAMIC_DISPATCH(DispatchedTarget)(); }

@@ -43,7 +43,9 @@ double number(const nlohmann::json& object, const char* key, double fallback) {
 
 std::int64_t integer(const nlohmann::json& object, const char* key, std::int64_t fallback) {
   const double value = number(object, key, static_cast<double>(fallback));
-  if (value != std::floor(value)) throw Error("config", key, fmt::format("{}", value), "an integer");
+  if (value != std::floor(value) || std::fabs(value) > 0x1p62) {
+    throw Error("config", key, fmt::format("{}", value), "an integer of magnitude <= 2^62");
+  }
   return static_cast<std::int64_t>(value);
 }
 
@@ -78,6 +80,12 @@ HfRopeConfig parse_config(const nlohmann::json& doc) {
   const nlohmann::json& s = doc[scaling_key];
   if (s.is_null()) return c;
   if (!s.is_object()) throw Error("config", scaling_key, s.dump(), "an object");
+  for (const auto& [key, value] : s.items()) {
+    if (value.is_object()) {  // transformers v5 per-layer form: {"full_attention": {...}, ...}
+      throw Error("config", std::string(scaling_key) + "." + key, "an object",
+                  "one set of RoPE keys (per-layer rope_parameters: pass that layer's object)");
+    }
+  }
   if (s.contains("rope_type")) {
     c.rope_type = s["rope_type"].get<std::string>();
   } else if (s.contains("type")) {
@@ -118,14 +126,19 @@ void run_rope_freqs(const RopeFreqsOptions& o) {
   if (!std::isnan(o.base)) c.rope_theta = o.base;
   if (!std::isnan(o.factor)) c.factor = o.factor;
   if (o.max_position_embeddings > 0) c.max_position_embeddings = o.max_position_embeddings;
-  if (o.original_max_position_embeddings > 0) c.original_max_position_embeddings = o.original_max_position_embeddings;
+  if (o.original_max_position_embeddings > 0) {  // the flag wins over both places a config may hold M0
+    c.original_max_position_embeddings = o.original_max_position_embeddings;
+    c.top_level_original_max_position_embeddings = 0;
+  }
   if (!std::isnan(o.beta_fast)) c.beta_fast = o.beta_fast;
   if (!std::isnan(o.beta_slow)) c.beta_slow = o.beta_slow;
   if (!std::isnan(o.low_freq_factor)) c.low_freq_factor = o.low_freq_factor;
   if (!std::isnan(o.high_freq_factor)) c.high_freq_factor = o.high_freq_factor;
   if (!std::isnan(o.attention_factor)) c.attention_factor = o.attention_factor;
   if (o.rotary_dim > 0) {
-    if (c.head_dim <= 0) c.head_dim = o.rotary_dim;
+    if (c.head_dim <= 0) {
+      c.head_dim = c.hidden_size > 0 && c.num_attention_heads > 0 ? c.hidden_size / c.num_attention_heads : o.rotary_dim;
+    }
     c.partial_rotary_factor = static_cast<double>(o.rotary_dim) / static_cast<double>(c.head_dim);
   }
   if (c.head_dim <= 0 && (c.hidden_size <= 0 || c.num_attention_heads <= 0)) c.head_dim = 128;

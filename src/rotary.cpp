@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numbers>
 #include <string>
 
@@ -123,6 +124,17 @@ RopeParams::RopeParams(std::int64_t head_dim, std::int64_t rotary_dim, double ba
     require(freq_factors_[i] > 0 && std::isfinite(freq_factors_[i]), "freq_factors[i]",
             to_text(freq_factors_[i]) + " at i = " + std::to_string(i), "a finite number > 0");
   }
+  // The exact angle reduction needs p·ω < 2^51 for every position p <= 2^40: ω < 2^11. Only
+  // factors below 1 (longrope lists, freq_factors) can raise ω past 1.
+  for (const std::int64_t seq_len : {std::int64_t{0}, std::numeric_limits<std::int64_t>::max()}) {
+    for (const double w : inv_frequencies(seq_len)) {
+      require(w < 2048.0 && std::isfinite(w), "frequency", to_text(w),
+              "< 2^11 (a factor below 2^-11 would push angles past the exact range)");
+    }
+  }
+  const double alpha = attention_factor();
+  require(alpha > 0 && std::isfinite(alpha), "attention_factor()", to_text(alpha),
+          "a finite number > 0 (check mscale, mscale_all_dim and original_max_position_embeddings)");
 }
 
 std::int64_t RopeParams::original_max_position_embeddings() const {
@@ -243,7 +255,9 @@ RopeParams rope_params_from_hf(const HfRopeConfig& c, RopeLayout layout) {
   // Hugging Face: int(head_dim * partial_rotary_factor), the float product truncated.
   const auto rotary_dim = static_cast<std::int64_t>(static_cast<double>(head_dim) * c.partial_rotary_factor);
   RopeScaling s;
-  s.type = rope_type_from_name(c.rope_type == "su" ? "longrope" : c.rope_type);
+  // Legacy names Hugging Face renames: Phi-3's "su" is longrope; Qwen2-VL's "mrope" is default
+  // frequencies (its sections are a property of the call: rope_apply_multi).
+  s.type = rope_type_from_name(c.rope_type == "su" ? "longrope" : c.rope_type == "mrope" ? "default" : c.rope_type);
   const bool needs_factor = s.type != RopeType::kDefault && s.type != RopeType::kLongRope;
   if (needs_factor && std::isnan(c.factor)) {
     throw Error(where, "rope_scaling.factor", "missing", "a number for rope_type " + c.rope_type);
@@ -261,7 +275,8 @@ RopeParams rope_params_from_hf(const HfRopeConfig& c, RopeLayout layout) {
   s.mscale = c.mscale;
   s.mscale_all_dim = c.mscale_all_dim;
   s.truncate = c.truncate;
-  s.attention_factor = c.attention_factor;
+  // Hugging Face reads attention_factor for yarn and longrope only.
+  if (s.type == RopeType::kYarn || s.type == RopeType::kLongRope) s.attention_factor = c.attention_factor;
   if (s.type == RopeType::kLlama3) {
     if (std::isnan(c.low_freq_factor) || std::isnan(c.high_freq_factor) || s.original_max_position_embeddings <= 0) {
       throw Error(where, "rope_scaling", "llama3 without low_freq_factor, high_freq_factor or original_max_position_embeddings",
@@ -395,6 +410,7 @@ void rope_apply(const RopeParams& params, const Positions& positions, ConstTenso
   const bool interleaved = params.layout() == RopeLayout::kInterleaved;
   const RopeTables tables(params, len, params.layout(), direction != RopeDirection::kForward);
   const double alpha = direction == RopeDirection::kInverse ? 1.0 / params.attention_factor() : params.attention_factor();
+  if (params.xpos()) detail::check_xpos_range(params, positions, g.q.batch, g.q.seq);
   // xPos: per-entry log ζ of each entry's pair, and the sign of the exponent for q (k uses the
   // opposite one); the inverse divides where forward multiplies.
   std::vector<double> log_zeta;
@@ -546,6 +562,8 @@ void rope_rerotate(const RopeParams& from, const Positions& from_positions, std:
     const std::int64_t pair = interleaved ? j / 2 : j % half;
     return std::log((2.0 * static_cast<double>(pair) + 0.4 * static_cast<double>(r)) / (1.4 * static_cast<double>(r)));
   };
+  if (from.xpos()) detail::check_xpos_range(from, from_positions, g.q.batch, g.q.seq);
+  if (to.xpos()) detail::check_xpos_range(to, to_positions, g.q.batch, g.q.seq);
   const double alpha_ratio = to.attention_factor() / from.attention_factor();
   const std::int64_t tokens = g.q.batch * g.q.seq;
   const int threads = detail::threads_for(tokens * g.q.heads * to.head_dim() * 4);

@@ -1,5 +1,6 @@
 #include "rotary_checks.hpp"
 
+#include <cmath>
 #include <string>
 
 #include "absolute_checks.hpp"
@@ -83,8 +84,9 @@ MultiAxis check_rope_multi(const RopeParams& params, std::span<const std::int64_
   const std::int64_t pairs = params.rotary_dim() / 2;
   std::int64_t total = 0;
   for (std::size_t a = 0; a < sections.size(); ++a) {
-    if (sections[a] < 1) {
-      throw Error(where, "sections[" + std::to_string(a) + "]", std::to_string(sections[a]), ">= 1 pairs");
+    if (sections[a] < 1 || sections[a] > pairs) {
+      throw Error(where, "sections[" + std::to_string(a) + "]", std::to_string(sections[a]),
+                  "1 to rotary_dim / 2 = " + std::to_string(pairs) + " pairs");
     }
     total += sections[a];
   }
@@ -115,6 +117,23 @@ MultiAxis check_rope_multi(const RopeParams& params, std::span<const std::int64_
     first += sections[a];
   }
   return m;
+}
+
+void check_xpos_range(const RopeParams& params, const Positions& positions, std::int64_t batch, std::int64_t seq) {
+  const double log_zeta0 = std::fabs(std::log(0.4 / 1.4));
+  const std::int64_t rows = positions.batch() == 0 ? 1 : batch;
+  for (std::int64_t b = 0; b < rows; ++b) {
+    for (std::int64_t s = 0; s < seq; ++s) {
+      const std::int64_t p = positions.at(b, s);
+      const double exponent = std::fabs(static_cast<double>(p) - params.xpos_center()) / params.xpos_scale_base();
+      if (exponent * log_zeta0 > 80.0) {
+        throw Error("rope (xPos)", "position", std::to_string(p),
+                    "|position − center| <= " + to_text(80.0 / log_zeta0 * params.xpos_scale_base()) +
+                        " (center " + to_text(params.xpos_center()) +
+                        "): xPos scales by ζ^((p − center)/scale_base), which leaves f32 range beyond");
+      }
+    }
+  }
 }
 
 Grid check_rope_cos_sin(const RopeParams& params, const Positions& positions, ConstTensorView cos,

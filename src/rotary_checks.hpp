@@ -37,6 +37,10 @@ MultiAxis check_rope_multi(const RopeParams& params, std::span<const std::int64_
                            ConstTensorView q_out, ConstTensorView k_out, bool restart_frequencies,
                            std::int64_t seq_len);
 
+// xPos scales by ζ_0^(±(p − c)/scale_base) with ζ_0 = 0.4/1.4: beyond e^±80 the scale would
+// overflow or vanish in f32. Throws posenc::Error naming the farthest position.
+void check_xpos_range(const RopeParams& params, const Positions& positions, std::int64_t batch, std::int64_t seq);
+
 // cos and sin: [N, r/2] each, same dtype.
 Grid check_rope_cos_sin(const RopeParams& params, const Positions& positions, ConstTensorView cos,
                         ConstTensorView sin);

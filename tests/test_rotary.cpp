@@ -38,6 +38,15 @@ TEST(RopeParams, RejectsInvalidValues) {
   expect_error([&] { RopeParams(64, 64, 1e4, RopeLayout::kHalfSplit, longrope); }, {"short_factor.size() = 31", "rotary_dim / 2 = 32"});
   expect_error([] { RopeParams(64, 64, 1e4, RopeLayout::kHalfSplit, {}, 2048, std::vector<double>(3, 1.0)); },
                {"freq_factors.size() = 3", "0 or rotary_dim / 2 = 32"});
+  expect_error([] { RopeParams(64, 64, 1e4, RopeLayout::kHalfSplit, {}, 2048, std::vector<double>(32, 1e-4)); },
+               {"frequency = 10000", "< 2^11"});
+  RopeScaling bad_m0;
+  bad_m0.type = RopeType::kLongRope;
+  bad_m0.factor = 4;
+  bad_m0.original_max_position_embeddings = 1;  // ln(1) = 0 in the derived attention factor
+  bad_m0.short_factor.assign(32, 1.0);
+  bad_m0.long_factor.assign(32, 1.0);
+  expect_error([&] { RopeParams(64, 64, 1e4, RopeLayout::kHalfSplit, bad_m0); }, {"attention_factor() = inf"});
   expect_error([] { rope_type_from_name("su"); }, {"rope_type = su", "one of default, linear"});
   EXPECT_EQ(rope_type_from_name("llama3"), RopeType::kLlama3);
 }
@@ -537,6 +546,107 @@ TEST_P(EveryTarget, RopeMultiAxisWithEqualIdsIsPlainRope) {
                {"params.xpos() = true"});
 }
 
+// Multi-axis mapping written out by hand: r = 4 (pairs 0 and 1), sections {1, 1}, axis 0 ids
+// and axis 1 ids differ; with restarting frequencies both pairs have ω = 1 (base^0).
+TEST(Rope, MultiAxisMappingByHand) {
+  for (const RopeLayout layout : {RopeLayout::kInterleaved, RopeLayout::kHalfSplit}) {
+    const RopeParams params(4, 4, 100.0, layout);
+    const std::vector<std::int64_t> sections = {1, 1}, t_ids = {3}, h_ids = {7};
+    const std::vector<Positions> axes = {Positions::ids(t_ids), Positions::ids(h_ids)};
+    std::vector<double> x = {1, 0, 0, 0}, y(4);
+    // Pair 0 = entries (0, 1) interleaved or (0, 2) half-split; x = (1, 0) in pair 0 gives
+    // (cos θ0, sin θ0) with θ0 = 3·ω0 = 3 (axis 0, ω0 = 1).
+    for (const bool restart : {false, true}) {
+      rope_apply_multi(params, sections, axes, ConstTensorView::of(x.data(), {1, 1, 4}), {},
+                       TensorView::of(y.data(), {1, 1, 4}), {}, RopeDirection::kForward, restart);
+      const std::size_t second = layout == RopeLayout::kInterleaved ? 1 : 2;
+      EXPECT_NEAR(y[0], std::cos(3.0), 1e-15);
+      EXPECT_NEAR(y[second], std::sin(3.0), 1e-15);
+    }
+    // Pair 1 follows axis 1: θ1 = 7·ω1, ω1 = 100^(-2/4) = 0.1, or 1 when frequencies restart
+    // (its section has one pair: base^0).
+    std::vector<double> x1 = layout == RopeLayout::kInterleaved ? std::vector<double>{0, 0, 1, 0}
+                                                                : std::vector<double>{0, 1, 0, 0};
+    const std::size_t a = layout == RopeLayout::kInterleaved ? 2 : 1, b = layout == RopeLayout::kInterleaved ? 3 : 3;
+    for (const bool restart : {false, true}) {
+      rope_apply_multi(params, sections, axes, ConstTensorView::of(x1.data(), {1, 1, 4}), {},
+                       TensorView::of(y.data(), {1, 1, 4}), {}, RopeDirection::kForward, restart);
+      const double theta = 7.0 * (restart ? 1.0 : 0.1);
+      EXPECT_NEAR(y[a], std::cos(theta), 1e-15) << restart;
+      EXPECT_NEAR(y[b], std::sin(theta), 1e-15) << restart;
+    }
+  }
+}
+
+// The contiguous path (runs of 64 positions rotated from an exact start) keeps the coefficients
+// within 2^-23 of the truth near 2^24: unit vectors rotated by rope_apply read back cos and sin.
+TEST_P(EveryTarget, RopeRunsStayExactNearTwoToThe24) {
+  const std::int64_t seq = 130, d = 128, start = (std::int64_t{1} << 24) - seq + 1;
+  const RopeParams params(d, d, 5e5, RopeLayout::kHalfSplit);
+  // Head 0 carries e_i in pair i's first member: its rotation is (cos θ_i, sin θ_i) — one head per
+  // pair would be needed for all; half the pairs at once use the first and second halves.
+  std::vector<float> x(static_cast<std::size_t>(seq * d), 0.0f), y(x.size());
+  for (std::int64_t s = 0; s < seq; ++s) {
+    for (std::int64_t i = 0; i < d / 2; ++i) x[static_cast<std::size_t>(s * d + i)] = 1.0f;
+  }
+  rope_apply(params, Positions::range(seq, start), ConstTensorView::of(x.data(), {seq, 1, d}), {},
+             TensorView::of(y.data(), {seq, 1, d}), {});
+  for (std::int64_t s = 0; s < seq; ++s) {
+    for (std::int64_t i = 0; i < d / 2; ++i) {
+      const long double angle = static_cast<long double>(start + s) * std::pow(5e5L, -2.0L * static_cast<long double>(i) / d);
+      // x = e_i alone in pair i: y_i = cos θ, y_{i+64} = sin θ, each one f32 product of 1.
+      ASSERT_LE(std::fabs(y[static_cast<std::size_t>(s * d + i)] - std::cos(angle)), std::ldexp(1.0, -23)) << s << ", " << i;
+      ASSERT_LE(std::fabs(y[static_cast<std::size_t>(s * d + d / 2 + i)] - std::sin(angle)), std::ldexp(1.0, -23)) << s << ", " << i;
+    }
+  }
+}
+
+// Outputs over 8 MiB are streamed; results must match the reference and not depend on threads.
+TEST_P(EveryTarget, RopeLargeStreamedAndThreadCountFree) {
+  const std::int64_t seq = 300, q_heads = 32, k_heads = 8, d = 128;  // 12.3 MB of outputs
+  const RopeParams params(d, d, 1e4, RopeLayout::kInterleaved);
+  std::vector<float> q(static_cast<std::size_t>(seq * q_heads * d)), k(static_cast<std::size_t>(seq * k_heads * d));
+  for (auto& v : q) v = static_cast<float>(uniform(-1, 1));
+  for (auto& v : k) v = static_cast<float>(uniform(-1, 1));
+  std::vector<float> q1(q.size()), k1(k.size()), q2(q.size()), k2(k.size());
+  const Positions positions = Positions::range(seq, 1000);
+  set_num_threads(1);
+  rope_apply(params, positions, ConstTensorView::of(q.data(), {seq, q_heads, d}), ConstTensorView::of(k.data(), {seq, k_heads, d}),
+             TensorView::of(q1.data(), {seq, q_heads, d}), TensorView::of(k1.data(), {seq, k_heads, d}));
+  set_num_threads(2);
+  rope_apply(params, positions, ConstTensorView::of(q.data(), {seq, q_heads, d}), ConstTensorView::of(k.data(), {seq, k_heads, d}),
+             TensorView::of(q2.data(), {seq, q_heads, d}), TensorView::of(k2.data(), {seq, k_heads, d}));
+  EXPECT_EQ(std::memcmp(q1.data(), q2.data(), q1.size() * sizeof(float)), 0);
+  EXPECT_EQ(std::memcmp(k1.data(), k2.data(), k1.size() * sizeof(float)), 0);
+  std::vector<double> q64(q.begin(), q.end()), want(q.size());
+  ref::rope_apply(params, positions, ConstTensorView::of(q64.data(), {seq, q_heads, d}), {},
+                  TensorView::of(want.data(), {seq, q_heads, d}), {});
+  // As RopeMatchesReference (α = 1): 1e-6·(2 + |want|).
+  for (std::size_t i = 0; i < want.size(); ++i) ASSERT_NEAR(q1[i], want[i], 1e-6 * (2 + std::fabs(want[i]))) << i;
+}
+
+// xPos makes q·k decay as ζ^((m − n)/scale_base): one pair (r = 2, ζ_0 = 0.4/1.4), q = k = e_0.
+TEST(Rope, XposScoreDecaysWithDistance) {
+  const RopeParams params = RopeParams(2, 2, 1e4).with_xpos(512, 0);
+  const std::vector<double> e0 = {1, 0};
+  auto score = [&](std::int64_t m, std::int64_t n) {
+    std::vector<double> qr(2), kr(2), dummy(2);
+    const std::vector<std::int64_t> pm = {m}, pn = {n};
+    rope_apply(params, Positions::ids(pm), ConstTensorView::of(e0.data(), {1, 1, 2}), {}, TensorView::of(qr.data(), {1, 1, 2}), {});
+    rope_apply(params, Positions::ids(pn), ConstTensorView::of(dummy.data(), {1, 1, 2}), ConstTensorView::of(e0.data(), {1, 1, 2}),
+               TensorView::of(dummy.data(), {1, 1, 2}), TensorView::of(kr.data(), {1, 1, 2}));
+    return qr[0] * kr[0] + qr[1] * kr[1];
+  };
+  for (const auto& [m, n] : {std::pair<std::int64_t, std::int64_t>{700, 200}, {1500, 100}, {300, 300}}) {
+    const double expected = std::pow(0.4 / 1.4, static_cast<double>(m - n) / 512.0) * std::cos(static_cast<double>(m - n));
+    EXPECT_NEAR(score(m, n), expected, 1e-12) << m << ", " << n;
+  }
+  expect_error([&] { std::vector<float> x(2), y(2);
+                     rope_apply(params, Positions::range(1, 100000), ConstTensorView::of(x.data(), {1, 1, 2}), {},
+                                TensorView::of(y.data(), {1, 1, 2}), {}); },
+               {"rope (xPos)", "position = 100000", "|position − center| <="});
+}
+
 // Re-rotating cached keys equals rotating the raw keys from scratch under the new parameters:
 // a context shift, a dynamic-NTK base change, LongRoPE's short-to-long switch, and xPos with a
 // new centre. Keys |x| <= 1, coefficients <= 1.3: the re-rotated keys went through two f32
@@ -566,11 +676,19 @@ TEST_P(EveryTarget, RopeRerotationMatchesRotatingFromScratch) {
   const RopeParams dyn(d, d, 1e4, RopeLayout::kHalfSplit, dynamic, 1024);
   const RopeParams lr(d, d, 1e4, RopeLayout::kHalfSplit, longrope, 8192);
   const RopeParams xp = RopeParams(d, 48, 1e4, RopeLayout::kHalfSplit).with_xpos(512, 1000);
+  const RopeParams xpi = RopeParams(d, d, 1e4, RopeLayout::kInterleaved).with_xpos(256, 990);
+  RopeScaling yarn4, yarn16;
+  yarn4.type = yarn16.type = RopeType::kYarn;
+  yarn4.factor = 4;
+  yarn16.factor = 16;
+  const RopeParams ya(d, d, 1e4, RopeLayout::kHalfSplit, yarn4, 2048), yb(d, d, 1e4, RopeLayout::kHalfSplit, yarn16, 8192);
   const Scenario scenarios[] = {
       {"context shift", plain, plain, Positions::range(seq, 5000), Positions::range(seq, 4), 0, 0},
       {"dynamic NTK growth", dyn, dyn, Positions::range(seq, 900), Positions::range(seq, 900), 1024, 4096},
       {"longrope short to long", lr, lr, Positions::range(seq, 950), Positions::range(seq, 950), 1000, 2000},
       {"xpos new centre", xp, xp.with_xpos(512, 1100), Positions::range(seq, 1000), Positions::range(seq, 1000), 0, 0},
+      {"xpos interleaved shift", xpi, xpi, Positions::range(seq, 1000), Positions::range(seq, 940), 0, 0},
+      {"yarn factor 4 to 16 (α changes)", ya, yb, Positions::range(seq, 100), Positions::range(seq, 100), 0, 0},
   };
   for (const Scenario& sc : scenarios) {
     SCOPED_TRACE(sc.name);

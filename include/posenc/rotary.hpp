@@ -30,7 +30,9 @@
 //   linear     ω_i / factor                                          (position interpolation)
 //   ntk        base' = base·factor^(r/(r−2)), then default            (static NTK-aware)
 //   dynamic    base' = base·(factor·L/M − (factor − 1))^(r/(r−2)), L = max(seq_len, M),
-//              M = max_position_embeddings; seq_len <= M gives the default frequencies
+//              M = max_position_embeddings; seq_len <= M gives the default frequencies. posenc is
+//              stateless: the caller passes seq_len (Hugging Face keeps the largest length seen and
+//              resets below M; keys cached under an older base move with rope_rerotate)
 //   yarn       blend of ω_i (high frequencies) and ω_i/factor (low) over a linear ramp between
 //              the correction dims of beta_fast and beta_slow for M0 = original_max_position_
 //              embeddings; α = mscale(factor, mscale)/mscale(factor, mscale_all_dim) when both are
@@ -46,7 +48,7 @@
 // ─── Views, positions, dtypes ──────────────────────────────────────────────────────────────────
 // q and k are [B, S, H, D] or packed [T, H, D] views with any non-negative strides, so
 // [B, H, S, D] memory is passed as a [B, S, H, D] view with permuted strides — no copy. q and k
-// may have different head counts (GQA/MQA); either may be an empty view (not rotated). Positions
+// may have different head counts (GQA/MQA); k may be an empty view (then only q is rotated). Positions
 // are per token (positions.hpp). f32, bf16 and f16 compute in f32; f64 runs the fp64 reference.
 //
 // ─── Numerics ──────────────────────────────────────────────────────────────────────────────────
@@ -95,7 +97,7 @@ struct RopeScaling {
   double mscale = 0.0;          // 0: unset
   double mscale_all_dim = 0.0;  // 0: unset
   bool truncate = true;         // floor/ceil the correction range
-  // yarn, longrope: NaN means "derive it" (see above)
+  // α: NaN means "derive it" (yarn, longrope; 1 for the others); a number sets it for any type
   double attention_factor = std::numeric_limits<double>::quiet_NaN();
   // llama3
   double low_freq_factor = 1.0;

@@ -26,6 +26,9 @@ namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 using common::HWY_NAMESPACE::SinPair;
 
+// Full vectors of doubles are read and written up to kRopePadding entries past the rotary dims.
+static_assert(hn::MaxLanes(hn::ScalableTag<double>()) <= kRopePadding, "rope tables need more padding");
+
 void RopeStateStart(const RopeColumns& cols, double position, double* HWY_RESTRICT state) {
   const hn::ScalableTag<double> dd;
   const auto n = static_cast<std::int64_t>(hn::Lanes(dd));

@@ -30,6 +30,21 @@ std::string shape_text(const HeadsGrid& g) {
 
 bool is_empty_view(ConstTensorView v) { return v.rank() == 0 && v.data() == nullptr; }
 
+// An output of a rotation: the input's shape and dtype, writable, and the input itself or
+// disjoint from it.
+HeadsGrid check_output(const char* name, ConstTensorView out, const char* in_name, ConstTensorView in,
+                       const HeadsGrid& in_grid) {
+  const HeadsGrid g = heads_grid(name, out);
+  if (g.batch != in_grid.batch || g.seq != in_grid.seq || g.heads != in_grid.heads || g.dim != in_grid.dim) {
+    throw Error(kWhere, std::string(name) + " shape", shape_text(g),
+                "the shape of " + std::string(in_name) + ", " + shape_text(in_grid));
+  }
+  check_dtype(kWhere, name, out.dtype(), in.dtype());
+  check_writable(kWhere, name, out);
+  check_alias(kWhere, name, out, in_name, in, Alias::kDisjointOrInPlace);
+  return g;
+}
+
 }  // namespace
 
 RopeGrids check_rope(const RopeParams& params, const Positions& positions, ConstTensorView q,
@@ -40,13 +55,7 @@ RopeGrids check_rope(const RopeParams& params, const Positions& positions, Const
     throw Error(kWhere, "q.size(-1)", std::to_string(g.q.dim), "params.head_dim() = " + std::to_string(params.head_dim()));
   }
   positions.check_grid(kWhere, g.q.batch, g.q.seq);
-  g.q_out = heads_grid("q_out", q_out);
-  if (g.q_out.batch != g.q.batch || g.q_out.seq != g.q.seq || g.q_out.heads != g.q.heads || g.q_out.dim != g.q.dim) {
-    throw Error(kWhere, "q_out shape", shape_text(g.q_out), "the shape of q, " + shape_text(g.q));
-  }
-  check_dtype(kWhere, "q_out", q_out.dtype(), q.dtype());
-  check_writable(kWhere, "q_out", q_out);
-  check_alias(kWhere, "q_out", q_out, "q", q, Alias::kDisjointOrInPlace);
+  g.q_out = check_output("q_out", q_out, "q", q, g.q);
   g.has_k = !is_empty_view(k);
   if (g.has_k != !is_empty_view(k_out)) {
     throw Error(kWhere, "k_out", g.has_k ? "empty" : k_out.describe(), "a view exactly when k is one");
@@ -58,13 +67,7 @@ RopeGrids check_rope(const RopeParams& params, const Positions& positions, Const
                   "the tokens and head_dim of q " + shape_text(g.q) + " (any number of heads)");
     }
     check_dtype(kWhere, "k", k.dtype(), q.dtype());
-    g.k_out = heads_grid("k_out", k_out);
-    if (g.k_out.batch != g.k.batch || g.k_out.seq != g.k.seq || g.k_out.heads != g.k.heads || g.k_out.dim != g.k.dim) {
-      throw Error(kWhere, "k_out shape", shape_text(g.k_out), "the shape of k, " + shape_text(g.k));
-    }
-    check_dtype(kWhere, "k_out", k_out.dtype(), q.dtype());
-    check_writable(kWhere, "k_out", k_out);
-    check_alias(kWhere, "k_out", k_out, "k", k, Alias::kDisjointOrInPlace);
+    g.k_out = check_output("k_out", k_out, "k", k, g.k);
     check_alias(kWhere, "k_out", k_out, "q", q, Alias::kDisjoint);
     check_alias(kWhere, "k_out", k_out, "q_out", q_out, Alias::kDisjoint);
     check_alias(kWhere, "q_out", q_out, "k", k, Alias::kDisjoint);

@@ -36,6 +36,7 @@
 
 #include "kernels/absolute/absolute_kernels.hpp"
 #include "kernels/common/sincos-inl.h"
+#include "kernels/common/store-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace posenc::kernels {
@@ -46,6 +47,8 @@ using DD = hn::ScalableTag<double>;
 using DF = hn::Rebind<float, DD>;  // as many lanes as DD, half the width
 using VD = hn::Vec<DD>;
 using common::HWY_NAMESPACE::SinPair;
+using common::HWY_NAMESPACE::StoreOrStream;
+using common::HWY_NAMESPACE::StreamableTag;
 
 // A tile reads columns [j, j + 2·Lanes) of the column tables, j < dim: the padding must cover it.
 static_assert(kColumnPadding >= 2 * hn::MaxLanes(DD()), "column tables need more padding");
@@ -153,9 +156,7 @@ void SinusoidRunF32(const SinusoidColumns& cols, double first_position, std::int
   const std::uintptr_t vector_bytes = static_cast<std::uintptr_t>(n) * sizeof(float);
   // Columns before row 0's first line boundary form a partial tile, so that the full tiles of
   // row 0 (and of every row whose stride keeps that alignment) can be streamed.
-  // x86 streaming stores move whole 16-byte vectors at least; the 8-byte float vectors of SSE4
-  // (2 lanes, demoted from 2 doubles) use ordinary stores.
-  const bool streamable = stream && (vector_bytes >= 16 || HWY_TARGET == HWY_SCALAR);
+  const bool streamable = stream && StreamableTag(df);
   std::int64_t j = 0;
   if (streamable) {
     const std::uintptr_t line = 2 * vector_bytes;
@@ -170,13 +171,8 @@ void SinusoidRunF32(const SinusoidColumns& cols, double first_position, std::int
   for (; j + 2 * n <= dim; j += 2 * n) {
     Tile(cols, first_position, rows, j, [&](std::int64_t r, auto lo, auto hi) {
       float* dst = out + r * out_row_stride + j;
-      if (streamable && reinterpret_cast<std::uintptr_t>(dst) % vector_bytes == 0) {
-        hn::Stream(lo, df, dst);
-        hn::Stream(hi, df, dst + n);
-      } else {
-        hn::StoreU(lo, df, dst);
-        hn::StoreU(hi, df, dst + n);
-      }
+      StoreOrStream(lo, df, dst, streamable);
+      StoreOrStream(hi, df, dst + n, streamable);
     });
   }
   if (j < dim) {
@@ -192,9 +188,7 @@ void SinusoidAddRunF32(const SinusoidColumns& cols, double first_position, std::
   const DF df;
   const auto n = static_cast<std::int64_t>(hn::Lanes(df));
   const std::int64_t dim = cols.dim;
-  const std::uintptr_t vector_bytes = static_cast<std::uintptr_t>(n) * sizeof(float);
-  // As in SinusoidRunF32: x86 streams whole 16-byte vectors at least.
-  const bool streamable = stream && (vector_bytes >= 16 || HWY_TARGET == HWY_SCALAR);
+  const bool streamable = stream && StreamableTag(df);
   std::int64_t j = 0;
   for (; j + 2 * n <= dim; j += 2 * n) {
     Tile(cols, first_position, rows, j, [&](std::int64_t r, auto lo, auto hi) {
@@ -202,13 +196,8 @@ void SinusoidAddRunF32(const SinusoidColumns& cols, double first_position, std::
       float* dst = out + r * out_row_stride + j;
       const auto sum_lo = hn::Add(hn::LoadU(df, src), lo);
       const auto sum_hi = hn::Add(hn::LoadU(df, src + n), hi);
-      if (streamable && reinterpret_cast<std::uintptr_t>(dst) % vector_bytes == 0) {
-        hn::Stream(sum_lo, df, dst);
-        hn::Stream(sum_hi, df, dst + n);
-      } else {
-        hn::StoreU(sum_lo, df, dst);
-        hn::StoreU(sum_hi, df, dst + n);
-      }
+      StoreOrStream(sum_lo, df, dst, streamable);
+      StoreOrStream(sum_hi, df, dst + n, streamable);
     });
   }
   if (j < dim) {
@@ -225,15 +214,10 @@ void SinusoidAddRunF32(const SinusoidColumns& cols, double first_position, std::
 void AddRowsF32(const float* a, const float* b, float* out, std::int64_t n, bool stream) {
   const hn::ScalableTag<float> df;
   const auto lanes = static_cast<std::int64_t>(hn::Lanes(df));
-  const std::uintptr_t vector_bytes = static_cast<std::uintptr_t>(lanes) * sizeof(float);
+  const bool streamable = stream && StreamableTag(df);
   std::int64_t j = 0;
   for (; j + lanes <= n; j += lanes) {
-    const auto sum = hn::Add(hn::LoadU(df, a + j), hn::LoadU(df, b + j));
-    if (stream && reinterpret_cast<std::uintptr_t>(out + j) % vector_bytes == 0) {
-      hn::Stream(sum, df, out + j);
-    } else {
-      hn::StoreU(sum, df, out + j);
-    }
+    StoreOrStream(hn::Add(hn::LoadU(df, a + j), hn::LoadU(df, b + j)), df, out + j, streamable);
   }
   for (; j < n; ++j) out[j] = a[j] + b[j];
 }

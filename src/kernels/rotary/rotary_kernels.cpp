@@ -17,6 +17,7 @@
 #include <cstring>
 
 #include "kernels/common/sincos-inl.h"
+#include "kernels/common/store-inl.h"
 #include "kernels/rotary/rotary_kernels.hpp"
 #include "posenc/dtype.hpp"
 
@@ -25,6 +26,8 @@ namespace posenc::kernels {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 using common::HWY_NAMESPACE::SinPair;
+using common::HWY_NAMESPACE::StoreOrStream;
+using common::HWY_NAMESPACE::StreamableTag;
 
 // Full vectors of doubles are read and written up to kRopePadding entries past the rotary dims.
 static_assert(hn::MaxLanes(hn::ScalableTag<double>()) <= kRopePadding, "rope tables need more padding");
@@ -89,22 +92,13 @@ void RopeStateEmit(const RopeColumns& cols, const double* HWY_RESTRICT state, do
   }
 }
 
-// Stores a full vector, streaming it when asked and aligned.
-template <class D, class V>
-HWY_INLINE void StoreOut(V v, D d, float* dst, bool stream) {
-  if (stream && reinterpret_cast<std::uintptr_t>(dst) % (hn::Lanes(d) * sizeof(float)) == 0) {
-    hn::Stream(v, d, dst);
-  } else {
-    hn::StoreU(v, d, dst);
-  }
-}
-
 void RopeRotateF32(const float* cos_e, const float* sin_e, std::int64_t rotary_dim,
                    bool interleaved, std::int64_t head_dim, std::int64_t heads, const float* x,
                    std::int64_t x_head_stride, float* out, std::int64_t out_head_stride, bool stream) {
   const hn::ScalableTag<float> df;
   [[maybe_unused]] const auto n = static_cast<std::int64_t>(hn::Lanes(df));
   const std::int64_t half = rotary_dim / 2;
+  stream = stream && StreamableTag(df);
   for (std::int64_t h = 0; h < heads; ++h) {
     const float* src = x + h * x_head_stride;
     float* dst = out + h * out_head_stride;
@@ -114,7 +108,7 @@ void RopeRotateF32(const float* cos_e, const float* sin_e, std::int64_t rotary_d
       for (; j + n <= rotary_dim; j += n) {
         const auto v = hn::LoadU(df, src + j);
         const auto swapped = hn::Shuffle2301(v);
-        StoreOut(hn::MulAdd(swapped, hn::LoadU(df, sin_e + j), hn::Mul(v, hn::LoadU(df, cos_e + j))),
+        StoreOrStream(hn::MulAdd(swapped, hn::LoadU(df, sin_e + j), hn::Mul(v, hn::LoadU(df, cos_e + j))),
                  df, dst + j, stream);
       }
 #endif
@@ -129,8 +123,8 @@ void RopeRotateF32(const float* cos_e, const float* sin_e, std::int64_t rotary_d
         const auto b = hn::LoadU(df, src + half + j);
         const auto first = hn::MulAdd(b, hn::LoadU(df, sin_e + j), hn::Mul(a, hn::LoadU(df, cos_e + j)));
         const auto second = hn::MulAdd(a, hn::LoadU(df, sin_e + half + j), hn::Mul(b, hn::LoadU(df, cos_e + half + j)));
-        StoreOut(first, df, dst + j, stream);
-        StoreOut(second, df, dst + half + j, stream);
+        StoreOrStream(first, df, dst + j, stream);
+        StoreOrStream(second, df, dst + half + j, stream);
       }
       for (; j < half; ++j) {
         const float a = src[j], b = src[half + j];

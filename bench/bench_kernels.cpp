@@ -59,14 +59,31 @@ void register_all() {
     })->UseManualTime()->Unit(benchmark::kMillisecond);
   };
   for (const Shape& s : tables) add("sinusoidal", s);
-  // RoPE at Llama-3 8B's attention shape: q [1, 4096, 32, 128], k [1, 4096, 8, 128].
-  for (const bool interleaved : {false, true}) {
-    const std::string label = std::string("rope/1x4096/32+8x128/") + (interleaved ? "interleaved" : "half-split");
-    benchmark::RegisterBenchmark(label.c_str(), [interleaved](benchmark::State& st) {
+  // RoPE at Llama-3 8B's attention shape: q [1, 4096, 32, 128], k [1, 4096, 8, 128]; both layouts,
+  // every kind of positions, the three storage types, in place.
+  struct RopeCase {
+    const char* layout;
+    const char* positions;
+    const char* dtype;
+    bool in_place;
+  };
+  const RopeCase ropes[] = {
+      {"half-split", "contiguous", "f32", false}, {"interleaved", "contiguous", "f32", false},
+      {"half-split", "arbitrary", "f32", false},  {"half-split", "packed", "f32", false},
+      {"half-split", "contiguous", "f32", true},  {"interleaved", "contiguous", "f32", true},
+      {"half-split", "contiguous", "bf16", false}, {"interleaved", "contiguous", "bf16", false},
+      {"half-split", "contiguous", "f16", false}};
+  for (const RopeCase& r : ropes) {
+    const std::string label = std::string("rope/1x4096/32+8x128/") + r.layout + "/" + r.positions + "/" + r.dtype +
+                              (r.in_place ? "/in-place" : "");
+    benchmark::RegisterBenchmark(label.c_str(), [r](benchmark::State& st) {
       posenc::perf::CaseOptions o;
       o.length = 4096;
       o.dim = 128;
-      o.interleaved = interleaved;
+      o.interleaved = std::string(r.layout) == "interleaved";
+      o.positions = r.positions;
+      o.dtype = r.dtype;
+      o.in_place = r.in_place;
       run_case(st, "rope", o);
     })->UseManualTime()->Unit(benchmark::kMillisecond);
   }

@@ -123,17 +123,17 @@ Case make_case(const std::string& name, const CaseOptions& o) {
   } else if (name == "rope") {
     require_positive("heads", o.heads);
     require_positive("kv_heads", o.kv_heads);
-    if (o.dtype != "f32" && o.dtype != "bf16") throw Error("bench", "--dtype", o.dtype, "f32 or bf16");
-    const DType dtype = o.dtype == "bf16" ? DType::kBF16 : DType::kF32;
+    if (o.dtype != "f32" && o.dtype != "bf16" && o.dtype != "f16") throw Error("bench", "--dtype", o.dtype, "f32, bf16 or f16");
+    const DType dtype = o.dtype == "bf16" ? DType::kBF16 : o.dtype == "f16" ? DType::kF16 : DType::kF32;
     const std::size_t width = dtype_size(dtype);
     const RopeParams params(o.dim, o.dim, 10000.0, o.interleaved ? RopeLayout::kInterleaved : RopeLayout::kHalfSplit);
     const std::int64_t q_count = checked_mul(static_cast<std::int64_t>(tokens), o.heads * o.dim, "q elements");
     const std::int64_t k_count = checked_mul(static_cast<std::int64_t>(tokens), o.kv_heads * o.dim, "k elements");
-    // Buffers are float arrays; a bf16 case uses the first half of each (2 bytes per element).
+    // Buffers are float arrays; a bf16 or f16 case uses the first half of each (2 bytes per element).
     const auto floats = static_cast<std::size_t>((q_count + k_count) * static_cast<std::int64_t>(width) / 4 + 1);
     size_a = floats;
     size_b = o.in_place ? 0 : floats;
-    fill_a = 0.5f;  // as bf16 pairs: two small normal numbers
+    fill_a = 0.5f;  // as bf16 or f16 pairs: two small normal numbers
     // Positions: 0 … S-1 per batch row; random ids; or packed sequences of 64 to 1024 tokens.
     auto ids = std::make_shared<std::vector<std::int64_t>>();
     if (o.positions == "arbitrary") {

@@ -19,7 +19,7 @@ struct CaseOptions {
   std::int64_t kv_heads = 8;
   bool interleaved = false;
   std::string positions = "contiguous";  // rope: contiguous, arbitrary, packed
-  std::string dtype = "f32";             // rope: f32, bf16
+  std::string dtype = "f32";             // rope: f32, bf16, f16
   bool in_place = false;                 // rope
 };
 

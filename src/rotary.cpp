@@ -367,16 +367,11 @@ void rotate_token(const detail::HeadsGrid& in_g, const void* in, const detail::H
                   bool interleaved, bool stream) {
   const std::int64_t d = params.head_dim(), r = params.rotary_dim();
   const std::int64_t in_off = in_g.offset(b, s), out_off = out_g.offset(b, s);
-  if (dtype == DType::kF32 && in_g.dim_stride == 1 && out_g.dim_stride == 1) {
-    kernels::rope_rotate_f32(buf.cos_e.data(), buf.sin_e.data(), r, interleaved, d, in_g.heads,
-                             static_cast<const float*>(in) + in_off, in_g.head_stride,
-                             static_cast<float*>(out) + out_off, out_g.head_stride, stream);
-    return;
-  }
-  if (dtype == DType::kBF16 && in_g.dim_stride == 1 && out_g.dim_stride == 1) {
-    kernels::rope_rotate_bf16(buf.cos_e.data(), buf.sin_e.data(), r, interleaved, d, in_g.heads,
-                              static_cast<const std::uint16_t*>(in) + in_off, in_g.head_stride,
-                              static_cast<std::uint16_t*>(out) + out_off, out_g.head_stride);
+  if (in_g.dim_stride == 1 && out_g.dim_stride == 1) {
+    const std::size_t width = dtype_size(dtype);
+    kernels::rope_rotate(buf.cos_e.data(), buf.sin_e.data(), r, interleaved, d, in_g.heads, dtype,
+                         static_cast<const char*>(in) + in_off * width, in_g.head_stride,
+                         static_cast<char*>(out) + out_off * width, out_g.head_stride, stream);
     return;
   }
   for (std::int64_t h = 0; h < in_g.heads; ++h) {
@@ -384,8 +379,8 @@ void rotate_token(const detail::HeadsGrid& in_g, const void* in, const detail::H
       buf.row[static_cast<std::size_t>(j)] =
           static_cast<float>(detail::load(in, dtype, in_off + h * in_g.head_stride + j * in_g.dim_stride));
     }
-    kernels::rope_rotate_f32(buf.cos_e.data(), buf.sin_e.data(), r, interleaved, d, 1, buf.row.data(), 0,
-                             buf.row.data(), 0, false);
+    kernels::rope_rotate(buf.cos_e.data(), buf.sin_e.data(), r, interleaved, d, 1, DType::kF32, buf.row.data(), 0,
+                         buf.row.data(), 0, false);
     for (std::int64_t j = 0; j < d; ++j) {
       detail::store(out, dtype, out_off + h * out_g.head_stride + j * out_g.dim_stride,
                     buf.row[static_cast<std::size_t>(j)]);
@@ -425,8 +420,8 @@ void rope_apply(const RopeParams& params, const Positions& positions, ConstTenso
     }
   }
   const bool in_place = q.data() == q_out.data();
-  const bool stream = !in_place && q.dtype() == DType::kF32 &&
-                      (g.q.batch * g.q.seq * (g.q.heads + g.k.heads) * params.head_dim() * 4) >= kStreamBytes;
+  const auto width = static_cast<std::int64_t>(dtype_size(q.dtype()));
+  const bool stream = !in_place && (g.q.batch * g.q.seq * (g.q.heads + g.k.heads) * params.head_dim() * width) >= kStreamBytes;
   // Blocks of kRopeMaxRun tokens at fixed offsets in each batch row, and runs of consecutive
   // positions inside them: where a run restarts never depends on the thread count, so results
   // are bitwise identical for any thread count.

@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "posenc/dtype.hpp"
+
 namespace posenc::kernels {
 
 // Per-token rotation coefficients in the layout of the head vector: for every rotated entry j
@@ -38,15 +40,17 @@ void rope_state_step(const RopeColumns& cols, double* state);
 void rope_state_emit(const RopeColumns& cols, const double* state, double alpha, float* cos_e, float* sin_e);
 
 // Rotates `heads` head vectors of one token: head h at x + h·x_head_stride → out + h·out_head_stride,
-// each of head_dim contiguous f32 entries; entries r … head_dim−1 are copied when out != x.
-// With `stream`, aligned vectors of out use non-temporal stores (flush_streams() afterwards).
-void rope_rotate_f32(const float* cos_e, const float* sin_e, std::int64_t rotary_dim,
-                     bool interleaved, std::int64_t head_dim, std::int64_t heads, const float* x,
-                     std::int64_t x_head_stride, float* out, std::int64_t out_head_stride, bool stream);
+// each of head_dim contiguous entries of `dtype` (f32, bf16 or f16; raw bits for the 16-bit
+// types), computing in f32 and rounding to nearest even; entries r … head_dim−1 are copied when
+// out != x. With `stream`, aligned vectors of out use non-temporal stores (flush_streams()
+// afterwards). Throws posenc::Error for f64 (the reference handles it).
+void rope_rotate(const float* cos_e, const float* sin_e, std::int64_t rotary_dim, bool interleaved,
+                 std::int64_t head_dim, std::int64_t heads, DType dtype, const void* x, std::int64_t x_head_stride,
+                 void* out, std::int64_t out_head_stride, bool stream);
 
-// The same on bf16 head vectors (raw bits), computing in f32; results rounded to nearest even.
-void rope_rotate_bf16(const float* cos_e, const float* sin_e, std::int64_t rotary_dim,
-                      bool interleaved, std::int64_t head_dim, std::int64_t heads, const std::uint16_t* x,
-                      std::int64_t x_head_stride, std::uint16_t* out, std::int64_t out_head_stride);
+// How far ahead of its loads the rotation prefetches. Measured with q [1, 4096, 32, 128] and
+// k [1, 4096, 8, 128] f32 on 2 threads (AVX-512): no prefetch 0.70–0.76 of the non-temporal copy,
+// 1 KiB ahead 0.82–0.91, 2 KiB 0.86–0.96, 4 KiB 0.88–0.97, 8 KiB 0.87–0.9.
+inline constexpr std::int64_t kRopePrefetchBytes = 4096;
 
 }  // namespace posenc::kernels

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <numbers>
+#include <tuple>
 
 #include "testing.hpp"
 
@@ -623,6 +624,61 @@ TEST_P(EveryTarget, RopeLargeStreamedAndThreadCountFree) {
                   TensorView::of(want.data(), {seq, q_heads, d}), {});
   // As RopeMatchesReference (α = 1): 1e-6·(2 + |want|).
   for (std::size_t i = 0; i < want.size(); ++i) ASSERT_NEAR(q1[i], want[i], 1e-6 * (2 + std::fabs(want[i]))) << i;
+}
+
+// The 16-bit storage paths round exactly like the scalar conversions (nearest even, NaN kept a
+// NaN) on every target, streamed or not. At position 0 the rotation is a scaling by the attention
+// factor: out = round16(fl32(x·α_f32) + partner·0), so the expected bits are known exactly. (A fixed
+// α and 16-bit x give few distinct low-bit patterns: a rounding bias of 2^-4 ulp is caught, one of
+// 2^-12 ulp may not be.)
+TEST_P(EveryTarget, Rope16BitOutputsRoundToNearestEven) {
+  // The reference computes x·α in fp64 and rounds once; its agreement is RopeMatchesReference's.
+  if (GetParam() == "ref") GTEST_SKIP() << "f32 kernels only";
+  RopeScaling yarn;
+  yarn.type = RopeType::kYarn;
+  yarn.factor = 4;  // α = 0.1·ln 4 + 1, a scale with a full mantissa
+  for (const DType dtype : {DType::kBF16, DType::kF16}) {
+    // d = 128 takes the two-vector steps; d = 48, rotary 46 the one-vector steps and scalar tails.
+    // seq 1000 × 40 heads × 128 × 2 bytes = 10 MB of outputs: over the streaming threshold.
+    for (const auto& [seq, d, r] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{1000, 128, 128}, {37, 48, 46}}) {
+      for (const RopeLayout layout : {RopeLayout::kHalfSplit, RopeLayout::kInterleaved}) {
+        const RopeParams params(d, r, 1e4, layout, yarn, 1024);
+        const auto alpha = static_cast<float>(params.attention_factor());
+        const std::int64_t q_heads = 32, k_heads = 8;
+        const auto count = static_cast<std::size_t>(seq * (q_heads + k_heads) * d);
+        std::vector<std::uint16_t> in(count), out(count);
+        for (std::size_t i = 0; i < count; ++i) {
+          const float v = static_cast<float>(uniform(-4, 4));
+          in[i] = dtype == DType::kBF16 ? to_bf16(v).bits : to_f16(v).bits;
+        }
+        const std::size_t nan_at = 5, inf_at = 1000 * 7 + 3;  // a NaN, and an infinity (its partner turns NaN)
+        in[nan_at] = dtype == DType::kBF16 ? std::uint16_t{0x7f81} : std::uint16_t{0x7c01};
+        if (inf_at < count) in[inf_at] = dtype == DType::kBF16 ? std::uint16_t{0x7f80} : std::uint16_t{0x7c00};
+        const std::vector<std::int64_t> zeros(static_cast<std::size_t>(seq), 0);
+        const std::int64_t k_offset = seq * q_heads * d;
+        const std::vector<std::int64_t> q_shape = {seq, q_heads, d}, k_shape = {seq, k_heads, d};
+        rope_apply(params, Positions::ids(zeros), ConstTensorView::contiguous(in.data(), dtype, q_shape),
+                   ConstTensorView::contiguous(in.data() + k_offset, dtype, k_shape),
+                   TensorView::contiguous(out.data(), dtype, q_shape),
+                   TensorView::contiguous(out.data() + k_offset, dtype, k_shape));
+        auto widen = [&](std::uint16_t b) { return dtype == DType::kBF16 ? from_bf16(bf16{b}) : from_f16(f16{b}); };
+        auto narrow = [&](float f) { return dtype == DType::kBF16 ? to_bf16(f).bits : to_f16(f).bits; };
+        for (std::size_t i = 0; i < count; ++i) {
+          const auto j = static_cast<std::int64_t>(i) % d;
+          const std::size_t head = i - static_cast<std::size_t>(j);
+          const std::int64_t partner = j >= r ? j : layout == RopeLayout::kInterleaved ? (j ^ 1) : (j + r / 2) % r;
+          const float x = widen(in[i]), p = widen(in[head + static_cast<std::size_t>(partner)]);
+          if (j >= r) {
+            ASSERT_EQ(out[i], in[i]) << i;  // passed through untouched
+          } else if (std::isnan(x) || std::isinf(p) || std::isnan(p)) {
+            ASSERT_TRUE(std::isnan(widen(out[i]))) << dtype_name(dtype) << " " << i;
+          } else {
+            ASSERT_EQ(out[i], narrow(x * alpha)) << dtype_name(dtype) << " d " << d << " entry " << i << " x " << x;
+          }
+        }
+      }
+    }
+  }
 }
 
 // xPos makes q·k decay as ζ^((m − n)/scale_base): one pair (r = 2, ζ_0 = 0.4/1.4), q = k = e_0.

@@ -293,8 +293,9 @@ void run_case(const Case& c) {
     rope_apply(params, positions, ConstTensorView(q.data(), c.dtype, q_shape, qs), ConstTensorView(k.data(), c.dtype, k_shape, ks),
                TensorView(q_out.data(), c.dtype, q_shape, qs), TensorView(k_out.data(), c.dtype, k_shape, ks), c.direction);
   }
-  // Tolerance per element, relative to the coefficients' size σ = α·S (α <= 1.14; the xPos
-  // scale S up to 150, or its inverse), with |inputs| <= 1:
+  // Tolerance per element, relative to the size σ of its coefficients: α·S, with α <= 1.14 (1/α
+  // for the inverse) and S the xPos scale of its pair at its token, ζ^(±e) <= ζ^-|e| (ζ < 1),
+  // e = (p − centre)/scale_base; S = 1 without xPos. With |inputs| <= 1:
   //   f32: each coefficient is σ·cos or σ·sin rounded to f32 (relative 2^-24, plus the
   //        reference's libm angle error p·2^-52 <= 2^-28), times |a| + |b| <= 2; the product, the
   //        fused multiply-add and the store add <= 3 ulps of the output: within
@@ -302,19 +303,37 @@ void run_case(const Case& c) {
   //   bf16, f16: one ulp of the output (relative 2^-7 for bf16, 2^-10 for f16) on top.
   //   f64: the reference itself: exact.
   const double rel = c.dtype == DType::kF32 ? 0.0 : c.dtype == DType::kBF16 ? std::ldexp(1.0, -7) : c.dtype == DType::kF16 ? std::ldexp(1.0, -10) : 0.0;
+  const double alpha = c.direction == RopeDirection::kInverse ? 1.0 / params.attention_factor() : params.attention_factor();
+  auto sigma_of = [&](std::int64_t index, std::int64_t heads) {
+    const std::int64_t j = index % c.head_dim, rest = index / c.head_dim;
+    std::int64_t b, s;
+    if (c.bhsd) {
+      s = rest % c.seq;
+      b = rest / c.seq / heads;
+    } else {
+      s = (rest / heads) % c.seq;
+      b = rest / heads / c.seq;
+    }
+    if (!c.xpos || j >= c.rotary_dim) return alpha;
+    const std::int64_t r = c.rotary_dim;
+    const std::int64_t pair = c.layout == RopeLayout::kInterleaved ? j / 2 : j % (r / 2);
+    const double zeta = (2.0 * static_cast<double>(pair) + 0.4 * static_cast<double>(r)) / (1.4 * static_cast<double>(r));
+    const double e = (static_cast<double>(positions.at(b, s)) - params.xpos_center()) / params.xpos_scale_base();
+    return alpha * std::pow(zeta, -std::fabs(e));
+  };
   int reported = 0;
-  auto compare = [&](const std::vector<unsigned char>& got, const std::vector<double>& want, const char* name) {
+  auto compare = [&](const std::vector<unsigned char>& got, const std::vector<double>& want, std::int64_t heads, const char* name) {
     for (std::size_t i = 0; i < want.size(); ++i) {
       const double g = element(got.data(), c.dtype, static_cast<std::int64_t>(i));
-      const double sigma = c.xpos ? 150.0 : 1.2;
+      const double sigma = sigma_of(static_cast<std::int64_t>(i), heads);
       const double tol = c.dtype == DType::kF64 ? 0.0 : 1e-6 * (1 + std::fabs(want[i]) + sigma) + rel * std::fabs(want[i]) + rel;
       if (!(std::fabs(g - want[i]) <= tol) && reported++ < 5) {
-        ADD_FAILURE() << name << " element " << i << ": got " << g << ", reference " << want[i];
+        ADD_FAILURE() << name << " element " << i << ": got " << g << ", reference " << want[i] << ", σ " << sigma;
       }
     }
   };
-  compare(q_out, q_ref, "q");
-  compare(k_out, k_ref, "k");
+  compare(q_out, q_ref, c.q_heads, "q");
+  compare(k_out, k_ref, c.k_heads, "k");
 }
 
 TEST_P(EveryTarget, RopeMatchesReference) {

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "posenc/absolute.hpp"
+#include "posenc/bias.hpp"
 #include "posenc/dtype.hpp"
 #include "posenc/error.hpp"
 #include "posenc/positions.hpp"

@@ -3,10 +3,11 @@
 // Plain loops, fp64 arithmetic inside whatever the tensor dtype, libm sin/cos. These are the test
 // oracle for the SIMD kernels, the fallback for f64 tensors, and what runs under
 // POSENC_TARGET=ref (the CLI's `--target ref`). Signatures and contracts are those of the public
-// functions of the same name (absolute.hpp, rotary.hpp); inputs are validated the same way.
+// functions of the same name (absolute.hpp, rotary.hpp, bias.hpp); inputs are validated the same way.
 #pragma once
 
 #include "posenc/absolute.hpp"
+#include "posenc/bias.hpp"
 #include "posenc/rotary.hpp"
 
 namespace posenc::ref {
@@ -31,5 +32,14 @@ void rope_apply_multi(const RopeParams& params, std::span<const std::int64_t> se
 void rope_rerotate(const RopeParams& from, const Positions& from_positions, std::int64_t from_seq_len,
                    const RopeParams& to, const Positions& to_positions, std::int64_t to_seq_len,
                    ConstTensorView k, TensorView k_out);
+
+void bias_materialize(const BiasScheme& scheme, const Positions& q_positions, const Positions& k_positions,
+                      TensorView out);
+void alibi_backward(const AlibiParams& params, const Positions& q_positions, const Positions& k_positions,
+                    ConstTensorView d_scores, std::span<double> d_slopes);
+void t5_bias_backward(const T5BiasParams& params, const Positions& q_positions, const Positions& k_positions,
+                      ConstTensorView d_scores, std::span<double> d_table);
+void kerple_backward(const KerpleParams& params, const Positions& q_positions, const Positions& k_positions,
+                     ConstTensorView d_scores, std::span<double> d_r1, std::span<double> d_r2);
 
 }  // namespace posenc::ref

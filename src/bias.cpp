@@ -1,0 +1,514 @@
+// Score biases: parameter validation, the T5 bucket function, the tabulating evaluator, and the
+// SIMD materialisation and backward (math and layouts in posenc/bias.hpp).
+//
+// Every scheme here is a per-head function of r = k − q, so a call tabulates b(h, r) once over the
+// relative positions its grids can produce (fp64, rounded once to f32) and then
+//   materialise  copies table rows into the output (contiguous keys) or gathers them;
+//   backward     sums dL/dscores into an fp64 histogram over r per head (one pass over the
+//                scores, each head owned by one thread and summed in a fixed order), then
+//                contracts the histogram with ∂b/∂θ(r).
+// Ranges too wide to tabulate (scattered ids) fall back to evaluating each element.
+#include "posenc/bias.hpp"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "bias_checks.hpp"
+#include "kernels/absolute/absolute_kernels.hpp"  // flush_streams
+#include "kernels/bias/bias_kernels.hpp"
+#include "posenc/reference.hpp"
+
+namespace posenc {
+namespace {
+
+// Largest table the evaluator and the backward build: entries over all heads (64 MiB of f32).
+constexpr std::int64_t kMaxTableEntries = std::int64_t{1} << 24;
+// Non-temporal stores pay off once the output is much larger than the caches.
+constexpr std::int64_t kStreamBytes = std::int64_t{8} << 20;
+
+void check_heads(const char* where, std::int64_t heads) {
+  if (heads < 1) throw Error(where, "heads", std::to_string(heads), ">= 1");
+}
+
+void check_finite_nonnegative(const char* where, const char* name, std::size_t index, double value, bool positive) {
+  if (!std::isfinite(value) || value < 0 || (positive && value == 0)) {
+    throw Error(where, std::string(name) + "[" + std::to_string(index) + "]", detail::to_text(value),
+                positive ? "a finite number > 0" : "a finite number >= 0");
+  }
+}
+
+// The smallest and largest position of a [batch, len] grid.
+std::pair<std::int64_t, std::int64_t> position_bounds(const Positions& positions, std::int64_t batch, std::int64_t len) {
+  std::int64_t lo = std::numeric_limits<std::int64_t>::max(), hi = std::numeric_limits<std::int64_t>::min();
+  for (std::int64_t b = 0; b < batch; ++b) {
+    if (positions.kind() == Positions::Kind::kRange || positions.kind() == Positions::Kind::kRanges) {
+      lo = std::min(lo, positions.at(b, 0));  // consecutive: first and last are the bounds
+      hi = std::max(hi, positions.at(b, len - 1));
+      continue;
+    }
+    for (std::int64_t s = 0; s < len; ++s) {
+      const std::int64_t p = positions.at(b, s);
+      lo = std::min(lo, p);
+      hi = std::max(hi, p);
+    }
+  }
+  return {lo, hi};
+}
+
+bool consecutive(const std::vector<std::int64_t>& ids) {
+  for (std::size_t s = 1; s < ids.size(); ++s) {
+    if (ids[s] != ids[s - 1] + 1) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------ parameters
+
+NoPE::NoPE(std::int64_t heads_) : heads(heads_) { check_heads("NoPE", heads_); }
+
+std::vector<double> alibi_slopes(std::int64_t heads, double max_bias) {
+  check_heads("alibi_slopes", heads);
+  if (!std::isfinite(max_bias) || max_bias <= 0) {
+    throw Error("alibi_slopes", "max_bias", detail::to_text(max_bias), "a finite number > 0");
+  }
+  // Press et al. 2022, section 3 and their reference code's rule for head counts that are not a
+  // power of two; max_bias generalises the 8 of the paper (llama.cpp's ggml_alibi).
+  std::int64_t n = 1;
+  while (n * 2 <= heads) n *= 2;
+  std::vector<double> slopes(static_cast<std::size_t>(heads));
+  for (std::int64_t h = 0; h < heads; ++h) {
+    const double exponent = h < n ? static_cast<double>(h + 1) / static_cast<double>(n)
+                                  : static_cast<double>(2 * (h - n) + 1) / static_cast<double>(2 * n);
+    slopes[static_cast<std::size_t>(h)] = std::exp2(-max_bias * exponent);
+  }
+  return slopes;
+}
+
+AlibiParams::AlibiParams(std::int64_t heads, AlibiForm form, double max_bias)
+    : slopes_(alibi_slopes(heads, max_bias)), form_(form) {}
+
+AlibiParams::AlibiParams(std::vector<double> slopes, AlibiForm form) : slopes_(std::move(slopes)), form_(form) {
+  if (slopes_.empty()) throw Error("AlibiParams", "slopes.size()", "0", ">= 1 (one slope per head)");
+  for (std::size_t h = 0; h < slopes_.size(); ++h) check_finite_nonnegative("AlibiParams", "slopes", h, slopes_[h], false);
+}
+
+AlibiParams AlibiParams::on_heads(std::int64_t heads, std::span<const std::int64_t> alibi_heads, AlibiForm form,
+                                  double max_bias) {
+  check_heads("AlibiParams::on_heads", heads);
+  if (alibi_heads.empty()) throw Error("AlibiParams::on_heads", "alibi_heads.size()", "0", ">= 1");
+  const std::vector<double> paper = alibi_slopes(static_cast<std::int64_t>(alibi_heads.size()), max_bias);
+  std::vector<double> slopes(static_cast<std::size_t>(heads), 0.0);
+  std::vector<bool> seen(static_cast<std::size_t>(heads), false);
+  for (std::size_t k = 0; k < alibi_heads.size(); ++k) {
+    const std::int64_t h = alibi_heads[k];
+    if (h < 0 || h >= heads || seen[static_cast<std::size_t>(h)]) {
+      throw Error("AlibiParams::on_heads", "alibi_heads[" + std::to_string(k) + "]", std::to_string(h),
+                  "a head in [0, " + std::to_string(heads) + ") listed once");
+    }
+    seen[static_cast<std::size_t>(h)] = true;
+    slopes[static_cast<std::size_t>(h)] = paper[k];
+  }
+  return AlibiParams(std::move(slopes), form);
+}
+
+namespace {
+void check_t5(const char* where, std::int64_t num_buckets, std::int64_t max_distance, bool bidirectional) {
+  const std::int64_t n = bidirectional ? num_buckets / 2 : num_buckets;
+  if (num_buckets < 2 || n / 2 < 1) {
+    throw Error(where, "num_buckets", std::to_string(num_buckets),
+                bidirectional ? ">= 4 for bidirectional buckets (max_exact = num_buckets / 4 >= 1)"
+                              : ">= 2 (max_exact = num_buckets / 2 >= 1)");
+  }
+  if (max_distance <= n / 2) {
+    throw Error(where, "max_distance", std::to_string(max_distance),
+                "> max_exact = " + std::to_string(n / 2) + " (the log formula divides by log(max_distance / max_exact))");
+  }
+}
+}  // namespace
+
+std::int64_t t5_bucket(std::int64_t relative_position, std::int64_t num_buckets, std::int64_t max_distance,
+                       bool bidirectional) {
+  check_t5("t5_bucket", num_buckets, max_distance, bidirectional);
+  std::int64_t n = num_buckets, offset = 0, distance;
+  if (bidirectional) {
+    n /= 2;
+    offset = relative_position > 0 ? n : 0;
+    distance = relative_position < 0 ? -relative_position : relative_position;
+  } else {
+    distance = relative_position < 0 ? -relative_position : 0;
+  }
+  const std::int64_t max_exact = n / 2;
+  if (distance < max_exact) return offset + distance;
+  // The float32 steps of transformers' formula in PyTorch, one rounding each (tests/data has
+  // PyTorch's buckets for every |r| <= 2^20 of the common settings, and they agree bit for bit):
+  // distance.float() / max_exact, log, / f32(math.log(max_distance / max_exact)), · (n − max_exact),
+  // then truncation to int64.
+  const float ratio = static_cast<float>(distance) / static_cast<float>(max_exact);
+  const auto log_range =
+      static_cast<float>(std::log(static_cast<double>(max_distance) / static_cast<double>(max_exact)));
+  const float scaled = std::log(ratio) / log_range * static_cast<float>(n - max_exact);
+  const std::int64_t large = max_exact + static_cast<std::int64_t>(scaled);
+  return offset + std::min(large, n - 1);
+}
+
+T5BiasParams::T5BiasParams(std::int64_t heads, std::int64_t num_buckets, std::int64_t max_distance, bool bidirectional,
+                           std::vector<double> table)
+    : heads_(heads), num_buckets_(num_buckets), max_distance_(max_distance), bidirectional_(bidirectional),
+      table_(std::move(table)) {
+  check_heads("T5BiasParams", heads);
+  check_t5("T5BiasParams", num_buckets, max_distance, bidirectional);
+  const auto size = static_cast<std::size_t>(num_buckets * heads);
+  if (table_.empty()) table_.assign(size, 0.0);
+  if (table_.size() != size) {
+    throw Error("T5BiasParams", "table.size()", std::to_string(table_.size()),
+                "num_buckets · heads = " + std::to_string(size) + " ([num_buckets, heads] row-major)");
+  }
+  for (std::size_t e = 0; e < table_.size(); ++e) {
+    if (!std::isfinite(table_[e])) throw Error("T5BiasParams", "table[" + std::to_string(e) + "]", detail::to_text(table_[e]), "finite");
+  }
+}
+
+KerpleParams::KerpleParams(KerpleForm form, std::vector<double> r1, std::vector<double> r2)
+    : form_(form), r1_(std::move(r1)), r2_(std::move(r2)) {
+  if (r1_.empty()) throw Error("KerpleParams", "r1.size()", "0", ">= 1 (one per head)");
+  if (r2_.size() != r1_.size()) {
+    throw Error("KerpleParams", "r2.size()", std::to_string(r2_.size()), "r1.size() = " + std::to_string(r1_.size()));
+  }
+  for (std::size_t h = 0; h < r1_.size(); ++h) {
+    check_finite_nonnegative("KerpleParams", "r1", h, r1_[h], true);
+    check_finite_nonnegative("KerpleParams", "r2", h, r2_[h], true);
+    if (form_ == KerpleForm::kPower && r2_[h] > 2) {
+      throw Error("KerpleParams", "r2[" + std::to_string(h) + "]", detail::to_text(r2_[h]), "in (0, 2] for the power form");
+    }
+  }
+}
+
+std::int64_t bias_heads(const BiasScheme& scheme) {
+  return std::visit(
+      [](const auto& s) -> std::int64_t {
+        if constexpr (std::is_same_v<std::decay_t<decltype(s)>, NoPE>) {
+          return s.heads;
+        } else {
+          return s.heads();
+        }
+      },
+      scheme);
+}
+
+double bias_value(const BiasScheme& scheme, std::int64_t head, std::int64_t r) {
+  const std::int64_t heads = bias_heads(scheme);
+  if (head < 0 || head >= heads) {
+    throw Error("bias_value", "head", std::to_string(head), "in [0, " + std::to_string(heads) + ")");
+  }
+  const auto h = static_cast<std::size_t>(head);
+  const double distance = std::fabs(static_cast<double>(r));
+  if (const auto* alibi = std::get_if<AlibiParams>(&scheme)) {
+    return alibi->slopes()[h] * detail::alibi_derivative(alibi->form(), r);
+  }
+  if (const auto* t5 = std::get_if<T5BiasParams>(&scheme)) {
+    return t5->table()[static_cast<std::size_t>(t5->bucket(r) * t5->heads() + head)];
+  }
+  if (const auto* kerple = std::get_if<KerpleParams>(&scheme)) {
+    const double r1 = kerple->r1()[h], r2 = kerple->r2()[h];
+    return kerple->form() == KerpleForm::kLog ? -r1 * std::log1p(r2 * distance) : -r1 * std::pow(distance, r2);
+  }
+  return 0.0;  // NoPE
+}
+
+// ------------------------------------------------------------------------------ evaluator
+
+BiasEvaluator::BiasEvaluator(const BiasScheme& scheme, std::int64_t min_relative, std::int64_t max_relative)
+    : scheme_(scheme), heads_(bias_heads(scheme)), zero_(std::holds_alternative<NoPE>(scheme)) {
+  if (max_relative < min_relative) {
+    throw Error("BiasEvaluator", "max_relative", std::to_string(max_relative), ">= min_relative = " + std::to_string(min_relative));
+  }
+  const std::int64_t width = max_relative - min_relative + 1;
+  if (zero_ || width > kMaxTableEntries / heads_) return;  // nothing to tabulate, or too wide
+  min_relative_ = min_relative;
+  width_ = width;
+  table_.resize(static_cast<std::size_t>(heads_ * width_));
+  for (std::int64_t h = 0; h < heads_; ++h) {
+    for (std::int64_t t = 0; t < width_; ++t) {
+      table_[static_cast<std::size_t>(h * width_ + t)] = static_cast<float>(bias_value(scheme_, h, min_relative_ + t));
+    }
+  }
+}
+
+BiasEvaluator BiasEvaluator::for_positions(const BiasScheme& scheme, const Positions& q_positions,
+                                           const Positions& k_positions, std::int64_t batch, std::int64_t q_len,
+                                           std::int64_t k_len) {
+  if (q_len < 1 || k_len < 1 || batch < 1) return BiasEvaluator(scheme, 0, 0);
+  q_positions.check_grid("BiasEvaluator", batch, q_len);
+  k_positions.check_grid("BiasEvaluator", batch, k_len);
+  const auto [q_lo, q_hi] = position_bounds(q_positions, batch, q_len);
+  const auto [k_lo, k_hi] = position_bounds(k_positions, batch, k_len);
+  return BiasEvaluator(scheme, k_lo - q_hi, k_hi - q_lo);
+}
+
+float BiasEvaluator::direct(std::int64_t head, std::int64_t relative) const {
+  return static_cast<float>(bias_value(scheme_, head, relative));
+}
+
+float BiasEvaluator::operator()(std::int64_t head, std::int64_t q_position, std::int64_t k_position) const {
+  if (zero_) return 0.0f;
+  const std::int64_t t = k_position - q_position - min_relative_;
+  if (t >= 0 && t < width_) return table_[static_cast<std::size_t>(head * width_ + t)];
+  return direct(head, k_position - q_position);
+}
+
+const float* BiasEvaluator::table_row(std::int64_t head, std::int64_t q_position, std::int64_t k_first,
+                                     std::int64_t count) const {
+  const std::int64_t t0 = k_first - q_position - min_relative_;
+  if (zero_ || t0 < 0 || t0 + count > width_) return nullptr;
+  return table_.data() + head * width_ + t0;
+}
+
+void BiasEvaluator::fill_row(std::int64_t head, std::int64_t q_position, std::int64_t k_first, std::int64_t count,
+                             float* out) const {
+  if (zero_) {
+    std::fill(out, out + count, 0.0f);
+    return;
+  }
+  if (const float* row = table_row(head, q_position, k_first, count)) {
+    kernels::copy_row_f32(row, out, count, false);
+    return;
+  }
+  for (std::int64_t t = 0; t < count; ++t) out[t] = (*this)(head, q_position, k_first + t);
+}
+
+void BiasEvaluator::add_row(std::int64_t head, std::int64_t q_position, std::int64_t k_first, std::int64_t count,
+                            float* scores) const {
+  if (zero_) return;
+  if (const float* row = table_row(head, q_position, k_first, count)) {
+    kernels::add_rows_f32(scores, row, scores, count);
+    return;
+  }
+  for (std::int64_t t = 0; t < count; ++t) scores[t] += (*this)(head, q_position, k_first + t);
+}
+
+// ------------------------------------------------------------------------------ checks
+
+namespace detail {
+
+ScoreGrid check_scores(const char* where, const char* name, ConstTensorView scores, std::int64_t heads,
+                       const Positions& q_positions, const Positions& k_positions) {
+  ScoreGrid g;
+  const int rank = scores.rank();
+  if (rank != 3 && rank != 4) {
+    throw Error(where, std::string(name) + " rank", std::to_string(rank), "4 ([B, H, Sq, Sk]) or 3 ([H, Sq, Sk])");
+  }
+  const int o = rank - 3;
+  g.batch = rank == 4 ? scores.size(0) : 1;
+  g.batch_stride = rank == 4 ? scores.stride(0) : 0;
+  g.heads = scores.size(o);
+  g.head_stride = scores.stride(o);
+  g.q_len = scores.size(o + 1);
+  g.q_stride = scores.stride(o + 1);
+  g.k_len = scores.size(o + 2);
+  g.k_stride = scores.stride(o + 2);
+  if (g.heads != heads) {
+    throw Error(where, std::string(name) + ".size(" + std::to_string(o) + ")", std::to_string(g.heads),
+                "the scheme's heads = " + std::to_string(heads));
+  }
+  if (g.batch > 0 && g.q_len > 0) q_positions.check_grid(where, g.batch, g.q_len);
+  if (g.batch > 0 && g.k_len > 0) k_positions.check_grid(where, g.batch, g.k_len);
+  return g;
+}
+
+void check_gradient_size(const char* where, const char* name, std::size_t got, std::int64_t expected) {
+  if (static_cast<std::int64_t>(got) != expected) {
+    throw Error(where, std::string(name) + ".size()", std::to_string(got), std::to_string(expected));
+  }
+}
+
+std::vector<std::int64_t> row_positions(const Positions& positions, std::int64_t b, std::int64_t len) {
+  std::vector<std::int64_t> ids(static_cast<std::size_t>(len));
+  for (std::int64_t s = 0; s < len; ++s) ids[static_cast<std::size_t>(s)] = positions.at(b, s);
+  return ids;
+}
+
+void kerple_derivatives(const KerpleParams& params, std::int64_t head, std::int64_t r, double* d_r1, double* d_r2) {
+  const auto h = static_cast<std::size_t>(head);
+  const double r1 = params.r1()[h], r2 = params.r2()[h];
+  const double d = std::fabs(static_cast<double>(r));
+  if (params.form() == KerpleForm::kLog) {
+    *d_r1 = -std::log1p(r2 * d);
+    *d_r2 = -r1 * d / (1 + r2 * d);
+  } else {
+    const double power = std::pow(d, r2);
+    *d_r1 = -power;
+    *d_r2 = d > 0 ? -r1 * power * std::log(d) : 0.0;
+  }
+}
+
+}  // namespace detail
+
+// ------------------------------------------------------------------------------ materialise
+
+void bias_materialize(const BiasScheme& scheme, const Positions& q_positions, const Positions& k_positions,
+                      TensorView out) {
+  detail::init_dispatch();
+  const detail::ScoreGrid g =
+      detail::check_scores("bias_materialize", "out", ConstTensorView(out), bias_heads(scheme), q_positions, k_positions);
+  detail::check_writable("bias_materialize", "out", ConstTensorView(out));
+  if (detail::use_reference() || out.dtype() == DType::kF64) {
+    ref::bias_materialize(scheme, q_positions, k_positions, out);
+    return;
+  }
+  if (g.batch * g.heads * g.q_len * g.k_len == 0) return;
+  const BiasEvaluator eval = BiasEvaluator::for_positions(scheme, q_positions, k_positions, g.batch, g.q_len, g.k_len);
+  const bool f32_rows = out.dtype() == DType::kF32 && g.k_stride == 1;
+  const bool stream = f32_rows && g.batch * g.heads * g.q_len * g.k_len * 4 >= kStreamBytes;
+  const std::int64_t rows = g.batch * g.heads * g.q_len;
+  const int threads = detail::threads_for(rows * g.k_len);
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> row(static_cast<std::size_t>(f32_rows ? 0 : g.k_len));
+    std::int64_t cached_b = -1;
+    std::vector<std::int64_t> keys;
+    bool keys_consecutive = false;
+#pragma omp for schedule(static)
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const std::int64_t b = r / (g.heads * g.q_len), h = (r / g.q_len) % g.heads, i = r % g.q_len;
+      if (b != cached_b) {
+        keys = detail::row_positions(k_positions, b, g.k_len);
+        keys_consecutive = consecutive(keys);
+        cached_b = b;
+      }
+      const std::int64_t q = q_positions.at(b, i);
+      const std::int64_t offset = g.offset(b, h, i);
+      float* dst = f32_rows ? static_cast<float*>(out.data()) + offset : row.data();
+      if (const float* src = keys_consecutive ? eval.table_row(h, q, keys[0], g.k_len) : nullptr) {
+        kernels::copy_row_f32(src, dst, g.k_len, stream);  // straight from the table
+      } else if (keys_consecutive) {
+        eval.fill_row(h, q, keys[0], g.k_len, dst);
+      } else {
+        for (std::int64_t j = 0; j < g.k_len; ++j) dst[j] = eval(h, q, keys[static_cast<std::size_t>(j)]);
+      }
+      if (!f32_rows) {
+        for (std::int64_t j = 0; j < g.k_len; ++j) {
+          detail::store(out.data(), out.dtype(), offset + j * g.k_stride, row[static_cast<std::size_t>(j)]);
+        }
+      }
+    }
+    if (stream) kernels::flush_streams();
+  }
+}
+
+// ------------------------------------------------------------------------------ backward
+
+namespace {
+
+// Per head h, calls grad(h, r, sum) with sum = Σ d_scores[b, h, i, j] over the pairs with
+// k_pos − q_pos = r, for every r met (in increasing r), or per element (r, d_scores) when the
+// range is too wide to histogram. Heads are split over threads; each head's sums run over
+// b, i, j in order, so results do not depend on the thread count. grad must only touch the
+// gradients of head h.
+template <class Grad>
+void reduce_by_relative_position(const char* where, std::int64_t heads, const Positions& q_positions,
+                                 const Positions& k_positions, ConstTensorView d_scores, Grad grad) {
+  const detail::ScoreGrid g = detail::check_scores(where, "d_scores", d_scores, heads, q_positions, k_positions);
+  if (g.batch * g.heads * g.q_len * g.k_len == 0) return;
+  const auto [q_lo, q_hi] = position_bounds(q_positions, g.batch, g.q_len);
+  const auto [k_lo, k_hi] = position_bounds(k_positions, g.batch, g.k_len);
+  const std::int64_t min_r = k_lo - q_hi, width = k_hi - q_lo - min_r + 1;
+  const int threads = static_cast<int>(
+      std::min<std::int64_t>(detail::threads_for(g.batch * g.heads * g.q_len * g.k_len), g.heads));
+  const bool histogram = width <= kMaxTableEntries / std::max(threads, 1);
+  std::vector<std::vector<std::int64_t>> keys(static_cast<std::size_t>(g.batch));
+  std::vector<bool> keys_consecutive(static_cast<std::size_t>(g.batch));
+  for (std::int64_t b = 0; b < g.batch; ++b) {
+    keys[static_cast<std::size_t>(b)] = detail::row_positions(k_positions, b, g.k_len);
+    keys_consecutive[static_cast<std::size_t>(b)] = consecutive(keys[static_cast<std::size_t>(b)]);
+  }
+  const bool f32_rows = d_scores.dtype() == DType::kF32 && g.k_stride == 1;
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<double> sums(histogram ? static_cast<std::size_t>(width) : 0);
+#pragma omp for schedule(static)
+    for (std::int64_t h = 0; h < g.heads; ++h) {
+      std::fill(sums.begin(), sums.end(), 0.0);
+      for (std::int64_t b = 0; b < g.batch; ++b) {
+        const auto& ks = keys[static_cast<std::size_t>(b)];
+        for (std::int64_t i = 0; i < g.q_len; ++i) {
+          const std::int64_t q = q_positions.at(b, i), offset = g.offset(b, h, i);
+          if (histogram && f32_rows && keys_consecutive[static_cast<std::size_t>(b)]) {
+            kernels::accumulate_row_f64(static_cast<const float*>(d_scores.data()) + offset,
+                                        sums.data() + (ks[0] - q - min_r), g.k_len);
+            continue;
+          }
+          for (std::int64_t j = 0; j < g.k_len; ++j) {
+            const double value = detail::load(d_scores.data(), d_scores.dtype(), offset + j * g.k_stride);
+            const std::int64_t r = ks[static_cast<std::size_t>(j)] - q;
+            if (histogram) {
+              sums[static_cast<std::size_t>(r - min_r)] += value;
+            } else {
+              grad(h, r, value);
+            }
+          }
+        }
+      }
+      if (histogram) {
+        for (std::int64_t t = 0; t < width; ++t) {
+          if (sums[static_cast<std::size_t>(t)] != 0.0) grad(h, min_r + t, sums[static_cast<std::size_t>(t)]);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void alibi_backward(const AlibiParams& params, const Positions& q_positions, const Positions& k_positions,
+                    ConstTensorView d_scores, std::span<double> d_slopes) {
+  detail::init_dispatch();
+  detail::check_gradient_size("alibi_backward", "d_slopes", d_slopes.size(), params.heads());
+  if (detail::use_reference()) {
+    ref::alibi_backward(params, q_positions, k_positions, d_scores, d_slopes);
+    return;
+  }
+  reduce_by_relative_position("alibi_backward", params.heads(), q_positions, k_positions, d_scores,
+                              [&](std::int64_t h, std::int64_t r, double sum) {
+                                d_slopes[static_cast<std::size_t>(h)] += sum * detail::alibi_derivative(params.form(), r);
+                              });
+}
+
+void t5_bias_backward(const T5BiasParams& params, const Positions& q_positions, const Positions& k_positions,
+                      ConstTensorView d_scores, std::span<double> d_table) {
+  detail::init_dispatch();
+  detail::check_gradient_size("t5_bias_backward", "d_table", d_table.size(), params.num_buckets() * params.heads());
+  if (detail::use_reference()) {
+    ref::t5_bias_backward(params, q_positions, k_positions, d_scores, d_table);
+    return;
+  }
+  reduce_by_relative_position("t5_bias_backward", params.heads(), q_positions, k_positions, d_scores,
+                              [&](std::int64_t h, std::int64_t r, double sum) {
+                                d_table[static_cast<std::size_t>(params.bucket(r) * params.heads() + h)] += sum;
+                              });
+}
+
+void kerple_backward(const KerpleParams& params, const Positions& q_positions, const Positions& k_positions,
+                     ConstTensorView d_scores, std::span<double> d_r1, std::span<double> d_r2) {
+  detail::init_dispatch();
+  detail::check_gradient_size("kerple_backward", "d_r1", d_r1.size(), params.heads());
+  detail::check_gradient_size("kerple_backward", "d_r2", d_r2.size(), params.heads());
+  if (detail::use_reference()) {
+    ref::kerple_backward(params, q_positions, k_positions, d_scores, d_r1, d_r2);
+    return;
+  }
+  reduce_by_relative_position("kerple_backward", params.heads(), q_positions, k_positions, d_scores,
+                              [&](std::int64_t h, std::int64_t r, double sum) {
+                                double g1 = 0, g2 = 0;
+                                detail::kerple_derivatives(params, h, r, &g1, &g2);
+                                d_r1[static_cast<std::size_t>(h)] += sum * g1;
+                                d_r2[static_cast<std::size_t>(h)] += sum * g2;
+                              });
+}
+
+}  // namespace posenc

@@ -1,0 +1,38 @@
+// Argument validation and shared math of the score biases, used by the SIMD entry points
+// (bias.cpp) and the fp64 reference (ref/bias_ref.cpp).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "internal.hpp"
+#include "posenc/bias.hpp"
+
+namespace posenc::detail {
+
+// A [B, H, Sq, Sk] view of scores (or [H, Sq, Sk], B = 1).
+struct ScoreGrid {
+  std::int64_t batch = 1, heads = 0, q_len = 0, k_len = 0;
+  std::int64_t batch_stride = 0, head_stride = 0, q_stride = 0, k_stride = 1;
+  std::int64_t offset(std::int64_t b, std::int64_t h, std::int64_t i) const {
+    return b * batch_stride + h * head_stride + i * q_stride;
+  }
+};
+
+// Checks the view's rank, its head count against the scheme's and the positions' grids.
+ScoreGrid check_scores(const char* where, const char* name, ConstTensorView scores, std::int64_t heads,
+                       const Positions& q_positions, const Positions& k_positions);
+// Throws unless span.size() == expected.
+void check_gradient_size(const char* where, const char* name, std::size_t got, std::int64_t expected);
+
+// The positions of one batch row, gathered (positions.at(b, s) for s < len).
+std::vector<std::int64_t> row_positions(const Positions& positions, std::int64_t b, std::int64_t len);
+
+// ∂b/∂θ of the schemes with per-head parameters, at relative position r (fp64).
+inline double alibi_derivative(AlibiForm form, std::int64_t r) {
+  return form == AlibiForm::kCausal ? static_cast<double>(r) : -static_cast<double>(r < 0 ? -r : r);
+}
+// {∂b/∂r1, ∂b/∂r2} of Kerple for head h at relative position r.
+void kerple_derivatives(const KerpleParams& params, std::int64_t head, std::int64_t r, double* d_r1, double* d_r2);
+
+}  // namespace posenc::detail

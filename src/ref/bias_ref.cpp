@@ -1,0 +1,75 @@
+// fp64 reference of the score biases: one element at a time, straight from the definitions in
+// posenc/bias.hpp (bias_value per element; gradients summed per element in b, h, i, j order).
+#include <string>
+
+#include "bias_checks.hpp"
+#include "posenc/reference.hpp"
+
+namespace posenc::ref {
+namespace {
+
+// Calls fn(b, h, i, j, offset, r) for every element of a score grid, r = k_pos − q_pos.
+template <class Fn>
+void for_each_score(const detail::ScoreGrid& g, const Positions& q_positions, const Positions& k_positions, Fn fn) {
+  for (std::int64_t b = 0; b < g.batch; ++b) {
+    for (std::int64_t h = 0; h < g.heads; ++h) {
+      for (std::int64_t i = 0; i < g.q_len; ++i) {
+        const std::int64_t q = q_positions.at(b, i);
+        for (std::int64_t j = 0; j < g.k_len; ++j) {
+          fn(h, g.offset(b, h, i) + j * g.k_stride, k_positions.at(b, j) - q);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void bias_materialize(const BiasScheme& scheme, const Positions& q_positions, const Positions& k_positions,
+                      TensorView out) {
+  const detail::ScoreGrid g =
+      detail::check_scores("bias_materialize", "out", ConstTensorView(out), bias_heads(scheme), q_positions, k_positions);
+  detail::check_writable("bias_materialize", "out", ConstTensorView(out));
+  for_each_score(g, q_positions, k_positions, [&](std::int64_t h, std::int64_t offset, std::int64_t r) {
+    detail::store(out.data(), out.dtype(), offset, bias_value(scheme, h, r));
+  });
+}
+
+void alibi_backward(const AlibiParams& params, const Positions& q_positions, const Positions& k_positions,
+                    ConstTensorView d_scores, std::span<double> d_slopes) {
+  detail::check_gradient_size("alibi_backward", "d_slopes", d_slopes.size(), params.heads());
+  const detail::ScoreGrid g =
+      detail::check_scores("alibi_backward", "d_scores", d_scores, params.heads(), q_positions, k_positions);
+  for_each_score(g, q_positions, k_positions, [&](std::int64_t h, std::int64_t offset, std::int64_t r) {
+    d_slopes[static_cast<std::size_t>(h)] +=
+        detail::load(d_scores.data(), d_scores.dtype(), offset) * detail::alibi_derivative(params.form(), r);
+  });
+}
+
+void t5_bias_backward(const T5BiasParams& params, const Positions& q_positions, const Positions& k_positions,
+                      ConstTensorView d_scores, std::span<double> d_table) {
+  detail::check_gradient_size("t5_bias_backward", "d_table", d_table.size(), params.num_buckets() * params.heads());
+  const detail::ScoreGrid g =
+      detail::check_scores("t5_bias_backward", "d_scores", d_scores, params.heads(), q_positions, k_positions);
+  for_each_score(g, q_positions, k_positions, [&](std::int64_t h, std::int64_t offset, std::int64_t r) {
+    d_table[static_cast<std::size_t>(params.bucket(r) * params.heads() + h)] +=
+        detail::load(d_scores.data(), d_scores.dtype(), offset);
+  });
+}
+
+void kerple_backward(const KerpleParams& params, const Positions& q_positions, const Positions& k_positions,
+                     ConstTensorView d_scores, std::span<double> d_r1, std::span<double> d_r2) {
+  detail::check_gradient_size("kerple_backward", "d_r1", d_r1.size(), params.heads());
+  detail::check_gradient_size("kerple_backward", "d_r2", d_r2.size(), params.heads());
+  const detail::ScoreGrid g =
+      detail::check_scores("kerple_backward", "d_scores", d_scores, params.heads(), q_positions, k_positions);
+  for_each_score(g, q_positions, k_positions, [&](std::int64_t h, std::int64_t offset, std::int64_t r) {
+    double g1 = 0, g2 = 0;
+    detail::kerple_derivatives(params, h, r, &g1, &g2);
+    const double ds = detail::load(d_scores.data(), d_scores.dtype(), offset);
+    d_r1[static_cast<std::size_t>(h)] += ds * g1;
+    d_r2[static_cast<std::size_t>(h)] += ds * g2;
+  });
+}
+
+}  // namespace posenc::ref

@@ -13,5 +13,7 @@ Runner add_tour(CLI::App& app);
 Runner add_table(CLI::App& app);
 Runner add_bench(CLI::App& app);
 Runner add_rope_freqs(CLI::App& app);
+Runner add_alibi_slopes(CLI::App& app);
+Runner add_t5_buckets(CLI::App& app);
 
 }  // namespace posenc::cli

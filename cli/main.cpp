@@ -21,6 +21,8 @@ int main(int argc, char** argv) {
   posenc::cli::Runner table = posenc::cli::add_table(app);
   posenc::cli::Runner bench = posenc::cli::add_bench(app);
   posenc::cli::Runner rope_freqs = posenc::cli::add_rope_freqs(app);
+  posenc::cli::Runner alibi_slopes = posenc::cli::add_alibi_slopes(app);
+  posenc::cli::Runner t5_buckets = posenc::cli::add_t5_buckets(app);
 
   try {
     app.parse(argc, argv);
@@ -36,6 +38,8 @@ int main(int argc, char** argv) {
       if (sub->get_name() == "table") table();
       if (sub->get_name() == "bench") bench();
       if (sub->get_name() == "rope-freqs") rope_freqs();
+      if (sub->get_name() == "alibi-slopes") alibi_slopes();
+      if (sub->get_name() == "t5-buckets") t5_buckets();
     }
   } catch (const std::exception& e) {
     std::fflush(stdout);

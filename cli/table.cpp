@@ -1,5 +1,10 @@
 // posenc table sinusoidal --length N --dim D [--base B] [--layout interleaved|split] [--offset P]
 //                         [--dtype f32|f64|bf16|f16] [--format text|csv|json]
+// posenc table rope       --length N --dim D [--base B] [--offset P] [...]
+// posenc table alibi|t5|kerple|nope --length N [--heads H] [--head h] [scheme options]
+//   a bias matrix: rows = query positions offset … offset + N − 1, columns = key positions
+//   offset … offset + N − 1 (causal schemes print their values above the diagonal too: masking
+//   is attention's job). t5 prints bucket ids (the learned table is a model's).
 #include <fmt/core.h>
 
 #include <nlohmann/json.hpp>
@@ -21,6 +26,16 @@ struct TableOptions {
   std::int64_t offset = 0;
   std::string dtype = "f32";
   std::string format = "text";
+  // bias schemes
+  std::int64_t heads = 8;
+  std::int64_t head = -1;  // -1: every head
+  bool symmetric = false;
+  double max_bias = 8.0;
+  std::int64_t num_buckets = 32;
+  std::int64_t max_distance = 128;
+  bool causal = false;
+  std::string kerple_form = "log";
+  double r1 = 1.0, r2 = 0.5;
 };
 
 DType parse_dtype(const std::string& name) {
@@ -94,7 +109,7 @@ nlohmann::json rows_of(const std::vector<double>& values, std::int64_t rows, std
 
 // Prints named tables of the same shape, rows = positions, in the requested format.
 void print_tables(const TableOptions& o, const std::vector<std::pair<std::string, std::vector<double>>>& tables,
-                  std::int64_t cols, nlohmann::json doc) {
+                  std::int64_t cols, nlohmann::json doc, const char* column = "d") {
   if (o.format == "text") {
     for (const auto& [name, values] : tables) {
       if (tables.size() > 1) fmt::print("{} = ", name);
@@ -103,7 +118,9 @@ void print_tables(const TableOptions& o, const std::vector<std::pair<std::string
   } else if (o.format == "csv") {
     std::string line = "position";
     for (const auto& [name, values] : tables) {
-      for (std::int64_t j = 0; j < cols; ++j) line += tables.size() > 1 ? fmt::format(",{}{}", name, j) : fmt::format(",d{}", j);
+      for (std::int64_t j = 0; j < cols; ++j) {
+        line += tables.size() > 1 ? fmt::format(",{}_{}{}", name, column, j) : fmt::format(",{}{}", column, j);
+      }
     }
     fmt::print("{}\n", line);
     for (std::int64_t r = 0; r < o.length; ++r) {
@@ -121,9 +138,67 @@ void print_tables(const TableOptions& o, const std::vector<std::pair<std::string
   }
 }
 
+// A bias matrix per head (or the chosen head): rows = query positions, columns = key positions.
+void run_bias_table(const TableOptions& o) {
+  if (o.length < 1) throw Error("table", "--length", std::to_string(o.length), ">= 1");
+  constexpr std::int64_t kMaxElements = std::int64_t{1} << 26;
+  if (checked_mul(o.length, o.length, "table size") > kMaxElements / std::max<std::int64_t>(o.heads, 1)) {
+    throw Error("table", "--length² × --heads", std::to_string(o.length) + "² × " + std::to_string(o.heads),
+                "at most 2^26 values (the C++ API has no such limit)");
+  }
+  const Positions positions = Positions::range(o.length, o.offset);
+  const std::int64_t n = o.length;
+  nlohmann::json doc = {{"encoding", o.encoding}, {"length", n}, {"offset", o.offset}};
+  std::vector<std::pair<std::string, std::vector<double>>> tables;
+  if (o.encoding == "t5") {
+    // Buckets, one matrix for all heads.
+    std::vector<double> buckets(static_cast<std::size_t>(n * n));
+    for (std::int64_t i = 0; i < n; ++i) {
+      for (std::int64_t j = 0; j < n; ++j) buckets[static_cast<std::size_t>(i * n + j)] =
+          static_cast<double>(t5_bucket(j - i, o.num_buckets, o.max_distance, !o.causal));
+    }
+    doc.update({{"num_buckets", o.num_buckets}, {"max_distance", o.max_distance}, {"bidirectional", !o.causal}});
+    print_tables(o, {{"buckets", buckets}}, n, doc, "k");
+    return;
+  }
+  BiasScheme scheme = NoPE(std::max<std::int64_t>(o.heads, 1));
+  if (o.encoding == "alibi") {
+    scheme = AlibiParams(o.heads, o.symmetric ? AlibiForm::kSymmetric : AlibiForm::kCausal, o.max_bias);
+    doc.update({{"heads", o.heads}, {"max_bias", o.max_bias}, {"form", o.symmetric ? "symmetric" : "causal"},
+                {"slopes", std::get<AlibiParams>(scheme).slopes()}});
+  } else if (o.encoding == "kerple") {
+    if (o.kerple_form != "log" && o.kerple_form != "power") throw Error("table", "--form", o.kerple_form, "log or power");
+    const std::vector<double> r1(static_cast<std::size_t>(o.heads), o.r1), r2(static_cast<std::size_t>(o.heads), o.r2);
+    scheme = KerpleParams(o.kerple_form == "log" ? KerpleForm::kLog : KerpleForm::kPower, r1, r2);
+    doc.update({{"heads", o.heads}, {"form", o.kerple_form}, {"r1", o.r1}, {"r2", o.r2}});
+  } else {
+    scheme = NoPE(o.heads);
+    doc["heads"] = o.heads;
+  }
+  const std::int64_t heads = bias_heads(scheme);
+  if (o.head < -1 || o.head >= heads) {
+    throw Error("table", "--head", std::to_string(o.head), "-1 (every head) or in [0, " + std::to_string(heads) + ")");
+  }
+  std::vector<double> all(static_cast<std::size_t>(heads * n * n));
+  bias_materialize(scheme, positions, positions, TensorView::of(all.data(), {heads, n, n}));
+  for (std::int64_t h = 0; h < heads; ++h) {
+    if (o.head >= 0 && h != o.head) continue;
+    tables.emplace_back("head" + std::to_string(h),
+                        std::vector<double>(all.begin() + h * n * n, all.begin() + (h + 1) * n * n));
+  }
+  print_tables(o, tables, n, doc, "k");
+}
+
 void run_table(const TableOptions& o) {
+  if (o.encoding == "alibi" || o.encoding == "t5" || o.encoding == "kerple" || o.encoding == "nope") {
+    if (o.format != "text" && o.format != "csv" && o.format != "json") {
+      throw Error("table", "--format", o.format, "text, csv or json");
+    }
+    run_bias_table(o);
+    return;
+  }
   if (o.encoding != "sinusoidal" && o.encoding != "rope") {
-    throw Error("table", "encoding", o.encoding, "sinusoidal or rope");
+    throw Error("table", "encoding", o.encoding, "sinusoidal, rope, alibi, t5, kerple or nope");
   }
   if (o.length < 0) throw Error("table", "--length", std::to_string(o.length), ">= 0");
   if (o.format != "text" && o.format != "csv" && o.format != "json") {
@@ -172,7 +247,10 @@ void run_table(const TableOptions& o) {
 Runner add_table(CLI::App& app) {
   auto o = std::make_shared<TableOptions>();
   CLI::App* sub = app.add_subcommand("table", "Print an encoding table (rows = positions)");
-  sub->add_option("encoding", o->encoding, "Encoding: sinusoidal, or rope (cos and sin, one column per frequency)")->required();
+  sub->add_option("encoding", o->encoding,
+                  "Encoding: sinusoidal; rope (cos and sin, one column per frequency); alibi, t5 (bucket ids), "
+                  "kerple, nope (bias matrices: rows = queries, columns = keys)")
+      ->required();
   sub->add_option("--length,-n", o->length, "Number of positions (rows)")->capture_default_str();
   sub->add_option("--dim,-d", o->dim, "Encoding width, or rope's rotary dim (even)")->capture_default_str();
   sub->add_option("--base", o->base, "Frequency base")->capture_default_str();
@@ -181,6 +259,16 @@ Runner add_table(CLI::App& app) {
   sub->add_option("--offset", o->offset, "First position")->capture_default_str();
   sub->add_option("--dtype", o->dtype, "f32, f64, bf16 or f16")->capture_default_str();
   sub->add_option("--format", o->format, "text (PyTorch-style), csv or json")->capture_default_str();
+  sub->add_option("--heads,-H", o->heads, "Bias schemes: number of heads")->capture_default_str();
+  sub->add_option("--head", o->head, "Bias schemes: print only this head (-1: all)")->capture_default_str();
+  sub->add_flag("--symmetric", o->symmetric, "alibi: −m·|i − j| (encoder) instead of the causal −m·(i − j)");
+  sub->add_option("--max-bias", o->max_bias, "alibi: slope exponent scale (8 in the paper)")->capture_default_str();
+  sub->add_option("--num-buckets", o->num_buckets, "t5: number of buckets")->capture_default_str();
+  sub->add_option("--max-distance", o->max_distance, "t5: distance of the last bucket")->capture_default_str();
+  sub->add_flag("--causal", o->causal, "t5: unidirectional buckets");
+  sub->add_option("--form", o->kerple_form, "kerple: log or power")->capture_default_str();
+  sub->add_option("--r1", o->r1, "kerple: r1 (every head)")->capture_default_str();
+  sub->add_option("--r2", o->r2, "kerple: r2 (every head)")->capture_default_str();
   return [o] { run_table(*o); };
 }
 

@@ -165,6 +165,30 @@ void tour_rope() {
   fmt::print("  (`posenc rope-freqs --config config.json` prints them for any Hugging Face config)\n");
 }
 
+void tour_biases() {
+  section("Score biases: ALiBi, T5, Kerple, NoPE");
+  fmt::print("  score(h, i, j) = q_i·k_j/√d + b(h, j − i): the bias depends on the key − query distance\n\n");
+  const std::vector<double> slopes = alibi_slopes(12);
+  fmt::print("  ALiBi (Press et al. 2022), b = −m_h·(i − j). Slopes for 12 heads (8 of 2^(−k), then every\n"
+             "  other slope of 16 heads):\n    {:.4g}\n", fmt::join(slopes, " "));
+  const std::int64_t n = 6;
+  std::vector<float> bias(static_cast<std::size_t>(n * n));
+  const Positions pos = Positions::range(n, 100);  // a cache offset changes nothing: only j − i counts
+  bias_materialize(AlibiParams(std::vector<double>{0.25}), pos, pos, TensorView::of(bias.data(), {1, n, n}));
+  fmt::print("  m = 1/4 at query positions 100…105 (rows) against keys 100…105 (columns; masking is attention's):\n");
+  print_rows(bias, n, n, {100, 101, 102, 103, 104, 105});
+  fmt::print("\n  T5 buckets (32 buckets, max_distance 128, bidirectional), exactly as transformers computes them:\n");
+  for (const std::int64_t r : {-1000, -128, -100, -16, -8, -7, -1, 0, 1, 7, 8, 16, 100, 128, 1000}) {
+    fmt::print("    bucket({:>5}) = {}\n", r, t5_bucket(r));
+  }
+  fmt::print("  (16 is where float32 decides: log(2)/log(16)·8 must come out as exactly 2)\n");
+  const KerpleParams kerple(KerpleForm::kLog, {1.0}, {0.5});
+  fmt::print("\n  Kerple (Chi et al. 2022), log form −r1·log(1 + r2·|i − j|), r1 = 1, r2 = 1/2:\n   ");
+  for (const std::int64_t r : {0, 1, 10, 100, 1000, 100000}) fmt::print(" b({}) = {:.4f}", r, bias_value(kerple, 0, r));
+  fmt::print("\n  — a slower, logarithmic decay than ALiBi's straight line.\n");
+  fmt::print("\n  NoPE: b = 0 and nothing else; a causal decoder still learns positions from the mask.\n");
+}
+
 void run_tour() {
   fmt::print("posenc {} — a tour of the encodings implemented so far\n", version());
   std::string targets;
@@ -173,7 +197,9 @@ void run_tour() {
   tour_sinusoidal();
   tour_learned();
   tour_rope();
+  tour_biases();
   fmt::print("\nNext: `posenc table sinusoidal --length 10 --dim 4`, `posenc table rope --length 4 --dim 8`,\n"
+             "`posenc table alibi --length 8 --heads 4`, `posenc t5-buckets --from -20 --to 20`,\n"
              "`posenc bench sinusoidal`, `posenc bench rope --length 4096 --dim 128`.\n");
 }
 

@@ -201,18 +201,26 @@ std::int64_t bias_heads(const BiasScheme& scheme) {
       scheme);
 }
 
+namespace {
+double signed_bias_value(const BiasScheme& scheme, std::size_t h, std::int64_t r);
+}  // namespace
+
 double bias_value(const BiasScheme& scheme, std::int64_t head, std::int64_t r) {
   const std::int64_t heads = bias_heads(scheme);
   if (head < 0 || head >= heads) {
     throw Error("bias_value", "head", std::to_string(head), "in [0, " + std::to_string(heads) + ")");
   }
-  const auto h = static_cast<std::size_t>(head);
+  return signed_bias_value(scheme, static_cast<std::size_t>(head), r) + 0.0;  // + 0.0: no −0 at r = 0
+}
+
+namespace {
+double signed_bias_value(const BiasScheme& scheme, std::size_t h, std::int64_t r) {
   const double distance = std::fabs(static_cast<double>(r));
   if (const auto* alibi = std::get_if<AlibiParams>(&scheme)) {
     return alibi->slopes()[h] * detail::alibi_derivative(alibi->form(), r);
   }
   if (const auto* t5 = std::get_if<T5BiasParams>(&scheme)) {
-    return t5->table()[static_cast<std::size_t>(t5->bucket(r) * t5->heads() + head)];
+    return t5->table()[static_cast<std::size_t>(t5->bucket(r) * t5->heads()) + h];
   }
   if (const auto* kerple = std::get_if<KerpleParams>(&scheme)) {
     const double r1 = kerple->r1()[h], r2 = kerple->r2()[h];
@@ -220,6 +228,7 @@ double bias_value(const BiasScheme& scheme, std::int64_t head, std::int64_t r) {
   }
   return 0.0;  // NoPE
 }
+}  // namespace
 
 // ------------------------------------------------------------------------------ evaluator
 

@@ -40,6 +40,7 @@ void run_case(benchmark::State& state, const std::string& name, posenc::perf::Ca
   const double limit = g_limits.get(c.limit_name);
   state.counters["limit_GBps"] = limit;
   state.counters["ratio"] = bytes / seconds / 1e9 / limit;
+  state.counters["elements_per_s"] = benchmark::Counter(c.elements_per_run * static_cast<double>(state.iterations()) / seconds);
   state.SetLabel(c.description + ", ratio vs " + c.limit_name);
 }
 
@@ -87,6 +88,22 @@ void register_all() {
       run_case(st, "rope", o);
     })->UseManualTime()->Unit(benchmark::kMillisecond);
   }
+  // Score biases at S = 4096, H = 32 (scores [1, 32, 4096, 4096] f32, 2 GiB): materialisation
+  // and the parameters' backward.
+  for (const char* pass : {"forward", "backward"}) {
+    for (const char* scheme : {"nope", "alibi", "t5", "kerple"}) {
+      if (std::string(pass) == "backward" && std::string(scheme) == "nope") continue;
+      const std::string label = std::string("bias/32x4096x4096/") + scheme + "/" + pass;
+      benchmark::RegisterBenchmark(label.c_str(), [scheme, pass](benchmark::State& st) {
+        posenc::perf::CaseOptions o;
+        o.length = 4096;
+        o.heads = 32;
+        o.scheme = scheme;
+        o.pass = pass;
+        run_case(st, "bias", o);
+      })->UseManualTime()->Unit(benchmark::kMillisecond);
+    }
+  }
   for (const Shape& s : embeddings) {
     add("sinusoidal-add", s);
     add("learned-forward", s);
@@ -102,7 +119,8 @@ int main(int argc, char** argv) {
   std::printf("posenc %s, target %s, %d thread(s)\n", std::string(posenc::version()).c_str(),
               posenc::active_target().c_str(), posenc::num_threads());
   std::printf("limits measured now: copy %.2f GB/s, copy_nt %.2f GB/s, rmw %.2f GB/s (read + write bytes, "
-              "buffers of 4x the last-level cache)\n", g_limits.copy_gbs, g_limits.copy_nt_gbs, g_limits.rmw_gbs);
+              "buffers of 4x the last-level cache), read %.2f GB/s\n", g_limits.copy_gbs, g_limits.copy_nt_gbs, g_limits.rmw_gbs,
+              g_limits.read_gbs);
   register_all();
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();

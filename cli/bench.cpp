@@ -46,6 +46,7 @@ void run_bench(const BenchOptions& o) {
     limits.copy_gbs = std::max(limits.copy_gbs, now.copy_gbs);
     limits.copy_nt_gbs = std::max(limits.copy_nt_gbs, now.copy_nt_gbs);
     limits.rmw_gbs = std::max(limits.rmw_gbs, now.rmw_gbs);
+    limits.read_gbs = std::max(limits.read_gbs, now.read_gbs);
     seconds = std::min(seconds, perf::time_best(c.run, 5, 0.3));
   }
   const double throughput = c.bytes_per_run / seconds / 1e9;
@@ -59,14 +60,15 @@ void run_bench(const BenchOptions& o) {
         {"throughput", throughput},  {"unit", "GB/s"},
         {"limit", limit},            {"limit_name", c.limit_name},
         {"ratio", throughput / limit},
-        {"limits", {{"copy", limits.copy_gbs}, {"copy_nt", limits.copy_nt_gbs}, {"rmw", limits.rmw_gbs}}}};
+        {"elements_per_second", c.elements_per_run / seconds},
+        {"limits", {{"copy", limits.copy_gbs}, {"copy_nt", limits.copy_nt_gbs}, {"rmw", limits.rmw_gbs}, {"read", limits.read_gbs}}}};
     fmt::print("{}\n", doc.dump(2));
   } else {
     fmt::print("{} {} on {} with {} thread(s)\n", c.name, c.description, active_target(), threads);
     fmt::print("  time        {:.3f} ms (best of repeated runs in {} rounds)\n", seconds * 1e3, o.rounds);
-    fmt::print("  throughput  {:.2f} GB/s\n", throughput);
-    fmt::print("  limit       {:.2f} GB/s ({}, measured now; copy {:.2f}, copy_nt {:.2f}, rmw {:.2f})\n",
-               limit, c.limit_name, limits.copy_gbs, limits.copy_nt_gbs, limits.rmw_gbs);
+    fmt::print("  throughput  {:.2f} GB/s ({:.3g} elements/s)\n", throughput, c.elements_per_run / seconds);
+    fmt::print("  limit       {:.2f} GB/s ({}, measured now; copy {:.2f}, copy_nt {:.2f}, rmw {:.2f}, read {:.2f})\n",
+               limit, c.limit_name, limits.copy_gbs, limits.copy_nt_gbs, limits.rmw_gbs, limits.read_gbs);
     fmt::print("  ratio       {:.2f}\n", throughput / limit);
   }
 }
@@ -91,6 +93,9 @@ Runner add_bench(CLI::App& app) {
   }, "rope: interleaved or half-split");
   sub->add_option("--positions", o->shape.positions, "rope: contiguous, arbitrary or packed")->capture_default_str();
   sub->add_option("--dtype", o->shape.dtype, "rope: f32, bf16 or f16")->capture_default_str();
+  sub->add_option("--scheme", o->shape.scheme, "bias: alibi, t5, kerple or nope")->capture_default_str();
+  sub->add_option("--pass", o->shape.pass, "bias: forward (materialise) or backward (parameter gradients)")
+      ->capture_default_str();
   sub->add_flag("--in-place", o->shape.in_place, "rope: rotate in place (judged against rmw)");
   sub->add_option("--threads,-t", o->threads, "Threads (default: OpenMP's default)");
   sub->add_option("--rounds", o->rounds, "Alternating rounds of limit and kernel timing (best of each)")

@@ -58,7 +58,7 @@ std::string shape(const CaseOptions& o) {
 }  // namespace
 
 std::vector<std::string> case_names() {
-  return {"sinusoidal", "sinusoidal-add", "learned-forward", "learned-backward", "rope"};
+  return {"sinusoidal", "sinusoidal-add", "learned-forward", "learned-backward", "rope", "bias"};
 }
 
 Case make_case(const std::string& name, const CaseOptions& o) {
@@ -80,6 +80,7 @@ Case make_case(const std::string& name, const CaseOptions& o) {
     size_a = table;
     c.description = "table [" + std::to_string(o.length) + ", " + std::to_string(o.dim) + "] f32";
     c.bytes_per_run = static_cast<double>(table) * sizeof(float);  // written
+    c.elements_per_run = static_cast<double>(table);
     c.limit_name = "copy_nt";
     call = [params, o](Buffers& bs) {
       sinusoidal_table(params, Positions::range(o.length), TensorView::of(bs.a.get(), {o.length, o.dim}));
@@ -89,6 +90,7 @@ Case make_case(const std::string& name, const CaseOptions& o) {
     size_a = size_b = elems;
     c.description = "x, out " + shape(o);
     c.bytes_per_run = 2 * bytes;  // read x, write out
+    c.elements_per_run = static_cast<double>(elems);
     c.limit_name = "copy";
     call = [params, o](Buffers& bs) {
       sinusoidal_add(params, ConstTensorView::of(bs.a.get(), {o.batch, o.length, o.dim}), Positions::range(o.length),
@@ -101,6 +103,7 @@ Case make_case(const std::string& name, const CaseOptions& o) {
     fill_b = 0.5f;
     c.description = "x, y " + shape(o) + ", table [" + std::to_string(o.length) + ", " + std::to_string(o.dim) + "]";
     c.bytes_per_run = 2 * bytes + static_cast<double>(table) * sizeof(float);  // read x, table; write y
+    c.elements_per_run = static_cast<double>(elems);
     c.limit_name = "copy";
     call = [o](Buffers& bs) {
       learned_forward(ConstTensorView::of(bs.b.get(), {o.length, o.dim}),
@@ -115,6 +118,7 @@ Case make_case(const std::string& name, const CaseOptions& o) {
     // read dy; read and write each d_table row (every row is touched; a row's repeats across the
     // batch stay in cache)
     c.bytes_per_run = bytes + 2 * static_cast<double>(table) * sizeof(float);
+    c.elements_per_run = static_cast<double>(elems);
     c.limit_name = "rmw";
     call = [o](Buffers& bs) {
       learned_backward(ConstTensorView::of(bs.a.get(), {o.batch, o.length, o.dim}), Positions::range(o.length),
@@ -158,6 +162,7 @@ Case make_case(const std::string& name, const CaseOptions& o) {
                     (o.interleaved ? "interleaved" : "half-split") + ", " + o.positions + " positions, " +
                     (o.in_place ? "in place" : "out of place");
     c.bytes_per_run = 2.0 * static_cast<double>((q_count + k_count) * static_cast<std::int64_t>(width));  // read + write
+    c.elements_per_run = static_cast<double>(q_count + k_count);
     c.limit_name = o.in_place ? "rmw" : "copy_nt";
     call = [params, o, q_count, dtype, width, ids](Buffers& bs) {
       const Positions positions = o.positions == "contiguous" ? Positions::range(o.length)
@@ -171,6 +176,51 @@ Case make_case(const std::string& name, const CaseOptions& o) {
       rope_apply(params, positions, ConstTensorView::contiguous(in, dtype, q_shape),
                  ConstTensorView::contiguous(in + k_offset, dtype, k_shape), TensorView::contiguous(out, dtype, q_shape),
                  TensorView::contiguous(out + k_offset, dtype, k_shape));
+    };
+  } else if (name == "bias") {
+    require_positive("heads", o.heads);
+    const std::int64_t heads = o.heads;
+    BiasScheme scheme = NoPE(heads);
+    if (o.scheme == "alibi") {
+      scheme = AlibiParams(heads);
+    } else if (o.scheme == "t5") {
+      std::vector<double> values(static_cast<std::size_t>(32 * heads));
+      for (std::size_t e = 0; e < values.size(); ++e) values[e] = static_cast<double>(e % 7) - 3.0;
+      scheme = T5BiasParams(heads, 32, 128, false, values);
+    } else if (o.scheme == "kerple") {
+      scheme = KerpleParams(KerpleForm::kLog, std::vector<double>(static_cast<std::size_t>(heads), 1.0),
+                            std::vector<double>(static_cast<std::size_t>(heads), 0.5));
+    } else if (o.scheme != "nope") {
+      throw Error("bench", "--scheme", o.scheme, "alibi, t5, kerple or nope");
+    }
+    if (o.pass != "forward" && o.pass != "backward") throw Error("bench", "--pass", o.pass, "forward or backward");
+    if (o.pass == "backward" && o.scheme == "nope") throw Error("bench", "--scheme", o.scheme, "a scheme with parameters for --pass backward");
+    const std::int64_t scores = checked_mul(checked_mul(o.batch, heads, "scores"), checked_mul(o.length, o.length, "scores"), "scores");
+    size_a = static_cast<std::size_t>(scores);
+    fill_a = 1e-3f;
+    c.description = "scores [" + std::to_string(o.batch) + ", " + std::to_string(heads) + ", " + std::to_string(o.length) +
+                    ", " + std::to_string(o.length) + "] f32, " + o.scheme + ", " + o.pass;
+    c.bytes_per_run = static_cast<double>(scores) * sizeof(float);  // written (forward) or read (backward)
+    c.limit_name = o.pass == "forward" ? "copy_nt" : "read";
+    c.elements_per_run = static_cast<double>(scores);
+    auto grads = std::make_shared<std::vector<double>>(static_cast<std::size_t>(64 * heads));
+    call = [scheme, o, heads, grads](Buffers& bs) {
+      const Positions positions = Positions::range(o.length);
+      const std::vector<std::int64_t> shape = {o.batch, heads, o.length, o.length};
+      if (o.pass == "forward") {
+        bias_materialize(scheme, positions, positions, TensorView::contiguous(bs.a.get(), DType::kF32, shape));
+        return;
+      }
+      const ConstTensorView ds = ConstTensorView::contiguous(bs.a.get(), DType::kF32, shape);
+      std::span<double> g(*grads);
+      if (const auto* alibi = std::get_if<AlibiParams>(&scheme)) {
+        alibi_backward(*alibi, positions, positions, ds, g.first(static_cast<std::size_t>(heads)));
+      } else if (const auto* t5 = std::get_if<T5BiasParams>(&scheme)) {
+        t5_bias_backward(*t5, positions, positions, ds, g.first(static_cast<std::size_t>(32 * heads)));
+      } else if (const auto* kerple = std::get_if<KerpleParams>(&scheme)) {
+        kerple_backward(*kerple, positions, positions, ds, g.first(static_cast<std::size_t>(heads)),
+                        g.subspan(static_cast<std::size_t>(heads), static_cast<std::size_t>(heads)));
+      }
     };
   } else {
     std::string names;

@@ -21,6 +21,10 @@ struct CaseOptions {
   std::string positions = "contiguous";  // rope: contiguous, arbitrary, packed
   std::string dtype = "f32";             // rope: f32, bf16, f16
   bool in_place = false;                 // rope
+  // bias: scores [batch, heads, length, length] f32 of a scheme, forward (materialise) or
+  // backward (the learned parameters' gradients from dL/dscores)
+  std::string scheme = "alibi";
+  std::string pass = "forward";
 };
 
 // One prepared case: buffers allocated and touched, `run` does one call of the kernel. A case
@@ -31,13 +35,15 @@ struct Case {
   std::string name;
   std::string description;  // shapes, for reports
   double bytes_per_run = 0;  // bytes the kernel must move at least (reads + writes)
-  std::string limit_name;    // "copy", "copy_nt" or "rmw": the limit this kernel is compared with
+  double elements_per_run = 0;  // elements produced (or consumed, for reductions) per call
+  std::string limit_name;    // "copy", "copy_nt", "rmw" or "read": the limit this kernel is compared with
   std::function<void()> run;
   std::shared_ptr<void> state;  // owns the buffers
 };
 
 // Kernel names: sinusoidal (table build), sinusoidal-add, learned-forward, learned-backward,
-// rope (q and k together; layout, positions, dtype and in-place from the options).
+// rope (q and k together; layout, positions, dtype and in-place from the options), bias (scheme
+// and pass from the options).
 std::vector<std::string> case_names();
 // Throws posenc::Error for an unknown name or bad options.
 Case make_case(const std::string& name, const CaseOptions& options);

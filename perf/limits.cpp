@@ -32,6 +32,21 @@ void CopyF32(const float* HWY_RESTRICT src, float* HWY_RESTRICT dst, std::size_t
   }
 }
 
+// Σ a[i] for i < n (four accumulators); 64-byte aligned, n a multiple of 64 floats.
+float SumF32(const float* HWY_RESTRICT a, std::size_t n) {
+  const hn::ScalableTag<float> d;
+  const std::size_t lanes = hn::Lanes(d);
+  auto s0 = hn::Zero(d), s1 = hn::Zero(d), s2 = hn::Zero(d), s3 = hn::Zero(d);
+  std::size_t i = 0;
+  for (; i + 4 * lanes <= n; i += 4 * lanes) {
+    s0 = hn::Add(s0, hn::Load(d, a + i));
+    s1 = hn::Add(s1, hn::Load(d, a + i + lanes));
+    s2 = hn::Add(s2, hn::Load(d, a + i + 2 * lanes));
+    s3 = hn::Add(s3, hn::Load(d, a + i + 3 * lanes));
+  }
+  for (; i < n; i += lanes) s0 = hn::Add(s0, hn::Load(d, a + i));
+  return hn::GetLane(hn::SumOfLanes(d, hn::Add(hn::Add(s0, s1), hn::Add(s2, s3))));
+}
 // a[i] += 1 for i < n; 64-byte aligned, n a multiple of 64 floats.
 void AddOneF32(float* HWY_RESTRICT a, std::size_t n) {
   const hn::ScalableTag<float> d;
@@ -48,6 +63,7 @@ namespace posenc::perf {
 
 HWY_EXPORT(CopyF32);
 HWY_EXPORT(AddOneF32);
+HWY_EXPORT(SumF32);
 
 std::size_t last_level_cache_bytes() {
   for (const int name : {_SC_LEVEL4_CACHE_SIZE, _SC_LEVEL3_CACHE_SIZE, _SC_LEVEL2_CACHE_SIZE}) {
@@ -64,14 +80,17 @@ Limits measure_limits(int threads, int reps) {
   auto src = hwy::AllocateAligned<float>(n);
   auto dst = hwy::AllocateAligned<float>(n);
   const std::size_t chunk = n / static_cast<std::size_t>(threads) / 64 * 64;
-  // kind 0: copy, 1: copy with streaming stores, 2: in-place add.
+  // kind 0: copy, 1: copy with streaming stores, 2: in-place add, 3: read (sum).
+  volatile float sink = 0;
   auto run = [&](int kind) {
 #pragma omp parallel num_threads(threads)
     {
       const auto t = static_cast<std::size_t>(omp_get_thread_num());
       const std::size_t begin = t * chunk;
       const std::size_t end = t + 1 == static_cast<std::size_t>(threads) ? n : begin + chunk;
-      if (kind == 2) {
+      if (kind == 3) {
+        sink = sink + HWY_DYNAMIC_DISPATCH(SumF32)(src.get() + begin, end - begin);
+      } else if (kind == 2) {
         HWY_DYNAMIC_DISPATCH(AddOneF32)(dst.get() + begin, end - begin);
       } else {
         HWY_DYNAMIC_DISPATCH(CopyF32)(src.get() + begin, dst.get() + begin, end - begin, kind == 1);
@@ -89,6 +108,7 @@ Limits measure_limits(int threads, int reps) {
   limits.copy_gbs = moved / time_best([&] { run(0); }, reps, 0.0) / 1e9;
   limits.copy_nt_gbs = moved / time_best([&] { run(1); }, reps, 0.0) / 1e9;
   limits.rmw_gbs = moved / time_best([&] { run(2); }, reps, 0.0) / 1e9;
+  limits.read_gbs = moved / 2 / time_best([&] { run(3); }, reps, 0.0) / 1e9;
   return limits;
 }
 

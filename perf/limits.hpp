@@ -5,6 +5,7 @@
 //   copy_nt   the same copy with non-temporal (streaming) stores, which skip the read-for-ownership
 //   rmw       in-place read-modify-write a[i] = a[i] + 1: the bound of kernels that update a
 //             buffer in place (no read-for-ownership either: the line was just read)
+//   read      a sum over the buffer: the bound of kernels that only read (reductions)
 //
 // All count bytes read + bytes written (STREAM's convention) and use the given thread count on
 // buffers of 4× the last-level cache each (STREAM's rule, so that they measure memory, not
@@ -24,8 +25,9 @@ struct Limits {
   double copy_gbs = 0;  // GB/s, 1e9 bytes per second
   double copy_nt_gbs = 0;
   double rmw_gbs = 0;
+  double read_gbs = 0;
   double get(const std::string& name) const {
-    return name == "copy_nt" ? copy_nt_gbs : name == "rmw" ? rmw_gbs : copy_gbs;
+    return name == "copy_nt" ? copy_nt_gbs : name == "rmw" ? rmw_gbs : name == "read" ? read_gbs : copy_gbs;
   }
 };
 

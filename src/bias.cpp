@@ -379,6 +379,7 @@ void bias_materialize(const BiasScheme& scheme, const Positions& q_positions, co
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> row(static_cast<std::size_t>(f32_rows ? 0 : g.k_len));
+    std::vector<float> zeros(static_cast<std::size_t>(std::holds_alternative<NoPE>(scheme) ? g.k_len : 0), 0.0f);
     std::int64_t cached_b = -1;
     std::vector<std::int64_t> keys;
     bool keys_consecutive = false;
@@ -393,7 +394,9 @@ void bias_materialize(const BiasScheme& scheme, const Positions& q_positions, co
       const std::int64_t q = q_positions.at(b, i);
       const std::int64_t offset = g.offset(b, h, i);
       float* dst = f32_rows ? static_cast<float*>(out.data()) + offset : row.data();
-      if (const float* src = keys_consecutive ? eval.table_row(h, q, keys[0], g.k_len) : nullptr) {
+      if (!zeros.empty()) {
+        kernels::copy_row_f32(zeros.data(), dst, g.k_len, stream);  // NoPE
+      } else if (const float* src = keys_consecutive ? eval.table_row(h, q, keys[0], g.k_len) : nullptr) {
         kernels::copy_row_f32(src, dst, g.k_len, stream);  // straight from the table
       } else if (keys_consecutive) {
         eval.fill_row(h, q, keys[0], g.k_len, dst);
@@ -445,11 +448,16 @@ void reduce_by_relative_position(const char* where, std::int64_t heads, const Po
       std::fill(sums.begin(), sums.end(), 0.0);
       for (std::int64_t b = 0; b < g.batch; ++b) {
         const auto& ks = keys[static_cast<std::size_t>(b)];
+        const bool fast = histogram && f32_rows && keys_consecutive[static_cast<std::size_t>(b)];
         for (std::int64_t i = 0; i < g.q_len; ++i) {
           const std::int64_t q = q_positions.at(b, i), offset = g.offset(b, h, i);
-          if (histogram && f32_rows && keys_consecutive[static_cast<std::size_t>(b)]) {
-            kernels::accumulate_row_f64(static_cast<const float*>(d_scores.data()) + offset,
-                                        sums.data() + (ks[0] - q - min_r), g.k_len);
+          if (fast) {
+            // A block of queries at consecutive positions: summed along its diagonals.
+            std::int64_t rows = 1;
+            while (rows < kernels::kDiagonalRows && i + rows < g.q_len && q_positions.at(b, i + rows) == q + rows) ++rows;
+            kernels::accumulate_diagonals_f64(static_cast<const float*>(d_scores.data()) + offset, g.q_stride, rows,
+                                              g.k_len, sums.data() + (ks[0] - q - min_r));
+            i += rows - 1;
             continue;
           }
           for (std::int64_t j = 0; j < g.k_len; ++j) {

@@ -91,7 +91,7 @@ void register_all() {
   // Score biases at S = 4096, H = 32 (scores [1, 32, 4096, 4096] f32, 2 GiB): materialisation
   // and the parameters' backward.
   for (const char* pass : {"forward", "backward"}) {
-    for (const char* scheme : {"nope", "alibi", "t5", "kerple"}) {
+    for (const char* scheme : {"nope", "alibi", "t5", "kerple", "fire"}) {
       if (std::string(pass) == "backward" && std::string(scheme) == "nope") continue;
       const std::string label = std::string("bias/32x4096x4096/") + scheme + "/" + pass;
       benchmark::RegisterBenchmark(label.c_str(), [scheme, pass](benchmark::State& st) {

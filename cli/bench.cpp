@@ -93,7 +93,7 @@ Runner add_bench(CLI::App& app) {
   }, "rope: interleaved or half-split");
   sub->add_option("--positions", o->shape.positions, "rope: contiguous, arbitrary or packed")->capture_default_str();
   sub->add_option("--dtype", o->shape.dtype, "rope: f32, bf16 or f16")->capture_default_str();
-  sub->add_option("--scheme", o->shape.scheme, "bias: alibi, t5, kerple or nope")->capture_default_str();
+  sub->add_option("--scheme", o->shape.scheme, "bias: alibi, t5, kerple, fire or nope")->capture_default_str();
   sub->add_option("--pass", o->shape.pass, "bias: forward (materialise) or backward (parameter gradients)")
       ->capture_default_str();
   sub->add_flag("--in-place", o->shape.in_place, "rope: rotate in place (judged against rmw)");

@@ -1,7 +1,7 @@
 // posenc table sinusoidal --length N --dim D [--base B] [--layout interleaved|split] [--offset P]
 //                         [--dtype f32|f64|bf16|f16] [--format text|csv|json]
 // posenc table rope       --length N --dim D [--base B] [--offset P] [...]
-// posenc table alibi|t5|kerple|nope --length N [--heads H] [--head h] [scheme options]
+// posenc table alibi|t5|kerple|fire|nope --length N [--heads H] [--head h] [scheme options]
 //   a bias matrix: rows = query positions offset … offset + N − 1, columns = key positions
 //   offset … offset + N − 1 (causal schemes print their values above the diagonal too: masking
 //   is attention's job). t5 prints bucket ids (the learned table is a model's).
@@ -36,6 +36,9 @@ struct TableOptions {
   bool causal = false;
   std::string kerple_form = "log";
   double r1 = 1.0, r2 = 0.5;
+  std::int64_t hidden = 32;
+  std::uint64_t seed = 0;
+  double fire_c = 1.0, threshold = 512.0;
 };
 
 DType parse_dtype(const std::string& name) {
@@ -171,6 +174,9 @@ void run_bias_table(const TableOptions& o) {
     const std::vector<double> r1(static_cast<std::size_t>(o.heads), o.r1), r2(static_cast<std::size_t>(o.heads), o.r2);
     scheme = KerpleParams(o.kerple_form == "log" ? KerpleForm::kLog : KerpleForm::kPower, r1, r2);
     doc.update({{"heads", o.heads}, {"form", o.kerple_form}, {"r1", o.r1}, {"r2", o.r2}});
+  } else if (o.encoding == "fire") {
+    scheme = FireParams::init(o.heads, o.hidden, o.seed, o.fire_c, o.threshold);
+    doc.update({{"heads", o.heads}, {"hidden", o.hidden}, {"seed", o.seed}, {"c", o.fire_c}, {"threshold", o.threshold}});
   } else {
     scheme = NoPE(o.heads);
     doc["heads"] = o.heads;
@@ -190,7 +196,7 @@ void run_bias_table(const TableOptions& o) {
 }
 
 void run_table(const TableOptions& o) {
-  if (o.encoding == "alibi" || o.encoding == "t5" || o.encoding == "kerple" || o.encoding == "nope") {
+  if (o.encoding == "alibi" || o.encoding == "t5" || o.encoding == "kerple" || o.encoding == "fire" || o.encoding == "nope") {
     if (o.format != "text" && o.format != "csv" && o.format != "json") {
       throw Error("table", "--format", o.format, "text, csv or json");
     }
@@ -198,7 +204,7 @@ void run_table(const TableOptions& o) {
     return;
   }
   if (o.encoding != "sinusoidal" && o.encoding != "rope") {
-    throw Error("table", "encoding", o.encoding, "sinusoidal, rope, alibi, t5, kerple or nope");
+    throw Error("table", "encoding", o.encoding, "sinusoidal, rope, alibi, t5, kerple, fire or nope");
   }
   if (o.length < 0) throw Error("table", "--length", std::to_string(o.length), ">= 0");
   if (o.format != "text" && o.format != "csv" && o.format != "json") {
@@ -249,7 +255,7 @@ Runner add_table(CLI::App& app) {
   CLI::App* sub = app.add_subcommand("table", "Print an encoding table (rows = positions)");
   sub->add_option("encoding", o->encoding,
                   "Encoding: sinusoidal; rope (cos and sin, one column per frequency); alibi, t5 (bucket ids), "
-                  "kerple, nope (bias matrices: rows = queries, columns = keys)")
+                  "kerple, fire (a seeded fresh layer), nope (bias matrices: rows = queries, columns = keys)")
       ->required();
   sub->add_option("--length,-n", o->length, "Number of positions (rows)")->capture_default_str();
   sub->add_option("--dim,-d", o->dim, "Encoding width, or rope's rotary dim (even)")->capture_default_str();
@@ -269,6 +275,10 @@ Runner add_table(CLI::App& app) {
   sub->add_option("--form", o->kerple_form, "kerple: log or power")->capture_default_str();
   sub->add_option("--r1", o->r1, "kerple: r1 (every head)")->capture_default_str();
   sub->add_option("--r2", o->r2, "kerple: r2 (every head)")->capture_default_str();
+  sub->add_option("--hidden", o->hidden, "fire: MLP width")->capture_default_str();
+  sub->add_option("--seed", o->seed, "fire: initialisation seed")->capture_default_str();
+  sub->add_option("--c", o->fire_c, "fire: c of ψ(t) = log(1 + c·t)")->capture_default_str();
+  sub->add_option("--threshold", o->threshold, "fire: L, the smallest normaliser position")->capture_default_str();
   return [o] { run_table(*o); };
 }
 

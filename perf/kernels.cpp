@@ -190,8 +190,10 @@ Case make_case(const std::string& name, const CaseOptions& o) {
     } else if (o.scheme == "kerple") {
       scheme = KerpleParams(KerpleForm::kLog, std::vector<double>(static_cast<std::size_t>(heads), 1.0),
                             std::vector<double>(static_cast<std::size_t>(heads), 0.5));
+    } else if (o.scheme == "fire") {
+      scheme = FireParams::init(heads, 32, 1);
     } else if (o.scheme != "nope") {
-      throw Error("bench", "--scheme", o.scheme, "alibi, t5, kerple or nope");
+      throw Error("bench", "--scheme", o.scheme, "alibi, t5, kerple, fire or nope");
     }
     if (o.pass != "forward" && o.pass != "backward") throw Error("bench", "--pass", o.pass, "forward or backward");
     if (o.pass == "backward" && o.scheme == "nope") throw Error("bench", "--scheme", o.scheme, "a scheme with parameters for --pass backward");
@@ -220,6 +222,9 @@ Case make_case(const std::string& name, const CaseOptions& o) {
       } else if (const auto* kerple = std::get_if<KerpleParams>(&scheme)) {
         kerple_backward(*kerple, positions, positions, ds, g.first(static_cast<std::size_t>(heads)),
                         g.subspan(static_cast<std::size_t>(heads), static_cast<std::size_t>(heads)));
+      } else if (const auto* fire = std::get_if<FireParams>(&scheme)) {
+        FireGradients fire_grads(*fire);
+        fire_backward(*fire, positions, positions, ds, fire_grads);
       }
     };
   } else {

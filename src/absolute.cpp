@@ -302,24 +302,6 @@ void learned_backward(ConstTensorView dy, const Positions& positions, TensorView
   }
 }
 
-namespace {
-
-// SplitMix64 (Steele, Lea, Flood 2014) as a counter-based generator: the k-th draw depends only
-// on (seed, k), so a table fills identically with any number of threads.
-std::uint64_t splitmix64(std::uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
-// Uniform in (0, 1]: 53 random bits, never 0 (log is taken below).
-double uniform_open0(std::uint64_t bits) {
-  return (static_cast<double>(bits >> 11) + 1.0) * 0x1p-53;
-}
-
-}  // namespace
-
 void learned_init_normal(TensorView table, double std, std::uint64_t seed) {
   detail::init_dispatch();
   const char* where = "learned_init_normal";
@@ -328,16 +310,11 @@ void learned_init_normal(TensorView table, double std, std::uint64_t seed) {
   if (!(std >= 0.0) || !std::isfinite(std)) {
     throw Error(where, "std", detail::to_text(std), "a finite number >= 0");
   }
-  const std::uint64_t stream = splitmix64(seed);
   const std::int64_t count = g.seq * g.dim;
   const int threads = detail::threads_for(count * 16);
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (std::int64_t k = 0; k < count; ++k) {
-    // Box–Muller (1958) on two draws of element k.
-    const auto key = stream ^ (static_cast<std::uint64_t>(k) * 2);
-    const double u1 = uniform_open0(splitmix64(key));
-    const double u2 = uniform_open0(splitmix64(key + 1));
-    const double z = std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
+    const double z = detail::seeded_normal(seed, static_cast<std::uint64_t>(k));
     const std::int64_t row = k / g.dim, col = k % g.dim;
     detail::store(table.data(), table.dtype(), g.offset(0, row) + col * g.dim_stride, std * z);
   }

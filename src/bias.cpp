@@ -205,12 +205,30 @@ namespace {
 double signed_bias_value(const BiasScheme& scheme, std::size_t h, std::int64_t r);
 }  // namespace
 
-double bias_value(const BiasScheme& scheme, std::int64_t head, std::int64_t r) {
+namespace {
+void check_head(const BiasScheme& scheme, std::int64_t head) {
   const std::int64_t heads = bias_heads(scheme);
   if (head < 0 || head >= heads) {
     throw Error("bias_value", "head", std::to_string(head), "in [0, " + std::to_string(heads) + ")");
   }
+}
+}  // namespace
+
+double bias_value(const BiasScheme& scheme, std::int64_t head, std::int64_t r) {
+  check_head(scheme, head);
+  if (std::holds_alternative<FireParams>(scheme)) {
+    throw Error("bias_value", "scheme", "FIRE", "a scheme of the relative position only (FIRE needs the query position: "
+                                                 "bias_value(scheme, head, q_position, k_position))");
+  }
   return signed_bias_value(scheme, static_cast<std::size_t>(head), r) + 0.0;  // + 0.0: no −0 at r = 0
+}
+
+double bias_value(const BiasScheme& scheme, std::int64_t head, std::int64_t q_position, std::int64_t k_position) {
+  check_head(scheme, head);
+  if (const auto* fire = std::get_if<FireParams>(&scheme)) {
+    return fire->mlp(head, fire->normalized_distance(q_position, k_position)) + 0.0;
+  }
+  return signed_bias_value(scheme, static_cast<std::size_t>(head), k_position - q_position) + 0.0;
 }
 
 namespace {
@@ -238,7 +256,8 @@ BiasEvaluator::BiasEvaluator(const BiasScheme& scheme, std::int64_t min_relative
     throw Error("BiasEvaluator", "max_relative", std::to_string(max_relative), ">= min_relative = " + std::to_string(min_relative));
   }
   const std::int64_t width = max_relative - min_relative + 1;
-  if (zero_ || width > kMaxTableEntries / heads_) return;  // nothing to tabulate, or too wide
+  // Nothing to tabulate (NoPE), not a function of k − q alone (FIRE), or too wide.
+  if (zero_ || std::holds_alternative<FireParams>(scheme) || width > kMaxTableEntries / heads_) return;
   min_relative_ = min_relative;
   width_ = width;
   table_.resize(static_cast<std::size_t>(heads_ * width_));
@@ -260,15 +279,15 @@ BiasEvaluator BiasEvaluator::for_positions(const BiasScheme& scheme, const Posit
   return BiasEvaluator(scheme, k_lo - q_hi, k_hi - q_lo);
 }
 
-float BiasEvaluator::direct(std::int64_t head, std::int64_t relative) const {
-  return static_cast<float>(bias_value(scheme_, head, relative));
+float BiasEvaluator::direct(std::int64_t head, std::int64_t q_position, std::int64_t k_position) const {
+  return static_cast<float>(bias_value(scheme_, head, q_position, k_position));
 }
 
 float BiasEvaluator::operator()(std::int64_t head, std::int64_t q_position, std::int64_t k_position) const {
   if (zero_) return 0.0f;
   const std::int64_t t = k_position - q_position - min_relative_;
   if (t >= 0 && t < width_) return table_[static_cast<std::size_t>(head * width_ + t)];
-  return direct(head, k_position - q_position);
+  return direct(head, q_position, k_position);
 }
 
 const float* BiasEvaluator::table_row(std::int64_t head, std::int64_t q_position, std::int64_t k_first,
@@ -360,6 +379,41 @@ void kerple_derivatives(const KerpleParams& params, std::int64_t head, std::int6
 
 // ------------------------------------------------------------------------------ materialise
 
+namespace {
+
+// FIRE: per query, x and the piece of every key once, then each head's row by one multiply-add
+// per element (fp64, rounded once).
+void materialize_fire(const FireParams& fire, const Positions& q_positions, const Positions& k_positions,
+                      const detail::ScoreGrid& g, TensorView out) {
+  const std::int64_t rows = g.batch * g.q_len;
+  const int threads = detail::threads_for(rows * g.k_len * g.heads * 4);
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<double> x(static_cast<std::size_t>(g.k_len));
+    std::vector<std::int64_t> piece(x.size());
+#pragma omp for schedule(static)
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const std::int64_t b = r / g.q_len, i = r % g.q_len, q = q_positions.at(b, i);
+      const std::vector<std::int64_t> keys = detail::row_positions(k_positions, b, g.k_len);
+      detail::fire_rows(fire, q, keys.data(), g.k_len, x.data(), piece.data());
+      for (std::int64_t h = 0; h < g.heads; ++h) {
+        const std::int64_t offset = g.offset(b, h, i);
+        auto value = [&](std::size_t at) { return fire.slope(piece[at], h) * x[at] + fire.intercept(piece[at], h) + 0.0; };
+        if (out.dtype() == DType::kF32 && g.k_stride == 1) {
+          float* dst = static_cast<float*>(out.data()) + offset;
+          for (std::int64_t j = 0; j < g.k_len; ++j) dst[j] = static_cast<float>(value(static_cast<std::size_t>(j)));
+          continue;
+        }
+        for (std::int64_t j = 0; j < g.k_len; ++j) {
+          detail::store(out.data(), out.dtype(), offset + j * g.k_stride, value(static_cast<std::size_t>(j)));
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
 void bias_materialize(const BiasScheme& scheme, const Positions& q_positions, const Positions& k_positions,
                       TensorView out) {
   detail::init_dispatch();
@@ -371,6 +425,10 @@ void bias_materialize(const BiasScheme& scheme, const Positions& q_positions, co
     return;
   }
   if (g.batch * g.heads * g.q_len * g.k_len == 0) return;
+  if (const auto* fire = std::get_if<FireParams>(&scheme)) {
+    materialize_fire(*fire, q_positions, k_positions, g, out);
+    return;
+  }
   const BiasEvaluator eval = BiasEvaluator::for_positions(scheme, q_positions, k_positions, g.batch, g.q_len, g.k_len);
   const bool f32_rows = out.dtype() == DType::kF32 && g.k_stride == 1;
   const bool stream = f32_rows && g.batch * g.heads * g.q_len * g.k_len * 4 >= kStreamBytes;

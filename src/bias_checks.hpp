@@ -35,4 +35,8 @@ inline double alibi_derivative(AlibiForm form, std::int64_t r) {
 // {∂b/∂r1, ∂b/∂r2} of Kerple for head h at relative position r.
 void kerple_derivatives(const KerpleParams& params, std::int64_t head, std::int64_t r, double* d_r1, double* d_r2);
 
+// FIRE's x and piece for a query against `count` keys (fire.cpp).
+void fire_rows(const FireParams& params, std::int64_t q_position, const std::int64_t* keys, std::int64_t count,
+               double* x, std::int64_t* piece);
+
 }  // namespace posenc::detail

@@ -88,6 +88,26 @@ std::string to_text(double value) {
   return std::string(buffer, result.ptr);
 }
 
+namespace {
+// SplitMix64 (Steele, Lea, Flood 2014).
+std::uint64_t splitmix64(std::uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+// Uniform in (0, 1]: 53 random bits, never 0 (log is taken below).
+double uniform_open0(std::uint64_t bits) { return (static_cast<double>(bits >> 11) + 1.0) * 0x1p-53; }
+}  // namespace
+
+double seeded_normal(std::uint64_t seed, std::uint64_t index) {
+  // Box–Muller (1958) on draws 2·index and 2·index + 1 of the seed's stream.
+  const std::uint64_t key = splitmix64(seed) ^ (index * 2);
+  const double u1 = uniform_open0(splitmix64(key));
+  const double u2 = uniform_open0(splitmix64(key + 1));
+  return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
+}
+
 double sinusoid_inv_frequency(double base, std::int64_t dim, std::int64_t i) {
   // Extended precision so that the exponent 2i/d (often not a binary fraction) and the power
   // round once, at the final conversion to fp64.

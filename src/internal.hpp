@@ -67,6 +67,10 @@ bool use_reference();
 // Threads for a parallel region of `work` elementary operations (1 when too small to share).
 int threads_for(std::int64_t work);
 
+// The index-th draw of a standard normal stream: depends only on (seed, index), never on the
+// thread count (SplitMix64 as a counter-based generator, Box–Muller on two draws).
+double seeded_normal(std::uint64_t seed, std::uint64_t index);
+
 // ω_i = base^(-2i/d) in extended precision, rounded to fp64.
 double sinusoid_inv_frequency(double base, std::int64_t dim, std::int64_t i);
 

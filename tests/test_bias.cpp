@@ -164,6 +164,8 @@ BiasScheme random_scheme(int kind, std::int64_t heads) {
       for (auto& v : table) v = uniform(-3, 3);
       return T5BiasParams(heads, nb, nb == 32 ? 128 : 256, uniform_int(0, 1) == 1, table);
     }
+    case 6: return FireParams::init(heads, uniform_int(1, 40), static_cast<std::uint64_t>(uniform_int(0, 1000)),
+                                    uniform(0.01, 3), uniform(1, 100));
     default: {
       std::vector<double> r1(static_cast<std::size_t>(heads)), r2(r1.size());
       const bool power = kind == 5;
@@ -210,7 +212,8 @@ TEST_P(EveryTarget, BiasMaterializeMatchesReference) {
   for (int trial = 0; trial < 60; ++trial) {
     const GridCase c = random_grid();
     const auto [qp, kp] = positions_of(c);
-    const BiasScheme scheme = random_scheme(static_cast<int>(uniform_int(0, 5)), c.heads);
+    const BiasScheme scheme = random_scheme(static_cast<int>(uniform_int(0, 6)), c.heads);
+    const bool fire = std::holds_alternative<FireParams>(scheme);
     const DType dtype = dtypes[uniform_int(0, 4)];
     const bool rank3 = c.batch == 1 && uniform_int(0, 1) == 1;
     const bool keys_strided = uniform_int(0, 2) == 0;  // storage [B, H, Sk, Sq]: keys not innermost
@@ -239,7 +242,11 @@ TEST_P(EveryTarget, BiasMaterializeMatchesReference) {
       const double expected = dtype == DType::kF32 ? static_cast<double>(static_cast<float>(w))
                               : std::fabs(w) >= max16 ? std::copysign(HUGE_VAL, w)
                                                       : w;
-      const double tol = dtype == DType::kF16 && std::fabs(w) < 6.2e-5 ? 6e-8 : rel * std::fabs(w);  // f16 subnormals: absolute
+      double tol = dtype == DType::kF16 && std::fabs(w) < 6.2e-5 ? 6e-8 : rel * std::fabs(w);  // f16 subnormals: absolute
+      // FIRE's fast path sums the pieces' slope·x + intercept, the reference the MLP's units: both
+      // fp64, apart by ~1e-15 of the units' magnitudes (W's ~ N(0, 1), |x| <= ~10), which can move
+      // the f32 rounding by one unit: 2^-23 relative plus 1e-12 absolute.
+      if (fire) tol += std::ldexp(std::fabs(w), -23) + 1e-12;
       if (!(g == expected || std::fabs(g - expected) <= tol) && reported++ < 5) {
         ADD_FAILURE() << "trial " << trial << " kind " << c.position_kind << " " << dtype_name(dtype) << " element " << e
                       << ": got " << g << ", reference " << w;
@@ -372,6 +379,77 @@ TEST_P(EveryTarget, BiasBackwardOfScatteredIdsMatchesReference) {
   for (std::size_t h = 0; h < g1.size(); ++h) {
     EXPECT_NEAR(g1[h], w1[h], 1e-12 * 40 * q_len * k_len) << h;  // |log1p(r2·2^34)| < 40
     EXPECT_NEAR(g2[h], w2[h], 1e-12 * 20 * q_len * k_len) << h;  // |r1·d/(1 + r2·d)| <= r1/r2 <= 20
+  }
+}
+
+TEST(Fire, PiecesEqualTheMlp) {
+  for (int trial = 0; trial < 20; ++trial) {
+    const FireParams p = FireParams::init(uniform_int(1, 6), uniform_int(1, 50), static_cast<std::uint64_t>(trial));
+    for (int n = 0; n < 200; ++n) {
+      const double x = uniform(-20, 20);
+      const std::int64_t h = uniform_int(0, p.heads() - 1), s = p.piece_of(x);
+      // Same terms, summed per unit vs pre-summed per piece, fp64: 1e-12 of |x|·Σ|W2·W1| + Σ|W2·B1|.
+      EXPECT_NEAR(p.slope(s, h) * x + p.intercept(s, h), p.mlp(h, x), 1e-12 * (1 + std::fabs(x)) * 50) << trial;
+    }
+  }
+  const FireParams p = FireParams::init(2, 4, 7, 0.5, 10);
+  EXPECT_DOUBLE_EQ(p.normalized_distance(4, 1), std::log1p(0.5 * 3) / std::log1p(0.5 * 10));   // query before L
+  EXPECT_DOUBLE_EQ(p.normalized_distance(40, 1), std::log1p(0.5 * 39) / std::log1p(0.5 * 40));  // past L
+  EXPECT_DOUBLE_EQ(bias_value(p, 1, 40, 1), p.mlp(1, p.normalized_distance(40, 1)));
+  expect_error([&] { bias_value(p, 0, 5); }, {"bias_value: scheme = FIRE", "bias_value(scheme, head, q_position, k_position)"});
+  expect_error([] { FireParams(1, {1.0}, {0.0}, {1.0, 2.0}, {0.0}); }, {"FireParams: w2.size() = 2", "heads · hidden = 1"});
+  expect_error([] { FireParams(1, {1.0}, {0.0}, {1.0}, {0.0}, 0.0); }, {"FireParams: c = 0", "> 0"});
+  expect_error([] { FireParams(1, {1.0}, {0.0}, {1.0}, {0.0}, 1.0, -5); }, {"threshold = -5", "> 0"});
+  expect_error([] { FireParams(1, {std::nan("")}, {0.0}, {1.0}, {0.0}); }, {"w1[0] = nan", "finite"});
+}
+
+TEST_P(EveryTarget, FireBackwardMatchesReferenceAndFiniteDifferences) {
+  for (int trial = 0; trial < 12; ++trial) {
+    GridCase c = random_grid();
+    if (c.position_kind == 3) {
+      c.position_kind = 2;
+      for (auto& id : c.q_ids) id %= 200;
+      for (auto& id : c.k_ids) id %= 200;
+    }
+    const auto [qp, kp] = positions_of(c);
+    const FireParams p = FireParams::init(c.heads, uniform_int(1, 12), static_cast<std::uint64_t>(trial), uniform(0.1, 2),
+                                          uniform(2, 60));
+    const std::int64_t count = c.batch * c.heads * c.q_len * c.k_len;
+    const std::vector<std::int64_t> shape = {c.batch, c.heads, c.q_len, c.k_len};
+    std::vector<double> w(static_cast<std::size_t>(count));
+    for (auto& v : w) v = uniform(-1, 1);
+    const ConstTensorView ds = ConstTensorView::contiguous(w.data(), DType::kF64, shape);
+    FireGradients got(p), want(p);
+    fire_backward(p, qp, kp, ds, got);
+    ref::fire_backward(p, qp, kp, ds, want);
+    // Both fp64 over the same pairs (the fast path grouped by piece): 1e-10 of count·(1 + |W|).
+    const double tol = 1e-10 * static_cast<double>(count);
+    for (std::size_t e = 0; e < got.w1.size(); ++e) {
+      EXPECT_NEAR(got.w1[e], want.w1[e], tol) << trial;
+      EXPECT_NEAR(got.b1[e], want.b1[e], tol) << trial;
+    }
+    for (std::size_t e = 0; e < got.w2.size(); ++e) EXPECT_NEAR(got.w2[e], want.w2[e], tol) << trial;
+    for (std::size_t e = 0; e < got.b2.size(); ++e) EXPECT_NEAR(got.b2[e], want.b2[e], tol) << trial;
+    EXPECT_NEAR(got.c, want.c, tol) << trial;
+    EXPECT_NEAR(got.threshold, want.threshold, tol) << trial;
+    // Finite differences of the reference loss against the reference gradients: W1[0], B2[0], c, L.
+    auto rebuild = [&](int which, double delta) {
+      std::vector<double> w1 = p.w1(), b1 = p.b1(), w2 = p.w2(), b2 = p.b2();
+      double cc = p.c(), l = p.threshold();
+      if (which == 0) w1[0] += delta;
+      if (which == 1) b2[0] += delta;
+      if (which == 2) cc += delta;
+      if (which == 3) l += delta;
+      return BiasScheme(FireParams(p.heads(), w1, b1, w2, b2, cc, l));
+    };
+    const double grads[] = {want.w1[0], want.b2[0], want.c, want.threshold};
+    for (int which = 0; which < 4; ++which) {
+      const double fd = finite_difference([&](double delta) { return rebuild(which, delta); }, c, qp, kp, w, 1e-6);
+      // Step 1e-6: truncation ~1e-12·|∂³L| and rounding |L|·2^-52/1e-6 ≈ 1e-9·|L|; a pair can
+      // cross a ReLU kink inside the step, where L has a corner: 1e-5·(1 + |g|) + that.
+      EXPECT_NEAR(grads[which], fd, 1e-5 * (1 + std::fabs(grads[which])) + 1e-9 * static_cast<double>(count))
+          << "trial " << trial << " parameter " << which;
+    }
   }
 }
 

@@ -5,8 +5,8 @@
 //
 //     score(h, i, j) = q_i · k_j / sqrt(d) + b(h, i, j)          (then mask, softmax)
 //
-// Every scheme here depends on the relative position r = j − i only (key minus query, the
-// convention of Hugging Face transformers), so b is a per-head function of r:
+// All but FIRE depend on the relative position r = j − i only (key minus query, the convention
+// of Hugging Face transformers), so b is a per-head function of r:
 //
 //   NoPE        b = 0: no positional signal besides the causal mask (Kazemnejad et al. 2023)
 //   ALiBi       causal    b = −m_h·(i − j) = m_h·r          (Press et al. 2022)
@@ -14,6 +14,8 @@
 //   T5          b = table[bucket(r), h], a learned table [num_buckets, H] (Raffel et al. 2020)
 //   Kerple log  b = −r1_h·log(1 + r2_h·|r|)                  (Chi et al. 2022)
 //   Kerple pow  b = −r1_h·|r|^r2_h, 0 < r2_h <= 2
+//   FIRE        b = f_θ(ψ(|i − j|) / ψ(max(L, i)))_h, ψ(x) = log(c·x + 1)   (Li et al. 2023)
+//               f_θ: R → R^H, a one-hidden-layer ReLU MLP; c > 0 and L > 0 learned too
 //
 // Materialised biases have the layout of attention scores, keys innermost:
 //
@@ -135,11 +137,79 @@ class KerpleParams {
   std::vector<double> r1_, r2_;
 };
 
+// ---------------------------------------------------------------------------------- FIRE
+// FIRE (Li et al. 2023, "Functional Interpolation for Relative Positions"): a learned function of
+// the distance normalised by the query's position, so that a model trained on short sequences
+// sees the same inputs in [0, 1] at any length:
+//
+//   x = ψ(|i − j|) / ψ(max(L, i)),  ψ(t) = log(1 + c·t)
+//   b(h, i, j) = Σ_k W2[h, k]·relu(W1[k]·x + B1[k]) + B2[h]
+//
+// The paper applies it to causal attention (i >= j); posenc uses the distance |i − j|, so keys
+// after the query (masked there) get the value of their mirror image, and bidirectional models
+// can use it as is. f_θ is piecewise linear in x (its kinks at x = −B1[k]/W1[k]); posenc evaluates
+// it per segment, in fp64, which makes a bias one multiply-add per head.
+class FireParams {
+ public:
+  // w1, b1: [hidden]; w2: [heads, hidden] row-major; b2: [heads]. c > 0, threshold L > 0, all
+  // finite.
+  FireParams(std::int64_t heads, std::vector<double> w1, std::vector<double> b1, std::vector<double> w2,
+             std::vector<double> b2, double c = 1.0, double threshold = 512.0);
+  // A fresh layer: W1, B1 ~ N(0, 1), W2 ~ N(0, 1/hidden), B2 = 0, from a seeded counter-based
+  // generator (the same values for any thread count).
+  static FireParams init(std::int64_t heads, std::int64_t hidden = 32, std::uint64_t seed = 0, double c = 1.0,
+                         double threshold = 512.0);
+
+  std::int64_t heads() const { return heads_; }
+  std::int64_t hidden() const { return static_cast<std::int64_t>(w1_.size()); }
+  const std::vector<double>& w1() const { return w1_; }
+  const std::vector<double>& b1() const { return b1_; }
+  const std::vector<double>& w2() const { return w2_; }
+  const std::vector<double>& b2() const { return b2_; }
+  double c() const { return c_; }
+  double threshold() const { return threshold_; }
+
+  // x for a query and key position, and f_θ(x) for one head, both by the definition (fp64).
+  double normalized_distance(std::int64_t q_position, std::int64_t k_position) const;
+  double mlp(std::int64_t head, double x) const;
+  // f_θ as pieces: kinks() sorted; on piece s (x between kinks[s − 1] and kinks[s]),
+  // f_θ(x)_h = slope(s, h)·x + intercept(s, h).
+  const std::vector<double>& kinks() const { return kinks_; }
+  std::int64_t piece_of(double x) const;
+  double slope(std::int64_t piece, std::int64_t head) const {
+    return slopes_[static_cast<std::size_t>(piece * heads_ + head)];
+  }
+  double intercept(std::int64_t piece, std::int64_t head) const {
+    return intercepts_[static_cast<std::size_t>(piece * heads_ + head)];
+  }
+  // Whether hidden unit k is active (W1[k]·x + B1[k] > 0) on piece s.
+  bool active(std::int64_t piece, std::int64_t unit) const {
+    return active_[static_cast<std::size_t>(piece * hidden() + unit)] != 0;
+  }
+
+ private:
+  std::int64_t heads_;
+  std::vector<double> w1_, b1_, w2_, b2_;
+  double c_, threshold_;
+  std::vector<double> kinks_, slopes_, intercepts_;
+  std::vector<unsigned char> active_;
+};
+
+// Gradients of FIRE's parameters, accumulated (+=) by fire_backward; sizes as FireParams'.
+struct FireGradients {
+  explicit FireGradients(const FireParams& params);
+  std::vector<double> w1, b1, w2, b2;
+  double c = 0, threshold = 0;
+};
+
 // ---------------------------------------------------------------------------------- schemes
-using BiasScheme = std::variant<NoPE, AlibiParams, T5BiasParams, KerpleParams>;
+using BiasScheme = std::variant<NoPE, AlibiParams, T5BiasParams, KerpleParams, FireParams>;
 
 std::int64_t bias_heads(const BiasScheme& scheme);
-// b(h, r) in fp64, r = key − query position. h in [0, heads).
+// b(h, i, j) in fp64 for a query and a key position. h in [0, heads).
+double bias_value(const BiasScheme& scheme, std::int64_t head, std::int64_t q_position, std::int64_t k_position);
+// b(h, r) in fp64, r = key − query position, for the schemes that depend on r only (all but
+// FIRE, for which it throws posenc::Error).
 double bias_value(const BiasScheme& scheme, std::int64_t head, std::int64_t relative_position);
 
 // out[b, h, i, j] = b(h, k_pos(b, j) − q_pos(b, i)). out: [B, H, Sq, Sk] or [H, Sq, Sk], any
@@ -159,11 +229,18 @@ void t5_bias_backward(const T5BiasParams& params, const Positions& q_positions, 
                       ConstTensorView d_scores, std::span<double> d_table);
 void kerple_backward(const KerpleParams& params, const Positions& q_positions, const Positions& k_positions,
                      ConstTensorView d_scores, std::span<double> d_r1, std::span<double> d_r2);
+// FIRE: every parameter (W1, B1, W2, B2, c, L); ∂x/∂L is 0 where the query is at or past L. A
+// pair whose x falls exactly on a kink takes the piece to its right (the reference takes
+// relu'(0) = 0, as PyTorch does); elsewhere both agree. Deterministic for any thread count: the
+// pairs are summed in blocks of fixed size, the blocks in order.
+void fire_backward(const FireParams& params, const Positions& q_positions, const Positions& k_positions,
+                   ConstTensorView d_scores, FireGradients& grads);
 
 // The evaluator the fused attention calls inside its tile loop: per-head tables of b against the
 // relative positions a call can meet, [min_relative, max_relative], rounded once to f32, so a row
-// of biases is a copy (contiguous keys) or a gather. Relative positions outside the range, and
-// ranges too large to tabulate (more than 2^24 entries over all heads), are evaluated directly.
+// of biases is a copy (contiguous keys) or a gather. Relative positions outside the range, ranges
+// too large to tabulate (more than 2^24 entries over all heads) and FIRE (which depends on the
+// query's position too) are evaluated directly.
 class BiasEvaluator {
  public:
   BiasEvaluator(const BiasScheme& scheme, std::int64_t min_relative, std::int64_t max_relative);
@@ -189,7 +266,7 @@ class BiasEvaluator {
   std::int64_t min_relative_ = 0, width_ = 0;  // table covers [min_relative_, min_relative_ + width_)
   std::vector<float> table_;                   // [heads, width_], empty when not tabulated
   bool zero_ = false;                          // NoPE
-  float direct(std::int64_t head, std::int64_t relative) const;
+  float direct(std::int64_t head, std::int64_t q_position, std::int64_t k_position) const;
 };
 
 }  // namespace posenc

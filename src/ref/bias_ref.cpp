@@ -1,6 +1,7 @@
 // fp64 reference of the score biases: one element at a time, straight from the definitions in
 // posenc/bias.hpp (bias_value per element; gradients summed per element in b, h, i, j order).
 #include <string>
+#include <type_traits>
 
 #include "bias_checks.hpp"
 #include "posenc/reference.hpp"
@@ -8,7 +9,8 @@
 namespace posenc::ref {
 namespace {
 
-// Calls fn(b, h, i, j, offset, r) for every element of a score grid, r = k_pos − q_pos.
+// Calls fn(h, offset, r) for every element of a score grid, r = k_pos − q_pos (and fn may use
+// the positions through the 4-argument form below).
 template <class Fn>
 void for_each_score(const detail::ScoreGrid& g, const Positions& q_positions, const Positions& k_positions, Fn fn) {
   for (std::int64_t b = 0; b < g.batch; ++b) {
@@ -16,7 +18,11 @@ void for_each_score(const detail::ScoreGrid& g, const Positions& q_positions, co
       for (std::int64_t i = 0; i < g.q_len; ++i) {
         const std::int64_t q = q_positions.at(b, i);
         for (std::int64_t j = 0; j < g.k_len; ++j) {
-          fn(h, g.offset(b, h, i) + j * g.k_stride, k_positions.at(b, j) - q);
+          if constexpr (std::is_invocable_v<Fn, std::int64_t, std::int64_t, std::int64_t, std::int64_t>) {
+            fn(h, g.offset(b, h, i) + j * g.k_stride, q, k_positions.at(b, j));
+          } else {
+            fn(h, g.offset(b, h, i) + j * g.k_stride, k_positions.at(b, j) - q);
+          }
         }
       }
     }
@@ -30,8 +36,8 @@ void bias_materialize(const BiasScheme& scheme, const Positions& q_positions, co
   const detail::ScoreGrid g =
       detail::check_scores("bias_materialize", "out", ConstTensorView(out), bias_heads(scheme), q_positions, k_positions);
   detail::check_writable("bias_materialize", "out", ConstTensorView(out));
-  for_each_score(g, q_positions, k_positions, [&](std::int64_t h, std::int64_t offset, std::int64_t r) {
-    detail::store(out.data(), out.dtype(), offset, bias_value(scheme, h, r));
+  for_each_score(g, q_positions, k_positions, [&](std::int64_t h, std::int64_t offset, std::int64_t q, std::int64_t k) {
+    detail::store(out.data(), out.dtype(), offset, bias_value(scheme, h, q, k));
   });
 }
 

@@ -1,0 +1,280 @@
+// FIRE (Li et al. 2023): parameters, the piecewise-linear form of its MLP, materialisation rows
+// and the backward (math in posenc/bias.hpp).
+//
+// f_θ(x)_h = Σ_k W2[h, k]·relu(W1[k]·x + B1[k]) + B2[h] is linear between the kinks
+// x = −B1[k]/W1[k]; on each piece posenc keeps the active units and, per head, the slope and
+// intercept, so a bias is x (one log1p of a tabulated distance and a division) then one
+// multiply-add. The backward needs, per piece and head, only Σ dL/db and Σ dL/db·x (the
+// gradients of W1, B1, W2, B2 are linear in those), and per pair Σ_h dL/db_h·slope_h for c and L.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "bias_checks.hpp"
+#include "posenc/bias.hpp"
+#include "posenc/reference.hpp"
+
+namespace posenc {
+namespace {
+
+void check_values(const char* name, const std::vector<double>& values, std::size_t size, const std::string& expected) {
+  if (values.size() != size) throw Error("FireParams", std::string(name) + ".size()", std::to_string(values.size()), expected);
+  for (std::size_t e = 0; e < values.size(); ++e) {
+    if (!std::isfinite(values[e])) {
+      throw Error("FireParams", std::string(name) + "[" + std::to_string(e) + "]", detail::to_text(values[e]), "finite");
+    }
+  }
+}
+
+void check_positive(const char* name, double value) {
+  if (!std::isfinite(value) || value <= 0) throw Error("FireParams", name, detail::to_text(value), "a finite number > 0");
+}
+
+}  // namespace
+
+FireParams::FireParams(std::int64_t heads, std::vector<double> w1, std::vector<double> b1, std::vector<double> w2,
+                       std::vector<double> b2, double c, double threshold)
+    : heads_(heads), w1_(std::move(w1)), b1_(std::move(b1)), w2_(std::move(w2)), b2_(std::move(b2)), c_(c),
+      threshold_(threshold) {
+  if (heads < 1) throw Error("FireParams", "heads", std::to_string(heads), ">= 1");
+  if (w1_.empty()) throw Error("FireParams", "w1.size()", "0", ">= 1 (the hidden width)");
+  const std::size_t hidden = w1_.size();
+  check_values("w1", w1_, hidden, "");
+  check_values("b1", b1_, hidden, "hidden = " + std::to_string(hidden));
+  check_values("w2", w2_, static_cast<std::size_t>(heads) * hidden,
+               "heads · hidden = " + std::to_string(static_cast<std::size_t>(heads) * hidden) + " ([heads, hidden])");
+  check_values("b2", b2_, static_cast<std::size_t>(heads), "heads = " + std::to_string(heads));
+  check_positive("c", c);
+  check_positive("threshold", threshold);
+  // The pieces of f_θ: kinks sorted, and per piece the active units, slopes and intercepts.
+  for (std::size_t k = 0; k < hidden; ++k) {
+    if (w1_[k] != 0) kinks_.push_back(-b1_[k] / w1_[k]);
+  }
+  std::sort(kinks_.begin(), kinks_.end());
+  kinks_.erase(std::unique(kinks_.begin(), kinks_.end()), kinks_.end());
+  const std::size_t pieces = kinks_.size() + 1;
+  active_.assign(pieces * hidden, 0);
+  slopes_.assign(pieces * static_cast<std::size_t>(heads), 0.0);
+  intercepts_.assign(slopes_.size(), 0.0);
+  for (std::size_t s = 0; s < pieces; ++s) {
+    const double x = kinks_.empty()      ? 0.0
+                     : s == 0            ? kinks_.front() - 1.0
+                     : s == pieces - 1   ? kinks_.back() + 1.0
+                                         : 0.5 * (kinks_[s - 1] + kinks_[s]);
+    for (std::size_t k = 0; k < hidden; ++k) active_[s * hidden + k] = w1_[k] * x + b1_[k] > 0 ? 1 : 0;
+    for (std::size_t h = 0; h < static_cast<std::size_t>(heads); ++h) {
+      double slope = 0, intercept = b2_[h];
+      for (std::size_t k = 0; k < hidden; ++k) {
+        if (!active_[s * hidden + k]) continue;
+        slope += w2_[h * hidden + k] * w1_[k];
+        intercept += w2_[h * hidden + k] * b1_[k];
+      }
+      slopes_[s * static_cast<std::size_t>(heads) + h] = slope;
+      intercepts_[s * static_cast<std::size_t>(heads) + h] = intercept;
+    }
+  }
+}
+
+FireParams FireParams::init(std::int64_t heads, std::int64_t hidden, std::uint64_t seed, double c, double threshold) {
+  if (heads < 1) throw Error("FireParams::init", "heads", std::to_string(heads), ">= 1");
+  if (hidden < 1) throw Error("FireParams::init", "hidden", std::to_string(hidden), ">= 1");
+  const auto n = static_cast<std::size_t>(hidden);
+  std::vector<double> w1(n), b1(n), w2(static_cast<std::size_t>(heads) * n), b2(static_cast<std::size_t>(heads), 0.0);
+  std::uint64_t index = 0;
+  for (auto& v : w1) v = detail::seeded_normal(seed, index++);
+  for (auto& v : b1) v = detail::seeded_normal(seed, index++);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(hidden));
+  for (auto& v : w2) v = scale * detail::seeded_normal(seed, index++);
+  return FireParams(heads, std::move(w1), std::move(b1), std::move(w2), std::move(b2), c, threshold);
+}
+
+double FireParams::normalized_distance(std::int64_t q_position, std::int64_t k_position) const {
+  const double d = std::fabs(static_cast<double>(k_position) - static_cast<double>(q_position));
+  const double n = std::max(threshold_, static_cast<double>(q_position));
+  return std::log1p(c_ * d) / std::log1p(c_ * n);
+}
+
+double FireParams::mlp(std::int64_t head, double x) const {
+  const std::size_t hidden = w1_.size(), h = static_cast<std::size_t>(head);
+  double sum = b2_[h];
+  for (std::size_t k = 0; k < hidden; ++k) sum += w2_[h * hidden + k] * std::max(0.0, w1_[k] * x + b1_[k]);
+  return sum;
+}
+
+std::int64_t FireParams::piece_of(double x) const {
+  return std::upper_bound(kinks_.begin(), kinks_.end(), x) - kinks_.begin();
+}
+
+FireGradients::FireGradients(const FireParams& params)
+    : w1(params.w1().size(), 0.0), b1(params.b1().size(), 0.0), w2(params.w2().size(), 0.0), b2(params.b2().size(), 0.0) {}
+
+namespace detail {
+
+void fire_rows(const FireParams& params, std::int64_t q_position, const std::int64_t* keys, std::int64_t count,
+               double* x, std::int64_t* piece) {
+  const double n = std::max(params.threshold(), static_cast<double>(q_position));
+  const double psi_n = std::log1p(params.c() * n);
+  for (std::int64_t j = 0; j < count; ++j) {
+    const double d = std::fabs(static_cast<double>(keys[j]) - static_cast<double>(q_position));
+    x[j] = std::log1p(params.c() * d) / psi_n;
+    piece[j] = params.piece_of(x[j]);
+  }
+}
+
+}  // namespace detail
+
+namespace {
+
+// ∂x/∂c and ∂x/∂L of x = ψ(d)/ψ(n), ψ(t) = log1p(c·t), n = max(L, q).
+void x_derivatives(const FireParams& p, std::int64_t q, std::int64_t k, double x, double* dx_dc, double* dx_dl) {
+  const double c = p.c(), d = std::fabs(static_cast<double>(k) - static_cast<double>(q));
+  const bool threshold_active = p.threshold() > static_cast<double>(q);
+  const double n = threshold_active ? p.threshold() : static_cast<double>(q);
+  const double psi_n = std::log1p(c * n);
+  *dx_dc = (d / (1 + c * d) - x * n / (1 + c * n)) / psi_n;
+  *dx_dl = threshold_active ? -x * (c / (1 + c * n)) / psi_n : 0.0;
+}
+
+// Partial sums of one block of rows: per piece and head Σ ds and Σ ds·x; Σ g·∂x/∂c, Σ g·∂x/∂L.
+struct FireMoments {
+  std::vector<double> s0, s1;
+  double c = 0, threshold = 0;
+};
+
+constexpr std::int64_t kFireBlockRows = 16;
+
+}  // namespace
+
+void fire_backward(const FireParams& params, const Positions& q_positions, const Positions& k_positions,
+                   ConstTensorView d_scores, FireGradients& grads) {
+  detail::init_dispatch();
+  const char* where = "fire_backward";
+  detail::check_gradient_size(where, "grads.w1", grads.w1.size(), params.hidden());
+  detail::check_gradient_size(where, "grads.b1", grads.b1.size(), params.hidden());
+  detail::check_gradient_size(where, "grads.w2", grads.w2.size(), params.heads() * params.hidden());
+  detail::check_gradient_size(where, "grads.b2", grads.b2.size(), params.heads());
+  if (detail::use_reference()) {
+    ref::fire_backward(params, q_positions, k_positions, d_scores, grads);
+    return;
+  }
+  const detail::ScoreGrid g = detail::check_scores(where, "d_scores", d_scores, params.heads(), q_positions, k_positions);
+  const std::int64_t rows = g.batch * g.q_len;
+  if (rows * g.heads * g.k_len == 0) return;
+  const auto heads = static_cast<std::size_t>(g.heads);
+  const std::size_t pieces = params.kinks().size() + 1;
+  const std::int64_t blocks = (rows + kFireBlockRows - 1) / kFireBlockRows;
+  std::vector<FireMoments> partial(static_cast<std::size_t>(blocks));
+  const int threads = detail::threads_for(rows * g.k_len * g.heads * 4);
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<double> x(static_cast<std::size_t>(g.k_len)), gsum(x.size());
+    std::vector<std::int64_t> piece(x.size());
+#pragma omp for schedule(static)
+    for (std::int64_t block = 0; block < blocks; ++block) {
+      FireMoments& m = partial[static_cast<std::size_t>(block)];
+      m.s0.assign(pieces * heads, 0.0);
+      m.s1.assign(pieces * heads, 0.0);
+      for (std::int64_t r = block * kFireBlockRows; r < std::min(rows, (block + 1) * kFireBlockRows); ++r) {
+        const std::int64_t b = r / g.q_len, i = r % g.q_len;
+        const std::int64_t q = q_positions.at(b, i);
+        const std::vector<std::int64_t> keys = detail::row_positions(k_positions, b, g.k_len);
+        detail::fire_rows(params, q, keys.data(), g.k_len, x.data(), piece.data());
+        std::fill(gsum.begin(), gsum.end(), 0.0);
+        for (std::int64_t h = 0; h < g.heads; ++h) {
+          const std::int64_t offset = g.offset(b, h, i);
+          for (std::int64_t j = 0; j < g.k_len; ++j) {
+            const auto at = static_cast<std::size_t>(j);
+            const double ds = detail::load(d_scores.data(), d_scores.dtype(), offset + j * g.k_stride);
+            const std::size_t slot = static_cast<std::size_t>(piece[at]) * heads + static_cast<std::size_t>(h);
+            m.s0[slot] += ds;
+            m.s1[slot] += ds * x[at];
+            gsum[at] += ds * params.slope(piece[at], h);
+          }
+        }
+        for (std::int64_t j = 0; j < g.k_len; ++j) {
+          const auto at = static_cast<std::size_t>(j);
+          double dc = 0, dl = 0;
+          x_derivatives(params, q, keys[at], x[at], &dc, &dl);
+          m.c += gsum[at] * dc;
+          m.threshold += gsum[at] * dl;
+        }
+      }
+    }
+  }
+  // Blocks in order, then the moments contracted with the pieces' active units.
+  std::vector<double> s0(pieces * heads, 0.0), s1(pieces * heads, 0.0);
+  for (const FireMoments& m : partial) {
+    for (std::size_t e = 0; e < s0.size(); ++e) {
+      s0[e] += m.s0[e];
+      s1[e] += m.s1[e];
+    }
+    grads.c += m.c;
+    grads.threshold += m.threshold;
+  }
+  const auto hidden = static_cast<std::size_t>(params.hidden());
+  for (std::size_t s = 0; s < pieces; ++s) {
+    for (std::size_t h = 0; h < heads; ++h) {
+      const double m0 = s0[s * heads + h], m1 = s1[s * heads + h];
+      grads.b2[h] += m0;
+      for (std::size_t k = 0; k < hidden; ++k) {
+        if (!params.active(static_cast<std::int64_t>(s), static_cast<std::int64_t>(k))) continue;
+        const double w2 = params.w2()[h * hidden + k];
+        grads.w2[h * hidden + k] += params.w1()[k] * m1 + params.b1()[k] * m0;
+        grads.w1[k] += w2 * m1;
+        grads.b1[k] += w2 * m0;
+      }
+    }
+  }
+}
+
+namespace ref {
+
+void fire_backward(const FireParams& params, const Positions& q_positions, const Positions& k_positions,
+                   ConstTensorView d_scores, FireGradients& grads) {
+  const char* where = "fire_backward";
+  detail::check_gradient_size(where, "grads.w1", grads.w1.size(), params.hidden());
+  detail::check_gradient_size(where, "grads.b1", grads.b1.size(), params.hidden());
+  detail::check_gradient_size(where, "grads.w2", grads.w2.size(), params.heads() * params.hidden());
+  detail::check_gradient_size(where, "grads.b2", grads.b2.size(), params.heads());
+  const detail::ScoreGrid g = detail::check_scores(where, "d_scores", d_scores, params.heads(), q_positions, k_positions);
+  const auto hidden = static_cast<std::size_t>(params.hidden());
+  std::vector<double> z(hidden), dz(hidden);
+  // Straight backpropagation through x → z = W1·x + B1 → relu → W2·a + B2, pair by pair.
+  for (std::int64_t b = 0; b < g.batch; ++b) {
+    for (std::int64_t i = 0; i < g.q_len; ++i) {
+      const std::int64_t q = q_positions.at(b, i);
+      for (std::int64_t j = 0; j < g.k_len; ++j) {
+        const std::int64_t k = k_positions.at(b, j);
+        const double x = params.normalized_distance(q, k);
+        for (std::size_t u = 0; u < hidden; ++u) {
+          z[u] = params.w1()[u] * x + params.b1()[u];
+          dz[u] = 0;
+        }
+        for (std::int64_t h = 0; h < g.heads; ++h) {
+          const double ds = detail::load(d_scores.data(), d_scores.dtype(), g.offset(b, h, i) + j * g.k_stride);
+          const auto hh = static_cast<std::size_t>(h);
+          grads.b2[hh] += ds;
+          for (std::size_t u = 0; u < hidden; ++u) {
+            grads.w2[hh * hidden + u] += ds * std::max(0.0, z[u]);
+            if (z[u] > 0) dz[u] += ds * params.w2()[hh * hidden + u];
+          }
+        }
+        double dx = 0;
+        for (std::size_t u = 0; u < hidden; ++u) {
+          grads.w1[u] += dz[u] * x;
+          grads.b1[u] += dz[u];
+          dx += dz[u] * params.w1()[u];
+        }
+        double dx_dc = 0, dx_dl = 0;
+        x_derivatives(params, q, k, x, &dx_dc, &dx_dl);
+        grads.c += dx * dx_dc;
+        grads.threshold += dx * dx_dl;
+      }
+    }
+  }
+}
+
+}  // namespace ref
+}  // namespace posenc

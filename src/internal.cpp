@@ -82,6 +82,12 @@ void check_writable(const char* where, const char* name, ConstTensorView view) {
   }
 }
 
+HeadsGrid heads_grid(const char* where, const char* name, ConstTensorView v) {
+  if (v.rank() == 4) return {v.size(0), v.size(1), v.size(2), v.size(3), v.stride(0), v.stride(1), v.stride(2), v.stride(3)};
+  if (v.rank() == 3) return {1, v.size(0), v.size(1), v.size(2), 0, v.stride(0), v.stride(1), v.stride(2)};
+  throw Error(where, std::string(name) + ".rank()", std::to_string(v.rank()), "4 ([B, S, H, D]) or 3 (packed [T, H, D])");
+}
+
 std::string to_text(double value) {
   char buffer[32];
   const auto result = std::to_chars(buffer, buffer + sizeof(buffer), value);

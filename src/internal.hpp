@@ -23,6 +23,16 @@ struct Grid {
 };
 
 Grid token_grid(const char* where, const char* name, ConstTensorView view);
+
+// A [B, S, H, D] view, or a packed [T, H, D] one (B = 1, S = T).
+struct HeadsGrid {
+  std::int64_t batch = 1, seq = 0, heads = 0, dim = 0;
+  std::int64_t batch_stride = 0, seq_stride = 0, head_stride = 0, dim_stride = 1;
+
+  std::int64_t offset(std::int64_t b, std::int64_t s) const { return b * batch_stride + s * seq_stride; }
+};
+// Throws posenc::Error unless the view has rank 4 or 3.
+HeadsGrid heads_grid(const char* where, const char* name, ConstTensorView view);
 // [rows, cols] of a rank-2 view, as a Grid with batch = 1.
 Grid matrix_grid(const char* where, const char* name, ConstTensorView view);
 

@@ -10,19 +10,6 @@ namespace {
 
 constexpr const char* kWhere = "rope_apply";
 
-HeadsGrid heads_grid(const char* name, ConstTensorView v) {
-  HeadsGrid g;
-  if (v.rank() == 4) {
-    g = {v.size(0), v.size(1), v.size(2), v.size(3), v.stride(0), v.stride(1), v.stride(2), v.stride(3)};
-  } else if (v.rank() == 3) {
-    g = {1, v.size(0), v.size(1), v.size(2), 0, v.stride(0), v.stride(1), v.stride(2)};
-  } else {
-    throw Error(kWhere, std::string(name) + ".rank()", std::to_string(v.rank()),
-                "4 ([B, S, H, D]) or 3 (packed [T, H, D])");
-  }
-  return g;
-}
-
 std::string shape_text(const HeadsGrid& g) {
   return "[" + std::to_string(g.batch) + ", " + std::to_string(g.seq) + ", " + std::to_string(g.heads) +
          ", " + std::to_string(g.dim) + "]";
@@ -34,7 +21,7 @@ bool is_empty_view(ConstTensorView v) { return v.rank() == 0 && v.data() == null
 // disjoint from it.
 HeadsGrid check_output(const char* name, ConstTensorView out, const char* in_name, ConstTensorView in,
                        const HeadsGrid& in_grid) {
-  const HeadsGrid g = heads_grid(name, out);
+  const HeadsGrid g = heads_grid(kWhere, name, out);
   if (g.batch != in_grid.batch || g.seq != in_grid.seq || g.heads != in_grid.heads || g.dim != in_grid.dim) {
     throw Error(kWhere, std::string(name) + " shape", shape_text(g),
                 "the shape of " + std::string(in_name) + ", " + shape_text(in_grid));
@@ -50,7 +37,7 @@ HeadsGrid check_output(const char* name, ConstTensorView out, const char* in_nam
 RopeGrids check_rope(const RopeParams& params, const Positions& positions, ConstTensorView q,
                      ConstTensorView k, ConstTensorView q_out, ConstTensorView k_out) {
   RopeGrids g;
-  g.q = heads_grid("q", q);
+  g.q = heads_grid(kWhere, "q", q);
   if (g.q.dim != params.head_dim()) {
     throw Error(kWhere, "q.size(-1)", std::to_string(g.q.dim), "params.head_dim() = " + std::to_string(params.head_dim()));
   }
@@ -61,7 +48,7 @@ RopeGrids check_rope(const RopeParams& params, const Positions& positions, Const
     throw Error(kWhere, "k_out", g.has_k ? "empty" : k_out.describe(), "a view exactly when k is one");
   }
   if (g.has_k) {
-    g.k = heads_grid("k", k);
+    g.k = heads_grid(kWhere, "k", k);
     if (g.k.batch != g.q.batch || g.k.seq != g.q.seq || g.k.dim != g.q.dim) {
       throw Error(kWhere, "k shape", shape_text(g.k),
                   "the tokens and head_dim of q " + shape_text(g.q) + " (any number of heads)");

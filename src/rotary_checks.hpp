@@ -10,14 +10,6 @@
 
 namespace posenc::detail {
 
-// A [B, S, H, D] view, or a packed [T, H, D] one (B = 1, S = T).
-struct HeadsGrid {
-  std::int64_t batch = 1, seq = 0, heads = 0, dim = 0;
-  std::int64_t batch_stride = 0, seq_stride = 0, head_stride = 0, dim_stride = 1;
-
-  std::int64_t offset(std::int64_t b, std::int64_t s) const { return b * batch_stride + s * seq_stride; }
-};
-
 struct RopeGrids {
   HeadsGrid q, k, q_out, k_out;
   bool has_k = false;

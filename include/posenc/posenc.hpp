@@ -7,6 +7,7 @@
 #include "posenc/error.hpp"
 #include "posenc/positions.hpp"
 #include "posenc/reference.hpp"
+#include "posenc/relative.hpp"
 #include "posenc/rotary.hpp"
 #include "posenc/runtime.hpp"
 #include "posenc/tensor.hpp"

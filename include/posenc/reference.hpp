@@ -3,11 +3,12 @@
 // Plain loops, fp64 arithmetic inside whatever the tensor dtype, libm sin/cos. These are the test
 // oracle for the SIMD kernels, the fallback for f64 tensors, and what runs under
 // POSENC_TARGET=ref (the CLI's `--target ref`). Signatures and contracts are those of the public
-// functions of the same name (absolute.hpp, rotary.hpp, bias.hpp); inputs are validated the same way.
+// functions of the same name (absolute.hpp, rotary.hpp, bias.hpp, relative.hpp); inputs are validated the same way.
 #pragma once
 
 #include "posenc/absolute.hpp"
 #include "posenc/bias.hpp"
+#include "posenc/relative.hpp"
 #include "posenc/rotary.hpp"
 
 namespace posenc::ref {
@@ -43,5 +44,16 @@ void kerple_backward(const KerpleParams& params, const Positions& q_positions, c
                      ConstTensorView d_scores, std::span<double> d_r1, std::span<double> d_r2);
 void fire_backward(const FireParams& params, const Positions& q_positions, const Positions& k_positions,
                    ConstTensorView d_scores, FireGradients& grads);
+
+void shaw_add_score_term(const ShawParams& params, ConstTensorView q, const Positions& q_positions,
+                         const Positions& k_positions, TensorView scores);
+void shaw_add_value_term(const ShawParams& params, ConstTensorView probs, const Positions& q_positions,
+                         const Positions& k_positions, TensorView out);
+void shaw_score_term_backward(const ShawParams& params, ConstTensorView q, ConstTensorView d_scores,
+                              const Positions& q_positions, const Positions& k_positions, TensorView dq,
+                              std::span<double> d_key_table);
+void shaw_value_term_backward(const ShawParams& params, ConstTensorView probs, ConstTensorView d_out,
+                              const Positions& q_positions, const Positions& k_positions, TensorView d_probs,
+                              std::span<double> d_value_table);
 
 }  // namespace posenc::ref

@@ -1,0 +1,77 @@
+// posenc/relative.hpp — relative encodings that involve the query or the values, not only a bias.
+//
+// Shaw et al. 2018 ("Self-Attention with Relative Position Representations"): relative distances
+// r = j − i (key minus query position) clipped to [−k, k] select rows of two learned tables of
+// head_dim columns, shared by the heads of a layer:
+//
+//   score term   e[b, h, i, j] += q[b, i, h]·a^K[clip(r) + k] / sqrt(D)
+//   value term   out[b, i, h]  += Σ_j p[b, h, i, j]·a^V[clip(r) + k]
+//
+//   a^K, a^V: [2k + 1, D] row-major     row 0 ↔ r <= −k, row k ↔ r = 0, row 2k ↔ r >= k
+//
+// Views: q, out, dq are [B, S, H, D] or packed [T, H, D] (any strides, D innermost or not);
+// scores, probs and their gradients are [B, H, Sq, Sk] or [H, Sq, Sk]. Positions are per token
+// ([B, Sq] for queries, [B, Sk] for keys). Every function *adds* to its outputs, as attention
+// sums its terms and as backward accumulates gradients; the table gradients (spans of
+// (2k + 1)·D doubles) are summed in fp64 in a fixed order, bitwise identical for any thread count.
+//
+// Cost: each query computes its 2k + 1 distinct dot products once (O((2k + 1)·D) instead of
+// O(Sk·D)), and each value row sums its probabilities per clipped distance first.
+//
+// Errors: posenc::Error naming the parameter for k < 0, tables of the wrong size or with
+// non-finite values, and views whose shapes, heads or positions do not match.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "posenc/positions.hpp"
+#include "posenc/tensor.hpp"
+
+namespace posenc {
+
+class ShawParams {
+ public:
+  // key_table, value_table: [2k + 1, head_dim] row-major; empty means zeros.
+  ShawParams(std::int64_t max_distance, std::int64_t head_dim, std::vector<double> key_table = {},
+             std::vector<double> value_table = {});
+  // Tables drawn from N(0, std²) with a seeded counter-based generator.
+  static ShawParams init(std::int64_t max_distance, std::int64_t head_dim, double std = 0.02, std::uint64_t seed = 0);
+
+  std::int64_t max_distance() const { return max_distance_; }  // k
+  std::int64_t head_dim() const { return head_dim_; }
+  std::int64_t rows() const { return 2 * max_distance_ + 1; }
+  const std::vector<double>& key_table() const { return key_table_; }
+  const std::vector<double>& value_table() const { return value_table_; }
+  // The table row of relative position r = key − query: clip(r, −k, k) + k.
+  std::int64_t row_of(std::int64_t relative_position) const {
+    const std::int64_t r = relative_position < -max_distance_ ? -max_distance_
+                           : relative_position > max_distance_ ? max_distance_
+                                                                : relative_position;
+    return r + max_distance_;
+  }
+
+ private:
+  std::int64_t max_distance_, head_dim_;
+  std::vector<double> key_table_, value_table_;
+};
+
+// scores[b, h, i, j] += q[b, i, h]·a^K[row_of(k_pos(b, j) − q_pos(b, i))] / sqrt(D).
+void shaw_add_score_term(const ShawParams& params, ConstTensorView q, const Positions& q_positions,
+                         const Positions& k_positions, TensorView scores);
+// out[b, i, h] += Σ_j probs[b, h, i, j]·a^V[row_of(k_pos(b, j) − q_pos(b, i))].
+void shaw_add_value_term(const ShawParams& params, ConstTensorView probs, const Positions& q_positions,
+                         const Positions& k_positions, TensorView out);
+// Backward of the score term given d_scores: dq += Σ_j d_scores·a^K[row]/sqrt(D) (dq may be an
+// empty view to skip it), d_key_table[row] += Σ d_scores·q/sqrt(D).
+void shaw_score_term_backward(const ShawParams& params, ConstTensorView q, ConstTensorView d_scores,
+                              const Positions& q_positions, const Positions& k_positions, TensorView dq,
+                              std::span<double> d_key_table);
+// Backward of the value term given d_out: d_probs[b, h, i, j] += d_out[b, i, h]·a^V[row] (or an
+// empty view to skip it), d_value_table[row] += Σ probs·d_out.
+void shaw_value_term_backward(const ShawParams& params, ConstTensorView probs, ConstTensorView d_out,
+                              const Positions& q_positions, const Positions& k_positions, TensorView d_probs,
+                              std::span<double> d_value_table);
+
+}  // namespace posenc

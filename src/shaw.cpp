@@ -1,0 +1,419 @@
+// Shaw et al. 2018 relative position representations (math and layouts in posenc/relative.hpp).
+//
+// Fast path: per (b, h, i) row, the 2k + 1 dot products q·a^K[r] once, then each score adds its
+// row's; values and the backward group a row's probabilities (or score gradients) by table row
+// first. Rows are independent (each writes its own outputs), and the table gradients are summed
+// in a second pass that owns table rows and visits the (b, h, i) rows in order: bitwise identical
+// for any thread count. The reference loops over every (i, j) and dimension in fp64.
+#include <omp.h>
+
+#include <cmath>
+#include <string>
+
+#include "bias_checks.hpp"
+#include "posenc/reference.hpp"
+#include "posenc/relative.hpp"
+
+namespace posenc {
+namespace {
+
+std::vector<double> checked_table(std::vector<double> table, std::int64_t rows, std::int64_t dim, const char* name) {
+  const auto size = static_cast<std::size_t>(rows * dim);
+  if (table.empty()) table.assign(size, 0.0);
+  if (table.size() != size) {
+    throw Error("ShawParams", std::string(name) + ".size()", std::to_string(table.size()),
+                "(2k + 1)·head_dim = " + std::to_string(size));
+  }
+  for (std::size_t e = 0; e < table.size(); ++e) {
+    if (!std::isfinite(table[e])) {
+      throw Error("ShawParams", std::string(name) + "[" + std::to_string(e) + "]", detail::to_text(table[e]), "finite");
+    }
+  }
+  return table;
+}
+
+// The checked shapes of one Shaw call: the [B, S, H, D] tensor and the [B, H, Sq, Sk] one.
+struct ShawGrids {
+  detail::HeadsGrid tokens;
+  detail::ScoreGrid scores;
+};
+
+ShawGrids check_shaw(const char* where, const ShawParams& p, const char* tokens_name, ConstTensorView tokens,
+                     const char* scores_name, ConstTensorView scores, const Positions& q_positions,
+                     const Positions& k_positions) {
+  ShawGrids g;
+  g.tokens = detail::heads_grid(where, tokens_name, tokens);
+  if (g.tokens.dim != p.head_dim()) {
+    throw Error(where, std::string(tokens_name) + ".size(-1)", std::to_string(g.tokens.dim),
+                "params.head_dim() = " + std::to_string(p.head_dim()));
+  }
+  g.scores = detail::check_scores(where, scores_name, scores, g.tokens.heads, q_positions, k_positions);
+  if (g.scores.batch != g.tokens.batch || g.scores.q_len != g.tokens.seq) {
+    throw Error(where, std::string(scores_name) + " [B, H, Sq, Sk]",
+                std::to_string(g.scores.batch) + " × " + std::to_string(g.scores.heads) + " × " +
+                    std::to_string(g.scores.q_len) + " × " + std::to_string(g.scores.k_len),
+                "B = " + std::to_string(g.tokens.batch) + " and Sq = " + std::to_string(g.tokens.seq) + " of " +
+                    tokens_name);
+  }
+  return g;
+}
+
+bool empty_view(ConstTensorView v) { return v.rank() == 0 && v.data() == nullptr; }
+
+void check_same_tokens(const char* where, const char* name, ConstTensorView view, const detail::HeadsGrid& like) {
+  const detail::HeadsGrid g = detail::heads_grid(where, name, view);
+  if (g.batch != like.batch || g.seq != like.seq || g.heads != like.heads || g.dim != like.dim) {
+    throw Error(where, std::string(name) + " shape", view.describe(), "the shape of the tokens it pairs with");
+  }
+}
+
+// Per (b, h, i) row: Σ over the keys of each table row of values[b, h, i, j] (fp64), into
+// sums[row · (2k + 1) + t]. Rows ordered b, h, i.
+void sum_by_table_row(const ShawParams& p, ConstTensorView values, const detail::ScoreGrid& g,
+                      const Positions& q_positions, const Positions& k_positions, std::vector<double>& sums) {
+  const std::int64_t width = p.rows(), rows = g.batch * g.heads * g.q_len;
+  sums.assign(static_cast<std::size_t>(rows * width), 0.0);
+  const int threads = detail::threads_for(rows * g.k_len * 4);
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (std::int64_t row = 0; row < rows; ++row) {
+    const std::int64_t b = row / (g.heads * g.q_len), h = (row / g.q_len) % g.heads, i = row % g.q_len;
+    const std::int64_t q = q_positions.at(b, i), offset = g.offset(b, h, i);
+    double* out = sums.data() + row * width;
+    for (std::int64_t j = 0; j < g.k_len; ++j) {
+      out[p.row_of(k_positions.at(b, j) - q)] += detail::load(values.data(), values.dtype(), offset + j * g.k_stride);
+    }
+  }
+}
+
+// table_grad[t, :] += Σ_rows sums[row, t]·tokens[b, i, h, :]·scale, in row order per t.
+void contract_table_gradient(const ShawParams& p, const std::vector<double>& sums, ConstTensorView tokens,
+                             const detail::HeadsGrid& tg, const detail::ScoreGrid& g, double scale,
+                             std::span<double> table_grad) {
+  const std::int64_t width = p.rows(), dim = p.head_dim(), rows = g.batch * g.heads * g.q_len;
+  const int threads = detail::threads_for(rows * width * dim);
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (std::int64_t t = 0; t < width; ++t) {
+    std::vector<double> acc(static_cast<std::size_t>(dim), 0.0);
+    for (std::int64_t row = 0; row < rows; ++row) {
+      const double w = sums[static_cast<std::size_t>(row * width + t)];
+      if (w == 0.0) continue;
+      const std::int64_t b = row / (g.heads * g.q_len), h = (row / g.q_len) % g.heads, i = row % g.q_len;
+      const std::int64_t base = tg.offset(b, i) + h * tg.head_stride;
+      for (std::int64_t d = 0; d < dim; ++d) {
+        acc[static_cast<std::size_t>(d)] += w * detail::load(tokens.data(), tokens.dtype(), base + d * tg.dim_stride);
+      }
+    }
+    for (std::int64_t d = 0; d < dim; ++d) table_grad[static_cast<std::size_t>(t * dim + d)] += acc[static_cast<std::size_t>(d)] * scale;
+  }
+}
+
+}  // namespace
+
+ShawParams::ShawParams(std::int64_t max_distance, std::int64_t head_dim, std::vector<double> key_table,
+                       std::vector<double> value_table)
+    : max_distance_(max_distance), head_dim_(head_dim) {
+  if (max_distance < 0) throw Error("ShawParams", "max_distance", std::to_string(max_distance), ">= 0 (k of the clip to [−k, k])");
+  if (head_dim < 1) throw Error("ShawParams", "head_dim", std::to_string(head_dim), ">= 1");
+  key_table_ = checked_table(std::move(key_table), rows(), head_dim, "key_table");
+  value_table_ = checked_table(std::move(value_table), rows(), head_dim, "value_table");
+}
+
+ShawParams ShawParams::init(std::int64_t max_distance, std::int64_t head_dim, double std, std::uint64_t seed) {
+  if (!std::isfinite(std) || std < 0) throw Error("ShawParams::init", "std", detail::to_text(std), "a finite number >= 0");
+  ShawParams p(max_distance, head_dim);
+  std::uint64_t index = 0;
+  for (auto& v : p.key_table_) v = std * detail::seeded_normal(seed, index++);
+  for (auto& v : p.value_table_) v = std * detail::seeded_normal(seed, index++);
+  return p;
+}
+
+void shaw_add_score_term(const ShawParams& params, ConstTensorView q, const Positions& q_positions,
+                         const Positions& k_positions, TensorView scores) {
+  detail::init_dispatch();
+  const char* where = "shaw_add_score_term";
+  const ShawGrids g = check_shaw(where, params, "q", q, "scores", ConstTensorView(scores), q_positions, k_positions);
+  detail::check_writable(where, "scores", ConstTensorView(scores));
+  if (detail::use_reference()) {
+    ref::shaw_add_score_term(params, q, q_positions, k_positions, scores);
+    return;
+  }
+  const std::int64_t width = params.rows(), dim = params.head_dim();
+  const std::int64_t rows = g.scores.batch * g.scores.heads * g.scores.q_len;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
+  const int threads = detail::threads_for(rows * (g.scores.k_len + width * dim));
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<double> dots(static_cast<std::size_t>(width));
+#pragma omp for schedule(static)
+    for (std::int64_t row = 0; row < rows; ++row) {
+      const std::int64_t b = row / (g.scores.heads * g.scores.q_len), h = (row / g.scores.q_len) % g.scores.heads;
+      const std::int64_t i = row % g.scores.q_len, q_pos = q_positions.at(b, i);
+      const std::int64_t base = g.tokens.offset(b, i) + h * g.tokens.head_stride;
+      for (std::int64_t t = 0; t < width; ++t) {
+        double dot = 0;
+        for (std::int64_t d = 0; d < dim; ++d) {
+          dot += detail::load(q.data(), q.dtype(), base + d * g.tokens.dim_stride) *
+                 params.key_table()[static_cast<std::size_t>(t * dim + d)];
+        }
+        dots[static_cast<std::size_t>(t)] = dot * scale;
+      }
+      const std::int64_t offset = g.scores.offset(b, h, i);
+      for (std::int64_t j = 0; j < g.scores.k_len; ++j) {
+        const std::int64_t at = offset + j * g.scores.k_stride;
+        const double term = dots[static_cast<std::size_t>(params.row_of(k_positions.at(b, j) - q_pos))];
+        detail::store(scores.data(), scores.dtype(), at, detail::load(scores.data(), scores.dtype(), at) + term);
+      }
+    }
+  }
+}
+
+void shaw_add_value_term(const ShawParams& params, ConstTensorView probs, const Positions& q_positions,
+                         const Positions& k_positions, TensorView out) {
+  detail::init_dispatch();
+  const char* where = "shaw_add_value_term";
+  const ShawGrids g = check_shaw(where, params, "out", ConstTensorView(out), "probs", probs, q_positions, k_positions);
+  detail::check_writable(where, "out", ConstTensorView(out));
+  if (detail::use_reference()) {
+    ref::shaw_add_value_term(params, probs, q_positions, k_positions, out);
+    return;
+  }
+  std::vector<double> sums;
+  sum_by_table_row(params, probs, g.scores, q_positions, k_positions, sums);
+  const std::int64_t width = params.rows(), dim = params.head_dim();
+  const std::int64_t rows = g.scores.batch * g.scores.heads * g.scores.q_len;
+  const int threads = detail::threads_for(rows * width * dim);
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (std::int64_t row = 0; row < rows; ++row) {
+    const std::int64_t b = row / (g.scores.heads * g.scores.q_len), h = (row / g.scores.q_len) % g.scores.heads;
+    const std::int64_t i = row % g.scores.q_len;
+    const std::int64_t base = g.tokens.offset(b, i) + h * g.tokens.head_stride;
+    for (std::int64_t d = 0; d < dim; ++d) {
+      double sum = 0;
+      for (std::int64_t t = 0; t < width; ++t) {
+        sum += sums[static_cast<std::size_t>(row * width + t)] * params.value_table()[static_cast<std::size_t>(t * dim + d)];
+      }
+      const std::int64_t at = base + d * g.tokens.dim_stride;
+      detail::store(out.data(), out.dtype(), at, detail::load(out.data(), out.dtype(), at) + sum);
+    }
+  }
+}
+
+void shaw_score_term_backward(const ShawParams& params, ConstTensorView q, ConstTensorView d_scores,
+                              const Positions& q_positions, const Positions& k_positions, TensorView dq,
+                              std::span<double> d_key_table) {
+  detail::init_dispatch();
+  const char* where = "shaw_score_term_backward";
+  const ShawGrids g = check_shaw(where, params, "q", q, "d_scores", d_scores, q_positions, k_positions);
+  detail::check_gradient_size(where, "d_key_table", d_key_table.size(), params.rows() * params.head_dim());
+  const bool has_dq = !empty_view(ConstTensorView(dq));
+  if (has_dq) {
+    check_same_tokens(where, "dq", ConstTensorView(dq), g.tokens);
+    detail::check_writable(where, "dq", ConstTensorView(dq));
+  }
+  if (detail::use_reference()) {
+    ref::shaw_score_term_backward(params, q, d_scores, q_positions, k_positions, dq, d_key_table);
+    return;
+  }
+  std::vector<double> sums;
+  sum_by_table_row(params, d_scores, g.scores, q_positions, k_positions, sums);
+  const std::int64_t width = params.rows(), dim = params.head_dim();
+  const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
+  if (has_dq) {
+    const detail::HeadsGrid dg = detail::heads_grid(where, "dq", ConstTensorView(dq));
+    const std::int64_t rows = g.scores.batch * g.scores.heads * g.scores.q_len;
+    const int threads = detail::threads_for(rows * width * dim);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (std::int64_t row = 0; row < rows; ++row) {
+      const std::int64_t b = row / (g.scores.heads * g.scores.q_len), h = (row / g.scores.q_len) % g.scores.heads;
+      const std::int64_t i = row % g.scores.q_len;
+      const std::int64_t base = dg.offset(b, i) + h * dg.head_stride;
+      for (std::int64_t d = 0; d < dim; ++d) {
+        double sum = 0;
+        for (std::int64_t t = 0; t < width; ++t) {
+          sum += sums[static_cast<std::size_t>(row * width + t)] * params.key_table()[static_cast<std::size_t>(t * dim + d)];
+        }
+        const std::int64_t at = base + d * dg.dim_stride;
+        detail::store(dq.data(), dq.dtype(), at, detail::load(dq.data(), dq.dtype(), at) + sum * scale);
+      }
+    }
+  }
+  contract_table_gradient(params, sums, q, g.tokens, g.scores, scale, d_key_table);
+}
+
+void shaw_value_term_backward(const ShawParams& params, ConstTensorView probs, ConstTensorView d_out,
+                              const Positions& q_positions, const Positions& k_positions, TensorView d_probs,
+                              std::span<double> d_value_table) {
+  detail::init_dispatch();
+  const char* where = "shaw_value_term_backward";
+  const ShawGrids g = check_shaw(where, params, "d_out", d_out, "probs", probs, q_positions, k_positions);
+  detail::check_gradient_size(where, "d_value_table", d_value_table.size(), params.rows() * params.head_dim());
+  const bool has_dp = !empty_view(ConstTensorView(d_probs));
+  detail::ScoreGrid dpg;
+  if (has_dp) {
+    dpg = detail::check_scores(where, "d_probs", ConstTensorView(d_probs), g.scores.heads, q_positions, k_positions);
+    if (dpg.batch != g.scores.batch || dpg.q_len != g.scores.q_len || dpg.k_len != g.scores.k_len) {
+      throw Error(where, "d_probs shape", ConstTensorView(d_probs).describe(), "the shape of probs");
+    }
+    detail::check_writable(where, "d_probs", ConstTensorView(d_probs));
+  }
+  if (detail::use_reference()) {
+    ref::shaw_value_term_backward(params, probs, d_out, q_positions, k_positions, d_probs, d_value_table);
+    return;
+  }
+  const std::int64_t width = params.rows(), dim = params.head_dim();
+  if (has_dp) {
+    const std::int64_t rows = g.scores.batch * g.scores.heads * g.scores.q_len;
+    const int threads = detail::threads_for(rows * (width * dim + g.scores.k_len));
+#pragma omp parallel num_threads(threads)
+    {
+      std::vector<double> dots(static_cast<std::size_t>(width));
+#pragma omp for schedule(static)
+      for (std::int64_t row = 0; row < rows; ++row) {
+        const std::int64_t b = row / (g.scores.heads * g.scores.q_len), h = (row / g.scores.q_len) % g.scores.heads;
+        const std::int64_t i = row % g.scores.q_len, q_pos = q_positions.at(b, i);
+        const std::int64_t base = g.tokens.offset(b, i) + h * g.tokens.head_stride;
+        for (std::int64_t t = 0; t < width; ++t) {
+          double dot = 0;
+          for (std::int64_t d = 0; d < dim; ++d) {
+            dot += detail::load(d_out.data(), d_out.dtype(), base + d * g.tokens.dim_stride) *
+                   params.value_table()[static_cast<std::size_t>(t * dim + d)];
+          }
+          dots[static_cast<std::size_t>(t)] = dot;
+        }
+        const std::int64_t offset = dpg.offset(b, h, i);
+        for (std::int64_t j = 0; j < dpg.k_len; ++j) {
+          const std::int64_t at = offset + j * dpg.k_stride;
+          const double term = dots[static_cast<std::size_t>(params.row_of(k_positions.at(b, j) - q_pos))];
+          detail::store(d_probs.data(), d_probs.dtype(), at, detail::load(d_probs.data(), d_probs.dtype(), at) + term);
+        }
+      }
+    }
+  }
+  std::vector<double> sums;
+  sum_by_table_row(params, probs, g.scores, q_positions, k_positions, sums);
+  contract_table_gradient(params, sums, d_out, g.tokens, g.scores, 1.0, d_value_table);
+}
+
+// ------------------------------------------------------------------------------ reference
+
+namespace ref {
+
+void shaw_add_score_term(const ShawParams& params, ConstTensorView q, const Positions& q_positions,
+                         const Positions& k_positions, TensorView scores) {
+  const char* where = "shaw_add_score_term";
+  const ShawGrids g = check_shaw(where, params, "q", q, "scores", ConstTensorView(scores), q_positions, k_positions);
+  detail::check_writable(where, "scores", ConstTensorView(scores));
+  const std::int64_t dim = params.head_dim();
+  const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
+  for (std::int64_t b = 0; b < g.scores.batch; ++b) {
+    for (std::int64_t h = 0; h < g.scores.heads; ++h) {
+      for (std::int64_t i = 0; i < g.scores.q_len; ++i) {
+        for (std::int64_t j = 0; j < g.scores.k_len; ++j) {
+          const std::int64_t t = params.row_of(k_positions.at(b, j) - q_positions.at(b, i));
+          double dot = 0;
+          for (std::int64_t d = 0; d < dim; ++d) {
+            dot += detail::load(q.data(), q.dtype(), g.tokens.offset(b, i) + h * g.tokens.head_stride + d * g.tokens.dim_stride) *
+                   params.key_table()[static_cast<std::size_t>(t * dim + d)];
+          }
+          const std::int64_t at = g.scores.offset(b, h, i) + j * g.scores.k_stride;
+          detail::store(scores.data(), scores.dtype(), at, detail::load(scores.data(), scores.dtype(), at) + dot * scale);
+        }
+      }
+    }
+  }
+}
+
+void shaw_add_value_term(const ShawParams& params, ConstTensorView probs, const Positions& q_positions,
+                         const Positions& k_positions, TensorView out) {
+  const char* where = "shaw_add_value_term";
+  const ShawGrids g = check_shaw(where, params, "out", ConstTensorView(out), "probs", probs, q_positions, k_positions);
+  detail::check_writable(where, "out", ConstTensorView(out));
+  const std::int64_t dim = params.head_dim();
+  for (std::int64_t b = 0; b < g.scores.batch; ++b) {
+    for (std::int64_t h = 0; h < g.scores.heads; ++h) {
+      for (std::int64_t i = 0; i < g.scores.q_len; ++i) {
+        for (std::int64_t d = 0; d < dim; ++d) {
+          double sum = 0;
+          for (std::int64_t j = 0; j < g.scores.k_len; ++j) {
+            const std::int64_t t = params.row_of(k_positions.at(b, j) - q_positions.at(b, i));
+            sum += detail::load(probs.data(), probs.dtype(), g.scores.offset(b, h, i) + j * g.scores.k_stride) *
+                   params.value_table()[static_cast<std::size_t>(t * dim + d)];
+          }
+          const std::int64_t at = g.tokens.offset(b, i) + h * g.tokens.head_stride + d * g.tokens.dim_stride;
+          detail::store(out.data(), out.dtype(), at, detail::load(out.data(), out.dtype(), at) + sum);
+        }
+      }
+    }
+  }
+}
+
+void shaw_score_term_backward(const ShawParams& params, ConstTensorView q, ConstTensorView d_scores,
+                              const Positions& q_positions, const Positions& k_positions, TensorView dq,
+                              std::span<double> d_key_table) {
+  const char* where = "shaw_score_term_backward";
+  const ShawGrids g = check_shaw(where, params, "q", q, "d_scores", d_scores, q_positions, k_positions);
+  detail::check_gradient_size(where, "d_key_table", d_key_table.size(), params.rows() * params.head_dim());
+  const bool has_dq = !empty_view(ConstTensorView(dq));
+  detail::HeadsGrid dg;
+  if (has_dq) {
+    check_same_tokens(where, "dq", ConstTensorView(dq), g.tokens);
+    dg = detail::heads_grid(where, "dq", ConstTensorView(dq));
+  }
+  const std::int64_t dim = params.head_dim();
+  const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
+  for (std::int64_t b = 0; b < g.scores.batch; ++b) {
+    for (std::int64_t h = 0; h < g.scores.heads; ++h) {
+      for (std::int64_t i = 0; i < g.scores.q_len; ++i) {
+        for (std::int64_t d = 0; d < dim; ++d) {
+          const double qd = detail::load(q.data(), q.dtype(), g.tokens.offset(b, i) + h * g.tokens.head_stride + d * g.tokens.dim_stride);
+          double dq_sum = 0;  // one rounding per dq element
+          for (std::int64_t j = 0; j < g.scores.k_len; ++j) {
+            const std::int64_t t = params.row_of(k_positions.at(b, j) - q_positions.at(b, i));
+            const double ds = detail::load(d_scores.data(), d_scores.dtype(), g.scores.offset(b, h, i) + j * g.scores.k_stride);
+            d_key_table[static_cast<std::size_t>(t * dim + d)] += ds * qd * scale;
+            dq_sum += ds * params.key_table()[static_cast<std::size_t>(t * dim + d)] * scale;
+          }
+          if (has_dq) {
+            const std::int64_t at = dg.offset(b, i) + h * dg.head_stride + d * dg.dim_stride;
+            detail::store(dq.data(), dq.dtype(), at, detail::load(dq.data(), dq.dtype(), at) + dq_sum);
+          }
+        }
+      }
+    }
+  }
+}
+
+void shaw_value_term_backward(const ShawParams& params, ConstTensorView probs, ConstTensorView d_out,
+                              const Positions& q_positions, const Positions& k_positions, TensorView d_probs,
+                              std::span<double> d_value_table) {
+  const char* where = "shaw_value_term_backward";
+  const ShawGrids g = check_shaw(where, params, "d_out", d_out, "probs", probs, q_positions, k_positions);
+  detail::check_gradient_size(where, "d_value_table", d_value_table.size(), params.rows() * params.head_dim());
+  const bool has_dp = !empty_view(ConstTensorView(d_probs));
+  detail::ScoreGrid dpg;
+  if (has_dp) dpg = detail::check_scores(where, "d_probs", ConstTensorView(d_probs), g.scores.heads, q_positions, k_positions);
+  const std::int64_t dim = params.head_dim();
+  for (std::int64_t b = 0; b < g.scores.batch; ++b) {
+    for (std::int64_t h = 0; h < g.scores.heads; ++h) {
+      for (std::int64_t i = 0; i < g.scores.q_len; ++i) {
+        for (std::int64_t j = 0; j < g.scores.k_len; ++j) {
+          const std::int64_t t = params.row_of(k_positions.at(b, j) - q_positions.at(b, i));
+          const double p = detail::load(probs.data(), probs.dtype(), g.scores.offset(b, h, i) + j * g.scores.k_stride);
+          double dp = 0;
+          for (std::int64_t d = 0; d < dim; ++d) {
+            const double go = detail::load(d_out.data(), d_out.dtype(), g.tokens.offset(b, i) + h * g.tokens.head_stride + d * g.tokens.dim_stride);
+            d_value_table[static_cast<std::size_t>(t * dim + d)] += p * go;
+            dp += go * params.value_table()[static_cast<std::size_t>(t * dim + d)];
+          }
+          if (has_dp) {
+            const std::int64_t at = dpg.offset(b, h, i) + j * dpg.k_stride;
+            detail::store(d_probs.data(), d_probs.dtype(), at, detail::load(d_probs.data(), d_probs.dtype(), at) + dp);
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace ref
+}  // namespace posenc

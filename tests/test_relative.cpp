@@ -1,7 +1,7 @@
 // Relative encodings with query or value terms: Shaw et al. 2018 (score and value terms, both
-// backwards) on every target against the fp64 reference over random shapes, layouts, positions
-// and dtypes; gradients against finite differences of the reference; thread-count determinism;
-// errors.
+// backwards) and Transformer-XL (position terms and their backward), on every target against the
+// fp64 reference over random shapes, layouts, positions and dtypes; gradients against finite
+// differences of the reference; thread-count determinism; errors.
 #include <cmath>
 #include <cstring>
 
@@ -257,6 +257,161 @@ TEST(Shaw, RejectsBadArguments) {
   EXPECT_EQ(p.row_of(0), 2);
   EXPECT_EQ(p.row_of(1), 3);
   EXPECT_EQ(p.row_of(7), 4);
+}
+
+// ------------------------------------------------------------------------------ Transformer-XL
+
+// k tokens: [B, Sk, H, D] stored BSHD or BHSD like q.
+template <class T>
+BasicTensorView<!std::is_const_v<T>> key_view(T* data, DType dtype, const ShawCase& c) {
+  const std::vector<std::int64_t> shape = {c.batch, c.k_len, c.heads, c.dim};
+  const std::vector<std::int64_t> strides =
+      c.bhsd ? std::vector<std::int64_t>{c.heads * c.k_len * c.dim, c.dim, c.k_len * c.dim, 1}
+             : std::vector<std::int64_t>{c.k_len * c.heads * c.dim, c.heads * c.dim, c.dim, 1};
+  return BasicTensorView<!std::is_const_v<T>>(data, dtype, shape, strides);
+}
+
+TEST_P(EveryTarget, TransformerXlMatchesReference) {
+  for (int trial = 0; trial < 30; ++trial) {
+    ShawCase c = random_case();
+    if (trial % 5 == 4 && c.position_kind == 2) {  // ids far apart: the sparse table of δ
+      for (auto& id : c.q_ids) id *= 100000;
+      for (auto& id : c.k_ids) id *= 77777;
+    }
+    const auto [qp, kp] = positions_of(c);
+    const std::int64_t d_model = 2 * uniform_int(1, 6);
+    const XlParams p = XlParams::init(c.heads, c.dim, d_model, 0.5, static_cast<std::uint64_t>(trial));
+    const std::int64_t q_count = c.batch * c.q_len * c.heads * c.dim, k_count = c.batch * c.k_len * c.heads * c.dim;
+    const std::int64_t scores = c.batch * c.heads * c.q_len * c.k_len;
+    auto as = [&](const std::vector<double>& v) { return testing::to_dtype(v, c.dtype); };
+    auto widened = [&](const std::vector<unsigned char>& raw, std::int64_t n) {
+      std::vector<double> v(static_cast<std::size_t>(n));
+      for (std::int64_t e = 0; e < n; ++e) v[static_cast<std::size_t>(e)] = element(raw.data(), c.dtype, e);
+      return v;
+    };
+    const auto q_t = as(random_values(q_count)), k_t = as(random_values(k_count)), ds_t = as(random_values(scores));
+    const auto base_s = as(random_values(scores)), base_q = as(random_values(q_count)), base_k = as(random_values(k_count));
+    const std::vector<double> q64 = widened(q_t, q_count), k64 = widened(k_t, k_count), ds64 = widened(ds_t, scores);
+    const double scale = static_cast<double>((c.k_len + c.q_len) * (c.dim + d_model)) * 4;
+
+    std::vector<unsigned char> s_got = base_s;
+    std::vector<double> s_want = widened(base_s, scores);
+    xl_add_position_terms(p, tokens_view(q_t.data(), c.dtype, c), key_view(k_t.data(), c.dtype, c), qp, kp,
+                          TensorView::contiguous(s_got.data(), c.dtype, score_shape(c)));
+    ref::xl_add_position_terms(p, tokens_view(q64.data(), DType::kF64, c), key_view(k64.data(), DType::kF64, c), qp, kp,
+                               TensorView::contiguous(s_want.data(), DType::kF64, score_shape(c)));
+    expect_close(s_got, c.dtype, s_want, scale, "xl scores");
+
+    std::vector<unsigned char> dq_got = base_q, dk_got = base_k;
+    std::vector<double> dq_want = widened(base_q, q_count), dk_want = widened(base_k, k_count);
+    XlGradients got(p), want(p);
+    xl_position_terms_backward(p, tokens_view(q_t.data(), c.dtype, c), key_view(k_t.data(), c.dtype, c),
+                               ConstTensorView::contiguous(ds_t.data(), c.dtype, score_shape(c)), qp, kp,
+                               tokens_view(dq_got.data(), c.dtype, c), key_view(dk_got.data(), c.dtype, c), got);
+    ref::xl_position_terms_backward(p, tokens_view(q64.data(), DType::kF64, c), key_view(k64.data(), DType::kF64, c),
+                                    ConstTensorView::contiguous(ds64.data(), DType::kF64, score_shape(c)), qp, kp,
+                                    tokens_view(dq_want.data(), DType::kF64, c), key_view(dk_want.data(), DType::kF64, c), want);
+    expect_close(dq_got, c.dtype, dq_want, scale, "xl dq");
+    expect_close(dk_got, c.dtype, dk_want, scale, "xl dk");
+    for (std::size_t e = 0; e < got.u.size(); ++e) {
+      EXPECT_NEAR(got.u[e], want.u[e], 1e-12 * scale) << "du " << e;
+      EXPECT_NEAR(got.v[e], want.v[e], 1e-12 * scale) << "dv " << e;
+    }
+    for (std::size_t e = 0; e < got.w_r.size(); ++e) EXPECT_NEAR(got.w_r[e], want.w_r[e], 1e-12 * scale) << "dW_R " << e;
+  }
+}
+
+// The reference gradients against central differences of L = Σ w·scores: the terms are linear
+// in u, W_R and k, and bilinear in (q + v, W_R): central differences are exact up to rounding.
+TEST(TransformerXl, GradientsMatchFiniteDifferences) {
+  for (int trial = 0; trial < 8; ++trial) {
+    ShawCase c = random_case();
+    c.dtype = DType::kF64;
+    const auto [qp, kp] = positions_of(c);
+    const std::int64_t d_model = 2 * uniform_int(1, 4);
+    const XlParams p = XlParams::init(c.heads, c.dim, d_model, 0.5, static_cast<std::uint64_t>(trial + 50));
+    const std::int64_t q_count = c.batch * c.q_len * c.heads * c.dim, k_count = c.batch * c.k_len * c.heads * c.dim;
+    const std::int64_t scores = c.batch * c.heads * c.q_len * c.k_len;
+    std::vector<double> q = random_values(q_count), k = random_values(k_count);
+    const std::vector<double> w = random_values(scores);
+    auto loss = [&](const XlParams& params) {
+      std::vector<double> s(static_cast<std::size_t>(scores), 0.0);
+      ref::xl_add_position_terms(params, tokens_view(q.data(), DType::kF64, c), key_view(k.data(), DType::kF64, c), qp, kp,
+                                 TensorView::contiguous(s.data(), DType::kF64, score_shape(c)));
+      double sum = 0;
+      for (std::size_t e = 0; e < s.size(); ++e) sum += w[e] * s[e];
+      return sum;
+    };
+    std::vector<double> dq(static_cast<std::size_t>(q_count), 0.0), dk(static_cast<std::size_t>(k_count), 0.0);
+    XlGradients grads(p);
+    xl_position_terms_backward(p, tokens_view(q.data(), DType::kF64, c), key_view(k.data(), DType::kF64, c),
+                               ConstTensorView::contiguous(w.data(), DType::kF64, score_shape(c)), qp, kp,
+                               tokens_view(dq.data(), DType::kF64, c), key_view(dk.data(), DType::kF64, c), grads);
+    const double step = 1e-4;
+    auto with = [&](int which, std::size_t e, double delta) {
+      std::vector<double> u = p.u(), v = p.v(), wr = p.w_r();
+      (which == 0 ? u : which == 1 ? v : wr)[e] += delta;
+      return XlParams(p.heads(), p.head_dim(), p.d_model(), u, v, wr);
+    };
+    const std::size_t e_hd = static_cast<std::size_t>(uniform_int(0, c.heads * c.dim - 1));
+    const std::size_t e_w = static_cast<std::size_t>(uniform_int(0, c.heads * c.dim * d_model - 1));
+    const double analytic[] = {grads.u[e_hd], grads.v[e_hd], grads.w_r[e_w]};
+    for (int which = 0; which < 3; ++which) {
+      const std::size_t e = which == 2 ? e_w : e_hd;
+      const double fd = (loss(with(which, e, step)) - loss(with(which, e, -step))) / (2 * step);
+      // Bilinear terms: the central difference is exact in real arithmetic; rounding of L
+      // (|L| <= ~1e3) over a step of 1e-4 leaves ~1e-9.
+      EXPECT_NEAR(analytic[which], fd, 1e-7 * (1 + std::fabs(analytic[which]))) << "trial " << trial << " parameter " << which;
+    }
+    for (auto* tensor : {&q, &k}) {
+      const auto e = static_cast<std::size_t>(uniform_int(0, static_cast<std::int64_t>(tensor->size()) - 1));
+      const double saved = (*tensor)[e];
+      (*tensor)[e] = saved + step;
+      const double up = loss(p);
+      (*tensor)[e] = saved - step;
+      const double down = loss(p);
+      (*tensor)[e] = saved;
+      const double analytic_t = tensor == &q ? dq[e] : dk[e];
+      EXPECT_NEAR(analytic_t, (up - down) / (2 * step), 1e-7 * (1 + std::fabs(analytic_t))) << "trial " << trial;
+    }
+  }
+}
+
+TEST_P(EveryTarget, TransformerXlGradientsAreThreadCountFree) {
+  const std::int64_t seq = 60, heads = 4, dim = 8, d_model = 16;
+  const XlParams p = XlParams::init(heads, dim, d_model, 0.1, 9);
+  std::vector<float> q(static_cast<std::size_t>(seq * heads * dim)), ds(static_cast<std::size_t>(heads * seq * seq));
+  for (auto& v : q) v = static_cast<float>(uniform(-1, 1));
+  for (auto& v : ds) v = static_cast<float>(uniform(-1, 1));
+  XlGradients one(p), two(p);
+  for (const int threads : {1, 2}) {
+    set_num_threads(threads);
+    xl_position_terms_backward(p, ConstTensorView::of(q.data(), {seq, heads, dim}), ConstTensorView::of(q.data(), {seq, heads, dim}),
+                               ConstTensorView::of(ds.data(), {heads, seq, seq}), Positions::range(seq), Positions::range(seq),
+                               TensorView(), TensorView(), threads == 1 ? one : two);
+  }
+  EXPECT_EQ(std::memcmp(one.w_r.data(), two.w_r.data(), one.w_r.size() * sizeof(double)), 0);
+  EXPECT_EQ(std::memcmp(one.u.data(), two.u.data(), one.u.size() * sizeof(double)), 0);
+  EXPECT_EQ(std::memcmp(one.v.data(), two.v.data(), one.v.size() * sizeof(double)), 0);
+}
+
+TEST(TransformerXl, DefinitionAndErrors) {
+  // One head, D = 1, d_model = 2: r(δ) = [sin δ, cos δ]; W_R = [a, b]; u, v scalars.
+  const XlParams p(1, 1, 2, {0.5}, {-0.25}, {2.0, 3.0}, 1.0);
+  const std::vector<double> q = {0.7}, k = {1.3};
+  double score = 0;
+  const std::vector<std::int64_t> qi = {10}, ki = {4};
+  xl_add_position_terms(p, ConstTensorView::of(q.data(), {1, 1, 1}), ConstTensorView::of(k.data(), {1, 1, 1}), Positions::ids(qi),
+                        Positions::ids(ki), TensorView::of(&score, {1, 1, 1}));
+  EXPECT_NEAR(score, 0.5 * 1.3 + (0.7 - 0.25) * (2.0 * std::sin(6.0) + 3.0 * std::cos(6.0)), 1e-15);
+  EXPECT_NEAR(XlParams::init(2, 4, 8).scale(), 0.5, 0);  // 1/sqrt(head_dim) by default
+  expect_error([] { XlParams(1, 1, 3, {0.0}, {0.0}, {0.0, 0.0, 0.0}); }, {"XlParams: d_model = 3", "even"});
+  expect_error([] { XlParams(1, 2, 2, {0.0}, {0.0, 0.0}, {0.0, 0.0, 0.0, 0.0}); }, {"u.size() = 1", "heads·head_dim = 2"});
+  expect_error([] { XlParams(1, 1, 2, {0.0}, {0.0}, {0.0, 0.0}, -1.0); }, {"scale = -1"});
+  std::vector<double> s(4);
+  expect_error([&] { xl_add_position_terms(p, ConstTensorView::of(q.data(), {1, 1, 1}), ConstTensorView::of(s.data(), {1, 2, 2, 1}),
+                                           Positions::range(1), Positions::range(2), TensorView::of(s.data(), {1, 1, 2})); },
+               {"xl_add_position_terms: k [heads, head_dim] = 2, 1", "params' 1, 1"});
 }
 
 INSTANTIATE_TEST_SUITE_P(Targets, EveryTarget, ::testing::ValuesIn(testing::all_targets()),

@@ -56,4 +56,10 @@ void shaw_value_term_backward(const ShawParams& params, ConstTensorView probs, C
                               const Positions& q_positions, const Positions& k_positions, TensorView d_probs,
                               std::span<double> d_value_table);
 
+void xl_add_position_terms(const XlParams& params, ConstTensorView q, ConstTensorView k, const Positions& q_positions,
+                           const Positions& k_positions, TensorView scores);
+void xl_position_terms_backward(const XlParams& params, ConstTensorView q, ConstTensorView k, ConstTensorView d_scores,
+                                const Positions& q_positions, const Positions& k_positions, TensorView dq,
+                                TensorView dk, XlGradients& grads);
+
 }  // namespace posenc::ref

@@ -1,4 +1,5 @@
-// posenc/relative.hpp — relative encodings that involve the query or the values, not only a bias.
+// posenc/relative.hpp — relative encodings that involve the query or the values, not only a bias:
+// Shaw et al. (below) and Transformer-XL (further below).
 //
 // Shaw et al. 2018 ("Self-Attention with Relative Position Representations"): relative distances
 // r = j − i (key minus query position) clipped to [−k, k] select rows of two learned tables of
@@ -73,5 +74,65 @@ void shaw_score_term_backward(const ShawParams& params, ConstTensorView q, Const
 void shaw_value_term_backward(const ShawParams& params, ConstTensorView probs, ConstTensorView d_out,
                               const Positions& q_positions, const Positions& k_positions, TensorView d_probs,
                               std::span<double> d_value_table);
+
+// ---------------------------------------------------------------------------------- Transformer-XL
+// Dai et al. 2019, section 3.3: the score of query i and key j is
+//
+//   A_ij = scale·( q_i·k_j  +  u·k_j  +  (q_i + v)·(W_R r(i − j)) )
+//                  content     global     position (their terms (b) and (d))
+//                              content
+//
+// per head, with u, v: [H, D] learned biases, W_R: [H·D, d_model] (the weight of a
+// Linear(d_model, H·D)) and r(δ) the sinusoid of d_model dimensions in split halves,
+// r(δ) = [sin(δ·ω_0) … sin(δ·ω_{d/2−1}) | cos(δ·ω_0) … cos(δ·ω_{d/2−1})], ω_i = base^(−2i/d_model),
+// as the authors' code builds it. Note the sign: δ = i − j is query minus key position (keys in
+// the past have δ > 0), the opposite of Hugging Face's key − query; δ < 0 is allowed (r is
+// defined for any integer).
+//
+// posenc adds the last two terms (the content term q·k is attention's): each query computes
+// (q_i + v)·P(δ) for the δ its keys span, with P(δ) = W_R r(δ) tabulated once per call, and
+// u·k_j once per key.
+class XlParams {
+ public:
+  // u, v: [heads, head_dim]; w_r: [heads·head_dim, d_model] row-major; d_model even; scale > 0
+  // (0 means 1/sqrt(head_dim)); base > 1.
+  XlParams(std::int64_t heads, std::int64_t head_dim, std::int64_t d_model, std::vector<double> u,
+           std::vector<double> v, std::vector<double> w_r, double scale = 0.0, double base = 10000.0);
+  // u, v ~ N(0, std²), W_R ~ N(0, 1/d_model), seeded.
+  static XlParams init(std::int64_t heads, std::int64_t head_dim, std::int64_t d_model, double std = 0.02,
+                       std::uint64_t seed = 0);
+
+  std::int64_t heads() const { return heads_; }
+  std::int64_t head_dim() const { return head_dim_; }
+  std::int64_t d_model() const { return d_model_; }
+  const std::vector<double>& u() const { return u_; }
+  const std::vector<double>& v() const { return v_; }
+  const std::vector<double>& w_r() const { return w_r_; }
+  double scale() const { return scale_; }
+  double base() const { return base_; }
+  // r(δ) (d_model values, fp64).
+  std::vector<double> sinusoid(std::int64_t delta) const;
+
+ private:
+  std::int64_t heads_, head_dim_, d_model_;
+  std::vector<double> u_, v_, w_r_;
+  double scale_, base_;
+};
+
+// Gradients of u, v and W_R, accumulated (+=); sizes as XlParams'.
+struct XlGradients {
+  explicit XlGradients(const XlParams& params);
+  std::vector<double> u, v, w_r;
+};
+
+// scores[b, h, i, j] += scale·(u_h·k[b, j, h] + (q[b, i, h] + v_h)·(W_R r(q_pos − k_pos))_h).
+// q: [B, Sq, H, D] (or packed [T, H, D]), k: [B, Sk, H, D], scores: [B, H, Sq, Sk].
+void xl_add_position_terms(const XlParams& params, ConstTensorView q, ConstTensorView k, const Positions& q_positions,
+                           const Positions& k_positions, TensorView scores);
+// Backward given d_scores: dq, dk (+=; empty views skip them) and grads (+=). Deterministic for
+// any thread count (each head's sums run in a fixed order).
+void xl_position_terms_backward(const XlParams& params, ConstTensorView q, ConstTensorView k, ConstTensorView d_scores,
+                                const Positions& q_positions, const Positions& k_positions, TensorView dq,
+                                TensorView dk, XlGradients& grads);
 
 }  // namespace posenc

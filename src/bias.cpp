@@ -216,9 +216,10 @@ void check_head(const BiasScheme& scheme, std::int64_t head) {
 
 double bias_value(const BiasScheme& scheme, std::int64_t head, std::int64_t r) {
   check_head(scheme, head);
-  if (std::holds_alternative<FireParams>(scheme)) {
-    throw Error("bias_value", "scheme", "FIRE", "a scheme of the relative position only (FIRE needs the query position: "
-                                                 "bias_value(scheme, head, q_position, k_position))");
+  if (std::holds_alternative<FireParams>(scheme) || std::holds_alternative<TupeParams>(scheme)) {
+    throw Error("bias_value", "scheme", std::holds_alternative<FireParams>(scheme) ? "FIRE" : "TUPE",
+                "a scheme of the relative position only (this one needs the positions: "
+                "bias_value(scheme, head, q_position, k_position))");
   }
   return signed_bias_value(scheme, static_cast<std::size_t>(head), r) + 0.0;  // + 0.0: no −0 at r = 0
 }
@@ -228,6 +229,7 @@ double bias_value(const BiasScheme& scheme, std::int64_t head, std::int64_t q_po
   if (const auto* fire = std::get_if<FireParams>(&scheme)) {
     return fire->mlp(head, fire->normalized_distance(q_position, k_position)) + 0.0;
   }
+  if (const auto* tupe = std::get_if<TupeParams>(&scheme)) return detail::tupe_value(*tupe, head, q_position, k_position) + 0.0;
   return signed_bias_value(scheme, static_cast<std::size_t>(head), k_position - q_position) + 0.0;
 }
 
@@ -257,7 +259,10 @@ BiasEvaluator::BiasEvaluator(const BiasScheme& scheme, std::int64_t min_relative
   }
   const std::int64_t width = max_relative - min_relative + 1;
   // Nothing to tabulate (NoPE), not a function of k − q alone (FIRE), or too wide.
-  if (zero_ || std::holds_alternative<FireParams>(scheme) || width > kMaxTableEntries / heads_) return;
+  if (zero_ || std::holds_alternative<FireParams>(scheme) || std::holds_alternative<TupeParams>(scheme) ||
+      width > kMaxTableEntries / heads_) {
+    return;
+  }
   min_relative_ = min_relative;
   width_ = width;
   table_.resize(static_cast<std::size_t>(heads_ * width_));
@@ -420,6 +425,9 @@ void bias_materialize(const BiasScheme& scheme, const Positions& q_positions, co
   const detail::ScoreGrid g =
       detail::check_scores("bias_materialize", "out", ConstTensorView(out), bias_heads(scheme), q_positions, k_positions);
   detail::check_writable("bias_materialize", "out", ConstTensorView(out));
+  if (const auto* tupe = std::get_if<TupeParams>(&scheme); tupe != nullptr && g.q_len * g.k_len > 0) {
+    detail::check_tupe_positions("bias_materialize", *tupe, q_positions, k_positions);
+  }
   if (detail::use_reference() || out.dtype() == DType::kF64) {
     ref::bias_materialize(scheme, q_positions, k_positions, out);
     return;
@@ -427,6 +435,10 @@ void bias_materialize(const BiasScheme& scheme, const Positions& q_positions, co
   if (g.batch * g.heads * g.q_len * g.k_len == 0) return;
   if (const auto* fire = std::get_if<FireParams>(&scheme)) {
     materialize_fire(*fire, q_positions, k_positions, g, out);
+    return;
+  }
+  if (const auto* tupe = std::get_if<TupeParams>(&scheme)) {
+    detail::materialize_tupe(*tupe, q_positions, k_positions, g, out);
     return;
   }
   const BiasEvaluator eval = BiasEvaluator::for_positions(scheme, q_positions, k_positions, g.batch, g.q_len, g.k_len);

@@ -39,4 +39,12 @@ void kerple_derivatives(const KerpleParams& params, std::int64_t head, std::int6
 void fire_rows(const FireParams& params, std::int64_t q_position, const std::int64_t* keys, std::int64_t count,
                double* x, std::int64_t* piece);
 
+// TUPE's b(h, i, j) by the definition (tupe.cpp), and its materialisation; the check that every
+// position indexes TUPE's table.
+void check_tupe_positions(const char* where, const TupeParams& params, const Positions& q_positions,
+                          const Positions& k_positions);
+double tupe_value(const TupeParams& params, std::int64_t head, std::int64_t q_position, std::int64_t k_position);
+void materialize_tupe(const TupeParams& params, const Positions& q_positions, const Positions& k_positions,
+                      const ScoreGrid& grid, TensorView out);
+
 }  // namespace posenc::detail

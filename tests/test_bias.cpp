@@ -164,6 +164,8 @@ BiasScheme random_scheme(int kind, std::int64_t heads) {
       for (auto& v : table) v = uniform(-3, 3);
       return T5BiasParams(heads, nb, nb == 32 ? 128 : 256, uniform_int(0, 1) == 1, table);
     }
+    case 7: return TupeParams::init(heads, uniform_int(1, 5), uniform_int(1, 6), 3100, uniform_int(0, 1) == 1, 0.5,
+                                    static_cast<std::uint64_t>(uniform_int(0, 1000)));
     case 6: return FireParams::init(heads, uniform_int(1, 40), static_cast<std::uint64_t>(uniform_int(0, 1000)),
                                     uniform(0.01, 3), uniform(1, 100));
     default: {
@@ -212,7 +214,8 @@ TEST_P(EveryTarget, BiasMaterializeMatchesReference) {
   for (int trial = 0; trial < 60; ++trial) {
     const GridCase c = random_grid();
     const auto [qp, kp] = positions_of(c);
-    const BiasScheme scheme = random_scheme(static_cast<int>(uniform_int(0, 6)), c.heads);
+    // TUPE indexes a table by position: not with the scattered ids of kind 3.
+    const BiasScheme scheme = random_scheme(static_cast<int>(uniform_int(0, c.position_kind == 3 ? 6 : 7)), c.heads);
     const bool fire = std::holds_alternative<FireParams>(scheme);
     const DType dtype = dtypes[uniform_int(0, 4)];
     const bool rank3 = c.batch == 1 && uniform_int(0, 1) == 1;
@@ -451,6 +454,66 @@ TEST_P(EveryTarget, FireBackwardMatchesReferenceAndFiniteDifferences) {
           << "trial " << trial << " parameter " << which;
     }
   }
+}
+
+TEST_P(EveryTarget, TupeBackwardMatchesReferenceAndFiniteDifferences) {
+  for (int trial = 0; trial < 12; ++trial) {
+    GridCase c = random_grid();
+    if (c.position_kind == 3) {
+      c.position_kind = 2;
+      for (auto& id : c.q_ids) id %= 200;
+      for (auto& id : c.k_ids) id %= 200;
+    }
+    const auto [qp, kp] = positions_of(c);
+    const TupeParams p0 = TupeParams::init(c.heads, uniform_int(1, 4), uniform_int(1, 5), 3100, trial % 2 == 0, 0.7,
+                                           static_cast<std::uint64_t>(trial));
+    std::vector<double> theta1(static_cast<std::size_t>(c.heads)), theta2(theta1.size());
+    for (auto& v : theta1) v = uniform(-1, 1);
+    for (auto& v : theta2) v = uniform(-1, 1);
+    const TupeParams p(p0.heads(), p0.head_dim(), p0.d_model(), p0.table(), p0.u_q(), p0.u_k(), p0.cls_reset(), theta1, theta2);
+    const std::int64_t count = c.batch * c.heads * c.q_len * c.k_len;
+    std::vector<double> w(static_cast<std::size_t>(count));
+    for (auto& v : w) v = uniform(-1, 1);
+    const std::vector<std::int64_t> shape = {c.batch, c.heads, c.q_len, c.k_len};
+    const ConstTensorView ds = ConstTensorView::contiguous(w.data(), DType::kF64, shape);
+    TupeGradients got(p), want(p);
+    tupe_backward(p, qp, kp, ds, got);
+    ref::tupe_backward(p, qp, kp, ds, want);
+    // Same fp64 products, summed per projection first on the fast path: 1e-12 of count.
+    const double tol = 1e-12 * static_cast<double>(count) * 10;
+    for (std::size_t e = 0; e < got.table.size(); ++e) ASSERT_NEAR(got.table[e], want.table[e], tol) << "table " << e;
+    for (std::size_t e = 0; e < got.u_q.size(); ++e) {
+      ASSERT_NEAR(got.u_q[e], want.u_q[e], tol) << "u_q " << e;
+      ASSERT_NEAR(got.u_k[e], want.u_k[e], tol) << "u_k " << e;
+    }
+    for (std::size_t e = 0; e < got.theta1.size(); ++e) {
+      EXPECT_NEAR(got.theta1[e], want.theta1[e], tol);
+      EXPECT_NEAR(got.theta2[e], want.theta2[e], tol);
+    }
+    // Finite differences: a table row a query uses, one U^Q entry, θ2 of head 0.
+    const std::size_t row = static_cast<std::size_t>(qp.at(0, 0) * p.d_model());
+    const std::size_t uq = static_cast<std::size_t>(uniform_int(0, static_cast<std::int64_t>(p.u_q().size()) - 1));
+    auto rebuild = [&](int which, double delta) {
+      std::vector<double> table = p.table(), u_q = p.u_q(), t2 = p.theta2();
+      if (which == 0) table[row] += delta;
+      if (which == 1) u_q[uq] += delta;
+      if (which == 2) t2[0] += delta;
+      return BiasScheme(TupeParams(p.heads(), p.head_dim(), p.d_model(), table, u_q, p.u_k(), p.cls_reset(), p.theta1(), t2));
+    };
+    const double analytic[] = {want.table[row], want.u_q[uq], want.theta2[0]};
+    for (int which = 0; which < 3; ++which) {
+      const double fd = finite_difference([&](double delta) { return rebuild(which, delta); }, c, qp, kp, w, 1e-4);
+      // Quadratic in a table row used by both q and k: central differences are exact up to
+      // rounding of L over the step (|L| <= ~1e3·2^-52/1e-4 ≈ 2e-9).
+      EXPECT_NEAR(analytic[which], fd, 1e-7 * (1 + std::fabs(analytic[which]))) << "trial " << trial << " parameter " << which;
+    }
+  }
+  expect_error([] { TupeParams(1, 1, 2, {0.0, 0.0, 0.0}, {0.0, 0.0}, {0.0, 0.0}); },
+               {"TupeParams: table.size() = 3", "multiple of d_model = 2"});
+  const TupeParams small = TupeParams::init(1, 1, 2, 4);
+  std::vector<double> out(5 * 5);
+  expect_error([&] { bias_materialize(small, Positions::range(5), Positions::range(5), TensorView::of(out.data(), {1, 5, 5})); },
+               {"bias_materialize: position = 4", "< max_len = 4"});
 }
 
 TEST_P(EveryTarget, BiasBackwardIsThreadCountFree) {

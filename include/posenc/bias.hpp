@@ -16,6 +16,8 @@
 //   Kerple pow  b = −r1_h·|r|^r2_h, 0 < r2_h <= 2
 //   FIRE        b = f_θ(ψ(|i − j|) / ψ(max(L, i)))_h, ψ(x) = log(c·x + 1)   (Li et al. 2023)
 //               f_θ: R → R^H, a one-hidden-layer ReLU MLP; c > 0 and L > 0 learned too
+//   TUPE        b = (p_i U^Q_h)·(p_j U^K_h) / sqrt(2D), p a learned absolute table   (Ke et al. 2021)
+//               optionally with the [CLS] reset (position 0 gets learned θ1, θ2)
 //
 // Materialised biases have the layout of attention scores, keys innermost:
 //
@@ -202,14 +204,60 @@ struct FireGradients {
   double c = 0, threshold = 0;
 };
 
+// ---------------------------------------------------------------------------------- TUPE
+// TUPE (Ke et al. 2021, "Rethinking Positional Encoding in Language Pre-training"): positions
+// enter attention only through their own projections of a learned absolute table p:
+//
+//   b(h, i, j) = (p[i] U^Q_h)·(p[j] U^K_h) / sqrt(2·D)
+//
+//   p: [max_len, d_model]; U^Q, U^K: [d_model, H·D] row-major (columns h·D … h·D + D − 1 are
+//   head h's); i, j index p by the tokens' position ids (each must be < max_len).
+//
+// With the [CLS] reset (their "untied [CLS]"), a token at position 0 is a [CLS] token whose
+// positional correlations are replaced by learned per-head values: b = θ1_h when the query is at
+// position 0, b = θ2_h when only the key is.
+class TupeParams {
+ public:
+  TupeParams(std::int64_t heads, std::int64_t head_dim, std::int64_t d_model, std::vector<double> table,
+             std::vector<double> u_q, std::vector<double> u_k, bool cls_reset = false, std::vector<double> theta1 = {},
+             std::vector<double> theta2 = {});
+  // table ~ N(0, std²), U ~ N(0, 1/d_model), θ = 0; seeded.
+  static TupeParams init(std::int64_t heads, std::int64_t head_dim, std::int64_t d_model, std::int64_t max_len,
+                         bool cls_reset = false, double std = 0.02, std::uint64_t seed = 0);
+
+  std::int64_t heads() const { return heads_; }
+  std::int64_t head_dim() const { return head_dim_; }
+  std::int64_t d_model() const { return d_model_; }
+  std::int64_t max_len() const { return static_cast<std::int64_t>(table_.size()) / d_model_; }
+  const std::vector<double>& table() const { return table_; }
+  const std::vector<double>& u_q() const { return u_q_; }
+  const std::vector<double>& u_k() const { return u_k_; }
+  bool cls_reset() const { return cls_reset_; }
+  const std::vector<double>& theta1() const { return theta1_; }
+  const std::vector<double>& theta2() const { return theta2_; }
+  // p[position]·U_h for one head (U = U^Q or U^K), D values, fp64.
+  std::vector<double> project(const std::vector<double>& u, std::int64_t position, std::int64_t head) const;
+
+ private:
+  std::int64_t heads_, head_dim_, d_model_;
+  std::vector<double> table_, u_q_, u_k_;
+  bool cls_reset_;
+  std::vector<double> theta1_, theta2_;
+};
+
+struct TupeGradients {
+  explicit TupeGradients(const TupeParams& params);
+  std::vector<double> table, u_q, u_k, theta1, theta2;
+};
+
 // ---------------------------------------------------------------------------------- schemes
-using BiasScheme = std::variant<NoPE, AlibiParams, T5BiasParams, KerpleParams, FireParams>;
+using BiasScheme = std::variant<NoPE, AlibiParams, T5BiasParams, KerpleParams, FireParams, TupeParams>;
 
 std::int64_t bias_heads(const BiasScheme& scheme);
 // b(h, i, j) in fp64 for a query and a key position. h in [0, heads).
 double bias_value(const BiasScheme& scheme, std::int64_t head, std::int64_t q_position, std::int64_t k_position);
 // b(h, r) in fp64, r = key − query position, for the schemes that depend on r only (all but
-// FIRE, for which it throws posenc::Error).
+// FIRE and TUPE, for which it throws posenc::Error).
 double bias_value(const BiasScheme& scheme, std::int64_t head, std::int64_t relative_position);
 
 // out[b, h, i, j] = b(h, k_pos(b, j) − q_pos(b, i)). out: [B, H, Sq, Sk] or [H, Sq, Sk], any
@@ -235,12 +283,16 @@ void kerple_backward(const KerpleParams& params, const Positions& q_positions, c
 // pairs are summed in blocks of fixed size, the blocks in order.
 void fire_backward(const FireParams& params, const Positions& q_positions, const Positions& k_positions,
                    ConstTensorView d_scores, FireGradients& grads);
+// TUPE: the table rows used, U^Q, U^K, and θ1, θ2 with the [CLS] reset. Deterministic for any
+// thread count (U's columns per head, the table's columns per thread, each in a fixed order).
+void tupe_backward(const TupeParams& params, const Positions& q_positions, const Positions& k_positions,
+                   ConstTensorView d_scores, TupeGradients& grads);
 
 // The evaluator the fused attention calls inside its tile loop: per-head tables of b against the
 // relative positions a call can meet, [min_relative, max_relative], rounded once to f32, so a row
 // of biases is a copy (contiguous keys) or a gather. Relative positions outside the range, ranges
-// too large to tabulate (more than 2^24 entries over all heads) and FIRE (which depends on the
-// query's position too) are evaluated directly.
+// too large to tabulate (more than 2^24 entries over all heads), FIRE and TUPE (which depend on
+// the positions themselves) are evaluated directly.
 class BiasEvaluator {
  public:
   BiasEvaluator(const BiasScheme& scheme, std::int64_t min_relative, std::int64_t max_relative);

@@ -44,6 +44,8 @@ void kerple_backward(const KerpleParams& params, const Positions& q_positions, c
                      ConstTensorView d_scores, std::span<double> d_r1, std::span<double> d_r2);
 void fire_backward(const FireParams& params, const Positions& q_positions, const Positions& k_positions,
                    ConstTensorView d_scores, FireGradients& grads);
+void tupe_backward(const TupeParams& params, const Positions& q_positions, const Positions& k_positions,
+                   ConstTensorView d_scores, TupeGradients& grads);
 
 void shaw_add_score_term(const ShawParams& params, ConstTensorView q, const Positions& q_positions,
                          const Positions& k_positions, TensorView scores);

@@ -354,12 +354,6 @@ ScoreGrid check_scores(const char* where, const char* name, ConstTensorView scor
   return g;
 }
 
-void check_gradient_size(const char* where, const char* name, std::size_t got, std::int64_t expected) {
-  if (static_cast<std::int64_t>(got) != expected) {
-    throw Error(where, std::string(name) + ".size()", std::to_string(got), std::to_string(expected));
-  }
-}
-
 std::vector<std::int64_t> row_positions(const Positions& positions, std::int64_t b, std::int64_t len) {
   std::vector<std::int64_t> ids(static_cast<std::size_t>(len));
   for (std::int64_t s = 0; s < len; ++s) ids[static_cast<std::size_t>(s)] = positions.at(b, s);

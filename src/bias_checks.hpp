@@ -22,8 +22,6 @@ struct ScoreGrid {
 // Checks the view's rank, its head count against the scheme's and the positions' grids.
 ScoreGrid check_scores(const char* where, const char* name, ConstTensorView scores, std::int64_t heads,
                        const Positions& q_positions, const Positions& k_positions);
-// Throws unless span.size() == expected.
-void check_gradient_size(const char* where, const char* name, std::size_t got, std::int64_t expected);
 
 // The positions of one batch row, gathered (positions.at(b, s) for s < len).
 std::vector<std::int64_t> row_positions(const Positions& positions, std::int64_t b, std::int64_t len);

@@ -88,6 +88,12 @@ HeadsGrid heads_grid(const char* where, const char* name, ConstTensorView v) {
   throw Error(where, std::string(name) + ".rank()", std::to_string(v.rank()), "4 ([B, S, H, D]) or 3 (packed [T, H, D])");
 }
 
+void check_gradient_size(const char* where, const char* name, std::size_t got, std::int64_t expected) {
+  if (static_cast<std::int64_t>(got) != expected) {
+    throw Error(where, std::string(name) + ".size()", std::to_string(got), std::to_string(expected));
+  }
+}
+
 std::string to_text(double value) {
   char buffer[32];
   const auto result = std::to_chars(buffer, buffer + sizeof(buffer), value);

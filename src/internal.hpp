@@ -43,6 +43,8 @@ void check_dtype(const char* where, const char* name, DType got, DType expected)
 // that make rows overlap): throws posenc::Error naming the offending stride.
 void check_writable(const char* where, const char* name, ConstTensorView view);
 
+// Throws unless a gradient buffer's size `got` equals `expected`.
+void check_gradient_size(const char* where, const char* name, std::size_t got, std::int64_t expected);
 // Shortest text that reads back as the same double ("1e-09", "0.5", "nan"), for error messages.
 std::string to_text(double value);
 

@@ -5,6 +5,7 @@
 #include "posenc/bias.hpp"
 #include "posenc/dtype.hpp"
 #include "posenc/error.hpp"
+#include "posenc/floater.hpp"
 #include "posenc/positions.hpp"
 #include "posenc/reference.hpp"
 #include "posenc/relative.hpp"

@@ -1,7 +1,8 @@
 // posenc table sinusoidal --length N --dim D [--base B] [--layout interleaved|split] [--offset P]
 //                         [--dtype f32|f64|bf16|f16] [--format text|csv|json]
 // posenc table rope       --length N --dim D [--base B] [--offset P] [...]
-// posenc table alibi|t5|kerple|fire|nope --length N [--heads H] [--head h] [scheme options]
+// posenc table alibi|t5|kerple|fire|tupe|shaw|xl|nope --length N [--heads H] [--head h] [options]
+// posenc table floater --length N --dim D [--hidden M] [--seed S] [...]
 //   a bias matrix: rows = query positions offset … offset + N − 1, columns = key positions
 //   offset … offset + N − 1 (causal schemes print their values above the diagonal too: masking
 //   is attention's job). t5 prints bucket ids (the learned table is a model's).
@@ -38,6 +39,9 @@ struct TableOptions {
   double r1 = 1.0, r2 = 0.5;
   std::int64_t hidden = 32;
   std::uint64_t seed = 0;
+  bool cls_reset = false;
+  double time_per_position = 0.1;
+  std::int64_t substeps = 1;
   double fire_c = 1.0, threshold = 512.0;
 };
 
@@ -153,6 +157,33 @@ void run_bias_table(const TableOptions& o) {
   const std::int64_t n = o.length;
   nlohmann::json doc = {{"encoding", o.encoding}, {"length", n}, {"offset", o.offset}};
   std::vector<std::pair<std::string, std::vector<double>>> tables;
+  if (o.encoding == "shaw") {
+    // The table row each (query, key) pair reads: clip(j − i, −k, k) + k.
+    const ShawParams shaw(o.max_distance, 1);
+    std::vector<double> rows(static_cast<std::size_t>(n * n));
+    for (std::int64_t i = 0; i < n; ++i) {
+      for (std::int64_t j = 0; j < n; ++j) rows[static_cast<std::size_t>(i * n + j)] = static_cast<double>(shaw.row_of(j - i));
+    }
+    doc["max_distance"] = o.max_distance;
+    print_tables(o, {{"rows", rows}}, n, doc, "k");
+    return;
+  }
+  if (o.encoding == "xl") {
+    // The position terms a zero query and zero keys see: scale·v·W_R r(i − j) (a seeded layer).
+    const std::int64_t dim = 16, d_model = 32;
+    const XlParams xl = XlParams::init(o.heads, dim, d_model, 0.5, o.seed);
+    std::vector<double> zeros(static_cast<std::size_t>(n * o.heads * dim), 0.0), all(static_cast<std::size_t>(o.heads * n * n), 0.0);
+    xl_add_position_terms(xl, ConstTensorView::of(zeros.data(), {n, o.heads, dim}), ConstTensorView::of(zeros.data(), {n, o.heads, dim}),
+                          positions, positions, TensorView::of(all.data(), {o.heads, n, n}));
+    doc.update({{"heads", o.heads}, {"head_dim", dim}, {"d_model", d_model}, {"seed", o.seed}});
+    std::vector<std::pair<std::string, std::vector<double>>> heads_tables;
+    for (std::int64_t h = 0; h < o.heads; ++h) {
+      if (o.head >= 0 && h != o.head) continue;
+      heads_tables.emplace_back("head" + std::to_string(h), std::vector<double>(all.begin() + h * n * n, all.begin() + (h + 1) * n * n));
+    }
+    print_tables(o, heads_tables, n, doc, "k");
+    return;
+  }
   if (o.encoding == "t5") {
     // Buckets, one matrix for all heads.
     std::vector<double> buckets(static_cast<std::size_t>(n * n));
@@ -174,6 +205,9 @@ void run_bias_table(const TableOptions& o) {
     const std::vector<double> r1(static_cast<std::size_t>(o.heads), o.r1), r2(static_cast<std::size_t>(o.heads), o.r2);
     scheme = KerpleParams(o.kerple_form == "log" ? KerpleForm::kLog : KerpleForm::kPower, r1, r2);
     doc.update({{"heads", o.heads}, {"form", o.kerple_form}, {"r1", o.r1}, {"r2", o.r2}});
+  } else if (o.encoding == "tupe") {
+    scheme = TupeParams::init(o.heads, 16, 32, o.offset + n, o.cls_reset, 0.5, o.seed);
+    doc.update({{"heads", o.heads}, {"head_dim", 16}, {"d_model", 32}, {"seed", o.seed}, {"cls_reset", o.cls_reset}});
   } else if (o.encoding == "fire") {
     scheme = FireParams::init(o.heads, o.hidden, o.seed, o.fire_c, o.threshold);
     doc.update({{"heads", o.heads}, {"hidden", o.hidden}, {"seed", o.seed}, {"c", o.fire_c}, {"threshold", o.threshold}});
@@ -196,7 +230,22 @@ void run_bias_table(const TableOptions& o) {
 }
 
 void run_table(const TableOptions& o) {
-  if (o.encoding == "alibi" || o.encoding == "t5" || o.encoding == "kerple" || o.encoding == "fire" || o.encoding == "nope") {
+  if (o.encoding == "floater") {
+    if (o.length < 0) throw Error("table", "--length", std::to_string(o.length), ">= 0");
+    const FloaterParams floater = FloaterParams::init(o.dim, o.hidden, o.seed, 1.0, o.time_per_position, o.substeps);
+    const std::int64_t rows = o.offset + o.length;
+    if (checked_mul(rows, o.dim, "table size") > (std::int64_t{1} << 26)) {
+      throw Error("table", "(--offset + --length) × --dim", std::to_string(rows) + " × " + std::to_string(o.dim), "at most 2^26 values");
+    }
+    std::vector<double> all(static_cast<std::size_t>(rows * o.dim));
+    floater_table(floater, TensorView::of(all.data(), {rows, o.dim}));
+    print_tables(o, {{"values", std::vector<double>(all.begin() + o.offset * o.dim, all.end())}}, o.dim,
+                 {{"encoding", "floater"}, {"dim", o.dim}, {"hidden", o.hidden}, {"seed", o.seed},
+                  {"time_per_position", o.time_per_position}, {"substeps", o.substeps}, {"offset", o.offset}, {"length", o.length}});
+    return;
+  }
+  if (o.encoding == "alibi" || o.encoding == "t5" || o.encoding == "kerple" || o.encoding == "fire" || o.encoding == "nope" ||
+      o.encoding == "shaw" || o.encoding == "xl" || o.encoding == "tupe") {
     if (o.format != "text" && o.format != "csv" && o.format != "json") {
       throw Error("table", "--format", o.format, "text, csv or json");
     }
@@ -204,7 +253,7 @@ void run_table(const TableOptions& o) {
     return;
   }
   if (o.encoding != "sinusoidal" && o.encoding != "rope") {
-    throw Error("table", "encoding", o.encoding, "sinusoidal, rope, alibi, t5, kerple, fire or nope");
+    throw Error("table", "encoding", o.encoding, "sinusoidal, rope, floater, alibi, t5, kerple, fire, tupe, shaw, xl or nope");
   }
   if (o.length < 0) throw Error("table", "--length", std::to_string(o.length), ">= 0");
   if (o.format != "text" && o.format != "csv" && o.format != "json") {
@@ -254,8 +303,9 @@ Runner add_table(CLI::App& app) {
   auto o = std::make_shared<TableOptions>();
   CLI::App* sub = app.add_subcommand("table", "Print an encoding table (rows = positions)");
   sub->add_option("encoding", o->encoding,
-                  "Encoding: sinusoidal; rope (cos and sin, one column per frequency); alibi, t5 (bucket ids), "
-                  "kerple, fire (a seeded fresh layer), nope (bias matrices: rows = queries, columns = keys)")
+                  "Encoding: sinusoidal; rope (cos and sin, one column per frequency); floater (a seeded layer's "
+                  "trajectory); alibi, t5 (bucket ids), kerple, fire, tupe (seeded layers), shaw (table rows), xl "
+                  "(position terms of zero q and k, a seeded layer), nope (bias matrices: rows = queries, columns = keys)")
       ->required();
   sub->add_option("--length,-n", o->length, "Number of positions (rows)")->capture_default_str();
   sub->add_option("--dim,-d", o->dim, "Encoding width, or rope's rotary dim (even)")->capture_default_str();
@@ -270,13 +320,18 @@ Runner add_table(CLI::App& app) {
   sub->add_flag("--symmetric", o->symmetric, "alibi: −m·|i − j| (encoder) instead of the causal −m·(i − j)");
   sub->add_option("--max-bias", o->max_bias, "alibi: slope exponent scale (8 in the paper)")->capture_default_str();
   sub->add_option("--num-buckets", o->num_buckets, "t5: number of buckets")->capture_default_str();
-  sub->add_option("--max-distance", o->max_distance, "t5: distance of the last bucket")->capture_default_str();
+  sub->add_option("--max-distance", o->max_distance, "t5: distance of the last bucket; shaw: the clip k")
+      ->capture_default_str();
   sub->add_flag("--causal", o->causal, "t5: unidirectional buckets");
   sub->add_option("--form", o->kerple_form, "kerple: log or power")->capture_default_str();
   sub->add_option("--r1", o->r1, "kerple: r1 (every head)")->capture_default_str();
   sub->add_option("--r2", o->r2, "kerple: r2 (every head)")->capture_default_str();
-  sub->add_option("--hidden", o->hidden, "fire: MLP width")->capture_default_str();
-  sub->add_option("--seed", o->seed, "fire: initialisation seed")->capture_default_str();
+  sub->add_option("--hidden", o->hidden, "fire, floater: MLP width")->capture_default_str();
+  sub->add_option("--seed", o->seed, "fire, tupe, xl, floater: initialisation seed")->capture_default_str();
+  sub->add_flag("--cls-reset", o->cls_reset, "tupe: position 0 is a [CLS] token with its own θ");
+  sub->add_option("--time-per-position", o->time_per_position, "floater: Δ, the ODE time between positions")
+      ->capture_default_str();
+  sub->add_option("--substeps", o->substeps, "floater: RK4 steps per position")->capture_default_str();
   sub->add_option("--c", o->fire_c, "fire: c of ψ(t) = log(1 + c·t)")->capture_default_str();
   sub->add_option("--threshold", o->threshold, "fire: L, the smallest normaliser position")->capture_default_str();
   return [o] { run_table(*o); };

@@ -187,6 +187,30 @@ void tour_biases() {
   for (const std::int64_t r : {0, 1, 10, 100, 1000, 100000}) fmt::print(" b({}) = {:.4f}", r, bias_value(kerple, 0, r));
   fmt::print("\n  — a slower, logarithmic decay than ALiBi's straight line.\n");
   fmt::print("\n  NoPE: b = 0 and nothing else; a causal decoder still learns positions from the mask.\n");
+
+  const FireParams fire = FireParams::init(1, 32, 0, 1.0, 8.0);
+  fmt::print("\n  FIRE (Li et al. 2023): b = MLP(log(1 + c|i − j|) / log(1 + c·max(L, i))); the input stays in\n"
+             "  [0, 1] at any length. A fresh layer (L = 8), the bias to the query's own token and 4 back:\n   ");
+  for (const std::int64_t i : {8, 80, 800, 8000}) {
+    fmt::print(" i = {}: {:.3f}, {:.3f};", i, bias_value(fire, 0, i, i), bias_value(fire, 0, i, i - 4));
+  }
+  fmt::print("\n  f_θ is piecewise linear ({} pieces here), so posenc evaluates a bias as one multiply-add.\n",
+             fire.kinks().size() + 1);
+
+  fmt::print("\n  TUPE (Ke et al. 2021): b = (p_i U^Q)·(p_j U^K)/sqrt(2D) from an absolute table with its own\n"
+             "  projections, and an optional [CLS] reset. Shaw et al. 2018: a^K and a^V rows for clipped\n"
+             "  distances, in the scores and in the values. Transformer-XL: u·k_j + (q_i + v)·W_R r(i − j).\n"
+             "  (`posenc table tupe|shaw|xl --length 6` prints them.)\n");
+}
+
+void tour_floater() {
+  section("FLOATER (Liu et al. 2020)");
+  fmt::print("  p(t) solves dp/dt = MLP(t, p), p(0) = p0; position n is p(n·Δ), integrated by RK4. A longer\n"
+             "  table integrates further and repeats the shorter one exactly:\n");
+  const FloaterParams floater = FloaterParams::init(4, 16, 2, 1.0, 0.1, 2);
+  std::vector<float> table(static_cast<std::size_t>(6 * 4));
+  floater_table(floater, TensorView::of(table.data(), {6, 4}));
+  print_rows(table, 6, 4, {0, 1, 2, 3, 4, 5});
 }
 
 void run_tour() {
@@ -198,6 +222,7 @@ void run_tour() {
   tour_learned();
   tour_rope();
   tour_biases();
+  tour_floater();
   fmt::print("\nNext: `posenc table sinusoidal --length 10 --dim 4`, `posenc table rope --length 4 --dim 8`,\n"
              "`posenc table alibi --length 8 --heads 4`, `posenc t5-buckets --from -20 --to 20`,\n"
              "`posenc bench sinusoidal`, `posenc bench rope --length 4096 --dim 128`.\n");

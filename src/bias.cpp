@@ -165,13 +165,8 @@ T5BiasParams::T5BiasParams(std::int64_t heads, std::int64_t num_buckets, std::in
   check_t5("T5BiasParams", num_buckets, max_distance, bidirectional);
   const auto size = static_cast<std::size_t>(num_buckets * heads);
   if (table_.empty()) table_.assign(size, 0.0);
-  if (table_.size() != size) {
-    throw Error("T5BiasParams", "table.size()", std::to_string(table_.size()),
-                "num_buckets · heads = " + std::to_string(size) + " ([num_buckets, heads] row-major)");
-  }
-  for (std::size_t e = 0; e < table_.size(); ++e) {
-    if (!std::isfinite(table_[e])) throw Error("T5BiasParams", "table[" + std::to_string(e) + "]", detail::to_text(table_[e]), "finite");
-  }
+  detail::check_parameter("T5BiasParams", "table", table_, size,
+                          "num_buckets · heads = " + std::to_string(size) + " ([num_buckets, heads] row-major)");
 }
 
 KerpleParams::KerpleParams(KerpleForm form, std::vector<double> r1, std::vector<double> r2)

@@ -19,14 +19,6 @@
 namespace posenc {
 namespace {
 
-void check_values(const char* name, const std::vector<double>& values, std::size_t size, const std::string& expected) {
-  if (values.size() != size) throw Error("FireParams", std::string(name) + ".size()", std::to_string(values.size()), expected);
-  for (std::size_t e = 0; e < values.size(); ++e) {
-    if (!std::isfinite(values[e])) {
-      throw Error("FireParams", std::string(name) + "[" + std::to_string(e) + "]", detail::to_text(values[e]), "finite");
-    }
-  }
-}
 
 void check_positive(const char* name, double value) {
   if (!std::isfinite(value) || value <= 0) throw Error("FireParams", name, detail::to_text(value), "a finite number > 0");
@@ -41,11 +33,11 @@ FireParams::FireParams(std::int64_t heads, std::vector<double> w1, std::vector<d
   if (heads < 1) throw Error("FireParams", "heads", std::to_string(heads), ">= 1");
   if (w1_.empty()) throw Error("FireParams", "w1.size()", "0", ">= 1 (the hidden width)");
   const std::size_t hidden = w1_.size();
-  check_values("w1", w1_, hidden, "");
-  check_values("b1", b1_, hidden, "hidden = " + std::to_string(hidden));
-  check_values("w2", w2_, static_cast<std::size_t>(heads) * hidden,
+  detail::check_parameter("FireParams", "w1", w1_, hidden, "");
+  detail::check_parameter("FireParams", "b1", b1_, hidden, "hidden = " + std::to_string(hidden));
+  detail::check_parameter("FireParams", "w2", w2_, static_cast<std::size_t>(heads) * hidden,
                "heads · hidden = " + std::to_string(static_cast<std::size_t>(heads) * hidden) + " ([heads, hidden])");
-  check_values("b2", b2_, static_cast<std::size_t>(heads), "heads = " + std::to_string(heads));
+  detail::check_parameter("FireParams", "b2", b2_, static_cast<std::size_t>(heads), "heads = " + std::to_string(heads));
   check_positive("c", c);
   check_positive("threshold", threshold);
   // The pieces of f_θ: kinks sorted, and per piece the active units, slopes and intercepts.

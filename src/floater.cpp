@@ -10,14 +10,6 @@
 namespace posenc {
 namespace {
 
-void check_sized(const char* name, const std::vector<double>& values, std::size_t size, const std::string& expected) {
-  if (values.size() != size) throw Error("FloaterParams", std::string(name) + ".size()", std::to_string(values.size()), expected);
-  for (std::size_t e = 0; e < values.size(); ++e) {
-    if (!std::isfinite(values[e])) {
-      throw Error("FloaterParams", std::string(name) + "[" + std::to_string(e) + "]", detail::to_text(values[e]), "finite");
-    }
-  }
-}
 
 // The MLP's hidden pre-activations z = W1·[t; p] + B1.
 void hidden_input(const FloaterParams& f, double t, const double* p, double* z) {
@@ -111,11 +103,11 @@ FloaterParams::FloaterParams(std::int64_t dim, std::vector<double> w1, std::vect
   if (dim < 1) throw Error("FloaterParams", "dim", std::to_string(dim), ">= 1");
   if (b1_.empty()) throw Error("FloaterParams", "b1.size()", "0", ">= 1 (the hidden width)");
   const std::size_t hidden = b1_.size(), d = static_cast<std::size_t>(dim);
-  check_sized("b1", b1_, hidden, "");
-  check_sized("w1", w1_, hidden * (d + 1), "hidden·(dim + 1) = " + std::to_string(hidden * (d + 1)) + " ([hidden, 1 + dim])");
-  check_sized("w2", w2_, d * hidden, "dim·hidden = " + std::to_string(d * hidden) + " ([dim, hidden])");
-  check_sized("b2", b2_, d, "dim = " + std::to_string(d));
-  check_sized("p0", p0_, d, "dim = " + std::to_string(d));
+  detail::check_parameter("FloaterParams", "b1", b1_, hidden, "");
+  detail::check_parameter("FloaterParams", "w1", w1_, hidden * (d + 1), "hidden·(dim + 1) = " + std::to_string(hidden * (d + 1)) + " ([hidden, 1 + dim])");
+  detail::check_parameter("FloaterParams", "w2", w2_, d * hidden, "dim·hidden = " + std::to_string(d * hidden) + " ([dim, hidden])");
+  detail::check_parameter("FloaterParams", "b2", b2_, d, "dim = " + std::to_string(d));
+  detail::check_parameter("FloaterParams", "p0", p0_, d, "dim = " + std::to_string(d));
   if (!std::isfinite(time_per_position) || time_per_position <= 0) {
     throw Error("FloaterParams", "time_per_position", detail::to_text(time_per_position), "a finite number > 0");
   }

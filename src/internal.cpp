@@ -94,6 +94,25 @@ void check_gradient_size(const char* where, const char* name, std::size_t got, s
   }
 }
 
+HeadsGrid check_output_tokens(const char* where, const char* name, ConstTensorView view, const HeadsGrid& like) {
+  const HeadsGrid g = heads_grid(where, name, view);
+  if (g.batch != like.batch || g.seq != like.seq || g.heads != like.heads || g.dim != like.dim) {
+    throw Error(where, std::string(name) + " shape", view.describe(),
+                "[" + std::to_string(like.batch) + ", " + std::to_string(like.seq) + ", " + std::to_string(like.heads) + ", " +
+                    std::to_string(like.dim) + "], the shape of the tokens it belongs to");
+  }
+  check_writable(where, name, view);
+  return g;
+}
+
+void check_parameter(const char* where, const char* name, const std::vector<double>& values, std::size_t size,
+                     const std::string& expected_size) {
+  if (values.size() != size) throw Error(where, std::string(name) + ".size()", std::to_string(values.size()), expected_size);
+  for (std::size_t e = 0; e < values.size(); ++e) {
+    if (!std::isfinite(values[e])) throw Error(where, std::string(name) + "[" + std::to_string(e) + "]", to_text(values[e]), "finite");
+  }
+}
+
 std::string to_text(double value) {
   char buffer[32];
   const auto result = std::to_chars(buffer, buffer + sizeof(buffer), value);

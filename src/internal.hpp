@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "posenc/dtype.hpp"
 #include "posenc/error.hpp"
@@ -33,6 +34,8 @@ struct HeadsGrid {
 };
 // Throws posenc::Error unless the view has rank 4 or 3.
 HeadsGrid heads_grid(const char* where, const char* name, ConstTensorView view);
+// An output (or gradient) of the shape of the tokens `like` describes, and writable.
+HeadsGrid check_output_tokens(const char* where, const char* name, ConstTensorView view, const HeadsGrid& like);
 // [rows, cols] of a rank-2 view, as a Grid with batch = 1.
 Grid matrix_grid(const char* where, const char* name, ConstTensorView view);
 
@@ -43,6 +46,10 @@ void check_dtype(const char* where, const char* name, DType got, DType expected)
 // that make rows overlap): throws posenc::Error naming the offending stride.
 void check_writable(const char* where, const char* name, ConstTensorView view);
 
+// A learned parameter's values: throws posenc::Error unless values.size() == size ("where:
+// name.size() = n; expected <expected_size>") and every value is finite ("name[e] = nan").
+void check_parameter(const char* where, const char* name, const std::vector<double>& values, std::size_t size,
+                     const std::string& expected_size);
 // Throws unless a gradient buffer's size `got` equals `expected`.
 void check_gradient_size(const char* where, const char* name, std::size_t got, std::int64_t expected);
 // Shortest text that reads back as the same double ("1e-09", "0.5", "nan"), for error messages.

@@ -20,15 +20,7 @@ namespace {
 std::vector<double> checked_table(std::vector<double> table, std::int64_t rows, std::int64_t dim, const char* name) {
   const auto size = static_cast<std::size_t>(rows * dim);
   if (table.empty()) table.assign(size, 0.0);
-  if (table.size() != size) {
-    throw Error("ShawParams", std::string(name) + ".size()", std::to_string(table.size()),
-                "(2k + 1)·head_dim = " + std::to_string(size));
-  }
-  for (std::size_t e = 0; e < table.size(); ++e) {
-    if (!std::isfinite(table[e])) {
-      throw Error("ShawParams", std::string(name) + "[" + std::to_string(e) + "]", detail::to_text(table[e]), "finite");
-    }
-  }
+  detail::check_parameter("ShawParams", name, table, size, "(2k + 1)·head_dim = " + std::to_string(size));
   return table;
 }
 
@@ -60,12 +52,6 @@ ShawGrids check_shaw(const char* where, const ShawParams& p, const char* tokens_
 
 bool empty_view(ConstTensorView v) { return v.rank() == 0 && v.data() == nullptr; }
 
-void check_same_tokens(const char* where, const char* name, ConstTensorView view, const detail::HeadsGrid& like) {
-  const detail::HeadsGrid g = detail::heads_grid(where, name, view);
-  if (g.batch != like.batch || g.seq != like.seq || g.heads != like.heads || g.dim != like.dim) {
-    throw Error(where, std::string(name) + " shape", view.describe(), "the shape of the tokens it pairs with");
-  }
-}
 
 // Per (b, h, i) row: Σ over the keys of each table row of values[b, h, i, j] (fp64), into
 // sums[row · (2k + 1) + t]. Rows ordered b, h, i.
@@ -206,10 +192,7 @@ void shaw_score_term_backward(const ShawParams& params, ConstTensorView q, Const
   const ShawGrids g = check_shaw(where, params, "q", q, "d_scores", d_scores, q_positions, k_positions);
   detail::check_gradient_size(where, "d_key_table", d_key_table.size(), params.rows() * params.head_dim());
   const bool has_dq = !empty_view(ConstTensorView(dq));
-  if (has_dq) {
-    check_same_tokens(where, "dq", ConstTensorView(dq), g.tokens);
-    detail::check_writable(where, "dq", ConstTensorView(dq));
-  }
+  if (has_dq) detail::check_output_tokens(where, "dq", ConstTensorView(dq), g.tokens);
   if (detail::use_reference()) {
     ref::shaw_score_term_backward(params, q, d_scores, q_positions, k_positions, dq, d_key_table);
     return;
@@ -355,10 +338,7 @@ void shaw_score_term_backward(const ShawParams& params, ConstTensorView q, Const
   detail::check_gradient_size(where, "d_key_table", d_key_table.size(), params.rows() * params.head_dim());
   const bool has_dq = !empty_view(ConstTensorView(dq));
   detail::HeadsGrid dg;
-  if (has_dq) {
-    check_same_tokens(where, "dq", ConstTensorView(dq), g.tokens);
-    dg = detail::heads_grid(where, "dq", ConstTensorView(dq));
-  }
+  if (has_dq) dg = detail::check_output_tokens(where, "dq", ConstTensorView(dq), g.tokens);
   const std::int64_t dim = params.head_dim();
   const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
   for (std::int64_t b = 0; b < g.scores.batch; ++b) {

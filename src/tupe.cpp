@@ -21,12 +21,7 @@ namespace {
 std::vector<double> checked(const char* name, std::vector<double> values, std::size_t size, const std::string& expected,
                             bool zeros_when_empty = false) {
   if (zeros_when_empty && values.empty()) values.assign(size, 0.0);
-  if (values.size() != size) throw Error("TupeParams", std::string(name) + ".size()", std::to_string(values.size()), expected);
-  for (std::size_t e = 0; e < values.size(); ++e) {
-    if (!std::isfinite(values[e])) {
-      throw Error("TupeParams", std::string(name) + "[" + std::to_string(e) + "]", detail::to_text(values[e]), "finite");
-    }
-  }
+  detail::check_parameter("TupeParams", name, values, size, expected);
   return values;
 }
 

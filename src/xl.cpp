@@ -19,14 +19,6 @@
 namespace posenc {
 namespace {
 
-void check_vector(const char* name, const std::vector<double>& values, std::size_t size, const std::string& expected) {
-  if (values.size() != size) throw Error("XlParams", std::string(name) + ".size()", std::to_string(values.size()), expected);
-  for (std::size_t e = 0; e < values.size(); ++e) {
-    if (!std::isfinite(values[e])) {
-      throw Error("XlParams", std::string(name) + "[" + std::to_string(e) + "]", detail::to_text(values[e]), "finite");
-    }
-  }
-}
 
 struct XlGrids {
   detail::HeadsGrid q, k;
@@ -59,13 +51,6 @@ XlGrids check_xl(const char* where, const XlParams& p, ConstTensorView q, ConstT
 
 bool empty_view(ConstTensorView v) { return v.rank() == 0 && v.data() == nullptr; }
 
-void check_gradient_view(const char* where, const char* name, ConstTensorView view, const detail::HeadsGrid& like) {
-  const detail::HeadsGrid g = detail::heads_grid(where, name, view);
-  if (g.batch != like.batch || g.seq != like.seq || g.heads != like.heads || g.dim != like.dim) {
-    throw Error(where, std::string(name) + " shape", view.describe(), "the shape of the tensor it is the gradient of");
-  }
-  detail::check_writable(where, name, view);
-}
 
 // The δ = q_pos − k_pos a call meets, each with its row in the tables: a dense range when it is
 // not much wider than the pairs, else the sorted distinct values.
@@ -148,9 +133,9 @@ XlParams::XlParams(std::int64_t heads, std::int64_t head_dim, std::int64_t d_mod
   if (head_dim < 1) throw Error("XlParams", "head_dim", std::to_string(head_dim), ">= 1");
   if (d_model < 2 || d_model % 2 != 0) throw Error("XlParams", "d_model", std::to_string(d_model), "an even number >= 2");
   const auto hd = static_cast<std::size_t>(heads * head_dim);
-  check_vector("u", u_, hd, "heads·head_dim = " + std::to_string(hd));
-  check_vector("v", v_, hd, "heads·head_dim = " + std::to_string(hd));
-  check_vector("w_r", w_r_, hd * static_cast<std::size_t>(d_model),
+  detail::check_parameter("XlParams", "u", u_, hd, "heads·head_dim = " + std::to_string(hd));
+  detail::check_parameter("XlParams", "v", v_, hd, "heads·head_dim = " + std::to_string(hd));
+  detail::check_parameter("XlParams", "w_r", w_r_, hd * static_cast<std::size_t>(d_model),
                "heads·head_dim·d_model = " + std::to_string(hd * static_cast<std::size_t>(d_model)));
   if (!std::isfinite(scale_) || scale_ <= 0) throw Error("XlParams", "scale", detail::to_text(scale), "> 0, or 0 for 1/sqrt(head_dim)");
   if (!std::isfinite(base) || base <= 1) throw Error("XlParams", "base", detail::to_text(base), "a finite number > 1");
@@ -242,8 +227,8 @@ void xl_position_terms_backward(const XlParams& params, ConstTensorView q, Const
   const char* where = "xl_position_terms_backward";
   const XlGrids g = check_xl(where, params, q, k, "d_scores", d_scores, q_positions, k_positions);
   const bool has_dq = !empty_view(ConstTensorView(dq)), has_dk = !empty_view(ConstTensorView(dk));
-  if (has_dq) check_gradient_view(where, "dq", ConstTensorView(dq), g.q);
-  if (has_dk) check_gradient_view(where, "dk", ConstTensorView(dk), g.k);
+  if (has_dq) detail::check_output_tokens(where, "dq", ConstTensorView(dq), g.q);
+  if (has_dk) detail::check_output_tokens(where, "dk", ConstTensorView(dk), g.k);
   detail::check_gradient_size(where, "grads.u", grads.u.size(), params.heads() * params.head_dim());
   detail::check_gradient_size(where, "grads.v", grads.v.size(), params.heads() * params.head_dim());
   detail::check_gradient_size(where, "grads.w_r", grads.w_r.size(), params.heads() * params.head_dim() * params.d_model());

@@ -200,6 +200,15 @@ GridCase random_grid() {
   return c;
 }
 
+// Finite differences and position-indexed tables need moderate distances: scattered ids (kind 3)
+// become ids below 200 (kind 2).
+void with_moderate_ids(GridCase& c) {
+  if (c.position_kind != 3) return;
+  c.position_kind = 2;
+  for (auto& id : c.q_ids) id %= 200;
+  for (auto& id : c.k_ids) id %= 200;
+}
+
 std::pair<Positions, Positions> positions_of(const GridCase& c) {
   switch (c.position_kind) {
     case 0: return {Positions::ranges(c.starts, c.q_len), Positions::ranges(c.starts, c.k_len)};  // per-row offsets
@@ -276,11 +285,7 @@ double finite_difference(const Make& make, const GridCase& c, const Positions& q
 TEST_P(EveryTarget, BiasBackwardMatchesReferenceAndFiniteDifferences) {
   for (int trial = 0; trial < 30; ++trial) {
     GridCase c = random_grid();
-    if (c.position_kind == 3) {  // finite differences need moderate distances: ids below 200
-      c.position_kind = 2;
-      for (auto& id : c.q_ids) id %= 200;
-      for (auto& id : c.k_ids) id %= 200;
-    }
+    with_moderate_ids(c);
     const auto [qp, kp] = positions_of(c);
     const std::int64_t count = c.batch * c.heads * c.q_len * c.k_len;
     const std::vector<std::int64_t> shape = {c.batch, c.heads, c.q_len, c.k_len};
@@ -409,11 +414,7 @@ TEST(Fire, PiecesEqualTheMlp) {
 TEST_P(EveryTarget, FireBackwardMatchesReferenceAndFiniteDifferences) {
   for (int trial = 0; trial < 12; ++trial) {
     GridCase c = random_grid();
-    if (c.position_kind == 3) {
-      c.position_kind = 2;
-      for (auto& id : c.q_ids) id %= 200;
-      for (auto& id : c.k_ids) id %= 200;
-    }
+    with_moderate_ids(c);
     const auto [qp, kp] = positions_of(c);
     const FireParams p = FireParams::init(c.heads, uniform_int(1, 12), static_cast<std::uint64_t>(trial), uniform(0.1, 2),
                                           uniform(2, 60));
@@ -459,11 +460,7 @@ TEST_P(EveryTarget, FireBackwardMatchesReferenceAndFiniteDifferences) {
 TEST_P(EveryTarget, TupeBackwardMatchesReferenceAndFiniteDifferences) {
   for (int trial = 0; trial < 12; ++trial) {
     GridCase c = random_grid();
-    if (c.position_kind == 3) {
-      c.position_kind = 2;
-      for (auto& id : c.q_ids) id %= 200;
-      for (auto& id : c.k_ids) id %= 200;
-    }
+    with_moderate_ids(c);
     const auto [qp, kp] = positions_of(c);
     const TupeParams p0 = TupeParams::init(c.heads, uniform_int(1, 4), uniform_int(1, 5), 3100, trial % 2 == 0, 0.7,
                                            static_cast<std::uint64_t>(trial));

@@ -119,8 +119,8 @@ int main(int argc, char** argv) {
   std::printf("posenc %s, target %s, %d thread(s)\n", std::string(posenc::version()).c_str(),
               posenc::active_target().c_str(), posenc::num_threads());
   std::printf("limits measured now: copy %.2f GB/s, copy_nt %.2f GB/s, rmw %.2f GB/s (read + write bytes, "
-              "buffers of 4x the last-level cache), read %.2f GB/s\n", g_limits.copy_gbs, g_limits.copy_nt_gbs, g_limits.rmw_gbs,
-              g_limits.read_gbs);
+              "buffers of 4x the last-level cache), read %.2f GB/s, write_nt %.2f GB/s\n", g_limits.copy_gbs,
+              g_limits.copy_nt_gbs, g_limits.rmw_gbs, g_limits.read_gbs, g_limits.write_nt_gbs);
   register_all();
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();

@@ -47,6 +47,7 @@ void run_bench(const BenchOptions& o) {
     limits.copy_nt_gbs = std::max(limits.copy_nt_gbs, now.copy_nt_gbs);
     limits.rmw_gbs = std::max(limits.rmw_gbs, now.rmw_gbs);
     limits.read_gbs = std::max(limits.read_gbs, now.read_gbs);
+    limits.write_nt_gbs = std::max(limits.write_nt_gbs, now.write_nt_gbs);
     seconds = std::min(seconds, perf::time_best(c.run, 5, 0.3));
   }
   const double throughput = c.bytes_per_run / seconds / 1e9;
@@ -61,14 +62,16 @@ void run_bench(const BenchOptions& o) {
         {"limit", limit},            {"limit_name", c.limit_name},
         {"ratio", throughput / limit},
         {"elements_per_second", c.elements_per_run / seconds},
-        {"limits", {{"copy", limits.copy_gbs}, {"copy_nt", limits.copy_nt_gbs}, {"rmw", limits.rmw_gbs}, {"read", limits.read_gbs}}}};
+        {"limits", {{"copy", limits.copy_gbs}, {"copy_nt", limits.copy_nt_gbs}, {"rmw", limits.rmw_gbs}, {"read", limits.read_gbs},
+                    {"write_nt", limits.write_nt_gbs}}}};
     fmt::print("{}\n", doc.dump(2));
   } else {
     fmt::print("{} {} on {} with {} thread(s)\n", c.name, c.description, active_target(), threads);
     fmt::print("  time        {:.3f} ms (best of repeated runs in {} rounds)\n", seconds * 1e3, o.rounds);
     fmt::print("  throughput  {:.2f} GB/s ({:.3g} elements/s)\n", throughput, c.elements_per_run / seconds);
-    fmt::print("  limit       {:.2f} GB/s ({}, measured now; copy {:.2f}, copy_nt {:.2f}, rmw {:.2f}, read {:.2f})\n",
-               limit, c.limit_name, limits.copy_gbs, limits.copy_nt_gbs, limits.rmw_gbs, limits.read_gbs);
+    fmt::print("  limit       {:.2f} GB/s ({}, measured now; copy {:.2f}, copy_nt {:.2f}, rmw {:.2f}, read {:.2f}, "
+               "write_nt {:.2f})\n",
+               limit, c.limit_name, limits.copy_gbs, limits.copy_nt_gbs, limits.rmw_gbs, limits.read_gbs, limits.write_nt_gbs);
     fmt::print("  ratio       {:.2f}\n", throughput / limit);
   }
 }

@@ -203,7 +203,7 @@ Case make_case(const std::string& name, const CaseOptions& o) {
     c.description = "scores [" + std::to_string(o.batch) + ", " + std::to_string(heads) + ", " + std::to_string(o.length) +
                     ", " + std::to_string(o.length) + "] f32, " + o.scheme + ", " + o.pass;
     c.bytes_per_run = static_cast<double>(scores) * sizeof(float);  // written (forward) or read (backward)
-    c.limit_name = o.pass == "forward" ? "copy_nt" : "read";
+    c.limit_name = o.pass == "forward" ? "write_nt" : "read";
     c.elements_per_run = static_cast<double>(scores);
     auto grads = std::make_shared<std::vector<double>>(static_cast<std::size_t>(64 * heads));
     call = [scheme, o, heads, grads](Buffers& bs) {

@@ -36,7 +36,7 @@ struct Case {
   std::string description;  // shapes, for reports
   double bytes_per_run = 0;  // bytes the kernel must move at least (reads + writes)
   double elements_per_run = 0;  // elements produced (or consumed, for reductions) per call
-  std::string limit_name;    // "copy", "copy_nt", "rmw" or "read": the limit this kernel is compared with
+  std::string limit_name;    // "copy", "copy_nt", "rmw", "read" or "write_nt": the limit it is compared with
   std::function<void()> run;
   std::shared_ptr<void> state;  // owns the buffers
 };

@@ -47,6 +47,13 @@ float SumF32(const float* HWY_RESTRICT a, std::size_t n) {
   for (; i < n; i += lanes) s0 = hn::Add(s0, hn::Load(d, a + i));
   return hn::GetLane(hn::SumOfLanes(d, hn::Add(hn::Add(s0, s1), hn::Add(s2, s3))));
 }
+// dst[i] = 0 for i < n with non-temporal stores; 64-byte aligned, n a multiple of 64 floats.
+void ZeroStreamF32(float* HWY_RESTRICT dst, std::size_t n) {
+  const hn::ScalableTag<float> d;
+  const auto zero = hn::Zero(d);
+  for (std::size_t i = 0; i < n; i += hn::Lanes(d)) hn::Stream(zero, d, dst + i);
+  hwy::FlushStream();
+}
 // a[i] += 1 for i < n; 64-byte aligned, n a multiple of 64 floats.
 void AddOneF32(float* HWY_RESTRICT a, std::size_t n) {
   const hn::ScalableTag<float> d;
@@ -64,6 +71,7 @@ namespace posenc::perf {
 HWY_EXPORT(CopyF32);
 HWY_EXPORT(AddOneF32);
 HWY_EXPORT(SumF32);
+HWY_EXPORT(ZeroStreamF32);
 
 std::size_t last_level_cache_bytes() {
   for (const int name : {_SC_LEVEL4_CACHE_SIZE, _SC_LEVEL3_CACHE_SIZE, _SC_LEVEL2_CACHE_SIZE}) {
@@ -80,7 +88,8 @@ Limits measure_limits(int threads, int reps) {
   auto src = hwy::AllocateAligned<float>(n);
   auto dst = hwy::AllocateAligned<float>(n);
   const std::size_t chunk = n / static_cast<std::size_t>(threads) / 64 * 64;
-  // kind 0: copy, 1: copy with streaming stores, 2: in-place add, 3: read (sum).
+  // kind 0: copy, 1: copy with streaming stores, 2: in-place add, 3: read (sum), 4: write
+  // (streaming stores of zeros).
   volatile float sink = 0;
   auto run = [&](int kind) {
 #pragma omp parallel num_threads(threads)
@@ -88,7 +97,9 @@ Limits measure_limits(int threads, int reps) {
       const auto t = static_cast<std::size_t>(omp_get_thread_num());
       const std::size_t begin = t * chunk;
       const std::size_t end = t + 1 == static_cast<std::size_t>(threads) ? n : begin + chunk;
-      if (kind == 3) {
+      if (kind == 4) {
+        HWY_DYNAMIC_DISPATCH(ZeroStreamF32)(dst.get() + begin, end - begin);
+      } else if (kind == 3) {
         sink = sink + HWY_DYNAMIC_DISPATCH(SumF32)(src.get() + begin, end - begin);
       } else if (kind == 2) {
         HWY_DYNAMIC_DISPATCH(AddOneF32)(dst.get() + begin, end - begin);
@@ -109,6 +120,7 @@ Limits measure_limits(int threads, int reps) {
   limits.copy_nt_gbs = moved / time_best([&] { run(1); }, reps, 0.0) / 1e9;
   limits.rmw_gbs = moved / time_best([&] { run(2); }, reps, 0.0) / 1e9;
   limits.read_gbs = moved / 2 / time_best([&] { run(3); }, reps, 0.0) / 1e9;
+  limits.write_nt_gbs = moved / 2 / time_best([&] { run(4); }, reps, 0.0) / 1e9;
   return limits;
 }
 

@@ -6,6 +6,7 @@
 //   rmw       in-place read-modify-write a[i] = a[i] + 1: the bound of kernels that update a
 //             buffer in place (no read-for-ownership either: the line was just read)
 //   read      a sum over the buffer: the bound of kernels that only read (reductions)
+//   write_nt  non-temporal stores of zeros: the bound of kernels that only write (bias matrices)
 //
 // All count bytes read + bytes written (STREAM's convention) and use the given thread count on
 // buffers of 4× the last-level cache each (STREAM's rule, so that they measure memory, not
@@ -26,8 +27,13 @@ struct Limits {
   double copy_nt_gbs = 0;
   double rmw_gbs = 0;
   double read_gbs = 0;
+  double write_nt_gbs = 0;
   double get(const std::string& name) const {
-    return name == "copy_nt" ? copy_nt_gbs : name == "rmw" ? rmw_gbs : name == "read" ? read_gbs : copy_gbs;
+    return name == "copy_nt"    ? copy_nt_gbs
+           : name == "rmw"      ? rmw_gbs
+           : name == "read"     ? read_gbs
+           : name == "write_nt" ? write_nt_gbs
+                                : copy_gbs;
   }
 };
 

@@ -277,6 +277,40 @@ void shaw_value_term_backward(const ShawParams& params, ConstTensorView probs, C
   contract_table_gradient(params, sums, d_out, g.tokens, g.scores, 1.0, d_value_table);
 }
 
+// ------------------------------------------------------------------------------ evaluator
+
+ShawEvaluator::ShawEvaluator(const ShawParams& params)
+    : k_(params.max_distance()), width_(params.rows()), dim_(params.head_dim()),
+      scale_(static_cast<float>(1.0 / std::sqrt(static_cast<double>(params.head_dim())))),
+      key_table_(params.key_table().begin(), params.key_table().end()),
+      value_table_(params.value_table().begin(), params.value_table().end()) {}
+
+void ShawEvaluator::query_dots(const float* q, float* dots) const {
+  for (std::int64_t t = 0; t < width_; ++t) {
+    const float* row = key_table_.data() + t * dim_;
+    float dot = 0;
+    for (std::int64_t d = 0; d < dim_; ++d) dot += q[d] * row[d];
+    dots[t] = dot * scale_;
+  }
+}
+
+void ShawEvaluator::add_row(const float* dots, std::int64_t q_position, std::int64_t k_first, std::int64_t count,
+                            float* scores) const {
+  for (std::int64_t j = 0; j < count; ++j) scores[j] += dots[row_of(k_first + j - q_position)];
+}
+
+void ShawEvaluator::add_values(const float* probs, std::int64_t q_position, std::int64_t k_first, std::int64_t count,
+                               float* out) const {
+  std::vector<float> weights(static_cast<std::size_t>(width_), 0.0f);
+  for (std::int64_t j = 0; j < count; ++j) weights[static_cast<std::size_t>(row_of(k_first + j - q_position))] += probs[j];
+  for (std::int64_t t = 0; t < width_; ++t) {
+    const float w = weights[static_cast<std::size_t>(t)];
+    if (w == 0.0f) continue;
+    const float* row = value_table_.data() + t * dim_;
+    for (std::int64_t d = 0; d < dim_; ++d) out[d] += w * row[d];
+  }
+}
+
 // ------------------------------------------------------------------------------ reference
 
 namespace ref {

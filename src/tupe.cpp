@@ -247,6 +247,46 @@ void tupe_backward(const TupeParams& params, const Positions& q_positions, const
   }
 }
 
+TupeEvaluator::TupeEvaluator(const TupeParams& params, std::int64_t first_position, std::int64_t last_position)
+    : params_(params), first_(first_position), hd_(params.heads() * params.head_dim()), dim_(params.head_dim()),
+      scale_(static_cast<float>(1.0 / std::sqrt(2.0 * static_cast<double>(params.head_dim())))) {
+  if (first_position < 0 || last_position < first_position || last_position >= params.max_len()) {
+    throw Error("TupeEvaluator", "[first_position, last_position]",
+                "[" + std::to_string(first_position) + ", " + std::to_string(last_position) + "]",
+                "0 <= first <= last < max_len = " + std::to_string(params.max_len()));
+  }
+  const std::int64_t count = last_position - first_position + 1;
+  pq_.resize(static_cast<std::size_t>(count * hd_));
+  pk_.resize(pq_.size());
+  for (std::int64_t n = 0; n < count; ++n) {
+    for (std::int64_t h = 0; h < params.heads(); ++h) {
+      const std::vector<double> a = params.project(params.u_q(), first_position + n, h);
+      const std::vector<double> c = params.project(params.u_k(), first_position + n, h);
+      for (std::int64_t e = 0; e < dim_; ++e) {
+        pq_[static_cast<std::size_t>(n * hd_ + h * dim_ + e)] = static_cast<float>(a[static_cast<std::size_t>(e)]);
+        pk_[static_cast<std::size_t>(n * hd_ + h * dim_ + e)] = static_cast<float>(c[static_cast<std::size_t>(e)]);
+      }
+    }
+  }
+}
+
+void TupeEvaluator::add_row(std::int64_t head, std::int64_t q_position, std::int64_t k_first, std::int64_t count,
+                            float* scores) const {
+  const auto in_range = [&](std::int64_t p) { return p >= first_ && (p - first_) * hd_ < static_cast<std::int64_t>(pq_.size()); };
+  for (std::int64_t j = 0; j < count; ++j) {
+    const std::int64_t k_position = k_first + j;
+    if ((params_.cls_reset() && (q_position == 0 || k_position == 0)) || !in_range(q_position) || !in_range(k_position)) {
+      scores[j] += static_cast<float>(detail::tupe_value(params_, head, q_position, k_position));
+      continue;
+    }
+    const float* a = pq_.data() + (q_position - first_) * hd_ + head * dim_;
+    const float* c = pk_.data() + (k_position - first_) * hd_ + head * dim_;
+    float dot = 0;
+    for (std::int64_t e = 0; e < dim_; ++e) dot += a[e] * c[e];
+    scores[j] += dot * scale_;
+  }
+}
+
 namespace ref {
 
 void tupe_backward(const TupeParams& params, const Positions& q_positions, const Positions& k_positions,

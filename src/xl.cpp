@@ -302,6 +302,55 @@ void xl_position_terms_backward(const XlParams& params, ConstTensorView q, Const
   }
 }
 
+// ------------------------------------------------------------------------------ evaluator
+
+XlEvaluator::XlEvaluator(const XlParams& params, std::int64_t min_delta, std::int64_t max_delta)
+    : params_(params), min_delta_(min_delta), width_(0), hd_(params.heads() * params.head_dim()), dim_(params.head_dim()),
+      u_(params.u().begin(), params.u().end()), v_(params.v().begin(), params.v().end()) {
+  if (max_delta < min_delta) {
+    throw Error("XlEvaluator", "max_delta", std::to_string(max_delta), ">= min_delta = " + std::to_string(min_delta));
+  }
+  // Tables up to 2^26 floats (256 MiB); wider ranges are projected per pair.
+  if ((max_delta - min_delta + 1) > (std::int64_t{1} << 26) / hd_) return;
+  width_ = max_delta - min_delta + 1;
+  Deltas deltas;
+  deltas.lo = min_delta;
+  for (std::int64_t delta = min_delta; delta <= max_delta; ++delta) deltas.values.push_back(delta);
+  std::vector<double> sinusoids, projected;
+  project(params, deltas, sinusoids, projected);
+  projected_.assign(projected.begin(), projected.end());
+}
+
+void XlEvaluator::add_row(std::int64_t head, const float* q, std::int64_t q_position, const float* k, std::int64_t k_stride,
+                          std::int64_t k_first, std::int64_t count, float* scores) const {
+  const float* u = u_.data() + head * dim_;
+  const float* v = v_.data() + head * dim_;
+  const auto scale = static_cast<float>(params_.scale());
+  std::vector<float> spot;
+  for (std::int64_t j = 0; j < count; ++j) {
+    const std::int64_t t = q_position - (k_first + j) - min_delta_;
+    const float* pd;
+    if (t >= 0 && t < width_) {
+      pd = projected_.data() + t * hd_ + head * dim_;
+    } else {
+      const std::vector<double> r = params_.sinusoid(q_position - (k_first + j));
+      spot.assign(static_cast<std::size_t>(dim_), 0.0f);
+      for (std::int64_t e = 0; e < dim_; ++e) {
+        double sum = 0;
+        for (std::int64_t m = 0; m < params_.d_model(); ++m) {
+          sum += params_.w_r()[static_cast<std::size_t>((head * dim_ + e) * params_.d_model() + m)] * r[static_cast<std::size_t>(m)];
+        }
+        spot[static_cast<std::size_t>(e)] = static_cast<float>(sum);
+      }
+      pd = spot.data();
+    }
+    const float* kj = k + j * k_stride;
+    float sum = 0;
+    for (std::int64_t d = 0; d < dim_; ++d) sum += u[d] * kj[d] + (q[d] + v[d]) * pd[d];
+    scores[j] += scale * sum;
+  }
+}
+
 // ------------------------------------------------------------------------------ reference
 
 namespace ref {

@@ -245,6 +245,21 @@ class TupeParams {
   std::vector<double> theta1_, theta2_;
 };
 
+// TUPE for attention's tile loop: each position's projections p[pos]·U^Q and p[pos]·U^K for the
+// positions in [first, last] once (f32, computed in fp64; positions outside are projected on the
+// spot); add_row adds head h's biases of one query against consecutive key positions.
+class TupeEvaluator {
+ public:
+  TupeEvaluator(const TupeParams& params, std::int64_t first_position, std::int64_t last_position);
+  void add_row(std::int64_t head, std::int64_t q_position, std::int64_t k_first, std::int64_t count, float* scores) const;
+
+ private:
+  TupeParams params_;
+  std::int64_t first_, hd_, dim_;
+  float scale_;
+  std::vector<float> pq_, pk_;  // [positions, H·D]
+};
+
 struct TupeGradients {
   explicit TupeGradients(const TupeParams& params);
   std::vector<double> table, u_q, u_k, theta1, theta2;

@@ -75,6 +75,28 @@ void shaw_value_term_backward(const ShawParams& params, ConstTensorView probs, C
                               const Positions& q_positions, const Positions& k_positions, TensorView d_probs,
                               std::span<double> d_value_table);
 
+// The Shaw terms for attention's tile loop, one query at a time (f32 tables, fp32 math):
+//
+//   query_dots(q, dots)      dots[t] = q·a^K[t] / sqrt(D) for the 2k + 1 table rows, once per query
+//   add_row(dots, …)         scores[j] += dots[row_of(k_first + j − q_position)]
+//   add_values(probs, …)     out += Σ_j probs[j]·a^V[row_of(k_first + j − q_position)]
+//                            (probabilities summed per table row first)
+class ShawEvaluator {
+ public:
+  explicit ShawEvaluator(const ShawParams& params);
+  std::int64_t width() const { return width_; }  // 2k + 1
+  std::int64_t head_dim() const { return dim_; }
+  void query_dots(const float* q, float* dots) const;
+  void add_row(const float* dots, std::int64_t q_position, std::int64_t k_first, std::int64_t count, float* scores) const;
+  void add_values(const float* probs, std::int64_t q_position, std::int64_t k_first, std::int64_t count, float* out) const;
+
+ private:
+  std::int64_t k_, width_, dim_;
+  float scale_;
+  std::vector<float> key_table_, value_table_;
+  std::int64_t row_of(std::int64_t r) const { return (r < -k_ ? -k_ : r > k_ ? k_ : r) + k_; }
+};
+
 // ---------------------------------------------------------------------------------- Transformer-XL
 // Dai et al. 2019, section 3.3: the score of query i and key j is
 //
@@ -134,5 +156,23 @@ void xl_add_position_terms(const XlParams& params, ConstTensorView q, ConstTenso
 void xl_position_terms_backward(const XlParams& params, ConstTensorView q, ConstTensorView k, ConstTensorView d_scores,
                                 const Positions& q_positions, const Positions& k_positions, TensorView dq,
                                 TensorView dk, XlGradients& grads);
+
+// The Transformer-XL terms for attention's tile loop: P(δ) = W_R r(δ) tabulated (f32, computed in
+// fp64) for δ = q_pos − k_pos in [min_delta, max_delta]; δ outside are computed on the spot.
+//   add_row(h, q, q_position, k, k_stride, k_first, count, scores):
+//     scores[j] += scale·(u_h·k_j + (q + v_h)·P_h(q_position − k_first − j)),
+//     q: head h's D floats, key j's D floats at k + j·k_stride.
+class XlEvaluator {
+ public:
+  XlEvaluator(const XlParams& params, std::int64_t min_delta, std::int64_t max_delta);
+  void add_row(std::int64_t head, const float* q, std::int64_t q_position, const float* k, std::int64_t k_stride,
+               std::int64_t k_first, std::int64_t count, float* scores) const;
+
+ private:
+  XlParams params_;
+  std::int64_t min_delta_, width_, hd_, dim_;
+  std::vector<float> projected_;  // [width, H·D]
+  std::vector<float> u_, v_;
+};
 
 }  // namespace posenc

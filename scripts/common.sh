@@ -5,6 +5,10 @@ set -euo pipefail
 POSENC_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 POSENC_PACKAGES=(g++ cmake ninja-build pkg-config libhwy-dev libgtest-dev libbenchmark-dev
                  libcli11-dev nlohmann-json3-dev libfmt-dev)
+# The PyTorch extension and its tests: libtorch's headers and CMake config, Debian's python3 with
+# torch, numpy and pytest, and an optimised libblas.so.3 for torch (Debian's torch otherwise uses
+# the reference BLAS).
+POSENC_TORCH_PACKAGES=(libtorch-dev python3-torch python3-numpy python3-pytest libopenblas0-pthread)
 
 posenc_install_dependencies() {
   local missing=()

@@ -1,0 +1,169 @@
+"""posenc: positional encodings for transformer models, as PyTorch ops and modules.
+
+The ops run posenc's C++ kernels (``torch.ops.posenc.*``, loaded from the ``libposenc_torch.so``
+next to this file) and differentiate through ``torch.autograd``. Tensors must be on the CPU;
+positions are int64 tensors ``[S]`` (shared by the batch) or ``[B, S]``. Bad arguments raise
+``ValueError`` (bad values or shapes; the message names the parameter, its value and what was
+expected) or ``TypeError`` (wrong device or dtype).
+
+Use with Debian's interpreter after ``bash scripts/test.sh`` (or a build with
+``-DPOSENC_BUILD_TORCH=ON``)::
+
+    PYTHONPATH=build/python /usr/bin/python3 -c "import posenc"
+"""
+import json
+import math
+import os
+
+import torch
+
+__all__ = [
+    "sinusoidal_table", "rope", "alibi_slopes", "alibi_bias", "t5_bias",
+    "SinusoidalPositionalEncoding", "RotaryPositionalEncoding", "ALiBi", "T5RelativeBias",
+]
+
+
+def _load():
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libposenc_torch.so")
+    if not os.path.exists(path):
+        raise ImportError(f"posenc: {path} is missing; build with -DPOSENC_BUILD_TORCH=ON (bash scripts/test.sh does)")
+    torch.ops.load_library(path)
+
+
+_load()
+_ops = torch.ops.posenc
+
+
+def _positions(positions, length, device_like=None):
+    if positions is None:
+        return torch.arange(length, dtype=torch.long)
+    if not isinstance(positions, torch.Tensor):
+        positions = torch.as_tensor(positions, dtype=torch.long)
+    return positions
+
+
+def sinusoidal_table(positions, dim, base=10000.0, interleaved=True, dtype=torch.float32):
+    """The sinusoidal encoding (Vaswani et al. 2017) of ``positions`` (an int, meaning 0..n-1, or
+    an int64 tensor [S]): ``[S, dim]``, pairs (sin, cos) interleaved or split in halves. Angles are
+    formed and reduced in fp64, so the values stay exact at long positions."""
+    if isinstance(positions, int):
+        positions = torch.arange(positions, dtype=torch.long)
+    return _ops.sinusoidal_table(_positions(positions, 0), dim, float(base), bool(interleaved), dtype)
+
+
+_DIRECTIONS = {"forward": 0, "backward": 1, "inverse": 2}
+
+
+def rope(q, k=None, positions=None, *, head_dim=None, rotary_dim=None, base=10000.0, layout="half-split",
+         scaling=None, max_position_embeddings=2048, freq_factors=None, direction="forward"):
+    """Rotary embedding of q [B, S, H, D] (or [T, H, D]) and optionally k (same tokens, its own head
+    count), out of place. ``positions``: int64 [S] or [B, S] (default 0..S-1). ``scaling``: a dict
+    with Hugging Face's ``rope_scaling`` keys (rope_type, factor, …). Returns (q_out, k_out), k_out
+    None without k. Differentiable in q and k."""
+    head_dim = q.shape[-1] if head_dim is None else head_dim
+    seq = q.shape[-3]
+    params = {"head_dim": int(head_dim), "rotary_dim": int(rotary_dim if rotary_dim is not None else head_dim),
+              "base": float(base), "layout": layout, "max_position_embeddings": int(max_position_embeddings)}
+    if scaling:
+        params.update({key: value for key, value in scaling.items() if key != "type"})
+        params.setdefault("rope_type", scaling.get("type", "default"))
+    if freq_factors is not None:
+        params["freq_factors"] = [float(x) for x in freq_factors]
+    if direction not in _DIRECTIONS:
+        raise ValueError(f"rope: direction = {direction}; expected forward, backward or inverse")
+    k_in = k if k is not None else q.new_empty(0)
+    q_out, k_out = _ops.rope(q, k_in, _positions(positions, seq), json.dumps(params), _DIRECTIONS[direction])
+    return q_out, (k_out if k is not None else None)
+
+
+def alibi_slopes(heads, max_bias=8.0):
+    """The ALiBi slopes of Press et al. for any head count (posenc::alibi_slopes): a float64 tensor."""
+    if heads < 1:
+        raise ValueError(f"alibi_slopes: heads = {heads}; expected >= 1")
+    n = 1 << (heads.bit_length() - 1)
+    exponents = [(h + 1) / n if h < n else (2 * (h - n) + 1) / (2 * n) for h in range(heads)]
+    return torch.tensor([2.0 ** (-max_bias * e) for e in exponents], dtype=torch.float64)
+
+
+def alibi_bias(slopes, q_positions, k_positions, symmetric=False):
+    """ALiBi biases [B, H, Sq, Sk]: -m_h·(i - j) (or -m_h·|i - j| when symmetric), differentiable in
+    the slopes."""
+    return _ops.alibi_bias(slopes, _positions(q_positions, 0), _positions(k_positions, 0), bool(symmetric))
+
+
+def t5_bias(table, q_positions, k_positions, num_buckets=32, max_distance=128, bidirectional=True):
+    """T5 relative biases [B, H, Sq, Sk] from a table [num_buckets, H], with transformers' bucket
+    function; differentiable in the table."""
+    return _ops.t5_bias(table, _positions(q_positions, 0), _positions(k_positions, 0), int(num_buckets),
+                        int(max_distance), bool(bidirectional))
+
+
+class SinusoidalPositionalEncoding(torch.nn.Module):
+    """x + sinusoidal table for the tokens' positions (x: [B, S, D] or [S, D]). Nothing is stored:
+    the table is recomputed, so the module has no state to save and extends to any length."""
+
+    def __init__(self, dim, base=10000.0, interleaved=True):
+        super().__init__()
+        self.dim, self.base, self.interleaved = dim, base, interleaved
+
+    def forward(self, x, positions=None):
+        table = sinusoidal_table(_positions(positions, x.shape[-2]), self.dim, self.base, self.interleaved, x.dtype)
+        return x + table
+
+
+class RotaryPositionalEncoding(torch.nn.Module):
+    """RoPE for q and k [B, S, H, D], with every layout and Hugging Face scaling of posenc."""
+
+    def __init__(self, head_dim, rotary_dim=None, base=10000.0, layout="half-split", scaling=None,
+                 max_position_embeddings=2048):
+        super().__init__()
+        self.head_dim, self.rotary_dim, self.base, self.layout = head_dim, rotary_dim or head_dim, base, layout
+        self.scaling, self.max_position_embeddings = dict(scaling or {}), max_position_embeddings
+
+    @classmethod
+    def from_hf_config(cls, config):
+        """From a Hugging Face config (a dict, or a path to config.json): rope_theta, rope_scaling,
+        partial_rotary_factor, head_dim or hidden_size / num_attention_heads."""
+        if isinstance(config, (str, os.PathLike)):
+            with open(config) as f:
+                config = json.load(f)
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        rotary_dim = int(head_dim * config.get("partial_rotary_factor", 1.0))
+        return cls(head_dim, rotary_dim, config.get("rope_theta", 10000.0), "half-split",
+                   config.get("rope_scaling") or None, config.get("max_position_embeddings", 2048))
+
+    def forward(self, q, k=None, positions=None):
+        return rope(q, k, positions, head_dim=self.head_dim, rotary_dim=self.rotary_dim, base=self.base,
+                    layout=self.layout, scaling=self.scaling, max_position_embeddings=self.max_position_embeddings)
+
+
+class ALiBi(torch.nn.Module):
+    """ALiBi biases [B, H, Sq, Sk] to add to attention scores. The slopes are a buffer (saved in
+    state_dict), or a Parameter with ``trainable=True``."""
+
+    def __init__(self, heads, max_bias=8.0, symmetric=False, trainable=False):
+        super().__init__()
+        slopes = alibi_slopes(heads, max_bias).to(torch.float32)
+        if trainable:
+            self.slopes = torch.nn.Parameter(slopes)
+        else:
+            self.register_buffer("slopes", slopes)
+        self.symmetric = symmetric
+
+    def forward(self, q_positions, k_positions=None):
+        k_positions = q_positions if k_positions is None else k_positions
+        return alibi_bias(self.slopes, _positions(q_positions, 0), _positions(k_positions, 0), self.symmetric)
+
+
+class T5RelativeBias(torch.nn.Module):
+    """T5's learned relative bias: a table [num_buckets, heads] and transformers' buckets."""
+
+    def __init__(self, heads, num_buckets=32, max_distance=128, bidirectional=True):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.zeros(num_buckets, heads))
+        self.num_buckets, self.max_distance, self.bidirectional = num_buckets, max_distance, bidirectional
+
+    def forward(self, q_positions, k_positions=None):
+        k_positions = q_positions if k_positions is None else k_positions
+        return t5_bias(self.table, _positions(q_positions, 0), _positions(k_positions, 0), self.num_buckets,
+                       self.max_distance, self.bidirectional)

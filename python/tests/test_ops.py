@@ -1,0 +1,164 @@
+"""posenc's torch ops against independent pure-PyTorch references (the tutorial formulations) in
+float64, torch.autograd.gradcheck on every differentiable op, and the error contract.
+
+Run: PYTHONPATH=build/python /usr/bin/python3 -m pytest -q python/tests
+"""
+import math
+
+import pytest
+import torch
+
+import posenc
+
+torch.manual_seed(0)
+
+
+# ------------------------------------------------------------------ independent references
+
+def reference_inv_freq(rotary_dim, base):
+    return 1.0 / base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def reference_rope_half_split(x, positions, base):
+    """Hugging Face's tutorial form: x·cos + rotate_half(x)·sin, on [S, H, D]."""
+    inv_freq = reference_inv_freq(x.shape[-1], base)
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    emb = torch.cat((angles, angles), dim=-1)[:, None, :]
+    return x * emb.cos() + rotate_half(x) * emb.sin()
+
+
+def reference_rope_interleaved(x, positions, base):
+    """Meta's original form: complex multiplication of (x[2i], x[2i+1]) by e^{iθ}."""
+    inv_freq = reference_inv_freq(x.shape[-1], base)
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    rotation = torch.polar(torch.ones_like(angles), angles)[:, None, :]
+    pairs = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2).contiguous())
+    return torch.view_as_real(pairs * rotation).reshape(x.shape)
+
+
+def reference_t5_bucket(relative_position, bidirectional, num_buckets, max_distance):
+    buckets = torch.zeros_like(relative_position)
+    if bidirectional:
+        num_buckets //= 2
+        buckets += (relative_position > 0).to(torch.long) * num_buckets
+        distance = relative_position.abs()
+    else:
+        distance = -torch.min(relative_position, torch.zeros_like(relative_position))
+    max_exact = num_buckets // 2
+    large = max_exact + (torch.log(distance.float() / max_exact) / math.log(max_distance / max_exact)
+                         * (num_buckets - max_exact)).to(torch.long)
+    large = torch.min(large, torch.full_like(large, num_buckets - 1))
+    return buckets + torch.where(distance < max_exact, distance, large)
+
+
+# ------------------------------------------------------------------ sinusoidal
+
+def test_sinusoidal_table_matches_the_tutorial_formula():
+    positions = torch.arange(50, dtype=torch.long) * 7
+    dim = 16
+    div = torch.exp(torch.arange(0, dim, 2, dtype=torch.float64) * (-math.log(10000.0) / dim))
+    angles = positions.to(torch.float64)[:, None] * div[None, :]
+    want = torch.stack((angles.sin(), angles.cos()), dim=-1).reshape(50, dim)
+    got = posenc.sinusoidal_table(positions, dim, dtype=torch.float64)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    module = posenc.SinusoidalPositionalEncoding(dim)
+    x = torch.randn(2, 50, dim, dtype=torch.float64)
+    torch.testing.assert_close(module(x, positions), x + want, rtol=0, atol=1e-12)
+
+
+# ------------------------------------------------------------------ rope
+
+@pytest.mark.parametrize("layout", ["half-split", "interleaved"])
+def test_rope_matches_the_tutorial_forms(layout):
+    q = torch.randn(1, 9, 4, 32, dtype=torch.float64)
+    k = torch.randn(1, 9, 2, 32, dtype=torch.float64)
+    positions = torch.arange(9, dtype=torch.long) + 100
+    q_out, k_out = posenc.rope(q, k, positions, layout=layout)
+    reference = reference_rope_half_split if layout == "half-split" else reference_rope_interleaved
+    torch.testing.assert_close(q_out[0], reference(q[0], positions, 10000.0), rtol=0, atol=1e-12)
+    torch.testing.assert_close(k_out[0], reference(k[0], positions, 10000.0), rtol=0, atol=1e-12)
+    # f32 against the float64 reference: the angle is exact in posenc, the products f32.
+    q32, _ = posenc.rope(q.float(), None, positions, layout=layout)
+    torch.testing.assert_close(q32[0].double(), reference(q[0], positions, 10000.0), rtol=0, atol=1e-5)
+
+
+def test_rope_gradcheck_and_module():
+    q = torch.randn(2, 5, 2, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 5, 1, 8, dtype=torch.float64, requires_grad=True)
+    positions = torch.tensor([[3, 4, 5, 6, 7], [0, 1, 2, 0, 1]], dtype=torch.long)
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    fn = lambda a, b: posenc.rope(a, b, positions, rotary_dim=6, scaling=scaling)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (q, k))
+    module = posenc.RotaryPositionalEncoding(8, 6, scaling=scaling)
+    q_out, k_out = module(q, k, positions)
+    torch.testing.assert_close(q_out, fn(q, k)[0])
+
+
+def test_rope_from_hf_config_reproduces_transformers_inv_freq():
+    # Llama 3.1's rope_scaling; the rotation at position 1 of a unit pair exposes ω_i = angle.
+    config = {"hidden_size": 4096, "num_attention_heads": 32, "rope_theta": 500000.0,
+              "max_position_embeddings": 131072,
+              "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+    module = posenc.RotaryPositionalEncoding.from_hf_config(config)
+    x = torch.zeros(1, 1, 1, 128, dtype=torch.float64)
+    x[..., :64] = 1.0  # first members of every half-split pair
+    out, _ = module(x, None, torch.tensor([1]))
+    omega = torch.atan2(out[0, 0, 0, 64:], out[0, 0, 0, :64])
+    inv_freq = reference_inv_freq(128, 500000.0)
+    wavelen = 2 * math.pi / inv_freq
+    low, high = 8192 / 1.0, 8192 / 4.0
+    smooth = (8192 / wavelen - 1.0) / (4.0 - 1.0)
+    want = torch.where(wavelen > low, inv_freq / 8.0, inv_freq)
+    medium = (wavelen >= high) & (wavelen <= low)
+    want = torch.where(medium, (1 - smooth) * inv_freq / 8.0 + smooth * inv_freq, want)
+    torch.testing.assert_close(omega, want, rtol=1e-12, atol=0)
+
+
+# ------------------------------------------------------------------ biases
+
+def test_alibi_matches_materialised_reference_and_gradcheck():
+    slopes = posenc.alibi_slopes(6).requires_grad_(True)
+    qp = torch.arange(5, dtype=torch.long) + 10
+    kp = torch.arange(8, dtype=torch.long) + 7
+    bias = posenc.alibi_bias(slopes, qp, kp)
+    distance = (qp[:, None] - kp[None, :]).to(torch.float64)
+    torch.testing.assert_close(bias[0], -slopes.detach()[:, None, None] * distance[None], rtol=0, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda s: posenc.alibi_bias(s, qp, kp, True), (slopes,))
+    module = posenc.ALiBi(6, trainable=True)
+    assert isinstance(module.slopes, torch.nn.Parameter)
+    assert "slopes" in posenc.ALiBi(6).state_dict()
+
+
+def test_t5_matches_transformers_buckets_and_gradcheck():
+    table = torch.randn(32, 3, dtype=torch.float64, requires_grad=True)
+    qp = torch.arange(40, dtype=torch.long)
+    kp = torch.arange(300, dtype=torch.long) * 3
+    bias = posenc.t5_bias(table, qp, kp)
+    buckets = reference_t5_bucket(kp[None, :] - qp[:, None], True, 32, 128)
+    torch.testing.assert_close(bias[0], table.detach()[buckets].permute(2, 0, 1), rtol=0, atol=0)
+    assert torch.autograd.gradcheck(lambda t: posenc.t5_bias(t, qp[:6], kp[:7]), (table,))
+    module = posenc.T5RelativeBias(3)
+    assert module(torch.arange(4)).shape == (1, 3, 4, 4)
+
+
+# ------------------------------------------------------------------ errors
+
+def test_bad_values_raise_value_error_naming_the_parameter():
+    q = torch.randn(1, 3, 2, 8)
+    with pytest.raises(ValueError, match="rotary_dim = 7"):
+        posenc.rope(q, rotary_dim=7)
+    with pytest.raises(ValueError, match="num_buckets = 3"):
+        posenc.t5_bias(torch.zeros(3, 2), torch.arange(2), torch.arange(2), num_buckets=3)
+
+
+def test_other_devices_and_dtypes_raise_type_error():
+    with pytest.raises(TypeError, match="device = meta"):
+        posenc.rope(torch.empty(1, 3, 2, 8, device="meta"))
+    with pytest.raises(TypeError, match="dtype = Int"):
+        posenc.rope(torch.zeros(1, 3, 2, 8, dtype=torch.int32))

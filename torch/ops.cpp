@@ -1,0 +1,296 @@
+// posenc's PyTorch custom operators (namespace `posenc`), one adapter for C++ (libtorch) and Python
+// callers: each op is a plain C++ function registered with TORCH_LIBRARY, and differentiable ops
+// go through torch::autograd::Function, so autograd works from either side.
+//
+//   posenc::sinusoidal_table(Tensor positions, int dim, float base, bool interleaved, ScalarType dtype)
+//   posenc::rope(Tensor q, Tensor k, Tensor positions, str params, int direction) -> (Tensor, Tensor)
+//   posenc::alibi_bias(Tensor slopes, Tensor q_positions, Tensor k_positions, bool symmetric) -> Tensor
+//   posenc::t5_bias(Tensor table, Tensor q_positions, Tensor k_positions, int num_buckets,
+//                   int max_distance, bool bidirectional) -> Tensor
+//
+// Positions are int64 tensors [S] (shared by the batch) or [B, S]. `params` of rope is a JSON
+// object with RopeParams' fields (head_dim, rotary_dim, base, layout, rope_type, factor, …; see
+// python/posenc/__init__.py). posenc::Error becomes a Python ValueError (its message names the
+// parameter, the value and what was expected); tensors on another device or of an unsupported
+// dtype become TypeError.
+#include <torch/library.h>
+#include <torch/torch.h>
+
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "posenc/posenc.hpp"
+
+namespace posenc::torch_adapter {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+DType dtype_of(const char* where, const char* name, const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::kF32;
+    case at::kDouble: return DType::kF64;
+    case at::kBFloat16: return DType::kBF16;
+    case at::kHalf: return DType::kF16;
+    default:
+      TORCH_CHECK_TYPE(false, where, ": ", name, ".dtype = ", c10::toString(t.scalar_type()),
+                       "; expected float32, float64, bfloat16 or float16");
+  }
+  return DType::kF32;
+}
+
+void check_cpu(const char* where, const char* name, const at::Tensor& t) {
+  TORCH_CHECK_TYPE(t.device().is_cpu(), where, ": ", name, ".device = ", t.device().str(),
+                   "; expected cpu (posenc's kernels run on the CPU)");
+}
+
+std::vector<std::int64_t> sizes_of(const at::Tensor& t) { return {t.sizes().begin(), t.sizes().end()}; }
+std::vector<std::int64_t> strides_of(const at::Tensor& t) { return {t.strides().begin(), t.strides().end()}; }
+
+ConstTensorView const_view(const char* where, const char* name, const at::Tensor& t) {
+  check_cpu(where, name, t);
+  return ConstTensorView(t.data_ptr(), dtype_of(where, name, t), sizes_of(t), strides_of(t));
+}
+
+TensorView mutable_view(const char* where, const char* name, at::Tensor& t) {
+  check_cpu(where, name, t);
+  return TensorView(t.data_ptr(), dtype_of(where, name, t), sizes_of(t), strides_of(t));
+}
+
+// Positions borrow the ids: `ids` must stay alive (and contiguous int64) while they are used.
+Positions positions_of(const char* where, const char* name, const at::Tensor& ids) {
+  check_cpu(where, name, ids);
+  TORCH_CHECK_TYPE(ids.scalar_type() == at::kLong, where, ": ", name, ".dtype = ", c10::toString(ids.scalar_type()),
+                   "; expected int64");
+  TORCH_CHECK_VALUE(ids.is_contiguous() && (ids.dim() == 1 || ids.dim() == 2), where, ": ", name,
+                    " must be a contiguous [S] or [B, S] tensor, got shape ", ids.sizes());
+  const std::span<const std::int64_t> span(ids.data_ptr<std::int64_t>(), static_cast<std::size_t>(ids.numel()));
+  if (ids.dim() == 1) return Positions::ids(span);
+  return Positions::ids(span, ids.size(0), ids.size(1));
+}
+
+// posenc::Error → ValueError (the Python exception for bad values and shapes).
+template <class Fn>
+auto translating(Fn&& fn) -> decltype(fn()) {
+  try {
+    return fn();
+  } catch (const Error& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+}
+
+RopeParams rope_params_from_json(const std::string& text) {
+  const nlohmann::json j = nlohmann::json::parse(text);
+  const auto number = [&](const char* key, double fallback) { return j.contains(key) ? j.at(key).get<double>() : fallback; };
+  const auto integer = [&](const char* key, std::int64_t fallback) {
+    return j.contains(key) ? j.at(key).get<std::int64_t>() : fallback;
+  };
+  const std::int64_t head_dim = integer("head_dim", 0);
+  RopeScaling scaling;
+  const std::string type = j.value("rope_type", std::string("default"));
+  const std::pair<const char*, RopeType> types[] = {{"default", RopeType::kDefault}, {"linear", RopeType::kLinear},
+                                                    {"ntk", RopeType::kNtk},         {"dynamic", RopeType::kDynamic},
+                                                    {"yarn", RopeType::kYarn},       {"longrope", RopeType::kLongRope},
+                                                    {"llama3", RopeType::kLlama3}};
+  bool known = false;
+  for (const auto& [name, value] : types) {
+    if (type == name) {
+      scaling.type = value;
+      known = true;
+    }
+  }
+  if (!known) throw Error("rope", "rope_type", type, "default, linear, ntk, dynamic, yarn, longrope or llama3");
+  scaling.factor = number("factor", scaling.factor);
+  scaling.original_max_position_embeddings = integer("original_max_position_embeddings", 0);
+  scaling.beta_fast = number("beta_fast", scaling.beta_fast);
+  scaling.beta_slow = number("beta_slow", scaling.beta_slow);
+  scaling.mscale = number("mscale", scaling.mscale);
+  scaling.mscale_all_dim = number("mscale_all_dim", scaling.mscale_all_dim);
+  scaling.truncate = j.value("truncate", true);
+  scaling.attention_factor = number("attention_factor", scaling.attention_factor);
+  scaling.low_freq_factor = number("low_freq_factor", scaling.low_freq_factor);
+  scaling.high_freq_factor = number("high_freq_factor", scaling.high_freq_factor);
+  if (j.contains("short_factor")) scaling.short_factor = j.at("short_factor").get<std::vector<double>>();
+  if (j.contains("long_factor")) scaling.long_factor = j.at("long_factor").get<std::vector<double>>();
+  const std::string layout = j.value("layout", std::string("half-split"));
+  if (layout != "half-split" && layout != "interleaved") throw Error("rope", "layout", layout, "half-split or interleaved");
+  std::vector<double> freq_factors;
+  if (j.contains("freq_factors")) freq_factors = j.at("freq_factors").get<std::vector<double>>();
+  return RopeParams(head_dim, integer("rotary_dim", head_dim), number("base", 10000.0),
+                    layout == "interleaved" ? RopeLayout::kInterleaved : RopeLayout::kHalfSplit, scaling,
+                    integer("max_position_embeddings", 2048), freq_factors);
+}
+
+RopeDirection direction_of(std::int64_t code) {
+  if (code < 0 || code > 2) throw Error("rope", "direction", std::to_string(code), "0 (forward), 1 (backward) or 2 (inverse)");
+  return static_cast<RopeDirection>(code);
+}
+
+bool absent(const at::Tensor& t) { return !t.defined() || (t.dim() == 1 && t.numel() == 0); }
+
+// Rotates q (and k) out of place; returns (q_out, k_out), k_out empty without k.
+std::tuple<at::Tensor, at::Tensor> rope_apply_tensors(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
+                                                      const std::string& params, std::int64_t direction) {
+  return translating([&] {
+    const char* where = "rope";
+    const RopeParams p = rope_params_from_json(params);
+    const at::Tensor ids = positions.contiguous();
+    const Positions pos = positions_of(where, "positions", ids);
+    at::Tensor q_out = at::empty_like(q, at::MemoryFormat::Contiguous);
+    at::Tensor k_out = absent(k) ? q.new_empty({0}) : at::empty_like(k, at::MemoryFormat::Contiguous);
+    rope_apply(p, pos, const_view(where, "q", q), absent(k) ? ConstTensorView() : const_view(where, "k", k),
+               mutable_view(where, "q_out", q_out), absent(k) ? TensorView() : mutable_view(where, "k_out", k_out),
+               direction_of(direction));
+    return std::make_tuple(q_out, k_out);
+  });
+}
+
+class RopeFunction : public torch::autograd::Function<RopeFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
+                               const std::string& params, std::int64_t direction) {
+    ctx->saved_data["params"] = params;
+    ctx->saved_data["direction"] = direction;
+    ctx->saved_data["has_k"] = !absent(k);
+    ctx->save_for_backward({positions});
+    auto [q_out, k_out] = rope_apply_tensors(q, k, positions, params, direction);
+    return {q_out, k_out};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const std::string params = ctx->saved_data["params"].toStringRef();
+    const std::int64_t direction = ctx->saved_data["direction"].toInt();
+    const bool has_k = ctx->saved_data["has_k"].toBool();
+    const at::Tensor positions = ctx->get_saved_variables()[0];
+    // y = α·S·R(±θ)·x, so dx = α·S·R(∓θ)·dy: forward and backward are each other's gradient. The
+    // inverse, R(−θ)·y/(α·S), would need R(θ)/(α·S), which is none of the three directions.
+    TORCH_CHECK_VALUE(direction != 2, "rope: direction = 2 (inverse); expected 0 or 1 when gradients are needed");
+    const at::Tensor dq = grads[0].defined() ? grads[0] : at::zeros_like(grads[1]);
+    const at::Tensor dk = has_k ? (grads[1].defined() ? grads[1] : at::Tensor()) : at::Tensor();
+    auto [gq, gk] = rope_apply_tensors(dq.contiguous(), has_k && dk.defined() ? dk.contiguous() : dq.new_empty({0}),
+                                       positions, params, direction == 0 ? 1 : 0);
+    return {gq, has_k && dk.defined() ? gk : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> rope_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
+                                           std::string params, std::int64_t direction) {
+  const variable_list out = RopeFunction::apply(q, k, positions, params, direction);
+  return {out[0], out[1]};
+}
+
+at::Tensor sinusoidal_table_op(const at::Tensor& positions, std::int64_t dim, double base, bool interleaved,
+                               c10::ScalarType dtype) {
+  return translating([&] {
+    const at::Tensor ids = positions.contiguous();
+    const Positions pos = positions_of("sinusoidal_table", "positions", ids);
+    TORCH_CHECK_VALUE(ids.dim() == 1, "sinusoidal_table: positions must be [S], got shape ", ids.sizes());
+    at::Tensor out = at::empty({ids.size(0), dim}, at::TensorOptions().dtype(dtype));
+    sinusoidal_table(SinusoidalParams(dim, base, interleaved ? SinusoidalLayout::kInterleaved : SinusoidalLayout::kSplitHalves),
+                     pos, mutable_view("sinusoidal_table", "out", out));
+    return out;
+  });
+}
+
+// Scores [B, H, Sq, Sk] (B from the positions: 1 for [S] ids) of a bias scheme, in the dtype of
+// the learned parameter tensor.
+at::Tensor materialize(const BiasScheme& scheme, const at::Tensor& q_ids, const at::Tensor& k_ids, c10::ScalarType dtype) {
+  const Positions qp = positions_of("bias", "q_positions", q_ids), kp = positions_of("bias", "k_positions", k_ids);
+  const std::int64_t batch = q_ids.dim() == 2 ? q_ids.size(0) : 1;
+  at::Tensor out = at::empty({batch, bias_heads(scheme), q_ids.size(-1), k_ids.size(-1)}, at::TensorOptions().dtype(dtype));
+  bias_materialize(scheme, qp, kp, mutable_view("bias", "out", out));
+  return out;
+}
+
+std::vector<double> doubles_of(const char* where, const char* name, const at::Tensor& t) {
+  check_cpu(where, name, t);
+  const at::Tensor d = t.detach().to(at::kDouble).contiguous();
+  return {d.data_ptr<double>(), d.data_ptr<double>() + d.numel()};
+}
+
+at::Tensor tensor_of(const std::vector<double>& values, const at::Tensor& like) {
+  return at::from_blob(const_cast<double*>(values.data()), like.sizes(), at::kDouble).clone().to(like.scalar_type());
+}
+
+class AlibiFunction : public torch::autograd::Function<AlibiFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& slopes, const at::Tensor& q_positions,
+                            const at::Tensor& k_positions, bool symmetric) {
+    ctx->saved_data["symmetric"] = symmetric;
+    const at::Tensor qi = q_positions.contiguous(), ki = k_positions.contiguous();
+    ctx->save_for_backward({slopes, qi, ki});
+    return translating([&] {
+      const AlibiParams p(doubles_of("alibi_bias", "slopes", slopes), symmetric ? AlibiForm::kSymmetric : AlibiForm::kCausal);
+      return materialize(p, qi, ki, slopes.scalar_type());
+    });
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const bool symmetric = ctx->saved_data["symmetric"].toBool();
+    return translating([&] {
+      const AlibiParams p(doubles_of("alibi_bias", "slopes", saved[0]), symmetric ? AlibiForm::kSymmetric : AlibiForm::kCausal);
+      std::vector<double> d_slopes(static_cast<std::size_t>(p.heads()), 0.0);
+      const at::Tensor ds = grads[0].contiguous();
+      alibi_backward(p, positions_of("alibi_bias", "q_positions", saved[1]), positions_of("alibi_bias", "k_positions", saved[2]),
+                     const_view("alibi_bias", "grad", ds), d_slopes);
+      return variable_list{tensor_of(d_slopes, saved[0]), at::Tensor(), at::Tensor(), at::Tensor()};
+    });
+  }
+};
+
+class T5Function : public torch::autograd::Function<T5Function> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& table, const at::Tensor& q_positions,
+                            const at::Tensor& k_positions, std::int64_t num_buckets, std::int64_t max_distance,
+                            bool bidirectional) {
+    ctx->saved_data["num_buckets"] = num_buckets;
+    ctx->saved_data["max_distance"] = max_distance;
+    ctx->saved_data["bidirectional"] = bidirectional;
+    const at::Tensor qi = q_positions.contiguous(), ki = k_positions.contiguous();
+    ctx->save_for_backward({table, qi, ki});
+    return translating([&] { return materialize(params_of(table, num_buckets, max_distance, bidirectional), qi, ki, table.scalar_type()); });
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    return translating([&] {
+      const T5BiasParams p = params_of(saved[0], ctx->saved_data["num_buckets"].toInt(), ctx->saved_data["max_distance"].toInt(),
+                                       ctx->saved_data["bidirectional"].toBool());
+      std::vector<double> d_table(p.table().size(), 0.0);
+      const at::Tensor ds = grads[0].contiguous();
+      t5_bias_backward(p, positions_of("t5_bias", "q_positions", saved[1]), positions_of("t5_bias", "k_positions", saved[2]),
+                       const_view("t5_bias", "grad", ds), d_table);
+      return variable_list{tensor_of(d_table, saved[0]), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    });
+  }
+
+ private:
+  static T5BiasParams params_of(const at::Tensor& table, std::int64_t num_buckets, std::int64_t max_distance, bool bidirectional) {
+    TORCH_CHECK_VALUE(table.dim() == 2 && table.size(0) == num_buckets, "t5_bias: table shape ", table.sizes(),
+                      "; expected [num_buckets = ", num_buckets, ", heads]");
+    return T5BiasParams(table.size(1), num_buckets, max_distance, bidirectional, doubles_of("t5_bias", "table", table));
+  }
+};
+
+at::Tensor alibi_op(const at::Tensor& slopes, const at::Tensor& q_positions, const at::Tensor& k_positions, bool symmetric) {
+  return AlibiFunction::apply(slopes, q_positions, k_positions, symmetric);
+}
+
+at::Tensor t5_op(const at::Tensor& table, const at::Tensor& q_positions, const at::Tensor& k_positions,
+                 std::int64_t num_buckets, std::int64_t max_distance, bool bidirectional) {
+  return T5Function::apply(table, q_positions, k_positions, num_buckets, max_distance, bidirectional);
+}
+
+}  // namespace
+}  // namespace posenc::torch_adapter
+
+TORCH_LIBRARY(posenc, m) {
+  using namespace posenc::torch_adapter;
+  m.def("sinusoidal_table(Tensor positions, int dim, float base, bool interleaved, ScalarType dtype) -> Tensor",
+        &sinusoidal_table_op);
+  m.def("rope(Tensor q, Tensor k, Tensor positions, str params, int direction) -> (Tensor, Tensor)", &rope_op);
+  m.def("alibi_bias(Tensor slopes, Tensor q_positions, Tensor k_positions, bool symmetric) -> Tensor", &alibi_op);
+  m.def("t5_bias(Tensor table, Tensor q_positions, Tensor k_positions, int num_buckets, int max_distance, "
+        "bool bidirectional) -> Tensor",
+        &t5_op);
+}

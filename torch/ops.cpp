@@ -7,6 +7,7 @@
 //   posenc::alibi_bias(Tensor slopes, Tensor q_positions, Tensor k_positions, bool symmetric) -> Tensor
 //   posenc::t5_bias(Tensor table, Tensor q_positions, Tensor k_positions, int num_buckets,
 //                   int max_distance, bool bidirectional) -> Tensor
+//   posenc::empty_cache()   frees the cached blocks of large outputs (see BlockCache)
 //
 // Positions are int64 tensors [S] (shared by the batch) or [B, S]. `params` of rope is a JSON
 // object with RopeParams' fields (head_dim, rotary_dim, base, layout, rope_type, factor, …; see
@@ -16,6 +17,9 @@
 #include <torch/library.h>
 #include <torch/torch.h>
 
+#include <cstdlib>
+#include <map>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -130,6 +134,67 @@ RopeDirection direction_of(std::int64_t code) {
 
 bool absent(const at::Tensor& t) { return !t.defined() || (t.dim() == 1 && t.numel() == 0); }
 
+// Large outputs come from a cache of the blocks earlier outputs freed. A fresh block of a
+// Llama-sized q and k (80 MB) costs ~25 ms of first-touch page faults on this class of machine —
+// four times the rotation itself — and a training or decoding loop asks for the same sizes every
+// step. Blocks are reused only for the same byte count, the cache keeps at most kMaxCachedBytes,
+// and posenc.empty_cache() returns everything to the system.
+class BlockCache {
+ public:
+  static BlockCache& instance() {
+    static BlockCache* cache = new BlockCache();  // never destroyed: tensors may outlive static destruction
+    return *cache;
+  }
+  void* take(std::size_t bytes) {
+    {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      const auto it = free_.find(bytes);
+      if (it != free_.end()) {
+        void* block = it->second;
+        free_.erase(it);
+        cached_ -= bytes;
+        return block;
+      }
+    }
+    void* block = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (block == nullptr) throw std::bad_alloc();
+    return block;
+  }
+  void give_back(void* block, std::size_t bytes) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    if (cached_ + bytes > kMaxCachedBytes) {
+      std::free(block);
+      return;
+    }
+    free_.emplace(bytes, block);
+    cached_ += bytes;
+  }
+  void clear() {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& [bytes, block] : free_) std::free(block);
+    free_.clear();
+    cached_ = 0;
+  }
+
+ private:
+  static constexpr std::size_t kMaxCachedBytes = std::size_t{1} << 30;
+  std::mutex mutex_;
+  std::multimap<std::size_t, void*> free_;
+  std::size_t cached_ = 0;
+};
+
+// An uninitialised contiguous output; blocks of 1 MiB or more come from the BlockCache.
+at::Tensor empty_output(at::IntArrayRef sizes, c10::ScalarType dtype) {
+  const auto options = at::TensorOptions().dtype(dtype);
+  std::size_t bytes = c10::elementSize(dtype);
+  for (const auto size : sizes) bytes *= static_cast<std::size_t>(size);
+  if (bytes < (std::size_t{1} << 20)) return at::empty(sizes, options);
+  void* block = BlockCache::instance().take(bytes);
+  return at::from_blob(block, sizes, [bytes](void* p) { BlockCache::instance().give_back(p, bytes); }, options);
+}
+
+void empty_cache_op() { BlockCache::instance().clear(); }
+
 // Rotates q (and k) out of place; returns (q_out, k_out), k_out empty without k.
 std::tuple<at::Tensor, at::Tensor> rope_apply_tensors(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
                                                       const std::string& params, std::int64_t direction) {
@@ -138,8 +203,8 @@ std::tuple<at::Tensor, at::Tensor> rope_apply_tensors(const at::Tensor& q, const
     const RopeParams p = rope_params_from_json(params);
     const at::Tensor ids = positions.contiguous();
     const Positions pos = positions_of(where, "positions", ids);
-    at::Tensor q_out = at::empty_like(q, at::MemoryFormat::Contiguous);
-    at::Tensor k_out = absent(k) ? q.new_empty({0}) : at::empty_like(k, at::MemoryFormat::Contiguous);
+    at::Tensor q_out = empty_output(q.sizes(), q.scalar_type());
+    at::Tensor k_out = absent(k) ? q.new_empty({0}) : empty_output(k.sizes(), k.scalar_type());
     rope_apply(p, pos, const_view(where, "q", q), absent(k) ? ConstTensorView() : const_view(where, "k", k),
                mutable_view(where, "q_out", q_out), absent(k) ? TensorView() : mutable_view(where, "k_out", k_out),
                direction_of(direction));
@@ -186,7 +251,7 @@ at::Tensor sinusoidal_table_op(const at::Tensor& positions, std::int64_t dim, do
     const at::Tensor ids = positions.contiguous();
     const Positions pos = positions_of("sinusoidal_table", "positions", ids);
     TORCH_CHECK_VALUE(ids.dim() == 1, "sinusoidal_table: positions must be [S], got shape ", ids.sizes());
-    at::Tensor out = at::empty({ids.size(0), dim}, at::TensorOptions().dtype(dtype));
+    at::Tensor out = empty_output({ids.size(0), dim}, dtype);
     sinusoidal_table(SinusoidalParams(dim, base, interleaved ? SinusoidalLayout::kInterleaved : SinusoidalLayout::kSplitHalves),
                      pos, mutable_view("sinusoidal_table", "out", out));
     return out;
@@ -198,7 +263,7 @@ at::Tensor sinusoidal_table_op(const at::Tensor& positions, std::int64_t dim, do
 at::Tensor materialize(const BiasScheme& scheme, const at::Tensor& q_ids, const at::Tensor& k_ids, c10::ScalarType dtype) {
   const Positions qp = positions_of("bias", "q_positions", q_ids), kp = positions_of("bias", "k_positions", k_ids);
   const std::int64_t batch = q_ids.dim() == 2 ? q_ids.size(0) : 1;
-  at::Tensor out = at::empty({batch, bias_heads(scheme), q_ids.size(-1), k_ids.size(-1)}, at::TensorOptions().dtype(dtype));
+  at::Tensor out = empty_output({batch, bias_heads(scheme), q_ids.size(-1), k_ids.size(-1)}, dtype);
   bias_materialize(scheme, qp, kp, mutable_view("bias", "out", out));
   return out;
 }
@@ -290,6 +355,7 @@ TORCH_LIBRARY(posenc, m) {
         &sinusoidal_table_op);
   m.def("rope(Tensor q, Tensor k, Tensor positions, str params, int direction) -> (Tensor, Tensor)", &rope_op);
   m.def("alibi_bias(Tensor slopes, Tensor q_positions, Tensor k_positions, bool symmetric) -> Tensor", &alibi_op);
+  m.def("empty_cache() -> ()", &empty_cache_op);
   m.def("t5_bias(Tensor table, Tensor q_positions, Tensor k_positions, int num_buckets, int max_distance, "
         "bool bidirectional) -> Tensor",
         &t5_op);

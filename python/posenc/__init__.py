@@ -18,7 +18,7 @@ import os
 import torch
 
 __all__ = [
-    "sinusoidal_table", "rope", "alibi_slopes", "alibi_bias", "t5_bias",
+    "empty_cache", "sinusoidal_table", "rope", "alibi_slopes", "alibi_bias", "t5_bias",
     "SinusoidalPositionalEncoding", "RotaryPositionalEncoding", "ALiBi", "T5RelativeBias",
 ]
 
@@ -40,6 +40,13 @@ def _positions(positions, length, device_like=None):
     if not isinstance(positions, torch.Tensor):
         positions = torch.as_tensor(positions, dtype=torch.long)
     return positions
+
+
+def empty_cache():
+    """Return the memory of freed large outputs, which posenc keeps (up to 1 GiB) for reuse, to
+    the system. Outputs of 1 MiB or more reuse blocks of the same size: a loop that asks for the
+    same shapes every step then pays no first-touch page faults."""
+    _ops.empty_cache()
 
 
 def sinusoidal_table(positions, dim, base=10000.0, interleaved=True, dtype=torch.float32):

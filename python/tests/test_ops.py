@@ -147,6 +147,22 @@ def test_t5_matches_transformers_buckets_and_gradcheck():
     assert module(torch.arange(4)).shape == (1, 3, 4, 4)
 
 
+def test_large_outputs_reuse_cached_blocks_safely():
+    # 2 MiB outputs come from posenc's block cache: a freed block is reused for the next output of
+    # the same size, and the values are the op's, never a stale result.
+    q = torch.randn(1, 256, 16, 128)
+    first, _ = posenc.rope(q, None, torch.arange(256))
+    pointer = first.data_ptr()
+    want = first.clone()
+    del first
+    second, _ = posenc.rope(q, None, torch.arange(256))
+    assert second.data_ptr() == pointer
+    torch.testing.assert_close(second, want, rtol=0, atol=0)
+    other, _ = posenc.rope(q * 2, None, torch.arange(256))  # a new block while `second` lives
+    assert other.data_ptr() != second.data_ptr()
+    posenc.empty_cache()
+
+
 # ------------------------------------------------------------------ errors
 
 def test_bad_values_raise_value_error_naming_the_parameter():

@@ -7,6 +7,10 @@
 //   posenc::alibi_bias(Tensor slopes, Tensor q_positions, Tensor k_positions, bool symmetric) -> Tensor
 //   posenc::t5_bias(Tensor table, Tensor q_positions, Tensor k_positions, int num_buckets,
 //                   int max_distance, bool bidirectional) -> Tensor
+//   posenc::kerple_bias, fire_bias, tupe_bias   the other bias schemes, differentiable in their
+//                   parameters (tensors; see python/posenc/__init__.py for shapes)
+//   posenc::learned(Tensor table, Tensor x, Tensor positions) -> Tensor   x + table[positions]
+//   posenc::floater_table(w1, b1, w2, b2, p0, int length, float time_per_position, int substeps)
 //   posenc::empty_cache()   frees the cached blocks of large outputs (see BlockCache)
 //
 // Positions are int64 tensors [S] (shared by the batch) or [B, S]. `params` of rope is a JSON
@@ -337,6 +341,172 @@ class T5Function : public torch::autograd::Function<T5Function> {
   }
 };
 
+// Kerple: r1, r2 [H] (float64 or float32), differentiable in both.
+class KerpleFunction : public torch::autograd::Function<KerpleFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& r1, const at::Tensor& r2, const at::Tensor& q_positions,
+                            const at::Tensor& k_positions, bool power) {
+    ctx->saved_data["power"] = power;
+    const at::Tensor qi = q_positions.contiguous(), ki = k_positions.contiguous();
+    ctx->save_for_backward({r1, r2, qi, ki});
+    return translating([&] { return materialize(params_of(r1, r2, power), qi, ki, r1.scalar_type()); });
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    return translating([&] {
+      const KerpleParams p = params_of(saved[0], saved[1], ctx->saved_data["power"].toBool());
+      std::vector<double> d1(static_cast<std::size_t>(p.heads()), 0.0), d2(d1.size(), 0.0);
+      const at::Tensor ds = grads[0].contiguous();
+      kerple_backward(p, positions_of("kerple_bias", "q_positions", saved[2]), positions_of("kerple_bias", "k_positions", saved[3]),
+                      const_view("kerple_bias", "grad", ds), d1, d2);
+      return variable_list{tensor_of(d1, saved[0]), tensor_of(d2, saved[1]), at::Tensor(), at::Tensor(), at::Tensor()};
+    });
+  }
+
+ private:
+  static KerpleParams params_of(const at::Tensor& r1, const at::Tensor& r2, bool power) {
+    return KerpleParams(power ? KerpleForm::kPower : KerpleForm::kLog, doubles_of("kerple_bias", "r1", r1),
+                        doubles_of("kerple_bias", "r2", r2));
+  }
+};
+
+// FIRE: w1, b1 [hidden], w2 [H, hidden], b2 [H], c and threshold (0-d), all differentiable.
+class FireFunction : public torch::autograd::Function<FireFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
+                            const at::Tensor& b2, const at::Tensor& c, const at::Tensor& threshold,
+                            const at::Tensor& q_positions, const at::Tensor& k_positions) {
+    const at::Tensor qi = q_positions.contiguous(), ki = k_positions.contiguous();
+    ctx->save_for_backward({w1, b1, w2, b2, c, threshold, qi, ki});
+    return translating([&] { return materialize(params_of(w1, b1, w2, b2, c, threshold), qi, ki, w2.scalar_type()); });
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    return translating([&] {
+      const FireParams p = params_of(s[0], s[1], s[2], s[3], s[4], s[5]);
+      FireGradients g(p);
+      const at::Tensor ds = grads[0].contiguous();
+      fire_backward(p, positions_of("fire_bias", "q_positions", s[6]), positions_of("fire_bias", "k_positions", s[7]),
+                    const_view("fire_bias", "grad", ds), g);
+      return variable_list{tensor_of(g.w1, s[0]), tensor_of(g.b1, s[1]), tensor_of(g.w2, s[2]), tensor_of(g.b2, s[3]),
+                           tensor_of({g.c}, s[4]), tensor_of({g.threshold}, s[5]), at::Tensor(), at::Tensor()};
+    });
+  }
+
+ private:
+  static FireParams params_of(const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2, const at::Tensor& b2,
+                              const at::Tensor& c, const at::Tensor& threshold) {
+    TORCH_CHECK_VALUE(w2.dim() == 2, "fire_bias: w2 shape ", w2.sizes(), "; expected [heads, hidden]");
+    return FireParams(w2.size(0), doubles_of("fire_bias", "w1", w1), doubles_of("fire_bias", "b1", b1),
+                      doubles_of("fire_bias", "w2", w2), doubles_of("fire_bias", "b2", b2), c.item<double>(),
+                      threshold.item<double>());
+  }
+};
+
+// TUPE: table [max_len, d_model], u_q, u_k [d_model, H·D], theta1, theta2 [H].
+class TupeFunction : public torch::autograd::Function<TupeFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& table, const at::Tensor& u_q, const at::Tensor& u_k,
+                            const at::Tensor& theta1, const at::Tensor& theta2, const at::Tensor& q_positions,
+                            const at::Tensor& k_positions, std::int64_t heads, bool cls_reset) {
+    ctx->saved_data["heads"] = heads;
+    ctx->saved_data["cls_reset"] = cls_reset;
+    const at::Tensor qi = q_positions.contiguous(), ki = k_positions.contiguous();
+    ctx->save_for_backward({table, u_q, u_k, theta1, theta2, qi, ki});
+    return translating([&] {
+      return materialize(params_of(table, u_q, u_k, theta1, theta2, heads, cls_reset), qi, ki, table.scalar_type());
+    });
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    return translating([&] {
+      const TupeParams p = params_of(s[0], s[1], s[2], s[3], s[4], ctx->saved_data["heads"].toInt(),
+                                     ctx->saved_data["cls_reset"].toBool());
+      TupeGradients g(p);
+      const at::Tensor ds = grads[0].contiguous();
+      tupe_backward(p, positions_of("tupe_bias", "q_positions", s[5]), positions_of("tupe_bias", "k_positions", s[6]),
+                    const_view("tupe_bias", "grad", ds), g);
+      return variable_list{tensor_of(g.table, s[0]), tensor_of(g.u_q, s[1]), tensor_of(g.u_k, s[2]), tensor_of(g.theta1, s[3]),
+                           tensor_of(g.theta2, s[4]), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    });
+  }
+
+ private:
+  static TupeParams params_of(const at::Tensor& table, const at::Tensor& u_q, const at::Tensor& u_k, const at::Tensor& theta1,
+                              const at::Tensor& theta2, std::int64_t heads, bool cls_reset) {
+    TORCH_CHECK_VALUE(table.dim() == 2 && u_q.dim() == 2 && heads > 0 && u_q.size(1) % heads == 0, "tupe_bias: table ",
+                      table.sizes(), ", u_q ", u_q.sizes(), ", heads ", heads,
+                      "; expected table [max_len, d_model] and u_q [d_model, heads·head_dim]");
+    return TupeParams(heads, u_q.size(1) / heads, table.size(1), doubles_of("tupe_bias", "table", table),
+                      doubles_of("tupe_bias", "u_q", u_q), doubles_of("tupe_bias", "u_k", u_k), cls_reset,
+                      doubles_of("tupe_bias", "theta1", theta1), doubles_of("tupe_bias", "theta2", theta2));
+  }
+};
+
+// Learned absolute encoding: y = x + table[positions]; differentiable in x and the table.
+class LearnedFunction : public torch::autograd::Function<LearnedFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& table, const at::Tensor& x, const at::Tensor& positions) {
+    const at::Tensor ids = positions.contiguous();
+    ctx->save_for_backward({table, ids});
+    return translating([&] {
+      at::Tensor y = empty_output(x.sizes(), x.scalar_type());
+      learned_forward(const_view("learned", "table", table), const_view("learned", "x", x), positions_of("learned", "positions", ids),
+                      mutable_view("learned", "y", y));
+      return y;
+    });
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    return translating([&] {
+      const at::Tensor dy = grads[0].contiguous();
+      at::Tensor d_table = at::zeros_like(s[0]);
+      learned_backward(const_view("learned", "dy", dy), positions_of("learned", "positions", s[1]),
+                       mutable_view("learned", "d_table", d_table));
+      return variable_list{d_table, dy, at::Tensor()};
+    });
+  }
+};
+
+// FLOATER: the table [length, dim] of a dynamical system, differentiable in all its parameters.
+class FloaterFunction : public torch::autograd::Function<FloaterFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
+                            const at::Tensor& b2, const at::Tensor& p0, std::int64_t length, double time_per_position,
+                            std::int64_t substeps) {
+    ctx->saved_data["time_per_position"] = time_per_position;
+    ctx->saved_data["substeps"] = substeps;
+    ctx->save_for_backward({w1, b1, w2, b2, p0});
+    return translating([&] {
+      const FloaterParams p = params_of(w1, b1, w2, b2, p0, time_per_position, substeps);
+      if (length < 0) throw Error("floater_table", "length", std::to_string(length), ">= 0");
+      at::Tensor out = empty_output({length, p.dim()}, p0.scalar_type());
+      floater_table(p, mutable_view("floater_table", "out", out));
+      return out;
+    });
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    return translating([&] {
+      const FloaterParams p = params_of(s[0], s[1], s[2], s[3], s[4], ctx->saved_data["time_per_position"].toDouble(),
+                                        ctx->saved_data["substeps"].toInt());
+      FloaterGradients g(p);
+      const at::Tensor dt = grads[0].contiguous();
+      floater_table_backward(p, const_view("floater_table", "grad", dt), g);
+      return variable_list{tensor_of(g.w1, s[0]), tensor_of(g.b1, s[1]), tensor_of(g.w2, s[2]), tensor_of(g.b2, s[3]),
+                           tensor_of(g.p0, s[4]), at::Tensor(), at::Tensor(), at::Tensor()};
+    });
+  }
+
+ private:
+  static FloaterParams params_of(const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2, const at::Tensor& b2,
+                                 const at::Tensor& p0, double time_per_position, std::int64_t substeps) {
+    return FloaterParams(p0.numel(), doubles_of("floater_table", "w1", w1), doubles_of("floater_table", "b1", b1),
+                         doubles_of("floater_table", "w2", w2), doubles_of("floater_table", "b2", b2),
+                         doubles_of("floater_table", "p0", p0), time_per_position, substeps);
+  }
+};
+
 at::Tensor alibi_op(const at::Tensor& slopes, const at::Tensor& q_positions, const at::Tensor& k_positions, bool symmetric) {
   return AlibiFunction::apply(slopes, q_positions, k_positions, symmetric);
 }
@@ -344,6 +514,27 @@ at::Tensor alibi_op(const at::Tensor& slopes, const at::Tensor& q_positions, con
 at::Tensor t5_op(const at::Tensor& table, const at::Tensor& q_positions, const at::Tensor& k_positions,
                  std::int64_t num_buckets, std::int64_t max_distance, bool bidirectional) {
   return T5Function::apply(table, q_positions, k_positions, num_buckets, max_distance, bidirectional);
+}
+
+at::Tensor kerple_op(const at::Tensor& r1, const at::Tensor& r2, const at::Tensor& q_positions, const at::Tensor& k_positions,
+                     bool power) {
+  return KerpleFunction::apply(r1, r2, q_positions, k_positions, power);
+}
+at::Tensor fire_op(const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2, const at::Tensor& b2, const at::Tensor& c,
+                   const at::Tensor& threshold, const at::Tensor& q_positions, const at::Tensor& k_positions) {
+  return FireFunction::apply(w1, b1, w2, b2, c, threshold, q_positions, k_positions);
+}
+at::Tensor tupe_op(const at::Tensor& table, const at::Tensor& u_q, const at::Tensor& u_k, const at::Tensor& theta1,
+                   const at::Tensor& theta2, const at::Tensor& q_positions, const at::Tensor& k_positions, std::int64_t heads,
+                   bool cls_reset) {
+  return TupeFunction::apply(table, u_q, u_k, theta1, theta2, q_positions, k_positions, heads, cls_reset);
+}
+at::Tensor learned_op(const at::Tensor& table, const at::Tensor& x, const at::Tensor& positions) {
+  return LearnedFunction::apply(table, x, positions);
+}
+at::Tensor floater_op(const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2, const at::Tensor& b2, const at::Tensor& p0,
+                      std::int64_t length, double time_per_position, std::int64_t substeps) {
+  return FloaterFunction::apply(w1, b1, w2, b2, p0, length, time_per_position, substeps);
 }
 
 }  // namespace
@@ -356,6 +547,17 @@ TORCH_LIBRARY(posenc, m) {
   m.def("rope(Tensor q, Tensor k, Tensor positions, str params, int direction) -> (Tensor, Tensor)", &rope_op);
   m.def("alibi_bias(Tensor slopes, Tensor q_positions, Tensor k_positions, bool symmetric) -> Tensor", &alibi_op);
   m.def("empty_cache() -> ()", &empty_cache_op);
+  m.def("kerple_bias(Tensor r1, Tensor r2, Tensor q_positions, Tensor k_positions, bool power) -> Tensor", &kerple_op);
+  m.def("fire_bias(Tensor w1, Tensor b1, Tensor w2, Tensor b2, Tensor c, Tensor threshold, Tensor q_positions, "
+        "Tensor k_positions) -> Tensor",
+        &fire_op);
+  m.def("tupe_bias(Tensor table, Tensor u_q, Tensor u_k, Tensor theta1, Tensor theta2, Tensor q_positions, "
+        "Tensor k_positions, int heads, bool cls_reset) -> Tensor",
+        &tupe_op);
+  m.def("learned(Tensor table, Tensor x, Tensor positions) -> Tensor", &learned_op);
+  m.def("floater_table(Tensor w1, Tensor b1, Tensor w2, Tensor b2, Tensor p0, int length, float time_per_position, "
+        "int substeps) -> Tensor",
+        &floater_op);
   m.def("t5_bias(Tensor table, Tensor q_positions, Tensor k_positions, int num_buckets, int max_distance, "
         "bool bidirectional) -> Tensor",
         &t5_op);

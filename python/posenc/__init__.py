@@ -18,8 +18,10 @@ import os
 import torch
 
 __all__ = [
-    "empty_cache", "sinusoidal_table", "rope", "alibi_slopes", "alibi_bias", "t5_bias",
-    "SinusoidalPositionalEncoding", "RotaryPositionalEncoding", "ALiBi", "T5RelativeBias",
+    "empty_cache", "sinusoidal_table", "rope", "alibi_slopes", "alibi_bias", "t5_bias", "kerple_bias", "fire_bias",
+    "tupe_bias", "learned", "floater_table",
+    "SinusoidalPositionalEncoding", "LearnedPositionalEncoding", "RotaryPositionalEncoding", "ALiBi",
+    "T5RelativeBias", "Kerple", "FIRE", "TUPE", "FLOATER",
 ]
 
 
@@ -105,6 +107,36 @@ def t5_bias(table, q_positions, k_positions, num_buckets=32, max_distance=128, b
                         int(max_distance), bool(bidirectional))
 
 
+def kerple_bias(r1, r2, q_positions, k_positions, power=False):
+    """Kerple biases [B, H, Sq, Sk]: -r1·log(1 + r2·|i - j|), or -r1·|i - j|^r2 with power=True
+    (0 < r2 <= 2); r1, r2: [H], differentiable."""
+    return _ops.kerple_bias(r1, r2, _positions(q_positions, 0), _positions(k_positions, 0), bool(power))
+
+
+def fire_bias(w1, b1, w2, b2, c, threshold, q_positions, k_positions):
+    """FIRE biases [B, H, Sq, Sk] = MLP(log(1 + c|i - j|) / log(1 + c·max(L, i))): w1, b1 [hidden],
+    w2 [H, hidden], b2 [H], c and threshold L 0-d tensors; all differentiable."""
+    return _ops.fire_bias(w1, b1, w2, b2, c, threshold, _positions(q_positions, 0), _positions(k_positions, 0))
+
+
+def tupe_bias(table, u_q, u_k, theta1, theta2, q_positions, k_positions, heads, cls_reset=False):
+    """TUPE biases [B, H, Sq, Sk] = (p_i U^Q)·(p_j U^K)/sqrt(2D): table [max_len, d_model], u_q and
+    u_k [d_model, H·D], theta1, theta2 [H] (the [CLS] reset); all differentiable."""
+    return _ops.tupe_bias(table, u_q, u_k, theta1, theta2, _positions(q_positions, 0), _positions(k_positions, 0),
+                          int(heads), bool(cls_reset))
+
+
+def learned(table, x, positions=None):
+    """x + table[positions] (x: [B, S, D] or [S, D]; table [max_len, D]); differentiable in both."""
+    return _ops.learned(table, x, _positions(positions, x.shape[-2]))
+
+
+def floater_table(w1, b1, w2, b2, p0, length, time_per_position=0.1, substeps=1):
+    """FLOATER's encodings of positions 0..length-1 [length, dim]: the RK4 trajectory of
+    dp/dt = W2·tanh(W1·[t; p] + B1) + B2 from p0; differentiable in every parameter."""
+    return _ops.floater_table(w1, b1, w2, b2, p0, int(length), float(time_per_position), int(substeps))
+
+
 class SinusoidalPositionalEncoding(torch.nn.Module):
     """x + sinusoidal table for the tokens' positions (x: [B, S, D] or [S, D]). Nothing is stored:
     the table is recomputed, so the module has no state to save and extends to any length."""
@@ -174,3 +206,87 @@ class T5RelativeBias(torch.nn.Module):
         k_positions = q_positions if k_positions is None else k_positions
         return t5_bias(self.table, _positions(q_positions, 0), _positions(k_positions, 0), self.num_buckets,
                        self.max_distance, self.bidirectional)
+
+
+class LearnedPositionalEncoding(torch.nn.Module):
+    """A learned absolute table [max_len, dim] (GPT-2, BERT), initialised N(0, std²): x + table[pos]."""
+
+    def __init__(self, max_len, dim, std=0.02):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(max_len, dim) * std)
+
+    def forward(self, x, positions=None):
+        return learned(self.table, x, positions)
+
+
+def _pair_positions(q_positions, k_positions):
+    return q_positions, (q_positions if k_positions is None else k_positions)
+
+
+class Kerple(torch.nn.Module):
+    """Kerple biases with learnable r1, r2 per head (log form, or power with power=True)."""
+
+    def __init__(self, heads, power=False, r1=1.0, r2=0.5):
+        super().__init__()
+        self.r1 = torch.nn.Parameter(torch.full((heads,), float(r1)))
+        self.r2 = torch.nn.Parameter(torch.full((heads,), float(r2)))
+        self.power = power
+
+    def forward(self, q_positions, k_positions=None):
+        q_positions, k_positions = _pair_positions(q_positions, k_positions)
+        return kerple_bias(self.r1, self.r2, q_positions, k_positions, self.power)
+
+
+class FIRE(torch.nn.Module):
+    """FIRE biases with a learnable MLP (hidden width `hidden`), c and threshold L."""
+
+    def __init__(self, heads, hidden=32, c=1.0, threshold=512.0):
+        super().__init__()
+        self.w1 = torch.nn.Parameter(torch.randn(hidden))
+        self.b1 = torch.nn.Parameter(torch.randn(hidden))
+        self.w2 = torch.nn.Parameter(torch.randn(heads, hidden) / hidden ** 0.5)
+        self.b2 = torch.nn.Parameter(torch.zeros(heads))
+        self.c = torch.nn.Parameter(torch.tensor(float(c)))
+        self.threshold = torch.nn.Parameter(torch.tensor(float(threshold)))
+
+    def forward(self, q_positions, k_positions=None):
+        q_positions, k_positions = _pair_positions(q_positions, k_positions)
+        return fire_bias(self.w1, self.b1, self.w2, self.b2, self.c, self.threshold, q_positions, k_positions)
+
+
+class TUPE(torch.nn.Module):
+    """TUPE's positional correlation bias: its own absolute table and projections."""
+
+    def __init__(self, heads, head_dim, d_model, max_len, cls_reset=False, std=0.02):
+        super().__init__()
+        self.heads, self.cls_reset = heads, cls_reset
+        self.table = torch.nn.Parameter(torch.randn(max_len, d_model) * std)
+        self.u_q = torch.nn.Parameter(torch.randn(d_model, heads * head_dim) / d_model ** 0.5)
+        self.u_k = torch.nn.Parameter(torch.randn(d_model, heads * head_dim) / d_model ** 0.5)
+        self.theta1 = torch.nn.Parameter(torch.zeros(heads))
+        self.theta2 = torch.nn.Parameter(torch.zeros(heads))
+
+    def forward(self, q_positions, k_positions=None):
+        q_positions, k_positions = _pair_positions(q_positions, k_positions)
+        return tupe_bias(self.table, self.u_q, self.u_k, self.theta1, self.theta2, q_positions, k_positions,
+                         self.heads, self.cls_reset)
+
+
+class FLOATER(torch.nn.Module):
+    """FLOATER: x + p(n·Δ) with p from a learned ODE (RK4); extends to any length."""
+
+    def __init__(self, dim, hidden=32, time_per_position=0.1, substeps=1):
+        super().__init__()
+        self.w1 = torch.nn.Parameter(torch.randn(hidden, dim + 1) / (dim + 1) ** 0.5)
+        self.b1 = torch.nn.Parameter(torch.zeros(hidden))
+        self.w2 = torch.nn.Parameter(torch.randn(dim, hidden) / hidden ** 0.5)
+        self.b2 = torch.nn.Parameter(torch.zeros(dim))
+        self.p0 = torch.nn.Parameter(torch.randn(dim))
+        self.time_per_position, self.substeps = time_per_position, substeps
+
+    def table(self, length):
+        return floater_table(self.w1, self.b1, self.w2, self.b2, self.p0, length, self.time_per_position, self.substeps)
+
+    def forward(self, x, positions=None):
+        positions = _positions(positions, x.shape[-2])
+        return x + self.table(int(positions.max()) + 1)[positions].to(x.dtype)

@@ -3,6 +3,7 @@ float64, torch.autograd.gradcheck on every differentiable op, and the error cont
 
 Run: PYTHONPATH=build/python /usr/bin/python3 -m pytest -q python/tests
 """
+import copy as copy_module
 import math
 
 import pytest
@@ -161,6 +162,69 @@ def test_large_outputs_reuse_cached_blocks_safely():
     other, _ = posenc.rope(q * 2, None, torch.arange(256))  # a new block while `second` lives
     assert other.data_ptr() != second.data_ptr()
     posenc.empty_cache()
+
+
+def test_kerple_fire_tupe_against_formulas_and_gradcheck():
+    qp, kp = torch.arange(6) + 3, torch.arange(9)
+    distance = (qp[:, None] - kp[None, :]).abs().to(torch.float64)
+    r1 = torch.tensor([0.5, 1.5], dtype=torch.float64, requires_grad=True)
+    r2 = torch.tensor([0.3, 1.2], dtype=torch.float64, requires_grad=True)
+    want = -r1.detach()[:, None, None] * torch.log1p(r2.detach()[:, None, None] * distance)
+    torch.testing.assert_close(posenc.kerple_bias(r1, r2, qp, kp)[0], want, rtol=0, atol=1e-12)
+    want_power = -r1.detach()[:, None, None] * distance ** r2.detach()[:, None, None]
+    torch.testing.assert_close(posenc.kerple_bias(r1, r2, qp, kp, power=True)[0], want_power, rtol=0, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda a, b: posenc.kerple_bias(a, b, qp, kp), (r1, r2))
+    assert torch.autograd.gradcheck(lambda a, b: posenc.kerple_bias(a, b, qp, kp, True), (r1, r2))
+
+    # L = 4.5 is no query's position: at L = i the bias has a corner, where finite differences fail.
+    fire = posenc.FIRE(heads=2, hidden=5, threshold=4.5).double()
+    params = [fire.w1, fire.b1, fire.w2, fire.b2, fire.c, fire.threshold]
+    x = torch.log1p(fire.c * distance) / torch.log1p(fire.c * torch.clamp(qp.double(), min=4.5))[:, None]
+    hidden = torch.relu(x[..., None] * fire.w1 + fire.b1)
+    want_fire = torch.einsum("qkm,hm->hqk", hidden, fire.w2) + fire.b2[:, None, None]
+    torch.testing.assert_close(fire(qp, kp)[0], want_fire.detach(), rtol=0, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda *p: posenc.fire_bias(*p, qp, kp), tuple(params))
+
+    tupe = posenc.TUPE(heads=2, head_dim=3, d_model=4, max_len=20, cls_reset=True).double()
+    with torch.no_grad():
+        tupe.theta1.fill_(0.25)
+        tupe.theta2.fill_(-0.5)
+    pq = (tupe.table[qp] @ tupe.u_q).view(-1, 2, 3)
+    pk = (tupe.table[kp] @ tupe.u_k).view(-1, 2, 3)
+    want_tupe = torch.einsum("qhd,khd->hqk", pq, pk) / (2 * 3) ** 0.5
+    want_tupe[:, :, kp == 0] = -0.5
+    torch.testing.assert_close(tupe(qp, kp)[0], want_tupe.detach(), rtol=0, atol=1e-12)
+    tparams = (tupe.table, tupe.u_q, tupe.u_k, tupe.theta1, tupe.theta2)
+    assert torch.autograd.gradcheck(lambda *p: posenc.tupe_bias(*p, torch.arange(4), kp[:5], 2, True), tparams)
+
+
+def test_learned_and_floater_gradcheck():
+    table = torch.randn(10, 4, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(2, 5, 4, dtype=torch.float64, requires_grad=True)
+    positions = torch.tensor([[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]])
+    torch.testing.assert_close(posenc.learned(table, x, positions), x + table[positions])
+    assert torch.autograd.gradcheck(lambda t, a: posenc.learned(t, a, positions), (table, x))
+    floater = posenc.FLOATER(dim=3, hidden=4, time_per_position=0.2, substeps=2).double()
+    params = tuple(floater.parameters())
+    assert torch.autograd.gradcheck(lambda *p: posenc.floater_table(*p, 6, 0.2, 2), params)
+    long = floater.table(12)
+    torch.testing.assert_close(floater.table(6), long[:6], rtol=0, atol=0)  # extends exactly
+    module = posenc.LearnedPositionalEncoding(16, 4)
+    assert module(torch.zeros(3, 4)).shape == (3, 4)
+
+
+def test_modules_save_and_load():
+    for module in (posenc.ALiBi(4, trainable=True), posenc.T5RelativeBias(3), posenc.Kerple(2), posenc.FIRE(2, 4),
+                   posenc.TUPE(2, 2, 4, 8), posenc.FLOATER(3, 4), posenc.LearnedPositionalEncoding(8, 4)):
+        state = module.state_dict()
+        assert state, type(module).__name__
+        copy = copy_module.deepcopy(module)
+        for p in copy.parameters():
+            torch.nn.init.zeros_(p)
+        copy.load_state_dict(state)
+        for (name, a), b in zip(module.state_dict().items(), copy.state_dict().values()):
+            torch.testing.assert_close(a, b, msg=name)
+        assert module.double().state_dict()[next(iter(state))].dtype == torch.float64
 
 
 # ------------------------------------------------------------------ errors

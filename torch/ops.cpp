@@ -10,6 +10,8 @@
 //   posenc::kerple_bias, fire_bias, tupe_bias   the other bias schemes, differentiable in their
 //                   parameters (tensors; see python/posenc/__init__.py for shapes)
 //   posenc::learned(Tensor table, Tensor x, Tensor positions) -> Tensor   x + table[positions]
+//   posenc::shaw_scores, shaw_values, xl_scores   Shaw's score and value terms, Transformer-XL's
+//                   position terms (differentiable in their tensors and tables)
 //   posenc::floater_table(w1, b1, w2, b2, p0, int length, float time_per_position, int substeps)
 //   posenc::empty_cache()   frees the cached blocks of large outputs (see BlockCache)
 //
@@ -507,6 +509,116 @@ class FloaterFunction : public torch::autograd::Function<FloaterFunction> {
   }
 };
 
+// Zero-filled [B, H, Sq, Sk] scores for q [B, Sq, H, D] (or [Sq, H, D]) against keys [.., Sk].
+at::Tensor zero_scores(const at::Tensor& q, std::int64_t k_len, c10::ScalarType dtype) {
+  const std::int64_t batch = q.dim() == 4 ? q.size(0) : 1;
+  return empty_output({batch, q.size(-2), q.size(-3), k_len}, dtype).zero_();
+}
+
+// Shaw's score term: q [B, S, H, D] and key_table [2k + 1, D], both differentiable.
+class ShawScoreFunction : public torch::autograd::Function<ShawScoreFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& key_table, const at::Tensor& q_positions,
+                            const at::Tensor& k_positions, std::int64_t max_distance) {
+    ctx->saved_data["max_distance"] = max_distance;
+    const at::Tensor qi = q_positions.contiguous(), ki = k_positions.contiguous();
+    ctx->save_for_backward({q, key_table, qi, ki});
+    return translating([&] {
+      const ShawParams p(max_distance, key_table.size(-1), doubles_of("shaw", "key_table", key_table));
+      at::Tensor scores = zero_scores(q, ki.size(-1), q.scalar_type());
+      shaw_add_score_term(p, const_view("shaw", "q", q), positions_of("shaw", "q_positions", qi),
+                          positions_of("shaw", "k_positions", ki), mutable_view("shaw", "scores", scores));
+      return scores;
+    });
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    return translating([&] {
+      const ShawParams p(ctx->saved_data["max_distance"].toInt(), s[1].size(-1), doubles_of("shaw", "key_table", s[1]));
+      at::Tensor dq = at::zeros_like(s[0]);
+      std::vector<double> d_table(p.key_table().size(), 0.0);
+      const at::Tensor ds = grads[0].contiguous();
+      shaw_score_term_backward(p, const_view("shaw", "q", s[0]), const_view("shaw", "grad", ds), positions_of("shaw", "q_positions", s[2]),
+                               positions_of("shaw", "k_positions", s[3]), mutable_view("shaw", "dq", dq), d_table);
+      return variable_list{dq, tensor_of(d_table, s[1]), at::Tensor(), at::Tensor(), at::Tensor()};
+    });
+  }
+};
+
+// Shaw's value term: probs [B, H, Sq, Sk] and value_table [2k + 1, D], both differentiable.
+class ShawValueFunction : public torch::autograd::Function<ShawValueFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& probs, const at::Tensor& value_table,
+                            const at::Tensor& q_positions, const at::Tensor& k_positions, std::int64_t max_distance) {
+    ctx->saved_data["max_distance"] = max_distance;
+    const at::Tensor qi = q_positions.contiguous(), ki = k_positions.contiguous();
+    ctx->save_for_backward({probs, value_table, qi, ki});
+    return translating([&] {
+      TORCH_CHECK_VALUE(probs.dim() == 4, "shaw: probs shape ", probs.sizes(), "; expected [B, H, Sq, Sk]");
+      const ShawParams p(max_distance, value_table.size(-1), {}, doubles_of("shaw", "value_table", value_table));
+      at::Tensor out = empty_output({probs.size(0), probs.size(2), probs.size(1), value_table.size(-1)}, probs.scalar_type()).zero_();
+      shaw_add_value_term(p, const_view("shaw", "probs", probs), positions_of("shaw", "q_positions", qi),
+                          positions_of("shaw", "k_positions", ki), mutable_view("shaw", "out", out));
+      return out;
+    });
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    return translating([&] {
+      const ShawParams p(ctx->saved_data["max_distance"].toInt(), s[1].size(-1), {}, doubles_of("shaw", "value_table", s[1]));
+      at::Tensor d_probs = at::zeros_like(s[0]);
+      std::vector<double> d_table(p.value_table().size(), 0.0);
+      const at::Tensor d_out = grads[0].contiguous();
+      shaw_value_term_backward(p, const_view("shaw", "probs", s[0]), const_view("shaw", "grad", d_out),
+                               positions_of("shaw", "q_positions", s[2]), positions_of("shaw", "k_positions", s[3]),
+                               mutable_view("shaw", "d_probs", d_probs), d_table);
+      return variable_list{d_probs, tensor_of(d_table, s[1]), at::Tensor(), at::Tensor(), at::Tensor()};
+    });
+  }
+};
+
+// Transformer-XL's position terms: q, k [B, S, H, D], u, v [H, D], w_r [H·D, d_model].
+class XlFunction : public torch::autograd::Function<XlFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& u, const at::Tensor& v,
+                            const at::Tensor& w_r, const at::Tensor& q_positions, const at::Tensor& k_positions, double scale,
+                            double base) {
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["base"] = base;
+    const at::Tensor qi = q_positions.contiguous(), ki = k_positions.contiguous();
+    ctx->save_for_backward({q, k, u, v, w_r, qi, ki});
+    return translating([&] {
+      const XlParams p = params_of(u, v, w_r, scale, base);
+      at::Tensor scores = zero_scores(q, k.size(-3), q.scalar_type());
+      xl_add_position_terms(p, const_view("xl", "q", q), const_view("xl", "k", k), positions_of("xl", "q_positions", qi),
+                            positions_of("xl", "k_positions", ki), mutable_view("xl", "scores", scores));
+      return scores;
+    });
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    return translating([&] {
+      const XlParams p = params_of(s[2], s[3], s[4], ctx->saved_data["scale"].toDouble(), ctx->saved_data["base"].toDouble());
+      at::Tensor dq = at::zeros_like(s[0]), dk = at::zeros_like(s[1]);
+      XlGradients g(p);
+      const at::Tensor ds = grads[0].contiguous();
+      xl_position_terms_backward(p, const_view("xl", "q", s[0]), const_view("xl", "k", s[1]), const_view("xl", "grad", ds),
+                                 positions_of("xl", "q_positions", s[5]), positions_of("xl", "k_positions", s[6]),
+                                 mutable_view("xl", "dq", dq), mutable_view("xl", "dk", dk), g);
+      return variable_list{dq, dk, tensor_of(g.u, s[2]), tensor_of(g.v, s[3]), tensor_of(g.w_r, s[4]), at::Tensor(),
+                           at::Tensor(), at::Tensor(), at::Tensor()};
+    });
+  }
+
+ private:
+  static XlParams params_of(const at::Tensor& u, const at::Tensor& v, const at::Tensor& w_r, double scale, double base) {
+    TORCH_CHECK_VALUE(u.dim() == 2 && w_r.dim() == 2, "xl: u shape ", u.sizes(), ", w_r shape ", w_r.sizes(),
+                      "; expected u [H, D] and w_r [H·D, d_model]");
+    return XlParams(u.size(0), u.size(1), w_r.size(1), doubles_of("xl", "u", u), doubles_of("xl", "v", v),
+                    doubles_of("xl", "w_r", w_r), scale, base);
+  }
+};
+
 at::Tensor alibi_op(const at::Tensor& slopes, const at::Tensor& q_positions, const at::Tensor& k_positions, bool symmetric) {
   return AlibiFunction::apply(slopes, q_positions, k_positions, symmetric);
 }
@@ -516,6 +628,18 @@ at::Tensor t5_op(const at::Tensor& table, const at::Tensor& q_positions, const a
   return T5Function::apply(table, q_positions, k_positions, num_buckets, max_distance, bidirectional);
 }
 
+at::Tensor shaw_scores_op(const at::Tensor& q, const at::Tensor& key_table, const at::Tensor& q_positions,
+                          const at::Tensor& k_positions, std::int64_t max_distance) {
+  return ShawScoreFunction::apply(q, key_table, q_positions, k_positions, max_distance);
+}
+at::Tensor shaw_values_op(const at::Tensor& probs, const at::Tensor& value_table, const at::Tensor& q_positions,
+                          const at::Tensor& k_positions, std::int64_t max_distance) {
+  return ShawValueFunction::apply(probs, value_table, q_positions, k_positions, max_distance);
+}
+at::Tensor xl_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& u, const at::Tensor& v, const at::Tensor& w_r,
+                 const at::Tensor& q_positions, const at::Tensor& k_positions, double scale, double base) {
+  return XlFunction::apply(q, k, u, v, w_r, q_positions, k_positions, scale, base);
+}
 at::Tensor kerple_op(const at::Tensor& r1, const at::Tensor& r2, const at::Tensor& q_positions, const at::Tensor& k_positions,
                      bool power) {
   return KerpleFunction::apply(r1, r2, q_positions, k_positions, power);
@@ -555,6 +679,13 @@ TORCH_LIBRARY(posenc, m) {
         "Tensor k_positions, int heads, bool cls_reset) -> Tensor",
         &tupe_op);
   m.def("learned(Tensor table, Tensor x, Tensor positions) -> Tensor", &learned_op);
+  m.def("shaw_scores(Tensor q, Tensor key_table, Tensor q_positions, Tensor k_positions, int max_distance) -> Tensor",
+        &shaw_scores_op);
+  m.def("shaw_values(Tensor probs, Tensor value_table, Tensor q_positions, Tensor k_positions, int max_distance) -> Tensor",
+        &shaw_values_op);
+  m.def("xl_scores(Tensor q, Tensor k, Tensor u, Tensor v, Tensor w_r, Tensor q_positions, Tensor k_positions, "
+        "float scale, float base) -> Tensor",
+        &xl_op);
   m.def("floater_table(Tensor w1, Tensor b1, Tensor w2, Tensor b2, Tensor p0, int length, float time_per_position, "
         "int substeps) -> Tensor",
         &floater_op);

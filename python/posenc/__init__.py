@@ -19,9 +19,9 @@ import torch
 
 __all__ = [
     "empty_cache", "sinusoidal_table", "rope", "alibi_slopes", "alibi_bias", "t5_bias", "kerple_bias", "fire_bias",
-    "tupe_bias", "learned", "floater_table",
+    "tupe_bias", "learned", "floater_table", "shaw_scores", "shaw_values", "xl_scores",
     "SinusoidalPositionalEncoding", "LearnedPositionalEncoding", "RotaryPositionalEncoding", "ALiBi",
-    "T5RelativeBias", "Kerple", "FIRE", "TUPE", "FLOATER",
+    "T5RelativeBias", "Kerple", "FIRE", "TUPE", "FLOATER", "ShawRelativePositions", "TransformerXLRelative",
 ]
 
 
@@ -135,6 +135,25 @@ def floater_table(w1, b1, w2, b2, p0, length, time_per_position=0.1, substeps=1)
     """FLOATER's encodings of positions 0..length-1 [length, dim]: the RK4 trajectory of
     dp/dt = W2·tanh(W1·[t; p] + B1) + B2 from p0; differentiable in every parameter."""
     return _ops.floater_table(w1, b1, w2, b2, p0, int(length), float(time_per_position), int(substeps))
+
+
+def shaw_scores(q, key_table, q_positions, k_positions, max_distance):
+    """Shaw et al.'s score term [B, H, Sq, Sk]: q·a^K[clip(j - i, -k, k) + k] / sqrt(D), with q
+    [B, S, H, D] and key_table [2k + 1, D]; differentiable in both."""
+    return _ops.shaw_scores(q, key_table, _positions(q_positions, 0), _positions(k_positions, 0), int(max_distance))
+
+
+def shaw_values(probs, value_table, q_positions, k_positions, max_distance):
+    """Shaw et al.'s value term [B, Sq, H, D]: Σ_j p_ij·a^V[clip(j - i, -k, k) + k]; probs
+    [B, H, Sq, Sk]; differentiable in both."""
+    return _ops.shaw_values(probs, value_table, _positions(q_positions, 0), _positions(k_positions, 0), int(max_distance))
+
+
+def xl_scores(q, k, u, v, w_r, q_positions, k_positions, scale=0.0, base=10000.0):
+    """Transformer-XL's position terms [B, H, Sq, Sk]: scale·(u·k_j + (q_i + v)·W_R r(i - j)); q, k
+    [B, S, H, D], u, v [H, D], w_r [H·D, d_model]; scale 0 means 1/sqrt(D). Differentiable in all."""
+    return _ops.xl_scores(q, k, u, v, w_r, _positions(q_positions, 0), _positions(k_positions, 0), float(scale),
+                          float(base))
 
 
 class SinusoidalPositionalEncoding(torch.nn.Module):
@@ -290,3 +309,41 @@ class FLOATER(torch.nn.Module):
     def forward(self, x, positions=None):
         positions = _positions(positions, x.shape[-2])
         return x + self.table(int(positions.max()) + 1)[positions].to(x.dtype)
+
+
+class ShawRelativePositions(torch.nn.Module):
+    """Shaw et al. 2018: learned key and value tables [2k + 1, head_dim] for clipped distances.
+    scores(q, …) gives the score term to add to q·k/sqrt(D); values(probs, …) the value term to
+    add to probs @ v."""
+
+    def __init__(self, max_distance, head_dim, std=0.02):
+        super().__init__()
+        self.max_distance = max_distance
+        self.key_table = torch.nn.Parameter(torch.randn(2 * max_distance + 1, head_dim) * std)
+        self.value_table = torch.nn.Parameter(torch.randn(2 * max_distance + 1, head_dim) * std)
+
+    def scores(self, q, q_positions=None, k_positions=None):
+        q_positions = _positions(q_positions, q.shape[-3])
+        return shaw_scores(q, self.key_table, q_positions, q_positions if k_positions is None else k_positions,
+                           self.max_distance)
+
+    def values(self, probs, q_positions=None, k_positions=None):
+        q_positions = _positions(q_positions, probs.shape[-2])
+        k_positions = _positions(k_positions, probs.shape[-1])
+        return shaw_values(probs, self.value_table, q_positions, k_positions, self.max_distance)
+
+
+class TransformerXLRelative(torch.nn.Module):
+    """Transformer-XL's relative position terms with learned u, v [H, D] and W_R [H·D, d_model]."""
+
+    def __init__(self, heads, head_dim, d_model, std=0.02, base=10000.0):
+        super().__init__()
+        self.u = torch.nn.Parameter(torch.randn(heads, head_dim) * std)
+        self.v = torch.nn.Parameter(torch.randn(heads, head_dim) * std)
+        self.w_r = torch.nn.Parameter(torch.randn(heads * head_dim, d_model) / d_model ** 0.5)
+        self.base = base
+
+    def forward(self, q, k, q_positions=None, k_positions=None):
+        q_positions = _positions(q_positions, q.shape[-3])
+        k_positions = _positions(k_positions, k.shape[-3])
+        return xl_scores(q, k, self.u, self.v, self.w_r, q_positions, k_positions, 0.0, self.base)

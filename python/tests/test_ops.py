@@ -213,9 +213,37 @@ def test_learned_and_floater_gradcheck():
     assert module(torch.zeros(3, 4)).shape == (3, 4)
 
 
+def test_shaw_and_xl_against_formulas_and_gradcheck():
+    seq, heads, dim, k = 6, 2, 4, 2
+    qp = torch.arange(seq)
+    q = torch.randn(1, seq, heads, dim, dtype=torch.float64, requires_grad=True)
+    keys = torch.randn(1, seq, heads, dim, dtype=torch.float64, requires_grad=True)
+    shaw = posenc.ShawRelativePositions(k, dim, std=0.5).double()
+    rows = (qp[None, :] - qp[:, None]).clamp(-k, k) + k  # [i, j]
+    want = torch.einsum("ihd,ijd->hij", q[0].detach(), shaw.key_table.detach()[rows]) / dim ** 0.5
+    torch.testing.assert_close(shaw.scores(q, qp)[0], want, rtol=0, atol=1e-12)
+    probs = torch.rand(1, heads, seq, seq, dtype=torch.float64, requires_grad=True)
+    want_values = torch.einsum("hij,ijd->ihd", probs[0].detach(), shaw.value_table.detach()[rows])
+    torch.testing.assert_close(shaw.values(probs, qp)[0], want_values, rtol=0, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda a, t: posenc.shaw_scores(a, t, qp, qp, k), (q, shaw.key_table))
+    assert torch.autograd.gradcheck(lambda p, t: posenc.shaw_values(p, t, qp, qp, k), (probs, shaw.value_table))
+
+    xl = posenc.TransformerXLRelative(heads, dim, d_model=6, std=0.5).double()
+    delta = (qp[:, None] - qp[None, :]).double()
+    omega = 1.0 / 10000.0 ** (torch.arange(0, 6, 2, dtype=torch.float64) / 6)
+    r = torch.cat([torch.sin(delta[..., None] * omega), torch.cos(delta[..., None] * omega)], -1)  # [i, j, 6]
+    projected = torch.einsum("ijm,em->ije", r, xl.w_r.detach()).view(seq, seq, heads, dim)
+    want_xl = (torch.einsum("hd,jhd->hj", xl.u.detach(), keys[0].detach())[:, None, :]
+               + torch.einsum("ihd,ijhd->hij", q[0].detach() + xl.v.detach()[None], projected)) / dim ** 0.5
+    torch.testing.assert_close(xl(q, keys, qp, qp)[0], want_xl, rtol=0, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda a, b, u, v, w: posenc.xl_scores(a, b, u, v, w, qp, qp),
+                                    (q, keys, xl.u, xl.v, xl.w_r))
+
+
 def test_modules_save_and_load():
     for module in (posenc.ALiBi(4, trainable=True), posenc.T5RelativeBias(3), posenc.Kerple(2), posenc.FIRE(2, 4),
-                   posenc.TUPE(2, 2, 4, 8), posenc.FLOATER(3, 4), posenc.LearnedPositionalEncoding(8, 4)):
+                   posenc.TUPE(2, 2, 4, 8), posenc.FLOATER(3, 4), posenc.LearnedPositionalEncoding(8, 4),
+                   posenc.ShawRelativePositions(3, 4), posenc.TransformerXLRelative(2, 2, 4)):
         state = module.state_dict()
         assert state, type(module).__name__
         copy = copy_module.deepcopy(module)

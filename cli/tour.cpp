@@ -197,10 +197,28 @@ void tour_biases() {
   fmt::print("\n  f_θ is piecewise linear ({} pieces here), so posenc evaluates a bias as one multiply-add.\n",
              fire.kinks().size() + 1);
 
-  fmt::print("\n  TUPE (Ke et al. 2021): b = (p_i U^Q)·(p_j U^K)/sqrt(2D) from an absolute table with its own\n"
-             "  projections, and an optional [CLS] reset. Shaw et al. 2018: a^K and a^V rows for clipped\n"
-             "  distances, in the scores and in the values. Transformer-XL: u·k_j + (q_i + v)·W_R r(i − j).\n"
-             "  (`posenc table tupe|shaw|xl --length 6` prints them.)\n");
+  const TupeParams tupe = TupeParams::init(1, 8, 16, 64, true, 0.5, 1);
+  fmt::print("\n  TUPE (Ke et al. 2021): b = (p_i U^Q)·(p_j U^K)/sqrt(2D) from its own absolute table and\n"
+             "  projections; with the [CLS] reset, position 0 gets learned θ1/θ2 instead. A fresh layer:\n   ");
+  for (const auto& [i, j] : {std::pair<std::int64_t, std::int64_t>{0, 5}, {5, 0}, {5, 5}, {5, 9}, {40, 44}}) {
+    fmt::print(" b({}, {}) = {:.3f};", i, j, bias_value(tupe, 0, i, j));
+  }
+  fmt::print("\n");
+
+  const ShawParams shaw(2, 1);
+  fmt::print("\n  Shaw et al. 2018: distances clipped to [−k, k] pick rows of learned a^K (scores) and a^V\n"
+             "  (values). The rows keys 0 … 9 read for query 5, k = 2:\n    rows");
+  for (std::int64_t j = 0; j < 10; ++j) fmt::print(" {}", shaw.row_of(j - 5));
+  fmt::print("\n");
+
+  const XlParams xl = XlParams::init(1, 4, 8, 0.5, 3);
+  const std::vector<float> zeros(4, 0.0f);
+  std::vector<float> xl_row(6, 0.0f);
+  XlEvaluator(xl, -10, 10).add_row(0, zeros.data(), 5, zeros.data(), 0, 0, 6, xl_row.data());
+  fmt::print("\n  Transformer-XL (Dai et al. 2019): scores gain u·k_j + (q_i + v)·W_R r(i − j), r sinusoidal.\n"
+             "  For a zero query and keys, what remains is v·W_R r(i − j), query 5 against keys 0 … 5:\n   ");
+  for (const float value : xl_row) fmt::print(" {:.4f}", value);
+  fmt::print("\n  (`posenc table tupe|shaw|xl --length 6` prints whole matrices.)\n");
 }
 
 void tour_floater() {

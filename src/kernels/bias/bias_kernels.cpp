@@ -26,18 +26,6 @@ void CopyRowF32(const float* HWY_RESTRICT src, float* HWY_RESTRICT dst, std::int
   for (; t < n; ++t) dst[t] = src[t];
 }
 
-void AccumulateRowF64(const float* HWY_RESTRICT src, double* HWY_RESTRICT sum, std::int64_t n) {
-  std::int64_t t = 0;
-#if HWY_TARGET != HWY_SCALAR
-  const hn::ScalableTag<double> dd;
-  const hn::Rebind<float, decltype(dd)> df;  // half a vector of floats per vector of doubles
-  const auto lanes = static_cast<std::int64_t>(hn::Lanes(dd));
-  for (; t + lanes <= n; t += lanes) {
-    hn::StoreU(hn::Add(hn::LoadU(dd, sum + t), hn::PromoteTo(dd, hn::LoadU(df, src + t))), dd, sum + t);
-  }
-#endif
-  for (; t < n; ++t) sum[t] += static_cast<double>(src[t]);
-}
 
 void AccumulateDiagonalsF64(const float* HWY_RESTRICT ds, std::int64_t row_stride, std::int64_t rows, std::int64_t n,
                             double* HWY_RESTRICT sums) {
@@ -81,14 +69,10 @@ HWY_AFTER_NAMESPACE();
 namespace posenc::kernels {
 
 HWY_EXPORT(CopyRowF32);
-HWY_EXPORT(AccumulateRowF64);
 HWY_EXPORT(AccumulateDiagonalsF64);
 
 void copy_row_f32(const float* src, float* dst, std::int64_t n, bool stream) {
   HWY_DYNAMIC_DISPATCH(CopyRowF32)(src, dst, n, stream);
-}
-void accumulate_row_f64(const float* src, double* sum, std::int64_t n) {
-  HWY_DYNAMIC_DISPATCH(AccumulateRowF64)(src, sum, n);
 }
 
 void accumulate_diagonals_f64(const float* ds, std::int64_t row_stride, std::int64_t rows, std::int64_t n,

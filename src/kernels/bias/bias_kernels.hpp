@@ -9,8 +9,6 @@ namespace posenc::kernels {
 // dst[t] = src[t], t < n. With `stream`, aligned vectors use non-temporal stores (call
 // flush_streams() from absolute_kernels.hpp before the output is read).
 void copy_row_f32(const float* src, float* dst, std::int64_t n, bool stream);
-// sum[t] += src[t] (widened exactly to fp64), t < n.
-void accumulate_row_f64(const float* src, double* sum, std::int64_t n);
 
 // Rows k < rows of ds (row k at ds + k·row_stride, n entries each) summed along diagonals:
 // sums[u] += Σ_k ds[k][u + k] for u in [−(rows − 1), n) (sums must be valid there), the terms of

@@ -99,7 +99,11 @@ RopeParams rope_params_from_json(const std::string& text) {
   };
   const std::int64_t head_dim = integer("head_dim", 0);
   RopeScaling scaling;
-  const std::string type = j.value("rope_type", std::string("default"));
+  // Hugging Face's legacy names, as rope_params_from_hf reads them: Phi-3's "su" is longrope,
+  // Qwen2-VL's "mrope" the default frequencies.
+  std::string type = j.value("rope_type", std::string("default"));
+  if (type == "su") type = "longrope";
+  if (type == "mrope") type = "default";
   const std::pair<const char*, RopeType> types[] = {{"default", RopeType::kDefault}, {"linear", RopeType::kLinear},
                                                     {"ntk", RopeType::kNtk},         {"dynamic", RopeType::kDynamic},
                                                     {"yarn", RopeType::kYarn},       {"longrope", RopeType::kLongRope},

@@ -121,6 +121,17 @@ def test_rope_from_hf_config_reproduces_transformers_inv_freq():
     torch.testing.assert_close(omega, want, rtol=1e-12, atol=0)
 
 
+def test_rope_reads_legacy_rope_type_names():
+    q = torch.randn(1, 4, 1, 8, dtype=torch.float64)
+    factors = {"short_factor": [1.0, 2.0, 3.0, 4.0], "long_factor": [2.0, 3.0, 4.0, 5.0], "factor": 4.0,
+               "original_max_position_embeddings": 2}
+    su, _ = posenc.rope(q, scaling=dict(factors, type="su"))
+    longrope, _ = posenc.rope(q, scaling=dict(factors, rope_type="longrope"))
+    torch.testing.assert_close(su, longrope, rtol=0, atol=0)
+    mrope, _ = posenc.rope(q, scaling={"type": "mrope", "mrope_section": [1, 1, 2]})
+    torch.testing.assert_close(mrope, posenc.rope(q)[0], rtol=0, atol=0)
+
+
 # ------------------------------------------------------------------ biases
 
 def test_alibi_matches_materialised_reference_and_gradcheck():

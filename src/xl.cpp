@@ -123,6 +123,18 @@ void add_token(TensorView v, const detail::HeadsGrid& g, std::int64_t b, std::in
   detail::store(v.data(), v.dtype(), at, detail::load(v.data(), v.dtype(), at) + value);
 }
 
+// P_h(δ) = W_R r(δ) restricted to head h, by the definition (fp64).
+std::vector<double> projected_head(const XlParams& p, std::int64_t h, std::int64_t delta) {
+  const std::vector<double> r = p.sinusoid(delta);
+  std::vector<double> out(static_cast<std::size_t>(p.head_dim()), 0.0);
+  for (std::int64_t e = 0; e < p.head_dim(); ++e) {
+    for (std::int64_t m = 0; m < p.d_model(); ++m) {
+      out[static_cast<std::size_t>(e)] += p.w_r()[static_cast<std::size_t>((h * p.head_dim() + e) * p.d_model() + m)] *
+                                          r[static_cast<std::size_t>(m)];
+    }
+  }
+  return out;
+}
 }  // namespace
 
 XlParams::XlParams(std::int64_t heads, std::int64_t head_dim, std::int64_t d_model, std::vector<double> u,
@@ -332,16 +344,9 @@ void XlEvaluator::add_row(std::int64_t head, const float* q, std::int64_t q_posi
     const float* pd;
     if (t >= 0 && t < width_) {
       pd = projected_.data() + t * hd_ + head * dim_;
-    } else {
-      const std::vector<double> r = params_.sinusoid(q_position - (k_first + j));
-      spot.assign(static_cast<std::size_t>(dim_), 0.0f);
-      for (std::int64_t e = 0; e < dim_; ++e) {
-        double sum = 0;
-        for (std::int64_t m = 0; m < params_.d_model(); ++m) {
-          sum += params_.w_r()[static_cast<std::size_t>((head * dim_ + e) * params_.d_model() + m)] * r[static_cast<std::size_t>(m)];
-        }
-        spot[static_cast<std::size_t>(e)] = static_cast<float>(sum);
-      }
+    } else {  // outside the table: projected on the spot
+      const std::vector<double> exact = projected_head(params_, head, q_position - (k_first + j));
+      spot.assign(exact.begin(), exact.end());
       pd = spot.data();
     }
     const float* kj = k + j * k_stride;
@@ -354,20 +359,6 @@ void XlEvaluator::add_row(std::int64_t head, const float* q, std::int64_t q_posi
 // ------------------------------------------------------------------------------ reference
 
 namespace ref {
-namespace {
-// P_h(δ) = W_R r(δ) restricted to head h, by the definition.
-std::vector<double> projected_head(const XlParams& p, std::int64_t h, std::int64_t delta) {
-  const std::vector<double> r = p.sinusoid(delta);
-  std::vector<double> out(static_cast<std::size_t>(p.head_dim()), 0.0);
-  for (std::int64_t e = 0; e < p.head_dim(); ++e) {
-    for (std::int64_t m = 0; m < p.d_model(); ++m) {
-      out[static_cast<std::size_t>(e)] += p.w_r()[static_cast<std::size_t>((h * p.head_dim() + e) * p.d_model() + m)] *
-                                          r[static_cast<std::size_t>(m)];
-    }
-  }
-  return out;
-}
-}  // namespace
 
 void xl_add_position_terms(const XlParams& params, ConstTensorView q, ConstTensorView k, const Positions& q_positions,
                            const Positions& k_positions, TensorView scores) {

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "posenc/absolute.hpp"
+#include "posenc/attention.hpp"
 #include "posenc/bias.hpp"
 #include "posenc/dtype.hpp"
 #include "posenc/error.hpp"

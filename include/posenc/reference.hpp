@@ -7,6 +7,7 @@
 #pragma once
 
 #include "posenc/absolute.hpp"
+#include "posenc/attention.hpp"
 #include "posenc/bias.hpp"
 #include "posenc/relative.hpp"
 #include "posenc/rotary.hpp"
@@ -63,5 +64,12 @@ void xl_add_position_terms(const XlParams& params, ConstTensorView q, ConstTenso
 void xl_position_terms_backward(const XlParams& params, ConstTensorView q, ConstTensorView k, ConstTensorView d_scores,
                                 const Positions& q_positions, const Positions& k_positions, TensorView dq,
                                 TensorView dk, XlGradients& grads);
+
+// Attention: the unfused composition per (sequence, head) — materialised scores with the biases
+// of bias_value, soft-cap, mask, softmax, P·V — in fp64, or with naive_f32 in plain f32 (how a
+// straightforward f32 implementation computes it: the yardstick of the fused kernel's accuracy).
+void attention_forward(const Attention& attention, TensorView out, TensorView lse, bool naive_f32 = false);
+void attention_backward(const Attention& attention, ConstTensorView out, ConstTensorView lse, ConstTensorView d_out,
+                        TensorView dq, TensorView dk, TensorView dv, AttentionGradients* grads);
 
 }  // namespace posenc::ref

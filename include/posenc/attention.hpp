@@ -1,0 +1,155 @@
+// posenc/attention.hpp — fused attention with a positional scheme inside: forward, backward, decode.
+//
+// ─── Math ──────────────────────────────────────────────────────────────────────────────────────
+// For query token i of head h and key token j of its KV head g(h) = h / (H / G):
+//
+//   x_ij = scale·⟨T_q(q_i), T_k(k_j)⟩ + b_h(p_i, p'_j)            the logit
+//   z_ij = c·tanh(x_ij / c)            (with a soft-cap c > 0; else z = x)
+//   out_i = Σ_j softmax_j(z_ij + mask_ij)·v_j,   lse_i = log Σ_j exp(z_ij + mask_ij)
+//
+// T_q, T_k: the group's query/key transform (RoPE from the positions, or Shortformer's absolute
+// sinusoid added to q and k but not v), b: the group's score bias (ALiBi, T5, Kerple, FIRE, TUPE;
+// bias.hpp), p_i / p'_j the query / key positions. Computed flash-style: tiles of keys against
+// blocks of queries with an online softmax; no Sq×Sk matrix is ever stored. Workspace per thread
+// is O(tile·D) in forward; backward keeps a [G·Sq, D] gradient accumulator per thread as well.
+//
+// ─── Layout ────────────────────────────────────────────────────────────────────────────────────
+//   q, out, dq, d_out   [B, Sq, H, D]   (or packed [Tq, H, D] with cu_seqlens_q)
+//   k, v, dk, dv        [B, Sk, G, D]   (or packed [Tk, G, D] with cu_seqlens_k)
+//   lse                 [B, H, Sq]      (or [H, Tq]) f32, natural log; −inf for a fully masked row
+// Any strides (a [B, H, S, D] tensor is a [B, S, H, D] view with permuted strides); q, k, v in
+// f32, bf16 or f16 (all three the same), outputs in the same dtype, math in f32. f64 inputs run
+// the fp64 reference.
+//
+//   heads   h:  0 1 2 3 | 4 5 6 7        H = 8, G = 2: heads 0–3 read KV head 0, 4–7 KV head 1
+//   groups      [ RoPE  ] [ ALiBi ]      a scheme per head group; a group that transforms q and k
+//                                        must cover whole KV groups (the keys are shared)
+//
+// ─── Masks (by token index, per sequence, bottom-right aligned as flash-attention) ─────────────
+// With Lq queries and Lk keys in a sequence (Lk = key_lengths[b] when given), query i sees key j iff
+//   j < Lk  and  j >= i + (Lk − Lq) − window_left  (window_left >= 0)  and
+//   j <= i + (Lk − Lq) + window_right (window_right >= 0; causal means window_right = 0).
+// Packed sequences (cu_seqlens) attend only within themselves (block-diagonal).
+//
+// ─── Positions ─────────────────────────────────────────────────────────────────────────────────
+// Default: key j at position j, query i at (Lk − Lq) + i (a query block at the end of its keys, as
+// in decode with a KV cache); packed sequences restart at 0. Explicit Positions override them
+// (q_positions over the query grid, k_positions over the key grid; packed: over Tq / Tk tokens).
+//
+// ─── Backward ──────────────────────────────────────────────────────────────────────────────────
+// From out, lse and d_out: dq, dk, dv += their gradients; the positional parameters' gradients
+// (ALiBi slopes, T5 table, Kerple r1 r2, FIRE MLP, TUPE projections) += into AttentionGradients,
+// in fp64. Work is split by (sequence, KV head) and every sum runs in a fixed order: results are
+// bitwise identical for any thread count, forward and backward.
+//
+// Decode (few queries, long KV cache): the keys split into fixed chunks that run in parallel and
+// merge by their log-sum-exps in chunk order — exact, and independent of the thread count.
+//
+// Errors: posenc::Error naming the parameter for shapes or dtypes that do not match, head counts
+// that do not divide, groups that do not tile the heads or split a KV group's transform, window
+// < −1, soft-cap < 0 or non-finite, key_lengths out of [0, Sk], cu_seqlens that do not start at 0,
+// decrease or end elsewhere than the token count, positions of the wrong grid.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <variant>
+#include <vector>
+
+#include "posenc/absolute.hpp"
+#include "posenc/bias.hpp"
+#include "posenc/positions.hpp"
+#include "posenc/rotary.hpp"
+#include "posenc/tensor.hpp"
+
+namespace posenc {
+
+// RoPE applied inside attention from the tokens' positions.
+struct RotaryQK {
+  RopeParams params;
+  bool keys_rotated = false;  // the K cache already holds rotated keys: only queries are rotated
+  std::int64_t seq_len = 0;   // seq_len for dynamic / longrope frequencies (0: max position + 1)
+};
+// Shortformer's position-infused attention (Press et al. 2021): the sinusoid of the position is
+// added to queries and keys (not values) before the dot product. params.dim() == head_dim.
+struct AbsoluteQK {
+  SinusoidalParams params;
+};
+using QKTransform = std::variant<std::monostate, RotaryQK, AbsoluteQK>;
+
+// A run of consecutive heads sharing a scheme. `bias`, when set, has bias_heads == heads (its
+// head 0 is the group's first head).
+struct HeadGroup {
+  std::int64_t heads = 0;
+  QKTransform transform{};
+  std::optional<BiasScheme> bias{};
+};
+
+struct AttentionMask {
+  bool causal = false;
+  std::int64_t window_left = -1;   // −1: unlimited
+  std::int64_t window_right = -1;  // −1: unlimited (causal forces 0)
+  double softcap = 0.0;            // 0: none; else z = c·tanh(x/c)
+  std::vector<std::int64_t> key_lengths;  // per batch row, valid keys (empty: all); not with packed
+};
+
+struct AttentionSpec {
+  ConstTensorView q, k, v;
+  std::vector<HeadGroup> groups;  // empty: no positional scheme on any head (NoPE)
+  AttentionMask mask{};
+  double scale = 0.0;              // 0: 1/sqrt(D)
+  std::optional<Positions> q_positions, k_positions;
+  std::vector<std::int64_t> cu_seqlens_q, cu_seqlens_k;  // packed sequences (both or neither)
+};
+
+// Gradients of the groups' positional parameters, fp64, accumulated (+=). One entry per group,
+// sized for its scheme (empty vectors where the scheme has no such parameter).
+struct GroupGradients {
+  std::vector<double> alibi_slopes;       // [heads]
+  std::vector<double> t5_table;           // [buckets·heads], the table's layout
+  std::vector<double> kerple_r1, kerple_r2;  // [heads]
+  std::optional<FireGradients> fire;
+  std::optional<TupeGradients> tupe;
+};
+struct AttentionGradients {
+  std::vector<GroupGradients> groups;
+};
+
+class Attention {
+ public:
+  // Validates everything once and prepares the positional tables (RoPE coefficients, bias tables).
+  explicit Attention(AttentionSpec spec);
+  ~Attention();
+  Attention(Attention&&) noexcept;
+  Attention& operator=(Attention&&) noexcept;
+
+  std::int64_t batch() const;
+  std::int64_t q_len() const;   // Sq (or Tq)
+  std::int64_t k_len() const;   // Sk (or Tk)
+  std::int64_t heads() const;
+  std::int64_t kv_heads() const;
+  std::int64_t head_dim() const;
+  const AttentionSpec& spec() const;
+
+  // Zeroed gradients shaped for this attention's groups.
+  AttentionGradients zero_gradients() const;
+
+  // out: like q; lse: [B, H, Sq] f32 (or [H, Tq]), or an empty view to skip it.
+  void forward(TensorView out, TensorView lse = {}) const;
+  // out and lse from forward; dq, dk, dv (+=) like q, k, v (empty views skip them); grads may be
+  // null (then positional gradients are not computed).
+  void backward(ConstTensorView out, ConstTensorView lse, ConstTensorView d_out, TensorView dq, TensorView dk,
+                TensorView dv, AttentionGradients* grads = nullptr) const;
+
+  // Bytes of scratch the last forward / backward used (all threads), for memory reports.
+  std::int64_t workspace_bytes() const;
+
+  struct Plan;
+  const Plan& plan() const { return *plan_; }  // the validated form (internal; for the reference)
+
+ private:
+  std::unique_ptr<Plan> plan_;
+};
+
+}  // namespace posenc

@@ -1,0 +1,697 @@
+// The fused attention engine (math, layouts and contracts in posenc/attention.hpp).
+//
+// Work is cut into units that never share outputs, so any thread count gives the same bits:
+//   forward   (sequence, KV head, block of queries[, key chunk])
+//             rows = the block's queries × the KV head's G query heads, head-major, each head's
+//             queries padded to kAttnAlign lanes; key tiles of kKeyTile keys stream past them;
+//   decode    blocks of at most kDecodeRows rows (few queries) take dot-product scores and split
+//             long key ranges into chunks of kDecodeChunk keys, merged in chunk order;
+//   backward  (sequence, KV head): all of its rows, key tiles outer (dk, dv finished per tile),
+//             row blocks inner, dq accumulated per unit in f32.
+// Score tiles are transposed (S^T[key][row]) so that the softmax, the biases and the masks run
+// with rows in the vector lanes; see kernels/attention/attention_kernels.hpp.
+#include "posenc/attention.hpp"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include "attention/attention_plan.hpp"
+#include "internal.hpp"
+#include "kernels/attention/attention_kernels.hpp"
+#include "posenc/error.hpp"
+#include "posenc/reference.hpp"
+
+namespace posenc {
+
+using detail::AttentionUnitScratch;
+using kernels::kAttnAlign;
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+std::int64_t round_up(std::int64_t x, std::int64_t to) { return (x + to - 1) / to * to; }
+
+template <class T>
+void grow(std::vector<T>& v, std::int64_t n) {
+  if (static_cast<std::int64_t>(v.size()) < n) v.resize(static_cast<std::size_t>(n));
+}
+
+}  // namespace
+
+// ─── Per-row transforms ──────────────────────────────────────────────────────────────────────
+
+namespace detail {
+
+// x (f32, D entries, padded with zeros to Dp) ← T(x) for a token at `row` of the table; sign −1
+// applies the transpose (backward: sine negated).
+void AttentionPlan::transform_row(const QKTables& t, bool is_q, std::int64_t table_row, float* x, float sine_sign) const {
+  if (t.kind == QKTables::kNone) return;
+  if (t.kind == QKTables::kAbsolute) {
+    if (sine_sign < 0) return;  // the gradient of an addition passes through
+    const float* add = t.absolute.data() + table_row * dim;
+    for (std::int64_t d = 0; d < dim; ++d) x[d] += add[d];
+    return;
+  }
+  const std::vector<float>& cs = (is_q || t.k_cos_sin.empty()) ? t.q_cos_sin : t.k_cos_sin;
+  const std::int64_t half = t.half;
+  const float* c = cs.data() + table_row * 2 * half;
+  const float* s = c + half;
+  if (!t.interleaved) {
+    float* a = x;
+    float* b = x + half;
+    for (std::int64_t i = 0; i < half; ++i) {
+      const float ai = a[i], bi = b[i], si = sine_sign * s[i];
+      a[i] = ai * c[i] - bi * si;
+      b[i] = bi * c[i] + ai * si;
+    }
+  } else {
+    for (std::int64_t i = 0; i < half; ++i) {
+      const float ai = x[2 * i], bi = x[2 * i + 1], si = sine_sign * s[i];
+      x[2 * i] = ai * c[i] - bi * si;
+      x[2 * i + 1] = bi * c[i] + ai * si;
+    }
+  }
+}
+
+// One token's head vector (any dtype, any dim stride) into f32 with zero padding to Dp.
+void AttentionPlan::load_row(const void* base, const HeadsGrid& g, std::int64_t b, std::int64_t s, std::int64_t h,
+                             float* out) const {
+  const std::int64_t offset = g.offset(b, s) + h * g.head_stride;
+  if (g.dim_stride == 1) {
+    kernels::attn_load_f32(static_cast<const char*>(base) + offset * static_cast<std::int64_t>(dtype_size(dtype)),
+                           dtype, dim, out);
+  } else {
+    for (std::int64_t d = 0; d < dim; ++d) out[d] = static_cast<float>(load(base, dtype, offset + d * g.dim_stride));
+  }
+  for (std::int64_t d = dim; d < dim_padded; ++d) out[d] = 0.0f;
+}
+
+void AttentionPlan::store_row(const float* row, void* base, const HeadsGrid& g, std::int64_t b, std::int64_t s,
+                              std::int64_t h, bool accumulate) const {
+  const std::int64_t offset = g.offset(b, s) + h * g.head_stride;
+  if (g.dim_stride == 1) {
+    kernels::attn_store(row, dim, dtype,
+                        static_cast<char*>(base) + offset * static_cast<std::int64_t>(dtype_size(dtype)), accumulate);
+    return;
+  }
+  for (std::int64_t d = 0; d < dim; ++d) {
+    const std::int64_t at = offset + d * g.dim_stride;
+    const double prior = accumulate ? load(base, dtype, at) : 0.0;
+    store(base, dtype, at, static_cast<double>(static_cast<float>(prior) + row[d]));
+  }
+}
+
+// ─── Row blocks ──────────────────────────────────────────────────────────────────────────────
+
+// Lays out the rows of queries [i0, i0 + count) of `seq` for KV head `kvh`: head-major, each
+// head's queries padded to kAttnAlign lanes (compact: no padding, for decode).
+void AttentionPlan::layout_rows(const Sequence& seq, std::int64_t kvh, std::int64_t i0, std::int64_t count,
+                                bool compact, RowBlock& rb) const {
+  rb.i0 = i0;
+  rb.count = count;
+  rb.compact = compact;
+  const std::int64_t per_head = compact ? count : round_up(count, kAttnAlign);
+  rb.valid_rows = group_size * count;
+  rb.width = round_up(group_size * per_head, kAttnAlign);
+  grow(rb.head, rb.width);
+  grow(rb.query, rb.width);
+  grow(rb.position, rb.width);
+  grow(rb.lo, rb.width);
+  grow(rb.hi, rb.width);
+  const std::int64_t offset = seq.lk - seq.lq;
+  for (std::int64_t r = 0; r < rb.width; ++r) {
+    const std::int64_t g = compact ? r / std::max<std::int64_t>(count, 1) : r / per_head;
+    const std::int64_t qi = compact ? r % std::max<std::int64_t>(count, 1) : r % per_head;
+    const bool valid = r < group_size * per_head && g < group_size && qi < count;
+    auto& head = rb.head[static_cast<std::size_t>(r)];
+    head = valid ? kvh * group_size + g : -1;
+    rb.query[static_cast<std::size_t>(r)] = valid ? i0 + qi : -1;
+    const std::int64_t i = i0 + qi;
+    rb.position[static_cast<std::size_t>(r)] = valid ? q_position(seq, i) : 0;
+    std::int64_t lo = 0, hi = seq.lk;
+    if (valid) {
+      if (mask.window_left >= 0) lo = std::max<std::int64_t>(0, i + offset - mask.window_left);
+      if (window_right >= 0) hi = std::min<std::int64_t>(seq.lk, i + offset + window_right + 1);
+      if (hi < lo) hi = lo;
+    } else {
+      hi = 0;  // padding: sees nothing
+    }
+    rb.lo[static_cast<std::size_t>(r)] = static_cast<std::int32_t>(lo);
+    rb.hi[static_cast<std::size_t>(r)] = static_cast<std::int32_t>(hi);
+  }
+  rb.key_lo = seq.lk;
+  rb.key_hi = 0;
+  for (std::int64_t r = 0; r < rb.width; ++r) {
+    if (rb.head[static_cast<std::size_t>(r)] < 0) continue;
+    rb.key_lo = std::min<std::int64_t>(rb.key_lo, rb.lo[static_cast<std::size_t>(r)]);
+    rb.key_hi = std::max<std::int64_t>(rb.key_hi, rb.hi[static_cast<std::size_t>(r)]);
+  }
+  // Lane chunks that can take the vector bias path: one head, consecutive positions.
+  const std::int64_t chunks = rb.width / kAttnAlign;
+  grow(rb.chunk_uniform, chunks);
+  for (std::int64_t c = 0; c < chunks; ++c) {
+    bool uniform = true;
+    const std::int64_t r0 = c * kAttnAlign;
+    for (std::int64_t t = 0; t < kAttnAlign && uniform; ++t) {
+      const auto r = static_cast<std::size_t>(r0 + t);
+      uniform = rb.head[static_cast<std::size_t>(r0)] >= 0 &&
+                (rb.head[r] < 0 || (rb.head[r] == rb.head[static_cast<std::size_t>(r0)] &&
+                                    rb.position[r] == rb.position[static_cast<std::size_t>(r0)] + t));
+    }
+    rb.chunk_uniform[static_cast<std::size_t>(c)] = uniform ? 1 : 0;
+  }
+}
+
+// Whether keys [k_first, k_first + keys) of the sequence are all visible to every valid row.
+bool AttentionPlan::tile_unmasked(const RowBlock& rb, std::int64_t k_first, std::int64_t keys) const {
+  for (std::int64_t r = 0; r < rb.width; ++r) {
+    if (rb.head[static_cast<std::size_t>(r)] < 0) continue;
+    if (rb.lo[static_cast<std::size_t>(r)] > k_first || rb.hi[static_cast<std::size_t>(r)] < k_first + keys) return false;
+  }
+  return true;
+}
+
+// Adds the positional biases of the rows to S^T [keys][width] for keys [k_first, k_first + keys)
+// of the sequence, whose positions are kpos[0..keys).
+void AttentionPlan::add_bias(const Sequence& seq, const RowBlock& rb, std::int64_t /* k_first */, std::int64_t keys,
+                             const std::int64_t* kpos, float* st, std::vector<float>& tmp) const {
+  if (!any_bias) return;
+  bool keys_consecutive = true;
+  for (std::int64_t j = 1; j < keys && keys_consecutive; ++j) keys_consecutive = kpos[j] == kpos[0] + j;
+  const std::int64_t chunks = rb.width / kAttnAlign;
+  for (std::int64_t c = 0; c < chunks; ++c) {
+    const std::int64_t r0 = c * kAttnAlign;
+    const std::int64_t h0 = rb.head[static_cast<std::size_t>(r0)];
+    if (h0 < 0 && !rb.compact) continue;
+    if (h0 >= 0 && rb.chunk_uniform[static_cast<std::size_t>(c)] && keys_consecutive) {
+      const HeadBias& hb = head_bias[static_cast<std::size_t>(h0)];
+      if (hb.kind == HeadBias::kNone) continue;
+      if (hb.kind == HeadBias::kTable) {
+        // δ = q − k runs up with the lane and down with the key: a contiguous table slice per key.
+        const std::int64_t base = rb.position[static_cast<std::size_t>(r0)] - kpos[0] - hb.delta_min;
+        if (base - (keys - 1) >= 0 && base + kAttnAlign <= hb.width) {
+          kernels::attn_add_bias_tile(st + r0, keys, rb.width, hb.table, base);
+          continue;
+        }
+      }
+    }
+    // General path: lane by lane.
+    for (std::int64_t t = 0; t < kAttnAlign; ++t) {
+      const std::int64_t r = r0 + t;
+      const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
+      if (h < 0) continue;
+      const HeadBias& hb = head_bias[static_cast<std::size_t>(h)];
+      if (hb.kind == HeadBias::kNone) continue;
+      const std::int64_t qp = rb.position[static_cast<std::size_t>(r)];
+      if (hb.kind == HeadBias::kTupe) {
+        grow(tmp, keys);
+        std::fill(tmp.begin(), tmp.begin() + keys, 0.0f);
+        if (keys_consecutive) {
+          hb.tupe->add_row(hb.local_head, qp, kpos[0], keys, tmp.data());
+        } else {
+          for (std::int64_t j = 0; j < keys; ++j) hb.tupe->add_row(hb.local_head, qp, kpos[j], 1, tmp.data() + j);
+        }
+        for (std::int64_t j = 0; j < keys; ++j) st[j * rb.width + r] += tmp[static_cast<std::size_t>(j)];
+        continue;
+      }
+      for (std::int64_t j = 0; j < keys; ++j) {
+        const std::int64_t delta = qp - kpos[j];
+        float b;
+        if (hb.kind == HeadBias::kTable && delta >= hb.delta_min && delta < hb.delta_min + hb.width) {
+          b = hb.table[delta - hb.delta_min];
+        } else {
+          b = (*hb.evaluator)(hb.local_head, qp, kpos[j]);
+        }
+        st[j * rb.width + r] += b;
+      }
+    }
+  }
+  (void)seq;
+}
+
+}  // namespace detail
+
+// ─── Forward ─────────────────────────────────────────────────────────────────────────────────
+
+namespace {
+
+using detail::AttentionPlan;
+using detail::RowBlock;
+using detail::Sequence;
+
+// One forward unit: rows of `rb` against keys [k_begin, k_end) of the sequence. Leaves the
+// unnormalised output rows in s.o ([width][Dp]) and m, l per row.
+void forward_unit(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh, const RowBlock& rb,
+                  std::int64_t k_begin, std::int64_t k_end, AttentionUnitScratch& s) {
+  const std::int64_t w = rb.width, dp = p.dim_padded, d = p.dim;
+  const bool dot = rb.compact;
+  grow(s.q, w * dp);
+  grow(s.qt, dp * w);
+  grow(s.o, w * dp);
+  grow(s.m, w);
+  grow(s.l, w);
+  grow(s.corr, w);
+  grow(s.st, p.key_tile * w);
+  grow(s.k, p.key_tile * dp);
+  grow(s.v, p.key_tile * dp);
+  grow(s.kpos, p.key_tile);
+  std::fill(s.o.begin(), s.o.begin() + w * dp, 0.0f);
+  std::fill(s.m.begin(), s.m.begin() + w, kNegInf);
+  std::fill(s.l.begin(), s.l.begin() + w, 0.0f);
+  // Queries: transformed, scaled, as rows (decode) or transposed (Q^T [d][w]).
+  for (std::int64_t r = 0; r < w; ++r) {
+    float* row = s.q.data() + r * dp;
+    const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
+    if (h < 0) {
+      std::fill(row, row + dp, 0.0f);
+    } else {
+      const std::int64_t i = rb.query[static_cast<std::size_t>(r)];
+      p.load_row(p.q_data, p.qg, seq.b, seq.q0 + i, h, row);
+      p.transform_row(p.tables_of_head(h), true, p.q_table_row(seq, i), row, 1.0f);
+      for (std::int64_t t = 0; t < d; ++t) row[t] *= p.scale;
+    }
+    if (!dot) {
+      for (std::int64_t t = 0; t < d; ++t) s.qt[static_cast<std::size_t>(t * w + r)] = row[t];
+    }
+  }
+  const detail::QKTables& kt = p.tables_of_head(kvh * p.group_size);
+  const bool direct_k = p.zero_copy && (kt.kind == detail::QKTables::kNone || !kt.transform_keys);
+  const bool direct_v = p.zero_copy;
+  const std::int64_t tile = p.key_tile;
+  for (std::int64_t k0 = k_begin; k0 < k_end; k0 += tile) {
+    const std::int64_t keys = std::min(tile, k_end - k0);
+    // Keys and values: straight from memory (f32, unit stride, D a multiple of the padding, no
+    // key transform) or packed into f32 rows.
+    const float* kp;
+    std::int64_t ldk;
+    if (direct_k) {
+      kp = static_cast<const float*>(p.k_data) + p.kg.offset(seq.b, seq.k0 + k0) + kvh * p.kg.head_stride;
+      ldk = p.kg.seq_stride;
+    } else {
+      for (std::int64_t j = 0; j < keys; ++j) {
+        float* row = s.k.data() + j * dp;
+        p.load_row(p.k_data, p.kg, seq.b, seq.k0 + k0 + j, kvh, row);
+        if (kt.transform_keys) p.transform_row(kt, false, p.k_table_row(seq, k0 + j), row, 1.0f);
+      }
+      kp = s.k.data();
+      ldk = dp;
+    }
+    const float* vp;
+    std::int64_t ldv;
+    if (direct_v) {
+      vp = static_cast<const float*>(p.v_data) + p.vg.offset(seq.b, seq.k0 + k0) + kvh * p.vg.head_stride;
+      ldv = p.vg.seq_stride;
+    } else {
+      for (std::int64_t j = 0; j < keys; ++j) p.load_row(p.v_data, p.vg, seq.b, seq.k0 + k0 + j, kvh, s.v.data() + j * dp);
+      vp = s.v.data();
+      ldv = dp;
+    }
+    // S^T = K·Q^T (scale and query transform already in Q).
+    if (dot) {
+      kernels::attn_dot_scores(kp, ldk, keys, s.q.data(), dp, rb.valid_rows, d, s.st.data(), w);
+    } else {
+      kernels::attn_gemm(kp, ldk, 1, s.qt.data(), w, s.st.data(), w, keys, w, d, false);
+    }
+    for (std::int64_t j = 0; j < keys; ++j) s.kpos[static_cast<std::size_t>(j)] = p.k_position(seq, k0 + j);
+    p.add_bias(seq, rb, k0, keys, s.kpos.data(), s.st.data(), s.tmp);
+    if (p.mask.softcap > 0) kernels::attn_softcap_tile(s.st.data(), keys, w, static_cast<float>(p.mask.softcap));
+    if (!p.tile_unmasked(rb, k0, keys)) {
+      kernels::attn_mask_tile(s.st.data(), keys, w, k0, rb.lo.data(), rb.hi.data());
+    }
+    kernels::attn_softmax_tile(s.st.data(), keys, w, s.m.data(), s.l.data(), s.corr.data());
+    kernels::attn_scale_rows(s.o.data(), dp, w, dp, s.corr.data());
+    // O += P·V with P(r, j) = P^T[j][r].
+    kernels::attn_gemm(s.st.data(), 1, w, vp, ldv, s.o.data(), dp, dot ? rb.valid_rows : w, dp, keys, true);
+  }
+}
+
+}  // namespace
+
+namespace detail {
+
+void AttentionPlan::forward(TensorView out, TensorView lse) const {
+  const HeadsGrid og = check_output_tokens(kWhere, "out", ConstTensorView(out), qg);
+  check_dtype(kWhere, "out", out.dtype(), dtype);
+  check_writable(kWhere, "out", ConstTensorView(out));
+  const bool want_lse = lse.rank() > 0;
+  if (want_lse) check_lse(lse, true);
+  // Units: (sequence, KV head, query block[, key chunk]).
+  struct Unit {
+    std::int64_t seq, kvh, i0, count, k_begin, k_end, partial;
+    bool compact;
+  };
+  std::vector<Unit> units;
+  std::int64_t partials = 0;
+  for (std::int64_t si = 0; si < static_cast<std::int64_t>(sequences.size()); ++si) {
+    const Sequence& seq = sequences[static_cast<std::size_t>(si)];
+    if (seq.lq == 0) continue;
+    const bool compact = seq.lq * group_size <= kDecodeRows;
+    const std::int64_t block = compact ? seq.lq : query_block;
+    for (std::int64_t kvh = 0; kvh < kv_heads; ++kvh) {
+      for (std::int64_t i0 = 0; i0 < seq.lq; i0 += block) {
+        const std::int64_t count = std::min(block, seq.lq - i0);
+        const std::int64_t chunks = compact && seq.lk > 2 * kDecodeChunk ? (seq.lk + kDecodeChunk - 1) / kDecodeChunk : 1;
+        for (std::int64_t c = 0; c < chunks; ++c) {
+          const std::int64_t kb = chunks == 1 ? 0 : c * kDecodeChunk;
+          const std::int64_t ke = chunks == 1 ? seq.lk : std::min(seq.lk, kb + kDecodeChunk);
+          units.push_back({si, kvh, i0, count, kb, ke, chunks == 1 ? -1 : partials, compact});
+          if (chunks > 1) ++partials;
+        }
+      }
+    }
+  }
+  // Chunked units leave (m, l, O) rows here, merged in chunk order afterwards.
+  const std::int64_t part_rows = kDecodeRows <= kAttnAlign ? kAttnAlign : kDecodeRows;
+  const std::int64_t part_width = dim_padded + 2;
+  std::vector<float> parts(static_cast<std::size_t>(partials * part_rows * part_width));
+  const auto flops = static_cast<std::int64_t>(batch) * q_len * k_len * heads * dim;
+  const int threads = std::min<int>(threads_for(flops / 16), static_cast<int>(std::max<std::size_t>(units.size(), 1)));
+  std::int64_t scratch_bytes = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : scratch_bytes)
+  {
+    AttentionUnitScratch& s = unit_scratch();
+    RowBlock rb;
+#pragma omp for schedule(dynamic, 1)
+    for (std::size_t u = 0; u < units.size(); ++u) {
+      const Unit& un = units[u];
+      const Sequence& seq = sequences[static_cast<std::size_t>(un.seq)];
+      layout_rows(seq, un.kvh, un.i0, un.count, un.compact, rb);
+      const std::int64_t kb = std::max(un.k_begin, un.partial >= 0 ? un.k_begin : rb.key_lo);
+      const std::int64_t ke = std::min(un.k_end, un.partial >= 0 ? un.k_end : std::max(rb.key_hi, kb));
+      forward_unit(*this, seq, un.kvh, rb, kb, ke, s);
+      const std::int64_t w = rb.width, dp = dim_padded;
+      if (un.partial >= 0) {
+        float* part = parts.data() + un.partial * part_rows * part_width;
+        for (std::int64_t r = 0; r < rb.valid_rows; ++r) {
+          float* row = part + r * part_width;
+          row[0] = s.m[static_cast<std::size_t>(r)];
+          row[1] = s.l[static_cast<std::size_t>(r)];
+          std::memcpy(row + 2, s.o.data() + r * dp, static_cast<std::size_t>(dp) * sizeof(float));
+        }
+        continue;
+      }
+      grow(s.tmp, dp);
+      for (std::int64_t r = 0; r < w; ++r) {
+        const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
+        if (h < 0) continue;
+        const std::int64_t i = rb.query[static_cast<std::size_t>(r)];
+        const float l = s.l[static_cast<std::size_t>(r)];
+        const float inv = l > 0 ? 1.0f / l : 0.0f;
+        for (std::int64_t t = 0; t < dim; ++t) s.tmp[static_cast<std::size_t>(t)] = s.o[static_cast<std::size_t>(r * dp + t)] * inv;
+        store_row(s.tmp.data(), out.data(), og, seq.b, seq.q0 + i, h, false);
+        if (want_lse) {
+          const float m = s.m[static_cast<std::size_t>(r)];
+          write_lse(lse, seq, h, i, l > 0 ? m + std::log(l) : kNegInf);
+        }
+      }
+    }
+    scratch_bytes += s.bytes();
+  }
+  // Merge the chunks of each decode block, in chunk order.
+  for (std::size_t u = 0; u < units.size();) {
+    if (units[u].partial < 0) {
+      ++u;
+      continue;
+    }
+    std::size_t end = u;
+    while (end < units.size() && units[end].partial >= 0 && units[end].seq == units[u].seq &&
+           units[end].kvh == units[u].kvh && units[end].i0 == units[u].i0) {
+      ++end;
+    }
+    const Unit& un = units[u];
+    const Sequence& seq = sequences[static_cast<std::size_t>(un.seq)];
+    RowBlock rb;
+    layout_rows(seq, un.kvh, un.i0, un.count, true, rb);
+    std::vector<double> acc(static_cast<std::size_t>(dim));
+    std::vector<float> row(static_cast<std::size_t>(dim));
+    for (std::int64_t r = 0; r < rb.valid_rows; ++r) {
+      float m = kNegInf;
+      for (std::size_t c = u; c < end; ++c) m = std::max(m, parts[static_cast<std::size_t>((units[c].partial * part_rows + r) * part_width)]);
+      double l = 0;
+      std::fill(acc.begin(), acc.end(), 0.0);
+      if (m != kNegInf) {
+        for (std::size_t c = u; c < end; ++c) {
+          const float* pr = parts.data() + (units[c].partial * part_rows + r) * part_width;
+          if (pr[0] == kNegInf) continue;
+          const double f = std::exp(static_cast<double>(pr[0]) - m);
+          l += f * pr[1];
+          for (std::int64_t t = 0; t < dim; ++t) acc[static_cast<std::size_t>(t)] += f * pr[2 + t];
+        }
+      }
+      for (std::int64_t t = 0; t < dim; ++t) row[static_cast<std::size_t>(t)] = l > 0 ? static_cast<float>(acc[static_cast<std::size_t>(t)] / l) : 0.0f;
+      const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
+      const std::int64_t i = rb.query[static_cast<std::size_t>(r)];
+      store_row(row.data(), out.data(), og, seq.b, seq.q0 + i, h, false);
+      if (want_lse) write_lse(lse, seq, h, i, l > 0 ? static_cast<float>(m + std::log(l)) : kNegInf);
+    }
+    u = end;
+  }
+  last_workspace_bytes = scratch_bytes + static_cast<std::int64_t>(parts.size() * sizeof(float)) + table_bytes();
+}
+
+// ─── Backward ────────────────────────────────────────────────────────────────────────────────
+
+void AttentionPlan::backward(ConstTensorView out, ConstTensorView lse, ConstTensorView d_out, TensorView dq,
+                             TensorView dk, TensorView dv, AttentionGradients* grads) const {
+  const HeadsGrid og = check_output_tokens(kWhere, "out", out, qg);
+  check_dtype(kWhere, "out", out.dtype(), dtype);
+  const HeadsGrid dog = check_output_tokens(kWhere, "d_out", d_out, qg);
+  check_dtype(kWhere, "d_out", d_out.dtype(), dtype);
+  check_lse(lse, false);
+  const bool want_dq = dq.rank() > 0, want_dk = dk.rank() > 0, want_dv = dv.rank() > 0;
+  HeadsGrid dqg, dkg, dvg;
+  if (want_dq) {
+    dqg = check_output_tokens(kWhere, "dq", ConstTensorView(dq), qg);
+    check_dtype(kWhere, "dq", dq.dtype(), dtype);
+    check_writable(kWhere, "dq", ConstTensorView(dq));
+  }
+  if (want_dk) {
+    dkg = check_output_tokens(kWhere, "dk", ConstTensorView(dk), kg);
+    check_dtype(kWhere, "dk", dk.dtype(), dtype);
+    check_writable(kWhere, "dk", ConstTensorView(dk));
+  }
+  if (want_dv) {
+    dvg = check_output_tokens(kWhere, "dv", ConstTensorView(dv), vg);
+    check_dtype(kWhere, "dv", dv.dtype(), dtype);
+    check_writable(kWhere, "dv", ConstTensorView(dv));
+  }
+  if (grads != nullptr) check_gradients(*grads);
+  const bool want_bias_grads = grads != nullptr && any_trainable_bias;
+  struct Unit {
+    std::int64_t seq, kvh;
+  };
+  std::vector<Unit> units;
+  for (std::int64_t si = 0; si < static_cast<std::int64_t>(sequences.size()); ++si) {
+    if (sequences[static_cast<std::size_t>(si)].lq == 0 || sequences[static_cast<std::size_t>(si)].lk == 0) continue;
+    for (std::int64_t kvh = 0; kvh < kv_heads; ++kvh) units.push_back({si, kvh});
+  }
+  // Per unit, its share of the bias parameters' gradients (summed in unit order afterwards).
+  const std::int64_t grad_size = want_bias_grads ? bias_gradient_size() : 0;
+  std::vector<double> unit_grads(static_cast<std::size_t>(grad_size) * units.size());
+  const auto flops = static_cast<std::int64_t>(batch) * q_len * k_len * heads * dim;
+  const int threads = std::min<int>(threads_for(flops / 16), static_cast<int>(std::max<std::size_t>(units.size(), 1)));
+  std::int64_t scratch_bytes = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : scratch_bytes)
+  {
+    AttentionUnitScratch& s = unit_scratch();
+    RowBlock rb;
+#pragma omp for schedule(dynamic, 1)
+    for (std::size_t u = 0; u < units.size(); ++u) {
+      const Sequence& seq = sequences[static_cast<std::size_t>(units[u].seq)];
+      const std::int64_t kvh = units[u].kvh;
+      backward_unit(seq, kvh, out, og, lse, d_out, dog, want_dq ? &dq : nullptr, dqg, want_dk ? &dk : nullptr, dkg,
+                    want_dv ? &dv : nullptr, dvg, want_bias_grads ? unit_grads.data() + u * static_cast<std::size_t>(grad_size) : nullptr,
+                    s, rb);
+    }
+    scratch_bytes += s.bytes();
+  }
+  if (want_bias_grads) {
+    std::vector<double> total(static_cast<std::size_t>(grad_size), 0.0);
+    for (std::size_t u = 0; u < units.size(); ++u) {
+      for (std::int64_t t = 0; t < grad_size; ++t) total[static_cast<std::size_t>(t)] += unit_grads[u * static_cast<std::size_t>(grad_size) + static_cast<std::size_t>(t)];
+    }
+    scatter_bias_gradients(total, *grads);
+  }
+  last_workspace_bytes = scratch_bytes + static_cast<std::int64_t>(unit_grads.size() * sizeof(double)) + table_bytes();
+}
+
+void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTensorView out, const HeadsGrid& og,
+                                  ConstTensorView lse, ConstTensorView d_out, const HeadsGrid& dog, TensorView* dq,
+                                  const HeadsGrid& dqg, TensorView* dk, const HeadsGrid& dkg, TensorView* dv,
+                                  const HeadsGrid& dvg, double* unit_grads, AttentionUnitScratch& s,
+                                  RowBlock& rb) const {
+  const std::int64_t dp = dim_padded, d = dim;
+  // All rows of the unit, head-major, each head's queries padded to the lane count.
+  layout_rows(seq, kvh, 0, seq.lq, false, rb);
+  const std::int64_t w = rb.width;
+  grow(s.q, w * dp);
+  grow(s.qt, dp * w);
+  grow(s.dout, w * dp);
+  grow(s.doutt, dp * w);
+  grow(s.dq, w * dp);
+  grow(s.lse, w);
+  grow(s.delta, w);
+  grow(s.o, dp);
+  std::fill(s.dq.begin(), s.dq.begin() + w * dp, 0.0f);
+  const QKTables& tq = tables_of_head(kvh * group_size);
+  for (std::int64_t r = 0; r < w; ++r) {
+    float* qrow = s.q.data() + r * dp;
+    float* drow = s.dout.data() + r * dp;
+    const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
+    if (h < 0) {
+      std::fill(qrow, qrow + dp, 0.0f);
+      std::fill(drow, drow + dp, 0.0f);
+      s.lse[static_cast<std::size_t>(r)] = 0.0f;
+      s.delta[static_cast<std::size_t>(r)] = 0.0f;
+    } else {
+      const std::int64_t i = rb.query[static_cast<std::size_t>(r)];
+      load_row(q_data, qg, seq.b, seq.q0 + i, h, qrow);
+      transform_row(tq, true, q_table_row(seq, i), qrow, 1.0f);
+      for (std::int64_t t = 0; t < d; ++t) qrow[t] *= scale;
+      load_row_as(d_out, dog, seq.b, seq.q0 + i, h, drow);
+      load_row_as(out, og, seq.b, seq.q0 + i, h, s.o.data());
+      double delta = 0;
+      for (std::int64_t t = 0; t < d; ++t) delta += static_cast<double>(drow[t]) * s.o[static_cast<std::size_t>(t)];
+      s.delta[static_cast<std::size_t>(r)] = static_cast<float>(delta);
+      s.lse[static_cast<std::size_t>(r)] = read_lse(lse, seq, h, i);
+    }
+    for (std::int64_t t = 0; t < d; ++t) {
+      s.qt[static_cast<std::size_t>(t * w + r)] = qrow[t];
+      s.doutt[static_cast<std::size_t>(t * w + r)] = drow[t];
+    }
+  }
+  const bool keys_transformed = tq.kind != QKTables::kNone && tq.transform_keys;
+  grow(s.k, key_tile * dp);
+  grow(s.v, key_tile * dp);
+  grow(s.dk, key_tile * dp);
+  grow(s.dv, key_tile * dp);
+  grow(s.st, key_tile * w);
+  grow(s.dpt, key_tile * w);
+  grow(s.kpos, key_tile);
+  // Bias-gradient histograms over δ per head of the unit (distance tables) and the direct path.
+  const std::int64_t grad_size = unit_grads != nullptr ? bias_gradient_size() : 0;
+  if (unit_grads != nullptr) {
+    grow(s.hist, group_size * hist_width);
+    std::fill(s.hist.begin(), s.hist.begin() + group_size * hist_width, 0.0);
+  }
+  // Row blocks of at most query_block·G rows share one key tile pass.
+  const std::int64_t rows_per_block = round_up(std::max<std::int64_t>(query_block, kAttnAlign), kAttnAlign);
+  for (std::int64_t k0 = 0; k0 < seq.lk; k0 += key_tile) {
+    const std::int64_t keys = std::min(key_tile, seq.lk - k0);
+    // Any row that sees this tile?
+    bool seen = false;
+    for (std::int64_t r = 0; r < w && !seen; ++r) {
+      seen = rb.head[static_cast<std::size_t>(r)] >= 0 && rb.lo[static_cast<std::size_t>(r)] < k0 + keys &&
+             rb.hi[static_cast<std::size_t>(r)] > k0;
+    }
+    if (!seen) continue;
+    for (std::int64_t j = 0; j < keys; ++j) {
+      float* krow = s.k.data() + j * dp;
+      load_row(k_data, kg, seq.b, seq.k0 + k0 + j, kvh, krow);
+      if (keys_transformed) transform_row(tq, false, k_table_row(seq, k0 + j), krow, 1.0f);
+      load_row(v_data, vg, seq.b, seq.k0 + k0 + j, kvh, s.v.data() + j * dp);
+      s.kpos[static_cast<std::size_t>(j)] = k_position(seq, k0 + j);
+    }
+    std::fill(s.dk.begin(), s.dk.begin() + keys * dp, 0.0f);
+    std::fill(s.dv.begin(), s.dv.begin() + keys * dp, 0.0f);
+    for (std::int64_t r0 = 0; r0 < w; r0 += rows_per_block) {
+      const std::int64_t bw = std::min(rows_per_block, w - r0);
+      // Rows of this block that see the tile.
+      bool any = false, full = true;
+      for (std::int64_t r = r0; r < r0 + bw; ++r) {
+        if (rb.head[static_cast<std::size_t>(r)] < 0) continue;
+        const bool sees = rb.lo[static_cast<std::size_t>(r)] < k0 + keys && rb.hi[static_cast<std::size_t>(r)] > k0;
+        any = any || sees;
+        full = full && rb.lo[static_cast<std::size_t>(r)] <= k0 && rb.hi[static_cast<std::size_t>(r)] >= k0 + keys;
+      }
+      if (!any) continue;
+      RowBlock sub;
+      rb.slice(r0, bw, sub);
+      // S^T = K·Q^T, biases, soft-cap, mask; dP^T = V·dO^T.
+      kernels::attn_gemm(s.k.data(), dp, 1, s.qt.data() + r0, w, s.st.data(), bw, keys, bw, d, false);
+      add_bias(seq, sub, k0, keys, s.kpos.data(), s.st.data(), s.tmp);
+      if (mask.softcap > 0) kernels::attn_softcap_tile(s.st.data(), keys, bw, static_cast<float>(mask.softcap));
+      if (!full) kernels::attn_mask_tile(s.st.data(), keys, bw, k0, sub.lo.data(), sub.hi.data());
+      kernels::attn_gemm(s.v.data(), dp, 1, s.doutt.data() + r0, w, s.dpt.data(), bw, keys, bw, d, false);
+      // P^T, dS^T (with the soft-cap's derivative).
+      kernels::attn_backward_tile(s.st.data(), s.dpt.data(), keys, bw, s.lse.data() + r0, s.delta.data() + r0,
+                                  static_cast<float>(mask.softcap));
+      // dV += P^T·dO, dK += dS^T·Q (Q carries the scale), dQ += dS·K.
+      kernels::attn_gemm(s.st.data(), bw, 1, s.dout.data() + r0 * dp, dp, s.dv.data(), dp, keys, dp, bw, true);
+      kernels::attn_gemm(s.dpt.data(), bw, 1, s.q.data() + r0 * dp, dp, s.dk.data(), dp, keys, dp, bw, true);
+      kernels::attn_gemm(s.dpt.data(), 1, bw, s.k.data(), dp, s.dq.data() + r0 * dp, dp, bw, dp, keys, true);
+      if (unit_grads != nullptr) accumulate_bias_gradients(seq, sub, k0, keys, s.kpos.data(), s.dpt.data(), s, kvh, unit_grads);
+    }
+    // dK (rotated back; the query scale is already in it) and dV for the tile.
+    for (std::int64_t j = 0; j < keys; ++j) {
+      float* dkrow = s.dk.data() + j * dp;
+      if (dk != nullptr) {
+        if (keys_transformed) transform_row(tq, false, k_table_row(seq, k0 + j), dkrow, -1.0f);
+        store_row_to(dkrow, *dk, dkg, seq.b, seq.k0 + k0 + j, kvh);
+      }
+      if (dv != nullptr) store_row_to(s.dv.data() + j * dp, *dv, dvg, seq.b, seq.k0 + k0 + j, kvh);
+    }
+  }
+  // dQ: times the scale, rotated back.
+  if (dq != nullptr) {
+    for (std::int64_t r = 0; r < w; ++r) {
+      const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
+      if (h < 0) continue;
+      const std::int64_t i = rb.query[static_cast<std::size_t>(r)];
+      float* row = s.dq.data() + r * dp;
+      for (std::int64_t t = 0; t < d; ++t) row[t] *= scale;
+      transform_row(tq, true, q_table_row(seq, i), row, -1.0f);
+      store_row_to(row, *dq, dqg, seq.b, seq.q0 + i, h);
+    }
+  }
+  if (unit_grads != nullptr) finish_bias_gradients(s, kvh, unit_grads);
+  (void)grad_size;
+}
+
+}  // namespace detail
+
+// ─── Public class ────────────────────────────────────────────────────────────────────────────
+
+Attention::Attention(AttentionSpec spec) : plan_(std::make_unique<Plan>(std::move(spec))) {}
+Attention::~Attention() = default;
+Attention::Attention(Attention&&) noexcept = default;
+Attention& Attention::operator=(Attention&&) noexcept = default;
+
+std::int64_t Attention::batch() const { return plan_->batch; }
+std::int64_t Attention::q_len() const { return plan_->q_len; }
+std::int64_t Attention::k_len() const { return plan_->k_len; }
+std::int64_t Attention::heads() const { return plan_->heads; }
+std::int64_t Attention::kv_heads() const { return plan_->kv_heads; }
+std::int64_t Attention::head_dim() const { return plan_->dim; }
+const AttentionSpec& Attention::spec() const { return plan_->spec; }
+AttentionGradients Attention::zero_gradients() const { return plan_->zero_gradients(); }
+std::int64_t Attention::workspace_bytes() const { return plan_->last_workspace_bytes; }
+
+void Attention::forward(TensorView out, TensorView lse) const {
+  detail::init_dispatch();
+  if (detail::use_reference() || plan_->dtype == DType::kF64) {
+    ref::attention_forward(*this, out, lse);
+    return;
+  }
+  plan_->forward(out, lse);
+}
+
+void Attention::backward(ConstTensorView out, ConstTensorView lse, ConstTensorView d_out, TensorView dq, TensorView dk,
+                         TensorView dv, AttentionGradients* grads) const {
+  detail::init_dispatch();
+  if (detail::use_reference() || plan_->dtype == DType::kF64) {
+    ref::attention_backward(*this, out, lse, d_out, dq, dk, dv, grads);
+    return;
+  }
+  plan_->backward(out, lse, d_out, dq, dk, dv, grads);
+}
+
+}  // namespace posenc

@@ -1,0 +1,532 @@
+// AttentionSpec → AttentionPlan: validation (once), sequences, default positions, the per-group
+// transform tables and bias tables, lse I/O and the positional parameters' gradients.
+#include "attention/attention_plan.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <variant>
+
+#include "bias_checks.hpp"
+#include "kernels/attention/attention_kernels.hpp"
+#include "posenc/error.hpp"
+#include "rotary_checks.hpp"
+
+namespace posenc::detail {
+namespace {
+
+constexpr const char* kWhere = AttentionPlan::kWhere;
+// Largest bias table over all heads (entries): beyond it, biases are evaluated per element.
+constexpr std::int64_t kMaxBiasTable = std::int64_t{1} << 24;
+
+void require(bool ok, const char* param, const std::string& value, const std::string& expected) {
+  if (!ok) throw Error(kWhere, param, value, expected);
+}
+
+std::string shape_text(ConstTensorView v) { return v.describe(); }
+
+void check_cu_seqlens(const char* name, const std::vector<std::int64_t>& cu, std::int64_t tokens) {
+  require(cu.size() >= 2, name, "size " + std::to_string(cu.size()), "at least 2 entries (0, …, tokens)");
+  require(cu.front() == 0, name, "[0] = " + std::to_string(cu.front()), "0");
+  for (std::size_t t = 1; t < cu.size(); ++t) {
+    if (cu[t] < cu[t - 1]) {
+      throw Error(kWhere, name, "[" + std::to_string(t) + "] = " + std::to_string(cu[t]),
+                  "non-decreasing (>= " + std::to_string(cu[t - 1]) + ")");
+    }
+  }
+  require(cu.back() == tokens, name, "last = " + std::to_string(cu.back()), "the token count " + std::to_string(tokens));
+}
+
+bool same_transform(const QKTransform& a, const QKTransform& b) { return a.index() == b.index(); }
+
+}  // namespace
+
+void RowBlock::slice(std::int64_t r0, std::int64_t n, RowBlock& out) const {
+  out.i0 = i0;
+  out.count = count;
+  out.compact = compact;
+  out.width = n;
+  out.valid_rows = 0;
+  const auto b = head.begin() + r0, e = head.begin() + r0 + n;
+  out.head.assign(b, e);
+  out.query.assign(query.begin() + r0, query.begin() + r0 + n);
+  out.position.assign(position.begin() + r0, position.begin() + r0 + n);
+  out.lo.assign(lo.begin() + r0, lo.begin() + r0 + n);
+  out.hi.assign(hi.begin() + r0, hi.begin() + r0 + n);
+  out.chunk_uniform.assign(chunk_uniform.begin() + r0 / kernels::kAttnAlign,
+                           chunk_uniform.begin() + (r0 + n) / kernels::kAttnAlign);
+  for (std::int64_t r = 0; r < n; ++r) out.valid_rows += out.head[static_cast<std::size_t>(r)] >= 0 ? 1 : 0;
+  out.key_lo = key_lo;
+  out.key_hi = key_hi;
+}
+
+std::int64_t AttentionUnitScratch::bytes() const {
+  std::int64_t total = 0;
+  for (const auto* buffer : {&q, &qt, &o, &m, &l, &corr, &st, &dpt, &k, &v, &tmp, &dout, &doutt, &dq, &dk, &dv, &lse, &delta}) {
+    total += static_cast<std::int64_t>(buffer->capacity() * sizeof(float));
+  }
+  return total + static_cast<std::int64_t>(kpos.capacity() * sizeof(std::int64_t) + hist.capacity() * sizeof(double));
+}
+
+AttentionUnitScratch& unit_scratch() {
+  thread_local AttentionUnitScratch s;
+  return s;
+}
+
+AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), mask(spec.mask) {
+  // ── Views.
+  packed = !spec.cu_seqlens_q.empty() || !spec.cu_seqlens_k.empty();
+  require(spec.q.rank() == 3 || spec.q.rank() == 4, "q", shape_text(spec.q), "[B, Sq, H, D] or packed [Tq, H, D]");
+  qg = heads_grid(kWhere, "q", spec.q);
+  kg = heads_grid(kWhere, "k", spec.k);
+  vg = heads_grid(kWhere, "v", spec.v);
+  if (packed) {
+    require(spec.q.rank() == 3, "q", shape_text(spec.q), "packed [Tq, H, D] with cu_seqlens");
+    require(spec.k.rank() == 3, "k", shape_text(spec.k), "packed [Tk, G, D] with cu_seqlens");
+  }
+  dtype = spec.q.dtype();
+  require(dtype == DType::kF32 || dtype == DType::kBF16 || dtype == DType::kF16 || dtype == DType::kF64, "q.dtype",
+          std::string(dtype_name(dtype)), "f32, bf16, f16 or f64");
+  check_dtype(kWhere, "k", spec.k.dtype(), dtype);
+  check_dtype(kWhere, "v", spec.v.dtype(), dtype);
+  batch = qg.batch;
+  q_len = qg.seq;
+  k_len = kg.seq;
+  heads = qg.heads;
+  kv_heads = kg.heads;
+  dim = qg.dim;
+  require(kg.batch == batch, "k", shape_text(spec.k), "batch " + std::to_string(batch) + " as q");
+  require(kg.dim == dim, "k", shape_text(spec.k), "head_dim " + std::to_string(dim) + " as q");
+  require(vg.batch == batch && vg.seq == k_len && vg.heads == kv_heads && vg.dim == dim, "v", shape_text(spec.v),
+          "the shape of k, " + shape_text(spec.k));
+  require(dim >= 1, "q", shape_text(spec.q), "head_dim >= 1");
+  require(heads >= 1, "q", shape_text(spec.q), "at least one head");
+  require(kv_heads >= 1 && heads % kv_heads == 0, "k", shape_text(spec.k),
+          "a KV head count dividing the query heads (" + std::to_string(heads) + ")");
+  require(k_len < (std::int64_t{1} << 31), "k", shape_text(spec.k), "fewer than 2^31 keys per sequence");
+  group_size = heads / kv_heads;
+  dim_padded = (dim + kernels::kAttnAlign - 1) / kernels::kAttnAlign * kernels::kAttnAlign;
+  q_data = spec.q.data();
+  k_data = spec.k.data();
+  v_data = spec.v.data();
+  require(std::isfinite(spec.scale) && spec.scale >= 0, "scale", to_text(spec.scale), "finite, >= 0 (0: 1/sqrt(D))");
+  scale_f64 = spec.scale > 0 ? spec.scale : 1.0 / std::sqrt(static_cast<double>(dim));
+  scale = static_cast<float>(scale_f64);
+  zero_copy = dtype == DType::kF32 && kg.dim_stride == 1 && vg.dim_stride == 1 && dim == dim_padded;
+
+  // ── Mask.
+  require(mask.window_left >= -1, "mask.window_left", std::to_string(mask.window_left), ">= -1 (-1: unlimited)");
+  require(mask.window_right >= -1, "mask.window_right", std::to_string(mask.window_right), ">= -1 (-1: unlimited)");
+  require(std::isfinite(mask.softcap) && mask.softcap >= 0, "mask.softcap", to_text(mask.softcap), "finite, >= 0 (0: none)");
+  window_right = mask.causal ? 0 : mask.window_right;
+  if (mask.causal && mask.window_right > 0) {
+    throw Error(kWhere, "mask.window_right", std::to_string(mask.window_right), "0 or -1 with causal (causal sees no later key)");
+  }
+
+  // ── Sequences.
+  if (packed) {
+    require(!spec.cu_seqlens_q.empty() && !spec.cu_seqlens_k.empty(), "cu_seqlens_k",
+            spec.cu_seqlens_k.empty() ? "empty" : "given", "both cu_seqlens_q and cu_seqlens_k, or neither");
+    check_cu_seqlens("cu_seqlens_q", spec.cu_seqlens_q, q_len);
+    check_cu_seqlens("cu_seqlens_k", spec.cu_seqlens_k, k_len);
+    require(spec.cu_seqlens_q.size() == spec.cu_seqlens_k.size(), "cu_seqlens_k",
+            "size " + std::to_string(spec.cu_seqlens_k.size()), "size of cu_seqlens_q, " + std::to_string(spec.cu_seqlens_q.size()));
+    require(mask.key_lengths.empty(), "mask.key_lengths", "given", "empty with packed sequences (cu_seqlens_k says it)");
+    for (std::size_t s = 0; s + 1 < spec.cu_seqlens_q.size(); ++s) {
+      sequences.push_back({0, spec.cu_seqlens_q[s], spec.cu_seqlens_q[s + 1] - spec.cu_seqlens_q[s], spec.cu_seqlens_k[s],
+                           spec.cu_seqlens_k[s + 1] - spec.cu_seqlens_k[s], static_cast<std::int64_t>(s)});
+    }
+  } else {
+    if (!mask.key_lengths.empty()) {
+      require(static_cast<std::int64_t>(mask.key_lengths.size()) == batch, "mask.key_lengths",
+              "size " + std::to_string(mask.key_lengths.size()), "one per batch row (" + std::to_string(batch) + ")");
+      for (std::size_t b = 0; b < mask.key_lengths.size(); ++b) {
+        const std::int64_t len = mask.key_lengths[b];
+        if (len < 0 || len > k_len) {
+          throw Error(kWhere, "mask.key_lengths", "[" + std::to_string(b) + "] = " + std::to_string(len),
+                      "in [0, " + std::to_string(k_len) + "]");
+        }
+      }
+    }
+    for (std::int64_t b = 0; b < batch; ++b) {
+      const std::int64_t lk = mask.key_lengths.empty() ? k_len : mask.key_lengths[static_cast<std::size_t>(b)];
+      sequences.push_back({b, 0, q_len, 0, lk, b});
+    }
+  }
+
+  // ── Positions.
+  if (spec.q_positions) {
+    spec.q_positions->check_grid(kWhere, packed ? 1 : batch, q_len);
+    q_positions = spec.q_positions;
+  } else {
+    default_q_ids.resize(static_cast<std::size_t>((packed ? 1 : batch) * q_len));
+    for (const Sequence& seq : sequences) {
+      const std::int64_t offset = std::max<std::int64_t>(0, (packed ? seq.lk : k_len) - seq.lq);
+      for (std::int64_t i = 0; i < seq.lq; ++i) {
+        default_q_ids[static_cast<std::size_t>(seq.b * q_len + seq.q0 + i)] = offset + i;
+      }
+    }
+    q_positions = Positions::ids(default_q_ids, packed ? 1 : batch, q_len);
+  }
+  if (spec.k_positions) {
+    spec.k_positions->check_grid(kWhere, packed ? 1 : batch, k_len);
+    k_positions = spec.k_positions;
+  } else {
+    default_k_ids.resize(static_cast<std::size_t>((packed ? 1 : batch) * k_len));
+    if (packed) {
+      for (const Sequence& seq : sequences) {
+        for (std::int64_t j = 0; j < seq.lk; ++j) default_k_ids[static_cast<std::size_t>(seq.k0 + j)] = j;
+      }
+    } else {
+      for (std::int64_t b = 0; b < batch; ++b) {
+        for (std::int64_t j = 0; j < k_len; ++j) default_k_ids[static_cast<std::size_t>(b * k_len + j)] = j;
+      }
+    }
+    k_positions = Positions::ids(default_k_ids, packed ? 1 : batch, k_len);
+  }
+  std::int64_t q_min = std::numeric_limits<std::int64_t>::max(), q_max = 0;
+  std::int64_t k_min = std::numeric_limits<std::int64_t>::max(), k_max = 0;
+  for (const Sequence& seq : sequences) {
+    for (std::int64_t i = 0; i < seq.lq; ++i) {
+      const std::int64_t p = q_position(seq, i);
+      q_min = std::min(q_min, p);
+      q_max = std::max(q_max, p);
+    }
+    for (std::int64_t j = 0; j < seq.lk; ++j) {
+      const std::int64_t p = k_position(seq, j);
+      k_min = std::min(k_min, p);
+      k_max = std::max(k_max, p);
+    }
+  }
+  if (q_min > q_max) q_min = q_max = 0;
+  if (k_min > k_max) k_min = k_max = 0;
+
+  // ── Head groups.
+  std::vector<HeadGroup> groups = spec.groups;
+  if (groups.empty()) groups.push_back(HeadGroup{heads, {}, {}});
+  head_group.assign(static_cast<std::size_t>(heads), -1);
+  head_bias.assign(static_cast<std::size_t>(heads), HeadBias{});
+  std::int64_t first = 0;
+  for (std::size_t gi = 0; gi < groups.size(); ++gi) {
+    const HeadGroup& grp = groups[gi];
+    const std::string name = "groups[" + std::to_string(gi) + "]";
+    if (grp.heads < 1 || first + grp.heads > heads) {
+      throw Error(kWhere, (name + ".heads").c_str(), std::to_string(grp.heads),
+                  "in [1, " + std::to_string(heads - first) + "] (the groups tile the " + std::to_string(heads) + " heads)");
+    }
+    const bool transforms = grp.transform.index() != 0;
+    if (transforms && (first % group_size != 0 || grp.heads % group_size != 0)) {
+      throw Error(kWhere, (name + ".heads").c_str(), std::to_string(grp.heads) + " from head " + std::to_string(first),
+                  "whole KV groups of " + std::to_string(group_size) + " heads: its keys are transformed");
+    }
+    if (grp.bias) {
+      const std::int64_t bh = bias_heads(*grp.bias);
+      if (bh != grp.heads) {
+        throw Error(kWhere, (name + ".bias").c_str(), std::to_string(bh) + " heads", std::to_string(grp.heads) + " (the group's heads)");
+      }
+    }
+    group_first_head.push_back(first);
+    for (std::int64_t h = first; h < first + grp.heads; ++h) head_group[static_cast<std::size_t>(h)] = static_cast<std::int64_t>(gi);
+    first += grp.heads;
+  }
+  if (first != heads) {
+    throw Error(kWhere, "groups", std::to_string(first) + " heads", "the " + std::to_string(heads) + " heads of q, tiled");
+  }
+  (void)same_transform;
+
+  // ── Transform tables: rows by position (a dense range) or by token.
+  const std::int64_t q_tokens = (packed ? 1 : batch) * q_len, k_tokens = (packed ? 1 : batch) * k_len;
+  const std::int64_t p_min = std::min(q_min, k_min), p_max = std::max(q_max, k_max);
+  position_max = p_max;
+  tables_by_position = p_max - p_min + 1 <= 2 * (q_tokens + k_tokens) + 4096;
+  table_position_min = p_min;
+  std::vector<std::int64_t> table_ids;
+  if (tables_by_position) {
+    for (std::int64_t p = p_min; p <= p_max; ++p) table_ids.push_back(p);
+  } else {
+    table_ids.assign(static_cast<std::size_t>(q_tokens + k_tokens), 0);
+    for (std::int64_t b = 0; b < (packed ? 1 : batch); ++b) {
+      for (std::int64_t i = 0; i < q_len; ++i) table_ids[static_cast<std::size_t>(b * q_len + i)] = q_positions->at(b, i);
+      for (std::int64_t j = 0; j < k_len; ++j) {
+        table_ids[static_cast<std::size_t>(q_tokens + b * k_len + j)] = k_positions->at(b, j);
+      }
+    }
+  }
+  const auto rows = static_cast<std::int64_t>(table_ids.size());
+  const Positions table_positions = Positions::ids(table_ids);
+  for (std::size_t gi = 0; gi < groups.size(); ++gi) {
+    QKTables t;
+    const std::string name = "groups[" + std::to_string(gi) + "].transform";
+    if (const auto* rope = std::get_if<RotaryQK>(&groups[gi].transform)) {
+      const RopeParams& rp = rope->params;
+      if (rp.head_dim() != dim) {
+        throw Error(kWhere, (name + ".params.head_dim").c_str(), std::to_string(rp.head_dim()), "the head_dim of q, " + std::to_string(dim));
+      }
+      if (rp.xpos()) {
+        check_xpos_range(rp, *q_positions, packed ? 1 : batch, q_len);
+        check_xpos_range(rp, *k_positions, packed ? 1 : batch, k_len);
+      }
+      t.kind = QKTables::kRope;
+      t.transform_keys = !rope->keys_rotated;
+      t.interleaved = rp.layout() == RopeLayout::kInterleaved;
+      t.half = rp.rotary_dim() / 2;
+      const std::int64_t half = t.half;
+      const DType table_dtype = rp.xpos() ? DType::kF64 : DType::kF32;
+      std::vector<double> c64, s64;
+      std::vector<float> c32, s32;
+      if (rp.xpos()) {
+        c64.resize(static_cast<std::size_t>(rows * half));
+        s64.resize(c64.size());
+        rope_cos_sin(rp, table_positions, TensorView::of(c64.data(), {rows, half}), TensorView::of(s64.data(), {rows, half}),
+                     rope->seq_len > 0 ? rope->seq_len : p_max + 1);
+      } else {
+        c32.resize(static_cast<std::size_t>(rows * half));
+        s32.resize(c32.size());
+        rope_cos_sin(rp, table_positions, TensorView::of(c32.data(), {rows, half}), TensorView::of(s32.data(), {rows, half}),
+                     rope->seq_len > 0 ? rope->seq_len : p_max + 1);
+      }
+      (void)table_dtype;
+      t.q_cos_sin.resize(static_cast<std::size_t>(rows * 2 * half));
+      if (rp.xpos()) t.k_cos_sin.resize(t.q_cos_sin.size());
+      const double r = static_cast<double>(rp.rotary_dim());
+      for (std::int64_t row = 0; row < rows; ++row) {
+        const double e = (static_cast<double>(table_ids[static_cast<std::size_t>(row)]) - rp.xpos_center()) / rp.xpos_scale_base();
+        for (std::int64_t i = 0; i < half; ++i) {
+          const auto at = static_cast<std::size_t>(row * half + i);
+          const auto out = static_cast<std::size_t>(row * 2 * half + i);
+          if (!rp.xpos()) {
+            t.q_cos_sin[out] = c32[at];
+            t.q_cos_sin[out + static_cast<std::size_t>(half)] = s32[at];
+            continue;
+          }
+          // xPos (rotary.hpp): ζ_i^(+e) on queries, ζ_i^(−e) on keys.
+          const double zeta = (2.0 * static_cast<double>(i) + 0.4 * r) / (1.4 * r);
+          const double up = std::pow(zeta, e), down = std::pow(zeta, -e);
+          t.q_cos_sin[out] = static_cast<float>(c64[at] * up);
+          t.q_cos_sin[out + static_cast<std::size_t>(half)] = static_cast<float>(s64[at] * up);
+          t.k_cos_sin[out] = static_cast<float>(c64[at] * down);
+          t.k_cos_sin[out + static_cast<std::size_t>(half)] = static_cast<float>(s64[at] * down);
+        }
+      }
+    } else if (const auto* absolute = std::get_if<AbsoluteQK>(&groups[gi].transform)) {
+      if (absolute->params.dim() != dim) {
+        throw Error(kWhere, (name + ".params.dim").c_str(), std::to_string(absolute->params.dim()), "the head_dim of q, " + std::to_string(dim));
+      }
+      t.kind = QKTables::kAbsolute;
+      t.transform_keys = true;
+      t.absolute.resize(static_cast<std::size_t>(rows * dim));
+      sinusoidal_table(absolute->params, table_positions, TensorView::of(t.absolute.data(), {rows, dim}));
+    }
+    tables.push_back(std::move(t));
+  }
+
+  // ── Bias tables over δ = q − k, with a lane's worth of margin on the query side (padding
+  // lanes continue their chunk's positions).
+  delta_min = q_min - k_max;
+  const std::int64_t delta_max = q_max + kernels::kAttnAlign - k_min;
+  const std::int64_t width = delta_max - delta_min + 1;
+  bias_tables.resize(groups.size());
+  std::int64_t flat = 0;
+  for (std::size_t gi = 0; gi < groups.size(); ++gi) {
+    grad_offset.push_back(flat);
+    if (!groups[gi].bias) continue;
+    const BiasScheme& scheme = *groups[gi].bias;
+    const std::int64_t hg = groups[gi].heads, h0 = group_first_head[gi];
+    if (std::holds_alternative<NoPE>(scheme)) continue;
+    any_bias = true;
+    const bool distance_only = std::holds_alternative<AlibiParams>(scheme) || std::holds_alternative<T5BiasParams>(scheme) ||
+                               std::holds_alternative<KerpleParams>(scheme);
+    if (std::holds_alternative<AlibiParams>(scheme)) flat += hg;
+    if (const auto* t5 = std::get_if<T5BiasParams>(&scheme)) flat += t5->num_buckets() * hg;
+    if (std::holds_alternative<KerpleParams>(scheme)) flat += 2 * hg;
+    if (distance_only) any_trainable_bias = true;
+    if (const auto* tupe = std::get_if<TupeParams>(&scheme)) {
+      check_tupe_positions(kWhere, *tupe, *q_positions, *k_positions);
+      tupe_evaluators.push_back(std::make_unique<TupeEvaluator>(*tupe, p_min, p_max));
+      for (std::int64_t h = 0; h < hg; ++h) {
+        HeadBias& hb = head_bias[static_cast<std::size_t>(h0 + h)];
+        hb.kind = HeadBias::kTupe;
+        hb.group = static_cast<std::int64_t>(gi);
+        hb.local_head = h;
+        hb.tupe = tupe_evaluators.back().get();
+      }
+      continue;
+    }
+    const bool tabulate = distance_only && width * hg <= kMaxBiasTable;
+    if (tabulate) {
+      auto& table = bias_tables[gi];
+      table.resize(static_cast<std::size_t>(width * hg));
+      for (std::int64_t h = 0; h < hg; ++h) {
+        for (std::int64_t t = 0; t < width; ++t) {
+          table[static_cast<std::size_t>(h * width + t)] = static_cast<float>(bias_value(scheme, h, -(delta_min + t)));
+        }
+      }
+    } else {
+      evaluators.push_back(std::make_unique<BiasEvaluator>(scheme, k_min - q_max, k_max - q_min));
+    }
+    for (std::int64_t h = 0; h < hg; ++h) {
+      HeadBias& hb = head_bias[static_cast<std::size_t>(h0 + h)];
+      hb.group = static_cast<std::int64_t>(gi);
+      hb.local_head = h;
+      if (tabulate) {
+        hb.kind = HeadBias::kTable;
+        hb.table = bias_tables[gi].data() + h * width;
+        hb.delta_min = delta_min;
+        hb.width = width;
+      } else {
+        hb.kind = HeadBias::kDirect;
+        hb.evaluator = evaluators.back().get();
+      }
+    }
+  }
+  grad_offset.push_back(flat);
+  hist_width = width <= kMaxBiasTable ? width : 0;
+}
+
+std::int64_t AttentionPlan::table_bytes() const {
+  std::int64_t total = 0;
+  for (const auto& t : tables) total += t.bytes();
+  for (const auto& t : bias_tables) total += static_cast<std::int64_t>(t.size() * sizeof(float));
+  return total;
+}
+
+// ─── lse ─────────────────────────────────────────────────────────────────────────────────────
+
+void AttentionPlan::check_lse(ConstTensorView lse, bool writable) const {
+  check_dtype(kWhere, "lse", lse.dtype(), DType::kF32);
+  if (packed) {
+    require(lse.rank() == 2 && lse.size(0) == heads && lse.size(1) == q_len, "lse", lse.describe(),
+            "[H, Tq] = [" + std::to_string(heads) + ", " + std::to_string(q_len) + "]");
+  } else {
+    require(lse.rank() == 3 && lse.size(0) == batch && lse.size(1) == heads && lse.size(2) == q_len, "lse", lse.describe(),
+            "[B, H, Sq] = [" + std::to_string(batch) + ", " + std::to_string(heads) + ", " + std::to_string(q_len) + "]");
+  }
+  if (writable) check_writable(kWhere, "lse", lse);
+}
+
+void AttentionPlan::write_lse(TensorView lse, const Sequence& seq, std::int64_t h, std::int64_t i, float value) const {
+  const std::int64_t at = packed ? h * lse.stride(0) + (seq.q0 + i) * lse.stride(1)
+                                 : seq.b * lse.stride(0) + h * lse.stride(1) + (seq.q0 + i) * lse.stride(2);
+  static_cast<float*>(lse.data())[at] = value;
+}
+
+float AttentionPlan::read_lse(ConstTensorView lse, const Sequence& seq, std::int64_t h, std::int64_t i) const {
+  const std::int64_t at = packed ? h * lse.stride(0) + (seq.q0 + i) * lse.stride(1)
+                                 : seq.b * lse.stride(0) + h * lse.stride(1) + (seq.q0 + i) * lse.stride(2);
+  return static_cast<const float*>(lse.data())[at];
+}
+
+// ─── Positional gradients ────────────────────────────────────────────────────────────────────
+
+AttentionGradients AttentionPlan::zero_gradients() const {
+  AttentionGradients grads;
+  const std::vector<HeadGroup> groups = spec.groups.empty() ? std::vector<HeadGroup>{HeadGroup{heads, {}, {}}} : spec.groups;
+  for (const HeadGroup& grp : groups) {
+    GroupGradients g;
+    if (grp.bias) {
+      const std::int64_t hg = grp.heads;
+      if (std::holds_alternative<AlibiParams>(*grp.bias)) g.alibi_slopes.assign(static_cast<std::size_t>(hg), 0.0);
+      if (const auto* t5 = std::get_if<T5BiasParams>(&*grp.bias)) g.t5_table.assign(static_cast<std::size_t>(t5->num_buckets() * hg), 0.0);
+      if (std::holds_alternative<KerpleParams>(*grp.bias)) {
+        g.kerple_r1.assign(static_cast<std::size_t>(hg), 0.0);
+        g.kerple_r2.assign(static_cast<std::size_t>(hg), 0.0);
+      }
+      if (const auto* fire = std::get_if<FireParams>(&*grp.bias)) g.fire.emplace(*fire);
+      if (const auto* tupe = std::get_if<TupeParams>(&*grp.bias)) g.tupe.emplace(*tupe);
+    }
+    grads.groups.push_back(std::move(g));
+  }
+  return grads;
+}
+
+void AttentionPlan::check_gradients(const AttentionGradients& grads) const {
+  const AttentionGradients like = zero_gradients();
+  require(grads.groups.size() == like.groups.size(), "grads.groups", "size " + std::to_string(grads.groups.size()),
+          std::to_string(like.groups.size()) + " (one per head group; Attention::zero_gradients() makes them)");
+  for (std::size_t g = 0; g < like.groups.size(); ++g) {
+    const auto& a = grads.groups[g];
+    const auto& b = like.groups[g];
+    const std::string name = "grads.groups[" + std::to_string(g) + "]";
+    check_gradient_size(kWhere, (name + ".alibi_slopes").c_str(), a.alibi_slopes.size(), static_cast<std::int64_t>(b.alibi_slopes.size()));
+    check_gradient_size(kWhere, (name + ".t5_table").c_str(), a.t5_table.size(), static_cast<std::int64_t>(b.t5_table.size()));
+    check_gradient_size(kWhere, (name + ".kerple_r1").c_str(), a.kerple_r1.size(), static_cast<std::int64_t>(b.kerple_r1.size()));
+    check_gradient_size(kWhere, (name + ".kerple_r2").c_str(), a.kerple_r2.size(), static_cast<std::int64_t>(b.kerple_r2.size()));
+    if (b.fire || b.tupe) {
+      throw Error(kWhere, (name + " (backward)").c_str(), b.fire ? "FIRE" : "TUPE",
+                  "ALiBi, T5 or Kerple: FIRE's and TUPE's parameter gradients are not computed inside fused attention "
+                  "yet (pass grads = nullptr for dq, dk, dv; or bias_materialize + fire_backward / tupe_backward)");
+    }
+  }
+}
+
+std::int64_t AttentionPlan::bias_gradient_size() const { return grad_offset.back(); }
+
+void AttentionPlan::add_bias_derivative(std::int64_t h, std::int64_t r, double sum, double* flat) const {
+  const auto g = static_cast<std::size_t>(head_group[static_cast<std::size_t>(h)]);
+  const std::int64_t local = h - group_first_head[g];
+  const HeadGroup& grp = spec.groups[g];
+  double* at = flat + grad_offset[g];
+  if (const auto* alibi = std::get_if<AlibiParams>(&*grp.bias)) {
+    at[local] += sum * alibi_derivative(alibi->form(), r);
+  } else if (const auto* t5 = std::get_if<T5BiasParams>(&*grp.bias)) {
+    at[t5->bucket(r) * grp.heads + local] += sum;
+  } else if (const auto* kerple = std::get_if<KerpleParams>(&*grp.bias)) {
+    double d1 = 0, d2 = 0;
+    kerple_derivatives(*kerple, local, r, &d1, &d2);
+    at[local] += sum * d1;
+    at[grp.heads + local] += sum * d2;
+  }
+}
+
+void AttentionPlan::accumulate_bias_gradients(const Sequence& /* seq */, const RowBlock& rb, std::int64_t /* k_first */,
+                                              std::int64_t keys, const std::int64_t* kpos, const float* dst,
+                                              AttentionUnitScratch& s, std::int64_t kvh, double* unit_grads) const {
+  for (std::int64_t r = 0; r < rb.width; ++r) {
+    const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
+    if (h < 0) continue;
+    const HeadBias& hb = head_bias[static_cast<std::size_t>(h)];
+    if (hb.kind != HeadBias::kTable && hb.kind != HeadBias::kDirect) continue;
+    const HeadGroup& grp = spec.groups[static_cast<std::size_t>(hb.group)];
+    const bool trainable = std::holds_alternative<AlibiParams>(*grp.bias) || std::holds_alternative<T5BiasParams>(*grp.bias) ||
+                           std::holds_alternative<KerpleParams>(*grp.bias);
+    if (!trainable) continue;
+    const std::int64_t qp = rb.position[static_cast<std::size_t>(r)];
+    if (hist_width > 0) {
+      double* hist = s.hist.data() + (h - kvh * group_size) * hist_width - delta_min;
+      for (std::int64_t j = 0; j < keys; ++j) hist[qp - kpos[j]] += static_cast<double>(dst[j * rb.width + r]);
+    } else {
+      for (std::int64_t j = 0; j < keys; ++j) {
+        add_bias_derivative(h, kpos[j] - qp, static_cast<double>(dst[j * rb.width + r]), unit_grads);
+      }
+    }
+  }
+}
+
+void AttentionPlan::finish_bias_gradients(AttentionUnitScratch& s, std::int64_t kvh, double* unit_grads) const {
+  if (hist_width == 0) return;
+  for (std::int64_t g = 0; g < group_size; ++g) {
+    const std::int64_t h = kvh * group_size + g;
+    const HeadBias& hb = head_bias[static_cast<std::size_t>(h)];
+    if (hb.kind != HeadBias::kTable && hb.kind != HeadBias::kDirect) continue;
+    const double* hist = s.hist.data() + g * hist_width;
+    for (std::int64_t t = 0; t < hist_width; ++t) {
+      if (hist[t] != 0.0) add_bias_derivative(h, -(delta_min + t), hist[t], unit_grads);
+    }
+  }
+}
+
+void AttentionPlan::scatter_bias_gradients(const std::vector<double>& total, AttentionGradients& grads) const {
+  for (std::size_t g = 0; g < spec.groups.size(); ++g) {
+    const double* at = total.data() + grad_offset[g];
+    GroupGradients& gg = grads.groups[g];
+    for (std::size_t t = 0; t < gg.alibi_slopes.size(); ++t) gg.alibi_slopes[t] += at[t];
+    for (std::size_t t = 0; t < gg.t5_table.size(); ++t) gg.t5_table[t] += at[t];
+    for (std::size_t t = 0; t < gg.kerple_r1.size(); ++t) {
+      gg.kerple_r1[t] += at[t];
+      gg.kerple_r2[t] += at[gg.kerple_r1.size() + t];
+    }
+  }
+}
+
+}  // namespace posenc::detail

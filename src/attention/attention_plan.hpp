@@ -1,0 +1,172 @@
+// The validated, pre-tabulated form of an AttentionSpec that the engine (attention.cpp) runs,
+// and the reference (ref/attention_ref.cpp) reads. Internal.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "internal.hpp"
+#include "posenc/attention.hpp"
+
+namespace posenc::detail {
+
+// A sequence: batch row b (0 when packed), its queries at seq index q0 … q0 + lq − 1 and keys at
+// k0 … k0 + lk − 1 of the views (packed: token offsets; else 0), lk after key_lengths.
+struct Sequence {
+  std::int64_t b = 0, q0 = 0, lq = 0, k0 = 0, lk = 0;
+  std::int64_t index = 0;  // which sequence (for position tables by token)
+};
+
+// The query/key transform of a head group, tabulated per table row (see AttentionPlan's
+// q_table_row / k_table_row): RoPE as [cos(half) | sin(half)] per row (α and xPos included; q
+// and k tables differ only with xPos), Shortformer's sinusoid as [D] per row.
+struct QKTables {
+  enum Kind { kNone, kRope, kAbsolute } kind = kNone;
+  bool transform_keys = false;
+  bool interleaved = false;
+  std::int64_t half = 0;  // rotary pairs
+  std::vector<float> q_cos_sin, k_cos_sin, absolute;
+  std::int64_t bytes() const {
+    return static_cast<std::int64_t>((q_cos_sin.size() + k_cos_sin.size() + absolute.size()) * sizeof(float));
+  }
+};
+
+// The bias of one head: tabulated over δ = q − k (distance-only schemes), evaluated directly
+// (FIRE; tables too wide), or TUPE's evaluator.
+struct HeadBias {
+  enum Kind { kNone, kTable, kDirect, kTupe } kind = kNone;
+  std::int64_t group = -1, local_head = 0;
+  const float* table = nullptr;  // b(δ_min + t), t < width
+  std::int64_t delta_min = 0, width = 0;
+  const BiasEvaluator* evaluator = nullptr;
+  const TupeEvaluator* tupe = nullptr;
+};
+
+// Row metadata of a block of (head, query) rows; see AttentionPlan::layout_rows.
+struct RowBlock {
+  std::int64_t i0 = 0, count = 0, valid_rows = 0, width = 0;
+  bool compact = false;
+  std::vector<std::int64_t> head, query, position;  // head −1: padding
+  std::vector<std::int32_t> lo, hi;                 // visible keys [lo, hi) of the sequence
+  std::vector<unsigned char> chunk_uniform;
+  std::int64_t key_lo = 0, key_hi = 0;  // union of the rows' visible keys
+  void slice(std::int64_t r0, std::int64_t n, RowBlock& out) const;
+};
+
+// Per-thread scratch, reused across calls (first-touch of fresh pages is expensive).
+struct AttentionUnitScratch {
+  std::vector<float> q, qt, o, m, l, corr, st, dpt, k, v, tmp, dout, doutt, dq, dk, dv, lse, delta;
+  std::vector<std::int64_t> kpos;
+  std::vector<double> hist;
+  std::int64_t bytes() const;
+};
+AttentionUnitScratch& unit_scratch();
+
+struct AttentionPlan {
+  static constexpr const char* kWhere = "Attention";
+  static constexpr std::int64_t kDecodeRows = 8;     // rows (queries × G) at most for dot-product scores
+  static constexpr std::int64_t kDecodeChunk = 4096;  // keys per parallel chunk of a decode block
+
+  explicit AttentionPlan(AttentionSpec spec);
+
+  AttentionSpec spec;
+  AttentionMask mask;
+  std::int64_t window_right = -1;
+  DType dtype = DType::kF32;
+  std::int64_t batch = 1, q_len = 0, k_len = 0, heads = 0, kv_heads = 0, group_size = 1, dim = 0, dim_padded = 0;
+  bool packed = false;
+  HeadsGrid qg, kg, vg;
+  const void *q_data = nullptr, *k_data = nullptr, *v_data = nullptr;
+  float scale = 1.0f;
+  double scale_f64 = 1.0;
+  bool zero_copy = false;
+  std::int64_t query_block = 64, key_tile = 64;
+  std::vector<Sequence> sequences;
+
+  // Positions: explicit (spec) or the defaults, owned here.
+  std::vector<std::int64_t> default_q_ids, default_k_ids;
+  std::int64_t position_max = 0;  // over queries and keys (RoPE's default seq_len is this + 1)
+  std::optional<Positions> q_positions, k_positions;
+  std::int64_t q_position(const Sequence& seq, std::int64_t i) const { return q_positions->at(seq.b, seq.q0 + i); }
+  std::int64_t k_position(const Sequence& seq, std::int64_t j) const { return k_positions->at(seq.b, seq.k0 + j); }
+
+  // Per group: transform tables; per head: its group and bias.
+  std::vector<QKTables> tables;
+  std::vector<std::int64_t> head_group, group_first_head;
+  const QKTables& tables_of_head(std::int64_t h) const {
+    return tables[static_cast<std::size_t>(head_group[static_cast<std::size_t>(h)])];
+  }
+  bool tables_by_position = true;
+  std::int64_t table_position_min = 0;
+  std::int64_t q_table_row(const Sequence& seq, std::int64_t i) const {
+    return tables_by_position ? q_position(seq, i) - table_position_min : (seq.b * q_len + seq.q0 + i);
+  }
+  std::int64_t k_table_row(const Sequence& seq, std::int64_t j) const {
+    return tables_by_position ? k_position(seq, j) - table_position_min : (batch * q_len + seq.b * k_len + seq.k0 + j);
+  }
+
+  std::vector<HeadBias> head_bias;
+  std::vector<std::vector<float>> bias_tables;  // per group: [heads][width]
+  std::vector<std::unique_ptr<BiasEvaluator>> evaluators;
+  std::vector<std::unique_ptr<TupeEvaluator>> tupe_evaluators;
+  bool any_bias = false, any_trainable_bias = false;
+  std::int64_t delta_min = 0, hist_width = 0;  // the δ range of the bias tables and histograms
+  std::vector<std::int64_t> grad_offset;       // per group, into the flat unit gradients
+
+  mutable std::int64_t last_workspace_bytes = 0;
+  std::int64_t table_bytes() const;
+
+  void forward(TensorView out, TensorView lse) const;
+  void backward(ConstTensorView out, ConstTensorView lse, ConstTensorView d_out, TensorView dq, TensorView dk,
+                TensorView dv, AttentionGradients* grads) const;
+  AttentionGradients zero_gradients() const;
+
+  // Engine pieces (attention.cpp).
+  void transform_row(const QKTables& t, bool is_q, std::int64_t table_row, float* x, float sine_sign) const;
+  void load_row(const void* base, const HeadsGrid& g, std::int64_t b, std::int64_t s, std::int64_t h, float* out) const;
+  void load_row_as(ConstTensorView view, const HeadsGrid& g, std::int64_t b, std::int64_t s, std::int64_t h,
+                   float* out) const {
+    load_row(view.data(), g, b, s, h, out);
+  }
+  void store_row(const float* row, void* base, const HeadsGrid& g, std::int64_t b, std::int64_t s, std::int64_t h,
+                 bool accumulate) const;
+  void store_row_to(const float* row, TensorView& view, const HeadsGrid& g, std::int64_t b, std::int64_t s,
+                    std::int64_t h) const {
+    store_row(row, view.data(), g, b, s, h, true);
+  }
+  void layout_rows(const Sequence& seq, std::int64_t kvh, std::int64_t i0, std::int64_t count, bool compact,
+                   RowBlock& rb) const;
+  bool tile_unmasked(const RowBlock& rb, std::int64_t k_first, std::int64_t keys) const;
+  void add_bias(const Sequence& seq, const RowBlock& rb, std::int64_t k_first, std::int64_t keys,
+                const std::int64_t* kpos, float* st, std::vector<float>& tmp) const;
+  void backward_unit(const Sequence& seq, std::int64_t kvh, ConstTensorView out, const HeadsGrid& og,
+                     ConstTensorView lse, ConstTensorView d_out, const HeadsGrid& dog, TensorView* dq,
+                     const HeadsGrid& dqg, TensorView* dk, const HeadsGrid& dkg, TensorView* dv, const HeadsGrid& dvg,
+                     double* unit_grads, AttentionUnitScratch& s, RowBlock& rb) const;
+
+  // lse I/O ([B, H, Sq] or [H, Tq]).
+  void check_lse(ConstTensorView lse, bool writable) const;
+  void write_lse(TensorView lse, const Sequence& seq, std::int64_t h, std::int64_t i, float value) const;
+  float read_lse(ConstTensorView lse, const Sequence& seq, std::int64_t h, std::int64_t i) const;
+
+  // Positional parameter gradients (attention_plan.cpp).
+  std::int64_t bias_gradient_size() const;
+  void check_gradients(const AttentionGradients& grads) const;
+  void accumulate_bias_gradients(const Sequence& seq, const RowBlock& rb, std::int64_t k_first, std::int64_t keys,
+                                 const std::int64_t* kpos, const float* dst, AttentionUnitScratch& s,
+                                 std::int64_t kvh, double* unit_grads) const;
+  void finish_bias_gradients(AttentionUnitScratch& s, std::int64_t kvh, double* unit_grads) const;
+  void scatter_bias_gradients(const std::vector<double>& total, AttentionGradients& grads) const;
+  // d b(h, r)/dθ contributions of `sum` at relative position r = k − q for head h, into the flat
+  // gradient vector.
+  void add_bias_derivative(std::int64_t h, std::int64_t r, double sum, double* flat) const;
+};
+
+}  // namespace posenc::detail
+
+namespace posenc {
+struct Attention::Plan : detail::AttentionPlan {
+  using AttentionPlan::AttentionPlan;
+};
+}  // namespace posenc

@@ -1,0 +1,331 @@
+// SIMD kernels of the fused attention (Highway, dynamic dispatch). See attention_kernels.hpp.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/attention/attention_kernels.cpp"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include <hwy/highway.h>
+#include <hwy/contrib/math/math-inl.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "kernels/attention/attention_kernels.hpp"
+#include "posenc/error.hpp"
+
+HWY_BEFORE_NAMESPACE();
+namespace posenc::kernels {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+using DF = hn::ScalableTag<float>;
+using VF = hn::Vec<DF>;
+
+// Register blocking of the matrix kernel: kRows broadcast rows × kVecs vectors of accumulators.
+// AVX-512 has 32 vector registers: 6 × 4 accumulators, 4 B vectors and a broadcast fit; 16
+// registers (AVX2, SSE4) take 4 × 2.
+#if HWY_TARGET != HWY_SCALAR && HWY_MAX_BYTES >= 64
+constexpr int kRows = 6;
+constexpr int kVecs = 4;
+#else
+constexpr int kRows = 4;
+constexpr int kVecs = 2;
+#endif
+
+template <int R, int V>
+HWY_INLINE void GemmBlock(const float* HWY_RESTRICT a, std::int64_t a_row, std::int64_t a_depth,
+                          const float* HWY_RESTRICT b, std::int64_t ldb, float* HWY_RESTRICT c, std::int64_t ldc,
+                          std::int64_t depth, bool accumulate) {
+  const DF d;
+  const auto n = static_cast<std::int64_t>(hn::Lanes(d));
+  VF acc[R][V];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < V; ++v) acc[r][v] = accumulate ? hn::LoadU(d, c + r * ldc + v * n) : hn::Zero(d);
+  }
+  for (std::int64_t t = 0; t < depth; ++t) {
+    VF bv[V];
+    for (int v = 0; v < V; ++v) bv[v] = hn::LoadU(d, b + t * ldb + v * n);
+    for (int r = 0; r < R; ++r) {
+      const VF av = hn::Set(d, a[r * a_row + t * a_depth]);
+      for (int v = 0; v < V; ++v) acc[r][v] = hn::MulAdd(av, bv[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < V; ++v) hn::StoreU(acc[r][v], d, c + r * ldc + v * n);
+  }
+}
+
+template <int V>
+HWY_INLINE void GemmRows(std::int64_t rows, const float* a, std::int64_t a_row, std::int64_t a_depth, const float* b,
+                         std::int64_t ldb, float* c, std::int64_t ldc, std::int64_t depth, bool accumulate) {
+  std::int64_t m = 0;
+  for (; m + kRows <= rows; m += kRows) {
+    GemmBlock<kRows, V>(a + m * a_row, a_row, a_depth, b, ldb, c + m * ldc, ldc, depth, accumulate);
+  }
+  const float* at = a + m * a_row;
+  float* ct = c + m * ldc;
+  switch (rows - m) {
+    case 1: GemmBlock<1, V>(at, a_row, a_depth, b, ldb, ct, ldc, depth, accumulate); break;
+    case 2: GemmBlock<2, V>(at, a_row, a_depth, b, ldb, ct, ldc, depth, accumulate); break;
+    case 3: GemmBlock<3, V>(at, a_row, a_depth, b, ldb, ct, ldc, depth, accumulate); break;
+#if HWY_TARGET != HWY_SCALAR && HWY_MAX_BYTES >= 64
+    case 4: GemmBlock<4, V>(at, a_row, a_depth, b, ldb, ct, ldc, depth, accumulate); break;
+    case 5: GemmBlock<5, V>(at, a_row, a_depth, b, ldb, ct, ldc, depth, accumulate); break;
+#endif
+    default: break;
+  }
+}
+
+void AttnGemm(const float* a, std::int64_t a_row, std::int64_t a_depth, const float* b, std::int64_t ldb, float* c,
+              std::int64_t ldc, std::int64_t rows, std::int64_t cols, std::int64_t depth, bool accumulate) {
+  const DF d;
+  const auto n = static_cast<std::int64_t>(hn::Lanes(d));
+  const std::int64_t vecs = cols / n;
+  std::int64_t v = 0;
+  for (; v + kVecs <= vecs; v += kVecs) GemmRows<kVecs>(rows, a, a_row, a_depth, b + v * n, ldb, c + v * n, ldc, depth, accumulate);
+  switch (vecs - v) {
+    case 1: GemmRows<1>(rows, a, a_row, a_depth, b + v * n, ldb, c + v * n, ldc, depth, accumulate); break;
+#if HWY_TARGET != HWY_SCALAR && HWY_MAX_BYTES >= 64
+    case 2: GemmRows<2>(rows, a, a_row, a_depth, b + v * n, ldb, c + v * n, ldc, depth, accumulate); break;
+    case 3: GemmRows<3>(rows, a, a_row, a_depth, b + v * n, ldb, c + v * n, ldc, depth, accumulate); break;
+#endif
+    default: break;
+  }
+}
+
+// Dot products along d for a few query rows; two keys at a time keep 2·q_rows chains in flight.
+void AttnDotScores(const float* HWY_RESTRICT k, std::int64_t ldk, std::int64_t keys, const float* HWY_RESTRICT q,
+                   std::int64_t ldq, std::int64_t q_rows, std::int64_t dim, float* HWY_RESTRICT st,
+                   std::int64_t ld_st) {
+  const DF d;
+  const auto n = static_cast<std::int64_t>(hn::Lanes(d));
+  const std::int64_t full = dim - dim % n;
+  for (std::int64_t j = 0; j < keys; ++j) {
+    const float* kj = k + j * ldk;
+    for (std::int64_t r = 0; r < q_rows; ++r) {
+      const float* qr = q + r * ldq;
+      VF a0 = hn::Zero(d), a1 = hn::Zero(d);
+      std::int64_t t = 0;
+      for (; t + 2 * n <= full; t += 2 * n) {
+        a0 = hn::MulAdd(hn::LoadU(d, kj + t), hn::LoadU(d, qr + t), a0);
+        a1 = hn::MulAdd(hn::LoadU(d, kj + t + n), hn::LoadU(d, qr + t + n), a1);
+      }
+      for (; t < full; t += n) a0 = hn::MulAdd(hn::LoadU(d, kj + t), hn::LoadU(d, qr + t), a0);
+      float sum = hn::GetLane(hn::SumOfLanes(d, hn::Add(a0, a1)));
+      for (; t < dim; ++t) sum += kj[t] * qr[t];
+      st[j * ld_st + r] = sum;
+    }
+  }
+}
+
+// exp, with results below FLT_MIN (arguments below −87.3) flushed to 0: ALiBi's long distances
+// would otherwise produce denormals, which cost ~100 cycles each on x86 when multiplied.
+HWY_INLINE VF ExpFlushed(DF d, VF x) {
+  return hn::IfThenElseZero(hn::Ge(x, hn::Set(d, -87.3f)), hn::Exp(d, x));
+}
+
+void AttnSoftmaxTile(float* HWY_RESTRICT st, std::int64_t keys, std::int64_t width, float* HWY_RESTRICT m,
+                     float* HWY_RESTRICT l, float* HWY_RESTRICT correction) {
+  const DF d;
+  const auto n = static_cast<std::int64_t>(hn::Lanes(d));
+  const VF neg_inf = hn::Set(d, -std::numeric_limits<float>::infinity());
+  for (std::int64_t r = 0; r < width; r += n) {
+    VF mx = hn::LoadU(d, m + r);
+    for (std::int64_t j = 0; j < keys; ++j) mx = hn::Max(mx, hn::LoadU(d, st + j * width + r));
+    const VF m_old = hn::LoadU(d, m + r);
+    // Lanes still at −inf subtract 0 instead (their logits are all −inf: P = 0, no NaN).
+    const auto dead = hn::Eq(mx, neg_inf);
+    const VF shift = hn::IfThenZeroElse(dead, mx);
+    const VF corr = hn::IfThenElse(hn::Eq(m_old, neg_inf), hn::Set(d, 1.0f), ExpFlushed(d, hn::Sub(m_old, shift)));
+    VF sum = hn::Zero(d);
+    for (std::int64_t j = 0; j < keys; ++j) {
+      const VF p = ExpFlushed(d, hn::Sub(hn::LoadU(d, st + j * width + r), shift));
+      hn::StoreU(p, d, st + j * width + r);
+      sum = hn::Add(sum, p);
+    }
+    hn::StoreU(mx, d, m + r);
+    hn::StoreU(hn::MulAdd(hn::LoadU(d, l + r), corr, sum), d, l + r);
+    hn::StoreU(corr, d, correction + r);
+  }
+}
+
+void AttnSoftcapTile(float* HWY_RESTRICT st, std::int64_t keys, std::int64_t width, float cap) {
+  const DF d;
+  const auto n = static_cast<std::int64_t>(hn::Lanes(d));
+  const VF c = hn::Set(d, cap), inv = hn::Set(d, 1.0f / cap);
+  for (std::int64_t t = 0; t < keys * width; t += n) {
+    const VF x = hn::LoadU(d, st + t);
+    // −inf (masked) stays −inf; tanh saturates finite logits.
+    hn::StoreU(hn::IfThenElse(hn::IsFinite(x), hn::Mul(c, hn::Tanh(d, hn::Mul(x, inv))), x), d, st + t);
+  }
+}
+
+void AttnScaleRows(float* HWY_RESTRICT rows, std::int64_t ld, std::int64_t count, std::int64_t cols,
+                   const float* HWY_RESTRICT factor) {
+  const DF d;
+  const auto n = static_cast<std::int64_t>(hn::Lanes(d));
+  for (std::int64_t r = 0; r < count; ++r) {
+    if (factor[r] == 1.0f) continue;
+    const VF f = hn::Set(d, factor[r]);
+    float* row = rows + r * ld;
+    for (std::int64_t t = 0; t < cols; t += n) hn::StoreU(hn::Mul(hn::LoadU(d, row + t), f), d, row + t);
+  }
+}
+
+void AttnBackwardTile(float* HWY_RESTRICT st, float* HWY_RESTRICT dpt, std::int64_t keys, std::int64_t width,
+                      const float* HWY_RESTRICT lse, const float* HWY_RESTRICT delta, float cap) {
+  const DF d;
+  const auto n = static_cast<std::int64_t>(hn::Lanes(d));
+  const VF neg_inf = hn::Set(d, -std::numeric_limits<float>::infinity());
+  const VF one = hn::Set(d, 1.0f), inv_cap = hn::Set(d, cap > 0 ? 1.0f / cap : 0.0f);
+  for (std::int64_t r = 0; r < width; r += n) {
+    const VF lv = hn::LoadU(d, lse + r);
+    const auto dead = hn::Eq(lv, neg_inf);
+    const VF shift = hn::IfThenZeroElse(dead, lv);
+    const VF dv = hn::LoadU(d, delta + r);
+    for (std::int64_t j = 0; j < keys; ++j) {
+      const VF z = hn::LoadU(d, st + j * width + r);
+      const VF p = hn::IfThenZeroElse(dead, ExpFlushed(d, hn::Sub(z, shift)));
+      VF ds = hn::Mul(p, hn::Sub(hn::LoadU(d, dpt + j * width + r), dv));
+      if (cap > 0) {
+        const VF u = hn::Mul(z, inv_cap);
+        ds = hn::IfThenZeroElse(hn::Eq(p, hn::Zero(d)), hn::Mul(ds, hn::NegMulAdd(u, u, one)));
+      }
+      hn::StoreU(p, d, st + j * width + r);
+      hn::StoreU(ds, d, dpt + j * width + r);
+    }
+  }
+}
+
+void AttnAddBiasTile(float* HWY_RESTRICT st, std::int64_t keys, std::int64_t width, const float* HWY_RESTRICT table,
+                     std::int64_t base) {
+  const DF d;
+  const auto n = static_cast<std::int64_t>(hn::Lanes(d));
+  for (std::int64_t j = 0; j < keys; ++j) {
+    float* row = st + j * width;
+    const float* t = table + base - j;
+    for (std::int64_t l = 0; l < kAttnAlign; l += n) hn::StoreU(hn::Add(hn::LoadU(d, row + l), hn::LoadU(d, t + l)), d, row + l);
+  }
+}
+
+void AttnMaskTile(float* HWY_RESTRICT st, std::int64_t keys, std::int64_t width, std::int64_t k_first,
+                  const std::int32_t* HWY_RESTRICT lo, const std::int32_t* HWY_RESTRICT hi) {
+  const DF d;
+  const hn::RebindToSigned<DF> di;
+  const auto n = static_cast<std::int64_t>(hn::Lanes(d));
+  const VF neg_inf = hn::Set(d, -std::numeric_limits<float>::infinity());
+  for (std::int64_t r = 0; r < width; r += n) {
+    const auto lv = hn::LoadU(di, lo + r), hv = hn::LoadU(di, hi + r);
+    for (std::int64_t j = 0; j < keys; ++j) {
+      const auto key = hn::Set(di, static_cast<std::int32_t>(k_first + j));
+      const auto visible = hn::RebindMask(d, hn::AndNot(hn::Lt(key, lv), hn::Lt(key, hv)));
+      float* at = st + j * width + r;
+      hn::StoreU(hn::IfThenElse(visible, hn::LoadU(d, at), neg_inf), d, at);
+    }
+  }
+}
+
+void AttnLoadF32(const void* src, DType dtype, std::int64_t n, float* HWY_RESTRICT dst) {
+  const DF d;
+  const auto lanes = static_cast<std::int64_t>(hn::Lanes(d));
+  std::int64_t t = 0;
+  if (dtype == DType::kF32) {
+    const auto* s = static_cast<const float*>(src);
+    for (; t + lanes <= n; t += lanes) hn::StoreU(hn::LoadU(d, s + t), d, dst + t);
+    for (; t < n; ++t) dst[t] = s[t];
+    return;
+  }
+  const auto* s = static_cast<const std::uint16_t*>(src);
+  if (dtype == DType::kBF16) {
+#if HWY_TARGET != HWY_SCALAR
+    const hn::RebindToUnsigned<DF> du32;
+    const hn::Rebind<std::uint16_t, DF> du16;
+    for (; t + lanes <= n; t += lanes) {
+      hn::StoreU(hn::BitCast(d, hn::ShiftLeft<16>(hn::PromoteTo(du32, hn::LoadU(du16, s + t)))), d, dst + t);
+    }
+#endif
+    for (; t < n; ++t) dst[t] = from_bf16(bf16{s[t]});
+    return;
+  }
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2
+  // F16C: exact widening.
+  const hn::Rebind<hwy::float16_t, DF> dh;
+  for (; t + lanes <= n; t += lanes) {
+    hn::StoreU(hn::PromoteTo(d, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(s) + t)), d, dst + t);
+  }
+#endif
+  for (; t < n; ++t) dst[t] = from_f16(f16{s[t]});
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace posenc::kernels
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace posenc::kernels {
+
+HWY_EXPORT(AttnGemm);
+HWY_EXPORT(AttnDotScores);
+HWY_EXPORT(AttnSoftmaxTile);
+HWY_EXPORT(AttnSoftcapTile);
+HWY_EXPORT(AttnScaleRows);
+HWY_EXPORT(AttnBackwardTile);
+HWY_EXPORT(AttnLoadF32);
+HWY_EXPORT(AttnAddBiasTile);
+HWY_EXPORT(AttnMaskTile);
+
+void attn_add_bias_tile(float* st, std::int64_t keys, std::int64_t width, const float* table, std::int64_t base) {
+  HWY_DYNAMIC_DISPATCH(AttnAddBiasTile)(st, keys, width, table, base);
+}
+void attn_mask_tile(float* st, std::int64_t keys, std::int64_t width, std::int64_t k_first, const std::int32_t* lo,
+                    const std::int32_t* hi) {
+  HWY_DYNAMIC_DISPATCH(AttnMaskTile)(st, keys, width, k_first, lo, hi);
+}
+
+void attn_gemm(const float* a, std::int64_t a_row, std::int64_t a_depth, const float* b, std::int64_t ldb, float* c,
+               std::int64_t ldc, std::int64_t rows, std::int64_t cols, std::int64_t depth, bool accumulate) {
+  HWY_DYNAMIC_DISPATCH(AttnGemm)(a, a_row, a_depth, b, ldb, c, ldc, rows, cols, depth, accumulate);
+}
+void attn_dot_scores(const float* k, std::int64_t ldk, std::int64_t keys, const float* q, std::int64_t ldq,
+                     std::int64_t q_rows, std::int64_t dim, float* st, std::int64_t ld_st) {
+  HWY_DYNAMIC_DISPATCH(AttnDotScores)(k, ldk, keys, q, ldq, q_rows, dim, st, ld_st);
+}
+void attn_softmax_tile(float* st, std::int64_t keys, std::int64_t width, float* m, float* l, float* correction) {
+  HWY_DYNAMIC_DISPATCH(AttnSoftmaxTile)(st, keys, width, m, l, correction);
+}
+void attn_softcap_tile(float* st, std::int64_t keys, std::int64_t width, float cap) {
+  HWY_DYNAMIC_DISPATCH(AttnSoftcapTile)(st, keys, width, cap);
+}
+void attn_scale_rows(float* rows, std::int64_t ld, std::int64_t count, std::int64_t cols, const float* factor) {
+  HWY_DYNAMIC_DISPATCH(AttnScaleRows)(rows, ld, count, cols, factor);
+}
+void attn_backward_tile(float* st, float* dpt, std::int64_t keys, std::int64_t width, const float* lse,
+                        const float* delta, float cap) {
+  HWY_DYNAMIC_DISPATCH(AttnBackwardTile)(st, dpt, keys, width, lse, delta, cap);
+}
+void attn_load_f32(const void* src, DType dtype, std::int64_t n, float* dst) {
+  HWY_DYNAMIC_DISPATCH(AttnLoadF32)(src, dtype, n, dst);
+}
+void attn_store(const float* src, std::int64_t n, DType dtype, void* dst, bool accumulate) {
+  switch (dtype) {
+    case DType::kF32: {
+      auto* out = static_cast<float*>(dst);
+      for (std::int64_t t = 0; t < n; ++t) out[t] = accumulate ? out[t] + src[t] : src[t];
+      return;
+    }
+    case DType::kBF16: {
+      auto* out = static_cast<bf16*>(dst);
+      for (std::int64_t t = 0; t < n; ++t) out[t] = to_bf16(accumulate ? from_bf16(out[t]) + src[t] : src[t]);
+      return;
+    }
+    case DType::kF16: {
+      auto* out = static_cast<f16*>(dst);
+      for (std::int64_t t = 0; t < n; ++t) out[t] = to_f16(accumulate ? from_f16(out[t]) + src[t] : src[t]);
+      return;
+    }
+    case DType::kF64: break;
+  }
+  throw Error("attention kernel", "dtype", std::string(dtype_name(dtype)), "f32, bf16 or f16");
+}
+
+}  // namespace posenc::kernels
+#endif  // HWY_ONCE

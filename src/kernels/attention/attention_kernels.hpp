@@ -1,0 +1,63 @@
+// SIMD kernels of the fused attention (Highway, dynamic dispatch; attention_kernels.cpp).
+//
+// The engine keeps score tiles transposed: S^T[j][r] for key j and query row r, rows contiguous
+// (kRowAlign-padded), so the softmax runs down the keys with the rows in the vector lanes — no
+// horizontal reductions, and no transposition of keys: S^T = K·Q^T takes keys as they lie in
+// memory and the query block's transpose, packed once per block.
+#pragma once
+
+#include <cstdint>
+
+#include "posenc/dtype.hpp"
+
+namespace posenc::kernels {
+
+// Row blocks (the vector dimension of score tiles) and head_dim columns are padded to this many
+// floats: a multiple of every target's f32 lane count.
+inline constexpr std::int64_t kAttnAlign = 16;
+
+// C[m][n] (+)= Σ_t A(m, t)·B[t][n] for m < rows, n < cols, t < depth, in f32 with fused
+// multiply-adds in t order. A(m, t) = a[m·a_row + t·a_depth] (any strides: broadcast operand);
+// B rows at b + t·ldb, C rows at c + m·ldc; cols a multiple of kAttnAlign.
+void attn_gemm(const float* a, std::int64_t a_row, std::int64_t a_depth, const float* b, std::int64_t ldb, float* c,
+               std::int64_t ldc, std::int64_t rows, std::int64_t cols, std::int64_t depth, bool accumulate);
+
+// S^T[j][r] = Σ_d k[j·ldk + d]·q[r·ldq + d] for j < keys, r < q_rows (few rows: decode), as
+// dot products along d; lanes r >= q_rows of each S^T row are left alone.
+void attn_dot_scores(const float* k, std::int64_t ldk, std::int64_t keys, const float* q, std::int64_t ldq,
+                     std::int64_t q_rows, std::int64_t dim, float* st, std::int64_t ld_st);
+
+// Online-softmax step over a tile S^T [keys][width] (width a multiple of kAttnAlign): with the
+// running max m[r] and sum l[r] of each row, m' = max(m, max_j S^T[j][r]); S^T becomes
+// P^T = exp(S^T − m'); l = l·exp(m − m') + Σ_j P^T; correction[r] = exp(m − m') (1 where m was
+// −inf, 0 lanes stay 0). Rows whose logits are all −inf keep m = −inf and P = 0.
+void attn_softmax_tile(float* st, std::int64_t keys, std::int64_t width, float* m, float* l, float* correction);
+
+// z = c·tanh(x / c) over a tile, in place; the derivative's factor 1 − (z/c)² is what backward
+// needs, computed there from z.
+void attn_softcap_tile(float* st, std::int64_t keys, std::int64_t width, float cap);
+
+// rows[r][0..cols) *= factor[r] for r < count (skipped where factor is 1).
+void attn_scale_rows(float* rows, std::int64_t ld, std::int64_t count, std::int64_t cols, const float* factor);
+
+// Backward on a tile: P^T = exp(S^T − lse[r]) in place (−inf lse: 0), then
+// dS^T = P^T·(dP^T − delta[r]) written over dP^T, times (1 − (z/c)²) with a soft-cap (z taken
+// from S^T before the exponent). 
+void attn_backward_tile(float* st, float* dpt, std::int64_t keys, std::int64_t width, const float* lse,
+                        const float* delta, float cap);
+
+// S^T[j][t] += table[base − j + t] for j < keys, t < kAttnAlign (one lane chunk of rows at
+// consecutive query positions against keys at consecutive positions: δ = q − k runs up with the
+// lane and down with the key). st points at the chunk's first lane; rows of S^T are `width` apart.
+void attn_add_bias_tile(float* st, std::int64_t keys, std::int64_t width, const float* table, std::int64_t base);
+
+// S^T[j][r] = −inf unless lo[r] <= k_first + j < hi[r].
+void attn_mask_tile(float* st, std::int64_t keys, std::int64_t width, std::int64_t k_first, const std::int32_t* lo,
+                    const std::int32_t* hi);
+
+// dst[0..n) = src converted to f32 (f32, bf16 or f16 raw bits; unit stride).
+void attn_load_f32(const void* src, DType dtype, std::int64_t n, float* dst);
+// dst[0..n) (+)= src converted from f32 to dtype (round to nearest even for 16-bit).
+void attn_store(const float* src, std::int64_t n, DType dtype, void* dst, bool accumulate);
+
+}  // namespace posenc::kernels

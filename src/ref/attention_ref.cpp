@@ -1,0 +1,274 @@
+// Reference attention: the unfused composition, one (sequence, head) at a time — transformed q
+// and k by the library's fp64 references, the full score matrix with biases from bias_value,
+// soft-cap, mask, softmax, P·V — in fp64, or in plain f32 (`naive_f32`: the same composition as
+// a straightforward f32 implementation computes it, the yardstick of the accuracy criterion).
+// Backward in fp64: dP, dS, the parameter gradients through the schemes' reference backwards on
+// the materialised dS, and dq, dk transposed back through the transform.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <variant>
+
+#include "attention/attention_plan.hpp"
+#include "internal.hpp"
+#include "posenc/reference.hpp"
+
+namespace posenc::ref {
+namespace {
+
+using detail::AttentionPlan;
+using detail::Sequence;
+
+struct Rows {
+  std::int64_t n = 0, d = 0;
+  std::vector<double> v;
+  double* row(std::int64_t i) { return v.data() + i * d; }
+  const double* row(std::int64_t i) const { return v.data() + i * d; }
+};
+
+Rows load_rows(const AttentionPlan& p, ConstTensorView view, const detail::HeadsGrid& g, std::int64_t b, std::int64_t s0,
+               std::int64_t n, std::int64_t h) {
+  Rows r{n, p.dim, std::vector<double>(static_cast<std::size_t>(n * p.dim))};
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::int64_t off = g.offset(b, s0 + i) + h * g.head_stride;
+    for (std::int64_t t = 0; t < p.dim; ++t) r.row(i)[t] = detail::load(view.data(), view.dtype(), off + t * g.dim_stride);
+  }
+  return r;
+}
+
+void store_rows(const AttentionPlan& p, const Rows& r, TensorView view, const detail::HeadsGrid& g, std::int64_t b,
+                std::int64_t s0, std::int64_t h, bool accumulate) {
+  for (std::int64_t i = 0; i < r.n; ++i) {
+    const std::int64_t off = g.offset(b, s0 + i) + h * g.head_stride;
+    for (std::int64_t t = 0; t < p.dim; ++t) {
+      const std::int64_t at = off + t * g.dim_stride;
+      const double prior = accumulate ? detail::load(view.data(), view.dtype(), at) : 0.0;
+      detail::store(view.data(), view.dtype(), at, prior + r.row(i)[t]);
+    }
+  }
+}
+
+// The transform of a group applied to rows at `positions` (forward, or its transpose), fp64.
+void transform(const AttentionPlan& p, std::int64_t group, bool is_q, const std::vector<std::int64_t>& positions, Rows& r,
+               bool transpose) {
+  if (r.n == 0) return;
+  const HeadGroup& grp = p.spec.groups.empty() ? HeadGroup{} : p.spec.groups[static_cast<std::size_t>(group)];
+  const Positions pos = Positions::ids(positions);
+  if (const auto* rope = std::get_if<RotaryQK>(&grp.transform)) {
+    if (!is_q && rope->keys_rotated) return;
+    const TensorView view = TensorView::of(r.v.data(), {r.n, 1, r.d});
+    std::vector<double> other(r.v);
+    const TensorView other_view = TensorView::of(other.data(), {r.n, 1, r.d});
+    const RopeDirection dir = transpose ? RopeDirection::kBackward : RopeDirection::kForward;
+    const std::int64_t seq_len = rope->seq_len > 0 ? rope->seq_len : p.position_max + 1;
+    // Keys go in the k slot (xPos scales them the other way); the q slot then holds a discarded copy.
+    if (is_q) {
+      ref::rope_apply(rope->params, pos, view, TensorView{}, view, TensorView{}, dir, seq_len);
+    } else {
+      ref::rope_apply(rope->params, pos, other_view, view, other_view, view, dir, seq_len);
+    }
+  } else if (const auto* absolute = std::get_if<AbsoluteQK>(&grp.transform)) {
+    if (transpose) return;
+    std::vector<double> table(static_cast<std::size_t>(r.n * r.d));
+    ref::sinusoidal_table(absolute->params, pos, TensorView::of(table.data(), {r.n, r.d}));
+    for (std::size_t t = 0; t < table.size(); ++t) r.v[t] += table[t];
+  }
+}
+
+const std::optional<BiasScheme>& bias_of(const AttentionPlan& p, std::int64_t group) {
+  static const std::optional<BiasScheme> none;
+  return p.spec.groups.empty() ? none : p.spec.groups[static_cast<std::size_t>(group)].bias;
+}
+
+// Visible keys [lo, hi) of query i (attention.hpp's mask rule).
+std::pair<std::int64_t, std::int64_t> visible(const AttentionPlan& p, const Sequence& seq, std::int64_t i) {
+  const std::int64_t offset = seq.lk - seq.lq;
+  std::int64_t lo = 0, hi = seq.lk;
+  if (p.mask.window_left >= 0) lo = std::max<std::int64_t>(0, i + offset - p.mask.window_left);
+  const std::int64_t right = p.mask.causal ? 0 : p.mask.window_right;
+  if (right >= 0) hi = std::min<std::int64_t>(seq.lk, i + offset + right + 1);
+  return {lo, std::max(lo, hi)};
+}
+
+struct HeadProblem {
+  std::vector<std::int64_t> qpos, kpos;
+  Rows q, k, v;
+};
+
+HeadProblem load_head(const AttentionPlan& p, const Sequence& seq, std::int64_t h) {
+  HeadProblem hp;
+  const std::int64_t kvh = h / p.group_size, group = p.head_group[static_cast<std::size_t>(h)];
+  for (std::int64_t i = 0; i < seq.lq; ++i) hp.qpos.push_back(p.q_position(seq, i));
+  for (std::int64_t j = 0; j < seq.lk; ++j) hp.kpos.push_back(p.k_position(seq, j));
+  hp.q = load_rows(p, p.spec.q, p.qg, seq.b, seq.q0, seq.lq, h);
+  hp.k = load_rows(p, p.spec.k, p.kg, seq.b, seq.k0, seq.lk, kvh);
+  hp.v = load_rows(p, p.spec.v, p.vg, seq.b, seq.k0, seq.lk, kvh);
+  transform(p, group, true, hp.qpos, hp.q, false);
+  transform(p, group, false, hp.kpos, hp.k, false);
+  return hp;
+}
+
+// Logits z (before the mask) and probabilities of one head, in T.
+template <class T>
+void scores(const AttentionPlan& p, const Sequence& seq, std::int64_t h, const HeadProblem& hp, std::vector<T>& z,
+            std::vector<T>& prob, std::vector<T>& lse) {
+  const std::int64_t group = p.head_group[static_cast<std::size_t>(h)];
+  const std::int64_t local = h - p.group_first_head[static_cast<std::size_t>(group)];
+  const auto& bias = bias_of(p, group);
+  const T scale = static_cast<T>(p.scale_f64), cap = static_cast<T>(p.mask.softcap);
+  const T neg_inf = -std::numeric_limits<T>::infinity();
+  z.assign(static_cast<std::size_t>(seq.lq * seq.lk), T(0));
+  prob.assign(z.size(), T(0));
+  lse.assign(static_cast<std::size_t>(seq.lq), neg_inf);
+  for (std::int64_t i = 0; i < seq.lq; ++i) {
+    const auto [lo, hi] = visible(p, seq, i);
+    T* zi = z.data() + i * seq.lk;
+    for (std::int64_t j = 0; j < seq.lk; ++j) {
+      T dot = 0;
+      for (std::int64_t t = 0; t < p.dim; ++t) dot += static_cast<T>(hp.q.row(i)[t]) * static_cast<T>(hp.k.row(j)[t]);
+      T x = scale * dot;
+      if (bias) {
+        x += static_cast<T>(bias_value(*bias, local, hp.qpos[static_cast<std::size_t>(i)], hp.kpos[static_cast<std::size_t>(j)]));
+      }
+      zi[j] = cap > 0 ? cap * std::tanh(x / cap) : x;
+    }
+    T m = neg_inf;
+    for (std::int64_t j = lo; j < hi; ++j) m = std::max(m, zi[j]);
+    if (m == neg_inf) continue;
+    T l = 0;
+    for (std::int64_t j = lo; j < hi; ++j) l += std::exp(zi[j] - m);
+    for (std::int64_t j = lo; j < hi; ++j) prob[static_cast<std::size_t>(i * seq.lk + j)] = std::exp(zi[j] - m) / l;
+    lse[static_cast<std::size_t>(i)] = m + std::log(l);
+  }
+}
+
+template <class T>
+void forward_impl(const AttentionPlan& p, TensorView out, TensorView lse) {
+  const detail::HeadsGrid og = detail::check_output_tokens(AttentionPlan::kWhere, "out", ConstTensorView(out), p.qg);
+  const bool want_lse = lse.rank() > 0;
+  if (want_lse) p.check_lse(lse, true);
+  for (const Sequence& seq : p.sequences) {
+    for (std::int64_t h = 0; h < p.heads; ++h) {
+      const HeadProblem hp = load_head(p, seq, h);
+      std::vector<T> z, prob, l;
+      scores<T>(p, seq, h, hp, z, prob, l);
+      Rows o{seq.lq, p.dim, std::vector<double>(static_cast<std::size_t>(seq.lq * p.dim))};
+      for (std::int64_t i = 0; i < seq.lq; ++i) {
+        for (std::int64_t t = 0; t < p.dim; ++t) {
+          T acc = 0;
+          for (std::int64_t j = 0; j < seq.lk; ++j) acc += prob[static_cast<std::size_t>(i * seq.lk + j)] * static_cast<T>(hp.v.row(j)[t]);
+          o.row(i)[t] = static_cast<double>(acc);
+        }
+        if (want_lse) p.write_lse(lse, seq, h, i, static_cast<float>(l[static_cast<std::size_t>(i)]));
+      }
+      store_rows(p, o, out, og, seq.b, seq.q0, h, false);
+    }
+  }
+}
+
+}  // namespace
+
+void attention_forward(const Attention& attention, TensorView out, TensorView lse, bool naive_f32) {
+  const AttentionPlan& p = attention.plan();
+  // Writes any dtype (f64 outputs keep the reference unrounded).
+  if (naive_f32) {
+    forward_impl<float>(p, out, lse);
+  } else {
+    forward_impl<double>(p, out, lse);
+  }
+}
+
+void attention_backward(const Attention& attention, ConstTensorView out, ConstTensorView lse, ConstTensorView d_out,
+                        TensorView dq, TensorView dk, TensorView dv, AttentionGradients* grads) {
+  const AttentionPlan& p = attention.plan();
+  const char* where = AttentionPlan::kWhere;
+  detail::check_output_tokens(where, "out", out, p.qg);
+  const detail::HeadsGrid dog = detail::check_output_tokens(where, "d_out", d_out, p.qg);
+  p.check_lse(lse, false);
+  const bool want_dq = dq.rank() > 0, want_dk = dk.rank() > 0, want_dv = dv.rank() > 0;
+  detail::HeadsGrid dqg, dkg, dvg;
+  if (want_dq) dqg = detail::check_output_tokens(where, "dq", ConstTensorView(dq), p.qg);
+  if (want_dk) dkg = detail::check_output_tokens(where, "dk", ConstTensorView(dk), p.kg);
+  if (want_dv) dvg = detail::check_output_tokens(where, "dv", ConstTensorView(dv), p.vg);
+  if (grads != nullptr) p.check_gradients(*grads);
+  const double scale = p.scale_f64, cap = p.mask.softcap;
+  for (const Sequence& seq : p.sequences) {
+    const std::int64_t lq = seq.lq, lk = seq.lk;
+    // dS per group, materialised for the schemes' reference backwards: [heads, lq, lk].
+    std::vector<std::vector<double>> ds_groups(p.spec.groups.size());
+    for (std::size_t g = 0; g < p.spec.groups.size(); ++g) {
+      ds_groups[g].assign(static_cast<std::size_t>(p.spec.groups[g].heads * lq * lk), 0.0);
+    }
+    for (std::int64_t kvh = 0; kvh < p.kv_heads; ++kvh) {
+      Rows dk_t{lk, p.dim, std::vector<double>(static_cast<std::size_t>(lk * p.dim))};
+      Rows dv_acc{lk, p.dim, std::vector<double>(static_cast<std::size_t>(lk * p.dim))};
+      std::vector<std::int64_t> kpos;
+      for (std::int64_t g = 0; g < p.group_size; ++g) {
+        const std::int64_t h = kvh * p.group_size + g;
+        const std::int64_t group = p.head_group[static_cast<std::size_t>(h)];
+        const HeadProblem hp = load_head(p, seq, h);
+        kpos = hp.kpos;
+        std::vector<double> z, prob, l;
+        scores<double>(p, seq, h, hp, z, prob, l);
+        const Rows dout = load_rows(p, d_out, dog, seq.b, seq.q0, lq, h);
+        Rows dq_t{lq, p.dim, std::vector<double>(static_cast<std::size_t>(lq * p.dim))};
+        for (std::int64_t i = 0; i < lq; ++i) {
+          std::vector<double> dp(static_cast<std::size_t>(lk));
+          double delta = 0;
+          for (std::int64_t j = 0; j < lk; ++j) {
+            double acc = 0;
+            for (std::int64_t t = 0; t < p.dim; ++t) acc += dout.row(i)[t] * hp.v.row(j)[t];
+            dp[static_cast<std::size_t>(j)] = acc;
+            delta += prob[static_cast<std::size_t>(i * lk + j)] * acc;
+          }
+          for (std::int64_t j = 0; j < lk; ++j) {
+            const double pij = prob[static_cast<std::size_t>(i * lk + j)];
+            if (pij == 0) continue;
+            double dx = pij * (dp[static_cast<std::size_t>(j)] - delta);
+            if (cap > 0) {
+              const double u = z[static_cast<std::size_t>(i * lk + j)] / cap;
+              dx *= 1 - u * u;
+            }
+            if (!p.spec.groups.empty()) {
+              const std::int64_t local = h - p.group_first_head[static_cast<std::size_t>(group)];
+              ds_groups[static_cast<std::size_t>(group)][static_cast<std::size_t>((local * lq + i) * lk + j)] = dx;
+            }
+            for (std::int64_t t = 0; t < p.dim; ++t) {
+              dq_t.row(i)[t] += scale * dx * hp.k.row(j)[t];
+              dk_t.row(j)[t] += scale * dx * hp.q.row(i)[t];
+              dv_acc.row(j)[t] += pij * dout.row(i)[t];
+            }
+          }
+        }
+        if (want_dq) {
+          transform(p, group, true, hp.qpos, dq_t, true);
+          store_rows(p, dq_t, dq, dqg, seq.b, seq.q0, h, true);
+        }
+      }
+      const std::int64_t group0 = p.head_group[static_cast<std::size_t>(kvh * p.group_size)];
+      if (want_dk) {
+        transform(p, group0, false, kpos, dk_t, true);
+        store_rows(p, dk_t, dk, dkg, seq.b, seq.k0, kvh, true);
+      }
+      if (want_dv) store_rows(p, dv_acc, dv, dvg, seq.b, seq.k0, kvh, true);
+    }
+    if (grads == nullptr) continue;
+    std::vector<std::int64_t> qpos, kpos;
+    for (std::int64_t i = 0; i < lq; ++i) qpos.push_back(p.q_position(seq, i));
+    for (std::int64_t j = 0; j < lk; ++j) kpos.push_back(p.k_position(seq, j));
+    const Positions qp = Positions::ids(qpos), kp = Positions::ids(kpos);
+    for (std::size_t g = 0; g < p.spec.groups.size(); ++g) {
+      const auto& bias = p.spec.groups[g].bias;
+      if (!bias || lq * lk == 0) continue;
+      const ConstTensorView ds = TensorView::of(ds_groups[g].data(), {p.spec.groups[g].heads, lq, lk});
+      GroupGradients& gg = grads->groups[g];
+      if (const auto* alibi = std::get_if<AlibiParams>(&*bias)) ref::alibi_backward(*alibi, qp, kp, ds, gg.alibi_slopes);
+      if (const auto* t5 = std::get_if<T5BiasParams>(&*bias)) ref::t5_bias_backward(*t5, qp, kp, ds, gg.t5_table);
+      if (const auto* kerple = std::get_if<KerpleParams>(&*bias)) {
+        ref::kerple_backward(*kerple, qp, kp, ds, gg.kerple_r1, gg.kerple_r2);
+      }
+    }
+  }
+}
+
+}  // namespace posenc::ref

@@ -1,0 +1,568 @@
+// Fused attention: forward against the fp64 reference with flash-attention's accuracy criterion
+// (the fused f32 error at most twice the naive f32 composition's), for every scheme, mask, head
+// grouping, layout and dtype on every target; decode's split keys; backward (dq, dk, dv and the
+// schemes' parameter gradients) against the fp64 reference, which is itself checked by finite
+// differences; bitwise determinism over thread counts; errors.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "testing.hpp"
+
+namespace posenc {
+namespace {
+
+using testing::EveryTarget;
+using testing::expect_error;
+using testing::uniform;
+using testing::uniform_int;
+
+// A problem: q [B, Sq, H, D], k, v [B, Sk, G, D] (or packed [T, ·, D]), as f64 values, stored in
+// the test's dtype (optionally with [B, H, S, D] memory order: strided views).
+struct Problem {
+  std::int64_t batch = 1, q_len = 0, k_len = 0, heads = 1, kv_heads = 1, dim = 16;
+  DType dtype = DType::kF32;
+  bool head_major = false;  // memory [B, H, S, D]
+  std::vector<std::int64_t> cu_q, cu_k;
+  std::vector<double> q, k, v;  // values already rounded to dtype
+  std::vector<unsigned char> qb, kb, vb;
+
+  bool packed() const { return !cu_q.empty(); }
+  std::vector<std::int64_t> shape(std::int64_t seq, std::int64_t h) const {
+    return packed() ? std::vector<std::int64_t>{seq, h, dim} : std::vector<std::int64_t>{batch, seq, h, dim};
+  }
+  std::vector<std::int64_t> strides(std::int64_t seq, std::int64_t h) const {
+    if (packed()) return head_major ? std::vector<std::int64_t>{dim, seq * dim, 1} : std::vector<std::int64_t>{h * dim, dim, 1};
+    return head_major ? std::vector<std::int64_t>{h * seq * dim, dim, seq * dim, 1}
+                      : std::vector<std::int64_t>{seq * h * dim, h * dim, dim, 1};
+  }
+  template <bool kMutable>
+  BasicTensorView<kMutable> view(std::conditional_t<kMutable, void*, const void*> data, std::int64_t seq, std::int64_t h,
+                                 DType dt) const {
+    const auto s = shape(seq, h), st = strides(seq, h);
+    return BasicTensorView<kMutable>(data, dt, s, st);
+  }
+  ConstTensorView qv() const { return view<false>(qb.data(), q_len, heads, dtype); }
+  ConstTensorView kv() const { return view<false>(kb.data(), k_len, kv_heads, dtype); }
+  ConstTensorView vv() const { return view<false>(vb.data(), k_len, kv_heads, dtype); }
+  std::int64_t q_count() const { return (packed() ? 1 : batch) * q_len * heads * dim; }
+  std::int64_t k_count() const { return (packed() ? 1 : batch) * k_len * kv_heads * dim; }
+};
+
+void fill(std::vector<double>& values, std::vector<unsigned char>& bytes, std::int64_t count, DType dtype, double scale) {
+  values.resize(static_cast<std::size_t>(count));
+  for (auto& x : values) x = testing::round_to(uniform(-scale, scale), dtype);
+  bytes = testing::to_dtype(values, dtype);
+}
+
+Problem make_problem(std::int64_t batch, std::int64_t q_len, std::int64_t k_len, std::int64_t heads, std::int64_t kv_heads,
+                     std::int64_t dim, DType dtype = DType::kF32, bool head_major = false, double scale = 1.0) {
+  Problem p;
+  p.batch = batch;
+  p.q_len = q_len;
+  p.k_len = k_len;
+  p.heads = heads;
+  p.kv_heads = kv_heads;
+  p.dim = dim;
+  p.dtype = dtype;
+  p.head_major = head_major;
+  fill(p.q, p.qb, p.q_count(), dtype, scale);
+  fill(p.k, p.kb, p.k_count(), dtype, scale);
+  fill(p.v, p.vb, p.k_count(), dtype, 1.0);
+  return p;
+}
+
+// Packed sequences of the given (q, k) lengths.
+Problem make_packed(const std::vector<std::pair<std::int64_t, std::int64_t>>& lengths, std::int64_t heads,
+                    std::int64_t kv_heads, std::int64_t dim) {
+  Problem p;
+  p.cu_q = {0};
+  p.cu_k = {0};
+  for (const auto& [lq, lk] : lengths) {
+    p.cu_q.push_back(p.cu_q.back() + lq);
+    p.cu_k.push_back(p.cu_k.back() + lk);
+  }
+  p.q_len = p.cu_q.back();
+  p.k_len = p.cu_k.back();
+  p.heads = heads;
+  p.kv_heads = kv_heads;
+  p.dim = dim;
+  fill(p.q, p.qb, p.q_count(), p.dtype, 1.0);
+  fill(p.k, p.kb, p.k_count(), p.dtype, 1.0);
+  fill(p.v, p.vb, p.k_count(), p.dtype, 1.0);
+  return p;
+}
+
+AttentionSpec spec_of(const Problem& p) {
+  AttentionSpec s;
+  s.q = p.qv();
+  s.k = p.kv();
+  s.v = p.vv();
+  s.cu_seqlens_q = p.cu_q;
+  s.cu_seqlens_k = p.cu_k;
+  return s;
+}
+
+struct Outputs {
+  std::vector<double> out, lse;
+};
+
+// Runs forward (fused, or a reference) and returns out and lse as doubles in [B, S, H, D] order.
+Outputs run_forward(const Problem& p, const Attention& att, int mode /* 0 fused, 1 ref f64, 2 naive f32 */) {
+  const DType out_dtype = mode == 1 ? DType::kF64 : p.dtype;
+  std::vector<unsigned char> out = testing::garbage_buffer(out_dtype, p.q_count());
+  const std::int64_t rows = p.heads * (p.packed() ? 1 : p.batch) * p.q_len;
+  std::vector<float> lse(static_cast<std::size_t>(rows), 7.0f);
+  TensorView lse_view = p.packed() ? TensorView::of(lse.data(), {p.heads, p.q_len})
+                                   : TensorView::of(lse.data(), {p.batch, p.heads, p.q_len});
+  TensorView out_view = p.view<true>(out.data(), p.q_len, p.heads, out_dtype);
+  if (mode == 0) {
+    att.forward(out_view, lse_view);
+  } else {
+    // The reference writes any dtype; the fp64 reference writes f64 here (no rounding).
+    ref::attention_forward(att, out_view, lse_view, mode == 2);
+  }
+  Outputs o;
+  o.out.resize(static_cast<std::size_t>(p.q_count()));
+  // Gather back in [B, S, H, D] order through the view's strides.
+  const auto st = p.strides(p.q_len, p.heads);
+  const std::int64_t B = p.packed() ? 1 : p.batch;
+  std::size_t n = 0;
+  for (std::int64_t b = 0; b < B; ++b) {
+    for (std::int64_t s = 0; s < p.q_len; ++s) {
+      for (std::int64_t h = 0; h < p.heads; ++h) {
+        for (std::int64_t d = 0; d < p.dim; ++d) {
+          const std::int64_t at = p.packed() ? s * st[0] + h * st[1] + d : b * st[0] + s * st[1] + h * st[2] + d;
+          o.out[n++] = testing::element(out.data(), out_dtype, at);
+        }
+      }
+    }
+  }
+  o.lse.assign(lse.begin(), lse.end());
+  return o;
+}
+
+double max_abs_diff(const std::vector<double>& a, const std::vector<double>& b) {
+  double m = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (std::isinf(a[i]) && std::isinf(b[i]) && (a[i] > 0) == (b[i] > 0)) continue;
+    m = std::max(m, std::fabs(a[i] - b[i]));
+  }
+  return m;
+}
+
+// flash-attention's criterion: the fused result's max error against fp64 at most twice the naive
+// f32 composition's. Floor: 2^-22 (4 f32 ulps at 1, the size of |out| <= max|v| = 1) for cases
+// where the naive error happens to be tiny — storing one f32 result costs half an ulp by itself.
+void expect_accurate(const Problem& p, const AttentionSpec& spec, const std::string& what) {
+  SCOPED_TRACE(what);
+  const Attention att(spec);
+  const Outputs fused = run_forward(p, att, 0), exact = run_forward(p, att, 1);
+  const double floor = std::ldexp(1.0, -22);
+  if (p.dtype == DType::kF32) {
+    const Outputs naive = run_forward(p, att, 2);
+    const double naive_err = max_abs_diff(naive.out, exact.out), fused_err = max_abs_diff(fused.out, exact.out);
+    EXPECT_LE(fused_err, 2 * naive_err + floor) << "naive f32 error " << naive_err;
+  } else {
+    // 16-bit outputs: the fp64 result rounded once to the dtype is off by half its ulp (2^-9 for
+    // bf16, 2^-12 for f16 relative; |out| <= 1), plus the f32 computation's error (the floor).
+    const double half_ulp = p.dtype == DType::kBF16 ? std::ldexp(1.0, -9) : std::ldexp(1.0, -12);
+    EXPECT_LE(max_abs_diff(fused.out, exact.out), half_ulp + floor);
+  }
+  // lse: a log of a sum of up to Sk terms; f32 carries 2^-24 relative on |lse| plus the logits'
+  // own f32 error, bounded by 2^-20 per unit of logit magnitude here (|logits| <= ~D·scale).
+  double lse_scale = 1;
+  for (double x : exact.lse) {
+    if (std::isfinite(x)) lse_scale = std::max(lse_scale, std::fabs(x));
+  }
+  EXPECT_LE(max_abs_diff(fused.lse, exact.lse), std::ldexp(1.0, -18) * lse_scale);
+}
+
+class AttentionForward : public EveryTarget {};
+
+TEST_P(AttentionForward, NoPositionalSchemeAcrossShapesMasksAndLayouts) {
+  for (int trial = 0; trial < 6; ++trial) {
+    const std::int64_t dim = std::vector<std::int64_t>{64, 80, 96, 128, 24, 256}[static_cast<std::size_t>(trial)];
+    const std::int64_t kv = uniform_int(1, 2), heads = kv * uniform_int(1, 3);
+    const std::int64_t q_len = uniform_int(1, 150), k_len = q_len + uniform_int(0, 90);
+    Problem p = make_problem(uniform_int(1, 2), q_len, k_len, heads, kv, dim, DType::kF32, trial % 2 == 1);
+    AttentionSpec spec = spec_of(p);
+    expect_accurate(p, spec, "none, D " + std::to_string(dim));
+    spec.mask.causal = true;
+    expect_accurate(p, spec, "causal, D " + std::to_string(dim));
+    spec.mask.window_left = uniform_int(0, 40);
+    expect_accurate(p, spec, "sliding window");
+    spec.mask = {};
+    spec.mask.window_left = 7;
+    spec.mask.window_right = 3;
+    spec.mask.softcap = 2.5;
+    expect_accurate(p, spec, "two-sided window with soft-cap");
+    spec.mask = {};
+    spec.mask.causal = true;
+    for (std::int64_t b = 0; b < p.batch; ++b) spec.mask.key_lengths.push_back(uniform_int(0, k_len));
+    expect_accurate(p, spec, "key lengths");
+    spec.mask = {};
+    spec.scale = 0.3;
+    expect_accurate(p, spec, "explicit scale");
+  }
+}
+
+TEST_P(AttentionForward, EveryPositionalScheme) {
+  const std::int64_t heads = 4, kv = 2, dim = 64;
+  Problem p = make_problem(2, 70, 97, heads, kv, dim);
+  const auto with = [&](std::vector<HeadGroup> groups, bool causal, const std::string& what) {
+    AttentionSpec spec = spec_of(p);
+    spec.groups = std::move(groups);
+    spec.mask.causal = causal;
+    expect_accurate(p, spec, what);
+  };
+  const RopeParams rope(dim, dim);
+  with({{heads, RotaryQK{rope}, {}}}, true, "rope half-split");
+  with({{heads, RotaryQK{RopeParams(dim, 32, 500.0, RopeLayout::kInterleaved)}, {}}}, true, "rope interleaved, partial");
+  with({{heads, RotaryQK{rope.with_xpos(64.0, 40.0)}, {}}}, true, "xpos");
+  RopeScaling yarn;
+  yarn.type = RopeType::kYarn;
+  yarn.factor = 4.0;
+  yarn.original_max_position_embeddings = 32;
+  with({{heads, RotaryQK{RopeParams(dim, dim, 10000.0, RopeLayout::kHalfSplit, yarn, 128)}, {}}}, false, "rope yarn");
+  with({{heads, RotaryQK{rope, true}, {}}}, true, "rope, keys already rotated");
+  with({{heads, AbsoluteQK{SinusoidalParams(dim)}, {}}}, true, "shortformer");
+  with({{heads, {}, AlibiParams(heads)}}, true, "alibi");
+  with({{heads, {}, AlibiParams(heads, AlibiForm::kSymmetric)}}, false, "alibi symmetric");
+  std::vector<double> t5_table(static_cast<std::size_t>(32 * heads));
+  for (auto& x : t5_table) x = uniform(-2, 2);
+  with({{heads, {}, T5BiasParams(heads, 32, 128, true, t5_table)}}, false, "t5");
+  with({{heads, {}, KerpleParams(KerpleForm::kLog, {1.5, 0.5, 2.0, 1.0}, {1.0, 2.0, 0.5, 1.5})}}, true, "kerple log");
+  with({{heads, {}, FireParams::init(heads, 16, 3)}}, true, "fire");
+  with({{heads, {}, TupeParams::init(heads, dim, 32, 200, true, 0.5, 4)}}, false, "tupe");
+  // Half the heads RoPE, half ALiBi (KV group boundaries: 2 heads per KV head).
+  with({{2, RotaryQK{rope}, {}}, {2, {}, AlibiParams(2)}}, true, "rope + alibi by head group");
+  with({{1, {}, AlibiParams(1)}, {1, {}, NoPE(1)}, {2, RotaryQK{rope}, T5BiasParams(2, 16, 64, false, std::vector<double>(32, 0.25))}},
+       true, "alibi | nope | rope + t5");
+}
+
+TEST_P(AttentionForward, PackedSequencesAndExplicitPositions) {
+  Problem p = make_packed({{5, 5}, {0, 3}, {33, 40}, {17, 17}, {1, 9}}, 4, 1, 48);
+  AttentionSpec spec = spec_of(p);
+  spec.mask.causal = true;
+  expect_accurate(p, spec, "packed causal");
+  spec.groups = {{4, RotaryQK{RopeParams(48, 48)}, AlibiParams(4)}};
+  expect_accurate(p, spec, "packed rope + alibi");
+  // Arbitrary, far-apart positions (tables by token, bias evaluated per element).
+  Problem d = make_problem(1, 20, 40, 2, 2, 32);
+  std::vector<std::int64_t> q_ids(20), k_ids(40);
+  for (auto& x : q_ids) x = uniform_int(0, std::int64_t{1} << 30);
+  for (auto& x : k_ids) x = uniform_int(0, std::int64_t{1} << 30);
+  AttentionSpec s2 = spec_of(d);
+  s2.q_positions = Positions::ids(q_ids);
+  s2.k_positions = Positions::ids(k_ids);
+  s2.groups = {{2, RotaryQK{RopeParams(32, 32)}, AlibiParams(2, AlibiForm::kSymmetric)}};
+  expect_accurate(d, s2, "scattered positions");
+}
+
+TEST_P(AttentionForward, DecodeSplitsLongCachesExactly) {
+  // 1 and 2 queries × 4 heads over 1 KV head: dot-product scores; 9000 keys: three chunks.
+  for (const std::int64_t q_len : {1, 2}) {
+    Problem p = make_problem(1, q_len, 9000, 4, 1, 64);
+    AttentionSpec spec = spec_of(p);
+    spec.mask.causal = true;
+    expect_accurate(p, spec, "decode");
+    spec.groups = {{4, RotaryQK{RopeParams(64, 64)}, AlibiParams(4)}};
+    expect_accurate(p, spec, "decode rope + alibi");
+  }
+}
+
+TEST_P(AttentionForward, SixteenBitInputs) {
+  for (const DType dt : {DType::kBF16, DType::kF16}) {
+    Problem p = make_problem(1, 45, 61, 2, 1, 80, dt, true);
+    AttentionSpec spec = spec_of(p);
+    spec.mask.causal = true;
+    spec.groups = {{2, RotaryQK{RopeParams(80, 80)}, {}}};
+    expect_accurate(p, spec, std::string(dtype_name(dt)));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Targets, AttentionForward, ::testing::ValuesIn(testing::all_targets()));
+
+// ─── Backward ────────────────────────────────────────────────────────────────────────────────
+
+struct Grads {
+  std::vector<double> dq, dk, dv;
+  AttentionGradients params;
+};
+
+std::vector<double> gather(const Problem& p, const std::vector<double>& raw, std::int64_t seq, std::int64_t h) {
+  // raw is laid out like the problem's views; return [B, S, H, D] order.
+  std::vector<double> out;
+  const auto st = p.strides(seq, h);
+  const std::int64_t B = p.packed() ? 1 : p.batch;
+  for (std::int64_t b = 0; b < B; ++b) {
+    for (std::int64_t s = 0; s < seq; ++s) {
+      for (std::int64_t hh = 0; hh < h; ++hh) {
+        for (std::int64_t d = 0; d < p.dim; ++d) {
+          out.push_back(raw[static_cast<std::size_t>(p.packed() ? s * st[0] + hh * st[1] + d : b * st[0] + s * st[1] + hh * st[2] + d)]);
+        }
+      }
+    }
+  }
+  return out;
+}
+
+// Backward with d_out given in [B, S, H, D]-view order as f64 values (stored in the dtype).
+Grads run_backward(const Problem& p, const Attention& att, const std::vector<double>& d_out, bool reference,
+                   bool with_params = true) {
+  const DType dt = reference ? DType::kF64 : p.dtype;
+  const std::int64_t rows = p.heads * (p.packed() ? 1 : p.batch) * p.q_len;
+  std::vector<unsigned char> out = testing::garbage_buffer(dt, p.q_count());
+  std::vector<float> lse(static_cast<std::size_t>(rows));
+  TensorView lse_view = p.packed() ? TensorView::of(lse.data(), {p.heads, p.q_len}) : TensorView::of(lse.data(), {p.batch, p.heads, p.q_len});
+  TensorView out_view = p.view<true>(out.data(), p.q_len, p.heads, dt);
+  if (reference) {
+    ref::attention_forward(att, out_view, lse_view);
+  } else {
+    att.forward(out_view, lse_view);
+  }
+  const std::vector<unsigned char> dout_bytes = testing::to_dtype(d_out, dt);
+  std::vector<double> dq(static_cast<std::size_t>(p.q_count())), dk(static_cast<std::size_t>(p.k_count())), dv(dk.size());
+  std::vector<unsigned char> dqb = testing::to_dtype(dq, dt), dkb = testing::to_dtype(dk, dt), dvb = testing::to_dtype(dv, dt);
+  Grads g;
+  g.params = att.zero_gradients();
+  const ConstTensorView dov = p.view<false>(dout_bytes.data(), p.q_len, p.heads, dt);
+  TensorView dqv = p.view<true>(dqb.data(), p.q_len, p.heads, dt), dkv = p.view<true>(dkb.data(), p.k_len, p.kv_heads, dt),
+             dvv = p.view<true>(dvb.data(), p.k_len, p.kv_heads, dt);
+  if (reference) {
+    ref::attention_backward(att, out_view, lse_view, dov, dqv, dkv, dvv, with_params ? &g.params : nullptr);
+  } else {
+    att.backward(out_view, lse_view, dov, dqv, dkv, dvv, with_params ? &g.params : nullptr);
+  }
+  for (std::int64_t i = 0; i < p.q_count(); ++i) dq[static_cast<std::size_t>(i)] = testing::element(dqb.data(), dt, i);
+  for (std::int64_t i = 0; i < p.k_count(); ++i) {
+    dk[static_cast<std::size_t>(i)] = testing::element(dkb.data(), dt, i);
+    dv[static_cast<std::size_t>(i)] = testing::element(dvb.data(), dt, i);
+  }
+  g.dq = gather(p, dq, p.q_len, p.heads);
+  g.dk = gather(p, dk, p.k_len, p.kv_heads);
+  g.dv = gather(p, dv, p.k_len, p.kv_heads);
+  return g;
+}
+
+double max_abs(const std::vector<double>& a) {
+  double m = 0;
+  for (double x : a) m = std::max(m, std::fabs(x));
+  return m;
+}
+
+// f32 backward against fp64: each gradient element is a sum of up to Sk (or Sq·G) products of
+// f32-rounded terms, so its error is ~n·2^-24 of the largest contribution; 2^-13 of the
+// gradient's max magnitude covers n up to ~2^10 with the usual √n growth to spare.
+void expect_close(const std::vector<double>& got, const std::vector<double>& want, const char* name) {
+  const double tol = std::ldexp(1.0, -13) * std::max(max_abs(want), 1e-3);
+  EXPECT_LE(max_abs_diff(got, want), tol) << name << " (max |want| " << max_abs(want) << ")";
+}
+
+std::vector<double> random_values(std::size_t n) {
+  std::vector<double> v(n);
+  for (auto& x : v) x = uniform(-1, 1);
+  return v;
+}
+
+class AttentionBackward : public EveryTarget {};
+
+TEST_P(AttentionBackward, MatchesTheReferenceForEveryTrainableScheme) {
+  const std::int64_t heads = 4, kv = 2, dim = 48;
+  Problem p = make_problem(2, 37, 53, heads, kv, dim, DType::kF32, true);
+  std::vector<double> t5_table(static_cast<std::size_t>(16 * 2));
+  for (auto& x : t5_table) x = uniform(-1, 1);
+  const std::vector<std::vector<HeadGroup>> cases = {
+      {},
+      {{heads, RotaryQK{RopeParams(dim, dim)}, AlibiParams(heads)}},
+      {{2, RotaryQK{RopeParams(dim, 32, 10000.0, RopeLayout::kInterleaved).with_xpos(32.0)}, T5BiasParams(2, 16, 32, false, t5_table)},
+       {2, AbsoluteQK{SinusoidalParams(dim)}, KerpleParams(KerpleForm::kPower, {1.0, 0.5}, {0.7, 1.3})}},
+  };
+  for (std::size_t c = 0; c < cases.size(); ++c) {
+    for (const bool softcap : {false, true}) {
+      SCOPED_TRACE("case " + std::to_string(c) + (softcap ? " soft-cap" : ""));
+      AttentionSpec spec = spec_of(p);
+      spec.groups = cases[c];
+      spec.mask.causal = c != 0;
+      spec.mask.window_left = c == 0 ? 20 : -1;
+      spec.mask.softcap = softcap ? 3.0 : 0.0;
+      const Attention att(spec);
+      const std::vector<double> d_out = random_values(static_cast<std::size_t>(p.q_count()));
+      const Grads fused = run_backward(p, att, d_out, false), exact = run_backward(p, att, d_out, true);
+      expect_close(fused.dq, exact.dq, "dq");
+      expect_close(fused.dk, exact.dk, "dk");
+      expect_close(fused.dv, exact.dv, "dv");
+      for (std::size_t g = 0; g < exact.params.groups.size(); ++g) {
+        expect_close(fused.params.groups[g].alibi_slopes, exact.params.groups[g].alibi_slopes, "alibi slopes");
+        expect_close(fused.params.groups[g].t5_table, exact.params.groups[g].t5_table, "t5 table");
+        expect_close(fused.params.groups[g].kerple_r1, exact.params.groups[g].kerple_r1, "kerple r1");
+        expect_close(fused.params.groups[g].kerple_r2, exact.params.groups[g].kerple_r2, "kerple r2");
+      }
+    }
+  }
+}
+
+TEST_P(AttentionBackward, PackedAndSixteenBit) {
+  Problem p = make_packed({{9, 9}, {20, 31}, {1, 5}}, 2, 1, 32);
+  AttentionSpec spec = spec_of(p);
+  spec.mask.causal = true;
+  spec.groups = {{2, RotaryQK{RopeParams(32, 32)}, AlibiParams(2)}};
+  const Attention att(spec);
+  const std::vector<double> d_out = random_values(static_cast<std::size_t>(p.q_count()));
+  const Grads fused = run_backward(p, att, d_out, false), exact = run_backward(p, att, d_out, true);
+  expect_close(fused.dq, exact.dq, "dq");
+  expect_close(fused.dk, exact.dk, "dk");
+  expect_close(fused.dv, exact.dv, "dv");
+  expect_close(fused.params.groups[0].alibi_slopes, exact.params.groups[0].alibi_slopes, "slopes");
+
+  Problem b = make_problem(1, 30, 30, 2, 2, 64, DType::kBF16);
+  const Attention bat(spec_of(b));
+  const std::vector<double> d_out_b = random_values(static_cast<std::size_t>(b.q_count()));
+  const Grads fb = run_backward(b, bat, d_out_b, false), eb = run_backward(b, bat, d_out_b, true);
+  // bf16 gradients: rounded once to bf16 (half an ulp, 2^-9 relative), and — as in
+  // flash-attention — δ_i = Σ dO·O comes from the bf16-rounded output (another 2^-9 relative on
+  // each product, carried into every dS = P·(dP − δ)): 2^-7 of the largest gradient covers both.
+  for (const auto& [got, want] : {std::pair{&fb.dq, &eb.dq}, std::pair{&fb.dk, &eb.dk}, std::pair{&fb.dv, &eb.dv}}) {
+    EXPECT_LE(max_abs_diff(*got, *want), std::ldexp(1.0, -7) * max_abs(*want));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Targets, AttentionBackward, ::testing::ValuesIn(testing::all_targets()));
+
+// The fp64 reference backward against central differences of the fp64 reference forward, on
+// L = Σ out·W: every gradient, including the schemes' parameters.
+TEST(AttentionReference, BackwardMatchesFiniteDifferences) {
+  const std::int64_t heads = 2, dim = 8;
+  Problem p = make_problem(1, 6, 9, heads, 2, dim, DType::kF64);
+  std::vector<double> t5_table(static_cast<std::size_t>(8 * 1));
+  for (auto& x : t5_table) x = uniform(-1, 1);
+  const std::vector<double> w = random_values(static_cast<std::size_t>(p.q_count()));
+  const auto make_spec = [&](double slope, double t5_entry3) {
+    AttentionSpec spec = spec_of(p);
+    std::vector<double> table = t5_table;
+    table[3] = t5_entry3;
+    spec.groups = {{1, RotaryQK{RopeParams(dim, dim).with_xpos(16.0)}, AlibiParams(std::vector<double>{slope})},
+                   {1, {}, T5BiasParams(1, 8, 16, true, table)}};
+    spec.mask.causal = true;
+    spec.mask.softcap = 2.0;
+    return spec;
+  };
+  const auto loss = [&](const Problem& prob, double slope, double t5_entry3) {
+    const Attention att(make_spec(slope, t5_entry3));
+    std::vector<double> out(static_cast<std::size_t>(prob.q_count()));
+    ref::attention_forward(att, prob.view<true>(out.data(), prob.q_len, prob.heads, DType::kF64), {});
+    double l = 0;
+    for (std::size_t i = 0; i < out.size(); ++i) l += out[i] * w[i];  // same (contiguous) order as w
+    return l;
+  };
+  const double slope = 0.3, entry = t5_table[3];
+  const Attention att(make_spec(slope, entry));
+  const Grads g = run_backward(p, att, w, true);
+  // Central differences: O(h²) truncation with h = 1e-5 and |third derivatives| ~1 gives ~1e-10;
+  // cancellation adds ~1e-16/1e-5 = 1e-11. 1e-7 is far above both, far below any real error.
+  const double h = 1e-5, tol = 1e-7;
+  const auto check_input = [&](std::vector<double>& values, std::vector<unsigned char>& bytes, const std::vector<double>& grad,
+                               const char* name) {
+    for (std::size_t i = 0; i < values.size(); i += 7) {
+      const double saved = values[i];
+      values[i] = saved + h;
+      bytes = testing::to_dtype(values, DType::kF64);
+      const double up = loss(p, slope, entry);
+      values[i] = saved - h;
+      bytes = testing::to_dtype(values, DType::kF64);
+      const double down = loss(p, slope, entry);
+      values[i] = saved;
+      bytes = testing::to_dtype(values, DType::kF64);
+      const double fd = (up - down) / (2 * h);
+      // grad is in [B, S, H, D] order, which is also the raw order here (contiguous).
+      EXPECT_NEAR(grad[i], fd, tol) << name << "[" << i << "]";
+    }
+  };
+  check_input(p.q, p.qb, g.dq, "dq");
+  check_input(p.k, p.kb, g.dk, "dk");
+  check_input(p.v, p.vb, g.dv, "dv");
+  EXPECT_NEAR(g.params.groups[0].alibi_slopes[0], (loss(p, slope + h, entry) - loss(p, slope - h, entry)) / (2 * h), tol);
+  EXPECT_NEAR(g.params.groups[1].t5_table[3], (loss(p, slope, entry + h) - loss(p, slope, entry - h)) / (2 * h), tol);
+}
+
+// ─── Determinism and errors ──────────────────────────────────────────────────────────────────
+
+TEST(Attention, BitwiseIdenticalForAnyThreadCount) {
+  Problem p = make_problem(2, 150, 150, 4, 2, 64);
+  AttentionSpec spec = spec_of(p);
+  spec.mask.causal = true;
+  spec.groups = {{4, RotaryQK{RopeParams(64, 64)}, AlibiParams(4)}};
+  const Attention att(spec);
+  const std::vector<double> d_out = random_values(static_cast<std::size_t>(p.q_count()));
+  Problem d = make_problem(1, 1, 9000, 4, 1, 64);
+  const Attention dec(spec_of(d));
+  std::vector<Grads> runs;
+  std::vector<Outputs> decodes;
+  for (const int threads : {1, 2, 3}) {
+    set_num_threads(threads);
+    runs.push_back(run_backward(p, att, d_out, false));
+    decodes.push_back(run_forward(d, dec, 0));
+  }
+  set_num_threads(2);
+  for (std::size_t r = 1; r < runs.size(); ++r) {
+    EXPECT_EQ(runs[r].dq, runs[0].dq);
+    EXPECT_EQ(runs[r].dk, runs[0].dk);
+    EXPECT_EQ(runs[r].dv, runs[0].dv);
+    EXPECT_EQ(runs[r].params.groups[0].alibi_slopes, runs[0].params.groups[0].alibi_slopes);
+    EXPECT_EQ(decodes[r].out, decodes[0].out);
+  }
+}
+
+TEST(Attention, ClearErrors) {
+  Problem p = make_problem(1, 8, 8, 4, 2, 16);
+  Problem bad_heads = make_problem(1, 8, 8, 4, 3, 16);
+  expect_error([&] { Attention a(spec_of(bad_heads)); }, {"Attention", "k", "KV head count dividing"});
+  AttentionSpec s = spec_of(p);
+  s.mask.window_left = -2;
+  expect_error([&] { Attention a(s); }, {"mask.window_left", "-2", ">= -1"});
+  s = spec_of(p);
+  s.groups = {{3, {}, AlibiParams(3)}};
+  expect_error([&] { Attention a(s); }, {"groups", "3 heads", "tiled"});
+  s.groups = {{1, RotaryQK{RopeParams(16, 16)}, {}}, {3, {}, {}}};
+  expect_error([&] { Attention a(s); }, {"groups[0].heads", "whole KV groups"});
+  s.groups = {{4, {}, AlibiParams(2)}};
+  expect_error([&] { Attention a(s); }, {"groups[0].bias", "2 heads"});
+  s = spec_of(p);
+  s.mask.softcap = std::nan("");
+  expect_error([&] { Attention a(s); }, {"mask.softcap", "nan"});
+  s = spec_of(p);
+  s.mask.key_lengths = {9};
+  expect_error([&] { Attention a(s); }, {"mask.key_lengths", "[0] = 9", "[0, 8]"});
+  Problem packed = make_packed({{3, 3}, {5, 5}}, 4, 2, 16);
+  s = spec_of(packed);
+  s.cu_seqlens_q = {0, 5, 3, 8};
+  s.cu_seqlens_k = {0, 3, 5, 8};
+  expect_error([&] { Attention a(s); }, {"cu_seqlens_q", "[2] = 3", "non-decreasing"});
+  s = spec_of(packed);
+  s.cu_seqlens_k = {0, 3, 7};
+  expect_error([&] { Attention a(s); }, {"cu_seqlens_k", "last = 7", "8"});
+  const Attention att(spec_of(p));
+  std::vector<float> out(static_cast<std::size_t>(p.q_count())), small(3);
+  expect_error([&] { att.forward(TensorView::of(small.data(), {3})); }, {"Attention", "out"});
+  std::vector<float> lse(5);
+  expect_error([&] { att.forward(TensorView::of(out.data(), {1, 8, 4, 16}), TensorView::of(lse.data(), {5})); },
+               {"lse", "[B, H, Sq] = [1, 4, 8]"});
+  s = spec_of(p);
+  s.groups = {{4, {}, FireParams::init(4)}};
+  const Attention fire(s);
+  AttentionGradients grads = fire.zero_gradients();
+  std::vector<float> zeros(static_cast<std::size_t>(p.q_count()));
+  std::vector<float> l2(32);
+  fire.forward(TensorView::of(out.data(), {1, 8, 4, 16}), TensorView::of(l2.data(), {1, 4, 8}));
+  expect_error([&] {
+    fire.backward(TensorView::of(out.data(), {1, 8, 4, 16}), TensorView::of(l2.data(), {1, 4, 8}),
+                  TensorView::of(zeros.data(), {1, 8, 4, 16}), {}, {}, {}, &grads);
+  }, {"FIRE", "not computed inside fused attention yet"});
+}
+
+}  // namespace
+}  // namespace posenc

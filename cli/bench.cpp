@@ -4,6 +4,7 @@
 
 #include <nlohmann/json.hpp>
 #include <algorithm>
+#include <fstream>
 #include <string>
 
 #include "commands.hpp"
@@ -21,6 +22,16 @@ struct BenchOptions {
   int rounds = 3;
   std::string format = "text";
 };
+
+// Peak resident memory of this process so far (VmHWM), in bytes; 0 where /proc is unavailable.
+double peak_resident_bytes() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) * 1024.0;  // "VmHWM:  1234 kB"
+  }
+  return 0;
+}
 
 void run_bench(const BenchOptions& o) {
   if (o.format != "text" && o.format != "json") {
@@ -48,31 +59,44 @@ void run_bench(const BenchOptions& o) {
     limits.rmw_gbs = std::max(limits.rmw_gbs, now.rmw_gbs);
     limits.read_gbs = std::max(limits.read_gbs, now.read_gbs);
     limits.write_nt_gbs = std::max(limits.write_nt_gbs, now.write_nt_gbs);
+    limits.fma_gflops = std::max(limits.fma_gflops, now.fma_gflops);
     seconds = std::min(seconds, perf::time_best(c.run, 5, 0.3));
   }
-  const double throughput = c.bytes_per_run / seconds / 1e9;
+  const bool compute = c.flops_per_run > 0;
+  const double throughput = (compute ? c.flops_per_run : c.bytes_per_run) / seconds / 1e9;
+  const std::string unit = compute ? "GFLOP/s" : "GB/s";
   const double limit = limits.get(c.limit_name);
+  const double workspace = c.workspace_bytes ? c.workspace_bytes() : -1.0;
+  // The kernel's own peak: reset the high-water mark (the limits' buffers are freed by now), run
+  // once more, read it. It includes the case's inputs and outputs.
+  { std::ofstream("/proc/self/clear_refs") << "5"; }
+  c.run();
+  const double peak_rss = peak_resident_bytes();
   if (o.format == "json") {
     const nlohmann::json doc = {
         {"kernel", c.name},          {"shape", c.description},
         {"target", active_target()}, {"threads", threads},
         {"seconds", seconds},        {"bytes", c.bytes_per_run},
-        {"rounds", o.rounds},
-        {"throughput", throughput},  {"unit", "GB/s"},
+        {"flops", c.flops_per_run},  {"rounds", o.rounds},
+        {"throughput", throughput},  {"unit", unit},
+        {"peak_resident_bytes", peak_rss}, {"workspace_bytes", workspace},
         {"limit", limit},            {"limit_name", c.limit_name},
         {"ratio", throughput / limit},
         {"elements_per_second", c.elements_per_run / seconds},
         {"limits", {{"copy", limits.copy_gbs}, {"copy_nt", limits.copy_nt_gbs}, {"rmw", limits.rmw_gbs}, {"read", limits.read_gbs},
-                    {"write_nt", limits.write_nt_gbs}}}};
+                    {"write_nt", limits.write_nt_gbs}, {"fma_gflops", limits.fma_gflops}}}};
     fmt::print("{}\n", doc.dump(2));
   } else {
     fmt::print("{} {} on {} with {} thread(s)\n", c.name, c.description, active_target(), threads);
     fmt::print("  time        {:.3f} ms (best of repeated runs in {} rounds)\n", seconds * 1e3, o.rounds);
-    fmt::print("  throughput  {:.2f} GB/s ({:.3g} elements/s)\n", throughput, c.elements_per_run / seconds);
-    fmt::print("  limit       {:.2f} GB/s ({}, measured now; copy {:.2f}, copy_nt {:.2f}, rmw {:.2f}, read {:.2f}, "
-               "write_nt {:.2f})\n",
-               limit, c.limit_name, limits.copy_gbs, limits.copy_nt_gbs, limits.rmw_gbs, limits.read_gbs, limits.write_nt_gbs);
+    fmt::print("  throughput  {:.2f} {} ({:.3g} elements/s)\n", throughput, unit, c.elements_per_run / seconds);
+    fmt::print("  limit       {:.2f} {} ({}, measured now; copy {:.2f}, copy_nt {:.2f}, rmw {:.2f}, read {:.2f}, "
+               "write_nt {:.2f} GB/s; fma {:.1f} GFLOP/s)\n",
+               limit, unit, c.limit_name, limits.copy_gbs, limits.copy_nt_gbs, limits.rmw_gbs, limits.read_gbs,
+               limits.write_nt_gbs, limits.fma_gflops);
     fmt::print("  ratio       {:.2f}\n", throughput / limit);
+    if (workspace >= 0) fmt::print("  workspace   {:.1f} MiB (scratch and tables of the last call, all threads)\n", workspace / 1048576.0);
+    fmt::print("  peak RSS    {:.1f} MiB (whole process, one call: inputs, outputs, scratch)\n", peak_rss / 1048576.0);
   }
 }
 
@@ -96,9 +120,13 @@ Runner add_bench(CLI::App& app) {
   }, "rope: interleaved or half-split");
   sub->add_option("--positions", o->shape.positions, "rope: contiguous, arbitrary or packed")->capture_default_str();
   sub->add_option("--dtype", o->shape.dtype, "rope: f32, bf16 or f16")->capture_default_str();
-  sub->add_option("--scheme", o->shape.scheme, "bias: alibi, t5, kerple, fire or nope")->capture_default_str();
-  sub->add_option("--pass", o->shape.pass, "bias: forward (materialise) or backward (parameter gradients)")
+  sub->add_option("--scheme", o->shape.scheme,
+                  "bias: alibi, t5, kerple, fire or nope; attention: none, rope, alibi, t5, kerple, fire or tupe")
       ->capture_default_str();
+  sub->add_option("--pass", o->shape.pass,
+                  "bias: forward (materialise) or backward (parameter gradients); attention: forward, backward or decode")
+      ->capture_default_str();
+  sub->add_flag("--causal", o->shape.causal, "attention: causal mask");
   sub->add_flag("--in-place", o->shape.in_place, "rope: rotate in place (judged against rmw)");
   sub->add_option("--threads,-t", o->threads, "Threads (default: OpenMP's default)");
   sub->add_option("--rounds", o->rounds, "Alternating rounds of limit and kernel timing (best of each)")

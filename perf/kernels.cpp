@@ -55,10 +55,130 @@ std::string shape(const CaseOptions& o) {
          std::to_string(o.dim) + "] f32";
 }
 
+// Fused attention at a model shape. Inputs hold a deterministic pseudo-random pattern in
+// [−1, 1] (constant inputs would make every score equal). Forward and backward count the
+// matrix products' flops as flash-attention does: 4·B·Sq·Sk·H·D forward (2 products), halved
+// when causal, 2.5× that backward (5 products); decode moves the K and V cache once.
+Case make_attention_case(const CaseOptions& o) {
+  require_positive("heads", o.heads);
+  require_positive("kv_heads", o.kv_heads);
+  if (o.pass != "forward" && o.pass != "backward" && o.pass != "decode") {
+    throw Error("bench", "--pass", o.pass, "forward, backward or decode");
+  }
+  if (o.dtype != "f32" && o.dtype != "bf16" && o.dtype != "f16") throw Error("bench", "--dtype", o.dtype, "f32, bf16 or f16");
+  const DType dtype = o.dtype == "bf16" ? DType::kBF16 : o.dtype == "f16" ? DType::kF16 : DType::kF32;
+  const std::int64_t heads = o.heads, dim = o.dim, kv = o.kv_heads;
+  const std::int64_t q_len = o.pass == "decode" ? 1 : o.length, k_len = o.length;
+  std::vector<HeadGroup> groups;
+  if (o.scheme == "rope") {
+    groups.push_back({heads, RotaryQK{RopeParams(dim, dim)}, {}});
+  } else if (o.scheme == "alibi") {
+    groups.push_back({heads, {}, AlibiParams(heads)});
+  } else if (o.scheme == "t5") {
+    std::vector<double> values(static_cast<std::size_t>(32 * heads));
+    for (std::size_t e = 0; e < values.size(); ++e) values[e] = static_cast<double>(e % 7) * 0.25 - 0.75;
+    groups.push_back({heads, {}, T5BiasParams(heads, 32, 128, false, values)});
+  } else if (o.scheme == "kerple") {
+    groups.push_back({heads, {}, KerpleParams(KerpleForm::kLog, std::vector<double>(static_cast<std::size_t>(heads), 1.0),
+                                              std::vector<double>(static_cast<std::size_t>(heads), 0.5))});
+  } else if (o.scheme == "fire") {
+    groups.push_back({heads, {}, FireParams::init(heads, 32, 1)});
+  } else if (o.scheme == "tupe") {
+    groups.push_back({heads, {}, TupeParams::init(heads, dim, 256, k_len + 1, false, 0.02, 1)});
+  } else if (o.scheme != "none") {
+    throw Error("bench", "--scheme", o.scheme, "none, rope, alibi, t5, kerple, fire or tupe (shaw and xl: not fused yet)");
+  }
+  struct State {
+    std::vector<std::uint16_t> q16, k16, v16, out16, dout16, dq16, dk16, dv16;
+    std::vector<float> q, k, v, out, dout, dq, dk, dv, lse;
+    std::unique_ptr<Attention> attention;
+  };
+  auto st = std::make_shared<State>();
+  const std::int64_t q_count = checked_mul(checked_mul(o.batch, q_len, "q"), heads * dim, "q");
+  const std::int64_t k_count = checked_mul(checked_mul(o.batch, k_len, "k"), kv * dim, "k");
+  std::uint64_t state = 99;
+  const auto pattern = [&state] {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    return static_cast<float>(static_cast<double>(state >> 40) / static_cast<double>(1ull << 24) * 2.0 - 1.0);
+  };
+  const auto make = [&](std::vector<float>& f, std::vector<std::uint16_t>& h, std::int64_t n, bool random) {
+    f.assign(static_cast<std::size_t>(n), 0.0f);
+    if (random) {
+      for (auto& x : f) x = pattern();
+    }
+    if (dtype != DType::kF32) {
+      h.resize(f.size());
+      for (std::size_t i = 0; i < f.size(); ++i) h[i] = dtype == DType::kBF16 ? to_bf16(f[i]).bits : to_f16(f[i]).bits;
+      f = {};
+    }
+  };
+  const bool backward = o.pass == "backward";
+  make(st->q, st->q16, q_count, true);
+  make(st->k, st->k16, k_count, true);
+  make(st->v, st->v16, k_count, true);
+  make(st->out, st->out16, q_count, false);
+  if (backward) {
+    make(st->dout, st->dout16, q_count, true);
+    make(st->dq, st->dq16, q_count, false);
+    make(st->dk, st->dk16, k_count, false);
+    make(st->dv, st->dv16, k_count, false);
+  }
+  st->lse.assign(static_cast<std::size_t>(o.batch * heads * q_len), 0.0f);
+  const auto data = [dtype](std::vector<float>& f, std::vector<std::uint16_t>& h) -> void* {
+    return dtype == DType::kF32 ? static_cast<void*>(f.data()) : static_cast<void*>(h.data());
+  };
+  const std::vector<std::int64_t> q_shape = {o.batch, q_len, heads, dim}, k_shape = {o.batch, k_len, kv, dim};
+  AttentionSpec spec;
+  spec.q = ConstTensorView::contiguous(data(st->q, st->q16), dtype, q_shape);
+  spec.k = ConstTensorView::contiguous(data(st->k, st->k16), dtype, k_shape);
+  spec.v = ConstTensorView::contiguous(data(st->v, st->v16), dtype, k_shape);
+  spec.groups = groups;
+  spec.mask.causal = o.causal;
+  st->attention = std::make_unique<Attention>(spec);
+  const TensorView out = TensorView::contiguous(data(st->out, st->out16), dtype, q_shape);
+  const TensorView lse = TensorView::of(st->lse.data(), {o.batch, heads, q_len});
+  Case c;
+  c.name = "attention";
+  c.description = "q [" + std::to_string(o.batch) + ", " + std::to_string(q_len) + ", " + std::to_string(heads) + ", " +
+                  std::to_string(dim) + "], k, v [" + std::to_string(o.batch) + ", " + std::to_string(k_len) + ", " +
+                  std::to_string(kv) + ", " + std::to_string(dim) + "] " + o.dtype + ", " + o.scheme + ", " +
+                  (o.causal ? "causal" : "full") + ", " + o.pass;
+  const double width = static_cast<double>(dtype_size(dtype));
+  const double pairs = static_cast<double>(o.batch) * static_cast<double>(q_len) * static_cast<double>(k_len) *
+                       static_cast<double>(heads) * static_cast<double>(dim);
+  const double forward_flops = 4.0 * pairs * (o.causal ? 0.5 : 1.0);
+  c.elements_per_run = static_cast<double>(o.batch * heads) * static_cast<double>(q_len) * static_cast<double>(k_len);
+  if (o.pass == "decode") {
+    c.bytes_per_run = 2.0 * static_cast<double>(k_count) * width;
+    c.limit_name = "copy";
+    c.run = [st, out, lse] { st->attention->forward(out, lse); };
+  } else if (o.pass == "forward") {
+    c.flops_per_run = forward_flops;
+    c.limit_name = "fma";
+    c.run = [st, out, lse] { st->attention->forward(out, lse); };
+  } else {
+    c.flops_per_run = 2.5 * forward_flops;
+    c.limit_name = "fma";
+    st->attention->forward(out, lse);
+    const ConstTensorView dout = ConstTensorView::contiguous(data(st->dout, st->dout16), dtype, q_shape);
+    const TensorView dq = TensorView::contiguous(data(st->dq, st->dq16), dtype, q_shape);
+    const TensorView dk = TensorView::contiguous(data(st->dk, st->dk16), dtype, k_shape);
+    const TensorView dv = TensorView::contiguous(data(st->dv, st->dv16), dtype, k_shape);
+    const bool trainable = o.scheme == "alibi" || o.scheme == "t5" || o.scheme == "kerple";
+    auto grads = std::make_shared<AttentionGradients>(st->attention->zero_gradients());
+    c.run = [st, out, lse, dout, dq, dk, dv, grads, trainable] {
+      st->attention->backward(out, lse, dout, dq, dk, dv, trainable ? grads.get() : nullptr);
+    };
+  }
+  c.workspace_bytes = [st] { return static_cast<double>(st->attention->workspace_bytes()); };
+  c.state = st;
+  return c;
+}
+
 }  // namespace
 
 std::vector<std::string> case_names() {
-  return {"sinusoidal", "sinusoidal-add", "learned-forward", "learned-backward", "rope", "bias"};
+  return {"sinusoidal", "sinusoidal-add", "learned-forward", "learned-backward", "rope", "bias", "attention"};
 }
 
 Case make_case(const std::string& name, const CaseOptions& o) {
@@ -227,6 +347,8 @@ Case make_case(const std::string& name, const CaseOptions& o) {
         fire_backward(*fire, positions, positions, ds, fire_grads);
       }
     };
+  } else if (name == "attention") {
+    return make_attention_case(o);
   } else {
     std::string names;
     for (const auto& n : case_names()) names += (names.empty() ? "" : ", ") + n;

@@ -25,6 +25,10 @@ struct CaseOptions {
   // backward (the learned parameters' gradients from dL/dscores)
   std::string scheme = "alibi";
   std::string pass = "forward";
+  // attention: q [batch, length, heads, dim], k, v [batch, length, kv_heads, dim]; pass forward,
+  // backward or decode (one query against a cache of `length` keys); scheme none, rope, alibi,
+  // t5, kerple, fire or tupe
+  bool causal = false;
 };
 
 // One prepared case: buffers allocated and touched, `run` does one call of the kernel. A case
@@ -36,14 +40,16 @@ struct Case {
   std::string description;  // shapes, for reports
   double bytes_per_run = 0;  // bytes the kernel must move at least (reads + writes)
   double elements_per_run = 0;  // elements produced (or consumed, for reductions) per call
-  std::string limit_name;    // "copy", "copy_nt", "rmw", "read" or "write_nt": the limit it is compared with
+  std::string limit_name;    // "copy", "copy_nt", "rmw", "read", "write_nt" or "fma": the limit it is compared with
+  double flops_per_run = 0;  // compute-bound cases (limit "fma"): the flops counted per call
+  std::function<double()> workspace_bytes;  // scratch the kernel used (attention), when known
   std::function<void()> run;
   std::shared_ptr<void> state;  // owns the buffers
 };
 
 // Kernel names: sinusoidal (table build), sinusoidal-add, learned-forward, learned-backward,
 // rope (q and k together; layout, positions, dtype and in-place from the options), bias (scheme
-// and pass from the options).
+// and pass from the options), attention (scheme, pass, causal, dtype from the options).
 std::vector<std::string> case_names();
 // Throws posenc::Error for an unknown name or bad options.
 Case make_case(const std::string& name, const CaseOptions& options);

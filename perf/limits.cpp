@@ -61,6 +61,24 @@ void AddOneF32(float* HWY_RESTRICT a, std::size_t n) {
   for (std::size_t i = 0; i < n; i += hn::Lanes(d)) hn::Store(hn::Add(hn::Load(d, a + i), one), d, a + i);
 }
 
+// Fused multiply-adds on 16 independent accumulators (enough to cover the FMA latency on two
+// ports), `iterations` times; returns a value that depends on all of them. 2·lanes·16 flops per
+// iteration.
+float FmaPeak(std::size_t iterations, float seed) {
+  const hn::ScalableTag<float> d;
+  using V = hn::Vec<decltype(d)>;
+  V acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = hn::Set(d, seed + static_cast<float>(i));
+  const V a = hn::Set(d, 0.999999f), b = hn::Set(d, 1e-7f);
+  for (std::size_t it = 0; it < iterations; ++it) {
+    for (int i = 0; i < 16; ++i) acc[i] = hn::MulAdd(acc[i], a, b);
+  }
+  V total = acc[0];
+  for (int i = 1; i < 16; ++i) total = hn::Add(total, acc[i]);
+  return hn::GetLane(total);
+}
+std::size_t FloatLanes() { return hn::Lanes(hn::ScalableTag<float>()); }
+
 }  // namespace HWY_NAMESPACE
 }  // namespace posenc::perf
 HWY_AFTER_NAMESPACE();
@@ -72,6 +90,24 @@ HWY_EXPORT(CopyF32);
 HWY_EXPORT(AddOneF32);
 HWY_EXPORT(SumF32);
 HWY_EXPORT(ZeroStreamF32);
+HWY_EXPORT(FmaPeak);
+HWY_EXPORT(FloatLanes);
+
+double measure_fma_gflops(int threads, int reps) {
+  constexpr std::size_t kIterations = std::size_t{1} << 22;
+  volatile float sink = 0;
+  const double seconds = time_best([&] {
+#pragma omp parallel num_threads(threads)
+    {
+      const float r = HWY_DYNAMIC_DISPATCH(FmaPeak)(kIterations, static_cast<float>(omp_get_thread_num()));
+#pragma omp critical
+      sink = sink + r;
+    }
+  }, reps, 0.0);
+  const double flops = 2.0 * 16.0 * static_cast<double>(HWY_DYNAMIC_DISPATCH(FloatLanes)()) *
+                       static_cast<double>(kIterations) * threads;
+  return flops / seconds / 1e9;
+}
 
 std::size_t last_level_cache_bytes() {
   for (const int name : {_SC_LEVEL4_CACHE_SIZE, _SC_LEVEL3_CACHE_SIZE, _SC_LEVEL2_CACHE_SIZE}) {
@@ -121,6 +157,7 @@ Limits measure_limits(int threads, int reps) {
   limits.rmw_gbs = moved / time_best([&] { run(2); }, reps, 0.0) / 1e9;
   limits.read_gbs = moved / 2 / time_best([&] { run(3); }, reps, 0.0) / 1e9;
   limits.write_nt_gbs = moved / 2 / time_best([&] { run(4); }, reps, 0.0) / 1e9;
+  limits.fma_gflops = measure_fma_gflops(threads, reps);
   return limits;
 }
 

@@ -7,6 +7,8 @@
 //             buffer in place (no read-for-ownership either: the line was just read)
 //   read      a sum over the buffer: the bound of kernels that only read (reductions)
 //   write_nt  non-temporal stores of zeros: the bound of kernels that only write (bias matrices)
+//   fma       f32 fused multiply-adds on independent register accumulators, in GFLOP/s (2 flops
+//             per lane): the compute bound of attention
 //
 // All count bytes read + bytes written (STREAM's convention) and use the given thread count on
 // buffers of 4× the last-level cache each (STREAM's rule, so that they measure memory, not
@@ -28,11 +30,13 @@ struct Limits {
   double rmw_gbs = 0;
   double read_gbs = 0;
   double write_nt_gbs = 0;
+  double fma_gflops = 0;  // GFLOP/s
   double get(const std::string& name) const {
     return name == "copy_nt"    ? copy_nt_gbs
            : name == "rmw"      ? rmw_gbs
            : name == "read"     ? read_gbs
            : name == "write_nt" ? write_nt_gbs
+           : name == "fma"      ? fma_gflops
                                 : copy_gbs;
   }
 };
@@ -42,6 +46,8 @@ std::size_t last_level_cache_bytes();
 
 // Best of `reps` runs of each kind.
 Limits measure_limits(int threads, int reps = 5);
+// The f32 FMA peak alone (also part of measure_limits).
+double measure_fma_gflops(int threads, int reps = 5);
 
 // Seconds per call of `fn`: the fastest of at least `min_reps` calls and of as many as fit into
 // `min_seconds` (the machine is shared and noisy; the minimum is the least disturbed run).

@@ -13,6 +13,9 @@
 #include "posenc/attention.hpp"
 
 #include <omp.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -38,6 +41,31 @@ namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 std::int64_t round_up(std::int64_t x, std::int64_t to) { return (x + to - 1) / to * to; }
+
+// Denormals flushed to zero (FTZ) and read as zero (DAZ) while a thread runs attention: ALiBi's
+// far keys give probabilities near FLT_MIN whose products with values are denormal, and each
+// denormal result costs a microcode assist (~100 cycles) on x86 — the forward pass ran at half
+// speed. Flushing changes results only below FLT_MIN (absolute), and identically on every
+// thread, so results stay bitwise reproducible. The caller's mode is restored afterwards.
+class FlushDenormals {
+ public:
+  FlushDenormals() {
+#if defined(__x86_64__) || defined(__i386__)
+    saved_ = _mm_getcsr();
+    _mm_setcsr(saved_ | 0x8040u);  // FTZ (bit 15) | DAZ (bit 6)
+#endif
+  }
+  ~FlushDenormals() {
+#if defined(__x86_64__) || defined(__i386__)
+    _mm_setcsr(saved_);
+#endif
+  }
+  FlushDenormals(const FlushDenormals&) = delete;
+  FlushDenormals& operator=(const FlushDenormals&) = delete;
+
+ private:
+  unsigned saved_ = 0;
+};
 
 template <class T>
 void grow(std::vector<T>& v, std::int64_t n) {
@@ -247,10 +275,23 @@ using detail::AttentionPlan;
 using detail::RowBlock;
 using detail::Sequence;
 
-// One forward unit: rows of `rb` against keys [k_begin, k_end) of the sequence. Leaves the
-// unnormalised output rows in s.o ([width][Dp]) and m, l per row.
-void forward_unit(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh, const RowBlock& rb,
-                  std::int64_t k_begin, std::int64_t k_end, AttentionUnitScratch& s) {
+void prefetch_rows(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh, std::int64_t first, std::int64_t count) {
+  const std::int64_t width = static_cast<std::int64_t>(dtype_size(p.dtype));
+  const std::int64_t row_bytes = (p.dim - 1) * width * p.kg.dim_stride + width;
+  for (std::int64_t j = 0; j < count; ++j) {
+    const char* k = static_cast<const char*>(p.k_data) + (p.kg.offset(seq.b, seq.k0 + first + j) + kvh * p.kg.head_stride) * width;
+    const char* v = static_cast<const char*>(p.v_data) + (p.vg.offset(seq.b, seq.k0 + first + j) + kvh * p.vg.head_stride) * width;
+    for (std::int64_t at = 0; at < row_bytes; at += 64) {
+      __builtin_prefetch(k + at);
+      __builtin_prefetch(v + at);
+    }
+  }
+}
+
+// One forward unit in steps: forward_begin loads the rows of `rb`; forward_tile runs one key
+// tile [k0, k0 + keys) of the sequence through them. Leaves the unnormalised output rows in
+// s.o ([width][Dp]) and m, l per row.
+void forward_begin(const AttentionPlan& p, const Sequence& seq, const RowBlock& rb, AttentionUnitScratch& s) {
   const std::int64_t w = rb.width, dp = p.dim_padded, d = p.dim;
   const bool dot = rb.compact;
   grow(s.q, w * dp);
@@ -282,54 +323,65 @@ void forward_unit(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh,
       for (std::int64_t t = 0; t < d; ++t) s.qt[static_cast<std::size_t>(t * w + r)] = row[t];
     }
   }
+}
+
+void forward_tile(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh, const RowBlock& rb, std::int64_t k0,
+                  std::int64_t keys, AttentionUnitScratch& s) {
+  const std::int64_t w = rb.width, dp = p.dim_padded, d = p.dim;
   const detail::QKTables& kt = p.tables_of_head(kvh * p.group_size);
   const bool direct_k = p.zero_copy && (kt.kind == detail::QKTables::kNone || !kt.transform_keys);
   const bool direct_v = p.zero_copy;
-  const std::int64_t tile = p.key_tile;
-  for (std::int64_t k0 = k_begin; k0 < k_end; k0 += tile) {
-    const std::int64_t keys = std::min(tile, k_end - k0);
-    // Keys and values: straight from memory (f32, unit stride, D a multiple of the padding, no
-    // key transform) or packed into f32 rows.
-    const float* kp;
-    std::int64_t ldk;
-    if (direct_k) {
-      kp = static_cast<const float*>(p.k_data) + p.kg.offset(seq.b, seq.k0 + k0) + kvh * p.kg.head_stride;
-      ldk = p.kg.seq_stride;
-    } else {
-      for (std::int64_t j = 0; j < keys; ++j) {
-        float* row = s.k.data() + j * dp;
-        p.load_row(p.k_data, p.kg, seq.b, seq.k0 + k0 + j, kvh, row);
-        if (kt.transform_keys) p.transform_row(kt, false, p.k_table_row(seq, k0 + j), row, 1.0f);
-      }
-      kp = s.k.data();
-      ldk = dp;
+  // Keys and values: straight from memory (f32, unit stride, D a multiple of the padding, no
+  // key transform) or packed into f32 rows.
+  const float* kp;
+  std::int64_t ldk;
+  if (direct_k) {
+    kp = static_cast<const float*>(p.k_data) + p.kg.offset(seq.b, seq.k0 + k0) + kvh * p.kg.head_stride;
+    ldk = p.kg.seq_stride;
+  } else {
+    for (std::int64_t j = 0; j < keys; ++j) {
+      float* row = s.k.data() + j * dp;
+      p.load_row(p.k_data, p.kg, seq.b, seq.k0 + k0 + j, kvh, row);
+      if (kt.transform_keys) p.transform_row(kt, false, p.k_table_row(seq, k0 + j), row, 1.0f);
     }
-    const float* vp;
-    std::int64_t ldv;
-    if (direct_v) {
-      vp = static_cast<const float*>(p.v_data) + p.vg.offset(seq.b, seq.k0 + k0) + kvh * p.vg.head_stride;
-      ldv = p.vg.seq_stride;
-    } else {
-      for (std::int64_t j = 0; j < keys; ++j) p.load_row(p.v_data, p.vg, seq.b, seq.k0 + k0 + j, kvh, s.v.data() + j * dp);
-      vp = s.v.data();
-      ldv = dp;
-    }
-    // S^T = K·Q^T (scale and query transform already in Q).
-    if (dot) {
-      kernels::attn_dot_scores(kp, ldk, keys, s.q.data(), dp, rb.valid_rows, d, s.st.data(), w);
-    } else {
-      kernels::attn_gemm(kp, ldk, 1, s.qt.data(), w, s.st.data(), w, keys, w, d, false);
-    }
+    kp = s.k.data();
+    ldk = dp;
+  }
+  const float* vp;
+  std::int64_t ldv;
+  if (direct_v) {
+    vp = static_cast<const float*>(p.v_data) + p.vg.offset(seq.b, seq.k0 + k0) + kvh * p.vg.head_stride;
+    ldv = p.vg.seq_stride;
+  } else {
+    for (std::int64_t j = 0; j < keys; ++j) p.load_row(p.v_data, p.vg, seq.b, seq.k0 + k0 + j, kvh, s.v.data() + j * dp);
+    vp = s.v.data();
+    ldv = dp;
+  }
+  // S^T = K·Q^T (scale and query transform already in Q).
+  kernels::attn_gemm(kp, ldk, 1, s.qt.data(), w, s.st.data(), w, keys, w, d, false);
+  if (p.any_bias) {
     for (std::int64_t j = 0; j < keys; ++j) s.kpos[static_cast<std::size_t>(j)] = p.k_position(seq, k0 + j);
     p.add_bias(seq, rb, k0, keys, s.kpos.data(), s.st.data(), s.tmp);
-    if (p.mask.softcap > 0) kernels::attn_softcap_tile(s.st.data(), keys, w, static_cast<float>(p.mask.softcap));
-    if (!p.tile_unmasked(rb, k0, keys)) {
-      kernels::attn_mask_tile(s.st.data(), keys, w, k0, rb.lo.data(), rb.hi.data());
-    }
-    kernels::attn_softmax_tile(s.st.data(), keys, w, s.m.data(), s.l.data(), s.corr.data());
-    kernels::attn_scale_rows(s.o.data(), dp, w, dp, s.corr.data());
-    // O += P·V with P(r, j) = P^T[j][r].
-    kernels::attn_gemm(s.st.data(), 1, w, vp, ldv, s.o.data(), dp, dot ? rb.valid_rows : w, dp, keys, true);
+  }
+  if (p.mask.softcap > 0) kernels::attn_softcap_tile(s.st.data(), keys, w, static_cast<float>(p.mask.softcap));
+  if (!p.tile_unmasked(rb, k0, keys)) {
+    kernels::attn_mask_tile(s.st.data(), keys, w, k0, rb.lo.data(), rb.hi.data());
+  }
+  kernels::attn_softmax_tile(s.st.data(), keys, w, s.m.data(), s.l.data(), s.corr.data());
+  kernels::attn_scale_rows(s.o.data(), dp, w, dp, s.corr.data());
+  // O += P·V with P(r, j) = P^T[j][r].
+  kernels::attn_gemm(s.st.data(), 1, w, vp, ldv, s.o.data(), dp, w, dp, keys, true);
+}
+
+void forward_unit(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh, const RowBlock& rb,
+                  std::int64_t k_begin, std::int64_t k_end, AttentionUnitScratch& s) {
+  forward_begin(p, seq, rb, s);
+  for (std::int64_t k0 = k_begin; k0 < k_end; k0 += p.key_tile) {
+    const std::int64_t keys = std::min(p.key_tile, k_end - k0);
+    // The next tile's key and value rows: in [B, S, G, D] memory consecutive keys of one head lie
+    // G·D elements apart, often a page, which the hardware prefetchers do not cross.
+    prefetch_rows(p, seq, kvh, k0 + p.key_tile, std::min(p.key_tile, k_end - k0 - p.key_tile));
+    forward_tile(p, seq, kvh, rb, k0, keys, s);
   }
 }
 
@@ -343,7 +395,9 @@ void AttentionPlan::forward(TensorView out, TensorView lse) const {
   check_writable(kWhere, "out", ConstTensorView(out));
   const bool want_lse = lse.rank() > 0;
   if (want_lse) check_lse(lse, true);
-  // Units: (sequence, KV head, query block[, key chunk]).
+  // Units: (sequence, KV head, query block) for prefill; decode blocks (few rows) run every KV
+  // head per key tile — reading the cache in its memory order — in chunks of keys:
+  // (sequence, query block, key chunk), kvh = −1.
   struct Unit {
     std::int64_t seq, kvh, i0, count, k_begin, k_end, partial;
     bool compact;
@@ -353,108 +407,208 @@ void AttentionPlan::forward(TensorView out, TensorView lse) const {
   for (std::int64_t si = 0; si < static_cast<std::int64_t>(sequences.size()); ++si) {
     const Sequence& seq = sequences[static_cast<std::size_t>(si)];
     if (seq.lq == 0) continue;
-    const bool compact = seq.lq * group_size <= kDecodeRows;
-    const std::int64_t block = compact ? seq.lq : query_block;
+    if (seq.lq * group_size <= kDecodeRows) {
+      const std::int64_t chunks = seq.lk > 2 * kDecodeChunk ? (seq.lk + kDecodeChunk - 1) / kDecodeChunk : 1;
+      for (std::int64_t c = 0; c < chunks; ++c) {
+        const std::int64_t kb = chunks == 1 ? 0 : c * kDecodeChunk;
+        const std::int64_t ke = chunks == 1 ? seq.lk : std::min(seq.lk, kb + kDecodeChunk);
+        units.push_back({si, -1, 0, seq.lq, kb, ke, chunks == 1 ? -1 : partials, true});
+        if (chunks > 1) ++partials;
+      }
+      continue;
+    }
     for (std::int64_t kvh = 0; kvh < kv_heads; ++kvh) {
-      for (std::int64_t i0 = 0; i0 < seq.lq; i0 += block) {
-        const std::int64_t count = std::min(block, seq.lq - i0);
-        const std::int64_t chunks = compact && seq.lk > 2 * kDecodeChunk ? (seq.lk + kDecodeChunk - 1) / kDecodeChunk : 1;
-        for (std::int64_t c = 0; c < chunks; ++c) {
-          const std::int64_t kb = chunks == 1 ? 0 : c * kDecodeChunk;
-          const std::int64_t ke = chunks == 1 ? seq.lk : std::min(seq.lk, kb + kDecodeChunk);
-          units.push_back({si, kvh, i0, count, kb, ke, chunks == 1 ? -1 : partials, compact});
-          if (chunks > 1) ++partials;
-        }
+      for (std::int64_t i0 = 0; i0 < seq.lq; i0 += query_block) {
+        units.push_back({si, kvh, i0, std::min(query_block, seq.lq - i0), 0, seq.lk, -1, false});
       }
     }
   }
-  // Chunked units leave (m, l, O) rows here, merged in chunk order afterwards.
-  const std::int64_t part_rows = kDecodeRows <= kAttnAlign ? kAttnAlign : kDecodeRows;
+  // Chunked decode units leave (m, l, O) rows per KV head here, merged in chunk order afterwards.
+  const std::int64_t part_rows = kDecodeRows;
   const std::int64_t part_width = dim_padded + 2;
-  std::vector<float> parts(static_cast<std::size_t>(partials * part_rows * part_width));
+  std::vector<float> parts(static_cast<std::size_t>(partials * kv_heads * part_rows * part_width));
   const auto flops = static_cast<std::int64_t>(batch) * q_len * k_len * heads * dim;
   const int threads = std::min<int>(threads_for(flops / 16), static_cast<int>(std::max<std::size_t>(units.size(), 1)));
   std::int64_t scratch_bytes = 0;
+  // Normalises and stores the rows of a finished block.
+  const auto finish = [&](const Sequence& seq, const RowBlock& rb, AttentionUnitScratch& s) {
+    const std::int64_t dp = dim_padded;
+    grow(s.tmp, dp);
+    for (std::int64_t r = 0; r < rb.width; ++r) {
+      const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
+      if (h < 0) continue;
+      const std::int64_t i = rb.query[static_cast<std::size_t>(r)];
+      const float l = s.l[static_cast<std::size_t>(r)];
+      const float inv = l > 0 ? 1.0f / l : 0.0f;
+      for (std::int64_t t = 0; t < dim; ++t) s.tmp[static_cast<std::size_t>(t)] = s.o[static_cast<std::size_t>(r * dp + t)] * inv;
+      store_row(s.tmp.data(), out.data(), og, seq.b, seq.q0 + i, h, false);
+      if (want_lse) write_lse(lse, seq, h, i, l > 0 ? s.m[static_cast<std::size_t>(r)] + std::log(l) : kNegInf);
+    }
+  };
 #pragma omp parallel num_threads(threads) reduction(+ : scratch_bytes)
   {
+    const FlushDenormals flush;
     AttentionUnitScratch& s = unit_scratch();
+    thread_local std::vector<AttentionUnitScratch> per_head;  // decode: one per KV head
+    thread_local std::vector<RowBlock> per_head_rows;
     RowBlock rb;
 #pragma omp for schedule(dynamic, 1)
     for (std::size_t u = 0; u < units.size(); ++u) {
       const Unit& un = units[u];
       const Sequence& seq = sequences[static_cast<std::size_t>(un.seq)];
-      layout_rows(seq, un.kvh, un.i0, un.count, un.compact, rb);
-      const std::int64_t kb = std::max(un.k_begin, un.partial >= 0 ? un.k_begin : rb.key_lo);
-      const std::int64_t ke = std::min(un.k_end, un.partial >= 0 ? un.k_end : std::max(rb.key_hi, kb));
-      forward_unit(*this, seq, un.kvh, rb, kb, ke, s);
-      const std::int64_t w = rb.width, dp = dim_padded;
-      if (un.partial >= 0) {
-        float* part = parts.data() + un.partial * part_rows * part_width;
-        for (std::int64_t r = 0; r < rb.valid_rows; ++r) {
-          float* row = part + r * part_width;
-          row[0] = s.m[static_cast<std::size_t>(r)];
-          row[1] = s.l[static_cast<std::size_t>(r)];
-          std::memcpy(row + 2, s.o.data() + r * dp, static_cast<std::size_t>(dp) * sizeof(float));
-        }
+      if (!un.compact) {
+        layout_rows(seq, un.kvh, un.i0, un.count, false, rb);
+        const std::int64_t kb = rb.key_lo, ke = std::max(rb.key_hi, kb);
+        forward_unit(*this, seq, un.kvh, rb, kb, ke, s);
+        finish(seq, rb, s);
         continue;
       }
-      grow(s.tmp, dp);
-      for (std::int64_t r = 0; r < w; ++r) {
-        const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
-        if (h < 0) continue;
-        const std::int64_t i = rb.query[static_cast<std::size_t>(r)];
-        const float l = s.l[static_cast<std::size_t>(r)];
-        const float inv = l > 0 ? 1.0f / l : 0.0f;
-        for (std::int64_t t = 0; t < dim; ++t) s.tmp[static_cast<std::size_t>(t)] = s.o[static_cast<std::size_t>(r * dp + t)] * inv;
-        store_row(s.tmp.data(), out.data(), og, seq.b, seq.q0 + i, h, false);
-        if (want_lse) {
-          const float m = s.m[static_cast<std::size_t>(r)];
-          write_lse(lse, seq, h, i, l > 0 ? m + std::log(l) : kNegInf);
+      if (static_cast<std::int64_t>(per_head.size()) < kv_heads) {
+        per_head.resize(static_cast<std::size_t>(kv_heads));
+        per_head_rows.resize(static_cast<std::size_t>(kv_heads));
+      }
+      for (std::int64_t kvh = 0; kvh < kv_heads; ++kvh) {
+        layout_rows(seq, kvh, un.i0, un.count, true, per_head_rows[static_cast<std::size_t>(kvh)]);
+        forward_begin(*this, seq, per_head_rows[static_cast<std::size_t>(kvh)], per_head[static_cast<std::size_t>(kvh)]);
+      }
+      const RowBlock& rows0 = per_head_rows[0];
+      const std::int64_t kb = std::max(un.k_begin, un.partial >= 0 ? un.k_begin : rows0.key_lo);
+      const std::int64_t ke = un.partial >= 0 ? un.k_end : std::min(un.k_end, std::max(rows0.key_hi, kb));
+      decode_tiles(seq, kb, ke, per_head_rows, per_head, s);
+      for (std::int64_t kvh = 0; kvh < kv_heads; ++kvh) {
+        const RowBlock& hr = per_head_rows[static_cast<std::size_t>(kvh)];
+        AttentionUnitScratch& hs = per_head[static_cast<std::size_t>(kvh)];
+        if (un.partial < 0) {
+          finish(seq, hr, hs);
+          continue;
+        }
+        float* part = parts.data() + (un.partial * kv_heads + kvh) * part_rows * part_width;
+        for (std::int64_t r = 0; r < hr.valid_rows; ++r) {
+          float* row = part + r * part_width;
+          row[0] = hs.m[static_cast<std::size_t>(r)];
+          row[1] = hs.l[static_cast<std::size_t>(r)];
+          std::memcpy(row + 2, hs.o.data() + r * dim_padded, static_cast<std::size_t>(dim_padded) * sizeof(float));
         }
       }
     }
     scratch_bytes += s.bytes();
+    for (const auto& hs : per_head) scratch_bytes += hs.bytes();
   }
-  // Merge the chunks of each decode block, in chunk order.
+  // Merge the chunks of each decode block, in chunk order (fp64 sums; deterministic).
+  RowBlock rb;
+  std::vector<double> acc(static_cast<std::size_t>(dim));
+  std::vector<float> row(static_cast<std::size_t>(dim));
   for (std::size_t u = 0; u < units.size();) {
     if (units[u].partial < 0) {
       ++u;
       continue;
     }
     std::size_t end = u;
-    while (end < units.size() && units[end].partial >= 0 && units[end].seq == units[u].seq &&
-           units[end].kvh == units[u].kvh && units[end].i0 == units[u].i0) {
-      ++end;
-    }
-    const Unit& un = units[u];
-    const Sequence& seq = sequences[static_cast<std::size_t>(un.seq)];
-    RowBlock rb;
-    layout_rows(seq, un.kvh, un.i0, un.count, true, rb);
-    std::vector<double> acc(static_cast<std::size_t>(dim));
-    std::vector<float> row(static_cast<std::size_t>(dim));
-    for (std::int64_t r = 0; r < rb.valid_rows; ++r) {
-      float m = kNegInf;
-      for (std::size_t c = u; c < end; ++c) m = std::max(m, parts[static_cast<std::size_t>((units[c].partial * part_rows + r) * part_width)]);
-      double l = 0;
-      std::fill(acc.begin(), acc.end(), 0.0);
-      if (m != kNegInf) {
-        for (std::size_t c = u; c < end; ++c) {
-          const float* pr = parts.data() + (units[c].partial * part_rows + r) * part_width;
-          if (pr[0] == kNegInf) continue;
-          const double f = std::exp(static_cast<double>(pr[0]) - m);
-          l += f * pr[1];
-          for (std::int64_t t = 0; t < dim; ++t) acc[static_cast<std::size_t>(t)] += f * pr[2 + t];
+    while (end < units.size() && units[end].partial >= 0 && units[end].seq == units[u].seq) ++end;
+    const Sequence& seq = sequences[static_cast<std::size_t>(units[u].seq)];
+    for (std::int64_t kvh = 0; kvh < kv_heads; ++kvh) {
+      layout_rows(seq, kvh, units[u].i0, units[u].count, true, rb);
+      for (std::int64_t r = 0; r < rb.valid_rows; ++r) {
+        const auto part_row = [&](std::size_t c) {
+          return parts.data() + ((units[c].partial * kv_heads + kvh) * part_rows + r) * part_width;
+        };
+        float m = kNegInf;
+        for (std::size_t c = u; c < end; ++c) m = std::max(m, part_row(c)[0]);
+        double l = 0;
+        std::fill(acc.begin(), acc.end(), 0.0);
+        if (m != kNegInf) {
+          for (std::size_t c = u; c < end; ++c) {
+            const float* pr = part_row(c);
+            if (pr[0] == kNegInf) continue;
+            const double f = std::exp(static_cast<double>(pr[0]) - m);
+            l += f * pr[1];
+            for (std::int64_t t = 0; t < dim; ++t) acc[static_cast<std::size_t>(t)] += f * pr[2 + t];
+          }
         }
+        for (std::int64_t t = 0; t < dim; ++t) {
+          row[static_cast<std::size_t>(t)] = l > 0 ? static_cast<float>(acc[static_cast<std::size_t>(t)] / l) : 0.0f;
+        }
+        const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
+        const std::int64_t i = rb.query[static_cast<std::size_t>(r)];
+        store_row(row.data(), out.data(), og, seq.b, seq.q0 + i, h, false);
+        if (want_lse) write_lse(lse, seq, h, i, l > 0 ? static_cast<float>(m + std::log(l)) : kNegInf);
       }
-      for (std::int64_t t = 0; t < dim; ++t) row[static_cast<std::size_t>(t)] = l > 0 ? static_cast<float>(acc[static_cast<std::size_t>(t)] / l) : 0.0f;
-      const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
-      const std::int64_t i = rb.query[static_cast<std::size_t>(r)];
-      store_row(row.data(), out.data(), og, seq.b, seq.q0 + i, h, false);
-      if (want_lse) write_lse(lse, seq, h, i, l > 0 ? static_cast<float>(m + std::log(l)) : kNegInf);
     }
     u = end;
   }
   last_workspace_bytes = scratch_bytes + static_cast<std::int64_t>(parts.size() * sizeof(float)) + table_bytes();
+}
+
+// Decode: key tiles of every KV head in memory order (attn_decode_*), each head's softmax step in
+// between. Keys and values come straight from the cache (f32, unit stride, D a multiple of the
+// padding, keys not transformed) or are packed per tile, [key][head][Dp], in the same order.
+void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std::int64_t k_end,
+                                 std::vector<RowBlock>& rows, std::vector<AttentionUnitScratch>& heads_scratch,
+                                 AttentionUnitScratch& s) const {
+  const std::int64_t dp = dim_padded, g_count = kv_heads;
+  const QKTables& t0 = tables_of_head(0);
+  bool transform_keys = false;
+  for (std::int64_t g = 0; g < g_count; ++g) {
+    const QKTables& t = tables_of_head(g * group_size);
+    transform_keys = transform_keys || (t.kind != QKTables::kNone && t.transform_keys);
+  }
+  (void)t0;
+  const bool direct = zero_copy && !transform_keys;
+  std::vector<const float*> q_heads(static_cast<std::size_t>(g_count)), p_heads(q_heads.size());
+  std::vector<float*> st_heads(q_heads.size()), o_heads(q_heads.size());
+  const std::int64_t w = rows[0].width, valid = rows[0].valid_rows;
+  for (std::int64_t g = 0; g < g_count; ++g) {
+    AttentionUnitScratch& hs = heads_scratch[static_cast<std::size_t>(g)];
+    q_heads[static_cast<std::size_t>(g)] = hs.q.data();
+    st_heads[static_cast<std::size_t>(g)] = hs.st.data();
+    p_heads[static_cast<std::size_t>(g)] = hs.st.data();
+    o_heads[static_cast<std::size_t>(g)] = hs.o.data();
+  }
+  if (!direct) {
+    grow(s.k, key_tile * g_count * dp);
+    grow(s.v, key_tile * g_count * dp);
+  }
+  for (std::int64_t k0 = k_begin; k0 < k_end; k0 += key_tile) {
+    const std::int64_t keys = std::min(key_tile, k_end - k0);
+    const float *kp, *vp;
+    std::int64_t ldk, khs, ldv, vhs;
+    if (direct) {
+      kp = static_cast<const float*>(k_data) + kg.offset(seq.b, seq.k0 + k0);
+      vp = static_cast<const float*>(v_data) + vg.offset(seq.b, seq.k0 + k0);
+      ldk = kg.seq_stride;
+      khs = kg.head_stride;
+      ldv = vg.seq_stride;
+      vhs = vg.head_stride;
+    } else {
+      for (std::int64_t j = 0; j < keys; ++j) {
+        for (std::int64_t g = 0; g < g_count; ++g) {
+          float* krow = s.k.data() + (j * g_count + g) * dp;
+          load_row(k_data, kg, seq.b, seq.k0 + k0 + j, g, krow);
+          const QKTables& t = tables_of_head(g * group_size);
+          if (t.kind != QKTables::kNone && t.transform_keys) transform_row(t, false, k_table_row(seq, k0 + j), krow, 1.0f);
+          load_row(v_data, vg, seq.b, seq.k0 + k0 + j, g, s.v.data() + (j * g_count + g) * dp);
+        }
+      }
+      kp = s.k.data();
+      vp = s.v.data();
+      ldk = ldv = g_count * dp;
+      khs = vhs = dp;
+    }
+    kernels::attn_decode_scores(kp, ldk, khs, keys, g_count, q_heads.data(), dp, valid, dim, st_heads.data(), w);
+    for (std::int64_t g = 0; g < g_count; ++g) {
+      AttentionUnitScratch& hs = heads_scratch[static_cast<std::size_t>(g)];
+      const RowBlock& rb = rows[static_cast<std::size_t>(g)];
+      if (any_bias) {
+        for (std::int64_t j = 0; j < keys; ++j) hs.kpos[static_cast<std::size_t>(j)] = k_position(seq, k0 + j);
+        add_bias(seq, rb, k0, keys, hs.kpos.data(), hs.st.data(), hs.tmp);
+      }
+      if (mask.softcap > 0) kernels::attn_softcap_tile(hs.st.data(), keys, w, static_cast<float>(mask.softcap));
+      if (!tile_unmasked(rb, k0, keys)) kernels::attn_mask_tile(hs.st.data(), keys, w, k0, rb.lo.data(), rb.hi.data());
+      kernels::attn_softmax_tile(hs.st.data(), keys, w, hs.m.data(), hs.l.data(), hs.corr.data());
+      kernels::attn_scale_rows(hs.o.data(), dp, valid, dp, hs.corr.data());
+    }
+    kernels::attn_decode_values(vp, ldv, vhs, keys, g_count, p_heads.data(), w, valid, direct ? dim : dp, o_heads.data(), dp);
+  }
 }
 
 // ─── Backward ────────────────────────────────────────────────────────────────────────────────
@@ -501,6 +655,7 @@ void AttentionPlan::backward(ConstTensorView out, ConstTensorView lse, ConstTens
   std::int64_t scratch_bytes = 0;
 #pragma omp parallel num_threads(threads) reduction(+ : scratch_bytes)
   {
+    const FlushDenormals flush;
     AttentionUnitScratch& s = unit_scratch();
     RowBlock rb;
 #pragma omp for schedule(dynamic, 1)
@@ -583,7 +738,7 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
     std::fill(s.hist.begin(), s.hist.begin() + group_size * hist_width, 0.0);
   }
   // Row blocks of at most query_block·G rows share one key tile pass.
-  const std::int64_t rows_per_block = round_up(std::max<std::int64_t>(query_block, kAttnAlign), kAttnAlign);
+  const std::int64_t rows_per_block = round_up(query_block * group_size, kAttnAlign);
   for (std::int64_t k0 = 0; k0 < seq.lk; k0 += key_tile) {
     const std::int64_t keys = std::min(key_tile, seq.lk - k0);
     // Any row that sees this tile?

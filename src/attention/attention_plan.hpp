@@ -137,6 +137,8 @@ struct AttentionPlan {
   }
   void layout_rows(const Sequence& seq, std::int64_t kvh, std::int64_t i0, std::int64_t count, bool compact,
                    RowBlock& rb) const;
+  void decode_tiles(const Sequence& seq, std::int64_t k_begin, std::int64_t k_end, std::vector<RowBlock>& rows,
+                    std::vector<AttentionUnitScratch>& heads_scratch, AttentionUnitScratch& s) const;
   bool tile_unmasked(const RowBlock& rb, std::int64_t k_first, std::int64_t keys) const;
   void add_bias(const Sequence& seq, const RowBlock& rb, std::int64_t k_first, std::int64_t keys,
                 const std::int64_t* kpos, float* st, std::vector<float>& tmp) const;

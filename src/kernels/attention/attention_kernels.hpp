@@ -22,10 +22,16 @@ inline constexpr std::int64_t kAttnAlign = 16;
 void attn_gemm(const float* a, std::int64_t a_row, std::int64_t a_depth, const float* b, std::int64_t ldb, float* c,
                std::int64_t ldc, std::int64_t rows, std::int64_t cols, std::int64_t depth, bool accumulate);
 
-// S^T[j][r] = Σ_d k[j·ldk + d]·q[r·ldq + d] for j < keys, r < q_rows (few rows: decode), as
-// dot products along d; lanes r >= q_rows of each S^T row are left alone.
-void attn_dot_scores(const float* k, std::int64_t ldk, std::int64_t keys, const float* q, std::int64_t ldq,
-                     std::int64_t q_rows, std::int64_t dim, float* st, std::int64_t ld_st);
+// Decode over all KV heads of a key tile, in memory order (key j, then head g):
+//   scores  st_heads[g][j·ld_st + r] = Σ_d k[j·ldk + g·k_head_stride + d]·q_heads[g][r·ldq + d]
+//   values  o_heads[g][r·ldo + c] += Σ_j p_heads[g][j·ld_p + r]·v[j·ldv + g·v_head_stride + c]
+//           for c < cols (a multiple of kAttnAlign: value rows padded, or D itself)
+void attn_decode_scores(const float* k, std::int64_t ldk, std::int64_t k_head_stride, std::int64_t keys, std::int64_t heads,
+                        const float* const* q_heads, std::int64_t ldq, std::int64_t q_rows, std::int64_t dim,
+                        float* const* st_heads, std::int64_t ld_st);
+void attn_decode_values(const float* v, std::int64_t ldv, std::int64_t v_head_stride, std::int64_t keys, std::int64_t heads,
+                        const float* const* p_heads, std::int64_t ld_p, std::int64_t rows, std::int64_t cols,
+                        float* const* o_heads, std::int64_t ldo);
 
 // Online-softmax step over a tile S^T [keys][width] (width a multiple of kAttnAlign): with the
 // running max m[r] and sum l[r] of each row, m' = max(m, max_j S^T[j][r]); S^T becomes

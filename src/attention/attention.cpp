@@ -540,20 +540,20 @@ void AttentionPlan::forward(TensorView out, TensorView lse) const {
 }
 
 // Decode: key tiles of every KV head in memory order (attn_decode_*), each head's softmax step in
-// between. Keys and values come straight from the cache (f32, unit stride, D a multiple of the
-// padding, keys not transformed) or are packed per tile, [key][head][Dp], in the same order.
+// between. Keys and values come straight from the cache (f32, unit stride, keys not transformed)
+// or are converted per tile into [key][head][Dp] rows, keys transformed where the scheme says so.
 void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std::int64_t k_end,
                                  std::vector<RowBlock>& rows, std::vector<AttentionUnitScratch>& heads_scratch,
                                  AttentionUnitScratch& s) const {
   const std::int64_t dp = dim_padded, g_count = kv_heads;
-  const QKTables& t0 = tables_of_head(0);
+  const std::int64_t decode_tile = key_tile;
   bool transform_keys = false;
   for (std::int64_t g = 0; g < g_count; ++g) {
     const QKTables& t = tables_of_head(g * group_size);
     transform_keys = transform_keys || (t.kind != QKTables::kNone && t.transform_keys);
   }
-  (void)t0;
-  const bool direct = zero_copy && !transform_keys;
+  const bool direct = dtype == DType::kF32 && kg.dim_stride == 1 && vg.dim_stride == 1 && !transform_keys;
+  const bool unit_dims = kg.dim_stride == 1 && vg.dim_stride == 1;
   std::vector<const float*> q_heads(static_cast<std::size_t>(g_count)), p_heads(q_heads.size());
   std::vector<float*> st_heads(q_heads.size()), o_heads(q_heads.size());
   const std::int64_t w = rows[0].width, valid = rows[0].valid_rows;
@@ -565,11 +565,13 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
     o_heads[static_cast<std::size_t>(g)] = hs.o.data();
   }
   if (!direct) {
-    grow(s.k, key_tile * g_count * dp);
-    grow(s.v, key_tile * g_count * dp);
+    grow(s.k, decode_tile * g_count * dp);
+    grow(s.v, decode_tile * g_count * dp);
   }
-  for (std::int64_t k0 = k_begin; k0 < k_end; k0 += key_tile) {
-    const std::int64_t keys = std::min(key_tile, k_end - k0);
+  grow(s.dv, decode_tile * g_count * dp);  // the values' head-major copy
+  const std::int64_t width = static_cast<std::int64_t>(dtype_size(dtype));
+  for (std::int64_t k0 = k_begin; k0 < k_end; k0 += decode_tile) {
+    const std::int64_t keys = std::min(decode_tile, k_end - k0);
     const float *kp, *vp;
     std::int64_t ldk, khs, ldv, vhs;
     if (direct) {
@@ -580,13 +582,25 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
       ldv = vg.seq_stride;
       vhs = vg.head_stride;
     } else {
+      if (unit_dims) {
+        kernels::attn_pack_heads(static_cast<const char*>(k_data) + kg.offset(seq.b, seq.k0 + k0) * width, dtype,
+                                 kg.seq_stride, kg.head_stride, keys, g_count, dim, s.k.data(), dp);
+        kernels::attn_pack_heads(static_cast<const char*>(v_data) + vg.offset(seq.b, seq.k0 + k0) * width, dtype,
+                                 vg.seq_stride, vg.head_stride, keys, g_count, dim, s.v.data(), dp);
+      } else {
+        for (std::int64_t j = 0; j < keys; ++j) {
+          for (std::int64_t g = 0; g < g_count; ++g) {
+            load_row(k_data, kg, seq.b, seq.k0 + k0 + j, g, s.k.data() + (j * g_count + g) * dp);
+            load_row(v_data, vg, seq.b, seq.k0 + k0 + j, g, s.v.data() + (j * g_count + g) * dp);
+          }
+        }
+      }
       for (std::int64_t j = 0; j < keys; ++j) {
         for (std::int64_t g = 0; g < g_count; ++g) {
-          float* krow = s.k.data() + (j * g_count + g) * dp;
-          load_row(k_data, kg, seq.b, seq.k0 + k0 + j, g, krow);
           const QKTables& t = tables_of_head(g * group_size);
-          if (t.kind != QKTables::kNone && t.transform_keys) transform_row(t, false, k_table_row(seq, k0 + j), krow, 1.0f);
-          load_row(v_data, vg, seq.b, seq.k0 + k0 + j, g, s.v.data() + (j * g_count + g) * dp);
+          if (t.kind != QKTables::kNone && t.transform_keys) {
+            transform_row(t, false, k_table_row(seq, k0 + j), s.k.data() + (j * g_count + g) * dp, 1.0f);
+          }
         }
       }
       kp = s.k.data();
@@ -607,7 +621,8 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
       kernels::attn_softmax_tile(hs.st.data(), keys, w, hs.m.data(), hs.l.data(), hs.corr.data());
       kernels::attn_scale_rows(hs.o.data(), dp, valid, dp, hs.corr.data());
     }
-    kernels::attn_decode_values(vp, ldv, vhs, keys, g_count, p_heads.data(), w, valid, direct ? dim : dp, o_heads.data(), dp);
+    kernels::attn_decode_values(vp, ldv, vhs, keys, g_count, p_heads.data(), w, valid, direct ? dim : dp, o_heads.data(), dp,
+                                s.dv.data());
   }
 }
 

@@ -6,6 +6,7 @@
 #include <hwy/cache_control.h>
 #include <hwy/contrib/math/math-inl.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -93,63 +94,151 @@ void AttnGemm(const float* a, std::int64_t a_row, std::int64_t a_depth, const fl
   }
 }
 
-// How far ahead (floats) of its reads the decode stream prefetches: 4 KiB. Measured on the
-// decode benchmark (32768 keys, 8 KV heads, 2 threads): none 11 GB/s, 2 KiB 14, 4 KiB 13–15,
-// 16 KiB 15 — within this host's noise beyond 2 KiB.
+#if HWY_TARGET != HWY_SCALAR
+// Sums of `lanes` vectors, one per lane: out[j] = Σ_t acc[j][t]. A tree of interleaves (pairs of
+// keys within 128-bit blocks, then 64-bit halves) and block moves: about one shuffle and one
+// add per vector instead of a full horizontal reduction each.
+HWY_INLINE VF SumEachVector(DF d, VF* acc) {
+  const auto n = hn::Lanes(d);
+  const hn::Repartition<double, DF> d64;
+  VF b[8];
+  for (std::size_t i = 0; i < n / 2; ++i) {
+    b[i] = hn::Add(hn::InterleaveLower(d, acc[2 * i], acc[2 * i + 1]), hn::InterleaveUpper(d, acc[2 * i], acc[2 * i + 1]));
+  }
+  VF c[4];
+  for (std::size_t k = 0; k < n / 4; ++k) {
+    const auto x = hn::BitCast(d64, b[2 * k]), y = hn::BitCast(d64, b[2 * k + 1]);
+    c[k] = hn::Add(hn::BitCast(d, hn::InterleaveLower(d64, x, y)), hn::BitCast(d, hn::InterleaveUpper(d64, x, y)));
+  }
+  // c[k]: per 128-bit block, the block's partial sums of keys 4k … 4k + 3.
+#if HWY_MAX_BYTES >= 64
+  if (n == 16) {
+    const VF w0 = hn::Add(hn::ConcatLowerLower(d, c[2], c[0]), hn::ConcatUpperUpper(d, c[2], c[0]));
+    const VF w1 = hn::Add(hn::ConcatLowerLower(d, c[3], c[1]), hn::ConcatUpperUpper(d, c[3], c[1]));
+    const VF u0 = hn::Add(w0, hn::SwapAdjacentBlocks(w0)), u1 = hn::Add(w1, hn::SwapAdjacentBlocks(w1));
+    return hn::OddEvenBlocks(u1, u0);
+  }
+#endif
+#if HWY_MAX_BYTES >= 32
+  if (n == 8) return hn::Add(hn::ConcatLowerLower(d, c[1], c[0]), hn::ConcatUpperUpper(d, c[1], c[0]));
+#endif
+  return c[0];
+}
+#endif
+
+void AttnGemm(const float* a, std::int64_t a_row, std::int64_t a_depth, const float* b, std::int64_t ldb, float* c,
+              std::int64_t ldc, std::int64_t rows, std::int64_t cols, std::int64_t depth, bool accumulate);
+
+// Decode over every KV head of a key tile in memory order: rows f = j·heads + g (key j, head g),
+// which in [S, G, D] memory are consecutive, so the cache streams through once and the hardware
+// prefetchers follow it.
+//   scores  per row f: its key vectors loaded once (8 at a time), multiplied into one
+//           accumulator per query row; a block of `lanes` rows is then summed by SumEachVector.
+//   values  the rows are copied head-major into `pack` (still read in memory order), then each
+//           head's P·V is the register-blocked AttnGemm.
+constexpr std::int64_t kDecodeMaxRows = 8;
+// Software prefetch distance of the decode stream, in floats (4 KiB ahead). Measured on 32768
+// keys × 8 KV heads × D 128 f32, 2 threads: none 10.0–10.1 GB/s, 1 KiB 11.4–12.0, 4 KiB
+// 12.6–12.9, 16 KiB 12.3–12.5.
 constexpr std::int64_t kDecodeAhead = 1024;
 
-// Decode over every KV head of a key tile in memory order (key j, then head g): the cache streams
-// through once, sequentially, which the hardware prefetchers follow.
+// One cache row against R query rows: acc_out[r·16·lanes] = the lanes' partial sums over d <
+// full. R is a template parameter so the accumulators stay in registers.
+template <int R>
+HWY_INLINE void ScoreRow(DF d, const float* HWY_RESTRICT kr, const float* HWY_RESTRICT qg, std::int64_t ldq,
+                         std::int64_t full, float* HWY_RESTRICT acc_out) {
+  const auto n = static_cast<std::int64_t>(hn::Lanes(d));
+  VF acc[R], acc2[R];
+  for (int r = 0; r < R; ++r) acc[r] = acc2[r] = hn::Zero(d);
+  std::int64_t c = 0;
+  for (; c + 2 * n <= full; c += 2 * n) {
+    const VF k0 = hn::LoadU(d, kr + c), k1 = hn::LoadU(d, kr + c + n);
+    for (int r = 0; r < R; ++r) {
+      acc[r] = hn::MulAdd(k0, hn::LoadU(d, qg + r * ldq + c), acc[r]);
+      acc2[r] = hn::MulAdd(k1, hn::LoadU(d, qg + r * ldq + c + n), acc2[r]);
+    }
+  }
+  for (; c < full; c += n) {
+    const VF k0 = hn::LoadU(d, kr + c);
+    for (int r = 0; r < R; ++r) acc[r] = hn::MulAdd(k0, hn::LoadU(d, qg + r * ldq + c), acc[r]);
+  }
+  for (int r = 0; r < R; ++r) hn::Store(hn::Add(acc[r], acc2[r]), d, acc_out + r * 16 * n);
+}
+
 void AttnDecodeScores(const float* HWY_RESTRICT k, std::int64_t ldk, std::int64_t k_head_stride, std::int64_t keys,
                       std::int64_t heads, const float* const* q_heads, std::int64_t ldq, std::int64_t q_rows,
                       std::int64_t dim, float* const* st_heads, std::int64_t ld_st) {
   const DF d;
   const auto n = static_cast<std::int64_t>(hn::Lanes(d));
-  const std::int64_t full = dim - dim % n;
-  for (std::int64_t j = 0; j < keys; ++j) {
-    for (std::int64_t g = 0; g < heads; ++g) {
-      const float* kj = k + j * ldk + g * k_head_stride;
-      for (std::int64_t at = 0; at < dim; at += 16) hwy::Prefetch(kj + kDecodeAhead + at);
-      const float* q = q_heads[g];
-      float* st = st_heads[g] + j * ld_st;
+  const std::int64_t full = HWY_TARGET == HWY_SCALAR ? 0 : dim - dim % n;
+  HWY_ALIGN float acc_buffer[kDecodeMaxRows * 16 * 16];  // [r][t][lanes]
+  float tails[kDecodeMaxRows][16];
+  float* outs[16];
+  std::int64_t j = 0, g = 0;
+  const std::int64_t total = keys * heads;
+  for (std::int64_t f0 = 0; f0 < total; f0 += n) {
+    const std::int64_t block = std::min(n, total - f0);
+    for (std::int64_t t = 0; t < block; ++t) {
+      const float* kr = k + j * ldk + g * k_head_stride;
+      for (std::int64_t at = 0; at < dim; at += 16) hwy::Prefetch(kr + kDecodeAhead + at);
+      const float* qg = q_heads[g];
+      outs[t] = st_heads[g] + j * ld_st;
+      switch (q_rows) {
+        case 1: ScoreRow<1>(d, kr, qg, ldq, full, acc_buffer + t * n); break;
+        case 2: ScoreRow<2>(d, kr, qg, ldq, full, acc_buffer + t * n); break;
+        case 3: ScoreRow<3>(d, kr, qg, ldq, full, acc_buffer + t * n); break;
+        case 4: ScoreRow<4>(d, kr, qg, ldq, full, acc_buffer + t * n); break;
+        case 5: ScoreRow<5>(d, kr, qg, ldq, full, acc_buffer + t * n); break;
+        case 6: ScoreRow<6>(d, kr, qg, ldq, full, acc_buffer + t * n); break;
+        case 7: ScoreRow<7>(d, kr, qg, ldq, full, acc_buffer + t * n); break;
+        default: ScoreRow<8>(d, kr, qg, ldq, full, acc_buffer + t * n); break;
+      }
       for (std::int64_t r = 0; r < q_rows; ++r) {
-        const float* qr = q + r * ldq;
-        VF a0 = hn::Zero(d), a1 = hn::Zero(d);
-        std::int64_t t = 0;
-        for (; t + 2 * n <= full; t += 2 * n) {
-          a0 = hn::MulAdd(hn::LoadU(d, kj + t), hn::LoadU(d, qr + t), a0);
-          a1 = hn::MulAdd(hn::LoadU(d, kj + t + n), hn::LoadU(d, qr + t + n), a1);
-        }
-        for (; t < full; t += n) a0 = hn::MulAdd(hn::LoadU(d, kj + t), hn::LoadU(d, qr + t), a0);
-        float sum = hn::GetLane(hn::SumOfLanes(d, hn::Add(a0, a1)));
-        for (; t < dim; ++t) sum += kj[t] * qr[t];
-        st[r] = sum;
+        float extra = 0;
+        for (std::int64_t c = full; c < dim; ++c) extra += kr[c] * qg[r * ldq + c];
+        tails[r][t] = extra;
+      }
+      if (++g == heads) {
+        g = 0;
+        ++j;
+      }
+    }
+    for (std::int64_t r = 0; r < q_rows; ++r) {
+#if HWY_TARGET != HWY_SCALAR
+      if (block == n) {
+        VF vecs[16];
+        for (std::int64_t t = 0; t < n; ++t) vecs[t] = hn::Load(d, acc_buffer + (r * 16 + t) * n);
+        HWY_ALIGN float sums[16];
+        hn::Store(SumEachVector(d, vecs), d, sums);
+        for (std::int64_t t = 0; t < n; ++t) outs[t][r] = sums[t] + tails[r][t];
+        continue;
+      }
+#endif
+      for (std::int64_t t = 0; t < block; ++t) {
+        outs[t][r] = hn::GetLane(hn::SumOfLanes(d, hn::Load(d, acc_buffer + (r * 16 + t) * n))) + tails[r][t];
       }
     }
   }
 }
 
-// o_heads[g][r][0..cols) += Σ_j P^T_g[j][r]·v[j, g] in the same memory order (cols a multiple
-// of kAttnAlign; value rows padded or cols = their length).
 void AttnDecodeValues(const float* HWY_RESTRICT v, std::int64_t ldv, std::int64_t v_head_stride, std::int64_t keys,
                       std::int64_t heads, const float* const* p_heads, std::int64_t ld_p, std::int64_t rows,
-                      std::int64_t cols, float* const* o_heads, std::int64_t ldo) {
+                      std::int64_t cols, float* const* o_heads, std::int64_t ldo, float* HWY_RESTRICT pack) {
   const DF d;
   const auto n = static_cast<std::int64_t>(hn::Lanes(d));
+  const std::int64_t vec_cols = cols - cols % n;
   for (std::int64_t j = 0; j < keys; ++j) {
     for (std::int64_t g = 0; g < heads; ++g) {
-      const float* vj = v + j * ldv + g * v_head_stride;
-      for (std::int64_t at = 0; at < cols; at += 16) hwy::Prefetch(vj + kDecodeAhead + at);
-      const float* p = p_heads[g] + j * ld_p;
-      float* o = o_heads[g];
-      for (std::int64_t c = 0; c < cols; c += n) {
-        const VF vv = hn::LoadU(d, vj + c);
-        for (std::int64_t r = 0; r < rows; ++r) {
-          float* at = o + r * ldo + c;
-          hn::StoreU(hn::MulAdd(hn::Set(d, p[r]), vv, hn::LoadU(d, at)), d, at);
-        }
-      }
+      const float* src = v + j * ldv + g * v_head_stride;
+      for (std::int64_t at = 0; at < cols; at += 16) hwy::Prefetch(src + kDecodeAhead + at);
+      float* dst = pack + (g * keys + j) * cols;
+      std::int64_t c = 0;
+      for (; c < vec_cols; c += n) hn::StoreU(hn::LoadU(d, src + c), d, dst + c);
+      for (; c < cols; ++c) dst[c] = src[c];
     }
+  }
+  for (std::int64_t g = 0; g < heads; ++g) {
+    AttnGemm(p_heads[g], 1, ld_p, pack + g * keys * cols, cols, o_heads[g], ldo, rows, cols, keys, true);
   }
 }
 
@@ -260,6 +349,20 @@ void AttnMaskTile(float* HWY_RESTRICT st, std::int64_t keys, std::int64_t width,
   }
 }
 
+void AttnLoadF32(const void* src, DType dtype, std::int64_t n, float* HWY_RESTRICT dst);
+
+void AttnPackHeads(const void* src, DType dtype, std::int64_t seq_stride, std::int64_t head_stride, std::int64_t keys,
+                   std::int64_t heads, std::int64_t dim, float* HWY_RESTRICT dst, std::int64_t dim_padded) {
+  const auto width = static_cast<std::int64_t>(dtype_size(dtype));
+  for (std::int64_t j = 0; j < keys; ++j) {
+    for (std::int64_t g = 0; g < heads; ++g) {
+      float* row = dst + (j * heads + g) * dim_padded;
+      AttnLoadF32(static_cast<const char*>(src) + (j * seq_stride + g * head_stride) * width, dtype, dim, row);
+      for (std::int64_t t = dim; t < dim_padded; ++t) row[t] = 0.0f;
+    }
+  }
+}
+
 void AttnLoadF32(const void* src, DType dtype, std::int64_t n, float* HWY_RESTRICT dst) {
   const DF d;
   const auto lanes = static_cast<std::int64_t>(hn::Lanes(d));
@@ -307,17 +410,25 @@ HWY_EXPORT(AttnBackwardTile);
 HWY_EXPORT(AttnLoadF32);
 HWY_EXPORT(AttnAddBiasTile);
 HWY_EXPORT(AttnDecodeScores);
+HWY_EXPORT(AttnPackHeads);
+
+void attn_pack_heads(const void* src, DType dtype, std::int64_t seq_stride, std::int64_t head_stride, std::int64_t keys,
+                     std::int64_t heads, std::int64_t dim, float* dst, std::int64_t dim_padded) {
+  HWY_DYNAMIC_DISPATCH(AttnPackHeads)(src, dtype, seq_stride, head_stride, keys, heads, dim, dst, dim_padded);
+}
 HWY_EXPORT(AttnDecodeValues);
 
 void attn_decode_scores(const float* k, std::int64_t ldk, std::int64_t k_head_stride, std::int64_t keys, std::int64_t heads,
                         const float* const* q_heads, std::int64_t ldq, std::int64_t q_rows, std::int64_t dim,
                         float* const* st_heads, std::int64_t ld_st) {
+  if (q_rows > 8) throw Error("attention kernel", "q_rows", std::to_string(q_rows), "<= 8 (decode)");
   HWY_DYNAMIC_DISPATCH(AttnDecodeScores)(k, ldk, k_head_stride, keys, heads, q_heads, ldq, q_rows, dim, st_heads, ld_st);
 }
 void attn_decode_values(const float* v, std::int64_t ldv, std::int64_t v_head_stride, std::int64_t keys, std::int64_t heads,
                         const float* const* p_heads, std::int64_t ld_p, std::int64_t rows, std::int64_t cols,
-                        float* const* o_heads, std::int64_t ldo) {
-  HWY_DYNAMIC_DISPATCH(AttnDecodeValues)(v, ldv, v_head_stride, keys, heads, p_heads, ld_p, rows, cols, o_heads, ldo);
+                        float* const* o_heads, std::int64_t ldo, float* pack) {
+  if (rows > 8) throw Error("attention kernel", "rows", std::to_string(rows), "<= 8 (decode)");
+  HWY_DYNAMIC_DISPATCH(AttnDecodeValues)(v, ldv, v_head_stride, keys, heads, p_heads, ld_p, rows, cols, o_heads, ldo, pack);
 }
 HWY_EXPORT(AttnMaskTile);
 

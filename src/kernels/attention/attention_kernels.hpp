@@ -22,16 +22,24 @@ inline constexpr std::int64_t kAttnAlign = 16;
 void attn_gemm(const float* a, std::int64_t a_row, std::int64_t a_depth, const float* b, std::int64_t ldb, float* c,
                std::int64_t ldc, std::int64_t rows, std::int64_t cols, std::int64_t depth, bool accumulate);
 
-// Decode over all KV heads of a key tile, in memory order (key j, then head g):
+// dst[j][g][0..dim_padded) = f32 of src row (key j, head g) at src + j·seq_stride + g·head_stride
+// (elements; unit dim stride), zero-padded: a tile of the cache converted in its memory order.
+void attn_pack_heads(const void* src, DType dtype, std::int64_t seq_stride, std::int64_t head_stride, std::int64_t keys,
+                     std::int64_t heads, std::int64_t dim, float* dst, std::int64_t dim_padded);
+
+// Decode over all KV heads of a key tile, in memory order (key j, then head g; the scores take
+// blocks of rows of the flattened (j, g) grid, so any strides work, memory order is fastest):
 //   scores  st_heads[g][j·ld_st + r] = Σ_d k[j·ldk + g·k_head_stride + d]·q_heads[g][r·ldq + d]
 //   values  o_heads[g][r·ldo + c] += Σ_j p_heads[g][j·ld_p + r]·v[j·ldv + g·v_head_stride + c]
-//           for c < cols (a multiple of kAttnAlign: value rows padded, or D itself)
+//           for c < cols (a multiple of kAttnAlign: value rows padded, or D itself); `pack`:
+//           scratch of keys·heads·cols floats
+// At most 8 query rows per head (the engine's kDecodeRows).
 void attn_decode_scores(const float* k, std::int64_t ldk, std::int64_t k_head_stride, std::int64_t keys, std::int64_t heads,
                         const float* const* q_heads, std::int64_t ldq, std::int64_t q_rows, std::int64_t dim,
                         float* const* st_heads, std::int64_t ld_st);
 void attn_decode_values(const float* v, std::int64_t ldv, std::int64_t v_head_stride, std::int64_t keys, std::int64_t heads,
                         const float* const* p_heads, std::int64_t ld_p, std::int64_t rows, std::int64_t cols,
-                        float* const* o_heads, std::int64_t ldo);
+                        float* const* o_heads, std::int64_t ldo, float* pack);
 
 // Online-softmax step over a tile S^T [keys][width] (width a multiple of kAttnAlign): with the
 // running max m[r] and sum l[r] of each row, m' = max(m, max_j S^T[j][r]); S^T becomes

@@ -13,6 +13,15 @@
 //   posenc::shaw_scores, shaw_values, xl_scores   Shaw's score and value terms, Transformer-XL's
 //                   position terms (differentiable in their tensors and tables)
 //   posenc::floater_table(w1, b1, w2, b2, p0, int length, float time_per_position, int substeps)
+//   posenc::attention(q, k, v, str scheme, Tensor bias_params, bool causal, int window_left,
+//                     int window_right, float softcap, float scale, Tensor q_positions,
+//                     Tensor k_positions) -> (Tensor out, Tensor lse)
+//                   fused attention (posenc/attention.hpp), q [B, Sq, H, D], k, v [B, Sk, G, D];
+//                   differentiable in q, k, v and bias_params (ALiBi slopes [H], T5 table
+//                   [buckets, H], Kerple [2, H] = r1, r2); `scheme` is JSON: {"kind": "none" |
+//                   "rope" | "alibi" | "t5" | "kerple", "rope": {RopeParams as for rope},
+//                   "keys_rotated", "symmetric", "num_buckets", "max_distance", "bidirectional",
+//                   "power"}
 //   posenc::empty_cache()   frees the cached blocks of large outputs (see BlockCache)
 //
 // Positions are int64 tensors [S] (shared by the batch) or [B, S]. `params` of rope is a JSON
@@ -665,6 +674,134 @@ at::Tensor floater_op(const at::Tensor& w1, const at::Tensor& b1, const at::Tens
   return FloaterFunction::apply(w1, b1, w2, b2, p0, length, time_per_position, substeps);
 }
 
+// ─── Fused attention ─────────────────────────────────────────────────────────────────────────
+
+// The head group of a JSON scheme and its learned parameters (bias_params, as float64 values).
+HeadGroup attention_group(const std::string& scheme_json, const at::Tensor& bias_params, std::int64_t heads) {
+  const char* where = "attention";
+  const nlohmann::json j = nlohmann::json::parse(scheme_json);
+  const std::string kind = j.value("kind", std::string("none"));
+  HeadGroup group{heads, {}, {}};
+  if (kind == "none") return group;
+  if (kind == "rope") {
+    group.transform = RotaryQK{rope_params_from_json(j.at("rope").dump()), j.value("keys_rotated", false), 0};
+    return group;
+  }
+  const std::vector<double> values = doubles_of(where, "bias_params", bias_params);
+  if (kind == "alibi") {
+    group.bias = AlibiParams(values, j.value("symmetric", false) ? AlibiForm::kSymmetric : AlibiForm::kCausal);
+  } else if (kind == "t5") {
+    const std::int64_t buckets = j.value("num_buckets", 32);
+    TORCH_CHECK_VALUE(bias_params.dim() == 2 && bias_params.size(0) == buckets && bias_params.size(1) == heads, where,
+                      ": bias_params shape ", bias_params.sizes(), "; expected the T5 table [num_buckets = ", buckets,
+                      ", heads = ", heads, "]");
+    group.bias = T5BiasParams(heads, buckets, j.value("max_distance", 128), j.value("bidirectional", true), values);
+  } else if (kind == "kerple") {
+    TORCH_CHECK_VALUE(bias_params.dim() == 2 && bias_params.size(0) == 2 && bias_params.size(1) == heads, where,
+                      ": bias_params shape ", bias_params.sizes(), "; expected [2, heads = ", heads, "] (r1, r2)");
+    const std::vector<double> r1(values.begin(), values.begin() + heads), r2(values.begin() + heads, values.end());
+    group.bias = KerpleParams(j.value("power", false) ? KerpleForm::kPower : KerpleForm::kLog, r1, r2);
+  } else {
+    throw Error(where, "scheme.kind", kind, "none, rope, alibi, t5 or kerple");
+  }
+  return group;
+}
+
+struct AttentionCall {
+  std::unique_ptr<Attention> attention;
+  at::Tensor q_ids, k_ids;  // kept alive: Positions borrow them
+};
+
+AttentionCall make_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::string& scheme,
+                             const at::Tensor& bias_params, bool causal, std::int64_t window_left,
+                             std::int64_t window_right, double softcap, double scale, const at::Tensor& q_positions,
+                             const at::Tensor& k_positions) {
+  const char* where = "attention";
+  TORCH_CHECK_VALUE(q.dim() == 4, where, ": q shape ", q.sizes(), "; expected [B, Sq, H, D]");
+  AttentionCall call;
+  AttentionSpec spec;
+  spec.q = const_view(where, "q", q);
+  spec.k = const_view(where, "k", k);
+  spec.v = const_view(where, "v", v);
+  spec.groups = {attention_group(scheme, bias_params, q.size(2))};
+  spec.mask.causal = causal;
+  spec.mask.window_left = window_left;
+  spec.mask.window_right = window_right;
+  spec.mask.softcap = softcap;
+  spec.scale = scale;
+  if (!absent(q_positions)) {
+    call.q_ids = q_positions.contiguous();
+    spec.q_positions = positions_of(where, "q_positions", call.q_ids);
+  }
+  if (!absent(k_positions)) {
+    call.k_ids = k_positions.contiguous();
+    spec.k_positions = positions_of(where, "k_positions", call.k_ids);
+  }
+  call.attention = std::make_unique<Attention>(spec);
+  return call;
+}
+
+class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const std::string& scheme, const at::Tensor& bias_params, bool causal,
+                               std::int64_t window_left, std::int64_t window_right, double softcap, double scale,
+                               const at::Tensor& q_positions, const at::Tensor& k_positions) {
+    return translating([&] {
+      const AttentionCall call = make_attention(q, k, v, scheme, bias_params, causal, window_left, window_right, softcap,
+                                                scale, q_positions, k_positions);
+      at::Tensor out = empty_output(q.sizes(), q.scalar_type());
+      at::Tensor lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
+      call.attention->forward(mutable_view("attention", "out", out), mutable_view("attention", "lse", lse));
+      ctx->saved_data["scheme"] = scheme;
+      ctx->saved_data["causal"] = causal;
+      ctx->saved_data["window_left"] = window_left;
+      ctx->saved_data["window_right"] = window_right;
+      ctx->saved_data["softcap"] = softcap;
+      ctx->saved_data["scale"] = scale;
+      ctx->save_for_backward({q, k, v, bias_params, q_positions, k_positions, out, lse});
+      ctx->mark_non_differentiable({lse});
+      return variable_list{out, lse};
+    });
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    return translating([&] {
+      const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &bias_params = saved[3];
+      const AttentionCall call =
+          make_attention(q, k, v, ctx->saved_data["scheme"].toStringRef(), bias_params, ctx->saved_data["causal"].toBool(),
+                         ctx->saved_data["window_left"].toInt(), ctx->saved_data["window_right"].toInt(),
+                         ctx->saved_data["softcap"].toDouble(), ctx->saved_data["scale"].toDouble(), saved[4], saved[5]);
+      const at::Tensor d_out = grads[0].defined() ? grads[0].contiguous() : at::zeros_like(saved[6]);
+      at::Tensor dq = at::zeros_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
+      AttentionGradients param_grads = call.attention->zero_gradients();
+      const bool trainable = !absent(bias_params) && bias_params.requires_grad();
+      call.attention->backward(const_view("attention", "out", saved[6]), const_view("attention", "lse", saved[7]),
+                               const_view("attention", "d_out", d_out), mutable_view("attention", "dq", dq),
+                               mutable_view("attention", "dk", dk), mutable_view("attention", "dv", dv),
+                               trainable ? &param_grads : nullptr);
+      at::Tensor d_bias;
+      if (trainable) {
+        const GroupGradients& g = param_grads.groups[0];
+        std::vector<double> flat = !g.alibi_slopes.empty() ? g.alibi_slopes : !g.t5_table.empty() ? g.t5_table : g.kerple_r1;
+        flat.insert(flat.end(), g.kerple_r2.begin(), g.kerple_r2.end());
+        d_bias = tensor_of(flat, bias_params);
+      }
+      return variable_list{dq, dk, dv, at::Tensor(), d_bias, at::Tensor(), at::Tensor(), at::Tensor(),
+                           at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    });
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                std::string scheme, const at::Tensor& bias_params, bool causal,
+                                                std::int64_t window_left, std::int64_t window_right, double softcap,
+                                                double scale, const at::Tensor& q_positions, const at::Tensor& k_positions) {
+  const variable_list out = AttentionFunction::apply(q, k, v, scheme, bias_params, causal, window_left, window_right, softcap,
+                                                     scale, q_positions, k_positions);
+  return {out[0], out[1]};
+}
+
 }  // namespace
 }  // namespace posenc::torch_adapter
 
@@ -675,6 +812,9 @@ TORCH_LIBRARY(posenc, m) {
   m.def("rope(Tensor q, Tensor k, Tensor positions, str params, int direction) -> (Tensor, Tensor)", &rope_op);
   m.def("alibi_bias(Tensor slopes, Tensor q_positions, Tensor k_positions, bool symmetric) -> Tensor", &alibi_op);
   m.def("empty_cache() -> ()", &empty_cache_op);
+  m.def("attention(Tensor q, Tensor k, Tensor v, str scheme, Tensor bias_params, bool causal, int window_left, "
+        "int window_right, float softcap, float scale, Tensor q_positions, Tensor k_positions) -> (Tensor, Tensor)",
+        &attention_op);
   m.def("kerple_bias(Tensor r1, Tensor r2, Tensor q_positions, Tensor k_positions, bool power) -> Tensor", &kerple_op);
   m.def("fire_bias(Tensor w1, Tensor b1, Tensor w2, Tensor b2, Tensor c, Tensor threshold, Tensor q_positions, "
         "Tensor k_positions) -> Tensor",

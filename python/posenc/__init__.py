@@ -19,7 +19,7 @@ import torch
 
 __all__ = [
     "empty_cache", "sinusoidal_table", "rope", "alibi_slopes", "alibi_bias", "t5_bias", "kerple_bias", "fire_bias",
-    "tupe_bias", "learned", "floater_table", "shaw_scores", "shaw_values", "xl_scores",
+    "tupe_bias", "learned", "floater_table", "shaw_scores", "shaw_values", "xl_scores", "attention",
     "SinusoidalPositionalEncoding", "LearnedPositionalEncoding", "RotaryPositionalEncoding", "ALiBi",
     "T5RelativeBias", "Kerple", "FIRE", "TUPE", "FLOATER", "ShawRelativePositions", "TransformerXLRelative",
 ]
@@ -63,6 +63,17 @@ def sinusoidal_table(positions, dim, base=10000.0, interleaved=True, dtype=torch
 _DIRECTIONS = {"forward": 0, "backward": 1, "inverse": 2}
 
 
+def _rope_params(head_dim, rotary_dim, base, layout, scaling, max_position_embeddings, freq_factors=None):
+    params = {"head_dim": int(head_dim), "rotary_dim": int(rotary_dim if rotary_dim is not None else head_dim),
+              "base": float(base), "layout": layout, "max_position_embeddings": int(max_position_embeddings)}
+    if scaling:
+        params.update({key: value for key, value in scaling.items() if key != "type"})
+        params.setdefault("rope_type", scaling.get("type", "default"))
+    if freq_factors is not None:
+        params["freq_factors"] = [float(x) for x in freq_factors]
+    return params
+
+
 def rope(q, k=None, positions=None, *, head_dim=None, rotary_dim=None, base=10000.0, layout="half-split",
          scaling=None, max_position_embeddings=2048, freq_factors=None, direction="forward"):
     """Rotary embedding of q [B, S, H, D] (or [T, H, D]) and optionally k (same tokens, its own head
@@ -71,13 +82,7 @@ def rope(q, k=None, positions=None, *, head_dim=None, rotary_dim=None, base=1000
     None without k. Differentiable in q and k."""
     head_dim = q.shape[-1] if head_dim is None else head_dim
     seq = q.shape[-3]
-    params = {"head_dim": int(head_dim), "rotary_dim": int(rotary_dim if rotary_dim is not None else head_dim),
-              "base": float(base), "layout": layout, "max_position_embeddings": int(max_position_embeddings)}
-    if scaling:
-        params.update({key: value for key, value in scaling.items() if key != "type"})
-        params.setdefault("rope_type", scaling.get("type", "default"))
-    if freq_factors is not None:
-        params["freq_factors"] = [float(x) for x in freq_factors]
+    params = _rope_params(head_dim, rotary_dim, base, layout, scaling, max_position_embeddings, freq_factors)
     if direction not in _DIRECTIONS:
         raise ValueError(f"rope: direction = {direction}; expected forward, backward or inverse")
     k_in = k if k is not None else q.new_empty(0)
@@ -347,3 +352,63 @@ class TransformerXLRelative(torch.nn.Module):
         q_positions = _positions(q_positions, q.shape[-3])
         k_positions = _positions(k_positions, k.shape[-3])
         return xl_scores(q, k, self.u, self.v, self.w_r, q_positions, k_positions, 0.0, self.base)
+
+
+# ─── Fused attention ──────────────────────────────────────────────────────────────────────────
+
+def _attention_scheme(scheme, heads, keys_rotated):
+    """(JSON dict, parameter tensor) of a scheme: None/"none", "rope", "alibi", or a module."""
+    empty = torch.empty(0, dtype=torch.float64)
+    if scheme is None or scheme == "none":
+        return {"kind": "none"}, empty
+    if scheme == "rope":
+        scheme = RotaryPositionalEncoding(0)
+    if scheme == "alibi":
+        return {"kind": "alibi", "symmetric": False}, alibi_slopes(heads)
+    if isinstance(scheme, RotaryPositionalEncoding):
+        return {"kind": "rope", "keys_rotated": bool(keys_rotated),
+                "rope": _rope_params(scheme.head_dim, scheme.rotary_dim, scheme.base, scheme.layout, scheme.scaling,
+                                     scheme.max_position_embeddings)}, empty
+    if isinstance(scheme, ALiBi):
+        return {"kind": "alibi", "symmetric": bool(scheme.symmetric)}, scheme.slopes
+    if isinstance(scheme, T5RelativeBias):
+        return {"kind": "t5", "num_buckets": scheme.num_buckets, "max_distance": scheme.max_distance,
+                "bidirectional": bool(scheme.bidirectional)}, scheme.table
+    if isinstance(scheme, Kerple):
+        return {"kind": "kerple", "power": bool(scheme.power)}, torch.stack([scheme.r1, scheme.r2])
+    raise ValueError(f"attention: scheme = {scheme!r}; expected None, 'none', 'rope', 'alibi', or a "
+                     "RotaryPositionalEncoding, ALiBi, T5RelativeBias or Kerple module")
+
+
+def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), softcap=0.0, scale=None, layout="bshd",
+              q_positions=None, k_positions=None, keys_rotated=False, return_lse=False):
+    """Fused attention softmax(scale·q·kᵀ + positional terms + mask)·v, flash-style: no [S, S]
+    matrix is ever stored, and the positional scheme runs inside the kernel.
+
+    q ``[B, Sq, H, D]``, k and v ``[B, Sk, G, D]`` (G divides H: GQA/MQA), or ``[B, H, S, D]`` with
+    ``layout="bhsd"`` (a view, no copy); float32, bfloat16 or float16 (math in float32), or float64
+    (the fp64 reference). ``scheme``: None, ``"rope"`` (default RoPE), ``"alibi"`` (the paper's
+    slopes), or a module — ``RotaryPositionalEncoding`` (RoPE from the positions; with
+    ``keys_rotated=True`` k is a cache of already rotated keys), ``ALiBi``, ``T5RelativeBias``,
+    ``Kerple`` — whose learned parameters receive gradients. ``causal`` aligns the mask
+    bottom-right when Sq < Sk; ``window=(left, right)`` limits the keys a query sees (-1:
+    unlimited); ``softcap`` c > 0 caps logits to c·tanh(x/c). Positions default to 0..Sk-1 for
+    keys and Sk-Sq.. for queries. Returns out like q (and the log-sum-exp ``[B, H, Sq]`` with
+    ``return_lse=True``). Differentiable in q, k, v and the scheme's parameters."""
+    if layout == "bhsd":
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    elif layout != "bshd":
+        raise ValueError(f"attention: layout = {layout!r}; expected 'bshd' or 'bhsd'")
+    if q.dim() != 4:
+        raise ValueError(f"attention: q has {q.dim()} dimensions; expected 4 ([B, Sq, H, D] or with layout='bhsd')")
+    spec, params = _attention_scheme(scheme, q.shape[2], keys_rotated)
+    if spec["kind"] == "rope" and spec["rope"]["head_dim"] == 0:
+        spec["rope"]["head_dim"] = spec["rope"]["rotary_dim"] = int(q.shape[-1])
+    empty = torch.empty(0, dtype=torch.long)
+    out, lse = _ops.attention(q, k, v, json.dumps(spec), params, bool(causal), int(window[0]), int(window[1]),
+                              float(softcap), float(scale or 0.0),
+                              empty if q_positions is None else _positions(q_positions, 0),
+                              empty if k_positions is None else _positions(k_positions, 0))
+    if layout == "bhsd":
+        out = out.transpose(1, 2)
+    return (out, lse) if return_lse else out

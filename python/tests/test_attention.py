@@ -1,0 +1,175 @@
+"""posenc.attention against eager PyTorch written here (materialised scores, biases, mask,
+softmax, P·V) in float64: forward and every gradient, for each scheme, GQA, layouts, masks;
+gradcheck; errors.
+
+Run: PYTHONPATH=build/python /usr/bin/python3 -m pytest -q python/tests
+"""
+import math
+
+import pytest
+import torch
+
+import posenc
+
+torch.manual_seed(0)
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def reference_rope(x, positions, base=10000.0):
+    """x [B, S, H, D] rotated by rotate_half at the given positions (float64)."""
+    dim = x.shape[-1]
+    inv_freq = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    emb = torch.cat((angles, angles), dim=-1)[None, :, None, :]
+    return x * emb.cos() + rotate_half(x) * emb.sin()
+
+
+def reference_attention(q, k, v, bias=None, causal=False, window=(-1, -1), softcap=0.0, scale=None):
+    """Eager attention: q [B, Sq, H, D], k, v [B, Sk, G, D]; bias [H, Sq, Sk] or None."""
+    b, sq, h, d = q.shape
+    sk, g = k.shape[1], k.shape[2]
+    k = k.repeat_interleave(h // g, dim=2)
+    v = v.repeat_interleave(h // g, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * (scale if scale else 1.0 / math.sqrt(d))
+    if bias is not None:
+        scores = scores + bias
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    i = torch.arange(sq)[:, None] + (sk - sq)
+    j = torch.arange(sk)[None, :]
+    visible = torch.ones(sq, sk, dtype=torch.bool)
+    if causal:
+        visible &= j <= i
+    if window[0] >= 0:
+        visible &= j >= i - window[0]
+    if window[1] >= 0:
+        visible &= j <= i + window[1]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, dim=-1), v)
+
+
+def inputs(b=2, sq=33, sk=47, h=4, g=2, d=32, dtype=torch.float64):
+    q = torch.randn(b, sq, h, d, dtype=dtype, requires_grad=True)
+    k = torch.randn(b, sk, g, d, dtype=dtype, requires_grad=True)
+    v = torch.randn(b, sk, g, d, dtype=dtype, requires_grad=True)
+    return q, k, v
+
+
+def grads_of(out, tensors, seed=1):
+    w = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)).to(out.dtype)
+    return torch.autograd.grad((out * w).sum(), tensors, allow_unused=True)
+
+
+def alibi_reference_bias(slopes, sq, sk):
+    i = torch.arange(sq)[:, None] + (sk - sq)
+    j = torch.arange(sk)[None, :]
+    return -slopes[:, None, None] * (i - j).to(slopes.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_alibi_forward_and_gradients_match_eager(dtype):
+    q, k, v = inputs(dtype=dtype)
+    alibi = posenc.ALiBi(4, trainable=True).to(dtype)
+    out = posenc.attention(q, k, v, alibi, causal=True)
+    qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
+    slopes = alibi.slopes.detach().double().requires_grad_()
+    ref = reference_attention(qr, kr, vr, alibi_reference_bias(slopes, q.shape[1], k.shape[1]), causal=True)
+    # float32: the kernel's f32 sums over D = 32 and Sk = 47 terms; 1e-5 of O(1) values bounds
+    # their rounding (~50 · 2^-24 ≈ 3e-6) with room; float64 runs the fp64 reference (1e-12).
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    assert torch.allclose(out.double(), ref, atol=tol, rtol=0)
+    got = grads_of(out, (q, k, v, alibi.slopes))
+    want = grads_of(ref, (qr, kr, vr, slopes))
+    # Gradients sum up to Sq·Sk products: 2e-4 relative to their scale for float32.
+    for name, a, b in zip("q k v slopes".split(), got, want):
+        scale = b.abs().max().item() + 1e-3
+        assert (a.double() - b).abs().max().item() <= (1e-10 if dtype == torch.float64 else 2e-4) * scale, name
+
+
+def test_rope_t5_kerple_schemes_match_eager():
+    q, k, v = inputs(dtype=torch.float32)
+    qd, kd, vd = (t.detach().double() for t in (q, k, v))
+    sq, sk = q.shape[1], k.shape[1]
+    q_pos = torch.arange(sq) + (sk - sq)
+    k_pos = torch.arange(sk)
+    # RoPE module, on the fly.
+    out = posenc.attention(q, k, v, posenc.RotaryPositionalEncoding(32), causal=True)
+    ref = reference_attention(reference_rope(qd, q_pos), reference_rope(kd, k_pos), vd, causal=True)
+    # f32 rotation and sums over D and Sk: 1e-5 covers ~100 f32 roundings of O(1) terms.
+    assert torch.allclose(out.double(), ref, atol=1e-5, rtol=0)
+    # Keys already rotated (a KV cache): rotate only queries.
+    k_rot = reference_rope(kd, k_pos).float()
+    out = posenc.attention(q, k_rot, v, posenc.RotaryPositionalEncoding(32), causal=True, keys_rotated=True)
+    assert torch.allclose(out.double(), ref, atol=1e-5, rtol=0)
+    # T5 and Kerple against the library's own bias ops (tested against formulas in test_ops.py).
+    t5 = posenc.T5RelativeBias(4, num_buckets=16, max_distance=40)
+    with torch.no_grad():
+        t5.table.normal_()
+    bias = posenc.t5_bias(t5.table.double(), q_pos, k_pos, 16, 40, True)[0]
+    out = posenc.attention(q, k, v, t5, window=(10, 5))
+    assert torch.allclose(out.double(), reference_attention(qd, kd, vd, bias, window=(10, 5)), atol=1e-5, rtol=0)
+    kerple = posenc.Kerple(4)
+    bias = posenc.kerple_bias(kerple.r1.double(), kerple.r2.double(), q_pos, k_pos)[0]
+    out = posenc.attention(q, k, v, kerple, causal=True, softcap=5.0)
+    assert torch.allclose(out.double(), reference_attention(qd, kd, vd, bias, causal=True, softcap=5.0), atol=1e-5, rtol=0)
+
+
+def test_t5_and_kerple_parameter_gradients():
+    q, k, v = inputs(dtype=torch.float64)
+    sq, sk = q.shape[1], k.shape[1]
+    q_pos = torch.arange(sq) + (sk - sq)
+    k_pos = torch.arange(sk)
+    t5 = posenc.T5RelativeBias(4, num_buckets=16, max_distance=40).double()
+    with torch.no_grad():
+        t5.table.normal_()
+    out = posenc.attention(q, k, v, t5)
+    table = t5.table.detach().clone().requires_grad_()
+    ref = reference_attention(q, k, v, posenc.t5_bias(table, q_pos, k_pos, 16, 40, True)[0])
+    (g_fused,) = grads_of(out, (t5.table,))
+    (g_ref,) = grads_of(ref, (table,))
+    assert torch.allclose(g_fused, g_ref, atol=1e-10, rtol=0)
+    kerple = posenc.Kerple(4, power=True).double()
+    out = posenc.attention(q, k, v, kerple, causal=True)
+    r1, r2 = (t.detach().clone().requires_grad_() for t in (kerple.r1, kerple.r2))
+    ref = reference_attention(q, k, v, posenc.kerple_bias(r1, r2, q_pos, k_pos, True)[0], causal=True)
+    got, want = grads_of(out, (kerple.r1, kerple.r2)), grads_of(ref, (r1, r2))
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, atol=1e-10, rtol=0)
+
+
+def test_gradcheck():
+    q, k, v = inputs(b=1, sq=5, sk=7, h=2, g=1, d=4)
+    alibi = posenc.ALiBi(2)  # slopes are a buffer: assigning a tensor to it is allowed
+    slopes = alibi.slopes.double().requires_grad_()
+
+    def fused(q, k, v, s):
+        alibi.slopes = s
+        return posenc.attention(q, k, v, alibi, causal=True, softcap=3.0)
+
+    assert torch.autograd.gradcheck(fused, (q, k, v, slopes))
+
+
+def test_bhsd_layout_is_a_view_and_matches():
+    q, k, v = inputs(dtype=torch.float32)
+    out = posenc.attention(q, k, v, causal=True)
+    out_bhsd = posenc.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, layout="bhsd")
+    assert torch.equal(out, out_bhsd.transpose(1, 2))
+
+
+def test_errors():
+    q, k, v = inputs(dtype=torch.float32)
+    with pytest.raises(ValueError, match="KV head count dividing"):
+        posenc.attention(q, k[:, :, :1].expand(-1, -1, 3, -1), v[:, :, :1].expand(-1, -1, 3, -1))
+    with pytest.raises(ValueError, match="window_left"):
+        posenc.attention(q, k, v, window=(-5, -1))
+    with pytest.raises(TypeError, match="dtype"):
+        posenc.attention(q.int(), k.int(), v.int())
+    with pytest.raises(ValueError, match="scheme"):
+        posenc.attention(q, k, v, "fire")
+    if torch.cuda.is_available():  # pragma: no cover - no CUDA here
+        with pytest.raises(TypeError, match="device"):
+            posenc.attention(q.cuda(), k.cuda(), v.cuda())

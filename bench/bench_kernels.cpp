@@ -35,11 +35,19 @@ void run_case(benchmark::State& state, const std::string& name, posenc::perf::Ca
     seconds += elapsed;
   }
   const double bytes = c.bytes_per_run * static_cast<double>(state.iterations());
-  state.SetBytesProcessed(static_cast<std::int64_t>(bytes));
-  // A plain number: GB/s of this case over its limit, measured at the start of this run.
+  // A plain number: GB/s (GFLOP/s for compute-bound cases) of this case over its limit, measured
+  // at the start of this run.
   const double limit = g_limits.get(c.limit_name);
-  state.counters["limit_GBps"] = limit;
-  state.counters["ratio"] = bytes / seconds / 1e9 / limit;
+  if (c.flops_per_run > 0) {
+    const double flops = c.flops_per_run * static_cast<double>(state.iterations());
+    state.counters["GFLOPps"] = flops / seconds / 1e9;
+    state.counters["limit_GFLOPps"] = limit;
+    state.counters["ratio"] = flops / seconds / 1e9 / limit;
+  } else {
+    state.SetBytesProcessed(static_cast<std::int64_t>(bytes));
+    state.counters["limit_GBps"] = limit;
+    state.counters["ratio"] = bytes / seconds / 1e9 / limit;
+  }
   state.counters["elements_per_s"] = benchmark::Counter(c.elements_per_run * static_cast<double>(state.iterations()) / seconds);
   state.SetLabel(c.description + ", ratio vs " + c.limit_name);
 }
@@ -104,6 +112,39 @@ void register_all() {
       })->UseManualTime()->Unit(benchmark::kMillisecond);
     }
   }
+  // Fused attention: causal f32 S = 2048, H = 8, D = 128 forward and backward per scheme (ratio
+  // vs the FMA peak), and decode: 1 query × 32 heads over a 32768-token cache of 8 KV heads
+  // (ratio vs copy).
+  for (const char* pass : {"forward", "backward"}) {
+    for (const char* scheme : {"none", "rope", "alibi", "t5", "kerple"}) {
+      const std::string label = std::string("attention/1x2048/8x128/causal/") + scheme + "/" + pass;
+      benchmark::RegisterBenchmark(label.c_str(), [scheme, pass](benchmark::State& st) {
+        posenc::perf::CaseOptions o;
+        o.length = 2048;
+        o.heads = 8;
+        o.kv_heads = 8;
+        o.dim = 128;
+        o.causal = true;
+        o.scheme = scheme;
+        o.pass = pass;
+        run_case(st, "attention", o);
+      })->UseManualTime()->Unit(benchmark::kMillisecond);
+    }
+  }
+  for (const char* scheme : {"none", "alibi"}) {
+    const std::string label = std::string("attention/decode/32768/32+8x128/") + scheme;
+    benchmark::RegisterBenchmark(label.c_str(), [scheme](benchmark::State& st) {
+      posenc::perf::CaseOptions o;
+      o.length = 32768;
+      o.heads = 32;
+      o.kv_heads = 8;
+      o.dim = 128;
+      o.causal = true;
+      o.scheme = scheme;
+      o.pass = "decode";
+      run_case(st, "attention", o);
+    })->UseManualTime()->Unit(benchmark::kMillisecond);
+  }
   for (const Shape& s : embeddings) {
     add("sinusoidal-add", s);
     add("learned-forward", s);
@@ -119,8 +160,9 @@ int main(int argc, char** argv) {
   std::printf("posenc %s, target %s, %d thread(s)\n", std::string(posenc::version()).c_str(),
               posenc::active_target().c_str(), posenc::num_threads());
   std::printf("limits measured now: copy %.2f GB/s, copy_nt %.2f GB/s, rmw %.2f GB/s (read + write bytes, "
-              "buffers of 4x the last-level cache), read %.2f GB/s, write_nt %.2f GB/s\n", g_limits.copy_gbs,
-              g_limits.copy_nt_gbs, g_limits.rmw_gbs, g_limits.read_gbs, g_limits.write_nt_gbs);
+              "buffers of 4x the last-level cache), read %.2f GB/s, write_nt %.2f GB/s, fma %.1f GFLOP/s\n",
+              g_limits.copy_gbs, g_limits.copy_nt_gbs, g_limits.rmw_gbs, g_limits.read_gbs, g_limits.write_nt_gbs,
+              g_limits.fma_gflops);
   register_all();
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();

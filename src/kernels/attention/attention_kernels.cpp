@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <limits>
 
@@ -464,7 +465,11 @@ void attn_store(const float* src, std::int64_t n, DType dtype, void* dst, bool a
   switch (dtype) {
     case DType::kF32: {
       auto* out = static_cast<float*>(dst);
-      for (std::int64_t t = 0; t < n; ++t) out[t] = accumulate ? out[t] + src[t] : src[t];
+      if (accumulate) {
+        for (std::int64_t t = 0; t < n; ++t) out[t] += src[t];
+      } else {
+        std::memcpy(out, src, static_cast<std::size_t>(n) * sizeof(float));
+      }
       return;
     }
     case DType::kBF16: {

@@ -4,6 +4,9 @@
 //
 //   posenc::sinusoidal_table(Tensor positions, int dim, float base, bool interleaved, ScalarType dtype)
 //   posenc::rope(Tensor q, Tensor k, Tensor positions, str params, int direction) -> (Tensor, Tensor)
+//   posenc::rope_(q, k, positions, params, direction)   the same in place (returns q and k)
+//   posenc::rope_multi(q, k, positions [axes, S], params, int[] sections, bool restart, direction)
+//                   multi-axis RoPE (M-RoPE sections, 2-D axial with restart)
 //   posenc::alibi_bias(Tensor slopes, Tensor q_positions, Tensor k_positions, bool symmetric) -> Tensor
 //   posenc::t5_bias(Tensor table, Tensor q_positions, Tensor k_positions, int num_buckets,
 //                   int max_distance, bool bidirectional) -> Tensor
@@ -141,9 +144,20 @@ RopeParams rope_params_from_json(const std::string& text) {
   if (layout != "half-split" && layout != "interleaved") throw Error("rope", "layout", layout, "half-split or interleaved");
   std::vector<double> freq_factors;
   if (j.contains("freq_factors")) freq_factors = j.at("freq_factors").get<std::vector<double>>();
-  return RopeParams(head_dim, integer("rotary_dim", head_dim), number("base", 10000.0),
+  RopeParams params(head_dim, integer("rotary_dim", head_dim), number("base", 10000.0),
                     layout == "interleaved" ? RopeLayout::kInterleaved : RopeLayout::kHalfSplit, scaling,
                     integer("max_position_embeddings", 2048), freq_factors);
+  if (j.contains("xpos") && !j.at("xpos").is_null()) {
+    const nlohmann::json& x = j.at("xpos");
+    params = params.with_xpos(x.value("scale_base", 512.0), x.value("center", 0.0));
+  }
+  return params;
+}
+
+// seq_len for dynamic / longrope frequencies (0: the positions' max + 1).
+std::int64_t rope_seq_len_from_json(const std::string& text) {
+  const nlohmann::json j = nlohmann::json::parse(text);
+  return j.value("seq_len", std::int64_t{0});
 }
 
 RopeDirection direction_of(std::int64_t code) {
@@ -226,7 +240,44 @@ std::tuple<at::Tensor, at::Tensor> rope_apply_tensors(const at::Tensor& q, const
     at::Tensor k_out = absent(k) ? q.new_empty({0}) : empty_output(k.sizes(), k.scalar_type());
     rope_apply(p, pos, const_view(where, "q", q), absent(k) ? ConstTensorView() : const_view(where, "k", k),
                mutable_view(where, "q_out", q_out), absent(k) ? TensorView() : mutable_view(where, "k_out", k_out),
-               direction_of(direction));
+               direction_of(direction), rope_seq_len_from_json(params));
+    return std::make_tuple(q_out, k_out);
+  });
+}
+
+// In place: q (and k) rotated where they are.
+void rope_apply_inplace(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const std::string& params,
+                        std::int64_t direction) {
+  translating([&] {
+    const char* where = "rope_";
+    const RopeParams p = rope_params_from_json(params);
+    const at::Tensor ids = positions.contiguous();
+    const Positions pos = positions_of(where, "positions", ids);
+    rope_apply(p, pos, mutable_view(where, "q", q), absent(k) ? TensorView() : mutable_view(where, "k", k),
+               direction_of(direction), rope_seq_len_from_json(params));
+    return 0;
+  });
+}
+
+// Multi-axis RoPE (M-RoPE, 2-D axial): positions [A, S] or [A, B, S], one row per axis.
+std::tuple<at::Tensor, at::Tensor> rope_multi_tensors(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
+                                                      const std::string& params, const std::vector<std::int64_t>& sections,
+                                                      bool restart, std::int64_t direction) {
+  return translating([&] {
+    const char* where = "rope_multi";
+    const RopeParams p = rope_params_from_json(params);
+    TORCH_CHECK_VALUE(positions.dim() == 2 || positions.dim() == 3, where, ": positions shape ", positions.sizes(),
+                      "; expected [axes, S] or [axes, B, S]");
+    const at::Tensor ids = positions.contiguous();
+    std::vector<at::Tensor> rows;
+    std::vector<Positions> axes;
+    for (std::int64_t a = 0; a < ids.size(0); ++a) rows.push_back(ids[a].contiguous());
+    for (const at::Tensor& row : rows) axes.push_back(positions_of(where, "positions", row));
+    at::Tensor q_out = empty_output(q.sizes(), q.scalar_type());
+    at::Tensor k_out = absent(k) ? q.new_empty({0}) : empty_output(k.sizes(), k.scalar_type());
+    rope_apply_multi(p, sections, axes, const_view(where, "q", q), absent(k) ? ConstTensorView() : const_view(where, "k", k),
+                     mutable_view(where, "q_out", q_out), absent(k) ? TensorView() : mutable_view(where, "k_out", k_out),
+                     direction_of(direction), restart, rope_seq_len_from_json(params));
     return std::make_tuple(q_out, k_out);
   });
 }
@@ -261,6 +312,81 @@ class RopeFunction : public torch::autograd::Function<RopeFunction> {
 std::tuple<at::Tensor, at::Tensor> rope_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
                                            std::string params, std::int64_t direction) {
   const variable_list out = RopeFunction::apply(q, k, positions, params, direction);
+  return {out[0], out[1]};
+}
+
+// In place, differentiable: the rotated tensors are marked dirty (autograd then rejects leaves
+// that require grad, as for any in-place op); the gradient is the flipped rotation.
+class RopeInplaceFunction : public torch::autograd::Function<RopeInplaceFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, at::Tensor q, at::Tensor k, const at::Tensor& positions,
+                               const std::string& params, std::int64_t direction) {
+    TORCH_CHECK_VALUE(direction != 2 || !(q.requires_grad() || (!absent(k) && k.requires_grad())),
+                      "rope_: direction = 2 (inverse); expected 0 or 1 when gradients are needed");
+    ctx->saved_data["params"] = params;
+    ctx->saved_data["direction"] = direction;
+    ctx->saved_data["has_k"] = !absent(k);
+    ctx->save_for_backward({positions});
+    rope_apply_inplace(q, k, positions, params, direction);
+    if (absent(k)) {
+      ctx->mark_dirty({q});
+    } else {
+      ctx->mark_dirty({q, k});
+    }
+    return {q, k};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const std::string params = ctx->saved_data["params"].toStringRef();
+    const std::int64_t direction = ctx->saved_data["direction"].toInt();
+    const bool has_k = ctx->saved_data["has_k"].toBool();
+    const at::Tensor positions = ctx->get_saved_variables()[0];
+    const at::Tensor dq = grads[0].defined() ? grads[0] : at::zeros_like(grads[1]);
+    const at::Tensor dk = has_k ? (grads[1].defined() ? grads[1] : at::Tensor()) : at::Tensor();
+    auto [gq, gk] = rope_apply_tensors(dq.contiguous(), has_k && dk.defined() ? dk.contiguous() : dq.new_empty({0}),
+                                       positions, params, direction == 0 ? 1 : 0);
+    return {gq, has_k && dk.defined() ? gk : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> rope_inplace_op(at::Tensor q, at::Tensor k, const at::Tensor& positions, std::string params,
+                                                   std::int64_t direction) {
+  const variable_list out = RopeInplaceFunction::apply(q, k, positions, params, direction);
+  return {out[0], out[1]};
+}
+
+class RopeMultiFunction : public torch::autograd::Function<RopeMultiFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
+                               const std::string& params, std::vector<std::int64_t> sections, bool restart,
+                               std::int64_t direction) {
+    ctx->saved_data["params"] = params;
+    ctx->saved_data["sections"] = sections;
+    ctx->saved_data["restart"] = restart;
+    ctx->saved_data["direction"] = direction;
+    ctx->saved_data["has_k"] = !absent(k);
+    ctx->save_for_backward({positions});
+    auto [q_out, k_out] = rope_multi_tensors(q, k, positions, params, sections, restart, direction);
+    return {q_out, k_out};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const std::int64_t direction = ctx->saved_data["direction"].toInt();
+    TORCH_CHECK_VALUE(direction != 2, "rope_multi: direction = 2 (inverse); expected 0 or 1 when gradients are needed");
+    const bool has_k = ctx->saved_data["has_k"].toBool();
+    const at::Tensor dq = grads[0].defined() ? grads[0] : at::zeros_like(grads[1]);
+    const at::Tensor dk = has_k ? (grads[1].defined() ? grads[1] : at::Tensor()) : at::Tensor();
+    auto [gq, gk] = rope_multi_tensors(dq.contiguous(), has_k && dk.defined() ? dk.contiguous() : dq.new_empty({0}),
+                                       ctx->get_saved_variables()[0], ctx->saved_data["params"].toStringRef(),
+                                       ctx->saved_data["sections"].toIntVector(), ctx->saved_data["restart"].toBool(),
+                                       direction == 0 ? 1 : 0);
+    return {gq, has_k && dk.defined() ? gk : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor()};
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> rope_multi_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
+                                                 std::string params, std::vector<std::int64_t> sections, bool restart,
+                                                 std::int64_t direction) {
+  const variable_list out = RopeMultiFunction::apply(q, k, positions, params, sections, restart, direction);
   return {out[0], out[1]};
 }
 
@@ -810,6 +936,11 @@ TORCH_LIBRARY(posenc, m) {
   m.def("sinusoidal_table(Tensor positions, int dim, float base, bool interleaved, ScalarType dtype) -> Tensor",
         &sinusoidal_table_op);
   m.def("rope(Tensor q, Tensor k, Tensor positions, str params, int direction) -> (Tensor, Tensor)", &rope_op);
+  m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor positions, str params, int direction) -> (Tensor(a!), Tensor(b!))",
+        &rope_inplace_op);
+  m.def("rope_multi(Tensor q, Tensor k, Tensor positions, str params, int[] sections, bool restart, int direction) "
+        "-> (Tensor, Tensor)",
+        &rope_multi_op);
   m.def("alibi_bias(Tensor slopes, Tensor q_positions, Tensor k_positions, bool symmetric) -> Tensor", &alibi_op);
   m.def("empty_cache() -> ()", &empty_cache_op);
   m.def("attention(Tensor q, Tensor k, Tensor v, str scheme, Tensor bias_params, bool causal, int window_left, "

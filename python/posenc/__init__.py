@@ -19,7 +19,8 @@ import torch
 
 __all__ = [
     "empty_cache", "sinusoidal_table", "rope", "alibi_slopes", "alibi_bias", "t5_bias", "kerple_bias", "fire_bias",
-    "tupe_bias", "learned", "floater_table", "shaw_scores", "shaw_values", "xl_scores", "attention",
+    "tupe_bias", "learned", "floater_table", "shaw_scores", "shaw_values", "xl_scores", "attention", "rope_",
+    "rope_multi",
     "SinusoidalPositionalEncoding", "LearnedPositionalEncoding", "RotaryPositionalEncoding", "ALiBi",
     "T5RelativeBias", "Kerple", "FIRE", "TUPE", "FLOATER", "ShawRelativePositions", "TransformerXLRelative",
 ]
@@ -63,9 +64,14 @@ def sinusoidal_table(positions, dim, base=10000.0, interleaved=True, dtype=torch
 _DIRECTIONS = {"forward": 0, "backward": 1, "inverse": 2}
 
 
-def _rope_params(head_dim, rotary_dim, base, layout, scaling, max_position_embeddings, freq_factors=None):
+def _rope_params(head_dim, rotary_dim, base, layout, scaling, max_position_embeddings, freq_factors=None, xpos=None,
+                 seq_len=0):
     params = {"head_dim": int(head_dim), "rotary_dim": int(rotary_dim if rotary_dim is not None else head_dim),
-              "base": float(base), "layout": layout, "max_position_embeddings": int(max_position_embeddings)}
+              "base": float(base), "layout": layout, "max_position_embeddings": int(max_position_embeddings),
+              "seq_len": int(seq_len)}
+    if xpos is not None:
+        scale_base, center = (xpos, 0.0) if isinstance(xpos, (int, float)) else tuple(xpos)
+        params["xpos"] = {"scale_base": float(scale_base), "center": float(center)}
     if scaling:
         params.update({key: value for key, value in scaling.items() if key != "type"})
         params.setdefault("rope_type", scaling.get("type", "default"))
@@ -75,18 +81,53 @@ def _rope_params(head_dim, rotary_dim, base, layout, scaling, max_position_embed
 
 
 def rope(q, k=None, positions=None, *, head_dim=None, rotary_dim=None, base=10000.0, layout="half-split",
-         scaling=None, max_position_embeddings=2048, freq_factors=None, direction="forward"):
+         scaling=None, max_position_embeddings=2048, freq_factors=None, xpos=None, seq_len=0, direction="forward"):
     """Rotary embedding of q [B, S, H, D] (or [T, H, D]) and optionally k (same tokens, its own head
     count), out of place. ``positions``: int64 [S] or [B, S] (default 0..S-1). ``scaling``: a dict
-    with Hugging Face's ``rope_scaling`` keys (rope_type, factor, …). Returns (q_out, k_out), k_out
-    None without k. Differentiable in q and k."""
+    with Hugging Face's ``rope_scaling`` keys (rope_type, factor, …). ``xpos``: None, a scale_base
+    (e.g. 512), or (scale_base, center) — xPos decay (q scaled by ζ^e, k by ζ^-e). ``seq_len``: the
+    length that selects dynamic / longrope frequencies (0: max position + 1). ``direction``:
+    forward, backward (the gradient) or inverse. Returns (q_out, k_out), k_out None without k.
+    Differentiable in q and k."""
     head_dim = q.shape[-1] if head_dim is None else head_dim
     seq = q.shape[-3]
-    params = _rope_params(head_dim, rotary_dim, base, layout, scaling, max_position_embeddings, freq_factors)
+    params = _rope_params(head_dim, rotary_dim, base, layout, scaling, max_position_embeddings, freq_factors, xpos,
+                          seq_len)
     if direction not in _DIRECTIONS:
         raise ValueError(f"rope: direction = {direction}; expected forward, backward or inverse")
     k_in = k if k is not None else q.new_empty(0)
     q_out, k_out = _ops.rope(q, k_in, _positions(positions, seq), json.dumps(params), _DIRECTIONS[direction])
+    return q_out, (k_out if k is not None else None)
+
+
+def rope_(q, k=None, positions=None, *, head_dim=None, rotary_dim=None, base=10000.0, layout="half-split",
+          scaling=None, max_position_embeddings=2048, freq_factors=None, xpos=None, seq_len=0, direction="forward"):
+    """``rope`` in place: q (and k) are rotated where they lie (no new memory) and returned. Works
+    under autograd for tensors that may be modified in place (not leaves requiring grad)."""
+    head_dim = q.shape[-1] if head_dim is None else head_dim
+    params = _rope_params(head_dim, rotary_dim, base, layout, scaling, max_position_embeddings, freq_factors, xpos,
+                          seq_len)
+    if direction not in _DIRECTIONS:
+        raise ValueError(f"rope_: direction = {direction}; expected forward, backward or inverse")
+    k_in = k if k is not None else q.new_empty(0)
+    q, k_out = _ops.rope_(q, k_in, _positions(positions, q.shape[-3]), json.dumps(params), _DIRECTIONS[direction])
+    return q, (k_out if k is not None else None)
+
+
+def rope_multi(q, k, positions, sections, *, restart_frequencies=False, head_dim=None, rotary_dim=None, base=10000.0,
+               layout="half-split", scaling=None, max_position_embeddings=2048, seq_len=0, direction="forward"):
+    """Multi-axis RoPE: the rotary pairs split into consecutive ``sections`` (pairs per axis), the
+    pairs of section a turning by ``positions[a]`` — M-RoPE (Qwen2-VL: sections such as [16, 24,
+    24] for time, height, width) or, with ``restart_frequencies=True``, 2-D axial RoPE for images.
+    ``positions``: int64 [axes, S] or [axes, B, S]. Returns (q_out, k_out); differentiable."""
+    head_dim = q.shape[-1] if head_dim is None else head_dim
+    params = _rope_params(head_dim, rotary_dim, base, layout, scaling, max_position_embeddings, None, None, seq_len)
+    if direction not in _DIRECTIONS:
+        raise ValueError(f"rope_multi: direction = {direction}; expected forward, backward or inverse")
+    k_in = k if k is not None else q.new_empty(0)
+    positions = torch.as_tensor(positions, dtype=torch.long)
+    q_out, k_out = _ops.rope_multi(q, k_in, positions, json.dumps(params), [int(x) for x in sections],
+                                   bool(restart_frequencies), _DIRECTIONS[direction])
     return q_out, (k_out if k is not None else None)
 
 
@@ -178,10 +219,11 @@ class RotaryPositionalEncoding(torch.nn.Module):
     """RoPE for q and k [B, S, H, D], with every layout and Hugging Face scaling of posenc."""
 
     def __init__(self, head_dim, rotary_dim=None, base=10000.0, layout="half-split", scaling=None,
-                 max_position_embeddings=2048):
+                 max_position_embeddings=2048, xpos=None):
         super().__init__()
         self.head_dim, self.rotary_dim, self.base, self.layout = head_dim, rotary_dim or head_dim, base, layout
         self.scaling, self.max_position_embeddings = dict(scaling or {}), max_position_embeddings
+        self.xpos = xpos
 
     @classmethod
     def from_hf_config(cls, config):
@@ -197,7 +239,8 @@ class RotaryPositionalEncoding(torch.nn.Module):
 
     def forward(self, q, k=None, positions=None):
         return rope(q, k, positions, head_dim=self.head_dim, rotary_dim=self.rotary_dim, base=self.base,
-                    layout=self.layout, scaling=self.scaling, max_position_embeddings=self.max_position_embeddings)
+                    layout=self.layout, scaling=self.scaling, max_position_embeddings=self.max_position_embeddings,
+                    xpos=self.xpos)
 
 
 class ALiBi(torch.nn.Module):
@@ -368,7 +411,7 @@ def _attention_scheme(scheme, heads, keys_rotated):
     if isinstance(scheme, RotaryPositionalEncoding):
         return {"kind": "rope", "keys_rotated": bool(keys_rotated),
                 "rope": _rope_params(scheme.head_dim, scheme.rotary_dim, scheme.base, scheme.layout, scheme.scaling,
-                                     scheme.max_position_embeddings)}, empty
+                                     scheme.max_position_embeddings, None, scheme.xpos)}, empty
     if isinstance(scheme, ALiBi):
         return {"kind": "alibi", "symmetric": bool(scheme.symmetric)}, scheme.slopes
     if isinstance(scheme, T5RelativeBias):

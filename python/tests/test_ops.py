@@ -281,3 +281,69 @@ def test_other_devices_and_dtypes_raise_type_error():
         posenc.rope(torch.empty(1, 3, 2, 8, device="meta"))
     with pytest.raises(TypeError, match="dtype = Int"):
         posenc.rope(torch.zeros(1, 3, 2, 8, dtype=torch.int32))
+
+
+# ------------------------------------------------------------------ rope: in place, xPos, multi-axis
+
+def test_rope_in_place_matches_out_of_place_and_differentiates():
+    q = torch.randn(2, 9, 4, 16, dtype=torch.float64)
+    k = torch.randn(2, 9, 2, 16, dtype=torch.float64)
+    positions = torch.arange(9) + 5
+    want_q, want_k = posenc.rope(q, k, positions)
+    got_q, got_k = q.clone(), k.clone()
+    ret_q, ret_k = posenc.rope_(got_q, got_k, positions)
+    assert ret_q.data_ptr() == got_q.data_ptr() and ret_k.data_ptr() == got_k.data_ptr()
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    # Under autograd: a non-leaf rotated in place gets the same gradient as the out-of-place op.
+    leaf = q.clone().requires_grad_()
+    y, _ = posenc.rope_(leaf * 1.0, None, positions)
+    (g_inplace,) = torch.autograd.grad((y * y.detach()).sum(), leaf)
+    leaf2 = q.clone().requires_grad_()
+    y2, _ = posenc.rope(leaf2, None, positions)
+    (g_out,) = torch.autograd.grad((y2 * y2.detach()).sum(), leaf2)
+    assert torch.equal(g_inplace, g_out)
+    with pytest.raises(RuntimeError):
+        posenc.rope_(torch.randn(1, 3, 1, 4, requires_grad=True), None, torch.arange(3))
+
+
+def test_rope_xpos_matches_the_formula():
+    q = torch.randn(1, 12, 2, 16, dtype=torch.float64)
+    k = torch.randn(1, 12, 2, 16, dtype=torch.float64)
+    positions = torch.arange(12) * 7
+    scale_base, center = 64.0, 30.0
+    got_q, got_k = posenc.rope(q, k, positions, xpos=(scale_base, center))
+    half = 8
+    zeta = (2 * torch.arange(half, dtype=torch.float64) + 0.4 * 16) / (1.4 * 16)
+    e = (positions.to(torch.float64) - center) / scale_base
+    scale = zeta[None, :] ** e[:, None]  # [S, pairs]
+    scale = torch.cat((scale, scale), dim=-1)[None, :, None, :]
+    rotated_q = reference_rope_half_split(q[0], positions, 10000.0)[None]
+    rotated_k = reference_rope_half_split(k[0], positions, 10000.0)[None]
+    # fp64 kernels (the reference path) against the formula: a few ulps of values <= ~4.
+    assert torch.allclose(got_q, rotated_q * scale, atol=1e-12, rtol=0)
+    assert torch.allclose(got_k, rotated_k / scale, atol=1e-12, rtol=0)
+    # q·k then depends on the distance only (up to the decay ζ^((m - n)/scale_base)).
+    assert torch.autograd.gradcheck(lambda x: posenc.rope(x, None, positions, xpos=scale_base)[0],
+                                    (q.clone().requires_grad_(),))
+
+
+def test_rope_multi_matches_per_axis_angles():
+    q = torch.randn(1, 10, 2, 16, dtype=torch.float64)
+    k = torch.randn(1, 10, 1, 16, dtype=torch.float64)
+    sections = [2, 3, 3]  # pairs per axis (8 pairs)
+    positions = torch.stack([torch.arange(10), torch.arange(10) % 3, torch.arange(10) // 3 + 4])
+    got_q, got_k = posenc.rope_multi(q, k, positions, sections)
+    inv_freq = reference_inv_freq(16, 10000.0)
+    axis = torch.repeat_interleave(torch.arange(3), torch.tensor(sections))
+    angles = positions[axis].T.to(torch.float64) * inv_freq[None, :]  # [S, pairs]
+    emb = torch.cat((angles, angles), dim=-1)[None, :, None, :]
+    for got, x in ((got_q, q), (got_k, k)):
+        assert torch.allclose(got, x * emb.cos() + rotate_half(x) * emb.sin(), atol=1e-12, rtol=0)
+    # Equal ids on every axis: plain RoPE.
+    same = torch.arange(10).repeat(3, 1)
+    assert torch.allclose(posenc.rope_multi(q, None, same, sections)[0], posenc.rope(q, None, torch.arange(10))[0],
+                          atol=1e-12, rtol=0)
+    assert torch.autograd.gradcheck(lambda x: posenc.rope_multi(x, None, positions, sections)[0],
+                                    (q.clone().requires_grad_(),))
+    with pytest.raises(ValueError, match="one Positions per section"):
+        posenc.rope_multi(q, None, positions, [2, 2])

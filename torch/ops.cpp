@@ -22,7 +22,8 @@
 //                   fused attention (posenc/attention.hpp), q [B, Sq, H, D], k, v [B, Sk, G, D];
 //                   differentiable in q, k, v and bias_params (ALiBi slopes [H], T5 table
 //                   [buckets, H], Kerple [2, H] = r1, r2); `scheme` is JSON: {"kind": "none" |
-//                   "rope" | "alibi" | "t5" | "kerple", "rope": {RopeParams as for rope},
+//                   "rope" | "absolute" | "alibi" | "t5" | "kerple", "rope": {RopeParams as for rope},
+//                   "dim", "base", "interleaved" (absolute: Shortformer's sinusoid on q and k),
 //                   "keys_rotated", "symmetric", "num_buckets", "max_distance", "bidirectional",
 //                   "power"}
 //   posenc::empty_cache()   frees the cached blocks of large outputs (see BlockCache)
@@ -813,6 +814,12 @@ HeadGroup attention_group(const std::string& scheme_json, const at::Tensor& bias
     group.transform = RotaryQK{rope_params_from_json(j.at("rope").dump()), j.value("keys_rotated", false), 0};
     return group;
   }
+  if (kind == "absolute") {  // Shortformer: the sinusoid added to q and k
+    group.transform = AbsoluteQK{SinusoidalParams(j.at("dim").get<std::int64_t>(), j.value("base", 10000.0),
+                                                  j.value("interleaved", true) ? SinusoidalLayout::kInterleaved
+                                                                               : SinusoidalLayout::kSplitHalves)};
+    return group;
+  }
   const std::vector<double> values = doubles_of(where, "bias_params", bias_params);
   if (kind == "alibi") {
     group.bias = AlibiParams(values, j.value("symmetric", false) ? AlibiForm::kSymmetric : AlibiForm::kCausal);
@@ -828,7 +835,7 @@ HeadGroup attention_group(const std::string& scheme_json, const at::Tensor& bias
     const std::vector<double> r1(values.begin(), values.begin() + heads), r2(values.begin() + heads, values.end());
     group.bias = KerpleParams(j.value("power", false) ? KerpleForm::kPower : KerpleForm::kLog, r1, r2);
   } else {
-    throw Error(where, "scheme.kind", kind, "none, rope, alibi, t5 or kerple");
+    throw Error(where, "scheme.kind", kind, "none, rope, absolute, alibi, t5 or kerple");
   }
   return group;
 }

@@ -412,6 +412,9 @@ def _attention_scheme(scheme, heads, keys_rotated):
         return {"kind": "rope", "keys_rotated": bool(keys_rotated),
                 "rope": _rope_params(scheme.head_dim, scheme.rotary_dim, scheme.base, scheme.layout, scheme.scaling,
                                      scheme.max_position_embeddings, None, scheme.xpos)}, empty
+    if isinstance(scheme, SinusoidalPositionalEncoding):
+        return {"kind": "absolute", "dim": scheme.dim, "base": float(scheme.base),
+                "interleaved": bool(scheme.interleaved)}, empty
     if isinstance(scheme, ALiBi):
         return {"kind": "alibi", "symmetric": bool(scheme.symmetric)}, scheme.slopes
     if isinstance(scheme, T5RelativeBias):
@@ -420,7 +423,8 @@ def _attention_scheme(scheme, heads, keys_rotated):
     if isinstance(scheme, Kerple):
         return {"kind": "kerple", "power": bool(scheme.power)}, torch.stack([scheme.r1, scheme.r2])
     raise ValueError(f"attention: scheme = {scheme!r}; expected None, 'none', 'rope', 'alibi', or a "
-                     "RotaryPositionalEncoding, ALiBi, T5RelativeBias or Kerple module")
+                     "RotaryPositionalEncoding, SinusoidalPositionalEncoding (Shortformer: added to q and k), ALiBi, "
+                     "T5RelativeBias or Kerple module")
 
 
 def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), softcap=0.0, scale=None, layout="bshd",
@@ -432,8 +436,9 @@ def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), softcap=0.
     ``layout="bhsd"`` (a view, no copy); float32, bfloat16 or float16 (math in float32), or float64
     (the fp64 reference). ``scheme``: None, ``"rope"`` (default RoPE), ``"alibi"`` (the paper's
     slopes), or a module — ``RotaryPositionalEncoding`` (RoPE from the positions; with
-    ``keys_rotated=True`` k is a cache of already rotated keys), ``ALiBi``, ``T5RelativeBias``,
-    ``Kerple`` — whose learned parameters receive gradients. ``causal`` aligns the mask
+    ``keys_rotated=True`` k is a cache of already rotated keys), ``SinusoidalPositionalEncoding``
+    (Shortformer's position-infused attention: the sinusoid added to q and k, not v), ``ALiBi``,
+    ``T5RelativeBias``, ``Kerple`` — whose learned parameters receive gradients. ``causal`` aligns the mask
     bottom-right when Sq < Sk; ``window=(left, right)`` limits the keys a query sees (-1:
     unlimited); ``softcap`` c > 0 caps logits to c·tanh(x/c). Positions default to 0..Sk-1 for
     keys and Sk-Sq.. for queries. Returns out like q (and the log-sum-exp ``[B, H, Sq]`` with

@@ -118,6 +118,18 @@ def test_rope_t5_kerple_schemes_match_eager():
     assert torch.allclose(out.double(), reference_attention(qd, kd, vd, bias, causal=True, softcap=5.0), atol=1e-5, rtol=0)
 
 
+def test_shortformer_adds_the_sinusoid_to_queries_and_keys():
+    q, k, v = inputs(dtype=torch.float64)
+    sq, sk = q.shape[1], k.shape[1]
+    table = posenc.sinusoidal_table(sk, 32, dtype=torch.float64)  # positions 0..Sk-1
+    out = posenc.attention(q, k, v, posenc.SinusoidalPositionalEncoding(32), causal=True)
+    ref = reference_attention(q + table[sk - sq:][None, :, None, :], k + table[None, :, None, :], v, causal=True)
+    assert torch.allclose(out, ref, atol=1e-12, rtol=0)
+    got, want = grads_of(out, (q, k, v)), grads_of(ref, (q, k, v))
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, atol=1e-10, rtol=0)
+
+
 def test_t5_and_kerple_parameter_gradients():
     q, k, v = inputs(dtype=torch.float64)
     sq, sk = q.shape[1], k.shape[1]

@@ -369,6 +369,21 @@ std::vector<double> random_values(std::size_t n) {
   return v;
 }
 
+// The fused backward (this target) against the fp64 reference: dq, dk, dv and every scheme's
+// parameter gradients.
+void expect_backward_matches_reference(const Problem& p, const Attention& att, const std::vector<double>& d_out) {
+  const Grads fused = run_backward(p, att, d_out, false), exact = run_backward(p, att, d_out, true);
+  expect_close(fused.dq, exact.dq, "dq");
+  expect_close(fused.dk, exact.dk, "dk");
+  expect_close(fused.dv, exact.dv, "dv");
+  for (std::size_t g = 0; g < exact.params.groups.size(); ++g) {
+    expect_close(fused.params.groups[g].alibi_slopes, exact.params.groups[g].alibi_slopes, "alibi slopes");
+    expect_close(fused.params.groups[g].t5_table, exact.params.groups[g].t5_table, "t5 table");
+    expect_close(fused.params.groups[g].kerple_r1, exact.params.groups[g].kerple_r1, "kerple r1");
+    expect_close(fused.params.groups[g].kerple_r2, exact.params.groups[g].kerple_r2, "kerple r2");
+  }
+}
+
 class AttentionBackward : public EveryTarget {};
 
 TEST_P(AttentionBackward, MatchesTheReferenceForEveryTrainableScheme) {
@@ -392,16 +407,7 @@ TEST_P(AttentionBackward, MatchesTheReferenceForEveryTrainableScheme) {
       spec.mask.softcap = softcap ? 3.0 : 0.0;
       const Attention att(spec);
       const std::vector<double> d_out = random_values(static_cast<std::size_t>(p.q_count()));
-      const Grads fused = run_backward(p, att, d_out, false), exact = run_backward(p, att, d_out, true);
-      expect_close(fused.dq, exact.dq, "dq");
-      expect_close(fused.dk, exact.dk, "dk");
-      expect_close(fused.dv, exact.dv, "dv");
-      for (std::size_t g = 0; g < exact.params.groups.size(); ++g) {
-        expect_close(fused.params.groups[g].alibi_slopes, exact.params.groups[g].alibi_slopes, "alibi slopes");
-        expect_close(fused.params.groups[g].t5_table, exact.params.groups[g].t5_table, "t5 table");
-        expect_close(fused.params.groups[g].kerple_r1, exact.params.groups[g].kerple_r1, "kerple r1");
-        expect_close(fused.params.groups[g].kerple_r2, exact.params.groups[g].kerple_r2, "kerple r2");
-      }
+      expect_backward_matches_reference(p, att, d_out);
     }
   }
 }
@@ -412,12 +418,7 @@ TEST_P(AttentionBackward, PackedAndSixteenBit) {
   spec.mask.causal = true;
   spec.groups = {{2, RotaryQK{RopeParams(32, 32)}, AlibiParams(2)}};
   const Attention att(spec);
-  const std::vector<double> d_out = random_values(static_cast<std::size_t>(p.q_count()));
-  const Grads fused = run_backward(p, att, d_out, false), exact = run_backward(p, att, d_out, true);
-  expect_close(fused.dq, exact.dq, "dq");
-  expect_close(fused.dk, exact.dk, "dk");
-  expect_close(fused.dv, exact.dv, "dv");
-  expect_close(fused.params.groups[0].alibi_slopes, exact.params.groups[0].alibi_slopes, "slopes");
+  expect_backward_matches_reference(p, att, random_values(static_cast<std::size_t>(p.q_count())));
 
   Problem b = make_problem(1, 30, 30, 2, 2, 64, DType::kBF16);
   const Attention bat(spec_of(b));

@@ -238,6 +238,10 @@ TEST_P(AttentionForward, EveryPositionalScheme) {
   with({{heads, {}, KerpleParams(KerpleForm::kLog, {1.5, 0.5, 2.0, 1.0}, {1.0, 2.0, 0.5, 1.5})}}, true, "kerple log");
   with({{heads, {}, FireParams::init(heads, 16, 3)}}, true, "fire");
   with({{heads, {}, TupeParams::init(heads, dim, 32, 200, true, 0.5, 4)}}, false, "tupe");
+  const ShawParams shaw = ShawParams::init(6, dim, 0.5, 11);
+  with({{heads, {}, {}, shaw}}, true, "shaw");
+  with({{2, RotaryQK{rope}, AlibiParams(2), shaw}, {2, {}, {}, ShawParams::init(3, dim, 0.5, 12)}}, false,
+       "shaw with rope + alibi, and another shaw width");
   // Half the heads RoPE, half ALiBi (KV group boundaries: 2 heads per KV head).
   with({{2, RotaryQK{rope}, {}}, {2, {}, AlibiParams(2)}}, true, "rope + alibi by head group");
   with({{1, {}, AlibiParams(1)}, {1, {}, NoPE(1)}, {2, RotaryQK{rope}, T5BiasParams(2, 16, 64, false, std::vector<double>(32, 0.25))}},
@@ -272,6 +276,8 @@ TEST_P(AttentionForward, DecodeSplitsLongCachesExactly) {
     expect_accurate(p, spec, "decode");
     spec.groups = {{4, RotaryQK{RopeParams(64, 64)}, AlibiParams(4)}};
     expect_accurate(p, spec, "decode rope + alibi");
+    spec.groups = {{4, {}, {}, ShawParams::init(16, 64, 0.5, 5)}};
+    expect_accurate(p, spec, "decode shaw");
   }
 }
 
@@ -381,6 +387,8 @@ void expect_backward_matches_reference(const Problem& p, const Attention& att, c
     expect_close(fused.params.groups[g].t5_table, exact.params.groups[g].t5_table, "t5 table");
     expect_close(fused.params.groups[g].kerple_r1, exact.params.groups[g].kerple_r1, "kerple r1");
     expect_close(fused.params.groups[g].kerple_r2, exact.params.groups[g].kerple_r2, "kerple r2");
+    expect_close(fused.params.groups[g].shaw_key_table, exact.params.groups[g].shaw_key_table, "shaw key table");
+    expect_close(fused.params.groups[g].shaw_value_table, exact.params.groups[g].shaw_value_table, "shaw value table");
   }
 }
 
@@ -396,6 +404,7 @@ TEST_P(AttentionBackward, MatchesTheReferenceForEveryTrainableScheme) {
       {{heads, RotaryQK{RopeParams(dim, dim)}, AlibiParams(heads)}},
       {{2, RotaryQK{RopeParams(dim, 32, 10000.0, RopeLayout::kInterleaved).with_xpos(32.0)}, T5BiasParams(2, 16, 32, false, t5_table)},
        {2, AbsoluteQK{SinusoidalParams(dim)}, KerpleParams(KerpleForm::kPower, {1.0, 0.5}, {0.7, 1.3})}},
+      {{heads, RotaryQK{RopeParams(dim, dim)}, {}, ShawParams::init(5, dim, 0.5, 3)}},
   };
   for (std::size_t c = 0; c < cases.size(); ++c) {
     for (const bool softcap : {false, true}) {
@@ -490,6 +499,45 @@ TEST(AttentionReference, BackwardMatchesFiniteDifferences) {
   EXPECT_NEAR(g.params.groups[1].t5_table[3], (loss(p, slope, entry + h) - loss(p, slope, entry - h)) / (2 * h), tol);
 }
 
+// The same for Shaw's tables: every entry of both, by central differences of the reference.
+TEST(AttentionReference, ShawBackwardMatchesFiniteDifferences) {
+  const std::int64_t dim = 4, k_max = 2, width = 2 * k_max + 1;
+  Problem p = make_problem(1, 5, 7, 2, 1, dim, DType::kF64);
+  std::vector<double> key_table(static_cast<std::size_t>(width * dim)), value_table(key_table.size());
+  for (auto& x : key_table) x = uniform(-1, 1);
+  for (auto& x : value_table) x = uniform(-1, 1);
+  const std::vector<double> w = random_values(static_cast<std::size_t>(p.q_count()));
+  const auto loss = [&](const std::vector<double>& kt, const std::vector<double>& vt) {
+    AttentionSpec spec = spec_of(p);
+    spec.groups = {{2, {}, {}, ShawParams(k_max, dim, kt, vt)}};
+    spec.mask.causal = true;
+    const Attention att(spec);
+    std::vector<double> out(static_cast<std::size_t>(p.q_count()));
+    ref::attention_forward(att, p.view<true>(out.data(), p.q_len, p.heads, DType::kF64), {});
+    double l = 0;
+    for (std::size_t i = 0; i < out.size(); ++i) l += out[i] * w[i];
+    return l;
+  };
+  AttentionSpec spec = spec_of(p);
+  spec.groups = {{2, {}, {}, ShawParams(k_max, dim, key_table, value_table)}};
+  spec.mask.causal = true;
+  const Attention att(spec);
+  const Grads g = run_backward(p, att, w, true);
+  // Central differences, h = 1e-5: truncation ~1e-10, cancellation ~1e-11 (as above).
+  const double h = 1e-5, tol = 1e-7;
+  for (std::size_t e = 0; e < key_table.size(); ++e) {
+    std::vector<double> up = key_table, down = key_table;
+    up[e] += h;
+    down[e] -= h;
+    EXPECT_NEAR(g.params.groups[0].shaw_key_table[e], (loss(up, value_table) - loss(down, value_table)) / (2 * h), tol) << e;
+    up = value_table;
+    down = value_table;
+    up[e] += h;
+    down[e] -= h;
+    EXPECT_NEAR(g.params.groups[0].shaw_value_table[e], (loss(key_table, up) - loss(key_table, down)) / (2 * h), tol) << e;
+  }
+}
+
 // ─── Determinism and errors ──────────────────────────────────────────────────────────────────
 
 TEST(Attention, BitwiseIdenticalForAnyThreadCount) {
@@ -532,6 +580,8 @@ TEST(Attention, ClearErrors) {
   expect_error([&] { Attention a(s); }, {"groups[0].heads", "whole KV groups"});
   s.groups = {{4, {}, AlibiParams(2)}};
   expect_error([&] { Attention a(s); }, {"groups[0].bias", "2 heads"});
+  s.groups = {{4, {}, {}, ShawParams::init(3, 8)}};
+  expect_error([&] { Attention a(s); }, {"groups[0].shaw.head_dim", "8", "16"});
   s = spec_of(p);
   s.mask.softcap = std::nan("");
   expect_error([&] { Attention a(s); }, {"mask.softcap", "nan"});

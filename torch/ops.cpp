@@ -21,7 +21,8 @@
 //                     Tensor k_positions) -> (Tensor out, Tensor lse)
 //                   fused attention (posenc/attention.hpp), q [B, Sq, H, D], k, v [B, Sk, G, D];
 //                   differentiable in q, k, v and bias_params (ALiBi slopes [H], T5 table
-//                   [buckets, H], Kerple [2, H] = r1, r2); `scheme` is JSON: {"kind": "none" |
+//                   [buckets, H], Kerple [2, H] = r1, r2, Shaw [2, 2k + 1, D] = key and value
+//                   tables); `scheme` is JSON: {"kind": "none" | "shaw" |
 //                   "rope" | "absolute" | "alibi" | "t5" | "kerple", "rope": {RopeParams as for rope},
 //                   "dim", "base", "interleaved" (absolute: Shortformer's sinusoid on q and k),
 //                   "keys_rotated", "symmetric", "num_buckets", "max_distance", "bidirectional",
@@ -803,6 +804,8 @@ at::Tensor floater_op(const at::Tensor& w1, const at::Tensor& b1, const at::Tens
 
 // ─── Fused attention ─────────────────────────────────────────────────────────────────────────
 
+std::int64_t q_dim_of(const at::Tensor& t) { return t.dim() == 3 ? t.size(2) : 0; }
+
 // The head group of a JSON scheme and its learned parameters (bias_params, as float64 values).
 HeadGroup attention_group(const std::string& scheme_json, const at::Tensor& bias_params, std::int64_t heads) {
   const char* where = "attention";
@@ -829,13 +832,21 @@ HeadGroup attention_group(const std::string& scheme_json, const at::Tensor& bias
                       ": bias_params shape ", bias_params.sizes(), "; expected the T5 table [num_buckets = ", buckets,
                       ", heads = ", heads, "]");
     group.bias = T5BiasParams(heads, buckets, j.value("max_distance", 128), j.value("bidirectional", true), values);
+  } else if (kind == "shaw") {
+    const std::int64_t k = j.value("max_distance", 16), dim = q_dim_of(bias_params);
+    TORCH_CHECK_VALUE(bias_params.dim() == 3 && bias_params.size(0) == 2 && bias_params.size(1) == 2 * k + 1, where,
+                      ": bias_params shape ", bias_params.sizes(), "; expected [2, 2·max_distance + 1 = ", 2 * k + 1,
+                      ", head_dim] (the key and value tables)");
+    const auto half = static_cast<std::ptrdiff_t>(values.size() / 2);
+    group.shaw = ShawParams(k, dim, std::vector<double>(values.begin(), values.begin() + half),
+                            std::vector<double>(values.begin() + half, values.end()));
   } else if (kind == "kerple") {
     TORCH_CHECK_VALUE(bias_params.dim() == 2 && bias_params.size(0) == 2 && bias_params.size(1) == heads, where,
                       ": bias_params shape ", bias_params.sizes(), "; expected [2, heads = ", heads, "] (r1, r2)");
     const std::vector<double> r1(values.begin(), values.begin() + heads), r2(values.begin() + heads, values.end());
     group.bias = KerpleParams(j.value("power", false) ? KerpleForm::kPower : KerpleForm::kLog, r1, r2);
   } else {
-    throw Error(where, "scheme.kind", kind, "none, rope, absolute, alibi, t5 or kerple");
+    throw Error(where, "scheme.kind", kind, "none, rope, absolute, alibi, t5, kerple or shaw");
   }
   return group;
 }
@@ -916,8 +927,12 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
       at::Tensor d_bias;
       if (trainable) {
         const GroupGradients& g = param_grads.groups[0];
-        std::vector<double> flat = !g.alibi_slopes.empty() ? g.alibi_slopes : !g.t5_table.empty() ? g.t5_table : g.kerple_r1;
+        std::vector<double> flat = !g.alibi_slopes.empty() ? g.alibi_slopes
+                                   : !g.t5_table.empty()   ? g.t5_table
+                                   : !g.kerple_r1.empty()  ? g.kerple_r1
+                                                           : g.shaw_key_table;
         flat.insert(flat.end(), g.kerple_r2.begin(), g.kerple_r2.end());
+        flat.insert(flat.end(), g.shaw_value_table.begin(), g.shaw_value_table.end());
         d_bias = tensor_of(flat, bias_params);
       }
       return variable_list{dq, dk, dv, at::Tensor(), d_bias, at::Tensor(), at::Tensor(), at::Tensor(),

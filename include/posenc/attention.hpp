@@ -9,7 +9,7 @@
 //
 // T_q, T_k: the group's query/key transform (RoPE from the positions, or Shortformer's absolute
 // sinusoid added to q and k but not v), b: the group's score bias (ALiBi, T5, Kerple, FIRE, TUPE;
-// bias.hpp), p_i / p'_j the query / key positions. Computed flash-style: tiles of keys against
+// bias.hpp), p_i / p'_j the query / key positions; Shaw's relative key and value terms (below). Computed flash-style: tiles of keys against
 // blocks of queries with an online softmax; no Sq×Sk matrix is ever stored. Workspace per thread
 // is O(tile·D) in forward; backward keeps a [G·Sq, D] gradient accumulator per thread as well.
 //
@@ -60,6 +60,7 @@
 #include "posenc/absolute.hpp"
 #include "posenc/bias.hpp"
 #include "posenc/positions.hpp"
+#include "posenc/relative.hpp"
 #include "posenc/rotary.hpp"
 #include "posenc/tensor.hpp"
 
@@ -79,11 +80,15 @@ struct AbsoluteQK {
 using QKTransform = std::variant<std::monostate, RotaryQK, AbsoluteQK>;
 
 // A run of consecutive heads sharing a scheme. `bias`, when set, has bias_heads == heads (its
-// head 0 is the group's first head).
+// head 0 is the group's first head). `shaw` (Shaw et al. 2018, relative.hpp; head_dim == D) adds
+// its key term to the logit and its value term to the output, with r = clip(k_pos − q_pos, ±k):
+//   x_ij += scale·⟨T_q(q_i), a^K[r]⟩        out_i += Σ_j p_ij·a^V[r]
+// (scale·(q·k + q·a^K) is the paper's e_ij when scale = 1/sqrt(D)).
 struct HeadGroup {
   std::int64_t heads = 0;
   QKTransform transform{};
   std::optional<BiasScheme> bias{};
+  std::optional<ShawParams> shaw{};
 };
 
 struct AttentionMask {
@@ -109,6 +114,7 @@ struct GroupGradients {
   std::vector<double> alibi_slopes;       // [heads]
   std::vector<double> t5_table;           // [buckets·heads], the table's layout
   std::vector<double> kerple_r1, kerple_r2;  // [heads]
+  std::vector<double> shaw_key_table, shaw_value_table;  // [(2k + 1)·D], the tables' layout
   std::optional<FireGradients> fire;
   std::optional<TupeGradients> tupe;
 };

@@ -153,6 +153,32 @@ def test_t5_and_kerple_parameter_gradients():
         assert torch.allclose(a, b, atol=1e-10, rtol=0)
 
 
+def test_shaw_matches_eager_with_its_table_gradients():
+    q, k, v = inputs(dtype=torch.float64)
+    sq, sk = q.shape[1], k.shape[1]
+    shaw = posenc.ShawRelativePositions(4, 32, std=0.3).double()
+    out = posenc.attention(q, k, v, shaw, causal=True)
+    key_table, value_table = (t.detach().clone().requires_grad_() for t in (shaw.key_table, shaw.value_table))
+    # Eager: rows r = clip(j - i, -k, k) + k of both tables (positions: queries at Sk - Sq + i).
+    i = torch.arange(sq)[:, None] + (sk - sq)
+    j = torch.arange(sk)[None, :]
+    rows = (j - i).clamp(-4, 4) + 4  # [Sq, Sk]
+    b, _, h, d = q.shape
+    kk, vv = k.repeat_interleave(2, dim=2), v.repeat_interleave(2, dim=2)
+    scores = (torch.einsum("bqhd,bkhd->bhqk", q, kk) + torch.einsum("bqhd,qkd->bhqk", q, key_table[rows])) / math.sqrt(d)
+    scores = scores.masked_fill(j > i, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    ref = torch.einsum("bhqk,bkhd->bqhd", probs, vv) + torch.einsum("bhqk,qkd->bqhd", probs, value_table[rows])
+    assert torch.allclose(out, ref, atol=1e-12, rtol=0)
+    got = grads_of(out, (q, k, v, shaw.key_table, shaw.value_table))
+    want = grads_of(ref, (q, k, v, key_table, value_table))
+    for a, b_ in zip(got, want):
+        assert torch.allclose(a, b_, atol=1e-10, rtol=0)
+    f32 = posenc.attention(q.float(), k.float(), v.float(), shaw.float(), causal=True)
+    # The fused f32 kernel against the fp64 result: sums of ~50 f32 products of O(1) terms.
+    assert torch.allclose(f32.double(), ref, atol=1e-5, rtol=0)
+
+
 def test_gradcheck():
     q, k, v = inputs(b=1, sq=5, sk=7, h=2, g=1, d=4)
     alibi = posenc.ALiBi(2)  # slopes are a buffer: assigning a tensor to it is allowed

@@ -265,6 +265,144 @@ void AttentionPlan::add_bias(const Sequence& seq, const RowBlock& rb, std::int64
   (void)seq;
 }
 
+
+// ─── Shaw's relative key and value terms ─────────────────────────────────────────────────────
+// Per-row arrays over the table rows are kept transposed, [table row u][row r] with row stride
+// ld, so that a tile whose keys all clip to one table row for every row (every tile outside the
+// ±k band around the diagonal) is one vector add per key.
+
+// The Shaw tables every valid row of the block uses, when they all use the same ones.
+const ShawTables* AttentionPlan::shaw_of_block(const RowBlock& rb) const {
+  const ShawTables* common = nullptr;
+  for (std::int64_t r = 0; r < rb.width; ++r) {
+    const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
+    if (h < 0) continue;
+    const ShawTables* t = shaw_of_head(h);
+    if (t == nullptr || (common != nullptr && t != common)) return nullptr;
+    common = t;
+  }
+  return common;
+}
+
+// dots[u][r] = rows_r · table[u] (the key table, or the value table) for rows with Shaw; 0 for
+// the other rows and table rows past their group's width. rows_t: the rows transposed, [d][r]
+// with stride ld_t, when available: one matrix product then does it (a block of one group).
+void AttentionPlan::shaw_row_dots(const RowBlock& rb, const float* rows, std::int64_t ld_rows, const float* rows_t,
+                                  std::int64_t ld_t, bool value_table, float* dots, std::int64_t ld) const {
+  for (std::int64_t u = 0; u < shaw_width; ++u) std::fill(dots + u * ld, dots + u * ld + rb.width, 0.0f);
+  if (const ShawTables* t = shaw_of_block(rb); t != nullptr && rows_t != nullptr) {
+    kernels::attn_gemm(value_table ? t->value.data() : t->key.data(), value_table ? dim_padded : dim, 1, rows_t, ld_t,
+                       dots, ld, t->width, rb.width, dim, false);
+    return;
+  }
+  for (std::int64_t r = 0; r < rb.width; ++r) {
+    const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
+    const ShawTables* t = h < 0 ? nullptr : shaw_of_head(h);
+    if (t == nullptr) continue;
+    const float* row = rows + r * ld_rows;
+    for (std::int64_t u = 0; u < t->width; ++u) {
+      const float* a = value_table ? t->value.data() + u * dim_padded : t->key.data() + u * dim;
+      float sum = 0;
+      for (std::int64_t e = 0; e < dim; ++e) sum += row[e] * a[e];
+      dots[u * ld + r] = sum;
+    }
+  }
+}
+
+// The one table row every (row, key) pair of the tile clips to, or −1.
+std::int64_t AttentionPlan::shaw_uniform_row(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos) const {
+  std::int64_t k_min = kpos[0], k_max = kpos[0];
+  for (std::int64_t j = 1; j < keys; ++j) {
+    k_min = std::min(k_min, kpos[j]);
+    k_max = std::max(k_max, kpos[j]);
+  }
+  std::int64_t uniform = -2;  // −2: no Shaw row seen yet
+  for (std::int64_t r = 0; r < rb.width; ++r) {
+    const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
+    const ShawTables* t = h < 0 ? nullptr : shaw_of_head(h);
+    if (t == nullptr) continue;
+    const std::int64_t qp = rb.position[static_cast<std::size_t>(r)];
+    const std::int64_t lo = t->row_of(k_min - qp), hi = t->row_of(k_max - qp);
+    if (lo != hi || (uniform != -2 && lo != uniform)) return -1;
+    uniform = lo;
+  }
+  return uniform < 0 ? -1 : uniform;
+}
+
+// st[j][r] += dots[row(k_j − q_r)][r].
+void AttentionPlan::shaw_add_rows(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, const float* dots,
+                                  std::int64_t ld, float* st) const {
+  const std::int64_t w = rb.width, u0 = shaw_uniform_row(rb, keys, kpos);
+  if (u0 >= 0) {
+    const float* d = dots + u0 * ld;
+    for (std::int64_t j = 0; j < keys; ++j) {
+      float* row = st + j * w;
+      for (std::int64_t r = 0; r < w; ++r) row[r] += d[r];
+    }
+    return;
+  }
+  for (std::int64_t r = 0; r < w; ++r) {
+    const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
+    const ShawTables* t = h < 0 ? nullptr : shaw_of_head(h);
+    if (t == nullptr) continue;
+    const std::int64_t qp = rb.position[static_cast<std::size_t>(r)];
+    for (std::int64_t j = 0; j < keys; ++j) st[j * w + r] += dots[t->row_of(kpos[j] - qp) * ld + r];
+  }
+}
+
+// sums[row(k_j − q_r)][r] += pt[j][r] over the tile's keys, after scaling every sum of row r by
+// corr[r] when given (the online softmax's rescaling of what came before).
+void AttentionPlan::shaw_collect(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, const float* pt,
+                                 const float* corr, float* sums, std::int64_t ld) const {
+  const std::int64_t w = rb.width;
+  if (corr != nullptr) {
+    bool rescale = false;
+    for (std::int64_t r = 0; r < w && !rescale; ++r) rescale = corr[r] != 1.0f;
+    if (rescale) {
+      for (std::int64_t u = 0; u < shaw_width; ++u) {
+        float* row = sums + u * ld;
+        for (std::int64_t r = 0; r < w; ++r) row[r] *= corr[r];
+      }
+    }
+  }
+  const std::int64_t u0 = shaw_uniform_row(rb, keys, kpos);
+  if (u0 >= 0) {
+    float* row = sums + u0 * ld;
+    for (std::int64_t j = 0; j < keys; ++j) {
+      const float* p = pt + j * w;
+      for (std::int64_t r = 0; r < w; ++r) row[r] += p[r];
+    }
+    return;
+  }
+  for (std::int64_t r = 0; r < w; ++r) {
+    const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
+    const ShawTables* t = h < 0 ? nullptr : shaw_of_head(h);
+    if (t == nullptr) continue;
+    const std::int64_t qp = rb.position[static_cast<std::size_t>(r)];
+    for (std::int64_t j = 0; j < keys; ++j) sums[t->row_of(kpos[j] - qp) * ld + r] += pt[j * w + r];
+  }
+}
+
+// o_r += Σ_u probs[u][r]·a^V[u] (unnormalised, as o): a matrix product for a block of one group.
+void AttentionPlan::shaw_add_values(const RowBlock& rb, const float* probs, std::int64_t ld, float* o) const {
+  if (const ShawTables* t = shaw_of_block(rb); t != nullptr) {
+    kernels::attn_gemm(probs, 1, ld, t->value.data(), dim_padded, o, dim_padded, rb.width, dim_padded, t->width, true);
+    return;
+  }
+  for (std::int64_t r = 0; r < rb.width; ++r) {
+    const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
+    const ShawTables* t = h < 0 ? nullptr : shaw_of_head(h);
+    if (t == nullptr) continue;
+    float* row = o + r * dim_padded;
+    for (std::int64_t u = 0; u < t->width; ++u) {
+      const float p = probs[u * ld + r];
+      if (p == 0.0f) continue;
+      const float* a = t->value.data() + u * dim_padded;
+      for (std::int64_t e = 0; e < dim; ++e) row[e] += p * a[e];
+    }
+  }
+}
+
 }  // namespace detail
 
 // ─── Forward ─────────────────────────────────────────────────────────────────────────────────
@@ -323,6 +461,12 @@ void forward_begin(const AttentionPlan& p, const Sequence& seq, const RowBlock& 
       for (std::int64_t t = 0; t < d; ++t) s.qt[static_cast<std::size_t>(t * w + r)] = row[t];
     }
   }
+  if (p.any_shaw) {
+    grow(s.shaw_key_dots, w * p.shaw_width);
+    grow(s.shaw_probs, w * p.shaw_width);
+    std::fill(s.shaw_probs.begin(), s.shaw_probs.begin() + w * p.shaw_width, 0.0f);
+    p.shaw_row_dots(rb, s.q.data(), dp, dot ? nullptr : s.qt.data(), w, false, s.shaw_key_dots.data(), w);
+  }
 }
 
 void forward_tile(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh, const RowBlock& rb, std::int64_t k0,
@@ -359,10 +503,11 @@ void forward_tile(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh,
   }
   // S^T = K·Q^T (scale and query transform already in Q).
   kernels::attn_gemm(kp, ldk, 1, s.qt.data(), w, s.st.data(), w, keys, w, d, false);
-  if (p.any_bias) {
+  if (p.any_bias || p.any_shaw) {
     for (std::int64_t j = 0; j < keys; ++j) s.kpos[static_cast<std::size_t>(j)] = p.k_position(seq, k0 + j);
-    p.add_bias(seq, rb, k0, keys, s.kpos.data(), s.st.data(), s.tmp);
   }
+  if (p.any_bias) p.add_bias(seq, rb, k0, keys, s.kpos.data(), s.st.data(), s.tmp);
+  if (p.any_shaw) p.shaw_add_rows(rb, keys, s.kpos.data(), s.shaw_key_dots.data(), w, s.st.data());
   if (p.mask.softcap > 0) kernels::attn_softcap_tile(s.st.data(), keys, w, static_cast<float>(p.mask.softcap));
   if (!p.tile_unmasked(rb, k0, keys)) {
     kernels::attn_mask_tile(s.st.data(), keys, w, k0, rb.lo.data(), rb.hi.data());
@@ -371,6 +516,7 @@ void forward_tile(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh,
   kernels::attn_scale_rows(s.o.data(), dp, w, dp, s.corr.data());
   // O += P·V with P(r, j) = P^T[j][r].
   kernels::attn_gemm(s.st.data(), 1, w, vp, ldv, s.o.data(), dp, w, dp, keys, true);
+  if (p.any_shaw) p.shaw_collect(rb, keys, s.kpos.data(), s.st.data(), s.corr.data(), s.shaw_probs.data(), w);
 }
 
 void forward_unit(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh, const RowBlock& rb,
@@ -433,6 +579,7 @@ void AttentionPlan::forward(TensorView out, TensorView lse) const {
   // Normalises and stores the rows of a finished block.
   const auto finish = [&](const Sequence& seq, const RowBlock& rb, AttentionUnitScratch& s) {
     const std::int64_t dp = dim_padded;
+    if (any_shaw) shaw_add_values(rb, s.shaw_probs.data(), rb.width, s.o.data());
     grow(s.tmp, dp);
     for (std::int64_t r = 0; r < rb.width; ++r) {
       const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
@@ -482,6 +629,7 @@ void AttentionPlan::forward(TensorView out, TensorView lse) const {
           finish(seq, hr, hs);
           continue;
         }
+        if (any_shaw) shaw_add_values(hr, hs.shaw_probs.data(), hr.width, hs.o.data());
         float* part = parts.data() + (un.partial * kv_heads + kvh) * part_rows * part_width;
         for (std::int64_t r = 0; r < hr.valid_rows; ++r) {
           float* row = part + r * part_width;
@@ -612,14 +760,16 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
     for (std::int64_t g = 0; g < g_count; ++g) {
       AttentionUnitScratch& hs = heads_scratch[static_cast<std::size_t>(g)];
       const RowBlock& rb = rows[static_cast<std::size_t>(g)];
-      if (any_bias) {
+      if (any_bias || any_shaw) {
         for (std::int64_t j = 0; j < keys; ++j) hs.kpos[static_cast<std::size_t>(j)] = k_position(seq, k0 + j);
-        add_bias(seq, rb, k0, keys, hs.kpos.data(), hs.st.data(), hs.tmp);
       }
+      if (any_bias) add_bias(seq, rb, k0, keys, hs.kpos.data(), hs.st.data(), hs.tmp);
+      if (any_shaw) shaw_add_rows(rb, keys, hs.kpos.data(), hs.shaw_key_dots.data(), w, hs.st.data());
       if (mask.softcap > 0) kernels::attn_softcap_tile(hs.st.data(), keys, w, static_cast<float>(mask.softcap));
       if (!tile_unmasked(rb, k0, keys)) kernels::attn_mask_tile(hs.st.data(), keys, w, k0, rb.lo.data(), rb.hi.data());
       kernels::attn_softmax_tile(hs.st.data(), keys, w, hs.m.data(), hs.l.data(), hs.corr.data());
       kernels::attn_scale_rows(hs.o.data(), dp, valid, dp, hs.corr.data());
+      if (any_shaw) shaw_collect(rb, keys, hs.kpos.data(), hs.st.data(), hs.corr.data(), hs.shaw_probs.data(), w);
     }
     kernels::attn_decode_values(vp, ldv, vhs, keys, g_count, p_heads.data(), w, valid, direct ? dim : dp, o_heads.data(), dp,
                                 s.dv.data());
@@ -665,6 +815,8 @@ void AttentionPlan::backward(ConstTensorView out, ConstTensorView lse, ConstTens
   // Per unit, its share of the bias parameters' gradients (summed in unit order afterwards).
   const std::int64_t grad_size = want_bias_grads ? bias_gradient_size() : 0;
   std::vector<double> unit_grads(static_cast<std::size_t>(grad_size) * units.size());
+  const std::int64_t shaw_size = grads != nullptr && any_shaw ? shaw_grad_offset.back() : 0;
+  std::vector<double> unit_shaw_grads(static_cast<std::size_t>(shaw_size) * units.size());
   const auto flops = static_cast<std::int64_t>(batch) * q_len * k_len * heads * dim;
   const int threads = std::min<int>(threads_for(flops / 16), static_cast<int>(std::max<std::size_t>(units.size(), 1)));
   std::int64_t scratch_bytes = 0;
@@ -679,7 +831,7 @@ void AttentionPlan::backward(ConstTensorView out, ConstTensorView lse, ConstTens
       const std::int64_t kvh = units[u].kvh;
       backward_unit(seq, kvh, out, og, lse, d_out, dog, want_dq ? &dq : nullptr, dqg, want_dk ? &dk : nullptr, dkg,
                     want_dv ? &dv : nullptr, dvg, want_bias_grads ? unit_grads.data() + u * static_cast<std::size_t>(grad_size) : nullptr,
-                    s, rb);
+                    shaw_size > 0 ? unit_shaw_grads.data() + u * static_cast<std::size_t>(shaw_size) : nullptr, s, rb);
     }
     scratch_bytes += s.bytes();
   }
@@ -690,14 +842,29 @@ void AttentionPlan::backward(ConstTensorView out, ConstTensorView lse, ConstTens
     }
     scatter_bias_gradients(total, *grads);
   }
+  if (shaw_size > 0) {
+    // Units in order; then each group's [key | value] block into its tables' gradients.
+    std::vector<double> total(static_cast<std::size_t>(shaw_size), 0.0);
+    for (std::size_t u = 0; u < units.size(); ++u) {
+      for (std::int64_t t = 0; t < shaw_size; ++t) {
+        total[static_cast<std::size_t>(t)] += unit_shaw_grads[u * static_cast<std::size_t>(shaw_size) + static_cast<std::size_t>(t)];
+      }
+    }
+    for (std::size_t g = 0; g < grads->groups.size(); ++g) {
+      GroupGradients& gg = grads->groups[g];
+      const double* at = total.data() + shaw_grad_offset[g];
+      for (std::size_t t = 0; t < gg.shaw_key_table.size(); ++t) gg.shaw_key_table[t] += at[t];
+      for (std::size_t t = 0; t < gg.shaw_value_table.size(); ++t) gg.shaw_value_table[t] += at[gg.shaw_key_table.size() + t];
+    }
+  }
   last_workspace_bytes = scratch_bytes + static_cast<std::int64_t>(unit_grads.size() * sizeof(double)) + table_bytes();
 }
 
 void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTensorView out, const HeadsGrid& og,
                                   ConstTensorView lse, ConstTensorView d_out, const HeadsGrid& dog, TensorView* dq,
                                   const HeadsGrid& dqg, TensorView* dk, const HeadsGrid& dkg, TensorView* dv,
-                                  const HeadsGrid& dvg, double* unit_grads, AttentionUnitScratch& s,
-                                  RowBlock& rb) const {
+                                  const HeadsGrid& dvg, double* unit_grads, double* unit_shaw_grads,
+                                  AttentionUnitScratch& s, RowBlock& rb) const {
   const std::int64_t dp = dim_padded, d = dim;
   // All rows of the unit, head-major, each head's queries padded to the lane count.
   layout_rows(seq, kvh, 0, seq.lq, false, rb);
@@ -739,6 +906,14 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
     }
   }
   const bool keys_transformed = tq.kind != QKTables::kNone && tq.transform_keys;
+  if (any_shaw) {
+    // Shaw: q·a^K and dO·a^V per row and table row; the tiles then sum dS and P per table row.
+    for (auto* buffer : {&s.shaw_key_dots, &s.shaw_value_dots, &s.shaw_grads, &s.shaw_probs}) grow(*buffer, w * shaw_width);
+    shaw_row_dots(rb, s.q.data(), dp, s.qt.data(), w, false, s.shaw_key_dots.data(), w);
+    shaw_row_dots(rb, s.dout.data(), dp, s.doutt.data(), w, true, s.shaw_value_dots.data(), w);
+    std::fill(s.shaw_grads.begin(), s.shaw_grads.begin() + w * shaw_width, 0.0f);
+    std::fill(s.shaw_probs.begin(), s.shaw_probs.begin() + w * shaw_width, 0.0f);
+  }
   grow(s.k, key_tile * dp);
   grow(s.v, key_tile * dp);
   grow(s.dk, key_tile * dp);
@@ -788,12 +963,19 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
       // S^T = K·Q^T, biases, soft-cap, mask; dP^T = V·dO^T.
       kernels::attn_gemm(s.k.data(), dp, 1, s.qt.data() + r0, w, s.st.data(), bw, keys, bw, d, false);
       add_bias(seq, sub, k0, keys, s.kpos.data(), s.st.data(), s.tmp);
+      if (any_shaw) shaw_add_rows(sub, keys, s.kpos.data(), s.shaw_key_dots.data() + r0, w, s.st.data());
       if (mask.softcap > 0) kernels::attn_softcap_tile(s.st.data(), keys, bw, static_cast<float>(mask.softcap));
       if (!full) kernels::attn_mask_tile(s.st.data(), keys, bw, k0, sub.lo.data(), sub.hi.data());
       kernels::attn_gemm(s.v.data(), dp, 1, s.doutt.data() + r0, w, s.dpt.data(), bw, keys, bw, d, false);
+      // Shaw's value term: dP_ij += dO_i·a^V[row].
+      if (any_shaw) shaw_add_rows(sub, keys, s.kpos.data(), s.shaw_value_dots.data() + r0, w, s.dpt.data());
       // P^T, dS^T (with the soft-cap's derivative).
       kernels::attn_backward_tile(s.st.data(), s.dpt.data(), keys, bw, s.lse.data() + r0, s.delta.data() + r0,
                                   static_cast<float>(mask.softcap));
+      if (any_shaw) {
+        shaw_collect(sub, keys, s.kpos.data(), s.dpt.data(), nullptr, s.shaw_grads.data() + r0, w);
+        shaw_collect(sub, keys, s.kpos.data(), s.st.data(), nullptr, s.shaw_probs.data() + r0, w);
+      }
       // dV += P^T·dO, dK += dS^T·Q (Q carries the scale), dQ += dS·K.
       kernels::attn_gemm(s.st.data(), bw, 1, s.dout.data() + r0 * dp, dp, s.dv.data(), dp, keys, dp, bw, true);
       kernels::attn_gemm(s.dpt.data(), bw, 1, s.q.data() + r0 * dp, dp, s.dk.data(), dp, keys, dp, bw, true);
@@ -808,6 +990,31 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
         store_row_to(dkrow, *dk, dkg, seq.b, seq.k0 + k0 + j, kvh);
       }
       if (dv != nullptr) store_row_to(s.dv.data() + j * dp, *dv, dvg, seq.b, seq.k0 + k0 + j, kvh);
+    }
+  }
+  if (any_shaw) {
+    // dL/dQs_r += Σ_u dS-sum[r][u]·a^K[u]; the tables' gradients: a^K[u] += Σ_r dS-sum·Qs_r,
+    // a^V[u] += Σ_r P-sum·dO_r (fp64, rows in order).
+    for (std::int64_t r = 0; r < w; ++r) {
+      const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
+      const ShawTables* t = h < 0 ? nullptr : shaw_of_head(h);
+      if (t == nullptr) continue;
+      const float* ds = s.shaw_grads.data() + r;  // [u][r], stride w
+      const float* ps = s.shaw_probs.data() + r;
+      float* dq_row = s.dq.data() + r * dp;
+      double* key_grad = unit_shaw_grads == nullptr ? nullptr
+                         : unit_shaw_grads + shaw_grad_offset[static_cast<std::size_t>(head_group[static_cast<std::size_t>(h)])];
+      double* value_grad = key_grad == nullptr ? nullptr : key_grad + t->width * d;
+      for (std::int64_t u = 0; u < t->width; ++u) {
+        const float dsu = ds[u * w], psu = ps[u * w];
+        const float* a = t->key.data() + u * d;
+        for (std::int64_t e = 0; e < d; ++e) dq_row[e] += dsu * a[e];
+        if (key_grad == nullptr) continue;
+        for (std::int64_t e = 0; e < d; ++e) {
+          key_grad[u * d + e] += static_cast<double>(dsu) * s.q[static_cast<std::size_t>(r * dp + e)];
+          value_grad[u * d + e] += static_cast<double>(psu) * s.dout[static_cast<std::size_t>(r * dp + e)];
+        }
+      }
     }
   }
   // dQ: times the scale, rotated back.

@@ -63,7 +63,8 @@ void RowBlock::slice(std::int64_t r0, std::int64_t n, RowBlock& out) const {
 
 std::int64_t AttentionUnitScratch::bytes() const {
   std::int64_t total = 0;
-  for (const auto* buffer : {&q, &qt, &o, &m, &l, &corr, &st, &dpt, &k, &v, &tmp, &dout, &doutt, &dq, &dk, &dv, &lse, &delta}) {
+  for (const auto* buffer : {&q, &qt, &o, &m, &l, &corr, &st, &dpt, &k, &v, &tmp, &dout, &doutt, &dq, &dk, &dv, &lse, &delta,
+                             &shaw_key_dots, &shaw_value_dots, &shaw_probs, &shaw_grads}) {
     total += static_cast<std::int64_t>(buffer->capacity() * sizeof(float));
   }
   return total + static_cast<std::int64_t>(kpos.capacity() * sizeof(std::int64_t) + hist.capacity() * sizeof(double));
@@ -233,12 +234,43 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), 
         throw Error(kWhere, (name + ".bias").c_str(), std::to_string(bh) + " heads", std::to_string(grp.heads) + " (the group's heads)");
       }
     }
+    ShawTables st;
+    if (grp.shaw) {
+      if (grp.shaw->head_dim() != dim) {
+        throw Error(kWhere, (name + ".shaw.head_dim").c_str(), std::to_string(grp.shaw->head_dim()),
+                    "the head_dim of q, " + std::to_string(dim));
+      }
+      st.max_distance = grp.shaw->max_distance();
+      st.width = grp.shaw->rows();
+      st.key.assign(static_cast<std::size_t>(st.width * dim), 0.0f);
+      st.value.assign(static_cast<std::size_t>(st.width * dim_padded), 0.0f);
+      for (std::int64_t t = 0; t < st.width; ++t) {
+        for (std::int64_t e = 0; e < dim; ++e) {
+          if (!grp.shaw->key_table().empty()) {
+            st.key[static_cast<std::size_t>(t * dim + e)] = static_cast<float>(grp.shaw->key_table()[static_cast<std::size_t>(t * dim + e)]);
+          }
+          if (!grp.shaw->value_table().empty()) {
+            st.value[static_cast<std::size_t>(t * dim_padded + e)] =
+                static_cast<float>(grp.shaw->value_table()[static_cast<std::size_t>(t * dim + e)]);
+          }
+        }
+      }
+      any_shaw = true;
+      shaw_width = std::max(shaw_width, st.width);
+    }
+    shaw_grad_offset.push_back(shaw_grad_offset.empty() ? 0 : shaw_grad_offset.back());
+    shaw.push_back(std::move(st));
     group_first_head.push_back(first);
     for (std::int64_t h = first; h < first + grp.heads; ++h) head_group[static_cast<std::size_t>(h)] = static_cast<std::int64_t>(gi);
     first += grp.heads;
   }
   if (first != heads) {
     throw Error(kWhere, "groups", std::to_string(first) + " heads", "the " + std::to_string(heads) + " heads of q, tiled");
+  }
+  // Shaw gradients: [key table | value table] per group with Shaw, (2k + 1)·D each.
+  shaw_grad_offset.assign(groups.size() + 1, 0);
+  for (std::size_t gi = 0; gi < groups.size(); ++gi) {
+    shaw_grad_offset[gi + 1] = shaw_grad_offset[gi] + 2 * shaw[gi].width * dim;
   }
   (void)same_transform;
 
@@ -442,6 +474,10 @@ AttentionGradients AttentionPlan::zero_gradients() const {
       if (const auto* fire = std::get_if<FireParams>(&*grp.bias)) g.fire.emplace(*fire);
       if (const auto* tupe = std::get_if<TupeParams>(&*grp.bias)) g.tupe.emplace(*tupe);
     }
+    if (grp.shaw) {
+      g.shaw_key_table.assign(static_cast<std::size_t>(grp.shaw->rows() * grp.shaw->head_dim()), 0.0);
+      g.shaw_value_table.assign(g.shaw_key_table.size(), 0.0);
+    }
     grads.groups.push_back(std::move(g));
   }
   return grads;
@@ -459,6 +495,10 @@ void AttentionPlan::check_gradients(const AttentionGradients& grads) const {
     check_gradient_size(kWhere, (name + ".t5_table").c_str(), a.t5_table.size(), static_cast<std::int64_t>(b.t5_table.size()));
     check_gradient_size(kWhere, (name + ".kerple_r1").c_str(), a.kerple_r1.size(), static_cast<std::int64_t>(b.kerple_r1.size()));
     check_gradient_size(kWhere, (name + ".kerple_r2").c_str(), a.kerple_r2.size(), static_cast<std::int64_t>(b.kerple_r2.size()));
+    check_gradient_size(kWhere, (name + ".shaw_key_table").c_str(), a.shaw_key_table.size(),
+                        static_cast<std::int64_t>(b.shaw_key_table.size()));
+    check_gradient_size(kWhere, (name + ".shaw_value_table").c_str(), a.shaw_value_table.size(),
+                        static_cast<std::int64_t>(b.shaw_value_table.size()));
     if (b.fire || b.tupe) {
       throw Error(kWhere, (name + " (backward)").c_str(), b.fire ? "FIRE" : "TUPE",
                   "ALiBi, T5 or Kerple: FIRE's and TUPE's parameter gradients are not computed inside fused attention "

@@ -43,6 +43,15 @@ struct HeadBias {
   const TupeEvaluator* tupe = nullptr;
 };
 
+// Shaw's tables of a head group in f32: key [width][D], value [width][Dp] (zero-padded).
+struct ShawTables {
+  std::int64_t max_distance = 0, width = 0;  // width 0: the group has no Shaw terms
+  std::vector<float> key, value;
+  std::int64_t row_of(std::int64_t relative) const {
+    return (relative < -max_distance ? -max_distance : relative > max_distance ? max_distance : relative) + max_distance;
+  }
+};
+
 // Row metadata of a block of (head, query) rows; see AttentionPlan::layout_rows.
 struct RowBlock {
   std::int64_t i0 = 0, count = 0, valid_rows = 0, width = 0;
@@ -57,6 +66,7 @@ struct RowBlock {
 // Per-thread scratch, reused across calls (first-touch of fresh pages is expensive).
 struct AttentionUnitScratch {
   std::vector<float> q, qt, o, m, l, corr, st, dpt, k, v, tmp, dout, doutt, dq, dk, dv, lse, delta;
+  std::vector<float> shaw_key_dots, shaw_value_dots, shaw_probs, shaw_grads;  // [shaw_width][rows]
   std::vector<std::int64_t> kpos;
   std::vector<double> hist;
   std::int64_t bytes() const;
@@ -114,6 +124,26 @@ struct AttentionPlan {
   std::int64_t delta_min = 0, hist_width = 0;  // the δ range of the bias tables and histograms
   std::vector<std::int64_t> grad_offset;       // per group, into the flat unit gradients
 
+  // Shaw: per group; rows' scratch is shaw_width (the widest group's 2k + 1) wide.
+  std::vector<ShawTables> shaw;
+  bool any_shaw = false;
+  std::int64_t shaw_width = 0;
+  std::vector<std::int64_t> shaw_grad_offset;  // per group, into the flat per-unit Shaw gradients
+  const ShawTables* shaw_of_head(std::int64_t h) const {
+    const ShawTables& t = shaw[static_cast<std::size_t>(head_group[static_cast<std::size_t>(h)])];
+    return t.width > 0 ? &t : nullptr;
+  }
+  // Shaw in the tile loop (attention.cpp). dots and sums: [shaw_width][rows], rows ld apart.
+  const ShawTables* shaw_of_block(const RowBlock& rb) const;
+  void shaw_row_dots(const RowBlock& rb, const float* rows, std::int64_t ld_rows, const float* rows_t, std::int64_t ld_t,
+                     bool value_table, float* dots, std::int64_t ld) const;
+  std::int64_t shaw_uniform_row(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos) const;
+  void shaw_add_rows(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, const float* dots, std::int64_t ld,
+                     float* st) const;
+  void shaw_collect(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, const float* pt, const float* corr,
+                    float* sums, std::int64_t ld) const;
+  void shaw_add_values(const RowBlock& rb, const float* probs, std::int64_t ld, float* o) const;
+
   mutable std::int64_t last_workspace_bytes = 0;
   std::int64_t table_bytes() const;
 
@@ -145,7 +175,7 @@ struct AttentionPlan {
   void backward_unit(const Sequence& seq, std::int64_t kvh, ConstTensorView out, const HeadsGrid& og,
                      ConstTensorView lse, ConstTensorView d_out, const HeadsGrid& dog, TensorView* dq,
                      const HeadsGrid& dqg, TensorView* dk, const HeadsGrid& dkg, TensorView* dv, const HeadsGrid& dvg,
-                     double* unit_grads, AttentionUnitScratch& s, RowBlock& rb) const;
+                     double* unit_grads, double* unit_shaw_grads, AttentionUnitScratch& s, RowBlock& rb) const;
 
   // lse I/O ([B, H, Sq] or [H, Tq]).
   void check_lse(ConstTensorView lse, bool writable) const;

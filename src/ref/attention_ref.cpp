@@ -75,6 +75,16 @@ void transform(const AttentionPlan& p, std::int64_t group, bool is_q, const std:
   }
 }
 
+// Shaw's table entry e of row u (0 for an empty table, which means zeros), fp64.
+double shaw_entry(const std::vector<double>& table, std::int64_t dim, std::int64_t u, std::int64_t e) {
+  return table.empty() ? 0.0 : table[static_cast<std::size_t>(u * dim + e)];
+}
+const ShawParams* shaw_of(const AttentionPlan& p, std::int64_t group) {
+  if (p.spec.groups.empty()) return nullptr;
+  const auto& shaw = p.spec.groups[static_cast<std::size_t>(group)].shaw;
+  return shaw ? &*shaw : nullptr;
+}
+
 const std::optional<BiasScheme>& bias_of(const AttentionPlan& p, std::int64_t group) {
   static const std::optional<BiasScheme> none;
   return p.spec.groups.empty() ? none : p.spec.groups[static_cast<std::size_t>(group)].bias;
@@ -115,6 +125,7 @@ void scores(const AttentionPlan& p, const Sequence& seq, std::int64_t h, const H
   const std::int64_t group = p.head_group[static_cast<std::size_t>(h)];
   const std::int64_t local = h - p.group_first_head[static_cast<std::size_t>(group)];
   const auto& bias = bias_of(p, group);
+  const ShawParams* shaw = shaw_of(p, group);
   const T scale = static_cast<T>(p.scale_f64), cap = static_cast<T>(p.mask.softcap);
   const T neg_inf = -std::numeric_limits<T>::infinity();
   z.assign(static_cast<std::size_t>(seq.lq * seq.lk), T(0));
@@ -126,6 +137,12 @@ void scores(const AttentionPlan& p, const Sequence& seq, std::int64_t h, const H
     for (std::int64_t j = 0; j < seq.lk; ++j) {
       T dot = 0;
       for (std::int64_t t = 0; t < p.dim; ++t) dot += static_cast<T>(hp.q.row(i)[t]) * static_cast<T>(hp.k.row(j)[t]);
+      if (shaw != nullptr) {
+        const std::int64_t u = shaw->row_of(hp.kpos[static_cast<std::size_t>(j)] - hp.qpos[static_cast<std::size_t>(i)]);
+        for (std::int64_t t = 0; t < p.dim; ++t) {
+          dot += static_cast<T>(hp.q.row(i)[t]) * static_cast<T>(shaw_entry(shaw->key_table(), p.dim, u, t));
+        }
+      }
       T x = scale * dot;
       if (bias) {
         x += static_cast<T>(bias_value(*bias, local, hp.qpos[static_cast<std::size_t>(i)], hp.kpos[static_cast<std::size_t>(j)]));
@@ -153,10 +170,18 @@ void forward_impl(const AttentionPlan& p, TensorView out, TensorView lse) {
       std::vector<T> z, prob, l;
       scores<T>(p, seq, h, hp, z, prob, l);
       Rows o{seq.lq, p.dim, std::vector<double>(static_cast<std::size_t>(seq.lq * p.dim))};
+      const ShawParams* shaw = shaw_of(p, p.head_group[static_cast<std::size_t>(h)]);
       for (std::int64_t i = 0; i < seq.lq; ++i) {
         for (std::int64_t t = 0; t < p.dim; ++t) {
           T acc = 0;
-          for (std::int64_t j = 0; j < seq.lk; ++j) acc += prob[static_cast<std::size_t>(i * seq.lk + j)] * static_cast<T>(hp.v.row(j)[t]);
+          for (std::int64_t j = 0; j < seq.lk; ++j) {
+            T value = static_cast<T>(hp.v.row(j)[t]);
+            if (shaw != nullptr) {
+              const std::int64_t u = shaw->row_of(hp.kpos[static_cast<std::size_t>(j)] - hp.qpos[static_cast<std::size_t>(i)]);
+              value += static_cast<T>(shaw_entry(shaw->value_table(), p.dim, u, t));
+            }
+            acc += prob[static_cast<std::size_t>(i * seq.lk + j)] * value;
+          }
           o.row(i)[t] = static_cast<double>(acc);
         }
         if (want_lse) p.write_lse(lse, seq, h, i, static_cast<float>(l[static_cast<std::size_t>(i)]));
@@ -212,12 +237,24 @@ void attention_backward(const Attention& attention, ConstTensorView out, ConstTe
         scores<double>(p, seq, h, hp, z, prob, l);
         const Rows dout = load_rows(p, d_out, dog, seq.b, seq.q0, lq, h);
         Rows dq_t{lq, p.dim, std::vector<double>(static_cast<std::size_t>(lq * p.dim))};
+        const ShawParams* shaw = shaw_of(p, group);
+        GroupGradients* shaw_grads = grads != nullptr && shaw != nullptr ? &grads->groups[static_cast<std::size_t>(group)] : nullptr;
         for (std::int64_t i = 0; i < lq; ++i) {
           std::vector<double> dp(static_cast<std::size_t>(lk));
           double delta = 0;
           for (std::int64_t j = 0; j < lk; ++j) {
             double acc = 0;
             for (std::int64_t t = 0; t < p.dim; ++t) acc += dout.row(i)[t] * hp.v.row(j)[t];
+            if (shaw != nullptr) {
+              const std::int64_t u = shaw->row_of(hp.kpos[static_cast<std::size_t>(j)] - hp.qpos[static_cast<std::size_t>(i)]);
+              for (std::int64_t t = 0; t < p.dim; ++t) acc += dout.row(i)[t] * shaw_entry(shaw->value_table(), p.dim, u, t);
+              if (shaw_grads != nullptr) {
+                for (std::int64_t t = 0; t < p.dim; ++t) {
+                  shaw_grads->shaw_value_table[static_cast<std::size_t>(u * p.dim + t)] +=
+                      prob[static_cast<std::size_t>(i * lk + j)] * dout.row(i)[t];
+                }
+              }
+            }
             dp[static_cast<std::size_t>(j)] = acc;
             delta += prob[static_cast<std::size_t>(i * lk + j)] * acc;
           }
@@ -237,6 +274,15 @@ void attention_backward(const Attention& attention, ConstTensorView out, ConstTe
               dq_t.row(i)[t] += scale * dx * hp.k.row(j)[t];
               dk_t.row(j)[t] += scale * dx * hp.q.row(i)[t];
               dv_acc.row(j)[t] += pij * dout.row(i)[t];
+            }
+            if (shaw != nullptr) {
+              const std::int64_t u = shaw->row_of(hp.kpos[static_cast<std::size_t>(j)] - hp.qpos[static_cast<std::size_t>(i)]);
+              for (std::int64_t t = 0; t < p.dim; ++t) {
+                dq_t.row(i)[t] += scale * dx * shaw_entry(shaw->key_table(), p.dim, u, t);
+                if (shaw_grads != nullptr) {
+                  shaw_grads->shaw_key_table[static_cast<std::size_t>(u * p.dim + t)] += scale * dx * hp.q.row(i)[t];
+                }
+              }
             }
           }
         }

@@ -405,6 +405,8 @@ TEST_P(AttentionBackward, MatchesTheReferenceForEveryTrainableScheme) {
       {{2, RotaryQK{RopeParams(dim, 32, 10000.0, RopeLayout::kInterleaved).with_xpos(32.0)}, T5BiasParams(2, 16, 32, false, t5_table)},
        {2, AbsoluteQK{SinusoidalParams(dim)}, KerpleParams(KerpleForm::kPower, {1.0, 0.5}, {0.7, 1.3})}},
       {{heads, RotaryQK{RopeParams(dim, dim)}, {}, ShawParams::init(5, dim, 0.5, 3)}},
+      // A KV group whose heads mix Shaw and no Shaw (the per-row paths).
+      {{1, {}, {}, ShawParams::init(4, dim, 0.5, 7)}, {1, {}, AlibiParams(1)}, {2, {}, {}, ShawParams::init(2, dim, 0.5, 8)}},
   };
   for (std::size_t c = 0; c < cases.size(); ++c) {
     for (const bool softcap : {false, true}) {

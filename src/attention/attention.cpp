@@ -992,7 +992,28 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
       if (dv != nullptr) store_row_to(s.dv.data() + j * dp, *dv, dvg, seq.b, seq.k0 + k0 + j, kvh);
     }
   }
-  if (any_shaw) {
+  if (const ShawTables* block_tables = any_shaw ? shaw_of_block(rb) : nullptr; block_tables != nullptr) {
+    const ShawTables* t = block_tables;
+    // One group: matrix products. dL/dQs += dS-sumᵀ·a^K; the tables' gradients a^K += dS-sum·Qs,
+    // a^V += P-sum·dO, summed in f32 over the unit's rows (in a fixed order) and added in fp64.
+    kernels::attn_gemm(s.shaw_grads.data(), 1, w, t->key_padded.data(), dp, s.dq.data(), dp, w, dp, t->width, true);
+    if (unit_shaw_grads != nullptr) {
+      grow(s.dk, 2 * t->width * dp);
+      float* key_part = s.dk.data();
+      float* value_part = key_part + t->width * dp;
+      kernels::attn_gemm(s.shaw_grads.data(), w, 1, s.q.data(), dp, key_part, dp, t->width, dp, w, false);
+      kernels::attn_gemm(s.shaw_probs.data(), w, 1, s.dout.data(), dp, value_part, dp, t->width, dp, w, false);
+      const std::int64_t h0 = rb.head[0] >= 0 ? rb.head[0] : kvh * group_size;
+      double* key_grad = unit_shaw_grads + shaw_grad_offset[static_cast<std::size_t>(head_group[static_cast<std::size_t>(h0)])];
+      double* value_grad = key_grad + t->width * d;
+      for (std::int64_t u = 0; u < t->width; ++u) {
+        for (std::int64_t e = 0; e < d; ++e) {
+          key_grad[u * d + e] += key_part[u * dp + e];
+          value_grad[u * d + e] += value_part[u * dp + e];
+        }
+      }
+    }
+  } else if (any_shaw) {
     // dL/dQs_r += Σ_u dS-sum[r][u]·a^K[u]; the tables' gradients: a^K[u] += Σ_r dS-sum·Qs_r,
     // a^V[u] += Σ_r P-sum·dO_r (fp64, rows in order).
     for (std::int64_t r = 0; r < w; ++r) {

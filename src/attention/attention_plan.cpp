@@ -244,10 +244,13 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), 
       st.width = grp.shaw->rows();
       st.key.assign(static_cast<std::size_t>(st.width * dim), 0.0f);
       st.value.assign(static_cast<std::size_t>(st.width * dim_padded), 0.0f);
+      st.key_padded.assign(static_cast<std::size_t>(st.width * dim_padded), 0.0f);
       for (std::int64_t t = 0; t < st.width; ++t) {
         for (std::int64_t e = 0; e < dim; ++e) {
           if (!grp.shaw->key_table().empty()) {
-            st.key[static_cast<std::size_t>(t * dim + e)] = static_cast<float>(grp.shaw->key_table()[static_cast<std::size_t>(t * dim + e)]);
+            const auto value = static_cast<float>(grp.shaw->key_table()[static_cast<std::size_t>(t * dim + e)]);
+            st.key[static_cast<std::size_t>(t * dim + e)] = value;
+            st.key_padded[static_cast<std::size_t>(t * dim_padded + e)] = value;
           }
           if (!grp.shaw->value_table().empty()) {
             st.value[static_cast<std::size_t>(t * dim_padded + e)] =

@@ -43,10 +43,11 @@ struct HeadBias {
   const TupeEvaluator* tupe = nullptr;
 };
 
-// Shaw's tables of a head group in f32: key [width][D], value [width][Dp] (zero-padded).
+// Shaw's tables of a head group in f32: key [width][D] (and zero-padded [width][Dp]), value
+// [width][Dp] (zero-padded).
 struct ShawTables {
   std::int64_t max_distance = 0, width = 0;  // width 0: the group has no Shaw terms
-  std::vector<float> key, value;
+  std::vector<float> key, value, key_padded;  // key_padded: [width][Dp]
   std::int64_t row_of(std::int64_t relative) const {
     return (relative < -max_distance ? -max_distance : relative > max_distance ? max_distance : relative) + max_distance;
   }

@@ -93,13 +93,7 @@ void AttentionPlan::transform_row(const QKTables& t, bool is_q, std::int64_t tab
   const float* c = cs.data() + table_row * 2 * half;
   const float* s = c + half;
   if (!t.interleaved) {
-    float* a = x;
-    float* b = x + half;
-    for (std::int64_t i = 0; i < half; ++i) {
-      const float ai = a[i], bi = b[i], si = sine_sign * s[i];
-      a[i] = ai * c[i] - bi * si;
-      b[i] = bi * c[i] + ai * si;
-    }
+    kernels::attn_rotate_half_split(x, c, s, half, sine_sign);
   } else {
     for (std::int64_t i = 0; i < half; ++i) {
       const float ai = x[2 * i], bi = x[2 * i + 1], si = sine_sign * s[i];

@@ -352,6 +352,26 @@ void AttnMaskTile(float* HWY_RESTRICT st, std::int64_t keys, std::int64_t width,
 
 void AttnLoadF32(const void* src, DType dtype, std::int64_t n, float* HWY_RESTRICT dst);
 
+void AttnRotateHalfSplit(float* HWY_RESTRICT x, const float* HWY_RESTRICT c, const float* HWY_RESTRICT s, std::int64_t half,
+                         float sine_sign) {
+  const DF d;
+  const auto n = static_cast<std::int64_t>(hn::Lanes(d));
+  const VF sign = hn::Set(d, sine_sign);
+  float* b = x + half;
+  std::int64_t i = 0;
+  for (; i + n <= half; i += n) {
+    const VF ai = hn::LoadU(d, x + i), bi = hn::LoadU(d, b + i), ci = hn::LoadU(d, c + i);
+    const VF si = hn::Mul(sign, hn::LoadU(d, s + i));
+    hn::StoreU(hn::NegMulAdd(bi, si, hn::Mul(ai, ci)), d, x + i);
+    hn::StoreU(hn::MulAdd(ai, si, hn::Mul(bi, ci)), d, b + i);
+  }
+  for (; i < half; ++i) {
+    const float ai = x[i], bi = b[i], si = sine_sign * s[i];
+    x[i] = ai * c[i] - bi * si;
+    b[i] = bi * c[i] + ai * si;
+  }
+}
+
 void AttnPackHeads(const void* src, DType dtype, std::int64_t seq_stride, std::int64_t head_stride, std::int64_t keys,
                    std::int64_t heads, std::int64_t dim, float* HWY_RESTRICT dst, std::int64_t dim_padded) {
   const auto width = static_cast<std::int64_t>(dtype_size(dtype));
@@ -412,6 +432,11 @@ HWY_EXPORT(AttnLoadF32);
 HWY_EXPORT(AttnAddBiasTile);
 HWY_EXPORT(AttnDecodeScores);
 HWY_EXPORT(AttnPackHeads);
+HWY_EXPORT(AttnRotateHalfSplit);
+
+void attn_rotate_half_split(float* x, const float* c, const float* s, std::int64_t half, float sine_sign) {
+  HWY_DYNAMIC_DISPATCH(AttnRotateHalfSplit)(x, c, s, half, sine_sign);
+}
 
 void attn_pack_heads(const void* src, DType dtype, std::int64_t seq_stride, std::int64_t head_stride, std::int64_t keys,
                      std::int64_t heads, std::int64_t dim, float* dst, std::int64_t dim_padded) {

@@ -69,6 +69,11 @@ void attn_add_bias_tile(float* st, std::int64_t keys, std::int64_t width, const 
 void attn_mask_tile(float* st, std::int64_t keys, std::int64_t width, std::int64_t k_first, const std::int32_t* lo,
                     const std::int32_t* hi);
 
+// In place, a half-split RoPE rotation of one row: (x[i], x[i + half]) turned by (c[i], ±s[i]),
+// the sine times sine_sign (−1: the transpose, for gradients). Matches the scalar form exactly
+// (one multiply and one fused multiply-add per output).
+void attn_rotate_half_split(float* x, const float* c, const float* s, std::int64_t half, float sine_sign);
+
 // dst[0..n) = src converted to f32 (f32, bf16 or f16 raw bits; unit stride).
 void attn_load_f32(const void* src, DType dtype, std::int64_t n, float* dst);
 // dst[0..n) (+)= src converted from f32 to dtype (round to nearest even for 16-bit).

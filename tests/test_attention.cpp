@@ -237,6 +237,8 @@ TEST_P(AttentionForward, EveryPositionalScheme) {
   with({{heads, {}, T5BiasParams(heads, 32, 128, true, t5_table)}}, false, "t5");
   with({{heads, {}, KerpleParams(KerpleForm::kLog, {1.5, 0.5, 2.0, 1.0}, {1.0, 2.0, 0.5, 1.5})}}, true, "kerple log");
   with({{heads, {}, FireParams::init(heads, 16, 3)}}, true, "fire");
+  // Keys on both sides of each query: FIRE's row walk goes down its pieces, then up again.
+  with({{heads, {}, FireParams::init(heads, 16, 3, 0.5, 8.0)}}, false, "fire, keys on both sides");
   with({{heads, {}, TupeParams::init(heads, dim, 32, 200, true, 0.5, 4)}}, false, "tupe");
   const ShawParams shaw = ShawParams::init(6, dim, 0.5, 11);
   with({{heads, {}, {}, shaw}}, true, "shaw");

@@ -244,6 +244,10 @@ void AttentionPlan::add_bias(const Sequence& seq, const RowBlock& rb, std::int64
         for (std::int64_t j = 0; j < keys; ++j) st[j * rb.width + r] += tmp[static_cast<std::size_t>(j)];
         continue;
       }
+      if (hb.fire != nullptr && keys_consecutive &&
+          hb.fire->add_row(hb.local_head, qp, kpos[0], keys, st + r, rb.width)) {
+        continue;
+      }
       for (std::int64_t j = 0; j < keys; ++j) {
         const std::int64_t delta = qp - kpos[j];
         float b;

@@ -406,6 +406,19 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), 
       }
     } else {
       evaluators.push_back(std::make_unique<BiasEvaluator>(scheme, k_min - q_max, k_max - q_min));
+      if (const auto* fire = std::get_if<FireParams>(&scheme)) {
+        // ψ over every distance the call can meet, when that table is of a sensible size.
+        const std::int64_t max_distance = std::max(std::abs(k_max - q_min), std::abs(q_max - k_min));
+        if (max_distance < kMaxBiasTable) {
+          auto evaluator_rows = std::make_unique<FireRows>();
+          evaluator_rows->params = &std::get<FireParams>(*groups[gi].bias);
+          evaluator_rows->psi.resize(static_cast<std::size_t>(max_distance + 1));
+          for (std::int64_t t = 0; t <= max_distance; ++t) {
+            evaluator_rows->psi[static_cast<std::size_t>(t)] = std::log1p(fire->c() * static_cast<double>(t));
+          }
+          fire_rows.push_back(std::move(evaluator_rows));
+        }
+      }
     }
     for (std::int64_t h = 0; h < hg; ++h) {
       HeadBias& hb = head_bias[static_cast<std::size_t>(h0 + h)];
@@ -419,11 +432,37 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), 
       } else {
         hb.kind = HeadBias::kDirect;
         hb.evaluator = evaluators.back().get();
+        if (!fire_rows.empty() && std::holds_alternative<FireParams>(scheme)) hb.fire = fire_rows.back().get();
       }
     }
   }
   grad_offset.push_back(flat);
   hist_width = width <= kMaxBiasTable ? width : 0;
+}
+
+bool FireRows::add_row(std::int64_t head, std::int64_t q_position, std::int64_t k_first, std::int64_t count, float* out,
+                       std::int64_t out_stride) const {
+  const FireParams& p = *params;
+  const auto table = static_cast<std::int64_t>(psi.size());
+  if (std::abs(q_position - k_first) >= table || std::abs(q_position - (k_first + count - 1)) >= table) return false;
+  // As FireParams::normalized_distance: ψ(d) / ψ(max(L, q)).
+  const double norm = std::log1p(p.c() * std::max(p.threshold(), static_cast<double>(q_position)));
+  const std::vector<double>& kinks = p.kinks();
+  const auto n_kinks = static_cast<std::int64_t>(kinks.size());
+  std::int64_t piece = -1;
+  for (std::int64_t j = 0; j < count; ++j) {
+    const std::int64_t d = std::abs(k_first + j - q_position);
+    const double x = psi[static_cast<std::size_t>(d)] / norm;
+    if (piece < 0) {
+      piece = p.piece_of(x);
+    } else {
+      // piece_of's rule (upper bound: a kink belongs to the piece on its right), walked.
+      while (piece > 0 && x < kinks[static_cast<std::size_t>(piece - 1)]) --piece;
+      while (piece < n_kinks && x >= kinks[static_cast<std::size_t>(piece)]) ++piece;
+    }
+    out[j * out_stride] += static_cast<float>(p.slope(piece, head) * x + p.intercept(piece, head));
+  }
+  return true;
 }
 
 std::int64_t AttentionPlan::table_bytes() const {

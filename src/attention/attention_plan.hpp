@@ -32,6 +32,18 @@ struct QKTables {
   }
 };
 
+// FIRE's biases of a row (one query against keys at consecutive positions), exactly as the
+// per-element definition computes them (fp64, rounded once): x = ψ(d)·(1/ψ(max(L, q))) with
+// ψ(d) = log1p(c·d) tabulated for the distances a call meets; the pieces of the MLP walked along
+// the row (x is monotone on each side of the query); one multiply-add per element.
+struct FireRows {
+  const FireParams* params = nullptr;
+  std::vector<double> psi;  // ψ(d), d < psi.size()
+  // out[j] += b(head, q, k_first + j) for j < count; false if a distance is past the table.
+  bool add_row(std::int64_t head, std::int64_t q_position, std::int64_t k_first, std::int64_t count, float* out,
+               std::int64_t out_stride) const;
+};
+
 // The bias of one head: tabulated over δ = q − k (distance-only schemes), evaluated directly
 // (FIRE; tables too wide), or TUPE's evaluator.
 struct HeadBias {
@@ -41,6 +53,7 @@ struct HeadBias {
   std::int64_t delta_min = 0, width = 0;
   const BiasEvaluator* evaluator = nullptr;
   const TupeEvaluator* tupe = nullptr;
+  const FireRows* fire = nullptr;  // FIRE: its rows evaluated from ψ tables (any position range)
 };
 
 // Shaw's tables of a head group in f32: key [width][D] (and zero-padded [width][Dp]), value
@@ -121,6 +134,7 @@ struct AttentionPlan {
   std::vector<std::vector<float>> bias_tables;  // per group: [heads][width]
   std::vector<std::unique_ptr<BiasEvaluator>> evaluators;
   std::vector<std::unique_ptr<TupeEvaluator>> tupe_evaluators;
+  std::vector<std::unique_ptr<FireRows>> fire_rows;
   bool any_bias = false, any_trainable_bias = false;
   std::int64_t delta_min = 0, hist_width = 0;  // the δ range of the bias tables and histograms
   std::vector<std::int64_t> grad_offset;       // per group, into the flat unit gradients

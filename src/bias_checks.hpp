@@ -37,6 +37,11 @@ void kerple_derivatives(const KerpleParams& params, std::int64_t head, std::int6
 void fire_rows(const FireParams& params, std::int64_t q_position, const std::int64_t* keys, std::int64_t count,
                double* x, std::int64_t* piece);
 
+// FIRE's backward pieces (fire.cpp): ∂x/∂c and ∂x/∂L of one pair, and the contraction of the
+// moments s0[piece·H + h] = Σ dS, s1 = Σ dS·x with the pieces' active units into grads.
+void fire_x_derivatives(const FireParams& p, std::int64_t q, std::int64_t k, double x, double* dx_dc, double* dx_dl);
+void fire_contract_moments(const FireParams& params, const double* s0, const double* s1, FireGradients& grads);
+
 // TUPE's b(h, i, j) by the definition (tupe.cpp), and its materialisation; the check that every
 // position indexes TUPE's table.
 void check_tupe_positions(const char* where, const TupeParams& params, const Positions& q_positions,

@@ -117,10 +117,10 @@ void fire_rows(const FireParams& params, std::int64_t q_position, const std::int
 
 }  // namespace detail
 
-namespace {
+namespace detail {
 
 // ∂x/∂c and ∂x/∂L of x = ψ(d)/ψ(n), ψ(t) = log1p(c·t), n = max(L, q).
-void x_derivatives(const FireParams& p, std::int64_t q, std::int64_t k, double x, double* dx_dc, double* dx_dl) {
+void fire_x_derivatives(const FireParams& p, std::int64_t q, std::int64_t k, double x, double* dx_dc, double* dx_dl) {
   const double c = p.c(), d = std::fabs(static_cast<double>(k) - static_cast<double>(q));
   const bool threshold_active = p.threshold() > static_cast<double>(q);
   const double n = threshold_active ? p.threshold() : static_cast<double>(q);
@@ -128,6 +128,29 @@ void x_derivatives(const FireParams& p, std::int64_t q, std::int64_t k, double x
   *dx_dc = (d / (1 + c * d) - x * n / (1 + c * n)) / psi_n;
   *dx_dl = threshold_active ? -x * (c / (1 + c * n)) / psi_n : 0.0;
 }
+
+void fire_contract_moments(const FireParams& params, const double* s0, const double* s1, FireGradients& grads) {
+  const auto heads = static_cast<std::size_t>(params.heads());
+  const std::size_t pieces = params.kinks().size() + 1;
+  const auto hidden = static_cast<std::size_t>(params.hidden());
+  for (std::size_t s = 0; s < pieces; ++s) {
+    for (std::size_t h = 0; h < heads; ++h) {
+      const double m0 = s0[s * heads + h], m1 = s1[s * heads + h];
+      grads.b2[h] += m0;
+      for (std::size_t k = 0; k < hidden; ++k) {
+        if (!params.active(static_cast<std::int64_t>(s), static_cast<std::int64_t>(k))) continue;
+        const double w2 = params.w2()[h * hidden + k];
+        grads.w2[h * hidden + k] += params.w1()[k] * m1 + params.b1()[k] * m0;
+        grads.w1[k] += w2 * m1;
+        grads.b1[k] += w2 * m0;
+      }
+    }
+  }
+}
+
+}  // namespace detail
+
+namespace {
 
 // Partial sums of one block of rows: per piece and head Σ ds and Σ ds·x; Σ g·∂x/∂c, Σ g·∂x/∂L.
 struct FireMoments {
@@ -188,7 +211,7 @@ void fire_backward(const FireParams& params, const Positions& q_positions, const
         for (std::int64_t j = 0; j < g.k_len; ++j) {
           const auto at = static_cast<std::size_t>(j);
           double dc = 0, dl = 0;
-          x_derivatives(params, q, keys[at], x[at], &dc, &dl);
+          detail::fire_x_derivatives(params, q, keys[at], x[at], &dc, &dl);
           m.c += gsum[at] * dc;
           m.threshold += gsum[at] * dl;
         }
@@ -205,20 +228,7 @@ void fire_backward(const FireParams& params, const Positions& q_positions, const
     grads.c += m.c;
     grads.threshold += m.threshold;
   }
-  const auto hidden = static_cast<std::size_t>(params.hidden());
-  for (std::size_t s = 0; s < pieces; ++s) {
-    for (std::size_t h = 0; h < heads; ++h) {
-      const double m0 = s0[s * heads + h], m1 = s1[s * heads + h];
-      grads.b2[h] += m0;
-      for (std::size_t k = 0; k < hidden; ++k) {
-        if (!params.active(static_cast<std::int64_t>(s), static_cast<std::int64_t>(k))) continue;
-        const double w2 = params.w2()[h * hidden + k];
-        grads.w2[h * hidden + k] += params.w1()[k] * m1 + params.b1()[k] * m0;
-        grads.w1[k] += w2 * m1;
-        grads.b1[k] += w2 * m0;
-      }
-    }
-  }
+  detail::fire_contract_moments(params, s0.data(), s1.data(), grads);
 }
 
 namespace ref {
@@ -260,7 +270,7 @@ void fire_backward(const FireParams& params, const Positions& q_positions, const
           dx += dz[u] * params.w1()[u];
         }
         double dx_dc = 0, dx_dl = 0;
-        x_derivatives(params, q, k, x, &dx_dc, &dx_dl);
+        detail::fire_x_derivatives(params, q, k, x, &dx_dc, &dx_dl);
         grads.c += dx * dx_dc;
         grads.threshold += dx * dx_dl;
       }

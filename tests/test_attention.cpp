@@ -371,6 +371,11 @@ void expect_close(const std::vector<double>& got, const std::vector<double>& wan
   EXPECT_LE(max_abs_diff(got, want), tol) << name << " (max |want| " << max_abs(want) << ")";
 }
 
+// As expect_close, with the gradient's scale given (for sums that cancel to ~0).
+void expect_close_to_scale(const std::vector<double>& got, const std::vector<double>& want, double scale, const char* name) {
+  EXPECT_LE(max_abs_diff(got, want), std::ldexp(1.0, -13) * std::max(scale, 1e-3)) << name << " (scale " << scale << ")";
+}
+
 std::vector<double> random_values(std::size_t n) {
   std::vector<double> v(n);
   for (auto& x : v) x = uniform(-1, 1);
@@ -389,6 +394,16 @@ void expect_backward_matches_reference(const Problem& p, const Attention& att, c
     expect_close(fused.params.groups[g].t5_table, exact.params.groups[g].t5_table, "t5 table");
     expect_close(fused.params.groups[g].kerple_r1, exact.params.groups[g].kerple_r1, "kerple r1");
     expect_close(fused.params.groups[g].kerple_r2, exact.params.groups[g].kerple_r2, "kerple r2");
+    if (exact.params.groups[g].fire) {
+      const FireGradients &a = *fused.params.groups[g].fire, &b = *exact.params.groups[g].fire;
+      expect_close(a.w1, b.w1, "fire w1");
+      expect_close(a.b1, b.b1, "fire b1");
+      expect_close(a.w2, b.w2, "fire w2");
+      // ∂L/∂b2 is Σ dS over whole rows, which softmax makes 0 up to rounding: judge its f32 error
+      // against the size of the dS sums that also feed w2 (same terms, O(1) weights).
+      expect_close_to_scale(a.b2, b.b2, std::max(max_abs(b.w2), max_abs(b.b1)), "fire b2");
+      expect_close({a.c, a.threshold}, {b.c, b.threshold}, "fire c, L");
+    }
     expect_close(fused.params.groups[g].shaw_key_table, exact.params.groups[g].shaw_key_table, "shaw key table");
     expect_close(fused.params.groups[g].shaw_value_table, exact.params.groups[g].shaw_value_table, "shaw value table");
   }
@@ -407,6 +422,7 @@ TEST_P(AttentionBackward, MatchesTheReferenceForEveryTrainableScheme) {
       {{2, RotaryQK{RopeParams(dim, 32, 10000.0, RopeLayout::kInterleaved).with_xpos(32.0)}, T5BiasParams(2, 16, 32, false, t5_table)},
        {2, AbsoluteQK{SinusoidalParams(dim)}, KerpleParams(KerpleForm::kPower, {1.0, 0.5}, {0.7, 1.3})}},
       {{heads, RotaryQK{RopeParams(dim, dim)}, {}, ShawParams::init(5, dim, 0.5, 3)}},
+      {{heads, {}, FireParams::init(heads, 8, 5, 0.7, 16.0)}},
       // A KV group whose heads mix Shaw and no Shaw (the per-row paths).
       {{1, {}, {}, ShawParams::init(4, dim, 0.5, 7)}, {1, {}, AlibiParams(1)}, {2, {}, {}, ShawParams::init(2, dim, 0.5, 8)}},
   };
@@ -607,8 +623,8 @@ TEST(Attention, ClearErrors) {
   expect_error([&] { att.forward(TensorView::of(out.data(), {1, 8, 4, 16}), TensorView::of(lse.data(), {5})); },
                {"lse", "[B, H, Sq] = [1, 4, 8]"});
   s = spec_of(p);
-  s.groups = {{4, {}, FireParams::init(4)}};
-  const Attention fire(s);
+  s.groups = {{4, {}, TupeParams::init(4, 16, 8, 16)}};
+  const Attention fire(s);  // TUPE: parameter gradients not fused yet
   AttentionGradients grads = fire.zero_gradients();
   std::vector<float> zeros(static_cast<std::size_t>(p.q_count()));
   std::vector<float> l2(32);
@@ -616,7 +632,7 @@ TEST(Attention, ClearErrors) {
   expect_error([&] {
     fire.backward(TensorView::of(out.data(), {1, 8, 4, 16}), TensorView::of(l2.data(), {1, 4, 8}),
                   TensorView::of(zeros.data(), {1, 8, 4, 16}), {}, {}, {}, &grads);
-  }, {"FIRE", "not computed inside fused attention yet"});
+  }, {"TUPE", "not computed inside fused attention yet"});
 }
 
 }  // namespace

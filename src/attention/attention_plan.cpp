@@ -382,6 +382,11 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), 
     if (std::holds_alternative<AlibiParams>(scheme)) flat += hg;
     if (const auto* t5 = std::get_if<T5BiasParams>(&scheme)) flat += t5->num_buckets() * hg;
     if (std::holds_alternative<KerpleParams>(scheme)) flat += 2 * hg;
+    if (const auto* fire = std::get_if<FireParams>(&scheme)) {
+      // [s0 | s1] per piece and head, then ∂L/∂c and ∂L/∂L (FireRows::accumulate_row).
+      flat += 2 * static_cast<std::int64_t>(fire->kinks().size() + 1) * hg + 2;
+      any_trainable_bias = true;
+    }
     if (distance_only) any_trainable_bias = true;
     if (const auto* tupe = std::get_if<TupeParams>(&scheme)) {
       check_tupe_positions(kWhere, *tupe, *q_positions, *k_positions);
@@ -413,8 +418,11 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), 
           auto evaluator_rows = std::make_unique<FireRows>();
           evaluator_rows->params = &std::get<FireParams>(*groups[gi].bias);
           evaluator_rows->psi.resize(static_cast<std::size_t>(max_distance + 1));
+          evaluator_rows->dpsi_dc.resize(static_cast<std::size_t>(max_distance + 1));
           for (std::int64_t t = 0; t <= max_distance; ++t) {
-            evaluator_rows->psi[static_cast<std::size_t>(t)] = std::log1p(fire->c() * static_cast<double>(t));
+            const auto d = static_cast<double>(t);
+            evaluator_rows->psi[static_cast<std::size_t>(t)] = std::log1p(fire->c() * d);
+            evaluator_rows->dpsi_dc[static_cast<std::size_t>(t)] = d / (1 + fire->c() * d);
           }
           fire_rows.push_back(std::move(evaluator_rows));
         }
@@ -463,6 +471,45 @@ bool FireRows::add_row(std::int64_t head, std::int64_t q_position, std::int64_t 
     out[j * out_stride] += static_cast<float>(p.slope(piece, head) * x + p.intercept(piece, head));
   }
   return true;
+}
+
+void FireRows::accumulate_row(std::int64_t head, std::int64_t heads, std::int64_t q_position, const std::int64_t* kpos,
+                              std::int64_t count, const float* ds, std::int64_t ds_stride, double* s0, double* s1,
+                              double* d_c, double* d_threshold) const {
+  const FireParams& p = *params;
+  const double c = p.c();
+  const bool threshold_active = p.threshold() > static_cast<double>(q_position);
+  const double n = threshold_active ? p.threshold() : static_cast<double>(q_position);
+  const double psi_n = std::log1p(c * n);
+  // ∂x/∂c = (dψ(d)/dc − x·n/(1 + c·n))/ψ(n);  ∂x/∂L = −x·c/((1 + c·n)·ψ(n)) below L (as fire_backward).
+  const double dc_from_x = n / (1 + c * n) / psi_n, dl_from_x = threshold_active ? -(c / (1 + c * n)) / psi_n : 0.0;
+  const std::vector<double>& kinks = p.kinks();
+  const auto n_kinks = static_cast<std::int64_t>(kinks.size());
+  const auto table = static_cast<std::int64_t>(psi.size());
+  std::int64_t piece = -1;
+  double t1 = 0, t2 = 0;  // Σ g·dψ/dc, Σ g·x with g = ds·f'(x)
+  for (std::int64_t j = 0; j < count; ++j) {
+    const double g_ds = ds[j * ds_stride];
+    const std::int64_t d = std::abs(kpos[j] - q_position);
+    const double psi_d = d < table ? psi[static_cast<std::size_t>(d)] : std::log1p(c * static_cast<double>(d));
+    const double dpsi = d < table ? dpsi_dc[static_cast<std::size_t>(d)] : static_cast<double>(d) / (1 + c * static_cast<double>(d));
+    const double x = psi_d / psi_n;
+    if (piece < 0) {
+      piece = p.piece_of(x);
+    } else {
+      while (piece > 0 && x < kinks[static_cast<std::size_t>(piece - 1)]) --piece;
+      while (piece < n_kinks && x >= kinks[static_cast<std::size_t>(piece)]) ++piece;
+    }
+    if (g_ds == 0.0f) continue;
+    const std::size_t slot = static_cast<std::size_t>(piece * heads + head);
+    s0[slot] += g_ds;
+    s1[slot] += g_ds * x;
+    const double g = g_ds * p.slope(piece, head);
+    t1 += g * dpsi;
+    t2 += g * x;
+  }
+  *d_c += t1 / psi_n - dc_from_x * t2;
+  *d_threshold += dl_from_x * t2;
 }
 
 std::int64_t AttentionPlan::table_bytes() const {
@@ -541,10 +588,17 @@ void AttentionPlan::check_gradients(const AttentionGradients& grads) const {
                         static_cast<std::int64_t>(b.shaw_key_table.size()));
     check_gradient_size(kWhere, (name + ".shaw_value_table").c_str(), a.shaw_value_table.size(),
                         static_cast<std::int64_t>(b.shaw_value_table.size()));
-    if (b.fire || b.tupe) {
-      throw Error(kWhere, (name + " (backward)").c_str(), b.fire ? "FIRE" : "TUPE",
-                  "ALiBi, T5 or Kerple: FIRE's and TUPE's parameter gradients are not computed inside fused attention "
-                  "yet (pass grads = nullptr for dq, dk, dv; or bias_materialize + fire_backward / tupe_backward)");
+    if (b.fire) {
+      require(a.fire.has_value(), (name + ".fire").c_str(), "empty", "FireGradients sized for the group's FIRE");
+      check_gradient_size(kWhere, (name + ".fire.w1").c_str(), a.fire->w1.size(), static_cast<std::int64_t>(b.fire->w1.size()));
+      check_gradient_size(kWhere, (name + ".fire.b1").c_str(), a.fire->b1.size(), static_cast<std::int64_t>(b.fire->b1.size()));
+      check_gradient_size(kWhere, (name + ".fire.w2").c_str(), a.fire->w2.size(), static_cast<std::int64_t>(b.fire->w2.size()));
+      check_gradient_size(kWhere, (name + ".fire.b2").c_str(), a.fire->b2.size(), static_cast<std::int64_t>(b.fire->b2.size()));
+    }
+    if (b.tupe) {
+      throw Error(kWhere, (name + " (backward)").c_str(), "TUPE",
+                  "ALiBi, T5, Kerple, FIRE or Shaw: TUPE's parameter gradients are not computed inside fused attention "
+                  "yet (pass grads = nullptr for dq, dk, dv; or bias_materialize + tupe_backward)");
     }
   }
 }
@@ -577,10 +631,20 @@ void AttentionPlan::accumulate_bias_gradients(const Sequence& /* seq */, const R
     const HeadBias& hb = head_bias[static_cast<std::size_t>(h)];
     if (hb.kind != HeadBias::kTable && hb.kind != HeadBias::kDirect) continue;
     const HeadGroup& grp = spec.groups[static_cast<std::size_t>(hb.group)];
+    const std::int64_t qp = rb.position[static_cast<std::size_t>(r)];
+    if (const auto* fire = std::get_if<FireParams>(&*grp.bias)) {
+      const std::int64_t hg = grp.heads, pieces = static_cast<std::int64_t>(fire->kinks().size()) + 1;
+      double* at = unit_grads + grad_offset[static_cast<std::size_t>(hb.group)];
+      FireRows fallback;
+      fallback.params = fire;
+      (hb.fire != nullptr ? *hb.fire : fallback)
+          .accumulate_row(hb.local_head, hg, qp, kpos, keys, dst + r, rb.width, at, at + pieces * hg,
+                          at + 2 * pieces * hg, at + 2 * pieces * hg + 1);
+      continue;
+    }
     const bool trainable = std::holds_alternative<AlibiParams>(*grp.bias) || std::holds_alternative<T5BiasParams>(*grp.bias) ||
                            std::holds_alternative<KerpleParams>(*grp.bias);
     if (!trainable) continue;
-    const std::int64_t qp = rb.position[static_cast<std::size_t>(r)];
     if (hist_width > 0) {
       double* hist = s.hist.data() + (h - kvh * group_size) * hist_width - delta_min;
       for (std::int64_t j = 0; j < keys; ++j) hist[qp - kpos[j]] += static_cast<double>(dst[j * rb.width + r]);
@@ -598,6 +662,7 @@ void AttentionPlan::finish_bias_gradients(AttentionUnitScratch& s, std::int64_t 
     const std::int64_t h = kvh * group_size + g;
     const HeadBias& hb = head_bias[static_cast<std::size_t>(h)];
     if (hb.kind != HeadBias::kTable && hb.kind != HeadBias::kDirect) continue;
+    if (std::holds_alternative<FireParams>(*spec.groups[static_cast<std::size_t>(hb.group)].bias)) continue;
     const double* hist = s.hist.data() + g * hist_width;
     for (std::int64_t t = 0; t < hist_width; ++t) {
       if (hist[t] != 0.0) add_bias_derivative(h, -(delta_min + t), hist[t], unit_grads);
@@ -614,6 +679,13 @@ void AttentionPlan::scatter_bias_gradients(const std::vector<double>& total, Att
     for (std::size_t t = 0; t < gg.kerple_r1.size(); ++t) {
       gg.kerple_r1[t] += at[t];
       gg.kerple_r2[t] += at[gg.kerple_r1.size() + t];
+    }
+    if (gg.fire) {
+      const FireParams& fire = std::get<FireParams>(*spec.groups[g].bias);
+      const std::int64_t moments = static_cast<std::int64_t>(fire.kinks().size() + 1) * fire.heads();
+      fire_contract_moments(fire, at, at + moments, *gg.fire);
+      gg.fire->c += at[2 * moments];
+      gg.fire->threshold += at[2 * moments + 1];
     }
   }
 }

@@ -38,10 +38,16 @@ struct QKTables {
 // the row (x is monotone on each side of the query); one multiply-add per element.
 struct FireRows {
   const FireParams* params = nullptr;
-  std::vector<double> psi;  // ψ(d), d < psi.size()
+  std::vector<double> psi;       // ψ(d), d < psi.size()
+  std::vector<double> dpsi_dc;   // ∂ψ(d)/∂c = d/(1 + c·d)
   // out[j] += b(head, q, k_first + j) for j < count; false if a distance is past the table.
   bool add_row(std::int64_t head, std::int64_t q_position, std::int64_t k_first, std::int64_t count, float* out,
                std::int64_t out_stride) const;
+  // Backward moments of one row against keys kpos[0..count) with dL/db = ds[j·ds_stride]:
+  // s0[piece·heads + head] += ds, s1[…] += ds·x, and the c and L gradients (fp64; any key order).
+  void accumulate_row(std::int64_t head, std::int64_t heads, std::int64_t q_position, const std::int64_t* kpos,
+                      std::int64_t count, const float* ds, std::int64_t ds_stride, double* s0, double* s1, double* d_c,
+                      double* d_threshold) const;
 };
 
 // The bias of one head: tabulated over δ = q − k (distance-only schemes), evaluated directly

@@ -313,6 +313,7 @@ void attention_backward(const Attention& attention, ConstTensorView out, ConstTe
       if (const auto* kerple = std::get_if<KerpleParams>(&*bias)) {
         ref::kerple_backward(*kerple, qp, kp, ds, gg.kerple_r1, gg.kerple_r2);
       }
+      if (const auto* fire = std::get_if<FireParams>(&*bias)) ref::fire_backward(*fire, qp, kp, ds, *gg.fire);
     }
   }
 }

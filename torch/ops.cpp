@@ -22,7 +22,8 @@
 //                   fused attention (posenc/attention.hpp), q [B, Sq, H, D], k, v [B, Sk, G, D];
 //                   differentiable in q, k, v and bias_params (ALiBi slopes [H], T5 table
 //                   [buckets, H], Kerple [2, H] = r1, r2, Shaw [2, 2k + 1, D] = key and value
-//                   tables); `scheme` is JSON: {"kind": "none" | "shaw" |
+//                   tables, FIRE [w1 | b1 | w2 | b2 | c | L] flattened); `scheme` is JSON:
+//                   {"kind": "none" | "shaw" | "fire" (with "hidden") |
 //                   "rope" | "absolute" | "alibi" | "t5" | "kerple", "rope": {RopeParams as for rope},
 //                   "dim", "base", "interleaved" (absolute: Shortformer's sinusoid on q and k),
 //                   "keys_rotated", "symmetric", "num_buckets", "max_distance", "bidirectional",
@@ -832,6 +833,17 @@ HeadGroup attention_group(const std::string& scheme_json, const at::Tensor& bias
                       ": bias_params shape ", bias_params.sizes(), "; expected the T5 table [num_buckets = ", buckets,
                       ", heads = ", heads, "]");
     group.bias = T5BiasParams(heads, buckets, j.value("max_distance", 128), j.value("bidirectional", true), values);
+  } else if (kind == "fire") {
+    // bias_params: [w1 (K) | b1 (K) | w2 (H·K) | b2 (H) | c | L], flattened.
+    const std::int64_t hidden = j.value("hidden", std::int64_t{32});
+    const auto expected = static_cast<std::size_t>(2 * hidden + heads * hidden + heads + 2);
+    TORCH_CHECK_VALUE(values.size() == expected, where, ": bias_params has ", values.size(), " values; expected ", expected,
+                      " (FIRE's w1, b1, w2, b2, c, L for hidden = ", hidden, ", heads = ", heads, ")");
+    const auto at = [&](std::int64_t offset, std::int64_t count) {
+      return std::vector<double>(values.begin() + offset, values.begin() + offset + count);
+    };
+    group.bias = FireParams(heads, at(0, hidden), at(hidden, hidden), at(2 * hidden, heads * hidden),
+                            at(2 * hidden + heads * hidden, heads), values[expected - 2], values[expected - 1]);
   } else if (kind == "shaw") {
     const std::int64_t k = j.value("max_distance", 16), dim = q_dim_of(bias_params);
     TORCH_CHECK_VALUE(bias_params.dim() == 3 && bias_params.size(0) == 2 && bias_params.size(1) == 2 * k + 1, where,
@@ -846,7 +858,7 @@ HeadGroup attention_group(const std::string& scheme_json, const at::Tensor& bias
     const std::vector<double> r1(values.begin(), values.begin() + heads), r2(values.begin() + heads, values.end());
     group.bias = KerpleParams(j.value("power", false) ? KerpleForm::kPower : KerpleForm::kLog, r1, r2);
   } else {
-    throw Error(where, "scheme.kind", kind, "none, rope, absolute, alibi, t5, kerple or shaw");
+    throw Error(where, "scheme.kind", kind, "none, rope, absolute, alibi, t5, kerple, fire or shaw");
   }
   return group;
 }
@@ -933,6 +945,12 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
                                                            : g.shaw_key_table;
         flat.insert(flat.end(), g.kerple_r2.begin(), g.kerple_r2.end());
         flat.insert(flat.end(), g.shaw_value_table.begin(), g.shaw_value_table.end());
+        if (g.fire) {
+          flat = g.fire->w1;
+          for (const auto* part : {&g.fire->b1, &g.fire->w2, &g.fire->b2}) flat.insert(flat.end(), part->begin(), part->end());
+          flat.push_back(g.fire->c);
+          flat.push_back(g.fire->threshold);
+        }
         d_bias = tensor_of(flat, bias_params);
       }
       return variable_list{dq, dk, dv, at::Tensor(), d_bias, at::Tensor(), at::Tensor(), at::Tensor(),

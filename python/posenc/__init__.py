@@ -422,12 +422,15 @@ def _attention_scheme(scheme, heads, keys_rotated):
                 "bidirectional": bool(scheme.bidirectional)}, scheme.table
     if isinstance(scheme, Kerple):
         return {"kind": "kerple", "power": bool(scheme.power)}, torch.stack([scheme.r1, scheme.r2])
+    if isinstance(scheme, FIRE):
+        return {"kind": "fire", "hidden": int(scheme.w1.shape[0])}, \
+            torch.cat([scheme.w1, scheme.b1, scheme.w2.reshape(-1), scheme.b2, scheme.c.reshape(1), scheme.threshold.reshape(1)])
     if isinstance(scheme, ShawRelativePositions):
         return {"kind": "shaw", "max_distance": int(scheme.max_distance)}, \
             torch.stack([scheme.key_table, scheme.value_table])
     raise ValueError(f"attention: scheme = {scheme!r}; expected None, 'none', 'rope', 'alibi', or a "
                      "RotaryPositionalEncoding, SinusoidalPositionalEncoding (Shortformer: added to q and k), ALiBi, "
-                     "T5RelativeBias, Kerple or ShawRelativePositions module")
+                     "T5RelativeBias, Kerple, FIRE or ShawRelativePositions module")
 
 
 def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), softcap=0.0, scale=None, layout="bshd",
@@ -441,8 +444,8 @@ def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), softcap=0.
     slopes), or a module — ``RotaryPositionalEncoding`` (RoPE from the positions; with
     ``keys_rotated=True`` k is a cache of already rotated keys), ``SinusoidalPositionalEncoding``
     (Shortformer's position-infused attention: the sinusoid added to q and k, not v), ``ALiBi``,
-    ``T5RelativeBias``, ``Kerple``, ``ShawRelativePositions`` (Shaw et al.'s key and value terms,
-    scale·q·a^K and Σ p·a^V) — whose learned parameters receive gradients. ``causal`` aligns the mask
+    ``T5RelativeBias``, ``Kerple``, ``FIRE``, ``ShawRelativePositions`` (Shaw et al.'s key and
+    value terms, scale·q·a^K and Σ p·a^V) — whose learned parameters receive gradients. ``causal`` aligns the mask
     bottom-right when Sq < Sk; ``window=(left, right)`` limits the keys a query sees (-1:
     unlimited); ``softcap`` c > 0 caps logits to c·tanh(x/c). Positions default to 0..Sk-1 for
     keys and Sk-Sq.. for queries. Returns out like q (and the log-sum-exp ``[B, H, Sq]`` with

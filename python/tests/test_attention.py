@@ -179,6 +179,24 @@ def test_shaw_matches_eager_with_its_table_gradients():
     assert torch.allclose(f32.double(), ref, atol=1e-5, rtol=0)
 
 
+def test_fire_matches_eager_with_its_parameter_gradients():
+    q, k, v = inputs(dtype=torch.float64)
+    sq, sk = q.shape[1], k.shape[1]
+    fire = posenc.FIRE(4, hidden=8, c=0.5, threshold=16.0).double()
+    out = posenc.attention(q, k, v, fire, causal=True)
+    q_pos, k_pos = torch.arange(sq) + (sk - sq), torch.arange(sk)
+    clone = posenc.FIRE(4, hidden=8).double()
+    clone.load_state_dict(fire.state_dict())
+    bias = posenc.fire_bias(clone.w1, clone.b1, clone.w2, clone.b2, clone.c, clone.threshold, q_pos, k_pos)[0]
+    ref = reference_attention(q, k, v, bias, causal=True)
+    assert torch.allclose(out, ref, atol=1e-12, rtol=0)
+    params = [fire.w1, fire.b1, fire.w2, fire.b2, fire.c, fire.threshold]
+    params_ref = [clone.w1, clone.b1, clone.w2, clone.b2, clone.c, clone.threshold]
+    for name, a, b_ in zip("w1 b1 w2 b2 c threshold".split(), grads_of(out, params), grads_of(ref, params_ref)):
+        # fp64 both ways (the reference path and fire_bias' backward): rounding only.
+        assert torch.allclose(a, b_, atol=1e-9, rtol=0), name
+
+
 def test_gradcheck():
     q, k, v = inputs(b=1, sq=5, sk=7, h=2, g=1, d=4)
     alibi = posenc.ALiBi(2)  # slopes are a buffer: assigning a tensor to it is allowed

@@ -38,9 +38,10 @@
 //
 // ─── Backward ──────────────────────────────────────────────────────────────────────────────────
 // From out, lse and d_out: dq, dk, dv += their gradients; the positional parameters' gradients
-// (ALiBi slopes, T5 table, Kerple r1 r2, FIRE MLP, TUPE projections) += into AttentionGradients,
-// in fp64. Work is split by (sequence, KV head) and every sum runs in a fixed order: results are
-// bitwise identical for any thread count, forward and backward.
+// (ALiBi slopes, T5 table, Kerple r1 r2, FIRE's MLP, c and L, Shaw's tables) += into
+// AttentionGradients, in fp64. TUPE's are not fused yet: asking for them throws (dq, dk, dv with
+// grads = nullptr work). Work is split by (sequence, KV head) and every sum runs in a fixed order:
+// results are bitwise identical for any thread count, forward and backward.
 //
 // Decode (few queries, long KV cache): the keys split into fixed chunks that run in parallel and
 // merge by their log-sum-exps in chunk order — exact, and independent of the thread count.

@@ -1,11 +1,12 @@
 // The fused attention engine (math, layouts and contracts in posenc/attention.hpp).
 //
 // Work is cut into units that never share outputs, so any thread count gives the same bits:
-//   forward   (sequence, KV head, block of queries[, key chunk])
-//             rows = the block's queries × the KV head's G query heads, head-major, each head's
-//             queries padded to kAttnAlign lanes; key tiles of kKeyTile keys stream past them;
-//   decode    blocks of at most kDecodeRows rows (few queries) take dot-product scores and split
-//             long key ranges into chunks of kDecodeChunk keys, merged in chunk order;
+//   forward   (sequence, KV head, block of queries): rows = the block's queries × the KV head's
+//             G query heads, head-major, each head's queries padded to kAttnAlign lanes (about
+//             128 rows); key tiles of key_tile keys stream past them;
+//   decode    (sequence, key chunk) when a sequence has at most kDecodeRows rows per KV head:
+//             every KV head of each key tile in the cache's memory order (decode_tiles), long
+//             caches split into chunks of kDecodeChunk keys, merged in chunk order;
 //   backward  (sequence, KV head): all of its rows, key tiles outer (dk, dv finished per tile),
 //             row blocks inner, dq accumulated per unit in f32.
 // Score tiles are transposed (S^T[key][row]) so that the softmax, the biases and the masks run

@@ -270,6 +270,16 @@ void AttentionPlan::add_bias(const Sequence& seq, const RowBlock& rb, std::int64
 // ld, so that a tile whose keys all clip to one table row for every row (every tile outside the
 // ±k band around the diagonal) is one vector add per key.
 
+// Calls fn(r, tables, q_position) for every row of the block whose head has Shaw terms.
+template <class Fn>
+void for_each_shaw_row(const AttentionPlan& p, const RowBlock& rb, Fn&& fn) {
+  for (std::int64_t r = 0; r < rb.width; ++r) {
+    const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
+    const ShawTables* t = h < 0 ? nullptr : p.shaw_of_head(h);
+    if (t != nullptr) fn(r, *t, rb.position[static_cast<std::size_t>(r)]);
+  }
+}
+
 // The Shaw tables every valid row of the block uses, when they all use the same ones.
 const ShawTables* AttentionPlan::shaw_of_block(const RowBlock& rb) const {
   const ShawTables* common = nullptr;
@@ -294,18 +304,15 @@ void AttentionPlan::shaw_row_dots(const RowBlock& rb, const float* rows, std::in
                        dots, ld, t->width, rb.width, dim, false);
     return;
   }
-  for (std::int64_t r = 0; r < rb.width; ++r) {
-    const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
-    const ShawTables* t = h < 0 ? nullptr : shaw_of_head(h);
-    if (t == nullptr) continue;
+  for_each_shaw_row(*this, rb, [&](std::int64_t r, const ShawTables& t, std::int64_t /* q_position */) {
     const float* row = rows + r * ld_rows;
-    for (std::int64_t u = 0; u < t->width; ++u) {
-      const float* a = value_table ? t->value.data() + u * dim_padded : t->key.data() + u * dim;
+    for (std::int64_t u = 0; u < t.width; ++u) {
+      const float* a = value_table ? t.value.data() + u * dim_padded : t.key.data() + u * dim;
       float sum = 0;
       for (std::int64_t e = 0; e < dim; ++e) sum += row[e] * a[e];
       dots[u * ld + r] = sum;
     }
-  }
+  });
 }
 
 // The one table row every (row, key) pair of the tile clips to, or −1.
@@ -340,13 +347,9 @@ void AttentionPlan::shaw_add_rows(const RowBlock& rb, std::int64_t keys, const s
     }
     return;
   }
-  for (std::int64_t r = 0; r < w; ++r) {
-    const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
-    const ShawTables* t = h < 0 ? nullptr : shaw_of_head(h);
-    if (t == nullptr) continue;
-    const std::int64_t qp = rb.position[static_cast<std::size_t>(r)];
-    for (std::int64_t j = 0; j < keys; ++j) st[j * w + r] += dots[t->row_of(kpos[j] - qp) * ld + r];
-  }
+  for_each_shaw_row(*this, rb, [&](std::int64_t r, const ShawTables& t, std::int64_t qp) {
+    for (std::int64_t j = 0; j < keys; ++j) st[j * w + r] += dots[t.row_of(kpos[j] - qp) * ld + r];
+  });
 }
 
 // sums[row(k_j − q_r)][r] += pt[j][r] over the tile's keys, after scaling every sum of row r by
@@ -373,13 +376,9 @@ void AttentionPlan::shaw_collect(const RowBlock& rb, std::int64_t keys, const st
     }
     return;
   }
-  for (std::int64_t r = 0; r < w; ++r) {
-    const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
-    const ShawTables* t = h < 0 ? nullptr : shaw_of_head(h);
-    if (t == nullptr) continue;
-    const std::int64_t qp = rb.position[static_cast<std::size_t>(r)];
-    for (std::int64_t j = 0; j < keys; ++j) sums[t->row_of(kpos[j] - qp) * ld + r] += pt[j * w + r];
-  }
+  for_each_shaw_row(*this, rb, [&](std::int64_t r, const ShawTables& t, std::int64_t qp) {
+    for (std::int64_t j = 0; j < keys; ++j) sums[t.row_of(kpos[j] - qp) * ld + r] += pt[j * w + r];
+  });
 }
 
 // o_r += Σ_u probs[u][r]·a^V[u] (unnormalised, as o): a matrix product for a block of one group.
@@ -388,18 +387,15 @@ void AttentionPlan::shaw_add_values(const RowBlock& rb, const float* probs, std:
     kernels::attn_gemm(probs, 1, ld, t->value.data(), dim_padded, o, dim_padded, rb.width, dim_padded, t->width, true);
     return;
   }
-  for (std::int64_t r = 0; r < rb.width; ++r) {
-    const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
-    const ShawTables* t = h < 0 ? nullptr : shaw_of_head(h);
-    if (t == nullptr) continue;
+  for_each_shaw_row(*this, rb, [&](std::int64_t r, const ShawTables& t, std::int64_t /* q_position */) {
     float* row = o + r * dim_padded;
-    for (std::int64_t u = 0; u < t->width; ++u) {
+    for (std::int64_t u = 0; u < t.width; ++u) {
       const float p = probs[u * ld + r];
       if (p == 0.0f) continue;
-      const float* a = t->value.data() + u * dim_padded;
+      const float* a = t.value.data() + u * dim_padded;
       for (std::int64_t e = 0; e < dim; ++e) row[e] += p * a[e];
     }
-  }
+  });
 }
 
 }  // namespace detail

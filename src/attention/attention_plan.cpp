@@ -416,7 +416,8 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), 
         const std::int64_t max_distance = std::max(std::abs(k_max - q_min), std::abs(q_max - k_min));
         if (max_distance < kMaxBiasTable) {
           auto evaluator_rows = std::make_unique<FireRows>();
-          evaluator_rows->params = &std::get<FireParams>(*groups[gi].bias);
+          // Into the plan's own spec: `groups` is a local copy.
+          evaluator_rows->params = &std::get<FireParams>(*spec.groups[gi].bias);
           evaluator_rows->psi.resize(static_cast<std::size_t>(max_distance + 1));
           evaluator_rows->dpsi_dc.resize(static_cast<std::size_t>(max_distance + 1));
           for (std::int64_t t = 0; t <= max_distance; ++t) {

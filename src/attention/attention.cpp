@@ -917,7 +917,6 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
   grow(s.dpt, key_tile * w);
   grow(s.kpos, key_tile);
   // Bias-gradient histograms over δ per head of the unit (distance tables) and the direct path.
-  const std::int64_t grad_size = unit_grads != nullptr ? bias_gradient_size() : 0;
   if (unit_grads != nullptr) {
     grow(s.hist, group_size * hist_width);
     std::fill(s.hist.begin(), s.hist.begin() + group_size * hist_width, 0.0);
@@ -1046,7 +1045,6 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
     }
   }
   if (unit_grads != nullptr) finish_bias_gradients(s, kvh, unit_grads);
-  (void)grad_size;
 }
 
 }  // namespace detail

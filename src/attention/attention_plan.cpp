@@ -38,8 +38,6 @@ void check_cu_seqlens(const char* name, const std::vector<std::int64_t>& cu, std
   require(cu.back() == tokens, name, "last = " + std::to_string(cu.back()), "the token count " + std::to_string(tokens));
 }
 
-bool same_transform(const QKTransform& a, const QKTransform& b) { return a.index() == b.index(); }
-
 }  // namespace
 
 void RowBlock::slice(std::int64_t r0, std::int64_t n, RowBlock& out) const {
@@ -275,7 +273,6 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), 
   for (std::size_t gi = 0; gi < groups.size(); ++gi) {
     shaw_grad_offset[gi + 1] = shaw_grad_offset[gi] + 2 * shaw[gi].width * dim;
   }
-  (void)same_transform;
 
   // ── Transform tables: rows by position (a dense range) or by token.
   const std::int64_t q_tokens = (packed ? 1 : batch) * q_len, k_tokens = (packed ? 1 : batch) * k_len;
@@ -314,7 +311,6 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), 
       t.interleaved = rp.layout() == RopeLayout::kInterleaved;
       t.half = rp.rotary_dim() / 2;
       const std::int64_t half = t.half;
-      const DType table_dtype = rp.xpos() ? DType::kF64 : DType::kF32;
       std::vector<double> c64, s64;
       std::vector<float> c32, s32;
       if (rp.xpos()) {
@@ -328,7 +324,6 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), 
         rope_cos_sin(rp, table_positions, TensorView::of(c32.data(), {rows, half}), TensorView::of(s32.data(), {rows, half}),
                      rope->seq_len > 0 ? rope->seq_len : p_max + 1);
       }
-      (void)table_dtype;
       t.q_cos_sin.resize(static_cast<std::size_t>(rows * 2 * half));
       if (rp.xpos()) t.k_cos_sin.resize(t.q_cos_sin.size());
       const double r = static_cast<double>(rp.rotary_dim());

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "testing.hpp"
@@ -244,6 +245,12 @@ TEST_P(AttentionForward, EveryPositionalScheme) {
   with({{heads, {}, {}, shaw}}, true, "shaw");
   with({{2, RotaryQK{rope}, AlibiParams(2), shaw}, {2, {}, {}, ShawParams::init(3, dim, 0.5, 12)}}, false,
        "shaw with rope + alibi, and another shaw width");
+  // Transformer-XL: u, v of magnitude ~0.5 so that every term moves the logits.
+  with({{heads, {}, {}, {}, XlParams::init(heads, dim, 40, 0.5, 21)}}, true, "transformer-xl");
+  with({{heads, {}, {}, {}, XlParams::init(heads, dim, 32, 0.5, 22)}}, false, "transformer-xl, keys on both sides");
+  // One head of a KV group XL, the other ALiBi (XL transforms nothing, so it may split a group).
+  with({{1, {}, {}, {}, XlParams::init(1, dim, 16, 0.5, 23)}, {1, {}, AlibiParams(1)}, {2, {}, {}, {}, XlParams::init(2, dim, 16, 0.5, 24)}},
+       true, "xl | alibi | xl");
   // Half the heads RoPE, half ALiBi (KV group boundaries: 2 heads per KV head).
   with({{2, RotaryQK{rope}, {}}, {2, {}, AlibiParams(2)}}, true, "rope + alibi by head group");
   with({{1, {}, AlibiParams(1)}, {1, {}, NoPE(1)}, {2, RotaryQK{rope}, T5BiasParams(2, 16, 64, false, std::vector<double>(32, 0.25))}},
@@ -267,6 +274,21 @@ TEST_P(AttentionForward, PackedSequencesAndExplicitPositions) {
   s2.k_positions = Positions::ids(k_ids);
   s2.groups = {{2, RotaryQK{RopeParams(32, 32)}, AlibiParams(2, AlibiForm::kSymmetric)}};
   expect_accurate(d, s2, "scattered positions");
+  // XL over explicit positions with gaps (its P(δ) table spans their differences).
+  Problem x = make_problem(2, 30, 50, 2, 1, 32);
+  std::vector<std::int64_t> xq(60), xk(100);
+  for (auto& v : xq) v = uniform_int(0, 300);
+  for (auto& v : xk) v = uniform_int(0, 300);
+  AttentionSpec s3 = spec_of(x);
+  s3.q_positions = Positions::ids(xq, 2, 30);
+  s3.k_positions = Positions::ids(xk, 2, 50);
+  s3.groups = {{2, {}, {}, {}, XlParams::init(2, 32, 16, 0.5, 25)}};
+  expect_accurate(x, s3, "xl, explicit positions");
+  Problem xp = make_packed({{5, 9}, {40, 40}, {1, 7}}, 2, 2, 32);
+  AttentionSpec s4 = spec_of(xp);
+  s4.mask.causal = true;
+  s4.groups = {{2, {}, {}, {}, XlParams::init(2, 32, 24, 0.5, 26)}};
+  expect_accurate(xp, s4, "xl, packed");
 }
 
 TEST_P(AttentionForward, DecodeSplitsLongCachesExactly) {
@@ -280,6 +302,8 @@ TEST_P(AttentionForward, DecodeSplitsLongCachesExactly) {
     expect_accurate(p, spec, "decode rope + alibi");
     spec.groups = {{4, {}, {}, ShawParams::init(16, 64, 0.5, 5)}};
     expect_accurate(p, spec, "decode shaw");
+    spec.groups = {{4, {}, {}, {}, XlParams::init(4, 64, 32, 0.5, 6)}};
+    expect_accurate(p, spec, "decode xl");
   }
 }
 
@@ -406,6 +430,12 @@ void expect_backward_matches_reference(const Problem& p, const Attention& att, c
     }
     expect_close(fused.params.groups[g].shaw_key_table, exact.params.groups[g].shaw_key_table, "shaw key table");
     expect_close(fused.params.groups[g].shaw_value_table, exact.params.groups[g].shaw_value_table, "shaw value table");
+    if (exact.params.groups[g].xl) {
+      const XlGradients &a = *fused.params.groups[g].xl, &b = *exact.params.groups[g].xl;
+      expect_close(a.u, b.u, "xl u");
+      expect_close(a.v, b.v, "xl v");
+      expect_close(a.w_r, b.w_r, "xl w_r");
+    }
   }
 }
 
@@ -425,6 +455,9 @@ TEST_P(AttentionBackward, MatchesTheReferenceForEveryTrainableScheme) {
       {{heads, {}, FireParams::init(heads, 8, 5, 0.7, 16.0)}},
       // A KV group whose heads mix Shaw and no Shaw (the per-row paths).
       {{1, {}, {}, ShawParams::init(4, dim, 0.5, 7)}, {1, {}, AlibiParams(1)}, {2, {}, {}, ShawParams::init(2, dim, 0.5, 8)}},
+      {{heads, {}, {}, {}, XlParams::init(heads, dim, 24, 0.5, 9)}},
+      // XL beside ALiBi inside one KV group.
+      {{1, {}, AlibiParams(1)}, {3, {}, {}, {}, XlParams::init(3, dim, 16, 0.5, 10)}},
   };
   for (std::size_t c = 0; c < cases.size(); ++c) {
     for (const bool softcap : {false, true}) {
@@ -558,6 +591,62 @@ TEST(AttentionReference, ShawBackwardMatchesFiniteDifferences) {
   }
 }
 
+// Transformer-XL's reference gradients (u, v, W_R, and dq, dk through its terms) by central
+// differences of the reference forward.
+TEST(AttentionReference, XlBackwardMatchesFiniteDifferences) {
+  const std::int64_t heads = 2, dim = 4, d_model = 6;
+  Problem p = make_problem(1, 5, 7, heads, 1, dim, DType::kF64);
+  const XlParams base = XlParams::init(heads, dim, d_model, 0.5, 3);
+  const std::vector<double> w = random_values(static_cast<std::size_t>(p.q_count()));
+  const auto spec_with = [&](const XlParams& xl) {
+    AttentionSpec spec = spec_of(p);
+    spec.groups = {{heads, {}, {}, {}, xl}};
+    spec.mask.causal = true;
+    spec.mask.softcap = 2.0;
+    return spec;
+  };
+  const auto loss = [&](const XlParams& xl) {
+    const Attention att(spec_with(xl));
+    std::vector<double> out(static_cast<std::size_t>(p.q_count()));
+    ref::attention_forward(att, p.view<true>(out.data(), p.q_len, p.heads, DType::kF64), {});
+    double l = 0;
+    for (std::size_t i = 0; i < out.size(); ++i) l += out[i] * w[i];
+    return l;
+  };
+  const Attention att(spec_with(base));
+  const Grads g = run_backward(p, att, w, true);
+  const XlGradients& xg = *g.params.groups[0].xl;
+  // Central differences, h = 1e-5: truncation ~1e-10, cancellation ~1e-11 (as above).
+  const double h = 1e-5, tol = 1e-7;
+  const auto fd = [&](int which, std::size_t e) {
+    std::vector<double> plus[3] = {base.u(), base.v(), base.w_r()}, minus[3] = {base.u(), base.v(), base.w_r()};
+    plus[which][e] += h;
+    minus[which][e] -= h;
+    const XlParams up(heads, dim, d_model, plus[0], plus[1], plus[2]), down(heads, dim, d_model, minus[0], minus[1], minus[2]);
+    return (loss(up) - loss(down)) / (2 * h);
+  };
+  for (std::size_t e = 0; e < xg.u.size(); ++e) {
+    EXPECT_NEAR(xg.u[e], fd(0, e), tol) << "u " << e;
+    EXPECT_NEAR(xg.v[e], fd(1, e), tol) << "v " << e;
+  }
+  for (std::size_t e = 0; e < xg.w_r.size(); e += 5) EXPECT_NEAR(xg.w_r[e], fd(2, e), tol) << "w_r " << e;
+  // dq and dk carry XL's terms too (q + v meets P; u meets k).
+  for (auto [values, bytes, grad, name] : {std::tuple{&p.q, &p.qb, &g.dq, "dq"}, std::tuple{&p.k, &p.kb, &g.dk, "dk"}}) {
+    for (std::size_t i = 0; i < values->size(); i += 3) {
+      const double saved = (*values)[i];
+      (*values)[i] = saved + h;
+      *bytes = testing::to_dtype(*values, DType::kF64);
+      const double up = loss(base);
+      (*values)[i] = saved - h;
+      *bytes = testing::to_dtype(*values, DType::kF64);
+      const double down = loss(base);
+      (*values)[i] = saved;
+      *bytes = testing::to_dtype(*values, DType::kF64);
+      EXPECT_NEAR((*grad)[i], (up - down) / (2 * h), tol) << name << "[" << i << "]";
+    }
+  }
+}
+
 // ─── Determinism and errors ──────────────────────────────────────────────────────────────────
 
 TEST(Attention, BitwiseIdenticalForAnyThreadCount) {
@@ -584,6 +673,22 @@ TEST(Attention, BitwiseIdenticalForAnyThreadCount) {
     EXPECT_EQ(runs[r].params.groups[0].alibi_slopes, runs[0].params.groups[0].alibi_slopes);
     EXPECT_EQ(decodes[r].out, decodes[0].out);
   }
+  // Transformer-XL's gradients (tables summed per unit, units in order).
+  AttentionSpec xs = spec_of(p);
+  xs.mask.causal = true;
+  xs.groups = {{4, {}, {}, {}, XlParams::init(4, 64, 32, 0.5, 2)}};
+  const Attention xatt(xs);
+  std::vector<Grads> xruns;
+  for (const int threads : {1, 2, 3}) {
+    set_num_threads(threads);
+    xruns.push_back(run_backward(p, xatt, d_out, false));
+  }
+  set_num_threads(2);
+  for (std::size_t r = 1; r < xruns.size(); ++r) {
+    EXPECT_EQ(xruns[r].dq, xruns[0].dq);
+    EXPECT_EQ(xruns[r].params.groups[0].xl->w_r, xruns[0].params.groups[0].xl->w_r);
+    EXPECT_EQ(xruns[r].params.groups[0].xl->u, xruns[0].params.groups[0].xl->u);
+  }
 }
 
 TEST(Attention, ClearErrors) {
@@ -602,6 +707,12 @@ TEST(Attention, ClearErrors) {
   expect_error([&] { Attention a(s); }, {"groups[0].bias", "2 heads"});
   s.groups = {{4, {}, {}, ShawParams::init(3, 8)}};
   expect_error([&] { Attention a(s); }, {"groups[0].shaw.head_dim", "8", "16"});
+  s.groups = {{4, {}, AlibiParams(4), {}, XlParams::init(4, 16, 8)}};
+  expect_error([&] { Attention a(s); }, {"groups[0].xl", "alone"});
+  s.groups = {{4, {}, {}, {}, XlParams::init(2, 16, 8)}};
+  expect_error([&] { Attention a(s); }, {"groups[0].xl.heads", "2", "4 (the group's heads)"});
+  s.groups = {{4, {}, {}, {}, XlParams(4, 16, 8, std::vector<double>(64), std::vector<double>(64), std::vector<double>(512), 0.5)}};
+  expect_error([&] { Attention a(s); }, {"groups[0].xl.scale", "0.5", "the attention's scale"});
   s = spec_of(p);
   s.mask.softcap = std::nan("");
   expect_error([&] { Attention a(s); }, {"mask.softcap", "nan"});

@@ -9,9 +9,12 @@
 //
 // T_q, T_k: the group's query/key transform (RoPE from the positions, or Shortformer's absolute
 // sinusoid added to q and k but not v), b: the group's score bias (ALiBi, T5, Kerple, FIRE, TUPE;
-// bias.hpp), p_i / p'_j the query / key positions; Shaw's relative key and value terms (below). Computed flash-style: tiles of keys against
-// blocks of queries with an online softmax; no Sq×Sk matrix is ever stored. Workspace per thread
-// is O(tile·D) in forward; backward keeps a [G·Sq, D] gradient accumulator per thread as well.
+// bias.hpp), p_i / p'_j the query / key positions; Shaw's relative key and value terms and
+// Transformer-XL's terms (HeadGroup, below). Computed flash-style: tiles of keys against blocks
+// of queries with an online softmax; no Sq×Sk matrix is ever stored. Workspace per thread is
+// O(tile·D) in forward; backward keeps a [G·Sq, D] gradient accumulator per thread as well.
+// Transformer-XL tabulates P(δ) for the δ the mask lets through ([δ span, H·D] floats, like q),
+// and its backward keeps that table's gradient per (sequence, KV head).
 //
 // ─── Layout ────────────────────────────────────────────────────────────────────────────────────
 //   q, out, dq, d_out   [B, Sq, H, D]   (or packed [Tq, H, D] with cu_seqlens_q)
@@ -38,7 +41,7 @@
 //
 // ─── Backward ──────────────────────────────────────────────────────────────────────────────────
 // From out, lse and d_out: dq, dk, dv += their gradients; the positional parameters' gradients
-// (ALiBi slopes, T5 table, Kerple r1 r2, FIRE's MLP, c and L, Shaw's tables) += into
+// (ALiBi slopes, T5 table, Kerple r1 r2, FIRE's MLP, c and L, Shaw's tables, XL's u, v, W_R) += into
 // AttentionGradients, in fp64. TUPE's are not fused yet: asking for them throws (dq, dk, dv with
 // grads = nullptr work). Work is split by (sequence, KV head) and every sum runs in a fixed order:
 // results are bitwise identical for any thread count, forward and backward.
@@ -85,11 +88,16 @@ using QKTransform = std::variant<std::monostate, RotaryQK, AbsoluteQK>;
 // its key term to the logit and its value term to the output, with r = clip(k_pos − q_pos, ±k):
 //   x_ij += scale·⟨T_q(q_i), a^K[r]⟩        out_i += Σ_j p_ij·a^V[r]
 // (scale·(q·k + q·a^K) is the paper's e_ij when scale = 1/sqrt(D)).
+// `xl` (Transformer-XL, Dai et al. 2019, relative.hpp; heads == the group's heads, head_dim == D,
+// its scale equal to the attention's) adds, with δ = p_i − p'_j:
+//   x_ij += scale·(u_h·k_j + (q_i + v_h)·P_h(δ)),   P(δ) = W_R r(δ)
+// A group with xl has no transform, bias or shaw (XL is the whole scheme of its heads).
 struct HeadGroup {
   std::int64_t heads = 0;
   QKTransform transform{};
   std::optional<BiasScheme> bias{};
   std::optional<ShawParams> shaw{};
+  std::optional<XlParams> xl{};
 };
 
 struct AttentionMask {
@@ -118,6 +126,7 @@ struct GroupGradients {
   std::vector<double> shaw_key_table, shaw_value_table;  // [(2k + 1)·D], the tables' layout
   std::optional<FireGradients> fire;
   std::optional<TupeGradients> tupe;
+  std::optional<XlGradients> xl;  // u, v, W_R
 };
 struct AttentionGradients {
   std::vector<GroupGradients> groups;

@@ -398,6 +398,116 @@ void AttentionPlan::shaw_add_values(const RowBlock& rb, const float* probs, std:
   });
 }
 
+// ─── Transformer-XL's position terms ─────────────────────────────────────────────────────────
+// Qs·P_h(δ) for a window of δ is one matrix product per head's run of rows (P's rows are
+// consecutive δ); a tile then picks dots[δ(r, j) − lo][r] for every (row, key), and backward
+// sums dS the same way before two more products (dQs += sumsᵀ·P, dP += sums·Qs).
+
+// The δ range the XL rows of the block meet against keys kpos[0..keys), within the table.
+bool AttentionPlan::xl_tile_range(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, std::int64_t* lo,
+                                  std::int64_t* hi) const {
+  std::int64_t q_lo = std::numeric_limits<std::int64_t>::max(), q_hi = std::numeric_limits<std::int64_t>::min();
+  for (std::int64_t r = 0; r < rb.width; ++r) {
+    const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
+    if (h < 0 || xl_of_head(h) == nullptr) continue;
+    q_lo = std::min(q_lo, rb.position[static_cast<std::size_t>(r)]);
+    q_hi = std::max(q_hi, rb.position[static_cast<std::size_t>(r)]);
+  }
+  if (q_lo > q_hi || keys == 0) return false;
+  const auto [k_lo, k_hi] = std::minmax_element(kpos, kpos + keys);
+  *lo = std::max(q_lo - *k_hi, xl_delta_min);
+  *hi = std::min(q_hi - *k_lo, xl_delta_min + xl_width - 1);
+  return *lo <= *hi;
+}
+
+// Calls fn(first row, rows, head) for each run of lane chunks whose rows belong to one XL head
+// (non-compact layouts pad every head's rows to whole lane chunks).
+template <class Fn>
+void for_each_xl_run(const AttentionPlan& p, const RowBlock& rb, Fn&& fn) {
+  const auto chunk_head = [&](std::int64_t c) {
+    for (std::int64_t t = 0; t < kAttnAlign; ++t) {
+      const std::int64_t h = rb.head[static_cast<std::size_t>(c * kAttnAlign + t)];
+      if (h >= 0) return p.xl_of_head(h) != nullptr ? h : std::int64_t{-1};
+    }
+    return std::int64_t{-1};
+  };
+  const std::int64_t chunks = rb.width / kAttnAlign;
+  for (std::int64_t c = 0; c < chunks;) {
+    const std::int64_t h = chunk_head(c);
+    std::int64_t e = c + 1;
+    while (h >= 0 && e < chunks && chunk_head(e) == h) ++e;
+    if (h >= 0) fn(c * kAttnAlign, (e - c) * kAttnAlign, h);
+    c = e;
+  }
+}
+
+// dots[u][r] = Qs_r·P_h(lo + u) + c_h(lo + u) for u < span; rows_t: Qs transposed, [d][r].
+void AttentionPlan::xl_window(const RowBlock& rb, const float* rows_t, std::int64_t ld_t, std::int64_t lo,
+                              std::int64_t span, float* dots, std::int64_t ld) const {
+  for_each_xl_run(*this, rb, [&](std::int64_t r0, std::int64_t n, std::int64_t h) {
+    const XlTables& t = *xl_of_head(h);
+    const std::int64_t lh = xl_local_head(h), t0 = lo - xl_delta_min;
+    kernels::attn_gemm(t.p_row(t0, lh, dim_padded), t.heads * dim_padded, 1, rows_t + r0, ld_t, dots + r0, ld, span, n,
+                       dim, false);
+    const float* c = t.constant.data() + lh * xl_width + t0;
+    for (std::int64_t u = 0; u < span; ++u) {
+      float* row = dots + u * ld + r0;
+      for (std::int64_t r = 0; r < n; ++r) row[r] += c[u];
+    }
+  });
+}
+
+// st[j][r] += dots[δ(r, j) − lo][r] for the XL rows (pairs outside the window are masked ones).
+void AttentionPlan::xl_add_rows(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, std::int64_t lo,
+                                std::int64_t span, const float* dots, std::int64_t ld, float* st) const {
+  const std::int64_t w = rb.width;
+  for (std::int64_t r = 0; r < w; ++r) {
+    const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
+    if (h < 0 || xl_of_head(h) == nullptr) continue;
+    const std::int64_t base = rb.position[static_cast<std::size_t>(r)] - lo;
+    for (std::int64_t j = 0; j < keys; ++j) {
+      const std::int64_t u = base - kpos[j];
+      if (u >= 0 && u < span) st[j * w + r] += dots[u * ld + r];
+    }
+  }
+}
+
+// sums[δ(r, j) − lo][r] += dst[j][r] (the transpose of xl_add_rows).
+void AttentionPlan::xl_collect(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, std::int64_t lo,
+                               std::int64_t span, const float* dst, float* sums, std::int64_t ld) const {
+  const std::int64_t w = rb.width;
+  for (std::int64_t r = 0; r < w; ++r) {
+    const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
+    if (h < 0 || xl_of_head(h) == nullptr) continue;
+    const std::int64_t base = rb.position[static_cast<std::size_t>(r)] - lo;
+    for (std::int64_t j = 0; j < keys; ++j) {
+      const std::int64_t u = base - kpos[j];
+      if (u >= 0 && u < span) sums[u * ld + r] += dst[j * w + r];
+    }
+  }
+}
+
+// Decode rows (few): st[j][r] += Qs_r·P_h(δ) + c_h(δ), a dot product per pair.
+void AttentionPlan::xl_add_direct(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, const float* q_rows,
+                                  float* st) const {
+  const std::int64_t w = rb.width;
+  for (std::int64_t r = 0; r < w; ++r) {
+    const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
+    const XlTables* t = h < 0 ? nullptr : xl_of_head(h);
+    if (t == nullptr) continue;
+    const std::int64_t lh = xl_local_head(h), qp = rb.position[static_cast<std::size_t>(r)];
+    const float* q = q_rows + r * dim_padded;
+    for (std::int64_t j = 0; j < keys; ++j) {
+      const std::int64_t u = qp - kpos[j] - xl_delta_min;
+      if (u < 0 || u >= xl_width) continue;  // outside every visible pair's δ: masked
+      const float* pr = t->p_row(u, lh, dim_padded);
+      float sum = t->constant[static_cast<std::size_t>(lh * xl_width + u)];
+      for (std::int64_t e = 0; e < dim; ++e) sum += q[e] * pr[e];
+      st[j * w + r] += sum;
+    }
+  }
+}
+
 }  // namespace detail
 
 // ─── Forward ─────────────────────────────────────────────────────────────────────────────────
@@ -450,6 +560,7 @@ void forward_begin(const AttentionPlan& p, const Sequence& seq, const RowBlock& 
       const std::int64_t i = rb.query[static_cast<std::size_t>(r)];
       p.load_row(p.q_data, p.qg, seq.b, seq.q0 + i, h, row);
       p.transform_row(p.tables_of_head(h), true, p.q_table_row(seq, i), row, 1.0f);
+      p.add_xl_u(h, row);
       for (std::int64_t t = 0; t < d; ++t) row[t] *= p.scale;
     }
     if (!dot) {
@@ -462,6 +573,30 @@ void forward_begin(const AttentionPlan& p, const Sequence& seq, const RowBlock& 
     std::fill(s.shaw_probs.begin(), s.shaw_probs.begin() + w * p.shaw_width, 0.0f);
     p.shaw_row_dots(rb, s.q.data(), dp, dot ? nullptr : s.qt.data(), w, false, s.shaw_key_dots.data(), w);
   }
+  s.xl_span = 0;  // no XL window yet
+}
+
+// Transformer-XL in a forward tile: decode rows dot directly; a block keeps a window of its
+// rows' dots over kXlWindow δ values, moved down as the tiles advance (δ = q − k falls).
+void forward_xl(const AttentionPlan& p, const RowBlock& rb, std::int64_t keys, AttentionUnitScratch& s) {
+  // Window length: the matrix product over a window re-does the rows' dots for the δ where two
+  // windows overlap (at most a tile plus a block of rows), so a window of 1024 δ wastes at most
+  // ~20% over computing each dot once, for 1024 × rows floats (512 KiB at 128 rows) of scratch.
+  constexpr std::int64_t kXlWindow = 1024;
+  const std::int64_t w = rb.width;
+  if (rb.compact) {
+    p.xl_add_direct(rb, keys, s.kpos.data(), s.q.data(), s.st.data());
+    return;
+  }
+  std::int64_t lo = 0, hi = 0;
+  if (!p.xl_tile_range(rb, keys, s.kpos.data(), &lo, &hi)) return;
+  if (s.xl_span == 0 || lo < s.xl_lo || hi >= s.xl_lo + s.xl_span) {
+    s.xl_lo = std::max(p.xl_delta_min, std::min(lo, hi - kXlWindow + 1));
+    s.xl_span = hi - s.xl_lo + 1;
+    grow(s.xl_dots, s.xl_span * w);
+    p.xl_window(rb, s.qt.data(), w, s.xl_lo, s.xl_span, s.xl_dots.data(), w);
+  }
+  p.xl_add_rows(rb, keys, s.kpos.data(), s.xl_lo, s.xl_span, s.xl_dots.data(), w, s.st.data());
 }
 
 void forward_tile(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh, const RowBlock& rb, std::int64_t k0,
@@ -498,11 +633,12 @@ void forward_tile(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh,
   }
   // S^T = K·Q^T (scale and query transform already in Q).
   kernels::attn_gemm(kp, ldk, 1, s.qt.data(), w, s.st.data(), w, keys, w, d, false);
-  if (p.any_bias || p.any_shaw) {
+  if (p.any_bias || p.any_shaw || p.any_xl) {
     for (std::int64_t j = 0; j < keys; ++j) s.kpos[static_cast<std::size_t>(j)] = p.k_position(seq, k0 + j);
   }
   if (p.any_bias) p.add_bias(seq, rb, k0, keys, s.kpos.data(), s.st.data(), s.tmp);
   if (p.any_shaw) p.shaw_add_rows(rb, keys, s.kpos.data(), s.shaw_key_dots.data(), w, s.st.data());
+  if (p.any_xl) forward_xl(p, rb, keys, s);
   if (p.mask.softcap > 0) kernels::attn_softcap_tile(s.st.data(), keys, w, static_cast<float>(p.mask.softcap));
   if (!p.tile_unmasked(rb, k0, keys)) {
     kernels::attn_mask_tile(s.st.data(), keys, w, k0, rb.lo.data(), rb.hi.data());
@@ -755,11 +891,12 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
     for (std::int64_t g = 0; g < g_count; ++g) {
       AttentionUnitScratch& hs = heads_scratch[static_cast<std::size_t>(g)];
       const RowBlock& rb = rows[static_cast<std::size_t>(g)];
-      if (any_bias || any_shaw) {
+      if (any_bias || any_shaw || any_xl) {
         for (std::int64_t j = 0; j < keys; ++j) hs.kpos[static_cast<std::size_t>(j)] = k_position(seq, k0 + j);
       }
       if (any_bias) add_bias(seq, rb, k0, keys, hs.kpos.data(), hs.st.data(), hs.tmp);
       if (any_shaw) shaw_add_rows(rb, keys, hs.kpos.data(), hs.shaw_key_dots.data(), w, hs.st.data());
+      if (any_xl) xl_add_direct(rb, keys, hs.kpos.data(), hs.q.data(), hs.st.data());
       if (mask.softcap > 0) kernels::attn_softcap_tile(hs.st.data(), keys, w, static_cast<float>(mask.softcap));
       if (!tile_unmasked(rb, k0, keys)) kernels::attn_mask_tile(hs.st.data(), keys, w, k0, rb.lo.data(), rb.hi.data());
       kernels::attn_softmax_tile(hs.st.data(), keys, w, hs.m.data(), hs.l.data(), hs.corr.data());
@@ -812,6 +949,8 @@ void AttentionPlan::backward(ConstTensorView out, ConstTensorView lse, ConstTens
   std::vector<double> unit_grads(static_cast<std::size_t>(grad_size) * units.size());
   const std::int64_t shaw_size = grads != nullptr && any_shaw ? shaw_grad_offset.back() : 0;
   std::vector<double> unit_shaw_grads(static_cast<std::size_t>(shaw_size) * units.size());
+  const std::int64_t xl_size = grads != nullptr ? xl_unit_gradient_size() : 0;
+  std::vector<double> unit_xl_grads(static_cast<std::size_t>(xl_size) * units.size());
   const auto flops = static_cast<std::int64_t>(batch) * q_len * k_len * heads * dim;
   const int threads = std::min<int>(threads_for(flops / 16), static_cast<int>(std::max<std::size_t>(units.size(), 1)));
   std::int64_t scratch_bytes = 0;
@@ -826,7 +965,8 @@ void AttentionPlan::backward(ConstTensorView out, ConstTensorView lse, ConstTens
       const std::int64_t kvh = units[u].kvh;
       backward_unit(seq, kvh, out, og, lse, d_out, dog, want_dq ? &dq : nullptr, dqg, want_dk ? &dk : nullptr, dkg,
                     want_dv ? &dv : nullptr, dvg, want_bias_grads ? unit_grads.data() + u * static_cast<std::size_t>(grad_size) : nullptr,
-                    shaw_size > 0 ? unit_shaw_grads.data() + u * static_cast<std::size_t>(shaw_size) : nullptr, s, rb);
+                    shaw_size > 0 ? unit_shaw_grads.data() + u * static_cast<std::size_t>(shaw_size) : nullptr,
+                    xl_size > 0 ? unit_xl_grads.data() + u * static_cast<std::size_t>(xl_size) : nullptr, s, rb);
     }
     scratch_bytes += s.bytes();
   }
@@ -852,14 +992,25 @@ void AttentionPlan::backward(ConstTensorView out, ConstTensorView lse, ConstTens
       for (std::size_t t = 0; t < gg.shaw_value_table.size(); ++t) gg.shaw_value_table[t] += at[gg.shaw_key_table.size() + t];
     }
   }
-  last_workspace_bytes = scratch_bytes + static_cast<std::int64_t>(unit_grads.size() * sizeof(double)) + table_bytes();
+  if (xl_size > 0) {
+    // Per KV head, the units in order (sequence order).
+    std::vector<double> totals(static_cast<std::size_t>(xl_size * kv_heads), 0.0);
+    for (std::size_t u = 0; u < units.size(); ++u) {
+      double* total = totals.data() + units[u].kvh * xl_size;
+      const double* part = unit_xl_grads.data() + u * static_cast<std::size_t>(xl_size);
+      for (std::int64_t t = 0; t < xl_size; ++t) total[t] += part[t];
+    }
+    finish_xl_gradients(totals, *grads);
+  }
+  last_workspace_bytes = scratch_bytes + table_bytes() +
+                         static_cast<std::int64_t>((unit_grads.size() + unit_shaw_grads.size() + unit_xl_grads.size()) * sizeof(double));
 }
 
 void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTensorView out, const HeadsGrid& og,
                                   ConstTensorView lse, ConstTensorView d_out, const HeadsGrid& dog, TensorView* dq,
                                   const HeadsGrid& dqg, TensorView* dk, const HeadsGrid& dkg, TensorView* dv,
                                   const HeadsGrid& dvg, double* unit_grads, double* unit_shaw_grads,
-                                  AttentionUnitScratch& s, RowBlock& rb) const {
+                                  double* unit_xl_grads, AttentionUnitScratch& s, RowBlock& rb) const {
   const std::int64_t dp = dim_padded, d = dim;
   // All rows of the unit, head-major, each head's queries padded to the lane count.
   layout_rows(seq, kvh, 0, seq.lq, false, rb);
@@ -887,6 +1038,7 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
       const std::int64_t i = rb.query[static_cast<std::size_t>(r)];
       load_row(q_data, qg, seq.b, seq.q0 + i, h, qrow);
       transform_row(tq, true, q_table_row(seq, i), qrow, 1.0f);
+      add_xl_u(h, qrow);
       for (std::int64_t t = 0; t < d; ++t) qrow[t] *= scale;
       load_row_as(d_out, dog, seq.b, seq.q0 + i, h, drow);
       load_row_as(out, og, seq.b, seq.q0 + i, h, s.o.data());
@@ -920,6 +1072,10 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
   if (unit_grads != nullptr) {
     grow(s.hist, group_size * hist_width);
     std::fill(s.hist.begin(), s.hist.begin() + group_size * hist_width, 0.0);
+  }
+  if (unit_xl_grads != nullptr) {
+    grow(s.xl_dp, xl_width * group_size * dp);
+    std::fill(s.xl_dp.begin(), s.xl_dp.begin() + xl_width * group_size * dp, 0.0f);
   }
   // Row blocks of at most query_block·G rows share one key tile pass.
   const std::int64_t rows_per_block = round_up(query_block * group_size, kAttnAlign);
@@ -958,6 +1114,13 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
       kernels::attn_gemm(s.k.data(), dp, 1, s.qt.data() + r0, w, s.st.data(), bw, keys, bw, d, false);
       add_bias(seq, sub, k0, keys, s.kpos.data(), s.st.data(), s.tmp);
       if (any_shaw) shaw_add_rows(sub, keys, s.kpos.data(), s.shaw_key_dots.data() + r0, w, s.st.data());
+      // XL: the window of δ this (tile, row block) pair meets.
+      std::int64_t xl_lo = 0, xl_hi = -1;
+      if (any_xl && xl_tile_range(sub, keys, s.kpos.data(), &xl_lo, &xl_hi)) {
+        grow(s.xl_dots, (xl_hi - xl_lo + 1) * bw);
+        xl_window(sub, s.qt.data() + r0, w, xl_lo, xl_hi - xl_lo + 1, s.xl_dots.data(), bw);
+        xl_add_rows(sub, keys, s.kpos.data(), xl_lo, xl_hi - xl_lo + 1, s.xl_dots.data(), bw, s.st.data());
+      }
       if (mask.softcap > 0) kernels::attn_softcap_tile(s.st.data(), keys, bw, static_cast<float>(mask.softcap));
       if (!full) kernels::attn_mask_tile(s.st.data(), keys, bw, k0, sub.lo.data(), sub.hi.data());
       kernels::attn_gemm(s.v.data(), dp, 1, s.doutt.data() + r0, w, s.dpt.data(), bw, keys, bw, d, false);
@@ -975,6 +1138,7 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
       kernels::attn_gemm(s.dpt.data(), bw, 1, s.q.data() + r0 * dp, dp, s.dk.data(), dp, keys, dp, bw, true);
       kernels::attn_gemm(s.dpt.data(), 1, bw, s.k.data(), dp, s.dq.data() + r0 * dp, dp, bw, dp, keys, true);
       if (unit_grads != nullptr) accumulate_bias_gradients(seq, sub, k0, keys, s.kpos.data(), s.dpt.data(), s, kvh, unit_grads);
+      if (xl_hi >= xl_lo) xl_backward_window(sub, r0, keys, xl_lo, xl_hi - xl_lo + 1, kvh, unit_xl_grads, s);
     }
     // dK (rotated back; the query scale is already in it) and dV for the tile.
     for (std::int64_t j = 0; j < keys; ++j) {
@@ -1032,8 +1196,9 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
       }
     }
   }
-  // dQ: times the scale, rotated back.
-  if (dq != nullptr) {
+  // dQ: times the scale, rotated back. XL's du collects Σ d(q + u) per head.
+  if (dq != nullptr || unit_xl_grads != nullptr) {
+    double* dqs = unit_xl_grads == nullptr ? nullptr : unit_xl_grads + xl_width * group_size * (dp + 1);
     for (std::int64_t r = 0; r < w; ++r) {
       const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
       if (h < 0) continue;
@@ -1041,10 +1206,45 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
       float* row = s.dq.data() + r * dp;
       for (std::int64_t t = 0; t < d; ++t) row[t] *= scale;
       transform_row(tq, true, q_table_row(seq, i), row, -1.0f);
-      store_row_to(row, *dq, dqg, seq.b, seq.q0 + i, h);
+      if (dqs != nullptr && xl_of_head(h) != nullptr) {
+        for (std::int64_t t = 0; t < d; ++t) dqs[(h - kvh * group_size) * d + t] += static_cast<double>(row[t]);
+      }
+      if (dq != nullptr) store_row_to(row, *dq, dqg, seq.b, seq.q0 + i, h);
     }
   }
+  if (unit_xl_grads != nullptr) {
+    const std::int64_t n = xl_width * group_size * dp;
+    for (std::int64_t t = 0; t < n; ++t) unit_xl_grads[t] += static_cast<double>(s.xl_dp[static_cast<std::size_t>(t)]);
+  }
   if (unit_grads != nullptr) finish_bias_gradients(s, kvh, unit_grads);
+}
+
+// XL's backward for one (tile, row block): dS summed per δ of the window, then per head run
+//   dQs += sumsᵀ·P_h (into the unit's dq rows, which get the scale at the end),
+//   dP_h += sums·Qs (the unit's table) and Σ dS per δ (for c_h) into the unit's gradients.
+void AttentionPlan::xl_backward_window(const RowBlock& sub, std::int64_t r0, std::int64_t keys, std::int64_t lo,
+                                       std::int64_t span, std::int64_t kvh, double* unit_xl_grads,
+                                       AttentionUnitScratch& s) const {
+  const std::int64_t bw = sub.width, dp = dim_padded;
+  grow(s.xl_sums, span * bw);
+  std::fill(s.xl_sums.begin(), s.xl_sums.begin() + span * bw, 0.0f);
+  xl_collect(sub, keys, s.kpos.data(), lo, span, s.dpt.data(), s.xl_sums.data(), bw);
+  for_each_xl_run(*this, sub, [&](std::int64_t ra, std::int64_t n, std::int64_t h) {
+    const XlTables& t = *xl_of_head(h);
+    const std::int64_t lh = xl_local_head(h), t0 = lo - xl_delta_min, g = h - kvh * group_size;
+    const float* sums = s.xl_sums.data() + ra;
+    kernels::attn_gemm(sums, 1, bw, t.p_row(t0, lh, dp), t.heads * dp, s.dq.data() + (r0 + ra) * dp, dp, n, dp, span, true);
+    if (unit_xl_grads == nullptr) return;
+    kernels::attn_gemm(sums, bw, 1, s.q.data() + (r0 + ra) * dp, dp, s.xl_dp.data() + (t0 * group_size + g) * dp,
+                       group_size * dp, span, dp, n, true);
+    double* hist = unit_xl_grads + xl_width * group_size * dp + g * xl_width + t0;
+    for (std::int64_t u = 0; u < span; ++u) {
+      const float* row = sums + u * bw;
+      double sum = 0;
+      for (std::int64_t r = 0; r < n; ++r) sum += static_cast<double>(row[r]);
+      hist[u] += sum;
+    }
+  });
 }
 
 }  // namespace detail

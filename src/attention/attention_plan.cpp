@@ -26,6 +26,8 @@ void require(bool ok, const char* param, const std::string& value, const std::st
 
 std::string shape_text(ConstTensorView v) { return v.describe(); }
 
+std::int64_t round_up(std::int64_t x, std::int64_t to) { return (x + to - 1) / to * to; }
+
 void check_cu_seqlens(const char* name, const std::vector<std::int64_t>& cu, std::int64_t tokens) {
   require(cu.size() >= 2, name, "size " + std::to_string(cu.size()), "at least 2 entries (0, …, tokens)");
   require(cu.front() == 0, name, "[0] = " + std::to_string(cu.front()), "0");
@@ -62,7 +64,7 @@ void RowBlock::slice(std::int64_t r0, std::int64_t n, RowBlock& out) const {
 std::int64_t AttentionUnitScratch::bytes() const {
   std::int64_t total = 0;
   for (const auto* buffer : {&q, &qt, &o, &m, &l, &corr, &st, &dpt, &k, &v, &tmp, &dout, &doutt, &dq, &dk, &dv, &lse, &delta,
-                             &shaw_key_dots, &shaw_value_dots, &shaw_probs, &shaw_grads}) {
+                             &shaw_key_dots, &shaw_value_dots, &shaw_probs, &shaw_grads, &xl_dots, &xl_sums, &xl_dp}) {
     total += static_cast<std::int64_t>(buffer->capacity() * sizeof(float));
   }
   return total + static_cast<std::int64_t>(kpos.capacity() * sizeof(std::int64_t) + hist.capacity() * sizeof(double));
@@ -231,6 +233,17 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), 
       if (bh != grp.heads) {
         throw Error(kWhere, (name + ".bias").c_str(), std::to_string(bh) + " heads", std::to_string(grp.heads) + " (the group's heads)");
       }
+    }
+    if (grp.xl) {
+      require(grp.transform.index() == 0 && !grp.bias && !grp.shaw, (name + ".xl").c_str(), "with a transform, bias or shaw",
+              "alone: Transformer-XL is the whole positional scheme of its heads");
+      require(grp.xl->heads() == grp.heads, (name + ".xl.heads").c_str(), std::to_string(grp.xl->heads()),
+              std::to_string(grp.heads) + " (the group's heads)");
+      require(grp.xl->head_dim() == dim, (name + ".xl.head_dim").c_str(), std::to_string(grp.xl->head_dim()),
+              "the head_dim of q, " + std::to_string(dim));
+      const double xl_scale = grp.xl->scale() > 0 ? grp.xl->scale() : 1.0 / std::sqrt(static_cast<double>(dim));
+      require(std::abs(xl_scale - scale_f64) <= 1e-12 * scale_f64, (name + ".xl.scale").c_str(), to_text(xl_scale),
+              "the attention's scale, " + to_text(scale_f64) + " (one scale multiplies all of XL's terms)");
     }
     ShawTables st;
     if (grp.shaw) {
@@ -442,6 +455,105 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), 
   }
   grad_offset.push_back(flat);
   hist_width = width <= kMaxBiasTable ? width : 0;
+  build_xl_tables(groups);
+}
+
+std::vector<float> AttentionPlan::xl_sinusoids(const XlParams& params, std::int64_t padded_d_model) const {
+  std::vector<float> r(static_cast<std::size_t>(xl_width * padded_d_model), 0.0f);
+  for (std::int64_t u = 0; u < xl_width; ++u) {
+    const std::vector<double> sinusoid = params.sinusoid(xl_delta_min + u);
+    for (std::int64_t m = 0; m < params.d_model(); ++m) {
+      r[static_cast<std::size_t>(u * padded_d_model + m)] = static_cast<float>(sinusoid[static_cast<std::size_t>(m)]);
+    }
+  }
+  return r;
+}
+
+// ── Transformer-XL: P_h(δ) = W_R r(δ) for the δ of the pairs the mask lets through (exact per
+// query with default key positions; the sequence's key-position range otherwise), as one f32
+// matrix product r·W_Rᵀ split by δ rows over threads (each entry summed by one thread in one
+// order); c_h(δ) from P in fp64.
+void AttentionPlan::build_xl_tables(const std::vector<HeadGroup>& groups) {
+  xl.resize(groups.size());
+  std::int64_t xl_heads = 0;
+  for (const HeadGroup& grp : groups) xl_heads += grp.xl ? grp.heads : 0;
+  if (xl_heads == 0) return;
+  any_xl = true;
+  std::int64_t lo = std::numeric_limits<std::int64_t>::max(), hi = std::numeric_limits<std::int64_t>::min();
+  const bool default_keys = !spec.k_positions.has_value();
+  for (const Sequence& seq : sequences) {
+    std::int64_t k_lo = std::numeric_limits<std::int64_t>::max(), k_hi = std::numeric_limits<std::int64_t>::min();
+    if (!default_keys) {
+      for (std::int64_t j = 0; j < seq.lk; ++j) {
+        k_lo = std::min(k_lo, k_position(seq, j));
+        k_hi = std::max(k_hi, k_position(seq, j));
+      }
+    }
+    const std::int64_t offset = seq.lk - seq.lq;
+    for (std::int64_t i = 0; i < seq.lq; ++i) {
+      std::int64_t first = 0, last = seq.lk;  // visible keys [first, last), layout_rows' rule
+      if (mask.window_left >= 0) first = std::max<std::int64_t>(0, i + offset - mask.window_left);
+      if (window_right >= 0) last = std::min<std::int64_t>(seq.lk, i + offset + window_right + 1);
+      if (last <= first) continue;
+      const std::int64_t qp = q_position(seq, i);
+      lo = std::min(lo, qp - (default_keys ? last - 1 : k_hi));
+      hi = std::max(hi, qp - (default_keys ? first : k_lo));
+    }
+  }
+  if (lo > hi) lo = hi = 0;  // nothing visible: a one-row table keeps the code paths uniform
+  xl_delta_min = lo;
+  xl_width = hi - lo + 1;
+  // The table is [δ span, XL heads, Dp] floats; past 2^29 (2 GiB) the positions are too scattered
+  // for tabulation: say so rather than allocate it.
+  constexpr std::int64_t kMaxXlTable = std::int64_t{1} << 29;
+  if (xl_width > kMaxXlTable / (xl_heads * dim_padded)) {
+    throw Error(kWhere, "groups[].xl", "a δ = q − k span of " + std::to_string(xl_width) + " positions",
+                "at most " + std::to_string(kMaxXlTable / (xl_heads * dim_padded)) +
+                    " for fused Transformer-XL (P(δ) is tabulated); use xl_add_position_terms for scattered positions");
+  }
+  detail::init_dispatch();
+  for (std::size_t gi = 0; gi < groups.size(); ++gi) {
+    if (!groups[gi].xl) continue;
+    const XlParams& params = *groups[gi].xl;
+    XlTables& t = xl[gi];
+    const std::int64_t hg = groups[gi].heads, dm = params.d_model(), dmp = round_up(dm, kernels::kAttnAlign);
+    const std::int64_t cols = hg * dim_padded;
+    t.heads = hg;
+    const std::vector<float> r = xl_sinusoids(params, dmp);
+    std::vector<float> wt(static_cast<std::size_t>(dmp * cols), 0.0f);
+    for (std::int64_t h = 0; h < hg; ++h) {
+      for (std::int64_t d = 0; d < dim; ++d) {
+        for (std::int64_t m = 0; m < dm; ++m) {
+          wt[static_cast<std::size_t>(m * cols + h * dim_padded + d)] =
+              static_cast<float>(params.w_r()[static_cast<std::size_t>((h * dim + d) * dm + m)]);
+        }
+      }
+    }
+    t.projected.assign(static_cast<std::size_t>(xl_width * cols), 0.0f);
+    const std::int64_t chunk = 64;
+    const std::int64_t chunks = (xl_width + chunk - 1) / chunk;
+    const int threads = std::min<int>(threads_for(xl_width * cols * dm), static_cast<int>(chunks));
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (std::int64_t c = 0; c < chunks; ++c) {
+      const std::int64_t u0 = c * chunk, n = std::min(chunk, xl_width - u0);
+      kernels::attn_gemm(r.data() + u0 * dmp, dmp, 1, wt.data(), cols, t.projected.data() + u0 * cols, cols, n, cols, dm,
+                         false);
+    }
+    t.u.assign(static_cast<std::size_t>(hg * dim), 0.0f);
+    t.constant.assign(static_cast<std::size_t>(hg * xl_width), 0.0f);
+    for (std::int64_t h = 0; h < hg; ++h) {
+      for (std::int64_t d = 0; d < dim; ++d) t.u[static_cast<std::size_t>(h * dim + d)] = static_cast<float>(params.u()[static_cast<std::size_t>(h * dim + d)]);
+      for (std::int64_t u = 0; u < xl_width; ++u) {
+        const float* row = t.p_row(u, h, dim_padded);
+        double c = 0;
+        for (std::int64_t d = 0; d < dim; ++d) {
+          const auto at = static_cast<std::size_t>(h * dim + d);
+          c += (params.v()[at] - params.u()[at]) * static_cast<double>(row[d]);
+        }
+        t.constant[static_cast<std::size_t>(h * xl_width + u)] = static_cast<float>(scale_f64 * c);
+      }
+    }
+  }
 }
 
 bool FireRows::add_row(std::int64_t head, std::int64_t q_position, std::int64_t k_first, std::int64_t count, float* out,
@@ -512,6 +624,7 @@ std::int64_t AttentionPlan::table_bytes() const {
   std::int64_t total = 0;
   for (const auto& t : tables) total += t.bytes();
   for (const auto& t : bias_tables) total += static_cast<std::int64_t>(t.size() * sizeof(float));
+  for (const auto& t : xl) total += static_cast<std::int64_t>((t.projected.size() + t.constant.size() + t.u.size()) * sizeof(float));
   return total;
 }
 
@@ -563,6 +676,7 @@ AttentionGradients AttentionPlan::zero_gradients() const {
       g.shaw_key_table.assign(static_cast<std::size_t>(grp.shaw->rows() * grp.shaw->head_dim()), 0.0);
       g.shaw_value_table.assign(g.shaw_key_table.size(), 0.0);
     }
+    if (grp.xl) g.xl.emplace(*grp.xl);
     grads.groups.push_back(std::move(g));
   }
   return grads;
@@ -590,6 +704,12 @@ void AttentionPlan::check_gradients(const AttentionGradients& grads) const {
       check_gradient_size(kWhere, (name + ".fire.b1").c_str(), a.fire->b1.size(), static_cast<std::int64_t>(b.fire->b1.size()));
       check_gradient_size(kWhere, (name + ".fire.w2").c_str(), a.fire->w2.size(), static_cast<std::int64_t>(b.fire->w2.size()));
       check_gradient_size(kWhere, (name + ".fire.b2").c_str(), a.fire->b2.size(), static_cast<std::int64_t>(b.fire->b2.size()));
+    }
+    if (b.xl) {
+      require(a.xl.has_value(), (name + ".xl").c_str(), "empty", "XlGradients sized for the group's XL");
+      check_gradient_size(kWhere, (name + ".xl.u").c_str(), a.xl->u.size(), static_cast<std::int64_t>(b.xl->u.size()));
+      check_gradient_size(kWhere, (name + ".xl.v").c_str(), a.xl->v.size(), static_cast<std::int64_t>(b.xl->v.size()));
+      check_gradient_size(kWhere, (name + ".xl.w_r").c_str(), a.xl->w_r.size(), static_cast<std::int64_t>(b.xl->w_r.size()));
     }
     if (b.tupe) {
       throw Error(kWhere, (name + " (backward)").c_str(), "TUPE",
@@ -682,6 +802,60 @@ void AttentionPlan::scatter_bias_gradients(const std::vector<double>& total, Att
       fire_contract_moments(fire, at, at + moments, *gg.fire);
       gg.fire->c += at[2 * moments];
       gg.fire->threshold += at[2 * moments + 1];
+    }
+  }
+}
+
+// XL's parameter gradients from the per-KV-head totals of the units' [dP | Σ dS | Σ dQs] (fp64):
+//   dP_h(δ) = Σ dS·Qs + scale·(v_h − u_h)·Σ dS      (the second part through c_h(δ))
+//   dv_h = scale·Σ_δ (Σ dS)·P_h(δ),   du_h = Σ_i d(q + u)_i − dv_h,
+//   dW_R[h·D + d][m] = Σ_δ dP_h(δ)[d]·r(δ)[m]  (an f32 matrix product split by rows over threads).
+void AttentionPlan::finish_xl_gradients(const std::vector<double>& totals, AttentionGradients& grads) const {
+  const std::int64_t per_kv = xl_unit_gradient_size(), dp = dim_padded, g_count = group_size;
+  for (std::size_t gi = 0; gi < xl.size(); ++gi) {
+    const XlTables& t = xl[gi];
+    if (t.heads == 0) continue;
+    const XlParams& params = *spec.groups[gi].xl;
+    XlGradients& out = *grads.groups[gi].xl;
+    const std::int64_t hg = t.heads, h_first = group_first_head[gi], cols = hg * dp;
+    std::vector<float> d_projected(static_cast<std::size_t>(xl_width * cols), 0.0f);
+    for (std::int64_t lh = 0; lh < hg; ++lh) {
+      const std::int64_t h = h_first + lh, kvh = h / g_count, g = h % g_count;
+      const double* dp_total = totals.data() + kvh * per_kv;
+      const double* hist = dp_total + xl_width * g_count * dp + g * xl_width;
+      const double* dqs = dp_total + xl_width * g_count * (dp + 1) + g * dim;
+      for (std::int64_t d = 0; d < dim; ++d) {
+        const auto at = static_cast<std::size_t>(lh * dim + d);
+        const double v_minus_u = params.v()[at] - params.u()[at];
+        double dv = 0;
+        for (std::int64_t u = 0; u < xl_width; ++u) {
+          const double sum = hist[u];
+          dv += sum * static_cast<double>(t.p_row(u, lh, dp)[d]);
+          d_projected[static_cast<std::size_t>(u * cols + lh * dp + d)] =
+              static_cast<float>(dp_total[(u * g_count + g) * dp + d] + scale_f64 * v_minus_u * sum);
+        }
+        dv *= scale_f64;
+        out.v[at] += dv;
+        out.u[at] += dqs[d] - dv;
+      }
+    }
+    const std::int64_t dm = params.d_model(), dmp = round_up(dm, kernels::kAttnAlign);
+    const std::vector<float> r = xl_sinusoids(params, dmp);
+    std::vector<float> dw(static_cast<std::size_t>(cols * dmp), 0.0f);
+    const std::int64_t chunk = 64, chunks = (cols + chunk - 1) / chunk;
+    const int threads = std::min<int>(threads_for(cols * dmp * xl_width), static_cast<int>(chunks));
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (std::int64_t c = 0; c < chunks; ++c) {
+      const std::int64_t r0 = c * chunk, n = std::min(chunk, cols - r0);
+      kernels::attn_gemm(d_projected.data() + r0, 1, cols, r.data(), dmp, dw.data() + r0 * dmp, dmp, n, dmp, xl_width,
+                         false);
+    }
+    for (std::int64_t lh = 0; lh < hg; ++lh) {
+      for (std::int64_t d = 0; d < dim; ++d) {
+        for (std::int64_t m = 0; m < dm; ++m) {
+          out.w_r[static_cast<std::size_t>((lh * dim + d) * dm + m)] += dw[static_cast<std::size_t>((lh * dp + d) * dmp + m)];
+        }
+      }
     }
   }
 }

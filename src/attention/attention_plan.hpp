@@ -72,6 +72,20 @@ struct ShawTables {
   }
 };
 
+// Transformer-XL's terms of a head group in f32, over δ = q − k in [delta_min, delta_min + width)
+// (AttentionPlan::xl_delta_min / xl_width, shared by the groups): with the queries' rows holding
+// Qs = scale·(q + u) (u folded in: scale·(q + u)·k is the content and global-content term),
+//   logit += Qs·P_h(δ) + c_h(δ),   c_h(δ) = scale·(v_h − u_h)·P_h(δ)
+// which is scale·(q + v)·P_h(δ). projected: P as [width][heads][Dp] (zero-padded), constant: c as
+// [heads][width], u: [heads][D].
+struct XlTables {
+  std::int64_t heads = 0;  // 0: the group has no XL terms
+  std::vector<float> projected, constant, u;
+  const float* p_row(std::int64_t t, std::int64_t local_head, std::int64_t dp) const {
+    return projected.data() + (t * heads + local_head) * dp;
+  }
+};
+
 // Row metadata of a block of (head, query) rows; see AttentionPlan::layout_rows.
 struct RowBlock {
   std::int64_t i0 = 0, count = 0, valid_rows = 0, width = 0;
@@ -87,6 +101,10 @@ struct RowBlock {
 struct AttentionUnitScratch {
   std::vector<float> q, qt, o, m, l, corr, st, dpt, k, v, tmp, dout, doutt, dq, dk, dv, lse, delta;
   std::vector<float> shaw_key_dots, shaw_value_dots, shaw_probs, shaw_grads;  // [shaw_width][rows]
+  // XL: a window of Qs·P(δ) + c(δ) for δ in [xl_lo, xl_lo + xl_span), [u][rows]; backward: the
+  // window's dS sums and the unit's dP table [xl_width][G][Dp].
+  std::vector<float> xl_dots, xl_sums, xl_dp;
+  std::int64_t xl_lo = 0, xl_span = 0;
   std::vector<std::int64_t> kpos;
   std::vector<double> hist;
   std::int64_t bytes() const;
@@ -165,6 +183,43 @@ struct AttentionPlan {
                     float* sums, std::int64_t ld) const;
   void shaw_add_values(const RowBlock& rb, const float* probs, std::int64_t ld, float* o) const;
 
+  // Transformer-XL: per group (heads 0 without); one δ range for all.
+  std::vector<XlTables> xl;
+  bool any_xl = false;
+  std::int64_t xl_delta_min = 0, xl_width = 0;
+  const XlTables* xl_of_head(std::int64_t h) const {
+    const XlTables& t = xl[static_cast<std::size_t>(head_group[static_cast<std::size_t>(h)])];
+    return t.heads > 0 ? &t : nullptr;
+  }
+  void add_xl_u(std::int64_t h, float* row) const {  // q + u for an XL head's query row
+    const XlTables* t = any_xl ? xl_of_head(h) : nullptr;
+    if (t == nullptr) return;
+    const float* u = t->u.data() + xl_local_head(h) * dim;
+    for (std::int64_t d = 0; d < dim; ++d) row[d] += u[d];
+  }
+  std::int64_t xl_local_head(std::int64_t h) const {
+    return h - group_first_head[static_cast<std::size_t>(head_group[static_cast<std::size_t>(h)])];
+  }
+  // XL in the tile loop (attention.cpp): the window of rows' dots, its gather into S^T and the
+  // gather of dS back ([u][r] arrays, ld apart); direct per-element dots for decode rows.
+  void xl_window(const RowBlock& rb, const float* rows_t, std::int64_t ld_t, std::int64_t lo, std::int64_t span,
+                 float* dots, std::int64_t ld) const;
+  bool xl_tile_range(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, std::int64_t* lo,
+                     std::int64_t* hi) const;
+  void xl_add_rows(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, std::int64_t lo, std::int64_t span,
+                   const float* dots, std::int64_t ld, float* st) const;
+  void xl_collect(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, std::int64_t lo, std::int64_t span,
+                  const float* dst, float* sums, std::int64_t ld) const;
+  void xl_backward_window(const RowBlock& sub, std::int64_t r0, std::int64_t keys, std::int64_t lo, std::int64_t span,
+                          std::int64_t kvh, double* unit_xl_grads, AttentionUnitScratch& s) const;
+  void xl_add_direct(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, const float* q_rows, float* st) const;
+  // Backward: per unit [dP [xl_width][G][Dp] | Σ dS per (local head, δ) [G][xl_width] | Σ dQs rows [G][D]].
+  std::int64_t xl_unit_gradient_size() const { return any_xl ? xl_width * group_size * (dim_padded + 1) + group_size * dim : 0; }
+  void finish_xl_gradients(const std::vector<double>& total_per_kv_head, AttentionGradients& grads) const;
+
+  void build_xl_tables(const std::vector<HeadGroup>& groups);
+  std::vector<float> xl_sinusoids(const XlParams& params, std::int64_t padded_d_model) const;  // r(δ) [xl_width][dmp]
+
   mutable std::int64_t last_workspace_bytes = 0;
   std::int64_t table_bytes() const;
 
@@ -196,7 +251,8 @@ struct AttentionPlan {
   void backward_unit(const Sequence& seq, std::int64_t kvh, ConstTensorView out, const HeadsGrid& og,
                      ConstTensorView lse, ConstTensorView d_out, const HeadsGrid& dog, TensorView* dq,
                      const HeadsGrid& dqg, TensorView* dk, const HeadsGrid& dkg, TensorView* dv, const HeadsGrid& dvg,
-                     double* unit_grads, double* unit_shaw_grads, AttentionUnitScratch& s, RowBlock& rb) const;
+                     double* unit_grads, double* unit_shaw_grads, double* unit_xl_grads, AttentionUnitScratch& s,
+                     RowBlock& rb) const;
 
   // lse I/O ([B, H, Sq] or [H, Tq]).
   void check_lse(ConstTensorView lse, bool writable) const;

@@ -85,6 +85,43 @@ const ShawParams* shaw_of(const AttentionPlan& p, std::int64_t group) {
   return shaw ? &*shaw : nullptr;
 }
 
+const XlParams* xl_of(const AttentionPlan& p, std::int64_t group) {
+  if (p.spec.groups.empty()) return nullptr;
+  const auto& xl = p.spec.groups[static_cast<std::size_t>(group)].xl;
+  return xl ? &*xl : nullptr;
+}
+
+// Transformer-XL's P_h(δ) = W_R r(δ) for one head over the δ = q − k of a sequence's pairs, in T
+// (the sum over d_model in order: what a plain implementation in T computes).
+template <class T>
+struct XlProjection {
+  std::int64_t lo = 0, dim = 0;
+  std::vector<T> rows;  // [(δ − lo)][D]
+  const T* at(std::int64_t delta) const { return rows.data() + (delta - lo) * dim; }
+};
+template <class T>
+XlProjection<T> xl_projection(const XlParams& xl, std::int64_t local, const std::vector<std::int64_t>& qpos,
+                              const std::vector<std::int64_t>& kpos) {
+  XlProjection<T> out;
+  out.dim = xl.head_dim();
+  if (qpos.empty() || kpos.empty()) return out;
+  const auto [q_lo, q_hi] = std::minmax_element(qpos.begin(), qpos.end());
+  const auto [k_lo, k_hi] = std::minmax_element(kpos.begin(), kpos.end());
+  out.lo = *q_lo - *k_hi;
+  const std::int64_t width = *q_hi - *k_lo - out.lo + 1, dm = xl.d_model();
+  out.rows.assign(static_cast<std::size_t>(width * out.dim), T(0));
+  for (std::int64_t t = 0; t < width; ++t) {
+    const std::vector<double> r = xl.sinusoid(out.lo + t);
+    for (std::int64_t d = 0; d < out.dim; ++d) {
+      T acc = 0;
+      const double* w = xl.w_r().data() + (local * out.dim + d) * dm;
+      for (std::int64_t m = 0; m < dm; ++m) acc += static_cast<T>(w[m]) * static_cast<T>(r[static_cast<std::size_t>(m)]);
+      out.rows[static_cast<std::size_t>(t * out.dim + d)] = acc;
+    }
+  }
+  return out;
+}
+
 const std::optional<BiasScheme>& bias_of(const AttentionPlan& p, std::int64_t group) {
   static const std::optional<BiasScheme> none;
   return p.spec.groups.empty() ? none : p.spec.groups[static_cast<std::size_t>(group)].bias;
@@ -126,6 +163,9 @@ void scores(const AttentionPlan& p, const Sequence& seq, std::int64_t h, const H
   const std::int64_t local = h - p.group_first_head[static_cast<std::size_t>(group)];
   const auto& bias = bias_of(p, group);
   const ShawParams* shaw = shaw_of(p, group);
+  const XlParams* xl = xl_of(p, group);
+  XlProjection<T> projection;
+  if (xl != nullptr) projection = xl_projection<T>(*xl, local, hp.qpos, hp.kpos);
   const T scale = static_cast<T>(p.scale_f64), cap = static_cast<T>(p.mask.softcap);
   const T neg_inf = -std::numeric_limits<T>::infinity();
   z.assign(static_cast<std::size_t>(seq.lq * seq.lk), T(0));
@@ -141,6 +181,14 @@ void scores(const AttentionPlan& p, const Sequence& seq, std::int64_t h, const H
         const std::int64_t u = shaw->row_of(hp.kpos[static_cast<std::size_t>(j)] - hp.qpos[static_cast<std::size_t>(i)]);
         for (std::int64_t t = 0; t < p.dim; ++t) {
           dot += static_cast<T>(hp.q.row(i)[t]) * static_cast<T>(shaw_entry(shaw->key_table(), p.dim, u, t));
+        }
+      }
+      if (xl != nullptr) {  // u·k + (q + v)·P(δ)
+        const T* pr = projection.at(hp.qpos[static_cast<std::size_t>(i)] - hp.kpos[static_cast<std::size_t>(j)]);
+        for (std::int64_t t = 0; t < p.dim; ++t) {
+          const auto at = static_cast<std::size_t>(local * p.dim + t);
+          dot += static_cast<T>(xl->u()[at]) * static_cast<T>(hp.k.row(j)[t]) +
+                 (static_cast<T>(hp.q.row(i)[t]) + static_cast<T>(xl->v()[at])) * pr[t];
         }
       }
       T x = scale * dot;
@@ -239,6 +287,15 @@ void attention_backward(const Attention& attention, ConstTensorView out, ConstTe
         Rows dq_t{lq, p.dim, std::vector<double>(static_cast<std::size_t>(lq * p.dim))};
         const ShawParams* shaw = shaw_of(p, group);
         GroupGradients* shaw_grads = grads != nullptr && shaw != nullptr ? &grads->groups[static_cast<std::size_t>(group)] : nullptr;
+        const XlParams* xl = xl_of(p, group);
+        const std::int64_t local = h - p.group_first_head[static_cast<std::size_t>(group)];
+        XlProjection<double> projection, d_projection;  // P and dL/dP over δ
+        if (xl != nullptr) {
+          projection = xl_projection<double>(*xl, local, hp.qpos, hp.kpos);
+          d_projection = projection;
+          std::fill(d_projection.rows.begin(), d_projection.rows.end(), 0.0);
+        }
+        XlGradients* xl_grads = grads != nullptr && xl != nullptr ? &*grads->groups[static_cast<std::size_t>(group)].xl : nullptr;
         for (std::int64_t i = 0; i < lq; ++i) {
           std::vector<double> dp(static_cast<std::size_t>(lk));
           double delta = 0;
@@ -267,13 +324,28 @@ void attention_backward(const Attention& attention, ConstTensorView out, ConstTe
               dx *= 1 - u * u;
             }
             if (!p.spec.groups.empty()) {
-              const std::int64_t local = h - p.group_first_head[static_cast<std::size_t>(group)];
               ds_groups[static_cast<std::size_t>(group)][static_cast<std::size_t>((local * lq + i) * lk + j)] = dx;
             }
             for (std::int64_t t = 0; t < p.dim; ++t) {
               dq_t.row(i)[t] += scale * dx * hp.k.row(j)[t];
               dk_t.row(j)[t] += scale * dx * hp.q.row(i)[t];
               dv_acc.row(j)[t] += pij * dout.row(i)[t];
+            }
+            if (xl != nullptr) {
+              // logit += scale·(u·k + (q + v)·P(δ)): dq += scale·dx·P, dk += scale·dx·u, du, dv, dP.
+              const std::int64_t rel = hp.qpos[static_cast<std::size_t>(i)] - hp.kpos[static_cast<std::size_t>(j)];
+              const double* pr = projection.at(rel);
+              double* dpr = d_projection.rows.data() + (rel - d_projection.lo) * p.dim;
+              for (std::int64_t t = 0; t < p.dim; ++t) {
+                const auto at = static_cast<std::size_t>(local * p.dim + t);
+                dq_t.row(i)[t] += scale * dx * pr[t];
+                dk_t.row(j)[t] += scale * dx * xl->u()[at];
+                dpr[t] += scale * dx * (hp.q.row(i)[t] + xl->v()[at]);
+                if (xl_grads != nullptr) {
+                  xl_grads->u[at] += scale * dx * hp.k.row(j)[t];
+                  xl_grads->v[at] += scale * dx * pr[t];
+                }
+              }
             }
             if (shaw != nullptr) {
               const std::int64_t u = shaw->row_of(hp.kpos[static_cast<std::size_t>(j)] - hp.qpos[static_cast<std::size_t>(i)]);
@@ -283,6 +355,18 @@ void attention_backward(const Attention& attention, ConstTensorView out, ConstTe
                   shaw_grads->shaw_key_table[static_cast<std::size_t>(u * p.dim + t)] += scale * dx * hp.q.row(i)[t];
                 }
               }
+            }
+          }
+        }
+        if (xl_grads != nullptr) {  // dW_R[h·D + d][m] += Σ_δ dP(δ)[d]·r(δ)[m]
+          const std::int64_t dm = xl->d_model(), width = static_cast<std::int64_t>(d_projection.rows.size()) / p.dim;
+          for (std::int64_t t = 0; t < width; ++t) {
+            const std::vector<double> r = xl->sinusoid(d_projection.lo + t);
+            for (std::int64_t d = 0; d < p.dim; ++d) {
+              const double dpd = d_projection.rows[static_cast<std::size_t>(t * p.dim + d)];
+              if (dpd == 0) continue;
+              double* w = xl_grads->w_r.data() + (local * p.dim + d) * dm;
+              for (std::int64_t m = 0; m < dm; ++m) w[m] += dpd * r[static_cast<std::size_t>(m)];
             }
           }
         }

@@ -121,7 +121,7 @@ Runner add_bench(CLI::App& app) {
   sub->add_option("--positions", o->shape.positions, "rope: contiguous, arbitrary or packed")->capture_default_str();
   sub->add_option("--dtype", o->shape.dtype, "rope: f32, bf16 or f16")->capture_default_str();
   sub->add_option("--scheme", o->shape.scheme,
-                  "bias: alibi, t5, kerple, fire or nope; attention: none, rope, alibi, t5, kerple, fire, tupe or shaw")
+                  "bias: alibi, t5, kerple, fire or nope; attention: none, rope, alibi, t5, kerple, fire, tupe, shaw or xl")
       ->capture_default_str();
   sub->add_option("--pass", o->shape.pass,
                   "bias: forward (materialise) or backward (parameter gradients); attention: forward, backward or decode")

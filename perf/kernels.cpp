@@ -87,8 +87,11 @@ Case make_attention_case(const CaseOptions& o) {
     groups.push_back({heads, {}, TupeParams::init(heads, dim, 256, k_len + 1, false, 0.02, 1)});
   } else if (o.scheme == "shaw") {
     groups.push_back({heads, {}, {}, ShawParams::init(64, dim, 0.02, 1)});  // k = 64: 129 table rows
+  } else if (o.scheme == "xl") {
+    // d_model = H·D, as in Transformer-XL's models (the projection of r(δ) is then as wide as q's).
+    groups.push_back({heads, {}, {}, {}, XlParams::init(heads, dim, heads * dim, 0.02, 1)});
   } else if (o.scheme != "none") {
-    throw Error("bench", "--scheme", o.scheme, "none, rope, alibi, t5, kerple, fire, tupe or shaw (xl: not fused yet)");
+    throw Error("bench", "--scheme", o.scheme, "none, rope, alibi, t5, kerple, fire, tupe, shaw or xl");
   }
   struct State {
     std::vector<std::uint16_t> q16, k16, v16, out16, dout16, dq16, dk16, dv16;
@@ -166,7 +169,8 @@ Case make_attention_case(const CaseOptions& o) {
     const TensorView dq = TensorView::contiguous(data(st->dq, st->dq16), dtype, q_shape);
     const TensorView dk = TensorView::contiguous(data(st->dk, st->dk16), dtype, k_shape);
     const TensorView dv = TensorView::contiguous(data(st->dv, st->dv16), dtype, k_shape);
-    const bool trainable = o.scheme == "alibi" || o.scheme == "t5" || o.scheme == "kerple" || o.scheme == "shaw" || o.scheme == "fire";
+    const bool trainable = o.scheme == "alibi" || o.scheme == "t5" || o.scheme == "kerple" || o.scheme == "shaw" || o.scheme == "fire" ||
+                           o.scheme == "xl";
     auto grads = std::make_shared<AttentionGradients>(st->attention->zero_gradients());
     c.run = [st, out, lse, dout, dq, dk, dv, grads, trainable] {
       st->attention->backward(out, lse, dout, dq, dk, dv, trainable ? grads.get() : nullptr);

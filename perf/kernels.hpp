@@ -27,7 +27,7 @@ struct CaseOptions {
   std::string pass = "forward";
   // attention: q [batch, length, heads, dim], k, v [batch, length, kv_heads, dim]; pass forward,
   // backward or decode (one query against a cache of `length` keys); scheme none, rope, alibi,
-  // t5, kerple, fire, tupe or shaw
+  // t5, kerple, fire, tupe, shaw or xl
   bool causal = false;
 };
 

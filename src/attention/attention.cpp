@@ -1079,15 +1079,8 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
   }
   // Row blocks of at most query_block·G rows share one key tile pass.
   const std::int64_t rows_per_block = round_up(query_block * group_size, kAttnAlign);
-  for (std::int64_t k0 = 0; k0 < seq.lk; k0 += key_tile) {
-    const std::int64_t keys = std::min(key_tile, seq.lk - k0);
-    // Any row that sees this tile?
-    bool seen = false;
-    for (std::int64_t r = 0; r < w && !seen; ++r) {
-      seen = rb.head[static_cast<std::size_t>(r)] >= 0 && rb.lo[static_cast<std::size_t>(r)] < k0 + keys &&
-             rb.hi[static_cast<std::size_t>(r)] > k0;
-    }
-    if (!seen) continue;
+  // Loads the keys [k0, k0 + keys) (transformed) and values into s.k, s.v and their positions.
+  const auto load_tile = [&](std::int64_t k0, std::int64_t keys) {
     for (std::int64_t j = 0; j < keys; ++j) {
       float* krow = s.k.data() + j * dp;
       load_row(k_data, kg, seq.b, seq.k0 + k0 + j, kvh, krow);
@@ -1095,59 +1088,117 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
       load_row(v_data, vg, seq.b, seq.k0 + k0 + j, kvh, s.v.data() + j * dp);
       s.kpos[static_cast<std::size_t>(j)] = k_position(seq, k0 + j);
     }
-    std::fill(s.dk.begin(), s.dk.begin() + keys * dp, 0.0f);
-    std::fill(s.dv.begin(), s.dv.begin() + keys * dp, 0.0f);
-    for (std::int64_t r0 = 0; r0 < w; r0 += rows_per_block) {
-      const std::int64_t bw = std::min(rows_per_block, w - r0);
-      // Rows of this block that see the tile.
-      bool any = false, full = true;
-      for (std::int64_t r = r0; r < r0 + bw; ++r) {
-        if (rb.head[static_cast<std::size_t>(r)] < 0) continue;
-        const bool sees = rb.lo[static_cast<std::size_t>(r)] < k0 + keys && rb.hi[static_cast<std::size_t>(r)] > k0;
-        any = any || sees;
-        full = full && rb.lo[static_cast<std::size_t>(r)] <= k0 && rb.hi[static_cast<std::size_t>(r)] >= k0 + keys;
-      }
-      if (!any) continue;
-      RowBlock sub;
-      rb.slice(r0, bw, sub);
-      // S^T = K·Q^T, biases, soft-cap, mask; dP^T = V·dO^T.
-      kernels::attn_gemm(s.k.data(), dp, 1, s.qt.data() + r0, w, s.st.data(), bw, keys, bw, d, false);
-      add_bias(seq, sub, k0, keys, s.kpos.data(), s.st.data(), s.tmp);
-      if (any_shaw) shaw_add_rows(sub, keys, s.kpos.data(), s.shaw_key_dots.data() + r0, w, s.st.data());
-      // XL: the window of δ this (tile, row block) pair meets.
-      std::int64_t xl_lo = 0, xl_hi = -1;
-      if (any_xl && xl_tile_range(sub, keys, s.kpos.data(), &xl_lo, &xl_hi)) {
-        grow(s.xl_dots, (xl_hi - xl_lo + 1) * bw);
-        xl_window(sub, s.qt.data() + r0, w, xl_lo, xl_hi - xl_lo + 1, s.xl_dots.data(), bw);
-        xl_add_rows(sub, keys, s.kpos.data(), xl_lo, xl_hi - xl_lo + 1, s.xl_dots.data(), bw, s.st.data());
-      }
-      if (mask.softcap > 0) kernels::attn_softcap_tile(s.st.data(), keys, bw, static_cast<float>(mask.softcap));
-      if (!full) kernels::attn_mask_tile(s.st.data(), keys, bw, k0, sub.lo.data(), sub.hi.data());
-      kernels::attn_gemm(s.v.data(), dp, 1, s.doutt.data() + r0, w, s.dpt.data(), bw, keys, bw, d, false);
-      // Shaw's value term: dP_ij += dO_i·a^V[row].
-      if (any_shaw) shaw_add_rows(sub, keys, s.kpos.data(), s.shaw_value_dots.data() + r0, w, s.dpt.data());
-      // P^T, dS^T (with the soft-cap's derivative).
-      kernels::attn_backward_tile(s.st.data(), s.dpt.data(), keys, bw, s.lse.data() + r0, s.delta.data() + r0,
-                                  static_cast<float>(mask.softcap));
-      if (any_shaw) {
-        shaw_collect(sub, keys, s.kpos.data(), s.dpt.data(), nullptr, s.shaw_grads.data() + r0, w);
-        shaw_collect(sub, keys, s.kpos.data(), s.st.data(), nullptr, s.shaw_probs.data() + r0, w);
-      }
-      // dV += P^T·dO, dK += dS^T·Q (Q carries the scale), dQ += dS·K.
-      kernels::attn_gemm(s.st.data(), bw, 1, s.dout.data() + r0 * dp, dp, s.dv.data(), dp, keys, dp, bw, true);
-      kernels::attn_gemm(s.dpt.data(), bw, 1, s.q.data() + r0 * dp, dp, s.dk.data(), dp, keys, dp, bw, true);
-      kernels::attn_gemm(s.dpt.data(), 1, bw, s.k.data(), dp, s.dq.data() + r0 * dp, dp, bw, dp, keys, true);
-      if (unit_grads != nullptr) accumulate_bias_gradients(seq, sub, k0, keys, s.kpos.data(), s.dpt.data(), s, kvh, unit_grads);
-      if (xl_hi >= xl_lo) xl_backward_window(sub, r0, keys, xl_lo, xl_hi - xl_lo + 1, kvh, unit_xl_grads, s);
+  };
+  // Whether any row of [r0, r0 + bw) sees the keys [k0, k0 + keys), and whether all valid rows
+  // see all of them.
+  const auto coverage = [&](std::int64_t r0, std::int64_t bw, std::int64_t k0, std::int64_t keys, bool* full) {
+    bool any = false;
+    *full = true;
+    for (std::int64_t r = r0; r < r0 + bw; ++r) {
+      if (rb.head[static_cast<std::size_t>(r)] < 0) continue;
+      const bool sees = rb.lo[static_cast<std::size_t>(r)] < k0 + keys && rb.hi[static_cast<std::size_t>(r)] > k0;
+      any = any || sees;
+      *full = *full && rb.lo[static_cast<std::size_t>(r)] <= k0 && rb.hi[static_cast<std::size_t>(r)] >= k0 + keys;
     }
-    // dK (rotated back; the query scale is already in it) and dV for the tile.
+    return any;
+  };
+  // One (key tile, row block) step: S, P, dP, dS and the products into dk, dv (rows for the tile's
+  // keys), dq; the schemes' terms. XL's window (s.xl_lo, s.xl_span) must cover the pair.
+  const auto step = [&](const RowBlock& sub, std::int64_t r0, std::int64_t k0, std::int64_t keys, bool full, float* dk_rows,
+                        float* dv_rows) {
+    const std::int64_t bw = sub.width;
+    // S^T = K·Q^T, biases, soft-cap, mask; dP^T = V·dO^T.
+    kernels::attn_gemm(s.k.data(), dp, 1, s.qt.data() + r0, w, s.st.data(), bw, keys, bw, d, false);
+    add_bias(seq, sub, k0, keys, s.kpos.data(), s.st.data(), s.tmp);
+    if (any_shaw) shaw_add_rows(sub, keys, s.kpos.data(), s.shaw_key_dots.data() + r0, w, s.st.data());
+    if (any_xl) xl_add_rows(sub, keys, s.kpos.data(), s.xl_lo, s.xl_span, s.xl_dots.data(), bw, s.st.data());
+    if (mask.softcap > 0) kernels::attn_softcap_tile(s.st.data(), keys, bw, static_cast<float>(mask.softcap));
+    if (!full) kernels::attn_mask_tile(s.st.data(), keys, bw, k0, sub.lo.data(), sub.hi.data());
+    kernels::attn_gemm(s.v.data(), dp, 1, s.doutt.data() + r0, w, s.dpt.data(), bw, keys, bw, d, false);
+    // Shaw's value term: dP_ij += dO_i·a^V[row].
+    if (any_shaw) shaw_add_rows(sub, keys, s.kpos.data(), s.shaw_value_dots.data() + r0, w, s.dpt.data());
+    // P^T, dS^T (with the soft-cap's derivative).
+    kernels::attn_backward_tile(s.st.data(), s.dpt.data(), keys, bw, s.lse.data() + r0, s.delta.data() + r0,
+                                static_cast<float>(mask.softcap));
+    if (any_shaw) {
+      shaw_collect(sub, keys, s.kpos.data(), s.dpt.data(), nullptr, s.shaw_grads.data() + r0, w);
+      shaw_collect(sub, keys, s.kpos.data(), s.st.data(), nullptr, s.shaw_probs.data() + r0, w);
+    }
+    if (any_xl) xl_collect(sub, keys, s.kpos.data(), s.xl_lo, s.xl_span, s.dpt.data(), s.xl_sums.data(), bw);
+    // dV += P^T·dO, dK += dS^T·Q (Q carries the scale), dQ += dS·K.
+    kernels::attn_gemm(s.st.data(), bw, 1, s.dout.data() + r0 * dp, dp, dv_rows, dp, keys, dp, bw, true);
+    kernels::attn_gemm(s.dpt.data(), bw, 1, s.q.data() + r0 * dp, dp, dk_rows, dp, keys, dp, bw, true);
+    kernels::attn_gemm(s.dpt.data(), 1, bw, s.k.data(), dp, s.dq.data() + r0 * dp, dp, bw, dp, keys, true);
+    if (unit_grads != nullptr) accumulate_bias_gradients(seq, sub, k0, keys, s.kpos.data(), s.dpt.data(), s, kvh, unit_grads);
+  };
+  // dK (rotated back; the query scale is already in it) and dV rows of keys [k0, k0 + keys).
+  const auto store_keys = [&](std::int64_t k0, std::int64_t keys, float* dk_rows, const float* dv_rows) {
     for (std::int64_t j = 0; j < keys; ++j) {
-      float* dkrow = s.dk.data() + j * dp;
+      float* dkrow = dk_rows + j * dp;
       if (dk != nullptr) {
         if (keys_transformed) transform_row(tq, false, k_table_row(seq, k0 + j), dkrow, -1.0f);
         store_row_to(dkrow, *dk, dkg, seq.b, seq.k0 + k0 + j, kvh);
       }
-      if (dv != nullptr) store_row_to(s.dv.data() + j * dp, *dv, dvg, seq.b, seq.k0 + k0 + j, kvh);
+      if (dv != nullptr) store_row_to(dv_rows + j * dp, *dv, dvg, seq.b, seq.k0 + k0 + j, kvh);
+    }
+  };
+  if (!any_xl) {
+    // Key tiles outer: dk and dv finish per tile.
+    for (std::int64_t k0 = 0; k0 < seq.lk; k0 += key_tile) {
+      const std::int64_t keys = std::min(key_tile, seq.lk - k0);
+      bool full = true;
+      if (!coverage(0, w, k0, keys, &full)) continue;
+      load_tile(k0, keys);
+      std::fill(s.dk.begin(), s.dk.begin() + keys * dp, 0.0f);
+      std::fill(s.dv.begin(), s.dv.begin() + keys * dp, 0.0f);
+      for (std::int64_t r0 = 0; r0 < w; r0 += rows_per_block) {
+        const std::int64_t bw = std::min(rows_per_block, w - r0);
+        if (!coverage(r0, bw, k0, keys, &full)) continue;
+        RowBlock sub;
+        rb.slice(r0, bw, sub);
+        step(sub, r0, k0, keys, full, s.dk.data(), s.dv.data());
+      }
+      store_keys(k0, keys, s.dk.data(), s.dv.data());
+    }
+  } else {
+    // Transformer-XL: row blocks outer, so that each block's window of Qs·P(δ) dots and of dS sums
+    // slides down the δ range with the tiles (as in forward) instead of being rebuilt per tile;
+    // dk and dv accumulate for the whole sequence (rows in the same order as above). A window is
+    // flushed — dQs += sumsᵀ·P, dP += sums·Qs — when it moves and after the last tile.
+    constexpr std::int64_t kXlWindow = 1024;  // as forward_xl's window, for the same reason
+    grow(s.dk, seq.lk * dp);
+    grow(s.dv, seq.lk * dp);
+    std::fill(s.dk.begin(), s.dk.begin() + seq.lk * dp, 0.0f);
+    std::fill(s.dv.begin(), s.dv.begin() + seq.lk * dp, 0.0f);
+    for (std::int64_t r0 = 0; r0 < w; r0 += rows_per_block) {
+      const std::int64_t bw = std::min(rows_per_block, w - r0);
+      RowBlock sub;
+      rb.slice(r0, bw, sub);
+      s.xl_span = 0;
+      for (std::int64_t k0 = 0; k0 < seq.lk; k0 += key_tile) {
+        const std::int64_t keys = std::min(key_tile, seq.lk - k0);
+        bool full = true;
+        if (!coverage(r0, bw, k0, keys, &full)) continue;
+        load_tile(k0, keys);
+        std::int64_t lo = 0, hi = -1;
+        if (!xl_tile_range(sub, keys, s.kpos.data(), &lo, &hi)) {
+          lo = hi = xl_delta_min;  // no XL row: an idle one-entry window
+        }
+        if (s.xl_span == 0 || lo < s.xl_lo || hi >= s.xl_lo + s.xl_span) {
+          if (s.xl_span > 0) xl_backward_window(sub, r0, s.xl_lo, s.xl_span, kvh, unit_xl_grads, s);
+          s.xl_lo = std::max(xl_delta_min, std::min(lo, hi - kXlWindow + 1));
+          s.xl_span = hi - s.xl_lo + 1;
+          grow(s.xl_dots, s.xl_span * bw);
+          grow(s.xl_sums, s.xl_span * bw);
+          std::fill(s.xl_sums.begin(), s.xl_sums.begin() + s.xl_span * bw, 0.0f);
+          xl_window(sub, s.qt.data() + r0, w, s.xl_lo, s.xl_span, s.xl_dots.data(), bw);
+        }
+        step(sub, r0, k0, keys, full, s.dk.data() + k0 * dp, s.dv.data() + k0 * dp);
+      }
+      if (s.xl_span > 0) xl_backward_window(sub, r0, s.xl_lo, s.xl_span, kvh, unit_xl_grads, s);
+    }
+    for (std::int64_t k0 = 0; k0 < seq.lk; k0 += key_tile) {
+      store_keys(k0, std::min(key_tile, seq.lk - k0), s.dk.data() + k0 * dp, s.dv.data() + k0 * dp);
     }
   }
   if (const ShawTables* block_tables = any_shaw ? shaw_of_block(rb) : nullptr; block_tables != nullptr) {
@@ -1219,16 +1270,12 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
   if (unit_grads != nullptr) finish_bias_gradients(s, kvh, unit_grads);
 }
 
-// XL's backward for one (tile, row block): dS summed per δ of the window, then per head run
+// XL's backward for a row block's window of dS sums over δ (collected by the steps):
 //   dQs += sumsᵀ·P_h (into the unit's dq rows, which get the scale at the end),
 //   dP_h += sums·Qs (the unit's table) and Σ dS per δ (for c_h) into the unit's gradients.
-void AttentionPlan::xl_backward_window(const RowBlock& sub, std::int64_t r0, std::int64_t keys, std::int64_t lo,
-                                       std::int64_t span, std::int64_t kvh, double* unit_xl_grads,
-                                       AttentionUnitScratch& s) const {
+void AttentionPlan::xl_backward_window(const RowBlock& sub, std::int64_t r0, std::int64_t lo, std::int64_t span,
+                                       std::int64_t kvh, double* unit_xl_grads, AttentionUnitScratch& s) const {
   const std::int64_t bw = sub.width, dp = dim_padded;
-  grow(s.xl_sums, span * bw);
-  std::fill(s.xl_sums.begin(), s.xl_sums.begin() + span * bw, 0.0f);
-  xl_collect(sub, keys, s.kpos.data(), lo, span, s.dpt.data(), s.xl_sums.data(), bw);
   for_each_xl_run(*this, sub, [&](std::int64_t ra, std::int64_t n, std::int64_t h) {
     const XlTables& t = *xl_of_head(h);
     const std::int64_t lh = xl_local_head(h), t0 = lo - xl_delta_min, g = h - kvh * group_size;

@@ -458,12 +458,21 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), 
   build_xl_tables(groups);
 }
 
+// r(δ) for the table's δ, as XlParams::sinusoid computes it (same frequencies, same fp64 angle
+// δ·ω_i), rounded to f32; the frequencies once, not per δ.
 std::vector<float> AttentionPlan::xl_sinusoids(const XlParams& params, std::int64_t padded_d_model) const {
+  const std::int64_t half = params.d_model() / 2;
+  std::vector<double> frequency(static_cast<std::size_t>(half));
+  for (std::int64_t i = 0; i < half; ++i) {
+    frequency[static_cast<std::size_t>(i)] = sinusoid_inv_frequency(params.base(), params.d_model(), i);
+  }
   std::vector<float> r(static_cast<std::size_t>(xl_width * padded_d_model), 0.0f);
   for (std::int64_t u = 0; u < xl_width; ++u) {
-    const std::vector<double> sinusoid = params.sinusoid(xl_delta_min + u);
-    for (std::int64_t m = 0; m < params.d_model(); ++m) {
-      r[static_cast<std::size_t>(u * padded_d_model + m)] = static_cast<float>(sinusoid[static_cast<std::size_t>(m)]);
+    float* row = r.data() + u * padded_d_model;
+    for (std::int64_t i = 0; i < half; ++i) {
+      const double angle = static_cast<double>(xl_delta_min + u) * frequency[static_cast<std::size_t>(i)];
+      row[i] = static_cast<float>(std::sin(angle));
+      row[half + i] = static_cast<float>(std::cos(angle));
     }
   }
   return r;
@@ -519,7 +528,9 @@ void AttentionPlan::build_xl_tables(const std::vector<HeadGroup>& groups) {
     const std::int64_t hg = groups[gi].heads, dm = params.d_model(), dmp = round_up(dm, kernels::kAttnAlign);
     const std::int64_t cols = hg * dim_padded;
     t.heads = hg;
-    const std::vector<float> r = xl_sinusoids(params, dmp);
+    t.sinusoids = xl_sinusoids(params, dmp);
+    t.d_model_padded = dmp;
+    const std::vector<float>& r = t.sinusoids;
     std::vector<float> wt(static_cast<std::size_t>(dmp * cols), 0.0f);
     for (std::int64_t h = 0; h < hg; ++h) {
       for (std::int64_t d = 0; d < dim; ++d) {
@@ -624,7 +635,8 @@ std::int64_t AttentionPlan::table_bytes() const {
   std::int64_t total = 0;
   for (const auto& t : tables) total += t.bytes();
   for (const auto& t : bias_tables) total += static_cast<std::int64_t>(t.size() * sizeof(float));
-  for (const auto& t : xl) total += static_cast<std::int64_t>((t.projected.size() + t.constant.size() + t.u.size()) * sizeof(float));
+  for (const auto& t : xl) total += static_cast<std::int64_t>((t.projected.size() + t.constant.size() + t.u.size() + t.sinusoids.size()) *
+                                                            sizeof(float));
   return total;
 }
 
@@ -839,8 +851,8 @@ void AttentionPlan::finish_xl_gradients(const std::vector<double>& totals, Atten
         out.u[at] += dqs[d] - dv;
       }
     }
-    const std::int64_t dm = params.d_model(), dmp = round_up(dm, kernels::kAttnAlign);
-    const std::vector<float> r = xl_sinusoids(params, dmp);
+    const std::int64_t dm = params.d_model(), dmp = t.d_model_padded;
+    const std::vector<float>& r = t.sinusoids;
     std::vector<float> dw(static_cast<std::size_t>(cols * dmp), 0.0f);
     const std::int64_t chunk = 64, chunks = (cols + chunk - 1) / chunk;
     const int threads = std::min<int>(threads_for(cols * dmp * xl_width), static_cast<int>(chunks));

@@ -81,6 +81,8 @@ struct ShawTables {
 struct XlTables {
   std::int64_t heads = 0;  // 0: the group has no XL terms
   std::vector<float> projected, constant, u;
+  std::vector<float> sinusoids;  // r(δ): [width][d_model_padded] (zero-padded), for dW_R
+  std::int64_t d_model_padded = 0;
   const float* p_row(std::int64_t t, std::int64_t local_head, std::int64_t dp) const {
     return projected.data() + (t * heads + local_head) * dp;
   }
@@ -210,8 +212,8 @@ struct AttentionPlan {
                    const float* dots, std::int64_t ld, float* st) const;
   void xl_collect(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, std::int64_t lo, std::int64_t span,
                   const float* dst, float* sums, std::int64_t ld) const;
-  void xl_backward_window(const RowBlock& sub, std::int64_t r0, std::int64_t keys, std::int64_t lo, std::int64_t span,
-                          std::int64_t kvh, double* unit_xl_grads, AttentionUnitScratch& s) const;
+  void xl_backward_window(const RowBlock& sub, std::int64_t r0, std::int64_t lo, std::int64_t span, std::int64_t kvh,
+                          double* unit_xl_grads, AttentionUnitScratch& s) const;
   void xl_add_direct(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, const float* q_rows, float* st) const;
   // Backward: per unit [dP [xl_width][G][Dp] | Σ dS per (local head, δ) [G][xl_width] | Σ dQs rows [G][D]].
   std::int64_t xl_unit_gradient_size() const { return any_xl ? xl_width * group_size * (dim_padded + 1) + group_size * dim : 0; }

@@ -28,6 +28,27 @@ std::string shape_text(ConstTensorView v) { return v.describe(); }
 
 std::int64_t round_up(std::int64_t x, std::int64_t to) { return (x + to - 1) / to * to; }
 
+// C[m][n] = Σ_t A(m, t)·B[t][n] for large operands (XL's tables): attn_gemm streams all of B for
+// every few rows of A, so B is cut into panels of kDepth × kCols (128 KiB, within L2) and the
+// (row block, column block) tiles run in parallel, each summing its depth panels in order — the
+// same bits for any thread count. cols: a multiple of kAttnAlign.
+void blocked_gemm(const float* a, std::int64_t a_row, std::int64_t a_depth, const float* b, std::int64_t ldb, float* c,
+                  std::int64_t ldc, std::int64_t rows, std::int64_t cols, std::int64_t depth) {
+  constexpr std::int64_t kRows = 64, kCols = 128, kDepth = 256;
+  const std::int64_t row_blocks = (rows + kRows - 1) / kRows, col_blocks = (cols + kCols - 1) / kCols;
+  const std::int64_t tiles = row_blocks * col_blocks;
+  const int threads = std::min<int>(threads_for(rows * cols * depth), static_cast<int>(std::max<std::int64_t>(tiles, 1)));
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (std::int64_t tile = 0; tile < tiles; ++tile) {
+    const std::int64_t m0 = tile / col_blocks * kRows, n0 = tile % col_blocks * kCols;
+    const std::int64_t m = std::min(kRows, rows - m0), n = std::min(kCols, cols - n0);
+    for (std::int64_t t0 = 0; t0 < depth; t0 += kDepth) {
+      kernels::attn_gemm(a + m0 * a_row + t0 * a_depth, a_row, a_depth, b + t0 * ldb + n0, ldb, c + m0 * ldc + n0, ldc, m, n,
+                         std::min(kDepth, depth - t0), t0 > 0);
+    }
+  }
+}
+
 void check_cu_seqlens(const char* name, const std::vector<std::int64_t>& cu, std::int64_t tokens) {
   require(cu.size() >= 2, name, "size " + std::to_string(cu.size()), "at least 2 entries (0, …, tokens)");
   require(cu.front() == 0, name, "[0] = " + std::to_string(cu.front()), "0");
@@ -480,8 +501,7 @@ std::vector<float> AttentionPlan::xl_sinusoids(const XlParams& params, std::int6
 
 // ── Transformer-XL: P_h(δ) = W_R r(δ) for the δ of the pairs the mask lets through (exact per
 // query with default key positions; the sequence's key-position range otherwise), as one f32
-// matrix product r·W_Rᵀ split by δ rows over threads (each entry summed by one thread in one
-// order); c_h(δ) from P in fp64.
+// matrix product r·W_Rᵀ (blocked_gemm); c_h(δ) from P in fp64.
 void AttentionPlan::build_xl_tables(const std::vector<HeadGroup>& groups) {
   xl.resize(groups.size());
   std::int64_t xl_heads = 0;
@@ -541,15 +561,7 @@ void AttentionPlan::build_xl_tables(const std::vector<HeadGroup>& groups) {
       }
     }
     t.projected.assign(static_cast<std::size_t>(xl_width * cols), 0.0f);
-    const std::int64_t chunk = 64;
-    const std::int64_t chunks = (xl_width + chunk - 1) / chunk;
-    const int threads = std::min<int>(threads_for(xl_width * cols * dm), static_cast<int>(chunks));
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (std::int64_t c = 0; c < chunks; ++c) {
-      const std::int64_t u0 = c * chunk, n = std::min(chunk, xl_width - u0);
-      kernels::attn_gemm(r.data() + u0 * dmp, dmp, 1, wt.data(), cols, t.projected.data() + u0 * cols, cols, n, cols, dm,
-                         false);
-    }
+    blocked_gemm(r.data(), dmp, 1, wt.data(), cols, t.projected.data(), cols, xl_width, cols, dm);
     t.u.assign(static_cast<std::size_t>(hg * dim), 0.0f);
     t.constant.assign(static_cast<std::size_t>(hg * xl_width), 0.0f);
     for (std::int64_t h = 0; h < hg; ++h) {
@@ -821,7 +833,7 @@ void AttentionPlan::scatter_bias_gradients(const std::vector<double>& total, Att
 // XL's parameter gradients from the per-KV-head totals of the units' [dP | Σ dS | Σ dQs] (fp64):
 //   dP_h(δ) = Σ dS·Qs + scale·(v_h − u_h)·Σ dS      (the second part through c_h(δ))
 //   dv_h = scale·Σ_δ (Σ dS)·P_h(δ),   du_h = Σ_i d(q + u)_i − dv_h,
-//   dW_R[h·D + d][m] = Σ_δ dP_h(δ)[d]·r(δ)[m]  (an f32 matrix product split by rows over threads).
+//   dW_R[h·D + d][m] = Σ_δ dP_h(δ)[d]·r(δ)[m]  (an f32 matrix product, blocked_gemm).
 void AttentionPlan::finish_xl_gradients(const std::vector<double>& totals, AttentionGradients& grads) const {
   const std::int64_t per_kv = xl_unit_gradient_size(), dp = dim_padded, g_count = group_size;
   for (std::size_t gi = 0; gi < xl.size(); ++gi) {
@@ -854,14 +866,7 @@ void AttentionPlan::finish_xl_gradients(const std::vector<double>& totals, Atten
     const std::int64_t dm = params.d_model(), dmp = t.d_model_padded;
     const std::vector<float>& r = t.sinusoids;
     std::vector<float> dw(static_cast<std::size_t>(cols * dmp), 0.0f);
-    const std::int64_t chunk = 64, chunks = (cols + chunk - 1) / chunk;
-    const int threads = std::min<int>(threads_for(cols * dmp * xl_width), static_cast<int>(chunks));
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (std::int64_t c = 0; c < chunks; ++c) {
-      const std::int64_t r0 = c * chunk, n = std::min(chunk, cols - r0);
-      kernels::attn_gemm(d_projected.data() + r0, 1, cols, r.data(), dmp, dw.data() + r0 * dmp, dmp, n, dmp, xl_width,
-                         false);
-    }
+    blocked_gemm(d_projected.data(), 1, cols, r.data(), dmp, dw.data(), dmp, cols, dmp, xl_width);
     for (std::int64_t lh = 0; lh < hg; ++lh) {
       for (std::int64_t d = 0; d < dim; ++d) {
         for (std::int64_t m = 0; m < dm; ++m) {

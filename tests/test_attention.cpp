@@ -146,6 +146,15 @@ Outputs run_forward(const Problem& p, const Attention& att, int mode /* 0 fused,
   return o;
 }
 
+// TUPE with the [CLS] reset and non-zero θ1, θ2 (init leaves them 0, which would hide them).
+TupeParams tupe_with_cls(std::int64_t heads, std::int64_t dim, std::int64_t d_model, std::int64_t max_len, std::uint64_t seed) {
+  const TupeParams base = TupeParams::init(heads, dim, d_model, max_len, true, 0.5, seed);
+  std::vector<double> theta1(static_cast<std::size_t>(heads)), theta2(theta1.size());
+  for (auto& x : theta1) x = uniform(-1, 1);
+  for (auto& x : theta2) x = uniform(-1, 1);
+  return TupeParams(heads, dim, d_model, base.table(), base.u_q(), base.u_k(), true, theta1, theta2);
+}
+
 double max_abs_diff(const std::vector<double>& a, const std::vector<double>& b) {
   double m = 0;
   for (std::size_t i = 0; i < a.size(); ++i) {
@@ -240,7 +249,8 @@ TEST_P(AttentionForward, EveryPositionalScheme) {
   with({{heads, {}, FireParams::init(heads, 16, 3)}}, true, "fire");
   // Keys on both sides of each query: FIRE's row walk goes down its pieces, then up again.
   with({{heads, {}, FireParams::init(heads, 16, 3, 0.5, 8.0)}}, false, "fire, keys on both sides");
-  with({{heads, {}, TupeParams::init(heads, dim, 32, 200, true, 0.5, 4)}}, false, "tupe");
+  with({{heads, {}, tupe_with_cls(heads, dim, 32, 200, 4)}}, false, "tupe");
+  with({{heads, {}, TupeParams::init(heads, dim, 32, 200, false, 0.5, 5)}}, true, "tupe without the [CLS] reset");
   const ShawParams shaw = ShawParams::init(6, dim, 0.5, 11);
   with({{heads, {}, {}, shaw}}, true, "shaw");
   with({{2, RotaryQK{rope}, AlibiParams(2), shaw}, {2, {}, {}, ShawParams::init(3, dim, 0.5, 12)}}, false,
@@ -304,6 +314,8 @@ TEST_P(AttentionForward, DecodeSplitsLongCachesExactly) {
     expect_accurate(p, spec, "decode shaw");
     spec.groups = {{4, {}, {}, {}, XlParams::init(4, 64, 32, 0.5, 6)}};
     expect_accurate(p, spec, "decode xl");
+    spec.groups = {{4, {}, tupe_with_cls(4, 64, 16, 9000, 7)}};
+    expect_accurate(p, spec, "decode tupe");
   }
 }
 
@@ -430,6 +442,14 @@ void expect_backward_matches_reference(const Problem& p, const Attention& att, c
     }
     expect_close(fused.params.groups[g].shaw_key_table, exact.params.groups[g].shaw_key_table, "shaw key table");
     expect_close(fused.params.groups[g].shaw_value_table, exact.params.groups[g].shaw_value_table, "shaw value table");
+    if (exact.params.groups[g].tupe) {
+      const TupeGradients &a = *fused.params.groups[g].tupe, &b = *exact.params.groups[g].tupe;
+      expect_close(a.table, b.table, "tupe table");
+      expect_close(a.u_q, b.u_q, "tupe u_q");
+      expect_close(a.u_k, b.u_k, "tupe u_k");
+      expect_close(a.theta1, b.theta1, "tupe theta1");
+      expect_close(a.theta2, b.theta2, "tupe theta2");
+    }
     if (exact.params.groups[g].xl) {
       const XlGradients &a = *fused.params.groups[g].xl, &b = *exact.params.groups[g].xl;
       expect_close(a.u, b.u, "xl u");
@@ -456,6 +476,9 @@ TEST_P(AttentionBackward, MatchesTheReferenceForEveryTrainableScheme) {
       // A KV group whose heads mix Shaw and no Shaw (the per-row paths).
       {{1, {}, {}, ShawParams::init(4, dim, 0.5, 7)}, {1, {}, AlibiParams(1)}, {2, {}, {}, ShawParams::init(2, dim, 0.5, 8)}},
       {{heads, {}, {}, {}, XlParams::init(heads, dim, 24, 0.5, 9)}},
+      {{heads, {}, tupe_with_cls(heads, dim, 24, 60, 4)}},
+      // TUPE without the [CLS] reset beside ALiBi inside one KV group.
+      {{1, {}, TupeParams::init(1, dim, 16, 60, false, 0.5, 5)}, {3, {}, AlibiParams(3)}},
       // XL beside ALiBi inside one KV group.
       {{1, {}, AlibiParams(1)}, {3, {}, {}, {}, XlParams::init(3, dim, 16, 0.5, 10)}},
   };
@@ -673,10 +696,10 @@ TEST(Attention, BitwiseIdenticalForAnyThreadCount) {
     EXPECT_EQ(runs[r].params.groups[0].alibi_slopes, runs[0].params.groups[0].alibi_slopes);
     EXPECT_EQ(decodes[r].out, decodes[0].out);
   }
-  // Transformer-XL's gradients (tables summed per unit, units in order).
+  // Transformer-XL's and TUPE's gradients (tables summed per unit, units in order).
   AttentionSpec xs = spec_of(p);
   xs.mask.causal = true;
-  xs.groups = {{4, {}, {}, {}, XlParams::init(4, 64, 32, 0.5, 2)}};
+  xs.groups = {{2, {}, {}, {}, XlParams::init(2, 64, 32, 0.5, 2)}, {2, {}, TupeParams::init(2, 64, 16, 150, true, 0.5, 3)}};
   const Attention xatt(xs);
   std::vector<Grads> xruns;
   for (const int threads : {1, 2, 3}) {
@@ -688,6 +711,8 @@ TEST(Attention, BitwiseIdenticalForAnyThreadCount) {
     EXPECT_EQ(xruns[r].dq, xruns[0].dq);
     EXPECT_EQ(xruns[r].params.groups[0].xl->w_r, xruns[0].params.groups[0].xl->w_r);
     EXPECT_EQ(xruns[r].params.groups[0].xl->u, xruns[0].params.groups[0].xl->u);
+    EXPECT_EQ(xruns[r].params.groups[1].tupe->table, xruns[0].params.groups[1].tupe->table);
+    EXPECT_EQ(xruns[r].params.groups[1].tupe->u_k, xruns[0].params.groups[1].tupe->u_k);
   }
 }
 
@@ -734,16 +759,22 @@ TEST(Attention, ClearErrors) {
   expect_error([&] { att.forward(TensorView::of(out.data(), {1, 8, 4, 16}), TensorView::of(lse.data(), {5})); },
                {"lse", "[B, H, Sq] = [1, 4, 8]"});
   s = spec_of(p);
+  s.groups = {{4, {}, TupeParams::init(4, 16, 8, 6)}};
+  expect_error([&] { Attention a(s); }, {"position", "max_len"});
+  s.groups = {{4, {}, TupeParams::init(4, 8, 8, 16)}};
+  expect_error([&] { Attention a(s); }, {"TUPE", "head_dim", "8", "16"});
+  // Gradients shaped for another scheme.
   s.groups = {{4, {}, TupeParams::init(4, 16, 8, 16)}};
-  const Attention fire(s);  // TUPE: parameter gradients not fused yet
-  AttentionGradients grads = fire.zero_gradients();
+  const Attention tupe(s);
+  AttentionGradients grads = tupe.zero_gradients();
+  grads.groups[0].tupe->u_q.pop_back();
   std::vector<float> zeros(static_cast<std::size_t>(p.q_count()));
   std::vector<float> l2(32);
-  fire.forward(TensorView::of(out.data(), {1, 8, 4, 16}), TensorView::of(l2.data(), {1, 4, 8}));
+  tupe.forward(TensorView::of(out.data(), {1, 8, 4, 16}), TensorView::of(l2.data(), {1, 4, 8}));
   expect_error([&] {
-    fire.backward(TensorView::of(out.data(), {1, 8, 4, 16}), TensorView::of(l2.data(), {1, 4, 8}),
+    tupe.backward(TensorView::of(out.data(), {1, 8, 4, 16}), TensorView::of(l2.data(), {1, 4, 8}),
                   TensorView::of(zeros.data(), {1, 8, 4, 16}), {}, {}, {}, &grads);
-  }, {"TUPE", "not computed inside fused attention yet"});
+  }, {"grads.groups[0].tupe.u_q"});
 }
 
 }  // namespace

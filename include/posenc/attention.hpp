@@ -41,10 +41,12 @@
 //
 // ─── Backward ──────────────────────────────────────────────────────────────────────────────────
 // From out, lse and d_out: dq, dk, dv += their gradients; the positional parameters' gradients
-// (ALiBi slopes, T5 table, Kerple r1 r2, FIRE's MLP, c and L, Shaw's tables, XL's u, v, W_R) += into
-// AttentionGradients, in fp64. TUPE's are not fused yet: asking for them throws (dq, dk, dv with
-// grads = nullptr work). Work is split by (sequence, KV head) and every sum runs in a fixed order:
-// results are bitwise identical for any thread count, forward and backward.
+// (ALiBi slopes, T5 table, Kerple r1 r2, FIRE's MLP, c and L, Shaw's tables, XL's u, v, W_R,
+// TUPE's table, U^Q, U^K, θ1, θ2) += into AttentionGradients (fp64 sums; the large contractions
+// of XL and TUPE — through W_R, U^Q, U^K and the table — are f32 matrix products). Work is split
+// by (sequence, KV head) and every sum runs in a fixed order: results are bitwise identical for
+// any thread count, forward and backward.
+// TUPE's projections must have head_dim == D (they meet in the score tiles as a second product).
 //
 // Decode (few queries, long KV cache): the keys split into fixed chunks that run in parallel and
 // merge by their log-sum-exps in chunk order — exact, and independent of the thread count.

@@ -205,7 +205,7 @@ bool AttentionPlan::tile_unmasked(const RowBlock& rb, std::int64_t k_first, std:
 // Adds the positional biases of the rows to S^T [keys][width] for keys [k_first, k_first + keys)
 // of the sequence, whose positions are kpos[0..keys).
 void AttentionPlan::add_bias(const Sequence& seq, const RowBlock& rb, std::int64_t /* k_first */, std::int64_t keys,
-                             const std::int64_t* kpos, float* st, std::vector<float>& tmp) const {
+                             const std::int64_t* kpos, float* st) const {
   if (!any_bias) return;
   bool keys_consecutive = true;
   for (std::int64_t j = 1; j < keys && keys_consecutive; ++j) keys_consecutive = kpos[j] == kpos[0] + j;
@@ -234,17 +234,6 @@ void AttentionPlan::add_bias(const Sequence& seq, const RowBlock& rb, std::int64
       const HeadBias& hb = head_bias[static_cast<std::size_t>(h)];
       if (hb.kind == HeadBias::kNone) continue;
       const std::int64_t qp = rb.position[static_cast<std::size_t>(r)];
-      if (hb.kind == HeadBias::kTupe) {
-        grow(tmp, keys);
-        std::fill(tmp.begin(), tmp.begin() + keys, 0.0f);
-        if (keys_consecutive) {
-          hb.tupe->add_row(hb.local_head, qp, kpos[0], keys, tmp.data());
-        } else {
-          for (std::int64_t j = 0; j < keys; ++j) hb.tupe->add_row(hb.local_head, qp, kpos[j], 1, tmp.data() + j);
-        }
-        for (std::int64_t j = 0; j < keys; ++j) st[j * rb.width + r] += tmp[static_cast<std::size_t>(j)];
-        continue;
-      }
       if (hb.fire != nullptr && keys_consecutive &&
           hb.fire->add_row(hb.local_head, qp, kpos[0], keys, st + r, rb.width)) {
         continue;
@@ -420,14 +409,14 @@ bool AttentionPlan::xl_tile_range(const RowBlock& rb, std::int64_t keys, const s
   return *lo <= *hi;
 }
 
-// Calls fn(first row, rows, head) for each run of lane chunks whose rows belong to one XL head
-// (non-compact layouts pad every head's rows to whole lane chunks).
-template <class Fn>
-void for_each_xl_run(const AttentionPlan& p, const RowBlock& rb, Fn&& fn) {
+// Calls fn(first row, rows, head) for each run of lane chunks whose rows belong to one head that
+// `has` the scheme (non-compact layouts pad every head's rows to whole lane chunks).
+template <class Has, class Fn>
+void for_each_head_run(const RowBlock& rb, Has&& has, Fn&& fn) {
   const auto chunk_head = [&](std::int64_t c) {
     for (std::int64_t t = 0; t < kAttnAlign; ++t) {
       const std::int64_t h = rb.head[static_cast<std::size_t>(c * kAttnAlign + t)];
-      if (h >= 0) return p.xl_of_head(h) != nullptr ? h : std::int64_t{-1};
+      if (h >= 0) return has(h) ? h : std::int64_t{-1};
     }
     return std::int64_t{-1};
   };
@@ -439,6 +428,14 @@ void for_each_xl_run(const AttentionPlan& p, const RowBlock& rb, Fn&& fn) {
     if (h >= 0) fn(c * kAttnAlign, (e - c) * kAttnAlign, h);
     c = e;
   }
+}
+template <class Fn>
+void for_each_xl_run(const AttentionPlan& p, const RowBlock& rb, Fn&& fn) {
+  for_each_head_run(rb, [&](std::int64_t h) { return p.xl_of_head(h) != nullptr; }, fn);
+}
+template <class Fn>
+void for_each_tupe_run(const AttentionPlan& p, const RowBlock& rb, Fn&& fn) {
+  for_each_head_run(rb, [&](std::int64_t h) { return p.tupe_of_head(h) != nullptr; }, fn);
 }
 
 // dots[u][r] = Qs_r·P_h(lo + u) + c_h(lo + u) for u < span; rows_t: Qs transposed, [d][r].
@@ -508,6 +505,140 @@ void AttentionPlan::xl_add_direct(const RowBlock& rb, std::int64_t keys, const s
   }
 }
 
+// ─── TUPE ────────────────────────────────────────────────────────────────────────────────────
+// Its bias is a product of per-position projections, PQ_i·PK_j: a second matrix product per tile
+// and head run (keys' PK rows straight from the table when their positions are consecutive),
+// and in backward two more (dPQ += dS·PK, dPK = dSᵀ·PQ), like the content products.
+
+// PQ of the block's rows: transposed [Dp][w] (tile products) and, as_rows, [w][Dp].
+void AttentionPlan::tupe_load_rows(const RowBlock& rb, AttentionUnitScratch& s, bool as_rows) const {
+  const std::int64_t w = rb.width, dp = dim_padded;
+  grow(s.tupe_pqt, dp * w);
+  if (as_rows) grow(s.tupe_pq, w * dp);
+  for (std::int64_t r = 0; r < w; ++r) {
+    const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
+    const TupeTables* t = h < 0 ? nullptr : tupe_of_head(h);
+    const float* row = t == nullptr ? nullptr : tupe_row(*t, true, rb.position[static_cast<std::size_t>(r)], h);
+    for (std::int64_t d = 0; d < dp; ++d) {
+      const float value = row == nullptr ? 0.0f : row[d];
+      s.tupe_pqt[static_cast<std::size_t>(d * w + r)] = value;
+      if (as_rows) s.tupe_pq[static_cast<std::size_t>(r * dp + d)] = value;
+    }
+  }
+}
+
+namespace {
+// The keys' PK rows of head h: a view into the table when their positions are consecutive, else
+// gathered into s.tupe_pk.
+const float* tupe_keys(const AttentionPlan& p, const TupeTables& t, std::int64_t h, std::int64_t keys,
+                       const std::int64_t* kpos, AttentionUnitScratch& s, std::int64_t* ld) {
+  bool consecutive = true;
+  for (std::int64_t j = 1; j < keys && consecutive; ++j) consecutive = kpos[j] == kpos[0] + j;
+  if (consecutive) {
+    *ld = t.heads * p.dim_padded;
+    return p.tupe_row(t, false, kpos[0], h);
+  }
+  grow(s.tupe_pk, keys * p.dim_padded);
+  for (std::int64_t j = 0; j < keys; ++j) {
+    std::memcpy(s.tupe_pk.data() + j * p.dim_padded, p.tupe_row(t, false, kpos[j], h),
+                static_cast<std::size_t>(p.dim_padded) * sizeof(float));
+  }
+  *ld = p.dim_padded;
+  return s.tupe_pk.data();
+}
+}  // namespace
+
+// S^T[j][r] += PK_j·PQ_r (PQ^T columns r0 + r of s.tupe_pqt, ld_rows apart), and the [CLS] values.
+void AttentionPlan::tupe_add_tile(const RowBlock& rb, std::int64_t r0, std::int64_t ld_rows, std::int64_t keys,
+                                  const std::int64_t* kpos, AttentionUnitScratch& s, float* st) const {
+  const std::int64_t w = rb.width;
+  for_each_tupe_run(*this, rb, [&](std::int64_t ra, std::int64_t n, std::int64_t h) {
+    const TupeTables& t = *tupe_of_head(h);
+    std::int64_t ldpk = 0;
+    const float* pk = tupe_keys(*this, t, h, keys, kpos, s, &ldpk);
+    kernels::attn_gemm(pk, ldpk, 1, s.tupe_pqt.data() + r0 + ra, ld_rows, st + ra, w, keys, n, dim, true);
+    if (!t.cls_reset) return;
+    const std::int64_t lh = h - group_first_head[static_cast<std::size_t>(head_group[static_cast<std::size_t>(h)])];
+    const float theta1 = t.theta1[static_cast<std::size_t>(lh)], theta2 = t.theta2[static_cast<std::size_t>(lh)];
+    for (std::int64_t r = ra; r < ra + n; ++r) {
+      if (rb.head[static_cast<std::size_t>(r)] != h) continue;
+      const bool cls_query = rb.position[static_cast<std::size_t>(r)] == 0;
+      for (std::int64_t j = 0; j < keys; ++j) {
+        if (cls_query) {
+          st[j * w + r] += theta1;
+        } else if (kpos[j] == 0) {
+          st[j * w + r] += theta2;
+        }
+      }
+    }
+  });
+}
+
+// Decode rows: st[j][r] += b(h, q, k_j) by dot products (pq_rows: [rows][Dp]).
+void AttentionPlan::tupe_add_direct(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, const float* pq_rows,
+                                    float* st) const {
+  const std::int64_t w = rb.width;
+  for (std::int64_t r = 0; r < w; ++r) {
+    const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
+    const TupeTables* t = h < 0 ? nullptr : tupe_of_head(h);
+    if (t == nullptr) continue;
+    const std::int64_t lh = h - group_first_head[static_cast<std::size_t>(head_group[static_cast<std::size_t>(h)])];
+    const std::int64_t qp = rb.position[static_cast<std::size_t>(r)];
+    const float* a = pq_rows + r * dim_padded;
+    for (std::int64_t j = 0; j < keys; ++j) {
+      float b;
+      if (t->cls_reset && qp == 0) {
+        b = t->theta1[static_cast<std::size_t>(lh)];
+      } else if (t->cls_reset && kpos[j] == 0) {
+        b = t->theta2[static_cast<std::size_t>(lh)];
+      } else {
+        const float* c = tupe_row(*t, false, kpos[j], h);
+        b = 0;
+        for (std::int64_t e = 0; e < dim; ++e) b += a[e] * c[e];
+      }
+      st[j * w + r] += b;
+    }
+  }
+}
+
+// Backward of one (tile, row block), dS^T in s.dpt: dPQ rows += dS·PK; the tile's dPK = dSᵀ·PQ
+// into the unit's table by key position; the [CLS] values' sums (fp64).
+void AttentionPlan::tupe_backward_tile(const RowBlock& sub, std::int64_t r0, std::int64_t keys, const std::int64_t* kpos,
+                                       std::int64_t kvh, double* unit_tupe_grads, AttentionUnitScratch& s) const {
+  const std::int64_t bw = sub.width, dp = dim_padded;
+  for_each_tupe_run(*this, sub, [&](std::int64_t ra, std::int64_t n, std::int64_t h) {
+    const TupeTables& t = *tupe_of_head(h);
+    std::int64_t ldpk = 0;
+    const float* pk = tupe_keys(*this, t, h, keys, kpos, s, &ldpk);
+    kernels::attn_gemm(s.dpt.data() + ra, 1, bw, pk, ldpk, s.tupe_dpq.data() + (r0 + ra) * dp, dp, n, dp, keys, true);
+    if (unit_tupe_grads == nullptr) return;
+    const std::int64_t g = h - kvh * group_size;
+    grow(s.tupe_dpk, keys * dp);
+    kernels::attn_gemm(s.dpt.data() + ra, bw, 1, s.tupe_pq.data() + (r0 + ra) * dp, dp, s.tupe_dpk.data(), dp, keys, dp, n,
+                       false);
+    for (std::int64_t j = 0; j < keys; ++j) {
+      if (t.cls_reset && kpos[j] == 0) continue;  // the [CLS] key's projection is not used
+      float* to = s.tupe_dpk_positions.data() + ((kpos[j] - tupe_first) * group_size + g) * dp;
+      const float* from = s.tupe_dpk.data() + j * dp;
+      for (std::int64_t d = 0; d < dp; ++d) to[d] += from[d];
+    }
+    if (!t.cls_reset) return;
+    double* theta = unit_tupe_grads + 2 * tupe_count * group_size * dp;
+    for (std::int64_t r = ra; r < ra + n; ++r) {
+      if (sub.head[static_cast<std::size_t>(r)] != h) continue;
+      const bool cls_query = sub.position[static_cast<std::size_t>(r)] == 0;
+      for (std::int64_t j = 0; j < keys; ++j) {
+        const double ds = s.dpt[static_cast<std::size_t>(j * bw + r)];
+        if (cls_query) {
+          theta[g] += ds;
+        } else if (kpos[j] == 0) {
+          theta[group_size + g] += ds;
+        }
+      }
+    }
+  });
+}
+
 }  // namespace detail
 
 // ─── Forward ─────────────────────────────────────────────────────────────────────────────────
@@ -574,6 +705,7 @@ void forward_begin(const AttentionPlan& p, const Sequence& seq, const RowBlock& 
     p.shaw_row_dots(rb, s.q.data(), dp, dot ? nullptr : s.qt.data(), w, false, s.shaw_key_dots.data(), w);
   }
   s.xl_span = 0;  // no XL window yet
+  if (p.any_tupe) p.tupe_load_rows(rb, s, dot);
 }
 
 // Transformer-XL in a forward tile: decode rows dot directly; a block keeps a window of its
@@ -633,10 +765,17 @@ void forward_tile(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh,
   }
   // S^T = K·Q^T (scale and query transform already in Q).
   kernels::attn_gemm(kp, ldk, 1, s.qt.data(), w, s.st.data(), w, keys, w, d, false);
-  if (p.any_bias || p.any_shaw || p.any_xl) {
+  if (p.any_bias || p.any_shaw || p.any_xl || p.any_tupe) {
     for (std::int64_t j = 0; j < keys; ++j) s.kpos[static_cast<std::size_t>(j)] = p.k_position(seq, k0 + j);
   }
-  if (p.any_bias) p.add_bias(seq, rb, k0, keys, s.kpos.data(), s.st.data(), s.tmp);
+  if (p.any_tupe) {
+    if (rb.compact) {
+      p.tupe_add_direct(rb, keys, s.kpos.data(), s.tupe_pq.data(), s.st.data());
+    } else {
+      p.tupe_add_tile(rb, 0, w, keys, s.kpos.data(), s, s.st.data());
+    }
+  }
+  if (p.any_bias) p.add_bias(seq, rb, k0, keys, s.kpos.data(), s.st.data());
   if (p.any_shaw) p.shaw_add_rows(rb, keys, s.kpos.data(), s.shaw_key_dots.data(), w, s.st.data());
   if (p.any_xl) forward_xl(p, rb, keys, s);
   if (p.mask.softcap > 0) kernels::attn_softcap_tile(s.st.data(), keys, w, static_cast<float>(p.mask.softcap));
@@ -891,10 +1030,11 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
     for (std::int64_t g = 0; g < g_count; ++g) {
       AttentionUnitScratch& hs = heads_scratch[static_cast<std::size_t>(g)];
       const RowBlock& rb = rows[static_cast<std::size_t>(g)];
-      if (any_bias || any_shaw || any_xl) {
+      if (any_bias || any_shaw || any_xl || any_tupe) {
         for (std::int64_t j = 0; j < keys; ++j) hs.kpos[static_cast<std::size_t>(j)] = k_position(seq, k0 + j);
       }
-      if (any_bias) add_bias(seq, rb, k0, keys, hs.kpos.data(), hs.st.data(), hs.tmp);
+      if (any_tupe) tupe_add_direct(rb, keys, hs.kpos.data(), hs.tupe_pq.data(), hs.st.data());
+      if (any_bias) add_bias(seq, rb, k0, keys, hs.kpos.data(), hs.st.data());
       if (any_shaw) shaw_add_rows(rb, keys, hs.kpos.data(), hs.shaw_key_dots.data(), w, hs.st.data());
       if (any_xl) xl_add_direct(rb, keys, hs.kpos.data(), hs.q.data(), hs.st.data());
       if (mask.softcap > 0) kernels::attn_softcap_tile(hs.st.data(), keys, w, static_cast<float>(mask.softcap));
@@ -951,6 +1091,8 @@ void AttentionPlan::backward(ConstTensorView out, ConstTensorView lse, ConstTens
   std::vector<double> unit_shaw_grads(static_cast<std::size_t>(shaw_size) * units.size());
   const std::int64_t xl_size = grads != nullptr ? xl_unit_gradient_size() : 0;
   std::vector<double> unit_xl_grads(static_cast<std::size_t>(xl_size) * units.size());
+  const std::int64_t tupe_size = grads != nullptr ? tupe_unit_gradient_size() : 0;
+  std::vector<double> unit_tupe_grads(static_cast<std::size_t>(tupe_size) * units.size());
   const auto flops = static_cast<std::int64_t>(batch) * q_len * k_len * heads * dim;
   const int threads = std::min<int>(threads_for(flops / 16), static_cast<int>(std::max<std::size_t>(units.size(), 1)));
   std::int64_t scratch_bytes = 0;
@@ -966,7 +1108,8 @@ void AttentionPlan::backward(ConstTensorView out, ConstTensorView lse, ConstTens
       backward_unit(seq, kvh, out, og, lse, d_out, dog, want_dq ? &dq : nullptr, dqg, want_dk ? &dk : nullptr, dkg,
                     want_dv ? &dv : nullptr, dvg, want_bias_grads ? unit_grads.data() + u * static_cast<std::size_t>(grad_size) : nullptr,
                     shaw_size > 0 ? unit_shaw_grads.data() + u * static_cast<std::size_t>(shaw_size) : nullptr,
-                    xl_size > 0 ? unit_xl_grads.data() + u * static_cast<std::size_t>(xl_size) : nullptr, s, rb);
+                    xl_size > 0 ? unit_xl_grads.data() + u * static_cast<std::size_t>(xl_size) : nullptr,
+                    tupe_size > 0 ? unit_tupe_grads.data() + u * static_cast<std::size_t>(tupe_size) : nullptr, s, rb);
     }
     scratch_bytes += s.bytes();
   }
@@ -1002,15 +1145,26 @@ void AttentionPlan::backward(ConstTensorView out, ConstTensorView lse, ConstTens
     }
     finish_xl_gradients(totals, *grads);
   }
+  if (tupe_size > 0) {
+    std::vector<double> totals(static_cast<std::size_t>(tupe_size * kv_heads), 0.0);
+    for (std::size_t u = 0; u < units.size(); ++u) {
+      double* total = totals.data() + units[u].kvh * tupe_size;
+      const double* part = unit_tupe_grads.data() + u * static_cast<std::size_t>(tupe_size);
+      for (std::int64_t t = 0; t < tupe_size; ++t) total[t] += part[t];
+    }
+    finish_tupe_gradients(totals, *grads);
+  }
   last_workspace_bytes = scratch_bytes + table_bytes() +
-                         static_cast<std::int64_t>((unit_grads.size() + unit_shaw_grads.size() + unit_xl_grads.size()) * sizeof(double));
+                         static_cast<std::int64_t>((unit_grads.size() + unit_shaw_grads.size() + unit_xl_grads.size() + unit_tupe_grads.size()) *
+                                                     sizeof(double));
 }
 
 void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTensorView out, const HeadsGrid& og,
                                   ConstTensorView lse, ConstTensorView d_out, const HeadsGrid& dog, TensorView* dq,
                                   const HeadsGrid& dqg, TensorView* dk, const HeadsGrid& dkg, TensorView* dv,
                                   const HeadsGrid& dvg, double* unit_grads, double* unit_shaw_grads,
-                                  double* unit_xl_grads, AttentionUnitScratch& s, RowBlock& rb) const {
+                                  double* unit_xl_grads, double* unit_tupe_grads, AttentionUnitScratch& s,
+                                  RowBlock& rb) const {
   const std::int64_t dp = dim_padded, d = dim;
   // All rows of the unit, head-major, each head's queries padded to the lane count.
   layout_rows(seq, kvh, 0, seq.lq, false, rb);
@@ -1073,6 +1227,15 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
     grow(s.hist, group_size * hist_width);
     std::fill(s.hist.begin(), s.hist.begin() + group_size * hist_width, 0.0);
   }
+  if (any_tupe) {
+    tupe_load_rows(rb, s, true);
+    grow(s.tupe_dpq, w * dp);
+    std::fill(s.tupe_dpq.begin(), s.tupe_dpq.begin() + w * dp, 0.0f);
+    if (unit_tupe_grads != nullptr) {
+      grow(s.tupe_dpk_positions, tupe_count * group_size * dp);
+      std::fill(s.tupe_dpk_positions.begin(), s.tupe_dpk_positions.begin() + tupe_count * group_size * dp, 0.0f);
+    }
+  }
   if (unit_xl_grads != nullptr) {
     grow(s.xl_dp, xl_width * group_size * dp);
     std::fill(s.xl_dp.begin(), s.xl_dp.begin() + xl_width * group_size * dp, 0.0f);
@@ -1109,7 +1272,8 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
     const std::int64_t bw = sub.width;
     // S^T = K·Q^T, biases, soft-cap, mask; dP^T = V·dO^T.
     kernels::attn_gemm(s.k.data(), dp, 1, s.qt.data() + r0, w, s.st.data(), bw, keys, bw, d, false);
-    add_bias(seq, sub, k0, keys, s.kpos.data(), s.st.data(), s.tmp);
+    if (any_tupe) tupe_add_tile(sub, r0, w, keys, s.kpos.data(), s, s.st.data());
+    add_bias(seq, sub, k0, keys, s.kpos.data(), s.st.data());
     if (any_shaw) shaw_add_rows(sub, keys, s.kpos.data(), s.shaw_key_dots.data() + r0, w, s.st.data());
     if (any_xl) xl_add_rows(sub, keys, s.kpos.data(), s.xl_lo, s.xl_span, s.xl_dots.data(), bw, s.st.data());
     if (mask.softcap > 0) kernels::attn_softcap_tile(s.st.data(), keys, bw, static_cast<float>(mask.softcap));
@@ -1125,6 +1289,7 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
       shaw_collect(sub, keys, s.kpos.data(), s.st.data(), nullptr, s.shaw_probs.data() + r0, w);
     }
     if (any_xl) xl_collect(sub, keys, s.kpos.data(), s.xl_lo, s.xl_span, s.dpt.data(), s.xl_sums.data(), bw);
+    if (any_tupe) tupe_backward_tile(sub, r0, keys, s.kpos.data(), kvh, unit_tupe_grads, s);
     // dV += P^T·dO, dK += dS^T·Q (Q carries the scale), dQ += dS·K.
     kernels::attn_gemm(s.st.data(), bw, 1, s.dout.data() + r0 * dp, dp, dv_rows, dp, keys, dp, bw, true);
     kernels::attn_gemm(s.dpt.data(), bw, 1, s.q.data() + r0 * dp, dp, dk_rows, dp, keys, dp, bw, true);
@@ -1262,6 +1427,19 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
       }
       if (dq != nullptr) store_row_to(row, *dq, dqg, seq.b, seq.q0 + i, h);
     }
+  }
+  if (unit_tupe_grads != nullptr) {
+    // dPQ rows by position (the [CLS] query's is not used), and the tiles' dPK.
+    for (std::int64_t r = 0; r < w; ++r) {
+      const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
+      const TupeTables* t = h < 0 ? nullptr : tupe_of_head(h);
+      const std::int64_t qp = rb.position[static_cast<std::size_t>(r)];
+      if (t == nullptr || (t->cls_reset && qp == 0)) continue;
+      double* to = unit_tupe_grads + ((qp - tupe_first) * group_size + (h - kvh * group_size)) * dp;
+      for (std::int64_t e = 0; e < dp; ++e) to[e] += static_cast<double>(s.tupe_dpq[static_cast<std::size_t>(r * dp + e)]);
+    }
+    double* dpk = unit_tupe_grads + tupe_count * group_size * dp;
+    for (std::int64_t e = 0; e < tupe_count * group_size * dp; ++e) dpk[e] += static_cast<double>(s.tupe_dpk_positions[static_cast<std::size_t>(e)]);
   }
   if (unit_xl_grads != nullptr) {
     const std::int64_t n = xl_width * group_size * dp;

@@ -85,7 +85,8 @@ void RowBlock::slice(std::int64_t r0, std::int64_t n, RowBlock& out) const {
 std::int64_t AttentionUnitScratch::bytes() const {
   std::int64_t total = 0;
   for (const auto* buffer : {&q, &qt, &o, &m, &l, &corr, &st, &dpt, &k, &v, &tmp, &dout, &doutt, &dq, &dk, &dv, &lse, &delta,
-                             &shaw_key_dots, &shaw_value_dots, &shaw_probs, &shaw_grads, &xl_dots, &xl_sums, &xl_dp}) {
+                             &shaw_key_dots, &shaw_value_dots, &shaw_probs, &shaw_grads, &xl_dots, &xl_sums, &xl_dp,
+                             &tupe_pqt, &tupe_pq, &tupe_pk, &tupe_dpq, &tupe_dpk, &tupe_dpk_positions}) {
     total += static_cast<std::int64_t>(buffer->capacity() * sizeof(float));
   }
   return total + static_cast<std::int64_t>(kpos.capacity() * sizeof(std::int64_t) + hist.capacity() * sizeof(double));
@@ -404,7 +405,7 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), 
     if (!groups[gi].bias) continue;
     const BiasScheme& scheme = *groups[gi].bias;
     const std::int64_t hg = groups[gi].heads, h0 = group_first_head[gi];
-    if (std::holds_alternative<NoPE>(scheme)) continue;
+    if (std::holds_alternative<NoPE>(scheme) || std::holds_alternative<TupeParams>(scheme)) continue;  // TUPE: below
     any_bias = true;
     const bool distance_only = std::holds_alternative<AlibiParams>(scheme) || std::holds_alternative<T5BiasParams>(scheme) ||
                                std::holds_alternative<KerpleParams>(scheme);
@@ -417,18 +418,6 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), 
       any_trainable_bias = true;
     }
     if (distance_only) any_trainable_bias = true;
-    if (const auto* tupe = std::get_if<TupeParams>(&scheme)) {
-      check_tupe_positions(kWhere, *tupe, *q_positions, *k_positions);
-      tupe_evaluators.push_back(std::make_unique<TupeEvaluator>(*tupe, p_min, p_max));
-      for (std::int64_t h = 0; h < hg; ++h) {
-        HeadBias& hb = head_bias[static_cast<std::size_t>(h0 + h)];
-        hb.kind = HeadBias::kTupe;
-        hb.group = static_cast<std::int64_t>(gi);
-        hb.local_head = h;
-        hb.tupe = tupe_evaluators.back().get();
-      }
-      continue;
-    }
     const bool tabulate = distance_only && width * hg <= kMaxBiasTable;
     if (tabulate) {
       auto& table = bias_tables[gi];
@@ -477,6 +466,126 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), 
   grad_offset.push_back(flat);
   hist_width = width <= kMaxBiasTable ? width : 0;
   build_xl_tables(groups);
+  build_tupe_tables(groups, p_min, p_max);
+}
+
+// ── TUPE: each position's projections for the call's position range, one f32 matrix product
+// per table (p·U, blocked_gemm); pq carries 1/sqrt(2D).
+void AttentionPlan::build_tupe_tables(const std::vector<HeadGroup>& groups, std::int64_t p_min, std::int64_t p_max) {
+  tupe.resize(groups.size());
+  for (std::size_t gi = 0; gi < groups.size(); ++gi) {
+    const TupeParams* params = groups[gi].bias ? std::get_if<TupeParams>(&*groups[gi].bias) : nullptr;
+    if (params == nullptr) continue;
+    check_tupe_positions(kWhere, *params, *q_positions, *k_positions);
+    if (params->head_dim() != dim) {
+      throw Error(kWhere, ("groups[" + std::to_string(gi) + "].bias (TUPE) head_dim").c_str(), std::to_string(params->head_dim()),
+                  "the head_dim of q, " + std::to_string(dim) + " (its projections meet in the score tiles)");
+    }
+    if (!any_tupe) {
+      any_tupe = true;
+      tupe_first = p_min;
+      tupe_count = p_max - p_min + 1;
+      detail::init_dispatch();
+    }
+    TupeTables& t = tupe[gi];
+    const std::int64_t hg = groups[gi].heads, dm = params->d_model(), dmp = round_up(dm, kernels::kAttnAlign);
+    const std::int64_t cols = hg * dim_padded, hd = hg * dim;
+    t.heads = hg;
+    t.cls_reset = params->cls_reset();
+    std::vector<float> rows(static_cast<std::size_t>(tupe_count * dmp), 0.0f), u(static_cast<std::size_t>(dmp * cols), 0.0f);
+    for (std::int64_t n = 0; n < tupe_count; ++n) {
+      for (std::int64_t m = 0; m < dm; ++m) {
+        rows[static_cast<std::size_t>(n * dmp + m)] = static_cast<float>(params->table()[static_cast<std::size_t>((tupe_first + n) * dm + m)]);
+      }
+    }
+    const double pq_scale = 1.0 / std::sqrt(2.0 * static_cast<double>(dim));
+    for (const bool is_q : {true, false}) {
+      const std::vector<double>& weights = is_q ? params->u_q() : params->u_k();
+      for (std::int64_t m = 0; m < dm; ++m) {
+        for (std::int64_t h = 0; h < hg; ++h) {
+          for (std::int64_t d = 0; d < dim; ++d) {
+            const double w = weights[static_cast<std::size_t>(m * hd + h * dim + d)] * (is_q ? pq_scale : 1.0);
+            u[static_cast<std::size_t>(m * cols + h * dim_padded + d)] = static_cast<float>(w);
+          }
+        }
+      }
+      std::vector<float>& out = is_q ? t.pq : t.pk;
+      out.assign(static_cast<std::size_t>(tupe_count * cols), 0.0f);
+      blocked_gemm(rows.data(), dmp, 1, u.data(), cols, out.data(), cols, tupe_count, cols, dm);
+      if (t.cls_reset && tupe_first == 0) std::fill(out.begin(), out.begin() + cols, 0.0f);
+    }
+    t.theta1.assign(params->theta1().begin(), params->theta1().end());
+    t.theta2.assign(params->theta2().begin(), params->theta2().end());
+  }
+}
+
+// TUPE's parameter gradients from the per-KV-head totals of the units' [dPQ | dPK | θ1 | θ2]
+// by position (fp64; dPQ against the scaled pq, so times 1/sqrt(2D) here):
+//   dU^Q[m][h·D + d] += Σ_pos p[pos][m]·dPQ_h[pos][d],  dp[pos][m] += Σ_c U^Q[m][c]·dPQ[pos][c]
+// and the same for K — f32 matrix products (blocked_gemm) added in fp64.
+void AttentionPlan::finish_tupe_gradients(const std::vector<double>& totals, AttentionGradients& grads) const {
+  const std::int64_t per_kv = tupe_unit_gradient_size(), dp = dim_padded, g_count = group_size;
+  const double pq_scale = 1.0 / std::sqrt(2.0 * static_cast<double>(dim));
+  for (std::size_t gi = 0; gi < tupe.size(); ++gi) {
+    const TupeTables& t = tupe[gi];
+    if (t.heads == 0) continue;
+    const TupeParams& params = std::get<TupeParams>(*spec.groups[gi].bias);
+    TupeGradients& out = *grads.groups[gi].tupe;
+    const std::int64_t hg = t.heads, h_first = group_first_head[gi], cols = hg * dp, hd = hg * dim;
+    const std::int64_t dm = params.d_model(), dmp = round_up(dm, kernels::kAttnAlign);
+    std::vector<float> rows(static_cast<std::size_t>(tupe_count * dmp), 0.0f);
+    for (std::int64_t n = 0; n < tupe_count; ++n) {
+      for (std::int64_t m = 0; m < dm; ++m) {
+        rows[static_cast<std::size_t>(n * dmp + m)] = static_cast<float>(params.table()[static_cast<std::size_t>((tupe_first + n) * dm + m)]);
+      }
+    }
+    for (const bool is_q : {true, false}) {
+      // d(projection) [count][hg·Dp] in f32 from the per-KV-head totals.
+      std::vector<float> d_proj(static_cast<std::size_t>(tupe_count * cols), 0.0f);
+      for (std::int64_t lh = 0; lh < hg; ++lh) {
+        const std::int64_t h = h_first + lh, kvh = h / g_count, g = h % g_count;
+        const double* part = totals.data() + kvh * per_kv + (is_q ? 0 : tupe_count * g_count * dp);
+        const double factor = is_q ? pq_scale : 1.0;
+        for (std::int64_t n = 0; n < tupe_count; ++n) {
+          for (std::int64_t d = 0; d < dim; ++d) {
+            d_proj[static_cast<std::size_t>(n * cols + lh * dp + d)] = static_cast<float>(factor * part[(n * g_count + g) * dp + d]);
+          }
+        }
+        const double* theta = totals.data() + kvh * per_kv + 2 * tupe_count * g_count * dp;
+        if (is_q && t.cls_reset) {
+          out.theta1[static_cast<std::size_t>(lh)] += theta[g];
+          out.theta2[static_cast<std::size_t>(lh)] += theta[g_count + g];
+        }
+      }
+      // dU[m][c] = Σ_n rows[n][m]·d_proj[n][c].
+      std::vector<float> du(static_cast<std::size_t>(dmp * cols), 0.0f);
+      blocked_gemm(rows.data(), 1, dmp, d_proj.data(), cols, du.data(), cols, dm, cols, tupe_count);
+      std::vector<double>& u_grad = is_q ? out.u_q : out.u_k;
+      const std::vector<double>& weights = is_q ? params.u_q() : params.u_k();
+      for (std::int64_t m = 0; m < dm; ++m) {
+        for (std::int64_t lh = 0; lh < hg; ++lh) {
+          for (std::int64_t d = 0; d < dim; ++d) {
+            u_grad[static_cast<std::size_t>(m * hd + lh * dim + d)] += du[static_cast<std::size_t>(m * cols + lh * dp + d)];
+          }
+        }
+      }
+      // d table[n][m] = Σ_c d_proj[n][c]·U[m][c]: B = Uᵀ as [cols][dmp].
+      std::vector<float> ut(static_cast<std::size_t>(cols * dmp), 0.0f), dtable(static_cast<std::size_t>(tupe_count * dmp), 0.0f);
+      for (std::int64_t m = 0; m < dm; ++m) {
+        for (std::int64_t lh = 0; lh < hg; ++lh) {
+          for (std::int64_t d = 0; d < dim; ++d) {
+            ut[static_cast<std::size_t>((lh * dp + d) * dmp + m)] = static_cast<float>(weights[static_cast<std::size_t>(m * hd + lh * dim + d)]);
+          }
+        }
+      }
+      blocked_gemm(d_proj.data(), cols, 1, ut.data(), dmp, dtable.data(), dmp, tupe_count, dmp, cols);
+      for (std::int64_t n = 0; n < tupe_count; ++n) {
+        for (std::int64_t m = 0; m < dm; ++m) {
+          out.table[static_cast<std::size_t>((tupe_first + n) * dm + m)] += dtable[static_cast<std::size_t>(n * dmp + m)];
+        }
+      }
+    }
+  }
 }
 
 // r(δ) for the table's δ, as XlParams::sinusoid computes it (same frequencies, same fp64 angle
@@ -647,6 +756,7 @@ std::int64_t AttentionPlan::table_bytes() const {
   std::int64_t total = 0;
   for (const auto& t : tables) total += t.bytes();
   for (const auto& t : bias_tables) total += static_cast<std::int64_t>(t.size() * sizeof(float));
+  for (const auto& t : tupe) total += static_cast<std::int64_t>((t.pq.size() + t.pk.size()) * sizeof(float));
   for (const auto& t : xl) total += static_cast<std::int64_t>((t.projected.size() + t.constant.size() + t.u.size() + t.sinusoids.size()) *
                                                             sizeof(float));
   return total;
@@ -694,7 +804,7 @@ AttentionGradients AttentionPlan::zero_gradients() const {
         g.kerple_r2.assign(static_cast<std::size_t>(hg), 0.0);
       }
       if (const auto* fire = std::get_if<FireParams>(&*grp.bias)) g.fire.emplace(*fire);
-      if (const auto* tupe = std::get_if<TupeParams>(&*grp.bias)) g.tupe.emplace(*tupe);
+      if (const auto* tupe_params = std::get_if<TupeParams>(&*grp.bias)) g.tupe.emplace(*tupe_params);
     }
     if (grp.shaw) {
       g.shaw_key_table.assign(static_cast<std::size_t>(grp.shaw->rows() * grp.shaw->head_dim()), 0.0);
@@ -736,9 +846,12 @@ void AttentionPlan::check_gradients(const AttentionGradients& grads) const {
       check_gradient_size(kWhere, (name + ".xl.w_r").c_str(), a.xl->w_r.size(), static_cast<std::int64_t>(b.xl->w_r.size()));
     }
     if (b.tupe) {
-      throw Error(kWhere, (name + " (backward)").c_str(), "TUPE",
-                  "ALiBi, T5, Kerple, FIRE or Shaw: TUPE's parameter gradients are not computed inside fused attention "
-                  "yet (pass grads = nullptr for dq, dk, dv; or bias_materialize + tupe_backward)");
+      require(a.tupe.has_value(), (name + ".tupe").c_str(), "empty", "TupeGradients sized for the group's TUPE");
+      check_gradient_size(kWhere, (name + ".tupe.table").c_str(), a.tupe->table.size(), static_cast<std::int64_t>(b.tupe->table.size()));
+      check_gradient_size(kWhere, (name + ".tupe.u_q").c_str(), a.tupe->u_q.size(), static_cast<std::int64_t>(b.tupe->u_q.size()));
+      check_gradient_size(kWhere, (name + ".tupe.u_k").c_str(), a.tupe->u_k.size(), static_cast<std::int64_t>(b.tupe->u_k.size()));
+      check_gradient_size(kWhere, (name + ".tupe.theta1").c_str(), a.tupe->theta1.size(), static_cast<std::int64_t>(b.tupe->theta1.size()));
+      check_gradient_size(kWhere, (name + ".tupe.theta2").c_str(), a.tupe->theta2.size(), static_cast<std::int64_t>(b.tupe->theta2.size()));
     }
   }
 }

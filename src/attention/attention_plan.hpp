@@ -50,16 +50,26 @@ struct FireRows {
                       double* d_threshold) const;
 };
 
-// The bias of one head: tabulated over δ = q − k (distance-only schemes), evaluated directly
-// (FIRE; tables too wide), or TUPE's evaluator.
+// The bias of one head: tabulated over δ = q − k (distance-only schemes) or evaluated directly
+// (FIRE; tables too wide). TUPE has its own path (TupeTables).
 struct HeadBias {
-  enum Kind { kNone, kTable, kDirect, kTupe } kind = kNone;
+  enum Kind { kNone, kTable, kDirect } kind = kNone;
   std::int64_t group = -1, local_head = 0;
   const float* table = nullptr;  // b(δ_min + t), t < width
   std::int64_t delta_min = 0, width = 0;
   const BiasEvaluator* evaluator = nullptr;
-  const TupeEvaluator* tupe = nullptr;
   const FireRows* fire = nullptr;  // FIRE: its rows evaluated from ψ tables (any position range)
+};
+
+// TUPE's projections of a head group in f32 for the positions [tupe_first, tupe_first + count)
+// (AttentionPlan's range, shared by the groups), [count][heads][Dp] zero-padded:
+//   pq = p[pos]·U^Q_h / sqrt(2D),   pk = p[pos]·U^K_h
+// so that a tile's biases are one matrix product PK·PQᵀ per head. With the [CLS] reset, position
+// 0's rows are zero and θ1 (query at 0) / θ2 (only the key at 0) are added on their own.
+struct TupeTables {
+  std::int64_t heads = 0;  // 0: the group has no TUPE
+  bool cls_reset = false;
+  std::vector<float> pq, pk, theta1, theta2;
 };
 
 // Shaw's tables of a head group in f32: key [width][D] (and zero-padded [width][Dp]), value
@@ -107,6 +117,9 @@ struct AttentionUnitScratch {
   // window's dS sums and the unit's dP table [xl_width][G][Dp].
   std::vector<float> xl_dots, xl_sums, xl_dp;
   std::int64_t xl_lo = 0, xl_span = 0;
+  // TUPE: PQ of the rows transposed [Dp][rows] and as rows [rows][Dp]; keys' PK gathered
+  // [keys][Dp]; backward: dPQ rows [rows][Dp], a tile's dPK [keys][Dp], the unit's dPK by position.
+  std::vector<float> tupe_pqt, tupe_pq, tupe_pk, tupe_dpq, tupe_dpk, tupe_dpk_positions;
   std::vector<std::int64_t> kpos;
   std::vector<double> hist;
   std::int64_t bytes() const;
@@ -159,7 +172,6 @@ struct AttentionPlan {
   std::vector<HeadBias> head_bias;
   std::vector<std::vector<float>> bias_tables;  // per group: [heads][width]
   std::vector<std::unique_ptr<BiasEvaluator>> evaluators;
-  std::vector<std::unique_ptr<TupeEvaluator>> tupe_evaluators;
   std::vector<std::unique_ptr<FireRows>> fire_rows;
   bool any_bias = false, any_trainable_bias = false;
   std::int64_t delta_min = 0, hist_width = 0;  // the δ range of the bias tables and histograms
@@ -184,6 +196,31 @@ struct AttentionPlan {
   void shaw_collect(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, const float* pt, const float* corr,
                     float* sums, std::int64_t ld) const;
   void shaw_add_values(const RowBlock& rb, const float* probs, std::int64_t ld, float* o) const;
+
+  // TUPE: per group (heads 0 without); one position range for all.
+  std::vector<TupeTables> tupe;
+  bool any_tupe = false;
+  std::int64_t tupe_first = 0, tupe_count = 0;
+  const TupeTables* tupe_of_head(std::int64_t h) const {
+    const TupeTables& t = tupe[static_cast<std::size_t>(head_group[static_cast<std::size_t>(h)])];
+    return t.heads > 0 ? &t : nullptr;
+  }
+  // Row of pq or pk (is_q) for position pos and head h.
+  const float* tupe_row(const TupeTables& t, bool is_q, std::int64_t pos, std::int64_t h) const {
+    return (is_q ? t.pq : t.pk).data() + ((pos - tupe_first) * t.heads + (h - group_first_head[static_cast<std::size_t>(head_group[static_cast<std::size_t>(h)])])) * dim_padded;
+  }
+  void build_tupe_tables(const std::vector<HeadGroup>& groups, std::int64_t p_min, std::int64_t p_max);
+  // In the tile loop (attention.cpp): the rows' PQ (transposed, and as rows), a tile's biases
+  // (matrix products per head run, [CLS] values), decode rows by dot products; backward.
+  void tupe_load_rows(const RowBlock& rb, AttentionUnitScratch& s, bool as_rows) const;
+  void tupe_add_tile(const RowBlock& rb, std::int64_t r0, std::int64_t ld_rows, std::int64_t keys, const std::int64_t* kpos,
+                     AttentionUnitScratch& s, float* st) const;
+  void tupe_add_direct(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, const float* pq_rows, float* st) const;
+  void tupe_backward_tile(const RowBlock& sub, std::int64_t r0, std::int64_t keys, const std::int64_t* kpos,
+                          std::int64_t kvh, double* unit_tupe_grads, AttentionUnitScratch& s) const;
+  // Per unit [dPQ by position [count][G][Dp] | dPK likewise | θ1 [G] | θ2 [G]] (fp64).
+  std::int64_t tupe_unit_gradient_size() const { return any_tupe ? 2 * tupe_count * group_size * dim_padded + 2 * group_size : 0; }
+  void finish_tupe_gradients(const std::vector<double>& total_per_kv_head, AttentionGradients& grads) const;
 
   // Transformer-XL: per group (heads 0 without); one δ range for all.
   std::vector<XlTables> xl;
@@ -249,12 +286,12 @@ struct AttentionPlan {
                     std::vector<AttentionUnitScratch>& heads_scratch, AttentionUnitScratch& s) const;
   bool tile_unmasked(const RowBlock& rb, std::int64_t k_first, std::int64_t keys) const;
   void add_bias(const Sequence& seq, const RowBlock& rb, std::int64_t k_first, std::int64_t keys,
-                const std::int64_t* kpos, float* st, std::vector<float>& tmp) const;
+                const std::int64_t* kpos, float* st) const;
   void backward_unit(const Sequence& seq, std::int64_t kvh, ConstTensorView out, const HeadsGrid& og,
                      ConstTensorView lse, ConstTensorView d_out, const HeadsGrid& dog, TensorView* dq,
                      const HeadsGrid& dqg, TensorView* dk, const HeadsGrid& dkg, TensorView* dv, const HeadsGrid& dvg,
-                     double* unit_grads, double* unit_shaw_grads, double* unit_xl_grads, AttentionUnitScratch& s,
-                     RowBlock& rb) const;
+                     double* unit_grads, double* unit_shaw_grads, double* unit_xl_grads, double* unit_tupe_grads,
+                     AttentionUnitScratch& s, RowBlock& rb) const;
 
   // lse I/O ([B, H, Sq] or [H, Tq]).
   void check_lse(ConstTensorView lse, bool writable) const;

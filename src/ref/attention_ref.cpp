@@ -398,6 +398,7 @@ void attention_backward(const Attention& attention, ConstTensorView out, ConstTe
         ref::kerple_backward(*kerple, qp, kp, ds, gg.kerple_r1, gg.kerple_r2);
       }
       if (const auto* fire = std::get_if<FireParams>(&*bias)) ref::fire_backward(*fire, qp, kp, ds, *gg.fire);
+      if (const auto* tupe = std::get_if<TupeParams>(&*bias)) ref::tupe_backward(*tupe, qp, kp, ds, *gg.tupe);
     }
   }
 }

@@ -170,7 +170,7 @@ Case make_attention_case(const CaseOptions& o) {
     const TensorView dk = TensorView::contiguous(data(st->dk, st->dk16), dtype, k_shape);
     const TensorView dv = TensorView::contiguous(data(st->dv, st->dv16), dtype, k_shape);
     const bool trainable = o.scheme == "alibi" || o.scheme == "t5" || o.scheme == "kerple" || o.scheme == "shaw" || o.scheme == "fire" ||
-                           o.scheme == "xl";
+                           o.scheme == "xl" || o.scheme == "tupe";
     auto grads = std::make_shared<AttentionGradients>(st->attention->zero_gradients());
     c.run = [st, out, lse, dout, dq, dk, dv, grads, trainable] {
       st->attention->backward(out, lse, dout, dq, dk, dv, trainable ? grads.get() : nullptr);

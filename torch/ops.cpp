@@ -22,8 +22,10 @@
 //                   fused attention (posenc/attention.hpp), q [B, Sq, H, D], k, v [B, Sk, G, D];
 //                   differentiable in q, k, v and bias_params (ALiBi slopes [H], T5 table
 //                   [buckets, H], Kerple [2, H] = r1, r2, Shaw [2, 2k + 1, D] = key and value
-//                   tables, FIRE [w1 | b1 | w2 | b2 | c | L] flattened); `scheme` is JSON:
-//                   {"kind": "none" | "shaw" | "fire" (with "hidden") |
+//                   tables, FIRE [w1 | b1 | w2 | b2 | c | L] flattened, Transformer-XL
+//                   [u | v | W_R] flattened, TUPE [table | U^Q | U^K | θ1 | θ2] flattened);
+//                   `scheme` is JSON: {"kind": "none" | "shaw" | "fire" (with "hidden") | "xl"
+//                   (with "d_model", "base") | "tupe" (with "d_model", "max_len", "cls_reset") |
 //                   "rope" | "absolute" | "alibi" | "t5" | "kerple", "rope": {RopeParams as for rope},
 //                   "dim", "base", "interleaved" (absolute: Shortformer's sinusoid on q and k),
 //                   "keys_rotated", "symmetric", "num_buckets", "max_distance", "bidirectional",
@@ -808,7 +810,8 @@ at::Tensor floater_op(const at::Tensor& w1, const at::Tensor& b1, const at::Tens
 std::int64_t q_dim_of(const at::Tensor& t) { return t.dim() == 3 ? t.size(2) : 0; }
 
 // The head group of a JSON scheme and its learned parameters (bias_params, as float64 values).
-HeadGroup attention_group(const std::string& scheme_json, const at::Tensor& bias_params, std::int64_t heads) {
+HeadGroup attention_group(const std::string& scheme_json, const at::Tensor& bias_params, std::int64_t heads,
+                          std::int64_t head_dim, double scale) {
   const char* where = "attention";
   const nlohmann::json j = nlohmann::json::parse(scheme_json);
   const std::string kind = j.value("kind", std::string("none"));
@@ -857,8 +860,32 @@ HeadGroup attention_group(const std::string& scheme_json, const at::Tensor& bias
                       ": bias_params shape ", bias_params.sizes(), "; expected [2, heads = ", heads, "] (r1, r2)");
     const std::vector<double> r1(values.begin(), values.begin() + heads), r2(values.begin() + heads, values.end());
     group.bias = KerpleParams(j.value("power", false) ? KerpleForm::kPower : KerpleForm::kLog, r1, r2);
+  } else if (kind == "xl") {
+    // bias_params: [u (H·D) | v (H·D) | W_R (H·D·d_model)], flattened.
+    const std::int64_t d_model = j.value("d_model", std::int64_t{0}), hd = heads * head_dim;
+    const auto expected = static_cast<std::size_t>(2 * hd + hd * d_model);
+    TORCH_CHECK_VALUE(values.size() == expected, where, ": bias_params has ", values.size(), " values; expected ", expected,
+                      " (Transformer-XL's u, v, W_R for heads = ", heads, ", head_dim = ", head_dim, ", d_model = ", d_model, ")");
+    const auto at = [&](std::int64_t offset, std::int64_t count) {
+      return std::vector<double>(values.begin() + offset, values.begin() + offset + count);
+    };
+    group.xl = XlParams(heads, head_dim, d_model, at(0, hd), at(hd, hd), at(2 * hd, hd * d_model), scale,
+                        j.value("base", 10000.0));
+  } else if (kind == "tupe") {
+    // bias_params: [table (max_len·d_model) | U^Q (d_model·H·D) | U^K | θ1 (H) | θ2 (H)], flattened.
+    const std::int64_t d_model = j.value("d_model", std::int64_t{0}), max_len = j.value("max_len", std::int64_t{0});
+    const std::int64_t table = max_len * d_model, u = d_model * heads * head_dim;
+    const auto expected = static_cast<std::size_t>(table + 2 * u + 2 * heads);
+    TORCH_CHECK_VALUE(values.size() == expected, where, ": bias_params has ", values.size(), " values; expected ", expected,
+                      " (TUPE's table, U^Q, U^K, θ1, θ2 for max_len = ", max_len, ", d_model = ", d_model, ", heads = ", heads,
+                      ", head_dim = ", head_dim, ")");
+    const auto at = [&](std::int64_t offset, std::int64_t count) {
+      return std::vector<double>(values.begin() + offset, values.begin() + offset + count);
+    };
+    group.bias = TupeParams(heads, head_dim, d_model, at(0, table), at(table, u), at(table + u, u), j.value("cls_reset", false),
+                            at(table + 2 * u, heads), at(table + 2 * u + heads, heads));
   } else {
-    throw Error(where, "scheme.kind", kind, "none, rope, absolute, alibi, t5, kerple, fire or shaw");
+    throw Error(where, "scheme.kind", kind, "none, rope, absolute, alibi, t5, kerple, fire, shaw, xl or tupe");
   }
   return group;
 }
@@ -879,7 +906,7 @@ AttentionCall make_attention(const at::Tensor& q, const at::Tensor& k, const at:
   spec.q = const_view(where, "q", q);
   spec.k = const_view(where, "k", k);
   spec.v = const_view(where, "v", v);
-  spec.groups = {attention_group(scheme, bias_params, q.size(2))};
+  spec.groups = {attention_group(scheme, bias_params, q.size(2), q.size(3), scale)};
   spec.mask.causal = causal;
   spec.mask.window_left = window_left;
   spec.mask.window_right = window_right;
@@ -950,6 +977,16 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
           for (const auto* part : {&g.fire->b1, &g.fire->w2, &g.fire->b2}) flat.insert(flat.end(), part->begin(), part->end());
           flat.push_back(g.fire->c);
           flat.push_back(g.fire->threshold);
+        }
+        if (g.xl) {
+          flat = g.xl->u;
+          for (const auto* part : {&g.xl->v, &g.xl->w_r}) flat.insert(flat.end(), part->begin(), part->end());
+        }
+        if (g.tupe) {
+          flat = g.tupe->table;
+          for (const auto* part : {&g.tupe->u_q, &g.tupe->u_k, &g.tupe->theta1, &g.tupe->theta2}) {
+            flat.insert(flat.end(), part->begin(), part->end());
+          }
         }
         d_bias = tensor_of(flat, bias_params);
       }

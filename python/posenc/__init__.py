@@ -428,9 +428,16 @@ def _attention_scheme(scheme, heads, keys_rotated):
     if isinstance(scheme, ShawRelativePositions):
         return {"kind": "shaw", "max_distance": int(scheme.max_distance)}, \
             torch.stack([scheme.key_table, scheme.value_table])
+    if isinstance(scheme, TransformerXLRelative):
+        return {"kind": "xl", "d_model": int(scheme.w_r.shape[1]), "base": float(scheme.base)}, \
+            torch.cat([scheme.u.reshape(-1), scheme.v.reshape(-1), scheme.w_r.reshape(-1)])
+    if isinstance(scheme, TUPE):
+        return {"kind": "tupe", "d_model": int(scheme.table.shape[1]), "max_len": int(scheme.table.shape[0]),
+                "cls_reset": bool(scheme.cls_reset)}, \
+            torch.cat([scheme.table.reshape(-1), scheme.u_q.reshape(-1), scheme.u_k.reshape(-1), scheme.theta1, scheme.theta2])
     raise ValueError(f"attention: scheme = {scheme!r}; expected None, 'none', 'rope', 'alibi', or a "
                      "RotaryPositionalEncoding, SinusoidalPositionalEncoding (Shortformer: added to q and k), ALiBi, "
-                     "T5RelativeBias, Kerple, FIRE or ShawRelativePositions module")
+                     "T5RelativeBias, Kerple, FIRE, ShawRelativePositions, TransformerXLRelative or TUPE module")
 
 
 def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), softcap=0.0, scale=None, layout="bshd",
@@ -445,7 +452,9 @@ def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), softcap=0.
     ``keys_rotated=True`` k is a cache of already rotated keys), ``SinusoidalPositionalEncoding``
     (Shortformer's position-infused attention: the sinusoid added to q and k, not v), ``ALiBi``,
     ``T5RelativeBias``, ``Kerple``, ``FIRE``, ``ShawRelativePositions`` (Shaw et al.'s key and
-    value terms, scale·q·a^K and Σ p·a^V) — whose learned parameters receive gradients. ``causal`` aligns the mask
+    value terms, scale·q·a^K and Σ p·a^V), ``TransformerXLRelative`` (scale·(u·k + (q + v)·W_R r(i − j)),
+    its module's scale is the attention's), ``TUPE`` (the projections' head_dim must be q's) — whose
+    learned parameters receive gradients. ``causal`` aligns the mask
     bottom-right when Sq < Sk; ``window=(left, right)`` limits the keys a query sees (-1:
     unlimited); ``softcap`` c > 0 caps logits to c·tanh(x/c). Positions default to 0..Sk-1 for
     keys and Sk-Sq.. for queries. Returns out like q (and the log-sum-exp ``[B, H, Sq]`` with

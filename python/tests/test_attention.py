@@ -29,7 +29,7 @@ def reference_rope(x, positions, base=10000.0):
 
 
 def reference_attention(q, k, v, bias=None, causal=False, window=(-1, -1), softcap=0.0, scale=None):
-    """Eager attention: q [B, Sq, H, D], k, v [B, Sk, G, D]; bias [H, Sq, Sk] or None."""
+    """Eager attention: q [B, Sq, H, D], k, v [B, Sk, G, D]; bias [H, Sq, Sk] (or [B, H, Sq, Sk]) or None."""
     b, sq, h, d = q.shape
     sk, g = k.shape[1], k.shape[2]
     k = k.repeat_interleave(h // g, dim=2)
@@ -229,3 +229,42 @@ def test_errors():
     if torch.cuda.is_available():  # pragma: no cover - no CUDA here
         with pytest.raises(TypeError, match="device"):
             posenc.attention(q.cuda(), k.cuda(), v.cuda())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_transformer_xl_and_tupe_match_eager_with_every_gradient(dtype):
+    """XL's terms (u·k + (q + v)·W_R r(i - j), scaled) and TUPE's biases inside the kernel against
+    eager attention with the library's materialising ops (themselves checked against formulas in
+    test_ops.py), forward and the gradients of q, k, v and every parameter."""
+    q, k, v = inputs(dtype=dtype)
+    sq, sk = q.shape[1], k.shape[1]
+    q_pos = torch.arange(sq) + (sk - sq)
+    k_pos = torch.arange(sk)
+    xl = posenc.TransformerXLRelative(4, 32, 24, std=0.5).to(dtype)
+    tupe = posenc.TUPE(4, 32, 16, max_len=64, cls_reset=True, std=0.5).to(dtype)
+    with torch.no_grad():
+        tupe.theta1.normal_()
+        tupe.theta2.normal_()
+    for module, causal in ((xl, True), (tupe, False)):
+        out = posenc.attention(q, k, v, module, causal=causal, softcap=6.0)
+        qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
+        params = [p.detach().double().requires_grad_() for p in module.parameters()]
+        if module is xl:
+            u, vv, w_r = params
+            bias = posenc.xl_scores(qr, kr.repeat_interleave(2, dim=2), u, vv, w_r, q_pos, k_pos, 0.0, xl.base)
+        else:
+            table, u_q, u_k, theta1, theta2 = params
+            bias = posenc.tupe_bias(table, u_q, u_k, theta1, theta2, q_pos, k_pos, 4, True)[0]
+        ref = reference_attention(qr, kr, vr, bias, causal=causal, softcap=6.0)
+        # float32: f32 tables (P = W_R·r, the TUPE projections) and f32 sums over D and Sk; 2e-5 of
+        # O(1) outputs covers them; float64 runs the fp64 reference (1e-12).
+        tol = 1e-12 if dtype == torch.float64 else 2e-5
+        assert torch.allclose(out.double(), ref, atol=tol, rtol=0), type(module).__name__
+        got = grads_of(out, (q, k, v, *module.parameters()))
+        want = grads_of(ref, (qr, kr, vr, *params))
+        names = ["q", "k", "v"] + [n for n, _ in module.named_parameters()]
+        # Gradients sum up to Sq·Sk products (and the tables' contractions over positions and
+        # d_model): 5e-4 relative to their scale for float32.
+        for name, a, b in zip(names, got, want):
+            scale = b.abs().max().item() + 1e-3
+            assert (a.double() - b).abs().max().item() <= (1e-10 if dtype == torch.float64 else 5e-4) * scale, name

@@ -1174,9 +1174,10 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
   layout_rows(seq, kvh, 0, seq.lq, false, rb);
   const std::int64_t w = rb.width;
   grow(s.q, w * dp);
-  grow(s.qt, dp * w);
+  const std::int64_t ldt = padded_stride(w), ldkv = padded_stride(dp);
+  grow(s.qt, dp * ldt);
   grow(s.dout, w * dp);
-  grow(s.doutt, dp * w);
+  grow(s.doutt, dp * ldt);
   grow(s.dq, w * dp);
   grow(s.lse, w);
   grow(s.delta, w);
@@ -1206,21 +1207,21 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
       s.lse[static_cast<std::size_t>(r)] = read_lse(lse, seq, h, i);
     }
     for (std::int64_t t = 0; t < d; ++t) {
-      s.qt[static_cast<std::size_t>(t * w + r)] = qrow[t];
-      s.doutt[static_cast<std::size_t>(t * w + r)] = drow[t];
+      s.qt[static_cast<std::size_t>(t * ldt + r)] = qrow[t];
+      s.doutt[static_cast<std::size_t>(t * ldt + r)] = drow[t];
     }
   }
   const bool keys_transformed = tq.kind != QKTables::kNone && tq.transform_keys;
   if (any_shaw) {
     // Shaw: q·a^K and dO·a^V per row and table row; the tiles then sum dS and P per table row.
     for (auto* buffer : {&s.shaw_key_dots, &s.shaw_value_dots, &s.shaw_grads, &s.shaw_probs}) grow(*buffer, w * shaw_width);
-    shaw_row_dots(rb, s.q.data(), dp, s.qt.data(), w, false, s.shaw_key_dots.data(), w);
-    shaw_row_dots(rb, s.dout.data(), dp, s.doutt.data(), w, true, s.shaw_value_dots.data(), w);
+    shaw_row_dots(rb, s.q.data(), dp, s.qt.data(), ldt, false, s.shaw_key_dots.data(), w);
+    shaw_row_dots(rb, s.dout.data(), dp, s.doutt.data(), ldt, true, s.shaw_value_dots.data(), w);
     std::fill(s.shaw_grads.begin(), s.shaw_grads.begin() + w * shaw_width, 0.0f);
     std::fill(s.shaw_probs.begin(), s.shaw_probs.begin() + w * shaw_width, 0.0f);
   }
-  grow(s.k, key_tile * dp);
-  grow(s.v, key_tile * dp);
+  grow(s.k, key_tile * ldkv);
+  grow(s.v, key_tile * ldkv);
   grow(s.dk, key_tile * dp);
   grow(s.dv, key_tile * dp);
   grow(s.st, key_tile * w);
@@ -1249,10 +1250,10 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
   // Loads the keys [k0, k0 + keys) (transformed) and values into s.k, s.v and their positions.
   const auto load_tile = [&](std::int64_t k0, std::int64_t keys) {
     for (std::int64_t j = 0; j < keys; ++j) {
-      float* krow = s.k.data() + j * dp;
+      float* krow = s.k.data() + j * ldkv;
       load_row(k_data, kg, seq.b, seq.k0 + k0 + j, kvh, krow);
       if (keys_transformed) transform_row(tq, false, k_table_row(seq, k0 + j), krow, 1.0f);
-      load_row(v_data, vg, seq.b, seq.k0 + k0 + j, kvh, s.v.data() + j * dp);
+      load_row(v_data, vg, seq.b, seq.k0 + k0 + j, kvh, s.v.data() + j * ldkv);
       s.kpos[static_cast<std::size_t>(j)] = k_position(seq, k0 + j);
     }
   };
@@ -1275,14 +1276,14 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
                         float* dv_rows) {
     const std::int64_t bw = sub.width;
     // S^T = K·Q^T, biases, soft-cap, mask; dP^T = V·dO^T.
-    kernels::attn_gemm(s.k.data(), dp, 1, s.qt.data() + r0, w, s.st.data(), bw, keys, bw, d, false);
+    kernels::attn_gemm(s.k.data(), ldkv, 1, s.qt.data() + r0, ldt, s.st.data(), bw, keys, bw, d, false);
     if (any_tupe) tupe_add_tile(sub, r0, w, keys, s.kpos.data(), s, s.st.data());
     add_bias(seq, sub, k0, keys, s.kpos.data(), s.st.data());
     if (any_shaw) shaw_add_rows(sub, keys, s.kpos.data(), s.shaw_key_dots.data() + r0, w, s.st.data());
     if (any_xl) xl_add_rows(sub, keys, s.kpos.data(), s.xl_lo, s.xl_span, s.xl_dots.data(), bw, s.st.data());
     if (mask.softcap > 0) kernels::attn_softcap_tile(s.st.data(), keys, bw, static_cast<float>(mask.softcap));
     if (!full) kernels::attn_mask_tile(s.st.data(), keys, bw, k0, sub.lo.data(), sub.hi.data());
-    kernels::attn_gemm(s.v.data(), dp, 1, s.doutt.data() + r0, w, s.dpt.data(), bw, keys, bw, d, false);
+    kernels::attn_gemm(s.v.data(), ldkv, 1, s.doutt.data() + r0, ldt, s.dpt.data(), bw, keys, bw, d, false);
     // Shaw's value term: dP_ij += dO_i·a^V[row].
     if (any_shaw) shaw_add_rows(sub, keys, s.kpos.data(), s.shaw_value_dots.data() + r0, w, s.dpt.data());
     // P^T, dS^T (with the soft-cap's derivative).
@@ -1297,7 +1298,7 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
     // dV += P^T·dO, dK += dS^T·Q (Q carries the scale), dQ += dS·K.
     kernels::attn_gemm(s.st.data(), bw, 1, s.dout.data() + r0 * dp, dp, dv_rows, dp, keys, dp, bw, true);
     kernels::attn_gemm(s.dpt.data(), bw, 1, s.q.data() + r0 * dp, dp, dk_rows, dp, keys, dp, bw, true);
-    kernels::attn_gemm(s.dpt.data(), 1, bw, s.k.data(), dp, s.dq.data() + r0 * dp, dp, bw, dp, keys, true);
+    kernels::attn_gemm(s.dpt.data(), 1, bw, s.k.data(), ldkv, s.dq.data() + r0 * dp, dp, bw, dp, keys, true);
     if (unit_grads != nullptr) accumulate_bias_gradients(seq, sub, k0, keys, s.kpos.data(), s.dpt.data(), s, kvh, unit_grads);
   };
   // dK (rotated back; the query scale is already in it) and dV rows of keys [k0, k0 + keys).
@@ -1360,7 +1361,7 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
           grow(s.xl_dots, s.xl_span * bw);
           grow(s.xl_sums, s.xl_span * bw);
           std::fill(s.xl_sums.begin(), s.xl_sums.begin() + s.xl_span * bw, 0.0f);
-          xl_window(sub, s.qt.data() + r0, w, s.xl_lo, s.xl_span, s.xl_dots.data(), bw);
+          xl_window(sub, s.qt.data() + r0, ldt, s.xl_lo, s.xl_span, s.xl_dots.data(), bw);
         }
         step(sub, r0, k0, keys, full, s.dk.data() + k0 * dp, s.dv.data() + k0 * dp);
       }

@@ -268,3 +268,41 @@ def test_transformer_xl_and_tupe_match_eager_with_every_gradient(dtype):
         for name, a, b in zip(names, got, want):
             scale = b.abs().max().item() + 1e-3
             assert (a.double() - b).abs().max().item() <= (1e-10 if dtype == torch.float64 else 5e-4) * scale, name
+
+
+def test_gradcheck_transformer_xl_and_tupe():
+    """torch.autograd.gradcheck through the fused op with XL's and TUPE's parameters."""
+    q, k, v = inputs(b=1, sq=5, sk=7, h=2, g=1, d=4)
+    xl = posenc.TransformerXLRelative(2, 4, 6, std=0.5).double()
+    tupe = posenc.TUPE(2, 4, 6, max_len=8, cls_reset=True, std=0.5).double()
+    for module in (xl, tupe):
+        names = [n for n, _ in module.named_parameters()]
+
+        def fused(q, k, v, *params):
+            for name, p in zip(names, params):
+                module._parameters[name] = p  # the very tensors gradcheck perturbs
+            return posenc.attention(q, k, v, module, causal=module is xl, softcap=3.0)
+
+        params = tuple(p.detach().clone().requires_grad_() for p in module.parameters())
+        assert torch.autograd.gradcheck(fused, (q, k, v, *params)), type(module).__name__
+
+
+def test_decode_against_a_long_cache_matches_eager():
+    """One query over a KV cache long enough to be split into chunks (> 8192 keys), GQA, with
+    RoPE on an already rotated cache and with ALiBi."""
+    b, sk, h, g, d = 1, 9000, 4, 2, 32
+    q = torch.randn(b, 1, h, d)
+    k = torch.randn(b, sk, g, d)
+    v = torch.randn(b, sk, g, d)
+    qd, kd, vd = q.double(), k.double(), v.double()
+    k_pos = torch.arange(sk)
+    q_pos = torch.tensor([sk - 1])
+    k_rot = reference_rope(kd, k_pos).float()
+    out = posenc.attention(q, k_rot, v, posenc.RotaryPositionalEncoding(d), causal=True, keys_rotated=True)
+    ref = reference_attention(reference_rope(qd, q_pos), reference_rope(kd, k_pos), vd, causal=True)
+    # f32 sums over D and 9000 keys (in chunks merged in fp64): 1e-5 of O(1) outputs.
+    assert torch.allclose(out.double(), ref, atol=1e-5, rtol=0)
+    alibi = posenc.ALiBi(h)
+    out = posenc.attention(q, k, v, alibi, causal=True)
+    ref = reference_attention(qd, kd, vd, alibi_reference_bias(alibi.slopes.double(), 1, sk), causal=True)
+    assert torch.allclose(out.double(), ref, atol=1e-5, rtol=0)

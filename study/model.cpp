@@ -1,0 +1,165 @@
+#include "model.hpp"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <tuple>
+
+#include "posenc/error.hpp"
+
+namespace posenc::study {
+namespace {
+
+using AttentionOp = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, std::string,
+                                                       const at::Tensor&, bool, std::int64_t, std::int64_t, double, double,
+                                                       const at::Tensor&, const at::Tensor&);
+using SinusoidOp = at::Tensor(const at::Tensor&, std::int64_t, double, bool, at::ScalarType);
+
+// T5: 32 buckets up to distance 128 (the T5 paper's defaults); FIRE: a 32-unit MLP; xPos: its
+// paper's scale base 512.
+constexpr std::int64_t kT5Buckets = 32, kT5MaxDistance = 128, kFireHidden = 32;
+constexpr double kXposScaleBase = 512.0;
+
+}  // namespace
+
+const std::vector<std::string>& all_schemes() {
+  static const std::vector<std::string> schemes = {"sinusoidal", "learned", "rope",   "rope-ntk", "rope-yarn", "xpos",
+                                                   "t5",         "alibi",   "kerple", "fire",     "nope"};
+  return schemes;
+}
+
+std::string training_scheme(const std::string& scheme) {
+  return scheme == "rope-ntk" || scheme == "rope-yarn" ? "rope" : scheme;
+}
+
+void LanguageModelImpl::set_scheme(const std::string& scheme) {
+  if (training_scheme(scheme) != training_scheme(config_.scheme)) {
+    throw Error("study", "scheme", scheme, "a scheme sharing the parameters of " + config_.scheme);
+  }
+  config_.scheme = scheme;
+}
+
+LanguageModelImpl::LanguageModelImpl(const ModelConfig& config) : config_(config) {
+  bool known = false;
+  for (const std::string& s : all_schemes()) known = known || s == config.scheme;
+  if (!known) throw Error("study", "scheme", config.scheme, "one of sinusoidal, learned, rope, rope-ntk, rope-yarn, xpos, t5, alibi, kerple, fire, nope");
+  if (config.width % config.heads != 0 || (config.width / config.heads) % 2 != 0) {
+    throw Error("study", "width", std::to_string(config.width), "a multiple of 2·heads (" + std::to_string(2 * config.heads) + ")");
+  }
+  const std::int64_t d = config.width, h = config.heads;
+  embed_ = register_module("embed", torch::nn::Embedding(256, d));
+  if (config.scheme == "learned") {
+    positions_ = register_module("positions", torch::nn::Embedding(config.train_length, d));
+    torch::nn::init::normal_(positions_->weight, 0.0, 0.02);
+  }
+  for (std::int64_t l = 0; l < config.layers; ++l) {
+    Layer layer;
+    const std::string p = "layer" + std::to_string(l) + "_";
+    layer.norm1 = register_module(p + "norm1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
+    layer.norm2 = register_module(p + "norm2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
+    layer.qkv = register_module(p + "qkv", torch::nn::Linear(d, 3 * d));
+    layer.out = register_module(p + "out", torch::nn::Linear(d, d));
+    layer.up = register_module(p + "up", torch::nn::Linear(d, 4 * d));
+    layer.down = register_module(p + "down", torch::nn::Linear(4 * d, d));
+    const auto param = [&](const std::string& name, torch::Tensor value) {
+      layer.raw.push_back(register_parameter(p + name, std::move(value)));
+    };
+    if (config.scheme == "t5") {
+      param("t5_table", torch::zeros({kT5Buckets, h}, torch::kFloat64));
+    } else if (config.scheme == "kerple") {
+      // Positive through softplus: r1 = r2 = softplus(0.5413) = 1 at the start.
+      param("kerple_raw", torch::full({2, h}, 0.5413, torch::kFloat64));
+    } else if (config.scheme == "fire") {
+      param("fire_w1", torch::randn({kFireHidden}, torch::kFloat64));
+      param("fire_b1", torch::randn({kFireHidden}, torch::kFloat64) * 0.5);
+      param("fire_w2", torch::randn({h, kFireHidden}, torch::kFloat64) / std::sqrt(static_cast<double>(kFireHidden)));
+      param("fire_b2", torch::zeros({h}, torch::kFloat64));
+      param("fire_c_raw", torch::full({1}, 2.2522, torch::kFloat64));       // softplus: c = 2.35… ≈ e^0.85
+      param("fire_l_raw", torch::full({1}, static_cast<double>(config.train_length), torch::kFloat64));  // L ≈ train length
+    } else if (config.scheme == "alibi") {
+      // The paper's slopes 2^(−8h/H), fixed.
+      auto slopes = torch::empty({h}, torch::kFloat64);
+      for (std::int64_t i = 0; i < h; ++i) slopes[i] = std::pow(2.0, -8.0 * static_cast<double>(i + 1) / static_cast<double>(h));
+      layer.bias_params = register_buffer(p + "alibi_slopes", slopes);
+    }
+    layers_.push_back(std::move(layer));
+  }
+  final_norm_ = register_module("final_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
+  head_ = register_module("head", torch::nn::Linear(d, 256));
+}
+
+std::string LanguageModelImpl::scheme_json(std::int64_t context_length) const {
+  const std::string& s = config_.scheme;
+  const std::int64_t head_dim = config_.width / config_.heads;
+  nlohmann::json j;
+  if (s == "rope" || s == "xpos" || s == "rope-ntk" || s == "rope-yarn") {
+    nlohmann::json rope = {{"head_dim", head_dim}, {"rotary_dim", head_dim}, {"base", 10000.0},
+                           {"max_position_embeddings", config_.train_length}};
+    const bool longer = context_length > config_.train_length;
+    if (s == "xpos") rope["xpos"] = {{"scale_base", kXposScaleBase}};
+    if (s == "rope-ntk" && longer) {
+      // Hugging Face's dynamic NTK: base·(factor·seq/max − (factor − 1))^(d/(d−2)) with factor 1.
+      rope["rope_type"] = "dynamic";
+      rope["factor"] = 1.0;
+    }
+    if (s == "rope-yarn" && longer) {
+      rope["rope_type"] = "yarn";
+      rope["factor"] = static_cast<double>(context_length) / static_cast<double>(config_.train_length);
+      rope["original_max_position_embeddings"] = config_.train_length;
+    }
+    j = {{"kind", "rope"}, {"rope", rope}};
+  } else if (s == "t5") {
+    j = {{"kind", "t5"}, {"num_buckets", kT5Buckets}, {"max_distance", kT5MaxDistance}, {"bidirectional", false}};
+  } else if (s == "alibi") {
+    j = {{"kind", "alibi"}, {"symmetric", false}};
+  } else if (s == "kerple") {
+    j = {{"kind", "kerple"}, {"power", false}};
+  } else if (s == "fire") {
+    j = {{"kind", "fire"}, {"hidden", kFireHidden}};
+  } else {
+    j = {{"kind", "none"}};
+  }
+  return j.dump();
+}
+
+torch::Tensor LanguageModelImpl::layer_bias_params(const Layer& layer) const {
+  const std::string& s = config_.scheme;
+  if (s == "t5") return layer.raw[0];
+  if (s == "kerple") return torch::nn::functional::softplus(layer.raw[0]);
+  if (s == "fire") {
+    return torch::cat({layer.raw[0], layer.raw[1], layer.raw[2].reshape({-1}), layer.raw[3],
+                       torch::nn::functional::softplus(layer.raw[4]), torch::nn::functional::softplus(layer.raw[5])});
+  }
+  if (s == "alibi") return layer.bias_params;
+  return torch::empty({0}, torch::kFloat64);
+}
+
+torch::Tensor LanguageModelImpl::forward(const torch::Tensor& bytes, std::int64_t context_length) {
+  static const auto attention =
+      c10::Dispatcher::singleton().findSchemaOrThrow("posenc::attention", "").typed<AttentionOp>();
+  static const auto sinusoid =
+      c10::Dispatcher::singleton().findSchemaOrThrow("posenc::sinusoidal_table", "").typed<SinusoidOp>();
+  const std::int64_t b = bytes.size(0), s = bytes.size(1), d = config_.width, h = config_.heads, hd = d / h;
+  if (context_length <= 0) context_length = s;
+  torch::Tensor x = embed_->forward(bytes);
+  const torch::Tensor positions = torch::arange(s, torch::kInt64);
+  if (config_.scheme == "sinusoidal") {
+    x = x + sinusoid.call(positions, d, 10000.0, true, torch::kFloat32).unsqueeze(0);
+  } else if (config_.scheme == "learned") {
+    x = x + positions_->forward(positions.clamp_max(config_.train_length - 1)).unsqueeze(0);
+  }
+  const std::string scheme = scheme_json(context_length);
+  const torch::Tensor none = torch::empty({0}, torch::kInt64);
+  for (Layer& layer : layers_) {
+    const torch::Tensor qkv = layer.qkv->forward(layer.norm1->forward(x)).view({b, s, 3, h, hd});
+    const torch::Tensor q = qkv.select(2, 0), k = qkv.select(2, 1), v = qkv.select(2, 2);
+    const auto [attended, lse] = attention.call(q, k, v, scheme, layer_bias_params(layer), true, -1, -1, 0.0, 0.0, none, none);
+    (void)lse;
+    x = x + layer.out->forward(attended.reshape({b, s, d}));
+    x = x + layer.down->forward(torch::gelu(layer.up->forward(layer.norm2->forward(x))));
+  }
+  return head_->forward(final_norm_->forward(x));
+}
+
+}  // namespace posenc::study

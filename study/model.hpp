@@ -1,0 +1,63 @@
+// The study's language model: a byte-level decoder-only transformer (pre-LayerNorm, GELU MLP),
+// identical for every positional scheme except for how positions enter:
+//
+//   sinusoidal, learned      added to the byte embeddings (learned: a table of train_length rows;
+//                            positions past it use the last row — it has nothing else)
+//   rope, xpos               rotary inside the fused attention (posenc's op), xPos with its decay
+//   rope-ntk, rope-yarn      RoPE trained as is; at test lengths E > train_length, dynamic NTK
+//                            (base stretched for E) or YaRN with factor E / train_length
+//   t5, alibi, kerple, fire  score biases inside the fused attention (T5's table, Kerple's r1 r2
+//                            and FIRE's MLP trained; ALiBi's slopes fixed, as in the paper)
+//   nope                     nothing (causal attention alone)
+//
+// Attention, its backward and every scheme's gradients are posenc's fused op (posenc::attention,
+// torch/ops.cpp), called through the dispatcher as Python calls it.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace posenc::study {
+
+struct ModelConfig {
+  std::string scheme = "rope";
+  std::int64_t width = 128, layers = 3, heads = 4, train_length = 64;
+};
+
+// The schemes the study knows, in report order.
+const std::vector<std::string>& all_schemes();
+// The scheme a scheme's model is trained as: rope for rope-ntk and rope-yarn, else itself.
+std::string training_scheme(const std::string& scheme);
+
+class LanguageModelImpl : public torch::nn::Module {
+ public:
+  explicit LanguageModelImpl(const ModelConfig& config);
+  // Logits [B, S, 256] for the bytes [B, S] (int64), positions 0 … S − 1; context_length: the
+  // length the model is evaluated at (the test-time RoPE scalings use it; 0: S).
+  torch::Tensor forward(const torch::Tensor& bytes, std::int64_t context_length = 0);
+  // Switches between schemes that share the parameters (rope, rope-ntk, rope-yarn: they differ
+  // only at test lengths): one trained model is evaluated under each.
+  void set_scheme(const std::string& scheme);
+
+ private:
+  struct Layer {
+    torch::nn::LayerNorm norm1{nullptr}, norm2{nullptr};
+    torch::nn::Linear qkv{nullptr}, out{nullptr}, up{nullptr}, down{nullptr};
+    torch::Tensor bias_params;  // the scheme's per-layer parameters (or an empty tensor)
+    std::vector<torch::Tensor> raw;  // trainable tensors bias_params is made of
+  };
+  std::string scheme_json(std::int64_t context_length) const;
+  torch::Tensor layer_bias_params(const Layer& layer) const;
+
+  ModelConfig config_;
+  torch::nn::Embedding embed_{nullptr}, positions_{nullptr};
+  std::vector<Layer> layers_;
+  torch::nn::LayerNorm final_norm_{nullptr};
+  torch::nn::Linear head_{nullptr};
+};
+TORCH_MODULE(LanguageModel);
+
+}  // namespace posenc::study

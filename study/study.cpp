@@ -272,7 +272,7 @@ int main(int argc, char** argv) {
   using namespace posenc::study;
   CLI::App app{"posenc study: the length-extrapolation study (train at L, measure at L … 16L)"};
   bool quick = false;
-  std::string schemes_text, corpus_path, out_dir = "study";
+  std::string schemes_text, corpus_path, out_dir = "study-results";
   double scale = 1.0;
   Settings st;
   app.add_flag("--quick", quick, "A two-minute smoke run: a tiny model, few steps");

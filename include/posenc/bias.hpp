@@ -245,7 +245,8 @@ class TupeParams {
   std::vector<double> theta1_, theta2_;
 };
 
-// TUPE for attention's tile loop: each position's projections p[pos]·U^Q and p[pos]·U^K for the
+// TUPE row by row, for a caller's own score loop (posenc::Attention fuses TUPE as matrix
+// products instead): each position's projections p[pos]·U^Q and p[pos]·U^K for the
 // positions in [first, last] once (f32, computed in fp64; positions outside are projected on the
 // spot); add_row adds head h's biases of one query against consecutive key positions.
 class TupeEvaluator {

@@ -157,7 +157,8 @@ void xl_position_terms_backward(const XlParams& params, ConstTensorView q, Const
                                 const Positions& q_positions, const Positions& k_positions, TensorView dq,
                                 TensorView dk, XlGradients& grads);
 
-// The Transformer-XL terms for attention's tile loop: P(δ) = W_R r(δ) tabulated (f32, computed in
+// The Transformer-XL terms row by row, for a caller's own score loop (posenc::Attention fuses XL
+// with its own windows of dot products): P(δ) = W_R r(δ) tabulated (f32, computed in
 // fp64) for δ = q_pos − k_pos in [min_delta, max_delta]; δ outside are computed on the spot.
 //   add_row(h, q, q_position, k, k_stride, k_first, count, scores):
 //     scores[j] += scale·(u_h·k_j + (q + v_h)·P_h(q_position − k_first − j)),

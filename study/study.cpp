@@ -237,28 +237,33 @@ std::string results_table(const json& results, const std::vector<std::int64_t>& 
 
 bool have_gnuplot() { return std::system("command -v gnuplot > /dev/null 2>&1") == 0; }
 
-// bpb against evaluation length per scheme, PNG and SVG, through gnuplot.
+// Bits per byte against evaluation length per scheme, PNG and SVG, through gnuplot: bpb.* for the
+// non-overlapping chunks, bpb_sliding.* for the sliding windows. gnuplot runs in `out`, so every
+// path in its script is a plain file name.
 void plot(const fs::path& out, const json& results, const std::vector<std::int64_t>& lengths, std::int64_t train_length) {
-  std::string data;
-  for (const auto& [name, r] : results.items()) {
-    data += "\"" + name + "\"\n";
-    for (std::int64_t e : lengths) data += fmt::format("{} {:.6f}\n", e, r.at("bpb").at(std::to_string(e)).get<double>());
-    data += "\n\n";
-  }
-  write_atomically(out / "bpb.dat", data);
   std::string script;
-  for (const auto& [terminal, file] : {std::pair{"pngcairo size 900,600", "bpb.png"}, std::pair{"svg size 900,600", "bpb.svg"}}) {
-    script += fmt::format(
-        "set terminal {}\nset output '{}'\n"
-        "set title 'Length extrapolation: bits per byte on held-out text (trained at {} bytes)'\n"
-        "set xlabel 'evaluation length (bytes, log scale)'\nset ylabel 'bits per byte (lower is better)'\n"
-        "set logscale x 2\nset key outside right\nset grid\n"
-        // gnuplot has eight line colours; four more so that eleven schemes differ in colour (and
-        // point type).
-        "set linetype 9 lc rgb '#8c564b'\nset linetype 10 lc rgb '#e377c2'\nset linetype 11 lc rgb '#7f7f7f'\n"
-        "set linetype 12 lc rgb '#bcbd22'\n"
-        "plot for [i=0:*] 'bpb.dat' index i using 1:2 with linespoints lw 2 lc (i + 1) pt (i + 1) title columnheader(1)\n",
-        terminal, (out / file).string(), train_length);
+  for (const auto& [key, what] : {std::pair{"bpb", "non-overlapping chunks"}, std::pair{"bpb_sliding", "sliding windows"}}) {
+    std::string data;
+    for (const auto& [name, r] : results.items()) {
+      data += "\"" + name + "\"\n";
+      for (std::int64_t e : lengths) data += fmt::format("{} {:.6f}\n", e, r.at(key).at(std::to_string(e)).get<double>());
+      data += "\n\n";
+    }
+    write_atomically(out / (std::string(key) + ".dat"), data);
+    for (const auto& [terminal, extension] : {std::pair{"pngcairo size 900,600", "png"}, std::pair{"svg size 900,600", "svg"}}) {
+      script += fmt::format(
+          "set terminal {}\nset output '{}.{}'\n"
+          "set title 'Length extrapolation: bits per byte on held-out text, {} (trained at {} bytes)'\n"
+          "set xlabel 'evaluation length (bytes, log scale)'\nset ylabel 'bits per byte (lower is better)'\n"
+          "set logscale x 2\nset key outside right\nset grid\n"
+          // gnuplot has eight line colours; four more so that eleven schemes differ in colour
+          // (and point type).
+          "set linetype 9 lc rgb '#8c564b'\nset linetype 10 lc rgb '#e377c2'\nset linetype 11 lc rgb '#7f7f7f'\n"
+          "set linetype 12 lc rgb '#bcbd22'\n"
+          "plot for [i=0:*] '{}.dat' index i using 1:2 with linespoints lw 2 lc (i + 1) pt (i + 1) "
+          "title columnheader(1)\n",
+          terminal, key, extension, what, train_length, key);
+    }
   }
   write_atomically(out / "bpb.gp", script);
   const std::string command = "cd '" + out.string() + "' && gnuplot bpb.gp";
@@ -417,8 +422,9 @@ int main(int argc, char** argv) {
         corpus.source, corpus.train.size(), st.width, st.layers, st.heads, st.length, st.train_tokens, st.seed, table, sliding);
     if (have_gnuplot()) {
       plot(out, results, lengths, st.length);
-      report += "![bits per byte against evaluation length](bpb.png)\n";
-      fmt::print("Plots: {} and {}\n", (out / "bpb.png").string(), (out / "bpb.svg").string());
+      report += "![bits per byte against evaluation length](bpb.png)\n\n"
+                "![the same with sliding windows](bpb_sliding.png)\n";
+      fmt::print("Plots: {} and {} (and .svg)\n", (out / "bpb.png").string(), (out / "bpb_sliding.png").string());
     } else {
       report += "(gnuplot is not installed: no plot)\n";
       fmt::print(stderr, "posenc study: gnuplot not found; no plot (install gnuplot-nox)\n");

@@ -12,7 +12,7 @@ cat "$src"/README.md "$src"/docs/*.md > "$work/corpus.txt"
 run() { "$posenc" study --quick --schemes rope,alibi,rope-yarn,learned --corpus "$work/corpus.txt" "$@"; }
 
 run --out "$work/a" > "$work/a.log" 2> "$work/a.err"
-for f in results.json report.md bpb.png bpb.svg schemes/rope.json schemes/alibi.json schemes/rope-yarn.json schemes/learned.json; do
+for f in results.json report.md bpb.png bpb.svg bpb_sliding.png bpb_sliding.svg schemes/rope.json schemes/alibi.json schemes/rope-yarn.json schemes/learned.json; do
   [ -s "$work/a/$f" ] || { echo "missing or empty: $f"; exit 1; }
 done
 grep -q "| rope-yarn |" "$work/a.log" || { echo "no results table"; cat "$work/a.log"; exit 1; }
@@ -62,6 +62,10 @@ run --out "$work/d" --jobs 1 > /dev/null 2> "$work/d.err"
 grep -q "done in an earlier run" "$work/d.err" || { echo "the rerun did not resume"; cat "$work/d.err"; exit 1; }
 numbers "$work/d/results.json" > "$work/d.numbers"
 cmp "$work/a.numbers" "$work/d.numbers" || { echo "a resumed run gives other numbers"; exit 1; }
+
+# A relative --out (gnuplot runs inside it): the plots land there.
+(cd "$work" && "$posenc" study --quick --schemes alibi --corpus "$work/corpus.txt" --out relative > /dev/null 2>&1)
+[ -s "$work/relative/bpb.png" ] || { echo "relative --out: no plot"; exit 1; }
 
 # Errors.
 if "$posenc" study --quick --corpus "$work/missing.txt" --out "$work/e" 2> "$work/e.err"; then exit 1; fi

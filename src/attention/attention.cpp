@@ -462,34 +462,33 @@ void AttentionPlan::xl_window(const RowBlock& rb, const float* rows_t, std::int6
   });
 }
 
-// st[j][r] += dots[δ(r, j) − lo][r] for the XL rows (pairs outside the window are masked ones).
-void AttentionPlan::xl_add_rows(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, std::int64_t lo,
-                                std::int64_t span, const float* dots, std::int64_t ld, float* st) const {
+// Calls fn(tile index j·w + r, window index u·ld + r) for every pair of an XL row r and key j
+// whose δ falls in the window [lo, lo + span) (pairs outside it are masked ones).
+template <class Fn>
+void for_each_xl_pair(const AttentionPlan& p, const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos,
+                      std::int64_t lo, std::int64_t span, std::int64_t ld, Fn&& fn) {
   const std::int64_t w = rb.width;
   for (std::int64_t r = 0; r < w; ++r) {
     const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
-    if (h < 0 || xl_of_head(h) == nullptr) continue;
+    if (h < 0 || p.xl_of_head(h) == nullptr) continue;
     const std::int64_t base = rb.position[static_cast<std::size_t>(r)] - lo;
     for (std::int64_t j = 0; j < keys; ++j) {
       const std::int64_t u = base - kpos[j];
-      if (u >= 0 && u < span) st[j * w + r] += dots[u * ld + r];
+      if (u >= 0 && u < span) fn(j * w + r, u * ld + r);
     }
   }
+}
+
+// st[j][r] += dots[δ(r, j) − lo][r] for the XL rows.
+void AttentionPlan::xl_add_rows(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, std::int64_t lo,
+                                std::int64_t span, const float* dots, std::int64_t ld, float* st) const {
+  for_each_xl_pair(*this, rb, keys, kpos, lo, span, ld, [&](std::int64_t at, std::int64_t from) { st[at] += dots[from]; });
 }
 
 // sums[δ(r, j) − lo][r] += dst[j][r] (the transpose of xl_add_rows).
 void AttentionPlan::xl_collect(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, std::int64_t lo,
                                std::int64_t span, const float* dst, float* sums, std::int64_t ld) const {
-  const std::int64_t w = rb.width;
-  for (std::int64_t r = 0; r < w; ++r) {
-    const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
-    if (h < 0 || xl_of_head(h) == nullptr) continue;
-    const std::int64_t base = rb.position[static_cast<std::size_t>(r)] - lo;
-    for (std::int64_t j = 0; j < keys; ++j) {
-      const std::int64_t u = base - kpos[j];
-      if (u >= 0 && u < span) sums[u * ld + r] += dst[j * w + r];
-    }
-  }
+  for_each_xl_pair(*this, rb, keys, kpos, lo, span, ld, [&](std::int64_t from, std::int64_t at) { sums[at] += dst[from]; });
 }
 
 // Decode rows (few): st[j][r] += Qs_r·P_h(δ) + c_h(δ), a dot product per pair.

@@ -1,16 +1,19 @@
 // posenc study — trains small byte-level language models that differ only in their positional
 // scheme, at a short length L, and measures them at L, 2L, 4L, 8L and 16L (model.hpp for the
-// schemes, corpus.hpp for the data).
+// schemes, corpus.hpp for the data); and a second model per scheme on a synthetic copy task
+// (copy_task.hpp), trained short and tested long, since perplexity alone hides whether a scheme
+// can use distant tokens.
 //
 // Evaluation: bits per byte on the same held-out bytes at every length, as non-overlapping
 // chunks (every byte scored once, with the context its chunk gives: Press et al.'s protocol) and
 // as sliding windows (each byte after the first half-window scored with at least E/2 bytes of
-// context, stride E/2).
+// context, stride E/2); the fraction of symbols copied right at each copy length.
 //
 // Output in --out: schemes/<name>.json per finished scheme (written to a temporary file and
 // renamed: a killed run leaves whole files only, and a rerun with the same settings skips them),
-// results.json (configuration and every number), report.md, and bpb.png/bpb.svg when gnuplot is
-// installed. Deterministic for a given --seed and --threads.
+// results.json (configuration and every number), report.md, and bpb, bpb_sliding and
+// copy_accuracy as .png and .svg when gnuplot is installed. Deterministic for a given --seed and
+// --threads.
 #include <ATen/Parallel.h>
 #include <fmt/core.h>
 #include <torch/torch.h>
@@ -33,7 +36,9 @@
 #include <map>
 #include <random>
 #include <sstream>
+#include <string_view>
 
+#include "copy_task.hpp"
 #include "corpus.hpp"
 #include "model.hpp"
 #include "posenc/error.hpp"
@@ -49,13 +54,21 @@ struct Settings {
   std::int64_t width = 64, layers = 3, heads = 4, length = 64, batch = 32;
   double train_tokens = 1.0e6, lr = 2e-3;
   std::int64_t eval_tokens = 16384;  // a multiple of 16·length
+  // The copy task (copy_task.hpp): its own training length (16·copy_length ≤ 512: 255 distinct
+  // symbols), steps of `batch` examples, and test examples per evaluation length.
+  std::int64_t copy_length = 32, copy_steps = 1000, copy_eval_examples = 32;
   std::uint64_t seed = 1;
   int threads = 1;
   std::vector<std::int64_t> lengths() const { return {length, 2 * length, 4 * length, 8 * length, 16 * length}; }
+  std::vector<std::int64_t> copy_lengths() const {
+    return {copy_length, 2 * copy_length, 4 * copy_length, 8 * copy_length, 16 * copy_length};
+  }
   json to_json() const {
-    return {{"width", width}, {"layers", layers},       {"heads", heads},     {"train_length", length},
-            {"batch", batch}, {"train_tokens", train_tokens}, {"lr", lr},     {"eval_tokens", eval_tokens},
-            {"seed", seed},   {"threads", threads}};
+    return {{"width", width},         {"layers", layers},       {"heads", heads},
+            {"train_length", length}, {"batch", batch},         {"train_tokens", train_tokens},
+            {"lr", lr},               {"eval_tokens", eval_tokens}, {"copy_length", copy_length},
+            {"copy_steps", copy_steps}, {"copy_eval_examples", copy_eval_examples}, {"seed", seed},
+            {"threads", threads}};
   }
 };
 
@@ -154,54 +167,96 @@ double evaluate(LanguageModel& model, const std::vector<std::uint8_t>& stream, s
   return nats / static_cast<double>(scored) / std::log(2.0);
 }
 
-// Trains the model of `scheme` (its training scheme) and evaluates it under each of `variants`
-// (the schemes that share its parameters: rope, rope-ntk, rope-yarn); one result per variant.
-std::vector<json> run_scheme(const std::string& scheme, const std::vector<std::string>& variants, std::size_t index,
-                             const Settings& st, const Corpus& corpus, Progress& progress) {
-  // torch's generator is global: seed and build under a lock when schemes run in parallel.
-  static std::mutex init_mutex;
-  LanguageModel model(nullptr);
-  {
-    const std::lock_guard lock(init_mutex);
-    // Seeded by the training scheme's place in all_schemes(): a scheme's numbers do not depend on
-    // which other schemes run.
-    const auto place = static_cast<std::uint64_t>(std::find(all_schemes().begin(), all_schemes().end(), scheme) - all_schemes().begin());
-    torch::manual_seed(st.seed * 1000 + place);
-    model = LanguageModel(ModelConfig{scheme, st.width, st.layers, st.heads, st.length});
-  }
-  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(st.lr).weight_decay(0.01));
-  const auto steps = static_cast<std::int64_t>(std::ceil(st.train_tokens / static_cast<double>(st.batch * st.length)));
+// `steps` AdamW steps (weight decay 0.01, gradients clipped to norm 1) on next_batch()'s
+// (inputs, targets), targets kIgnored unscored; the learning rate warms up linearly over 5% of the
+// steps, then follows a cosine down to 10%. report(step, loss in nats) after each step; returns
+// the last loss.
+template <class NextBatch, class Report>
+double train(LanguageModel& model, double peak_lr, std::int64_t steps, NextBatch&& next_batch, Report&& report) {
+  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(peak_lr).weight_decay(0.01));
   const std::int64_t warmup = std::max<std::int64_t>(1, steps / 20);
-  std::mt19937_64 rng(st.seed * 7919 + std::hash<std::string>{}(scheme) % 1000003);
-  const std::int64_t span = static_cast<std::int64_t>(corpus.train.size()) - st.length - 1;
-  if (span <= 0) throw Error("study", "corpus", corpus.source, "more than length + 1 training bytes");
-  std::uniform_int_distribution<std::int64_t> offset(0, span - 1);
-  const auto t0 = std::chrono::steady_clock::now();
   double last_loss = 0;
-  // Training takes about 80% of a scheme's time, evaluation the rest.
   for (std::int64_t step = 0; step < steps; ++step) {
-    std::vector<torch::Tensor> xs, ys;
-    for (std::int64_t b = 0; b < st.batch; ++b) {
-      const std::int64_t o = offset(rng);
-      xs.push_back(bytes_tensor(corpus.train, o, st.length));
-      ys.push_back(bytes_tensor(corpus.train, o + 1, st.length));
-    }
-    // Learning rate: linear warm-up over 5% of the steps, then cosine down to 10%.
-    const double progress_fraction = static_cast<double>(step) / static_cast<double>(steps);
-    const double lr = step < warmup ? st.lr * static_cast<double>(step + 1) / static_cast<double>(warmup)
-                                    : st.lr * (0.1 + 0.45 * (1.0 + std::cos(M_PI * progress_fraction)));
+    const auto [inputs, targets] = next_batch();
+    const double fraction = static_cast<double>(step) / static_cast<double>(steps);
+    const double lr = step < warmup ? peak_lr * static_cast<double>(step + 1) / static_cast<double>(warmup)
+                                    : peak_lr * (0.1 + 0.45 * (1.0 + std::cos(M_PI * fraction)));
     for (auto& group : optimizer.param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
-    const torch::Tensor logits = model->forward(torch::stack(xs));
-    const torch::Tensor loss = torch::nn::functional::cross_entropy(logits.reshape({-1, 256}), torch::stack(ys).reshape({-1}));
+    const torch::Tensor logits = model->forward(inputs);
+    const torch::Tensor loss = torch::nn::functional::cross_entropy(logits.reshape({-1, 256}), targets.reshape({-1}));
     optimizer.zero_grad();
     loss.backward();
     torch::nn::utils::clip_grad_norm_(model->parameters(), 1.0);
     optimizer.step();
     last_loss = loss.item<double>();
-    progress.show(index, 0.8 * static_cast<double>(step + 1) / static_cast<double>(steps),
-                  fmt::format("{}: step {}/{}, {:.2f} bits/byte", scheme, step + 1, steps, last_loss / std::log(2.0)));
+    report(step, last_loss);
   }
-  const double train_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return last_loss;
+}
+
+// A fresh model of `scheme`, seeded by the scheme's place in all_schemes() (a scheme's numbers do
+// not depend on which other schemes run) and by `stream` (0: the language model, 1: the copy task).
+LanguageModel new_model(const std::string& scheme, const Settings& st, std::int64_t train_length, std::uint64_t stream) {
+  // torch's generator is global: seed and build under a lock when schemes run in parallel.
+  static std::mutex init_mutex;
+  const std::lock_guard lock(init_mutex);
+  const auto place = static_cast<std::uint64_t>(std::find(all_schemes().begin(), all_schemes().end(), scheme) - all_schemes().begin());
+  torch::manual_seed(st.seed * 1000 + place + 100 * stream);
+  return LanguageModel(ModelConfig{scheme, st.width, st.layers, st.heads, train_length});
+}
+
+// Copy accuracy (copy_task.hpp) at each of st.copy_lengths(): the fraction of copied symbols
+// the model names by arg-max, over copy_eval_examples examples per length (the same examples for
+// every scheme).
+json evaluate_copy(LanguageModel& model, const Settings& st) {
+  torch::NoGradGuard no_grad;
+  model->eval();
+  json accuracy;
+  for (std::int64_t e : st.copy_lengths()) {
+    std::mt19937_64 rng(st.seed * 104729 + static_cast<std::uint64_t>(e));
+    const std::int64_t per_batch = std::max<std::int64_t>(1, 8192 / e);
+    std::int64_t right = 0, scored = 0;
+    for (std::int64_t done = 0; done < st.copy_eval_examples; done += per_batch) {
+      const CopyBatch batch = make_copy_batch(std::min(per_batch, st.copy_eval_examples - done), e / 2 - 1, rng);
+      const auto [r, n] = count_correct(model->forward(batch.inputs, e), batch.targets);
+      right += r, scored += n;
+    }
+    accuracy[std::to_string(e)] = static_cast<double>(right) / static_cast<double>(scored);
+  }
+  model->train();
+  return accuracy;
+}
+
+// Trains the model of `scheme` (its training scheme) on the corpus and a second one on the copy
+// task, and evaluates both under each of `variants` (the schemes that share its parameters: rope,
+// rope-ntk, rope-yarn); one result per variant. Progress: language model training 0–55%, its
+// evaluation to 70%, the copy task's training to 97%, its evaluation the rest.
+std::vector<json> run_scheme(const std::string& scheme, const std::vector<std::string>& variants, std::size_t index,
+                             const Settings& st, const Corpus& corpus, Progress& progress) {
+  const std::int64_t span = static_cast<std::int64_t>(corpus.train.size()) - st.length - 1;
+  if (span <= 0) throw Error("study", "corpus", corpus.source, "more than length + 1 training bytes");
+  LanguageModel model = new_model(scheme, st, st.length, 0);
+  const auto steps = static_cast<std::int64_t>(std::ceil(st.train_tokens / static_cast<double>(st.batch * st.length)));
+  std::mt19937_64 rng(st.seed * 7919 + std::hash<std::string>{}(scheme) % 1000003);
+  std::uniform_int_distribution<std::int64_t> offset(0, span - 1);
+  const auto seconds_since = [](auto t0) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
+  auto t0 = std::chrono::steady_clock::now();
+  const double last_loss = train(
+      model, st.lr, steps,
+      [&] {
+        std::vector<torch::Tensor> xs, ys;
+        for (std::int64_t b = 0; b < st.batch; ++b) {
+          const std::int64_t o = offset(rng);
+          xs.push_back(bytes_tensor(corpus.train, o, st.length));
+          ys.push_back(bytes_tensor(corpus.train, o + 1, st.length));
+        }
+        return std::pair{torch::stack(xs), torch::stack(ys)};
+      },
+      [&](std::int64_t step, double loss) {
+        progress.show(index, 0.55 * static_cast<double>(step + 1) / static_cast<double>(steps),
+                      fmt::format("{}: step {}/{}, {:.2f} bits/byte", scheme, step + 1, steps, loss / std::log(2.0)));
+      });
+  const double train_seconds = seconds_since(t0);
   std::vector<json> results;
   const std::vector<std::int64_t> lengths = st.lengths();
   for (std::size_t vi = 0; vi < variants.size(); ++vi) {
@@ -213,15 +268,41 @@ std::vector<json> run_scheme(const std::string& scheme, const std::vector<std::s
       result["bpb"][std::to_string(e)] = evaluate(model, corpus.validation, st.eval_tokens, e, false);
       result["bpb_sliding"][std::to_string(e)] = evaluate(model, corpus.validation, st.eval_tokens, e, true);
       const double evaluated = static_cast<double>(vi * lengths.size() + li + 1) / static_cast<double>(variants.size() * lengths.size());
-      progress.show(index, 0.8 + 0.2 * evaluated, fmt::format("{}: evaluated at {}", variants[vi], e));
+      progress.show(index, 0.55 + 0.15 * evaluated, fmt::format("{}: evaluated at {}", variants[vi], e));
     }
     results.push_back(std::move(result));
+  }
+
+  // The copy task: a fresh model of the same shape, trained at copy_length.
+  LanguageModel copier = new_model(scheme, st, st.copy_length, 1);
+  std::mt19937_64 copy_rng(st.seed * 6271 + std::hash<std::string>{}(scheme) % 1000003);
+  std::uniform_int_distribution<std::int64_t> copy_n(2, st.copy_length / 2 - 1);
+  t0 = std::chrono::steady_clock::now();
+  const double copy_loss = train(
+      copier, st.lr, st.copy_steps,
+      [&] {
+        const CopyBatch batch = make_copy_batch(st.batch, copy_n(copy_rng), copy_rng);
+        return std::pair{batch.inputs, batch.targets};
+      },
+      [&](std::int64_t step, double loss) {
+        progress.show(index, 0.70 + 0.27 * static_cast<double>(step + 1) / static_cast<double>(st.copy_steps),
+                      fmt::format("{}: copy task, step {}/{}, loss {:.2f}", scheme, step + 1, st.copy_steps, loss));
+      });
+  const double copy_seconds = seconds_since(t0);
+  for (std::size_t vi = 0; vi < variants.size(); ++vi) {
+    copier->set_scheme(variants[vi]);
+    results[vi]["copy_train_seconds"] = copy_seconds;
+    results[vi]["copy_final_loss"] = copy_loss;
+    results[vi]["copy_accuracy"] = evaluate_copy(copier, st);
+    progress.show(index, 0.97 + 0.03 * static_cast<double>(vi + 1) / static_cast<double>(variants.size()),
+                  fmt::format("{}: copy task evaluated", variants[vi]));
   }
   return results;
 }
 
-// The results table as Markdown (bits per byte; lower is better).
+// A results table as Markdown: bits per byte (3 decimals) or copy accuracy (percent).
 std::string results_table(const json& results, const std::vector<std::int64_t>& lengths, const char* key) {
+  const bool percent = std::string_view(key) == "copy_accuracy";
   std::string out = "| scheme |";
   for (std::int64_t e : lengths) out += fmt::format(" {} |", e);
   out += "\n|---|";
@@ -229,7 +310,10 @@ std::string results_table(const json& results, const std::vector<std::int64_t>& 
   out += "\n";
   for (const auto& [name, r] : results.items()) {
     out += "| " + name + " |";
-    for (std::int64_t e : lengths) out += fmt::format(" {:.3f} |", r.at(key).at(std::to_string(e)).get<double>());
+    for (std::int64_t e : lengths) {
+      const double v = r.at(key).at(std::to_string(e)).get<double>();
+      out += percent ? fmt::format(" {:.1f}% |", 100.0 * v) : fmt::format(" {:.3f} |", v);
+    }
     out += "\n";
   }
   return out;
@@ -237,37 +321,45 @@ std::string results_table(const json& results, const std::vector<std::int64_t>& 
 
 bool have_gnuplot() { return std::system("command -v gnuplot > /dev/null 2>&1") == 0; }
 
-// Bits per byte against evaluation length per scheme, PNG and SVG, through gnuplot: bpb.* for the
-// non-overlapping chunks, bpb_sliding.* for the sliding windows. gnuplot runs in `out`, so every
-// path in its script is a plain file name.
-void plot(const fs::path& out, const json& results, const std::vector<std::int64_t>& lengths, std::int64_t train_length) {
+struct Figure {
+  const char* key;     // the results' field, and the file names (<key>.png, .svg, .dat)
+  std::string title, ylabel;
+  const std::vector<std::int64_t>* lengths;
+};
+
+// Each figure's numbers against evaluation length per scheme, PNG and SVG, through gnuplot: one
+// script (plots.gp) run in `out`, so every path in it is a plain file name.
+void plot(const fs::path& out, const json& results, const std::vector<Figure>& figures) {
   std::string script;
-  for (const auto& [key, what] : {std::pair{"bpb", "non-overlapping chunks"}, std::pair{"bpb_sliding", "sliding windows"}}) {
+  for (const Figure& f : figures) {
+    const bool percent = std::string_view(f.key) == "copy_accuracy";
     std::string data;
     for (const auto& [name, r] : results.items()) {
       data += "\"" + name + "\"\n";
-      for (std::int64_t e : lengths) data += fmt::format("{} {:.6f}\n", e, r.at(key).at(std::to_string(e)).get<double>());
+      for (std::int64_t e : *f.lengths) {
+        const double v = r.at(f.key).at(std::to_string(e)).get<double>();
+        data += fmt::format("{} {:.6f}\n", e, percent ? 100.0 * v : v);
+      }
       data += "\n\n";
     }
-    write_atomically(out / (std::string(key) + ".dat"), data);
+    write_atomically(out / (std::string(f.key) + ".dat"), data);
     for (const auto& [terminal, extension] : {std::pair{"pngcairo size 900,600", "png"}, std::pair{"svg size 900,600", "svg"}}) {
       script += fmt::format(
-          "set terminal {}\nset output '{}.{}'\n"
-          "set title 'Length extrapolation: bits per byte on held-out text, {} (trained at {} bytes)'\n"
-          "set xlabel 'evaluation length (bytes, log scale)'\nset ylabel 'bits per byte (lower is better)'\n"
-          "set logscale x 2\nset key outside right\nset grid\n"
+          "set terminal {}\nset output '{}.{}'\nset title '{}'\n"
+          "set xlabel 'evaluation length (tokens, log scale)'\nset ylabel '{}'\n"
+          "set logscale x 2\nset key outside right\nset grid\n{}"
           // gnuplot has eight line colours; four more so that eleven schemes differ in colour
           // (and point type).
           "set linetype 9 lc rgb '#8c564b'\nset linetype 10 lc rgb '#e377c2'\nset linetype 11 lc rgb '#7f7f7f'\n"
           "set linetype 12 lc rgb '#bcbd22'\n"
           "plot for [i=0:*] '{}.dat' index i using 1:2 with linespoints lw 2 lc (i + 1) pt (i + 1) "
-          "title columnheader(1)\n",
-          terminal, key, extension, what, train_length, key);
+          "title columnheader(1)\nunset yrange\n",
+          terminal, f.key, extension, f.title, f.ylabel, percent ? "set yrange [0:100]\n" : "", f.key);
     }
   }
-  write_atomically(out / "bpb.gp", script);
-  const std::string command = "cd '" + out.string() + "' && gnuplot bpb.gp";
-  if (std::system(command.c_str()) != 0) throw Error("study", "gnuplot", "bpb.gp", "to run (see its message above)");
+  write_atomically(out / "plots.gp", script);
+  const std::string command = "cd '" + out.string() + "' && gnuplot plots.gp";
+  if (std::system(command.c_str()) != 0) throw Error("study", "gnuplot", "plots.gp", "to run (see its message above)");
 }
 
 }  // namespace
@@ -300,8 +392,10 @@ int main(int argc, char** argv) {
     if (quick) {
       st.width = 32, st.layers = 2, st.heads = 2, st.length = 32, st.batch = 16;
       st.train_tokens = 100000, st.eval_tokens = 2048, st.lr = 3e-3;
+      st.copy_length = 16, st.copy_steps = 150, st.copy_eval_examples = 8;
     }
     st.train_tokens *= scale;
+    st.copy_steps = static_cast<std::int64_t>(std::ceil(static_cast<double>(st.copy_steps) * scale));
     std::vector<std::string> schemes;
     if (schemes_text.empty()) {
       schemes = all_schemes();
@@ -413,18 +507,34 @@ int main(int argc, char** argv) {
     write_atomically(out / "results.json", all.dump(2));
     const std::string table = results_table(results, lengths, "bpb");
     const std::string sliding = results_table(results, lengths, "bpb_sliding");
+    const std::vector<std::int64_t> copy_lengths = st.copy_lengths();
+    const std::string copy_table = results_table(results, copy_lengths, "copy_accuracy");
     fmt::print("\nBits per byte on {} held-out bytes (non-overlapping chunks; trained at {}):\n\n{}\n", st.eval_tokens,
                st.length, table);
+    fmt::print("Copy task, symbols copied right (trained at lengths up to {}):\n\n{}\n", st.copy_length, copy_table);
     std::string report = fmt::format(
         "# posenc study\n\nCorpus: {} ({} training bytes). Model: width {}, {} layers, {} heads, trained at {} bytes "
         "on {:.0f} tokens, seed {}.\n\n## Bits per byte, non-overlapping chunks\n\n{}\n## Bits per byte, sliding "
-        "windows (stride E/2)\n\n{}\n",
-        corpus.source, corpus.train.size(), st.width, st.layers, st.heads, st.length, st.train_tokens, st.seed, table, sliding);
+        "windows (stride E/2)\n\n{}\n## Copy task: symbols copied right\n\nA second model per scheme, trained for {} "
+        "steps of {} examples to copy n distinct symbols (n from 2 to {}, lengths up to {}), then tested with n = E/2 − 1 "
+        "at each length E ({} examples per length). Perplexity can hide whether a scheme reaches distant tokens; this "
+        "cannot.\n\n{}\n",
+        corpus.source, corpus.train.size(), st.width, st.layers, st.heads, st.length, st.train_tokens, st.seed, table, sliding,
+        st.copy_steps, st.batch, st.copy_length / 2 - 1, st.copy_length, st.copy_eval_examples, copy_table);
     if (have_gnuplot()) {
-      plot(out, results, lengths, st.length);
+      const std::string trained = fmt::format("trained at {} bytes", st.length);
+      plot(out, results,
+           {{"bpb", "Length extrapolation: bits per byte on held-out text, non-overlapping chunks (" + trained + ")",
+             "bits per byte (lower is better)", &lengths},
+            {"bpb_sliding", "Length extrapolation: bits per byte on held-out text, sliding windows (" + trained + ")",
+             "bits per byte (lower is better)", &lengths},
+            {"copy_accuracy", fmt::format("Copy task: symbols copied right (trained at lengths up to {})", st.copy_length),
+             "symbols copied right (%)", &copy_lengths}});
       report += "![bits per byte against evaluation length](bpb.png)\n\n"
-                "![the same with sliding windows](bpb_sliding.png)\n";
-      fmt::print("Plots: {} and {} (and .svg)\n", (out / "bpb.png").string(), (out / "bpb_sliding.png").string());
+                "![the same with sliding windows](bpb_sliding.png)\n\n"
+                "![copy accuracy against length](copy_accuracy.png)\n";
+      fmt::print("Plots: {}, {} and {} (and .svg)\n", (out / "bpb.png").string(), (out / "bpb_sliding.png").string(),
+                 (out / "copy_accuracy.png").string());
     } else {
       report += "(gnuplot is not installed: no plot)\n";
       fmt::print(stderr, "posenc study: gnuplot not found; no plot (install gnuplot-nox)\n");

@@ -12,7 +12,7 @@ cat "$src"/README.md "$src"/docs/*.md > "$work/corpus.txt"
 run() { "$posenc" study --quick --schemes rope,alibi,rope-yarn,learned --corpus "$work/corpus.txt" "$@"; }
 
 run --out "$work/a" > "$work/a.log" 2> "$work/a.err"
-for f in results.json report.md bpb.png bpb.svg bpb_sliding.png bpb_sliding.svg schemes/rope.json schemes/alibi.json schemes/rope-yarn.json schemes/learned.json; do
+for f in results.json report.md bpb.png bpb.svg bpb_sliding.png bpb_sliding.svg copy_accuracy.png copy_accuracy.svg schemes/rope.json schemes/alibi.json schemes/rope-yarn.json schemes/learned.json; do
   [ -s "$work/a/$f" ] || { echo "missing or empty: $f"; exit 1; }
 done
 grep -q "| rope-yarn |" "$work/a.log" || { echo "no results table"; cat "$work/a.log"; exit 1; }
@@ -20,6 +20,8 @@ grep -q "| rope-yarn |" "$work/a.log" || { echo "no results table"; cat "$work/a
 head -c 8 "$work/a/bpb.png" | od -An -tx1 | grep -q "89 50 4e 47 0d 0a 1a 0a" || { echo "bpb.png is not a PNG"; exit 1; }
 [ "$(stat -c %s "$work/a/bpb.png")" -gt 10000 ] || { echo "bpb.png too small"; exit 1; }
 grep -q "<svg" "$work/a/bpb.svg" || { echo "bpb.svg is not SVG"; exit 1; }
+head -c 8 "$work/a/copy_accuracy.png" | od -An -tx1 | grep -q "89 50 4e 47 0d 0a 1a 0a" || { echo "copy_accuracy.png is not a PNG"; exit 1; }
+grep -q "Copy task" "$work/a/report.md" || { echo "no copy task in the report"; exit 1; }
 
 numbers() {  # every bpb of a results.json, one per line
   "$python" -c '
@@ -29,7 +31,10 @@ for scheme in ("rope", "alibi", "rope-yarn", "learned"):
     for kind in ("bpb", "bpb_sliding"):
         for length, value in r[scheme][kind].items():
             assert math.isfinite(value) and 0 < value < 8.5, (scheme, kind, length, value)
-            print(scheme, kind, length, repr(value))' "$1"
+            print(scheme, kind, length, repr(value))
+    for length, value in r[scheme]["copy_accuracy"].items():
+        assert 0 <= value <= 1, (scheme, "copy_accuracy", length, value)
+        print(scheme, "copy_accuracy", length, repr(value))' "$1"
 }
 numbers "$work/a/results.json" > "$work/a.numbers"
 # rope and rope-yarn share one trained model: equal at the training length, apart beyond it.

@@ -52,6 +52,7 @@ int main(int argc, char** argv) {
   posenc::cli::Runner rope_freqs = posenc::cli::add_rope_freqs(app);
   posenc::cli::Runner alibi_slopes = posenc::cli::add_alibi_slopes(app);
   posenc::cli::Runner t5_buckets = posenc::cli::add_t5_buckets(app);
+  posenc::cli::Runner plot = posenc::cli::add_plot(app);
   // Listed for --help; handled before parsing (run_study).
   app.add_subcommand("study", "The length-extrapolation study: trains small language models per positional scheme at L "
                               "and measures them at L … 16L (posenc study --help)")
@@ -73,6 +74,7 @@ int main(int argc, char** argv) {
       if (sub->get_name() == "rope-freqs") rope_freqs();
       if (sub->get_name() == "alibi-slopes") alibi_slopes();
       if (sub->get_name() == "t5-buckets") t5_buckets();
+      if (sub->get_name() == "plot") plot();
     }
   } catch (const std::exception& e) {
     std::fflush(stdout);

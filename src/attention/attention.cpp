@@ -225,6 +225,11 @@ void AttentionPlan::add_bias(const Sequence& seq, const RowBlock& rb, std::int64
     if (h0 >= 0 && rb.chunk_uniform[static_cast<std::size_t>(c)] && keys_consecutive) {
       const HeadBias& hb = head_bias[static_cast<std::size_t>(h0)];
       if (hb.kind == HeadBias::kNone) continue;
+      if (hb.fire != nullptr &&
+          hb.fire->add_chunk(hb.local_head, rb.head.data() + r0, rb.position[static_cast<std::size_t>(r0)], kpos[0], keys,
+                             st + r0, rb.width)) {
+        continue;
+      }
       if (hb.kind == HeadBias::kTable) {
         // δ = q − k runs up with the lane and down with the key: a contiguous table slice per key.
         const std::int64_t base = rb.position[static_cast<std::size_t>(r0)] - kpos[0] - hb.delta_min;

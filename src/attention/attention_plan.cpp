@@ -436,9 +436,11 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), 
           auto evaluator_rows = std::make_unique<FireRows>();
           // Into the plan's own spec: `groups` is a local copy.
           evaluator_rows->params = &std::get<FireParams>(*spec.groups[gi].bias);
-          evaluator_rows->psi.resize(static_cast<std::size_t>(max_distance + 1));
-          evaluator_rows->dpsi_dc.resize(static_cast<std::size_t>(max_distance + 1));
-          for (std::int64_t t = 0; t <= max_distance; ++t) {
+          // kAttnAlign past it: a lane chunk's padding lanes read on past the last real row.
+          const std::int64_t entries = max_distance + 1 + kernels::kAttnAlign;
+          evaluator_rows->psi.resize(static_cast<std::size_t>(entries));
+          evaluator_rows->dpsi_dc.resize(static_cast<std::size_t>(entries));
+          for (std::int64_t t = 0; t < entries; ++t) {
             const auto d = static_cast<double>(t);
             evaluator_rows->psi[static_cast<std::size_t>(t)] = std::log1p(fire->c() * d);
             evaluator_rows->dpsi_dc[static_cast<std::size_t>(t)] = d / (1 + fire->c() * d);
@@ -697,18 +699,91 @@ bool FireRows::add_row(std::int64_t head, std::int64_t q_position, std::int64_t 
   const double norm = std::log1p(p.c() * std::max(p.threshold(), static_cast<double>(q_position)));
   const std::vector<double>& kinks = p.kinks();
   const auto n_kinks = static_cast<std::int64_t>(kinks.size());
+  // The current piece as an x interval [lo, hi) with its line: most elements stay on the piece of
+  // their neighbour, and then cost a division, two compares and a multiply-add.
   std::int64_t piece = -1;
+  double lo = 0, hi = -1, slope = 0, intercept = 0;  // empty: the first element looks its piece up
   for (std::int64_t j = 0; j < count; ++j) {
     const std::int64_t d = std::abs(k_first + j - q_position);
     const double x = psi[static_cast<std::size_t>(d)] / norm;
-    if (piece < 0) {
-      piece = p.piece_of(x);
-    } else {
-      // piece_of's rule (upper bound: a kink belongs to the piece on its right), walked.
-      while (piece > 0 && x < kinks[static_cast<std::size_t>(piece - 1)]) --piece;
-      while (piece < n_kinks && x >= kinks[static_cast<std::size_t>(piece)]) ++piece;
+    if (!(x >= lo && x < hi)) {
+      if (piece < 0) {
+        piece = p.piece_of(x);
+      } else {
+        // piece_of's rule (upper bound: a kink belongs to the piece on its right), walked.
+        while (piece > 0 && x < kinks[static_cast<std::size_t>(piece - 1)]) --piece;
+        while (piece < n_kinks && x >= kinks[static_cast<std::size_t>(piece)]) ++piece;
+      }
+      lo = piece > 0 ? kinks[static_cast<std::size_t>(piece - 1)] : -std::numeric_limits<double>::infinity();
+      hi = piece < n_kinks ? kinks[static_cast<std::size_t>(piece)] : std::numeric_limits<double>::infinity();
+      slope = p.slope(piece, head);
+      intercept = p.intercept(piece, head);
     }
-    out[j * out_stride] += static_cast<float>(p.slope(piece, head) * x + p.intercept(piece, head));
+    out[j * out_stride] += static_cast<float>(slope * x + intercept);
+  }
+  return true;
+}
+
+bool FireRows::add_chunk(std::int64_t head, const std::int64_t* lane_head, std::int64_t q_first, std::int64_t k_first,
+                         std::int64_t count, float* out, std::int64_t out_stride) const {
+  constexpr std::int64_t kLanes = kernels::kAttnAlign;
+  const FireParams& p = *params;
+  const auto table = static_cast<std::int64_t>(psi.size());
+  const std::int64_t k_last = k_first + count - 1, q_last = q_first + kLanes - 1;
+  if (count <= 0) return true;
+  if (std::max(std::abs(q_last - k_first), std::abs(k_last - q_first)) >= table) return false;
+  // Keys [0, below) lie at or before every lane's query: distances q_first + t − k fall by one per
+  // key and rise by one per lane, a contiguous slice of ψ.
+  const std::int64_t below = std::clamp<std::int64_t>(q_first - k_first + 1, 0, count);
+  if (below > 0) {
+    const std::vector<double>& kinks = p.kinks();
+    const auto n_kinks = static_cast<std::int64_t>(kinks.size());
+    constexpr double kInf = std::numeric_limits<double>::infinity();
+    alignas(64) double inv_norm[kLanes], lo[kLanes], hi[kLanes], slope[kLanes], intercept[kLanes];
+    std::int64_t piece[kLanes];
+    // Lane t's x at key j, as the kernel computes it: ψ(d)·(1/ψ(max(L, q))). (The per-element
+    // definition divides; the two differ by an fp64 rounding, far below the f32 result's.)
+    const auto x_at = [&](std::int64_t t, std::int64_t j) {
+      return psi[static_cast<std::size_t>(q_first + t - k_first - j)] * inv_norm[t];
+    };
+    const auto enter = [&](std::int64_t t, std::int64_t pc) {
+      piece[t] = pc;
+      lo[t] = pc > 0 ? kinks[static_cast<std::size_t>(pc - 1)] : -kInf;
+      hi[t] = pc < n_kinks ? kinks[static_cast<std::size_t>(pc)] : kInf;
+      slope[t] = p.slope(pc, head);
+      intercept[t] = p.intercept(pc, head);
+    };
+    for (std::int64_t t = 0; t < kLanes; ++t) {
+      if (lane_head[t] < 0) {  // padding: adds slope 0·x + 0 and never leaves its piece
+        inv_norm[t] = 1.0, lo[t] = -kInf, hi[t] = kInf, slope[t] = 0.0, intercept[t] = 0.0, piece[t] = -1;
+        continue;
+      }
+      inv_norm[t] = 1.0 / std::log1p(p.c() * std::max(p.threshold(), static_cast<double>(q_first + t)));
+      enter(t, p.piece_of(x_at(t, 0)));
+    }
+    const std::int64_t base = q_first - k_first;
+    for (std::int64_t j = 0; j < below;) {
+      j += kernels::attn_fire_keys(out + j * out_stride, below - j, out_stride, psi.data(), base - j, inv_norm, lo, hi,
+                                   slope, intercept);
+      if (j == below) break;
+      // Some lane left its piece at key j: walk it (piece_of's rule: a kink belongs to the piece
+      // on its right) and go on.
+      for (std::int64_t t = 0; t < kLanes; ++t) {
+        if (piece[t] < 0) continue;
+        const double x = x_at(t, j);
+        if (x >= lo[t] && x < hi[t]) continue;
+        std::int64_t pc = piece[t];
+        while (pc > 0 && x < kinks[static_cast<std::size_t>(pc - 1)]) --pc;
+        while (pc < n_kinks && x >= kinks[static_cast<std::size_t>(pc)]) ++pc;
+        enter(t, pc);
+      }
+    }
+  }
+  if (below < count) {
+    for (std::int64_t t = 0; t < kLanes; ++t) {
+      if (lane_head[t] < 0) continue;
+      add_row(head, q_first + t, k_first + below, count - below, out + below * out_stride + t, out_stride);
+    }
   }
   return true;
 }

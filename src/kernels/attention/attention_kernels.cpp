@@ -333,6 +333,30 @@ void AttnAddBiasTile(float* HWY_RESTRICT st, std::int64_t keys, std::int64_t wid
   }
 }
 
+std::int64_t AttnFireKeys(float* HWY_RESTRICT st, std::int64_t keys, std::int64_t width, const double* HWY_RESTRICT psi,
+                          std::int64_t base, const double* HWY_RESTRICT inv_norm, const double* HWY_RESTRICT lo,
+                          const double* HWY_RESTRICT hi, const double* HWY_RESTRICT slope,
+                          const double* HWY_RESTRICT intercept) {
+  const hn::ScalableTag<double> dd;
+  const hn::Rebind<float, decltype(dd)> df;
+  const auto n = static_cast<std::int64_t>(hn::Lanes(dd));
+  for (std::int64_t j = 0; j < keys; ++j) {
+    const double* p = psi + base - j;
+    // Every lane still on its piece? (x is recomputed below: a multiply, cheaper than keeping it.)
+    for (std::int64_t l = 0; l < kAttnAlign; l += n) {
+      const auto x = hn::Mul(hn::LoadU(dd, p + l), hn::LoadU(dd, inv_norm + l));
+      if (!hn::AllTrue(dd, hn::And(hn::Ge(x, hn::LoadU(dd, lo + l)), hn::Lt(x, hn::LoadU(dd, hi + l))))) return j;
+    }
+    float* row = st + j * width;
+    for (std::int64_t l = 0; l < kAttnAlign; l += n) {
+      const auto x = hn::Mul(hn::LoadU(dd, p + l), hn::LoadU(dd, inv_norm + l));
+      const auto b = hn::MulAdd(hn::LoadU(dd, slope + l), x, hn::LoadU(dd, intercept + l));
+      hn::StoreU(hn::Add(hn::LoadU(df, row + l), hn::DemoteTo(df, b)), df, row + l);
+    }
+  }
+  return keys;
+}
+
 void AttnMaskTile(float* HWY_RESTRICT st, std::int64_t keys, std::int64_t width, std::int64_t k_first,
                   const std::int32_t* HWY_RESTRICT lo, const std::int32_t* HWY_RESTRICT hi) {
   const DF d;
@@ -430,6 +454,7 @@ HWY_EXPORT(AttnScaleRows);
 HWY_EXPORT(AttnBackwardTile);
 HWY_EXPORT(AttnLoadF32);
 HWY_EXPORT(AttnAddBiasTile);
+HWY_EXPORT(AttnFireKeys);
 HWY_EXPORT(AttnDecodeScores);
 HWY_EXPORT(AttnPackHeads);
 HWY_EXPORT(AttnRotateHalfSplit);
@@ -460,6 +485,11 @@ HWY_EXPORT(AttnMaskTile);
 
 void attn_add_bias_tile(float* st, std::int64_t keys, std::int64_t width, const float* table, std::int64_t base) {
   HWY_DYNAMIC_DISPATCH(AttnAddBiasTile)(st, keys, width, table, base);
+}
+std::int64_t attn_fire_keys(float* st, std::int64_t keys, std::int64_t width, const double* psi, std::int64_t base,
+                            const double* inv_norm, const double* lo, const double* hi, const double* slope,
+                            const double* intercept) {
+  return HWY_DYNAMIC_DISPATCH(AttnFireKeys)(st, keys, width, psi, base, inv_norm, lo, hi, slope, intercept);
 }
 void attn_mask_tile(float* st, std::int64_t keys, std::int64_t width, std::int64_t k_first, const std::int32_t* lo,
                     const std::int32_t* hi) {

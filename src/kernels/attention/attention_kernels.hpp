@@ -65,6 +65,15 @@ void attn_backward_tile(float* st, float* dpt, std::int64_t keys, std::int64_t w
 // lane and down with the key). st points at the chunk's first lane; rows of S^T are `width` apart.
 void attn_add_bias_tile(float* st, std::int64_t keys, std::int64_t width, const float* table, std::int64_t base);
 
+// FIRE on one lane chunk against consecutive keys at or before every lane's query: for lane t,
+// x = psi[base − j + t]·inv_norm[t] (ψ of the distance, normalised) and, while every lane's x stays
+// in its piece [lo[t], hi[t]), S^T[j][t] += slope[t]·x + intercept[t] (fp64, rounded once).
+// Returns the first key at which some lane leaves its piece (keys if none); the caller moves that
+// lane to its next piece and calls again from there. All lane arrays hold kAttnAlign values.
+std::int64_t attn_fire_keys(float* st, std::int64_t keys, std::int64_t width, const double* psi, std::int64_t base,
+                            const double* inv_norm, const double* lo, const double* hi, const double* slope,
+                            const double* intercept);
+
 // S^T[j][r] = −inf unless lo[r] <= k_first + j < hi[r].
 void attn_mask_tile(float* st, std::int64_t keys, std::int64_t width, std::int64_t k_first, const std::int32_t* lo,
                     const std::int32_t* hi);

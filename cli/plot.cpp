@@ -10,6 +10,7 @@
 //   rope-decay           RoFormer's long-term decay: the relative upper bound of a rotated dot
 //                        product against distance (Su et al. 2021, §3.4.3), base 10^4 and 5·10^5
 //   alibi-bias           ALiBi biases of four of eight heads (query × key, causal)
+//   t5-bias              T5 biases of four heads of a freshly initialised table (causal)
 //   t5-bucket-map        T5 bucket of every (query, key), bidirectional and causal
 //   t5-buckets           T5 bucket against relative position, both kinds
 //   kerple-bias          Kerple's log and power kernels for a few (r1, r2)
@@ -28,6 +29,7 @@
 #include <fstream>
 #include <functional>
 #include <numbers>
+#include <random>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -248,6 +250,24 @@ std::string fire_bias(const fs::path& dir) {
                      heads);
 }
 
+std::string t5_bias(const fs::path& dir) {
+  // A freshly initialised table, as Hugging Face's T5 draws it: N(0, d_model^−1/2), d_model = 512
+  // (seeded; a trained table is a model's). The bias is table[bucket(j − i), head].
+  constexpr std::int64_t kHeads = 8, kBuckets = 32;
+  std::mt19937_64 rng(1);
+  std::normal_distribution<double> normal(0.0, 1.0 / std::sqrt(512.0));
+  std::vector<double> table(static_cast<std::size_t>(kBuckets * kHeads));
+  for (double& v : table) v = normal(rng);
+  const BiasScheme t5 = T5BiasParams(kHeads, kBuckets, 128, false, table);
+  std::vector<std::pair<std::string, std::function<double(std::int64_t, std::int64_t)>>> heads;
+  for (std::int64_t h = 0; h < 4; ++h) {
+    heads.emplace_back(fmt::format("head {}", h), [t5, h](std::int64_t i, std::int64_t j) { return bias_value(t5, h, i, j); });
+  }
+  return bias_panels(dir, "t5-bias",
+                     "T5 biases table[bucket(j − i), h], causal, 32 buckets, max distance 128, a freshly initialised table",
+                     192, heads);
+}
+
 std::string t5_bucket_map(const fs::path& dir) {
   constexpr std::int64_t kN = 192;
   for (bool bidirectional : {true, false}) {
@@ -330,6 +350,7 @@ const std::vector<Figure>& figures() {
       {"sinusoidal-similarity", 1000, 600, sinusoidal_similarity},
       {"rope-decay", 1000, 600, rope_decay},
       {"alibi-bias", 1000, 900, alibi_bias},
+      {"t5-bias", 1000, 900, t5_bias},
       {"t5-bucket-map", 1200, 650, t5_bucket_map},
       {"t5-buckets", 1000, 600, t5_buckets},
       {"kerple-bias", 1000, 900, kerple_bias},

@@ -29,6 +29,7 @@ rope-table 1200 650 RoPE rotation angles
 sinusoidal-similarity 1000 600 dot-product similarity against distance
 rope-decay 1000 600 long-term decay
 alibi-bias 1000 900 ALiBi biases
+t5-bias 1000 900 T5 biases table
 t5-bucket-map 1200 650 T5 relative-position buckets of
 t5-buckets 1000 600 T5 buckets against relative position
 kerple-bias 1000 900 Kerple biases

@@ -212,7 +212,7 @@ bool AttentionPlan::tile_unmasked(const RowBlock& rb, std::int64_t k_first, std:
 
 // Adds the positional biases of the rows to S^T [keys][width] for keys [k_first, k_first + keys)
 // of the sequence, whose positions are kpos[0..keys).
-void AttentionPlan::add_bias(const Sequence& seq, const RowBlock& rb, std::int64_t /* k_first */, std::int64_t keys,
+void AttentionPlan::add_bias(const Sequence& seq, const RowBlock& rb, std::int64_t k_first, std::int64_t keys,
                              const std::int64_t* kpos, float* st) const {
   if (!any_bias) return;
   bool keys_consecutive = true;
@@ -226,8 +226,8 @@ void AttentionPlan::add_bias(const Sequence& seq, const RowBlock& rb, std::int64
       const HeadBias& hb = head_bias[static_cast<std::size_t>(h0)];
       if (hb.kind == HeadBias::kNone) continue;
       if (hb.fire != nullptr &&
-          hb.fire->add_chunk(hb.local_head, rb.head.data() + r0, rb.position[static_cast<std::size_t>(r0)], kpos[0], keys,
-                             st + r0, rb.width)) {
+          hb.fire->add_chunk(hb.local_head, rb.head.data() + r0, rb.lo.data() + r0, rb.hi.data() + r0,
+                             rb.position[static_cast<std::size_t>(r0)], k_first, kpos[0], keys, st + r0, rb.width)) {
         continue;
       }
       if (hb.kind == HeadBias::kTable) {

@@ -445,6 +445,16 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), 
             evaluator_rows->psi[static_cast<std::size_t>(t)] = std::log1p(fire->c() * d);
             evaluator_rows->dpsi_dc[static_cast<std::size_t>(t)] = d / (1 + fire->c() * d);
           }
+          // 1/ψ(max(L, q)) per query position (and the padding lanes past the last one), when
+          // that range is of a sensible size too (else add_chunk declines and rows take add_row).
+          evaluator_rows->inv_norm_first = q_min;
+          if (q_max - q_min < kMaxBiasTable) {
+            evaluator_rows->inv_norm.resize(static_cast<std::size_t>(q_max - q_min + 1 + kernels::kAttnAlign));
+          }
+          for (std::size_t t = 0; t < evaluator_rows->inv_norm.size(); ++t) {
+            const auto q = static_cast<double>(q_min + static_cast<std::int64_t>(t));
+            evaluator_rows->inv_norm[t] = 1.0 / std::log1p(fire->c() * std::max(fire->threshold(), q));
+          }
           fire_rows.push_back(std::move(evaluator_rows));
         }
       }
@@ -724,7 +734,8 @@ bool FireRows::add_row(std::int64_t head, std::int64_t q_position, std::int64_t 
   return true;
 }
 
-bool FireRows::add_chunk(std::int64_t head, const std::int64_t* lane_head, std::int64_t q_first, std::int64_t k_first,
+bool FireRows::add_chunk(std::int64_t head, const std::int64_t* lane_head, const std::int32_t* lane_lo,
+                         const std::int32_t* lane_hi, std::int64_t q_first, std::int64_t k_index, std::int64_t k_first,
                          std::int64_t count, float* out, std::int64_t out_stride) const {
   constexpr std::int64_t kLanes = kernels::kAttnAlign;
   const FireParams& p = *params;
@@ -732,6 +743,7 @@ bool FireRows::add_chunk(std::int64_t head, const std::int64_t* lane_head, std::
   const std::int64_t k_last = k_first + count - 1, q_last = q_first + kLanes - 1;
   if (count <= 0) return true;
   if (std::max(std::abs(q_last - k_first), std::abs(k_last - q_first)) >= table) return false;
+  if (q_first < inv_norm_first || q_last - inv_norm_first >= static_cast<std::int64_t>(inv_norm.size())) return false;
   // Keys [0, below) lie at or before every lane's query: distances q_first + t − k fall by one per
   // key and rise by one per lane, a contiguous slice of ψ.
   const std::int64_t below = std::clamp<std::int64_t>(q_first - k_first + 1, 0, count);
@@ -739,12 +751,12 @@ bool FireRows::add_chunk(std::int64_t head, const std::int64_t* lane_head, std::
     const std::vector<double>& kinks = p.kinks();
     const auto n_kinks = static_cast<std::int64_t>(kinks.size());
     constexpr double kInf = std::numeric_limits<double>::infinity();
-    alignas(64) double inv_norm[kLanes], lo[kLanes], hi[kLanes], slope[kLanes], intercept[kLanes];
+    alignas(64) double inv[kLanes], lo[kLanes], hi[kLanes], slope[kLanes], intercept[kLanes];
     std::int64_t piece[kLanes];
     // Lane t's x at key j, as the kernel computes it: ψ(d)·(1/ψ(max(L, q))). (The per-element
     // definition divides; the two differ by an fp64 rounding, far below the f32 result's.)
     const auto x_at = [&](std::int64_t t, std::int64_t j) {
-      return psi[static_cast<std::size_t>(q_first + t - k_first - j)] * inv_norm[t];
+      return psi[static_cast<std::size_t>(q_first + t - k_first - j)] * inv[t];
     };
     const auto enter = [&](std::int64_t t, std::int64_t pc) {
       piece[t] = pc;
@@ -755,15 +767,15 @@ bool FireRows::add_chunk(std::int64_t head, const std::int64_t* lane_head, std::
     };
     for (std::int64_t t = 0; t < kLanes; ++t) {
       if (lane_head[t] < 0) {  // padding: adds slope 0·x + 0 and never leaves its piece
-        inv_norm[t] = 1.0, lo[t] = -kInf, hi[t] = kInf, slope[t] = 0.0, intercept[t] = 0.0, piece[t] = -1;
+        inv[t] = 1.0, lo[t] = -kInf, hi[t] = kInf, slope[t] = 0.0, intercept[t] = 0.0, piece[t] = -1;
         continue;
       }
-      inv_norm[t] = 1.0 / std::log1p(p.c() * std::max(p.threshold(), static_cast<double>(q_first + t)));
+      inv[t] = inv_norm[static_cast<std::size_t>(q_first + t - inv_norm_first)];
       enter(t, p.piece_of(x_at(t, 0)));
     }
     const std::int64_t base = q_first - k_first;
     for (std::int64_t j = 0; j < below;) {
-      j += kernels::attn_fire_keys(out + j * out_stride, below - j, out_stride, psi.data(), base - j, inv_norm, lo, hi,
+      j += kernels::attn_fire_keys(out + j * out_stride, below - j, out_stride, psi.data(), base - j, inv, lo, hi,
                                    slope, intercept);
       if (j == below) break;
       // Some lane left its piece at key j: walk it (piece_of's rule: a kink belongs to the piece
@@ -780,9 +792,13 @@ bool FireRows::add_chunk(std::int64_t head, const std::int64_t* lane_head, std::
     }
   }
   if (below < count) {
+    // Keys after some lane's query: element by element, and only those the lane sees (the mask
+    // sets the others to −inf after the biases; in causal attention that is all of them).
     for (std::int64_t t = 0; t < kLanes; ++t) {
       if (lane_head[t] < 0) continue;
-      add_row(head, q_first + t, k_first + below, count - below, out + below * out_stride + t, out_stride);
+      const std::int64_t j0 = std::max<std::int64_t>(below, lane_lo[t] - k_index);
+      const std::int64_t j1 = std::min<std::int64_t>(count, lane_hi[t] - k_index);
+      if (j1 > j0) add_row(head, q_first + t, k_first + j0, j1 - j0, out + j0 * out_stride + t, out_stride);
     }
   }
   return true;

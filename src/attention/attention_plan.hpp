@@ -43,12 +43,17 @@ struct FireRows {
   // out[j] += b(head, q, k_first + j) for j < count; false if a distance is past the table.
   bool add_row(std::int64_t head, std::int64_t q_position, std::int64_t k_first, std::int64_t count, float* out,
                std::int64_t out_stride) const;
+  std::vector<double> inv_norm;  // 1/ψ(max(L, q)) for q = inv_norm_first + t
+  std::int64_t inv_norm_first = 0;
   // The same for one lane chunk: lane t (valid when lane_head[t] >= 0) at query position
-  // q_first + t, against keys k_first … k_first + count − 1. Keys at or before every lane's query
-  // go through the vector kernel (attn_fire_keys), the rest through add_row. out: S^T of the
-  // chunk, rows `out_stride` apart. False (nothing added) if a distance is past the table.
-  bool add_chunk(std::int64_t head, const std::int64_t* lane_head, std::int64_t q_first, std::int64_t k_first,
-                 std::int64_t count, float* out, std::int64_t out_stride) const;
+  // q_first + t, against keys at positions k_first … k_first + count − 1 (sequence indices from
+  // k_index). Keys at or before every lane's query go through the vector kernel (attn_fire_keys);
+  // the rest through add_row, limited to the keys lane t sees, [lane_lo[t], lane_hi[t]) — the
+  // others are left for the mask. out: S^T of the chunk, rows `out_stride` apart. False (nothing
+  // added) if a distance or query position is past the tables.
+  bool add_chunk(std::int64_t head, const std::int64_t* lane_head, const std::int32_t* lane_lo, const std::int32_t* lane_hi,
+                 std::int64_t q_first, std::int64_t k_index, std::int64_t k_first, std::int64_t count, float* out,
+                 std::int64_t out_stride) const;
   // Backward moments of one row against keys kpos[0..count) with dL/db = ds[j·ds_stride]:
   // s0[piece·heads + head] += ds, s1[…] += ds·x, and the c and L gradients (fp64; any key order).
   void accumulate_row(std::int64_t head, std::int64_t heads, std::int64_t q_position, const std::int64_t* kpos,

@@ -798,6 +798,7 @@ bool FireRows::add_chunk(std::int64_t head, const std::int64_t* lane_head, const
       if (lane_head[t] < 0) continue;
       const std::int64_t j0 = std::max<std::int64_t>(below, lane_lo[t] - k_index);
       const std::int64_t j1 = std::min<std::int64_t>(count, lane_hi[t] - k_index);
+      // add_row cannot decline here: every distance of the chunk was checked against ψ above.
       if (j1 > j0) add_row(head, q_first + t, k_first + j0, j1 - j0, out + j0 * out_stride + t, out_stride);
     }
   }

@@ -80,6 +80,7 @@ for i in range(64):
         if j > i:
             assert m[i][j] == "1e99", (i, j, m[i][j])
         else:
+            # −(i − j)/2 is a half-integer under 32: printed with 6 significant digits it is exact.
             assert abs(float(m[i][j]) + 0.5 * (i - j)) < 1e-9, (i, j, m[i][j])
 PY
 

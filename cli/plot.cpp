@@ -85,6 +85,15 @@ std::string heat_map_style(bool diverging) {
                     : "set palette defined (0 '#440154', 0.25 '#3b528b', 0.5 '#21918c', 0.75 '#5ec962', 1 '#fde725')\n");
 }
 
+// Heat maps side by side (gnuplot's multiplot, `layout` "rows,cols"): one panel per (panel title,
+// matrix file).
+std::string heat_map_panels(const char* layout, const std::string& title,
+                            const std::vector<std::pair<std::string, std::string>>& panels) {
+  std::string plot = fmt::format("set multiplot layout {} title '{}'\n", layout, title);
+  for (const auto& [panel, file] : panels) plot += "set title '" + panel + "'\nplot '" + file + "' " + kImage + "\n";
+  return plot + "unset multiplot\n";
+}
+
 constexpr std::int64_t kDim = 128;
 
 std::vector<double> sinusoidal_rows(std::int64_t first, std::int64_t count) {
@@ -144,10 +153,9 @@ std::string rope_table_figure(const fs::path& dir) {
   write_file(dir / "rope-sin.dat", matrix_text(kPositions, kPairs, cell(sin)));
   return heat_map_style(true) +
          "set size noratio\nset cbrange [-1:1]\nset xlabel 'rotation pair i (θ_i = 10000^{-2i/128})'\n"
-         "set ylabel 'position p'\n"
-         "set multiplot layout 1,2 title 'RoPE rotation angles p·θ_i (head dim 128, base 10000)'\n"
-         "set title 'cos(p·θ_i)'\nplot 'rope-cos.dat' " + std::string(kImage) + "\n"
-         "set title 'sin(p·θ_i)'\nplot 'rope-sin.dat' " + std::string(kImage) + "\nunset multiplot\n";
+         "set ylabel 'position p'\n" +
+         heat_map_panels("1,2", "RoPE rotation angles p·θ_i (head dim 128, base 10000)",
+                         {{"cos(p·θ_i)", "rope-cos.dat"}, {"sin(p·θ_i)", "rope-sin.dat"}});
 }
 
 std::string sinusoidal_similarity(const fs::path& dir) {
@@ -205,14 +213,14 @@ std::string rope_decay(const fs::path& dir) {
 // blank (the causal mask).
 std::string bias_panels(const fs::path& dir, const char* name, const std::string& title, std::int64_t n,
                         const std::vector<std::pair<std::string, std::function<double(std::int64_t, std::int64_t)>>>& heads) {
-  std::string plot = heat_map_style(false) + "set xlabel 'key position j'\nset ylabel 'query position i'\nset cblabel 'bias'\n" +
-                     "set multiplot layout 2,2 title '" + title + "'\n";
+  std::vector<std::pair<std::string, std::string>> panels;
   for (std::size_t h = 0; h < heads.size(); ++h) {
     const std::string file = fmt::format("{}-{}.dat", name, h);
     write_file(dir / file, matrix_text(n, n, [&](std::int64_t i, std::int64_t j) { return j > i ? NAN : heads[h].second(i, j); }));
-    plot += "set title '" + heads[h].first + "'\nplot '" + file + "' " + std::string(kImage) + "\n";
+    panels.emplace_back(heads[h].first, file);
   }
-  return plot + "unset multiplot\n";
+  return heat_map_style(false) + "set xlabel 'key position j'\nset ylabel 'query position i'\nset cblabel 'bias'\n" +
+         heat_map_panels("2,2", title, panels);
 }
 
 std::string alibi_bias(const fs::path& dir) {
@@ -277,11 +285,12 @@ std::string t5_bucket_map(const fs::path& dir) {
                }));
   }
   return heat_map_style(false) +
-         "set xlabel 'key position j'\nset ylabel 'query position i'\nset cblabel 'bucket'\nset cbrange [0:31]\n"
-         "set multiplot layout 1,2 title 'T5 relative-position buckets of (i, j): 32 buckets, max distance 128 "
-         "(bias = a learned table[bucket, head])'\n"
-         "set title 'bidirectional (encoder)'\nplot 't5-bucket-map-bidirectional.dat' " + std::string(kImage) + "\n"
-         "set title 'causal (decoder)'\nplot 't5-bucket-map-causal.dat' " + std::string(kImage) + "\nunset multiplot\n";
+         "set xlabel 'key position j'\nset ylabel 'query position i'\nset cblabel 'bucket'\nset cbrange [0:31]\n" +
+         heat_map_panels("1,2",
+                         "T5 relative-position buckets of (i, j): 32 buckets, max distance 128 (bias = a learned "
+                         "table[bucket, head])",
+                         {{"bidirectional (encoder)", "t5-bucket-map-bidirectional.dat"},
+                          {"causal (decoder)", "t5-bucket-map-causal.dat"}});
 }
 
 std::string t5_buckets(const fs::path& dir) {

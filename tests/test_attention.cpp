@@ -319,6 +319,24 @@ TEST_P(AttentionForward, DecodeSplitsLongCachesExactly) {
   }
 }
 
+TEST_P(AttentionForward, DecodeAcrossRowsHeadsAndTails) {
+  // The decode kernels block keys by the number of query rows per KV head (1 … 8) and sweep
+  // every KV head per block: rows, KV heads, key counts that leave partial blocks and tiles, head
+  // dims with a remainder of the lane count, head-major (strided) caches and 16-bit inputs.
+  for (int trial = 0; trial < 8; ++trial) {
+    const std::int64_t kv = std::vector<std::int64_t>{1, 2, 3, 8}[static_cast<std::size_t>(uniform_int(0, 3))];
+    const std::int64_t group = uniform_int(1, 8), q_len = uniform_int(1, 8 / group);
+    const std::int64_t dim = std::vector<std::int64_t>{24, 64, 80, 128}[static_cast<std::size_t>(trial % 4)];
+    const std::int64_t k_len = q_len + uniform_int(0, trial == 7 ? 9000 : 300);
+    const DType dt = trial % 3 == 2 ? DType::kBF16 : DType::kF32;
+    Problem p = make_problem(uniform_int(1, 2), q_len, k_len, kv * group, kv, dim, dt, trial % 2 == 1);
+    AttentionSpec spec = spec_of(p);
+    spec.mask.causal = trial % 2 == 0;
+    expect_accurate(p, spec, "decode, " + std::to_string(group * q_len) + " rows per KV head, " + std::to_string(kv) +
+                                 " KV heads, D " + std::to_string(dim) + ", " + std::to_string(k_len) + " keys");
+  }
+}
+
 TEST_P(AttentionForward, SixteenBitInputs) {
   for (const DType dt : {DType::kBF16, DType::kF16}) {
     Problem p = make_problem(1, 45, 61, 2, 1, 80, dt, true);

@@ -994,8 +994,20 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
     grow(s.k, decode_tile * g_count * dp);
     grow(s.v, decode_tile * g_count * dp);
   }
-  grow(s.dv, decode_tile * g_count * dp);  // the values' head-major copy
   const std::int64_t width = static_cast<std::int64_t>(dtype_size(dtype));
+  // Rows [k_first, k_first + keys) of the cache `data` (grid `grid`), as a prefetch plan; none
+  // where the rows are not contiguous in dim.
+  const auto cache_rows = [&](const void* data, const HeadsGrid& grid, std::int64_t k_first, std::int64_t keys) {
+    kernels::DecodePrefetch plan;
+    if (grid.dim_stride != 1 || keys <= 0) return plan;
+    plan.base = static_cast<const char*>(data) + grid.offset(seq.b, seq.k0 + k_first) * width;
+    plan.ld = grid.seq_stride * width;
+    plan.head_stride = grid.head_stride * width;
+    plan.keys = keys;
+    plan.heads = g_count;
+    plan.row_bytes = dim * width;
+    return plan;
+  };
   for (std::int64_t k0 = k_begin; k0 < k_end; k0 += decode_tile) {
     const std::int64_t keys = std::min(decode_tile, k_end - k0);
     const float *kp, *vp;
@@ -1011,13 +1023,10 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
       if (unit_dims) {
         kernels::attn_pack_heads(static_cast<const char*>(k_data) + kg.offset(seq.b, seq.k0 + k0) * width, dtype,
                                  kg.seq_stride, kg.head_stride, keys, g_count, dim, s.k.data(), dp);
-        kernels::attn_pack_heads(static_cast<const char*>(v_data) + vg.offset(seq.b, seq.k0 + k0) * width, dtype,
-                                 vg.seq_stride, vg.head_stride, keys, g_count, dim, s.v.data(), dp);
       } else {
         for (std::int64_t j = 0; j < keys; ++j) {
           for (std::int64_t g = 0; g < g_count; ++g) {
             load_row(k_data, kg, seq.b, seq.k0 + k0 + j, g, s.k.data() + (j * g_count + g) * dp);
-            load_row(v_data, vg, seq.b, seq.k0 + k0 + j, g, s.v.data() + (j * g_count + g) * dp);
           }
         }
       }
@@ -1034,7 +1043,11 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
       ldk = ldv = g_count * dp;
       khs = vhs = dp;
     }
-    kernels::attn_decode_scores(kp, ldk, khs, keys, g_count, q_heads.data(), dp, valid, dim, st_heads.data(), w);
+    // While the scores are computed, this tile's values come in; while the values are summed,
+    // the next tile's keys do.
+    const std::int64_t next_keys = std::min(decode_tile, k_end - (k0 + keys));
+    kernels::attn_decode_scores(kp, ldk, khs, keys, g_count, q_heads.data(), dp, valid, dim, st_heads.data(), w,
+                                cache_rows(v_data, vg, k0, keys));
     for (std::int64_t g = 0; g < g_count; ++g) {
       AttentionUnitScratch& hs = heads_scratch[static_cast<std::size_t>(g)];
       const RowBlock& rb = rows[static_cast<std::size_t>(g)];
@@ -1051,8 +1064,20 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
       kernels::attn_scale_rows(hs.o.data(), dp, valid, dp, hs.corr.data());
       if (any_shaw) shaw_collect(rb, keys, hs.kpos.data(), hs.st.data(), hs.corr.data(), hs.shaw_probs.data(), w);
     }
+    if (!direct) {
+      if (unit_dims) {
+        kernels::attn_pack_heads(static_cast<const char*>(v_data) + vg.offset(seq.b, seq.k0 + k0) * width, dtype,
+                                 vg.seq_stride, vg.head_stride, keys, g_count, dim, s.v.data(), dp);
+      } else {
+        for (std::int64_t j = 0; j < keys; ++j) {
+          for (std::int64_t g = 0; g < g_count; ++g) {
+            load_row(v_data, vg, seq.b, seq.k0 + k0 + j, g, s.v.data() + (j * g_count + g) * dp);
+          }
+        }
+      }
+    }
     kernels::attn_decode_values(vp, ldv, vhs, keys, g_count, p_heads.data(), w, valid, direct ? dim : dp, o_heads.data(), dp,
-                                s.dv.data());
+                                cache_rows(k_data, kg, k0 + keys, next_keys));
   }
 }
 

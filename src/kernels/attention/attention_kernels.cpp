@@ -135,112 +135,261 @@ void AttnGemm(const float* a, std::int64_t a_row, std::int64_t a_depth, const fl
 // prefetchers follow it.
 //   scores  per row f: its key vectors loaded once (8 at a time), multiplied into one
 //           accumulator per query row; a block of `lanes` rows is then summed by SumEachVector.
-//   values  the rows are copied head-major into `pack` (still read in memory order), then each
-//           head's P·V is the register-blocked AttnGemm.
+//   values  per head, a block of columns of every query row stays in registers while the keys'
+//           value rows stream past it: one broadcast of P and one fused multiply-add per vector.
+//           (An earlier form copied the rows head-major and ran the matrix kernel on the copy: the
+//           copy and the product kept the core busy without any memory traffic in flight.)
+// Decode is bound by memory: each kernel also prefetches the engine's `ahead` rows into L2, spread
+// evenly over its work, so that the memory is busy while the core computes.
 constexpr std::int64_t kDecodeMaxRows = 8;
-// Software prefetch distance of the decode stream, in floats (4 KiB ahead). Measured on 32768
-// keys × 8 KV heads × D 128 f32, 2 threads: none 10.0–10.1 GB/s, 1 KiB 11.4–12.0, 4 KiB
+// Software prefetch distance of the keys' own stream, in floats (4 KiB ahead): it serves the
+// first tile of a chunk, which no earlier kernel prefetched. Measured on 32768 keys × 8 KV heads ×
+// D 128 f32, 2 threads, before `ahead` existed: none 10.0–10.1 GB/s, 1 KiB 11.4–12.0, 4 KiB
 // 12.6–12.9, 16 KiB 12.3–12.5.
 constexpr std::int64_t kDecodeAhead = 1024;
 
-// One cache row against R query rows: acc_out[r·16·lanes] = the lanes' partial sums over d <
-// full. R is a template parameter so the accumulators stay in registers.
-template <int R>
-HWY_INLINE void ScoreRow(DF d, const float* HWY_RESTRICT kr, const float* HWY_RESTRICT qg, std::int64_t ldq,
-                         std::int64_t full, float* HWY_RESTRICT acc_out) {
-  const auto n = static_cast<std::int64_t>(hn::Lanes(d));
-  VF acc[R], acc2[R];
-  for (int r = 0; r < R; ++r) acc[r] = acc2[r] = hn::Zero(d);
-  std::int64_t c = 0;
-  for (; c + 2 * n <= full; c += 2 * n) {
-    const VF k0 = hn::LoadU(d, kr + c), k1 = hn::LoadU(d, kr + c + n);
-    for (int r = 0; r < R; ++r) {
-      acc[r] = hn::MulAdd(k0, hn::LoadU(d, qg + r * ldq + c), acc[r]);
-      acc2[r] = hn::MulAdd(k1, hn::LoadU(d, qg + r * ldq + c + n), acc2[r]);
+// Walks the rows of a DecodePrefetch a cache line at a time.
+class PrefetchCursor {
+ public:
+  explicit PrefetchCursor(const DecodePrefetch& plan) : plan_(plan) {
+    if (plan_.base == nullptr || plan_.keys <= 0 || plan_.heads <= 0 || plan_.row_bytes <= 0) plan_.keys = 0;
+    start_row();
+  }
+  // Lines in the plan (a row spans at most row_bytes / 64 + 1 lines).
+  std::int64_t lines() const { return plan_.keys * plan_.heads * (plan_.row_bytes / kLine + 1); }
+  // Issues prefetches for the next `count` lines (nothing once the plan is done).
+  void step(std::int64_t count) {
+    for (; count > 0 && j_ < plan_.keys; --count) {
+      __builtin_prefetch(at_, 0, 2);  // read, into L2 (prefetcht1): L1 holds the working rows
+      at_ += kLine;
+      if (at_ > last_) {
+        if (++g_ == plan_.heads) {
+          g_ = 0;
+          ++j_;
+        }
+        start_row();
+      }
     }
   }
-  for (; c < full; c += n) {
-    const VF k0 = hn::LoadU(d, kr + c);
-    for (int r = 0; r < R; ++r) acc[r] = hn::MulAdd(k0, hn::LoadU(d, qg + r * ldq + c), acc[r]);
+
+ private:
+  static constexpr std::int64_t kLine = 64;
+  void start_row() {
+    if (j_ >= plan_.keys) return;
+    const char* row = plan_.base + j_ * plan_.ld + g_ * plan_.head_stride;
+    const auto address = reinterpret_cast<std::uintptr_t>(row);
+    at_ = row - (address % kLine);
+    last_ = row + plan_.row_bytes - 1;
   }
-  for (int r = 0; r < R; ++r) hn::Store(hn::Add(acc[r], acc2[r]), d, acc_out + r * 16 * n);
+  DecodePrefetch plan_;
+  std::int64_t j_ = 0, g_ = 0;
+  const char* at_ = nullptr;
+  const char* last_ = nullptr;
+};
+
+// Lines per step to spread `lines` over `steps` (rounded up, so the plan ends within the work).
+HWY_INLINE std::int64_t LinesPerStep(std::int64_t lines, std::int64_t steps) {
+  return steps > 0 ? (lines + steps - 1) / steps : 0;
 }
 
-void AttnDecodeScores(const float* HWY_RESTRICT k, std::int64_t ldk, std::int64_t k_head_stride, std::int64_t keys,
-                      std::int64_t heads, const float* const* q_heads, std::int64_t ldq, std::int64_t q_rows,
-                      std::int64_t dim, float* const* st_heads, std::int64_t ld_st) {
-  const DF d;
+// Keys per block of the scores: KB keys of one head share each query vector load. R·KB
+// accumulators stay within half the vector registers (32 on AVX-512, 16 elsewhere), at most 4.
+template <int R>
+constexpr int ScoreKeyBlock() {
+  if (HWY_TARGET == HWY_SCALAR) return 1;
+  constexpr int budget = HWY_MAX_BYTES >= 64 ? 16 : 8;
+  return budget / R >= 4 ? 4 : budget / R >= 2 ? 2 : 1;
+}
+
+// KB cache rows of one head (keys kr, kr + ldk, …) against R query rows: acc_out[r·16·lanes +
+// i·lanes] = the lanes' partial sums of key i over d < full. Each query vector is loaded once for
+// the KB keys.
+template <int R, int KB>
+HWY_INLINE void ScoreKeys(DF d, const float* HWY_RESTRICT kr, std::int64_t ldk, const float* HWY_RESTRICT qg,
+                          std::int64_t ldq, std::int64_t full, float* HWY_RESTRICT acc_out) {
+  const auto n = static_cast<std::int64_t>(hn::Lanes(d));
+  VF acc[KB][R];
+  for (int i = 0; i < KB; ++i) {
+    for (int r = 0; r < R; ++r) acc[i][r] = hn::Zero(d);
+  }
+  for (std::int64_t c = 0; c < full; c += n) {
+    VF kv[KB];
+    for (int i = 0; i < KB; ++i) kv[i] = hn::LoadU(d, kr + i * ldk + c);
+    for (int r = 0; r < R; ++r) {
+      const VF qv = hn::LoadU(d, qg + r * ldq + c);
+      for (int i = 0; i < KB; ++i) acc[i][r] = hn::MulAdd(kv[i], qv, acc[i][r]);
+    }
+  }
+  for (int i = 0; i < KB; ++i) {
+    for (int r = 0; r < R; ++r) hn::Store(acc[i][r], d, acc_out + r * 16 * n + i * n);
+  }
+}
+
+// The scores of one tile with R query rows per head. Keys go in blocks of KB, each block over every
+// head in turn (a block of KB keys × heads rows lies together in [S, G, D] memory); the partial
+// sums of `lanes` rows at a time are then summed across lanes by SumEachVector.
+template <int R>
+void DecodeScoresRows(DF d, const float* HWY_RESTRICT k, std::int64_t ldk, std::int64_t k_head_stride,
+                      std::int64_t keys, std::int64_t heads, const float* const* q_heads, std::int64_t ldq,
+                      std::int64_t dim, float* const* st_heads, std::int64_t ld_st, PrefetchCursor& cursor,
+                      std::int64_t per_row) {
+  constexpr int KB = ScoreKeyBlock<R>();
   const auto n = static_cast<std::int64_t>(hn::Lanes(d));
   const std::int64_t full = HWY_TARGET == HWY_SCALAR ? 0 : dim - dim % n;
   HWY_ALIGN float acc_buffer[kDecodeMaxRows * 16 * 16];  // [r][t][lanes]
   float tails[kDecodeMaxRows][16];
-  float* outs[16];
-  std::int64_t j = 0, g = 0;
-  const std::int64_t total = keys * heads;
-  for (std::int64_t f0 = 0; f0 < total; f0 += n) {
-    const std::int64_t block = std::min(n, total - f0);
-    for (std::int64_t t = 0; t < block; ++t) {
-      const float* kr = k + j * ldk + g * k_head_stride;
-      for (std::int64_t at = 0; at < dim; at += 16) hwy::Prefetch(kr + kDecodeAhead + at);
-      const float* qg = q_heads[g];
-      outs[t] = st_heads[g] + j * ld_st;
-      switch (q_rows) {
-        case 1: ScoreRow<1>(d, kr, qg, ldq, full, acc_buffer + t * n); break;
-        case 2: ScoreRow<2>(d, kr, qg, ldq, full, acc_buffer + t * n); break;
-        case 3: ScoreRow<3>(d, kr, qg, ldq, full, acc_buffer + t * n); break;
-        case 4: ScoreRow<4>(d, kr, qg, ldq, full, acc_buffer + t * n); break;
-        case 5: ScoreRow<5>(d, kr, qg, ldq, full, acc_buffer + t * n); break;
-        case 6: ScoreRow<6>(d, kr, qg, ldq, full, acc_buffer + t * n); break;
-        case 7: ScoreRow<7>(d, kr, qg, ldq, full, acc_buffer + t * n); break;
-        default: ScoreRow<8>(d, kr, qg, ldq, full, acc_buffer + t * n); break;
-      }
-      for (std::int64_t r = 0; r < q_rows; ++r) {
-        float extra = 0;
-        for (std::int64_t c = full; c < dim; ++c) extra += kr[c] * qg[r * ldq + c];
-        tails[r][t] = extra;
-      }
-      if (++g == heads) {
-        g = 0;
-        ++j;
-      }
-    }
-    for (std::int64_t r = 0; r < q_rows; ++r) {
+  float* outs[16] = {};
+  std::int64_t t = 0;  // rows waiting in acc_buffer
+  const auto flush = [&] {
+    for (std::int64_t r = 0; r < R; ++r) {
 #if HWY_TARGET != HWY_SCALAR
-      if (block == n) {
+      if (t == n) {
         VF vecs[16];
-        for (std::int64_t t = 0; t < n; ++t) vecs[t] = hn::Load(d, acc_buffer + (r * 16 + t) * n);
+        for (std::int64_t u = 0; u < n; ++u) vecs[u] = hn::Load(d, acc_buffer + (r * 16 + u) * n);
         HWY_ALIGN float sums[16];
         hn::Store(SumEachVector(d, vecs), d, sums);
-        for (std::int64_t t = 0; t < n; ++t) outs[t][r] = sums[t] + tails[r][t];
+        for (std::int64_t u = 0; u < n; ++u) outs[u][r] = sums[u] + tails[r][u];
         continue;
       }
 #endif
-      for (std::int64_t t = 0; t < block; ++t) {
-        outs[t][r] = hn::GetLane(hn::SumOfLanes(d, hn::Load(d, acc_buffer + (r * 16 + t) * n))) + tails[r][t];
+      for (std::int64_t u = 0; u < t; ++u) {
+        outs[u][r] = hn::GetLane(hn::SumOfLanes(d, hn::Load(d, acc_buffer + (r * 16 + u) * n))) + tails[r][u];
       }
+    }
+    t = 0;
+  };
+  for (std::int64_t j0 = 0; j0 < keys; j0 += KB) {
+    const std::int64_t block = std::min<std::int64_t>(KB, keys - j0);
+    for (std::int64_t g = 0; g < heads; ++g) {
+      if (t + block > n) flush();
+      const float* kr = k + j0 * ldk + g * k_head_stride;
+      const float* qg = q_heads[g];
+      for (std::int64_t i = 0; i < block; ++i) {
+        for (std::int64_t at = 0; at < dim; at += 16) hwy::Prefetch(kr + i * ldk + kDecodeAhead + at);
+        outs[t + i] = st_heads[g] + (j0 + i) * ld_st;
+        for (std::int64_t r = 0; r < R; ++r) {
+          float extra = 0;
+          for (std::int64_t c = full; c < dim; ++c) extra += kr[i * ldk + c] * qg[r * ldq + c];
+          tails[r][t + i] = extra;
+        }
+      }
+      cursor.step(per_row * block);
+      if (block == KB) {
+        ScoreKeys<R, KB>(d, kr, ldk, qg, ldq, full, acc_buffer + t * n);
+      } else {
+        for (std::int64_t i = 0; i < block; ++i) ScoreKeys<R, 1>(d, kr + i * ldk, ldk, qg, ldq, full, acc_buffer + (t + i) * n);
+      }
+      t += block;
+      if (t == n) flush();
+    }
+  }
+  flush();
+}
+
+void AttnDecodeScores(const float* HWY_RESTRICT k, std::int64_t ldk, std::int64_t k_head_stride, std::int64_t keys,
+                      std::int64_t heads, const float* const* q_heads, std::int64_t ldq, std::int64_t q_rows,
+                      std::int64_t dim, float* const* st_heads, std::int64_t ld_st, const DecodePrefetch& ahead) {
+  const DF d;
+  PrefetchCursor cursor(ahead);
+  const std::int64_t per_row = LinesPerStep(cursor.lines(), keys * heads);
+  switch (q_rows) {
+#define POSENC_DECODE_SCORES(R) \
+  case R: DecodeScoresRows<R>(d, k, ldk, k_head_stride, keys, heads, q_heads, ldq, dim, st_heads, ld_st, cursor, per_row); break;
+    POSENC_DECODE_SCORES(1)
+    POSENC_DECODE_SCORES(2)
+    POSENC_DECODE_SCORES(3)
+    POSENC_DECODE_SCORES(4)
+    POSENC_DECODE_SCORES(5)
+    POSENC_DECODE_SCORES(6)
+    POSENC_DECODE_SCORES(7)
+#undef POSENC_DECODE_SCORES
+    default: DecodeScoresRows<8>(d, k, ldk, k_head_stride, keys, heads, q_heads, ldq, dim, st_heads, ld_st, cursor, per_row); break;
+  }
+  cursor.step(cursor.lines());  // nothing is left unless the tile was empty
+}
+
+// o[r][c0 + v·lanes …] += Σ_j p[j·ld_p + r]·v_j[c0 + v·lanes …] for r < R, v < V: R·V
+// accumulators in registers across the keys, each value vector loaded once per key.
+template <int R, int V>
+HWY_INLINE void ValueColumns(DF d, const float* HWY_RESTRICT v, std::int64_t ldv, std::int64_t keys,
+                             const float* HWY_RESTRICT p, std::int64_t ld_p, float* HWY_RESTRICT o, std::int64_t ldo,
+                             PrefetchCursor& cursor, std::int64_t per_key) {
+  const auto n = static_cast<std::int64_t>(hn::Lanes(d));
+  VF acc[R][V];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < V; ++c) acc[r][c] = hn::LoadU(d, o + r * ldo + c * n);
+  }
+  for (std::int64_t j = 0; j < keys; ++j) {
+    VF vv[V];
+    for (int c = 0; c < V; ++c) vv[c] = hn::LoadU(d, v + j * ldv + c * n);
+    for (int r = 0; r < R; ++r) {
+      const VF pr = hn::Set(d, p[j * ld_p + r]);
+      for (int c = 0; c < V; ++c) acc[r][c] = hn::MulAdd(pr, vv[c], acc[r][c]);
+    }
+    cursor.step(per_key);
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < V; ++c) hn::StoreU(acc[r][c], d, o + r * ldo + c * n);
+  }
+}
+
+// Vectors per column block of R rows: 4 while R·4 accumulators fit beside the loads in AVX-512's 32
+// registers, else 2.
+constexpr int ValueBlockVectors(std::int64_t rows) {
+  return HWY_TARGET == HWY_SCALAR ? 1 : (rows <= 4 && HWY_MAX_BYTES >= 64) ? 4 : 2;
+}
+// Column blocks (of either width) of one head's rows, for spreading the prefetches.
+HWY_INLINE std::int64_t ValueBlocks(std::int64_t rows, std::int64_t cols, std::int64_t lanes) {
+  const std::int64_t wide = ValueBlockVectors(rows) * lanes;
+  return cols / wide + (cols % wide) / lanes;
+}
+
+// Column blocks of one head's rows: ValueBlockVectors(R) vectors at a time, then single vectors,
+// then scalar columns.
+template <int R>
+HWY_INLINE void ValueRows(DF d, const float* HWY_RESTRICT v, std::int64_t ldv, std::int64_t keys,
+                          const float* HWY_RESTRICT p, std::int64_t ld_p, std::int64_t cols, float* HWY_RESTRICT o,
+                          std::int64_t ldo, PrefetchCursor& cursor, std::int64_t per_key) {
+  const auto n = static_cast<std::int64_t>(hn::Lanes(d));
+  constexpr int kWide = ValueBlockVectors(R);
+  std::int64_t c = 0;
+  for (; c + kWide * n <= cols; c += kWide * n) {
+    ValueColumns<R, kWide>(d, v + c, ldv, keys, p, ld_p, o + c, ldo, cursor, per_key);
+  }
+  for (; c + n <= cols; c += n) ValueColumns<R, 1>(d, v + c, ldv, keys, p, ld_p, o + c, ldo, cursor, per_key);
+  for (; c < cols; ++c) {
+    for (int r = 0; r < R; ++r) {
+      float sum = o[r * ldo + c];
+      for (std::int64_t j = 0; j < keys; ++j) sum = std::fma(p[j * ld_p + r], v[j * ldv + c], sum);
+      o[r * ldo + c] = sum;
     }
   }
 }
 
 void AttnDecodeValues(const float* HWY_RESTRICT v, std::int64_t ldv, std::int64_t v_head_stride, std::int64_t keys,
                       std::int64_t heads, const float* const* p_heads, std::int64_t ld_p, std::int64_t rows,
-                      std::int64_t cols, float* const* o_heads, std::int64_t ldo, float* HWY_RESTRICT pack) {
+                      std::int64_t cols, float* const* o_heads, std::int64_t ldo, const DecodePrefetch& ahead) {
   const DF d;
   const auto n = static_cast<std::int64_t>(hn::Lanes(d));
-  const std::int64_t vec_cols = cols - cols % n;
-  for (std::int64_t j = 0; j < keys; ++j) {
-    for (std::int64_t g = 0; g < heads; ++g) {
-      const float* src = v + j * ldv + g * v_head_stride;
-      for (std::int64_t at = 0; at < cols; at += 16) hwy::Prefetch(src + kDecodeAhead + at);
-      float* dst = pack + (g * keys + j) * cols;
-      std::int64_t c = 0;
-      for (; c < vec_cols; c += n) hn::StoreU(hn::LoadU(d, src + c), d, dst + c);
-      for (; c < cols; ++c) dst[c] = src[c];
+  PrefetchCursor cursor(ahead);
+  // Steps: one per key per column block of every head.
+  const std::int64_t per_key = LinesPerStep(cursor.lines(), heads * ValueBlocks(rows, cols, n) * keys);
+  for (std::int64_t g = 0; g < heads; ++g) {
+    const float* vg = v + g * v_head_stride;
+    const float* p = p_heads[g];
+    float* o = o_heads[g];
+    switch (rows) {
+      case 1: ValueRows<1>(d, vg, ldv, keys, p, ld_p, cols, o, ldo, cursor, per_key); break;
+      case 2: ValueRows<2>(d, vg, ldv, keys, p, ld_p, cols, o, ldo, cursor, per_key); break;
+      case 3: ValueRows<3>(d, vg, ldv, keys, p, ld_p, cols, o, ldo, cursor, per_key); break;
+      case 4: ValueRows<4>(d, vg, ldv, keys, p, ld_p, cols, o, ldo, cursor, per_key); break;
+      case 5: ValueRows<5>(d, vg, ldv, keys, p, ld_p, cols, o, ldo, cursor, per_key); break;
+      case 6: ValueRows<6>(d, vg, ldv, keys, p, ld_p, cols, o, ldo, cursor, per_key); break;
+      case 7: ValueRows<7>(d, vg, ldv, keys, p, ld_p, cols, o, ldo, cursor, per_key); break;
+      default: ValueRows<8>(d, vg, ldv, keys, p, ld_p, cols, o, ldo, cursor, per_key); break;
     }
   }
-  for (std::int64_t g = 0; g < heads; ++g) {
-    AttnGemm(p_heads[g], 1, ld_p, pack + g * keys * cols, cols, o_heads[g], ldo, rows, cols, keys, true);
-  }
+  cursor.step(cursor.lines());
 }
 
 // exp, with results below FLT_MIN (arguments below −87.3) flushed to 0: ALiBi's long distances
@@ -471,15 +620,16 @@ HWY_EXPORT(AttnDecodeValues);
 
 void attn_decode_scores(const float* k, std::int64_t ldk, std::int64_t k_head_stride, std::int64_t keys, std::int64_t heads,
                         const float* const* q_heads, std::int64_t ldq, std::int64_t q_rows, std::int64_t dim,
-                        float* const* st_heads, std::int64_t ld_st) {
+                        float* const* st_heads, std::int64_t ld_st, const DecodePrefetch& ahead) {
   if (q_rows > 8) throw Error("attention kernel", "q_rows", std::to_string(q_rows), "<= 8 (decode)");
-  HWY_DYNAMIC_DISPATCH(AttnDecodeScores)(k, ldk, k_head_stride, keys, heads, q_heads, ldq, q_rows, dim, st_heads, ld_st);
+  HWY_DYNAMIC_DISPATCH(AttnDecodeScores)(k, ldk, k_head_stride, keys, heads, q_heads, ldq, q_rows, dim, st_heads, ld_st,
+                                         ahead);
 }
 void attn_decode_values(const float* v, std::int64_t ldv, std::int64_t v_head_stride, std::int64_t keys, std::int64_t heads,
                         const float* const* p_heads, std::int64_t ld_p, std::int64_t rows, std::int64_t cols,
-                        float* const* o_heads, std::int64_t ldo, float* pack) {
+                        float* const* o_heads, std::int64_t ldo, const DecodePrefetch& ahead) {
   if (rows > 8) throw Error("attention kernel", "rows", std::to_string(rows), "<= 8 (decode)");
-  HWY_DYNAMIC_DISPATCH(AttnDecodeValues)(v, ldv, v_head_stride, keys, heads, p_heads, ld_p, rows, cols, o_heads, ldo, pack);
+  HWY_DYNAMIC_DISPATCH(AttnDecodeValues)(v, ldv, v_head_stride, keys, heads, p_heads, ld_p, rows, cols, o_heads, ldo, ahead);
 }
 HWY_EXPORT(AttnMaskTile);
 

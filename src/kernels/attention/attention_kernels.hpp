@@ -27,19 +27,28 @@ void attn_gemm(const float* a, std::int64_t a_row, std::int64_t a_depth, const f
 void attn_pack_heads(const void* src, DType dtype, std::int64_t seq_stride, std::int64_t head_stride, std::int64_t keys,
                      std::int64_t heads, std::int64_t dim, float* dst, std::int64_t dim_padded);
 
+// Rows of a cache tile to pull towards this core while a decode kernel computes on other data:
+// row (j, g) for j < keys, g < heads spans [base + j·ld + g·head_stride, + row_bytes) (bytes).
+// An empty plan (base == nullptr) prefetches nothing.
+struct DecodePrefetch {
+  const char* base = nullptr;
+  std::int64_t ld = 0, head_stride = 0, keys = 0, heads = 0, row_bytes = 0;
+};
+
 // Decode over all KV heads of a key tile, in memory order (key j, then head g; the scores take
 // blocks of rows of the flattened (j, g) grid, so any strides work, memory order is fastest):
 //   scores  st_heads[g][j·ld_st + r] = Σ_d k[j·ldk + g·k_head_stride + d]·q_heads[g][r·ldq + d]
 //   values  o_heads[g][r·ldo + c] += Σ_j p_heads[g][j·ld_p + r]·v[j·ldv + g·v_head_stride + c]
-//           for c < cols (a multiple of kAttnAlign: value rows padded, or D itself); `pack`:
-//           scratch of keys·heads·cols floats
-// At most 8 query rows per head (the engine's kDecodeRows).
+//           for c < cols, in j order (one fused multiply-add per key), straight from the rows
+// At most 8 query rows per head (the engine's kDecodeRows). Each kernel spreads prefetches of
+// `ahead` evenly over its work, into L2: the engine passes the tile's values to the scores and the
+// next tile's keys to the values, so the memory streams while either computes.
 void attn_decode_scores(const float* k, std::int64_t ldk, std::int64_t k_head_stride, std::int64_t keys, std::int64_t heads,
                         const float* const* q_heads, std::int64_t ldq, std::int64_t q_rows, std::int64_t dim,
-                        float* const* st_heads, std::int64_t ld_st);
+                        float* const* st_heads, std::int64_t ld_st, const DecodePrefetch& ahead);
 void attn_decode_values(const float* v, std::int64_t ldv, std::int64_t v_head_stride, std::int64_t keys, std::int64_t heads,
                         const float* const* p_heads, std::int64_t ld_p, std::int64_t rows, std::int64_t cols,
-                        float* const* o_heads, std::int64_t ldo, float* pack);
+                        float* const* o_heads, std::int64_t ldo, const DecodePrefetch& ahead);
 
 // Online-softmax step over a tile S^T [keys][width] (width a multiple of kAttnAlign): with the
 // running max m[r] and sum l[r] of each row, m' = max(m, max_j S^T[j][r]); S^T becomes

@@ -125,6 +125,21 @@ void AttentionPlan::load_row(const void* base, const HeadsGrid& g, std::int64_t 
   for (std::int64_t d = dim; d < dim_padded; ++d) out[d] = 0.0f;
 }
 
+kernels::RowPrefetch AttentionPlan::rows_ahead(const void* base, const HeadsGrid& g, const Sequence& seq,
+                                               std::int64_t k_first, std::int64_t keys, std::int64_t h_first,
+                                               std::int64_t head_count) const {
+  kernels::RowPrefetch plan;
+  if (g.dim_stride != 1 || keys <= 0) return plan;
+  const auto width = static_cast<std::int64_t>(dtype_size(dtype));
+  plan.base = static_cast<const char*>(base) + (g.offset(seq.b, seq.k0 + k_first) + h_first * g.head_stride) * width;
+  plan.ld = g.seq_stride * width;
+  plan.head_stride = g.head_stride * width;
+  plan.keys = keys;
+  plan.heads = head_count;
+  plan.row_bytes = dim * width;
+  return plan;
+}
+
 void AttentionPlan::store_row(const float* row, void* base, const HeadsGrid& g, std::int64_t b, std::int64_t s,
                               std::int64_t h, bool accumulate) const {
   const std::int64_t offset = g.offset(b, s) + h * g.head_stride;
@@ -995,19 +1010,6 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
     grow(s.v, decode_tile * g_count * dp);
   }
   const std::int64_t width = static_cast<std::int64_t>(dtype_size(dtype));
-  // Rows [k_first, k_first + keys) of the cache `data` (grid `grid`), as a prefetch plan; none
-  // where the rows are not contiguous in dim.
-  const auto cache_rows = [&](const void* data, const HeadsGrid& grid, std::int64_t k_first, std::int64_t keys) {
-    kernels::DecodePrefetch plan;
-    if (grid.dim_stride != 1 || keys <= 0) return plan;
-    plan.base = static_cast<const char*>(data) + grid.offset(seq.b, seq.k0 + k_first) * width;
-    plan.ld = grid.seq_stride * width;
-    plan.head_stride = grid.head_stride * width;
-    plan.keys = keys;
-    plan.heads = g_count;
-    plan.row_bytes = dim * width;
-    return plan;
-  };
   for (std::int64_t k0 = k_begin; k0 < k_end; k0 += decode_tile) {
     const std::int64_t keys = std::min(decode_tile, k_end - k0);
     const float *kp, *vp;
@@ -1047,7 +1049,7 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
     // the next tile's keys do.
     const std::int64_t next_keys = std::min(decode_tile, k_end - (k0 + keys));
     kernels::attn_decode_scores(kp, ldk, khs, keys, g_count, q_heads.data(), dp, valid, dim, st_heads.data(), w,
-                                cache_rows(v_data, vg, k0, keys));
+                                rows_ahead(v_data, vg, seq, k0, keys, 0, g_count));
     for (std::int64_t g = 0; g < g_count; ++g) {
       AttentionUnitScratch& hs = heads_scratch[static_cast<std::size_t>(g)];
       const RowBlock& rb = rows[static_cast<std::size_t>(g)];
@@ -1077,7 +1079,7 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
       }
     }
     kernels::attn_decode_values(vp, ldv, vhs, keys, g_count, p_heads.data(), w, valid, direct ? dim : dp, o_heads.data(), dp,
-                                cache_rows(k_data, kg, k0 + keys, next_keys));
+                                rows_ahead(k_data, kg, seq, k0 + keys, next_keys, 0, g_count));
   }
 }
 

@@ -23,6 +23,50 @@ namespace hn = hwy::HWY_NAMESPACE;
 using DF = hn::ScalableTag<float>;
 using VF = hn::Vec<DF>;
 
+// Walks the rows of a RowPrefetch a cache line at a time.
+class PrefetchCursor {
+ public:
+  explicit PrefetchCursor(const RowPrefetch& plan) : plan_(plan) {
+    if (plan_.base == nullptr || plan_.keys <= 0 || plan_.heads <= 0 || plan_.row_bytes <= 0) plan_.keys = 0;
+    start_row();
+  }
+  // Lines in the plan (a row spans at most row_bytes / 64 + 1 lines).
+  std::int64_t lines() const { return plan_.keys * plan_.heads * (plan_.row_bytes / kLine + 1); }
+  // Issues prefetches for the next `count` lines (nothing once the plan is done).
+  void step(std::int64_t count) {
+    for (; count > 0 && j_ < plan_.keys; --count) {
+      __builtin_prefetch(at_, 0, 2);  // read, into L2 (prefetcht1): L1 holds the working rows
+      at_ += kLine;
+      if (at_ > last_) {
+        if (++g_ == plan_.heads) {
+          g_ = 0;
+          ++j_;
+        }
+        start_row();
+      }
+    }
+  }
+
+ private:
+  static constexpr std::int64_t kLine = 64;
+  void start_row() {
+    if (j_ >= plan_.keys) return;
+    const char* row = plan_.base + j_ * plan_.ld + g_ * plan_.head_stride;
+    const auto address = reinterpret_cast<std::uintptr_t>(row);
+    at_ = row - (address % kLine);
+    last_ = row + plan_.row_bytes - 1;
+  }
+  RowPrefetch plan_;
+  std::int64_t j_ = 0, g_ = 0;
+  const char* at_ = nullptr;
+  const char* last_ = nullptr;
+};
+
+// Lines per step to spread `lines` over `steps` (rounded up, so the plan ends within the work).
+HWY_INLINE std::int64_t LinesPerStep(std::int64_t lines, std::int64_t steps) {
+  return steps > 0 ? (lines + steps - 1) / steps : 0;
+}
+
 // Register blocking of the matrix kernel: kRows broadcast rows × kVecs vectors of accumulators.
 // AVX-512 has 32 vector registers: 6 × 4 accumulators, 4 B vectors and a broadcast fit; 16
 // registers (AVX2, SSE4) take 4 × 2.
@@ -127,9 +171,6 @@ HWY_INLINE VF SumEachVector(DF d, VF* acc) {
 }
 #endif
 
-void AttnGemm(const float* a, std::int64_t a_row, std::int64_t a_depth, const float* b, std::int64_t ldb, float* c,
-              std::int64_t ldc, std::int64_t rows, std::int64_t cols, std::int64_t depth, bool accumulate);
-
 // Decode over every KV head of a key tile in memory order: rows f = j·heads + g (key j, head g),
 // which in [S, G, D] memory are consecutive, so the cache streams through once and the hardware
 // prefetchers follow it.
@@ -147,50 +188,6 @@ constexpr std::int64_t kDecodeMaxRows = 8;
 // D 128 f32, 2 threads, before `ahead` existed: none 10.0–10.1 GB/s, 1 KiB 11.4–12.0, 4 KiB
 // 12.6–12.9, 16 KiB 12.3–12.5.
 constexpr std::int64_t kDecodeAhead = 1024;
-
-// Walks the rows of a DecodePrefetch a cache line at a time.
-class PrefetchCursor {
- public:
-  explicit PrefetchCursor(const DecodePrefetch& plan) : plan_(plan) {
-    if (plan_.base == nullptr || plan_.keys <= 0 || plan_.heads <= 0 || plan_.row_bytes <= 0) plan_.keys = 0;
-    start_row();
-  }
-  // Lines in the plan (a row spans at most row_bytes / 64 + 1 lines).
-  std::int64_t lines() const { return plan_.keys * plan_.heads * (plan_.row_bytes / kLine + 1); }
-  // Issues prefetches for the next `count` lines (nothing once the plan is done).
-  void step(std::int64_t count) {
-    for (; count > 0 && j_ < plan_.keys; --count) {
-      __builtin_prefetch(at_, 0, 2);  // read, into L2 (prefetcht1): L1 holds the working rows
-      at_ += kLine;
-      if (at_ > last_) {
-        if (++g_ == plan_.heads) {
-          g_ = 0;
-          ++j_;
-        }
-        start_row();
-      }
-    }
-  }
-
- private:
-  static constexpr std::int64_t kLine = 64;
-  void start_row() {
-    if (j_ >= plan_.keys) return;
-    const char* row = plan_.base + j_ * plan_.ld + g_ * plan_.head_stride;
-    const auto address = reinterpret_cast<std::uintptr_t>(row);
-    at_ = row - (address % kLine);
-    last_ = row + plan_.row_bytes - 1;
-  }
-  DecodePrefetch plan_;
-  std::int64_t j_ = 0, g_ = 0;
-  const char* at_ = nullptr;
-  const char* last_ = nullptr;
-};
-
-// Lines per step to spread `lines` over `steps` (rounded up, so the plan ends within the work).
-HWY_INLINE std::int64_t LinesPerStep(std::int64_t lines, std::int64_t steps) {
-  return steps > 0 ? (lines + steps - 1) / steps : 0;
-}
 
 // Keys per block of the scores: KB keys of one head share each query vector load. R·KB
 // accumulators stay within half the vector registers (32 on AVX-512, 16 elsewhere), at most 4.
@@ -288,7 +285,7 @@ void DecodeScoresRows(DF d, const float* HWY_RESTRICT k, std::int64_t ldk, std::
 
 void AttnDecodeScores(const float* HWY_RESTRICT k, std::int64_t ldk, std::int64_t k_head_stride, std::int64_t keys,
                       std::int64_t heads, const float* const* q_heads, std::int64_t ldq, std::int64_t q_rows,
-                      std::int64_t dim, float* const* st_heads, std::int64_t ld_st, const DecodePrefetch& ahead) {
+                      std::int64_t dim, float* const* st_heads, std::int64_t ld_st, const RowPrefetch& ahead) {
   const DF d;
   PrefetchCursor cursor(ahead);
   const std::int64_t per_row = LinesPerStep(cursor.lines(), keys * heads);
@@ -368,7 +365,7 @@ HWY_INLINE void ValueRows(DF d, const float* HWY_RESTRICT v, std::int64_t ldv, s
 
 void AttnDecodeValues(const float* HWY_RESTRICT v, std::int64_t ldv, std::int64_t v_head_stride, std::int64_t keys,
                       std::int64_t heads, const float* const* p_heads, std::int64_t ld_p, std::int64_t rows,
-                      std::int64_t cols, float* const* o_heads, std::int64_t ldo, const DecodePrefetch& ahead) {
+                      std::int64_t cols, float* const* o_heads, std::int64_t ldo, const RowPrefetch& ahead) {
   const DF d;
   const auto n = static_cast<std::int64_t>(hn::Lanes(d));
   PrefetchCursor cursor(ahead);
@@ -620,14 +617,14 @@ HWY_EXPORT(AttnDecodeValues);
 
 void attn_decode_scores(const float* k, std::int64_t ldk, std::int64_t k_head_stride, std::int64_t keys, std::int64_t heads,
                         const float* const* q_heads, std::int64_t ldq, std::int64_t q_rows, std::int64_t dim,
-                        float* const* st_heads, std::int64_t ld_st, const DecodePrefetch& ahead) {
+                        float* const* st_heads, std::int64_t ld_st, const RowPrefetch& ahead) {
   if (q_rows > 8) throw Error("attention kernel", "q_rows", std::to_string(q_rows), "<= 8 (decode)");
   HWY_DYNAMIC_DISPATCH(AttnDecodeScores)(k, ldk, k_head_stride, keys, heads, q_heads, ldq, q_rows, dim, st_heads, ld_st,
                                          ahead);
 }
 void attn_decode_values(const float* v, std::int64_t ldv, std::int64_t v_head_stride, std::int64_t keys, std::int64_t heads,
                         const float* const* p_heads, std::int64_t ld_p, std::int64_t rows, std::int64_t cols,
-                        float* const* o_heads, std::int64_t ldo, const DecodePrefetch& ahead) {
+                        float* const* o_heads, std::int64_t ldo, const RowPrefetch& ahead) {
   if (rows > 8) throw Error("attention kernel", "rows", std::to_string(rows), "<= 8 (decode)");
   HWY_DYNAMIC_DISPATCH(AttnDecodeValues)(v, ldv, v_head_stride, keys, heads, p_heads, ld_p, rows, cols, o_heads, ldo, ahead);
 }

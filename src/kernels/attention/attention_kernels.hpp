@@ -16,6 +16,17 @@ namespace posenc::kernels {
 // floats: a multiple of every target's f32 lane count.
 inline constexpr std::int64_t kAttnAlign = 16;
 
+// Rows of K or V to pull into L2 while a decode kernel computes on other data: row (j, g) for
+// j < keys, g < heads spans [base + j·ld + g·head_stride, + row_bytes) (bytes). The kernels that
+// take one spread its lines evenly over their work. An empty plan (base == nullptr) prefetches
+// nothing. (Tried in the prefill matrix kernel too: prefetches between register blocks stalled on
+// the line fill buffers, inside the depth loop they spilled the accumulators; the burst before
+// each key tile in forward_unit measured faster than either.)
+struct RowPrefetch {
+  const char* base = nullptr;
+  std::int64_t ld = 0, head_stride = 0, keys = 0, heads = 0, row_bytes = 0;
+};
+
 // C[m][n] (+)= Σ_t A(m, t)·B[t][n] for m < rows, n < cols, t < depth, in f32 with fused
 // multiply-adds in t order. A(m, t) = a[m·a_row + t·a_depth] (any strides: broadcast operand);
 // B rows at b + t·ldb, C rows at c + m·ldc; cols a multiple of kAttnAlign.
@@ -27,14 +38,6 @@ void attn_gemm(const float* a, std::int64_t a_row, std::int64_t a_depth, const f
 void attn_pack_heads(const void* src, DType dtype, std::int64_t seq_stride, std::int64_t head_stride, std::int64_t keys,
                      std::int64_t heads, std::int64_t dim, float* dst, std::int64_t dim_padded);
 
-// Rows of a cache tile to pull towards this core while a decode kernel computes on other data:
-// row (j, g) for j < keys, g < heads spans [base + j·ld + g·head_stride, + row_bytes) (bytes).
-// An empty plan (base == nullptr) prefetches nothing.
-struct DecodePrefetch {
-  const char* base = nullptr;
-  std::int64_t ld = 0, head_stride = 0, keys = 0, heads = 0, row_bytes = 0;
-};
-
 // Decode over all KV heads of a key tile, in memory order (key j, then head g; the scores take
 // blocks of rows of the flattened (j, g) grid, so any strides work, memory order is fastest):
 //   scores  st_heads[g][j·ld_st + r] = Σ_d k[j·ldk + g·k_head_stride + d]·q_heads[g][r·ldq + d]
@@ -45,10 +48,10 @@ struct DecodePrefetch {
 // next tile's keys to the values, so the memory streams while either computes.
 void attn_decode_scores(const float* k, std::int64_t ldk, std::int64_t k_head_stride, std::int64_t keys, std::int64_t heads,
                         const float* const* q_heads, std::int64_t ldq, std::int64_t q_rows, std::int64_t dim,
-                        float* const* st_heads, std::int64_t ld_st, const DecodePrefetch& ahead);
+                        float* const* st_heads, std::int64_t ld_st, const RowPrefetch& ahead);
 void attn_decode_values(const float* v, std::int64_t ldv, std::int64_t v_head_stride, std::int64_t keys, std::int64_t heads,
                         const float* const* p_heads, std::int64_t ld_p, std::int64_t rows, std::int64_t cols,
-                        float* const* o_heads, std::int64_t ldo, const DecodePrefetch& ahead);
+                        float* const* o_heads, std::int64_t ldo, const RowPrefetch& ahead);
 
 // Online-softmax step over a tile S^T [keys][width] (width a multiple of kAttnAlign): with the
 // running max m[r] and sum l[r] of each row, m' = max(m, max_j S^T[j][r]); S^T becomes

@@ -1111,14 +1111,49 @@ void AttentionPlan::backward(ConstTensorView out, ConstTensorView lse, ConstTens
   }
   if (grads != nullptr) check_gradients(*grads);
   const bool want_bias_grads = grads != nullptr && any_trainable_bias;
+  // Units: (sequence, KV head, query range). A sequence's queries are split into ranges only when
+  // there are fewer than kSplitBelow (sequence, KV head) pairs, so that batch 1 with few KV heads
+  // still spreads over the cores; ranges hold at least kMinRangeQueries queries. The rule depends
+  // on the shapes only, never on the thread count, so results stay bitwise the same for any
+  // number of threads. A split unit owns its dQ rows and its parameter-gradient slots as before,
+  // and leaves dK, dV for the keys its queries see in `kv_parts` (f32, [dK rows | dV rows]);
+  // those are summed per key in range order afterwards. (Splitting the keys instead would make
+  // every unit load and transpose all the queries it needs: measured 30% slower per thread.)
+  // Transformer-XL runs its row blocks outer over all keys and is not split.
+  constexpr std::int64_t kSplitBelow = 8, kMinRangeQueries = 256;
   struct Unit {
-    std::int64_t seq, kvh;
+    std::int64_t seq, kvh, i0, count, key_lo, key_hi;
+    std::int64_t part;  // offset of its dK, dV rows in kv_parts, or −1: stored directly
   };
   std::vector<Unit> units;
-  for (std::int64_t si = 0; si < static_cast<std::int64_t>(sequences.size()); ++si) {
-    if (sequences[static_cast<std::size_t>(si)].lq == 0 || sequences[static_cast<std::size_t>(si)].lk == 0) continue;
-    for (std::int64_t kvh = 0; kvh < kv_heads; ++kvh) units.push_back({si, kvh});
+  std::int64_t pairs = 0;
+  for (const Sequence& seq : sequences) pairs += seq.lq > 0 && seq.lk > 0 ? kv_heads : 0;
+  const std::int64_t want_ranges = any_xl || pairs >= kSplitBelow || pairs == 0 ? 1 : (kSplitBelow + pairs - 1) / pairs;
+  std::int64_t part_floats = 0;
+  {
+    RowBlock probe;
+    for (std::int64_t si = 0; si < static_cast<std::int64_t>(sequences.size()); ++si) {
+      const Sequence& seq = sequences[static_cast<std::size_t>(si)];
+      if (seq.lq == 0 || seq.lk == 0) continue;
+      const std::int64_t ranges = std::max<std::int64_t>(1, std::min(want_ranges, seq.lq / kMinRangeQueries));
+      for (std::int64_t kvh = 0; kvh < kv_heads; ++kvh) {
+        // Latest queries first: under a causal mask they see the most keys, and the dynamic
+        // schedule balances better with the large units at the front.
+        for (std::int64_t r = ranges - 1; r >= 0; --r) {
+          const std::int64_t i0 = r * seq.lq / ranges, i1 = (r + 1) * seq.lq / ranges;
+          if (ranges == 1) {
+            units.push_back({si, kvh, 0, seq.lq, 0, seq.lk, -1});
+            continue;
+          }
+          layout_rows(seq, kvh, i0, i1 - i0, false, probe);
+          const std::int64_t lo = probe.key_lo, hi = std::max(probe.key_lo, probe.key_hi);
+          units.push_back({si, kvh, i0, i1 - i0, lo, hi, (want_dk || want_dv) && hi > lo ? part_floats : -1});
+          if ((want_dk || want_dv) && hi > lo) part_floats += 2 * (hi - lo) * dim;
+        }
+      }
+    }
   }
+  std::vector<float> kv_parts(static_cast<std::size_t>(part_floats));
   // Per unit, its share of the bias parameters' gradients (summed in unit order afterwards).
   const std::int64_t grad_size = want_bias_grads ? bias_gradient_size() : 0;
   std::vector<double> unit_grads(static_cast<std::size_t>(grad_size) * units.size());
@@ -1144,9 +1179,51 @@ void AttentionPlan::backward(ConstTensorView out, ConstTensorView lse, ConstTens
                     want_dv ? &dv : nullptr, dvg, want_bias_grads ? unit_grads.data() + u * static_cast<std::size_t>(grad_size) : nullptr,
                     shaw_size > 0 ? unit_shaw_grads.data() + u * static_cast<std::size_t>(shaw_size) : nullptr,
                     xl_size > 0 ? unit_xl_grads.data() + u * static_cast<std::size_t>(xl_size) : nullptr,
-                    tupe_size > 0 ? unit_tupe_grads.data() + u * static_cast<std::size_t>(tupe_size) : nullptr, s, rb);
+                    tupe_size > 0 ? unit_tupe_grads.data() + u * static_cast<std::size_t>(tupe_size) : nullptr,
+                    units[u].i0, units[u].count, units[u].part >= 0 ? kv_parts.data() + units[u].part : nullptr,
+                    units[u].key_lo, units[u].key_hi, s, rb);
     }
     scratch_bytes += s.bytes();
+  }
+  if (part_floats > 0) {
+    // dK, dV of the split units: each key's rows summed over the ranges whose queries see it, in
+    // unit order (fp64), then added into dk, dv. Keys are independent, so this loop's thread count
+    // does not change a bit.
+    std::size_t u0 = 0;
+    while (u0 < units.size()) {
+      std::size_t u1 = u0 + 1;
+      while (u1 < units.size() && units[u1].seq == units[u0].seq && units[u1].kvh == units[u0].kvh) ++u1;
+      const Sequence& seq = sequences[static_cast<std::size_t>(units[u0].seq)];
+      const std::int64_t kvh = units[u0].kvh;
+      if (units[u0].i0 != 0 || units[u0].count != seq.lq) {
+#pragma omp parallel num_threads(threads)
+        {
+          std::vector<double> sum(static_cast<std::size_t>(2 * dim));
+          std::vector<float> row(static_cast<std::size_t>(2 * dim));
+#pragma omp for schedule(static)
+          for (std::int64_t key = 0; key < seq.lk; ++key) {
+            std::fill(sum.begin(), sum.end(), 0.0);
+            bool seen = false;
+            for (std::size_t u = u0; u < u1; ++u) {
+              const Unit& un = units[u];
+              if (un.part < 0 || key < un.key_lo || key >= un.key_hi) continue;
+              seen = true;
+              const float* dk_row = kv_parts.data() + un.part + (key - un.key_lo) * dim;
+              const float* dv_row = dk_row + (un.key_hi - un.key_lo) * dim;
+              for (std::int64_t t = 0; t < dim; ++t) {
+                sum[static_cast<std::size_t>(t)] += dk_row[t];
+                sum[static_cast<std::size_t>(dim + t)] += dv_row[t];
+              }
+            }
+            if (!seen) continue;
+            for (std::int64_t t = 0; t < 2 * dim; ++t) row[static_cast<std::size_t>(t)] = static_cast<float>(sum[static_cast<std::size_t>(t)]);
+            if (want_dk) store_row_to(row.data(), dk, dkg, seq.b, seq.k0 + key, kvh);
+            if (want_dv) store_row_to(row.data() + dim, dv, dvg, seq.b, seq.k0 + key, kvh);
+          }
+        }
+      }
+      u0 = u1;
+    }
   }
   if (want_bias_grads) {
     std::vector<double> total(static_cast<std::size_t>(grad_size), 0.0);
@@ -1184,18 +1261,21 @@ void AttentionPlan::backward(ConstTensorView out, ConstTensorView lse, ConstTens
   if (tupe_size > 0) finish_tupe_gradients(sum_per_kv_head(unit_tupe_grads, tupe_size), *grads);
   last_workspace_bytes = scratch_bytes + table_bytes() +
                          static_cast<std::int64_t>((unit_grads.size() + unit_shaw_grads.size() + unit_xl_grads.size() + unit_tupe_grads.size()) *
-                                                     sizeof(double));
+                                                     sizeof(double)) +
+                         static_cast<std::int64_t>(kv_parts.size() * sizeof(float));
 }
 
 void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTensorView out, const HeadsGrid& og,
                                   ConstTensorView lse, ConstTensorView d_out, const HeadsGrid& dog, TensorView* dq,
                                   const HeadsGrid& dqg, TensorView* dk, const HeadsGrid& dkg, TensorView* dv,
                                   const HeadsGrid& dvg, double* unit_grads, double* unit_shaw_grads,
-                                  double* unit_xl_grads, double* unit_tupe_grads, AttentionUnitScratch& s,
-                                  RowBlock& rb) const {
+                                  double* unit_xl_grads, double* unit_tupe_grads, std::int64_t i0,
+                                  std::int64_t count, float* kv_part, std::int64_t part_key_lo,
+                                  std::int64_t part_key_hi, AttentionUnitScratch& s, RowBlock& rb) const {
   const std::int64_t dp = dim_padded, d = dim;
-  // All rows of the unit, head-major, each head's queries padded to the lane count.
-  layout_rows(seq, kvh, 0, seq.lq, false, rb);
+  // The unit's rows (queries [i0, i0 + count) of the KV head's G heads), head-major, each head's
+  // queries padded to the lane count.
+  layout_rows(seq, kvh, i0, count, false, rb);
   const std::int64_t w = rb.width;
   grow(s.q, w * dp);
   const std::int64_t ldt = padded_stride(w), ldkv = padded_stride(dp);
@@ -1326,9 +1406,20 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
     if (unit_grads != nullptr) accumulate_bias_gradients(seq, sub, k0, keys, s.kpos.data(), s.dpt.data(), s, kvh, unit_grads);
   };
   // dK (rotated back; the query scale is already in it) and dV rows of keys [k0, k0 + keys).
+  // A split unit writes them into its part instead (keys [part_key_lo, part_key_hi), dK rows then
+  // dV rows), for backward() to sum over the ranges.
   const auto store_keys = [&](std::int64_t k0, std::int64_t keys, float* dk_rows, const float* dv_rows) {
     for (std::int64_t j = 0; j < keys; ++j) {
       float* dkrow = dk_rows + j * dp;
+      if (kv_part != nullptr) {
+        // A tile can reach past the keys the unit's rows see; those rows of dK, dV are 0 here.
+        if (k0 + j < part_key_lo || k0 + j >= part_key_hi) continue;
+        if (keys_transformed) transform_row(tq, false, k_table_row(seq, k0 + j), dkrow, -1.0f);
+        float* part_row = kv_part + (k0 + j - part_key_lo) * d;
+        std::copy(dkrow, dkrow + d, part_row);
+        std::copy(dv_rows + j * dp, dv_rows + j * dp + d, part_row + (part_key_hi - part_key_lo) * d);
+        continue;
+      }
       if (dk != nullptr) {
         if (keys_transformed) transform_row(tq, false, k_table_row(seq, k0 + j), dkrow, -1.0f);
         store_row_to(dkrow, *dk, dkg, seq.b, seq.k0 + k0 + j, kvh);

@@ -308,7 +308,8 @@ struct AttentionPlan {
                      ConstTensorView lse, ConstTensorView d_out, const HeadsGrid& dog, TensorView* dq,
                      const HeadsGrid& dqg, TensorView* dk, const HeadsGrid& dkg, TensorView* dv, const HeadsGrid& dvg,
                      double* unit_grads, double* unit_shaw_grads, double* unit_xl_grads, double* unit_tupe_grads,
-                     AttentionUnitScratch& s, RowBlock& rb) const;
+                     std::int64_t i0, std::int64_t count, float* kv_part, std::int64_t part_key_lo,
+                     std::int64_t part_key_hi, AttentionUnitScratch& s, RowBlock& rb) const;
 
   // lse I/O ([B, H, Sq] or [H, Tq]).
   void check_lse(ConstTensorView lse, bool writable) const;

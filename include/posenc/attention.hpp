@@ -12,7 +12,8 @@
 // bias.hpp), p_i / p'_j the query / key positions; Shaw's relative key and value terms and
 // Transformer-XL's terms (HeadGroup, below). Computed flash-style: tiles of keys against blocks
 // of queries with an online softmax; no Sq×Sk matrix is ever stored. Workspace per thread is
-// O(tile·D) in forward; backward keeps a [G·Sq, D] gradient accumulator per thread as well.
+// O(tile·D) in forward; backward keeps a [G·Sq, D] gradient accumulator per thread as well, and,
+// when it splits queries (below), [keys seen, 2·D] of dK, dV per query range.
 // Transformer-XL tabulates P(δ) for the δ the mask lets through ([δ span, H·D] floats, like q),
 // and its backward keeps that table's gradient per (sequence, KV head).
 //
@@ -44,8 +45,10 @@
 // (ALiBi slopes, T5 table, Kerple r1 r2, FIRE's MLP, c and L, Shaw's tables, XL's u, v, W_R,
 // TUPE's table, U^Q, U^K, θ1, θ2) += into AttentionGradients (fp64 sums; the large contractions
 // of XL and TUPE — through W_R, U^Q, U^K and the table — are f32 matrix products). Work is split
-// by (sequence, KV head) and every sum runs in a fixed order: results are bitwise identical for
-// any thread count, forward and backward.
+// by (sequence, KV head) — and, when a call has fewer than 8 of those, by ranges of at least 256
+// queries, whose dK, dV are summed per key in range order (not Transformer-XL) — and every sum
+// runs in a fixed order that depends on the shapes only: results are bitwise identical for any
+// thread count, forward and backward.
 // TUPE's projections must have head_dim == D (they meet in the score tiles as a second product).
 //
 // Decode (few queries, long KV cache): the keys split into fixed chunks that run in parallel and

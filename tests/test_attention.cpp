@@ -508,13 +508,15 @@ TEST_P(AttentionBackward, MatchesTheReferenceForEveryTrainableScheme) {
       {{1, {}, TupeParams::init(1, dim, 16, 60, false, 0.5, 5)}, {3, {}, AlibiParams(3)}},
       // XL beside ALiBi inside one KV group.
       {{1, {}, AlibiParams(1)}, {3, {}, {}, {}, XlParams::init(3, dim, 16, 0.5, 10)}},
+      // FIRE without a causal mask (the last case): keys after the query, on both sides of it.
+      {{heads, {}, FireParams::init(heads, 8, 6, 0.7, 16.0)}},
   };
   for (std::size_t c = 0; c < cases.size(); ++c) {
     for (const bool softcap : {false, true}) {
       SCOPED_TRACE("case " + std::to_string(c) + (softcap ? " soft-cap" : ""));
       AttentionSpec spec = spec_of(p);
       spec.groups = cases[c];
-      spec.mask.causal = c != 0;
+      spec.mask.causal = c != 0 && c + 1 != cases.size();
       spec.mask.window_left = c == 0 ? 20 : -1;
       spec.mask.softcap = softcap ? 3.0 : 0.0;
       const Attention att(spec);

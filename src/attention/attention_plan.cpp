@@ -805,6 +805,96 @@ bool FireRows::add_chunk(std::int64_t head, const std::int64_t* lane_head, const
   return true;
 }
 
+bool FireRows::accumulate_chunk(std::int64_t head, std::int64_t heads, const std::int64_t* lane_head,
+                                const std::int32_t* lane_lo, const std::int32_t* lane_hi, std::int64_t q_first,
+                                std::int64_t k_index, const std::int64_t* kpos, std::int64_t count, const float* ds,
+                                std::int64_t ds_stride, double* s0, double* s1, double* d_c, double* d_threshold) const {
+  constexpr std::int64_t kLanes = kernels::kAttnAlign;
+  const FireParams& p = *params;
+  const auto table = static_cast<std::int64_t>(psi.size());
+  if (count <= 0) return true;
+  const std::int64_t k_first = kpos[0], k_last = k_first + count - 1, q_last = q_first + kLanes - 1;
+  if (std::max(std::abs(q_last - k_first), std::abs(k_last - q_first)) >= table) return false;
+  if (q_first < inv_norm_first || q_last - inv_norm_first >= static_cast<std::int64_t>(inv_norm.size())) return false;
+  // Keys [0, below) lie at or before every lane's query (as in add_chunk).
+  const std::int64_t below = std::clamp<std::int64_t>(q_first - k_first + 1, 0, count);
+  if (below > 0) {
+    const std::vector<double>& kinks = p.kinks();
+    const auto n_kinks = static_cast<std::int64_t>(kinks.size());
+    constexpr double kInf = std::numeric_limits<double>::infinity();
+    alignas(64) double inv[kLanes], lo[kLanes], hi[kLanes], slope[kLanes];
+    alignas(64) double moments[4 * kLanes] = {};  // per lane: Σ g, Σ g·x (this piece); Σ g·f'·dψ/dc, Σ g·f'·x
+    std::int64_t piece[kLanes];
+    const auto x_at = [&](std::int64_t t, std::int64_t j) {
+      return psi[static_cast<std::size_t>(q_first + t - k_first - j)] * inv[t];
+    };
+    // Moves lane t's sums of its current piece into the piece's slots.
+    const auto flush = [&](std::int64_t t) {
+      if (piece[t] < 0) return;
+      const auto slot = static_cast<std::size_t>(piece[t] * heads + head);
+      s0[slot] += moments[t];
+      s1[slot] += moments[kLanes + t];
+      moments[t] = moments[kLanes + t] = 0.0;
+    };
+    const auto enter = [&](std::int64_t t, std::int64_t pc) {
+      piece[t] = pc;
+      lo[t] = pc > 0 ? kinks[static_cast<std::size_t>(pc - 1)] : -kInf;
+      hi[t] = pc < n_kinks ? kinks[static_cast<std::size_t>(pc)] : kInf;
+      slope[t] = p.slope(pc, head);
+    };
+    for (std::int64_t t = 0; t < kLanes; ++t) {
+      if (lane_head[t] < 0) {  // padding: its dS are 0, and it never leaves its piece
+        inv[t] = 1.0, lo[t] = -kInf, hi[t] = kInf, slope[t] = 0.0, piece[t] = -1;
+        continue;
+      }
+      inv[t] = inv_norm[static_cast<std::size_t>(q_first + t - inv_norm_first)];
+      enter(t, p.piece_of(x_at(t, 0)));
+    }
+    const std::int64_t base = q_first - k_first;
+    for (std::int64_t j = 0; j < below;) {
+      j += kernels::attn_fire_moments(ds + j * ds_stride, below - j, ds_stride, psi.data(), dpsi_dc.data(), base - j, inv, lo,
+                                      hi, slope, moments);
+      if (j == below) break;
+      for (std::int64_t t = 0; t < kLanes; ++t) {
+        if (piece[t] < 0) continue;
+        const double x = x_at(t, j);
+        if (x >= lo[t] && x < hi[t]) continue;
+        std::int64_t pc = piece[t];
+        while (pc > 0 && x < kinks[static_cast<std::size_t>(pc - 1)]) --pc;
+        while (pc < n_kinks && x >= kinks[static_cast<std::size_t>(pc)]) ++pc;
+        flush(t);
+        enter(t, pc);
+      }
+    }
+    // Per lane, the c and L terms as accumulate_row forms them.
+    const double c = p.c();
+    for (std::int64_t t = 0; t < kLanes; ++t) {
+      if (piece[t] < 0) continue;
+      flush(t);
+      const double q = static_cast<double>(q_first + t);
+      const bool threshold_active = p.threshold() > q;
+      const double n = threshold_active ? p.threshold() : q;
+      const double psi_n = std::log1p(c * n);
+      const double dc_from_x = n / (1 + c * n) / psi_n, dl_from_x = threshold_active ? -(c / (1 + c * n)) / psi_n : 0.0;
+      *d_c += moments[2 * kLanes + t] / psi_n - dc_from_x * moments[3 * kLanes + t];
+      *d_threshold += dl_from_x * moments[3 * kLanes + t];
+    }
+  }
+  if (below < count) {
+    // Keys after some lane's query: row by row, only those the lane sees (the others have dS = 0).
+    for (std::int64_t t = 0; t < kLanes; ++t) {
+      if (lane_head[t] < 0) continue;
+      const std::int64_t j0 = std::max<std::int64_t>(below, lane_lo[t] - k_index);
+      const std::int64_t j1 = std::min<std::int64_t>(count, lane_hi[t] - k_index);
+      if (j1 > j0) {
+        accumulate_row(head, heads, q_first + t, kpos + j0, j1 - j0, ds + j0 * ds_stride + t, ds_stride, s0, s1, d_c,
+                       d_threshold);
+      }
+    }
+  }
+  return true;
+}
+
 void FireRows::accumulate_row(std::int64_t head, std::int64_t heads, std::int64_t q_position, const std::int64_t* kpos,
                               std::int64_t count, const float* ds, std::int64_t ds_stride, double* s0, double* s1,
                               double* d_c, double* d_threshold) const {
@@ -967,12 +1057,34 @@ void AttentionPlan::add_bias_derivative(std::int64_t h, std::int64_t r, double s
   }
 }
 
-void AttentionPlan::accumulate_bias_gradients(const Sequence& /* seq */, const RowBlock& rb, std::int64_t /* k_first */,
+void AttentionPlan::accumulate_bias_gradients(const Sequence& /* seq */, const RowBlock& rb, std::int64_t k_first,
                                               std::int64_t keys, const std::int64_t* kpos, const float* dst,
                                               AttentionUnitScratch& s, std::int64_t kvh, double* unit_grads) const {
+  // FIRE's lane chunks (one head, consecutive positions, consecutive keys) take the vector path;
+  // `done` marks them for the row loop below.
+  std::uint64_t done = 0;  // bit c: chunk c done (row blocks hold at most 64 chunks here)
+  bool keys_consecutive = true;
+  for (std::int64_t j = 1; j < keys && keys_consecutive; ++j) keys_consecutive = kpos[j] == kpos[0] + j;
+  const std::int64_t chunks = rb.width / kernels::kAttnAlign;
+  for (std::int64_t c = 0; c < chunks && c < 64 && keys_consecutive; ++c) {
+    const std::int64_t r0 = c * kernels::kAttnAlign;
+    const std::int64_t h0 = rb.head[static_cast<std::size_t>(r0)];
+    if (h0 < 0 || !rb.chunk_uniform[static_cast<std::size_t>(c)]) continue;
+    const HeadBias& hb = head_bias[static_cast<std::size_t>(h0)];
+    if (hb.fire == nullptr) continue;
+    const HeadGroup& grp = spec.groups[static_cast<std::size_t>(hb.group)];
+    const std::int64_t hg = grp.heads, pieces = static_cast<std::int64_t>(hb.fire->params->kinks().size()) + 1;
+    double* at = unit_grads + grad_offset[static_cast<std::size_t>(hb.group)];
+    if (hb.fire->accumulate_chunk(hb.local_head, hg, rb.head.data() + r0, rb.lo.data() + r0, rb.hi.data() + r0,
+                                  rb.position[static_cast<std::size_t>(r0)], k_first, kpos, keys, dst + r0, rb.width, at,
+                                  at + pieces * hg, at + 2 * pieces * hg, at + 2 * pieces * hg + 1)) {
+      done |= std::uint64_t{1} << c;
+    }
+  }
   for (std::int64_t r = 0; r < rb.width; ++r) {
     const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
     if (h < 0) continue;
+    if (r / kernels::kAttnAlign < 64 && (done >> (r / kernels::kAttnAlign) & 1) != 0) continue;
     const HeadBias& hb = head_bias[static_cast<std::size_t>(h)];
     if (hb.kind != HeadBias::kTable && hb.kind != HeadBias::kDirect) continue;
     const HeadGroup& grp = spec.groups[static_cast<std::size_t>(hb.group)];

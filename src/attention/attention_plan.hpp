@@ -60,6 +60,14 @@ struct FireRows {
   void accumulate_row(std::int64_t head, std::int64_t heads, std::int64_t q_position, const std::int64_t* kpos,
                       std::int64_t count, const float* ds, std::int64_t ds_stride, double* s0, double* s1, double* d_c,
                       double* d_threshold) const;
+  // The same for one lane chunk, as add_chunk splits it: keys at or before every lane's query
+  // through the vector kernel (attn_fire_moments), the others by accumulate_row over the keys
+  // lane t sees. Key positions kpos[0..count) are consecutive; ds: dS^T of the chunk, rows
+  // `ds_stride` apart. False (nothing added) if a distance or query position is past the tables.
+  bool accumulate_chunk(std::int64_t head, std::int64_t heads, const std::int64_t* lane_head, const std::int32_t* lane_lo,
+                        const std::int32_t* lane_hi, std::int64_t q_first, std::int64_t k_index, const std::int64_t* kpos,
+                        std::int64_t count, const float* ds, std::int64_t ds_stride, double* s0, double* s1,
+                        double* d_c, double* d_threshold) const;
 };
 
 // The bias of one head: tabulated over δ = q − k (distance-only schemes) or evaluated directly

@@ -503,6 +503,40 @@ std::int64_t AttnFireKeys(float* HWY_RESTRICT st, std::int64_t keys, std::int64_
   return keys;
 }
 
+std::int64_t AttnFireMoments(const float* HWY_RESTRICT ds, std::int64_t keys, std::int64_t width,
+                             const double* HWY_RESTRICT psi, const double* HWY_RESTRICT dpsi, std::int64_t base,
+                             const double* HWY_RESTRICT inv_norm, const double* HWY_RESTRICT lo,
+                             const double* HWY_RESTRICT hi, const double* HWY_RESTRICT slope,
+                             double* HWY_RESTRICT moments) {
+  const hn::ScalableTag<double> dd;
+  const hn::Rebind<float, decltype(dd)> df;
+  const auto n = static_cast<std::int64_t>(hn::Lanes(dd));
+  double* s0 = moments;
+  double* s1 = moments + kAttnAlign;
+  double* t1 = moments + 2 * kAttnAlign;
+  double* t2 = moments + 3 * kAttnAlign;
+  for (std::int64_t j = 0; j < keys; ++j) {
+    const double* p = psi + base - j;
+    // Every lane still on its piece? (x is recomputed below: a multiply, cheaper than keeping it.)
+    for (std::int64_t l = 0; l < kAttnAlign; l += n) {
+      const auto x = hn::Mul(hn::LoadU(dd, p + l), hn::LoadU(dd, inv_norm + l));
+      if (!hn::AllTrue(dd, hn::And(hn::Ge(x, hn::LoadU(dd, lo + l)), hn::Lt(x, hn::LoadU(dd, hi + l))))) return j;
+    }
+    const double* dp = dpsi + base - j;
+    const float* row = ds + j * width;
+    for (std::int64_t l = 0; l < kAttnAlign; l += n) {
+      const auto x = hn::Mul(hn::LoadU(dd, p + l), hn::LoadU(dd, inv_norm + l));
+      const auto g_ds = hn::PromoteTo(dd, hn::LoadU(df, row + l));
+      const auto g = hn::Mul(g_ds, hn::LoadU(dd, slope + l));
+      hn::StoreU(hn::Add(hn::LoadU(dd, s0 + l), g_ds), dd, s0 + l);
+      hn::StoreU(hn::MulAdd(g_ds, x, hn::LoadU(dd, s1 + l)), dd, s1 + l);
+      hn::StoreU(hn::MulAdd(g, hn::LoadU(dd, dp + l), hn::LoadU(dd, t1 + l)), dd, t1 + l);
+      hn::StoreU(hn::MulAdd(g, x, hn::LoadU(dd, t2 + l)), dd, t2 + l);
+    }
+  }
+  return keys;
+}
+
 void AttnMaskTile(float* HWY_RESTRICT st, std::int64_t keys, std::int64_t width, std::int64_t k_first,
                   const std::int32_t* HWY_RESTRICT lo, const std::int32_t* HWY_RESTRICT hi) {
   const DF d;
@@ -601,6 +635,7 @@ HWY_EXPORT(AttnBackwardTile);
 HWY_EXPORT(AttnLoadF32);
 HWY_EXPORT(AttnAddBiasTile);
 HWY_EXPORT(AttnFireKeys);
+HWY_EXPORT(AttnFireMoments);
 HWY_EXPORT(AttnDecodeScores);
 HWY_EXPORT(AttnPackHeads);
 HWY_EXPORT(AttnRotateHalfSplit);
@@ -637,6 +672,11 @@ std::int64_t attn_fire_keys(float* st, std::int64_t keys, std::int64_t width, co
                             const double* inv_norm, const double* lo, const double* hi, const double* slope,
                             const double* intercept) {
   return HWY_DYNAMIC_DISPATCH(AttnFireKeys)(st, keys, width, psi, base, inv_norm, lo, hi, slope, intercept);
+}
+std::int64_t attn_fire_moments(const float* ds, std::int64_t keys, std::int64_t width, const double* psi,
+                               const double* dpsi, std::int64_t base, const double* inv_norm, const double* lo,
+                               const double* hi, const double* slope, double* moments) {
+  return HWY_DYNAMIC_DISPATCH(AttnFireMoments)(ds, keys, width, psi, dpsi, base, inv_norm, lo, hi, slope, moments);
 }
 void attn_mask_tile(float* st, std::int64_t keys, std::int64_t width, std::int64_t k_first, const std::int32_t* lo,
                     const std::int32_t* hi) {

@@ -86,6 +86,15 @@ std::int64_t attn_fire_keys(float* st, std::int64_t keys, std::int64_t width, co
                             const double* inv_norm, const double* lo, const double* hi, const double* slope,
                             const double* intercept);
 
+// FIRE's backward moments on one lane chunk against the same keys as attn_fire_keys, with
+// g = ds[j·width + t] (dL/db, f32) and x as there: while every lane stays in its piece,
+// moments[0·16 + t] += g, moments[1·16 + t] += g·x, moments[2·16 + t] += g·slope[t]·dpsi[base − j + t],
+// moments[3·16 + t] += g·slope[t]·x (fp64). Returns the first key at which some lane leaves its
+// piece (keys if none): the caller moves that lane's piece sums to their slot and calls again.
+std::int64_t attn_fire_moments(const float* ds, std::int64_t keys, std::int64_t width, const double* psi,
+                               const double* dpsi, std::int64_t base, const double* inv_norm, const double* lo,
+                               const double* hi, const double* slope, double* moments);
+
 // S^T[j][r] = −inf unless lo[r] <= k_first + j < hi[r].
 void attn_mask_tile(float* st, std::int64_t keys, std::int64_t width, std::int64_t k_first, const std::int32_t* lo,
                     const std::int32_t* hi);

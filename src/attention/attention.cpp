@@ -1010,6 +1010,17 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
     grow(s.v, decode_tile * g_count * dp);
   }
   const std::int64_t width = static_cast<std::int64_t>(dtype_size(dtype));
+  // Keys [k0, k0 + keys) of every KV head of `data` as f32 rows [key][head][Dp].
+  const auto pack_tile = [&](const void* data, const HeadsGrid& grid, std::int64_t k0, std::int64_t keys, float* dst) {
+    if (unit_dims) {
+      kernels::attn_pack_heads(static_cast<const char*>(data) + grid.offset(seq.b, seq.k0 + k0) * width, dtype,
+                               grid.seq_stride, grid.head_stride, keys, g_count, dim, dst, dp);
+      return;
+    }
+    for (std::int64_t j = 0; j < keys; ++j) {
+      for (std::int64_t g = 0; g < g_count; ++g) load_row(data, grid, seq.b, seq.k0 + k0 + j, g, dst + (j * g_count + g) * dp);
+    }
+  };
   for (std::int64_t k0 = k_begin; k0 < k_end; k0 += decode_tile) {
     const std::int64_t keys = std::min(decode_tile, k_end - k0);
     const float *kp, *vp;
@@ -1022,16 +1033,7 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
       ldv = vg.seq_stride;
       vhs = vg.head_stride;
     } else {
-      if (unit_dims) {
-        kernels::attn_pack_heads(static_cast<const char*>(k_data) + kg.offset(seq.b, seq.k0 + k0) * width, dtype,
-                                 kg.seq_stride, kg.head_stride, keys, g_count, dim, s.k.data(), dp);
-      } else {
-        for (std::int64_t j = 0; j < keys; ++j) {
-          for (std::int64_t g = 0; g < g_count; ++g) {
-            load_row(k_data, kg, seq.b, seq.k0 + k0 + j, g, s.k.data() + (j * g_count + g) * dp);
-          }
-        }
-      }
+      pack_tile(k_data, kg, k0, keys, s.k.data());
       for (std::int64_t j = 0; j < keys; ++j) {
         for (std::int64_t g = 0; g < g_count; ++g) {
           const QKTables& t = tables_of_head(g * group_size);
@@ -1066,18 +1068,7 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
       kernels::attn_scale_rows(hs.o.data(), dp, valid, dp, hs.corr.data());
       if (any_shaw) shaw_collect(rb, keys, hs.kpos.data(), hs.st.data(), hs.corr.data(), hs.shaw_probs.data(), w);
     }
-    if (!direct) {
-      if (unit_dims) {
-        kernels::attn_pack_heads(static_cast<const char*>(v_data) + vg.offset(seq.b, seq.k0 + k0) * width, dtype,
-                                 vg.seq_stride, vg.head_stride, keys, g_count, dim, s.v.data(), dp);
-      } else {
-        for (std::int64_t j = 0; j < keys; ++j) {
-          for (std::int64_t g = 0; g < g_count; ++g) {
-            load_row(v_data, vg, seq.b, seq.k0 + k0 + j, g, s.v.data() + (j * g_count + g) * dp);
-          }
-        }
-      }
-    }
+    if (!direct) pack_tile(v_data, vg, k0, keys, s.v.data());
     kernels::attn_decode_values(vp, ldv, vhs, keys, g_count, p_heads.data(), w, valid, direct ? dim : dp, o_heads.data(), dp,
                                 rows_ahead(k_data, kg, seq, k0 + keys, next_keys, 0, g_count));
   }

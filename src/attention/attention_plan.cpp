@@ -700,6 +700,75 @@ void AttentionPlan::build_xl_tables(const std::vector<HeadGroup>& groups) {
   }
 }
 
+namespace {
+
+// A FIRE lane chunk against keys at or before every lane's query (FireRows::add_chunk,
+// accumulate_chunk): lane t's normaliser 1/ψ(max(L, q)), its piece of the MLP and that piece's
+// bounds and line. Padding lanes (lane_head < 0) take x = ψ·1, slope 0 and never leave a piece
+// spanning every x.
+struct FireLanes {
+  static constexpr std::int64_t kLanes = kernels::kAttnAlign;
+  alignas(64) double inv[kLanes], lo[kLanes], hi[kLanes], slope[kLanes], intercept[kLanes];
+  std::int64_t piece[kLanes];
+  const FireRows& rows;
+  std::int64_t head, q_first, k_first;
+
+  FireLanes(const FireRows& fire, std::int64_t head_, const std::int64_t* lane_head, std::int64_t q_first_,
+            std::int64_t k_first_)
+      : rows(fire), head(head_), q_first(q_first_), k_first(k_first_) {
+    constexpr double kInf = std::numeric_limits<double>::infinity();
+    for (std::int64_t t = 0; t < kLanes; ++t) {
+      if (lane_head[t] < 0) {
+        inv[t] = 1.0, lo[t] = -kInf, hi[t] = kInf, slope[t] = 0.0, intercept[t] = 0.0, piece[t] = -1;
+        continue;
+      }
+      inv[t] = rows.inv_norm[static_cast<std::size_t>(q_first + t - rows.inv_norm_first)];
+      enter(t, rows.params->piece_of(x_at(t, 0)));
+    }
+  }
+  // Lane t's x at key j, as the kernels compute it: ψ(d)·(1/ψ(max(L, q))). (The per-element
+  // definition divides; the two differ by an fp64 rounding, far below the f32 result's.)
+  double x_at(std::int64_t t, std::int64_t j) const {
+    return rows.psi[static_cast<std::size_t>(q_first + t - k_first - j)] * inv[t];
+  }
+  void enter(std::int64_t t, std::int64_t pc) {
+    constexpr double kInf = std::numeric_limits<double>::infinity();
+    const std::vector<double>& kinks = rows.params->kinks();
+    piece[t] = pc;
+    lo[t] = pc > 0 ? kinks[static_cast<std::size_t>(pc - 1)] : -kInf;
+    hi[t] = pc < static_cast<std::int64_t>(kinks.size()) ? kinks[static_cast<std::size_t>(pc)] : kInf;
+    slope[t] = rows.params->slope(pc, head);
+    intercept[t] = rows.params->intercept(pc, head);
+  }
+  // The piece lane t moves to at key j (piece_of's rule: a kink belongs to the piece on its
+  // right), or −1 if it stays (or is padding).
+  std::int64_t next_piece(std::int64_t t, std::int64_t j) const {
+    if (piece[t] < 0) return -1;
+    const double x = x_at(t, j);
+    if (x >= lo[t] && x < hi[t]) return -1;
+    const std::vector<double>& kinks = rows.params->kinks();
+    const auto n_kinks = static_cast<std::int64_t>(kinks.size());
+    std::int64_t pc = piece[t];
+    while (pc > 0 && x < kinks[static_cast<std::size_t>(pc - 1)]) --pc;
+    while (pc < n_kinks && x >= kinks[static_cast<std::size_t>(pc)]) ++pc;
+    return pc;
+  }
+};
+
+}  // namespace
+
+// Keys [0, below) of a lane chunk at q_first … q_first + 15 against keys k_first … k_first +
+// count − 1 lie at or before every lane's query: distances q_first + t − k fall by one per key and
+// rise by one per lane, a contiguous slice of ψ. −1 if a distance or query position is past the
+// tables.
+std::int64_t FireRows::keys_below(std::int64_t q_first, std::int64_t k_first, std::int64_t count) const {
+  const auto table = static_cast<std::int64_t>(psi.size());
+  const std::int64_t k_last = k_first + count - 1, q_last = q_first + kernels::kAttnAlign - 1;
+  if (std::max(std::abs(q_last - k_first), std::abs(k_last - q_first)) >= table) return -1;
+  if (q_first < inv_norm_first || q_last - inv_norm_first >= static_cast<std::int64_t>(inv_norm.size())) return -1;
+  return std::clamp<std::int64_t>(q_first - k_first + 1, 0, count);
+}
+
 bool FireRows::add_row(std::int64_t head, std::int64_t q_position, std::int64_t k_first, std::int64_t count, float* out,
                        std::int64_t out_stride) const {
   const FireParams& p = *params;
@@ -738,56 +807,19 @@ bool FireRows::add_chunk(std::int64_t head, const std::int64_t* lane_head, const
                          const std::int32_t* lane_hi, std::int64_t q_first, std::int64_t k_index, std::int64_t k_first,
                          std::int64_t count, float* out, std::int64_t out_stride) const {
   constexpr std::int64_t kLanes = kernels::kAttnAlign;
-  const FireParams& p = *params;
-  const auto table = static_cast<std::int64_t>(psi.size());
-  const std::int64_t k_last = k_first + count - 1, q_last = q_first + kLanes - 1;
   if (count <= 0) return true;
-  if (std::max(std::abs(q_last - k_first), std::abs(k_last - q_first)) >= table) return false;
-  if (q_first < inv_norm_first || q_last - inv_norm_first >= static_cast<std::int64_t>(inv_norm.size())) return false;
-  // Keys [0, below) lie at or before every lane's query: distances q_first + t − k fall by one per
-  // key and rise by one per lane, a contiguous slice of ψ.
-  const std::int64_t below = std::clamp<std::int64_t>(q_first - k_first + 1, 0, count);
+  const std::int64_t below = keys_below(q_first, k_first, count);
+  if (below < 0) return false;
   if (below > 0) {
-    const std::vector<double>& kinks = p.kinks();
-    const auto n_kinks = static_cast<std::int64_t>(kinks.size());
-    constexpr double kInf = std::numeric_limits<double>::infinity();
-    alignas(64) double inv[kLanes], lo[kLanes], hi[kLanes], slope[kLanes], intercept[kLanes];
-    std::int64_t piece[kLanes];
-    // Lane t's x at key j, as the kernel computes it: ψ(d)·(1/ψ(max(L, q))). (The per-element
-    // definition divides; the two differ by an fp64 rounding, far below the f32 result's.)
-    const auto x_at = [&](std::int64_t t, std::int64_t j) {
-      return psi[static_cast<std::size_t>(q_first + t - k_first - j)] * inv[t];
-    };
-    const auto enter = [&](std::int64_t t, std::int64_t pc) {
-      piece[t] = pc;
-      lo[t] = pc > 0 ? kinks[static_cast<std::size_t>(pc - 1)] : -kInf;
-      hi[t] = pc < n_kinks ? kinks[static_cast<std::size_t>(pc)] : kInf;
-      slope[t] = p.slope(pc, head);
-      intercept[t] = p.intercept(pc, head);
-    };
-    for (std::int64_t t = 0; t < kLanes; ++t) {
-      if (lane_head[t] < 0) {  // padding: adds slope 0·x + 0 and never leaves its piece
-        inv[t] = 1.0, lo[t] = -kInf, hi[t] = kInf, slope[t] = 0.0, intercept[t] = 0.0, piece[t] = -1;
-        continue;
-      }
-      inv[t] = inv_norm[static_cast<std::size_t>(q_first + t - inv_norm_first)];
-      enter(t, p.piece_of(x_at(t, 0)));
-    }
+    FireLanes lanes(*this, head, lane_head, q_first, k_first);
     const std::int64_t base = q_first - k_first;
     for (std::int64_t j = 0; j < below;) {
-      j += kernels::attn_fire_keys(out + j * out_stride, below - j, out_stride, psi.data(), base - j, inv, lo, hi,
-                                   slope, intercept);
+      j += kernels::attn_fire_keys(out + j * out_stride, below - j, out_stride, psi.data(), base - j, lanes.inv, lanes.lo,
+                                   lanes.hi, lanes.slope, lanes.intercept);
       if (j == below) break;
-      // Some lane left its piece at key j: walk it (piece_of's rule: a kink belongs to the piece
-      // on its right) and go on.
+      // Some lane left its piece at key j: move it and go on.
       for (std::int64_t t = 0; t < kLanes; ++t) {
-        if (piece[t] < 0) continue;
-        const double x = x_at(t, j);
-        if (x >= lo[t] && x < hi[t]) continue;
-        std::int64_t pc = piece[t];
-        while (pc > 0 && x < kinks[static_cast<std::size_t>(pc - 1)]) --pc;
-        while (pc < n_kinks && x >= kinks[static_cast<std::size_t>(pc)]) ++pc;
-        enter(t, pc);
+        if (const std::int64_t pc = lanes.next_piece(t, j); pc >= 0) lanes.enter(t, pc);
       }
     }
   }
@@ -811,65 +843,36 @@ bool FireRows::accumulate_chunk(std::int64_t head, std::int64_t heads, const std
                                 std::int64_t ds_stride, double* s0, double* s1, double* d_c, double* d_threshold) const {
   constexpr std::int64_t kLanes = kernels::kAttnAlign;
   const FireParams& p = *params;
-  const auto table = static_cast<std::int64_t>(psi.size());
   if (count <= 0) return true;
-  const std::int64_t k_first = kpos[0], k_last = k_first + count - 1, q_last = q_first + kLanes - 1;
-  if (std::max(std::abs(q_last - k_first), std::abs(k_last - q_first)) >= table) return false;
-  if (q_first < inv_norm_first || q_last - inv_norm_first >= static_cast<std::int64_t>(inv_norm.size())) return false;
-  // Keys [0, below) lie at or before every lane's query (as in add_chunk).
-  const std::int64_t below = std::clamp<std::int64_t>(q_first - k_first + 1, 0, count);
+  const std::int64_t below = keys_below(q_first, kpos[0], count);
+  if (below < 0) return false;
   if (below > 0) {
-    const std::vector<double>& kinks = p.kinks();
-    const auto n_kinks = static_cast<std::int64_t>(kinks.size());
-    constexpr double kInf = std::numeric_limits<double>::infinity();
-    alignas(64) double inv[kLanes], lo[kLanes], hi[kLanes], slope[kLanes];
+    FireLanes lanes(*this, head, lane_head, q_first, kpos[0]);
     alignas(64) double moments[4 * kLanes] = {};  // per lane: Σ g, Σ g·x (this piece); Σ g·f'·dψ/dc, Σ g·f'·x
-    std::int64_t piece[kLanes];
-    const auto x_at = [&](std::int64_t t, std::int64_t j) {
-      return psi[static_cast<std::size_t>(q_first + t - k_first - j)] * inv[t];
-    };
     // Moves lane t's sums of its current piece into the piece's slots.
     const auto flush = [&](std::int64_t t) {
-      if (piece[t] < 0) return;
-      const auto slot = static_cast<std::size_t>(piece[t] * heads + head);
+      if (lanes.piece[t] < 0) return;
+      const auto slot = static_cast<std::size_t>(lanes.piece[t] * heads + head);
       s0[slot] += moments[t];
       s1[slot] += moments[kLanes + t];
       moments[t] = moments[kLanes + t] = 0.0;
     };
-    const auto enter = [&](std::int64_t t, std::int64_t pc) {
-      piece[t] = pc;
-      lo[t] = pc > 0 ? kinks[static_cast<std::size_t>(pc - 1)] : -kInf;
-      hi[t] = pc < n_kinks ? kinks[static_cast<std::size_t>(pc)] : kInf;
-      slope[t] = p.slope(pc, head);
-    };
-    for (std::int64_t t = 0; t < kLanes; ++t) {
-      if (lane_head[t] < 0) {  // padding: its dS are 0, and it never leaves its piece
-        inv[t] = 1.0, lo[t] = -kInf, hi[t] = kInf, slope[t] = 0.0, piece[t] = -1;
-        continue;
-      }
-      inv[t] = inv_norm[static_cast<std::size_t>(q_first + t - inv_norm_first)];
-      enter(t, p.piece_of(x_at(t, 0)));
-    }
-    const std::int64_t base = q_first - k_first;
+    const std::int64_t base = q_first - kpos[0];
     for (std::int64_t j = 0; j < below;) {
-      j += kernels::attn_fire_moments(ds + j * ds_stride, below - j, ds_stride, psi.data(), dpsi_dc.data(), base - j, inv, lo,
-                                      hi, slope, moments);
+      j += kernels::attn_fire_moments(ds + j * ds_stride, below - j, ds_stride, psi.data(), dpsi_dc.data(), base - j,
+                                      lanes.inv, lanes.lo, lanes.hi, lanes.slope, moments);
       if (j == below) break;
       for (std::int64_t t = 0; t < kLanes; ++t) {
-        if (piece[t] < 0) continue;
-        const double x = x_at(t, j);
-        if (x >= lo[t] && x < hi[t]) continue;
-        std::int64_t pc = piece[t];
-        while (pc > 0 && x < kinks[static_cast<std::size_t>(pc - 1)]) --pc;
-        while (pc < n_kinks && x >= kinks[static_cast<std::size_t>(pc)]) ++pc;
-        flush(t);
-        enter(t, pc);
+        if (const std::int64_t pc = lanes.next_piece(t, j); pc >= 0) {
+          flush(t);
+          lanes.enter(t, pc);
+        }
       }
     }
     // Per lane, the c and L terms as accumulate_row forms them.
     const double c = p.c();
     for (std::int64_t t = 0; t < kLanes; ++t) {
-      if (piece[t] < 0) continue;
+      if (lanes.piece[t] < 0) continue;
       flush(t);
       const double q = static_cast<double>(q_first + t);
       const bool threshold_active = p.threshold() > q;

@@ -46,6 +46,10 @@ struct FireRows {
                std::int64_t out_stride) const;
   std::vector<double> inv_norm;  // 1/ψ(max(L, q)) for q = inv_norm_first + t
   std::int64_t inv_norm_first = 0;
+  // How many of keys k_first … k_first + count − 1 lie at or before every query of the lane
+  // chunk q_first … q_first + 15 (a contiguous ψ slice per key); −1 if a distance or query
+  // position is past the tables.
+  std::int64_t keys_below(std::int64_t q_first, std::int64_t k_first, std::int64_t count) const;
   // The same for one lane chunk: lane t (valid when lane_head[t] >= 0) at query position
   // q_first + t, against keys at positions k_first … k_first + count − 1 (sequence indices from
   // k_index). Keys at or before every lane's query go through the vector kernel (attn_fire_keys);

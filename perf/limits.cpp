@@ -32,13 +32,16 @@ void CopyF32(const float* HWY_RESTRICT src, float* HWY_RESTRICT dst, std::size_t
   }
 }
 
-// Σ a[i] for i < n (four accumulators); 64-byte aligned, n a multiple of 64 floats.
+// Σ a[i] for i < n (four accumulators), every line prefetched into L2 4 KiB ahead; 64-byte
+// aligned, n a multiple of 64 floats.
 float SumF32(const float* HWY_RESTRICT a, std::size_t n) {
   const hn::ScalableTag<float> d;
   const std::size_t lanes = hn::Lanes(d);
+  constexpr std::size_t kAhead = 1024, kLine = 16;  // floats: 4 KiB, one 64-byte line
   auto s0 = hn::Zero(d), s1 = hn::Zero(d), s2 = hn::Zero(d), s3 = hn::Zero(d);
   std::size_t i = 0;
   for (; i + 4 * lanes <= n; i += 4 * lanes) {
+    for (std::size_t at = i; at < i + 4 * lanes; at += kLine) __builtin_prefetch(a + at + kAhead, 0, 2);
     s0 = hn::Add(s0, hn::Load(d, a + i));
     s1 = hn::Add(s1, hn::Load(d, a + i + lanes));
     s2 = hn::Add(s2, hn::Load(d, a + i + 2 * lanes));

@@ -266,6 +266,16 @@ void AttentionPlan::add_bias(const Sequence& seq, const RowBlock& rb, std::int64
           hb.fire->add_row(hb.local_head, qp, kpos[0], keys, st + r, rb.width)) {
         continue;
       }
+      if (hb.kind == HeadBias::kTable && keys_consecutive) {
+        // The lane's slice of its head's table, read backwards (decode rows mix heads, so the
+        // chunk path above does not apply to them).
+        const std::int64_t base = qp - kpos[0] - hb.delta_min;
+        if (base - (keys - 1) >= 0 && base < hb.width) {
+          const float* row = hb.table + base;
+          for (std::int64_t j = 0; j < keys; ++j) st[j * rb.width + r] += row[-j];
+          continue;
+        }
+      }
       for (std::int64_t j = 0; j < keys; ++j) {
         const std::int64_t delta = qp - kpos[j];
         float b;
@@ -1052,21 +1062,23 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
     const std::int64_t next_keys = std::min(decode_tile, k_end - (k0 + keys));
     kernels::attn_decode_scores(kp, ldk, khs, keys, g_count, q_heads.data(), dp, valid, dim, st_heads.data(), w,
                                 rows_ahead(v_data, vg, seq, k0, keys, 0, g_count));
+    // The keys' positions, once per tile for every head.
+    const std::int64_t* kpos = heads_scratch[0].kpos.data();
+    if (any_bias || any_shaw || any_xl || any_tupe) {
+      for (std::int64_t j = 0; j < keys; ++j) heads_scratch[0].kpos[static_cast<std::size_t>(j)] = k_position(seq, k0 + j);
+    }
     for (std::int64_t g = 0; g < g_count; ++g) {
       AttentionUnitScratch& hs = heads_scratch[static_cast<std::size_t>(g)];
       const RowBlock& rb = rows[static_cast<std::size_t>(g)];
-      if (any_bias || any_shaw || any_xl || any_tupe) {
-        for (std::int64_t j = 0; j < keys; ++j) hs.kpos[static_cast<std::size_t>(j)] = k_position(seq, k0 + j);
-      }
-      if (any_tupe) tupe_add_direct(rb, keys, hs.kpos.data(), hs.tupe_pq.data(), hs.st.data());
-      if (any_bias) add_bias(seq, rb, k0, keys, hs.kpos.data(), hs.st.data());
-      if (any_shaw) shaw_add_rows(rb, keys, hs.kpos.data(), hs.shaw_key_dots.data(), w, hs.st.data());
-      if (any_xl) xl_add_direct(rb, keys, hs.kpos.data(), hs.q.data(), hs.st.data());
+      if (any_tupe) tupe_add_direct(rb, keys, kpos, hs.tupe_pq.data(), hs.st.data());
+      if (any_bias) add_bias(seq, rb, k0, keys, kpos, hs.st.data());
+      if (any_shaw) shaw_add_rows(rb, keys, kpos, hs.shaw_key_dots.data(), w, hs.st.data());
+      if (any_xl) xl_add_direct(rb, keys, kpos, hs.q.data(), hs.st.data());
       if (mask.softcap > 0) kernels::attn_softcap_tile(hs.st.data(), keys, w, static_cast<float>(mask.softcap));
       if (!tile_unmasked(rb, k0, keys)) kernels::attn_mask_tile(hs.st.data(), keys, w, k0, rb.lo.data(), rb.hi.data());
       kernels::attn_softmax_tile(hs.st.data(), keys, w, hs.m.data(), hs.l.data(), hs.corr.data());
       kernels::attn_scale_rows(hs.o.data(), dp, valid, dp, hs.corr.data());
-      if (any_shaw) shaw_collect(rb, keys, hs.kpos.data(), hs.st.data(), hs.corr.data(), hs.shaw_probs.data(), w);
+      if (any_shaw) shaw_collect(rb, keys, kpos, hs.st.data(), hs.corr.data(), hs.shaw_probs.data(), w);
     }
     if (!direct) pack_tile(v_data, vg, k0, keys, s.v.data());
     kernels::attn_decode_values(vp, ldv, vhs, keys, g_count, p_heads.data(), w, valid, direct ? dim : dp, o_heads.data(), dp,

@@ -23,50 +23,6 @@ namespace hn = hwy::HWY_NAMESPACE;
 using DF = hn::ScalableTag<float>;
 using VF = hn::Vec<DF>;
 
-// Walks the rows of a RowPrefetch a cache line at a time.
-class PrefetchCursor {
- public:
-  explicit PrefetchCursor(const RowPrefetch& plan) : plan_(plan) {
-    if (plan_.base == nullptr || plan_.keys <= 0 || plan_.heads <= 0 || plan_.row_bytes <= 0) plan_.keys = 0;
-    start_row();
-  }
-  // Lines in the plan (a row spans at most row_bytes / 64 + 1 lines).
-  std::int64_t lines() const { return plan_.keys * plan_.heads * (plan_.row_bytes / kLine + 1); }
-  // Issues prefetches for the next `count` lines (nothing once the plan is done).
-  void step(std::int64_t count) {
-    for (; count > 0 && j_ < plan_.keys; --count) {
-      __builtin_prefetch(at_, 0, 2);  // read, into L2 (prefetcht1): L1 holds the working rows
-      at_ += kLine;
-      if (at_ > last_) {
-        if (++g_ == plan_.heads) {
-          g_ = 0;
-          ++j_;
-        }
-        start_row();
-      }
-    }
-  }
-
- private:
-  static constexpr std::int64_t kLine = 64;
-  void start_row() {
-    if (j_ >= plan_.keys) return;
-    const char* row = plan_.base + j_ * plan_.ld + g_ * plan_.head_stride;
-    const auto address = reinterpret_cast<std::uintptr_t>(row);
-    at_ = row - (address % kLine);
-    last_ = row + plan_.row_bytes - 1;
-  }
-  RowPrefetch plan_;
-  std::int64_t j_ = 0, g_ = 0;
-  const char* at_ = nullptr;
-  const char* last_ = nullptr;
-};
-
-// Lines per step to spread `lines` over `steps` (rounded up, so the plan ends within the work).
-HWY_INLINE std::int64_t LinesPerStep(std::int64_t lines, std::int64_t steps) {
-  return steps > 0 ? (lines + steps - 1) / steps : 0;
-}
-
 // Register blocking of the matrix kernel: kRows broadcast rows × kVecs vectors of accumulators.
 // AVX-512 has 32 vector registers: 6 × 4 accumulators, 4 B vectors and a broadcast fit; 16
 // registers (AVX2, SSE4) take 4 × 2.
@@ -188,6 +144,50 @@ constexpr std::int64_t kDecodeMaxRows = 8;
 // D 128 f32, 2 threads, before `ahead` existed: none 10.0–10.1 GB/s, 1 KiB 11.4–12.0, 4 KiB
 // 12.6–12.9, 16 KiB 12.3–12.5.
 constexpr std::int64_t kDecodeAhead = 1024;
+
+// Walks the rows of a RowPrefetch a cache line at a time.
+class PrefetchCursor {
+ public:
+  explicit PrefetchCursor(const RowPrefetch& plan) : plan_(plan) {
+    if (plan_.base == nullptr || plan_.keys <= 0 || plan_.heads <= 0 || plan_.row_bytes <= 0) plan_.keys = 0;
+    start_row();
+  }
+  // Lines in the plan (a row spans at most row_bytes / 64 + 1 lines).
+  std::int64_t lines() const { return plan_.keys * plan_.heads * (plan_.row_bytes / kLine + 1); }
+  // Issues prefetches for the next `count` lines (nothing once the plan is done).
+  void step(std::int64_t count) {
+    for (; count > 0 && j_ < plan_.keys; --count) {
+      __builtin_prefetch(at_, 0, 2);  // read, into L2 (prefetcht1): L1 holds the working rows
+      at_ += kLine;
+      if (at_ > last_) {
+        if (++g_ == plan_.heads) {
+          g_ = 0;
+          ++j_;
+        }
+        start_row();
+      }
+    }
+  }
+
+ private:
+  static constexpr std::int64_t kLine = 64;
+  void start_row() {
+    if (j_ >= plan_.keys) return;
+    const char* row = plan_.base + j_ * plan_.ld + g_ * plan_.head_stride;
+    const auto address = reinterpret_cast<std::uintptr_t>(row);
+    at_ = row - (address % kLine);
+    last_ = row + plan_.row_bytes - 1;
+  }
+  RowPrefetch plan_;
+  std::int64_t j_ = 0, g_ = 0;
+  const char* at_ = nullptr;
+  const char* last_ = nullptr;
+};
+
+// Lines per step to spread `lines` over `steps` (rounded up, so the plan ends within the work).
+HWY_INLINE std::int64_t LinesPerStep(std::int64_t lines, std::int64_t steps) {
+  return steps > 0 ? (lines + steps - 1) / steps : 0;
+}
 
 // Keys per block of the scores: KB keys of one head share each query vector load. R·KB
 // accumulators stay within half the vector registers (32 on AVX-512, 16 elsewhere), at most 4.

@@ -126,16 +126,15 @@ void AttentionPlan::load_row(const void* base, const HeadsGrid& g, std::int64_t 
 }
 
 kernels::RowPrefetch AttentionPlan::rows_ahead(const void* base, const HeadsGrid& g, const Sequence& seq,
-                                               std::int64_t k_first, std::int64_t keys, std::int64_t h_first,
-                                               std::int64_t head_count) const {
+                                               std::int64_t k_first, std::int64_t keys) const {
   kernels::RowPrefetch plan;
   if (g.dim_stride != 1 || keys <= 0) return plan;
   const auto width = static_cast<std::int64_t>(dtype_size(dtype));
-  plan.base = static_cast<const char*>(base) + (g.offset(seq.b, seq.k0 + k_first) + h_first * g.head_stride) * width;
+  plan.base = static_cast<const char*>(base) + g.offset(seq.b, seq.k0 + k_first) * width;
   plan.ld = g.seq_stride * width;
   plan.head_stride = g.head_stride * width;
   plan.keys = keys;
-  plan.heads = head_count;
+  plan.heads = kv_heads;
   plan.row_bytes = dim * width;
   return plan;
 }
@@ -1061,7 +1060,7 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
     // the next tile's keys do.
     const std::int64_t next_keys = std::min(decode_tile, k_end - (k0 + keys));
     kernels::attn_decode_scores(kp, ldk, khs, keys, g_count, q_heads.data(), dp, valid, dim, st_heads.data(), w,
-                                rows_ahead(v_data, vg, seq, k0, keys, 0, g_count));
+                                rows_ahead(v_data, vg, seq, k0, keys));
     // The keys' positions, once per tile for every head.
     const std::int64_t* kpos = heads_scratch[0].kpos.data();
     if (any_bias || any_shaw || any_xl || any_tupe) {
@@ -1082,7 +1081,7 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
     }
     if (!direct) pack_tile(v_data, vg, k0, keys, s.v.data());
     kernels::attn_decode_values(vp, ldv, vhs, keys, g_count, p_heads.data(), w, valid, direct ? dim : dp, o_heads.data(), dp,
-                                rows_ahead(k_data, kg, seq, k0 + keys, next_keys, 0, g_count));
+                                rows_ahead(k_data, kg, seq, k0 + keys, next_keys));
   }
 }
 

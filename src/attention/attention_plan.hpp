@@ -294,11 +294,10 @@ struct AttentionPlan {
   // Engine pieces (attention.cpp).
   void transform_row(const QKTables& t, bool is_q, std::int64_t table_row, float* x, float sine_sign) const;
   void load_row(const void* base, const HeadsGrid& g, std::int64_t b, std::int64_t s, std::int64_t h, float* out) const;
-  // Keys [k_first, k_first + keys) of a sequence, heads [h_first, h_first + heads) of `base`, as
-  // rows to prefetch (kernels::RowPrefetch); an empty plan when keys <= 0 or the dim stride is
-  // not 1.
+  // Keys [k_first, k_first + keys) of a sequence, every KV head of `base`, as rows to prefetch
+  // (kernels::RowPrefetch); an empty plan when keys <= 0 or the dim stride is not 1.
   kernels::RowPrefetch rows_ahead(const void* base, const HeadsGrid& g, const Sequence& seq, std::int64_t k_first,
-                                  std::int64_t keys, std::int64_t h_first, std::int64_t head_count) const;
+                                  std::int64_t keys) const;
   void load_row_as(ConstTensorView view, const HeadsGrid& g, std::int64_t b, std::int64_t s, std::int64_t h,
                    float* out) const {
     load_row(view.data(), g, b, s, h, out);

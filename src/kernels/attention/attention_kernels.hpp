@@ -38,8 +38,9 @@ void attn_gemm(const float* a, std::int64_t a_row, std::int64_t a_depth, const f
 void attn_pack_heads(const void* src, DType dtype, std::int64_t seq_stride, std::int64_t head_stride, std::int64_t keys,
                      std::int64_t heads, std::int64_t dim, float* dst, std::int64_t dim_padded);
 
-// Decode over all KV heads of a key tile, in memory order (key j, then head g; the scores take
-// blocks of rows of the flattened (j, g) grid, so any strides work, memory order is fastest):
+// Decode over all KV heads of a key tile (any strides; [S, G, D] memory order is fastest): the
+// scores take blocks of up to 4 keys of one head, every head in turn; the values one head at a
+// time, the keys streaming past a block of columns held in registers:
 //   scores  st_heads[g][j·ld_st + r] = Σ_d k[j·ldk + g·k_head_stride + d]·q_heads[g][r·ldq + d]
 //   values  o_heads[g][r·ldo + c] += Σ_j p_heads[g][j·ld_p + r]·v[j·ldv + g·v_head_stride + c]
 //           for c < cols, in j order (one fused multiply-add per key), straight from the rows

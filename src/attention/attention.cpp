@@ -19,6 +19,7 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -481,7 +482,7 @@ void AttentionPlan::xl_window(const RowBlock& rb, const float* rows_t, std::int6
   for_each_xl_run(*this, rb, [&](std::int64_t r0, std::int64_t n, std::int64_t h) {
     const XlTables& t = *xl_of_head(h);
     const std::int64_t lh = xl_local_head(h), t0 = lo - xl_delta_min;
-    kernels::attn_gemm(t.p_row(t0, lh, dim_padded), t.heads * dim_padded, 1, rows_t + r0, ld_t, dots + r0, ld, span, n,
+    kernels::attn_gemm(t.p_row(t0, lh, dim_padded), dim_padded, 1, rows_t + r0, ld_t, dots + r0, ld, span, n,
                        dim, false);
     const float* c = t.constant.data() + lh * xl_width + t0;
     for (std::int64_t u = 0; u < span; ++u) {
@@ -546,19 +547,38 @@ void AttentionPlan::xl_add_direct(const RowBlock& rb, std::int64_t keys, const s
 // and head run (keys' PK rows straight from the table when their positions are consecutive),
 // and in backward two more (dPQ += dS·PK, dPK = dSᵀ·PQ), like the content products.
 
-// PQ of the block's rows: transposed [Dp][w] (tile products) and, as_rows, [w][Dp].
+// PQ of the block's rows: transposed [Dp][padded_stride(w)] (tile products; the padding keeps
+// the columns of a long unit off one L1 set, as for qt) and, as_rows, [w][Dp]. Blocks of 16 rows,
+// so that each write of the transpose fills a cache line.
 void AttentionPlan::tupe_load_rows(const RowBlock& rb, AttentionUnitScratch& s, bool as_rows) const {
-  const std::int64_t w = rb.width, dp = dim_padded;
-  grow(s.tupe_pqt, dp * w);
+  const std::int64_t w = rb.width, dp = dim_padded, ld = padded_stride(w);
+  grow(s.tupe_pqt, dp * ld);
   if (as_rows) grow(s.tupe_pq, w * dp);
-  for (std::int64_t r = 0; r < w; ++r) {
-    const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
-    const TupeTables* t = h < 0 ? nullptr : tupe_of_head(h);
-    const float* row = t == nullptr ? nullptr : tupe_row(*t, true, rb.position[static_cast<std::size_t>(r)], h);
+  constexpr std::int64_t kBlock = 16;
+  std::array<const float*, kBlock> rows{};
+  for (std::int64_t r0 = 0; r0 < w; r0 += kBlock) {
+    const std::int64_t n = std::min(kBlock, w - r0);
+    for (std::int64_t r = 0; r < n; ++r) {
+      const std::int64_t h = rb.head[static_cast<std::size_t>(r0 + r)];
+      const TupeTables* t = h < 0 ? nullptr : tupe_of_head(h);
+      rows[static_cast<std::size_t>(r)] = t == nullptr ? nullptr : tupe_row(*t, true, rb.position[static_cast<std::size_t>(r0 + r)], h);
+    }
     for (std::int64_t d = 0; d < dp; ++d) {
-      const float value = row == nullptr ? 0.0f : row[d];
-      s.tupe_pqt[static_cast<std::size_t>(d * w + r)] = value;
-      if (as_rows) s.tupe_pq[static_cast<std::size_t>(r * dp + d)] = value;
+      float* to = s.tupe_pqt.data() + d * ld + r0;
+      for (std::int64_t r = 0; r < n; ++r) {
+        const float* row = rows[static_cast<std::size_t>(r)];
+        to[r] = row == nullptr ? 0.0f : row[d];
+      }
+    }
+    if (!as_rows) continue;
+    for (std::int64_t r = 0; r < n; ++r) {
+      const float* row = rows[static_cast<std::size_t>(r)];
+      float* to = s.tupe_pq.data() + (r0 + r) * dp;
+      if (row == nullptr) {
+        std::fill(to, to + dp, 0.0f);
+      } else {
+        std::copy(row, row + dp, to);
+      }
     }
   }
 }
@@ -571,7 +591,7 @@ const float* tupe_keys(const AttentionPlan& p, const TupeTables& t, std::int64_t
   bool consecutive = true;
   for (std::int64_t j = 1; j < keys && consecutive; ++j) consecutive = kpos[j] == kpos[0] + j;
   if (consecutive) {
-    *ld = t.heads * p.dim_padded;
+    *ld = p.dim_padded;
     return p.tupe_row(t, false, kpos[0], h);
   }
   grow(s.tupe_pk, keys * p.dim_padded);
@@ -804,7 +824,7 @@ void forward_tile(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh,
     if (rb.compact) {
       p.tupe_add_direct(rb, keys, s.kpos.data(), s.tupe_pq.data(), s.st.data());
     } else {
-      p.tupe_add_tile(rb, 0, w, keys, s.kpos.data(), s, s.st.data());
+      p.tupe_add_tile(rb, 0, padded_stride(w), keys, s.kpos.data(), s, s.st.data());
     }
   }
   if (p.any_bias) p.add_bias(seq, rb, k0, keys, s.kpos.data(), s.st.data());
@@ -1353,8 +1373,9 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
   }
   // Row blocks of at most query_block·G rows share one key tile pass.
   const std::int64_t rows_per_block = round_up(query_block * group_size, kAttnAlign);
-  // Loads the keys [k0, k0 + keys) (transformed) and values into s.k, s.v and their positions.
-  const auto load_tile = [&](std::int64_t k0, std::int64_t keys) {
+  // Loads the keys [k0, k0 + keys) (transformed) and values into s.k, s.v and their positions into
+  // s.kpos.
+  const auto load_keys = [&](std::int64_t k0, std::int64_t keys) {
     for (std::int64_t j = 0; j < keys; ++j) {
       float* krow = s.k.data() + j * ldkv;
       load_row(k_data, kg, seq.b, seq.k0 + k0 + j, kvh, krow);
@@ -1378,34 +1399,35 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
   };
   // One (key tile, row block) step: S, P, dP, dS and the products into dk, dv (rows for the tile's
   // keys), dq; the schemes' terms. XL's window (s.xl_lo, s.xl_span) must cover the pair.
-  const auto step = [&](const RowBlock& sub, std::int64_t r0, std::int64_t k0, std::int64_t keys, bool full, float* dk_rows,
-                        float* dv_rows) {
+  // k_rows, v_rows: the tile's key and value rows, ldkv apart; kpos: their positions.
+  const auto step = [&](const RowBlock& sub, std::int64_t r0, std::int64_t k0, std::int64_t keys, bool full,
+                        const float* k_rows, const float* v_rows, const std::int64_t* kpos, float* dk_rows, float* dv_rows) {
     const std::int64_t bw = sub.width;
     // S^T = K·Q^T, biases, soft-cap, mask; dP^T = V·dO^T.
-    kernels::attn_gemm(s.k.data(), ldkv, 1, s.qt.data() + r0, ldt, s.st.data(), bw, keys, bw, d, false);
-    if (any_tupe) tupe_add_tile(sub, r0, w, keys, s.kpos.data(), s, s.st.data());
-    add_bias(seq, sub, k0, keys, s.kpos.data(), s.st.data());
-    if (any_shaw) shaw_add_rows(sub, keys, s.kpos.data(), s.shaw_key_dots.data() + r0, w, s.st.data());
-    if (any_xl) xl_add_rows(sub, keys, s.kpos.data(), s.xl_lo, s.xl_span, s.xl_dots.data(), bw, s.st.data());
+    kernels::attn_gemm(k_rows, ldkv, 1, s.qt.data() + r0, ldt, s.st.data(), bw, keys, bw, d, false);
+    if (any_tupe) tupe_add_tile(sub, r0, ldt, keys, kpos, s, s.st.data());
+    add_bias(seq, sub, k0, keys, kpos, s.st.data());
+    if (any_shaw) shaw_add_rows(sub, keys, kpos, s.shaw_key_dots.data() + r0, w, s.st.data());
+    if (any_xl) xl_add_rows(sub, keys, kpos, s.xl_lo, s.xl_span, s.xl_dots.data(), bw, s.st.data());
     if (mask.softcap > 0) kernels::attn_softcap_tile(s.st.data(), keys, bw, static_cast<float>(mask.softcap));
     if (!full) kernels::attn_mask_tile(s.st.data(), keys, bw, k0, sub.lo.data(), sub.hi.data());
-    kernels::attn_gemm(s.v.data(), ldkv, 1, s.doutt.data() + r0, ldt, s.dpt.data(), bw, keys, bw, d, false);
+    kernels::attn_gemm(v_rows, ldkv, 1, s.doutt.data() + r0, ldt, s.dpt.data(), bw, keys, bw, d, false);
     // Shaw's value term: dP_ij += dO_i·a^V[row].
-    if (any_shaw) shaw_add_rows(sub, keys, s.kpos.data(), s.shaw_value_dots.data() + r0, w, s.dpt.data());
+    if (any_shaw) shaw_add_rows(sub, keys, kpos, s.shaw_value_dots.data() + r0, w, s.dpt.data());
     // P^T, dS^T (with the soft-cap's derivative).
     kernels::attn_backward_tile(s.st.data(), s.dpt.data(), keys, bw, s.lse.data() + r0, s.delta.data() + r0,
                                 static_cast<float>(mask.softcap));
     if (any_shaw) {
-      shaw_collect(sub, keys, s.kpos.data(), s.dpt.data(), nullptr, s.shaw_grads.data() + r0, w);
-      shaw_collect(sub, keys, s.kpos.data(), s.st.data(), nullptr, s.shaw_probs.data() + r0, w);
+      shaw_collect(sub, keys, kpos, s.dpt.data(), nullptr, s.shaw_grads.data() + r0, w);
+      shaw_collect(sub, keys, kpos, s.st.data(), nullptr, s.shaw_probs.data() + r0, w);
     }
-    if (any_xl) xl_collect(sub, keys, s.kpos.data(), s.xl_lo, s.xl_span, s.dpt.data(), s.xl_sums.data(), bw);
-    if (any_tupe) tupe_backward_tile(sub, r0, keys, s.kpos.data(), kvh, unit_tupe_grads, s);
+    if (any_xl) xl_collect(sub, keys, kpos, s.xl_lo, s.xl_span, s.dpt.data(), s.xl_sums.data(), bw);
+    if (any_tupe) tupe_backward_tile(sub, r0, keys, kpos, kvh, unit_tupe_grads, s);
     // dV += P^T·dO, dK += dS^T·Q (Q carries the scale), dQ += dS·K.
     kernels::attn_gemm(s.st.data(), bw, 1, s.dout.data() + r0 * dp, dp, dv_rows, dp, keys, dp, bw, true);
     kernels::attn_gemm(s.dpt.data(), bw, 1, s.q.data() + r0 * dp, dp, dk_rows, dp, keys, dp, bw, true);
-    kernels::attn_gemm(s.dpt.data(), 1, bw, s.k.data(), ldkv, s.dq.data() + r0 * dp, dp, bw, dp, keys, true);
-    if (unit_grads != nullptr) accumulate_bias_gradients(seq, sub, k0, keys, s.kpos.data(), s.dpt.data(), s, kvh, unit_grads);
+    kernels::attn_gemm(s.dpt.data(), 1, bw, k_rows, ldkv, s.dq.data() + r0 * dp, dp, bw, dp, keys, true);
+    if (unit_grads != nullptr) accumulate_bias_gradients(seq, sub, k0, keys, kpos, s.dpt.data(), s, kvh, unit_grads);
   };
   // dK (rotated back; the query scale is already in it) and dV rows of keys [k0, k0 + keys).
   // A split unit writes them into its part instead (keys [part_key_lo, part_key_hi), dK rows then
@@ -1435,7 +1457,7 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
       const std::int64_t keys = std::min(key_tile, seq.lk - k0);
       bool full = true;
       if (!coverage(0, w, k0, keys, &full)) continue;
-      load_tile(k0, keys);
+      load_keys(k0, keys);
       std::fill(s.dk.begin(), s.dk.begin() + keys * dp, 0.0f);
       std::fill(s.dv.begin(), s.dv.begin() + keys * dp, 0.0f);
       for (std::int64_t r0 = 0; r0 < w; r0 += rows_per_block) {
@@ -1443,7 +1465,7 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
         if (!coverage(r0, bw, k0, keys, &full)) continue;
         RowBlock sub;
         rb.slice(r0, bw, sub);
-        step(sub, r0, k0, keys, full, s.dk.data(), s.dv.data());
+        step(sub, r0, k0, keys, full, s.k.data(), s.v.data(), s.kpos.data(), s.dk.data(), s.dv.data());
       }
       store_keys(k0, keys, s.dk.data(), s.dv.data());
     }
@@ -1451,8 +1473,14 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
     // Transformer-XL: row blocks outer, so that each block's window of Qs·P(δ) dots and of dS sums
     // slides down the δ range with the tiles (as in forward) instead of being rebuilt per tile;
     // dk and dv accumulate for the whole sequence (rows in the same order as above). A window is
-    // flushed — dQs += sumsᵀ·P, dP += sums·Qs — when it moves and after the last tile.
+    // flushed — dQs += sumsᵀ·P, dP += sums·Qs — when it moves and after the last tile. The
+    // sequence's keys and values are loaded once for all the row blocks (reloading them per block
+    // cost a quarter of the time).
     constexpr std::int64_t kXlWindow = 1024;  // as forward_xl's window, for the same reason
+    grow(s.k, seq.lk * ldkv);
+    grow(s.v, seq.lk * ldkv);
+    grow(s.kpos, seq.lk);
+    load_keys(0, seq.lk);
     grow(s.dk, seq.lk * dp);
     grow(s.dv, seq.lk * dp);
     std::fill(s.dk.begin(), s.dk.begin() + seq.lk * dp, 0.0f);
@@ -1466,9 +1494,9 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
         const std::int64_t keys = std::min(key_tile, seq.lk - k0);
         bool full = true;
         if (!coverage(r0, bw, k0, keys, &full)) continue;
-        load_tile(k0, keys);
+        const std::int64_t* kpos = s.kpos.data() + k0;
         std::int64_t lo = 0, hi = -1;
-        if (!xl_tile_range(sub, keys, s.kpos.data(), &lo, &hi)) {
+        if (!xl_tile_range(sub, keys, kpos, &lo, &hi)) {
           lo = hi = xl_delta_min;  // no XL row: an idle one-entry window
         }
         if (s.xl_span == 0 || lo < s.xl_lo || hi >= s.xl_lo + s.xl_span) {
@@ -1480,7 +1508,8 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
           std::fill(s.xl_sums.begin(), s.xl_sums.begin() + s.xl_span * bw, 0.0f);
           xl_window(sub, s.qt.data() + r0, ldt, s.xl_lo, s.xl_span, s.xl_dots.data(), bw);
         }
-        step(sub, r0, k0, keys, full, s.dk.data() + k0 * dp, s.dv.data() + k0 * dp);
+        step(sub, r0, k0, keys, full, s.k.data() + k0 * ldkv, s.v.data() + k0 * ldkv, kpos, s.dk.data() + k0 * dp,
+             s.dv.data() + k0 * dp);
       }
       if (s.xl_span > 0) xl_backward_window(sub, r0, s.xl_lo, s.xl_span, kvh, unit_xl_grads, s);
     }
@@ -1580,7 +1609,7 @@ void AttentionPlan::xl_backward_window(const RowBlock& sub, std::int64_t r0, std
     const XlTables& t = *xl_of_head(h);
     const std::int64_t lh = xl_local_head(h), t0 = lo - xl_delta_min, g = h - kvh * group_size;
     const float* sums = s.xl_sums.data() + ra;
-    kernels::attn_gemm(sums, 1, bw, t.p_row(t0, lh, dp), t.heads * dp, s.dq.data() + (r0 + ra) * dp, dp, n, dp, span, true);
+    kernels::attn_gemm(sums, 1, bw, t.p_row(t0, lh, dp), dp, s.dq.data() + (r0 + ra) * dp, dp, n, dp, span, true);
     if (unit_xl_grads == nullptr) return;
     kernels::attn_gemm(sums, bw, 1, s.q.data() + (r0 + ra) * dp, dp, s.xl_dp.data() + (t0 * group_size + g) * dp,
                        group_size * dp, span, dp, n, true);

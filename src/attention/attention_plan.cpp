@@ -49,6 +49,18 @@ void blocked_gemm(const float* a, std::int64_t a_row, std::int64_t a_depth, cons
   }
 }
 
+// [rows][heads][dp] → [heads][rows][dp]: one head's rows contiguous (see XlTables).
+std::vector<float> heads_major(const std::vector<float>& by_row, std::int64_t rows, std::int64_t heads, std::int64_t dp) {
+  std::vector<float> out(by_row.size());
+  for (std::int64_t h = 0; h < heads; ++h) {
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const float* from = by_row.data() + (r * heads + h) * dp;
+      std::copy(from, from + dp, out.data() + (h * rows + r) * dp);
+    }
+  }
+  return out;
+}
+
 void check_cu_seqlens(const char* name, const std::vector<std::int64_t>& cu, std::int64_t tokens) {
   require(cu.size() >= 2, name, "size " + std::to_string(cu.size()), "at least 2 entries (0, …, tokens)");
   require(cu.front() == 0, name, "[0] = " + std::to_string(cu.front()), "0");
@@ -523,8 +535,10 @@ void AttentionPlan::build_tupe_tables(const std::vector<HeadGroup>& groups, std:
       }
       std::vector<float>& out = is_q ? t.pq : t.pk;
       out.assign(static_cast<std::size_t>(tupe_count * cols), 0.0f);
-      blocked_gemm(rows.data(), dmp, 1, u.data(), cols, out.data(), cols, tupe_count, cols, dm);
-      if (t.cls_reset && tupe_first == 0) std::fill(out.begin(), out.begin() + cols, 0.0f);
+      std::vector<float> by_position(static_cast<std::size_t>(tupe_count * cols), 0.0f);
+      blocked_gemm(rows.data(), dmp, 1, u.data(), cols, by_position.data(), cols, tupe_count, cols, dm);
+      if (t.cls_reset && tupe_first == 0) std::fill(by_position.begin(), by_position.begin() + cols, 0.0f);
+      out = heads_major(by_position, tupe_count, hg, dim_padded);
     }
     t.theta1.assign(params->theta1().begin(), params->theta1().end());
     t.theta2.assign(params->theta2().begin(), params->theta2().end());
@@ -681,8 +695,10 @@ void AttentionPlan::build_xl_tables(const std::vector<HeadGroup>& groups) {
         }
       }
     }
-    t.projected.assign(static_cast<std::size_t>(xl_width * cols), 0.0f);
-    blocked_gemm(r.data(), dmp, 1, wt.data(), cols, t.projected.data(), cols, xl_width, cols, dm);
+    std::vector<float> by_delta(static_cast<std::size_t>(xl_width * cols), 0.0f);
+    blocked_gemm(r.data(), dmp, 1, wt.data(), cols, by_delta.data(), cols, xl_width, cols, dm);
+    t.width = xl_width;
+    t.projected = heads_major(by_delta, xl_width, hg, dim_padded);
     t.u.assign(static_cast<std::size_t>(hg * dim), 0.0f);
     t.constant.assign(static_cast<std::size_t>(hg * xl_width), 0.0f);
     for (std::int64_t h = 0; h < hg; ++h) {
@@ -1168,19 +1184,24 @@ void AttentionPlan::finish_xl_gradients(const std::vector<double>& totals, Atten
       const double* dp_total = totals.data() + kvh * per_kv;
       const double* hist = dp_total + xl_width * g_count * dp + g * xl_width;
       const double* dqs = dp_total + xl_width * g_count * (dp + 1) + g * dim;
+      // δ outer, so that every row walks in memory order; each dv[d] still sums over δ in order.
+      std::vector<double> dv(static_cast<std::size_t>(dim), 0.0);
+      for (std::int64_t u = 0; u < xl_width; ++u) {
+        const double sum = hist[u];
+        const float* p_row = t.p_row(u, lh, dp);
+        const double* dp_row = dp_total + (u * g_count + g) * dp;
+        float* to = d_projected.data() + u * cols + lh * dp;
+        for (std::int64_t d = 0; d < dim; ++d) {
+          const auto at = static_cast<std::size_t>(lh * dim + d);
+          dv[static_cast<std::size_t>(d)] += sum * static_cast<double>(p_row[d]);
+          to[d] = static_cast<float>(dp_row[d] + scale_f64 * (params.v()[at] - params.u()[at]) * sum);
+        }
+      }
       for (std::int64_t d = 0; d < dim; ++d) {
         const auto at = static_cast<std::size_t>(lh * dim + d);
-        const double v_minus_u = params.v()[at] - params.u()[at];
-        double dv = 0;
-        for (std::int64_t u = 0; u < xl_width; ++u) {
-          const double sum = hist[u];
-          dv += sum * static_cast<double>(t.p_row(u, lh, dp)[d]);
-          d_projected[static_cast<std::size_t>(u * cols + lh * dp + d)] =
-              static_cast<float>(dp_total[(u * g_count + g) * dp + d] + scale_f64 * v_minus_u * sum);
-        }
-        dv *= scale_f64;
-        out.v[at] += dv;
-        out.u[at] += dqs[d] - dv;
+        const double dv_d = dv[static_cast<std::size_t>(d)] * scale_f64;
+        out.v[at] += dv_d;
+        out.u[at] += dqs[d] - dv_d;
       }
     }
     const std::int64_t dm = params.d_model(), dmp = t.d_model_padded;

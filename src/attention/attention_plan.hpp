@@ -86,7 +86,8 @@ struct HeadBias {
 };
 
 // TUPE's projections of a head group in f32 for the positions [tupe_first, tupe_first + count)
-// (AttentionPlan's range, shared by the groups), [count][heads][Dp] zero-padded:
+// (AttentionPlan's range, shared by the groups), [heads][count][Dp] zero-padded (head-major, for
+// the reason XlTables gives):
 //   pq = p[pos]·U^Q_h / sqrt(2D),   pk = p[pos]·U^K_h
 // so that a tile's biases are one matrix product PK·PQᵀ per head. With the [CLS] reset, position
 // 0's rows are zero and θ1 (query at 0) / θ2 (only the key at 0) are added on their own.
@@ -110,15 +111,18 @@ struct ShawTables {
 // (AttentionPlan::xl_delta_min / xl_width, shared by the groups): with the queries' rows holding
 // Qs = scale·(q + u) (u folded in: scale·(q + u)·k is the content and global-content term),
 //   logit += Qs·P_h(δ) + c_h(δ),   c_h(δ) = scale·(v_h − u_h)·P_h(δ)
-// which is scale·(q + v)·P_h(δ). projected: P as [width][heads][Dp] (zero-padded), constant: c as
-// [heads][width], u: [heads][D].
+// which is scale·(q + v)·P_h(δ). projected: P as [heads][width][Dp] (zero-padded), constant: c as
+// [heads][width], u: [heads][D]. Head-major, so that one head's rows are contiguous: with the heads
+// interleaved, a head's rows sat heads·Dp floats apart (4 KiB for 8 heads of 128), every row of a
+// tile's product fell into the same L1 set, and the products ran at half speed.
 struct XlTables {
   std::int64_t heads = 0;  // 0: the group has no XL terms
+  std::int64_t width = 0;  // δ rows per head (AttentionPlan::xl_width)
   std::vector<float> projected, constant, u;
   std::vector<float> sinusoids;  // r(δ): [width][d_model_padded] (zero-padded), for dW_R
   std::int64_t d_model_padded = 0;
   const float* p_row(std::int64_t t, std::int64_t local_head, std::int64_t dp) const {
-    return projected.data() + (t * heads + local_head) * dp;
+    return projected.data() + (local_head * width + t) * dp;
   }
 };
 
@@ -231,7 +235,8 @@ struct AttentionPlan {
   }
   // Row of pq or pk (is_q) for position pos and head h.
   const float* tupe_row(const TupeTables& t, bool is_q, std::int64_t pos, std::int64_t h) const {
-    return (is_q ? t.pq : t.pk).data() + ((pos - tupe_first) * t.heads + (h - group_first_head[static_cast<std::size_t>(head_group[static_cast<std::size_t>(h)])])) * dim_padded;
+    const std::int64_t local_head = h - group_first_head[static_cast<std::size_t>(head_group[static_cast<std::size_t>(h)])];
+    return (is_q ? t.pq : t.pk).data() + (local_head * tupe_count + (pos - tupe_first)) * dim_padded;
   }
   void build_tupe_tables(const std::vector<HeadGroup>& groups, std::int64_t p_min, std::int64_t p_max);
   // In the tile loop (attention.cpp): the rows' PQ (transposed, and as rows), a tile's biases

@@ -112,9 +112,9 @@ struct ShawTables {
 // Qs = scale·(q + u) (u folded in: scale·(q + u)·k is the content and global-content term),
 //   logit += Qs·P_h(δ) + c_h(δ),   c_h(δ) = scale·(v_h − u_h)·P_h(δ)
 // which is scale·(q + v)·P_h(δ). projected: P as [heads][width][Dp] (zero-padded), constant: c as
-// [heads][width], u: [heads][D]. Head-major, so that one head's rows are contiguous: with the heads
-// interleaved, a head's rows sat heads·Dp floats apart (4 KiB for 8 heads of 128), every row of a
-// tile's product fell into the same L1 set, and the products ran at half speed.
+// [heads][width], u: [heads][D]. Head-major, so that one head's rows are contiguous: interleaved,
+// they would sit heads·Dp floats apart (4 KiB for 8 heads of 128: every row of a product in the
+// same L1 set). The timed runs did not separate this from the noise; it costs nothing.
 struct XlTables {
   std::int64_t heads = 0;  // 0: the group has no XL terms
   std::int64_t width = 0;  // δ rows per head (AttentionPlan::xl_width)

@@ -1346,13 +1346,15 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
     std::fill(s.shaw_grads.begin(), s.shaw_grads.begin() + w * shaw_width, 0.0f);
     std::fill(s.shaw_probs.begin(), s.shaw_probs.begin() + w * shaw_width, 0.0f);
   }
-  grow(s.k, key_tile * ldkv);
-  grow(s.v, key_tile * ldkv);
-  grow(s.dk, key_tile * dp);
-  grow(s.dv, key_tile * dp);
-  grow(s.st, key_tile * w);
-  grow(s.dpt, key_tile * w);
-  grow(s.kpos, key_tile);
+  grow(s.k, backward_key_tile * ldkv);
+  grow(s.v, backward_key_tile * ldkv);
+  grow(s.dk, backward_key_tile * dp);
+  grow(s.dv, backward_key_tile * dp);
+  // Row blocks of at most query_block·G rows share one key tile pass.
+  const std::int64_t rows_per_block = round_up(query_block * group_size, kAttnAlign);
+  grow(s.st, backward_key_tile * rows_per_block);
+  grow(s.dpt, backward_key_tile * rows_per_block);
+  grow(s.kpos, backward_key_tile);
   // Bias-gradient histograms over δ per head of the unit (distance tables) and the direct path.
   if (unit_grads != nullptr) {
     grow(s.hist, group_size * hist_width);
@@ -1371,8 +1373,6 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
     grow(s.xl_dp, xl_width * group_size * dp);
     std::fill(s.xl_dp.begin(), s.xl_dp.begin() + xl_width * group_size * dp, 0.0f);
   }
-  // Row blocks of at most query_block·G rows share one key tile pass.
-  const std::int64_t rows_per_block = round_up(query_block * group_size, kAttnAlign);
   // Loads the keys [k0, k0 + keys) (transformed) and values into s.k, s.v and their positions into
   // s.kpos.
   const auto load_keys = [&](std::int64_t k0, std::int64_t keys) {
@@ -1453,8 +1453,8 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
   };
   if (!any_xl) {
     // Key tiles outer: dk and dv finish per tile.
-    for (std::int64_t k0 = 0; k0 < seq.lk; k0 += key_tile) {
-      const std::int64_t keys = std::min(key_tile, seq.lk - k0);
+    for (std::int64_t k0 = 0; k0 < seq.lk; k0 += backward_key_tile) {
+      const std::int64_t keys = std::min(backward_key_tile, seq.lk - k0);
       bool full = true;
       if (!coverage(0, w, k0, keys, &full)) continue;
       load_keys(k0, keys);
@@ -1490,8 +1490,8 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
       RowBlock sub;
       rb.slice(r0, bw, sub);
       s.xl_span = 0;
-      for (std::int64_t k0 = 0; k0 < seq.lk; k0 += key_tile) {
-        const std::int64_t keys = std::min(key_tile, seq.lk - k0);
+      for (std::int64_t k0 = 0; k0 < seq.lk; k0 += backward_key_tile) {
+        const std::int64_t keys = std::min(backward_key_tile, seq.lk - k0);
         bool full = true;
         if (!coverage(r0, bw, k0, keys, &full)) continue;
         const std::int64_t* kpos = s.kpos.data() + k0;
@@ -1513,8 +1513,8 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
       }
       if (s.xl_span > 0) xl_backward_window(sub, r0, s.xl_lo, s.xl_span, kvh, unit_xl_grads, s);
     }
-    for (std::int64_t k0 = 0; k0 < seq.lk; k0 += key_tile) {
-      store_keys(k0, std::min(key_tile, seq.lk - k0), s.dk.data() + k0 * dp, s.dv.data() + k0 * dp);
+    for (std::int64_t k0 = 0; k0 < seq.lk; k0 += backward_key_tile) {
+      store_keys(k0, std::min(backward_key_tile, seq.lk - k0), s.dk.data() + k0 * dp, s.dv.data() + k0 * dp);
     }
   }
   if (const ShawTables* block_tables = any_shaw ? shaw_of_block(rb) : nullptr; block_tables != nullptr) {

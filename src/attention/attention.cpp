@@ -509,15 +509,66 @@ void for_each_xl_pair(const AttentionPlan& p, const RowBlock& rb, std::int64_t k
   }
 }
 
+// The XL pairs of a block by lane chunks, through the gather kernels: fn(chunk's first row, its
+// lanes' bases, the keys' offsets), u = base[t] − offset[j], both relative to the tile's first key
+// position, in int32. Returns false before running any chunk when a value would not fit (far-apart
+// explicit positions, huge windows); the caller then takes the scalar walk.
+template <class Fn>
+bool for_each_xl_chunk(const AttentionPlan& p, const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos,
+                       std::int64_t lo, std::int64_t span, std::int64_t ld, Fn&& fn) {
+  constexpr std::int64_t kLimit = std::int64_t{1} << 30, kMaxKeys = 256;
+  constexpr std::int32_t kNever = -(std::int32_t{1} << 30);  // u = kNever − offset < 0 for every key
+  if (keys == 0) return true;
+  if (keys > kMaxKeys || span * ld + kAttnAlign >= kLimit) return false;
+  const std::int64_t k_ref = *std::min_element(kpos, kpos + keys);
+  std::array<std::int32_t, kMaxKeys> offset{};
+  for (std::int64_t j = 0; j < keys; ++j) {
+    if (kpos[j] - k_ref >= kLimit) return false;
+    offset[static_cast<std::size_t>(j)] = static_cast<std::int32_t>(kpos[j] - k_ref);
+  }
+  const auto base_of = [&](std::int64_t r) -> std::int64_t {
+    const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
+    if (h < 0 || p.xl_of_head(h) == nullptr) return kNever;
+    return rb.position[static_cast<std::size_t>(r)] - lo - k_ref;
+  };
+  for (std::int64_t r = 0; r < rb.width; ++r) {
+    const std::int64_t b = base_of(r);
+    if (b != kNever && (b <= kNever || b >= kLimit)) return false;
+  }
+  std::array<std::int32_t, kAttnAlign> base{};
+  for (std::int64_t c = 0; c < rb.width; c += kAttnAlign) {
+    bool any = false;
+    for (std::int64_t t = 0; t < kAttnAlign; ++t) {
+      const std::int64_t b = base_of(c + t);
+      base[static_cast<std::size_t>(t)] = static_cast<std::int32_t>(b);
+      any = any || b != kNever;
+    }
+    if (any) fn(c, base.data(), offset.data());
+  }
+  return true;
+}
+
 // st[j][r] += dots[δ(r, j) − lo][r] for the XL rows.
 void AttentionPlan::xl_add_rows(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, std::int64_t lo,
                                 std::int64_t span, const float* dots, std::int64_t ld, float* st) const {
+  const std::int64_t w = rb.width;
+  if (for_each_xl_chunk(*this, rb, keys, kpos, lo, span, ld, [&](std::int64_t c, const std::int32_t* base, const std::int32_t* offset) {
+        kernels::attn_xl_add(st + c, keys, w, dots + c, ld, span, base, offset);
+      })) {
+    return;
+  }
   for_each_xl_pair(*this, rb, keys, kpos, lo, span, ld, [&](std::int64_t at, std::int64_t from) { st[at] += dots[from]; });
 }
 
 // sums[δ(r, j) − lo][r] += dst[j][r] (the transpose of xl_add_rows).
 void AttentionPlan::xl_collect(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, std::int64_t lo,
                                std::int64_t span, const float* dst, float* sums, std::int64_t ld) const {
+  const std::int64_t w = rb.width;
+  if (for_each_xl_chunk(*this, rb, keys, kpos, lo, span, ld, [&](std::int64_t c, const std::int32_t* base, const std::int32_t* offset) {
+        kernels::attn_xl_collect(dst + c, keys, w, sums + c, ld, span, base, offset);
+      })) {
+    return;
+  }
   for_each_xl_pair(*this, rb, keys, kpos, lo, span, ld, [&](std::int64_t from, std::int64_t at) { sums[at] += dst[from]; });
 }
 

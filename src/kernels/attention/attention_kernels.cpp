@@ -479,6 +479,48 @@ void AttnAddBiasTile(float* HWY_RESTRICT st, std::int64_t keys, std::int64_t wid
   }
 }
 
+// Transformer-XL's pairs (attn_xl_add / attn_xl_collect): the side that is only read is const.
+template <bool kCollect, class Tile, class Window>
+HWY_INLINE void XlPairs(Tile* HWY_RESTRICT st, std::int64_t keys, std::int64_t width, Window* HWY_RESTRICT window,
+                        std::int64_t ld, std::int64_t span, const std::int32_t* HWY_RESTRICT base,
+                        const std::int32_t* HWY_RESTRICT key_offset) {
+  const DF d;
+  const hn::RebindToSigned<DF> di;
+  const auto n = static_cast<std::int64_t>(hn::Lanes(d));
+  const auto ld_v = hn::Set(di, static_cast<std::int32_t>(ld));
+  const auto span_v = hn::Set(di, static_cast<std::int32_t>(span));
+  for (std::int64_t l = 0; l < kAttnAlign; l += n) {
+    const auto lane = hn::Iota(di, static_cast<std::int32_t>(l));
+    const auto b = hn::LoadU(di, base + l);
+    for (std::int64_t j = 0; j < keys; ++j) {
+      const auto u = hn::Sub(b, hn::Set(di, key_offset[j]));
+      const auto inside = hn::And(hn::Gt(u, hn::Set(di, -1)), hn::Lt(u, span_v));  // 0 <= u < span (no integer Ge in this Highway)
+      if (hn::AllFalse(di, inside)) continue;
+      // Lanes outside the window read (and, collecting, write back unchanged) their own column of
+      // the window's first row: every lane's index stays distinct, so the scatter cannot collide.
+      const auto index = hn::IfThenElse(inside, hn::Add(hn::Mul(u, ld_v), lane), lane);
+      const auto keep = hn::RebindMask(d, inside);
+      Tile* row = st + j * width + l;
+      const VF gathered = hn::GatherIndex(d, window, index);
+      if constexpr (kCollect) {
+        hn::ScatterIndex(hn::Add(gathered, hn::IfThenElseZero(keep, hn::LoadU(d, row))), d, window, index);
+      } else {
+        hn::StoreU(hn::Add(hn::LoadU(d, row), hn::IfThenElseZero(keep, gathered)), d, row);
+      }
+    }
+  }
+}
+void AttnXlAdd(float* HWY_RESTRICT st, std::int64_t keys, std::int64_t width, const float* HWY_RESTRICT window,
+               std::int64_t ld, std::int64_t span, const std::int32_t* HWY_RESTRICT base,
+               const std::int32_t* HWY_RESTRICT key_offset) {
+  XlPairs<false>(st, keys, width, window, ld, span, base, key_offset);
+}
+void AttnXlCollect(const float* HWY_RESTRICT st, std::int64_t keys, std::int64_t width, float* HWY_RESTRICT window,
+                   std::int64_t ld, std::int64_t span, const std::int32_t* HWY_RESTRICT base,
+                   const std::int32_t* HWY_RESTRICT key_offset) {
+  XlPairs<true>(st, keys, width, window, ld, span, base, key_offset);
+}
+
 std::int64_t AttnFireKeys(float* HWY_RESTRICT st, std::int64_t keys, std::int64_t width, const double* HWY_RESTRICT psi,
                           std::int64_t base, const double* HWY_RESTRICT inv_norm, const double* HWY_RESTRICT lo,
                           const double* HWY_RESTRICT hi, const double* HWY_RESTRICT slope,
@@ -634,6 +676,8 @@ HWY_EXPORT(AttnScaleRows);
 HWY_EXPORT(AttnBackwardTile);
 HWY_EXPORT(AttnLoadF32);
 HWY_EXPORT(AttnAddBiasTile);
+HWY_EXPORT(AttnXlAdd);
+HWY_EXPORT(AttnXlCollect);
 HWY_EXPORT(AttnFireKeys);
 HWY_EXPORT(AttnFireMoments);
 HWY_EXPORT(AttnDecodeScores);
@@ -667,6 +711,14 @@ HWY_EXPORT(AttnMaskTile);
 
 void attn_add_bias_tile(float* st, std::int64_t keys, std::int64_t width, const float* table, std::int64_t base) {
   HWY_DYNAMIC_DISPATCH(AttnAddBiasTile)(st, keys, width, table, base);
+}
+void attn_xl_add(float* st, std::int64_t keys, std::int64_t width, const float* window, std::int64_t ld, std::int64_t span,
+                 const std::int32_t* base, const std::int32_t* key_offset) {
+  HWY_DYNAMIC_DISPATCH(AttnXlAdd)(st, keys, width, window, ld, span, base, key_offset);
+}
+void attn_xl_collect(const float* st, std::int64_t keys, std::int64_t width, float* window, std::int64_t ld,
+                     std::int64_t span, const std::int32_t* base, const std::int32_t* key_offset) {
+  HWY_DYNAMIC_DISPATCH(AttnXlCollect)(st, keys, width, window, ld, span, base, key_offset);
 }
 std::int64_t attn_fire_keys(float* st, std::int64_t keys, std::int64_t width, const double* psi, std::int64_t base,
                             const double* inv_norm, const double* lo, const double* hi, const double* slope,

@@ -78,6 +78,17 @@ void attn_backward_tile(float* st, float* dpt, std::int64_t keys, std::int64_t w
 // lane and down with the key). st points at the chunk's first lane; rows of S^T are `width` apart.
 void attn_add_bias_tile(float* st, std::int64_t keys, std::int64_t width, const float* table, std::int64_t base);
 
+// Transformer-XL's pairs on one lane chunk (kAttnAlign rows; st and window point at its first
+// lane): for key j and lane t, u = base[t] − key_offset[j] picks the window row when 0 <= u < span,
+// and then add: S^T[j][t] += window[u·ld + t]; collect (the transpose): window[u·ld + t] += S^T[j][t].
+// Lanes with no pair (padding, other schemes) carry a base that is never inside. A gather per key,
+// and a scatter when collecting: lanes' window columns differ (t < ld), so lanes never collide.
+// The caller keeps u·ld + t, base and key_offset within int32.
+void attn_xl_add(float* st, std::int64_t keys, std::int64_t width, const float* window, std::int64_t ld, std::int64_t span,
+                 const std::int32_t* base, const std::int32_t* key_offset);
+void attn_xl_collect(const float* st, std::int64_t keys, std::int64_t width, float* window, std::int64_t ld,
+                     std::int64_t span, const std::int32_t* base, const std::int32_t* key_offset);
+
 // FIRE on one lane chunk against consecutive keys at or before every lane's query: for lane t,
 // x = psi[base − j + t]·inv_norm[t] (ψ of the distance, normalised) and, while every lane's x stays
 // in its piece [lo[t], hi[t]), S^T[j][t] += slope[t]·x + intercept[t] (fp64, rounded once).

@@ -15,7 +15,8 @@
 // O(tile·D) in forward; backward keeps a [G·Sq, D] gradient accumulator per thread as well, and,
 // when it splits queries (below), [keys seen, 2·D] of dK, dV per query range.
 // Transformer-XL tabulates P(δ) for the δ the mask lets through ([δ span, H·D] floats, like q),
-// and its backward keeps that table's gradient per (sequence, KV head).
+// and its backward keeps that table's gradient per (sequence, KV head), and per thread the
+// sequence's keys and values and their gradients ([Sk, 4·D] floats: its row blocks run outer).
 //
 // ─── Layout ────────────────────────────────────────────────────────────────────────────────────
 //   q, out, dq, d_out   [B, Sq, H, D]   (or packed [Tq, H, D] with cu_seqlens_q)

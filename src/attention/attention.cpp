@@ -512,9 +512,9 @@ void for_each_xl_pair(const AttentionPlan& p, const RowBlock& rb, std::int64_t k
 // The XL pairs of a block by lane chunks, through the gather kernels: fn(chunk's first row, its
 // lanes' bases, the keys' offsets), u = base[t] − offset[j], both relative to the tile's first key
 // position, in int32. Returns false before running any chunk when a value would not fit; the caller
-// then takes the scalar walk. Bases and offsets stay below the table's δ span (< 2^26 under its
-// 2 GiB cap), so in practice only a window·row-block product past 2^30 — small D, G = 1 and a table
-// near the cap, which no test builds — takes the walk.
+// then takes the scalar walk. Bases and offsets stay within the table's δ span (< 2^26 under its
+// 2 GiB cap) plus a row block and a key tile, so in practice only a window·row-block product past
+// 2^30 — small D, G = 1 and a table near the cap, which no test builds — takes the walk.
 template <class Fn>
 bool for_each_xl_chunk(const AttentionPlan& p, const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos,
                        std::int64_t lo, std::int64_t span, std::int64_t ld, Fn&& fn) {

@@ -85,7 +85,9 @@ void run_bench(const BenchOptions& o) {
         {"elements_per_second", c.elements_per_run / seconds},
         {"limits", {{"copy", limits.copy_gbs}, {"copy_nt", limits.copy_nt_gbs}, {"rmw", limits.rmw_gbs}, {"read", limits.read_gbs},
                     {"write_nt", limits.write_nt_gbs}, {"fma_gflops", limits.fma_gflops}}}};
-    fmt::print("{}\n", doc.dump(2));
+    nlohmann::json out = doc;
+    if (c.remark) out["remark"] = c.remark();
+    fmt::print("{}\n", out.dump(2));
   } else {
     fmt::print("{} {} on {} with {} thread(s)\n", c.name, c.description, active_target(), threads);
     fmt::print("  time        {:.3f} ms (best of repeated runs in {} rounds)\n", seconds * 1e3, o.rounds);
@@ -97,6 +99,7 @@ void run_bench(const BenchOptions& o) {
     fmt::print("  ratio       {:.2f}\n", throughput / limit);
     if (workspace >= 0) fmt::print("  workspace   {:.1f} MiB (scratch and tables of the last call, all threads)\n", workspace / 1048576.0);
     fmt::print("  peak RSS    {:.1f} MiB (whole process, one call: inputs, outputs, scratch)\n", peak_rss / 1048576.0);
+    if (c.remark) fmt::print("  note        {}\n", c.remark());
   }
 }
 

@@ -177,6 +177,12 @@ Case make_attention_case(const CaseOptions& o) {
     };
   }
   c.workspace_bytes = [st] { return static_cast<double>(st->attention->workspace_bytes()); };
+  if (o.pass == "forward") {
+    c.remark = [st] {
+      return "skipped " + std::to_string(st->attention->skipped_tiles()) + " of " + std::to_string(st->attention->forward_tiles()) +
+             " key tiles (every probability below FLT_MIN; the flops count them all)";
+    };
+  }
   c.state = st;
   return c;
 }

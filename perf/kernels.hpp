@@ -43,6 +43,7 @@ struct Case {
   std::string limit_name;    // "copy", "copy_nt", "rmw", "read", "write_nt" or "fma": the limit it is compared with
   double flops_per_run = 0;  // compute-bound cases (limit "fma"): the flops counted per call
   std::function<double()> workspace_bytes;  // scratch the kernel used (attention), when known
+  std::function<std::string()> remark;      // what else the last call did (attention: skipped tiles)
   std::function<void()> run;
   std::shared_ptr<void> state;  // owns the buffers
 };

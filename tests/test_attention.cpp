@@ -4,6 +4,7 @@
 // schemes' parameter gradients) against the fp64 reference, which is itself checked by finite
 // differences; bitwise determinism over thread counts; errors.
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -316,6 +317,94 @@ TEST_P(AttentionForward, DecodeSplitsLongCachesExactly) {
     expect_accurate(p, spec, "decode xl");
     spec.groups = {{4, {}, tupe_with_cls(4, 64, 16, 9000, 7)}};
     expect_accurate(p, spec, "decode tupe");
+  }
+}
+
+// ALiBi with steep slopes: far key tiles vanish and are skipped. Skipping must change no bit
+// (against the same plan with skipping off, which runs the tiles in the same order) and must
+// happen; the result stays as accurate as ever.
+TEST_P(AttentionForward, VanishingFarTilesAreSkippedWithoutChangingABit) {
+  if (GetParam() == "ref") GTEST_SKIP() << "the fused kernels only (the reference runs every pair)";
+  struct Case {
+    const char* what;
+    std::int64_t q_len, k_len;
+    bool causal;
+    std::int64_t window_left;
+    std::vector<HeadGroup> groups;
+    bool skips;          // whether some tile must vanish
+    double scale = 1.0;  // of q and k: 4 gives logits up to about ±40, which the bound must count
+  };
+  // Steep slopes make keys vanish within a few tiles (a bias of −100 at 25 to 100 keys); the last
+  // head has no ALiBi, so its KV head's blocks never skip.
+  const std::vector<double> steep = {4.0, 2.0, 1.0, 0.0};
+  const std::vector<Case> cases = {
+      {"causal", 330, 330, true, -1, {{4, {}, AlibiParams(steep)}}, true},
+      {"causal, queries at the end of longer keys", 150, 470, true, -1, {{4, {}, AlibiParams(steep)}}, true},
+      {"rope + alibi", 300, 300, true, -1, {{4, RotaryQK{RopeParams(64, 64)}, AlibiParams(steep)}}, true},
+      {"bidirectional, symmetric", 300, 300, false, -1, {{4, {}, AlibiParams(steep, AlibiForm::kSymmetric)}}, true},
+      {"sliding window", 330, 330, true, 200, {{4, {}, AlibiParams(steep)}}, true},
+      {"large logits", 330, 330, true, -1, {{4, {}, AlibiParams(steep)}}, true, 4.0},
+      {"paper slopes, short", 130, 130, true, -1, {{4, {}, AlibiParams(4)}}, false},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    const Problem p = make_problem(1, c.q_len, c.k_len, 4, 2, 64, DType::kF32, false, c.scale);
+    AttentionSpec spec = spec_of(p);
+    spec.mask.causal = c.causal;
+    spec.mask.window_left = c.window_left;
+    spec.groups = c.groups;
+    const Attention skipping(spec);
+    spec.skip_vanishing_tiles = false;
+    const Attention running(spec);
+    const Outputs a = run_forward(p, skipping, 0), b = run_forward(p, running, 0);
+    EXPECT_EQ(running.skipped_tiles(), 0);
+    EXPECT_EQ(skipping.forward_tiles(), running.forward_tiles());
+    if (c.skips) {
+      EXPECT_GT(skipping.skipped_tiles(), 0);
+    }
+    ASSERT_EQ(a.out.size(), b.out.size());
+    for (std::size_t i = 0; i < a.out.size(); ++i) {
+      ASSERT_EQ(std::bit_cast<std::uint64_t>(a.out[i]), std::bit_cast<std::uint64_t>(b.out[i])) << "out " << i;
+    }
+    for (std::size_t i = 0; i < a.lse.size(); ++i) {
+      ASSERT_EQ(std::bit_cast<std::uint64_t>(a.lse[i]), std::bit_cast<std::uint64_t>(b.lse[i])) << "lse " << i;
+    }
+    spec.skip_vanishing_tiles = true;
+    expect_accurate(p, spec, c.what);
+  }
+}
+
+// A tile may be skipped only if every probability in it is below FLT_MIN. Far keys here align
+// with the queries (q·k·scale = 32, more than the near keys' 0) and carry values of 1e30, so any
+// probability of 1e-37 or more that a skip dropped would show in the output: the tile of keys
+// 109 to 172 behind the queries has logits up to 32 − 109 = −77 against a max of 0, so it must
+// run; the tiles behind it vanish and must be skipped.
+TEST_P(AttentionForward, SkippedTilesHoldOnlyFlushedProbabilities) {
+  if (GetParam() == "ref") GTEST_SKIP() << "the fused kernels only";
+  const std::int64_t q_len = 64, k_len = 620, dim = 64, near_first = 448;
+  Problem p = make_problem(1, q_len, k_len, 1, 1, dim);
+  for (std::int64_t i = 0; i < q_len * dim; ++i) p.q[static_cast<std::size_t>(i)] = 2.0;  // |q|² = 256
+  for (std::int64_t j = 0; j < k_len; ++j) {
+    const bool far = j < near_first;
+    for (std::int64_t d = 0; d < dim; ++d) {
+      const auto at = static_cast<std::size_t>(j * dim + d);
+      p.k[at] = far && j % 8 != 0 ? 2.0 : 0.0;  // every 8th key 0: the bound must take the tile's largest
+      if (far) p.v[at] = 1e30;
+    }
+  }
+  p.qb = testing::to_dtype(p.q, p.dtype);
+  p.kb = testing::to_dtype(p.k, p.dtype);
+  p.vb = testing::to_dtype(p.v, p.dtype);
+  AttentionSpec spec = spec_of(p);
+  spec.mask.causal = true;
+  spec.groups = {{1, {}, AlibiParams(std::vector<double>{1.0})}};
+  const Attention skipping(spec);
+  spec.skip_vanishing_tiles = false;
+  const Attention running(spec);
+  const Outputs a = run_forward(p, skipping, 0), b = run_forward(p, running, 0);
+  EXPECT_GT(skipping.skipped_tiles(), 0);
+  for (std::size_t i = 0; i < a.out.size(); ++i) {
+    ASSERT_EQ(std::bit_cast<std::uint64_t>(a.out[i]), std::bit_cast<std::uint64_t>(b.out[i])) << "out " << i;
   }
 }
 

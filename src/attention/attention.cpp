@@ -894,16 +894,86 @@ void forward_tile(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh,
   if (p.any_shaw) p.shaw_collect(rb, keys, s.kpos.data(), s.st.data(), s.corr.data(), s.shaw_probs.data(), w);
 }
 
-void forward_unit(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh, const RowBlock& rb,
-                  std::int64_t k_begin, std::int64_t k_end, AttentionUnitScratch& s) {
+// The far-tile skip (AttentionPlan::skip_far_tiles): whether no row of the block can get a
+// probability of at least FLT_MIN from keys [k0, k0 + keys). For row r with running max m_r, the
+// tile's logits are at most (1 + 1e-3)·|scale·q_r|·max_j |k_j| + max b over the tile's δ, the
+// 1e-3 covering the f32 dot product's rounding (D·2^−24 < 2.5e-4 for D <= 4096) and a rotation's;
+// the bias bound gets 1e-3 of itself plus 1 for its table's and the sum's rounding. The softmax
+// flushes exp(x) to 0 below x = −87.3, so a bound under m_r − 89 leaves 1.7 to spare. Every
+// probability of such a tile is exactly 0, m and l keep their bits and O gains +0 (finite V), so
+// skipping it changes nothing. The bias bound is checked first; the keys' norms are read only
+// when it passes.
+bool far_tile_vanishes(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh, const RowBlock& rb, std::int64_t k0,
+                       std::int64_t keys, AttentionUnitScratch& s) {
+  std::int64_t k_lo = std::numeric_limits<std::int64_t>::max(), k_hi = std::numeric_limits<std::int64_t>::min();
+  for (std::int64_t j = 0; j < keys; ++j) {
+    const std::int64_t kp = p.k_position(seq, k0 + j);
+    k_lo = std::min(k_lo, kp);
+    k_hi = std::max(k_hi, kp);
+  }
+  // Largest logit each row may get besides q·k, against the row's max; false if unbounded.
+  const auto rows_pass = [&](double key_norm) {
+    for (std::int64_t r = 0; r < rb.width; ++r) {
+      const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
+      if (h < 0) continue;
+      const float m = s.m[static_cast<std::size_t>(r)];
+      const detail::HeadBias& hb = p.head_bias[static_cast<std::size_t>(h)];
+      if (m == kNegInf || hb.kind != detail::HeadBias::kTable || hb.max_from == nullptr) return false;
+      const std::int64_t qp = rb.position[static_cast<std::size_t>(r)];
+      const std::int64_t a = qp - k_hi - hb.delta_min, b = qp - k_lo - hb.delta_min;
+      if (a < 0 || b >= hb.width) return false;
+      const double bias = std::min(hb.max_from[a], hb.max_to[b]);
+      const double bound = (1 + 1e-3) * s.row_norm[static_cast<std::size_t>(r)] * key_norm + bias + 1e-3 * std::abs(bias) + 1.0;
+      if (!(bound < static_cast<double>(m) - 89.0)) return false;
+    }
+    return true;
+  };
+  if (!rows_pass(0.0)) return false;
+  grow(s.tmp, p.dim_padded);
+  double key_norm2 = 0;
+  for (std::int64_t j = 0; j < keys; ++j) {
+    p.load_row(p.k_data, p.kg, seq.b, seq.k0 + k0 + j, kvh, s.tmp.data());
+    double n2 = 0;
+    for (std::int64_t t = 0; t < p.dim; ++t) n2 += static_cast<double>(s.tmp[static_cast<std::size_t>(t)]) * s.tmp[static_cast<std::size_t>(t)];
+    key_norm2 = std::max(key_norm2, n2);
+  }
+  return rows_pass(std::sqrt(key_norm2));  // NaN keys: the comparison fails, the tile runs
+}
+
+// Runs the key tiles [k_begin, k_end) through the block; returns how many the far-tile skip
+// dropped. With the skip, the tiles run from the last (the diagonal, for causal blocks) down.
+std::int64_t forward_unit(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh, const RowBlock& rb,
+                          std::int64_t k_begin, std::int64_t k_end, AttentionUnitScratch& s) {
   forward_begin(p, seq, rb, s);
-  for (std::int64_t k0 = k_begin; k0 < k_end; k0 += p.key_tile) {
-    const std::int64_t keys = std::min(p.key_tile, k_end - k0);
-    // The next tile's key and value rows: in [B, S, G, D] memory consecutive keys of one head lie
-    // G·D elements apart, often a page, which the hardware prefetchers do not cross.
-    prefetch_rows(p, seq, kvh, k0 + p.key_tile, std::min(p.key_tile, k_end - k0 - p.key_tile));
+  if (!p.far_tiles_first || rb.compact) {
+    for (std::int64_t k0 = k_begin; k0 < k_end; k0 += p.key_tile) {
+      const std::int64_t keys = std::min(p.key_tile, k_end - k0);
+      // The next tile's key and value rows: in [B, S, G, D] memory consecutive keys of one head
+      // lie G·D elements apart, often a page, which the hardware prefetchers do not cross.
+      prefetch_rows(p, seq, kvh, k0 + p.key_tile, std::min(p.key_tile, k_end - k0 - p.key_tile));
+      forward_tile(p, seq, kvh, rb, k0, keys, s);
+    }
+    return 0;
+  }
+  grow(s.row_norm, rb.width);
+  for (std::int64_t r = 0; r < rb.width && p.skip_far_tiles; ++r) {
+    const float* row = s.q.data() + r * p.dim_padded;
+    double n2 = 0;
+    for (std::int64_t t = 0; t < p.dim; ++t) n2 += static_cast<double>(row[t]) * row[t];
+    s.row_norm[static_cast<std::size_t>(r)] = std::sqrt(n2);
+  }
+  std::int64_t skipped = 0;
+  const std::int64_t tiles = (k_end - k_begin + p.key_tile - 1) / p.key_tile;
+  for (std::int64_t t = tiles - 1; t >= 0; --t) {
+    const std::int64_t k0 = k_begin + t * p.key_tile, keys = std::min(p.key_tile, k_end - k0);
+    if (p.skip_far_tiles && t < tiles - 1 && far_tile_vanishes(p, seq, kvh, rb, k0, keys, s)) {
+      ++skipped;
+      continue;
+    }
+    if (t > 0) prefetch_rows(p, seq, kvh, k0 - p.key_tile, p.key_tile);
     forward_tile(p, seq, kvh, rb, k0, keys, s);
   }
+  return skipped;
 }
 
 }  // namespace
@@ -967,7 +1037,8 @@ void AttentionPlan::forward(TensorView out, TensorView lse) const {
       if (want_lse) write_lse(lse, seq, h, i, l > 0 ? s.m[static_cast<std::size_t>(r)] + std::log(l) : kNegInf);
     }
   };
-#pragma omp parallel num_threads(threads) reduction(+ : scratch_bytes)
+  std::int64_t skipped_tiles = 0, prefill_tiles = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : scratch_bytes, skipped_tiles, prefill_tiles)
   {
     const FlushDenormals flush;
     AttentionUnitScratch& s = unit_scratch();
@@ -981,7 +1052,8 @@ void AttentionPlan::forward(TensorView out, TensorView lse) const {
       if (!un.compact) {
         layout_rows(seq, un.kvh, un.i0, un.count, false, rb);
         const std::int64_t kb = rb.key_lo, ke = std::max(rb.key_hi, kb);
-        forward_unit(*this, seq, un.kvh, rb, kb, ke, s);
+        skipped_tiles += forward_unit(*this, seq, un.kvh, rb, kb, ke, s);
+        prefill_tiles += (ke - kb + key_tile - 1) / key_tile;
         finish(seq, rb, s);
         continue;
       }
@@ -1060,6 +1132,8 @@ void AttentionPlan::forward(TensorView out, TensorView lse) const {
     u = end;
   }
   last_workspace_bytes = scratch_bytes + static_cast<std::int64_t>(parts.size() * sizeof(float)) + table_bytes();
+  last_skipped_tiles = skipped_tiles;
+  last_tiles = prefill_tiles;
 }
 
 // Decode: key tiles of every KV head in memory order (attn_decode_*), each head's softmax step in
@@ -1694,6 +1768,8 @@ std::int64_t Attention::head_dim() const { return plan_->dim; }
 const AttentionSpec& Attention::spec() const { return plan_->spec; }
 AttentionGradients Attention::zero_gradients() const { return plan_->zero_gradients(); }
 std::int64_t Attention::workspace_bytes() const { return plan_->last_workspace_bytes; }
+std::int64_t Attention::forward_tiles() const { return plan_->last_tiles; }
+std::int64_t Attention::skipped_tiles() const { return plan_->last_skipped_tiles; }
 
 void Attention::forward(TensorView out, TensorView lse) const {
   detail::init_dispatch();

@@ -411,6 +411,8 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), 
   const std::int64_t delta_max = q_max + kernels::kAttnAlign - k_min;
   const std::int64_t width = delta_max - delta_min + 1;
   bias_tables.resize(groups.size());
+  bias_table_max.resize(groups.size());
+  float lowest_table_bias = 0.0f;
   std::int64_t flat = 0;
   for (std::size_t gi = 0; gi < groups.size(); ++gi) {
     grad_offset.push_back(flat);
@@ -438,6 +440,18 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), 
         for (std::int64_t t = 0; t < width; ++t) {
           table[static_cast<std::size_t>(h * width + t)] = static_cast<float>(bias_value(scheme, h, -(delta_min + t)));
         }
+      }
+      auto& maxima = bias_table_max[gi];
+      maxima.resize(static_cast<std::size_t>(2 * width * hg));
+      for (std::int64_t h = 0; h < hg; ++h) {
+        const float* row = table.data() + h * width;
+        float* from = maxima.data() + 2 * h * width;
+        float* to = from + width;
+        from[width - 1] = row[width - 1];
+        for (std::int64_t t = width - 2; t >= 0; --t) from[t] = std::max(from[t + 1], row[t]);
+        to[0] = row[0];
+        for (std::int64_t t = 1; t < width; ++t) to[t] = std::max(to[t - 1], row[t]);
+        lowest_table_bias = std::min(lowest_table_bias, *std::min_element(row, row + width));
       }
     } else {
       evaluators.push_back(std::make_unique<BiasEvaluator>(scheme, k_min - q_max, k_max - q_min));
@@ -478,6 +492,8 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), 
       if (tabulate) {
         hb.kind = HeadBias::kTable;
         hb.table = bias_tables[gi].data() + h * width;
+        hb.max_from = bias_table_max[gi].data() + 2 * h * width;
+        hb.max_to = hb.max_from + width;
         hb.delta_min = delta_min;
         hb.width = width;
       } else {
@@ -491,6 +507,13 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), 
   hist_width = width <= kMaxBiasTable ? width : 0;
   build_xl_tables(groups);
   build_tupe_tables(groups, p_min, p_max);
+  // The far-tile skip (attention_plan.hpp): worth its norms and descending order only when some
+  // table falls far enough that whole tiles can vanish (ALiBi over long spans, not T5's buckets).
+  constexpr float kFarBias = 100.0f;
+  bool keys_keep_norms = true;
+  for (const QKTables& t : tables) keys_keep_norms = keys_keep_norms && (!t.transform_keys || t.kind != QKTables::kAbsolute);
+  far_tiles_first = lowest_table_bias < -kFarBias && mask.softcap <= 0 && !any_shaw && !any_xl && !any_tupe && keys_keep_norms;
+  skip_far_tiles = far_tiles_first && spec.skip_vanishing_tiles;
 }
 
 // ── TUPE: each position's projections for the call's position range, one f32 matrix product

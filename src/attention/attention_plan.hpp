@@ -80,6 +80,10 @@ struct HeadBias {
   enum Kind { kNone, kTable, kDirect } kind = kNone;
   std::int64_t group = -1, local_head = 0;
   const float* table = nullptr;  // b(δ_min + t), t < width
+  // Running maxima of the table: max_from[t] = max b over [t, width), max_to[t] over [0, t]; so
+  // min(max_from[a], max_to[b]) bounds b over [a, b] (tight for tables monotone on either side
+  // of δ = 0, as ALiBi's). For the far-tile skip (AttentionPlan::skip_far_tiles).
+  const float *max_from = nullptr, *max_to = nullptr;
   std::int64_t delta_min = 0, width = 0;
   const BiasEvaluator* evaluator = nullptr;
   const FireRows* fire = nullptr;  // FIRE: its rows evaluated from ψ tables (any position range)
@@ -150,6 +154,7 @@ struct AttentionUnitScratch {
   std::vector<float> tupe_pqt, tupe_pq, tupe_pk, tupe_dpq, tupe_dpk, tupe_dpk_positions;
   std::vector<std::int64_t> kpos;
   std::vector<double> hist;
+  std::vector<double> row_norm;  // the far-tile skip: |scale·q| per row
   std::int64_t bytes() const;
 };
 AttentionUnitScratch& unit_scratch();
@@ -178,6 +183,15 @@ struct AttentionPlan {
   // at S 2048, H 8, D 128, causal, 2 threads, alternating runs: no bias 0.45 / 0.57 / 0.61 of the
   // FMA peak with 128 keys against 0.39 / 0.38 / 0.56 with 64.
   std::int64_t backward_key_tile = 128;
+  // Forward skips a key tile when no probability in it can reach FLT_MIN (each would be flushed to
+  // 0, so skipping it changes no bit): scale·|q|·max|k| + the tile's largest bias < m − 89 for
+  // every row, m the row's running max. With ALiBi that drops a head's keys beyond about 100 /
+  // slope. far_tiles_first: plans whose biases are tables that reach below −100 and that have no
+  // soft-cap, Shaw, XL or TUPE terms, and whose key transform, if any, is a rotation (norms
+  // kept); their key tiles run from the diagonal down, so that m is known early, and with
+  // skip_far_tiles (the spec's skip_vanishing_tiles) the vanishing ones are skipped.
+  bool far_tiles_first = false, skip_far_tiles = false;
+  mutable std::int64_t last_skipped_tiles = 0, last_tiles = 0;
   std::vector<Sequence> sequences;
 
   // Positions: explicit (spec) or the defaults, owned here.
@@ -203,7 +217,8 @@ struct AttentionPlan {
   }
 
   std::vector<HeadBias> head_bias;
-  std::vector<std::vector<float>> bias_tables;  // per group: [heads][width]
+  std::vector<std::vector<float>> bias_tables;     // per group: [heads][width]
+  std::vector<std::vector<float>> bias_table_max;  // per group: [heads][max_from | max_to][width]
   std::vector<std::unique_ptr<BiasEvaluator>> evaluators;
   std::vector<std::unique_ptr<FireRows>> fire_rows;
   bool any_bias = false, any_trainable_bias = false;

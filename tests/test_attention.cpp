@@ -376,12 +376,11 @@ TEST_P(AttentionForward, VanishingFarTilesAreSkippedWithoutChangingABit) {
 
 // A tile may be skipped only if every probability in it is below FLT_MIN. Far keys here align
 // with the queries (q·k·scale = 32, more than the near keys' 0) and carry values of 1e30, so any
-// probability of 1e-37 or more that a skip dropped would show in the output: the tile of keys
-// 109 to 172 behind the queries has logits up to 32 − 109 = −77 against a max of 0, so it must
-// run; the tiles behind it vanish and must be skipped.
-TEST_P(AttentionForward, SkippedTilesHoldOnlyFlushedProbabilities) {
-  if (GetParam() == "ref") GTEST_SKIP() << "the fused kernels only";
-  const std::int64_t q_len = 64, k_len = 620, dim = 64, near_first = 448;
+// probability of 1e-37 or more that a skip dropped would show in the output: the last far tile
+// has logits up to 32 − 103 = −71 against a max of 0, so it must run (bounding q·k by 0 instead
+// of |q|·|k| would skip it); the tiles behind it vanish and must be skipped.
+Problem aligned_far_keys() {
+  const std::int64_t q_len = 64, k_len = 550, dim = 64, near_first = 384;
   Problem p = make_problem(1, q_len, k_len, 1, 1, dim);
   for (std::int64_t i = 0; i < q_len * dim; ++i) p.q[static_cast<std::size_t>(i)] = 2.0;  // |q|² = 256
   for (std::int64_t j = 0; j < k_len; ++j) {
@@ -395,6 +394,13 @@ TEST_P(AttentionForward, SkippedTilesHoldOnlyFlushedProbabilities) {
   p.qb = testing::to_dtype(p.q, p.dtype);
   p.kb = testing::to_dtype(p.k, p.dtype);
   p.vb = testing::to_dtype(p.v, p.dtype);
+  return p;
+}
+
+// On aligned_far_keys: skipping must change no bit and must happen.
+TEST_P(AttentionForward, SkippedTilesHoldOnlyFlushedProbabilities) {
+  if (GetParam() == "ref") GTEST_SKIP() << "the fused kernels only";
+  const Problem p = aligned_far_keys();
   AttentionSpec spec = spec_of(p);
   spec.mask.causal = true;
   spec.groups = {{1, {}, AlibiParams(std::vector<double>{1.0})}};
@@ -832,6 +838,62 @@ TEST(Attention, BitwiseIdenticalForAnyThreadCount) {
     EXPECT_EQ(xruns[r].params.groups[1].tupe->table, xruns[0].params.groups[1].tupe->table);
     EXPECT_EQ(xruns[r].params.groups[1].tupe->u_k, xruns[0].params.groups[1].tupe->u_k);
   }
+}
+
+// Backward skips the (tile, row block) steps whose probabilities all vanish against the rows'
+// lse: the gradients must keep every bit (dV of a skipped key's step is exactly 0 only if every
+// probability there was), including the ALiBi slopes' — for one and two threads.
+TEST(Attention, BackwardSkipsVanishingTilesWithoutChangingABit) {
+  const std::vector<double> steep = {4.0, 2.0, 1.0, 0.0};
+  struct Case {
+    const char* what;
+    std::int64_t q_len, k_len;
+    bool causal;
+    std::int64_t window_left;
+    AlibiParams alibi;
+    double scale;
+  };
+  const std::vector<Case> cases = {
+      {"causal", 300, 300, true, -1, AlibiParams(steep), 1.0},
+      {"queries at the end of longer keys", 150, 420, true, -1, AlibiParams(steep), 1.0},
+      {"bidirectional, symmetric", 260, 260, false, -1, AlibiParams(steep, AlibiForm::kSymmetric), 1.0},
+      {"sliding window, large logits", 300, 300, true, 150, AlibiParams(steep), 4.0},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    const Problem p = make_problem(1, c.q_len, c.k_len, 4, 2, 64, DType::kF32, false, c.scale);
+    AttentionSpec spec = spec_of(p);
+    spec.mask.causal = c.causal;
+    spec.mask.window_left = c.window_left;
+    spec.groups = {{4, {}, c.alibi}};
+    const Attention skipping(spec);
+    spec.skip_vanishing_tiles = false;
+    const Attention running(spec);
+    const std::vector<double> d_out = random_values(static_cast<std::size_t>(p.q_count()));
+    for (const int threads : {1, 2}) {
+      set_num_threads(threads);
+      const Grads a = run_backward(p, skipping, d_out, false), b = run_backward(p, running, d_out, false);
+      EXPECT_EQ(a.dq, b.dq);
+      EXPECT_EQ(a.dk, b.dk);
+      EXPECT_EQ(a.dv, b.dv);
+      EXPECT_EQ(a.params.groups[0].alibi_slopes, b.params.groups[0].alibi_slopes);
+    }
+    set_num_threads(2);
+  }
+  // Far keys aligned with the queries (SkippedTilesHoldOnlyFlushedProbabilities): a step skipped
+  // with a probability of FLT_MIN or more would leave its keys' dV at exactly 0.
+  const Problem p = aligned_far_keys();
+  AttentionSpec spec = spec_of(p);
+  spec.mask.causal = true;
+  spec.groups = {{1, {}, AlibiParams(std::vector<double>{1.0})}};
+  const Attention skipping(spec);
+  spec.skip_vanishing_tiles = false;
+  const Attention running(spec);
+  const std::vector<double> d_out = random_values(static_cast<std::size_t>(p.q_count()));
+  const Grads a = run_backward(p, skipping, d_out, false), b = run_backward(p, running, d_out, false);
+  EXPECT_EQ(a.dq, b.dq);
+  EXPECT_EQ(a.dk, b.dk);
+  EXPECT_EQ(a.dv, b.dv);
 }
 
 TEST(Attention, BackwardSplitsTheQueriesOfFewLongSequences) {

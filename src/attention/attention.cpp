@@ -292,6 +292,47 @@ void AttentionPlan::add_bias(const Sequence& seq, const RowBlock& rb, std::int64
 }
 
 
+// ─── Vanishing tiles ───────────────────────────────────────────────────────────────────────────
+// Whether no row of rb can get a probability of at least FLT_MIN from keys at positions
+// [k_lo, k_hi] (AttentionPlan::skip_far_tiles). Row r's logits there are at most
+// (1 + 1e-3)·row_norm[r]·key_norm() + max b over the tile's δ (row_norm: |scale·q_r|), the 1e-3
+// covering the f32 dot product's rounding (D·2^−24 < 2.5e-4 for D <= 4096) and a rotation's; the
+// bias bound gets 1e-3 of itself plus 1 for its table's and the sum's rounding. Forward passes the
+// running max m_r as row_max, backward the row's lse (>= the max); both flush exp(x) to 0 below
+// x = −87.3, so a bound under row_max − 89 leaves 1.7 to spare: every probability of the tile is
+// exactly 0, and skipping it changes no bit (for finite values). The bias bound is checked first;
+// key_norm() (the tile's largest |k|) is called only when it passes.
+template <class KeyNorm>
+bool tile_vanishes(const AttentionPlan& p, const RowBlock& rb, const double* row_norm, const float* row_max,
+                   std::int64_t k_lo, std::int64_t k_hi, KeyNorm&& key_norm) {
+  const auto rows_pass = [&](double norm) {
+    for (std::int64_t r = 0; r < rb.width; ++r) {
+      const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
+      if (h < 0) continue;
+      const float m = row_max[r];
+      const HeadBias& hb = p.head_bias[static_cast<std::size_t>(h)];
+      if (m == -std::numeric_limits<float>::infinity() || hb.kind != HeadBias::kTable || hb.max_from == nullptr) return false;
+      const std::int64_t qp = rb.position[static_cast<std::size_t>(r)];
+      const std::int64_t a = qp - k_hi - hb.delta_min, b = qp - k_lo - hb.delta_min;
+      if (a < 0 || b >= hb.width) return false;
+      const double bias = std::min(hb.max_from[a], hb.max_to[b]);
+      const double bound = (1 + 1e-3) * row_norm[r] * norm + bias + 1e-3 * std::abs(bias) + 1.0;
+      if (!(bound < static_cast<double>(m) - 89.0)) return false;  // NaN norms: the tile runs
+    }
+    return true;
+  };
+  return rows_pass(0.0) && rows_pass(key_norm());
+}
+
+// Row norms |row| of `count` rows ld apart (D values each), in fp64.
+void row_norms(const float* rows, std::int64_t ld, std::int64_t count, std::int64_t d, double* out) {
+  for (std::int64_t r = 0; r < count; ++r) {
+    double n2 = 0;
+    for (std::int64_t t = 0; t < d; ++t) n2 += static_cast<double>(rows[r * ld + t]) * rows[r * ld + t];
+    out[r] = std::sqrt(n2);
+  }
+}
+
 // ─── Shaw's relative key and value terms ─────────────────────────────────────────────────────
 // Per-row arrays over the table rows are kept transposed, [table row u][row r] with row stride
 // ld, so that a tile whose keys all clip to one table row for every row (every tile outside the
@@ -894,15 +935,8 @@ void forward_tile(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh,
   if (p.any_shaw) p.shaw_collect(rb, keys, s.kpos.data(), s.st.data(), s.corr.data(), s.shaw_probs.data(), w);
 }
 
-// The far-tile skip (AttentionPlan::skip_far_tiles): whether no row of the block can get a
-// probability of at least FLT_MIN from keys [k0, k0 + keys). For row r with running max m_r, the
-// tile's logits are at most (1 + 1e-3)·|scale·q_r|·max_j |k_j| + max b over the tile's δ, the
-// 1e-3 covering the f32 dot product's rounding (D·2^−24 < 2.5e-4 for D <= 4096) and a rotation's;
-// the bias bound gets 1e-3 of itself plus 1 for its table's and the sum's rounding. The softmax
-// flushes exp(x) to 0 below x = −87.3, so a bound under m_r − 89 leaves 1.7 to spare. Every
-// probability of such a tile is exactly 0, m and l keep their bits and O gains +0 (finite V), so
-// skipping it changes nothing. The bias bound is checked first; the keys' norms are read only
-// when it passes.
+// The far-tile skip in forward: tile_vanishes against the rows' running maxima; the keys' norms
+// read from the inputs.
 bool far_tile_vanishes(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh, const RowBlock& rb, std::int64_t k0,
                        std::int64_t keys, AttentionUnitScratch& s) {
   std::int64_t k_lo = std::numeric_limits<std::int64_t>::max(), k_hi = std::numeric_limits<std::int64_t>::min();
@@ -911,33 +945,17 @@ bool far_tile_vanishes(const AttentionPlan& p, const Sequence& seq, std::int64_t
     k_lo = std::min(k_lo, kp);
     k_hi = std::max(k_hi, kp);
   }
-  // Largest logit each row may get besides q·k, against the row's max; false if unbounded.
-  const auto rows_pass = [&](double key_norm) {
-    for (std::int64_t r = 0; r < rb.width; ++r) {
-      const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
-      if (h < 0) continue;
-      const float m = s.m[static_cast<std::size_t>(r)];
-      const detail::HeadBias& hb = p.head_bias[static_cast<std::size_t>(h)];
-      if (m == kNegInf || hb.kind != detail::HeadBias::kTable || hb.max_from == nullptr) return false;
-      const std::int64_t qp = rb.position[static_cast<std::size_t>(r)];
-      const std::int64_t a = qp - k_hi - hb.delta_min, b = qp - k_lo - hb.delta_min;
-      if (a < 0 || b >= hb.width) return false;
-      const double bias = std::min(hb.max_from[a], hb.max_to[b]);
-      const double bound = (1 + 1e-3) * s.row_norm[static_cast<std::size_t>(r)] * key_norm + bias + 1e-3 * std::abs(bias) + 1.0;
-      if (!(bound < static_cast<double>(m) - 89.0)) return false;
+  return detail::tile_vanishes(p, rb, s.row_norm.data(), s.m.data(), k_lo, k_hi, [&] {
+    grow(s.tmp, p.dim_padded);
+    double key_norm2 = 0;
+    for (std::int64_t j = 0; j < keys; ++j) {
+      p.load_row(p.k_data, p.kg, seq.b, seq.k0 + k0 + j, kvh, s.tmp.data());
+      double n2 = 0;
+      for (std::int64_t t = 0; t < p.dim; ++t) n2 += static_cast<double>(s.tmp[static_cast<std::size_t>(t)]) * s.tmp[static_cast<std::size_t>(t)];
+      key_norm2 = std::max(key_norm2, n2);
     }
-    return true;
-  };
-  if (!rows_pass(0.0)) return false;
-  grow(s.tmp, p.dim_padded);
-  double key_norm2 = 0;
-  for (std::int64_t j = 0; j < keys; ++j) {
-    p.load_row(p.k_data, p.kg, seq.b, seq.k0 + k0 + j, kvh, s.tmp.data());
-    double n2 = 0;
-    for (std::int64_t t = 0; t < p.dim; ++t) n2 += static_cast<double>(s.tmp[static_cast<std::size_t>(t)]) * s.tmp[static_cast<std::size_t>(t)];
-    key_norm2 = std::max(key_norm2, n2);
-  }
-  return rows_pass(std::sqrt(key_norm2));  // NaN keys: the comparison fails, the tile runs
+    return std::sqrt(key_norm2);
+  });
 }
 
 // Runs the key tiles [k_begin, k_end) through the block; returns how many the far-tile skip
@@ -956,12 +974,7 @@ std::int64_t forward_unit(const AttentionPlan& p, const Sequence& seq, std::int6
     return 0;
   }
   grow(s.row_norm, rb.width);
-  for (std::int64_t r = 0; r < rb.width && p.skip_far_tiles; ++r) {
-    const float* row = s.q.data() + r * p.dim_padded;
-    double n2 = 0;
-    for (std::int64_t t = 0; t < p.dim; ++t) n2 += static_cast<double>(row[t]) * row[t];
-    s.row_norm[static_cast<std::size_t>(r)] = std::sqrt(n2);
-  }
+  if (p.skip_far_tiles) detail::row_norms(s.q.data(), p.dim_padded, rb.width, p.dim, s.row_norm.data());
   std::int64_t skipped = 0;
   const std::int64_t tiles = (k_end - k_begin + p.key_tile - 1) / p.key_tile;
   for (std::int64_t t = tiles - 1; t >= 0; --t) {
@@ -1465,6 +1478,13 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
     }
   }
   const bool keys_transformed = tq.kind != QKTables::kNone && tq.transform_keys;
+  // The far-tile skip (tile_vanishes, against each row's lse): the rows' |scale·q|, and the
+  // current tile's largest |k| once a row block asks for it (−1: not yet).
+  double tile_key_norm = -1;
+  if (skip_far_tiles) {
+    grow(s.row_norm, w);
+    row_norms(s.q.data(), dp, w, d, s.row_norm.data());
+  }
   if (any_shaw) {
     // Shaw: q·a^K and dO·a^V per row and table row; the tiles then sum dS and P per table row.
     for (auto* buffer : {&s.shaw_key_dots, &s.shaw_value_dots, &s.shaw_grads, &s.shaw_probs}) grow(*buffer, w * shaw_width);
@@ -1530,6 +1550,23 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
   const auto step = [&](const RowBlock& sub, std::int64_t r0, std::int64_t k0, std::int64_t keys, bool full,
                         const float* k_rows, const float* v_rows, const std::int64_t* kpos, float* dk_rows, float* dv_rows) {
     const std::int64_t bw = sub.width;
+    if (skip_far_tiles) {
+      // Every probability 0: dS = 0 and the products would add only zeros.
+      const auto [k_lo, k_hi] = std::minmax_element(kpos, kpos + keys);
+      const bool vanishes = tile_vanishes(*this, sub, s.row_norm.data() + r0, s.lse.data() + r0, *k_lo, *k_hi, [&] {
+        if (tile_key_norm < 0) {
+          double largest = 0;
+          for (std::int64_t j = 0; j < keys; ++j) {
+            double n = 0;
+            row_norms(k_rows + j * ldkv, ldkv, 1, d, &n);
+            largest = std::max(largest, n);
+          }
+          tile_key_norm = largest;
+        }
+        return tile_key_norm;
+      });
+      if (vanishes) return;
+    }
     // S^T = K·Q^T, biases, soft-cap, mask; dP^T = V·dO^T.
     kernels::attn_gemm(k_rows, ldkv, 1, s.qt.data() + r0, ldt, s.st.data(), bw, keys, bw, d, false);
     if (any_tupe) tupe_add_tile(sub, r0, ldt, keys, kpos, s, s.st.data());
@@ -1585,6 +1622,7 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
       bool full = true;
       if (!coverage(0, w, k0, keys, &full)) continue;
       load_keys(k0, keys);
+      tile_key_norm = -1;
       std::fill(s.dk.begin(), s.dk.begin() + keys * dp, 0.0f);
       std::fill(s.dv.begin(), s.dv.begin() + keys * dp, 0.0f);
       for (std::int64_t r0 = 0; r0 < w; r0 += rows_per_block) {

@@ -10,6 +10,7 @@
 #include <limits>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "testing.hpp"
@@ -320,42 +321,56 @@ TEST_P(AttentionForward, DecodeSplitsLongCachesExactly) {
   }
 }
 
+// The plan of `spec` with the vanishing-tile skip on, then off.
+std::pair<Attention, Attention> with_and_without_skip(AttentionSpec spec) {
+  Attention skipping(spec);
+  spec.skip_vanishing_tiles = false;
+  return {std::move(skipping), Attention(spec)};
+}
+
+// Steep slopes make keys vanish within a few tiles (a bias of −100 at 25 to 100 keys); the last
+// head has no ALiBi, so its KV head's blocks never skip.
+const std::vector<double> kSteepSlopes = {4.0, 2.0, 1.0, 0.0};
+
+// A case of the vanishing-tile tests: one sequence, 4 heads over 2 KV heads, D 64.
+struct VanishingCase {
+  const char* what;
+  std::int64_t q_len, k_len;
+  bool causal;
+  std::int64_t window_left;
+  std::vector<HeadGroup> groups;
+  bool skips = true;   // whether some tile must vanish
+  double scale = 1.0;  // of q and k: 4 gives logits up to about ±40, which the bound must count
+  Problem problem() const { return make_problem(1, q_len, k_len, 4, 2, 64, DType::kF32, false, scale); }
+  AttentionSpec spec(const Problem& p) const {
+    AttentionSpec s = spec_of(p);
+    s.mask.causal = causal;
+    s.mask.window_left = window_left;
+    s.groups = groups;
+    return s;
+  }
+};
+
 // ALiBi with steep slopes: far key tiles vanish and are skipped. Skipping must change no bit
 // (against the same plan with skipping off, which runs the tiles in the same order) and must
 // happen; the result stays as accurate as ever.
 TEST_P(AttentionForward, VanishingFarTilesAreSkippedWithoutChangingABit) {
   if (GetParam() == "ref") GTEST_SKIP() << "the fused kernels only (the reference runs every pair)";
-  struct Case {
-    const char* what;
-    std::int64_t q_len, k_len;
-    bool causal;
-    std::int64_t window_left;
-    std::vector<HeadGroup> groups;
-    bool skips;          // whether some tile must vanish
-    double scale = 1.0;  // of q and k: 4 gives logits up to about ±40, which the bound must count
-  };
-  // Steep slopes make keys vanish within a few tiles (a bias of −100 at 25 to 100 keys); the last
-  // head has no ALiBi, so its KV head's blocks never skip.
-  const std::vector<double> steep = {4.0, 2.0, 1.0, 0.0};
-  const std::vector<Case> cases = {
-      {"causal", 330, 330, true, -1, {{4, {}, AlibiParams(steep)}}, true},
-      {"causal, queries at the end of longer keys", 150, 470, true, -1, {{4, {}, AlibiParams(steep)}}, true},
-      {"rope + alibi", 300, 300, true, -1, {{4, RotaryQK{RopeParams(64, 64)}, AlibiParams(steep)}}, true},
-      {"bidirectional, symmetric", 300, 300, false, -1, {{4, {}, AlibiParams(steep, AlibiForm::kSymmetric)}}, true},
-      {"sliding window", 330, 330, true, 200, {{4, {}, AlibiParams(steep)}}, true},
+  const std::vector<double> steep = kSteepSlopes;
+  const std::vector<VanishingCase> cases = {
+      {"causal", 330, 330, true, -1, {{4, {}, AlibiParams(steep)}}},
+      {"causal, queries at the end of longer keys", 150, 470, true, -1, {{4, {}, AlibiParams(steep)}}},
+      {"rope + alibi", 300, 300, true, -1, {{4, RotaryQK{RopeParams(64, 64)}, AlibiParams(steep)}}},
+      {"bidirectional, symmetric", 300, 300, false, -1, {{4, {}, AlibiParams(steep, AlibiForm::kSymmetric)}}},
+      {"sliding window", 330, 330, true, 200, {{4, {}, AlibiParams(steep)}}},
       {"large logits", 330, 330, true, -1, {{4, {}, AlibiParams(steep)}}, true, 4.0},
       {"paper slopes, short", 130, 130, true, -1, {{4, {}, AlibiParams(4)}}, false},
   };
-  for (const Case& c : cases) {
+  for (const VanishingCase& c : cases) {
     SCOPED_TRACE(c.what);
-    const Problem p = make_problem(1, c.q_len, c.k_len, 4, 2, 64, DType::kF32, false, c.scale);
-    AttentionSpec spec = spec_of(p);
-    spec.mask.causal = c.causal;
-    spec.mask.window_left = c.window_left;
-    spec.groups = c.groups;
-    const Attention skipping(spec);
-    spec.skip_vanishing_tiles = false;
-    const Attention running(spec);
+    const Problem p = c.problem();
+    const AttentionSpec spec = c.spec(p);
+    const auto [skipping, running] = with_and_without_skip(spec);
     const Outputs a = run_forward(p, skipping, 0), b = run_forward(p, running, 0);
     EXPECT_EQ(running.skipped_tiles(), 0);
     EXPECT_EQ(skipping.forward_tiles(), running.forward_tiles());
@@ -369,7 +384,6 @@ TEST_P(AttentionForward, VanishingFarTilesAreSkippedWithoutChangingABit) {
     for (std::size_t i = 0; i < a.lse.size(); ++i) {
       ASSERT_EQ(std::bit_cast<std::uint64_t>(a.lse[i]), std::bit_cast<std::uint64_t>(b.lse[i])) << "lse " << i;
     }
-    spec.skip_vanishing_tiles = true;
     expect_accurate(p, spec, c.what);
   }
 }
@@ -397,16 +411,19 @@ Problem aligned_far_keys() {
   return p;
 }
 
+// Causal, slope 1: the plan the aligned_far_keys tests run.
+AttentionSpec aligned_far_keys_spec(const Problem& p) {
+  AttentionSpec spec = spec_of(p);
+  spec.mask.causal = true;
+  spec.groups = {{1, {}, AlibiParams(std::vector<double>{1.0})}};
+  return spec;
+}
+
 // On aligned_far_keys: skipping must change no bit and must happen.
 TEST_P(AttentionForward, SkippedTilesHoldOnlyFlushedProbabilities) {
   if (GetParam() == "ref") GTEST_SKIP() << "the fused kernels only";
   const Problem p = aligned_far_keys();
-  AttentionSpec spec = spec_of(p);
-  spec.mask.causal = true;
-  spec.groups = {{1, {}, AlibiParams(std::vector<double>{1.0})}};
-  const Attention skipping(spec);
-  spec.skip_vanishing_tiles = false;
-  const Attention running(spec);
+  const auto [skipping, running] = with_and_without_skip(aligned_far_keys_spec(p));
   const Outputs a = run_forward(p, skipping, 0), b = run_forward(p, running, 0);
   EXPECT_GT(skipping.skipped_tiles(), 0);
   for (std::size_t i = 0; i < a.out.size(); ++i) {
@@ -844,31 +861,18 @@ TEST(Attention, BitwiseIdenticalForAnyThreadCount) {
 // lse: the gradients must keep every bit (dV of a skipped key's step is exactly 0 only if every
 // probability there was), including the ALiBi slopes' — for one and two threads.
 TEST(Attention, BackwardSkipsVanishingTilesWithoutChangingABit) {
-  const std::vector<double> steep = {4.0, 2.0, 1.0, 0.0};
-  struct Case {
-    const char* what;
-    std::int64_t q_len, k_len;
-    bool causal;
-    std::int64_t window_left;
-    AlibiParams alibi;
-    double scale;
+  const std::vector<double> steep = kSteepSlopes;
+  const std::vector<VanishingCase> cases = {
+      {"causal", 300, 300, true, -1, {{4, {}, AlibiParams(steep)}}},
+      {"queries at the end of longer keys", 150, 420, true, -1, {{4, {}, AlibiParams(steep)}}},
+      {"bidirectional, symmetric", 260, 260, false, -1, {{4, {}, AlibiParams(steep, AlibiForm::kSymmetric)}}},
+      {"sliding window, large logits", 300, 300, true, 150, {{4, {}, AlibiParams(steep)}}, true, 4.0},
   };
-  const std::vector<Case> cases = {
-      {"causal", 300, 300, true, -1, AlibiParams(steep), 1.0},
-      {"queries at the end of longer keys", 150, 420, true, -1, AlibiParams(steep), 1.0},
-      {"bidirectional, symmetric", 260, 260, false, -1, AlibiParams(steep, AlibiForm::kSymmetric), 1.0},
-      {"sliding window, large logits", 300, 300, true, 150, AlibiParams(steep), 4.0},
-  };
-  for (const Case& c : cases) {
+  for (const VanishingCase& c : cases) {
     SCOPED_TRACE(c.what);
-    const Problem p = make_problem(1, c.q_len, c.k_len, 4, 2, 64, DType::kF32, false, c.scale);
-    AttentionSpec spec = spec_of(p);
-    spec.mask.causal = c.causal;
-    spec.mask.window_left = c.window_left;
-    spec.groups = {{4, {}, c.alibi}};
-    const Attention skipping(spec);
-    spec.skip_vanishing_tiles = false;
-    const Attention running(spec);
+    const Problem p = c.problem();
+    const AttentionSpec spec = c.spec(p);
+    const auto [skipping, running] = with_and_without_skip(spec);
     const std::vector<double> d_out = random_values(static_cast<std::size_t>(p.q_count()));
     for (const int threads : {1, 2}) {
       set_num_threads(threads);
@@ -883,12 +887,7 @@ TEST(Attention, BackwardSkipsVanishingTilesWithoutChangingABit) {
   // Far keys aligned with the queries (SkippedTilesHoldOnlyFlushedProbabilities): a step skipped
   // with a probability of FLT_MIN or more would leave its keys' dV at exactly 0.
   const Problem p = aligned_far_keys();
-  AttentionSpec spec = spec_of(p);
-  spec.mask.causal = true;
-  spec.groups = {{1, {}, AlibiParams(std::vector<double>{1.0})}};
-  const Attention skipping(spec);
-  spec.skip_vanishing_tiles = false;
-  const Attention running(spec);
+  const auto [skipping, running] = with_and_without_skip(aligned_far_keys_spec(p));
   const std::vector<double> d_out = random_values(static_cast<std::size_t>(p.q_count()));
   const Grads a = run_backward(p, skipping, d_out, false), b = run_backward(p, running, d_out, false);
   EXPECT_EQ(a.dq, b.dq);

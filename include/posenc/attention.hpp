@@ -176,7 +176,7 @@ class Attention {
   // soft-cap, Shaw, XL or TUPE) the tiles run from the diagonal down, and a tile is dropped when
   // scale·|q|·max|k| + its largest bias stays 89 below every row's running max. Those tiles'
   // probabilities would all be flushed to 0, so for finite inputs the result is the same to the
-  // bit. Decode does not skip.
+  // bit. Decode does not skip; decode rows and the fp64 / "ref" path count no tiles.
   std::int64_t forward_tiles() const;
   std::int64_t skipped_tiles() const;
 

@@ -1813,6 +1813,7 @@ void Attention::forward(TensorView out, TensorView lse) const {
   detail::init_dispatch();
   if (detail::use_reference() || plan_->dtype == DType::kF64) {
     ref::attention_forward(*this, out, lse);
+    plan_->last_tiles = plan_->last_skipped_tiles = 0;  // the reference runs every pair, no tiles
     return;
   }
   plan_->forward(out, lse);

@@ -309,15 +309,15 @@ bool tile_vanishes(const AttentionPlan& p, const RowBlock& rb, const double* row
     for (std::int64_t r = 0; r < rb.width; ++r) {
       const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
       if (h < 0) continue;
-      const float m = row_max[r];
       const HeadBias& hb = p.head_bias[static_cast<std::size_t>(h)];
-      if (m == -std::numeric_limits<float>::infinity() || hb.kind != HeadBias::kTable || hb.max_from == nullptr) return false;
+      if (hb.kind != HeadBias::kTable || hb.max_from == nullptr) return false;
       const std::int64_t qp = rb.position[static_cast<std::size_t>(r)];
       const std::int64_t a = qp - k_hi - hb.delta_min, b = qp - k_lo - hb.delta_min;
       if (a < 0 || b >= hb.width) return false;
       const double bias = std::min(hb.max_from[a], hb.max_to[b]);
       const double bound = (1 + 1e-3) * row_norm[r] * norm + bias + 1e-3 * std::abs(bias) + 1.0;
-      if (!(bound < static_cast<double>(m) - 89.0)) return false;  // NaN norms: the tile runs
+      // A row that has no max yet (−inf) or a NaN norm fails here: the tile runs.
+      if (!(bound < static_cast<double>(row_max[r]) - 89.0)) return false;
     }
     return true;
   };
@@ -973,8 +973,10 @@ std::int64_t forward_unit(const AttentionPlan& p, const Sequence& seq, std::int6
     }
     return 0;
   }
-  grow(s.row_norm, rb.width);
-  if (p.skip_far_tiles) detail::row_norms(s.q.data(), p.dim_padded, rb.width, p.dim, s.row_norm.data());
+  if (p.skip_far_tiles) {
+    grow(s.row_norm, rb.width);
+    detail::row_norms(s.q.data(), p.dim_padded, rb.width, p.dim, s.row_norm.data());
+  }
   std::int64_t skipped = 0;
   const std::int64_t tiles = (k_end - k_begin + p.key_tile - 1) / p.key_tile;
   for (std::int64_t t = tiles - 1; t >= 0; --t) {

@@ -411,7 +411,6 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), 
   const std::int64_t delta_max = q_max + kernels::kAttnAlign - k_min;
   const std::int64_t width = delta_max - delta_min + 1;
   bias_tables.resize(groups.size());
-  bias_table_max.resize(groups.size());
   float lowest_table_bias = 0.0f;
   std::int64_t flat = 0;
   for (std::size_t gi = 0; gi < groups.size(); ++gi) {
@@ -441,18 +440,7 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), 
           table[static_cast<std::size_t>(h * width + t)] = static_cast<float>(bias_value(scheme, h, -(delta_min + t)));
         }
       }
-      auto& maxima = bias_table_max[gi];
-      maxima.resize(static_cast<std::size_t>(2 * width * hg));
-      for (std::int64_t h = 0; h < hg; ++h) {
-        const float* row = table.data() + h * width;
-        float* from = maxima.data() + 2 * h * width;
-        float* to = from + width;
-        from[width - 1] = row[width - 1];
-        for (std::int64_t t = width - 2; t >= 0; --t) from[t] = std::max(from[t + 1], row[t]);
-        to[0] = row[0];
-        for (std::int64_t t = 1; t < width; ++t) to[t] = std::max(to[t - 1], row[t]);
-        lowest_table_bias = std::min(lowest_table_bias, *std::min_element(row, row + width));
-      }
+      lowest_table_bias = std::min(lowest_table_bias, *std::min_element(table.begin(), table.end()));
     } else {
       evaluators.push_back(std::make_unique<BiasEvaluator>(scheme, k_min - q_max, k_max - q_min));
       if (const auto* fire = std::get_if<FireParams>(&scheme)) {
@@ -492,8 +480,6 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), 
       if (tabulate) {
         hb.kind = HeadBias::kTable;
         hb.table = bias_tables[gi].data() + h * width;
-        hb.max_from = bias_table_max[gi].data() + 2 * h * width;
-        hb.max_to = hb.max_from + width;
         hb.delta_min = delta_min;
         hb.width = width;
       } else {
@@ -514,6 +500,27 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), 
   for (const QKTables& t : tables) keys_keep_norms = keys_keep_norms && (!t.transform_keys || t.kind != QKTables::kAbsolute);
   far_tiles_first = lowest_table_bias < -kFarBias && mask.softcap <= 0 && !any_shaw && !any_xl && !any_tupe && keys_keep_norms;
   skip_far_tiles = far_tiles_first && spec.skip_vanishing_tiles;
+  if (!skip_far_tiles) return;
+  // The tables' running maxima, which bound a tile's biases (HeadBias::max_from / max_to).
+  bias_table_max.resize(bias_tables.size());
+  for (std::size_t gi = 0; gi < bias_tables.size(); ++gi) {
+    if (bias_tables[gi].empty()) continue;
+    const std::int64_t hg = groups[gi].heads, h0 = group_first_head[gi];
+    auto& maxima = bias_table_max[gi];
+    maxima.resize(2 * bias_tables[gi].size());
+    for (std::int64_t h = 0; h < hg; ++h) {
+      HeadBias& hb = head_bias[static_cast<std::size_t>(h0 + h)];
+      const std::int64_t n = hb.width;  // the plan's table width, as every tabulated head's
+      float* from = maxima.data() + 2 * h * n;
+      float* to = from + n;
+      from[n - 1] = hb.table[n - 1];
+      for (std::int64_t t = n - 2; t >= 0; --t) from[t] = std::max(from[t + 1], hb.table[t]);
+      to[0] = hb.table[0];
+      for (std::int64_t t = 1; t < n; ++t) to[t] = std::max(to[t - 1], hb.table[t]);
+      hb.max_from = from;
+      hb.max_to = to;
+    }
+  }
 }
 
 // ── TUPE: each position's projections for the call's position range, one f32 matrix product
@@ -980,6 +987,7 @@ std::int64_t AttentionPlan::table_bytes() const {
   std::int64_t total = 0;
   for (const auto& t : tables) total += t.bytes();
   for (const auto& t : bias_tables) total += static_cast<std::int64_t>(t.size() * sizeof(float));
+  for (const auto& t : bias_table_max) total += static_cast<std::int64_t>(t.size() * sizeof(float));
   for (const auto& t : tupe) total += static_cast<std::int64_t>((t.pq.size() + t.pk.size()) * sizeof(float));
   for (const auto& t : xl) total += static_cast<std::int64_t>((t.projected.size() + t.constant.size() + t.u.size() + t.sinusoids.size()) *
                                                             sizeof(float));

@@ -177,10 +177,12 @@ Case make_attention_case(const CaseOptions& o) {
     };
   }
   c.workspace_bytes = [st] { return static_cast<double>(st->attention->workspace_bytes()); };
-  if (o.pass == "forward") {
-    c.remark = [st] {
-      return "skipped " + std::to_string(st->attention->skipped_tiles()) + " of " + std::to_string(st->attention->forward_tiles()) +
-             " key tiles (every probability below FLT_MIN; the flops count them all)";
+  if (o.pass != "decode") {
+    const bool forward = o.pass == "forward";
+    c.remark = [st, forward] {
+      const Attention::TileCounts n = forward ? st->attention->forward_tiles() : st->attention->backward_steps();
+      return "skipped " + std::to_string(n.skipped) + " of " + std::to_string(n.met) +
+             (forward ? " key tiles" : " (key tile, row block) steps") + " (every probability below FLT_MIN; the flops count them all)";
     };
   }
   c.state = st;

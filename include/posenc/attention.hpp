@@ -121,10 +121,10 @@ struct AttentionSpec {
   double scale = 0.0;              // 0: 1/sqrt(D)
   std::optional<Positions> q_positions, k_positions;
   std::vector<std::int64_t> cu_seqlens_q, cu_seqlens_k;  // packed sequences (both or neither)
-  // Forward may skip key tiles whose probabilities all vanish (see skipped_tiles()). false runs
-  // every tile, in the same order, with the same bits for finite inputs; only a non-finite value
-  // in a vanishing tile's keys or values tells the two apart (it then spreads NaN, as in the
-  // unfused composition).
+  // Forward and backward may skip key tiles whose probabilities all vanish (see
+  // Attention::forward_tiles()). false runs every tile, in the same order, with the same bits for
+  // finite inputs; only a non-finite value in a vanishing tile's keys or values tells the two apart
+  // (it then spreads NaN, as in the unfused composition).
   bool skip_vanishing_tiles = true;
 };
 
@@ -171,14 +171,18 @@ class Attention {
 
   // Bytes of scratch the last forward / backward used (all threads), for memory reports.
   std::int64_t workspace_bytes() const;
-  // Key tiles (of query blocks) the last forward ran, and how many of them it skipped because
+  // Key tiles (of query blocks) the last forward met, and how many of them it skipped because
   // no probability in them could reach FLT_MIN: with ALiBi-like biases (a table below −100, no
   // soft-cap, Shaw, XL or TUPE) the tiles run from the diagonal down, and a tile is dropped when
   // scale·|q|·max|k| + its largest bias stays 89 below every row's running max. Those tiles'
   // probabilities would all be flushed to 0, so for finite inputs the result is the same to the
-  // bit. Decode does not skip; decode rows and the fp64 / "ref" path count no tiles.
-  std::int64_t forward_tiles() const;
-  std::int64_t skipped_tiles() const;
+  // bit. backward_steps(): the same for the last backward's (key tile, row block) steps, against
+  // each row's lse. Decode does not skip; decode rows and the fp64 / "ref" path count nothing.
+  struct TileCounts {
+    std::int64_t met = 0, skipped = 0;
+  };
+  TileCounts forward_tiles() const;
+  TileCounts backward_steps() const;
 
   struct Plan;
   const Plan& plan() const { return *plan_; }  // the validated form (internal; for the reference)

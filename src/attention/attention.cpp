@@ -1330,10 +1330,12 @@ void AttentionPlan::backward(ConstTensorView out, ConstTensorView lse, ConstTens
   const auto flops = static_cast<std::int64_t>(batch) * q_len * k_len * heads * dim;
   const int threads = std::min<int>(threads_for(flops / 16), static_cast<int>(std::max<std::size_t>(units.size(), 1)));
   std::int64_t scratch_bytes = 0;
-#pragma omp parallel num_threads(threads) reduction(+ : scratch_bytes)
+  std::int64_t steps = 0, skipped_steps = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : scratch_bytes, steps, skipped_steps)
   {
     const FlushDenormals flush;
     AttentionUnitScratch& s = unit_scratch();
+    s.steps = s.skipped_steps = 0;
     RowBlock rb;
 #pragma omp for schedule(dynamic, 1)
     for (std::size_t u = 0; u < units.size(); ++u) {
@@ -1348,7 +1350,11 @@ void AttentionPlan::backward(ConstTensorView out, ConstTensorView lse, ConstTens
                     units[u].key_lo, units[u].key_hi, s, rb);
     }
     scratch_bytes += s.bytes();
+    steps += s.steps;
+    skipped_steps += s.skipped_steps;
   }
+  last_steps = steps;
+  last_skipped_steps = skipped_steps;
   if (part_floats > 0) {
     // dK, dV of the split units: each key's rows summed over the ranges whose queries see it, in
     // unit order (fp64), then added into dk, dv. Keys are independent, so this loop's thread count
@@ -1552,6 +1558,7 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
   const auto step = [&](const RowBlock& sub, std::int64_t r0, std::int64_t k0, std::int64_t keys, bool full,
                         const float* k_rows, const float* v_rows, const std::int64_t* kpos, float* dk_rows, float* dv_rows) {
     const std::int64_t bw = sub.width;
+    ++s.steps;
     if (skip_far_tiles) {
       // Every probability 0: dS = 0 and the products would add only zeros.
       const auto [k_lo, k_hi] = std::minmax_element(kpos, kpos + keys);
@@ -1567,7 +1574,10 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
         }
         return tile_key_norm;
       });
-      if (vanishes) return;
+      if (vanishes) {
+        ++s.skipped_steps;
+        return;
+      }
     }
     // S^T = K·Q^T, biases, soft-cap, mask; dP^T = V·dO^T.
     kernels::attn_gemm(k_rows, ldkv, 1, s.qt.data() + r0, ldt, s.st.data(), bw, keys, bw, d, false);
@@ -1808,8 +1818,8 @@ std::int64_t Attention::head_dim() const { return plan_->dim; }
 const AttentionSpec& Attention::spec() const { return plan_->spec; }
 AttentionGradients Attention::zero_gradients() const { return plan_->zero_gradients(); }
 std::int64_t Attention::workspace_bytes() const { return plan_->last_workspace_bytes; }
-std::int64_t Attention::forward_tiles() const { return plan_->last_tiles; }
-std::int64_t Attention::skipped_tiles() const { return plan_->last_skipped_tiles; }
+Attention::TileCounts Attention::forward_tiles() const { return {plan_->last_tiles, plan_->last_skipped_tiles}; }
+Attention::TileCounts Attention::backward_steps() const { return {plan_->last_steps, plan_->last_skipped_steps}; }
 
 void Attention::forward(TensorView out, TensorView lse) const {
   detail::init_dispatch();
@@ -1826,6 +1836,7 @@ void Attention::backward(ConstTensorView out, ConstTensorView lse, ConstTensorVi
   detail::init_dispatch();
   if (detail::use_reference() || plan_->dtype == DType::kF64) {
     ref::attention_backward(*this, out, lse, d_out, dq, dk, dv, grads);
+    plan_->last_steps = plan_->last_skipped_steps = 0;  // the reference runs every pair, no steps
     return;
   }
   plan_->backward(out, lse, d_out, dq, dk, dv, grads);

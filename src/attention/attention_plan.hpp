@@ -155,6 +155,7 @@ struct AttentionUnitScratch {
   std::vector<std::int64_t> kpos;
   std::vector<double> hist;
   std::vector<double> row_norm;  // the far-tile skip: |scale·q| per row
+  std::int64_t steps = 0, skipped_steps = 0;  // backward's (tile, row block) steps in the current call
   std::int64_t bytes() const;
 };
 AttentionUnitScratch& unit_scratch();
@@ -191,7 +192,7 @@ struct AttentionPlan {
   // kept); their key tiles run from the diagonal down, so that m is known early, and with
   // skip_far_tiles (the spec's skip_vanishing_tiles) the vanishing ones are skipped.
   bool far_tiles_first = false, skip_far_tiles = false;
-  mutable std::int64_t last_skipped_tiles = 0, last_tiles = 0;
+  mutable std::int64_t last_skipped_tiles = 0, last_tiles = 0, last_skipped_steps = 0, last_steps = 0;
   std::vector<Sequence> sequences;
 
   // Positions: explicit (spec) or the defaults, owned here.

@@ -123,8 +123,9 @@ struct AttentionSpec {
   std::vector<std::int64_t> cu_seqlens_q, cu_seqlens_k;  // packed sequences (both or neither)
   // Forward and backward may skip key tiles whose probabilities all vanish (see
   // Attention::forward_tiles()). false runs every tile, in the same order, with the same bits for
-  // finite inputs; only a non-finite value in a vanishing tile's keys or values tells the two apart
-  // (it then spreads NaN, as in the unfused composition).
+  // finite inputs (a tile with a non-finite key always runs); only a non-finite value in a
+  // vanishing tile's values tells the two apart (it then spreads NaN through 0·∞, as in the
+  // unfused composition).
   bool skip_vanishing_tiles = true;
 };
 

@@ -324,13 +324,21 @@ bool tile_vanishes(const AttentionPlan& p, const RowBlock& rb, const double* row
   return rows_pass(0.0) && rows_pass(key_norm());
 }
 
-// Row norms |row| of `count` rows ld apart (D values each), in fp64.
-void row_norms(const float* rows, std::int64_t ld, std::int64_t count, std::int64_t d, double* out) {
+// The larger of a and b, NaN if either is (std::max would drop a NaN b): a NaN norm must fail the
+// bound of tile_vanishes, so that a tile holding a NaN key runs.
+double max_or_nan(double a, double b) { return std::isnan(a) || std::isnan(b) ? std::numeric_limits<double>::quiet_NaN() : std::max(a, b); }
+
+// Row norms |row| of `count` rows ld apart (D values each), in fp64, into out (unless null);
+// returns the largest (NaN if any is).
+double row_norms(const float* rows, std::int64_t ld, std::int64_t count, std::int64_t d, double* out) {
+  double largest = 0;
   for (std::int64_t r = 0; r < count; ++r) {
     double n2 = 0;
     for (std::int64_t t = 0; t < d; ++t) n2 += static_cast<double>(rows[r * ld + t]) * rows[r * ld + t];
-    out[r] = std::sqrt(n2);
+    if (out != nullptr) out[r] = std::sqrt(n2);
+    largest = max_or_nan(largest, std::sqrt(n2));
   }
+  return largest;
 }
 
 // ─── Shaw's relative key and value terms ─────────────────────────────────────────────────────
@@ -947,14 +955,12 @@ bool far_tile_vanishes(const AttentionPlan& p, const Sequence& seq, std::int64_t
   }
   return detail::tile_vanishes(p, rb, s.row_norm.data(), s.m.data(), k_lo, k_hi, [&] {
     grow(s.tmp, p.dim_padded);
-    double key_norm2 = 0;
+    double largest = 0;
     for (std::int64_t j = 0; j < keys; ++j) {
       p.load_row(p.k_data, p.kg, seq.b, seq.k0 + k0 + j, kvh, s.tmp.data());
-      double n2 = 0;
-      for (std::int64_t t = 0; t < p.dim; ++t) n2 += static_cast<double>(s.tmp[static_cast<std::size_t>(t)]) * s.tmp[static_cast<std::size_t>(t)];
-      key_norm2 = std::max(key_norm2, n2);
+      largest = detail::max_or_nan(largest, detail::row_norms(s.tmp.data(), 0, 1, p.dim, nullptr));
     }
-    return std::sqrt(key_norm2);
+    return largest;
   });
 }
 
@@ -1563,15 +1569,7 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
       // Every probability 0: dS = 0 and the products would add only zeros.
       const auto [k_lo, k_hi] = std::minmax_element(kpos, kpos + keys);
       const bool vanishes = tile_vanishes(*this, sub, s.row_norm.data() + r0, s.lse.data() + r0, *k_lo, *k_hi, [&] {
-        if (tile_key_norm < 0) {
-          double largest = 0;
-          for (std::int64_t j = 0; j < keys; ++j) {
-            double n = 0;
-            row_norms(k_rows + j * ldkv, ldkv, 1, d, &n);
-            largest = std::max(largest, n);
-          }
-          tile_key_norm = largest;
-        }
+        if (tile_key_norm < 0) tile_key_norm = row_norms(k_rows, ldkv, keys, d, nullptr);
         return tile_key_norm;
       });
       if (vanishes) {

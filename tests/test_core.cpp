@@ -3,12 +3,26 @@
 #include <cstring>
 #include <limits>
 
+#include "../src/internal.hpp"  // AlignedFloats: the attention scratch's allocator
 #include "testing.hpp"
 
 namespace posenc {
 namespace {
 
 using testing::expect_error;
+
+// ─── Aligned scratch ──────────────────────────────────────────────────────────────────────────
+// The attention kernels count on their scratch starting on a cache line; glibc's malloc gives
+// only 16 bytes, so a plain std::vector would pass by luck at most one size in four.
+TEST(AlignedFloats, EveryBlockStartsOnACacheLine) {
+  for (const std::size_t n : {std::size_t{1}, std::size_t{3}, std::size_t{17}, std::size_t{1000}, std::size_t{100003}}) {
+    detail::AlignedFloats v(n, 1.0f);
+    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(v.data()) % 64, 0u) << n;
+    v.resize(3 * n + 5);  // a reallocation keeps the alignment and the contents
+    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(v.data()) % 64, 0u) << n;
+    EXPECT_EQ(v[n - 1], 1.0f);
+  }
+}
 
 // ─── 16-bit floats ─────────────────────────────────────────────────────────────────────────────
 

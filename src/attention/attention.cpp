@@ -77,8 +77,8 @@ class FlushDenormals {
   unsigned saved_ = 0;
 };
 
-template <class T>
-void grow(std::vector<T>& v, std::int64_t n) {
+template <class T, class Allocator>
+void grow(std::vector<T, Allocator>& v, std::int64_t n) {
   if (static_cast<std::int64_t>(v.size()) < n) v.resize(static_cast<std::size_t>(n));
 }
 

@@ -50,8 +50,8 @@ void blocked_gemm(const float* a, std::int64_t a_row, std::int64_t a_depth, cons
 }
 
 // [rows][heads][dp] → [heads][rows][dp]: one head's rows contiguous (see XlTables).
-std::vector<float> heads_major(const std::vector<float>& by_row, std::int64_t rows, std::int64_t heads, std::int64_t dp) {
-  std::vector<float> out(by_row.size());
+AlignedFloats heads_major(const std::vector<float>& by_row, std::int64_t rows, std::int64_t heads, std::int64_t dp) {
+  AlignedFloats out(by_row.size());
   for (std::int64_t h = 0; h < heads; ++h) {
     for (std::int64_t r = 0; r < rows; ++r) {
       const float* from = by_row.data() + (r * heads + h) * dp;
@@ -563,7 +563,7 @@ void AttentionPlan::build_tupe_tables(const std::vector<HeadGroup>& groups, std:
           }
         }
       }
-      std::vector<float>& out = is_q ? t.pq : t.pk;
+      AlignedFloats& out = is_q ? t.pq : t.pk;
       out.assign(static_cast<std::size_t>(tupe_count * cols), 0.0f);
       std::vector<float> by_position(static_cast<std::size_t>(tupe_count * cols), 0.0f);
       blocked_gemm(rows.data(), dmp, 1, u.data(), cols, by_position.data(), cols, tupe_count, cols, dm);

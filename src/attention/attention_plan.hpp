@@ -98,14 +98,14 @@ struct HeadBias {
 struct TupeTables {
   std::int64_t heads = 0;  // 0: the group has no TUPE
   bool cls_reset = false;
-  std::vector<float> pq, pk, theta1, theta2;
+  AlignedFloats pq, pk, theta1, theta2;
 };
 
 // Shaw's tables of a head group in f32: key [width][D] (and zero-padded [width][Dp]), value
 // [width][Dp] (zero-padded).
 struct ShawTables {
   std::int64_t max_distance = 0, width = 0;  // width 0: the group has no Shaw terms
-  std::vector<float> key, value, key_padded;  // key_padded: [width][Dp]
+  AlignedFloats key, value, key_padded;  // key_padded: [width][Dp]
   std::int64_t row_of(std::int64_t relative) const {
     return (relative < -max_distance ? -max_distance : relative > max_distance ? max_distance : relative) + max_distance;
   }
@@ -122,7 +122,7 @@ struct ShawTables {
 struct XlTables {
   std::int64_t heads = 0;  // 0: the group has no XL terms
   std::int64_t width = 0;  // δ rows per head (AttentionPlan::xl_width)
-  std::vector<float> projected, constant, u;
+  AlignedFloats projected, constant, u;
   std::vector<float> sinusoids;  // r(δ): [width][d_model_padded] (zero-padded), for dW_R
   std::int64_t d_model_padded = 0;
   const float* p_row(std::int64_t t, std::int64_t local_head, std::int64_t dp) const {
@@ -143,15 +143,17 @@ struct RowBlock {
 
 // Per-thread scratch, reused across calls (first-touch of fresh pages is expensive).
 struct AttentionUnitScratch {
-  std::vector<float> q, qt, o, m, l, corr, st, dpt, k, v, tmp, dout, doutt, dq, dk, dv, lse, delta;
-  std::vector<float> shaw_key_dots, shaw_value_dots, shaw_probs, shaw_grads;  // [shaw_width][rows]
+  // Every buffer starts on a cache line (AlignedFloats): the matrix kernel's vector loads and
+  // stores then never straddle two lines.
+  AlignedFloats q, qt, o, m, l, corr, st, dpt, k, v, tmp, dout, doutt, dq, dk, dv, lse, delta;
+  AlignedFloats shaw_key_dots, shaw_value_dots, shaw_probs, shaw_grads;  // [shaw_width][rows]
   // XL: a window of Qs·P(δ) + c(δ) for δ in [xl_lo, xl_lo + xl_span), [u][rows]; backward: the
   // window's dS sums and the unit's dP table [xl_width][G][Dp].
-  std::vector<float> xl_dots, xl_sums, xl_dp;
+  AlignedFloats xl_dots, xl_sums, xl_dp;
   std::int64_t xl_lo = 0, xl_span = 0;
   // TUPE: PQ of the rows transposed [Dp][rows] and as rows [rows][Dp]; keys' PK gathered
   // [keys][Dp]; backward: dPQ rows [rows][Dp], a tile's dPK [keys][Dp], the unit's dPK by position.
-  std::vector<float> tupe_pqt, tupe_pq, tupe_pk, tupe_dpq, tupe_dpk, tupe_dpk_positions;
+  AlignedFloats tupe_pqt, tupe_pq, tupe_pk, tupe_dpq, tupe_dpk, tupe_dpk_positions;
   std::vector<std::int64_t> kpos;
   std::vector<double> hist;
   std::vector<double> row_norm;  // the far-tile skip: |scale·q| per row

@@ -321,6 +321,70 @@ TEST_P(AttentionForward, DecodeSplitsLongCachesExactly) {
   }
 }
 
+// Prefill units of two query blocks (forward_pair) load each key tile once for both. They are
+// formed when the blocks number at least 16 per thread, so one thread pairs these shapes and 64
+// threads do not; the results must agree bit for bit, and be accurate where paired.
+TEST_P(AttentionForward, PairedBlocksKeepTheBitsOfSingleBlocks) {
+  const auto expect_same_bits = [](const Problem& p, const AttentionSpec& spec, const std::string& what) {
+    SCOPED_TRACE(what);
+    const Attention att(spec);
+    set_num_threads(64);
+    const Outputs single = run_forward(p, att, 0);
+    for (const int threads : {1, 2}) {
+      set_num_threads(threads);
+      const Outputs paired = run_forward(p, att, 0);
+      EXPECT_EQ(paired.out, single.out) << threads << " threads";
+      EXPECT_EQ(paired.lse, single.lse) << threads << " threads";
+    }
+    set_num_threads(2);
+  };
+  const std::int64_t dim = 32;
+  // 8 KV heads × 4 blocks of 128 queries; then queries ending a longer run of keys (the blocks'
+  // last tiles partial, the second block's reaching further), GQA (G = 2, blocks of 64 queries,
+  // an odd last block), and packed sequences.
+  Problem square = make_problem(1, 512, 512, 8, 8, dim);
+  Problem longer_keys = make_problem(1, 300, 517, 8, 8, dim);
+  Problem grouped = make_problem(2, 230, 230, 8, 4, dim);
+  Problem packed = make_packed({{300, 300}, {70, 90}, {260, 333}, {1, 5}}, 8, 8, dim);
+  for (const Problem* p : {&square, &longer_keys, &grouped, &packed}) {
+    AttentionSpec spec = spec_of(*p);
+    spec.mask.causal = true;
+    expect_same_bits(*p, spec, "causal");
+    spec.mask.causal = false;
+    expect_same_bits(*p, spec, "bidirectional");
+    // Windows start each block's keys apart: such pairs run their blocks one at a time.
+    spec.mask.causal = true;
+    spec.mask.window_left = 100;
+    expect_same_bits(*p, spec, "sliding window");
+  }
+  set_num_threads(1);
+  AttentionSpec spec = spec_of(longer_keys);
+  spec.mask.causal = true;
+  expect_accurate(longer_keys, spec, "paired, longer keys");
+  spec = spec_of(grouped);
+  spec.mask.causal = true;
+  expect_accurate(grouped, spec, "paired, grouped");
+  set_num_threads(2);
+  // Every scheme that leaves the tiles in their plain order (ALiBi's steep tables do not).
+  const RopeParams rope(dim, dim);
+  std::vector<double> t5_table(static_cast<std::size_t>(32 * 8));
+  for (auto& x : t5_table) x = uniform(-2, 2);
+  const std::vector<std::pair<std::vector<HeadGroup>, std::string>> schemes = {
+      {{{8, RotaryQK{rope}, {}}}, "rope"},
+      {{{8, {}, T5BiasParams(8, 32, 128, true, t5_table)}}, "t5"},
+      {{{8, {}, FireParams::init(8, 16, 3)}}, "fire"},
+      {{{8, {}, {}, ShawParams::init(6, dim, 0.5, 11)}}, "shaw"},
+      {{{8, {}, {}, {}, XlParams::init(8, dim, 24, 0.5, 21)}}, "transformer-xl"},
+      {{{8, {}, tupe_with_cls(8, dim, 16, 600, 4)}}, "tupe"},
+      {{{4, AbsoluteQK{SinusoidalParams(dim)}, {}}, {4, RotaryQK{rope}, {}}}, "shortformer | rope"}};
+  for (const auto& [groups, what] : schemes) {
+    spec = spec_of(longer_keys);
+    spec.mask.causal = true;
+    spec.groups = groups;
+    expect_same_bits(longer_keys, spec, what);
+  }
+}
+
 // The plan of `spec` with the vanishing-tile skip on, then off.
 std::pair<Attention, Attention> with_and_without_skip(AttentionSpec spec) {
   Attention skipping(spec);

@@ -325,18 +325,24 @@ TEST_P(AttentionForward, DecodeSplitsLongCachesExactly) {
 // formed when the blocks number at least 16 per thread, so one thread pairs these shapes and 64
 // threads do not; the results must agree bit for bit, and be accurate where paired.
 TEST_P(AttentionForward, PairedBlocksKeepTheBitsOfSingleBlocks) {
+  if (GetParam() == "ref") GTEST_SKIP() << "the fused kernels only (the reference has no blocks)";
   const auto expect_same_bits = [](const Problem& p, const AttentionSpec& spec, const std::string& what) {
     SCOPED_TRACE(what);
     const Attention att(spec);
     set_num_threads(64);
     const Outputs single = run_forward(p, att, 0);
+    const Attention::TileCounts single_tiles = att.forward_tiles();
     for (const int threads : {1, 2}) {
       set_num_threads(threads);
       const Outputs paired = run_forward(p, att, 0);
       EXPECT_EQ(paired.out, single.out) << threads << " threads";
       EXPECT_EQ(paired.lse, single.lse) << threads << " threads";
+      // The far-tile skip decides per block, paired or not.
+      EXPECT_EQ(att.forward_tiles().met, single_tiles.met) << threads << " threads";
+      EXPECT_EQ(att.forward_tiles().skipped, single_tiles.skipped) << threads << " threads";
     }
     set_num_threads(2);
+    return single_tiles.skipped;
   };
   const std::int64_t dim = 32;
   // 8 KV heads × 4 blocks of 128 queries; then queries ending a longer run of keys (the blocks'
@@ -365,8 +371,19 @@ TEST_P(AttentionForward, PairedBlocksKeepTheBitsOfSingleBlocks) {
   spec.mask.causal = true;
   expect_accurate(grouped, spec, "paired, grouped");
   set_num_threads(2);
-  // Every scheme that leaves the tiles in their plain order (ALiBi's steep tables do not).
+  // Every kind of scheme; ALiBi's steep slopes run the tiles from the diagonal down and skip far
+  // ones (the last head has none, so its KV head's blocks skip nothing).
   const RopeParams rope(dim, dim);
+  const std::vector<double> steep = {4.0, 2.0, 1.0, 0.5, 4.0, 2.0, 1.0, 0.0};
+  spec = spec_of(square);
+  spec.mask.causal = true;
+  spec.groups = {{8, {}, AlibiParams(steep)}};
+  EXPECT_GT(expect_same_bits(square, spec, "alibi, steep"), 0);
+  spec.groups = {{8, RotaryQK{rope}, AlibiParams(steep)}};
+  EXPECT_GT(expect_same_bits(square, spec, "rope + alibi, steep"), 0);
+  spec.mask.causal = false;
+  spec.groups = {{8, {}, AlibiParams(steep, AlibiForm::kSymmetric)}};
+  EXPECT_GT(expect_same_bits(square, spec, "alibi symmetric, steep"), 0);
   std::vector<double> t5_table(static_cast<std::size_t>(32 * 8));
   for (auto& x : t5_table) x = uniform(-2, 2);
   const std::vector<std::pair<std::vector<HeadGroup>, std::string>> schemes = {

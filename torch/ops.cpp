@@ -907,6 +907,8 @@ AttentionCall make_attention(const at::Tensor& q, const at::Tensor& k, const at:
   spec.k = const_view(where, "k", k);
   spec.v = const_view(where, "v", v);
   spec.groups = {attention_group(scheme, bias_params, q.size(2), q.size(3), scale)};
+  // The scheme's JSON also carries the plan's options (absent: the library's defaults).
+  spec.skip_vanishing_tiles = nlohmann::json::parse(scheme).value("skip_vanishing_tiles", spec.skip_vanishing_tiles);
   spec.mask.causal = causal;
   spec.mask.window_left = window_left;
   spec.mask.window_right = window_right;

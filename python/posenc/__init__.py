@@ -441,7 +441,7 @@ def _attention_scheme(scheme, heads, keys_rotated):
 
 
 def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), softcap=0.0, scale=None, layout="bshd",
-              q_positions=None, k_positions=None, keys_rotated=False, return_lse=False):
+              q_positions=None, k_positions=None, keys_rotated=False, return_lse=False, skip_vanishing_tiles=True):
     """Fused attention softmax(scale·q·kᵀ + positional terms + mask)·v, flash-style: no [S, S]
     matrix is ever stored, and the positional scheme runs inside the kernel.
 
@@ -458,7 +458,10 @@ def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), softcap=0.
     bottom-right when Sq < Sk; ``window=(left, right)`` limits the keys a query sees (-1:
     unlimited); ``softcap`` c > 0 caps logits to c·tanh(x/c). Positions default to 0..Sk-1 for
     keys and Sk-Sq.. for queries. Returns out like q (and the log-sum-exp ``[B, H, Sq]`` with
-    ``return_lse=True``). Differentiable in q, k, v and the scheme's parameters."""
+    ``return_lse=True``). Differentiable in q, k, v and the scheme's parameters.
+    ``skip_vanishing_tiles`` (ALiBi-like steep biases): key tiles whose every probability would
+    flush to 0 are skipped, which changes no bit for finite inputs; False runs every tile (a
+    non-finite value in such a tile then reaches the output as NaN)."""
     if layout == "bhsd":
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     elif layout != "bshd":
@@ -468,6 +471,7 @@ def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), softcap=0.
     spec, params = _attention_scheme(scheme, q.shape[2], keys_rotated)
     if spec["kind"] == "rope" and spec["rope"]["head_dim"] == 0:
         spec["rope"]["head_dim"] = spec["rope"]["rotary_dim"] = int(q.shape[-1])
+    spec["skip_vanishing_tiles"] = bool(skip_vanishing_tiles)
     empty = torch.empty(0, dtype=torch.long)
     out, lse = _ops.attention(q, k, v, json.dumps(spec), params, bool(causal), int(window[0]), int(window[1]),
                               float(softcap), float(scale or 0.0),

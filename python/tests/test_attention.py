@@ -70,6 +70,32 @@ def alibi_reference_bias(slopes, sq, sk):
     return -slopes[:, None, None] * (i - j).to(slopes.dtype)
 
 
+def test_skipping_vanishing_tiles_changes_no_bit():
+    """Steep ALiBi slopes make far key tiles vanish; skipping them must leave out and every
+    gradient bit for bit as running them (finite inputs), and a non-finite value in a skipped
+    tile never reaches the output while running every tile spreads it as NaN (0·inf)."""
+    # 600 keys: the blocks of the last 128 queries sit more than 300 keys past the first tile,
+    # which then vanishes for all of their rows at every slope (the skip decides per tile and
+    # block of rows).
+    q, k, v = (t.detach().float().requires_grad_() for t in inputs(b=1, sq=600, sk=600, h=4, g=4, d=32))
+    alibi = posenc.ALiBi(4, trainable=True)
+    with torch.no_grad():
+        alibi.slopes.copy_(torch.tensor([4.0, 2.0, 1.0, 0.5]))
+    results = []
+    for skip in (True, False):
+        out = posenc.attention(q, k, v, alibi, causal=True, skip_vanishing_tiles=skip)
+        results.append((out,) + tuple(grads_of(out, (q, k, v, alibi.slopes))))
+    for name, a, b in zip("out q k v slopes".split(), *results):
+        assert torch.equal(a, b), name
+    with torch.no_grad():
+        v_inf = v.detach().clone()
+        v_inf[0, 0, :, 0] = float("inf")
+        last = [posenc.attention(q.detach(), k.detach(), v_inf, alibi, causal=True, skip_vanishing_tiles=s)[0, -1]
+                for s in (True, False)]
+    assert torch.isfinite(last[0]).all()
+    assert torch.isnan(last[1]).any()
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_alibi_forward_and_gradients_match_eager(dtype):
     q, k, v = inputs(dtype=dtype)

@@ -37,6 +37,8 @@
 namespace posenc {
 
 using detail::AttentionUnitScratch;
+using detail::CallBuffer;
+using detail::zeroed_doubles;
 using kernels::kAttnAlign;
 
 namespace {
@@ -1396,13 +1398,13 @@ void AttentionPlan::backward(ConstTensorView out, ConstTensorView lse, ConstTens
   std::vector<float> kv_parts(static_cast<std::size_t>(part_floats));
   // Per unit, its share of the bias parameters' gradients (summed in unit order afterwards).
   const std::int64_t grad_size = want_bias_grads ? bias_gradient_size() : 0;
-  std::vector<double> unit_grads(static_cast<std::size_t>(grad_size) * units.size());
+  std::vector<double>& unit_grads = zeroed_doubles(CallBuffer::kUnitBias, static_cast<std::size_t>(grad_size) * units.size());
   const std::int64_t shaw_size = grads != nullptr && any_shaw ? shaw_grad_offset.back() : 0;
-  std::vector<double> unit_shaw_grads(static_cast<std::size_t>(shaw_size) * units.size());
+  std::vector<double>& unit_shaw_grads = zeroed_doubles(CallBuffer::kUnitShaw, static_cast<std::size_t>(shaw_size) * units.size());
   const std::int64_t xl_size = grads != nullptr ? xl_unit_gradient_size() : 0;
-  std::vector<double> unit_xl_grads(static_cast<std::size_t>(xl_size) * units.size());
+  std::vector<double>& unit_xl_grads = zeroed_doubles(CallBuffer::kUnitXl, static_cast<std::size_t>(xl_size) * units.size());
   const std::int64_t tupe_size = grads != nullptr ? tupe_unit_gradient_size() : 0;
-  std::vector<double> unit_tupe_grads(static_cast<std::size_t>(tupe_size) * units.size());
+  std::vector<double>& unit_tupe_grads = zeroed_doubles(CallBuffer::kUnitTupe, static_cast<std::size_t>(tupe_size) * units.size());
   const auto flops = static_cast<std::int64_t>(batch) * q_len * k_len * heads * dim;
   const int threads = std::min<int>(threads_for(flops / 16), static_cast<int>(std::max<std::size_t>(units.size(), 1)));
   std::int64_t scratch_bytes = 0;
@@ -1494,8 +1496,8 @@ void AttentionPlan::backward(ConstTensorView out, ConstTensorView lse, ConstTens
     }
   }
   // The units' XL and TUPE slots summed per KV head, units in order (sequence order).
-  const auto sum_per_kv_head = [&](const std::vector<double>& parts, std::int64_t size) {
-    std::vector<double> totals(static_cast<std::size_t>(size * kv_heads), 0.0);
+  const auto sum_per_kv_head = [&](const std::vector<double>& parts, std::int64_t size, CallBuffer buffer) -> const std::vector<double>& {
+    std::vector<double>& totals = zeroed_doubles(buffer, static_cast<std::size_t>(size * kv_heads));
     for (std::size_t u = 0; u < units.size(); ++u) {
       double* total = totals.data() + units[u].kvh * size;
       const double* part = parts.data() + u * static_cast<std::size_t>(size);
@@ -1503,8 +1505,8 @@ void AttentionPlan::backward(ConstTensorView out, ConstTensorView lse, ConstTens
     }
     return totals;
   };
-  if (xl_size > 0) finish_xl_gradients(sum_per_kv_head(unit_xl_grads, xl_size), *grads);
-  if (tupe_size > 0) finish_tupe_gradients(sum_per_kv_head(unit_tupe_grads, tupe_size), *grads);
+  if (xl_size > 0) finish_xl_gradients(sum_per_kv_head(unit_xl_grads, xl_size, CallBuffer::kXlTotals), *grads);
+  if (tupe_size > 0) finish_tupe_gradients(sum_per_kv_head(unit_tupe_grads, tupe_size, CallBuffer::kTupeTotals), *grads);
   last_workspace_bytes = scratch_bytes + table_bytes() +
                          static_cast<std::int64_t>((unit_grads.size() + unit_shaw_grads.size() + unit_xl_grads.size() + unit_tupe_grads.size()) *
                                                      sizeof(double)) +

@@ -3,6 +3,7 @@
 #include "attention/attention_plan.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -136,6 +137,20 @@ std::int64_t AttentionUnitScratch::bytes() const {
 AttentionUnitScratch& unit_scratch() {
   thread_local AttentionUnitScratch s;
   return s;
+}
+
+std::vector<double>& zeroed_doubles(CallBuffer which, std::size_t n) {
+  thread_local std::array<std::vector<double>, static_cast<std::size_t>(CallBuffer::kCount)> buffers;
+  std::vector<double>& b = buffers[static_cast<std::size_t>(which)];
+  b.assign(n, 0.0);
+  return b;
+}
+
+AlignedFloats& zeroed_floats(CallBuffer which, std::size_t n) {
+  thread_local std::array<AlignedFloats, static_cast<std::size_t>(CallBuffer::kCount)> buffers;
+  AlignedFloats& b = buffers[static_cast<std::size_t>(which)];
+  b.assign(n, 0.0f);
+  return b;
 }
 
 AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), mask(spec.mask) {
@@ -618,7 +633,7 @@ void AttentionPlan::finish_tupe_gradients(const std::vector<double>& totals, Att
     TupeGradients& out = *grads.groups[gi].tupe;
     const std::int64_t hg = t.heads, h_first = group_first_head[gi], cols = hg * dp, hd = hg * dim;
     const std::int64_t dm = params.d_model(), dmp = round_up(dm, kernels::kAttnAlign);
-    std::vector<float> rows(static_cast<std::size_t>(tupe_count * dmp), 0.0f);
+    AlignedFloats& rows = zeroed_floats(CallBuffer::kTupeRows, static_cast<std::size_t>(tupe_count * dmp));
     for (std::int64_t n = 0; n < tupe_count; ++n) {
       for (std::int64_t m = 0; m < dm; ++m) {
         rows[static_cast<std::size_t>(n * dmp + m)] = static_cast<float>(params.table()[static_cast<std::size_t>((tupe_first + n) * dm + m)]);
@@ -626,7 +641,7 @@ void AttentionPlan::finish_tupe_gradients(const std::vector<double>& totals, Att
     }
     for (const bool is_q : {true, false}) {
       // d(projection) [count][hg·Dp] in f32 from the per-KV-head totals.
-      std::vector<float> d_proj(static_cast<std::size_t>(tupe_count * cols), 0.0f);
+      AlignedFloats& d_proj = zeroed_floats(CallBuffer::kTupeProjected, static_cast<std::size_t>(tupe_count * cols));
       for (std::int64_t lh = 0; lh < hg; ++lh) {
         const std::int64_t h = h_first + lh, kvh = h / g_count, g = h % g_count;
         const double* part = totals.data() + kvh * per_kv + (is_q ? 0 : tupe_count * g_count * dp);
@@ -643,7 +658,7 @@ void AttentionPlan::finish_tupe_gradients(const std::vector<double>& totals, Att
         }
       }
       // dU[m][c] = Σ_n rows[n][m]·d_proj[n][c].
-      std::vector<float> du(static_cast<std::size_t>(dmp * cols), 0.0f);
+      AlignedFloats& du = zeroed_floats(CallBuffer::kTupeDu, static_cast<std::size_t>(dmp * cols));
       blocked_gemm(rows.data(), 1, dmp, d_proj.data(), cols, du.data(), cols, dm, cols, tupe_count);
       std::vector<double>& u_grad = is_q ? out.u_q : out.u_k;
       const std::vector<double>& weights = is_q ? params.u_q() : params.u_k();
@@ -655,7 +670,8 @@ void AttentionPlan::finish_tupe_gradients(const std::vector<double>& totals, Att
         }
       }
       // d table[n][m] = Σ_c d_proj[n][c]·U[m][c]: B = Uᵀ as [cols][dmp].
-      std::vector<float> ut(static_cast<std::size_t>(cols * dmp), 0.0f), dtable(static_cast<std::size_t>(tupe_count * dmp), 0.0f);
+      AlignedFloats& ut = zeroed_floats(CallBuffer::kTupeUt, static_cast<std::size_t>(cols * dmp));
+      AlignedFloats& dtable = zeroed_floats(CallBuffer::kTupeDtable, static_cast<std::size_t>(tupe_count * dmp));
       for (std::int64_t m = 0; m < dm; ++m) {
         for (std::int64_t lh = 0; lh < hg; ++lh) {
           for (std::int64_t d = 0; d < dim; ++d) {
@@ -1238,7 +1254,7 @@ void AttentionPlan::finish_xl_gradients(const std::vector<double>& totals, Atten
     const XlParams& params = *spec.groups[gi].xl;
     XlGradients& out = *grads.groups[gi].xl;
     const std::int64_t hg = t.heads, h_first = group_first_head[gi], cols = hg * dp;
-    std::vector<float> d_projected(static_cast<std::size_t>(xl_width * cols), 0.0f);
+    AlignedFloats& d_projected = zeroed_floats(CallBuffer::kXlProjected, static_cast<std::size_t>(xl_width * cols));
     for (std::int64_t lh = 0; lh < hg; ++lh) {
       const std::int64_t h = h_first + lh, kvh = h / g_count, g = h % g_count;
       const double* dp_total = totals.data() + kvh * per_kv;
@@ -1266,7 +1282,7 @@ void AttentionPlan::finish_xl_gradients(const std::vector<double>& totals, Atten
     }
     const std::int64_t dm = params.d_model(), dmp = t.d_model_padded;
     const std::vector<float>& r = t.sinusoids;
-    std::vector<float> dw(static_cast<std::size_t>(cols * dmp), 0.0f);
+    AlignedFloats& dw = zeroed_floats(CallBuffer::kXlDw, static_cast<std::size_t>(cols * dmp));
     blocked_gemm(d_projected.data(), 1, cols, r.data(), dmp, dw.data(), dmp, cols, dmp, xl_width);
     for (std::int64_t lh = 0; lh < hg; ++lh) {
       for (std::int64_t d = 0; d < dim; ++d) {

@@ -162,6 +162,17 @@ struct AttentionUnitScratch {
 };
 AttentionUnitScratch& unit_scratch();
 
+// Backward's per-call buffers (the units' gradient slots, their per-KV-head totals, the
+// parameter products of XL and TUPE), kept by the calling thread between calls and handed out
+// zeroed. XL's and TUPE's reach tens of MiB at S = 2048 (a slot of Δ × Dp doubles per unit), and
+// fresh memory costs ~2.7 µs per 4 KiB page on first touch: allocated per call, they held ~4%
+// of an XL backward's samples in page faults and clearing. They stay allocated after the call,
+// like the units' scratch; Attention::workspace_bytes() counts them while they are used.
+enum class CallBuffer { kUnitBias, kUnitShaw, kUnitXl, kUnitTupe, kXlTotals, kTupeTotals, kXlProjected, kXlDw,
+                        kTupeRows, kTupeProjected, kTupeDu, kTupeUt, kTupeDtable, kCount };
+std::vector<double>& zeroed_doubles(CallBuffer which, std::size_t n);
+AlignedFloats& zeroed_floats(CallBuffer which, std::size_t n);
+
 struct AttentionPlan {
   static constexpr const char* kWhere = "Attention";
   static constexpr std::int64_t kDecodeRows = 8;     // rows (queries × G) at most for dot-product scores

@@ -926,6 +926,14 @@ AttentionCall make_attention(const at::Tensor& q, const at::Tensor& k, const at:
   return call;
 }
 
+// The plan of a forward call, kept in the autograd context for its backward: building it again
+// would redo its tables, among them XL's r·W_Rᵀ (2·Δ·d_model·H·D flops, as much as a quarter of
+// the attention's own at S = 2048) and TUPE's projections. Its views point into q, k, v, which
+// the context saves (autograd refuses a backward after they change in place).
+struct AttentionPlanHolder : torch::CustomClassHolder {
+  AttentionCall call;
+};
+
 class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -933,17 +941,14 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
                                std::int64_t window_left, std::int64_t window_right, double softcap, double scale,
                                const at::Tensor& q_positions, const at::Tensor& k_positions) {
     return translating([&] {
-      const AttentionCall call = make_attention(q, k, v, scheme, bias_params, causal, window_left, window_right, softcap,
-                                                scale, q_positions, k_positions);
+      auto holder = c10::make_intrusive<AttentionPlanHolder>();
+      holder->call = make_attention(q, k, v, scheme, bias_params, causal, window_left, window_right, softcap, scale,
+                                    q_positions, k_positions);
+      const AttentionCall& call = holder->call;
       at::Tensor out = empty_output(q.sizes(), q.scalar_type());
       at::Tensor lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
       call.attention->forward(mutable_view("attention", "out", out), mutable_view("attention", "lse", lse));
-      ctx->saved_data["scheme"] = scheme;
-      ctx->saved_data["causal"] = causal;
-      ctx->saved_data["window_left"] = window_left;
-      ctx->saved_data["window_right"] = window_right;
-      ctx->saved_data["softcap"] = softcap;
-      ctx->saved_data["scale"] = scale;
+      ctx->saved_data["plan"] = holder;
       ctx->save_for_backward({q, k, v, bias_params, q_positions, k_positions, out, lse});
       ctx->mark_non_differentiable({lse});
       return variable_list{out, lse};
@@ -953,10 +958,7 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     const auto saved = ctx->get_saved_variables();
     return translating([&] {
       const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &bias_params = saved[3];
-      const AttentionCall call =
-          make_attention(q, k, v, ctx->saved_data["scheme"].toStringRef(), bias_params, ctx->saved_data["causal"].toBool(),
-                         ctx->saved_data["window_left"].toInt(), ctx->saved_data["window_right"].toInt(),
-                         ctx->saved_data["softcap"].toDouble(), ctx->saved_data["scale"].toDouble(), saved[4], saved[5]);
+      const AttentionCall& call = ctx->saved_data["plan"].toCustomClass<AttentionPlanHolder>()->call;
       const at::Tensor d_out = grads[0].defined() ? grads[0].contiguous() : at::zeros_like(saved[6]);
       at::Tensor dq = at::zeros_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
       AttentionGradients param_grads = call.attention->zero_gradients();
@@ -1012,6 +1014,7 @@ std::tuple<at::Tensor, at::Tensor> attention_op(const at::Tensor& q, const at::T
 
 TORCH_LIBRARY(posenc, m) {
   using namespace posenc::torch_adapter;
+  m.class_<AttentionPlanHolder>("AttentionPlan");
   m.def("sinusoidal_table(Tensor positions, int dim, float base, bool interleaved, ScalarType dtype) -> Tensor",
         &sinusoidal_table_op);
   m.def("rope(Tensor q, Tensor k, Tensor positions, str params, int direction) -> (Tensor, Tensor)", &rope_op);

@@ -167,7 +167,7 @@ AttentionUnitScratch& unit_scratch();
 // zeroed. XL's and TUPE's reach tens of MiB at S = 2048 (a slot of Δ × Dp doubles per unit), and
 // fresh memory costs ~2.7 µs per 4 KiB page on first touch: allocated per call, they held ~4%
 // of an XL backward's samples in page faults and clearing. They stay allocated after the call,
-// like the units' scratch; Attention::workspace_bytes() counts them while they are used.
+// like the units' scratch; Attention::workspace_bytes() counts the units' slots.
 enum class CallBuffer { kUnitBias, kUnitShaw, kUnitXl, kUnitTupe, kXlTotals, kTupeTotals, kXlProjected, kXlDw,
                         kTupeRows, kTupeProjected, kTupeDu, kTupeUt, kTupeDtable, kCount };
 std::vector<double>& zeroed_doubles(CallBuffer which, std::size_t n);

@@ -873,18 +873,15 @@ void forward_begin(const AttentionPlan& p, const Sequence& seq, const RowBlock& 
   if (p.any_tupe) p.tupe_load_rows(rb, s, dot);
 }
 
-// Transformer-XL in a forward tile: decode rows dot directly; a block keeps a window of its
-// rows' dots over kXlWindow δ values, moved down as the tiles advance (δ = q − k falls).
+// Transformer-XL in a forward tile (prefill blocks; decode adds its rows' dots directly in
+// decode_tiles): a block keeps a window of its rows' dots over kXlWindow δ values, moved down as
+// the tiles advance (δ = q − k falls).
 void forward_xl(const AttentionPlan& p, const RowBlock& rb, std::int64_t keys, AttentionUnitScratch& s) {
   // Window length: the matrix product over a window re-does the rows' dots for the δ where two
   // windows overlap (at most a tile plus a block of rows), so a window of 1024 δ wastes at most
   // ~20% over computing each dot once, for 1024 × rows floats (512 KiB at 128 rows) of scratch.
   constexpr std::int64_t kXlWindow = 1024;
   const std::int64_t w = rb.width;
-  if (rb.compact) {
-    p.xl_add_direct(rb, keys, s.kpos.data(), s.q.data(), s.st.data());
-    return;
-  }
   std::int64_t lo = 0, hi = 0;
   if (!p.xl_tile_range(rb, keys, s.kpos.data(), &lo, &hi)) return;
   if (s.xl_span == 0 || lo < s.xl_lo || hi >= s.xl_lo + s.xl_span) {
@@ -928,8 +925,8 @@ TileRows load_tile(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh
   return rows;
 }
 
-// The key tile [k0, k0 + keys) through the rows of `rb`, its keys and values in `kv` (which may
-// hold more keys: a paired block's tile).
+// The key tile [k0, k0 + keys) through the rows of the prefill block `rb` (decode blocks run in
+// decode_tiles), its keys and values in `kv` (which may hold more keys: a paired block's tile).
 void block_tile(const AttentionPlan& p, const Sequence& seq, const RowBlock& rb, std::int64_t k0, std::int64_t keys,
                 const TileRows& kv, AttentionUnitScratch& s) {
   const std::int64_t w = rb.width, dp = p.dim_padded, d = p.dim;
@@ -941,13 +938,7 @@ void block_tile(const AttentionPlan& p, const Sequence& seq, const RowBlock& rb,
   if (p.any_bias || p.any_shaw || p.any_xl || p.any_tupe) {
     for (std::int64_t j = 0; j < keys; ++j) s.kpos[static_cast<std::size_t>(j)] = p.k_position(seq, k0 + j);
   }
-  if (p.any_tupe) {
-    if (rb.compact) {
-      p.tupe_add_direct(rb, keys, s.kpos.data(), s.tupe_pq.data(), s.st.data());
-    } else {
-      p.tupe_add_tile(rb, 0, padded_stride(w), keys, s.kpos.data(), s, s.st.data());
-    }
-  }
+  if (p.any_tupe) p.tupe_add_tile(rb, 0, padded_stride(w), keys, s.kpos.data(), s, s.st.data());
   if (p.any_bias) p.add_bias(seq, rb, k0, keys, s.kpos.data(), s.st.data());
   if (p.any_shaw) p.shaw_add_rows(rb, keys, s.kpos.data(), s.shaw_key_dots.data(), w, s.st.data());
   if (p.any_xl) forward_xl(p, rb, keys, s);

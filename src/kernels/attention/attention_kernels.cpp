@@ -405,14 +405,14 @@ void AttnSoftmaxTile(float* HWY_RESTRICT st, std::int64_t keys, std::int64_t wid
     // max pass as slow as the exp pass (perf: the pass's loop held ~14% of the kernel's samples).
     // The maximum does not depend on the order, so the bits stay the same.
     VF mx = hn::LoadU(d, m + r), mx1 = mx, mx2 = mx, mx3 = mx;
-    std::int64_t j = 0;
-    for (; j + 4 <= keys; j += 4) {
-      mx = hn::Max(mx, hn::LoadU(d, st + j * width + r));
-      mx1 = hn::Max(mx1, hn::LoadU(d, st + (j + 1) * width + r));
-      mx2 = hn::Max(mx2, hn::LoadU(d, st + (j + 2) * width + r));
-      mx3 = hn::Max(mx3, hn::LoadU(d, st + (j + 3) * width + r));
+    std::int64_t key = 0;
+    for (; key + 4 <= keys; key += 4) {
+      mx = hn::Max(mx, hn::LoadU(d, st + key * width + r));
+      mx1 = hn::Max(mx1, hn::LoadU(d, st + (key + 1) * width + r));
+      mx2 = hn::Max(mx2, hn::LoadU(d, st + (key + 2) * width + r));
+      mx3 = hn::Max(mx3, hn::LoadU(d, st + (key + 3) * width + r));
     }
-    for (; j < keys; ++j) mx = hn::Max(mx, hn::LoadU(d, st + j * width + r));
+    for (; key < keys; ++key) mx = hn::Max(mx, hn::LoadU(d, st + key * width + r));
     mx = hn::Max(hn::Max(mx, mx1), hn::Max(mx2, mx3));
     const VF m_old = hn::LoadU(d, m + r);
     // Lanes still at −inf subtract 0 instead (their logits are all −inf: P = 0, no NaN).

@@ -810,10 +810,9 @@ at::Tensor floater_op(const at::Tensor& w1, const at::Tensor& b1, const at::Tens
 std::int64_t q_dim_of(const at::Tensor& t) { return t.dim() == 3 ? t.size(2) : 0; }
 
 // The head group of a JSON scheme and its learned parameters (bias_params, as float64 values).
-HeadGroup attention_group(const std::string& scheme_json, const at::Tensor& bias_params, std::int64_t heads,
+HeadGroup attention_group(const nlohmann::json& j, const at::Tensor& bias_params, std::int64_t heads,
                           std::int64_t head_dim, double scale) {
   const char* where = "attention";
-  const nlohmann::json j = nlohmann::json::parse(scheme_json);
   const std::string kind = j.value("kind", std::string("none"));
   HeadGroup group{heads, {}, {}};
   if (kind == "none") return group;
@@ -906,9 +905,10 @@ AttentionCall make_attention(const at::Tensor& q, const at::Tensor& k, const at:
   spec.q = const_view(where, "q", q);
   spec.k = const_view(where, "k", k);
   spec.v = const_view(where, "v", v);
-  spec.groups = {attention_group(scheme, bias_params, q.size(2), q.size(3), scale)};
+  const nlohmann::json scheme_json = nlohmann::json::parse(scheme);
+  spec.groups = {attention_group(scheme_json, bias_params, q.size(2), q.size(3), scale)};
   // The scheme's JSON also carries the plan's options (absent: the library's defaults).
-  spec.skip_vanishing_tiles = nlohmann::json::parse(scheme).value("skip_vanishing_tiles", spec.skip_vanishing_tiles);
+  spec.skip_vanishing_tiles = scheme_json.value("skip_vanishing_tiles", spec.skip_vanishing_tiles);
   spec.mask.causal = causal;
   spec.mask.window_left = window_left;
   spec.mask.window_right = window_right;
@@ -927,8 +927,8 @@ AttentionCall make_attention(const at::Tensor& q, const at::Tensor& k, const at:
 }
 
 // The plan of a forward call, kept in the autograd context for its backward: building it again
-// would redo its tables, among them XL's r·W_Rᵀ (2·Δ·d_model·H·D flops, as much as a quarter of
-// the attention's own at S = 2048) and TUPE's projections. Its views point into q, k, v, which
+// would redo its tables, among them XL's r·W_Rᵀ (2·Δ·d_model·H·D flops: half of the forward
+// attention's own at S = 2048, H·D = d_model = 1024) and TUPE's projections. Its views point into q, k, v, which
 // the context saves (autograd refuses a backward after they change in place).
 struct AttentionPlanHolder : torch::CustomClassHolder {
   AttentionCall call;

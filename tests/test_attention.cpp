@@ -321,7 +321,7 @@ TEST_P(AttentionForward, DecodeSplitsLongCachesExactly) {
   }
 }
 
-// Prefill units of two query blocks (forward_pair) load each key tile once for both. They are
+// Prefill units of two query blocks (forward_blocks) load each key tile once for both. They are
 // formed when the blocks number at least 16 per thread, so one thread pairs these shapes and 64
 // threads do not; the results must agree bit for bit, and be accurate where paired.
 TEST_P(AttentionForward, PairedBlocksKeepTheBitsOfSingleBlocks) {

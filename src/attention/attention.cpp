@@ -826,8 +826,8 @@ void prefetch_rows(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh
   }
 }
 
-// One forward unit in steps: forward_begin loads the rows of `rb`; forward_tile runs one key
-// tile [k0, k0 + keys) of the sequence through them. Leaves the unnormalised output rows in
+// One forward block in steps: forward_begin loads the rows of `rb`; block_tile runs one key
+// tile [k0, k0 + keys) of the sequence through them (forward_blocks drives both). Leaves the unnormalised output rows in
 // s.o ([width][Dp]) and m, l per row.
 void forward_begin(const AttentionPlan& p, const Sequence& seq, const RowBlock& rb, AttentionUnitScratch& s) {
   const std::int64_t w = rb.width, dp = p.dim_padded, d = p.dim;

@@ -21,7 +21,7 @@ inline constexpr std::int64_t kAttnAlign = 16;
 // take one spread its lines evenly over their work. An empty plan (base == nullptr) prefetches
 // nothing. (Tried in the prefill matrix kernel too: prefetches between register blocks stalled on
 // the line fill buffers, inside the depth loop they spilled the accumulators; the burst before
-// each key tile in forward_unit measured faster than either.)
+// each key tile in forward_blocks measured faster than either.)
 struct RowPrefetch {
   const char* base = nullptr;
   std::int64_t ld = 0, head_stride = 0, keys = 0, heads = 0, row_bytes = 0;

@@ -7,8 +7,9 @@
 //   build/posenc_bench --benchmark_filter=sinusoidal/32768/1024
 //
 // Each case reports bytes/s (bytes the kernel must move) and `ratio` = bytes/s ÷ its limit
-// (copy_nt for table builds, which only write; rmw for the learned backward, which updates its
-// table in place; copy for the rest, which read one buffer and write another).
+// (copy_nt for the kernels that write their large outputs with non-temporal stores: table builds,
+// sinusoidal-add, learned-forward and RoPE; rmw for the learned backward and in-place RoPE, which
+// update their buffer in place).
 #include <benchmark/benchmark.h>
 
 #include <chrono>

@@ -225,7 +225,7 @@ Case make_case(const std::string& name, const CaseOptions& o) {
     c.description = "x, out " + shape(o);
     c.bytes_per_run = 2 * bytes;  // read x, write out
     c.elements_per_run = static_cast<double>(elems);
-    c.limit_name = "copy";
+    c.limit_name = "copy_nt";  // large outputs are written with non-temporal stores (src/absolute.cpp)
     call = [params, o](Buffers& bs) {
       sinusoidal_add(params, ConstTensorView::of(bs.a.get(), {o.batch, o.length, o.dim}), Positions::range(o.length),
                      TensorView::of(bs.b.get(), {o.batch, o.length, o.dim}));
@@ -238,7 +238,7 @@ Case make_case(const std::string& name, const CaseOptions& o) {
     c.description = "x, y " + shape(o) + ", table [" + std::to_string(o.length) + ", " + std::to_string(o.dim) + "]";
     c.bytes_per_run = 2 * bytes + static_cast<double>(table) * sizeof(float);  // read x, table; write y
     c.elements_per_run = static_cast<double>(elems);
-    c.limit_name = "copy";
+    c.limit_name = "copy_nt";  // large outputs are written with non-temporal stores (src/absolute.cpp)
     call = [o](Buffers& bs) {
       learned_forward(ConstTensorView::of(bs.b.get(), {o.length, o.dim}),
                       ConstTensorView::of(bs.a.get(), {o.batch, o.length, o.dim}), Positions::range(o.length),

@@ -766,13 +766,14 @@ void AttentionPlan::tupe_add_direct(const RowBlock& rb, std::int64_t keys, const
 // into the unit's table by key position; the [CLS] values' sums (fp64).
 void AttentionPlan::tupe_backward_tile(const RowBlock& sub, std::int64_t r0, std::int64_t keys, const std::int64_t* kpos,
                                        std::int64_t kvh, double* unit_tupe_grads, AttentionUnitScratch& s) const {
+  // dS reaches only TUPE's parameters (its term does not depend on q or k): nothing to do without them.
+  if (unit_tupe_grads == nullptr) return;
   const std::int64_t bw = sub.width, dp = dim_padded;
   for_each_tupe_run(*this, sub, [&](std::int64_t ra, std::int64_t n, std::int64_t h) {
     const TupeTables& t = *tupe_of_head(h);
     std::int64_t ldpk = 0;
     const float* pk = tupe_keys(*this, t, h, keys, kpos, s, &ldpk);
     kernels::attn_gemm(s.dpt.data() + ra, 1, bw, pk, ldpk, s.tupe_dpq.data() + (r0 + ra) * dp, dp, n, dp, keys, true);
-    if (unit_tupe_grads == nullptr) return;
     const std::int64_t g = h - kvh * group_size;
     grow(s.tupe_dpk, keys * dp);
     kernels::attn_gemm(s.dpt.data() + ra, bw, 1, s.tupe_pq.data() + (r0 + ra) * dp, dp, s.tupe_dpk.data(), dp, keys, dp, n,
@@ -1487,12 +1488,19 @@ void AttentionPlan::backward(ConstTensorView out, ConstTensorView lse, ConstTens
     }
   }
   // The units' XL and TUPE slots summed per KV head, units in order (sequence order).
+  // Each element sums its units in order, so splitting the elements over the cores keeps the bits.
   const auto sum_per_kv_head = [&](const std::vector<double>& parts, std::int64_t size, CallBuffer buffer) -> const std::vector<double>& {
     std::vector<double>& totals = zeroed_doubles(buffer, static_cast<std::size_t>(size * kv_heads));
-    for (std::size_t u = 0; u < units.size(); ++u) {
-      double* total = totals.data() + units[u].kvh * size;
-      const double* part = parts.data() + u * static_cast<std::size_t>(size);
-      for (std::int64_t t = 0; t < size; ++t) total[t] += part[t];
+    constexpr std::int64_t kBlock = 4096;
+    const std::int64_t blocks = (size + kBlock - 1) / kBlock;
+#pragma omp parallel for schedule(static) num_threads(threads_for(size * static_cast<std::int64_t>(units.size())))
+    for (std::int64_t b = 0; b < blocks; ++b) {
+      const std::int64_t t0 = b * kBlock, t1 = std::min(size, t0 + kBlock);
+      for (std::size_t u = 0; u < units.size(); ++u) {
+        double* total = totals.data() + units[u].kvh * size;
+        const double* part = parts.data() + u * static_cast<std::size_t>(size);
+        for (std::int64_t t = t0; t < t1; ++t) total[t] += part[t];
+      }
     }
     return totals;
   };

@@ -32,48 +32,69 @@ std::int64_t round_up(std::int64_t x, std::int64_t to) { return (x + to - 1) / t
 // C[m][n] = Σ_t A(m, t)·B[t][n] for large operands (XL's and TUPE's tables and gradients):
 // attn_gemm streams all of B for every few rows of A, so the work is cut into tiles of kRows ×
 // kCols, run in parallel, each summing its depth panels of kDepth in order — the same bits for
-// any thread count. Each tile copies its panels of A (kRows × kDepth, as rows) and B (kDepth ×
-// kCols) into aligned per-thread buffers with strides off a multiple of 4 KiB first: the callers'
-// operands have row strides of H·D or d_model floats (4 KiB at 1024), which put every row of a
-// panel in the same few L1 sets, and A is often read transposed (a_row = 1). The copies move
-// kDepth·(kRows + kCols) floats per 2·kRows·kCols·kDepth flops. Measured on XL's dW_R (2048 δ ×
-// 1024 × 1024), S 2048, 1 thread: its share of the backward's matrix-kernel samples fell from
-// 22% to 9%. cols: a multiple of kAttnAlign.
+// any thread count. The operands are copied into aligned per-thread buffers with strides off a
+// multiple of 4 KiB first: the callers' operands have row strides of H·D or d_model floats (4 KiB
+// at 1024), which put every row of a panel in the same few L1 sets.
+//   A   a strip of kRows rows over the whole depth, copied once per row block and kept while the
+//       thread's tiles stay in that block (the static schedule gives each thread consecutive
+//       tiles, row block major). A transposed source (a_row = 1, as XL's dW_R and TUPE's dU read
+//       theirs) is kept transposed, [t][m], so that every copy is a contiguous run and attn_gemm
+//       reads it with a_row = 1; a row source as rows, [m][t].
+//   B   a panel of kDepth × kCols per tile and depth step.
+// attn_gemm sums every element in depth order whatever A's layout, so the layout does not move a
+// bit. Measured on XL's dW_R (2048 δ × 1024 × 1024, 2 threads): copying A's panel per tile and
+// depth step, transposing it element by element, took the product to 45 ms (95 GFLOP/s).
+// cols: a multiple of kAttnAlign.
 void blocked_gemm(const float* a, std::int64_t a_row, std::int64_t a_depth, const float* b, std::int64_t ldb, float* c,
                   std::int64_t ldc, std::int64_t rows, std::int64_t cols, std::int64_t depth) {
   constexpr std::int64_t kRows = 64, kCols = 128, kDepth = 256;
-  constexpr std::int64_t kLda = kDepth + kernels::kAttnAlign, kLdb = kCols + kernels::kAttnAlign;
+  constexpr std::int64_t kLdb = kCols + kernels::kAttnAlign;
+  const bool a_transposed = a_depth != 1;
+  // The strip's stride: kRows + pad floats per depth step when transposed, else depth + pad per row.
+  const std::int64_t lda = a_transposed ? kRows + kernels::kAttnAlign : round_up(depth, kernels::kAttnAlign) + kernels::kAttnAlign;
   const std::int64_t row_blocks = (rows + kRows - 1) / kRows, col_blocks = (cols + kCols - 1) / kCols;
   const std::int64_t tiles = row_blocks * col_blocks;
   const int threads = std::min<int>(threads_for(rows * cols * depth), static_cast<int>(std::max<std::int64_t>(tiles, 1)));
 #pragma omp parallel num_threads(threads)
   {
-    thread_local AlignedFloats a_panel, b_panel;
-    a_panel.resize(static_cast<std::size_t>(kRows * kLda));
+    thread_local AlignedFloats a_strip, b_panel;
+    a_strip.resize(static_cast<std::size_t>(a_transposed ? depth * lda : kRows * lda));
     b_panel.resize(static_cast<std::size_t>(kDepth * kLdb));
+    std::int64_t strip_m0 = -1;  // the row block a_strip holds
 #pragma omp for schedule(static)
     for (std::int64_t tile = 0; tile < tiles; ++tile) {
       const std::int64_t m0 = tile / col_blocks * kRows, n0 = tile % col_blocks * kCols;
       const std::int64_t m = std::min(kRows, rows - m0), n = std::min(kCols, cols - n0);
-      for (std::int64_t t0 = 0; t0 < depth; t0 += kDepth) {
-        const std::int64_t k = std::min(kDepth, depth - t0);
-        // A's panel as rows; read in memory order (by depth when A is transposed).
-        if (a_depth == 1) {
-          for (std::int64_t i = 0; i < m; ++i) {
-            const float* from = a + (m0 + i) * a_row + t0;
-            std::copy(from, from + k, a_panel.data() + i * kLda);
+      if (m0 != strip_m0) {
+        if (a_transposed) {
+          for (std::int64_t t = 0; t < depth; ++t) {
+            const float* from = a + m0 * a_row + t * a_depth;
+            float* to = a_strip.data() + t * lda;
+            if (a_row == 1) {
+              std::copy(from, from + m, to);
+            } else {
+              for (std::int64_t i = 0; i < m; ++i) to[i] = from[i * a_row];
+            }
           }
         } else {
-          for (std::int64_t t = 0; t < k; ++t) {
-            const float* from = a + m0 * a_row + (t0 + t) * a_depth;
-            for (std::int64_t i = 0; i < m; ++i) a_panel[static_cast<std::size_t>(i * kLda + t)] = from[i * a_row];
+          for (std::int64_t i = 0; i < m; ++i) {
+            const float* from = a + (m0 + i) * a_row;
+            std::copy(from, from + depth, a_strip.data() + i * lda);
           }
         }
+        strip_m0 = m0;
+      }
+      for (std::int64_t t0 = 0; t0 < depth; t0 += kDepth) {
+        const std::int64_t k = std::min(kDepth, depth - t0);
         for (std::int64_t t = 0; t < k; ++t) {
           const float* from = b + (t0 + t) * ldb + n0;
           std::copy(from, from + n, b_panel.data() + t * kLdb);
         }
-        kernels::attn_gemm(a_panel.data(), kLda, 1, b_panel.data(), kLdb, c + m0 * ldc + n0, ldc, m, n, k, t0 > 0);
+        if (a_transposed) {
+          kernels::attn_gemm(a_strip.data() + t0 * lda, 1, lda, b_panel.data(), kLdb, c + m0 * ldc + n0, ldc, m, n, k, t0 > 0);
+        } else {
+          kernels::attn_gemm(a_strip.data() + t0, lda, 1, b_panel.data(), kLdb, c + m0 * ldc + n0, ldc, m, n, k, t0 > 0);
+        }
       }
     }
   }
@@ -139,17 +160,33 @@ AttentionUnitScratch& unit_scratch() {
   return s;
 }
 
+namespace {
+// b[0, n) = 0, by the cores when large: the units' gradient slots of XL and TUPE are tens of MiB.
+template <class T>
+void zero_in_parallel(T* b, std::size_t n) {
+  constexpr std::size_t kBlock = std::size_t{1} << 16;
+  const auto blocks = static_cast<std::int64_t>((n + kBlock - 1) / kBlock);
+#pragma omp parallel for schedule(static) num_threads(threads_for(static_cast<std::int64_t>(n) / 8))
+  for (std::int64_t i = 0; i < blocks; ++i) {
+    const std::size_t from = static_cast<std::size_t>(i) * kBlock;
+    std::fill(b + from, b + std::min(n, from + kBlock), T(0));
+  }
+}
+}  // namespace
+
 std::vector<double>& zeroed_doubles(CallBuffer which, std::size_t n) {
   thread_local std::array<std::vector<double>, static_cast<std::size_t>(CallBuffer::kCount)> buffers;
   std::vector<double>& b = buffers[static_cast<std::size_t>(which)];
-  b.assign(n, 0.0);
+  b.resize(n);
+  zero_in_parallel(b.data(), n);
   return b;
 }
 
 AlignedFloats& zeroed_floats(CallBuffer which, std::size_t n) {
   thread_local std::array<AlignedFloats, static_cast<std::size_t>(CallBuffer::kCount)> buffers;
   AlignedFloats& b = buffers[static_cast<std::size_t>(which)];
-  b.assign(n, 0.0f);
+  b.resize(n);
+  zero_in_parallel(b.data(), n);
   return b;
 }
 
@@ -634,6 +671,9 @@ void AttentionPlan::finish_tupe_gradients(const std::vector<double>& totals, Att
     const std::int64_t hg = t.heads, h_first = group_first_head[gi], cols = hg * dp, hd = hg * dim;
     const std::int64_t dm = params.d_model(), dmp = round_up(dm, kernels::kAttnAlign);
     AlignedFloats& rows = zeroed_floats(CallBuffer::kTupeRows, static_cast<std::size_t>(tupe_count * dmp));
+    // Every loop below writes disjoint elements, each from its own inputs: in parallel, the same
+    // bits for any thread count.
+#pragma omp parallel for schedule(static) num_threads(threads_for(tupe_count * dm))
     for (std::int64_t n = 0; n < tupe_count; ++n) {
       for (std::int64_t m = 0; m < dm; ++m) {
         rows[static_cast<std::size_t>(n * dmp + m)] = static_cast<float>(params.table()[static_cast<std::size_t>((tupe_first + n) * dm + m)]);
@@ -642,6 +682,7 @@ void AttentionPlan::finish_tupe_gradients(const std::vector<double>& totals, Att
     for (const bool is_q : {true, false}) {
       // d(projection) [count][hg·Dp] in f32 from the per-KV-head totals.
       AlignedFloats& d_proj = zeroed_floats(CallBuffer::kTupeProjected, static_cast<std::size_t>(tupe_count * cols));
+#pragma omp parallel for schedule(static) num_threads(std::min<int>(threads_for(tupe_count * cols), static_cast<int>(hg)))
       for (std::int64_t lh = 0; lh < hg; ++lh) {
         const std::int64_t h = h_first + lh, kvh = h / g_count, g = h % g_count;
         const double* part = totals.data() + kvh * per_kv + (is_q ? 0 : tupe_count * g_count * dp);
@@ -662,6 +703,7 @@ void AttentionPlan::finish_tupe_gradients(const std::vector<double>& totals, Att
       blocked_gemm(rows.data(), 1, dmp, d_proj.data(), cols, du.data(), cols, dm, cols, tupe_count);
       std::vector<double>& u_grad = is_q ? out.u_q : out.u_k;
       const std::vector<double>& weights = is_q ? params.u_q() : params.u_k();
+#pragma omp parallel for schedule(static) num_threads(threads_for(dm * cols))
       for (std::int64_t m = 0; m < dm; ++m) {
         for (std::int64_t lh = 0; lh < hg; ++lh) {
           for (std::int64_t d = 0; d < dim; ++d) {
@@ -672,6 +714,7 @@ void AttentionPlan::finish_tupe_gradients(const std::vector<double>& totals, Att
       // d table[n][m] = Σ_c d_proj[n][c]·U[m][c]: B = Uᵀ as [cols][dmp].
       AlignedFloats& ut = zeroed_floats(CallBuffer::kTupeUt, static_cast<std::size_t>(cols * dmp));
       AlignedFloats& dtable = zeroed_floats(CallBuffer::kTupeDtable, static_cast<std::size_t>(tupe_count * dmp));
+#pragma omp parallel for schedule(static) num_threads(threads_for(dm * cols))
       for (std::int64_t m = 0; m < dm; ++m) {
         for (std::int64_t lh = 0; lh < hg; ++lh) {
           for (std::int64_t d = 0; d < dim; ++d) {
@@ -680,6 +723,7 @@ void AttentionPlan::finish_tupe_gradients(const std::vector<double>& totals, Att
         }
       }
       blocked_gemm(d_proj.data(), cols, 1, ut.data(), dmp, dtable.data(), dmp, tupe_count, dmp, cols);
+#pragma omp parallel for schedule(static) num_threads(threads_for(tupe_count * dm))
       for (std::int64_t n = 0; n < tupe_count; ++n) {
         for (std::int64_t m = 0; m < dm; ++m) {
           out.table[static_cast<std::size_t>((tupe_first + n) * dm + m)] += dtable[static_cast<std::size_t>(n * dmp + m)];
@@ -1255,6 +1299,8 @@ void AttentionPlan::finish_xl_gradients(const std::vector<double>& totals, Atten
     XlGradients& out = *grads.groups[gi].xl;
     const std::int64_t hg = t.heads, h_first = group_first_head[gi], cols = hg * dp;
     AlignedFloats& d_projected = zeroed_floats(CallBuffer::kXlProjected, static_cast<std::size_t>(xl_width * cols));
+    // Heads are independent (their own columns of d_projected, their own u and v): in parallel.
+#pragma omp parallel for schedule(static) num_threads(std::min<int>(threads_for(xl_width * cols), static_cast<int>(hg)))
     for (std::int64_t lh = 0; lh < hg; ++lh) {
       const std::int64_t h = h_first + lh, kvh = h / g_count, g = h % g_count;
       const double* dp_total = totals.data() + kvh * per_kv;
@@ -1284,11 +1330,11 @@ void AttentionPlan::finish_xl_gradients(const std::vector<double>& totals, Atten
     const std::vector<float>& r = t.sinusoids;
     AlignedFloats& dw = zeroed_floats(CallBuffer::kXlDw, static_cast<std::size_t>(cols * dmp));
     blocked_gemm(d_projected.data(), 1, cols, r.data(), dmp, dw.data(), dmp, cols, dmp, xl_width);
-    for (std::int64_t lh = 0; lh < hg; ++lh) {
-      for (std::int64_t d = 0; d < dim; ++d) {
-        for (std::int64_t m = 0; m < dm; ++m) {
-          out.w_r[static_cast<std::size_t>((lh * dim + d) * dm + m)] += dw[static_cast<std::size_t>((lh * dp + d) * dmp + m)];
-        }
+#pragma omp parallel for schedule(static) num_threads(threads_for(cols * dm))
+    for (std::int64_t row = 0; row < hg * dim; ++row) {
+      const std::int64_t lh = row / dim, d = row % dim;
+      for (std::int64_t m = 0; m < dm; ++m) {
+        out.w_r[static_cast<std::size_t>((lh * dim + d) * dm + m)] += dw[static_cast<std::size_t>((lh * dp + d) * dmp + m)];
       }
     }
   }

@@ -321,10 +321,11 @@ TEST_P(AttentionForward, DecodeSplitsLongCachesExactly) {
   }
 }
 
-// Prefill units of two query blocks (forward_blocks) load each key tile once for both. They are
-// formed when the blocks number at least 16 per thread, so one thread pairs these shapes and 64
-// threads do not; the results must agree bit for bit, and be accurate where paired.
-TEST_P(AttentionForward, PairedBlocksKeepTheBitsOfSingleBlocks) {
+// Prefill units of a group of 4 or 2 query blocks (forward_blocks) load each key tile once for the
+// group. A group of n is formed when the blocks number at least 8·n per thread, so one thread runs
+// the square problem (32 blocks of 128 queries) in groups of 4, two threads in pairs, and 64
+// threads one block at a time; the results must agree bit for bit, and be accurate where grouped.
+TEST_P(AttentionForward, GroupedBlocksKeepTheBitsOfSingleBlocks) {
   if (GetParam() == "ref") GTEST_SKIP() << "the fused kernels only (the reference has no blocks)";
   const auto expect_same_bits = [](const Problem& p, const AttentionSpec& spec, const std::string& what) {
     SCOPED_TRACE(what);
@@ -334,10 +335,10 @@ TEST_P(AttentionForward, PairedBlocksKeepTheBitsOfSingleBlocks) {
     const Attention::TileCounts single_tiles = att.forward_tiles();
     for (const int threads : {1, 2}) {
       set_num_threads(threads);
-      const Outputs paired = run_forward(p, att, 0);
-      EXPECT_EQ(paired.out, single.out) << threads << " threads";
-      EXPECT_EQ(paired.lse, single.lse) << threads << " threads";
-      // The far-tile skip decides per block, paired or not.
+      const Outputs grouped = run_forward(p, att, 0);
+      EXPECT_EQ(grouped.out, single.out) << threads << " threads";
+      EXPECT_EQ(grouped.lse, single.lse) << threads << " threads";
+      // The far-tile skip decides per block, grouped or not.
       EXPECT_EQ(att.forward_tiles().met, single_tiles.met) << threads << " threads";
       EXPECT_EQ(att.forward_tiles().skipped, single_tiles.skipped) << threads << " threads";
     }
@@ -366,10 +367,10 @@ TEST_P(AttentionForward, PairedBlocksKeepTheBitsOfSingleBlocks) {
   set_num_threads(1);
   AttentionSpec spec = spec_of(longer_keys);
   spec.mask.causal = true;
-  expect_accurate(longer_keys, spec, "paired, longer keys");
+  expect_accurate(longer_keys, spec, "grouped, longer keys");
   spec = spec_of(grouped);
   spec.mask.causal = true;
-  expect_accurate(grouped, spec, "paired, grouped");
+  expect_accurate(grouped, spec, "grouped blocks, GQA");
   set_num_threads(2);
   // Every kind of scheme; ALiBi's steep slopes run the tiles from the diagonal down and skip far
   // ones (the last head has none, so its KV head's blocks skip nothing).

@@ -927,7 +927,7 @@ TileRows load_tile(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh
 }
 
 // The key tile [k0, k0 + keys) through the rows of the prefill block `rb` (decode blocks run in
-// decode_tiles), its keys and values in `kv` (which may hold more keys: a paired block's tile).
+// decode_tiles), its keys and values in `kv` (which may hold more keys: the tile of a later block of its group).
 void block_tile(const AttentionPlan& p, const Sequence& seq, const RowBlock& rb, std::int64_t k0, std::int64_t keys,
                 const TileRows& kv, AttentionUnitScratch& s) {
   const std::int64_t w = rb.width, dp = p.dim_padded, d = p.dim;
@@ -975,18 +975,22 @@ bool far_tile_vanishes(const AttentionPlan& p, const Sequence& seq, std::int64_t
   });
 }
 
-// Runs query blocks of one KV head whose key ranges start at the same key — one block, or two
-// consecutive ones (a pair) — through their key tiles, each tile's keys and values loaded
-// (values packed, the next tile prefetched) once for all of them. Every block meets its own
-// tiles in the same order, paired or not, so pairing never changes a bit. With the far-tile skip
-// the tiles run from the last (the diagonal, for causal blocks) down, and a tile is loaded when
-// at least one block does not skip it. Returns the tiles skipped, counted per block.
-// Pairing, measured by perf (1 thread, S 2048, H 8, D 128, causal, no scheme): the packing and
+// At most this many consecutive query blocks of one KV head share their key tiles (a group).
+constexpr std::size_t kMaxGroupBlocks = 4;
+
+// Runs query blocks of one KV head whose key ranges start at the same key — one block, or a group
+// of up to kMaxGroupBlocks consecutive ones — through their key tiles, each tile's keys and values
+// loaded (values packed, keys packed or transformed, the next tile prefetched) once for all of
+// them. Every block meets its own tiles in the same order, grouped or not, so grouping never
+// changes a bit. With the far-tile skip the tiles run from the last (the diagonal, for causal
+// blocks) down, and a tile is loaded when at least one block does not skip it. Returns the tiles
+// skipped, counted per block.
+// Grouping, measured by perf (1 thread, S 2048, H 8, D 128, causal, no scheme): the packing and
 // the prefetches were ~17% of the forward's samples when each block did its own; with pairs the
 // forward took 4427–4587 samples against 5399–6019, in alternating runs.
 std::int64_t forward_blocks(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh,
                             std::span<const RowBlock* const> blocks, std::span<AttentionUnitScratch* const> scratch) {
-  constexpr std::size_t kMaxBlocks = 2;
+  constexpr std::size_t kMaxBlocks = kMaxGroupBlocks;
   const std::size_t n = blocks.size();
   const std::int64_t kt = p.key_tile, kb = blocks[0]->key_lo;
   std::array<std::int64_t, kMaxBlocks> ends{}, tiles{};
@@ -1028,9 +1032,9 @@ std::int64_t forward_blocks(const AttentionPlan& p, const Sequence& seq, std::in
   return skipped;
 }
 
-// The second block's scratch of a pair (the first is unit_scratch()).
-AttentionUnitScratch& paired_scratch() {
-  thread_local AttentionUnitScratch s;
+// The scratch of a group's blocks after the first (which uses unit_scratch()).
+std::array<AttentionUnitScratch, kMaxGroupBlocks - 1>& group_scratch() {
+  thread_local std::array<AttentionUnitScratch, kMaxGroupBlocks - 1> s;
   return s;
 }
 
@@ -1053,16 +1057,18 @@ void AttentionPlan::forward(TensorView out, TensorView lse) const {
   };
   std::vector<Unit> units;
   std::int64_t partials = 0;
-  // Prefill units of two query blocks (forward_blocks) where that leaves at least 8 units per
-  // thread.
+  // Prefill units of a group of query blocks (forward_blocks): the largest group of 4, 2 or 1 that
+  // leaves at least 8 units per thread (the dynamic schedule balances causal units, whose cost
+  // grows with their queries, only with several units per thread).
   std::int64_t prefill_blocks = 0;
   for (const Sequence& seq : sequences) {
     if (seq.lq * group_size > kDecodeRows) prefill_blocks += kv_heads * ((seq.lq + query_block - 1) / query_block);
   }
   const auto flops = static_cast<std::int64_t>(batch) * q_len * k_len * heads * dim;
-  // Pairing never changes a bit (see forward_blocks), so the rule may look at the thread count.
-  const bool pair_blocks = prefill_blocks >= 16 * static_cast<std::int64_t>(threads_for(flops / 16));
-  const std::int64_t unit_queries = pair_blocks ? 2 * query_block : query_block;
+  // Grouping never changes a bit (see forward_blocks), so the rule may look at the thread count.
+  std::int64_t group_blocks = static_cast<std::int64_t>(kMaxGroupBlocks);
+  while (group_blocks > 1 && prefill_blocks < 8 * group_blocks * static_cast<std::int64_t>(threads_for(flops / 16))) group_blocks /= 2;
+  const std::int64_t unit_queries = group_blocks * query_block;
   for (std::int64_t si = 0; si < static_cast<std::int64_t>(sequences.size()); ++si) {
     const Sequence& seq = sequences[static_cast<std::size_t>(si)];
     if (seq.lq == 0) continue;
@@ -1111,34 +1117,39 @@ void AttentionPlan::forward(TensorView out, TensorView lse) const {
     AttentionUnitScratch& s = unit_scratch();
     thread_local std::vector<AttentionUnitScratch> per_head;  // decode: one per KV head
     thread_local std::vector<RowBlock> per_head_rows;
-    RowBlock rb, rb_second;
+    std::array<RowBlock, kMaxGroupBlocks> group_rows;
+    std::array<const RowBlock*, kMaxGroupBlocks> group{};
+    std::array<AttentionUnitScratch*, kMaxGroupBlocks> group_scratches{&s};
+    for (std::size_t b = 1; b < kMaxGroupBlocks; ++b) group_scratches[b] = &group_scratch()[b - 1];
 #pragma omp for schedule(dynamic, 1)
     for (std::size_t u = 0; u < units.size(); ++u) {
       const Unit& un = units[u];
       const Sequence& seq = sequences[static_cast<std::size_t>(un.seq)];
       if (!un.compact) {
-        layout_rows(seq, un.kvh, un.i0, std::min(un.count, query_block), false, rb);
-        if (un.count > query_block) {
-          layout_rows(seq, un.kvh, un.i0 + query_block, un.count - query_block, false, rb_second);
-          if (rb_second.key_lo == rb.key_lo) {
-            AttentionUnitScratch& s_second = paired_scratch();
-            const std::array<const RowBlock*, 2> pair{&rb, &rb_second};
-            const std::array<AttentionUnitScratch*, 2> pair_scratch{&s, &s_second};
-            skipped_tiles += forward_blocks(*this, seq, un.kvh, pair, pair_scratch);
-            for (std::size_t b = 0; b < pair.size(); ++b) {
-              prefill_tiles += (std::max(pair[b]->key_hi, pair[b]->key_lo) - pair[b]->key_lo + key_tile - 1) / key_tile;
-              finish(seq, *pair[b], *pair_scratch[b]);
-            }
-            continue;
-          }
+        const auto n = static_cast<std::size_t>((un.count + query_block - 1) / query_block);
+        bool same_start = true;
+        for (std::size_t b = 0; b < n; ++b) {
+          const std::int64_t i0 = un.i0 + static_cast<std::int64_t>(b) * query_block;
+          layout_rows(seq, un.kvh, i0, std::min(query_block, un.i0 + un.count - i0), false, group_rows[b]);
+          group[b] = &group_rows[b];
+          same_start = same_start && group_rows[b].key_lo == group_rows[0].key_lo;
         }
-        // One block, or two whose key ranges start apart (sliding windows): one at a time.
-        AttentionUnitScratch* const one_scratch = &s;
-        for (const RowBlock* block : {&rb, &rb_second}) {
-          if (block == &rb_second && un.count <= query_block) break;
-          skipped_tiles += forward_blocks(*this, seq, un.kvh, std::span(&block, 1), std::span(&one_scratch, 1));
-          prefill_tiles += (std::max(block->key_hi, block->key_lo) - block->key_lo + key_tile - 1) / key_tile;
-          finish(seq, *block, s);
+        const auto count_tiles = [&](const RowBlock& block) {
+          prefill_tiles += (std::max(block.key_hi, block.key_lo) - block.key_lo + key_tile - 1) / key_tile;
+        };
+        if (same_start) {
+          skipped_tiles += forward_blocks(*this, seq, un.kvh, std::span(group.data(), n), std::span(group_scratches.data(), n));
+          for (std::size_t b = 0; b < n; ++b) {
+            count_tiles(*group[b]);
+            finish(seq, *group[b], *group_scratches[b]);
+          }
+          continue;
+        }
+        // Blocks whose key ranges start apart (sliding windows): one at a time.
+        for (std::size_t b = 0; b < n; ++b) {
+          skipped_tiles += forward_blocks(*this, seq, un.kvh, std::span(group.data() + b, 1), std::span(group_scratches.data(), 1));
+          count_tiles(*group[b]);
+          finish(seq, *group[b], s);
         }
         continue;
       }
@@ -1171,7 +1182,8 @@ void AttentionPlan::forward(TensorView out, TensorView lse) const {
         }
       }
     }
-    scratch_bytes += s.bytes() + paired_scratch().bytes();
+    scratch_bytes += s.bytes();
+    for (const AttentionUnitScratch& gs : group_scratch()) scratch_bytes += gs.bytes();
     for (const auto& hs : per_head) scratch_bytes += hs.bytes();
   }
   // Merge the chunks of each decode block, in chunk order (fp64 sums; deterministic).

@@ -260,6 +260,10 @@ TEST_P(AttentionForward, EveryPositionalScheme) {
   // Transformer-XL: u, v of magnitude ~0.5 so that every term moves the logits.
   with({{heads, {}, {}, {}, XlParams::init(heads, dim, 40, 0.5, 21)}}, true, "transformer-xl");
   with({{heads, {}, {}, {}, XlParams::init(heads, dim, 32, 0.5, 22)}}, false, "transformer-xl, keys on both sides");
+  // d_model past one depth step (256) of the table products (blocked_gemm), and not a multiple of
+  // the lane padding.
+  with({{heads, {}, {}, {}, XlParams::init(heads, dim, 300, 0.5, 27)}}, true, "transformer-xl, d_model 300");
+  with({{heads, {}, TupeParams::init(heads, dim, 300, 200, false, 0.5, 6)}}, true, "tupe, d_model 300");
   // One head of a KV group XL, the other ALiBi (XL transforms nothing, so it may split a group).
   with({{1, {}, {}, {}, XlParams::init(1, dim, 16, 0.5, 23)}, {1, {}, AlibiParams(1)}, {2, {}, {}, {}, XlParams::init(2, dim, 16, 0.5, 24)}},
        true, "xl | alibi | xl");

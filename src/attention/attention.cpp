@@ -1608,9 +1608,9 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
   }
   if (any_tupe) {
     tupe_load_rows(rb, s, true);
-    grow(s.tupe_dpq, w * dp);
-    std::fill(s.tupe_dpq.begin(), s.tupe_dpq.begin() + w * dp, 0.0f);
-    if (unit_tupe_grads != nullptr) {
+    if (unit_tupe_grads != nullptr) {  // dPQ and dPK serve only the parameters' gradients
+      grow(s.tupe_dpq, w * dp);
+      std::fill(s.tupe_dpq.begin(), s.tupe_dpq.begin() + w * dp, 0.0f);
       grow(s.tupe_dpk_positions, tupe_count * group_size * dp);
       std::fill(s.tupe_dpk_positions.begin(), s.tupe_dpk_positions.begin() + tupe_count * group_size * dp, 0.0f);
     }

@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "../src/kernels/attention/attention_kernels.hpp"  // attn_gemm: the matrix kernel under test
 #include "testing.hpp"
 
 namespace posenc {
@@ -557,6 +558,57 @@ TEST_P(AttentionForward, SixteenBitInputs) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Targets, AttentionForward, ::testing::ValuesIn(testing::all_targets()));
+
+// ─── The matrix kernel ───────────────────────────────────────────────────────────────────────
+// attn_gemm splits deep products into passes over blocks of the depth (so that B's column strip
+// stays in L1), storing C between passes. Every element must still be one chain of multiply-adds
+// in t order, from C (accumulate) or from 0: the engine's bit-for-bit claims (thread counts,
+// grouped blocks, skipped tiles) rest on it. The chain is fused on targets with FMA (AVX2,
+// AVX-512) and a multiply then an add elsewhere (SSE4, scalar); the whole result must equal one
+// of the two folds exactly. Depths straddle the pass sizes (64 on AVX-512, 256 on AVX2, 512 on
+// SSE4, 2048 on scalar).
+class AttentionMatrixKernel : public EveryTarget {};
+
+TEST_P(AttentionMatrixKernel, EachElementIsOneChainInDepthOrder) {
+  for (int trial = 0; trial < 33; ++trial) {
+    const std::int64_t rows = uniform_int(1, 23), cols = kernels::kAttnAlign * uniform_int(1, 6);
+    const std::int64_t depth = std::vector<std::int64_t>{1, 7, 63, 64, 65, 255, 256, 257, 700, 1029, 2100}[static_cast<std::size_t>(trial % 11)];
+    const bool transposed_a = trial % 2 == 1, accumulate = trial % 3 != 0;
+    SCOPED_TRACE("rows " + std::to_string(rows) + " cols " + std::to_string(cols) + " depth " + std::to_string(depth) +
+                 (transposed_a ? " A transposed" : "") + (accumulate ? " accumulate" : ""));
+    // A(m, t) at m·a_row + t·a_depth, rows or columns contiguous, with a gap; B and C with padding.
+    const std::int64_t a_row = transposed_a ? 1 : depth + 3, a_depth = transposed_a ? rows + 5 : 1;
+    const std::int64_t ldb = cols + 16, ldc = cols + 32;
+    std::vector<float> a(static_cast<std::size_t>(rows * a_row + depth * a_depth)), b(static_cast<std::size_t>(depth * ldb));
+    std::vector<float> c(static_cast<std::size_t>(rows * ldc));
+    for (auto& x : a) x = static_cast<float>(uniform(-1, 1));
+    for (auto& x : b) x = static_cast<float>(uniform(-1, 1));
+    for (auto& x : c) x = static_cast<float>(uniform(-1, 1));
+    std::vector<float> fused = c, unfused = c, out = c;
+    for (std::int64_t m = 0; m < rows; ++m) {
+      for (std::int64_t n = 0; n < cols; ++n) {
+        const auto at = static_cast<std::size_t>(m * ldc + n);
+        float f = accumulate ? c[at] : 0.0f, u = f;
+        for (std::int64_t t = 0; t < depth; ++t) {
+          const float x = a[static_cast<std::size_t>(m * a_row + t * a_depth)], y = b[static_cast<std::size_t>(t * ldb + n)];
+          f = std::fma(x, y, f);
+          // The product rounded on its own (exact in double, then one rounding to float), so that no
+          // compiler setting can contract it with the add.
+          const auto product = static_cast<float>(static_cast<double>(x) * y);
+          u = product + u;
+        }
+        fused[at] = f;
+        unfused[at] = u;
+      }
+    }
+    kernels::attn_gemm(a.data(), a_row, a_depth, b.data(), ldb, out.data(), ldc, rows, cols, depth, accumulate);
+    const bool as_fused = std::memcmp(out.data(), fused.data(), out.size() * sizeof(float)) == 0;
+    const bool as_unfused = std::memcmp(out.data(), unfused.data(), out.size() * sizeof(float)) == 0;
+    EXPECT_TRUE(as_fused || as_unfused);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Targets, AttentionMatrixKernel, ::testing::ValuesIn(testing::all_targets()));
 
 // ─── Backward ────────────────────────────────────────────────────────────────────────────────
 

@@ -78,14 +78,18 @@ HWY_INLINE void GemmRows(std::int64_t rows, const float* a, std::int64_t a_row, 
   }
 }
 
-// Depth per pass of the matrix kernel: a column strip of B (kDepthBlock rows of kVecs vectors) is
-// 16 KiB, so it stays in L1 while every row block of A walks it. Deeper products (XL's dQs over a
-// 1024-δ window, Shaw's and TUPE's per-unit sums) used to walk the whole depth per row block, and
-// their strip — 64 KiB at depth 1024 on AVX2 — came from L2 each time: such a product ran at half
-// the rate of a tile's (38-40 against 67-85 GFLOP/s, one Zen 3 core). Between passes C goes
-// through memory as f32 and comes back unchanged, so every element still takes its fused
-// multiply-adds in t order: the bits do not depend on the blocking.
-constexpr std::int64_t kDepthBlockBytes = 16 << 10;
+// Depth per pass of the matrix kernel: a column strip of B (kDepthBlockBytes of kVecs-vector rows)
+// stays in L1, together with the lines of A that the pass broadcasts from, while every row block
+// walks it. Deeper products (XL's dQs over a 1024-δ window, Shaw's and TUPE's per-unit sums) used
+// to walk the whole depth per row block: their strip — 64 KiB at depth 1024 on AVX2 — and A's
+// lines (a new one per depth step when A's rows are contiguous) came from L2 each time. One Zen 3
+// core, XL's dQs += sumsᵀ·P (64 × 128 × 1024), alternating runs: whole depth 40-46 GFLOP/s,
+// 16 KiB passes 41-46, 8 KiB 55-59, 4 KiB 52-61 (a tile's product, 128 × 64 × 128: 55-88 in
+// all four). Passes never go below 128, so the tiles' products (depth <= 128) run in one pass on
+// every target. Between passes C goes through memory as f32 and comes back unchanged, so every
+// element still takes its fused multiply-adds in t order: the bits do not depend on the blocking.
+constexpr std::int64_t kDepthBlockBytes = 8 << 10;
+constexpr std::int64_t kMinDepthBlock = 128;
 
 void AttnGemm(const float* a, std::int64_t a_row, std::int64_t a_depth, const float* b, std::int64_t ldb, float* c,
               std::int64_t ldc, std::int64_t rows, std::int64_t cols, std::int64_t depth, bool accumulate) {
@@ -93,7 +97,7 @@ void AttnGemm(const float* a, std::int64_t a_row, std::int64_t a_depth, const fl
   const auto n = static_cast<std::int64_t>(hn::Lanes(d));
   const std::int64_t vecs = cols / n;
   const std::int64_t depth_block =
-      std::max<std::int64_t>(16, kDepthBlockBytes / static_cast<std::int64_t>(kVecs * n * sizeof(float)));
+      std::max<std::int64_t>(kMinDepthBlock, kDepthBlockBytes / static_cast<std::int64_t>(kVecs * n * sizeof(float)));
   for (std::int64_t t0 = 0; t0 < depth; t0 += depth_block) {
     const std::int64_t dt = std::min(depth_block, depth - t0);
     const float* at0 = a + t0 * a_depth;

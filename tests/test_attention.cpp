@@ -566,13 +566,13 @@ INSTANTIATE_TEST_SUITE_P(Targets, AttentionForward, ::testing::ValuesIn(testing:
 // grouped blocks, skipped tiles) rest on it. The chain is fused on targets with FMA (AVX2,
 // AVX-512) and a multiply then an add elsewhere (SSE4, scalar); the whole result must equal one
 // of the two folds exactly. Depths straddle the pass sizes (128 on AVX-512 and AVX2, 256 on SSE4,
-// 1024 on scalar).
+// 1024 on scalar); depth 0 must still set C to 0 when not accumulating.
 class AttentionMatrixKernel : public EveryTarget {};
 
 TEST_P(AttentionMatrixKernel, EachElementIsOneChainInDepthOrder) {
-  for (int trial = 0; trial < 33; ++trial) {
+  for (int trial = 0; trial < 36; ++trial) {
     const std::int64_t rows = uniform_int(1, 23), cols = kernels::kAttnAlign * uniform_int(1, 6);
-    const std::int64_t depth = std::vector<std::int64_t>{1, 7, 127, 128, 129, 255, 256, 257, 1000, 1025, 2100}[static_cast<std::size_t>(trial % 11)];
+    const std::int64_t depth = std::vector<std::int64_t>{0, 1, 7, 127, 128, 129, 255, 256, 257, 1000, 1025, 2100}[static_cast<std::size_t>(trial % 12)];
     const bool transposed_a = trial % 2 == 1, accumulate = trial % 3 != 0;
     SCOPED_TRACE("rows " + std::to_string(rows) + " cols " + std::to_string(cols) + " depth " + std::to_string(depth) +
                  (transposed_a ? " A transposed" : "") + (accumulate ? " accumulate" : ""));

@@ -83,9 +83,9 @@ HWY_INLINE void GemmRows(std::int64_t rows, const float* a, std::int64_t a_row, 
 // walks it. Deeper products (XL's dQs over a 1024-δ window, Shaw's and TUPE's per-unit sums) used
 // to walk the whole depth per row block: their strip — 64 KiB at depth 1024 on AVX2 — and A's
 // lines (a new one per depth step when A's rows are contiguous) came from L2 each time. One Zen 3
-// core, XL's dQs += sumsᵀ·P (64 × 128 × 1024), alternating runs: whole depth 40-46 GFLOP/s,
-// 16 KiB passes 41-46, 8 KiB 55-59, 4 KiB 52-61 (a tile's product, 128 × 64 × 128: 55-88 in
-// all four). Passes never go below 128, so the tiles' products (depth <= 128) run in one pass on
+// core, XL's dQs += sumsᵀ·P (64 × 128 × 1024), alternating runs: whole depth 37.5-40.3 GFLOP/s,
+// 16 KiB passes 40.0-46.4, 8 KiB 54.7-58.6, 4 KiB 52.5-61.2 (a tile's product, 128 × 64 × 128:
+// 55-88 in all four). Passes never go below 128, so the tiles' products (depth <= 128) run in one pass on
 // every target. Between passes C goes through memory as f32 and comes back unchanged, so every
 // element still takes its fused multiply-adds in t order: the bits do not depend on the blocking.
 constexpr std::int64_t kDepthBlockBytes = 8 << 10;
@@ -98,7 +98,9 @@ void AttnGemm(const float* a, std::int64_t a_row, std::int64_t a_depth, const fl
   const std::int64_t vecs = cols / n;
   const std::int64_t depth_block =
       std::max<std::int64_t>(kMinDepthBlock, kDepthBlockBytes / static_cast<std::int64_t>(kVecs * n * sizeof(float)));
-  for (std::int64_t t0 = 0; t0 < depth; t0 += depth_block) {
+  // At least one pass: with depth 0 and no accumulation, C is still set to 0.
+  std::int64_t t0 = 0;
+  do {
     const std::int64_t dt = std::min(depth_block, depth - t0);
     const float* at0 = a + t0 * a_depth;
     const float* bt0 = b + t0 * ldb;
@@ -113,7 +115,8 @@ void AttnGemm(const float* a, std::int64_t a_row, std::int64_t a_depth, const fl
 #endif
       default: break;
     }
-  }
+    t0 += depth_block;
+  } while (t0 < depth);
 }
 
 #if HWY_TARGET != HWY_SCALAR

@@ -4,9 +4,11 @@
 // schemes' parameter gradients) against the fp64 reference, which is itself checked by finite
 // differences; bitwise determinism over thread counts; errors.
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <string>
 #include <tuple>
@@ -323,6 +325,52 @@ TEST_P(AttentionForward, DecodeSplitsLongCachesExactly) {
     expect_accurate(p, spec, "decode xl");
     spec.groups = {{4, {}, tupe_with_cls(4, 64, 16, 9000, 7)}};
     expect_accurate(p, spec, "decode tupe");
+  }
+}
+
+TEST_P(AttentionForward, DecodeRunsEveryKvHeadAsOneBlock) {
+  // Decode lays every KV head's rows side by side in one score tile (head g's rows at lanes g·R …):
+  // a scheme that differs from head to head, masks, the soft-cap and key lengths must each reach
+  // their own lanes. 4 KV heads; 2 rows (1 query × 2 heads, 2 queries × 1 head) or 4 rows per KV
+  // head; 700 keys (tiles and a partial block), 9000 (three chunks).
+  for (const auto& [q_len, heads, k_len] : std::vector<std::array<std::int64_t, 3>>{{1, 8, 700}, {2, 4, 700}, {1, 16, 9000}}) {
+    const std::int64_t dim = 64;
+    Problem p = make_problem(k_len > 1000 ? 1 : 2, q_len, k_len, heads, 4, dim);
+    const std::string shape = std::to_string(q_len) + " × " + std::to_string(heads) + " heads, " + std::to_string(k_len) + " keys: ";
+    const auto with = [&](std::vector<HeadGroup> groups, const std::string& what, const std::function<void(AttentionMask&)>& mask) {
+      AttentionSpec spec = spec_of(p);
+      spec.groups = std::move(groups);
+      spec.mask.causal = true;
+      mask(spec.mask);
+      expect_accurate(p, spec, shape + what);
+    };
+    const auto causal = [](AttentionMask&) {};
+    const std::int64_t half = heads / 2, quarter = heads / 4;
+    std::vector<double> t5_table(static_cast<std::size_t>(32 * quarter));
+    for (auto& x : t5_table) x = uniform(-2, 2);
+    std::vector<double> r1(static_cast<std::size_t>(quarter)), r2(r1.size());
+    for (std::size_t i = 0; i < r1.size(); ++i) {
+      r1[i] = uniform(0.5, 2.0);
+      r2[i] = uniform(0.5, 2.0);
+    }
+    with({{heads, {}, AlibiParams(heads)}}, "alibi", causal);
+    // Four schemes, a quarter of the heads each: KV head g's rows carry scheme g.
+    with({{quarter, RotaryQK{RopeParams(dim, dim)}, {}},
+          {quarter, {}, AlibiParams(quarter)},
+          {quarter, {}, T5BiasParams(quarter, 32, 128, true, t5_table)},
+          {quarter, {}, KerpleParams(KerpleForm::kLog, r1, r2)}},
+         "rope | alibi | t5 | kerple", causal);
+    with({{half, {}, FireParams::init(half, 16, 3)}, {half, RotaryQK{RopeParams(dim, dim)}, AlibiParams(half)}}, "fire | rope + alibi",
+         causal);
+    with({{heads, {}, AlibiParams(heads)}}, "alibi, window 37, soft-cap 5", [](AttentionMask& m) {
+      m.window_left = 37;
+      m.softcap = 5.0;
+    });
+    with({{heads, RotaryQK{RopeParams(dim, dim)}, {}}}, "rope, key lengths", [&](AttentionMask& m) {
+      m.causal = false;
+      m.key_lengths = {k_len / 3, k_len - 1};
+      m.key_lengths.resize(static_cast<std::size_t>(p.batch));
+    });
   }
 }
 

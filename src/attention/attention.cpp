@@ -196,6 +196,41 @@ void AttentionPlan::layout_rows(const Sequence& seq, std::int64_t kvh, std::int6
     rb.lo[static_cast<std::size_t>(r)] = static_cast<std::int32_t>(lo);
     rb.hi[static_cast<std::size_t>(r)] = static_cast<std::int32_t>(hi);
   }
+  summarize_rows(seq, rb);
+}
+
+// The rows of every KV head's decode block side by side (kvh·valid + r), padded to kAttnAlign
+// lanes once: one S^T tile [keys][width] for all heads, so that the biases, the masks and the
+// softmax fill their vector lanes (with a block per KV head, 4 rows of a GQA group used a
+// quarter of each 16-lane vector).
+void AttentionPlan::layout_decode_rows(const Sequence& seq, std::int64_t i0, std::int64_t count, RowBlock& scratch,
+                                       RowBlock& rb) const {
+  layout_rows(seq, 0, i0, count, true, scratch);
+  const std::int64_t per_head = scratch.valid_rows;
+  rb.i0 = i0;
+  rb.count = count;
+  rb.compact = true;
+  rb.valid_rows = per_head * kv_heads;
+  rb.width = round_up(rb.valid_rows, kAttnAlign);
+  for (auto* v : {&rb.head, &rb.query, &rb.position}) v->assign(static_cast<std::size_t>(rb.width), -1);
+  for (auto* v : {&rb.lo, &rb.hi}) v->assign(static_cast<std::size_t>(rb.width), 0);
+  for (std::int64_t kvh = 0; kvh < kv_heads; ++kvh) {
+    if (kvh > 0) layout_rows(seq, kvh, i0, count, true, scratch);
+    for (std::int64_t r = 0; r < per_head; ++r) {
+      const auto from = static_cast<std::size_t>(r), to = static_cast<std::size_t>(kvh * per_head + r);
+      rb.head[to] = scratch.head[from];
+      rb.query[to] = scratch.query[from];
+      rb.position[to] = scratch.position[from];
+      rb.lo[to] = scratch.lo[from];
+      rb.hi[to] = scratch.hi[from];
+    }
+  }
+  for (std::int64_t r = rb.valid_rows; r < rb.width; ++r) rb.position[static_cast<std::size_t>(r)] = 0;
+  summarize_rows(seq, rb);
+}
+
+// The union of the rows' visible keys, and which lane chunks may take the vector bias path.
+void AttentionPlan::summarize_rows(const Sequence& seq, RowBlock& rb) {
   rb.key_lo = seq.lk;
   rb.key_hi = 0;
   for (std::int64_t r = 0; r < rb.width; ++r) {
@@ -1155,29 +1190,41 @@ void AttentionPlan::forward(TensorView out, TensorView lse) const {
         }
         continue;
       }
-      if (static_cast<std::int64_t>(per_head.size()) < kv_heads) {
-        per_head.resize(static_cast<std::size_t>(kv_heads));
-        per_head_rows.resize(static_cast<std::size_t>(kv_heads));
+      // Decode: one block of every KV head's rows (or, for Shaw, XL and TUPE, a block per KV head).
+      const bool merged = decode_merges_heads();
+      const std::int64_t blocks = merged ? 1 : kv_heads;
+      if (static_cast<std::int64_t>(per_head.size()) < blocks) per_head.resize(static_cast<std::size_t>(blocks));
+      if (static_cast<std::int64_t>(per_head_rows.size()) < blocks + 1) {
+        per_head_rows.resize(static_cast<std::size_t>(blocks + 1));  // + layout_decode_rows' scratch
       }
-      for (std::int64_t kvh = 0; kvh < kv_heads; ++kvh) {
-        layout_rows(seq, kvh, un.i0, un.count, true, per_head_rows[static_cast<std::size_t>(kvh)]);
-        forward_begin(*this, seq, per_head_rows[static_cast<std::size_t>(kvh)], per_head[static_cast<std::size_t>(kvh)]);
+      if (merged) {
+        layout_decode_rows(seq, un.i0, un.count, per_head_rows[1], per_head_rows[0]);
+        forward_begin(*this, seq, per_head_rows[0], per_head[0]);
+      } else {
+        for (std::int64_t kvh = 0; kvh < kv_heads; ++kvh) {
+          layout_rows(seq, kvh, un.i0, un.count, true, per_head_rows[static_cast<std::size_t>(kvh)]);
+          forward_begin(*this, seq, per_head_rows[static_cast<std::size_t>(kvh)], per_head[static_cast<std::size_t>(kvh)]);
+        }
       }
       const RowBlock& rows0 = per_head_rows[0];
       const std::int64_t kb = std::max(un.k_begin, un.partial >= 0 ? un.k_begin : rows0.key_lo);
       const std::int64_t ke = un.partial >= 0 ? un.k_end : std::min(un.k_end, std::max(rows0.key_hi, kb));
-      decode_tiles(seq, kb, ke, per_head_rows, per_head, s);
-      for (std::int64_t kvh = 0; kvh < kv_heads; ++kvh) {
-        const RowBlock& hr = per_head_rows[static_cast<std::size_t>(kvh)];
-        AttentionUnitScratch& hs = per_head[static_cast<std::size_t>(kvh)];
+      const auto n_blocks = static_cast<std::size_t>(blocks);
+      decode_tiles(seq, kb, ke, std::span<const RowBlock>(per_head_rows.data(), n_blocks),
+                   std::span<AttentionUnitScratch>(per_head.data(), n_blocks), s);
+      for (std::size_t b = 0; b < n_blocks; ++b) {
+        const RowBlock& hr = per_head_rows[b];
+        AttentionUnitScratch& hs = per_head[b];
         if (un.partial < 0) {
           finish(seq, hr, hs);
           continue;
         }
         if (any_shaw) shaw_add_values(hr, hs.shaw_probs.data(), hr.width, hs.o.data());
-        float* part = parts.data() + (un.partial * kv_heads + kvh) * part_rows * part_width;
+        // Rows of KV head kvh at parts[(partial · G + kvh) · part_rows + r].
+        const std::int64_t per_kvh = merged ? hr.valid_rows / kv_heads : hr.valid_rows;
         for (std::int64_t r = 0; r < hr.valid_rows; ++r) {
-          float* row = part + r * part_width;
+          const std::int64_t kvh = merged ? r / per_kvh : static_cast<std::int64_t>(b);
+          float* row = parts.data() + ((un.partial * kv_heads + kvh) * part_rows + r % per_kvh) * part_width;
           row[0] = hs.m[static_cast<std::size_t>(r)];
           row[1] = hs.l[static_cast<std::size_t>(r)];
           std::memcpy(row + 2, hs.o.data() + r * dim_padded, static_cast<std::size_t>(dim_padded) * sizeof(float));
@@ -1235,11 +1282,14 @@ void AttentionPlan::forward(TensorView out, TensorView lse) const {
   last_tiles = prefill_tiles;
 }
 
-// Decode: key tiles of every KV head in memory order (attn_decode_*), each head's softmax step in
-// between. Keys and values come straight from the cache (f32, unit stride, keys not transformed)
-// or are converted per tile into [key][head][Dp] rows, keys transformed where the scheme says so.
+// Decode: key tiles of every KV head in memory order (attn_decode_*), the softmax step in between.
+// `rows` is either one block holding every KV head's rows (layout_decode_rows; head g's rows are
+// lanes g·R … g·R + R − 1 of its tiles) or a block per KV head, each with its own scratch in
+// `blocks_scratch`. Keys and values come straight from the cache (f32, unit stride, keys not
+// transformed) or are converted per tile into [key][head][Dp] rows, keys transformed where the
+// scheme says so.
 void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std::int64_t k_end,
-                                 std::vector<RowBlock>& rows, std::vector<AttentionUnitScratch>& heads_scratch,
+                                 std::span<const RowBlock> rows, std::span<AttentionUnitScratch> blocks_scratch,
                                  AttentionUnitScratch& s) const {
   const std::int64_t dp = dim_padded, g_count = kv_heads;
   const std::int64_t decode_tile = key_tile;
@@ -1250,15 +1300,18 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
   }
   const bool direct = dtype == DType::kF32 && kg.dim_stride == 1 && vg.dim_stride == 1 && !transform_keys;
   const bool unit_dims = kg.dim_stride == 1 && vg.dim_stride == 1;
+  const bool merged = rows.size() == 1;
+  const std::int64_t w = rows[0].width;
+  const std::int64_t valid = merged ? rows[0].valid_rows / g_count : rows[0].valid_rows;  // rows per KV head
   std::vector<const float*> q_heads(static_cast<std::size_t>(g_count)), p_heads(q_heads.size());
   std::vector<float*> st_heads(q_heads.size()), o_heads(q_heads.size());
-  const std::int64_t w = rows[0].width, valid = rows[0].valid_rows;
   for (std::int64_t g = 0; g < g_count; ++g) {
-    AttentionUnitScratch& hs = heads_scratch[static_cast<std::size_t>(g)];
-    q_heads[static_cast<std::size_t>(g)] = hs.q.data();
-    st_heads[static_cast<std::size_t>(g)] = hs.st.data();
-    p_heads[static_cast<std::size_t>(g)] = hs.st.data();
-    o_heads[static_cast<std::size_t>(g)] = hs.o.data();
+    AttentionUnitScratch& hs = blocks_scratch[static_cast<std::size_t>(merged ? 0 : g)];
+    const std::int64_t r0 = merged ? g * valid : 0;
+    q_heads[static_cast<std::size_t>(g)] = hs.q.data() + r0 * dp;
+    st_heads[static_cast<std::size_t>(g)] = hs.st.data() + r0;
+    p_heads[static_cast<std::size_t>(g)] = hs.st.data() + r0;
+    o_heads[static_cast<std::size_t>(g)] = hs.o.data() + r0 * dp;
   }
   if (!direct) {
     grow(s.k, decode_tile * g_count * dp);
@@ -1306,15 +1359,15 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
     // the next tile's keys do.
     const std::int64_t next_keys = std::min(decode_tile, k_end - (k0 + keys));
     kernels::attn_decode_scores(kp, ldk, khs, keys, g_count, q_heads.data(), dp, valid, dim, st_heads.data(), w,
-                                rows_ahead(v_data, vg, seq, k0, keys));
+                                rows_ahead(v_data, vg, seq, k0, keys), k0 == k_begin);
     // The keys' positions, once per tile for every head.
-    const std::int64_t* kpos = heads_scratch[0].kpos.data();
+    const std::int64_t* kpos = blocks_scratch[0].kpos.data();
     if (any_bias || any_shaw || any_xl || any_tupe) {
-      for (std::int64_t j = 0; j < keys; ++j) heads_scratch[0].kpos[static_cast<std::size_t>(j)] = k_position(seq, k0 + j);
+      for (std::int64_t j = 0; j < keys; ++j) blocks_scratch[0].kpos[static_cast<std::size_t>(j)] = k_position(seq, k0 + j);
     }
-    for (std::int64_t g = 0; g < g_count; ++g) {
-      AttentionUnitScratch& hs = heads_scratch[static_cast<std::size_t>(g)];
-      const RowBlock& rb = rows[static_cast<std::size_t>(g)];
+    for (std::size_t b = 0; b < rows.size(); ++b) {
+      AttentionUnitScratch& hs = blocks_scratch[b];
+      const RowBlock& rb = rows[b];
       if (any_tupe) tupe_add_direct(rb, keys, kpos, hs.tupe_pq.data(), hs.st.data());
       if (any_bias) add_bias(seq, rb, k0, keys, kpos, hs.st.data());
       if (any_shaw) shaw_add_rows(rb, keys, kpos, hs.shaw_key_dots.data(), w, hs.st.data());
@@ -1322,7 +1375,7 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
       if (mask.softcap > 0) kernels::attn_softcap_tile(hs.st.data(), keys, w, static_cast<float>(mask.softcap));
       if (!tile_unmasked(rb, k0, keys)) kernels::attn_mask_tile(hs.st.data(), keys, w, k0, rb.lo.data(), rb.hi.data());
       kernels::attn_softmax_tile(hs.st.data(), keys, w, hs.m.data(), hs.l.data(), hs.corr.data());
-      kernels::attn_scale_rows(hs.o.data(), dp, valid, dp, hs.corr.data());
+      kernels::attn_scale_rows(hs.o.data(), dp, rb.valid_rows, dp, hs.corr.data());
       if (any_shaw) shaw_collect(rb, keys, kpos, hs.st.data(), hs.corr.data(), hs.shaw_probs.data(), w);
     }
     if (!direct) pack_tile(v_data, vg, k0, keys, s.v.data());

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "internal.hpp"
@@ -349,8 +350,15 @@ struct AttentionPlan {
   }
   void layout_rows(const Sequence& seq, std::int64_t kvh, std::int64_t i0, std::int64_t count, bool compact,
                    RowBlock& rb) const;
-  void decode_tiles(const Sequence& seq, std::int64_t k_begin, std::int64_t k_end, std::vector<RowBlock>& rows,
-                    std::vector<AttentionUnitScratch>& heads_scratch, AttentionUnitScratch& s) const;
+  void layout_decode_rows(const Sequence& seq, std::int64_t i0, std::int64_t count, RowBlock& scratch,
+                          RowBlock& rb) const;
+  static void summarize_rows(const Sequence& seq, RowBlock& rb);
+  // Whether decode runs every KV head's rows as one block (layout_decode_rows) rather than a block
+  // per KV head: always, except with Shaw, Transformer-XL and TUPE, whose per-row terms live in
+  // per-head scratch.
+  bool decode_merges_heads() const { return !any_shaw && !any_xl && !any_tupe; }
+  void decode_tiles(const Sequence& seq, std::int64_t k_begin, std::int64_t k_end, std::span<const RowBlock> rows,
+                    std::span<AttentionUnitScratch> blocks_scratch, AttentionUnitScratch& s) const;
   bool tile_unmasked(const RowBlock& rb, std::int64_t k_first, std::int64_t keys) const;
   void add_bias(const Sequence& seq, const RowBlock& rb, std::int64_t k_first, std::int64_t keys,
                 const std::int64_t* kpos, float* st) const;

@@ -164,7 +164,7 @@ HWY_INLINE VF SumEachVector(DF d, VF* acc) {
 // evenly over its work, so that the memory is busy while the core computes.
 constexpr std::int64_t kDecodeMaxRows = 8;
 // Software prefetch distance of the keys' own stream, in floats (4 KiB ahead): it serves the
-// first tile of a chunk, which no earlier kernel prefetched. Measured on 32768 keys × 8 KV heads ×
+// first tile of a chunk, which no earlier kernel prefetched (`prefetch_keys`). Measured on 32768 keys × 8 KV heads ×
 // D 128 f32, 2 threads, before `ahead` existed: none 10.0–10.1 GB/s, 1 KiB 11.4–12.0, 4 KiB
 // 12.6–12.9, 16 KiB 12.3–12.5.
 constexpr std::int64_t kDecodeAhead = 1024;
@@ -174,12 +174,28 @@ class PrefetchCursor {
  public:
   explicit PrefetchCursor(const RowPrefetch& plan) : plan_(plan) {
     if (plan_.base == nullptr || plan_.keys <= 0 || plan_.heads <= 0 || plan_.row_bytes <= 0) plan_.keys = 0;
+    // Rows without gaps ([S, G, D] with unit strides): one range of lines, walked without the
+    // row bookkeeping (which cost a fifth of the decode scores' time when cached).
+    contiguous_ = plan_.keys > 0 && plan_.head_stride == plan_.row_bytes && plan_.ld == plan_.heads * plan_.row_bytes;
+    if (contiguous_) {
+      const auto address = reinterpret_cast<std::uintptr_t>(plan_.base);
+      at_ = plan_.base - (address % kLine);
+      last_ = plan_.base + plan_.keys * plan_.ld - 1;
+      return;
+    }
     start_row();
   }
   // Lines in the plan (a row spans at most row_bytes / 64 + 1 lines).
-  std::int64_t lines() const { return plan_.keys * plan_.heads * (plan_.row_bytes / kLine + 1); }
+  std::int64_t lines() const {
+    if (contiguous_) return (last_ - at_) / kLine + 1;
+    return plan_.keys * plan_.heads * (plan_.row_bytes / kLine + 1);
+  }
   // Issues prefetches for the next `count` lines (nothing once the plan is done).
   void step(std::int64_t count) {
+    if (contiguous_) {
+      for (; count > 0 && at_ <= last_; --count, at_ += kLine) __builtin_prefetch(at_, 0, 2);
+      return;
+    }
     for (; count > 0 && j_ < plan_.keys; --count) {
       __builtin_prefetch(at_, 0, 2);  // read, into L2 (prefetcht1): L1 holds the working rows
       at_ += kLine;
@@ -203,6 +219,7 @@ class PrefetchCursor {
     last_ = row + plan_.row_bytes - 1;
   }
   RowPrefetch plan_;
+  bool contiguous_ = false;
   std::int64_t j_ = 0, g_ = 0;
   const char* at_ = nullptr;
   const char* last_ = nullptr;
@@ -253,7 +270,7 @@ template <int R>
 void DecodeScoresRows(DF d, const float* HWY_RESTRICT k, std::int64_t ldk, std::int64_t k_head_stride,
                       std::int64_t keys, std::int64_t heads, const float* const* q_heads, std::int64_t ldq,
                       std::int64_t dim, float* const* st_heads, std::int64_t ld_st, PrefetchCursor& cursor,
-                      std::int64_t per_row) {
+                      std::int64_t per_row, bool prefetch_keys) {
   constexpr int KB = ScoreKeyBlock<R>();
   const auto n = static_cast<std::int64_t>(hn::Lanes(d));
   const std::int64_t full = HWY_TARGET == HWY_SCALAR ? 0 : dim - dim % n;
@@ -286,7 +303,7 @@ void DecodeScoresRows(DF d, const float* HWY_RESTRICT k, std::int64_t ldk, std::
       const float* kr = k + j0 * ldk + g * k_head_stride;
       const float* qg = q_heads[g];
       for (std::int64_t i = 0; i < block; ++i) {
-        for (std::int64_t at = 0; at < dim; at += 16) hwy::Prefetch(kr + i * ldk + kDecodeAhead + at);
+        for (std::int64_t at = 0; prefetch_keys && at < dim; at += 16) hwy::Prefetch(kr + i * ldk + kDecodeAhead + at);
         outs[t + i] = st_heads[g] + (j0 + i) * ld_st;
         for (std::int64_t r = 0; r < R; ++r) {
           float extra = 0;
@@ -307,15 +324,89 @@ void DecodeScoresRows(DF d, const float* HWY_RESTRICT k, std::int64_t ldk, std::
   flush();
 }
 
+#if HWY_TARGET != HWY_SCALAR
+// The scores when R divides the lane count and the dimension fills whole vectors: blocks of
+// KB = lanes / R keys of one head, the R·KB accumulators (u = i·R + r: key i, row r) summed across
+// lanes in registers by SumEachVector, whose lane u is then score (key i, row r) — R consecutive
+// floats of each key's row in S^T, copied out per key. (DecodeScoresRows instead stores the
+// accumulators, gathers `lanes` rows of them and scatters each sum with its scalar tail: with the
+// per-row bookkeeping, about twice the multiply-adds' time when the cache lines are at hand.)
+template <int R>
+void DecodeScoresPacked(DF d, const float* HWY_RESTRICT k, std::int64_t ldk, std::int64_t k_head_stride,
+                        std::int64_t keys, std::int64_t heads, const float* const* q_heads, std::int64_t ldq,
+                        std::int64_t dim, float* const* st_heads, std::int64_t ld_st, PrefetchCursor& cursor,
+                        std::int64_t per_row, bool prefetch_keys) {
+  constexpr auto kLanes = static_cast<std::int64_t>(hn::MaxLanes(DF()));
+  constexpr int KB = static_cast<int>(kLanes) / R;
+  static_assert(KB * R == kLanes);
+  const std::int64_t whole = keys - keys % KB;
+  HWY_ALIGN float sums[kLanes];
+  for (std::int64_t j0 = 0; j0 < whole; j0 += KB) {
+    for (std::int64_t g = 0; g < heads; ++g) {
+      const float* kr = k + j0 * ldk + g * k_head_stride;
+      const float* HWY_RESTRICT qg = q_heads[g];
+      if (prefetch_keys) {
+        for (int i = 0; i < KB; ++i) {
+          for (std::int64_t at = 0; at < dim; at += 16) hwy::Prefetch(kr + i * ldk + kDecodeAhead + at);
+        }
+      }
+      cursor.step(per_row * KB);
+      VF acc[kLanes];
+      for (auto& a : acc) a = hn::Zero(d);
+      for (std::int64_t c = 0; c < dim; c += kLanes) {
+        VF kv[KB];
+        for (int i = 0; i < KB; ++i) kv[i] = hn::LoadU(d, kr + i * ldk + c);
+        for (int r = 0; r < R; ++r) {
+          const VF qv = hn::LoadU(d, qg + r * ldq + c);
+          for (int i = 0; i < KB; ++i) acc[i * R + r] = hn::MulAdd(kv[i], qv, acc[i * R + r]);
+        }
+      }
+      hn::Store(SumEachVector(d, acc), d, sums);
+      float* out = st_heads[g] + j0 * ld_st;
+      for (int i = 0; i < KB; ++i) std::memcpy(out + i * ld_st, sums + i * R, R * sizeof(float));
+    }
+  }
+  // The last keys % KB keys: one at a time.
+  for (std::int64_t j = whole; j < keys; ++j) {
+    for (std::int64_t g = 0; g < heads; ++g) {
+      const float* kr = k + j * ldk + g * k_head_stride;
+      cursor.step(per_row);
+      for (int r = 0; r < R; ++r) {
+        VF acc = hn::Zero(d);
+        for (std::int64_t c = 0; c < dim; c += kLanes) acc = hn::MulAdd(hn::LoadU(d, kr + c), hn::LoadU(d, q_heads[g] + r * ldq + c), acc);
+        st_heads[g][j * ld_st + r] = hn::GetLane(hn::SumOfLanes(d, acc));
+      }
+    }
+  }
+}
+#endif
+
 void AttnDecodeScores(const float* HWY_RESTRICT k, std::int64_t ldk, std::int64_t k_head_stride, std::int64_t keys,
                       std::int64_t heads, const float* const* q_heads, std::int64_t ldq, std::int64_t q_rows,
-                      std::int64_t dim, float* const* st_heads, std::int64_t ld_st, const RowPrefetch& ahead) {
+                      std::int64_t dim, float* const* st_heads, std::int64_t ld_st, const RowPrefetch& ahead,
+                      bool prefetch_keys) {
   const DF d;
   PrefetchCursor cursor(ahead);
   const std::int64_t per_row = LinesPerStep(cursor.lines(), keys * heads);
+#if HWY_TARGET != HWY_SCALAR
+  constexpr auto kLanes = static_cast<std::int64_t>(hn::MaxLanes(DF()));
+  if (static_cast<std::int64_t>(hn::Lanes(d)) == kLanes && dim % kLanes == 0 && kLanes % q_rows == 0 &&
+      kLanes / q_rows <= 16) {
+    switch (q_rows) {
+      case 1: DecodeScoresPacked<1>(d, k, ldk, k_head_stride, keys, heads, q_heads, ldq, dim, st_heads, ld_st, cursor, per_row, prefetch_keys); break;
+      case 2: DecodeScoresPacked<2>(d, k, ldk, k_head_stride, keys, heads, q_heads, ldq, dim, st_heads, ld_st, cursor, per_row, prefetch_keys); break;
+      case 4: DecodeScoresPacked<4>(d, k, ldk, k_head_stride, keys, heads, q_heads, ldq, dim, st_heads, ld_st, cursor, per_row, prefetch_keys); break;
+      default:  // 8, which divides the lanes only from AVX2 up
+        if constexpr (kLanes >= 8) DecodeScoresPacked<8>(d, k, ldk, k_head_stride, keys, heads, q_heads, ldq, dim, st_heads, ld_st, cursor, per_row, prefetch_keys);
+        break;
+    }
+    cursor.step(cursor.lines());
+    return;
+  }
+#endif
   switch (q_rows) {
 #define POSENC_DECODE_SCORES(R) \
-  case R: DecodeScoresRows<R>(d, k, ldk, k_head_stride, keys, heads, q_heads, ldq, dim, st_heads, ld_st, cursor, per_row); break;
+  case R: DecodeScoresRows<R>(d, k, ldk, k_head_stride, keys, heads, q_heads, ldq, dim, st_heads, ld_st, cursor, per_row, prefetch_keys); break;
     POSENC_DECODE_SCORES(1)
     POSENC_DECODE_SCORES(2)
     POSENC_DECODE_SCORES(3)
@@ -324,7 +415,7 @@ void AttnDecodeScores(const float* HWY_RESTRICT k, std::int64_t ldk, std::int64_
     POSENC_DECODE_SCORES(6)
     POSENC_DECODE_SCORES(7)
 #undef POSENC_DECODE_SCORES
-    default: DecodeScoresRows<8>(d, k, ldk, k_head_stride, keys, heads, q_heads, ldq, dim, st_heads, ld_st, cursor, per_row); break;
+    default: DecodeScoresRows<8>(d, k, ldk, k_head_stride, keys, heads, q_heads, ldq, dim, st_heads, ld_st, cursor, per_row, prefetch_keys); break;
   }
   cursor.step(cursor.lines());  // nothing is left unless the tile was empty
 }
@@ -731,10 +822,10 @@ HWY_EXPORT(AttnDecodeValues);
 
 void attn_decode_scores(const float* k, std::int64_t ldk, std::int64_t k_head_stride, std::int64_t keys, std::int64_t heads,
                         const float* const* q_heads, std::int64_t ldq, std::int64_t q_rows, std::int64_t dim,
-                        float* const* st_heads, std::int64_t ld_st, const RowPrefetch& ahead) {
+                        float* const* st_heads, std::int64_t ld_st, const RowPrefetch& ahead, bool prefetch_keys) {
   if (q_rows > 8) throw Error("attention kernel", "q_rows", std::to_string(q_rows), "<= 8 (decode)");
   HWY_DYNAMIC_DISPATCH(AttnDecodeScores)(k, ldk, k_head_stride, keys, heads, q_heads, ldq, q_rows, dim, st_heads, ld_st,
-                                         ahead);
+                                         ahead, prefetch_keys);
 }
 void attn_decode_values(const float* v, std::int64_t ldv, std::int64_t v_head_stride, std::int64_t keys, std::int64_t heads,
                         const float* const* p_heads, std::int64_t ld_p, std::int64_t rows, std::int64_t cols,

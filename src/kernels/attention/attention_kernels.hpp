@@ -46,10 +46,12 @@ void attn_pack_heads(const void* src, DType dtype, std::int64_t seq_stride, std:
 //           for c < cols, in j order (one fused multiply-add per key), straight from the rows
 // At most 8 query rows per head (the engine's kDecodeRows). Each kernel spreads prefetches of
 // `ahead` evenly over its work, into L2: the engine passes the tile's values to the scores and the
-// next tile's keys to the values, so the memory streams while either computes.
+// next tile's keys to the values, so the memory streams while either computes; `prefetch_keys`
+// (the first tile of a run, whose keys nobody prefetched) makes the scores prefetch their own keys
+// one cache row (4 KiB) ahead as well.
 void attn_decode_scores(const float* k, std::int64_t ldk, std::int64_t k_head_stride, std::int64_t keys, std::int64_t heads,
                         const float* const* q_heads, std::int64_t ldq, std::int64_t q_rows, std::int64_t dim,
-                        float* const* st_heads, std::int64_t ld_st, const RowPrefetch& ahead);
+                        float* const* st_heads, std::int64_t ld_st, const RowPrefetch& ahead, bool prefetch_keys);
 void attn_decode_values(const float* v, std::int64_t ldv, std::int64_t v_head_stride, std::int64_t keys, std::int64_t heads,
                         const float* const* p_heads, std::int64_t ld_p, std::int64_t rows, std::int64_t cols,
                         float* const* o_heads, std::int64_t ldo, const RowPrefetch& ahead);

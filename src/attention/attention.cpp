@@ -5,8 +5,10 @@
 //             G query heads, head-major, each head's queries padded to kAttnAlign lanes (about
 //             128 rows); key tiles of key_tile keys stream past them;
 //   decode    (sequence, key chunk) when a sequence has at most kDecodeRows rows per KV head:
-//             every KV head of each key tile in the cache's memory order (decode_tiles), long
-//             caches split into chunks of kDecodeChunk keys, merged in chunk order;
+//             every KV head of each key tile in the cache's memory order (decode_tiles), the
+//             heads' rows side by side in one score tile (layout_decode_rows; a block per KV
+//             head with Shaw, XL and TUPE), long caches split into chunks of kDecodeChunk keys,
+//             merged in chunk order;
 //   backward  (sequence, KV head): all of its rows, key tiles outer (dk, dv finished per tile),
 //             row blocks inner, dq accumulated per unit in f32.
 // Score tiles are transposed (S^T[key][row]) so that the softmax, the biases and the masks run

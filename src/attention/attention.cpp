@@ -214,7 +214,9 @@ void AttentionPlan::layout_decode_rows(const Sequence& seq, std::int64_t i0, std
   rb.compact = true;
   rb.valid_rows = per_head * kv_heads;
   rb.width = round_up(rb.valid_rows, kAttnAlign);
-  for (auto* v : {&rb.head, &rb.query, &rb.position}) v->assign(static_cast<std::size_t>(rb.width), -1);
+  // Padding lanes as layout_rows leaves them: head and query −1, position 0, no visible keys.
+  for (auto* v : {&rb.head, &rb.query}) v->assign(static_cast<std::size_t>(rb.width), -1);
+  rb.position.assign(static_cast<std::size_t>(rb.width), 0);
   for (auto* v : {&rb.lo, &rb.hi}) v->assign(static_cast<std::size_t>(rb.width), 0);
   for (std::int64_t kvh = 0; kvh < kv_heads; ++kvh) {
     if (kvh > 0) layout_rows(seq, kvh, i0, count, true, scratch);
@@ -227,7 +229,6 @@ void AttentionPlan::layout_decode_rows(const Sequence& seq, std::int64_t i0, std
       rb.hi[to] = scratch.hi[from];
     }
   }
-  for (std::int64_t r = rb.valid_rows; r < rb.width; ++r) rb.position[static_cast<std::size_t>(r)] = 0;
   summarize_rows(seq, rb);
 }
 

@@ -169,6 +169,11 @@ constexpr std::int64_t kDecodeMaxRows = 8;
 // 12.6–12.9, 16 KiB 12.3–12.5.
 constexpr std::int64_t kDecodeAhead = 1024;
 
+// The keys' own stream: row kr's successor one cache row ahead (kDecodeAhead floats), a line at a time.
+HWY_INLINE void PrefetchKeyRowAhead(const float* kr, std::int64_t dim) {
+  for (std::int64_t at = 0; at < dim; at += 16) hwy::Prefetch(kr + kDecodeAhead + at);
+}
+
 // Walks the rows of a RowPrefetch a cache line at a time.
 class PrefetchCursor {
  public:
@@ -303,7 +308,7 @@ void DecodeScoresRows(DF d, const float* HWY_RESTRICT k, std::int64_t ldk, std::
       const float* kr = k + j0 * ldk + g * k_head_stride;
       const float* qg = q_heads[g];
       for (std::int64_t i = 0; i < block; ++i) {
-        for (std::int64_t at = 0; prefetch_keys && at < dim; at += 16) hwy::Prefetch(kr + i * ldk + kDecodeAhead + at);
+        if (prefetch_keys) PrefetchKeyRowAhead(kr + i * ldk, dim);
         outs[t + i] = st_heads[g] + (j0 + i) * ld_st;
         for (std::int64_t r = 0; r < R; ++r) {
           float extra = 0;
@@ -345,11 +350,7 @@ void DecodeScoresPacked(DF d, const float* HWY_RESTRICT k, std::int64_t ldk, std
     for (std::int64_t g = 0; g < heads; ++g) {
       const float* kr = k + j0 * ldk + g * k_head_stride;
       const float* HWY_RESTRICT qg = q_heads[g];
-      if (prefetch_keys) {
-        for (int i = 0; i < KB; ++i) {
-          for (std::int64_t at = 0; at < dim; at += 16) hwy::Prefetch(kr + i * ldk + kDecodeAhead + at);
-        }
-      }
+      for (int i = 0; prefetch_keys && i < KB; ++i) PrefetchKeyRowAhead(kr + i * ldk, dim);
       cursor.step(per_row * KB);
       VF acc[kLanes];
       for (auto& a : acc) a = hn::Zero(d);
@@ -390,8 +391,8 @@ void AttnDecodeScores(const float* HWY_RESTRICT k, std::int64_t ldk, std::int64_
   const std::int64_t per_row = LinesPerStep(cursor.lines(), keys * heads);
 #if HWY_TARGET != HWY_SCALAR
   constexpr auto kLanes = static_cast<std::int64_t>(hn::MaxLanes(DF()));
-  if (static_cast<std::int64_t>(hn::Lanes(d)) == kLanes && dim % kLanes == 0 && kLanes % q_rows == 0 &&
-      kLanes / q_rows <= 16) {
+  // SumEachVector sums at most 16 vectors (one per lane).
+  if (static_cast<std::int64_t>(hn::Lanes(d)) == kLanes && kLanes <= 16 && dim % kLanes == 0 && kLanes % q_rows == 0) {
     switch (q_rows) {
       case 1: DecodeScoresPacked<1>(d, k, ldk, k_head_stride, keys, heads, q_heads, ldq, dim, st_heads, ld_st, cursor, per_row, prefetch_keys); break;
       case 2: DecodeScoresPacked<2>(d, k, ldk, k_head_stride, keys, heads, q_heads, ldq, dim, st_heads, ld_st, cursor, per_row, prefetch_keys); break;

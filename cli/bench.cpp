@@ -52,7 +52,7 @@ void run_bench(const BenchOptions& o) {
   double seconds = 1e300;
   for (int round = 0; round < o.rounds; ++round) {
     set_target("auto");
-    const perf::Limits now = perf::measure_limits(threads);
+    const perf::Limits now = perf::measure_limits(threads, 5, o.shape.huge_pages);
     set_target(target);
     limits.copy_gbs = std::max(limits.copy_gbs, now.copy_gbs);
     limits.copy_nt_gbs = std::max(limits.copy_nt_gbs, now.copy_nt_gbs);
@@ -81,7 +81,7 @@ void run_bench(const BenchOptions& o) {
         {"throughput", throughput},  {"unit", unit},
         {"peak_resident_bytes", peak_rss}, {"workspace_bytes", workspace},
         {"limit", limit},            {"limit_name", c.limit_name},
-        {"ratio", throughput / limit},
+        {"ratio", throughput / limit},      {"huge_pages", o.shape.huge_pages},
         {"elements_per_second", c.elements_per_run / seconds},
         {"limits", {{"copy", limits.copy_gbs}, {"copy_nt", limits.copy_nt_gbs}, {"rmw", limits.rmw_gbs}, {"read", limits.read_gbs},
                     {"write_nt", limits.write_nt_gbs}, {"fma_gflops", limits.fma_gflops}}}};
@@ -89,7 +89,8 @@ void run_bench(const BenchOptions& o) {
     if (c.remark) out["remark"] = c.remark();
     fmt::print("{}\n", out.dump(2));
   } else {
-    fmt::print("{} {} on {} with {} thread(s)\n", c.name, c.description, active_target(), threads);
+    fmt::print("{} {} on {} with {} thread(s){}\n", c.name, c.description, active_target(), threads,
+               o.shape.huge_pages ? ", buffers and limits on 2 MiB pages" : "");
     fmt::print("  time        {:.3f} ms (best of repeated runs in {} rounds)\n", seconds * 1e3, o.rounds);
     fmt::print("  throughput  {:.2f} {} ({:.3g} elements/s)\n", throughput, unit, c.elements_per_run / seconds);
     fmt::print("  limit       {:.2f} {} ({}, measured now; copy {:.2f}, copy_nt {:.2f}, rmw {:.2f}, read {:.2f}, "
@@ -131,6 +132,8 @@ Runner add_bench(CLI::App& app) {
       ->capture_default_str();
   sub->add_flag("--causal", o->shape.causal, "attention: causal mask");
   sub->add_flag("--in-place", o->shape.in_place, "rope: rotate in place (judged against rmw)");
+  sub->add_flag("--huge-pages", o->shape.huge_pages,
+                "Put the kernel's buffers and the limits' buffers on 2 MiB pages (posenc::HugePageBuffer)");
   sub->add_option("--threads,-t", o->threads, "Threads (default: OpenMP's default)");
   sub->add_option("--rounds", o->rounds, "Alternating rounds of limit and kernel timing (best of each)")
       ->capture_default_str();

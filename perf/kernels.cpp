@@ -8,23 +8,47 @@
 #include <vector>
 
 #include "limits.hpp"
+#include "posenc/memory.hpp"
 #include "posenc/posenc.hpp"
 
 namespace posenc::perf {
 namespace {
 
-// 64-byte aligned, as PyTorch and NumPy allocate tensors.
-struct Buffer {
-  hwy::AlignedFreeUniquePtr<float[]> data;
+// Bench memory, 64-byte aligned as PyTorch and NumPy allocate tensors; with `huge` (the bench's
+// --huge-pages) on 2 MiB pages where the system grants them (posenc::HugePageBuffer), and then the
+// machine limits are measured on such pages too (perf/limits.cpp): both sides of a ratio run on
+// the same kind of memory. `assign` writes every element (the first touch).
+template <class T>
+struct BenchArray {
+  HugePageBuffer huge_memory;
+  hwy::AlignedFreeUniquePtr<T[]> plain_memory;
+  T* pointer = nullptr;
   std::size_t count = 0;
-  void assign(std::size_t n, float value) {
-    data = hwy::AllocateAligned<float>(n);
+  void assign(std::size_t n, T value, bool huge) {
+    clear();
+    if (huge) {
+      huge_memory = HugePageBuffer(n * sizeof(T));
+      pointer = huge_memory.as<T>();
+    } else {
+      plain_memory = hwy::AllocateAligned<T>(n);
+      pointer = plain_memory.get();
+    }
     count = n;
-    std::fill(data.get(), data.get() + n, value);
+    std::fill(pointer, pointer + n, value);
+  }
+  void clear() {
+    huge_memory = HugePageBuffer();
+    plain_memory.reset();
+    pointer = nullptr;
+    count = 0;
   }
   std::size_t size() const { return count; }
-  float* get() const { return data.get(); }
+  T* data() const { return pointer; }
+  T* get() const { return pointer; }
+  T* begin() const { return pointer; }
+  T* end() const { return pointer + count; }
 };
+using Buffer = BenchArray<float>;
 struct Buffers {
   Buffer a, b, c;
 };
@@ -94,8 +118,9 @@ Case make_attention_case(const CaseOptions& o) {
     throw Error("bench", "--scheme", o.scheme, "none, rope, alibi, t5, kerple, fire, tupe, shaw or xl");
   }
   struct State {
-    std::vector<std::uint16_t> q16, k16, v16, out16, dout16, dq16, dk16, dv16;
-    std::vector<float> q, k, v, out, dout, dq, dk, dv, lse;
+    BenchArray<std::uint16_t> q16, k16, v16, out16, dout16, dq16, dk16, dv16;
+    BenchArray<float> q, k, v, out, dout, dq, dk, dv;
+    std::vector<float> lse;
     std::unique_ptr<Attention> attention;
   };
   auto st = std::make_shared<State>();
@@ -106,15 +131,17 @@ Case make_attention_case(const CaseOptions& o) {
     state = state * 6364136223846793005ull + 1442695040888963407ull;
     return static_cast<float>(static_cast<double>(state >> 40) / static_cast<double>(1ull << 24) * 2.0 - 1.0);
   };
-  const auto make = [&](std::vector<float>& f, std::vector<std::uint16_t>& h, std::int64_t n, bool random) {
-    f.assign(static_cast<std::size_t>(n), 0.0f);
+  const auto make = [&](BenchArray<float>& f, BenchArray<std::uint16_t>& h, std::int64_t n, bool random) {
+    f.assign(static_cast<std::size_t>(n), 0.0f, o.huge_pages);
     if (random) {
       for (auto& x : f) x = pattern();
     }
     if (dtype != DType::kF32) {
-      h.resize(f.size());
-      for (std::size_t i = 0; i < f.size(); ++i) h[i] = dtype == DType::kBF16 ? to_bf16(f[i]).bits : to_f16(f[i]).bits;
-      f = {};
+      h.assign(f.size(), 0, o.huge_pages);
+      for (std::size_t i = 0; i < f.size(); ++i) {
+        h.data()[i] = dtype == DType::kBF16 ? to_bf16(f.data()[i]).bits : to_f16(f.data()[i]).bits;
+      }
+      f.clear();
     }
   };
   const bool backward = o.pass == "backward";
@@ -129,7 +156,7 @@ Case make_attention_case(const CaseOptions& o) {
     make(st->dv, st->dv16, k_count, false);
   }
   st->lse.assign(static_cast<std::size_t>(o.batch * heads * q_len), 0.0f);
-  const auto data = [dtype](std::vector<float>& f, std::vector<std::uint16_t>& h) -> void* {
+  const auto data = [dtype](BenchArray<float>& f, BenchArray<std::uint16_t>& h) -> void* {
     return dtype == DType::kF32 ? static_cast<void*>(f.data()) : static_cast<void*>(h.data());
   };
   const std::vector<std::int64_t> q_shape = {o.batch, q_len, heads, dim}, k_shape = {o.batch, k_len, kv, dim};
@@ -372,9 +399,9 @@ Case make_case(const std::string& name, const CaseOptions& o) {
   const double set_bytes = static_cast<double>(size_a + size_b + size_c) * sizeof(float);
   sets->sets.resize(copies_for(set_bytes));
   for (Buffers& bs : sets->sets) {
-    if (size_a > 0) bs.a.assign(size_a, fill_a);
-    if (size_b > 0) bs.b.assign(size_b, fill_b);
-    if (size_c > 0) bs.c.assign(size_c, 0.0f);
+    if (size_a > 0) bs.a.assign(size_a, fill_a, o.huge_pages);
+    if (size_b > 0) bs.b.assign(size_b, fill_b, o.huge_pages);
+    if (size_c > 0) bs.c.assign(size_c, 0.0f, o.huge_pages);
   }
   c.state = sets;
   c.run = [sets, call] { call(sets->advance()); };

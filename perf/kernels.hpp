@@ -29,6 +29,9 @@ struct CaseOptions {
   // backward or decode (one query against a cache of `length` keys); scheme none, rope, alibi,
   // t5, kerple, fire, tupe, shaw or xl
   bool causal = false;
+  // Every buffer on 2 MiB pages (posenc::HugePageBuffer) instead of ordinary ones; the limits
+  // must then be measured with measure_limits(…, huge_pages = true).
+  bool huge_pages = false;
 };
 
 // One prepared case: buffers allocated and touched, `run` does one call of the kernel. A case

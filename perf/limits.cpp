@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "limits.hpp"
+#include "posenc/memory.hpp"
 
 HWY_BEFORE_NAMESPACE();
 namespace posenc::perf {
@@ -141,12 +142,26 @@ std::size_t last_level_cache_bytes() {
   return std::size_t{32} << 20;
 }
 
-Limits measure_limits(int threads, int reps) {
+Limits measure_limits(int threads, int reps, bool huge_pages) {
   const std::size_t bytes = std::clamp<std::size_t>(4 * last_level_cache_bytes(), std::size_t{128} << 20,
                                                     std::size_t{2} << 30);
   const std::size_t n = bytes / sizeof(float) / 1024 * 1024;
-  auto src = hwy::AllocateAligned<float>(n);
-  auto dst = hwy::AllocateAligned<float>(n);
+  // On 2 MiB pages when the kernel's buffers are (the bench's --huge-pages): the same kind of
+  // memory on both sides of a ratio.
+  HugePageBuffer src_huge, dst_huge;
+  hwy::AlignedFreeUniquePtr<float[]> src_plain, dst_plain;
+  float *src = nullptr, *dst = nullptr;
+  if (huge_pages) {
+    src_huge = HugePageBuffer(n * sizeof(float));
+    dst_huge = HugePageBuffer(n * sizeof(float));
+    src = src_huge.as<float>();
+    dst = dst_huge.as<float>();
+  } else {
+    src_plain = hwy::AllocateAligned<float>(n);
+    dst_plain = hwy::AllocateAligned<float>(n);
+    src = src_plain.get();
+    dst = dst_plain.get();
+  }
   const std::size_t chunk = n / static_cast<std::size_t>(threads) / 128 * 128;
   // kind 0: copy, 1: copy with streaming stores, 2: in-place add, 3: read (sum), 4: write
   // (streaming stores of zeros).
@@ -158,13 +173,13 @@ Limits measure_limits(int threads, int reps) {
       const std::size_t begin = t * chunk;
       const std::size_t end = t + 1 == static_cast<std::size_t>(threads) ? n : begin + chunk;
       if (kind == 4) {
-        HWY_DYNAMIC_DISPATCH(ZeroStreamF32)(dst.get() + begin, end - begin);
+        HWY_DYNAMIC_DISPATCH(ZeroStreamF32)(dst + begin, end - begin);
       } else if (kind == 3) {
-        sink = sink + HWY_DYNAMIC_DISPATCH(SumF32)(src.get() + begin, end - begin);
+        sink = sink + HWY_DYNAMIC_DISPATCH(SumF32)(src + begin, end - begin);
       } else if (kind == 2) {
-        HWY_DYNAMIC_DISPATCH(AddOneF32)(dst.get() + begin, end - begin);
+        HWY_DYNAMIC_DISPATCH(AddOneF32)(dst + begin, end - begin);
       } else {
-        HWY_DYNAMIC_DISPATCH(CopyF32)(src.get() + begin, dst.get() + begin, end - begin, kind == 1);
+        HWY_DYNAMIC_DISPATCH(CopyF32)(src + begin, dst + begin, end - begin, kind == 1);
       }
     }
   };

@@ -48,8 +48,9 @@ struct Limits {
 // Size of the last-level cache in bytes (sysconf; 32 MiB when unknown).
 std::size_t last_level_cache_bytes();
 
-// Best of `reps` runs of each kind.
-Limits measure_limits(int threads, int reps = 5);
+// Best of `reps` runs of each kind; with `huge_pages`, on buffers on 2 MiB pages
+// (posenc::HugePageBuffer), for kernels whose buffers are on them too.
+Limits measure_limits(int threads, int reps = 5, bool huge_pages = false);
 // The f32 FMA peak alone (also part of measure_limits).
 double measure_fma_gflops(int threads, int reps = 5);
 

@@ -1,9 +1,12 @@
 // Core types: 16-bit floats, tensor views, positions, errors, runtime target control.
 #include <cmath>
+#include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 
 #include "../src/internal.hpp"  // AlignedFloats: the attention scratch's allocator
+#include "posenc/memory.hpp"
 #include "testing.hpp"
 
 namespace posenc {
@@ -23,6 +26,72 @@ TEST(AlignedFloats, EveryBlockStartsOnACacheLine) {
     EXPECT_EQ(v[n - 1], 1.0f);
   }
 }
+
+// ─── Memory on 2 MiB pages ────────────────────────────────────────────────────────────────────
+TEST(HugePageBuffer, AlignedZeroedAndWritableToItsLastByte) {
+  constexpr std::size_t page = HugePageBuffer::kPageBytes;
+  for (const std::size_t n : {std::size_t{1}, std::size_t{4096}, page - 1, page, page + 1, 5 * page + 3}) {
+    HugePageBuffer buffer(n);
+    ASSERT_NE(buffer.data(), nullptr) << n;
+    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(buffer.data()) % page, 0u) << n;
+    EXPECT_EQ(buffer.size(), n);
+    EXPECT_EQ(buffer.mapped_bytes() % page, 0u) << n;
+    EXPECT_GE(buffer.mapped_bytes(), n);
+    EXPECT_LT(buffer.mapped_bytes(), n + page);
+    auto* bytes = buffer.as<unsigned char>();
+    EXPECT_EQ(buffer.count<unsigned char>(), n);
+    EXPECT_EQ(buffer.count<float>(), n / 4);
+    std::size_t nonzero = 0;
+    for (std::size_t i = 0; i < n; ++i) nonzero += bytes[i] != 0;
+    EXPECT_EQ(nonzero, 0u) << n;
+    bytes[0] = 1;
+    bytes[n - 1] = 2;  // the last byte asked for is mapped and writable
+    EXPECT_EQ(bytes[n - 1], 2);
+  }
+}
+
+TEST(HugePageBuffer, EmptyAndMoved) {
+  HugePageBuffer empty(0);
+  EXPECT_EQ(empty.data(), nullptr);
+  EXPECT_EQ(empty.size(), 0u);
+  EXPECT_EQ(empty.mapped_bytes(), 0u);
+
+  HugePageBuffer a(3000);
+  a.as<float>()[10] = 7.0f;
+  void* const where = a.data();
+  HugePageBuffer b(std::move(a));
+  EXPECT_EQ(a.data(), nullptr);  // NOLINT(bugprone-use-after-move): the moved-from state is specified
+  EXPECT_EQ(a.size(), 0u);
+  EXPECT_EQ(b.data(), where);
+  EXPECT_EQ(b.as<float>()[10], 7.0f);
+  HugePageBuffer c(100);
+  c = std::move(b);  // releases c's own mapping, takes b's
+  EXPECT_EQ(c.data(), where);
+  EXPECT_EQ(c.size(), 3000u);
+  EXPECT_EQ(b.data(), nullptr);  // NOLINT(bugprone-use-after-move)
+}
+
+TEST(HugePageBuffer, RejectsSizesItCannotMap) {
+  expect_error([] { HugePageBuffer too_large(std::numeric_limits<std::size_t>::max()); },
+               {"HugePageBuffer", "bytes = 18446744073709551615", "at most"});
+#if defined(__linux__)
+  // 2^60 bytes (an exbibyte) rounds fine but no x86-64 address space holds it.
+  expect_error([] { HugePageBuffer exbibyte(std::size_t{1} << 60); },
+               {"HugePageBuffer", "bytes = 1152921504606846976", "mmap failed"});
+#endif
+}
+
+#if defined(__linux__)
+TEST(HugePageBuffer, AdvisesHugePagesWhereTheKernelHasThem) {
+  // The advice is accepted whenever the kernel was built with transparent huge pages, whose
+  // setting this file shows; whether pages are granted depends on free memory, so that is not
+  // asserted.
+  std::FILE* setting = std::fopen("/sys/kernel/mm/transparent_hugepage/enabled", "r");
+  if (setting == nullptr) GTEST_SKIP() << "no transparent huge pages in this kernel";
+  std::fclose(setting);
+  EXPECT_TRUE(HugePageBuffer(HugePageBuffer::kPageBytes).huge_pages_advised());
+}
+#endif
 
 // ─── 16-bit floats ─────────────────────────────────────────────────────────────────────────────
 

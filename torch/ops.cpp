@@ -31,6 +31,8 @@
 //                   "keys_rotated", "symmetric", "num_buckets", "max_distance", "bidirectional",
 //                   "power"}
 //   posenc::empty_cache()   frees the cached blocks of large outputs (see BlockCache)
+//   posenc::huge_page_zeros(int[] shape, ScalarType dtype)   a zero-filled tensor on 2 MiB pages
+//                   (posenc/memory.hpp): for KV caches that decode reads
 //
 // Positions are int64 tensors [S] (shared by the batch) or [B, S]. `params` of rope is a JSON
 // object with RopeParams' fields (head_dim, rotary_dim, base, layout, rope_type, factor, …; see
@@ -232,6 +234,25 @@ at::Tensor empty_output(at::IntArrayRef sizes, c10::ScalarType dtype) {
 }
 
 void empty_cache_op() { BlockCache::instance().clear(); }
+
+// A zero-filled contiguous CPU tensor on 2 MiB pages (posenc::HugePageBuffer), for KV caches:
+// decode reads one head's row per 4 KiB page of an ordinary allocation (posenc/memory.hpp).
+at::Tensor huge_page_zeros_op(at::IntArrayRef sizes, c10::ScalarType dtype) {
+  return translating([&] {
+    std::int64_t count = 1;
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      if (sizes[i] < 0) {
+        throw Error("huge_page_zeros", "shape[" + std::to_string(i) + "]", std::to_string(sizes[i]), ">= 0");
+      }
+      count = checked_mul(count, sizes[i], "huge_page_zeros: shape");
+    }
+    const auto bytes = static_cast<std::size_t>(
+        checked_mul(count, static_cast<std::int64_t>(c10::elementSize(dtype)), "huge_page_zeros: shape"));
+    auto* buffer = new HugePageBuffer(bytes);
+    return at::from_blob(buffer->data() != nullptr ? buffer->data() : static_cast<void*>(buffer), sizes,
+                         [buffer](void*) { delete buffer; }, at::TensorOptions().dtype(dtype));
+  });
+}
 
 // Rotates q (and k) out of place; returns (q_out, k_out), k_out empty without k.
 std::tuple<at::Tensor, at::Tensor> rope_apply_tensors(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
@@ -1025,6 +1046,7 @@ TORCH_LIBRARY(posenc, m) {
         &rope_multi_op);
   m.def("alibi_bias(Tensor slopes, Tensor q_positions, Tensor k_positions, bool symmetric) -> Tensor", &alibi_op);
   m.def("empty_cache() -> ()", &empty_cache_op);
+  m.def("huge_page_zeros(int[] shape, ScalarType dtype) -> Tensor", &huge_page_zeros_op);
   m.def("attention(Tensor q, Tensor k, Tensor v, str scheme, Tensor bias_params, bool causal, int window_left, "
         "int window_right, float softcap, float scale, Tensor q_positions, Tensor k_positions) -> (Tensor, Tensor)",
         &attention_op);

@@ -7,6 +7,7 @@
 #include "posenc/dtype.hpp"
 #include "posenc/error.hpp"
 #include "posenc/floater.hpp"
+#include "posenc/memory.hpp"
 #include "posenc/positions.hpp"
 #include "posenc/reference.hpp"
 #include "posenc/relative.hpp"

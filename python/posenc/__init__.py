@@ -18,7 +18,7 @@ import os
 import torch
 
 __all__ = [
-    "empty_cache", "sinusoidal_table", "rope", "alibi_slopes", "alibi_bias", "t5_bias", "kerple_bias", "fire_bias",
+    "empty_cache", "huge_page_zeros", "sinusoidal_table", "rope", "alibi_slopes", "alibi_bias", "t5_bias", "kerple_bias", "fire_bias",
     "tupe_bias", "learned", "floater_table", "shaw_scores", "shaw_values", "xl_scores", "attention", "rope_",
     "rope_multi",
     "SinusoidalPositionalEncoding", "LearnedPositionalEncoding", "RotaryPositionalEncoding", "ALiBi",
@@ -50,6 +50,17 @@ def empty_cache():
     the system. Outputs of 1 MiB or more reuse blocks of the same size: a loop that asks for the
     same shapes every step then pays no first-touch page faults."""
     _ops.empty_cache()
+
+
+def huge_page_zeros(*shape, dtype=torch.float32):
+    """A zero-filled contiguous CPU tensor on 2 MiB pages (posenc::HugePageBuffer; Linux's
+    transparent huge pages, where the system grants them), like ``torch.zeros(*shape, dtype=dtype)``.
+    Meant for KV caches [B, S, G, D]: decode reads one head's row of each key, and at G·D·4 = 4 KiB
+    per key every such row lies on its own ordinary page; docs/attention.md measures decode from
+    both kinds of memory. The memory goes back to the system when the tensor is freed."""
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
+        shape = tuple(shape[0])
+    return _ops.huge_page_zeros([int(s) for s in shape], dtype)
 
 
 def sinusoidal_table(positions, dim, base=10000.0, interleaved=True, dtype=torch.float32):

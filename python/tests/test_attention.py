@@ -332,3 +332,26 @@ def test_decode_against_a_long_cache_matches_eager():
     out = posenc.attention(q, k, v, alibi, causal=True)
     ref = reference_attention(qd, kd, vd, alibi_reference_bias(alibi.slopes.double(), 1, sk), causal=True)
     assert torch.allclose(out.double(), ref, atol=1e-5, rtol=0)
+
+
+def test_huge_page_zeros_is_a_kv_cache_like_any_other():
+    """posenc.huge_page_zeros gives a zero, writable, 2 MiB-aligned tensor; decode from a KV cache
+    held in it gives bit for bit what the same cache in an ordinary tensor gives."""
+    k_cache = posenc.huge_page_zeros(1, 3000, 2, 64)
+    v_cache = posenc.huge_page_zeros((1, 3000, 2, 64), dtype=torch.float32)
+    assert k_cache.shape == (1, 3000, 2, 64) and k_cache.dtype == torch.float32 and k_cache.is_contiguous()
+    assert k_cache.data_ptr() % (2 << 20) == 0
+    assert torch.count_nonzero(k_cache) == 0
+    k_cache.copy_(torch.randn(1, 3000, 2, 64))
+    v_cache.copy_(torch.randn(1, 3000, 2, 64))
+    q = torch.randn(1, 1, 8, 64)
+    alibi = posenc.ALiBi(8)
+    out = posenc.attention(q, k_cache, v_cache, alibi, causal=True)
+    ordinary = posenc.attention(q, k_cache.clone(), v_cache.clone(), alibi, causal=True)
+    assert torch.equal(out, ordinary)
+    assert posenc.huge_page_zeros(0, 5).numel() == 0
+    assert posenc.huge_page_zeros(4, dtype=torch.bfloat16).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"huge_page_zeros: shape\[1\] = -2; expected >= 0"):
+        posenc.huge_page_zeros(3, -2)
+    with pytest.raises(ValueError, match="huge_page_zeros: shape"):
+        posenc.huge_page_zeros(1 << 40, 1 << 40)

@@ -595,6 +595,40 @@ TEST_P(AttentionForward, DecodeAcrossRowsHeadsAndTails) {
   }
 }
 
+TEST_P(AttentionForward, DecodeReadsSixteenBitCachesAsTheirF32Values) {
+  // Decode reads bf16 and f16 caches where they lie, widening each vector exactly to f32 (on
+  // targets with those widenings; elsewhere, and at dims whose rows leave a partial vector, the
+  // engine widens each tile into f32 scratch). Either way the arithmetic must be that of an f32
+  // cache holding the same values: lse equal to the bit, and the 16-bit output equal to the f32
+  // output rounded once to the dtype. Rows per KV head 1, 2, 4 and 8, dims that fill whole
+  // vectors and one that does not (72), GQA, and a cache long enough to be split into chunks.
+  struct Shape {
+    std::int64_t q_len, heads, kv_heads, dim, k_len;
+  };
+  const Shape shapes[] = {{1, 8, 2, 64, 300}, {1, 16, 4, 128, 9000}, {1, 4, 4, 80, 517}, {2, 8, 2, 64, 131},
+                          {1, 32, 4, 128, 700}, {1, 6, 2, 72, 250}};
+  for (const DType dt : {DType::kBF16, DType::kF16}) {
+    for (const Shape& sh : shapes) {
+      const std::string what = std::string(dtype_name(dt)) + ", " + std::to_string(sh.q_len * sh.heads / sh.kv_heads) +
+                               " rows per KV head, D " + std::to_string(sh.dim) + ", " + std::to_string(sh.k_len) + " keys";
+      SCOPED_TRACE(what);
+      const Problem p16 = make_problem(1, sh.q_len, sh.k_len, sh.heads, sh.kv_heads, sh.dim, dt);
+      Problem p32 = p16;
+      p32.dtype = DType::kF32;
+      p32.qb = testing::to_dtype(p16.q, DType::kF32);
+      p32.kb = testing::to_dtype(p16.k, DType::kF32);
+      p32.vb = testing::to_dtype(p16.v, DType::kF32);
+      AttentionSpec spec16 = spec_of(p16), spec32 = spec_of(p32);
+      spec16.mask.causal = spec32.mask.causal = true;
+      spec16.groups = spec32.groups = {{sh.heads, {}, AlibiParams(sh.heads)}};
+      const Outputs o16 = run_forward(p16, Attention(spec16), 0), o32 = run_forward(p32, Attention(spec32), 0);
+      for (std::size_t i = 0; i < o32.lse.size(); ++i) ASSERT_EQ(o16.lse[i], o32.lse[i]) << "lse " << i;
+      for (std::size_t i = 0; i < o32.out.size(); ++i) ASSERT_EQ(o16.out[i], testing::round_to(o32.out[i], dt)) << "out " << i;
+      expect_accurate(p16, spec16, what);
+    }
+  }
+}
+
 TEST_P(AttentionForward, SixteenBitInputs) {
   for (const DType dt : {DType::kBF16, DType::kF16}) {
     Problem p = make_problem(1, 45, 61, 2, 1, 80, dt, true);

@@ -1301,11 +1301,13 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
     const QKTables& t = tables_of_head(g * group_size);
     transform_keys = transform_keys || (t.kind != QKTables::kNone && t.transform_keys);
   }
-  const bool direct = dtype == DType::kF32 && kg.dim_stride == 1 && vg.dim_stride == 1 && !transform_keys;
   const bool unit_dims = kg.dim_stride == 1 && vg.dim_stride == 1;
   const bool merged = rows.size() == 1;
   const std::int64_t w = rows[0].width;
   const std::int64_t valid = merged ? rows[0].valid_rows / g_count : rows[0].valid_rows;  // rows per KV head
+  // The kernels read the cache where it lies (f32, and bf16 / f16 on targets that widen them in
+  // vectors); otherwise each tile is first widened into f32 scratch rows of dim_padded.
+  const bool direct = unit_dims && !transform_keys && kernels::attn_decode_reads_directly(dtype, valid, dim);
   std::vector<const float*> q_heads(static_cast<std::size_t>(g_count)), p_heads(q_heads.size());
   std::vector<float*> st_heads(q_heads.size()), o_heads(q_heads.size());
   for (std::int64_t g = 0; g < g_count; ++g) {
@@ -1332,13 +1334,14 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
       for (std::int64_t g = 0; g < g_count; ++g) load_row(data, grid, seq.b, seq.k0 + k0 + j, g, dst + (j * g_count + g) * dp);
     }
   };
+  const DType kernel_dtype = direct ? dtype : DType::kF32;
   for (std::int64_t k0 = k_begin; k0 < k_end; k0 += decode_tile) {
     const std::int64_t keys = std::min(decode_tile, k_end - k0);
-    const float *kp, *vp;
+    const void *kp, *vp;
     std::int64_t ldk, khs, ldv, vhs;
     if (direct) {
-      kp = static_cast<const float*>(k_data) + kg.offset(seq.b, seq.k0 + k0);
-      vp = static_cast<const float*>(v_data) + vg.offset(seq.b, seq.k0 + k0);
+      kp = static_cast<const char*>(k_data) + kg.offset(seq.b, seq.k0 + k0) * width;
+      vp = static_cast<const char*>(v_data) + vg.offset(seq.b, seq.k0 + k0) * width;
       ldk = kg.seq_stride;
       khs = kg.head_stride;
       ldv = vg.seq_stride;
@@ -1361,7 +1364,7 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
     // While the scores are computed, this tile's values come in; while the values are summed,
     // the next tile's keys do.
     const std::int64_t next_keys = std::min(decode_tile, k_end - (k0 + keys));
-    kernels::attn_decode_scores(kp, ldk, khs, keys, g_count, q_heads.data(), dp, valid, dim, st_heads.data(), w,
+    kernels::attn_decode_scores(kp, kernel_dtype, ldk, khs, keys, g_count, q_heads.data(), dp, valid, dim, st_heads.data(), w,
                                 rows_ahead(v_data, vg, seq, k0, keys), k0 == k_begin);
     // The keys' positions, once per tile for every head.
     const std::int64_t* kpos = blocks_scratch[0].kpos.data();
@@ -1382,7 +1385,7 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
       if (any_shaw) shaw_collect(rb, keys, kpos, hs.st.data(), hs.corr.data(), hs.shaw_probs.data(), w);
     }
     if (!direct) pack_tile(v_data, vg, k0, keys, s.v.data());
-    kernels::attn_decode_values(vp, ldv, vhs, keys, g_count, p_heads.data(), w, valid, direct ? dim : dp, o_heads.data(), dp,
+    kernels::attn_decode_values(vp, kernel_dtype, ldv, vhs, keys, g_count, p_heads.data(), w, valid, direct ? dim : dp, o_heads.data(), dp,
                                 rows_ahead(k_data, kg, seq, k0 + keys, next_keys));
   }
 }

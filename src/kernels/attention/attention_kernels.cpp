@@ -11,6 +11,7 @@
 #include <cstring>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "kernels/attention/attention_kernels.hpp"
 #include "posenc/error.hpp"
@@ -169,9 +170,43 @@ constexpr std::int64_t kDecodeMaxRows = 8;
 // 12.6–12.9, 16 KiB 12.3–12.5.
 constexpr std::int64_t kDecodeAhead = 1024;
 
-// The keys' own stream: row kr's successor one cache row ahead (kDecodeAhead floats), a line at a time.
-HWY_INLINE void PrefetchKeyRowAhead(const float* kr, std::int64_t dim) {
-  for (std::int64_t at = 0; at < dim; at += 16) hwy::Prefetch(kr + kDecodeAhead + at);
+// The keys' own stream: the bytes kDecodeAhead floats (4 KiB) past a row of `row_bytes`, a line at a time.
+HWY_INLINE void PrefetchKeyRowAhead(const void* row, std::int64_t row_bytes) {
+  const char* ahead = static_cast<const char*>(row) + kDecodeAhead * static_cast<std::int64_t>(sizeof(float));
+  for (std::int64_t at = 0; at < row_bytes; at += 64) hwy::Prefetch(ahead + at);
+}
+
+// Decode reads the cache where it lies, in its own dtype: f32, or bf16 / f16 (their bits as
+// uint16) widened exactly to f32 in registers, so that a 16-bit cache moves half the bytes and
+// the multiply-adds are those of the f32 cache holding the same values, bit for bit.
+template <DType kType>
+using CacheElement = std::conditional_t<kType == DType::kF32, float, std::uint16_t>;
+
+// Whether this target widens kType in vectors (16-bit: bf16 by a shift, f16 with F16C).
+template <DType kType>
+constexpr bool WidensInVectors() {
+  if constexpr (kType == DType::kF32) return true;
+  if constexpr (kType == DType::kBF16) return HWY_TARGET != HWY_SCALAR;
+  return HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2;  // f16
+}
+
+template <DType kType>
+HWY_INLINE VF LoadCache(DF d, const CacheElement<kType>* HWY_RESTRICT p) {
+  if constexpr (kType == DType::kF32) {
+    return hn::LoadU(d, p);
+  } else if constexpr (kType == DType::kBF16) {
+    const hn::RebindToUnsigned<DF> du32;
+    const hn::Rebind<std::uint16_t, DF> du16;
+    return hn::BitCast(d, hn::ShiftLeft<16>(hn::PromoteTo(du32, hn::LoadU(du16, p))));
+  } else {
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2
+    const hn::Rebind<hwy::float16_t, DF> dh;
+    return hn::PromoteTo(d, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(p)));
+#else
+    (void)p;  // never called: WidensInVectors<kF16>() is false on this target
+    return hn::Zero(d);
+#endif
+  }
 }
 
 // Walks the rows of a RowPrefetch a cache line at a time.
@@ -308,7 +343,7 @@ void DecodeScoresRows(DF d, const float* HWY_RESTRICT k, std::int64_t ldk, std::
       const float* kr = k + j0 * ldk + g * k_head_stride;
       const float* qg = q_heads[g];
       for (std::int64_t i = 0; i < block; ++i) {
-        if (prefetch_keys) PrefetchKeyRowAhead(kr + i * ldk, dim);
+        if (prefetch_keys) PrefetchKeyRowAhead(kr + i * ldk, dim * static_cast<std::int64_t>(sizeof(float)));
         outs[t + i] = st_heads[g] + (j0 + i) * ld_st;
         for (std::int64_t r = 0; r < R; ++r) {
           float extra = 0;
@@ -336,8 +371,8 @@ void DecodeScoresRows(DF d, const float* HWY_RESTRICT k, std::int64_t ldk, std::
 // floats of each key's row in S^T, copied out per key. (DecodeScoresRows instead stores the
 // accumulators, gathers `lanes` rows of them and scatters each sum with its scalar tail: with the
 // per-row bookkeeping, about twice the multiply-adds' time when the cache lines are at hand.)
-template <int R>
-void DecodeScoresPacked(DF d, const float* HWY_RESTRICT k, std::int64_t ldk, std::int64_t k_head_stride,
+template <int R, DType kType>
+void DecodeScoresPacked(DF d, const CacheElement<kType>* HWY_RESTRICT k, std::int64_t ldk, std::int64_t k_head_stride,
                         std::int64_t keys, std::int64_t heads, const float* const* q_heads, std::int64_t ldq,
                         std::int64_t dim, float* const* st_heads, std::int64_t ld_st, PrefetchCursor& cursor,
                         std::int64_t per_row, bool prefetch_keys) {
@@ -348,15 +383,17 @@ void DecodeScoresPacked(DF d, const float* HWY_RESTRICT k, std::int64_t ldk, std
   HWY_ALIGN float sums[kLanes];
   for (std::int64_t j0 = 0; j0 < whole; j0 += KB) {
     for (std::int64_t g = 0; g < heads; ++g) {
-      const float* kr = k + j0 * ldk + g * k_head_stride;
+      const CacheElement<kType>* kr = k + j0 * ldk + g * k_head_stride;
       const float* HWY_RESTRICT qg = q_heads[g];
-      for (int i = 0; prefetch_keys && i < KB; ++i) PrefetchKeyRowAhead(kr + i * ldk, dim);
+      for (int i = 0; prefetch_keys && i < KB; ++i) {
+        PrefetchKeyRowAhead(kr + i * ldk, dim * static_cast<std::int64_t>(sizeof(CacheElement<kType>)));
+      }
       cursor.step(per_row * KB);
       VF acc[kLanes];
       for (auto& a : acc) a = hn::Zero(d);
       for (std::int64_t c = 0; c < dim; c += kLanes) {
         VF kv[KB];
-        for (int i = 0; i < KB; ++i) kv[i] = hn::LoadU(d, kr + i * ldk + c);
+        for (int i = 0; i < KB; ++i) kv[i] = LoadCache<kType>(d, kr + i * ldk + c);
         for (int r = 0; r < R; ++r) {
           const VF qv = hn::LoadU(d, qg + r * ldq + c);
           for (int i = 0; i < KB; ++i) acc[i * R + r] = hn::MulAdd(kv[i], qv, acc[i * R + r]);
@@ -370,11 +407,11 @@ void DecodeScoresPacked(DF d, const float* HWY_RESTRICT k, std::int64_t ldk, std
   // The last keys % KB keys: one at a time.
   for (std::int64_t j = whole; j < keys; ++j) {
     for (std::int64_t g = 0; g < heads; ++g) {
-      const float* kr = k + j * ldk + g * k_head_stride;
+      const CacheElement<kType>* kr = k + j * ldk + g * k_head_stride;
       cursor.step(per_row);
       for (int r = 0; r < R; ++r) {
         VF acc = hn::Zero(d);
-        for (std::int64_t c = 0; c < dim; c += kLanes) acc = hn::MulAdd(hn::LoadU(d, kr + c), hn::LoadU(d, q_heads[g] + r * ldq + c), acc);
+        for (std::int64_t c = 0; c < dim; c += kLanes) acc = hn::MulAdd(LoadCache<kType>(d, kr + c), hn::LoadU(d, q_heads[g] + r * ldq + c), acc);
         st_heads[g][j * ld_st + r] = hn::GetLane(hn::SumOfLanes(d, acc));
       }
     }
@@ -382,32 +419,76 @@ void DecodeScoresPacked(DF d, const float* HWY_RESTRICT k, std::int64_t ldk, std
 }
 #endif
 
-void AttnDecodeScores(const float* HWY_RESTRICT k, std::int64_t ldk, std::int64_t k_head_stride, std::int64_t keys,
+// Whether the packed scores kernel takes q_rows rows per head at this dim on this target.
+HWY_INLINE bool PackedScoresFit(std::int64_t q_rows, std::int64_t dim) {
+#if HWY_TARGET != HWY_SCALAR
+  constexpr auto kLanes = static_cast<std::int64_t>(hn::MaxLanes(DF()));
+  // SumEachVector sums at most 16 vectors (one per lane); q_rows is 1, 2, 4 or 8 dividing the lanes.
+  return static_cast<std::int64_t>(hn::Lanes(DF())) == kLanes && kLanes <= 16 && dim % kLanes == 0 &&
+         q_rows >= 1 && q_rows <= 8 && (q_rows & (q_rows - 1)) == 0 && kLanes % q_rows == 0;
+#else
+  (void)q_rows;
+  (void)dim;
+  return false;
+#endif
+}
+
+// Whether decode reads a cache of `dtype` directly on this target (else the engine widens each
+// tile into f32 scratch first): f32 always; bf16 and f16 where the packed scores kernel fits and
+// the target widens them in vectors.
+bool AttnDecodeReadsDirectly(DType dtype, std::int64_t q_rows, std::int64_t dim) {
+  if (dtype == DType::kF32) return true;
+  if (dtype == DType::kBF16) return WidensInVectors<DType::kBF16>() && PackedScoresFit(q_rows, dim);
+  if (dtype == DType::kF16) return WidensInVectors<DType::kF16>() && PackedScoresFit(q_rows, dim);
+  return false;
+}
+
+template <DType kType>
+void DecodeScoresPackedRows(DF d, const CacheElement<kType>* HWY_RESTRICT k, std::int64_t ldk, std::int64_t k_head_stride,
+                            std::int64_t keys, std::int64_t heads, const float* const* q_heads, std::int64_t ldq,
+                            std::int64_t q_rows, std::int64_t dim, float* const* st_heads, std::int64_t ld_st,
+                            PrefetchCursor& cursor, std::int64_t per_row, bool prefetch_keys) {
+#if HWY_TARGET != HWY_SCALAR
+  constexpr auto kLanes = static_cast<std::int64_t>(hn::MaxLanes(DF()));
+  if constexpr (!WidensInVectors<kType>()) return;  // never asked (AttnDecodeReadsDirectly)
+  switch (q_rows) {
+    case 1: DecodeScoresPacked<1, kType>(d, k, ldk, k_head_stride, keys, heads, q_heads, ldq, dim, st_heads, ld_st, cursor, per_row, prefetch_keys); break;
+    case 2: DecodeScoresPacked<2, kType>(d, k, ldk, k_head_stride, keys, heads, q_heads, ldq, dim, st_heads, ld_st, cursor, per_row, prefetch_keys); break;
+    case 4: DecodeScoresPacked<4, kType>(d, k, ldk, k_head_stride, keys, heads, q_heads, ldq, dim, st_heads, ld_st, cursor, per_row, prefetch_keys); break;
+    default:  // 8, which divides the lanes only from AVX2 up
+      if constexpr (kLanes >= 8) DecodeScoresPacked<8, kType>(d, k, ldk, k_head_stride, keys, heads, q_heads, ldq, dim, st_heads, ld_st, cursor, per_row, prefetch_keys);
+      break;
+  }
+#else
+  (void)d, (void)k, (void)ldk, (void)k_head_stride, (void)keys, (void)heads, (void)q_heads, (void)ldq, (void)q_rows;
+  (void)dim, (void)st_heads, (void)ld_st, (void)cursor, (void)per_row, (void)prefetch_keys;
+#endif
+}
+
+void AttnDecodeScores(const void* HWY_RESTRICT k, DType dtype, std::int64_t ldk, std::int64_t k_head_stride, std::int64_t keys,
                       std::int64_t heads, const float* const* q_heads, std::int64_t ldq, std::int64_t q_rows,
                       std::int64_t dim, float* const* st_heads, std::int64_t ld_st, const RowPrefetch& ahead,
                       bool prefetch_keys) {
   const DF d;
   PrefetchCursor cursor(ahead);
   const std::int64_t per_row = LinesPerStep(cursor.lines(), keys * heads);
-#if HWY_TARGET != HWY_SCALAR
-  constexpr auto kLanes = static_cast<std::int64_t>(hn::MaxLanes(DF()));
-  // SumEachVector sums at most 16 vectors (one per lane).
-  if (static_cast<std::int64_t>(hn::Lanes(d)) == kLanes && kLanes <= 16 && dim % kLanes == 0 && kLanes % q_rows == 0) {
-    switch (q_rows) {
-      case 1: DecodeScoresPacked<1>(d, k, ldk, k_head_stride, keys, heads, q_heads, ldq, dim, st_heads, ld_st, cursor, per_row, prefetch_keys); break;
-      case 2: DecodeScoresPacked<2>(d, k, ldk, k_head_stride, keys, heads, q_heads, ldq, dim, st_heads, ld_st, cursor, per_row, prefetch_keys); break;
-      case 4: DecodeScoresPacked<4>(d, k, ldk, k_head_stride, keys, heads, q_heads, ldq, dim, st_heads, ld_st, cursor, per_row, prefetch_keys); break;
-      default:  // 8, which divides the lanes only from AVX2 up
-        if constexpr (kLanes >= 8) DecodeScoresPacked<8>(d, k, ldk, k_head_stride, keys, heads, q_heads, ldq, dim, st_heads, ld_st, cursor, per_row, prefetch_keys);
-        break;
-    }
+  if (dtype != DType::kF32) {
+    const auto* k16 = static_cast<const std::uint16_t*>(k);
+    const auto scores = dtype == DType::kBF16 ? &DecodeScoresPackedRows<DType::kBF16> : &DecodeScoresPackedRows<DType::kF16>;
+    scores(d, k16, ldk, k_head_stride, keys, heads, q_heads, ldq, q_rows, dim, st_heads, ld_st, cursor, per_row, prefetch_keys);
     cursor.step(cursor.lines());
     return;
   }
-#endif
+  const auto* kf = static_cast<const float*>(k);
+  if (PackedScoresFit(q_rows, dim)) {
+    DecodeScoresPackedRows<DType::kF32>(d, kf, ldk, k_head_stride, keys, heads, q_heads, ldq, q_rows, dim, st_heads, ld_st,
+                                        cursor, per_row, prefetch_keys);
+    cursor.step(cursor.lines());
+    return;
+  }
   switch (q_rows) {
 #define POSENC_DECODE_SCORES(R) \
-  case R: DecodeScoresRows<R>(d, k, ldk, k_head_stride, keys, heads, q_heads, ldq, dim, st_heads, ld_st, cursor, per_row, prefetch_keys); break;
+  case R: DecodeScoresRows<R>(d, kf, ldk, k_head_stride, keys, heads, q_heads, ldq, dim, st_heads, ld_st, cursor, per_row, prefetch_keys); break;
     POSENC_DECODE_SCORES(1)
     POSENC_DECODE_SCORES(2)
     POSENC_DECODE_SCORES(3)
@@ -416,15 +497,15 @@ void AttnDecodeScores(const float* HWY_RESTRICT k, std::int64_t ldk, std::int64_
     POSENC_DECODE_SCORES(6)
     POSENC_DECODE_SCORES(7)
 #undef POSENC_DECODE_SCORES
-    default: DecodeScoresRows<8>(d, k, ldk, k_head_stride, keys, heads, q_heads, ldq, dim, st_heads, ld_st, cursor, per_row, prefetch_keys); break;
+    default: DecodeScoresRows<8>(d, kf, ldk, k_head_stride, keys, heads, q_heads, ldq, dim, st_heads, ld_st, cursor, per_row, prefetch_keys); break;
   }
   cursor.step(cursor.lines());  // nothing is left unless the tile was empty
 }
 
 // o[r][c0 + v·lanes …] += Σ_j p[j·ld_p + r]·v_j[c0 + v·lanes …] for r < R, v < V: R·V
 // accumulators in registers across the keys, each value vector loaded once per key.
-template <int R, int V>
-HWY_INLINE void ValueColumns(DF d, const float* HWY_RESTRICT v, std::int64_t ldv, std::int64_t keys,
+template <int R, int V, DType kType>
+HWY_INLINE void ValueColumns(DF d, const CacheElement<kType>* HWY_RESTRICT v, std::int64_t ldv, std::int64_t keys,
                              const float* HWY_RESTRICT p, std::int64_t ld_p, float* HWY_RESTRICT o, std::int64_t ldo,
                              PrefetchCursor& cursor, std::int64_t per_key) {
   const auto n = static_cast<std::int64_t>(hn::Lanes(d));
@@ -434,7 +515,7 @@ HWY_INLINE void ValueColumns(DF d, const float* HWY_RESTRICT v, std::int64_t ldv
   }
   for (std::int64_t j = 0; j < keys; ++j) {
     VF vv[V];
-    for (int c = 0; c < V; ++c) vv[c] = hn::LoadU(d, v + j * ldv + c * n);
+    for (int c = 0; c < V; ++c) vv[c] = LoadCache<kType>(d, v + j * ldv + c * n);
     for (int r = 0; r < R; ++r) {
       const VF pr = hn::Set(d, p[j * ld_p + r]);
       for (int c = 0; c < V; ++c) acc[r][c] = hn::MulAdd(pr, vv[c], acc[r][c]);
@@ -459,17 +540,20 @@ HWY_INLINE std::int64_t ValueBlocks(std::int64_t rows, std::int64_t cols, std::i
 
 // Column blocks of one head's rows: ValueBlockVectors(R) vectors at a time, then single vectors,
 // then scalar columns.
-template <int R>
-HWY_INLINE void ValueRows(DF d, const float* HWY_RESTRICT v, std::int64_t ldv, std::int64_t keys,
+template <int R, DType kType>
+HWY_INLINE void ValueRows(DF d, const CacheElement<kType>* HWY_RESTRICT v, std::int64_t ldv, std::int64_t keys,
                           const float* HWY_RESTRICT p, std::int64_t ld_p, std::int64_t cols, float* HWY_RESTRICT o,
                           std::int64_t ldo, PrefetchCursor& cursor, std::int64_t per_key) {
   const auto n = static_cast<std::int64_t>(hn::Lanes(d));
   constexpr int kWide = ValueBlockVectors(R);
   std::int64_t c = 0;
   for (; c + kWide * n <= cols; c += kWide * n) {
-    ValueColumns<R, kWide>(d, v + c, ldv, keys, p, ld_p, o + c, ldo, cursor, per_key);
+    ValueColumns<R, kWide, kType>(d, v + c, ldv, keys, p, ld_p, o + c, ldo, cursor, per_key);
   }
-  for (; c + n <= cols; c += n) ValueColumns<R, 1>(d, v + c, ldv, keys, p, ld_p, o + c, ldo, cursor, per_key);
+  for (; c + n <= cols; c += n) ValueColumns<R, 1, kType>(d, v + c, ldv, keys, p, ld_p, o + c, ldo, cursor, per_key);
+  // Scalar columns: f32 only (a 16-bit cache is read directly only when the columns fill whole
+  // vectors, AttnDecodeReadsDirectly).
+  if constexpr (kType != DType::kF32) return;
   for (; c < cols; ++c) {
     for (int r = 0; r < R; ++r) {
       float sum = o[r * ldo + c];
@@ -479,7 +563,30 @@ HWY_INLINE void ValueRows(DF d, const float* HWY_RESTRICT v, std::int64_t ldv, s
   }
 }
 
-void AttnDecodeValues(const float* HWY_RESTRICT v, std::int64_t ldv, std::int64_t v_head_stride, std::int64_t keys,
+template <DType kType>
+void DecodeValuesRows(DF d, const CacheElement<kType>* HWY_RESTRICT v, std::int64_t ldv, std::int64_t v_head_stride,
+                      std::int64_t keys, std::int64_t heads, const float* const* p_heads, std::int64_t ld_p,
+                      std::int64_t rows, std::int64_t cols, float* const* o_heads, std::int64_t ldo, PrefetchCursor& cursor,
+                      std::int64_t per_key) {
+  if constexpr (!WidensInVectors<kType>()) return;  // never asked (AttnDecodeReadsDirectly)
+  for (std::int64_t g = 0; g < heads; ++g) {
+    const CacheElement<kType>* vg = v + g * v_head_stride;
+    const float* p = p_heads[g];
+    float* o = o_heads[g];
+    switch (rows) {
+      case 1: ValueRows<1, kType>(d, vg, ldv, keys, p, ld_p, cols, o, ldo, cursor, per_key); break;
+      case 2: ValueRows<2, kType>(d, vg, ldv, keys, p, ld_p, cols, o, ldo, cursor, per_key); break;
+      case 3: ValueRows<3, kType>(d, vg, ldv, keys, p, ld_p, cols, o, ldo, cursor, per_key); break;
+      case 4: ValueRows<4, kType>(d, vg, ldv, keys, p, ld_p, cols, o, ldo, cursor, per_key); break;
+      case 5: ValueRows<5, kType>(d, vg, ldv, keys, p, ld_p, cols, o, ldo, cursor, per_key); break;
+      case 6: ValueRows<6, kType>(d, vg, ldv, keys, p, ld_p, cols, o, ldo, cursor, per_key); break;
+      case 7: ValueRows<7, kType>(d, vg, ldv, keys, p, ld_p, cols, o, ldo, cursor, per_key); break;
+      default: ValueRows<8, kType>(d, vg, ldv, keys, p, ld_p, cols, o, ldo, cursor, per_key); break;
+    }
+  }
+}
+
+void AttnDecodeValues(const void* HWY_RESTRICT v, DType dtype, std::int64_t ldv, std::int64_t v_head_stride, std::int64_t keys,
                       std::int64_t heads, const float* const* p_heads, std::int64_t ld_p, std::int64_t rows,
                       std::int64_t cols, float* const* o_heads, std::int64_t ldo, const RowPrefetch& ahead) {
   const DF d;
@@ -487,20 +594,13 @@ void AttnDecodeValues(const float* HWY_RESTRICT v, std::int64_t ldv, std::int64_
   PrefetchCursor cursor(ahead);
   // Steps: one per key per column block of every head.
   const std::int64_t per_key = LinesPerStep(cursor.lines(), heads * ValueBlocks(rows, cols, n) * keys);
-  for (std::int64_t g = 0; g < heads; ++g) {
-    const float* vg = v + g * v_head_stride;
-    const float* p = p_heads[g];
-    float* o = o_heads[g];
-    switch (rows) {
-      case 1: ValueRows<1>(d, vg, ldv, keys, p, ld_p, cols, o, ldo, cursor, per_key); break;
-      case 2: ValueRows<2>(d, vg, ldv, keys, p, ld_p, cols, o, ldo, cursor, per_key); break;
-      case 3: ValueRows<3>(d, vg, ldv, keys, p, ld_p, cols, o, ldo, cursor, per_key); break;
-      case 4: ValueRows<4>(d, vg, ldv, keys, p, ld_p, cols, o, ldo, cursor, per_key); break;
-      case 5: ValueRows<5>(d, vg, ldv, keys, p, ld_p, cols, o, ldo, cursor, per_key); break;
-      case 6: ValueRows<6>(d, vg, ldv, keys, p, ld_p, cols, o, ldo, cursor, per_key); break;
-      case 7: ValueRows<7>(d, vg, ldv, keys, p, ld_p, cols, o, ldo, cursor, per_key); break;
-      default: ValueRows<8>(d, vg, ldv, keys, p, ld_p, cols, o, ldo, cursor, per_key); break;
-    }
+  if (dtype != DType::kF32) {
+    const auto values = dtype == DType::kBF16 ? &DecodeValuesRows<DType::kBF16> : &DecodeValuesRows<DType::kF16>;
+    values(d, static_cast<const std::uint16_t*>(v), ldv, v_head_stride, keys, heads, p_heads, ld_p, rows, cols, o_heads, ldo,
+           cursor, per_key);
+  } else {
+    DecodeValuesRows<DType::kF32>(d, static_cast<const float*>(v), ldv, v_head_stride, keys, heads, p_heads, ld_p, rows, cols,
+                                  o_heads, ldo, cursor, per_key);
   }
   cursor.step(cursor.lines());
 }
@@ -821,18 +921,35 @@ void attn_pack_heads(const void* src, DType dtype, std::int64_t seq_stride, std:
 }
 HWY_EXPORT(AttnDecodeValues);
 
-void attn_decode_scores(const float* k, std::int64_t ldk, std::int64_t k_head_stride, std::int64_t keys, std::int64_t heads,
-                        const float* const* q_heads, std::int64_t ldq, std::int64_t q_rows, std::int64_t dim,
-                        float* const* st_heads, std::int64_t ld_st, const RowPrefetch& ahead, bool prefetch_keys) {
-  if (q_rows > 8) throw Error("attention kernel", "q_rows", std::to_string(q_rows), "<= 8 (decode)");
-  HWY_DYNAMIC_DISPATCH(AttnDecodeScores)(k, ldk, k_head_stride, keys, heads, q_heads, ldq, q_rows, dim, st_heads, ld_st,
-                                         ahead, prefetch_keys);
+HWY_EXPORT(AttnDecodeReadsDirectly);
+
+bool attn_decode_reads_directly(DType dtype, std::int64_t q_rows, std::int64_t dim) {
+  return HWY_DYNAMIC_DISPATCH(AttnDecodeReadsDirectly)(dtype, q_rows, dim);
 }
-void attn_decode_values(const float* v, std::int64_t ldv, std::int64_t v_head_stride, std::int64_t keys, std::int64_t heads,
-                        const float* const* p_heads, std::int64_t ld_p, std::int64_t rows, std::int64_t cols,
-                        float* const* o_heads, std::int64_t ldo, const RowPrefetch& ahead) {
-  if (rows > 8) throw Error("attention kernel", "rows", std::to_string(rows), "<= 8 (decode)");
-  HWY_DYNAMIC_DISPATCH(AttnDecodeValues)(v, ldv, v_head_stride, keys, heads, p_heads, ld_p, rows, cols, o_heads, ldo, ahead);
+void attn_decode_scores(const void* k, DType dtype, std::int64_t ldk, std::int64_t k_head_stride, std::int64_t keys,
+                        std::int64_t heads, const float* const* q_heads, std::int64_t ldq, std::int64_t q_rows,
+                        std::int64_t dim, float* const* st_heads, std::int64_t ld_st, const RowPrefetch& ahead,
+                        bool prefetch_keys) {
+  if (q_rows < 1 || q_rows > 8) throw Error("attention kernel", "q_rows", std::to_string(q_rows), "1 … 8 (decode)");
+  if (!attn_decode_reads_directly(dtype, q_rows, dim)) {
+    throw Error("attention kernel", "k dtype", std::string(dtype_name(dtype)),
+                "a dtype this target's decode reads directly at dim " + std::to_string(dim) + " with " +
+                    std::to_string(q_rows) + " rows (attn_decode_reads_directly)");
+  }
+  HWY_DYNAMIC_DISPATCH(AttnDecodeScores)(k, dtype, ldk, k_head_stride, keys, heads, q_heads, ldq, q_rows, dim, st_heads,
+                                         ld_st, ahead, prefetch_keys);
+}
+void attn_decode_values(const void* v, DType dtype, std::int64_t ldv, std::int64_t v_head_stride, std::int64_t keys,
+                        std::int64_t heads, const float* const* p_heads, std::int64_t ld_p, std::int64_t rows,
+                        std::int64_t cols, float* const* o_heads, std::int64_t ldo, const RowPrefetch& ahead) {
+  if (rows < 1 || rows > 8) throw Error("attention kernel", "rows", std::to_string(rows), "1 … 8 (decode)");
+  if (!attn_decode_reads_directly(dtype, rows, cols)) {
+    throw Error("attention kernel", "v dtype", std::string(dtype_name(dtype)),
+                "a dtype this target's decode reads directly at " + std::to_string(cols) + " columns with " +
+                    std::to_string(rows) + " rows (attn_decode_reads_directly)");
+  }
+  HWY_DYNAMIC_DISPATCH(AttnDecodeValues)(v, dtype, ldv, v_head_stride, keys, heads, p_heads, ld_p, rows, cols, o_heads, ldo,
+                                         ahead);
 }
 HWY_EXPORT(AttnMaskTile);
 

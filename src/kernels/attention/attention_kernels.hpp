@@ -51,12 +51,18 @@ void attn_pack_heads(const void* src, DType dtype, std::int64_t seq_stride, std:
 // next tile's keys to the values, so the memory streams while either computes; `prefetch_keys`
 // (the first tile of a run, whose keys nobody prefetched) makes the scores prefetch their own keys
 // one cache row (4 KiB) ahead as well.
-void attn_decode_scores(const float* k, std::int64_t ldk, std::int64_t k_head_stride, std::int64_t keys, std::int64_t heads,
-                        const float* const* q_heads, std::int64_t ldq, std::int64_t q_rows, std::int64_t dim,
-                        float* const* st_heads, std::int64_t ld_st, const RowPrefetch& ahead, bool prefetch_keys);
-void attn_decode_values(const float* v, std::int64_t ldv, std::int64_t v_head_stride, std::int64_t keys, std::int64_t heads,
-                        const float* const* p_heads, std::int64_t ld_p, std::int64_t rows, std::int64_t cols,
-                        float* const* o_heads, std::int64_t ldo, const RowPrefetch& ahead);
+// The cache is read in its own dtype (strides in its elements): f32 always; bf16 and f16 where
+// attn_decode_reads_directly says so, widened exactly to f32 in registers, so the sums are those
+// of an f32 cache holding the same values, bit for bit. Other cases throw posenc::Error (the
+// engine widens such tiles into f32 scratch first).
+bool attn_decode_reads_directly(DType dtype, std::int64_t q_rows, std::int64_t dim);
+void attn_decode_scores(const void* k, DType dtype, std::int64_t ldk, std::int64_t k_head_stride, std::int64_t keys,
+                        std::int64_t heads, const float* const* q_heads, std::int64_t ldq, std::int64_t q_rows,
+                        std::int64_t dim, float* const* st_heads, std::int64_t ld_st, const RowPrefetch& ahead,
+                        bool prefetch_keys);
+void attn_decode_values(const void* v, DType dtype, std::int64_t ldv, std::int64_t v_head_stride, std::int64_t keys,
+                        std::int64_t heads, const float* const* p_heads, std::int64_t ld_p, std::int64_t rows,
+                        std::int64_t cols, float* const* o_heads, std::int64_t ldo, const RowPrefetch& ahead);
 
 // Online-softmax step over a tile S^T [keys][width] (width a multiple of kAttnAlign): with the
 // running max m[r] and sum l[r] of each row, m' = max(m, max_j S^T[j][r]); S^T becomes

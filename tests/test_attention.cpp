@@ -600,13 +600,15 @@ TEST_P(AttentionForward, DecodeReadsSixteenBitCachesAsTheirF32Values) {
   // targets with those widenings; elsewhere, and at dims whose rows leave a partial vector, the
   // engine widens each tile into f32 scratch). Either way the arithmetic must be that of an f32
   // cache holding the same values: lse equal to the bit, and the 16-bit output equal to the f32
-  // output rounded once to the dtype. Rows per KV head 1, 2, 4 and 8, dims that fill whole
+  // output rounded once to the dtype. Rows per KV head 1 to 8 (5, 6 and 7 leave accumulators of
+  // the packed scores idle; on SSE4's 4 lanes they take the widening path), dims that fill whole
   // vectors and one that does not (72), GQA, and a cache long enough to be split into chunks.
   struct Shape {
     std::int64_t q_len, heads, kv_heads, dim, k_len;
   };
-  const Shape shapes[] = {{1, 8, 2, 64, 300}, {1, 16, 4, 128, 9000}, {1, 4, 4, 80, 517}, {2, 8, 2, 64, 131},
-                          {1, 32, 4, 128, 700}, {1, 6, 2, 72, 250}};
+  const Shape shapes[] = {{1, 8, 2, 64, 300},  {1, 16, 4, 128, 9000}, {1, 4, 4, 80, 517},  {2, 8, 2, 64, 131},
+                          {1, 32, 4, 128, 700}, {1, 6, 2, 72, 250},    {1, 28, 4, 128, 600}, {1, 10, 2, 64, 333},
+                          {2, 6, 2, 80, 190}};
   for (const DType dt : {DType::kBF16, DType::kF16}) {
     for (const Shape& sh : shapes) {
       const std::string what = std::string(dtype_name(dt)) + ", " + std::to_string(sh.q_len * sh.heads / sh.kv_heads) +

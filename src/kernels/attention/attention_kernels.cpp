@@ -365,10 +365,11 @@ void DecodeScoresRows(DF d, const float* HWY_RESTRICT k, std::int64_t ldk, std::
 }
 
 #if HWY_TARGET != HWY_SCALAR
-// The scores when R divides the lane count and the dimension fills whole vectors: blocks of
-// KB = lanes / R keys of one head, the R·KB accumulators (u = i·R + r: key i, row r) summed across
-// lanes in registers by SumEachVector, whose lane u is then score (key i, row r) — R consecutive
-// floats of each key's row in S^T, copied out per key. (DecodeScoresRows instead stores the
+// The scores when R <= lanes and the dimension fills whole vectors: blocks of KB = ⌊lanes / R⌋
+// keys of one head, the R·KB accumulators (u = i·R + r: key i, row r; the lanes − R·KB others stay
+// zero) summed across lanes in registers by SumEachVector, whose lane u is then score (key i, row
+// r) — R consecutive floats of each key's row in S^T, copied out per key. R = 5, 6, 7 (Qwen's
+// 40/8 and 28/4 query/KV heads) leave 1–4 of 16 accumulators idle. (DecodeScoresRows instead stores the
 // accumulators, gathers `lanes` rows of them and scatters each sum with its scalar tail: with the
 // per-row bookkeeping, about twice the multiply-adds' time when the cache lines are at hand.)
 template <int R, DType kType>
@@ -378,7 +379,7 @@ void DecodeScoresPacked(DF d, const CacheElement<kType>* HWY_RESTRICT k, std::in
                         std::int64_t per_row, bool prefetch_keys) {
   constexpr auto kLanes = static_cast<std::int64_t>(hn::MaxLanes(DF()));
   constexpr int KB = static_cast<int>(kLanes) / R;
-  static_assert(KB * R == kLanes);
+  static_assert(KB >= 1);
   const std::int64_t whole = keys - keys % KB;
   HWY_ALIGN float sums[kLanes];
   for (std::int64_t j0 = 0; j0 < whole; j0 += KB) {
@@ -423,9 +424,9 @@ void DecodeScoresPacked(DF d, const CacheElement<kType>* HWY_RESTRICT k, std::in
 HWY_INLINE bool PackedScoresFit(std::int64_t q_rows, std::int64_t dim) {
 #if HWY_TARGET != HWY_SCALAR
   constexpr auto kLanes = static_cast<std::int64_t>(hn::MaxLanes(DF()));
-  // SumEachVector sums at most 16 vectors (one per lane); q_rows is 1, 2, 4 or 8 dividing the lanes.
+  // SumEachVector sums at most 16 vectors (one per lane); 1 <= q_rows <= min(8, lanes).
   return static_cast<std::int64_t>(hn::Lanes(DF())) == kLanes && kLanes <= 16 && dim % kLanes == 0 &&
-         q_rows >= 1 && q_rows <= 8 && (q_rows & (q_rows - 1)) == 0 && kLanes % q_rows == 0;
+         q_rows >= 1 && q_rows <= 8 && q_rows <= kLanes;
 #else
   (void)q_rows;
   (void)dim;
@@ -452,12 +453,23 @@ void DecodeScoresPackedRows(DF d, const CacheElement<kType>* HWY_RESTRICT k, std
   constexpr auto kLanes = static_cast<std::int64_t>(hn::MaxLanes(DF()));
   if constexpr (!WidensInVectors<kType>()) return;  // never asked (AttnDecodeReadsDirectly)
   switch (q_rows) {
-    case 1: DecodeScoresPacked<1, kType>(d, k, ldk, k_head_stride, keys, heads, q_heads, ldq, dim, st_heads, ld_st, cursor, per_row, prefetch_keys); break;
-    case 2: DecodeScoresPacked<2, kType>(d, k, ldk, k_head_stride, keys, heads, q_heads, ldq, dim, st_heads, ld_st, cursor, per_row, prefetch_keys); break;
-    case 4: DecodeScoresPacked<4, kType>(d, k, ldk, k_head_stride, keys, heads, q_heads, ldq, dim, st_heads, ld_st, cursor, per_row, prefetch_keys); break;
-    default:  // 8, which divides the lanes only from AVX2 up
-      if constexpr (kLanes >= 8) DecodeScoresPacked<8, kType>(d, k, ldk, k_head_stride, keys, heads, q_heads, ldq, dim, st_heads, ld_st, cursor, per_row, prefetch_keys);
-      break;
+#define POSENC_DECODE_PACKED(R)                                                                                        \
+  case R:                                                                                                              \
+    if constexpr (kLanes >= R) {                                                                                       \
+      DecodeScoresPacked<R, kType>(d, k, ldk, k_head_stride, keys, heads, q_heads, ldq, dim, st_heads, ld_st, cursor,  \
+                                   per_row, prefetch_keys);                                                            \
+    }                                                                                                                  \
+    break;
+    POSENC_DECODE_PACKED(1)
+    POSENC_DECODE_PACKED(2)
+    POSENC_DECODE_PACKED(3)
+    POSENC_DECODE_PACKED(4)
+    POSENC_DECODE_PACKED(5)
+    POSENC_DECODE_PACKED(6)
+    POSENC_DECODE_PACKED(7)
+    POSENC_DECODE_PACKED(8)
+#undef POSENC_DECODE_PACKED
+    default: break;  // more than 8 rows: PackedScoresFit is false
   }
 #else
   (void)d, (void)k, (void)ldk, (void)k_head_stride, (void)keys, (void)heads, (void)q_heads, (void)ldq, (void)q_rows;

@@ -631,6 +631,29 @@ TEST_P(AttentionForward, DecodeReadsSixteenBitCachesAsTheirF32Values) {
   }
 }
 
+TEST_P(AttentionForward, DecodeRotatesAnUnrotatedCacheTileByTile) {
+  // One RoPE over every head with the cache stored un-rotated: decode rotates each key tile while
+  // widening it (attn_pack_rotate_heads), in registers when the pairs fill whole vectors (D 128,
+  // and partial rotary 64 of 128), row by row otherwise (D 80: 40 pairs). f32, bf16 and f16, caches
+  // long enough to be split into chunks.
+  struct Shape {
+    std::int64_t heads, kv_heads, dim, rotary_dim, k_len;
+    DType dtype;
+  };
+  const Shape shapes[] = {{8, 2, 128, 128, 700, DType::kF32},  {8, 2, 128, 64, 5000, DType::kF32},
+                          {4, 4, 80, 80, 333, DType::kF32},    {8, 2, 128, 128, 9000, DType::kBF16},
+                          {8, 2, 128, 64, 517, DType::kF16},   {6, 2, 80, 80, 250, DType::kBF16}};
+  for (const Shape& sh : shapes) {
+    const std::string what = std::string(dtype_name(sh.dtype)) + ", D " + std::to_string(sh.dim) + ", rotary " +
+                             std::to_string(sh.rotary_dim) + ", " + std::to_string(sh.k_len) + " keys";
+    const Problem p = make_problem(1, 1, sh.k_len, sh.heads, sh.kv_heads, sh.dim, sh.dtype);
+    AttentionSpec spec = spec_of(p);
+    spec.mask.causal = true;
+    spec.groups = {{sh.heads, RotaryQK{RopeParams(sh.dim, sh.rotary_dim)}, {}}};
+    expect_accurate(p, spec, what);
+  }
+}
+
 TEST_P(AttentionForward, SixteenBitInputs) {
   for (const DType dt : {DType::kBF16, DType::kF16}) {
     Problem p = make_problem(1, 45, 61, 2, 1, 80, dt, true);

@@ -1301,13 +1301,15 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
     const QKTables& t = tables_of_head(g * group_size);
     transform_keys = transform_keys || (t.kind != QKTables::kNone && t.transform_keys);
   }
-  const bool unit_dims = kg.dim_stride == 1 && vg.dim_stride == 1;
   const bool merged = rows.size() == 1;
   const std::int64_t w = rows[0].width;
   const std::int64_t valid = merged ? rows[0].valid_rows / g_count : rows[0].valid_rows;  // rows per KV head
   // The kernels read the cache where it lies (f32, and bf16 / f16 on targets that widen them in
-  // vectors); otherwise each tile is first widened into f32 scratch rows of dim_padded.
-  const bool direct = unit_dims && !transform_keys && kernels::attn_decode_reads_directly(dtype, valid, dim);
+  // vectors); otherwise each tile is first widened into f32 scratch rows of dim_padded. Keys that
+  // RoPE or an absolute encoding transforms always go through scratch; the values need not.
+  const bool reads_dtype = kernels::attn_decode_reads_directly(dtype, valid, dim);
+  const bool direct_k = kg.dim_stride == 1 && !transform_keys && reads_dtype;
+  const bool direct_v = vg.dim_stride == 1 && reads_dtype;
   std::vector<const float*> q_heads(static_cast<std::size_t>(g_count)), p_heads(q_heads.size());
   std::vector<float*> st_heads(q_heads.size()), o_heads(q_heads.size());
   for (std::int64_t g = 0; g < g_count; ++g) {
@@ -1318,14 +1320,12 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
     p_heads[static_cast<std::size_t>(g)] = hs.st.data() + r0;
     o_heads[static_cast<std::size_t>(g)] = hs.o.data() + r0 * dp;
   }
-  if (!direct) {
-    grow(s.k, decode_tile * g_count * dp);
-    grow(s.v, decode_tile * g_count * dp);
-  }
+  if (!direct_k) grow(s.k, decode_tile * g_count * dp);
+  if (!direct_v) grow(s.v, decode_tile * g_count * dp);
   const std::int64_t width = static_cast<std::int64_t>(dtype_size(dtype));
   // Keys [k0, k0 + keys) of every KV head of `data` as f32 rows [key][head][Dp].
   const auto pack_tile = [&](const void* data, const HeadsGrid& grid, std::int64_t k0, std::int64_t keys, float* dst) {
-    if (unit_dims) {
+    if (grid.dim_stride == 1) {
       kernels::attn_pack_heads(static_cast<const char*>(data) + grid.offset(seq.b, seq.k0 + k0) * width, dtype,
                                grid.seq_stride, grid.head_stride, keys, g_count, dim, dst, dp);
       return;
@@ -1334,18 +1334,35 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
       for (std::int64_t g = 0; g < g_count; ++g) load_row(data, grid, seq.b, seq.k0 + k0 + j, g, dst + (j * g_count + g) * dp);
     }
   };
-  const DType kernel_dtype = direct ? dtype : DType::kF32;
+  const DType k_dtype = direct_k ? dtype : DType::kF32, v_dtype = direct_v ? dtype : DType::kF32;
+  // Keys that every KV head rotates with one half-split RoPE table: widened and rotated in one
+  // pass per tile (attn_pack_rotate_heads) instead of row by row.
+  const QKTables* shared_rope = &tables_of_head(0);
+  for (std::int64_t g = 0; g < g_count; ++g) {
+    if (&tables_of_head(g * group_size) != shared_rope) shared_rope = nullptr;
+  }
+  if (shared_rope != nullptr && (shared_rope->kind != QKTables::kRope || !shared_rope->transform_keys ||
+                                 shared_rope->interleaved || kg.dim_stride != 1 || direct_k)) {
+    shared_rope = nullptr;
+  }
+  std::vector<std::int64_t> table_rows(shared_rope != nullptr ? static_cast<std::size_t>(decode_tile) : 0);
   for (std::int64_t k0 = k_begin; k0 < k_end; k0 += decode_tile) {
     const std::int64_t keys = std::min(decode_tile, k_end - k0);
     const void *kp, *vp;
     std::int64_t ldk, khs, ldv, vhs;
-    if (direct) {
+    if (direct_k) {
       kp = static_cast<const char*>(k_data) + kg.offset(seq.b, seq.k0 + k0) * width;
-      vp = static_cast<const char*>(v_data) + vg.offset(seq.b, seq.k0 + k0) * width;
       ldk = kg.seq_stride;
       khs = kg.head_stride;
-      ldv = vg.seq_stride;
-      vhs = vg.head_stride;
+    } else if (shared_rope != nullptr) {
+      for (std::int64_t j = 0; j < keys; ++j) table_rows[static_cast<std::size_t>(j)] = k_table_row(seq, k0 + j);
+      const std::vector<float>& cs = shared_rope->k_cos_sin.empty() ? shared_rope->q_cos_sin : shared_rope->k_cos_sin;
+      kernels::attn_pack_rotate_heads(static_cast<const char*>(k_data) + kg.offset(seq.b, seq.k0 + k0) * width, dtype,
+                                      kg.seq_stride, kg.head_stride, keys, g_count, dim, cs.data(), table_rows.data(),
+                                      shared_rope->half, s.k.data(), dp);
+      kp = s.k.data();
+      ldk = g_count * dp;
+      khs = dp;
     } else {
       pack_tile(k_data, kg, k0, keys, s.k.data());
       for (std::int64_t j = 0; j < keys; ++j) {
@@ -1357,14 +1374,22 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
         }
       }
       kp = s.k.data();
+      ldk = g_count * dp;
+      khs = dp;
+    }
+    if (direct_v) {
+      vp = static_cast<const char*>(v_data) + vg.offset(seq.b, seq.k0 + k0) * width;
+      ldv = vg.seq_stride;
+      vhs = vg.head_stride;
+    } else {
       vp = s.v.data();
-      ldk = ldv = g_count * dp;
-      khs = vhs = dp;
+      ldv = g_count * dp;
+      vhs = dp;
     }
     // While the scores are computed, this tile's values come in; while the values are summed,
     // the next tile's keys do.
     const std::int64_t next_keys = std::min(decode_tile, k_end - (k0 + keys));
-    kernels::attn_decode_scores(kp, kernel_dtype, ldk, khs, keys, g_count, q_heads.data(), dp, valid, dim, st_heads.data(), w,
+    kernels::attn_decode_scores(kp, k_dtype, ldk, khs, keys, g_count, q_heads.data(), dp, valid, dim, st_heads.data(), w,
                                 rows_ahead(v_data, vg, seq, k0, keys), k0 == k_begin);
     // The keys' positions, once per tile for every head.
     const std::int64_t* kpos = blocks_scratch[0].kpos.data();
@@ -1384,8 +1409,8 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
       kernels::attn_scale_rows(hs.o.data(), dp, rb.valid_rows, dp, hs.corr.data());
       if (any_shaw) shaw_collect(rb, keys, kpos, hs.st.data(), hs.corr.data(), hs.shaw_probs.data(), w);
     }
-    if (!direct) pack_tile(v_data, vg, k0, keys, s.v.data());
-    kernels::attn_decode_values(vp, kernel_dtype, ldv, vhs, keys, g_count, p_heads.data(), w, valid, direct ? dim : dp, o_heads.data(), dp,
+    if (!direct_v) pack_tile(v_data, vg, k0, keys, s.v.data());
+    kernels::attn_decode_values(vp, v_dtype, ldv, vhs, keys, g_count, p_heads.data(), w, valid, direct_v ? dim : dp, o_heads.data(), dp,
                                 rows_ahead(k_data, kg, seq, k0 + keys, next_keys));
   }
 }

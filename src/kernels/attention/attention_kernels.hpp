@@ -37,6 +37,11 @@ void attn_gemm(const float* a, std::int64_t a_row, std::int64_t a_depth, const f
 // (elements; unit dim stride), zero-padded: a tile of the cache converted in its memory order.
 void attn_pack_heads(const void* src, DType dtype, std::int64_t seq_stride, std::int64_t head_stride, std::int64_t keys,
                      std::int64_t heads, std::int64_t dim, float* dst, std::int64_t dim_padded);
+// attn_pack_heads, then each key's rows rotated (half-split RoPE, pairs (i, i + half), i < half) by
+// the [cos(half) | sin(half)] row cos_sin + table_rows[j]·2·half, in one pass.
+void attn_pack_rotate_heads(const void* src, DType dtype, std::int64_t seq_stride, std::int64_t head_stride, std::int64_t keys,
+                            std::int64_t heads, std::int64_t dim, const float* cos_sin, const std::int64_t* table_rows,
+                            std::int64_t half, float* dst, std::int64_t dim_padded);
 
 // Decode over all KV heads of a key tile (any strides; [S, G, D] memory order is fastest): the
 // scores take blocks of keys of one head (lanes / q_rows keys when q_rows divides the lanes and

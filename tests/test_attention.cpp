@@ -632,17 +632,19 @@ TEST_P(AttentionForward, DecodeReadsSixteenBitCachesAsTheirF32Values) {
 }
 
 TEST_P(AttentionForward, DecodeRotatesAnUnrotatedCacheTileByTile) {
-  // One RoPE over every head with the cache stored un-rotated: decode rotates each key tile while
-  // widening it (attn_pack_rotate_heads), in registers when the pairs fill whole vectors (D 128,
-  // and partial rotary 64 of 128), row by row otherwise (D 80: 40 pairs). f32, bf16 and f16, caches
-  // long enough to be split into chunks.
+  // One RoPE over every head with the cache stored un-rotated. Decode rotates the keys inside the
+  // scores where the pairs fill whole vectors and the packed scores apply (D 128, full or partial
+  // rotary), else while widening each tile into scratch (attn_pack_rotate_heads): in registers
+  // when the pairs fill vectors (D 72 with 64 rotated: the rows do not fill them), row by row
+  // otherwise (D 80: 40 pairs, on AVX-512). f32, bf16 and f16, caches long enough to be split.
   struct Shape {
     std::int64_t heads, kv_heads, dim, rotary_dim, k_len;
     DType dtype;
   };
   const Shape shapes[] = {{8, 2, 128, 128, 700, DType::kF32},  {8, 2, 128, 64, 5000, DType::kF32},
                           {4, 4, 80, 80, 333, DType::kF32},    {8, 2, 128, 128, 9000, DType::kBF16},
-                          {8, 2, 128, 64, 517, DType::kF16},   {6, 2, 80, 80, 250, DType::kBF16}};
+                          {8, 2, 128, 64, 517, DType::kF16},   {6, 2, 80, 80, 250, DType::kBF16},
+                          {8, 2, 72, 64, 400, DType::kF32},    {8, 2, 72, 64, 300, DType::kBF16}};
   for (const Shape& sh : shapes) {
     const std::string what = std::string(dtype_name(sh.dtype)) + ", D " + std::to_string(sh.dim) + ", rotary " +
                              std::to_string(sh.rotary_dim) + ", " + std::to_string(sh.k_len) + " keys";

@@ -1308,7 +1308,20 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
   // vectors); otherwise each tile is first widened into f32 scratch rows of dim_padded. Keys that
   // RoPE or an absolute encoding transforms always go through scratch; the values need not.
   const bool reads_dtype = kernels::attn_decode_reads_directly(dtype, valid, dim);
-  const bool direct_k = kg.dim_stride == 1 && !transform_keys && reads_dtype;
+  // Keys that every KV head rotates with one half-split RoPE table: rotated inside the scores
+  // where the kernel can (attn_decode_rotates_keys), else widened and rotated in one pass per tile
+  // (attn_pack_rotate_heads) instead of row by row.
+  const QKTables* shared_rope = &tables_of_head(0);
+  for (std::int64_t g = 0; g < g_count; ++g) {
+    if (&tables_of_head(g * group_size) != shared_rope) shared_rope = nullptr;
+  }
+  if (shared_rope != nullptr && (shared_rope->kind != QKTables::kRope || !shared_rope->transform_keys ||
+                                 shared_rope->interleaved || kg.dim_stride != 1)) {
+    shared_rope = nullptr;
+  }
+  const bool rotate_in_scores =
+      shared_rope != nullptr && kernels::attn_decode_rotates_keys(dtype, valid, dim, shared_rope->half);
+  const bool direct_k = kg.dim_stride == 1 && reads_dtype && (!transform_keys || rotate_in_scores);
   const bool direct_v = vg.dim_stride == 1 && reads_dtype;
   std::vector<const float*> q_heads(static_cast<std::size_t>(g_count)), p_heads(q_heads.size());
   std::vector<float*> st_heads(q_heads.size()), o_heads(q_heads.size());
@@ -1335,27 +1348,25 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
     }
   };
   const DType k_dtype = direct_k ? dtype : DType::kF32, v_dtype = direct_v ? dtype : DType::kF32;
-  // Keys that every KV head rotates with one half-split RoPE table: widened and rotated in one
-  // pass per tile (attn_pack_rotate_heads) instead of row by row.
-  const QKTables* shared_rope = &tables_of_head(0);
-  for (std::int64_t g = 0; g < g_count; ++g) {
-    if (&tables_of_head(g * group_size) != shared_rope) shared_rope = nullptr;
-  }
-  if (shared_rope != nullptr && (shared_rope->kind != QKTables::kRope || !shared_rope->transform_keys ||
-                                 shared_rope->interleaved || kg.dim_stride != 1 || direct_k)) {
-    shared_rope = nullptr;
-  }
   std::vector<std::int64_t> table_rows(shared_rope != nullptr ? static_cast<std::size_t>(decode_tile) : 0);
+  kernels::KeyRotation rotation;
+  if (rotate_in_scores) {
+    rotation.cos_sin = (shared_rope->k_cos_sin.empty() ? shared_rope->q_cos_sin : shared_rope->k_cos_sin).data();
+    rotation.table_rows = table_rows.data();
+    rotation.half = shared_rope->half;
+  }
   for (std::int64_t k0 = k_begin; k0 < k_end; k0 += decode_tile) {
     const std::int64_t keys = std::min(decode_tile, k_end - k0);
     const void *kp, *vp;
     std::int64_t ldk, khs, ldv, vhs;
+    if (shared_rope != nullptr) {
+      for (std::int64_t j = 0; j < keys; ++j) table_rows[static_cast<std::size_t>(j)] = k_table_row(seq, k0 + j);
+    }
     if (direct_k) {
       kp = static_cast<const char*>(k_data) + kg.offset(seq.b, seq.k0 + k0) * width;
       ldk = kg.seq_stride;
       khs = kg.head_stride;
     } else if (shared_rope != nullptr) {
-      for (std::int64_t j = 0; j < keys; ++j) table_rows[static_cast<std::size_t>(j)] = k_table_row(seq, k0 + j);
       const std::vector<float>& cs = shared_rope->k_cos_sin.empty() ? shared_rope->q_cos_sin : shared_rope->k_cos_sin;
       kernels::attn_pack_rotate_heads(static_cast<const char*>(k_data) + kg.offset(seq.b, seq.k0 + k0) * width, dtype,
                                       kg.seq_stride, kg.head_stride, keys, g_count, dim, cs.data(), table_rows.data(),
@@ -1390,7 +1401,7 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
     // the next tile's keys do.
     const std::int64_t next_keys = std::min(decode_tile, k_end - (k0 + keys));
     kernels::attn_decode_scores(kp, k_dtype, ldk, khs, keys, g_count, q_heads.data(), dp, valid, dim, st_heads.data(), w,
-                                rows_ahead(v_data, vg, seq, k0, keys), k0 == k_begin);
+                                rows_ahead(v_data, vg, seq, k0, keys), k0 == k_begin, rotation);
     // The keys' positions, once per tile for every head.
     const std::int64_t* kpos = blocks_scratch[0].kpos.data();
     if (any_bias || any_shaw || any_xl || any_tupe) {

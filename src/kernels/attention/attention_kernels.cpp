@@ -372,17 +372,25 @@ void DecodeScoresRows(DF d, const float* HWY_RESTRICT k, std::int64_t ldk, std::
 // 40/8 and 28/4 query/KV heads) leave 1–4 of 16 accumulators idle. (DecodeScoresRows instead stores the
 // accumulators, gathers `lanes` rows of them and scatters each sum with its scalar tail: with the
 // per-row bookkeeping, about twice the multiply-adds' time when the cache lines are at hand.)
-template <int R, DType kType>
+//
+// With kRotate, key j is first rotated by the half-split RoPE of its table row (`rotation`): each
+// pair of vectors (c, c + half) of the key is rotated in registers and multiplied into the query's
+// pair, so an un-rotated cache is read in place like any other (the sums then run over the pairs
+// in the order c, c + half, c + lanes, …, not over d in order).
+template <int R, DType kType, bool kRotate>
 void DecodeScoresPacked(DF d, const CacheElement<kType>* HWY_RESTRICT k, std::int64_t ldk, std::int64_t k_head_stride,
                         std::int64_t keys, std::int64_t heads, const float* const* q_heads, std::int64_t ldq,
                         std::int64_t dim, float* const* st_heads, std::int64_t ld_st, PrefetchCursor& cursor,
-                        std::int64_t per_row, bool prefetch_keys) {
+                        std::int64_t per_row, bool prefetch_keys, const KeyRotation& rotation) {
   constexpr auto kLanes = static_cast<std::int64_t>(hn::MaxLanes(DF()));
   constexpr int KB = static_cast<int>(kLanes) / R;
   static_assert(KB >= 1);
   const std::int64_t whole = keys - keys % KB;
+  const std::int64_t half = kRotate ? rotation.half : 0;
   HWY_ALIGN float sums[kLanes];
   for (std::int64_t j0 = 0; j0 < whole; j0 += KB) {
+    const float* cos_sin[KB] = {};
+    for (int i = 0; kRotate && i < KB; ++i) cos_sin[i] = rotation.cos_sin + rotation.table_rows[j0 + i] * 2 * half;
     for (std::int64_t g = 0; g < heads; ++g) {
       const CacheElement<kType>* kr = k + j0 * ldk + g * k_head_stride;
       const float* HWY_RESTRICT qg = q_heads[g];
@@ -392,7 +400,20 @@ void DecodeScoresPacked(DF d, const CacheElement<kType>* HWY_RESTRICT k, std::in
       cursor.step(per_row * KB);
       VF acc[kLanes];
       for (auto& a : acc) a = hn::Zero(d);
-      for (std::int64_t c = 0; c < dim; c += kLanes) {
+      for (std::int64_t c = 0; kRotate && c < half; c += kLanes) {
+        VF lo[KB], hi[KB];
+        for (int i = 0; i < KB; ++i) {
+          const VF a = LoadCache<kType>(d, kr + i * ldk + c), b = LoadCache<kType>(d, kr + i * ldk + half + c);
+          const VF cs = hn::LoadU(d, cos_sin[i] + c), sn = hn::LoadU(d, cos_sin[i] + half + c);
+          lo[i] = hn::NegMulAdd(b, sn, hn::Mul(a, cs));
+          hi[i] = hn::MulAdd(a, sn, hn::Mul(b, cs));
+        }
+        for (int r = 0; r < R; ++r) {
+          const VF q_lo = hn::LoadU(d, qg + r * ldq + c), q_hi = hn::LoadU(d, qg + r * ldq + half + c);
+          for (int i = 0; i < KB; ++i) acc[i * R + r] = hn::MulAdd(hi[i], q_hi, hn::MulAdd(lo[i], q_lo, acc[i * R + r]));
+        }
+      }
+      for (std::int64_t c = 2 * half; c < dim; c += kLanes) {
         VF kv[KB];
         for (int i = 0; i < KB; ++i) kv[i] = LoadCache<kType>(d, kr + i * ldk + c);
         for (int r = 0; r < R; ++r) {
@@ -407,12 +428,20 @@ void DecodeScoresPacked(DF d, const CacheElement<kType>* HWY_RESTRICT k, std::in
   }
   // The last keys % KB keys: one at a time.
   for (std::int64_t j = whole; j < keys; ++j) {
+    const float* cos_sin = kRotate ? rotation.cos_sin + rotation.table_rows[j] * 2 * half : nullptr;
     for (std::int64_t g = 0; g < heads; ++g) {
       const CacheElement<kType>* kr = k + j * ldk + g * k_head_stride;
       cursor.step(per_row);
       for (int r = 0; r < R; ++r) {
+        const float* qr = q_heads[g] + r * ldq;
         VF acc = hn::Zero(d);
-        for (std::int64_t c = 0; c < dim; c += kLanes) acc = hn::MulAdd(LoadCache<kType>(d, kr + c), hn::LoadU(d, q_heads[g] + r * ldq + c), acc);
+        for (std::int64_t c = 0; kRotate && c < half; c += kLanes) {
+          const VF a = LoadCache<kType>(d, kr + c), b = LoadCache<kType>(d, kr + half + c);
+          const VF cs = hn::LoadU(d, cos_sin + c), sn = hn::LoadU(d, cos_sin + half + c);
+          acc = hn::MulAdd(hn::NegMulAdd(b, sn, hn::Mul(a, cs)), hn::LoadU(d, qr + c), acc);
+          acc = hn::MulAdd(hn::MulAdd(a, sn, hn::Mul(b, cs)), hn::LoadU(d, qr + half + c), acc);
+        }
+        for (std::int64_t c = 2 * half; c < dim; c += kLanes) acc = hn::MulAdd(LoadCache<kType>(d, kr + c), hn::LoadU(d, qr + c), acc);
         st_heads[g][j * ld_st + r] = hn::GetLane(hn::SumOfLanes(d, acc));
       }
     }
@@ -437,6 +466,14 @@ HWY_INLINE bool PackedScoresFit(std::int64_t q_rows, std::int64_t dim) {
 // Whether decode reads a cache of `dtype` directly on this target (else the engine widens each
 // tile into f32 scratch first): f32 always; bf16 and f16 where the packed scores kernel fits and
 // the target widens them in vectors.
+// Whether the packed scores can also rotate the keys (half-split pairs filling whole vectors).
+bool AttnDecodeRotatesKeys(DType dtype, std::int64_t q_rows, std::int64_t dim, std::int64_t half) {
+  const auto lanes = static_cast<std::int64_t>(hn::Lanes(DF()));
+  return half > 0 && half % lanes == 0 && 2 * half <= dim && PackedScoresFit(q_rows, dim) &&
+         (dtype == DType::kF32 || (dtype == DType::kBF16 && WidensInVectors<DType::kBF16>()) ||
+          (dtype == DType::kF16 && WidensInVectors<DType::kF16>()));
+}
+
 bool AttnDecodeReadsDirectly(DType dtype, std::int64_t q_rows, std::int64_t dim) {
   if (dtype == DType::kF32) return true;
   if (dtype == DType::kBF16) return WidensInVectors<DType::kBF16>() && PackedScoresFit(q_rows, dim);
@@ -448,7 +485,7 @@ template <DType kType>
 void DecodeScoresPackedRows(DF d, const CacheElement<kType>* HWY_RESTRICT k, std::int64_t ldk, std::int64_t k_head_stride,
                             std::int64_t keys, std::int64_t heads, const float* const* q_heads, std::int64_t ldq,
                             std::int64_t q_rows, std::int64_t dim, float* const* st_heads, std::int64_t ld_st,
-                            PrefetchCursor& cursor, std::int64_t per_row, bool prefetch_keys) {
+                            PrefetchCursor& cursor, std::int64_t per_row, bool prefetch_keys, const KeyRotation& rotation) {
 #if HWY_TARGET != HWY_SCALAR
   constexpr auto kLanes = static_cast<std::int64_t>(hn::MaxLanes(DF()));
   if constexpr (!WidensInVectors<kType>()) return;  // never asked (AttnDecodeReadsDirectly)
@@ -456,8 +493,13 @@ void DecodeScoresPackedRows(DF d, const CacheElement<kType>* HWY_RESTRICT k, std
 #define POSENC_DECODE_PACKED(R)                                                                                        \
   case R:                                                                                                              \
     if constexpr (kLanes >= R) {                                                                                       \
-      DecodeScoresPacked<R, kType>(d, k, ldk, k_head_stride, keys, heads, q_heads, ldq, dim, st_heads, ld_st, cursor,  \
-                                   per_row, prefetch_keys);                                                            \
+      if (rotation.cos_sin != nullptr) {                                                                               \
+        DecodeScoresPacked<R, kType, true>(d, k, ldk, k_head_stride, keys, heads, q_heads, ldq, dim, st_heads, ld_st,  \
+                                           cursor, per_row, prefetch_keys, rotation);                                  \
+      } else {                                                                                                         \
+        DecodeScoresPacked<R, kType, false>(d, k, ldk, k_head_stride, keys, heads, q_heads, ldq, dim, st_heads, ld_st, \
+                                            cursor, per_row, prefetch_keys, rotation);                                 \
+      }                                                                                                                \
     }                                                                                                                  \
     break;
     POSENC_DECODE_PACKED(1)
@@ -473,28 +515,29 @@ void DecodeScoresPackedRows(DF d, const CacheElement<kType>* HWY_RESTRICT k, std
   }
 #else
   (void)d, (void)k, (void)ldk, (void)k_head_stride, (void)keys, (void)heads, (void)q_heads, (void)ldq, (void)q_rows;
-  (void)dim, (void)st_heads, (void)ld_st, (void)cursor, (void)per_row, (void)prefetch_keys;
+  (void)dim, (void)st_heads, (void)ld_st, (void)cursor, (void)per_row, (void)prefetch_keys, (void)rotation;
 #endif
 }
 
 void AttnDecodeScores(const void* HWY_RESTRICT k, DType dtype, std::int64_t ldk, std::int64_t k_head_stride, std::int64_t keys,
                       std::int64_t heads, const float* const* q_heads, std::int64_t ldq, std::int64_t q_rows,
                       std::int64_t dim, float* const* st_heads, std::int64_t ld_st, const RowPrefetch& ahead,
-                      bool prefetch_keys) {
+                      bool prefetch_keys, const KeyRotation& rotation) {
   const DF d;
   PrefetchCursor cursor(ahead);
   const std::int64_t per_row = LinesPerStep(cursor.lines(), keys * heads);
   if (dtype != DType::kF32) {
     const auto* k16 = static_cast<const std::uint16_t*>(k);
     const auto scores = dtype == DType::kBF16 ? &DecodeScoresPackedRows<DType::kBF16> : &DecodeScoresPackedRows<DType::kF16>;
-    scores(d, k16, ldk, k_head_stride, keys, heads, q_heads, ldq, q_rows, dim, st_heads, ld_st, cursor, per_row, prefetch_keys);
+    scores(d, k16, ldk, k_head_stride, keys, heads, q_heads, ldq, q_rows, dim, st_heads, ld_st, cursor, per_row, prefetch_keys,
+           rotation);
     cursor.step(cursor.lines());
     return;
   }
   const auto* kf = static_cast<const float*>(k);
   if (PackedScoresFit(q_rows, dim)) {
     DecodeScoresPackedRows<DType::kF32>(d, kf, ldk, k_head_stride, keys, heads, q_heads, ldq, q_rows, dim, st_heads, ld_st,
-                                        cursor, per_row, prefetch_keys);
+                                        cursor, per_row, prefetch_keys, rotation);
     cursor.step(cursor.lines());
     return;
   }
@@ -987,22 +1030,30 @@ void attn_pack_heads(const void* src, DType dtype, std::int64_t seq_stride, std:
 HWY_EXPORT(AttnDecodeValues);
 
 HWY_EXPORT(AttnDecodeReadsDirectly);
+HWY_EXPORT(AttnDecodeRotatesKeys);
 
 bool attn_decode_reads_directly(DType dtype, std::int64_t q_rows, std::int64_t dim) {
   return HWY_DYNAMIC_DISPATCH(AttnDecodeReadsDirectly)(dtype, q_rows, dim);
 }
+bool attn_decode_rotates_keys(DType dtype, std::int64_t q_rows, std::int64_t dim, std::int64_t half) {
+  return HWY_DYNAMIC_DISPATCH(AttnDecodeRotatesKeys)(dtype, q_rows, dim, half);
+}
 void attn_decode_scores(const void* k, DType dtype, std::int64_t ldk, std::int64_t k_head_stride, std::int64_t keys,
                         std::int64_t heads, const float* const* q_heads, std::int64_t ldq, std::int64_t q_rows,
                         std::int64_t dim, float* const* st_heads, std::int64_t ld_st, const RowPrefetch& ahead,
-                        bool prefetch_keys) {
+                        bool prefetch_keys, const KeyRotation& rotation) {
   if (q_rows < 1 || q_rows > 8) throw Error("attention kernel", "q_rows", std::to_string(q_rows), "1 … 8 (decode)");
+  if (rotation.cos_sin != nullptr && !attn_decode_rotates_keys(dtype, q_rows, dim, rotation.half)) {
+    throw Error("attention kernel", "rotation.half", std::to_string(rotation.half),
+                "pairs the scores rotate at dim " + std::to_string(dim) + " (attn_decode_rotates_keys)");
+  }
   if (!attn_decode_reads_directly(dtype, q_rows, dim)) {
     throw Error("attention kernel", "k dtype", std::string(dtype_name(dtype)),
                 "a dtype this target's decode reads directly at dim " + std::to_string(dim) + " with " +
                     std::to_string(q_rows) + " rows (attn_decode_reads_directly)");
   }
   HWY_DYNAMIC_DISPATCH(AttnDecodeScores)(k, dtype, ldk, k_head_stride, keys, heads, q_heads, ldq, q_rows, dim, st_heads,
-                                         ld_st, ahead, prefetch_keys);
+                                         ld_st, ahead, prefetch_keys, rotation);
 }
 void attn_decode_values(const void* v, DType dtype, std::int64_t ldv, std::int64_t v_head_stride, std::int64_t keys,
                         std::int64_t heads, const float* const* p_heads, std::int64_t ld_p, std::int64_t rows,

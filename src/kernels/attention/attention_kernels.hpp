@@ -60,11 +60,20 @@ void attn_pack_rotate_heads(const void* src, DType dtype, std::int64_t seq_strid
 // attn_decode_reads_directly says so, widened exactly to f32 in registers, so the sums are those
 // of an f32 cache holding the same values, bit for bit. Other cases throw posenc::Error (the
 // engine widens such tiles into f32 scratch first).
+// With `rotation` (cos_sin set), the scores first rotate key j (of the tile) by the half-split
+// RoPE of row cos_sin + table_rows[j]·2·half, in registers: an un-rotated cache read in place.
+// Only where attn_decode_rotates_keys says so (else posenc::Error).
+struct KeyRotation {
+  const float* cos_sin = nullptr;            // [rows][cos(half) | sin(half)]
+  const std::int64_t* table_rows = nullptr;  // per key of the tile
+  std::int64_t half = 0;                     // rotated pairs (i, i + half), i < half
+};
 bool attn_decode_reads_directly(DType dtype, std::int64_t q_rows, std::int64_t dim);
+bool attn_decode_rotates_keys(DType dtype, std::int64_t q_rows, std::int64_t dim, std::int64_t half);
 void attn_decode_scores(const void* k, DType dtype, std::int64_t ldk, std::int64_t k_head_stride, std::int64_t keys,
                         std::int64_t heads, const float* const* q_heads, std::int64_t ldq, std::int64_t q_rows,
                         std::int64_t dim, float* const* st_heads, std::int64_t ld_st, const RowPrefetch& ahead,
-                        bool prefetch_keys);
+                        bool prefetch_keys, const KeyRotation& rotation = {});
 void attn_decode_values(const void* v, DType dtype, std::int64_t ldv, std::int64_t v_head_stride, std::int64_t keys,
                         std::int64_t heads, const float* const* p_heads, std::int64_t ld_p, std::int64_t rows,
                         std::int64_t cols, float* const* o_heads, std::int64_t ldo, const RowPrefetch& ahead);

@@ -656,6 +656,32 @@ TEST_P(AttentionForward, DecodeRotatesAnUnrotatedCacheTileByTile) {
   }
 }
 
+TEST_P(AttentionForward, DecodeAddsEveryHeadsTableBiasAsOneRow) {
+  // One query per sequence and every head tabulated (ALiBi and T5 groups here): decode adds each
+  // key's biases for all heads as one row of a [δ][head] table. A packed spec (cu_seqlens) of the
+  // same single sequence adds them lane by lane; both must agree to the bit, and with the fp64
+  // reference. Caches long enough to be split, GQA with groups that straddle KV heads.
+  for (const std::int64_t k_len : {std::int64_t{77}, std::int64_t{700}, std::int64_t{9000}}) {
+    SCOPED_TRACE(std::to_string(k_len) + " keys");
+    const Problem p = make_problem(1, 1, k_len, 12, 4, 64);
+    AttentionSpec spec = spec_of(p);
+    spec.mask.causal = true;
+    std::vector<double> t5_table(32 * 6);
+    for (std::size_t i = 0; i < t5_table.size(); ++i) t5_table[i] = 0.05 * static_cast<double>(i % 17) - 0.3;
+    spec.groups = {{6, {}, AlibiParams(6)}, {6, {}, T5BiasParams(6, 32, 128, false, t5_table)}};
+    expect_accurate(p, spec, "ALiBi and T5");
+    Problem packed = p;
+    packed.cu_q = {0, 1};
+    packed.cu_k = {0, k_len};
+    AttentionSpec packed_spec = spec_of(packed);
+    packed_spec.mask = spec.mask;
+    packed_spec.groups = spec.groups;
+    const Outputs one_row = run_forward(p, Attention(spec), 0), lane_by_lane = run_forward(packed, Attention(packed_spec), 0);
+    for (std::size_t i = 0; i < one_row.out.size(); ++i) ASSERT_EQ(one_row.out[i], lane_by_lane.out[i]) << "out " << i;
+    for (std::size_t i = 0; i < one_row.lse.size(); ++i) ASSERT_EQ(one_row.lse[i], lane_by_lane.lse[i]) << "lse " << i;
+  }
+}
+
 TEST_P(AttentionForward, SixteenBitInputs) {
   for (const DType dt : {DType::kBF16, DType::kF16}) {
     Problem p = make_problem(1, 45, 61, 2, 1, 80, dt, true);

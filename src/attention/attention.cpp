@@ -273,6 +273,20 @@ void AttentionPlan::add_bias(const Sequence& seq, const RowBlock& rb, std::int64
   if (!any_bias) return;
   bool keys_consecutive = true;
   for (std::int64_t j = 1; j < keys && keys_consecutive; ++j) keys_consecutive = kpos[j] == kpos[0] + j;
+  // Decode's merged rows of one query (layout_decode_rows: lane r is head r, all at one position):
+  // a key's biases for every head are one row of bias_by_delta.
+  if (!bias_by_delta.empty() && keys_consecutive && rb.compact && rb.valid_rows == heads && keys > 0) {
+    bool one_query = true;
+    for (std::int64_t r = 0; r < heads && one_query; ++r) {
+      one_query = rb.head[static_cast<std::size_t>(r)] == r && rb.position[static_cast<std::size_t>(r)] == rb.position[0];
+    }
+    const HeadBias& hb = head_bias[0];
+    const std::int64_t base = rb.position[0] - kpos[0] - hb.delta_min;
+    if (one_query && base - (keys - 1) >= 0 && base < hb.width) {
+      kernels::attn_add_bias_rows(st, keys, rb.width, bias_by_delta.data(), base, heads);
+      return;
+    }
+  }
   const std::int64_t chunks = rb.width / kAttnAlign;
   for (std::int64_t c = 0; c < chunks; ++c) {
     const std::int64_t r0 = c * kAttnAlign;

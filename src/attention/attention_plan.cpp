@@ -574,6 +574,15 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), 
     }
   }
   grad_offset.push_back(flat);
+  bool every_head_tabulated = heads > 0;
+  for (const HeadBias& hb : head_bias) every_head_tabulated = every_head_tabulated && hb.kind == HeadBias::kTable;
+  if (every_head_tabulated && !packed && q_len == 1) {
+    bias_by_delta.resize(static_cast<std::size_t>(width * heads));
+    for (std::int64_t h = 0; h < heads; ++h) {
+      const float* table = head_bias[static_cast<std::size_t>(h)].table;
+      for (std::int64_t t = 0; t < width; ++t) bias_by_delta[static_cast<std::size_t>(t * heads + h)] = table[t];
+    }
+  }
   hist_width = width <= kMaxBiasTable ? width : 0;
   build_xl_tables(groups);
   build_tupe_tables(groups, p_min, p_max);
@@ -1079,6 +1088,7 @@ std::int64_t AttentionPlan::table_bytes() const {
   std::int64_t total = 0;
   for (const auto& t : tables) total += t.bytes();
   for (const auto& t : bias_tables) total += static_cast<std::int64_t>(t.size() * sizeof(float));
+  total += static_cast<std::int64_t>(bias_by_delta.size() * sizeof(float));
   for (const auto& t : bias_table_max) total += static_cast<std::int64_t>(t.size() * sizeof(float));
   for (const auto& t : tupe) total += static_cast<std::int64_t>((t.pq.size() + t.pk.size()) * sizeof(float));
   for (const auto& t : xl) total += static_cast<std::int64_t>((t.projected.size() + t.constant.size() + t.u.size() + t.sinusoids.size()) *

@@ -233,6 +233,10 @@ struct AttentionPlan {
 
   std::vector<HeadBias> head_bias;
   std::vector<std::vector<float>> bias_tables;     // per group: [heads][width]
+  // Every head's table transposed, [width][heads], when every head is tabulated and each
+  // sequence has one query: decode's merged rows (lane r = head r) then add a key's biases as
+  // one contiguous row (add_bias) instead of lane by lane.
+  std::vector<float> bias_by_delta;
   std::vector<std::vector<float>> bias_table_max;  // per group: [heads][max_from | max_to][width]
   std::vector<std::unique_ptr<BiasEvaluator>> evaluators;
   std::vector<std::unique_ptr<FireRows>> fire_rows;

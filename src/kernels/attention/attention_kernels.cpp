@@ -761,6 +761,19 @@ void AttnAddBiasTile(float* HWY_RESTRICT st, std::int64_t keys, std::int64_t wid
   }
 }
 
+void AttnAddBiasRows(float* HWY_RESTRICT st, std::int64_t keys, std::int64_t width, const float* HWY_RESTRICT table,
+                     std::int64_t base, std::int64_t rows) {
+  const DF d;
+  const auto n = static_cast<std::int64_t>(hn::Lanes(d));
+  for (std::int64_t j = 0; j < keys; ++j) {
+    float* row = st + j * width;
+    const float* t = table + (base - j) * rows;
+    std::int64_t r = 0;
+    for (; r + n <= rows; r += n) hn::StoreU(hn::Add(hn::LoadU(d, row + r), hn::LoadU(d, t + r)), d, row + r);
+    for (; r < rows; ++r) row[r] += t[r];
+  }
+}
+
 // Transformer-XL's pairs (attn_xl_add / attn_xl_collect): the side that is only read is const.
 template <bool kCollect, class Tile, class Window>
 HWY_INLINE void XlPairs(Tile* HWY_RESTRICT st, std::int64_t keys, std::int64_t width, Window* HWY_RESTRICT window,
@@ -1069,6 +1082,11 @@ void attn_decode_values(const void* v, DType dtype, std::int64_t ldv, std::int64
 }
 HWY_EXPORT(AttnMaskTile);
 
+HWY_EXPORT(AttnAddBiasRows);
+void attn_add_bias_rows(float* st, std::int64_t keys, std::int64_t width, const float* table, std::int64_t base,
+                        std::int64_t rows) {
+  HWY_DYNAMIC_DISPATCH(AttnAddBiasRows)(st, keys, width, table, base, rows);
+}
 void attn_add_bias_tile(float* st, std::int64_t keys, std::int64_t width, const float* table, std::int64_t base) {
   HWY_DYNAMIC_DISPATCH(AttnAddBiasTile)(st, keys, width, table, base);
 }

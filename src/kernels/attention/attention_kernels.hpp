@@ -101,6 +101,10 @@ void attn_backward_tile(float* st, float* dpt, std::int64_t keys, std::int64_t w
 // consecutive query positions against keys at consecutive positions: δ = q − k runs up with the
 // lane and down with the key). st points at the chunk's first lane; rows of S^T are `width` apart.
 void attn_add_bias_tile(float* st, std::int64_t keys, std::int64_t width, const float* table, std::int64_t base);
+// S^T[j][r] += table[(base − j)·rows + r] for j < keys, r < rows: a bias table stored [δ][row]
+// (decode's rows of one query, one per head, against keys at consecutive positions).
+void attn_add_bias_rows(float* st, std::int64_t keys, std::int64_t width, const float* table, std::int64_t base,
+                        std::int64_t rows);
 
 // Transformer-XL's pairs on one lane chunk (kAttnAlign rows; st and window point at its first
 // lane): for key j and lane t, u = base[t] − key_offset[j] picks the window row when 0 <= u < span,

@@ -53,7 +53,12 @@
 // TUPE's projections must have head_dim == D (they meet in the score tiles as a second product).
 //
 // Decode (few queries, long KV cache): the keys split into fixed chunks that run in parallel and
-// merge by their log-sum-exps in chunk order — exact, and independent of the thread count.
+// merge by their log-sum-exps in chunk order — exact, and independent of the thread count. It is
+// bound by reading the cache, which it reads where it lies: f32, bf16 and f16 (widened exactly in
+// registers; half the bytes of f32), and an un-rotated cache with RoPE (rotated in registers). It
+// is fastest with the cache [B, Sk, G, D] (every KV head of a key together) on 2 MiB pages
+// (posenc::HugePageBuffer, memory.hpp: at G·D·4 = 4 KiB per key, each head's row otherwise lies
+// on its own 4 KiB page).
 //
 // Errors: posenc::Error naming the parameter for shapes or dtypes that do not match, head counts
 // that do not divide, groups that do not tile the heads or split a KV group's transform, window

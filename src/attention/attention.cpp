@@ -1320,7 +1320,8 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
   const std::int64_t valid = merged ? rows[0].valid_rows / g_count : rows[0].valid_rows;  // rows per KV head
   // The kernels read the cache where it lies (f32, and bf16 / f16 on targets that widen them in
   // vectors); otherwise each tile is first widened into f32 scratch rows of dim_padded. Keys that
-  // RoPE or an absolute encoding transforms always go through scratch; the values need not.
+  // RoPE or an absolute encoding transforms go through scratch too, unless the scores rotate them
+  // (below); the values never need to.
   const bool reads_dtype = kernels::attn_decode_reads_directly(dtype, valid, dim);
   // Keys that every KV head rotates with one half-split RoPE table: rotated inside the scores
   // where the kernel can (attn_decode_rotates_keys), else widened and rotated in one pass per tile

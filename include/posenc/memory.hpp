@@ -11,8 +11,9 @@
 //
 // A decode tile of 64 keys then walks 64 pages of keys and 64 of values per head pass. Measured
 // on a Zen 4 (2 threads, 32768 keys, 32 query heads over 8 KV heads, D 128, f32; docs/attention.md):
-// 26.9-28.9 GB/s on 4 KiB pages, 32.1-33.9 GB/s on 2 MiB pages, same binary, same minute. A
-// sequential copy gains far less from the larger pages (0-7% in the same test program).
+// 26.9-28.9 GB/s on 4 KiB pages, 32.1-33.9 GB/s on 2 MiB pages, same binary, same minute. What
+// a sequential copy gains varies: 0-7% in a test program copying 512 MiB, up to 1.5x for the
+// bench's own limits on that virtual machine.
 //
 // HugePageBuffer maps `bytes` (rounded up to whole 2 MiB pages) of anonymous memory aligned to
 // 2 MiB and, on Linux, advises the kernel to back it with transparent huge pages

@@ -2,52 +2,15 @@
 
 #include <cmath>
 
-#include <hwy/aligned_allocator.h>
-
 #include <algorithm>
 #include <vector>
 
 #include "limits.hpp"
-#include "posenc/memory.hpp"
 #include "posenc/posenc.hpp"
 
 namespace posenc::perf {
 namespace {
 
-// Bench memory, 64-byte aligned as PyTorch and NumPy allocate tensors; with `huge` (the bench's
-// --huge-pages) on 2 MiB pages where the system grants them (posenc::HugePageBuffer), and then the
-// machine limits are measured on such pages too (perf/limits.cpp): both sides of a ratio run on
-// the same kind of memory. `assign` writes every element (the first touch).
-template <class T>
-struct BenchArray {
-  HugePageBuffer huge_memory;
-  hwy::AlignedFreeUniquePtr<T[]> plain_memory;
-  T* pointer = nullptr;
-  std::size_t count = 0;
-  void assign(std::size_t n, T value, bool huge) {
-    clear();
-    if (huge) {
-      huge_memory = HugePageBuffer(n * sizeof(T));
-      pointer = huge_memory.as<T>();
-    } else {
-      plain_memory = hwy::AllocateAligned<T>(n);
-      pointer = plain_memory.get();
-    }
-    count = n;
-    std::fill(pointer, pointer + n, value);
-  }
-  void clear() {
-    huge_memory = HugePageBuffer();
-    plain_memory.reset();
-    pointer = nullptr;
-    count = 0;
-  }
-  std::size_t size() const { return count; }
-  T* data() const { return pointer; }
-  T* get() const { return pointer; }
-  T* begin() const { return pointer; }
-  T* end() const { return pointer + count; }
-};
 using Buffer = BenchArray<float>;
 struct Buffers {
   Buffer a, b, c;

@@ -4,7 +4,6 @@
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
 #include <hwy/highway.h>
 #include <hwy/cache_control.h>
-#include <hwy/aligned_allocator.h>
 
 #include <omp.h>
 
@@ -14,7 +13,6 @@
 #include <unistd.h>
 
 #include "limits.hpp"
-#include "posenc/memory.hpp"
 
 HWY_BEFORE_NAMESPACE();
 namespace posenc::perf {
@@ -148,20 +146,11 @@ Limits measure_limits(int threads, int reps, bool huge_pages) {
   const std::size_t n = bytes / sizeof(float) / 1024 * 1024;
   // On 2 MiB pages when the kernel's buffers are (the bench's --huge-pages): the same kind of
   // memory on both sides of a ratio.
-  HugePageBuffer src_huge, dst_huge;
-  hwy::AlignedFreeUniquePtr<float[]> src_plain, dst_plain;
-  float *src = nullptr, *dst = nullptr;
-  if (huge_pages) {
-    src_huge = HugePageBuffer(n * sizeof(float));
-    dst_huge = HugePageBuffer(n * sizeof(float));
-    src = src_huge.as<float>();
-    dst = dst_huge.as<float>();
-  } else {
-    src_plain = hwy::AllocateAligned<float>(n);
-    dst_plain = hwy::AllocateAligned<float>(n);
-    src = src_plain.get();
-    dst = dst_plain.get();
-  }
+  BenchArray<float> src_memory, dst_memory;
+  src_memory.allocate(n, huge_pages);
+  dst_memory.allocate(n, huge_pages);
+  float* src = src_memory.data();
+  float* dst = dst_memory.data();
   const std::size_t chunk = n / static_cast<std::size_t>(threads) / 128 * 128;
   // kind 0: copy, 1: copy with streaming stores, 2: in-place add, 3: read (sum), 4: write
   // (streaming stores of zeros).

@@ -20,11 +20,15 @@
 // SIMD target, whatever target the kernel under test is forced to.
 #pragma once
 
+#include <hwy/aligned_allocator.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <string>
 #include <vector>
+
+#include "posenc/memory.hpp"
 
 namespace posenc::perf {
 
@@ -43,6 +47,44 @@ struct Limits {
            : name == "fma"      ? fma_gflops
                                 : copy_gbs;
   }
+};
+
+// Bench memory, 64-byte aligned as PyTorch and NumPy allocate tensors; with `huge` (the bench's
+// --huge-pages) on 2 MiB pages where the system grants them (posenc::HugePageBuffer). The limits
+// and the kernels' buffers use it alike, so that both sides of a ratio run on the same kind of
+// memory. `allocate` leaves the first touch to the caller; `assign` writes every element.
+template <class T>
+struct BenchArray {
+  HugePageBuffer huge_memory;
+  hwy::AlignedFreeUniquePtr<T[]> plain_memory;
+  T* pointer = nullptr;
+  std::size_t count = 0;
+  void allocate(std::size_t n, bool huge) {
+    clear();
+    if (huge) {
+      huge_memory = HugePageBuffer(n * sizeof(T));
+      pointer = huge_memory.as<T>();
+    } else {
+      plain_memory = hwy::AllocateAligned<T>(n);
+      pointer = plain_memory.get();
+    }
+    count = n;
+  }
+  void assign(std::size_t n, T value, bool huge) {
+    allocate(n, huge);
+    std::fill(pointer, pointer + n, value);
+  }
+  void clear() {
+    huge_memory = HugePageBuffer();
+    plain_memory.reset();
+    pointer = nullptr;
+    count = 0;
+  }
+  std::size_t size() const { return count; }
+  T* data() const { return pointer; }
+  T* get() const { return pointer; }
+  T* begin() const { return pointer; }
+  T* end() const { return pointer + count; }
 };
 
 // Size of the last-level cache in bytes (sysconf; 32 MiB when unknown).

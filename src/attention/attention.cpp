@@ -1334,6 +1334,10 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
                                  shared_rope->interleaved || kg.dim_stride != 1)) {
     shared_rope = nullptr;
   }
+  // The keys' [cos | sin] rows (transform_row's choice: their own table, else the queries').
+  const float* rope_cos_sin = shared_rope == nullptr                 ? nullptr
+                              : shared_rope->k_cos_sin.empty() ? shared_rope->q_cos_sin.data()
+                                                               : shared_rope->k_cos_sin.data();
   const bool rotate_in_scores =
       shared_rope != nullptr && kernels::attn_decode_rotates_keys(dtype, valid, dim, shared_rope->half);
   const bool direct_k = kg.dim_stride == 1 && reads_dtype && (!transform_keys || rotate_in_scores);
@@ -1366,7 +1370,7 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
   std::vector<std::int64_t> table_rows(shared_rope != nullptr ? static_cast<std::size_t>(decode_tile) : 0);
   kernels::KeyRotation rotation;
   if (rotate_in_scores) {
-    rotation.cos_sin = (shared_rope->k_cos_sin.empty() ? shared_rope->q_cos_sin : shared_rope->k_cos_sin).data();
+    rotation.cos_sin = rope_cos_sin;
     rotation.table_rows = table_rows.data();
     rotation.half = shared_rope->half;
   }
@@ -1382,9 +1386,8 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
       ldk = kg.seq_stride;
       khs = kg.head_stride;
     } else if (shared_rope != nullptr) {
-      const std::vector<float>& cs = shared_rope->k_cos_sin.empty() ? shared_rope->q_cos_sin : shared_rope->k_cos_sin;
       kernels::attn_pack_rotate_heads(static_cast<const char*>(k_data) + kg.offset(seq.b, seq.k0 + k0) * width, dtype,
-                                      kg.seq_stride, kg.head_stride, keys, g_count, dim, cs.data(), table_rows.data(),
+                                      kg.seq_stride, kg.head_stride, keys, g_count, dim, rope_cos_sin, table_rows.data(),
                                       shared_rope->half, s.k.data(), dp);
       kp = s.k.data();
       ldk = g_count * dp;

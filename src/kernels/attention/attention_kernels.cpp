@@ -209,6 +209,23 @@ HWY_INLINE VF LoadCache(DF d, const CacheElement<kType>* HWY_RESTRICT p) {
   }
 }
 
+// Whether this target widens `dtype` in vectors (WidensInVectors at run time; false for f64).
+HWY_INLINE bool WidensInVectors(DType dtype) {
+  switch (dtype) {
+    case DType::kF32: return WidensInVectors<DType::kF32>();
+    case DType::kBF16: return WidensInVectors<DType::kBF16>();
+    case DType::kF16: return WidensInVectors<DType::kF16>();
+    default: return false;
+  }
+}
+
+// One half-split RoPE pair of vectors: (a, b) at dims (i, i + half) rotated by (c, s) =
+// (cos, sin) of angle i: lo = a·c − b·s, hi = b·c + a·s.
+HWY_INLINE void RotatePair(VF a, VF b, VF c, VF s, VF& lo, VF& hi) {
+  lo = hn::NegMulAdd(b, s, hn::Mul(a, c));
+  hi = hn::MulAdd(a, s, hn::Mul(b, c));
+}
+
 // Walks the rows of a RowPrefetch a cache line at a time.
 class PrefetchCursor {
  public:
@@ -403,10 +420,8 @@ void DecodeScoresPacked(DF d, const CacheElement<kType>* HWY_RESTRICT k, std::in
       for (std::int64_t c = 0; kRotate && c < half; c += kLanes) {
         VF lo[KB], hi[KB];
         for (int i = 0; i < KB; ++i) {
-          const VF a = LoadCache<kType>(d, kr + i * ldk + c), b = LoadCache<kType>(d, kr + i * ldk + half + c);
-          const VF cs = hn::LoadU(d, cos_sin[i] + c), sn = hn::LoadU(d, cos_sin[i] + half + c);
-          lo[i] = hn::NegMulAdd(b, sn, hn::Mul(a, cs));
-          hi[i] = hn::MulAdd(a, sn, hn::Mul(b, cs));
+          RotatePair(LoadCache<kType>(d, kr + i * ldk + c), LoadCache<kType>(d, kr + i * ldk + half + c),
+                     hn::LoadU(d, cos_sin[i] + c), hn::LoadU(d, cos_sin[i] + half + c), lo[i], hi[i]);
         }
         for (int r = 0; r < R; ++r) {
           const VF q_lo = hn::LoadU(d, qg + r * ldq + c), q_hi = hn::LoadU(d, qg + r * ldq + half + c);
@@ -436,10 +451,10 @@ void DecodeScoresPacked(DF d, const CacheElement<kType>* HWY_RESTRICT k, std::in
         const float* qr = q_heads[g] + r * ldq;
         VF acc = hn::Zero(d);
         for (std::int64_t c = 0; kRotate && c < half; c += kLanes) {
-          const VF a = LoadCache<kType>(d, kr + c), b = LoadCache<kType>(d, kr + half + c);
-          const VF cs = hn::LoadU(d, cos_sin + c), sn = hn::LoadU(d, cos_sin + half + c);
-          acc = hn::MulAdd(hn::NegMulAdd(b, sn, hn::Mul(a, cs)), hn::LoadU(d, qr + c), acc);
-          acc = hn::MulAdd(hn::MulAdd(a, sn, hn::Mul(b, cs)), hn::LoadU(d, qr + half + c), acc);
+          VF lo, hi;
+          RotatePair(LoadCache<kType>(d, kr + c), LoadCache<kType>(d, kr + half + c), hn::LoadU(d, cos_sin + c),
+                     hn::LoadU(d, cos_sin + half + c), lo, hi);
+          acc = hn::MulAdd(hi, hn::LoadU(d, qr + half + c), hn::MulAdd(lo, hn::LoadU(d, qr + c), acc));
         }
         for (std::int64_t c = 2 * half; c < dim; c += kLanes) acc = hn::MulAdd(LoadCache<kType>(d, kr + c), hn::LoadU(d, qr + c), acc);
         st_heads[g][j * ld_st + r] = hn::GetLane(hn::SumOfLanes(d, acc));
@@ -466,19 +481,14 @@ HWY_INLINE bool PackedScoresFit(std::int64_t q_rows, std::int64_t dim) {
 // Whether decode reads a cache of `dtype` directly on this target (else the engine widens each
 // tile into f32 scratch first): f32 always; bf16 and f16 where the packed scores kernel fits and
 // the target widens them in vectors.
+bool AttnDecodeReadsDirectly(DType dtype, std::int64_t q_rows, std::int64_t dim) {
+  return dtype == DType::kF32 || (WidensInVectors(dtype) && PackedScoresFit(q_rows, dim));
+}
+
 // Whether the packed scores can also rotate the keys (half-split pairs filling whole vectors).
 bool AttnDecodeRotatesKeys(DType dtype, std::int64_t q_rows, std::int64_t dim, std::int64_t half) {
   const auto lanes = static_cast<std::int64_t>(hn::Lanes(DF()));
-  return half > 0 && half % lanes == 0 && 2 * half <= dim && PackedScoresFit(q_rows, dim) &&
-         (dtype == DType::kF32 || (dtype == DType::kBF16 && WidensInVectors<DType::kBF16>()) ||
-          (dtype == DType::kF16 && WidensInVectors<DType::kF16>()));
-}
-
-bool AttnDecodeReadsDirectly(DType dtype, std::int64_t q_rows, std::int64_t dim) {
-  if (dtype == DType::kF32) return true;
-  if (dtype == DType::kBF16) return WidensInVectors<DType::kBF16>() && PackedScoresFit(q_rows, dim);
-  if (dtype == DType::kF16) return WidensInVectors<DType::kF16>() && PackedScoresFit(q_rows, dim);
-  return false;
+  return half > 0 && half % lanes == 0 && 2 * half <= dim && PackedScoresFit(q_rows, dim) && WidensInVectors(dtype);
 }
 
 template <DType kType>
@@ -892,6 +902,8 @@ void AttnMaskTile(float* HWY_RESTRICT st, std::int64_t keys, std::int64_t width,
 }
 
 void AttnLoadF32(const void* src, DType dtype, std::int64_t n, float* HWY_RESTRICT dst);
+void AttnPackHeads(const void* src, DType dtype, std::int64_t seq_stride, std::int64_t head_stride, std::int64_t keys,
+                   std::int64_t heads, std::int64_t dim, float* HWY_RESTRICT dst, std::int64_t dim_padded);
 
 void AttnRotateHalfSplit(float* HWY_RESTRICT x, const float* HWY_RESTRICT c, const float* HWY_RESTRICT s, std::int64_t half,
                          float sine_sign) {
@@ -901,10 +913,10 @@ void AttnRotateHalfSplit(float* HWY_RESTRICT x, const float* HWY_RESTRICT c, con
   float* b = x + half;
   std::int64_t i = 0;
   for (; i + n <= half; i += n) {
-    const VF ai = hn::LoadU(d, x + i), bi = hn::LoadU(d, b + i), ci = hn::LoadU(d, c + i);
-    const VF si = hn::Mul(sign, hn::LoadU(d, s + i));
-    hn::StoreU(hn::NegMulAdd(bi, si, hn::Mul(ai, ci)), d, x + i);
-    hn::StoreU(hn::MulAdd(ai, si, hn::Mul(bi, ci)), d, b + i);
+    VF lo, hi;
+    RotatePair(hn::LoadU(d, x + i), hn::LoadU(d, b + i), hn::LoadU(d, c + i), hn::Mul(sign, hn::LoadU(d, s + i)), lo, hi);
+    hn::StoreU(lo, d, x + i);
+    hn::StoreU(hi, d, b + i);
   }
   for (; i < half; ++i) {
     const float ai = x[i], bi = b[i], si = sine_sign * s[i];
@@ -913,49 +925,64 @@ void AttnRotateHalfSplit(float* HWY_RESTRICT x, const float* HWY_RESTRICT c, con
   }
 }
 
-// AttnPackHeads, with every key's rows then rotated by the half-split RoPE of its table row
-// ([cos(half) | sin(half)] at cos_sin + table_rows[j]·2·half), in one pass while the row is in L1:
-// the decode of an un-rotated cache (one dispatch per tile instead of one per row).
+// AttnPackRotateHeads for a cache of kType whose pairs fill whole vectors: each pair rotated
+// straight from the cache into the scratch row (RotatePair), the dims past 2·half copied.
+template <DType kType>
+void PackRotateInRegisters(const CacheElement<kType>* HWY_RESTRICT src, std::int64_t seq_stride, std::int64_t head_stride,
+                           std::int64_t keys, std::int64_t heads, std::int64_t dim, const float* HWY_RESTRICT cos_sin,
+                           const std::int64_t* HWY_RESTRICT table_rows, std::int64_t half, float* HWY_RESTRICT dst,
+                           std::int64_t dim_padded) {
+  const DF d;
+  const auto n = static_cast<std::int64_t>(hn::Lanes(d));
+  for (std::int64_t j = 0; j < keys; ++j) {
+    const float* c = cos_sin + table_rows[j] * 2 * half;
+    for (std::int64_t g = 0; g < heads; ++g) {
+      const CacheElement<kType>* x = src + j * seq_stride + g * head_stride;
+      float* row = dst + (j * heads + g) * dim_padded;
+      for (std::int64_t i = 0; i < half; i += n) {
+        VF lo, hi;
+        RotatePair(LoadCache<kType>(d, x + i), LoadCache<kType>(d, x + half + i), hn::LoadU(d, c + i),
+                   hn::LoadU(d, c + half + i), lo, hi);
+        hn::StoreU(lo, d, row + i);
+        hn::StoreU(hi, d, row + half + i);
+      }
+      if (dim > 2 * half) AttnLoadF32(x + 2 * half, kType, dim - 2 * half, row + 2 * half);
+      for (std::int64_t t = dim; t < dim_padded; ++t) row[t] = 0.0f;
+    }
+  }
+}
+
+// AttnPackHeads, with every key's rows rotated by the half-split RoPE of its table row
+// ([cos(half) | sin(half)] at cos_sin + table_rows[j]·2·half): the decode of an un-rotated cache
+// when the scores cannot rotate it themselves (one dispatch per tile instead of one per row).
+// In registers where the pairs fill whole vectors: widening the rows first and rotating them in
+// place reads each value back right after storing it, and measured 62 cycles per row of D 128
+// (perf, one thread, cache in L2) for 16 multiply-adds.
 void AttnPackRotateHeads(const void* src, DType dtype, std::int64_t seq_stride, std::int64_t head_stride, std::int64_t keys,
                          std::int64_t heads, std::int64_t dim, const float* HWY_RESTRICT cos_sin,
                          const std::int64_t* HWY_RESTRICT table_rows, std::int64_t half, float* HWY_RESTRICT dst,
                          std::int64_t dim_padded) {
-  const auto width = static_cast<std::int64_t>(dtype_size(dtype));
-  const DF d;
-  const auto n = static_cast<std::int64_t>(hn::Lanes(d));
-  // Rotated straight from the cache into the row: widening the row first and rotating it in
-  // place read each value back right after storing it, and measured 62 cycles per row of
-  // D 128 (perf, one thread, cache in L2) for 16 multiply-adds.
-  const auto rotate_from = [&](auto type_tag, const char* from, float* row, const float* c) {
-    constexpr DType kType = decltype(type_tag)::value;
-    const auto* x = reinterpret_cast<const CacheElement<kType>*>(from);
-    for (std::int64_t i = 0; i < half; i += n) {
-      const VF a = LoadCache<kType>(d, x + i), b = LoadCache<kType>(d, x + half + i);
-      const VF ci = hn::LoadU(d, c + i), si = hn::LoadU(d, c + half + i);
-      hn::StoreU(hn::NegMulAdd(b, si, hn::Mul(a, ci)), d, row + i);
-      hn::StoreU(hn::MulAdd(a, si, hn::Mul(b, ci)), d, row + half + i);
+  if (half % static_cast<std::int64_t>(hn::Lanes(DF())) != 0 || !WidensInVectors(dtype)) {
+    AttnPackHeads(src, dtype, seq_stride, head_stride, keys, heads, dim, dst, dim_padded);
+    for (std::int64_t j = 0; j < keys; ++j) {
+      const float* c = cos_sin + table_rows[j] * 2 * half;
+      for (std::int64_t g = 0; g < heads; ++g) AttnRotateHalfSplit(dst + (j * heads + g) * dim_padded, c, c + half, half, 1.0f);
     }
-    if (dim > 2 * half) AttnLoadF32(from + 2 * half * width, dtype, dim - 2 * half, row + 2 * half);
-  };
-  const bool in_registers = half % n == 0 && (dtype == DType::kF32 || (dtype == DType::kBF16 && WidensInVectors<DType::kBF16>()) ||
-                                              (dtype == DType::kF16 && WidensInVectors<DType::kF16>()));
-  for (std::int64_t j = 0; j < keys; ++j) {
-    const float* c = cos_sin + table_rows[j] * 2 * half;
-    for (std::int64_t g = 0; g < heads; ++g) {
-      float* row = dst + (j * heads + g) * dim_padded;
-      const char* from = static_cast<const char*>(src) + (j * seq_stride + g * head_stride) * width;
-      if (!in_registers) {
-        AttnLoadF32(from, dtype, dim, row);
-        AttnRotateHalfSplit(row, c, c + half, half, 1.0f);
-      } else if (dtype == DType::kF32) {
-        rotate_from(std::integral_constant<DType, DType::kF32>(), from, row, c);
-      } else if (dtype == DType::kBF16) {
-        rotate_from(std::integral_constant<DType, DType::kBF16>(), from, row, c);
-      } else {
-        rotate_from(std::integral_constant<DType, DType::kF16>(), from, row, c);
-      }
-      for (std::int64_t t = dim; t < dim_padded; ++t) row[t] = 0.0f;
-    }
+    return;
+  }
+  switch (dtype) {
+    case DType::kBF16:
+      PackRotateInRegisters<DType::kBF16>(static_cast<const std::uint16_t*>(src), seq_stride, head_stride, keys, heads, dim,
+                                          cos_sin, table_rows, half, dst, dim_padded);
+      break;
+    case DType::kF16:
+      PackRotateInRegisters<DType::kF16>(static_cast<const std::uint16_t*>(src), seq_stride, head_stride, keys, heads, dim,
+                                         cos_sin, table_rows, half, dst, dim_padded);
+      break;
+    default:
+      PackRotateInRegisters<DType::kF32>(static_cast<const float*>(src), seq_stride, head_stride, keys, heads, dim, cos_sin,
+                                         table_rows, half, dst, dim_padded);
+      break;
   }
 }
 

@@ -117,7 +117,7 @@ Runner add_bench(CLI::App& app) {
   sub->add_option("--batch,-b", o->shape.batch, "Batch rows")->capture_default_str();
   sub->add_option("--heads", o->shape.heads, "rope: query heads")->capture_default_str();
   sub->add_option("--kv-heads", o->shape.kv_heads, "rope: key heads")->capture_default_str();
-  sub->add_flag("--interleaved", o->shape.interleaved, "rope: interleaved pairs (default half-split)");
+  sub->add_flag("--interleaved", o->shape.interleaved, "rope, and attention with --scheme rope: interleaved pairs (default half-split)");
   sub->add_option_function<std::string>("--layout", [o](const std::string& layout) {
     if (layout != "interleaved" && layout != "half-split") throw Error("bench", "--layout", layout, "interleaved or half-split");
     o->shape.interleaved = layout == "interleaved";

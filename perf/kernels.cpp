@@ -58,7 +58,7 @@ Case make_attention_case(const CaseOptions& o) {
   const std::int64_t q_len = o.pass == "decode" ? 1 : o.length, k_len = o.length;
   std::vector<HeadGroup> groups;
   if (o.scheme == "rope") {
-    groups.push_back({heads, RotaryQK{RopeParams(dim, dim)}, {}});
+    groups.push_back({heads, RotaryQK{RopeParams(dim, dim, 10000.0, o.interleaved ? RopeLayout::kInterleaved : RopeLayout::kHalfSplit)}, {}});
   } else if (o.scheme == "alibi") {
     groups.push_back({heads, {}, AlibiParams(heads)});
   } else if (o.scheme == "t5") {
@@ -136,7 +136,7 @@ Case make_attention_case(const CaseOptions& o) {
   c.name = "attention";
   c.description = "q [" + std::to_string(o.batch) + ", " + std::to_string(q_len) + ", " + std::to_string(heads) + ", " +
                   std::to_string(dim) + "], k, v [" + std::to_string(o.batch) + ", " + std::to_string(k_len) + ", " +
-                  std::to_string(kv) + ", " + std::to_string(dim) + "] " + o.dtype + ", " + o.scheme + ", " +
+                  std::to_string(kv) + ", " + std::to_string(dim) + "] " + o.dtype + ", " + o.scheme + (o.scheme == "rope" && o.interleaved ? " (interleaved)" : "") + ", " +
                   (o.causal ? "causal" : "full") + ", " + o.pass;
   const double width = static_cast<double>(dtype_size(dtype));
   const double pairs = static_cast<double>(o.batch) * static_cast<double>(q_len) * static_cast<double>(k_len) *

@@ -87,7 +87,8 @@ struct BenchArray {
   T* end() const { return pointer + count; }
 };
 
-// Size of the last-level cache in bytes (sysconf; 32 MiB when unknown).
+// Size of the last-level cache in bytes: the kernel's sysfs description of CPU 0's caches, else
+// sysconf, else 32 MiB.
 std::size_t last_level_cache_bytes();
 
 // Best of `reps` runs of each kind; with `huge_pages`, on buffers on 2 MiB pages

@@ -636,22 +636,31 @@ TEST_P(AttentionForward, DecodeRotatesAnUnrotatedCacheTileByTile) {
   // scores where the pairs fill whole vectors and the packed scores apply (D 128, full or partial
   // rotary), else while widening each tile into scratch (attn_pack_rotate_heads): in registers
   // when the pairs fill vectors (D 72 with 64 rotated: the rows do not fill them), row by row
-  // otherwise (D 80: 40 pairs, on AVX-512). f32, bf16 and f16, caches long enough to be split.
+  // otherwise (D 80: 40 pairs, on AVX-512). Interleaved pairs are rotated inside the scores
+  // when the rotated dims fill whole vectors (D 128, rotary 128 or 64; D 80 with 80), else row by
+  // row (D 72 with 64 rotated, where the rows do not fill vectors). f32, bf16 and f16, caches
+  // long enough to be split.
   struct Shape {
     std::int64_t heads, kv_heads, dim, rotary_dim, k_len;
     DType dtype;
+    RopeLayout layout = RopeLayout::kHalfSplit;
   };
+  constexpr RopeLayout kInterleaved = RopeLayout::kInterleaved;
   const Shape shapes[] = {{8, 2, 128, 128, 700, DType::kF32},  {8, 2, 128, 64, 5000, DType::kF32},
                           {4, 4, 80, 80, 333, DType::kF32},    {8, 2, 128, 128, 9000, DType::kBF16},
                           {8, 2, 128, 64, 517, DType::kF16},   {6, 2, 80, 80, 250, DType::kBF16},
-                          {8, 2, 72, 64, 400, DType::kF32},    {8, 2, 72, 64, 300, DType::kBF16}};
+                          {8, 2, 72, 64, 400, DType::kF32},    {8, 2, 72, 64, 300, DType::kBF16},
+                          {8, 2, 128, 128, 9000, DType::kF32, kInterleaved}, {8, 2, 128, 64, 517, DType::kBF16, kInterleaved},
+                          {6, 2, 80, 80, 250, DType::kF16, kInterleaved},    {4, 4, 80, 80, 333, DType::kF32, kInterleaved},
+                          {8, 2, 72, 64, 300, DType::kF32, kInterleaved}};
   for (const Shape& sh : shapes) {
     const std::string what = std::string(dtype_name(sh.dtype)) + ", D " + std::to_string(sh.dim) + ", rotary " +
-                             std::to_string(sh.rotary_dim) + ", " + std::to_string(sh.k_len) + " keys";
+                             std::to_string(sh.rotary_dim) + ", " + std::to_string(sh.k_len) + " keys" +
+                             (sh.layout == kInterleaved ? ", interleaved" : "");
     const Problem p = make_problem(1, 1, sh.k_len, sh.heads, sh.kv_heads, sh.dim, sh.dtype);
     AttentionSpec spec = spec_of(p);
     spec.mask.causal = true;
-    spec.groups = {{sh.heads, RotaryQK{RopeParams(sh.dim, sh.rotary_dim)}, {}}};
+    spec.groups = {{sh.heads, RotaryQK{RopeParams(sh.dim, sh.rotary_dim, 10000.0, sh.layout)}, {}}};
     expect_accurate(p, spec, what);
   }
 }

@@ -1323,23 +1323,25 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
   // RoPE or an absolute encoding transforms go through scratch too, unless the scores rotate them
   // (below); the values never need to.
   const bool reads_dtype = kernels::attn_decode_reads_directly(dtype, valid, dim);
-  // Keys that every KV head rotates with one half-split RoPE table: rotated inside the scores
-  // where the kernel can (attn_decode_rotates_keys), else widened and rotated in one pass per tile
-  // (attn_pack_rotate_heads) instead of row by row.
+  // Keys that every KV head rotates with one RoPE table: rotated inside the scores where the
+  // kernel can (attn_decode_rotates_keys, either layout), else, half-split, widened and rotated in
+  // one pass per tile (attn_pack_rotate_heads); otherwise row by row.
   const QKTables* shared_rope = &tables_of_head(0);
   for (std::int64_t g = 0; g < g_count; ++g) {
     if (&tables_of_head(g * group_size) != shared_rope) shared_rope = nullptr;
   }
-  if (shared_rope != nullptr && (shared_rope->kind != QKTables::kRope || !shared_rope->transform_keys ||
-                                 shared_rope->interleaved || kg.dim_stride != 1)) {
+  if (shared_rope != nullptr && (shared_rope->kind != QKTables::kRope || !shared_rope->transform_keys || kg.dim_stride != 1)) {
     shared_rope = nullptr;
   }
+  const bool rotate_in_scores =
+      shared_rope != nullptr &&
+      kernels::attn_decode_rotates_keys(dtype, valid, dim, shared_rope->half, shared_rope->interleaved);
+  if (shared_rope != nullptr && shared_rope->interleaved && !rotate_in_scores) shared_rope = nullptr;
+  const bool interleaved_rope = shared_rope != nullptr && shared_rope->interleaved;
   // The keys' [cos | sin] rows (transform_row's choice: their own table, else the queries').
   const float* rope_cos_sin = shared_rope == nullptr                 ? nullptr
                               : shared_rope->k_cos_sin.empty() ? shared_rope->q_cos_sin.data()
                                                                : shared_rope->k_cos_sin.data();
-  const bool rotate_in_scores =
-      shared_rope != nullptr && kernels::attn_decode_rotates_keys(dtype, valid, dim, shared_rope->half);
   const bool direct_k = kg.dim_stride == 1 && reads_dtype && (!transform_keys || rotate_in_scores);
   const bool direct_v = vg.dim_stride == 1 && reads_dtype;
   std::vector<const float*> q_heads(static_cast<std::size_t>(g_count)), p_heads(q_heads.size());
@@ -1369,10 +1371,16 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
   const DType k_dtype = direct_k ? dtype : DType::kF32, v_dtype = direct_v ? dtype : DType::kF32;
   std::vector<std::int64_t> table_rows(shared_rope != nullptr ? static_cast<std::size_t>(decode_tile) : 0);
   kernels::KeyRotation rotation;
+  // Interleaved pairs: each tile's rows expanded to one cos and one signed sin per rotated dim
+  // (attn_expand_interleaved_rope), read by the scores as rows 0 … keys − 1.
+  std::vector<std::int64_t> tile_rows(interleaved_rope ? static_cast<std::size_t>(decode_tile) : 0);
+  for (std::size_t j = 0; j < tile_rows.size(); ++j) tile_rows[j] = static_cast<std::int64_t>(j);
+  if (interleaved_rope) grow(s.rope_rows, decode_tile * 4 * shared_rope->half);
   if (rotate_in_scores) {
-    rotation.cos_sin = rope_cos_sin;
-    rotation.table_rows = table_rows.data();
+    rotation.cos_sin = interleaved_rope ? s.rope_rows.data() : rope_cos_sin;
+    rotation.table_rows = interleaved_rope ? tile_rows.data() : table_rows.data();
     rotation.half = shared_rope->half;
+    rotation.interleaved = interleaved_rope;
   }
   for (std::int64_t k0 = k_begin; k0 < k_end; k0 += decode_tile) {
     const std::int64_t keys = std::min(decode_tile, k_end - k0);
@@ -1380,6 +1388,9 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
     std::int64_t ldk, khs, ldv, vhs;
     if (shared_rope != nullptr) {
       for (std::int64_t j = 0; j < keys; ++j) table_rows[static_cast<std::size_t>(j)] = k_table_row(seq, k0 + j);
+      if (interleaved_rope) {
+        kernels::attn_expand_interleaved_rope(rope_cos_sin, table_rows.data(), keys, shared_rope->half, s.rope_rows.data());
+      }
     }
     if (direct_k) {
       kp = static_cast<const char*>(k_data) + kg.offset(seq.b, seq.k0 + k0) * width;

@@ -152,7 +152,7 @@ std::int64_t AttentionUnitScratch::bytes() const {
   std::int64_t total = 0;
   for (const auto* buffer : {&q, &qt, &o, &m, &l, &corr, &st, &dpt, &k, &v, &tmp, &dout, &doutt, &dq, &dk, &dv, &lse, &delta,
                              &shaw_key_dots, &shaw_value_dots, &shaw_probs, &shaw_grads, &xl_dots, &xl_sums, &xl_dp,
-                             &tupe_pqt, &tupe_pq, &tupe_pk, &tupe_dpq, &tupe_dpk, &tupe_dpk_positions}) {
+                             &tupe_pqt, &tupe_pq, &tupe_pk, &tupe_dpq, &tupe_dpk, &tupe_dpk_positions, &rope_rows}) {
     total += static_cast<std::int64_t>(buffer->capacity() * sizeof(float));
   }
   return total + static_cast<std::int64_t>(kpos.capacity() * sizeof(std::int64_t) + hist.capacity() * sizeof(double));

@@ -155,6 +155,8 @@ struct AttentionUnitScratch {
   // TUPE: PQ of the rows transposed [Dp][rows] and as rows [rows][Dp]; keys' PK gathered
   // [keys][Dp]; backward: dPQ rows [rows][Dp], a tile's dPK [keys][Dp], the unit's dPK by position.
   AlignedFloats tupe_pqt, tupe_pq, tupe_pk, tupe_dpq, tupe_dpk, tupe_dpk_positions;
+  // Decode with interleaved RoPE over an un-rotated cache: the tile's expanded [C | S] rows.
+  AlignedFloats rope_rows;
   std::vector<std::int64_t> kpos;
   std::vector<double> hist;
   std::vector<double> row_norm;  // the far-tile skip: |scale·q| per row

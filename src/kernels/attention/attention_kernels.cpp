@@ -226,6 +226,13 @@ HWY_INLINE void RotatePair(VF a, VF b, VF c, VF s, VF& lo, VF& hi) {
   hi = hn::MulAdd(a, s, hn::Mul(b, c));
 }
 
+// One vector of interleaved RoPE pairs (2i, 2i + 1): k ⊙ C + Reverse2(k) ⊙ S, with C at `cs` and
+// S at cs + sin_at (attn_expand_interleaved_rope's rows): lane 2i = k_2i·c_i − k_2i+1·s_i and lane
+// 2i + 1 = k_2i+1·c_i + k_2i·s_i, the same two roundings as RotatePair.
+HWY_INLINE VF RotateInterleaved(DF d, VF k, const float* HWY_RESTRICT cs, std::int64_t sin_at) {
+  return hn::MulAdd(hn::Reverse2(d, k), hn::LoadU(d, cs + sin_at), hn::Mul(k, hn::LoadU(d, cs)));
+}
+
 // Walks the rows of a RowPrefetch a cache line at a time.
 class PrefetchCursor {
  public:
@@ -390,10 +397,12 @@ void DecodeScoresRows(DF d, const float* HWY_RESTRICT k, std::int64_t ldk, std::
 // accumulators, gathers `lanes` rows of them and scatters each sum with its scalar tail: with the
 // per-row bookkeeping, about twice the multiply-adds' time when the cache lines are at hand.)
 //
-// With kRotate, key j is first rotated by the half-split RoPE of its table row (`rotation`): each
-// pair of vectors (c, c + half) of the key is rotated in registers and multiplied into the query's
-// pair, so an un-rotated cache is read in place like any other (the sums then run over the pairs
-// in the order c, c + half, c + lanes, …, not over d in order).
+// With kRotate, key j is first rotated by the RoPE of its table row (`rotation`), in registers, so
+// that an un-rotated cache is read in place like any other. Half-split: each pair of vectors
+// (c, c + half) of the key is rotated and multiplied into the query's pair (the sums then run
+// over the pairs in the order c, c + half, c + lanes, …, not over d in order). Interleaved: each
+// vector is rotated alone, k ⊙ C + Reverse2(k) ⊙ S (Reverse2 swaps the lanes of each pair), and
+// the sums run over d in order.
 template <int R, DType kType, bool kRotate>
 void DecodeScoresPacked(DF d, const CacheElement<kType>* HWY_RESTRICT k, std::int64_t ldk, std::int64_t k_head_stride,
                         std::int64_t keys, std::int64_t heads, const float* const* q_heads, std::int64_t ldq,
@@ -404,10 +413,13 @@ void DecodeScoresPacked(DF d, const CacheElement<kType>* HWY_RESTRICT k, std::in
   static_assert(KB >= 1);
   const std::int64_t whole = keys - keys % KB;
   const std::int64_t half = kRotate ? rotation.half : 0;
+  const bool interleaved = kRotate && rotation.interleaved;
+  // Half-split rows are [cos(half) | sin(half)], interleaved ones [C(2·half) | S(2·half)].
+  const std::int64_t row_floats = interleaved ? 4 * half : 2 * half, sin_at = interleaved ? 2 * half : half;
   HWY_ALIGN float sums[kLanes];
   for (std::int64_t j0 = 0; j0 < whole; j0 += KB) {
     const float* cos_sin[KB] = {};
-    for (int i = 0; kRotate && i < KB; ++i) cos_sin[i] = rotation.cos_sin + rotation.table_rows[j0 + i] * 2 * half;
+    for (int i = 0; kRotate && i < KB; ++i) cos_sin[i] = rotation.cos_sin + rotation.table_rows[j0 + i] * row_floats;
     for (std::int64_t g = 0; g < heads; ++g) {
       const CacheElement<kType>* kr = k + j0 * ldk + g * k_head_stride;
       const float* HWY_RESTRICT qg = q_heads[g];
@@ -417,7 +429,15 @@ void DecodeScoresPacked(DF d, const CacheElement<kType>* HWY_RESTRICT k, std::in
       cursor.step(per_row * KB);
       VF acc[kLanes];
       for (auto& a : acc) a = hn::Zero(d);
-      for (std::int64_t c = 0; kRotate && c < half; c += kLanes) {
+      for (std::int64_t c = 0; interleaved && c < 2 * half; c += kLanes) {
+        VF kv[KB];
+        for (int i = 0; i < KB; ++i) kv[i] = RotateInterleaved(d, LoadCache<kType>(d, kr + i * ldk + c), cos_sin[i] + c, sin_at);
+        for (int r = 0; r < R; ++r) {
+          const VF qv = hn::LoadU(d, qg + r * ldq + c);
+          for (int i = 0; i < KB; ++i) acc[i * R + r] = hn::MulAdd(kv[i], qv, acc[i * R + r]);
+        }
+      }
+      for (std::int64_t c = 0; kRotate && !interleaved && c < half; c += kLanes) {
         VF lo[KB], hi[KB];
         for (int i = 0; i < KB; ++i) {
           RotatePair(LoadCache<kType>(d, kr + i * ldk + c), LoadCache<kType>(d, kr + i * ldk + half + c),
@@ -443,14 +463,17 @@ void DecodeScoresPacked(DF d, const CacheElement<kType>* HWY_RESTRICT k, std::in
   }
   // The last keys % KB keys: one at a time.
   for (std::int64_t j = whole; j < keys; ++j) {
-    const float* cos_sin = kRotate ? rotation.cos_sin + rotation.table_rows[j] * 2 * half : nullptr;
+    const float* cos_sin = kRotate ? rotation.cos_sin + rotation.table_rows[j] * row_floats : nullptr;
     for (std::int64_t g = 0; g < heads; ++g) {
       const CacheElement<kType>* kr = k + j * ldk + g * k_head_stride;
       cursor.step(per_row);
       for (int r = 0; r < R; ++r) {
         const float* qr = q_heads[g] + r * ldq;
         VF acc = hn::Zero(d);
-        for (std::int64_t c = 0; kRotate && c < half; c += kLanes) {
+        for (std::int64_t c = 0; interleaved && c < 2 * half; c += kLanes) {
+          acc = hn::MulAdd(RotateInterleaved(d, LoadCache<kType>(d, kr + c), cos_sin + c, sin_at), hn::LoadU(d, qr + c), acc);
+        }
+        for (std::int64_t c = 0; kRotate && !interleaved && c < half; c += kLanes) {
           VF lo, hi;
           RotatePair(LoadCache<kType>(d, kr + c), LoadCache<kType>(d, kr + half + c), hn::LoadU(d, cos_sin + c),
                      hn::LoadU(d, cos_sin + half + c), lo, hi);
@@ -485,10 +508,12 @@ bool AttnDecodeReadsDirectly(DType dtype, std::int64_t q_rows, std::int64_t dim)
   return dtype == DType::kF32 || (WidensInVectors(dtype) && PackedScoresFit(q_rows, dim));
 }
 
-// Whether the packed scores can also rotate the keys (half-split pairs filling whole vectors).
-bool AttnDecodeRotatesKeys(DType dtype, std::int64_t q_rows, std::int64_t dim, std::int64_t half) {
+// Whether the packed scores can also rotate the keys: half-split halves, or the interleaved
+// rotated dims, filling whole vectors.
+bool AttnDecodeRotatesKeys(DType dtype, std::int64_t q_rows, std::int64_t dim, std::int64_t half, bool interleaved) {
   const auto lanes = static_cast<std::int64_t>(hn::Lanes(DF()));
-  return half > 0 && half % lanes == 0 && 2 * half <= dim && PackedScoresFit(q_rows, dim) && WidensInVectors(dtype);
+  return half > 0 && (interleaved ? 2 * half : half) % lanes == 0 && 2 * half <= dim && PackedScoresFit(q_rows, dim) &&
+         WidensInVectors(dtype);
 }
 
 template <DType kType>
@@ -1075,15 +1100,29 @@ HWY_EXPORT(AttnDecodeRotatesKeys);
 bool attn_decode_reads_directly(DType dtype, std::int64_t q_rows, std::int64_t dim) {
   return HWY_DYNAMIC_DISPATCH(AttnDecodeReadsDirectly)(dtype, q_rows, dim);
 }
-bool attn_decode_rotates_keys(DType dtype, std::int64_t q_rows, std::int64_t dim, std::int64_t half) {
-  return HWY_DYNAMIC_DISPATCH(AttnDecodeRotatesKeys)(dtype, q_rows, dim, half);
+bool attn_decode_rotates_keys(DType dtype, std::int64_t q_rows, std::int64_t dim, std::int64_t half, bool interleaved) {
+  return HWY_DYNAMIC_DISPATCH(AttnDecodeRotatesKeys)(dtype, q_rows, dim, half, interleaved);
+}
+void attn_expand_interleaved_rope(const float* cos_sin, const std::int64_t* table_rows, std::int64_t keys,
+                                  std::int64_t half, float* dst) {
+  for (std::int64_t j = 0; j < keys; ++j) {
+    const float* c = cos_sin + table_rows[j] * 2 * half;
+    const float* s = c + half;
+    float* cj = dst + j * 4 * half;
+    float* sj = cj + 2 * half;
+    for (std::int64_t i = 0; i < half; ++i) {
+      cj[2 * i] = cj[2 * i + 1] = c[i];
+      sj[2 * i] = -s[i];
+      sj[2 * i + 1] = s[i];
+    }
+  }
 }
 void attn_decode_scores(const void* k, DType dtype, std::int64_t ldk, std::int64_t k_head_stride, std::int64_t keys,
                         std::int64_t heads, const float* const* q_heads, std::int64_t ldq, std::int64_t q_rows,
                         std::int64_t dim, float* const* st_heads, std::int64_t ld_st, const RowPrefetch& ahead,
                         bool prefetch_keys, const KeyRotation& rotation) {
   if (q_rows < 1 || q_rows > 8) throw Error("attention kernel", "q_rows", std::to_string(q_rows), "1 … 8 (decode)");
-  if (rotation.cos_sin != nullptr && !attn_decode_rotates_keys(dtype, q_rows, dim, rotation.half)) {
+  if (rotation.cos_sin != nullptr && !attn_decode_rotates_keys(dtype, q_rows, dim, rotation.half, rotation.interleaved)) {
     throw Error("attention kernel", "rotation.half", std::to_string(rotation.half),
                 "pairs the scores rotate at dim " + std::to_string(dim) + " (attn_decode_rotates_keys)");
   }

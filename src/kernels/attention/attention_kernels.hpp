@@ -60,16 +60,26 @@ void attn_pack_rotate_heads(const void* src, DType dtype, std::int64_t seq_strid
 // attn_decode_reads_directly says so, widened exactly to f32 in registers, so the sums are those
 // of an f32 cache holding the same values, bit for bit. Other cases throw posenc::Error (the
 // engine widens such tiles into f32 scratch first).
-// With `rotation` (cos_sin set), the scores first rotate key j (of the tile) by the half-split
-// RoPE of row cos_sin + table_rows[j]·2·half, in registers: an un-rotated cache read in place.
-// Only where attn_decode_rotates_keys says so (else posenc::Error).
+// With `rotation` (cos_sin set), the scores first rotate key j (of the tile) by its RoPE row,
+// in registers: an un-rotated cache read in place. Only where attn_decode_rotates_keys says so
+// (else posenc::Error). The two layouts take differently shaped rows of cos_sin:
+//   half-split   pairs (i, i + half); row cos_sin + table_rows[j]·2·half = [cos(half) | sin(half)],
+//                the tables' own rows:  k'_i = k_i·c_i − k_{i+half}·s_i,  k'_{i+half} = k_{i+half}·c_i + k_i·s_i
+//   interleaved  pairs (2i, 2i + 1); row cos_sin + table_rows[j]·4·half = [C(2·half) | S(2·half)],
+//                one entry per rotated dim (attn_expand_interleaved_rope), so that
+//                k' = k ⊙ C + swap_pairs(k) ⊙ S with C = (c_0, c_0, c_1, c_1, …), S = (−s_0, s_0, −s_1, s_1, …)
 struct KeyRotation {
-  const float* cos_sin = nullptr;            // [rows][cos(half) | sin(half)]
+  const float* cos_sin = nullptr;            // rows as above
   const std::int64_t* table_rows = nullptr;  // per key of the tile
-  std::int64_t half = 0;                     // rotated pairs (i, i + half), i < half
+  std::int64_t half = 0;                     // rotated pairs; the rotated dims are [0, 2·half)
+  bool interleaved = false;
 };
 bool attn_decode_reads_directly(DType dtype, std::int64_t q_rows, std::int64_t dim);
-bool attn_decode_rotates_keys(DType dtype, std::int64_t q_rows, std::int64_t dim, std::int64_t half);
+bool attn_decode_rotates_keys(DType dtype, std::int64_t q_rows, std::int64_t dim, std::int64_t half, bool interleaved = false);
+// The interleaved layout's rows for keys j < keys from the tables' [cos(half) | sin(half)] rows
+// cos_sin + table_rows[j]·2·half: dst[j·4·half …] = [C | S] as KeyRotation describes.
+void attn_expand_interleaved_rope(const float* cos_sin, const std::int64_t* table_rows, std::int64_t keys,
+                                  std::int64_t half, float* dst);
 void attn_decode_scores(const void* k, DType dtype, std::int64_t ldk, std::int64_t k_head_stride, std::int64_t keys,
                         std::int64_t heads, const float* const* q_heads, std::int64_t ldq, std::int64_t q_rows,
                         std::int64_t dim, float* const* st_heads, std::int64_t ld_st, const RowPrefetch& ahead,

@@ -311,7 +311,8 @@ TEST_P(AttentionForward, PackedSequencesAndExplicitPositions) {
 }
 
 TEST_P(AttentionForward, DecodeSplitsLongCachesExactly) {
-  // 1 and 2 queries × 4 heads over 1 KV head: dot-product scores; 9000 keys: three chunks.
+  // 1 and 2 queries × 4 heads over 1 KV head: dot-product scores; 9000 keys: two chunks (of
+  // 8192 keys: 4 MiB of 512-byte keys and values).
   for (const std::int64_t q_len : {1, 2}) {
     Problem p = make_problem(1, q_len, 9000, 4, 1, 64);
     AttentionSpec spec = spec_of(p);
@@ -325,6 +326,40 @@ TEST_P(AttentionForward, DecodeSplitsLongCachesExactly) {
     expect_accurate(p, spec, "decode xl");
     spec.groups = {{4, {}, tupe_with_cls(4, 64, 16, 9000, 7)}};
     expect_accurate(p, spec, "decode tupe");
+  }
+}
+
+TEST_P(AttentionForward, DecodeSizesTilesAndChunksByBytes) {
+  // Wide caches get shorter key tiles (about 256 KiB of keys per tile) and shorter parallel
+  // chunks (about 4 MiB of keys and values): 16 KV heads × D 128 in f32 take tiles of 32 keys
+  // and chunks of 256 (700 keys: 3 chunks, the last partial); 32 KV heads tiles of 16 and chunks
+  // of 128 (6 chunks); bf16 is counted as f32 (the same tiles and chunks as the f32 cache of its
+  // values: DecodeReadsSixteenBitCachesAsTheirF32Values). Accurate, and the same bits for 1, 2
+  // and 3 threads.
+  struct Shape {
+    std::int64_t heads, kv_heads, q_len;
+    DType dtype;
+  };
+  for (const Shape& sh : {Shape{16, 16, 1, DType::kF32}, Shape{32, 32, 1, DType::kF32}, Shape{16, 16, 1, DType::kBF16},
+                          Shape{16, 16, 4, DType::kF32}, Shape{32, 8, 2, DType::kF32}}) {
+    const std::string what = std::to_string(sh.heads) + "/" + std::to_string(sh.kv_heads) + " heads, " +
+                             std::to_string(sh.q_len) + " queries, " + std::string(dtype_name(sh.dtype));
+    const Problem p = make_problem(1, sh.q_len, 700, sh.heads, sh.kv_heads, 128, sh.dtype);
+    AttentionSpec spec = spec_of(p);
+    spec.mask.causal = true;
+    spec.groups = {{sh.heads, RotaryQK{RopeParams(128, 128)}, {}}};
+    expect_accurate(p, spec, what);
+    const Attention att(spec);
+    std::vector<Outputs> runs;
+    for (const int threads : {1, 2, 3}) {
+      set_num_threads(threads);
+      runs.push_back(run_forward(p, att, 0));
+    }
+    set_num_threads(2);
+    for (std::size_t r = 1; r < runs.size(); ++r) {
+      EXPECT_EQ(runs[r].out, runs[0].out) << what;
+      EXPECT_EQ(runs[r].lse, runs[0].lse) << what;
+    }
   }
 }
 

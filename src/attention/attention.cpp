@@ -7,7 +7,7 @@
 //   decode    (sequence, key chunk) when a sequence has at most kDecodeRows rows per KV head:
 //             every KV head of each key tile in the cache's memory order (decode_tiles), the
 //             heads' rows side by side in one score tile (layout_decode_rows; a block per KV
-//             head with Shaw, XL and TUPE), long caches split into chunks of kDecodeChunk keys,
+//             head with Shaw, XL and TUPE), caches split into chunks of about kDecodeChunkBytes,
 //             merged in chunk order;
 //   backward  (sequence, KV head): all of its rows, key tiles outer (dk, dv finished per tile),
 //             row blocks inner, dq accumulated per unit in f32.
@@ -1123,14 +1123,19 @@ void AttentionPlan::forward(TensorView out, TensorView lse) const {
   std::int64_t group_blocks = static_cast<std::int64_t>(kMaxGroupBlocks);
   while (group_blocks > 1 && prefill_blocks < 8 * group_blocks * static_cast<std::int64_t>(threads_for(flops / 16))) group_blocks /= 2;
   const std::int64_t unit_queries = group_blocks * query_block;
+  // Decode chunks: keys per chunk from the bytes of one key's rows (keys and values, every KV
+  // head), counted in f32 as decode_tiles counts its tiles (16-bit caches give the f32 bits).
+  const std::int64_t key_bytes = 2 * kv_heads * dim * static_cast<std::int64_t>(sizeof(float));
+  const std::int64_t bytes_chunk_keys = std::max(kDecodeMinChunkKeys, kDecodeChunkBytes / std::max<std::int64_t>(key_bytes, 1));
   for (std::int64_t si = 0; si < static_cast<std::int64_t>(sequences.size()); ++si) {
     const Sequence& seq = sequences[static_cast<std::size_t>(si)];
     if (seq.lq == 0) continue;
     if (seq.lq * group_size <= kDecodeRows) {
-      const std::int64_t chunks = seq.lk > 2 * kDecodeChunk ? (seq.lk + kDecodeChunk - 1) / kDecodeChunk : 1;
+      const std::int64_t chunk_keys = std::max(bytes_chunk_keys, (seq.lk + kDecodeMaxChunks - 1) / kDecodeMaxChunks);
+      const std::int64_t chunks = seq.lk > chunk_keys ? (seq.lk + chunk_keys - 1) / chunk_keys : 1;
       for (std::int64_t c = 0; c < chunks; ++c) {
-        const std::int64_t kb = chunks == 1 ? 0 : c * kDecodeChunk;
-        const std::int64_t ke = chunks == 1 ? seq.lk : std::min(seq.lk, kb + kDecodeChunk);
+        const std::int64_t kb = chunks == 1 ? 0 : c * chunk_keys;
+        const std::int64_t ke = chunks == 1 ? seq.lk : std::min(seq.lk, kb + chunk_keys);
         units.push_back({si, -1, 0, seq.lq, kb, ke, chunks == 1 ? -1 : partials, true});
         if (chunks > 1) ++partials;
       }
@@ -1309,7 +1314,17 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
                                  std::span<const RowBlock> rows, std::span<AttentionUnitScratch> blocks_scratch,
                                  AttentionUnitScratch& s) const {
   const std::int64_t dp = dim_padded, g_count = kv_heads;
-  const std::int64_t decode_tile = key_tile;
+  // Keys per tile, by bytes: a tile's keys of every KV head are prefetched into L2 while the
+  // previous tile's values are summed, and its values while its scores are computed, so about
+  // three tiles' rows share L2. At 8 KV heads × D 128 in f32 (4 KiB per key) 64 keys take 256 KiB;
+  // a multi-head cache (32 KV heads: 16 KiB per key) took 1 MiB per tile at 64 keys, as much as
+  // this host's whole L2. There (8192 keys, 2 threads, alternating runs) 16-key tiles took
+  // 11.7–12.4 ms, 32-key tiles 12.6–12.7 and 64-key tiles 13.2–13.7.
+  // Counted in f32 whatever the cache's dtype: a 16-bit cache then runs the tiles (and the
+  // chunks, below in forward) of the f32 cache of its values, and gives its bits.
+  const std::int64_t key_row_bytes = g_count * dim * static_cast<std::int64_t>(sizeof(float));
+  const std::int64_t decode_tile = std::clamp<std::int64_t>(kDecodeTileBytes / std::max<std::int64_t>(key_row_bytes, 1) / 16 * 16,
+                                                            16, key_tile);
   bool transform_keys = false;
   for (std::int64_t g = 0; g < g_count; ++g) {
     const QKTables& t = tables_of_head(g * group_size);

@@ -52,10 +52,12 @@
 // thread count, forward and backward.
 // TUPE's projections must have head_dim == D (they meet in the score tiles as a second product).
 //
-// Decode (few queries, long KV cache): the keys split into fixed chunks that run in parallel and
-// merge by their log-sum-exps in chunk order — exact, and independent of the thread count. It is
-// bound by reading the cache, which it reads where it lies: f32, bf16 and f16 (widened exactly in
-// registers; half the bytes of f32), and an un-rotated cache with RoPE (rotated in registers). It
+// Decode (few queries, long KV cache): the keys split into fixed chunks (about 4 MiB of keys and
+// values each, at most 32 per sequence) that run in parallel and merge by their log-sum-exps in
+// chunk order — exact, and independent of the thread count. It is bound by reading the cache,
+// which it reads where it lies: f32, bf16 and f16 (widened exactly in registers; half the bytes of
+// f32; the same bits as the f32 cache of the same values), and an un-rotated cache with RoPE,
+// half-split or interleaved (rotated in registers). It
 // is fastest with the cache [B, Sk, G, D] (every KV head of a key together) on 2 MiB pages
 // (posenc::HugePageBuffer, memory.hpp: at G·D·4 = 4 KiB per key, each head's row otherwise lies
 // on its own 4 KiB page).

@@ -673,8 +673,8 @@ TEST_P(AttentionForward, DecodeRotatesAnUnrotatedCacheTileByTile) {
   // when the pairs fill vectors (D 72 with 64 rotated: the rows do not fill them), row by row
   // otherwise (D 80: 40 pairs, on AVX-512). Interleaved pairs are rotated inside the scores
   // when the rotated dims fill whole vectors (D 128, rotary 128 or 64; D 80 with 80), else row by
-  // row (D 72 with 64 rotated, where the rows do not fill vectors). f32, bf16 and f16, caches
-  // long enough to be split.
+  // row (D 72 with 64 rotated on AVX-512, whose rows do not fill 16-lane vectors; AVX2 and SSE4
+  // rotate it in the scores). f32, bf16 and f16, caches long enough to be split.
   struct Shape {
     std::int64_t heads, kv_heads, dim, rotary_dim, k_len;
     DType dtype;

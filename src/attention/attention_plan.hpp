@@ -189,8 +189,9 @@ struct AttentionPlan {
   static constexpr std::int64_t kDecodeChunkBytes = std::int64_t{4} << 20;
   static constexpr std::int64_t kDecodeMinChunkKeys = 64;
   // At most this many chunks per sequence (longer chunks beyond): each chunk's first tile has no
-  // earlier tile to prefetch it. At 32768 keys of 8 KV heads in f32, 64 chunks of 512 keys took
-  // 10.1–13.2 ms against 9.7–10.5 with the old 8 chunks.
+  // earlier tile to prefetch it. At 32768 keys of 8 KV heads in f32, four alternations with 64
+  // chunks of 512 keys gave 10.1–13.2 ms against 9.7–10.5 for the old 8 chunks (within this
+  // host's noise, but in that direction); six with this cap (32 chunks) 9.5–11.2 against 10.0–11.1.
   static constexpr std::int64_t kDecodeMaxChunks = 32;
 
   explicit AttentionPlan(AttentionSpec spec);

@@ -1147,6 +1147,26 @@ TEST(AttentionReference, XlBackwardMatchesFiniteDifferences) {
 
 // ─── Determinism and errors ──────────────────────────────────────────────────────────────────
 
+TEST(Attention, AccurateAtFourThousandTokens) {
+  // The accuracy criterion at the longest S: 4096 queries over 4096 keys, where the online
+  // softmax runs over 64 key tiles. First RoPE with ALiBi (whose KV head runs its tiles from the
+  // diagonal down and skips the vanishing far ones) beside Kerple (its KV head in key order: summed
+  // the other way, its far terms, which do not vanish, had cost 20× the naive f32 error); then T5
+  // and FIRE with a sliding window. GQA, D 80. The best target only: the fp64 reference and the
+  // naive f32 composition take about 20 s per call here.
+  const Problem p = make_problem(1, 4096, 4096, 4, 2, 80);
+  AttentionSpec spec = spec_of(p);
+  spec.mask.causal = true;
+  spec.groups = {{2, RotaryQK{RopeParams(80, 80)}, AlibiParams(2)},
+                 {2, {}, KerpleParams(KerpleForm::kLog, {1.5, 0.5}, {1.0, 2.0})}};
+  expect_accurate(p, spec, "RoPE + ALiBi, Kerple; causal");
+  std::vector<double> t5_table(32 * 2);
+  for (std::size_t i = 0; i < t5_table.size(); ++i) t5_table[i] = 0.1 * static_cast<double>(i % 11) - 0.5;
+  spec.groups = {{2, {}, T5BiasParams(2, 32, 128, true, t5_table)}, {2, {}, FireParams::init(2, 16, 3)}};
+  spec.mask.window_left = 1000;
+  expect_accurate(p, spec, "T5, FIRE; sliding window of 1000");
+}
+
 TEST(Attention, BitwiseIdenticalForAnyThreadCount) {
   Problem p = make_problem(2, 150, 150, 4, 2, 64);
   AttentionSpec spec = spec_of(p);

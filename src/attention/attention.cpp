@@ -1001,8 +1001,8 @@ void block_tile(const AttentionPlan& p, const Sequence& seq, const RowBlock& rb,
   }
   kernels::attn_softmax_tile(s.st.data(), keys, w, s.m.data(), s.l.data(), s.corr.data());
   kernels::attn_scale_rows(s.o.data(), dp, w, dp, s.corr.data());
-  // O += P·V with P(r, j) = P^T[j][r].
-  kernels::attn_gemm(s.st.data(), 1, w, vp, ldv, s.o.data(), dp, w, dp, keys, true);
+  // O += P·V with P(r, j) = P^T[j][r], the tile's sum added to O once (attn_gemm_add).
+  kernels::attn_gemm_add(s.st.data(), 1, w, vp, ldv, s.o.data(), dp, w, dp, keys);
   if (p.any_shaw) p.shaw_collect(rb, keys, s.kpos.data(), s.st.data(), s.corr.data(), s.shaw_probs.data(), w);
 }
 
@@ -1054,12 +1054,15 @@ std::int64_t forward_blocks(const AttentionPlan& p, const Sequence& seq, std::in
     ends[b] = std::max(blocks[b]->key_hi, kb);
     tiles[b] = (ends[b] - kb + kt - 1) / kt;
     ke = std::max(ke, ends[b]);
-    if (p.skip_far_tiles) {
+  }
+  const bool descending = p.far_tiles_first && p.far_first_kv[static_cast<std::size_t>(kvh)] != 0;
+  const bool skip_far = p.skip_far_tiles && descending;
+  for (std::size_t b = 0; b < n; ++b) {
+    if (skip_far) {
       grow(scratch[b]->row_norm, blocks[b]->width);
       detail::row_norms(scratch[b]->q.data(), p.dim_padded, blocks[b]->width, p.dim, scratch[b]->row_norm.data());
     }
   }
-  const bool descending = p.far_tiles_first;
   const std::int64_t all_tiles = (ke - kb + kt - 1) / kt;
   std::int64_t skipped = 0;
   for (std::int64_t i = 0; i < all_tiles; ++i) {
@@ -1068,7 +1071,7 @@ std::int64_t forward_blocks(const AttentionPlan& p, const Sequence& seq, std::in
     bool any = false;
     for (std::size_t b = 0; b < n; ++b) {
       if (t >= tiles[b]) continue;
-      run[b] = !(p.skip_far_tiles && t < tiles[b] - 1 &&
+      run[b] = !(skip_far && t < tiles[b] - 1 &&
                  far_tile_vanishes(p, seq, kvh, *blocks[b], k0, std::min(kt, ends[b] - k0), *scratch[b]));
       skipped += run[b] ? 0 : 1;
       any = any || run[b];

@@ -592,6 +592,17 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), 
   bool keys_keep_norms = true;
   for (const QKTables& t : tables) keys_keep_norms = keys_keep_norms && (!t.transform_keys || t.kind != QKTables::kAbsolute);
   far_tiles_first = lowest_table_bias < -kFarBias && mask.softcap <= 0 && !any_shaw && !any_xl && !any_tupe && keys_keep_norms;
+  // Per KV head: only where every query head's table falls below −100 can a block's rows all
+  // vanish; the others run their tiles in key order (see far_first_kv).
+  far_first_kv.assign(static_cast<std::size_t>(kv_heads), 0);
+  for (std::int64_t g = 0; far_tiles_first && g < kv_heads; ++g) {
+    bool steep = true;
+    for (std::int64_t h = g * group_size; h < (g + 1) * group_size; ++h) {
+      const HeadBias& hb = head_bias[static_cast<std::size_t>(h)];
+      steep = steep && hb.kind == HeadBias::kTable && *std::min_element(hb.table, hb.table + hb.width) < -kFarBias;
+    }
+    far_first_kv[static_cast<std::size_t>(g)] = steep ? 1 : 0;
+  }
   skip_far_tiles = far_tiles_first && spec.skip_vanishing_tiles;
   if (!skip_far_tiles) return;
   // The tables' running maxima, which bound a tile's biases (HeadBias::max_from / max_to).

@@ -35,15 +35,19 @@ constexpr int kRows = 4;
 constexpr int kVecs = 2;
 #endif
 
+// How the matrix kernel meets C: kSet C = chain from 0; kChain C = chain from C; kAddSum
+// C = C + chain from 0 (attn_gemm_add).
+enum GemmMode : int { kSet = 0, kChain = 1, kAddSum = 2 };
+
 template <int R, int V>
 HWY_INLINE void GemmBlock(const float* HWY_RESTRICT a, std::int64_t a_row, std::int64_t a_depth,
                           const float* HWY_RESTRICT b, std::int64_t ldb, float* HWY_RESTRICT c, std::int64_t ldc,
-                          std::int64_t depth, bool accumulate) {
+                          std::int64_t depth, int mode) {
   const DF d;
   const auto n = static_cast<std::int64_t>(hn::Lanes(d));
   VF acc[R][V];
   for (int r = 0; r < R; ++r) {
-    for (int v = 0; v < V; ++v) acc[r][v] = accumulate ? hn::LoadU(d, c + r * ldc + v * n) : hn::Zero(d);
+    for (int v = 0; v < V; ++v) acc[r][v] = mode == kChain ? hn::LoadU(d, c + r * ldc + v * n) : hn::Zero(d);
   }
   for (std::int64_t t = 0; t < depth; ++t) {
     VF bv[V];
@@ -54,13 +58,16 @@ HWY_INLINE void GemmBlock(const float* HWY_RESTRICT a, std::int64_t a_row, std::
     }
   }
   for (int r = 0; r < R; ++r) {
-    for (int v = 0; v < V; ++v) hn::StoreU(acc[r][v], d, c + r * ldc + v * n);
+    for (int v = 0; v < V; ++v) {
+      float* cv = c + r * ldc + v * n;
+      hn::StoreU(mode == kAddSum ? hn::Add(hn::LoadU(d, cv), acc[r][v]) : acc[r][v], d, cv);
+    }
   }
 }
 
 template <int V>
 HWY_INLINE void GemmRows(std::int64_t rows, const float* a, std::int64_t a_row, std::int64_t a_depth, const float* b,
-                         std::int64_t ldb, float* c, std::int64_t ldc, std::int64_t depth, bool accumulate) {
+                         std::int64_t ldb, float* c, std::int64_t ldc, std::int64_t depth, int accumulate) {
   std::int64_t m = 0;
   for (; m + kRows <= rows; m += kRows) {
     GemmBlock<kRows, V>(a + m * a_row, a_row, a_depth, b, ldb, c + m * ldc, ldc, depth, accumulate);
@@ -93,7 +100,7 @@ constexpr std::int64_t kDepthBlockBytes = 8 << 10;
 constexpr std::int64_t kMinDepthBlock = 128;
 
 void AttnGemm(const float* a, std::int64_t a_row, std::int64_t a_depth, const float* b, std::int64_t ldb, float* c,
-              std::int64_t ldc, std::int64_t rows, std::int64_t cols, std::int64_t depth, bool accumulate) {
+              std::int64_t ldc, std::int64_t rows, std::int64_t cols, std::int64_t depth, int mode) {
   const DF d;
   const auto n = static_cast<std::int64_t>(hn::Lanes(d));
   const std::int64_t vecs = cols / n;
@@ -105,7 +112,8 @@ void AttnGemm(const float* a, std::int64_t a_row, std::int64_t a_depth, const fl
     const std::int64_t dt = std::min(depth_block, depth - t0);
     const float* at0 = a + t0 * a_depth;
     const float* bt0 = b + t0 * ldb;
-    const bool acc = accumulate || t0 > 0;
+    // Later passes chain from C (attn_gemm_add never takes more than one: its depth <= kMinDepthBlock).
+    const int acc = t0 > 0 ? kChain : mode;
     std::int64_t v = 0;
     for (; v + kVecs <= vecs; v += kVecs) GemmRows<kVecs>(rows, at0, a_row, a_depth, bt0 + v * n, ldb, c + v * n, ldc, dt, acc);
     switch (vecs - v) {
@@ -1181,7 +1189,14 @@ void attn_mask_tile(float* st, std::int64_t keys, std::int64_t width, std::int64
 
 void attn_gemm(const float* a, std::int64_t a_row, std::int64_t a_depth, const float* b, std::int64_t ldb, float* c,
                std::int64_t ldc, std::int64_t rows, std::int64_t cols, std::int64_t depth, bool accumulate) {
-  HWY_DYNAMIC_DISPATCH(AttnGemm)(a, a_row, a_depth, b, ldb, c, ldc, rows, cols, depth, accumulate);
+  HWY_DYNAMIC_DISPATCH(AttnGemm)(a, a_row, a_depth, b, ldb, c, ldc, rows, cols, depth, accumulate ? 1 : 0);
+}
+void attn_gemm_add(const float* a, std::int64_t a_row, std::int64_t a_depth, const float* b, std::int64_t ldb, float* c,
+                   std::int64_t ldc, std::int64_t rows, std::int64_t cols, std::int64_t depth) {
+  if (depth > kAttnGemmAddDepth) {
+    throw Error("attention kernel", "depth", std::to_string(depth), "<= " + std::to_string(kAttnGemmAddDepth) + " (attn_gemm_add)");
+  }
+  HWY_DYNAMIC_DISPATCH(AttnGemm)(a, a_row, a_depth, b, ldb, c, ldc, rows, cols, depth, 2);
 }
 void attn_softmax_tile(float* st, std::int64_t keys, std::int64_t width, float* m, float* l, float* correction) {
   HWY_DYNAMIC_DISPATCH(AttnSoftmaxTile)(st, keys, width, m, l, correction);

@@ -32,6 +32,15 @@ struct RowPrefetch {
 // B rows at b + t·ldb, C rows at c + m·ldc; cols a multiple of kAttnAlign.
 void attn_gemm(const float* a, std::int64_t a_row, std::int64_t a_depth, const float* b, std::int64_t ldb, float* c,
                std::int64_t ldc, std::int64_t rows, std::int64_t cols, std::int64_t depth, bool accumulate);
+// C[m][n] += Σ_t A(m, t)·B[t][n], the sum taken as one chain of fused multiply-adds from 0 in t
+// order and then added to C once (attn_gemm with `accumulate` chains from C instead). Online
+// softmax adds a tile's P·V so: O then takes one rounding per tile, not one per key, and its
+// error no longer grows with the keys already summed (forward with far tiles first put the
+// largest terms into O first, and a 4096-key causal row lost up to 20× the naive f32 accuracy).
+// depth <= kAttnGemmAddDepth (one pass of the kernel on every target), else posenc::Error.
+inline constexpr std::int64_t kAttnGemmAddDepth = 128;
+void attn_gemm_add(const float* a, std::int64_t a_row, std::int64_t a_depth, const float* b, std::int64_t ldb, float* c,
+                   std::int64_t ldc, std::int64_t rows, std::int64_t cols, std::int64_t depth);
 
 // dst[j][g][0..dim_padded) = f32 of src row (key j, head g) at src + j·seq_stride + g·head_stride
 // (elements; unit dim stride), zero-padded: a tile of the cache converted in its memory order.

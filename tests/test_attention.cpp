@@ -787,6 +787,47 @@ TEST_P(AttentionMatrixKernel, EachElementIsOneChainInDepthOrder) {
   }
 }
 
+// attn_gemm_add: C + (one chain from 0 in t order), added once; depths up to kAttnGemmAddDepth
+// (one pass on every target), beyond that an Error naming the depth.
+TEST_P(AttentionMatrixKernel, AddSumsEachElementFromZeroThenAddsIt) {
+  for (int trial = 0; trial < 24; ++trial) {
+    const std::int64_t rows = uniform_int(1, 23), cols = kernels::kAttnAlign * uniform_int(1, 6);
+    const std::int64_t depth = std::vector<std::int64_t>{0, 1, 7, 63, 64, 100, 127, 128}[static_cast<std::size_t>(trial % 8)];
+    const bool transposed_a = trial % 2 == 1;
+    SCOPED_TRACE("rows " + std::to_string(rows) + " cols " + std::to_string(cols) + " depth " + std::to_string(depth));
+    const std::int64_t a_row = transposed_a ? 1 : depth + 3, a_depth = transposed_a ? rows + 5 : 1;
+    const std::int64_t ldb = cols + 16, ldc = cols + 32;
+    std::vector<float> a(static_cast<std::size_t>(rows * a_row + depth * a_depth)), b(static_cast<std::size_t>(depth * ldb));
+    std::vector<float> c(static_cast<std::size_t>(rows * ldc));
+    for (auto& x : a) x = static_cast<float>(uniform(-1, 1));
+    for (auto& x : b) x = static_cast<float>(uniform(-1, 1));
+    // C large against the sums, so that adding once differs from chaining from C.
+    for (auto& x : c) x = static_cast<float>(uniform(-100, 100));
+    std::vector<float> fused = c, unfused = c, out = c;
+    for (std::int64_t m = 0; m < rows; ++m) {
+      for (std::int64_t n = 0; n < cols; ++n) {
+        const auto at = static_cast<std::size_t>(m * ldc + n);
+        float f = 0.0f, u = 0.0f;
+        for (std::int64_t t = 0; t < depth; ++t) {
+          const float x = a[static_cast<std::size_t>(m * a_row + t * a_depth)], y = b[static_cast<std::size_t>(t * ldb + n)];
+          f = std::fma(x, y, f);
+          const auto product = static_cast<float>(static_cast<double>(x) * y);  // as above: never contracted
+          u = product + u;
+        }
+        fused[at] = c[at] + f;
+        unfused[at] = c[at] + u;
+      }
+    }
+    kernels::attn_gemm_add(a.data(), a_row, a_depth, b.data(), ldb, out.data(), ldc, rows, cols, depth);
+    const bool as_fused = std::memcmp(out.data(), fused.data(), out.size() * sizeof(float)) == 0;
+    const bool as_unfused = std::memcmp(out.data(), unfused.data(), out.size() * sizeof(float)) == 0;
+    EXPECT_TRUE(as_fused || as_unfused);
+  }
+  std::vector<float> a(200, 1.0f), b(200 * kernels::kAttnAlign, 1.0f), c(kernels::kAttnAlign, 0.0f);
+  expect_error([&] { kernels::attn_gemm_add(a.data(), 200, 1, b.data(), kernels::kAttnAlign, c.data(), kernels::kAttnAlign, 1, kernels::kAttnAlign, 129); },
+               {"attention kernel", "depth", "129", "<= 128"});
+}
+
 INSTANTIATE_TEST_SUITE_P(Targets, AttentionMatrixKernel, ::testing::ValuesIn(testing::all_targets()));
 
 // ─── Backward ────────────────────────────────────────────────────────────────────────────────

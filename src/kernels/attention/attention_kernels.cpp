@@ -67,20 +67,20 @@ HWY_INLINE void GemmBlock(const float* HWY_RESTRICT a, std::int64_t a_row, std::
 
 template <int V>
 HWY_INLINE void GemmRows(std::int64_t rows, const float* a, std::int64_t a_row, std::int64_t a_depth, const float* b,
-                         std::int64_t ldb, float* c, std::int64_t ldc, std::int64_t depth, int accumulate) {
+                         std::int64_t ldb, float* c, std::int64_t ldc, std::int64_t depth, int mode) {
   std::int64_t m = 0;
   for (; m + kRows <= rows; m += kRows) {
-    GemmBlock<kRows, V>(a + m * a_row, a_row, a_depth, b, ldb, c + m * ldc, ldc, depth, accumulate);
+    GemmBlock<kRows, V>(a + m * a_row, a_row, a_depth, b, ldb, c + m * ldc, ldc, depth, mode);
   }
   const float* at = a + m * a_row;
   float* ct = c + m * ldc;
   switch (rows - m) {
-    case 1: GemmBlock<1, V>(at, a_row, a_depth, b, ldb, ct, ldc, depth, accumulate); break;
-    case 2: GemmBlock<2, V>(at, a_row, a_depth, b, ldb, ct, ldc, depth, accumulate); break;
-    case 3: GemmBlock<3, V>(at, a_row, a_depth, b, ldb, ct, ldc, depth, accumulate); break;
+    case 1: GemmBlock<1, V>(at, a_row, a_depth, b, ldb, ct, ldc, depth, mode); break;
+    case 2: GemmBlock<2, V>(at, a_row, a_depth, b, ldb, ct, ldc, depth, mode); break;
+    case 3: GemmBlock<3, V>(at, a_row, a_depth, b, ldb, ct, ldc, depth, mode); break;
 #if HWY_TARGET != HWY_SCALAR && HWY_MAX_BYTES >= 64
-    case 4: GemmBlock<4, V>(at, a_row, a_depth, b, ldb, ct, ldc, depth, accumulate); break;
-    case 5: GemmBlock<5, V>(at, a_row, a_depth, b, ldb, ct, ldc, depth, accumulate); break;
+    case 4: GemmBlock<4, V>(at, a_row, a_depth, b, ldb, ct, ldc, depth, mode); break;
+    case 5: GemmBlock<5, V>(at, a_row, a_depth, b, ldb, ct, ldc, depth, mode); break;
 #endif
     default: break;
   }
@@ -1189,14 +1189,14 @@ void attn_mask_tile(float* st, std::int64_t keys, std::int64_t width, std::int64
 
 void attn_gemm(const float* a, std::int64_t a_row, std::int64_t a_depth, const float* b, std::int64_t ldb, float* c,
                std::int64_t ldc, std::int64_t rows, std::int64_t cols, std::int64_t depth, bool accumulate) {
-  HWY_DYNAMIC_DISPATCH(AttnGemm)(a, a_row, a_depth, b, ldb, c, ldc, rows, cols, depth, accumulate ? 1 : 0);
+  HWY_DYNAMIC_DISPATCH(AttnGemm)(a, a_row, a_depth, b, ldb, c, ldc, rows, cols, depth, accumulate ? 1 : 0);  // kChain : kSet
 }
 void attn_gemm_add(const float* a, std::int64_t a_row, std::int64_t a_depth, const float* b, std::int64_t ldb, float* c,
                    std::int64_t ldc, std::int64_t rows, std::int64_t cols, std::int64_t depth) {
   if (depth > kAttnGemmAddDepth) {
     throw Error("attention kernel", "depth", std::to_string(depth), "<= " + std::to_string(kAttnGemmAddDepth) + " (attn_gemm_add)");
   }
-  HWY_DYNAMIC_DISPATCH(AttnGemm)(a, a_row, a_depth, b, ldb, c, ldc, rows, cols, depth, 2);
+  HWY_DYNAMIC_DISPATCH(AttnGemm)(a, a_row, a_depth, b, ldb, c, ldc, rows, cols, depth, 2);  // kAddSum
 }
 void attn_softmax_tile(float* st, std::int64_t keys, std::int64_t width, float* m, float* l, float* correction) {
   HWY_DYNAMIC_DISPATCH(AttnSoftmaxTile)(st, keys, width, m, l, correction);

@@ -748,26 +748,29 @@ INSTANTIATE_TEST_SUITE_P(Targets, AttentionForward, ::testing::ValuesIn(testing:
 // 1024 on scalar); depth 0 must still set C to 0 when not accumulating.
 class AttentionMatrixKernel : public EveryTarget {};
 
-TEST_P(AttentionMatrixKernel, EachElementIsOneChainInDepthOrder) {
-  for (int trial = 0; trial < 36; ++trial) {
-    const std::int64_t rows = uniform_int(1, 23), cols = kernels::kAttnAlign * uniform_int(1, 6);
-    const std::int64_t depth = std::vector<std::int64_t>{0, 1, 7, 127, 128, 129, 255, 256, 257, 1000, 1025, 2100}[static_cast<std::size_t>(trial % 12)];
-    const bool transposed_a = trial % 2 == 1, accumulate = trial % 3 != 0;
-    SCOPED_TRACE("rows " + std::to_string(rows) + " cols " + std::to_string(cols) + " depth " + std::to_string(depth) +
-                 (transposed_a ? " A transposed" : "") + (accumulate ? " accumulate" : ""));
-    // A(m, t) at m·a_row + t·a_depth, rows or columns contiguous, with a gap; B and C with padding.
-    const std::int64_t a_row = transposed_a ? 1 : depth + 3, a_depth = transposed_a ? rows + 5 : 1;
-    const std::int64_t ldb = cols + 16, ldc = cols + 32;
-    std::vector<float> a(static_cast<std::size_t>(rows * a_row + depth * a_depth)), b(static_cast<std::size_t>(depth * ldb));
-    std::vector<float> c(static_cast<std::size_t>(rows * ldc));
+// One random problem of the matrix kernel: A(m, t) at m·a_row + t·a_depth (rows or columns
+// contiguous, with a gap), B and C with padding, C's entries in [−c_range, c_range]; and the two
+// results the kernel may give in `mode`, element by element: its multiply-adds in t order fused,
+// or each product rounded on its own then added. kSet starts each chain from 0, kChain from C,
+// kAddSum sums from 0 and adds the sum to C once (attn_gemm_add).
+enum class GemmMode { kSet, kChain, kAddSum };
+struct GemmCase {
+  std::int64_t rows, cols, depth, a_row, a_depth, ldb, ldc;
+  std::vector<float> a, b, c, fused, unfused;
+  GemmCase(std::int64_t depth_, bool transposed_a, GemmMode mode, double c_range)
+      : rows(uniform_int(1, 23)), cols(kernels::kAttnAlign * uniform_int(1, 6)), depth(depth_),
+        a_row(transposed_a ? 1 : depth_ + 3), a_depth(transposed_a ? rows + 5 : 1), ldb(cols + 16), ldc(cols + 32) {
+    a.resize(static_cast<std::size_t>(rows * a_row + depth * a_depth));
+    b.resize(static_cast<std::size_t>(depth * ldb));
+    c.resize(static_cast<std::size_t>(rows * ldc));
     for (auto& x : a) x = static_cast<float>(uniform(-1, 1));
     for (auto& x : b) x = static_cast<float>(uniform(-1, 1));
-    for (auto& x : c) x = static_cast<float>(uniform(-1, 1));
-    std::vector<float> fused = c, unfused = c, out = c;
+    for (auto& x : c) x = static_cast<float>(uniform(-c_range, c_range));
+    fused = unfused = c;
     for (std::int64_t m = 0; m < rows; ++m) {
       for (std::int64_t n = 0; n < cols; ++n) {
         const auto at = static_cast<std::size_t>(m * ldc + n);
-        float f = accumulate ? c[at] : 0.0f, u = f;
+        float f = mode == GemmMode::kChain ? c[at] : 0.0f, u = f;
         for (std::int64_t t = 0; t < depth; ++t) {
           const float x = a[static_cast<std::size_t>(m * a_row + t * a_depth)], y = b[static_cast<std::size_t>(t * ldb + n)];
           f = std::fma(x, y, f);
@@ -776,14 +779,31 @@ TEST_P(AttentionMatrixKernel, EachElementIsOneChainInDepthOrder) {
           const auto product = static_cast<float>(static_cast<double>(x) * y);
           u = product + u;
         }
-        fused[at] = f;
-        unfused[at] = u;
+        fused[at] = mode == GemmMode::kAddSum ? c[at] + f : f;
+        unfused[at] = mode == GemmMode::kAddSum ? c[at] + u : u;
       }
     }
-    kernels::attn_gemm(a.data(), a_row, a_depth, b.data(), ldb, out.data(), ldc, rows, cols, depth, accumulate);
-    const bool as_fused = std::memcmp(out.data(), fused.data(), out.size() * sizeof(float)) == 0;
-    const bool as_unfused = std::memcmp(out.data(), unfused.data(), out.size() * sizeof(float)) == 0;
-    EXPECT_TRUE(as_fused || as_unfused);
+  }
+  std::string describe() const {
+    return "rows " + std::to_string(rows) + " cols " + std::to_string(cols) + " depth " + std::to_string(depth) +
+           (a_row == 1 ? " A transposed" : "");
+  }
+  // The kernel's C equals one of the two folds, to the bit.
+  bool matches(const std::vector<float>& out) const {
+    return std::memcmp(out.data(), fused.data(), out.size() * sizeof(float)) == 0 ||
+           std::memcmp(out.data(), unfused.data(), out.size() * sizeof(float)) == 0;
+  }
+};
+
+TEST_P(AttentionMatrixKernel, EachElementIsOneChainInDepthOrder) {
+  for (int trial = 0; trial < 36; ++trial) {
+    const std::int64_t depth = std::vector<std::int64_t>{0, 1, 7, 127, 128, 129, 255, 256, 257, 1000, 1025, 2100}[static_cast<std::size_t>(trial % 12)];
+    const bool accumulate = trial % 3 != 0;
+    const GemmCase g(depth, trial % 2 == 1, accumulate ? GemmMode::kChain : GemmMode::kSet, 1.0);
+    SCOPED_TRACE(g.describe() + (accumulate ? " accumulate" : ""));
+    std::vector<float> out = g.c;
+    kernels::attn_gemm(g.a.data(), g.a_row, g.a_depth, g.b.data(), g.ldb, out.data(), g.ldc, g.rows, g.cols, depth, accumulate);
+    EXPECT_TRUE(g.matches(out));
   }
 }
 
@@ -791,37 +811,13 @@ TEST_P(AttentionMatrixKernel, EachElementIsOneChainInDepthOrder) {
 // (one pass on every target), beyond that an Error naming the depth.
 TEST_P(AttentionMatrixKernel, AddSumsEachElementFromZeroThenAddsIt) {
   for (int trial = 0; trial < 24; ++trial) {
-    const std::int64_t rows = uniform_int(1, 23), cols = kernels::kAttnAlign * uniform_int(1, 6);
     const std::int64_t depth = std::vector<std::int64_t>{0, 1, 7, 63, 64, 100, 127, 128}[static_cast<std::size_t>(trial % 8)];
-    const bool transposed_a = trial % 2 == 1;
-    SCOPED_TRACE("rows " + std::to_string(rows) + " cols " + std::to_string(cols) + " depth " + std::to_string(depth));
-    const std::int64_t a_row = transposed_a ? 1 : depth + 3, a_depth = transposed_a ? rows + 5 : 1;
-    const std::int64_t ldb = cols + 16, ldc = cols + 32;
-    std::vector<float> a(static_cast<std::size_t>(rows * a_row + depth * a_depth)), b(static_cast<std::size_t>(depth * ldb));
-    std::vector<float> c(static_cast<std::size_t>(rows * ldc));
-    for (auto& x : a) x = static_cast<float>(uniform(-1, 1));
-    for (auto& x : b) x = static_cast<float>(uniform(-1, 1));
     // C large against the sums, so that adding once differs from chaining from C.
-    for (auto& x : c) x = static_cast<float>(uniform(-100, 100));
-    std::vector<float> fused = c, unfused = c, out = c;
-    for (std::int64_t m = 0; m < rows; ++m) {
-      for (std::int64_t n = 0; n < cols; ++n) {
-        const auto at = static_cast<std::size_t>(m * ldc + n);
-        float f = 0.0f, u = 0.0f;
-        for (std::int64_t t = 0; t < depth; ++t) {
-          const float x = a[static_cast<std::size_t>(m * a_row + t * a_depth)], y = b[static_cast<std::size_t>(t * ldb + n)];
-          f = std::fma(x, y, f);
-          const auto product = static_cast<float>(static_cast<double>(x) * y);  // as above: never contracted
-          u = product + u;
-        }
-        fused[at] = c[at] + f;
-        unfused[at] = c[at] + u;
-      }
-    }
-    kernels::attn_gemm_add(a.data(), a_row, a_depth, b.data(), ldb, out.data(), ldc, rows, cols, depth);
-    const bool as_fused = std::memcmp(out.data(), fused.data(), out.size() * sizeof(float)) == 0;
-    const bool as_unfused = std::memcmp(out.data(), unfused.data(), out.size() * sizeof(float)) == 0;
-    EXPECT_TRUE(as_fused || as_unfused);
+    const GemmCase g(depth, trial % 2 == 1, GemmMode::kAddSum, 100.0);
+    SCOPED_TRACE(g.describe());
+    std::vector<float> out = g.c;
+    kernels::attn_gemm_add(g.a.data(), g.a_row, g.a_depth, g.b.data(), g.ldb, out.data(), g.ldc, g.rows, g.cols, depth);
+    EXPECT_TRUE(g.matches(out));
   }
   std::vector<float> a(200, 1.0f), b(200 * kernels::kAttnAlign, 1.0f), c(kernels::kAttnAlign, 0.0f);
   expect_error([&] { kernels::attn_gemm_add(a.data(), 200, 1, b.data(), kernels::kAttnAlign, c.data(), kernels::kAttnAlign, 1, kernels::kAttnAlign, 129); },

@@ -1126,10 +1126,8 @@ void AttentionPlan::forward(TensorView out, TensorView lse) const {
   std::int64_t group_blocks = static_cast<std::int64_t>(kMaxGroupBlocks);
   while (group_blocks > 1 && prefill_blocks < 8 * group_blocks * static_cast<std::int64_t>(threads_for(flops / 16))) group_blocks /= 2;
   const std::int64_t unit_queries = group_blocks * query_block;
-  // Decode chunks: keys per chunk from the bytes of one key's rows (keys and values, every KV
-  // head), counted in f32 as decode_tiles counts its tiles (16-bit caches give the f32 bits).
-  const std::int64_t key_bytes = 2 * kv_heads * dim * static_cast<std::int64_t>(sizeof(float));
-  const std::int64_t bytes_chunk_keys = std::max(kDecodeMinChunkKeys, kDecodeChunkBytes / std::max<std::int64_t>(key_bytes, 1));
+  // Decode chunks: keys per chunk from the bytes of one key's keys and values.
+  const std::int64_t bytes_chunk_keys = std::max(kDecodeMinChunkKeys, kDecodeChunkBytes / (2 * decode_key_row_bytes()));
   for (std::int64_t si = 0; si < static_cast<std::int64_t>(sequences.size()); ++si) {
     const Sequence& seq = sequences[static_cast<std::size_t>(si)];
     if (seq.lq == 0) continue;
@@ -1323,11 +1321,7 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
   // a multi-head cache (32 KV heads: 16 KiB per key) took 1 MiB per tile at 64 keys, as much as
   // this host's whole L2. There (8192 keys, 2 threads, alternating runs) 16-key tiles took
   // 11.7–12.4 ms, 32-key tiles 12.6–12.7 and 64-key tiles 13.2–13.7.
-  // Counted in f32 whatever the cache's dtype: a 16-bit cache then runs the tiles (and the
-  // chunks, below in forward) of the f32 cache of its values, and gives its bits.
-  const std::int64_t key_row_bytes = g_count * dim * static_cast<std::int64_t>(sizeof(float));
-  const std::int64_t decode_tile = std::clamp<std::int64_t>(kDecodeTileBytes / std::max<std::int64_t>(key_row_bytes, 1) / 16 * 16,
-                                                            16, key_tile);
+  const std::int64_t decode_tile = std::clamp<std::int64_t>(kDecodeTileBytes / decode_key_row_bytes() / 16 * 16, 16, key_tile);
   bool transform_keys = false;
   for (std::int64_t g = 0; g < g_count; ++g) {
     const QKTables& t = tables_of_head(g * group_size);

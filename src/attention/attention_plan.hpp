@@ -2,6 +2,7 @@
 // and the reference (ref/attention_ref.cpp) reads. Internal.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -180,6 +181,10 @@ struct AttentionPlan {
   static constexpr const char* kWhere = "Attention";
   static constexpr std::int64_t kDecodeRows = 8;     // rows (queries × G) at most for dot-product scores
   static constexpr std::int64_t kDecodeTileBytes = std::int64_t{256} << 10;  // see decode_tiles
+  // Bytes of one key's rows over every KV head, as decode's tile and chunk sizes count them: in
+  // f32 whatever the cache's dtype, so that a 16-bit cache runs the tiles and chunks of the f32
+  // cache of its values and gives its bits.
+  std::int64_t decode_key_row_bytes() const { return std::max<std::int64_t>(kv_heads * dim, 1) * std::int64_t{sizeof(float)}; }
   // A decode block's cache splits into chunks of about kDecodeChunkBytes of keys and values (at
   // least kDecodeMinChunkKeys keys) that run in parallel: a rule on the shapes only, so the merge
   // order and every bit are the same for any thread count. It used to be 4096 keys, split only

@@ -49,7 +49,8 @@ void run_case(benchmark::State& state, const std::string& name, posenc::perf::Ca
     state.counters["limit_GBps"] = limit;
     state.counters["ratio"] = bytes / seconds / 1e9 / limit;
   }
-  state.counters["elements_per_s"] = benchmark::Counter(c.elements_per_run * static_cast<double>(state.iterations()) / seconds);
+  state.counters["elements_per_s"] =
+      benchmark::Counter(c.elements_per_run * static_cast<double>(state.iterations()) / seconds);
   state.SetLabel(c.description + ", ratio vs " + c.limit_name);
 }
 
@@ -62,11 +63,14 @@ void register_all() {
   const Shape tables[] = {{1, 2048, 768}, {1, 8192, 1024}, {1, 32768, 1024}, {1, 32768, 4096}};
   const Shape embeddings[] = {{8, 1024, 768}, {4, 2048, 1024}, {1, 32768, 1024}, {1, 4096, 4096}};
   auto add = [](const std::string& name, const Shape& s) {
-    const std::string label = name + "/" + std::to_string(s.batch) + "x" + std::to_string(s.length) +
-                              "/" + std::to_string(s.dim);
-    benchmark::RegisterBenchmark(label.c_str(), [name, s](benchmark::State& st) {
-      run_case(st, name, {s.length, s.dim, s.batch});
-    })->UseManualTime()->Unit(benchmark::kMillisecond);
+    const std::string label =
+        name + "/" + std::to_string(s.batch) + "x" + std::to_string(s.length) + "/" + std::to_string(s.dim);
+    benchmark::RegisterBenchmark(label.c_str(),
+                                 [name, s](benchmark::State& st) {
+                                   run_case(st, name, {s.length, s.dim, s.batch});
+                                 })
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
   };
   for (const Shape& s : tables) add("sinusoidal", s);
   // RoPE at Llama-3 8B's attention shape: q [1, 4096, 32, 128], k [1, 4096, 8, 128]; both layouts,
@@ -77,25 +81,27 @@ void register_all() {
     const char* dtype;
     bool in_place;
   };
-  const RopeCase ropes[] = {
-      {"half-split", "contiguous", "f32", false}, {"interleaved", "contiguous", "f32", false},
-      {"half-split", "arbitrary", "f32", false},  {"half-split", "packed", "f32", false},
-      {"half-split", "contiguous", "f32", true},  {"interleaved", "contiguous", "f32", true},
-      {"half-split", "contiguous", "bf16", false}, {"interleaved", "contiguous", "bf16", false},
-      {"half-split", "contiguous", "f16", false}};
+  const RopeCase ropes[] = {{"half-split", "contiguous", "f32", false},  {"interleaved", "contiguous", "f32", false},
+                            {"half-split", "arbitrary", "f32", false},   {"half-split", "packed", "f32", false},
+                            {"half-split", "contiguous", "f32", true},   {"interleaved", "contiguous", "f32", true},
+                            {"half-split", "contiguous", "bf16", false}, {"interleaved", "contiguous", "bf16", false},
+                            {"half-split", "contiguous", "f16", false}};
   for (const RopeCase& r : ropes) {
     const std::string label = std::string("rope/1x4096/32+8x128/") + r.layout + "/" + r.positions + "/" + r.dtype +
                               (r.in_place ? "/in-place" : "");
-    benchmark::RegisterBenchmark(label.c_str(), [r](benchmark::State& st) {
-      posenc::perf::CaseOptions o;
-      o.length = 4096;
-      o.dim = 128;
-      o.interleaved = std::string(r.layout) == "interleaved";
-      o.positions = r.positions;
-      o.dtype = r.dtype;
-      o.in_place = r.in_place;
-      run_case(st, "rope", o);
-    })->UseManualTime()->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark(label.c_str(),
+                                 [r](benchmark::State& st) {
+                                   posenc::perf::CaseOptions o;
+                                   o.length = 4096;
+                                   o.dim = 128;
+                                   o.interleaved = std::string(r.layout) == "interleaved";
+                                   o.positions = r.positions;
+                                   o.dtype = r.dtype;
+                                   o.in_place = r.in_place;
+                                   run_case(st, "rope", o);
+                                 })
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
   }
   // Score biases at S = 4096, H = 32 (scores [1, 32, 4096, 4096] f32, 2 GiB): materialisation
   // and the parameters' backward.
@@ -103,14 +109,17 @@ void register_all() {
     for (const char* scheme : {"nope", "alibi", "t5", "kerple", "fire"}) {
       if (std::string(pass) == "backward" && std::string(scheme) == "nope") continue;
       const std::string label = std::string("bias/32x4096x4096/") + scheme + "/" + pass;
-      benchmark::RegisterBenchmark(label.c_str(), [scheme, pass](benchmark::State& st) {
-        posenc::perf::CaseOptions o;
-        o.length = 4096;
-        o.heads = 32;
-        o.scheme = scheme;
-        o.pass = pass;
-        run_case(st, "bias", o);
-      })->UseManualTime()->Unit(benchmark::kMillisecond);
+      benchmark::RegisterBenchmark(label.c_str(),
+                                   [scheme, pass](benchmark::State& st) {
+                                     posenc::perf::CaseOptions o;
+                                     o.length = 4096;
+                                     o.heads = 32;
+                                     o.scheme = scheme;
+                                     o.pass = pass;
+                                     run_case(st, "bias", o);
+                                   })
+          ->UseManualTime()
+          ->Unit(benchmark::kMillisecond);
     }
   }
   // Fused attention: causal f32 S = 2048, H = 8, D = 128 forward and backward per scheme (ratio
@@ -119,32 +128,38 @@ void register_all() {
   for (const char* pass : {"forward", "backward"}) {
     for (const char* scheme : {"none", "rope", "alibi", "t5", "kerple"}) {
       const std::string label = std::string("attention/1x2048/8x128/causal/") + scheme + "/" + pass;
-      benchmark::RegisterBenchmark(label.c_str(), [scheme, pass](benchmark::State& st) {
-        posenc::perf::CaseOptions o;
-        o.length = 2048;
-        o.heads = 8;
-        o.kv_heads = 8;
-        o.dim = 128;
-        o.causal = true;
-        o.scheme = scheme;
-        o.pass = pass;
-        run_case(st, "attention", o);
-      })->UseManualTime()->Unit(benchmark::kMillisecond);
+      benchmark::RegisterBenchmark(label.c_str(),
+                                   [scheme, pass](benchmark::State& st) {
+                                     posenc::perf::CaseOptions o;
+                                     o.length = 2048;
+                                     o.heads = 8;
+                                     o.kv_heads = 8;
+                                     o.dim = 128;
+                                     o.causal = true;
+                                     o.scheme = scheme;
+                                     o.pass = pass;
+                                     run_case(st, "attention", o);
+                                   })
+          ->UseManualTime()
+          ->Unit(benchmark::kMillisecond);
     }
   }
   for (const char* scheme : {"none", "alibi"}) {
     const std::string label = std::string("attention/decode/32768/32+8x128/") + scheme;
-    benchmark::RegisterBenchmark(label.c_str(), [scheme](benchmark::State& st) {
-      posenc::perf::CaseOptions o;
-      o.length = 32768;
-      o.heads = 32;
-      o.kv_heads = 8;
-      o.dim = 128;
-      o.causal = true;
-      o.scheme = scheme;
-      o.pass = "decode";
-      run_case(st, "attention", o);
-    })->UseManualTime()->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark(label.c_str(),
+                                 [scheme](benchmark::State& st) {
+                                   posenc::perf::CaseOptions o;
+                                   o.length = 32768;
+                                   o.heads = 32;
+                                   o.kv_heads = 8;
+                                   o.dim = 128;
+                                   o.causal = true;
+                                   o.scheme = scheme;
+                                   o.pass = "decode";
+                                   run_case(st, "attention", o);
+                                 })
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
   }
   for (const Shape& s : embeddings) {
     add("sinusoidal-add", s);
@@ -160,10 +175,11 @@ int main(int argc, char** argv) {
   g_limits = posenc::perf::measure_limits(posenc::num_threads());
   std::printf("posenc %s, target %s, %d thread(s)\n", std::string(posenc::version()).c_str(),
               posenc::active_target().c_str(), posenc::num_threads());
-  std::printf("limits measured now: copy %.2f GB/s, copy_nt %.2f GB/s, rmw %.2f GB/s (read + write bytes, "
-              "buffers of 4x the last-level cache), read %.2f GB/s, write_nt %.2f GB/s, fma %.1f GFLOP/s\n",
-              g_limits.copy_gbs, g_limits.copy_nt_gbs, g_limits.rmw_gbs, g_limits.read_gbs, g_limits.write_nt_gbs,
-              g_limits.fma_gflops);
+  std::printf(
+      "limits measured now: copy %.2f GB/s, copy_nt %.2f GB/s, rmw %.2f GB/s (read + write bytes, "
+      "buffers of 4x the last-level cache), read %.2f GB/s, write_nt %.2f GB/s, fma %.1f GFLOP/s\n",
+      g_limits.copy_gbs, g_limits.copy_nt_gbs, g_limits.rmw_gbs, g_limits.read_gbs, g_limits.write_nt_gbs,
+      g_limits.fma_gflops);
   register_all();
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();

@@ -73,18 +73,30 @@ void run_bench(const BenchOptions& o) {
   c.run();
   const double peak_rss = peak_resident_bytes();
   if (o.format == "json") {
-    const nlohmann::json doc = {
-        {"kernel", c.name},          {"shape", c.description},
-        {"target", active_target()}, {"threads", threads},
-        {"seconds", seconds},        {"bytes", c.bytes_per_run},
-        {"flops", c.flops_per_run},  {"rounds", o.rounds},
-        {"throughput", throughput},  {"unit", unit},
-        {"peak_resident_bytes", peak_rss}, {"workspace_bytes", workspace},
-        {"limit", limit},            {"limit_name", c.limit_name},
-        {"ratio", throughput / limit},      {"huge_pages", o.shape.huge_pages},
-        {"elements_per_second", c.elements_per_run / seconds},
-        {"limits", {{"copy", limits.copy_gbs}, {"copy_nt", limits.copy_nt_gbs}, {"rmw", limits.rmw_gbs}, {"read", limits.read_gbs},
-                    {"write_nt", limits.write_nt_gbs}, {"fma_gflops", limits.fma_gflops}}}};
+    const nlohmann::json doc = {{"kernel", c.name},
+                                {"shape", c.description},
+                                {"target", active_target()},
+                                {"threads", threads},
+                                {"seconds", seconds},
+                                {"bytes", c.bytes_per_run},
+                                {"flops", c.flops_per_run},
+                                {"rounds", o.rounds},
+                                {"throughput", throughput},
+                                {"unit", unit},
+                                {"peak_resident_bytes", peak_rss},
+                                {"workspace_bytes", workspace},
+                                {"limit", limit},
+                                {"limit_name", c.limit_name},
+                                {"ratio", throughput / limit},
+                                {"huge_pages", o.shape.huge_pages},
+                                {"elements_per_second", c.elements_per_run / seconds},
+                                {"limits",
+                                 {{"copy", limits.copy_gbs},
+                                  {"copy_nt", limits.copy_nt_gbs},
+                                  {"rmw", limits.rmw_gbs},
+                                  {"read", limits.read_gbs},
+                                  {"write_nt", limits.write_nt_gbs},
+                                  {"fma_gflops", limits.fma_gflops}}}};
     nlohmann::json out = doc;
     if (c.remark) out["remark"] = c.remark();
     fmt::print("{}\n", out.dump(2));
@@ -93,12 +105,15 @@ void run_bench(const BenchOptions& o) {
                o.shape.huge_pages ? ", buffers and limits on 2 MiB pages" : "");
     fmt::print("  time        {:.3f} ms (best of repeated runs in {} rounds)\n", seconds * 1e3, o.rounds);
     fmt::print("  throughput  {:.2f} {} ({:.3g} elements/s)\n", throughput, unit, c.elements_per_run / seconds);
-    fmt::print("  limit       {:.2f} {} ({}, measured now; copy {:.2f}, copy_nt {:.2f}, rmw {:.2f}, read {:.2f}, "
-               "write_nt {:.2f} GB/s; fma {:.1f} GFLOP/s)\n",
-               limit, unit, c.limit_name, limits.copy_gbs, limits.copy_nt_gbs, limits.rmw_gbs, limits.read_gbs,
-               limits.write_nt_gbs, limits.fma_gflops);
+    fmt::print(
+        "  limit       {:.2f} {} ({}, measured now; copy {:.2f}, copy_nt {:.2f}, rmw {:.2f}, read {:.2f}, "
+        "write_nt {:.2f} GB/s; fma {:.1f} GFLOP/s)\n",
+        limit, unit, c.limit_name, limits.copy_gbs, limits.copy_nt_gbs, limits.rmw_gbs, limits.read_gbs,
+        limits.write_nt_gbs, limits.fma_gflops);
     fmt::print("  ratio       {:.2f}\n", throughput / limit);
-    if (workspace >= 0) fmt::print("  workspace   {:.1f} MiB (scratch and tables of the last call, all threads)\n", workspace / 1048576.0);
+    if (workspace >= 0)
+      fmt::print("  workspace   {:.1f} MiB (scratch and tables of the last call, all threads)\n",
+                 workspace / 1048576.0);
     fmt::print("  peak RSS    {:.1f} MiB (whole process, one call: inputs, outputs, scratch)\n", peak_rss / 1048576.0);
     if (c.remark) fmt::print("  note        {}\n", c.remark());
   }
@@ -117,18 +132,25 @@ Runner add_bench(CLI::App& app) {
   sub->add_option("--batch,-b", o->shape.batch, "Batch rows")->capture_default_str();
   sub->add_option("--heads", o->shape.heads, "rope: query heads")->capture_default_str();
   sub->add_option("--kv-heads", o->shape.kv_heads, "rope: key heads")->capture_default_str();
-  sub->add_flag("--interleaved", o->shape.interleaved, "rope, and attention with --scheme rope: interleaved pairs (default half-split)");
-  sub->add_option_function<std::string>("--layout", [o](const std::string& layout) {
-    if (layout != "interleaved" && layout != "half-split") throw Error("bench", "--layout", layout, "interleaved or half-split");
-    o->shape.interleaved = layout == "interleaved";
-  }, "rope: interleaved or half-split");
+  sub->add_flag("--interleaved", o->shape.interleaved,
+                "rope, and attention with --scheme rope: interleaved pairs (default half-split)");
+  sub->add_option_function<std::string>(
+      "--layout",
+      [o](const std::string& layout) {
+        if (layout != "interleaved" && layout != "half-split")
+          throw Error("bench", "--layout", layout, "interleaved or half-split");
+        o->shape.interleaved = layout == "interleaved";
+      },
+      "rope: interleaved or half-split");
   sub->add_option("--positions", o->shape.positions, "rope: contiguous, arbitrary or packed")->capture_default_str();
   sub->add_option("--dtype", o->shape.dtype, "rope: f32, bf16 or f16")->capture_default_str();
-  sub->add_option("--scheme", o->shape.scheme,
-                  "bias: alibi, t5, kerple, fire or nope; attention: none, rope, alibi, t5, kerple, fire, tupe, shaw or xl")
+  sub->add_option(
+         "--scheme", o->shape.scheme,
+         "bias: alibi, t5, kerple, fire or nope; attention: none, rope, alibi, t5, kerple, fire, tupe, shaw or xl")
       ->capture_default_str();
-  sub->add_option("--pass", o->shape.pass,
-                  "bias: forward (materialise) or backward (parameter gradients); attention: forward, backward or decode")
+  sub->add_option(
+         "--pass", o->shape.pass,
+         "bias: forward (materialise) or backward (parameter gradients); attention: forward, backward or decode")
       ->capture_default_str();
   sub->add_flag("--causal", o->shape.causal, "attention: causal mask");
   sub->add_flag("--in-place", o->shape.in_place, "rope: rotate in place (judged against rmw)");

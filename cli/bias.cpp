@@ -39,13 +39,15 @@ Runner add_t5_buckets(CLI::App& app) {
   sub->add_option("--from", o->from, "First relative position (key − query)")->capture_default_str();
   sub->add_option("--to", o->to, "Last relative position")->capture_default_str();
   return [o] {
-    if (o->to < o->from) throw Error("t5-buckets", "--to", std::to_string(o->to), ">= --from = " + std::to_string(o->from));
+    if (o->to < o->from)
+      throw Error("t5-buckets", "--to", std::to_string(o->to), ">= --from = " + std::to_string(o->from));
     constexpr std::int64_t kMaxCount = std::int64_t{1} << 26;
     if (o->to - o->from >= kMaxCount) {
       throw Error("t5-buckets", "--to − --from", std::to_string(o->to - o->from), "< 2^26 (the list is printed)");
     }
     nlohmann::json list = nlohmann::json::array();
-    for (std::int64_t r = o->from; r <= o->to; ++r) list.push_back(t5_bucket(r, o->num_buckets, o->max_distance, !o->causal));
+    for (std::int64_t r = o->from; r <= o->to; ++r)
+      list.push_back(t5_bucket(r, o->num_buckets, o->max_distance, !o->causal));
     fmt::print("{}\n", list.dump());
   };
 }

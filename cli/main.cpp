@@ -42,8 +42,7 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", std::string("posenc ") + std::string(posenc::version()));
   app.require_subcommand(1);
   std::string target = "auto";
-  app.add_option("--target", target,
-                 "Kernel target: auto, avx512, avx2, sse4, scalar or ref (fp64 reference)")
+  app.add_option("--target", target, "Kernel target: auto, avx512, avx2, sse4, scalar or ref (fp64 reference)")
       ->envname("POSENC_TARGET");
 
   posenc::cli::Runner tour = posenc::cli::add_tour(app);
@@ -54,8 +53,9 @@ int main(int argc, char** argv) {
   posenc::cli::Runner t5_buckets = posenc::cli::add_t5_buckets(app);
   posenc::cli::Runner plot = posenc::cli::add_plot(app);
   // Listed for --help; handled before parsing (run_study).
-  app.add_subcommand("study", "The length-extrapolation study: trains small language models per positional scheme at L "
-                              "and measures them at L … 16L (posenc study --help)")
+  app.add_subcommand("study",
+                     "The length-extrapolation study: trains small language models per positional scheme at L "
+                     "and measures them at L … 16L (posenc study --help)")
       ->allow_extras();
 
   try {

@@ -65,7 +65,8 @@ void write_file(const fs::path& path, const std::string& text) {
 constexpr const char* kMasked = "1e99";
 constexpr const char* kImage = "matrix using 1:2:($3 >= 1e99 ? NaN : $3) with image notitle";
 
-std::string matrix_text(std::int64_t rows, std::int64_t cols, const std::function<double(std::int64_t, std::int64_t)>& at) {
+std::string matrix_text(std::int64_t rows, std::int64_t cols,
+                        const std::function<double(std::int64_t, std::int64_t)>& at) {
   std::string text = fmt::format("# {} rows × {} columns; {} marks a masked cell\n", rows, cols, kMasked);
   for (std::int64_t r = 0; r < rows; ++r) {
     for (std::int64_t c = 0; c < cols; ++c) {
@@ -81,8 +82,9 @@ std::string matrix_text(std::int64_t rows, std::int64_t cols, const std::functio
 // when values take both signs.
 std::string heat_map_style(bool diverging) {
   return std::string("set autoscale xfix\nset autoscale yfix\nset yrange [*:*] reverse\nset size ratio -1\n") +
-         (diverging ? "set palette defined (-1 '#2166ac', 0 '#f7f7f7', 1 '#b2182b')\n"
-                    : "set palette defined (0 '#440154', 0.25 '#3b528b', 0.5 '#21918c', 0.75 '#5ec962', 1 '#fde725')\n");
+         (diverging
+              ? "set palette defined (-1 '#2166ac', 0 '#f7f7f7', 1 '#b2182b')\n"
+              : "set palette defined (0 '#440154', 0.25 '#3b528b', 0.5 '#21918c', 0.75 '#5ec962', 1 '#fde725')\n");
 }
 
 // Heat maps side by side (gnuplot's multiplot, `layout` "rows,cols"): one panel per (panel title,
@@ -120,9 +122,10 @@ std::string sinusoid_squiggles(const fs::path& dir) {
   std::string plot = "plot ";
   for (std::size_t c = 0; c < dims.size(); ++c) {
     const std::int64_t d = dims[c];
-    plot += fmt::format("'sinusoid-squiggles.dat' using 1:{} with lines lw 2 title '{} (dimension {}, wavelength {:.1f})'{}", c + 2,
-                        d % 2 == 0 ? "sin" : "cos", d, 2 * kPi / omega[static_cast<std::size_t>(d / 2)],
-                        c + 1 < dims.size() ? ", " : "\n");
+    plot += fmt::format(
+        "'sinusoid-squiggles.dat' using 1:{} with lines lw 2 title '{} (dimension {}, wavelength {:.1f})'{}", c + 2,
+        d % 2 == 0 ? "sin" : "cos", d, 2 * kPi / omega[static_cast<std::size_t>(d / 2)],
+        c + 1 < dims.size() ? ", " : "\n");
   }
   return "set title 'Sinusoidal encoding PE(p) per dimension (d = 128, base 10000, interleaved sin/cos)'\n"
          "set xlabel 'position p'\nset ylabel 'PE(p)_{dimension}'\nset yrange [-1.1:1.9]\n"
@@ -133,19 +136,21 @@ std::string sinusoid_squiggles(const fs::path& dir) {
 std::string sinusoidal_table_figure(const fs::path& dir) {
   constexpr std::int64_t kPositions = 256;
   const std::vector<double> table = sinusoidal_rows(0, kPositions);
-  write_file(dir / "sinusoidal-table.dat",
-             matrix_text(kPositions, kDim, [&](std::int64_t p, std::int64_t d) { return table[static_cast<std::size_t>(p * kDim + d)]; }));
+  write_file(dir / "sinusoidal-table.dat", matrix_text(kPositions, kDim, [&](std::int64_t p, std::int64_t d) {
+               return table[static_cast<std::size_t>(p * kDim + d)];
+             }));
   return heat_map_style(true) +
          "set title 'Sinusoidal table (d = 128, base 10000): even dimensions sin, odd cos'\n"
          "set xlabel 'dimension'\nset ylabel 'position'\nset cblabel 'PE(p)_d'\nset cbrange [-1:1]\n"
-         "set size noratio\nplot 'sinusoidal-table.dat' " + std::string(kImage) + "\n";
+         "set size noratio\nplot 'sinusoidal-table.dat' " +
+         std::string(kImage) + "\n";
 }
 
 std::string rope_table_figure(const fs::path& dir) {
   constexpr std::int64_t kPositions = 256, kPairs = kDim / 2;
   std::vector<double> cos(static_cast<std::size_t>(kPositions * kPairs)), sin(cos.size());
-  rope_cos_sin(RopeParams(kDim, kDim, 10000.0), Positions::range(kPositions), TensorView::of(cos.data(), {kPositions, kPairs}),
-               TensorView::of(sin.data(), {kPositions, kPairs}));
+  rope_cos_sin(RopeParams(kDim, kDim, 10000.0), Positions::range(kPositions),
+               TensorView::of(cos.data(), {kPositions, kPairs}), TensorView::of(sin.data(), {kPositions, kPairs}));
   const auto cell = [](const std::vector<double>& v) {
     return [&v](std::int64_t p, std::int64_t i) { return v[static_cast<std::size_t>(p * kPairs + i)]; };
   };
@@ -168,14 +173,16 @@ std::string sinusoidal_similarity(const fs::path& dir) {
     data += std::to_string(delta);
     for (const auto& t : tables) {
       double dot = 0;
-      for (std::int64_t d = 0; d < kDim; ++d) dot += t[static_cast<std::size_t>(d)] * t[static_cast<std::size_t>(delta * kDim + d)];
+      for (std::int64_t d = 0; d < kDim; ++d)
+        dot += t[static_cast<std::size_t>(d)] * t[static_cast<std::size_t>(delta * kDim + d)];
       data += fmt::format(" {:.6f}", dot / (kDim / 2));
     }
     data += "\n";
   }
   write_file(dir / "sinusoidal-similarity.dat", data);
   return "set title 'Sinusoidal encodings: dot-product similarity against distance (d = 128); it depends on δ only'\n"
-         "set xlabel 'distance δ (positions)'\nset ylabel 'PE(p)·PE(p + δ) / (d/2)'\nset grid\nset key top right\nset xrange [0:512]\n"
+         "set xlabel 'distance δ (positions)'\nset ylabel 'PE(p)·PE(p + δ) / (d/2)'\nset grid\nset key top right\nset "
+         "xrange [0:512]\n"
          "plot 'sinusoidal-similarity.dat' using 1:2 with lines lw 3 title 'from p = 0', "
          "'' using 1:3 with lines lw 2 dt 2 lc rgb 'black' title 'from p = 1000'\n";
 }
@@ -204,19 +211,22 @@ std::string rope_decay(const fs::path& dir) {
   }
   write_file(dir / "rope-decay.dat", data);
   return "set title \"RoPE's long-term decay (RoFormer §3.4.3): relative upper bound of q·R(δ)k, head dim 128\"\n"
-         "set xlabel 'relative distance δ'\nset ylabel '(1/(d/2)) Σ_j |S_j|'\nset grid\nset key top right\nset xrange [0:1024]\n"
+         "set xlabel 'relative distance δ'\nset ylabel '(1/(d/2)) Σ_j |S_j|'\nset grid\nset key top right\nset xrange "
+         "[0:1024]\n"
          "plot 'rope-decay.dat' using 1:2 with lines lw 2 title 'base 10000 (RoFormer)', "
          "'' using 1:3 with lines lw 2 title 'base 500000 (Llama 3)'\n";
 }
 
 // Four heads of a bias scheme as a 2 × 2 multiplot of query × key heat maps, keys after the query
 // blank (the causal mask).
-std::string bias_panels(const fs::path& dir, const char* name, const std::string& title, std::int64_t n,
-                        const std::vector<std::pair<std::string, std::function<double(std::int64_t, std::int64_t)>>>& heads) {
+std::string bias_panels(
+    const fs::path& dir, const char* name, const std::string& title, std::int64_t n,
+    const std::vector<std::pair<std::string, std::function<double(std::int64_t, std::int64_t)>>>& heads) {
   std::vector<std::pair<std::string, std::string>> panels;
   for (std::size_t h = 0; h < heads.size(); ++h) {
     const std::string file = fmt::format("{}-{}.dat", name, h);
-    write_file(dir / file, matrix_text(n, n, [&](std::int64_t i, std::int64_t j) { return j > i ? NAN : heads[h].second(i, j); }));
+    write_file(dir / file,
+               matrix_text(n, n, [&](std::int64_t i, std::int64_t j) { return j > i ? NAN : heads[h].second(i, j); }));
     panels.emplace_back(heads[h].first, file);
   }
   return heat_map_style(false) + "set xlabel 'key position j'\nset ylabel 'query position i'\nset cblabel 'bias'\n" +
@@ -238,11 +248,16 @@ std::string kerple_bias(const fs::path& dir) {
   const BiasScheme log_form = KerpleParams(KerpleForm::kLog, {1.0, 4.0}, {1.0, 0.1});
   const BiasScheme power_form = KerpleParams(KerpleForm::kPower, {0.5, 0.05}, {0.5, 1.5});
   std::vector<std::pair<std::string, std::function<double(std::int64_t, std::int64_t)>>> heads;
-  heads.emplace_back("log: r1 = 1, r2 = 1", [log_form](std::int64_t i, std::int64_t j) { return bias_value(log_form, 0, i, j); });
-  heads.emplace_back("log: r1 = 4, r2 = 0.1", [log_form](std::int64_t i, std::int64_t j) { return bias_value(log_form, 1, i, j); });
-  heads.emplace_back("power: r1 = 0.5, r2 = 0.5", [power_form](std::int64_t i, std::int64_t j) { return bias_value(power_form, 0, i, j); });
-  heads.emplace_back("power: r1 = 0.05, r2 = 1.5", [power_form](std::int64_t i, std::int64_t j) { return bias_value(power_form, 1, i, j); });
-  return bias_panels(dir, "kerple-bias", "Kerple biases: −r1·log(1 + r2·|i − j|) and −r1·|i − j|^{r2} (Chi et al. 2022)", 64, heads);
+  heads.emplace_back("log: r1 = 1, r2 = 1",
+                     [log_form](std::int64_t i, std::int64_t j) { return bias_value(log_form, 0, i, j); });
+  heads.emplace_back("log: r1 = 4, r2 = 0.1",
+                     [log_form](std::int64_t i, std::int64_t j) { return bias_value(log_form, 1, i, j); });
+  heads.emplace_back("power: r1 = 0.5, r2 = 0.5",
+                     [power_form](std::int64_t i, std::int64_t j) { return bias_value(power_form, 0, i, j); });
+  heads.emplace_back("power: r1 = 0.05, r2 = 1.5",
+                     [power_form](std::int64_t i, std::int64_t j) { return bias_value(power_form, 1, i, j); });
+  return bias_panels(dir, "kerple-bias",
+                     "Kerple biases: −r1·log(1 + r2·|i − j|) and −r1·|i − j|^{r2} (Chi et al. 2022)", 64, heads);
 }
 
 std::string fire_bias(const fs::path& dir) {
@@ -251,11 +266,13 @@ std::string fire_bias(const fs::path& dir) {
   const BiasScheme fire = FireParams::init(4, 32, 1, 1.0, 32.0);
   std::vector<std::pair<std::string, std::function<double(std::int64_t, std::int64_t)>>> heads;
   for (std::int64_t h = 0; h < 4; ++h) {
-    heads.emplace_back(fmt::format("head {}", h), [fire, h](std::int64_t i, std::int64_t j) { return bias_value(fire, h, i, j); });
+    heads.emplace_back(fmt::format("head {}", h),
+                       [fire, h](std::int64_t i, std::int64_t j) { return bias_value(fire, h, i, j); });
   }
-  return bias_panels(dir, "fire-bias",
-                     "FIRE biases f(log(1 + |i − j|) / log(1 + max(32, i))) of a freshly initialised MLP (Li et al. 2023)", 128,
-                     heads);
+  return bias_panels(
+      dir, "fire-bias",
+      "FIRE biases f(log(1 + |i − j|) / log(1 + max(32, i))) of a freshly initialised MLP (Li et al. 2023)", 128,
+      heads);
 }
 
 std::string t5_bias(const fs::path& dir) {
@@ -269,11 +286,13 @@ std::string t5_bias(const fs::path& dir) {
   const BiasScheme t5 = T5BiasParams(kHeads, kBuckets, 128, false, table);
   std::vector<std::pair<std::string, std::function<double(std::int64_t, std::int64_t)>>> heads;
   for (std::int64_t h = 0; h < 4; ++h) {
-    heads.emplace_back(fmt::format("head {}", h), [t5, h](std::int64_t i, std::int64_t j) { return bias_value(t5, h, i, j); });
+    heads.emplace_back(fmt::format("head {}", h),
+                       [t5, h](std::int64_t i, std::int64_t j) { return bias_value(t5, h, i, j); });
   }
-  return bias_panels(dir, "t5-bias",
-                     "T5 biases table[bucket(j − i), h], causal, 32 buckets, max distance 128, a freshly initialised table",
-                     192, heads);
+  return bias_panels(
+      dir, "t5-bias",
+      "T5 biases table[bucket(j − i), h], causal, 32 buckets, max distance 128, a freshly initialised table", 192,
+      heads);
 }
 
 std::string t5_bucket_map(const fs::path& dir) {
@@ -304,7 +323,8 @@ std::string t5_buckets(const fs::path& dir) {
   return "set title 'T5 buckets against relative position (32 buckets, max distance 128, dotted): exact near 0, then "
          "logarithmic, then one shared bucket'\n"
          "set xlabel 'relative position j − i'\nset ylabel 'bucket'\nset grid\nset key top left\n"
-         "set arrow from -128, graph 0 to -128, graph 1 nohead dt 3\nset arrow from 128, graph 0 to 128, graph 1 nohead dt 3\n"
+         "set arrow from -128, graph 0 to -128, graph 1 nohead dt 3\nset arrow from 128, graph 0 to 128, graph 1 "
+         "nohead dt 3\n"
          "plot 't5-buckets.dat' using 1:2 with steps lw 2 title 'bidirectional (32 buckets, 16 per direction)', "
          "'' using 1:3 with steps lw 2 title 'causal (32 buckets, past keys only)'\n";
 }
@@ -323,7 +343,8 @@ std::string rope_scaling(const fs::path& dir) {
   const std::vector<std::pair<const char*, std::vector<double>>> curves = {
       {"default (no scaling)", params(RopeType::kDefault).inv_frequencies()},
       {"linear, factor 8 (position interpolation)", params(RopeType::kLinear).inv_frequencies()},
-      {"dynamic NTK at 65536 tokens", params(RopeType::kDynamic).inv_frequencies(static_cast<std::int64_t>(kFactor) * kM0)},
+      {"dynamic NTK at 65536 tokens",
+       params(RopeType::kDynamic).inv_frequencies(static_cast<std::int64_t>(kFactor) * kM0)},
       {"YaRN, factor 8 (β_{fast} 32, β_{slow} 1)", params(RopeType::kYarn).inv_frequencies()},
       {"llama3, factor 8 (low 1, high 4)", params(RopeType::kLlama3).inv_frequencies()},
   };
@@ -339,14 +360,17 @@ std::string rope_scaling(const fs::path& dir) {
   std::string plot = "plot ";
   for (std::size_t c = 0; c < curves.size(); ++c) {
     // The default curve drawn wider: the scaled ones coincide with it where they leave ω_i alone.
-    plot += fmt::format("'rope-scaling.dat' using 1:{} with linespoints lw {} pt {} ps 0.6 title '{}', ", c + 2, c == 0 ? 5 : 2,
-                        c + 1, curves[c].first);
+    plot += fmt::format("'rope-scaling.dat' using 1:{} with linespoints lw {} pt {} ps 0.6 title '{}', ", c + 2,
+                        c == 0 ? 5 : 2, c + 1, curves[c].first);
   }
-  plot += fmt::format("{} with lines dt 2 lc rgb 'black' title 'pre-training context M0 = {}', {} with lines dt 3 lc rgb 'gray30' "
-                      "title 'extended context 8·M0'\n",
-                      kM0, kM0, static_cast<std::int64_t>(kFactor) * kM0);
-  return "set title 'RoPE scalings: wavelength 2π/ω_i per rotation pair (head dim 128, base 500000, M0 = 8192, factor 8)'\n"
-         "set xlabel 'rotation pair i'\nset ylabel 'wavelength (positions, log scale)'\nset logscale y\nset format y '10^{%T}'\n"
+  plot += fmt::format(
+      "{} with lines dt 2 lc rgb 'black' title 'pre-training context M0 = {}', {} with lines dt 3 lc rgb 'gray30' "
+      "title 'extended context 8·M0'\n",
+      kM0, kM0, static_cast<std::int64_t>(kFactor) * kM0);
+  return "set title 'RoPE scalings: wavelength 2π/ω_i per rotation pair (head dim 128, base 500000, M0 = 8192, factor "
+         "8)'\n"
+         "set xlabel 'rotation pair i'\nset ylabel 'wavelength (positions, log scale)'\nset logscale y\nset format y "
+         "'10^{%T}'\n"
          "set grid\nset key top left\nset xrange [0:63]\n" +
          plot;
 }
@@ -402,7 +426,8 @@ Runner add_plot(CLI::App& app) {
     }
     std::vector<std::pair<const char*, const char*>> formats;
     if (o->format == "png" || o->format == "both") formats.emplace_back("pngcairo enhanced font 'Sans,11'", "png");
-    if (o->format == "svg" || o->format == "both") formats.emplace_back("svg enhanced font 'Sans,11' background rgb 'white'", "svg");
+    if (o->format == "svg" || o->format == "both")
+      formats.emplace_back("svg enhanced font 'Sans,11' background rgb 'white'", "svg");
     if (formats.empty()) throw Error("plot", "--format", o->format, "png, svg or both");
     if (std::system("command -v gnuplot > /dev/null 2>&1") != 0) {
       throw Error("plot", "gnuplot", "not found", "gnuplot installed (apt install gnuplot-nox)");
@@ -418,8 +443,8 @@ Runner add_plot(CLI::App& app) {
     for (const Figure* f : chosen) {
       const std::string body = f->write(dir);
       for (const auto& [terminal, extension] : formats) {
-        script += fmt::format("reset\nset terminal {} size {},{}\nset output '{}.{}'\n{}", terminal, f->width, f->height, f->name,
-                              extension, body);
+        script += fmt::format("reset\nset terminal {} size {},{}\nset output '{}.{}'\n{}", terminal, f->width,
+                              f->height, f->name, extension, body);
       }
     }
     script += "set output\n";
@@ -427,7 +452,8 @@ Runner add_plot(CLI::App& app) {
     const std::string command = "cd '" + dir.string() + "' && gnuplot plots.gp";
     if (std::system(command.c_str()) != 0) throw Error("plot", "gnuplot", "plots.gp", "to run (see its message above)");
     for (const Figure* f : chosen) {
-      for (const auto& format : formats) fmt::print("{}\n", (dir / (std::string(f->name) + "." + format.second)).string());
+      for (const auto& format : formats)
+        fmt::print("{}\n", (dir / (std::string(f->name) + "." + format.second)).string());
     }
   };
 }

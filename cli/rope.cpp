@@ -74,8 +74,8 @@ HfRopeConfig parse_config(const nlohmann::json& doc) {
   c.max_position_embeddings = integer(doc, "max_position_embeddings", 2048);
   c.top_level_original_max_position_embeddings = integer(doc, "original_max_position_embeddings", 0);
   const char* scaling_key = doc.contains("rope_scaling") && !doc["rope_scaling"].is_null() ? "rope_scaling"
-                            : doc.contains("rope_parameters")                               ? "rope_parameters"
-                                                                                            : nullptr;
+                            : doc.contains("rope_parameters")                              ? "rope_parameters"
+                                                                                           : nullptr;
   if (scaling_key == nullptr) return c;
   const nlohmann::json& s = doc[scaling_key];
   if (s.is_null()) return c;
@@ -137,7 +137,8 @@ void run_rope_freqs(const RopeFreqsOptions& o) {
   if (!std::isnan(o.attention_factor)) c.attention_factor = o.attention_factor;
   if (o.rotary_dim > 0) {
     if (c.head_dim <= 0) {
-      c.head_dim = c.hidden_size > 0 && c.num_attention_heads > 0 ? c.hidden_size / c.num_attention_heads : o.rotary_dim;
+      c.head_dim =
+          c.hidden_size > 0 && c.num_attention_heads > 0 ? c.hidden_size / c.num_attention_heads : o.rotary_dim;
     }
     c.partial_rotary_factor = static_cast<double>(o.rotary_dim) / static_cast<double>(c.head_dim);
   }
@@ -157,7 +158,8 @@ void run_rope_freqs(const RopeFreqsOptions& o) {
 
 Runner add_rope_freqs(CLI::App& app) {
   auto o = std::make_shared<RopeFreqsOptions>();
-  CLI::App* sub = app.add_subcommand("rope-freqs", "RoPE inverse frequencies and attention factor of a Hugging Face config");
+  CLI::App* sub =
+      app.add_subcommand("rope-freqs", "RoPE inverse frequencies and attention factor of a Hugging Face config");
   sub->add_option("--config", o->config_path, "config.json (or a JSON object with the same keys)");
   sub->add_option("--seq-len", o->seq_len, "Sequence length (dynamic and longrope depend on it; 0: initial)");
   sub->add_option("--scaling", o->scaling, "rope_type: default, linear, ntk, dynamic, yarn, longrope, llama3");
@@ -166,7 +168,8 @@ Runner add_rope_freqs(CLI::App& app) {
   sub->add_option("--base", o->base, "rope_theta");
   sub->add_option("--factor", o->factor, "Scaling factor");
   sub->add_option("--max-position-embeddings", o->max_position_embeddings, "max_position_embeddings");
-  sub->add_option("--original-max-position-embeddings", o->original_max_position_embeddings, "M0 of yarn, longrope, llama3");
+  sub->add_option("--original-max-position-embeddings", o->original_max_position_embeddings,
+                  "M0 of yarn, longrope, llama3");
   sub->add_option("--beta-fast", o->beta_fast, "yarn beta_fast");
   sub->add_option("--beta-slow", o->beta_slow, "yarn beta_slow");
   sub->add_option("--low-freq-factor", o->low_freq_factor, "llama3 low_freq_factor");

@@ -58,7 +58,9 @@ DType parse_dtype(const std::string& name) {
 std::string torch_style(const std::vector<double>& v, std::int64_t rows, std::int64_t cols) {
   const bool summarize = rows * cols > 1000;
   constexpr std::int64_t kEdge = 3;
-  auto shown = [&](std::int64_t i, std::int64_t n) { return !summarize || n <= 2 * kEdge || i < kEdge || i >= n - kEdge; };
+  auto shown = [&](std::int64_t i, std::int64_t n) {
+    return !summarize || n <= 2 * kEdge || i < kEdge || i >= n - kEdge;
+  };
   std::size_t width = 0;
   for (std::int64_t r = 0; r < rows; ++r) {
     for (std::int64_t c = 0; c < cols; ++c) {
@@ -97,10 +99,18 @@ std::vector<double> widen(const std::vector<unsigned char>& storage, DType dtype
   std::vector<double> values(count);
   for (std::size_t i = 0; i < count; ++i) {
     switch (dtype) {
-      case DType::kF32: values[i] = reinterpret_cast<const float*>(storage.data())[i]; break;
-      case DType::kF64: values[i] = reinterpret_cast<const double*>(storage.data())[i]; break;
-      case DType::kBF16: values[i] = from_bf16(reinterpret_cast<const bf16*>(storage.data())[i]); break;
-      case DType::kF16: values[i] = from_f16(reinterpret_cast<const f16*>(storage.data())[i]); break;
+      case DType::kF32:
+        values[i] = reinterpret_cast<const float*>(storage.data())[i];
+        break;
+      case DType::kF64:
+        values[i] = reinterpret_cast<const double*>(storage.data())[i];
+        break;
+      case DType::kBF16:
+        values[i] = from_bf16(reinterpret_cast<const bf16*>(storage.data())[i]);
+        break;
+      case DType::kF16:
+        values[i] = from_f16(reinterpret_cast<const f16*>(storage.data())[i]);
+        break;
     }
   }
   return values;
@@ -133,7 +143,8 @@ void print_tables(const TableOptions& o, const std::vector<std::pair<std::string
     for (std::int64_t r = 0; r < o.length; ++r) {
       line = std::to_string(o.offset + r);
       for (const auto& [name, values] : tables) {
-        for (std::int64_t j = 0; j < cols; ++j) line += fmt::format(",{}", values[static_cast<std::size_t>(r * cols + j)]);
+        for (std::int64_t j = 0; j < cols; ++j)
+          line += fmt::format(",{}", values[static_cast<std::size_t>(r * cols + j)]);
       }
       fmt::print("{}\n", line);
     }
@@ -162,7 +173,8 @@ void run_bias_table(const TableOptions& o) {
     const ShawParams shaw(o.max_distance, 1);
     std::vector<double> rows(static_cast<std::size_t>(n * n));
     for (std::int64_t i = 0; i < n; ++i) {
-      for (std::int64_t j = 0; j < n; ++j) rows[static_cast<std::size_t>(i * n + j)] = static_cast<double>(shaw.row_of(j - i));
+      for (std::int64_t j = 0; j < n; ++j)
+        rows[static_cast<std::size_t>(i * n + j)] = static_cast<double>(shaw.row_of(j - i));
     }
     doc["max_distance"] = o.max_distance;
     print_tables(o, {{"rows", rows}}, n, doc, "k");
@@ -172,14 +184,17 @@ void run_bias_table(const TableOptions& o) {
     // The position terms a zero query and zero keys see: scale·v·W_R r(i − j) (a seeded layer).
     const std::int64_t dim = 16, d_model = 32;
     const XlParams xl = XlParams::init(o.heads, dim, d_model, 0.5, o.seed);
-    std::vector<double> zeros(static_cast<std::size_t>(n * o.heads * dim), 0.0), all(static_cast<std::size_t>(o.heads * n * n), 0.0);
-    xl_add_position_terms(xl, ConstTensorView::of(zeros.data(), {n, o.heads, dim}), ConstTensorView::of(zeros.data(), {n, o.heads, dim}),
-                          positions, positions, TensorView::of(all.data(), {o.heads, n, n}));
+    std::vector<double> zeros(static_cast<std::size_t>(n * o.heads * dim), 0.0),
+        all(static_cast<std::size_t>(o.heads * n * n), 0.0);
+    xl_add_position_terms(xl, ConstTensorView::of(zeros.data(), {n, o.heads, dim}),
+                          ConstTensorView::of(zeros.data(), {n, o.heads, dim}), positions, positions,
+                          TensorView::of(all.data(), {o.heads, n, n}));
     doc.update({{"heads", o.heads}, {"head_dim", dim}, {"d_model", d_model}, {"seed", o.seed}});
     std::vector<std::pair<std::string, std::vector<double>>> heads_tables;
     for (std::int64_t h = 0; h < o.heads; ++h) {
       if (o.head >= 0 && h != o.head) continue;
-      heads_tables.emplace_back("head" + std::to_string(h), std::vector<double>(all.begin() + h * n * n, all.begin() + (h + 1) * n * n));
+      heads_tables.emplace_back("head" + std::to_string(h),
+                                std::vector<double>(all.begin() + h * n * n, all.begin() + (h + 1) * n * n));
     }
     print_tables(o, heads_tables, n, doc, "k");
     return;
@@ -188,8 +203,9 @@ void run_bias_table(const TableOptions& o) {
     // Buckets, one matrix for all heads.
     std::vector<double> buckets(static_cast<std::size_t>(n * n));
     for (std::int64_t i = 0; i < n; ++i) {
-      for (std::int64_t j = 0; j < n; ++j) buckets[static_cast<std::size_t>(i * n + j)] =
-          static_cast<double>(t5_bucket(j - i, o.num_buckets, o.max_distance, !o.causal));
+      for (std::int64_t j = 0; j < n; ++j)
+        buckets[static_cast<std::size_t>(i * n + j)] =
+            static_cast<double>(t5_bucket(j - i, o.num_buckets, o.max_distance, !o.causal));
     }
     doc.update({{"num_buckets", o.num_buckets}, {"max_distance", o.max_distance}, {"bidirectional", !o.causal}});
     print_tables(o, {{"buckets", buckets}}, n, doc, "k");
@@ -198,10 +214,13 @@ void run_bias_table(const TableOptions& o) {
   BiasScheme scheme = NoPE(std::max<std::int64_t>(o.heads, 1));
   if (o.encoding == "alibi") {
     scheme = AlibiParams(o.heads, o.symmetric ? AlibiForm::kSymmetric : AlibiForm::kCausal, o.max_bias);
-    doc.update({{"heads", o.heads}, {"max_bias", o.max_bias}, {"form", o.symmetric ? "symmetric" : "causal"},
+    doc.update({{"heads", o.heads},
+                {"max_bias", o.max_bias},
+                {"form", o.symmetric ? "symmetric" : "causal"},
                 {"slopes", std::get<AlibiParams>(scheme).slopes()}});
   } else if (o.encoding == "kerple") {
-    if (o.kerple_form != "log" && o.kerple_form != "power") throw Error("table", "--form", o.kerple_form, "log or power");
+    if (o.kerple_form != "log" && o.kerple_form != "power")
+      throw Error("table", "--form", o.kerple_form, "log or power");
     const std::vector<double> r1(static_cast<std::size_t>(o.heads), o.r1), r2(static_cast<std::size_t>(o.heads), o.r2);
     scheme = KerpleParams(o.kerple_form == "log" ? KerpleForm::kLog : KerpleForm::kPower, r1, r2);
     doc.update({{"heads", o.heads}, {"form", o.kerple_form}, {"r1", o.r1}, {"r2", o.r2}});
@@ -210,7 +229,8 @@ void run_bias_table(const TableOptions& o) {
     doc.update({{"heads", o.heads}, {"head_dim", 16}, {"d_model", 32}, {"seed", o.seed}, {"cls_reset", o.cls_reset}});
   } else if (o.encoding == "fire") {
     scheme = FireParams::init(o.heads, o.hidden, o.seed, o.fire_c, o.threshold);
-    doc.update({{"heads", o.heads}, {"hidden", o.hidden}, {"seed", o.seed}, {"c", o.fire_c}, {"threshold", o.threshold}});
+    doc.update(
+        {{"heads", o.heads}, {"hidden", o.hidden}, {"seed", o.seed}, {"c", o.fire_c}, {"threshold", o.threshold}});
   } else {
     scheme = NoPE(o.heads);
     doc["heads"] = o.heads;
@@ -235,17 +255,24 @@ void run_table(const TableOptions& o) {
     const FloaterParams floater = FloaterParams::init(o.dim, o.hidden, o.seed, 1.0, o.time_per_position, o.substeps);
     const std::int64_t rows = o.offset + o.length;
     if (checked_mul(rows, o.dim, "table size") > (std::int64_t{1} << 26)) {
-      throw Error("table", "(--offset + --length) × --dim", std::to_string(rows) + " × " + std::to_string(o.dim), "at most 2^26 values");
+      throw Error("table", "(--offset + --length) × --dim", std::to_string(rows) + " × " + std::to_string(o.dim),
+                  "at most 2^26 values");
     }
     std::vector<double> all(static_cast<std::size_t>(rows * o.dim));
     floater_table(floater, TensorView::of(all.data(), {rows, o.dim}));
     print_tables(o, {{"values", std::vector<double>(all.begin() + o.offset * o.dim, all.end())}}, o.dim,
-                 {{"encoding", "floater"}, {"dim", o.dim}, {"hidden", o.hidden}, {"seed", o.seed},
-                  {"time_per_position", o.time_per_position}, {"substeps", o.substeps}, {"offset", o.offset}, {"length", o.length}});
+                 {{"encoding", "floater"},
+                  {"dim", o.dim},
+                  {"hidden", o.hidden},
+                  {"seed", o.seed},
+                  {"time_per_position", o.time_per_position},
+                  {"substeps", o.substeps},
+                  {"offset", o.offset},
+                  {"length", o.length}});
     return;
   }
-  if (o.encoding == "alibi" || o.encoding == "t5" || o.encoding == "kerple" || o.encoding == "fire" || o.encoding == "nope" ||
-      o.encoding == "shaw" || o.encoding == "xl" || o.encoding == "tupe") {
+  if (o.encoding == "alibi" || o.encoding == "t5" || o.encoding == "kerple" || o.encoding == "fire" ||
+      o.encoding == "nope" || o.encoding == "shaw" || o.encoding == "xl" || o.encoding == "tupe") {
     if (o.format != "text" && o.format != "csv" && o.format != "json") {
       throw Error("table", "--format", o.format, "text, csv or json");
     }
@@ -253,7 +280,8 @@ void run_table(const TableOptions& o) {
     return;
   }
   if (o.encoding != "sinusoidal" && o.encoding != "rope") {
-    throw Error("table", "encoding", o.encoding, "sinusoidal, rope, floater, alibi, t5, kerple, fire, tupe, shaw, xl or nope");
+    throw Error("table", "encoding", o.encoding,
+                "sinusoidal, rope, floater, alibi, t5, kerple, fire, tupe, shaw, xl or nope");
   }
   if (o.length < 0) throw Error("table", "--length", std::to_string(o.length), ">= 0");
   if (o.format != "text" && o.format != "csv" && o.format != "json") {
@@ -284,16 +312,25 @@ void run_table(const TableOptions& o) {
     std::vector<unsigned char> storage(count * dtype_size(dtype) + 1);
     sinusoidal_table(params, positions, TensorView::contiguous(storage.data(), dtype, shape));
     print_tables(o, {{"values", widen(storage, dtype, count)}}, cols,
-                 {{"encoding", "sinusoidal"}, {"dim", o.dim}, {"base", o.base}, {"layout", o.layout},
-                  {"offset", o.offset}, {"length", o.length}, {"dtype", o.dtype}});
+                 {{"encoding", "sinusoidal"},
+                  {"dim", o.dim},
+                  {"base", o.base},
+                  {"layout", o.layout},
+                  {"offset", o.offset},
+                  {"length", o.length},
+                  {"dtype", o.dtype}});
   } else {
     const RopeParams params(o.dim, o.dim, o.base);
     std::vector<unsigned char> cos(count * dtype_size(dtype) + 1), sin(cos.size());
     rope_cos_sin(params, positions, TensorView::contiguous(cos.data(), dtype, shape),
                  TensorView::contiguous(sin.data(), dtype, shape));
     print_tables(o, {{"cos", widen(cos, dtype, count)}, {"sin", widen(sin, dtype, count)}}, cols,
-                 {{"encoding", "rope"}, {"dim", o.dim}, {"base", o.base}, {"offset", o.offset},
-                  {"length", o.length}, {"dtype", o.dtype}});
+                 {{"encoding", "rope"},
+                  {"dim", o.dim},
+                  {"base", o.base},
+                  {"offset", o.offset},
+                  {"length", o.length},
+                  {"dtype", o.dtype}});
   }
 }
 
@@ -302,16 +339,16 @@ void run_table(const TableOptions& o) {
 Runner add_table(CLI::App& app) {
   auto o = std::make_shared<TableOptions>();
   CLI::App* sub = app.add_subcommand("table", "Print an encoding table (rows = positions)");
-  sub->add_option("encoding", o->encoding,
-                  "Encoding: sinusoidal; rope (cos and sin, one column per frequency); floater (a seeded layer's "
-                  "trajectory); alibi, t5 (bucket ids), kerple, fire, tupe (seeded layers), shaw (table rows), xl "
-                  "(position terms of zero q and k, a seeded layer), nope (bias matrices: rows = queries, columns = keys)")
+  sub->add_option(
+         "encoding", o->encoding,
+         "Encoding: sinusoidal; rope (cos and sin, one column per frequency); floater (a seeded layer's "
+         "trajectory); alibi, t5 (bucket ids), kerple, fire, tupe (seeded layers), shaw (table rows), xl "
+         "(position terms of zero q and k, a seeded layer), nope (bias matrices: rows = queries, columns = keys)")
       ->required();
   sub->add_option("--length,-n", o->length, "Number of positions (rows)")->capture_default_str();
   sub->add_option("--dim,-d", o->dim, "Encoding width, or rope's rotary dim (even)")->capture_default_str();
   sub->add_option("--base", o->base, "Frequency base")->capture_default_str();
-  sub->add_option("--layout", o->layout, "interleaved (sin, cos pairs) or split ([sin | cos])")
-      ->capture_default_str();
+  sub->add_option("--layout", o->layout, "interleaved (sin, cos pairs) or split ([sin | cos])")->capture_default_str();
   sub->add_option("--offset", o->offset, "First position")->capture_default_str();
   sub->add_option("--dtype", o->dtype, "f32, f64, bf16 or f16")->capture_default_str();
   sub->add_option("--format", o->format, "text (PyTorch-style), csv or json")->capture_default_str();

@@ -30,10 +30,10 @@ void tour_sinusoidal() {
   const std::int64_t d = 8, n = 4;
   std::vector<float> table(static_cast<std::size_t>(n * d));
   for (auto layout : {SinusoidalLayout::kInterleaved, SinusoidalLayout::kSplitHalves}) {
-    sinusoidal_table(SinusoidalParams(d, 10000.0, layout), Positions::range(n),
-                     TensorView::of(table.data(), {n, d}));
-    fmt::print("  layout {} — d = 8, positions 0..3\n",
-               layout == SinusoidalLayout::kInterleaved ? "interleaved [s0 c0 s1 c1 …]" : "split halves [s0 s1 … | c0 c1 …]");
+    sinusoidal_table(SinusoidalParams(d, 10000.0, layout), Positions::range(n), TensorView::of(table.data(), {n, d}));
+    fmt::print("  layout {} — d = 8, positions 0..3\n", layout == SinusoidalLayout::kInterleaved
+                                                            ? "interleaved [s0 c0 s1 c1 …]"
+                                                            : "split halves [s0 s1 … | c0 c1 …]");
     print_rows(table, n, d, {0, 1, 2, 3});
     fmt::print("\n");
   }
@@ -51,21 +51,19 @@ void tour_sinusoidal() {
     double err_posenc = 0, err_naive = 0;
     const float neg_log_base_over_d = -std::log(10000.0f) / static_cast<float>(wide);
     for (std::int64_t i = 0; i < wide / 2; ++i) {
-      const long double angle =
-          static_cast<long double>(far[r]) * std::pow(10000.0L, -2.0L * i / wide);
+      const long double angle = static_cast<long double>(far[r]) * std::pow(10000.0L, -2.0L * i / wide);
       const float div_term = std::exp(static_cast<float>(2 * i) * neg_log_base_over_d);
       const float naive_angle = static_cast<float>(far[r]) * div_term;
       const double true_sin = static_cast<double>(std::sin(angle));
       const double true_cos = static_cast<double>(std::cos(angle));
-      err_naive = std::max({err_naive, std::fabs(std::sin(naive_angle) - true_sin),
-                            std::fabs(std::cos(naive_angle) - true_cos)});
-      err_posenc = std::max({err_posenc, std::fabs(rows[r * wide + 2 * i] - true_sin),
-                             std::fabs(rows[r * wide + 2 * i + 1] - true_cos)});
+      err_naive = std::max(
+          {err_naive, std::fabs(std::sin(naive_angle) - true_sin), std::fabs(std::cos(naive_angle) - true_cos)});
+      err_posenc = std::max(
+          {err_posenc, std::fabs(rows[r * wide + 2 * i] - true_sin), std::fabs(rows[r * wide + 2 * i + 1] - true_cos)});
     }
     fmt::print("    {:>10}   {:>14.3e}   {:>14.3e}\n", far[r], err_posenc, err_naive);
   }
-  fmt::print("    (2^-24 = {:.3e}: posenc stays within it; the fp32 formula loses the angle)\n",
-             std::ldexp(1.0, -24));
+  fmt::print("    (2^-24 = {:.3e}: posenc stays within it; the fp32 formula loses the angle)\n", std::ldexp(1.0, -24));
 }
 
 void tour_learned() {
@@ -106,8 +104,10 @@ double fp32_rope_score(const std::vector<float>& q, const std::vector<float>& k,
   for (std::size_t i = 0; i < half; ++i) {
     const float w = static_cast<float>(inv_freq[i]);
     const float am = static_cast<float>(m) * w, an = static_cast<float>(n) * w;
-    const float qa = q[i] * std::cos(am) - q[i + half] * std::sin(am), qb = q[i + half] * std::cos(am) + q[i] * std::sin(am);
-    const float ka = k[i] * std::cos(an) - k[i + half] * std::sin(an), kb = k[i + half] * std::cos(an) + k[i] * std::sin(an);
+    const float qa = q[i] * std::cos(am) - q[i + half] * std::sin(am),
+                qb = q[i + half] * std::cos(am) + q[i] * std::sin(am);
+    const float ka = k[i] * std::cos(an) - k[i + half] * std::sin(an),
+                kb = k[i + half] * std::cos(an) + k[i] * std::sin(an);
     dot += static_cast<double>(qa) * ka + static_cast<double>(qb) * kb;
   }
   return dot;
@@ -143,15 +143,18 @@ void tour_rope() {
     rope_apply(params, Positions::ids(pn), ConstTensorView::of(k.data(), {1, 1, dim}), TensorView(),
                TensorView::of(kr.data(), {1, 1, dim}), TensorView());
     double dot = 0;
-    for (std::int64_t j = 0; j < dim; ++j) dot += static_cast<double>(qr[static_cast<std::size_t>(j)]) * kr[static_cast<std::size_t>(j)];
+    for (std::int64_t j = 0; j < dim; ++j)
+      dot += static_cast<double>(qr[static_cast<std::size_t>(j)]) * kr[static_cast<std::size_t>(j)];
     return dot;
   };
   const std::vector<double> w = params.inv_frequencies();
   const double exact = score(10, 3);
   fmt::print("\n  q·k for positions (10 + t, 3 + t), d = 128: the same for every t, ideally ({:.5f})\n", exact);
   fmt::print("    {:>10}   {:>12}   {:>16}\n", "t", "posenc", "fp32 angles");
-  for (const std::int64_t t : {std::int64_t{0}, std::int64_t{1} << 16, std::int64_t{1} << 20, (std::int64_t{1} << 24) - 11}) {
-    fmt::print("    {:>10}   {:>12.5f}   {:>16.5f}\n", t, score(10 + t, 3 + t), fp32_rope_score(q, k, 10 + t, 3 + t, w));
+  for (const std::int64_t t :
+       {std::int64_t{0}, std::int64_t{1} << 16, std::int64_t{1} << 20, (std::int64_t{1} << 24) - 11}) {
+    fmt::print("    {:>10}   {:>12.5f}   {:>16.5f}\n", t, score(10 + t, 3 + t),
+               fp32_rope_score(q, k, 10 + t, 3 + t, w));
   }
   RopeScaling llama3;
   llama3.type = RopeType::kLlama3;
@@ -159,7 +162,8 @@ void tour_rope() {
   llama3.low_freq_factor = 1;
   llama3.high_freq_factor = 4;
   llama3.original_max_position_embeddings = 8192;
-  const std::vector<double> scaled = RopeParams(128, 128, 5e5, RopeLayout::kHalfSplit, llama3, 131072).inv_frequencies();
+  const std::vector<double> scaled =
+      RopeParams(128, 128, 5e5, RopeLayout::kHalfSplit, llama3, 131072).inv_frequencies();
   fmt::print("\n  Llama 3.1 (rope_type llama3, factor 8): ω_0 = {:.6g}, ω_40 = {:.6g}, ω_63 = {:.6g}\n", scaled[0],
              scaled[40], scaled[63]);
   fmt::print("  (`posenc rope-freqs --config config.json` prints them for any Hugging Face config)\n");
@@ -169,8 +173,10 @@ void tour_biases() {
   section("Score biases: ALiBi, T5, Kerple, NoPE");
   fmt::print("  score(h, i, j) = q_i·k_j/√d + b(h, j − i): the bias depends on the key − query distance\n\n");
   const std::vector<double> slopes = alibi_slopes(12);
-  fmt::print("  ALiBi (Press et al. 2022), b = −m_h·(i − j). Slopes for 12 heads (8 of 2^(−k), then every\n"
-             "  other slope of 16 heads):\n    {:.4g}\n", fmt::join(slopes, " "));
+  fmt::print(
+      "  ALiBi (Press et al. 2022), b = −m_h·(i − j). Slopes for 12 heads (8 of 2^(−k), then every\n"
+      "  other slope of 16 heads):\n    {:.4g}\n",
+      fmt::join(slopes, " "));
   const std::int64_t n = 6;
   std::vector<float> bias(static_cast<std::size_t>(n * n));
   const Positions pos = Positions::range(n, 100);  // a cache offset changes nothing: only j − i counts
@@ -189,8 +195,9 @@ void tour_biases() {
   fmt::print("\n  NoPE: b = 0 and nothing else; a causal decoder still learns positions from the mask.\n");
 
   const FireParams fire = FireParams::init(1, 32, 0, 1.0, 8.0);
-  fmt::print("\n  FIRE (Li et al. 2023): b = MLP(log(1 + c|i − j|) / log(1 + c·max(L, i))); the input stays in\n"
-             "  [0, 1] at any length. A fresh layer (L = 8), the bias to the query's own token and 4 back:\n   ");
+  fmt::print(
+      "\n  FIRE (Li et al. 2023): b = MLP(log(1 + c|i − j|) / log(1 + c·max(L, i))); the input stays in\n"
+      "  [0, 1] at any length. A fresh layer (L = 8), the bias to the query's own token and 4 back:\n   ");
   for (const std::int64_t i : {8, 80, 800, 8000}) {
     fmt::print(" i = {}: {:.3f}, {:.3f};", i, bias_value(fire, 0, i, i), bias_value(fire, 0, i, i - 4));
   }
@@ -198,16 +205,18 @@ void tour_biases() {
              fire.kinks().size() + 1);
 
   const TupeParams tupe = TupeParams::init(1, 8, 16, 64, true, 0.5, 1);
-  fmt::print("\n  TUPE (Ke et al. 2021): b = (p_i U^Q)·(p_j U^K)/sqrt(2D) from its own absolute table and\n"
-             "  projections; with the [CLS] reset, position 0 gets learned θ1/θ2 instead. A fresh layer:\n   ");
+  fmt::print(
+      "\n  TUPE (Ke et al. 2021): b = (p_i U^Q)·(p_j U^K)/sqrt(2D) from its own absolute table and\n"
+      "  projections; with the [CLS] reset, position 0 gets learned θ1/θ2 instead. A fresh layer:\n   ");
   for (const auto& [i, j] : {std::pair<std::int64_t, std::int64_t>{0, 5}, {5, 0}, {5, 5}, {5, 9}, {40, 44}}) {
     fmt::print(" b({}, {}) = {:.3f};", i, j, bias_value(tupe, 0, i, j));
   }
   fmt::print("\n");
 
   const ShawParams shaw(2, 1);
-  fmt::print("\n  Shaw et al. 2018: distances clipped to [−k, k] pick rows of learned a^K (scores) and a^V\n"
-             "  (values). The rows keys 0 … 9 read for query 5, k = 2:\n    rows");
+  fmt::print(
+      "\n  Shaw et al. 2018: distances clipped to [−k, k] pick rows of learned a^K (scores) and a^V\n"
+      "  (values). The rows keys 0 … 9 read for query 5, k = 2:\n    rows");
   for (std::int64_t j = 0; j < 10; ++j) fmt::print(" {}", shaw.row_of(j - 5));
   fmt::print("\n");
 
@@ -215,16 +224,18 @@ void tour_biases() {
   const std::vector<float> zeros(4, 0.0f);
   std::vector<float> xl_row(6, 0.0f);
   XlEvaluator(xl, -10, 10).add_row(0, zeros.data(), 5, zeros.data(), 0, 0, 6, xl_row.data());
-  fmt::print("\n  Transformer-XL (Dai et al. 2019): scores gain u·k_j + (q_i + v)·W_R r(i − j), r sinusoidal.\n"
-             "  For a zero query and keys, what remains is v·W_R r(i − j), query 5 against keys 0 … 5:\n   ");
+  fmt::print(
+      "\n  Transformer-XL (Dai et al. 2019): scores gain u·k_j + (q_i + v)·W_R r(i − j), r sinusoidal.\n"
+      "  For a zero query and keys, what remains is v·W_R r(i − j), query 5 against keys 0 … 5:\n   ");
   for (const float value : xl_row) fmt::print(" {:.4f}", value);
   fmt::print("\n  (`posenc table tupe|shaw|xl --length 6` prints whole matrices.)\n");
 }
 
 void tour_floater() {
   section("FLOATER (Liu et al. 2020)");
-  fmt::print("  p(t) solves dp/dt = MLP(t, p), p(0) = p0; position n is p(n·Δ), integrated by RK4. A longer\n"
-             "  table integrates further and repeats the shorter one exactly:\n");
+  fmt::print(
+      "  p(t) solves dp/dt = MLP(t, p), p(0) = p0; position n is p(n·Δ), integrated by RK4. A longer\n"
+      "  table integrates further and repeats the shorter one exactly:\n");
   const FloaterParams floater = FloaterParams::init(4, 16, 2, 1.0, 0.1, 2);
   std::vector<float> table(static_cast<std::size_t>(6 * 4));
   floater_table(floater, TensorView::of(table.data(), {6, 4}));
@@ -241,9 +252,10 @@ void run_tour() {
   tour_rope();
   tour_biases();
   tour_floater();
-  fmt::print("\nNext: `posenc table sinusoidal --length 10 --dim 4`, `posenc table rope --length 4 --dim 8`,\n"
-             "`posenc table alibi --length 8 --heads 4`, `posenc t5-buckets --from -20 --to 20`,\n"
-             "`posenc bench sinusoidal`, `posenc bench rope --length 4096 --dim 128`.\n");
+  fmt::print(
+      "\nNext: `posenc table sinusoidal --length 10 --dim 4`, `posenc table rope --length 4 --dim 8`,\n"
+      "`posenc table alibi --length 8 --heads 4`, `posenc t5-buckets --from -20 --to 20`,\n"
+      "`posenc bench sinusoidal`, `posenc bench rope --length 4096 --dim 128`.\n");
 }
 
 }  // namespace

@@ -38,8 +38,7 @@ void require_positive(const char* name, std::int64_t value) {
 }
 
 std::string shape(const CaseOptions& o) {
-  return "[" + std::to_string(o.batch) + ", " + std::to_string(o.length) + ", " +
-         std::to_string(o.dim) + "] f32";
+  return "[" + std::to_string(o.batch) + ", " + std::to_string(o.length) + ", " + std::to_string(o.dim) + "] f32";
 }
 
 // Fused attention at a model shape. Inputs hold a deterministic pseudo-random pattern in
@@ -52,13 +51,17 @@ Case make_attention_case(const CaseOptions& o) {
   if (o.pass != "forward" && o.pass != "backward" && o.pass != "decode") {
     throw Error("bench", "--pass", o.pass, "forward, backward or decode");
   }
-  if (o.dtype != "f32" && o.dtype != "bf16" && o.dtype != "f16") throw Error("bench", "--dtype", o.dtype, "f32, bf16 or f16");
+  if (o.dtype != "f32" && o.dtype != "bf16" && o.dtype != "f16")
+    throw Error("bench", "--dtype", o.dtype, "f32, bf16 or f16");
   const DType dtype = o.dtype == "bf16" ? DType::kBF16 : o.dtype == "f16" ? DType::kF16 : DType::kF32;
   const std::int64_t heads = o.heads, dim = o.dim, kv = o.kv_heads;
   const std::int64_t q_len = o.pass == "decode" ? 1 : o.length, k_len = o.length;
   std::vector<HeadGroup> groups;
   if (o.scheme == "rope") {
-    groups.push_back({heads, RotaryQK{RopeParams(dim, dim, 10000.0, o.interleaved ? RopeLayout::kInterleaved : RopeLayout::kHalfSplit)}, {}});
+    groups.push_back(
+        {heads,
+         RotaryQK{RopeParams(dim, dim, 10000.0, o.interleaved ? RopeLayout::kInterleaved : RopeLayout::kHalfSplit)},
+         {}});
   } else if (o.scheme == "alibi") {
     groups.push_back({heads, {}, AlibiParams(heads)});
   } else if (o.scheme == "t5") {
@@ -66,8 +69,10 @@ Case make_attention_case(const CaseOptions& o) {
     for (std::size_t e = 0; e < values.size(); ++e) values[e] = static_cast<double>(e % 7) * 0.25 - 0.75;
     groups.push_back({heads, {}, T5BiasParams(heads, 32, 128, false, values)});
   } else if (o.scheme == "kerple") {
-    groups.push_back({heads, {}, KerpleParams(KerpleForm::kLog, std::vector<double>(static_cast<std::size_t>(heads), 1.0),
-                                              std::vector<double>(static_cast<std::size_t>(heads), 0.5))});
+    groups.push_back({heads,
+                      {},
+                      KerpleParams(KerpleForm::kLog, std::vector<double>(static_cast<std::size_t>(heads), 1.0),
+                                   std::vector<double>(static_cast<std::size_t>(heads), 0.5))});
   } else if (o.scheme == "fire") {
     groups.push_back({heads, {}, FireParams::init(heads, 32, 1)});
   } else if (o.scheme == "tupe") {
@@ -136,7 +141,8 @@ Case make_attention_case(const CaseOptions& o) {
   c.name = "attention";
   c.description = "q [" + std::to_string(o.batch) + ", " + std::to_string(q_len) + ", " + std::to_string(heads) + ", " +
                   std::to_string(dim) + "], k, v [" + std::to_string(o.batch) + ", " + std::to_string(k_len) + ", " +
-                  std::to_string(kv) + ", " + std::to_string(dim) + "] " + o.dtype + ", " + o.scheme + (o.scheme == "rope" && o.interleaved ? " (interleaved)" : "") + ", " +
+                  std::to_string(kv) + ", " + std::to_string(dim) + "] " + o.dtype + ", " + o.scheme +
+                  (o.scheme == "rope" && o.interleaved ? " (interleaved)" : "") + ", " +
                   (o.causal ? "causal" : "full") + ", " + o.pass;
   const double width = static_cast<double>(dtype_size(dtype));
   const double pairs = static_cast<double>(o.batch) * static_cast<double>(q_len) * static_cast<double>(k_len) *
@@ -159,8 +165,8 @@ Case make_attention_case(const CaseOptions& o) {
     const TensorView dq = TensorView::contiguous(data(st->dq, st->dq16), dtype, q_shape);
     const TensorView dk = TensorView::contiguous(data(st->dk, st->dk16), dtype, k_shape);
     const TensorView dv = TensorView::contiguous(data(st->dv, st->dv16), dtype, k_shape);
-    const bool trainable = o.scheme == "alibi" || o.scheme == "t5" || o.scheme == "kerple" || o.scheme == "shaw" || o.scheme == "fire" ||
-                           o.scheme == "xl" || o.scheme == "tupe";
+    const bool trainable = o.scheme == "alibi" || o.scheme == "t5" || o.scheme == "kerple" || o.scheme == "shaw" ||
+                           o.scheme == "fire" || o.scheme == "xl" || o.scheme == "tupe";
     auto grads = std::make_shared<AttentionGradients>(st->attention->zero_gradients());
     c.run = [st, out, lse, dout, dq, dk, dv, grads, trainable] {
       st->attention->backward(out, lse, dout, dq, dk, dv, trainable ? grads.get() : nullptr);
@@ -172,7 +178,8 @@ Case make_attention_case(const CaseOptions& o) {
     c.remark = [st, forward] {
       const Attention::TileCounts n = forward ? st->attention->forward_tiles() : st->attention->backward_steps();
       return "skipped " + std::to_string(n.skipped) + " of " + std::to_string(n.met) +
-             (forward ? " key tiles" : " (key tile, row block) steps") + " (every probability below FLT_MIN; the flops count them all)";
+             (forward ? " key tiles" : " (key tile, row block) steps") +
+             " (every probability below FLT_MIN; the flops count them all)";
     };
   }
   c.state = st;
@@ -237,8 +244,8 @@ Case make_case(const std::string& name, const CaseOptions& o) {
   } else if (name == "learned-backward") {
     size_a = elems;  // dy
     size_b = table;  // d_table
-    c.description = "dy " + shape(o) + " scattered into d_table [" + std::to_string(o.length) + ", " +
-                    std::to_string(o.dim) + "]";
+    c.description =
+        "dy " + shape(o) + " scattered into d_table [" + std::to_string(o.length) + ", " + std::to_string(o.dim) + "]";
     // read dy; read and write each d_table row (every row is touched; a row's repeats across the
     // batch stay in cache)
     c.bytes_per_run = bytes + 2 * static_cast<double>(table) * sizeof(float);
@@ -251,7 +258,8 @@ Case make_case(const std::string& name, const CaseOptions& o) {
   } else if (name == "rope") {
     require_positive("heads", o.heads);
     require_positive("kv_heads", o.kv_heads);
-    if (o.dtype != "f32" && o.dtype != "bf16" && o.dtype != "f16") throw Error("bench", "--dtype", o.dtype, "f32, bf16 or f16");
+    if (o.dtype != "f32" && o.dtype != "bf16" && o.dtype != "f16")
+      throw Error("bench", "--dtype", o.dtype, "f32, bf16 or f16");
     const DType dtype = o.dtype == "bf16" ? DType::kBF16 : o.dtype == "f16" ? DType::kF16 : DType::kF32;
     const std::size_t width = dtype_size(dtype);
     const RopeParams params(o.dim, o.dim, 10000.0, o.interleaved ? RopeLayout::kInterleaved : RopeLayout::kHalfSplit);
@@ -276,16 +284,18 @@ Case make_case(const std::string& name, const CaseOptions& o) {
       std::uint64_t state = 777;
       while (ids->back() < o.length) {
         state = state * 6364136223846793005ull + 1442695040888963407ull;
-        ids->push_back(std::min<std::int64_t>(o.length, ids->back() + 64 + static_cast<std::int64_t>((state >> 33) % 961)));
+        ids->push_back(
+            std::min<std::int64_t>(o.length, ids->back() + 64 + static_cast<std::int64_t>((state >> 33) % 961)));
       }
     } else if (o.positions != "contiguous") {
       throw Error("bench", "--positions", o.positions, "contiguous, arbitrary or packed");
     }
     c.description = "q [" + std::to_string(o.batch) + ", " + std::to_string(o.length) + ", " + std::to_string(o.heads) +
-                    ", " + std::to_string(o.dim) + "], k with " + std::to_string(o.kv_heads) + " heads, " + o.dtype + ", " +
-                    (o.interleaved ? "interleaved" : "half-split") + ", " + o.positions + " positions, " +
+                    ", " + std::to_string(o.dim) + "], k with " + std::to_string(o.kv_heads) + " heads, " + o.dtype +
+                    ", " + (o.interleaved ? "interleaved" : "half-split") + ", " + o.positions + " positions, " +
                     (o.in_place ? "in place" : "out of place");
-    c.bytes_per_run = 2.0 * static_cast<double>((q_count + k_count) * static_cast<std::int64_t>(width));  // read + write
+    c.bytes_per_run =
+        2.0 * static_cast<double>((q_count + k_count) * static_cast<std::int64_t>(width));  // read + write
     c.elements_per_run = static_cast<double>(q_count + k_count);
     c.limit_name = o.in_place ? "rmw" : "copy_nt";
     call = [params, o, q_count, dtype, width, ids](Buffers& bs) {
@@ -298,8 +308,8 @@ Case make_case(const std::string& name, const CaseOptions& o) {
       const std::vector<std::int64_t> k_shape = {o.batch, o.length, o.kv_heads, o.dim};
       const std::size_t k_offset = static_cast<std::size_t>(q_count) * width;
       rope_apply(params, positions, ConstTensorView::contiguous(in, dtype, q_shape),
-                 ConstTensorView::contiguous(in + k_offset, dtype, k_shape), TensorView::contiguous(out, dtype, q_shape),
-                 TensorView::contiguous(out + k_offset, dtype, k_shape));
+                 ConstTensorView::contiguous(in + k_offset, dtype, k_shape),
+                 TensorView::contiguous(out, dtype, q_shape), TensorView::contiguous(out + k_offset, dtype, k_shape));
     };
   } else if (name == "bias") {
     require_positive("heads", o.heads);
@@ -320,12 +330,14 @@ Case make_case(const std::string& name, const CaseOptions& o) {
       throw Error("bench", "--scheme", o.scheme, "alibi, t5, kerple, fire or nope");
     }
     if (o.pass != "forward" && o.pass != "backward") throw Error("bench", "--pass", o.pass, "forward or backward");
-    if (o.pass == "backward" && o.scheme == "nope") throw Error("bench", "--scheme", o.scheme, "a scheme with parameters for --pass backward");
-    const std::int64_t scores = checked_mul(checked_mul(o.batch, heads, "scores"), checked_mul(o.length, o.length, "scores"), "scores");
+    if (o.pass == "backward" && o.scheme == "nope")
+      throw Error("bench", "--scheme", o.scheme, "a scheme with parameters for --pass backward");
+    const std::int64_t scores =
+        checked_mul(checked_mul(o.batch, heads, "scores"), checked_mul(o.length, o.length, "scores"), "scores");
     size_a = static_cast<std::size_t>(scores);
     fill_a = 1e-3f;
-    c.description = "scores [" + std::to_string(o.batch) + ", " + std::to_string(heads) + ", " + std::to_string(o.length) +
-                    ", " + std::to_string(o.length) + "] f32, " + o.scheme + ", " + o.pass;
+    c.description = "scores [" + std::to_string(o.batch) + ", " + std::to_string(heads) + ", " +
+                    std::to_string(o.length) + ", " + std::to_string(o.length) + "] f32, " + o.scheme + ", " + o.pass;
     c.bytes_per_run = static_cast<double>(scores) * sizeof(float);  // written (forward) or read (backward)
     c.limit_name = o.pass == "forward" ? "write_nt" : "read";
     c.elements_per_run = static_cast<double>(scores);

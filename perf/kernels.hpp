@@ -40,11 +40,11 @@ struct CaseOptions {
 // activations, and as the memory limits it is compared with are measured.
 struct Case {
   std::string name;
-  std::string description;  // shapes, for reports
-  double bytes_per_run = 0;  // bytes the kernel must move at least (reads + writes)
+  std::string description;      // shapes, for reports
+  double bytes_per_run = 0;     // bytes the kernel must move at least (reads + writes)
   double elements_per_run = 0;  // elements produced (or consumed, for reductions) per call
-  std::string limit_name;    // "copy", "copy_nt", "rmw", "read", "write_nt" or "fma": the limit it is compared with
-  double flops_per_run = 0;  // compute-bound cases (limit "fma"): the flops counted per call
+  std::string limit_name;       // "copy", "copy_nt", "rmw", "read", "write_nt" or "fma": the limit it is compared with
+  double flops_per_run = 0;     // compute-bound cases (limit "fma"): the flops counted per call
   std::function<double()> workspace_bytes;  // scratch the kernel used (attention), when known
   std::function<std::string()> remark;      // what else the last call did (attention: skipped tiles)
   std::function<void()> run;

@@ -121,16 +121,18 @@ HWY_EXPORT(FmaFlopsPerIteration);
 double measure_fma_gflops(int threads, int reps) {
   constexpr std::size_t kIterations = std::size_t{1} << 22;
   volatile float sink = 0;
-  const double seconds = time_best([&] {
+  const double seconds = time_best(
+      [&] {
 #pragma omp parallel num_threads(threads)
-    {
-      const float r = HWY_DYNAMIC_DISPATCH(FmaPeak)(kIterations, static_cast<float>(omp_get_thread_num()));
+        {
+          const float r = HWY_DYNAMIC_DISPATCH(FmaPeak)(kIterations, static_cast<float>(omp_get_thread_num()));
 #pragma omp critical
-      sink = sink + r;
-    }
-  }, reps, 0.0);
-  const double flops = static_cast<double>(HWY_DYNAMIC_DISPATCH(FmaFlopsPerIteration)()) *
-                       static_cast<double>(kIterations) * threads;
+          sink = sink + r;
+        }
+      },
+      reps, 0.0);
+  const double flops =
+      static_cast<double>(HWY_DYNAMIC_DISPATCH(FmaFlopsPerIteration)()) * static_cast<double>(kIterations) * threads;
   return flops / seconds / 1e9;
 }
 
@@ -179,8 +181,8 @@ std::size_t last_level_cache_bytes() {
 }
 
 Limits measure_limits(int threads, int reps, bool huge_pages) {
-  const std::size_t bytes = std::clamp<std::size_t>(4 * last_level_cache_bytes(), std::size_t{128} << 20,
-                                                    std::size_t{2} << 30);
+  const std::size_t bytes =
+      std::clamp<std::size_t>(4 * last_level_cache_bytes(), std::size_t{128} << 20, std::size_t{2} << 30);
   const std::size_t n = bytes / sizeof(float) / 1024 * 1024;
   // On 2 MiB pages when the kernel's buffers are (the bench's --huge-pages): the same kind of
   // memory on both sides of a ratio.

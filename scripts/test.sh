@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# All the tests: install what is missing; build (Release) and run the whole suite; then build
-# again with AddressSanitizer + UndefinedBehaviorSanitizer and run the suite once more.
+# All the tests: install what is missing; check the C++ format; build (Release) and run the whole
+# suite; then build again with AddressSanitizer + UndefinedBehaviorSanitizer and run the suite once more.
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
-POSENC_PACKAGES+=("${POSENC_TORCH_PACKAGES[@]}" "${POSENC_STUDY_PACKAGES[@]}")
+POSENC_PACKAGES+=("${POSENC_TORCH_PACKAGES[@]}" "${POSENC_STUDY_PACKAGES[@]}" clang-format-14)
 posenc_install_dependencies
 jobs="$(nproc)"
+
+echo "== Format (.clang-format)"
+bash "$POSENC_ROOT/scripts/format.sh" --check
 
 echo "== Release build and tests (C++, the command, the installed package, the Python package)"
 posenc_build "$POSENC_ROOT/build" all -DCMAKE_BUILD_TYPE=Release -DPOSENC_BUILD_TORCH=ON

@@ -89,14 +89,12 @@ std::vector<float>& scratch_rows(std::int64_t dim) {
 }
 
 // Length of the run of consecutive positions starting at token s (at most `limit` tokens).
-std::int64_t run_length(const Positions& positions, std::int64_t b, std::int64_t s,
-                        std::int64_t limit) {
+std::int64_t run_length(const Positions& positions, std::int64_t b, std::int64_t s, std::int64_t limit) {
   const std::int64_t first = positions.at(b, s);
   std::int64_t n = 1;
   while (n < limit && positions.at(b, s + n) == first + n) ++n;
   return n;
 }
-
 
 }  // namespace
 
@@ -109,8 +107,7 @@ SinusoidalParams::SinusoidalParams(std::int64_t dim, double base, SinusoidalLayo
     throw Error("sinusoidal", "base", detail::to_text(base), "a finite number > 1");
   }
   if (layout != SinusoidalLayout::kInterleaved && layout != SinusoidalLayout::kSplitHalves) {
-    throw Error("sinusoidal", "layout", std::to_string(static_cast<int>(layout)),
-                "kInterleaved or kSplitHalves");
+    throw Error("sinusoidal", "layout", std::to_string(static_cast<int>(layout)), "kInterleaved or kSplitHalves");
   }
 }
 
@@ -149,8 +146,7 @@ void sinusoidal_table(const SinusoidalParams& params, const Positions& positions
         const std::int64_t rows = run_length(positions, 0, n, end - n);
         const auto p = static_cast<double>(positions.at(0, n));
         if (direct) {
-          kernels::sinusoid_run_f32(cols, p, rows, out.typed<float>(g.offset(0, n)), g.seq_stride,
-                                    stream);
+          kernels::sinusoid_run_f32(cols, p, rows, out.typed<float>(g.offset(0, n)), g.seq_stride, stream);
         } else {
           kernels::sinusoid_run_f32(cols, p, rows, buf.data(), g.dim, false);
           for (std::int64_t r = 0; r < rows; ++r) {
@@ -167,8 +163,7 @@ void sinusoidal_table(const SinusoidalParams& params, const Positions& positions
   }
 }
 
-void sinusoidal_add(const SinusoidalParams& params, ConstTensorView x, const Positions& positions,
-                    TensorView out) {
+void sinusoidal_add(const SinusoidalParams& params, ConstTensorView x, const Positions& positions, TensorView out) {
   detail::init_dispatch();
   const detail::AddGrids g = detail::check_sinusoidal_add(params, x, positions, out);
   if (detail::use_reference() || x.dtype() == DType::kF64) {
@@ -194,16 +189,15 @@ void sinusoidal_add(const SinusoidalParams& params, ConstTensorView x, const Pos
         const std::int64_t rows = run_length(positions, b, s, end - s);
         const auto p = static_cast<double>(positions.at(b, s));
         if (direct) {
-          kernels::sinusoid_add_run_f32(cols, p, rows, x.typed<float>(g.x.offset(b, s)),
-                                        g.x.seq_stride, out.typed<float>(g.out.offset(b, s)),
-                                        g.out.seq_stride, stream);
+          kernels::sinusoid_add_run_f32(cols, p, rows, x.typed<float>(g.x.offset(b, s)), g.x.seq_stride,
+                                        out.typed<float>(g.out.offset(b, s)), g.out.seq_stride, stream);
         } else {
           kernels::sinusoid_run_f32(cols, p, rows, buf.data(), g.x.dim, false);
           for (std::int64_t r = 0; r < rows; ++r) {
             for (std::int64_t j = 0; j < g.x.dim; ++j) {
               // f32 arithmetic, as the direct path: x is exact in f32 for every supported dtype.
-              const auto xv = static_cast<float>(
-                  detail::load(x.data(), x.dtype(), g.x.offset(b, s + r) + j * g.x.dim_stride));
+              const auto xv =
+                  static_cast<float>(detail::load(x.data(), x.dtype(), g.x.offset(b, s + r) + j * g.x.dim_stride));
               detail::store(out.data(), out.dtype(), g.out.offset(b, s + r) + j * g.out.dim_stride,
                             xv + buf[static_cast<std::size_t>(r * g.x.dim + j)]);
             }
@@ -221,12 +215,11 @@ void sinusoidal_add(const SinusoidalParams& params, ConstTensorView x, const Pos
 namespace {
 
 // out[j] = a[j] + b[j] along one row of any dtype and column strides (f32 arithmetic).
-void add_row(const void* a, std::int64_t a_off, std::int64_t a_stride, const void* b,
-             std::int64_t b_off, std::int64_t b_stride, void* out, std::int64_t out_off,
-             std::int64_t out_stride, DType dtype, std::int64_t dim, bool stream = false) {
+void add_row(const void* a, std::int64_t a_off, std::int64_t a_stride, const void* b, std::int64_t b_off,
+             std::int64_t b_stride, void* out, std::int64_t out_off, std::int64_t out_stride, DType dtype,
+             std::int64_t dim, bool stream = false) {
   if (dtype == DType::kF32 && a_stride == 1 && b_stride == 1 && out_stride == 1) {
-    kernels::add_rows_f32(static_cast<const float*>(a) + a_off,
-                          static_cast<const float*>(b) + b_off,
+    kernels::add_rows_f32(static_cast<const float*>(a) + a_off, static_cast<const float*>(b) + b_off,
                           static_cast<float*>(out) + out_off, dim, stream);
     return;
   }
@@ -239,8 +232,7 @@ void add_row(const void* a, std::int64_t a_off, std::int64_t a_stride, const voi
 
 }  // namespace
 
-void learned_forward(ConstTensorView table, ConstTensorView x, const Positions& positions,
-                     TensorView y) {
+void learned_forward(ConstTensorView table, ConstTensorView x, const Positions& positions, TensorView y) {
   detail::init_dispatch();
   const detail::LearnedGrids g = detail::check_learned_forward(table, x, positions, y);
   if (detail::use_reference() || x.dtype() == DType::kF64) {
@@ -256,16 +248,14 @@ void learned_forward(ConstTensorView table, ConstTensorView x, const Positions& 
 #pragma omp for schedule(static)
     for (std::int64_t t = 0; t < tokens; ++t) {
       const std::int64_t b = t / g.x.seq, s = t % g.x.seq;
-      add_row(x.data(), g.x.offset(b, s), g.x.dim_stride, table.data(),
-              g.table.offset(0, positions.at(b, s)), g.table.dim_stride, y.data(),
-              g.out.offset(b, s), g.out.dim_stride, x.dtype(), g.x.dim, stream);
+      add_row(x.data(), g.x.offset(b, s), g.x.dim_stride, table.data(), g.table.offset(0, positions.at(b, s)),
+              g.table.dim_stride, y.data(), g.out.offset(b, s), g.out.dim_stride, x.dtype(), g.x.dim, stream);
     }
     if (stream) kernels::flush_streams();
   }
 }
 
-void learned_backward(ConstTensorView dy, const Positions& positions, TensorView d_table,
-                      TensorView dx) {
+void learned_backward(ConstTensorView dy, const Positions& positions, TensorView d_table, TensorView dx) {
   detail::init_dispatch();
   const detail::LearnedGrids g = detail::check_learned_backward(dy, positions, d_table, dx);
   if (detail::use_reference() || dy.dtype() == DType::kF64) {
@@ -287,16 +277,15 @@ void learned_backward(ConstTensorView dy, const Positions& positions, TensorView
       const std::int64_t row = positions.at(b, s);
       if (row % owners != me) continue;
       const std::int64_t row_off = g.table.offset(0, row);
-      add_row(d_table.data(), row_off, g.table.dim_stride, dy.data(), g.x.offset(b, s),
-              g.x.dim_stride, d_table.data(), row_off, g.table.dim_stride, dy.dtype(), g.x.dim);
+      add_row(d_table.data(), row_off, g.table.dim_stride, dy.data(), g.x.offset(b, s), g.x.dim_stride, d_table.data(),
+              row_off, g.table.dim_stride, dy.dtype(), g.x.dim);
     }
     if (g.has_dx) {
 #pragma omp for schedule(static)
       for (std::int64_t t = 0; t < tokens; ++t) {
         const std::int64_t b = t / g.x.seq, s = t % g.x.seq;
-        add_row(dx.data(), g.out.offset(b, s), g.out.dim_stride, dy.data(), g.x.offset(b, s),
-                g.x.dim_stride, dx.data(), g.out.offset(b, s), g.out.dim_stride, dy.dtype(),
-                g.x.dim);
+        add_row(dx.data(), g.out.offset(b, s), g.out.dim_stride, dy.data(), g.x.offset(b, s), g.x.dim_stride, dx.data(),
+                g.out.offset(b, s), g.out.dim_stride, dy.dtype(), g.x.dim);
       }
     }
   }
@@ -331,8 +320,7 @@ void learned_init_zeros(TensorView table) {
   }
 }
 
-LearnedTable::LearnedTable(std::int64_t max_len, std::int64_t dim)
-    : max_len_(max_len), dim_(dim) {
+LearnedTable::LearnedTable(std::int64_t max_len, std::int64_t dim) : max_len_(max_len), dim_(dim) {
   if (max_len < 1) throw Error("LearnedTable", "max_len", std::to_string(max_len), ">= 1");
   if (dim < 1) throw Error("LearnedTable", "dim", std::to_string(dim), ">= 1");
   const std::int64_t count = checked_mul(max_len, dim, "LearnedTable size");

@@ -30,8 +30,7 @@ bool same_layout(ConstTensorView a, ConstTensorView b) {
   return true;
 }
 
-void check_positions_against_table(const char* where, const Positions& positions,
-                                   std::int64_t max_len) {
+void check_positions_against_table(const char* where, const Positions& positions, std::int64_t max_len) {
   if (positions.seq_len() > 0 && positions.max_position() >= max_len) {
     throw Error(where, "position", std::to_string(positions.max_position()),
                 "a position < max_len = " + std::to_string(max_len) +
@@ -41,8 +40,8 @@ void check_positions_against_table(const char* where, const Positions& positions
 
 }  // namespace
 
-void check_alias(const char* where, const char* out_name, ConstTensorView out,
-                 const char* in_name, ConstTensorView in, Alias allowed) {
+void check_alias(const char* where, const char* out_name, ConstTensorView out, const char* in_name, ConstTensorView in,
+                 Alias allowed) {
   if (allowed == Alias::kDisjointOrInPlace && same_layout(out, in)) return;
   const ByteRange a = byte_range(out), b = byte_range(in);
   if (a.begin < b.end && b.begin < a.end) {
@@ -52,13 +51,11 @@ void check_alias(const char* where, const char* out_name, ConstTensorView out,
   }
 }
 
-Grid check_sinusoidal_table(const SinusoidalParams& params, const Positions& positions,
-                            ConstTensorView out) {
+Grid check_sinusoidal_table(const SinusoidalParams& params, const Positions& positions, ConstTensorView out) {
   const char* where = "sinusoidal_table";
   const Grid g = matrix_grid(where, "out", out);
   if (g.dim != params.dim()) {
-    throw Error(where, "out.size(1)", std::to_string(g.dim),
-                "params.dim() = " + std::to_string(params.dim()));
+    throw Error(where, "out.size(1)", std::to_string(g.dim), "params.dim() = " + std::to_string(params.dim()));
   }
   if (positions.batch() > 1) {
     throw Error(where, "positions.batch()", std::to_string(positions.batch()),
@@ -69,13 +66,12 @@ Grid check_sinusoidal_table(const SinusoidalParams& params, const Positions& pos
   return g;
 }
 
-AddGrids check_sinusoidal_add(const SinusoidalParams& params, ConstTensorView x,
-                              const Positions& positions, ConstTensorView out) {
+AddGrids check_sinusoidal_add(const SinusoidalParams& params, ConstTensorView x, const Positions& positions,
+                              ConstTensorView out) {
   const char* where = "sinusoidal_add";
   AddGrids g{token_grid(where, "x", x), token_grid(where, "out", out)};
   if (g.x.dim != params.dim()) {
-    throw Error(where, "x.size(-1)", std::to_string(g.x.dim),
-                "params.dim() = " + std::to_string(params.dim()));
+    throw Error(where, "x.size(-1)", std::to_string(g.x.dim), "params.dim() = " + std::to_string(params.dim()));
   }
   check_same_dims(where, "out", g.out, "x", g.x);
   check_dtype(where, "out", out.dtype(), x.dtype());
@@ -95,9 +91,8 @@ struct LearnedNames {
   const char* out;
 };
 
-LearnedGrids check_learned(const char* where, const LearnedNames& names, ConstTensorView table,
-                           ConstTensorView x, const Positions& positions, ConstTensorView out,
-                           bool out_optional) {
+LearnedGrids check_learned(const char* where, const LearnedNames& names, ConstTensorView table, ConstTensorView x,
+                           const Positions& positions, ConstTensorView out, bool out_optional) {
   LearnedGrids g;
   g.table = matrix_grid(where, names.table, table);
   g.x = token_grid(where, names.x, x);
@@ -120,8 +115,8 @@ LearnedGrids check_learned(const char* where, const LearnedNames& names, ConstTe
 
 }  // namespace
 
-LearnedGrids check_learned_forward(ConstTensorView table, ConstTensorView x,
-                                   const Positions& positions, ConstTensorView y) {
+LearnedGrids check_learned_forward(ConstTensorView table, ConstTensorView x, const Positions& positions,
+                                   ConstTensorView y) {
   const char* where = "learned_forward";
   const LearnedGrids g = check_learned(where, {"table", "x", "y"}, table, x, positions, y, false);
   check_alias(where, "y", y, "x", x, Alias::kDisjointOrInPlace);
@@ -129,8 +124,8 @@ LearnedGrids check_learned_forward(ConstTensorView table, ConstTensorView x,
   return g;
 }
 
-LearnedGrids check_learned_backward(ConstTensorView dy, const Positions& positions,
-                                    ConstTensorView d_table, ConstTensorView dx) {
+LearnedGrids check_learned_backward(ConstTensorView dy, const Positions& positions, ConstTensorView d_table,
+                                    ConstTensorView dx) {
   const char* where = "learned_backward";
   const LearnedGrids g = check_learned(where, {"d_table", "dy", "dx"}, d_table, dy, positions, dx, true);
   check_writable(where, "d_table", d_table);

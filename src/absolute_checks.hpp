@@ -15,19 +15,18 @@ struct LearnedGrids {
   bool has_dx = false;
 };
 
-Grid check_sinusoidal_table(const SinusoidalParams& params, const Positions& positions,
-                            ConstTensorView out);
-AddGrids check_sinusoidal_add(const SinusoidalParams& params, ConstTensorView x,
-                              const Positions& positions, ConstTensorView out);
+Grid check_sinusoidal_table(const SinusoidalParams& params, const Positions& positions, ConstTensorView out);
+AddGrids check_sinusoidal_add(const SinusoidalParams& params, ConstTensorView x, const Positions& positions,
+                              ConstTensorView out);
 // Grids: forward (table, x, y); backward (d_table, dy, dx) with dx optional (an empty view).
-LearnedGrids check_learned_forward(ConstTensorView table, ConstTensorView x,
-                                   const Positions& positions, ConstTensorView y);
-LearnedGrids check_learned_backward(ConstTensorView dy, const Positions& positions,
-                                    ConstTensorView d_table, ConstTensorView dx);
+LearnedGrids check_learned_forward(ConstTensorView table, ConstTensorView x, const Positions& positions,
+                                   ConstTensorView y);
+LearnedGrids check_learned_backward(ConstTensorView dy, const Positions& positions, ConstTensorView d_table,
+                                    ConstTensorView dx);
 
 enum class Alias : bool { kDisjoint, kDisjointOrInPlace };
 // `out` must not overlap `in`, except (with kDisjointOrInPlace) by being exactly the same view.
-void check_alias(const char* where, const char* out_name, ConstTensorView out,
-                 const char* in_name, ConstTensorView in, Alias allowed);
+void check_alias(const char* where, const char* out_name, ConstTensorView out, const char* in_name, ConstTensorView in,
+                 Alias allowed);
 
 }  // namespace posenc::detail

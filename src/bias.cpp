@@ -42,7 +42,8 @@ void check_finite_nonnegative(const char* where, const char* name, std::size_t i
 }
 
 // The smallest and largest position of a [batch, len] grid.
-std::pair<std::int64_t, std::int64_t> position_bounds(const Positions& positions, std::int64_t batch, std::int64_t len) {
+std::pair<std::int64_t, std::int64_t> position_bounds(const Positions& positions, std::int64_t batch,
+                                                      std::int64_t len) {
   std::int64_t lo = std::numeric_limits<std::int64_t>::max(), hi = std::numeric_limits<std::int64_t>::min();
   for (std::int64_t b = 0; b < batch; ++b) {
     if (positions.kind() == Positions::Kind::kRange || positions.kind() == Positions::Kind::kRanges) {
@@ -95,7 +96,8 @@ AlibiParams::AlibiParams(std::int64_t heads, AlibiForm form, double max_bias)
 
 AlibiParams::AlibiParams(std::vector<double> slopes, AlibiForm form) : slopes_(std::move(slopes)), form_(form) {
   if (slopes_.empty()) throw Error("AlibiParams", "slopes.size()", "0", ">= 1 (one slope per head)");
-  for (std::size_t h = 0; h < slopes_.size(); ++h) check_finite_nonnegative("AlibiParams", "slopes", h, slopes_[h], false);
+  for (std::size_t h = 0; h < slopes_.size(); ++h)
+    check_finite_nonnegative("AlibiParams", "slopes", h, slopes_[h], false);
 }
 
 AlibiParams AlibiParams::on_heads(std::int64_t heads, std::span<const std::int64_t> alibi_heads, AlibiForm form,
@@ -126,8 +128,9 @@ void check_t5(const char* where, std::int64_t num_buckets, std::int64_t max_dist
                               : ">= 2 (max_exact = num_buckets / 2 >= 1)");
   }
   if (max_distance <= n / 2) {
-    throw Error(where, "max_distance", std::to_string(max_distance),
-                "> max_exact = " + std::to_string(n / 2) + " (the log formula divides by log(max_distance / max_exact))");
+    throw Error(
+        where, "max_distance", std::to_string(max_distance),
+        "> max_exact = " + std::to_string(n / 2) + " (the log formula divides by log(max_distance / max_exact))");
   }
 }
 }  // namespace
@@ -159,7 +162,10 @@ std::int64_t t5_bucket(std::int64_t relative_position, std::int64_t num_buckets,
 
 T5BiasParams::T5BiasParams(std::int64_t heads, std::int64_t num_buckets, std::int64_t max_distance, bool bidirectional,
                            std::vector<double> table)
-    : heads_(heads), num_buckets_(num_buckets), max_distance_(max_distance), bidirectional_(bidirectional),
+    : heads_(heads),
+      num_buckets_(num_buckets),
+      max_distance_(max_distance),
+      bidirectional_(bidirectional),
       table_(std::move(table)) {
   check_heads("T5BiasParams", heads);
   check_t5("T5BiasParams", num_buckets, max_distance, bidirectional);
@@ -179,7 +185,8 @@ KerpleParams::KerpleParams(KerpleForm form, std::vector<double> r1, std::vector<
     check_finite_nonnegative("KerpleParams", "r1", h, r1_[h], true);
     check_finite_nonnegative("KerpleParams", "r2", h, r2_[h], true);
     if (form_ == KerpleForm::kPower && r2_[h] > 2) {
-      throw Error("KerpleParams", "r2[" + std::to_string(h) + "]", detail::to_text(r2_[h]), "in (0, 2] for the power form");
+      throw Error("KerpleParams", "r2[" + std::to_string(h) + "]", detail::to_text(r2_[h]),
+                  "in (0, 2] for the power form");
     }
   }
 }
@@ -224,7 +231,8 @@ double bias_value(const BiasScheme& scheme, std::int64_t head, std::int64_t q_po
   if (const auto* fire = std::get_if<FireParams>(&scheme)) {
     return fire->mlp(head, fire->normalized_distance(q_position, k_position)) + 0.0;
   }
-  if (const auto* tupe = std::get_if<TupeParams>(&scheme)) return detail::tupe_value(*tupe, head, q_position, k_position) + 0.0;
+  if (const auto* tupe = std::get_if<TupeParams>(&scheme))
+    return detail::tupe_value(*tupe, head, q_position, k_position) + 0.0;
   return signed_bias_value(scheme, static_cast<std::size_t>(head), k_position - q_position) + 0.0;
 }
 
@@ -250,7 +258,8 @@ double signed_bias_value(const BiasScheme& scheme, std::size_t h, std::int64_t r
 BiasEvaluator::BiasEvaluator(const BiasScheme& scheme, std::int64_t min_relative, std::int64_t max_relative)
     : scheme_(scheme), heads_(bias_heads(scheme)), zero_(std::holds_alternative<NoPE>(scheme)) {
   if (max_relative < min_relative) {
-    throw Error("BiasEvaluator", "max_relative", std::to_string(max_relative), ">= min_relative = " + std::to_string(min_relative));
+    throw Error("BiasEvaluator", "max_relative", std::to_string(max_relative),
+                ">= min_relative = " + std::to_string(min_relative));
   }
   const std::int64_t width = max_relative - min_relative + 1;
   // Nothing to tabulate (NoPE), not a function of k − q alone (FIRE), or too wide.
@@ -291,7 +300,7 @@ float BiasEvaluator::operator()(std::int64_t head, std::int64_t q_position, std:
 }
 
 const float* BiasEvaluator::table_row(std::int64_t head, std::int64_t q_position, std::int64_t k_first,
-                                     std::int64_t count) const {
+                                      std::int64_t count) const {
   const std::int64_t t0 = k_first - q_position - min_relative_;
   if (zero_ || t0 < 0 || t0 + count > width_) return nullptr;
   return table_.data() + head * width_ + t0;
@@ -392,7 +401,9 @@ void materialize_fire(const FireParams& fire, const Positions& q_positions, cons
       detail::fire_rows(fire, q, keys.data(), g.k_len, x.data(), piece.data());
       for (std::int64_t h = 0; h < g.heads; ++h) {
         const std::int64_t offset = g.offset(b, h, i);
-        auto value = [&](std::size_t at) { return fire.slope(piece[at], h) * x[at] + fire.intercept(piece[at], h) + 0.0; };
+        auto value = [&](std::size_t at) {
+          return fire.slope(piece[at], h) * x[at] + fire.intercept(piece[at], h) + 0.0;
+        };
         if (out.dtype() == DType::kF32 && g.k_stride == 1) {
           float* dst = static_cast<float*>(out.data()) + offset;
           for (std::int64_t j = 0; j < g.k_len; ++j) dst[j] = static_cast<float>(value(static_cast<std::size_t>(j)));
@@ -411,8 +422,8 @@ void materialize_fire(const FireParams& fire, const Positions& q_positions, cons
 void bias_materialize(const BiasScheme& scheme, const Positions& q_positions, const Positions& k_positions,
                       TensorView out) {
   detail::init_dispatch();
-  const detail::ScoreGrid g =
-      detail::check_scores("bias_materialize", "out", ConstTensorView(out), bias_heads(scheme), q_positions, k_positions);
+  const detail::ScoreGrid g = detail::check_scores("bias_materialize", "out", ConstTensorView(out), bias_heads(scheme),
+                                                   q_positions, k_positions);
   detail::check_writable("bias_materialize", "out", ConstTensorView(out));
   if (const auto* tupe = std::get_if<TupeParams>(&scheme); tupe != nullptr && g.q_len * g.k_len > 0) {
     detail::check_tupe_positions("bias_materialize", *tupe, q_positions, k_positions);
@@ -489,8 +500,8 @@ void reduce_by_relative_position(const char* where, std::int64_t heads, const Po
   const auto [q_lo, q_hi] = position_bounds(q_positions, g.batch, g.q_len);
   const auto [k_lo, k_hi] = position_bounds(k_positions, g.batch, g.k_len);
   const std::int64_t min_r = k_lo - q_hi, width = k_hi - q_lo - min_r + 1;
-  const int threads = static_cast<int>(
-      std::min<std::int64_t>(detail::threads_for(g.batch * g.heads * g.q_len * g.k_len), g.heads));
+  const int threads =
+      static_cast<int>(std::min<std::int64_t>(detail::threads_for(g.batch * g.heads * g.q_len * g.k_len), g.heads));
   const bool histogram = width <= kMaxTableEntries / std::max(threads, 1);
   std::vector<std::vector<std::int64_t>> keys(static_cast<std::size_t>(g.batch));
   std::vector<bool> keys_consecutive(static_cast<std::size_t>(g.batch));
@@ -513,7 +524,8 @@ void reduce_by_relative_position(const char* where, std::int64_t heads, const Po
           if (fast) {
             // A block of queries at consecutive positions: summed along its diagonals.
             std::int64_t rows = 1;
-            while (rows < kernels::kDiagonalRows && i + rows < g.q_len && q_positions.at(b, i + rows) == q + rows) ++rows;
+            while (rows < kernels::kDiagonalRows && i + rows < g.q_len && q_positions.at(b, i + rows) == q + rows)
+              ++rows;
             kernels::accumulate_diagonals_f64(static_cast<const float*>(d_scores.data()) + offset, g.q_stride, rows,
                                               g.k_len, sums.data() + (ks[0] - q - min_r));
             i += rows - 1;
@@ -551,7 +563,8 @@ void alibi_backward(const AlibiParams& params, const Positions& q_positions, con
   }
   reduce_by_relative_position("alibi_backward", params.heads(), q_positions, k_positions, d_scores,
                               [&](std::int64_t h, std::int64_t r, double sum) {
-                                d_slopes[static_cast<std::size_t>(h)] += sum * detail::alibi_derivative(params.form(), r);
+                                d_slopes[static_cast<std::size_t>(h)] +=
+                                    sum * detail::alibi_derivative(params.form(), r);
                               });
 }
 

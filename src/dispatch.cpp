@@ -28,8 +28,7 @@ struct TargetName {
 };
 // Best first. HWY_SCALAR only appears when the compiler cannot build EMU128 (GCC < 12.3).
 constexpr TargetName kTargets[] = {
-    {HWY_AVX3, "avx512"}, {HWY_AVX2, "avx2"},     {HWY_SSE4, "sse4"},
-    {HWY_EMU128, "scalar"}, {HWY_SCALAR, "scalar"},
+    {HWY_AVX3, "avx512"}, {HWY_AVX2, "avx2"}, {HWY_SSE4, "sse4"}, {HWY_EMU128, "scalar"}, {HWY_SCALAR, "scalar"},
 };
 
 void choose(std::int64_t bits) {  // 0: no restriction

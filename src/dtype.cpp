@@ -6,20 +6,27 @@ namespace posenc {
 
 std::string_view dtype_name(DType dtype) noexcept {
   switch (dtype) {
-    case DType::kF32: return "f32";
-    case DType::kF64: return "f64";
-    case DType::kBF16: return "bf16";
-    case DType::kF16: return "f16";
+    case DType::kF32:
+      return "f32";
+    case DType::kF64:
+      return "f64";
+    case DType::kBF16:
+      return "bf16";
+    case DType::kF16:
+      return "f16";
   }
   return "?";
 }
 
 std::size_t dtype_size(DType dtype) noexcept {
   switch (dtype) {
-    case DType::kF32: return 4;
-    case DType::kF64: return 8;
+    case DType::kF32:
+      return 4;
+    case DType::kF64:
+      return 8;
     case DType::kBF16:
-    case DType::kF16: return 2;
+    case DType::kF16:
+      return 2;
   }
   return 0;
 }
@@ -33,9 +40,7 @@ bf16 to_bf16(float value) noexcept {
   return bf16{static_cast<std::uint16_t>(u >> 16)};
 }
 
-float from_bf16(bf16 value) noexcept {
-  return std::bit_cast<float>(static_cast<std::uint32_t>(value.bits) << 16);
-}
+float from_bf16(bf16 value) noexcept { return std::bit_cast<float>(static_cast<std::uint32_t>(value.bits) << 16); }
 
 f16 to_f16(float value) noexcept {
   const std::uint32_t bits = std::bit_cast<std::uint32_t>(value);
@@ -43,7 +48,7 @@ f16 to_f16(float value) noexcept {
   const std::uint32_t mag = bits & 0x7fffffffu;
   auto out = [sign](std::uint32_t h) { return f16{static_cast<std::uint16_t>(sign | h)}; };
   if (mag >= 0x7f800000u) return out(mag > 0x7f800000u ? 0x7e00u : 0x7c00u);  // NaN, Inf
-  if (mag >= 0x477ff000u) return out(0x7c00u);  // >= 65520 rounds past 65504 to infinity
+  if (mag >= 0x477ff000u) return out(0x7c00u);                                // >= 65520 rounds past 65504 to infinity
   if (mag < 0x38800000u) {
     // Below 2^-14: a subnormal half, counted in units of 2^-24. The scaling by 2^24 is exact and
     // nearbyint rounds to nearest even; a result of 1024 is the encoding of 2^-14, as it should be.

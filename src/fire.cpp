@@ -19,24 +19,30 @@
 namespace posenc {
 namespace {
 
-
 void check_positive(const char* name, double value) {
-  if (!std::isfinite(value) || value <= 0) throw Error("FireParams", name, detail::to_text(value), "a finite number > 0");
+  if (!std::isfinite(value) || value <= 0)
+    throw Error("FireParams", name, detail::to_text(value), "a finite number > 0");
 }
 
 }  // namespace
 
 FireParams::FireParams(std::int64_t heads, std::vector<double> w1, std::vector<double> b1, std::vector<double> w2,
                        std::vector<double> b2, double c, double threshold)
-    : heads_(heads), w1_(std::move(w1)), b1_(std::move(b1)), w2_(std::move(w2)), b2_(std::move(b2)), c_(c),
+    : heads_(heads),
+      w1_(std::move(w1)),
+      b1_(std::move(b1)),
+      w2_(std::move(w2)),
+      b2_(std::move(b2)),
+      c_(c),
       threshold_(threshold) {
   if (heads < 1) throw Error("FireParams", "heads", std::to_string(heads), ">= 1");
   if (w1_.empty()) throw Error("FireParams", "w1.size()", "0", ">= 1 (the hidden width)");
   const std::size_t hidden = w1_.size();
   detail::check_parameter("FireParams", "w1", w1_, hidden, "");
   detail::check_parameter("FireParams", "b1", b1_, hidden, "hidden = " + std::to_string(hidden));
-  detail::check_parameter("FireParams", "w2", w2_, static_cast<std::size_t>(heads) * hidden,
-               "heads · hidden = " + std::to_string(static_cast<std::size_t>(heads) * hidden) + " ([heads, hidden])");
+  detail::check_parameter(
+      "FireParams", "w2", w2_, static_cast<std::size_t>(heads) * hidden,
+      "heads · hidden = " + std::to_string(static_cast<std::size_t>(heads) * hidden) + " ([heads, hidden])");
   detail::check_parameter("FireParams", "b2", b2_, static_cast<std::size_t>(heads), "heads = " + std::to_string(heads));
   check_positive("c", c);
   check_positive("threshold", threshold);
@@ -51,10 +57,10 @@ FireParams::FireParams(std::int64_t heads, std::vector<double> w1, std::vector<d
   slopes_.assign(pieces * static_cast<std::size_t>(heads), 0.0);
   intercepts_.assign(slopes_.size(), 0.0);
   for (std::size_t s = 0; s < pieces; ++s) {
-    const double x = kinks_.empty()      ? 0.0
-                     : s == 0            ? kinks_.front() - 1.0
-                     : s == pieces - 1   ? kinks_.back() + 1.0
-                                         : 0.5 * (kinks_[s - 1] + kinks_[s]);
+    const double x = kinks_.empty()    ? 0.0
+                     : s == 0          ? kinks_.front() - 1.0
+                     : s == pieces - 1 ? kinks_.back() + 1.0
+                                       : 0.5 * (kinks_[s - 1] + kinks_[s]);
     for (std::size_t k = 0; k < hidden; ++k) active_[s * hidden + k] = w1_[k] * x + b1_[k] > 0 ? 1 : 0;
     for (std::size_t h = 0; h < static_cast<std::size_t>(heads); ++h) {
       double slope = 0, intercept = b2_[h];
@@ -100,7 +106,10 @@ std::int64_t FireParams::piece_of(double x) const {
 }
 
 FireGradients::FireGradients(const FireParams& params)
-    : w1(params.w1().size(), 0.0), b1(params.b1().size(), 0.0), w2(params.w2().size(), 0.0), b2(params.b2().size(), 0.0) {}
+    : w1(params.w1().size(), 0.0),
+      b1(params.b1().size(), 0.0),
+      w2(params.w2().size(), 0.0),
+      b2(params.b2().size(), 0.0) {}
 
 namespace detail {
 
@@ -174,7 +183,8 @@ void fire_backward(const FireParams& params, const Positions& q_positions, const
     ref::fire_backward(params, q_positions, k_positions, d_scores, grads);
     return;
   }
-  const detail::ScoreGrid g = detail::check_scores(where, "d_scores", d_scores, params.heads(), q_positions, k_positions);
+  const detail::ScoreGrid g =
+      detail::check_scores(where, "d_scores", d_scores, params.heads(), q_positions, k_positions);
   const std::int64_t rows = g.batch * g.q_len;
   if (rows * g.heads * g.k_len == 0) return;
   const auto heads = static_cast<std::size_t>(g.heads);
@@ -240,7 +250,8 @@ void fire_backward(const FireParams& params, const Positions& q_positions, const
   detail::check_gradient_size(where, "grads.b1", grads.b1.size(), params.hidden());
   detail::check_gradient_size(where, "grads.w2", grads.w2.size(), params.heads() * params.hidden());
   detail::check_gradient_size(where, "grads.b2", grads.b2.size(), params.heads());
-  const detail::ScoreGrid g = detail::check_scores(where, "d_scores", d_scores, params.heads(), q_positions, k_positions);
+  const detail::ScoreGrid g =
+      detail::check_scores(where, "d_scores", d_scores, params.heads(), q_positions, k_positions);
   const auto hidden = static_cast<std::size_t>(params.hidden());
   std::vector<double> z(hidden), dz(hidden);
   // Straight backpropagation through x → z = W1·x + B1 → relu → W2·a + B2, pair by pair.

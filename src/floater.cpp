@@ -10,7 +10,6 @@
 namespace posenc {
 namespace {
 
-
 // The MLP's hidden pre-activations z = W1·[t; p] + B1.
 void hidden_input(const FloaterParams& f, double t, const double* p, double* z) {
   const std::int64_t dim = f.dim(), width = dim + 1;
@@ -76,7 +75,8 @@ std::vector<double> trajectory(const FloaterParams& f, std::int64_t length) {
   for (std::int64_t s = 0; s < steps; ++s) {
     // t from the step index (not by summing h), so that longer tables repeat shorter ones exactly.
     const double t = static_cast<double>(s) * h;
-    rk4_step(f, t, h, states.data() + static_cast<std::size_t>(s) * dim, states.data() + static_cast<std::size_t>(s + 1) * dim, work);
+    rk4_step(f, t, h, states.data() + static_cast<std::size_t>(s) * dim,
+             states.data() + static_cast<std::size_t>(s + 1) * dim, work);
   }
   return states;
 }
@@ -86,9 +86,11 @@ struct TableGrid {
 };
 
 TableGrid check_table(const char* where, const char* name, ConstTensorView view, std::int64_t dim) {
-  if (view.rank() != 2) throw Error(where, std::string(name) + ".rank()", std::to_string(view.rank()), "2 ([length, dim])");
+  if (view.rank() != 2)
+    throw Error(where, std::string(name) + ".rank()", std::to_string(view.rank()), "2 ([length, dim])");
   if (view.size(1) != dim) {
-    throw Error(where, std::string(name) + ".size(1)", std::to_string(view.size(1)), "params.dim() = " + std::to_string(dim));
+    throw Error(where, std::string(name) + ".size(1)", std::to_string(view.size(1)),
+                "params.dim() = " + std::to_string(dim));
   }
   return {view.size(0), view.stride(0), view.stride(1)};
 }
@@ -98,14 +100,22 @@ TableGrid check_table(const char* where, const char* name, ConstTensorView view,
 FloaterParams::FloaterParams(std::int64_t dim, std::vector<double> w1, std::vector<double> b1, std::vector<double> w2,
                              std::vector<double> b2, std::vector<double> p0, double time_per_position,
                              std::int64_t substeps)
-    : dim_(dim), w1_(std::move(w1)), b1_(std::move(b1)), w2_(std::move(w2)), b2_(std::move(b2)), p0_(std::move(p0)),
-      time_per_position_(time_per_position), substeps_(substeps) {
+    : dim_(dim),
+      w1_(std::move(w1)),
+      b1_(std::move(b1)),
+      w2_(std::move(w2)),
+      b2_(std::move(b2)),
+      p0_(std::move(p0)),
+      time_per_position_(time_per_position),
+      substeps_(substeps) {
   if (dim < 1) throw Error("FloaterParams", "dim", std::to_string(dim), ">= 1");
   if (b1_.empty()) throw Error("FloaterParams", "b1.size()", "0", ">= 1 (the hidden width)");
   const std::size_t hidden = b1_.size(), d = static_cast<std::size_t>(dim);
   detail::check_parameter("FloaterParams", "b1", b1_, hidden, "");
-  detail::check_parameter("FloaterParams", "w1", w1_, hidden * (d + 1), "hidden·(dim + 1) = " + std::to_string(hidden * (d + 1)) + " ([hidden, 1 + dim])");
-  detail::check_parameter("FloaterParams", "w2", w2_, d * hidden, "dim·hidden = " + std::to_string(d * hidden) + " ([dim, hidden])");
+  detail::check_parameter("FloaterParams", "w1", w1_, hidden * (d + 1),
+                          "hidden·(dim + 1) = " + std::to_string(hidden * (d + 1)) + " ([hidden, 1 + dim])");
+  detail::check_parameter("FloaterParams", "w2", w2_, d * hidden,
+                          "dim·hidden = " + std::to_string(d * hidden) + " ([dim, hidden])");
   detail::check_parameter("FloaterParams", "b2", b2_, d, "dim = " + std::to_string(d));
   detail::check_parameter("FloaterParams", "p0", p0_, d, "dim = " + std::to_string(d));
   if (!std::isfinite(time_per_position) || time_per_position <= 0) {
@@ -125,8 +135,8 @@ FloaterParams FloaterParams::init(std::int64_t dim, std::int64_t hidden, std::ui
   for (auto& x : w1) x = scale / std::sqrt(static_cast<double>(d + 1)) * detail::seeded_normal(seed, index++);
   for (auto& x : w2) x = scale / std::sqrt(static_cast<double>(m)) * detail::seeded_normal(seed, index++);
   for (auto& x : p0) x = detail::seeded_normal(seed, index++);
-  return FloaterParams(dim, std::move(w1), std::move(b1), std::move(w2), std::move(b2), std::move(p0), time_per_position,
-                       substeps);
+  return FloaterParams(dim, std::move(w1), std::move(b1), std::move(w2), std::move(b2), std::move(p0),
+                       time_per_position, substeps);
 }
 
 void FloaterParams::dynamics(double t, const double* p, double* dp) const {
@@ -136,13 +146,18 @@ void FloaterParams::dynamics(double t, const double* p, double* dp) const {
   for (auto& x : a) x = std::tanh(x);
   for (std::int64_t d = 0; d < dim_; ++d) {
     double sum = b2_[static_cast<std::size_t>(d)];
-    for (std::int64_t k = 0; k < hidden; ++k) sum += w2_[static_cast<std::size_t>(d * hidden + k)] * a[static_cast<std::size_t>(k)];
+    for (std::int64_t k = 0; k < hidden; ++k)
+      sum += w2_[static_cast<std::size_t>(d * hidden + k)] * a[static_cast<std::size_t>(k)];
     dp[d] = sum;
   }
 }
 
 FloaterGradients::FloaterGradients(const FloaterParams& p)
-    : w1(p.w1().size(), 0.0), b1(p.b1().size(), 0.0), w2(p.w2().size(), 0.0), b2(p.b2().size(), 0.0), p0(p.p0().size(), 0.0) {}
+    : w1(p.w1().size(), 0.0),
+      b1(p.b1().size(), 0.0),
+      w2(p.w2().size(), 0.0),
+      b2(p.b2().size(), 0.0),
+      p0(p.p0().size(), 0.0) {}
 
 void floater_table(const FloaterParams& params, TensorView out) {
   detail::init_dispatch();
@@ -153,7 +168,8 @@ void floater_table(const FloaterParams& params, TensorView out) {
   const std::int64_t dim = params.dim();
   for (std::int64_t n = 0; n < g.length; ++n) {
     const double* y = states.data() + n * params.substeps() * dim;
-    for (std::int64_t d = 0; d < dim; ++d) detail::store(out.data(), out.dtype(), n * g.row_stride + d * g.col_stride, y[d]);
+    for (std::int64_t d = 0; d < dim; ++d)
+      detail::store(out.data(), out.dtype(), n * g.row_stride + d * g.col_stride, y[d]);
   }
 }
 
@@ -175,7 +191,8 @@ void floater_table_backward(const FloaterParams& params, ConstTensorView d_table
   std::vector<double> k_bar(4 * dim), u(dim), u_bar(dim);
   auto add_output_gradient = [&](std::int64_t n) {
     for (std::size_t d = 0; d < dim; ++d) {
-      y_bar[d] += detail::load(d_table.data(), d_table.dtype(), n * g.row_stride + static_cast<std::int64_t>(d) * g.col_stride);
+      y_bar[d] +=
+          detail::load(d_table.data(), d_table.dtype(), n * g.row_stride + static_cast<std::int64_t>(d) * g.col_stride);
     }
   };
   add_output_gradient(g.length - 1);

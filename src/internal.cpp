@@ -22,8 +22,7 @@ Grid token_grid(const char* where, const char* name, ConstTensorView view) {
     g.seq_stride = view.stride(0);
     g.dim_stride = view.stride(1);
   } else {
-    throw Error(where, std::string(name) + ".rank()", std::to_string(view.rank()),
-                "3 ([B, S, D]) or 2 ([S, D])");
+    throw Error(where, std::string(name) + ".rank()", std::to_string(view.rank()), "3 ([B, S, D]) or 2 ([S, D])");
   }
   return g;
 }
@@ -35,12 +34,10 @@ Grid matrix_grid(const char* where, const char* name, ConstTensorView view) {
   return token_grid(where, name, view);
 }
 
-void check_same_dims(const char* where, const char* name, const Grid& got, const char* ref_name,
-                     const Grid& ref) {
+void check_same_dims(const char* where, const char* name, const Grid& got, const char* ref_name, const Grid& ref) {
   if (got.batch != ref.batch || got.seq != ref.seq || got.dim != ref.dim) {
     auto text = [](const Grid& g) {
-      return "[" + std::to_string(g.batch) + ", " + std::to_string(g.seq) + ", " +
-             std::to_string(g.dim) + "]";
+      return "[" + std::to_string(g.batch) + ", " + std::to_string(g.seq) + ", " + std::to_string(g.dim) + "]";
     };
     throw Error(where, std::string(name) + " shape", text(got),
                 "the shape of " + std::string(ref_name) + ", " + text(ref));
@@ -67,25 +64,25 @@ void check_writable(const char* where, const char* name, ConstTensorView view) {
     if (view.size(axis) == 0) return;  // an empty view writes nothing
     if (view.size(axis) > 1) axes.push_back({view.size(axis), view.stride(axis), axis});
   }
-  std::sort(axes.begin(), axes.end(), [](const Axis& a, const Axis& b) {
-    return a.stride != b.stride ? a.stride < b.stride : a.size < b.size;
-  });
+  std::sort(axes.begin(), axes.end(),
+            [](const Axis& a, const Axis& b) { return a.stride != b.stride ? a.stride < b.stride : a.size < b.size; });
   std::int64_t span = 1;  // elements covered by the axes already visited (their extent + 1)
   for (const Axis& a : axes) {
     if (a.stride < span) {
-      throw Error(where, std::string(name) + ".stride(" + std::to_string(a.index) + ")",
-                  std::to_string(a.stride),
-                  ">= " + std::to_string(span) +
-                      ", so that no two elements of an output share memory (" + view.describe() + ")");
+      throw Error(where, std::string(name) + ".stride(" + std::to_string(a.index) + ")", std::to_string(a.stride),
+                  ">= " + std::to_string(span) + ", so that no two elements of an output share memory (" +
+                      view.describe() + ")");
     }
     span = a.stride * (a.size - 1) + span;  // <= the view's extent + 1: checked at construction
   }
 }
 
 HeadsGrid heads_grid(const char* where, const char* name, ConstTensorView v) {
-  if (v.rank() == 4) return {v.size(0), v.size(1), v.size(2), v.size(3), v.stride(0), v.stride(1), v.stride(2), v.stride(3)};
+  if (v.rank() == 4)
+    return {v.size(0), v.size(1), v.size(2), v.size(3), v.stride(0), v.stride(1), v.stride(2), v.stride(3)};
   if (v.rank() == 3) return {1, v.size(0), v.size(1), v.size(2), 0, v.stride(0), v.stride(1), v.stride(2)};
-  throw Error(where, std::string(name) + ".rank()", std::to_string(v.rank()), "4 ([B, S, H, D]) or 3 (packed [T, H, D])");
+  throw Error(where, std::string(name) + ".rank()", std::to_string(v.rank()),
+              "4 ([B, S, H, D]) or 3 (packed [T, H, D])");
 }
 
 void check_gradient_size(const char* where, const char* name, std::size_t got, std::int64_t expected) {
@@ -98,8 +95,8 @@ HeadsGrid check_output_tokens(const char* where, const char* name, ConstTensorVi
   const HeadsGrid g = heads_grid(where, name, view);
   if (g.batch != like.batch || g.seq != like.seq || g.heads != like.heads || g.dim != like.dim) {
     throw Error(where, std::string(name) + " shape", view.describe(),
-                "[" + std::to_string(like.batch) + ", " + std::to_string(like.seq) + ", " + std::to_string(like.heads) + ", " +
-                    std::to_string(like.dim) + "], the shape of the tokens it belongs to");
+                "[" + std::to_string(like.batch) + ", " + std::to_string(like.seq) + ", " + std::to_string(like.heads) +
+                    ", " + std::to_string(like.dim) + "], the shape of the tokens it belongs to");
   }
   check_writable(where, name, view);
   return g;
@@ -107,9 +104,11 @@ HeadsGrid check_output_tokens(const char* where, const char* name, ConstTensorVi
 
 void check_parameter(const char* where, const char* name, const std::vector<double>& values, std::size_t size,
                      const std::string& expected_size) {
-  if (values.size() != size) throw Error(where, std::string(name) + ".size()", std::to_string(values.size()), expected_size);
+  if (values.size() != size)
+    throw Error(where, std::string(name) + ".size()", std::to_string(values.size()), expected_size);
   for (std::size_t e = 0; e < values.size(); ++e) {
-    if (!std::isfinite(values[e])) throw Error(where, std::string(name) + "[" + std::to_string(e) + "]", to_text(values[e]), "finite");
+    if (!std::isfinite(values[e]))
+      throw Error(where, std::string(name) + "[" + std::to_string(e) + "]", to_text(values[e]), "finite");
   }
 }
 

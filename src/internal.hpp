@@ -31,8 +31,8 @@ struct AlignedAllocator {
   AlignedAllocator() = default;
   template <class U>
   explicit AlignedAllocator(const AlignedAllocator<U, kAlign>& /* other */) {}
-  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t{kAlign})); }
-  void deallocate(T* p, std::size_t /* n */) { ::operator delete(p, std::align_val_t{kAlign}); }
+  T* allocate(std::size_t n) { return static_cast<T*>(::operator new (n * sizeof(T), std::align_val_t{kAlign})); }
+  void deallocate(T* p, std::size_t /* n */) { ::operator delete (p, std::align_val_t{kAlign}); }
   template <class U>
   bool operator==(const AlignedAllocator<U, kAlign>& /* other */) const {
     return true;
@@ -46,9 +46,7 @@ struct Grid {
   std::int64_t batch = 1, seq = 0, dim = 0;
   std::int64_t batch_stride = 0, seq_stride = 0, dim_stride = 1;
 
-  std::int64_t offset(std::int64_t b, std::int64_t s) const {
-    return b * batch_stride + s * seq_stride;
-  }
+  std::int64_t offset(std::int64_t b, std::int64_t s) const { return b * batch_stride + s * seq_stride; }
 };
 
 Grid token_grid(const char* where, const char* name, ConstTensorView view);
@@ -67,8 +65,7 @@ HeadsGrid check_output_tokens(const char* where, const char* name, ConstTensorVi
 // [rows, cols] of a rank-2 view, as a Grid with batch = 1.
 Grid matrix_grid(const char* where, const char* name, ConstTensorView view);
 
-void check_same_dims(const char* where, const char* name, const Grid& got, const char* ref_name,
-                     const Grid& ref);
+void check_same_dims(const char* where, const char* name, const Grid& got, const char* ref_name, const Grid& ref);
 void check_dtype(const char* where, const char* name, DType got, DType expected);
 // An output must not name one element by two indices (stride 0 over an extent > 1, or strides
 // that make rows overlap): throws posenc::Error naming the offending stride.
@@ -85,10 +82,14 @@ std::string to_text(double value);
 
 inline double load(const void* base, DType dtype, std::int64_t offset) {
   switch (dtype) {
-    case DType::kF32: return static_cast<const float*>(base)[offset];
-    case DType::kF64: return static_cast<const double*>(base)[offset];
-    case DType::kBF16: return from_bf16(static_cast<const bf16*>(base)[offset]);
-    case DType::kF16: return from_f16(static_cast<const f16*>(base)[offset]);
+    case DType::kF32:
+      return static_cast<const float*>(base)[offset];
+    case DType::kF64:
+      return static_cast<const double*>(base)[offset];
+    case DType::kBF16:
+      return from_bf16(static_cast<const bf16*>(base)[offset]);
+    case DType::kF16:
+      return from_f16(static_cast<const f16*>(base)[offset]);
   }
   return 0.0;
 }
@@ -97,12 +98,18 @@ inline double load(const void* base, DType dtype, std::int64_t offset) {
 // result by at most one unit in the last place of the 16-bit type, as documented).
 inline void store(void* base, DType dtype, std::int64_t offset, double value) {
   switch (dtype) {
-    case DType::kF32: static_cast<float*>(base)[offset] = static_cast<float>(value); return;
-    case DType::kF64: static_cast<double*>(base)[offset] = value; return;
+    case DType::kF32:
+      static_cast<float*>(base)[offset] = static_cast<float>(value);
+      return;
+    case DType::kF64:
+      static_cast<double*>(base)[offset] = value;
+      return;
     case DType::kBF16:
       static_cast<bf16*>(base)[offset] = to_bf16(static_cast<float>(value));
       return;
-    case DType::kF16: static_cast<f16*>(base)[offset] = to_f16(static_cast<float>(value)); return;
+    case DType::kF16:
+      static_cast<f16*>(base)[offset] = to_f16(static_cast<float>(value));
+      return;
   }
 }
 

@@ -51,7 +51,7 @@ HugePageBuffer::HugePageBuffer(std::size_t bytes) {
   data_ = reinterpret_cast<void*>(aligned);
   advised_ = madvise(data_, mapped, MADV_HUGEPAGE) == 0;
 #else
-  data_ = ::operator new(mapped, std::align_val_t{page}, std::nothrow);
+  data_ = ::operator new (mapped, std::align_val_t{page}, std::nothrow);
   if (data_ == nullptr) {
     throw Error(kWhere, "bytes", std::to_string(bytes), "a size the system can allocate");
   }
@@ -66,7 +66,7 @@ void HugePageBuffer::release() noexcept {
 #if defined(__linux__)
   munmap(data_, mapped_);
 #else
-  ::operator delete(data_, std::align_val_t{kPageBytes});
+  ::operator delete (data_, std::align_val_t{kPageBytes});
 #endif
   data_ = nullptr;
   size_ = mapped_ = 0;

@@ -13,8 +13,8 @@ std::string max_position_text() { return "a position in [0, 2^40]"; }
 
 void check_position(const char* where, const char* param, std::int64_t index, std::int64_t value) {
   if (value < 0 || value > kMaxPosition) {
-    throw Error(where, std::string(param) + "[" + std::to_string(index) + "]",
-                std::to_string(value), max_position_text());
+    throw Error(where, std::string(param) + "[" + std::to_string(index) + "]", std::to_string(value),
+                max_position_text());
   }
 }
 
@@ -30,8 +30,7 @@ Positions Positions::range(std::int64_t seq_len, std::int64_t start) {
     throw Error("Positions::range", "start", std::to_string(start), max_position_text());
   }
   if (seq_len > 0 && seq_len - 1 > kMaxPosition - start) {
-    throw Error("Positions::range", "start + seq_len - 1",
-                std::to_string(start) + " + " + std::to_string(seq_len - 1),
+    throw Error("Positions::range", "start + seq_len - 1", std::to_string(start) + " + " + std::to_string(seq_len - 1),
                 "a last position <= 2^40");
   }
   Positions p;
@@ -79,8 +78,7 @@ Positions Positions::ids(std::span<const std::int64_t> ids) {
   return p;
 }
 
-Positions Positions::ids(std::span<const std::int64_t> ids, std::int64_t batch,
-                         std::int64_t seq_len) {
+Positions Positions::ids(std::span<const std::int64_t> ids, std::int64_t batch, std::int64_t seq_len) {
   check_seq_len("Positions::ids", seq_len);
   if (batch < 1) throw Error("Positions::ids", "batch", std::to_string(batch), ">= 1");
   const std::int64_t count = checked_mul(batch, seq_len, "Positions::ids batch * seq_len");
@@ -107,10 +105,8 @@ Positions Positions::packed(std::span<const std::int64_t> cu_seqlens) {
   p.data_len_ = static_cast<std::int64_t>(cu_seqlens.size());
   for (std::size_t k = 1; k < cu_seqlens.size(); ++k) {
     if (cu_seqlens[k] < cu_seqlens[k - 1]) {
-      throw Error("Positions::packed", "cu_seqlens[" + std::to_string(k) + "]",
-                  std::to_string(cu_seqlens[k]),
-                  ">= cu_seqlens[" + std::to_string(k - 1) + "] = " +
-                      std::to_string(cu_seqlens[k - 1]));
+      throw Error("Positions::packed", "cu_seqlens[" + std::to_string(k) + "]", std::to_string(cu_seqlens[k]),
+                  ">= cu_seqlens[" + std::to_string(k - 1) + "] = " + std::to_string(cu_seqlens[k - 1]));
     }
     const std::int64_t length = cu_seqlens[k] - cu_seqlens[k - 1];
     if (length > 0) p.max_position_ = std::max(p.max_position_, length - 1);
@@ -122,10 +118,14 @@ Positions Positions::packed(std::span<const std::int64_t> cu_seqlens) {
 
 std::int64_t Positions::at(std::int64_t b, std::int64_t s) const {
   switch (kind_) {
-    case Kind::kRange: return start_ + s;
-    case Kind::kRanges: return data_[b] + s;
-    case Kind::kIds: return data_[s];
-    case Kind::kBatchIds: return data_[b * seq_len_ + s];
+    case Kind::kRange:
+      return start_ + s;
+    case Kind::kRanges:
+      return data_[b] + s;
+    case Kind::kIds:
+      return data_[s];
+    case Kind::kBatchIds:
+      return data_[b * seq_len_ + s];
     case Kind::kPacked: {
       // The sequence holding token s is the last k with cu_seqlens[k] <= s.
       const std::int64_t* first_after = std::upper_bound(data_, data_ + data_len_, s);

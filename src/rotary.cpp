@@ -38,29 +38,34 @@ double yarn_correction_dim(double rotations, double dim, double base, double m0)
 
 std::string_view rope_type_name(RopeType type) noexcept {
   switch (type) {
-    case RopeType::kDefault: return "default";
-    case RopeType::kLinear: return "linear";
-    case RopeType::kNtk: return "ntk";
-    case RopeType::kDynamic: return "dynamic";
-    case RopeType::kYarn: return "yarn";
-    case RopeType::kLongRope: return "longrope";
-    case RopeType::kLlama3: return "llama3";
+    case RopeType::kDefault:
+      return "default";
+    case RopeType::kLinear:
+      return "linear";
+    case RopeType::kNtk:
+      return "ntk";
+    case RopeType::kDynamic:
+      return "dynamic";
+    case RopeType::kYarn:
+      return "yarn";
+    case RopeType::kLongRope:
+      return "longrope";
+    case RopeType::kLlama3:
+      return "llama3";
   }
   return "?";
 }
 
 RopeType rope_type_from_name(std::string_view name) {
-  for (RopeType t : {RopeType::kDefault, RopeType::kLinear, RopeType::kNtk, RopeType::kDynamic,
-                     RopeType::kYarn, RopeType::kLongRope, RopeType::kLlama3}) {
+  for (RopeType t : {RopeType::kDefault, RopeType::kLinear, RopeType::kNtk, RopeType::kDynamic, RopeType::kYarn,
+                     RopeType::kLongRope, RopeType::kLlama3}) {
     if (name == rope_type_name(t)) return t;
   }
-  throw Error(kWhere, "rope_type", std::string(name),
-              "one of default, linear, ntk, dynamic, yarn, longrope, llama3");
+  throw Error(kWhere, "rope_type", std::string(name), "one of default, linear, ntk, dynamic, yarn, longrope, llama3");
 }
 
 RopeParams::RopeParams(std::int64_t head_dim, std::int64_t rotary_dim, double base, RopeLayout layout,
-                       RopeScaling scaling, std::int64_t max_position_embeddings,
-                       std::vector<double> freq_factors)
+                       RopeScaling scaling, std::int64_t max_position_embeddings, std::vector<double> freq_factors)
     : head_dim_(head_dim),
       rotary_dim_(rotary_dim),
       base_(base),
@@ -70,8 +75,7 @@ RopeParams::RopeParams(std::int64_t head_dim, std::int64_t rotary_dim, double ba
       freq_factors_(std::move(freq_factors)) {
   using detail::to_text;
   require(head_dim >= 2 && head_dim <= (1 << 16), "head_dim", std::to_string(head_dim), "2 to 65536");
-  require(rotary_dim >= 2 && rotary_dim % 2 == 0, "rotary_dim", std::to_string(rotary_dim),
-          "an even number >= 2");
+  require(rotary_dim >= 2 && rotary_dim % 2 == 0, "rotary_dim", std::to_string(rotary_dim), "an even number >= 2");
   require(rotary_dim <= head_dim, "rotary_dim", std::to_string(rotary_dim),
           "<= head_dim = " + std::to_string(head_dim));
   require(base > 1.0 && std::isfinite(base), "base", to_text(base), "a finite number > 1");
@@ -83,7 +87,8 @@ RopeParams::RopeParams(std::int64_t head_dim, std::int64_t rotary_dim, double ba
           std::to_string(s.original_max_position_embeddings), ">= 0 (0: max_position_embeddings)");
   const std::size_t pairs = static_cast<std::size_t>(rotary_dim / 2);
   switch (s.type) {
-    case RopeType::kDefault: break;
+    case RopeType::kDefault:
+      break;
     case RopeType::kLinear:
     case RopeType::kNtk:
     case RopeType::kDynamic:
@@ -107,8 +112,7 @@ RopeParams::RopeParams(std::int64_t head_dim, std::int64_t rotary_dim, double ba
       break;
   }
   if (s.type == RopeType::kYarn) {
-    require(s.beta_fast >= s.beta_slow, "beta_fast", to_text(s.beta_fast),
-            ">= beta_slow = " + to_text(s.beta_slow));
+    require(s.beta_fast >= s.beta_slow, "beta_fast", to_text(s.beta_fast), ">= beta_slow = " + to_text(s.beta_slow));
     require(s.beta_slow > 0, "beta_slow", to_text(s.beta_slow), "> 0");
   }
   if (s.type == RopeType::kLlama3) {
@@ -159,7 +163,9 @@ std::vector<double> RopeParams::inv_frequencies(std::int64_t seq_len) const {
   const double m0 = static_cast<double>(original_max_position_embeddings());
   std::vector<double> w;
   switch (s.type) {
-    case RopeType::kDefault: w = default_frequencies(base); break;
+    case RopeType::kDefault:
+      w = default_frequencies(base);
+      break;
     case RopeType::kLinear:
       w = default_frequencies(base);
       for (double& x : w) x /= s.factor;
@@ -279,7 +285,8 @@ RopeParams rope_params_from_hf(const HfRopeConfig& c, RopeLayout layout) {
   if (s.type == RopeType::kYarn || s.type == RopeType::kLongRope) s.attention_factor = c.attention_factor;
   if (s.type == RopeType::kLlama3) {
     if (std::isnan(c.low_freq_factor) || std::isnan(c.high_freq_factor) || s.original_max_position_embeddings <= 0) {
-      throw Error(where, "rope_scaling", "llama3 without low_freq_factor, high_freq_factor or original_max_position_embeddings",
+      throw Error(where, "rope_scaling",
+                  "llama3 without low_freq_factor, high_freq_factor or original_max_position_embeddings",
                   "all three (Hugging Face requires them)");
     }
     s.low_freq_factor = c.low_freq_factor;
@@ -362,9 +369,9 @@ RopeScratch& rope_scratch(std::int64_t rotary_dim, std::int64_t head_dim) {
 }
 
 // Rotates every head of one token of one tensor (in → out, f32 math).
-void rotate_token(const detail::HeadsGrid& in_g, const void* in, const detail::HeadsGrid& out_g, void* out,
-                  DType dtype, std::int64_t b, std::int64_t s, const RopeParams& params, RopeScratch& buf,
-                  bool interleaved, bool stream) {
+void rotate_token(const detail::HeadsGrid& in_g, const void* in, const detail::HeadsGrid& out_g, void* out, DType dtype,
+                  std::int64_t b, std::int64_t s, const RopeParams& params, RopeScratch& buf, bool interleaved,
+                  bool stream) {
   const std::int64_t d = params.head_dim(), r = params.rotary_dim();
   const std::int64_t in_off = in_g.offset(b, s), out_off = out_g.offset(b, s);
   if (in_g.dim_stride == 1 && out_g.dim_stride == 1) {
@@ -404,7 +411,8 @@ void rope_apply(const RopeParams& params, const Positions& positions, ConstTenso
   const std::int64_t len = seq_len > 0 ? seq_len : positions.max_position() + 1;
   const bool interleaved = params.layout() == RopeLayout::kInterleaved;
   const RopeTables tables(params, len, params.layout(), direction != RopeDirection::kForward);
-  const double alpha = direction == RopeDirection::kInverse ? 1.0 / params.attention_factor() : params.attention_factor();
+  const double alpha =
+      direction == RopeDirection::kInverse ? 1.0 / params.attention_factor() : params.attention_factor();
   if (params.xpos()) detail::check_xpos_range(params, positions, g.q.batch, g.q.seq);
   // xPos: per-entry log ζ of each entry's pair, and the sign of the exponent for q (k uses the
   // opposite one); the inverse divides where forward multiplies.
@@ -421,7 +429,8 @@ void rope_apply(const RopeParams& params, const Positions& positions, ConstTenso
   }
   const bool in_place = q.data() == q_out.data();
   const auto width = static_cast<std::int64_t>(dtype_size(q.dtype()));
-  const bool stream = !in_place && (g.q.batch * g.q.seq * (g.q.heads + g.k.heads) * params.head_dim() * width) >= kStreamBytes;
+  const bool stream =
+      !in_place && (g.q.batch * g.q.seq * (g.q.heads + g.k.heads) * params.head_dim() * width) >= kStreamBytes;
   // Blocks of kRopeMaxRun tokens at fixed offsets in each batch row, and runs of consecutive
   // positions inside them: where a run restarts never depends on the thread count, so results
   // are bitwise identical for any thread count.
@@ -481,24 +490,26 @@ void rope_apply(const RopeParams& params, const Positions& positions, TensorView
 }
 
 void rope_apply_multi(const RopeParams& params, std::span<const std::int64_t> sections,
-                      std::span<const Positions> axis_positions, ConstTensorView q, ConstTensorView k,
-                      TensorView q_out, TensorView k_out, RopeDirection direction, bool restart_frequencies,
-                      std::int64_t seq_len) {
+                      std::span<const Positions> axis_positions, ConstTensorView q, ConstTensorView k, TensorView q_out,
+                      TensorView k_out, RopeDirection direction, bool restart_frequencies, std::int64_t seq_len) {
   detail::init_dispatch();
   const detail::MultiAxis m =
       detail::check_rope_multi(params, sections, axis_positions, q, k, q_out, k_out, restart_frequencies, seq_len);
   if (detail::use_reference() || q.dtype() == DType::kF64) {
-    ref::rope_apply_multi(params, sections, axis_positions, q, k, q_out, k_out, direction, restart_frequencies, seq_len);
+    ref::rope_apply_multi(params, sections, axis_positions, q, k, q_out, k_out, direction, restart_frequencies,
+                          seq_len);
     return;
   }
   const detail::RopeGrids& g = m.grids;
   const std::int64_t r = params.rotary_dim();
   const RopeTables tables(m.pair_freq, r, params.layout(), direction != RopeDirection::kForward);
-  const double alpha = direction == RopeDirection::kInverse ? 1.0 / params.attention_factor() : params.attention_factor();
+  const double alpha =
+      direction == RopeDirection::kInverse ? 1.0 / params.attention_factor() : params.attention_factor();
   const bool interleaved = params.layout() == RopeLayout::kInterleaved;
   std::vector<std::int64_t> entry_axis(static_cast<std::size_t>(r));
   for (std::int64_t j = 0; j < r; ++j) {
-    entry_axis[static_cast<std::size_t>(j)] = m.pair_axis[static_cast<std::size_t>(RopeTables::pair_of(j, r, params.layout()))];
+    entry_axis[static_cast<std::size_t>(j)] =
+        m.pair_axis[static_cast<std::size_t>(RopeTables::pair_of(j, r, params.layout()))];
   }
   const std::size_t axes = axis_positions.size();
   const std::int64_t tokens = g.q.batch * g.q.seq;
@@ -532,12 +543,13 @@ void rope_apply_multi(const RopeParams& params, std::span<const std::int64_t> se
 }
 
 void rope_rerotate(const RopeParams& from, const Positions& from_positions, std::int64_t from_seq_len,
-                   const RopeParams& to, const Positions& to_positions, std::int64_t to_seq_len,
-                   ConstTensorView k, TensorView k_out) {
+                   const RopeParams& to, const Positions& to_positions, std::int64_t to_seq_len, ConstTensorView k,
+                   TensorView k_out) {
   detail::init_dispatch();
   const char* where = "rope_rerotate";
   if (from.head_dim() != to.head_dim() || from.rotary_dim() != to.rotary_dim() || from.layout() != to.layout()) {
-    throw Error(where, "to", "head_dim " + std::to_string(to.head_dim()) + ", rotary_dim " + std::to_string(to.rotary_dim()),
+    throw Error(where, "to",
+                "head_dim " + std::to_string(to.head_dim()) + ", rotary_dim " + std::to_string(to.rotary_dim()),
                 "the head_dim (" + std::to_string(from.head_dim()) + "), rotary_dim (" +
                     std::to_string(from.rotary_dim()) + ") and layout of from");
   }
@@ -549,7 +561,8 @@ void rope_rerotate(const RopeParams& from, const Positions& from_positions, std:
     return;
   }
   const bool interleaved = to.layout() == RopeLayout::kInterleaved;
-  const RopeTables from_tables(from, from_seq_len > 0 ? from_seq_len : from_positions.max_position() + 1, from.layout(), false);
+  const RopeTables from_tables(from, from_seq_len > 0 ? from_seq_len : from_positions.max_position() + 1, from.layout(),
+                               false);
   const RopeTables to_tables(to, to_seq_len > 0 ? to_seq_len : to_positions.max_position() + 1, to.layout(), false);
   const std::int64_t r = to.rotary_dim(), half = r / 2;
   // Keys carry ζ^(−e) under xPos: undoing `from` multiplies by ζ^(e_from), `to` by ζ^(−e_to).
@@ -574,7 +587,8 @@ void rope_rerotate(const RopeParams& from, const Positions& from_positions, std:
       kernels::rope_state_start(from_tables.columns(), static_cast<double>(p_from), from_state.data());
       kernels::rope_state_start(to_tables.columns(), static_cast<double>(p_to), buf.state.data());
       const std::size_t stride = static_cast<std::size_t>(r + kernels::kRopePadding);
-      const double e_from = from.xpos() ? (static_cast<double>(p_from) - from.xpos_center()) / from.xpos_scale_base() : 0.0;
+      const double e_from =
+          from.xpos() ? (static_cast<double>(p_from) - from.xpos_center()) / from.xpos_scale_base() : 0.0;
       const double e_to = to.xpos() ? (static_cast<double>(p_to) - to.xpos_center()) / to.xpos_scale_base() : 0.0;
       for (std::int64_t j = 0; j < r; ++j) {
         const auto at = static_cast<std::size_t>(j);

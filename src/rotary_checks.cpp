@@ -11,8 +11,8 @@ namespace {
 constexpr const char* kWhere = "rope_apply";
 
 std::string shape_text(const HeadsGrid& g) {
-  return "[" + std::to_string(g.batch) + ", " + std::to_string(g.seq) + ", " + std::to_string(g.heads) +
-         ", " + std::to_string(g.dim) + "]";
+  return "[" + std::to_string(g.batch) + ", " + std::to_string(g.seq) + ", " + std::to_string(g.heads) + ", " +
+         std::to_string(g.dim) + "]";
 }
 
 bool is_empty_view(ConstTensorView v) { return v.rank() == 0 && v.data() == nullptr; }
@@ -34,12 +34,13 @@ HeadsGrid check_output(const char* name, ConstTensorView out, const char* in_nam
 
 }  // namespace
 
-RopeGrids check_rope(const RopeParams& params, const Positions& positions, ConstTensorView q,
-                     ConstTensorView k, ConstTensorView q_out, ConstTensorView k_out) {
+RopeGrids check_rope(const RopeParams& params, const Positions& positions, ConstTensorView q, ConstTensorView k,
+                     ConstTensorView q_out, ConstTensorView k_out) {
   RopeGrids g;
   g.q = heads_grid(kWhere, "q", q);
   if (g.q.dim != params.head_dim()) {
-    throw Error(kWhere, "q.size(-1)", std::to_string(g.q.dim), "params.head_dim() = " + std::to_string(params.head_dim()));
+    throw Error(kWhere, "q.size(-1)", std::to_string(g.q.dim),
+                "params.head_dim() = " + std::to_string(params.head_dim()));
   }
   positions.check_grid(kWhere, g.q.batch, g.q.seq);
   g.q_out = check_output("q_out", q_out, "q", q, g.q);
@@ -100,9 +101,8 @@ MultiAxis check_rope_multi(const RopeParams& params, std::span<const std::int64_
   for (std::size_t a = 0; a < sections.size(); ++a) {
     for (std::int64_t i = 0; i < sections[a]; ++i) {
       m.pair_axis.push_back(static_cast<std::int64_t>(a));
-      m.pair_freq.push_back(restart_frequencies
-                                ? sinusoid_inv_frequency(params.base(), 2 * sections[a], i)
-                                : w[static_cast<std::size_t>(first + i)]);
+      m.pair_freq.push_back(restart_frequencies ? sinusoid_inv_frequency(params.base(), 2 * sections[a], i)
+                                                : w[static_cast<std::size_t>(first + i)]);
     }
     first += sections[a];
   }
@@ -118,8 +118,8 @@ void check_xpos_range(const RopeParams& params, const Positions& positions, std:
       const double exponent = std::fabs(static_cast<double>(p) - params.xpos_center()) / params.xpos_scale_base();
       if (exponent * log_zeta0 > 80.0) {
         throw Error("rope (xPos)", "position", std::to_string(p),
-                    "|position − center| <= " + to_text(80.0 / log_zeta0 * params.xpos_scale_base()) +
-                        " (center " + to_text(params.xpos_center()) +
+                    "|position − center| <= " + to_text(80.0 / log_zeta0 * params.xpos_scale_base()) + " (center " +
+                        to_text(params.xpos_center()) +
                         "): xPos scales by ζ^((p − center)/scale_base), which leaves f32 range beyond");
       }
     }

@@ -15,8 +15,8 @@ struct RopeGrids {
   bool has_k = false;
 };
 
-RopeGrids check_rope(const RopeParams& params, const Positions& positions, ConstTensorView q,
-                     ConstTensorView k, ConstTensorView q_out, ConstTensorView k_out);
+RopeGrids check_rope(const RopeParams& params, const Positions& positions, ConstTensorView q, ConstTensorView k,
+                     ConstTensorView q_out, ConstTensorView k_out);
 // Multi-axis RoPE: validates sections and axes (and the views, through check_rope); returns the
 // views' grids and, per rotary pair, its axis and frequency.
 struct MultiAxis {
@@ -34,7 +34,6 @@ MultiAxis check_rope_multi(const RopeParams& params, std::span<const std::int64_
 void check_xpos_range(const RopeParams& params, const Positions& positions, std::int64_t batch, std::int64_t seq);
 
 // cos and sin: [N, r/2] each, same dtype.
-Grid check_rope_cos_sin(const RopeParams& params, const Positions& positions, ConstTensorView cos,
-                        ConstTensorView sin);
+Grid check_rope_cos_sin(const RopeParams& params, const Positions& positions, ConstTensorView cos, ConstTensorView sin);
 
 }  // namespace posenc::detail

@@ -41,17 +41,16 @@ ShawGrids check_shaw(const char* where, const ShawParams& p, const char* tokens_
   }
   g.scores = detail::check_scores(where, scores_name, scores, g.tokens.heads, q_positions, k_positions);
   if (g.scores.batch != g.tokens.batch || g.scores.q_len != g.tokens.seq) {
-    throw Error(where, std::string(scores_name) + " [B, H, Sq, Sk]",
-                std::to_string(g.scores.batch) + " × " + std::to_string(g.scores.heads) + " × " +
-                    std::to_string(g.scores.q_len) + " × " + std::to_string(g.scores.k_len),
-                "B = " + std::to_string(g.tokens.batch) + " and Sq = " + std::to_string(g.tokens.seq) + " of " +
-                    tokens_name);
+    throw Error(
+        where, std::string(scores_name) + " [B, H, Sq, Sk]",
+        std::to_string(g.scores.batch) + " × " + std::to_string(g.scores.heads) + " × " +
+            std::to_string(g.scores.q_len) + " × " + std::to_string(g.scores.k_len),
+        "B = " + std::to_string(g.tokens.batch) + " and Sq = " + std::to_string(g.tokens.seq) + " of " + tokens_name);
   }
   return g;
 }
 
 bool empty_view(ConstTensorView v) { return v.rank() == 0 && v.data() == nullptr; }
-
 
 // Per (b, h, i) row: Σ over the keys of each table row of values[b, h, i, j] (fp64), into
 // sums[row · (2k + 1) + t]. Rows ordered b, h, i.
@@ -89,7 +88,8 @@ void contract_table_gradient(const ShawParams& p, const std::vector<double>& sum
         acc[static_cast<std::size_t>(d)] += w * detail::load(tokens.data(), tokens.dtype(), base + d * tg.dim_stride);
       }
     }
-    for (std::int64_t d = 0; d < dim; ++d) table_grad[static_cast<std::size_t>(t * dim + d)] += acc[static_cast<std::size_t>(d)] * scale;
+    for (std::int64_t d = 0; d < dim; ++d)
+      table_grad[static_cast<std::size_t>(t * dim + d)] += acc[static_cast<std::size_t>(d)] * scale;
   }
 }
 
@@ -98,14 +98,16 @@ void contract_table_gradient(const ShawParams& p, const std::vector<double>& sum
 ShawParams::ShawParams(std::int64_t max_distance, std::int64_t head_dim, std::vector<double> key_table,
                        std::vector<double> value_table)
     : max_distance_(max_distance), head_dim_(head_dim) {
-  if (max_distance < 0) throw Error("ShawParams", "max_distance", std::to_string(max_distance), ">= 0 (k of the clip to [−k, k])");
+  if (max_distance < 0)
+    throw Error("ShawParams", "max_distance", std::to_string(max_distance), ">= 0 (k of the clip to [−k, k])");
   if (head_dim < 1) throw Error("ShawParams", "head_dim", std::to_string(head_dim), ">= 1");
   key_table_ = checked_table(std::move(key_table), rows(), head_dim, "key_table");
   value_table_ = checked_table(std::move(value_table), rows(), head_dim, "value_table");
 }
 
 ShawParams ShawParams::init(std::int64_t max_distance, std::int64_t head_dim, double std, std::uint64_t seed) {
-  if (!std::isfinite(std) || std < 0) throw Error("ShawParams::init", "std", detail::to_text(std), "a finite number >= 0");
+  if (!std::isfinite(std) || std < 0)
+    throw Error("ShawParams::init", "std", detail::to_text(std), "a finite number >= 0");
   ShawParams p(max_distance, head_dim);
   std::uint64_t index = 0;
   for (auto& v : p.key_table_) v = std * detail::seeded_normal(seed, index++);
@@ -176,7 +178,8 @@ void shaw_add_value_term(const ShawParams& params, ConstTensorView probs, const 
     for (std::int64_t d = 0; d < dim; ++d) {
       double sum = 0;
       for (std::int64_t t = 0; t < width; ++t) {
-        sum += sums[static_cast<std::size_t>(row * width + t)] * params.value_table()[static_cast<std::size_t>(t * dim + d)];
+        sum += sums[static_cast<std::size_t>(row * width + t)] *
+               params.value_table()[static_cast<std::size_t>(t * dim + d)];
       }
       const std::int64_t at = base + d * g.tokens.dim_stride;
       detail::store(out.data(), out.dtype(), at, detail::load(out.data(), out.dtype(), at) + sum);
@@ -213,7 +216,8 @@ void shaw_score_term_backward(const ShawParams& params, ConstTensorView q, Const
       for (std::int64_t d = 0; d < dim; ++d) {
         double sum = 0;
         for (std::int64_t t = 0; t < width; ++t) {
-          sum += sums[static_cast<std::size_t>(row * width + t)] * params.key_table()[static_cast<std::size_t>(t * dim + d)];
+          sum += sums[static_cast<std::size_t>(row * width + t)] *
+                 params.key_table()[static_cast<std::size_t>(t * dim + d)];
         }
         const std::int64_t at = base + d * dg.dim_stride;
         detail::store(dq.data(), dq.dtype(), at, detail::load(dq.data(), dq.dtype(), at) + sum * scale);
@@ -280,7 +284,9 @@ void shaw_value_term_backward(const ShawParams& params, ConstTensorView probs, C
 // ------------------------------------------------------------------------------ evaluator
 
 ShawEvaluator::ShawEvaluator(const ShawParams& params)
-    : k_(params.max_distance()), width_(params.rows()), dim_(params.head_dim()),
+    : k_(params.max_distance()),
+      width_(params.rows()),
+      dim_(params.head_dim()),
       scale_(static_cast<float>(1.0 / std::sqrt(static_cast<double>(params.head_dim())))),
       key_table_(params.key_table().begin(), params.key_table().end()),
       value_table_(params.value_table().begin(), params.value_table().end()) {}
@@ -302,7 +308,8 @@ void ShawEvaluator::add_row(const float* dots, std::int64_t q_position, std::int
 void ShawEvaluator::add_values(const float* probs, std::int64_t q_position, std::int64_t k_first, std::int64_t count,
                                float* out) const {
   std::vector<float> weights(static_cast<std::size_t>(width_), 0.0f);
-  for (std::int64_t j = 0; j < count; ++j) weights[static_cast<std::size_t>(row_of(k_first + j - q_position))] += probs[j];
+  for (std::int64_t j = 0; j < count; ++j)
+    weights[static_cast<std::size_t>(row_of(k_first + j - q_position))] += probs[j];
   for (std::int64_t t = 0; t < width_; ++t) {
     const float w = weights[static_cast<std::size_t>(t)];
     if (w == 0.0f) continue;
@@ -329,11 +336,13 @@ void shaw_add_score_term(const ShawParams& params, ConstTensorView q, const Posi
           const std::int64_t t = params.row_of(k_positions.at(b, j) - q_positions.at(b, i));
           double dot = 0;
           for (std::int64_t d = 0; d < dim; ++d) {
-            dot += detail::load(q.data(), q.dtype(), g.tokens.offset(b, i) + h * g.tokens.head_stride + d * g.tokens.dim_stride) *
+            dot += detail::load(q.data(), q.dtype(),
+                                g.tokens.offset(b, i) + h * g.tokens.head_stride + d * g.tokens.dim_stride) *
                    params.key_table()[static_cast<std::size_t>(t * dim + d)];
           }
           const std::int64_t at = g.scores.offset(b, h, i) + j * g.scores.k_stride;
-          detail::store(scores.data(), scores.dtype(), at, detail::load(scores.data(), scores.dtype(), at) + dot * scale);
+          detail::store(scores.data(), scores.dtype(), at,
+                        detail::load(scores.data(), scores.dtype(), at) + dot * scale);
         }
       }
     }
@@ -379,11 +388,13 @@ void shaw_score_term_backward(const ShawParams& params, ConstTensorView q, Const
     for (std::int64_t h = 0; h < g.scores.heads; ++h) {
       for (std::int64_t i = 0; i < g.scores.q_len; ++i) {
         for (std::int64_t d = 0; d < dim; ++d) {
-          const double qd = detail::load(q.data(), q.dtype(), g.tokens.offset(b, i) + h * g.tokens.head_stride + d * g.tokens.dim_stride);
+          const double qd = detail::load(q.data(), q.dtype(),
+                                         g.tokens.offset(b, i) + h * g.tokens.head_stride + d * g.tokens.dim_stride);
           double dq_sum = 0;  // one rounding per dq element
           for (std::int64_t j = 0; j < g.scores.k_len; ++j) {
             const std::int64_t t = params.row_of(k_positions.at(b, j) - q_positions.at(b, i));
-            const double ds = detail::load(d_scores.data(), d_scores.dtype(), g.scores.offset(b, h, i) + j * g.scores.k_stride);
+            const double ds =
+                detail::load(d_scores.data(), d_scores.dtype(), g.scores.offset(b, h, i) + j * g.scores.k_stride);
             d_key_table[static_cast<std::size_t>(t * dim + d)] += ds * qd * scale;
             dq_sum += ds * params.key_table()[static_cast<std::size_t>(t * dim + d)] * scale;
           }
@@ -405,7 +416,8 @@ void shaw_value_term_backward(const ShawParams& params, ConstTensorView probs, C
   detail::check_gradient_size(where, "d_value_table", d_value_table.size(), params.rows() * params.head_dim());
   const bool has_dp = !empty_view(ConstTensorView(d_probs));
   detail::ScoreGrid dpg;
-  if (has_dp) dpg = detail::check_scores(where, "d_probs", ConstTensorView(d_probs), g.scores.heads, q_positions, k_positions);
+  if (has_dp)
+    dpg = detail::check_scores(where, "d_probs", ConstTensorView(d_probs), g.scores.heads, q_positions, k_positions);
   const std::int64_t dim = params.head_dim();
   for (std::int64_t b = 0; b < g.scores.batch; ++b) {
     for (std::int64_t h = 0; h < g.scores.heads; ++h) {
@@ -415,7 +427,8 @@ void shaw_value_term_backward(const ShawParams& params, ConstTensorView probs, C
           const double p = detail::load(probs.data(), probs.dtype(), g.scores.offset(b, h, i) + j * g.scores.k_stride);
           double dp = 0;
           for (std::int64_t d = 0; d < dim; ++d) {
-            const double go = detail::load(d_out.data(), d_out.dtype(), g.tokens.offset(b, i) + h * g.tokens.head_stride + d * g.tokens.dim_stride);
+            const double go = detail::load(d_out.data(), d_out.dtype(),
+                                           g.tokens.offset(b, i) + h * g.tokens.head_stride + d * g.tokens.dim_stride);
             d_value_table[static_cast<std::size_t>(t * dim + d)] += p * go;
             dp += go * params.value_table()[static_cast<std::size_t>(t * dim + d)];
           }

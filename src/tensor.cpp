@@ -10,8 +10,7 @@ namespace posenc {
 std::int64_t checked_mul(std::int64_t a, std::int64_t b, const char* what) {
   std::int64_t result = 0;
   if (__builtin_mul_overflow(a, b, &result)) {
-    throw Error("size arithmetic", what, std::to_string(a) + " * " + std::to_string(b),
-                "a product that fits in int64");
+    throw Error("size arithmetic", what, std::to_string(a) + " * " + std::to_string(b), "a product that fits in int64");
   }
   return result;
 }
@@ -19,20 +18,17 @@ std::int64_t checked_mul(std::int64_t a, std::int64_t b, const char* what) {
 std::int64_t checked_add(std::int64_t a, std::int64_t b, const char* what) {
   std::int64_t result = 0;
   if (__builtin_add_overflow(a, b, &result)) {
-    throw Error("size arithmetic", what, std::to_string(a) + " + " + std::to_string(b),
-                "a sum that fits in int64");
+    throw Error("size arithmetic", what, std::to_string(a) + " + " + std::to_string(b), "a sum that fits in int64");
   }
   return result;
 }
 
 template <bool kMutable>
-BasicTensorView<kMutable>::BasicTensorView(Pointer data, DType dtype,
-                                           std::span<const std::int64_t> shape,
+BasicTensorView<kMutable>::BasicTensorView(Pointer data, DType dtype, std::span<const std::int64_t> shape,
                                            std::span<const std::int64_t> strides)
     : data_(data), dtype_(dtype) {
   if (shape.empty() || shape.size() > static_cast<std::size_t>(kMaxRank)) {
-    throw Error("tensor view", "rank", std::to_string(shape.size()),
-                "1 to " + std::to_string(kMaxRank));
+    throw Error("tensor view", "rank", std::to_string(shape.size()), "1 to " + std::to_string(kMaxRank));
   }
   if (strides.size() != shape.size()) {
     throw Error("tensor view", "strides", std::to_string(strides.size()) + " entries",
@@ -53,13 +49,12 @@ BasicTensorView<kMutable>::BasicTensorView(Pointer data, DType dtype,
     strides_[axis] = strides[axis];
     count = checked_mul(count, shape[axis], "tensor view element count");
     if (shape[axis] > 0) {
-      last_offset = checked_add(
-          last_offset, checked_mul(shape[axis] - 1, strides[axis], "tensor view extent"),
-          "tensor view extent");
+      last_offset = checked_add(last_offset, checked_mul(shape[axis] - 1, strides[axis], "tensor view extent"),
+                                "tensor view extent");
     }
   }
-  checked_mul(checked_add(last_offset, 1, "tensor view extent"),
-              static_cast<std::int64_t>(dtype_size(dtype)), "tensor view extent in bytes");
+  checked_mul(checked_add(last_offset, 1, "tensor view extent"), static_cast<std::int64_t>(dtype_size(dtype)),
+              "tensor view extent in bytes");
   if (count > 0 && data == nullptr) {
     throw Error("tensor view", "data", "null", "a valid pointer for a non-empty view");
   }
@@ -68,18 +63,16 @@ BasicTensorView<kMutable>::BasicTensorView(Pointer data, DType dtype,
     char address[32];
     std::snprintf(address, sizeof(address), "%p", static_cast<const void*>(data));
     throw Error("tensor view", "data", address,
-                "a pointer aligned to " + std::to_string(alignment) + " bytes for " +
-                    std::string(dtype_name(dtype)));
+                "a pointer aligned to " + std::to_string(alignment) + " bytes for " + std::string(dtype_name(dtype)));
   }
 }
 
 template <bool kMutable>
-BasicTensorView<kMutable> BasicTensorView<kMutable>::contiguous(
-    Pointer data, DType dtype, std::span<const std::int64_t> shape) {
+BasicTensorView<kMutable> BasicTensorView<kMutable>::contiguous(Pointer data, DType dtype,
+                                                                std::span<const std::int64_t> shape) {
   std::array<std::int64_t, kMaxRank> strides{};
   if (shape.empty() || shape.size() > static_cast<std::size_t>(kMaxRank)) {
-    throw Error("tensor view", "rank", std::to_string(shape.size()),
-                "1 to " + std::to_string(kMaxRank));
+    throw Error("tensor view", "rank", std::to_string(shape.size()), "1 to " + std::to_string(kMaxRank));
   }
   std::int64_t stride = 1;
   for (std::size_t axis = shape.size(); axis-- > 0;) {

@@ -29,7 +29,7 @@ std::vector<double> checked(const char* name, std::vector<double> values, std::s
 
 // Every position of both grids indexes the table.
 void detail::check_tupe_positions(const char* where, const TupeParams& p, const Positions& q_positions,
-                           const Positions& k_positions) {
+                                  const Positions& k_positions) {
   for (const Positions* positions : {&q_positions, &k_positions}) {
     if (positions->max_position() >= p.max_len()) {
       throw Error(where, "position", std::to_string(positions->max_position()),
@@ -77,8 +77,10 @@ TupeParams::TupeParams(std::int64_t heads, std::int64_t head_dim, std::int64_t d
   const auto u_size = static_cast<std::size_t>(d_model * heads * head_dim);
   u_q_ = checked("u_q", std::move(u_q), u_size, "d_model·heads·head_dim = " + std::to_string(u_size));
   u_k_ = checked("u_k", std::move(u_k), u_size, "d_model·heads·head_dim = " + std::to_string(u_size));
-  theta1_ = checked("theta1", std::move(theta1), static_cast<std::size_t>(heads), "heads = " + std::to_string(heads), true);
-  theta2_ = checked("theta2", std::move(theta2), static_cast<std::size_t>(heads), "heads = " + std::to_string(heads), true);
+  theta1_ =
+      checked("theta1", std::move(theta1), static_cast<std::size_t>(heads), "heads = " + std::to_string(heads), true);
+  theta2_ =
+      checked("theta2", std::move(theta2), static_cast<std::size_t>(heads), "heads = " + std::to_string(heads), true);
 }
 
 TupeParams TupeParams::init(std::int64_t heads, std::int64_t head_dim, std::int64_t d_model, std::int64_t max_len,
@@ -89,7 +91,8 @@ TupeParams TupeParams::init(std::int64_t heads, std::int64_t head_dim, std::int6
                     std::to_string(max_len),
                 "all >= 1");
   }
-  std::vector<double> table(static_cast<std::size_t>(max_len * d_model)), u_q(static_cast<std::size_t>(d_model * heads * head_dim));
+  std::vector<double> table(static_cast<std::size_t>(max_len * d_model)),
+      u_q(static_cast<std::size_t>(d_model * heads * head_dim));
   std::vector<double> u_k(u_q.size());
   std::uint64_t index = 0;
   for (auto& x : table) x = std * detail::seeded_normal(seed, index++);
@@ -112,8 +115,11 @@ std::vector<double> TupeParams::project(const std::vector<double>& u, std::int64
 }
 
 TupeGradients::TupeGradients(const TupeParams& params)
-    : table(params.table().size(), 0.0), u_q(params.u_q().size(), 0.0), u_k(params.u_k().size(), 0.0),
-      theta1(params.theta1().size(), 0.0), theta2(params.theta2().size(), 0.0) {}
+    : table(params.table().size(), 0.0),
+      u_q(params.u_q().size(), 0.0),
+      u_k(params.u_k().size(), 0.0),
+      theta1(params.theta1().size(), 0.0),
+      theta2(params.theta2().size(), 0.0) {}
 
 namespace detail {
 
@@ -167,12 +173,14 @@ void tupe_backward(const TupeParams& params, const Positions& q_positions, const
                    ConstTensorView d_scores, TupeGradients& grads) {
   detail::init_dispatch();
   const char* where = "tupe_backward";
-  detail::check_gradient_size(where, "grads.table", grads.table.size(), static_cast<std::int64_t>(params.table().size()));
+  detail::check_gradient_size(where, "grads.table", grads.table.size(),
+                              static_cast<std::int64_t>(params.table().size()));
   detail::check_gradient_size(where, "grads.u_q", grads.u_q.size(), static_cast<std::int64_t>(params.u_q().size()));
   detail::check_gradient_size(where, "grads.u_k", grads.u_k.size(), static_cast<std::int64_t>(params.u_k().size()));
   detail::check_gradient_size(where, "grads.theta1", grads.theta1.size(), params.heads());
   detail::check_gradient_size(where, "grads.theta2", grads.theta2.size(), params.heads());
-  const detail::ScoreGrid g = detail::check_scores(where, "d_scores", d_scores, params.heads(), q_positions, k_positions);
+  const detail::ScoreGrid g =
+      detail::check_scores(where, "d_scores", d_scores, params.heads(), q_positions, k_positions);
   if (g.batch * g.q_len * g.k_len == 0) return;
   detail::check_tupe_positions(where, params, q_positions, k_positions);
   if (detail::use_reference()) {
@@ -185,7 +193,8 @@ void tupe_backward(const TupeParams& params, const Positions& q_positions, const
   const std::int64_t q_tokens = g.batch * g.q_len, k_tokens = g.batch * g.k_len;
   const double scale = 1.0 / std::sqrt(2.0 * static_cast<double>(dim));
   std::vector<double> d_pq(pq.size(), 0.0), d_pk(pk.size(), 0.0);
-  const int threads = static_cast<int>(std::min<std::int64_t>(detail::threads_for(q_tokens * g.k_len * hd * 2), g.heads));
+  const int threads =
+      static_cast<int>(std::min<std::int64_t>(detail::threads_for(q_tokens * g.k_len * hd * 2), g.heads));
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (std::int64_t h = 0; h < g.heads; ++h) {
     const auto hh = static_cast<std::size_t>(h);
@@ -240,7 +249,8 @@ void tupe_backward(const TupeParams& params, const Positions& q_positions, const
       const std::int64_t tokens = is_q ? q_tokens : k_tokens, len = is_q ? g.q_len : g.k_len;
       for (std::int64_t t = 0; t < tokens; ++t) {
         double sum = 0;
-        for (std::int64_t c = 0; c < hd; ++c) sum += u[static_cast<std::size_t>(m * hd + c)] * dproj[static_cast<std::size_t>(t * hd + c)];
+        for (std::int64_t c = 0; c < hd; ++c)
+          sum += u[static_cast<std::size_t>(m * hd + c)] * dproj[static_cast<std::size_t>(t * hd + c)];
         grads.table[static_cast<std::size_t>(positions.at(t / len, t % len) * dm + m)] += sum;
       }
     }
@@ -248,7 +258,10 @@ void tupe_backward(const TupeParams& params, const Positions& q_positions, const
 }
 
 TupeEvaluator::TupeEvaluator(const TupeParams& params, std::int64_t first_position, std::int64_t last_position)
-    : params_(params), first_(first_position), hd_(params.heads() * params.head_dim()), dim_(params.head_dim()),
+    : params_(params),
+      first_(first_position),
+      hd_(params.heads() * params.head_dim()),
+      dim_(params.head_dim()),
       scale_(static_cast<float>(1.0 / std::sqrt(2.0 * static_cast<double>(params.head_dim())))) {
   if (first_position < 0 || last_position < first_position || last_position >= params.max_len()) {
     throw Error("TupeEvaluator", "[first_position, last_position]",
@@ -272,10 +285,13 @@ TupeEvaluator::TupeEvaluator(const TupeParams& params, std::int64_t first_positi
 
 void TupeEvaluator::add_row(std::int64_t head, std::int64_t q_position, std::int64_t k_first, std::int64_t count,
                             float* scores) const {
-  const auto in_range = [&](std::int64_t p) { return p >= first_ && (p - first_) * hd_ < static_cast<std::int64_t>(pq_.size()); };
+  const auto in_range = [&](std::int64_t p) {
+    return p >= first_ && (p - first_) * hd_ < static_cast<std::int64_t>(pq_.size());
+  };
   for (std::int64_t j = 0; j < count; ++j) {
     const std::int64_t k_position = k_first + j;
-    if ((params_.cls_reset() && (q_position == 0 || k_position == 0)) || !in_range(q_position) || !in_range(k_position)) {
+    if ((params_.cls_reset() && (q_position == 0 || k_position == 0)) || !in_range(q_position) ||
+        !in_range(k_position)) {
       scores[j] += static_cast<float>(detail::tupe_value(params_, head, q_position, k_position));
       continue;
     }
@@ -292,7 +308,8 @@ namespace ref {
 void tupe_backward(const TupeParams& params, const Positions& q_positions, const Positions& k_positions,
                    ConstTensorView d_scores, TupeGradients& grads) {
   const char* where = "tupe_backward";
-  const detail::ScoreGrid g = detail::check_scores(where, "d_scores", d_scores, params.heads(), q_positions, k_positions);
+  const detail::ScoreGrid g =
+      detail::check_scores(where, "d_scores", d_scores, params.heads(), q_positions, k_positions);
   if (g.batch * g.q_len * g.k_len == 0) return;
   detail::check_tupe_positions(where, params, q_positions, k_positions);
   const std::int64_t dim = params.head_dim(), hd = params.heads() * dim, dm = params.d_model();

@@ -19,7 +19,6 @@
 namespace posenc {
 namespace {
 
-
 struct XlGrids {
   detail::HeadsGrid q, k;
   detail::ScoreGrid scores;
@@ -50,7 +49,6 @@ XlGrids check_xl(const char* where, const XlParams& p, ConstTensorView q, ConstT
 }
 
 bool empty_view(ConstTensorView v) { return v.rank() == 0 && v.data() == nullptr; }
-
 
 // The δ = q_pos − k_pos a call meets, each with its row in the tables: a dense range when it is
 // not much wider than the pairs, else the sorted distinct values.
@@ -107,13 +105,15 @@ void project(const XlParams& p, const Deltas& deltas, std::vector<double>& sinus
     std::copy(r.begin(), r.end(), sinusoids.begin() + t * in);
     for (std::int64_t o = 0; o < out; ++o) {
       double sum = 0;
-      for (std::int64_t m = 0; m < in; ++m) sum += p.w_r()[static_cast<std::size_t>(o * in + m)] * r[static_cast<std::size_t>(m)];
+      for (std::int64_t m = 0; m < in; ++m)
+        sum += p.w_r()[static_cast<std::size_t>(o * in + m)] * r[static_cast<std::size_t>(m)];
       projected[static_cast<std::size_t>(t * out + o)] = sum;
     }
   }
 }
 
-double load_token(ConstTensorView v, const detail::HeadsGrid& g, std::int64_t b, std::int64_t s, std::int64_t h, std::int64_t d) {
+double load_token(ConstTensorView v, const detail::HeadsGrid& g, std::int64_t b, std::int64_t s, std::int64_t h,
+                  std::int64_t d) {
   return detail::load(v.data(), v.dtype(), g.offset(b, s) + h * g.head_stride + d * g.dim_stride);
 }
 
@@ -129,8 +129,8 @@ std::vector<double> projected_head(const XlParams& p, std::int64_t h, std::int64
   std::vector<double> out(static_cast<std::size_t>(p.head_dim()), 0.0);
   for (std::int64_t e = 0; e < p.head_dim(); ++e) {
     for (std::int64_t m = 0; m < p.d_model(); ++m) {
-      out[static_cast<std::size_t>(e)] += p.w_r()[static_cast<std::size_t>((h * p.head_dim() + e) * p.d_model() + m)] *
-                                          r[static_cast<std::size_t>(m)];
+      out[static_cast<std::size_t>(e)] +=
+          p.w_r()[static_cast<std::size_t>((h * p.head_dim() + e) * p.d_model() + m)] * r[static_cast<std::size_t>(m)];
     }
   }
   return out;
@@ -139,24 +139,34 @@ std::vector<double> projected_head(const XlParams& p, std::int64_t h, std::int64
 
 XlParams::XlParams(std::int64_t heads, std::int64_t head_dim, std::int64_t d_model, std::vector<double> u,
                    std::vector<double> v, std::vector<double> w_r, double scale, double base)
-    : heads_(heads), head_dim_(head_dim), d_model_(d_model), u_(std::move(u)), v_(std::move(v)), w_r_(std::move(w_r)),
-      scale_(scale == 0.0 ? 1.0 / std::sqrt(static_cast<double>(head_dim)) : scale), base_(base) {
+    : heads_(heads),
+      head_dim_(head_dim),
+      d_model_(d_model),
+      u_(std::move(u)),
+      v_(std::move(v)),
+      w_r_(std::move(w_r)),
+      scale_(scale == 0.0 ? 1.0 / std::sqrt(static_cast<double>(head_dim)) : scale),
+      base_(base) {
   if (heads < 1) throw Error("XlParams", "heads", std::to_string(heads), ">= 1");
   if (head_dim < 1) throw Error("XlParams", "head_dim", std::to_string(head_dim), ">= 1");
-  if (d_model < 2 || d_model % 2 != 0) throw Error("XlParams", "d_model", std::to_string(d_model), "an even number >= 2");
+  if (d_model < 2 || d_model % 2 != 0)
+    throw Error("XlParams", "d_model", std::to_string(d_model), "an even number >= 2");
   const auto hd = static_cast<std::size_t>(heads * head_dim);
   detail::check_parameter("XlParams", "u", u_, hd, "heads·head_dim = " + std::to_string(hd));
   detail::check_parameter("XlParams", "v", v_, hd, "heads·head_dim = " + std::to_string(hd));
   detail::check_parameter("XlParams", "w_r", w_r_, hd * static_cast<std::size_t>(d_model),
-               "heads·head_dim·d_model = " + std::to_string(hd * static_cast<std::size_t>(d_model)));
-  if (!std::isfinite(scale_) || scale_ <= 0) throw Error("XlParams", "scale", detail::to_text(scale), "> 0, or 0 for 1/sqrt(head_dim)");
+                          "heads·head_dim·d_model = " + std::to_string(hd * static_cast<std::size_t>(d_model)));
+  if (!std::isfinite(scale_) || scale_ <= 0)
+    throw Error("XlParams", "scale", detail::to_text(scale), "> 0, or 0 for 1/sqrt(head_dim)");
   if (!std::isfinite(base) || base <= 1) throw Error("XlParams", "base", detail::to_text(base), "a finite number > 1");
 }
 
-XlParams XlParams::init(std::int64_t heads, std::int64_t head_dim, std::int64_t d_model, double std, std::uint64_t seed) {
+XlParams XlParams::init(std::int64_t heads, std::int64_t head_dim, std::int64_t d_model, double std,
+                        std::uint64_t seed) {
   if (heads < 1 || head_dim < 1 || d_model < 2) {
     throw Error("XlParams::init", "heads, head_dim, d_model",
-                std::to_string(heads) + ", " + std::to_string(head_dim) + ", " + std::to_string(d_model), ">= 1, >= 1, >= 2");
+                std::to_string(heads) + ", " + std::to_string(head_dim) + ", " + std::to_string(d_model),
+                ">= 1, >= 1, >= 2");
   }
   const auto hd = static_cast<std::size_t>(heads * head_dim);
   std::vector<double> u(hd), v(hd), w(hd * static_cast<std::size_t>(d_model));
@@ -210,17 +220,20 @@ void xl_add_position_terms(const XlParams& params, ConstTensorView q, ConstTenso
       if (cached != row / sg.q_len) {  // u·k_j for this (b, h)
         for (std::int64_t j = 0; j < sg.k_len; ++j) {
           double dot = 0;
-          for (std::int64_t d = 0; d < dim; ++d) dot += params.u()[static_cast<std::size_t>(h * dim + d)] * load_token(k, g.k, b, j, h, d);
+          for (std::int64_t d = 0; d < dim; ++d)
+            dot += params.u()[static_cast<std::size_t>(h * dim + d)] * load_token(k, g.k, b, j, h, d);
           content[static_cast<std::size_t>(j)] = dot;
         }
         cached = row / sg.q_len;
       }
       for (std::int64_t d = 0; d < dim; ++d) {
-        w[static_cast<std::size_t>(d)] = load_token(q, g.q, b, i, h, d) + params.v()[static_cast<std::size_t>(h * dim + d)];
+        w[static_cast<std::size_t>(d)] =
+            load_token(q, g.q, b, i, h, d) + params.v()[static_cast<std::size_t>(h * dim + d)];
       }
       const std::int64_t q_pos = q_positions.at(b, i);
       for (std::int64_t j = 0; j < sg.k_len; ++j) {
-        const double* pd = projected.data() + deltas.index(q_pos - k_positions.at(b, j)) * static_cast<std::size_t>(hd) +
+        const double* pd = projected.data() +
+                           deltas.index(q_pos - k_positions.at(b, j)) * static_cast<std::size_t>(hd) +
                            static_cast<std::size_t>(h * dim);
         double dot = 0;
         for (std::int64_t d = 0; d < dim; ++d) dot += w[static_cast<std::size_t>(d)] * pd[d];
@@ -243,7 +256,8 @@ void xl_position_terms_backward(const XlParams& params, ConstTensorView q, Const
   if (has_dk) detail::check_output_tokens(where, "dk", ConstTensorView(dk), g.k);
   detail::check_gradient_size(where, "grads.u", grads.u.size(), params.heads() * params.head_dim());
   detail::check_gradient_size(where, "grads.v", grads.v.size(), params.heads() * params.head_dim());
-  detail::check_gradient_size(where, "grads.w_r", grads.w_r.size(), params.heads() * params.head_dim() * params.d_model());
+  detail::check_gradient_size(where, "grads.w_r", grads.w_r.size(),
+                              params.heads() * params.head_dim() * params.d_model());
   if (detail::use_reference()) {
     ref::xl_position_terms_backward(params, q, k, d_scores, q_positions, k_positions, dq, dk, grads);
     return;
@@ -258,8 +272,8 @@ void xl_position_terms_backward(const XlParams& params, ConstTensorView q, Const
   const std::int64_t dim = params.head_dim(), hd = params.heads() * dim, dm = params.d_model();
   const auto count = static_cast<std::int64_t>(deltas.values.size());
   const double scale = params.scale();
-  const int threads = static_cast<int>(std::min<std::int64_t>(
-      detail::threads_for(sg.batch * sg.heads * sg.q_len * sg.k_len * dim * 3), sg.heads));
+  const int threads = static_cast<int>(
+      std::min<std::int64_t>(detail::threads_for(sg.batch * sg.heads * sg.q_len * sg.k_len * dim * 3), sg.heads));
 #pragma omp parallel num_threads(threads)
   {
     std::vector<double> d_projected(static_cast<std::size_t>(count * dim)), w(static_cast<std::size_t>(dim));
@@ -272,11 +286,13 @@ void xl_position_terms_backward(const XlParams& params, ConstTensorView q, Const
         for (std::int64_t i = 0; i < sg.q_len; ++i) {
           const std::int64_t q_pos = q_positions.at(b, i);
           for (std::int64_t d = 0; d < dim; ++d) {
-            w[static_cast<std::size_t>(d)] = load_token(q, g.q, b, i, h, d) + params.v()[static_cast<std::size_t>(h * dim + d)];
+            w[static_cast<std::size_t>(d)] =
+                load_token(q, g.q, b, i, h, d) + params.v()[static_cast<std::size_t>(h * dim + d)];
           }
           std::fill(dq_row.begin(), dq_row.end(), 0.0);
           for (std::int64_t j = 0; j < sg.k_len; ++j) {
-            const double ds = scale * detail::load(d_scores.data(), d_scores.dtype(), sg.offset(b, h, i) + j * sg.k_stride);
+            const double ds =
+                scale * detail::load(d_scores.data(), d_scores.dtype(), sg.offset(b, h, i) + j * sg.k_stride);
             column[static_cast<std::size_t>(j)] += ds;
             const std::size_t t = deltas.index(q_pos - k_positions.at(b, j));
             const double* pd = projected.data() + t * static_cast<std::size_t>(hd) + static_cast<std::size_t>(h * dim);
@@ -317,8 +333,13 @@ void xl_position_terms_backward(const XlParams& params, ConstTensorView q, Const
 // ------------------------------------------------------------------------------ evaluator
 
 XlEvaluator::XlEvaluator(const XlParams& params, std::int64_t min_delta, std::int64_t max_delta)
-    : params_(params), min_delta_(min_delta), width_(0), hd_(params.heads() * params.head_dim()), dim_(params.head_dim()),
-      u_(params.u().begin(), params.u().end()), v_(params.v().begin(), params.v().end()) {
+    : params_(params),
+      min_delta_(min_delta),
+      width_(0),
+      hd_(params.heads() * params.head_dim()),
+      dim_(params.head_dim()),
+      u_(params.u().begin(), params.u().end()),
+      v_(params.v().begin(), params.v().end()) {
   if (max_delta < min_delta) {
     throw Error("XlEvaluator", "max_delta", std::to_string(max_delta), ">= min_delta = " + std::to_string(min_delta));
   }
@@ -333,8 +354,8 @@ XlEvaluator::XlEvaluator(const XlParams& params, std::int64_t min_delta, std::in
   projected_.assign(projected.begin(), projected.end());
 }
 
-void XlEvaluator::add_row(std::int64_t head, const float* q, std::int64_t q_position, const float* k, std::int64_t k_stride,
-                          std::int64_t k_first, std::int64_t count, float* scores) const {
+void XlEvaluator::add_row(std::int64_t head, const float* q, std::int64_t q_position, const float* k,
+                          std::int64_t k_stride, std::int64_t k_first, std::int64_t count, float* scores) const {
   const float* u = u_.data() + head * dim_;
   const float* v = v_.data() + head * dim_;
   const auto scale = static_cast<float>(params_.scale());
@@ -378,7 +399,8 @@ void xl_add_position_terms(const XlParams& params, ConstTensorView q, ConstTenso
                    (load_token(q, g.q, b, i, h, d) + params.v()[hd]) * pd[static_cast<std::size_t>(d)];
           }
           const std::int64_t at = g.scores.offset(b, h, i) + j * g.scores.k_stride;
-          detail::store(scores.data(), scores.dtype(), at, detail::load(scores.data(), scores.dtype(), at) + params.scale() * sum);
+          detail::store(scores.data(), scores.dtype(), at,
+                        detail::load(scores.data(), scores.dtype(), at) + params.scale() * sum);
         }
       }
     }
@@ -403,15 +425,19 @@ void xl_position_terms_backward(const XlParams& params, ConstTensorView q, Const
         for (std::int64_t j = 0; j < g.scores.k_len; ++j) {
           const std::int64_t delta = q_positions.at(b, i) - k_positions.at(b, j);
           const std::vector<double> pd = projected_head(params, h, delta), r = params.sinusoid(delta);
-          const double ds = params.scale() * detail::load(d_scores.data(), d_scores.dtype(), g.scores.offset(b, h, i) + j * g.scores.k_stride);
+          const double ds = params.scale() * detail::load(d_scores.data(), d_scores.dtype(),
+                                                          g.scores.offset(b, h, i) + j * g.scores.k_stride);
           for (std::int64_t d = 0; d < dim; ++d) {
             const auto hd = static_cast<std::size_t>(h * dim + d);
             const double w = load_token(q, g.q, b, i, h, d) + params.v()[hd];
             grads.u[hd] += ds * load_token(k, g.k, b, j, h, d);
             grads.v[hd] += ds * pd[static_cast<std::size_t>(d)];
-            dq_acc[static_cast<std::size_t>(((b * g.q.seq + i) * g.q.heads + h) * dim + d)] += ds * pd[static_cast<std::size_t>(d)];
+            dq_acc[static_cast<std::size_t>(((b * g.q.seq + i) * g.q.heads + h) * dim + d)] +=
+                ds * pd[static_cast<std::size_t>(d)];
             dk_acc[static_cast<std::size_t>(((b * g.k.seq + j) * g.k.heads + h) * dim + d)] += ds * params.u()[hd];
-            for (std::int64_t m = 0; m < dm; ++m) grads.w_r[hd * static_cast<std::size_t>(dm) + static_cast<std::size_t>(m)] += ds * w * r[static_cast<std::size_t>(m)];
+            for (std::int64_t m = 0; m < dm; ++m)
+              grads.w_r[hd * static_cast<std::size_t>(dm) + static_cast<std::size_t>(m)] +=
+                  ds * w * r[static_cast<std::size_t>(m)];
           }
         }
       }
@@ -421,14 +447,18 @@ void xl_position_terms_backward(const XlParams& params, ConstTensorView q, Const
     for (std::int64_t s = 0; s < g.q.seq; ++s) {
       for (std::int64_t h = 0; h < g.q.heads; ++h) {
         for (std::int64_t d = 0; d < dim; ++d) {
-          if (has_dq) add_token(dq, dqg, b, s, h, d, dq_acc[static_cast<std::size_t>(((b * g.q.seq + s) * g.q.heads + h) * dim + d)]);
+          if (has_dq)
+            add_token(dq, dqg, b, s, h, d,
+                      dq_acc[static_cast<std::size_t>(((b * g.q.seq + s) * g.q.heads + h) * dim + d)]);
         }
       }
     }
     for (std::int64_t s = 0; s < g.k.seq; ++s) {
       for (std::int64_t h = 0; h < g.k.heads; ++h) {
         for (std::int64_t d = 0; d < dim; ++d) {
-          if (has_dk) add_token(dk, dkg, b, s, h, d, dk_acc[static_cast<std::size_t>(((b * g.k.seq + s) * g.k.heads + h) * dim + d)]);
+          if (has_dk)
+            add_token(dk, dkg, b, s, h, d,
+                      dk_acc[static_cast<std::size_t>(((b * g.k.seq + s) * g.k.heads + h) * dim + d)]);
         }
       }
     }

@@ -94,7 +94,9 @@ Corpus load_corpus(const std::string& path) {
   const fs::file_status status = fs::status(path, ec);
   if (ec || !fs::exists(status)) throw Error(kWhere, "path", path, "an existing file or Brown Corpus directory");
   Corpus corpus;
-  const auto append = [](std::vector<std::uint8_t>& to, const std::string& text) { to.insert(to.end(), text.begin(), text.end()); };
+  const auto append = [](std::vector<std::uint8_t>& to, const std::string& text) {
+    to.insert(to.end(), text.begin(), text.end());
+  };
   const auto check_utf8 = [&](const std::string& text, const std::string& name) {
     if (const std::int64_t bad = first_invalid_utf8(text); bad >= 0) {
       throw Error(kWhere, "path", name, "UTF-8 text (byte " + std::to_string(bad) + " is not)");
@@ -105,8 +107,9 @@ Corpus load_corpus(const std::string& path) {
     std::vector<fs::path> files;
     for (const auto& entry : fs::directory_iterator(path)) {
       const std::string name = entry.path().filename().string();
-      if (entry.is_regular_file() && name.size() == 4 && name[0] == 'c' && std::isalpha(static_cast<unsigned char>(name[1])) &&
-          std::isdigit(static_cast<unsigned char>(name[2])) && std::isdigit(static_cast<unsigned char>(name[3]))) {
+      if (entry.is_regular_file() && name.size() == 4 && name[0] == 'c' &&
+          std::isalpha(static_cast<unsigned char>(name[1])) && std::isdigit(static_cast<unsigned char>(name[2])) &&
+          std::isdigit(static_cast<unsigned char>(name[3]))) {
         files.push_back(entry.path());
       }
     }

@@ -11,9 +11,9 @@
 namespace posenc::study {
 namespace {
 
-using AttentionOp = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, std::string,
-                                                       const at::Tensor&, bool, std::int64_t, std::int64_t, double, double,
-                                                       const at::Tensor&, const at::Tensor&);
+using AttentionOp = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                       std::string, const at::Tensor&, bool, std::int64_t, std::int64_t,
+                                                       double, double, const at::Tensor&, const at::Tensor&);
 using SinusoidOp = at::Tensor(const at::Tensor&, std::int64_t, double, bool, at::ScalarType);
 
 // T5: 32 buckets up to distance 128 (the T5 paper's defaults); FIRE: a 32-unit MLP; xPos: its
@@ -43,9 +43,12 @@ void LanguageModelImpl::set_scheme(const std::string& scheme) {
 LanguageModelImpl::LanguageModelImpl(const ModelConfig& config) : config_(config) {
   bool known = false;
   for (const std::string& s : all_schemes()) known = known || s == config.scheme;
-  if (!known) throw Error("study", "scheme", config.scheme, "one of sinusoidal, learned, rope, rope-ntk, rope-yarn, xpos, t5, alibi, kerple, fire, nope");
+  if (!known)
+    throw Error("study", "scheme", config.scheme,
+                "one of sinusoidal, learned, rope, rope-ntk, rope-yarn, xpos, t5, alibi, kerple, fire, nope");
   if (config.width % config.heads != 0 || (config.width / config.heads) % 2 != 0) {
-    throw Error("study", "width", std::to_string(config.width), "a multiple of 2·heads (" + std::to_string(2 * config.heads) + ")");
+    throw Error("study", "width", std::to_string(config.width),
+                "a multiple of 2·heads (" + std::to_string(2 * config.heads) + ")");
   }
   const std::int64_t d = config.width, h = config.heads;
   embed_ = register_module("embed", torch::nn::Embedding(256, d));
@@ -75,12 +78,14 @@ LanguageModelImpl::LanguageModelImpl(const ModelConfig& config) : config_(config
       param("fire_b1", torch::randn({kFireHidden}, torch::kFloat64) * 0.5);
       param("fire_w2", torch::randn({h, kFireHidden}, torch::kFloat64) / std::sqrt(static_cast<double>(kFireHidden)));
       param("fire_b2", torch::zeros({h}, torch::kFloat64));
-      param("fire_c_raw", torch::full({1}, 2.2522, torch::kFloat64));       // softplus: c = 2.35… ≈ e^0.85
-      param("fire_l_raw", torch::full({1}, static_cast<double>(config.train_length), torch::kFloat64));  // L ≈ train length
+      param("fire_c_raw", torch::full({1}, 2.2522, torch::kFloat64));  // softplus: c = 2.35… ≈ e^0.85
+      param("fire_l_raw",
+            torch::full({1}, static_cast<double>(config.train_length), torch::kFloat64));  // L ≈ train length
     } else if (config.scheme == "alibi") {
       // The paper's slopes 2^(−8h/H), fixed.
       auto slopes = torch::empty({h}, torch::kFloat64);
-      for (std::int64_t i = 0; i < h; ++i) slopes[i] = std::pow(2.0, -8.0 * static_cast<double>(i + 1) / static_cast<double>(h));
+      for (std::int64_t i = 0; i < h; ++i)
+        slopes[i] = std::pow(2.0, -8.0 * static_cast<double>(i + 1) / static_cast<double>(h));
       layer.bias_params = register_buffer(p + "alibi_slopes", slopes);
     }
     layers_.push_back(std::move(layer));
@@ -94,7 +99,9 @@ std::string LanguageModelImpl::scheme_json(std::int64_t context_length) const {
   const std::int64_t head_dim = config_.width / config_.heads;
   nlohmann::json j;
   if (s == "rope" || s == "xpos" || s == "rope-ntk" || s == "rope-yarn") {
-    nlohmann::json rope = {{"head_dim", head_dim}, {"rotary_dim", head_dim}, {"base", 10000.0},
+    nlohmann::json rope = {{"head_dim", head_dim},
+                           {"rotary_dim", head_dim},
+                           {"base", 10000.0},
                            {"max_position_embeddings", config_.train_length}};
     const bool longer = context_length > config_.train_length;
     if (s == "xpos") rope["xpos"] = {{"scale_base", kXposScaleBase}};
@@ -154,7 +161,8 @@ torch::Tensor LanguageModelImpl::forward(const torch::Tensor& bytes, std::int64_
   for (Layer& layer : layers_) {
     const torch::Tensor qkv = layer.qkv->forward(layer.norm1->forward(x)).view({b, s, 3, h, hd});
     const torch::Tensor q = qkv.select(2, 0), k = qkv.select(2, 1), v = qkv.select(2, 2);
-    const auto [attended, lse] = attention.call(q, k, v, scheme, layer_bias_params(layer), true, -1, -1, 0.0, 0.0, none, none);
+    const auto [attended, lse] =
+        attention.call(q, k, v, scheme, layer_bias_params(layer), true, -1, -1, 0.0, 0.0, none, none);
     (void)lse;
     x = x + layer.out->forward(attended.reshape({b, s, d}));
     x = x + layer.down->forward(torch::gelu(layer.up->forward(layer.norm2->forward(x))));

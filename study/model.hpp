@@ -46,7 +46,7 @@ class LanguageModelImpl : public torch::nn::Module {
   struct Layer {
     torch::nn::LayerNorm norm1{nullptr}, norm2{nullptr};
     torch::nn::Linear qkv{nullptr}, out{nullptr}, up{nullptr}, down{nullptr};
-    torch::Tensor bias_params;  // the scheme's per-layer parameters (or an empty tensor)
+    torch::Tensor bias_params;       // the scheme's per-layer parameters (or an empty tensor)
     std::vector<torch::Tensor> raw;  // trainable tensors bias_params is made of
   };
   std::string scheme_json(std::int64_t context_length) const;

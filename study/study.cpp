@@ -64,10 +64,18 @@ struct Settings {
     return {copy_length, 2 * copy_length, 4 * copy_length, 8 * copy_length, 16 * copy_length};
   }
   json to_json() const {
-    return {{"width", width},         {"layers", layers},       {"heads", heads},
-            {"train_length", length}, {"batch", batch},         {"train_tokens", train_tokens},
-            {"lr", lr},               {"eval_tokens", eval_tokens}, {"copy_length", copy_length},
-            {"copy_steps", copy_steps}, {"copy_eval_examples", copy_eval_examples}, {"seed", seed},
+    return {{"width", width},
+            {"layers", layers},
+            {"heads", heads},
+            {"train_length", length},
+            {"batch", batch},
+            {"train_tokens", train_tokens},
+            {"lr", lr},
+            {"eval_tokens", eval_tokens},
+            {"copy_length", copy_length},
+            {"copy_steps", copy_steps},
+            {"copy_eval_examples", copy_eval_examples},
+            {"seed", seed},
             {"threads", threads}};
   }
 };
@@ -135,7 +143,8 @@ torch::Tensor bytes_tensor(const std::vector<std::uint8_t>& data, std::int64_t b
 
 // Bits per byte of targets [0, n) of `stream` (inputs stream[0, n), targets stream[1, n + 1)) at
 // context length e: non-overlapping chunks, or sliding windows with stride e/2.
-double evaluate(LanguageModel& model, const std::vector<std::uint8_t>& stream, std::int64_t n, std::int64_t e, bool sliding) {
+double evaluate(LanguageModel& model, const std::vector<std::uint8_t>& stream, std::int64_t n, std::int64_t e,
+                bool sliding) {
   torch::NoGradGuard no_grad;
   model->eval();
   const std::int64_t stride = sliding ? e / 2 : e;
@@ -163,7 +172,8 @@ double evaluate(LanguageModel& model, const std::vector<std::uint8_t>& stream, s
     }
   }
   model->train();
-  if (scored != n) throw Error("study", "eval_tokens", std::to_string(n), "a multiple of 16·length (every byte scored once)");
+  if (scored != n)
+    throw Error("study", "eval_tokens", std::to_string(n), "a multiple of 16·length (every byte scored once)");
   return nats / static_cast<double>(scored) / std::log(2.0);
 }
 
@@ -196,11 +206,13 @@ double train(LanguageModel& model, double peak_lr, std::int64_t steps, NextBatch
 
 // A fresh model of `scheme`, seeded by the scheme's place in all_schemes() (a scheme's numbers do
 // not depend on which other schemes run) and by `stream` (0: the language model, 1: the copy task).
-LanguageModel new_model(const std::string& scheme, const Settings& st, std::int64_t train_length, std::uint64_t stream) {
+LanguageModel new_model(const std::string& scheme, const Settings& st, std::int64_t train_length,
+                        std::uint64_t stream) {
   // torch's generator is global: seed and build under a lock when schemes run in parallel.
   static std::mutex init_mutex;
   const std::lock_guard lock(init_mutex);
-  const auto place = static_cast<std::uint64_t>(std::find(all_schemes().begin(), all_schemes().end(), scheme) - all_schemes().begin());
+  const auto place =
+      static_cast<std::uint64_t>(std::find(all_schemes().begin(), all_schemes().end(), scheme) - all_schemes().begin());
   torch::manual_seed(st.seed * 1000 + place + 100 * stream);
   return LanguageModel(ModelConfig{scheme, st.width, st.layers, st.heads, train_length});
 }
@@ -239,7 +251,9 @@ std::vector<json> run_scheme(const std::string& scheme, const std::vector<std::s
   const auto steps = static_cast<std::int64_t>(std::ceil(st.train_tokens / static_cast<double>(st.batch * st.length)));
   std::mt19937_64 rng(st.seed * 7919 + std::hash<std::string>{}(scheme) % 1000003);
   std::uniform_int_distribution<std::int64_t> offset(0, span - 1);
-  const auto seconds_since = [](auto t0) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
+  const auto seconds_since = [](auto t0) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
   auto t0 = std::chrono::steady_clock::now();
   const double last_loss = train(
       model, st.lr, steps,
@@ -261,13 +275,17 @@ std::vector<json> run_scheme(const std::string& scheme, const std::vector<std::s
   const std::vector<std::int64_t> lengths = st.lengths();
   for (std::size_t vi = 0; vi < variants.size(); ++vi) {
     model->set_scheme(variants[vi]);
-    json result = {{"scheme", variants[vi]}, {"trained_as", scheme}, {"train_steps", steps}, {"train_seconds", train_seconds},
+    json result = {{"scheme", variants[vi]},
+                   {"trained_as", scheme},
+                   {"train_steps", steps},
+                   {"train_seconds", train_seconds},
                    {"final_train_bpb", last_loss / std::log(2.0)}};
     for (std::size_t li = 0; li < lengths.size(); ++li) {
       const std::int64_t e = lengths[li];
       result["bpb"][std::to_string(e)] = evaluate(model, corpus.validation, st.eval_tokens, e, false);
       result["bpb_sliding"][std::to_string(e)] = evaluate(model, corpus.validation, st.eval_tokens, e, true);
-      const double evaluated = static_cast<double>(vi * lengths.size() + li + 1) / static_cast<double>(variants.size() * lengths.size());
+      const double evaluated =
+          static_cast<double>(vi * lengths.size() + li + 1) / static_cast<double>(variants.size() * lengths.size());
       progress.show(index, 0.55 + 0.15 * evaluated, fmt::format("{}: evaluated at {}", variants[vi], e));
     }
     results.push_back(std::move(result));
@@ -322,7 +340,7 @@ std::string results_table(const json& results, const std::vector<std::int64_t>& 
 bool have_gnuplot() { return std::system("command -v gnuplot > /dev/null 2>&1") == 0; }
 
 struct Figure {
-  const char* key;     // the results' field, and the file names (<key>.png, .svg, .dat)
+  const char* key;  // the results' field, and the file names (<key>.png, .svg, .dat)
   std::string title, ylabel;
   const std::vector<std::int64_t>* lengths;
 };
@@ -343,7 +361,8 @@ void plot(const fs::path& out, const json& results, const std::vector<Figure>& f
       data += "\n\n";
     }
     write_atomically(out / (std::string(f.key) + ".dat"), data);
-    for (const auto& [terminal, extension] : {std::pair{"pngcairo size 900,600", "png"}, std::pair{"svg size 900,600", "svg"}}) {
+    for (const auto& [terminal, extension] :
+         {std::pair{"pngcairo size 900,600", "png"}, std::pair{"svg size 900,600", "svg"}}) {
       script += fmt::format(
           "set terminal {}\nset output '{}.{}'\nset title '{}'\n"
           "set xlabel 'evaluation length (tokens, log scale)'\nset ylabel '{}'\n"
@@ -377,10 +396,14 @@ int main(int argc, char** argv) {
   app.add_option("--corpus", corpus_path, "A text file, or the Brown Corpus directory (default: the set-up's copy)");
   app.add_option("--out", out_dir, "Output directory")->capture_default_str();
   app.add_option("--seed", st.seed, "Random seed (same seed, same numbers)")->capture_default_str();
-  app.add_option("--scale", scale, "Multiply the training tokens (longer, better-trained runs)")->check(CLI::PositiveNumber);
+  app.add_option("--scale", scale, "Multiply the training tokens (longer, better-trained runs)")
+      ->check(CLI::PositiveNumber);
   int jobs = 2;
-  app.add_option("--jobs", jobs, "Schemes trained at once (each on --threads threads)")->capture_default_str()->check(CLI::Range(1, 64));
-  app.add_option("--threads", st.threads, "Threads per scheme (results depend on it only through float summation order)")
+  app.add_option("--jobs", jobs, "Schemes trained at once (each on --threads threads)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 64));
+  app.add_option("--threads", st.threads,
+                 "Threads per scheme (results depend on it only through float summation order)")
       ->capture_default_str()
       ->check(CLI::Range(1, 256));
   try {
@@ -405,7 +428,10 @@ int main(int argc, char** argv) {
       while (std::getline(list, s, ',')) {
         bool known = false;
         for (const std::string& k : all_schemes()) known = known || k == s;
-        if (!known) throw posenc::Error("study", "--schemes", s, "one of sinusoidal, learned, rope, rope-ntk, rope-yarn, xpos, t5, alibi, kerple, fire, nope");
+        if (!known)
+          throw posenc::Error(
+              "study", "--schemes", s,
+              "one of sinusoidal, learned, rope, rope-ntk, rope-yarn, xpos, t5, alibi, kerple, fire, nope");
         schemes.push_back(s);
       }
     }
@@ -430,8 +456,10 @@ int main(int argc, char** argv) {
     }
     const fs::path out(out_dir);
     fs::create_directories(out / "schemes");
-    const json config = {{"settings", st.to_json()}, {"corpus", corpus.source},
-                         {"train_bytes", corpus.train.size()}, {"validation_bytes", corpus.validation.size()}};
+    const json config = {{"settings", st.to_json()},
+                         {"corpus", corpus.source},
+                         {"train_bytes", corpus.train.size()},
+                         {"validation_bytes", corpus.validation.size()}};
     fmt::print("posenc study: {} schemes, {} training bytes from {}, model width {} × {} layers, trained at {} bytes\n",
                schemes.size(), corpus.train.size(), corpus.source, st.width, st.layers, st.length);
     // Trainings: one per training scheme, evaluated under each requested variant.
@@ -502,7 +530,9 @@ int main(int argc, char** argv) {
     all["results"] = results;
     // Press et al. 2022 (ALiBi), Table 2: WikiText-103 perplexity trained at L = 512, at L and ≈2L.
     all["literature"] = {{"source", "Press et al. 2022, Train Short, Test Long, Table 2 (WikiText-103, L = 512)"},
-                         {"sinusoidal", {20.05, 43.54}}, {"rotary", {20.07, 21.37}}, {"t5", {19.65, 18.79}},
+                         {"sinusoidal", {20.05, 43.54}},
+                         {"rotary", {20.07, 21.37}},
+                         {"t5", {19.65, 18.79}},
                          {"alibi", {19.73, 18.73}}};
     write_atomically(out / "results.json", all.dump(2));
     const std::string table = results_table(results, lengths, "bpb");
@@ -516,11 +546,12 @@ int main(int argc, char** argv) {
         "# posenc study\n\nCorpus: {} ({} training bytes). Model: width {}, {} layers, {} heads, trained at {} bytes "
         "on {:.0f} tokens, seed {}.\n\n## Bits per byte, non-overlapping chunks\n\n{}\n## Bits per byte, sliding "
         "windows (stride E/2)\n\n{}\n## Copy task: symbols copied right\n\nA second model per scheme, trained for {} "
-        "steps of {} examples to copy n distinct symbols (n from 2 to {}, lengths up to {}), then tested with n = E/2 − 1 "
+        "steps of {} examples to copy n distinct symbols (n from 2 to {}, lengths up to {}), then tested with n = E/2 "
+        "− 1 "
         "at each length E ({} examples per length). Perplexity can hide whether a scheme reaches distant tokens; this "
         "cannot.\n\n{}\n",
-        corpus.source, corpus.train.size(), st.width, st.layers, st.heads, st.length, st.train_tokens, st.seed, table, sliding,
-        st.copy_steps, st.batch, st.copy_length / 2 - 1, st.copy_length, st.copy_eval_examples, copy_table);
+        corpus.source, corpus.train.size(), st.width, st.layers, st.heads, st.length, st.train_tokens, st.seed, table,
+        sliding, st.copy_steps, st.batch, st.copy_length / 2 - 1, st.copy_length, st.copy_eval_examples, copy_table);
     if (have_gnuplot()) {
       const std::string trained = fmt::format("trained at {} bytes", st.length);
       plot(out, results,
@@ -528,11 +559,13 @@ int main(int argc, char** argv) {
              "bits per byte (lower is better)", &lengths},
             {"bpb_sliding", "Length extrapolation: bits per byte on held-out text, sliding windows (" + trained + ")",
              "bits per byte (lower is better)", &lengths},
-            {"copy_accuracy", fmt::format("Copy task: symbols copied right (trained at lengths up to {})", st.copy_length),
+            {"copy_accuracy",
+             fmt::format("Copy task: symbols copied right (trained at lengths up to {})", st.copy_length),
              "symbols copied right (%)", &copy_lengths}});
-      report += "![bits per byte against evaluation length](bpb.png)\n\n"
-                "![the same with sliding windows](bpb_sliding.png)\n\n"
-                "![copy accuracy against length](copy_accuracy.png)\n";
+      report +=
+          "![bits per byte against evaluation length](bpb.png)\n\n"
+          "![the same with sliding windows](bpb_sliding.png)\n\n"
+          "![copy accuracy against length](copy_accuracy.png)\n";
       fmt::print("Plots: {}, {} and {} (and .svg)\n", (out / "bpb.png").string(), (out / "bpb_sliding.png").string(),
                  (out / "copy_accuracy.png").string());
     } else {

@@ -41,13 +41,14 @@ struct Problem {
     return packed() ? std::vector<std::int64_t>{seq, h, dim} : std::vector<std::int64_t>{batch, seq, h, dim};
   }
   std::vector<std::int64_t> strides(std::int64_t seq, std::int64_t h) const {
-    if (packed()) return head_major ? std::vector<std::int64_t>{dim, seq * dim, 1} : std::vector<std::int64_t>{h * dim, dim, 1};
+    if (packed())
+      return head_major ? std::vector<std::int64_t>{dim, seq * dim, 1} : std::vector<std::int64_t>{h * dim, dim, 1};
     return head_major ? std::vector<std::int64_t>{h * seq * dim, dim, seq * dim, 1}
                       : std::vector<std::int64_t>{seq * h * dim, h * dim, dim, 1};
   }
   template <bool kMutable>
-  BasicTensorView<kMutable> view(std::conditional_t<kMutable, void*, const void*> data, std::int64_t seq, std::int64_t h,
-                                 DType dt) const {
+  BasicTensorView<kMutable> view(std::conditional_t<kMutable, void*, const void*> data, std::int64_t seq,
+                                 std::int64_t h, DType dt) const {
     const auto s = shape(seq, h), st = strides(seq, h);
     return BasicTensorView<kMutable>(data, dt, s, st);
   }
@@ -58,14 +59,16 @@ struct Problem {
   std::int64_t k_count() const { return (packed() ? 1 : batch) * k_len * kv_heads * dim; }
 };
 
-void fill(std::vector<double>& values, std::vector<unsigned char>& bytes, std::int64_t count, DType dtype, double scale) {
+void fill(std::vector<double>& values, std::vector<unsigned char>& bytes, std::int64_t count, DType dtype,
+          double scale) {
   values.resize(static_cast<std::size_t>(count));
   for (auto& x : values) x = testing::round_to(uniform(-scale, scale), dtype);
   bytes = testing::to_dtype(values, dtype);
 }
 
-Problem make_problem(std::int64_t batch, std::int64_t q_len, std::int64_t k_len, std::int64_t heads, std::int64_t kv_heads,
-                     std::int64_t dim, DType dtype = DType::kF32, bool head_major = false, double scale = 1.0) {
+Problem make_problem(std::int64_t batch, std::int64_t q_len, std::int64_t k_len, std::int64_t heads,
+                     std::int64_t kv_heads, std::int64_t dim, DType dtype = DType::kF32, bool head_major = false,
+                     double scale = 1.0) {
   Problem p;
   p.batch = batch;
   p.q_len = q_len;
@@ -152,7 +155,8 @@ Outputs run_forward(const Problem& p, const Attention& att, int mode /* 0 fused,
 }
 
 // TUPE with the [CLS] reset and non-zero θ1, θ2 (init leaves them 0, which would hide them).
-TupeParams tupe_with_cls(std::int64_t heads, std::int64_t dim, std::int64_t d_model, std::int64_t max_len, std::uint64_t seed) {
+TupeParams tupe_with_cls(std::int64_t heads, std::int64_t dim, std::int64_t d_model, std::int64_t max_len,
+                         std::uint64_t seed) {
   const TupeParams base = TupeParams::init(heads, dim, d_model, max_len, true, 0.5, seed);
   std::vector<double> theta1(static_cast<std::size_t>(heads)), theta2(theta1.size());
   for (auto& x : theta1) x = uniform(-1, 1);
@@ -236,7 +240,8 @@ TEST_P(AttentionForward, EveryPositionalScheme) {
   };
   const RopeParams rope(dim, dim);
   with({{heads, RotaryQK{rope}, {}}}, true, "rope half-split");
-  with({{heads, RotaryQK{RopeParams(dim, 32, 500.0, RopeLayout::kInterleaved)}, {}}}, true, "rope interleaved, partial");
+  with({{heads, RotaryQK{RopeParams(dim, 32, 500.0, RopeLayout::kInterleaved)}, {}}}, true,
+       "rope interleaved, partial");
   with({{heads, RotaryQK{rope.with_xpos(64.0, 40.0)}, {}}}, true, "xpos");
   RopeScaling yarn;
   yarn.type = RopeType::kYarn;
@@ -268,11 +273,15 @@ TEST_P(AttentionForward, EveryPositionalScheme) {
   with({{heads, {}, {}, {}, XlParams::init(heads, dim, 300, 0.5, 27)}}, true, "transformer-xl, d_model 300");
   with({{heads, {}, TupeParams::init(heads, dim, 300, 200, false, 0.5, 6)}}, true, "tupe, d_model 300");
   // One head of a KV group XL, the other ALiBi (XL transforms nothing, so it may split a group).
-  with({{1, {}, {}, {}, XlParams::init(1, dim, 16, 0.5, 23)}, {1, {}, AlibiParams(1)}, {2, {}, {}, {}, XlParams::init(2, dim, 16, 0.5, 24)}},
+  with({{1, {}, {}, {}, XlParams::init(1, dim, 16, 0.5, 23)},
+        {1, {}, AlibiParams(1)},
+        {2, {}, {}, {}, XlParams::init(2, dim, 16, 0.5, 24)}},
        true, "xl | alibi | xl");
   // Half the heads RoPE, half ALiBi (KV group boundaries: 2 heads per KV head).
   with({{2, RotaryQK{rope}, {}}, {2, {}, AlibiParams(2)}}, true, "rope + alibi by head group");
-  with({{1, {}, AlibiParams(1)}, {1, {}, NoPE(1)}, {2, RotaryQK{rope}, T5BiasParams(2, 16, 64, false, std::vector<double>(32, 0.25))}},
+  with({{1, {}, AlibiParams(1)},
+        {1, {}, NoPE(1)},
+        {2, RotaryQK{rope}, T5BiasParams(2, 16, 64, false, std::vector<double>(32, 0.25))}},
        true, "alibi | nope | rope + t5");
 }
 
@@ -368,11 +377,14 @@ TEST_P(AttentionForward, DecodeRunsEveryKvHeadAsOneBlock) {
   // a scheme that differs from head to head, masks, the soft-cap and key lengths must each reach
   // their own lanes. 4 KV heads; 2 rows (1 query × 2 heads, 2 queries × 1 head) or 4 rows per KV
   // head; 700 keys (tiles and a partial block), 9000 (three chunks).
-  for (const auto& [q_len, heads, k_len] : std::vector<std::array<std::int64_t, 3>>{{1, 8, 700}, {2, 4, 700}, {1, 16, 9000}}) {
+  for (const auto& [q_len, heads, k_len] :
+       std::vector<std::array<std::int64_t, 3>>{{1, 8, 700}, {2, 4, 700}, {1, 16, 9000}}) {
     const std::int64_t dim = 64;
     Problem p = make_problem(k_len > 1000 ? 1 : 2, q_len, k_len, heads, 4, dim);
-    const std::string shape = std::to_string(q_len) + " × " + std::to_string(heads) + " heads, " + std::to_string(k_len) + " keys: ";
-    const auto with = [&](std::vector<HeadGroup> groups, const std::string& what, const std::function<void(AttentionMask&)>& mask) {
+    const std::string shape =
+        std::to_string(q_len) + " × " + std::to_string(heads) + " heads, " + std::to_string(k_len) + " keys: ";
+    const auto with = [&](std::vector<HeadGroup> groups, const std::string& what,
+                          const std::function<void(AttentionMask&)>& mask) {
       AttentionSpec spec = spec_of(p);
       spec.groups = std::move(groups);
       spec.mask.causal = true;
@@ -395,8 +407,8 @@ TEST_P(AttentionForward, DecodeRunsEveryKvHeadAsOneBlock) {
           {quarter, {}, T5BiasParams(quarter, 32, 128, true, t5_table)},
           {quarter, {}, KerpleParams(KerpleForm::kLog, r1, r2)}},
          "rope | alibi | t5 | kerple", causal);
-    with({{half, {}, FireParams::init(half, 16, 3)}, {half, RotaryQK{RopeParams(dim, dim)}, AlibiParams(half)}}, "fire | rope + alibi",
-         causal);
+    with({{half, {}, FireParams::init(half, 16, 3)}, {half, RotaryQK{RopeParams(dim, dim)}, AlibiParams(half)}},
+         "fire | rope + alibi", causal);
     with({{heads, {}, AlibiParams(heads)}}, "alibi, window 37, soft-cap 5", [](AttentionMask& m) {
       m.window_left = 37;
       m.softcap = 5.0;
@@ -625,8 +637,9 @@ TEST_P(AttentionForward, DecodeAcrossRowsHeadsAndTails) {
     Problem p = make_problem(uniform_int(1, 2), q_len, k_len, kv * group, kv, dim, dt, trial % 2 == 1);
     AttentionSpec spec = spec_of(p);
     spec.mask.causal = trial % 2 == 0;
-    expect_accurate(p, spec, "decode, " + std::to_string(group * q_len) + " rows per KV head, " + std::to_string(kv) +
-                                 " KV heads, D " + std::to_string(dim) + ", " + std::to_string(k_len) + " keys");
+    expect_accurate(p, spec,
+                    "decode, " + std::to_string(group * q_len) + " rows per KV head, " + std::to_string(kv) +
+                        " KV heads, D " + std::to_string(dim) + ", " + std::to_string(k_len) + " keys");
   }
 }
 
@@ -641,13 +654,14 @@ TEST_P(AttentionForward, DecodeReadsSixteenBitCachesAsTheirF32Values) {
   struct Shape {
     std::int64_t q_len, heads, kv_heads, dim, k_len;
   };
-  const Shape shapes[] = {{1, 8, 2, 64, 300},  {1, 16, 4, 128, 9000}, {1, 4, 4, 80, 517},  {2, 8, 2, 64, 131},
-                          {1, 32, 4, 128, 700}, {1, 6, 2, 72, 250},    {1, 28, 4, 128, 600}, {1, 10, 2, 64, 333},
-                          {2, 6, 2, 80, 190}};
+  const Shape shapes[] = {{1, 8, 2, 64, 300},   {1, 16, 4, 128, 9000}, {1, 4, 4, 80, 517},
+                          {2, 8, 2, 64, 131},   {1, 32, 4, 128, 700},  {1, 6, 2, 72, 250},
+                          {1, 28, 4, 128, 600}, {1, 10, 2, 64, 333},   {2, 6, 2, 80, 190}};
   for (const DType dt : {DType::kBF16, DType::kF16}) {
     for (const Shape& sh : shapes) {
       const std::string what = std::string(dtype_name(dt)) + ", " + std::to_string(sh.q_len * sh.heads / sh.kv_heads) +
-                               " rows per KV head, D " + std::to_string(sh.dim) + ", " + std::to_string(sh.k_len) + " keys";
+                               " rows per KV head, D " + std::to_string(sh.dim) + ", " + std::to_string(sh.k_len) +
+                               " keys";
       SCOPED_TRACE(what);
       const Problem p16 = make_problem(1, sh.q_len, sh.k_len, sh.heads, sh.kv_heads, sh.dim, dt);
       Problem p32 = p16;
@@ -660,7 +674,8 @@ TEST_P(AttentionForward, DecodeReadsSixteenBitCachesAsTheirF32Values) {
       spec16.groups = spec32.groups = {{sh.heads, {}, AlibiParams(sh.heads)}};
       const Outputs o16 = run_forward(p16, Attention(spec16), 0), o32 = run_forward(p32, Attention(spec32), 0);
       for (std::size_t i = 0; i < o32.lse.size(); ++i) ASSERT_EQ(o16.lse[i], o32.lse[i]) << "lse " << i;
-      for (std::size_t i = 0; i < o32.out.size(); ++i) ASSERT_EQ(o16.out[i], testing::round_to(o32.out[i], dt)) << "out " << i;
+      for (std::size_t i = 0; i < o32.out.size(); ++i)
+        ASSERT_EQ(o16.out[i], testing::round_to(o32.out[i], dt)) << "out " << i;
       expect_accurate(p16, spec16, what);
     }
   }
@@ -681,12 +696,18 @@ TEST_P(AttentionForward, DecodeRotatesAnUnrotatedCacheTileByTile) {
     RopeLayout layout = RopeLayout::kHalfSplit;
   };
   constexpr RopeLayout kInterleaved = RopeLayout::kInterleaved;
-  const Shape shapes[] = {{8, 2, 128, 128, 700, DType::kF32},  {8, 2, 128, 64, 5000, DType::kF32},
-                          {4, 4, 80, 80, 333, DType::kF32},    {8, 2, 128, 128, 9000, DType::kBF16},
-                          {8, 2, 128, 64, 517, DType::kF16},   {6, 2, 80, 80, 250, DType::kBF16},
-                          {8, 2, 72, 64, 400, DType::kF32},    {8, 2, 72, 64, 300, DType::kBF16},
-                          {8, 2, 128, 128, 9000, DType::kF32, kInterleaved}, {8, 2, 128, 64, 517, DType::kBF16, kInterleaved},
-                          {6, 2, 80, 80, 250, DType::kF16, kInterleaved},    {4, 4, 80, 80, 333, DType::kF32, kInterleaved},
+  const Shape shapes[] = {{8, 2, 128, 128, 700, DType::kF32},
+                          {8, 2, 128, 64, 5000, DType::kF32},
+                          {4, 4, 80, 80, 333, DType::kF32},
+                          {8, 2, 128, 128, 9000, DType::kBF16},
+                          {8, 2, 128, 64, 517, DType::kF16},
+                          {6, 2, 80, 80, 250, DType::kBF16},
+                          {8, 2, 72, 64, 400, DType::kF32},
+                          {8, 2, 72, 64, 300, DType::kBF16},
+                          {8, 2, 128, 128, 9000, DType::kF32, kInterleaved},
+                          {8, 2, 128, 64, 517, DType::kBF16, kInterleaved},
+                          {6, 2, 80, 80, 250, DType::kF16, kInterleaved},
+                          {4, 4, 80, 80, 333, DType::kF32, kInterleaved},
                           {8, 2, 72, 64, 300, DType::kF32, kInterleaved}};
   for (const Shape& sh : shapes) {
     const std::string what = std::string(dtype_name(sh.dtype)) + ", D " + std::to_string(sh.dim) + ", rotary " +
@@ -720,7 +741,8 @@ TEST_P(AttentionForward, DecodeAddsEveryHeadsTableBiasAsOneRow) {
     AttentionSpec packed_spec = spec_of(packed);
     packed_spec.mask = spec.mask;
     packed_spec.groups = spec.groups;
-    const Outputs one_row = run_forward(p, Attention(spec), 0), lane_by_lane = run_forward(packed, Attention(packed_spec), 0);
+    const Outputs one_row = run_forward(p, Attention(spec), 0),
+                  lane_by_lane = run_forward(packed, Attention(packed_spec), 0);
     for (std::size_t i = 0; i < one_row.out.size(); ++i) ASSERT_EQ(one_row.out[i], lane_by_lane.out[i]) << "out " << i;
     for (std::size_t i = 0; i < one_row.lse.size(); ++i) ASSERT_EQ(one_row.lse[i], lane_by_lane.lse[i]) << "lse " << i;
   }
@@ -758,8 +780,13 @@ struct GemmCase {
   std::int64_t rows, cols, depth, a_row, a_depth, ldb, ldc;
   std::vector<float> a, b, c, fused, unfused;
   GemmCase(std::int64_t depth_, bool transposed_a, GemmMode mode, double c_range)
-      : rows(uniform_int(1, 23)), cols(kernels::kAttnAlign * uniform_int(1, 6)), depth(depth_),
-        a_row(transposed_a ? 1 : depth_ + 3), a_depth(transposed_a ? rows + 5 : 1), ldb(cols + 16), ldc(cols + 32) {
+      : rows(uniform_int(1, 23)),
+        cols(kernels::kAttnAlign * uniform_int(1, 6)),
+        depth(depth_),
+        a_row(transposed_a ? 1 : depth_ + 3),
+        a_depth(transposed_a ? rows + 5 : 1),
+        ldb(cols + 16),
+        ldc(cols + 32) {
     a.resize(static_cast<std::size_t>(rows * a_row + depth * a_depth));
     b.resize(static_cast<std::size_t>(depth * ldb));
     c.resize(static_cast<std::size_t>(rows * ldc));
@@ -772,7 +799,8 @@ struct GemmCase {
         const auto at = static_cast<std::size_t>(m * ldc + n);
         float f = mode == GemmMode::kChain ? c[at] : 0.0f, u = f;
         for (std::int64_t t = 0; t < depth; ++t) {
-          const float x = a[static_cast<std::size_t>(m * a_row + t * a_depth)], y = b[static_cast<std::size_t>(t * ldb + n)];
+          const float x = a[static_cast<std::size_t>(m * a_row + t * a_depth)],
+                      y = b[static_cast<std::size_t>(t * ldb + n)];
           f = std::fma(x, y, f);
           // The product rounded on its own (exact in double, then one rounding to float), so that no
           // compiler setting can contract it with the add.
@@ -797,12 +825,14 @@ struct GemmCase {
 
 TEST_P(AttentionMatrixKernel, EachElementIsOneChainInDepthOrder) {
   for (int trial = 0; trial < 36; ++trial) {
-    const std::int64_t depth = std::vector<std::int64_t>{0, 1, 7, 127, 128, 129, 255, 256, 257, 1000, 1025, 2100}[static_cast<std::size_t>(trial % 12)];
+    const std::int64_t depth = std::vector<std::int64_t>{
+        0, 1, 7, 127, 128, 129, 255, 256, 257, 1000, 1025, 2100}[static_cast<std::size_t>(trial % 12)];
     const bool accumulate = trial % 3 != 0;
     const GemmCase g(depth, trial % 2 == 1, accumulate ? GemmMode::kChain : GemmMode::kSet, 1.0);
     SCOPED_TRACE(g.describe() + (accumulate ? " accumulate" : ""));
     std::vector<float> out = g.c;
-    kernels::attn_gemm(g.a.data(), g.a_row, g.a_depth, g.b.data(), g.ldb, out.data(), g.ldc, g.rows, g.cols, depth, accumulate);
+    kernels::attn_gemm(g.a.data(), g.a_row, g.a_depth, g.b.data(), g.ldb, out.data(), g.ldc, g.rows, g.cols, depth,
+                       accumulate);
     EXPECT_TRUE(g.matches(out));
   }
 }
@@ -811,7 +841,8 @@ TEST_P(AttentionMatrixKernel, EachElementIsOneChainInDepthOrder) {
 // (one pass on every target), beyond that an Error naming the depth.
 TEST_P(AttentionMatrixKernel, AddSumsEachElementFromZeroThenAddsIt) {
   for (int trial = 0; trial < 24; ++trial) {
-    const std::int64_t depth = std::vector<std::int64_t>{0, 1, 7, 63, 64, 100, 127, 128}[static_cast<std::size_t>(trial % 8)];
+    const std::int64_t depth =
+        std::vector<std::int64_t>{0, 1, 7, 63, 64, 100, 127, 128}[static_cast<std::size_t>(trial % 8)];
     // C large against the sums, so that adding once differs from chaining from C.
     const GemmCase g(depth, trial % 2 == 1, GemmMode::kAddSum, 100.0);
     SCOPED_TRACE(g.describe());
@@ -820,8 +851,12 @@ TEST_P(AttentionMatrixKernel, AddSumsEachElementFromZeroThenAddsIt) {
     EXPECT_TRUE(g.matches(out));
   }
   std::vector<float> a(200, 1.0f), b(200 * kernels::kAttnAlign, 1.0f), c(kernels::kAttnAlign, 0.0f);
-  expect_error([&] { kernels::attn_gemm_add(a.data(), 200, 1, b.data(), kernels::kAttnAlign, c.data(), kernels::kAttnAlign, 1, kernels::kAttnAlign, 129); },
-               {"attention kernel", "depth", "129", "<= 128"});
+  expect_error(
+      [&] {
+        kernels::attn_gemm_add(a.data(), 200, 1, b.data(), kernels::kAttnAlign, c.data(), kernels::kAttnAlign, 1,
+                               kernels::kAttnAlign, 129);
+      },
+      {"attention kernel", "depth", "129", "<= 128"});
 }
 
 INSTANTIATE_TEST_SUITE_P(Targets, AttentionMatrixKernel, ::testing::ValuesIn(testing::all_targets()));
@@ -842,7 +877,8 @@ std::vector<double> gather(const Problem& p, const std::vector<double>& raw, std
     for (std::int64_t s = 0; s < seq; ++s) {
       for (std::int64_t hh = 0; hh < h; ++hh) {
         for (std::int64_t d = 0; d < p.dim; ++d) {
-          out.push_back(raw[static_cast<std::size_t>(p.packed() ? s * st[0] + hh * st[1] + d : b * st[0] + s * st[1] + hh * st[2] + d)]);
+          out.push_back(raw[static_cast<std::size_t>(p.packed() ? s * st[0] + hh * st[1] + d
+                                                                : b * st[0] + s * st[1] + hh * st[2] + d)]);
         }
       }
     }
@@ -857,7 +893,8 @@ Grads run_backward(const Problem& p, const Attention& att, const std::vector<dou
   const std::int64_t rows = p.heads * (p.packed() ? 1 : p.batch) * p.q_len;
   std::vector<unsigned char> out = testing::garbage_buffer(dt, p.q_count());
   std::vector<float> lse(static_cast<std::size_t>(rows));
-  TensorView lse_view = p.packed() ? TensorView::of(lse.data(), {p.heads, p.q_len}) : TensorView::of(lse.data(), {p.batch, p.heads, p.q_len});
+  TensorView lse_view = p.packed() ? TensorView::of(lse.data(), {p.heads, p.q_len})
+                                   : TensorView::of(lse.data(), {p.batch, p.heads, p.q_len});
   TensorView out_view = p.view<true>(out.data(), p.q_len, p.heads, dt);
   if (reference) {
     ref::attention_forward(att, out_view, lse_view);
@@ -865,12 +902,15 @@ Grads run_backward(const Problem& p, const Attention& att, const std::vector<dou
     att.forward(out_view, lse_view);
   }
   const std::vector<unsigned char> dout_bytes = testing::to_dtype(d_out, dt);
-  std::vector<double> dq(static_cast<std::size_t>(p.q_count())), dk(static_cast<std::size_t>(p.k_count())), dv(dk.size());
-  std::vector<unsigned char> dqb = testing::to_dtype(dq, dt), dkb = testing::to_dtype(dk, dt), dvb = testing::to_dtype(dv, dt);
+  std::vector<double> dq(static_cast<std::size_t>(p.q_count())), dk(static_cast<std::size_t>(p.k_count())),
+      dv(dk.size());
+  std::vector<unsigned char> dqb = testing::to_dtype(dq, dt), dkb = testing::to_dtype(dk, dt),
+                             dvb = testing::to_dtype(dv, dt);
   Grads g;
   g.params = att.zero_gradients();
   const ConstTensorView dov = p.view<false>(dout_bytes.data(), p.q_len, p.heads, dt);
-  TensorView dqv = p.view<true>(dqb.data(), p.q_len, p.heads, dt), dkv = p.view<true>(dkb.data(), p.k_len, p.kv_heads, dt),
+  TensorView dqv = p.view<true>(dqb.data(), p.q_len, p.heads, dt),
+             dkv = p.view<true>(dkb.data(), p.k_len, p.kv_heads, dt),
              dvv = p.view<true>(dvb.data(), p.k_len, p.kv_heads, dt);
   if (reference) {
     ref::attention_backward(att, out_view, lse_view, dov, dqv, dkv, dvv, with_params ? &g.params : nullptr);
@@ -903,8 +943,10 @@ void expect_close(const std::vector<double>& got, const std::vector<double>& wan
 }
 
 // As expect_close, with the gradient's scale given (for sums that cancel to ~0).
-void expect_close_to_scale(const std::vector<double>& got, const std::vector<double>& want, double scale, const char* name) {
-  EXPECT_LE(max_abs_diff(got, want), std::ldexp(1.0, -13) * std::max(scale, 1e-3)) << name << " (scale " << scale << ")";
+void expect_close_to_scale(const std::vector<double>& got, const std::vector<double>& want, double scale,
+                           const char* name) {
+  EXPECT_LE(max_abs_diff(got, want), std::ldexp(1.0, -13) * std::max(scale, 1e-3))
+      << name << " (scale " << scale << ")";
 }
 
 std::vector<double> random_values(std::size_t n) {
@@ -974,7 +1016,8 @@ TEST_P(AttentionBackward, MatchesTheReferenceForEveryTrainableScheme) {
   const std::vector<std::vector<HeadGroup>> cases = {
       {},
       {{heads, RotaryQK{RopeParams(dim, dim)}, AlibiParams(heads)}},
-      {{2, RotaryQK{RopeParams(dim, 32, 10000.0, RopeLayout::kInterleaved).with_xpos(32.0)}, T5BiasParams(2, 16, 32, false, t5_table)},
+      {{2, RotaryQK{RopeParams(dim, 32, 10000.0, RopeLayout::kInterleaved).with_xpos(32.0)},
+        T5BiasParams(2, 16, 32, false, t5_table)},
        {2, AbsoluteQK{SinusoidalParams(dim)}, KerpleParams(KerpleForm::kPower, {1.0, 0.5}, {0.7, 1.3})}},
       {{heads, RotaryQK{RopeParams(dim, dim)}, {}, ShawParams::init(5, dim, 0.5, 3)}},
       {{heads, {}, FireParams::init(heads, 8, 5, 0.7, 16.0)}},
@@ -983,7 +1026,8 @@ TEST_P(AttentionBackward, MatchesTheReferenceForEveryTrainableScheme) {
       // size of its terms, so a tolerance relative to the gradient cannot judge its f32 error (an
       // ALiBi head here gave 0.0133 with an error of 1.5e-5); T5's table gradient is the same δ
       // histogram without the cancellation. Case 1 checks the slopes (four heads).
-      {{1, {}, {}, ShawParams::init(4, dim, 0.5, 7)}, {1, {}, T5BiasParams(1, 16, 32, false, std::vector<double>(t5_table.begin(), t5_table.begin() + 16))},
+      {{1, {}, {}, ShawParams::init(4, dim, 0.5, 7)},
+       {1, {}, T5BiasParams(1, 16, 32, false, std::vector<double>(t5_table.begin(), t5_table.begin() + 16))},
        {2, {}, {}, ShawParams::init(2, dim, 0.5, 8)}},
       {{heads, {}, {}, {}, XlParams::init(heads, dim, 24, 0.5, 9)}},
       {{heads, {}, tupe_with_cls(heads, dim, 24, 60, 4)}},
@@ -1063,8 +1107,8 @@ TEST(AttentionReference, BackwardMatchesFiniteDifferences) {
   // Central differences: O(h²) truncation with h = 1e-5 and |third derivatives| ~1 gives ~1e-10;
   // cancellation adds ~1e-16/1e-5 = 1e-11. 1e-7 is far above both, far below any real error.
   const double h = 1e-5, tol = 1e-7;
-  const auto check_input = [&](std::vector<double>& values, std::vector<unsigned char>& bytes, const std::vector<double>& grad,
-                               const char* name) {
+  const auto check_input = [&](std::vector<double>& values, std::vector<unsigned char>& bytes,
+                               const std::vector<double>& grad, const char* name) {
     for (std::size_t i = 0; i < values.size(); i += 7) {
       const double saved = values[i];
       values[i] = saved + h;
@@ -1083,7 +1127,8 @@ TEST(AttentionReference, BackwardMatchesFiniteDifferences) {
   check_input(p.q, p.qb, g.dq, "dq");
   check_input(p.k, p.kb, g.dk, "dk");
   check_input(p.v, p.vb, g.dv, "dv");
-  EXPECT_NEAR(g.params.groups[0].alibi_slopes[0], (loss(p, slope + h, entry) - loss(p, slope - h, entry)) / (2 * h), tol);
+  EXPECT_NEAR(g.params.groups[0].alibi_slopes[0], (loss(p, slope + h, entry) - loss(p, slope - h, entry)) / (2 * h),
+              tol);
   EXPECT_NEAR(g.params.groups[1].t5_table[3], (loss(p, slope, entry + h) - loss(p, slope, entry - h)) / (2 * h), tol);
 }
 
@@ -1117,12 +1162,14 @@ TEST(AttentionReference, ShawBackwardMatchesFiniteDifferences) {
     std::vector<double> up = key_table, down = key_table;
     up[e] += h;
     down[e] -= h;
-    EXPECT_NEAR(g.params.groups[0].shaw_key_table[e], (loss(up, value_table) - loss(down, value_table)) / (2 * h), tol) << e;
+    EXPECT_NEAR(g.params.groups[0].shaw_key_table[e], (loss(up, value_table) - loss(down, value_table)) / (2 * h), tol)
+        << e;
     up = value_table;
     down = value_table;
     up[e] += h;
     down[e] -= h;
-    EXPECT_NEAR(g.params.groups[0].shaw_value_table[e], (loss(key_table, up) - loss(key_table, down)) / (2 * h), tol) << e;
+    EXPECT_NEAR(g.params.groups[0].shaw_value_table[e], (loss(key_table, up) - loss(key_table, down)) / (2 * h), tol)
+        << e;
   }
 }
 
@@ -1157,7 +1204,8 @@ TEST(AttentionReference, XlBackwardMatchesFiniteDifferences) {
     std::vector<double> plus[3] = {base.u(), base.v(), base.w_r()}, minus[3] = {base.u(), base.v(), base.w_r()};
     plus[which][e] += h;
     minus[which][e] -= h;
-    const XlParams up(heads, dim, d_model, plus[0], plus[1], plus[2]), down(heads, dim, d_model, minus[0], minus[1], minus[2]);
+    const XlParams up(heads, dim, d_model, plus[0], plus[1], plus[2]),
+        down(heads, dim, d_model, minus[0], minus[1], minus[2]);
     return (loss(up) - loss(down)) / (2 * h);
   };
   for (std::size_t e = 0; e < xg.u.size(); ++e) {
@@ -1166,7 +1214,8 @@ TEST(AttentionReference, XlBackwardMatchesFiniteDifferences) {
   }
   for (std::size_t e = 0; e < xg.w_r.size(); e += 5) EXPECT_NEAR(xg.w_r[e], fd(2, e), tol) << "w_r " << e;
   // dq and dk carry XL's terms too (q + v meets P; u meets k).
-  for (auto [values, bytes, grad, name] : {std::tuple{&p.q, &p.qb, &g.dq, "dq"}, std::tuple{&p.k, &p.kb, &g.dk, "dk"}}) {
+  for (auto [values, bytes, grad, name] :
+       {std::tuple{&p.q, &p.qb, &g.dq, "dq"}, std::tuple{&p.k, &p.kb, &g.dk, "dk"}}) {
     for (std::size_t i = 0; i < values->size(); i += 3) {
       const double saved = (*values)[i];
       (*values)[i] = saved + h;
@@ -1231,7 +1280,8 @@ TEST(Attention, BitwiseIdenticalForAnyThreadCount) {
   // Transformer-XL's and TUPE's gradients (tables summed per unit, units in order).
   AttentionSpec xs = spec_of(p);
   xs.mask.causal = true;
-  xs.groups = {{2, {}, {}, {}, XlParams::init(2, 64, 32, 0.5, 2)}, {2, {}, TupeParams::init(2, 64, 16, 150, true, 0.5, 3)}};
+  xs.groups = {{2, {}, {}, {}, XlParams::init(2, 64, 32, 0.5, 2)},
+               {2, {}, TupeParams::init(2, 64, 16, 150, true, 0.5, 3)}};
   const Attention xatt(xs);
   std::vector<Grads> xruns;
   for (const int threads : {1, 2, 3}) {
@@ -1301,7 +1351,8 @@ TEST(Attention, BackwardSplitsTheQueriesOfFewLongSequences) {
   for (auto& x : t5_table) x = uniform(-1, 1);
   const std::vector<std::vector<HeadGroup>> cases = {
       {{2, RotaryQK{RopeParams(32, 32)}, AlibiParams(2)}},
-      {{1, {}, {}, ShawParams::init(6, 32, 0.5, 3)}, {1, {}, T5BiasParams(1, 16, 64, false, std::vector<double>(t5_table.begin(), t5_table.begin() + 16))}},
+      {{1, {}, {}, ShawParams::init(6, 32, 0.5, 3)},
+       {1, {}, T5BiasParams(1, 16, 64, false, std::vector<double>(t5_table.begin(), t5_table.begin() + 16))}},
       {{2, {}, tupe_with_cls(2, 32, 24, 600, 4)}},
   };
   for (std::size_t c = 0; c < cases.size(); ++c) {
@@ -1351,7 +1402,11 @@ TEST(Attention, ClearErrors) {
   expect_error([&] { Attention a(s); }, {"groups[0].xl", "alone"});
   s.groups = {{4, {}, {}, {}, XlParams::init(2, 16, 8)}};
   expect_error([&] { Attention a(s); }, {"groups[0].xl.heads", "2", "4 (the group's heads)"});
-  s.groups = {{4, {}, {}, {}, XlParams(4, 16, 8, std::vector<double>(64), std::vector<double>(64), std::vector<double>(512), 0.5)}};
+  s.groups = {{4,
+               {},
+               {},
+               {},
+               XlParams(4, 16, 8, std::vector<double>(64), std::vector<double>(64), std::vector<double>(512), 0.5)}};
   expect_error([&] { Attention a(s); }, {"groups[0].xl.scale", "0.5", "the attention's scale"});
   s = spec_of(p);
   s.mask.softcap = std::nan("");
@@ -1371,8 +1426,11 @@ TEST(Attention, ClearErrors) {
   std::vector<float> out(static_cast<std::size_t>(p.q_count())), small(3);
   expect_error([&] { att.forward(TensorView::of(small.data(), {3})); }, {"Attention", "out"});
   std::vector<float> lse(5);
-  expect_error([&] { att.forward(TensorView::of(out.data(), {1, 8, 4, 16}), TensorView::of(lse.data(), {5})); },
-               {"lse", "[B, H, Sq] = [1, 4, 8]"});
+  expect_error(
+      [&] {
+        att.forward(TensorView::of(out.data(), {1, 8, 4, 16}), TensorView::of(lse.data(), {5}));
+      },
+      {"lse", "[B, H, Sq] = [1, 4, 8]"});
   s = spec_of(p);
   s.groups = {{4, {}, TupeParams::init(4, 16, 8, 6)}};
   expect_error([&] { Attention a(s); }, {"position", "max_len"});
@@ -1386,10 +1444,12 @@ TEST(Attention, ClearErrors) {
   std::vector<float> zeros(static_cast<std::size_t>(p.q_count()));
   std::vector<float> l2(32);
   tupe.forward(TensorView::of(out.data(), {1, 8, 4, 16}), TensorView::of(l2.data(), {1, 4, 8}));
-  expect_error([&] {
-    tupe.backward(TensorView::of(out.data(), {1, 8, 4, 16}), TensorView::of(l2.data(), {1, 4, 8}),
-                  TensorView::of(zeros.data(), {1, 8, 4, 16}), {}, {}, {}, &grads);
-  }, {"grads.groups[0].tupe.u_q"});
+  expect_error(
+      [&] {
+        tupe.backward(TensorView::of(out.data(), {1, 8, 4, 16}), TensorView::of(l2.data(), {1, 4, 8}),
+                      TensorView::of(zeros.data(), {1, 8, 4, 16}), {}, {}, {}, &grads);
+      },
+      {"grads.groups[0].tupe.u_q"});
 }
 
 }  // namespace

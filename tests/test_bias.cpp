@@ -45,7 +45,8 @@ TEST(Alibi, SlopesFollowThePaperForEveryHeadCount) {
     ASSERT_EQ(got.size(), want.size());
     // pow(start, h + 1) of a rounded start carries h + 1 times start's relative rounding error
     // (2^-53 ≈ 1.1e-16) plus pow's own: (h + 1)·2e-15 bounds it with room; exp2 is near exact.
-    for (std::size_t h = 0; h < got.size(); ++h) ASSERT_NEAR(got[h], want[h], 2e-15 * want[h] * static_cast<double>(h + 1)) << heads << " heads, head " << h;
+    for (std::size_t h = 0; h < got.size(); ++h)
+      ASSERT_NEAR(got[h], want[h], 2e-15 * want[h] * static_cast<double>(h + 1)) << heads << " heads, head " << h;
   }
   const std::vector<double> eight = alibi_slopes(8);
   for (std::size_t h = 0; h < 8; ++h) EXPECT_EQ(eight[h], std::ldexp(1.0, -static_cast<int>(h + 1)));  // 1/2 … 1/256
@@ -60,7 +61,8 @@ TEST(Alibi, MaxBiasGeneralisation) {
       const double m0 = std::pow(2.0, -max_bias / n), m1 = std::pow(2.0, -max_bias / 2.0 / n);
       const std::vector<double> got = alibi_slopes(heads, max_bias);
       for (std::int64_t h = 0; h < heads; ++h) {
-        const double want = h < n ? std::pow(m0, static_cast<double>(h + 1)) : std::pow(m1, 2.0 * (static_cast<double>(h) - n) + 1);
+        const double want =
+            h < n ? std::pow(m0, static_cast<double>(h + 1)) : std::pow(m1, 2.0 * (static_cast<double>(h) - n) + 1);
         // pow of a rounded base to an integer power: up to ~(exponent)·2^-53 relative.
         ASSERT_NEAR(got[static_cast<std::size_t>(h)], want, 1e-13 * want) << max_bias << ", " << heads << ", " << h;
       }
@@ -82,9 +84,18 @@ TEST(Alibi, SubsetOfHeadsAndCustomSlopes) {
   expect_error([] { AlibiParams(std::vector<double>{}); }, {"slopes.size() = 0"});
   expect_error([] { AlibiParams(0); }, {"alibi_slopes: heads = 0", ">= 1"});
   expect_error([] { alibi_slopes(4, 0.0); }, {"max_bias = 0", "> 0"});
-  expect_error([&] { const std::vector<std::int64_t> twice = {1, 1}; AlibiParams::on_heads(4, twice); },
-               {"alibi_heads[1] = 1", "listed once"});
-  expect_error([&] { const std::vector<std::int64_t> out = {4}; AlibiParams::on_heads(4, out); }, {"alibi_heads[0] = 4", "[0, 4)"});
+  expect_error(
+      [&] {
+        const std::vector<std::int64_t> twice = {1, 1};
+        AlibiParams::on_heads(4, twice);
+      },
+      {"alibi_heads[1] = 1", "listed once"});
+  expect_error(
+      [&] {
+        const std::vector<std::int64_t> out = {4};
+        AlibiParams::on_heads(4, out);
+      },
+      {"alibi_heads[0] = 4", "[0, 4)"});
 }
 
 // ------------------------------------------------------------------------------ T5 buckets
@@ -129,7 +140,8 @@ TEST(T5, BucketsEqualTransformersEverywhereInTwoToTheTwenty) {
         const std::int64_t got = t5_bucket(r, s.num_buckets, s.max_distance, s.bidirectional);
         if (got != s.runs[k].bucket && mismatches++ < 5) {
           ADD_FAILURE() << "num_buckets " << s.num_buckets << ", max_distance " << s.max_distance << ", bidirectional "
-                        << s.bidirectional << ": bucket(" << r << ") = " << got << ", transformers " << s.runs[k].bucket;
+                        << s.bidirectional << ": bucket(" << r << ") = " << got << ", transformers "
+                        << s.runs[k].bucket;
         }
       }
     }
@@ -151,8 +163,10 @@ TEST(T5, RejectsInvalidSettings) {
 
 BiasScheme random_scheme(int kind, std::int64_t heads) {
   switch (kind) {
-    case 0: return NoPE(heads);
-    case 1: return AlibiParams(heads, uniform_int(0, 1) ? AlibiForm::kCausal : AlibiForm::kSymmetric, uniform(2, 10));
+    case 0:
+      return NoPE(heads);
+    case 1:
+      return AlibiParams(heads, uniform_int(0, 1) ? AlibiForm::kCausal : AlibiForm::kSymmetric, uniform(2, 10));
     case 2: {
       std::vector<std::int64_t> subset;
       for (std::int64_t h = 0; h < heads; h += 2) subset.push_back(h);
@@ -164,10 +178,12 @@ BiasScheme random_scheme(int kind, std::int64_t heads) {
       for (auto& v : table) v = uniform(-3, 3);
       return T5BiasParams(heads, nb, nb == 32 ? 128 : 256, uniform_int(0, 1) == 1, table);
     }
-    case 7: return TupeParams::init(heads, uniform_int(1, 5), uniform_int(1, 6), 3100, uniform_int(0, 1) == 1, 0.5,
-                                    static_cast<std::uint64_t>(uniform_int(0, 1000)));
-    case 6: return FireParams::init(heads, uniform_int(1, 40), static_cast<std::uint64_t>(uniform_int(0, 1000)),
-                                    uniform(0.01, 3), uniform(1, 100));
+    case 7:
+      return TupeParams::init(heads, uniform_int(1, 5), uniform_int(1, 6), 3100, uniform_int(0, 1) == 1, 0.5,
+                              static_cast<std::uint64_t>(uniform_int(0, 1000)));
+    case 6:
+      return FireParams::init(heads, uniform_int(1, 40), static_cast<std::uint64_t>(uniform_int(0, 1000)),
+                              uniform(0.01, 3), uniform(1, 100));
     default: {
       std::vector<double> r1(static_cast<std::size_t>(heads)), r2(r1.size());
       const bool power = kind == 5;
@@ -211,10 +227,14 @@ void with_moderate_ids(GridCase& c) {
 
 std::pair<Positions, Positions> positions_of(const GridCase& c) {
   switch (c.position_kind) {
-    case 0: return {Positions::ranges(c.starts, c.q_len), Positions::ranges(c.starts, c.k_len)};  // per-row offsets
-    case 1: return {Positions::range(c.q_len, c.k_len), Positions::range(c.k_len)};  // queries after the cache
-    case 4: return {Positions::packed(c.cu), Positions::packed(c.cu)};
-    default: return {Positions::ids(c.q_ids, c.batch, c.q_len), Positions::ids(c.k_ids, c.batch, c.k_len)};
+    case 0:
+      return {Positions::ranges(c.starts, c.q_len), Positions::ranges(c.starts, c.k_len)};  // per-row offsets
+    case 1:
+      return {Positions::range(c.q_len, c.k_len), Positions::range(c.k_len)};  // queries after the cache
+    case 4:
+      return {Positions::packed(c.cu), Positions::packed(c.cu)};
+    default:
+      return {Positions::ids(c.q_ids, c.batch, c.q_len), Positions::ids(c.k_ids, c.batch, c.k_len)};
   }
 }
 
@@ -231,9 +251,9 @@ TEST_P(EveryTarget, BiasMaterializeMatchesReference) {
     const bool keys_strided = uniform_int(0, 2) == 0;  // storage [B, H, Sk, Sq]: keys not innermost
     const std::int64_t count = c.batch * c.heads * c.q_len * c.k_len;
     std::vector<std::int64_t> shape = {c.batch, c.heads, c.q_len, c.k_len};
-    std::vector<std::int64_t> strides = keys_strided
-                                            ? std::vector<std::int64_t>{c.heads * c.q_len * c.k_len, c.q_len * c.k_len, 1, c.q_len}
-                                            : std::vector<std::int64_t>{c.heads * c.q_len * c.k_len, c.q_len * c.k_len, c.k_len, 1};
+    std::vector<std::int64_t> strides =
+        keys_strided ? std::vector<std::int64_t>{c.heads * c.q_len * c.k_len, c.q_len * c.k_len, 1, c.q_len}
+                     : std::vector<std::int64_t>{c.heads * c.q_len * c.k_len, c.q_len * c.k_len, c.k_len, 1};
     if (rank3) {
       shape.erase(shape.begin());
       strides.erase(strides.begin());
@@ -246,7 +266,7 @@ TEST_P(EveryTarget, BiasMaterializeMatchesReference) {
     // bf16/f16: rounded to nearest through f32: half a unit in the last place of the 16-bit type
     // (2^-8 relative for bf16's 8 significant bits, 2^-11 for f16's 11), plus the f32 step's
     // 2^-24 (double rounding). f64: the reference path itself.
-    const double rel = dtype == DType::kBF16   ? std::ldexp(1.0, -8) + std::ldexp(1.0, -24)
+    const double rel = dtype == DType::kBF16  ? std::ldexp(1.0, -8) + std::ldexp(1.0, -24)
                        : dtype == DType::kF16 ? std::ldexp(1.0, -11) + std::ldexp(1.0, -24)
                                               : 0.0;
     int reported = 0;
@@ -254,17 +274,18 @@ TEST_P(EveryTarget, BiasMaterializeMatchesReference) {
       const double w = want[static_cast<std::size_t>(e)], g = element(got.data(), dtype, e);
       // Biases beyond a 16-bit type's range (Kerple at scattered ids) round to ±infinity.
       const double max16 = dtype == DType::kF16 ? 65504.0 + 16.0 : dtype == DType::kBF16 ? 3.3961e38 : HUGE_VAL;
-      const double expected = dtype == DType::kF32 ? static_cast<double>(static_cast<float>(w))
+      const double expected = dtype == DType::kF32    ? static_cast<double>(static_cast<float>(w))
                               : std::fabs(w) >= max16 ? std::copysign(HUGE_VAL, w)
                                                       : w;
-      double tol = dtype == DType::kF16 && std::fabs(w) < 6.2e-5 ? 6e-8 : rel * std::fabs(w);  // f16 subnormals: absolute
+      double tol =
+          dtype == DType::kF16 && std::fabs(w) < 6.2e-5 ? 6e-8 : rel * std::fabs(w);  // f16 subnormals: absolute
       // FIRE's fast path sums the pieces' slope·x + intercept, the reference the MLP's units: both
       // fp64, apart by ~1e-15 of the units' magnitudes (W's ~ N(0, 1), |x| <= ~10), which can move
       // the f32 rounding by one unit: 2^-23 relative plus 1e-12 absolute.
       if (fire) tol += std::ldexp(std::fabs(w), -23) + 1e-12;
       if (!(g == expected || std::fabs(g - expected) <= tol) && reported++ < 5) {
-        ADD_FAILURE() << "trial " << trial << " kind " << c.position_kind << " " << dtype_name(dtype) << " element " << e
-                      << ": got " << g << ", reference " << w;
+        ADD_FAILURE() << "trial " << trial << " kind " << c.position_kind << " " << dtype_name(dtype) << " element "
+                      << e << ": got " << g << ", reference " << w;
       }
     }
   }
@@ -297,7 +318,8 @@ TEST_P(EveryTarget, BiasBackwardMatchesReferenceAndFiniteDifferences) {
     const bool f32 = uniform_int(0, 1) == 1;
     std::vector<float> w32(w.begin(), w.end());
     if (f32) std::copy(w32.begin(), w32.end(), w.begin());  // the same values in both dtypes
-    const ConstTensorView ds = f32 ? ConstTensorView::contiguous(w32.data(), DType::kF32, shape) : ConstTensorView::contiguous(w.data(), DType::kF64, shape);
+    const ConstTensorView ds = f32 ? ConstTensorView::contiguous(w32.data(), DType::kF32, shape)
+                                   : ConstTensorView::contiguous(w.data(), DType::kF64, shape);
     const auto h = static_cast<std::size_t>(uniform_int(0, c.heads - 1));
     // Agreement with the reference: both sum the same products in fp64, in different orders:
     // within 1e-12 of Σ|terms| (n·2^-53 for n <= 1e4 terms per sum, with room).
@@ -406,11 +428,16 @@ TEST(Fire, PiecesEqualTheMlp) {
     }
   }
   const FireParams p = FireParams::init(2, 4, 7, 0.5, 10);
-  EXPECT_DOUBLE_EQ(p.normalized_distance(4, 1), std::log1p(0.5 * 3) / std::log1p(0.5 * 10));   // query before L
+  EXPECT_DOUBLE_EQ(p.normalized_distance(4, 1), std::log1p(0.5 * 3) / std::log1p(0.5 * 10));    // query before L
   EXPECT_DOUBLE_EQ(p.normalized_distance(40, 1), std::log1p(0.5 * 39) / std::log1p(0.5 * 40));  // past L
   EXPECT_DOUBLE_EQ(bias_value(p, 1, 40, 1), p.mlp(1, p.normalized_distance(40, 1)));
-  expect_error([&] { bias_value(p, 0, 5); }, {"bias_value: scheme = FIRE", "bias_value(scheme, head, q_position, k_position)"});
-  expect_error([] { FireParams(1, {1.0}, {0.0}, {1.0, 2.0}, {0.0}); }, {"FireParams: w2.size() = 2", "heads · hidden = 1"});
+  expect_error([&] { bias_value(p, 0, 5); },
+               {"bias_value: scheme = FIRE", "bias_value(scheme, head, q_position, k_position)"});
+  expect_error(
+      [] {
+        FireParams(1, {1.0}, {0.0}, {1.0, 2.0}, {0.0});
+      },
+      {"FireParams: w2.size() = 2", "heads · hidden = 1"});
   expect_error([] { FireParams(1, {1.0}, {0.0}, {1.0}, {0.0}, 0.0); }, {"FireParams: c = 0", "> 0"});
   expect_error([] { FireParams(1, {1.0}, {0.0}, {1.0}, {0.0}, 1.0, -5); }, {"threshold = -5", "> 0"});
   expect_error([] { FireParams(1, {std::nan("")}, {0.0}, {1.0}, {0.0}); }, {"w1[0] = nan", "finite"});
@@ -421,8 +448,8 @@ TEST_P(EveryTarget, FireBackwardMatchesReferenceAndFiniteDifferences) {
     GridCase c = random_grid();
     with_moderate_ids(c);
     const auto [qp, kp] = positions_of(c);
-    const FireParams p = FireParams::init(c.heads, uniform_int(1, 12), static_cast<std::uint64_t>(trial), uniform(0.1, 2),
-                                          uniform(2, 60));
+    const FireParams p = FireParams::init(c.heads, uniform_int(1, 12), static_cast<std::uint64_t>(trial),
+                                          uniform(0.1, 2), uniform(2, 60));
     const std::int64_t count = c.batch * c.heads * c.q_len * c.k_len;
     const std::vector<std::int64_t> shape = {c.batch, c.heads, c.q_len, c.k_len};
     std::vector<double> w(static_cast<std::size_t>(count));
@@ -474,7 +501,8 @@ TEST_P(EveryTarget, TupeBackwardMatchesReferenceAndFiniteDifferences) {
     std::vector<double> theta1(static_cast<std::size_t>(c.heads)), theta2(theta1.size());
     for (auto& v : theta1) v = uniform(-1, 1);
     for (auto& v : theta2) v = uniform(-1, 1);
-    const TupeParams p(p0.heads(), p0.head_dim(), p0.d_model(), p0.table(), p0.u_q(), p0.u_k(), p0.cls_reset(), theta1, theta2);
+    const TupeParams p(p0.heads(), p0.head_dim(), p0.d_model(), p0.table(), p0.u_q(), p0.u_k(), p0.cls_reset(), theta1,
+                       theta2);
     const std::int64_t count = c.batch * c.heads * c.q_len * c.k_len;
     std::vector<double> w(static_cast<std::size_t>(count));
     for (auto& v : w) v = uniform(-1, 1);
@@ -503,22 +531,30 @@ TEST_P(EveryTarget, TupeBackwardMatchesReferenceAndFiniteDifferences) {
       if (which == 0) table[row] += delta;
       if (which == 1) u_q[uq] += delta;
       if (which == 2) t2[0] += delta;
-      return BiasScheme(TupeParams(p.heads(), p.head_dim(), p.d_model(), table, u_q, p.u_k(), p.cls_reset(), p.theta1(), t2));
+      return BiasScheme(
+          TupeParams(p.heads(), p.head_dim(), p.d_model(), table, u_q, p.u_k(), p.cls_reset(), p.theta1(), t2));
     };
     const double analytic[] = {want.table[row], want.u_q[uq], want.theta2[0]};
     for (int which = 0; which < 3; ++which) {
       const double fd = finite_difference([&](double delta) { return rebuild(which, delta); }, c, qp, kp, w, 1e-4);
       // Quadratic in a table row used by both q and k: central differences are exact up to
       // rounding of L over the step (|L| <= ~1e3·2^-52/1e-4 ≈ 2e-9).
-      EXPECT_NEAR(analytic[which], fd, 1e-7 * (1 + std::fabs(analytic[which]))) << "trial " << trial << " parameter " << which;
+      EXPECT_NEAR(analytic[which], fd, 1e-7 * (1 + std::fabs(analytic[which])))
+          << "trial " << trial << " parameter " << which;
     }
   }
-  expect_error([] { TupeParams(1, 1, 2, {0.0, 0.0, 0.0}, {0.0, 0.0}, {0.0, 0.0}); },
-               {"TupeParams: table.size() = 3", "multiple of d_model = 2"});
+  expect_error(
+      [] {
+        TupeParams(1, 1, 2, {0.0, 0.0, 0.0}, {0.0, 0.0}, {0.0, 0.0});
+      },
+      {"TupeParams: table.size() = 3", "multiple of d_model = 2"});
   const TupeParams small = TupeParams::init(1, 1, 2, 4);
   std::vector<double> out(5 * 5);
-  expect_error([&] { bias_materialize(small, Positions::range(5), Positions::range(5), TensorView::of(out.data(), {1, 5, 5})); },
-               {"bias_materialize: position = 4", "< max_len = 4"});
+  expect_error(
+      [&] {
+        bias_materialize(small, Positions::range(5), Positions::range(5), TensorView::of(out.data(), {1, 5, 5}));
+      },
+      {"bias_materialize: position = 4", "< max_len = 4"});
 }
 
 TEST_P(EveryTarget, BiasBackwardIsThreadCountFree) {
@@ -529,9 +565,11 @@ TEST_P(EveryTarget, BiasBackwardIsThreadCountFree) {
   const T5BiasParams p(heads);
   std::vector<double> one(static_cast<std::size_t>(32 * heads), 0.0), two(one.size(), 0.0);
   set_num_threads(1);
-  t5_bias_backward(p, Positions::range(len), Positions::range(len), ConstTensorView::contiguous(ds.data(), DType::kF32, shape), one);
+  t5_bias_backward(p, Positions::range(len), Positions::range(len),
+                   ConstTensorView::contiguous(ds.data(), DType::kF32, shape), one);
   set_num_threads(2);
-  t5_bias_backward(p, Positions::range(len), Positions::range(len), ConstTensorView::contiguous(ds.data(), DType::kF32, shape), two);
+  t5_bias_backward(p, Positions::range(len), Positions::range(len),
+                   ConstTensorView::contiguous(ds.data(), DType::kF32, shape), two);
   EXPECT_EQ(std::memcmp(one.data(), two.data(), one.size() * sizeof(double)), 0);
 }
 
@@ -558,15 +596,25 @@ TEST(BiasEvaluator, RowsAndElementsAgreeWithTheScheme) {
 TEST(Bias, RejectsBadArguments) {
   std::vector<float> s(2 * 3 * 4);
   const AlibiParams alibi(2);
-  expect_error([&] { bias_materialize(alibi, Positions::range(3), Positions::range(4), TensorView::of(s.data(), {3, 3, 4})); },
-               {"bias_materialize: out.size(0) = 3", "heads = 2"});
-  expect_error([&] { bias_materialize(alibi, Positions::range(3), Positions::range(4), TensorView::of(s.data(), {24})); },
-               {"out rank = 1", "[B, H, Sq, Sk]"});
-  expect_error([&] { bias_materialize(alibi, Positions::range(2), Positions::range(4), TensorView::of(s.data(), {2, 3, 4})); },
-               {"bias_materialize"});
+  expect_error(
+      [&] {
+        bias_materialize(alibi, Positions::range(3), Positions::range(4), TensorView::of(s.data(), {3, 3, 4}));
+      },
+      {"bias_materialize: out.size(0) = 3", "heads = 2"});
+  expect_error(
+      [&] { bias_materialize(alibi, Positions::range(3), Positions::range(4), TensorView::of(s.data(), {24})); },
+      {"out rank = 1", "[B, H, Sq, Sk]"});
+  expect_error(
+      [&] {
+        bias_materialize(alibi, Positions::range(2), Positions::range(4), TensorView::of(s.data(), {2, 3, 4}));
+      },
+      {"bias_materialize"});
   std::vector<double> grad(3);
-  expect_error([&] { alibi_backward(alibi, Positions::range(3), Positions::range(4), ConstTensorView::of(s.data(), {2, 3, 4}), grad); },
-               {"alibi_backward: d_slopes.size() = 3", "2"});
+  expect_error(
+      [&] {
+        alibi_backward(alibi, Positions::range(3), Positions::range(4), ConstTensorView::of(s.data(), {2, 3, 4}), grad);
+      },
+      {"alibi_backward: d_slopes.size() = 3", "2"});
   expect_error([] { KerpleParams(KerpleForm::kPower, {1.0}, {2.5}); }, {"r2[0] = 2.5", "(0, 2]"});
   expect_error([] { KerpleParams(KerpleForm::kLog, {1.0, 0.0}, {1.0, 1.0}); }, {"r1[1] = 0", "> 0"});
   expect_error([] { KerpleParams(KerpleForm::kLog, {1.0}, {1.0, 1.0}); }, {"r2.size() = 2", "r1.size() = 1"});

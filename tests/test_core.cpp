@@ -18,7 +18,8 @@ using testing::expect_error;
 // The attention kernels count on their scratch starting on a cache line; glibc's malloc gives
 // only 16 bytes, so a plain std::vector would pass by luck at most one size in four.
 TEST(AlignedFloats, EveryBlockStartsOnACacheLine) {
-  for (const std::size_t n : {std::size_t{1}, std::size_t{3}, std::size_t{17}, std::size_t{1000}, std::size_t{100003}}) {
+  for (const std::size_t n :
+       {std::size_t{1}, std::size_t{3}, std::size_t{17}, std::size_t{1000}, std::size_t{100003}}) {
     detail::AlignedFloats v(n, 1.0f);
     EXPECT_EQ(reinterpret_cast<std::uintptr_t>(v.data()) % 64, 0u) << n;
     v.resize(3 * n + 5);  // a reallocation keeps the alignment and the contents
@@ -120,8 +121,8 @@ TEST(Float16, RoundsToNearestEven) {
     EXPECT_EQ(to_f16(static_cast<float>(a + 0.75 * (b - a))).bits, bits + 1) << bits;
   }
   EXPECT_EQ(to_f16(65504.0f).bits, 0x7bffu);
-  EXPECT_EQ(to_f16(65519.0f).bits, 0x7bffu);   // below the midpoint to 2^16
-  EXPECT_EQ(to_f16(65520.0f).bits, 0x7c00u);   // the midpoint rounds (to even) to infinity
+  EXPECT_EQ(to_f16(65519.0f).bits, 0x7bffu);  // below the midpoint to 2^16
+  EXPECT_EQ(to_f16(65520.0f).bits, 0x7c00u);  // the midpoint rounds (to even) to infinity
   EXPECT_EQ(to_f16(-std::numeric_limits<float>::infinity()).bits, 0xfc00u);
   EXPECT_EQ(to_f16(-0.0f).bits, 0x8000u);
 }
@@ -167,10 +168,12 @@ TEST(TensorView, RejectsBadShapesWithClearMessages) {
   expect_error([&] { TensorView::of(&x, {1, 1, 1, 1, 1, 1, 1}); }, {"rank = 7", "1 to 6"});
   expect_error([&] { TensorView::of(static_cast<float*>(nullptr), {2}); }, {"data = null"});
   // Extents that overflow int64 — in elements, or only once multiplied by the element size.
-  expect_error([&] { TensorView::of(&x, {std::int64_t{1} << 40, std::int64_t{1} << 30}); },
-               {"size arithmetic", "fits in int64"});
-  expect_error([&] { TensorView::of(&x, {std::int64_t{1} << 62}); },
-               {"tensor view extent in bytes", "fits in int64"});
+  expect_error(
+      [&] {
+        TensorView::of(&x, {std::int64_t{1} << 40, std::int64_t{1} << 30});
+      },
+      {"size arithmetic", "fits in int64"});
+  expect_error([&] { TensorView::of(&x, {std::int64_t{1} << 62}); }, {"tensor view extent in bytes", "fits in int64"});
   // Misaligned for the dtype: undefined behaviour in any scalar loop, so refused.
   std::vector<double> wide(4);
   auto* odd = reinterpret_cast<double*>(reinterpret_cast<char*>(wide.data()) + 4);

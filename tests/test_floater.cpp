@@ -22,13 +22,15 @@ TEST(Floater, LongerTablesExtendShorterOnesExactly) {
   const FloaterParams p = FloaterParams::init(6, 8, 1, 1.0, 0.1, 3);
   const std::vector<double> short_table = table_of(p, 50), long_table = table_of(p, 200);
   EXPECT_EQ(std::memcmp(short_table.data(), long_table.data(), short_table.size() * sizeof(double)), 0);
-  for (std::int64_t d = 0; d < 6; ++d) EXPECT_EQ(long_table[static_cast<std::size_t>(d)], p.p0()[static_cast<std::size_t>(d)]);
+  for (std::int64_t d = 0; d < 6; ++d)
+    EXPECT_EQ(long_table[static_cast<std::size_t>(d)], p.p0()[static_cast<std::size_t>(d)]);
   // f32 and a transposed view hold the same values, rounded once.
   std::vector<float> t32(6 * 50);
   floater_table(p, TensorView::of(t32.data(), {50, 6}, {1, 50}));
   for (std::int64_t n = 0; n < 50; ++n) {
     for (std::int64_t d = 0; d < 6; ++d) {
-      EXPECT_EQ(t32[static_cast<std::size_t>(d * 50 + n)], static_cast<float>(short_table[static_cast<std::size_t>(n * 6 + d)]));
+      EXPECT_EQ(t32[static_cast<std::size_t>(d * 50 + n)],
+                static_cast<float>(short_table[static_cast<std::size_t>(n * 6 + d)]));
     }
   }
 }
@@ -59,8 +61,8 @@ TEST(Floater, Rk4ConvergesAtFourthOrder) {
 TEST(Floater, GradientsMatchFiniteDifferences) {
   for (int trial = 0; trial < 6; ++trial) {
     const std::int64_t dim = uniform_int(1, 5), hidden = uniform_int(1, 7), length = uniform_int(1, 30);
-    const FloaterParams p = FloaterParams::init(dim, hidden, static_cast<std::uint64_t>(trial), 1.5, uniform(0.05, 0.3),
-                                                uniform_int(1, 3));
+    const FloaterParams p =
+        FloaterParams::init(dim, hidden, static_cast<std::uint64_t>(trial), 1.5, uniform(0.05, 0.3), uniform_int(1, 3));
     std::vector<double> w(static_cast<std::size_t>(length * dim));
     for (auto& v : w) v = uniform(-1, 1);
     auto loss = [&](const FloaterParams& q) {
@@ -86,22 +88,34 @@ TEST(Floater, GradientsMatchFiniteDifferences) {
       const double analytic = (*grads[group])[e];
       // Smooth (tanh) dynamics: central differences err by ~step²·|L'''| ≈ 1e-10 plus rounding
       // |L|·2^-52/step ≈ 1e-9 for |L| <= 1e2: 1e-6 relative is ample.
-      EXPECT_NEAR(analytic, fd, 1e-6 * (1 + std::fabs(analytic))) << "trial " << trial << " group " << group << " entry " << e;
+      EXPECT_NEAR(analytic, fd, 1e-6 * (1 + std::fabs(analytic)))
+          << "trial " << trial << " group " << group << " entry " << e;
     }
   }
 }
 
 TEST(Floater, RejectsBadArguments) {
-  expect_error([] { FloaterParams(2, {0.0}, {0.0}, {0.0, 0.0}, {0.0, 0.0}, {0.0, 0.0}); },
-               {"FloaterParams: w1.size() = 1", "hidden·(dim + 1) = 3"});
+  expect_error(
+      [] {
+        FloaterParams(2, {0.0}, {0.0}, {0.0, 0.0}, {0.0, 0.0}, {0.0, 0.0});
+      },
+      {"FloaterParams: w1.size() = 1", "hidden·(dim + 1) = 3"});
   expect_error([] { FloaterParams::init(2, 3, 0, 1.0, 0.0); }, {"time_per_position = 0", "> 0"});
   expect_error([] { FloaterParams::init(2, 3, 0, 1.0, 0.1, 0); }, {"substeps = 0", ">= 1"});
   const FloaterParams p = FloaterParams::init(3, 2);
   std::vector<double> t(10);
-  expect_error([&] { floater_table(p, TensorView::of(t.data(), {5, 2})); }, {"floater_table: out.size(1) = 2", "params.dim() = 3"});
+  expect_error(
+      [&] {
+        floater_table(p, TensorView::of(t.data(), {5, 2}));
+      },
+      {"floater_table: out.size(1) = 2", "params.dim() = 3"});
   FloaterGradients g(p);
   g.p0.resize(1);
-  expect_error([&] { floater_table_backward(p, ConstTensorView::of(t.data(), {3, 3}), g); }, {"grads.p0.size() = 1", "3"});
+  expect_error(
+      [&] {
+        floater_table_backward(p, ConstTensorView::of(t.data(), {3, 3}), g);
+      },
+      {"grads.p0.size() = 1", "3"});
 }
 
 }  // namespace

@@ -25,8 +25,8 @@ TEST_P(EveryTarget, LearnedForwardMatchesReference) {
     const std::int64_t max_len = uniform_int(1, 300), dim = uniform_int(1, 70);
     const std::int64_t batch = uniform_int(1, 3), seq = uniform_int(1, 50);
     const std::int64_t row_stride = dim + uniform_int(0, 2);  // padded rows in x and y
-    SCOPED_TRACE("trial " + std::to_string(trial) + ": max_len " + std::to_string(max_len) +
-                 ", [" + std::to_string(batch) + ", " + std::to_string(seq) + ", " + std::to_string(dim) + "]");
+    SCOPED_TRACE("trial " + std::to_string(trial) + ": max_len " + std::to_string(max_len) + ", [" +
+                 std::to_string(batch) + ", " + std::to_string(seq) + ", " + std::to_string(dim) + "]");
     std::vector<float> table = random_floats(max_len * dim);
     std::vector<float> x = random_floats(batch * seq * row_stride), y(x.size(), NAN);
     std::vector<std::int64_t> ids(static_cast<std::size_t>(batch * seq));
@@ -62,7 +62,8 @@ TEST_P(EveryTarget, LearnedForwardLargeIsExact) {
   for (std::int64_t s = 0; s < seq; ++s) {
     for (std::int64_t j = 0; j < dim; ++j) {
       const auto at = static_cast<std::size_t>(s * dim + j);
-      ASSERT_EQ(y[at + 1], x[at] + table[static_cast<std::size_t>(ids[static_cast<std::size_t>(s)] * dim + j)]) << s << ", " << j;
+      ASSERT_EQ(y[at + 1], x[at] + table[static_cast<std::size_t>(ids[static_cast<std::size_t>(s)] * dim + j)])
+          << s << ", " << j;
     }
   }
 }
@@ -70,7 +71,8 @@ TEST_P(EveryTarget, LearnedForwardLargeIsExact) {
 // bf16 tables and embeddings with strided columns take the converting path.
 TEST_P(EveryTarget, LearnedForwardBf16Strided) {
   const std::int64_t max_len = 9, dim = 6, seq = 11;
-  std::vector<double> table_values(static_cast<std::size_t>(max_len * dim)), x_values(static_cast<std::size_t>(seq * dim * 2));
+  std::vector<double> table_values(static_cast<std::size_t>(max_len * dim)),
+      x_values(static_cast<std::size_t>(seq * dim * 2));
   for (auto& v : table_values) v = uniform(-1, 1);
   for (auto& v : x_values) v = uniform(-1, 1);
   const auto table = testing::to_dtype(table_values, DType::kBF16);
@@ -79,13 +81,15 @@ TEST_P(EveryTarget, LearnedForwardBf16Strided) {
   std::vector<std::int64_t> ids(static_cast<std::size_t>(seq));
   for (auto& id : ids) id = uniform_int(0, max_len - 1);
   learned_forward(ConstTensorView::contiguous(table.data(), DType::kBF16, std::vector<std::int64_t>{max_len, dim}),
-                  ConstTensorView(x.data(), DType::kBF16, std::vector<std::int64_t>{seq, dim}, std::vector<std::int64_t>{2 * dim, 2}),
+                  ConstTensorView(x.data(), DType::kBF16, std::vector<std::int64_t>{seq, dim},
+                                  std::vector<std::int64_t>{2 * dim, 2}),
                   Positions::ids(ids), TensorView::of(y.data(), {seq, dim}));
   for (std::int64_t s = 0; s < seq; ++s) {
     for (std::int64_t j = 0; j < dim; ++j) {
       // One f32 addition of two bf16 values, rounded once to bf16: replayed exactly.
-      const float sum = static_cast<float>(testing::element(x.data(), DType::kBF16, s * 2 * dim + 2 * j)) +
-                        static_cast<float>(testing::element(table.data(), DType::kBF16, ids[static_cast<std::size_t>(s)] * dim + j));
+      const float sum =
+          static_cast<float>(testing::element(x.data(), DType::kBF16, s * 2 * dim + 2 * j)) +
+          static_cast<float>(testing::element(table.data(), DType::kBF16, ids[static_cast<std::size_t>(s)] * dim + j));
       ASSERT_EQ(y[static_cast<std::size_t>(s * dim + j)].bits, to_bf16(sum).bits) << s << ", " << j;
     }
   }
@@ -140,8 +144,10 @@ TEST_P(EveryTarget, LearnedBackwardMatchesReference) {
       // dx += dy is one addition on both paths; the reference adds in fp64 and rounds once, the
       // fast path adds in f32 and rounds to the dtype: at most one ulp of a sum <= 2 in the dtype
       // apart (f32 2^-22, bf16 2^-6, f16 2^-9).
-      const double ulp2 = dtype == DType::kF64 ? 0.0 : dtype == DType::kF32 ? std::ldexp(1.0, -22)
-                          : dtype == DType::kBF16 ? std::ldexp(1.0, -6) : std::ldexp(1.0, -9);
+      const double ulp2 = dtype == DType::kF64    ? 0.0
+                          : dtype == DType::kF32  ? std::ldexp(1.0, -22)
+                          : dtype == DType::kBF16 ? std::ldexp(1.0, -6)
+                                                  : std::ldexp(1.0, -9);
       ASSERT_NEAR(testing::element(dx.data(), dtype, i), testing::element(dx_ref.data(), dtype, i), ulp2)
           << "dx element " << i;
     }
@@ -199,9 +205,11 @@ TEST(Learned, BackwardIsBitwiseIdenticalForAnyThreadCount) {
   const Positions positions = Positions::ids(ids, batch, seq);
   std::vector<float> one(static_cast<std::size_t>(max_len * dim), 0.0f), two(one);
   set_num_threads(1);
-  learned_backward(ConstTensorView::of(dy.data(), {batch, seq, dim}), positions, TensorView::of(one.data(), {max_len, dim}));
+  learned_backward(ConstTensorView::of(dy.data(), {batch, seq, dim}), positions,
+                   TensorView::of(one.data(), {max_len, dim}));
   set_num_threads(2);
-  learned_backward(ConstTensorView::of(dy.data(), {batch, seq, dim}), positions, TensorView::of(two.data(), {max_len, dim}));
+  learned_backward(ConstTensorView::of(dy.data(), {batch, seq, dim}), positions,
+                   TensorView::of(two.data(), {max_len, dim}));
   EXPECT_EQ(std::memcmp(one.data(), two.data(), one.size() * sizeof(float)), 0);
   // And the sum is right: row 0 against a sequential f32 sum in token order.
   for (std::int64_t j = 0; j < dim; j += 97) {
@@ -241,38 +249,65 @@ TEST(Learned, InitNormalIsSeededAndThreadCountFree) {
 TEST(Learned, RejectsPositionsBeyondTheTable) {
   std::vector<float> table(16 * 4), x(8 * 4), y(8 * 4);
   const std::vector<std::int64_t> ids = {0, 3, 16, 2};
-  expect_error([&] { learned_forward(ConstTensorView::of(table.data(), {16, 4}), ConstTensorView::of(x.data(), {4, 4}),
-                                     Positions::ids(ids), TensorView::of(y.data(), {4, 4})); },
-               {"learned_forward", "position = 16", "max_len = 16", "does not extrapolate"});
-  expect_error([&] { learned_backward(ConstTensorView::of(x.data(), {8, 4}), Positions::range(8, 10),
-                                      TensorView::of(table.data(), {16, 4})); },
-               {"learned_backward", "position = 17", "max_len = 16"});
+  expect_error(
+      [&] {
+        learned_forward(ConstTensorView::of(table.data(), {16, 4}), ConstTensorView::of(x.data(), {4, 4}),
+                        Positions::ids(ids), TensorView::of(y.data(), {4, 4}));
+      },
+      {"learned_forward", "position = 16", "max_len = 16", "does not extrapolate"});
+  expect_error(
+      [&] {
+        learned_backward(ConstTensorView::of(x.data(), {8, 4}), Positions::range(8, 10),
+                         TensorView::of(table.data(), {16, 4}));
+      },
+      {"learned_backward", "position = 17", "max_len = 16"});
 }
 
 TEST(Learned, RejectsBadArguments) {
   std::vector<float> table(16 * 4), x(8 * 4), y(8 * 4);
   std::vector<double> wide(8 * 4);
-  expect_error([&] { learned_forward(ConstTensorView::of(table.data(), {16, 4}), ConstTensorView::of(x.data(), {4, 8}),
-                                     Positions::range(4), TensorView::of(y.data(), {4, 8})); },
-               {"x.size(-1) = 8", "the width of table, 4"});
-  expect_error([&] { learned_backward(ConstTensorView::of(x.data(), {4, 8}), Positions::range(4),
-                                      TensorView::of(table.data(), {8, 4})); },
-               {"learned_backward: dy.size(-1) = 8", "the width of d_table, 4"});
-  expect_error([&] { learned_forward(ConstTensorView::of(table.data(), {16, 4}), ConstTensorView::of(table.data(), {16, 4}),
-                                     Positions::range(16), TensorView::of(table.data(), {16, 4})); },
-               {"y = [16, 4]", "disjoint from table"});
-  expect_error([&] { learned_backward(ConstTensorView::of(x.data(), {8, 4}), Positions::range(8),
-                                      TensorView::of(table.data(), {16, 4}), TensorView::of(x.data(), {8, 4})); },
-               {"dx = [8, 4]", "disjoint from dy"});
-  expect_error([&] { learned_forward(ConstTensorView::of(table.data(), {16, 4}), ConstTensorView::of(wide.data(), {8, 4}),
-                                     Positions::range(8), TensorView::of(y.data(), {8, 4})); },
-               {"x.dtype() = f64", "f32"});
-  expect_error([&] { learned_forward(ConstTensorView::of(table.data(), {16, 4}), ConstTensorView::of(x.data(), {8, 4}),
-                                     Positions::range(8), TensorView::of(table.data() + 8, {8, 4})); },
-               {"y = [8, 4]", "disjoint from table"});
-  expect_error([&] { learned_backward(ConstTensorView::of(x.data(), {8, 4}), Positions::range(8),
-                                      TensorView::of(table.data(), {16, 4}, {0, 1})); },
-               {"d_table.stride(0) = 0"});
+  expect_error(
+      [&] {
+        learned_forward(ConstTensorView::of(table.data(), {16, 4}), ConstTensorView::of(x.data(), {4, 8}),
+                        Positions::range(4), TensorView::of(y.data(), {4, 8}));
+      },
+      {"x.size(-1) = 8", "the width of table, 4"});
+  expect_error(
+      [&] {
+        learned_backward(ConstTensorView::of(x.data(), {4, 8}), Positions::range(4),
+                         TensorView::of(table.data(), {8, 4}));
+      },
+      {"learned_backward: dy.size(-1) = 8", "the width of d_table, 4"});
+  expect_error(
+      [&] {
+        learned_forward(ConstTensorView::of(table.data(), {16, 4}), ConstTensorView::of(table.data(), {16, 4}),
+                        Positions::range(16), TensorView::of(table.data(), {16, 4}));
+      },
+      {"y = [16, 4]", "disjoint from table"});
+  expect_error(
+      [&] {
+        learned_backward(ConstTensorView::of(x.data(), {8, 4}), Positions::range(8),
+                         TensorView::of(table.data(), {16, 4}), TensorView::of(x.data(), {8, 4}));
+      },
+      {"dx = [8, 4]", "disjoint from dy"});
+  expect_error(
+      [&] {
+        learned_forward(ConstTensorView::of(table.data(), {16, 4}), ConstTensorView::of(wide.data(), {8, 4}),
+                        Positions::range(8), TensorView::of(y.data(), {8, 4}));
+      },
+      {"x.dtype() = f64", "f32"});
+  expect_error(
+      [&] {
+        learned_forward(ConstTensorView::of(table.data(), {16, 4}), ConstTensorView::of(x.data(), {8, 4}),
+                        Positions::range(8), TensorView::of(table.data() + 8, {8, 4}));
+      },
+      {"y = [8, 4]", "disjoint from table"});
+  expect_error(
+      [&] {
+        learned_backward(ConstTensorView::of(x.data(), {8, 4}), Positions::range(8),
+                         TensorView::of(table.data(), {16, 4}, {0, 1}));
+      },
+      {"d_table.stride(0) = 0"});
   // 2^62 floats: more than std::vector can hold, so no allocation is even attempted (a merely
   // huge request would abort under AddressSanitizer instead of throwing bad_alloc).
   expect_error([] { LearnedTable(std::int64_t{1} << 40, std::int64_t{1} << 22); },
@@ -289,7 +324,8 @@ TEST(Learned, OwnedTable) {
   learned_init_normal(table.view(), 1.0, 7);
   std::vector<float> x(6, 0.0f), y(6);
   const std::vector<std::int64_t> ids = {9};
-  learned_forward(table.view(), ConstTensorView::of(x.data(), {1, 6}), Positions::ids(ids), TensorView::of(y.data(), {1, 6}));
+  learned_forward(table.view(), ConstTensorView::of(x.data(), {1, 6}), Positions::ids(ids),
+                  TensorView::of(y.data(), {1, 6}));
   EXPECT_EQ(y[0], table.view().typed<float>()[9 * 6]);
 }
 

@@ -45,10 +45,14 @@ ShawCase random_case() {
 
 std::pair<Positions, Positions> positions_of(const ShawCase& c) {
   switch (c.position_kind) {
-    case 0: return {Positions::ranges(c.starts, c.q_len), Positions::ranges(c.starts, c.k_len)};
-    case 1: return {Positions::range(c.q_len, c.k_len), Positions::range(c.k_len)};
-    case 2: return {Positions::ids(c.q_ids, c.batch, c.q_len), Positions::ids(c.k_ids, c.batch, c.k_len)};
-    default: return {Positions::packed(c.cu), Positions::packed(c.cu)};
+    case 0:
+      return {Positions::ranges(c.starts, c.q_len), Positions::ranges(c.starts, c.k_len)};
+    case 1:
+      return {Positions::range(c.q_len, c.k_len), Positions::range(c.k_len)};
+    case 2:
+      return {Positions::ids(c.q_ids, c.batch, c.q_len), Positions::ids(c.k_ids, c.batch, c.k_len)};
+    default:
+      return {Positions::packed(c.cu), Positions::packed(c.cu)};
   }
 }
 
@@ -109,7 +113,8 @@ TEST_P(EveryTarget, ShawMatchesReference) {
     // Score term (adds onto existing scores).
     std::vector<unsigned char> s_got = as(base_scores);
     std::vector<double> s_want = base_s64;
-    shaw_add_score_term(p, tokens_view(q_t.data(), c.dtype, c), qp, kp, TensorView::contiguous(s_got.data(), c.dtype, score_shape(c)));
+    shaw_add_score_term(p, tokens_view(q_t.data(), c.dtype, c), qp, kp,
+                        TensorView::contiguous(s_got.data(), c.dtype, score_shape(c)));
     ref::shaw_add_score_term(p, tokens_view(q64.data(), DType::kF64, c), qp, kp,
                              TensorView::contiguous(s_want.data(), DType::kF64, score_shape(c)));
     expect_close(s_got, c.dtype, s_want, scale, "score term");
@@ -126,8 +131,9 @@ TEST_P(EveryTarget, ShawMatchesReference) {
     // Score-term backward: dq (onto existing values) and the key table.
     std::vector<unsigned char> dq_got = as(base_tokens);
     std::vector<double> dq_want = base_t64, dk_got(static_cast<std::size_t>(p.rows() * c.dim), 0.25), dk_want = dk_got;
-    shaw_score_term_backward(p, tokens_view(q_t.data(), c.dtype, c), ConstTensorView::contiguous(ds_t.data(), c.dtype, score_shape(c)),
-                             qp, kp, tokens_view(dq_got.data(), c.dtype, c), dk_got);
+    shaw_score_term_backward(p, tokens_view(q_t.data(), c.dtype, c),
+                             ConstTensorView::contiguous(ds_t.data(), c.dtype, score_shape(c)), qp, kp,
+                             tokens_view(dq_got.data(), c.dtype, c), dk_got);
     ref::shaw_score_term_backward(p, tokens_view(q64.data(), DType::kF64, c),
                                   ConstTensorView::contiguous(ds64.data(), DType::kF64, score_shape(c)), qp, kp,
                                   tokens_view(dq_want.data(), DType::kF64, c), dk_want);
@@ -181,8 +187,9 @@ TEST(Shaw, GradientsMatchFiniteDifferences) {
     };
     std::vector<double> dq(static_cast<std::size_t>(tokens), 0.0), dk(static_cast<std::size_t>(p.rows() * c.dim), 0.0);
     std::vector<double> dp(static_cast<std::size_t>(scores), 0.0), dv(dk.size(), 0.0);
-    shaw_score_term_backward(p, tokens_view(q.data(), DType::kF64, c), ConstTensorView::contiguous(ws.data(), DType::kF64, score_shape(c)),
-                             qp, kp, tokens_view(dq.data(), DType::kF64, c), dk);
+    shaw_score_term_backward(p, tokens_view(q.data(), DType::kF64, c),
+                             ConstTensorView::contiguous(ws.data(), DType::kF64, score_shape(c)), qp, kp,
+                             tokens_view(dq.data(), DType::kF64, c), dk);
     shaw_value_term_backward(p, ConstTensorView::contiguous(probs.data(), DType::kF64, score_shape(c)),
                              tokens_view(wt.data(), DType::kF64, c), qp, kp,
                              TensorView::contiguous(dp.data(), DType::kF64, score_shape(c)), dv);
@@ -199,8 +206,10 @@ TEST(Shaw, GradientsMatchFiniteDifferences) {
       vt[t] += delta;
       return ShawParams(c.k, c.dim, p.key_table(), vt);
     };
-    EXPECT_NEAR(dk[t], (score_loss(with_key(step)) - score_loss(with_key(-step))) / (2 * step), 1e-9 * (1 + std::fabs(dk[t])));
-    EXPECT_NEAR(dv[t], (value_loss(with_value(step)) - value_loss(with_value(-step))) / (2 * step), 1e-9 * (1 + std::fabs(dv[t])));
+    EXPECT_NEAR(dk[t], (score_loss(with_key(step)) - score_loss(with_key(-step))) / (2 * step),
+                1e-9 * (1 + std::fabs(dk[t])));
+    EXPECT_NEAR(dv[t], (value_loss(with_value(step)) - value_loss(with_value(-step))) / (2 * step),
+                1e-9 * (1 + std::fabs(dv[t])));
     // dq in storage order (the view maps it); d_probs at one score.
     const auto qi = static_cast<std::size_t>(uniform_int(0, tokens - 1));
     const double saved = q[qi];
@@ -230,8 +239,9 @@ TEST_P(EveryTarget, ShawTableGradientsAreThreadCountFree) {
   std::vector<double> one(static_cast<std::size_t>(p.rows() * dim), 0.0), two(one.size(), 0.0);
   for (const int threads : {1, 2}) {
     set_num_threads(threads);
-    shaw_score_term_backward(p, ConstTensorView::of(q.data(), {seq, heads, dim}), ConstTensorView::of(ds.data(), {heads, seq, seq}),
-                             Positions::range(seq), Positions::range(seq), TensorView(), threads == 1 ? one : two);
+    shaw_score_term_backward(p, ConstTensorView::of(q.data(), {seq, heads, dim}),
+                             ConstTensorView::of(ds.data(), {heads, seq, seq}), Positions::range(seq),
+                             Positions::range(seq), TensorView(), threads == 1 ? one : two);
   }
   EXPECT_EQ(std::memcmp(one.data(), two.data(), one.size() * sizeof(double)), 0);
 }
@@ -243,16 +253,25 @@ TEST(Shaw, RejectsBadArguments) {
   expect_error([] { ShawParams(0, 1, {}, {std::nan("")}); }, {"value_table[0] = nan", "finite"});
   const ShawParams p(2, 4);
   std::vector<float> q(3 * 2 * 4), s(2 * 3 * 5), wrong(3 * 2 * 3);
-  expect_error([&] { shaw_add_score_term(p, ConstTensorView::of(wrong.data(), {3, 2, 3}), Positions::range(3), Positions::range(5),
-                                         TensorView::of(s.data(), {2, 3, 5})); },
-               {"shaw_add_score_term: q.size(-1) = 3", "params.head_dim() = 4"});
-  expect_error([&] { shaw_add_score_term(p, ConstTensorView::of(q.data(), {3, 2, 4}), Positions::range(3), Positions::range(5),
-                                         TensorView::of(s.data(), {3, 2, 5})); },
-               {"shaw_add_score_term: scores.size(0) = 3", "heads = 2"});
+  expect_error(
+      [&] {
+        shaw_add_score_term(p, ConstTensorView::of(wrong.data(), {3, 2, 3}), Positions::range(3), Positions::range(5),
+                            TensorView::of(s.data(), {2, 3, 5}));
+      },
+      {"shaw_add_score_term: q.size(-1) = 3", "params.head_dim() = 4"});
+  expect_error(
+      [&] {
+        shaw_add_score_term(p, ConstTensorView::of(q.data(), {3, 2, 4}), Positions::range(3), Positions::range(5),
+                            TensorView::of(s.data(), {3, 2, 5}));
+      },
+      {"shaw_add_score_term: scores.size(0) = 3", "heads = 2"});
   std::vector<double> small(3);
-  expect_error([&] { shaw_score_term_backward(p, ConstTensorView::of(q.data(), {3, 2, 4}), ConstTensorView::of(s.data(), {2, 3, 5}),
-                                              Positions::range(3), Positions::range(5), TensorView(), small); },
-               {"d_key_table.size() = 3", "20"});
+  expect_error(
+      [&] {
+        shaw_score_term_backward(p, ConstTensorView::of(q.data(), {3, 2, 4}), ConstTensorView::of(s.data(), {2, 3, 5}),
+                                 Positions::range(3), Positions::range(5), TensorView(), small);
+      },
+      {"d_key_table.size() = 3", "20"});
   EXPECT_EQ(p.row_of(-100), 0);
   EXPECT_EQ(p.row_of(0), 2);
   EXPECT_EQ(p.row_of(1), 3);
@@ -290,7 +309,8 @@ TEST_P(EveryTarget, TransformerXlMatchesReference) {
       return v;
     };
     const auto q_t = as(random_values(q_count)), k_t = as(random_values(k_count)), ds_t = as(random_values(scores));
-    const auto base_s = as(random_values(scores)), base_q = as(random_values(q_count)), base_k = as(random_values(k_count));
+    const auto base_s = as(random_values(scores)), base_q = as(random_values(q_count)),
+               base_k = as(random_values(k_count));
     const std::vector<double> q64 = widened(q_t, q_count), k64 = widened(k_t, k_count), ds64 = widened(ds_t, scores);
     const double scale = static_cast<double>((c.k_len + c.q_len) * (c.dim + d_model)) * 4;
 
@@ -310,14 +330,16 @@ TEST_P(EveryTarget, TransformerXlMatchesReference) {
                                tokens_view(dq_got.data(), c.dtype, c), key_view(dk_got.data(), c.dtype, c), got);
     ref::xl_position_terms_backward(p, tokens_view(q64.data(), DType::kF64, c), key_view(k64.data(), DType::kF64, c),
                                     ConstTensorView::contiguous(ds64.data(), DType::kF64, score_shape(c)), qp, kp,
-                                    tokens_view(dq_want.data(), DType::kF64, c), key_view(dk_want.data(), DType::kF64, c), want);
+                                    tokens_view(dq_want.data(), DType::kF64, c),
+                                    key_view(dk_want.data(), DType::kF64, c), want);
     expect_close(dq_got, c.dtype, dq_want, scale, "xl dq");
     expect_close(dk_got, c.dtype, dk_want, scale, "xl dk");
     for (std::size_t e = 0; e < got.u.size(); ++e) {
       EXPECT_NEAR(got.u[e], want.u[e], 1e-12 * scale) << "du " << e;
       EXPECT_NEAR(got.v[e], want.v[e], 1e-12 * scale) << "dv " << e;
     }
-    for (std::size_t e = 0; e < got.w_r.size(); ++e) EXPECT_NEAR(got.w_r[e], want.w_r[e], 1e-12 * scale) << "dW_R " << e;
+    for (std::size_t e = 0; e < got.w_r.size(); ++e)
+      EXPECT_NEAR(got.w_r[e], want.w_r[e], 1e-12 * scale) << "dW_R " << e;
   }
 }
 
@@ -336,8 +358,8 @@ TEST(TransformerXl, GradientsMatchFiniteDifferences) {
     const std::vector<double> w = random_values(scores);
     auto loss = [&](const XlParams& params) {
       std::vector<double> s(static_cast<std::size_t>(scores), 0.0);
-      ref::xl_add_position_terms(params, tokens_view(q.data(), DType::kF64, c), key_view(k.data(), DType::kF64, c), qp, kp,
-                                 TensorView::contiguous(s.data(), DType::kF64, score_shape(c)));
+      ref::xl_add_position_terms(params, tokens_view(q.data(), DType::kF64, c), key_view(k.data(), DType::kF64, c), qp,
+                                 kp, TensorView::contiguous(s.data(), DType::kF64, score_shape(c)));
       double sum = 0;
       for (std::size_t e = 0; e < s.size(); ++e) sum += w[e] * s[e];
       return sum;
@@ -361,7 +383,8 @@ TEST(TransformerXl, GradientsMatchFiniteDifferences) {
       const double fd = (loss(with(which, e, step)) - loss(with(which, e, -step))) / (2 * step);
       // Bilinear terms: the central difference is exact in real arithmetic; rounding of L
       // (|L| <= ~1e3) over a step of 1e-4 leaves ~1e-9.
-      EXPECT_NEAR(analytic[which], fd, 1e-7 * (1 + std::fabs(analytic[which]))) << "trial " << trial << " parameter " << which;
+      EXPECT_NEAR(analytic[which], fd, 1e-7 * (1 + std::fabs(analytic[which])))
+          << "trial " << trial << " parameter " << which;
     }
     for (auto* tensor : {&q, &k}) {
       const auto e = static_cast<std::size_t>(uniform_int(0, static_cast<std::int64_t>(tensor->size()) - 1));
@@ -386,9 +409,10 @@ TEST_P(EveryTarget, TransformerXlGradientsAreThreadCountFree) {
   XlGradients one(p), two(p);
   for (const int threads : {1, 2}) {
     set_num_threads(threads);
-    xl_position_terms_backward(p, ConstTensorView::of(q.data(), {seq, heads, dim}), ConstTensorView::of(q.data(), {seq, heads, dim}),
-                               ConstTensorView::of(ds.data(), {heads, seq, seq}), Positions::range(seq), Positions::range(seq),
-                               TensorView(), TensorView(), threads == 1 ? one : two);
+    xl_position_terms_backward(p, ConstTensorView::of(q.data(), {seq, heads, dim}),
+                               ConstTensorView::of(q.data(), {seq, heads, dim}),
+                               ConstTensorView::of(ds.data(), {heads, seq, seq}), Positions::range(seq),
+                               Positions::range(seq), TensorView(), TensorView(), threads == 1 ? one : two);
   }
   EXPECT_EQ(std::memcmp(one.w_r.data(), two.w_r.data(), one.w_r.size() * sizeof(double)), 0);
   EXPECT_EQ(std::memcmp(one.u.data(), two.u.data(), one.u.size() * sizeof(double)), 0);
@@ -401,34 +425,44 @@ TEST(TransformerXl, DefinitionAndErrors) {
   const std::vector<double> q = {0.7}, k = {1.3};
   double score = 0;
   const std::vector<std::int64_t> qi = {10}, ki = {4};
-  xl_add_position_terms(p, ConstTensorView::of(q.data(), {1, 1, 1}), ConstTensorView::of(k.data(), {1, 1, 1}), Positions::ids(qi),
-                        Positions::ids(ki), TensorView::of(&score, {1, 1, 1}));
+  xl_add_position_terms(p, ConstTensorView::of(q.data(), {1, 1, 1}), ConstTensorView::of(k.data(), {1, 1, 1}),
+                        Positions::ids(qi), Positions::ids(ki), TensorView::of(&score, {1, 1, 1}));
   EXPECT_NEAR(score, 0.5 * 1.3 + (0.7 - 0.25) * (2.0 * std::sin(6.0) + 3.0 * std::cos(6.0)), 1e-15);
   EXPECT_NEAR(XlParams::init(2, 4, 8).scale(), 0.5, 0);  // 1/sqrt(head_dim) by default
   expect_error([] { XlParams(1, 1, 3, {0.0}, {0.0}, {0.0, 0.0, 0.0}); }, {"XlParams: d_model = 3", "even"});
-  expect_error([] { XlParams(1, 2, 2, {0.0}, {0.0, 0.0}, {0.0, 0.0, 0.0, 0.0}); }, {"u.size() = 1", "heads·head_dim = 2"});
+  expect_error(
+      [] {
+        XlParams(1, 2, 2, {0.0}, {0.0, 0.0}, {0.0, 0.0, 0.0, 0.0});
+      },
+      {"u.size() = 1", "heads·head_dim = 2"});
   expect_error([] { XlParams(1, 1, 2, {0.0}, {0.0}, {0.0, 0.0}, -1.0); }, {"scale = -1"});
   std::vector<double> s(4);
-  expect_error([&] { xl_add_position_terms(p, ConstTensorView::of(q.data(), {1, 1, 1}), ConstTensorView::of(s.data(), {1, 2, 2, 1}),
-                                           Positions::range(1), Positions::range(2), TensorView::of(s.data(), {1, 1, 2})); },
-               {"xl_add_position_terms: k [heads, head_dim] = 2, 1", "params' 1, 1"});
+  expect_error(
+      [&] {
+        xl_add_position_terms(p, ConstTensorView::of(q.data(), {1, 1, 1}), ConstTensorView::of(s.data(), {1, 2, 2, 1}),
+                              Positions::range(1), Positions::range(2), TensorView::of(s.data(), {1, 1, 2}));
+      },
+      {"xl_add_position_terms: k [heads, head_dim] = 2, 1", "params' 1, 1"});
 }
 
 // The tile-loop evaluators against the fp64 reference, one query row at a time. f32 math over
 // D-long dot products of values <= 1 (and tables of N(0, 0.25)): within 1e-5·(1 + |want|).
 TEST(Evaluators, ShawRowsMatchTheReference) {
   for (int trial = 0; trial < 10; ++trial) {
-    const std::int64_t q_len = uniform_int(1, 9), k_len = uniform_int(1, 30), dim = uniform_int(1, 12), k = uniform_int(0, 7);
+    const std::int64_t q_len = uniform_int(1, 9), k_len = uniform_int(1, 30), dim = uniform_int(1, 12),
+                       k = uniform_int(0, 7);
     const std::int64_t q0 = uniform_int(0, 40), k0 = uniform_int(0, 40);
     const ShawParams p = ShawParams::init(k, dim, 0.5, static_cast<std::uint64_t>(trial));
     const ShawEvaluator eval(p);
     std::vector<double> q = random_values(q_len * dim), probs = random_values(q_len * k_len);
-    std::vector<double> want_scores(static_cast<std::size_t>(q_len * k_len), 0.0), want_out(static_cast<std::size_t>(q_len * dim), 0.0);
-    ref::shaw_add_score_term(p, ConstTensorView::of(q.data(), {q_len, 1, dim}), Positions::range(q_len, q0), Positions::range(k_len, k0),
-                             TensorView::of(want_scores.data(), {1, q_len, k_len}));
+    std::vector<double> want_scores(static_cast<std::size_t>(q_len * k_len), 0.0),
+        want_out(static_cast<std::size_t>(q_len * dim), 0.0);
+    ref::shaw_add_score_term(p, ConstTensorView::of(q.data(), {q_len, 1, dim}), Positions::range(q_len, q0),
+                             Positions::range(k_len, k0), TensorView::of(want_scores.data(), {1, q_len, k_len}));
     ref::shaw_add_value_term(p, ConstTensorView::of(probs.data(), {1, q_len, k_len}), Positions::range(q_len, q0),
                              Positions::range(k_len, k0), TensorView::of(want_out.data(), {q_len, 1, dim}));
-    std::vector<float> dots(static_cast<std::size_t>(eval.width())), row(static_cast<std::size_t>(k_len)), out(static_cast<std::size_t>(dim));
+    std::vector<float> dots(static_cast<std::size_t>(eval.width())), row(static_cast<std::size_t>(k_len)),
+        out(static_cast<std::size_t>(dim));
     for (std::int64_t i = 0; i < q_len; ++i) {
       const std::vector<float> qi(q.begin() + i * dim, q.begin() + (i + 1) * dim);
       const std::vector<float> pi(probs.begin() + i * k_len, probs.begin() + (i + 1) * k_len);
@@ -458,17 +492,20 @@ TEST(Evaluators, TransformerXlRowsMatchTheReference) {
     const XlEvaluator eval(p, -5, 5);
     std::vector<double> q = random_values(q_len * heads * dim), k = random_values(k_len * heads * dim);
     std::vector<double> want(static_cast<std::size_t>(heads * q_len * k_len), 0.0);
-    ref::xl_add_position_terms(p, ConstTensorView::of(q.data(), {q_len, heads, dim}), ConstTensorView::of(k.data(), {k_len, heads, dim}),
-                               Positions::range(q_len, k_len), Positions::range(k_len), TensorView::of(want.data(), {heads, q_len, k_len}));
+    ref::xl_add_position_terms(p, ConstTensorView::of(q.data(), {q_len, heads, dim}),
+                               ConstTensorView::of(k.data(), {k_len, heads, dim}), Positions::range(q_len, k_len),
+                               Positions::range(k_len), TensorView::of(want.data(), {heads, q_len, k_len}));
     const std::vector<float> q32(q.begin(), q.end()), k32(k.begin(), k.end());
     std::vector<float> row(static_cast<std::size_t>(k_len));
     for (std::int64_t h = 0; h < heads; ++h) {
       for (std::int64_t i = 0; i < q_len; ++i) {
         std::fill(row.begin(), row.end(), 0.0f);
-        eval.add_row(h, q32.data() + (i * heads + h) * dim, k_len + i, k32.data() + h * dim, heads * dim, 0, k_len, row.data());
+        eval.add_row(h, q32.data() + (i * heads + h) * dim, k_len + i, k32.data() + h * dim, heads * dim, 0, k_len,
+                     row.data());
         for (std::int64_t j = 0; j < k_len; ++j) {
           const double w = want[static_cast<std::size_t>((h * q_len + i) * k_len + j)];
-          EXPECT_NEAR(row[static_cast<std::size_t>(j)], w, 1e-5 * (1 + std::fabs(w)) * static_cast<double>(dim)) << trial;
+          EXPECT_NEAR(row[static_cast<std::size_t>(j)], w, 1e-5 * (1 + std::fabs(w)) * static_cast<double>(dim))
+              << trial;
         }
       }
     }

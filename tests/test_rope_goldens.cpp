@@ -65,8 +65,8 @@ void expect_matches_printed(const std::vector<double>& got, const double (&want)
   for (std::size_t i = 0; i < 64; ++i) {
     const double exponent = std::floor(std::log10(want[i]));
     const double half_unit = 0.5 * std::pow(10.0, exponent - 4) * (1 + 1e-12);
-    EXPECT_LE(std::fabs(got[i] - want[i]), half_unit) << what << " inv_freq[" << i << "] = " << got[i] << ", transformers "
-                                                       << want[i];
+    EXPECT_LE(std::fabs(got[i] - want[i]), half_unit)
+        << what << " inv_freq[" << i << "] = " << got[i] << ", transformers " << want[i];
   }
 }
 
@@ -132,7 +132,7 @@ TEST(RopeGoldens, TransformersLongropeRelations) {
   }
   c.factor = 10;
   const std::vector<double> base = rope_params_from_hf(llama_config()).inv_frequencies();  // checked above
-  const std::vector<double> longs = rope_params_from_hf(c).inv_frequencies(4096);   // past M0 = 2048
+  const std::vector<double> longs = rope_params_from_hf(c).inv_frequencies(4096);          // past M0 = 2048
   const std::vector<double> shorts = rope_params_from_hf(c).inv_frequencies(1024);
   for (std::size_t i = 0; i < 64; ++i) {
     // 1e-15 relative: a division by a small integer, rounded once in fp64 (2^-53 ≈ 1.1e-16) on

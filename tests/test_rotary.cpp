@@ -25,7 +25,8 @@ TEST(RopeParams, RejectsInvalidValues) {
   RopeScaling linear;
   linear.type = RopeType::kLinear;
   linear.factor = 0.5;
-  expect_error([&] { RopeParams(64, 64, 1e4, RopeLayout::kHalfSplit, linear); }, {"factor = 0.5", ">= 1 for rope_type linear"});
+  expect_error([&] { RopeParams(64, 64, 1e4, RopeLayout::kHalfSplit, linear); },
+               {"factor = 0.5", ">= 1 for rope_type linear"});
   RopeScaling yarn;
   yarn.type = RopeType::kYarn;
   yarn.factor = 4;
@@ -36,7 +37,8 @@ TEST(RopeParams, RejectsInvalidValues) {
   longrope.type = RopeType::kLongRope;
   longrope.short_factor.assign(31, 1.0);
   longrope.long_factor.assign(32, 1.0);
-  expect_error([&] { RopeParams(64, 64, 1e4, RopeLayout::kHalfSplit, longrope); }, {"short_factor.size() = 31", "rotary_dim / 2 = 32"});
+  expect_error([&] { RopeParams(64, 64, 1e4, RopeLayout::kHalfSplit, longrope); },
+               {"short_factor.size() = 31", "rotary_dim / 2 = 32"});
   expect_error([] { RopeParams(64, 64, 1e4, RopeLayout::kHalfSplit, {}, 2048, std::vector<double>(3, 1.0)); },
                {"freq_factors.size() = 3", "0 or rotary_dim / 2 = 32"});
   expect_error([] { RopeParams(64, 64, 1e4, RopeLayout::kHalfSplit, {}, 2048, std::vector<double>(32, 1e-4)); },
@@ -226,7 +228,7 @@ struct Case {
   std::int64_t batch, seq, q_heads, k_heads, head_dim, rotary_dim;
   RopeLayout layout;
   DType dtype;
-  bool bhsd;      // memory [B, H, S, D], viewed as [B, S, H, D]
+  bool bhsd;  // memory [B, H, S, D], viewed as [B, S, H, D]
   bool in_place;
   RopeDirection direction;
   int position_kind;  // 0 range+offset, 1 per-row ranges, 2 ids, 3 packed (B = 1)
@@ -236,9 +238,11 @@ struct Case {
 std::string describe(const Case& c) {
   return "[" + std::to_string(c.batch) + ", " + std::to_string(c.seq) + ", q " + std::to_string(c.q_heads) + " / k " +
          std::to_string(c.k_heads) + " heads, D " + std::to_string(c.head_dim) + ", r " + std::to_string(c.rotary_dim) +
-         "] " + (c.layout == RopeLayout::kInterleaved ? "interleaved " : "half-split ") + std::string(dtype_name(c.dtype)) +
-         (c.bhsd ? " BHSD" : " BSHD") + (c.in_place ? " in place" : "") +
-         (c.direction == RopeDirection::kInverse ? " inverse" : c.direction == RopeDirection::kBackward ? " backward" : "") +
+         "] " + (c.layout == RopeLayout::kInterleaved ? "interleaved " : "half-split ") +
+         std::string(dtype_name(c.dtype)) + (c.bhsd ? " BHSD" : " BSHD") + (c.in_place ? " in place" : "") +
+         (c.direction == RopeDirection::kInverse    ? " inverse"
+          : c.direction == RopeDirection::kBackward ? " backward"
+                                                    : "") +
          " positions " + std::to_string(c.position_kind) + (c.xpos ? " xpos" : "");
 }
 
@@ -261,7 +265,8 @@ void run_case(const Case& c) {
   const std::int64_t far = c.xpos ? 4000 - c.seq : 1 << 20, far_ids = c.xpos ? 4000 : 1 << 24;
   const std::vector<std::int64_t> q_shape = {c.batch, c.seq, c.q_heads, c.head_dim};
   const std::vector<std::int64_t> k_shape = {c.batch, c.seq, c.k_heads, c.head_dim};
-  const std::int64_t q_count = c.batch * c.seq * c.q_heads * c.head_dim, k_count = c.batch * c.seq * c.k_heads * c.head_dim;
+  const std::int64_t q_count = c.batch * c.seq * c.q_heads * c.head_dim,
+                     k_count = c.batch * c.seq * c.k_heads * c.head_dim;
   std::vector<double> q_values(static_cast<std::size_t>(q_count)), k_values(static_cast<std::size_t>(k_count));
   for (auto& v : q_values) v = uniform(-1, 1);
   for (auto& v : k_values) v = uniform(-1, 1);
@@ -281,17 +286,19 @@ void run_case(const Case& c) {
   std::vector<double> q_ref(q64.size()), k_ref(k64.size());
   const std::vector<std::int64_t> qs = strides_of(c, c.q_heads), ks = strides_of(c, c.k_heads);
   ref::rope_apply(params, positions, ConstTensorView(q64.data(), DType::kF64, q_shape, qs),
-                  ConstTensorView(k64.data(), DType::kF64, k_shape, ks), TensorView(q_ref.data(), DType::kF64, q_shape, qs),
+                  ConstTensorView(k64.data(), DType::kF64, k_shape, ks),
+                  TensorView(q_ref.data(), DType::kF64, q_shape, qs),
                   TensorView(k_ref.data(), DType::kF64, k_shape, ks), c.direction);
   // The call under test.
   std::vector<unsigned char> q_out = c.in_place ? q : testing::garbage_buffer(c.dtype, q_count);
   std::vector<unsigned char> k_out = c.in_place ? k : testing::garbage_buffer(c.dtype, k_count);
   if (c.in_place) {
-    rope_apply(params, positions, TensorView(q_out.data(), c.dtype, q_shape, qs), TensorView(k_out.data(), c.dtype, k_shape, ks),
-               c.direction);
+    rope_apply(params, positions, TensorView(q_out.data(), c.dtype, q_shape, qs),
+               TensorView(k_out.data(), c.dtype, k_shape, ks), c.direction);
   } else {
-    rope_apply(params, positions, ConstTensorView(q.data(), c.dtype, q_shape, qs), ConstTensorView(k.data(), c.dtype, k_shape, ks),
-               TensorView(q_out.data(), c.dtype, q_shape, qs), TensorView(k_out.data(), c.dtype, k_shape, ks), c.direction);
+    rope_apply(params, positions, ConstTensorView(q.data(), c.dtype, q_shape, qs),
+               ConstTensorView(k.data(), c.dtype, k_shape, ks), TensorView(q_out.data(), c.dtype, q_shape, qs),
+               TensorView(k_out.data(), c.dtype, k_shape, ks), c.direction);
   }
   // Tolerance per element, relative to the size σ of its coefficients: α·S, with α <= 1.14 (1/α
   // for the inverse) and S the xPos scale of its pair at its token, ζ^(±e) <= ζ^-|e| (ζ < 1),
@@ -302,8 +309,12 @@ void run_case(const Case& c) {
   //        1e-6·(1 + |want| + σ) with room.
   //   bf16, f16: one ulp of the output (relative 2^-7 for bf16, 2^-10 for f16) on top.
   //   f64: the reference itself: exact.
-  const double rel = c.dtype == DType::kF32 ? 0.0 : c.dtype == DType::kBF16 ? std::ldexp(1.0, -7) : c.dtype == DType::kF16 ? std::ldexp(1.0, -10) : 0.0;
-  const double alpha = c.direction == RopeDirection::kInverse ? 1.0 / params.attention_factor() : params.attention_factor();
+  const double rel = c.dtype == DType::kF32    ? 0.0
+                     : c.dtype == DType::kBF16 ? std::ldexp(1.0, -7)
+                     : c.dtype == DType::kF16  ? std::ldexp(1.0, -10)
+                                               : 0.0;
+  const double alpha =
+      c.direction == RopeDirection::kInverse ? 1.0 / params.attention_factor() : params.attention_factor();
   auto sigma_of = [&](std::int64_t index, std::int64_t heads) {
     const std::int64_t j = index % c.head_dim, rest = index / c.head_dim;
     std::int64_t b, s;
@@ -317,16 +328,19 @@ void run_case(const Case& c) {
     if (!c.xpos || j >= c.rotary_dim) return alpha;
     const std::int64_t r = c.rotary_dim;
     const std::int64_t pair = c.layout == RopeLayout::kInterleaved ? j / 2 : j % (r / 2);
-    const double zeta = (2.0 * static_cast<double>(pair) + 0.4 * static_cast<double>(r)) / (1.4 * static_cast<double>(r));
+    const double zeta =
+        (2.0 * static_cast<double>(pair) + 0.4 * static_cast<double>(r)) / (1.4 * static_cast<double>(r));
     const double e = (static_cast<double>(positions.at(b, s)) - params.xpos_center()) / params.xpos_scale_base();
     return alpha * std::pow(zeta, -std::fabs(e));
   };
   int reported = 0;
-  auto compare = [&](const std::vector<unsigned char>& got, const std::vector<double>& want, std::int64_t heads, const char* name) {
+  auto compare = [&](const std::vector<unsigned char>& got, const std::vector<double>& want, std::int64_t heads,
+                     const char* name) {
     for (std::size_t i = 0; i < want.size(); ++i) {
       const double g = element(got.data(), c.dtype, static_cast<std::int64_t>(i));
       const double sigma = sigma_of(static_cast<std::int64_t>(i), heads);
-      const double tol = c.dtype == DType::kF64 ? 0.0 : 1e-6 * (1 + std::fabs(want[i]) + sigma) + rel * std::fabs(want[i]) + rel;
+      const double tol =
+          c.dtype == DType::kF64 ? 0.0 : 1e-6 * (1 + std::fabs(want[i]) + sigma) + rel * std::fabs(want[i]) + rel;
       if (!(std::fabs(g - want[i]) <= tol) && reported++ < 5) {
         ADD_FAILURE() << name << " element " << i << ": got " << g << ", reference " << want[i] << ", σ " << sigma;
       }
@@ -402,7 +416,8 @@ TEST_P(EveryTarget, RopeInverseAndNorms) {
       // |y|² = |x|²·(cos² + sin²) with f32 rounding of each pair: relative 1e-6 covers it.
       EXPECT_NEAR(ny, nx, 1e-6 * nx) << t;
       // Partial rotary: entries past r untouched.
-      for (std::int64_t j = 96; j < d; ++j) ASSERT_EQ(y[static_cast<std::size_t>(t * d + j)], x[static_cast<std::size_t>(t * d + j)]);
+      for (std::int64_t j = 96; j < d; ++j)
+        ASSERT_EQ(y[static_cast<std::size_t>(t * d + j)], x[static_cast<std::size_t>(t * d + j)]);
     }
   }
 }
@@ -442,8 +457,10 @@ TEST_P(EveryTarget, RopeCosSinExact) {
   for (std::int64_t r = 0; r < rows; ++r) {
     for (int i = 0; i < 64; ++i) {
       const long double angle = static_cast<long double>((1 << 24) - rows + 1 + r) * std::pow(5e5L, -2.0L * i / 128);
-      ASSERT_LE(std::fabs(cos[static_cast<std::size_t>(r * 64 + i)] - std::cos(angle)), std::ldexp(1.0, -24)) << r << ", " << i;
-      ASSERT_LE(std::fabs(sin[static_cast<std::size_t>(r * 64 + i)] - std::sin(angle)), std::ldexp(1.0, -24)) << r << ", " << i;
+      ASSERT_LE(std::fabs(cos[static_cast<std::size_t>(r * 64 + i)] - std::cos(angle)), std::ldexp(1.0, -24))
+          << r << ", " << i;
+      ASSERT_LE(std::fabs(sin[static_cast<std::size_t>(r * 64 + i)] - std::sin(angle)), std::ldexp(1.0, -24))
+          << r << ", " << i;
     }
   }
 }
@@ -548,22 +565,32 @@ TEST_P(EveryTarget, RopeMultiAxisWithEqualIdsIsPlainRope) {
   const std::vector<std::int64_t> sections = {16, 24, 24};
   const Positions ids = Positions::range(seq, 300);
   const std::vector<Positions> axes = {ids, ids, ids};
-  rope_apply(params, ids, ConstTensorView::of(x.data(), {seq, heads, d}), {}, TensorView::of(plain.data(), {seq, heads, d}), {});
+  rope_apply(params, ids, ConstTensorView::of(x.data(), {seq, heads, d}), {},
+             TensorView::of(plain.data(), {seq, heads, d}), {});
   rope_apply_multi(params, sections, axes, ConstTensorView::of(x.data(), {seq, heads, d}), {},
                    TensorView::of(multi.data(), {seq, heads, d}), {});
   // Exact coefficients against run-rotated ones (< 1e-13 apart), then one f32 rounding each.
   for (std::size_t i = 0; i < x.size(); ++i) ASSERT_NEAR(multi[i], plain[i], 1e-6) << i;
-  expect_error([&] { const std::vector<std::int64_t> bad = {16, 24, 20};
-                     rope_apply_multi(params, bad, axes, ConstTensorView::of(x.data(), {seq, heads, d}), {},
-                                      TensorView::of(multi.data(), {seq, heads, d}), {}); },
-               {"rope_apply_multi", "sum of sections = 60", "rotary_dim / 2 = 64"});
-  expect_error([&] { const std::vector<Positions> two = {ids, ids};
-                     rope_apply_multi(params, sections, two, ConstTensorView::of(x.data(), {seq, heads, d}), {},
-                                      TensorView::of(multi.data(), {seq, heads, d}), {}); },
-               {"axis_positions.size() = 2", "one Positions per section (3)"});
-  expect_error([&] { rope_apply_multi(params.with_xpos(), sections, axes, ConstTensorView::of(x.data(), {seq, heads, d}), {},
-                                      TensorView::of(multi.data(), {seq, heads, d}), {}); },
-               {"params.xpos() = true"});
+  expect_error(
+      [&] {
+        const std::vector<std::int64_t> bad = {16, 24, 20};
+        rope_apply_multi(params, bad, axes, ConstTensorView::of(x.data(), {seq, heads, d}), {},
+                         TensorView::of(multi.data(), {seq, heads, d}), {});
+      },
+      {"rope_apply_multi", "sum of sections = 60", "rotary_dim / 2 = 64"});
+  expect_error(
+      [&] {
+        const std::vector<Positions> two = {ids, ids};
+        rope_apply_multi(params, sections, two, ConstTensorView::of(x.data(), {seq, heads, d}), {},
+                         TensorView::of(multi.data(), {seq, heads, d}), {});
+      },
+      {"axis_positions.size() = 2", "one Positions per section (3)"});
+  expect_error(
+      [&] {
+        rope_apply_multi(params.with_xpos(), sections, axes, ConstTensorView::of(x.data(), {seq, heads, d}), {},
+                         TensorView::of(multi.data(), {seq, heads, d}), {});
+      },
+      {"params.xpos() = true"});
 }
 
 // Multi-axis mapping written out by hand: r = 4 (pairs 0 and 1), sections {1, 1}, axis 0 ids
@@ -585,8 +612,8 @@ TEST(Rope, MultiAxisMappingByHand) {
     }
     // Pair 1 follows axis 1: θ1 = 7·ω1, ω1 = 100^(-2/4) = 0.1, or 1 when frequencies restart
     // (its section has one pair: base^0).
-    std::vector<double> x1 = layout == RopeLayout::kInterleaved ? std::vector<double>{0, 0, 1, 0}
-                                                                : std::vector<double>{0, 1, 0, 0};
+    std::vector<double> x1 =
+        layout == RopeLayout::kInterleaved ? std::vector<double>{0, 0, 1, 0} : std::vector<double>{0, 1, 0, 0};
     const std::size_t a = layout == RopeLayout::kInterleaved ? 2 : 1, b = layout == RopeLayout::kInterleaved ? 3 : 3;
     for (const bool restart : {false, true}) {
       rope_apply_multi(params, sections, axes, ConstTensorView::of(x1.data(), {1, 1, 4}), {},
@@ -613,10 +640,13 @@ TEST_P(EveryTarget, RopeRunsStayExactNearTwoToThe24) {
              TensorView::of(y.data(), {seq, 1, d}), {});
   for (std::int64_t s = 0; s < seq; ++s) {
     for (std::int64_t i = 0; i < d / 2; ++i) {
-      const long double angle = static_cast<long double>(start + s) * std::pow(5e5L, -2.0L * static_cast<long double>(i) / d);
+      const long double angle =
+          static_cast<long double>(start + s) * std::pow(5e5L, -2.0L * static_cast<long double>(i) / d);
       // x = e_i alone in pair i: y_i = cos θ, y_{i+64} = sin θ, each one f32 product of 1.
-      ASSERT_LE(std::fabs(y[static_cast<std::size_t>(s * d + i)] - std::cos(angle)), std::ldexp(1.0, -23)) << s << ", " << i;
-      ASSERT_LE(std::fabs(y[static_cast<std::size_t>(s * d + d / 2 + i)] - std::sin(angle)), std::ldexp(1.0, -23)) << s << ", " << i;
+      ASSERT_LE(std::fabs(y[static_cast<std::size_t>(s * d + i)] - std::cos(angle)), std::ldexp(1.0, -23))
+          << s << ", " << i;
+      ASSERT_LE(std::fabs(y[static_cast<std::size_t>(s * d + d / 2 + i)] - std::sin(angle)), std::ldexp(1.0, -23))
+          << s << ", " << i;
     }
   }
 }
@@ -631,11 +661,13 @@ TEST_P(EveryTarget, RopeLargeStreamedAndThreadCountFree) {
   std::vector<float> q1(q.size()), k1(k.size()), q2(q.size()), k2(k.size());
   const Positions positions = Positions::range(seq, 1000);
   set_num_threads(1);
-  rope_apply(params, positions, ConstTensorView::of(q.data(), {seq, q_heads, d}), ConstTensorView::of(k.data(), {seq, k_heads, d}),
-             TensorView::of(q1.data(), {seq, q_heads, d}), TensorView::of(k1.data(), {seq, k_heads, d}));
+  rope_apply(params, positions, ConstTensorView::of(q.data(), {seq, q_heads, d}),
+             ConstTensorView::of(k.data(), {seq, k_heads, d}), TensorView::of(q1.data(), {seq, q_heads, d}),
+             TensorView::of(k1.data(), {seq, k_heads, d}));
   set_num_threads(2);
-  rope_apply(params, positions, ConstTensorView::of(q.data(), {seq, q_heads, d}), ConstTensorView::of(k.data(), {seq, k_heads, d}),
-             TensorView::of(q2.data(), {seq, q_heads, d}), TensorView::of(k2.data(), {seq, k_heads, d}));
+  rope_apply(params, positions, ConstTensorView::of(q.data(), {seq, q_heads, d}),
+             ConstTensorView::of(k.data(), {seq, k_heads, d}), TensorView::of(q2.data(), {seq, q_heads, d}),
+             TensorView::of(k2.data(), {seq, k_heads, d}));
   EXPECT_EQ(std::memcmp(q1.data(), q2.data(), q1.size() * sizeof(float)), 0);
   EXPECT_EQ(std::memcmp(k1.data(), k2.data(), k1.size() * sizeof(float)), 0);
   std::vector<double> q64(q.begin(), q.end()), want(q.size());
@@ -659,7 +691,8 @@ TEST_P(EveryTarget, Rope16BitOutputsRoundToNearestEven) {
   for (const DType dtype : {DType::kBF16, DType::kF16}) {
     // d = 128 takes the two-vector steps; d = 48, rotary 46 the one-vector steps and scalar tails.
     // seq 1000 × 40 heads × 128 × 2 bytes = 10 MB of outputs: over the streaming threshold.
-    for (const auto& [seq, d, r] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{1000, 128, 128}, {37, 48, 46}}) {
+    for (const auto& [seq, d, r] :
+         {std::tuple<std::int64_t, std::int64_t, std::int64_t>{1000, 128, 128}, {37, 48, 46}}) {
       for (const RopeLayout layout : {RopeLayout::kHalfSplit, RopeLayout::kInterleaved}) {
         const RopeParams params(d, r, 1e4, layout, yarn, 1024);
         const auto alpha = static_cast<float>(params.attention_factor());
@@ -707,19 +740,25 @@ TEST(Rope, XposScoreDecaysWithDistance) {
   auto score = [&](std::int64_t m, std::int64_t n) {
     std::vector<double> qr(2), kr(2), dummy(2);
     const std::vector<std::int64_t> pm = {m}, pn = {n};
-    rope_apply(params, Positions::ids(pm), ConstTensorView::of(e0.data(), {1, 1, 2}), {}, TensorView::of(qr.data(), {1, 1, 2}), {});
-    rope_apply(params, Positions::ids(pn), ConstTensorView::of(dummy.data(), {1, 1, 2}), ConstTensorView::of(e0.data(), {1, 1, 2}),
-               TensorView::of(dummy.data(), {1, 1, 2}), TensorView::of(kr.data(), {1, 1, 2}));
+    rope_apply(params, Positions::ids(pm), ConstTensorView::of(e0.data(), {1, 1, 2}), {},
+               TensorView::of(qr.data(), {1, 1, 2}), {});
+    rope_apply(params, Positions::ids(pn), ConstTensorView::of(dummy.data(), {1, 1, 2}),
+               ConstTensorView::of(e0.data(), {1, 1, 2}), TensorView::of(dummy.data(), {1, 1, 2}),
+               TensorView::of(kr.data(), {1, 1, 2}));
     return qr[0] * kr[0] + qr[1] * kr[1];
   };
   for (const auto& [m, n] : {std::pair<std::int64_t, std::int64_t>{700, 200}, {1500, 100}, {300, 300}}) {
-    const double expected = std::pow(0.4 / 1.4, static_cast<double>(m - n) / 512.0) * std::cos(static_cast<double>(m - n));
+    const double expected =
+        std::pow(0.4 / 1.4, static_cast<double>(m - n) / 512.0) * std::cos(static_cast<double>(m - n));
     EXPECT_NEAR(score(m, n), expected, 1e-12) << m << ", " << n;
   }
-  expect_error([&] { std::vector<float> x(2), y(2);
-                     rope_apply(params, Positions::range(1, 100000), ConstTensorView::of(x.data(), {1, 1, 2}), {},
-                                TensorView::of(y.data(), {1, 1, 2}), {}); },
-               {"rope (xPos)", "position = 100000", "|position − center| <="});
+  expect_error(
+      [&] {
+        std::vector<float> x(2), y(2);
+        rope_apply(params, Positions::range(1, 100000), ConstTensorView::of(x.data(), {1, 1, 2}), {},
+                   TensorView::of(y.data(), {1, 1, 2}), {});
+      },
+      {"rope (xPos)", "position = 100000", "|position − center| <="});
 }
 
 // Re-rotating cached keys equals rotating the raw keys from scratch under the new parameters:
@@ -756,7 +795,8 @@ TEST_P(EveryTarget, RopeRerotationMatchesRotatingFromScratch) {
   yarn4.type = yarn16.type = RopeType::kYarn;
   yarn4.factor = 4;
   yarn16.factor = 16;
-  const RopeParams ya(d, d, 1e4, RopeLayout::kHalfSplit, yarn4, 2048), yb(d, d, 1e4, RopeLayout::kHalfSplit, yarn16, 8192);
+  const RopeParams ya(d, d, 1e4, RopeLayout::kHalfSplit, yarn4, 2048),
+      yb(d, d, 1e4, RopeLayout::kHalfSplit, yarn16, 8192);
   const Scenario scenarios[] = {
       {"context shift", plain, plain, Positions::range(seq, 5000), Positions::range(seq, 4), 0, 0},
       {"dynamic NTK growth", dyn, dyn, Positions::range(seq, 900), Positions::range(seq, 900), 1024, 4096},
@@ -780,32 +820,55 @@ TEST_P(EveryTarget, RopeRerotationMatchesRotatingFromScratch) {
                sc.to_seq_len);
     for (std::size_t i = 0; i < raw.size(); ++i) ASSERT_NEAR(moved[i], direct[i], 4e-6) << "element " << i;
     // In place too.
-    rope_rerotate(sc.from, sc.from_positions, sc.from_seq_len, sc.to, sc.to_positions, sc.to_seq_len, view(cached), view(cached));
+    rope_rerotate(sc.from, sc.from_positions, sc.from_seq_len, sc.to, sc.to_positions, sc.to_seq_len, view(cached),
+                  view(cached));
     EXPECT_EQ(std::memcmp(cached.data(), moved.data(), cached.size() * sizeof(float)), 0);
   }
-  expect_error([&] { std::vector<float> k(64 * 4);
-                     rope_rerotate(plain, Positions::range(4), 0, RopeParams(d, 32), Positions::range(4), 0,
-                                   ConstTensorView::of(k.data(), {4, 1, 64}), TensorView::of(k.data(), {4, 1, 64})); },
-               {"rope_rerotate", "rotary_dim 32", "the head_dim (64), rotary_dim (64) and layout of from"});
+  expect_error(
+      [&] {
+        std::vector<float> k(64 * 4);
+        rope_rerotate(plain, Positions::range(4), 0, RopeParams(d, 32), Positions::range(4), 0,
+                      ConstTensorView::of(k.data(), {4, 1, 64}), TensorView::of(k.data(), {4, 1, 64}));
+      },
+      {"rope_rerotate", "rotary_dim 32", "the head_dim (64), rotary_dim (64) and layout of from"});
 }
 
 TEST(Rope, RejectsBadArguments) {
   const RopeParams params(8, 8);
   std::vector<float> q(2 * 3 * 8), k(2 * 3 * 8), out(2 * 3 * 8);
-  expect_error([&] { rope_apply(params, Positions::range(3), TensorView::of(q.data(), {1, 3, 2, 4}), TensorView()); },
-               {"rope_apply: q.size(-1) = 4", "params.head_dim() = 8"});
-  expect_error([&] { rope_apply(params, Positions::range(3), TensorView::of(q.data(), {6, 8}), TensorView()); },
-               {"q.rank() = 2", "4 ([B, S, H, D]) or 3"});
-  expect_error([&] { rope_apply(params, Positions::range(3), TensorView::of(q.data(), {3, 2, 8}), TensorView::of(k.data(), {2, 2, 8})); },
-               {"k shape = [1, 2, 2, 8]", "the tokens and head_dim of q [1, 3, 2, 8]"});
-  expect_error([&] { rope_apply(params, Positions::range(4), TensorView::of(q.data(), {3, 2, 8}), TensorView()); },
-               {"positions.seq_len() = 4"});
-  expect_error([&] { rope_apply(params, Positions::range(3), ConstTensorView::of(q.data(), {3, 2, 8}), TensorView(),
-                                TensorView::of(q.data() + 8, {3, 2, 8}), TensorView()); },
-               {"q_out = [3, 2, 8]", "disjoint from q"});
-  expect_error([&] { rope_apply(params, Positions::range(3), ConstTensorView::of(q.data(), {3, 2, 8}), ConstTensorView::of(k.data(), {3, 2, 8}),
-                                TensorView::of(out.data(), {3, 2, 8}), TensorView()); },
-               {"k_out = empty", "a view exactly when k is one"});
+  expect_error(
+      [&] {
+        rope_apply(params, Positions::range(3), TensorView::of(q.data(), {1, 3, 2, 4}), TensorView());
+      },
+      {"rope_apply: q.size(-1) = 4", "params.head_dim() = 8"});
+  expect_error(
+      [&] {
+        rope_apply(params, Positions::range(3), TensorView::of(q.data(), {6, 8}), TensorView());
+      },
+      {"q.rank() = 2", "4 ([B, S, H, D]) or 3"});
+  expect_error(
+      [&] {
+        rope_apply(params, Positions::range(3), TensorView::of(q.data(), {3, 2, 8}),
+                   TensorView::of(k.data(), {2, 2, 8}));
+      },
+      {"k shape = [1, 2, 2, 8]", "the tokens and head_dim of q [1, 3, 2, 8]"});
+  expect_error(
+      [&] {
+        rope_apply(params, Positions::range(4), TensorView::of(q.data(), {3, 2, 8}), TensorView());
+      },
+      {"positions.seq_len() = 4"});
+  expect_error(
+      [&] {
+        rope_apply(params, Positions::range(3), ConstTensorView::of(q.data(), {3, 2, 8}), TensorView(),
+                   TensorView::of(q.data() + 8, {3, 2, 8}), TensorView());
+      },
+      {"q_out = [3, 2, 8]", "disjoint from q"});
+  expect_error(
+      [&] {
+        rope_apply(params, Positions::range(3), ConstTensorView::of(q.data(), {3, 2, 8}),
+                   ConstTensorView::of(k.data(), {3, 2, 8}), TensorView::of(out.data(), {3, 2, 8}), TensorView());
+      },
+      {"k_out = empty", "a view exactly when k is one"});
 }
 
 INSTANTIATE_TEST_SUITE_P(Targets, EveryTarget, ::testing::ValuesIn(testing::all_targets()),

@@ -33,10 +33,14 @@ double ulp16(double value, int mantissa_bits, int min_exponent) {
 double tolerance(DType dtype, std::int64_t p, double want) {
   const double f32 = std::ldexp(1.0, -25) + static_cast<double>(p) * std::ldexp(1.0, -50) + std::ldexp(1.0, -40);
   switch (dtype) {
-    case DType::kF32: return f32;
-    case DType::kBF16: return ulp16(want, 7, -126) + f32;
-    case DType::kF16: return ulp16(want, 10, -14) + f32;
-    case DType::kF64: return 0.0;
+    case DType::kF32:
+      return f32;
+    case DType::kBF16:
+      return ulp16(want, 7, -126) + f32;
+    case DType::kF16:
+      return ulp16(want, 10, -14) + f32;
+    case DType::kF64:
+      return 0.0;
   }
   return 0;
 }
@@ -101,9 +105,8 @@ std::vector<std::int64_t> random_ids(std::int64_t n) {
 
 // Compares `out` (a strided [rows, dim] view of `dtype`) with the reference written into an f64
 // table of the same positions.
-void expect_matches_reference(const SinusoidalParams& params, const Positions& positions,
-                              const void* out, DType dtype, std::int64_t rows,
-                              std::int64_t row_stride, std::int64_t col_stride) {
+void expect_matches_reference(const SinusoidalParams& params, const Positions& positions, const void* out, DType dtype,
+                              std::int64_t rows, std::int64_t row_stride, std::int64_t col_stride) {
   std::vector<double> expected(static_cast<std::size_t>(rows * params.dim()));
   ref::sinusoidal_table(params, positions, TensorView::of(expected.data(), {rows, params.dim()}));
   int reported = 0;
@@ -113,8 +116,8 @@ void expect_matches_reference(const SinusoidalParams& params, const Positions& p
       const double want = expected[static_cast<std::size_t>(r * params.dim() + j)];
       const double tol = tolerance(dtype, positions.at(0, r), want);
       if (!(std::fabs(got - want) <= tol) && reported++ < 5) {
-        ADD_FAILURE() << "row " << r << " (position " << positions.at(0, r) << ") column " << j
-                      << ": got " << got << ", reference " << want << ", tolerance " << tol;
+        ADD_FAILURE() << "row " << r << " (position " << positions.at(0, r) << ") column " << j << ": got " << got
+                      << ", reference " << want << ", tolerance " << tol;
       }
     }
   }
@@ -134,10 +137,10 @@ TEST_P(EveryTarget, SinusoidalTableMatchesReference) {
     const std::int64_t row_stride = dim * col_stride + uniform_int(0, 5);
     const std::vector<std::int64_t> ids = random_ids(rows);
     const SinusoidalParams params(dim, base, layout);
-    SCOPED_TRACE("trial " + std::to_string(trial) + ": dim " + std::to_string(dim) + ", rows " +
-                 std::to_string(rows) + ", base " + std::to_string(base) + ", dtype " +
-                 std::string(dtype_name(dtype)) + ", strides [" + std::to_string(row_stride) +
-                 ", " + std::to_string(col_stride) + "], layout " + std::to_string(static_cast<int>(layout)));
+    SCOPED_TRACE("trial " + std::to_string(trial) + ": dim " + std::to_string(dim) + ", rows " + std::to_string(rows) +
+                 ", base " + std::to_string(base) + ", dtype " + std::string(dtype_name(dtype)) + ", strides [" +
+                 std::to_string(row_stride) + ", " + std::to_string(col_stride) + "], layout " +
+                 std::to_string(static_cast<int>(layout)));
     auto buffer = testing::garbage_buffer(dtype, rows * row_stride);
     const TensorView out(buffer.data(), dtype, std::vector<std::int64_t>{rows, dim},
                          std::vector<std::int64_t>{row_stride, col_stride});
@@ -167,7 +170,8 @@ TEST_P(EveryTarget, SinusoidalExactAtLongPositions) {
       for (std::int64_t r = 0; r < rows; ++r) {
         const long double p = static_cast<long double>(start + r);
         for (std::int64_t i = 0; i < dim / 2; ++i) {
-          const long double angle = p * std::pow(10000.0L, -2.0L * static_cast<long double>(i) / static_cast<long double>(dim));
+          const long double angle =
+              p * std::pow(10000.0L, -2.0L * static_cast<long double>(i) / static_cast<long double>(dim));
           const auto at = static_cast<std::size_t>(r * dim + 2 * i);
           worst = std::max({worst, static_cast<double>(std::fabs(table[at] - std::sin(angle))),
                             static_cast<double>(std::fabs(table[at + 1] - std::cos(angle)))});
@@ -189,9 +193,8 @@ TEST_P(EveryTarget, SinusoidalAddMatchesReference) {
     // x lives inside a larger buffer: padded rows ([B, S, D] with row stride > D).
     const std::int64_t row_stride = dim + uniform_int(0, 3);
     const std::int64_t count = batch * seq * row_stride;
-    SCOPED_TRACE("trial " + std::to_string(trial) + ": [" + std::to_string(batch) + ", " +
-                 std::to_string(seq) + ", " + std::to_string(dim) + "] " +
-                 std::string(dtype_name(dtype)) + (in_place ? " in place" : ""));
+    SCOPED_TRACE("trial " + std::to_string(trial) + ": [" + std::to_string(batch) + ", " + std::to_string(seq) + ", " +
+                 std::to_string(dim) + "] " + std::string(dtype_name(dtype)) + (in_place ? " in place" : ""));
     std::vector<double> x_values(static_cast<std::size_t>(count));
     for (auto& v : x_values) v = testing::uniform(-2, 2);
     std::vector<unsigned char> x = testing::to_dtype(x_values, dtype);
@@ -258,8 +261,8 @@ TEST_P(EveryTarget, SinusoidalAddStridedAndPacked) {
     for (std::int64_t b = 0; b < batch; ++b) {
       for (std::int64_t s = 0; s < seq; ++s) {
         for (std::int64_t j = 0; j < dim; ++j) {
-          const std::int64_t at = x.rank() == 3 ? b * x.stride(0) + s * x.stride(1) + j * x.stride(2)
-                                                : s * x.stride(0) + j * x.stride(1);
+          const std::int64_t at =
+              x.rank() == 3 ? b * x.stride(0) + s * x.stride(1) + j * x.stride(2) : s * x.stride(0) + j * x.stride(1);
           x64[static_cast<std::size_t>((b * seq + s) * dim + j)] = x.typed<float>()[at];
         }
       }
@@ -281,13 +284,14 @@ TEST_P(EveryTarget, SinusoidalAddStridedAndPacked) {
   std::vector<float> x_buffer(static_cast<std::size_t>(tokens * 50));
   for (auto& v : x_buffer) v = static_cast<float>(testing::uniform(-1, 1));
   std::vector<float> out(static_cast<std::size_t>(tokens * dim), NAN);
-  check(ConstTensorView::of(x_buffer.data(), {tokens, dim}, {50, 2}), TensorView::of(out.data(), {tokens, dim}),
-        out, dim, 1, packed, 1, tokens);
+  check(ConstTensorView::of(x_buffer.data(), {tokens, dim}, {50, 2}), TensorView::of(out.data(), {tokens, dim}), out,
+        dim, 1, packed, 1, tokens);
   // x contiguous [2, 18, 22], out with padded rows; per-row cache offsets.
   const std::vector<std::int64_t> starts = {3, 1000};
   std::vector<float> out_padded(static_cast<std::size_t>(2 * 18 * 25), NAN);
-  check(ConstTensorView::of(x_buffer.data(), {2, 18, dim}), TensorView::of(out_padded.data(), {2, 18, dim}, {18 * 25, 25, 1}),
-        out_padded, 25, 1, Positions::ranges(starts, 18), 2, 18);
+  check(ConstTensorView::of(x_buffer.data(), {2, 18, dim}),
+        TensorView::of(out_padded.data(), {2, 18, dim}, {18 * 25, 25, 1}), out_padded, 25, 1,
+        Positions::ranges(starts, 18), 2, 18);
 }
 
 // Large enough to use every thread and non-temporal stores; the output starts 4 bytes past a
@@ -334,46 +338,82 @@ TEST_P(EveryTarget, SinusoidalStreamedTableMatchesReference) {
 TEST(Sinusoidal, EmptyInputsAreFine) {
   std::vector<float> none;
   EXPECT_NO_THROW(sinusoidal_table(SinusoidalParams(8), Positions::range(0), TensorView::of(none.data(), {0, 8})));
-  EXPECT_NO_THROW(sinusoidal_add(SinusoidalParams(8), ConstTensorView::of(none.data(), {0, 5, 8}),
-                                 Positions::range(5), TensorView::of(none.data(), {0, 5, 8})));
+  EXPECT_NO_THROW(sinusoidal_add(SinusoidalParams(8), ConstTensorView::of(none.data(), {0, 5, 8}), Positions::range(5),
+                                 TensorView::of(none.data(), {0, 5, 8})));
 }
 
 TEST(Sinusoidal, RejectsBadArguments) {
   std::vector<float> table(64), x(64), y(64);
   std::vector<double> wide(64);
   const SinusoidalParams params(8);
-  expect_error([&] { sinusoidal_table(params, Positions::range(8), TensorView::of(table.data(), {4, 16})); },
-               {"sinusoidal_table", "out.size(1) = 16", "params.dim() = 8"});
-  expect_error([&] { sinusoidal_table(params, Positions::range(8), TensorView::of(table.data(), {2, 4, 8})); },
-               {"out.rank() = 3", "2 ([rows, D])"});
-  expect_error([&] { sinusoidal_table(params, Positions::range(5), TensorView::of(table.data(), {8, 8})); },
-               {"positions.seq_len() = 5", "8 (one position per token)"});
+  expect_error(
+      [&] {
+        sinusoidal_table(params, Positions::range(8), TensorView::of(table.data(), {4, 16}));
+      },
+      {"sinusoidal_table", "out.size(1) = 16", "params.dim() = 8"});
+  expect_error(
+      [&] {
+        sinusoidal_table(params, Positions::range(8), TensorView::of(table.data(), {2, 4, 8}));
+      },
+      {"out.rank() = 3", "2 ([rows, D])"});
+  expect_error(
+      [&] {
+        sinusoidal_table(params, Positions::range(5), TensorView::of(table.data(), {8, 8}));
+      },
+      {"positions.seq_len() = 5", "8 (one position per token)"});
   const std::vector<std::int64_t> starts = {0, 4};
-  expect_error([&] { sinusoidal_table(params, Positions::ranges(starts, 8), TensorView::of(table.data(), {8, 8})); },
-               {"positions.batch() = 2", "0 or 1"});
-  expect_error([&] { sinusoidal_table(params, Positions::range(8), TensorView::of(table.data(), {8, 8}, {0, 1})); },
-               {"out.stride(0) = 0", "expected >= 1, so that no two elements of an output share memory"});
+  expect_error(
+      [&] {
+        sinusoidal_table(params, Positions::ranges(starts, 8), TensorView::of(table.data(), {8, 8}));
+      },
+      {"positions.batch() = 2", "0 or 1"});
+  expect_error(
+      [&] {
+        sinusoidal_table(params, Positions::range(8), TensorView::of(table.data(), {8, 8}, {0, 1}));
+      },
+      {"out.stride(0) = 0", "expected >= 1, so that no two elements of an output share memory"});
   // Rows that overlap (stride 4 < width 8) would have two threads write one element.
-  expect_error([&] { sinusoidal_table(params, Positions::range(8), TensorView::of(table.data(), {8, 8}, {4, 1})); },
-               {"out.stride(0) = 4", ">= 8"});
-  expect_error([&] { sinusoidal_add(params, ConstTensorView::of(x.data(), {8, 8}), Positions::range(8),
-                                    TensorView::of(wide.data(), {8, 8})); },
-               {"sinusoidal_add", "out.dtype() = f64", "f32"});
-  expect_error([&] { sinusoidal_add(params, ConstTensorView::of(x.data(), {4, 8}), Positions::range(4),
-                                    TensorView::of(y.data(), {2, 8})); },
-               {"out shape = [1, 2, 8]", "the shape of x, [1, 4, 8]"});
-  expect_error([&] { sinusoidal_add(params, ConstTensorView::of(x.data(), {4, 8}), Positions::range(4),
-                                    TensorView::of(x.data() + 4, {4, 8})); },
-               {"out = [4, 8]", "disjoint from x"});
-  expect_error([&] { sinusoidal_add(params, ConstTensorView::of(x.data(), {2, 2, 8}), Positions::ranges(starts, 3),
-                                    TensorView::of(y.data(), {2, 2, 8})); },
-               {"positions.seq_len() = 3"});
-  expect_error([&] { sinusoidal_add(params, ConstTensorView::of(x.data(), {4, 2, 8}), Positions::ranges(starts, 2),
-                                    TensorView::of(y.data(), {4, 2, 8})); },
-               {"positions.batch() = 2", "batch size 4"});
-  expect_error([&] { sinusoidal_add(params, ConstTensorView::of(x.data(), {2, 2, 2, 8}), Positions::range(2),
-                                    TensorView::of(y.data(), {2, 2, 2, 8})); },
-               {"x.rank() = 4", "3 ([B, S, D]) or 2 ([S, D])"});
+  expect_error(
+      [&] {
+        sinusoidal_table(params, Positions::range(8), TensorView::of(table.data(), {8, 8}, {4, 1}));
+      },
+      {"out.stride(0) = 4", ">= 8"});
+  expect_error(
+      [&] {
+        sinusoidal_add(params, ConstTensorView::of(x.data(), {8, 8}), Positions::range(8),
+                       TensorView::of(wide.data(), {8, 8}));
+      },
+      {"sinusoidal_add", "out.dtype() = f64", "f32"});
+  expect_error(
+      [&] {
+        sinusoidal_add(params, ConstTensorView::of(x.data(), {4, 8}), Positions::range(4),
+                       TensorView::of(y.data(), {2, 8}));
+      },
+      {"out shape = [1, 2, 8]", "the shape of x, [1, 4, 8]"});
+  expect_error(
+      [&] {
+        sinusoidal_add(params, ConstTensorView::of(x.data(), {4, 8}), Positions::range(4),
+                       TensorView::of(x.data() + 4, {4, 8}));
+      },
+      {"out = [4, 8]", "disjoint from x"});
+  expect_error(
+      [&] {
+        sinusoidal_add(params, ConstTensorView::of(x.data(), {2, 2, 8}), Positions::ranges(starts, 3),
+                       TensorView::of(y.data(), {2, 2, 8}));
+      },
+      {"positions.seq_len() = 3"});
+  expect_error(
+      [&] {
+        sinusoidal_add(params, ConstTensorView::of(x.data(), {4, 2, 8}), Positions::ranges(starts, 2),
+                       TensorView::of(y.data(), {4, 2, 8}));
+      },
+      {"positions.batch() = 2", "batch size 4"});
+  expect_error(
+      [&] {
+        sinusoidal_add(params, ConstTensorView::of(x.data(), {2, 2, 2, 8}), Positions::range(2),
+                       TensorView::of(y.data(), {2, 2, 2, 8}));
+      },
+      {"x.rank() = 4", "3 ([B, S, D]) or 2 ([S, D])"});
 }
 
 INSTANTIATE_TEST_SUITE_P(Targets, EveryTarget, ::testing::ValuesIn(testing::all_targets()),

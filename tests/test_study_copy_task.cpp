@@ -27,8 +27,8 @@ TEST(StudyCopyTask, LayoutAndTargets) {
         EXPECT_GE(s, 0);
         EXPECT_LT(s, kCopySymbols);
         EXPECT_TRUE(seen.insert(s).second) << "symbol " << s << " repeats (n = " << n << ")";
-        EXPECT_EQ(x[n + 2 + i].item<std::int64_t>(), s);        // the copy
-        EXPECT_EQ(y[n + 1 + i].item<std::int64_t>(), s);        // predicted from the token before it
+        EXPECT_EQ(x[n + 2 + i].item<std::int64_t>(), s);  // the copy
+        EXPECT_EQ(y[n + 1 + i].item<std::int64_t>(), s);  // predicted from the token before it
       }
       for (std::int64_t t = 0; t <= n; ++t) EXPECT_EQ(y[t].item<std::int64_t>(), kIgnored) << t;
       EXPECT_EQ(y[2 * n + 1].item<std::int64_t>(), kIgnored);

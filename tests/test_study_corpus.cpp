@@ -24,9 +24,7 @@ fs::path temp_dir(const std::string& name) {
   return dir;
 }
 
-void write(const fs::path& path, const std::string& bytes) {
-  std::ofstream(path, std::ios::binary) << bytes;
-}
+void write(const fs::path& path, const std::string& bytes) { std::ofstream(path, std::ios::binary) << bytes; }
 
 template <class F>
 std::string error_of(F&& f) {

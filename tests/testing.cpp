@@ -34,9 +34,7 @@ std::mt19937_64& rng() {
   return generator;
 }
 
-double uniform(double lo, double hi) {
-  return std::uniform_real_distribution<double>(lo, hi)(rng());
-}
+double uniform(double lo, double hi) { return std::uniform_real_distribution<double>(lo, hi)(rng()); }
 
 std::int64_t uniform_int(std::int64_t lo, std::int64_t hi) {
   return std::uniform_int_distribution<std::int64_t>(lo, hi)(rng());
@@ -44,20 +42,28 @@ std::int64_t uniform_int(std::int64_t lo, std::int64_t hi) {
 
 double element(const void* data, DType dtype, std::int64_t i) {
   switch (dtype) {
-    case DType::kF32: return static_cast<const float*>(data)[i];
-    case DType::kF64: return static_cast<const double*>(data)[i];
-    case DType::kBF16: return from_bf16(static_cast<const bf16*>(data)[i]);
-    case DType::kF16: return from_f16(static_cast<const f16*>(data)[i]);
+    case DType::kF32:
+      return static_cast<const float*>(data)[i];
+    case DType::kF64:
+      return static_cast<const double*>(data)[i];
+    case DType::kBF16:
+      return from_bf16(static_cast<const bf16*>(data)[i]);
+    case DType::kF16:
+      return from_f16(static_cast<const f16*>(data)[i]);
   }
   return 0;
 }
 
 double round_to(double value, DType dtype) {
   switch (dtype) {
-    case DType::kF32: return static_cast<float>(value);
-    case DType::kF64: return value;
-    case DType::kBF16: return from_bf16(to_bf16(static_cast<float>(value)));
-    case DType::kF16: return from_f16(to_f16(static_cast<float>(value)));
+    case DType::kF32:
+      return static_cast<float>(value);
+    case DType::kF64:
+      return value;
+    case DType::kBF16:
+      return from_bf16(to_bf16(static_cast<float>(value)));
+    case DType::kF16:
+      return from_f16(to_f16(static_cast<float>(value)));
   }
   return value;
 }
@@ -67,10 +73,18 @@ std::vector<unsigned char> to_dtype(const std::vector<double>& values, DType dty
   for (std::size_t i = 0; i < values.size(); ++i) {
     const double v = values[i];
     switch (dtype) {
-      case DType::kF32: reinterpret_cast<float*>(bytes.data())[i] = static_cast<float>(v); break;
-      case DType::kF64: reinterpret_cast<double*>(bytes.data())[i] = v; break;
-      case DType::kBF16: reinterpret_cast<bf16*>(bytes.data())[i] = to_bf16(static_cast<float>(v)); break;
-      case DType::kF16: reinterpret_cast<f16*>(bytes.data())[i] = to_f16(static_cast<float>(v)); break;
+      case DType::kF32:
+        reinterpret_cast<float*>(bytes.data())[i] = static_cast<float>(v);
+        break;
+      case DType::kF64:
+        reinterpret_cast<double*>(bytes.data())[i] = v;
+        break;
+      case DType::kBF16:
+        reinterpret_cast<bf16*>(bytes.data())[i] = to_bf16(static_cast<float>(v));
+        break;
+      case DType::kF16:
+        reinterpret_cast<f16*>(bytes.data())[i] = to_f16(static_cast<float>(v));
+        break;
     }
   }
   return bytes;

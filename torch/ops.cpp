@@ -59,10 +59,14 @@ using torch::autograd::variable_list;
 
 DType dtype_of(const char* where, const char* name, const at::Tensor& t) {
   switch (t.scalar_type()) {
-    case at::kFloat: return DType::kF32;
-    case at::kDouble: return DType::kF64;
-    case at::kBFloat16: return DType::kBF16;
-    case at::kHalf: return DType::kF16;
+    case at::kFloat:
+      return DType::kF32;
+    case at::kDouble:
+      return DType::kF64;
+    case at::kBFloat16:
+      return DType::kBF16;
+    case at::kHalf:
+      return DType::kF16;
     default:
       TORCH_CHECK_TYPE(false, where, ": ", name, ".dtype = ", c10::toString(t.scalar_type()),
                        "; expected float32, float64, bfloat16 or float16");
@@ -112,7 +116,9 @@ auto translating(Fn&& fn) -> decltype(fn()) {
 
 RopeParams rope_params_from_json(const std::string& text) {
   const nlohmann::json j = nlohmann::json::parse(text);
-  const auto number = [&](const char* key, double fallback) { return j.contains(key) ? j.at(key).get<double>() : fallback; };
+  const auto number = [&](const char* key, double fallback) {
+    return j.contains(key) ? j.at(key).get<double>() : fallback;
+  };
   const auto integer = [&](const char* key, std::int64_t fallback) {
     return j.contains(key) ? j.at(key).get<std::int64_t>() : fallback;
   };
@@ -148,7 +154,8 @@ RopeParams rope_params_from_json(const std::string& text) {
   if (j.contains("short_factor")) scaling.short_factor = j.at("short_factor").get<std::vector<double>>();
   if (j.contains("long_factor")) scaling.long_factor = j.at("long_factor").get<std::vector<double>>();
   const std::string layout = j.value("layout", std::string("half-split"));
-  if (layout != "half-split" && layout != "interleaved") throw Error("rope", "layout", layout, "half-split or interleaved");
+  if (layout != "half-split" && layout != "interleaved")
+    throw Error("rope", "layout", layout, "half-split or interleaved");
   std::vector<double> freq_factors;
   if (j.contains("freq_factors")) freq_factors = j.at("freq_factors").get<std::vector<double>>();
   RopeParams params(head_dim, integer("rotary_dim", head_dim), number("base", 10000.0),
@@ -168,7 +175,8 @@ std::int64_t rope_seq_len_from_json(const std::string& text) {
 }
 
 RopeDirection direction_of(std::int64_t code) {
-  if (code < 0 || code > 2) throw Error("rope", "direction", std::to_string(code), "0 (forward), 1 (backward) or 2 (inverse)");
+  if (code < 0 || code > 2)
+    throw Error("rope", "direction", std::to_string(code), "0 (forward), 1 (backward) or 2 (inverse)");
   return static_cast<RopeDirection>(code);
 }
 
@@ -230,7 +238,8 @@ at::Tensor empty_output(at::IntArrayRef sizes, c10::ScalarType dtype) {
   for (const auto size : sizes) bytes *= static_cast<std::size_t>(size);
   if (bytes < (std::size_t{1} << 20)) return at::empty(sizes, options);
   void* block = BlockCache::instance().take(bytes);
-  return at::from_blob(block, sizes, [bytes](void* p) { BlockCache::instance().give_back(p, bytes); }, options);
+  return at::from_blob(
+      block, sizes, [bytes](void* p) { BlockCache::instance().give_back(p, bytes); }, options);
 }
 
 void empty_cache_op() { BlockCache::instance().clear(); }
@@ -249,14 +258,16 @@ at::Tensor huge_page_zeros_op(at::IntArrayRef sizes, c10::ScalarType dtype) {
     const auto bytes = static_cast<std::size_t>(
         checked_mul(count, static_cast<std::int64_t>(c10::elementSize(dtype)), "huge_page_zeros: shape"));
     auto* buffer = new HugePageBuffer(bytes);
-    return at::from_blob(buffer->data() != nullptr ? buffer->data() : static_cast<void*>(buffer), sizes,
-                         [buffer](void*) { delete buffer; }, at::TensorOptions().dtype(dtype));
+    return at::from_blob(
+        buffer->data() != nullptr ? buffer->data() : static_cast<void*>(buffer), sizes,
+        [buffer](void*) { delete buffer; }, at::TensorOptions().dtype(dtype));
   });
 }
 
 // Rotates q (and k) out of place; returns (q_out, k_out), k_out empty without k.
-std::tuple<at::Tensor, at::Tensor> rope_apply_tensors(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
-                                                      const std::string& params, std::int64_t direction) {
+std::tuple<at::Tensor, at::Tensor> rope_apply_tensors(const at::Tensor& q, const at::Tensor& k,
+                                                      const at::Tensor& positions, const std::string& params,
+                                                      std::int64_t direction) {
   return translating([&] {
     const char* where = "rope";
     const RopeParams p = rope_params_from_json(params);
@@ -286,9 +297,10 @@ void rope_apply_inplace(at::Tensor& q, at::Tensor& k, const at::Tensor& position
 }
 
 // Multi-axis RoPE (M-RoPE, 2-D axial): positions [A, S] or [A, B, S], one row per axis.
-std::tuple<at::Tensor, at::Tensor> rope_multi_tensors(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
-                                                      const std::string& params, const std::vector<std::int64_t>& sections,
-                                                      bool restart, std::int64_t direction) {
+std::tuple<at::Tensor, at::Tensor> rope_multi_tensors(const at::Tensor& q, const at::Tensor& k,
+                                                      const at::Tensor& positions, const std::string& params,
+                                                      const std::vector<std::int64_t>& sections, bool restart,
+                                                      std::int64_t direction) {
   return translating([&] {
     const char* where = "rope_multi";
     const RopeParams p = rope_params_from_json(params);
@@ -301,17 +313,18 @@ std::tuple<at::Tensor, at::Tensor> rope_multi_tensors(const at::Tensor& q, const
     for (const at::Tensor& row : rows) axes.push_back(positions_of(where, "positions", row));
     at::Tensor q_out = empty_output(q.sizes(), q.scalar_type());
     at::Tensor k_out = absent(k) ? q.new_empty({0}) : empty_output(k.sizes(), k.scalar_type());
-    rope_apply_multi(p, sections, axes, const_view(where, "q", q), absent(k) ? ConstTensorView() : const_view(where, "k", k),
-                     mutable_view(where, "q_out", q_out), absent(k) ? TensorView() : mutable_view(where, "k_out", k_out),
-                     direction_of(direction), restart, rope_seq_len_from_json(params));
+    rope_apply_multi(p, sections, axes, const_view(where, "q", q),
+                     absent(k) ? ConstTensorView() : const_view(where, "k", k), mutable_view(where, "q_out", q_out),
+                     absent(k) ? TensorView() : mutable_view(where, "k_out", k_out), direction_of(direction), restart,
+                     rope_seq_len_from_json(params));
     return std::make_tuple(q_out, k_out);
   });
 }
 
 class RopeFunction : public torch::autograd::Function<RopeFunction> {
  public:
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
-                               const std::string& params, std::int64_t direction) {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                               const at::Tensor& positions, const std::string& params, std::int64_t direction) {
     ctx->saved_data["params"] = params;
     ctx->saved_data["direction"] = direction;
     ctx->saved_data["has_k"] = !absent(k);
@@ -374,17 +387,17 @@ class RopeInplaceFunction : public torch::autograd::Function<RopeInplaceFunction
   }
 };
 
-std::tuple<at::Tensor, at::Tensor> rope_inplace_op(at::Tensor q, at::Tensor k, const at::Tensor& positions, std::string params,
-                                                   std::int64_t direction) {
+std::tuple<at::Tensor, at::Tensor> rope_inplace_op(at::Tensor q, at::Tensor k, const at::Tensor& positions,
+                                                   std::string params, std::int64_t direction) {
   const variable_list out = RopeInplaceFunction::apply(q, k, positions, params, direction);
   return {out[0], out[1]};
 }
 
 class RopeMultiFunction : public torch::autograd::Function<RopeMultiFunction> {
  public:
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
-                               const std::string& params, std::vector<std::int64_t> sections, bool restart,
-                               std::int64_t direction) {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                               const at::Tensor& positions, const std::string& params,
+                               std::vector<std::int64_t> sections, bool restart, std::int64_t direction) {
     ctx->saved_data["params"] = params;
     ctx->saved_data["sections"] = sections;
     ctx->saved_data["restart"] = restart;
@@ -404,8 +417,9 @@ class RopeMultiFunction : public torch::autograd::Function<RopeMultiFunction> {
                                        ctx->get_saved_variables()[0], ctx->saved_data["params"].toStringRef(),
                                        ctx->saved_data["sections"].toIntVector(), ctx->saved_data["restart"].toBool(),
                                        direction == 0 ? 1 : 0);
-    return {gq, has_k && dk.defined() ? gk : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor()};
+    return {
+        gq,          has_k && dk.defined() ? gk : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+        at::Tensor()};
   }
 };
 
@@ -423,15 +437,17 @@ at::Tensor sinusoidal_table_op(const at::Tensor& positions, std::int64_t dim, do
     const Positions pos = positions_of("sinusoidal_table", "positions", ids);
     TORCH_CHECK_VALUE(ids.dim() == 1, "sinusoidal_table: positions must be [S], got shape ", ids.sizes());
     at::Tensor out = empty_output({ids.size(0), dim}, dtype);
-    sinusoidal_table(SinusoidalParams(dim, base, interleaved ? SinusoidalLayout::kInterleaved : SinusoidalLayout::kSplitHalves),
-                     pos, mutable_view("sinusoidal_table", "out", out));
+    sinusoidal_table(
+        SinusoidalParams(dim, base, interleaved ? SinusoidalLayout::kInterleaved : SinusoidalLayout::kSplitHalves), pos,
+        mutable_view("sinusoidal_table", "out", out));
     return out;
   });
 }
 
 // Scores [B, H, Sq, Sk] (B from the positions: 1 for [S] ids) of a bias scheme, in the dtype of
 // the learned parameter tensor.
-at::Tensor materialize(const BiasScheme& scheme, const at::Tensor& q_ids, const at::Tensor& k_ids, c10::ScalarType dtype) {
+at::Tensor materialize(const BiasScheme& scheme, const at::Tensor& q_ids, const at::Tensor& k_ids,
+                       c10::ScalarType dtype) {
   const Positions qp = positions_of("bias", "q_positions", q_ids), kp = positions_of("bias", "k_positions", k_ids);
   const std::int64_t batch = q_ids.dim() == 2 ? q_ids.size(0) : 1;
   at::Tensor out = empty_output({batch, bias_heads(scheme), q_ids.size(-1), k_ids.size(-1)}, dtype);
@@ -457,7 +473,8 @@ class AlibiFunction : public torch::autograd::Function<AlibiFunction> {
     const at::Tensor qi = q_positions.contiguous(), ki = k_positions.contiguous();
     ctx->save_for_backward({slopes, qi, ki});
     return translating([&] {
-      const AlibiParams p(doubles_of("alibi_bias", "slopes", slopes), symmetric ? AlibiForm::kSymmetric : AlibiForm::kCausal);
+      const AlibiParams p(doubles_of("alibi_bias", "slopes", slopes),
+                          symmetric ? AlibiForm::kSymmetric : AlibiForm::kCausal);
       return materialize(p, qi, ki, slopes.scalar_type());
     });
   }
@@ -465,11 +482,13 @@ class AlibiFunction : public torch::autograd::Function<AlibiFunction> {
     const auto saved = ctx->get_saved_variables();
     const bool symmetric = ctx->saved_data["symmetric"].toBool();
     return translating([&] {
-      const AlibiParams p(doubles_of("alibi_bias", "slopes", saved[0]), symmetric ? AlibiForm::kSymmetric : AlibiForm::kCausal);
+      const AlibiParams p(doubles_of("alibi_bias", "slopes", saved[0]),
+                          symmetric ? AlibiForm::kSymmetric : AlibiForm::kCausal);
       std::vector<double> d_slopes(static_cast<std::size_t>(p.heads()), 0.0);
       const at::Tensor ds = grads[0].contiguous();
-      alibi_backward(p, positions_of("alibi_bias", "q_positions", saved[1]), positions_of("alibi_bias", "k_positions", saved[2]),
-                     const_view("alibi_bias", "grad", ds), d_slopes);
+      alibi_backward(p, positions_of("alibi_bias", "q_positions", saved[1]),
+                     positions_of("alibi_bias", "k_positions", saved[2]), const_view("alibi_bias", "grad", ds),
+                     d_slopes);
       return variable_list{tensor_of(d_slopes, saved[0]), at::Tensor(), at::Tensor(), at::Tensor()};
     });
   }
@@ -485,23 +504,28 @@ class T5Function : public torch::autograd::Function<T5Function> {
     ctx->saved_data["bidirectional"] = bidirectional;
     const at::Tensor qi = q_positions.contiguous(), ki = k_positions.contiguous();
     ctx->save_for_backward({table, qi, ki});
-    return translating([&] { return materialize(params_of(table, num_buckets, max_distance, bidirectional), qi, ki, table.scalar_type()); });
+    return translating([&] {
+      return materialize(params_of(table, num_buckets, max_distance, bidirectional), qi, ki, table.scalar_type());
+    });
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     return translating([&] {
-      const T5BiasParams p = params_of(saved[0], ctx->saved_data["num_buckets"].toInt(), ctx->saved_data["max_distance"].toInt(),
-                                       ctx->saved_data["bidirectional"].toBool());
+      const T5BiasParams p =
+          params_of(saved[0], ctx->saved_data["num_buckets"].toInt(), ctx->saved_data["max_distance"].toInt(),
+                    ctx->saved_data["bidirectional"].toBool());
       std::vector<double> d_table(p.table().size(), 0.0);
       const at::Tensor ds = grads[0].contiguous();
-      t5_bias_backward(p, positions_of("t5_bias", "q_positions", saved[1]), positions_of("t5_bias", "k_positions", saved[2]),
-                       const_view("t5_bias", "grad", ds), d_table);
-      return variable_list{tensor_of(d_table, saved[0]), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+      t5_bias_backward(p, positions_of("t5_bias", "q_positions", saved[1]),
+                       positions_of("t5_bias", "k_positions", saved[2]), const_view("t5_bias", "grad", ds), d_table);
+      return variable_list{
+          tensor_of(d_table, saved[0]), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     });
   }
 
  private:
-  static T5BiasParams params_of(const at::Tensor& table, std::int64_t num_buckets, std::int64_t max_distance, bool bidirectional) {
+  static T5BiasParams params_of(const at::Tensor& table, std::int64_t num_buckets, std::int64_t max_distance,
+                                bool bidirectional) {
     TORCH_CHECK_VALUE(table.dim() == 2 && table.size(0) == num_buckets, "t5_bias: table shape ", table.sizes(),
                       "; expected [num_buckets = ", num_buckets, ", heads]");
     return T5BiasParams(table.size(1), num_buckets, max_distance, bidirectional, doubles_of("t5_bias", "table", table));
@@ -511,8 +535,8 @@ class T5Function : public torch::autograd::Function<T5Function> {
 // Kerple: r1, r2 [H] (float64 or float32), differentiable in both.
 class KerpleFunction : public torch::autograd::Function<KerpleFunction> {
  public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& r1, const at::Tensor& r2, const at::Tensor& q_positions,
-                            const at::Tensor& k_positions, bool power) {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& r1, const at::Tensor& r2,
+                            const at::Tensor& q_positions, const at::Tensor& k_positions, bool power) {
     ctx->saved_data["power"] = power;
     const at::Tensor qi = q_positions.contiguous(), ki = k_positions.contiguous();
     ctx->save_for_backward({r1, r2, qi, ki});
@@ -524,8 +548,9 @@ class KerpleFunction : public torch::autograd::Function<KerpleFunction> {
       const KerpleParams p = params_of(saved[0], saved[1], ctx->saved_data["power"].toBool());
       std::vector<double> d1(static_cast<std::size_t>(p.heads()), 0.0), d2(d1.size(), 0.0);
       const at::Tensor ds = grads[0].contiguous();
-      kerple_backward(p, positions_of("kerple_bias", "q_positions", saved[2]), positions_of("kerple_bias", "k_positions", saved[3]),
-                      const_view("kerple_bias", "grad", ds), d1, d2);
+      kerple_backward(p, positions_of("kerple_bias", "q_positions", saved[2]),
+                      positions_of("kerple_bias", "k_positions", saved[3]), const_view("kerple_bias", "grad", ds), d1,
+                      d2);
       return variable_list{tensor_of(d1, saved[0]), tensor_of(d2, saved[1]), at::Tensor(), at::Tensor(), at::Tensor()};
     });
   }
@@ -555,8 +580,9 @@ class FireFunction : public torch::autograd::Function<FireFunction> {
       const at::Tensor ds = grads[0].contiguous();
       fire_backward(p, positions_of("fire_bias", "q_positions", s[6]), positions_of("fire_bias", "k_positions", s[7]),
                     const_view("fire_bias", "grad", ds), g);
-      return variable_list{tensor_of(g.w1, s[0]), tensor_of(g.b1, s[1]), tensor_of(g.w2, s[2]), tensor_of(g.b2, s[3]),
-                           tensor_of({g.c}, s[4]), tensor_of({g.threshold}, s[5]), at::Tensor(), at::Tensor()};
+      return variable_list{
+          tensor_of(g.w1, s[0]),  tensor_of(g.b1, s[1]),          tensor_of(g.w2, s[2]), tensor_of(g.b2, s[3]),
+          tensor_of({g.c}, s[4]), tensor_of({g.threshold}, s[5]), at::Tensor(),          at::Tensor()};
     });
   }
 
@@ -593,14 +619,21 @@ class TupeFunction : public torch::autograd::Function<TupeFunction> {
       const at::Tensor ds = grads[0].contiguous();
       tupe_backward(p, positions_of("tupe_bias", "q_positions", s[5]), positions_of("tupe_bias", "k_positions", s[6]),
                     const_view("tupe_bias", "grad", ds), g);
-      return variable_list{tensor_of(g.table, s[0]), tensor_of(g.u_q, s[1]), tensor_of(g.u_k, s[2]), tensor_of(g.theta1, s[3]),
-                           tensor_of(g.theta2, s[4]), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+      return variable_list{tensor_of(g.table, s[0]),
+                           tensor_of(g.u_q, s[1]),
+                           tensor_of(g.u_k, s[2]),
+                           tensor_of(g.theta1, s[3]),
+                           tensor_of(g.theta2, s[4]),
+                           at::Tensor(),
+                           at::Tensor(),
+                           at::Tensor(),
+                           at::Tensor()};
     });
   }
 
  private:
-  static TupeParams params_of(const at::Tensor& table, const at::Tensor& u_q, const at::Tensor& u_k, const at::Tensor& theta1,
-                              const at::Tensor& theta2, std::int64_t heads, bool cls_reset) {
+  static TupeParams params_of(const at::Tensor& table, const at::Tensor& u_q, const at::Tensor& u_k,
+                              const at::Tensor& theta1, const at::Tensor& theta2, std::int64_t heads, bool cls_reset) {
     TORCH_CHECK_VALUE(table.dim() == 2 && u_q.dim() == 2 && heads > 0 && u_q.size(1) % heads == 0, "tupe_bias: table ",
                       table.sizes(), ", u_q ", u_q.sizes(), ", heads ", heads,
                       "; expected table [max_len, d_model] and u_q [d_model, heads·head_dim]");
@@ -613,13 +646,14 @@ class TupeFunction : public torch::autograd::Function<TupeFunction> {
 // Learned absolute encoding: y = x + table[positions]; differentiable in x and the table.
 class LearnedFunction : public torch::autograd::Function<LearnedFunction> {
  public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& table, const at::Tensor& x, const at::Tensor& positions) {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& table, const at::Tensor& x,
+                            const at::Tensor& positions) {
     const at::Tensor ids = positions.contiguous();
     ctx->save_for_backward({table, ids});
     return translating([&] {
       at::Tensor y = empty_output(x.sizes(), x.scalar_type());
-      learned_forward(const_view("learned", "table", table), const_view("learned", "x", x), positions_of("learned", "positions", ids),
-                      mutable_view("learned", "y", y));
+      learned_forward(const_view("learned", "table", table), const_view("learned", "x", x),
+                      positions_of("learned", "positions", ids), mutable_view("learned", "y", y));
       return y;
     });
   }
@@ -661,7 +695,7 @@ class FloaterFunction : public torch::autograd::Function<FloaterFunction> {
       const at::Tensor dt = grads[0].contiguous();
       floater_table_backward(p, const_view("floater_table", "grad", dt), g);
       return variable_list{tensor_of(g.w1, s[0]), tensor_of(g.b1, s[1]), tensor_of(g.w2, s[2]), tensor_of(g.b2, s[3]),
-                           tensor_of(g.p0, s[4]), at::Tensor(), at::Tensor(), at::Tensor()};
+                           tensor_of(g.p0, s[4]), at::Tensor(),          at::Tensor(),          at::Tensor()};
     });
   }
 
@@ -683,8 +717,8 @@ at::Tensor zero_scores(const at::Tensor& q, std::int64_t k_len, c10::ScalarType 
 // Shaw's score term: q [B, S, H, D] and key_table [2k + 1, D], both differentiable.
 class ShawScoreFunction : public torch::autograd::Function<ShawScoreFunction> {
  public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& key_table, const at::Tensor& q_positions,
-                            const at::Tensor& k_positions, std::int64_t max_distance) {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& key_table,
+                            const at::Tensor& q_positions, const at::Tensor& k_positions, std::int64_t max_distance) {
     ctx->saved_data["max_distance"] = max_distance;
     const at::Tensor qi = q_positions.contiguous(), ki = k_positions.contiguous();
     ctx->save_for_backward({q, key_table, qi, ki});
@@ -703,8 +737,9 @@ class ShawScoreFunction : public torch::autograd::Function<ShawScoreFunction> {
       at::Tensor dq = at::zeros_like(s[0]);
       std::vector<double> d_table(p.key_table().size(), 0.0);
       const at::Tensor ds = grads[0].contiguous();
-      shaw_score_term_backward(p, const_view("shaw", "q", s[0]), const_view("shaw", "grad", ds), positions_of("shaw", "q_positions", s[2]),
-                               positions_of("shaw", "k_positions", s[3]), mutable_view("shaw", "dq", dq), d_table);
+      shaw_score_term_backward(p, const_view("shaw", "q", s[0]), const_view("shaw", "grad", ds),
+                               positions_of("shaw", "q_positions", s[2]), positions_of("shaw", "k_positions", s[3]),
+                               mutable_view("shaw", "dq", dq), d_table);
       return variable_list{dq, tensor_of(d_table, s[1]), at::Tensor(), at::Tensor(), at::Tensor()};
     });
   }
@@ -721,7 +756,9 @@ class ShawValueFunction : public torch::autograd::Function<ShawValueFunction> {
     return translating([&] {
       TORCH_CHECK_VALUE(probs.dim() == 4, "shaw: probs shape ", probs.sizes(), "; expected [B, H, Sq, Sk]");
       const ShawParams p(max_distance, value_table.size(-1), {}, doubles_of("shaw", "value_table", value_table));
-      at::Tensor out = empty_output({probs.size(0), probs.size(2), probs.size(1), value_table.size(-1)}, probs.scalar_type()).zero_();
+      at::Tensor out =
+          empty_output({probs.size(0), probs.size(2), probs.size(1), value_table.size(-1)}, probs.scalar_type())
+              .zero_();
       shaw_add_value_term(p, const_view("shaw", "probs", probs), positions_of("shaw", "q_positions", qi),
                           positions_of("shaw", "k_positions", ki), mutable_view("shaw", "out", out));
       return out;
@@ -730,7 +767,8 @@ class ShawValueFunction : public torch::autograd::Function<ShawValueFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto s = ctx->get_saved_variables();
     return translating([&] {
-      const ShawParams p(ctx->saved_data["max_distance"].toInt(), s[1].size(-1), {}, doubles_of("shaw", "value_table", s[1]));
+      const ShawParams p(ctx->saved_data["max_distance"].toInt(), s[1].size(-1), {},
+                         doubles_of("shaw", "value_table", s[1]));
       at::Tensor d_probs = at::zeros_like(s[0]);
       std::vector<double> d_table(p.value_table().size(), 0.0);
       const at::Tensor d_out = grads[0].contiguous();
@@ -745,9 +783,9 @@ class ShawValueFunction : public torch::autograd::Function<ShawValueFunction> {
 // Transformer-XL's position terms: q, k [B, S, H, D], u, v [H, D], w_r [H·D, d_model].
 class XlFunction : public torch::autograd::Function<XlFunction> {
  public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& u, const at::Tensor& v,
-                            const at::Tensor& w_r, const at::Tensor& q_positions, const at::Tensor& k_positions, double scale,
-                            double base) {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& u,
+                            const at::Tensor& v, const at::Tensor& w_r, const at::Tensor& q_positions,
+                            const at::Tensor& k_positions, double scale, double base) {
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["base"] = base;
     const at::Tensor qi = q_positions.contiguous(), ki = k_positions.contiguous();
@@ -755,28 +793,33 @@ class XlFunction : public torch::autograd::Function<XlFunction> {
     return translating([&] {
       const XlParams p = params_of(u, v, w_r, scale, base);
       at::Tensor scores = zero_scores(q, k.size(-3), q.scalar_type());
-      xl_add_position_terms(p, const_view("xl", "q", q), const_view("xl", "k", k), positions_of("xl", "q_positions", qi),
-                            positions_of("xl", "k_positions", ki), mutable_view("xl", "scores", scores));
+      xl_add_position_terms(p, const_view("xl", "q", q), const_view("xl", "k", k),
+                            positions_of("xl", "q_positions", qi), positions_of("xl", "k_positions", ki),
+                            mutable_view("xl", "scores", scores));
       return scores;
     });
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto s = ctx->get_saved_variables();
     return translating([&] {
-      const XlParams p = params_of(s[2], s[3], s[4], ctx->saved_data["scale"].toDouble(), ctx->saved_data["base"].toDouble());
+      const XlParams p =
+          params_of(s[2], s[3], s[4], ctx->saved_data["scale"].toDouble(), ctx->saved_data["base"].toDouble());
       at::Tensor dq = at::zeros_like(s[0]), dk = at::zeros_like(s[1]);
       XlGradients g(p);
       const at::Tensor ds = grads[0].contiguous();
-      xl_position_terms_backward(p, const_view("xl", "q", s[0]), const_view("xl", "k", s[1]), const_view("xl", "grad", ds),
-                                 positions_of("xl", "q_positions", s[5]), positions_of("xl", "k_positions", s[6]),
-                                 mutable_view("xl", "dq", dq), mutable_view("xl", "dk", dk), g);
-      return variable_list{dq, dk, tensor_of(g.u, s[2]), tensor_of(g.v, s[3]), tensor_of(g.w_r, s[4]), at::Tensor(),
-                           at::Tensor(), at::Tensor(), at::Tensor()};
+      xl_position_terms_backward(p, const_view("xl", "q", s[0]), const_view("xl", "k", s[1]),
+                                 const_view("xl", "grad", ds), positions_of("xl", "q_positions", s[5]),
+                                 positions_of("xl", "k_positions", s[6]), mutable_view("xl", "dq", dq),
+                                 mutable_view("xl", "dk", dk), g);
+      return variable_list{
+          dq,           dk,           tensor_of(g.u, s[2]), tensor_of(g.v, s[3]), tensor_of(g.w_r, s[4]),
+          at::Tensor(), at::Tensor(), at::Tensor(),         at::Tensor()};
     });
   }
 
  private:
-  static XlParams params_of(const at::Tensor& u, const at::Tensor& v, const at::Tensor& w_r, double scale, double base) {
+  static XlParams params_of(const at::Tensor& u, const at::Tensor& v, const at::Tensor& w_r, double scale,
+                            double base) {
     TORCH_CHECK_VALUE(u.dim() == 2 && w_r.dim() == 2, "xl: u shape ", u.sizes(), ", w_r shape ", w_r.sizes(),
                       "; expected u [H, D] and w_r [H·D, d_model]");
     return XlParams(u.size(0), u.size(1), w_r.size(1), doubles_of("xl", "u", u), doubles_of("xl", "v", v),
@@ -784,7 +827,8 @@ class XlFunction : public torch::autograd::Function<XlFunction> {
   }
 };
 
-at::Tensor alibi_op(const at::Tensor& slopes, const at::Tensor& q_positions, const at::Tensor& k_positions, bool symmetric) {
+at::Tensor alibi_op(const at::Tensor& slopes, const at::Tensor& q_positions, const at::Tensor& k_positions,
+                    bool symmetric) {
   return AlibiFunction::apply(slopes, q_positions, k_positions, symmetric);
 }
 
@@ -801,28 +845,30 @@ at::Tensor shaw_values_op(const at::Tensor& probs, const at::Tensor& value_table
                           const at::Tensor& k_positions, std::int64_t max_distance) {
   return ShawValueFunction::apply(probs, value_table, q_positions, k_positions, max_distance);
 }
-at::Tensor xl_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& u, const at::Tensor& v, const at::Tensor& w_r,
-                 const at::Tensor& q_positions, const at::Tensor& k_positions, double scale, double base) {
+at::Tensor xl_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& u, const at::Tensor& v,
+                 const at::Tensor& w_r, const at::Tensor& q_positions, const at::Tensor& k_positions, double scale,
+                 double base) {
   return XlFunction::apply(q, k, u, v, w_r, q_positions, k_positions, scale, base);
 }
-at::Tensor kerple_op(const at::Tensor& r1, const at::Tensor& r2, const at::Tensor& q_positions, const at::Tensor& k_positions,
-                     bool power) {
+at::Tensor kerple_op(const at::Tensor& r1, const at::Tensor& r2, const at::Tensor& q_positions,
+                     const at::Tensor& k_positions, bool power) {
   return KerpleFunction::apply(r1, r2, q_positions, k_positions, power);
 }
-at::Tensor fire_op(const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2, const at::Tensor& b2, const at::Tensor& c,
-                   const at::Tensor& threshold, const at::Tensor& q_positions, const at::Tensor& k_positions) {
+at::Tensor fire_op(const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2, const at::Tensor& b2,
+                   const at::Tensor& c, const at::Tensor& threshold, const at::Tensor& q_positions,
+                   const at::Tensor& k_positions) {
   return FireFunction::apply(w1, b1, w2, b2, c, threshold, q_positions, k_positions);
 }
 at::Tensor tupe_op(const at::Tensor& table, const at::Tensor& u_q, const at::Tensor& u_k, const at::Tensor& theta1,
-                   const at::Tensor& theta2, const at::Tensor& q_positions, const at::Tensor& k_positions, std::int64_t heads,
-                   bool cls_reset) {
+                   const at::Tensor& theta2, const at::Tensor& q_positions, const at::Tensor& k_positions,
+                   std::int64_t heads, bool cls_reset) {
   return TupeFunction::apply(table, u_q, u_k, theta1, theta2, q_positions, k_positions, heads, cls_reset);
 }
 at::Tensor learned_op(const at::Tensor& table, const at::Tensor& x, const at::Tensor& positions) {
   return LearnedFunction::apply(table, x, positions);
 }
-at::Tensor floater_op(const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2, const at::Tensor& b2, const at::Tensor& p0,
-                      std::int64_t length, double time_per_position, std::int64_t substeps) {
+at::Tensor floater_op(const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2, const at::Tensor& b2,
+                      const at::Tensor& p0, std::int64_t length, double time_per_position, std::int64_t substeps) {
   return FloaterFunction::apply(w1, b1, w2, b2, p0, length, time_per_position, substeps);
 }
 
@@ -842,9 +888,9 @@ HeadGroup attention_group(const nlohmann::json& j, const at::Tensor& bias_params
     return group;
   }
   if (kind == "absolute") {  // Shortformer: the sinusoid added to q and k
-    group.transform = AbsoluteQK{SinusoidalParams(j.at("dim").get<std::int64_t>(), j.value("base", 10000.0),
-                                                  j.value("interleaved", true) ? SinusoidalLayout::kInterleaved
-                                                                               : SinusoidalLayout::kSplitHalves)};
+    group.transform = AbsoluteQK{SinusoidalParams(
+        j.at("dim").get<std::int64_t>(), j.value("base", 10000.0),
+        j.value("interleaved", true) ? SinusoidalLayout::kInterleaved : SinusoidalLayout::kSplitHalves)};
     return group;
   }
   const std::vector<double> values = doubles_of(where, "bias_params", bias_params);
@@ -860,8 +906,8 @@ HeadGroup attention_group(const nlohmann::json& j, const at::Tensor& bias_params
     // bias_params: [w1 (K) | b1 (K) | w2 (H·K) | b2 (H) | c | L], flattened.
     const std::int64_t hidden = j.value("hidden", std::int64_t{32});
     const auto expected = static_cast<std::size_t>(2 * hidden + heads * hidden + heads + 2);
-    TORCH_CHECK_VALUE(values.size() == expected, where, ": bias_params has ", values.size(), " values; expected ", expected,
-                      " (FIRE's w1, b1, w2, b2, c, L for hidden = ", hidden, ", heads = ", heads, ")");
+    TORCH_CHECK_VALUE(values.size() == expected, where, ": bias_params has ", values.size(), " values; expected ",
+                      expected, " (FIRE's w1, b1, w2, b2, c, L for hidden = ", hidden, ", heads = ", heads, ")");
     const auto at = [&](std::int64_t offset, std::int64_t count) {
       return std::vector<double>(values.begin() + offset, values.begin() + offset + count);
     };
@@ -884,8 +930,9 @@ HeadGroup attention_group(const nlohmann::json& j, const at::Tensor& bias_params
     // bias_params: [u (H·D) | v (H·D) | W_R (H·D·d_model)], flattened.
     const std::int64_t d_model = j.value("d_model", std::int64_t{0}), hd = heads * head_dim;
     const auto expected = static_cast<std::size_t>(2 * hd + hd * d_model);
-    TORCH_CHECK_VALUE(values.size() == expected, where, ": bias_params has ", values.size(), " values; expected ", expected,
-                      " (Transformer-XL's u, v, W_R for heads = ", heads, ", head_dim = ", head_dim, ", d_model = ", d_model, ")");
+    TORCH_CHECK_VALUE(values.size() == expected, where, ": bias_params has ", values.size(), " values; expected ",
+                      expected, " (Transformer-XL's u, v, W_R for heads = ", heads, ", head_dim = ", head_dim,
+                      ", d_model = ", d_model, ")");
     const auto at = [&](std::int64_t offset, std::int64_t count) {
       return std::vector<double>(values.begin() + offset, values.begin() + offset + count);
     };
@@ -896,14 +943,14 @@ HeadGroup attention_group(const nlohmann::json& j, const at::Tensor& bias_params
     const std::int64_t d_model = j.value("d_model", std::int64_t{0}), max_len = j.value("max_len", std::int64_t{0});
     const std::int64_t table = max_len * d_model, u = d_model * heads * head_dim;
     const auto expected = static_cast<std::size_t>(table + 2 * u + 2 * heads);
-    TORCH_CHECK_VALUE(values.size() == expected, where, ": bias_params has ", values.size(), " values; expected ", expected,
-                      " (TUPE's table, U^Q, U^K, θ1, θ2 for max_len = ", max_len, ", d_model = ", d_model, ", heads = ", heads,
-                      ", head_dim = ", head_dim, ")");
+    TORCH_CHECK_VALUE(values.size() == expected, where, ": bias_params has ", values.size(), " values; expected ",
+                      expected, " (TUPE's table, U^Q, U^K, θ1, θ2 for max_len = ", max_len, ", d_model = ", d_model,
+                      ", heads = ", heads, ", head_dim = ", head_dim, ")");
     const auto at = [&](std::int64_t offset, std::int64_t count) {
       return std::vector<double>(values.begin() + offset, values.begin() + offset + count);
     };
-    group.bias = TupeParams(heads, head_dim, d_model, at(0, table), at(table, u), at(table + u, u), j.value("cls_reset", false),
-                            at(table + 2 * u, heads), at(table + 2 * u + heads, heads));
+    group.bias = TupeParams(heads, head_dim, d_model, at(0, table), at(table, u), at(table + u, u),
+                            j.value("cls_reset", false), at(table + 2 * u, heads), at(table + 2 * u + heads, heads));
   } else {
     throw Error(where, "scheme.kind", kind, "none, rope, absolute, alibi, t5, kerple, fire, shaw, xl or tupe");
   }
@@ -999,7 +1046,8 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
         flat.insert(flat.end(), g.shaw_value_table.begin(), g.shaw_value_table.end());
         if (g.fire) {
           flat = g.fire->w1;
-          for (const auto* part : {&g.fire->b1, &g.fire->w2, &g.fire->b2}) flat.insert(flat.end(), part->begin(), part->end());
+          for (const auto* part : {&g.fire->b1, &g.fire->w2, &g.fire->b2})
+            flat.insert(flat.end(), part->begin(), part->end());
           flat.push_back(g.fire->c);
           flat.push_back(g.fire->threshold);
         }
@@ -1015,8 +1063,8 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
         }
         d_bias = tensor_of(flat, bias_params);
       }
-      return variable_list{dq, dk, dv, at::Tensor(), d_bias, at::Tensor(), at::Tensor(), at::Tensor(),
-                           at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+      return variable_list{dq,           dk,           dv,           at::Tensor(), d_bias,       at::Tensor(),
+                           at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     });
   }
 };
@@ -1024,9 +1072,10 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
 std::tuple<at::Tensor, at::Tensor> attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                 std::string scheme, const at::Tensor& bias_params, bool causal,
                                                 std::int64_t window_left, std::int64_t window_right, double softcap,
-                                                double scale, const at::Tensor& q_positions, const at::Tensor& k_positions) {
-  const variable_list out = AttentionFunction::apply(q, k, v, scheme, bias_params, causal, window_left, window_right, softcap,
-                                                     scale, q_positions, k_positions);
+                                                double scale, const at::Tensor& q_positions,
+                                                const at::Tensor& k_positions) {
+  const variable_list out = AttentionFunction::apply(q, k, v, scheme, bias_params, causal, window_left, window_right,
+                                                     softcap, scale, q_positions, k_positions);
   return {out[0], out[1]};
 }
 
@@ -1041,34 +1090,43 @@ TORCH_LIBRARY(posenc, m) {
   m.def("rope(Tensor q, Tensor k, Tensor positions, str params, int direction) -> (Tensor, Tensor)", &rope_op);
   m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor positions, str params, int direction) -> (Tensor(a!), Tensor(b!))",
         &rope_inplace_op);
-  m.def("rope_multi(Tensor q, Tensor k, Tensor positions, str params, int[] sections, bool restart, int direction) "
-        "-> (Tensor, Tensor)",
-        &rope_multi_op);
+  m.def(
+      "rope_multi(Tensor q, Tensor k, Tensor positions, str params, int[] sections, bool restart, int direction) "
+      "-> (Tensor, Tensor)",
+      &rope_multi_op);
   m.def("alibi_bias(Tensor slopes, Tensor q_positions, Tensor k_positions, bool symmetric) -> Tensor", &alibi_op);
   m.def("empty_cache() -> ()", &empty_cache_op);
   m.def("huge_page_zeros(int[] shape, ScalarType dtype) -> Tensor", &huge_page_zeros_op);
-  m.def("attention(Tensor q, Tensor k, Tensor v, str scheme, Tensor bias_params, bool causal, int window_left, "
-        "int window_right, float softcap, float scale, Tensor q_positions, Tensor k_positions) -> (Tensor, Tensor)",
-        &attention_op);
+  m.def(
+      "attention(Tensor q, Tensor k, Tensor v, str scheme, Tensor bias_params, bool causal, int window_left, "
+      "int window_right, float softcap, float scale, Tensor q_positions, Tensor k_positions) -> (Tensor, Tensor)",
+      &attention_op);
   m.def("kerple_bias(Tensor r1, Tensor r2, Tensor q_positions, Tensor k_positions, bool power) -> Tensor", &kerple_op);
-  m.def("fire_bias(Tensor w1, Tensor b1, Tensor w2, Tensor b2, Tensor c, Tensor threshold, Tensor q_positions, "
-        "Tensor k_positions) -> Tensor",
-        &fire_op);
-  m.def("tupe_bias(Tensor table, Tensor u_q, Tensor u_k, Tensor theta1, Tensor theta2, Tensor q_positions, "
-        "Tensor k_positions, int heads, bool cls_reset) -> Tensor",
-        &tupe_op);
+  m.def(
+      "fire_bias(Tensor w1, Tensor b1, Tensor w2, Tensor b2, Tensor c, Tensor threshold, Tensor q_positions, "
+      "Tensor k_positions) -> Tensor",
+      &fire_op);
+  m.def(
+      "tupe_bias(Tensor table, Tensor u_q, Tensor u_k, Tensor theta1, Tensor theta2, Tensor q_positions, "
+      "Tensor k_positions, int heads, bool cls_reset) -> Tensor",
+      &tupe_op);
   m.def("learned(Tensor table, Tensor x, Tensor positions) -> Tensor", &learned_op);
   m.def("shaw_scores(Tensor q, Tensor key_table, Tensor q_positions, Tensor k_positions, int max_distance) -> Tensor",
         &shaw_scores_op);
-  m.def("shaw_values(Tensor probs, Tensor value_table, Tensor q_positions, Tensor k_positions, int max_distance) -> Tensor",
-        &shaw_values_op);
-  m.def("xl_scores(Tensor q, Tensor k, Tensor u, Tensor v, Tensor w_r, Tensor q_positions, Tensor k_positions, "
-        "float scale, float base) -> Tensor",
-        &xl_op);
-  m.def("floater_table(Tensor w1, Tensor b1, Tensor w2, Tensor b2, Tensor p0, int length, float time_per_position, "
-        "int substeps) -> Tensor",
-        &floater_op);
-  m.def("t5_bias(Tensor table, Tensor q_positions, Tensor k_positions, int num_buckets, int max_distance, "
-        "bool bidirectional) -> Tensor",
-        &t5_op);
+  m.def(
+      "shaw_values(Tensor probs, Tensor value_table, Tensor q_positions, Tensor k_positions, int max_distance) -> "
+      "Tensor",
+      &shaw_values_op);
+  m.def(
+      "xl_scores(Tensor q, Tensor k, Tensor u, Tensor v, Tensor w_r, Tensor q_positions, Tensor k_positions, "
+      "float scale, float base) -> Tensor",
+      &xl_op);
+  m.def(
+      "floater_table(Tensor w1, Tensor b1, Tensor w2, Tensor b2, Tensor p0, int length, float time_per_position, "
+      "int substeps) -> Tensor",
+      &floater_op);
+  m.def(
+      "t5_bias(Tensor table, Tensor q_positions, Tensor k_positions, int num_buckets, int max_distance, "
+      "bool bidirectional) -> Tensor",
+      &t5_op);
 }

@@ -43,8 +43,8 @@
 namespace posenc {
 
 enum class SinusoidalLayout : std::uint8_t {
-  kInterleaved,   // [s0 c0 s1 c1 …]
-  kSplitHalves,   // [s0 s1 … | c0 c1 …]
+  kInterleaved,  // [s0 c0 s1 c1 …]
+  kSplitHalves,  // [s0 s1 … | c0 c1 …]
 };
 
 // Validated at construction: throws posenc::Error naming the field.
@@ -71,18 +71,15 @@ void sinusoidal_table(const SinusoidalParams& params, const Positions& positions
 
 // out[b, s, :] = x[b, s, :] + PE(positions.at(b, s)).   x, out: [B, S, d] or [S, d].
 // `out` may be `x` itself (in place).
-void sinusoidal_add(const SinusoidalParams& params, ConstTensorView x, const Positions& positions,
-                    TensorView out);
-inline void sinusoidal_add_inplace(const SinusoidalParams& params, TensorView x,
-                                   const Positions& positions) {
+void sinusoidal_add(const SinusoidalParams& params, ConstTensorView x, const Positions& positions, TensorView out);
+inline void sinusoidal_add_inplace(const SinusoidalParams& params, TensorView x, const Positions& positions) {
   sinusoidal_add(params, x, positions, x);
 }
 
 // ─── Learned ───────────────────────────────────────────────────────────────────────────────────
 
 // y[b, s, :] = x[b, s, :] + table[pos(b, s), :].   table: [max_len, d]; x, y: [B, S, d] or [S, d].
-void learned_forward(ConstTensorView table, ConstTensorView x, const Positions& positions,
-                     TensorView y);
+void learned_forward(ConstTensorView table, ConstTensorView x, const Positions& positions, TensorView y);
 
 // Backward of learned_forward. Restating the forward: y = x + W[pos]. Then
 //   d_table[pos(b, s), :] += dy[b, s, :]   (rows of repeated positions sum in token order)
@@ -90,8 +87,7 @@ void learned_forward(ConstTensorView table, ConstTensorView x, const Positions& 
 // Like every posenc backward, it accumulates into the gradients, so that contributions from
 // several ops sum without temporaries; zero dx first for the plain dx = dy. dx, d_table and dy
 // must not overlap one another.
-void learned_backward(ConstTensorView dy, const Positions& positions, TensorView d_table,
-                      TensorView dx = {});
+void learned_backward(ConstTensorView dy, const Positions& positions, TensorView d_table, TensorView dx = {});
 
 // Initialisers. Values depend only on (seed, row, column), never on the thread count:
 // a counter-based generator (SplitMix64) feeds a Box–Muller transform.

@@ -115,9 +115,9 @@ struct HeadGroup {
 
 struct AttentionMask {
   bool causal = false;
-  std::int64_t window_left = -1;   // −1: unlimited
-  std::int64_t window_right = -1;  // −1: unlimited (causal forces 0)
-  double softcap = 0.0;            // 0: none; else z = c·tanh(x/c)
+  std::int64_t window_left = -1;          // −1: unlimited
+  std::int64_t window_right = -1;         // −1: unlimited (causal forces 0)
+  double softcap = 0.0;                   // 0: none; else z = c·tanh(x/c)
   std::vector<std::int64_t> key_lengths;  // per batch row, valid keys (empty: all); not with packed
 };
 
@@ -125,7 +125,7 @@ struct AttentionSpec {
   ConstTensorView q, k, v;
   std::vector<HeadGroup> groups;  // empty: no positional scheme on any head (NoPE)
   AttentionMask mask{};
-  double scale = 0.0;              // 0: 1/sqrt(D)
+  double scale = 0.0;  // 0: 1/sqrt(D)
   std::optional<Positions> q_positions, k_positions;
   std::vector<std::int64_t> cu_seqlens_q, cu_seqlens_k;  // packed sequences (both or neither)
   // Forward and backward may skip key tiles whose probabilities all vanish (see
@@ -139,9 +139,9 @@ struct AttentionSpec {
 // Gradients of the groups' positional parameters, fp64, accumulated (+=). One entry per group,
 // sized for its scheme (empty vectors where the scheme has no such parameter).
 struct GroupGradients {
-  std::vector<double> alibi_slopes;       // [heads]
-  std::vector<double> t5_table;           // [buckets·heads], the table's layout
-  std::vector<double> kerple_r1, kerple_r2;  // [heads]
+  std::vector<double> alibi_slopes;                      // [heads]
+  std::vector<double> t5_table;                          // [buckets·heads], the table's layout
+  std::vector<double> kerple_r1, kerple_r2;              // [heads]
   std::vector<double> shaw_key_table, shaw_value_table;  // [(2k + 1)·D], the tables' layout
   std::optional<FireGradients> fire;
   std::optional<TupeGradients> tupe;
@@ -160,8 +160,8 @@ class Attention {
   Attention& operator=(Attention&&) noexcept;
 
   std::int64_t batch() const;
-  std::int64_t q_len() const;   // Sq (or Tq)
-  std::int64_t k_len() const;   // Sk (or Tk)
+  std::int64_t q_len() const;  // Sq (or Tq)
+  std::int64_t k_len() const;  // Sk (or Tk)
   std::int64_t heads() const;
   std::int64_t kv_heads() const;
   std::int64_t head_dim() const;

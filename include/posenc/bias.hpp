@@ -93,8 +93,8 @@ class AlibiParams {
 //
 // Valid: max_exact >= 1 (num_buckets >= 4 bidirectional, >= 2 causal) and max_distance >
 // max_exact (otherwise the log formula divides by zero or turns around).
-std::int64_t t5_bucket(std::int64_t relative_position, std::int64_t num_buckets = 32,
-                       std::int64_t max_distance = 128, bool bidirectional = true);
+std::int64_t t5_bucket(std::int64_t relative_position, std::int64_t num_buckets = 32, std::int64_t max_distance = 128,
+                       bool bidirectional = true);
 
 class T5BiasParams {
  public:
@@ -252,7 +252,8 @@ class TupeParams {
 class TupeEvaluator {
  public:
   TupeEvaluator(const TupeParams& params, std::int64_t first_position, std::int64_t last_position);
-  void add_row(std::int64_t head, std::int64_t q_position, std::int64_t k_first, std::int64_t count, float* scores) const;
+  void add_row(std::int64_t head, std::int64_t q_position, std::int64_t k_first, std::int64_t count,
+               float* scores) const;
 
  private:
   TupeParams params_;
@@ -322,8 +323,7 @@ class BiasEvaluator {
   // scores[t] (+)= b(h, k_first + t − q_position), t < count: keys at consecutive positions.
   void add_row(std::int64_t head, std::int64_t q_position, std::int64_t k_first, std::int64_t count,
                float* scores) const;
-  void fill_row(std::int64_t head, std::int64_t q_position, std::int64_t k_first, std::int64_t count,
-                float* out) const;
+  void fill_row(std::int64_t head, std::int64_t q_position, std::int64_t k_first, std::int64_t count, float* out) const;
   // The tabulated row itself (count values of consecutive keys from k_first), or nullptr when it
   // is not tabulated (NoPE, a range too wide, or keys outside the range).
   const float* table_row(std::int64_t head, std::int64_t q_position, std::int64_t k_first, std::int64_t count) const;

@@ -13,8 +13,8 @@ namespace posenc {
 
 enum class DType : std::uint8_t { kF32, kF64, kBF16, kF16 };
 
-std::string_view dtype_name(DType dtype) noexcept;   // "f32", "f64", "bf16", "f16"
-std::size_t dtype_size(DType dtype) noexcept;        // bytes per element
+std::string_view dtype_name(DType dtype) noexcept;  // "f32", "f64", "bf16", "f16"
+std::size_t dtype_size(DType dtype) noexcept;       // bytes per element
 
 // Brain float: the top 16 bits of an IEEE binary32.
 struct bf16 {
@@ -33,12 +33,20 @@ float from_f16(f16 value) noexcept;
 template <class T>
 constexpr DType dtype_of();
 template <>
-constexpr DType dtype_of<float>() { return DType::kF32; }
+constexpr DType dtype_of<float>() {
+  return DType::kF32;
+}
 template <>
-constexpr DType dtype_of<double>() { return DType::kF64; }
+constexpr DType dtype_of<double>() {
+  return DType::kF64;
+}
 template <>
-constexpr DType dtype_of<bf16>() { return DType::kBF16; }
+constexpr DType dtype_of<bf16>() {
+  return DType::kBF16;
+}
 template <>
-constexpr DType dtype_of<f16>() { return DType::kF16; }
+constexpr DType dtype_of<f16>() {
+  return DType::kF16;
+}
 
 }  // namespace posenc

@@ -17,8 +17,7 @@ namespace posenc {
 
 class Error : public std::runtime_error {
  public:
-  Error(std::string_view where, std::string_view param, std::string_view value,
-        std::string_view expected);
+  Error(std::string_view where, std::string_view param, std::string_view value, std::string_view expected);
   // A message that does not fit the parameter/value/expected pattern (e.g. an I/O failure).
   explicit Error(const std::string& message);
 

@@ -15,25 +15,22 @@
 namespace posenc::ref {
 
 void sinusoidal_table(const SinusoidalParams& params, const Positions& positions, TensorView out);
-void sinusoidal_add(const SinusoidalParams& params, ConstTensorView x, const Positions& positions,
-                    TensorView out);
-void learned_forward(ConstTensorView table, ConstTensorView x, const Positions& positions,
-                     TensorView y);
-void learned_backward(ConstTensorView dy, const Positions& positions, TensorView d_table,
-                      TensorView dx = {});
+void sinusoidal_add(const SinusoidalParams& params, ConstTensorView x, const Positions& positions, TensorView out);
+void learned_forward(ConstTensorView table, ConstTensorView x, const Positions& positions, TensorView y);
+void learned_backward(ConstTensorView dy, const Positions& positions, TensorView d_table, TensorView dx = {});
 
-void rope_apply(const RopeParams& params, const Positions& positions, ConstTensorView q,
-                ConstTensorView k, TensorView q_out, TensorView k_out,
-                RopeDirection direction = RopeDirection::kForward, std::int64_t seq_len = 0);
-void rope_cos_sin(const RopeParams& params, const Positions& positions, TensorView cos,
-                  TensorView sin, std::int64_t seq_len = 0);
+void rope_apply(const RopeParams& params, const Positions& positions, ConstTensorView q, ConstTensorView k,
+                TensorView q_out, TensorView k_out, RopeDirection direction = RopeDirection::kForward,
+                std::int64_t seq_len = 0);
+void rope_cos_sin(const RopeParams& params, const Positions& positions, TensorView cos, TensorView sin,
+                  std::int64_t seq_len = 0);
 void rope_apply_multi(const RopeParams& params, std::span<const std::int64_t> sections,
-                      std::span<const Positions> axis_positions, ConstTensorView q, ConstTensorView k,
-                      TensorView q_out, TensorView k_out, RopeDirection direction = RopeDirection::kForward,
+                      std::span<const Positions> axis_positions, ConstTensorView q, ConstTensorView k, TensorView q_out,
+                      TensorView k_out, RopeDirection direction = RopeDirection::kForward,
                       bool restart_frequencies = false, std::int64_t seq_len = 0);
 void rope_rerotate(const RopeParams& from, const Positions& from_positions, std::int64_t from_seq_len,
-                   const RopeParams& to, const Positions& to_positions, std::int64_t to_seq_len,
-                   ConstTensorView k, TensorView k_out);
+                   const RopeParams& to, const Positions& to_positions, std::int64_t to_seq_len, ConstTensorView k,
+                   TensorView k_out);
 
 void bias_materialize(const BiasScheme& scheme, const Positions& q_positions, const Positions& k_positions,
                       TensorView out);

@@ -47,9 +47,9 @@ class ShawParams {
   const std::vector<double>& value_table() const { return value_table_; }
   // The table row of relative position r = key − query: clip(r, −k, k) + k.
   std::int64_t row_of(std::int64_t relative_position) const {
-    const std::int64_t r = relative_position < -max_distance_ ? -max_distance_
+    const std::int64_t r = relative_position < -max_distance_  ? -max_distance_
                            : relative_position > max_distance_ ? max_distance_
-                                                                : relative_position;
+                                                               : relative_position;
     return r + max_distance_;
   }
 
@@ -87,8 +87,10 @@ class ShawEvaluator {
   std::int64_t width() const { return width_; }  // 2k + 1
   std::int64_t head_dim() const { return dim_; }
   void query_dots(const float* q, float* dots) const;
-  void add_row(const float* dots, std::int64_t q_position, std::int64_t k_first, std::int64_t count, float* scores) const;
-  void add_values(const float* probs, std::int64_t q_position, std::int64_t k_first, std::int64_t count, float* out) const;
+  void add_row(const float* dots, std::int64_t q_position, std::int64_t k_first, std::int64_t count,
+               float* scores) const;
+  void add_values(const float* probs, std::int64_t q_position, std::int64_t k_first, std::int64_t count,
+                  float* out) const;
 
  private:
   std::int64_t k_, width_, dim_;

@@ -199,9 +199,9 @@ void rope_apply(const RopeParams& params, const Positions& positions, TensorView
 
 // Out of place: q_out = R q, k_out = R k (the entries past rotary_dim copied). Outputs may be the
 // inputs themselves (in place) but must not otherwise overlap them.
-void rope_apply(const RopeParams& params, const Positions& positions, ConstTensorView q,
-                ConstTensorView k, TensorView q_out, TensorView k_out,
-                RopeDirection direction = RopeDirection::kForward, std::int64_t seq_len = 0);
+void rope_apply(const RopeParams& params, const Positions& positions, ConstTensorView q, ConstTensorView k,
+                TensorView q_out, TensorView k_out, RopeDirection direction = RopeDirection::kForward,
+                std::int64_t seq_len = 0);
 
 // Multi-axis RoPE: the r/2 rotary pairs split into consecutive sections, the pairs of section a
 // turning by the positions of axis a. M-RoPE (Qwen2-VL, Wang et al. 2024): sections such as
@@ -213,8 +213,8 @@ void rope_apply(const RopeParams& params, const Positions& positions, ConstTenso
 // One Positions per axis, each over the same token grid. xPos is not defined for several axes:
 // an error.
 void rope_apply_multi(const RopeParams& params, std::span<const std::int64_t> sections,
-                      std::span<const Positions> axis_positions, ConstTensorView q, ConstTensorView k,
-                      TensorView q_out, TensorView k_out, RopeDirection direction = RopeDirection::kForward,
+                      std::span<const Positions> axis_positions, ConstTensorView q, ConstTensorView k, TensorView q_out,
+                      TensorView k_out, RopeDirection direction = RopeDirection::kForward,
                       bool restart_frequencies = false, std::int64_t seq_len = 0);
 
 // KV-cache re-rotation: keys rotated under (from, from_positions) become keys rotated under
@@ -226,12 +226,12 @@ void rope_apply_multi(const RopeParams& params, std::span<const std::int64_t> se
 // Equals un-rotating and rotating again to within the exactness bound: the combined angle
 // θ_to − θ_from is formed from the two exact fp64 (cos, sin) pairs.
 void rope_rerotate(const RopeParams& from, const Positions& from_positions, std::int64_t from_seq_len,
-                   const RopeParams& to, const Positions& to_positions, std::int64_t to_seq_len,
-                   ConstTensorView k, TensorView k_out);
+                   const RopeParams& to, const Positions& to_positions, std::int64_t to_seq_len, ConstTensorView k,
+                   TensorView k_out);
 
 // cos and sin tables [N, r/2] (N = positions.seq_len(), batch() must be 0 or 1), α included:
 // one column per frequency, as `posenc table rope` prints them.
-void rope_cos_sin(const RopeParams& params, const Positions& positions, TensorView cos,
-                  TensorView sin, std::int64_t seq_len = 0);
+void rope_cos_sin(const RopeParams& params, const Positions& positions, TensorView cos, TensorView sin,
+                  std::int64_t seq_len = 0);
 
 }  // namespace posenc

@@ -40,8 +40,7 @@ class BasicTensorView {
   BasicTensorView(Pointer data, DType dtype, std::span<const std::int64_t> shape,
                   std::span<const std::int64_t> strides);
   // Row-major (C-contiguous) strides.
-  static BasicTensorView contiguous(Pointer data, DType dtype,
-                                    std::span<const std::int64_t> shape);
+  static BasicTensorView contiguous(Pointer data, DType dtype, std::span<const std::int64_t> shape);
 
   // Typed conveniences: TensorView::of(ptr, {B, S, D}) or with explicit strides.
   template <class T>
@@ -51,14 +50,12 @@ class BasicTensorView {
   template <class T>
   static BasicTensorView of(T* data, std::initializer_list<std::int64_t> shape,
                             std::initializer_list<std::int64_t> strides) {
-    return BasicTensorView(data, dtype_of<std::remove_const_t<T>>(),
-                           {shape.begin(), shape.size()}, {strides.begin(), strides.size()});
+    return BasicTensorView(data, dtype_of<std::remove_const_t<T>>(), {shape.begin(), shape.size()},
+                           {strides.begin(), strides.size()});
   }
 
   // A mutable view converts to a const one.
-  operator BasicTensorView<false>() const
-    requires kMutable
-  {
+  operator BasicTensorView<false>() const requires kMutable {
     BasicTensorView<false> v;
     v.data_ = data_;
     v.dtype_ = dtype_;

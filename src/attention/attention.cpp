@@ -95,7 +95,8 @@ namespace detail {
 
 // x (f32, D entries, padded with zeros to Dp) ← T(x) for a token at `row` of the table; sign −1
 // applies the transpose (backward: sine negated).
-void AttentionPlan::transform_row(const QKTables& t, bool is_q, std::int64_t table_row, float* x, float sine_sign) const {
+void AttentionPlan::transform_row(const QKTables& t, bool is_q, std::int64_t table_row, float* x,
+                                  float sine_sign) const {
   if (t.kind == QKTables::kNone) return;
   if (t.kind == QKTables::kAbsolute) {
     if (sine_sign < 0) return;  // the gradient of an addition passes through
@@ -261,7 +262,8 @@ void AttentionPlan::summarize_rows(const Sequence& seq, RowBlock& rb) {
 bool AttentionPlan::tile_unmasked(const RowBlock& rb, std::int64_t k_first, std::int64_t keys) const {
   for (std::int64_t r = 0; r < rb.width; ++r) {
     if (rb.head[static_cast<std::size_t>(r)] < 0) continue;
-    if (rb.lo[static_cast<std::size_t>(r)] > k_first || rb.hi[static_cast<std::size_t>(r)] < k_first + keys) return false;
+    if (rb.lo[static_cast<std::size_t>(r)] > k_first || rb.hi[static_cast<std::size_t>(r)] < k_first + keys)
+      return false;
   }
   return true;
 }
@@ -278,7 +280,8 @@ void AttentionPlan::add_bias(const Sequence& seq, const RowBlock& rb, std::int64
   if (!bias_by_delta.empty() && keys_consecutive && rb.compact && rb.valid_rows == heads && keys > 0) {
     bool one_query = true;
     for (std::int64_t r = 0; r < heads && one_query; ++r) {
-      one_query = rb.head[static_cast<std::size_t>(r)] == r && rb.position[static_cast<std::size_t>(r)] == rb.position[0];
+      one_query =
+          rb.head[static_cast<std::size_t>(r)] == r && rb.position[static_cast<std::size_t>(r)] == rb.position[0];
     }
     const HeadBias& hb = head_bias[0];
     const std::int64_t base = rb.position[0] - kpos[0] - hb.delta_min;
@@ -346,7 +349,6 @@ void AttentionPlan::add_bias(const Sequence& seq, const RowBlock& rb, std::int64
   (void)seq;
 }
 
-
 // ─── Vanishing tiles ───────────────────────────────────────────────────────────────────────────
 // Whether no row of rb can get a probability of at least FLT_MIN from keys at positions
 // [k_lo, k_hi] (AttentionPlan::skip_far_tiles). Row r's logits there are at most
@@ -381,7 +383,9 @@ bool tile_vanishes(const AttentionPlan& p, const RowBlock& rb, const double* row
 
 // The larger of a and b, NaN if either is (std::max would drop a NaN b): a NaN norm must fail the
 // bound of tile_vanishes, so that a tile holding a NaN key runs.
-double max_or_nan(double a, double b) { return std::isnan(a) || std::isnan(b) ? std::numeric_limits<double>::quiet_NaN() : std::max(a, b); }
+double max_or_nan(double a, double b) {
+  return std::isnan(a) || std::isnan(b) ? std::numeric_limits<double>::quiet_NaN() : std::max(a, b);
+}
 
 // Row norms |row| of `count` rows ld apart (D values each), in fp64, into out (unless null);
 // returns the largest (NaN if any is).
@@ -573,11 +577,13 @@ void for_each_head_run(const RowBlock& rb, Has&& has, Fn&& fn) {
 }
 template <class Fn>
 void for_each_xl_run(const AttentionPlan& p, const RowBlock& rb, Fn&& fn) {
-  for_each_head_run(rb, [&](std::int64_t h) { return p.xl_of_head(h) != nullptr; }, fn);
+  for_each_head_run(
+      rb, [&](std::int64_t h) { return p.xl_of_head(h) != nullptr; }, fn);
 }
 template <class Fn>
 void for_each_tupe_run(const AttentionPlan& p, const RowBlock& rb, Fn&& fn) {
-  for_each_head_run(rb, [&](std::int64_t h) { return p.tupe_of_head(h) != nullptr; }, fn);
+  for_each_head_run(
+      rb, [&](std::int64_t h) { return p.tupe_of_head(h) != nullptr; }, fn);
 }
 
 // dots[u][r] = Qs_r·P_h(lo + u) + c_h(lo + u) for u < span; rows_t: Qs transposed, [d][r].
@@ -586,8 +592,8 @@ void AttentionPlan::xl_window(const RowBlock& rb, const float* rows_t, std::int6
   for_each_xl_run(*this, rb, [&](std::int64_t r0, std::int64_t n, std::int64_t h) {
     const XlTables& t = *xl_of_head(h);
     const std::int64_t lh = xl_local_head(h), t0 = lo - xl_delta_min;
-    kernels::attn_gemm(t.p_row(t0, lh, dim_padded), dim_padded, 1, rows_t + r0, ld_t, dots + r0, ld, span, n,
-                       dim, false);
+    kernels::attn_gemm(t.p_row(t0, lh, dim_padded), dim_padded, 1, rows_t + r0, ld_t, dots + r0, ld, span, n, dim,
+                       false);
     const float* c = t.constant.data() + lh * xl_width + t0;
     for (std::int64_t u = 0; u < span; ++u) {
       float* row = dots + u * ld + r0;
@@ -658,24 +664,28 @@ bool for_each_xl_chunk(const AttentionPlan& p, const RowBlock& rb, std::int64_t 
 void AttentionPlan::xl_add_rows(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, std::int64_t lo,
                                 std::int64_t span, const float* dots, std::int64_t ld, float* st) const {
   const std::int64_t w = rb.width;
-  if (for_each_xl_chunk(*this, rb, keys, kpos, lo, span, ld, [&](std::int64_t c, const std::int32_t* base, const std::int32_t* offset) {
-        kernels::attn_xl_add(st + c, keys, w, dots + c, ld, span, base, offset);
-      })) {
+  if (for_each_xl_chunk(*this, rb, keys, kpos, lo, span, ld,
+                        [&](std::int64_t c, const std::int32_t* base, const std::int32_t* offset) {
+                          kernels::attn_xl_add(st + c, keys, w, dots + c, ld, span, base, offset);
+                        })) {
     return;
   }
-  for_each_xl_pair(*this, rb, keys, kpos, lo, span, ld, [&](std::int64_t at, std::int64_t from) { st[at] += dots[from]; });
+  for_each_xl_pair(*this, rb, keys, kpos, lo, span, ld,
+                   [&](std::int64_t at, std::int64_t from) { st[at] += dots[from]; });
 }
 
 // sums[δ(r, j) − lo][r] += dst[j][r] (the transpose of xl_add_rows).
 void AttentionPlan::xl_collect(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, std::int64_t lo,
                                std::int64_t span, const float* dst, float* sums, std::int64_t ld) const {
   const std::int64_t w = rb.width;
-  if (for_each_xl_chunk(*this, rb, keys, kpos, lo, span, ld, [&](std::int64_t c, const std::int32_t* base, const std::int32_t* offset) {
-        kernels::attn_xl_collect(dst + c, keys, w, sums + c, ld, span, base, offset);
-      })) {
+  if (for_each_xl_chunk(*this, rb, keys, kpos, lo, span, ld,
+                        [&](std::int64_t c, const std::int32_t* base, const std::int32_t* offset) {
+                          kernels::attn_xl_collect(dst + c, keys, w, sums + c, ld, span, base, offset);
+                        })) {
     return;
   }
-  for_each_xl_pair(*this, rb, keys, kpos, lo, span, ld, [&](std::int64_t from, std::int64_t at) { sums[at] += dst[from]; });
+  for_each_xl_pair(*this, rb, keys, kpos, lo, span, ld,
+                   [&](std::int64_t from, std::int64_t at) { sums[at] += dst[from]; });
 }
 
 // Decode rows (few): st[j][r] += Qs_r·P_h(δ) + c_h(δ), a dot product per pair.
@@ -718,7 +728,8 @@ void AttentionPlan::tupe_load_rows(const RowBlock& rb, AttentionUnitScratch& s, 
     for (std::int64_t r = 0; r < n; ++r) {
       const std::int64_t h = rb.head[static_cast<std::size_t>(r0 + r)];
       const TupeTables* t = h < 0 ? nullptr : tupe_of_head(h);
-      rows[static_cast<std::size_t>(r)] = t == nullptr ? nullptr : tupe_row(*t, true, rb.position[static_cast<std::size_t>(r0 + r)], h);
+      rows[static_cast<std::size_t>(r)] =
+          t == nullptr ? nullptr : tupe_row(*t, true, rb.position[static_cast<std::size_t>(r0 + r)], h);
     }
     for (std::int64_t d = 0; d < dp; ++d) {
       float* to = s.tupe_pqt.data() + d * ld + r0;
@@ -788,8 +799,8 @@ void AttentionPlan::tupe_add_tile(const RowBlock& rb, std::int64_t r0, std::int6
 }
 
 // Decode rows: st[j][r] += b(h, q, k_j) by dot products (pq_rows: [rows][Dp]).
-void AttentionPlan::tupe_add_direct(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, const float* pq_rows,
-                                    float* st) const {
+void AttentionPlan::tupe_add_direct(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos,
+                                    const float* pq_rows, float* st) const {
   const std::int64_t w = rb.width;
   for (std::int64_t r = 0; r < w; ++r) {
     const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
@@ -816,8 +827,9 @@ void AttentionPlan::tupe_add_direct(const RowBlock& rb, std::int64_t keys, const
 
 // Backward of one (tile, row block), dS^T in s.dpt: dPQ rows += dS·PK; the tile's dPK = dSᵀ·PQ
 // into the unit's table by key position; the [CLS] values' sums (fp64).
-void AttentionPlan::tupe_backward_tile(const RowBlock& sub, std::int64_t r0, std::int64_t keys, const std::int64_t* kpos,
-                                       std::int64_t kvh, double* unit_tupe_grads, AttentionUnitScratch& s) const {
+void AttentionPlan::tupe_backward_tile(const RowBlock& sub, std::int64_t r0, std::int64_t keys,
+                                       const std::int64_t* kpos, std::int64_t kvh, double* unit_tupe_grads,
+                                       AttentionUnitScratch& s) const {
   // dS reaches only TUPE's parameters (its term does not depend on q or k): nothing to do without them.
   if (unit_tupe_grads == nullptr) return;
   const std::int64_t bw = sub.width, dp = dim_padded;
@@ -828,8 +840,8 @@ void AttentionPlan::tupe_backward_tile(const RowBlock& sub, std::int64_t r0, std
     kernels::attn_gemm(s.dpt.data() + ra, 1, bw, pk, ldpk, s.tupe_dpq.data() + (r0 + ra) * dp, dp, n, dp, keys, true);
     const std::int64_t g = h - kvh * group_size;
     grow(s.tupe_dpk, keys * dp);
-    kernels::attn_gemm(s.dpt.data() + ra, bw, 1, s.tupe_pq.data() + (r0 + ra) * dp, dp, s.tupe_dpk.data(), dp, keys, dp, n,
-                       false);
+    kernels::attn_gemm(s.dpt.data() + ra, bw, 1, s.tupe_pq.data() + (r0 + ra) * dp, dp, s.tupe_dpk.data(), dp, keys, dp,
+                       n, false);
     for (std::int64_t j = 0; j < keys; ++j) {
       if (t.cls_reset && kpos[j] == 0) continue;  // the [CLS] key's projection is not used
       float* to = s.tupe_dpk_positions.data() + ((kpos[j] - tupe_first) * group_size + g) * dp;
@@ -863,12 +875,15 @@ using detail::AttentionPlan;
 using detail::RowBlock;
 using detail::Sequence;
 
-void prefetch_rows(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh, std::int64_t first, std::int64_t count) {
+void prefetch_rows(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh, std::int64_t first,
+                   std::int64_t count) {
   const std::int64_t width = static_cast<std::int64_t>(dtype_size(p.dtype));
   const std::int64_t row_bytes = (p.dim - 1) * width * p.kg.dim_stride + width;
   for (std::int64_t j = 0; j < count; ++j) {
-    const char* k = static_cast<const char*>(p.k_data) + (p.kg.offset(seq.b, seq.k0 + first + j) + kvh * p.kg.head_stride) * width;
-    const char* v = static_cast<const char*>(p.v_data) + (p.vg.offset(seq.b, seq.k0 + first + j) + kvh * p.vg.head_stride) * width;
+    const char* k =
+        static_cast<const char*>(p.k_data) + (p.kg.offset(seq.b, seq.k0 + first + j) + kvh * p.kg.head_stride) * width;
+    const char* v =
+        static_cast<const char*>(p.v_data) + (p.vg.offset(seq.b, seq.k0 + first + j) + kvh * p.vg.head_stride) * width;
     // Into L2 (prefetcht1): a tile's keys and values are 64 KiB at D = 128, more than L1, where
     // they would evict the block's working rows. perf, 1 thread, S 2048, three alternating pairs:
     // prefetch_rows' samples fell from 331–397 to 234–293; the totals moved within the noise.
@@ -880,8 +895,8 @@ void prefetch_rows(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh
 }
 
 // One forward block in steps: forward_begin loads the rows of `rb`; block_tile runs one key
-// tile [k0, k0 + keys) of the sequence through them (forward_blocks drives both). Leaves the unnormalised output rows in
-// s.o ([width][Dp]) and m, l per row.
+// tile [k0, k0 + keys) of the sequence through them (forward_blocks drives both). Leaves the unnormalised output rows
+// in s.o ([width][Dp]) and m, l per row.
 void forward_begin(const AttentionPlan& p, const Sequence& seq, const RowBlock& rb, AttentionUnitScratch& s) {
   const std::int64_t w = rb.width, dp = p.dim_padded, d = p.dim;
   const bool dot = rb.compact;
@@ -973,7 +988,8 @@ TileRows load_tile(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh
     rows.k = s.k.data();
   }
   rows.ldv = padded_stride(dp);
-  for (std::int64_t j = 0; j < keys; ++j) p.load_row(p.v_data, p.vg, seq.b, seq.k0 + k0 + j, kvh, s.v.data() + j * rows.ldv);
+  for (std::int64_t j = 0; j < keys; ++j)
+    p.load_row(p.v_data, p.vg, seq.b, seq.k0 + k0 + j, kvh, s.v.data() + j * rows.ldv);
   rows.v = s.v.data();
   return rows;
 }
@@ -1008,8 +1024,8 @@ void block_tile(const AttentionPlan& p, const Sequence& seq, const RowBlock& rb,
 
 // The far-tile skip in forward: tile_vanishes against the rows' running maxima; the keys' norms
 // read from the inputs.
-bool far_tile_vanishes(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh, const RowBlock& rb, std::int64_t k0,
-                       std::int64_t keys, AttentionUnitScratch& s) {
+bool far_tile_vanishes(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh, const RowBlock& rb,
+                       std::int64_t k0, std::int64_t keys, AttentionUnitScratch& s) {
   std::int64_t k_lo = std::numeric_limits<std::int64_t>::max(), k_hi = std::numeric_limits<std::int64_t>::min();
   for (std::int64_t j = 0; j < keys; ++j) {
     const std::int64_t kp = p.k_position(seq, k0 + j);
@@ -1124,7 +1140,8 @@ void AttentionPlan::forward(TensorView out, TensorView lse) const {
   const auto flops = static_cast<std::int64_t>(batch) * q_len * k_len * heads * dim;
   // Grouping never changes a bit (see forward_blocks), so the rule may look at the thread count.
   std::int64_t group_blocks = static_cast<std::int64_t>(kMaxGroupBlocks);
-  while (group_blocks > 1 && prefill_blocks < 8 * group_blocks * static_cast<std::int64_t>(threads_for(flops / 16))) group_blocks /= 2;
+  while (group_blocks > 1 && prefill_blocks < 8 * group_blocks * static_cast<std::int64_t>(threads_for(flops / 16)))
+    group_blocks /= 2;
   const std::int64_t unit_queries = group_blocks * query_block;
   // Decode chunks: keys per chunk from the bytes of one key's keys and values.
   const std::int64_t bytes_chunk_keys = std::max(kDecodeMinChunkKeys, kDecodeChunkBytes / (2 * decode_key_row_bytes()));
@@ -1165,7 +1182,8 @@ void AttentionPlan::forward(TensorView out, TensorView lse) const {
       const std::int64_t i = rb.query[static_cast<std::size_t>(r)];
       const float l = s.l[static_cast<std::size_t>(r)];
       const float inv = l > 0 ? 1.0f / l : 0.0f;
-      for (std::int64_t t = 0; t < dim; ++t) s.tmp[static_cast<std::size_t>(t)] = s.o[static_cast<std::size_t>(r * dp + t)] * inv;
+      for (std::int64_t t = 0; t < dim; ++t)
+        s.tmp[static_cast<std::size_t>(t)] = s.o[static_cast<std::size_t>(r * dp + t)] * inv;
       store_row(s.tmp.data(), out.data(), og, seq.b, seq.q0 + i, h, false);
       if (want_lse) write_lse(lse, seq, h, i, l > 0 ? s.m[static_cast<std::size_t>(r)] + std::log(l) : kNegInf);
     }
@@ -1198,7 +1216,8 @@ void AttentionPlan::forward(TensorView out, TensorView lse) const {
           prefill_tiles += (std::max(block.key_hi, block.key_lo) - block.key_lo + key_tile - 1) / key_tile;
         };
         if (same_start) {
-          skipped_tiles += forward_blocks(*this, seq, un.kvh, std::span(group.data(), n), std::span(group_scratches.data(), n));
+          skipped_tiles +=
+              forward_blocks(*this, seq, un.kvh, std::span(group.data(), n), std::span(group_scratches.data(), n));
           for (std::size_t b = 0; b < n; ++b) {
             count_tiles(*group[b]);
             finish(seq, *group[b], *group_scratches[b]);
@@ -1207,7 +1226,8 @@ void AttentionPlan::forward(TensorView out, TensorView lse) const {
         }
         // Blocks whose key ranges start apart (sliding windows): one at a time.
         for (std::size_t b = 0; b < n; ++b) {
-          skipped_tiles += forward_blocks(*this, seq, un.kvh, std::span(group.data() + b, 1), std::span(group_scratches.data(), 1));
+          skipped_tiles +=
+              forward_blocks(*this, seq, un.kvh, std::span(group.data() + b, 1), std::span(group_scratches.data(), 1));
           count_tiles(*group[b]);
           finish(seq, *group[b], s);
         }
@@ -1226,7 +1246,8 @@ void AttentionPlan::forward(TensorView out, TensorView lse) const {
       } else {
         for (std::int64_t kvh = 0; kvh < kv_heads; ++kvh) {
           layout_rows(seq, kvh, un.i0, un.count, true, per_head_rows[static_cast<std::size_t>(kvh)]);
-          forward_begin(*this, seq, per_head_rows[static_cast<std::size_t>(kvh)], per_head[static_cast<std::size_t>(kvh)]);
+          forward_begin(*this, seq, per_head_rows[static_cast<std::size_t>(kvh)],
+                        per_head[static_cast<std::size_t>(kvh)]);
         }
       }
       const RowBlock& rows0 = per_head_rows[0];
@@ -1321,7 +1342,8 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
   // a multi-head cache (32 KV heads: 16 KiB per key) took 1 MiB per tile at 64 keys, as much as
   // this host's whole L2. There (8192 keys, 2 threads, alternating runs) 16-key tiles took
   // 11.7–12.4 ms, 32-key tiles 12.6–12.7 and 64-key tiles 13.2–13.7.
-  const std::int64_t decode_tile = std::clamp<std::int64_t>(kDecodeTileBytes / decode_key_row_bytes() / 16 * 16, 16, key_tile);
+  const std::int64_t decode_tile =
+      std::clamp<std::int64_t>(kDecodeTileBytes / decode_key_row_bytes() / 16 * 16, 16, key_tile);
   bool transform_keys = false;
   for (std::int64_t g = 0; g < g_count; ++g) {
     const QKTables& t = tables_of_head(g * group_size);
@@ -1342,7 +1364,8 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
   for (std::int64_t g = 0; g < g_count; ++g) {
     if (&tables_of_head(g * group_size) != shared_rope) shared_rope = nullptr;
   }
-  if (shared_rope != nullptr && (shared_rope->kind != QKTables::kRope || !shared_rope->transform_keys || kg.dim_stride != 1)) {
+  if (shared_rope != nullptr &&
+      (shared_rope->kind != QKTables::kRope || !shared_rope->transform_keys || kg.dim_stride != 1)) {
     shared_rope = nullptr;
   }
   const bool rotate_in_scores =
@@ -1351,7 +1374,7 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
   if (shared_rope != nullptr && shared_rope->interleaved && !rotate_in_scores) shared_rope = nullptr;
   const bool interleaved_rope = shared_rope != nullptr && shared_rope->interleaved;
   // The keys' [cos | sin] rows (transform_row's choice: their own table, else the queries').
-  const float* rope_cos_sin = shared_rope == nullptr                 ? nullptr
+  const float* rope_cos_sin = shared_rope == nullptr           ? nullptr
                               : shared_rope->k_cos_sin.empty() ? shared_rope->q_cos_sin.data()
                                                                : shared_rope->k_cos_sin.data();
   const bool direct_k = kg.dim_stride == 1 && reads_dtype && (!transform_keys || rotate_in_scores);
@@ -1377,7 +1400,8 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
       return;
     }
     for (std::int64_t j = 0; j < keys; ++j) {
-      for (std::int64_t g = 0; g < g_count; ++g) load_row(data, grid, seq.b, seq.k0 + k0 + j, g, dst + (j * g_count + g) * dp);
+      for (std::int64_t g = 0; g < g_count; ++g)
+        load_row(data, grid, seq.b, seq.k0 + k0 + j, g, dst + (j * g_count + g) * dp);
     }
   };
   const DType k_dtype = direct_k ? dtype : DType::kF32, v_dtype = direct_v ? dtype : DType::kF32;
@@ -1401,7 +1425,8 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
     if (shared_rope != nullptr) {
       for (std::int64_t j = 0; j < keys; ++j) table_rows[static_cast<std::size_t>(j)] = k_table_row(seq, k0 + j);
       if (interleaved_rope) {
-        kernels::attn_expand_interleaved_rope(rope_cos_sin, table_rows.data(), keys, shared_rope->half, s.rope_rows.data());
+        kernels::attn_expand_interleaved_rope(rope_cos_sin, table_rows.data(), keys, shared_rope->half,
+                                              s.rope_rows.data());
       }
     }
     if (direct_k) {
@@ -1410,8 +1435,8 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
       khs = kg.head_stride;
     } else if (shared_rope != nullptr) {
       kernels::attn_pack_rotate_heads(static_cast<const char*>(k_data) + kg.offset(seq.b, seq.k0 + k0) * width, dtype,
-                                      kg.seq_stride, kg.head_stride, keys, g_count, dim, rope_cos_sin, table_rows.data(),
-                                      shared_rope->half, s.k.data(), dp);
+                                      kg.seq_stride, kg.head_stride, keys, g_count, dim, rope_cos_sin,
+                                      table_rows.data(), shared_rope->half, s.k.data(), dp);
       kp = s.k.data();
       ldk = g_count * dp;
       khs = dp;
@@ -1441,12 +1466,13 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
     // While the scores are computed, this tile's values come in; while the values are summed,
     // the next tile's keys do.
     const std::int64_t next_keys = std::min(decode_tile, k_end - (k0 + keys));
-    kernels::attn_decode_scores(kp, k_dtype, ldk, khs, keys, g_count, q_heads.data(), dp, valid, dim, st_heads.data(), w,
-                                rows_ahead(v_data, vg, seq, k0, keys), k0 == k_begin, rotation);
+    kernels::attn_decode_scores(kp, k_dtype, ldk, khs, keys, g_count, q_heads.data(), dp, valid, dim, st_heads.data(),
+                                w, rows_ahead(v_data, vg, seq, k0, keys), k0 == k_begin, rotation);
     // The keys' positions, once per tile for every head.
     const std::int64_t* kpos = blocks_scratch[0].kpos.data();
     if (any_bias || any_shaw || any_xl || any_tupe) {
-      for (std::int64_t j = 0; j < keys; ++j) blocks_scratch[0].kpos[static_cast<std::size_t>(j)] = k_position(seq, k0 + j);
+      for (std::int64_t j = 0; j < keys; ++j)
+        blocks_scratch[0].kpos[static_cast<std::size_t>(j)] = k_position(seq, k0 + j);
     }
     for (std::size_t b = 0; b < rows.size(); ++b) {
       AttentionUnitScratch& hs = blocks_scratch[b];
@@ -1462,8 +1488,8 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
       if (any_shaw) shaw_collect(rb, keys, kpos, hs.st.data(), hs.corr.data(), hs.shaw_probs.data(), w);
     }
     if (!direct_v) pack_tile(v_data, vg, k0, keys, s.v.data());
-    kernels::attn_decode_values(vp, v_dtype, ldv, vhs, keys, g_count, p_heads.data(), w, valid, direct_v ? dim : dp, o_heads.data(), dp,
-                                rows_ahead(k_data, kg, seq, k0 + keys, next_keys));
+    kernels::attn_decode_values(vp, v_dtype, ldv, vhs, keys, g_count, p_heads.data(), w, valid, direct_v ? dim : dp,
+                                o_heads.data(), dp, rows_ahead(k_data, kg, seq, k0 + keys, next_keys));
   }
 }
 
@@ -1540,13 +1566,17 @@ void AttentionPlan::backward(ConstTensorView out, ConstTensorView lse, ConstTens
   std::vector<float> kv_parts(static_cast<std::size_t>(part_floats));
   // Per unit, its share of the bias parameters' gradients (summed in unit order afterwards).
   const std::int64_t grad_size = want_bias_grads ? bias_gradient_size() : 0;
-  std::vector<double>& unit_grads = zeroed_doubles(CallBuffer::kUnitBias, static_cast<std::size_t>(grad_size) * units.size());
+  std::vector<double>& unit_grads =
+      zeroed_doubles(CallBuffer::kUnitBias, static_cast<std::size_t>(grad_size) * units.size());
   const std::int64_t shaw_size = grads != nullptr && any_shaw ? shaw_grad_offset.back() : 0;
-  std::vector<double>& unit_shaw_grads = zeroed_doubles(CallBuffer::kUnitShaw, static_cast<std::size_t>(shaw_size) * units.size());
+  std::vector<double>& unit_shaw_grads =
+      zeroed_doubles(CallBuffer::kUnitShaw, static_cast<std::size_t>(shaw_size) * units.size());
   const std::int64_t xl_size = grads != nullptr ? xl_unit_gradient_size() : 0;
-  std::vector<double>& unit_xl_grads = zeroed_doubles(CallBuffer::kUnitXl, static_cast<std::size_t>(xl_size) * units.size());
+  std::vector<double>& unit_xl_grads =
+      zeroed_doubles(CallBuffer::kUnitXl, static_cast<std::size_t>(xl_size) * units.size());
   const std::int64_t tupe_size = grads != nullptr ? tupe_unit_gradient_size() : 0;
-  std::vector<double>& unit_tupe_grads = zeroed_doubles(CallBuffer::kUnitTupe, static_cast<std::size_t>(tupe_size) * units.size());
+  std::vector<double>& unit_tupe_grads =
+      zeroed_doubles(CallBuffer::kUnitTupe, static_cast<std::size_t>(tupe_size) * units.size());
   const auto flops = static_cast<std::int64_t>(batch) * q_len * k_len * heads * dim;
   const int threads = std::min<int>(threads_for(flops / 16), static_cast<int>(std::max<std::size_t>(units.size(), 1)));
   std::int64_t scratch_bytes = 0;
@@ -1562,7 +1592,8 @@ void AttentionPlan::backward(ConstTensorView out, ConstTensorView lse, ConstTens
       const Sequence& seq = sequences[static_cast<std::size_t>(units[u].seq)];
       const std::int64_t kvh = units[u].kvh;
       backward_unit(seq, kvh, out, og, lse, d_out, dog, want_dq ? &dq : nullptr, dqg, want_dk ? &dk : nullptr, dkg,
-                    want_dv ? &dv : nullptr, dvg, want_bias_grads ? unit_grads.data() + u * static_cast<std::size_t>(grad_size) : nullptr,
+                    want_dv ? &dv : nullptr, dvg,
+                    want_bias_grads ? unit_grads.data() + u * static_cast<std::size_t>(grad_size) : nullptr,
                     shaw_size > 0 ? unit_shaw_grads.data() + u * static_cast<std::size_t>(shaw_size) : nullptr,
                     xl_size > 0 ? unit_xl_grads.data() + u * static_cast<std::size_t>(xl_size) : nullptr,
                     tupe_size > 0 ? unit_tupe_grads.data() + u * static_cast<std::size_t>(tupe_size) : nullptr,
@@ -1606,7 +1637,8 @@ void AttentionPlan::backward(ConstTensorView out, ConstTensorView lse, ConstTens
               }
             }
             if (!seen) continue;
-            for (std::int64_t t = 0; t < 2 * dim; ++t) row[static_cast<std::size_t>(t)] = static_cast<float>(sum[static_cast<std::size_t>(t)]);
+            for (std::int64_t t = 0; t < 2 * dim; ++t)
+              row[static_cast<std::size_t>(t)] = static_cast<float>(sum[static_cast<std::size_t>(t)]);
             if (want_dk) store_row_to(row.data(), dk, dkg, seq.b, seq.k0 + key, kvh);
             if (want_dv) store_row_to(row.data() + dim, dv, dvg, seq.b, seq.k0 + key, kvh);
           }
@@ -1618,7 +1650,9 @@ void AttentionPlan::backward(ConstTensorView out, ConstTensorView lse, ConstTens
   if (want_bias_grads) {
     std::vector<double> total(static_cast<std::size_t>(grad_size), 0.0);
     for (std::size_t u = 0; u < units.size(); ++u) {
-      for (std::int64_t t = 0; t < grad_size; ++t) total[static_cast<std::size_t>(t)] += unit_grads[u * static_cast<std::size_t>(grad_size) + static_cast<std::size_t>(t)];
+      for (std::int64_t t = 0; t < grad_size; ++t)
+        total[static_cast<std::size_t>(t)] +=
+            unit_grads[u * static_cast<std::size_t>(grad_size) + static_cast<std::size_t>(t)];
     }
     scatter_bias_gradients(total, *grads);
   }
@@ -1627,23 +1661,26 @@ void AttentionPlan::backward(ConstTensorView out, ConstTensorView lse, ConstTens
     std::vector<double> total(static_cast<std::size_t>(shaw_size), 0.0);
     for (std::size_t u = 0; u < units.size(); ++u) {
       for (std::int64_t t = 0; t < shaw_size; ++t) {
-        total[static_cast<std::size_t>(t)] += unit_shaw_grads[u * static_cast<std::size_t>(shaw_size) + static_cast<std::size_t>(t)];
+        total[static_cast<std::size_t>(t)] +=
+            unit_shaw_grads[u * static_cast<std::size_t>(shaw_size) + static_cast<std::size_t>(t)];
       }
     }
     for (std::size_t g = 0; g < grads->groups.size(); ++g) {
       GroupGradients& gg = grads->groups[g];
       const double* at = total.data() + shaw_grad_offset[g];
       for (std::size_t t = 0; t < gg.shaw_key_table.size(); ++t) gg.shaw_key_table[t] += at[t];
-      for (std::size_t t = 0; t < gg.shaw_value_table.size(); ++t) gg.shaw_value_table[t] += at[gg.shaw_key_table.size() + t];
+      for (std::size_t t = 0; t < gg.shaw_value_table.size(); ++t)
+        gg.shaw_value_table[t] += at[gg.shaw_key_table.size() + t];
     }
   }
   // The units' XL and TUPE slots summed per KV head, units in order (sequence order).
   // Each element sums its units in order, so splitting the elements over the cores keeps the bits.
-  const auto sum_per_kv_head = [&](const std::vector<double>& parts, std::int64_t size, CallBuffer buffer) -> const std::vector<double>& {
+  const auto sum_per_kv_head = [&](const std::vector<double>& parts, std::int64_t size,
+                                   CallBuffer buffer) -> const std::vector<double>& {
     std::vector<double>& totals = zeroed_doubles(buffer, static_cast<std::size_t>(size * kv_heads));
     constexpr std::int64_t kBlock = 4096;
     const std::int64_t blocks = (size + kBlock - 1) / kBlock;
-#pragma omp parallel for schedule(static) num_threads(threads_for(size * static_cast<std::int64_t>(units.size())))
+#pragma omp parallel for schedule(static) num_threads(threads_for(size* static_cast <std::int64_t>(units.size())))
     for (std::int64_t b = 0; b < blocks; ++b) {
       const std::int64_t t0 = b * kBlock, t1 = std::min(size, t0 + kBlock);
       for (std::size_t u = 0; u < units.size(); ++u) {
@@ -1655,10 +1692,12 @@ void AttentionPlan::backward(ConstTensorView out, ConstTensorView lse, ConstTens
     return totals;
   };
   if (xl_size > 0) finish_xl_gradients(sum_per_kv_head(unit_xl_grads, xl_size, CallBuffer::kXlTotals), *grads);
-  if (tupe_size > 0) finish_tupe_gradients(sum_per_kv_head(unit_tupe_grads, tupe_size, CallBuffer::kTupeTotals), *grads);
+  if (tupe_size > 0)
+    finish_tupe_gradients(sum_per_kv_head(unit_tupe_grads, tupe_size, CallBuffer::kTupeTotals), *grads);
   last_workspace_bytes = scratch_bytes + table_bytes() +
-                         static_cast<std::int64_t>((unit_grads.size() + unit_shaw_grads.size() + unit_xl_grads.size() + unit_tupe_grads.size()) *
-                                                     sizeof(double)) +
+                         static_cast<std::int64_t>((unit_grads.size() + unit_shaw_grads.size() + unit_xl_grads.size() +
+                                                    unit_tupe_grads.size()) *
+                                                   sizeof(double)) +
                          static_cast<std::int64_t>(kv_parts.size() * sizeof(float));
 }
 
@@ -1666,9 +1705,9 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
                                   ConstTensorView lse, ConstTensorView d_out, const HeadsGrid& dog, TensorView* dq,
                                   const HeadsGrid& dqg, TensorView* dk, const HeadsGrid& dkg, TensorView* dv,
                                   const HeadsGrid& dvg, double* unit_grads, double* unit_shaw_grads,
-                                  double* unit_xl_grads, double* unit_tupe_grads, std::int64_t i0,
-                                  std::int64_t count, float* kv_part, std::int64_t part_key_lo,
-                                  std::int64_t part_key_hi, AttentionUnitScratch& s, RowBlock& rb) const {
+                                  double* unit_xl_grads, double* unit_tupe_grads, std::int64_t i0, std::int64_t count,
+                                  float* kv_part, std::int64_t part_key_lo, std::int64_t part_key_hi,
+                                  AttentionUnitScratch& s, RowBlock& rb) const {
   const std::int64_t dp = dim_padded, d = dim;
   // The unit's rows (queries [i0, i0 + count) of the KV head's G heads), head-major, each head's
   // queries padded to the lane count.
@@ -1722,7 +1761,8 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
   }
   if (any_shaw) {
     // Shaw: q·a^K and dO·a^V per row and table row; the tiles then sum dS and P per table row.
-    for (auto* buffer : {&s.shaw_key_dots, &s.shaw_value_dots, &s.shaw_grads, &s.shaw_probs}) grow(*buffer, w * shaw_width);
+    for (auto* buffer : {&s.shaw_key_dots, &s.shaw_value_dots, &s.shaw_grads, &s.shaw_probs})
+      grow(*buffer, w * shaw_width);
     shaw_row_dots(rb, s.q.data(), dp, s.qt.data(), ldt, false, s.shaw_key_dots.data(), w);
     shaw_row_dots(rb, s.dout.data(), dp, s.doutt.data(), ldt, true, s.shaw_value_dots.data(), w);
     std::fill(s.shaw_grads.begin(), s.shaw_grads.begin() + w * shaw_width, 0.0f);
@@ -1783,7 +1823,8 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
   // keys), dq; the schemes' terms. XL's window (s.xl_lo, s.xl_span) must cover the pair.
   // k_rows, v_rows: the tile's key and value rows, ldkv apart; kpos: their positions.
   const auto step = [&](const RowBlock& sub, std::int64_t r0, std::int64_t k0, std::int64_t keys, bool full,
-                        const float* k_rows, const float* v_rows, const std::int64_t* kpos, float* dk_rows, float* dv_rows) {
+                        const float* k_rows, const float* v_rows, const std::int64_t* kpos, float* dk_rows,
+                        float* dv_rows) {
     const std::int64_t bw = sub.width;
     ++s.steps;
     if (skip_far_tiles) {
@@ -1925,7 +1966,8 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
       kernels::attn_gemm(s.shaw_grads.data(), w, 1, s.q.data(), dp, key_part, dp, t->width, dp, w, false);
       kernels::attn_gemm(s.shaw_probs.data(), w, 1, s.dout.data(), dp, value_part, dp, t->width, dp, w, false);
       const std::int64_t h0 = rb.head[0] >= 0 ? rb.head[0] : kvh * group_size;
-      double* key_grad = unit_shaw_grads + shaw_grad_offset[static_cast<std::size_t>(head_group[static_cast<std::size_t>(h0)])];
+      double* key_grad =
+          unit_shaw_grads + shaw_grad_offset[static_cast<std::size_t>(head_group[static_cast<std::size_t>(h0)])];
       double* value_grad = key_grad + t->width * d;
       for (std::int64_t u = 0; u < t->width; ++u) {
         for (std::int64_t e = 0; e < d; ++e) {
@@ -1944,8 +1986,10 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
       const float* ds = s.shaw_grads.data() + r;  // [u][r], stride w
       const float* ps = s.shaw_probs.data() + r;
       float* dq_row = s.dq.data() + r * dp;
-      double* key_grad = unit_shaw_grads == nullptr ? nullptr
-                         : unit_shaw_grads + shaw_grad_offset[static_cast<std::size_t>(head_group[static_cast<std::size_t>(h)])];
+      double* key_grad =
+          unit_shaw_grads == nullptr
+              ? nullptr
+              : unit_shaw_grads + shaw_grad_offset[static_cast<std::size_t>(head_group[static_cast<std::size_t>(h)])];
       double* value_grad = key_grad == nullptr ? nullptr : key_grad + t->width * d;
       for (std::int64_t u = 0; u < t->width; ++u) {
         const float dsu = ds[u * w], psu = ps[u * w];
@@ -1983,10 +2027,12 @@ void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTe
       const std::int64_t qp = rb.position[static_cast<std::size_t>(r)];
       if (t == nullptr || (t->cls_reset && qp == 0)) continue;
       double* to = unit_tupe_grads + ((qp - tupe_first) * group_size + (h - kvh * group_size)) * dp;
-      for (std::int64_t e = 0; e < dp; ++e) to[e] += static_cast<double>(s.tupe_dpq[static_cast<std::size_t>(r * dp + e)]);
+      for (std::int64_t e = 0; e < dp; ++e)
+        to[e] += static_cast<double>(s.tupe_dpq[static_cast<std::size_t>(r * dp + e)]);
     }
     double* dpk = unit_tupe_grads + tupe_count * group_size * dp;
-    for (std::int64_t e = 0; e < tupe_count * group_size * dp; ++e) dpk[e] += static_cast<double>(s.tupe_dpk_positions[static_cast<std::size_t>(e)]);
+    for (std::int64_t e = 0; e < tupe_count * group_size * dp; ++e)
+      dpk[e] += static_cast<double>(s.tupe_dpk_positions[static_cast<std::size_t>(e)]);
   }
   if (unit_xl_grads != nullptr) {
     const std::int64_t n = xl_width * group_size * dp;

@@ -54,10 +54,12 @@ void blocked_gemm(const float* a, std::int64_t a_row, std::int64_t a_depth, cons
   constexpr std::int64_t kLdb = kCols + kernels::kAttnAlign;
   const bool a_transposed = a_depth != 1;
   // The strip's stride: kRows + pad floats per depth step when transposed, else depth + pad per row.
-  const std::int64_t lda = a_transposed ? kRows + kernels::kAttnAlign : round_up(depth, kernels::kAttnAlign) + kernels::kAttnAlign;
+  const std::int64_t lda =
+      a_transposed ? kRows + kernels::kAttnAlign : round_up(depth, kernels::kAttnAlign) + kernels::kAttnAlign;
   const std::int64_t row_blocks = (rows + kRows - 1) / kRows, col_blocks = (cols + kCols - 1) / kCols;
   const std::int64_t tiles = row_blocks * col_blocks;
-  const int threads = std::min<int>(threads_for(rows * cols * depth), static_cast<int>(std::max<std::int64_t>(tiles, 1)));
+  const int threads =
+      std::min<int>(threads_for(rows * cols * depth), static_cast<int>(std::max<std::int64_t>(tiles, 1)));
 #pragma omp parallel num_threads(threads)
   {
     thread_local AlignedFloats a_strip, b_panel;
@@ -94,9 +96,11 @@ void blocked_gemm(const float* a, std::int64_t a_row, std::int64_t a_depth, cons
           std::copy(from, from + n, b_panel.data() + t * kLdb);
         }
         if (a_transposed) {
-          kernels::attn_gemm(a_strip.data() + t0 * lda, 1, lda, b_panel.data(), kLdb, c + m0 * ldc + n0, ldc, m, n, k, t0 > 0);
+          kernels::attn_gemm(a_strip.data() + t0 * lda, 1, lda, b_panel.data(), kLdb, c + m0 * ldc + n0, ldc, m, n, k,
+                             t0 > 0);
         } else {
-          kernels::attn_gemm(a_strip.data() + t0, lda, 1, b_panel.data(), kLdb, c + m0 * ldc + n0, ldc, m, n, k, t0 > 0);
+          kernels::attn_gemm(a_strip.data() + t0, lda, 1, b_panel.data(), kLdb, c + m0 * ldc + n0, ldc, m, n, k,
+                             t0 > 0);
         }
       }
     }
@@ -124,7 +128,8 @@ void check_cu_seqlens(const char* name, const std::vector<std::int64_t>& cu, std
                   "non-decreasing (>= " + std::to_string(cu[t - 1]) + ")");
     }
   }
-  require(cu.back() == tokens, name, "last = " + std::to_string(cu.back()), "the token count " + std::to_string(tokens));
+  require(cu.back() == tokens, name, "last = " + std::to_string(cu.back()),
+          "the token count " + std::to_string(tokens));
 }
 
 }  // namespace
@@ -150,9 +155,38 @@ void RowBlock::slice(std::int64_t r0, std::int64_t n, RowBlock& out) const {
 
 std::int64_t AttentionUnitScratch::bytes() const {
   std::int64_t total = 0;
-  for (const auto* buffer : {&q, &qt, &o, &m, &l, &corr, &st, &dpt, &k, &v, &tmp, &dout, &doutt, &dq, &dk, &dv, &lse, &delta,
-                             &shaw_key_dots, &shaw_value_dots, &shaw_probs, &shaw_grads, &xl_dots, &xl_sums, &xl_dp,
-                             &tupe_pqt, &tupe_pq, &tupe_pk, &tupe_dpq, &tupe_dpk, &tupe_dpk_positions, &rope_rows}) {
+  for (const auto* buffer : {&q,
+                             &qt,
+                             &o,
+                             &m,
+                             &l,
+                             &corr,
+                             &st,
+                             &dpt,
+                             &k,
+                             &v,
+                             &tmp,
+                             &dout,
+                             &doutt,
+                             &dq,
+                             &dk,
+                             &dv,
+                             &lse,
+                             &delta,
+                             &shaw_key_dots,
+                             &shaw_value_dots,
+                             &shaw_probs,
+                             &shaw_grads,
+                             &xl_dots,
+                             &xl_sums,
+                             &xl_dp,
+                             &tupe_pqt,
+                             &tupe_pq,
+                             &tupe_pk,
+                             &tupe_dpq,
+                             &tupe_dpk,
+                             &tupe_dpk_positions,
+                             &rope_rows}) {
     total += static_cast<std::int64_t>(buffer->capacity() * sizeof(float));
   }
   return total + static_cast<std::int64_t>(kpos.capacity() * sizeof(std::int64_t) + hist.capacity() * sizeof(double));
@@ -169,7 +203,7 @@ template <class T>
 void zero_in_parallel(T* b, std::size_t n) {
   constexpr std::size_t kBlock = std::size_t{1} << 16;
   const auto blocks = static_cast<std::int64_t>((n + kBlock - 1) / kBlock);
-#pragma omp parallel for schedule(static) num_threads(threads_for(static_cast<std::int64_t>(n) / 8))
+#pragma omp parallel for schedule(static) num_threads(threads_for(static_cast <std::int64_t>(n) / 8))
   for (std::int64_t i = 0; i < blocks; ++i) {
     const std::size_t from = static_cast<std::size_t>(i) * kBlock;
     std::fill(b + from, b + std::min(n, from + kBlock), T(0));
@@ -244,10 +278,12 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), 
   // ── Mask.
   require(mask.window_left >= -1, "mask.window_left", std::to_string(mask.window_left), ">= -1 (-1: unlimited)");
   require(mask.window_right >= -1, "mask.window_right", std::to_string(mask.window_right), ">= -1 (-1: unlimited)");
-  require(std::isfinite(mask.softcap) && mask.softcap >= 0, "mask.softcap", to_text(mask.softcap), "finite, >= 0 (0: none)");
+  require(std::isfinite(mask.softcap) && mask.softcap >= 0, "mask.softcap", to_text(mask.softcap),
+          "finite, >= 0 (0: none)");
   window_right = mask.causal ? 0 : mask.window_right;
   if (mask.causal && mask.window_right > 0) {
-    throw Error(kWhere, "mask.window_right", std::to_string(mask.window_right), "0 or -1 with causal (causal sees no later key)");
+    throw Error(kWhere, "mask.window_right", std::to_string(mask.window_right),
+                "0 or -1 with causal (causal sees no later key)");
   }
 
   // ── Sequences.
@@ -257,11 +293,14 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), 
     check_cu_seqlens("cu_seqlens_q", spec.cu_seqlens_q, q_len);
     check_cu_seqlens("cu_seqlens_k", spec.cu_seqlens_k, k_len);
     require(spec.cu_seqlens_q.size() == spec.cu_seqlens_k.size(), "cu_seqlens_k",
-            "size " + std::to_string(spec.cu_seqlens_k.size()), "size of cu_seqlens_q, " + std::to_string(spec.cu_seqlens_q.size()));
-    require(mask.key_lengths.empty(), "mask.key_lengths", "given", "empty with packed sequences (cu_seqlens_k says it)");
+            "size " + std::to_string(spec.cu_seqlens_k.size()),
+            "size of cu_seqlens_q, " + std::to_string(spec.cu_seqlens_q.size()));
+    require(mask.key_lengths.empty(), "mask.key_lengths", "given",
+            "empty with packed sequences (cu_seqlens_k says it)");
     for (std::size_t s = 0; s + 1 < spec.cu_seqlens_q.size(); ++s) {
-      sequences.push_back({0, spec.cu_seqlens_q[s], spec.cu_seqlens_q[s + 1] - spec.cu_seqlens_q[s], spec.cu_seqlens_k[s],
-                           spec.cu_seqlens_k[s + 1] - spec.cu_seqlens_k[s], static_cast<std::int64_t>(s)});
+      sequences.push_back({0, spec.cu_seqlens_q[s], spec.cu_seqlens_q[s + 1] - spec.cu_seqlens_q[s],
+                           spec.cu_seqlens_k[s], spec.cu_seqlens_k[s + 1] - spec.cu_seqlens_k[s],
+                           static_cast<std::int64_t>(s)});
     }
   } else {
     if (!mask.key_lengths.empty()) {
@@ -338,8 +377,9 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), 
     const HeadGroup& grp = groups[gi];
     const std::string name = "groups[" + std::to_string(gi) + "]";
     if (grp.heads < 1 || first + grp.heads > heads) {
-      throw Error(kWhere, (name + ".heads").c_str(), std::to_string(grp.heads),
-                  "in [1, " + std::to_string(heads - first) + "] (the groups tile the " + std::to_string(heads) + " heads)");
+      throw Error(
+          kWhere, (name + ".heads").c_str(), std::to_string(grp.heads),
+          "in [1, " + std::to_string(heads - first) + "] (the groups tile the " + std::to_string(heads) + " heads)");
     }
     const bool transforms = grp.transform.index() != 0;
     if (transforms && (first % group_size != 0 || grp.heads % group_size != 0)) {
@@ -349,12 +389,13 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), 
     if (grp.bias) {
       const std::int64_t bh = bias_heads(*grp.bias);
       if (bh != grp.heads) {
-        throw Error(kWhere, (name + ".bias").c_str(), std::to_string(bh) + " heads", std::to_string(grp.heads) + " (the group's heads)");
+        throw Error(kWhere, (name + ".bias").c_str(), std::to_string(bh) + " heads",
+                    std::to_string(grp.heads) + " (the group's heads)");
       }
     }
     if (grp.xl) {
-      require(grp.transform.index() == 0 && !grp.bias && !grp.shaw, (name + ".xl").c_str(), "with a transform, bias or shaw",
-              "alone: Transformer-XL is the whole positional scheme of its heads");
+      require(grp.transform.index() == 0 && !grp.bias && !grp.shaw, (name + ".xl").c_str(),
+              "with a transform, bias or shaw", "alone: Transformer-XL is the whole positional scheme of its heads");
       require(grp.xl->heads() == grp.heads, (name + ".xl.heads").c_str(), std::to_string(grp.xl->heads()),
               std::to_string(grp.heads) + " (the group's heads)");
       require(grp.xl->head_dim() == dim, (name + ".xl.head_dim").c_str(), std::to_string(grp.xl->head_dim()),
@@ -393,11 +434,13 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), 
     shaw_grad_offset.push_back(shaw_grad_offset.empty() ? 0 : shaw_grad_offset.back());
     shaw.push_back(std::move(st));
     group_first_head.push_back(first);
-    for (std::int64_t h = first; h < first + grp.heads; ++h) head_group[static_cast<std::size_t>(h)] = static_cast<std::int64_t>(gi);
+    for (std::int64_t h = first; h < first + grp.heads; ++h)
+      head_group[static_cast<std::size_t>(h)] = static_cast<std::int64_t>(gi);
     first += grp.heads;
   }
   if (first != heads) {
-    throw Error(kWhere, "groups", std::to_string(first) + " heads", "the " + std::to_string(heads) + " heads of q, tiled");
+    throw Error(kWhere, "groups", std::to_string(first) + " heads",
+                "the " + std::to_string(heads) + " heads of q, tiled");
   }
   // Shaw gradients: [key table | value table] per group with Shaw, (2k + 1)·D each.
   shaw_grad_offset.assign(groups.size() + 1, 0);
@@ -417,7 +460,8 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), 
   } else {
     table_ids.assign(static_cast<std::size_t>(q_tokens + k_tokens), 0);
     for (std::int64_t b = 0; b < (packed ? 1 : batch); ++b) {
-      for (std::int64_t i = 0; i < q_len; ++i) table_ids[static_cast<std::size_t>(b * q_len + i)] = q_positions->at(b, i);
+      for (std::int64_t i = 0; i < q_len; ++i)
+        table_ids[static_cast<std::size_t>(b * q_len + i)] = q_positions->at(b, i);
       for (std::int64_t j = 0; j < k_len; ++j) {
         table_ids[static_cast<std::size_t>(q_tokens + b * k_len + j)] = k_positions->at(b, j);
       }
@@ -431,7 +475,8 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), 
     if (const auto* rope = std::get_if<RotaryQK>(&groups[gi].transform)) {
       const RopeParams& rp = rope->params;
       if (rp.head_dim() != dim) {
-        throw Error(kWhere, (name + ".params.head_dim").c_str(), std::to_string(rp.head_dim()), "the head_dim of q, " + std::to_string(dim));
+        throw Error(kWhere, (name + ".params.head_dim").c_str(), std::to_string(rp.head_dim()),
+                    "the head_dim of q, " + std::to_string(dim));
       }
       if (rp.xpos()) {
         check_xpos_range(rp, *q_positions, packed ? 1 : batch, q_len);
@@ -447,19 +492,20 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), 
       if (rp.xpos()) {
         c64.resize(static_cast<std::size_t>(rows * half));
         s64.resize(c64.size());
-        rope_cos_sin(rp, table_positions, TensorView::of(c64.data(), {rows, half}), TensorView::of(s64.data(), {rows, half}),
-                     rope->seq_len > 0 ? rope->seq_len : p_max + 1);
+        rope_cos_sin(rp, table_positions, TensorView::of(c64.data(), {rows, half}),
+                     TensorView::of(s64.data(), {rows, half}), rope->seq_len > 0 ? rope->seq_len : p_max + 1);
       } else {
         c32.resize(static_cast<std::size_t>(rows * half));
         s32.resize(c32.size());
-        rope_cos_sin(rp, table_positions, TensorView::of(c32.data(), {rows, half}), TensorView::of(s32.data(), {rows, half}),
-                     rope->seq_len > 0 ? rope->seq_len : p_max + 1);
+        rope_cos_sin(rp, table_positions, TensorView::of(c32.data(), {rows, half}),
+                     TensorView::of(s32.data(), {rows, half}), rope->seq_len > 0 ? rope->seq_len : p_max + 1);
       }
       t.q_cos_sin.resize(static_cast<std::size_t>(rows * 2 * half));
       if (rp.xpos()) t.k_cos_sin.resize(t.q_cos_sin.size());
       const double r = static_cast<double>(rp.rotary_dim());
       for (std::int64_t row = 0; row < rows; ++row) {
-        const double e = (static_cast<double>(table_ids[static_cast<std::size_t>(row)]) - rp.xpos_center()) / rp.xpos_scale_base();
+        const double e =
+            (static_cast<double>(table_ids[static_cast<std::size_t>(row)]) - rp.xpos_center()) / rp.xpos_scale_base();
         for (std::int64_t i = 0; i < half; ++i) {
           const auto at = static_cast<std::size_t>(row * half + i);
           const auto out = static_cast<std::size_t>(row * 2 * half + i);
@@ -479,7 +525,8 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), 
       }
     } else if (const auto* absolute = std::get_if<AbsoluteQK>(&groups[gi].transform)) {
       if (absolute->params.dim() != dim) {
-        throw Error(kWhere, (name + ".params.dim").c_str(), std::to_string(absolute->params.dim()), "the head_dim of q, " + std::to_string(dim));
+        throw Error(kWhere, (name + ".params.dim").c_str(), std::to_string(absolute->params.dim()),
+                    "the head_dim of q, " + std::to_string(dim));
       }
       t.kind = QKTables::kAbsolute;
       t.transform_keys = true;
@@ -504,7 +551,8 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), 
     const std::int64_t hg = groups[gi].heads, h0 = group_first_head[gi];
     if (std::holds_alternative<NoPE>(scheme) || std::holds_alternative<TupeParams>(scheme)) continue;  // TUPE: below
     any_bias = true;
-    const bool distance_only = std::holds_alternative<AlibiParams>(scheme) || std::holds_alternative<T5BiasParams>(scheme) ||
+    const bool distance_only = std::holds_alternative<AlibiParams>(scheme) ||
+                               std::holds_alternative<T5BiasParams>(scheme) ||
                                std::holds_alternative<KerpleParams>(scheme);
     if (std::holds_alternative<AlibiParams>(scheme)) flat += hg;
     if (const auto* t5 = std::get_if<T5BiasParams>(&scheme)) flat += t5->num_buckets() * hg;
@@ -590,8 +638,10 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), 
   // table falls far enough that whole tiles can vanish (ALiBi over long spans, not T5's buckets).
   constexpr float kFarBias = 100.0f;
   bool keys_keep_norms = true;
-  for (const QKTables& t : tables) keys_keep_norms = keys_keep_norms && (!t.transform_keys || t.kind != QKTables::kAbsolute);
-  far_tiles_first = lowest_table_bias < -kFarBias && mask.softcap <= 0 && !any_shaw && !any_xl && !any_tupe && keys_keep_norms;
+  for (const QKTables& t : tables)
+    keys_keep_norms = keys_keep_norms && (!t.transform_keys || t.kind != QKTables::kAbsolute);
+  far_tiles_first =
+      lowest_table_bias < -kFarBias && mask.softcap <= 0 && !any_shaw && !any_xl && !any_tupe && keys_keep_norms;
   // Per KV head: only where every query head's table falls below −100 can a block's rows all
   // vanish; the others run their tiles in key order (see far_first_kv).
   far_first_kv.assign(static_cast<std::size_t>(kv_heads), 0);
@@ -636,7 +686,8 @@ void AttentionPlan::build_tupe_tables(const std::vector<HeadGroup>& groups, std:
     if (params == nullptr) continue;
     check_tupe_positions(kWhere, *params, *q_positions, *k_positions);
     if (params->head_dim() != dim) {
-      throw Error(kWhere, ("groups[" + std::to_string(gi) + "].bias (TUPE) head_dim").c_str(), std::to_string(params->head_dim()),
+      throw Error(kWhere, ("groups[" + std::to_string(gi) + "].bias (TUPE) head_dim").c_str(),
+                  std::to_string(params->head_dim()),
                   "the head_dim of q, " + std::to_string(dim) + " (its projections meet in the score tiles)");
     }
     if (!any_tupe) {
@@ -650,10 +701,12 @@ void AttentionPlan::build_tupe_tables(const std::vector<HeadGroup>& groups, std:
     const std::int64_t cols = hg * dim_padded, hd = hg * dim;
     t.heads = hg;
     t.cls_reset = params->cls_reset();
-    std::vector<float> rows(static_cast<std::size_t>(tupe_count * dmp), 0.0f), u(static_cast<std::size_t>(dmp * cols), 0.0f);
+    std::vector<float> rows(static_cast<std::size_t>(tupe_count * dmp), 0.0f),
+        u(static_cast<std::size_t>(dmp * cols), 0.0f);
     for (std::int64_t n = 0; n < tupe_count; ++n) {
       for (std::int64_t m = 0; m < dm; ++m) {
-        rows[static_cast<std::size_t>(n * dmp + m)] = static_cast<float>(params->table()[static_cast<std::size_t>((tupe_first + n) * dm + m)]);
+        rows[static_cast<std::size_t>(n * dmp + m)] =
+            static_cast<float>(params->table()[static_cast<std::size_t>((tupe_first + n) * dm + m)]);
       }
     }
     const double pq_scale = 1.0 / std::sqrt(2.0 * static_cast<double>(dim));
@@ -696,23 +749,26 @@ void AttentionPlan::finish_tupe_gradients(const std::vector<double>& totals, Att
     AlignedFloats& rows = zeroed_floats(CallBuffer::kTupeRows, static_cast<std::size_t>(tupe_count * dmp));
     // Every loop below writes disjoint elements, each from its own inputs: in parallel, the same
     // bits for any thread count.
-#pragma omp parallel for schedule(static) num_threads(threads_for(tupe_count * dm))
+#pragma omp parallel for schedule(static) num_threads(threads_for(tupe_count* dm))
     for (std::int64_t n = 0; n < tupe_count; ++n) {
       for (std::int64_t m = 0; m < dm; ++m) {
-        rows[static_cast<std::size_t>(n * dmp + m)] = static_cast<float>(params.table()[static_cast<std::size_t>((tupe_first + n) * dm + m)]);
+        rows[static_cast<std::size_t>(n * dmp + m)] =
+            static_cast<float>(params.table()[static_cast<std::size_t>((tupe_first + n) * dm + m)]);
       }
     }
     for (const bool is_q : {true, false}) {
       // d(projection) [count][hg·Dp] in f32 from the per-KV-head totals.
       AlignedFloats& d_proj = zeroed_floats(CallBuffer::kTupeProjected, static_cast<std::size_t>(tupe_count * cols));
-#pragma omp parallel for schedule(static) num_threads(std::min<int>(threads_for(tupe_count * cols), static_cast<int>(hg)))
+#pragma omp parallel for schedule(static) \
+    num_threads(std::min <int>(threads_for(tupe_count * cols), static_cast <int>(hg)))
       for (std::int64_t lh = 0; lh < hg; ++lh) {
         const std::int64_t h = h_first + lh, kvh = h / g_count, g = h % g_count;
         const double* part = totals.data() + kvh * per_kv + (is_q ? 0 : tupe_count * g_count * dp);
         const double factor = is_q ? pq_scale : 1.0;
         for (std::int64_t n = 0; n < tupe_count; ++n) {
           for (std::int64_t d = 0; d < dim; ++d) {
-            d_proj[static_cast<std::size_t>(n * cols + lh * dp + d)] = static_cast<float>(factor * part[(n * g_count + g) * dp + d]);
+            d_proj[static_cast<std::size_t>(n * cols + lh * dp + d)] =
+                static_cast<float>(factor * part[(n * g_count + g) * dp + d]);
           }
         }
         const double* theta = totals.data() + kvh * per_kv + 2 * tupe_count * g_count * dp;
@@ -726,30 +782,33 @@ void AttentionPlan::finish_tupe_gradients(const std::vector<double>& totals, Att
       blocked_gemm(rows.data(), 1, dmp, d_proj.data(), cols, du.data(), cols, dm, cols, tupe_count);
       std::vector<double>& u_grad = is_q ? out.u_q : out.u_k;
       const std::vector<double>& weights = is_q ? params.u_q() : params.u_k();
-#pragma omp parallel for schedule(static) num_threads(threads_for(dm * cols))
+#pragma omp parallel for schedule(static) num_threads(threads_for(dm* cols))
       for (std::int64_t m = 0; m < dm; ++m) {
         for (std::int64_t lh = 0; lh < hg; ++lh) {
           for (std::int64_t d = 0; d < dim; ++d) {
-            u_grad[static_cast<std::size_t>(m * hd + lh * dim + d)] += du[static_cast<std::size_t>(m * cols + lh * dp + d)];
+            u_grad[static_cast<std::size_t>(m * hd + lh * dim + d)] +=
+                du[static_cast<std::size_t>(m * cols + lh * dp + d)];
           }
         }
       }
       // d table[n][m] = Σ_c d_proj[n][c]·U[m][c]: B = Uᵀ as [cols][dmp].
       AlignedFloats& ut = zeroed_floats(CallBuffer::kTupeUt, static_cast<std::size_t>(cols * dmp));
       AlignedFloats& dtable = zeroed_floats(CallBuffer::kTupeDtable, static_cast<std::size_t>(tupe_count * dmp));
-#pragma omp parallel for schedule(static) num_threads(threads_for(dm * cols))
+#pragma omp parallel for schedule(static) num_threads(threads_for(dm* cols))
       for (std::int64_t m = 0; m < dm; ++m) {
         for (std::int64_t lh = 0; lh < hg; ++lh) {
           for (std::int64_t d = 0; d < dim; ++d) {
-            ut[static_cast<std::size_t>((lh * dp + d) * dmp + m)] = static_cast<float>(weights[static_cast<std::size_t>(m * hd + lh * dim + d)]);
+            ut[static_cast<std::size_t>((lh * dp + d) * dmp + m)] =
+                static_cast<float>(weights[static_cast<std::size_t>(m * hd + lh * dim + d)]);
           }
         }
       }
       blocked_gemm(d_proj.data(), cols, 1, ut.data(), dmp, dtable.data(), dmp, tupe_count, dmp, cols);
-#pragma omp parallel for schedule(static) num_threads(threads_for(tupe_count * dm))
+#pragma omp parallel for schedule(static) num_threads(threads_for(tupe_count* dm))
       for (std::int64_t n = 0; n < tupe_count; ++n) {
         for (std::int64_t m = 0; m < dm; ++m) {
-          out.table[static_cast<std::size_t>((tupe_first + n) * dm + m)] += dtable[static_cast<std::size_t>(n * dmp + m)];
+          out.table[static_cast<std::size_t>((tupe_first + n) * dm + m)] +=
+              dtable[static_cast<std::size_t>(n * dmp + m)];
         }
       }
     }
@@ -844,7 +903,9 @@ void AttentionPlan::build_xl_tables(const std::vector<HeadGroup>& groups) {
     t.u.assign(static_cast<std::size_t>(hg * dim), 0.0f);
     t.constant.assign(static_cast<std::size_t>(hg * xl_width), 0.0f);
     for (std::int64_t h = 0; h < hg; ++h) {
-      for (std::int64_t d = 0; d < dim; ++d) t.u[static_cast<std::size_t>(h * dim + d)] = static_cast<float>(params.u()[static_cast<std::size_t>(h * dim + d)]);
+      for (std::int64_t d = 0; d < dim; ++d)
+        t.u[static_cast<std::size_t>(h * dim + d)] =
+            static_cast<float>(params.u()[static_cast<std::size_t>(h * dim + d)]);
       for (std::int64_t u = 0; u < xl_width; ++u) {
         const float* row = t.p_row(u, h, dim_padded);
         double c = 0;
@@ -972,8 +1033,8 @@ bool FireRows::add_chunk(std::int64_t head, const std::int64_t* lane_head, const
     FireLanes lanes(*this, head, lane_head, q_first, k_first);
     const std::int64_t base = q_first - k_first;
     for (std::int64_t j = 0; j < below;) {
-      j += kernels::attn_fire_keys(out + j * out_stride, below - j, out_stride, psi.data(), base - j, lanes.inv, lanes.lo,
-                                   lanes.hi, lanes.slope, lanes.intercept);
+      j += kernels::attn_fire_keys(out + j * out_stride, below - j, out_stride, psi.data(), base - j, lanes.inv,
+                                   lanes.lo, lanes.hi, lanes.slope, lanes.intercept);
       if (j == below) break;
       // Some lane left its piece at key j: move it and go on.
       for (std::int64_t t = 0; t < kLanes; ++t) {
@@ -998,7 +1059,8 @@ bool FireRows::add_chunk(std::int64_t head, const std::int64_t* lane_head, const
 bool FireRows::accumulate_chunk(std::int64_t head, std::int64_t heads, const std::int64_t* lane_head,
                                 const std::int32_t* lane_lo, const std::int32_t* lane_hi, std::int64_t q_first,
                                 std::int64_t k_index, const std::int64_t* kpos, std::int64_t count, const float* ds,
-                                std::int64_t ds_stride, double* s0, double* s1, double* d_c, double* d_threshold) const {
+                                std::int64_t ds_stride, double* s0, double* s1, double* d_c,
+                                double* d_threshold) const {
   constexpr std::int64_t kLanes = kernels::kAttnAlign;
   const FireParams& p = *params;
   if (count <= 0) return true;
@@ -1075,7 +1137,8 @@ void FireRows::accumulate_row(std::int64_t head, std::int64_t heads, std::int64_
     const double g_ds = ds[j * ds_stride];
     const std::int64_t d = std::abs(kpos[j] - q_position);
     const double psi_d = d < table ? psi[static_cast<std::size_t>(d)] : std::log1p(c * static_cast<double>(d));
-    const double dpsi = d < table ? dpsi_dc[static_cast<std::size_t>(d)] : static_cast<double>(d) / (1 + c * static_cast<double>(d));
+    const double dpsi =
+        d < table ? dpsi_dc[static_cast<std::size_t>(d)] : static_cast<double>(d) / (1 + c * static_cast<double>(d));
     const double x = psi_d / psi_n;
     if (piece < 0) {
       piece = p.piece_of(x);
@@ -1102,8 +1165,9 @@ std::int64_t AttentionPlan::table_bytes() const {
   total += static_cast<std::int64_t>(bias_by_delta.size() * sizeof(float));
   for (const auto& t : bias_table_max) total += static_cast<std::int64_t>(t.size() * sizeof(float));
   for (const auto& t : tupe) total += static_cast<std::int64_t>((t.pq.size() + t.pk.size()) * sizeof(float));
-  for (const auto& t : xl) total += static_cast<std::int64_t>((t.projected.size() + t.constant.size() + t.u.size() + t.sinusoids.size()) *
-                                                            sizeof(float));
+  for (const auto& t : xl)
+    total += static_cast<std::int64_t>((t.projected.size() + t.constant.size() + t.u.size() + t.sinusoids.size()) *
+                                       sizeof(float));
   return total;
 }
 
@@ -1115,8 +1179,9 @@ void AttentionPlan::check_lse(ConstTensorView lse, bool writable) const {
     require(lse.rank() == 2 && lse.size(0) == heads && lse.size(1) == q_len, "lse", lse.describe(),
             "[H, Tq] = [" + std::to_string(heads) + ", " + std::to_string(q_len) + "]");
   } else {
-    require(lse.rank() == 3 && lse.size(0) == batch && lse.size(1) == heads && lse.size(2) == q_len, "lse", lse.describe(),
-            "[B, H, Sq] = [" + std::to_string(batch) + ", " + std::to_string(heads) + ", " + std::to_string(q_len) + "]");
+    require(
+        lse.rank() == 3 && lse.size(0) == batch && lse.size(1) == heads && lse.size(2) == q_len, "lse", lse.describe(),
+        "[B, H, Sq] = [" + std::to_string(batch) + ", " + std::to_string(heads) + ", " + std::to_string(q_len) + "]");
   }
   if (writable) check_writable(kWhere, "lse", lse);
 }
@@ -1137,13 +1202,15 @@ float AttentionPlan::read_lse(ConstTensorView lse, const Sequence& seq, std::int
 
 AttentionGradients AttentionPlan::zero_gradients() const {
   AttentionGradients grads;
-  const std::vector<HeadGroup> groups = spec.groups.empty() ? std::vector<HeadGroup>{HeadGroup{heads, {}, {}}} : spec.groups;
+  const std::vector<HeadGroup> groups =
+      spec.groups.empty() ? std::vector<HeadGroup>{HeadGroup{heads, {}, {}}} : spec.groups;
   for (const HeadGroup& grp : groups) {
     GroupGradients g;
     if (grp.bias) {
       const std::int64_t hg = grp.heads;
       if (std::holds_alternative<AlibiParams>(*grp.bias)) g.alibi_slopes.assign(static_cast<std::size_t>(hg), 0.0);
-      if (const auto* t5 = std::get_if<T5BiasParams>(&*grp.bias)) g.t5_table.assign(static_cast<std::size_t>(t5->num_buckets() * hg), 0.0);
+      if (const auto* t5 = std::get_if<T5BiasParams>(&*grp.bias))
+        g.t5_table.assign(static_cast<std::size_t>(t5->num_buckets() * hg), 0.0);
       if (std::holds_alternative<KerpleParams>(*grp.bias)) {
         g.kerple_r1.assign(static_cast<std::size_t>(hg), 0.0);
         g.kerple_r2.assign(static_cast<std::size_t>(hg), 0.0);
@@ -1169,34 +1236,48 @@ void AttentionPlan::check_gradients(const AttentionGradients& grads) const {
     const auto& a = grads.groups[g];
     const auto& b = like.groups[g];
     const std::string name = "grads.groups[" + std::to_string(g) + "]";
-    check_gradient_size(kWhere, (name + ".alibi_slopes").c_str(), a.alibi_slopes.size(), static_cast<std::int64_t>(b.alibi_slopes.size()));
-    check_gradient_size(kWhere, (name + ".t5_table").c_str(), a.t5_table.size(), static_cast<std::int64_t>(b.t5_table.size()));
-    check_gradient_size(kWhere, (name + ".kerple_r1").c_str(), a.kerple_r1.size(), static_cast<std::int64_t>(b.kerple_r1.size()));
-    check_gradient_size(kWhere, (name + ".kerple_r2").c_str(), a.kerple_r2.size(), static_cast<std::int64_t>(b.kerple_r2.size()));
+    check_gradient_size(kWhere, (name + ".alibi_slopes").c_str(), a.alibi_slopes.size(),
+                        static_cast<std::int64_t>(b.alibi_slopes.size()));
+    check_gradient_size(kWhere, (name + ".t5_table").c_str(), a.t5_table.size(),
+                        static_cast<std::int64_t>(b.t5_table.size()));
+    check_gradient_size(kWhere, (name + ".kerple_r1").c_str(), a.kerple_r1.size(),
+                        static_cast<std::int64_t>(b.kerple_r1.size()));
+    check_gradient_size(kWhere, (name + ".kerple_r2").c_str(), a.kerple_r2.size(),
+                        static_cast<std::int64_t>(b.kerple_r2.size()));
     check_gradient_size(kWhere, (name + ".shaw_key_table").c_str(), a.shaw_key_table.size(),
                         static_cast<std::int64_t>(b.shaw_key_table.size()));
     check_gradient_size(kWhere, (name + ".shaw_value_table").c_str(), a.shaw_value_table.size(),
                         static_cast<std::int64_t>(b.shaw_value_table.size()));
     if (b.fire) {
       require(a.fire.has_value(), (name + ".fire").c_str(), "empty", "FireGradients sized for the group's FIRE");
-      check_gradient_size(kWhere, (name + ".fire.w1").c_str(), a.fire->w1.size(), static_cast<std::int64_t>(b.fire->w1.size()));
-      check_gradient_size(kWhere, (name + ".fire.b1").c_str(), a.fire->b1.size(), static_cast<std::int64_t>(b.fire->b1.size()));
-      check_gradient_size(kWhere, (name + ".fire.w2").c_str(), a.fire->w2.size(), static_cast<std::int64_t>(b.fire->w2.size()));
-      check_gradient_size(kWhere, (name + ".fire.b2").c_str(), a.fire->b2.size(), static_cast<std::int64_t>(b.fire->b2.size()));
+      check_gradient_size(kWhere, (name + ".fire.w1").c_str(), a.fire->w1.size(),
+                          static_cast<std::int64_t>(b.fire->w1.size()));
+      check_gradient_size(kWhere, (name + ".fire.b1").c_str(), a.fire->b1.size(),
+                          static_cast<std::int64_t>(b.fire->b1.size()));
+      check_gradient_size(kWhere, (name + ".fire.w2").c_str(), a.fire->w2.size(),
+                          static_cast<std::int64_t>(b.fire->w2.size()));
+      check_gradient_size(kWhere, (name + ".fire.b2").c_str(), a.fire->b2.size(),
+                          static_cast<std::int64_t>(b.fire->b2.size()));
     }
     if (b.xl) {
       require(a.xl.has_value(), (name + ".xl").c_str(), "empty", "XlGradients sized for the group's XL");
       check_gradient_size(kWhere, (name + ".xl.u").c_str(), a.xl->u.size(), static_cast<std::int64_t>(b.xl->u.size()));
       check_gradient_size(kWhere, (name + ".xl.v").c_str(), a.xl->v.size(), static_cast<std::int64_t>(b.xl->v.size()));
-      check_gradient_size(kWhere, (name + ".xl.w_r").c_str(), a.xl->w_r.size(), static_cast<std::int64_t>(b.xl->w_r.size()));
+      check_gradient_size(kWhere, (name + ".xl.w_r").c_str(), a.xl->w_r.size(),
+                          static_cast<std::int64_t>(b.xl->w_r.size()));
     }
     if (b.tupe) {
       require(a.tupe.has_value(), (name + ".tupe").c_str(), "empty", "TupeGradients sized for the group's TUPE");
-      check_gradient_size(kWhere, (name + ".tupe.table").c_str(), a.tupe->table.size(), static_cast<std::int64_t>(b.tupe->table.size()));
-      check_gradient_size(kWhere, (name + ".tupe.u_q").c_str(), a.tupe->u_q.size(), static_cast<std::int64_t>(b.tupe->u_q.size()));
-      check_gradient_size(kWhere, (name + ".tupe.u_k").c_str(), a.tupe->u_k.size(), static_cast<std::int64_t>(b.tupe->u_k.size()));
-      check_gradient_size(kWhere, (name + ".tupe.theta1").c_str(), a.tupe->theta1.size(), static_cast<std::int64_t>(b.tupe->theta1.size()));
-      check_gradient_size(kWhere, (name + ".tupe.theta2").c_str(), a.tupe->theta2.size(), static_cast<std::int64_t>(b.tupe->theta2.size()));
+      check_gradient_size(kWhere, (name + ".tupe.table").c_str(), a.tupe->table.size(),
+                          static_cast<std::int64_t>(b.tupe->table.size()));
+      check_gradient_size(kWhere, (name + ".tupe.u_q").c_str(), a.tupe->u_q.size(),
+                          static_cast<std::int64_t>(b.tupe->u_q.size()));
+      check_gradient_size(kWhere, (name + ".tupe.u_k").c_str(), a.tupe->u_k.size(),
+                          static_cast<std::int64_t>(b.tupe->u_k.size()));
+      check_gradient_size(kWhere, (name + ".tupe.theta1").c_str(), a.tupe->theta1.size(),
+                          static_cast<std::int64_t>(b.tupe->theta1.size()));
+      check_gradient_size(kWhere, (name + ".tupe.theta2").c_str(), a.tupe->theta2.size(),
+                          static_cast<std::int64_t>(b.tupe->theta2.size()));
     }
   }
 }
@@ -1239,8 +1320,8 @@ void AttentionPlan::accumulate_bias_gradients(const Sequence& /* seq */, const R
     const std::int64_t hg = grp.heads, pieces = static_cast<std::int64_t>(hb.fire->params->kinks().size()) + 1;
     double* at = unit_grads + grad_offset[static_cast<std::size_t>(hb.group)];
     if (hb.fire->accumulate_chunk(hb.local_head, hg, rb.head.data() + r0, rb.lo.data() + r0, rb.hi.data() + r0,
-                                  rb.position[static_cast<std::size_t>(r0)], k_first, kpos, keys, dst + r0, rb.width, at,
-                                  at + pieces * hg, at + 2 * pieces * hg, at + 2 * pieces * hg + 1)) {
+                                  rb.position[static_cast<std::size_t>(r0)], k_first, kpos, keys, dst + r0, rb.width,
+                                  at, at + pieces * hg, at + 2 * pieces * hg, at + 2 * pieces * hg + 1)) {
       done |= std::uint64_t{1} << c;
     }
   }
@@ -1262,7 +1343,8 @@ void AttentionPlan::accumulate_bias_gradients(const Sequence& /* seq */, const R
                           at + 2 * pieces * hg, at + 2 * pieces * hg + 1);
       continue;
     }
-    const bool trainable = std::holds_alternative<AlibiParams>(*grp.bias) || std::holds_alternative<T5BiasParams>(*grp.bias) ||
+    const bool trainable = std::holds_alternative<AlibiParams>(*grp.bias) ||
+                           std::holds_alternative<T5BiasParams>(*grp.bias) ||
                            std::holds_alternative<KerpleParams>(*grp.bias);
     if (!trainable) continue;
     if (hist_width > 0) {
@@ -1324,7 +1406,8 @@ void AttentionPlan::finish_xl_gradients(const std::vector<double>& totals, Atten
     const std::int64_t hg = t.heads, h_first = group_first_head[gi], cols = hg * dp;
     AlignedFloats& d_projected = zeroed_floats(CallBuffer::kXlProjected, static_cast<std::size_t>(xl_width * cols));
     // Heads are independent (their own columns of d_projected, their own u and v): in parallel.
-#pragma omp parallel for schedule(static) num_threads(std::min<int>(threads_for(xl_width * cols), static_cast<int>(hg)))
+#pragma omp parallel for schedule(static) \
+    num_threads(std::min <int>(threads_for(xl_width * cols), static_cast <int>(hg)))
     for (std::int64_t lh = 0; lh < hg; ++lh) {
       const std::int64_t h = h_first + lh, kvh = h / g_count, g = h % g_count;
       const double* dp_total = totals.data() + kvh * per_kv;
@@ -1354,11 +1437,12 @@ void AttentionPlan::finish_xl_gradients(const std::vector<double>& totals, Atten
     const std::vector<float>& r = t.sinusoids;
     AlignedFloats& dw = zeroed_floats(CallBuffer::kXlDw, static_cast<std::size_t>(cols * dmp));
     blocked_gemm(d_projected.data(), 1, cols, r.data(), dmp, dw.data(), dmp, cols, dmp, xl_width);
-#pragma omp parallel for schedule(static) num_threads(threads_for(cols * dm))
+#pragma omp parallel for schedule(static) num_threads(threads_for(cols* dm))
     for (std::int64_t row = 0; row < hg * dim; ++row) {
       const std::int64_t lh = row / dim, d = row % dim;
       for (std::int64_t m = 0; m < dm; ++m) {
-        out.w_r[static_cast<std::size_t>((lh * dim + d) * dm + m)] += dw[static_cast<std::size_t>((lh * dp + d) * dmp + m)];
+        out.w_r[static_cast<std::size_t>((lh * dim + d) * dm + m)] +=
+            dw[static_cast<std::size_t>((lh * dp + d) * dmp + m)];
       }
     }
   }

@@ -41,8 +41,8 @@ struct QKTables {
 // the row (x is monotone on each side of the query); one multiply-add per element.
 struct FireRows {
   const FireParams* params = nullptr;
-  std::vector<double> psi;       // ψ(d), d < psi.size()
-  std::vector<double> dpsi_dc;   // ∂ψ(d)/∂c = d/(1 + c·d)
+  std::vector<double> psi;      // ψ(d), d < psi.size()
+  std::vector<double> dpsi_dc;  // ∂ψ(d)/∂c = d/(1 + c·d)
   // out[j] += b(head, q, k_first + j) for j < count; false if a distance is past the table.
   bool add_row(std::int64_t head, std::int64_t q_position, std::int64_t k_first, std::int64_t count, float* out,
                std::int64_t out_stride) const;
@@ -58,9 +58,9 @@ struct FireRows {
   // the rest through add_row, limited to the keys lane t sees, [lane_lo[t], lane_hi[t]) — the
   // others are left for the mask. out: S^T of the chunk, rows `out_stride` apart. False (nothing
   // added) if a distance or query position is past the tables.
-  bool add_chunk(std::int64_t head, const std::int64_t* lane_head, const std::int32_t* lane_lo, const std::int32_t* lane_hi,
-                 std::int64_t q_first, std::int64_t k_index, std::int64_t k_first, std::int64_t count, float* out,
-                 std::int64_t out_stride) const;
+  bool add_chunk(std::int64_t head, const std::int64_t* lane_head, const std::int32_t* lane_lo,
+                 const std::int32_t* lane_hi, std::int64_t q_first, std::int64_t k_index, std::int64_t k_first,
+                 std::int64_t count, float* out, std::int64_t out_stride) const;
   // Backward moments of one row against keys kpos[0..count) with dL/db = ds[j·ds_stride]:
   // s0[piece·heads + head] += ds, s1[…] += ds·x, and the c and L gradients (fp64; any key order).
   void accumulate_row(std::int64_t head, std::int64_t heads, std::int64_t q_position, const std::int64_t* kpos,
@@ -70,10 +70,10 @@ struct FireRows {
   // through the vector kernel (attn_fire_moments), the others by accumulate_row over the keys
   // lane t sees. Key positions kpos[0..count) are consecutive; ds: dS^T of the chunk, rows
   // `ds_stride` apart. False (nothing added) if a distance or query position is past the tables.
-  bool accumulate_chunk(std::int64_t head, std::int64_t heads, const std::int64_t* lane_head, const std::int32_t* lane_lo,
-                        const std::int32_t* lane_hi, std::int64_t q_first, std::int64_t k_index, const std::int64_t* kpos,
-                        std::int64_t count, const float* ds, std::int64_t ds_stride, double* s0, double* s1,
-                        double* d_c, double* d_threshold) const;
+  bool accumulate_chunk(std::int64_t head, std::int64_t heads, const std::int64_t* lane_head,
+                        const std::int32_t* lane_lo, const std::int32_t* lane_hi, std::int64_t q_first,
+                        std::int64_t k_index, const std::int64_t* kpos, std::int64_t count, const float* ds,
+                        std::int64_t ds_stride, double* s0, double* s1, double* d_c, double* d_threshold) const;
 };
 
 // The bias of one head: tabulated over δ = q − k (distance-only schemes) or evaluated directly
@@ -107,9 +107,12 @@ struct TupeTables {
 // [width][Dp] (zero-padded).
 struct ShawTables {
   std::int64_t max_distance = 0, width = 0;  // width 0: the group has no Shaw terms
-  AlignedFloats key, value, key_padded;  // key_padded: [width][Dp]
+  AlignedFloats key, value, key_padded;      // key_padded: [width][Dp]
   std::int64_t row_of(std::int64_t relative) const {
-    return (relative < -max_distance ? -max_distance : relative > max_distance ? max_distance : relative) + max_distance;
+    return (relative < -max_distance  ? -max_distance
+            : relative > max_distance ? max_distance
+                                      : relative) +
+           max_distance;
   }
 };
 
@@ -160,7 +163,7 @@ struct AttentionUnitScratch {
   AlignedFloats rope_rows;
   std::vector<std::int64_t> kpos;
   std::vector<double> hist;
-  std::vector<double> row_norm;  // the far-tile skip: |scale·q| per row
+  std::vector<double> row_norm;               // the far-tile skip: |scale·q| per row
   std::int64_t steps = 0, skipped_steps = 0;  // backward's (tile, row block) steps in the current call
   std::int64_t bytes() const;
 };
@@ -172,19 +175,35 @@ AttentionUnitScratch& unit_scratch();
 // fresh memory costs ~2.7 µs per 4 KiB page on first touch: allocated per call, they held ~4%
 // of an XL backward's samples in page faults and clearing. They stay allocated after the call,
 // like the units' scratch; Attention::workspace_bytes() counts the units' slots.
-enum class CallBuffer { kUnitBias, kUnitShaw, kUnitXl, kUnitTupe, kXlTotals, kTupeTotals, kXlProjected, kXlDw,
-                        kTupeRows, kTupeProjected, kTupeDu, kTupeUt, kTupeDtable, kCount };
+enum class CallBuffer {
+  kUnitBias,
+  kUnitShaw,
+  kUnitXl,
+  kUnitTupe,
+  kXlTotals,
+  kTupeTotals,
+  kXlProjected,
+  kXlDw,
+  kTupeRows,
+  kTupeProjected,
+  kTupeDu,
+  kTupeUt,
+  kTupeDtable,
+  kCount
+};
 std::vector<double>& zeroed_doubles(CallBuffer which, std::size_t n);
 AlignedFloats& zeroed_floats(CallBuffer which, std::size_t n);
 
 struct AttentionPlan {
   static constexpr const char* kWhere = "Attention";
-  static constexpr std::int64_t kDecodeRows = 8;     // rows (queries × G) at most for dot-product scores
+  static constexpr std::int64_t kDecodeRows = 8;  // rows (queries × G) at most for dot-product scores
   static constexpr std::int64_t kDecodeTileBytes = std::int64_t{256} << 10;  // see decode_tiles
   // Bytes of one key's rows over every KV head, as decode's tile and chunk sizes count them: in
   // f32 whatever the cache's dtype, so that a 16-bit cache runs the tiles and chunks of the f32
   // cache of its values and gives its bits.
-  std::int64_t decode_key_row_bytes() const { return std::max<std::int64_t>(kv_heads * dim, 1) * std::int64_t{sizeof(float)}; }
+  std::int64_t decode_key_row_bytes() const {
+    return std::max<std::int64_t>(kv_heads * dim, 1) * std::int64_t{sizeof(float)};
+  }
   // A decode block's cache splits into chunks of about kDecodeChunkBytes of keys and values (at
   // least kDecodeMinChunkKeys keys) that run in parallel: a rule on the shapes only, so the merge
   // order and every bit are the same for any thread count. It used to be 4096 keys, split only
@@ -258,7 +277,7 @@ struct AttentionPlan {
   }
 
   std::vector<HeadBias> head_bias;
-  std::vector<std::vector<float>> bias_tables;     // per group: [heads][width]
+  std::vector<std::vector<float>> bias_tables;  // per group: [heads][width]
   // Every head's table transposed, [width][heads], when every head is tabulated and each
   // sequence has one query: decode's merged rows (lane r = head r) then add a key's biases as
   // one contiguous row (add_bias) instead of lane by lane.
@@ -281,11 +300,11 @@ struct AttentionPlan {
   }
   // Shaw in the tile loop (attention.cpp). dots and sums: [shaw_width][rows], rows ld apart.
   const ShawTables* shaw_of_block(const RowBlock& rb) const;
-  void shaw_row_dots(const RowBlock& rb, const float* rows, std::int64_t ld_rows, const float* rows_t, std::int64_t ld_t,
-                     bool value_table, float* dots, std::int64_t ld) const;
+  void shaw_row_dots(const RowBlock& rb, const float* rows, std::int64_t ld_rows, const float* rows_t,
+                     std::int64_t ld_t, bool value_table, float* dots, std::int64_t ld) const;
   std::int64_t shaw_uniform_row(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos) const;
-  void shaw_add_rows(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, const float* dots, std::int64_t ld,
-                     float* st) const;
+  void shaw_add_rows(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, const float* dots,
+                     std::int64_t ld, float* st) const;
   void shaw_collect(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, const float* pt, const float* corr,
                     float* sums, std::int64_t ld) const;
   void shaw_add_values(const RowBlock& rb, const float* probs, std::int64_t ld, float* o) const;
@@ -300,20 +319,24 @@ struct AttentionPlan {
   }
   // Row of pq or pk (is_q) for position pos and head h.
   const float* tupe_row(const TupeTables& t, bool is_q, std::int64_t pos, std::int64_t h) const {
-    const std::int64_t local_head = h - group_first_head[static_cast<std::size_t>(head_group[static_cast<std::size_t>(h)])];
+    const std::int64_t local_head =
+        h - group_first_head[static_cast<std::size_t>(head_group[static_cast<std::size_t>(h)])];
     return (is_q ? t.pq : t.pk).data() + (local_head * tupe_count + (pos - tupe_first)) * dim_padded;
   }
   void build_tupe_tables(const std::vector<HeadGroup>& groups, std::int64_t p_min, std::int64_t p_max);
   // In the tile loop (attention.cpp): the rows' PQ (transposed, and as rows), a tile's biases
   // (matrix products per head run, [CLS] values), decode rows by dot products; backward.
   void tupe_load_rows(const RowBlock& rb, AttentionUnitScratch& s, bool as_rows) const;
-  void tupe_add_tile(const RowBlock& rb, std::int64_t r0, std::int64_t ld_rows, std::int64_t keys, const std::int64_t* kpos,
-                     AttentionUnitScratch& s, float* st) const;
-  void tupe_add_direct(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, const float* pq_rows, float* st) const;
+  void tupe_add_tile(const RowBlock& rb, std::int64_t r0, std::int64_t ld_rows, std::int64_t keys,
+                     const std::int64_t* kpos, AttentionUnitScratch& s, float* st) const;
+  void tupe_add_direct(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, const float* pq_rows,
+                       float* st) const;
   void tupe_backward_tile(const RowBlock& sub, std::int64_t r0, std::int64_t keys, const std::int64_t* kpos,
                           std::int64_t kvh, double* unit_tupe_grads, AttentionUnitScratch& s) const;
   // Per unit [dPQ by position [count][G][Dp] | dPK likewise | θ1 [G] | θ2 [G]] (fp64).
-  std::int64_t tupe_unit_gradient_size() const { return any_tupe ? 2 * tupe_count * group_size * dim_padded + 2 * group_size : 0; }
+  std::int64_t tupe_unit_gradient_size() const {
+    return any_tupe ? 2 * tupe_count * group_size * dim_padded + 2 * group_size : 0;
+  }
   void finish_tupe_gradients(const std::vector<double>& total_per_kv_head, AttentionGradients& grads) const;
 
   // Transformer-XL: per group (heads 0 without); one δ range for all.
@@ -345,9 +368,12 @@ struct AttentionPlan {
                   const float* dst, float* sums, std::int64_t ld) const;
   void xl_backward_window(const RowBlock& sub, std::int64_t r0, std::int64_t lo, std::int64_t span, std::int64_t kvh,
                           double* unit_xl_grads, AttentionUnitScratch& s) const;
-  void xl_add_direct(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, const float* q_rows, float* st) const;
+  void xl_add_direct(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, const float* q_rows,
+                     float* st) const;
   // Backward: per unit [dP [xl_width][G][Dp] | Σ dS per (local head, δ) [G][xl_width] | Σ dQs rows [G][D]].
-  std::int64_t xl_unit_gradient_size() const { return any_xl ? xl_width * group_size * (dim_padded + 1) + group_size * dim : 0; }
+  std::int64_t xl_unit_gradient_size() const {
+    return any_xl ? xl_width * group_size * (dim_padded + 1) + group_size * dim : 0;
+  }
   void finish_xl_gradients(const std::vector<double>& total_per_kv_head, AttentionGradients& grads) const;
 
   void build_xl_tables(const std::vector<HeadGroup>& groups);
@@ -408,8 +434,8 @@ struct AttentionPlan {
   std::int64_t bias_gradient_size() const;
   void check_gradients(const AttentionGradients& grads) const;
   void accumulate_bias_gradients(const Sequence& seq, const RowBlock& rb, std::int64_t k_first, std::int64_t keys,
-                                 const std::int64_t* kpos, const float* dst, AttentionUnitScratch& s,
-                                 std::int64_t kvh, double* unit_grads) const;
+                                 const std::int64_t* kpos, const float* dst, AttentionUnitScratch& s, std::int64_t kvh,
+                                 double* unit_grads) const;
   void finish_bias_gradients(AttentionUnitScratch& s, std::int64_t kvh, double* unit_grads) const;
   void scatter_bias_gradients(const std::vector<double>& total, AttentionGradients& grads) const;
   // d b(h, r)/dθ contributions of `sum` at relative position r = k − q for head h, into the flat

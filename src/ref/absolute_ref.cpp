@@ -19,8 +19,7 @@ double sinusoid_value(const SinusoidalParams& params, std::int64_t position, std
   const bool interleaved = params.layout() == SinusoidalLayout::kInterleaved;
   const std::int64_t i = interleaved ? j / 2 : (j < d / 2 ? j : j - d / 2);
   const bool is_cos = interleaved ? (j % 2 == 1) : (j >= d / 2);
-  const double angle =
-      static_cast<double>(position) * detail::sinusoid_inv_frequency(params.base(), d, i);
+  const double angle = static_cast<double>(position) * detail::sinusoid_inv_frequency(params.base(), d, i);
   return is_cos ? std::cos(angle) : std::sin(angle);
 }
 
@@ -32,14 +31,12 @@ void sinusoidal_table(const SinusoidalParams& params, const Positions& positions
   for (std::int64_t n = 0; n < g.seq; ++n) {
     const std::int64_t p = positions.at(0, n);
     for (std::int64_t j = 0; j < g.dim; ++j) {
-      detail::store(out.data(), out.dtype(), g.offset(0, n) + j * g.dim_stride,
-                    sinusoid_value(params, p, j));
+      detail::store(out.data(), out.dtype(), g.offset(0, n) + j * g.dim_stride, sinusoid_value(params, p, j));
     }
   }
 }
 
-void sinusoidal_add(const SinusoidalParams& params, ConstTensorView x, const Positions& positions,
-                    TensorView out) {
+void sinusoidal_add(const SinusoidalParams& params, ConstTensorView x, const Positions& positions, TensorView out) {
   detail::init_dispatch();
   const detail::AddGrids g = detail::check_sinusoidal_add(params, x, positions, out);
   for (std::int64_t b = 0; b < g.x.batch; ++b) {
@@ -54,8 +51,7 @@ void sinusoidal_add(const SinusoidalParams& params, ConstTensorView x, const Pos
   }
 }
 
-void learned_forward(ConstTensorView table, ConstTensorView x, const Positions& positions,
-                     TensorView y) {
+void learned_forward(ConstTensorView table, ConstTensorView x, const Positions& positions, TensorView y) {
   detail::init_dispatch();
   const detail::LearnedGrids g = detail::check_learned_forward(table, x, positions, y);
   for (std::int64_t b = 0; b < g.x.batch; ++b) {
@@ -63,16 +59,14 @@ void learned_forward(ConstTensorView table, ConstTensorView x, const Positions& 
       const std::int64_t row = positions.at(b, s);
       for (std::int64_t j = 0; j < g.x.dim; ++j) {
         const double xv = detail::load(x.data(), x.dtype(), g.x.offset(b, s) + j * g.x.dim_stride);
-        const double wv =
-            detail::load(table.data(), table.dtype(), g.table.offset(0, row) + j * g.table.dim_stride);
+        const double wv = detail::load(table.data(), table.dtype(), g.table.offset(0, row) + j * g.table.dim_stride);
         detail::store(y.data(), y.dtype(), g.out.offset(b, s) + j * g.out.dim_stride, xv + wv);
       }
     }
   }
 }
 
-void learned_backward(ConstTensorView dy, const Positions& positions, TensorView d_table,
-                      TensorView dx) {
+void learned_backward(ConstTensorView dy, const Positions& positions, TensorView d_table, TensorView dx) {
   detail::init_dispatch();
   const detail::LearnedGrids g = detail::check_learned_backward(dy, positions, d_table, dx);
   // Restating the forward: y[b, s] = x[b, s] + W[pos(b, s)].
@@ -97,8 +91,7 @@ void learned_backward(ConstTensorView dy, const Positions& positions, TensorView
       const std::int64_t t = by_row[last].second;
       const std::int64_t dy_off = g.x.offset(t / g.x.seq, t % g.x.seq);
       for (std::int64_t j = 0; j < g.x.dim; ++j) {
-        row_sum[static_cast<std::size_t>(j)] +=
-            detail::load(dy.data(), dy.dtype(), dy_off + j * g.x.dim_stride);
+        row_sum[static_cast<std::size_t>(j)] += detail::load(dy.data(), dy.dtype(), dy_off + j * g.x.dim_stride);
       }
     }
     for (std::int64_t j = 0; j < g.table.dim; ++j) {

@@ -26,12 +26,13 @@ struct Rows {
   const double* row(std::int64_t i) const { return v.data() + i * d; }
 };
 
-Rows load_rows(const AttentionPlan& p, ConstTensorView view, const detail::HeadsGrid& g, std::int64_t b, std::int64_t s0,
-               std::int64_t n, std::int64_t h) {
+Rows load_rows(const AttentionPlan& p, ConstTensorView view, const detail::HeadsGrid& g, std::int64_t b,
+               std::int64_t s0, std::int64_t n, std::int64_t h) {
   Rows r{n, p.dim, std::vector<double>(static_cast<std::size_t>(n * p.dim))};
   for (std::int64_t i = 0; i < n; ++i) {
     const std::int64_t off = g.offset(b, s0 + i) + h * g.head_stride;
-    for (std::int64_t t = 0; t < p.dim; ++t) r.row(i)[t] = detail::load(view.data(), view.dtype(), off + t * g.dim_stride);
+    for (std::int64_t t = 0; t < p.dim; ++t)
+      r.row(i)[t] = detail::load(view.data(), view.dtype(), off + t * g.dim_stride);
   }
   return r;
 }
@@ -49,8 +50,8 @@ void store_rows(const AttentionPlan& p, const Rows& r, TensorView view, const de
 }
 
 // The transform of a group applied to rows at `positions` (forward, or its transpose), fp64.
-void transform(const AttentionPlan& p, std::int64_t group, bool is_q, const std::vector<std::int64_t>& positions, Rows& r,
-               bool transpose) {
+void transform(const AttentionPlan& p, std::int64_t group, bool is_q, const std::vector<std::int64_t>& positions,
+               Rows& r, bool transpose) {
   if (r.n == 0) return;
   const HeadGroup& grp = p.spec.groups.empty() ? HeadGroup{} : p.spec.groups[static_cast<std::size_t>(group)];
   const Positions pos = Positions::ids(positions);
@@ -115,7 +116,8 @@ XlProjection<T> xl_projection(const XlParams& xl, std::int64_t local, const std:
     for (std::int64_t d = 0; d < out.dim; ++d) {
       T acc = 0;
       const double* w = xl.w_r().data() + (local * out.dim + d) * dm;
-      for (std::int64_t m = 0; m < dm; ++m) acc += static_cast<T>(w[m]) * static_cast<T>(r[static_cast<std::size_t>(m)]);
+      for (std::int64_t m = 0; m < dm; ++m)
+        acc += static_cast<T>(w[m]) * static_cast<T>(r[static_cast<std::size_t>(m)]);
       out.rows[static_cast<std::size_t>(t * out.dim + d)] = acc;
     }
   }
@@ -178,7 +180,8 @@ void scores(const AttentionPlan& p, const Sequence& seq, std::int64_t h, const H
       T dot = 0;
       for (std::int64_t t = 0; t < p.dim; ++t) dot += static_cast<T>(hp.q.row(i)[t]) * static_cast<T>(hp.k.row(j)[t]);
       if (shaw != nullptr) {
-        const std::int64_t u = shaw->row_of(hp.kpos[static_cast<std::size_t>(j)] - hp.qpos[static_cast<std::size_t>(i)]);
+        const std::int64_t u =
+            shaw->row_of(hp.kpos[static_cast<std::size_t>(j)] - hp.qpos[static_cast<std::size_t>(i)]);
         for (std::int64_t t = 0; t < p.dim; ++t) {
           dot += static_cast<T>(hp.q.row(i)[t]) * static_cast<T>(shaw_entry(shaw->key_table(), p.dim, u, t));
         }
@@ -193,7 +196,8 @@ void scores(const AttentionPlan& p, const Sequence& seq, std::int64_t h, const H
       }
       T x = scale * dot;
       if (bias) {
-        x += static_cast<T>(bias_value(*bias, local, hp.qpos[static_cast<std::size_t>(i)], hp.kpos[static_cast<std::size_t>(j)]));
+        x += static_cast<T>(
+            bias_value(*bias, local, hp.qpos[static_cast<std::size_t>(i)], hp.kpos[static_cast<std::size_t>(j)]));
       }
       zi[j] = cap > 0 ? cap * std::tanh(x / cap) : x;
     }
@@ -225,7 +229,8 @@ void forward_impl(const AttentionPlan& p, TensorView out, TensorView lse) {
           for (std::int64_t j = 0; j < seq.lk; ++j) {
             T value = static_cast<T>(hp.v.row(j)[t]);
             if (shaw != nullptr) {
-              const std::int64_t u = shaw->row_of(hp.kpos[static_cast<std::size_t>(j)] - hp.qpos[static_cast<std::size_t>(i)]);
+              const std::int64_t u =
+                  shaw->row_of(hp.kpos[static_cast<std::size_t>(j)] - hp.qpos[static_cast<std::size_t>(i)]);
               value += static_cast<T>(shaw_entry(shaw->value_table(), p.dim, u, t));
             }
             acc += prob[static_cast<std::size_t>(i * seq.lk + j)] * value;
@@ -286,7 +291,8 @@ void attention_backward(const Attention& attention, ConstTensorView out, ConstTe
         const Rows dout = load_rows(p, d_out, dog, seq.b, seq.q0, lq, h);
         Rows dq_t{lq, p.dim, std::vector<double>(static_cast<std::size_t>(lq * p.dim))};
         const ShawParams* shaw = shaw_of(p, group);
-        GroupGradients* shaw_grads = grads != nullptr && shaw != nullptr ? &grads->groups[static_cast<std::size_t>(group)] : nullptr;
+        GroupGradients* shaw_grads =
+            grads != nullptr && shaw != nullptr ? &grads->groups[static_cast<std::size_t>(group)] : nullptr;
         const XlParams* xl = xl_of(p, group);
         const std::int64_t local = h - p.group_first_head[static_cast<std::size_t>(group)];
         XlProjection<double> projection, d_projection;  // P and dL/dP over δ
@@ -295,7 +301,8 @@ void attention_backward(const Attention& attention, ConstTensorView out, ConstTe
           d_projection = projection;
           std::fill(d_projection.rows.begin(), d_projection.rows.end(), 0.0);
         }
-        XlGradients* xl_grads = grads != nullptr && xl != nullptr ? &*grads->groups[static_cast<std::size_t>(group)].xl : nullptr;
+        XlGradients* xl_grads =
+            grads != nullptr && xl != nullptr ? &*grads->groups[static_cast<std::size_t>(group)].xl : nullptr;
         for (std::int64_t i = 0; i < lq; ++i) {
           std::vector<double> dp(static_cast<std::size_t>(lk));
           double delta = 0;
@@ -303,8 +310,10 @@ void attention_backward(const Attention& attention, ConstTensorView out, ConstTe
             double acc = 0;
             for (std::int64_t t = 0; t < p.dim; ++t) acc += dout.row(i)[t] * hp.v.row(j)[t];
             if (shaw != nullptr) {
-              const std::int64_t u = shaw->row_of(hp.kpos[static_cast<std::size_t>(j)] - hp.qpos[static_cast<std::size_t>(i)]);
-              for (std::int64_t t = 0; t < p.dim; ++t) acc += dout.row(i)[t] * shaw_entry(shaw->value_table(), p.dim, u, t);
+              const std::int64_t u =
+                  shaw->row_of(hp.kpos[static_cast<std::size_t>(j)] - hp.qpos[static_cast<std::size_t>(i)]);
+              for (std::int64_t t = 0; t < p.dim; ++t)
+                acc += dout.row(i)[t] * shaw_entry(shaw->value_table(), p.dim, u, t);
               if (shaw_grads != nullptr) {
                 for (std::int64_t t = 0; t < p.dim; ++t) {
                   shaw_grads->shaw_value_table[static_cast<std::size_t>(u * p.dim + t)] +=
@@ -348,7 +357,8 @@ void attention_backward(const Attention& attention, ConstTensorView out, ConstTe
               }
             }
             if (shaw != nullptr) {
-              const std::int64_t u = shaw->row_of(hp.kpos[static_cast<std::size_t>(j)] - hp.qpos[static_cast<std::size_t>(i)]);
+              const std::int64_t u =
+                  shaw->row_of(hp.kpos[static_cast<std::size_t>(j)] - hp.qpos[static_cast<std::size_t>(i)]);
               for (std::int64_t t = 0; t < p.dim; ++t) {
                 dq_t.row(i)[t] += scale * dx * shaw_entry(shaw->key_table(), p.dim, u, t);
                 if (shaw_grads != nullptr) {
@@ -392,7 +402,8 @@ void attention_backward(const Attention& attention, ConstTensorView out, ConstTe
       if (!bias || lq * lk == 0) continue;
       const ConstTensorView ds = TensorView::of(ds_groups[g].data(), {p.spec.groups[g].heads, lq, lk});
       GroupGradients& gg = grads->groups[g];
-      if (const auto* alibi = std::get_if<AlibiParams>(&*bias)) ref::alibi_backward(*alibi, qp, kp, ds, gg.alibi_slopes);
+      if (const auto* alibi = std::get_if<AlibiParams>(&*bias))
+        ref::alibi_backward(*alibi, qp, kp, ds, gg.alibi_slopes);
       if (const auto* t5 = std::get_if<T5BiasParams>(&*bias)) ref::t5_bias_backward(*t5, qp, kp, ds, gg.t5_table);
       if (const auto* kerple = std::get_if<KerpleParams>(&*bias)) {
         ref::kerple_backward(*kerple, qp, kp, ds, gg.kerple_r1, gg.kerple_r2);

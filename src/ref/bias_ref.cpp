@@ -33,8 +33,8 @@ void for_each_score(const detail::ScoreGrid& g, const Positions& q_positions, co
 
 void bias_materialize(const BiasScheme& scheme, const Positions& q_positions, const Positions& k_positions,
                       TensorView out) {
-  const detail::ScoreGrid g =
-      detail::check_scores("bias_materialize", "out", ConstTensorView(out), bias_heads(scheme), q_positions, k_positions);
+  const detail::ScoreGrid g = detail::check_scores("bias_materialize", "out", ConstTensorView(out), bias_heads(scheme),
+                                                   q_positions, k_positions);
   detail::check_writable("bias_materialize", "out", ConstTensorView(out));
   for_each_score(g, q_positions, k_positions, [&](std::int64_t h, std::int64_t offset, std::int64_t q, std::int64_t k) {
     detail::store(out.data(), out.dtype(), offset, bias_value(scheme, h, q, k));

@@ -19,9 +19,9 @@ PairIndex pair_index(const RopeParams& params, std::int64_t i) {
   return {i, i + params.rotary_dim() / 2};
 }
 
-void rotate(const detail::HeadsGrid& in_g, const void* in, const detail::HeadsGrid& out_g, void* out,
-            DType dtype, std::int64_t b, std::int64_t s, const RopeParams& params,
-            const std::vector<double>& cos_a, const std::vector<double>& sin_a) {
+void rotate(const detail::HeadsGrid& in_g, const void* in, const detail::HeadsGrid& out_g, void* out, DType dtype,
+            std::int64_t b, std::int64_t s, const RopeParams& params, const std::vector<double>& cos_a,
+            const std::vector<double>& sin_a) {
   std::vector<double> row(static_cast<std::size_t>(params.head_dim()));
   for (std::int64_t h = 0; h < in_g.heads; ++h) {
     const std::int64_t in_off = in_g.offset(b, s) + h * in_g.head_stride;
@@ -82,9 +82,8 @@ void rope_apply(const RopeParams& params, const Positions& positions, ConstTenso
 }
 
 void rope_apply_multi(const RopeParams& params, std::span<const std::int64_t> sections,
-                      std::span<const Positions> axis_positions, ConstTensorView q, ConstTensorView k,
-                      TensorView q_out, TensorView k_out, RopeDirection direction, bool restart_frequencies,
-                      std::int64_t seq_len) {
+                      std::span<const Positions> axis_positions, ConstTensorView q, ConstTensorView k, TensorView q_out,
+                      TensorView k_out, RopeDirection direction, bool restart_frequencies, std::int64_t seq_len) {
   detail::init_dispatch();
   const detail::MultiAxis m =
       detail::check_rope_multi(params, sections, axis_positions, q, k, q_out, k_out, restart_frequencies, seq_len);
@@ -107,8 +106,8 @@ void rope_apply_multi(const RopeParams& params, std::span<const std::int64_t> se
 }
 
 void rope_rerotate(const RopeParams& from, const Positions& from_positions, std::int64_t from_seq_len,
-                   const RopeParams& to, const Positions& to_positions, std::int64_t to_seq_len,
-                   ConstTensorView k, TensorView k_out) {
+                   const RopeParams& to, const Positions& to_positions, std::int64_t to_seq_len, ConstTensorView k,
+                   TensorView k_out) {
   // The definition: undo `from`, then apply `to` (as keys), both in fp64, through an f64 copy.
   detail::init_dispatch();
   const detail::RopeGrids g = detail::check_rope(to, to_positions, k, {}, k_out, {});
@@ -135,7 +134,8 @@ void rope_rerotate(const RopeParams& from, const Positions& from_positions, std:
     for (std::int64_t s = 0; s < g.q.seq; ++s) {
       for (std::int64_t h = 0; h < g.q.heads; ++h) {
         for (std::int64_t j = 0; j < g.q.dim; ++j) {
-          detail::store(k_out.data(), k_out.dtype(), g.q_out.offset(b, s) + h * g.q_out.head_stride + j * g.q_out.dim_stride,
+          detail::store(k_out.data(), k_out.dtype(),
+                        g.q_out.offset(b, s) + h * g.q_out.head_stride + j * g.q_out.dim_stride,
                         keys[static_cast<std::size_t>(((b * g.q.seq + s) * g.q.heads + h) * g.q.dim + j)]);
         }
       }

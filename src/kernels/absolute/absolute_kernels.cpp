@@ -54,8 +54,7 @@ using common::HWY_NAMESPACE::StreamableTag;
 static_assert(kColumnPadding >= 2 * hn::MaxLanes(DD()), "column tables need more padding");
 
 template <class Emit>
-HWY_INLINE void Tile(const SinusoidColumns& cols, double p0, std::int64_t rows, std::int64_t j,
-                     const Emit& emit) {
+HWY_INLINE void Tile(const SinusoidColumns& cols, double p0, std::int64_t rows, std::int64_t j, const Emit& emit) {
   const DD dd;
   const DF df;
   const std::int64_t n = static_cast<std::int64_t>(hn::Lanes(dd));
@@ -148,8 +147,8 @@ HWY_INLINE void LoadPartial(const float* src, size_t valid, hn::Vec<DF>& lo, hn:
   }
 }
 
-void SinusoidRunF32(const SinusoidColumns& cols, double first_position, std::int64_t rows,
-                    float* HWY_RESTRICT out, std::int64_t out_row_stride, bool stream) {
+void SinusoidRunF32(const SinusoidColumns& cols, double first_position, std::int64_t rows, float* HWY_RESTRICT out,
+                    std::int64_t out_row_stride, bool stream) {
   const DF df;
   const auto n = static_cast<std::int64_t>(hn::Lanes(df));
   const std::int64_t dim = cols.dim;
@@ -182,9 +181,8 @@ void SinusoidRunF32(const SinusoidColumns& cols, double first_position, std::int
   }
 }
 
-void SinusoidAddRunF32(const SinusoidColumns& cols, double first_position, std::int64_t rows,
-                       const float* x, std::int64_t x_row_stride, float* out,
-                       std::int64_t out_row_stride, bool stream) {
+void SinusoidAddRunF32(const SinusoidColumns& cols, double first_position, std::int64_t rows, const float* x,
+                       std::int64_t x_row_stride, float* out, std::int64_t out_row_stride, bool stream) {
   const DF df;
   const auto n = static_cast<std::int64_t>(hn::Lanes(df));
   const std::int64_t dim = cols.dim;
@@ -240,15 +238,13 @@ HWY_EXPORT(AddRowsF32);
 HWY_EXPORT(FlushStreams);
 HWY_EXPORT(DispatchedTarget);
 
-void sinusoid_run_f32(const SinusoidColumns& cols, double first_position, std::int64_t rows,
-                      float* out, std::int64_t out_row_stride, bool stream) {
+void sinusoid_run_f32(const SinusoidColumns& cols, double first_position, std::int64_t rows, float* out,
+                      std::int64_t out_row_stride, bool stream) {
   HWY_DYNAMIC_DISPATCH(SinusoidRunF32)(cols, first_position, rows, out, out_row_stride, stream);
 }
-void sinusoid_add_run_f32(const SinusoidColumns& cols, double first_position, std::int64_t rows,
-                          const float* x, std::int64_t x_row_stride, float* out,
-                          std::int64_t out_row_stride, bool stream) {
-  HWY_DYNAMIC_DISPATCH(SinusoidAddRunF32)(cols, first_position, rows, x, x_row_stride, out,
-                                          out_row_stride, stream);
+void sinusoid_add_run_f32(const SinusoidColumns& cols, double first_position, std::int64_t rows, const float* x,
+                          std::int64_t x_row_stride, float* out, std::int64_t out_row_stride, bool stream) {
+  HWY_DYNAMIC_DISPATCH(SinusoidAddRunF32)(cols, first_position, rows, x, x_row_stride, out, out_row_stride, stream);
 }
 void add_rows_f32(const float* a, const float* b, float* out, std::int64_t n, bool stream) {
   HWY_DYNAMIC_DISPATCH(AddRowsF32)(a, b, out, n, stream);

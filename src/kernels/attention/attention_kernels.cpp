@@ -75,14 +75,25 @@ HWY_INLINE void GemmRows(std::int64_t rows, const float* a, std::int64_t a_row, 
   const float* at = a + m * a_row;
   float* ct = c + m * ldc;
   switch (rows - m) {
-    case 1: GemmBlock<1, V>(at, a_row, a_depth, b, ldb, ct, ldc, depth, mode); break;
-    case 2: GemmBlock<2, V>(at, a_row, a_depth, b, ldb, ct, ldc, depth, mode); break;
-    case 3: GemmBlock<3, V>(at, a_row, a_depth, b, ldb, ct, ldc, depth, mode); break;
+    case 1:
+      GemmBlock<1, V>(at, a_row, a_depth, b, ldb, ct, ldc, depth, mode);
+      break;
+    case 2:
+      GemmBlock<2, V>(at, a_row, a_depth, b, ldb, ct, ldc, depth, mode);
+      break;
+    case 3:
+      GemmBlock<3, V>(at, a_row, a_depth, b, ldb, ct, ldc, depth, mode);
+      break;
 #if HWY_TARGET != HWY_SCALAR && HWY_MAX_BYTES >= 64
-    case 4: GemmBlock<4, V>(at, a_row, a_depth, b, ldb, ct, ldc, depth, mode); break;
-    case 5: GemmBlock<5, V>(at, a_row, a_depth, b, ldb, ct, ldc, depth, mode); break;
+    case 4:
+      GemmBlock<4, V>(at, a_row, a_depth, b, ldb, ct, ldc, depth, mode);
+      break;
+    case 5:
+      GemmBlock<5, V>(at, a_row, a_depth, b, ldb, ct, ldc, depth, mode);
+      break;
 #endif
-    default: break;
+    default:
+      break;
   }
 }
 
@@ -115,14 +126,22 @@ void AttnGemm(const float* a, std::int64_t a_row, std::int64_t a_depth, const fl
     // Later passes chain from C (attn_gemm_add never takes more than one: its depth <= kMinDepthBlock).
     const int acc = t0 > 0 ? kChain : mode;
     std::int64_t v = 0;
-    for (; v + kVecs <= vecs; v += kVecs) GemmRows<kVecs>(rows, at0, a_row, a_depth, bt0 + v * n, ldb, c + v * n, ldc, dt, acc);
+    for (; v + kVecs <= vecs; v += kVecs)
+      GemmRows<kVecs>(rows, at0, a_row, a_depth, bt0 + v * n, ldb, c + v * n, ldc, dt, acc);
     switch (vecs - v) {
-      case 1: GemmRows<1>(rows, at0, a_row, a_depth, bt0 + v * n, ldb, c + v * n, ldc, dt, acc); break;
+      case 1:
+        GemmRows<1>(rows, at0, a_row, a_depth, bt0 + v * n, ldb, c + v * n, ldc, dt, acc);
+        break;
 #if HWY_TARGET != HWY_SCALAR && HWY_MAX_BYTES >= 64
-      case 2: GemmRows<2>(rows, at0, a_row, a_depth, bt0 + v * n, ldb, c + v * n, ldc, dt, acc); break;
-      case 3: GemmRows<3>(rows, at0, a_row, a_depth, bt0 + v * n, ldb, c + v * n, ldc, dt, acc); break;
+      case 2:
+        GemmRows<2>(rows, at0, a_row, a_depth, bt0 + v * n, ldb, c + v * n, ldc, dt, acc);
+        break;
+      case 3:
+        GemmRows<3>(rows, at0, a_row, a_depth, bt0 + v * n, ldb, c + v * n, ldc, dt, acc);
+        break;
 #endif
-      default: break;
+      default:
+        break;
     }
     t0 += depth_block;
   } while (t0 < depth);
@@ -137,7 +156,8 @@ HWY_INLINE VF SumEachVector(DF d, VF* acc) {
   const hn::Repartition<double, DF> d64;
   VF b[8];
   for (std::size_t i = 0; i < n / 2; ++i) {
-    b[i] = hn::Add(hn::InterleaveLower(d, acc[2 * i], acc[2 * i + 1]), hn::InterleaveUpper(d, acc[2 * i], acc[2 * i + 1]));
+    b[i] =
+        hn::Add(hn::InterleaveLower(d, acc[2 * i], acc[2 * i + 1]), hn::InterleaveUpper(d, acc[2 * i], acc[2 * i + 1]));
   }
   VF c[4];
   for (std::size_t k = 0; k < n / 4; ++k) {
@@ -220,10 +240,14 @@ HWY_INLINE VF LoadCache(DF d, const CacheElement<kType>* HWY_RESTRICT p) {
 // Whether this target widens `dtype` in vectors (WidensInVectors at run time; false for f64).
 HWY_INLINE bool WidensInVectors(DType dtype) {
   switch (dtype) {
-    case DType::kF32: return WidensInVectors<DType::kF32>();
-    case DType::kBF16: return WidensInVectors<DType::kBF16>();
-    case DType::kF16: return WidensInVectors<DType::kF16>();
-    default: return false;
+    case DType::kF32:
+      return WidensInVectors<DType::kF32>();
+    case DType::kBF16:
+      return WidensInVectors<DType::kBF16>();
+    case DType::kF16:
+      return WidensInVectors<DType::kF16>();
+    default:
+      return false;
   }
 }
 
@@ -387,7 +411,8 @@ void DecodeScoresRows(DF d, const float* HWY_RESTRICT k, std::int64_t ldk, std::
       if (block == KB) {
         ScoreKeys<R, KB>(d, kr, ldk, qg, ldq, full, acc_buffer + t * n);
       } else {
-        for (std::int64_t i = 0; i < block; ++i) ScoreKeys<R, 1>(d, kr + i * ldk, ldk, qg, ldq, full, acc_buffer + (t + i) * n);
+        for (std::int64_t i = 0; i < block; ++i)
+          ScoreKeys<R, 1>(d, kr + i * ldk, ldk, qg, ldq, full, acc_buffer + (t + i) * n);
       }
       t += block;
       if (t == n) flush();
@@ -439,7 +464,8 @@ void DecodeScoresPacked(DF d, const CacheElement<kType>* HWY_RESTRICT k, std::in
       for (auto& a : acc) a = hn::Zero(d);
       for (std::int64_t c = 0; interleaved && c < 2 * half; c += kLanes) {
         VF kv[KB];
-        for (int i = 0; i < KB; ++i) kv[i] = RotateInterleaved(d, LoadCache<kType>(d, kr + i * ldk + c), cos_sin[i] + c, sin_at);
+        for (int i = 0; i < KB; ++i)
+          kv[i] = RotateInterleaved(d, LoadCache<kType>(d, kr + i * ldk + c), cos_sin[i] + c, sin_at);
         for (int r = 0; r < R; ++r) {
           const VF qv = hn::LoadU(d, qg + r * ldq + c);
           for (int i = 0; i < KB; ++i) acc[i * R + r] = hn::MulAdd(kv[i], qv, acc[i * R + r]);
@@ -453,7 +479,8 @@ void DecodeScoresPacked(DF d, const CacheElement<kType>* HWY_RESTRICT k, std::in
         }
         for (int r = 0; r < R; ++r) {
           const VF q_lo = hn::LoadU(d, qg + r * ldq + c), q_hi = hn::LoadU(d, qg + r * ldq + half + c);
-          for (int i = 0; i < KB; ++i) acc[i * R + r] = hn::MulAdd(hi[i], q_hi, hn::MulAdd(lo[i], q_lo, acc[i * R + r]));
+          for (int i = 0; i < KB; ++i)
+            acc[i * R + r] = hn::MulAdd(hi[i], q_hi, hn::MulAdd(lo[i], q_lo, acc[i * R + r]));
         }
       }
       for (std::int64_t c = 2 * half; c < dim; c += kLanes) {
@@ -479,7 +506,8 @@ void DecodeScoresPacked(DF d, const CacheElement<kType>* HWY_RESTRICT k, std::in
         const float* qr = q_heads[g] + r * ldq;
         VF acc = hn::Zero(d);
         for (std::int64_t c = 0; interleaved && c < 2 * half; c += kLanes) {
-          acc = hn::MulAdd(RotateInterleaved(d, LoadCache<kType>(d, kr + c), cos_sin + c, sin_at), hn::LoadU(d, qr + c), acc);
+          acc = hn::MulAdd(RotateInterleaved(d, LoadCache<kType>(d, kr + c), cos_sin + c, sin_at), hn::LoadU(d, qr + c),
+                           acc);
         }
         for (std::int64_t c = 0; kRotate && !interleaved && c < half; c += kLanes) {
           VF lo, hi;
@@ -487,7 +515,8 @@ void DecodeScoresPacked(DF d, const CacheElement<kType>* HWY_RESTRICT k, std::in
                      hn::LoadU(d, cos_sin + half + c), lo, hi);
           acc = hn::MulAdd(hi, hn::LoadU(d, qr + half + c), hn::MulAdd(lo, hn::LoadU(d, qr + c), acc));
         }
-        for (std::int64_t c = 2 * half; c < dim; c += kLanes) acc = hn::MulAdd(LoadCache<kType>(d, kr + c), hn::LoadU(d, qr + c), acc);
+        for (std::int64_t c = 2 * half; c < dim; c += kLanes)
+          acc = hn::MulAdd(LoadCache<kType>(d, kr + c), hn::LoadU(d, qr + c), acc);
         st_heads[g][j * ld_st + r] = hn::GetLane(hn::SumOfLanes(d, acc));
       }
     }
@@ -500,8 +529,8 @@ HWY_INLINE bool PackedScoresFit(std::int64_t q_rows, std::int64_t dim) {
 #if HWY_TARGET != HWY_SCALAR
   constexpr auto kLanes = static_cast<std::int64_t>(hn::MaxLanes(DF()));
   // SumEachVector sums at most 16 vectors (one per lane); 1 <= q_rows <= min(8, lanes).
-  return static_cast<std::int64_t>(hn::Lanes(DF())) == kLanes && kLanes <= 16 && dim % kLanes == 0 &&
-         q_rows >= 1 && q_rows <= 8 && q_rows <= kLanes;
+  return static_cast<std::int64_t>(hn::Lanes(DF())) == kLanes && kLanes <= 16 && dim % kLanes == 0 && q_rows >= 1 &&
+         q_rows <= 8 && q_rows <= kLanes;
 #else
   (void)q_rows;
   (void)dim;
@@ -525,10 +554,11 @@ bool AttnDecodeRotatesKeys(DType dtype, std::int64_t q_rows, std::int64_t dim, s
 }
 
 template <DType kType>
-void DecodeScoresPackedRows(DF d, const CacheElement<kType>* HWY_RESTRICT k, std::int64_t ldk, std::int64_t k_head_stride,
-                            std::int64_t keys, std::int64_t heads, const float* const* q_heads, std::int64_t ldq,
-                            std::int64_t q_rows, std::int64_t dim, float* const* st_heads, std::int64_t ld_st,
-                            PrefetchCursor& cursor, std::int64_t per_row, bool prefetch_keys, const KeyRotation& rotation) {
+void DecodeScoresPackedRows(DF d, const CacheElement<kType>* HWY_RESTRICT k, std::int64_t ldk,
+                            std::int64_t k_head_stride, std::int64_t keys, std::int64_t heads,
+                            const float* const* q_heads, std::int64_t ldq, std::int64_t q_rows, std::int64_t dim,
+                            float* const* st_heads, std::int64_t ld_st, PrefetchCursor& cursor, std::int64_t per_row,
+                            bool prefetch_keys, const KeyRotation& rotation) {
 #if HWY_TARGET != HWY_SCALAR
   constexpr auto kLanes = static_cast<std::int64_t>(hn::MaxLanes(DF()));
   if constexpr (!WidensInVectors<kType>()) return;  // never asked (AttnDecodeReadsDirectly)
@@ -554,7 +584,8 @@ void DecodeScoresPackedRows(DF d, const CacheElement<kType>* HWY_RESTRICT k, std
     POSENC_DECODE_PACKED(7)
     POSENC_DECODE_PACKED(8)
 #undef POSENC_DECODE_PACKED
-    default: break;  // more than 8 rows: PackedScoresFit is false
+    default:
+      break;  // more than 8 rows: PackedScoresFit is false
   }
 #else
   (void)d, (void)k, (void)ldk, (void)k_head_stride, (void)keys, (void)heads, (void)q_heads, (void)ldq, (void)q_rows;
@@ -562,31 +593,35 @@ void DecodeScoresPackedRows(DF d, const CacheElement<kType>* HWY_RESTRICT k, std
 #endif
 }
 
-void AttnDecodeScores(const void* HWY_RESTRICT k, DType dtype, std::int64_t ldk, std::int64_t k_head_stride, std::int64_t keys,
-                      std::int64_t heads, const float* const* q_heads, std::int64_t ldq, std::int64_t q_rows,
-                      std::int64_t dim, float* const* st_heads, std::int64_t ld_st, const RowPrefetch& ahead,
-                      bool prefetch_keys, const KeyRotation& rotation) {
+void AttnDecodeScores(const void* HWY_RESTRICT k, DType dtype, std::int64_t ldk, std::int64_t k_head_stride,
+                      std::int64_t keys, std::int64_t heads, const float* const* q_heads, std::int64_t ldq,
+                      std::int64_t q_rows, std::int64_t dim, float* const* st_heads, std::int64_t ld_st,
+                      const RowPrefetch& ahead, bool prefetch_keys, const KeyRotation& rotation) {
   const DF d;
   PrefetchCursor cursor(ahead);
   const std::int64_t per_row = LinesPerStep(cursor.lines(), keys * heads);
   if (dtype != DType::kF32) {
     const auto* k16 = static_cast<const std::uint16_t*>(k);
-    const auto scores = dtype == DType::kBF16 ? &DecodeScoresPackedRows<DType::kBF16> : &DecodeScoresPackedRows<DType::kF16>;
-    scores(d, k16, ldk, k_head_stride, keys, heads, q_heads, ldq, q_rows, dim, st_heads, ld_st, cursor, per_row, prefetch_keys,
-           rotation);
+    const auto scores =
+        dtype == DType::kBF16 ? &DecodeScoresPackedRows<DType::kBF16> : &DecodeScoresPackedRows<DType::kF16>;
+    scores(d, k16, ldk, k_head_stride, keys, heads, q_heads, ldq, q_rows, dim, st_heads, ld_st, cursor, per_row,
+           prefetch_keys, rotation);
     cursor.step(cursor.lines());
     return;
   }
   const auto* kf = static_cast<const float*>(k);
   if (PackedScoresFit(q_rows, dim)) {
-    DecodeScoresPackedRows<DType::kF32>(d, kf, ldk, k_head_stride, keys, heads, q_heads, ldq, q_rows, dim, st_heads, ld_st,
-                                        cursor, per_row, prefetch_keys, rotation);
+    DecodeScoresPackedRows<DType::kF32>(d, kf, ldk, k_head_stride, keys, heads, q_heads, ldq, q_rows, dim, st_heads,
+                                        ld_st, cursor, per_row, prefetch_keys, rotation);
     cursor.step(cursor.lines());
     return;
   }
   switch (q_rows) {
-#define POSENC_DECODE_SCORES(R) \
-  case R: DecodeScoresRows<R>(d, kf, ldk, k_head_stride, keys, heads, q_heads, ldq, dim, st_heads, ld_st, cursor, per_row, prefetch_keys); break;
+#define POSENC_DECODE_SCORES(R)                                                                                      \
+  case R:                                                                                                            \
+    DecodeScoresRows<R>(d, kf, ldk, k_head_stride, keys, heads, q_heads, ldq, dim, st_heads, ld_st, cursor, per_row, \
+                        prefetch_keys);                                                                              \
+    break;
     POSENC_DECODE_SCORES(1)
     POSENC_DECODE_SCORES(2)
     POSENC_DECODE_SCORES(3)
@@ -595,7 +630,10 @@ void AttnDecodeScores(const void* HWY_RESTRICT k, DType dtype, std::int64_t ldk,
     POSENC_DECODE_SCORES(6)
     POSENC_DECODE_SCORES(7)
 #undef POSENC_DECODE_SCORES
-    default: DecodeScoresRows<8>(d, kf, ldk, k_head_stride, keys, heads, q_heads, ldq, dim, st_heads, ld_st, cursor, per_row, prefetch_keys); break;
+    default:
+      DecodeScoresRows<8>(d, kf, ldk, k_head_stride, keys, heads, q_heads, ldq, dim, st_heads, ld_st, cursor, per_row,
+                          prefetch_keys);
+      break;
   }
   cursor.step(cursor.lines());  // nothing is left unless the tile was empty
 }
@@ -664,29 +702,46 @@ HWY_INLINE void ValueRows(DF d, const CacheElement<kType>* HWY_RESTRICT v, std::
 template <DType kType>
 void DecodeValuesRows(DF d, const CacheElement<kType>* HWY_RESTRICT v, std::int64_t ldv, std::int64_t v_head_stride,
                       std::int64_t keys, std::int64_t heads, const float* const* p_heads, std::int64_t ld_p,
-                      std::int64_t rows, std::int64_t cols, float* const* o_heads, std::int64_t ldo, PrefetchCursor& cursor,
-                      std::int64_t per_key) {
+                      std::int64_t rows, std::int64_t cols, float* const* o_heads, std::int64_t ldo,
+                      PrefetchCursor& cursor, std::int64_t per_key) {
   if constexpr (!WidensInVectors<kType>()) return;  // never asked (AttnDecodeReadsDirectly)
   for (std::int64_t g = 0; g < heads; ++g) {
     const CacheElement<kType>* vg = v + g * v_head_stride;
     const float* p = p_heads[g];
     float* o = o_heads[g];
     switch (rows) {
-      case 1: ValueRows<1, kType>(d, vg, ldv, keys, p, ld_p, cols, o, ldo, cursor, per_key); break;
-      case 2: ValueRows<2, kType>(d, vg, ldv, keys, p, ld_p, cols, o, ldo, cursor, per_key); break;
-      case 3: ValueRows<3, kType>(d, vg, ldv, keys, p, ld_p, cols, o, ldo, cursor, per_key); break;
-      case 4: ValueRows<4, kType>(d, vg, ldv, keys, p, ld_p, cols, o, ldo, cursor, per_key); break;
-      case 5: ValueRows<5, kType>(d, vg, ldv, keys, p, ld_p, cols, o, ldo, cursor, per_key); break;
-      case 6: ValueRows<6, kType>(d, vg, ldv, keys, p, ld_p, cols, o, ldo, cursor, per_key); break;
-      case 7: ValueRows<7, kType>(d, vg, ldv, keys, p, ld_p, cols, o, ldo, cursor, per_key); break;
-      default: ValueRows<8, kType>(d, vg, ldv, keys, p, ld_p, cols, o, ldo, cursor, per_key); break;
+      case 1:
+        ValueRows<1, kType>(d, vg, ldv, keys, p, ld_p, cols, o, ldo, cursor, per_key);
+        break;
+      case 2:
+        ValueRows<2, kType>(d, vg, ldv, keys, p, ld_p, cols, o, ldo, cursor, per_key);
+        break;
+      case 3:
+        ValueRows<3, kType>(d, vg, ldv, keys, p, ld_p, cols, o, ldo, cursor, per_key);
+        break;
+      case 4:
+        ValueRows<4, kType>(d, vg, ldv, keys, p, ld_p, cols, o, ldo, cursor, per_key);
+        break;
+      case 5:
+        ValueRows<5, kType>(d, vg, ldv, keys, p, ld_p, cols, o, ldo, cursor, per_key);
+        break;
+      case 6:
+        ValueRows<6, kType>(d, vg, ldv, keys, p, ld_p, cols, o, ldo, cursor, per_key);
+        break;
+      case 7:
+        ValueRows<7, kType>(d, vg, ldv, keys, p, ld_p, cols, o, ldo, cursor, per_key);
+        break;
+      default:
+        ValueRows<8, kType>(d, vg, ldv, keys, p, ld_p, cols, o, ldo, cursor, per_key);
+        break;
     }
   }
 }
 
-void AttnDecodeValues(const void* HWY_RESTRICT v, DType dtype, std::int64_t ldv, std::int64_t v_head_stride, std::int64_t keys,
-                      std::int64_t heads, const float* const* p_heads, std::int64_t ld_p, std::int64_t rows,
-                      std::int64_t cols, float* const* o_heads, std::int64_t ldo, const RowPrefetch& ahead) {
+void AttnDecodeValues(const void* HWY_RESTRICT v, DType dtype, std::int64_t ldv, std::int64_t v_head_stride,
+                      std::int64_t keys, std::int64_t heads, const float* const* p_heads, std::int64_t ld_p,
+                      std::int64_t rows, std::int64_t cols, float* const* o_heads, std::int64_t ldo,
+                      const RowPrefetch& ahead) {
   const DF d;
   const auto n = static_cast<std::int64_t>(hn::Lanes(d));
   PrefetchCursor cursor(ahead);
@@ -694,20 +749,18 @@ void AttnDecodeValues(const void* HWY_RESTRICT v, DType dtype, std::int64_t ldv,
   const std::int64_t per_key = LinesPerStep(cursor.lines(), heads * ValueBlocks(rows, cols, n) * keys);
   if (dtype != DType::kF32) {
     const auto values = dtype == DType::kBF16 ? &DecodeValuesRows<DType::kBF16> : &DecodeValuesRows<DType::kF16>;
-    values(d, static_cast<const std::uint16_t*>(v), ldv, v_head_stride, keys, heads, p_heads, ld_p, rows, cols, o_heads, ldo,
-           cursor, per_key);
+    values(d, static_cast<const std::uint16_t*>(v), ldv, v_head_stride, keys, heads, p_heads, ld_p, rows, cols, o_heads,
+           ldo, cursor, per_key);
   } else {
-    DecodeValuesRows<DType::kF32>(d, static_cast<const float*>(v), ldv, v_head_stride, keys, heads, p_heads, ld_p, rows, cols,
-                                  o_heads, ldo, cursor, per_key);
+    DecodeValuesRows<DType::kF32>(d, static_cast<const float*>(v), ldv, v_head_stride, keys, heads, p_heads, ld_p, rows,
+                                  cols, o_heads, ldo, cursor, per_key);
   }
   cursor.step(cursor.lines());
 }
 
 // exp, with results below FLT_MIN (arguments below −87.3) flushed to 0: ALiBi's long distances
 // would otherwise produce denormals, which cost ~100 cycles each on x86 when multiplied.
-HWY_INLINE VF ExpFlushed(DF d, VF x) {
-  return hn::IfThenElseZero(hn::Ge(x, hn::Set(d, -87.3f)), hn::Exp(d, x));
-}
+HWY_INLINE VF ExpFlushed(DF d, VF x) { return hn::IfThenElseZero(hn::Ge(x, hn::Set(d, -87.3f)), hn::Exp(d, x)); }
 
 void AttnSoftmaxTile(float* HWY_RESTRICT st, std::int64_t keys, std::int64_t width, float* HWY_RESTRICT m,
                      float* HWY_RESTRICT l, float* HWY_RESTRICT correction) {
@@ -800,7 +853,8 @@ void AttnAddBiasTile(float* HWY_RESTRICT st, std::int64_t keys, std::int64_t wid
   for (std::int64_t j = 0; j < keys; ++j) {
     float* row = st + j * width;
     const float* t = table + base - j;
-    for (std::int64_t l = 0; l < kAttnAlign; l += n) hn::StoreU(hn::Add(hn::LoadU(d, row + l), hn::LoadU(d, t + l)), d, row + l);
+    for (std::int64_t l = 0; l < kAttnAlign; l += n)
+      hn::StoreU(hn::Add(hn::LoadU(d, row + l), hn::LoadU(d, t + l)), d, row + l);
   }
 }
 
@@ -832,7 +886,8 @@ HWY_INLINE void XlPairs(Tile* HWY_RESTRICT st, std::int64_t keys, std::int64_t w
     const auto b = hn::LoadU(di, base + l);
     for (std::int64_t j = 0; j < keys; ++j) {
       const auto u = hn::Sub(b, hn::Set(di, key_offset[j]));
-      const auto inside = hn::And(hn::Gt(u, hn::Set(di, -1)), hn::Lt(u, span_v));  // 0 <= u < span (no integer Ge in this Highway)
+      const auto inside =
+          hn::And(hn::Gt(u, hn::Set(di, -1)), hn::Lt(u, span_v));  // 0 <= u < span (no integer Ge in this Highway)
       if (hn::AllFalse(di, inside)) continue;
       // Lanes outside the window read (and, collecting, write back unchanged) their own column of
       // the window's first row: every lane's index stays distinct, so the scatter cannot collide.
@@ -938,8 +993,8 @@ void AttnLoadF32(const void* src, DType dtype, std::int64_t n, float* HWY_RESTRI
 void AttnPackHeads(const void* src, DType dtype, std::int64_t seq_stride, std::int64_t head_stride, std::int64_t keys,
                    std::int64_t heads, std::int64_t dim, float* HWY_RESTRICT dst, std::int64_t dim_padded);
 
-void AttnRotateHalfSplit(float* HWY_RESTRICT x, const float* HWY_RESTRICT c, const float* HWY_RESTRICT s, std::int64_t half,
-                         float sine_sign) {
+void AttnRotateHalfSplit(float* HWY_RESTRICT x, const float* HWY_RESTRICT c, const float* HWY_RESTRICT s,
+                         std::int64_t half, float sine_sign) {
   const DF d;
   const auto n = static_cast<std::int64_t>(hn::Lanes(d));
   const VF sign = hn::Set(d, sine_sign);
@@ -947,7 +1002,8 @@ void AttnRotateHalfSplit(float* HWY_RESTRICT x, const float* HWY_RESTRICT c, con
   std::int64_t i = 0;
   for (; i + n <= half; i += n) {
     VF lo, hi;
-    RotatePair(hn::LoadU(d, x + i), hn::LoadU(d, b + i), hn::LoadU(d, c + i), hn::Mul(sign, hn::LoadU(d, s + i)), lo, hi);
+    RotatePair(hn::LoadU(d, x + i), hn::LoadU(d, b + i), hn::LoadU(d, c + i), hn::Mul(sign, hn::LoadU(d, s + i)), lo,
+               hi);
     hn::StoreU(lo, d, x + i);
     hn::StoreU(hi, d, b + i);
   }
@@ -961,10 +1017,10 @@ void AttnRotateHalfSplit(float* HWY_RESTRICT x, const float* HWY_RESTRICT c, con
 // AttnPackRotateHeads for a cache of kType whose pairs fill whole vectors: each pair rotated
 // straight from the cache into the scratch row (RotatePair), the dims past 2·half copied.
 template <DType kType>
-void PackRotateInRegisters(const CacheElement<kType>* HWY_RESTRICT src, std::int64_t seq_stride, std::int64_t head_stride,
-                           std::int64_t keys, std::int64_t heads, std::int64_t dim, const float* HWY_RESTRICT cos_sin,
-                           const std::int64_t* HWY_RESTRICT table_rows, std::int64_t half, float* HWY_RESTRICT dst,
-                           std::int64_t dim_padded) {
+void PackRotateInRegisters(const CacheElement<kType>* HWY_RESTRICT src, std::int64_t seq_stride,
+                           std::int64_t head_stride, std::int64_t keys, std::int64_t heads, std::int64_t dim,
+                           const float* HWY_RESTRICT cos_sin, const std::int64_t* HWY_RESTRICT table_rows,
+                           std::int64_t half, float* HWY_RESTRICT dst, std::int64_t dim_padded) {
   const DF d;
   const auto n = static_cast<std::int64_t>(hn::Lanes(d));
   for (std::int64_t j = 0; j < keys; ++j) {
@@ -991,30 +1047,31 @@ void PackRotateInRegisters(const CacheElement<kType>* HWY_RESTRICT src, std::int
 // In registers where the pairs fill whole vectors: widening the rows first and rotating them in
 // place reads each value back right after storing it, and measured 62 cycles per row of D 128
 // (perf, one thread, cache in L2) for 16 multiply-adds.
-void AttnPackRotateHeads(const void* src, DType dtype, std::int64_t seq_stride, std::int64_t head_stride, std::int64_t keys,
-                         std::int64_t heads, std::int64_t dim, const float* HWY_RESTRICT cos_sin,
+void AttnPackRotateHeads(const void* src, DType dtype, std::int64_t seq_stride, std::int64_t head_stride,
+                         std::int64_t keys, std::int64_t heads, std::int64_t dim, const float* HWY_RESTRICT cos_sin,
                          const std::int64_t* HWY_RESTRICT table_rows, std::int64_t half, float* HWY_RESTRICT dst,
                          std::int64_t dim_padded) {
   if (half % static_cast<std::int64_t>(hn::Lanes(DF())) != 0 || !WidensInVectors(dtype)) {
     AttnPackHeads(src, dtype, seq_stride, head_stride, keys, heads, dim, dst, dim_padded);
     for (std::int64_t j = 0; j < keys; ++j) {
       const float* c = cos_sin + table_rows[j] * 2 * half;
-      for (std::int64_t g = 0; g < heads; ++g) AttnRotateHalfSplit(dst + (j * heads + g) * dim_padded, c, c + half, half, 1.0f);
+      for (std::int64_t g = 0; g < heads; ++g)
+        AttnRotateHalfSplit(dst + (j * heads + g) * dim_padded, c, c + half, half, 1.0f);
     }
     return;
   }
   switch (dtype) {
     case DType::kBF16:
-      PackRotateInRegisters<DType::kBF16>(static_cast<const std::uint16_t*>(src), seq_stride, head_stride, keys, heads, dim,
-                                          cos_sin, table_rows, half, dst, dim_padded);
+      PackRotateInRegisters<DType::kBF16>(static_cast<const std::uint16_t*>(src), seq_stride, head_stride, keys, heads,
+                                          dim, cos_sin, table_rows, half, dst, dim_padded);
       break;
     case DType::kF16:
-      PackRotateInRegisters<DType::kF16>(static_cast<const std::uint16_t*>(src), seq_stride, head_stride, keys, heads, dim,
-                                         cos_sin, table_rows, half, dst, dim_padded);
+      PackRotateInRegisters<DType::kF16>(static_cast<const std::uint16_t*>(src), seq_stride, head_stride, keys, heads,
+                                         dim, cos_sin, table_rows, half, dst, dim_padded);
       break;
     default:
-      PackRotateInRegisters<DType::kF32>(static_cast<const float*>(src), seq_stride, head_stride, keys, heads, dim, cos_sin,
-                                         table_rows, half, dst, dim_padded);
+      PackRotateInRegisters<DType::kF32>(static_cast<const float*>(src), seq_stride, head_stride, keys, heads, dim,
+                                         cos_sin, table_rows, half, dst, dim_padded);
       break;
   }
 }
@@ -1090,11 +1147,11 @@ void attn_rotate_half_split(float* x, const float* c, const float* s, std::int64
 }
 
 HWY_EXPORT(AttnPackRotateHeads);
-void attn_pack_rotate_heads(const void* src, DType dtype, std::int64_t seq_stride, std::int64_t head_stride, std::int64_t keys,
-                            std::int64_t heads, std::int64_t dim, const float* cos_sin, const std::int64_t* table_rows,
-                            std::int64_t half, float* dst, std::int64_t dim_padded) {
-  HWY_DYNAMIC_DISPATCH(AttnPackRotateHeads)(src, dtype, seq_stride, head_stride, keys, heads, dim, cos_sin, table_rows, half,
-                                            dst, dim_padded);
+void attn_pack_rotate_heads(const void* src, DType dtype, std::int64_t seq_stride, std::int64_t head_stride,
+                            std::int64_t keys, std::int64_t heads, std::int64_t dim, const float* cos_sin,
+                            const std::int64_t* table_rows, std::int64_t half, float* dst, std::int64_t dim_padded) {
+  HWY_DYNAMIC_DISPATCH(AttnPackRotateHeads)
+  (src, dtype, seq_stride, head_stride, keys, heads, dim, cos_sin, table_rows, half, dst, dim_padded);
 }
 void attn_pack_heads(const void* src, DType dtype, std::int64_t seq_stride, std::int64_t head_stride, std::int64_t keys,
                      std::int64_t heads, std::int64_t dim, float* dst, std::int64_t dim_padded) {
@@ -1130,7 +1187,8 @@ void attn_decode_scores(const void* k, DType dtype, std::int64_t ldk, std::int64
                         std::int64_t dim, float* const* st_heads, std::int64_t ld_st, const RowPrefetch& ahead,
                         bool prefetch_keys, const KeyRotation& rotation) {
   if (q_rows < 1 || q_rows > 8) throw Error("attention kernel", "q_rows", std::to_string(q_rows), "1 … 8 (decode)");
-  if (rotation.cos_sin != nullptr && !attn_decode_rotates_keys(dtype, q_rows, dim, rotation.half, rotation.interleaved)) {
+  if (rotation.cos_sin != nullptr &&
+      !attn_decode_rotates_keys(dtype, q_rows, dim, rotation.half, rotation.interleaved)) {
     throw Error("attention kernel", "rotation.half", std::to_string(rotation.half),
                 "pairs the scores rotate at dim " + std::to_string(dim) + " (attn_decode_rotates_keys)");
   }
@@ -1139,8 +1197,9 @@ void attn_decode_scores(const void* k, DType dtype, std::int64_t ldk, std::int64
                 "a dtype this target's decode reads directly at dim " + std::to_string(dim) + " with " +
                     std::to_string(q_rows) + " rows (attn_decode_reads_directly)");
   }
-  HWY_DYNAMIC_DISPATCH(AttnDecodeScores)(k, dtype, ldk, k_head_stride, keys, heads, q_heads, ldq, q_rows, dim, st_heads,
-                                         ld_st, ahead, prefetch_keys, rotation);
+  HWY_DYNAMIC_DISPATCH(AttnDecodeScores)
+  (k, dtype, ldk, k_head_stride, keys, heads, q_heads, ldq, q_rows, dim, st_heads, ld_st, ahead, prefetch_keys,
+   rotation);
 }
 void attn_decode_values(const void* v, DType dtype, std::int64_t ldv, std::int64_t v_head_stride, std::int64_t keys,
                         std::int64_t heads, const float* const* p_heads, std::int64_t ld_p, std::int64_t rows,
@@ -1151,8 +1210,8 @@ void attn_decode_values(const void* v, DType dtype, std::int64_t ldv, std::int64
                 "a dtype this target's decode reads directly at " + std::to_string(cols) + " columns with " +
                     std::to_string(rows) + " rows (attn_decode_reads_directly)");
   }
-  HWY_DYNAMIC_DISPATCH(AttnDecodeValues)(v, dtype, ldv, v_head_stride, keys, heads, p_heads, ld_p, rows, cols, o_heads, ldo,
-                                         ahead);
+  HWY_DYNAMIC_DISPATCH(AttnDecodeValues)
+  (v, dtype, ldv, v_head_stride, keys, heads, p_heads, ld_p, rows, cols, o_heads, ldo, ahead);
 }
 HWY_EXPORT(AttnMaskTile);
 
@@ -1164,8 +1223,8 @@ void attn_add_bias_rows(float* st, std::int64_t keys, std::int64_t width, const 
 void attn_add_bias_tile(float* st, std::int64_t keys, std::int64_t width, const float* table, std::int64_t base) {
   HWY_DYNAMIC_DISPATCH(AttnAddBiasTile)(st, keys, width, table, base);
 }
-void attn_xl_add(float* st, std::int64_t keys, std::int64_t width, const float* window, std::int64_t ld, std::int64_t span,
-                 const std::int32_t* base, const std::int32_t* key_offset) {
+void attn_xl_add(float* st, std::int64_t keys, std::int64_t width, const float* window, std::int64_t ld,
+                 std::int64_t span, const std::int32_t* base, const std::int32_t* key_offset) {
   HWY_DYNAMIC_DISPATCH(AttnXlAdd)(st, keys, width, window, ld, span, base, key_offset);
 }
 void attn_xl_collect(const float* st, std::int64_t keys, std::int64_t width, float* window, std::int64_t ld,
@@ -1189,12 +1248,14 @@ void attn_mask_tile(float* st, std::int64_t keys, std::int64_t width, std::int64
 
 void attn_gemm(const float* a, std::int64_t a_row, std::int64_t a_depth, const float* b, std::int64_t ldb, float* c,
                std::int64_t ldc, std::int64_t rows, std::int64_t cols, std::int64_t depth, bool accumulate) {
-  HWY_DYNAMIC_DISPATCH(AttnGemm)(a, a_row, a_depth, b, ldb, c, ldc, rows, cols, depth, accumulate ? 1 : 0);  // kChain : kSet
+  HWY_DYNAMIC_DISPATCH(AttnGemm)
+  (a, a_row, a_depth, b, ldb, c, ldc, rows, cols, depth, accumulate ? 1 : 0);  // kChain : kSet
 }
 void attn_gemm_add(const float* a, std::int64_t a_row, std::int64_t a_depth, const float* b, std::int64_t ldb, float* c,
                    std::int64_t ldc, std::int64_t rows, std::int64_t cols, std::int64_t depth) {
   if (depth > kAttnGemmAddDepth) {
-    throw Error("attention kernel", "depth", std::to_string(depth), "<= " + std::to_string(kAttnGemmAddDepth) + " (attn_gemm_add)");
+    throw Error("attention kernel", "depth", std::to_string(depth),
+                "<= " + std::to_string(kAttnGemmAddDepth) + " (attn_gemm_add)");
   }
   HWY_DYNAMIC_DISPATCH(AttnGemm)(a, a_row, a_depth, b, ldb, c, ldc, rows, cols, depth, 2);  // kAddSum
 }
@@ -1235,7 +1296,8 @@ void attn_store(const float* src, std::int64_t n, DType dtype, void* dst, bool a
       for (std::int64_t t = 0; t < n; ++t) out[t] = to_f16(accumulate ? from_f16(out[t]) + src[t] : src[t]);
       return;
     }
-    case DType::kF64: break;
+    case DType::kF64:
+      break;
   }
   throw Error("attention kernel", "dtype", std::string(dtype_name(dtype)), "f32, bf16 or f16");
 }

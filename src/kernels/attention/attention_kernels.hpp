@@ -48,9 +48,9 @@ void attn_pack_heads(const void* src, DType dtype, std::int64_t seq_stride, std:
                      std::int64_t heads, std::int64_t dim, float* dst, std::int64_t dim_padded);
 // attn_pack_heads, then each key's rows rotated (half-split RoPE, pairs (i, i + half), i < half) by
 // the [cos(half) | sin(half)] row cos_sin + table_rows[j]·2·half, in one pass.
-void attn_pack_rotate_heads(const void* src, DType dtype, std::int64_t seq_stride, std::int64_t head_stride, std::int64_t keys,
-                            std::int64_t heads, std::int64_t dim, const float* cos_sin, const std::int64_t* table_rows,
-                            std::int64_t half, float* dst, std::int64_t dim_padded);
+void attn_pack_rotate_heads(const void* src, DType dtype, std::int64_t seq_stride, std::int64_t head_stride,
+                            std::int64_t keys, std::int64_t heads, std::int64_t dim, const float* cos_sin,
+                            const std::int64_t* table_rows, std::int64_t half, float* dst, std::int64_t dim_padded);
 
 // Decode over all KV heads of a key tile (any strides; [S, G, D] memory order is fastest): the
 // scores take blocks of keys of one head (⌊lanes / q_rows⌋ keys when q_rows <= lanes and dim fills
@@ -84,7 +84,8 @@ struct KeyRotation {
   bool interleaved = false;
 };
 bool attn_decode_reads_directly(DType dtype, std::int64_t q_rows, std::int64_t dim);
-bool attn_decode_rotates_keys(DType dtype, std::int64_t q_rows, std::int64_t dim, std::int64_t half, bool interleaved = false);
+bool attn_decode_rotates_keys(DType dtype, std::int64_t q_rows, std::int64_t dim, std::int64_t half,
+                              bool interleaved = false);
 // The interleaved layout's rows for keys j < keys from the tables' [cos(half) | sin(half)] rows
 // cos_sin + table_rows[j]·2·half: dst[j·4·half …] = [C | S] as KeyRotation describes.
 void attn_expand_interleaved_rope(const float* cos_sin, const std::int64_t* table_rows, std::int64_t keys,
@@ -112,7 +113,7 @@ void attn_scale_rows(float* rows, std::int64_t ld, std::int64_t count, std::int6
 
 // Backward on a tile: P^T = exp(S^T − lse[r]) in place (−inf lse: 0), then
 // dS^T = P^T·(dP^T − delta[r]) written over dP^T, times (1 − (z/c)²) with a soft-cap (z taken
-// from S^T before the exponent). 
+// from S^T before the exponent).
 void attn_backward_tile(float* st, float* dpt, std::int64_t keys, std::int64_t width, const float* lse,
                         const float* delta, float cap);
 
@@ -131,8 +132,8 @@ void attn_add_bias_rows(float* st, std::int64_t keys, std::int64_t width, const 
 // Lanes with no pair (padding, other schemes) carry a base that is never inside. A gather per key,
 // and a scatter when collecting: lanes' window columns differ (t < ld), so lanes never collide.
 // The caller keeps u·ld + t, base and key_offset within int32.
-void attn_xl_add(float* st, std::int64_t keys, std::int64_t width, const float* window, std::int64_t ld, std::int64_t span,
-                 const std::int32_t* base, const std::int32_t* key_offset);
+void attn_xl_add(float* st, std::int64_t keys, std::int64_t width, const float* window, std::int64_t ld,
+                 std::int64_t span, const std::int32_t* base, const std::int32_t* key_offset);
 void attn_xl_collect(const float* st, std::int64_t keys, std::int64_t width, float* window, std::int64_t ld,
                      std::int64_t span, const std::int32_t* base, const std::int32_t* key_offset);
 

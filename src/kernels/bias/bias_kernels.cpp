@@ -26,7 +26,6 @@ void CopyRowF32(const float* HWY_RESTRICT src, float* HWY_RESTRICT dst, std::int
   for (; t < n; ++t) dst[t] = src[t];
 }
 
-
 void AccumulateDiagonalsF64(const float* HWY_RESTRICT ds, std::int64_t row_stride, std::int64_t rows, std::int64_t n,
                             double* HWY_RESTRICT sums) {
   // sums[u] += Σ_k ds[k·row_stride + u + k] over 0 <= u + k < n, u in [−(rows − 1), n).

@@ -29,8 +29,8 @@ template <class DD, class VD = hn::Vec<DD>>
 HWY_INLINE void SinPair(DD d, VD x, VD q, VD& value, VD& partner) {
   const hn::RebindToUnsigned<DD> du;
   const auto k = hn::Round(hn::Mul(x, hn::Set(d, 0.63661977236758134308)));  // 2/π
-  auto r = hn::NegMulAdd(k, hn::Set(d, 1.5707963267948966), x);               // (π/2)_hi
-  r = hn::NegMulAdd(k, hn::Set(d, 6.123233995736766e-17), r);                 // (π/2)_lo
+  auto r = hn::NegMulAdd(k, hn::Set(d, 1.5707963267948966), x);              // (π/2)_hi
+  r = hn::NegMulAdd(k, hn::Set(d, 6.123233995736766e-17), r);                // (π/2)_lo
   // m = k + q as an integer in the low mantissa bits (exact for 0 <= k + q < 2^51).
   const auto m = hn::BitCast(du, hn::Add(hn::Add(k, q), hn::Set(d, 6755399441055744.0)));  // 1.5·2^52
   const auto z = hn::Mul(r, r);

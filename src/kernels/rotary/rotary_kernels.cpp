@@ -80,8 +80,8 @@ void RopeStateStep(const RopeColumns& cols, double* HWY_RESTRICT state) {
   }
 }
 
-void RopeStateEmit(const RopeColumns& cols, const double* HWY_RESTRICT state, double alpha,
-                   float* HWY_RESTRICT cos_e, float* HWY_RESTRICT sin_e) {
+void RopeStateEmit(const RopeColumns& cols, const double* HWY_RESTRICT state, double alpha, float* HWY_RESTRICT cos_e,
+                   float* HWY_RESTRICT sin_e) {
   const hn::ScalableTag<double> dd;
   const hn::Rebind<float, decltype(dd)> df;
   const auto n = static_cast<std::int64_t>(hn::Lanes(dd));
@@ -287,9 +287,7 @@ HWY_EXPORT(RopeRotate);
 void rope_state_start(const RopeColumns& cols, double position, double* state) {
   HWY_DYNAMIC_DISPATCH(RopeStateStart)(cols, position, state);
 }
-void rope_state_step(const RopeColumns& cols, double* state) {
-  HWY_DYNAMIC_DISPATCH(RopeStateStep)(cols, state);
-}
+void rope_state_step(const RopeColumns& cols, double* state) { HWY_DYNAMIC_DISPATCH(RopeStateStep)(cols, state); }
 void rope_state_emit(const RopeColumns& cols, const double* state, double alpha, float* cos_e, float* sin_e) {
   HWY_DYNAMIC_DISPATCH(RopeStateEmit)(cols, state, alpha, cos_e, sin_e);
 }
@@ -299,8 +297,8 @@ void rope_rotate(const float* cos_e, const float* sin_e, std::int64_t rotary_dim
   if (dtype != DType::kF32 && dtype != DType::kBF16 && dtype != DType::kF16) {
     throw Error("rope kernel", "dtype", std::string(dtype_name(dtype)), "f32, bf16 or f16 (f64 uses the reference)");
   }
-  HWY_DYNAMIC_DISPATCH(RopeRotate)(cos_e, sin_e, rotary_dim, interleaved, head_dim, heads, dtype, x, x_head_stride,
-                                   out, out_head_stride, stream);
+  HWY_DYNAMIC_DISPATCH(RopeRotate)
+  (cos_e, sin_e, rotary_dim, interleaved, head_dim, heads, dtype, x, x_head_stride, out, out_head_stride, stream);
 }
 
 }  // namespace posenc::kernels

@@ -90,6 +90,7 @@ Case make_attention_case(const CaseOptions& o) {
     BenchArray<float> q, k, v, out, dout, dq, dk, dv;
     std::vector<float> lse;
     std::unique_ptr<Attention> attention;
+    AttentionStats stats;  // the last timed call's
   };
   auto st = std::make_shared<State>();
   const std::int64_t q_count = checked_mul(checked_mul(o.batch, q_len, "q"), heads * dim, "q");
@@ -152,11 +153,11 @@ Case make_attention_case(const CaseOptions& o) {
   if (o.pass == "decode") {
     c.bytes_per_run = 2.0 * static_cast<double>(k_count) * width;
     c.limit_name = "copy";
-    c.run = [st, out, lse] { st->attention->forward(out, lse); };
+    c.run = [st, out, lse] { st->stats = st->attention->forward(out, lse); };
   } else if (o.pass == "forward") {
     c.flops_per_run = forward_flops;
     c.limit_name = "fma";
-    c.run = [st, out, lse] { st->attention->forward(out, lse); };
+    c.run = [st, out, lse] { st->stats = st->attention->forward(out, lse); };
   } else {
     c.flops_per_run = 2.5 * forward_flops;
     c.limit_name = "fma";
@@ -169,15 +170,15 @@ Case make_attention_case(const CaseOptions& o) {
                            o.scheme == "fire" || o.scheme == "xl" || o.scheme == "tupe";
     auto grads = std::make_shared<AttentionGradients>(st->attention->zero_gradients());
     c.run = [st, out, lse, dout, dq, dk, dv, grads, trainable] {
-      st->attention->backward(out, lse, dout, dq, dk, dv, trainable ? grads.get() : nullptr);
+      st->stats = st->attention->backward(out, lse, dout, dq, dk, dv, trainable ? grads.get() : nullptr);
     };
   }
-  c.workspace_bytes = [st] { return static_cast<double>(st->attention->workspace_bytes()); };
+  c.workspace_bytes = [st] { return static_cast<double>(st->stats.workspace_bytes); };
   if (o.pass != "decode") {
     const bool forward = o.pass == "forward";
     c.remark = [st, forward] {
-      const Attention::TileCounts n = forward ? st->attention->forward_tiles() : st->attention->backward_steps();
-      return "skipped " + std::to_string(n.skipped) + " of " + std::to_string(n.met) +
+      const AttentionStats& n = st->stats;
+      return "skipped " + std::to_string(n.skipped) + " of " + std::to_string(n.tiles) +
              (forward ? " key tiles" : " (key tile, row block) steps") +
              " (every probability below FLT_MIN; the flops count them all)";
     };

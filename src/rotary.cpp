@@ -423,8 +423,7 @@ void rope_apply(const RopeParams& params, const Positions& positions, ConstTenso
     log_zeta.resize(static_cast<std::size_t>(r));
     for (std::int64_t j = 0; j < r; ++j) {
       const std::int64_t pair = interleaved ? j / 2 : j % half;
-      log_zeta[static_cast<std::size_t>(j)] =
-          std::log((2.0 * static_cast<double>(pair) + 0.4 * static_cast<double>(r)) / (1.4 * static_cast<double>(r)));
+      log_zeta[static_cast<std::size_t>(j)] = std::log(params.xpos_zeta(pair));
     }
   }
   const bool in_place = q.data() == q_out.data();
@@ -460,7 +459,7 @@ void rope_apply(const RopeParams& params, const Positions& positions, ConstTenso
           continue;
         }
         // xPos: q's coefficients times ζ^(±e), then k's times ζ^(∓e), from the same cos/sin.
-        const double e = (static_cast<double>(p) - params.xpos_center()) / params.xpos_scale_base();
+        const double e = params.xpos_exponent(static_cast<double>(p));
         const std::int64_t r = params.rotary_dim();
         buf.xpos_cos.assign(buf.cos_e.begin(), buf.cos_e.begin() + r);
         buf.xpos_sin.assign(buf.sin_e.begin(), buf.sin_e.begin() + r);
@@ -566,10 +565,7 @@ void rope_rerotate(const RopeParams& from, const Positions& from_positions, std:
   const RopeTables to_tables(to, to_seq_len > 0 ? to_seq_len : to_positions.max_position() + 1, to.layout(), false);
   const std::int64_t r = to.rotary_dim(), half = r / 2;
   // Keys carry ζ^(−e) under xPos: undoing `from` multiplies by ζ^(e_from), `to` by ζ^(−e_to).
-  auto log_zeta = [&](std::int64_t j) {
-    const std::int64_t pair = interleaved ? j / 2 : j % half;
-    return std::log((2.0 * static_cast<double>(pair) + 0.4 * static_cast<double>(r)) / (1.4 * static_cast<double>(r)));
-  };
+  auto log_zeta = [&](std::int64_t j) { return std::log(to.xpos_zeta(interleaved ? j / 2 : j % half)); };
   if (from.xpos()) detail::check_xpos_range(from, from_positions, g.q.batch, g.q.seq);
   if (to.xpos()) detail::check_xpos_range(to, to_positions, g.q.batch, g.q.seq);
   const double alpha_ratio = to.attention_factor() / from.attention_factor();
@@ -587,9 +583,8 @@ void rope_rerotate(const RopeParams& from, const Positions& from_positions, std:
       kernels::rope_state_start(from_tables.columns(), static_cast<double>(p_from), from_state.data());
       kernels::rope_state_start(to_tables.columns(), static_cast<double>(p_to), buf.state.data());
       const std::size_t stride = static_cast<std::size_t>(r + kernels::kRopePadding);
-      const double e_from =
-          from.xpos() ? (static_cast<double>(p_from) - from.xpos_center()) / from.xpos_scale_base() : 0.0;
-      const double e_to = to.xpos() ? (static_cast<double>(p_to) - to.xpos_center()) / to.xpos_scale_base() : 0.0;
+      const double e_from = from.xpos() ? from.xpos_exponent(static_cast<double>(p_from)) : 0.0;
+      const double e_to = to.xpos() ? to.xpos_exponent(static_cast<double>(p_to)) : 0.0;
       for (std::int64_t j = 0; j < r; ++j) {
         const auto at = static_cast<std::size_t>(j);
         const double ca = from_state[at], sa = from_state[stride + at];

@@ -110,12 +110,12 @@ MultiAxis check_rope_multi(const RopeParams& params, std::span<const std::int64_
 }
 
 void check_xpos_range(const RopeParams& params, const Positions& positions, std::int64_t batch, std::int64_t seq) {
-  const double log_zeta0 = std::fabs(std::log(0.4 / 1.4));
+  const double log_zeta0 = std::fabs(std::log(params.xpos_zeta(0)));
   const std::int64_t rows = positions.batch() == 0 ? 1 : batch;
   for (std::int64_t b = 0; b < rows; ++b) {
     for (std::int64_t s = 0; s < seq; ++s) {
       const std::int64_t p = positions.at(b, s);
-      const double exponent = std::fabs(static_cast<double>(p) - params.xpos_center()) / params.xpos_scale_base();
+      const double exponent = std::fabs(params.xpos_exponent(static_cast<double>(p)));
       if (exponent * log_zeta0 > 80.0) {
         throw Error("rope (xPos)", "position", std::to_string(p),
                     "|position − center| <= " + to_text(80.0 / log_zeta0 * params.xpos_scale_base()) + " (center " +

@@ -10,7 +10,7 @@
 #include <cmath>
 #include <string>
 
-#include "bias_checks.hpp"
+#include "relative_checks.hpp"
 #include "posenc/reference.hpp"
 #include "posenc/relative.hpp"
 
@@ -23,34 +23,6 @@ std::vector<double> checked_table(std::vector<double> table, std::int64_t rows, 
   detail::check_parameter("ShawParams", name, table, size, "(2k + 1)·head_dim = " + std::to_string(size));
   return table;
 }
-
-// The checked shapes of one Shaw call: the [B, S, H, D] tensor and the [B, H, Sq, Sk] one.
-struct ShawGrids {
-  detail::HeadsGrid tokens;
-  detail::ScoreGrid scores;
-};
-
-ShawGrids check_shaw(const char* where, const ShawParams& p, const char* tokens_name, ConstTensorView tokens,
-                     const char* scores_name, ConstTensorView scores, const Positions& q_positions,
-                     const Positions& k_positions) {
-  ShawGrids g;
-  g.tokens = detail::heads_grid(where, tokens_name, tokens);
-  if (g.tokens.dim != p.head_dim()) {
-    throw Error(where, std::string(tokens_name) + ".size(-1)", std::to_string(g.tokens.dim),
-                "params.head_dim() = " + std::to_string(p.head_dim()));
-  }
-  g.scores = detail::check_scores(where, scores_name, scores, g.tokens.heads, q_positions, k_positions);
-  if (g.scores.batch != g.tokens.batch || g.scores.q_len != g.tokens.seq) {
-    throw Error(
-        where, std::string(scores_name) + " [B, H, Sq, Sk]",
-        std::to_string(g.scores.batch) + " × " + std::to_string(g.scores.heads) + " × " +
-            std::to_string(g.scores.q_len) + " × " + std::to_string(g.scores.k_len),
-        "B = " + std::to_string(g.tokens.batch) + " and Sq = " + std::to_string(g.tokens.seq) + " of " + tokens_name);
-  }
-  return g;
-}
-
-bool empty_view(ConstTensorView v) { return v.rank() == 0 && v.data() == nullptr; }
 
 // Per (b, h, i) row: Σ over the keys of each table row of values[b, h, i, j] (fp64), into
 // sums[row · (2k + 1) + t]. Rows ordered b, h, i.
@@ -95,6 +67,30 @@ void contract_table_gradient(const ShawParams& p, const std::vector<double>& sum
 
 }  // namespace
 
+namespace detail {
+
+ShawGrids check_shaw(const char* where, const ShawParams& p, const char* tokens_name, ConstTensorView tokens,
+                     const char* scores_name, ConstTensorView scores, const Positions& q_positions,
+                     const Positions& k_positions) {
+  ShawGrids g;
+  g.tokens = detail::heads_grid(where, tokens_name, tokens);
+  if (g.tokens.dim != p.head_dim()) {
+    throw Error(where, std::string(tokens_name) + ".size(-1)", std::to_string(g.tokens.dim),
+                "params.head_dim() = " + std::to_string(p.head_dim()));
+  }
+  g.scores = detail::check_scores(where, scores_name, scores, g.tokens.heads, q_positions, k_positions);
+  if (g.scores.batch != g.tokens.batch || g.scores.q_len != g.tokens.seq) {
+    throw Error(
+        where, std::string(scores_name) + " [B, H, Sq, Sk]",
+        std::to_string(g.scores.batch) + " × " + std::to_string(g.scores.heads) + " × " +
+            std::to_string(g.scores.q_len) + " × " + std::to_string(g.scores.k_len),
+        "B = " + std::to_string(g.tokens.batch) + " and Sq = " + std::to_string(g.tokens.seq) + " of " + tokens_name);
+  }
+  return g;
+}
+
+}  // namespace detail
+
 ShawParams::ShawParams(std::int64_t max_distance, std::int64_t head_dim, std::vector<double> key_table,
                        std::vector<double> value_table)
     : max_distance_(max_distance), head_dim_(head_dim) {
@@ -119,7 +115,8 @@ void shaw_add_score_term(const ShawParams& params, ConstTensorView q, const Posi
                          const Positions& k_positions, TensorView scores) {
   detail::init_dispatch();
   const char* where = "shaw_add_score_term";
-  const ShawGrids g = check_shaw(where, params, "q", q, "scores", ConstTensorView(scores), q_positions, k_positions);
+  const detail::ShawGrids g =
+      detail::check_shaw(where, params, "q", q, "scores", ConstTensorView(scores), q_positions, k_positions);
   detail::check_writable(where, "scores", ConstTensorView(scores));
   if (detail::use_reference()) {
     ref::shaw_add_score_term(params, q, q_positions, k_positions, scores);
@@ -159,7 +156,8 @@ void shaw_add_value_term(const ShawParams& params, ConstTensorView probs, const 
                          const Positions& k_positions, TensorView out) {
   detail::init_dispatch();
   const char* where = "shaw_add_value_term";
-  const ShawGrids g = check_shaw(where, params, "out", ConstTensorView(out), "probs", probs, q_positions, k_positions);
+  const detail::ShawGrids g =
+      detail::check_shaw(where, params, "out", ConstTensorView(out), "probs", probs, q_positions, k_positions);
   detail::check_writable(where, "out", ConstTensorView(out));
   if (detail::use_reference()) {
     ref::shaw_add_value_term(params, probs, q_positions, k_positions, out);
@@ -192,9 +190,9 @@ void shaw_score_term_backward(const ShawParams& params, ConstTensorView q, Const
                               std::span<double> d_key_table) {
   detail::init_dispatch();
   const char* where = "shaw_score_term_backward";
-  const ShawGrids g = check_shaw(where, params, "q", q, "d_scores", d_scores, q_positions, k_positions);
+  const detail::ShawGrids g = detail::check_shaw(where, params, "q", q, "d_scores", d_scores, q_positions, k_positions);
   detail::check_gradient_size(where, "d_key_table", d_key_table.size(), params.rows() * params.head_dim());
-  const bool has_dq = !empty_view(ConstTensorView(dq));
+  const bool has_dq = !detail::empty_view(ConstTensorView(dq));
   if (has_dq) detail::check_output_tokens(where, "dq", ConstTensorView(dq), g.tokens);
   if (detail::use_reference()) {
     ref::shaw_score_term_backward(params, q, d_scores, q_positions, k_positions, dq, d_key_table);
@@ -232,9 +230,10 @@ void shaw_value_term_backward(const ShawParams& params, ConstTensorView probs, C
                               std::span<double> d_value_table) {
   detail::init_dispatch();
   const char* where = "shaw_value_term_backward";
-  const ShawGrids g = check_shaw(where, params, "d_out", d_out, "probs", probs, q_positions, k_positions);
+  const detail::ShawGrids g =
+      detail::check_shaw(where, params, "d_out", d_out, "probs", probs, q_positions, k_positions);
   detail::check_gradient_size(where, "d_value_table", d_value_table.size(), params.rows() * params.head_dim());
-  const bool has_dp = !empty_view(ConstTensorView(d_probs));
+  const bool has_dp = !detail::empty_view(ConstTensorView(d_probs));
   detail::ScoreGrid dpg;
   if (has_dp) {
     dpg = detail::check_scores(where, "d_probs", ConstTensorView(d_probs), g.scores.heads, q_positions, k_positions);
@@ -320,127 +319,4 @@ void ShawEvaluator::add_values(const float* probs, std::int64_t q_position, std:
 
 // ------------------------------------------------------------------------------ reference
 
-namespace ref {
-
-void shaw_add_score_term(const ShawParams& params, ConstTensorView q, const Positions& q_positions,
-                         const Positions& k_positions, TensorView scores) {
-  const char* where = "shaw_add_score_term";
-  const ShawGrids g = check_shaw(where, params, "q", q, "scores", ConstTensorView(scores), q_positions, k_positions);
-  detail::check_writable(where, "scores", ConstTensorView(scores));
-  const std::int64_t dim = params.head_dim();
-  const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
-  for (std::int64_t b = 0; b < g.scores.batch; ++b) {
-    for (std::int64_t h = 0; h < g.scores.heads; ++h) {
-      for (std::int64_t i = 0; i < g.scores.q_len; ++i) {
-        for (std::int64_t j = 0; j < g.scores.k_len; ++j) {
-          const std::int64_t t = params.row_of(k_positions.at(b, j) - q_positions.at(b, i));
-          double dot = 0;
-          for (std::int64_t d = 0; d < dim; ++d) {
-            dot += detail::load(q.data(), q.dtype(),
-                                g.tokens.offset(b, i) + h * g.tokens.head_stride + d * g.tokens.dim_stride) *
-                   params.key_table()[static_cast<std::size_t>(t * dim + d)];
-          }
-          const std::int64_t at = g.scores.offset(b, h, i) + j * g.scores.k_stride;
-          detail::store(scores.data(), scores.dtype(), at,
-                        detail::load(scores.data(), scores.dtype(), at) + dot * scale);
-        }
-      }
-    }
-  }
-}
-
-void shaw_add_value_term(const ShawParams& params, ConstTensorView probs, const Positions& q_positions,
-                         const Positions& k_positions, TensorView out) {
-  const char* where = "shaw_add_value_term";
-  const ShawGrids g = check_shaw(where, params, "out", ConstTensorView(out), "probs", probs, q_positions, k_positions);
-  detail::check_writable(where, "out", ConstTensorView(out));
-  const std::int64_t dim = params.head_dim();
-  for (std::int64_t b = 0; b < g.scores.batch; ++b) {
-    for (std::int64_t h = 0; h < g.scores.heads; ++h) {
-      for (std::int64_t i = 0; i < g.scores.q_len; ++i) {
-        for (std::int64_t d = 0; d < dim; ++d) {
-          double sum = 0;
-          for (std::int64_t j = 0; j < g.scores.k_len; ++j) {
-            const std::int64_t t = params.row_of(k_positions.at(b, j) - q_positions.at(b, i));
-            sum += detail::load(probs.data(), probs.dtype(), g.scores.offset(b, h, i) + j * g.scores.k_stride) *
-                   params.value_table()[static_cast<std::size_t>(t * dim + d)];
-          }
-          const std::int64_t at = g.tokens.offset(b, i) + h * g.tokens.head_stride + d * g.tokens.dim_stride;
-          detail::store(out.data(), out.dtype(), at, detail::load(out.data(), out.dtype(), at) + sum);
-        }
-      }
-    }
-  }
-}
-
-void shaw_score_term_backward(const ShawParams& params, ConstTensorView q, ConstTensorView d_scores,
-                              const Positions& q_positions, const Positions& k_positions, TensorView dq,
-                              std::span<double> d_key_table) {
-  const char* where = "shaw_score_term_backward";
-  const ShawGrids g = check_shaw(where, params, "q", q, "d_scores", d_scores, q_positions, k_positions);
-  detail::check_gradient_size(where, "d_key_table", d_key_table.size(), params.rows() * params.head_dim());
-  const bool has_dq = !empty_view(ConstTensorView(dq));
-  detail::HeadsGrid dg;
-  if (has_dq) dg = detail::check_output_tokens(where, "dq", ConstTensorView(dq), g.tokens);
-  const std::int64_t dim = params.head_dim();
-  const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
-  for (std::int64_t b = 0; b < g.scores.batch; ++b) {
-    for (std::int64_t h = 0; h < g.scores.heads; ++h) {
-      for (std::int64_t i = 0; i < g.scores.q_len; ++i) {
-        for (std::int64_t d = 0; d < dim; ++d) {
-          const double qd = detail::load(q.data(), q.dtype(),
-                                         g.tokens.offset(b, i) + h * g.tokens.head_stride + d * g.tokens.dim_stride);
-          double dq_sum = 0;  // one rounding per dq element
-          for (std::int64_t j = 0; j < g.scores.k_len; ++j) {
-            const std::int64_t t = params.row_of(k_positions.at(b, j) - q_positions.at(b, i));
-            const double ds =
-                detail::load(d_scores.data(), d_scores.dtype(), g.scores.offset(b, h, i) + j * g.scores.k_stride);
-            d_key_table[static_cast<std::size_t>(t * dim + d)] += ds * qd * scale;
-            dq_sum += ds * params.key_table()[static_cast<std::size_t>(t * dim + d)] * scale;
-          }
-          if (has_dq) {
-            const std::int64_t at = dg.offset(b, i) + h * dg.head_stride + d * dg.dim_stride;
-            detail::store(dq.data(), dq.dtype(), at, detail::load(dq.data(), dq.dtype(), at) + dq_sum);
-          }
-        }
-      }
-    }
-  }
-}
-
-void shaw_value_term_backward(const ShawParams& params, ConstTensorView probs, ConstTensorView d_out,
-                              const Positions& q_positions, const Positions& k_positions, TensorView d_probs,
-                              std::span<double> d_value_table) {
-  const char* where = "shaw_value_term_backward";
-  const ShawGrids g = check_shaw(where, params, "d_out", d_out, "probs", probs, q_positions, k_positions);
-  detail::check_gradient_size(where, "d_value_table", d_value_table.size(), params.rows() * params.head_dim());
-  const bool has_dp = !empty_view(ConstTensorView(d_probs));
-  detail::ScoreGrid dpg;
-  if (has_dp)
-    dpg = detail::check_scores(where, "d_probs", ConstTensorView(d_probs), g.scores.heads, q_positions, k_positions);
-  const std::int64_t dim = params.head_dim();
-  for (std::int64_t b = 0; b < g.scores.batch; ++b) {
-    for (std::int64_t h = 0; h < g.scores.heads; ++h) {
-      for (std::int64_t i = 0; i < g.scores.q_len; ++i) {
-        for (std::int64_t j = 0; j < g.scores.k_len; ++j) {
-          const std::int64_t t = params.row_of(k_positions.at(b, j) - q_positions.at(b, i));
-          const double p = detail::load(probs.data(), probs.dtype(), g.scores.offset(b, h, i) + j * g.scores.k_stride);
-          double dp = 0;
-          for (std::int64_t d = 0; d < dim; ++d) {
-            const double go = detail::load(d_out.data(), d_out.dtype(),
-                                           g.tokens.offset(b, i) + h * g.tokens.head_stride + d * g.tokens.dim_stride);
-            d_value_table[static_cast<std::size_t>(t * dim + d)] += p * go;
-            dp += go * params.value_table()[static_cast<std::size_t>(t * dim + d)];
-          }
-          if (has_dp) {
-            const std::int64_t at = dpg.offset(b, h, i) + j * dpg.k_stride;
-            detail::store(d_probs.data(), d_probs.dtype(), at, detail::load(d_probs.data(), d_probs.dtype(), at) + dp);
-          }
-        }
-      }
-    }
-  }
-}
-
-}  // namespace ref
 }  // namespace posenc

@@ -12,43 +12,12 @@
 #include <cmath>
 #include <string>
 
-#include "bias_checks.hpp"
+#include "relative_checks.hpp"
 #include "posenc/reference.hpp"
 #include "posenc/relative.hpp"
 
 namespace posenc {
 namespace {
-
-struct XlGrids {
-  detail::HeadsGrid q, k;
-  detail::ScoreGrid scores;
-};
-
-XlGrids check_xl(const char* where, const XlParams& p, ConstTensorView q, ConstTensorView k, const char* scores_name,
-                 ConstTensorView scores, const Positions& q_positions, const Positions& k_positions) {
-  XlGrids g;
-  g.q = detail::heads_grid(where, "q", q);
-  g.k = detail::heads_grid(where, "k", k);
-  for (const auto& [name, grid] : {std::pair<const char*, const detail::HeadsGrid&>{"q", g.q}, {"k", g.k}}) {
-    if (grid.heads != p.heads() || grid.dim != p.head_dim()) {
-      throw Error(where, std::string(name) + " [heads, head_dim]",
-                  std::to_string(grid.heads) + ", " + std::to_string(grid.dim),
-                  "params' " + std::to_string(p.heads()) + ", " + std::to_string(p.head_dim()));
-    }
-  }
-  if (g.k.batch != g.q.batch) {
-    throw Error(where, "k batch", std::to_string(g.k.batch), "q's batch = " + std::to_string(g.q.batch));
-  }
-  g.scores = detail::check_scores(where, scores_name, scores, p.heads(), q_positions, k_positions);
-  if (g.scores.batch != g.q.batch || g.scores.q_len != g.q.seq || g.scores.k_len != g.k.seq) {
-    throw Error(where, std::string(scores_name) + " shape", scores.describe(),
-                "[B, H, Sq, Sk] = [" + std::to_string(g.q.batch) + ", " + std::to_string(p.heads()) + ", " +
-                    std::to_string(g.q.seq) + ", " + std::to_string(g.k.seq) + "]");
-  }
-  return g;
-}
-
-bool empty_view(ConstTensorView v) { return v.rank() == 0 && v.data() == nullptr; }
 
 // The δ = q_pos − k_pos a call meets, each with its row in the tables: a dense range when it is
 // not much wider than the pairs, else the sorted distinct values.
@@ -112,6 +81,34 @@ void project(const XlParams& p, const Deltas& deltas, std::vector<double>& sinus
   }
 }
 
+}  // namespace
+
+namespace detail {
+
+XlGrids check_xl(const char* where, const XlParams& p, ConstTensorView q, ConstTensorView k, const char* scores_name,
+                 ConstTensorView scores, const Positions& q_positions, const Positions& k_positions) {
+  XlGrids g;
+  g.q = detail::heads_grid(where, "q", q);
+  g.k = detail::heads_grid(where, "k", k);
+  for (const auto& [name, grid] : {std::pair<const char*, const detail::HeadsGrid&>{"q", g.q}, {"k", g.k}}) {
+    if (grid.heads != p.heads() || grid.dim != p.head_dim()) {
+      throw Error(where, std::string(name) + " [heads, head_dim]",
+                  std::to_string(grid.heads) + ", " + std::to_string(grid.dim),
+                  "params' " + std::to_string(p.heads()) + ", " + std::to_string(p.head_dim()));
+    }
+  }
+  if (g.k.batch != g.q.batch) {
+    throw Error(where, "k batch", std::to_string(g.k.batch), "q's batch = " + std::to_string(g.q.batch));
+  }
+  g.scores = detail::check_scores(where, scores_name, scores, p.heads(), q_positions, k_positions);
+  if (g.scores.batch != g.q.batch || g.scores.q_len != g.q.seq || g.scores.k_len != g.k.seq) {
+    throw Error(where, std::string(scores_name) + " shape", scores.describe(),
+                "[B, H, Sq, Sk] = [" + std::to_string(g.q.batch) + ", " + std::to_string(p.heads()) + ", " +
+                    std::to_string(g.q.seq) + ", " + std::to_string(g.k.seq) + "]");
+  }
+  return g;
+}
+
 double load_token(ConstTensorView v, const detail::HeadsGrid& g, std::int64_t b, std::int64_t s, std::int64_t h,
                   std::int64_t d) {
   return detail::load(v.data(), v.dtype(), g.offset(b, s) + h * g.head_stride + d * g.dim_stride);
@@ -135,7 +132,7 @@ std::vector<double> projected_head(const XlParams& p, std::int64_t h, std::int64
   }
   return out;
 }
-}  // namespace
+}  // namespace detail
 
 XlParams::XlParams(std::int64_t heads, std::int64_t head_dim, std::int64_t d_model, std::vector<double> u,
                    std::vector<double> v, std::vector<double> w_r, double scale, double base)
@@ -196,7 +193,8 @@ void xl_add_position_terms(const XlParams& params, ConstTensorView q, ConstTenso
                            const Positions& k_positions, TensorView scores) {
   detail::init_dispatch();
   const char* where = "xl_add_position_terms";
-  const XlGrids g = check_xl(where, params, q, k, "scores", ConstTensorView(scores), q_positions, k_positions);
+  const detail::XlGrids g =
+      detail::check_xl(where, params, q, k, "scores", ConstTensorView(scores), q_positions, k_positions);
   detail::check_writable(where, "scores", ConstTensorView(scores));
   if (detail::use_reference()) {
     ref::xl_add_position_terms(params, q, k, q_positions, k_positions, scores);
@@ -221,14 +219,14 @@ void xl_add_position_terms(const XlParams& params, ConstTensorView q, ConstTenso
         for (std::int64_t j = 0; j < sg.k_len; ++j) {
           double dot = 0;
           for (std::int64_t d = 0; d < dim; ++d)
-            dot += params.u()[static_cast<std::size_t>(h * dim + d)] * load_token(k, g.k, b, j, h, d);
+            dot += params.u()[static_cast<std::size_t>(h * dim + d)] * detail::load_token(k, g.k, b, j, h, d);
           content[static_cast<std::size_t>(j)] = dot;
         }
         cached = row / sg.q_len;
       }
       for (std::int64_t d = 0; d < dim; ++d) {
         w[static_cast<std::size_t>(d)] =
-            load_token(q, g.q, b, i, h, d) + params.v()[static_cast<std::size_t>(h * dim + d)];
+            detail::load_token(q, g.q, b, i, h, d) + params.v()[static_cast<std::size_t>(h * dim + d)];
       }
       const std::int64_t q_pos = q_positions.at(b, i);
       for (std::int64_t j = 0; j < sg.k_len; ++j) {
@@ -250,8 +248,8 @@ void xl_position_terms_backward(const XlParams& params, ConstTensorView q, Const
                                 TensorView dk, XlGradients& grads) {
   detail::init_dispatch();
   const char* where = "xl_position_terms_backward";
-  const XlGrids g = check_xl(where, params, q, k, "d_scores", d_scores, q_positions, k_positions);
-  const bool has_dq = !empty_view(ConstTensorView(dq)), has_dk = !empty_view(ConstTensorView(dk));
+  const detail::XlGrids g = detail::check_xl(where, params, q, k, "d_scores", d_scores, q_positions, k_positions);
+  const bool has_dq = !detail::empty_view(ConstTensorView(dq)), has_dk = !detail::empty_view(ConstTensorView(dk));
   if (has_dq) detail::check_output_tokens(where, "dq", ConstTensorView(dq), g.q);
   if (has_dk) detail::check_output_tokens(where, "dk", ConstTensorView(dk), g.k);
   detail::check_gradient_size(where, "grads.u", grads.u.size(), params.heads() * params.head_dim());
@@ -287,7 +285,7 @@ void xl_position_terms_backward(const XlParams& params, ConstTensorView q, Const
           const std::int64_t q_pos = q_positions.at(b, i);
           for (std::int64_t d = 0; d < dim; ++d) {
             w[static_cast<std::size_t>(d)] =
-                load_token(q, g.q, b, i, h, d) + params.v()[static_cast<std::size_t>(h * dim + d)];
+                detail::load_token(q, g.q, b, i, h, d) + params.v()[static_cast<std::size_t>(h * dim + d)];
           }
           std::fill(dq_row.begin(), dq_row.end(), 0.0);
           for (std::int64_t j = 0; j < sg.k_len; ++j) {
@@ -304,15 +302,15 @@ void xl_position_terms_backward(const XlParams& params, ConstTensorView q, Const
           }
           for (std::int64_t d = 0; d < dim; ++d) {
             grads.v[static_cast<std::size_t>(h * dim + d)] += dq_row[static_cast<std::size_t>(d)];
-            if (has_dq) add_token(dq, dqg, b, i, h, d, dq_row[static_cast<std::size_t>(d)]);
+            if (has_dq) detail::add_token(dq, dqg, b, i, h, d, dq_row[static_cast<std::size_t>(d)]);
           }
         }
         // u·k_j: dk_j += (Σ_i ds)·u, du += Σ_j (Σ_i ds)·k_j.
         for (std::int64_t j = 0; j < sg.k_len; ++j) {
           const double col = column[static_cast<std::size_t>(j)];
           for (std::int64_t d = 0; d < dim; ++d) {
-            grads.u[static_cast<std::size_t>(h * dim + d)] += col * load_token(k, g.k, b, j, h, d);
-            if (has_dk) add_token(dk, dkg, b, j, h, d, col * params.u()[static_cast<std::size_t>(h * dim + d)]);
+            grads.u[static_cast<std::size_t>(h * dim + d)] += col * detail::load_token(k, g.k, b, j, h, d);
+            if (has_dk) detail::add_token(dk, dkg, b, j, h, d, col * params.u()[static_cast<std::size_t>(h * dim + d)]);
           }
         }
       }
@@ -366,7 +364,7 @@ void XlEvaluator::add_row(std::int64_t head, const float* q, std::int64_t q_posi
     if (t >= 0 && t < width_) {
       pd = projected_.data() + t * hd_ + head * dim_;
     } else {  // outside the table: projected on the spot
-      const std::vector<double> exact = projected_head(params_, head, q_position - (k_first + j));
+      const std::vector<double> exact = detail::projected_head(params_, head, q_position - (k_first + j));
       spot.assign(exact.begin(), exact.end());
       pd = spot.data();
     }
@@ -379,91 +377,4 @@ void XlEvaluator::add_row(std::int64_t head, const float* q, std::int64_t q_posi
 
 // ------------------------------------------------------------------------------ reference
 
-namespace ref {
-
-void xl_add_position_terms(const XlParams& params, ConstTensorView q, ConstTensorView k, const Positions& q_positions,
-                           const Positions& k_positions, TensorView scores) {
-  const char* where = "xl_add_position_terms";
-  const XlGrids g = check_xl(where, params, q, k, "scores", ConstTensorView(scores), q_positions, k_positions);
-  detail::check_writable(where, "scores", ConstTensorView(scores));
-  const std::int64_t dim = params.head_dim();
-  for (std::int64_t b = 0; b < g.scores.batch; ++b) {
-    for (std::int64_t h = 0; h < g.scores.heads; ++h) {
-      for (std::int64_t i = 0; i < g.scores.q_len; ++i) {
-        for (std::int64_t j = 0; j < g.scores.k_len; ++j) {
-          const std::vector<double> pd = projected_head(params, h, q_positions.at(b, i) - k_positions.at(b, j));
-          double sum = 0;
-          for (std::int64_t d = 0; d < dim; ++d) {
-            const auto hd = static_cast<std::size_t>(h * dim + d);
-            sum += params.u()[hd] * load_token(k, g.k, b, j, h, d) +
-                   (load_token(q, g.q, b, i, h, d) + params.v()[hd]) * pd[static_cast<std::size_t>(d)];
-          }
-          const std::int64_t at = g.scores.offset(b, h, i) + j * g.scores.k_stride;
-          detail::store(scores.data(), scores.dtype(), at,
-                        detail::load(scores.data(), scores.dtype(), at) + params.scale() * sum);
-        }
-      }
-    }
-  }
-}
-
-void xl_position_terms_backward(const XlParams& params, ConstTensorView q, ConstTensorView k, ConstTensorView d_scores,
-                                const Positions& q_positions, const Positions& k_positions, TensorView dq,
-                                TensorView dk, XlGradients& grads) {
-  const char* where = "xl_position_terms_backward";
-  const XlGrids g = check_xl(where, params, q, k, "d_scores", d_scores, q_positions, k_positions);
-  const bool has_dq = !empty_view(ConstTensorView(dq)), has_dk = !empty_view(ConstTensorView(dk));
-  const detail::HeadsGrid dqg = has_dq ? detail::heads_grid(where, "dq", ConstTensorView(dq)) : detail::HeadsGrid{};
-  const detail::HeadsGrid dkg = has_dk ? detail::heads_grid(where, "dk", ConstTensorView(dk)) : detail::HeadsGrid{};
-  const std::int64_t dim = params.head_dim(), dm = params.d_model();
-  // Accumulated in fp64 per element of dq and dk, stored once each.
-  std::vector<double> dq_acc(static_cast<std::size_t>(g.q.batch * g.q.seq * g.q.heads * dim), 0.0);
-  std::vector<double> dk_acc(static_cast<std::size_t>(g.k.batch * g.k.seq * g.k.heads * dim), 0.0);
-  for (std::int64_t b = 0; b < g.scores.batch; ++b) {
-    for (std::int64_t h = 0; h < g.scores.heads; ++h) {
-      for (std::int64_t i = 0; i < g.scores.q_len; ++i) {
-        for (std::int64_t j = 0; j < g.scores.k_len; ++j) {
-          const std::int64_t delta = q_positions.at(b, i) - k_positions.at(b, j);
-          const std::vector<double> pd = projected_head(params, h, delta), r = params.sinusoid(delta);
-          const double ds = params.scale() * detail::load(d_scores.data(), d_scores.dtype(),
-                                                          g.scores.offset(b, h, i) + j * g.scores.k_stride);
-          for (std::int64_t d = 0; d < dim; ++d) {
-            const auto hd = static_cast<std::size_t>(h * dim + d);
-            const double w = load_token(q, g.q, b, i, h, d) + params.v()[hd];
-            grads.u[hd] += ds * load_token(k, g.k, b, j, h, d);
-            grads.v[hd] += ds * pd[static_cast<std::size_t>(d)];
-            dq_acc[static_cast<std::size_t>(((b * g.q.seq + i) * g.q.heads + h) * dim + d)] +=
-                ds * pd[static_cast<std::size_t>(d)];
-            dk_acc[static_cast<std::size_t>(((b * g.k.seq + j) * g.k.heads + h) * dim + d)] += ds * params.u()[hd];
-            for (std::int64_t m = 0; m < dm; ++m)
-              grads.w_r[hd * static_cast<std::size_t>(dm) + static_cast<std::size_t>(m)] +=
-                  ds * w * r[static_cast<std::size_t>(m)];
-          }
-        }
-      }
-    }
-  }
-  for (std::int64_t b = 0; b < g.q.batch; ++b) {
-    for (std::int64_t s = 0; s < g.q.seq; ++s) {
-      for (std::int64_t h = 0; h < g.q.heads; ++h) {
-        for (std::int64_t d = 0; d < dim; ++d) {
-          if (has_dq)
-            add_token(dq, dqg, b, s, h, d,
-                      dq_acc[static_cast<std::size_t>(((b * g.q.seq + s) * g.q.heads + h) * dim + d)]);
-        }
-      }
-    }
-    for (std::int64_t s = 0; s < g.k.seq; ++s) {
-      for (std::int64_t h = 0; h < g.k.heads; ++h) {
-        for (std::int64_t d = 0; d < dim; ++d) {
-          if (has_dk)
-            add_token(dk, dkg, b, s, h, d,
-                      dk_acc[static_cast<std::size_t>(((b * g.k.seq + s) * g.k.heads + h) * dim + d)]);
-        }
-      }
-    }
-  }
-}
-
-}  // namespace ref
 }  // namespace posenc

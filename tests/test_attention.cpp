@@ -11,6 +11,7 @@
 #include <functional>
 #include <limits>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -117,6 +118,7 @@ AttentionSpec spec_of(const Problem& p) {
 
 struct Outputs {
   std::vector<double> out, lse;
+  AttentionStats stats;  // the fused call's (zero for the references)
 };
 
 // Runs forward (fused, or a reference) and returns out and lse as doubles in [B, S, H, D] order.
@@ -128,13 +130,15 @@ Outputs run_forward(const Problem& p, const Attention& att, int mode /* 0 fused,
   TensorView lse_view = p.packed() ? TensorView::of(lse.data(), {p.heads, p.q_len})
                                    : TensorView::of(lse.data(), {p.batch, p.heads, p.q_len});
   TensorView out_view = p.view<true>(out.data(), p.q_len, p.heads, out_dtype);
+  AttentionStats stats;
   if (mode == 0) {
-    att.forward(out_view, lse_view);
+    stats = att.forward(out_view, lse_view);
   } else {
     // The reference writes any dtype; the fp64 reference writes f64 here (no rounding).
     ref::attention_forward(att, out_view, lse_view, mode == 2);
   }
   Outputs o;
+  o.stats = stats;
   o.out.resize(static_cast<std::size_t>(p.q_count()));
   // Gather back in [B, S, H, D] order through the view's strides.
   const auto st = p.strides(p.q_len, p.heads);
@@ -432,15 +436,15 @@ TEST_P(AttentionForward, GroupedBlocksKeepTheBitsOfSingleBlocks) {
     const Attention att(spec);
     set_num_threads(64);
     const Outputs single = run_forward(p, att, 0);
-    const Attention::TileCounts single_tiles = att.forward_tiles();
+    const AttentionStats single_tiles = single.stats;
     for (const int threads : {1, 2}) {
       set_num_threads(threads);
       const Outputs grouped = run_forward(p, att, 0);
       EXPECT_EQ(grouped.out, single.out) << threads << " threads";
       EXPECT_EQ(grouped.lse, single.lse) << threads << " threads";
       // The far-tile skip decides per block, grouped or not.
-      EXPECT_EQ(att.forward_tiles().met, single_tiles.met) << threads << " threads";
-      EXPECT_EQ(att.forward_tiles().skipped, single_tiles.skipped) << threads << " threads";
+      EXPECT_EQ(grouped.stats.tiles, single_tiles.tiles) << threads << " threads";
+      EXPECT_EQ(grouped.stats.skipped, single_tiles.skipped) << threads << " threads";
     }
     set_num_threads(2);
     return single_tiles.skipped;
@@ -554,10 +558,10 @@ TEST_P(AttentionForward, VanishingFarTilesAreSkippedWithoutChangingABit) {
     const AttentionSpec spec = c.spec(p);
     const auto [skipping, running] = with_and_without_skip(spec);
     const Outputs a = run_forward(p, skipping, 0), b = run_forward(p, running, 0);
-    EXPECT_EQ(running.forward_tiles().skipped, 0);
-    EXPECT_EQ(skipping.forward_tiles().met, running.forward_tiles().met);
+    EXPECT_EQ(b.stats.skipped, 0);
+    EXPECT_EQ(a.stats.tiles, b.stats.tiles);
     if (c.skips) {
-      EXPECT_GT(skipping.forward_tiles().skipped, 0);
+      EXPECT_GT(a.stats.skipped, 0);
     }
     ASSERT_EQ(a.out.size(), b.out.size());
     for (std::size_t i = 0; i < a.out.size(); ++i) {
@@ -607,7 +611,7 @@ TEST_P(AttentionForward, SkippedTilesHoldOnlyFlushedProbabilities) {
   const Problem p = aligned_far_keys();
   const auto [skipping, running] = with_and_without_skip(aligned_far_keys_spec(p));
   const Outputs a = run_forward(p, skipping, 0), b = run_forward(p, running, 0);
-  EXPECT_GT(skipping.forward_tiles().skipped, 0);
+  EXPECT_GT(a.stats.skipped, 0);
   for (std::size_t i = 0; i < a.out.size(); ++i) {
     ASSERT_EQ(std::bit_cast<std::uint64_t>(a.out[i]), std::bit_cast<std::uint64_t>(b.out[i])) << "out " << i;
   }
@@ -866,6 +870,7 @@ INSTANTIATE_TEST_SUITE_P(Targets, AttentionMatrixKernel, ::testing::ValuesIn(tes
 struct Grads {
   std::vector<double> dq, dk, dv;
   AttentionGradients params;
+  AttentionStats stats;  // the fused backward's (zero for the reference)
 };
 
 std::vector<double> gather(const Problem& p, const std::vector<double>& raw, std::int64_t seq, std::int64_t h) {
@@ -915,7 +920,7 @@ Grads run_backward(const Problem& p, const Attention& att, const std::vector<dou
   if (reference) {
     ref::attention_backward(att, out_view, lse_view, dov, dqv, dkv, dvv, with_params ? &g.params : nullptr);
   } else {
-    att.backward(out_view, lse_view, dov, dqv, dkv, dvv, with_params ? &g.params : nullptr);
+    g.stats = att.backward(out_view, lse_view, dov, dqv, dkv, dvv, with_params ? &g.params : nullptr);
   }
   for (std::int64_t i = 0; i < p.q_count(); ++i) dq[static_cast<std::size_t>(i)] = testing::element(dqb.data(), dt, i);
   for (std::int64_t i = 0; i < p.k_count(); ++i) {
@@ -1070,6 +1075,49 @@ TEST_P(AttentionBackward, PackedAndSixteenBit) {
   // each product, carried into every dS = P·(dP − δ)): 2^-7 of the largest gradient covers both.
   for (const auto& [got, want] : {std::pair{&fb.dq, &eb.dq}, std::pair{&fb.dk, &eb.dk}, std::pair{&fb.dv, &eb.dv}}) {
     EXPECT_LE(max_abs_diff(*got, *want), std::ldexp(1.0, -7) * max_abs(*want));
+  }
+}
+
+// An Attention holds no state that a call changes: several threads may run one object's forward
+// and backward at once (a model's layer shared by server threads), each getting the bits and the
+// statistics of a call made alone. Decode (one query) and prefill, with the far-tile skip.
+TEST_P(AttentionBackward, OneObjectServesSeveralThreadsAtOnce) {
+  for (const std::int64_t q_len : {std::int64_t{1}, std::int64_t{190}}) {
+    SCOPED_TRACE("Sq " + std::to_string(q_len));
+    const Problem p = make_problem(2, q_len, 260, 4, 2, 64);
+    AttentionSpec spec = spec_of(p);
+    spec.mask.causal = true;
+    // Steep slopes on both groups, so that prefill skips far tiles.
+    spec.groups = {{2, RotaryQK{RopeParams(64, 64)}, AlibiParams(std::vector<double>{4.0, 2.0})},
+                   {2, {}, AlibiParams(std::vector<double>{2.0, 1.0})}};
+    const Attention att(spec);
+    const std::vector<double> d_out = random_values(static_cast<std::size_t>(p.q_count()));
+    const Outputs alone = run_forward(p, att, 0);
+    const Grads alone_grads = run_backward(p, att, d_out, false);
+    constexpr int kThreads = 4, kRounds = 3;
+    std::vector<Outputs> outs(kThreads * kRounds);
+    std::vector<Grads> grads(kThreads * kRounds);
+    std::vector<std::thread> threads;
+    for (int t = 0; t < kThreads; ++t) {
+      threads.emplace_back([&, t] {
+        for (int r = 0; r < kRounds; ++r) {
+          outs[static_cast<std::size_t>(t * kRounds + r)] = run_forward(p, att, 0);
+          grads[static_cast<std::size_t>(t * kRounds + r)] = run_backward(p, att, d_out, false);
+        }
+      });
+    }
+    for (std::thread& th : threads) th.join();
+    for (std::size_t c = 0; c < outs.size(); ++c) {
+      EXPECT_EQ(outs[c].out, alone.out) << "call " << c;
+      EXPECT_EQ(outs[c].lse, alone.lse) << "call " << c;
+      EXPECT_EQ(outs[c].stats.tiles, alone.stats.tiles) << "call " << c;
+      EXPECT_EQ(outs[c].stats.skipped, alone.stats.skipped) << "call " << c;
+      EXPECT_EQ(grads[c].dq, alone_grads.dq) << "call " << c;
+      EXPECT_EQ(grads[c].dk, alone_grads.dk) << "call " << c;
+      EXPECT_EQ(grads[c].dv, alone_grads.dv) << "call " << c;
+      EXPECT_EQ(grads[c].params.groups[1].alibi_slopes, alone_grads.params.groups[1].alibi_slopes) << "call " << c;
+      EXPECT_EQ(grads[c].stats.skipped, alone_grads.stats.skipped) << "call " << c;
+    }
   }
 }
 
@@ -1322,9 +1370,9 @@ TEST(Attention, BackwardSkipsVanishingTilesWithoutChangingABit) {
       EXPECT_EQ(a.dk, b.dk);
       EXPECT_EQ(a.dv, b.dv);
       EXPECT_EQ(a.params.groups[0].alibi_slopes, b.params.groups[0].alibi_slopes);
-      EXPECT_GT(skipping.backward_steps().skipped, 0);
-      EXPECT_EQ(running.backward_steps().skipped, 0);
-      EXPECT_EQ(skipping.backward_steps().met, running.backward_steps().met);
+      EXPECT_GT(a.stats.skipped, 0);
+      EXPECT_EQ(b.stats.skipped, 0);
+      EXPECT_EQ(a.stats.tiles, b.stats.tiles);
     }
     set_num_threads(2);
   }
@@ -1334,7 +1382,7 @@ TEST(Attention, BackwardSkipsVanishingTilesWithoutChangingABit) {
   const auto [skipping, running] = with_and_without_skip(aligned_far_keys_spec(p));
   const std::vector<double> d_out = random_values(static_cast<std::size_t>(p.q_count()));
   const Grads a = run_backward(p, skipping, d_out, false), b = run_backward(p, running, d_out, false);
-  EXPECT_GT(skipping.backward_steps().skipped, 0);
+  EXPECT_GT(a.stats.skipped, 0);
   EXPECT_EQ(a.dq, b.dq);
   EXPECT_EQ(a.dk, b.dk);
   EXPECT_EQ(a.dv, b.dv);

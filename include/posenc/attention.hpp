@@ -37,8 +37,9 @@
 // Packed sequences (cu_seqlens) attend only within themselves (block-diagonal).
 //
 // ─── Positions ─────────────────────────────────────────────────────────────────────────────────
-// Default: key j at position j, query i at (Lk − Lq) + i (a query block at the end of its keys, as
-// in decode with a KV cache); packed sequences restart at 0. Explicit Positions override them
+// Default: key j at position j, query i at max(0, Lk − Lq) + i, Lk after key_lengths (a query block
+// at the end of its sequence's keys, as in decode from a ragged batch of KV caches); packed
+// sequences restart at 0. Explicit Positions override them
 // (q_positions over the query grid, k_positions over the key grid; packed: over Tq / Tk tokens).
 //
 // ─── Backward ──────────────────────────────────────────────────────────────────────────────────
@@ -129,7 +130,7 @@ struct AttentionSpec {
   std::optional<Positions> q_positions, k_positions;
   std::vector<std::int64_t> cu_seqlens_q, cu_seqlens_k;  // packed sequences (both or neither)
   // Forward and backward may skip key tiles whose probabilities all vanish (see
-  // Attention::forward_tiles()). false runs every tile, in the same order, with the same bits for
+  // AttentionStats). false runs every tile, in the same order, with the same bits for
   // finite inputs (a tile with a non-finite key always runs); only a non-finite value in a
   // vanishing tile's values tells the two apart (it then spreads NaN through 0·∞, as in the
   // unfused composition).
@@ -149,6 +150,20 @@ struct GroupGradients {
 };
 struct AttentionGradients {
   std::vector<GroupGradients> groups;
+};
+
+// What one forward or backward call did, returned by the call (an Attention holds no state that
+// a call changes, so one object serves several threads at once).
+struct AttentionStats {
+  std::int64_t workspace_bytes = 0;  // scratch the call used, all threads, for memory reports
+  // Key tiles of query blocks the forward met (backward: its (key tile, row block) steps), and
+  // how many it skipped because no probability in them could reach FLT_MIN: with ALiBi-like
+  // biases (a table below −100, no soft-cap, Shaw, XL or TUPE) the tiles run from the diagonal
+  // down, and a tile is dropped when scale·|q|·max|k| + its largest bias stays 89 below every
+  // row's running max (backward: against each row's lse). Those tiles' probabilities would all
+  // be flushed to 0, so for finite inputs the result is the same to the bit. Decode does not
+  // skip; decode rows and the fp64 / "ref" path count nothing.
+  std::int64_t tiles = 0, skipped = 0;
 };
 
 class Attention {
@@ -171,31 +186,14 @@ class Attention {
   AttentionGradients zero_gradients() const;
 
   // out: like q; lse: [B, H, Sq] f32 (or [H, Tq]), or an empty view to skip it.
-  void forward(TensorView out, TensorView lse = {}) const;
+  AttentionStats forward(TensorView out, TensorView lse = {}) const;
   // out and lse from forward; dq, dk, dv (+=) like q, k, v (empty views skip them); grads may be
   // null (then positional gradients are not computed).
-  void backward(ConstTensorView out, ConstTensorView lse, ConstTensorView d_out, TensorView dq, TensorView dk,
-                TensorView dv, AttentionGradients* grads = nullptr) const;
-
-  // Bytes of scratch the last forward / backward used (all threads), for memory reports.
-  std::int64_t workspace_bytes() const;
-  // Key tiles (of query blocks) the last forward met, and how many of them it skipped because
-  // no probability in them could reach FLT_MIN: with ALiBi-like biases (a table below −100, no
-  // soft-cap, Shaw, XL or TUPE) the tiles run from the diagonal down, and a tile is dropped when
-  // scale·|q|·max|k| + its largest bias stays 89 below every row's running max. Those tiles'
-  // probabilities would all be flushed to 0, so for finite inputs the result is the same to the
-  // bit. backward_steps(): the same for the last backward's (key tile, row block) steps, against
-  // each row's lse. Decode does not skip; decode rows and the fp64 / "ref" path count nothing.
-  struct TileCounts {
-    std::int64_t met = 0, skipped = 0;
-  };
-  TileCounts forward_tiles() const;
-  TileCounts backward_steps() const;
-
-  struct Plan;
-  const Plan& plan() const { return *plan_; }  // the validated form (internal; for the reference)
+  AttentionStats backward(ConstTensorView out, ConstTensorView lse, ConstTensorView d_out, TensorView dq, TensorView dk,
+                          TensorView dv, AttentionGradients* grads = nullptr) const;
 
  private:
+  struct Plan;  // the validated, tabulated form the engine runs (src/attention/)
   std::unique_ptr<Plan> plan_;
 };
 

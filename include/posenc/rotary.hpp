@@ -135,6 +135,13 @@ class RopeParams {
   bool xpos() const { return xpos_; }
   double xpos_scale_base() const { return xpos_scale_base_; }
   double xpos_center() const { return xpos_center_; }
+  // xPos's decay base of rotary pair i, ζ_i = (2i + 0.4·r)/(1.4·r) with r = rotary_dim, and the
+  // exponent of a position, e = (p − center)/scale_base: q is scaled by ζ_i^e, k by ζ_i^(−e).
+  double xpos_zeta(std::int64_t pair) const {
+    const auto r = static_cast<double>(rotary_dim());
+    return (2.0 * static_cast<double>(pair) + 0.4 * r) / (1.4 * r);
+  }
+  double xpos_exponent(double position) const { return (position - xpos_center_) / xpos_scale_base_; }
 
  private:
   std::int64_t head_dim_;

@@ -327,7 +327,7 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), 
   } else {
     default_q_ids.resize(static_cast<std::size_t>((packed ? 1 : batch) * q_len));
     for (const Sequence& seq : sequences) {
-      const std::int64_t offset = std::max<std::int64_t>(0, (packed ? seq.lk : k_len) - seq.lq);
+      const std::int64_t offset = std::max<std::int64_t>(0, seq.lk - seq.lq);
       for (std::int64_t i = 0; i < seq.lq; ++i) {
         default_q_ids[static_cast<std::size_t>(seq.b * q_len + seq.q0 + i)] = offset + i;
       }
@@ -502,10 +502,8 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), 
       }
       t.q_cos_sin.resize(static_cast<std::size_t>(rows * 2 * half));
       if (rp.xpos()) t.k_cos_sin.resize(t.q_cos_sin.size());
-      const double r = static_cast<double>(rp.rotary_dim());
       for (std::int64_t row = 0; row < rows; ++row) {
-        const double e =
-            (static_cast<double>(table_ids[static_cast<std::size_t>(row)]) - rp.xpos_center()) / rp.xpos_scale_base();
+        const double e = rp.xpos_exponent(static_cast<double>(table_ids[static_cast<std::size_t>(row)]));
         for (std::int64_t i = 0; i < half; ++i) {
           const auto at = static_cast<std::size_t>(row * half + i);
           const auto out = static_cast<std::size_t>(row * 2 * half + i);
@@ -515,7 +513,7 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), 
             continue;
           }
           // xPos (rotary.hpp): ζ_i^(+e) on queries, ζ_i^(−e) on keys.
-          const double zeta = (2.0 * static_cast<double>(i) + 0.4 * r) / (1.4 * r);
+          const double zeta = rp.xpos_zeta(i);
           const double up = std::pow(zeta, e), down = std::pow(zeta, -e);
           t.q_cos_sin[out] = static_cast<float>(c64[at] * up);
           t.q_cos_sin[out + static_cast<std::size_t>(half)] = static_cast<float>(s64[at] * up);

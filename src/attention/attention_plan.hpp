@@ -174,7 +174,7 @@ AttentionUnitScratch& unit_scratch();
 // zeroed. XL's and TUPE's reach tens of MiB at S = 2048 (a slot of Δ × Dp doubles per unit), and
 // fresh memory costs ~2.7 µs per 4 KiB page on first touch: allocated per call, they held ~4%
 // of an XL backward's samples in page faults and clearing. They stay allocated after the call,
-// like the units' scratch; Attention::workspace_bytes() counts the units' slots.
+// like the units' scratch; AttentionStats::workspace_bytes counts the units' slots.
 enum class CallBuffer {
   kUnitBias,
   kUnitShaw,
@@ -251,7 +251,6 @@ struct AttentionPlan {
   // at 4096 causal keys a Kerple head sharing a call with ALiBi lost 3.6× the naive f32 error
   // (tests AccurateAtFourThousandTokens).
   std::vector<char> far_first_kv;
-  mutable std::int64_t last_skipped_tiles = 0, last_tiles = 0, last_skipped_steps = 0, last_steps = 0;
   std::vector<Sequence> sequences;
 
   // Positions: explicit (spec) or the defaults, owned here.
@@ -379,12 +378,11 @@ struct AttentionPlan {
   void build_xl_tables(const std::vector<HeadGroup>& groups);
   std::vector<float> xl_sinusoids(const XlParams& params, std::int64_t padded_d_model) const;  // r(δ) [xl_width][dmp]
 
-  mutable std::int64_t last_workspace_bytes = 0;
   std::int64_t table_bytes() const;
 
-  void forward(TensorView out, TensorView lse) const;
-  void backward(ConstTensorView out, ConstTensorView lse, ConstTensorView d_out, TensorView dq, TensorView dk,
-                TensorView dv, AttentionGradients* grads) const;
+  AttentionStats forward(TensorView out, TensorView lse) const;
+  AttentionStats backward(ConstTensorView out, ConstTensorView lse, ConstTensorView d_out, TensorView dq, TensorView dk,
+                          TensorView dv, AttentionGradients* grads) const;
   AttentionGradients zero_gradients() const;
 
   // Engine pieces (attention.cpp).

@@ -4,20 +4,141 @@
 // a straightforward f32 implementation computes it, the yardstick of the accuracy criterion).
 // Backward in fp64: dP, dS, the parameter gradients through the schemes' reference backwards on
 // the materialised dS, and dq, dk transposed back through the transform.
+//
+// Independent of the engine: sequences, positions, head groups and masks are derived here from
+// the public AttentionSpec by attention.hpp's rules, so a mistake in the engine's plan cannot
+// hide in its own oracle.
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <variant>
 
-#include "attention/attention_plan.hpp"
 #include "internal.hpp"
 #include "posenc/reference.hpp"
 
 namespace posenc::ref {
 namespace {
 
-using detail::AttentionPlan;
-using detail::Sequence;
+constexpr const char* kWhere = "posenc::Attention";
+
+// A sequence: batch row b (0 when packed), queries q0 … q0 + lq − 1 and keys k0 … k0 + lk − 1 of
+// the views' token axis, lk after key_lengths.
+struct Sequence {
+  std::int64_t b = 0, q0 = 0, lq = 0, k0 = 0, lk = 0;
+};
+
+// What a call means, read from the spec alone (attention.hpp: Layout, Masks, Positions).
+struct Problem {
+  const AttentionSpec* spec = nullptr;
+  bool packed = false;
+  std::int64_t batch = 0, q_len = 0, k_len = 0, heads = 0, kv_heads = 0, group_size = 0, dim = 0;
+  detail::HeadsGrid qg, kg, vg;
+  AttentionMask mask;
+  double scale_f64 = 0;
+  std::vector<Sequence> sequences;
+  std::vector<HeadGroup> groups;  // the spec's, or one group without a scheme
+  std::vector<std::int64_t> head_group, group_first_head;
+  std::int64_t position_max = 0;  // over the sequences' queries and keys (RoPE's default seq_len − 1)
+
+  // Default positions: key j at j, query i at max(0, Lk − Lq) + i of its sequence (the queries end
+  // where the keys do; offsets below 0 would give negative positions and are taken as 0).
+  std::int64_t q_position(const Sequence& seq, std::int64_t i) const {
+    if (spec->q_positions) return spec->q_positions->at(seq.b, seq.q0 + i);
+    return std::max<std::int64_t>(0, seq.lk - seq.lq) + i;
+  }
+  std::int64_t k_position(const Sequence& seq, std::int64_t j) const {
+    if (spec->k_positions) return spec->k_positions->at(seq.b, seq.k0 + j);
+    return j;
+  }
+};
+
+Problem problem_of(const Attention& attention) {
+  Problem p;
+  const AttentionSpec& spec = attention.spec();
+  p.spec = &spec;
+  p.packed = !spec.cu_seqlens_q.empty();
+  p.qg = detail::heads_grid(kWhere, "q", spec.q);
+  p.kg = detail::heads_grid(kWhere, "k", spec.k);
+  p.vg = detail::heads_grid(kWhere, "v", spec.v);
+  p.batch = p.qg.batch;
+  p.q_len = p.qg.seq;
+  p.k_len = p.kg.seq;
+  p.heads = p.qg.heads;
+  p.kv_heads = p.kg.heads;
+  p.group_size = p.heads / p.kv_heads;
+  p.dim = p.qg.dim;
+  p.mask = spec.mask;
+  p.scale_f64 = spec.scale > 0 ? spec.scale : 1.0 / std::sqrt(static_cast<double>(p.dim));
+  if (p.packed) {
+    for (std::size_t s = 0; s + 1 < spec.cu_seqlens_q.size(); ++s) {
+      p.sequences.push_back({0, spec.cu_seqlens_q[s], spec.cu_seqlens_q[s + 1] - spec.cu_seqlens_q[s],
+                             spec.cu_seqlens_k[s], spec.cu_seqlens_k[s + 1] - spec.cu_seqlens_k[s]});
+    }
+  } else {
+    for (std::int64_t b = 0; b < p.batch; ++b) {
+      const std::int64_t lk =
+          spec.mask.key_lengths.empty() ? p.k_len : spec.mask.key_lengths[static_cast<std::size_t>(b)];
+      p.sequences.push_back({b, 0, p.q_len, 0, lk});
+    }
+  }
+  p.groups = spec.groups.empty() ? std::vector<HeadGroup>{HeadGroup{p.heads, {}, {}}} : spec.groups;
+  for (std::size_t g = 0; g < p.groups.size(); ++g) {
+    p.group_first_head.push_back(static_cast<std::int64_t>(p.head_group.size()));
+    p.head_group.insert(p.head_group.end(), static_cast<std::size_t>(p.groups[g].heads), static_cast<std::int64_t>(g));
+  }
+  for (const Sequence& seq : p.sequences) {
+    for (std::int64_t i = 0; i < seq.lq; ++i) p.position_max = std::max(p.position_max, p.q_position(seq, i));
+    for (std::int64_t j = 0; j < seq.lk; ++j) p.position_max = std::max(p.position_max, p.k_position(seq, j));
+  }
+  return p;
+}
+
+// lse: [B, H, Sq] (or [H, Tq]) f32.
+void check_lse(const Problem& p, ConstTensorView lse, bool writable) {
+  detail::check_dtype(kWhere, "lse", lse.dtype(), DType::kF32);
+  const bool ok = p.packed
+                      ? lse.rank() == 2 && lse.size(0) == p.heads && lse.size(1) == p.q_len
+                      : lse.rank() == 3 && lse.size(0) == p.batch && lse.size(1) == p.heads && lse.size(2) == p.q_len;
+  if (!ok) {
+    throw Error(kWhere, "lse", lse.describe(),
+                p.packed ? "[H, Tq] = [" + std::to_string(p.heads) + ", " + std::to_string(p.q_len) + "]"
+                         : "[B, H, Sq] = [" + std::to_string(p.batch) + ", " + std::to_string(p.heads) + ", " +
+                               std::to_string(p.q_len) + "]");
+  }
+  if (writable) detail::check_writable(kWhere, "lse", lse);
+}
+
+std::int64_t lse_offset(const Problem& p, ConstTensorView lse, const Sequence& seq, std::int64_t h, std::int64_t i) {
+  return p.packed ? h * lse.stride(0) + (seq.q0 + i) * lse.stride(1)
+                  : seq.b * lse.stride(0) + h * lse.stride(1) + (seq.q0 + i) * lse.stride(2);
+}
+
+// Every gradient vector sized as zero_gradients() sizes it.
+void check_gradients(const Attention& attention, const AttentionGradients& grads) {
+  const AttentionGradients like = attention.zero_gradients();
+  const auto same = [](const std::vector<double>& a, const std::vector<double>& b) { return a.size() == b.size(); };
+  bool ok = grads.groups.size() == like.groups.size();
+  for (std::size_t g = 0; ok && g < like.groups.size(); ++g) {
+    const GroupGradients &a = grads.groups[g], &b = like.groups[g];
+    ok = same(a.alibi_slopes, b.alibi_slopes) && same(a.t5_table, b.t5_table) && same(a.kerple_r1, b.kerple_r1) &&
+         same(a.kerple_r2, b.kerple_r2) && same(a.shaw_key_table, b.shaw_key_table) &&
+         same(a.shaw_value_table, b.shaw_value_table) && a.fire.has_value() == b.fire.has_value() &&
+         a.tupe.has_value() == b.tupe.has_value() && a.xl.has_value() == b.xl.has_value();
+    if (ok && b.fire) {
+      ok = same(a.fire->w1, b.fire->w1) && same(a.fire->b1, b.fire->b1) && same(a.fire->w2, b.fire->w2) &&
+           same(a.fire->b2, b.fire->b2);
+    }
+    if (ok && b.tupe) {
+      ok = same(a.tupe->table, b.tupe->table) && same(a.tupe->u_q, b.tupe->u_q) && same(a.tupe->u_k, b.tupe->u_k) &&
+           same(a.tupe->theta1, b.tupe->theta1) && same(a.tupe->theta2, b.tupe->theta2);
+    }
+    if (ok && b.xl) ok = same(a.xl->u, b.xl->u) && same(a.xl->v, b.xl->v) && same(a.xl->w_r, b.xl->w_r);
+  }
+  if (!ok) {
+    throw Error(kWhere, "grads", std::to_string(grads.groups.size()) + " groups of other sizes",
+                "the sizes of Attention::zero_gradients()");
+  }
+}
 
 struct Rows {
   std::int64_t n = 0, d = 0;
@@ -26,8 +147,8 @@ struct Rows {
   const double* row(std::int64_t i) const { return v.data() + i * d; }
 };
 
-Rows load_rows(const AttentionPlan& p, ConstTensorView view, const detail::HeadsGrid& g, std::int64_t b,
-               std::int64_t s0, std::int64_t n, std::int64_t h) {
+Rows load_rows(const Problem& p, ConstTensorView view, const detail::HeadsGrid& g, std::int64_t b, std::int64_t s0,
+               std::int64_t n, std::int64_t h) {
   Rows r{n, p.dim, std::vector<double>(static_cast<std::size_t>(n * p.dim))};
   for (std::int64_t i = 0; i < n; ++i) {
     const std::int64_t off = g.offset(b, s0 + i) + h * g.head_stride;
@@ -37,7 +158,7 @@ Rows load_rows(const AttentionPlan& p, ConstTensorView view, const detail::Heads
   return r;
 }
 
-void store_rows(const AttentionPlan& p, const Rows& r, TensorView view, const detail::HeadsGrid& g, std::int64_t b,
+void store_rows(const Problem& p, const Rows& r, TensorView view, const detail::HeadsGrid& g, std::int64_t b,
                 std::int64_t s0, std::int64_t h, bool accumulate) {
   for (std::int64_t i = 0; i < r.n; ++i) {
     const std::int64_t off = g.offset(b, s0 + i) + h * g.head_stride;
@@ -50,10 +171,10 @@ void store_rows(const AttentionPlan& p, const Rows& r, TensorView view, const de
 }
 
 // The transform of a group applied to rows at `positions` (forward, or its transpose), fp64.
-void transform(const AttentionPlan& p, std::int64_t group, bool is_q, const std::vector<std::int64_t>& positions,
-               Rows& r, bool transpose) {
+void transform(const Problem& p, std::int64_t group, bool is_q, const std::vector<std::int64_t>& positions, Rows& r,
+               bool transpose) {
   if (r.n == 0) return;
-  const HeadGroup& grp = p.spec.groups.empty() ? HeadGroup{} : p.spec.groups[static_cast<std::size_t>(group)];
+  const HeadGroup& grp = p.groups[static_cast<std::size_t>(group)];
   const Positions pos = Positions::ids(positions);
   if (const auto* rope = std::get_if<RotaryQK>(&grp.transform)) {
     if (!is_q && rope->keys_rotated) return;
@@ -80,15 +201,13 @@ void transform(const AttentionPlan& p, std::int64_t group, bool is_q, const std:
 double shaw_entry(const std::vector<double>& table, std::int64_t dim, std::int64_t u, std::int64_t e) {
   return table.empty() ? 0.0 : table[static_cast<std::size_t>(u * dim + e)];
 }
-const ShawParams* shaw_of(const AttentionPlan& p, std::int64_t group) {
-  if (p.spec.groups.empty()) return nullptr;
-  const auto& shaw = p.spec.groups[static_cast<std::size_t>(group)].shaw;
+const ShawParams* shaw_of(const Problem& p, std::int64_t group) {
+  const auto& shaw = p.groups[static_cast<std::size_t>(group)].shaw;
   return shaw ? &*shaw : nullptr;
 }
 
-const XlParams* xl_of(const AttentionPlan& p, std::int64_t group) {
-  if (p.spec.groups.empty()) return nullptr;
-  const auto& xl = p.spec.groups[static_cast<std::size_t>(group)].xl;
+const XlParams* xl_of(const Problem& p, std::int64_t group) {
+  const auto& xl = p.groups[static_cast<std::size_t>(group)].xl;
   return xl ? &*xl : nullptr;
 }
 
@@ -124,13 +243,12 @@ XlProjection<T> xl_projection(const XlParams& xl, std::int64_t local, const std:
   return out;
 }
 
-const std::optional<BiasScheme>& bias_of(const AttentionPlan& p, std::int64_t group) {
-  static const std::optional<BiasScheme> none;
-  return p.spec.groups.empty() ? none : p.spec.groups[static_cast<std::size_t>(group)].bias;
+const std::optional<BiasScheme>& bias_of(const Problem& p, std::int64_t group) {
+  return p.groups[static_cast<std::size_t>(group)].bias;
 }
 
 // Visible keys [lo, hi) of query i (attention.hpp's mask rule).
-std::pair<std::int64_t, std::int64_t> visible(const AttentionPlan& p, const Sequence& seq, std::int64_t i) {
+std::pair<std::int64_t, std::int64_t> visible(const Problem& p, const Sequence& seq, std::int64_t i) {
   const std::int64_t offset = seq.lk - seq.lq;
   std::int64_t lo = 0, hi = seq.lk;
   if (p.mask.window_left >= 0) lo = std::max<std::int64_t>(0, i + offset - p.mask.window_left);
@@ -144,14 +262,14 @@ struct HeadProblem {
   Rows q, k, v;
 };
 
-HeadProblem load_head(const AttentionPlan& p, const Sequence& seq, std::int64_t h) {
+HeadProblem load_head(const Problem& p, const Sequence& seq, std::int64_t h) {
   HeadProblem hp;
   const std::int64_t kvh = h / p.group_size, group = p.head_group[static_cast<std::size_t>(h)];
   for (std::int64_t i = 0; i < seq.lq; ++i) hp.qpos.push_back(p.q_position(seq, i));
   for (std::int64_t j = 0; j < seq.lk; ++j) hp.kpos.push_back(p.k_position(seq, j));
-  hp.q = load_rows(p, p.spec.q, p.qg, seq.b, seq.q0, seq.lq, h);
-  hp.k = load_rows(p, p.spec.k, p.kg, seq.b, seq.k0, seq.lk, kvh);
-  hp.v = load_rows(p, p.spec.v, p.vg, seq.b, seq.k0, seq.lk, kvh);
+  hp.q = load_rows(p, p.spec->q, p.qg, seq.b, seq.q0, seq.lq, h);
+  hp.k = load_rows(p, p.spec->k, p.kg, seq.b, seq.k0, seq.lk, kvh);
+  hp.v = load_rows(p, p.spec->v, p.vg, seq.b, seq.k0, seq.lk, kvh);
   transform(p, group, true, hp.qpos, hp.q, false);
   transform(p, group, false, hp.kpos, hp.k, false);
   return hp;
@@ -159,7 +277,7 @@ HeadProblem load_head(const AttentionPlan& p, const Sequence& seq, std::int64_t 
 
 // Logits z (before the mask) and probabilities of one head, in T.
 template <class T>
-void scores(const AttentionPlan& p, const Sequence& seq, std::int64_t h, const HeadProblem& hp, std::vector<T>& z,
+void scores(const Problem& p, const Sequence& seq, std::int64_t h, const HeadProblem& hp, std::vector<T>& z,
             std::vector<T>& prob, std::vector<T>& lse) {
   const std::int64_t group = p.head_group[static_cast<std::size_t>(h)];
   const std::int64_t local = h - p.group_first_head[static_cast<std::size_t>(group)];
@@ -212,10 +330,10 @@ void scores(const AttentionPlan& p, const Sequence& seq, std::int64_t h, const H
 }
 
 template <class T>
-void forward_impl(const AttentionPlan& p, TensorView out, TensorView lse) {
-  const detail::HeadsGrid og = detail::check_output_tokens(AttentionPlan::kWhere, "out", ConstTensorView(out), p.qg);
+void forward_impl(const Problem& p, TensorView out, TensorView lse) {
+  const detail::HeadsGrid og = detail::check_output_tokens(kWhere, "out", ConstTensorView(out), p.qg);
   const bool want_lse = lse.rank() > 0;
-  if (want_lse) p.check_lse(lse, true);
+  if (want_lse) check_lse(p, lse, true);
   for (const Sequence& seq : p.sequences) {
     for (std::int64_t h = 0; h < p.heads; ++h) {
       const HeadProblem hp = load_head(p, seq, h);
@@ -237,7 +355,9 @@ void forward_impl(const AttentionPlan& p, TensorView out, TensorView lse) {
           }
           o.row(i)[t] = static_cast<double>(acc);
         }
-        if (want_lse) p.write_lse(lse, seq, h, i, static_cast<float>(l[static_cast<std::size_t>(i)]));
+        if (want_lse)
+          static_cast<float*>(lse.data())[lse_offset(p, lse, seq, h, i)] =
+              static_cast<float>(l[static_cast<std::size_t>(i)]);
       }
       store_rows(p, o, out, og, seq.b, seq.q0, h, false);
     }
@@ -247,7 +367,7 @@ void forward_impl(const AttentionPlan& p, TensorView out, TensorView lse) {
 }  // namespace
 
 void attention_forward(const Attention& attention, TensorView out, TensorView lse, bool naive_f32) {
-  const AttentionPlan& p = attention.plan();
+  const Problem p = problem_of(attention);
   // Writes any dtype (f64 outputs keep the reference unrounded).
   if (naive_f32) {
     forward_impl<float>(p, out, lse);
@@ -258,24 +378,24 @@ void attention_forward(const Attention& attention, TensorView out, TensorView ls
 
 void attention_backward(const Attention& attention, ConstTensorView out, ConstTensorView lse, ConstTensorView d_out,
                         TensorView dq, TensorView dk, TensorView dv, AttentionGradients* grads) {
-  const AttentionPlan& p = attention.plan();
-  const char* where = AttentionPlan::kWhere;
+  const Problem p = problem_of(attention);
+  const char* where = kWhere;
   detail::check_output_tokens(where, "out", out, p.qg);
   const detail::HeadsGrid dog = detail::check_output_tokens(where, "d_out", d_out, p.qg);
-  p.check_lse(lse, false);
+  check_lse(p, lse, false);
   const bool want_dq = dq.rank() > 0, want_dk = dk.rank() > 0, want_dv = dv.rank() > 0;
   detail::HeadsGrid dqg, dkg, dvg;
   if (want_dq) dqg = detail::check_output_tokens(where, "dq", ConstTensorView(dq), p.qg);
   if (want_dk) dkg = detail::check_output_tokens(where, "dk", ConstTensorView(dk), p.kg);
   if (want_dv) dvg = detail::check_output_tokens(where, "dv", ConstTensorView(dv), p.vg);
-  if (grads != nullptr) p.check_gradients(*grads);
+  if (grads != nullptr) check_gradients(attention, *grads);
   const double scale = p.scale_f64, cap = p.mask.softcap;
   for (const Sequence& seq : p.sequences) {
     const std::int64_t lq = seq.lq, lk = seq.lk;
     // dS per group, materialised for the schemes' reference backwards: [heads, lq, lk].
-    std::vector<std::vector<double>> ds_groups(p.spec.groups.size());
-    for (std::size_t g = 0; g < p.spec.groups.size(); ++g) {
-      ds_groups[g].assign(static_cast<std::size_t>(p.spec.groups[g].heads * lq * lk), 0.0);
+    std::vector<std::vector<double>> ds_groups(p.groups.size());
+    for (std::size_t g = 0; g < p.groups.size(); ++g) {
+      ds_groups[g].assign(static_cast<std::size_t>(p.groups[g].heads * lq * lk), 0.0);
     }
     for (std::int64_t kvh = 0; kvh < p.kv_heads; ++kvh) {
       Rows dk_t{lk, p.dim, std::vector<double>(static_cast<std::size_t>(lk * p.dim))};
@@ -332,9 +452,7 @@ void attention_backward(const Attention& attention, ConstTensorView out, ConstTe
               const double u = z[static_cast<std::size_t>(i * lk + j)] / cap;
               dx *= 1 - u * u;
             }
-            if (!p.spec.groups.empty()) {
-              ds_groups[static_cast<std::size_t>(group)][static_cast<std::size_t>((local * lq + i) * lk + j)] = dx;
-            }
+            ds_groups[static_cast<std::size_t>(group)][static_cast<std::size_t>((local * lq + i) * lk + j)] = dx;
             for (std::int64_t t = 0; t < p.dim; ++t) {
               dq_t.row(i)[t] += scale * dx * hp.k.row(j)[t];
               dk_t.row(j)[t] += scale * dx * hp.q.row(i)[t];
@@ -397,10 +515,10 @@ void attention_backward(const Attention& attention, ConstTensorView out, ConstTe
     for (std::int64_t i = 0; i < lq; ++i) qpos.push_back(p.q_position(seq, i));
     for (std::int64_t j = 0; j < lk; ++j) kpos.push_back(p.k_position(seq, j));
     const Positions qp = Positions::ids(qpos), kp = Positions::ids(kpos);
-    for (std::size_t g = 0; g < p.spec.groups.size(); ++g) {
-      const auto& bias = p.spec.groups[g].bias;
+    for (std::size_t g = 0; g < p.groups.size(); ++g) {
+      const auto& bias = p.groups[g].bias;
       if (!bias || lq * lk == 0) continue;
-      const ConstTensorView ds = TensorView::of(ds_groups[g].data(), {p.spec.groups[g].heads, lq, lk});
+      const ConstTensorView ds = TensorView::of(ds_groups[g].data(), {p.groups[g].heads, lq, lk});
       GroupGradients& gg = grads->groups[g];
       if (const auto* alibi = std::get_if<AlibiParams>(&*bias))
         ref::alibi_backward(*alibi, qp, kp, ds, gg.alibi_slopes);

@@ -54,7 +54,6 @@ void rope_apply(const RopeParams& params, const Positions& positions, ConstTenso
   const bool inverse = direction == RopeDirection::kInverse;
   const double alpha = inverse ? 1.0 / params.attention_factor() : params.attention_factor();
   const double sign = direction == RopeDirection::kForward ? 1.0 : -1.0;
-  const double r = static_cast<double>(params.rotary_dim());
   std::vector<double> cos_a(w.size()), sin_a(w.size());
   for (std::int64_t b = 0; b < g.q.batch; ++b) {
     for (std::int64_t s = 0; s < g.q.seq; ++s) {
@@ -64,9 +63,8 @@ void rope_apply(const RopeParams& params, const Positions& positions, ConstTenso
         for (std::size_t i = 0; i < w.size(); ++i) {
           double scale = alpha;
           if (params.xpos()) {
-            const double zeta = (2.0 * static_cast<double>(i) + 0.4 * r) / (1.4 * r);
-            const double e = (p - params.xpos_center()) / params.xpos_scale_base();
-            scale *= std::pow(zeta, (inverse ? -side : side) * e);
+            scale *= std::pow(params.xpos_zeta(static_cast<std::int64_t>(i)),
+                              (inverse ? -side : side) * params.xpos_exponent(p));
           }
           cos_a[i] = scale * std::cos(p * w[i]);
           sin_a[i] = sign * scale * std::sin(p * w[i]);

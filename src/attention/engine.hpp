@@ -1,0 +1,147 @@
+// Helpers shared by the engine's parts (rows.cpp, terms.cpp, forward.cpp, decode.cpp,
+// backward.cpp): scratch growth, padded strides, the denormal flush, the far-tile bound and the
+// runs of rows by head. Internal.
+#pragma once
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "attention/attention_plan.hpp"
+#include "kernels/attention/attention_kernels.hpp"
+
+namespace posenc::detail {
+
+using kernels::kAttnAlign;
+
+inline constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline std::int64_t round_up(std::int64_t x, std::int64_t to) { return (x + to - 1) / to * to; }
+
+// Row strides of the packed operands the matrix kernel streams (Qᵀ, dOᵀ: w rows wide; K, V
+// tiles: Dp wide) get one extra cache line. At 128 rows or D = 128 a plain stride is 512 bytes,
+// and [B, S, H, D] inputs have S-strides of H·D·4 bytes (4 KiB at H·D = 1024): the rows of an
+// operand panel then fall into a few L1 sets, evict each other, and every block of the kernel
+// reloads its panel from L2. Measured, S = 2048, H = 4, D = 128, causal forward, 1 thread: 48–66
+// ms with V read in place and stride w, 43–45 ms with V packed at Dp + 16 and Qᵀ at w + 16.
+inline std::int64_t padded_stride(std::int64_t w) { return w + kAttnAlign; }
+
+// Denormals flushed to zero (FTZ) and read as zero (DAZ) while a thread runs attention: ALiBi's
+// far keys give probabilities near FLT_MIN whose products with values are denormal, and each
+// denormal result costs a microcode assist (~100 cycles) on x86 — the forward pass ran at half
+// speed. Flushing changes results only below FLT_MIN (absolute), and identically on every
+// thread, so results stay bitwise reproducible. The caller's mode is restored afterwards.
+class FlushDenormals {
+ public:
+  FlushDenormals() {
+#if defined(__x86_64__) || defined(__i386__)
+    saved_ = _mm_getcsr();
+    _mm_setcsr(saved_ | 0x8040u);  // FTZ (bit 15) | DAZ (bit 6)
+#endif
+  }
+  ~FlushDenormals() {
+#if defined(__x86_64__) || defined(__i386__)
+    _mm_setcsr(saved_);
+#endif
+  }
+  FlushDenormals(const FlushDenormals&) = delete;
+  FlushDenormals& operator=(const FlushDenormals&) = delete;
+
+ private:
+  unsigned saved_ = 0;
+};
+
+template <class T, class Allocator>
+inline void grow(std::vector<T, Allocator>& v, std::int64_t n) {
+  if (static_cast<std::int64_t>(v.size()) < n) v.resize(static_cast<std::size_t>(n));
+}
+
+// ─── Vanishing tiles ───────────────────────────────────────────────────────────────────────────
+// Whether no row of rb can get a probability of at least FLT_MIN from keys at positions
+// [k_lo, k_hi] (AttentionPlan::skip_far_tiles). Row r's logits there are at most
+// (1 + 1e-3)·row_norm[r]·key_norm() + max b over the tile's δ (row_norm: |scale·q_r|), the 1e-3
+// covering the f32 dot product's rounding (D·2^−24 < 2.5e-4 for D <= 4096) and a rotation's; the
+// bias bound gets 1e-3 of itself plus 1 for its table's and the sum's rounding. Forward passes the
+// running max m_r as row_max, backward the row's lse (>= the max); both flush exp(x) to 0 below
+// x = −87.3, so a bound under row_max − 89 leaves 1.7 to spare: every probability of the tile is
+// exactly 0, and skipping it changes no bit (for finite values). The bias bound is checked first;
+// key_norm() (the tile's largest |k|) is called only when it passes.
+template <class KeyNorm>
+bool tile_vanishes(const AttentionPlan& p, const RowBlock& rb, const double* row_norm, const float* row_max,
+                   std::int64_t k_lo, std::int64_t k_hi, KeyNorm&& key_norm) {
+  const auto rows_pass = [&](double norm) {
+    for (std::int64_t r = 0; r < rb.width; ++r) {
+      const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
+      if (h < 0) continue;
+      const HeadBias& hb = p.head_bias[static_cast<std::size_t>(h)];
+      if (hb.kind != HeadBias::kTable || hb.max_from == nullptr) return false;
+      const std::int64_t qp = rb.position[static_cast<std::size_t>(r)];
+      const std::int64_t a = qp - k_hi - hb.delta_min, b = qp - k_lo - hb.delta_min;
+      if (a < 0 || b >= hb.width) return false;
+      const double bias = std::min(hb.max_from[a], hb.max_to[b]);
+      const double bound = (1 + 1e-3) * row_norm[r] * norm + bias + 1e-3 * std::abs(bias) + 1.0;
+      // A row that has no max yet (−inf) or a NaN norm fails here: the tile runs.
+      if (!(bound < static_cast<double>(row_max[r]) - 89.0)) return false;
+    }
+    return true;
+  };
+  return rows_pass(0.0) && rows_pass(key_norm());
+}
+
+// The larger of a and b, NaN if either is (std::max would drop a NaN b): a NaN norm must fail the
+// bound of tile_vanishes, so that a tile holding a NaN key runs.
+inline double max_or_nan(double a, double b) {
+  return std::isnan(a) || std::isnan(b) ? std::numeric_limits<double>::quiet_NaN() : std::max(a, b);
+}
+
+// Row norms |row| of `count` rows ld apart (D values each), in fp64, into out (unless null);
+// returns the largest (NaN if any is).
+inline double row_norms(const float* rows, std::int64_t ld, std::int64_t count, std::int64_t d, double* out) {
+  double largest = 0;
+  for (std::int64_t r = 0; r < count; ++r) {
+    double n2 = 0;
+    for (std::int64_t t = 0; t < d; ++t) n2 += static_cast<double>(rows[r * ld + t]) * rows[r * ld + t];
+    if (out != nullptr) out[r] = std::sqrt(n2);
+    largest = max_or_nan(largest, std::sqrt(n2));
+  }
+  return largest;
+}
+
+// Calls fn(first row, rows, head) for each run of lane chunks whose rows belong to one head that
+// `has` the scheme (non-compact layouts pad every head's rows to whole lane chunks).
+template <class Has, class Fn>
+void for_each_head_run(const RowBlock& rb, Has&& has, Fn&& fn) {
+  const auto chunk_head = [&](std::int64_t c) {
+    for (std::int64_t t = 0; t < kAttnAlign; ++t) {
+      const std::int64_t h = rb.head[static_cast<std::size_t>(c * kAttnAlign + t)];
+      if (h >= 0) return has(h) ? h : std::int64_t{-1};
+    }
+    return std::int64_t{-1};
+  };
+  const std::int64_t chunks = rb.width / kAttnAlign;
+  for (std::int64_t c = 0; c < chunks;) {
+    const std::int64_t h = chunk_head(c);
+    std::int64_t e = c + 1;
+    while (h >= 0 && e < chunks && chunk_head(e) == h) ++e;
+    if (h >= 0) fn(c * kAttnAlign, (e - c) * kAttnAlign, h);
+    c = e;
+  }
+}
+template <class Fn>
+void for_each_xl_run(const AttentionPlan& p, const RowBlock& rb, Fn&& fn) {
+  for_each_head_run(
+      rb, [&](std::int64_t h) { return p.xl_of_head(h) != nullptr; }, fn);
+}
+template <class Fn>
+void for_each_tupe_run(const AttentionPlan& p, const RowBlock& rb, Fn&& fn) {
+  for_each_head_run(
+      rb, [&](std::int64_t h) { return p.tupe_of_head(h) != nullptr; }, fn);
+}
+
+}  // namespace posenc::detail

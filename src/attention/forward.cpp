@@ -1,0 +1,495 @@
+// The engine's forward pass over prefill blocks and decode chunks (attention.cpp states the
+// units; decode.cpp the decode tiles).
+#include <omp.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include "attention/engine.hpp"
+#include "internal.hpp"
+#include "kernels/attention/attention_kernels.hpp"
+#include "posenc/error.hpp"
+
+namespace posenc {
+
+using detail::AttentionUnitScratch;
+using detail::CallBuffer;
+using detail::zeroed_doubles;
+using kernels::kAttnAlign;
+
+// ─── Forward ─────────────────────────────────────────────────────────────────────────────────
+
+namespace {
+
+using detail::AttentionPlan;
+using detail::FlushDenormals;
+using detail::grow;
+using detail::kNegInf;
+using detail::padded_stride;
+using detail::round_up;
+using detail::RowBlock;
+using detail::Sequence;
+
+void prefetch_rows(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh, std::int64_t first,
+                   std::int64_t count) {
+  const std::int64_t width = static_cast<std::int64_t>(dtype_size(p.dtype));
+  const std::int64_t row_bytes = (p.dim - 1) * width * p.kg.dim_stride + width;
+  for (std::int64_t j = 0; j < count; ++j) {
+    const char* k =
+        static_cast<const char*>(p.k_data) + (p.kg.offset(seq.b, seq.k0 + first + j) + kvh * p.kg.head_stride) * width;
+    const char* v =
+        static_cast<const char*>(p.v_data) + (p.vg.offset(seq.b, seq.k0 + first + j) + kvh * p.vg.head_stride) * width;
+    // Into L2 (prefetcht1): a tile's keys and values are 64 KiB at D = 128, more than L1, where
+    // they would evict the block's working rows. perf, 1 thread, S 2048, three alternating pairs:
+    // prefetch_rows' samples fell from 331–397 to 234–293; the totals moved within the noise.
+    for (std::int64_t at = 0; at < row_bytes; at += 64) {
+      __builtin_prefetch(k + at, 0, 2);
+      __builtin_prefetch(v + at, 0, 2);
+    }
+  }
+}
+
+// One forward block in steps: forward_begin loads the rows of `rb`; block_tile runs one key
+// tile [k0, k0 + keys) of the sequence through them (forward_blocks drives both). Leaves the unnormalised output rows
+// in s.o ([width][Dp]) and m, l per row.
+void forward_begin(const AttentionPlan& p, const Sequence& seq, const RowBlock& rb, AttentionUnitScratch& s) {
+  const std::int64_t w = rb.width, dp = p.dim_padded, d = p.dim;
+  const bool dot = rb.compact;
+  grow(s.q, w * dp);
+  const std::int64_t ldt = padded_stride(w);
+  grow(s.qt, dp * ldt);
+  grow(s.o, w * dp);
+  grow(s.m, w);
+  grow(s.l, w);
+  grow(s.corr, w);
+  grow(s.st, p.key_tile * w);
+  grow(s.k, p.key_tile * padded_stride(dp));
+  grow(s.v, p.key_tile * padded_stride(dp));
+  grow(s.kpos, p.key_tile);
+  std::fill(s.o.begin(), s.o.begin() + w * dp, 0.0f);
+  std::fill(s.m.begin(), s.m.begin() + w, kNegInf);
+  std::fill(s.l.begin(), s.l.begin() + w, 0.0f);
+  // Queries: transformed, scaled, as rows (decode) or transposed (Q^T [d][w]).
+  for (std::int64_t r = 0; r < w; ++r) {
+    float* row = s.q.data() + r * dp;
+    const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
+    if (h < 0) {
+      std::fill(row, row + dp, 0.0f);
+    } else {
+      const std::int64_t i = rb.query[static_cast<std::size_t>(r)];
+      p.load_row(p.q_data, p.qg, seq.b, seq.q0 + i, h, row);
+      p.transform_row(p.tables_of_head(h), true, p.q_table_row(seq, i), row, 1.0f);
+      p.add_xl_u(h, row);
+      for (std::int64_t t = 0; t < d; ++t) row[t] *= p.scale;
+    }
+    if (!dot) {
+      for (std::int64_t t = 0; t < d; ++t) s.qt[static_cast<std::size_t>(t * ldt + r)] = row[t];
+    }
+  }
+  if (p.any_shaw) {
+    grow(s.shaw_key_dots, w * p.shaw_width);
+    grow(s.shaw_probs, w * p.shaw_width);
+    std::fill(s.shaw_probs.begin(), s.shaw_probs.begin() + w * p.shaw_width, 0.0f);
+    p.shaw_row_dots(rb, s.q.data(), dp, dot ? nullptr : s.qt.data(), ldt, false, s.shaw_key_dots.data(), w);
+  }
+  s.xl_span = 0;  // no XL window yet
+  if (p.any_tupe) p.tupe_load_rows(rb, s, dot);
+}
+
+// Transformer-XL in a forward tile (prefill blocks; decode adds its rows' dots directly in
+// decode_tiles): a block keeps a window of its rows' dots over kXlWindow δ values, moved down as
+// the tiles advance (δ = q − k falls).
+void forward_xl(const AttentionPlan& p, const RowBlock& rb, std::int64_t keys, AttentionUnitScratch& s) {
+  // Window length: the matrix product over a window re-does the rows' dots for the δ where two
+  // windows overlap (at most a tile plus a block of rows), so a window of 1024 δ wastes at most
+  // ~20% over computing each dot once, for 1024 × rows floats (512 KiB at 128 rows) of scratch.
+  constexpr std::int64_t kXlWindow = 1024;
+  const std::int64_t w = rb.width;
+  std::int64_t lo = 0, hi = 0;
+  if (!p.xl_tile_range(rb, keys, s.kpos.data(), &lo, &hi)) return;
+  if (s.xl_span == 0 || lo < s.xl_lo || hi >= s.xl_lo + s.xl_span) {
+    s.xl_lo = std::max(p.xl_delta_min, std::min(lo, hi - kXlWindow + 1));
+    s.xl_span = hi - s.xl_lo + 1;
+    grow(s.xl_dots, s.xl_span * w);
+    p.xl_window(rb, s.qt.data(), padded_stride(w), s.xl_lo, s.xl_span, s.xl_dots.data(), w);
+  }
+  p.xl_add_rows(rb, keys, s.kpos.data(), s.xl_lo, s.xl_span, s.xl_dots.data(), w, s.st.data());
+}
+
+// A key tile's keys and values as the matrix kernel reads them: rows ld floats apart.
+struct TileRows {
+  const float *k = nullptr, *v = nullptr;
+  std::int64_t ldk = 0, ldv = 0;
+};
+
+// Keys: straight from memory (f32, unit stride, D a multiple of the padding, no key transform)
+// or packed into f32 rows (s.k). Values: always packed (s.v; see padded_stride — keys, the
+// broadcast operand, do not gain from it).
+TileRows load_tile(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh, std::int64_t k0, std::int64_t keys,
+                   AttentionUnitScratch& s) {
+  const std::int64_t dp = p.dim_padded;
+  const detail::QKTables& kt = p.tables_of_head(kvh * p.group_size);
+  TileRows rows;
+  if (p.zero_copy && (kt.kind == detail::QKTables::kNone || !kt.transform_keys)) {
+    rows.k = static_cast<const float*>(p.k_data) + p.kg.offset(seq.b, seq.k0 + k0) + kvh * p.kg.head_stride;
+    rows.ldk = p.kg.seq_stride;
+  } else {
+    rows.ldk = padded_stride(dp);
+    for (std::int64_t j = 0; j < keys; ++j) {
+      float* row = s.k.data() + j * rows.ldk;
+      p.load_row(p.k_data, p.kg, seq.b, seq.k0 + k0 + j, kvh, row);
+      if (kt.transform_keys) p.transform_row(kt, false, p.k_table_row(seq, k0 + j), row, 1.0f);
+    }
+    rows.k = s.k.data();
+  }
+  rows.ldv = padded_stride(dp);
+  for (std::int64_t j = 0; j < keys; ++j)
+    p.load_row(p.v_data, p.vg, seq.b, seq.k0 + k0 + j, kvh, s.v.data() + j * rows.ldv);
+  rows.v = s.v.data();
+  return rows;
+}
+
+// The key tile [k0, k0 + keys) through the rows of the prefill block `rb` (decode blocks run in
+// decode_tiles), its keys and values in `kv` (which may hold more keys: the tile of a later block of its group).
+void block_tile(const AttentionPlan& p, const Sequence& seq, const RowBlock& rb, std::int64_t k0, std::int64_t keys,
+                const TileRows& kv, AttentionUnitScratch& s) {
+  const std::int64_t w = rb.width, dp = p.dim_padded, d = p.dim;
+  const float* kp = kv.k;
+  const float* vp = kv.v;
+  const std::int64_t ldk = kv.ldk, ldv = kv.ldv;
+  // S^T = K·Q^T (scale and query transform already in Q).
+  kernels::attn_gemm(kp, ldk, 1, s.qt.data(), padded_stride(w), s.st.data(), w, keys, w, d, false);
+  if (p.any_bias || p.any_shaw || p.any_xl || p.any_tupe) {
+    for (std::int64_t j = 0; j < keys; ++j) s.kpos[static_cast<std::size_t>(j)] = p.k_position(seq, k0 + j);
+  }
+  if (p.any_tupe) p.tupe_add_tile(rb, 0, padded_stride(w), keys, s.kpos.data(), s, s.st.data());
+  if (p.any_bias) p.add_bias(seq, rb, k0, keys, s.kpos.data(), s.st.data());
+  if (p.any_shaw) p.shaw_add_rows(rb, keys, s.kpos.data(), s.shaw_key_dots.data(), w, s.st.data());
+  if (p.any_xl) forward_xl(p, rb, keys, s);
+  if (p.mask.softcap > 0) kernels::attn_softcap_tile(s.st.data(), keys, w, static_cast<float>(p.mask.softcap));
+  if (!p.tile_unmasked(rb, k0, keys)) {
+    kernels::attn_mask_tile(s.st.data(), keys, w, k0, rb.lo.data(), rb.hi.data());
+  }
+  kernels::attn_softmax_tile(s.st.data(), keys, w, s.m.data(), s.l.data(), s.corr.data());
+  kernels::attn_scale_rows(s.o.data(), dp, w, dp, s.corr.data());
+  // O += P·V with P(r, j) = P^T[j][r], the tile's sum added to O once (attn_gemm_add).
+  kernels::attn_gemm_add(s.st.data(), 1, w, vp, ldv, s.o.data(), dp, w, dp, keys);
+  if (p.any_shaw) p.shaw_collect(rb, keys, s.kpos.data(), s.st.data(), s.corr.data(), s.shaw_probs.data(), w);
+}
+
+// The far-tile skip in forward: tile_vanishes against the rows' running maxima; the keys' norms
+// read from the inputs.
+bool far_tile_vanishes(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh, const RowBlock& rb,
+                       std::int64_t k0, std::int64_t keys, AttentionUnitScratch& s) {
+  std::int64_t k_lo = std::numeric_limits<std::int64_t>::max(), k_hi = std::numeric_limits<std::int64_t>::min();
+  for (std::int64_t j = 0; j < keys; ++j) {
+    const std::int64_t kp = p.k_position(seq, k0 + j);
+    k_lo = std::min(k_lo, kp);
+    k_hi = std::max(k_hi, kp);
+  }
+  return detail::tile_vanishes(p, rb, s.row_norm.data(), s.m.data(), k_lo, k_hi, [&] {
+    grow(s.tmp, p.dim_padded);
+    double largest = 0;
+    for (std::int64_t j = 0; j < keys; ++j) {
+      p.load_row(p.k_data, p.kg, seq.b, seq.k0 + k0 + j, kvh, s.tmp.data());
+      largest = detail::max_or_nan(largest, detail::row_norms(s.tmp.data(), 0, 1, p.dim, nullptr));
+    }
+    return largest;
+  });
+}
+
+// At most this many consecutive query blocks of one KV head share their key tiles (a group).
+constexpr std::size_t kMaxGroupBlocks = 4;
+
+// Runs query blocks of one KV head whose key ranges start at the same key — one block, or a group
+// of up to kMaxGroupBlocks consecutive ones — through their key tiles, each tile's keys and values
+// loaded (values packed, keys packed or transformed, the next tile prefetched) once for all of
+// them. Every block meets its own tiles in the same order, grouped or not, so grouping never
+// changes a bit. With the far-tile skip the tiles run from the last (the diagonal, for causal
+// blocks) down, and a tile is loaded when at least one block does not skip it. Returns the tiles
+// skipped, counted per block.
+// Grouping, measured by perf (1 thread, S 2048, H 8, D 128, causal, no scheme): the packing and
+// the prefetches were ~17% of the forward's samples when each block did its own; with pairs the
+// forward took 4427–4587 samples against 5399–6019, in alternating runs. Groups of four against
+// pairs: 3423–3517 samples against 3392–3610, within the noise, but the value loads' samples fell
+// from 330–383 to 313–336 and the prefetches' from 104–123 to 63–82.
+std::int64_t forward_blocks(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh,
+                            std::span<const RowBlock* const> blocks, std::span<AttentionUnitScratch* const> scratch) {
+  constexpr std::size_t kMaxBlocks = kMaxGroupBlocks;
+  const std::size_t n = blocks.size();
+  const std::int64_t kt = p.key_tile, kb = blocks[0]->key_lo;
+  std::array<std::int64_t, kMaxBlocks> ends{}, tiles{};
+  std::int64_t ke = kb;
+  for (std::size_t b = 0; b < n; ++b) {
+    forward_begin(p, seq, *blocks[b], *scratch[b]);
+    ends[b] = std::max(blocks[b]->key_hi, kb);
+    tiles[b] = (ends[b] - kb + kt - 1) / kt;
+    ke = std::max(ke, ends[b]);
+  }
+  const bool descending = p.far_tiles_first && p.far_first_kv[static_cast<std::size_t>(kvh)] != 0;
+  const bool skip_far = p.skip_far_tiles && descending;
+  for (std::size_t b = 0; b < n; ++b) {
+    if (skip_far) {
+      grow(scratch[b]->row_norm, blocks[b]->width);
+      detail::row_norms(scratch[b]->q.data(), p.dim_padded, blocks[b]->width, p.dim, scratch[b]->row_norm.data());
+    }
+  }
+  const std::int64_t all_tiles = (ke - kb + kt - 1) / kt;
+  std::int64_t skipped = 0;
+  for (std::int64_t i = 0; i < all_tiles; ++i) {
+    const std::int64_t t = descending ? all_tiles - 1 - i : i, k0 = kb + t * kt;
+    std::array<bool, kMaxBlocks> run{};
+    bool any = false;
+    for (std::size_t b = 0; b < n; ++b) {
+      if (t >= tiles[b]) continue;
+      run[b] = !(skip_far && t < tiles[b] - 1 &&
+                 far_tile_vanishes(p, seq, kvh, *blocks[b], k0, std::min(kt, ends[b] - k0), *scratch[b]));
+      skipped += run[b] ? 0 : 1;
+      any = any || run[b];
+    }
+    if (!any) continue;
+    // The next tile's key and value rows: in [B, S, G, D] memory consecutive keys of one head
+    // lie G·D elements apart, often a page, which the hardware prefetchers do not cross.
+    const std::int64_t next = descending ? k0 - kt : k0 + kt;
+    if (next >= kb && next < ke) prefetch_rows(p, seq, kvh, next, std::min(kt, ke - next));
+    const TileRows kv = load_tile(p, seq, kvh, k0, std::min(kt, ke - k0), *scratch[0]);
+    for (std::size_t b = 0; b < n; ++b) {
+      if (run[b]) block_tile(p, seq, *blocks[b], k0, std::min(kt, ends[b] - k0), kv, *scratch[b]);
+    }
+  }
+  return skipped;
+}
+
+// The scratch of a group's blocks after the first (which uses unit_scratch()).
+std::array<AttentionUnitScratch, kMaxGroupBlocks - 1>& group_scratch() {
+  thread_local std::array<AttentionUnitScratch, kMaxGroupBlocks - 1> s;
+  return s;
+}
+
+}  // namespace
+
+namespace detail {
+
+AttentionStats AttentionPlan::forward(TensorView out, TensorView lse) const {
+  const HeadsGrid og = check_output_tokens(kWhere, "out", ConstTensorView(out), qg);
+  check_dtype(kWhere, "out", out.dtype(), dtype);
+  check_writable(kWhere, "out", ConstTensorView(out));
+  const bool want_lse = lse.rank() > 0;
+  if (want_lse) check_lse(lse, true);
+  // Units: (sequence, KV head, query block) for prefill; decode blocks (few rows) run every KV
+  // head per key tile — reading the cache in its memory order — in chunks of keys:
+  // (sequence, query block, key chunk), kvh = −1.
+  struct Unit {
+    std::int64_t seq, kvh, i0, count, k_begin, k_end, partial;
+    bool compact;
+  };
+  std::vector<Unit> units;
+  std::int64_t partials = 0;
+  // Prefill units of a group of query blocks (forward_blocks): the largest group of 4, 2 or 1 that
+  // leaves at least 8 units per thread (the dynamic schedule balances causal units, whose cost
+  // grows with their queries, only with several units per thread).
+  std::int64_t prefill_blocks = 0;
+  for (const Sequence& seq : sequences) {
+    if (seq.lq * group_size > kDecodeRows) prefill_blocks += kv_heads * ((seq.lq + query_block - 1) / query_block);
+  }
+  const auto flops = static_cast<std::int64_t>(batch) * q_len * k_len * heads * dim;
+  // Grouping never changes a bit (see forward_blocks), so the rule may look at the thread count.
+  std::int64_t group_blocks = static_cast<std::int64_t>(kMaxGroupBlocks);
+  while (group_blocks > 1 && prefill_blocks < 8 * group_blocks * static_cast<std::int64_t>(threads_for(flops / 16)))
+    group_blocks /= 2;
+  const std::int64_t unit_queries = group_blocks * query_block;
+  // Decode chunks: keys per chunk from the bytes of one key's keys and values.
+  const std::int64_t bytes_chunk_keys = std::max(kDecodeMinChunkKeys, kDecodeChunkBytes / (2 * decode_key_row_bytes()));
+  for (std::int64_t si = 0; si < static_cast<std::int64_t>(sequences.size()); ++si) {
+    const Sequence& seq = sequences[static_cast<std::size_t>(si)];
+    if (seq.lq == 0) continue;
+    if (seq.lq * group_size <= kDecodeRows) {
+      const std::int64_t chunk_keys = std::max(bytes_chunk_keys, (seq.lk + kDecodeMaxChunks - 1) / kDecodeMaxChunks);
+      const std::int64_t chunks = seq.lk > chunk_keys ? (seq.lk + chunk_keys - 1) / chunk_keys : 1;
+      for (std::int64_t c = 0; c < chunks; ++c) {
+        const std::int64_t kb = chunks == 1 ? 0 : c * chunk_keys;
+        const std::int64_t ke = chunks == 1 ? seq.lk : std::min(seq.lk, kb + chunk_keys);
+        units.push_back({si, -1, 0, seq.lq, kb, ke, chunks == 1 ? -1 : partials, true});
+        if (chunks > 1) ++partials;
+      }
+      continue;
+    }
+    for (std::int64_t kvh = 0; kvh < kv_heads; ++kvh) {
+      for (std::int64_t i0 = 0; i0 < seq.lq; i0 += unit_queries) {
+        units.push_back({si, kvh, i0, std::min(unit_queries, seq.lq - i0), 0, seq.lk, -1, false});
+      }
+    }
+  }
+  // Chunked decode units leave (m, l, O) rows per KV head here, merged in chunk order afterwards.
+  const std::int64_t part_rows = kDecodeRows;
+  const std::int64_t part_width = dim_padded + 2;
+  std::vector<float> parts(static_cast<std::size_t>(partials * kv_heads * part_rows * part_width));
+  const int threads = std::min<int>(threads_for(flops / 16), static_cast<int>(std::max<std::size_t>(units.size(), 1)));
+  std::int64_t scratch_bytes = 0;
+  // Normalises and stores the rows of a finished block.
+  const auto finish = [&](const Sequence& seq, const RowBlock& rb, AttentionUnitScratch& s) {
+    const std::int64_t dp = dim_padded;
+    if (any_shaw) shaw_add_values(rb, s.shaw_probs.data(), rb.width, s.o.data());
+    grow(s.tmp, dp);
+    for (std::int64_t r = 0; r < rb.width; ++r) {
+      const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
+      if (h < 0) continue;
+      const std::int64_t i = rb.query[static_cast<std::size_t>(r)];
+      const float l = s.l[static_cast<std::size_t>(r)];
+      const float inv = l > 0 ? 1.0f / l : 0.0f;
+      for (std::int64_t t = 0; t < dim; ++t)
+        s.tmp[static_cast<std::size_t>(t)] = s.o[static_cast<std::size_t>(r * dp + t)] * inv;
+      store_row(s.tmp.data(), out.data(), og, seq.b, seq.q0 + i, h, false);
+      if (want_lse) write_lse(lse, seq, h, i, l > 0 ? s.m[static_cast<std::size_t>(r)] + std::log(l) : kNegInf);
+    }
+  };
+  std::int64_t skipped_tiles = 0, prefill_tiles = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : scratch_bytes, skipped_tiles, prefill_tiles)
+  {
+    const FlushDenormals flush;
+    AttentionUnitScratch& s = unit_scratch();
+    thread_local std::vector<AttentionUnitScratch> per_head;  // decode: one per KV head
+    thread_local std::vector<RowBlock> per_head_rows;
+    std::array<RowBlock, kMaxGroupBlocks> group_rows;
+    std::array<const RowBlock*, kMaxGroupBlocks> group{};
+    std::array<AttentionUnitScratch*, kMaxGroupBlocks> group_scratches{&s};
+    for (std::size_t b = 1; b < kMaxGroupBlocks; ++b) group_scratches[b] = &group_scratch()[b - 1];
+#pragma omp for schedule(dynamic, 1)
+    for (std::size_t u = 0; u < units.size(); ++u) {
+      const Unit& un = units[u];
+      const Sequence& seq = sequences[static_cast<std::size_t>(un.seq)];
+      if (!un.compact) {
+        const auto n = static_cast<std::size_t>((un.count + query_block - 1) / query_block);
+        bool same_start = true;
+        for (std::size_t b = 0; b < n; ++b) {
+          const std::int64_t i0 = un.i0 + static_cast<std::int64_t>(b) * query_block;
+          layout_rows(seq, un.kvh, i0, std::min(query_block, un.i0 + un.count - i0), false, group_rows[b]);
+          group[b] = &group_rows[b];
+          same_start = same_start && group_rows[b].key_lo == group_rows[0].key_lo;
+        }
+        const auto count_tiles = [&](const RowBlock& block) {
+          prefill_tiles += (std::max(block.key_hi, block.key_lo) - block.key_lo + key_tile - 1) / key_tile;
+        };
+        if (same_start) {
+          skipped_tiles +=
+              forward_blocks(*this, seq, un.kvh, std::span(group.data(), n), std::span(group_scratches.data(), n));
+          for (std::size_t b = 0; b < n; ++b) {
+            count_tiles(*group[b]);
+            finish(seq, *group[b], *group_scratches[b]);
+          }
+          continue;
+        }
+        // Blocks whose key ranges start apart (sliding windows): one at a time.
+        for (std::size_t b = 0; b < n; ++b) {
+          skipped_tiles +=
+              forward_blocks(*this, seq, un.kvh, std::span(group.data() + b, 1), std::span(group_scratches.data(), 1));
+          count_tiles(*group[b]);
+          finish(seq, *group[b], s);
+        }
+        continue;
+      }
+      // Decode: one block of every KV head's rows (or, for Shaw, XL and TUPE, a block per KV head).
+      const bool merged = decode_merges_heads();
+      const std::int64_t blocks = merged ? 1 : kv_heads;
+      if (static_cast<std::int64_t>(per_head.size()) < blocks) per_head.resize(static_cast<std::size_t>(blocks));
+      if (static_cast<std::int64_t>(per_head_rows.size()) < blocks + 1) {
+        per_head_rows.resize(static_cast<std::size_t>(blocks + 1));  // + layout_decode_rows' scratch
+      }
+      if (merged) {
+        layout_decode_rows(seq, un.i0, un.count, per_head_rows[1], per_head_rows[0]);
+        forward_begin(*this, seq, per_head_rows[0], per_head[0]);
+      } else {
+        for (std::int64_t kvh = 0; kvh < kv_heads; ++kvh) {
+          layout_rows(seq, kvh, un.i0, un.count, true, per_head_rows[static_cast<std::size_t>(kvh)]);
+          forward_begin(*this, seq, per_head_rows[static_cast<std::size_t>(kvh)],
+                        per_head[static_cast<std::size_t>(kvh)]);
+        }
+      }
+      const RowBlock& rows0 = per_head_rows[0];
+      const std::int64_t kb = std::max(un.k_begin, un.partial >= 0 ? un.k_begin : rows0.key_lo);
+      const std::int64_t ke = un.partial >= 0 ? un.k_end : std::min(un.k_end, std::max(rows0.key_hi, kb));
+      const auto n_blocks = static_cast<std::size_t>(blocks);
+      decode_tiles(seq, kb, ke, std::span<const RowBlock>(per_head_rows.data(), n_blocks),
+                   std::span<AttentionUnitScratch>(per_head.data(), n_blocks), s);
+      for (std::size_t b = 0; b < n_blocks; ++b) {
+        const RowBlock& hr = per_head_rows[b];
+        AttentionUnitScratch& hs = per_head[b];
+        if (un.partial < 0) {
+          finish(seq, hr, hs);
+          continue;
+        }
+        if (any_shaw) shaw_add_values(hr, hs.shaw_probs.data(), hr.width, hs.o.data());
+        // Rows of KV head kvh at parts[(partial · G + kvh) · part_rows + r].
+        const std::int64_t per_kvh = merged ? hr.valid_rows / kv_heads : hr.valid_rows;
+        for (std::int64_t r = 0; r < hr.valid_rows; ++r) {
+          const std::int64_t kvh = merged ? r / per_kvh : static_cast<std::int64_t>(b);
+          float* row = parts.data() + ((un.partial * kv_heads + kvh) * part_rows + r % per_kvh) * part_width;
+          row[0] = hs.m[static_cast<std::size_t>(r)];
+          row[1] = hs.l[static_cast<std::size_t>(r)];
+          std::memcpy(row + 2, hs.o.data() + r * dim_padded, static_cast<std::size_t>(dim_padded) * sizeof(float));
+        }
+      }
+    }
+    scratch_bytes += s.bytes();
+    for (const AttentionUnitScratch& gs : group_scratch()) scratch_bytes += gs.bytes();
+    for (const auto& hs : per_head) scratch_bytes += hs.bytes();
+  }
+  // Merge the chunks of each decode block, in chunk order (fp64 sums; deterministic).
+  RowBlock rb;
+  std::vector<double> acc(static_cast<std::size_t>(dim));
+  std::vector<float> row(static_cast<std::size_t>(dim));
+  for (std::size_t u = 0; u < units.size();) {
+    if (units[u].partial < 0) {
+      ++u;
+      continue;
+    }
+    std::size_t end = u;
+    while (end < units.size() && units[end].partial >= 0 && units[end].seq == units[u].seq) ++end;
+    const Sequence& seq = sequences[static_cast<std::size_t>(units[u].seq)];
+    for (std::int64_t kvh = 0; kvh < kv_heads; ++kvh) {
+      layout_rows(seq, kvh, units[u].i0, units[u].count, true, rb);
+      for (std::int64_t r = 0; r < rb.valid_rows; ++r) {
+        const auto part_row = [&](std::size_t c) {
+          return parts.data() + ((units[c].partial * kv_heads + kvh) * part_rows + r) * part_width;
+        };
+        float m = kNegInf;
+        for (std::size_t c = u; c < end; ++c) m = std::max(m, part_row(c)[0]);
+        double l = 0;
+        std::fill(acc.begin(), acc.end(), 0.0);
+        if (m != kNegInf) {
+          for (std::size_t c = u; c < end; ++c) {
+            const float* pr = part_row(c);
+            if (pr[0] == kNegInf) continue;
+            const double f = std::exp(static_cast<double>(pr[0]) - m);
+            l += f * pr[1];
+            for (std::int64_t t = 0; t < dim; ++t) acc[static_cast<std::size_t>(t)] += f * pr[2 + t];
+          }
+        }
+        for (std::int64_t t = 0; t < dim; ++t) {
+          row[static_cast<std::size_t>(t)] = l > 0 ? static_cast<float>(acc[static_cast<std::size_t>(t)] / l) : 0.0f;
+        }
+        const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
+        const std::int64_t i = rb.query[static_cast<std::size_t>(r)];
+        store_row(row.data(), out.data(), og, seq.b, seq.q0 + i, h, false);
+        if (want_lse) write_lse(lse, seq, h, i, l > 0 ? static_cast<float>(m + std::log(l)) : kNegInf);
+      }
+    }
+    u = end;
+  }
+  AttentionStats stats;
+  stats.workspace_bytes = scratch_bytes + static_cast<std::int64_t>(parts.size() * sizeof(float)) + table_bytes();
+  stats.tiles = prefill_tiles;
+  stats.skipped = skipped_tiles;
+  return stats;
+}
+
+}  // namespace detail
+
+}  // namespace posenc

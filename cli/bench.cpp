@@ -144,9 +144,9 @@ Runner add_bench(CLI::App& app) {
       "rope: interleaved or half-split");
   sub->add_option("--positions", o->shape.positions, "rope: contiguous, arbitrary or packed")->capture_default_str();
   sub->add_option("--dtype", o->shape.dtype, "rope: f32, bf16 or f16")->capture_default_str();
-  sub->add_option(
-         "--scheme", o->shape.scheme,
-         "bias: alibi, t5, kerple, fire or nope; attention: none, rope, alibi, t5, kerple, fire, tupe, shaw or xl")
+  sub->add_option("--scheme", o->shape.scheme,
+                  "bias: alibi, t5, kerple, fire or nope; attention: any registered scheme (posenc schemes), with its "
+                  "defaults")
       ->capture_default_str();
   sub->add_option(
          "--pass", o->shape.pass,

@@ -16,5 +16,6 @@ Runner add_rope_freqs(CLI::App& app);
 Runner add_alibi_slopes(CLI::App& app);
 Runner add_t5_buckets(CLI::App& app);
 Runner add_plot(CLI::App& app);
+Runner add_schemes(CLI::App& app);
 
 }  // namespace posenc::cli

@@ -52,6 +52,7 @@ int main(int argc, char** argv) {
   posenc::cli::Runner alibi_slopes = posenc::cli::add_alibi_slopes(app);
   posenc::cli::Runner t5_buckets = posenc::cli::add_t5_buckets(app);
   posenc::cli::Runner plot = posenc::cli::add_plot(app);
+  posenc::cli::Runner schemes = posenc::cli::add_schemes(app);
   // Listed for --help; handled before parsing (run_study).
   app.add_subcommand("study",
                      "The length-extrapolation study: trains small language models per positional scheme at L "
@@ -75,6 +76,7 @@ int main(int argc, char** argv) {
       if (sub->get_name() == "alibi-slopes") alibi_slopes();
       if (sub->get_name() == "t5-buckets") t5_buckets();
       if (sub->get_name() == "plot") plot();
+      if (sub->get_name() == "schemes") schemes();
     }
   } catch (const std::exception& e) {
     std::fflush(stdout);

@@ -36,6 +36,7 @@ struct TableOptions {
   std::int64_t max_distance = 128;
   bool causal = false;
   std::string kerple_form = "log";
+  std::vector<std::string> settings;  // registry schemes: NAME=VALUE options
   double r1 = 1.0, r2 = 0.5;
   std::int64_t hidden = 32;
   std::uint64_t seed = 0;
@@ -231,9 +232,31 @@ void run_bias_table(const TableOptions& o) {
     scheme = FireParams::init(o.heads, o.hidden, o.seed, o.fire_c, o.threshold);
     doc.update(
         {{"heads", o.heads}, {"hidden", o.hidden}, {"seed", o.seed}, {"c", o.fire_c}, {"threshold", o.threshold}});
-  } else {
+  } else if (o.encoding == "nope") {
     scheme = NoPE(o.heads);
     doc["heads"] = o.heads;
+  } else {
+    // Any other registered relative-bias scheme (posenc schemes), its options from --set.
+    SchemeArgs args;
+    args.heads = o.heads;
+    args.head_dim = 1;
+    for (const std::string& assignment : o.settings) {
+      const std::size_t eq = assignment.find('=');
+      if (eq == std::string::npos || eq == 0) throw Error("table", "--set", assignment, "NAME=VALUE");
+      const std::string value = assignment.substr(eq + 1);
+      std::size_t used = 0;
+      double number = 0;
+      try {
+        number = std::stod(value, &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      if (used == 0 || used != value.size()) throw Error("table", "--set", assignment, "NAME=a number");
+      args.options[assignment.substr(0, eq)] = number;
+    }
+    scheme = *make_head_group(o.encoding, args).bias;
+    doc["heads"] = o.heads;
+    for (const auto& [name, value] : complete_scheme_args(find_scheme(o.encoding), args).options) doc[name] = value;
   }
   const std::int64_t heads = bias_heads(scheme);
   if (o.head < -1 || o.head >= heads) {
@@ -271,8 +294,15 @@ void run_table(const TableOptions& o) {
                   {"length", o.length}});
     return;
   }
+  const auto registered_relative_bias = [&] {
+    for (const SchemeEntry& e : schemes()) {
+      if (e.name == o.encoding) return e.family == "relative-bias";
+    }
+    return false;
+  };
   if (o.encoding == "alibi" || o.encoding == "t5" || o.encoding == "kerple" || o.encoding == "fire" ||
-      o.encoding == "nope" || o.encoding == "shaw" || o.encoding == "xl" || o.encoding == "tupe") {
+      o.encoding == "nope" || o.encoding == "shaw" || o.encoding == "xl" || o.encoding == "tupe" ||
+      registered_relative_bias()) {
     if (o.format != "text" && o.format != "csv" && o.format != "json") {
       throw Error("table", "--format", o.format, "text, csv or json");
     }
@@ -280,8 +310,13 @@ void run_table(const TableOptions& o) {
     return;
   }
   if (o.encoding != "sinusoidal" && o.encoding != "rope") {
+    std::string others;
+    for (const SchemeEntry& e : schemes()) {
+      if (e.family == "relative-bias" && e.name != "alibi" && e.name != "t5" && e.name != "kerple")
+        others += ", " + e.name;
+    }
     throw Error("table", "encoding", o.encoding,
-                "sinusoidal, rope, floater, alibi, t5, kerple, fire, tupe, shaw, xl or nope");
+                "sinusoidal, rope, floater, alibi, t5, kerple, fire, tupe, shaw, xl, nope" + others);
   }
   if (o.length < 0) throw Error("table", "--length", std::to_string(o.length), ">= 0");
   if (o.format != "text" && o.format != "csv" && o.format != "json") {
@@ -343,7 +378,8 @@ Runner add_table(CLI::App& app) {
          "encoding", o->encoding,
          "Encoding: sinusoidal; rope (cos and sin, one column per frequency); floater (a seeded layer's "
          "trajectory); alibi, t5 (bucket ids), kerple, fire, tupe (seeded layers), shaw (table rows), xl "
-         "(position terms of zero q and k, a seeded layer), nope (bias matrices: rows = queries, columns = keys)")
+         "(position terms of zero q and k, a seeded layer), nope, or any other relative-bias scheme of `posenc "
+         "schemes` such as sandwich (bias matrices: rows = queries, columns = keys)")
       ->required();
   sub->add_option("--length,-n", o->length, "Number of positions (rows)")->capture_default_str();
   sub->add_option("--dim,-d", o->dim, "Encoding width, or rope's rotary dim (even)")->capture_default_str();
@@ -371,6 +407,7 @@ Runner add_table(CLI::App& app) {
   sub->add_option("--substeps", o->substeps, "floater: RK4 steps per position")->capture_default_str();
   sub->add_option("--c", o->fire_c, "fire: c of ψ(t) = log(1 + c·t)")->capture_default_str();
   sub->add_option("--threshold", o->threshold, "fire: L, the smallest normaliser position")->capture_default_str();
+  sub->add_option("--set", o->settings, "Other registered schemes (posenc schemes): an option, NAME=VALUE");
   return [o] { run_table(*o); };
 }
 

@@ -83,7 +83,15 @@ Case make_attention_case(const CaseOptions& o) {
     // d_model = H·D, as in Transformer-XL's models (the projection of r(δ) is then as wide as q's).
     groups.push_back({heads, {}, {}, {}, XlParams::init(heads, dim, heads * dim, 0.02, 1)});
   } else if (o.scheme != "none") {
-    throw Error("bench", "--scheme", o.scheme, "none, rope, alibi, t5, kerple, fire, tupe, shaw or xl");
+    // Any other registered scheme with its defaults (posenc schemes).
+    std::string names;
+    bool known = false;
+    for (const SchemeEntry& e : schemes()) {
+      names += (names.empty() ? "" : ", ") + e.name;
+      known = known || e.name == o.scheme;
+    }
+    if (!known) throw Error("bench", "--scheme", o.scheme, "one of " + names);
+    groups.push_back(make_head_group(o.scheme, SchemeArgs{.heads = heads, .head_dim = dim}));
   }
   struct State {
     BenchArray<std::uint16_t> q16, k16, v16, out16, dout16, dq16, dk16, dv16;
@@ -166,8 +174,8 @@ Case make_attention_case(const CaseOptions& o) {
     const TensorView dq = TensorView::contiguous(data(st->dq, st->dq16), dtype, q_shape);
     const TensorView dk = TensorView::contiguous(data(st->dk, st->dk16), dtype, k_shape);
     const TensorView dv = TensorView::contiguous(data(st->dv, st->dv16), dtype, k_shape);
-    const bool trainable = o.scheme == "alibi" || o.scheme == "t5" || o.scheme == "kerple" || o.scheme == "shaw" ||
-                           o.scheme == "fire" || o.scheme == "xl" || o.scheme == "tupe";
+    const bool trainable =
+        !groups.empty() && !scheme_parameters(find_scheme(o.scheme), st->attention->spec().groups[0]).empty();
     auto grads = std::make_shared<AttentionGradients>(st->attention->zero_gradients());
     c.run = [st, out, lse, dout, dq, dk, dv, grads, trainable] {
       st->stats = st->attention->backward(out, lse, dout, dq, dk, dv, trainable ? grads.get() : nullptr);

@@ -191,16 +191,62 @@ KerpleParams::KerpleParams(KerpleForm form, std::vector<double> r1, std::vector<
   }
 }
 
-std::int64_t bias_heads(const BiasScheme& scheme) {
+// ------------------------------------------------------------------------------ RelativeBias
+
+double AlibiParams::value(std::int64_t head, std::int64_t r) const {
+  return slopes_[static_cast<std::size_t>(head)] * detail::alibi_derivative(form_, r);
+}
+void AlibiParams::accumulate_gradient(std::int64_t head, std::int64_t r, double weight, std::span<double> grads) const {
+  grads[static_cast<std::size_t>(head)] += weight * detail::alibi_derivative(form_, r);
+}
+
+double T5BiasParams::value(std::int64_t head, std::int64_t r) const {
+  return table_[static_cast<std::size_t>(bucket(r) * heads_ + head)];
+}
+void T5BiasParams::accumulate_gradient(std::int64_t head, std::int64_t r, double weight,
+                                       std::span<double> grads) const {
+  grads[static_cast<std::size_t>(bucket(r) * heads_ + head)] += weight;
+}
+
+double KerpleParams::value(std::int64_t head, std::int64_t r) const {
+  const double distance = std::fabs(static_cast<double>(r));
+  const double r1 = r1_[static_cast<std::size_t>(head)], r2 = r2_[static_cast<std::size_t>(head)];
+  return form_ == KerpleForm::kLog ? -r1 * std::log1p(r2 * distance) : -r1 * std::pow(distance, r2);
+}
+std::vector<double> KerpleParams::parameters() const {
+  std::vector<double> all = r1_;
+  all.insert(all.end(), r2_.begin(), r2_.end());
+  return all;
+}
+void KerpleParams::accumulate_gradient(std::int64_t head, std::int64_t r, double weight,
+                                       std::span<double> grads) const {
+  double d1 = 0, d2 = 0;
+  detail::kerple_derivatives(*this, head, r, &d1, &d2);
+  grads[static_cast<std::size_t>(head)] += weight * d1;
+  grads[static_cast<std::size_t>(heads() + head)] += weight * d2;
+}
+
+const RelativeBias* relative_bias(const BiasScheme& scheme) {
   return std::visit(
-      [](const auto& s) -> std::int64_t {
-        if constexpr (std::is_same_v<std::decay_t<decltype(s)>, NoPE>) {
-          return s.heads;
+      [](const auto& s) -> const RelativeBias* {
+        using S = std::decay_t<decltype(s)>;
+        if constexpr (std::is_same_v<S, RelativeBiasRef>) {
+          if (!s) throw Error("BiasScheme", "RelativeBiasRef", "null", "a scheme object");
+          return s.get();
+        } else if constexpr (std::is_base_of_v<RelativeBias, S>) {
+          return &s;
         } else {
-          return s.heads();
+          return nullptr;
         }
       },
       scheme);
+}
+
+std::int64_t bias_heads(const BiasScheme& scheme) {
+  if (const auto* nope = std::get_if<NoPE>(&scheme)) return nope->heads;
+  if (const auto* fire = std::get_if<FireParams>(&scheme)) return fire->heads();
+  if (const auto* tupe = std::get_if<TupeParams>(&scheme)) return tupe->heads();
+  return relative_bias(scheme)->heads();
 }
 
 namespace {
@@ -238,18 +284,8 @@ double bias_value(const BiasScheme& scheme, std::int64_t head, std::int64_t q_po
 
 namespace {
 double signed_bias_value(const BiasScheme& scheme, std::size_t h, std::int64_t r) {
-  const double distance = std::fabs(static_cast<double>(r));
-  if (const auto* alibi = std::get_if<AlibiParams>(&scheme)) {
-    return alibi->slopes()[h] * detail::alibi_derivative(alibi->form(), r);
-  }
-  if (const auto* t5 = std::get_if<T5BiasParams>(&scheme)) {
-    return t5->table()[static_cast<std::size_t>(t5->bucket(r) * t5->heads()) + h];
-  }
-  if (const auto* kerple = std::get_if<KerpleParams>(&scheme)) {
-    const double r1 = kerple->r1()[h], r2 = kerple->r2()[h];
-    return kerple->form() == KerpleForm::kLog ? -r1 * std::log1p(r2 * distance) : -r1 * std::pow(distance, r2);
-  }
-  return 0.0;  // NoPE
+  const RelativeBias* rb = relative_bias(scheme);
+  return rb == nullptr ? 0.0 : rb->value(static_cast<std::int64_t>(h), r);  // NoPE: 0
 }
 }  // namespace
 
@@ -270,11 +306,10 @@ BiasEvaluator::BiasEvaluator(const BiasScheme& scheme, std::int64_t min_relative
   min_relative_ = min_relative;
   width_ = width;
   table_.resize(static_cast<std::size_t>(heads_ * width_));
-  for (std::int64_t h = 0; h < heads_; ++h) {
-    for (std::int64_t t = 0; t < width_; ++t) {
-      table_[static_cast<std::size_t>(h * width_ + t)] = static_cast<float>(bias_value(scheme_, h, min_relative_ + t));
-    }
-  }
+  std::vector<double> rows(table_.size());
+  relative_bias(scheme_)->tabulate(min_relative_, width_, rows.data());
+  // + 0.0: no −0 at r = 0, as bias_value
+  for (std::size_t e = 0; e < rows.size(); ++e) table_[e] = static_cast<float>(rows[e] + 0.0);
 }
 
 BiasEvaluator BiasEvaluator::for_positions(const BiasScheme& scheme, const Positions& q_positions,
@@ -580,6 +615,19 @@ void t5_bias_backward(const T5BiasParams& params, const Positions& q_positions, 
                               [&](std::int64_t h, std::int64_t r, double sum) {
                                 d_table[static_cast<std::size_t>(params.bucket(r) * params.heads() + h)] += sum;
                               });
+}
+
+void relative_bias_backward(const RelativeBias& scheme, const Positions& q_positions, const Positions& k_positions,
+                            ConstTensorView d_scores, std::span<double> d_params) {
+  detail::init_dispatch();
+  detail::check_gradient_size("relative_bias_backward", "d_params", d_params.size(), scheme.parameter_count());
+  if (detail::use_reference()) {
+    ref::relative_bias_backward(scheme, q_positions, k_positions, d_scores, d_params);
+    return;
+  }
+  reduce_by_relative_position(
+      "relative_bias_backward", scheme.heads(), q_positions, k_positions, d_scores,
+      [&](std::int64_t h, std::int64_t r, double sum) { scheme.accumulate_gradient(h, r, sum, d_params); });
 }
 
 void kerple_backward(const KerpleParams& params, const Positions& q_positions, const Positions& k_positions,

@@ -20,16 +20,17 @@
 //                     int window_right, float softcap, float scale, Tensor q_positions,
 //                     Tensor k_positions) -> (Tensor out, Tensor lse)
 //                   fused attention (posenc/attention.hpp), q [B, Sq, H, D], k, v [B, Sk, G, D];
-//                   differentiable in q, k, v and bias_params (ALiBi slopes [H], T5 table
-//                   [buckets, H], Kerple [2, H] = r1, r2, Shaw [2, 2k + 1, D] = key and value
-//                   tables, FIRE [w1 | b1 | w2 | b2 | c | L] flattened, Transformer-XL
-//                   [u | v | W_R] flattened, TUPE [table | U^Q | U^K | θ1 | θ2] flattened);
-//                   `scheme` is JSON: {"kind": "none" | "shaw" | "fire" (with "hidden") | "xl"
-//                   (with "d_model", "base") | "tupe" (with "d_model", "max_len", "cls_reset") |
-//                   "rope" | "absolute" | "alibi" | "t5" | "kerple", "rope": {RopeParams as for rope},
-//                   "dim", "base", "interleaved" (absolute: Shortformer's sinusoid on q and k),
-//                   "keys_rotated", "symmetric", "num_buckets", "max_distance", "bidirectional",
-//                   "power"}
+//                   differentiable in q, k, v and bias_params. `scheme` is JSON naming a registered
+//                   scheme and its options (posenc/registry.hpp): {"kind": name, option: number or
+//                   bool, …, "rope": {RopeParams as for rope}}, or {"groups": [{"kind", "heads",
+//                   …}, …]} for several head groups; bias_params holds the learned parameters in
+//                   the registry's parameter_shape (several groups: each flattened, concatenated),
+//                   or is empty for the schemes' initial values
+//   posenc::schemes() -> str   the registry as JSON
+//   posenc::scheme_parameters(str scheme, int heads, int head_dim) -> Tensor   initial parameters
+//   posenc::relative_bias(str scheme, Tensor params, Tensor q_positions, Tensor k_positions, int heads,
+//                   ScalarType dtype) -> Tensor   any registered relative-bias scheme materialised,
+//                   [B, H, Sq, Sk], differentiable in params
 //   posenc::empty_cache()   frees the cached blocks of large outputs (see BlockCache)
 //   posenc::huge_page_zeros(int[] shape, ScalarType dtype)   a zero-filled tensor on 2 MiB pages
 //                   (posenc/memory.hpp): for KV caches that decode reads
@@ -876,85 +877,123 @@ at::Tensor floater_op(const at::Tensor& w1, const at::Tensor& b1, const at::Tens
 
 std::int64_t q_dim_of(const at::Tensor& t) { return t.dim() == 3 ? t.size(2) : 0; }
 
-// The head group of a JSON scheme and its learned parameters (bias_params, as float64 values).
+// A JSON scheme {"kind": name, option: value, …} as the registry's arguments (registry.hpp):
+// numbers and booleans are options, "rope" holds RoPE's parameters; the registry refuses names
+// the scheme does not declare.
+SchemeArgs scheme_args(const char* where, const nlohmann::json& j, std::int64_t heads, std::int64_t head_dim,
+                       double scale) {
+  SchemeArgs args;
+  args.heads = heads;
+  args.head_dim = head_dim;
+  args.scale = scale;
+  for (const auto& [key, value] : j.items()) {
+    if (key == "kind" || key == "skip_vanishing_tiles" || key == "heads") continue;
+    if (key == "rope") {
+      args.rope = rope_params_from_json(value.dump());
+    } else if (value.is_boolean()) {
+      args.options[key] = value.get<bool>() ? 1.0 : 0.0;
+    } else if (value.is_number()) {
+      args.options[key] = value.get<double>();
+    } else {
+      throw Error(where, "scheme." + key, value.dump(), "a number or a boolean");
+    }
+  }
+  return args;
+}
+
+// The head group of a JSON scheme and its learned parameters (bias_params: the registry's
+// parameter_shape, any float dtype; empty: the scheme's initial values).
 HeadGroup attention_group(const nlohmann::json& j, const at::Tensor& bias_params, std::int64_t heads,
                           std::int64_t head_dim, double scale) {
   const char* where = "attention";
-  const std::string kind = j.value("kind", std::string("none"));
-  HeadGroup group{heads, {}, {}};
-  if (kind == "none") return group;
-  if (kind == "rope") {
-    group.transform = RotaryQK{rope_params_from_json(j.at("rope").dump()), j.value("keys_rotated", false), 0};
-    return group;
+  const SchemeEntry& entry = find_scheme(j.value("kind", std::string("none")));
+  SchemeArgs args = complete_scheme_args(entry, scheme_args(where, j, heads, head_dim, scale));
+  if (!absent(bias_params) && bias_params.numel() > 0) {
+    const std::vector<std::int64_t> shape = entry.parameter_shape(args);
+    TORCH_CHECK_VALUE(bias_params.sizes() == at::IntArrayRef(shape), where, ": bias_params shape ", bias_params.sizes(),
+                      "; expected ", at::IntArrayRef(shape), " (", entry.name, ": ",
+                      entry.parameters.empty() ? std::string("no parameters") : entry.parameters, ")");
+    args.parameters = doubles_of(where, "bias_params", bias_params);
   }
-  if (kind == "absolute") {  // Shortformer: the sinusoid added to q and k
-    group.transform = AbsoluteQK{SinusoidalParams(
-        j.at("dim").get<std::int64_t>(), j.value("base", 10000.0),
-        j.value("interleaved", true) ? SinusoidalLayout::kInterleaved : SinusoidalLayout::kSplitHalves)};
-    return group;
+  return entry.make(args);
+}
+
+// Any registered relative-bias scheme (registry.hpp) materialised as [B, H, Sq, Sk], differentiable
+// in its parameters (params: the registry's parameter_shape, or empty for its initial values).
+class RelativeBiasFunction : public torch::autograd::Function<RelativeBiasFunction> {
+ public:
+  static BiasScheme scheme_of(const std::string& scheme, const at::Tensor& params, std::int64_t heads) {
+    const nlohmann::json j = nlohmann::json::parse(scheme);
+    const HeadGroup g = attention_group(j, params, heads, 1, 0.0);
+    const SchemeEntry& entry = find_scheme(j.value("kind", std::string("none")));
+    TORCH_CHECK_VALUE(entry.family == "relative-bias" && g.bias, "relative_bias: scheme.kind = ", entry.name,
+                      "; expected a scheme of the relative-bias family (posenc.schemes())");
+    return *g.bias;
   }
-  const std::vector<double> values = doubles_of(where, "bias_params", bias_params);
-  if (kind == "alibi") {
-    group.bias = AlibiParams(values, j.value("symmetric", false) ? AlibiForm::kSymmetric : AlibiForm::kCausal);
-  } else if (kind == "t5") {
-    const std::int64_t buckets = j.value("num_buckets", 32);
-    TORCH_CHECK_VALUE(bias_params.dim() == 2 && bias_params.size(0) == buckets && bias_params.size(1) == heads, where,
-                      ": bias_params shape ", bias_params.sizes(), "; expected the T5 table [num_buckets = ", buckets,
-                      ", heads = ", heads, "]");
-    group.bias = T5BiasParams(heads, buckets, j.value("max_distance", 128), j.value("bidirectional", true), values);
-  } else if (kind == "fire") {
-    // bias_params: [w1 (K) | b1 (K) | w2 (H·K) | b2 (H) | c | L], flattened.
-    const std::int64_t hidden = j.value("hidden", std::int64_t{32});
-    const auto expected = static_cast<std::size_t>(2 * hidden + heads * hidden + heads + 2);
-    TORCH_CHECK_VALUE(values.size() == expected, where, ": bias_params has ", values.size(), " values; expected ",
-                      expected, " (FIRE's w1, b1, w2, b2, c, L for hidden = ", hidden, ", heads = ", heads, ")");
-    const auto at = [&](std::int64_t offset, std::int64_t count) {
-      return std::vector<double>(values.begin() + offset, values.begin() + offset + count);
-    };
-    group.bias = FireParams(heads, at(0, hidden), at(hidden, hidden), at(2 * hidden, heads * hidden),
-                            at(2 * hidden + heads * hidden, heads), values[expected - 2], values[expected - 1]);
-  } else if (kind == "shaw") {
-    const std::int64_t k = j.value("max_distance", 16), dim = q_dim_of(bias_params);
-    TORCH_CHECK_VALUE(bias_params.dim() == 3 && bias_params.size(0) == 2 && bias_params.size(1) == 2 * k + 1, where,
-                      ": bias_params shape ", bias_params.sizes(), "; expected [2, 2·max_distance + 1 = ", 2 * k + 1,
-                      ", head_dim] (the key and value tables)");
-    const auto half = static_cast<std::ptrdiff_t>(values.size() / 2);
-    group.shaw = ShawParams(k, dim, std::vector<double>(values.begin(), values.begin() + half),
-                            std::vector<double>(values.begin() + half, values.end()));
-  } else if (kind == "kerple") {
-    TORCH_CHECK_VALUE(bias_params.dim() == 2 && bias_params.size(0) == 2 && bias_params.size(1) == heads, where,
-                      ": bias_params shape ", bias_params.sizes(), "; expected [2, heads = ", heads, "] (r1, r2)");
-    const std::vector<double> r1(values.begin(), values.begin() + heads), r2(values.begin() + heads, values.end());
-    group.bias = KerpleParams(j.value("power", false) ? KerpleForm::kPower : KerpleForm::kLog, r1, r2);
-  } else if (kind == "xl") {
-    // bias_params: [u (H·D) | v (H·D) | W_R (H·D·d_model)], flattened.
-    const std::int64_t d_model = j.value("d_model", std::int64_t{0}), hd = heads * head_dim;
-    const auto expected = static_cast<std::size_t>(2 * hd + hd * d_model);
-    TORCH_CHECK_VALUE(values.size() == expected, where, ": bias_params has ", values.size(), " values; expected ",
-                      expected, " (Transformer-XL's u, v, W_R for heads = ", heads, ", head_dim = ", head_dim,
-                      ", d_model = ", d_model, ")");
-    const auto at = [&](std::int64_t offset, std::int64_t count) {
-      return std::vector<double>(values.begin() + offset, values.begin() + offset + count);
-    };
-    group.xl = XlParams(heads, head_dim, d_model, at(0, hd), at(hd, hd), at(2 * hd, hd * d_model), scale,
-                        j.value("base", 10000.0));
-  } else if (kind == "tupe") {
-    // bias_params: [table (max_len·d_model) | U^Q (d_model·H·D) | U^K | θ1 (H) | θ2 (H)], flattened.
-    const std::int64_t d_model = j.value("d_model", std::int64_t{0}), max_len = j.value("max_len", std::int64_t{0});
-    const std::int64_t table = max_len * d_model, u = d_model * heads * head_dim;
-    const auto expected = static_cast<std::size_t>(table + 2 * u + 2 * heads);
-    TORCH_CHECK_VALUE(values.size() == expected, where, ": bias_params has ", values.size(), " values; expected ",
-                      expected, " (TUPE's table, U^Q, U^K, θ1, θ2 for max_len = ", max_len, ", d_model = ", d_model,
-                      ", heads = ", heads, ", head_dim = ", head_dim, ")");
-    const auto at = [&](std::int64_t offset, std::int64_t count) {
-      return std::vector<double>(values.begin() + offset, values.begin() + offset + count);
-    };
-    group.bias = TupeParams(heads, head_dim, d_model, at(0, table), at(table, u), at(table + u, u),
-                            j.value("cls_reset", false), at(table + 2 * u, heads), at(table + 2 * u + heads, heads));
-  } else {
-    throw Error(where, "scheme.kind", kind, "none, rope, absolute, alibi, t5, kerple, fire, shaw, xl or tupe");
+  static at::Tensor forward(AutogradContext* ctx, const std::string& scheme, const at::Tensor& params,
+                            const at::Tensor& q_positions, const at::Tensor& k_positions, std::int64_t heads,
+                            c10::ScalarType dtype) {
+    const at::Tensor qi = q_positions.contiguous(), ki = k_positions.contiguous();
+    ctx->saved_data["scheme"] = scheme;
+    ctx->saved_data["heads"] = heads;
+    ctx->save_for_backward({params, qi, ki});
+    return translating([&] { return materialize(scheme_of(scheme, params, heads), qi, ki, dtype); });
   }
-  return group;
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    return translating([&] {
+      at::Tensor d_params;
+      if (saved[0].numel() > 0) {
+        const BiasScheme b =
+            scheme_of(ctx->saved_data["scheme"].toStringRef(), saved[0], ctx->saved_data["heads"].toInt());
+        const RelativeBias& rb = *relative_bias(b);
+        std::vector<double> d(static_cast<std::size_t>(rb.parameter_count()), 0.0);
+        const at::Tensor ds = grads[0].contiguous();
+        relative_bias_backward(rb, positions_of("relative_bias", "q_positions", saved[1]),
+                               positions_of("relative_bias", "k_positions", saved[2]),
+                               const_view("relative_bias", "grad", ds), d);
+        d_params = tensor_of(d, saved[0]);
+      }
+      return variable_list{at::Tensor(), d_params, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    });
+  }
+};
+
+at::Tensor relative_bias_op(const std::string& scheme, const at::Tensor& params, const at::Tensor& q_positions,
+                            const at::Tensor& k_positions, std::int64_t heads, c10::ScalarType dtype) {
+  return RelativeBiasFunction::apply(scheme, params, q_positions, k_positions, heads, dtype);
+}
+
+// A registered scheme's initial parameters in its parameter_shape (float64; empty when it has none).
+at::Tensor scheme_parameters_op(const std::string& scheme, std::int64_t heads, std::int64_t head_dim) {
+  return translating([&] {
+    const nlohmann::json j = nlohmann::json::parse(scheme);
+    const SchemeEntry& entry = find_scheme(j.value("kind", std::string("none")));
+    const SchemeArgs args = complete_scheme_args(entry, scheme_args("scheme_parameters", j, heads, head_dim, 0.0));
+    const std::vector<double> values = scheme_parameters(entry, entry.make(args));
+    const std::vector<std::int64_t> shape = entry.parameter_shape(args);
+    return at::tensor(values, at::kDouble).reshape(shape.empty() ? std::vector<std::int64_t>{0} : shape);
+  });
+}
+
+// The registry as JSON: [{name, family, summary, source, parameters, options: [{name, default,
+// integer, description}]}].
+std::string schemes_op() {
+  nlohmann::json all = nlohmann::json::array();
+  for (const SchemeEntry& e : schemes()) {
+    nlohmann::json options = nlohmann::json::array();
+    for (const SchemeOption& o : e.options) {
+      options.push_back(
+          {{"name", o.name}, {"default", o.default_value}, {"integer", o.integer}, {"description", o.description}});
+    }
+    all.push_back({{"name", e.name},
+                   {"family", e.family},
+                   {"summary", e.summary},
+                   {"source", e.source},
+                   {"parameters", e.parameters},
+                   {"options", options}});
+  }
+  return all.dump();
 }
 
 struct AttentionCall {
@@ -974,7 +1013,33 @@ AttentionCall make_attention(const at::Tensor& q, const at::Tensor& k, const at:
   spec.k = const_view(where, "k", k);
   spec.v = const_view(where, "v", v);
   const nlohmann::json scheme_json = nlohmann::json::parse(scheme);
-  spec.groups = {attention_group(scheme_json, bias_params, q.size(2), q.size(3), scale)};
+  if (scheme_json.contains("groups")) {
+    // Several head groups: {"groups": [{"kind", "heads", options…}, …]} covering the heads in order;
+    // bias_params is every group's parameters flattened and concatenated (or empty).
+    const at::Tensor flat = absent(bias_params) ? bias_params : bias_params.reshape({-1});
+    std::int64_t offset = 0;
+    for (const nlohmann::json& g : scheme_json.at("groups")) {
+      const std::int64_t heads = g.at("heads").get<std::int64_t>();
+      TORCH_CHECK_VALUE(heads >= 1, where, ": scheme groups' heads = ", heads, "; expected >= 1");
+      const SchemeEntry& entry = find_scheme(g.value("kind", std::string("none")));
+      const SchemeArgs args = complete_scheme_args(entry, scheme_args(where, g, heads, q.size(3), scale));
+      std::int64_t count = 1;
+      for (const std::int64_t extent : entry.parameter_shape(args)) count *= extent;
+      if (entry.parameter_shape(args).empty()) count = 0;
+      at::Tensor part = at::empty({0}, at::kDouble);
+      if (!absent(flat) && flat.numel() > 0 && count > 0) {
+        TORCH_CHECK_VALUE(offset + count <= flat.numel(), where, ": bias_params has ", flat.numel(),
+                          " values; the groups' parameters need more (", entry.name, ": ", entry.parameters, ")");
+        part = flat.narrow(0, offset, count).reshape(at::IntArrayRef(entry.parameter_shape(args)));
+      }
+      offset += count;
+      spec.groups.push_back(attention_group(g, part, heads, q.size(3), scale));
+    }
+    TORCH_CHECK_VALUE(absent(flat) || flat.numel() == 0 || offset == flat.numel(), where, ": bias_params has ",
+                      flat.numel(), " values; the groups' parameters take ", offset);
+  } else {
+    spec.groups = {attention_group(scheme_json, bias_params, q.size(2), q.size(3), scale)};
+  }
   // The scheme's JSON also carries the plan's options (absent: the library's defaults).
   spec.skip_vanishing_tiles = scheme_json.value("skip_vanishing_tiles", spec.skip_vanishing_tiles);
   spec.mask.causal = causal;
@@ -1017,6 +1082,7 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
       at::Tensor lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
       call.attention->forward(mutable_view("attention", "out", out), mutable_view("attention", "lse", lse));
       ctx->saved_data["plan"] = holder;
+      ctx->saved_data["scheme"] = scheme;
       ctx->save_for_backward({q, k, v, bias_params, q_positions, k_positions, out, lse});
       ctx->mark_non_differentiable({lse});
       return variable_list{out, lse};
@@ -1037,29 +1103,13 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
                                trainable ? &param_grads : nullptr);
       at::Tensor d_bias;
       if (trainable) {
-        const GroupGradients& g = param_grads.groups[0];
-        std::vector<double> flat = !g.alibi_slopes.empty() ? g.alibi_slopes
-                                   : !g.t5_table.empty()   ? g.t5_table
-                                   : !g.kerple_r1.empty()  ? g.kerple_r1
-                                                           : g.shaw_key_table;
-        flat.insert(flat.end(), g.kerple_r2.begin(), g.kerple_r2.end());
-        flat.insert(flat.end(), g.shaw_value_table.begin(), g.shaw_value_table.end());
-        if (g.fire) {
-          flat = g.fire->w1;
-          for (const auto* part : {&g.fire->b1, &g.fire->w2, &g.fire->b2})
-            flat.insert(flat.end(), part->begin(), part->end());
-          flat.push_back(g.fire->c);
-          flat.push_back(g.fire->threshold);
-        }
-        if (g.xl) {
-          flat = g.xl->u;
-          for (const auto* part : {&g.xl->v, &g.xl->w_r}) flat.insert(flat.end(), part->begin(), part->end());
-        }
-        if (g.tupe) {
-          flat = g.tupe->table;
-          for (const auto* part : {&g.tupe->u_q, &g.tupe->u_k, &g.tupe->theta1, &g.tupe->theta2}) {
-            flat.insert(flat.end(), part->begin(), part->end());
-          }
+        const nlohmann::json j = nlohmann::json::parse(ctx->saved_data["scheme"].toStringRef());
+        const nlohmann::json groups = j.contains("groups") ? j.at("groups") : nlohmann::json::array({j});
+        std::vector<double> flat;
+        for (std::size_t g = 0; g < groups.size(); ++g) {
+          const std::vector<double> part =
+              scheme_gradients(find_scheme(groups[g].value("kind", std::string("none"))), param_grads.groups[g]);
+          flat.insert(flat.end(), part.begin(), part.end());
         }
         d_bias = tensor_of(flat, bias_params);
       }
@@ -1096,6 +1146,12 @@ TORCH_LIBRARY(posenc, m) {
       &rope_multi_op);
   m.def("alibi_bias(Tensor slopes, Tensor q_positions, Tensor k_positions, bool symmetric) -> Tensor", &alibi_op);
   m.def("empty_cache() -> ()", &empty_cache_op);
+  m.def("schemes() -> str", &schemes_op);
+  m.def("scheme_parameters(str scheme, int heads, int head_dim) -> Tensor", &scheme_parameters_op);
+  m.def(
+      "relative_bias(str scheme, Tensor params, Tensor q_positions, Tensor k_positions, int heads, ScalarType dtype) "
+      "-> Tensor",
+      &relative_bias_op);
   m.def("huge_page_zeros(int[] shape, ScalarType dtype) -> Tensor", &huge_page_zeros_op);
   m.def(
       "attention(Tensor q, Tensor k, Tensor v, str scheme, Tensor bias_params, bool causal, int window_left, "

@@ -143,6 +143,7 @@ struct GroupGradients {
   std::vector<double> alibi_slopes;                      // [heads]
   std::vector<double> t5_table;                          // [buckets·heads], the table's layout
   std::vector<double> kerple_r1, kerple_r2;              // [heads]
+  std::vector<double> bias_parameters;                   // a RelativeBiasRef's θ (scheme.hpp), [parameter_count]
   std::vector<double> shaw_key_table, shaw_value_table;  // [(2k + 1)·D], the tables' layout
   std::optional<FireGradients> fire;
   std::optional<TupeGradients> tupe;

@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "posenc/positions.hpp"
+#include "posenc/scheme.hpp"
 #include "posenc/tensor.hpp"
 
 namespace posenc {
@@ -61,7 +62,7 @@ enum class AlibiForm : std::uint8_t {
 // paper's rule (for H = 8: 1/2, 1/4, …, 1/256). H >= 1, max_bias > 0 and finite.
 std::vector<double> alibi_slopes(std::int64_t heads, double max_bias = 8.0);
 
-class AlibiParams {
+class AlibiParams : public RelativeBias {
  public:
   // The paper's slopes for `heads` heads.
   explicit AlibiParams(std::int64_t heads, AlibiForm form = AlibiForm::kCausal, double max_bias = 8.0);
@@ -72,9 +73,17 @@ class AlibiParams {
   static AlibiParams on_heads(std::int64_t heads, std::span<const std::int64_t> alibi_heads,
                               AlibiForm form = AlibiForm::kCausal, double max_bias = 8.0);
 
-  std::int64_t heads() const { return static_cast<std::int64_t>(slopes_.size()); }
+  std::int64_t heads() const override { return static_cast<std::int64_t>(slopes_.size()); }
   AlibiForm form() const { return form_; }
   const std::vector<double>& slopes() const { return slopes_; }
+
+  // RelativeBias (scheme.hpp): θ = the slopes, [heads].
+  std::string_view scheme_name() const override { return "alibi"; }
+  double value(std::int64_t head, std::int64_t relative_position) const override;
+  std::int64_t parameter_count() const override { return heads(); }
+  std::vector<double> parameters() const override { return slopes_; }
+  void accumulate_gradient(std::int64_t head, std::int64_t relative_position, double weight,
+                           std::span<double> grads) const override;
 
  private:
   std::vector<double> slopes_;
@@ -96,14 +105,14 @@ class AlibiParams {
 std::int64_t t5_bucket(std::int64_t relative_position, std::int64_t num_buckets = 32, std::int64_t max_distance = 128,
                        bool bidirectional = true);
 
-class T5BiasParams {
+class T5BiasParams : public RelativeBias {
  public:
   // table: [num_buckets, heads] row-major (the weight of transformers' nn.Embedding(num_buckets,
   // n_heads)); empty means zeros (a fresh model).
   T5BiasParams(std::int64_t heads, std::int64_t num_buckets = 32, std::int64_t max_distance = 128,
                bool bidirectional = true, std::vector<double> table = {});
 
-  std::int64_t heads() const { return heads_; }
+  std::int64_t heads() const override { return heads_; }
   std::int64_t num_buckets() const { return num_buckets_; }
   std::int64_t max_distance() const { return max_distance_; }
   bool bidirectional() const { return bidirectional_; }
@@ -111,6 +120,14 @@ class T5BiasParams {
   std::int64_t bucket(std::int64_t relative_position) const {
     return t5_bucket(relative_position, num_buckets_, max_distance_, bidirectional_);
   }
+
+  // RelativeBias (scheme.hpp): θ = the table, [num_buckets, heads] row-major.
+  std::string_view scheme_name() const override { return "t5"; }
+  double value(std::int64_t head, std::int64_t relative_position) const override;
+  std::int64_t parameter_count() const override { return num_buckets_ * heads_; }
+  std::vector<double> parameters() const override { return table_; }
+  void accumulate_gradient(std::int64_t head, std::int64_t relative_position, double weight,
+                           std::span<double> grads) const override;
 
  private:
   std::int64_t heads_, num_buckets_, max_distance_;
@@ -124,15 +141,23 @@ enum class KerpleForm : std::uint8_t {
   kPower,  // b = −r1·|r|^r2
 };
 
-class KerpleParams {
+class KerpleParams : public RelativeBias {
  public:
   // One r1 and one r2 per head (equal lengths >= 1), all > 0 and finite; r2 <= 2 for kPower
   // (the kernel is conditionally positive definite only there).
   KerpleParams(KerpleForm form, std::vector<double> r1, std::vector<double> r2);
-  std::int64_t heads() const { return static_cast<std::int64_t>(r1_.size()); }
+  std::int64_t heads() const override { return static_cast<std::int64_t>(r1_.size()); }
   KerpleForm form() const { return form_; }
   const std::vector<double>& r1() const { return r1_; }
   const std::vector<double>& r2() const { return r2_; }
+
+  // RelativeBias (scheme.hpp): θ = [r1 (heads) | r2 (heads)].
+  std::string_view scheme_name() const override { return "kerple"; }
+  double value(std::int64_t head, std::int64_t relative_position) const override;
+  std::int64_t parameter_count() const override { return 2 * heads(); }
+  std::vector<double> parameters() const override;
+  void accumulate_gradient(std::int64_t head, std::int64_t relative_position, double weight,
+                           std::span<double> grads) const override;
 
  private:
   KerpleForm form_;
@@ -268,9 +293,14 @@ struct TupeGradients {
 };
 
 // ---------------------------------------------------------------------------------- schemes
-using BiasScheme = std::variant<NoPE, AlibiParams, T5BiasParams, KerpleParams, FireParams, TupeParams>;
+// RelativeBiasRef: any other scheme of the relative position only (scheme.hpp), such as the
+// registry's (registry.hpp) — the open end of this list.
+using BiasScheme = std::variant<NoPE, AlibiParams, T5BiasParams, KerpleParams, FireParams, TupeParams, RelativeBiasRef>;
 
 std::int64_t bias_heads(const BiasScheme& scheme);
+// The scheme as a RelativeBias (ALiBi, T5, Kerple and every RelativeBiasRef), or nullptr (NoPE,
+// FIRE, TUPE). Throws posenc::Error for a null RelativeBiasRef.
+const RelativeBias* relative_bias(const BiasScheme& scheme);
 // b(h, i, j) in fp64 for a query and a key position. h in [0, heads).
 double bias_value(const BiasScheme& scheme, std::int64_t head, std::int64_t q_position, std::int64_t k_position);
 // b(h, r) in fp64, r = key − query position, for the schemes that depend on r only (all but
@@ -294,6 +324,10 @@ void t5_bias_backward(const T5BiasParams& params, const Positions& q_positions, 
                       ConstTensorView d_scores, std::span<double> d_table);
 void kerple_backward(const KerpleParams& params, const Positions& q_positions, const Positions& k_positions,
                      ConstTensorView d_scores, std::span<double> d_r1, std::span<double> d_r2);
+// Any RelativeBias: d_params[t] += Σ d_scores·∂b/∂θ_t (parameter_count() entries; sums of d_scores
+// per (head, r) first, in a fixed order: the same bits for any thread count).
+void relative_bias_backward(const RelativeBias& scheme, const Positions& q_positions, const Positions& k_positions,
+                            ConstTensorView d_scores, std::span<double> d_params);
 // FIRE: every parameter (W1, B1, W2, B2, c, L); ∂x/∂L is 0 where the query is at or past L. A
 // pair whose x falls exactly on a kink takes the piece to its right (the reference takes
 // relu'(0) = 0, as PyTorch does); elsewhere both agree. Deterministic for any thread count: the

@@ -40,6 +40,8 @@ void t5_bias_backward(const T5BiasParams& params, const Positions& q_positions, 
                       ConstTensorView d_scores, std::span<double> d_table);
 void kerple_backward(const KerpleParams& params, const Positions& q_positions, const Positions& k_positions,
                      ConstTensorView d_scores, std::span<double> d_r1, std::span<double> d_r2);
+void relative_bias_backward(const RelativeBias& scheme, const Positions& q_positions, const Positions& k_positions,
+                            ConstTensorView d_scores, std::span<double> d_params);
 void fire_backward(const FireParams& params, const Positions& q_positions, const Positions& k_positions,
                    ConstTensorView d_scores, FireGradients& grads);
 void tupe_backward(const TupeParams& params, const Positions& q_positions, const Positions& k_positions,

@@ -23,6 +23,7 @@ __all__ = [
     "rope_multi",
     "SinusoidalPositionalEncoding", "LearnedPositionalEncoding", "RotaryPositionalEncoding", "ALiBi",
     "T5RelativeBias", "Kerple", "FIRE", "TUPE", "FLOATER", "ShawRelativePositions", "TransformerXLRelative",
+    "schemes", "RelativeBias",
 ]
 
 
@@ -286,6 +287,54 @@ class T5RelativeBias(torch.nn.Module):
                        self.max_distance, self.bidirectional)
 
 
+def schemes():
+    """The registered positional schemes (posenc/registry.hpp), as a list of dicts: ``name``,
+    ``family`` (none, transform, relative-bias, bias, relative-terms), ``summary``, ``source``,
+    ``parameters`` (the learned parameters, "" if none) and ``options`` (``name``, ``default``,
+    ``integer``, ``description``). Each name works as ``posenc.attention(..., scheme=name)``."""
+    return json.loads(_ops.schemes())
+
+
+def _scheme_entry(name):
+    for entry in schemes():
+        if entry["name"] == name:
+            return entry
+    raise ValueError(f"scheme = {name!r}; expected one of " + ", ".join(e["name"] for e in schemes()))
+
+
+class RelativeBias(torch.nn.Module):
+    """Any registered scheme of the relative-bias family (b_h(k − q) added to the scores; see
+    ``posenc.schemes()``) by name, with its options as keyword arguments. ``forward(q_positions,
+    k_positions)`` gives the biases [B, H, Sq, Sk]; as an attention scheme it runs inside the fused
+    kernel. Learned parameters, if the scheme has any, are the Parameter ``parameters`` in the
+    registry's shape, initialised as the registry does."""
+
+    def __init__(self, name, heads, **options):
+        super().__init__()
+        entry = _scheme_entry(name)
+        if entry["family"] != "relative-bias":
+            raise ValueError(f"RelativeBias: name = {name!r} is a {entry['family']} scheme; expected one of the "
+                             "relative-bias family: " + ", ".join(e["name"] for e in schemes()
+                                                                  if e["family"] == "relative-bias"))
+        self.name, self.heads, self.options = name, int(heads), dict(options)
+        initial = _ops.scheme_parameters(json.dumps(self._spec()), self.heads, 1)
+        self.parameters_ = torch.nn.Parameter(initial.to(torch.float32)) if initial.numel() > 0 else None
+
+    def _spec(self):
+        return {"kind": self.name, **self.options}
+
+    def _parameter_tensor(self):
+        return self.parameters_ if self.parameters_ is not None else torch.empty(0, dtype=torch.float64)
+
+    def forward(self, q_positions, k_positions=None, dtype=None):
+        """[B, H, Sq, Sk] biases in ``dtype`` (default: the parameters', else float32), computed in fp64."""
+        k_positions = q_positions if k_positions is None else k_positions
+        if dtype is None:
+            dtype = self.parameters_.dtype if self.parameters_ is not None else torch.float32
+        return _ops.relative_bias(json.dumps(self._spec()), self._parameter_tensor(), _positions(q_positions, 0),
+                                  _positions(k_positions, 0), self.heads, dtype)
+
+
 class LearnedPositionalEncoding(torch.nn.Module):
     """A learned absolute table [max_len, dim] (GPT-2, BERT), initialised N(0, std²): x + table[pos]."""
 
@@ -411,14 +460,26 @@ class TransformerXLRelative(torch.nn.Module):
 # ─── Fused attention ──────────────────────────────────────────────────────────────────────────
 
 def _attention_scheme(scheme, heads, keys_rotated):
-    """(JSON dict, parameter tensor) of a scheme: None/"none", "rope", "alibi", or a module."""
+    """(JSON dict, parameter tensor) of a scheme: None, a registered name (posenc.schemes(): its
+    options' defaults and initial parameters), or a module."""
     empty = torch.empty(0, dtype=torch.float64)
-    if scheme is None or scheme == "none":
+    if scheme is None:
         return {"kind": "none"}, empty
     if scheme == "rope":
         scheme = RotaryPositionalEncoding(0)
     if scheme == "alibi":
         return {"kind": "alibi", "symmetric": False}, alibi_slopes(heads)
+    if isinstance(scheme, str):
+        # A name means the scheme's defaults; a learned one needs its module (it owns the tensors).
+        entry = _scheme_entry(scheme)
+        if entry["parameters"]:
+            raise ValueError(f"attention: scheme = {scheme!r} has learned parameters ({entry['parameters']}); "
+                             "pass its module instead of its name")
+        return {"kind": scheme}, empty
+    if isinstance(scheme, RelativeBias):
+        if scheme.heads != heads:
+            raise ValueError(f"attention: {scheme.name} has heads = {scheme.heads}; expected the group's {heads}")
+        return scheme._spec(), scheme._parameter_tensor()
     if isinstance(scheme, RotaryPositionalEncoding):
         return {"kind": "rope", "keys_rotated": bool(keys_rotated),
                 "rope": _rope_params(scheme.head_dim, scheme.rotary_dim, scheme.base, scheme.layout, scheme.scaling,
@@ -446,9 +507,15 @@ def _attention_scheme(scheme, heads, keys_rotated):
         return {"kind": "tupe", "d_model": int(scheme.table.shape[1]), "max_len": int(scheme.table.shape[0]),
                 "cls_reset": bool(scheme.cls_reset)}, \
             torch.cat([scheme.table.reshape(-1), scheme.u_q.reshape(-1), scheme.u_k.reshape(-1), scheme.theta1, scheme.theta2])
-    raise ValueError(f"attention: scheme = {scheme!r}; expected None, 'none', 'rope', 'alibi', or a "
-                     "RotaryPositionalEncoding, SinusoidalPositionalEncoding (Shortformer: added to q and k), ALiBi, "
-                     "T5RelativeBias, Kerple, FIRE, ShawRelativePositions, TransformerXLRelative or TUPE module")
+    raise TypeError(f"attention: scheme = {scheme!r}; expected None, a registered name (posenc.schemes()), a "
+                    "list of (heads, scheme) pairs, or a RotaryPositionalEncoding, SinusoidalPositionalEncoding "
+                    "(Shortformer: added to q and k), ALiBi, T5RelativeBias, Kerple, FIRE, ShawRelativePositions, "
+                    "TransformerXLRelative, TUPE or RelativeBias module")
+
+
+def _complete_rope(spec, q):
+    if spec["kind"] == "rope" and spec["rope"]["head_dim"] == 0:
+        spec["rope"]["head_dim"] = spec["rope"]["rotary_dim"] = int(q.shape[-1])
 
 
 def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), softcap=0.0, scale=None, layout="bshd",
@@ -458,13 +525,16 @@ def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), softcap=0.
 
     q ``[B, Sq, H, D]``, k and v ``[B, Sk, G, D]`` (G divides H: GQA/MQA), or ``[B, H, S, D]`` with
     ``layout="bhsd"`` (a view, no copy); float32, bfloat16 or float16 (math in float32), or float64
-    (the fp64 reference). ``scheme``: None, ``"rope"`` (default RoPE), ``"alibi"`` (the paper's
-    slopes), or a module — ``RotaryPositionalEncoding`` (RoPE from the positions; with
+    (the fp64 reference). ``scheme``: None, a registered name (``posenc.schemes()``: ``"rope"``,
+    ``"alibi"`` with the paper's slopes, … with their defaults), a list of
+    ``(heads, scheme)`` pairs covering the query heads in order (e.g. ``[(4, posenc.ALiBi(4)),
+    (4, "rope")]``; a group that transforms q and k covers whole KV groups), or a module — ``RotaryPositionalEncoding`` (RoPE from the positions; with
     ``keys_rotated=True`` k is a cache of already rotated keys), ``SinusoidalPositionalEncoding``
     (Shortformer's position-infused attention: the sinusoid added to q and k, not v), ``ALiBi``,
     ``T5RelativeBias``, ``Kerple``, ``FIRE``, ``ShawRelativePositions`` (Shaw et al.'s key and
     value terms, scale·q·a^K and Σ p·a^V), ``TransformerXLRelative`` (scale·(u·k + (q + v)·W_R r(i − j)),
-    its module's scale is the attention's), ``TUPE`` (the projections' head_dim must be q's) — whose
+    its module's scale is the attention's), ``TUPE`` (the projections' head_dim must be q's),
+    ``RelativeBias`` (any registered relative-bias scheme) — whose
     learned parameters receive gradients. ``causal`` aligns the mask
     bottom-right when Sq < Sk; ``window=(left, right)`` limits the keys a query sees (-1:
     unlimited); ``softcap`` c > 0 caps logits to c·tanh(x/c). Positions default to 0..Sk-1 for
@@ -479,9 +549,28 @@ def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), softcap=0.
         raise ValueError(f"attention: layout = {layout!r}; expected 'bshd' or 'bhsd'")
     if q.dim() != 4:
         raise ValueError(f"attention: q has {q.dim()} dimensions; expected 4 ([B, Sq, H, D] or with layout='bhsd')")
-    spec, params = _attention_scheme(scheme, q.shape[2], keys_rotated)
-    if spec["kind"] == "rope" and spec["rope"]["head_dim"] == 0:
-        spec["rope"]["head_dim"] = spec["rope"]["rotary_dim"] = int(q.shape[-1])
+    if isinstance(scheme, (list, tuple)):
+        # Head groups: (heads, scheme) pairs covering the query heads in order.
+        if not scheme or not all(isinstance(g, (list, tuple)) and len(g) == 2 for g in scheme):
+            raise TypeError(f"attention: scheme = {scheme!r}; expected a non-empty list of (heads, scheme) pairs")
+        groups, parts = [], []
+        for group_heads, group_scheme in scheme:
+            if not isinstance(group_heads, int) or isinstance(group_heads, bool) or group_heads < 1:
+                raise ValueError(f"attention: a group's heads = {group_heads!r}; expected an int >= 1")
+            g_spec, g_params = _attention_scheme(group_scheme, group_heads, keys_rotated)
+            _complete_rope(g_spec, q)
+            groups.append({**g_spec, "heads": group_heads})
+            parts.append(g_params)
+        if sum(g["heads"] for g in groups) != q.shape[2]:
+            raise ValueError(f"attention: the groups' heads sum to {sum(g['heads'] for g in groups)}; expected "
+                             f"the {q.shape[2]} heads of q")
+        spec = {"groups": groups}
+        # Every group's parameters, flattened and concatenated (names bring none).
+        params = torch.cat([p.reshape(-1).to(torch.float64) for p in parts]) if any(p.numel() for p in parts) \
+            else torch.empty(0, dtype=torch.float64)
+    else:
+        spec, params = _attention_scheme(scheme, q.shape[2], keys_rotated)
+        _complete_rope(spec, q)
     spec["skip_vanishing_tiles"] = bool(skip_vanishing_tiles)
     empty = torch.empty(0, dtype=torch.long)
     out, lse = _ops.attention(q, k, v, json.dumps(spec), params, bool(causal), int(window[0]), int(window[1]),

@@ -549,25 +549,29 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), 
     const std::int64_t hg = groups[gi].heads, h0 = group_first_head[gi];
     if (std::holds_alternative<NoPE>(scheme) || std::holds_alternative<TupeParams>(scheme)) continue;  // TUPE: below
     any_bias = true;
-    const bool distance_only = std::holds_alternative<AlibiParams>(scheme) ||
-                               std::holds_alternative<T5BiasParams>(scheme) ||
-                               std::holds_alternative<KerpleParams>(scheme);
-    if (std::holds_alternative<AlibiParams>(scheme)) flat += hg;
-    if (const auto* t5 = std::get_if<T5BiasParams>(&scheme)) flat += t5->num_buckets() * hg;
-    if (std::holds_alternative<KerpleParams>(scheme)) flat += 2 * hg;
+    // Schemes of the relative position only (scheme.hpp): tabulated, θ's gradient flat.
+    const RelativeBias* relative = relative_bias(scheme);
+    const bool distance_only = relative != nullptr;
+    if (relative != nullptr) flat += relative->parameter_count();
     if (const auto* fire = std::get_if<FireParams>(&scheme)) {
       // [s0 | s1] per piece and head, then ∂L/∂c and ∂L/∂L (FireRows::accumulate_row).
       flat += 2 * static_cast<std::int64_t>(fire->kinks().size() + 1) * hg + 2;
       any_trainable_bias = true;
     }
-    if (distance_only) any_trainable_bias = true;
+    if (relative != nullptr && relative->parameter_count() > 0) any_trainable_bias = true;
     const bool tabulate = distance_only && width * hg <= kMaxBiasTable;
     if (tabulate) {
+      // table[t] = b(δ_min + t) over δ = q − k, i.e. of r = k − q = −(δ_min + t): a row of r
+      // from r_first = −(δ_min + width − 1) read backwards.
       auto& table = bias_tables[gi];
       table.resize(static_cast<std::size_t>(width * hg));
+      std::vector<double> rows(table.size());
+      relative->tabulate(-(delta_min + width - 1), width, rows.data());
       for (std::int64_t h = 0; h < hg; ++h) {
         for (std::int64_t t = 0; t < width; ++t) {
-          table[static_cast<std::size_t>(h * width + t)] = static_cast<float>(bias_value(scheme, h, -(delta_min + t)));
+          // + 0.0: no −0 at r = 0, as bias_value
+          table[static_cast<std::size_t>(h * width + t)] =
+              static_cast<float>(rows[static_cast<std::size_t>(h * width + width - 1 - t)] + 0.0);
         }
       }
       lowest_table_bias = std::min(lowest_table_bias, *std::min_element(table.begin(), table.end()));
@@ -1215,6 +1219,8 @@ AttentionGradients AttentionPlan::zero_gradients() const {
       }
       if (const auto* fire = std::get_if<FireParams>(&*grp.bias)) g.fire.emplace(*fire);
       if (const auto* tupe_params = std::get_if<TupeParams>(&*grp.bias)) g.tupe.emplace(*tupe_params);
+      if (std::holds_alternative<RelativeBiasRef>(*grp.bias))
+        g.bias_parameters.assign(static_cast<std::size_t>(relative_bias(*grp.bias)->parameter_count()), 0.0);
     }
     if (grp.shaw) {
       g.shaw_key_table.assign(static_cast<std::size_t>(grp.shaw->rows() * grp.shaw->head_dim()), 0.0);
@@ -1242,6 +1248,8 @@ void AttentionPlan::check_gradients(const AttentionGradients& grads) const {
                         static_cast<std::int64_t>(b.kerple_r1.size()));
     check_gradient_size(kWhere, (name + ".kerple_r2").c_str(), a.kerple_r2.size(),
                         static_cast<std::int64_t>(b.kerple_r2.size()));
+    check_gradient_size(kWhere, (name + ".bias_parameters").c_str(), a.bias_parameters.size(),
+                        static_cast<std::int64_t>(b.bias_parameters.size()));
     check_gradient_size(kWhere, (name + ".shaw_key_table").c_str(), a.shaw_key_table.size(),
                         static_cast<std::int64_t>(b.shaw_key_table.size()));
     check_gradient_size(kWhere, (name + ".shaw_value_table").c_str(), a.shaw_value_table.size(),
@@ -1285,18 +1293,10 @@ std::int64_t AttentionPlan::bias_gradient_size() const { return grad_offset.back
 void AttentionPlan::add_bias_derivative(std::int64_t h, std::int64_t r, double sum, double* flat) const {
   const auto g = static_cast<std::size_t>(head_group[static_cast<std::size_t>(h)]);
   const std::int64_t local = h - group_first_head[g];
-  const HeadGroup& grp = spec.groups[g];
-  double* at = flat + grad_offset[g];
-  if (const auto* alibi = std::get_if<AlibiParams>(&*grp.bias)) {
-    at[local] += sum * alibi_derivative(alibi->form(), r);
-  } else if (const auto* t5 = std::get_if<T5BiasParams>(&*grp.bias)) {
-    at[t5->bucket(r) * grp.heads + local] += sum;
-  } else if (const auto* kerple = std::get_if<KerpleParams>(&*grp.bias)) {
-    double d1 = 0, d2 = 0;
-    kerple_derivatives(*kerple, local, r, &d1, &d2);
-    at[local] += sum * d1;
-    at[grp.heads + local] += sum * d2;
-  }
+  const RelativeBias* relative = relative_bias(*spec.groups[g].bias);
+  if (relative == nullptr) return;
+  const std::span<double> at(flat + grad_offset[g], static_cast<std::size_t>(relative->parameter_count()));
+  relative->accumulate_gradient(local, r, sum, at);
 }
 
 void AttentionPlan::accumulate_bias_gradients(const Sequence& /* seq */, const RowBlock& rb, std::int64_t k_first,
@@ -1341,10 +1341,8 @@ void AttentionPlan::accumulate_bias_gradients(const Sequence& /* seq */, const R
                           at + 2 * pieces * hg, at + 2 * pieces * hg + 1);
       continue;
     }
-    const bool trainable = std::holds_alternative<AlibiParams>(*grp.bias) ||
-                           std::holds_alternative<T5BiasParams>(*grp.bias) ||
-                           std::holds_alternative<KerpleParams>(*grp.bias);
-    if (!trainable) continue;
+    const RelativeBias* relative = relative_bias(*grp.bias);
+    if (relative == nullptr || relative->parameter_count() == 0) continue;
     if (hist_width > 0) {
       double* hist = s.hist.data() + (h - kvh * group_size) * hist_width - delta_min;
       for (std::int64_t j = 0; j < keys; ++j) hist[qp - kpos[j]] += static_cast<double>(dst[j * rb.width + r]);
@@ -1380,6 +1378,7 @@ void AttentionPlan::scatter_bias_gradients(const std::vector<double>& total, Att
       gg.kerple_r1[t] += at[t];
       gg.kerple_r2[t] += at[gg.kerple_r1.size() + t];
     }
+    for (std::size_t t = 0; t < gg.bias_parameters.size(); ++t) gg.bias_parameters[t] += at[t];
     if (gg.fire) {
       const FireParams& fire = std::get<FireParams>(*spec.groups[g].bias);
       const std::int64_t moments = static_cast<std::int64_t>(fire.kinks().size() + 1) * fire.heads();

@@ -121,9 +121,10 @@ void check_gradients(const Attention& attention, const AttentionGradients& grads
   for (std::size_t g = 0; ok && g < like.groups.size(); ++g) {
     const GroupGradients &a = grads.groups[g], &b = like.groups[g];
     ok = same(a.alibi_slopes, b.alibi_slopes) && same(a.t5_table, b.t5_table) && same(a.kerple_r1, b.kerple_r1) &&
-         same(a.kerple_r2, b.kerple_r2) && same(a.shaw_key_table, b.shaw_key_table) &&
-         same(a.shaw_value_table, b.shaw_value_table) && a.fire.has_value() == b.fire.has_value() &&
-         a.tupe.has_value() == b.tupe.has_value() && a.xl.has_value() == b.xl.has_value();
+         same(a.bias_parameters, b.bias_parameters) && same(a.kerple_r2, b.kerple_r2) &&
+         same(a.shaw_key_table, b.shaw_key_table) && same(a.shaw_value_table, b.shaw_value_table) &&
+         a.fire.has_value() == b.fire.has_value() && a.tupe.has_value() == b.tupe.has_value() &&
+         a.xl.has_value() == b.xl.has_value();
     if (ok && b.fire) {
       ok = same(a.fire->w1, b.fire->w1) && same(a.fire->b1, b.fire->b1) && same(a.fire->w2, b.fire->w2) &&
            same(a.fire->b2, b.fire->b2);
@@ -528,6 +529,9 @@ void attention_backward(const Attention& attention, ConstTensorView out, ConstTe
       }
       if (const auto* fire = std::get_if<FireParams>(&*bias)) ref::fire_backward(*fire, qp, kp, ds, *gg.fire);
       if (const auto* tupe = std::get_if<TupeParams>(&*bias)) ref::tupe_backward(*tupe, qp, kp, ds, *gg.tupe);
+      if (std::holds_alternative<RelativeBiasRef>(*bias)) {
+        ref::relative_bias_backward(*relative_bias(*bias), qp, kp, ds, gg.bias_parameters);
+      }
     }
   }
 }

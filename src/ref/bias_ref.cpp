@@ -78,4 +78,14 @@ void kerple_backward(const KerpleParams& params, const Positions& q_positions, c
   });
 }
 
+void relative_bias_backward(const RelativeBias& scheme, const Positions& q_positions, const Positions& k_positions,
+                            ConstTensorView d_scores, std::span<double> d_params) {
+  detail::check_gradient_size("relative_bias_backward", "d_params", d_params.size(), scheme.parameter_count());
+  const detail::ScoreGrid g =
+      detail::check_scores("relative_bias_backward", "d_scores", d_scores, scheme.heads(), q_positions, k_positions);
+  for_each_score(g, q_positions, k_positions, [&](std::int64_t h, std::int64_t offset, std::int64_t r) {
+    scheme.accumulate_gradient(h, r, detail::load(d_scores.data(), d_scores.dtype(), offset), d_params);
+  });
+}
+
 }  // namespace posenc::ref

@@ -1,0 +1,48 @@
+// `posenc schemes`: the registry (posenc/registry.hpp) — every scheme the fused attention takes,
+// its family, options with defaults, learned parameters and formula.
+#include <fmt/core.h>
+
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "commands.hpp"
+#include "posenc/posenc.hpp"
+
+namespace posenc::cli {
+
+Runner add_schemes(CLI::App& app) {
+  auto format = std::make_shared<std::string>("text");
+  CLI::App* sub = app.add_subcommand("schemes", "List the registered positional schemes, their options and formulas");
+  sub->add_option("--format", *format, "text or json")->capture_default_str();
+  return [format] {
+    if (*format != "text" && *format != "json") throw Error("schemes", "--format", *format, "text or json");
+    if (*format == "json") {
+      nlohmann::json all = nlohmann::json::array();
+      for (const SchemeEntry& e : schemes()) {
+        nlohmann::json options = nlohmann::json::object();
+        for (const SchemeOption& o : e.options) options[o.name] = o.default_value;
+        all.push_back({{"name", e.name},
+                       {"family", e.family},
+                       {"summary", e.summary},
+                       {"source", e.source},
+                       {"parameters", e.parameters},
+                       {"options", options}});
+      }
+      fmt::print("{}\n", all.dump(2));
+      return;
+    }
+    for (const SchemeEntry& e : schemes()) {
+      fmt::print("{:<10} {:<15} {}\n", e.name, e.family, e.summary);
+      std::string options;
+      for (const SchemeOption& o : e.options) {
+        options += (options.empty() ? "" : ", ") + o.name + "=" + fmt::format("{:g}", o.default_value);
+      }
+      if (!options.empty()) fmt::print("{:<27}options: {}\n", "", options);
+      if (!e.parameters.empty()) fmt::print("{:<27}learned: {}\n", "", e.parameters);
+      fmt::print("{:<27}{}\n", "", e.source);
+    }
+  };
+}
+
+}  // namespace posenc::cli

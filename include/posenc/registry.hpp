@@ -1,0 +1,83 @@
+// posenc/registry.hpp — every positional scheme of the fused attention, by name.
+//
+// One list (src/schemes/registry.cpp, a line per scheme) that the torch ops, the Python package
+// (posenc.schemes(), the generic modules), the command line (`posenc schemes`, `table`, `bench
+// attention --scheme`) and the generic test matrix (tests/test_schemes.cpp) read. An entry says
+// what a scheme is called, what it is, which options it takes (numbers; flags are 0 or 1) with
+// their defaults, the shape of its learned parameters, and how to build its HeadGroup.
+//
+//   const HeadGroup g = posenc::make_head_group("sandwich", {.heads = 8, .head_dim = 64,
+//                                                            .options = {{"dim", 128}}});
+//
+// Errors: an unknown name or option, a non-integral value for an integer option, or parameters
+// of the wrong size throw posenc::Error naming them; the scheme's own constructor checks the rest.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "posenc/attention.hpp"
+
+namespace posenc {
+
+struct SchemeOption {
+  std::string name;
+  double default_value = 0.0;
+  std::string description;
+  bool integer = false;  // must hold an integer (flags: 0 or 1)
+};
+
+// What a factory receives: the head group's size, the options by name (make_head_group fills in
+// the defaults and refuses unknown names), and the learned parameters flattened in the order
+// parameter_shape gives (empty: the scheme's initial values).
+struct SchemeArgs {
+  std::int64_t heads = 0, head_dim = 0;
+  double scale = 0.0;  // the attention's scale (0: 1/sqrt(head_dim)); Transformer-XL's terms use it
+  std::map<std::string, double, std::less<>> options;
+  std::vector<double> parameters;
+  std::optional<RopeParams> rope;  // "rope": full RoPE parameters (rope types, scaling) instead of options
+
+  double number(std::string_view name) const;         // the option's value
+  std::int64_t integer(std::string_view name) const;  // … checked to be an integer
+  bool flag(std::string_view name) const { return number(name) != 0.0; }
+};
+
+struct SchemeEntry {
+  std::string name;
+  // "none", "transform" (q and k before the product), "relative-bias" (a RelativeBias,
+  // scheme.hpp), "bias" (a score bias of the positions), "relative-terms" (terms with q or k).
+  std::string family;
+  std::string summary;  // one line: the formula
+  std::string source;   // the paper or model that defines it
+  std::vector<SchemeOption> options;
+  std::string parameters;  // the learned parameters, e.g. "slopes [heads]" ("" if none)
+  // The learned parameters' shape for these arguments ({} when there are none).
+  std::function<std::vector<std::int64_t>(const SchemeArgs&)> parameter_shape;
+  std::function<HeadGroup(const SchemeArgs&)> make;
+  // A group's learned parameters flat in parameter_shape's order, and its gradients
+  // (AttentionGradients) flattened the same way. Unset: a RelativeBias's parameters() and
+  // GroupGradients::bias_parameters for the relative-bias family, none for the others
+  // (scheme_parameters / scheme_gradients apply that rule).
+  std::function<std::vector<double>(const HeadGroup&)> parameters_of;
+  std::function<std::vector<double>(const GroupGradients&)> gradients_of;
+};
+
+// Every registered scheme, in a fixed order.
+const std::vector<SchemeEntry>& schemes();
+// The entry of that name; throws posenc::Error listing the names otherwise.
+const SchemeEntry& find_scheme(std::string_view name);
+// The HeadGroup of a registered scheme (options checked and completed with defaults, parameters
+// checked against parameter_shape).
+HeadGroup make_head_group(std::string_view name, SchemeArgs args);
+// The options completed with defaults and checked (what make_head_group passes to the factory).
+SchemeArgs complete_scheme_args(const SchemeEntry& entry, SchemeArgs args);
+// entry.parameters_of / gradients_of, or the family's rule when unset (see SchemeEntry).
+std::vector<double> scheme_parameters(const SchemeEntry& entry, const HeadGroup& group);
+std::vector<double> scheme_gradients(const SchemeEntry& entry, const GroupGradients& grads);
+
+}  // namespace posenc

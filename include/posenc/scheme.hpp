@@ -1,0 +1,55 @@
+// posenc/scheme.hpp — the interface of a positional score bias that depends on the head and the
+// relative position only, and through which the library and the fused attention use it.
+//
+//   score(h, i, j) = q_i · k_j · scale + b_h(r),   r = p'_j − p_i  (key minus query position)
+//
+// A scheme of this family (ALiBi, T5, Kerple, Sandwich, …) says what b is and how it depends on
+// its learned parameters θ (a flat fp64 vector, possibly empty); everything else is generic:
+//   - bias_materialize / bias_value (bias.hpp) evaluate it, tables included;
+//   - the fused attention (attention.hpp) tabulates b over the relative positions a call meets
+//     (rounded once to f32), adds the table to its score tiles and to decode rows, and for the
+//     backward sums dL/dscore per (head, r) and hands each sum to accumulate_gradient;
+//   - relative_bias_backward (bias.hpp) does the same for materialised score gradients;
+//   - the generic test matrix (tests/test_schemes.cpp) checks every registered scheme.
+// A new scheme of this family is one class implementing this interface in its own file and one
+// line in the registry (registry.hpp): see src/schemes/sandwich.cpp.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string_view>
+#include <vector>
+
+namespace posenc {
+
+class RelativeBias {
+ public:
+  virtual ~RelativeBias() = default;
+
+  // The registry name (registry.hpp), e.g. "alibi".
+  virtual std::string_view scheme_name() const = 0;
+  virtual std::int64_t heads() const = 0;
+  // b_h(r) in fp64, for head in [0, heads()) and any r (the caller checks the head).
+  virtual double value(std::int64_t head, std::int64_t relative_position) const = 0;
+  // b_h(r) of every head for r = r_first … r_first + count − 1: out[h·count + t] = b_h(r_first + t),
+  // fp64. The default calls value(); a scheme whose values are costly (a sum of cosines) may
+  // compute the rows faster, to within its stated error of value() (the engine rounds them to f32).
+  virtual void tabulate(std::int64_t r_first, std::int64_t count, double* out) const {
+    for (std::int64_t h = 0; h < heads(); ++h) {
+      for (std::int64_t t = 0; t < count; ++t) out[h * count + t] = value(h, r_first + t);
+    }
+  }
+
+  // The learned parameters θ as one flat vector (empty: a parameter-free scheme), and
+  // grads[t] += weight · ∂b_h(r)/∂θ_t for every t (grads has parameter_count() entries).
+  virtual std::int64_t parameter_count() const { return 0; }
+  virtual std::vector<double> parameters() const { return {}; }
+  virtual void accumulate_gradient(std::int64_t /* head */, std::int64_t /* relative_position */, double /* weight */,
+                                   std::span<double> /* grads */) const {}
+};
+
+// A scheme of this family held by the library (HeadGroup::bias, BiasScheme): shared, immutable.
+using RelativeBiasRef = std::shared_ptr<const RelativeBias>;
+
+}  // namespace posenc

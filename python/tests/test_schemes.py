@@ -1,0 +1,124 @@
+"""The registry from Python: posenc.schemes(), posenc.RelativeBias for every registered scheme of
+the relative-bias family (against eager PyTorch in float64, gradcheck), head groups in one
+posenc.attention call, and the errors.
+
+Run: PYTHONPATH=build/python /usr/bin/python3 -m pytest -q python/tests
+"""
+import math
+
+import pytest
+import torch
+
+import posenc
+
+torch.manual_seed(0)
+
+
+def eager(q, k, v, bias, causal=True):
+    """softmax(q·kᵀ/sqrt(D) + bias + causal mask)·v in the input's dtype; bias [1 or B, H, Sq, Sk]."""
+    h, g = q.shape[2], k.shape[2]
+    k = k.repeat_interleave(h // g, dim=2)
+    v = v.repeat_interleave(h // g, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1]) + bias
+    if causal:
+        sq, sk = q.shape[1], k.shape[1]
+        mask = torch.ones(sq, sk, dtype=torch.bool).triu(sk - sq + 1)
+        scores = scores.masked_fill(mask, float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
+
+
+def relative_bias_names():
+    return [e["name"] for e in posenc.schemes() if e["family"] == "relative-bias"]
+
+
+def test_the_listing_describes_every_scheme():
+    entries = posenc.schemes()
+    names = [e["name"] for e in entries]
+    for name in ["none", "rope", "alibi", "t5", "kerple", "fire", "tupe", "shaw", "xl"]:
+        assert name in names
+    for e in entries:
+        assert e["summary"] and e["source"] and e["family"]
+        for option in e["options"]:
+            assert set(option) == {"name", "default", "integer", "description"}
+
+
+@pytest.mark.parametrize("name", relative_bias_names())
+def test_every_relative_bias_module_matches_eager_attention(name):
+    module = posenc.RelativeBias(name, 4)
+    if module.parameters_ is not None:  # off the initial values (T5's zeros, equal slopes); signs kept
+        with torch.no_grad():
+            module.parameters_.mul_(torch.empty_like(module.parameters_).uniform_(0.5, 1.5))
+            module.parameters_.add_(torch.empty_like(module.parameters_).uniform_(0.0, 0.1))
+    q = torch.randn(2, 33, 4, 16, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 40, 2, 16, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 40, 2, 16, dtype=torch.float64, requires_grad=True)
+    q_pos, k_pos = torch.arange(7, 40), torch.arange(40)
+    bias = module(q_pos, k_pos, dtype=torch.float64)  # the fp64 values the fp64 attention uses
+    assert bias.shape == (1, 4, 33, 40)
+    expected = eager(q, k, v, bias)
+    fused = posenc.attention(q, k, v, module, causal=True)
+    torch.testing.assert_close(fused, expected, rtol=1e-12, atol=1e-12)
+    grads = torch.autograd.grad(fused.sum(), [q, k, v] + ([module.parameters_] if module.parameters_ is not None
+                                                           else []))
+    wanted = torch.autograd.grad(eager(q, k, v, module(q_pos, k_pos, dtype=torch.float64)).sum(),
+                                 [q, k, v] + ([module.parameters_] if module.parameters_ is not None else []))
+    for got, want in zip(grads, wanted):
+        # The module's parameters are float32; their gradient is summed in fp64 then rounded once.
+        torch.testing.assert_close(got.to(torch.float64), want.to(torch.float64), rtol=1e-6, atol=1e-6)
+    # float32 through the fused kernel against the float64 composition: f32 accuracy.
+    fused32 = posenc.attention(q.float(), k.float(), v.float(), module, causal=True)
+    torch.testing.assert_close(fused32.to(torch.float64), expected, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("name", [n for n in relative_bias_names()
+                                  if posenc.RelativeBias(n, 3).parameters_ is not None])
+def test_materialised_biases_pass_gradcheck(name):
+    module = posenc.RelativeBias(name, 3)
+    params = (module.parameters_.detach().to(torch.float64) + 0.1).requires_grad_()
+    q_pos, k_pos = torch.tensor([0, 3, 9, 20]), torch.arange(12)
+    spec = '{"kind": "%s"}' % name
+    assert torch.autograd.gradcheck(
+        lambda p: torch.ops.posenc.relative_bias(spec, p, q_pos, k_pos, 3, torch.float64), (params,))
+
+
+def test_head_groups_equal_separate_calls():
+    q = torch.randn(1, 30, 4, 16, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 30, 2, 16, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 30, 2, 16, dtype=torch.float64, requires_grad=True)
+    alibi = posenc.ALiBi(2, trainable=True)
+    kerple = posenc.RelativeBias("kerple", 2)
+    out = posenc.attention(q, k, v, [(2, alibi), (2, kerple)], causal=True)
+    first = posenc.attention(q[:, :, :2], k[:, :, :1], v[:, :, :1], alibi, causal=True)
+    second = posenc.attention(q[:, :, 2:], k[:, :, 1:], v[:, :, 1:], kerple, causal=True)
+    torch.testing.assert_close(out, torch.cat([first, second], dim=2), rtol=0, atol=0)
+    (d_slopes,) = torch.autograd.grad(out.sum(), [alibi.slopes])
+    (d_first,) = torch.autograd.grad(first.sum(), [alibi.slopes])
+    torch.testing.assert_close(d_slopes, d_first, rtol=0, atol=0)
+    # RoPE on a group that covers whole KV groups.
+    rope = posenc.attention(q, k, v, [(2, "rope"), (2, "none")], causal=True)
+    torch.testing.assert_close(rope[:, :, :2], posenc.attention(q[:, :, :2], k[:, :, :1], v[:, :, :1], "rope",
+                                                                causal=True), rtol=0, atol=0)
+
+
+def test_errors_name_the_argument():
+    q, k, v = torch.randn(1, 8, 4, 16), torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16)
+    with pytest.raises(ValueError, match="learned parameters"):
+        posenc.attention(q, k, v, "t5")
+    with pytest.raises(ValueError, match="bogus"):
+        posenc.attention(q, k, v, "bogus")
+    with pytest.raises(ValueError, match="relative-bias"):
+        posenc.RelativeBias("rope", 4)
+    with pytest.raises(ValueError, match="option.*bogus_option"):
+        posenc.RelativeBias("alibi", 4, bogus_option=1)
+    with pytest.raises(ValueError, match="num_buckets.*2.5.*an integer"):
+        posenc.RelativeBias("t5", 4, num_buckets=2.5)
+    with pytest.raises(ValueError, match="sum to 3"):
+        posenc.attention(q, k, v, [(2, "none"), (1, "none")])
+    with pytest.raises(ValueError, match="heads = 0"):
+        posenc.attention(q, k, v, [(0, "none"), (4, "none")])
+    with pytest.raises(TypeError, match="pairs"):
+        posenc.attention(q, k, v, [("none",)])
+    with pytest.raises(ValueError, match="whole KV groups"):
+        posenc.attention(q, k, v, [(1, "rope"), (3, "none")])
+    with pytest.raises(ValueError, match="expected the group's 2"):
+        posenc.attention(q, k, v, [(2, posenc.RelativeBias("kerple", 3)), (2, "none")])

@@ -1,0 +1,309 @@
+// Registry entries (posenc/registry.hpp) of the schemes whose classes live in bias.hpp,
+// relative.hpp, rotary.hpp and absolute.hpp: how each is named, which options it takes, the shape
+// of its learned parameters, and its HeadGroup. Initial values (no parameters given) are the
+// papers' (ALiBi's slopes) or the classes' seeded init().
+#include <functional>
+#include <initializer_list>
+#include <string>
+#include <vector>
+
+#include "posenc/registry.hpp"
+
+namespace posenc::scheme_entries {
+namespace {
+
+std::vector<double> slice(const std::vector<double>& values, std::int64_t offset, std::int64_t count) {
+  return {values.begin() + offset, values.begin() + offset + count};
+}
+
+std::vector<double> joined(std::initializer_list<const std::vector<double>*> parts) {
+  std::vector<double> all;
+  for (const auto* part : parts) all.insert(all.end(), part->begin(), part->end());
+  return all;
+}
+
+SchemeEntry with_parameters(SchemeEntry entry, std::function<std::vector<double>(const HeadGroup&)> parameters_of,
+                            std::function<std::vector<double>(const GroupGradients&)> gradients_of) {
+  entry.parameters_of = std::move(parameters_of);
+  entry.gradients_of = std::move(gradients_of);
+  return entry;
+}
+
+HeadGroup bias_group(const SchemeArgs& a, BiasScheme bias) {
+  HeadGroup g;
+  g.heads = a.heads;
+  g.bias = std::move(bias);
+  return g;
+}
+
+}  // namespace
+
+SchemeEntry none_entry() {
+  return {"none",
+          "none",
+          "no positional term (NoPE: the causal mask is the only signal)",
+          "Kazemnejad et al. 2023, The Impact of Positional Encoding on Length Generalization",
+          {},
+          "",
+          [](const SchemeArgs&) { return std::vector<std::int64_t>{}; },
+          [](const SchemeArgs& a) {
+            return HeadGroup{a.heads, {}, {}};
+          }};
+}
+
+SchemeEntry rope_entry() {
+  return {"rope",
+          "transform",
+          "q, k rotated by θ_i·position in pairs, θ_i = base^(−2i/rotary_dim)",
+          "Su et al. 2021, RoFormer",
+          {{"base", 10000.0, "frequency base"},
+           {"rotary_dim", 0, "rotated dimensions (0: head_dim)", true},
+           {"interleaved", 0, "1: pairs (x0, x1), (x2, x3)…; 0: halves (x_i, x_{i+r/2})", true},
+           {"keys_rotated", 0, "1: k is a cache of rotated keys (only q is rotated)", true}},
+          "",
+          [](const SchemeArgs&) { return std::vector<std::int64_t>{}; },
+          [](const SchemeArgs& a) {
+            const std::int64_t rotary = a.integer("rotary_dim") == 0 ? a.head_dim : a.integer("rotary_dim");
+            RopeParams params =
+                a.rope ? *a.rope
+                       : RopeParams(a.head_dim, rotary, a.number("base"),
+                                    a.flag("interleaved") ? RopeLayout::kInterleaved : RopeLayout::kHalfSplit);
+            return HeadGroup{a.heads, RotaryQK{std::move(params), a.flag("keys_rotated"), 0}, {}};
+          }};
+}
+
+SchemeEntry absolute_entry() {
+  return {"absolute",
+          "transform",
+          "the sinusoid of the position added to q and k, not v (position-infused attention)",
+          "Press et al. 2021, Shortformer",
+          {{"dim", 0, "width of the sinusoid (0: head_dim; else it must equal head_dim)", true},
+           {"base", 10000.0, "frequency base"},
+           {"interleaved", 1, "1: (sin, cos) pairs; 0: [sin | cos] halves", true}},
+          "",
+          [](const SchemeArgs&) { return std::vector<std::int64_t>{}; },
+          [](const SchemeArgs& a) {
+            return HeadGroup{
+                a.heads,
+                AbsoluteQK{SinusoidalParams(
+                    a.integer("dim") == 0 ? a.head_dim : a.integer("dim"), a.number("base"),
+                    a.flag("interleaved") ? SinusoidalLayout::kInterleaved : SinusoidalLayout::kSplitHalves)},
+                {}};
+          }};
+}
+
+SchemeEntry alibi_entry() {
+  return with_parameters(
+      {"alibi",
+       "relative-bias",
+       "b = m_h·r (causal) or −m_h·|r| (symmetric), r = key − query",
+       "Press et al. 2022, Train Short, Test Long",
+       {{"symmetric", 0, "1: −m·|r| (encoders)", true}, {"max_bias", 8.0, "the slopes' exponent scale"}},
+       "slopes [heads]",
+       [](const SchemeArgs& a) { return std::vector<std::int64_t>{a.heads}; },
+       [](const SchemeArgs& a) {
+         const AlibiForm form = a.flag("symmetric") ? AlibiForm::kSymmetric : AlibiForm::kCausal;
+         return bias_group(a, a.parameters.empty() ? AlibiParams(a.heads, form, a.number("max_bias"))
+                                                   : AlibiParams(a.parameters, form));
+       }},
+      [](const HeadGroup& g) { return std::get<AlibiParams>(*g.bias).slopes(); },
+      [](const GroupGradients& g) { return g.alibi_slopes; });
+}
+
+SchemeEntry t5_entry() {
+  return with_parameters(
+      {"t5",
+       "relative-bias",
+       "b = table[bucket(r), h]: exact near 0, logarithmic buckets up to max_distance",
+       "Raffel et al. 2020, T5",
+       {{"num_buckets", 32, "buckets", true},
+        {"max_distance", 128, "distance of the last bucket", true},
+        {"bidirectional", 1, "0: causal buckets", true}},
+       "table [num_buckets, heads] (zeros at first)",
+       [](const SchemeArgs& a) {
+         return std::vector<std::int64_t>{a.integer("num_buckets"), a.heads};
+       },
+       [](const SchemeArgs& a) {
+         return bias_group(a, T5BiasParams(a.heads, a.integer("num_buckets"), a.integer("max_distance"),
+                                           a.flag("bidirectional"), a.parameters));
+       }},
+      [](const HeadGroup& g) { return std::get<T5BiasParams>(*g.bias).table(); },
+      [](const GroupGradients& g) { return g.t5_table; });
+}
+
+SchemeEntry kerple_entry() {
+  return with_parameters(
+      {"kerple",
+       "relative-bias",
+       "b = −r1_h·log(1 + r2_h·|r|) (log) or −r1_h·|r|^r2_h (power)",
+       "Chi et al. 2022, KERPLE",
+       {{"power", 0, "1: the power form", true},
+        {"r1", 1.0, "r1 of every head at first"},
+        {"r2", 0.5, "r2 of every head at first"}},
+       "[r1 | r2] [2, heads]",
+       [](const SchemeArgs& a) {
+         return std::vector<std::int64_t>{2, a.heads};
+       },
+       [](const SchemeArgs& a) {
+         const KerpleForm form = a.flag("power") ? KerpleForm::kPower : KerpleForm::kLog;
+         const auto h = static_cast<std::size_t>(a.heads);
+         if (a.parameters.empty()) {
+           return bias_group(
+               a, KerpleParams(form, std::vector<double>(h, a.number("r1")), std::vector<double>(h, a.number("r2"))));
+         }
+         return bias_group(a,
+                           KerpleParams(form, slice(a.parameters, 0, a.heads), slice(a.parameters, a.heads, a.heads)));
+       }},
+      [](const HeadGroup& g) { return std::get<KerpleParams>(*g.bias).parameters(); },
+      [](const GroupGradients& g) {
+        return joined({&g.kerple_r1, &g.kerple_r2});
+      });
+}
+
+SchemeEntry fire_entry() {
+  return with_parameters(
+      {"fire",
+       "bias",
+       "b = MLP_h(ψ(|i − j|)/ψ(max(L, i))), ψ(t) = log(1 + c·t)",
+       "Li et al. 2023, Functional Interpolation for Relative Positions",
+       {{"hidden", 32, "MLP width", true},
+        {"c", 1.0, "c of ψ at first"},
+        {"threshold", 512.0, "L at first"},
+        {"seed", 0, "initialisation seed", true}},
+       "[w1 (hidden) | b1 (hidden) | w2 (heads·hidden) | b2 (heads) | c | L]",
+       [](const SchemeArgs& a) {
+         const std::int64_t k = a.integer("hidden");
+         return std::vector<std::int64_t>{2 * k + a.heads * k + a.heads + 2};
+       },
+       [](const SchemeArgs& a) {
+         const std::int64_t k = a.integer("hidden"), h = a.heads;
+         if (a.parameters.empty()) {
+           return bias_group(a, FireParams::init(h, k, static_cast<std::uint64_t>(a.integer("seed")), a.number("c"),
+                                                 a.number("threshold")));
+         }
+         const std::vector<double>& p = a.parameters;
+         return bias_group(a, FireParams(h, slice(p, 0, k), slice(p, k, k), slice(p, 2 * k, h * k),
+                                         slice(p, 2 * k + h * k, h), p[p.size() - 2], p[p.size() - 1]));
+       }},
+      [](const HeadGroup& g) {
+        const FireParams& f = std::get<FireParams>(*g.bias);
+        std::vector<double> all = joined({&f.w1(), &f.b1(), &f.w2(), &f.b2()});
+        all.push_back(f.c());
+        all.push_back(f.threshold());
+        return all;
+      },
+      [](const GroupGradients& g) {
+        std::vector<double> all = joined({&g.fire->w1, &g.fire->b1, &g.fire->w2, &g.fire->b2});
+        all.push_back(g.fire->c);
+        all.push_back(g.fire->threshold);
+        return all;
+      });
+}
+
+SchemeEntry tupe_entry() {
+  return with_parameters(
+      {"tupe",
+       "bias",
+       "b = (p_i U^Q_h)·(p_j U^K_h)/sqrt(2D), p a learned absolute table",
+       "Ke et al. 2021, Rethinking Positional Encoding in Language Pre-training",
+       {{"d_model", 64, "width of the position table", true},
+        {"max_len", 512, "rows of the position table", true},
+        {"cls_reset", 0, "1: position 0 is a [CLS] token with learned θ1, θ2", true},
+        {"seed", 0, "initialisation seed", true}},
+       "[table (max_len·d_model) | U^Q (d_model·heads·head_dim) | U^K | θ1 (heads) | θ2 (heads)]",
+       [](const SchemeArgs& a) {
+         const std::int64_t table = a.integer("max_len") * a.integer("d_model");
+         const std::int64_t u = a.integer("d_model") * a.heads * a.head_dim;
+         return std::vector<std::int64_t>{table + 2 * u + 2 * a.heads};
+       },
+       [](const SchemeArgs& a) {
+         const std::int64_t d_model = a.integer("d_model"), max_len = a.integer("max_len");
+         if (a.parameters.empty()) {
+           return bias_group(a, TupeParams::init(a.heads, a.head_dim, d_model, max_len, a.flag("cls_reset"), 0.02,
+                                                 static_cast<std::uint64_t>(a.integer("seed"))));
+         }
+         const std::int64_t table = max_len * d_model, u = d_model * a.heads * a.head_dim;
+         const std::vector<double>& p = a.parameters;
+         return bias_group(a, TupeParams(a.heads, a.head_dim, d_model, slice(p, 0, table), slice(p, table, u),
+                                         slice(p, table + u, u), a.flag("cls_reset"), slice(p, table + 2 * u, a.heads),
+                                         slice(p, table + 2 * u + a.heads, a.heads)));
+       }},
+      [](const HeadGroup& g) {
+        const TupeParams& t = std::get<TupeParams>(*g.bias);
+        return joined({&t.table(), &t.u_q(), &t.u_k(), &t.theta1(), &t.theta2()});
+      },
+      [](const GroupGradients& g) {
+        return joined({&g.tupe->table, &g.tupe->u_q, &g.tupe->u_k, &g.tupe->theta1, &g.tupe->theta2});
+      });
+}
+
+SchemeEntry shaw_entry() {
+  return with_parameters(
+      {"shaw",
+       "relative-terms",
+       "logit += scale·q·a^K[clip(r, ±k)], out += Σ_j p_ij·a^V[clip(r, ±k)]",
+       "Shaw et al. 2018, Self-Attention with Relative Position Representations",
+       {{"max_distance", 16, "the clip k", true}, {"seed", 0, "initialisation seed", true}},
+       "[key table | value table] [2, 2·max_distance + 1, head_dim]",
+       [](const SchemeArgs& a) {
+         return std::vector<std::int64_t>{2, 2 * a.integer("max_distance") + 1, a.head_dim};
+       },
+       [](const SchemeArgs& a) {
+         const std::int64_t k = a.integer("max_distance");
+         HeadGroup g{a.heads, {}, {}};
+         if (a.parameters.empty()) {
+           g.shaw = ShawParams::init(k, a.head_dim, 0.02, static_cast<std::uint64_t>(a.integer("seed")));
+         } else {
+           const std::int64_t half = static_cast<std::int64_t>(a.parameters.size()) / 2;
+           g.shaw = ShawParams(k, a.head_dim, slice(a.parameters, 0, half), slice(a.parameters, half, half));
+         }
+         return g;
+       }},
+      [](const HeadGroup& g) {
+        const auto size = static_cast<std::size_t>(g.shaw->rows() * g.shaw->head_dim());
+        const std::vector<double> zeros(size, 0.0);
+        const auto& key = g.shaw->key_table().empty() ? zeros : g.shaw->key_table();
+        const auto& value = g.shaw->value_table().empty() ? zeros : g.shaw->value_table();
+        return joined({&key, &value});
+      },
+      [](const GroupGradients& g) {
+        return joined({&g.shaw_key_table, &g.shaw_value_table});
+      });
+}
+
+SchemeEntry xl_entry() {
+  return with_parameters(
+      {"xl",
+       "relative-terms",
+       "logit += scale·(u_h·k_j + (q_i + v_h)·W_R r(i − j)), r a sinusoid of d_model",
+       "Dai et al. 2019, Transformer-XL",
+       {{"d_model", 64, "width of the sinusoid r", true},
+        {"base", 10000.0, "the sinusoid's base"},
+        {"seed", 0, "initialisation seed", true}},
+       "[u (heads·head_dim) | v (heads·head_dim) | W_R (heads·head_dim·d_model)]",
+       [](const SchemeArgs& a) {
+         const std::int64_t hd = a.heads * a.head_dim;
+         return std::vector<std::int64_t>{2 * hd + hd * a.integer("d_model")};
+       },
+       [](const SchemeArgs& a) {
+         const std::int64_t d_model = a.integer("d_model"), hd = a.heads * a.head_dim;
+         HeadGroup g{a.heads, {}, {}};
+         if (a.parameters.empty()) {
+           const XlParams init =
+               XlParams::init(a.heads, a.head_dim, d_model, 0.02, static_cast<std::uint64_t>(a.integer("seed")));
+           g.xl = XlParams(a.heads, a.head_dim, d_model, init.u(), init.v(), init.w_r(), a.scale, a.number("base"));
+         } else {
+           g.xl = XlParams(a.heads, a.head_dim, d_model, slice(a.parameters, 0, hd), slice(a.parameters, hd, hd),
+                           slice(a.parameters, 2 * hd, hd * d_model), a.scale, a.number("base"));
+         }
+         return g;
+       }},
+      [](const HeadGroup& g) {
+        return joined({&g.xl->u(), &g.xl->v(), &g.xl->w_r()});
+      },
+      [](const GroupGradients& g) {
+        return joined({&g.xl->u, &g.xl->v, &g.xl->w_r});
+      });
+}
+
+}  // namespace posenc::scheme_entries

@@ -1,0 +1,113 @@
+// The registry (posenc/registry.hpp): a scheme's entry function is declared and listed here, in
+// the order `posenc schemes` lists them, and defined beside its code (builtin.cpp for the schemes
+// whose classes predate src/schemes/; src/schemes/<name>.cpp for the others).
+#include "posenc/registry.hpp"
+
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "internal.hpp"
+
+namespace posenc {
+namespace scheme_entries {
+// The entries, each defined beside its scheme.
+SchemeEntry none_entry();
+SchemeEntry rope_entry();
+SchemeEntry absolute_entry();
+SchemeEntry alibi_entry();
+SchemeEntry t5_entry();
+SchemeEntry kerple_entry();
+SchemeEntry fire_entry();
+SchemeEntry tupe_entry();
+SchemeEntry shaw_entry();
+SchemeEntry xl_entry();
+}  // namespace scheme_entries
+
+const std::vector<SchemeEntry>& schemes() {
+  // clang-format off
+  static const std::vector<SchemeEntry> all = {
+      scheme_entries::none_entry(),
+      scheme_entries::rope_entry(),
+      scheme_entries::absolute_entry(),
+      scheme_entries::alibi_entry(),
+      scheme_entries::t5_entry(),
+      scheme_entries::kerple_entry(),
+      scheme_entries::fire_entry(),
+      scheme_entries::tupe_entry(),
+      scheme_entries::shaw_entry(),
+      scheme_entries::xl_entry(),
+  };
+  // clang-format on
+  return all;
+}
+
+const SchemeEntry& find_scheme(std::string_view name) {
+  std::string names;
+  for (const SchemeEntry& e : schemes()) {
+    if (e.name == name) return e;
+    names += (names.empty() ? "" : ", ") + e.name;
+  }
+  throw Error("schemes", "name", name, "one of " + names);
+}
+
+double SchemeArgs::number(std::string_view name) const {
+  const auto it = options.find(name);
+  if (it == options.end()) throw Error("SchemeArgs", "options", name, "an option the scheme declares");
+  return it->second;
+}
+
+std::int64_t SchemeArgs::integer(std::string_view name) const { return static_cast<std::int64_t>(number(name)); }
+
+SchemeArgs complete_scheme_args(const SchemeEntry& entry, SchemeArgs args) {
+  const std::string where = "scheme " + entry.name;
+  if (args.heads < 1) throw Error(where, "heads", std::to_string(args.heads), ">= 1");
+  if (args.head_dim < 1) throw Error(where, "head_dim", std::to_string(args.head_dim), ">= 1");
+  for (const auto& [name, value] : args.options) {
+    const SchemeOption* option = nullptr;
+    for (const SchemeOption& o : entry.options) option = o.name == name ? &o : option;
+    if (option == nullptr) {
+      std::string names;
+      for (const SchemeOption& o : entry.options) names += (names.empty() ? "" : ", ") + o.name;
+      throw Error(where, "option", name, names.empty() ? "no options" : "one of " + names);
+    }
+    // Integers up to 2^53: beyond, a double no longer holds every integer.
+    constexpr double kLargest = 9007199254740992.0;
+    if (std::isnan(value) || (option->integer && (value != std::trunc(value) || std::fabs(value) > kLargest))) {
+      throw Error(where, name, detail::to_text(value), option->integer ? "an integer" : "a number");
+    }
+  }
+  for (const SchemeOption& o : entry.options) args.options.emplace(o.name, o.default_value);
+  if (!args.parameters.empty()) {
+    std::int64_t count = 1;
+    std::string shape;
+    for (const std::int64_t extent : entry.parameter_shape(args)) {
+      count *= extent;
+      shape += (shape.empty() ? "" : ", ") + std::to_string(extent);
+    }
+    if (static_cast<std::int64_t>(args.parameters.size()) != count) {
+      throw Error(where, "parameters", std::to_string(args.parameters.size()) + " values",
+                  std::to_string(count) + " = [" + shape + "] (" + entry.parameters + ")");
+    }
+  }
+  return args;
+}
+
+std::vector<double> scheme_parameters(const SchemeEntry& entry, const HeadGroup& group) {
+  if (entry.parameters_of) return entry.parameters_of(group);
+  if (entry.family == "relative-bias" && group.bias) return relative_bias(*group.bias)->parameters();
+  return {};
+}
+
+std::vector<double> scheme_gradients(const SchemeEntry& entry, const GroupGradients& grads) {
+  if (entry.gradients_of) return entry.gradients_of(grads);
+  if (entry.family == "relative-bias") return grads.bias_parameters;
+  return {};
+}
+
+HeadGroup make_head_group(std::string_view name, SchemeArgs args) {
+  const SchemeEntry& entry = find_scheme(name);
+  return entry.make(complete_scheme_args(entry, std::move(args)));
+}
+
+}  // namespace posenc

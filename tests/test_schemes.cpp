@@ -1,0 +1,384 @@
+// The generic test matrix: every registered scheme (posenc/registry.hpp), on every target, goes
+// through the same checks, so that a new scheme is tested by its registry line alone:
+//   - its entry is complete and its parameters have the declared shape;
+//   - every invalid option, parameter count and head count is refused by name;
+//   - the fused attention matches the fp64 reference (flash-attention's criterion against the
+//     naive f32 composition), causal and bidirectional, in a strided layout and in bf16;
+//   - its parameter gradients match finite differences of the fp64 reference, and the fused
+//     backward's (and dq, dk, dv) match the fp64 reference's;
+//   - forward and backward give the same bits for 1, 2 and 3 threads;
+//   - a relative-bias scheme's materialisation and backward match their references.
+// A scheme's own file of tests (test_scheme_<name>.cpp) holds its golden values.
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "testing.hpp"
+
+namespace posenc {
+namespace {
+
+using testing::EveryTarget;
+using testing::expect_error;
+using testing::uniform;
+
+constexpr std::int64_t kBatch = 2, kQLen = 29, kKLen = 41, kHeads = 4, kKvHeads = 2, kDim = 16;
+
+// Options that keep every scheme's tables small at the matrix's shapes.
+SchemeArgs matrix_args(const SchemeEntry& entry) {
+  SchemeArgs a;
+  a.heads = kHeads;
+  a.head_dim = kDim;
+  const auto set = [&](const char* name, double value) {
+    for (const SchemeOption& o : entry.options) {
+      if (o.name == name) a.options[name] = value;
+    }
+  };
+  set("hidden", 6);        // FIRE
+  set("threshold", 16);    // FIRE's L: below the positions, so that ∂/∂L is exercised
+  set("d_model", 12);      // TUPE, XL
+  set("max_len", 64);      // TUPE
+  set("max_distance", 9);  // Shaw, T5
+  set("num_buckets", 8);   // T5
+  // A relative bias's width (d' of a sinusoid's dot product); Shortformer's must equal head_dim.
+  if (entry.family == "relative-bias") set("dim", 24);
+  return a;
+}
+
+// The scheme with its initial parameters moved off their special values (zero tables, equal
+// slopes): each scaled by [0.5, 1.5], zeros set in [−0.5, 0.5]. Positive parameters stay positive.
+SchemeArgs with_random_parameters(const SchemeEntry& entry, SchemeArgs a) {
+  const HeadGroup initial = make_head_group(entry.name, a);
+  std::vector<double> theta = scheme_parameters(entry, initial);
+  for (double& t : theta) t = t == 0 ? uniform(-0.5, 0.5) : t * uniform(0.5, 1.5);
+  a.parameters = theta;
+  return a;
+}
+
+struct Inputs {
+  std::vector<double> q, k, v;  // [B, S, H, D] values
+};
+
+Inputs random_inputs() {
+  Inputs in;
+  in.q.resize(static_cast<std::size_t>(kBatch * kQLen * kHeads * kDim));
+  in.k.resize(static_cast<std::size_t>(kBatch * kKLen * kKvHeads * kDim));
+  in.v.resize(in.k.size());
+  for (auto* values : {&in.q, &in.k, &in.v}) {
+    for (double& x : *values) x = uniform(-1, 1);
+  }
+  return in;
+}
+
+// Buffers of one dtype holding the inputs, and views of them: [B, S, H, D], or for q a
+// [B, H, S, D] buffer seen through permuted strides (`strided`).
+struct Call {
+  DType dtype;
+  bool strided;
+  std::vector<unsigned char> q, k, v;
+  AttentionSpec spec;
+
+  Call(const Inputs& in, DType dt, bool strided_q, HeadGroup group, bool causal) : dtype(dt), strided(strided_q) {
+    std::vector<double> q_values = in.q;
+    if (strided) {  // store q as [B, H, S, D]
+      for (std::int64_t b = 0; b < kBatch; ++b) {
+        for (std::int64_t s = 0; s < kQLen; ++s) {
+          for (std::int64_t h = 0; h < kHeads; ++h) {
+            for (std::int64_t d = 0; d < kDim; ++d) {
+              q_values[static_cast<std::size_t>(((b * kHeads + h) * kQLen + s) * kDim + d)] =
+                  in.q[static_cast<std::size_t>(((b * kQLen + s) * kHeads + h) * kDim + d)];
+            }
+          }
+        }
+      }
+    }
+    q = testing::to_dtype(q_values, dt);
+    k = testing::to_dtype(in.k, dt);
+    v = testing::to_dtype(in.v, dt);
+    const std::vector<std::int64_t> q_shape = {kBatch, kQLen, kHeads, kDim};
+    const std::vector<std::int64_t> q_strides =
+        strided ? std::vector<std::int64_t>{kHeads * kQLen * kDim, kDim, kQLen * kDim, 1}
+                : std::vector<std::int64_t>{kQLen * kHeads * kDim, kHeads * kDim, kDim, 1};
+    const std::vector<std::int64_t> k_shape = {kBatch, kKLen, kKvHeads, kDim};
+    spec.q = ConstTensorView(q.data(), dt, q_shape, q_strides);
+    spec.k = ConstTensorView::contiguous(k.data(), dt, k_shape);
+    spec.v = ConstTensorView::contiguous(v.data(), dt, k_shape);
+    spec.groups = {std::move(group)};
+    spec.mask.causal = causal;
+  }
+};
+
+struct Result {
+  std::vector<double> out, lse;
+};
+
+// out (as values in [B, S, H, D] order) and lse of the fused call or a reference (mode 1: fp64,
+// mode 2: naive f32), out in the call's dtype (f64 for the fp64 reference).
+Result run(const Attention& att, DType dtype, int mode) {
+  const DType out_dtype = mode == 1 ? DType::kF64 : dtype;
+  const std::int64_t count = kBatch * kQLen * kHeads * kDim;
+  std::vector<unsigned char> out = testing::garbage_buffer(out_dtype, count);
+  std::vector<float> lse(static_cast<std::size_t>(kBatch * kHeads * kQLen));
+  const std::vector<std::int64_t> shape = {kBatch, kQLen, kHeads, kDim};
+  const TensorView out_view = TensorView::contiguous(out.data(), out_dtype, shape);
+  const TensorView lse_view = TensorView::of(lse.data(), {kBatch, kHeads, kQLen});
+  if (mode == 0) {
+    att.forward(out_view, lse_view);
+  } else {
+    ref::attention_forward(att, out_view, lse_view, mode == 2);
+  }
+  Result r;
+  for (std::int64_t i = 0; i < count; ++i) r.out.push_back(testing::element(out.data(), out_dtype, i));
+  r.lse.assign(lse.begin(), lse.end());
+  return r;
+}
+
+double max_abs_diff(const std::vector<double>& a, const std::vector<double>& b) {
+  double m = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) m = std::max(m, std::fabs(a[i] - b[i]));
+  return m;
+}
+
+double max_abs(const std::vector<double>& a) {
+  double m = 0;
+  for (const double x : a) m = std::max(m, std::fabs(x));
+  return m;
+}
+
+class Schemes : public EveryTarget {};
+
+TEST_P(Schemes, EveryEntryIsDescribedAndItsParametersHaveTheDeclaredShape) {
+  std::vector<std::string> names;
+  for (const SchemeEntry& e : schemes()) {
+    SCOPED_TRACE(e.name);
+    EXPECT_EQ(std::count(names.begin(), names.end(), e.name), 0) << "duplicate name";
+    names.push_back(e.name);
+    EXPECT_TRUE(e.family == "none" || e.family == "transform" || e.family == "relative-bias" || e.family == "bias" ||
+                e.family == "relative-terms")
+        << e.family;
+    EXPECT_FALSE(e.summary.empty());
+    EXPECT_FALSE(e.source.empty());
+    EXPECT_EQ(&find_scheme(e.name), &e);
+    const SchemeArgs args = complete_scheme_args(e, matrix_args(e));
+    const HeadGroup g = e.make(args);
+    EXPECT_EQ(g.heads, kHeads);
+    std::int64_t count = e.parameter_shape(args).empty() ? 0 : 1;
+    for (const std::int64_t extent : e.parameter_shape(args)) count *= extent;
+    EXPECT_EQ(static_cast<std::int64_t>(scheme_parameters(e, g).size()), count);
+    EXPECT_EQ(e.parameters.empty(), count == 0) << "the parameters' description";
+    // The group's gradients flatten to the same size.
+    const Inputs in = random_inputs();
+    const Call call(in, DType::kF32, false, g, true);
+    const Attention att(call.spec);
+    EXPECT_EQ(static_cast<std::int64_t>(scheme_gradients(e, att.zero_gradients().groups[0]).size()), count);
+  }
+  expect_error([] { find_scheme("bogus"); }, {"schemes", "name", "bogus", "one of none, rope"});
+}
+
+TEST_P(Schemes, EveryInvalidArgumentIsRefusedByName) {
+  for (const SchemeEntry& e : schemes()) {
+    SCOPED_TRACE(e.name);
+    SchemeArgs a = matrix_args(e);
+    a.options["bogus_option"] = 1;
+    expect_error([&] { make_head_group(e.name, a); }, {"scheme " + e.name, "option", "bogus_option"});
+    for (const SchemeOption& o : e.options) {
+      SCOPED_TRACE(o.name);
+      SchemeArgs b = matrix_args(e);
+      b.options[o.name] = std::nan("");
+      expect_error([&] { make_head_group(e.name, b); }, {o.name, "nan"});
+      if (o.integer) {
+        b.options[o.name] = 2.5;
+        expect_error([&] { make_head_group(e.name, b); }, {o.name, "2.5", "an integer"});
+      }
+    }
+    SchemeArgs c = matrix_args(e);
+    c.parameters = {1.0, 2.0, 3.0};  // no scheme at these shapes has three parameters
+    expect_error([&] { make_head_group(e.name, c); }, {"parameters", "3 values"});
+    SchemeArgs d = matrix_args(e);
+    d.heads = 0;
+    expect_error([&] { make_head_group(e.name, d); }, {"heads", "0", ">= 1"});
+  }
+}
+
+TEST_P(Schemes, FusedAttentionMatchesTheReference) {
+  const Inputs in = random_inputs();
+  for (const SchemeEntry& e : schemes()) {
+    const HeadGroup g = make_head_group(e.name, with_random_parameters(e, matrix_args(e)));
+    for (const bool causal : {true, false}) {
+      for (const bool strided : {false, true}) {
+        SCOPED_TRACE(e.name + (causal ? ", causal" : ", bidirectional") + (strided ? ", q [B, H, S, D]" : ""));
+        const Call call(in, DType::kF32, strided, g, causal);
+        const Attention att(call.spec);
+        const Result fused = run(att, DType::kF32, 0), exact = run(att, DType::kF32, 1),
+                     naive = run(att, DType::kF32, 2);
+        // flash-attention's criterion, with a floor of 2^-22 (4 f32 ulps of |out| <= max|v| = 1)
+        // for cases where the naive error happens to be tiny.
+        const double naive_err = max_abs_diff(naive.out, exact.out);
+        EXPECT_LE(max_abs_diff(fused.out, exact.out), 2 * naive_err + std::ldexp(1.0, -22))
+            << "naive f32 error " << naive_err;
+        // lse: f32 carries 2^-24 relative on |lse| ~ log Sk + |logits| (a few units here).
+        EXPECT_LE(max_abs_diff(fused.lse, exact.lse), 2 * max_abs_diff(naive.lse, exact.lse) + std::ldexp(1.0, -18));
+      }
+    }
+    // bf16 inputs: the fp64 reference of the same rounded inputs, rounded once to bf16, is off by
+    // half a bf16 ulp (2^-9 relative, |out| <= 1); the f32 computation adds at most the floor.
+    SCOPED_TRACE(e.name + ", bf16");
+    const Call call(in, DType::kBF16, false, g, true);
+    const Attention att(call.spec);
+    EXPECT_LE(max_abs_diff(run(att, DType::kBF16, 0).out, run(att, DType::kBF16, 1).out),
+              std::ldexp(1.0, -9) + std::ldexp(1.0, -20));
+  }
+}
+
+struct Gradients {
+  std::vector<double> dq, dk, dv, params;
+};
+
+// d(Σ w·out) by the call's backward (fused or the fp64 reference), with w = out_weights.
+Gradients backward(const SchemeEntry& e, const Attention& att, DType dtype, bool reference,
+                   const std::vector<double>& out_weights) {
+  const DType dt = reference ? DType::kF64 : dtype;
+  const std::int64_t q_count = kBatch * kQLen * kHeads * kDim, k_count = kBatch * kKLen * kKvHeads * kDim;
+  std::vector<unsigned char> out = testing::garbage_buffer(dt, q_count);
+  std::vector<float> lse(static_cast<std::size_t>(kBatch * kHeads * kQLen));
+  const std::vector<std::int64_t> q_shape = {kBatch, kQLen, kHeads, kDim}, k_shape = {kBatch, kKLen, kKvHeads, kDim};
+  const TensorView out_view = TensorView::contiguous(out.data(), dt, q_shape);
+  const TensorView lse_view = TensorView::of(lse.data(), {kBatch, kHeads, kQLen});
+  const std::vector<unsigned char> d_out = testing::to_dtype(out_weights, dt);
+  std::vector<unsigned char> dq = testing::to_dtype(std::vector<double>(static_cast<std::size_t>(q_count), 0.0), dt);
+  std::vector<unsigned char> dk = testing::to_dtype(std::vector<double>(static_cast<std::size_t>(k_count), 0.0), dt);
+  std::vector<unsigned char> dv = dk;
+  AttentionGradients grads = att.zero_gradients();
+  const ConstTensorView dov = ConstTensorView::contiguous(d_out.data(), dt, q_shape);
+  const TensorView dqv = TensorView::contiguous(dq.data(), dt, q_shape);
+  const TensorView dkv = TensorView::contiguous(dk.data(), dt, k_shape),
+                   dvv = TensorView::contiguous(dv.data(), dt, k_shape);
+  if (reference) {
+    ref::attention_forward(att, out_view, lse_view);
+    ref::attention_backward(att, out_view, lse_view, dov, dqv, dkv, dvv, &grads);
+  } else {
+    att.forward(out_view, lse_view);
+    att.backward(out_view, lse_view, dov, dqv, dkv, dvv, &grads);
+  }
+  Gradients g;
+  for (std::int64_t i = 0; i < q_count; ++i) g.dq.push_back(testing::element(dq.data(), dt, i));
+  for (std::int64_t i = 0; i < k_count; ++i) {
+    g.dk.push_back(testing::element(dk.data(), dt, i));
+    g.dv.push_back(testing::element(dv.data(), dt, i));
+  }
+  g.params = scheme_gradients(e, grads.groups[0]);
+  return g;
+}
+
+// Σ w·out of the fp64 reference with the scheme's parameters θ.
+double loss(const SchemeEntry& e, const SchemeArgs& args, const std::vector<double>& theta, const Inputs& in,
+            const std::vector<double>& w) {
+  SchemeArgs a = args;
+  a.parameters = theta;
+  const Call call(in, DType::kF64, false, make_head_group(e.name, a), true);
+  const Attention att(call.spec);
+  const Result r = run(att, DType::kF64, 1);
+  double sum = 0;
+  for (std::size_t i = 0; i < w.size(); ++i) sum += w[i] * r.out[i];
+  return sum;
+}
+
+TEST_P(Schemes, GradientsMatchFiniteDifferencesAndTheReference) {
+  const Inputs in = random_inputs();
+  std::vector<double> w(in.q.size());
+  for (double& x : w) x = uniform(-1, 1);
+  for (const SchemeEntry& e : schemes()) {
+    SCOPED_TRACE(e.name);
+    const SchemeArgs args = with_random_parameters(e, matrix_args(e));
+    const HeadGroup g = make_head_group(e.name, args);
+    const Call call32(in, DType::kF32, false, g, true), call64(in, DType::kF64, false, g, true);
+    const Attention att32(call32.spec), att64(call64.spec);
+    const Gradients exact = backward(e, att64, DType::kF64, true, w);
+    // The fp64 reference against central differences of its own forward, at up to 12 parameters
+    // spread over the vector. h = 1e-5·max(1, |θ|): the truncation error O(h²) and the rounding
+    // error O(1e-16/h) both stay under 1e-8 of the loss's scale.
+    const std::vector<double> theta = args.parameters;
+    const std::size_t n = theta.size();
+    for (std::size_t s = 0; s < std::min<std::size_t>(n, 12); ++s) {
+      const std::size_t t = s * n / std::min<std::size_t>(n, 12);
+      const double h = 1e-5 * std::max(1.0, std::fabs(theta[t]));
+      std::vector<double> plus = theta, minus = theta;
+      plus[t] += h;
+      minus[t] -= h;
+      const double fd = (loss(e, args, plus, in, w) - loss(e, args, minus, in, w)) / (2 * h);
+      EXPECT_NEAR(exact.params[t], fd, 1e-6 * (1 + std::fabs(fd))) << "parameter " << t;
+    }
+    // The fused f32 backward against the fp64 reference: sums of up to B·Sq·Sk f32 terms per
+    // parameter, each with a relative error of a few 2^-24: 1e-3 of the largest gradient.
+    const Gradients fused = backward(e, att32, DType::kF32, false, w);
+    ASSERT_EQ(fused.params.size(), exact.params.size());
+    EXPECT_LE(max_abs_diff(fused.params, exact.params), 1e-3 * (max_abs(exact.params) + 1e-3));
+    EXPECT_LE(max_abs_diff(fused.dq, exact.dq), 1e-3 * (max_abs(exact.dq) + 1e-3));
+    EXPECT_LE(max_abs_diff(fused.dk, exact.dk), 1e-3 * (max_abs(exact.dk) + 1e-3));
+    EXPECT_LE(max_abs_diff(fused.dv, exact.dv), 1e-3 * (max_abs(exact.dv) + 1e-3));
+  }
+}
+
+TEST_P(Schemes, SameBitsForAnyThreadCount) {
+  const Inputs in = random_inputs();
+  std::vector<double> w(in.q.size());
+  for (double& x : w) x = uniform(-1, 1);
+  for (const SchemeEntry& e : schemes()) {
+    SCOPED_TRACE(e.name);
+    const Call call(in, DType::kF32, false, make_head_group(e.name, with_random_parameters(e, matrix_args(e))), true);
+    const Attention att(call.spec);
+    set_num_threads(1);
+    const Result one = run(att, DType::kF32, 0);
+    const Gradients one_grads = backward(e, att, DType::kF32, false, w);
+    for (const int threads : {2, 3}) {
+      set_num_threads(threads);
+      const Result many = run(att, DType::kF32, 0);
+      const Gradients many_grads = backward(e, att, DType::kF32, false, w);
+      EXPECT_EQ(many.out, one.out) << threads << " threads";
+      EXPECT_EQ(many.lse, one.lse) << threads << " threads";
+      EXPECT_EQ(many_grads.dq, one_grads.dq) << threads << " threads";
+      EXPECT_EQ(many_grads.dk, one_grads.dk) << threads << " threads";
+      EXPECT_EQ(many_grads.dv, one_grads.dv) << threads << " threads";
+      EXPECT_EQ(many_grads.params, one_grads.params) << threads << " threads";
+    }
+  }
+}
+
+TEST_P(Schemes, RelativeBiasesMaterialiseAndDifferentiateAsTheirReference) {
+  std::vector<std::int64_t> q_ids(static_cast<std::size_t>(kQLen)), k_ids(static_cast<std::size_t>(kKLen));
+  for (auto& x : q_ids) x = testing::uniform_int(0, 5000);
+  for (std::size_t j = 0; j < k_ids.size(); ++j) k_ids[j] = 3000 + static_cast<std::int64_t>(j);  // consecutive
+  const Positions qp = Positions::ids(q_ids), kp = Positions::ids(k_ids);
+  for (const SchemeEntry& e : schemes()) {
+    if (e.family != "relative-bias") continue;
+    SCOPED_TRACE(e.name);
+    const HeadGroup g = make_head_group(e.name, with_random_parameters(e, matrix_args(e)));
+    const BiasScheme& scheme = *g.bias;
+    std::vector<float> fast(static_cast<std::size_t>(kHeads * kQLen * kKLen));
+    std::vector<double> exact(fast.size());
+    bias_materialize(scheme, qp, kp, TensorView::of(fast.data(), {kHeads, kQLen, kKLen}));
+    ref::bias_materialize(scheme, qp, kp, TensorView::of(exact.data(), {kHeads, kQLen, kKLen}));
+    for (std::size_t i = 0; i < fast.size(); ++i) {
+      // One rounding of the fp64 value to f32, plus tabulate's own error: a sum of up to 64
+      // cosines whose angles carry |r|·2^-52 each is within 64·8000·2^-51 < 1e-9 at these positions.
+      ASSERT_NEAR(fast[i], exact[i], std::ldexp(std::fabs(exact[i]), -24) + 1e-9) << "element " << i;
+    }
+    const RelativeBias& rb = *relative_bias(scheme);
+    std::vector<double> ds(fast.size());
+    for (double& x : ds) x = uniform(-1, 1);
+    std::vector<double> d_fast(static_cast<std::size_t>(rb.parameter_count()), 0.0), d_exact = d_fast;
+    const ConstTensorView dsv = ConstTensorView::of(ds.data(), {kHeads, kQLen, kKLen});
+    relative_bias_backward(rb, qp, kp, dsv, d_fast);
+    ref::relative_bias_backward(rb, qp, kp, dsv, d_exact);
+    // fp64 sums in another order: 1e-12 of the largest.
+    EXPECT_LE(max_abs_diff(d_fast, d_exact), 1e-12 * (max_abs(d_exact) + 1));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Targets, Schemes, ::testing::ValuesIn(testing::all_targets()));
+
+}  // namespace
+}  // namespace posenc

@@ -23,7 +23,7 @@ __all__ = [
     "rope_multi",
     "SinusoidalPositionalEncoding", "LearnedPositionalEncoding", "RotaryPositionalEncoding", "ALiBi",
     "T5RelativeBias", "Kerple", "FIRE", "TUPE", "FLOATER", "ShawRelativePositions", "TransformerXLRelative",
-    "schemes", "RelativeBias",
+    "schemes", "RelativeBias", "Sandwich",
 ]
 
 
@@ -333,6 +333,14 @@ class RelativeBias(torch.nn.Module):
             dtype = self.parameters_.dtype if self.parameters_ is not None else torch.float32
         return _ops.relative_bias(json.dumps(self._spec()), self._parameter_tensor(), _positions(q_positions, 0),
                                   _positions(k_positions, 0), self.heads, dtype)
+
+
+class Sandwich(RelativeBias):
+    """Sandwich (Chi et al. 2023): the parameter-free bias (Σ_k cos(r·ω_k) − d'/2)·H/(8(h + 1)),
+    ω_k = base^(−2k/d'), r = key − query (posenc/sandwich.hpp)."""
+
+    def __init__(self, heads, dim=128, base=10000.0):
+        super().__init__("sandwich", heads, dim=int(dim), base=float(base))
 
 
 class LearnedPositionalEncoding(torch.nn.Module):

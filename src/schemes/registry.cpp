@@ -22,6 +22,7 @@ SchemeEntry fire_entry();
 SchemeEntry tupe_entry();
 SchemeEntry shaw_entry();
 SchemeEntry xl_entry();
+SchemeEntry sandwich_entry();
 }  // namespace scheme_entries
 
 const std::vector<SchemeEntry>& schemes() {
@@ -37,6 +38,7 @@ const std::vector<SchemeEntry>& schemes() {
       scheme_entries::tupe_entry(),
       scheme_entries::shaw_entry(),
       scheme_entries::xl_entry(),
+      scheme_entries::sandwich_entry(),
   };
   // clang-format on
   return all;

@@ -50,10 +50,10 @@
 #include <string>
 #include <vector>
 
+#include "adapter.hpp"
 #include "posenc/posenc.hpp"
 
 namespace posenc::torch_adapter {
-namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
@@ -103,16 +103,6 @@ Positions positions_of(const char* where, const char* name, const at::Tensor& id
   const std::span<const std::int64_t> span(ids.data_ptr<std::int64_t>(), static_cast<std::size_t>(ids.numel()));
   if (ids.dim() == 1) return Positions::ids(span);
   return Positions::ids(span, ids.size(0), ids.size(1));
-}
-
-// posenc::Error → ValueError (the Python exception for bad values and shapes).
-template <class Fn>
-auto translating(Fn&& fn) -> decltype(fn()) {
-  try {
-    return fn();
-  } catch (const Error& e) {
-    TORCH_CHECK_VALUE(false, e.what());
-  }
 }
 
 RopeParams rope_params_from_json(const std::string& text) {
@@ -873,268 +863,11 @@ at::Tensor floater_op(const at::Tensor& w1, const at::Tensor& b1, const at::Tens
   return FloaterFunction::apply(w1, b1, w2, b2, p0, length, time_per_position, substeps);
 }
 
-// ─── Fused attention ─────────────────────────────────────────────────────────────────────────
-
-std::int64_t q_dim_of(const at::Tensor& t) { return t.dim() == 3 ? t.size(2) : 0; }
-
-// A JSON scheme {"kind": name, option: value, …} as the registry's arguments (registry.hpp):
-// numbers and booleans are options, "rope" holds RoPE's parameters; the registry refuses names
-// the scheme does not declare.
-SchemeArgs scheme_args(const char* where, const nlohmann::json& j, std::int64_t heads, std::int64_t head_dim,
-                       double scale) {
-  SchemeArgs args;
-  args.heads = heads;
-  args.head_dim = head_dim;
-  args.scale = scale;
-  for (const auto& [key, value] : j.items()) {
-    if (key == "kind" || key == "skip_vanishing_tiles" || key == "heads") continue;
-    if (key == "rope") {
-      args.rope = rope_params_from_json(value.dump());
-    } else if (value.is_boolean()) {
-      args.options[key] = value.get<bool>() ? 1.0 : 0.0;
-    } else if (value.is_number()) {
-      args.options[key] = value.get<double>();
-    } else {
-      throw Error(where, "scheme." + key, value.dump(), "a number or a boolean");
-    }
-  }
-  return args;
-}
-
-// The head group of a JSON scheme and its learned parameters (bias_params: the registry's
-// parameter_shape, any float dtype; empty: the scheme's initial values).
-HeadGroup attention_group(const nlohmann::json& j, const at::Tensor& bias_params, std::int64_t heads,
-                          std::int64_t head_dim, double scale) {
-  const char* where = "attention";
-  const SchemeEntry& entry = find_scheme(j.value("kind", std::string("none")));
-  SchemeArgs args = complete_scheme_args(entry, scheme_args(where, j, heads, head_dim, scale));
-  if (!absent(bias_params) && bias_params.numel() > 0) {
-    const std::vector<std::int64_t> shape = entry.parameter_shape(args);
-    TORCH_CHECK_VALUE(bias_params.sizes() == at::IntArrayRef(shape), where, ": bias_params shape ", bias_params.sizes(),
-                      "; expected ", at::IntArrayRef(shape), " (", entry.name, ": ",
-                      entry.parameters.empty() ? std::string("no parameters") : entry.parameters, ")");
-    args.parameters = doubles_of(where, "bias_params", bias_params);
-  }
-  return entry.make(args);
-}
-
-// Any registered relative-bias scheme (registry.hpp) materialised as [B, H, Sq, Sk], differentiable
-// in its parameters (params: the registry's parameter_shape, or empty for its initial values).
-class RelativeBiasFunction : public torch::autograd::Function<RelativeBiasFunction> {
- public:
-  static BiasScheme scheme_of(const std::string& scheme, const at::Tensor& params, std::int64_t heads) {
-    const nlohmann::json j = nlohmann::json::parse(scheme);
-    const HeadGroup g = attention_group(j, params, heads, 1, 0.0);
-    const SchemeEntry& entry = find_scheme(j.value("kind", std::string("none")));
-    TORCH_CHECK_VALUE(entry.family == "relative-bias" && g.bias, "relative_bias: scheme.kind = ", entry.name,
-                      "; expected a scheme of the relative-bias family (posenc.schemes())");
-    return *g.bias;
-  }
-  static at::Tensor forward(AutogradContext* ctx, const std::string& scheme, const at::Tensor& params,
-                            const at::Tensor& q_positions, const at::Tensor& k_positions, std::int64_t heads,
-                            c10::ScalarType dtype) {
-    const at::Tensor qi = q_positions.contiguous(), ki = k_positions.contiguous();
-    ctx->saved_data["scheme"] = scheme;
-    ctx->saved_data["heads"] = heads;
-    ctx->save_for_backward({params, qi, ki});
-    return translating([&] { return materialize(scheme_of(scheme, params, heads), qi, ki, dtype); });
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    return translating([&] {
-      at::Tensor d_params;
-      if (saved[0].numel() > 0) {
-        const BiasScheme b =
-            scheme_of(ctx->saved_data["scheme"].toStringRef(), saved[0], ctx->saved_data["heads"].toInt());
-        const RelativeBias& rb = *relative_bias(b);
-        std::vector<double> d(static_cast<std::size_t>(rb.parameter_count()), 0.0);
-        const at::Tensor ds = grads[0].contiguous();
-        relative_bias_backward(rb, positions_of("relative_bias", "q_positions", saved[1]),
-                               positions_of("relative_bias", "k_positions", saved[2]),
-                               const_view("relative_bias", "grad", ds), d);
-        d_params = tensor_of(d, saved[0]);
-      }
-      return variable_list{at::Tensor(), d_params, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
-    });
-  }
-};
-
-at::Tensor relative_bias_op(const std::string& scheme, const at::Tensor& params, const at::Tensor& q_positions,
-                            const at::Tensor& k_positions, std::int64_t heads, c10::ScalarType dtype) {
-  return RelativeBiasFunction::apply(scheme, params, q_positions, k_positions, heads, dtype);
-}
-
-// A registered scheme's initial parameters in its parameter_shape (float64; empty when it has none).
-at::Tensor scheme_parameters_op(const std::string& scheme, std::int64_t heads, std::int64_t head_dim) {
-  return translating([&] {
-    const nlohmann::json j = nlohmann::json::parse(scheme);
-    const SchemeEntry& entry = find_scheme(j.value("kind", std::string("none")));
-    const SchemeArgs args = complete_scheme_args(entry, scheme_args("scheme_parameters", j, heads, head_dim, 0.0));
-    const std::vector<double> values = scheme_parameters(entry, entry.make(args));
-    const std::vector<std::int64_t> shape = entry.parameter_shape(args);
-    return at::tensor(values, at::kDouble).reshape(shape.empty() ? std::vector<std::int64_t>{0} : shape);
-  });
-}
-
-// The registry as JSON: [{name, family, summary, source, parameters, options: [{name, default,
-// integer, description}]}].
-std::string schemes_op() {
-  nlohmann::json all = nlohmann::json::array();
-  for (const SchemeEntry& e : schemes()) {
-    nlohmann::json options = nlohmann::json::array();
-    for (const SchemeOption& o : e.options) {
-      options.push_back(
-          {{"name", o.name}, {"default", o.default_value}, {"integer", o.integer}, {"description", o.description}});
-    }
-    all.push_back({{"name", e.name},
-                   {"family", e.family},
-                   {"summary", e.summary},
-                   {"source", e.source},
-                   {"parameters", e.parameters},
-                   {"options", options}});
-  }
-  return all.dump();
-}
-
-struct AttentionCall {
-  std::unique_ptr<Attention> attention;
-  at::Tensor q_ids, k_ids;  // kept alive: Positions borrow them
-};
-
-AttentionCall make_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::string& scheme,
-                             const at::Tensor& bias_params, bool causal, std::int64_t window_left,
-                             std::int64_t window_right, double softcap, double scale, const at::Tensor& q_positions,
-                             const at::Tensor& k_positions) {
-  const char* where = "attention";
-  TORCH_CHECK_VALUE(q.dim() == 4, where, ": q shape ", q.sizes(), "; expected [B, Sq, H, D]");
-  AttentionCall call;
-  AttentionSpec spec;
-  spec.q = const_view(where, "q", q);
-  spec.k = const_view(where, "k", k);
-  spec.v = const_view(where, "v", v);
-  const nlohmann::json scheme_json = nlohmann::json::parse(scheme);
-  if (scheme_json.contains("groups")) {
-    // Several head groups: {"groups": [{"kind", "heads", options…}, …]} covering the heads in order;
-    // bias_params is every group's parameters flattened and concatenated (or empty).
-    const at::Tensor flat = absent(bias_params) ? bias_params : bias_params.reshape({-1});
-    std::int64_t offset = 0;
-    for (const nlohmann::json& g : scheme_json.at("groups")) {
-      const std::int64_t heads = g.at("heads").get<std::int64_t>();
-      TORCH_CHECK_VALUE(heads >= 1, where, ": scheme groups' heads = ", heads, "; expected >= 1");
-      const SchemeEntry& entry = find_scheme(g.value("kind", std::string("none")));
-      const SchemeArgs args = complete_scheme_args(entry, scheme_args(where, g, heads, q.size(3), scale));
-      std::int64_t count = 1;
-      for (const std::int64_t extent : entry.parameter_shape(args)) count *= extent;
-      if (entry.parameter_shape(args).empty()) count = 0;
-      at::Tensor part = at::empty({0}, at::kDouble);
-      if (!absent(flat) && flat.numel() > 0 && count > 0) {
-        TORCH_CHECK_VALUE(offset + count <= flat.numel(), where, ": bias_params has ", flat.numel(),
-                          " values; the groups' parameters need more (", entry.name, ": ", entry.parameters, ")");
-        part = flat.narrow(0, offset, count).reshape(at::IntArrayRef(entry.parameter_shape(args)));
-      }
-      offset += count;
-      spec.groups.push_back(attention_group(g, part, heads, q.size(3), scale));
-    }
-    TORCH_CHECK_VALUE(absent(flat) || flat.numel() == 0 || offset == flat.numel(), where, ": bias_params has ",
-                      flat.numel(), " values; the groups' parameters take ", offset);
-  } else {
-    spec.groups = {attention_group(scheme_json, bias_params, q.size(2), q.size(3), scale)};
-  }
-  // The scheme's JSON also carries the plan's options (absent: the library's defaults).
-  spec.skip_vanishing_tiles = scheme_json.value("skip_vanishing_tiles", spec.skip_vanishing_tiles);
-  spec.mask.causal = causal;
-  spec.mask.window_left = window_left;
-  spec.mask.window_right = window_right;
-  spec.mask.softcap = softcap;
-  spec.scale = scale;
-  if (!absent(q_positions)) {
-    call.q_ids = q_positions.contiguous();
-    spec.q_positions = positions_of(where, "q_positions", call.q_ids);
-  }
-  if (!absent(k_positions)) {
-    call.k_ids = k_positions.contiguous();
-    spec.k_positions = positions_of(where, "k_positions", call.k_ids);
-  }
-  call.attention = std::make_unique<Attention>(spec);
-  return call;
-}
-
-// The plan of a forward call, kept in the autograd context for its backward: building it again
-// would redo its tables, among them XL's r·W_Rᵀ (2·Δ·d_model·H·D flops: half of the forward
-// attention's own at S = 2048, H·D = d_model = 1024) and TUPE's projections. Its views point into q, k, v, which
-// the context saves (autograd refuses a backward after they change in place).
-struct AttentionPlanHolder : torch::CustomClassHolder {
-  AttentionCall call;
-};
-
-class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
- public:
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                               const std::string& scheme, const at::Tensor& bias_params, bool causal,
-                               std::int64_t window_left, std::int64_t window_right, double softcap, double scale,
-                               const at::Tensor& q_positions, const at::Tensor& k_positions) {
-    return translating([&] {
-      auto holder = c10::make_intrusive<AttentionPlanHolder>();
-      holder->call = make_attention(q, k, v, scheme, bias_params, causal, window_left, window_right, softcap, scale,
-                                    q_positions, k_positions);
-      const AttentionCall& call = holder->call;
-      at::Tensor out = empty_output(q.sizes(), q.scalar_type());
-      at::Tensor lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
-      call.attention->forward(mutable_view("attention", "out", out), mutable_view("attention", "lse", lse));
-      ctx->saved_data["plan"] = holder;
-      ctx->saved_data["scheme"] = scheme;
-      ctx->save_for_backward({q, k, v, bias_params, q_positions, k_positions, out, lse});
-      ctx->mark_non_differentiable({lse});
-      return variable_list{out, lse};
-    });
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    return translating([&] {
-      const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &bias_params = saved[3];
-      const AttentionCall& call = ctx->saved_data["plan"].toCustomClass<AttentionPlanHolder>()->call;
-      const at::Tensor d_out = grads[0].defined() ? grads[0].contiguous() : at::zeros_like(saved[6]);
-      at::Tensor dq = at::zeros_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
-      AttentionGradients param_grads = call.attention->zero_gradients();
-      const bool trainable = !absent(bias_params) && bias_params.requires_grad();
-      call.attention->backward(const_view("attention", "out", saved[6]), const_view("attention", "lse", saved[7]),
-                               const_view("attention", "d_out", d_out), mutable_view("attention", "dq", dq),
-                               mutable_view("attention", "dk", dk), mutable_view("attention", "dv", dv),
-                               trainable ? &param_grads : nullptr);
-      at::Tensor d_bias;
-      if (trainable) {
-        const nlohmann::json j = nlohmann::json::parse(ctx->saved_data["scheme"].toStringRef());
-        const nlohmann::json groups = j.contains("groups") ? j.at("groups") : nlohmann::json::array({j});
-        std::vector<double> flat;
-        for (std::size_t g = 0; g < groups.size(); ++g) {
-          const std::vector<double> part =
-              scheme_gradients(find_scheme(groups[g].value("kind", std::string("none"))), param_grads.groups[g]);
-          flat.insert(flat.end(), part.begin(), part.end());
-        }
-        d_bias = tensor_of(flat, bias_params);
-      }
-      return variable_list{dq,           dk,           dv,           at::Tensor(), d_bias,       at::Tensor(),
-                           at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
-    });
-  }
-};
-
-std::tuple<at::Tensor, at::Tensor> attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                std::string scheme, const at::Tensor& bias_params, bool causal,
-                                                std::int64_t window_left, std::int64_t window_right, double softcap,
-                                                double scale, const at::Tensor& q_positions,
-                                                const at::Tensor& k_positions) {
-  const variable_list out = AttentionFunction::apply(q, k, v, scheme, bias_params, causal, window_left, window_right,
-                                                     softcap, scale, q_positions, k_positions);
-  return {out[0], out[1]};
-}
-
-}  // namespace
 }  // namespace posenc::torch_adapter
 
 TORCH_LIBRARY(posenc, m) {
   using namespace posenc::torch_adapter;
-  m.class_<AttentionPlanHolder>("AttentionPlan");
+  define_attention_ops(m);
   m.def("sinusoidal_table(Tensor positions, int dim, float base, bool interleaved, ScalarType dtype) -> Tensor",
         &sinusoidal_table_op);
   m.def("rope(Tensor q, Tensor k, Tensor positions, str params, int direction) -> (Tensor, Tensor)", &rope_op);
@@ -1146,17 +879,7 @@ TORCH_LIBRARY(posenc, m) {
       &rope_multi_op);
   m.def("alibi_bias(Tensor slopes, Tensor q_positions, Tensor k_positions, bool symmetric) -> Tensor", &alibi_op);
   m.def("empty_cache() -> ()", &empty_cache_op);
-  m.def("schemes() -> str", &schemes_op);
-  m.def("scheme_parameters(str scheme, int heads, int head_dim) -> Tensor", &scheme_parameters_op);
-  m.def(
-      "relative_bias(str scheme, Tensor params, Tensor q_positions, Tensor k_positions, int heads, ScalarType dtype) "
-      "-> Tensor",
-      &relative_bias_op);
   m.def("huge_page_zeros(int[] shape, ScalarType dtype) -> Tensor", &huge_page_zeros_op);
-  m.def(
-      "attention(Tensor q, Tensor k, Tensor v, str scheme, Tensor bias_params, bool causal, int window_left, "
-      "int window_right, float softcap, float scale, Tensor q_positions, Tensor k_positions) -> (Tensor, Tensor)",
-      &attention_op);
   m.def("kerple_bias(Tensor r1, Tensor r2, Tensor q_positions, Tensor k_positions, bool power) -> Tensor", &kerple_op);
   m.def(
       "fire_bias(Tensor w1, Tensor b1, Tensor w2, Tensor b2, Tensor c, Tensor threshold, Tensor q_positions, "

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "internal.hpp"
@@ -220,6 +221,23 @@ struct AttentionPlan {
 
   explicit AttentionPlan(AttentionSpec spec);
 
+  // The constructor's steps, in order (attention_plan.cpp).
+  struct PositionRange {
+    std::int64_t q_min = 0, q_max = 0, k_min = 0, k_max = 0;
+  };
+  void check_views();
+  void check_mask();
+  void plan_sequences();
+  PositionRange plan_positions();
+  std::vector<HeadGroup> plan_head_groups();
+  ShawTables shaw_tables(const ShawParams& params) const;
+  void plan_transform_tables(const std::vector<HeadGroup>& groups, const PositionRange& range);
+  QKTables rope_tables(const RotaryQK& rope, const std::string& name, const std::vector<std::int64_t>& table_ids,
+                       std::int64_t p_max) const;
+  float plan_bias_tables(const std::vector<HeadGroup>& groups, const PositionRange& range);
+  std::unique_ptr<FireRows> fire_rows_for(const FireParams& fire, const PositionRange& range) const;
+  void plan_far_tiles(const std::vector<HeadGroup>& groups, float lowest_table_bias);
+
   AttentionSpec spec;
   AttentionMask mask;
   std::int64_t window_right = -1;
@@ -416,12 +434,25 @@ struct AttentionPlan {
   bool tile_unmasked(const RowBlock& rb, std::int64_t k_first, std::int64_t keys) const;
   void add_bias(const Sequence& seq, const RowBlock& rb, std::int64_t k_first, std::int64_t keys,
                 const std::int64_t* kpos, float* st) const;
-  void backward_unit(const Sequence& seq, std::int64_t kvh, ConstTensorView out, const HeadsGrid& og,
-                     ConstTensorView lse, ConstTensorView d_out, const HeadsGrid& dog, TensorView* dq,
-                     const HeadsGrid& dqg, TensorView* dk, const HeadsGrid& dkg, TensorView* dv, const HeadsGrid& dvg,
-                     double* unit_grads, double* unit_shaw_grads, double* unit_xl_grads, double* unit_tupe_grads,
-                     std::int64_t i0, std::int64_t count, float* kv_part, std::int64_t part_key_lo,
-                     std::int64_t part_key_hi, AttentionUnitScratch& s, RowBlock& rb) const;
+  // What every unit of one backward call shares: the tensors and their grids (dq, dk, dv null when
+  // not wanted).
+  struct BackwardCall {
+    ConstTensorView out, lse, d_out;
+    HeadsGrid og, dog;
+    TensorView *dq = nullptr, *dk = nullptr, *dv = nullptr;
+    HeadsGrid dqg, dkg, dvg;
+  };
+  // One unit: queries [i0, i0 + count) of a sequence's KV head, its slots for the parameter
+  // gradients (null: not wanted), and for a split unit its dK, dV rows of keys [part_key_lo,
+  // part_key_hi) (kv_part null: stored directly).
+  struct BackwardUnit {
+    const Sequence* seq = nullptr;
+    std::int64_t kvh = 0, i0 = 0, count = 0;
+    double *bias_grads = nullptr, *shaw_grads = nullptr, *xl_grads = nullptr, *tupe_grads = nullptr;
+    float* kv_part = nullptr;
+    std::int64_t part_key_lo = 0, part_key_hi = 0;
+  };
+  void backward_unit(const BackwardCall& call, const BackwardUnit& unit, AttentionUnitScratch& s, RowBlock& rb) const;
 
   // lse I/O ([B, H, Sq] or [H, Tq]).
   void check_lse(ConstTensorView lse, bool writable) const;

@@ -107,6 +107,18 @@ AttentionStats AttentionPlan::backward(ConstTensorView out, ConstTensorView lse,
   const int threads = std::min<int>(threads_for(flops / 16), static_cast<int>(std::max<std::size_t>(units.size(), 1)));
   std::int64_t scratch_bytes = 0;
   std::int64_t steps = 0, skipped_steps = 0;
+  BackwardCall call;
+  call.out = out;
+  call.lse = lse;
+  call.d_out = d_out;
+  call.og = og;
+  call.dog = dog;
+  call.dq = want_dq ? &dq : nullptr;
+  call.dk = want_dk ? &dk : nullptr;
+  call.dv = want_dv ? &dv : nullptr;
+  call.dqg = dqg;
+  call.dkg = dkg;
+  call.dvg = dvg;
 #pragma omp parallel num_threads(threads) reduction(+ : scratch_bytes, steps, skipped_steps)
   {
     const FlushDenormals flush;
@@ -115,16 +127,19 @@ AttentionStats AttentionPlan::backward(ConstTensorView out, ConstTensorView lse,
     RowBlock rb;
 #pragma omp for schedule(dynamic, 1)
     for (std::size_t u = 0; u < units.size(); ++u) {
-      const Sequence& seq = sequences[static_cast<std::size_t>(units[u].seq)];
-      const std::int64_t kvh = units[u].kvh;
-      backward_unit(seq, kvh, out, og, lse, d_out, dog, want_dq ? &dq : nullptr, dqg, want_dk ? &dk : nullptr, dkg,
-                    want_dv ? &dv : nullptr, dvg,
-                    want_bias_grads ? unit_grads.data() + u * static_cast<std::size_t>(grad_size) : nullptr,
-                    shaw_size > 0 ? unit_shaw_grads.data() + u * static_cast<std::size_t>(shaw_size) : nullptr,
-                    xl_size > 0 ? unit_xl_grads.data() + u * static_cast<std::size_t>(xl_size) : nullptr,
-                    tupe_size > 0 ? unit_tupe_grads.data() + u * static_cast<std::size_t>(tupe_size) : nullptr,
-                    units[u].i0, units[u].count, units[u].part >= 0 ? kv_parts.data() + units[u].part : nullptr,
-                    units[u].key_lo, units[u].key_hi, s, rb);
+      BackwardUnit unit;
+      unit.seq = &sequences[static_cast<std::size_t>(units[u].seq)];
+      unit.kvh = units[u].kvh;
+      unit.i0 = units[u].i0;
+      unit.count = units[u].count;
+      unit.bias_grads = want_bias_grads ? unit_grads.data() + u * static_cast<std::size_t>(grad_size) : nullptr;
+      unit.shaw_grads = shaw_size > 0 ? unit_shaw_grads.data() + u * static_cast<std::size_t>(shaw_size) : nullptr;
+      unit.xl_grads = xl_size > 0 ? unit_xl_grads.data() + u * static_cast<std::size_t>(xl_size) : nullptr;
+      unit.tupe_grads = tupe_size > 0 ? unit_tupe_grads.data() + u * static_cast<std::size_t>(tupe_size) : nullptr;
+      unit.kv_part = units[u].part >= 0 ? kv_parts.data() + units[u].part : nullptr;
+      unit.part_key_lo = units[u].key_lo;
+      unit.part_key_hi = units[u].key_hi;
+      backward_unit(call, unit, s, rb);
     }
     scratch_bytes += s.bytes();
     steps += s.steps;
@@ -229,13 +244,17 @@ AttentionStats AttentionPlan::backward(ConstTensorView out, ConstTensorView lse,
   return stats;
 }
 
-void AttentionPlan::backward_unit(const Sequence& seq, std::int64_t kvh, ConstTensorView out, const HeadsGrid& og,
-                                  ConstTensorView lse, ConstTensorView d_out, const HeadsGrid& dog, TensorView* dq,
-                                  const HeadsGrid& dqg, TensorView* dk, const HeadsGrid& dkg, TensorView* dv,
-                                  const HeadsGrid& dvg, double* unit_grads, double* unit_shaw_grads,
-                                  double* unit_xl_grads, double* unit_tupe_grads, std::int64_t i0, std::int64_t count,
-                                  float* kv_part, std::int64_t part_key_lo, std::int64_t part_key_hi,
-                                  AttentionUnitScratch& s, RowBlock& rb) const {
+void AttentionPlan::backward_unit(const BackwardCall& call, const BackwardUnit& unit, AttentionUnitScratch& s,
+                                  RowBlock& rb) const {
+  const Sequence& seq = *unit.seq;
+  const std::int64_t kvh = unit.kvh, i0 = unit.i0, count = unit.count;
+  const ConstTensorView &out = call.out, &lse = call.lse, &d_out = call.d_out;
+  const HeadsGrid &og = call.og, &dog = call.dog, &dqg = call.dqg, &dkg = call.dkg, &dvg = call.dvg;
+  TensorView *dq = call.dq, *dk = call.dk, *dv = call.dv;
+  double *unit_grads = unit.bias_grads, *unit_shaw_grads = unit.shaw_grads, *unit_xl_grads = unit.xl_grads,
+         *unit_tupe_grads = unit.tupe_grads;
+  float* kv_part = unit.kv_part;
+  const std::int64_t part_key_lo = unit.part_key_lo, part_key_hi = unit.part_key_hi;
   const std::int64_t dp = dim_padded, d = dim;
   // The unit's rows (queries [i0, i0 + count) of the KV head's G heads), head-major, each head's
   // queries padded to the lane count.

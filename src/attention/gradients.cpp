@@ -1,0 +1,217 @@
+// The positional parameters' gradients of the fused attention: their zeroed shapes, the checks of
+// a caller's, and the units' flat sums turned into them (the relative biases through RelativeBias).
+#include "attention/attention_plan.hpp"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <variant>
+
+#include "bias_checks.hpp"
+#include "kernels/attention/attention_kernels.hpp"
+#include "posenc/error.hpp"
+#include "rotary_checks.hpp"
+
+namespace posenc::detail {
+namespace {
+
+constexpr const char* kWhere = AttentionPlan::kWhere;
+
+void require(bool ok, const char* param, const std::string& value, const std::string& expected) {
+  if (!ok) throw Error(kWhere, param, value, expected);
+}
+
+}  // namespace
+
+// ─── Positional gradients ────────────────────────────────────────────────────────────────────
+
+AttentionGradients AttentionPlan::zero_gradients() const {
+  AttentionGradients grads;
+  const std::vector<HeadGroup> groups =
+      spec.groups.empty() ? std::vector<HeadGroup>{HeadGroup{heads, {}, {}}} : spec.groups;
+  for (const HeadGroup& grp : groups) {
+    GroupGradients g;
+    if (grp.bias) {
+      const std::int64_t hg = grp.heads;
+      if (std::holds_alternative<AlibiParams>(*grp.bias)) g.alibi_slopes.assign(static_cast<std::size_t>(hg), 0.0);
+      if (const auto* t5 = std::get_if<T5BiasParams>(&*grp.bias))
+        g.t5_table.assign(static_cast<std::size_t>(t5->num_buckets() * hg), 0.0);
+      if (std::holds_alternative<KerpleParams>(*grp.bias)) {
+        g.kerple_r1.assign(static_cast<std::size_t>(hg), 0.0);
+        g.kerple_r2.assign(static_cast<std::size_t>(hg), 0.0);
+      }
+      if (const auto* fire = std::get_if<FireParams>(&*grp.bias)) g.fire.emplace(*fire);
+      if (const auto* tupe_params = std::get_if<TupeParams>(&*grp.bias)) g.tupe.emplace(*tupe_params);
+      if (std::holds_alternative<RelativeBiasRef>(*grp.bias))
+        g.bias_parameters.assign(static_cast<std::size_t>(relative_bias(*grp.bias)->parameter_count()), 0.0);
+    }
+    if (grp.shaw) {
+      g.shaw_key_table.assign(static_cast<std::size_t>(grp.shaw->rows() * grp.shaw->head_dim()), 0.0);
+      g.shaw_value_table.assign(g.shaw_key_table.size(), 0.0);
+    }
+    if (grp.xl) g.xl.emplace(*grp.xl);
+    grads.groups.push_back(std::move(g));
+  }
+  return grads;
+}
+
+void AttentionPlan::check_gradients(const AttentionGradients& grads) const {
+  const AttentionGradients like = zero_gradients();
+  require(grads.groups.size() == like.groups.size(), "grads.groups", "size " + std::to_string(grads.groups.size()),
+          std::to_string(like.groups.size()) + " (one per head group; Attention::zero_gradients() makes them)");
+  for (std::size_t g = 0; g < like.groups.size(); ++g) {
+    const auto& a = grads.groups[g];
+    const auto& b = like.groups[g];
+    const std::string name = "grads.groups[" + std::to_string(g) + "]";
+    check_gradient_size(kWhere, (name + ".alibi_slopes").c_str(), a.alibi_slopes.size(),
+                        static_cast<std::int64_t>(b.alibi_slopes.size()));
+    check_gradient_size(kWhere, (name + ".t5_table").c_str(), a.t5_table.size(),
+                        static_cast<std::int64_t>(b.t5_table.size()));
+    check_gradient_size(kWhere, (name + ".kerple_r1").c_str(), a.kerple_r1.size(),
+                        static_cast<std::int64_t>(b.kerple_r1.size()));
+    check_gradient_size(kWhere, (name + ".kerple_r2").c_str(), a.kerple_r2.size(),
+                        static_cast<std::int64_t>(b.kerple_r2.size()));
+    check_gradient_size(kWhere, (name + ".bias_parameters").c_str(), a.bias_parameters.size(),
+                        static_cast<std::int64_t>(b.bias_parameters.size()));
+    check_gradient_size(kWhere, (name + ".shaw_key_table").c_str(), a.shaw_key_table.size(),
+                        static_cast<std::int64_t>(b.shaw_key_table.size()));
+    check_gradient_size(kWhere, (name + ".shaw_value_table").c_str(), a.shaw_value_table.size(),
+                        static_cast<std::int64_t>(b.shaw_value_table.size()));
+    if (b.fire) {
+      require(a.fire.has_value(), (name + ".fire").c_str(), "empty", "FireGradients sized for the group's FIRE");
+      check_gradient_size(kWhere, (name + ".fire.w1").c_str(), a.fire->w1.size(),
+                          static_cast<std::int64_t>(b.fire->w1.size()));
+      check_gradient_size(kWhere, (name + ".fire.b1").c_str(), a.fire->b1.size(),
+                          static_cast<std::int64_t>(b.fire->b1.size()));
+      check_gradient_size(kWhere, (name + ".fire.w2").c_str(), a.fire->w2.size(),
+                          static_cast<std::int64_t>(b.fire->w2.size()));
+      check_gradient_size(kWhere, (name + ".fire.b2").c_str(), a.fire->b2.size(),
+                          static_cast<std::int64_t>(b.fire->b2.size()));
+    }
+    if (b.xl) {
+      require(a.xl.has_value(), (name + ".xl").c_str(), "empty", "XlGradients sized for the group's XL");
+      check_gradient_size(kWhere, (name + ".xl.u").c_str(), a.xl->u.size(), static_cast<std::int64_t>(b.xl->u.size()));
+      check_gradient_size(kWhere, (name + ".xl.v").c_str(), a.xl->v.size(), static_cast<std::int64_t>(b.xl->v.size()));
+      check_gradient_size(kWhere, (name + ".xl.w_r").c_str(), a.xl->w_r.size(),
+                          static_cast<std::int64_t>(b.xl->w_r.size()));
+    }
+    if (b.tupe) {
+      require(a.tupe.has_value(), (name + ".tupe").c_str(), "empty", "TupeGradients sized for the group's TUPE");
+      check_gradient_size(kWhere, (name + ".tupe.table").c_str(), a.tupe->table.size(),
+                          static_cast<std::int64_t>(b.tupe->table.size()));
+      check_gradient_size(kWhere, (name + ".tupe.u_q").c_str(), a.tupe->u_q.size(),
+                          static_cast<std::int64_t>(b.tupe->u_q.size()));
+      check_gradient_size(kWhere, (name + ".tupe.u_k").c_str(), a.tupe->u_k.size(),
+                          static_cast<std::int64_t>(b.tupe->u_k.size()));
+      check_gradient_size(kWhere, (name + ".tupe.theta1").c_str(), a.tupe->theta1.size(),
+                          static_cast<std::int64_t>(b.tupe->theta1.size()));
+      check_gradient_size(kWhere, (name + ".tupe.theta2").c_str(), a.tupe->theta2.size(),
+                          static_cast<std::int64_t>(b.tupe->theta2.size()));
+    }
+  }
+}
+
+std::int64_t AttentionPlan::bias_gradient_size() const { return grad_offset.back(); }
+
+void AttentionPlan::add_bias_derivative(std::int64_t h, std::int64_t r, double sum, double* flat) const {
+  const auto g = static_cast<std::size_t>(head_group[static_cast<std::size_t>(h)]);
+  const std::int64_t local = h - group_first_head[g];
+  const RelativeBias* relative = relative_bias(*spec.groups[g].bias);
+  if (relative == nullptr) return;
+  const std::span<double> at(flat + grad_offset[g], static_cast<std::size_t>(relative->parameter_count()));
+  relative->accumulate_gradient(local, r, sum, at);
+}
+
+void AttentionPlan::accumulate_bias_gradients(const Sequence& /* seq */, const RowBlock& rb, std::int64_t k_first,
+                                              std::int64_t keys, const std::int64_t* kpos, const float* dst,
+                                              AttentionUnitScratch& s, std::int64_t kvh, double* unit_grads) const {
+  // FIRE's lane chunks (one head, consecutive positions, consecutive keys) take the vector path;
+  // `done` marks them for the row loop below.
+  std::uint64_t done = 0;  // bit c: chunk c done (row blocks hold at most 64 chunks here)
+  bool keys_consecutive = true;
+  for (std::int64_t j = 1; j < keys && keys_consecutive; ++j) keys_consecutive = kpos[j] == kpos[0] + j;
+  const std::int64_t chunks = rb.width / kernels::kAttnAlign;
+  for (std::int64_t c = 0; c < chunks && c < 64 && keys_consecutive; ++c) {
+    const std::int64_t r0 = c * kernels::kAttnAlign;
+    const std::int64_t h0 = rb.head[static_cast<std::size_t>(r0)];
+    if (h0 < 0 || !rb.chunk_uniform[static_cast<std::size_t>(c)]) continue;
+    const HeadBias& hb = head_bias[static_cast<std::size_t>(h0)];
+    if (hb.fire == nullptr) continue;
+    const HeadGroup& grp = spec.groups[static_cast<std::size_t>(hb.group)];
+    const std::int64_t hg = grp.heads, pieces = static_cast<std::int64_t>(hb.fire->params->kinks().size()) + 1;
+    double* at = unit_grads + grad_offset[static_cast<std::size_t>(hb.group)];
+    if (hb.fire->accumulate_chunk(hb.local_head, hg, rb.head.data() + r0, rb.lo.data() + r0, rb.hi.data() + r0,
+                                  rb.position[static_cast<std::size_t>(r0)], k_first, kpos, keys, dst + r0, rb.width,
+                                  at, at + pieces * hg, at + 2 * pieces * hg, at + 2 * pieces * hg + 1)) {
+      done |= std::uint64_t{1} << c;
+    }
+  }
+  for (std::int64_t r = 0; r < rb.width; ++r) {
+    const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
+    if (h < 0) continue;
+    if (r / kernels::kAttnAlign < 64 && (done >> (r / kernels::kAttnAlign) & 1) != 0) continue;
+    const HeadBias& hb = head_bias[static_cast<std::size_t>(h)];
+    if (hb.kind != HeadBias::kTable && hb.kind != HeadBias::kDirect) continue;
+    const HeadGroup& grp = spec.groups[static_cast<std::size_t>(hb.group)];
+    const std::int64_t qp = rb.position[static_cast<std::size_t>(r)];
+    if (const auto* fire = std::get_if<FireParams>(&*grp.bias)) {
+      const std::int64_t hg = grp.heads, pieces = static_cast<std::int64_t>(fire->kinks().size()) + 1;
+      double* at = unit_grads + grad_offset[static_cast<std::size_t>(hb.group)];
+      FireRows fallback;
+      fallback.params = fire;
+      (hb.fire != nullptr ? *hb.fire : fallback)
+          .accumulate_row(hb.local_head, hg, qp, kpos, keys, dst + r, rb.width, at, at + pieces * hg,
+                          at + 2 * pieces * hg, at + 2 * pieces * hg + 1);
+      continue;
+    }
+    const RelativeBias* relative = relative_bias(*grp.bias);
+    if (relative == nullptr || relative->parameter_count() == 0) continue;
+    if (hist_width > 0) {
+      double* hist = s.hist.data() + (h - kvh * group_size) * hist_width - delta_min;
+      for (std::int64_t j = 0; j < keys; ++j) hist[qp - kpos[j]] += static_cast<double>(dst[j * rb.width + r]);
+    } else {
+      for (std::int64_t j = 0; j < keys; ++j) {
+        add_bias_derivative(h, kpos[j] - qp, static_cast<double>(dst[j * rb.width + r]), unit_grads);
+      }
+    }
+  }
+}
+
+void AttentionPlan::finish_bias_gradients(AttentionUnitScratch& s, std::int64_t kvh, double* unit_grads) const {
+  if (hist_width == 0) return;
+  for (std::int64_t g = 0; g < group_size; ++g) {
+    const std::int64_t h = kvh * group_size + g;
+    const HeadBias& hb = head_bias[static_cast<std::size_t>(h)];
+    if (hb.kind != HeadBias::kTable && hb.kind != HeadBias::kDirect) continue;
+    if (std::holds_alternative<FireParams>(*spec.groups[static_cast<std::size_t>(hb.group)].bias)) continue;
+    const double* hist = s.hist.data() + g * hist_width;
+    for (std::int64_t t = 0; t < hist_width; ++t) {
+      if (hist[t] != 0.0) add_bias_derivative(h, -(delta_min + t), hist[t], unit_grads);
+    }
+  }
+}
+
+void AttentionPlan::scatter_bias_gradients(const std::vector<double>& total, AttentionGradients& grads) const {
+  for (std::size_t g = 0; g < spec.groups.size(); ++g) {
+    const double* at = total.data() + grad_offset[g];
+    GroupGradients& gg = grads.groups[g];
+    for (std::size_t t = 0; t < gg.alibi_slopes.size(); ++t) gg.alibi_slopes[t] += at[t];
+    for (std::size_t t = 0; t < gg.t5_table.size(); ++t) gg.t5_table[t] += at[t];
+    for (std::size_t t = 0; t < gg.kerple_r1.size(); ++t) {
+      gg.kerple_r1[t] += at[t];
+      gg.kerple_r2[t] += at[gg.kerple_r1.size() + t];
+    }
+    for (std::size_t t = 0; t < gg.bias_parameters.size(); ++t) gg.bias_parameters[t] += at[t];
+    if (gg.fire) {
+      const FireParams& fire = std::get<FireParams>(*spec.groups[g].bias);
+      const std::int64_t moments = static_cast<std::int64_t>(fire.kinks().size() + 1) * fire.heads();
+      fire_contract_moments(fire, at, at + moments, *gg.fire);
+      gg.fire->c += at[2 * moments];
+      gg.fire->threshold += at[2 * moments + 1];
+    }
+  }
+}
+
+}  // namespace posenc::detail

@@ -1,0 +1,520 @@
+// Fused attention, backward: dq, dk, dv and the schemes' parameter gradients against the fp64
+// reference, which is itself checked by finite differences; one object from several threads;
+// bitwise determinism over thread counts; accuracy at 4096 tokens; errors.
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "../src/kernels/attention/attention_kernels.hpp"  // attn_gemm: the matrix kernel under test
+#include "attention_testing.hpp"
+#include "testing.hpp"
+
+namespace posenc {
+namespace {
+
+using testing::EveryTarget;
+using testing::expect_error;
+using testing::uniform;
+using testing::uniform_int;
+using namespace attention_testing;
+
+class AttentionBackward : public EveryTarget {};
+
+TEST_P(AttentionBackward, MatchesTheReferenceForEveryTrainableScheme) {
+  const std::int64_t heads = 4, kv = 2, dim = 48;
+  Problem p = make_problem(2, 37, 53, heads, kv, dim, DType::kF32, true);
+  std::vector<double> t5_table(static_cast<std::size_t>(16 * 2));
+  for (auto& x : t5_table) x = uniform(-1, 1);
+  const std::vector<std::vector<HeadGroup>> cases = {
+      {},
+      {{heads, RotaryQK{RopeParams(dim, dim)}, AlibiParams(heads)}},
+      {{2, RotaryQK{RopeParams(dim, 32, 10000.0, RopeLayout::kInterleaved).with_xpos(32.0)},
+        T5BiasParams(2, 16, 32, false, t5_table)},
+       {2, AbsoluteQK{SinusoidalParams(dim)}, KerpleParams(KerpleForm::kPower, {1.0, 0.5}, {0.7, 1.3})}},
+      {{heads, RotaryQK{RopeParams(dim, dim)}, {}, ShawParams::init(5, dim, 0.5, 3)}},
+      {{heads, {}, FireParams::init(heads, 8, 5, 0.7, 16.0)}},
+      // A KV group whose heads mix Shaw and no Shaw (the per-row paths). The bias head is T5, not
+      // ALiBi: one head's slope gradient −Σ dS·δ cancels (every row's dS sums to 0) far below the
+      // size of its terms, so a tolerance relative to the gradient cannot judge its f32 error (an
+      // ALiBi head here gave 0.0133 with an error of 1.5e-5); T5's table gradient is the same δ
+      // histogram without the cancellation. Case 1 checks the slopes (four heads).
+      {{1, {}, {}, ShawParams::init(4, dim, 0.5, 7)},
+       {1, {}, T5BiasParams(1, 16, 32, false, std::vector<double>(t5_table.begin(), t5_table.begin() + 16))},
+       {2, {}, {}, ShawParams::init(2, dim, 0.5, 8)}},
+      {{heads, {}, {}, {}, XlParams::init(heads, dim, 24, 0.5, 9)}},
+      {{heads, {}, tupe_with_cls(heads, dim, 24, 60, 4)}},
+      // TUPE without the [CLS] reset beside ALiBi inside one KV group.
+      {{1, {}, TupeParams::init(1, dim, 16, 60, false, 0.5, 5)}, {3, {}, AlibiParams(3)}},
+      // XL beside ALiBi inside one KV group.
+      {{1, {}, AlibiParams(1)}, {3, {}, {}, {}, XlParams::init(3, dim, 16, 0.5, 10)}},
+      // FIRE without a causal mask (the last case): keys after the query, on both sides of it.
+      {{heads, {}, FireParams::init(heads, 8, 6, 0.7, 16.0)}},
+  };
+  for (std::size_t c = 0; c < cases.size(); ++c) {
+    for (const bool softcap : {false, true}) {
+      SCOPED_TRACE("case " + std::to_string(c) + (softcap ? " soft-cap" : ""));
+      AttentionSpec spec = spec_of(p);
+      spec.groups = cases[c];
+      spec.mask.causal = c != 0 && c + 1 != cases.size();
+      spec.mask.window_left = c == 0 ? 20 : -1;
+      spec.mask.softcap = softcap ? 3.0 : 0.0;
+      const Attention att(spec);
+      const std::vector<double> d_out = random_values(static_cast<std::size_t>(p.q_count()));
+      expect_backward_matches_reference(p, att, d_out);
+    }
+  }
+}
+
+TEST_P(AttentionBackward, PackedAndSixteenBit) {
+  Problem p = make_packed({{9, 9}, {20, 31}, {1, 5}}, 2, 1, 32);
+  AttentionSpec spec = spec_of(p);
+  spec.mask.causal = true;
+  spec.groups = {{2, RotaryQK{RopeParams(32, 32)}, AlibiParams(2)}};
+  const Attention att(spec);
+  expect_backward_matches_reference(p, att, random_values(static_cast<std::size_t>(p.q_count())));
+
+  Problem b = make_problem(1, 30, 30, 2, 2, 64, DType::kBF16);
+  const Attention bat(spec_of(b));
+  const std::vector<double> d_out_b = random_values(static_cast<std::size_t>(b.q_count()));
+  const Grads fb = run_backward(b, bat, d_out_b, false), eb = run_backward(b, bat, d_out_b, true);
+  // bf16 gradients: rounded once to bf16 (half an ulp, 2^-9 relative), and — as in
+  // flash-attention — δ_i = Σ dO·O comes from the bf16-rounded output (another 2^-9 relative on
+  // each product, carried into every dS = P·(dP − δ)): 2^-7 of the largest gradient covers both.
+  for (const auto& [got, want] : {std::pair{&fb.dq, &eb.dq}, std::pair{&fb.dk, &eb.dk}, std::pair{&fb.dv, &eb.dv}}) {
+    EXPECT_LE(max_abs_diff(*got, *want), std::ldexp(1.0, -7) * max_abs(*want));
+  }
+}
+
+// An Attention holds no state that a call changes: several threads may run one object's forward
+// and backward at once (a model's layer shared by server threads), each getting the bits and the
+// statistics of a call made alone. Decode (one query) and prefill, with the far-tile skip.
+TEST_P(AttentionBackward, OneObjectServesSeveralThreadsAtOnce) {
+  for (const std::int64_t q_len : {std::int64_t{1}, std::int64_t{190}}) {
+    SCOPED_TRACE("Sq " + std::to_string(q_len));
+    const Problem p = make_problem(2, q_len, 260, 4, 2, 64);
+    AttentionSpec spec = spec_of(p);
+    spec.mask.causal = true;
+    // Steep slopes on both groups, so that prefill skips far tiles.
+    spec.groups = {{2, RotaryQK{RopeParams(64, 64)}, AlibiParams(std::vector<double>{4.0, 2.0})},
+                   {2, {}, AlibiParams(std::vector<double>{2.0, 1.0})}};
+    const Attention att(spec);
+    const std::vector<double> d_out = random_values(static_cast<std::size_t>(p.q_count()));
+    const Outputs alone = run_forward(p, att, 0);
+    const Grads alone_grads = run_backward(p, att, d_out, false);
+    constexpr int kThreads = 4, kRounds = 3;
+    std::vector<Outputs> outs(kThreads * kRounds);
+    std::vector<Grads> grads(kThreads * kRounds);
+    std::vector<std::thread> threads;
+    for (int t = 0; t < kThreads; ++t) {
+      threads.emplace_back([&, t] {
+        for (int r = 0; r < kRounds; ++r) {
+          outs[static_cast<std::size_t>(t * kRounds + r)] = run_forward(p, att, 0);
+          grads[static_cast<std::size_t>(t * kRounds + r)] = run_backward(p, att, d_out, false);
+        }
+      });
+    }
+    for (std::thread& th : threads) th.join();
+    for (std::size_t c = 0; c < outs.size(); ++c) {
+      EXPECT_EQ(outs[c].out, alone.out) << "call " << c;
+      EXPECT_EQ(outs[c].lse, alone.lse) << "call " << c;
+      EXPECT_EQ(outs[c].stats.tiles, alone.stats.tiles) << "call " << c;
+      EXPECT_EQ(outs[c].stats.skipped, alone.stats.skipped) << "call " << c;
+      EXPECT_EQ(grads[c].dq, alone_grads.dq) << "call " << c;
+      EXPECT_EQ(grads[c].dk, alone_grads.dk) << "call " << c;
+      EXPECT_EQ(grads[c].dv, alone_grads.dv) << "call " << c;
+      EXPECT_EQ(grads[c].params.groups[1].alibi_slopes, alone_grads.params.groups[1].alibi_slopes) << "call " << c;
+      EXPECT_EQ(grads[c].stats.skipped, alone_grads.stats.skipped) << "call " << c;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Targets, AttentionBackward, ::testing::ValuesIn(testing::all_targets()));
+
+// The fp64 reference backward against central differences of the fp64 reference forward, on
+// L = Σ out·W: every gradient, including the schemes' parameters.
+TEST(AttentionReference, BackwardMatchesFiniteDifferences) {
+  const std::int64_t heads = 2, dim = 8;
+  Problem p = make_problem(1, 6, 9, heads, 2, dim, DType::kF64);
+  std::vector<double> t5_table(static_cast<std::size_t>(8 * 1));
+  for (auto& x : t5_table) x = uniform(-1, 1);
+  const std::vector<double> w = random_values(static_cast<std::size_t>(p.q_count()));
+  const auto make_spec = [&](double slope, double t5_entry3) {
+    AttentionSpec spec = spec_of(p);
+    std::vector<double> table = t5_table;
+    table[3] = t5_entry3;
+    spec.groups = {{1, RotaryQK{RopeParams(dim, dim).with_xpos(16.0)}, AlibiParams(std::vector<double>{slope})},
+                   {1, {}, T5BiasParams(1, 8, 16, true, table)}};
+    spec.mask.causal = true;
+    spec.mask.softcap = 2.0;
+    return spec;
+  };
+  const auto loss = [&](const Problem& prob, double slope, double t5_entry3) {
+    const Attention att(make_spec(slope, t5_entry3));
+    std::vector<double> out(static_cast<std::size_t>(prob.q_count()));
+    ref::attention_forward(att, prob.view<true>(out.data(), prob.q_len, prob.heads, DType::kF64), {});
+    double l = 0;
+    for (std::size_t i = 0; i < out.size(); ++i) l += out[i] * w[i];  // same (contiguous) order as w
+    return l;
+  };
+  const double slope = 0.3, entry = t5_table[3];
+  const Attention att(make_spec(slope, entry));
+  const Grads g = run_backward(p, att, w, true);
+  // Central differences: O(h²) truncation with h = 1e-5 and |third derivatives| ~1 gives ~1e-10;
+  // cancellation adds ~1e-16/1e-5 = 1e-11. 1e-7 is far above both, far below any real error.
+  const double h = 1e-5, tol = 1e-7;
+  const auto check_input = [&](std::vector<double>& values, std::vector<unsigned char>& bytes,
+                               const std::vector<double>& grad, const char* name) {
+    for (std::size_t i = 0; i < values.size(); i += 7) {
+      const double saved = values[i];
+      values[i] = saved + h;
+      bytes = testing::to_dtype(values, DType::kF64);
+      const double up = loss(p, slope, entry);
+      values[i] = saved - h;
+      bytes = testing::to_dtype(values, DType::kF64);
+      const double down = loss(p, slope, entry);
+      values[i] = saved;
+      bytes = testing::to_dtype(values, DType::kF64);
+      const double fd = (up - down) / (2 * h);
+      // grad is in [B, S, H, D] order, which is also the raw order here (contiguous).
+      EXPECT_NEAR(grad[i], fd, tol) << name << "[" << i << "]";
+    }
+  };
+  check_input(p.q, p.qb, g.dq, "dq");
+  check_input(p.k, p.kb, g.dk, "dk");
+  check_input(p.v, p.vb, g.dv, "dv");
+  EXPECT_NEAR(g.params.groups[0].alibi_slopes[0], (loss(p, slope + h, entry) - loss(p, slope - h, entry)) / (2 * h),
+              tol);
+  EXPECT_NEAR(g.params.groups[1].t5_table[3], (loss(p, slope, entry + h) - loss(p, slope, entry - h)) / (2 * h), tol);
+}
+
+// The same for Shaw's tables: every entry of both, by central differences of the reference.
+TEST(AttentionReference, ShawBackwardMatchesFiniteDifferences) {
+  const std::int64_t dim = 4, k_max = 2, width = 2 * k_max + 1;
+  Problem p = make_problem(1, 5, 7, 2, 1, dim, DType::kF64);
+  std::vector<double> key_table(static_cast<std::size_t>(width * dim)), value_table(key_table.size());
+  for (auto& x : key_table) x = uniform(-1, 1);
+  for (auto& x : value_table) x = uniform(-1, 1);
+  const std::vector<double> w = random_values(static_cast<std::size_t>(p.q_count()));
+  const auto loss = [&](const std::vector<double>& kt, const std::vector<double>& vt) {
+    AttentionSpec spec = spec_of(p);
+    spec.groups = {{2, {}, {}, ShawParams(k_max, dim, kt, vt)}};
+    spec.mask.causal = true;
+    const Attention att(spec);
+    std::vector<double> out(static_cast<std::size_t>(p.q_count()));
+    ref::attention_forward(att, p.view<true>(out.data(), p.q_len, p.heads, DType::kF64), {});
+    double l = 0;
+    for (std::size_t i = 0; i < out.size(); ++i) l += out[i] * w[i];
+    return l;
+  };
+  AttentionSpec spec = spec_of(p);
+  spec.groups = {{2, {}, {}, ShawParams(k_max, dim, key_table, value_table)}};
+  spec.mask.causal = true;
+  const Attention att(spec);
+  const Grads g = run_backward(p, att, w, true);
+  // Central differences, h = 1e-5: truncation ~1e-10, cancellation ~1e-11 (as above).
+  const double h = 1e-5, tol = 1e-7;
+  for (std::size_t e = 0; e < key_table.size(); ++e) {
+    std::vector<double> up = key_table, down = key_table;
+    up[e] += h;
+    down[e] -= h;
+    EXPECT_NEAR(g.params.groups[0].shaw_key_table[e], (loss(up, value_table) - loss(down, value_table)) / (2 * h), tol)
+        << e;
+    up = value_table;
+    down = value_table;
+    up[e] += h;
+    down[e] -= h;
+    EXPECT_NEAR(g.params.groups[0].shaw_value_table[e], (loss(key_table, up) - loss(key_table, down)) / (2 * h), tol)
+        << e;
+  }
+}
+
+// Transformer-XL's reference gradients (u, v, W_R, and dq, dk through its terms) by central
+// differences of the reference forward.
+TEST(AttentionReference, XlBackwardMatchesFiniteDifferences) {
+  const std::int64_t heads = 2, dim = 4, d_model = 6;
+  Problem p = make_problem(1, 5, 7, heads, 1, dim, DType::kF64);
+  const XlParams base = XlParams::init(heads, dim, d_model, 0.5, 3);
+  const std::vector<double> w = random_values(static_cast<std::size_t>(p.q_count()));
+  const auto spec_with = [&](const XlParams& xl) {
+    AttentionSpec spec = spec_of(p);
+    spec.groups = {{heads, {}, {}, {}, xl}};
+    spec.mask.causal = true;
+    spec.mask.softcap = 2.0;
+    return spec;
+  };
+  const auto loss = [&](const XlParams& xl) {
+    const Attention att(spec_with(xl));
+    std::vector<double> out(static_cast<std::size_t>(p.q_count()));
+    ref::attention_forward(att, p.view<true>(out.data(), p.q_len, p.heads, DType::kF64), {});
+    double l = 0;
+    for (std::size_t i = 0; i < out.size(); ++i) l += out[i] * w[i];
+    return l;
+  };
+  const Attention att(spec_with(base));
+  const Grads g = run_backward(p, att, w, true);
+  const XlGradients& xg = *g.params.groups[0].xl;
+  // Central differences, h = 1e-5: truncation ~1e-10, cancellation ~1e-11 (as above).
+  const double h = 1e-5, tol = 1e-7;
+  const auto fd = [&](int which, std::size_t e) {
+    std::vector<double> plus[3] = {base.u(), base.v(), base.w_r()}, minus[3] = {base.u(), base.v(), base.w_r()};
+    plus[which][e] += h;
+    minus[which][e] -= h;
+    const XlParams up(heads, dim, d_model, plus[0], plus[1], plus[2]),
+        down(heads, dim, d_model, minus[0], minus[1], minus[2]);
+    return (loss(up) - loss(down)) / (2 * h);
+  };
+  for (std::size_t e = 0; e < xg.u.size(); ++e) {
+    EXPECT_NEAR(xg.u[e], fd(0, e), tol) << "u " << e;
+    EXPECT_NEAR(xg.v[e], fd(1, e), tol) << "v " << e;
+  }
+  for (std::size_t e = 0; e < xg.w_r.size(); e += 5) EXPECT_NEAR(xg.w_r[e], fd(2, e), tol) << "w_r " << e;
+  // dq and dk carry XL's terms too (q + v meets P; u meets k).
+  for (auto [values, bytes, grad, name] :
+       {std::tuple{&p.q, &p.qb, &g.dq, "dq"}, std::tuple{&p.k, &p.kb, &g.dk, "dk"}}) {
+    for (std::size_t i = 0; i < values->size(); i += 3) {
+      const double saved = (*values)[i];
+      (*values)[i] = saved + h;
+      *bytes = testing::to_dtype(*values, DType::kF64);
+      const double up = loss(base);
+      (*values)[i] = saved - h;
+      *bytes = testing::to_dtype(*values, DType::kF64);
+      const double down = loss(base);
+      (*values)[i] = saved;
+      *bytes = testing::to_dtype(*values, DType::kF64);
+      EXPECT_NEAR((*grad)[i], (up - down) / (2 * h), tol) << name << "[" << i << "]";
+    }
+  }
+}
+
+// ─── Determinism and errors ──────────────────────────────────────────────────────────────────
+
+TEST(Attention, AccurateAtFourThousandTokens) {
+  // The accuracy criterion at the longest S: 4096 queries over 4096 keys, where the online
+  // softmax runs over 64 key tiles. First RoPE with ALiBi (whose KV head runs its tiles from the
+  // diagonal down and skips the vanishing far ones) beside Kerple (its KV head in key order: summed
+  // the other way, its far terms, which do not vanish, had cost 20× the naive f32 error); then T5
+  // and FIRE with a sliding window. GQA, D 80. The best target only: the fp64 reference and the
+  // naive f32 composition take about 20 s per call here.
+  const Problem p = make_problem(1, 4096, 4096, 4, 2, 80);
+  AttentionSpec spec = spec_of(p);
+  spec.mask.causal = true;
+  spec.groups = {{2, RotaryQK{RopeParams(80, 80)}, AlibiParams(2)},
+                 {2, {}, KerpleParams(KerpleForm::kLog, {1.5, 0.5}, {1.0, 2.0})}};
+  expect_accurate(p, spec, "RoPE + ALiBi, Kerple; causal");
+  std::vector<double> t5_table(32 * 2);
+  for (std::size_t i = 0; i < t5_table.size(); ++i) t5_table[i] = 0.1 * static_cast<double>(i % 11) - 0.5;
+  spec.groups = {{2, {}, T5BiasParams(2, 32, 128, true, t5_table)}, {2, {}, FireParams::init(2, 16, 3)}};
+  spec.mask.window_left = 1000;
+  expect_accurate(p, spec, "T5, FIRE; sliding window of 1000");
+}
+
+TEST(Attention, BitwiseIdenticalForAnyThreadCount) {
+  Problem p = make_problem(2, 150, 150, 4, 2, 64);
+  AttentionSpec spec = spec_of(p);
+  spec.mask.causal = true;
+  spec.groups = {{4, RotaryQK{RopeParams(64, 64)}, AlibiParams(4)}};
+  const Attention att(spec);
+  const std::vector<double> d_out = random_values(static_cast<std::size_t>(p.q_count()));
+  Problem d = make_problem(1, 1, 9000, 4, 1, 64);
+  const Attention dec(spec_of(d));
+  std::vector<Grads> runs;
+  std::vector<Outputs> decodes;
+  for (const int threads : {1, 2, 3}) {
+    set_num_threads(threads);
+    runs.push_back(run_backward(p, att, d_out, false));
+    decodes.push_back(run_forward(d, dec, 0));
+  }
+  set_num_threads(2);
+  for (std::size_t r = 1; r < runs.size(); ++r) {
+    EXPECT_EQ(runs[r].dq, runs[0].dq);
+    EXPECT_EQ(runs[r].dk, runs[0].dk);
+    EXPECT_EQ(runs[r].dv, runs[0].dv);
+    EXPECT_EQ(runs[r].params.groups[0].alibi_slopes, runs[0].params.groups[0].alibi_slopes);
+    EXPECT_EQ(decodes[r].out, decodes[0].out);
+  }
+  // Transformer-XL's and TUPE's gradients (tables summed per unit, units in order).
+  AttentionSpec xs = spec_of(p);
+  xs.mask.causal = true;
+  xs.groups = {{2, {}, {}, {}, XlParams::init(2, 64, 32, 0.5, 2)},
+               {2, {}, TupeParams::init(2, 64, 16, 150, true, 0.5, 3)}};
+  const Attention xatt(xs);
+  std::vector<Grads> xruns;
+  for (const int threads : {1, 2, 3}) {
+    set_num_threads(threads);
+    xruns.push_back(run_backward(p, xatt, d_out, false));
+  }
+  set_num_threads(2);
+  for (std::size_t r = 1; r < xruns.size(); ++r) {
+    EXPECT_EQ(xruns[r].dq, xruns[0].dq);
+    EXPECT_EQ(xruns[r].params.groups[0].xl->w_r, xruns[0].params.groups[0].xl->w_r);
+    EXPECT_EQ(xruns[r].params.groups[0].xl->u, xruns[0].params.groups[0].xl->u);
+    EXPECT_EQ(xruns[r].params.groups[1].tupe->table, xruns[0].params.groups[1].tupe->table);
+    EXPECT_EQ(xruns[r].params.groups[1].tupe->u_k, xruns[0].params.groups[1].tupe->u_k);
+  }
+}
+
+// Backward skips the (tile, row block) steps whose probabilities all vanish against the rows'
+// lse: the gradients must keep every bit (dV of a skipped key's step is exactly 0 only if every
+// probability there was), including the ALiBi slopes' — for one and two threads.
+TEST(Attention, BackwardSkipsVanishingTilesWithoutChangingABit) {
+  const std::vector<double> steep = kSteepSlopes;
+  const std::vector<VanishingCase> cases = {
+      {"causal", 300, 300, true, -1, {{4, {}, AlibiParams(steep)}}},
+      {"queries at the end of longer keys", 150, 420, true, -1, {{4, {}, AlibiParams(steep)}}},
+      {"bidirectional, symmetric", 260, 260, false, -1, {{4, {}, AlibiParams(steep, AlibiForm::kSymmetric)}}},
+      {"sliding window, large logits", 300, 300, true, 150, {{4, {}, AlibiParams(steep)}}, true, 4.0},
+  };
+  for (const VanishingCase& c : cases) {
+    SCOPED_TRACE(c.what);
+    const Problem p = c.problem();
+    const AttentionSpec spec = c.spec(p);
+    const auto [skipping, running] = with_and_without_skip(spec);
+    const std::vector<double> d_out = random_values(static_cast<std::size_t>(p.q_count()));
+    for (const int threads : {1, 2}) {
+      set_num_threads(threads);
+      const Grads a = run_backward(p, skipping, d_out, false), b = run_backward(p, running, d_out, false);
+      EXPECT_EQ(a.dq, b.dq);
+      EXPECT_EQ(a.dk, b.dk);
+      EXPECT_EQ(a.dv, b.dv);
+      EXPECT_EQ(a.params.groups[0].alibi_slopes, b.params.groups[0].alibi_slopes);
+      EXPECT_GT(a.stats.skipped, 0);
+      EXPECT_EQ(b.stats.skipped, 0);
+      EXPECT_EQ(a.stats.tiles, b.stats.tiles);
+    }
+    set_num_threads(2);
+  }
+  // Far keys aligned with the queries (SkippedTilesHoldOnlyFlushedProbabilities): a step skipped
+  // with a probability of FLT_MIN or more would leave its keys' dV at exactly 0.
+  const Problem p = aligned_far_keys();
+  const auto [skipping, running] = with_and_without_skip(aligned_far_keys_spec(p));
+  const std::vector<double> d_out = random_values(static_cast<std::size_t>(p.q_count()));
+  const Grads a = run_backward(p, skipping, d_out, false), b = run_backward(p, running, d_out, false);
+  EXPECT_GT(a.stats.skipped, 0);
+  EXPECT_EQ(a.dq, b.dq);
+  EXPECT_EQ(a.dk, b.dk);
+  EXPECT_EQ(a.dv, b.dv);
+}
+
+TEST(Attention, BackwardSplitsTheQueriesOfFewLongSequences) {
+  // One sequence × one KV head is a single (sequence, KV head) unit: backward splits its queries
+  // into ranges of >= 256 (here 2 and then 3), each with its own dK, dV rows summed afterwards. The
+  // packed problem mixes a split sequence with one too short to split. Checked against the fp64
+  // reference, with the parameters' gradients (summed per range), and bitwise across threads.
+  Problem p = make_problem(1, 600, 600, 2, 1, 32);
+  Problem packed = make_packed({{800, 800}, {30, 45}}, 2, 1, 32);
+  std::vector<double> t5_table(32);
+  for (auto& x : t5_table) x = uniform(-1, 1);
+  const std::vector<std::vector<HeadGroup>> cases = {
+      {{2, RotaryQK{RopeParams(32, 32)}, AlibiParams(2)}},
+      {{1, {}, {}, ShawParams::init(6, 32, 0.5, 3)},
+       {1, {}, T5BiasParams(1, 16, 64, false, std::vector<double>(t5_table.begin(), t5_table.begin() + 16))}},
+      {{2, {}, tupe_with_cls(2, 32, 24, 600, 4)}},
+  };
+  for (std::size_t c = 0; c < cases.size(); ++c) {
+    for (const Problem* prob : {&p, &packed}) {
+      if (c == 2 && prob == &packed) continue;  // TUPE's fp64 reference is slow; one problem does
+      SCOPED_TRACE("case " + std::to_string(c) + (prob == &packed ? ", packed" : ""));
+      AttentionSpec spec = spec_of(*prob);
+      spec.groups = cases[c];
+      spec.mask.causal = true;
+      const Attention att(spec);
+      const std::vector<double> d_out = random_values(static_cast<std::size_t>(prob->q_count()));
+      expect_backward_matches_reference(*prob, att, d_out);
+      if (c != 1) continue;
+      std::vector<Grads> runs;
+      for (const int threads : {1, 2, 3}) {
+        set_num_threads(threads);
+        runs.push_back(run_backward(*prob, att, d_out, false));
+      }
+      set_num_threads(2);
+      for (std::size_t r = 1; r < runs.size(); ++r) {
+        EXPECT_EQ(runs[r].dq, runs[0].dq);
+        EXPECT_EQ(runs[r].dk, runs[0].dk);
+        EXPECT_EQ(runs[r].params.groups[0].shaw_key_table, runs[0].params.groups[0].shaw_key_table);
+        EXPECT_EQ(runs[r].params.groups[1].t5_table, runs[0].params.groups[1].t5_table);
+      }
+    }
+  }
+}
+
+TEST(Attention, ClearErrors) {
+  Problem p = make_problem(1, 8, 8, 4, 2, 16);
+  Problem bad_heads = make_problem(1, 8, 8, 4, 3, 16);
+  expect_error([&] { Attention a(spec_of(bad_heads)); }, {"Attention", "k", "KV head count dividing"});
+  AttentionSpec s = spec_of(p);
+  s.mask.window_left = -2;
+  expect_error([&] { Attention a(s); }, {"mask.window_left", "-2", ">= -1"});
+  s = spec_of(p);
+  s.groups = {{3, {}, AlibiParams(3)}};
+  expect_error([&] { Attention a(s); }, {"groups", "3 heads", "tiled"});
+  s.groups = {{1, RotaryQK{RopeParams(16, 16)}, {}}, {3, {}, {}}};
+  expect_error([&] { Attention a(s); }, {"groups[0].heads", "whole KV groups"});
+  s.groups = {{4, {}, AlibiParams(2)}};
+  expect_error([&] { Attention a(s); }, {"groups[0].bias", "2 heads"});
+  s.groups = {{4, {}, {}, ShawParams::init(3, 8)}};
+  expect_error([&] { Attention a(s); }, {"groups[0].shaw.head_dim", "8", "16"});
+  s.groups = {{4, {}, AlibiParams(4), {}, XlParams::init(4, 16, 8)}};
+  expect_error([&] { Attention a(s); }, {"groups[0].xl", "alone"});
+  s.groups = {{4, {}, {}, {}, XlParams::init(2, 16, 8)}};
+  expect_error([&] { Attention a(s); }, {"groups[0].xl.heads", "2", "4 (the group's heads)"});
+  s.groups = {{4,
+               {},
+               {},
+               {},
+               XlParams(4, 16, 8, std::vector<double>(64), std::vector<double>(64), std::vector<double>(512), 0.5)}};
+  expect_error([&] { Attention a(s); }, {"groups[0].xl.scale", "0.5", "the attention's scale"});
+  s = spec_of(p);
+  s.mask.softcap = std::nan("");
+  expect_error([&] { Attention a(s); }, {"mask.softcap", "nan"});
+  s = spec_of(p);
+  s.mask.key_lengths = {9};
+  expect_error([&] { Attention a(s); }, {"mask.key_lengths", "[0] = 9", "[0, 8]"});
+  Problem packed = make_packed({{3, 3}, {5, 5}}, 4, 2, 16);
+  s = spec_of(packed);
+  s.cu_seqlens_q = {0, 5, 3, 8};
+  s.cu_seqlens_k = {0, 3, 5, 8};
+  expect_error([&] { Attention a(s); }, {"cu_seqlens_q", "[2] = 3", "non-decreasing"});
+  s = spec_of(packed);
+  s.cu_seqlens_k = {0, 3, 7};
+  expect_error([&] { Attention a(s); }, {"cu_seqlens_k", "last = 7", "8"});
+  const Attention att(spec_of(p));
+  std::vector<float> out(static_cast<std::size_t>(p.q_count())), small(3);
+  expect_error([&] { att.forward(TensorView::of(small.data(), {3})); }, {"Attention", "out"});
+  std::vector<float> lse(5);
+  expect_error(
+      [&] {
+        att.forward(TensorView::of(out.data(), {1, 8, 4, 16}), TensorView::of(lse.data(), {5}));
+      },
+      {"lse", "[B, H, Sq] = [1, 4, 8]"});
+  s = spec_of(p);
+  s.groups = {{4, {}, TupeParams::init(4, 16, 8, 6)}};
+  expect_error([&] { Attention a(s); }, {"position", "max_len"});
+  s.groups = {{4, {}, TupeParams::init(4, 8, 8, 16)}};
+  expect_error([&] { Attention a(s); }, {"TUPE", "head_dim", "8", "16"});
+  // Gradients shaped for another scheme.
+  s.groups = {{4, {}, TupeParams::init(4, 16, 8, 16)}};
+  const Attention tupe(s);
+  AttentionGradients grads = tupe.zero_gradients();
+  grads.groups[0].tupe->u_q.pop_back();
+  std::vector<float> zeros(static_cast<std::size_t>(p.q_count()));
+  std::vector<float> l2(32);
+  tupe.forward(TensorView::of(out.data(), {1, 8, 4, 16}), TensorView::of(l2.data(), {1, 4, 8}));
+  expect_error(
+      [&] {
+        tupe.backward(TensorView::of(out.data(), {1, 8, 4, 16}), TensorView::of(l2.data(), {1, 4, 8}),
+                      TensorView::of(zeros.data(), {1, 8, 4, 16}), {}, {}, {}, &grads);
+      },
+      {"grads.groups[0].tupe.u_q"});
+}
+
+}  // namespace
+}  // namespace posenc

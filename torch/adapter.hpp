@@ -1,0 +1,44 @@
+// Shared by the PyTorch adapter's files (ops.cpp, attention_ops.cpp): tensors as posenc views,
+// positions, errors as Python exceptions, and the outputs' block cache.
+#pragma once
+
+#include <torch/library.h>
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+#include "posenc/posenc.hpp"
+
+namespace posenc::torch_adapter {
+
+void check_cpu(const char* where, const char* name, const at::Tensor& t);
+ConstTensorView const_view(const char* where, const char* name, const at::Tensor& t);
+TensorView mutable_view(const char* where, const char* name, at::Tensor& t);
+// int64 [S] or [B, S], contiguous; the tensor must outlive the Positions.
+Positions positions_of(const char* where, const char* name, const at::Tensor& ids);
+RopeParams rope_params_from_json(const std::string& text);
+// An optional tensor argument left out: undefined or a 1-D empty tensor.
+bool absent(const at::Tensor& t);
+// An output tensor from the block cache (see ops.cpp).
+at::Tensor empty_output(at::IntArrayRef sizes, c10::ScalarType dtype);
+// A bias scheme materialised as [B, H, Sq, Sk] of dtype.
+at::Tensor materialize(const BiasScheme& scheme, const at::Tensor& q_ids, const at::Tensor& k_ids,
+                       c10::ScalarType dtype);
+std::vector<double> doubles_of(const char* where, const char* name, const at::Tensor& t);
+at::Tensor tensor_of(const std::vector<double>& values, const at::Tensor& like);
+
+// posenc::Error → ValueError (the Python exception for bad values and shapes).
+template <class Fn>
+auto translating(Fn&& fn) -> decltype(fn()) {
+  try {
+    return fn();
+  } catch (const Error& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+}
+
+// The fused attention's ops and the registry's (attention_ops.cpp).
+void define_attention_ops(torch::Library& m);
+
+}  // namespace posenc::torch_adapter

@@ -10,6 +10,7 @@
 
 #include "absolute_checks.hpp"
 #include "kernels/absolute/absolute_kernels.hpp"
+#include "kernels/common/row_kernels.hpp"
 #include "posenc/absolute.hpp"
 #include "posenc/reference.hpp"
 

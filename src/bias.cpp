@@ -18,8 +18,8 @@
 #include <string>
 
 #include "bias_checks.hpp"
-#include "kernels/absolute/absolute_kernels.hpp"  // flush_streams
 #include "kernels/bias/bias_kernels.hpp"
+#include "kernels/common/row_kernels.hpp"
 #include "posenc/reference.hpp"
 
 namespace posenc {

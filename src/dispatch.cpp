@@ -11,7 +11,7 @@
 #include <string>
 
 #include "internal.hpp"
-#include "kernels/absolute/absolute_kernels.hpp"
+#include "kernels/common/row_kernels.hpp"
 #include "posenc/runtime.hpp"
 
 namespace posenc {

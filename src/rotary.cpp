@@ -12,7 +12,7 @@
 
 #include "absolute_checks.hpp"
 #include "internal.hpp"
-#include "kernels/absolute/absolute_kernels.hpp"  // flush_streams
+#include "kernels/common/row_kernels.hpp"
 #include "kernels/rotary/rotary_kernels.hpp"
 #include "posenc/reference.hpp"
 #include "rotary_checks.hpp"

@@ -209,22 +209,6 @@ void SinusoidAddRunF32(const SinusoidColumns& cols, double first_position, std::
   }
 }
 
-void AddRowsF32(const float* a, const float* b, float* out, std::int64_t n, bool stream) {
-  const hn::ScalableTag<float> df;
-  const auto lanes = static_cast<std::int64_t>(hn::Lanes(df));
-  const bool streamable = stream && StreamableTag(df);
-  std::int64_t j = 0;
-  for (; j + lanes <= n; j += lanes) {
-    StoreOrStream(hn::Add(hn::LoadU(df, a + j), hn::LoadU(df, b + j)), df, out + j, streamable);
-  }
-  for (; j < n; ++j) out[j] = a[j] + b[j];
-}
-
-void FlushStreams() { hwy::FlushStream(); }
-
-// The Highway target this translation unit's dispatch selects (for runtime.hpp's active_target).
-std::int64_t DispatchedTarget() { return HWY_TARGET; }
-
 }  // namespace HWY_NAMESPACE
 }  // namespace posenc::kernels
 HWY_AFTER_NAMESPACE();
@@ -234,9 +218,6 @@ namespace posenc::kernels {
 
 HWY_EXPORT(SinusoidRunF32);
 HWY_EXPORT(SinusoidAddRunF32);
-HWY_EXPORT(AddRowsF32);
-HWY_EXPORT(FlushStreams);
-HWY_EXPORT(DispatchedTarget);
 
 void sinusoid_run_f32(const SinusoidColumns& cols, double first_position, std::int64_t rows, float* out,
                       std::int64_t out_row_stride, bool stream) {
@@ -246,11 +227,6 @@ void sinusoid_add_run_f32(const SinusoidColumns& cols, double first_position, st
                           std::int64_t x_row_stride, float* out, std::int64_t out_row_stride, bool stream) {
   HWY_DYNAMIC_DISPATCH(SinusoidAddRunF32)(cols, first_position, rows, x, x_row_stride, out, out_row_stride, stream);
 }
-void add_rows_f32(const float* a, const float* b, float* out, std::int64_t n, bool stream) {
-  HWY_DYNAMIC_DISPATCH(AddRowsF32)(a, b, out, n, stream);
-}
-void flush_streams() { HWY_DYNAMIC_DISPATCH(FlushStreams)(); }
-std::int64_t dispatched_target() { return HWY_DYNAMIC_DISPATCH(DispatchedTarget)(); }
 
 }  // namespace posenc::kernels
 #endif  // HWY_ONCE

@@ -32,19 +32,12 @@ inline constexpr std::int64_t kMaxRun = 64;
 
 // Rows r = 0 … rows-1 of positions first_position + r (rows <= kMaxRun):
 //   out[r·out_row_stride + j] = value(first_position + r, j)   in f32.
-// With `stream`, aligned vectors use non-temporal stores (call flush_streams() at the end).
+// With `stream`, aligned vectors use non-temporal stores (call flush_streams(), row_kernels.hpp, at the end).
 void sinusoid_run_f32(const SinusoidColumns& cols, double first_position, std::int64_t rows, float* out,
                       std::int64_t out_row_stride, bool stream);
 // out[r·out_row_stride + j] = x[r·x_row_stride + j] + value(first_position + r, j); out may be x.
 // With `stream` (only for out != x), aligned vectors of out use non-temporal stores.
 void sinusoid_add_run_f32(const SinusoidColumns& cols, double first_position, std::int64_t rows, const float* x,
                           std::int64_t x_row_stride, float* out, std::int64_t out_row_stride, bool stream);
-// out[j] = a[j] + b[j] for j < n. `out` may equal `a` or `b` (then without `stream`); with
-// `stream`, aligned vectors of out use non-temporal stores.
-void add_rows_f32(const float* a, const float* b, float* out, std::int64_t n, bool stream = false);
-// Orders this thread's non-temporal stores before later loads and stores.
-void flush_streams();
-// The Highway target bit (HWY_AVX3, HWY_AVX2, …) these kernels currently dispatch to.
-std::int64_t dispatched_target();
 
 }  // namespace posenc::kernels

@@ -8,23 +8,11 @@
 #include <cstdint>
 
 #include "kernels/bias/bias_kernels.hpp"
-#include "kernels/common/store-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace posenc::kernels {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
-using common::HWY_NAMESPACE::StoreOrStream;
-using common::HWY_NAMESPACE::StreamableTag;
-
-void CopyRowF32(const float* HWY_RESTRICT src, float* HWY_RESTRICT dst, std::int64_t n, bool stream) {
-  const hn::ScalableTag<float> df;
-  const auto lanes = static_cast<std::int64_t>(hn::Lanes(df));
-  stream = stream && StreamableTag(df);
-  std::int64_t t = 0;
-  for (; t + lanes <= n; t += lanes) StoreOrStream(hn::LoadU(df, src + t), df, dst + t, stream);
-  for (; t < n; ++t) dst[t] = src[t];
-}
 
 void AccumulateDiagonalsF64(const float* HWY_RESTRICT ds, std::int64_t row_stride, std::int64_t rows, std::int64_t n,
                             double* HWY_RESTRICT sums) {
@@ -67,12 +55,7 @@ HWY_AFTER_NAMESPACE();
 #if HWY_ONCE
 namespace posenc::kernels {
 
-HWY_EXPORT(CopyRowF32);
 HWY_EXPORT(AccumulateDiagonalsF64);
-
-void copy_row_f32(const float* src, float* dst, std::int64_t n, bool stream) {
-  HWY_DYNAMIC_DISPATCH(CopyRowF32)(src, dst, n, stream);
-}
 
 void accumulate_diagonals_f64(const float* ds, std::int64_t row_stride, std::int64_t rows, std::int64_t n,
                               double* sums) {

@@ -1,14 +1,10 @@
-// SIMD kernels of the score biases (bias.hpp): rows copied out of the per-head tables, and rows of
-// dL/dscores summed into fp64 histograms over relative positions. Dispatched at run time.
+// SIMD kernels of the score biases (bias.hpp): rows of dL/dscores summed into fp64 histograms over
+// relative positions (rows are copied by kernels/common/row_kernels.hpp). Dispatched at run time.
 #pragma once
 
 #include <cstdint>
 
 namespace posenc::kernels {
-
-// dst[t] = src[t], t < n. With `stream`, aligned vectors use non-temporal stores (call
-// flush_streams() from absolute_kernels.hpp before the output is read).
-void copy_row_f32(const float* src, float* dst, std::int64_t n, bool stream);
 
 // Rows k < rows of ds (row k at ds + k·row_stride, n entries each) summed along diagonals:
 // sums[u] += Σ_k ds[k][u + k] for u in [−(rows − 1), n) (sums must be valid there), the terms of

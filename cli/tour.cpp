@@ -242,6 +242,25 @@ void tour_floater() {
   print_rows(table, 6, 4, {0, 1, 2, 3, 4, 5});
 }
 
+// Every other registered bias of the relative position (posenc schemes), with its defaults: head
+// 0's b(r) for keys at distances 0 … 16 behind the query.
+void tour_registry() {
+  std::vector<const SchemeEntry*> others;
+  for (const SchemeEntry& e : schemes()) {
+    if (e.family == "relative-bias" && e.name != "alibi" && e.name != "t5" && e.name != "kerple") others.push_back(&e);
+  }
+  if (others.empty()) return;
+  section("More biases of the relative position, from the registry");
+  for (const SchemeEntry* e : others) {
+    const HeadGroup g = make_head_group(e->name, SchemeArgs{.heads = 8, .head_dim = 64});
+    const RelativeBias& rb = *relative_bias(*g.bias);
+    fmt::print("  {} ({}): {}\n  head 0 of 8, r = 0, −1, −2, −4, −8, −16:\n   ", e->name, e->source, e->summary);
+    for (const std::int64_t r : {0, -1, -2, -4, -8, -16}) fmt::print(" {:.4f}", rb.value(0, r));
+    fmt::print("\n");
+  }
+  fmt::print("  (`posenc schemes` lists every scheme; `posenc table NAME --length 6` prints a matrix.)\n");
+}
+
 void run_tour() {
   fmt::print("posenc {} — a tour of the encodings implemented so far\n", version());
   std::string targets;
@@ -252,6 +271,7 @@ void run_tour() {
   tour_rope();
   tour_biases();
   tour_floater();
+  tour_registry();
   fmt::print(
       "\nNext: `posenc table sinusoidal --length 10 --dim 4`, `posenc table rope --length 4 --dim 8`,\n"
       "`posenc table alibi --length 8 --heads 4`, `posenc t5-buckets --from -20 --to 20`,\n"

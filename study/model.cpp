@@ -3,10 +3,12 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <tuple>
 
 #include "posenc/error.hpp"
+#include "posenc/registry.hpp"
 
 namespace posenc::study {
 namespace {
@@ -29,6 +31,33 @@ const std::vector<std::string>& all_schemes() {
   return schemes;
 }
 
+namespace {
+bool registered_relative_bias(const std::string& scheme) {
+  if (std::find(all_schemes().begin(), all_schemes().end(), scheme) != all_schemes().end()) return false;
+  for (const posenc::SchemeEntry& e : posenc::schemes()) {
+    if (e.name == scheme) return e.family == "relative-bias";
+  }
+  return false;
+}
+}  // namespace
+
+const std::vector<std::string>& known_schemes() {
+  static const std::vector<std::string> known = [] {
+    std::vector<std::string> all = all_schemes();
+    for (const posenc::SchemeEntry& e : posenc::schemes()) {
+      if (registered_relative_bias(e.name)) all.push_back(e.name);
+    }
+    return all;
+  }();
+  return known;
+}
+
+std::string known_schemes_text() {
+  std::string text;
+  for (const std::string& s : known_schemes()) text += (text.empty() ? "one of " : ", ") + s;
+  return text;
+}
+
 std::string training_scheme(const std::string& scheme) {
   return scheme == "rope-ntk" || scheme == "rope-yarn" ? "rope" : scheme;
 }
@@ -42,10 +71,8 @@ void LanguageModelImpl::set_scheme(const std::string& scheme) {
 
 LanguageModelImpl::LanguageModelImpl(const ModelConfig& config) : config_(config) {
   bool known = false;
-  for (const std::string& s : all_schemes()) known = known || s == config.scheme;
-  if (!known)
-    throw Error("study", "scheme", config.scheme,
-                "one of sinusoidal, learned, rope, rope-ntk, rope-yarn, xpos, t5, alibi, kerple, fire, nope");
+  for (const std::string& s : known_schemes()) known = known || s == config.scheme;
+  if (!known) throw Error("study", "scheme", config.scheme, known_schemes_text());
   if (config.width % config.heads != 0 || (config.width / config.heads) % 2 != 0) {
     throw Error("study", "width", std::to_string(config.width),
                 "a multiple of 2·heads (" + std::to_string(2 * config.heads) + ")");
@@ -81,6 +108,18 @@ LanguageModelImpl::LanguageModelImpl(const ModelConfig& config) : config_(config
       param("fire_c_raw", torch::full({1}, 2.2522, torch::kFloat64));  // softplus: c = 2.35… ≈ e^0.85
       param("fire_l_raw",
             torch::full({1}, static_cast<double>(config.train_length), torch::kFloat64));  // L ≈ train length
+    } else if (registered_relative_bias(config.scheme)) {
+      // The registry's initial parameters, learned as they are (none for Sandwich).
+      const posenc::SchemeEntry& entry = posenc::find_scheme(config.scheme);
+      posenc::SchemeArgs args;
+      args.heads = h;
+      args.head_dim = d / h;
+      const std::vector<double> initial =
+          posenc::scheme_parameters(entry, entry.make(posenc::complete_scheme_args(entry, args)));
+      if (!initial.empty()) {
+        const std::vector<std::int64_t> shape = entry.parameter_shape(posenc::complete_scheme_args(entry, args));
+        param("registry_params", torch::tensor(initial, torch::kFloat64).reshape(shape));
+      }
     } else if (config.scheme == "alibi") {
       // The paper's slopes 2^(−8h/H), fixed.
       auto slopes = torch::empty({h}, torch::kFloat64);
@@ -124,6 +163,8 @@ std::string LanguageModelImpl::scheme_json(std::int64_t context_length) const {
     j = {{"kind", "kerple"}, {"power", false}};
   } else if (s == "fire") {
     j = {{"kind", "fire"}, {"hidden", kFireHidden}};
+  } else if (registered_relative_bias(s)) {
+    j = {{"kind", s}};
   } else {
     j = {{"kind", "none"}};
   }
@@ -139,6 +180,7 @@ torch::Tensor LanguageModelImpl::layer_bias_params(const Layer& layer) const {
                        torch::nn::functional::softplus(layer.raw[4]), torch::nn::functional::softplus(layer.raw[5])});
   }
   if (s == "alibi") return layer.bias_params;
+  if (registered_relative_bias(s) && !layer.raw.empty()) return layer.raw[0];
   return torch::empty({0}, torch::kFloat64);
 }
 

@@ -31,6 +31,11 @@ struct ModelConfig {
 const std::vector<std::string>& all_schemes();
 // The scheme a scheme's model is trained as: rope for rope-ntk and rope-yarn, else itself.
 std::string training_scheme(const std::string& scheme);
+// Every scheme the study can train: all_schemes() and, after them, the registry's other schemes of
+// the relative-bias family (posenc/registry.hpp), each with its defaults and initial parameters.
+const std::vector<std::string>& known_schemes();
+// "one of …" for an error message.
+std::string known_schemes_text();
 
 class LanguageModelImpl : public torch::nn::Module {
  public:

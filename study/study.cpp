@@ -204,15 +204,15 @@ double train(LanguageModel& model, double peak_lr, std::int64_t steps, NextBatch
   return last_loss;
 }
 
-// A fresh model of `scheme`, seeded by the scheme's place in all_schemes() (a scheme's numbers do
+// A fresh model of `scheme`, seeded by the scheme's place in known_schemes() (a scheme's numbers do
 // not depend on which other schemes run) and by `stream` (0: the language model, 1: the copy task).
 LanguageModel new_model(const std::string& scheme, const Settings& st, std::int64_t train_length,
                         std::uint64_t stream) {
   // torch's generator is global: seed and build under a lock when schemes run in parallel.
   static std::mutex init_mutex;
   const std::lock_guard lock(init_mutex);
-  const auto place =
-      static_cast<std::uint64_t>(std::find(all_schemes().begin(), all_schemes().end(), scheme) - all_schemes().begin());
+  const auto place = static_cast<std::uint64_t>(std::find(known_schemes().begin(), known_schemes().end(), scheme) -
+                                                known_schemes().begin());
   torch::manual_seed(st.seed * 1000 + place + 100 * stream);
   return LanguageModel(ModelConfig{scheme, st.width, st.layers, st.heads, train_length});
 }
@@ -427,11 +427,8 @@ int main(int argc, char** argv) {
       std::string s;
       while (std::getline(list, s, ',')) {
         bool known = false;
-        for (const std::string& k : all_schemes()) known = known || k == s;
-        if (!known)
-          throw posenc::Error(
-              "study", "--schemes", s,
-              "one of sinusoidal, learned, rope, rope-ntk, rope-yarn, xpos, t5, alibi, kerple, fire, nope");
+        for (const std::string& k : known_schemes()) known = known || k == s;
+        if (!known) throw posenc::Error("study", "--schemes", s, known_schemes_text());
         schemes.push_back(s);
       }
     }

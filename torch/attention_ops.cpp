@@ -18,8 +18,6 @@ using torch::autograd::variable_list;
 
 // ─── Fused attention ─────────────────────────────────────────────────────────────────────────
 
-std::int64_t q_dim_of(const at::Tensor& t) { return t.dim() == 3 ? t.size(2) : 0; }
-
 // A JSON scheme {"kind": name, option: value, …} as the registry's arguments (registry.hpp):
 // numbers and booleans are options, "rope" holds RoPE's parameters; the registry refuses names
 // the scheme does not declare.

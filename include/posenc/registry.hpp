@@ -38,9 +38,9 @@ struct SchemeOption {
 struct SchemeArgs {
   std::int64_t heads = 0, head_dim = 0;
   double scale = 0.0;  // the attention's scale (0: 1/sqrt(head_dim)); Transformer-XL's terms use it
-  std::map<std::string, double, std::less<>> options;
-  std::vector<double> parameters;
-  std::optional<RopeParams> rope;  // "rope": full RoPE parameters (rope types, scaling) instead of options
+  std::map<std::string, double, std::less<>> options{};
+  std::vector<double> parameters{};
+  std::optional<RopeParams> rope{};  // "rope": full RoPE parameters (rope types, scaling) instead of options
 
   double number(std::string_view name) const;         // the option's value
   std::int64_t integer(std::string_view name) const;  // … checked to be an integer
@@ -57,14 +57,14 @@ struct SchemeEntry {
   std::vector<SchemeOption> options;
   std::string parameters;  // the learned parameters, e.g. "slopes [heads]" ("" if none)
   // The learned parameters' shape for these arguments ({} when there are none).
-  std::function<std::vector<std::int64_t>(const SchemeArgs&)> parameter_shape;
-  std::function<HeadGroup(const SchemeArgs&)> make;
+  std::function<std::vector<std::int64_t>(const SchemeArgs&)> parameter_shape{};
+  std::function<HeadGroup(const SchemeArgs&)> make{};
   // A group's learned parameters flat in parameter_shape's order, and its gradients
   // (AttentionGradients) flattened the same way. Unset: a RelativeBias's parameters() and
   // GroupGradients::bias_parameters for the relative-bias family, none for the others
   // (scheme_parameters / scheme_gradients apply that rule).
-  std::function<std::vector<double>(const HeadGroup&)> parameters_of;
-  std::function<std::vector<double>(const GroupGradients&)> gradients_of;
+  std::function<std::vector<double>(const HeadGroup&)> parameters_of{};
+  std::function<std::vector<double>(const GroupGradients&)> gradients_of{};
 };
 
 // Every registered scheme, in a fixed order.

@@ -145,7 +145,8 @@ Runner add_bench(CLI::App& app) {
   sub->add_option("--positions", o->shape.positions, "rope: contiguous, arbitrary or packed")->capture_default_str();
   sub->add_option("--dtype", o->shape.dtype, "rope: f32, bf16 or f16")->capture_default_str();
   sub->add_option("--scheme", o->shape.scheme,
-                  "bias: alibi, t5, kerple, fire or nope; attention: any registered scheme (posenc schemes), with its "
+                  "bias: alibi, t5, kerple, fire, nope or another relative bias; attention: any registered scheme "
+                  "(posenc schemes), with its "
                   "defaults")
       ->capture_default_str();
   sub->add_option(

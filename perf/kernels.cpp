@@ -336,10 +336,22 @@ Case make_case(const std::string& name, const CaseOptions& o) {
     } else if (o.scheme == "fire") {
       scheme = FireParams::init(heads, 32, 1);
     } else if (o.scheme != "nope") {
-      throw Error("bench", "--scheme", o.scheme, "alibi, t5, kerple, fire or nope");
+      // Any other registered relative bias with its defaults (posenc schemes).
+      std::string names = "alibi, t5, kerple, fire, nope";
+      bool known = false;
+      for (const SchemeEntry& e : schemes()) {
+        if (e.family != "relative-bias" || e.name == "alibi" || e.name == "t5" || e.name == "kerple") continue;
+        names += ", " + e.name;
+        known = known || e.name == o.scheme;
+      }
+      if (!known) throw Error("bench", "--scheme", o.scheme, names);
+      scheme = *make_head_group(o.scheme, SchemeArgs{.heads = heads, .head_dim = 1}).bias;
     }
     if (o.pass != "forward" && o.pass != "backward") throw Error("bench", "--pass", o.pass, "forward or backward");
-    if (o.pass == "backward" && o.scheme == "nope")
+    const RelativeBias* relative = relative_bias(scheme);
+    const bool learned =
+        relative != nullptr ? relative->parameter_count() > 0 : std::holds_alternative<FireParams>(scheme);
+    if (o.pass == "backward" && !learned)
       throw Error("bench", "--scheme", o.scheme, "a scheme with parameters for --pass backward");
     const std::int64_t scores =
         checked_mul(checked_mul(o.batch, heads, "scores"), checked_mul(o.length, o.length, "scores"), "scores");
@@ -350,7 +362,8 @@ Case make_case(const std::string& name, const CaseOptions& o) {
     c.bytes_per_run = static_cast<double>(scores) * sizeof(float);  // written (forward) or read (backward)
     c.limit_name = o.pass == "forward" ? "write_nt" : "read";
     c.elements_per_run = static_cast<double>(scores);
-    auto grads = std::make_shared<std::vector<double>>(static_cast<std::size_t>(64 * heads));
+    auto grads = std::make_shared<std::vector<double>>(static_cast<std::size_t>(
+        std::max<std::int64_t>(64 * heads, relative != nullptr ? relative->parameter_count() : 0)));
     call = [scheme, o, heads, grads](Buffers& bs) {
       const Positions positions = Positions::range(o.length);
       const std::vector<std::int64_t> shape = {o.batch, heads, o.length, o.length};
@@ -370,6 +383,8 @@ Case make_case(const std::string& name, const CaseOptions& o) {
       } else if (const auto* fire = std::get_if<FireParams>(&scheme)) {
         FireGradients fire_grads(*fire);
         fire_backward(*fire, positions, positions, ds, fire_grads);
+      } else if (const RelativeBias* rb = relative_bias(scheme)) {
+        relative_bias_backward(*rb, positions, positions, ds, g.first(static_cast<std::size_t>(rb->parameter_count())));
       }
     };
   } else if (name == "attention") {

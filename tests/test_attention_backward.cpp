@@ -516,5 +516,41 @@ TEST(Attention, ClearErrors) {
       {"grads.groups[0].tupe.u_q"});
 }
 
+// Every output of a call must lie apart from its inputs and from the other outputs: out on k's
+// memory read wrong keys, lse inside out corrupted one of them, and the gradients (+=) on an input
+// change what later tiles read. Exactly the same view counts too (no output is written in place).
+TEST(Attention, RefusesOutputsThatShareMemoryWithInputsOrEachOther) {
+  for (const char* target : {"auto", "ref"}) {
+    SCOPED_TRACE(target);
+    set_target(target);
+    Problem p = make_problem(1, 8, 8, 4, 4, 16);  // k and v shaped like q: an out on them fits
+    const Attention att(spec_of(p));
+    const std::vector<std::int64_t> shape = {1, 8, 4, 16};
+    const TensorView on_k = TensorView::contiguous(p.kb.data(), DType::kF32, shape);
+    const TensorView on_q = TensorView::contiguous(p.qb.data(), DType::kF32, shape);
+    std::vector<float> out(static_cast<std::size_t>(p.q_count())), lse(32), grad(out.size()), grad2(out.size());
+    const TensorView out_view = TensorView::of(out.data(), {1, 8, 4, 16});
+    expect_error([&] { att.forward(on_k); }, {"Attention", "out", "memory disjoint from k"});
+    expect_error([&] { att.forward(on_q); }, {"out", "memory disjoint from q"});
+    // lse over the first 32 floats of out.
+    expect_error(
+        [&] {
+          att.forward(out_view, TensorView::of(out.data(), {1, 4, 8}));
+        },
+        {"out", "memory disjoint from lse"});
+    att.forward(out_view, TensorView::of(lse.data(), {1, 4, 8}));
+    const TensorView lse_view = TensorView::of(lse.data(), {1, 4, 8});
+    const TensorView d_out = TensorView::of(grad.data(), {1, 8, 4, 16});
+    const TensorView dq = TensorView::of(grad2.data(), {1, 8, 4, 16});
+    expect_error([&] { att.backward(out_view, lse_view, d_out, on_q, {}, {}); }, {"dq", "memory disjoint from q"});
+    expect_error([&] { att.backward(out_view, lse_view, d_out, dq, dq, {}); }, {"dq", "memory disjoint from dk"});
+    expect_error([&] { att.backward(out_view, lse_view, d_out, {}, {}, out_view); }, {"dv", "disjoint from out"});
+    expect_error([&] { att.backward(out_view, lse_view, d_out, d_out, {}, {}); }, {"dq", "disjoint from d_out"});
+    // Apart, everything runs.
+    att.backward(out_view, lse_view, d_out, dq, {}, {});
+  }
+  set_target("auto");
+}
+
 }  // namespace
 }  // namespace posenc

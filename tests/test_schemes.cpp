@@ -176,6 +176,22 @@ TEST_P(Schemes, EveryEntryIsDescribedAndItsParametersHaveTheDeclaredShape) {
     EXPECT_EQ(static_cast<std::int64_t>(scheme_gradients(e, att.zero_gradients().groups[0]).size()), count);
   }
   expect_error([] { find_scheme("bogus"); }, {"schemes", "name", "bogus", "one of none, rope"});
+  // Shapes that would overflow an int64 are refused before anything is allocated.
+  expect_error(
+      [] {
+        make_head_group("xl", {.heads = 1 << 30, .head_dim = 1 << 30, .options = {{"d_model", 1 << 30}}});
+      },
+      {"scheme xl", "parameters", "more than 2^63"});
+  // Full RoPE parameters set base, rotary_dim and the layout: options beside them are refused.
+  SchemeArgs rope{.heads = 2, .head_dim = 8, .options = {{"base", 500000.0}}};
+  rope.rope = RopeParams(8, 8);
+  expect_error([&] { make_head_group("rope", rope); }, {"base", "absent when RoPE parameters are given"});
+  // rope_dim absent means head_dim; an explicit 0 is refused, not read as "unset".
+  expect_error(
+      [] {
+        make_head_group("rope", {.heads = 2, .head_dim = 8, .options = {{"rotary_dim", 0}}});
+      },
+      {"rotary_dim", "0"});
 }
 
 TEST_P(Schemes, EveryInvalidArgumentIsRefusedByName) {
@@ -193,13 +209,33 @@ TEST_P(Schemes, EveryInvalidArgumentIsRefusedByName) {
         b.options[o.name] = 2.5;
         expect_error([&] { make_head_group(e.name, b); }, {o.name, "2.5", "an integer"});
       }
+      // Out of the declared range on either side (flags: 0 or 1; sizes: 1 … 2^31; seeds >= 0).
+      if (o.minimum > -SchemeOption::kUnbounded) {
+        b.options[o.name] = o.minimum - 1;
+        expect_error([&] { make_head_group(e.name, b); }, {o.name});
+      }
+      if (o.maximum < SchemeOption::kUnbounded) {
+        // + 1 where a double still counts by ones, else the next double up (2^53 + 2 for seeds).
+        b.options[o.name] = o.maximum < 0x1p52 ? o.maximum + 1 : std::nextafter(o.maximum, SchemeOption::kUnbounded);
+        expect_error([&] { make_head_group(e.name, b); }, {o.name});
+      }
+    }
+    if (e.parameters.empty()) {  // a parameter-free scheme takes none, not one to ignore
+      SchemeArgs p = matrix_args(e);
+      p.parameters = {0.5};
+      expect_error([&] { make_head_group(e.name, p); }, {"parameters", "1 values", "no learned parameters"});
+    }
+    if (e.name != "rope") {  // RoPE's parameters belong to rope alone
+      SchemeArgs r = matrix_args(e);
+      r.rope = RopeParams(kDim, kDim);
+      expect_error([&] { make_head_group(e.name, r); }, {"rope", "only for the rope scheme"});
     }
     SchemeArgs c = matrix_args(e);
     c.parameters = {1.0, 2.0, 3.0};  // no scheme at these shapes has three parameters
     expect_error([&] { make_head_group(e.name, c); }, {"parameters", "3 values"});
     SchemeArgs d = matrix_args(e);
     d.heads = 0;
-    expect_error([&] { make_head_group(e.name, d); }, {"heads", "0", ">= 1"});
+    expect_error([&] { make_head_group(e.name, d); }, {"heads", "0", "in [1, 2^31]"});
   }
 }
 

@@ -28,7 +28,7 @@ SchemeArgs scheme_args(const char* where, const nlohmann::json& j, std::int64_t 
   args.head_dim = head_dim;
   args.scale = scale;
   for (const auto& [key, value] : j.items()) {
-    if (key == "kind" || key == "skip_vanishing_tiles" || key == "heads") continue;
+    if (key == "kind") continue;
     if (key == "rope") {
       args.rope = rope_params_from_json(value.dump());
     } else if (value.is_boolean()) {
@@ -48,15 +48,17 @@ HeadGroup attention_group(const nlohmann::json& j, const at::Tensor& bias_params
                           std::int64_t head_dim, double scale) {
   const char* where = "attention";
   const SchemeEntry& entry = find_scheme(j.value("kind", std::string("none")));
-  SchemeArgs args = complete_scheme_args(entry, scheme_args(where, j, heads, head_dim, scale));
+  SchemeArgs args = scheme_args(where, j, heads, head_dim, scale);
   if (!absent(bias_params) && bias_params.numel() > 0) {
-    const std::vector<std::int64_t> shape = entry.parameter_shape(args);
+    // The registry checks the count (and refuses any for a parameter-free scheme); the tensor's
+    // shape must also be the declared one.
+    args.parameters = doubles_of(where, "bias_params", bias_params);
+    const std::vector<std::int64_t> shape = entry.parameter_shape(complete_scheme_args(entry, args));
     TORCH_CHECK_VALUE(bias_params.sizes() == at::IntArrayRef(shape), where, ": bias_params shape ", bias_params.sizes(),
                       "; expected ", at::IntArrayRef(shape), " (", entry.name, ": ",
                       entry.parameters.empty() ? std::string("no parameters") : entry.parameters, ")");
-    args.parameters = doubles_of(where, "bias_params", bias_params);
   }
-  return entry.make(args);
+  return entry.make(complete_scheme_args(entry, std::move(args)));
 }
 
 // Any registered relative-bias scheme (registry.hpp) materialised as [B, H, Sq, Sk], differentiable
@@ -153,20 +155,33 @@ AttentionCall make_attention(const at::Tensor& q, const at::Tensor& k, const at:
   spec.q = const_view(where, "q", q);
   spec.k = const_view(where, "k", k);
   spec.v = const_view(where, "v", v);
-  const nlohmann::json scheme_json = nlohmann::json::parse(scheme);
+  nlohmann::json scheme_json = nlohmann::json::parse(scheme);
+  // The plan's option rides along at the top level (absent: the library's default).
+  if (scheme_json.contains("skip_vanishing_tiles")) {
+    const nlohmann::json& skip = scheme_json.at("skip_vanishing_tiles");
+    TORCH_CHECK_VALUE(skip.is_boolean(), where, ": scheme.skip_vanishing_tiles = ", skip.dump(), "; expected a bool");
+    spec.skip_vanishing_tiles = skip.get<bool>();
+    scheme_json.erase("skip_vanishing_tiles");
+  }
   if (scheme_json.contains("groups")) {
+    for (const auto& [key, value] : scheme_json.items()) {
+      TORCH_CHECK_VALUE(key == "groups", where, ": scheme.", key, " = ", value.dump(),
+                        "; expected only \"groups\" (and skip_vanishing_tiles) beside the groups");
+    }
     // Several head groups: {"groups": [{"kind", "heads", options…}, …]} covering the heads in order;
     // bias_params is every group's parameters flattened and concatenated (or empty).
     const at::Tensor flat = absent(bias_params) ? bias_params : bias_params.reshape({-1});
     std::int64_t offset = 0;
-    for (const nlohmann::json& g : scheme_json.at("groups")) {
+    for (nlohmann::json g : scheme_json.at("groups")) {
+      TORCH_CHECK_VALUE(g.is_object() && g.contains("heads") && g.at("heads").is_number_integer(), where,
+                        ": scheme group ", g.dump(), "; expected an object with an integer \"heads\"");
       const std::int64_t heads = g.at("heads").get<std::int64_t>();
       TORCH_CHECK_VALUE(heads >= 1, where, ": scheme groups' heads = ", heads, "; expected >= 1");
+      g.erase("heads");
       const SchemeEntry& entry = find_scheme(g.value("kind", std::string("none")));
       const SchemeArgs args = complete_scheme_args(entry, scheme_args(where, g, heads, q.size(3), scale));
-      std::int64_t count = 1;
-      for (const std::int64_t extent : entry.parameter_shape(args)) count *= extent;
-      if (entry.parameter_shape(args).empty()) count = 0;
+      std::int64_t count = entry.parameter_shape(args).empty() ? 0 : 1;
+      for (const std::int64_t extent : entry.parameter_shape(args)) count *= extent;  // checked by the registry
       at::Tensor part = at::empty({0}, at::kDouble);
       if (!absent(flat) && flat.numel() > 0 && count > 0) {
         TORCH_CHECK_VALUE(offset + count <= flat.numel(), where, ": bias_params has ", flat.numel(),
@@ -179,10 +194,10 @@ AttentionCall make_attention(const at::Tensor& q, const at::Tensor& k, const at:
     TORCH_CHECK_VALUE(absent(flat) || flat.numel() == 0 || offset == flat.numel(), where, ": bias_params has ",
                       flat.numel(), " values; the groups' parameters take ", offset);
   } else {
+    TORCH_CHECK_VALUE(!scheme_json.contains("heads"), where, ": scheme.heads = ", scheme_json.value("heads", 0),
+                      "; expected it only inside \"groups\" (one scheme covers every head)");
     spec.groups = {attention_group(scheme_json, bias_params, q.size(2), q.size(3), scale)};
   }
-  // The scheme's JSON also carries the plan's options (absent: the library's defaults).
-  spec.skip_vanishing_tiles = scheme_json.value("skip_vanishing_tiles", spec.skip_vanishing_tiles);
   spec.mask.causal = causal;
   spec.mask.window_left = window_left;
   spec.mask.window_right = window_right;

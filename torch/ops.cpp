@@ -453,6 +453,8 @@ std::vector<double> doubles_of(const char* where, const char* name, const at::Te
 }
 
 at::Tensor tensor_of(const std::vector<double>& values, const at::Tensor& like) {
+  TORCH_CHECK(static_cast<std::int64_t>(values.size()) == like.numel(), "posenc: ", values.size(),
+              " gradient values for a tensor of ", like.numel(), " elements");
   return at::from_blob(const_cast<double*>(values.data()), like.sizes(), at::kDouble).clone().to(like.scalar_type());
 }
 

@@ -66,7 +66,8 @@
 // Errors: posenc::Error naming the parameter for shapes or dtypes that do not match, head counts
 // that do not divide, groups that do not tile the heads or split a KV group's transform, window
 // < −1, soft-cap < 0 or non-finite, key_lengths out of [0, Sk], cu_seqlens that do not start at 0,
-// decrease or end elsewhere than the token count, positions of the wrong grid.
+// decrease or end elsewhere than the token count, positions of the wrong grid, and outputs (out,
+// lse, dq, dk, dv) that share memory with an input or with each other.
 #pragma once
 
 #include <cstdint>

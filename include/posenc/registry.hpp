@@ -29,8 +29,21 @@ struct SchemeOption {
   std::string name;
   double default_value = 0.0;
   std::string description;
-  bool integer = false;  // must hold an integer (flags: 0 or 1)
+  bool integer = false;  // must hold an integer
+  // The range an explicit value must lie in (the scheme's own constructor checks the rest); sizes
+  // stay below 2^31 so that products of them fit an int64.
+  double minimum = -kUnbounded, maximum = kUnbounded;
+  // No default: absent means what the description says (e.g. rope's rotary_dim: head_dim), and
+  // make_head_group leaves it absent rather than inventing a value that stands for "unset".
+  bool optional = false;
+
+  static constexpr double kUnbounded = 1.7976931348623157e308;
+  static constexpr double kMaxSize = 2147483648.0;  // 2^31
 };
+// Shorthands for the entries: a flag (0 or 1), a size in [1, 2^31], a seed in [0, 2^53].
+SchemeOption flag_option(std::string name, bool default_value, std::string description);
+SchemeOption size_option(std::string name, double default_value, std::string description);
+SchemeOption seed_option();
 
 // What a factory receives: the head group's size, the options by name (make_head_group fills in
 // the defaults and refuses unknown names), and the learned parameters flattened in the order
@@ -45,6 +58,7 @@ struct SchemeArgs {
   double number(std::string_view name) const;         // the option's value
   std::int64_t integer(std::string_view name) const;  // … checked to be an integer
   bool flag(std::string_view name) const { return number(name) != 0.0; }
+  bool has(std::string_view name) const { return options.find(name) != options.end(); }
 };
 
 struct SchemeEntry {

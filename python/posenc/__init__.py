@@ -573,7 +573,7 @@ def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), softcap=0.
             raise ValueError(f"attention: the groups' heads sum to {sum(g['heads'] for g in groups)}; expected "
                              f"the {q.shape[2]} heads of q")
         spec = {"groups": groups}
-        # Every group's parameters, flattened and concatenated (names bring none).
+        # Every group's parameters, flattened and concatenated (names bring none but alibi's slopes).
         params = torch.cat([p.reshape(-1).to(torch.float64) for p in parts]) if any(p.numel() for p in parts) \
             else torch.empty(0, dtype=torch.float64)
     else:

@@ -43,6 +43,7 @@ AttentionStats Attention::forward(TensorView out, TensorView lse) const {
     // The plan's checks first, so that errors read the same on every path.
     detail::check_output_tokens(Plan::kWhere, "out", ConstTensorView(out), plan_->qg);
     if (lse.rank() > 0) plan_->check_lse(lse, true);
+    plan_->check_disjoint({{"out", out}, {"lse", lse}}, {{"q", spec().q}, {"k", spec().k}, {"v", spec().v}});
     ref::attention_forward(*this, out, lse);
     return {};  // the reference runs every pair: no tiles
   }
@@ -61,6 +62,9 @@ AttentionStats Attention::backward(ConstTensorView out, ConstTensorView lse, Con
     if (dk.rank() > 0) detail::check_output_tokens(Plan::kWhere, "dk", ConstTensorView(dk), plan_->kg);
     if (dv.rank() > 0) detail::check_output_tokens(Plan::kWhere, "dv", ConstTensorView(dv), plan_->vg);
     if (grads != nullptr) plan_->check_gradients(*grads);
+    plan_->check_disjoint(
+        {{"dq", dq}, {"dk", dk}, {"dv", dv}},
+        {{"q", spec().q}, {"k", spec().k}, {"v", spec().v}, {"out", out}, {"lse", lse}, {"d_out", d_out}});
     ref::attention_backward(*this, out, lse, d_out, dq, dk, dv, grads);
     return {};  // the reference runs every pair: no steps
   }

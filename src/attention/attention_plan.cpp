@@ -9,6 +9,7 @@
 #include <string>
 #include <variant>
 
+#include "absolute_checks.hpp"
 #include "bias_checks.hpp"
 #include "kernels/attention/attention_kernels.hpp"
 #include "posenc/error.hpp"
@@ -658,6 +659,21 @@ std::int64_t AttentionPlan::table_bytes() const {
     total += static_cast<std::int64_t>((t.projected.size() + t.constant.size() + t.u.size() + t.sinusoids.size()) *
                                        sizeof(float));
   return total;
+}
+
+void AttentionPlan::check_disjoint(std::initializer_list<NamedView> outputs,
+                                   std::initializer_list<NamedView> inputs) const {
+  const auto empty = [](ConstTensorView v) { return v.rank() == 0 || v.data() == nullptr; };
+  for (auto o = outputs.begin(); o != outputs.end(); ++o) {
+    if (empty(o->second)) continue;
+    for (const NamedView& in : inputs) {
+      if (!empty(in.second)) check_alias(kWhere, o->first, o->second, in.first, in.second, Alias::kDisjoint);
+    }
+    for (auto other = std::next(o); other != outputs.end(); ++other) {
+      if (!empty(other->second))
+        check_alias(kWhere, o->first, o->second, other->first, other->second, Alias::kDisjoint);
+    }
+  }
 }
 
 // ─── lse ─────────────────────────────────────────────────────────────────────────────────────

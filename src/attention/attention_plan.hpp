@@ -4,9 +4,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "internal.hpp"
@@ -453,6 +455,11 @@ struct AttentionPlan {
     std::int64_t part_key_lo = 0, part_key_hi = 0;
   };
   void backward_unit(const BackwardCall& call, const BackwardUnit& unit, AttentionUnitScratch& s, RowBlock& rb) const;
+
+  // Every output disjoint from every input and from the other outputs (empty views skipped):
+  // attention reads its inputs after it has started writing (+= for the gradients).
+  using NamedView = std::pair<const char*, ConstTensorView>;
+  void check_disjoint(std::initializer_list<NamedView> outputs, std::initializer_list<NamedView> inputs) const;
 
   // lse I/O ([B, H, Sq] or [H, Tq]).
   void check_lse(ConstTensorView lse, bool writable) const;

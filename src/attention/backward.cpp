@@ -46,6 +46,8 @@ AttentionStats AttentionPlan::backward(ConstTensorView out, ConstTensorView lse,
     check_writable(kWhere, "dv", ConstTensorView(dv));
   }
   if (grads != nullptr) check_gradients(*grads);
+  check_disjoint({{"dq", dq}, {"dk", dk}, {"dv", dv}},
+                 {{"q", spec.q}, {"k", spec.k}, {"v", spec.v}, {"out", out}, {"lse", lse}, {"d_out", d_out}});
   const bool want_bias_grads = grads != nullptr && any_trainable_bias;
   // Units: (sequence, KV head, query range). A sequence's queries are split into ranges only when
   // there are fewer than kSplitBelow (sequence, KV head) pairs, so that batch 1 with few KV heads

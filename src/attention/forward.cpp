@@ -283,6 +283,7 @@ AttentionStats AttentionPlan::forward(TensorView out, TensorView lse) const {
   check_writable(kWhere, "out", ConstTensorView(out));
   const bool want_lse = lse.rank() > 0;
   if (want_lse) check_lse(lse, true);
+  check_disjoint({{"out", out}, {"lse", lse}}, {{"q", spec.q}, {"k", spec.k}, {"v", spec.v}});
   // Units: (sequence, KV head, query block) for prefill; decode blocks (few rows) run every KV
   // head per key tile — reading the cache in its memory order — in chunks of keys:
   // (sequence, query block, key chunk), kvh = −1.

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "posenc/error.hpp"
 #include "posenc/registry.hpp"
 
 namespace posenc::scheme_entries {
@@ -14,6 +15,28 @@ namespace {
 
 std::vector<double> slice(const std::vector<double>& values, std::int64_t offset, std::int64_t count) {
   return {values.begin() + offset, values.begin() + offset + count};
+}
+
+// Products and sums of sizes for parameter shapes, refused by name past an int64.
+std::int64_t checked_product(const char* scheme, std::initializer_list<std::int64_t> factors) {
+  std::int64_t p = 1;
+  for (const std::int64_t f : factors) {
+    if (__builtin_mul_overflow(p, f, &p)) {
+      throw Error(std::string("scheme ") + scheme, "parameters", "more than 2^63 values",
+                  "options whose parameters fit an int64");
+    }
+  }
+  return p;
+}
+std::int64_t checked_sum(const char* scheme, std::initializer_list<std::int64_t> terms) {
+  std::int64_t sum = 0;
+  for (const std::int64_t t : terms) {
+    if (__builtin_add_overflow(sum, t, &sum)) {
+      throw Error(std::string("scheme ") + scheme, "parameters", "more than 2^63 values",
+                  "options whose parameters fit an int64");
+    }
+  }
+  return sum;
 }
 
 std::vector<double> joined(std::initializer_list<const std::vector<double>*> parts) {
@@ -57,13 +80,13 @@ SchemeEntry rope_entry() {
           "q, k rotated by θ_i·position in pairs, θ_i = base^(−2i/rotary_dim)",
           "Su et al. 2021, RoFormer",
           {{"base", 10000.0, "frequency base"},
-           {"rotary_dim", 0, "rotated dimensions (0: head_dim)", true},
-           {"interleaved", 0, "1: pairs (x0, x1), (x2, x3)…; 0: halves (x_i, x_{i+r/2})", true},
-           {"keys_rotated", 0, "1: k is a cache of rotated keys (only q is rotated)", true}},
+           {"rotary_dim", 0, "rotated dimensions (absent: head_dim)", true, 2, SchemeOption::kMaxSize, true},
+           flag_option("interleaved", false, "1: pairs (x0, x1), (x2, x3)…; 0: halves (x_i, x_{i+r/2})"),
+           flag_option("keys_rotated", false, "1: k is a cache of rotated keys (only q is rotated)")},
           "",
           [](const SchemeArgs&) { return std::vector<std::int64_t>{}; },
           [](const SchemeArgs& a) {
-            const std::int64_t rotary = a.integer("rotary_dim") == 0 ? a.head_dim : a.integer("rotary_dim");
+            const std::int64_t rotary = a.has("rotary_dim") ? a.integer("rotary_dim") : a.head_dim;
             RopeParams params =
                 a.rope ? *a.rope
                        : RopeParams(a.head_dim, rotary, a.number("base"),
@@ -77,18 +100,18 @@ SchemeEntry absolute_entry() {
           "transform",
           "the sinusoid of the position added to q and k, not v (position-infused attention)",
           "Press et al. 2021, Shortformer",
-          {{"dim", 0, "width of the sinusoid (0: head_dim; else it must equal head_dim)", true},
+          {{"dim", 0, "width of the sinusoid (absent: head_dim; else it must equal head_dim)", true, 1,
+            SchemeOption::kMaxSize, true},
            {"base", 10000.0, "frequency base"},
-           {"interleaved", 1, "1: (sin, cos) pairs; 0: [sin | cos] halves", true}},
+           flag_option("interleaved", true, "1: (sin, cos) pairs; 0: [sin | cos] halves")},
           "",
           [](const SchemeArgs&) { return std::vector<std::int64_t>{}; },
           [](const SchemeArgs& a) {
-            return HeadGroup{
-                a.heads,
-                AbsoluteQK{SinusoidalParams(
-                    a.integer("dim") == 0 ? a.head_dim : a.integer("dim"), a.number("base"),
-                    a.flag("interleaved") ? SinusoidalLayout::kInterleaved : SinusoidalLayout::kSplitHalves)},
-                {}};
+            return HeadGroup{a.heads,
+                             AbsoluteQK{SinusoidalParams(a.has("dim") ? a.integer("dim") : a.head_dim, a.number("base"),
+                                                         a.flag("interleaved") ? SinusoidalLayout::kInterleaved
+                                                                               : SinusoidalLayout::kSplitHalves)},
+                             {}};
           }};
 }
 
@@ -98,7 +121,7 @@ SchemeEntry alibi_entry() {
        "relative-bias",
        "b = m_h·r (causal) or −m_h·|r| (symmetric), r = key − query",
        "Press et al. 2022, Train Short, Test Long",
-       {{"symmetric", 0, "1: −m·|r| (encoders)", true}, {"max_bias", 8.0, "the slopes' exponent scale"}},
+       {flag_option("symmetric", false, "1: −m·|r| (encoders)"), {"max_bias", 8.0, "the slopes' exponent scale"}},
        "slopes [heads]",
        [](const SchemeArgs& a) { return std::vector<std::int64_t>{a.heads}; },
        [](const SchemeArgs& a) {
@@ -116,9 +139,8 @@ SchemeEntry t5_entry() {
        "relative-bias",
        "b = table[bucket(r), h]: exact near 0, logarithmic buckets up to max_distance",
        "Raffel et al. 2020, T5",
-       {{"num_buckets", 32, "buckets", true},
-        {"max_distance", 128, "distance of the last bucket", true},
-        {"bidirectional", 1, "0: causal buckets", true}},
+       {size_option("num_buckets", 32, "buckets"), size_option("max_distance", 128, "distance of the last bucket"),
+        flag_option("bidirectional", true, "0: causal buckets")},
        "table [num_buckets, heads] (zeros at first)",
        [](const SchemeArgs& a) {
          return std::vector<std::int64_t>{a.integer("num_buckets"), a.heads};
@@ -137,7 +159,7 @@ SchemeEntry kerple_entry() {
        "relative-bias",
        "b = −r1_h·log(1 + r2_h·|r|) (log) or −r1_h·|r|^r2_h (power)",
        "Chi et al. 2022, KERPLE",
-       {{"power", 0, "1: the power form", true},
+       {flag_option("power", false, "1: the power form"),
         {"r1", 1.0, "r1 of every head at first"},
         {"r2", 0.5, "r2 of every head at first"}},
        "[r1 | r2] [2, heads]",
@@ -166,14 +188,15 @@ SchemeEntry fire_entry() {
        "bias",
        "b = MLP_h(ψ(|i − j|)/ψ(max(L, i))), ψ(t) = log(1 + c·t)",
        "Li et al. 2023, Functional Interpolation for Relative Positions",
-       {{"hidden", 32, "MLP width", true},
+       {size_option("hidden", 32, "MLP width"),
         {"c", 1.0, "c of ψ at first"},
         {"threshold", 512.0, "L at first"},
-        {"seed", 0, "initialisation seed", true}},
+        seed_option()},
        "[w1 (hidden) | b1 (hidden) | w2 (heads·hidden) | b2 (heads) | c | L]",
        [](const SchemeArgs& a) {
          const std::int64_t k = a.integer("hidden");
-         return std::vector<std::int64_t>{2 * k + a.heads * k + a.heads + 2};
+         return std::vector<std::int64_t>{
+             checked_sum("fire", {2 * k, checked_product("fire", {a.heads, k}), a.heads, 2})};
        },
        [](const SchemeArgs& a) {
          const std::int64_t k = a.integer("hidden"), h = a.heads;
@@ -206,15 +229,14 @@ SchemeEntry tupe_entry() {
        "bias",
        "b = (p_i U^Q_h)·(p_j U^K_h)/sqrt(2D), p a learned absolute table",
        "Ke et al. 2021, Rethinking Positional Encoding in Language Pre-training",
-       {{"d_model", 64, "width of the position table", true},
-        {"max_len", 512, "rows of the position table", true},
-        {"cls_reset", 0, "1: position 0 is a [CLS] token with learned θ1, θ2", true},
-        {"seed", 0, "initialisation seed", true}},
+       {size_option("d_model", 64, "width of the position table"),
+        size_option("max_len", 512, "rows of the position table"),
+        flag_option("cls_reset", false, "1: position 0 is a [CLS] token with learned θ1, θ2"), seed_option()},
        "[table (max_len·d_model) | U^Q (d_model·heads·head_dim) | U^K | θ1 (heads) | θ2 (heads)]",
        [](const SchemeArgs& a) {
-         const std::int64_t table = a.integer("max_len") * a.integer("d_model");
-         const std::int64_t u = a.integer("d_model") * a.heads * a.head_dim;
-         return std::vector<std::int64_t>{table + 2 * u + 2 * a.heads};
+         const std::int64_t table = checked_product("tupe", {a.integer("max_len"), a.integer("d_model")});
+         const std::int64_t u = checked_product("tupe", {a.integer("d_model"), a.heads, a.head_dim});
+         return std::vector<std::int64_t>{checked_sum("tupe", {table, u, u, 2 * a.heads})};
        },
        [](const SchemeArgs& a) {
          const std::int64_t d_model = a.integer("d_model"), max_len = a.integer("max_len");
@@ -243,7 +265,7 @@ SchemeEntry shaw_entry() {
        "relative-terms",
        "logit += scale·q·a^K[clip(r, ±k)], out += Σ_j p_ij·a^V[clip(r, ±k)]",
        "Shaw et al. 2018, Self-Attention with Relative Position Representations",
-       {{"max_distance", 16, "the clip k", true}, {"seed", 0, "initialisation seed", true}},
+       {{"max_distance", 16, "the clip k", true, 0, SchemeOption::kMaxSize}, seed_option()},
        "[key table | value table] [2, 2·max_distance + 1, head_dim]",
        [](const SchemeArgs& a) {
          return std::vector<std::int64_t>{2, 2 * a.integer("max_distance") + 1, a.head_dim};
@@ -277,13 +299,12 @@ SchemeEntry xl_entry() {
        "relative-terms",
        "logit += scale·(u_h·k_j + (q_i + v_h)·W_R r(i − j)), r a sinusoid of d_model",
        "Dai et al. 2019, Transformer-XL",
-       {{"d_model", 64, "width of the sinusoid r", true},
-        {"base", 10000.0, "the sinusoid's base"},
-        {"seed", 0, "initialisation seed", true}},
+       {size_option("d_model", 64, "width of the sinusoid r"), {"base", 10000.0, "the sinusoid's base"}, seed_option()},
        "[u (heads·head_dim) | v (heads·head_dim) | W_R (heads·head_dim·d_model)]",
        [](const SchemeArgs& a) {
-         const std::int64_t hd = a.heads * a.head_dim;
-         return std::vector<std::int64_t>{2 * hd + hd * a.integer("d_model")};
+         const std::int64_t hd = checked_product("xl", {a.heads, a.head_dim});
+         return std::vector<std::int64_t>{
+             checked_sum("xl", {hd, hd, checked_product("xl", {hd, a.integer("d_model")})})};
        },
        [](const SchemeArgs& a) {
          const std::int64_t d_model = a.integer("d_model"), hd = a.heads * a.head_dim;

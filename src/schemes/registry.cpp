@@ -61,10 +61,26 @@ double SchemeArgs::number(std::string_view name) const {
 
 std::int64_t SchemeArgs::integer(std::string_view name) const { return static_cast<std::int64_t>(number(name)); }
 
+SchemeOption flag_option(std::string name, bool default_value, std::string description) {
+  return {std::move(name), default_value ? 1.0 : 0.0, std::move(description), true, 0.0, 1.0};
+}
+SchemeOption size_option(std::string name, double default_value, std::string description) {
+  return {std::move(name), default_value, std::move(description), true, 1.0, SchemeOption::kMaxSize};
+}
+SchemeOption seed_option() { return {"seed", 0, "initialisation seed", true, 0.0, 9007199254740992.0}; }
+
 SchemeArgs complete_scheme_args(const SchemeEntry& entry, SchemeArgs args) {
   const std::string where = "scheme " + entry.name;
-  if (args.heads < 1) throw Error(where, "heads", std::to_string(args.heads), ">= 1");
-  if (args.head_dim < 1) throw Error(where, "head_dim", std::to_string(args.head_dim), ">= 1");
+  const auto max_size = static_cast<std::int64_t>(SchemeOption::kMaxSize);
+  if (args.heads < 1 || args.heads > max_size) {
+    throw Error(where, "heads", std::to_string(args.heads), "in [1, 2^31]");
+  }
+  if (args.head_dim < 1 || args.head_dim > max_size) {
+    throw Error(where, "head_dim", std::to_string(args.head_dim), "in [1, 2^31]");
+  }
+  if (args.rope && entry.name != "rope") {
+    throw Error(where, "rope", "given", "RoPE parameters only for the rope scheme");
+  }
   for (const auto& [name, value] : args.options) {
     const SchemeOption* option = nullptr;
     for (const SchemeOption& o : entry.options) option = o.name == name ? &o : option;
@@ -78,26 +94,48 @@ SchemeArgs complete_scheme_args(const SchemeEntry& entry, SchemeArgs args) {
     if (std::isnan(value) || (option->integer && (value != std::trunc(value) || std::fabs(value) > kLargest))) {
       throw Error(where, name, detail::to_text(value), option->integer ? "an integer" : "a number");
     }
+    if (value < option->minimum || value > option->maximum) {
+      const auto bound = [&](double b) {
+        return b == SchemeOption::kMaxSize ? std::string("2^31") : detail::to_text(b);
+      };
+      throw Error(where, name, detail::to_text(value),
+                  option->maximum == SchemeOption::kUnbounded ? ">= " + bound(option->minimum)
+                  : option->minimum == -SchemeOption::kUnbounded
+                      ? "<= " + bound(option->maximum)
+                      : "in [" + bound(option->minimum) + ", " + bound(option->maximum) + "]");
+    }
+    if (args.rope && (name == "base" || name == "rotary_dim" || name == "interleaved")) {
+      throw Error(where, name, detail::to_text(value), "absent when RoPE parameters are given (they set it)");
+    }
   }
-  for (const SchemeOption& o : entry.options) args.options.emplace(o.name, o.default_value);
-  if (!args.parameters.empty()) {
-    std::int64_t count = 1;
-    std::string shape;
-    for (const std::int64_t extent : entry.parameter_shape(args)) {
-      count *= extent;
-      shape += (shape.empty() ? "" : ", ") + std::to_string(extent);
+  for (const SchemeOption& o : entry.options) {
+    if (!o.optional) args.options.emplace(o.name, o.default_value);
+  }
+  // The parameters' count, overflow-checked (sizes are below 2^31, but shapes multiply them).
+  std::int64_t count = 0;
+  std::string shape;
+  for (const std::int64_t extent : entry.parameter_shape(args)) {
+    if (extent < 0 || (count > 0 && extent > 0 && count > std::numeric_limits<std::int64_t>::max() / extent)) {
+      throw Error(where, "parameters", "a shape of more than 2^63 values", "options whose parameters fit an int64");
     }
-    if (static_cast<std::int64_t>(args.parameters.size()) != count) {
-      throw Error(where, "parameters", std::to_string(args.parameters.size()) + " values",
-                  std::to_string(count) + " = [" + shape + "] (" + entry.parameters + ")");
-    }
+    count = shape.empty() ? extent : count * extent;
+    shape += (shape.empty() ? "" : ", ") + std::to_string(extent);
+  }
+  if (!args.parameters.empty() && static_cast<std::int64_t>(args.parameters.size()) != count) {
+    throw Error(where, "parameters", std::to_string(args.parameters.size()) + " values",
+                count == 0 ? "none: " + entry.name + " has no learned parameters"
+                           : std::to_string(count) + " = [" + shape + "] (" + entry.parameters + ")");
   }
   return args;
 }
 
 std::vector<double> scheme_parameters(const SchemeEntry& entry, const HeadGroup& group) {
   if (entry.parameters_of) return entry.parameters_of(group);
-  if (entry.family == "relative-bias" && group.bias) return relative_bias(*group.bias)->parameters();
+  if (entry.family == "relative-bias" && group.bias) {
+    const RelativeBias* rb = relative_bias(*group.bias);
+    if (rb == nullptr) throw Error("scheme " + entry.name, "bias", "not a RelativeBias", "its family's interface");
+    return rb->parameters();
+  }
   return {};
 }
 

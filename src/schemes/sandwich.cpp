@@ -74,7 +74,7 @@ SchemeEntry sandwich_entry() {
           "relative-bias",
           "b = (Σ_k cos(r·ω_k) − d'/2)·H/(8·(h + 1)), ω_k = base^(−2k/d'): parameter-free",
           "Chi et al. 2023, Dissecting Transformer Length Extrapolation via the Lens of Receptive Field Analysis",
-          {{"dim", 128, "d', the width of the sinusoid whose dot product is the bias", true},
+          {size_option("dim", 128, "d', the width of the sinusoid whose dot product is the bias"),
            {"base", 10000.0, "frequency base"}},
           "",
           [](const SchemeArgs&) { return std::vector<std::int64_t>{}; },

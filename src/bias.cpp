@@ -586,6 +586,14 @@ void reduce_by_relative_position(const char* where, std::int64_t heads, const Po
   }
 }
 
+// grads += Σ d_scores·∂b/∂θ of a RelativeBias, through its own derivative (`where` names the caller).
+void reduce_relative_bias(const char* where, const RelativeBias& scheme, const Positions& q_positions,
+                          const Positions& k_positions, ConstTensorView d_scores, std::span<double> grads) {
+  reduce_by_relative_position(
+      where, scheme.heads(), q_positions, k_positions, d_scores,
+      [&](std::int64_t h, std::int64_t r, double sum) { scheme.accumulate_gradient(h, r, sum, grads); });
+}
+
 }  // namespace
 
 void alibi_backward(const AlibiParams& params, const Positions& q_positions, const Positions& k_positions,
@@ -596,11 +604,7 @@ void alibi_backward(const AlibiParams& params, const Positions& q_positions, con
     ref::alibi_backward(params, q_positions, k_positions, d_scores, d_slopes);
     return;
   }
-  reduce_by_relative_position("alibi_backward", params.heads(), q_positions, k_positions, d_scores,
-                              [&](std::int64_t h, std::int64_t r, double sum) {
-                                d_slopes[static_cast<std::size_t>(h)] +=
-                                    sum * detail::alibi_derivative(params.form(), r);
-                              });
+  reduce_relative_bias("alibi_backward", params, q_positions, k_positions, d_scores, d_slopes);
 }
 
 void t5_bias_backward(const T5BiasParams& params, const Positions& q_positions, const Positions& k_positions,
@@ -611,10 +615,7 @@ void t5_bias_backward(const T5BiasParams& params, const Positions& q_positions, 
     ref::t5_bias_backward(params, q_positions, k_positions, d_scores, d_table);
     return;
   }
-  reduce_by_relative_position("t5_bias_backward", params.heads(), q_positions, k_positions, d_scores,
-                              [&](std::int64_t h, std::int64_t r, double sum) {
-                                d_table[static_cast<std::size_t>(params.bucket(r) * params.heads() + h)] += sum;
-                              });
+  reduce_relative_bias("t5_bias_backward", params, q_positions, k_positions, d_scores, d_table);
 }
 
 void relative_bias_backward(const RelativeBias& scheme, const Positions& q_positions, const Positions& k_positions,
@@ -625,9 +626,7 @@ void relative_bias_backward(const RelativeBias& scheme, const Positions& q_posit
     ref::relative_bias_backward(scheme, q_positions, k_positions, d_scores, d_params);
     return;
   }
-  reduce_by_relative_position(
-      "relative_bias_backward", scheme.heads(), q_positions, k_positions, d_scores,
-      [&](std::int64_t h, std::int64_t r, double sum) { scheme.accumulate_gradient(h, r, sum, d_params); });
+  reduce_relative_bias("relative_bias_backward", scheme, q_positions, k_positions, d_scores, d_params);
 }
 
 void kerple_backward(const KerpleParams& params, const Positions& q_positions, const Positions& k_positions,

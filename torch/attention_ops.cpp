@@ -49,16 +49,18 @@ HeadGroup attention_group(const nlohmann::json& j, const at::Tensor& bias_params
   const char* where = "attention";
   const SchemeEntry& entry = find_scheme(j.value("kind", std::string("none")));
   SchemeArgs args = scheme_args(where, j, heads, head_dim, scale);
-  if (!absent(bias_params) && bias_params.numel() > 0) {
-    // The registry checks the count (and refuses any for a parameter-free scheme); the tensor's
-    // shape must also be the declared one.
-    args.parameters = doubles_of(where, "bias_params", bias_params);
-    const std::vector<std::int64_t> shape = entry.parameter_shape(complete_scheme_args(entry, args));
+  const bool given = !absent(bias_params) && bias_params.numel() > 0;
+  if (given) args.parameters = doubles_of(where, "bias_params", bias_params);
+  // The registry checks the count (and refuses any for a parameter-free scheme); the tensor's
+  // shape must also be the declared one.
+  const SchemeArgs complete = complete_scheme_args(entry, std::move(args));
+  if (given) {
+    const std::vector<std::int64_t> shape = entry.parameter_shape(complete);
     TORCH_CHECK_VALUE(bias_params.sizes() == at::IntArrayRef(shape), where, ": bias_params shape ", bias_params.sizes(),
                       "; expected ", at::IntArrayRef(shape), " (", entry.name, ": ",
                       entry.parameters.empty() ? std::string("no parameters") : entry.parameters, ")");
   }
-  return entry.make(complete_scheme_args(entry, std::move(args)));
+  return entry.make(complete);
 }
 
 // Any registered relative-bias scheme (registry.hpp) materialised as [B, H, Sq, Sk], differentiable

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <deque>
 #include <limits>
 #include <string>
 #include <variant>
@@ -64,40 +65,11 @@ void RowBlock::slice(std::int64_t r0, std::int64_t n, RowBlock& out) const {
 
 std::int64_t AttentionUnitScratch::bytes() const {
   std::int64_t total = 0;
-  for (const auto* buffer : {&q,
-                             &qt,
-                             &o,
-                             &m,
-                             &l,
-                             &corr,
-                             &st,
-                             &dpt,
-                             &k,
-                             &v,
-                             &tmp,
-                             &dout,
-                             &doutt,
-                             &dq,
-                             &dk,
-                             &dv,
-                             &lse,
-                             &delta,
-                             &shaw_key_dots,
-                             &shaw_value_dots,
-                             &shaw_probs,
-                             &shaw_grads,
-                             &xl_dots,
-                             &xl_sums,
-                             &xl_dp,
-                             &tupe_pqt,
-                             &tupe_pq,
-                             &tupe_pk,
-                             &tupe_dpq,
-                             &tupe_dpk,
-                             &tupe_dpk_positions,
-                             &rope_rows}) {
+  for (const auto* buffer :
+       {&q, &qt, &o, &m, &l, &corr, &st, &dpt, &k, &v, &tmp, &dout, &doutt, &dq, &dk, &dv, &lse, &delta, &rope_rows}) {
     total += static_cast<std::int64_t>(buffer->capacity() * sizeof(float));
   }
+  for (const TermState& t : terms) total += t.bytes();
   return total + static_cast<std::int64_t>(kpos.capacity() * sizeof(std::int64_t) + hist.capacity() * sizeof(double));
 }
 
@@ -128,6 +100,14 @@ std::vector<double>& zeroed_doubles(CallBuffer which, std::size_t n) {
   return b;
 }
 
+std::vector<double>& zeroed_term_slots(std::size_t term, std::size_t n) {
+  thread_local std::deque<std::vector<double>> buffers;  // growing keeps the other terms' slots in place
+  if (buffers.size() <= term) buffers.resize(term + 1);
+  buffers[term].resize(n);
+  zero_in_parallel(buffers[term].data(), n);
+  return buffers[term];
+}
+
 AlignedFloats& zeroed_floats(CallBuffer which, std::size_t n) {
   thread_local std::array<AlignedFloats, static_cast<std::size_t>(CallBuffer::kCount)> buffers;
   AlignedFloats& b = buffers[static_cast<std::size_t>(which)];
@@ -141,11 +121,11 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), 
   check_mask();
   plan_sequences();
   const PositionRange range = plan_positions();
+  position_range = range;
   const std::vector<HeadGroup> groups = plan_head_groups();
   plan_transform_tables(groups, range);
   const float lowest_table_bias = plan_bias_tables(groups, range);
-  build_xl_tables(groups);
-  build_tupe_tables(groups, std::min(range.q_min, range.k_min), std::max(range.q_max, range.k_max));
+  plan_terms(groups);
   plan_far_tiles(groups, lowest_table_bias);
 }
 
@@ -325,29 +305,6 @@ std::vector<HeadGroup> AttentionPlan::plan_head_groups() {
                     std::to_string(grp.heads) + " (the group's heads)");
       }
     }
-    if (grp.xl) {
-      require(grp.transform.index() == 0 && !grp.bias && !grp.shaw, (name + ".xl").c_str(),
-              "with a transform, bias or shaw", "alone: Transformer-XL is the whole positional scheme of its heads");
-      require(grp.xl->heads() == grp.heads, (name + ".xl.heads").c_str(), std::to_string(grp.xl->heads()),
-              std::to_string(grp.heads) + " (the group's heads)");
-      require(grp.xl->head_dim() == dim, (name + ".xl.head_dim").c_str(), std::to_string(grp.xl->head_dim()),
-              "the head_dim of q, " + std::to_string(dim));
-      const double xl_scale = grp.xl->scale() > 0 ? grp.xl->scale() : 1.0 / std::sqrt(static_cast<double>(dim));
-      require(std::abs(xl_scale - scale_f64) <= 1e-12 * scale_f64, (name + ".xl.scale").c_str(), to_text(xl_scale),
-              "the attention's scale, " + to_text(scale_f64) + " (one scale multiplies all of XL's terms)");
-    }
-    ShawTables st;
-    if (grp.shaw) {
-      if (grp.shaw->head_dim() != dim) {
-        throw Error(kWhere, (name + ".shaw.head_dim").c_str(), std::to_string(grp.shaw->head_dim()),
-                    "the head_dim of q, " + std::to_string(dim));
-      }
-      st = shaw_tables(*grp.shaw);
-      any_shaw = true;
-      shaw_width = std::max(shaw_width, st.width);
-    }
-    shaw_grad_offset.push_back(shaw_grad_offset.empty() ? 0 : shaw_grad_offset.back());
-    shaw.push_back(std::move(st));
     group_first_head.push_back(first);
     for (std::int64_t h = first; h < first + grp.heads; ++h)
       head_group[static_cast<std::size_t>(h)] = static_cast<std::int64_t>(gi);
@@ -357,36 +314,20 @@ std::vector<HeadGroup> AttentionPlan::plan_head_groups() {
     throw Error(kWhere, "groups", std::to_string(first) + " heads",
                 "the " + std::to_string(heads) + " heads of q, tiled");
   }
-  // Shaw gradients: [key table | value table] per group with Shaw, (2k + 1)·D each.
-  shaw_grad_offset.assign(groups.size() + 1, 0);
-  for (std::size_t gi = 0; gi < groups.size(); ++gi) {
-    shaw_grad_offset[gi + 1] = shaw_grad_offset[gi] + 2 * shaw[gi].width * dim;
-  }
   return groups;
 }
 
-// Shaw's tables of a group in f32 (ShawTables).
-ShawTables AttentionPlan::shaw_tables(const ShawParams& params) const {
-  ShawTables st;
-  st.max_distance = params.max_distance();
-  st.width = params.rows();
-  st.key.assign(static_cast<std::size_t>(st.width * dim), 0.0f);
-  st.value.assign(static_cast<std::size_t>(st.width * dim_padded), 0.0f);
-  st.key_padded.assign(static_cast<std::size_t>(st.width * dim_padded), 0.0f);
-  for (std::int64_t t = 0; t < st.width; ++t) {
-    for (std::int64_t e = 0; e < dim; ++e) {
-      if (!params.key_table().empty()) {
-        const auto value = static_cast<float>(params.key_table()[static_cast<std::size_t>(t * dim + e)]);
-        st.key[static_cast<std::size_t>(t * dim + e)] = value;
-        st.key_padded[static_cast<std::size_t>(t * dim_padded + e)] = value;
-      }
-      if (!params.value_table().empty()) {
-        st.value[static_cast<std::size_t>(t * dim_padded + e)] =
-            static_cast<float>(params.value_table()[static_cast<std::size_t>(t * dim + e)]);
-      }
-    }
+// The score terms of the groups (score_term.hpp), in the order they add to a tile. A group's
+// bias is added before them (a row has at most one of a bias and TUPE, so the order of those two
+// never matters).
+void AttentionPlan::plan_terms(const std::vector<HeadGroup>& groups) {
+  for (const auto make : {make_tupe_term, make_shaw_term, make_xl_term}) {
+    if (auto term = make(*this, groups)) terms.push_back(std::move(term));
   }
-  return st;
+}
+
+bool AttentionPlan::decode_merges_heads() const {
+  return std::all_of(terms.begin(), terms.end(), [](const auto& t) { return t->merges_decode_heads(); });
 }
 
 // The query/key transforms' tables: rows by position (a dense range) or by token.
@@ -611,8 +552,7 @@ void AttentionPlan::plan_far_tiles(const std::vector<HeadGroup>& groups, float l
   bool keys_keep_norms = true;
   for (const QKTables& t : tables)
     keys_keep_norms = keys_keep_norms && (!t.transform_keys || t.kind != QKTables::kAbsolute);
-  far_tiles_first =
-      lowest_table_bias < -kFarBias && mask.softcap <= 0 && !any_shaw && !any_xl && !any_tupe && keys_keep_norms;
+  far_tiles_first = lowest_table_bias < -kFarBias && mask.softcap <= 0 && terms.empty() && keys_keep_norms;
   // Per KV head: only where every query head's table falls below −100 can a block's rows all
   // vanish; the others run their tiles in key order (see far_first_kv).
   far_first_kv.assign(static_cast<std::size_t>(kv_heads), 0);
@@ -654,10 +594,7 @@ std::int64_t AttentionPlan::table_bytes() const {
   for (const auto& t : bias_tables) total += static_cast<std::int64_t>(t.size() * sizeof(float));
   total += static_cast<std::int64_t>(bias_by_delta.size() * sizeof(float));
   for (const auto& t : bias_table_max) total += static_cast<std::int64_t>(t.size() * sizeof(float));
-  for (const auto& t : tupe) total += static_cast<std::int64_t>((t.pq.size() + t.pk.size()) * sizeof(float));
-  for (const auto& t : xl)
-    total += static_cast<std::int64_t>((t.projected.size() + t.constant.size() + t.u.size() + t.sinusoids.size()) *
-                                       sizeof(float));
+  for (const auto& t : terms) total += t->bytes();
   return total;
 }
 

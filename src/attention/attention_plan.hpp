@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "attention/score_term.hpp"
 #include "internal.hpp"
 #include "kernels/attention/attention_kernels.hpp"
 #include "posenc/attention.hpp"
@@ -94,50 +95,6 @@ struct HeadBias {
   const FireRows* fire = nullptr;  // FIRE: its rows evaluated from ψ tables (any position range)
 };
 
-// TUPE's projections of a head group in f32 for the positions [tupe_first, tupe_first + count)
-// (AttentionPlan's range, shared by the groups), [heads][count][Dp] zero-padded (head-major, for
-// the reason XlTables gives):
-//   pq = p[pos]·U^Q_h / sqrt(2D),   pk = p[pos]·U^K_h
-// so that a tile's biases are one matrix product PK·PQᵀ per head. With the [CLS] reset, position
-// 0's rows are zero and θ1 (query at 0) / θ2 (only the key at 0) are added on their own.
-struct TupeTables {
-  std::int64_t heads = 0;  // 0: the group has no TUPE
-  bool cls_reset = false;
-  AlignedFloats pq, pk, theta1, theta2;
-};
-
-// Shaw's tables of a head group in f32: key [width][D] (and zero-padded [width][Dp]), value
-// [width][Dp] (zero-padded).
-struct ShawTables {
-  std::int64_t max_distance = 0, width = 0;  // width 0: the group has no Shaw terms
-  AlignedFloats key, value, key_padded;      // key_padded: [width][Dp]
-  std::int64_t row_of(std::int64_t relative) const {
-    return (relative < -max_distance  ? -max_distance
-            : relative > max_distance ? max_distance
-                                      : relative) +
-           max_distance;
-  }
-};
-
-// Transformer-XL's terms of a head group in f32, over δ = q − k in [delta_min, delta_min + width)
-// (AttentionPlan::xl_delta_min / xl_width, shared by the groups): with the queries' rows holding
-// Qs = scale·(q + u) (u folded in: scale·(q + u)·k is the content and global-content term),
-//   logit += Qs·P_h(δ) + c_h(δ),   c_h(δ) = scale·(v_h − u_h)·P_h(δ)
-// which is scale·(q + v)·P_h(δ). projected: P as [heads][width][Dp] (zero-padded), constant: c as
-// [heads][width], u: [heads][D]. Head-major, so that one head's rows are contiguous: interleaved,
-// they would sit heads·Dp floats apart (4 KiB for 8 heads of 128: every row of a product in the
-// same L1 set). The timed runs did not separate this from the noise; it costs nothing.
-struct XlTables {
-  std::int64_t heads = 0;  // 0: the group has no XL terms
-  std::int64_t width = 0;  // δ rows per head (AttentionPlan::xl_width)
-  AlignedFloats projected, constant, u;
-  std::vector<float> sinusoids;  // r(δ): [width][d_model_padded] (zero-padded), for dW_R
-  std::int64_t d_model_padded = 0;
-  const float* p_row(std::int64_t t, std::int64_t local_head, std::int64_t dp) const {
-    return projected.data() + (local_head * width + t) * dp;
-  }
-};
-
 // Row metadata of a block of (head, query) rows; see AttentionPlan::layout_rows.
 struct RowBlock {
   std::int64_t i0 = 0, count = 0, valid_rows = 0, width = 0;
@@ -154,48 +111,28 @@ struct AttentionUnitScratch {
   // Every buffer starts on a cache line (AlignedFloats): the matrix kernel's vector loads and
   // stores then never straddle two lines.
   AlignedFloats q, qt, o, m, l, corr, st, dpt, k, v, tmp, dout, doutt, dq, dk, dv, lse, delta;
-  AlignedFloats shaw_key_dots, shaw_value_dots, shaw_probs, shaw_grads;  // [shaw_width][rows]
-  // XL: a window of Qs·P(δ) + c(δ) for δ in [xl_lo, xl_lo + xl_span), [u][rows]; backward: the
-  // window's dS sums and the unit's dP table [xl_width][G][Dp].
-  AlignedFloats xl_dots, xl_sums, xl_dp;
-  std::int64_t xl_lo = 0, xl_span = 0;
-  // TUPE: PQ of the rows transposed [Dp][rows] and as rows [rows][Dp]; keys' PK gathered
-  // [keys][Dp]; backward: dPQ rows [rows][Dp], a tile's dPK [keys][Dp], the unit's dPK by position.
-  AlignedFloats tupe_pqt, tupe_pq, tupe_pk, tupe_dpq, tupe_dpk, tupe_dpk_positions;
   // Decode with interleaved RoPE over an un-rotated cache: the tile's expanded [C | S] rows.
   AlignedFloats rope_rows;
   std::vector<std::int64_t> kpos;
   std::vector<double> hist;
   std::vector<double> row_norm;               // the far-tile skip: |scale·q| per row
   std::int64_t steps = 0, skipped_steps = 0;  // backward's (tile, row block) steps in the current call
+  std::vector<TermState> terms;               // one per AttentionPlan::terms entry
   std::int64_t bytes() const;
 };
 AttentionUnitScratch& unit_scratch();
 
-// Backward's per-call buffers (the units' gradient slots, their per-KV-head totals, the
-// parameter products of XL and TUPE), kept by the calling thread between calls and handed out
-// zeroed. XL's and TUPE's reach tens of MiB at S = 2048 (a slot of Δ × Dp doubles per unit), and
-// fresh memory costs ~2.7 µs per 4 KiB page on first touch: allocated per call, they held ~4%
-// of an XL backward's samples in page faults and clearing. They stay allocated after the call,
-// like the units' scratch; AttentionStats::workspace_bytes counts the units' slots.
-enum class CallBuffer {
-  kUnitBias,
-  kUnitShaw,
-  kUnitXl,
-  kUnitTupe,
-  kXlTotals,
-  kTupeTotals,
-  kXlProjected,
-  kXlDw,
-  kTupeRows,
-  kTupeProjected,
-  kTupeDu,
-  kTupeUt,
-  kTupeDtable,
-  kCount
-};
+// Per-call buffers kept by the calling thread between calls and handed out zeroed: fresh memory
+// costs ~2.7 µs per 4 KiB page on first touch, and the units' gradient slots and the terms'
+// parameter products reach tens of MiB at S = 2048. kTerm0… serve one term's reduce() at a time.
+enum class CallBuffer { kUnitBias, kTermTotals, kTerm0, kTerm1, kTerm2, kTerm3, kTerm4, kCount };
 std::vector<double>& zeroed_doubles(CallBuffer which, std::size_t n);
 AlignedFloats& zeroed_floats(CallBuffer which, std::size_t n);
+// The units' slots of term `term` (AttentionPlan::terms), zeroed, likewise kept.
+std::vector<double>& zeroed_term_slots(std::size_t term, std::size_t n);
+// Per-KV-head sums of the backward units' slots of one term (units in order), in `buffer`.
+const std::vector<double>& sum_slots_per_kv_head(std::span<const TermUnit> units, std::int64_t size,
+                                                 std::int64_t kv_heads, CallBuffer buffer);
 
 struct AttentionPlan {
   static constexpr const char* kWhere = "Attention";
@@ -232,7 +169,6 @@ struct AttentionPlan {
   void plan_sequences();
   PositionRange plan_positions();
   std::vector<HeadGroup> plan_head_groups();
-  ShawTables shaw_tables(const ShawParams& params) const;
   void plan_transform_tables(const std::vector<HeadGroup>& groups, const PositionRange& range);
   QKTables rope_tables(const RotaryQK& rope, const std::string& name, const std::vector<std::int64_t>& table_ids,
                        std::int64_t p_max) const;
@@ -308,95 +244,11 @@ struct AttentionPlan {
   std::int64_t delta_min = 0, hist_width = 0;  // the δ range of the bias tables and histograms
   std::vector<std::int64_t> grad_offset;       // per group, into the flat unit gradients
 
-  // Shaw: per group; rows' scratch is shaw_width (the widest group's 2k + 1) wide.
-  std::vector<ShawTables> shaw;
-  bool any_shaw = false;
-  std::int64_t shaw_width = 0;
-  std::vector<std::int64_t> shaw_grad_offset;  // per group, into the flat per-unit Shaw gradients
-  const ShawTables* shaw_of_head(std::int64_t h) const {
-    const ShawTables& t = shaw[static_cast<std::size_t>(head_group[static_cast<std::size_t>(h)])];
-    return t.width > 0 ? &t : nullptr;
-  }
-  // Shaw in the tile loop (attention.cpp). dots and sums: [shaw_width][rows], rows ld apart.
-  const ShawTables* shaw_of_block(const RowBlock& rb) const;
-  void shaw_row_dots(const RowBlock& rb, const float* rows, std::int64_t ld_rows, const float* rows_t,
-                     std::int64_t ld_t, bool value_table, float* dots, std::int64_t ld) const;
-  std::int64_t shaw_uniform_row(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos) const;
-  void shaw_add_rows(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, const float* dots,
-                     std::int64_t ld, float* st) const;
-  void shaw_collect(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, const float* pt, const float* corr,
-                    float* sums, std::int64_t ld) const;
-  void shaw_add_values(const RowBlock& rb, const float* probs, std::int64_t ld, float* o) const;
-
-  // TUPE: per group (heads 0 without); one position range for all.
-  std::vector<TupeTables> tupe;
-  bool any_tupe = false;
-  std::int64_t tupe_first = 0, tupe_count = 0;
-  const TupeTables* tupe_of_head(std::int64_t h) const {
-    const TupeTables& t = tupe[static_cast<std::size_t>(head_group[static_cast<std::size_t>(h)])];
-    return t.heads > 0 ? &t : nullptr;
-  }
-  // Row of pq or pk (is_q) for position pos and head h.
-  const float* tupe_row(const TupeTables& t, bool is_q, std::int64_t pos, std::int64_t h) const {
-    const std::int64_t local_head =
-        h - group_first_head[static_cast<std::size_t>(head_group[static_cast<std::size_t>(h)])];
-    return (is_q ? t.pq : t.pk).data() + (local_head * tupe_count + (pos - tupe_first)) * dim_padded;
-  }
-  void build_tupe_tables(const std::vector<HeadGroup>& groups, std::int64_t p_min, std::int64_t p_max);
-  // In the tile loop (attention.cpp): the rows' PQ (transposed, and as rows), a tile's biases
-  // (matrix products per head run, [CLS] values), decode rows by dot products; backward.
-  void tupe_load_rows(const RowBlock& rb, AttentionUnitScratch& s, bool as_rows) const;
-  void tupe_add_tile(const RowBlock& rb, std::int64_t r0, std::int64_t ld_rows, std::int64_t keys,
-                     const std::int64_t* kpos, AttentionUnitScratch& s, float* st) const;
-  void tupe_add_direct(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, const float* pq_rows,
-                       float* st) const;
-  void tupe_backward_tile(const RowBlock& sub, std::int64_t r0, std::int64_t keys, const std::int64_t* kpos,
-                          std::int64_t kvh, double* unit_tupe_grads, AttentionUnitScratch& s) const;
-  // Per unit [dPQ by position [count][G][Dp] | dPK likewise | θ1 [G] | θ2 [G]] (fp64).
-  std::int64_t tupe_unit_gradient_size() const {
-    return any_tupe ? 2 * tupe_count * group_size * dim_padded + 2 * group_size : 0;
-  }
-  void finish_tupe_gradients(const std::vector<double>& total_per_kv_head, AttentionGradients& grads) const;
-
-  // Transformer-XL: per group (heads 0 without); one δ range for all.
-  std::vector<XlTables> xl;
-  bool any_xl = false;
-  std::int64_t xl_delta_min = 0, xl_width = 0;
-  const XlTables* xl_of_head(std::int64_t h) const {
-    const XlTables& t = xl[static_cast<std::size_t>(head_group[static_cast<std::size_t>(h)])];
-    return t.heads > 0 ? &t : nullptr;
-  }
-  void add_xl_u(std::int64_t h, float* row) const {  // q + u for an XL head's query row
-    const XlTables* t = any_xl ? xl_of_head(h) : nullptr;
-    if (t == nullptr) return;
-    const float* u = t->u.data() + xl_local_head(h) * dim;
-    for (std::int64_t d = 0; d < dim; ++d) row[d] += u[d];
-  }
-  std::int64_t xl_local_head(std::int64_t h) const {
-    return h - group_first_head[static_cast<std::size_t>(head_group[static_cast<std::size_t>(h)])];
-  }
-  // XL in the tile loop (attention.cpp): the window of rows' dots, its gather into S^T and the
-  // gather of dS back ([u][r] arrays, ld apart); direct per-element dots for decode rows.
-  void xl_window(const RowBlock& rb, const float* rows_t, std::int64_t ld_t, std::int64_t lo, std::int64_t span,
-                 float* dots, std::int64_t ld) const;
-  bool xl_tile_range(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, std::int64_t* lo,
-                     std::int64_t* hi) const;
-  void xl_add_rows(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, std::int64_t lo, std::int64_t span,
-                   const float* dots, std::int64_t ld, float* st) const;
-  void xl_collect(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, std::int64_t lo, std::int64_t span,
-                  const float* dst, float* sums, std::int64_t ld) const;
-  void xl_backward_window(const RowBlock& sub, std::int64_t r0, std::int64_t lo, std::int64_t span, std::int64_t kvh,
-                          double* unit_xl_grads, AttentionUnitScratch& s) const;
-  void xl_add_direct(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, const float* q_rows,
-                     float* st) const;
-  // Backward: per unit [dP [xl_width][G][Dp] | Σ dS per (local head, δ) [G][xl_width] | Σ dQs rows [G][D]].
-  std::int64_t xl_unit_gradient_size() const {
-    return any_xl ? xl_width * group_size * (dim_padded + 1) + group_size * dim : 0;
-  }
-  void finish_xl_gradients(const std::vector<double>& total_per_kv_head, AttentionGradients& grads) const;
-
-  void build_xl_tables(const std::vector<HeadGroup>& groups);
-  std::vector<float> xl_sinusoids(const XlParams& params, std::int64_t padded_d_model) const;  // r(δ) [xl_width][dmp]
+  // The query-dependent and per-token score terms (score_term.hpp), in the order they add.
+  std::vector<std::unique_ptr<ScoreTerm>> terms;
+  PositionRange position_range;
+  void plan_terms(const std::vector<HeadGroup>& groups);
+  bool decode_merges_heads() const;
 
   std::int64_t table_bytes() const;
 
@@ -427,10 +279,6 @@ struct AttentionPlan {
   void layout_decode_rows(const Sequence& seq, std::int64_t i0, std::int64_t count, RowBlock& scratch,
                           RowBlock& rb) const;
   static void summarize_rows(const Sequence& seq, RowBlock& rb);
-  // Whether decode runs every KV head's rows as one block (layout_decode_rows) rather than a block
-  // per KV head: always, except with Shaw, Transformer-XL and TUPE, whose per-row terms live in
-  // per-head scratch.
-  bool decode_merges_heads() const { return !any_shaw && !any_xl && !any_tupe; }
   void decode_tiles(const Sequence& seq, std::int64_t k_begin, std::int64_t k_end, std::span<const RowBlock> rows,
                     std::span<AttentionUnitScratch> blocks_scratch, AttentionUnitScratch& s) const;
   bool tile_unmasked(const RowBlock& rb, std::int64_t k_first, std::int64_t keys) const;
@@ -443,6 +291,7 @@ struct AttentionPlan {
     HeadsGrid og, dog;
     TensorView *dq = nullptr, *dk = nullptr, *dv = nullptr;
     HeadsGrid dqg, dkg, dvg;
+    bool rows_outer = false;  // some term walks row blocks outer (ScoreTerm::rows_outer)
   };
   // One unit: queries [i0, i0 + count) of a sequence's KV head, its slots for the parameter
   // gradients (null: not wanted), and for a split unit its dK, dV rows of keys [part_key_lo,
@@ -450,7 +299,8 @@ struct AttentionPlan {
   struct BackwardUnit {
     const Sequence* seq = nullptr;
     std::int64_t kvh = 0, i0 = 0, count = 0;
-    double *bias_grads = nullptr, *shaw_grads = nullptr, *xl_grads = nullptr, *tupe_grads = nullptr;
+    double* bias_grads = nullptr;
+    std::vector<double*> term_grads;  // per term, its slot (null: not wanted)
     float* kv_part = nullptr;
     std::int64_t part_key_lo = 0, part_key_hi = 0;
   };

@@ -66,7 +66,9 @@ AttentionStats AttentionPlan::backward(ConstTensorView out, ConstTensorView lse,
   std::vector<Unit> units;
   std::int64_t pairs = 0;
   for (const Sequence& seq : sequences) pairs += seq.lq > 0 && seq.lk > 0 ? kv_heads : 0;
-  const std::int64_t want_ranges = any_xl || pairs >= kSplitBelow || pairs == 0 ? 1 : (kSplitBelow + pairs - 1) / pairs;
+  const bool rows_outer = std::any_of(terms.begin(), terms.end(), [](const auto& t) { return t->rows_outer(); });
+  const std::int64_t want_ranges =
+      rows_outer || pairs >= kSplitBelow || pairs == 0 ? 1 : (kSplitBelow + pairs - 1) / pairs;
   std::int64_t part_floats = 0;
   {
     RowBlock probe;
@@ -96,15 +98,15 @@ AttentionStats AttentionPlan::backward(ConstTensorView out, ConstTensorView lse,
   const std::int64_t grad_size = want_bias_grads ? bias_gradient_size() : 0;
   std::vector<double>& unit_grads =
       zeroed_doubles(CallBuffer::kUnitBias, static_cast<std::size_t>(grad_size) * units.size());
-  const std::int64_t shaw_size = grads != nullptr && any_shaw ? shaw_grad_offset.back() : 0;
-  std::vector<double>& unit_shaw_grads =
-      zeroed_doubles(CallBuffer::kUnitShaw, static_cast<std::size_t>(shaw_size) * units.size());
-  const std::int64_t xl_size = grads != nullptr ? xl_unit_gradient_size() : 0;
-  std::vector<double>& unit_xl_grads =
-      zeroed_doubles(CallBuffer::kUnitXl, static_cast<std::size_t>(xl_size) * units.size());
-  const std::int64_t tupe_size = grads != nullptr ? tupe_unit_gradient_size() : 0;
-  std::vector<double>& unit_tupe_grads =
-      zeroed_doubles(CallBuffer::kUnitTupe, static_cast<std::size_t>(tupe_size) * units.size());
+  // Per unit and term, the term's slot (ScoreTerm::reduce sums them afterwards).
+  std::vector<std::int64_t> term_size(terms.size(), 0);
+  std::vector<std::vector<double>*> term_slots(terms.size());
+  std::int64_t slot_bytes = 0;
+  for (std::size_t t = 0; t < terms.size(); ++t) {
+    term_size[t] = grads != nullptr ? terms[t]->unit_gradient_size() : 0;
+    term_slots[t] = &zeroed_term_slots(t, static_cast<std::size_t>(term_size[t]) * units.size());
+    slot_bytes += static_cast<std::int64_t>(term_slots[t]->size() * sizeof(double));
+  }
   const auto flops = static_cast<std::int64_t>(batch) * q_len * k_len * heads * dim;
   const int threads = std::min<int>(threads_for(flops / 16), static_cast<int>(std::max<std::size_t>(units.size(), 1)));
   std::int64_t scratch_bytes = 0;
@@ -121,6 +123,7 @@ AttentionStats AttentionPlan::backward(ConstTensorView out, ConstTensorView lse,
   call.dqg = dqg;
   call.dkg = dkg;
   call.dvg = dvg;
+  call.rows_outer = rows_outer;
 #pragma omp parallel num_threads(threads) reduction(+ : scratch_bytes, steps, skipped_steps)
   {
     const FlushDenormals flush;
@@ -135,9 +138,11 @@ AttentionStats AttentionPlan::backward(ConstTensorView out, ConstTensorView lse,
       unit.i0 = units[u].i0;
       unit.count = units[u].count;
       unit.bias_grads = want_bias_grads ? unit_grads.data() + u * static_cast<std::size_t>(grad_size) : nullptr;
-      unit.shaw_grads = shaw_size > 0 ? unit_shaw_grads.data() + u * static_cast<std::size_t>(shaw_size) : nullptr;
-      unit.xl_grads = xl_size > 0 ? unit_xl_grads.data() + u * static_cast<std::size_t>(xl_size) : nullptr;
-      unit.tupe_grads = tupe_size > 0 ? unit_tupe_grads.data() + u * static_cast<std::size_t>(tupe_size) : nullptr;
+      unit.term_grads.resize(terms.size());
+      for (std::size_t t = 0; t < terms.size(); ++t) {
+        unit.term_grads[t] =
+            term_size[t] > 0 ? term_slots[t]->data() + u * static_cast<std::size_t>(term_size[t]) : nullptr;
+      }
       unit.kv_part = units[u].part >= 0 ? kv_parts.data() + units[u].part : nullptr;
       unit.part_key_lo = units[u].key_lo;
       unit.part_key_hi = units[u].key_hi;
@@ -200,48 +205,18 @@ AttentionStats AttentionPlan::backward(ConstTensorView out, ConstTensorView lse,
     }
     scatter_bias_gradients(total, *grads);
   }
-  if (shaw_size > 0) {
-    // Units in order; then each group's [key | value] block into its tables' gradients.
-    std::vector<double> total(static_cast<std::size_t>(shaw_size), 0.0);
+  for (std::size_t t = 0; t < terms.size(); ++t) {
+    if (term_size[t] == 0) continue;
+    std::vector<TermUnit> slots(units.size());
     for (std::size_t u = 0; u < units.size(); ++u) {
-      for (std::int64_t t = 0; t < shaw_size; ++t) {
-        total[static_cast<std::size_t>(t)] +=
-            unit_shaw_grads[u * static_cast<std::size_t>(shaw_size) + static_cast<std::size_t>(t)];
-      }
+      slots[u].seq = &sequences[static_cast<std::size_t>(units[u].seq)];
+      slots[u].kvh = units[u].kvh;
+      slots[u].slot = term_slots[t]->data() + u * static_cast<std::size_t>(term_size[t]);
     }
-    for (std::size_t g = 0; g < grads->groups.size(); ++g) {
-      GroupGradients& gg = grads->groups[g];
-      const double* at = total.data() + shaw_grad_offset[g];
-      for (std::size_t t = 0; t < gg.shaw_key_table.size(); ++t) gg.shaw_key_table[t] += at[t];
-      for (std::size_t t = 0; t < gg.shaw_value_table.size(); ++t)
-        gg.shaw_value_table[t] += at[gg.shaw_key_table.size() + t];
-    }
+    terms[t]->reduce(slots, *grads);
   }
-  // The units' XL and TUPE slots summed per KV head, units in order (sequence order).
-  // Each element sums its units in order, so splitting the elements over the cores keeps the bits.
-  const auto sum_per_kv_head = [&](const std::vector<double>& parts, std::int64_t size,
-                                   CallBuffer buffer) -> const std::vector<double>& {
-    std::vector<double>& totals = zeroed_doubles(buffer, static_cast<std::size_t>(size * kv_heads));
-    constexpr std::int64_t kBlock = 4096;
-    const std::int64_t blocks = (size + kBlock - 1) / kBlock;
-#pragma omp parallel for schedule(static) num_threads(threads_for(size* static_cast <std::int64_t>(units.size())))
-    for (std::int64_t b = 0; b < blocks; ++b) {
-      const std::int64_t t0 = b * kBlock, t1 = std::min(size, t0 + kBlock);
-      for (std::size_t u = 0; u < units.size(); ++u) {
-        double* total = totals.data() + units[u].kvh * size;
-        const double* part = parts.data() + u * static_cast<std::size_t>(size);
-        for (std::int64_t t = t0; t < t1; ++t) total[t] += part[t];
-      }
-    }
-    return totals;
-  };
-  if (xl_size > 0) finish_xl_gradients(sum_per_kv_head(unit_xl_grads, xl_size, CallBuffer::kXlTotals), *grads);
-  if (tupe_size > 0)
-    finish_tupe_gradients(sum_per_kv_head(unit_tupe_grads, tupe_size, CallBuffer::kTupeTotals), *grads);
-  stats.workspace_bytes = scratch_bytes + table_bytes() +
-                          static_cast<std::int64_t>((unit_grads.size() + unit_shaw_grads.size() + unit_xl_grads.size() +
-                                                     unit_tupe_grads.size()) *
-                                                    sizeof(double)) +
+  stats.workspace_bytes = scratch_bytes + table_bytes() + slot_bytes +
+                          static_cast<std::int64_t>(unit_grads.size() * sizeof(double)) +
                           static_cast<std::int64_t>(kv_parts.size() * sizeof(float));
   return stats;
 }
@@ -253,8 +228,7 @@ void AttentionPlan::backward_unit(const BackwardCall& call, const BackwardUnit& 
   const ConstTensorView &out = call.out, &lse = call.lse, &d_out = call.d_out;
   const HeadsGrid &og = call.og, &dog = call.dog, &dqg = call.dqg, &dkg = call.dkg, &dvg = call.dvg;
   TensorView *dq = call.dq, *dk = call.dk, *dv = call.dv;
-  double *unit_grads = unit.bias_grads, *unit_shaw_grads = unit.shaw_grads, *unit_xl_grads = unit.xl_grads,
-         *unit_tupe_grads = unit.tupe_grads;
+  double* unit_grads = unit.bias_grads;
   float* kv_part = unit.kv_part;
   const std::int64_t part_key_lo = unit.part_key_lo, part_key_hi = unit.part_key_hi;
   const std::int64_t dp = dim_padded, d = dim;
@@ -286,7 +260,7 @@ void AttentionPlan::backward_unit(const BackwardCall& call, const BackwardUnit& 
       const std::int64_t i = rb.query[static_cast<std::size_t>(r)];
       load_row(q_data, qg, seq.b, seq.q0 + i, h, qrow);
       transform_row(tq, true, q_table_row(seq, i), qrow, 1.0f);
-      add_xl_u(h, qrow);
+      for (const auto& term : terms) term->adjust_query(h, qrow);
       for (std::int64_t t = 0; t < d; ++t) qrow[t] *= scale;
       load_row_as(d_out, dog, seq.b, seq.q0 + i, h, drow);
       load_row_as(out, og, seq.b, seq.q0 + i, h, s.o.data());
@@ -308,15 +282,6 @@ void AttentionPlan::backward_unit(const BackwardCall& call, const BackwardUnit& 
     grow(s.row_norm, w);
     row_norms(s.q.data(), dp, w, d, s.row_norm.data());
   }
-  if (any_shaw) {
-    // Shaw: q·a^K and dO·a^V per row and table row; the tiles then sum dS and P per table row.
-    for (auto* buffer : {&s.shaw_key_dots, &s.shaw_value_dots, &s.shaw_grads, &s.shaw_probs})
-      grow(*buffer, w * shaw_width);
-    shaw_row_dots(rb, s.q.data(), dp, s.qt.data(), ldt, false, s.shaw_key_dots.data(), w);
-    shaw_row_dots(rb, s.dout.data(), dp, s.doutt.data(), ldt, true, s.shaw_value_dots.data(), w);
-    std::fill(s.shaw_grads.begin(), s.shaw_grads.begin() + w * shaw_width, 0.0f);
-    std::fill(s.shaw_probs.begin(), s.shaw_probs.begin() + w * shaw_width, 0.0f);
-  }
   grow(s.k, backward_key_tile * ldkv);
   grow(s.v, backward_key_tile * ldkv);
   grow(s.dk, backward_key_tile * dp);
@@ -331,19 +296,18 @@ void AttentionPlan::backward_unit(const BackwardCall& call, const BackwardUnit& 
     grow(s.hist, group_size * hist_width);
     std::fill(s.hist.begin(), s.hist.begin() + group_size * hist_width, 0.0);
   }
-  if (any_tupe) {
-    tupe_load_rows(rb, s, true);
-    if (unit_tupe_grads != nullptr) {  // dPQ and dPK serve only the parameters' gradients
-      grow(s.tupe_dpq, w * dp);
-      std::fill(s.tupe_dpq.begin(), s.tupe_dpq.begin() + w * dp, 0.0f);
-      grow(s.tupe_dpk_positions, tupe_count * group_size * dp);
-      std::fill(s.tupe_dpk_positions.begin(), s.tupe_dpk_positions.begin() + tupe_count * group_size * dp, 0.0f);
-    }
-  }
-  if (unit_xl_grads != nullptr) {
-    grow(s.xl_dp, xl_width * group_size * dp);
-    std::fill(s.xl_dp.begin(), s.xl_dp.begin() + xl_width * group_size * dp, 0.0f);
-  }
+  if (s.terms.size() < terms.size()) s.terms.resize(terms.size());
+  TermRows term_rows;
+  term_rows.seq = &seq;
+  term_rows.rows = &rb;
+  term_rows.kvh = kvh;
+  term_rows.q = s.q.data();
+  term_rows.qt = s.qt.data();
+  term_rows.ldt = ldt;
+  term_rows.dout = s.dout.data();
+  term_rows.doutt = s.doutt.data();
+  term_rows.dq = s.dq.data();
+  for (std::size_t t = 0; t < terms.size(); ++t) terms[t]->begin_backward(term_rows, unit.term_grads[t], s.terms[t]);
   // Loads the keys [k0, k0 + keys) (transformed) and values into s.k, s.v and their positions into
   // s.kpos.
   const auto load_keys = [&](std::int64_t k0, std::int64_t keys) {
@@ -369,7 +333,7 @@ void AttentionPlan::backward_unit(const BackwardCall& call, const BackwardUnit& 
     return any;
   };
   // One (key tile, row block) step: S, P, dP, dS and the products into dk, dv (rows for the tile's
-  // keys), dq; the schemes' terms. XL's window (s.xl_lo, s.xl_span) must cover the pair.
+  // keys), dq; the schemes' terms.
   // k_rows, v_rows: the tile's key and value rows, ldkv apart; kpos: their positions.
   const auto step = [&](const RowBlock& sub, std::int64_t r0, std::int64_t k0, std::int64_t keys, bool full,
                         const float* k_rows, const float* v_rows, const std::int64_t* kpos, float* dk_rows,
@@ -390,24 +354,17 @@ void AttentionPlan::backward_unit(const BackwardCall& call, const BackwardUnit& 
     }
     // S^T = K·Q^T, biases, soft-cap, mask; dP^T = V·dO^T.
     kernels::attn_gemm(k_rows, ldkv, 1, s.qt.data() + r0, ldt, s.st.data(), bw, keys, bw, d, false);
-    if (any_tupe) tupe_add_tile(sub, r0, ldt, keys, kpos, s, s.st.data());
     add_bias(seq, sub, k0, keys, kpos, s.st.data());
-    if (any_shaw) shaw_add_rows(sub, keys, kpos, s.shaw_key_dots.data() + r0, w, s.st.data());
-    if (any_xl) xl_add_rows(sub, keys, kpos, s.xl_lo, s.xl_span, s.xl_dots.data(), bw, s.st.data());
+    const TermTile tile = term_tile(seq, sub, r0, k0, keys, kpos, false);
+    for (std::size_t t = 0; t < terms.size(); ++t) terms[t]->add_scores(tile, s.st.data(), s.terms[t]);
     if (mask.softcap > 0) kernels::attn_softcap_tile(s.st.data(), keys, bw, static_cast<float>(mask.softcap));
     if (!full) kernels::attn_mask_tile(s.st.data(), keys, bw, k0, sub.lo.data(), sub.hi.data());
     kernels::attn_gemm(v_rows, ldkv, 1, s.doutt.data() + r0, ldt, s.dpt.data(), bw, keys, bw, d, false);
-    // Shaw's value term: dP_ij += dO_i·a^V[row].
-    if (any_shaw) shaw_add_rows(sub, keys, kpos, s.shaw_value_dots.data() + r0, w, s.dpt.data());
+    for (std::size_t t = 0; t < terms.size(); ++t) terms[t]->add_dp(tile, s.dpt.data(), s.terms[t]);
     // P^T, dS^T (with the soft-cap's derivative).
     kernels::attn_backward_tile(s.st.data(), s.dpt.data(), keys, bw, s.lse.data() + r0, s.delta.data() + r0,
                                 static_cast<float>(mask.softcap));
-    if (any_shaw) {
-      shaw_collect(sub, keys, kpos, s.dpt.data(), nullptr, s.shaw_grads.data() + r0, w);
-      shaw_collect(sub, keys, kpos, s.st.data(), nullptr, s.shaw_probs.data() + r0, w);
-    }
-    if (any_xl) xl_collect(sub, keys, kpos, s.xl_lo, s.xl_span, s.dpt.data(), s.xl_sums.data(), bw);
-    if (any_tupe) tupe_backward_tile(sub, r0, keys, kpos, kvh, unit_tupe_grads, s);
+    for (std::size_t t = 0; t < terms.size(); ++t) terms[t]->backward_tile(tile, s.st.data(), s.dpt.data(), s.terms[t]);
     // dV += P^T·dO, dK += dS^T·Q (Q carries the scale), dQ += dS·K.
     kernels::attn_gemm(s.st.data(), bw, 1, s.dout.data() + r0 * dp, dp, dv_rows, dp, keys, dp, bw, true);
     kernels::attn_gemm(s.dpt.data(), bw, 1, s.q.data() + r0 * dp, dp, dk_rows, dp, keys, dp, bw, true);
@@ -436,7 +393,7 @@ void AttentionPlan::backward_unit(const BackwardCall& call, const BackwardUnit& 
       if (dv != nullptr) store_row_to(dv_rows + j * dp, *dv, dvg, seq.b, seq.k0 + k0 + j, kvh);
     }
   };
-  if (!any_xl) {
+  if (!call.rows_outer) {
     // Key tiles outer: dk and dv finish per tile.
     for (std::int64_t k0 = 0; k0 < seq.lk; k0 += backward_key_tile) {
       const std::int64_t keys = std::min(backward_key_tile, seq.lk - k0);
@@ -456,13 +413,11 @@ void AttentionPlan::backward_unit(const BackwardCall& call, const BackwardUnit& 
       store_keys(k0, keys, s.dk.data(), s.dv.data());
     }
   } else {
-    // Transformer-XL: row blocks outer, so that each block's window of Qs·P(δ) dots and of dS sums
-    // slides down the δ range with the tiles (as in forward) instead of being rebuilt per tile;
-    // dk and dv accumulate for the whole sequence (rows in the same order as above). A window is
-    // flushed — dQs += sumsᵀ·P, dP += sums·Qs — when it moves and after the last tile. The
-    // sequence's keys and values are loaded once for all the row blocks (reloading them per block
-    // cost a quarter of the time).
-    constexpr std::int64_t kXlWindow = 1024;  // as forward_xl's window, for the same reason
+    // Row blocks outer (ScoreTerm::rows_outer: Transformer-XL, whose window of Qs·P(δ) dots and
+    // of dS sums slides down the δ range with the tiles instead of being rebuilt per tile); dk
+    // and dv accumulate for the whole sequence (rows in the same order as above). The sequence's
+    // keys and values are loaded once for all the row blocks (reloading them per block cost a
+    // quarter of XL's time).
     grow(s.k, seq.lk * ldkv);
     grow(s.v, seq.lk * ldkv);
     grow(s.kpos, seq.lk);
@@ -475,86 +430,23 @@ void AttentionPlan::backward_unit(const BackwardCall& call, const BackwardUnit& 
       const std::int64_t bw = std::min(rows_per_block, w - r0);
       RowBlock sub;
       rb.slice(r0, bw, sub);
-      s.xl_span = 0;
       for (std::int64_t k0 = 0; k0 < seq.lk; k0 += backward_key_tile) {
         const std::int64_t keys = std::min(backward_key_tile, seq.lk - k0);
         bool full = true;
         if (!coverage(r0, bw, k0, keys, &full)) continue;
         const std::int64_t* kpos = s.kpos.data() + k0;
-        std::int64_t lo = 0, hi = -1;
-        if (!xl_tile_range(sub, keys, kpos, &lo, &hi)) {
-          lo = hi = xl_delta_min;  // no XL row: an idle one-entry window
-        }
-        if (s.xl_span == 0 || lo < s.xl_lo || hi >= s.xl_lo + s.xl_span) {
-          if (s.xl_span > 0) xl_backward_window(sub, r0, s.xl_lo, s.xl_span, kvh, unit_xl_grads, s);
-          s.xl_lo = std::max(xl_delta_min, std::min(lo, hi - kXlWindow + 1));
-          s.xl_span = hi - s.xl_lo + 1;
-          grow(s.xl_dots, s.xl_span * bw);
-          grow(s.xl_sums, s.xl_span * bw);
-          std::fill(s.xl_sums.begin(), s.xl_sums.begin() + s.xl_span * bw, 0.0f);
-          xl_window(sub, s.qt.data() + r0, ldt, s.xl_lo, s.xl_span, s.xl_dots.data(), bw);
-        }
         step(sub, r0, k0, keys, full, s.k.data() + k0 * ldkv, s.v.data() + k0 * ldkv, kpos, s.dk.data() + k0 * dp,
              s.dv.data() + k0 * dp);
       }
-      if (s.xl_span > 0) xl_backward_window(sub, r0, s.xl_lo, s.xl_span, kvh, unit_xl_grads, s);
+      for (std::size_t t = 0; t < terms.size(); ++t) terms[t]->end_rows(sub, r0, s.terms[t]);
     }
     for (std::int64_t k0 = 0; k0 < seq.lk; k0 += backward_key_tile) {
       store_keys(k0, std::min(backward_key_tile, seq.lk - k0), s.dk.data() + k0 * dp, s.dv.data() + k0 * dp);
     }
   }
-  if (const ShawTables* block_tables = any_shaw ? shaw_of_block(rb) : nullptr; block_tables != nullptr) {
-    const ShawTables* t = block_tables;
-    // One group: matrix products. dL/dQs += dS-sumᵀ·a^K; the tables' gradients a^K += dS-sum·Qs,
-    // a^V += P-sum·dO, summed in f32 over the unit's rows (in a fixed order) and added in fp64.
-    kernels::attn_gemm(s.shaw_grads.data(), 1, w, t->key_padded.data(), dp, s.dq.data(), dp, w, dp, t->width, true);
-    if (unit_shaw_grads != nullptr) {
-      grow(s.dk, 2 * t->width * dp);
-      float* key_part = s.dk.data();
-      float* value_part = key_part + t->width * dp;
-      kernels::attn_gemm(s.shaw_grads.data(), w, 1, s.q.data(), dp, key_part, dp, t->width, dp, w, false);
-      kernels::attn_gemm(s.shaw_probs.data(), w, 1, s.dout.data(), dp, value_part, dp, t->width, dp, w, false);
-      const std::int64_t h0 = rb.head[0] >= 0 ? rb.head[0] : kvh * group_size;
-      double* key_grad =
-          unit_shaw_grads + shaw_grad_offset[static_cast<std::size_t>(head_group[static_cast<std::size_t>(h0)])];
-      double* value_grad = key_grad + t->width * d;
-      for (std::int64_t u = 0; u < t->width; ++u) {
-        for (std::int64_t e = 0; e < d; ++e) {
-          key_grad[u * d + e] += key_part[u * dp + e];
-          value_grad[u * d + e] += value_part[u * dp + e];
-        }
-      }
-    }
-  } else if (any_shaw) {
-    // dL/dQs_r += Σ_u dS-sum[r][u]·a^K[u]; the tables' gradients: a^K[u] += Σ_r dS-sum·Qs_r,
-    // a^V[u] += Σ_r P-sum·dO_r (fp64, rows in order).
-    for (std::int64_t r = 0; r < w; ++r) {
-      const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
-      const ShawTables* t = h < 0 ? nullptr : shaw_of_head(h);
-      if (t == nullptr) continue;
-      const float* ds = s.shaw_grads.data() + r;  // [u][r], stride w
-      const float* ps = s.shaw_probs.data() + r;
-      float* dq_row = s.dq.data() + r * dp;
-      double* key_grad =
-          unit_shaw_grads == nullptr
-              ? nullptr
-              : unit_shaw_grads + shaw_grad_offset[static_cast<std::size_t>(head_group[static_cast<std::size_t>(h)])];
-      double* value_grad = key_grad == nullptr ? nullptr : key_grad + t->width * d;
-      for (std::int64_t u = 0; u < t->width; ++u) {
-        const float dsu = ds[u * w], psu = ps[u * w];
-        const float* a = t->key.data() + u * d;
-        for (std::int64_t e = 0; e < d; ++e) dq_row[e] += dsu * a[e];
-        if (key_grad == nullptr) continue;
-        for (std::int64_t e = 0; e < d; ++e) {
-          key_grad[u * d + e] += static_cast<double>(dsu) * s.q[static_cast<std::size_t>(r * dp + e)];
-          value_grad[u * d + e] += static_cast<double>(psu) * s.dout[static_cast<std::size_t>(r * dp + e)];
-        }
-      }
-    }
-  }
-  // dQ: times the scale, rotated back. XL's du collects Σ d(q + u) per head.
-  if (dq != nullptr || unit_xl_grads != nullptr) {
-    double* dqs = unit_xl_grads == nullptr ? nullptr : unit_xl_grads + xl_width * group_size * (dp + 1);
+  for (std::size_t t = 0; t < terms.size(); ++t) terms[t]->finish_backward(s.terms[t]);
+  // dQ: times the scale, rotated back.
+  if (dq != nullptr) {
     for (std::int64_t r = 0; r < w; ++r) {
       const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
       if (h < 0) continue;
@@ -562,56 +454,10 @@ void AttentionPlan::backward_unit(const BackwardCall& call, const BackwardUnit& 
       float* row = s.dq.data() + r * dp;
       for (std::int64_t t = 0; t < d; ++t) row[t] *= scale;
       transform_row(tq, true, q_table_row(seq, i), row, -1.0f);
-      if (dqs != nullptr && xl_of_head(h) != nullptr) {
-        for (std::int64_t t = 0; t < d; ++t) dqs[(h - kvh * group_size) * d + t] += static_cast<double>(row[t]);
-      }
-      if (dq != nullptr) store_row_to(row, *dq, dqg, seq.b, seq.q0 + i, h);
+      store_row_to(row, *dq, dqg, seq.b, seq.q0 + i, h);
     }
-  }
-  if (unit_tupe_grads != nullptr) {
-    // dPQ rows by position (the [CLS] query's is not used), and the tiles' dPK.
-    for (std::int64_t r = 0; r < w; ++r) {
-      const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
-      const TupeTables* t = h < 0 ? nullptr : tupe_of_head(h);
-      const std::int64_t qp = rb.position[static_cast<std::size_t>(r)];
-      if (t == nullptr || (t->cls_reset && qp == 0)) continue;
-      double* to = unit_tupe_grads + ((qp - tupe_first) * group_size + (h - kvh * group_size)) * dp;
-      for (std::int64_t e = 0; e < dp; ++e)
-        to[e] += static_cast<double>(s.tupe_dpq[static_cast<std::size_t>(r * dp + e)]);
-    }
-    double* dpk = unit_tupe_grads + tupe_count * group_size * dp;
-    for (std::int64_t e = 0; e < tupe_count * group_size * dp; ++e)
-      dpk[e] += static_cast<double>(s.tupe_dpk_positions[static_cast<std::size_t>(e)]);
-  }
-  if (unit_xl_grads != nullptr) {
-    const std::int64_t n = xl_width * group_size * dp;
-    for (std::int64_t t = 0; t < n; ++t) unit_xl_grads[t] += static_cast<double>(s.xl_dp[static_cast<std::size_t>(t)]);
   }
   if (unit_grads != nullptr) finish_bias_gradients(s, kvh, unit_grads);
-}
-
-// XL's backward for a row block's window of dS sums over δ (collected by the steps):
-//   dQs += sumsᵀ·P_h (into the unit's dq rows, which get the scale at the end),
-//   dP_h += sums·Qs (the unit's table) and Σ dS per δ (for c_h) into the unit's gradients.
-void AttentionPlan::xl_backward_window(const RowBlock& sub, std::int64_t r0, std::int64_t lo, std::int64_t span,
-                                       std::int64_t kvh, double* unit_xl_grads, AttentionUnitScratch& s) const {
-  const std::int64_t bw = sub.width, dp = dim_padded;
-  for_each_xl_run(*this, sub, [&](std::int64_t ra, std::int64_t n, std::int64_t h) {
-    const XlTables& t = *xl_of_head(h);
-    const std::int64_t lh = xl_local_head(h), t0 = lo - xl_delta_min, g = h - kvh * group_size;
-    const float* sums = s.xl_sums.data() + ra;
-    kernels::attn_gemm(sums, 1, bw, t.p_row(t0, lh, dp), dp, s.dq.data() + (r0 + ra) * dp, dp, n, dp, span, true);
-    if (unit_xl_grads == nullptr) return;
-    kernels::attn_gemm(sums, bw, 1, s.q.data() + (r0 + ra) * dp, dp, s.xl_dp.data() + (t0 * group_size + g) * dp,
-                       group_size * dp, span, dp, n, true);
-    double* hist = unit_xl_grads + xl_width * group_size * dp + g * xl_width + t0;
-    for (std::int64_t u = 0; u < span; ++u) {
-      const float* row = sums + u * bw;
-      double sum = 0;
-      for (std::int64_t r = 0; r < n; ++r) sum += static_cast<double>(row[r]);
-      hist[u] += sum;
-    }
-  });
 }
 
 }  // namespace posenc::detail

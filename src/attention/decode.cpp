@@ -164,22 +164,22 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
                                 w, rows_ahead(v_data, vg, seq, k0, keys), k0 == k_begin, rotation);
     // The keys' positions, once per tile for every head.
     const std::int64_t* kpos = blocks_scratch[0].kpos.data();
-    if (any_bias || any_shaw || any_xl || any_tupe) {
+    if (any_bias || !terms.empty()) {
       for (std::int64_t j = 0; j < keys; ++j)
         blocks_scratch[0].kpos[static_cast<std::size_t>(j)] = k_position(seq, k0 + j);
     }
     for (std::size_t b = 0; b < rows.size(); ++b) {
       AttentionUnitScratch& hs = blocks_scratch[b];
       const RowBlock& rb = rows[b];
-      if (any_tupe) tupe_add_direct(rb, keys, kpos, hs.tupe_pq.data(), hs.st.data());
       if (any_bias) add_bias(seq, rb, k0, keys, kpos, hs.st.data());
-      if (any_shaw) shaw_add_rows(rb, keys, kpos, hs.shaw_key_dots.data(), w, hs.st.data());
-      if (any_xl) xl_add_direct(rb, keys, kpos, hs.q.data(), hs.st.data());
+      const TermTile tile = term_tile(seq, rb, 0, k0, keys, kpos, true);
+      for (std::size_t t = 0; t < terms.size(); ++t) terms[t]->add_scores(tile, hs.st.data(), hs.terms[t]);
       if (mask.softcap > 0) kernels::attn_softcap_tile(hs.st.data(), keys, w, static_cast<float>(mask.softcap));
       if (!tile_unmasked(rb, k0, keys)) kernels::attn_mask_tile(hs.st.data(), keys, w, k0, rb.lo.data(), rb.hi.data());
       kernels::attn_softmax_tile(hs.st.data(), keys, w, hs.m.data(), hs.l.data(), hs.corr.data());
       kernels::attn_scale_rows(hs.o.data(), dp, rb.valid_rows, dp, hs.corr.data());
-      if (any_shaw) shaw_collect(rb, keys, kpos, hs.st.data(), hs.corr.data(), hs.shaw_probs.data(), w);
+      for (std::size_t t = 0; t < terms.size(); ++t)
+        terms[t]->add_probabilities(tile, hs.st.data(), hs.corr.data(), hs.terms[t]);
     }
     if (!direct_v) pack_tile(v_data, vg, k0, keys, s.v.data());
     kernels::attn_decode_values(vp, v_dtype, ldv, vhs, keys, g_count, p_heads.data(), w, valid, direct_v ? dim : dp,

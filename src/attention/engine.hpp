@@ -133,15 +133,42 @@ void for_each_head_run(const RowBlock& rb, Has&& has, Fn&& fn) {
     c = e;
   }
 }
-template <class Fn>
-void for_each_xl_run(const AttentionPlan& p, const RowBlock& rb, Fn&& fn) {
-  for_each_head_run(
-      rb, [&](std::int64_t h) { return p.xl_of_head(h) != nullptr; }, fn);
-}
-template <class Fn>
-void for_each_tupe_run(const AttentionPlan& p, const RowBlock& rb, Fn&& fn) {
-  for_each_head_run(
-      rb, [&](std::int64_t h) { return p.tupe_of_head(h) != nullptr; }, fn);
+// A score term whose tables are per head group (Tables::used(): the group has the term).
+template <class Tables>
+class GroupTerm : public ScoreTerm {
+ protected:
+  explicit GroupTerm(const AttentionPlan& p) : p_(p) {}
+  std::int64_t group_of(std::int64_t h) const { return p_.head_group[static_cast<std::size_t>(h)]; }
+  const Tables* of_head(std::int64_t h) const {
+    const Tables& t = tables_[static_cast<std::size_t>(group_of(h))];
+    return t.used() ? &t : nullptr;
+  }
+  std::int64_t local_head(std::int64_t h) const {
+    return h - p_.group_first_head[static_cast<std::size_t>(group_of(h))];
+  }
+  // fn(first row, rows, head) for each run of lane chunks of one head that has the term.
+  template <class Fn>
+  void for_each_run(const RowBlock& rb, Fn&& fn) const {
+    for_each_head_run(
+        rb, [&](std::int64_t h) { return of_head(h) != nullptr; }, fn);
+  }
+
+  const AttentionPlan& p_;
+  std::vector<Tables> tables_;  // per group
+};
+
+// The tile of `rows` (from row r0 of its block) against keys [k0, k0 + keys) at positions kpos.
+inline TermTile term_tile(const Sequence& seq, const RowBlock& rows, std::int64_t r0, std::int64_t k0,
+                          std::int64_t keys, const std::int64_t* kpos, bool decode) {
+  TermTile tile;
+  tile.seq = &seq;
+  tile.rows = &rows;
+  tile.r0 = r0;
+  tile.k0 = k0;
+  tile.keys = keys;
+  tile.kpos = kpos;
+  tile.decode = decode;
+  return tile;
 }
 
 }  // namespace posenc::detail

@@ -86,41 +86,23 @@ void forward_begin(const AttentionPlan& p, const Sequence& seq, const RowBlock& 
       const std::int64_t i = rb.query[static_cast<std::size_t>(r)];
       p.load_row(p.q_data, p.qg, seq.b, seq.q0 + i, h, row);
       p.transform_row(p.tables_of_head(h), true, p.q_table_row(seq, i), row, 1.0f);
-      p.add_xl_u(h, row);
+      for (const auto& term : p.terms) term->adjust_query(h, row);
       for (std::int64_t t = 0; t < d; ++t) row[t] *= p.scale;
     }
     if (!dot) {
       for (std::int64_t t = 0; t < d; ++t) s.qt[static_cast<std::size_t>(t * ldt + r)] = row[t];
     }
   }
-  if (p.any_shaw) {
-    grow(s.shaw_key_dots, w * p.shaw_width);
-    grow(s.shaw_probs, w * p.shaw_width);
-    std::fill(s.shaw_probs.begin(), s.shaw_probs.begin() + w * p.shaw_width, 0.0f);
-    p.shaw_row_dots(rb, s.q.data(), dp, dot ? nullptr : s.qt.data(), ldt, false, s.shaw_key_dots.data(), w);
-  }
-  s.xl_span = 0;  // no XL window yet
-  if (p.any_tupe) p.tupe_load_rows(rb, s, dot);
-}
-
-// Transformer-XL in a forward tile (prefill blocks; decode adds its rows' dots directly in
-// decode_tiles): a block keeps a window of its rows' dots over kXlWindow δ values, moved down as
-// the tiles advance (δ = q − k falls).
-void forward_xl(const AttentionPlan& p, const RowBlock& rb, std::int64_t keys, AttentionUnitScratch& s) {
-  // Window length: the matrix product over a window re-does the rows' dots for the δ where two
-  // windows overlap (at most a tile plus a block of rows), so a window of 1024 δ wastes at most
-  // ~20% over computing each dot once, for 1024 × rows floats (512 KiB at 128 rows) of scratch.
-  constexpr std::int64_t kXlWindow = 1024;
-  const std::int64_t w = rb.width;
-  std::int64_t lo = 0, hi = 0;
-  if (!p.xl_tile_range(rb, keys, s.kpos.data(), &lo, &hi)) return;
-  if (s.xl_span == 0 || lo < s.xl_lo || hi >= s.xl_lo + s.xl_span) {
-    s.xl_lo = std::max(p.xl_delta_min, std::min(lo, hi - kXlWindow + 1));
-    s.xl_span = hi - s.xl_lo + 1;
-    grow(s.xl_dots, s.xl_span * w);
-    p.xl_window(rb, s.qt.data(), padded_stride(w), s.xl_lo, s.xl_span, s.xl_dots.data(), w);
-  }
-  p.xl_add_rows(rb, keys, s.kpos.data(), s.xl_lo, s.xl_span, s.xl_dots.data(), w, s.st.data());
+  if (p.terms.empty()) return;
+  if (s.terms.size() < p.terms.size()) s.terms.resize(p.terms.size());
+  detail::TermRows rows;
+  rows.seq = &seq;
+  rows.rows = &rb;
+  rows.kvh = dot ? -1 : rb.head[0] / p.group_size;
+  rows.q = s.q.data();
+  rows.qt = dot ? nullptr : s.qt.data();
+  rows.ldt = ldt;
+  for (std::size_t t = 0; t < p.terms.size(); ++t) p.terms[t]->begin(rows, s.terms[t]);
 }
 
 // A key tile's keys and values as the matrix kernel reads them: rows ld floats apart.
@@ -166,13 +148,12 @@ void block_tile(const AttentionPlan& p, const Sequence& seq, const RowBlock& rb,
   const std::int64_t ldk = kv.ldk, ldv = kv.ldv;
   // S^T = K·Q^T (scale and query transform already in Q).
   kernels::attn_gemm(kp, ldk, 1, s.qt.data(), padded_stride(w), s.st.data(), w, keys, w, d, false);
-  if (p.any_bias || p.any_shaw || p.any_xl || p.any_tupe) {
+  if (p.any_bias || !p.terms.empty()) {
     for (std::int64_t j = 0; j < keys; ++j) s.kpos[static_cast<std::size_t>(j)] = p.k_position(seq, k0 + j);
   }
-  if (p.any_tupe) p.tupe_add_tile(rb, 0, padded_stride(w), keys, s.kpos.data(), s, s.st.data());
   if (p.any_bias) p.add_bias(seq, rb, k0, keys, s.kpos.data(), s.st.data());
-  if (p.any_shaw) p.shaw_add_rows(rb, keys, s.kpos.data(), s.shaw_key_dots.data(), w, s.st.data());
-  if (p.any_xl) forward_xl(p, rb, keys, s);
+  const detail::TermTile tile = detail::term_tile(seq, rb, 0, k0, keys, s.kpos.data(), false);
+  for (std::size_t t = 0; t < p.terms.size(); ++t) p.terms[t]->add_scores(tile, s.st.data(), s.terms[t]);
   if (p.mask.softcap > 0) kernels::attn_softcap_tile(s.st.data(), keys, w, static_cast<float>(p.mask.softcap));
   if (!p.tile_unmasked(rb, k0, keys)) {
     kernels::attn_mask_tile(s.st.data(), keys, w, k0, rb.lo.data(), rb.hi.data());
@@ -181,7 +162,8 @@ void block_tile(const AttentionPlan& p, const Sequence& seq, const RowBlock& rb,
   kernels::attn_scale_rows(s.o.data(), dp, w, dp, s.corr.data());
   // O += P·V with P(r, j) = P^T[j][r], the tile's sum added to O once (attn_gemm_add).
   kernels::attn_gemm_add(s.st.data(), 1, w, vp, ldv, s.o.data(), dp, w, dp, keys);
-  if (p.any_shaw) p.shaw_collect(rb, keys, s.kpos.data(), s.st.data(), s.corr.data(), s.shaw_probs.data(), w);
+  for (std::size_t t = 0; t < p.terms.size(); ++t)
+    p.terms[t]->add_probabilities(tile, s.st.data(), s.corr.data(), s.terms[t]);
 }
 
 // The far-tile skip in forward: tile_vanishes against the rows' running maxima; the keys' norms
@@ -337,7 +319,7 @@ AttentionStats AttentionPlan::forward(TensorView out, TensorView lse) const {
   // Normalises and stores the rows of a finished block.
   const auto finish = [&](const Sequence& seq, const RowBlock& rb, AttentionUnitScratch& s) {
     const std::int64_t dp = dim_padded;
-    if (any_shaw) shaw_add_values(rb, s.shaw_probs.data(), rb.width, s.o.data());
+    for (std::size_t t = 0; t < terms.size(); ++t) terms[t]->finish(s.o.data(), s.terms[t]);
     grow(s.tmp, dp);
     for (std::int64_t r = 0; r < rb.width; ++r) {
       const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
@@ -426,7 +408,7 @@ AttentionStats AttentionPlan::forward(TensorView out, TensorView lse) const {
           finish(seq, hr, hs);
           continue;
         }
-        if (any_shaw) shaw_add_values(hr, hs.shaw_probs.data(), hr.width, hs.o.data());
+        for (std::size_t t = 0; t < terms.size(); ++t) terms[t]->finish(hs.o.data(), hs.terms[t]);
         // Rows of KV head kvh at parts[(partial · G + kvh) · part_rows + r].
         const std::int64_t per_kvh = merged ? hr.valid_rows / kv_heads : hr.valid_rows;
         for (std::int64_t r = 0; r < hr.valid_rows; ++r) {

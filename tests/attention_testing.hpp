@@ -396,6 +396,8 @@ inline void expect_backward_matches_reference(const Problem& p, const Attention&
       expect_close_to_scale(a.theta1, b.theta1, theta_scale, "tupe theta1");
       expect_close_to_scale(a.theta2, b.theta2, theta_scale, "tupe theta2");
     }
+    for (std::size_t t = 0; t < exact.params.groups[g].terms.size(); ++t)
+      expect_close(fused.params.groups[g].terms[t], exact.params.groups[g].terms[t], "a term's input gradient");
     if (exact.params.groups[g].xl) {
       const XlGradients &a = *fused.params.groups[g].xl, &b = *exact.params.groups[g].xl;
       expect_close(a.u, b.u, "xl u");

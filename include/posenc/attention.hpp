@@ -81,6 +81,7 @@
 #include "posenc/positions.hpp"
 #include "posenc/relative.hpp"
 #include "posenc/rotary.hpp"
+#include "posenc/term.hpp"
 #include "posenc/tensor.hpp"
 
 namespace posenc {
@@ -107,12 +108,15 @@ using QKTransform = std::variant<std::monostate, RotaryQK, AbsoluteQK>;
 // its scale equal to the attention's) adds, with δ = p_i − p'_j:
 //   x_ij += scale·(u_h·k_j + (q_i + v_h)·P_h(δ)),   P(δ) = W_R r(δ)
 // A group with xl has no transform, bias or shaw (XL is the whole scheme of its heads).
+// `terms` (term.hpp) add their own parts to the logit, after the bias and the terms above: each
+// has heads == the group's heads (e.g. a ForgetGate, forgetting.hpp).
 struct HeadGroup {
   std::int64_t heads = 0;
   QKTransform transform{};
   std::optional<BiasScheme> bias{};
   std::optional<ShawParams> shaw{};
   std::optional<XlParams> xl{};
+  std::vector<AttentionTermRef> terms{};
 };
 
 struct AttentionMask {
@@ -148,7 +152,8 @@ struct GroupGradients {
   std::vector<double> shaw_key_table, shaw_value_table;  // [(2k + 1)·D], the tables' layout
   std::optional<FireGradients> fire;
   std::optional<TupeGradients> tupe;
-  std::optional<XlGradients> xl;  // u, v, W_R
+  std::optional<XlGradients> xl;           // u, v, W_R
+  std::vector<std::vector<double>> terms;  // per HeadGroup::terms entry, its gradient_size()
 };
 struct AttentionGradients {
   std::vector<GroupGradients> groups;

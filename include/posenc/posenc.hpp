@@ -7,6 +7,7 @@
 #include "posenc/dtype.hpp"
 #include "posenc/error.hpp"
 #include "posenc/floater.hpp"
+#include "posenc/forgetting.hpp"
 #include "posenc/memory.hpp"
 #include "posenc/positions.hpp"
 #include "posenc/reference.hpp"
@@ -16,3 +17,4 @@
 #include "posenc/runtime.hpp"
 #include "posenc/scheme.hpp"
 #include "posenc/tensor.hpp"
+#include "posenc/term.hpp"

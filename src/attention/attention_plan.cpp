@@ -324,6 +324,16 @@ void AttentionPlan::plan_terms(const std::vector<HeadGroup>& groups) {
   for (const auto make : {make_tupe_term, make_shaw_term, make_xl_term}) {
     if (auto term = make(*this, groups)) terms.push_back(std::move(term));
   }
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    for (std::size_t t = 0; t < groups[g].terms.size(); ++t) {
+      const std::string name = "groups[" + std::to_string(g) + "].terms[" + std::to_string(t) + "]";
+      const AttentionTermRef& term = groups[g].terms[t];
+      require(term != nullptr, name.c_str(), "null", "an AttentionTerm");
+      require(term->heads() == groups[g].heads, (name + ".heads").c_str(), std::to_string(term->heads()),
+              std::to_string(groups[g].heads) + " (the group's heads)");
+      terms.push_back(term->score_term(*this, static_cast<std::int64_t>(g), static_cast<std::int64_t>(t)));
+    }
+  }
 }
 
 bool AttentionPlan::decode_merges_heads() const {

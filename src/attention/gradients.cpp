@@ -52,6 +52,8 @@ AttentionGradients AttentionPlan::zero_gradients() const {
       g.shaw_value_table.assign(g.shaw_key_table.size(), 0.0);
     }
     if (grp.xl) g.xl.emplace(*grp.xl);
+    for (const AttentionTermRef& term : grp.terms)
+      g.terms.emplace_back(static_cast<std::size_t>(term->gradient_size()), 0.0);
     grads.groups.push_back(std::move(g));
   }
   return grads;
@@ -79,6 +81,12 @@ void AttentionPlan::check_gradients(const AttentionGradients& grads) const {
                         static_cast<std::int64_t>(b.shaw_key_table.size()));
     check_gradient_size(kWhere, (name + ".shaw_value_table").c_str(), a.shaw_value_table.size(),
                         static_cast<std::int64_t>(b.shaw_value_table.size()));
+    require(a.terms.size() == b.terms.size(), (name + ".terms").c_str(), "size " + std::to_string(a.terms.size()),
+            std::to_string(b.terms.size()) + " (one per HeadGroup::terms entry)");
+    for (std::size_t t = 0; t < b.terms.size(); ++t) {
+      check_gradient_size(kWhere, (name + ".terms[" + std::to_string(t) + "]").c_str(), a.terms[t].size(),
+                          static_cast<std::int64_t>(b.terms[t].size()));
+    }
     if (b.fire) {
       require(a.fire.has_value(), (name + ".fire").c_str(), "empty", "FireGradients sized for the group's FIRE");
       check_gradient_size(kWhere, (name + ".fire.w1").c_str(), a.fire->w1.size(),

@@ -134,6 +134,8 @@ void check_gradients(const Attention& attention, const AttentionGradients& grads
            same(a.tupe->theta1, b.tupe->theta1) && same(a.tupe->theta2, b.tupe->theta2);
     }
     if (ok && b.xl) ok = same(a.xl->u, b.xl->u) && same(a.xl->v, b.xl->v) && same(a.xl->w_r, b.xl->w_r);
+    ok = ok && a.terms.size() == b.terms.size();
+    for (std::size_t t = 0; ok && t < b.terms.size(); ++t) ok = same(a.terms[t], b.terms[t]);
   }
   if (!ok) {
     throw Error(kWhere, "grads", std::to_string(grads.groups.size()) + " groups of other sizes",
@@ -258,6 +260,19 @@ std::pair<std::int64_t, std::int64_t> visible(const Problem& p, const Sequence& 
   return {lo, std::max(lo, hi)};
 }
 
+// The pair (query i, key j) of a sequence as a term sees it (term.hpp: queries stand for the key
+// tokens they align with).
+TokenPair token_pair(const Problem& p, const Sequence& seq, std::int64_t i, std::int64_t j) {
+  TokenPair pair;
+  pair.batch = seq.b;
+  pair.sequence_start = seq.k0;
+  pair.query_token = seq.k0 + seq.lk - seq.lq + i;
+  pair.key_token = seq.k0 + j;
+  pair.query_position = p.q_position(seq, i);
+  pair.key_position = p.k_position(seq, j);
+  return pair;
+}
+
 struct HeadProblem {
   std::vector<std::int64_t> qpos, kpos;
   Rows q, k, v;
@@ -317,6 +332,12 @@ void scores(const Problem& p, const Sequence& seq, std::int64_t h, const HeadPro
       if (bias) {
         x += static_cast<T>(
             bias_value(*bias, local, hp.qpos[static_cast<std::size_t>(i)], hp.kpos[static_cast<std::size_t>(j)]));
+      }
+      // Terms only where the mask lets the pair through: their value need not exist elsewhere
+      // (a query's own token before the key's under a forget gate).
+      if (j >= lo && j < hi) {
+        for (const AttentionTermRef& term : p.groups[static_cast<std::size_t>(group)].terms)
+          x += static_cast<T>(term->value(local, token_pair(p, seq, i, j)));
       }
       zi[j] = cap > 0 ? cap * std::tanh(x / cap) : x;
     }
@@ -454,6 +475,13 @@ void attention_backward(const Attention& attention, ConstTensorView out, ConstTe
               dx *= 1 - u * u;
             }
             ds_groups[static_cast<std::size_t>(group)][static_cast<std::size_t>((local * lq + i) * lk + j)] = dx;
+            if (grads != nullptr) {
+              const auto& terms = p.groups[static_cast<std::size_t>(group)].terms;
+              for (std::size_t t = 0; t < terms.size(); ++t) {
+                terms[t]->accumulate_gradient(local, token_pair(p, seq, i, j), dx,
+                                              grads->groups[static_cast<std::size_t>(group)].terms[t]);
+              }
+            }
             for (std::int64_t t = 0; t < p.dim; ++t) {
               dq_t.row(i)[t] += scale * dx * hp.k.row(j)[t];
               dk_t.row(j)[t] += scale * dx * hp.q.row(i)[t];

@@ -1,0 +1,62 @@
+// posenc/term.hpp — a score term of the fused attention that may read per-token inputs: the
+// interface through which a scheme such as Forgetting Attention (forgetting.hpp) enters a head
+// group (HeadGroup::terms, attention.hpp) without the engine knowing it by name.
+//
+//   x_ij = scale·⟨T_q(q_i), T_k(k_j)⟩ + b_h(p_i, p'_j) + Σ_terms t_h(pair(i, j))
+//
+// A term says what it adds for one visible (query, key) pair in fp64 (value), how that depends on
+// its inputs (accumulate_gradient: learned parameters or activations such as a gate, one flat
+// vector), and builds the engine's fused form for one call (score_term). The fp64 attention
+// reference (reference.hpp) uses only value and accumulate_gradient, so it stays an oracle
+// independent of the fused form.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string_view>
+
+namespace posenc {
+
+namespace detail {
+class ScoreTerm;
+struct AttentionPlan;
+}  // namespace detail
+
+// One (query, key) pair of a sequence as a term sees it. Tokens are indices on the key grid (the
+// token axis of k: [0, Sk) of batch row `batch`, or packed [0, Tk)); a query is the key token it
+// stands for, query i of a sequence with Lq queries and Lk keys being key Lk − Lq + i (the
+// alignment of the causal mask, attention.hpp).
+struct TokenPair {
+  std::int64_t batch = 0;           // batch row (0 when packed)
+  std::int64_t sequence_start = 0;  // the key token of the sequence's first key
+  std::int64_t query_token = 0, key_token = 0;
+  std::int64_t query_position = 0, key_position = 0;
+};
+
+class AttentionTerm {
+ public:
+  virtual ~AttentionTerm() = default;
+
+  virtual std::string_view name() const = 0;
+  virtual std::int64_t heads() const = 0;
+  // The term's part of the logit of the group's head `head` for a pair the mask lets through
+  // (fp64; the engine rounds to f32 where its fused form says).
+  virtual double value(std::int64_t head, const TokenPair& pair) const = 0;
+  // The size of the term's input gradient (GroupGradients::terms), and
+  // grads[t] += weight·∂value(head, pair)/∂input_t.
+  virtual std::int64_t gradient_size() const { return 0; }
+  virtual void accumulate_gradient(std::int64_t /* head */, const TokenPair& /* pair */, double /* weight */,
+                                   std::span<double> /* grads */) const {}
+  // The engine's fused form for one call: entry `index` of HeadGroup::terms of group `group`.
+  // It checks what the term needs of the call (shapes, masks) and throws posenc::Error naming
+  // the parameter otherwise.
+  virtual std::unique_ptr<detail::ScoreTerm> score_term(const detail::AttentionPlan& plan, std::int64_t group,
+                                                        std::int64_t index) const = 0;
+};
+
+// A term held by a head group: shared, immutable (it may view tensors that must outlive the
+// Attention, as q, k and v do).
+using AttentionTermRef = std::shared_ptr<const AttentionTerm>;
+
+}  // namespace posenc

@@ -1,6 +1,7 @@
 #include "kernels.hpp"
 
 #include <cmath>
+#include <memory>
 
 #include <algorithm>
 #include <vector>
@@ -57,7 +58,20 @@ Case make_attention_case(const CaseOptions& o) {
   const std::int64_t heads = o.heads, dim = o.dim, kv = o.kv_heads;
   const std::int64_t q_len = o.pass == "decode" ? 1 : o.length, k_len = o.length;
   std::vector<HeadGroup> groups;
-  if (o.scheme == "rope") {
+  // FoX's log forget gates [B, Sk, H]: logsigmoid of logits in [1, 5], gates of 0.73–0.99 as a
+  // trained FoX's (its forget-gate bias starts them near 1).
+  auto gates = std::make_shared<std::vector<float>>();
+  if (o.scheme == "fox") {
+    gates->resize(static_cast<std::size_t>(checked_mul(checked_mul(o.batch, k_len, "gates"), heads, "gates")));
+    for (std::size_t i = 0; i < gates->size(); ++i) {
+      const double logit = 1.0 + 4.0 * static_cast<double>((i * 2654435761u) % 1000) / 1000.0;
+      (*gates)[i] = static_cast<float>(-std::log1p(std::exp(-logit)));
+    }
+    HeadGroup g{heads, {}, {}};
+    g.terms = {std::make_shared<ForgetGate>(
+        ConstTensorView::of(static_cast<const float*>(gates->data()), {o.batch, k_len, heads}))};
+    groups.push_back(g);
+  } else if (o.scheme == "rope") {
     groups.push_back(
         {heads,
          RotaryQK{RopeParams(dim, dim, 10000.0, o.interleaved ? RopeLayout::kInterleaved : RopeLayout::kHalfSplit)},
@@ -97,10 +111,12 @@ Case make_attention_case(const CaseOptions& o) {
     BenchArray<std::uint16_t> q16, k16, v16, out16, dout16, dq16, dk16, dv16;
     BenchArray<float> q, k, v, out, dout, dq, dk, dv;
     std::vector<float> lse;
+    std::shared_ptr<std::vector<float>> gates;  // FoX's, viewed by the attention
     std::unique_ptr<Attention> attention;
     AttentionStats stats;  // the last timed call's
   };
   auto st = std::make_shared<State>();
+  st->gates = gates;
   const std::int64_t q_count = checked_mul(checked_mul(o.batch, q_len, "q"), heads * dim, "q");
   const std::int64_t k_count = checked_mul(checked_mul(o.batch, k_len, "k"), kv * dim, "k");
   std::uint64_t state = 99;

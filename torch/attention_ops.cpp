@@ -143,13 +143,28 @@ std::string schemes_op() {
 
 struct AttentionCall {
   std::unique_ptr<Attention> attention;
-  at::Tensor q_ids, k_ids;  // kept alive: Positions borrow them
+  at::Tensor q_ids, k_ids;        // kept alive: Positions borrow them
+  std::vector<at::Tensor> gates;  // per head group: its ForgetGate's tensor (viewed: kept alive), or undefined
 };
+
+// Group g's forget gate (Forgetting Attention, posenc/forgetting.hpp), if `gates` gives it one:
+// one entry per head group, an empty tensor for none.
+void add_gates(const char* where, const std::vector<at::Tensor>& gates, AttentionSpec& spec, AttentionCall& call) {
+  call.gates.resize(spec.groups.size());
+  if (gates.empty()) return;
+  TORCH_CHECK_VALUE(gates.size() == spec.groups.size(), where, ": ", gates.size(),
+                    " forget gates; expected one per head group (", spec.groups.size(), "), empty for none");
+  for (std::size_t g = 0; g < gates.size(); ++g) {
+    if (absent(gates[g]) || gates[g].numel() == 0) continue;
+    call.gates[g] = gates[g].detach();
+    spec.groups[g].terms.push_back(std::make_shared<ForgetGate>(const_view(where, "log_fgate", call.gates[g])));
+  }
+}
 
 AttentionCall make_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::string& scheme,
                              const at::Tensor& bias_params, bool causal, std::int64_t window_left,
                              std::int64_t window_right, double softcap, double scale, const at::Tensor& q_positions,
-                             const at::Tensor& k_positions) {
+                             const at::Tensor& k_positions, const std::vector<at::Tensor>& gates) {
   const char* where = "attention";
   TORCH_CHECK_VALUE(q.dim() == 4, where, ": q shape ", q.sizes(), "; expected [B, Sq, H, D]");
   AttentionCall call;
@@ -200,6 +215,7 @@ AttentionCall make_attention(const at::Tensor& q, const at::Tensor& k, const at:
                       "; expected it only inside \"groups\" (one scheme covers every head)");
     spec.groups = {attention_group(scheme_json, bias_params, q.size(2), q.size(3), scale)};
   }
+  add_gates(where, gates, spec, call);
   spec.mask.causal = causal;
   spec.mask.window_left = window_left;
   spec.mask.window_right = window_right;
@@ -228,19 +244,22 @@ struct AttentionPlanHolder : torch::CustomClassHolder {
 class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                               const std::string& scheme, const at::Tensor& bias_params, bool causal,
-                               std::int64_t window_left, std::int64_t window_right, double softcap, double scale,
-                               const at::Tensor& q_positions, const at::Tensor& k_positions) {
+                               const std::string& scheme, const at::Tensor& bias_params, at::TensorList gates,
+                               bool causal, std::int64_t window_left, std::int64_t window_right, double softcap,
+                               double scale, const at::Tensor& q_positions, const at::Tensor& k_positions) {
     return translating([&] {
       auto holder = c10::make_intrusive<AttentionPlanHolder>();
       holder->call = make_attention(q, k, v, scheme, bias_params, causal, window_left, window_right, softcap, scale,
-                                    q_positions, k_positions);
+                                    q_positions, k_positions, gates.vec());
       const AttentionCall& call = holder->call;
       at::Tensor out = empty_output(q.sizes(), q.scalar_type());
       at::Tensor lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
       call.attention->forward(mutable_view("attention", "out", out), mutable_view("attention", "lse", lse));
       ctx->saved_data["plan"] = holder;
       ctx->saved_data["scheme"] = scheme;
+      c10::List<bool> gate_grads;
+      for (const at::Tensor& g : gates) gate_grads.push_back(g.defined() && g.requires_grad());
+      ctx->saved_data["gate_grads"] = gate_grads;
       ctx->save_for_backward({q, k, v, bias_params, q_positions, k_positions, out, lse});
       ctx->mark_non_differentiable({lse});
       return variable_list{out, lse};
@@ -254,7 +273,10 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
       const at::Tensor d_out = grads[0].defined() ? grads[0].contiguous() : at::zeros_like(saved[6]);
       at::Tensor dq = at::zeros_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
       AttentionGradients param_grads = call.attention->zero_gradients();
-      const bool trainable = !absent(bias_params) && bias_params.requires_grad();
+      const c10::List<bool> gate_grads = ctx->saved_data["gate_grads"].toBoolList();
+      bool any_gate_grad = false;
+      for (const bool g : gate_grads) any_gate_grad = any_gate_grad || g;
+      const bool trainable = (!absent(bias_params) && bias_params.requires_grad()) || any_gate_grad;
       call.attention->backward(const_view("attention", "out", saved[6]), const_view("attention", "lse", saved[7]),
                                const_view("attention", "d_out", d_out), mutable_view("attention", "dq", dq),
                                mutable_view("attention", "dk", dk), mutable_view("attention", "dv", dv),
@@ -269,21 +291,31 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
               scheme_gradients(find_scheme(groups[g].value("kind", std::string("none"))), param_grads.groups[g]);
           flat.insert(flat.end(), part.begin(), part.end());
         }
-        d_bias = tensor_of(flat, bias_params);
+        if (!absent(bias_params) && bias_params.requires_grad()) d_bias = tensor_of(flat, bias_params);
       }
-      return variable_list{dq,           dk,           dv,           at::Tensor(), d_bias,       at::Tensor(),
-                           at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+      variable_list result{dq, dk, dv, at::Tensor(), d_bias};
+      // One gradient per gate (the list's tensors are inputs of their own), in the gate's shape.
+      for (std::size_t g = 0; g < gate_grads.size(); ++g) {
+        at::Tensor d_gate;
+        if (gate_grads.get(g) && call.gates[g].defined())
+          d_gate = tensor_of(param_grads.groups[g].terms[0], call.gates[g]);
+        result.push_back(d_gate);
+      }
+      for (int i = 0; i < 7; ++i) result.emplace_back();  // causal … k_positions
+      return result;
     });
   }
 };
 
 std::tuple<at::Tensor, at::Tensor> attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                std::string scheme, const at::Tensor& bias_params, bool causal,
+                                                std::string scheme, const at::Tensor& bias_params,
+                                                const std::vector<at::Tensor>& gates, bool causal,
                                                 std::int64_t window_left, std::int64_t window_right, double softcap,
                                                 double scale, const at::Tensor& q_positions,
                                                 const at::Tensor& k_positions) {
-  const variable_list out = AttentionFunction::apply(q, k, v, scheme, bias_params, causal, window_left, window_right,
-                                                     softcap, scale, q_positions, k_positions);
+  const variable_list out =
+      AttentionFunction::apply(q, k, v, scheme, bias_params, at::TensorList(gates), causal, window_left, window_right,
+                               softcap, scale, q_positions, k_positions);
   return {out[0], out[1]};
 }
 
@@ -298,7 +330,8 @@ void define_attention_ops(torch::Library& m) {
       "-> Tensor",
       &relative_bias_op);
   m.def(
-      "attention(Tensor q, Tensor k, Tensor v, str scheme, Tensor bias_params, bool causal, int window_left, "
+      "attention(Tensor q, Tensor k, Tensor v, str scheme, Tensor bias_params, Tensor[] gates, bool causal, "
+      "int window_left, "
       "int window_right, float softcap, float scale, Tensor q_positions, Tensor k_positions) -> (Tensor, Tensor)",
       &attention_op);
 }

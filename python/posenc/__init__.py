@@ -23,7 +23,7 @@ __all__ = [
     "rope_multi",
     "SinusoidalPositionalEncoding", "LearnedPositionalEncoding", "RotaryPositionalEncoding", "ALiBi",
     "T5RelativeBias", "Kerple", "FIRE", "TUPE", "FLOATER", "ShawRelativePositions", "TransformerXLRelative",
-    "schemes", "RelativeBias", "Sandwich",
+    "schemes", "RelativeBias", "Sandwich", "Forgetting", "forgetting_attention",
 ]
 
 
@@ -467,6 +467,38 @@ class TransformerXLRelative(torch.nn.Module):
 
 # ─── Fused attention ──────────────────────────────────────────────────────────────────────────
 
+class Forgetting:
+    """Forgetting Attention (Lin et al., ICLR 2025, "Forgetting Transformer"): a per-token, per-head
+    forget gate decays older keys' logits by Σ_{l=j+1..i} log f_l (posenc/forgetting.hpp). A scheme
+    for ``posenc.attention`` (causal only), alone or in a head group, optionally over a ``base``
+    scheme of the same heads ("FoX Pro": ``Forgetting(log_fgate, base="rope")``).
+
+    ``log_fgate`` ``[B, Sk, heads]`` (float32/64, bfloat16, float16), e.g. ``F.logsigmoid`` of the
+    gate's logits: every value <= 0. It is an activation: the attention's backward reaches it."""
+
+    def __init__(self, log_fgate, base=None):
+        if not isinstance(log_fgate, torch.Tensor):
+            raise TypeError(f"Forgetting: log_fgate is {type(log_fgate).__name__}; expected a torch.Tensor")
+        if log_fgate.dim() != 3:
+            raise ValueError(f"Forgetting: log_fgate shape {tuple(log_fgate.shape)}; expected [B, Sk, heads]")
+        if not log_fgate.is_floating_point():
+            raise TypeError(f"Forgetting: log_fgate dtype {log_fgate.dtype}; expected a floating dtype")
+        if isinstance(base, Forgetting):
+            raise TypeError("Forgetting: base is another Forgetting; expected a positional scheme or None")
+        self.log_fgate = log_fgate
+        self.base = base
+
+    @property
+    def heads(self):
+        return self.log_fgate.shape[2]
+
+
+def forgetting_attention(q, k, v, log_fgate, *, scale=None, layout="bshd", return_lse=False):
+    """Causal Forgetting Attention (``Forgetting``): ``attention(q, k, v, Forgetting(log_fgate),
+    causal=True)``. Query i of Sq is key token Sk − Sq + i and reads that token's gate."""
+    return attention(q, k, v, Forgetting(log_fgate), causal=True, scale=scale, layout=layout, return_lse=return_lse)
+
+
 def _attention_scheme(scheme, heads, keys_rotated):
     """(JSON dict, parameter tensor) of a scheme: None, a registered name (posenc.schemes(): its
     options' defaults and initial parameters), or a module."""
@@ -542,8 +574,8 @@ def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), softcap=0.
     ``T5RelativeBias``, ``Kerple``, ``FIRE``, ``ShawRelativePositions`` (Shaw et al.'s key and
     value terms, scale·q·a^K and Σ p·a^V), ``TransformerXLRelative`` (scale·(u·k + (q + v)·W_R r(i − j)),
     its module's scale is the attention's), ``TUPE`` (the projections' head_dim must be q's),
-    ``RelativeBias`` (any registered relative-bias scheme) — whose
-    learned parameters receive gradients. ``causal`` aligns the mask
+    ``RelativeBias`` (any registered relative-bias scheme), ``Forgetting`` (a forget gate per token
+    and head; causal) — whose learned parameters (and the gate) receive gradients. ``causal`` aligns the mask
     bottom-right when Sq < Sk; ``window=(left, right)`` limits the keys a query sees (-1:
     unlimited); ``softcap`` c > 0 caps logits to c·tanh(x/c). Positions default to 0..Sk-1 for
     keys and Sk-Sq.. for queries. Returns out like q (and the log-sum-exp ``[B, H, Sq]`` with
@@ -557,6 +589,21 @@ def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), softcap=0.
         raise ValueError(f"attention: layout = {layout!r}; expected 'bshd' or 'bhsd'")
     if q.dim() != 4:
         raise ValueError(f"attention: q has {q.dim()} dimensions; expected 4 ([B, Sq, H, D] or with layout='bhsd')")
+    gates = []  # per head group: its forget gate, or an empty tensor
+
+    def gate_of(group_scheme, group_heads):
+        if not isinstance(group_scheme, Forgetting):
+            gates.append(torch.empty(0))
+            return group_scheme
+        if group_scheme.heads != group_heads:
+            raise ValueError(f"attention: Forgetting's log_fgate has {group_scheme.heads} heads; expected the "
+                             f"group's {group_heads}")
+        if not causal:
+            raise ValueError("attention: causal = False with Forgetting; expected causal=True (the decay "
+                             "Σ log f is defined for keys at or before the query)")
+        gates.append(group_scheme.log_fgate)
+        return group_scheme.base
+
     if isinstance(scheme, (list, tuple)):
         # Head groups: (heads, scheme) pairs covering the query heads in order.
         if not scheme or not all(isinstance(g, (list, tuple)) and len(g) == 2 for g in scheme):
@@ -565,6 +612,7 @@ def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), softcap=0.
         for group_heads, group_scheme in scheme:
             if not isinstance(group_heads, int) or isinstance(group_heads, bool) or group_heads < 1:
                 raise ValueError(f"attention: a group's heads = {group_heads!r}; expected an int >= 1")
+            group_scheme = gate_of(group_scheme, group_heads)
             g_spec, g_params = _attention_scheme(group_scheme, group_heads, keys_rotated)
             _complete_rope(g_spec, q)
             groups.append({**g_spec, "heads": group_heads})
@@ -577,11 +625,13 @@ def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), softcap=0.
         params = torch.cat([p.reshape(-1).to(torch.float64) for p in parts]) if any(p.numel() for p in parts) \
             else torch.empty(0, dtype=torch.float64)
     else:
-        spec, params = _attention_scheme(scheme, q.shape[2], keys_rotated)
+        spec, params = _attention_scheme(gate_of(scheme, q.shape[2]), q.shape[2], keys_rotated)
         _complete_rope(spec, q)
     spec["skip_vanishing_tiles"] = bool(skip_vanishing_tiles)
     empty = torch.empty(0, dtype=torch.long)
-    out, lse = _ops.attention(q, k, v, json.dumps(spec), params, bool(causal), int(window[0]), int(window[1]),
+    if all(g.numel() == 0 for g in gates):
+        gates = []
+    out, lse = _ops.attention(q, k, v, json.dumps(spec), params, gates, bool(causal), int(window[0]), int(window[1]),
                               float(softcap), float(scale or 0.0),
                               empty if q_positions is None else _positions(q_positions, 0),
                               empty if k_positions is None else _positions(k_positions, 0))

@@ -17,11 +17,14 @@
 //   fire-bias            FIRE biases of a freshly initialised MLP (its normalised distance)
 //   rope-scaling         wavelength 2π/ω_i per rotation pair under Llama-3.1-like settings:
 //                        default, linear, dynamic NTK, YaRN and llama3 scalings
+//   <name>-bias          every other relative bias of the registry (posenc schemes) with its
+//                        defaults, e.g. sandwich-bias
 //
 // Errors (posenc::Error): an unknown figure name, an unknown format, an --out that cannot be
 // written, gnuplot missing or failing.
 #include <fmt/core.h>
 
+#include <algorithm>
 #include <cmath>
 #include <complex>
 #include <cstdlib>
@@ -47,7 +50,7 @@ constexpr double kPi = std::numbers::pi;
 // A figure: its data files are written into the output directory by `write`, which returns the
 // gnuplot commands that draw it (the terminal and output are set by the caller).
 struct Figure {
-  const char* name;
+  std::string name;
   int width, height;
   std::function<std::string(const fs::path& dir)> write;
 };
@@ -375,21 +378,50 @@ std::string rope_scaling(const fs::path& dir) {
          plot;
 }
 
+// Any other registered relative bias (posenc schemes) with its defaults: four of eight heads.
+std::string registry_bias(const fs::path& dir, const SchemeEntry& entry) {
+  const HeadGroup group = make_head_group(entry.name, SchemeArgs{.heads = 8, .head_dim = 64});
+  const BiasScheme bias = *group.bias;
+  std::vector<std::pair<std::string, std::function<double(std::int64_t, std::int64_t)>>> heads;
+  for (std::int64_t h : {0, 2, 4, 7}) {
+    heads.emplace_back(fmt::format("head {}", h),
+                       [bias, h](std::int64_t i, std::int64_t j) { return bias_value(bias, h, i, j); });
+  }
+  const std::string name = entry.name + "-bias";
+  // The source up to its first comma (the authors and year), with gnuplot's quotes doubled.
+  std::string source = entry.source.substr(0, entry.source.find(','));
+  for (std::size_t at = source.find('\''); at != std::string::npos; at = source.find('\'', at + 2))
+    source.insert(at, 1, '\'');
+  return bias_panels(dir, name.c_str(),
+                     fmt::format("{}: biases with its registry defaults, 4 of 8 heads ({})", entry.name, source), 64,
+                     heads);
+}
+
 const std::vector<Figure>& figures() {
-  static const std::vector<Figure> all = {
-      {"sinusoid-squiggles", 1000, 600, sinusoid_squiggles},
-      {"sinusoidal-table", 900, 700, sinusoidal_table_figure},
-      {"rope-table", 1200, 650, rope_table_figure},
-      {"sinusoidal-similarity", 1000, 600, sinusoidal_similarity},
-      {"rope-decay", 1000, 600, rope_decay},
-      {"alibi-bias", 1000, 900, alibi_bias},
-      {"t5-bias", 1000, 900, t5_bias},
-      {"t5-bucket-map", 1200, 650, t5_bucket_map},
-      {"t5-buckets", 1000, 600, t5_buckets},
-      {"kerple-bias", 1000, 900, kerple_bias},
-      {"fire-bias", 1000, 900, fire_bias},
-      {"rope-scaling", 1000, 650, rope_scaling},
-  };
+  static const std::vector<Figure> all = [] {
+    std::vector<Figure> list = {
+        {"sinusoid-squiggles", 1000, 600, sinusoid_squiggles},
+        {"sinusoidal-table", 900, 700, sinusoidal_table_figure},
+        {"rope-table", 1200, 650, rope_table_figure},
+        {"sinusoidal-similarity", 1000, 600, sinusoidal_similarity},
+        {"rope-decay", 1000, 600, rope_decay},
+        {"alibi-bias", 1000, 900, alibi_bias},
+        {"t5-bias", 1000, 900, t5_bias},
+        {"t5-bucket-map", 1200, 650, t5_bucket_map},
+        {"t5-buckets", 1000, 600, t5_buckets},
+        {"kerple-bias", 1000, 900, kerple_bias},
+        {"fire-bias", 1000, 900, fire_bias},
+        {"rope-scaling", 1000, 650, rope_scaling},
+    };
+    // The registry's relative biases that have no figure of their own above.
+    for (const SchemeEntry& e : schemes()) {
+      if (e.family != "relative-bias") continue;
+      const std::string name = e.name + "-bias";
+      if (std::any_of(list.begin(), list.end(), [&](const Figure& f) { return f.name == name; })) continue;
+      list.push_back({name, 1000, 900, [&e](const fs::path& dir) { return registry_bias(dir, e); }});
+    }
+    return list;
+  }();
   return all;
 }
 

@@ -75,10 +75,9 @@ void ForgetGate::accumulate_gradient(std::int64_t head, const TokenPair& pair, d
 namespace detail {
 namespace {
 
-// The fused form: c per (key token, head) in fp64 once per call; the tiles add (c_i − c_r) −
-// (c_j − c_r) in f32 (forgetting.hpp); backward sums dS by rows and columns into the unit's
-// slot [key of the sequence][head of the KV group] (fp64), and reduce() takes the reverse
-// running sums.
+// The fused form: c per (key token, head) in fp64 once per call; the tiles add c_i − c_j, each
+// rounded once (forgetting.hpp); backward sums dS by rows and columns into the unit's slot
+// [key of the sequence][head of the KV group] (fp64), and reduce() takes the reverse running sums.
 class ForgetTerm final : public ScoreTerm {
  public:
   ForgetTerm(const ForgetGate& gate, const AttentionPlan& p, std::int64_t group, std::int64_t index);

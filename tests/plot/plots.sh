@@ -35,6 +35,7 @@ t5-buckets 1000 600 T5 buckets against relative position
 kerple-bias 1000 900 Kerple biases
 fire-bias 1000 900 FIRE biases
 rope-scaling 1000 650 RoPE scalings
+sandwich-bias 1000 900 sandwich:
 FIGURES
 # Axis labels and a legend are there too (two samples).
 grep -q "rotation pair i" "$work/all/rope-scaling.svg" && grep -q "llama3, factor 8" "$work/all/rope-scaling.svg" \
@@ -82,6 +83,12 @@ for i in range(64):
         else:
             # −(i − j)/2 is a half-integer under 32: printed with 6 significant digits it is exact.
             assert abs(float(m[i][j]) + 0.5 * (i - j)) < 1e-9, (i, j, m[i][j])
+# A registry scheme's figure (Sandwich's defaults, d' = 128): head 0 is Σ_k cos(r·ω_k) − 64, times 8/8.
+m = [l.split() for l in open(f"{work}/all/sandwich-bias-0.dat") if not l.startswith("#")]
+for i in range(0, 64, 7):
+    for j in range(0, i + 1, 5):
+        want = sum(math.cos((j - i) * 10000.0 ** (-2 * k / 128)) for k in range(64)) - 64
+        assert abs(float(m[i][j]) - want) <= 1e-5 * max(1.0, abs(want)), (i, j, m[i][j], want)
 PY
 
 # --only and --format.

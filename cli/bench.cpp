@@ -146,7 +146,8 @@ Runner add_bench(CLI::App& app) {
   sub->add_option("--dtype", o->shape.dtype, "rope: f32, bf16 or f16")->capture_default_str();
   sub->add_option("--scheme", o->shape.scheme,
                   "bias: alibi, t5, kerple, fire, nope or another relative bias; attention: any registered scheme "
-                  "(posenc schemes), with its defaults, or fox (Forgetting Attention with gates of 0.73–0.99)")
+                  "(posenc schemes), with its defaults, fox (Forgetting Attention with gates of 0.73–0.99) or sinks "
+                  "(no scheme, a sink per head)")
       ->capture_default_str();
   sub->add_option(
          "--pass", o->shape.pass,

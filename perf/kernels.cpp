@@ -71,6 +71,12 @@ Case make_attention_case(const CaseOptions& o) {
     g.terms = {std::make_shared<ForgetGate>(
         ConstTensorView::of(static_cast<const float*>(gates->data()), {o.batch, k_len, heads}))};
     groups.push_back(g);
+  } else if (o.scheme == "sinks") {
+    // No positional scheme, and a sink of logit 1 per head (gpt-oss's sinks are learned logits of
+    // about this size).
+    HeadGroup g{heads, {}, {}};
+    g.terms = {std::make_shared<AttentionSinks>(std::vector<double>(static_cast<std::size_t>(heads), 1.0))};
+    groups.push_back(g);
   } else if (o.scheme == "rope") {
     groups.push_back(
         {heads,
@@ -190,8 +196,11 @@ Case make_attention_case(const CaseOptions& o) {
     const TensorView dq = TensorView::contiguous(data(st->dq, st->dq16), dtype, q_shape);
     const TensorView dk = TensorView::contiguous(data(st->dk, st->dk16), dtype, k_shape);
     const TensorView dv = TensorView::contiguous(data(st->dv, st->dv16), dtype, k_shape);
+    // FoX's gates are trained (their gradient is the backward's work); a registered scheme is
+    // trained when it has parameters.
     const bool trainable =
-        !groups.empty() && !scheme_parameters(find_scheme(o.scheme), st->attention->spec().groups[0]).empty();
+        o.scheme == "fox" ||
+        (!groups.empty() && !scheme_parameters(find_scheme(o.scheme), st->attention->spec().groups[0]).empty());
     auto grads = std::make_shared<AttentionGradients>(st->attention->zero_gradients());
     c.run = [st, out, lse, dout, dq, dk, dv, grads, trainable] {
       st->stats = st->attention->backward(out, lse, dout, dq, dk, dv, trainable ? grads.get() : nullptr);

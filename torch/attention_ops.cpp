@@ -147,6 +147,22 @@ struct AttentionCall {
   std::vector<at::Tensor> gates;  // per head group: its ForgetGate's tensor (viewed: kept alive), or undefined
 };
 
+// Sinks (posenc/sinks.hpp): one logit per query head, split over the head groups.
+void add_sinks(const char* where, const at::Tensor& sinks, AttentionSpec& spec) {
+  if (absent(sinks) || sinks.numel() == 0) return;
+  const std::int64_t heads = spec.q.size(2);
+  TORCH_CHECK_VALUE(sinks.dim() == 1 && sinks.size(0) == heads, where, ": sinks shape ", sinks.sizes(), "; expected [",
+                    heads, "] (one logit per query head)");
+  const std::vector<double> logits = doubles_of(where, "sinks", sinks);
+  std::size_t first = 0;
+  for (HeadGroup& g : spec.groups) {
+    const auto n = static_cast<std::size_t>(g.heads);
+    g.terms.push_back(std::make_shared<AttentionSinks>(std::vector<double>(
+        logits.begin() + static_cast<std::ptrdiff_t>(first), logits.begin() + static_cast<std::ptrdiff_t>(first + n))));
+    first += n;
+  }
+}
+
 // Group g's forget gate (Forgetting Attention, posenc/forgetting.hpp), if `gates` gives it one:
 // one entry per head group, an empty tensor for none.
 void add_gates(const char* where, const std::vector<at::Tensor>& gates, AttentionSpec& spec, AttentionCall& call) {
@@ -164,7 +180,8 @@ void add_gates(const char* where, const std::vector<at::Tensor>& gates, Attentio
 AttentionCall make_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::string& scheme,
                              const at::Tensor& bias_params, bool causal, std::int64_t window_left,
                              std::int64_t window_right, double softcap, double scale, const at::Tensor& q_positions,
-                             const at::Tensor& k_positions, const std::vector<at::Tensor>& gates) {
+                             const at::Tensor& k_positions, const std::vector<at::Tensor>& gates,
+                             const at::Tensor& sinks) {
   const char* where = "attention";
   TORCH_CHECK_VALUE(q.dim() == 4, where, ": q shape ", q.sizes(), "; expected [B, Sq, H, D]");
   AttentionCall call;
@@ -216,6 +233,7 @@ AttentionCall make_attention(const at::Tensor& q, const at::Tensor& k, const at:
     spec.groups = {attention_group(scheme_json, bias_params, q.size(2), q.size(3), scale)};
   }
   add_gates(where, gates, spec, call);
+  add_sinks(where, sinks, spec);
   spec.mask.causal = causal;
   spec.mask.window_left = window_left;
   spec.mask.window_right = window_right;
@@ -245,12 +263,13 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const std::string& scheme, const at::Tensor& bias_params, at::TensorList gates,
-                               bool causal, std::int64_t window_left, std::int64_t window_right, double softcap,
-                               double scale, const at::Tensor& q_positions, const at::Tensor& k_positions) {
+                               const at::Tensor& sinks, bool causal, std::int64_t window_left,
+                               std::int64_t window_right, double softcap, double scale, const at::Tensor& q_positions,
+                               const at::Tensor& k_positions) {
     return translating([&] {
       auto holder = c10::make_intrusive<AttentionPlanHolder>();
       holder->call = make_attention(q, k, v, scheme, bias_params, causal, window_left, window_right, softcap, scale,
-                                    q_positions, k_positions, gates.vec());
+                                    q_positions, k_positions, gates.vec(), sinks);
       const AttentionCall& call = holder->call;
       at::Tensor out = empty_output(q.sizes(), q.scalar_type());
       at::Tensor lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
@@ -260,7 +279,7 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
       c10::List<bool> gate_grads;
       for (const at::Tensor& g : gates) gate_grads.push_back(g.defined() && g.requires_grad());
       ctx->saved_data["gate_grads"] = gate_grads;
-      ctx->save_for_backward({q, k, v, bias_params, q_positions, k_positions, out, lse});
+      ctx->save_for_backward({q, k, v, bias_params, q_positions, k_positions, out, lse, sinks});
       ctx->mark_non_differentiable({lse});
       return variable_list{out, lse};
     });
@@ -276,7 +295,9 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
       const c10::List<bool> gate_grads = ctx->saved_data["gate_grads"].toBoolList();
       bool any_gate_grad = false;
       for (const bool g : gate_grads) any_gate_grad = any_gate_grad || g;
-      const bool trainable = (!absent(bias_params) && bias_params.requires_grad()) || any_gate_grad;
+      const at::Tensor& sinks = saved[8];
+      const bool sinks_grad = !absent(sinks) && sinks.numel() > 0 && sinks.requires_grad();
+      const bool trainable = (!absent(bias_params) && bias_params.requires_grad()) || any_gate_grad || sinks_grad;
       call.attention->backward(const_view("attention", "out", saved[6]), const_view("attention", "lse", saved[7]),
                                const_view("attention", "d_out", d_out), mutable_view("attention", "dq", dq),
                                mutable_view("attention", "dk", dk), mutable_view("attention", "dv", dv),
@@ -301,6 +322,15 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
           d_gate = tensor_of(param_grads.groups[g].terms[0], call.gates[g]);
         result.push_back(d_gate);
       }
+      // The sinks: each group's last term, concatenated over the groups.
+      at::Tensor d_sinks;
+      if (sinks_grad) {
+        std::vector<double> flat;
+        for (const GroupGradients& g : param_grads.groups)
+          flat.insert(flat.end(), g.terms.back().begin(), g.terms.back().end());
+        d_sinks = tensor_of(flat, sinks);
+      }
+      result.push_back(d_sinks);
       for (int i = 0; i < 7; ++i) result.emplace_back();  // causal … k_positions
       return result;
     });
@@ -309,13 +339,13 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
 
 std::tuple<at::Tensor, at::Tensor> attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                 std::string scheme, const at::Tensor& bias_params,
-                                                const std::vector<at::Tensor>& gates, bool causal,
-                                                std::int64_t window_left, std::int64_t window_right, double softcap,
-                                                double scale, const at::Tensor& q_positions,
+                                                const std::vector<at::Tensor>& gates, const at::Tensor& sinks,
+                                                bool causal, std::int64_t window_left, std::int64_t window_right,
+                                                double softcap, double scale, const at::Tensor& q_positions,
                                                 const at::Tensor& k_positions) {
   const variable_list out =
-      AttentionFunction::apply(q, k, v, scheme, bias_params, at::TensorList(gates), causal, window_left, window_right,
-                               softcap, scale, q_positions, k_positions);
+      AttentionFunction::apply(q, k, v, scheme, bias_params, at::TensorList(gates), sinks, causal, window_left,
+                               window_right, softcap, scale, q_positions, k_positions);
   return {out[0], out[1]};
 }
 
@@ -330,8 +360,8 @@ void define_attention_ops(torch::Library& m) {
       "-> Tensor",
       &relative_bias_op);
   m.def(
-      "attention(Tensor q, Tensor k, Tensor v, str scheme, Tensor bias_params, Tensor[] gates, bool causal, "
-      "int window_left, "
+      "attention(Tensor q, Tensor k, Tensor v, str scheme, Tensor bias_params, Tensor[] gates, Tensor sinks, "
+      "bool causal, int window_left, "
       "int window_right, float softcap, float scale, Tensor q_positions, Tensor k_positions) -> (Tensor, Tensor)",
       &attention_op);
 }

@@ -16,13 +16,14 @@
 //   posenc::shaw_scores, shaw_values, xl_scores   Shaw's score and value terms, Transformer-XL's
 //                   position terms (differentiable in their tensors and tables)
 //   posenc::floater_table(w1, b1, w2, b2, p0, int length, float time_per_position, int substeps)
-//   posenc::attention(q, k, v, str scheme, Tensor bias_params, Tensor[] gates, bool causal,
-//                     int window_left, int window_right, float softcap, float scale,
+//   posenc::attention(q, k, v, str scheme, Tensor bias_params, Tensor[] gates, Tensor sinks,
+//                     bool causal, int window_left, int window_right, float softcap, float scale,
 //                     Tensor q_positions, Tensor k_positions) -> (Tensor out, Tensor lse)
 //                   fused attention (posenc/attention.hpp), q [B, Sq, H, D], k, v [B, Sk, G, D];
-//                   differentiable in q, k, v, bias_params and the gates. `gates`: empty, or one
-//                   per head group, a log forget gate [B, Sk, heads] (posenc/forgetting.hpp) or an
-//                   empty tensor. `scheme` is JSON naming a registered
+//                   differentiable in q, k, v, bias_params, the gates and the sinks. `gates`:
+//                   empty, or one per head group, a log forget gate [B, Sk, heads]
+//                   (posenc/forgetting.hpp) or an empty tensor; `sinks`: [H] logits
+//                   (posenc/sinks.hpp) or empty. `scheme` is JSON naming a registered
 //                   scheme and its options (posenc/registry.hpp): {"kind": name, option: number or
 //                   bool, …, "rope": {RopeParams as for rope}}, or {"groups": [{"kind", "heads",
 //                   …}, …]} for several head groups; bias_params holds the learned parameters in

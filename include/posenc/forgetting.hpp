@@ -26,8 +26,9 @@
 //
 // Errors (posenc::Error naming the parameter): a log gate above 0 (+inf included; NaN and −inf
 // propagate as the cumulative-sum composition gives them), a rank other than 2 or 3, heads < 1;
-// in an Attention: a mask that is not causal, a grid other than the keys', heads other than the
-// group's, a sequence with more queries than keys.
+// in an Attention: a mask that is not causal (unless every sequence has one query, as in decode),
+// a grid other than the keys', heads other than the group's, a sequence with more queries than
+// keys.
 #pragma once
 
 #include <cstdint>

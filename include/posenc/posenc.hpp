@@ -16,5 +16,6 @@
 #include "posenc/rotary.hpp"
 #include "posenc/runtime.hpp"
 #include "posenc/scheme.hpp"
+#include "posenc/sinks.hpp"
 #include "posenc/tensor.hpp"
 #include "posenc/term.hpp"

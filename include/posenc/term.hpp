@@ -1,8 +1,10 @@
-// posenc/term.hpp — a score term of the fused attention that may read per-token inputs: the
-// interface through which a scheme such as Forgetting Attention (forgetting.hpp) enters a head
-// group (HeadGroup::terms, attention.hpp) without the engine knowing it by name.
+// posenc/term.hpp — a score term of the fused attention that may read per-token inputs, or a
+// sink in the softmax's denominator: the interface through which a scheme such as Forgetting
+// Attention (forgetting.hpp) or attention sinks (sinks.hpp) enters a head group
+// (HeadGroup::terms, attention.hpp) without the engine knowing it by name.
 //
 //   x_ij = scale·⟨T_q(q_i), T_k(k_j)⟩ + b_h(p_i, p'_j) + Σ_terms t_h(pair(i, j))
+//   P_ij = exp(x_ij) / (Σ_terms exp(s_h) + Σ_j exp(x_ij))
 //
 // A term says what it adds for one visible (query, key) pair in fp64 (value), how that depends on
 // its inputs (accumulate_gradient: learned parameters or activations such as a gate, one flat
@@ -13,6 +15,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string_view>
 
@@ -48,6 +51,12 @@ class AttentionTerm {
   virtual std::int64_t gradient_size() const { return 0; }
   virtual void accumulate_gradient(std::int64_t /* head */, const TokenPair& /* pair */, double /* weight */,
                                    std::span<double> /* grads */) const {}
+  // A sink: a logit s_h that joins every row's softmax denominator and has no value,
+  //   P_ij = exp(x_ij) / (exp(s_h) + Σ_j exp(x_ij))
+  // (none: nullopt), and grads[t] += weight·∂s_head/∂input_t.
+  virtual std::optional<double> sink(std::int64_t /* head */) const { return std::nullopt; }
+  virtual void accumulate_sink_gradient(std::int64_t /* head */, double /* weight */,
+                                        std::span<double> /* grads */) const {}
   // The engine's fused form for one call: entry `index` of HeadGroup::terms of group `group`.
   // It checks what the term needs of the call (shapes, masks) and throws posenc::Error naming
   // the parameter otherwise.

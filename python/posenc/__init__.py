@@ -559,7 +559,8 @@ def _complete_rope(spec, q):
 
 
 def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), softcap=0.0, scale=None, layout="bshd",
-              q_positions=None, k_positions=None, keys_rotated=False, return_lse=False, skip_vanishing_tiles=True):
+              q_positions=None, k_positions=None, keys_rotated=False, return_lse=False, skip_vanishing_tiles=True,
+              sinks=None):
     """Fused attention softmax(scale·q·kᵀ + positional terms + mask)·v, flash-style: no [S, S]
     matrix is ever stored, and the positional scheme runs inside the kernel.
 
@@ -582,7 +583,9 @@ def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), softcap=0.
     ``return_lse=True``). Differentiable in q, k, v and the scheme's parameters.
     ``skip_vanishing_tiles`` (ALiBi-like steep biases): key tiles whose every probability would
     flush to 0 are skipped, which changes no bit for finite inputs; False runs every tile (a
-    non-finite value in such a tile then reaches the output as NaN)."""
+    non-finite value in such a tile then reaches the output as NaN). ``sinks``: a ``[H]`` tensor of
+    attention-sink logits (gpt-oss): each joins its head's softmax denominator with no value,
+    differentiable."""
     if layout == "bhsd":
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     elif layout != "bshd":
@@ -631,7 +634,14 @@ def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), softcap=0.
     empty = torch.empty(0, dtype=torch.long)
     if all(g.numel() == 0 for g in gates):
         gates = []
-    out, lse = _ops.attention(q, k, v, json.dumps(spec), params, gates, bool(causal), int(window[0]), int(window[1]),
+    if sinks is None:
+        sinks = torch.empty(0)
+    elif not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"attention: sinks is {type(sinks).__name__}; expected a torch.Tensor [H] or None")
+    elif sinks.dim() != 1 or sinks.shape[0] != q.shape[2]:
+        raise ValueError(f"attention: sinks shape {tuple(sinks.shape)}; expected [{q.shape[2]}] (one per query head)")
+    out, lse = _ops.attention(q, k, v, json.dumps(spec), params, gates, sinks, bool(causal), int(window[0]),
+                              int(window[1]),
                               float(softcap), float(scale or 0.0),
                               empty if q_positions is None else _positions(q_positions, 0),
                               empty if k_positions is None else _positions(k_positions, 0))

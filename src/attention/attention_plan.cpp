@@ -562,7 +562,8 @@ void AttentionPlan::plan_far_tiles(const std::vector<HeadGroup>& groups, float l
   bool keys_keep_norms = true;
   for (const QKTables& t : tables)
     keys_keep_norms = keys_keep_norms && (!t.transform_keys || t.kind != QKTables::kAbsolute);
-  far_tiles_first = lowest_table_bias < -kFarBias && mask.softcap <= 0 && terms.empty() && keys_keep_norms;
+  far_tiles_first = lowest_table_bias < -kFarBias && mask.softcap <= 0 && keys_keep_norms &&
+                    std::all_of(terms.begin(), terms.end(), [](const auto& t) { return t->keeps_tile_bound(); });
   // Per KV head: only where every query head's table falls below −100 can a block's rows all
   // vanish; the others run their tiles in key order (see far_first_kv).
   far_first_kv.assign(static_cast<std::size_t>(kv_heads), 0);

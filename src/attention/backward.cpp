@@ -307,6 +307,8 @@ void AttentionPlan::backward_unit(const BackwardCall& call, const BackwardUnit& 
   term_rows.dout = s.dout.data();
   term_rows.doutt = s.doutt.data();
   term_rows.dq = s.dq.data();
+  term_rows.lse = s.lse.data();
+  term_rows.delta = s.delta.data();
   for (std::size_t t = 0; t < terms.size(); ++t) terms[t]->begin_backward(term_rows, unit.term_grads[t], s.terms[t]);
   // Loads the keys [k0, k0 + keys) (transformed) and values into s.k, s.v and their positions into
   // s.kpos.

@@ -59,7 +59,8 @@ void prefetch_rows(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh
 // One forward block in steps: forward_begin loads the rows of `rb`; block_tile runs one key
 // tile [k0, k0 + keys) of the sequence through them (forward_blocks drives both). Leaves the unnormalised output rows
 // in s.o ([width][Dp]) and m, l per row.
-void forward_begin(const AttentionPlan& p, const Sequence& seq, const RowBlock& rb, AttentionUnitScratch& s) {
+void forward_begin(const AttentionPlan& p, const Sequence& seq, const RowBlock& rb, AttentionUnitScratch& s,
+                   bool first_chunk) {
   const std::int64_t w = rb.width, dp = p.dim_padded, d = p.dim;
   const bool dot = rb.compact;
   grow(s.q, w * dp);
@@ -102,7 +103,10 @@ void forward_begin(const AttentionPlan& p, const Sequence& seq, const RowBlock& 
   rows.q = s.q.data();
   rows.qt = dot ? nullptr : s.qt.data();
   rows.ldt = ldt;
-  for (std::size_t t = 0; t < p.terms.size(); ++t) p.terms[t]->begin(rows, s.terms[t]);
+  for (std::size_t t = 0; t < p.terms.size(); ++t) {
+    p.terms[t]->begin(rows, s.terms[t]);
+    if (first_chunk) p.terms[t]->start_rows(rows, s.m.data(), s.l.data());
+  }
 }
 
 // A key tile's keys and values as the matrix kernel reads them: rows ld floats apart.
@@ -210,7 +214,7 @@ std::int64_t forward_blocks(const AttentionPlan& p, const Sequence& seq, std::in
   std::array<std::int64_t, kMaxBlocks> ends{}, tiles{};
   std::int64_t ke = kb;
   for (std::size_t b = 0; b < n; ++b) {
-    forward_begin(p, seq, *blocks[b], *scratch[b]);
+    forward_begin(p, seq, *blocks[b], *scratch[b], true);
     ends[b] = std::max(blocks[b]->key_hi, kb);
     tiles[b] = (ends[b] - kb + kt - 1) / kt;
     ke = std::max(ke, ends[b]);
@@ -387,12 +391,12 @@ AttentionStats AttentionPlan::forward(TensorView out, TensorView lse) const {
       }
       if (merged) {
         layout_decode_rows(seq, un.i0, un.count, per_head_rows[1], per_head_rows[0]);
-        forward_begin(*this, seq, per_head_rows[0], per_head[0]);
+        forward_begin(*this, seq, per_head_rows[0], per_head[0], un.k_begin == 0);
       } else {
         for (std::int64_t kvh = 0; kvh < kv_heads; ++kvh) {
           layout_rows(seq, kvh, un.i0, un.count, true, per_head_rows[static_cast<std::size_t>(kvh)]);
           forward_begin(*this, seq, per_head_rows[static_cast<std::size_t>(kvh)],
-                        per_head[static_cast<std::size_t>(kvh)]);
+                        per_head[static_cast<std::size_t>(kvh)], un.k_begin == 0);
         }
       }
       const RowBlock& rows0 = per_head_rows[0];

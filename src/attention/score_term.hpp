@@ -4,7 +4,8 @@
 // each at fixed points of its loops, and names none of them. Internal.
 //
 // Where the engine calls a term, in order (one block of (head, query) rows; tiles of keys):
-//   forward   begin(rows) → per tile: add_scores → softmax → add_probabilities → … → finish(o)
+//   forward   begin(rows), start_rows → per tile: add_scores → softmax → add_probabilities → …
+//             → finish(o)
 //   decode    the same, with TermTile::decode set (few rows: direct products, no windows)
 //   backward  begin_backward(rows) → per (tile, row block): add_scores → add_dp → dS →
 //             backward_tile → … → end_rows (rows_outer terms) → finish_backward(dQs rows)
@@ -44,6 +45,9 @@ struct TermRows {
   const float* dout = nullptr;
   const float* doutt = nullptr;
   float* dq = nullptr;
+  // Backward: each row's lse and δ = dO·out.
+  const float* lse = nullptr;
+  const float* delta = nullptr;
 };
 
 // One key tile against some of the block's rows: `rows` is the block (forward, decode) or a
@@ -90,12 +94,18 @@ class ScoreTerm {
   virtual bool rows_outer() const { return false; }
   // Tables the term keeps, for AttentionStats::workspace_bytes.
   virtual std::int64_t bytes() const { return 0; }
+  // Whether a bound on a tile's logits without the term is still one with it (it adds nothing,
+  // or nothing above 0), so that the far-tile skip stays exact (AttentionPlan::skip_far_tiles).
+  virtual bool keeps_tile_bound() const { return false; }
 
   // Added to the query row of head h before the scale (Transformer-XL's u).
   virtual void adjust_query(std::int64_t /* h */, float* /* row */) const {}
 
   // Forward and decode.
   virtual void begin(const TermRows& rows, TermState& s) const { s.rows = rows; }
+  // The rows' online-softmax state (running max m, sum l: −inf and 0) before the first key, for a
+  // term that joins the denominator (a sink); called once per row, in the first key chunk only.
+  virtual void start_rows(const TermRows& /* rows */, float* /* m */, float* /* l */) const {}
   virtual void add_scores(const TermTile& tile, float* st, TermState& s) const = 0;
   // After the tile's softmax step: P^T in pt, corr the rescaling of what came before.
   virtual void add_probabilities(const TermTile& /* tile */, const float* /* pt */, const float* /* corr */,

@@ -341,11 +341,18 @@ void scores(const Problem& p, const Sequence& seq, std::int64_t h, const HeadPro
       }
       zi[j] = cap > 0 ? cap * std::tanh(x / cap) : x;
     }
+    // Sinks join the denominator as logits without a value (term.hpp).
+    std::vector<T> sinks;
+    for (const AttentionTermRef& term : p.groups[static_cast<std::size_t>(group)].terms) {
+      if (const auto sink = term->sink(local)) sinks.push_back(static_cast<T>(*sink));
+    }
     T m = neg_inf;
     for (std::int64_t j = lo; j < hi; ++j) m = std::max(m, zi[j]);
+    for (const T sink : sinks) m = std::max(m, sink);
     if (m == neg_inf) continue;
     T l = 0;
     for (std::int64_t j = lo; j < hi; ++j) l += std::exp(zi[j] - m);
+    for (const T sink : sinks) l += std::exp(sink - m);
     for (std::int64_t j = lo; j < hi; ++j) prob[static_cast<std::size_t>(i * seq.lk + j)] = std::exp(zi[j] - m) / l;
     lse[static_cast<std::size_t>(i)] = m + std::log(l);
   }
@@ -465,6 +472,15 @@ void attention_backward(const Attention& attention, ConstTensorView out, ConstTe
             }
             dp[static_cast<std::size_t>(j)] = acc;
             delta += prob[static_cast<std::size_t>(i * lk + j)] * acc;
+          }
+          if (grads != nullptr) {  // a sink: ∂L/∂s = p_sink·(0 − δ), its value being 0
+            const auto& terms = p.groups[static_cast<std::size_t>(group)].terms;
+            for (std::size_t t = 0; t < terms.size(); ++t) {
+              const auto sink = terms[t]->sink(local);
+              if (!sink || std::isinf(l[static_cast<std::size_t>(i)])) continue;
+              terms[t]->accumulate_sink_gradient(local, -std::exp(*sink - l[static_cast<std::size_t>(i)]) * delta,
+                                                 grads->groups[static_cast<std::size_t>(group)].terms[t]);
+            }
           }
           for (std::int64_t j = 0; j < lk; ++j) {
             const double pij = prob[static_cast<std::size_t>(i * lk + j)];

@@ -83,6 +83,8 @@ class ForgetTerm final : public ScoreTerm {
   ForgetTerm(const ForgetGate& gate, const AttentionPlan& p, std::int64_t group, std::int64_t index);
 
   std::int64_t bytes() const override { return static_cast<std::int64_t>(c_.size() * sizeof(double)); }
+  // c_i − c_j <= 0 for every key at or before the query, the only keys it lets through.
+  bool keeps_tile_bound() const override { return true; }
   void add_scores(const TermTile& tile, float* st, TermState& s) const override;
 
   std::int64_t unit_gradient_size() const override { return max_keys_ * p_.group_size; }
@@ -128,7 +130,11 @@ ForgetTerm::ForgetTerm(const ForgetGate& gate, const AttentionPlan& p, std::int6
     throw Error(AttentionPlan::kWhere, (name + ".heads").c_str(), std::to_string(gate.heads()),
                 std::to_string(heads_) + " (the group's heads)");
   }
-  if (p.window_right != 0) {
+  // Every visible key at or before its query: a causal mask, or one query per sequence at the end
+  // of its keys (decode), which sees no later key under any mask.
+  const bool single_queries =
+      std::all_of(p.sequences.begin(), p.sequences.end(), [](const Sequence& seq) { return seq.lq <= 1; });
+  if (p.window_right != 0 && !single_queries) {
     throw Error(AttentionPlan::kWhere, (name + " (forget gate) mask").c_str(),
                 "window_right " + std::to_string(p.window_right),
                 "a causal mask: the decay Σ log f is defined for keys at or before the query");

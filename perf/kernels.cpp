@@ -196,10 +196,10 @@ Case make_attention_case(const CaseOptions& o) {
     const TensorView dq = TensorView::contiguous(data(st->dq, st->dq16), dtype, q_shape);
     const TensorView dk = TensorView::contiguous(data(st->dk, st->dk16), dtype, k_shape);
     const TensorView dv = TensorView::contiguous(data(st->dv, st->dv16), dtype, k_shape);
-    // FoX's gates are trained (their gradient is the backward's work); a registered scheme is
-    // trained when it has parameters.
+    // FoX's gates and the sinks are trained (their gradients are part of the backward's work); a
+    // registered scheme is trained when it has parameters.
     const bool trainable =
-        o.scheme == "fox" ||
+        o.scheme == "fox" || o.scheme == "sinks" ||
         (!groups.empty() && !scheme_parameters(find_scheme(o.scheme), st->attention->spec().groups[0]).empty());
     auto grads = std::make_shared<AttentionGradients>(st->attention->zero_gradients());
     c.run = [st, out, lse, dout, dq, dk, dv, grads, trainable] {

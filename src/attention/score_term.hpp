@@ -66,11 +66,13 @@ struct TermTile {
 struct TermState {
   std::array<AlignedFloats, 6> buffers;
   std::vector<double> doubles, more_doubles;
+  std::vector<std::int64_t> heads;
   std::int64_t lo = 0, span = 0;
   TermRows rows;
   double* unit_grads = nullptr;  // backward: the unit's slot (null: no parameter gradients)
   std::int64_t bytes() const {
-    std::int64_t total = static_cast<std::int64_t>((doubles.capacity() + more_doubles.capacity()) * sizeof(double));
+    std::int64_t total = static_cast<std::int64_t>((doubles.capacity() + more_doubles.capacity()) * sizeof(double) +
+                                                   heads.capacity() * sizeof(std::int64_t));
     for (const auto& b : buffers) total += static_cast<std::int64_t>(b.capacity() * sizeof(float));
     return total;
   }

@@ -167,18 +167,29 @@ void ForgetTerm::add_scores(const TermTile& tile, float* st, TermState& s) const
   const RowBlock& rb = *tile.rows;
   const Sequence& seq = *tile.seq;
   const std::int64_t w = rb.width, keys = tile.keys, k0 = tile.k0;
+  std::vector<double>& ci = s.doubles;
+  if (static_cast<std::int64_t>(ci.size()) < w) ci.resize(static_cast<std::size_t>(w));
   if (tile.decode || rb.compact) {
-    // Few rows of mixed heads: pair by pair.
+    // Few rows of mixed heads: keys outer, so that each key's c of every head (one row of c_) and
+    // its scores (one row of S^T) are read in order.
+    std::vector<std::int64_t>& local = s.heads;
+    local.assign(static_cast<std::size_t>(w), -1);
     for (std::int64_t r = 0; r < w; ++r) {
       const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
       if (h < 0 || !ours(h)) continue;
-      const double ci = c(seq, query_key(seq, rb.query[static_cast<std::size_t>(r)]), h);
-      for (std::int64_t j = 0; j < keys; ++j) st[j * w + r] += static_cast<float>(ci - c(seq, k0 + j, h));
+      local[static_cast<std::size_t>(r)] = h - first_head_;
+      ci[static_cast<std::size_t>(r)] = c(seq, query_key(seq, rb.query[static_cast<std::size_t>(r)]), h);
+    }
+    for (std::int64_t j = 0; j < keys; ++j) {
+      const double* cj = c_.data() + (seq.b * p_.k_len + seq.k0 + k0 + j) * heads_;
+      float* row = st + j * w;
+      for (std::int64_t r = 0; r < w; ++r) {
+        const std::int64_t lh = local[static_cast<std::size_t>(r)];
+        if (lh >= 0) row[r] += static_cast<float>(ci[static_cast<std::size_t>(r)] - cj[lh]);
+      }
     }
     return;
   }
-  std::vector<double>& ci = s.doubles;
-  if (static_cast<std::int64_t>(ci.size()) < w) ci.resize(static_cast<std::size_t>(w));
   for_each_head_run(
       rb, [&](std::int64_t h) { return ours(h); },
       [&](std::int64_t ra, std::int64_t n, std::int64_t h) {

@@ -45,8 +45,9 @@
 // ─── Backward ──────────────────────────────────────────────────────────────────────────────────
 // From out, lse and d_out: dq, dk, dv += their gradients; the positional parameters' gradients
 // (ALiBi slopes, T5 table, Kerple r1 r2, FIRE's MLP, c and L, Shaw's tables, XL's u, v, W_R,
-// TUPE's table, U^Q, U^K, θ1, θ2) += into AttentionGradients (fp64 sums; the large contractions
-// of XL and TUPE — through W_R, U^Q, U^K and the table — are f32 matrix products). Work is split
+// TUPE's table, U^Q, U^K, θ1, θ2, and the HeadGroup::terms' inputs: forget gates, sinks) += into
+// AttentionGradients (fp64 sums; the large contractions of XL and TUPE — through W_R, U^Q, U^K
+// and the table — are f32 matrix products). Work is split
 // by (sequence, KV head) — and, when a call has fewer than 8 of those, by ranges of at least 256
 // queries, whose dK, dV are summed per key in range order (not Transformer-XL) — and every sum
 // runs in a fixed order that depends on the shapes only: results are bitwise identical for any

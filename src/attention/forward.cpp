@@ -382,7 +382,8 @@ AttentionStats AttentionPlan::forward(TensorView out, TensorView lse) const {
         }
         continue;
       }
-      // Decode: one block of every KV head's rows (or, for Shaw, XL and TUPE, a block per KV head).
+      // Decode: one block of every KV head's rows (or a block per KV head for terms that keep
+      // per-head state: ScoreTerm::merges_decode_heads).
       const bool merged = decode_merges_heads();
       const std::int64_t blocks = merged ? 1 : kv_heads;
       if (static_cast<std::int64_t>(per_head.size()) < blocks) per_head.resize(static_cast<std::size_t>(blocks));

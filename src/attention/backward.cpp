@@ -130,15 +130,15 @@ AttentionStats AttentionPlan::backward(ConstTensorView out, ConstTensorView lse,
     AttentionUnitScratch& s = unit_scratch();
     s.steps = s.skipped_steps = 0;
     RowBlock rb;
+    BackwardUnit unit;  // one per thread: its term slots are sized once, not per unit
+    unit.term_grads.resize(terms.size());
 #pragma omp for schedule(dynamic, 1)
     for (std::size_t u = 0; u < units.size(); ++u) {
-      BackwardUnit unit;
       unit.seq = &sequences[static_cast<std::size_t>(units[u].seq)];
       unit.kvh = units[u].kvh;
       unit.i0 = units[u].i0;
       unit.count = units[u].count;
       unit.bias_grads = want_bias_grads ? unit_grads.data() + u * static_cast<std::size_t>(grad_size) : nullptr;
-      unit.term_grads.resize(terms.size());
       for (std::size_t t = 0; t < terms.size(); ++t) {
         unit.term_grads[t] =
             term_size[t] > 0 ? term_slots[t]->data() + u * static_cast<std::size_t>(term_size[t]) : nullptr;

@@ -154,6 +154,9 @@ Runner add_bench(CLI::App& app) {
          "bias: forward (materialise) or backward (parameter gradients); attention: forward, backward or decode")
       ->capture_default_str();
   sub->add_flag("--causal", o->shape.causal, "attention: causal mask");
+  sub->add_option_function<std::int64_t>(
+      "--chunk-size", [o](std::int64_t c) { o->shape.chunk_size = c; },
+      "attention: chunked mask (Llama 4's attention_chunk_size), chunks of this many positions");
   sub->add_flag("--in-place", o->shape.in_place, "rope: rotate in place (judged against rmw)");
   sub->add_flag("--huge-pages", o->shape.huge_pages,
                 "Put the kernel's buffers and the limits' buffers on 2 MiB pages (posenc::HugePageBuffer)");

@@ -165,6 +165,7 @@ Case make_attention_case(const CaseOptions& o) {
   spec.v = ConstTensorView::contiguous(data(st->v, st->v16), dtype, k_shape);
   spec.groups = groups;
   spec.mask.causal = o.causal;
+  spec.mask.chunk_size = o.chunk_size;
   st->attention = std::make_unique<Attention>(spec);
   const TensorView out = TensorView::contiguous(data(st->out, st->out16), dtype, q_shape);
   const TensorView lse = TensorView::of(st->lse.data(), {o.batch, heads, q_len});
@@ -174,14 +175,27 @@ Case make_attention_case(const CaseOptions& o) {
                   std::to_string(dim) + "], k, v [" + std::to_string(o.batch) + ", " + std::to_string(k_len) + ", " +
                   std::to_string(kv) + ", " + std::to_string(dim) + "] " + o.dtype + ", " + o.scheme +
                   (o.scheme == "rope" && o.interleaved ? " (interleaved)" : "") + ", " +
-                  (o.causal ? "causal" : "full") + ", " + o.pass;
+                  (o.causal ? "causal" : "full") +
+                  (o.chunk_size ? ", chunks of " + std::to_string(*o.chunk_size) : "") + ", " + o.pass;
   const double width = static_cast<double>(dtype_size(dtype));
-  const double pairs = static_cast<double>(o.batch) * static_cast<double>(q_len) * static_cast<double>(k_len) *
-                       static_cast<double>(heads) * static_cast<double>(dim);
-  const double forward_flops = 4.0 * pairs * (o.causal ? 0.5 : 1.0);
+  double pairs = static_cast<double>(o.batch) * static_cast<double>(q_len) * static_cast<double>(k_len) *
+                 static_cast<double>(heads) * static_cast<double>(dim);
+  double visible_keys = static_cast<double>(k_len);  // decode: the keys its query reads
+  if (o.chunk_size) {
+    // Chunks: the pairs the mask lets through, counted (query i at position k_len − q_len + i).
+    const std::int64_t size = *o.chunk_size;
+    double seen = 0;
+    for (std::int64_t i = 0; i < q_len; ++i) {
+      const std::int64_t p = k_len - q_len + i, first = p / size * size;
+      seen += static_cast<double>((o.causal ? p + 1 : std::min(k_len, first + size)) - first);
+    }
+    pairs = seen * static_cast<double>(o.batch * heads * dim);
+    visible_keys = seen / static_cast<double>(q_len);
+  }
+  const double forward_flops = 4.0 * pairs * (o.causal && !o.chunk_size ? 0.5 : 1.0);
   c.elements_per_run = static_cast<double>(o.batch * heads) * static_cast<double>(q_len) * static_cast<double>(k_len);
   if (o.pass == "decode") {
-    c.bytes_per_run = 2.0 * static_cast<double>(k_count) * width;
+    c.bytes_per_run = 2.0 * static_cast<double>(k_count) * width * visible_keys / static_cast<double>(k_len);
     c.limit_name = "copy";
     c.run = [st, out, lse] { st->stats = st->attention->forward(out, lse); };
   } else if (o.pass == "forward") {

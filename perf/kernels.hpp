@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -29,6 +30,8 @@ struct CaseOptions {
   // backward or decode (one query against a cache of `length` keys); scheme none, rope, alibi,
   // t5, kerple, fire, tupe, shaw or xl
   bool causal = false;
+  // attention: Llama 4's chunked mask (attention.hpp), chunks of this many positions; absent: none
+  std::optional<std::int64_t> chunk_size{};
   // Every buffer on 2 MiB pages (posenc::HugePageBuffer) instead of ordinary ones; the limits
   // must then be measured with measure_limits(…, huge_pages = true).
   bool huge_pages = false;

@@ -179,9 +179,9 @@ void add_gates(const char* where, const std::vector<at::Tensor>& gates, Attentio
 
 AttentionCall make_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::string& scheme,
                              const at::Tensor& bias_params, bool causal, std::int64_t window_left,
-                             std::int64_t window_right, double softcap, double scale, const at::Tensor& q_positions,
-                             const at::Tensor& k_positions, const std::vector<at::Tensor>& gates,
-                             const at::Tensor& sinks) {
+                             std::int64_t window_right, c10::optional<std::int64_t> chunk_size, double softcap,
+                             double scale, const at::Tensor& q_positions, const at::Tensor& k_positions,
+                             const std::vector<at::Tensor>& gates, const at::Tensor& sinks) {
   const char* where = "attention";
   TORCH_CHECK_VALUE(q.dim() == 4, where, ": q shape ", q.sizes(), "; expected [B, Sq, H, D]");
   AttentionCall call;
@@ -237,6 +237,7 @@ AttentionCall make_attention(const at::Tensor& q, const at::Tensor& k, const at:
   spec.mask.causal = causal;
   spec.mask.window_left = window_left;
   spec.mask.window_right = window_right;
+  if (chunk_size) spec.mask.chunk_size = *chunk_size;
   spec.mask.softcap = softcap;
   spec.scale = scale;
   if (!absent(q_positions)) {
@@ -264,12 +265,12 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const std::string& scheme, const at::Tensor& bias_params, at::TensorList gates,
                                const at::Tensor& sinks, bool causal, std::int64_t window_left,
-                               std::int64_t window_right, double softcap, double scale, const at::Tensor& q_positions,
-                               const at::Tensor& k_positions) {
+                               std::int64_t window_right, c10::optional<std::int64_t> chunk_size, double softcap,
+                               double scale, const at::Tensor& q_positions, const at::Tensor& k_positions) {
     return translating([&] {
       auto holder = c10::make_intrusive<AttentionPlanHolder>();
-      holder->call = make_attention(q, k, v, scheme, bias_params, causal, window_left, window_right, softcap, scale,
-                                    q_positions, k_positions, gates.vec(), sinks);
+      holder->call = make_attention(q, k, v, scheme, bias_params, causal, window_left, window_right, chunk_size,
+                                    softcap, scale, q_positions, k_positions, gates.vec(), sinks);
       const AttentionCall& call = holder->call;
       at::Tensor out = empty_output(q.sizes(), q.scalar_type());
       at::Tensor lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
@@ -331,7 +332,7 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
         d_sinks = tensor_of(flat, sinks);
       }
       result.push_back(d_sinks);
-      for (int i = 0; i < 7; ++i) result.emplace_back();  // causal … k_positions
+      for (int i = 0; i < 8; ++i) result.emplace_back();  // causal … k_positions
       return result;
     });
   }
@@ -341,11 +342,11 @@ std::tuple<at::Tensor, at::Tensor> attention_op(const at::Tensor& q, const at::T
                                                 std::string scheme, const at::Tensor& bias_params,
                                                 const std::vector<at::Tensor>& gates, const at::Tensor& sinks,
                                                 bool causal, std::int64_t window_left, std::int64_t window_right,
-                                                double softcap, double scale, const at::Tensor& q_positions,
-                                                const at::Tensor& k_positions) {
+                                                c10::optional<std::int64_t> chunk_size, double softcap, double scale,
+                                                const at::Tensor& q_positions, const at::Tensor& k_positions) {
   const variable_list out =
       AttentionFunction::apply(q, k, v, scheme, bias_params, at::TensorList(gates), sinks, causal, window_left,
-                               window_right, softcap, scale, q_positions, k_positions);
+                               window_right, chunk_size, softcap, scale, q_positions, k_positions);
   return {out[0], out[1]};
 }
 
@@ -362,7 +363,8 @@ void define_attention_ops(torch::Library& m) {
   m.def(
       "attention(Tensor q, Tensor k, Tensor v, str scheme, Tensor bias_params, Tensor[] gates, Tensor sinks, "
       "bool causal, int window_left, "
-      "int window_right, float softcap, float scale, Tensor q_positions, Tensor k_positions) -> (Tensor, Tensor)",
+      "int window_right, int? chunk_size, float softcap, float scale, Tensor q_positions, Tensor k_positions) -> "
+      "(Tensor, Tensor)",
       &attention_op);
 }
 

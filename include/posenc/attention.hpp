@@ -33,7 +33,10 @@
 // ─── Masks (by token index, per sequence, bottom-right aligned as flash-attention) ─────────────
 // With Lq queries and Lk keys in a sequence (Lk = key_lengths[b] when given), query i sees key j iff
 //   j < Lk  and  j >= i + (Lk − Lq) − window_left  (window_left >= 0)  and
-//   j <= i + (Lk − Lq) + window_right (window_right >= 0; causal means window_right = 0).
+//   j <= i + (Lk − Lq) + window_right (window_right >= 0; causal means window_right = 0),
+// and, with chunk_size = C (Llama 4's attention_chunk_size), by position: ⌊p'_j / C⌋ = ⌊p_i / C⌋
+// (floor division; the key positions must not decrease within a sequence, so that a query's chunk
+// is a run of keys). Key tiles outside every row's chunk are never visited (decode included).
 // Packed sequences (cu_seqlens) attend only within themselves (block-diagonal).
 //
 // ─── Positions ─────────────────────────────────────────────────────────────────────────────────
@@ -66,9 +69,10 @@
 //
 // Errors: posenc::Error naming the parameter for shapes or dtypes that do not match, head counts
 // that do not divide, groups that do not tile the heads or split a KV group's transform, window
-// < −1, soft-cap < 0 or non-finite, key_lengths out of [0, Sk], cu_seqlens that do not start at 0,
-// decrease or end elsewhere than the token count, positions of the wrong grid, and outputs (out,
-// lse, dq, dk, dv) that share memory with an input or with each other.
+// < −1, soft-cap < 0 or non-finite, chunk_size < 1 or key positions that decrease with it,
+// key_lengths out of [0, Sk], cu_seqlens that do not start at 0, decrease or end elsewhere than the
+// token count, positions of the wrong grid, and outputs (out, lse, dq, dk, dv) that share memory
+// with an input or with each other.
 #pragma once
 
 #include <cstdint>
@@ -122,10 +126,11 @@ struct HeadGroup {
 
 struct AttentionMask {
   bool causal = false;
-  std::int64_t window_left = -1;          // −1: unlimited
-  std::int64_t window_right = -1;         // −1: unlimited (causal forces 0)
-  double softcap = 0.0;                   // 0: none; else z = c·tanh(x/c)
-  std::vector<std::int64_t> key_lengths;  // per batch row, valid keys (empty: all); not with packed
+  std::int64_t window_left = -1;           // −1: unlimited
+  std::int64_t window_right = -1;          // −1: unlimited (causal forces 0)
+  double softcap = 0.0;                    // 0: none; else z = c·tanh(x/c)
+  std::vector<std::int64_t> key_lengths;   // per batch row, valid keys (empty: all); not with packed
+  std::optional<std::int64_t> chunk_size;  // C >= 1: only keys of the query's chunk of positions
 };
 
 struct AttentionSpec {

@@ -558,9 +558,9 @@ def _complete_rope(spec, q):
         spec["rope"]["head_dim"] = spec["rope"]["rotary_dim"] = int(q.shape[-1])
 
 
-def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), softcap=0.0, scale=None, layout="bshd",
-              q_positions=None, k_positions=None, keys_rotated=False, return_lse=False, skip_vanishing_tiles=True,
-              sinks=None):
+def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size=None, softcap=0.0, scale=None,
+              layout="bshd", q_positions=None, k_positions=None, keys_rotated=False, return_lse=False,
+              skip_vanishing_tiles=True, sinks=None):
     """Fused attention softmax(scale·q·kᵀ + positional terms + mask)·v, flash-style: no [S, S]
     matrix is ever stored, and the positional scheme runs inside the kernel.
 
@@ -578,7 +578,9 @@ def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), softcap=0.
     ``RelativeBias`` (any registered relative-bias scheme), ``Forgetting`` (a forget gate per token
     and head; causal) — whose learned parameters (and the gate) receive gradients. ``causal`` aligns the mask
     bottom-right when Sq < Sk; ``window=(left, right)`` limits the keys a query sees (-1:
-    unlimited); ``softcap`` c > 0 caps logits to c·tanh(x/c). Positions default to 0..Sk-1 for
+    unlimited); ``chunk_size`` C (Llama 4's ``attention_chunk_size``) lets a query see only keys in
+    its chunk of positions, ⌊k_pos / C⌋ = ⌊q_pos / C⌋ (key positions must not decrease within a
+    sequence); ``softcap`` c > 0 caps logits to c·tanh(x/c). Positions default to 0..Sk-1 for
     keys and Sk-Sq.. for queries. Returns out like q (and the log-sum-exp ``[B, H, Sq]`` with
     ``return_lse=True``). Differentiable in q, k, v and the scheme's parameters.
     ``skip_vanishing_tiles`` (ALiBi-like steep biases): key tiles whose every probability would
@@ -640,8 +642,12 @@ def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), softcap=0.
         raise TypeError(f"attention: sinks is {type(sinks).__name__}; expected a torch.Tensor [H] or None")
     elif sinks.dim() != 1 or sinks.shape[0] != q.shape[2]:
         raise ValueError(f"attention: sinks shape {tuple(sinks.shape)}; expected [{q.shape[2]}] (one per query head)")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)):
+        raise TypeError(f"attention: chunk_size is {type(chunk_size).__name__}; expected an int >= 1 or None")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"attention: chunk_size = {chunk_size}; expected an int >= 1 or None (no chunks)")
     out, lse = _ops.attention(q, k, v, json.dumps(spec), params, gates, sinks, bool(causal), int(window[0]),
-                              int(window[1]),
+                              int(window[1]), chunk_size,
                               float(softcap), float(scale or 0.0),
                               empty if q_positions is None else _positions(q_positions, 0),
                               empty if k_positions is None else _positions(k_positions, 0))

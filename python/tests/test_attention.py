@@ -28,8 +28,9 @@ def reference_rope(x, positions, base=10000.0):
     return x * emb.cos() + rotate_half(x) * emb.sin()
 
 
-def reference_attention(q, k, v, bias=None, causal=False, window=(-1, -1), softcap=0.0, scale=None):
-    """Eager attention: q [B, Sq, H, D], k, v [B, Sk, G, D]; bias [H, Sq, Sk] (or [B, H, Sq, Sk]) or None."""
+def reference_attention(q, k, v, bias=None, causal=False, window=(-1, -1), softcap=0.0, scale=None, chunk_size=None):
+    """Eager attention: q [B, Sq, H, D], k, v [B, Sk, G, D]; bias [H, Sq, Sk] (or [B, H, Sq, Sk]) or None;
+    chunk_size as Llama 4's chunked mask (query and key in one chunk of positions)."""
     b, sq, h, d = q.shape
     sk, g = k.shape[1], k.shape[2]
     k = k.repeat_interleave(h // g, dim=2)
@@ -48,6 +49,8 @@ def reference_attention(q, k, v, bias=None, causal=False, window=(-1, -1), softc
         visible &= j >= i - window[0]
     if window[1] >= 0:
         visible &= j <= i + window[1]
+    if chunk_size is not None:
+        visible &= torch.div(j, chunk_size, rounding_mode="floor") == torch.div(i, chunk_size, rounding_mode="floor")
     scores = scores.masked_fill(~visible, float("-inf"))
     return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, dim=-1), v)
 
@@ -233,6 +236,30 @@ def test_gradcheck():
         return posenc.attention(q, k, v, alibi, causal=True, softcap=3.0)
 
     assert torch.autograd.gradcheck(fused, (q, k, v, slopes))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_chunked_attention_matches_eager_with_its_gradients(dtype):
+    # Llama 4's chunked layers: RoPE and a causal mask inside chunks; Sq < Sk puts the queries at
+    # the end of a cache, across a chunk boundary.
+    q, k, v = inputs(b=2, sq=40, sk=90, h=4, g=2, d=16, dtype=dtype)
+    out = posenc.attention(q, k, v, "rope", causal=True, chunk_size=32)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = reference_attention(reference_rope(qd, torch.arange(50, 90)), reference_rope(kd, torch.arange(90)), vd,
+                              causal=True, chunk_size=32)
+    tol = 1e-12 if dtype == torch.float64 else 2e-5  # f32: a few ulps of O(1) outputs over 32 keys
+    assert torch.allclose(out.double(), ref, atol=tol, rtol=0)
+    for got, want in zip(grads_of(out, (q, k, v)), grads_of(ref, (qd, kd, vd))):
+        assert torch.allclose(got.double(), want, atol=10 * tol, rtol=0)
+    # Bidirectional chunks (a block-diagonal mask), and errors naming the argument.
+    out = posenc.attention(q, k, v, chunk_size=30)
+    assert torch.allclose(out.double(), reference_attention(qd, kd, vd, chunk_size=30), atol=tol, rtol=0)
+    with pytest.raises(ValueError, match="chunk_size = 0"):
+        posenc.attention(q, k, v, chunk_size=0)
+    with pytest.raises(TypeError, match="chunk_size is float"):
+        posenc.attention(q, k, v, chunk_size=2.0)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        posenc.attention(q, k, v, chunk_size=8, k_positions=torch.arange(90).flip(0))
 
 
 def test_bhsd_layout_is_a_view_and_matches():

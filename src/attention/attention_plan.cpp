@@ -184,6 +184,9 @@ void AttentionPlan::check_mask() {
   require(mask.window_right >= -1, "mask.window_right", std::to_string(mask.window_right), ">= -1 (-1: unlimited)");
   require(std::isfinite(mask.softcap) && mask.softcap >= 0, "mask.softcap", to_text(mask.softcap),
           "finite, >= 0 (0: none)");
+  if (mask.chunk_size) {
+    require(*mask.chunk_size >= 1, "mask.chunk_size", std::to_string(*mask.chunk_size), ">= 1 (absent: no chunks)");
+  }
   window_right = mask.causal ? 0 : mask.window_right;
   if (mask.causal && mask.window_right > 0) {
     throw Error(kWhere, "mask.window_right", std::to_string(mask.window_right),
@@ -274,7 +277,41 @@ AttentionPlan::PositionRange AttentionPlan::plan_positions() {
   }
   if (q_min > q_max) q_min = q_max = 0;
   if (k_min > k_max) k_min = k_max = 0;
+  if (mask.chunk_size) {
+    // A query's chunk must be one run of keys (chunk_keys searches it).
+    for (const Sequence& seq : sequences) {
+      for (std::int64_t j = 1; j < seq.lk; ++j) {
+        if (k_position(seq, j) < k_position(seq, j - 1)) {
+          throw Error(kWhere, "k_positions",
+                      "[" + std::to_string(seq.k0 + j) + "] = " + std::to_string(k_position(seq, j)) + " after " +
+                          std::to_string(k_position(seq, j - 1)) + " in sequence " + std::to_string(seq.index),
+                      "non-decreasing within each sequence with mask.chunk_size");
+        }
+      }
+    }
+  }
   return r;
+}
+
+// The keys [lo, hi) of `seq` in the chunk of position q_position: ⌊p'_j / C⌋ = ⌊q_position / C⌋.
+std::pair<std::int64_t, std::int64_t> AttentionPlan::chunk_keys(const Sequence& seq, std::int64_t q_position) const {
+  const std::int64_t c = *mask.chunk_size;
+  const auto chunk_of = [c](std::int64_t p) { return p / c - (p % c < 0 ? 1 : 0); };  // floor division
+  const std::int64_t chunk = chunk_of(q_position);
+  // The first key whose chunk is >= `at` (key positions do not decrease: plan_positions).
+  const auto first_from = [&](std::int64_t at) {
+    std::int64_t a = 0, b = seq.lk;
+    while (a < b) {
+      const std::int64_t m = a + (b - a) / 2;
+      if (chunk_of(k_position(seq, m)) < at) {
+        a = m + 1;
+      } else {
+        b = m;
+      }
+    }
+    return a;
+  };
+  return {first_from(chunk), chunk == std::numeric_limits<std::int64_t>::max() ? seq.lk : first_from(chunk + 1)};
 }
 
 // The head groups (the spec's, or one group without a scheme) checked against the heads, and

@@ -215,6 +215,10 @@ struct AttentionPlan {
   std::optional<Positions> q_positions, k_positions;
   std::int64_t q_position(const Sequence& seq, std::int64_t i) const { return q_positions->at(seq.b, seq.q0 + i); }
   std::int64_t k_position(const Sequence& seq, std::int64_t j) const { return k_positions->at(seq.b, seq.k0 + j); }
+  // mask.chunk_size: the keys [lo, hi) of seq in the chunk of a query at q_position.
+  std::pair<std::int64_t, std::int64_t> chunk_keys(const Sequence& seq, std::int64_t q_position) const;
+  // The keys [lo, hi) query i of seq sees under the mask (window, causal, chunk); lo == hi: none.
+  std::pair<std::int64_t, std::int64_t> visible_keys(const Sequence& seq, std::int64_t i) const;
 
   // Per group: transform tables; per head: its group and bias.
   std::vector<QKTables> tables;

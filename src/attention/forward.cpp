@@ -276,6 +276,7 @@ AttentionStats AttentionPlan::forward(TensorView out, TensorView lse) const {
   struct Unit {
     std::int64_t seq, kvh, i0, count, k_begin, k_end, partial;
     bool compact;
+    bool first;  // the first of a decode block's key chunks (it starts the rows: sinks)
   };
   std::vector<Unit> units;
   std::int64_t partials = 0;
@@ -298,19 +299,26 @@ AttentionStats AttentionPlan::forward(TensorView out, TensorView lse) const {
     const Sequence& seq = sequences[static_cast<std::size_t>(si)];
     if (seq.lq == 0) continue;
     if (seq.lq * group_size <= kDecodeRows) {
-      const std::int64_t chunk_keys = std::max(bytes_chunk_keys, (seq.lk + kDecodeMaxChunks - 1) / kDecodeMaxChunks);
-      const std::int64_t chunks = seq.lk > chunk_keys ? (seq.lk + chunk_keys - 1) / chunk_keys : 1;
+      // Only the keys some query sees are split (a sliding window or a chunk of a long cache).
+      std::int64_t seen_lo = seq.lk, seen_hi = 0;
+      for (std::int64_t i = 0; i < seq.lq; ++i) {
+        const auto [lo, hi] = visible_keys(seq, i);
+        if (lo < hi) seen_lo = std::min(seen_lo, lo), seen_hi = std::max(seen_hi, hi);
+      }
+      const std::int64_t seen = std::max<std::int64_t>(0, seen_hi - seen_lo);
+      const std::int64_t chunk_keys = std::max(bytes_chunk_keys, (seen + kDecodeMaxChunks - 1) / kDecodeMaxChunks);
+      const std::int64_t chunks = seen > chunk_keys ? (seen + chunk_keys - 1) / chunk_keys : 1;
       for (std::int64_t c = 0; c < chunks; ++c) {
-        const std::int64_t kb = chunks == 1 ? 0 : c * chunk_keys;
-        const std::int64_t ke = chunks == 1 ? seq.lk : std::min(seq.lk, kb + chunk_keys);
-        units.push_back({si, -1, 0, seq.lq, kb, ke, chunks == 1 ? -1 : partials, true});
+        const std::int64_t kb = chunks == 1 ? 0 : seen_lo + c * chunk_keys;
+        const std::int64_t ke = chunks == 1 ? seq.lk : std::min(seen_hi, kb + chunk_keys);
+        units.push_back({si, -1, 0, seq.lq, kb, ke, chunks == 1 ? -1 : partials, true, c == 0});
         if (chunks > 1) ++partials;
       }
       continue;
     }
     for (std::int64_t kvh = 0; kvh < kv_heads; ++kvh) {
       for (std::int64_t i0 = 0; i0 < seq.lq; i0 += unit_queries) {
-        units.push_back({si, kvh, i0, std::min(unit_queries, seq.lq - i0), 0, seq.lk, -1, false});
+        units.push_back({si, kvh, i0, std::min(unit_queries, seq.lq - i0), 0, seq.lk, -1, false, true});
       }
     }
   }
@@ -392,12 +400,12 @@ AttentionStats AttentionPlan::forward(TensorView out, TensorView lse) const {
       }
       if (merged) {
         layout_decode_rows(seq, un.i0, un.count, per_head_rows[1], per_head_rows[0]);
-        forward_begin(*this, seq, per_head_rows[0], per_head[0], un.k_begin == 0);
+        forward_begin(*this, seq, per_head_rows[0], per_head[0], un.first);
       } else {
         for (std::int64_t kvh = 0; kvh < kv_heads; ++kvh) {
           layout_rows(seq, kvh, un.i0, un.count, true, per_head_rows[static_cast<std::size_t>(kvh)]);
           forward_begin(*this, seq, per_head_rows[static_cast<std::size_t>(kvh)],
-                        per_head[static_cast<std::size_t>(kvh)], un.k_begin == 0);
+                        per_head[static_cast<std::size_t>(kvh)], un.first);
         }
       }
       const RowBlock& rows0 = per_head_rows[0];

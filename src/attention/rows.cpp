@@ -10,6 +10,7 @@
 #include <limits>
 #include <span>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 
@@ -94,6 +95,19 @@ void AttentionPlan::store_row(const float* row, void* base, const HeadsGrid& g, 
 
 // ─── Row blocks ──────────────────────────────────────────────────────────────────────────────
 
+std::pair<std::int64_t, std::int64_t> AttentionPlan::visible_keys(const Sequence& seq, std::int64_t i) const {
+  const std::int64_t offset = seq.lk - seq.lq;
+  std::int64_t lo = 0, hi = seq.lk;
+  if (mask.window_left >= 0) lo = std::max<std::int64_t>(0, i + offset - mask.window_left);
+  if (window_right >= 0) hi = std::min<std::int64_t>(seq.lk, i + offset + window_right + 1);
+  if (mask.chunk_size) {
+    const auto [chunk_lo, chunk_hi] = chunk_keys(seq, q_position(seq, i));
+    lo = std::max(lo, chunk_lo);
+    hi = std::min(hi, chunk_hi);
+  }
+  return {lo, std::max(lo, hi)};
+}
+
 // Lays out the rows of queries [i0, i0 + count) of `seq` for KV head `kvh`: head-major, each
 // head's queries padded to kAttnAlign lanes (compact: no padding, for decode).
 void AttentionPlan::layout_rows(const Sequence& seq, std::int64_t kvh, std::int64_t i0, std::int64_t count,
@@ -109,7 +123,6 @@ void AttentionPlan::layout_rows(const Sequence& seq, std::int64_t kvh, std::int6
   grow(rb.position, rb.width);
   grow(rb.lo, rb.width);
   grow(rb.hi, rb.width);
-  const std::int64_t offset = seq.lk - seq.lq;
   for (std::int64_t r = 0; r < rb.width; ++r) {
     const std::int64_t g = compact ? r / std::max<std::int64_t>(count, 1) : r / per_head;
     const std::int64_t qi = compact ? r % std::max<std::int64_t>(count, 1) : r % per_head;
@@ -119,14 +132,8 @@ void AttentionPlan::layout_rows(const Sequence& seq, std::int64_t kvh, std::int6
     rb.query[static_cast<std::size_t>(r)] = valid ? i0 + qi : -1;
     const std::int64_t i = i0 + qi;
     rb.position[static_cast<std::size_t>(r)] = valid ? q_position(seq, i) : 0;
-    std::int64_t lo = 0, hi = seq.lk;
-    if (valid) {
-      if (mask.window_left >= 0) lo = std::max<std::int64_t>(0, i + offset - mask.window_left);
-      if (window_right >= 0) hi = std::min<std::int64_t>(seq.lk, i + offset + window_right + 1);
-      if (hi < lo) hi = lo;
-    } else {
-      hi = 0;  // padding: sees nothing
-    }
+    std::int64_t lo = 0, hi = 0;  // padding sees nothing
+    if (valid) std::tie(lo, hi) = visible_keys(seq, i);
     rb.lo[static_cast<std::size_t>(r)] = static_cast<std::int32_t>(lo);
     rb.hi[static_cast<std::size_t>(r)] = static_cast<std::int32_t>(hi);
   }

@@ -260,6 +260,15 @@ std::pair<std::int64_t, std::int64_t> visible(const Problem& p, const Sequence& 
   return {lo, std::max(lo, hi)};
 }
 
+// Whether query position qp and key position kp share a chunk of mask.chunk_size positions
+// (always, without chunks), by floor division.
+bool same_chunk(const Problem& p, std::int64_t qp, std::int64_t kp) {
+  if (!p.mask.chunk_size) return true;
+  const std::int64_t c = *p.mask.chunk_size;
+  const auto chunk = [c](std::int64_t x) { return x / c - (x % c < 0 ? 1 : 0); };
+  return chunk(qp) == chunk(kp);
+}
+
 // The pair (query i, key j) of a sequence as a term sees it (term.hpp: queries stand for the key
 // tokens they align with).
 TokenPair token_pair(const Problem& p, const Sequence& seq, std::int64_t i, std::int64_t j) {
@@ -309,6 +318,10 @@ void scores(const Problem& p, const Sequence& seq, std::int64_t h, const HeadPro
   lse.assign(static_cast<std::size_t>(seq.lq), neg_inf);
   for (std::int64_t i = 0; i < seq.lq; ++i) {
     const auto [lo, hi] = visible(p, seq, i);
+    const auto sees = [&, lo = lo, hi = hi](std::int64_t j) {
+      return j >= lo && j < hi &&
+             same_chunk(p, hp.qpos[static_cast<std::size_t>(i)], hp.kpos[static_cast<std::size_t>(j)]);
+    };
     T* zi = z.data() + i * seq.lk;
     for (std::int64_t j = 0; j < seq.lk; ++j) {
       T dot = 0;
@@ -335,7 +348,7 @@ void scores(const Problem& p, const Sequence& seq, std::int64_t h, const HeadPro
       }
       // Terms only where the mask lets the pair through: their value need not exist elsewhere
       // (a query's own token before the key's under a forget gate).
-      if (j >= lo && j < hi) {
+      if (sees(j)) {
         for (const AttentionTermRef& term : p.groups[static_cast<std::size_t>(group)].terms)
           x += static_cast<T>(term->value(local, token_pair(p, seq, i, j)));
       }
@@ -347,13 +360,15 @@ void scores(const Problem& p, const Sequence& seq, std::int64_t h, const HeadPro
       if (const auto sink = term->sink(local)) sinks.push_back(static_cast<T>(*sink));
     }
     T m = neg_inf;
-    for (std::int64_t j = lo; j < hi; ++j) m = std::max(m, zi[j]);
+    for (std::int64_t j = lo; j < hi; ++j) m = sees(j) ? std::max(m, zi[j]) : m;
     for (const T sink : sinks) m = std::max(m, sink);
     if (m == neg_inf) continue;
     T l = 0;
-    for (std::int64_t j = lo; j < hi; ++j) l += std::exp(zi[j] - m);
+    for (std::int64_t j = lo; j < hi; ++j) l += sees(j) ? std::exp(zi[j] - m) : T(0);
     for (const T sink : sinks) l += std::exp(sink - m);
-    for (std::int64_t j = lo; j < hi; ++j) prob[static_cast<std::size_t>(i * seq.lk + j)] = std::exp(zi[j] - m) / l;
+    for (std::int64_t j = lo; j < hi; ++j) {
+      if (sees(j)) prob[static_cast<std::size_t>(i * seq.lk + j)] = std::exp(zi[j] - m) / l;
+    }
     lse[static_cast<std::size_t>(i)] = m + std::log(l);
   }
 }

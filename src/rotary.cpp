@@ -52,16 +52,19 @@ std::string_view rope_type_name(RopeType type) noexcept {
       return "longrope";
     case RopeType::kLlama3:
       return "llama3";
+    case RopeType::kProportional:
+      return "proportional";
   }
   return "?";
 }
 
 RopeType rope_type_from_name(std::string_view name) {
   for (RopeType t : {RopeType::kDefault, RopeType::kLinear, RopeType::kNtk, RopeType::kDynamic, RopeType::kYarn,
-                     RopeType::kLongRope, RopeType::kLlama3}) {
+                     RopeType::kLongRope, RopeType::kLlama3, RopeType::kProportional}) {
     if (name == rope_type_name(t)) return t;
   }
-  throw Error(kWhere, "rope_type", std::string(name), "one of default, linear, ntk, dynamic, yarn, longrope, llama3");
+  throw Error(kWhere, "rope_type", std::string(name),
+              "one of default, linear, ntk, dynamic, yarn, longrope, llama3, proportional");
 }
 
 RopeParams::RopeParams(std::int64_t head_dim, std::int64_t rotary_dim, double base, RopeLayout layout,
@@ -94,6 +97,7 @@ RopeParams::RopeParams(std::int64_t head_dim, std::int64_t rotary_dim, double ba
     case RopeType::kDynamic:
     case RopeType::kYarn:
     case RopeType::kLlama3:
+    case RopeType::kProportional:
       require(s.factor >= 1.0 && std::isfinite(s.factor), "factor", to_text(s.factor),
               std::string("a finite number >= 1 for rope_type ") + std::string(rope_type_name(s.type)));
       break;
@@ -115,6 +119,8 @@ RopeParams::RopeParams(std::int64_t head_dim, std::int64_t rotary_dim, double ba
     require(s.beta_fast >= s.beta_slow, "beta_fast", to_text(s.beta_fast), ">= beta_slow = " + to_text(s.beta_slow));
     require(s.beta_slow > 0, "beta_slow", to_text(s.beta_slow), "> 0");
   }
+  require(s.type != RopeType::kProportional || (s.partial_rotary_factor >= 0 && s.partial_rotary_factor <= 1),
+          "partial_rotary_factor", to_text(s.partial_rotary_factor), "in [0, 1] for rope_type proportional");
   if (s.type == RopeType::kLlama3) {
     require(s.low_freq_factor > 0, "low_freq_factor", to_text(s.low_freq_factor), "> 0");
     require(s.high_freq_factor > s.low_freq_factor, "high_freq_factor", to_text(s.high_freq_factor),
@@ -224,6 +230,13 @@ std::vector<double> RopeParams::inv_frequencies(std::int64_t seq_len) const {
       }
       break;
     }
+    case RopeType::kProportional: {
+      // Pairs past ⌊p·r/2⌋ do not turn (transformers: int(partial_rotary_factor * head_dim // 2)).
+      w = default_frequencies(base);
+      const double turning = std::floor(s.partial_rotary_factor * static_cast<double>(rotary_dim_) / 2.0);
+      for (std::size_t i = 0; i < w.size(); ++i) w[i] = static_cast<double>(i) < turning ? w[i] / s.factor : 0.0;
+      break;
+    }
   }
   for (std::size_t i = 0; i < freq_factors_.size(); ++i) w[i] /= freq_factors_[i];
   return w;
@@ -258,13 +271,17 @@ RopeParams rope_params_from_hf(const HfRopeConfig& c, RopeLayout layout) {
   if (!(c.partial_rotary_factor > 0.0 && c.partial_rotary_factor <= 1.0)) {
     throw Error(where, "partial_rotary_factor", to_text(c.partial_rotary_factor), "a number in (0, 1]");
   }
-  // Hugging Face: int(head_dim * partial_rotary_factor), the float product truncated.
-  const auto rotary_dim = static_cast<std::int64_t>(static_cast<double>(head_dim) * c.partial_rotary_factor);
   RopeScaling s;
   // Legacy names Hugging Face renames: Phi-3's "su" is longrope; Qwen2-VL's "mrope" is default
   // frequencies (its sections are a property of the call: rope_apply_multi).
   s.type = rope_type_from_name(c.rope_type == "su" ? "longrope" : c.rope_type == "mrope" ? "default" : c.rope_type);
-  const bool needs_factor = s.type != RopeType::kDefault && s.type != RopeType::kLongRope;
+  // Hugging Face: int(head_dim * partial_rotary_factor), the float product truncated; proportional
+  // spreads its frequencies over the whole head and turns only a share of the pairs.
+  const bool proportional = s.type == RopeType::kProportional;
+  const auto rotary_dim =
+      proportional ? head_dim : static_cast<std::int64_t>(static_cast<double>(head_dim) * c.partial_rotary_factor);
+  if (proportional) s.partial_rotary_factor = c.partial_rotary_factor;
+  const bool needs_factor = s.type != RopeType::kDefault && s.type != RopeType::kLongRope && !proportional;
   if (needs_factor && std::isnan(c.factor)) {
     throw Error(where, "rope_scaling.factor", "missing", "a number for rope_type " + c.rope_type);
   }

@@ -234,7 +234,9 @@ TEST(ForgettingAttention, ANaNGateReachesOnlyLaterQueries) {
     EXPECT_EQ(std::isfinite(fused.lse[static_cast<std::size_t>(i)]),
               std::isfinite(exact.lse[static_cast<std::size_t>(i)]))
         << i;
-    if (i < 100) EXPECT_NEAR(fused.out[at], exact.out[at], 1e-5) << i;
+    if (i < 100) {
+      EXPECT_NEAR(fused.out[at], exact.out[at], 1e-5) << i;
+    }
   }
 }
 

@@ -123,18 +123,7 @@ RopeParams rope_params_from_json(const std::string& text) {
   std::string type = j.value("rope_type", std::string("default"));
   if (type == "su") type = "longrope";
   if (type == "mrope") type = "default";
-  const std::pair<const char*, RopeType> types[] = {{"default", RopeType::kDefault}, {"linear", RopeType::kLinear},
-                                                    {"ntk", RopeType::kNtk},         {"dynamic", RopeType::kDynamic},
-                                                    {"yarn", RopeType::kYarn},       {"longrope", RopeType::kLongRope},
-                                                    {"llama3", RopeType::kLlama3}};
-  bool known = false;
-  for (const auto& [name, value] : types) {
-    if (type == name) {
-      scaling.type = value;
-      known = true;
-    }
-  }
-  if (!known) throw Error("rope", "rope_type", type, "default, linear, ntk, dynamic, yarn, longrope or llama3");
+  scaling.type = rope_type_from_name(type);
   scaling.factor = number("factor", scaling.factor);
   scaling.original_max_position_embeddings = integer("original_max_position_embeddings", 0);
   scaling.beta_fast = number("beta_fast", scaling.beta_fast);
@@ -147,6 +136,7 @@ RopeParams rope_params_from_json(const std::string& text) {
   scaling.high_freq_factor = number("high_freq_factor", scaling.high_freq_factor);
   if (j.contains("short_factor")) scaling.short_factor = j.at("short_factor").get<std::vector<double>>();
   if (j.contains("long_factor")) scaling.long_factor = j.at("long_factor").get<std::vector<double>>();
+  scaling.partial_rotary_factor = number("partial_rotary_factor", scaling.partial_rotary_factor);
   const std::string layout = j.value("layout", std::string("half-split"));
   if (layout != "half-split" && layout != "interleaved")
     throw Error("rope", "layout", layout, "half-split or interleaved");
@@ -341,6 +331,35 @@ class RopeFunction : public torch::autograd::Function<RopeFunction> {
     return {gq, has_k && dk.defined() ? gk : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
+
+// A config.json's RoPE for one layer (rotary.hpp: rope_params_from_hf), as the parameters
+// Python's RotaryPositionalEncoding takes: {"head_dim", "rotary_dim", "base",
+// "max_position_embeddings", "layer_type", "scaling": {rope_type and its keys}}.
+std::string rope_config_op(const std::string& config, c10::optional<std::int64_t> layer) {
+  return translating([&] {
+    const HfRopeConfig c = hf_rope_config_from_json(config, layer ? std::optional<std::int64_t>(*layer) : std::nullopt);
+    const RopeParams p = rope_params_from_hf(c);
+    const RopeScaling& s = p.scaling();
+    nlohmann::json scaling = {{"rope_type", std::string(rope_type_name(s.type))},
+                              {"factor", s.factor},
+                              {"original_max_position_embeddings", s.original_max_position_embeddings},
+                              {"beta_fast", s.beta_fast},
+                              {"beta_slow", s.beta_slow},
+                              {"mscale", s.mscale},
+                              {"mscale_all_dim", s.mscale_all_dim},
+                              {"truncate", s.truncate},
+                              {"low_freq_factor", s.low_freq_factor},
+                              {"high_freq_factor", s.high_freq_factor},
+                              {"short_factor", s.short_factor},
+                              {"long_factor", s.long_factor},
+                              {"partial_rotary_factor", s.partial_rotary_factor}};
+    if (!std::isnan(s.attention_factor)) scaling["attention_factor"] = s.attention_factor;  // NaN: derived
+    const nlohmann::json out = {{"head_dim", p.head_dim()},   {"rotary_dim", p.rotary_dim()},
+                                {"base", p.base()},           {"max_position_embeddings", p.max_position_embeddings()},
+                                {"layer_type", c.layer_type}, {"scaling", scaling}};
+    return out.dump();
+  });
+}
 
 std::tuple<at::Tensor, at::Tensor> rope_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
                                            std::string params, std::int64_t direction) {
@@ -876,6 +895,7 @@ TORCH_LIBRARY(posenc, m) {
   m.def("sinusoidal_table(Tensor positions, int dim, float base, bool interleaved, ScalarType dtype) -> Tensor",
         &sinusoidal_table_op);
   m.def("rope(Tensor q, Tensor k, Tensor positions, str params, int direction) -> (Tensor, Tensor)", &rope_op);
+  m.def("rope_config(str config, int? layer) -> str", &rope_config_op);
   m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor positions, str params, int direction) -> (Tensor(a!), Tensor(b!))",
         &rope_inplace_op);
   m.def(

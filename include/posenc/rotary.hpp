@@ -41,6 +41,11 @@
 //              α = sqrt(1 + ln(factor)/ln(M0)) (factor = M/M0 unless given), unless given
 //   llama3     wavelength 2π/ω_i above M0/low_freq_factor: ω_i/factor; below M0/high_freq_factor:
 //              ω_i; between: a smooth blend
+//   proportional  (Gemma 4's p-RoPE; transformers' _compute_proportional_rope_parameters) the first
+//              k = ⌊partial_rotary_factor·r/2⌋ pairs turn with ω_i = base^(−2i/r)/factor, the
+//              others have ω_i = 0 (they pass unchanged). r spans the whole head (Hugging Face sets
+//              rotary_dim = head_dim), so a half-split pair is (x_i, x_{i+D/2}) — unlike partial
+//              rotary, whose r = D·partial_rotary_factor gives ω_i = base^(−2i/r) and pairs (x_i, x_{i+r/2})
 // Per-dim frequency factors (llama.cpp's freq_factors) divide ω_i after the scaling.
 // All of this is computed in fp64 (Hugging Face computes in fp32: its ω differ from posenc's by
 // up to an fp32 ulp or two; posenc's are the more exact ones).
@@ -64,6 +69,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -79,9 +85,10 @@ enum class RopeLayout : std::uint8_t {
   kHalfSplit,    // pairs (x[i], x[i + r/2])
 };
 
-enum class RopeType : std::uint8_t { kDefault, kLinear, kNtk, kDynamic, kYarn, kLongRope, kLlama3 };
+enum class RopeType : std::uint8_t { kDefault, kLinear, kNtk, kDynamic, kYarn, kLongRope, kLlama3, kProportional };
 
-// "default", "linear", "ntk", "dynamic", "yarn", "longrope", "llama3" (Hugging Face's names).
+// "default", "linear", "ntk", "dynamic", "yarn", "longrope", "llama3", "proportional" (Hugging
+// Face's names).
 std::string_view rope_type_name(RopeType type) noexcept;
 // Throws posenc::Error naming the unknown type and the known ones.
 RopeType rope_type_from_name(std::string_view name);
@@ -104,6 +111,8 @@ struct RopeScaling {
   double high_freq_factor = 4.0;
   // longrope: r/2 factors each
   std::vector<double> short_factor, long_factor;
+  // proportional: the share of the r/2 pairs that turn, in [0, 1]
+  double partial_rotary_factor = 1.0;
 };
 
 // Validated at construction: throws posenc::Error naming the field.
@@ -183,14 +192,35 @@ struct HfRopeConfig {
   double low_freq_factor = std::numeric_limits<double>::quiet_NaN();
   double high_freq_factor = std::numeric_limits<double>::quiet_NaN();
   std::vector<double> short_factor, long_factor;
+  // The layer's type when the config varies by layer ("sliding_attention", "full_attention"), else empty.
+  std::string layer_type;
 };
 
 // RopeParams as Hugging Face transformers builds them from such a config: head_dim =
 // config.head_dim or hidden_size / num_attention_heads, rotary_dim = int(head_dim ·
-// partial_rotary_factor), defaults beta_fast 32, beta_slow 1, low/high_freq_factor required for
-// llama3, factor required where the type needs one. The layout is Hugging Face's rotate_half
-// (half-split) unless given. Throws posenc::Error naming the missing or invalid key.
+// partial_rotary_factor) (proportional: head_dim, partial_rotary_factor choosing the pairs that
+// turn), defaults beta_fast 32, beta_slow 1, low/high_freq_factor required for llama3, factor
+// required where the type needs one. The layout is Hugging Face's rotate_half (half-split) unless
+// given. Throws posenc::Error naming the missing or invalid key.
 RopeParams rope_params_from_hf(const HfRopeConfig& config, RopeLayout layout = RopeLayout::kHalfSplit);
+
+// A config.json's text (or any JSON object with its keys; a multimodal config's text_config is
+// read) as HfRopeConfig for `layer`. Per-layer RoPE, as transformers reads it:
+//   - v5's rope_parameters keyed by layer type ({"sliding_attention": {...}, "full_attention":
+//     {...}}) with `layer_types` naming each layer's type: the layer's entry (a top-level
+//     partial_rotary_factor unless the entry has its own);
+//   - Gemma 3's older form: rope_scaling (and rope_theta) for the full layers, default RoPE at
+//     rope_local_base_freq for the sliding ones, layer i full when (i + 1) % sliding_window_pattern
+//     == 0 unless layer_types says otherwise (Gemma3TextConfig's defaults for the keys its configs
+//     omit: rope_theta 1e6, rope_local_base_freq 1e4, pattern 6, head_dim 256);
+//   - Gemma 4's full layers use global_head_dim when the config has it.
+// Without per-layer keys every layer is the same and `layer` is only range-checked. Throws
+// posenc::Error naming the key: a per-layer config without a layer, a layer type with no entry,
+// an entry for a type layer_types does not name, layer_types of the wrong length, a layer out of
+// range, keys of the wrong kind, integers out of range.
+HfRopeConfig hf_rope_config_from_json(std::string_view json, std::optional<std::int64_t> layer = std::nullopt);
+RopeParams rope_params_from_hf(std::string_view json, std::optional<std::int64_t> layer = std::nullopt,
+                               RopeLayout layout = RopeLayout::kHalfSplit);
 
 enum class RopeDirection : std::uint8_t {
   kForward,   // y = α·S·R(θ)·x

@@ -238,16 +238,29 @@ class RotaryPositionalEncoding(torch.nn.Module):
         self.xpos = xpos
 
     @classmethod
-    def from_hf_config(cls, config):
-        """From a Hugging Face config (a dict, or a path to config.json): rope_theta, rope_scaling,
-        partial_rotary_factor, head_dim or hidden_size / num_attention_heads."""
+    def from_hf_config(cls, config, layer=None):
+        """From a Hugging Face config (a dict, or a path to config.json), as transformers reads it
+        (posenc's C++ reader, rotary.hpp: hf_rope_config_from_json): rope_theta, rope_scaling or
+        rope_parameters, partial_rotary_factor, head_dim or hidden_size / num_attention_heads, a
+        multimodal config's text_config. ``layer``: the layer of a config whose RoPE differs by
+        layer (rope_parameters keyed by layer type with ``layer_types``, Gemma 3's
+        rope_local_base_freq); the module's ``layer_type`` then names its type."""
         if isinstance(config, (str, os.PathLike)):
             with open(config) as f:
                 config = json.load(f)
-        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-        rotary_dim = int(head_dim * config.get("partial_rotary_factor", 1.0))
-        return cls(head_dim, rotary_dim, config.get("rope_theta", 10000.0), "half-split",
-                   config.get("rope_scaling") or None, config.get("max_position_embeddings", 2048))
+        if not isinstance(config, dict):
+            raise TypeError(f"from_hf_config: config is {type(config).__name__}; expected a dict or a path")
+        if layer is not None and (not isinstance(layer, int) or isinstance(layer, bool)):
+            raise TypeError(f"from_hf_config: layer is {type(layer).__name__}; expected an int or None")
+        try:
+            text = json.dumps(config, allow_nan=False)
+        except ValueError as e:
+            raise ValueError(f"from_hf_config: config holds a value JSON cannot carry ({e})") from None
+        p = json.loads(_ops.rope_config(text, layer))
+        module = cls(p["head_dim"], p["rotary_dim"], p["base"], "half-split", p["scaling"],
+                     p["max_position_embeddings"])
+        module.layer_type = p["layer_type"] or None
+        return module
 
     def forward(self, q, k=None, positions=None):
         return rope(q, k, positions, head_dim=self.head_dim, rotary_dim=self.rotary_dim, base=self.base,

@@ -5,6 +5,7 @@ Run: PYTHONPATH=build/python /usr/bin/python3 -m pytest -q python/tests
 """
 import copy as copy_module
 import math
+import os
 
 import pytest
 import torch
@@ -119,6 +120,43 @@ def test_rope_from_hf_config_reproduces_transformers_inv_freq():
     medium = (wavelen >= high) & (wavelen <= low)
     want = torch.where(medium, (1 - smooth) * inv_freq / 8.0 + smooth * inv_freq, want)
     torch.testing.assert_close(omega, want, rtol=1e-12, atol=0)
+
+
+DATA = os.path.join(os.path.dirname(__file__), "..", "..", "tests", "data")
+
+
+def test_rope_from_hf_config_per_layer_and_proportional():
+    # Gemma 4 (tests/data/gemma-4-e2b.json): full layers turn int(0.25 * 512 // 2) = 64 pairs of
+    # the 512-wide head at 1e6^(-2i/512) and leave the other 192 (transformers'
+    # _compute_proportional_rope_parameters); sliding layers are default RoPE at 1e4 over 256.
+    path = os.path.join(DATA, "gemma-4-e2b.json")
+    full = posenc.RotaryPositionalEncoding.from_hf_config(path, layer=4)
+    assert (full.layer_type, full.head_dim, full.rotary_dim) == ("full_attention", 512, 512)
+    want = torch.cat((1.0 / 1e6 ** (torch.arange(0, 128, 2, dtype=torch.float64) / 512),
+                      torch.zeros(192, dtype=torch.float64)))
+    q = torch.randn(1, 3, 2, 512, dtype=torch.float64)
+    positions = torch.tensor([0, 7, 1000])
+    angles = positions[:, None].double() * want[None, :]
+    emb = torch.cat((angles, angles), dim=-1)[None, :, None, :]
+    half = 256
+    rotated = torch.cat((-q[..., half:], q[..., :half]), dim=-1)
+    out, _ = full(q, None, positions)
+    torch.testing.assert_close(out, q * emb.cos() + rotated * emb.sin(), rtol=0, atol=1e-12)
+    assert torch.equal(out[..., 64:256], q[..., 64:256])  # pairs that do not turn are copied
+    sliding = posenc.RotaryPositionalEncoding.from_hf_config(path, layer=0)
+    assert (sliding.layer_type, sliding.head_dim, sliding.base) == ("sliding_attention", 256, 10000.0)
+    # Gemma 3 (legacy keys): layer 5 is full (linear x8 at 1e6), layer 0 sliding (1e4, unscaled).
+    gemma3 = os.path.join(DATA, "gemma-3-4b-it.json")
+    assert posenc.RotaryPositionalEncoding.from_hf_config(gemma3, layer=5).scaling["rope_type"] == "linear"
+    assert posenc.RotaryPositionalEncoding.from_hf_config(gemma3, layer=0).base == 10000.0
+    with pytest.raises(ValueError, match="layer = missing"):
+        posenc.RotaryPositionalEncoding.from_hf_config(path)
+    with pytest.raises(ValueError, match="layer = 35"):
+        posenc.RotaryPositionalEncoding.from_hf_config(path, layer=35)
+    with pytest.raises(TypeError, match="layer is str"):
+        posenc.RotaryPositionalEncoding.from_hf_config(path, layer="4")
+    with pytest.raises(ValueError, match="JSON cannot carry"):
+        posenc.RotaryPositionalEncoding.from_hf_config({"head_dim": 64, "rope_theta": float("nan")})
 
 
 def test_rope_reads_legacy_rope_type_names():

@@ -36,8 +36,7 @@ std::int64_t integer(const Json& object, const std::string& prefix, const char* 
   if (it == object.end() || it->is_null()) return fallback;
   const double value = number(object, prefix, key, 0.0);
   if (value != std::floor(value) || value < static_cast<double>(minimum) || value > 0x1p62) {
-    throw Error(kWhere, (prefix + key).c_str(), it->dump(),
-                "an integer in [" + std::to_string(minimum) + ", 2^62]");
+    throw Error(kWhere, (prefix + key).c_str(), it->dump(), "an integer in [" + std::to_string(minimum) + ", 2^62]");
   }
   return static_cast<std::int64_t>(value);
 }
@@ -58,7 +57,8 @@ std::vector<double> numbers(const Json& object, const std::string& prefix, const
 // entry of a per-layer rope_parameters), over what the top level gave.
 void read_rope_keys(const Json& s, const std::string& prefix, HfRopeConfig& c) {
   if (s.contains("rope_type") && !s["rope_type"].is_null()) {
-    if (!s["rope_type"].is_string()) throw Error(kWhere, (prefix + "rope_type").c_str(), s["rope_type"].dump(), "a string");
+    if (!s["rope_type"].is_string())
+      throw Error(kWhere, (prefix + "rope_type").c_str(), s["rope_type"].dump(), "a string");
     c.rope_type = s["rope_type"].get<std::string>();
   } else if (s.contains("type") && !s["type"].is_null()) {
     if (!s["type"].is_string()) throw Error(kWhere, (prefix + "type").c_str(), s["type"].dump(), "a string");
@@ -112,7 +112,8 @@ std::vector<std::string> layer_types_of(const Json& doc, std::int64_t layers) {
     throw Error(kWhere, "num_hidden_layers", "missing",
                 "the layer count (the layers' types follow from sliding_window_pattern)");
   }
-  for (std::int64_t i = 0; i < layers; ++i) types.push_back((i + 1) % pattern == 0 ? "full_attention" : "sliding_attention");
+  for (std::int64_t i = 0; i < layers; ++i)
+    types.push_back((i + 1) % pattern == 0 ? "full_attention" : "sliding_attention");
   return types;
 }
 
@@ -173,7 +174,8 @@ HfRopeConfig hf_rope_config_from_json(std::string_view text, std::optional<std::
       }
     }
     if (types.empty()) {
-      throw Error(kWhere, "layer_types", "missing", std::string("a type per layer (") + block_key + " is keyed by layer type)");
+      throw Error(kWhere, "layer_types", "missing",
+                  std::string("a type per layer (") + block_key + " is keyed by layer type)");
     }
     if (!layer) {
       throw Error(kWhere, "layer", "missing", std::string("a layer (") + block_key + " differs by layer type)");
@@ -185,7 +187,8 @@ HfRopeConfig hf_rope_config_from_json(std::string_view text, std::optional<std::
     }
     read_rope_keys(*entry, prefix + c.layer_type + ".", c);
   } else if ((gemma3 || doc.contains("rope_local_base_freq")) && !layer) {
-    throw Error(kWhere, "layer", "missing", "a layer (sliding layers turn at rope_local_base_freq, full ones at rope_theta)");
+    throw Error(kWhere, "layer", "missing",
+                "a layer (sliding layers turn at rope_local_base_freq, full ones at rope_theta)");
   } else if (c.layer_type == "sliding_attention" && (gemma3 || doc.contains("rope_local_base_freq"))) {
     // Gemma 3's sliding layers: default RoPE at rope_local_base_freq (1e4 by default); the scaling
     // applies to the full layers only (transformers v5 moves it to rope_parameters["full_attention"]).

@@ -505,15 +505,31 @@ void rope_apply(const RopeParams& params, const Positions& positions, TensorView
   rope_apply(params, positions, ConstTensorView(q), ConstTensorView(k), q, k, direction, seq_len);
 }
 
+std::vector<std::int64_t> mrope_axis_of_pair(std::span<const std::int64_t> sections, MropeLayout layout) {
+  return detail::sections_to_axes("mrope_axis_of_pair", sections, layout, 0);
+}
+
 void rope_apply_multi(const RopeParams& params, std::span<const std::int64_t> sections,
                       std::span<const Positions> axis_positions, ConstTensorView q, ConstTensorView k, TensorView q_out,
                       TensorView k_out, RopeDirection direction, bool restart_frequencies, std::int64_t seq_len) {
+  if (axis_positions.empty() || axis_positions.size() != sections.size()) {
+    throw Error("rope_apply_multi", "axis_positions.size()", std::to_string(axis_positions.size()),
+                "one Positions per section (" + std::to_string(sections.size()) + "), at least one");
+  }
+  const std::vector<std::int64_t> axes =
+      detail::sections_to_axes("rope_apply_multi", sections, MropeLayout::kSections, params.rotary_dim() / 2);
+  rope_apply_axes(params, axes, axis_positions, q, k, q_out, k_out, direction, restart_frequencies, seq_len);
+}
+
+void rope_apply_axes(const RopeParams& params, std::span<const std::int64_t> axis_of_pair,
+                     std::span<const Positions> axis_positions, ConstTensorView q, ConstTensorView k, TensorView q_out,
+                     TensorView k_out, RopeDirection direction, bool restart_frequencies, std::int64_t seq_len) {
   detail::init_dispatch();
   const detail::MultiAxis m =
-      detail::check_rope_multi(params, sections, axis_positions, q, k, q_out, k_out, restart_frequencies, seq_len);
+      detail::check_rope_multi(params, axis_of_pair, axis_positions, q, k, q_out, k_out, restart_frequencies, seq_len);
   if (detail::use_reference() || q.dtype() == DType::kF64) {
-    ref::rope_apply_multi(params, sections, axis_positions, q, k, q_out, k_out, direction, restart_frequencies,
-                          seq_len);
+    ref::rope_apply_axes(params, axis_of_pair, axis_positions, q, k, q_out, k_out, direction, restart_frequencies,
+                         seq_len);
     return;
   }
   const detail::RopeGrids& g = m.grids;

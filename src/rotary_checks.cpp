@@ -63,26 +63,65 @@ RopeGrids check_rope(const RopeParams& params, const Positions& positions, Const
   return g;
 }
 
-MultiAxis check_rope_multi(const RopeParams& params, std::span<const std::int64_t> sections,
-                           std::span<const Positions> axis_positions, ConstTensorView q, ConstTensorView k,
-                           ConstTensorView q_out, ConstTensorView k_out, bool restart_frequencies,
-                           std::int64_t seq_len) {
-  const char* where = "rope_apply_multi";
-  if (axis_positions.empty() || axis_positions.size() != sections.size()) {
-    throw Error(where, "axis_positions.size()", std::to_string(axis_positions.size()),
-                "one Positions per section (" + std::to_string(sections.size()) + "), at least one");
-  }
-  const std::int64_t pairs = params.rotary_dim() / 2;
+std::vector<std::int64_t> sections_to_axes(const char* where, std::span<const std::int64_t> sections,
+                                           MropeLayout layout, std::int64_t pairs) {
   std::int64_t total = 0;
   for (std::size_t a = 0; a < sections.size(); ++a) {
-    if (sections[a] < 1 || sections[a] > pairs) {
+    if (sections[a] < 1 || sections[a] > (pairs > 0 ? pairs : std::int64_t{1} << 30)) {
       throw Error(where, "sections[" + std::to_string(a) + "]", std::to_string(sections[a]),
-                  "1 to rotary_dim / 2 = " + std::to_string(pairs) + " pairs");
+                  pairs > 0 ? "1 to rotary_dim / 2 = " + std::to_string(pairs) + " pairs" : "1 to 2^30 pairs");
     }
     total += sections[a];
   }
-  if (total != pairs) {
+  if (sections.empty()) throw Error(where, "sections", "empty", "at least one section");
+  if (pairs > 0 && total != pairs) {
     throw Error(where, "sum of sections", std::to_string(total), "rotary_dim / 2 = " + std::to_string(pairs));
+  }
+  std::vector<std::int64_t> axes;
+  if (layout == MropeLayout::kSections) {
+    for (std::size_t a = 0; a < sections.size(); ++a)
+      axes.insert(axes.end(), static_cast<std::size_t>(sections[a]), static_cast<std::int64_t>(a));
+    return axes;
+  }
+  if (sections.size() != 3) {
+    throw Error(where, "sections.size()", std::to_string(sections.size()),
+                "3 (time, height, width) for interleaved M-RoPE");
+  }
+  std::vector<std::int64_t> counts(3, 0);
+  for (std::int64_t i = 0; i < total; ++i) {
+    const std::int64_t a = i % 3 == 1 && i < 3 * sections[1] ? 1 : i % 3 == 2 && i < 3 * sections[2] ? 2 : 0;
+    axes.push_back(a);
+    ++counts[static_cast<std::size_t>(a)];
+  }
+  for (std::size_t a = 0; a < 3; ++a) {
+    if (counts[a] != sections[a]) {
+      throw Error(where, "sections[" + std::to_string(a) + "]", std::to_string(sections[a]),
+                  std::to_string(counts[a]) + " (interleaving gives axis " + std::to_string(a) +
+                      " that many pairs: each of h and w at most a third of the pairs)");
+    }
+  }
+  return axes;
+}
+
+MultiAxis check_rope_multi(const RopeParams& params, std::span<const std::int64_t> axis_of_pair,
+                           std::span<const Positions> axis_positions, ConstTensorView q, ConstTensorView k,
+                           ConstTensorView q_out, ConstTensorView k_out, bool restart_frequencies,
+                           std::int64_t seq_len) {
+  const char* where = "rope_apply_axes";
+  const std::int64_t pairs = params.rotary_dim() / 2;
+  if (axis_positions.empty()) throw Error(where, "axis_positions.size()", "0", "at least one axis");
+  if (static_cast<std::int64_t>(axis_of_pair.size()) != pairs) {
+    throw Error(where, "axis_of_pair.size()", std::to_string(axis_of_pair.size()),
+                "rotary_dim / 2 = " + std::to_string(pairs));
+  }
+  const auto axes = static_cast<std::int64_t>(axis_positions.size());
+  std::vector<std::int64_t> per_axis(static_cast<std::size_t>(axes), 0);
+  for (std::size_t i = 0; i < axis_of_pair.size(); ++i) {
+    if (axis_of_pair[i] < 0 || axis_of_pair[i] >= axes) {
+      throw Error(where, "axis_of_pair[" + std::to_string(i) + "]", std::to_string(axis_of_pair[i]),
+                  "an axis in [0, " + std::to_string(axes) + ") (one Positions each)");
+    }
+    ++per_axis[static_cast<std::size_t>(axis_of_pair[i])];
   }
   if (params.xpos()) throw Error(where, "params.xpos()", "true", "false (xPos is defined for one axis)");
   if (restart_frequencies && params.scaling().type != RopeType::kDefault) {
@@ -97,14 +136,12 @@ MultiAxis check_rope_multi(const RopeParams& params, std::span<const std::int64_
     max_position = std::max(max_position, p.max_position());
   }
   const std::vector<double> w = params.inv_frequencies(seq_len > 0 ? seq_len : max_position + 1);
-  std::int64_t first = 0;
-  for (std::size_t a = 0; a < sections.size(); ++a) {
-    for (std::int64_t i = 0; i < sections[a]; ++i) {
-      m.pair_axis.push_back(static_cast<std::int64_t>(a));
-      m.pair_freq.push_back(restart_frequencies ? sinusoid_inv_frequency(params.base(), 2 * sections[a], i)
-                                                : w[static_cast<std::size_t>(first + i)]);
-    }
-    first += sections[a];
+  std::vector<std::int64_t> rank(static_cast<std::size_t>(axes), 0);  // pairs of each axis so far
+  for (std::size_t i = 0; i < axis_of_pair.size(); ++i) {
+    const auto a = static_cast<std::size_t>(axis_of_pair[i]);
+    m.pair_axis.push_back(axis_of_pair[i]);
+    m.pair_freq.push_back(restart_frequencies ? sinusoid_inv_frequency(params.base(), 2 * per_axis[a], rank[a]) : w[i]);
+    ++rank[a];
   }
   return m;
 }

@@ -24,10 +24,14 @@ struct MultiAxis {
   std::vector<std::int64_t> pair_axis;
   std::vector<double> pair_freq;
 };
-MultiAxis check_rope_multi(const RopeParams& params, std::span<const std::int64_t> sections,
+MultiAxis check_rope_multi(const RopeParams& params, std::span<const std::int64_t> axis_of_pair,
                            std::span<const Positions> axis_positions, ConstTensorView q, ConstTensorView k,
                            ConstTensorView q_out, ConstTensorView k_out, bool restart_frequencies,
                            std::int64_t seq_len);
+// M-RoPE's sections as a pair → axis map (rotary.hpp: mrope_axis_of_pair), errors named for `where`;
+// pairs > 0: the sections must add up to it (rotary_dim / 2).
+std::vector<std::int64_t> sections_to_axes(const char* where, std::span<const std::int64_t> sections,
+                                           MropeLayout layout, std::int64_t pairs);
 
 // xPos scales by ζ_0^(±(p − c)/scale_base) with ζ_0 = 0.4/1.4: beyond e^±80 the scale would
 // overflow or vanish in f32. Throws posenc::Error naming the farthest position.

@@ -83,7 +83,7 @@ TEST(RopeConfigs, GptOssLayersShareTheirYarn) {
   EXPECT_EQ(a.scaling().factor, 32.0);
   EXPECT_EQ(a.original_max_position_embeddings(), 4096);
   EXPECT_EQ(a.head_dim(), 64);
-  EXPECT_DOUBLE_EQ(a.attention_factor(), 0.1 * std::log(32.0) + 1.0);  // yarn's mscale(32)
+  EXPECT_DOUBLE_EQ(a.attention_factor(), 0.1 * std::log(32.0) + 1.0);             // yarn's mscale(32)
   EXPECT_EQ(rope_params_from_hf(config).inv_frequencies(), a.inv_frequencies());  // no layer: the same
 }
 

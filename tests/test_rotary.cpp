@@ -593,6 +593,69 @@ TEST_P(EveryTarget, RopeMultiAxisWithEqualIdsIsPlainRope) {
       {"params.xpos() = true"});
 }
 
+// Qwen3-VL's interleaved M-RoPE (head_dim 128, sections [24, 20, 20], θ 5e6; its config.json's
+// rope_scaling has mrope_interleaved and mrope_section): transformers' apply_interleaved_mrope
+// starts from the time axis' angles and overwrites the pairs at slice(1, 3·20, 3) with height's and
+// at slice(2, 3·20, 3) with width's. Each output pair is checked against its angle, on every target.
+TEST_P(EveryTarget, RopeInterleavedMropeFollowsQwen3Vl) {
+  const std::int64_t seq = 9, heads = 2, d = 128, pairs = 64;
+  const std::vector<std::int64_t> sections = {24, 20, 20};
+  std::vector<std::int64_t> want_axis(pairs, 0);
+  for (std::int64_t i = 1; i < 3 * sections[1]; i += 3) want_axis[static_cast<std::size_t>(i)] = 1;
+  for (std::int64_t i = 2; i < 3 * sections[2]; i += 3) want_axis[static_cast<std::size_t>(i)] = 2;
+  const std::vector<std::int64_t> axis = mrope_axis_of_pair(sections, MropeLayout::kInterleaved);
+  EXPECT_EQ(axis, want_axis);
+  const RopeParams params(d, d, 5e6, RopeLayout::kHalfSplit);
+  std::vector<std::vector<std::int64_t>> ids(3);
+  std::vector<Positions> axes;
+  for (auto& a : ids) {
+    for (std::int64_t t = 0; t < seq; ++t) a.push_back(uniform_int(0, 5000));
+    axes.push_back(Positions::ids(a));
+  }
+  std::vector<float> x(static_cast<std::size_t>(seq * heads * d)), out(x.size());
+  for (auto& v : x) v = static_cast<float>(uniform(-1, 1));
+  rope_apply_axes(params, axis, axes, ConstTensorView::of(x.data(), {seq, heads, d}), {},
+                  TensorView::of(out.data(), {seq, heads, d}), {});
+  const std::vector<double> w = params.inv_frequencies();
+  for (std::int64_t t = 0; t < seq; ++t) {
+    for (std::int64_t h = 0; h < heads; ++h) {
+      for (std::int64_t i = 0; i < pairs; ++i) {
+        const auto a = static_cast<std::size_t>((t * heads + h) * d + i), b = a + pairs;
+        const double angle =
+            static_cast<double>(
+                ids[static_cast<std::size_t>(want_axis[static_cast<std::size_t>(i)])][static_cast<std::size_t>(t)]) *
+            w[static_cast<std::size_t>(i)];
+        // One f32 rotation of O(1) values: a few 2^-24 of rounding (1e-6).
+        ASSERT_NEAR(out[a], x[a] * std::cos(angle) - x[b] * std::sin(angle), 1e-6) << t << " " << i;
+        ASSERT_NEAR(out[b], x[b] * std::cos(angle) + x[a] * std::sin(angle), 1e-6) << t << " " << i;
+      }
+    }
+  }
+  // The same map through the consecutive sections' reordering is not the same rotation.
+  std::vector<float> blocks(x.size());
+  rope_apply_multi(params, sections, axes, ConstTensorView::of(x.data(), {seq, heads, d}), {},
+                   TensorView::of(blocks.data(), {seq, heads, d}), {});
+  EXPECT_NE(blocks, out);
+  expect_error(
+      [] {
+        mrope_axis_of_pair(std::vector<std::int64_t>{32, 32}, MropeLayout::kInterleaved);
+      },
+      {"sections.size() = 2", "3 (time, height, width)"});
+  expect_error(
+      [] {
+        mrope_axis_of_pair(std::vector<std::int64_t>{4, 30, 30}, MropeLayout::kInterleaved);
+      },
+      {"sections[0] = 4", "interleaving gives axis 0"});
+  expect_error(
+      [&] {
+        std::vector<std::int64_t> bad = axis;
+        bad[7] = 3;
+        rope_apply_axes(params, bad, axes, ConstTensorView::of(x.data(), {seq, heads, d}), {},
+                        TensorView::of(out.data(), {seq, heads, d}), {});
+      },
+      {"axis_of_pair[7] = 3", "[0, 3)"});
+}
+
 // Multi-axis mapping written out by hand: r = 4 (pairs 0 and 1), sections {1, 1}, axis 0 ids
 // and axis 1 ids differ; with restarting frequencies both pairs have ω = 1 (base^0).
 TEST(Rope, MultiAxisMappingByHand) {

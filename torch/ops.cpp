@@ -283,24 +283,42 @@ void rope_apply_inplace(at::Tensor& q, at::Tensor& k, const at::Tensor& position
 // Multi-axis RoPE (M-RoPE, 2-D axial): positions [A, S] or [A, B, S], one row per axis.
 std::tuple<at::Tensor, at::Tensor> rope_multi_tensors(const at::Tensor& q, const at::Tensor& k,
                                                       const at::Tensor& positions, const std::string& params,
-                                                      const std::vector<std::int64_t>& sections, bool restart,
+                                                      const std::vector<std::int64_t>& sections, bool interleaved,
+                                                      const std::vector<std::int64_t>& axis_of_pair, bool restart,
                                                       std::int64_t direction) {
   return translating([&] {
     const char* where = "rope_multi";
     const RopeParams p = rope_params_from_json(params);
     TORCH_CHECK_VALUE(positions.dim() == 2 || positions.dim() == 3, where, ": positions shape ", positions.sizes(),
                       "; expected [axes, S] or [axes, B, S]");
+    // The pairs' axes: given, or from the sections (consecutive or interleaved, rotary.hpp).
+    std::vector<std::int64_t> axes = axis_of_pair;
+    if (axes.empty()) {
+      if (positions.size(0) != static_cast<std::int64_t>(sections.size())) {
+        throw Error(where, "positions.size(0)", std::to_string(positions.size(0)),
+                    "one Positions per section (" + std::to_string(sections.size()) + ")");
+      }
+      std::int64_t total = 0;
+      for (const std::int64_t n : sections) total += n;
+      if (total != p.rotary_dim() / 2) {
+        throw Error(where, "sum of sections", std::to_string(total),
+                    "rotary_dim / 2 = " + std::to_string(p.rotary_dim() / 2));
+      }
+      axes = mrope_axis_of_pair(sections, interleaved ? MropeLayout::kInterleaved : MropeLayout::kSections);
+    } else if (!sections.empty()) {
+      throw Error(where, "sections", std::to_string(sections.size()) + " given", "none beside axis_of_pair");
+    }
     const at::Tensor ids = positions.contiguous();
     std::vector<at::Tensor> rows;
-    std::vector<Positions> axes;
+    std::vector<Positions> axis_rows;
     for (std::int64_t a = 0; a < ids.size(0); ++a) rows.push_back(ids[a].contiguous());
-    for (const at::Tensor& row : rows) axes.push_back(positions_of(where, "positions", row));
+    for (const at::Tensor& row : rows) axis_rows.push_back(positions_of(where, "positions", row));
     at::Tensor q_out = empty_output(q.sizes(), q.scalar_type());
     at::Tensor k_out = absent(k) ? q.new_empty({0}) : empty_output(k.sizes(), k.scalar_type());
-    rope_apply_multi(p, sections, axes, const_view(where, "q", q),
-                     absent(k) ? ConstTensorView() : const_view(where, "k", k), mutable_view(where, "q_out", q_out),
-                     absent(k) ? TensorView() : mutable_view(where, "k_out", k_out), direction_of(direction), restart,
-                     rope_seq_len_from_json(params));
+    rope_apply_axes(p, axes, axis_rows, const_view(where, "q", q),
+                    absent(k) ? ConstTensorView() : const_view(where, "k", k), mutable_view(where, "q_out", q_out),
+                    absent(k) ? TensorView() : mutable_view(where, "k_out", k_out), direction_of(direction), restart,
+                    rope_seq_len_from_json(params));
     return std::make_tuple(q_out, k_out);
   });
 }
@@ -410,14 +428,18 @@ class RopeMultiFunction : public torch::autograd::Function<RopeMultiFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                                const at::Tensor& positions, const std::string& params,
-                               std::vector<std::int64_t> sections, bool restart, std::int64_t direction) {
+                               std::vector<std::int64_t> sections, bool interleaved,
+                               std::vector<std::int64_t> axis_of_pair, bool restart, std::int64_t direction) {
     ctx->saved_data["params"] = params;
     ctx->saved_data["sections"] = sections;
+    ctx->saved_data["interleaved"] = interleaved;
+    ctx->saved_data["axis_of_pair"] = axis_of_pair;
     ctx->saved_data["restart"] = restart;
     ctx->saved_data["direction"] = direction;
     ctx->saved_data["has_k"] = !absent(k);
     ctx->save_for_backward({positions});
-    auto [q_out, k_out] = rope_multi_tensors(q, k, positions, params, sections, restart, direction);
+    auto [q_out, k_out] =
+        rope_multi_tensors(q, k, positions, params, sections, interleaved, axis_of_pair, restart, direction);
     return {q_out, k_out};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -426,20 +448,23 @@ class RopeMultiFunction : public torch::autograd::Function<RopeMultiFunction> {
     const bool has_k = ctx->saved_data["has_k"].toBool();
     const at::Tensor dq = grads[0].defined() ? grads[0] : at::zeros_like(grads[1]);
     const at::Tensor dk = has_k ? (grads[1].defined() ? grads[1] : at::Tensor()) : at::Tensor();
-    auto [gq, gk] = rope_multi_tensors(dq.contiguous(), has_k && dk.defined() ? dk.contiguous() : dq.new_empty({0}),
-                                       ctx->get_saved_variables()[0], ctx->saved_data["params"].toStringRef(),
-                                       ctx->saved_data["sections"].toIntVector(), ctx->saved_data["restart"].toBool(),
-                                       direction == 0 ? 1 : 0);
-    return {
-        gq,          has_k && dk.defined() ? gk : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
-        at::Tensor()};
+    auto [gq, gk] = rope_multi_tensors(
+        dq.contiguous(), has_k && dk.defined() ? dk.contiguous() : dq.new_empty({0}), ctx->get_saved_variables()[0],
+        ctx->saved_data["params"].toStringRef(), ctx->saved_data["sections"].toIntVector(),
+        ctx->saved_data["interleaved"].toBool(), ctx->saved_data["axis_of_pair"].toIntVector(),
+        ctx->saved_data["restart"].toBool(), direction == 0 ? 1 : 0);
+    variable_list result{gq, has_k && dk.defined() ? gk : at::Tensor()};
+    for (int i = 0; i < 7; ++i) result.emplace_back();  // positions … direction
+    return result;
   }
 };
 
 std::tuple<at::Tensor, at::Tensor> rope_multi_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
-                                                 std::string params, std::vector<std::int64_t> sections, bool restart,
+                                                 std::string params, std::vector<std::int64_t> sections,
+                                                 bool interleaved, std::vector<std::int64_t> axis_of_pair, bool restart,
                                                  std::int64_t direction) {
-  const variable_list out = RopeMultiFunction::apply(q, k, positions, params, sections, restart, direction);
+  const variable_list out =
+      RopeMultiFunction::apply(q, k, positions, params, sections, interleaved, axis_of_pair, restart, direction);
   return {out[0], out[1]};
 }
 
@@ -899,7 +924,8 @@ TORCH_LIBRARY(posenc, m) {
   m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor positions, str params, int direction) -> (Tensor(a!), Tensor(b!))",
         &rope_inplace_op);
   m.def(
-      "rope_multi(Tensor q, Tensor k, Tensor positions, str params, int[] sections, bool restart, int direction) "
+      "rope_multi(Tensor q, Tensor k, Tensor positions, str params, int[] sections, bool interleaved, "
+      "int[] axis_of_pair, bool restart, int direction) "
       "-> (Tensor, Tensor)",
       &rope_multi_op);
   m.def("alibi_bias(Tensor slopes, Tensor q_positions, Tensor k_positions, bool symmetric) -> Tensor", &alibi_op);

@@ -28,6 +28,10 @@ void rope_apply_multi(const RopeParams& params, std::span<const std::int64_t> se
                       std::span<const Positions> axis_positions, ConstTensorView q, ConstTensorView k, TensorView q_out,
                       TensorView k_out, RopeDirection direction = RopeDirection::kForward,
                       bool restart_frequencies = false, std::int64_t seq_len = 0);
+void rope_apply_axes(const RopeParams& params, std::span<const std::int64_t> axis_of_pair,
+                     std::span<const Positions> axis_positions, ConstTensorView q, ConstTensorView k, TensorView q_out,
+                     TensorView k_out, RopeDirection direction = RopeDirection::kForward,
+                     bool restart_frequencies = false, std::int64_t seq_len = 0);
 void rope_rerotate(const RopeParams& from, const Positions& from_positions, std::int64_t from_seq_len,
                    const RopeParams& to, const Positions& to_positions, std::int64_t to_seq_len, ConstTensorView k,
                    TensorView k_out);

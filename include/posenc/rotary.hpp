@@ -254,6 +254,26 @@ void rope_apply_multi(const RopeParams& params, std::span<const std::int64_t> se
                       TensorView k_out, RopeDirection direction = RopeDirection::kForward,
                       bool restart_frequencies = false, std::int64_t seq_len = 0);
 
+// How M-RoPE's sections (pairs per axis) assign the r/2 rotary pairs to axes (pair i → axis):
+//   kSections     consecutive blocks: [0, s0) → axis 0, [s0, s0 + s1) → axis 1, …   (Qwen2-VL)
+//   kInterleaved  Qwen3-VL's interleaved M-RoPE (transformers' apply_interleaved_mrope, vLLM's
+//                 mrope_interleaved, ggml's GGML_ROPE_TYPE_IMROPE): three axes (t, h, w); pair i
+//                 follows h when i % 3 == 1 and i < 3·s_h, w when i % 3 == 2 and i < 3·s_w, else t.
+//                 Sections [24, 20, 20]: t 0 3 … 57 60 61 62 63, h 1 4 … 58, w 2 5 … 59.
+enum class MropeLayout : std::uint8_t { kSections, kInterleaved };
+// The axis of each of the Σ sections pairs. Throws posenc::Error for a section < 1, kInterleaved
+// with other than 3 sections, or sections whose interleaving gives an axis another count of pairs.
+std::vector<std::int64_t> mrope_axis_of_pair(std::span<const std::int64_t> sections, MropeLayout layout);
+
+// Multi-axis RoPE with any pair → axis map (rope_apply_multi is this with consecutive sections):
+// pair i turns by the positions of axis axis_of_pair[i] (r/2 entries, each in [0, axes)), at its
+// own frequency ω_i — or, with restart_frequencies, at base^(−2k/(2·n_a)) for the k-th pair of
+// axis a (n_a its pairs).
+void rope_apply_axes(const RopeParams& params, std::span<const std::int64_t> axis_of_pair,
+                     std::span<const Positions> axis_positions, ConstTensorView q, ConstTensorView k, TensorView q_out,
+                     TensorView k_out, RopeDirection direction = RopeDirection::kForward,
+                     bool restart_frequencies = false, std::int64_t seq_len = 0);
+
 // KV-cache re-rotation: keys rotated under (from, from_positions) become keys rotated under
 // (to, to_positions), in one pass — k_out = R_to(p_to) · R_from(p_from)^-1 · k — for a context
 // shift (StreamingLLM-style eviction), a dynamic-NTK base change as the sequence grows, or

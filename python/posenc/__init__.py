@@ -126,19 +126,29 @@ def rope_(q, k=None, positions=None, *, head_dim=None, rotary_dim=None, base=100
     return q, (k_out if k is not None else None)
 
 
-def rope_multi(q, k, positions, sections, *, restart_frequencies=False, head_dim=None, rotary_dim=None, base=10000.0,
-               layout="half-split", scaling=None, max_position_embeddings=2048, seq_len=0, direction="forward"):
-    """Multi-axis RoPE: the rotary pairs split into consecutive ``sections`` (pairs per axis), the
-    pairs of section a turning by ``positions[a]`` — M-RoPE (Qwen2-VL: sections such as [16, 24,
-    24] for time, height, width) or, with ``restart_frequencies=True``, 2-D axial RoPE for images.
+def rope_multi(q, k, positions, sections=None, *, interleave_axes=False, axis_of_pair=None,
+               restart_frequencies=False, head_dim=None, rotary_dim=None, base=10000.0, layout="half-split",
+               scaling=None, max_position_embeddings=2048, seq_len=0, direction="forward"):
+    """Multi-axis RoPE: each rotary pair turns by the positions of one axis. ``sections`` (pairs per
+    axis) assigns them in consecutive blocks — M-RoPE (Qwen2-VL: [16, 24, 24] for time, height,
+    width) or, with ``restart_frequencies=True``, 2-D axial RoPE for images — or, with
+    ``interleave_axes=True``, interleaved (Qwen3-VL's M-RoPE: pair i follows height when
+    i % 3 == 1 and i < 3·sections[1], width when i % 3 == 2 and i < 3·sections[2], else time).
+    ``axis_of_pair``: any other map instead of sections, one axis per pair.
     ``positions``: int64 [axes, S] or [axes, B, S]. Returns (q_out, k_out); differentiable."""
     head_dim = q.shape[-1] if head_dim is None else head_dim
     params = _rope_params(head_dim, rotary_dim, base, layout, scaling, max_position_embeddings, None, None, seq_len)
     if direction not in _DIRECTIONS:
         raise ValueError(f"rope_multi: direction = {direction}; expected forward, backward or inverse")
+    if (sections is None) == (axis_of_pair is None):
+        raise ValueError("rope_multi: sections and axis_of_pair both given or both None; expected exactly one")
+    if axis_of_pair is not None and interleave_axes:
+        raise ValueError("rope_multi: interleave_axes = True with axis_of_pair; expected it only with sections")
     k_in = k if k is not None else q.new_empty(0)
     positions = torch.as_tensor(positions, dtype=torch.long)
-    q_out, k_out = _ops.rope_multi(q, k_in, positions, json.dumps(params), [int(x) for x in sections],
+    q_out, k_out = _ops.rope_multi(q, k_in, positions, json.dumps(params),
+                                   [] if sections is None else [int(x) for x in sections], bool(interleave_axes),
+                                   [] if axis_of_pair is None else [int(x) for x in axis_of_pair],
                                    bool(restart_frequencies), _DIRECTIONS[direction])
     return q_out, (k_out if k is not None else None)
 

@@ -365,6 +365,32 @@ def test_rope_xpos_matches_the_formula():
                                     (q.clone().requires_grad_(),))
 
 
+def test_rope_multi_interleaved_follows_qwen3_vl():
+    # transformers' apply_interleaved_mrope (Qwen3-VL): the time axis' frequencies, overwritten at
+    # slice(1, 3 * 20, 3) by height's and slice(2, 3 * 20, 3) by width's; sections [24, 20, 20].
+    sections, d = [24, 20, 20], 128
+    positions = torch.randint(0, 3000, (3, 7))
+    inv_freq = 1.0 / 5e6 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    freqs = positions[:, :, None].double() * inv_freq  # [3, S, 64]
+    angles = freqs[0].clone()
+    for dim, offset in ((1, 1), (2, 2)):
+        angles[:, offset:sections[dim] * 3:3] = freqs[dim][:, offset:sections[dim] * 3:3]
+    emb = torch.cat((angles, angles), dim=-1)[None, :, None, :]
+    q = torch.randn(1, 7, 2, d, dtype=torch.float64)
+    want = q * emb.cos() + torch.cat((-q[..., 64:], q[..., :64]), dim=-1) * emb.sin()
+    got, _ = posenc.rope_multi(q, None, positions, sections, interleave_axes=True, base=5e6)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    axis = [1 if i % 3 == 1 and i < 60 else 2 if i % 3 == 2 and i < 60 else 0 for i in range(64)]
+    assert torch.equal(posenc.rope_multi(q, None, positions, axis_of_pair=axis, base=5e6)[0], got)
+    assert torch.autograd.gradcheck(
+        lambda x: posenc.rope_multi(x, None, positions[:, :2], sections, interleave_axes=True)[0],
+        (torch.randn(1, 2, 1, d, dtype=torch.float64, requires_grad=True),))
+    with pytest.raises(ValueError, match="both given or both None"):
+        posenc.rope_multi(q, None, positions, sections, axis_of_pair=axis)
+    with pytest.raises(ValueError, match="interleaving gives axis 0"):
+        posenc.rope_multi(q, None, positions, [4, 30, 30], interleave_axes=True)
+
+
 def test_rope_multi_matches_per_axis_angles():
     q = torch.randn(1, 10, 2, 16, dtype=torch.float64)
     k = torch.randn(1, 10, 1, 16, dtype=torch.float64)

@@ -177,10 +177,39 @@ void add_gates(const char* where, const std::vector<at::Tensor>& gates, Attentio
   }
 }
 
+// {"kind": "llama4", "floor_scale", "attn_scale"} or {"kind": "mistral", "beta",
+// "original_max_position_embeddings"} (posenc/temperature.hpp), every key required, no other.
+PositionTemperature temperature_of(const char* where, const std::string& text) {
+  const nlohmann::json j = nlohmann::json::parse(text);
+  TORCH_CHECK_VALUE(j.is_object() && j.contains("kind") && j.at("kind").is_string(), where,
+                    ": temperature = ", j.dump(), "; expected an object with a \"kind\"");
+  const std::string kind = j.at("kind").get<std::string>();
+  const auto keys = kind == "llama4"    ? std::vector<std::string>{"kind", "floor_scale", "attn_scale"}
+                    : kind == "mistral" ? std::vector<std::string>{"kind", "beta", "original_max_position_embeddings"}
+                                        : std::vector<std::string>{};
+  TORCH_CHECK_VALUE(!keys.empty(), where, ": temperature kind = ", kind, "; expected llama4 or mistral");
+  for (const auto& [key, value] : j.items()) {
+    TORCH_CHECK_VALUE(std::find(keys.begin(), keys.end(), key) != keys.end(), where, ": temperature.", key,
+                      " given; expected only ", keys[1], " and ", keys[2], " for ", kind);
+    TORCH_CHECK_VALUE(key == "kind" || value.is_number(), where, ": temperature.", key, " = ", value.dump(),
+                      "; expected a number");
+  }
+  for (const std::string& key : keys) {
+    TORCH_CHECK_VALUE(j.contains(key), where, ": temperature.", key, " missing for ", kind);
+  }
+  if (kind == "llama4")
+    return PositionTemperature::llama4(j.at("floor_scale").get<double>(), j.at("attn_scale").get<double>());
+  const nlohmann::json& l0 = j.at("original_max_position_embeddings");
+  TORCH_CHECK_VALUE(l0.is_number_integer(), where, ": temperature.original_max_position_embeddings = ", l0.dump(),
+                    "; expected an integer");
+  return PositionTemperature::mistral(j.at("beta").get<double>(), l0.get<std::int64_t>());
+}
+
 AttentionCall make_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::string& scheme,
                              const at::Tensor& bias_params, bool causal, std::int64_t window_left,
-                             std::int64_t window_right, c10::optional<std::int64_t> chunk_size, double softcap,
-                             double scale, const at::Tensor& q_positions, const at::Tensor& k_positions,
+                             std::int64_t window_right, c10::optional<std::int64_t> chunk_size,
+                             const c10::optional<std::string>& temperature, double softcap, double scale,
+                             const at::Tensor& q_positions, const at::Tensor& k_positions,
                              const std::vector<at::Tensor>& gates, const at::Tensor& sinks) {
   const char* where = "attention";
   TORCH_CHECK_VALUE(q.dim() == 4, where, ": q shape ", q.sizes(), "; expected [B, Sq, H, D]");
@@ -238,6 +267,7 @@ AttentionCall make_attention(const at::Tensor& q, const at::Tensor& k, const at:
   spec.mask.window_left = window_left;
   spec.mask.window_right = window_right;
   if (chunk_size) spec.mask.chunk_size = *chunk_size;
+  if (temperature) spec.temperature = temperature_of(where, *temperature);
   spec.mask.softcap = softcap;
   spec.scale = scale;
   if (!absent(q_positions)) {
@@ -265,12 +295,13 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const std::string& scheme, const at::Tensor& bias_params, at::TensorList gates,
                                const at::Tensor& sinks, bool causal, std::int64_t window_left,
-                               std::int64_t window_right, c10::optional<std::int64_t> chunk_size, double softcap,
-                               double scale, const at::Tensor& q_positions, const at::Tensor& k_positions) {
+                               std::int64_t window_right, c10::optional<std::int64_t> chunk_size,
+                               const c10::optional<std::string>& temperature, double softcap, double scale,
+                               const at::Tensor& q_positions, const at::Tensor& k_positions) {
     return translating([&] {
       auto holder = c10::make_intrusive<AttentionPlanHolder>();
       holder->call = make_attention(q, k, v, scheme, bias_params, causal, window_left, window_right, chunk_size,
-                                    softcap, scale, q_positions, k_positions, gates.vec(), sinks);
+                                    temperature, softcap, scale, q_positions, k_positions, gates.vec(), sinks);
       const AttentionCall& call = holder->call;
       at::Tensor out = empty_output(q.sizes(), q.scalar_type());
       at::Tensor lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
@@ -332,22 +363,26 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
         d_sinks = tensor_of(flat, sinks);
       }
       result.push_back(d_sinks);
-      for (int i = 0; i < 8; ++i) result.emplace_back();  // causal … k_positions
+      for (int i = 0; i < 9; ++i) result.emplace_back();  // causal … k_positions
       return result;
     });
   }
 };
 
-std::tuple<at::Tensor, at::Tensor> attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                std::string scheme, const at::Tensor& bias_params,
-                                                const std::vector<at::Tensor>& gates, const at::Tensor& sinks,
-                                                bool causal, std::int64_t window_left, std::int64_t window_right,
-                                                c10::optional<std::int64_t> chunk_size, double softcap, double scale,
-                                                const at::Tensor& q_positions, const at::Tensor& k_positions) {
+std::tuple<at::Tensor, at::Tensor> attention_op(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std::string scheme, const at::Tensor& bias_params,
+    const std::vector<at::Tensor>& gates, const at::Tensor& sinks, bool causal, std::int64_t window_left,
+    std::int64_t window_right, c10::optional<std::int64_t> chunk_size, const c10::optional<std::string>& temperature,
+    double softcap, double scale, const at::Tensor& q_positions, const at::Tensor& k_positions) {
   const variable_list out =
       AttentionFunction::apply(q, k, v, scheme, bias_params, at::TensorList(gates), sinks, causal, window_left,
-                               window_right, chunk_size, softcap, scale, q_positions, k_positions);
+                               window_right, chunk_size, temperature, softcap, scale, q_positions, k_positions);
   return {out[0], out[1]};
+}
+
+// s(position) of a temperature given as attention's op takes it (validates it, for Python).
+double attention_temperature_op(const std::string& temperature, std::int64_t position) {
+  return translating([&] { return temperature_of("PositionTemperature", temperature).factor(position); });
 }
 
 }  // namespace
@@ -355,6 +390,7 @@ std::tuple<at::Tensor, at::Tensor> attention_op(const at::Tensor& q, const at::T
 void define_attention_ops(torch::Library& m) {
   m.class_<AttentionPlanHolder>("AttentionPlan");
   m.def("schemes() -> str", &schemes_op);
+  m.def("attention_temperature(str temperature, int position) -> float", &attention_temperature_op);
   m.def("scheme_parameters(str scheme, int heads, int head_dim) -> Tensor", &scheme_parameters_op);
   m.def(
       "relative_bias(str scheme, Tensor params, Tensor q_positions, Tensor k_positions, int heads, ScalarType dtype) "
@@ -363,7 +399,8 @@ void define_attention_ops(torch::Library& m) {
   m.def(
       "attention(Tensor q, Tensor k, Tensor v, str scheme, Tensor bias_params, Tensor[] gates, Tensor sinks, "
       "bool causal, int window_left, "
-      "int window_right, int? chunk_size, float softcap, float scale, Tensor q_positions, Tensor k_positions) -> "
+      "int window_right, int? chunk_size, str? temperature, float softcap, float scale, Tensor q_positions, Tensor "
+      "k_positions) -> "
       "(Tensor, Tensor)",
       &attention_op);
 }

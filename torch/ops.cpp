@@ -17,7 +17,8 @@
 //                   position terms (differentiable in their tensors and tables)
 //   posenc::floater_table(w1, b1, w2, b2, p0, int length, float time_per_position, int substeps)
 //   posenc::attention(q, k, v, str scheme, Tensor bias_params, Tensor[] gates, Tensor sinks,
-//                     bool causal, int window_left, int window_right, int? chunk_size, float softcap, float scale,
+//                     bool causal, int window_left, int window_right, int? chunk_size, str? temperature, float softcap,
+//                     float scale,
 //                     Tensor q_positions, Tensor k_positions) -> (Tensor out, Tensor lse)
 //                   fused attention (posenc/attention.hpp), q [B, Sq, H, D], k, v [B, Sk, G, D];
 //                   differentiable in q, k, v, bias_params, the gates and the sinks. `gates`:

@@ -3,7 +3,8 @@
 // ─── Math ──────────────────────────────────────────────────────────────────────────────────────
 // For query token i of head h and key token j of its KV head g(h) = h / (H / G):
 //
-//   x_ij = scale·⟨T_q(q_i), T_k(k_j)⟩ + b_h(p_i, p'_j)            the logit
+//   x_ij = scale·s(p_i)·⟨T_q(q_i), T_k(k_j)⟩ + b_h(p_i, p'_j)      the logit (s: the spec's
+//                                                                   temperature, else 1)
 //   z_ij = c·tanh(x_ij / c)            (with a soft-cap c > 0; else z = x)
 //   out_i = Σ_j softmax_j(z_ij + mask_ij)·v_j,   lse_i = log Σ_j exp(z_ij + mask_ij)
 //
@@ -86,6 +87,7 @@
 #include "posenc/positions.hpp"
 #include "posenc/relative.hpp"
 #include "posenc/rotary.hpp"
+#include "posenc/temperature.hpp"
 #include "posenc/term.hpp"
 #include "posenc/tensor.hpp"
 
@@ -140,6 +142,9 @@ struct AttentionSpec {
   double scale = 0.0;  // 0: 1/sqrt(D)
   std::optional<Positions> q_positions, k_positions;
   std::vector<std::int64_t> cu_seqlens_q, cu_seqlens_k;  // packed sequences (both or neither)
+  // Position-dependent temperature (temperature.hpp): every query row becomes s(p_i)·T_q(q_i)
+  // before the terms and the scale.
+  std::optional<PositionTemperature> temperature;
   // Forward and backward may skip key tiles whose probabilities all vanish (see
   // AttentionStats). false runs every tile, in the same order, with the same bits for
   // finite inputs (a tile with a non-finite key always runs); only a non-finite value in a

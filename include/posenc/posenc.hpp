@@ -17,5 +17,6 @@
 #include "posenc/runtime.hpp"
 #include "posenc/scheme.hpp"
 #include "posenc/sinks.hpp"
+#include "posenc/temperature.hpp"
 #include "posenc/tensor.hpp"
 #include "posenc/term.hpp"

@@ -23,7 +23,7 @@ __all__ = [
     "rope_multi",
     "SinusoidalPositionalEncoding", "LearnedPositionalEncoding", "RotaryPositionalEncoding", "ALiBi",
     "T5RelativeBias", "Kerple", "FIRE", "TUPE", "FLOATER", "ShawRelativePositions", "TransformerXLRelative",
-    "schemes", "RelativeBias", "Sandwich", "Forgetting", "forgetting_attention",
+    "schemes", "RelativeBias", "Sandwich", "Forgetting", "forgetting_attention", "PositionTemperature",
 ]
 
 
@@ -576,13 +576,58 @@ def _attention_scheme(scheme, heads, keys_rotated):
                     "TransformerXLRelative, TUPE or RelativeBias module")
 
 
+class PositionTemperature:
+    """A position-dependent attention temperature (posenc/temperature.hpp): each query is multiplied
+    by s(p) of its position p inside ``posenc.attention``.
+
+    ``PositionTemperature(kind="llama4", floor_scale=8192, attn_scale=0.1)``: Llama 4's NoPE layers,
+    s(p) = 1 + attn_scale·ln(⌊(p + 1)/floor_scale⌋ + 1).
+    ``PositionTemperature(kind="mistral", beta=0.1, original_max_position_embeddings=L0)``:
+    Ministral 3's llama_4_scaling_beta, s(p) = 1 + beta·ln(1 + ⌊p / L0⌋)."""
+
+    _KEYS = {"llama4": ("floor_scale", "attn_scale"), "mistral": ("beta", "original_max_position_embeddings")}
+    _DEFAULTS = {"floor_scale": 8192.0, "attn_scale": 0.1}
+
+    def __init__(self, kind="llama4", **values):
+        if kind not in self._KEYS:
+            raise ValueError(f"PositionTemperature: kind = {kind!r}; expected 'llama4' or 'mistral'")
+        for key in values:
+            if key not in self._KEYS[kind]:
+                raise TypeError(f"PositionTemperature: {key} given; expected only {', '.join(self._KEYS[kind])} "
+                                f"for kind={kind!r}")
+        self.kind, self.values = kind, {}
+        for key in self._KEYS[kind]:
+            if key not in values and key not in self._DEFAULTS:
+                raise TypeError(f"PositionTemperature: {key} missing for kind={kind!r}")
+            value = values.get(key, self._DEFAULTS.get(key))
+            integer = key == "original_max_position_embeddings"
+            if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+                raise TypeError(f"PositionTemperature: {key} is {type(value).__name__}; expected "
+                                f"{'an int' if integer else 'a number'}")
+            self.values[key] = value
+        _ops.attention_temperature(self._json(), 0)  # validated by the library (ValueError naming the key)
+
+    def _json(self):
+        return json.dumps({"kind": self.kind, **{k: (v if isinstance(v, int) and k.startswith("original") else
+                                                     float(v)) for k, v in self.values.items()}})
+
+    def factor(self, positions):
+        """s(p) for an int64 tensor of positions (float64)."""
+        positions = torch.as_tensor(positions, dtype=torch.long)
+        return torch.tensor([_ops.attention_temperature(self._json(), int(p)) for p in positions.reshape(-1)],
+                            dtype=torch.float64).reshape(positions.shape)
+
+    def __repr__(self):
+        return f"PositionTemperature(kind={self.kind!r}, " + ", ".join(f"{k}={v!r}" for k, v in self.values.items()) + ")"
+
+
 def _complete_rope(spec, q):
     if spec["kind"] == "rope" and spec["rope"]["head_dim"] == 0:
         spec["rope"]["head_dim"] = spec["rope"]["rotary_dim"] = int(q.shape[-1])
 
 
-def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size=None, softcap=0.0, scale=None,
-              layout="bshd", q_positions=None, k_positions=None, keys_rotated=False, return_lse=False,
+def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size=None, temperature=None, softcap=0.0,
+              scale=None, layout="bshd", q_positions=None, k_positions=None, keys_rotated=False, return_lse=False,
               skip_vanishing_tiles=True, sinks=None):
     """Fused attention softmax(scale·q·kᵀ + positional terms + mask)·v, flash-style: no [S, S]
     matrix is ever stored, and the positional scheme runs inside the kernel.
@@ -603,7 +648,8 @@ def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size
     bottom-right when Sq < Sk; ``window=(left, right)`` limits the keys a query sees (-1:
     unlimited); ``chunk_size`` C (Llama 4's ``attention_chunk_size``) lets a query see only keys in
     its chunk of positions, ⌊k_pos / C⌋ = ⌊q_pos / C⌋ (key positions must not decrease within a
-    sequence); ``softcap`` c > 0 caps logits to c·tanh(x/c). Positions default to 0..Sk-1 for
+    sequence); ``temperature``: a ``PositionTemperature`` that multiplies each query by a factor
+    of its position (Llama 4's NoPE layers, Mistral), inside the kernel; ``softcap`` c > 0 caps logits to c·tanh(x/c). Positions default to 0..Sk-1 for
     keys and Sk-Sq.. for queries. Returns out like q (and the log-sum-exp ``[B, H, Sq]`` with
     ``return_lse=True``). Differentiable in q, k, v and the scheme's parameters.
     ``skip_vanishing_tiles`` (ALiBi-like steep biases): key tiles whose every probability would
@@ -669,8 +715,11 @@ def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size
         raise TypeError(f"attention: chunk_size is {type(chunk_size).__name__}; expected an int >= 1 or None")
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"attention: chunk_size = {chunk_size}; expected an int >= 1 or None (no chunks)")
+    if temperature is not None and not isinstance(temperature, PositionTemperature):
+        raise TypeError(f"attention: temperature is {type(temperature).__name__}; expected a "
+                        "posenc.PositionTemperature or None")
     out, lse = _ops.attention(q, k, v, json.dumps(spec), params, gates, sinks, bool(causal), int(window[0]),
-                              int(window[1]), chunk_size,
+                              int(window[1]), chunk_size, None if temperature is None else temperature._json(),
                               float(softcap), float(scale or 0.0),
                               empty if q_positions is None else _positions(q_positions, 0),
                               empty if k_positions is None else _positions(k_positions, 0))

@@ -382,3 +382,30 @@ def test_huge_page_zeros_is_a_kv_cache_like_any_other():
         posenc.huge_page_zeros(3, -2)
     with pytest.raises(ValueError, match="huge_page_zeros: shape"):
         posenc.huge_page_zeros(1 << 40, 1 << 40)
+
+
+def test_position_temperature_matches_queries_scaled_eagerly():
+    # Llama 4's NoPE layers (a small floor_scale, so the factor moves within 90 positions) and
+    # Mistral's form: the fused kernel equals eager attention on s(p)·q, with every gradient.
+    for temp, s_of in ((posenc.PositionTemperature(kind="llama4", floor_scale=16, attn_scale=0.5),
+                        lambda p: 1 + 0.5 * torch.log(torch.floor((p + 1) / 16) + 1)),
+                       (posenc.PositionTemperature(kind="mistral", beta=0.3, original_max_position_embeddings=20),
+                        lambda p: 1 + 0.3 * torch.log1p(torch.floor(p / 20)))):
+        q, k, v = inputs(b=2, sq=30, sk=90, h=4, g=2, d=16)
+        positions = torch.arange(60, 90, dtype=torch.float64)
+        torch.testing.assert_close(temp.factor(torch.arange(60, 90)), s_of(positions), rtol=0, atol=1e-15)
+        out = posenc.attention(q, k, v, causal=True, temperature=temp)
+        ref = reference_attention(q * s_of(positions)[None, :, None, None], k, v, causal=True)
+        assert torch.allclose(out, ref, atol=1e-12, rtol=0)
+        for got, want in zip(grads_of(out, (q, k, v)), grads_of(ref, (q, k, v))):
+            assert torch.allclose(got, want, atol=1e-11, rtol=0)
+    with pytest.raises(ValueError, match="floor_scale = 0"):
+        posenc.PositionTemperature(kind="llama4", floor_scale=0, attn_scale=0.1)
+    with pytest.raises(TypeError, match="original_max_position_embeddings missing"):
+        posenc.PositionTemperature(kind="mistral", beta=0.1)
+    with pytest.raises(TypeError, match="floor_scale given"):
+        posenc.PositionTemperature(kind="mistral", beta=0.1, original_max_position_embeddings=8, floor_scale=2)
+    with pytest.raises(ValueError, match="kind = 'yarn'"):
+        posenc.PositionTemperature(kind="yarn")
+    with pytest.raises(TypeError, match="expected a posenc.PositionTemperature"):
+        posenc.attention(q, k, v, temperature=1.1)

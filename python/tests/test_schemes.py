@@ -122,14 +122,14 @@ def test_errors_name_the_argument():
         posenc.attention(q, k, v, [(1, "rope"), (3, "none")])
     empty = torch.empty(0, dtype=torch.long)
     with pytest.raises(ValueError, match="no learned parameters"):  # a 0-d tensor is one value
-        torch.ops.posenc.attention(q, k, v, '{"kind": "none"}', torch.tensor(1.0), [], empty, True, -1, -1, None, 0.0, 0.0, empty,
+        torch.ops.posenc.attention(q, k, v, '{"kind": "none"}', torch.tensor(1.0), [], empty, True, -1, -1, None, None, 0.0, 0.0, empty,
                                    empty)
     with pytest.raises(ValueError, match="heads"):
         torch.ops.posenc.attention(q, k, v, '{"kind": "none", "heads": 4}', empty.double(), [], empty, True, -1, -1, None,
-                                   0.0, 0.0, empty, empty)
+                                   None, 0.0, 0.0, empty, empty)
     with pytest.raises(ValueError, match="integer"):
         torch.ops.posenc.attention(q, k, v, '{"groups": [{"kind": "none", "heads": 2.5}, {"kind": "none", '
-                                   '"heads": 1.5}]}', empty.double(), [], empty, True, -1, -1, None, 0.0, 0.0, empty, empty)
+                                   '"heads": 1.5}]}', empty.double(), [], empty, True, -1, -1, None, None, 0.0, 0.0, empty, empty)
     with pytest.raises(ValueError, match="symmetric = 3"):
         posenc.RelativeBias("alibi", 4, symmetric=3)
     with pytest.raises(ValueError, match="expected the group's 2"):

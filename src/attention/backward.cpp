@@ -260,6 +260,10 @@ void AttentionPlan::backward_unit(const BackwardCall& call, const BackwardUnit& 
       const std::int64_t i = rb.query[static_cast<std::size_t>(r)];
       load_row(q_data, qg, seq.b, seq.q0 + i, h, qrow);
       transform_row(tq, true, q_table_row(seq, i), qrow, 1.0f);
+      if (spec.temperature) {
+        const float f = query_temperature(rb.position[static_cast<std::size_t>(r)]);
+        for (std::int64_t t = 0; t < d; ++t) qrow[t] *= f;
+      }
       for (const auto& term : terms) term->adjust_query(h, qrow);
       for (std::int64_t t = 0; t < d; ++t) qrow[t] *= scale;
       load_row_as(d_out, dog, seq.b, seq.q0 + i, h, drow);
@@ -447,7 +451,7 @@ void AttentionPlan::backward_unit(const BackwardCall& call, const BackwardUnit& 
     }
   }
   for (std::size_t t = 0; t < terms.size(); ++t) terms[t]->finish_backward(s.terms[t]);
-  // dQ: times the scale, rotated back.
+  // dQ: times the scale (and the temperature), rotated back.
   if (dq != nullptr) {
     for (std::int64_t r = 0; r < w; ++r) {
       const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
@@ -455,6 +459,10 @@ void AttentionPlan::backward_unit(const BackwardCall& call, const BackwardUnit& 
       const std::int64_t i = rb.query[static_cast<std::size_t>(r)];
       float* row = s.dq.data() + r * dp;
       for (std::int64_t t = 0; t < d; ++t) row[t] *= scale;
+      if (spec.temperature) {
+        const float f = query_temperature(rb.position[static_cast<std::size_t>(r)]);
+        for (std::int64_t t = 0; t < d; ++t) row[t] *= f;
+      }
       transform_row(tq, true, q_table_row(seq, i), row, -1.0f);
       store_row_to(row, *dq, dqg, seq.b, seq.q0 + i, h);
     }

@@ -246,6 +246,15 @@ XlProjection<T> xl_projection(const XlParams& xl, std::int64_t local, const std:
   return out;
 }
 
+// Rows times the spec's temperature of their query positions (temperature.hpp), in fp64.
+void temper(const Problem& p, const std::vector<std::int64_t>& positions, Rows& r) {
+  if (!p.spec->temperature) return;
+  for (std::int64_t i = 0; i < r.n; ++i) {
+    const double f = p.spec->temperature->factor(positions[static_cast<std::size_t>(i)]);
+    for (std::int64_t t = 0; t < r.d; ++t) r.v[static_cast<std::size_t>(i * r.d + t)] *= f;
+  }
+}
+
 const std::optional<BiasScheme>& bias_of(const Problem& p, std::int64_t group) {
   return p.groups[static_cast<std::size_t>(group)].bias;
 }
@@ -296,6 +305,7 @@ HeadProblem load_head(const Problem& p, const Sequence& seq, std::int64_t h) {
   hp.k = load_rows(p, p.spec->k, p.kg, seq.b, seq.k0, seq.lk, kvh);
   hp.v = load_rows(p, p.spec->v, p.vg, seq.b, seq.k0, seq.lk, kvh);
   transform(p, group, true, hp.qpos, hp.q, false);
+  temper(p, hp.qpos, hp.q);
   transform(p, group, false, hp.kpos, hp.k, false);
   return hp;
 }
@@ -559,6 +569,7 @@ void attention_backward(const Attention& attention, ConstTensorView out, ConstTe
           }
         }
         if (want_dq) {
+          temper(p, hp.qpos, dq_t);
           transform(p, group, true, hp.qpos, dq_t, true);
           store_rows(p, dq_t, dq, dqg, seq.b, seq.q0, h, true);
         }

@@ -157,6 +157,11 @@ Runner add_bench(CLI::App& app) {
   sub->add_option_function<std::int64_t>(
       "--chunk-size", [o](std::int64_t c) { o->shape.chunk_size = c; },
       "attention: chunked mask (Llama 4's attention_chunk_size), chunks of this many positions");
+  sub->add_option_function<std::int64_t>(
+      "--value-dim", [o](std::int64_t d) { o->shape.value_dim = d; },
+      "attention: the values' head size, at most --head-dim (MLA: 128 of 192; absorbed: 512 of 576)");
+  sub->add_flag("--values-in-keys", o->shape.values_in_keys,
+                "attention: v is a view of the first --value-dim columns of k's rows (MLA's absorbed decode)");
   sub->add_flag("--in-place", o->shape.in_place, "rope: rotate in place (judged against rmw)");
   sub->add_flag("--huge-pages", o->shape.huge_pages,
                 "Put the kernel's buffers and the limits' buffers on 2 MiB pages (posenc::HugePageBuffer)");

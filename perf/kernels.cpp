@@ -55,7 +55,8 @@ Case make_attention_case(const CaseOptions& o) {
   if (o.dtype != "f32" && o.dtype != "bf16" && o.dtype != "f16")
     throw Error("bench", "--dtype", o.dtype, "f32, bf16 or f16");
   const DType dtype = o.dtype == "bf16" ? DType::kBF16 : o.dtype == "f16" ? DType::kF16 : DType::kF32;
-  const std::int64_t heads = o.heads, dim = o.dim, kv = o.kv_heads;
+  const std::int64_t heads = o.heads, dim = o.dim, kv = o.kv_heads, dim_v = o.value_dim.value_or(o.dim);
+  if (dim_v < 1 || dim_v > dim) throw Error("bench", "--value-dim", std::to_string(dim_v), "1 to --head-dim");
   const std::int64_t q_len = o.pass == "decode" ? 1 : o.length, k_len = o.length;
   std::vector<HeadGroup> groups;
   // FoX's log forget gates [B, Sk, H]: logsigmoid of logits in [1, 5], gates of 0.73–0.99 as a
@@ -125,12 +126,15 @@ Case make_attention_case(const CaseOptions& o) {
   st->gates = gates;
   const std::int64_t q_count = checked_mul(checked_mul(o.batch, q_len, "q"), heads * dim, "q");
   const std::int64_t k_count = checked_mul(checked_mul(o.batch, k_len, "k"), kv * dim, "k");
+  const std::int64_t o_count = checked_mul(checked_mul(o.batch, q_len, "out"), heads * dim_v, "out");
+  const std::int64_t v_count = o.values_in_keys ? 0 : checked_mul(checked_mul(o.batch, k_len, "v"), kv * dim_v, "v");
   std::uint64_t state = 99;
   const auto pattern = [&state] {
     state = state * 6364136223846793005ull + 1442695040888963407ull;
     return static_cast<float>(static_cast<double>(state >> 40) / static_cast<double>(1ull << 24) * 2.0 - 1.0);
   };
   const auto make = [&](BenchArray<float>& f, BenchArray<std::uint16_t>& h, std::int64_t n, bool random) {
+    if (n == 0) return;  // v inside k's rows
     f.assign(static_cast<std::size_t>(n), 0.0f, o.huge_pages);
     if (random) {
       for (auto& x : f) x = pattern();
@@ -146,37 +150,42 @@ Case make_attention_case(const CaseOptions& o) {
   const bool backward = o.pass == "backward";
   make(st->q, st->q16, q_count, true);
   make(st->k, st->k16, k_count, true);
-  make(st->v, st->v16, k_count, true);
-  make(st->out, st->out16, q_count, false);
+  make(st->v, st->v16, v_count, true);
+  make(st->out, st->out16, o_count, false);
   if (backward) {
-    make(st->dout, st->dout16, q_count, true);
+    make(st->dout, st->dout16, o_count, true);
     make(st->dq, st->dq16, q_count, false);
     make(st->dk, st->dk16, k_count, false);
-    make(st->dv, st->dv16, k_count, false);
+    make(st->dv, st->dv16, checked_mul(checked_mul(o.batch, k_len, "v"), kv * dim_v, "v"), false);
   }
   st->lse.assign(static_cast<std::size_t>(o.batch * heads * q_len), 0.0f);
   const auto data = [dtype](BenchArray<float>& f, BenchArray<std::uint16_t>& h) -> void* {
     return dtype == DType::kF32 ? static_cast<void*>(f.data()) : static_cast<void*>(h.data());
   };
   const std::vector<std::int64_t> q_shape = {o.batch, q_len, heads, dim}, k_shape = {o.batch, k_len, kv, dim};
+  const std::vector<std::int64_t> o_shape = {o.batch, q_len, heads, dim_v}, v_shape = {o.batch, k_len, kv, dim_v};
+  const std::vector<std::int64_t> k_strides = {k_len * kv * dim, kv * dim, dim, 1};
   AttentionSpec spec;
   spec.q = ConstTensorView::contiguous(data(st->q, st->q16), dtype, q_shape);
   spec.k = ConstTensorView::contiguous(data(st->k, st->k16), dtype, k_shape);
-  spec.v = ConstTensorView::contiguous(data(st->v, st->v16), dtype, k_shape);
+  spec.v = o.values_in_keys ? ConstTensorView(data(st->k, st->k16), dtype, v_shape, k_strides)
+                            : ConstTensorView::contiguous(data(st->v, st->v16), dtype, v_shape);
   spec.groups = groups;
   spec.mask.causal = o.causal;
   spec.mask.chunk_size = o.chunk_size;
   st->attention = std::make_unique<Attention>(spec);
-  const TensorView out = TensorView::contiguous(data(st->out, st->out16), dtype, q_shape);
+  const TensorView out = TensorView::contiguous(data(st->out, st->out16), dtype, o_shape);
   const TensorView lse = TensorView::of(st->lse.data(), {o.batch, heads, q_len});
   Case c;
   c.name = "attention";
-  c.description = "q [" + std::to_string(o.batch) + ", " + std::to_string(q_len) + ", " + std::to_string(heads) + ", " +
-                  std::to_string(dim) + "], k, v [" + std::to_string(o.batch) + ", " + std::to_string(k_len) + ", " +
-                  std::to_string(kv) + ", " + std::to_string(dim) + "] " + o.dtype + ", " + o.scheme +
-                  (o.scheme == "rope" && o.interleaved ? " (interleaved)" : "") + ", " +
-                  (o.causal ? "causal" : "full") +
-                  (o.chunk_size ? ", chunks of " + std::to_string(*o.chunk_size) : "") + ", " + o.pass;
+  c.description =
+      "q [" + std::to_string(o.batch) + ", " + std::to_string(q_len) + ", " + std::to_string(heads) + ", " +
+      std::to_string(dim) + "], k, v [" + std::to_string(o.batch) + ", " + std::to_string(k_len) + ", " +
+      std::to_string(kv) + ", " + std::to_string(dim) + "] " +
+      (dim_v != dim ? "v " + std::to_string(dim_v) + (o.values_in_keys ? " wide, k's rows, " : " wide, ") : "") +
+      o.dtype + ", " + o.scheme + (o.scheme == "rope" && o.interleaved ? " (interleaved)" : "") + ", " +
+      (o.causal ? "causal" : "full") + (o.chunk_size ? ", chunks of " + std::to_string(*o.chunk_size) : "") + ", " +
+      o.pass;
   const double width = static_cast<double>(dtype_size(dtype));
   double pairs = static_cast<double>(o.batch) * static_cast<double>(q_len) * static_cast<double>(k_len) *
                  static_cast<double>(heads) * static_cast<double>(dim);
@@ -192,10 +201,14 @@ Case make_attention_case(const CaseOptions& o) {
     pairs = seen * static_cast<double>(o.batch * heads * dim);
     visible_keys = seen / static_cast<double>(q_len);
   }
-  const double forward_flops = 4.0 * pairs * (o.causal && !o.chunk_size ? 0.5 : 1.0);
+  // Two products per pair, D and Dv deep.
+  const double forward_flops = 2.0 * pairs * (1.0 + static_cast<double>(dim_v) / static_cast<double>(dim)) *
+                               (o.causal && !o.chunk_size ? 0.5 : 1.0);
   c.elements_per_run = static_cast<double>(o.batch * heads) * static_cast<double>(q_len) * static_cast<double>(k_len);
   if (o.pass == "decode") {
-    c.bytes_per_run = 2.0 * static_cast<double>(k_count) * width * visible_keys / static_cast<double>(k_len);
+    // The cache read once: keys and (unless they lie in the keys' rows) values.
+    c.bytes_per_run = (static_cast<double>(k_count) + static_cast<double>(v_count)) * width * visible_keys /
+                      static_cast<double>(k_len);
     c.limit_name = "copy";
     c.run = [st, out, lse] { st->stats = st->attention->forward(out, lse); };
   } else if (o.pass == "forward") {
@@ -206,10 +219,10 @@ Case make_attention_case(const CaseOptions& o) {
     c.flops_per_run = 2.5 * forward_flops;
     c.limit_name = "fma";
     st->attention->forward(out, lse);
-    const ConstTensorView dout = ConstTensorView::contiguous(data(st->dout, st->dout16), dtype, q_shape);
+    const ConstTensorView dout = ConstTensorView::contiguous(data(st->dout, st->dout16), dtype, o_shape);
     const TensorView dq = TensorView::contiguous(data(st->dq, st->dq16), dtype, q_shape);
     const TensorView dk = TensorView::contiguous(data(st->dk, st->dk16), dtype, k_shape);
-    const TensorView dv = TensorView::contiguous(data(st->dv, st->dv16), dtype, k_shape);
+    const TensorView dv = TensorView::contiguous(data(st->dv, st->dv16), dtype, v_shape);
     // FoX's gates and the sinks are trained (their gradients are part of the backward's work); a
     // registered scheme is trained when it has parameters.
     const bool trainable =

@@ -32,6 +32,10 @@ struct CaseOptions {
   bool causal = false;
   // attention: Llama 4's chunked mask (attention.hpp), chunks of this many positions; absent: none
   std::optional<std::int64_t> chunk_size{};
+  // attention: MLA's values, value_dim wide (default: dim); values_in_keys makes v a view of the
+  // first value_dim columns of k's rows (absorbed decode: one cache read for both)
+  std::optional<std::int64_t> value_dim{};
+  bool values_in_keys = false;
   // Every buffer on 2 MiB pages (posenc::HugePageBuffer) instead of ordinary ones; the limits
   // must then be measured with measure_limits(…, huge_pages = true).
   bool huge_pages = false;

@@ -71,7 +71,8 @@ TEST(AttentionTemperature, EqualsQueriesScaledByHand) {
   const PositionTemperature temp = PositionTemperature::llama4(8, 0.7);
   Problem scaled = p;
   for (std::int64_t i = 0; i < p.q_len; ++i) {
-    for (std::int64_t t = 0; t < p.heads * p.dim; ++t) scaled.q[static_cast<std::size_t>(i * p.heads * p.dim + t)] *= temp.factor(i);
+    for (std::int64_t t = 0; t < p.heads * p.dim; ++t)
+      scaled.q[static_cast<std::size_t>(i * p.heads * p.dim + t)] *= temp.factor(i);
   }
   scaled.qb = testing::to_dtype(scaled.q, DType::kF64);
   AttentionSpec with = spec_of(p), by_hand = spec_of(scaled);

@@ -303,7 +303,9 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
       holder->call = make_attention(q, k, v, scheme, bias_params, causal, window_left, window_right, chunk_size,
                                     temperature, softcap, scale, q_positions, k_positions, gates.vec(), sinks);
       const AttentionCall& call = holder->call;
-      at::Tensor out = empty_output(q.sizes(), q.scalar_type());
+      std::vector<std::int64_t> out_shape(q.sizes().begin(), q.sizes().end());
+      out_shape.back() = v.size(-1);  // MLA: values narrower than q and k
+      at::Tensor out = empty_output(out_shape, q.scalar_type());
       at::Tensor lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
       call.attention->forward(mutable_view("attention", "out", out), mutable_view("attention", "lse", lse));
       ctx->saved_data["plan"] = holder;

@@ -20,8 +20,11 @@
 // sequence's keys and values and their gradients ([Sk, 4·D] floats: its row blocks run outer).
 //
 // ─── Layout ────────────────────────────────────────────────────────────────────────────────────
-//   q, out, dq, d_out   [B, Sq, H, D]   (or packed [Tq, H, D] with cu_seqlens_q)
-//   k, v, dk, dv        [B, Sk, G, D]   (or packed [Tk, G, D] with cu_seqlens_k)
+//   q, dq               [B, Sq, H, D]   (or packed [Tq, H, D] with cu_seqlens_q)
+//   out, d_out          [B, Sq, H, Dv]
+//   k, dk               [B, Sk, G, D]   (or packed [Tk, G, D] with cu_seqlens_k)
+//   v, dv               [B, Sk, G, Dv]  Dv <= D: MLA's value heads (DeepSeek: D 192, Dv 128; absorbed
+//                                       decode: D 576 and v the first 512 columns of k's rows — a view)
 //   lse                 [B, H, Sq]      (or [H, Tq]) f32, natural log; −inf for a fully masked row
 // Any strides (a [B, H, S, D] tensor is a [B, S, H, D] view with permuted strides); q, k, v in
 // f32, bf16 or f16 (all three the same), outputs in the same dtype, math in f32. f64 inputs run
@@ -197,7 +200,8 @@ class Attention {
   std::int64_t k_len() const;  // Sk (or Tk)
   std::int64_t heads() const;
   std::int64_t kv_heads() const;
-  std::int64_t head_dim() const;
+  std::int64_t head_dim() const;   // D of q and k
+  std::int64_t value_dim() const;  // Dv of v, out, d_out and dv
   const AttentionSpec& spec() const;
 
   // Zeroed gradients shaped for this attention's groups.

@@ -409,3 +409,25 @@ def test_position_temperature_matches_queries_scaled_eagerly():
         posenc.PositionTemperature(kind="yarn")
     with pytest.raises(TypeError, match="expected a posenc.PositionTemperature"):
         posenc.attention(q, k, v, temperature=1.1)
+
+
+def test_mla_values_narrower_than_keys():
+    # DeepSeek's training heads (q, k 192; v 128) and absorbed decode (one KV head; v the first
+    # columns of k's rows, a view): eager attention, with gradients through the view.
+    q, k, _ = inputs(b=1, sq=20, sk=20, h=4, g=4, d=24)
+    v = torch.randn(1, 20, 4, 16, dtype=torch.float64, requires_grad=True)
+    out = posenc.attention(q, k, v, causal=True)
+    assert out.shape == (1, 20, 4, 16)
+    ref = reference_attention(q, k, v, causal=True)
+    assert torch.allclose(out, ref, atol=1e-12, rtol=0)
+    for got, want in zip(grads_of(out, (q, k, v)), grads_of(ref, (q, k, v))):
+        assert torch.allclose(got, want, atol=1e-11, rtol=0)
+    cache = torch.randn(1, 300, 1, 36, dtype=torch.float64, requires_grad=True)
+    q1 = torch.randn(1, 1, 8, 36, dtype=torch.float64)
+    out = posenc.attention(q1, cache, cache[..., :32], causal=True)
+    ref = reference_attention(q1, cache, cache[..., :32], causal=True)
+    assert torch.allclose(out, ref, atol=1e-12, rtol=0)
+    (g_fused,), (g_ref,) = grads_of(out, (cache,)), grads_of(ref, (cache,))
+    assert torch.allclose(g_fused, g_ref, atol=1e-11, rtol=0)
+    with pytest.raises(ValueError, match="head_dim of 1 to k's"):
+        posenc.attention(q1[..., :32], cache[..., :32], cache, causal=True)

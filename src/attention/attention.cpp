@@ -34,6 +34,7 @@ std::int64_t Attention::k_len() const { return plan_->k_len; }
 std::int64_t Attention::heads() const { return plan_->heads; }
 std::int64_t Attention::kv_heads() const { return plan_->kv_heads; }
 std::int64_t Attention::head_dim() const { return plan_->dim; }
+std::int64_t Attention::value_dim() const { return plan_->dim_v; }
 const AttentionSpec& Attention::spec() const { return plan_->spec; }
 AttentionGradients Attention::zero_gradients() const { return plan_->zero_gradients(); }
 
@@ -41,7 +42,7 @@ AttentionStats Attention::forward(TensorView out, TensorView lse) const {
   detail::init_dispatch();
   if (detail::use_reference() || plan_->dtype == DType::kF64) {
     // The plan's checks first, so that errors read the same on every path.
-    detail::check_output_tokens(Plan::kWhere, "out", ConstTensorView(out), plan_->qg);
+    detail::check_output_tokens(Plan::kWhere, "out", ConstTensorView(out), plan_->out_grid());
     if (lse.rank() > 0) plan_->check_lse(lse, true);
     plan_->check_disjoint({{"out", out}, {"lse", lse}}, {{"q", spec().q}, {"k", spec().k}, {"v", spec().v}});
     ref::attention_forward(*this, out, lse);
@@ -55,8 +56,8 @@ AttentionStats Attention::backward(ConstTensorView out, ConstTensorView lse, Con
   detail::init_dispatch();
   if (detail::use_reference() || plan_->dtype == DType::kF64) {
     const detail::HeadsGrid& qg = plan_->qg;
-    detail::check_output_tokens(Plan::kWhere, "out", out, qg);
-    detail::check_output_tokens(Plan::kWhere, "d_out", d_out, qg);
+    detail::check_output_tokens(Plan::kWhere, "out", out, plan_->out_grid());
+    detail::check_output_tokens(Plan::kWhere, "d_out", d_out, plan_->out_grid());
     plan_->check_lse(lse, false);
     if (dq.rank() > 0) detail::check_output_tokens(Plan::kWhere, "dq", ConstTensorView(dq), qg);
     if (dk.rank() > 0) detail::check_output_tokens(Plan::kWhere, "dk", ConstTensorView(dk), plan_->kg);

@@ -153,8 +153,9 @@ void AttentionPlan::check_views() {
   dim = qg.dim;
   require(kg.batch == batch, "k", shape_text(spec.k), "batch " + std::to_string(batch) + " as q");
   require(kg.dim == dim, "k", shape_text(spec.k), "head_dim " + std::to_string(dim) + " as q");
-  require(vg.batch == batch && vg.seq == k_len && vg.heads == kv_heads && vg.dim == dim, "v", shape_text(spec.v),
-          "the shape of k, " + shape_text(spec.k));
+  require(vg.batch == batch && vg.seq == k_len && vg.heads == kv_heads && vg.dim >= 1 && vg.dim <= dim, "v",
+          shape_text(spec.v), "the shape of k, " + shape_text(spec.k) + ", with a head_dim of 1 to k's");
+  dim_v = vg.dim;
   require(dim >= 1, "q", shape_text(spec.q), "head_dim >= 1");
   require(heads >= 1, "q", shape_text(spec.q), "at least one head");
   require(kv_heads >= 1 && heads % kv_heads == 0, "k", shape_text(spec.k),
@@ -175,7 +176,7 @@ void AttentionPlan::check_views() {
   constexpr std::int64_t kBlockRows = 128;
   query_block = std::max<std::int64_t>(kernels::kAttnAlign, kBlockRows / group_size);
   key_tile = 64;
-  zero_copy = dtype == DType::kF32 && kg.dim_stride == 1 && vg.dim_stride == 1 && dim == dim_padded;
+  zero_copy = dtype == DType::kF32 && kg.dim_stride == 1 && vg.dim_stride == 1 && dim == dim_padded && dim_v == dim;
 }
 
 // The mask's fields (attention.hpp: Masks).
@@ -329,6 +330,10 @@ std::vector<HeadGroup> AttentionPlan::plan_head_groups() {
       throw Error(
           kWhere, (name + ".heads").c_str(), std::to_string(grp.heads),
           "in [1, " + std::to_string(heads - first) + "] (the groups tile the " + std::to_string(heads) + " heads)");
+    }
+    if (grp.shaw && dim_v != dim) {
+      throw Error(kWhere, (name + ".shaw").c_str(), "given with values " + std::to_string(dim_v) + " wide",
+                  "values as wide as the keys (" + std::to_string(dim) + "): Shaw's value term has head_dim columns");
     }
     const bool transforms = grp.transform.index() != 0;
     if (transforms && (first % group_size != 0 || grp.heads % group_size != 0)) {

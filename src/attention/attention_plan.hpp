@@ -181,6 +181,15 @@ struct AttentionPlan {
   std::int64_t window_right = -1;
   DType dtype = DType::kF32;
   std::int64_t batch = 1, q_len = 0, k_len = 0, heads = 0, kv_heads = 0, group_size = 1, dim = 0, dim_padded = 0;
+  // The values' head size (out, d_out and dv have it): 1 … dim (MLA: 128 of 192; absorbed decode
+  // 512 of 576). Value rows are zero-padded to dim_padded like the others.
+  std::int64_t dim_v = 0;
+  // out's and d_out's grid: q's tokens and heads, dim_v wide.
+  HeadsGrid out_grid() const {
+    HeadsGrid g = qg;
+    g.dim = dim_v;
+    return g;
+  }
   bool packed = false;
   HeadsGrid qg, kg, vg;
   const void *q_data = nullptr, *k_data = nullptr, *v_data = nullptr;

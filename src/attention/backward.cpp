@@ -23,9 +23,9 @@ namespace posenc::detail {
 
 AttentionStats AttentionPlan::backward(ConstTensorView out, ConstTensorView lse, ConstTensorView d_out, TensorView dq,
                                        TensorView dk, TensorView dv, AttentionGradients* grads) const {
-  const HeadsGrid og = check_output_tokens(kWhere, "out", out, qg);
+  const HeadsGrid og = check_output_tokens(kWhere, "out", out, out_grid());
   check_dtype(kWhere, "out", out.dtype(), dtype);
-  const HeadsGrid dog = check_output_tokens(kWhere, "d_out", d_out, qg);
+  const HeadsGrid dog = check_output_tokens(kWhere, "d_out", d_out, out_grid());
   check_dtype(kWhere, "d_out", d_out.dtype(), dtype);
   check_lse(lse, false);
   const bool want_dq = dq.rank() > 0, want_dk = dk.rank() > 0, want_dv = dv.rank() > 0;

@@ -72,7 +72,7 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
                               : shared_rope->k_cos_sin.empty() ? shared_rope->q_cos_sin.data()
                                                                : shared_rope->k_cos_sin.data();
   const bool direct_k = kg.dim_stride == 1 && reads_dtype && (!transform_keys || rotate_in_scores);
-  const bool direct_v = vg.dim_stride == 1 && reads_dtype;
+  const bool direct_v = vg.dim_stride == 1 && kernels::attn_decode_reads_directly(dtype, valid, dim_v);
   std::vector<const float*> q_heads(static_cast<std::size_t>(g_count)), p_heads(q_heads.size());
   std::vector<float*> st_heads(q_heads.size()), o_heads(q_heads.size());
   for (std::int64_t g = 0; g < g_count; ++g) {
@@ -90,7 +90,7 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
   const auto pack_tile = [&](const void* data, const HeadsGrid& grid, std::int64_t k0, std::int64_t keys, float* dst) {
     if (grid.dim_stride == 1) {
       kernels::attn_pack_heads(static_cast<const char*>(data) + grid.offset(seq.b, seq.k0 + k0) * width, dtype,
-                               grid.seq_stride, grid.head_stride, keys, g_count, dim, dst, dp);
+                               grid.seq_stride, grid.head_stride, keys, g_count, grid.dim, dst, dp);
       return;
     }
     for (std::int64_t j = 0; j < keys; ++j) {
@@ -182,7 +182,7 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
         terms[t]->add_probabilities(tile, hs.st.data(), hs.corr.data(), hs.terms[t]);
     }
     if (!direct_v) pack_tile(v_data, vg, k0, keys, s.v.data());
-    kernels::attn_decode_values(vp, v_dtype, ldv, vhs, keys, g_count, p_heads.data(), w, valid, direct_v ? dim : dp,
+    kernels::attn_decode_values(vp, v_dtype, ldv, vhs, keys, g_count, p_heads.data(), w, valid, direct_v ? dim_v : dp,
                                 o_heads.data(), dp, rows_ahead(k_data, kg, seq, k0 + keys, next_keys));
   }
 }

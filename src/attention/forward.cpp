@@ -41,6 +41,7 @@ void prefetch_rows(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh
                    std::int64_t count) {
   const std::int64_t width = static_cast<std::int64_t>(dtype_size(p.dtype));
   const std::int64_t row_bytes = (p.dim - 1) * width * p.kg.dim_stride + width;
+  const std::int64_t v_row_bytes = (p.dim_v - 1) * width * p.vg.dim_stride + width;
   for (std::int64_t j = 0; j < count; ++j) {
     const char* k =
         static_cast<const char*>(p.k_data) + (p.kg.offset(seq.b, seq.k0 + first + j) + kvh * p.kg.head_stride) * width;
@@ -49,10 +50,8 @@ void prefetch_rows(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh
     // Into L2 (prefetcht1): a tile's keys and values are 64 KiB at D = 128, more than L1, where
     // they would evict the block's working rows. perf, 1 thread, S 2048, three alternating pairs:
     // prefetch_rows' samples fell from 331–397 to 234–293; the totals moved within the noise.
-    for (std::int64_t at = 0; at < row_bytes; at += 64) {
-      __builtin_prefetch(k + at, 0, 2);
-      __builtin_prefetch(v + at, 0, 2);
-    }
+    for (std::int64_t at = 0; at < row_bytes; at += 64) __builtin_prefetch(k + at, 0, 2);
+    for (std::int64_t at = 0; at < v_row_bytes; at += 64) __builtin_prefetch(v + at, 0, 2);
   }
 }
 
@@ -268,7 +267,7 @@ std::array<AttentionUnitScratch, kMaxGroupBlocks - 1>& group_scratch() {
 namespace detail {
 
 AttentionStats AttentionPlan::forward(TensorView out, TensorView lse) const {
-  const HeadsGrid og = check_output_tokens(kWhere, "out", ConstTensorView(out), qg);
+  const HeadsGrid og = check_output_tokens(kWhere, "out", ConstTensorView(out), out_grid());
   check_dtype(kWhere, "out", out.dtype(), dtype);
   check_writable(kWhere, "out", ConstTensorView(out));
   const bool want_lse = lse.rank() > 0;

@@ -57,11 +57,11 @@ void AttentionPlan::load_row(const void* base, const HeadsGrid& g, std::int64_t 
   const std::int64_t offset = g.offset(b, s) + h * g.head_stride;
   if (g.dim_stride == 1) {
     kernels::attn_load_f32(static_cast<const char*>(base) + offset * static_cast<std::int64_t>(dtype_size(dtype)),
-                           dtype, dim, out);
+                           dtype, g.dim, out);
   } else {
-    for (std::int64_t d = 0; d < dim; ++d) out[d] = static_cast<float>(load(base, dtype, offset + d * g.dim_stride));
+    for (std::int64_t d = 0; d < g.dim; ++d) out[d] = static_cast<float>(load(base, dtype, offset + d * g.dim_stride));
   }
-  for (std::int64_t d = dim; d < dim_padded; ++d) out[d] = 0.0f;
+  for (std::int64_t d = g.dim; d < dim_padded; ++d) out[d] = 0.0f;
 }
 
 kernels::RowPrefetch AttentionPlan::rows_ahead(const void* base, const HeadsGrid& g, const Sequence& seq,
@@ -74,7 +74,7 @@ kernels::RowPrefetch AttentionPlan::rows_ahead(const void* base, const HeadsGrid
   plan.head_stride = g.head_stride * width;
   plan.keys = keys;
   plan.heads = kv_heads;
-  plan.row_bytes = dim * width;
+  plan.row_bytes = g.dim * width;
   return plan;
 }
 
@@ -82,11 +82,11 @@ void AttentionPlan::store_row(const float* row, void* base, const HeadsGrid& g, 
                               std::int64_t h, bool accumulate) const {
   const std::int64_t offset = g.offset(b, s) + h * g.head_stride;
   if (g.dim_stride == 1) {
-    kernels::attn_store(row, dim, dtype,
+    kernels::attn_store(row, g.dim, dtype,
                         static_cast<char*>(base) + offset * static_cast<std::int64_t>(dtype_size(dtype)), accumulate);
     return;
   }
-  for (std::int64_t d = 0; d < dim; ++d) {
+  for (std::int64_t d = 0; d < g.dim; ++d) {
     const std::int64_t at = offset + d * g.dim_stride;
     const double prior = accumulate ? load(base, dtype, at) : 0.0;
     store(base, dtype, at, static_cast<double>(static_cast<float>(prior) + row[d]));

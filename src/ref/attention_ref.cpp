@@ -32,7 +32,13 @@ struct Problem {
   const AttentionSpec* spec = nullptr;
   bool packed = false;
   std::int64_t batch = 0, q_len = 0, k_len = 0, heads = 0, kv_heads = 0, group_size = 0, dim = 0;
+  std::int64_t dim_v = 0;  // the values' head size (out, d_out, dv)
   detail::HeadsGrid qg, kg, vg;
+  detail::HeadsGrid out_grid() const {
+    detail::HeadsGrid g = qg;
+    g.dim = dim_v;
+    return g;
+  }
   AttentionMask mask;
   double scale_f64 = 0;
   std::vector<Sequence> sequences;
@@ -67,6 +73,7 @@ Problem problem_of(const Attention& attention) {
   p.kv_heads = p.kg.heads;
   p.group_size = p.heads / p.kv_heads;
   p.dim = p.qg.dim;
+  p.dim_v = p.vg.dim;
   p.mask = spec.mask;
   p.scale_f64 = spec.scale > 0 ? spec.scale : 1.0 / std::sqrt(static_cast<double>(p.dim));
   if (p.packed) {
@@ -150,22 +157,22 @@ struct Rows {
   const double* row(std::int64_t i) const { return v.data() + i * d; }
 };
 
-Rows load_rows(const Problem& p, ConstTensorView view, const detail::HeadsGrid& g, std::int64_t b, std::int64_t s0,
-               std::int64_t n, std::int64_t h) {
-  Rows r{n, p.dim, std::vector<double>(static_cast<std::size_t>(n * p.dim))};
+Rows load_rows(const Problem& /* p */, ConstTensorView view, const detail::HeadsGrid& g, std::int64_t b,
+               std::int64_t s0, std::int64_t n, std::int64_t h) {
+  Rows r{n, g.dim, std::vector<double>(static_cast<std::size_t>(n * g.dim))};
   for (std::int64_t i = 0; i < n; ++i) {
     const std::int64_t off = g.offset(b, s0 + i) + h * g.head_stride;
-    for (std::int64_t t = 0; t < p.dim; ++t)
+    for (std::int64_t t = 0; t < g.dim; ++t)
       r.row(i)[t] = detail::load(view.data(), view.dtype(), off + t * g.dim_stride);
   }
   return r;
 }
 
-void store_rows(const Problem& p, const Rows& r, TensorView view, const detail::HeadsGrid& g, std::int64_t b,
+void store_rows(const Problem& /* p */, const Rows& r, TensorView view, const detail::HeadsGrid& g, std::int64_t b,
                 std::int64_t s0, std::int64_t h, bool accumulate) {
   for (std::int64_t i = 0; i < r.n; ++i) {
     const std::int64_t off = g.offset(b, s0 + i) + h * g.head_stride;
-    for (std::int64_t t = 0; t < p.dim; ++t) {
+    for (std::int64_t t = 0; t < r.d; ++t) {
       const std::int64_t at = off + t * g.dim_stride;
       const double prior = accumulate ? detail::load(view.data(), view.dtype(), at) : 0.0;
       detail::store(view.data(), view.dtype(), at, prior + r.row(i)[t]);
@@ -385,7 +392,7 @@ void scores(const Problem& p, const Sequence& seq, std::int64_t h, const HeadPro
 
 template <class T>
 void forward_impl(const Problem& p, TensorView out, TensorView lse) {
-  const detail::HeadsGrid og = detail::check_output_tokens(kWhere, "out", ConstTensorView(out), p.qg);
+  const detail::HeadsGrid og = detail::check_output_tokens(kWhere, "out", ConstTensorView(out), p.out_grid());
   const bool want_lse = lse.rank() > 0;
   if (want_lse) check_lse(p, lse, true);
   for (const Sequence& seq : p.sequences) {
@@ -393,10 +400,10 @@ void forward_impl(const Problem& p, TensorView out, TensorView lse) {
       const HeadProblem hp = load_head(p, seq, h);
       std::vector<T> z, prob, l;
       scores<T>(p, seq, h, hp, z, prob, l);
-      Rows o{seq.lq, p.dim, std::vector<double>(static_cast<std::size_t>(seq.lq * p.dim))};
-      const ShawParams* shaw = shaw_of(p, p.head_group[static_cast<std::size_t>(h)]);
+      Rows o{seq.lq, p.dim_v, std::vector<double>(static_cast<std::size_t>(seq.lq * p.dim_v))};
+      const ShawParams* shaw = shaw_of(p, p.head_group[static_cast<std::size_t>(h)]);  // dim_v == dim
       for (std::int64_t i = 0; i < seq.lq; ++i) {
-        for (std::int64_t t = 0; t < p.dim; ++t) {
+        for (std::int64_t t = 0; t < p.dim_v; ++t) {
           T acc = 0;
           for (std::int64_t j = 0; j < seq.lk; ++j) {
             T value = static_cast<T>(hp.v.row(j)[t]);
@@ -434,8 +441,8 @@ void attention_backward(const Attention& attention, ConstTensorView out, ConstTe
                         TensorView dq, TensorView dk, TensorView dv, AttentionGradients* grads) {
   const Problem p = problem_of(attention);
   const char* where = kWhere;
-  detail::check_output_tokens(where, "out", out, p.qg);
-  const detail::HeadsGrid dog = detail::check_output_tokens(where, "d_out", d_out, p.qg);
+  detail::check_output_tokens(where, "out", out, p.out_grid());
+  const detail::HeadsGrid dog = detail::check_output_tokens(where, "d_out", d_out, p.out_grid());
   check_lse(p, lse, false);
   const bool want_dq = dq.rank() > 0, want_dk = dk.rank() > 0, want_dv = dv.rank() > 0;
   detail::HeadsGrid dqg, dkg, dvg;
@@ -453,7 +460,7 @@ void attention_backward(const Attention& attention, ConstTensorView out, ConstTe
     }
     for (std::int64_t kvh = 0; kvh < p.kv_heads; ++kvh) {
       Rows dk_t{lk, p.dim, std::vector<double>(static_cast<std::size_t>(lk * p.dim))};
-      Rows dv_acc{lk, p.dim, std::vector<double>(static_cast<std::size_t>(lk * p.dim))};
+      Rows dv_acc{lk, p.dim_v, std::vector<double>(static_cast<std::size_t>(lk * p.dim_v))};
       std::vector<std::int64_t> kpos;
       for (std::int64_t g = 0; g < p.group_size; ++g) {
         const std::int64_t h = kvh * p.group_size + g;
@@ -482,7 +489,7 @@ void attention_backward(const Attention& attention, ConstTensorView out, ConstTe
           double delta = 0;
           for (std::int64_t j = 0; j < lk; ++j) {
             double acc = 0;
-            for (std::int64_t t = 0; t < p.dim; ++t) acc += dout.row(i)[t] * hp.v.row(j)[t];
+            for (std::int64_t t = 0; t < p.dim_v; ++t) acc += dout.row(i)[t] * hp.v.row(j)[t];
             if (shaw != nullptr) {
               const std::int64_t u =
                   shaw->row_of(hp.kpos[static_cast<std::size_t>(j)] - hp.qpos[static_cast<std::size_t>(i)]);
@@ -526,8 +533,8 @@ void attention_backward(const Attention& attention, ConstTensorView out, ConstTe
             for (std::int64_t t = 0; t < p.dim; ++t) {
               dq_t.row(i)[t] += scale * dx * hp.k.row(j)[t];
               dk_t.row(j)[t] += scale * dx * hp.q.row(i)[t];
-              dv_acc.row(j)[t] += pij * dout.row(i)[t];
             }
+            for (std::int64_t t = 0; t < p.dim_v; ++t) dv_acc.row(j)[t] += pij * dout.row(i)[t];
             if (xl != nullptr) {
               // logit += scale·(u·k + (q + v)·P(δ)): dq += scale·dx·P, dk += scale·dx·u, du, dv, dP.
               const std::int64_t rel = hp.qpos[static_cast<std::size_t>(i)] - hp.kpos[static_cast<std::size_t>(j)];

@@ -74,8 +74,8 @@ TEST_P(AttentionMlaTargets, NarrowValuesMatchTheReference) {
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.what);
-    const Problem p = with_value_dim(make_problem(c.batch, c.q_len, c.k_len, c.heads, c.kv_heads, c.dim, c.dtype),
-                                     c.dim_v);
+    const Problem p =
+        with_value_dim(make_problem(c.batch, c.q_len, c.k_len, c.heads, c.kv_heads, c.dim, c.dtype), c.dim_v);
     AttentionSpec spec = spec_with_values(p, c.dim_v);
     spec.mask.causal = true;
     const Attention att(spec);
@@ -135,7 +135,8 @@ TEST_P(AttentionMlaTargets, NarrowValuesBackwardMatchesTheReference) {
   const auto f64 = [](auto& v, const std::vector<std::int64_t>& shape) {
     return TensorView::contiguous(v.data(), DType::kF64, shape);
   };
-  std::vector<float> out(static_cast<std::size_t>(rows * dim_v)), lse(static_cast<std::size_t>(rows)), lse64(lse.size());
+  std::vector<float> out(static_cast<std::size_t>(rows * dim_v)), lse(static_cast<std::size_t>(rows)),
+      lse64(lse.size());
   std::vector<double> out64(out.size());
   const std::vector<double> d_out = random_values(out.size());
   std::vector<float> d_out32(d_out.begin(), d_out.end());
@@ -157,7 +158,49 @@ TEST_P(AttentionMlaTargets, NarrowValuesBackwardMatchesTheReference) {
   expect_close(std::vector<double>(dv.begin(), dv.end()), dv64, "dv");
 }
 
+// Wide decode blocks: a few queries with more than 8 rows per KV head (MLA's heads on one latent
+// head, GQA groups of 16) run compact rows through the matrix kernel, in key chunks merged by
+// their log-sum-exps.
+TEST_P(AttentionMlaTargets, WideDecodeBlocksMatchTheReference) {
+  struct Case {
+    const char* what;
+    std::int64_t batch, q_len, k_len, heads, kv_heads, dim;
+    int scheme;  // 0 none, 1 RoPE, 2 ALiBi
+  };
+  const Case cases[] = {
+      {"16 heads on one KV head, chunks", 1, 1, 3000, 16, 1, 96, 0},
+      {"3 queries, GQA groups of 16, RoPE", 2, 3, 1500, 32, 2, 64, 1},
+      {"ALiBi, 12 heads per KV head", 1, 2, 900, 24, 2, 32, 2},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    Problem p = make_problem(c.batch, c.q_len, c.k_len, c.heads, c.kv_heads, c.dim);
+    AttentionSpec spec = spec_of(p);
+    spec.mask.causal = true;
+    if (c.scheme == 1) spec.groups = {HeadGroup{c.heads, RotaryQK{RopeParams(c.dim, c.dim)}, {}}};
+    if (c.scheme == 2) spec.groups = {HeadGroup{c.heads, {}, AlibiParams(c.heads)}};
+    expect_accurate(p, spec, c.what);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Targets, AttentionMlaTargets, ::testing::ValuesIn(testing::all_targets()));
+
+TEST(AttentionMla, WideDecodeIsBitwiseIdenticalForAnyThreadCount) {
+  Problem p = make_problem(1, 2, 20000, 32, 2, 64);
+  AttentionSpec spec = spec_of(p);
+  spec.mask.causal = true;
+  const Attention att(spec);
+  std::vector<Outputs> runs;
+  for (const int threads : {1, 2, 3}) {
+    set_num_threads(threads);
+    runs.push_back(run_forward(p, att, 0));
+  }
+  set_num_threads(2);
+  for (std::size_t r = 1; r < runs.size(); ++r) {
+    EXPECT_EQ(runs[r].out, runs[0].out);
+    EXPECT_EQ(runs[r].lse, runs[0].lse);
+  }
+}
 
 TEST(AttentionMla, RefusesValuesWiderThanKeysAndShaw) {
   const Problem p = with_value_dim(make_problem(1, 5, 5, 2, 1, 16), 24);

@@ -57,11 +57,12 @@ void prefetch_rows(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh
 
 // One forward block in steps: forward_begin loads the rows of `rb`; block_tile runs one key
 // tile [k0, k0 + keys) of the sequence through them (forward_blocks drives both). Leaves the unnormalised output rows
-// in s.o ([width][Dp]) and m, l per row.
+// in s.o ([width][Dp]) and m, l per row. Compact blocks keep their queries as rows for decode's
+// dot products, unless `transposed` asks for Q^T (a wide decode block through block_tile).
 void forward_begin(const AttentionPlan& p, const Sequence& seq, const RowBlock& rb, AttentionUnitScratch& s,
-                   bool first_chunk) {
+                   bool first_chunk, bool transposed = false) {
   const std::int64_t w = rb.width, dp = p.dim_padded, d = p.dim;
-  const bool dot = rb.compact;
+  const bool dot = rb.compact && !transposed;
   grow(s.q, w * dp);
   const std::int64_t ldt = padded_stride(w);
   grow(s.qt, dp * ldt);
@@ -196,6 +197,9 @@ bool far_tile_vanishes(const AttentionPlan& p, const Sequence& seq, std::int64_t
 
 // At most this many consecutive query blocks of one KV head share their key tiles (a group).
 constexpr std::size_t kMaxGroupBlocks = 4;
+// Blocks of at most this many queries whose rows per KV head exceed kDecodeRows run as wide decode
+// blocks (AttentionPlan::forward); more queries fill their heads' lane chunks well enough.
+constexpr std::int64_t kWideDecodeQueries = 4;
 
 // Runs query blocks of one KV head whose key ranges start at the same key — one block, or a group
 // of up to kMaxGroupBlocks consecutive ones — through their key tiles, each tile's keys and values
@@ -276,19 +280,35 @@ AttentionStats AttentionPlan::forward(TensorView out, TensorView lse) const {
   // Units: (sequence, KV head, query block) for prefill; decode blocks (few rows) run every KV
   // head per key tile — reading the cache in its memory order — in chunks of keys:
   // (sequence, query block, key chunk), kvh = −1.
+  // Wide decode blocks (few queries but more than kDecodeRows rows per KV head: MLA's heads on
+  // one latent KV head, GQA groups of 16) run per KV head through the matrix kernel, their rows
+  // compact (no padding of each head's queries to a lane chunk), in key chunks like decode.
   struct Unit {
     std::int64_t seq, kvh, i0, count, k_begin, k_end, partial;
     bool compact;
     bool first;  // the first of a decode block's key chunks (it starts the rows: sinks)
+    bool wide = false;
   };
   std::vector<Unit> units;
   std::int64_t partials = 0;
+  // A decode block's chunks, merged after the units in chunk order (their partial indices).
+  struct Merge {
+    std::int64_t seq, i0, count;
+    std::vector<std::int64_t> partials;
+  };
+  std::vector<Merge> merges;
+  const auto wide_decode = [&](const Sequence& seq) {
+    return terms.empty() && seq.lq * group_size > kDecodeRows && seq.lq <= kWideDecodeQueries;
+  };
+  std::int64_t part_rows = kDecodeRows;
   // Prefill units of a group of query blocks (forward_blocks): the largest group of 4, 2 or 1 that
   // leaves at least 8 units per thread (the dynamic schedule balances causal units, whose cost
   // grows with their queries, only with several units per thread).
   std::int64_t prefill_blocks = 0;
   for (const Sequence& seq : sequences) {
-    if (seq.lq * group_size > kDecodeRows) prefill_blocks += kv_heads * ((seq.lq + query_block - 1) / query_block);
+    if (seq.lq * group_size > kDecodeRows && !wide_decode(seq))
+      prefill_blocks += kv_heads * ((seq.lq + query_block - 1) / query_block);
+    if (wide_decode(seq)) part_rows = std::max(part_rows, seq.lq * group_size);
   }
   const auto flops = static_cast<std::int64_t>(batch) * q_len * k_len * heads * dim;
   // Grouping never changes a bit (see forward_blocks), so the rule may look at the thread count.
@@ -301,7 +321,8 @@ AttentionStats AttentionPlan::forward(TensorView out, TensorView lse) const {
   for (std::int64_t si = 0; si < static_cast<std::int64_t>(sequences.size()); ++si) {
     const Sequence& seq = sequences[static_cast<std::size_t>(si)];
     if (seq.lq == 0) continue;
-    if (seq.lq * group_size <= kDecodeRows) {
+    if (seq.lq * group_size <= kDecodeRows || wide_decode(seq)) {
+      const bool wide = wide_decode(seq);
       // Only the keys some query sees are split (a sliding window or a chunk of a long cache).
       std::int64_t seen_lo = seq.lk, seen_hi = 0;
       for (std::int64_t i = 0; i < seq.lq; ++i) {
@@ -311,11 +332,14 @@ AttentionStats AttentionPlan::forward(TensorView out, TensorView lse) const {
       const std::int64_t seen = std::max<std::int64_t>(0, seen_hi - seen_lo);
       const std::int64_t chunk_keys = std::max(bytes_chunk_keys, (seen + kDecodeMaxChunks - 1) / kDecodeMaxChunks);
       const std::int64_t chunks = seen > chunk_keys ? (seen + chunk_keys - 1) / chunk_keys : 1;
+      if (chunks > 1) merges.push_back({si, 0, seq.lq, {}});
       for (std::int64_t c = 0; c < chunks; ++c) {
         const std::int64_t kb = chunks == 1 ? 0 : seen_lo + c * chunk_keys;
         const std::int64_t ke = chunks == 1 ? seq.lk : std::min(seen_hi, kb + chunk_keys);
-        units.push_back({si, -1, 0, seq.lq, kb, ke, chunks == 1 ? -1 : partials, true, c == 0});
-        if (chunks > 1) ++partials;
+        const std::int64_t partial = chunks == 1 ? -1 : partials;
+        for (std::int64_t kvh = wide ? 0 : -1; kvh < (wide ? kv_heads : 0); ++kvh)
+          units.push_back({si, kvh, 0, seq.lq, kb, ke, partial, true, c == 0, wide});
+        if (chunks > 1) merges.back().partials.push_back(partials++);
       }
       continue;
     }
@@ -326,7 +350,6 @@ AttentionStats AttentionPlan::forward(TensorView out, TensorView lse) const {
     }
   }
   // Chunked decode units leave (m, l, O) rows per KV head here, merged in chunk order afterwards.
-  const std::int64_t part_rows = kDecodeRows;
   const std::int64_t part_width = dim_padded + 2;
   std::vector<float> parts(static_cast<std::size_t>(partials * kv_heads * part_rows * part_width));
   const int threads = std::min<int>(threads_for(flops / 16), static_cast<int>(std::max<std::size_t>(units.size(), 1)));
@@ -393,6 +416,29 @@ AttentionStats AttentionPlan::forward(TensorView out, TensorView lse) const {
         }
         continue;
       }
+      if (un.wide) {
+        RowBlock& rb = group_rows[0];
+        layout_rows(seq, un.kvh, un.i0, un.count, true, rb);
+        forward_begin(*this, seq, rb, s, un.first, true);
+        const std::int64_t kb = un.partial >= 0 ? un.k_begin : rb.key_lo;
+        const std::int64_t ke = un.partial >= 0 ? un.k_end : std::max(rb.key_hi, kb);
+        for (std::int64_t k0 = kb; k0 < ke; k0 += key_tile) {
+          const std::int64_t keys = std::min(key_tile, ke - k0);
+          if (k0 + keys < ke) prefetch_rows(*this, seq, un.kvh, k0 + keys, std::min(key_tile, ke - k0 - keys));
+          block_tile(*this, seq, rb, k0, keys, load_tile(*this, seq, un.kvh, k0, keys, s), s);
+        }
+        if (un.partial < 0) {
+          finish(seq, rb, s);
+          continue;
+        }
+        for (std::int64_t r = 0; r < rb.valid_rows; ++r) {
+          float* row = parts.data() + ((un.partial * kv_heads + un.kvh) * part_rows + r) * part_width;
+          row[0] = s.m[static_cast<std::size_t>(r)];
+          row[1] = s.l[static_cast<std::size_t>(r)];
+          std::memcpy(row + 2, s.o.data() + r * dim_padded, static_cast<std::size_t>(dim_padded) * sizeof(float));
+        }
+        continue;
+      }
       // Decode: one block of every KV head's rows (or a block per KV head for terms that keep
       // per-head state: ScoreTerm::merges_decode_heads).
       const bool merged = decode_merges_heads();
@@ -444,26 +490,20 @@ AttentionStats AttentionPlan::forward(TensorView out, TensorView lse) const {
   RowBlock rb;
   std::vector<double> acc(static_cast<std::size_t>(dim));
   std::vector<float> row(static_cast<std::size_t>(dim));
-  for (std::size_t u = 0; u < units.size();) {
-    if (units[u].partial < 0) {
-      ++u;
-      continue;
-    }
-    std::size_t end = u;
-    while (end < units.size() && units[end].partial >= 0 && units[end].seq == units[u].seq) ++end;
-    const Sequence& seq = sequences[static_cast<std::size_t>(units[u].seq)];
+  for (const Merge& merge : merges) {
+    const Sequence& seq = sequences[static_cast<std::size_t>(merge.seq)];
     for (std::int64_t kvh = 0; kvh < kv_heads; ++kvh) {
-      layout_rows(seq, kvh, units[u].i0, units[u].count, true, rb);
+      layout_rows(seq, kvh, merge.i0, merge.count, true, rb);
       for (std::int64_t r = 0; r < rb.valid_rows; ++r) {
-        const auto part_row = [&](std::size_t c) {
-          return parts.data() + ((units[c].partial * kv_heads + kvh) * part_rows + r) * part_width;
+        const auto part_row = [&](std::int64_t partial) {
+          return parts.data() + ((partial * kv_heads + kvh) * part_rows + r) * part_width;
         };
         float m = kNegInf;
-        for (std::size_t c = u; c < end; ++c) m = std::max(m, part_row(c)[0]);
+        for (const std::int64_t c : merge.partials) m = std::max(m, part_row(c)[0]);
         double l = 0;
         std::fill(acc.begin(), acc.end(), 0.0);
         if (m != kNegInf) {
-          for (std::size_t c = u; c < end; ++c) {
+          for (const std::int64_t c : merge.partials) {
             const float* pr = part_row(c);
             if (pr[0] == kNegInf) continue;
             const double f = std::exp(static_cast<double>(pr[0]) - m);
@@ -480,7 +520,6 @@ AttentionStats AttentionPlan::forward(TensorView out, TensorView lse) const {
         if (want_lse) write_lse(lse, seq, h, i, l > 0 ? static_cast<float>(m + std::log(l)) : kNegInf);
       }
     }
-    u = end;
   }
   AttentionStats stats;
   stats.workspace_bytes = scratch_bytes + static_cast<std::int64_t>(parts.size() * sizeof(float)) + table_bytes();

@@ -79,6 +79,7 @@ void run_rope_freqs(const RopeFreqsOptions& o) {
                         {"inv_freq", params.inv_frequencies(o.seq_len)},
                         {"attention_factor", params.attention_factor()}};
   if (!c.layer_type.empty()) doc["layer_type"] = c.layer_type;
+  if (c.qk_head_dim > 0) doc["softmax_scale"] = mla_softmax_scale(c);  // MLA: DeepSeek's scale
   fmt::print("{}\n", doc.dump());
 }
 

@@ -199,7 +199,23 @@ HfRopeConfig hf_rope_config_from_json(std::string_view text, std::optional<std::
   }
   // Gemma 4's full-attention layers are wider (global_head_dim).
   if (c.layer_type == "full_attention") c.head_dim = integer(doc, "", "global_head_dim", c.head_dim, 1);
+  // MLA rotates qk_rope_head_dim of each query/key head (DeepseekV3Config sets head_dim to it).
+  if (doc.contains("qk_rope_head_dim")) {
+    c.head_dim = integer(doc, "", "qk_rope_head_dim", 0, 2);
+    c.qk_head_dim = c.head_dim + integer(doc, "", "qk_nope_head_dim", 0, 0);
+  }
   return c;
+}
+
+double mla_softmax_scale(const HfRopeConfig& c) {
+  if (c.qk_head_dim <= 0) throw Error(kWhere, "qk_rope_head_dim", "missing", "an MLA config (DeepSeek's keys)");
+  double scale = 1.0 / std::sqrt(static_cast<double>(c.qk_head_dim));
+  const bool yarn = c.rope_type == "yarn";
+  if (yarn && c.mscale_all_dim != 0.0 && !std::isnan(c.factor) && c.factor > 1.0) {
+    const double m = 0.1 * c.mscale_all_dim * std::log(c.factor) + 1.0;
+    scale *= m * m;
+  }
+  return scale;
 }
 
 RopeParams rope_params_from_hf(std::string_view json, std::optional<std::int64_t> layer, RopeLayout layout) {

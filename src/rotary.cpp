@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <numbers>
 #include <string>
@@ -314,6 +315,14 @@ RopeParams rope_params_from_hf(const HfRopeConfig& c, RopeLayout layout) {
   return RopeParams(head_dim, rotary_dim, c.rope_theta, layout, std::move(s), c.max_position_embeddings);
 }
 
+RopeParams RopeParams::with_rotary_offset(std::int64_t offset) const {
+  require(offset >= 0 && offset <= head_dim_ - rotary_dim_, "rotary_offset", std::to_string(offset),
+          "0 to head_dim − rotary_dim = " + std::to_string(head_dim_ - rotary_dim_));
+  RopeParams copy = *this;
+  copy.rotary_offset_ = offset;
+  return copy;
+}
+
 RopeParams RopeParams::with_xpos(double scale_base, double center) const {
   require(scale_base > 0 && std::isfinite(scale_base), "xpos scale_base", detail::to_text(scale_base),
           "a finite number > 0");
@@ -389,23 +398,31 @@ RopeScratch& rope_scratch(std::int64_t rotary_dim, std::int64_t head_dim) {
 void rotate_token(const detail::HeadsGrid& in_g, const void* in, const detail::HeadsGrid& out_g, void* out, DType dtype,
                   std::int64_t b, std::int64_t s, const RopeParams& params, RopeScratch& buf, bool interleaved,
                   bool stream) {
-  const std::int64_t d = params.head_dim(), r = params.rotary_dim();
+  // The kernels rotate the entries from `off` on (with_rotary_offset); the ones before pass.
+  const std::int64_t off = params.rotary_offset(), d = params.head_dim() - off, r = params.rotary_dim();
   const std::int64_t in_off = in_g.offset(b, s), out_off = out_g.offset(b, s);
   if (in_g.dim_stride == 1 && out_g.dim_stride == 1) {
-    const std::size_t width = dtype_size(dtype);
-    kernels::rope_rotate(buf.cos_e.data(), buf.sin_e.data(), r, interleaved, d, in_g.heads, dtype,
-                         static_cast<const char*>(in) + in_off * width, in_g.head_stride,
-                         static_cast<char*>(out) + out_off * width, out_g.head_stride, stream);
+    const auto width = static_cast<std::int64_t>(dtype_size(dtype));
+    const char* src = static_cast<const char*>(in) + in_off * width;
+    char* dst = static_cast<char*>(out) + out_off * width;
+    if (off > 0 && src != dst) {
+      for (std::int64_t h = 0; h < in_g.heads; ++h) {
+        std::memcpy(dst + h * out_g.head_stride * width, src + h * in_g.head_stride * width,
+                    static_cast<std::size_t>(off * width));
+      }
+    }
+    kernels::rope_rotate(buf.cos_e.data(), buf.sin_e.data(), r, interleaved, d, in_g.heads, dtype, src + off * width,
+                         in_g.head_stride, dst + off * width, out_g.head_stride, stream);
     return;
   }
   for (std::int64_t h = 0; h < in_g.heads; ++h) {
-    for (std::int64_t j = 0; j < d; ++j) {
+    for (std::int64_t j = 0; j < off + d; ++j) {
       buf.row[static_cast<std::size_t>(j)] =
           static_cast<float>(detail::load(in, dtype, in_off + h * in_g.head_stride + j * in_g.dim_stride));
     }
-    kernels::rope_rotate(buf.cos_e.data(), buf.sin_e.data(), r, interleaved, d, 1, DType::kF32, buf.row.data(), 0,
-                         buf.row.data(), 0, false);
-    for (std::int64_t j = 0; j < d; ++j) {
+    kernels::rope_rotate(buf.cos_e.data(), buf.sin_e.data(), r, interleaved, d, 1, DType::kF32, buf.row.data() + off, 0,
+                         buf.row.data() + off, 0, false);
+    for (std::int64_t j = 0; j < off + d; ++j) {
       detail::store(out, dtype, out_off + h * out_g.head_stride + j * out_g.dim_stride,
                     buf.row[static_cast<std::size_t>(j)]);
     }
@@ -579,6 +596,10 @@ void rope_rerotate(const RopeParams& from, const Positions& from_positions, std:
                    TensorView k_out) {
   detail::init_dispatch();
   const char* where = "rope_rerotate";
+  if (from.rotary_offset() != to.rotary_offset()) {
+    throw Error("rope_rerotate", "to.rotary_offset()", std::to_string(to.rotary_offset()),
+                "from's, " + std::to_string(from.rotary_offset()));
+  }
   if (from.head_dim() != to.head_dim() || from.rotary_dim() != to.rotary_dim() || from.layout() != to.layout()) {
     throw Error(where, "to",
                 "head_dim " + std::to_string(to.head_dim()) + ", rotary_dim " + std::to_string(to.rotary_dim()),

@@ -183,6 +183,25 @@ TEST_P(AttentionMlaTargets, WideDecodeBlocksMatchTheReference) {
   }
 }
 
+// DeepSeek's RoPE on the trailing dims of each head (rotary_offset): prefill with its backward,
+// and decode over an un-rotated cache (keys rotated row by row).
+TEST_P(AttentionMlaTargets, RopeOnTheTrailingDimsMatchesTheReference) {
+  for (const RopeLayout layout : {RopeLayout::kInterleaved, RopeLayout::kHalfSplit}) {
+    const RopeParams rope = RopeParams(48, 16, 10000.0, layout).with_rotary_offset(32);
+    for (const std::int64_t q_len : {std::int64_t{60}, std::int64_t{1}}) {
+      SCOPED_TRACE(std::to_string(q_len) + (layout == RopeLayout::kInterleaved ? " interleaved" : " half-split"));
+      Problem p = make_problem(1, q_len, q_len == 1 ? 700 : 60, 4, 2, 48);
+      AttentionSpec spec = spec_of(p);
+      spec.mask.causal = true;
+      spec.groups = {HeadGroup{4, RotaryQK{rope}, {}}};
+      expect_accurate(p, spec, "offset RoPE");
+      if (q_len > 1) {
+        expect_backward_matches_reference(p, Attention(spec), random_values(static_cast<std::size_t>(p.q_count())));
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Targets, AttentionMlaTargets, ::testing::ValuesIn(testing::all_targets()));
 
 TEST(AttentionMla, WideDecodeIsBitwiseIdenticalForAnyThreadCount) {

@@ -104,6 +104,24 @@ TEST(RopeConfigs, Gemma4FullLayersUseProportionalRopeOverTheGlobalHeadDim) {
   testing::expect_error([&] { rope_params_from_hf(config); }, {"layer = missing", "differs by layer type"});
 }
 
+// DeepSeek-V3 (tests/data/deepseek-v3.json, deepseek-ai/DeepSeek-V3's config.json: yarn ×40 with
+// mscale = mscale_all_dim = 1, legacy key "type"; MLA heads of 128 + 64 dims): RoPE over the 64
+// rotated dims, α = 1 (the mscales cancel), and the softmax scale 192^−½·(0.1·ln 40 + 1)².
+TEST(RopeConfigs, DeepSeekV3RotatesItsRopeDimsAndScalesTheSoftmax) {
+  const HfRopeConfig c = hf_rope_config_from_json(read_data("deepseek-v3.json"));
+  const RopeParams p = rope_params_from_hf(c);
+  EXPECT_EQ(p.head_dim(), 64);
+  EXPECT_EQ(p.rotary_dim(), 64);
+  EXPECT_EQ(p.scaling().type, RopeType::kYarn);
+  EXPECT_EQ(p.original_max_position_embeddings(), 4096);
+  EXPECT_EQ(p.attention_factor(), 1.0);
+  EXPECT_EQ(c.qk_head_dim, 192);
+  const double m = 0.1 * std::log(40.0) + 1.0;
+  EXPECT_DOUBLE_EQ(mla_softmax_scale(c), m * m / std::sqrt(192.0));
+  testing::expect_error([&] { mla_softmax_scale(hf_rope_config_from_json(read_data("gpt-oss-20b.json"))); },
+                        {"qk_rope_head_dim = missing"});
+}
+
 // Proportional RoPE rotates only its first pairs: the others are copied exactly, and a turning
 // pair at position p has turned by p·ω_i.
 TEST(RopeConfigs, ProportionalRopeLeavesTheOtherPairsUnchanged) {

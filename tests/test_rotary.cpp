@@ -593,6 +593,51 @@ TEST_P(EveryTarget, RopeMultiAxisWithEqualIdsIsPlainRope) {
       {"params.xpos() = true"});
 }
 
+// RoPE on a slice of each head (with_rotary_offset, MLA's trailing dims): every target against the
+// fp64 reference, both layouts, f32 and bf16, in place and out of place, a head-major view; the
+// entries outside the slice are copied exactly.
+TEST_P(EveryTarget, RopeWithAnOffsetMatchesTheReference) {
+  for (int trial = 0; trial < 12; ++trial) {
+    const std::int64_t d = 2 * uniform_int(4, 40), r = 2 * uniform_int(1, d / 2 - 1), off = uniform_int(0, d - r);
+    const RopeLayout layout = trial % 2 ? RopeLayout::kInterleaved : RopeLayout::kHalfSplit;
+    const DType dtype = trial % 3 == 2 ? DType::kBF16 : DType::kF32;
+    const bool in_place = trial % 4 == 1, head_major = trial % 5 == 3;
+    const std::int64_t seq = uniform_int(1, 20), heads = uniform_int(1, 3);
+    SCOPED_TRACE("d " + std::to_string(d) + ", r " + std::to_string(r) + ", offset " + std::to_string(off));
+    const RopeParams params = RopeParams(d, r, 1e4, layout).with_rotary_offset(off);
+    std::vector<double> values(static_cast<std::size_t>(seq * heads * d));
+    for (auto& v : values) v = uniform(-1, 1);
+    auto x = testing::to_dtype(values, dtype);
+    std::vector<double> x64(values.size()), want(values.size());
+    for (std::size_t i = 0; i < values.size(); ++i) x64[i] = element(x.data(), dtype, static_cast<std::int64_t>(i));
+    // [S, H, D], or a [S, H, D] view of [H, S, D] memory.
+    const std::vector<std::int64_t> shape = {seq, heads, d};
+    const std::vector<std::int64_t> strides =
+        head_major ? std::vector<std::int64_t>{d, seq * d, 1} : std::vector<std::int64_t>{heads * d, d, 1};
+    const Positions positions = Positions::range(seq, 5000);
+    ref::rope_apply(params, positions, ConstTensorView(x64.data(), DType::kF64, shape, strides), {},
+                    TensorView(want.data(), DType::kF64, shape, strides), {});
+    auto out = in_place ? x : testing::garbage_buffer(dtype, seq * heads * d);
+    rope_apply(params, positions, ConstTensorView(x.data(), dtype, shape, strides), {},
+               TensorView(out.data(), dtype, shape, strides), {});
+    const double rel = dtype == DType::kBF16 ? std::ldexp(1.0, -7) : 0.0;
+    for (std::int64_t s = 0; s < seq; ++s) {
+      for (std::int64_t h = 0; h < heads; ++h) {
+        for (std::int64_t j = 0; j < d; ++j) {
+          const std::int64_t at = s * strides[0] + h * strides[1] + j;
+          const double got = element(out.data(), dtype, at), w = want[static_cast<std::size_t>(at)];
+          if (j < off || j >= off + r) {
+            ASSERT_EQ(got, x64[static_cast<std::size_t>(at)]) << "passes unchanged: " << j;
+          } else {
+            ASSERT_NEAR(got, w, 1e-6 * (2 + std::fabs(w)) + rel * (1 + std::fabs(w))) << s << " " << h << " " << j;
+          }
+        }
+      }
+    }
+  }
+  expect_error([] { (void)RopeParams(64, 16).with_rotary_offset(49); }, {"rotary_offset = 49", "0 to head_dim"});
+}
+
 // Qwen3-VL's interleaved M-RoPE (head_dim 128, sections [24, 20, 20], θ 5e6; its config.json's
 // rope_scaling has mrope_interleaved and mrope_section): transformers' apply_interleaved_mrope
 // starts from the time axis' angles and overwrites the pairs at slice(1, 3·20, 3) with height's and

@@ -146,6 +146,7 @@ RopeParams rope_params_from_json(const std::string& text) {
   RopeParams params(head_dim, integer("rotary_dim", head_dim), number("base", 10000.0),
                     layout == "interleaved" ? RopeLayout::kInterleaved : RopeLayout::kHalfSplit, scaling,
                     integer("max_position_embeddings", 2048), freq_factors);
+  if (j.contains("rotary_offset")) params = params.with_rotary_offset(j.at("rotary_offset").get<std::int64_t>());
   if (j.contains("xpos") && !j.at("xpos").is_null()) {
     const nlohmann::json& x = j.at("xpos");
     params = params.with_xpos(x.value("scale_base", 512.0), x.value("center", 0.0));
@@ -373,9 +374,10 @@ std::string rope_config_op(const std::string& config, c10::optional<std::int64_t
                               {"long_factor", s.long_factor},
                               {"partial_rotary_factor", s.partial_rotary_factor}};
     if (!std::isnan(s.attention_factor)) scaling["attention_factor"] = s.attention_factor;  // NaN: derived
-    const nlohmann::json out = {{"head_dim", p.head_dim()},   {"rotary_dim", p.rotary_dim()},
-                                {"base", p.base()},           {"max_position_embeddings", p.max_position_embeddings()},
-                                {"layer_type", c.layer_type}, {"scaling", scaling}};
+    nlohmann::json out = {{"head_dim", p.head_dim()},   {"rotary_dim", p.rotary_dim()},
+                          {"base", p.base()},           {"max_position_embeddings", p.max_position_embeddings()},
+                          {"layer_type", c.layer_type}, {"scaling", scaling}};
+    if (c.qk_head_dim > 0) out["softmax_scale"] = mla_softmax_scale(c);  // MLA: DeepSeek's scale
     return out.dump();
   });
 }

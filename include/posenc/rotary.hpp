@@ -7,7 +7,8 @@
 //     a'_i = a_i·cos θ_i − b_i·sin θ_i          b'_i = b_i·cos θ_i + a_i·sin θ_i
 //
 // with ω_i = base^(−2i/r) before scaling (RopeScaling below). Entries r … D−1 pass through
-// unchanged (partial rotary). Then <R(m) q, R(n) k> depends on m − n only. An attention factor α
+// unchanged (partial rotary; with_rotary_offset moves the rotated entries to offset … offset + r − 1).
+// Then <R(m) q, R(n) k> depends on m − n only. An attention factor α
 // (yarn, longrope) multiplies cos and sin, as Hugging Face does, so q·k scales by α².
 //
 // xPos (Sun et al. 2022, "A Length-Extrapolatable Transformer"), when enabled, also scales pair i
@@ -139,6 +140,13 @@ class RopeParams {
   // α, the factor that multiplies cos and sin.
   double attention_factor() const;
 
+  // A copy whose rotated entries start at `offset` of the head: entries offset … offset + r − 1
+  // hold the pairs (in the layout's order), the others pass unchanged. MLA (DeepSeek-V2/V3, Kimi
+  // K2) rotates the trailing 64 of 192 dims: RopeParams(192, 64, …).with_rotary_offset(128).
+  // 0 <= offset <= head_dim − rotary_dim.
+  RopeParams with_rotary_offset(std::int64_t offset) const;
+  std::int64_t rotary_offset() const { return rotary_offset_; }
+
   // A copy with xPos enabled (see above). scale_base > 0 and finite; center finite.
   RopeParams with_xpos(double scale_base = 512.0, double center = 0.0) const;
   bool xpos() const { return xpos_; }
@@ -160,6 +168,7 @@ class RopeParams {
   RopeScaling scaling_;
   std::int64_t max_position_embeddings_;
   std::vector<double> freq_factors_;
+  std::int64_t rotary_offset_ = 0;
   bool xpos_ = false;
   double xpos_scale_base_ = 512.0;
   double xpos_center_ = 0.0;
@@ -194,7 +203,16 @@ struct HfRopeConfig {
   std::vector<double> short_factor, long_factor;
   // The layer's type when the config varies by layer ("sliding_attention", "full_attention"), else empty.
   std::string layer_type;
+  // MLA (DeepSeek-V2/V3, Kimi K2): qk_nope_head_dim + qk_rope_head_dim, the query/key head size
+  // (head_dim is then qk_rope_head_dim, the rotated part); 0 otherwise.
+  std::int64_t qk_head_dim = 0;
 };
+
+// DeepSeek's softmax scale for an MLA config (transformers' DeepseekV3Attention):
+// qk_head_dim^−½ · mscale(factor, mscale_all_dim)², mscale(s, m) = 0.1·m·ln s + 1 for s > 1 (else
+// 1), the square applying only to yarn with mscale_all_dim set. DeepSeek-V3: 192^−½·(0.1·ln 40 + 1)².
+// Throws posenc::Error unless the config is MLA's (qk_head_dim > 0).
+double mla_softmax_scale(const HfRopeConfig& config);
 
 // RopeParams as Hugging Face transformers builds them from such a config: head_dim =
 // config.head_dim or hidden_size / num_attention_heads, rotary_dim = int(head_dim ·

@@ -77,10 +77,14 @@ _DIRECTIONS = {"forward": 0, "backward": 1, "inverse": 2}
 
 
 def _rope_params(head_dim, rotary_dim, base, layout, scaling, max_position_embeddings, freq_factors=None, xpos=None,
-                 seq_len=0):
+                 seq_len=0, rotary_offset=0):
     params = {"head_dim": int(head_dim), "rotary_dim": int(rotary_dim if rotary_dim is not None else head_dim),
               "base": float(base), "layout": layout, "max_position_embeddings": int(max_position_embeddings),
               "seq_len": int(seq_len)}
+    if rotary_offset:
+        if isinstance(rotary_offset, bool) or not isinstance(rotary_offset, int):
+            raise TypeError(f"rope: rotary_offset is {type(rotary_offset).__name__}; expected an int")
+        params["rotary_offset"] = rotary_offset
     if xpos is not None:
         scale_base, center = (xpos, 0.0) if isinstance(xpos, (int, float)) else tuple(xpos)
         params["xpos"] = {"scale_base": float(scale_base), "center": float(center)}
@@ -93,18 +97,20 @@ def _rope_params(head_dim, rotary_dim, base, layout, scaling, max_position_embed
 
 
 def rope(q, k=None, positions=None, *, head_dim=None, rotary_dim=None, base=10000.0, layout="half-split",
-         scaling=None, max_position_embeddings=2048, freq_factors=None, xpos=None, seq_len=0, direction="forward"):
+         scaling=None, max_position_embeddings=2048, freq_factors=None, xpos=None, seq_len=0, direction="forward",
+         rotary_offset=0):
     """Rotary embedding of q [B, S, H, D] (or [T, H, D]) and optionally k (same tokens, its own head
     count), out of place. ``positions``: int64 [S] or [B, S] (default 0..S-1). ``scaling``: a dict
     with Hugging Face's ``rope_scaling`` keys (rope_type, factor, …). ``xpos``: None, a scale_base
     (e.g. 512), or (scale_base, center) — xPos decay (q scaled by ζ^e, k by ζ^-e). ``seq_len``: the
     length that selects dynamic / longrope frequencies (0: max position + 1). ``direction``:
-    forward, backward (the gradient) or inverse. Returns (q_out, k_out), k_out None without k.
-    Differentiable in q and k."""
+    forward, backward (the gradient) or inverse. ``rotary_offset``: the first rotated entry (MLA
+    rotates the trailing 64 of 192: ``rotary_dim=64, rotary_offset=128``). Returns (q_out, k_out),
+    k_out None without k. Differentiable in q and k."""
     head_dim = q.shape[-1] if head_dim is None else head_dim
     seq = q.shape[-3]
     params = _rope_params(head_dim, rotary_dim, base, layout, scaling, max_position_embeddings, freq_factors, xpos,
-                          seq_len)
+                          seq_len, rotary_offset)
     if direction not in _DIRECTIONS:
         raise ValueError(f"rope: direction = {direction}; expected forward, backward or inverse")
     k_in = k if k is not None else q.new_empty(0)
@@ -241,11 +247,11 @@ class RotaryPositionalEncoding(torch.nn.Module):
     """RoPE for q and k [B, S, H, D], with every layout and Hugging Face scaling of posenc."""
 
     def __init__(self, head_dim, rotary_dim=None, base=10000.0, layout="half-split", scaling=None,
-                 max_position_embeddings=2048, xpos=None):
+                 max_position_embeddings=2048, xpos=None, rotary_offset=0):
         super().__init__()
         self.head_dim, self.rotary_dim, self.base, self.layout = head_dim, rotary_dim or head_dim, base, layout
         self.scaling, self.max_position_embeddings = dict(scaling or {}), max_position_embeddings
-        self.xpos = xpos
+        self.xpos, self.rotary_offset = xpos, rotary_offset
 
     @classmethod
     def from_hf_config(cls, config, layer=None):
@@ -254,7 +260,8 @@ class RotaryPositionalEncoding(torch.nn.Module):
         rope_parameters, partial_rotary_factor, head_dim or hidden_size / num_attention_heads, a
         multimodal config's text_config. ``layer``: the layer of a config whose RoPE differs by
         layer (rope_parameters keyed by layer type with ``layer_types``, Gemma 3's
-        rope_local_base_freq); the module's ``layer_type`` then names its type."""
+        rope_local_base_freq); the module's ``layer_type`` then names its type. An MLA config
+        (DeepSeek: qk_rope_head_dim) gives RoPE over its rotated dims and ``softmax_scale``."""
         if isinstance(config, (str, os.PathLike)):
             with open(config) as f:
                 config = json.load(f)
@@ -270,12 +277,13 @@ class RotaryPositionalEncoding(torch.nn.Module):
         module = cls(p["head_dim"], p["rotary_dim"], p["base"], "half-split", p["scaling"],
                      p["max_position_embeddings"])
         module.layer_type = p["layer_type"] or None
+        module.softmax_scale = p.get("softmax_scale")  # MLA configs: DeepSeek's softmax scale, else None
         return module
 
     def forward(self, q, k=None, positions=None):
         return rope(q, k, positions, head_dim=self.head_dim, rotary_dim=self.rotary_dim, base=self.base,
                     layout=self.layout, scaling=self.scaling, max_position_embeddings=self.max_position_embeddings,
-                    xpos=self.xpos)
+                    xpos=self.xpos, rotary_offset=self.rotary_offset)
 
 
 class ALiBi(torch.nn.Module):
@@ -546,7 +554,8 @@ def _attention_scheme(scheme, heads, keys_rotated):
     if isinstance(scheme, RotaryPositionalEncoding):
         return {"kind": "rope", "keys_rotated": bool(keys_rotated),
                 "rope": _rope_params(scheme.head_dim, scheme.rotary_dim, scheme.base, scheme.layout, scheme.scaling,
-                                     scheme.max_position_embeddings, None, scheme.xpos)}, empty
+                                     scheme.max_position_embeddings, None, scheme.xpos, 0,
+                                     scheme.rotary_offset)}, empty
     if isinstance(scheme, SinusoidalPositionalEncoding):
         return {"kind": "absolute", "dim": scheme.dim, "base": float(scheme.base),
                 "interleaved": bool(scheme.interleaved)}, empty

@@ -149,6 +149,10 @@ def test_rope_from_hf_config_per_layer_and_proportional():
     gemma3 = os.path.join(DATA, "gemma-3-4b-it.json")
     assert posenc.RotaryPositionalEncoding.from_hf_config(gemma3, layer=5).scaling["rope_type"] == "linear"
     assert posenc.RotaryPositionalEncoding.from_hf_config(gemma3, layer=0).base == 10000.0
+    deepseek = posenc.RotaryPositionalEncoding.from_hf_config(os.path.join(DATA, "deepseek-v3.json"))
+    assert (deepseek.head_dim, deepseek.rotary_dim) == (64, 64)  # qk_rope_head_dim
+    assert deepseek.softmax_scale == pytest.approx(192 ** -0.5 * (0.1 * math.log(40) + 1) ** 2, rel=1e-15)
+    assert full.softmax_scale is None
     with pytest.raises(ValueError, match="layer = missing"):
         posenc.RotaryPositionalEncoding.from_hf_config(path)
     with pytest.raises(ValueError, match="layer = 35"):
@@ -411,3 +415,23 @@ def test_rope_multi_matches_per_axis_angles():
                                     (q.clone().requires_grad_(),))
     with pytest.raises(ValueError, match="one Positions per section"):
         posenc.rope_multi(q, None, positions, [2, 2])
+
+
+def test_rope_with_an_offset_rotates_only_its_slice():
+    # DeepSeek's MLA: RoPE on the trailing 64 of 192 dims, interleaved pairs; the rest passes.
+    q = torch.randn(1, 6, 2, 192, dtype=torch.float64)
+    positions = torch.arange(100, 106)
+    out, _ = posenc.rope(q, None, positions, rotary_dim=64, layout="interleaved", rotary_offset=128)
+    assert torch.equal(out[..., :128], q[..., :128])
+    tail, _ = posenc.rope(q[..., 128:].contiguous(), None, positions, layout="interleaved")
+    torch.testing.assert_close(out[..., 128:], tail, rtol=0, atol=1e-14)
+    module = posenc.RotaryPositionalEncoding(192, 64, layout="interleaved", rotary_offset=128)
+    k = torch.randn(1, 6, 2, 192, dtype=torch.float64)
+    v = torch.randn(1, 6, 2, 128, dtype=torch.float64)
+    fused = posenc.attention(q, k, v, module, causal=True, q_positions=positions, k_positions=positions)
+    qr, kr = module(q, k, positions)
+    eager = torch.softmax((torch.einsum("bqhd,bkhd->bhqk", qr, kr) / 192 ** 0.5).masked_fill(
+        torch.ones(6, 6, dtype=torch.bool).triu(1), float("-inf")), dim=-1)
+    torch.testing.assert_close(fused, torch.einsum("bhqk,bkhd->bqhd", eager, v), rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="rotary_offset = 130"):
+        posenc.rope(q, None, positions, rotary_dim=64, rotary_offset=130)

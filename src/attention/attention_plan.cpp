@@ -443,6 +443,7 @@ QKTables AttentionPlan::rope_tables(const RotaryQK& rope, const std::string& nam
   t.transform_keys = !rope.keys_rotated;
   t.interleaved = rp.layout() == RopeLayout::kInterleaved;
   t.half = rp.rotary_dim() / 2;
+  t.offset = rp.rotary_offset();
   const std::int64_t half = t.half;
   std::vector<double> c64, s64;
   std::vector<float> c32, s32;

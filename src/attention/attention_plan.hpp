@@ -32,7 +32,8 @@ struct QKTables {
   enum Kind { kNone, kRope, kAbsolute } kind = kNone;
   bool transform_keys = false;
   bool interleaved = false;
-  std::int64_t half = 0;  // rotary pairs
+  std::int64_t half = 0;    // rotary pairs
+  std::int64_t offset = 0;  // the first rotated entry (RopeParams::rotary_offset)
   std::vector<float> q_cos_sin, k_cos_sin, absolute;
   std::int64_t bytes() const {
     return static_cast<std::int64_t>((q_cos_sin.size() + k_cos_sin.size() + absolute.size()) * sizeof(float));

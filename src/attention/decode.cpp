@@ -58,8 +58,8 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
   for (std::int64_t g = 0; g < g_count; ++g) {
     if (&tables_of_head(g * group_size) != shared_rope) shared_rope = nullptr;
   }
-  if (shared_rope != nullptr &&
-      (shared_rope->kind != QKTables::kRope || !shared_rope->transform_keys || kg.dim_stride != 1)) {
+  if (shared_rope != nullptr && (shared_rope->kind != QKTables::kRope || !shared_rope->transform_keys ||
+                                 kg.dim_stride != 1 || shared_rope->offset != 0)) {
     shared_rope = nullptr;
   }
   const bool rotate_in_scores =

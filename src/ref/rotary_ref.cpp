@@ -15,8 +15,9 @@ struct PairIndex {
   std::int64_t first, second;
 };
 PairIndex pair_index(const RopeParams& params, std::int64_t i) {
-  if (params.layout() == RopeLayout::kInterleaved) return {2 * i, 2 * i + 1};
-  return {i, i + params.rotary_dim() / 2};
+  const std::int64_t o = params.rotary_offset();
+  if (params.layout() == RopeLayout::kInterleaved) return {o + 2 * i, o + 2 * i + 1};
+  return {o + i, o + i + params.rotary_dim() / 2};
 }
 
 void rotate(const detail::HeadsGrid& in_g, const void* in, const detail::HeadsGrid& out_g, void* out, DType dtype,

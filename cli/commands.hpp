@@ -4,6 +4,9 @@
 
 #include <CLI/CLI.hpp>
 #include <functional>
+#include <nlohmann/json.hpp>
+
+#include "posenc/rotary.hpp"
 
 namespace posenc::cli {
 
@@ -17,5 +20,9 @@ Runner add_alibi_slopes(CLI::App& app);
 Runner add_t5_buckets(CLI::App& app);
 Runner add_plot(CLI::App& app);
 Runner add_schemes(CLI::App& app);
+
+// rope-freqs --against ggml (ggml_rope.cpp): ggml's frequencies and attention factor for the
+// config that gave `transformers` (whose semantics posenc follows), and how far apart they are.
+nlohmann::json compare_with_ggml(const HfRopeConfig& config, const RopeParams& transformers);
 
 }  // namespace posenc::cli

@@ -23,6 +23,7 @@ constexpr double kUnset = std::numeric_limits<double>::quiet_NaN();
 struct RopeFreqsOptions {
   std::string config_path;
   std::optional<std::int64_t> layer;
+  std::string against;  // "ggml": compare with llama.cpp's convention
   std::int64_t seq_len = 0;
   // Flags (used without --config, or to override it)
   std::string scaling;
@@ -80,6 +81,16 @@ void run_rope_freqs(const RopeFreqsOptions& o) {
                         {"attention_factor", params.attention_factor()}};
   if (!c.layer_type.empty()) doc["layer_type"] = c.layer_type;
   if (c.qk_head_dim > 0) doc["softmax_scale"] = mla_softmax_scale(c);  // MLA: DeepSeek's scale
+  if (!c.mrope_section.empty()) {                                      // M-RoPE: each pair's axis (rope_apply_axes)
+    doc["mrope_section"] = c.mrope_section;
+    doc["mrope_interleaved"] = c.mrope_interleaved;
+    doc["axis_of_pair"] =
+        mrope_axis_of_pair(c.mrope_section, c.mrope_interleaved ? MropeLayout::kInterleaved : MropeLayout::kSections);
+  }
+  if (!o.against.empty()) {
+    if (o.against != "ggml") throw Error("rope-freqs", "--against", o.against, "ggml");
+    doc["conformance"] = compare_with_ggml(c, params);
+  }
   fmt::print("{}\n", doc.dump());
 }
 
@@ -94,6 +105,9 @@ Runner add_rope_freqs(CLI::App& app) {
       "--layer", [o](std::int64_t layer) { o->layer = layer; },
       "Layer N of a config whose RoPE differs by layer (layer_types with per-type rope_parameters, Gemma 3's "
       "rope_local_base_freq)");
+  sub->add_option("--against", o->against,
+                  "ggml: also print llama.cpp's frequencies and attention factor for this config and the largest "
+                  "differences from transformers'");
   sub->add_option("--seq-len", o->seq_len, "Sequence length (dynamic and longrope depend on it; 0: initial)");
   sub->add_option("--scaling", o->scaling,
                   "rope_type: default, linear, ntk, dynamic, yarn, longrope, llama3, proportional");

@@ -81,6 +81,18 @@ void read_rope_keys(const Json& s, const std::string& prefix, HfRopeConfig& c) {
   c.high_freq_factor = number(s, prefix, "high_freq_factor", kUnset);
   c.short_factor = numbers(s, prefix, "short_factor");
   c.long_factor = numbers(s, prefix, "long_factor");
+  for (const double n : numbers(s, prefix, "mrope_section")) {
+    if (n != std::floor(n) || n < 1 || n > 0x1p30) {
+      throw Error(kWhere, (prefix + "mrope_section").c_str(), s["mrope_section"].dump(), "a list of integers >= 1");
+    }
+    c.mrope_section.push_back(static_cast<std::int64_t>(n));
+  }
+  if (s.contains("mrope_interleaved") && !s["mrope_interleaved"].is_null()) {
+    if (!s["mrope_interleaved"].is_boolean()) {
+      throw Error(kWhere, (prefix + "mrope_interleaved").c_str(), s["mrope_interleaved"].dump(), "a bool");
+    }
+    c.mrope_interleaved = s["mrope_interleaved"].get<bool>();
+  }
 }
 
 bool is_gemma3(const Json& doc) {

@@ -124,8 +124,9 @@ RopeParams::RopeParams(std::int64_t head_dim, std::int64_t rotary_dim, double ba
           "partial_rotary_factor", to_text(s.partial_rotary_factor), "in [0, 1] for rope_type proportional");
   if (s.type == RopeType::kLlama3) {
     require(s.low_freq_factor > 0, "low_freq_factor", to_text(s.low_freq_factor), "> 0");
-    require(s.high_freq_factor > s.low_freq_factor, "high_freq_factor", to_text(s.high_freq_factor),
-            "> low_freq_factor = " + to_text(s.low_freq_factor));
+    // Equal factors leave no band to blend (Llama 4 Scout: both 1); transformers only warns there.
+    require(s.high_freq_factor >= s.low_freq_factor, "high_freq_factor", to_text(s.high_freq_factor),
+            ">= low_freq_factor = " + to_text(s.low_freq_factor));
   }
   require(std::isnan(s.attention_factor) || (s.attention_factor > 0 && std::isfinite(s.attention_factor)),
           "attention_factor", to_text(s.attention_factor), "a finite number > 0, or NaN to derive it");
@@ -224,7 +225,7 @@ std::vector<double> RopeParams::inv_frequencies(std::int64_t seq_len) const {
         const double wavelength = 2.0 * std::numbers::pi / x;
         if (wavelength > low_wavelength) {
           x /= s.factor;
-        } else if (wavelength >= high_wavelength) {  // the band is inclusive at both ends
+        } else if (wavelength >= high_wavelength && s.high_freq_factor > s.low_freq_factor) {  // inclusive band
           const double smooth = (m0 / wavelength - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
           x = (1.0 - smooth) * x / s.factor + smooth * x;
         }

@@ -10,6 +10,12 @@
 //   gemma-4-e2b.json    google/gemma-4-E2B: rope_parameters by layer type — sliding: default θ 1e4;
 //                       full: proportional, θ 1e6, partial_rotary_factor 0.25 — head_dim 256,
 //                       global_head_dim 512, every fifth layer full
+//   llama-4-scout.json  meta-llama/Llama-4-Scout-17B-16E-Instruct's text_config: llama3 ×16 with
+//                       low_freq_factor = high_freq_factor = 1, M0 8192, θ 5e5, chunks of 8192,
+//                       floor_scale 8192, attn_scale 0.1 (an earlier base revision had ×8, high 4)
+//   qwen3-vl.json       Qwen/Qwen3-VL-30B-A3B's text_config: default RoPE, θ 5e6, head_dim 128,
+//                       mrope_section [24, 20, 20], mrope_interleaved
+//   deepseek-v3.json    below
 // Expected frequencies follow transformers' formulas (modeling_rope_utils.py:
 // _compute_default_rope_parameters, _compute_linear_scaling_rope_parameters,
 // _compute_proportional_rope_parameters), written here in fp64.
@@ -120,6 +126,35 @@ TEST(RopeConfigs, DeepSeekV3RotatesItsRopeDimsAndScalesTheSoftmax) {
   EXPECT_DOUBLE_EQ(mla_softmax_scale(c), m * m / std::sqrt(192.0));
   testing::expect_error([&] { mla_softmax_scale(hf_rope_config_from_json(read_data("gpt-oss-20b.json"))); },
                         {"qk_rope_head_dim = missing"});
+}
+
+// Llama 4 Scout's llama3 scaling has equal low and high factors, so no band is blended (transformers
+// only warns): wavelengths above M0 = 8192 are divided by 16, the others kept.
+TEST(RopeConfigs, Llama4ScoutDividesOnlyTheLongWavelengths) {
+  const RopeParams p = rope_params_from_hf(read_data("llama-4-scout.json"));
+  EXPECT_EQ(p.scaling().type, RopeType::kLlama3);
+  const std::vector<double> plain = expected_frequencies(5e5, 128, 1.0, 64), got = p.inv_frequencies();
+  int divided = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const bool long_wave = 2 * M_PI / plain[i] > 8192.0;
+    divided += long_wave ? 1 : 0;
+    EXPECT_NEAR(got[i], long_wave ? plain[i] / 16 : plain[i], 4 * std::ldexp(plain[i], -52)) << i;
+  }
+  EXPECT_GT(divided, 0);
+  EXPECT_LT(divided, 64);
+}
+
+// Qwen3-VL's rope_scaling names its M-RoPE: the config gives the sections and the interleaving
+// that rope_apply_axes takes.
+TEST(RopeConfigs, Qwen3VlNamesItsInterleavedSections) {
+  const HfRopeConfig c = hf_rope_config_from_json(read_data("qwen3-vl.json"));
+  EXPECT_EQ(c.mrope_section, (std::vector<std::int64_t>{24, 20, 20}));
+  EXPECT_TRUE(c.mrope_interleaved);
+  const RopeParams p = rope_params_from_hf(c);
+  EXPECT_EQ(p.scaling().type, RopeType::kDefault);
+  expect_frequencies(p, expected_frequencies(5e6, 128, 1.0, 64), "qwen3-vl");
+  testing::expect_error([] { hf_rope_config_from_json(R"({"rope_scaling": {"mrope_section": [24, 2.5]}})"); },
+                        {"rope_scaling.mrope_section", "integers >= 1"});
 }
 
 // Proportional RoPE rotates only its first pairs: the others are copied exactly, and a turning

@@ -41,7 +41,7 @@
 //   longrope   ω_i / long_factor[i] when seq_len > M0, else ω_i / short_factor[i];
 //              α = sqrt(1 + ln(factor)/ln(M0)) (factor = M/M0 unless given), unless given
 //   llama3     wavelength 2π/ω_i above M0/low_freq_factor: ω_i/factor; below M0/high_freq_factor:
-//              ω_i; between: a smooth blend
+//              ω_i; between: a smooth blend (none when the two factors are equal, as in Llama 4)
 //   proportional  (Gemma 4's p-RoPE; transformers' _compute_proportional_rope_parameters) the first
 //              k = ⌊partial_rotary_factor·r/2⌋ pairs turn with ω_i = base^(−2i/r)/factor, the
 //              others have ω_i = 0 (they pass unchanged). r spans the whole head (Hugging Face sets
@@ -206,6 +206,10 @@ struct HfRopeConfig {
   // MLA (DeepSeek-V2/V3, Kimi K2): qk_nope_head_dim + qk_rope_head_dim, the query/key head size
   // (head_dim is then qk_rope_head_dim, the rotated part); 0 otherwise.
   std::int64_t qk_head_dim = 0;
+  // M-RoPE (Qwen2-VL, Qwen3-VL): rope_scaling's mrope_section (pairs per time, height, width axis)
+  // and mrope_interleaved (Qwen3-VL: MropeLayout::kInterleaved); empty and false otherwise.
+  std::vector<std::int64_t> mrope_section;
+  bool mrope_interleaved = false;
 };
 
 // DeepSeek's softmax scale for an MLA config (transformers' DeepseekV3Attention):

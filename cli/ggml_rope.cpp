@@ -29,8 +29,7 @@ namespace {
 // ggml_rope_yarn_corr_dim in f32.
 float ggml_corr_dim(int n_dims, int n_ctx_orig, float n_rot, float base) {
   return static_cast<float>(n_dims) *
-         std::log(static_cast<float>(n_ctx_orig) / (n_rot * 2.0f * static_cast<float>(M_PI))) /
-         (2.0f * std::log(base));
+         std::log(static_cast<float>(n_ctx_orig) / (n_rot * 2.0f * static_cast<float>(M_PI))) / (2.0f * std::log(base));
 }
 
 }  // namespace
@@ -76,7 +75,8 @@ nlohmann::json compare_with_ggml(const HfRopeConfig& config, const RopeParams& h
   if (yarn) {
     const auto m0 = static_cast<int>(hf.original_max_position_embeddings());
     low = std::max(0.0f, std::floor(ggml_corr_dim(n_dims, m0, static_cast<float>(s.beta_fast), base)));
-    high = std::min(static_cast<float>(n_dims - 1), std::ceil(ggml_corr_dim(n_dims, m0, static_cast<float>(s.beta_slow), base)));
+    high = std::min(static_cast<float>(n_dims - 1),
+                    std::ceil(ggml_corr_dim(n_dims, m0, static_cast<float>(s.beta_slow), base)));
     // transformers' range (fp64; floored and ceiled only when truncate is set).
     const auto hf_dim = [&](double rotations) {
       return static_cast<double>(n_dims) * std::log(static_cast<double>(m0) / (rotations * 2.0 * M_PI)) /
@@ -102,10 +102,11 @@ nlohmann::json compare_with_ggml(const HfRopeConfig& config, const RopeParams& h
       theta = theta * (1.0f - ramp_mix) + extrap * ramp_mix;
     }
     ggml_freq[static_cast<std::size_t>(i)] = theta;
-    const double rel = std::fabs(static_cast<double>(theta) - want[static_cast<std::size_t>(i)]) /
-                       want[static_cast<std::size_t>(i)];
+    const double rel =
+        std::fabs(static_cast<double>(theta) - want[static_cast<std::size_t>(i)]) / want[static_cast<std::size_t>(i)];
     if (rel > worst) worst = rel, worst_pair = i;
-    worst_angle = std::max(worst_angle, std::fabs(static_cast<double>(theta) - want[static_cast<std::size_t>(i)]) * far);
+    worst_angle =
+        std::max(worst_angle, std::fabs(static_cast<double>(theta) - want[static_cast<std::size_t>(i)]) * far);
     theta_extrap *= theta_scale;
   }
   // cos/sin factor: ggml multiplies attn_factor by 1 + 0.1·ln factor under yarn; llama.cpp passes

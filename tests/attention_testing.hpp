@@ -407,4 +407,36 @@ inline void expect_backward_matches_reference(const Problem& p, const Attention&
   }
 }
 
+// Backward of `att` (on p) and forward of `dec` (on d, e.g. a decode call; may be null) give the
+// same bits for 1, 2 and 3 threads: dq, dk, dv, the groups' parameter and term gradients, out, lse.
+inline void expect_same_bits_for_any_thread_count(const Problem& p, const Attention& att, const Problem& d,
+                                                  const Attention* dec) {
+  const std::vector<double> d_out = random_values(static_cast<std::size_t>(p.q_count()));
+  std::vector<Grads> runs;
+  std::vector<Outputs> forwards;
+  for (const int threads : {1, 2, 3}) {
+    set_num_threads(threads);
+    runs.push_back(run_backward(p, att, d_out, false));
+    if (dec != nullptr) forwards.push_back(run_forward(d, *dec, 0));
+  }
+  set_num_threads(2);
+  for (std::size_t r = 1; r < runs.size(); ++r) {
+    SCOPED_TRACE("threads " + std::to_string(r + 1));
+    EXPECT_EQ(runs[r].dq, runs[0].dq);
+    EXPECT_EQ(runs[r].dk, runs[0].dk);
+    EXPECT_EQ(runs[r].dv, runs[0].dv);
+    for (std::size_t g = 0; g < runs[0].params.groups.size(); ++g) {
+      const GroupGradients &a = runs[r].params.groups[g], &b = runs[0].params.groups[g];
+      EXPECT_EQ(a.alibi_slopes, b.alibi_slopes);
+      EXPECT_EQ(a.t5_table, b.t5_table);
+      EXPECT_EQ(a.bias_parameters, b.bias_parameters);
+      EXPECT_EQ(a.terms, b.terms);
+    }
+    if (dec != nullptr) {
+      EXPECT_EQ(forwards[r].out, forwards[0].out);
+      EXPECT_EQ(forwards[r].lse, forwards[0].lse);
+    }
+  }
+}
+
 }  // namespace posenc::attention_testing

@@ -125,21 +125,7 @@ TEST(AttentionChunks, BitwiseIdenticalForAnyThreadCount) {
   ds.mask.causal = true;
   ds.mask.chunk_size = 20000;  // the last chunk (10000 keys) splits into several decode chunks
   const Attention dec(ds);
-  const std::vector<double> d_out = random_values(static_cast<std::size_t>(p.q_count()));
-  std::vector<Grads> runs;
-  std::vector<Outputs> decodes;
-  for (const int threads : {1, 2, 3}) {
-    set_num_threads(threads);
-    runs.push_back(run_backward(p, att, d_out, false));
-    decodes.push_back(run_forward(d, dec, 0));
-  }
-  set_num_threads(2);
-  for (std::size_t r = 1; r < runs.size(); ++r) {
-    EXPECT_EQ(runs[r].dq, runs[0].dq);
-    EXPECT_EQ(runs[r].dk, runs[0].dk);
-    EXPECT_EQ(decodes[r].out, decodes[0].out);
-    EXPECT_EQ(decodes[r].lse, decodes[0].lse);
-  }
+  expect_same_bits_for_any_thread_count(p, att, d, &dec);
 }
 
 TEST(AttentionChunks, RefusesBadInput) {

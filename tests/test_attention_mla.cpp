@@ -209,30 +209,7 @@ TEST(AttentionMla, WideDecodeIsBitwiseIdenticalForAnyThreadCount) {
   AttentionSpec spec = spec_of(p);
   spec.mask.causal = true;
   const Attention att(spec);
-  std::vector<Outputs> runs;
-  for (const int threads : {1, 2, 3}) {
-    set_num_threads(threads);
-    runs.push_back(run_forward(p, att, 0));
-  }
-  set_num_threads(2);
-  for (std::size_t r = 1; r < runs.size(); ++r) {
-    EXPECT_EQ(runs[r].out, runs[0].out);
-    EXPECT_EQ(runs[r].lse, runs[0].lse);
-  }
-}
-
-TEST(AttentionMla, RefusesValuesWiderThanKeysAndShaw) {
-  const Problem p = with_value_dim(make_problem(1, 5, 5, 2, 1, 16), 24);
-  testing::expect_error([&] { Attention att(spec_with_values(p, 24)); }, {"v", "head_dim of 1 to k's"});
-  const Problem narrow = with_value_dim(make_problem(1, 5, 5, 2, 1, 16), 8);
-  AttentionSpec spec = spec_with_values(narrow, 8);
-  spec.groups = {HeadGroup{2, {}, {}, ShawParams::init(4, 16, 0.02, 1)}};
-  testing::expect_error([&] { Attention att(spec); }, {"groups[0].shaw", "values as wide as the keys"});
-  AttentionSpec plain = spec_with_values(narrow, 8);
-  const Attention att(plain);
-  std::vector<float> out(5 * 2 * 16);  // as wide as q: not out's shape
-  const std::vector<std::int64_t> wide = {1, 5, 2, 16};
-  testing::expect_error([&] { att.forward(TensorView::contiguous(out.data(), DType::kF32, wide)); }, {"out"});
+  expect_same_bits_for_any_thread_count(p, att, p, &att);
 }
 
 }  // namespace

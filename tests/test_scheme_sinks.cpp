@@ -140,20 +140,7 @@ TEST(AttentionSinks, BitwiseIdenticalForAnyThreadCount) {
   AttentionSpec ds = spec_of(d);
   ds.groups = spec.groups;
   const Attention dec(ds);
-  const std::vector<double> d_out = random_values(static_cast<std::size_t>(p.q_count()));
-  std::vector<Grads> runs;
-  std::vector<Outputs> decodes;
-  for (const int threads : {1, 2, 3}) {
-    set_num_threads(threads);
-    runs.push_back(run_backward(p, att, d_out, false));
-    decodes.push_back(run_forward(d, dec, 0));
-  }
-  set_num_threads(2);
-  for (std::size_t r = 1; r < runs.size(); ++r) {
-    EXPECT_EQ(runs[r].dq, runs[0].dq);
-    EXPECT_EQ(runs[r].params.groups[0].terms[0], runs[0].params.groups[0].terms[0]);
-    EXPECT_EQ(decodes[r].out, decodes[0].out);
-  }
+  expect_same_bits_for_any_thread_count(p, att, d, &dec);
 }
 
 TEST(AttentionSinks, RefusesBadInput) {

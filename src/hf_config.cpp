@@ -100,10 +100,10 @@ bool is_gemma3(const Json& doc) {
   return it != doc.end() && it->is_string() && it->get<std::string>().rfind("gemma3", 0) == 0;
 }
 
-// Each layer's type: `layer_types`, or Gemma 3's rule from sliding_window_pattern (layer i is
-// full when (i + 1) % pattern == 0; Gemma3TextConfig, pattern 6 by default); empty when the config
-// does not vary by layer.
-std::vector<std::string> layer_types_of(const Json& doc, std::int64_t layers) {
+// Each layer's type: `layer_types`, or (when a layer is asked for) Gemma 3's rule from
+// sliding_window_pattern (layer i is full when (i + 1) % pattern == 0; Gemma3TextConfig, pattern 6
+// by default); empty when the config does not vary by layer.
+std::vector<std::string> layer_types_of(const Json& doc, std::int64_t layers, bool derive) {
   std::vector<std::string> types;
   if (const auto it = doc.find("layer_types"); it != doc.end() && !it->is_null()) {
     if (!it->is_array()) throw Error(kWhere, "layer_types", it->dump(), "a list of layer type names");
@@ -118,7 +118,7 @@ std::vector<std::string> layer_types_of(const Json& doc, std::int64_t layers) {
     return types;
   }
   const bool gemma3 = is_gemma3(doc);
-  if (!gemma3 && !doc.contains("sliding_window_pattern")) return types;
+  if (!derive || (!gemma3 && !doc.contains("sliding_window_pattern"))) return types;
   const std::int64_t pattern = integer(doc, "", "sliding_window_pattern", 6, 1);
   if (layers <= 0) {
     throw Error(kWhere, "num_hidden_layers", "missing",
@@ -154,7 +154,7 @@ HfRopeConfig hf_rope_config_from_json(std::string_view text, std::optional<std::
   c.max_position_embeddings = integer(doc, "", "max_position_embeddings", gemma3 ? 131072 : 2048, 1);
   c.top_level_original_max_position_embeddings = integer(doc, "", "original_max_position_embeddings", 0, 1);
   const std::int64_t layers = integer(doc, "", "num_hidden_layers", 0, 1);
-  const std::vector<std::string> types = layer_types_of(doc, layers);
+  const std::vector<std::string> types = layer_types_of(doc, layers, layer.has_value());
   if (layer) {
     const auto count = types.empty() ? layers : static_cast<std::int64_t>(types.size());
     if (*layer < 0 || (count > 0 && *layer >= count)) {

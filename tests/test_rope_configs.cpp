@@ -211,6 +211,10 @@ TEST(RopeConfigs, RefusesConfigsThatDoNotMatchTheirLayers) {
   testing::expect_error([&] { rope_params_from_hf(config(types + ", " + both)); }, {"layer = missing"});
   testing::expect_error([&] { rope_params_from_hf(config(R"("num_hidden_layers": 3, "layer_types": ["a", "b"])")); },
                         {"layer_types = 2 entries", "num_hidden_layers = 3"});
+  // sliding_window_pattern gives the layers' types only when a layer is asked for.
+  EXPECT_NO_THROW(rope_params_from_hf(R"({"head_dim": 64, "sliding_window_pattern": 4})"));
+  testing::expect_error([&] { rope_params_from_hf(R"({"head_dim": 64, "sliding_window_pattern": 4})", 2); },
+                        {"num_hidden_layers = missing"});
   // Explicit values are checked, never taken as unset.
   testing::expect_error([&] { rope_params_from_hf(R"({"hidden_size": 4096, "num_attention_heads": -32})"); },
                         {"num_attention_heads = -32"});

@@ -617,8 +617,8 @@ class PositionTemperature:
         _ops.attention_temperature(self._json(), 0)  # validated by the library (ValueError naming the key)
 
     def _json(self):
-        return json.dumps({"kind": self.kind, **{k: (v if isinstance(v, int) and k.startswith("original") else
-                                                     float(v)) for k, v in self.values.items()}})
+        return json.dumps({"kind": self.kind, **{k: v if k == "original_max_position_embeddings" else float(v)
+                                                 for k, v in self.values.items()}})
 
     def factor(self, positions):
         """s(p) for an int64 tensor of positions (float64)."""

@@ -225,9 +225,12 @@ struct AttentionPlan {
   std::optional<Positions> q_positions, k_positions;
   std::int64_t q_position(const Sequence& seq, std::int64_t i) const { return q_positions->at(seq.b, seq.q0 + i); }
   std::int64_t k_position(const Sequence& seq, std::int64_t j) const { return k_positions->at(seq.b, seq.k0 + j); }
-  // The spec's temperature of a query at `position` (1 without one), rounded once to f32.
-  float query_temperature(std::int64_t position) const {
-    return spec.temperature ? static_cast<float>(spec.temperature->factor(position)) : 1.0f;
+  // row[0..dim) times the spec's temperature of a query at `position` (rounded once to f32); a
+  // call without one leaves the row as it is.
+  void temper_row(float* row, std::int64_t position) const {
+    if (!spec.temperature) return;
+    const auto f = static_cast<float>(spec.temperature->factor(position));
+    for (std::int64_t t = 0; t < dim; ++t) row[t] *= f;
   }
   // mask.chunk_size: the keys [lo, hi) of seq in the chunk of a query at q_position.
   std::pair<std::int64_t, std::int64_t> chunk_keys(const Sequence& seq, std::int64_t q_position) const;

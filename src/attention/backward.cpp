@@ -260,10 +260,7 @@ void AttentionPlan::backward_unit(const BackwardCall& call, const BackwardUnit& 
       const std::int64_t i = rb.query[static_cast<std::size_t>(r)];
       load_row(q_data, qg, seq.b, seq.q0 + i, h, qrow);
       transform_row(tq, true, q_table_row(seq, i), qrow, 1.0f);
-      if (spec.temperature) {
-        const float f = query_temperature(rb.position[static_cast<std::size_t>(r)]);
-        for (std::int64_t t = 0; t < d; ++t) qrow[t] *= f;
-      }
+      temper_row(qrow, rb.position[static_cast<std::size_t>(r)]);
       for (const auto& term : terms) term->adjust_query(h, qrow);
       for (std::int64_t t = 0; t < d; ++t) qrow[t] *= scale;
       load_row_as(d_out, dog, seq.b, seq.q0 + i, h, drow);
@@ -459,10 +456,7 @@ void AttentionPlan::backward_unit(const BackwardCall& call, const BackwardUnit& 
       const std::int64_t i = rb.query[static_cast<std::size_t>(r)];
       float* row = s.dq.data() + r * dp;
       for (std::int64_t t = 0; t < d; ++t) row[t] *= scale;
-      if (spec.temperature) {
-        const float f = query_temperature(rb.position[static_cast<std::size_t>(r)]);
-        for (std::int64_t t = 0; t < d; ++t) row[t] *= f;
-      }
+      temper_row(row, rb.position[static_cast<std::size_t>(r)]);
       transform_row(tq, true, q_table_row(seq, i), row, -1.0f);
       store_row_to(row, *dq, dqg, seq.b, seq.q0 + i, h);
     }

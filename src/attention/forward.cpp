@@ -87,10 +87,7 @@ void forward_begin(const AttentionPlan& p, const Sequence& seq, const RowBlock& 
       const std::int64_t i = rb.query[static_cast<std::size_t>(r)];
       p.load_row(p.q_data, p.qg, seq.b, seq.q0 + i, h, row);
       p.transform_row(p.tables_of_head(h), true, p.q_table_row(seq, i), row, 1.0f);
-      if (p.spec.temperature) {
-        const float f = p.query_temperature(rb.position[static_cast<std::size_t>(r)]);
-        for (std::int64_t t = 0; t < d; ++t) row[t] *= f;
-      }
+      p.temper_row(row, rb.position[static_cast<std::size_t>(r)]);
       for (const auto& term : p.terms) term->adjust_query(h, row);
       for (std::int64_t t = 0; t < d; ++t) row[t] *= p.scale;
     }

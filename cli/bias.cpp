@@ -42,8 +42,10 @@ Runner add_t5_buckets(CLI::App& app) {
     if (o->to < o->from)
       throw Error("t5-buckets", "--to", std::to_string(o->to), ">= --from = " + std::to_string(o->from));
     constexpr std::int64_t kMaxCount = std::int64_t{1} << 26;
-    if (o->to - o->from >= kMaxCount) {
-      throw Error("t5-buckets", "--to − --from", std::to_string(o->to - o->from), "< 2^26 (the list is printed)");
+    std::int64_t span = 0;
+    if (__builtin_sub_overflow(o->to, o->from, &span) || span >= kMaxCount) {
+      throw Error("t5-buckets", "--to − --from", std::to_string(o->to) + " − " + std::to_string(o->from),
+                  "< 2^26 (the list is printed)");
     }
     nlohmann::json list = nlohmann::json::array();
     for (std::int64_t r = o->from; r <= o->to; ++r)

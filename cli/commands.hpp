@@ -4,6 +4,8 @@
 
 #include <CLI/CLI.hpp>
 #include <functional>
+#include <optional>
+#include <string>
 #include <nlohmann/json.hpp>
 
 #include "posenc/rotary.hpp"
@@ -11,6 +13,14 @@
 namespace posenc::cli {
 
 using Runner = std::function<void()>;
+
+// An option whose absence is "unset" and whose every given value is kept (and later checked): no
+// sentinel value stands for "unset".
+template <class T>
+CLI::Option* add_optional(CLI::App* sub, const std::string& name, std::optional<T>& slot, const std::string& help) {
+  return sub->add_option_function<T>(
+      name, [&slot](const T& value) { slot = value; }, help);
+}
 
 Runner add_tour(CLI::App& app);
 Runner add_table(CLI::App& app);

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "commands.hpp"
+#include "usage.hpp"
 #include "posenc/posenc.hpp"
 
 namespace {
@@ -59,14 +60,8 @@ int main(int argc, char** argv) {
                      "and measures them at L … 16L (posenc study --help)")
       ->allow_extras();
 
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    if (e.get_exit_code() == 0) return app.exit(e);  // --help, --version
-    fmt::print(stderr, "posenc: {}\n", e.what());
-    return 2;
-  }
-  try {
+  if (const int status = posenc::cli::parse_or_exit(app, argc, argv, "posenc"); status >= 0) return status;
+  return posenc::cli::run_or_exit("posenc", [&] {
     posenc::set_target(target);
     for (CLI::App* sub : app.get_subcommands()) {
       if (sub->get_name() == "tour") tour();
@@ -78,10 +73,5 @@ int main(int argc, char** argv) {
       if (sub->get_name() == "plot") plot();
       if (sub->get_name() == "schemes") schemes();
     }
-  } catch (const std::exception& e) {
-    std::fflush(stdout);
-    fmt::print(stderr, "posenc: {}\n", e.what());
-    return 1;
-  }
-  return 0;
+  });
 }

@@ -18,25 +18,28 @@
 namespace posenc::cli {
 namespace {
 
-constexpr double kUnset = std::numeric_limits<double>::quiet_NaN();
-
+// Every flag is optional: given, it overrides the config (and is checked like a config's value);
+// absent, the config's value (or transformers' default) stands. No value means "unset".
 struct RopeFreqsOptions {
   std::string config_path;
   std::optional<std::int64_t> layer;
   std::string against;  // "ggml": compare with llama.cpp's convention
   std::int64_t seq_len = 0;
-  // Flags (used without --config, or to override it)
-  std::string scaling;
-  std::int64_t head_dim = 0;
-  std::int64_t rotary_dim = 0;
-  double base = kUnset;
-  double factor = kUnset;
-  std::int64_t max_position_embeddings = 0;
-  std::int64_t original_max_position_embeddings = 0;
-  double beta_fast = kUnset, beta_slow = kUnset;
-  double low_freq_factor = kUnset, high_freq_factor = kUnset;
-  double attention_factor = kUnset;
+  std::optional<std::string> scaling;
+  std::optional<std::int64_t> head_dim, rotary_dim, max_position_embeddings, original_max_position_embeddings;
+  std::optional<double> base, factor, beta_fast, beta_slow, low_freq_factor, high_freq_factor, attention_factor;
 };
+
+std::int64_t at_least(const char* flag, std::int64_t value, std::int64_t minimum) {
+  if (value < minimum) throw Error("rope-freqs", flag, std::to_string(value), ">= " + std::to_string(minimum));
+  return value;
+}
+
+// NaN stands for "unset" in HfRopeConfig: a NaN flag would vanish there, so it is refused here.
+double number(const char* flag, double value) {
+  if (std::isnan(value)) throw Error("rope-freqs", flag, "nan", "a number");
+  return value;
+}
 
 void run_rope_freqs(const RopeFreqsOptions& o) {
   HfRopeConfig c;
@@ -49,27 +52,36 @@ void run_rope_freqs(const RopeFreqsOptions& o) {
   } else if (o.layer) {
     throw Error("rope-freqs", "--layer", std::to_string(*o.layer), "given with --config (a layer of that model)");
   }
-  if (!o.scaling.empty()) c.rope_type = o.scaling;
-  if (o.head_dim > 0) c.head_dim = o.head_dim;
-  if (!std::isnan(o.base)) c.rope_theta = o.base;
-  if (!std::isnan(o.factor)) c.factor = o.factor;
-  if (o.max_position_embeddings > 0) c.max_position_embeddings = o.max_position_embeddings;
-  if (o.original_max_position_embeddings > 0) {  // the flag wins over both places a config may hold M0
-    c.original_max_position_embeddings = o.original_max_position_embeddings;
+  if (o.scaling) c.rope_type = *o.scaling;
+  if (o.head_dim) c.head_dim = at_least("--head-dim", *o.head_dim, 1);
+  if (o.base) c.rope_theta = number("--base", *o.base);
+  if (o.factor) c.factor = number("--factor", *o.factor);
+  if (o.max_position_embeddings)
+    c.max_position_embeddings = at_least("--max-position-embeddings", *o.max_position_embeddings, 1);
+  if (o.original_max_position_embeddings) {  // the flag wins over both places a config may hold M0
+    c.original_max_position_embeddings =
+        at_least("--original-max-position-embeddings", *o.original_max_position_embeddings, 1);
     c.top_level_original_max_position_embeddings = 0;
   }
-  if (!std::isnan(o.beta_fast)) c.beta_fast = o.beta_fast;
-  if (!std::isnan(o.beta_slow)) c.beta_slow = o.beta_slow;
-  if (!std::isnan(o.low_freq_factor)) c.low_freq_factor = o.low_freq_factor;
-  if (!std::isnan(o.high_freq_factor)) c.high_freq_factor = o.high_freq_factor;
-  if (!std::isnan(o.attention_factor)) c.attention_factor = o.attention_factor;
-  if (o.rotary_dim > 0) {
+  if (o.beta_fast) c.beta_fast = number("--beta-fast", *o.beta_fast);
+  if (o.beta_slow) c.beta_slow = number("--beta-slow", *o.beta_slow);
+  if (o.low_freq_factor) c.low_freq_factor = number("--low-freq-factor", *o.low_freq_factor);
+  if (o.high_freq_factor) c.high_freq_factor = number("--high-freq-factor", *o.high_freq_factor);
+  if (o.attention_factor) c.attention_factor = number("--attention-factor", *o.attention_factor);
+  if (o.rotary_dim) {
+    at_least("--rotary-dim", *o.rotary_dim, 2);
     if (c.head_dim <= 0) {
       c.head_dim =
-          c.hidden_size > 0 && c.num_attention_heads > 0 ? c.hidden_size / c.num_attention_heads : o.rotary_dim;
+          c.hidden_size > 0 && c.num_attention_heads > 0 ? c.hidden_size / c.num_attention_heads : *o.rotary_dim;
     }
-    c.partial_rotary_factor = static_cast<double>(o.rotary_dim) / static_cast<double>(c.head_dim);
+    if (*o.rotary_dim > c.head_dim) {
+      throw Error("rope-freqs", "--rotary-dim", std::to_string(*o.rotary_dim),
+                  "<= head_dim = " + std::to_string(c.head_dim));
+    }
+    c.partial_rotary_factor = static_cast<double>(*o.rotary_dim) / static_cast<double>(c.head_dim);
   }
+  if (o.seq_len < 0) throw Error("rope-freqs", "--seq-len", std::to_string(o.seq_len), ">= 0");
+  // Neither a config nor --head-dim says: Llama's 128.
   if (c.head_dim <= 0 && (c.hidden_size <= 0 || c.num_attention_heads <= 0)) c.head_dim = 128;
   const RopeParams params = rope_params_from_hf(c);
   nlohmann::json doc = {{"rope_type", std::string(rope_type_name(params.scaling().type))},
@@ -109,20 +121,20 @@ Runner add_rope_freqs(CLI::App& app) {
                   "ggml: also print llama.cpp's frequencies and attention factor for this config and the largest "
                   "differences from transformers'");
   sub->add_option("--seq-len", o->seq_len, "Sequence length (dynamic and longrope depend on it; 0: initial)");
-  sub->add_option("--scaling", o->scaling,
-                  "rope_type: default, linear, ntk, dynamic, yarn, longrope, llama3, proportional");
-  sub->add_option("--head-dim", o->head_dim, "head_dim");
-  sub->add_option("--rotary-dim", o->rotary_dim, "rotary_dim (partial rotary)");
-  sub->add_option("--base", o->base, "rope_theta");
-  sub->add_option("--factor", o->factor, "Scaling factor");
-  sub->add_option("--max-position-embeddings", o->max_position_embeddings, "max_position_embeddings");
-  sub->add_option("--original-max-position-embeddings", o->original_max_position_embeddings,
-                  "M0 of yarn, longrope, llama3");
-  sub->add_option("--beta-fast", o->beta_fast, "yarn beta_fast");
-  sub->add_option("--beta-slow", o->beta_slow, "yarn beta_slow");
-  sub->add_option("--low-freq-factor", o->low_freq_factor, "llama3 low_freq_factor");
-  sub->add_option("--high-freq-factor", o->high_freq_factor, "llama3 high_freq_factor");
-  sub->add_option("--attention-factor", o->attention_factor, "attention_factor");
+  add_optional(sub, "--scaling", o->scaling,
+               "rope_type: default, linear, ntk, dynamic, yarn, longrope, llama3, proportional");
+  add_optional(sub, "--head-dim", o->head_dim, "head_dim (default: the config's, else 128)");
+  add_optional(sub, "--rotary-dim", o->rotary_dim, "rotary_dim (partial rotary)");
+  add_optional(sub, "--base", o->base, "rope_theta");
+  add_optional(sub, "--factor", o->factor, "Scaling factor");
+  add_optional(sub, "--max-position-embeddings", o->max_position_embeddings, "max_position_embeddings");
+  add_optional(sub, "--original-max-position-embeddings", o->original_max_position_embeddings,
+               "M0 of yarn, longrope, llama3");
+  add_optional(sub, "--beta-fast", o->beta_fast, "yarn beta_fast");
+  add_optional(sub, "--beta-slow", o->beta_slow, "yarn beta_slow");
+  add_optional(sub, "--low-freq-factor", o->low_freq_factor, "llama3 low_freq_factor");
+  add_optional(sub, "--high-freq-factor", o->high_freq_factor, "llama3 high_freq_factor");
+  add_optional(sub, "--attention-factor", o->attention_factor, "attention_factor");
   return [o] { run_rope_freqs(*o); };
 }
 

@@ -9,6 +9,7 @@
 #include <fmt/core.h>
 
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -29,7 +30,7 @@ struct TableOptions {
   std::string format = "text";
   // bias schemes
   std::int64_t heads = 8;
-  std::int64_t head = -1;  // -1: every head
+  std::optional<std::int64_t> head;  // absent: every head
   bool symmetric = false;
   double max_bias = 8.0;
   std::int64_t num_buckets = 32;
@@ -158,8 +159,18 @@ void print_tables(const TableOptions& o, const std::vector<std::pair<std::string
 }
 
 // A bias matrix per head (or the chosen head): rows = query positions, columns = key positions.
+// Whether head h of `heads` is printed; an explicit --head must name one of them.
+bool head_wanted(const TableOptions& o, std::int64_t h, std::int64_t heads) {
+  if (o.head && (*o.head < 0 || *o.head >= heads)) {
+    throw Error("table", "--head", std::to_string(*o.head),
+                "in [0, " + std::to_string(heads) + ") (--heads " + std::to_string(heads) + ")");
+  }
+  return !o.head || *o.head == h;
+}
+
 void run_bias_table(const TableOptions& o) {
   if (o.length < 1) throw Error("table", "--length", std::to_string(o.length), ">= 1");
+  if (o.heads < 1) throw Error("table", "--heads", std::to_string(o.heads), ">= 1");
   constexpr std::int64_t kMaxElements = std::int64_t{1} << 26;
   if (checked_mul(o.length, o.length, "table size") > kMaxElements / std::max<std::int64_t>(o.heads, 1)) {
     throw Error("table", "--length² × --heads", std::to_string(o.length) + "² × " + std::to_string(o.heads),
@@ -171,6 +182,8 @@ void run_bias_table(const TableOptions& o) {
   std::vector<std::pair<std::string, std::vector<double>>> tables;
   if (o.encoding == "shaw") {
     // The table row each (query, key) pair reads: clip(j − i, −k, k) + k.
+    if (o.head)
+      throw Error("table", "--head", std::to_string(*o.head), "no head for shaw (one table of rows for all heads)");
     const ShawParams shaw(o.max_distance, 1);
     std::vector<double> rows(static_cast<std::size_t>(n * n));
     for (std::int64_t i = 0; i < n; ++i) {
@@ -193,7 +206,7 @@ void run_bias_table(const TableOptions& o) {
     doc.update({{"heads", o.heads}, {"head_dim", dim}, {"d_model", d_model}, {"seed", o.seed}});
     std::vector<std::pair<std::string, std::vector<double>>> heads_tables;
     for (std::int64_t h = 0; h < o.heads; ++h) {
-      if (o.head >= 0 && h != o.head) continue;
+      if (!head_wanted(o, h, o.heads)) continue;
       heads_tables.emplace_back("head" + std::to_string(h),
                                 std::vector<double>(all.begin() + h * n * n, all.begin() + (h + 1) * n * n));
     }
@@ -202,6 +215,8 @@ void run_bias_table(const TableOptions& o) {
   }
   if (o.encoding == "t5") {
     // Buckets, one matrix for all heads.
+    if (o.head)
+      throw Error("table", "--head", std::to_string(*o.head), "no head for t5 (one bucket matrix for all heads)");
     std::vector<double> buckets(static_cast<std::size_t>(n * n));
     for (std::int64_t i = 0; i < n; ++i) {
       for (std::int64_t j = 0; j < n; ++j)
@@ -259,13 +274,11 @@ void run_bias_table(const TableOptions& o) {
     for (const auto& [name, value] : complete_scheme_args(find_scheme(o.encoding), args).options) doc[name] = value;
   }
   const std::int64_t heads = bias_heads(scheme);
-  if (o.head < -1 || o.head >= heads) {
-    throw Error("table", "--head", std::to_string(o.head), "-1 (every head) or in [0, " + std::to_string(heads) + ")");
-  }
+  head_wanted(o, 0, heads);  // checks --head before the work
   std::vector<double> all(static_cast<std::size_t>(heads * n * n));
   bias_materialize(scheme, positions, positions, TensorView::of(all.data(), {heads, n, n}));
   for (std::int64_t h = 0; h < heads; ++h) {
-    if (o.head >= 0 && h != o.head) continue;
+    if (!head_wanted(o, h, heads)) continue;
     tables.emplace_back("head" + std::to_string(h),
                         std::vector<double>(all.begin() + h * n * n, all.begin() + (h + 1) * n * n));
   }
@@ -389,7 +402,7 @@ Runner add_table(CLI::App& app) {
   sub->add_option("--dtype", o->dtype, "f32, f64, bf16 or f16")->capture_default_str();
   sub->add_option("--format", o->format, "text (PyTorch-style), csv or json")->capture_default_str();
   sub->add_option("--heads,-H", o->heads, "Bias schemes: number of heads")->capture_default_str();
-  sub->add_option("--head", o->head, "Bias schemes: print only this head (-1: all)")->capture_default_str();
+  add_optional(sub, "--head", o->head, "Bias schemes: print only this head (default: every head)");
   sub->add_flag("--symmetric", o->symmetric, "alibi: −m·|i − j| (encoder) instead of the causal −m·(i − j)");
   sub->add_option("--max-bias", o->max_bias, "alibi: slope exponent scale (8 in the paper)")->capture_default_str();
   sub->add_option("--num-buckets", o->num_buckets, "t5: number of buckets")->capture_default_str();

@@ -25,9 +25,12 @@
 #include <algorithm>
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
+#include "posenc/error.hpp"
 #include "posenc/memory.hpp"
 
 namespace posenc::perf {
@@ -61,12 +64,20 @@ struct BenchArray {
   std::size_t count = 0;
   void allocate(std::size_t n, bool huge) {
     clear();
+    // Within posenc's allocation limit, and refused by name when the system says no: a shape
+    // that asks for more never reaches a null pointer.
+    const std::size_t bytes = checked_allocation(
+        static_cast<std::int64_t>(std::min<std::size_t>(n, std::numeric_limits<std::int64_t>::max())), sizeof(T),
+        "bench", "buffer elements");
     if (huge) {
-      huge_memory = HugePageBuffer(n * sizeof(T));
+      huge_memory = HugePageBuffer(bytes);
       pointer = huge_memory.as<T>();
     } else {
       plain_memory = hwy::AllocateAligned<T>(n);
       pointer = plain_memory.get();
+      if (pointer == nullptr && n > 0) {
+        throw Error("bench", "buffer bytes", std::to_string(bytes), "an allocation the system grants");
+      }
     }
     count = n;
   }

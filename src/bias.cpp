@@ -20,6 +20,7 @@
 #include "bias_checks.hpp"
 #include "kernels/bias/bias_kernels.hpp"
 #include "kernels/common/row_kernels.hpp"
+#include "posenc/memory.hpp"
 #include "posenc/reference.hpp"
 
 namespace posenc {
@@ -32,6 +33,7 @@ constexpr std::int64_t kStreamBytes = std::int64_t{8} << 20;
 
 void check_heads(const char* where, std::int64_t heads) {
   if (heads < 1) throw Error(where, "heads", std::to_string(heads), ">= 1");
+  checked_allocation(heads, sizeof(double), where, "heads");
 }
 
 void check_finite_nonnegative(const char* where, const char* name, std::size_t index, double value, bool positive) {
@@ -81,7 +83,7 @@ std::vector<double> alibi_slopes(std::int64_t heads, double max_bias) {
   // Press et al. 2022, section 3 and their reference code's rule for head counts that are not a
   // power of two; max_bias generalises the 8 of the paper (llama.cpp's ggml_alibi).
   std::int64_t n = 1;
-  while (n * 2 <= heads) n *= 2;
+  while (n <= heads / 2) n *= 2;
   std::vector<double> slopes(static_cast<std::size_t>(heads));
   for (std::int64_t h = 0; h < heads; ++h) {
     const double exponent = h < n ? static_cast<double>(h + 1) / static_cast<double>(n)
@@ -135,6 +137,13 @@ void check_t5(const char* where, std::int64_t num_buckets, std::int64_t max_dist
 }
 }  // namespace
 
+namespace {
+// −r, except that −(−2^63), which int64 cannot hold, becomes 2^63 − 1: the same (last) bucket.
+std::int64_t negate(std::int64_t r) {
+  return r == std::numeric_limits<std::int64_t>::min() ? std::numeric_limits<std::int64_t>::max() : -r;
+}
+}  // namespace
+
 std::int64_t t5_bucket(std::int64_t relative_position, std::int64_t num_buckets, std::int64_t max_distance,
                        bool bidirectional) {
   check_t5("t5_bucket", num_buckets, max_distance, bidirectional);
@@ -142,9 +151,9 @@ std::int64_t t5_bucket(std::int64_t relative_position, std::int64_t num_buckets,
   if (bidirectional) {
     n /= 2;
     offset = relative_position > 0 ? n : 0;
-    distance = relative_position < 0 ? -relative_position : relative_position;
+    distance = relative_position < 0 ? negate(relative_position) : relative_position;
   } else {
-    distance = relative_position < 0 ? -relative_position : 0;
+    distance = relative_position < 0 ? negate(relative_position) : 0;
   }
   const std::int64_t max_exact = n / 2;
   if (distance < max_exact) return offset + distance;
@@ -156,6 +165,8 @@ std::int64_t t5_bucket(std::int64_t relative_position, std::int64_t num_buckets,
   const auto log_range =
       static_cast<float>(std::log(static_cast<double>(max_distance) / static_cast<double>(max_exact)));
   const float scaled = std::log(ratio) / log_range * static_cast<float>(n - max_exact);
+  // Past the last bucket (and before a float too large for int64 is truncated).
+  if (!(scaled < static_cast<float>(n - max_exact))) return offset + n - 1;
   const std::int64_t large = max_exact + static_cast<std::int64_t>(scaled);
   return offset + std::min(large, n - 1);
 }
@@ -169,7 +180,15 @@ T5BiasParams::T5BiasParams(std::int64_t heads, std::int64_t num_buckets, std::in
       table_(std::move(table)) {
   check_heads("T5BiasParams", heads);
   check_t5("T5BiasParams", num_buckets, max_distance, bidirectional);
-  const auto size = static_cast<std::size_t>(num_buckets * heads);
+  std::int64_t count = 0;
+  if (__builtin_mul_overflow(num_buckets, heads, &count)) count = -1;
+  if (count < 0) {
+    throw Error(
+        "T5BiasParams", "num_buckets", std::to_string(num_buckets),
+        "a count whose table of num_buckets · heads values fits in int64 (heads " + std::to_string(heads) + ")");
+  }
+  const std::size_t size =
+      checked_allocation(count, sizeof(double), "T5BiasParams", "num_buckets · heads") / sizeof(double);
   if (table_.empty()) table_.assign(size, 0.0);
   detail::check_parameter("T5BiasParams", "table", table_, size,
                           "num_buckets · heads = " + std::to_string(size) + " ([num_buckets, heads] row-major)");

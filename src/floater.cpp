@@ -2,6 +2,8 @@
 // posenc/floater.hpp). RK4: Runge 1895, Kutta 1901; the classical 1/6, 1/3, 1/3, 1/6 weights.
 #include "posenc/floater.hpp"
 
+#include "posenc/memory.hpp"
+
 #include <cmath>
 #include <string>
 
@@ -66,10 +68,18 @@ void rk4_step(const FloaterParams& f, double t, double h, const double* y, doubl
 }
 
 // The states at every step: [length·substeps − substeps + 1, dim] (position n at step n·substeps).
-std::vector<double> trajectory(const FloaterParams& f, std::int64_t length) {
+// The table's length times substeps is checked here: the trajectory holds every step's state.
+std::vector<double> trajectory(const char* where, const FloaterParams& f, std::int64_t length) {
   const auto dim = static_cast<std::size_t>(f.dim());
-  const std::int64_t steps = (length - 1) * f.substeps();
-  std::vector<double> states(static_cast<std::size_t>(steps + 1) * dim), work(5 * dim);
+  std::int64_t steps = 0, states_count = 0;
+  if (__builtin_mul_overflow(length - 1, f.substeps(), &steps) ||
+      __builtin_mul_overflow(steps + 1, f.dim(), &states_count)) {
+    throw Error(where, "params.substeps()", std::to_string(f.substeps()),
+                "a value whose (length − 1) · substeps + 1 states of dim " + std::to_string(f.dim()) +
+                    " fit in int64 (table length " + std::to_string(length) + ")");
+  }
+  checked_allocation(states_count, sizeof(double), where, "trajectory values ((length − 1) · substeps + 1) · dim");
+  std::vector<double> states(static_cast<std::size_t>(states_count)), work(5 * dim);
   std::copy(f.p0().begin(), f.p0().end(), states.begin());
   const double h = f.time_per_position() / static_cast<double>(f.substeps());
   for (std::int64_t s = 0; s < steps; ++s) {
@@ -164,7 +174,7 @@ void floater_table(const FloaterParams& params, TensorView out) {
   const TableGrid g = check_table("floater_table", "out", ConstTensorView(out), params.dim());
   detail::check_writable("floater_table", "out", ConstTensorView(out));
   if (g.length == 0) return;
-  const std::vector<double> states = trajectory(params, g.length);
+  const std::vector<double> states = trajectory("floater_table", params, g.length);
   const std::int64_t dim = params.dim();
   for (std::int64_t n = 0; n < g.length; ++n) {
     const double* y = states.data() + n * params.substeps() * dim;
@@ -184,7 +194,7 @@ void floater_table_backward(const FloaterParams& params, ConstTensorView d_table
   detail::check_gradient_size(where, "grads.p0", grads.p0.size(), params.dim());
   if (g.length == 0) return;
   const auto dim = static_cast<std::size_t>(params.dim());
-  const std::vector<double> states = trajectory(params, g.length);
+  const std::vector<double> states = trajectory(where, params, g.length);
   const std::int64_t substeps = params.substeps(), steps = (g.length - 1) * substeps;
   const double h = params.time_per_position() / static_cast<double>(substeps);
   std::vector<double> y_bar(dim, 0.0), work(5 * dim), z(static_cast<std::size_t>(params.hidden()));

@@ -207,6 +207,13 @@ HfRopeConfig hf_rope_config_from_json(std::string_view text, std::optional<std::
     c.rope_type = "default";
     c.rope_theta = number(doc, "", "rope_local_base_freq", 10000.0);
   } else if (block != nullptr) {
+    // transformers looks up rope_scaling's rope_type (or the older "type") in its table of init
+    // functions; a block without one fails there, so it is refused here rather than read as default.
+    if (std::string_view(block_key) == "rope_scaling" && !block->contains("rope_type") && !block->contains("type")) {
+      throw Error(kWhere, "rope_scaling.rope_type", "missing",
+                  "a rope type (default, linear, dynamic, yarn, longrope, llama3, …): transformers cannot build the "
+                  "rotary embedding without one");
+    }
     read_rope_keys(*block, std::string(block_key) + ".", c);
   }
   // Gemma 4's full-attention layers are wider (global_head_dim).

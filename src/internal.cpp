@@ -1,5 +1,7 @@
 #include "internal.hpp"
 
+#include "posenc/memory.hpp"
+
 #include <algorithm>
 #include <charconv>
 #include <cmath>
@@ -32,6 +34,18 @@ Grid matrix_grid(const char* where, const char* name, ConstTensorView view) {
     throw Error(where, std::string(name) + ".rank()", std::to_string(view.rank()), "2 ([rows, D])");
   }
   return token_grid(where, name, view);
+}
+
+std::size_t table_count(const char* where, const char* what, std::initializer_list<std::int64_t> factors) {
+  std::int64_t count = 1;
+  bool overflow = false;
+  std::string text;
+  for (const std::int64_t f : factors) {
+    overflow = overflow || __builtin_mul_overflow(count, f, &count);
+    text += (text.empty() ? "" : " · ") + std::to_string(f);
+  }
+  if (overflow) throw Error(where, what, text, "a table whose element count fits in int64");
+  return checked_allocation(count, sizeof(double), where, what) / sizeof(double);
 }
 
 void check_same_dims(const char* where, const char* name, const Grid& got, const char* ref_name, const Grid& ref) {

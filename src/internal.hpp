@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <new>
 #include <string>
 #include <vector>
@@ -75,6 +76,10 @@ void check_writable(const char* where, const char* name, ConstTensorView view);
 // name.size() = n; expected <expected_size>") and every value is finite ("name[e] = nan").
 void check_parameter(const char* where, const char* name, const std::vector<double>& values, std::size_t size,
                      const std::string& expected_size);
+// The element count of a parameter table whose extents are `factors` (each >= 1, checked by the
+// caller), checked for int64 overflow and against allocation_limit() for doubles: "where: what =
+// a · b · c; expected a table that fits in memory (… needed …)".
+std::size_t table_count(const char* where, const char* what, std::initializer_list<std::int64_t> factors);
 // Throws unless a gradient buffer's size `got` equals `expected`.
 void check_gradient_size(const char* where, const char* name, std::size_t got, std::int64_t expected);
 // Shortest text that reads back as the same double ("1e-09", "0.5", "nan"), for error messages.

@@ -2,6 +2,7 @@
 
 #include <cerrno>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <new>
@@ -12,24 +13,81 @@
 
 #if defined(__linux__)
 #include <sys/mman.h>
+#include <unistd.h>
 #endif
+#include <atomic>
 
 namespace posenc {
 namespace {
 
 constexpr const char* kWhere = "HugePageBuffer";
 
+std::size_t physical_memory() noexcept {
+#if defined(__linux__)
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  if (pages > 0 && page > 0 &&
+      static_cast<unsigned long>(pages) <= std::numeric_limits<std::size_t>::max() / static_cast<unsigned long>(page)) {
+    return static_cast<std::size_t>(pages) * static_cast<std::size_t>(page);
+  }
+#endif
+  return std::size_t{1} << 40;  // 1 TiB where the system does not say
+}
+
+std::atomic<std::size_t>& limit_slot() noexcept {
+  static std::atomic<std::size_t> limit{physical_memory()};
+  return limit;
+}
+
+std::string bytes_text(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  int u = 0;
+  while (bytes >= 1024.0 && u < 6) {
+    bytes /= 1024.0;
+    ++u;
+  }
+  char text[48];
+  std::snprintf(text, sizeof(text), u == 0 ? "%.0f %s" : "%.1f %s", bytes, units[u]);
+  return text;
+}
+
 std::size_t round_up_to_pages(std::size_t bytes) {
   constexpr std::size_t page = HugePageBuffer::kPageBytes;
-  // One page of slack is mapped on top to align the start (see the constructor).
-  if (bytes > std::numeric_limits<std::size_t>::max() - 2 * page) {
-    throw Error(kWhere, "bytes", std::to_string(bytes),
-                "at most " + std::to_string(std::numeric_limits<std::size_t>::max() - 2 * page));
+  if (bytes > allocation_limit()) {
+    throw Error(
+        kWhere, "bytes", std::to_string(bytes),
+        "at most the allocation limit, " + std::to_string(allocation_limit()) + " (posenc::set_allocation_limit)");
   }
+  // One page of slack is mapped on top to align the start (see the constructor); the limit is
+  // far below where this could wrap.
   return (bytes + page - 1) / page * page;
 }
 
 }  // namespace
+
+std::size_t allocation_limit() noexcept { return limit_slot().load(std::memory_order_relaxed); }
+
+void set_allocation_limit(std::size_t bytes) {
+  // Above 2^62 the checked products below could not be told from an overflow.
+  constexpr std::size_t kMax = std::size_t{1} << 62;
+  if (bytes < 1 || bytes > kMax) {
+    throw Error("set_allocation_limit", "bytes", std::to_string(bytes), "1 to 2^62");
+  }
+  limit_slot().store(bytes, std::memory_order_relaxed);
+}
+
+std::size_t checked_allocation(std::int64_t count, std::size_t elem_bytes, const char* where, const char* what) {
+  const std::size_t limit = allocation_limit();
+  const std::size_t most = elem_bytes == 0 ? limit : limit / elem_bytes;
+  if (count < 0 || static_cast<std::uint64_t>(count) > most) {
+    const double need = static_cast<double>(count) * static_cast<double>(elem_bytes);
+    throw Error(where, what, std::to_string(count),
+                count < 0 ? std::string(">= 0")
+                          : "at most " + std::to_string(most) + " (" + bytes_text(need) +
+                                " needed; the allocation limit is " + bytes_text(static_cast<double>(limit)) +
+                                ", posenc::set_allocation_limit)");
+  }
+  return static_cast<std::size_t>(count) * elem_bytes;
+}
 
 HugePageBuffer::HugePageBuffer(std::size_t bytes) {
   if (bytes == 0) return;

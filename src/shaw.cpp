@@ -8,9 +8,11 @@
 #include <omp.h>
 
 #include <cmath>
+#include <limits>
 #include <string>
 
 #include "relative_checks.hpp"
+#include "posenc/memory.hpp"
 #include "posenc/reference.hpp"
 #include "posenc/relative.hpp"
 
@@ -97,6 +99,14 @@ ShawParams::ShawParams(std::int64_t max_distance, std::int64_t head_dim, std::ve
   if (max_distance < 0)
     throw Error("ShawParams", "max_distance", std::to_string(max_distance), ">= 0 (k of the clip to [−k, k])");
   if (head_dim < 1) throw Error("ShawParams", "head_dim", std::to_string(head_dim), ">= 1");
+  std::int64_t size = 0;
+  if (max_distance > (std::numeric_limits<std::int64_t>::max() - 1) / 2 ||
+      __builtin_mul_overflow(2 * max_distance + 1, head_dim, &size)) {
+    throw Error(
+        "ShawParams", "max_distance", std::to_string(max_distance),
+        "a k whose two tables of (2k + 1) · head_dim values fit in memory (head_dim " + std::to_string(head_dim) + ")");
+  }
+  checked_allocation(size, 2 * sizeof(double), "ShawParams", "max_distance's table rows (2k + 1) · head_dim");
   key_table_ = checked_table(std::move(key_table), rows(), head_dim, "key_table");
   value_table_ = checked_table(std::move(value_table), rows(), head_dim, "value_table");
 }

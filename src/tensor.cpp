@@ -34,6 +34,9 @@ BasicTensorView<kMutable>::BasicTensorView(Pointer data, DType dtype, std::span<
     throw Error("tensor view", "strides", std::to_string(strides.size()) + " entries",
                 "one stride per axis (" + std::to_string(shape.size()) + ")");
   }
+  if (dtype_size(dtype) == 0) {
+    throw Error("tensor view", "dtype", std::to_string(static_cast<int>(dtype)), "one of f32, f64, bf16, f16");
+  }
   rank_ = static_cast<int>(shape.size());
   std::int64_t count = 1;
   std::int64_t last_offset = 0;

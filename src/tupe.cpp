@@ -74,7 +74,8 @@ TupeParams::TupeParams(std::int64_t heads, std::int64_t head_dim, std::int64_t d
   }
   const std::size_t table_size = table.size();
   table_ = checked("table", std::move(table), table_size, "");
-  const auto u_size = static_cast<std::size_t>(d_model * heads * head_dim);
+  const std::size_t u_size =
+      detail::table_count("TupeParams", "d_model · heads · head_dim", {d_model, heads, head_dim});
   u_q_ = checked("u_q", std::move(u_q), u_size, "d_model·heads·head_dim = " + std::to_string(u_size));
   u_k_ = checked("u_k", std::move(u_k), u_size, "d_model·heads·head_dim = " + std::to_string(u_size));
   theta1_ =
@@ -91,8 +92,8 @@ TupeParams TupeParams::init(std::int64_t heads, std::int64_t head_dim, std::int6
                     std::to_string(max_len),
                 "all >= 1");
   }
-  std::vector<double> table(static_cast<std::size_t>(max_len * d_model)),
-      u_q(static_cast<std::size_t>(d_model * heads * head_dim));
+  std::vector<double> table(detail::table_count("TupeParams::init", "max_len · d_model", {max_len, d_model})),
+      u_q(detail::table_count("TupeParams::init", "d_model · heads · head_dim", {d_model, heads, head_dim}));
   std::vector<double> u_k(u_q.size());
   std::uint64_t index = 0;
   for (auto& x : table) x = std * detail::seeded_normal(seed, index++);

@@ -148,7 +148,8 @@ XlParams::XlParams(std::int64_t heads, std::int64_t head_dim, std::int64_t d_mod
   if (head_dim < 1) throw Error("XlParams", "head_dim", std::to_string(head_dim), ">= 1");
   if (d_model < 2 || d_model % 2 != 0)
     throw Error("XlParams", "d_model", std::to_string(d_model), "an even number >= 2");
-  const auto hd = static_cast<std::size_t>(heads * head_dim);
+  const std::size_t hd = detail::table_count("XlParams", "heads · head_dim", {heads, head_dim});
+  detail::table_count("XlParams", "heads · head_dim · d_model", {heads, head_dim, d_model});
   detail::check_parameter("XlParams", "u", u_, hd, "heads·head_dim = " + std::to_string(hd));
   detail::check_parameter("XlParams", "v", v_, hd, "heads·head_dim = " + std::to_string(hd));
   detail::check_parameter("XlParams", "w_r", w_r_, hd * static_cast<std::size_t>(d_model),
@@ -165,8 +166,9 @@ XlParams XlParams::init(std::int64_t heads, std::int64_t head_dim, std::int64_t 
                 std::to_string(heads) + ", " + std::to_string(head_dim) + ", " + std::to_string(d_model),
                 ">= 1, >= 1, >= 2");
   }
-  const auto hd = static_cast<std::size_t>(heads * head_dim);
-  std::vector<double> u(hd), v(hd), w(hd * static_cast<std::size_t>(d_model));
+  const std::size_t hd = detail::table_count("XlParams::init", "heads · head_dim", {heads, head_dim});
+  std::vector<double> u(hd), v(hd),
+      w(detail::table_count("XlParams::init", "heads · head_dim · d_model", {heads, head_dim, d_model}));
   std::uint64_t index = 0;
   for (auto& x : u) x = std * detail::seeded_normal(seed, index++);
   for (auto& x : v) x = std * detail::seeded_normal(seed, index++);

@@ -43,6 +43,7 @@
 #include "model.hpp"
 #include "posenc/error.hpp"
 #include "posenc/runtime.hpp"
+#include "usage.hpp"
 
 namespace fs = std::filesystem;
 using json = nlohmann::ordered_json;
@@ -395,23 +396,25 @@ int main(int argc, char** argv) {
   app.add_option("--schemes", schemes_text, "Comma-separated schemes (default: all)");
   app.add_option("--corpus", corpus_path, "A text file, or the Brown Corpus directory (default: the set-up's copy)");
   app.add_option("--out", out_dir, "Output directory")->capture_default_str();
-  app.add_option("--seed", st.seed, "Random seed (same seed, same numbers)")->capture_default_str();
-  app.add_option("--scale", scale, "Multiply the training tokens (longer, better-trained runs)")
-      ->check(CLI::PositiveNumber);
+  std::int64_t seed = static_cast<std::int64_t>(st.seed);
+  app.add_option("--seed", seed, "Random seed, 0 to 2^63 − 1 (same seed, same numbers)")->capture_default_str();
+  app.add_option("--scale", scale, "Multiply the training tokens, 0 < scale <= 1000 (longer, better-trained runs)");
   int jobs = 2;
-  app.add_option("--jobs", jobs, "Schemes trained at once (each on --threads threads)")
-      ->capture_default_str()
-      ->check(CLI::Range(1, 64));
+  app.add_option("--jobs", jobs, "Schemes trained at once, 1 to 64 (each on --threads threads)")->capture_default_str();
   app.add_option("--threads", st.threads,
-                 "Threads per scheme (results depend on it only through float summation order)")
-      ->capture_default_str()
-      ->check(CLI::Range(1, 256));
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  }
-  try {
+                 "Threads per scheme, 1 to 256 (results depend on it only through float summation order)")
+      ->capture_default_str();
+  if (const int status = posenc::cli::parse_or_exit(app, argc, argv, "posenc study"); status >= 0) return status;
+  return posenc::cli::run_or_exit("posenc study", [&] {
+    // Checked here rather than by CLI11's validators, whose messages print the whole double range.
+    if (seed < 0) throw posenc::Error("study", "--seed", std::to_string(seed), "0 to 2^63 − 1");
+    st.seed = static_cast<std::uint64_t>(seed);
+    // Above 1000 the training tokens (and the copy task's steps) leave any run's reach and int64's.
+    if (!(scale > 0 && scale <= 1000))
+      throw posenc::Error("study", "--scale", fmt::format("{}", scale), "> 0 and <= 1000");
+    if (jobs < 1 || jobs > 64) throw posenc::Error("study", "--jobs", std::to_string(jobs), "1 to 64");
+    if (st.threads < 1 || st.threads > 256)
+      throw posenc::Error("study", "--threads", std::to_string(st.threads), "1 to 256");
     if (quick) {
       st.width = 32, st.layers = 2, st.heads = 2, st.length = 32, st.batch = 16;
       st.train_tokens = 100000, st.eval_tokens = 2048, st.lr = 3e-3;
@@ -571,10 +574,5 @@ int main(int argc, char** argv) {
     }
     write_atomically(out / "report.md", report);
     fmt::print("Results: {}, report: {}\n", (out / "results.json").string(), (out / "report.md").string());
-  } catch (const std::exception& e) {
-    std::fflush(stdout);
-    fmt::print(stderr, "\nposenc study: {}\n", e.what());
-    return 1;
-  }
-  return 0;
+  });
 }

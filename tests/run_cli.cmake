@@ -1,11 +1,14 @@
 # Runs the posenc command once and checks it: cmake -DPOSENC=… -DARGS=a;b;c [-DFAIL=ON]
 #   [-DSTDOUT=regex] [-DSTDERR=regex] [-DGOLDEN=file] -P run_cli.cmake
-# FAIL=ON expects a non-zero exit status and exactly one line on stderr.
+# FAIL=ON expects a non-zero exit status and exactly one line on stderr; EXIT=n that status.
 execute_process(COMMAND ${POSENC} ${ARGS} RESULT_VARIABLE status OUTPUT_VARIABLE out ERROR_VARIABLE err)
 string(REPLACE ";" " " shown "${ARGS}")
 if(FAIL)
   if(status EQUAL 0)
     message(FATAL_ERROR "posenc ${shown}: expected failure, exit status 0\n${out}")
+  endif()
+  if(DEFINED EXIT AND NOT EXIT STREQUAL "" AND NOT status EQUAL EXIT)
+    message(FATAL_ERROR "posenc ${shown}: exit status ${status}, expected ${EXIT}\n${err}")
   endif()
   string(REGEX MATCHALL "\n" newlines "${err}")
   list(LENGTH newlines lines)

@@ -75,11 +75,56 @@ TEST(HugePageBuffer, EmptyAndMoved) {
 TEST(HugePageBuffer, RejectsSizesItCannotMap) {
   expect_error([] { HugePageBuffer too_large(std::numeric_limits<std::size_t>::max()); },
                {"HugePageBuffer", "bytes = 18446744073709551615", "at most"});
+  expect_error([] { HugePageBuffer exbibyte(std::size_t{1} << 60); },
+               {"HugePageBuffer", "bytes = 1152921504606846976", "allocation limit"});
 #if defined(__linux__)
-  // 2^60 bytes (an exbibyte) rounds fine but no x86-64 address space holds it.
+  // Past a raised limit, 2^60 bytes (an exbibyte) reach mmap, which no x86-64 address space serves.
+  const std::size_t limit = allocation_limit();
+  set_allocation_limit(std::size_t{1} << 61);
   expect_error([] { HugePageBuffer exbibyte(std::size_t{1} << 60); },
                {"HugePageBuffer", "bytes = 1152921504606846976", "mmap failed"});
+  set_allocation_limit(limit);
 #endif
+}
+
+// Sizes from arguments are checked before anything is allocated: an overflowing product and a
+// product past the limit are refused by name, with the bytes they would need.
+TEST(AllocationLimit, RefusesWhatWouldNotFitByName) {
+  const std::size_t limit = allocation_limit();
+  EXPECT_GE(limit, std::size_t{1} << 20);  // the machine's memory: at least a mebibyte anywhere we run
+  EXPECT_EQ(checked_allocation(1000, 8, "here", "rows"), 8000u);
+  expect_error([] { checked_allocation(-1, 8, "here", "rows"); }, {"here: rows = -1", ">= 0"});
+  expect_error([] { checked_allocation(std::int64_t{1} << 62, 8, "here", "rows"); },
+               {"here: rows = 4611686018427387904", "32.0 EiB needed", "allocation limit"});
+  set_allocation_limit(4096);
+  expect_error([] { checked_allocation(513, 8, "here", "rows"); }, {"rows = 513", "at most 512", "4.0 KiB"});
+  expect_error([] { alibi_slopes(1000); }, {"alibi_slopes", "heads = 1000", "at most 512"});
+  set_allocation_limit(limit);
+  expect_error([] { set_allocation_limit(0); }, {"set_allocation_limit", "bytes = 0", "1 to 2^62"});
+  // The products that used to wrap: (2k + 1) Shaw rows, FLOATER's length · substeps states,
+  // T5's buckets · heads, and the head count of ALiBi's power-of-two loop.
+  expect_error([] { ShawParams(std::int64_t{1} << 62, 1); }, {"ShawParams", "max_distance = 4611686018427387904"});
+  expect_error([] { ShawParams(std::int64_t{1} << 40, 64); }, {"ShawParams", "allocation limit"});
+  expect_error([] { T5BiasParams(8, std::int64_t{1} << 61, std::int64_t{1} << 60, true); },
+               {"T5BiasParams", "num_buckets"});
+  expect_error([] { alibi_slopes(std::int64_t{1} << 62); }, {"alibi_slopes", "heads = 4611686018427387904"});
+  const FloaterParams floater = FloaterParams::init(4, 8, 1);
+  std::vector<float> table(3 * 4);
+  for (const std::int64_t substeps : {std::int64_t{1} << 62, std::int64_t{1} << 45}) {
+    const FloaterParams huge(4, floater.w1(), floater.b1(), floater.w2(), floater.b2(), floater.p0(),
+                             floater.time_per_position(), substeps);
+    expect_error([&] { floater_table(huge, TensorView::of(table.data(), {3, 4})); }, {"floater_table"});
+  }
+}
+
+// −(−2^63) does not exist in int64: the farthest relative position still has the last bucket.
+TEST(T5Buckets, TheMostNegativePositionIsTheLastBucket) {
+  EXPECT_EQ(t5_bucket(std::numeric_limits<std::int64_t>::min(), 32, 128, true), 15);
+  EXPECT_EQ(t5_bucket(std::numeric_limits<std::int64_t>::min(), 32, 128, false), 31);
+  EXPECT_EQ(t5_bucket(std::numeric_limits<std::int64_t>::max(), 32, 128, true), 31);
+  // A range so narrow that the log formula's float runs past every bucket.
+  EXPECT_EQ(t5_bucket(-(std::int64_t{1} << 62), std::int64_t{1} << 40, (std::int64_t{1} << 39) + 1, false),
+            (std::int64_t{1} << 40) - 1);
 }
 
 #if defined(__linux__)

@@ -153,8 +153,18 @@ TEST(RopeConfigs, Qwen3VlNamesItsInterleavedSections) {
   const RopeParams p = rope_params_from_hf(c);
   EXPECT_EQ(p.scaling().type, RopeType::kDefault);
   expect_frequencies(p, expected_frequencies(5e6, 128, 1.0, 64), "qwen3-vl");
-  testing::expect_error([] { hf_rope_config_from_json(R"({"rope_scaling": {"mrope_section": [24, 2.5]}})"); },
-                        {"rope_scaling.mrope_section", "integers >= 1"});
+  testing::expect_error(
+      [] { hf_rope_config_from_json(R"({"rope_scaling": {"rope_type": "default", "mrope_section": [24, 2.5]}})"); },
+      {"rope_scaling.mrope_section", "integers >= 1"});
+}
+
+// transformers looks rope_scaling's type up and fails without one: so does posenc, by name.
+TEST(RopeConfigs, RopeScalingWithoutATypeIsRefused) {
+  testing::expect_error([] { hf_rope_config_from_json(R"({"rope_scaling": {"factor": 2.0}, "head_dim": 64})"); },
+                        {"rope_scaling.rope_type = missing"});
+  testing::expect_error([] { hf_rope_config_from_json(R"({"rope_scaling": {}, "head_dim": 64})"); },
+                        {"rope_scaling.rope_type = missing"});
+  EXPECT_EQ(hf_rope_config_from_json(R"({"rope_scaling": {"type": "linear", "factor": 2.0}})").rope_type, "linear");
 }
 
 // Proportional RoPE rotates only its first pairs: the others are copied exactly, and a turning

@@ -25,13 +25,28 @@
 // The memory starts zero-filled. Pages are allocated when first written: have the threads that
 // will read a region write it first, so that it lands near them on multi-socket machines.
 //
-// Errors: a size whose rounding overflows, or a mapping the system refuses, throws posenc::Error
+// Errors: a size above allocation_limit(), or a mapping the system refuses, throws posenc::Error
 // naming `bytes`, its value and why. Zero bytes give an empty buffer (data() == nullptr).
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 namespace posenc {
+
+// The allocation limit. Every buffer posenc sizes from an argument (a table of 2k + 1 Shaw rows,
+// a FLOATER trajectory of length · substeps states, H ALiBi slopes, a benchmark's tensors, a
+// HugePageBuffer) is checked against it before it is allocated, so that a huge or overflowing
+// size is refused by name instead of wrapping to a small block, crashing in the allocator or
+// being killed by the kernel when its pages are touched. The default is the machine's physical
+// memory (sysconf(_SC_PHYS_PAGES) · page size), read once; set_allocation_limit(bytes) replaces
+// it for the whole process (bytes >= 1).
+std::size_t allocation_limit() noexcept;
+void set_allocation_limit(std::size_t bytes);
+// count elements of elem_bytes each, in bytes, after checking that the product neither
+// overflows nor exceeds allocation_limit(). Throws posenc::Error "where: what = count; expected at
+// most N (… bytes needed; the allocation limit is …)". count < 0 is refused as well.
+std::size_t checked_allocation(std::int64_t count, std::size_t elem_bytes, const char* where, const char* what);
 
 class HugePageBuffer {
  public:

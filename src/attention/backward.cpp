@@ -19,6 +19,50 @@
 
 namespace posenc::detail {
 
+namespace {
+
+// Whether row r of rb takes part in the pair with key `key`: it sees the key, and its lse is not
+// −inf (a row whose visible logits are all −inf outputs 0 and passes no gradient, like a row
+// without keys).
+bool pair_counts(const RowBlock& rb, const float* lse, std::int64_t r, std::int64_t key) {
+  const auto at = static_cast<std::size_t>(r);
+  return rb.head[at] >= 0 && key >= rb.lo[at] && key < rb.hi[at] && lse[r] != -std::numeric_limits<float>::infinity();
+}
+
+// P^T and dS^T [keys][rb.width] of a tile: exactly 0 for the pairs that do not count (a NaN lse,
+// delta or dP would otherwise leave NaN there).
+void zero_masked_pairs(const RowBlock& rb, const float* lse, std::int64_t k_first, std::int64_t keys, float* pt,
+                       float* dst) {
+  const std::int64_t rows = rb.width;
+  for (std::int64_t j = 0; j < keys; ++j) {
+    for (std::int64_t r = 0; r < rows; ++r) {
+      if (pair_counts(rb, lse, r, k_first + j)) continue;
+      pt[j * rows + r] = 0.0f;
+      dst[j * rows + r] = 0.0f;
+    }
+  }
+}
+
+// dV += P^T·dO, dK += dS^T·Q, dQ += dS·K over the visible pairs only (rows `cols` floats wide).
+void visible_products(const RowBlock& rb, const float* lse, std::int64_t k_first, std::int64_t keys, const float* pt,
+                      const float* dst, const float* dout, const float* q, const float* k, std::int64_t ldk,
+                      std::int64_t cols, float* dv, float* dk, float* dq) {
+  const std::int64_t rows = rb.width;
+  for (std::int64_t j = 0; j < keys; ++j) {
+    for (std::int64_t r = 0; r < rows; ++r) {
+      if (!pair_counts(rb, lse, r, k_first + j)) continue;
+      const float p = pt[j * rows + r], ds = dst[j * rows + r];
+      for (std::int64_t t = 0; t < cols; ++t) {
+        dv[j * cols + t] += p * dout[r * cols + t];
+        dk[j * cols + t] += ds * q[r * cols + t];
+        dq[r * cols + t] += ds * k[j * ldk + t];
+      }
+    }
+  }
+}
+
+}  // namespace
+
 // ─── Backward ────────────────────────────────────────────────────────────────────────────────
 
 AttentionStats AttentionPlan::backward(ConstTensorView out, ConstTensorView lse, ConstTensorView d_out, TensorView dq,
@@ -266,8 +310,15 @@ void AttentionPlan::backward_unit(const BackwardCall& call, const BackwardUnit& 
       load_row_as(d_out, dog, seq.b, seq.q0 + i, h, drow);
       load_row_as(out, og, seq.b, seq.q0 + i, h, s.o.data());
       double delta = 0;
-      for (std::int64_t t = 0; t < d; ++t) delta += static_cast<double>(drow[t]) * s.o[static_cast<std::size_t>(t)];
-      s.delta[static_cast<std::size_t>(r)] = static_cast<float>(delta);
+      bool finite = true;
+      for (std::int64_t t = 0; t < d; ++t) {
+        delta += static_cast<double>(drow[t]) * s.o[static_cast<std::size_t>(t)];
+        finite = finite && std::isfinite(drow[t]);
+      }
+      // δ = dO·O equals Σ_j P_ij·(dO·v_j), the softmax backward's form, for finite dO; with an
+      // inf in dO every dO·v_j is inf or NaN and that sum is NaN, which dO·O need not be.
+      s.delta[static_cast<std::size_t>(r)] =
+          finite ? static_cast<float>(delta) : std::numeric_limits<float>::quiet_NaN();
       s.lse[static_cast<std::size_t>(r)] = read_lse(lse, seq, h, i);
     }
     for (std::int64_t t = 0; t < d; ++t) {
@@ -367,11 +418,27 @@ void AttentionPlan::backward_unit(const BackwardCall& call, const BackwardUnit& 
     // P^T, dS^T (with the soft-cap's derivative).
     kernels::attn_backward_tile(s.st.data(), s.dpt.data(), keys, bw, s.lse.data() + r0, s.delta.data() + r0,
                                 static_cast<float>(mask.softcap));
+    // A partly masked tile (or one with a row whose logits were all −inf) whose operands hold inf
+    // or NaN (engine.hpp: rows_non_finite): the pairs that do not count get P = dS = 0 exactly,
+    // and the products sum over the others only.
+    bool dead_row = false;
+    for (std::int64_t r = 0; r < bw; ++r) dead_row = dead_row || s.lse[static_cast<std::size_t>(r0 + r)] == kNegInf;
+    const bool exact =
+        (!full || dead_row) &&
+        (rows_non_finite(s.q.data() + r0 * dp, dp, bw, d) || rows_non_finite(s.dout.data() + r0 * dp, dp, bw, dim_v) ||
+         rows_non_finite(k_rows, ldkv, keys, d) || rows_non_finite(v_rows, ldkv, keys, dim_v) ||
+         rows_non_finite(s.lse.data() + r0, 0, 1, bw) || rows_non_finite(s.delta.data() + r0, 0, 1, bw));
+    if (exact) zero_masked_pairs(sub, s.lse.data() + r0, k0, keys, s.st.data(), s.dpt.data());
     for (std::size_t t = 0; t < terms.size(); ++t) terms[t]->backward_tile(tile, s.st.data(), s.dpt.data(), s.terms[t]);
-    // dV += P^T·dO, dK += dS^T·Q (Q carries the scale), dQ += dS·K.
-    kernels::attn_gemm(s.st.data(), bw, 1, s.dout.data() + r0 * dp, dp, dv_rows, dp, keys, dp, bw, true);
-    kernels::attn_gemm(s.dpt.data(), bw, 1, s.q.data() + r0 * dp, dp, dk_rows, dp, keys, dp, bw, true);
-    kernels::attn_gemm(s.dpt.data(), 1, bw, k_rows, ldkv, s.dq.data() + r0 * dp, dp, bw, dp, keys, true);
+    if (exact) {
+      visible_products(sub, s.lse.data() + r0, k0, keys, s.st.data(), s.dpt.data(), s.dout.data() + r0 * dp,
+                       s.q.data() + r0 * dp, k_rows, ldkv, dp, dv_rows, dk_rows, s.dq.data() + r0 * dp);
+    } else {
+      // dV += P^T·dO, dK += dS^T·Q (Q carries the scale), dQ += dS·K.
+      kernels::attn_gemm(s.st.data(), bw, 1, s.dout.data() + r0 * dp, dp, dv_rows, dp, keys, dp, bw, true);
+      kernels::attn_gemm(s.dpt.data(), bw, 1, s.q.data() + r0 * dp, dp, dk_rows, dp, keys, dp, bw, true);
+      kernels::attn_gemm(s.dpt.data(), 1, bw, k_rows, ldkv, s.dq.data() + r0 * dp, dp, bw, dp, keys, true);
+    }
     if (unit_grads != nullptr) accumulate_bias_gradients(seq, sub, k0, keys, kpos, s.dpt.data(), s, kvh, unit_grads);
   };
   // dK (rotated back; the query scale is already in it) and dV rows of keys [k0, k0 + keys).

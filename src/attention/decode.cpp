@@ -168,9 +168,11 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
       for (std::int64_t j = 0; j < keys; ++j)
         blocks_scratch[0].kpos[static_cast<std::size_t>(j)] = k_position(seq, k0 + j);
     }
+    bool partly_masked = false;
     for (std::size_t b = 0; b < rows.size(); ++b) {
       AttentionUnitScratch& hs = blocks_scratch[b];
       const RowBlock& rb = rows[b];
+      partly_masked = partly_masked || !tile_unmasked(rb, k0, keys);
       if (any_bias) add_bias(seq, rb, k0, keys, kpos, hs.st.data());
       const TermTile tile = term_tile(seq, rb, 0, k0, keys, kpos, true);
       for (std::size_t t = 0; t < terms.size(); ++t) terms[t]->add_scores(tile, hs.st.data(), hs.terms[t]);
@@ -181,7 +183,23 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
       for (std::size_t t = 0; t < terms.size(); ++t)
         terms[t]->add_probabilities(tile, hs.st.data(), hs.corr.data(), hs.terms[t]);
     }
-    if (!direct_v) pack_tile(v_data, vg, k0, keys, s.v.data());
+    bool packed = false;
+    if (partly_masked) {
+      // Several query positions in one block (a multi-token decode): values that are not finite
+      // must not reach the rows that do not see their keys (rows_non_finite).
+      grow(s.v, decode_tile * g_count * dp);
+      pack_tile(v_data, vg, k0, keys, s.v.data());
+      packed = true;
+      if (rows_non_finite(s.v.data(), dp, keys * g_count, dim_v)) {
+        for (std::int64_t g = 0; g < g_count; ++g) {
+          add_visible_values(rows[static_cast<std::size_t>(merged ? 0 : g)], merged ? g * valid : 0, valid, k0, keys,
+                             p_heads[static_cast<std::size_t>(g)], w, s.v.data() + g * dp, g_count * dp, dim_v,
+                             o_heads[static_cast<std::size_t>(g)], dp);
+        }
+        continue;
+      }
+    }
+    if (!direct_v && !packed) pack_tile(v_data, vg, k0, keys, s.v.data());
     kernels::attn_decode_values(vp, v_dtype, ldv, vhs, keys, g_count, p_heads.data(), w, valid, direct_v ? dim_v : dp,
                                 o_heads.data(), dp, rows_ahead(k_data, kg, seq, k0 + keys, next_keys));
   }

@@ -62,6 +62,21 @@ inline void grow(std::vector<T, Allocator>& v, std::int64_t n) {
   if (static_cast<std::int64_t>(v.size()) < n) v.resize(static_cast<std::size_t>(n));
 }
 
+// ─── Non-finite values in partly masked tiles ────────────────────────────────────────────────
+// A masked key's probability is exactly 0, but 0 · inf and 0 · NaN are NaN: a value that is not
+// finite would reach, through the tile's matrix product, rows that the mask hides its key from.
+// Partly masked tiles (the diagonal, a window's or chunk's edge) therefore check their value rows
+// and, where one is not finite, sum over each row's visible keys only, as the reference does.
+// The check reads the tile's values once; only partly masked tiles pay it.
+
+// Whether the first `cols` floats of `count` rows, ld apart, hold an inf or NaN.
+bool rows_non_finite(const float* rows, std::int64_t ld, std::int64_t count, std::int64_t cols);
+// out[r][t] += Σ_j p[j·ldp + r]·v[j·ldv + t] over rows r of rb (block rows r_first + r) and the
+// keys k_first + j they see (rb.lo <= key < rb.hi), t < cols: O += P·V without masked pairs.
+void add_visible_values(const RowBlock& rb, std::int64_t r_first, std::int64_t rows, std::int64_t k_first,
+                        std::int64_t keys, const float* p, std::int64_t ldp, const float* v, std::int64_t ldv,
+                        std::int64_t cols, float* out, std::int64_t ldo);
+
 // ─── Vanishing tiles ───────────────────────────────────────────────────────────────────────────
 // Whether no row of rb can get a probability of at least FLT_MIN from keys at positions
 // [k_lo, k_hi] (AttentionPlan::skip_far_tiles). Row r's logits there are at most

@@ -160,13 +160,16 @@ void block_tile(const AttentionPlan& p, const Sequence& seq, const RowBlock& rb,
   const detail::TermTile tile = detail::term_tile(seq, rb, 0, k0, keys, s.kpos.data(), false);
   for (std::size_t t = 0; t < p.terms.size(); ++t) p.terms[t]->add_scores(tile, s.st.data(), s.terms[t]);
   if (p.mask.softcap > 0) kernels::attn_softcap_tile(s.st.data(), keys, w, static_cast<float>(p.mask.softcap));
-  if (!p.tile_unmasked(rb, k0, keys)) {
-    kernels::attn_mask_tile(s.st.data(), keys, w, k0, rb.lo.data(), rb.hi.data());
-  }
+  const bool unmasked = p.tile_unmasked(rb, k0, keys);
+  if (!unmasked) kernels::attn_mask_tile(s.st.data(), keys, w, k0, rb.lo.data(), rb.hi.data());
   kernels::attn_softmax_tile(s.st.data(), keys, w, s.m.data(), s.l.data(), s.corr.data());
   kernels::attn_scale_rows(s.o.data(), dp, w, dp, s.corr.data());
-  // O += P·V with P(r, j) = P^T[j][r], the tile's sum added to O once (attn_gemm_add).
-  kernels::attn_gemm_add(s.st.data(), 1, w, vp, ldv, s.o.data(), dp, w, dp, keys);
+  if (!unmasked && detail::rows_non_finite(vp, ldv, keys, p.dim_v)) {
+    detail::add_visible_values(rb, 0, w, k0, keys, s.st.data(), w, vp, ldv, p.dim_v, s.o.data(), dp);
+  } else {
+    // O += P·V with P(r, j) = P^T[j][r], the tile's sum added to O once (attn_gemm_add).
+    kernels::attn_gemm_add(s.st.data(), 1, w, vp, ldv, s.o.data(), dp, w, dp, keys);
+  }
   for (std::size_t t = 0; t < p.terms.size(); ++t)
     p.terms[t]->add_probabilities(tile, s.st.data(), s.corr.data(), s.terms[t]);
 }
@@ -361,11 +364,12 @@ AttentionStats AttentionPlan::forward(TensorView out, TensorView lse) const {
       if (h < 0) continue;
       const std::int64_t i = rb.query[static_cast<std::size_t>(r)];
       const float l = s.l[static_cast<std::size_t>(r)];
-      const float inv = l > 0 ? 1.0f / l : 0.0f;
+      // l == 0: no key seen, a row of 0 and lse −inf; a NaN l stays NaN in both.
+      const float inv = l == 0 ? 0.0f : 1.0f / l;
       for (std::int64_t t = 0; t < dim; ++t)
         s.tmp[static_cast<std::size_t>(t)] = s.o[static_cast<std::size_t>(r * dp + t)] * inv;
       store_row(s.tmp.data(), out.data(), og, seq.b, seq.q0 + i, h, false);
-      if (want_lse) write_lse(lse, seq, h, i, l > 0 ? s.m[static_cast<std::size_t>(r)] + std::log(l) : kNegInf);
+      if (want_lse) write_lse(lse, seq, h, i, l == 0 ? kNegInf : s.m[static_cast<std::size_t>(r)] + std::log(l));
     }
   };
   std::int64_t skipped_tiles = 0, prefill_tiles = 0;
@@ -496,7 +500,12 @@ AttentionStats AttentionPlan::forward(TensorView out, TensorView lse) const {
           return parts.data() + ((partial * kv_heads + kvh) * part_rows + r) * part_width;
         };
         float m = kNegInf;
-        for (const std::int64_t c : merge.partials) m = std::max(m, part_row(c)[0]);
+        bool nan = false;  // std::max drops a NaN maximum; the row must not
+        for (const std::int64_t c : merge.partials) {
+          m = std::max(m, part_row(c)[0]);
+          nan = nan || std::isnan(part_row(c)[0]);
+        }
+        if (nan) m = std::numeric_limits<float>::quiet_NaN();
         double l = 0;
         std::fill(acc.begin(), acc.end(), 0.0);
         if (m != kNegInf) {
@@ -509,12 +518,12 @@ AttentionStats AttentionPlan::forward(TensorView out, TensorView lse) const {
           }
         }
         for (std::int64_t t = 0; t < dim; ++t) {
-          row[static_cast<std::size_t>(t)] = l > 0 ? static_cast<float>(acc[static_cast<std::size_t>(t)] / l) : 0.0f;
+          row[static_cast<std::size_t>(t)] = l == 0 ? 0.0f : static_cast<float>(acc[static_cast<std::size_t>(t)] / l);
         }
         const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
         const std::int64_t i = rb.query[static_cast<std::size_t>(r)];
         store_row(row.data(), out.data(), og, seq.b, seq.q0 + i, h, false);
-        if (want_lse) write_lse(lse, seq, h, i, l > 0 ? static_cast<float>(m + std::log(l)) : kNegInf);
+        if (want_lse) write_lse(lse, seq, h, i, l == 0 ? kNegInf : static_cast<float>(m + std::log(l)));
       }
     }
   }

@@ -1,6 +1,7 @@
 // The engine's rows: per-row transforms (RoPE, Shortformer), loading and storing rows of any
 // dtype and layout, the layout of a block's (head, query) rows and their visible keys, and the
 // score biases of a tile.
+#include <bit>
 #include <omp.h>
 
 #include <algorithm>
@@ -205,6 +206,37 @@ bool AttentionPlan::tile_unmasked(const RowBlock& rb, std::int64_t k_first, std:
       return false;
   }
   return true;
+}
+
+bool rows_non_finite(const float* rows, std::int64_t ld, std::int64_t count, std::int64_t cols) {
+  // On the bits: all exponent bits set is inf or NaN. An integer OR vectorises; a float test
+  // under strict IEEE order would not.
+  std::uint32_t bad = 0;
+  for (std::int64_t r = 0; r < count; ++r) {
+    const float* row = rows + r * ld;
+    for (std::int64_t t = 0; t < cols; ++t) {
+      const auto bits = std::bit_cast<std::uint32_t>(row[t]);
+      bad |= static_cast<std::uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
+    }
+  }
+  return bad != 0;
+}
+
+void add_visible_values(const RowBlock& rb, std::int64_t r_first, std::int64_t rows, std::int64_t k_first,
+                        std::int64_t keys, const float* p, std::int64_t ldp, const float* v, std::int64_t ldv,
+                        std::int64_t cols, float* out, std::int64_t ldo) {
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const auto at = static_cast<std::size_t>(r_first + r);
+    if (rb.head[at] < 0) continue;
+    float* o = out + r * ldo;
+    for (std::int64_t j = 0; j < keys; ++j) {
+      const std::int64_t key = k_first + j;
+      if (key < rb.lo[at] || key >= rb.hi[at]) continue;
+      const float pj = p[j * ldp + r];
+      const float* vj = v + j * ldv;
+      for (std::int64_t t = 0; t < cols; ++t) o[t] += pj * vj[t];
+    }
+  }
 }
 
 // Adds the positional biases of the rows to S^T [keys][width] for keys [k_first, k_first + keys)

@@ -331,7 +331,9 @@ void scores(const Problem& p, const Sequence& seq, std::int64_t h, const HeadPro
   const T scale = static_cast<T>(p.scale_f64), cap = static_cast<T>(p.mask.softcap);
   const T neg_inf = -std::numeric_limits<T>::infinity();
   z.assign(static_cast<std::size_t>(seq.lq * seq.lk), T(0));
-  prob.assign(z.size(), T(0));
+  // −0 marks a pair the row does not see (the mask); a visible probability is >= +0. Sums skip
+  // the marked pairs, so an inf or NaN reaches only the rows that see it (docs/attention.md).
+  prob.assign(z.size(), -T(0));
   lse.assign(static_cast<std::size_t>(seq.lq), neg_inf);
   for (std::int64_t i = 0; i < seq.lq; ++i) {
     const auto [lo, hi] = visible(p, seq, i);
@@ -377,14 +379,21 @@ void scores(const Problem& p, const Sequence& seq, std::int64_t h, const HeadPro
       if (const auto sink = term->sink(local)) sinks.push_back(static_cast<T>(*sink));
     }
     T m = neg_inf;
-    for (std::int64_t j = lo; j < hi; ++j) m = sees(j) ? std::max(m, zi[j]) : m;
+    bool nan = false;  // std::max drops a NaN; the row's softmax must not
+    for (std::int64_t j = lo; j < hi; ++j) {
+      if (!sees(j)) continue;
+      m = std::max(m, zi[j]);
+      nan = nan || std::isnan(zi[j]);
+    }
     for (const T sink : sinks) m = std::max(m, sink);
+    if (nan) m = std::numeric_limits<T>::quiet_NaN();
     if (m == neg_inf) continue;
     T l = 0;
     for (std::int64_t j = lo; j < hi; ++j) l += sees(j) ? std::exp(zi[j] - m) : T(0);
     for (const T sink : sinks) l += std::exp(sink - m);
     for (std::int64_t j = lo; j < hi; ++j) {
-      if (sees(j)) prob[static_cast<std::size_t>(i * seq.lk + j)] = std::exp(zi[j] - m) / l;
+      // abs: a NaN keeps no sign bit, so that it is never taken for the −0 of an unseen pair.
+      if (sees(j)) prob[static_cast<std::size_t>(i * seq.lk + j)] = std::abs(std::exp(zi[j] - m) / l);
     }
     lse[static_cast<std::size_t>(i)] = m + std::log(l);
   }
@@ -412,7 +421,8 @@ void forward_impl(const Problem& p, TensorView out, TensorView lse) {
                   shaw->row_of(hp.kpos[static_cast<std::size_t>(j)] - hp.qpos[static_cast<std::size_t>(i)]);
               value += static_cast<T>(shaw_entry(shaw->value_table(), p.dim, u, t));
             }
-            acc += prob[static_cast<std::size_t>(i * seq.lk + j)] * value;
+            const T pij = prob[static_cast<std::size_t>(i * seq.lk + j)];
+            if (!std::signbit(pij)) acc += pij * value;
           }
           o.row(i)[t] = static_cast<double>(acc);
         }
@@ -488,6 +498,7 @@ void attention_backward(const Attention& attention, ConstTensorView out, ConstTe
           std::vector<double> dp(static_cast<std::size_t>(lk));
           double delta = 0;
           for (std::int64_t j = 0; j < lk; ++j) {
+            if (std::signbit(prob[static_cast<std::size_t>(i * lk + j)])) continue;  // not seen
             double acc = 0;
             for (std::int64_t t = 0; t < p.dim_v; ++t) acc += dout.row(i)[t] * hp.v.row(j)[t];
             if (shaw != nullptr) {
@@ -516,7 +527,7 @@ void attention_backward(const Attention& attention, ConstTensorView out, ConstTe
           }
           for (std::int64_t j = 0; j < lk; ++j) {
             const double pij = prob[static_cast<std::size_t>(i * lk + j)];
-            if (pij == 0) continue;
+            if (std::signbit(pij)) continue;  // not seen (a visible 0 still multiplies, as 0 · NaN must)
             double dx = pij * (dp[static_cast<std::size_t>(j)] - delta);
             if (cap > 0) {
               const double u = z[static_cast<std::size_t>(i * lk + j)] / cap;

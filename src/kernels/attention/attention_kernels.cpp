@@ -148,8 +148,12 @@ void AttnGemm(const float* a, std::int64_t a_row, std::int64_t a_depth, const fl
 }
 
 // exp, with results below FLT_MIN (arguments below −87.3) flushed to 0: ALiBi's long distances
-// would otherwise produce denormals, which cost ~100 cycles each on x86 when multiplied.
-HWY_INLINE VF ExpFlushed(DF d, VF x) { return hn::IfThenElseZero(hn::Ge(x, hn::Set(d, -87.3f)), hn::Exp(d, x)); }
+// would otherwise produce denormals, which cost ~100 cycles each on x86 when multiplied. NaN stays
+// NaN (Highway's Exp clamps its argument, which would turn it into 0): a NaN score, or
+// +inf − +inf, reaches its row as in the reference.
+HWY_INLINE VF ExpFlushed(DF d, VF x) {
+  return hn::IfThenElse(hn::IsNaN(x), x, hn::IfThenZeroElse(hn::Lt(x, hn::Set(d, -87.3f)), hn::Exp(d, x)));
+}
 
 void AttnSoftmaxTile(float* HWY_RESTRICT st, std::int64_t keys, std::int64_t width, float* HWY_RESTRICT m,
                      float* HWY_RESTRICT l, float* HWY_RESTRICT correction) {

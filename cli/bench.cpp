@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 #include <algorithm>
 #include <fstream>
+#include <optional>
 #include <string>
 
 #include "commands.hpp"
@@ -18,7 +19,7 @@ namespace {
 struct BenchOptions {
   std::string kernel;
   perf::CaseOptions shape;
-  int threads = 0;
+  std::optional<int> threads;
   int rounds = 3;
   std::string format = "text";
 };
@@ -37,8 +38,10 @@ void run_bench(const BenchOptions& o) {
   if (o.format != "text" && o.format != "json") {
     throw Error("bench", "--format", o.format, "text or json");
   }
-  if (o.threads < 0) throw Error("bench", "--threads", std::to_string(o.threads), ">= 1");
-  if (o.threads > 0) set_num_threads(o.threads);
+  // 0 is refused too: without the flag the default (OpenMP's) applies; an explicit 0 is no count.
+  if (o.threads && (*o.threads < 1 || *o.threads > 4096))
+    throw Error("bench", "--threads", std::to_string(*o.threads), "1 to 4096");
+  if (o.threads) set_num_threads(*o.threads);
   if (o.rounds < 1) throw Error("bench", "--rounds", std::to_string(o.rounds), ">= 1");
   const int threads = num_threads();
   perf::Case c = perf::make_case(o.kernel, o.shape);
@@ -165,7 +168,7 @@ Runner add_bench(CLI::App& app) {
   sub->add_flag("--in-place", o->shape.in_place, "rope: rotate in place (judged against rmw)");
   sub->add_flag("--huge-pages", o->shape.huge_pages,
                 "Put the kernel's buffers and the limits' buffers on 2 MiB pages (posenc::HugePageBuffer)");
-  sub->add_option("--threads,-t", o->threads, "Threads (default: OpenMP's default)");
+  add_optional(sub, "--threads,-t", o->threads, "Threads, 1 to 4096 (default: OpenMP's default)");
   sub->add_option("--rounds", o->rounds, "Alternating rounds of limit and kernel timing (best of each)")
       ->capture_default_str();
   sub->add_option("--format", o->format, "text or json")->capture_default_str();

@@ -48,8 +48,9 @@ Runner add_t5_buckets(CLI::App& app) {
                   "< 2^26 (the list is printed)");
     }
     nlohmann::json list = nlohmann::json::array();
-    for (std::int64_t r = o->from; r <= o->to; ++r)
-      list.push_back(t5_bucket(r, o->num_buckets, o->max_distance, !o->causal));
+    // By count, not `r <= to`: r would pass 2^63 − 1 when --to is that.
+    for (std::int64_t n = 0; n <= span; ++n)
+      list.push_back(t5_bucket(o->from + n, o->num_buckets, o->max_distance, !o->causal));
     fmt::print("{}\n", list.dump());
   };
 }

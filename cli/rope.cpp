@@ -78,7 +78,11 @@ void run_rope_freqs(const RopeFreqsOptions& o) {
       throw Error("rope-freqs", "--rotary-dim", std::to_string(*o.rotary_dim),
                   "<= head_dim = " + std::to_string(c.head_dim));
     }
-    c.partial_rotary_factor = static_cast<double>(*o.rotary_dim) / static_cast<double>(c.head_dim);
+    // transformers truncates head_dim · factor: half a dimension above rotary_dim truncates back to
+    // it exactly, where rotary_dim / head_dim itself may fall just below (44 · (30/44) = 29.99…).
+    c.partial_rotary_factor = *o.rotary_dim == c.head_dim
+                                  ? 1.0
+                                  : (static_cast<double>(*o.rotary_dim) + 0.5) / static_cast<double>(c.head_dim);
   }
   if (o.seq_len < 0) throw Error("rope-freqs", "--seq-len", std::to_string(o.seq_len), ">= 0");
   // Neither a config nor --head-dim says: Llama's 128.

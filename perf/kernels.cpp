@@ -86,7 +86,7 @@ Case make_attention_case(const CaseOptions& o) {
   } else if (o.scheme == "alibi") {
     groups.push_back({heads, {}, AlibiParams(heads)});
   } else if (o.scheme == "t5") {
-    std::vector<double> values(static_cast<std::size_t>(32 * heads));
+    std::vector<double> values(static_cast<std::size_t>(checked_mul(32, heads, "t5 table (32 buckets · heads)")));
     for (std::size_t e = 0; e < values.size(); ++e) values[e] = static_cast<double>(e % 7) * 0.25 - 0.75;
     groups.push_back({heads, {}, T5BiasParams(heads, 32, 128, false, values)});
   } else if (o.scheme == "kerple") {
@@ -379,7 +379,7 @@ Case make_case(const std::string& name, const CaseOptions& o) {
     if (o.scheme == "alibi") {
       scheme = AlibiParams(heads);
     } else if (o.scheme == "t5") {
-      std::vector<double> values(static_cast<std::size_t>(32 * heads));
+      std::vector<double> values(static_cast<std::size_t>(checked_mul(32, heads, "t5 table (32 buckets · heads)")));
       for (std::size_t e = 0; e < values.size(); ++e) values[e] = static_cast<double>(e % 7) - 3.0;
       scheme = T5BiasParams(heads, 32, 128, false, values);
     } else if (o.scheme == "kerple") {

@@ -34,6 +34,22 @@ def _load():
     torch.ops.load_library(path)
 
 
+def _json(name, value):
+    """value as JSON for the ops, after checking that every number in it is finite: JSON has no
+    NaN or inf, and the message names the argument (not the parser)."""
+    def check(path, x):
+        if isinstance(x, float) and not math.isfinite(x):
+            raise ValueError(f"{path} = {x}; expected a finite number")
+        if isinstance(x, dict):
+            for k, v in x.items():
+                check(f"{path}[{k!r}]", v)
+        elif isinstance(x, (list, tuple)):
+            for i, v in enumerate(x):
+                check(f"{path}[{i}]", v)
+    check(name, value)
+    return json.dumps(value)
+
+
 _load()
 _ops = torch.ops.posenc
 
@@ -114,7 +130,7 @@ def rope(q, k=None, positions=None, *, head_dim=None, rotary_dim=None, base=1000
     if direction not in _DIRECTIONS:
         raise ValueError(f"rope: direction = {direction}; expected forward, backward or inverse")
     k_in = k if k is not None else q.new_empty(0)
-    q_out, k_out = _ops.rope(q, k_in, _positions(positions, seq), json.dumps(params), _DIRECTIONS[direction])
+    q_out, k_out = _ops.rope(q, k_in, _positions(positions, seq), _json("rope parameters", params), _DIRECTIONS[direction])
     return q_out, (k_out if k is not None else None)
 
 
@@ -128,7 +144,7 @@ def rope_(q, k=None, positions=None, *, head_dim=None, rotary_dim=None, base=100
     if direction not in _DIRECTIONS:
         raise ValueError(f"rope_: direction = {direction}; expected forward, backward or inverse")
     k_in = k if k is not None else q.new_empty(0)
-    q, k_out = _ops.rope_(q, k_in, _positions(positions, q.shape[-3]), json.dumps(params), _DIRECTIONS[direction])
+    q, k_out = _ops.rope_(q, k_in, _positions(positions, q.shape[-3]), _json("rope parameters", params), _DIRECTIONS[direction])
     return q, (k_out if k is not None else None)
 
 
@@ -152,7 +168,7 @@ def rope_multi(q, k, positions, sections=None, *, interleave_axes=False, axis_of
         raise ValueError("rope_multi: interleave_axes = True with axis_of_pair; expected it only with sections")
     k_in = k if k is not None else q.new_empty(0)
     positions = torch.as_tensor(positions, dtype=torch.long)
-    q_out, k_out = _ops.rope_multi(q, k_in, positions, json.dumps(params),
+    q_out, k_out = _ops.rope_multi(q, k_in, positions, _json("rope parameters", params),
                                    [] if sections is None else [int(x) for x in sections], bool(interleave_axes),
                                    [] if axis_of_pair is None else [int(x) for x in axis_of_pair],
                                    bool(restart_frequencies), _DIRECTIONS[direction])
@@ -161,8 +177,14 @@ def rope_multi(q, k, positions, sections=None, *, interleave_axes=False, axis_of
 
 def alibi_slopes(heads, max_bias=8.0):
     """The ALiBi slopes of Press et al. for any head count (posenc::alibi_slopes): a float64 tensor."""
-    if heads < 1:
-        raise ValueError(f"alibi_slopes: heads = {heads}; expected >= 1")
+    if isinstance(heads, bool) or not isinstance(heads, int):
+        raise TypeError(f"alibi_slopes: heads is {type(heads).__name__}; expected an int")
+    if heads < 1 or heads > 2**31:
+        raise ValueError(f"alibi_slopes: heads = {heads}; expected 1 to 2^31")
+    if isinstance(max_bias, bool) or not isinstance(max_bias, (int, float)):
+        raise TypeError(f"alibi_slopes: max_bias is {type(max_bias).__name__}; expected a number")
+    if not (math.isfinite(max_bias) and max_bias > 0):
+        raise ValueError(f"alibi_slopes: max_bias = {max_bias}; expected a finite number > 0")
     n = 1 << (heads.bit_length() - 1)
     exponents = [(h + 1) / n if h < n else (2 * (h - n) + 1) / (2 * n) for h in range(heads)]
     return torch.tensor([2.0 ** (-max_bias * e) for e in exponents], dtype=torch.float64)
@@ -348,7 +370,7 @@ class RelativeBias(torch.nn.Module):
                              "relative-bias family: " + ", ".join(e["name"] for e in schemes()
                                                                   if e["family"] == "relative-bias"))
         self.name, self.heads, self.options = name, int(heads), dict(options)
-        initial = _ops.scheme_parameters(json.dumps(self._spec()), self.heads, 1)
+        initial = _ops.scheme_parameters(_json("scheme", self._spec()), self.heads, 1)
         self.parameters_ = torch.nn.Parameter(initial.to(torch.float32)) if initial.numel() > 0 else None
 
     def _spec(self):
@@ -362,7 +384,7 @@ class RelativeBias(torch.nn.Module):
         k_positions = q_positions if k_positions is None else k_positions
         if dtype is None:
             dtype = self.parameters_.dtype if self.parameters_ is not None else torch.float32
-        return _ops.relative_bias(json.dumps(self._spec()), self._parameter_tensor(), _positions(q_positions, 0),
+        return _ops.relative_bias(_json("scheme", self._spec()), self._parameter_tensor(), _positions(q_positions, 0),
                                   _positions(k_positions, 0), self.heads, dtype)
 
 
@@ -617,8 +639,8 @@ class PositionTemperature:
         _ops.attention_temperature(self._json(), 0)  # validated by the library (ValueError naming the key)
 
     def _json(self):
-        return json.dumps({"kind": self.kind, **{k: v if k == "original_max_position_embeddings" else float(v)
-                                                 for k, v in self.values.items()}})
+        return _json("PositionTemperature", {"kind": self.kind, **{
+            k: v if k == "original_max_position_embeddings" else float(v) for k, v in self.values.items()}})
 
     def factor(self, positions):
         """s(p) for an int64 tensor of positions (float64)."""
@@ -727,7 +749,7 @@ def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size
     if temperature is not None and not isinstance(temperature, PositionTemperature):
         raise TypeError(f"attention: temperature is {type(temperature).__name__}; expected a "
                         "posenc.PositionTemperature or None")
-    out, lse = _ops.attention(q, k, v, json.dumps(spec), params, gates, sinks, bool(causal), int(window[0]),
+    out, lse = _ops.attention(q, k, v, _json("scheme", spec), params, gates, sinks, bool(causal), int(window[0]),
                               int(window[1]), chunk_size, None if temperature is None else temperature._json(),
                               float(softcap), float(scale or 0.0),
                               empty if q_positions is None else _positions(q_positions, 0),

@@ -1,0 +1,43 @@
+"""Bad input found by probing (issue 26): each is refused with a ValueError or TypeError that names
+the argument — never a JSON parser's message, a hang, or a silent fallback."""
+import math
+
+import pytest
+import torch
+
+import posenc
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: posenc.alibi_slopes(2**62), r"heads = 4611686018427387904; expected 1 to 2\^31"),
+    (lambda: posenc.alibi_slopes(4, float("nan")), r"max_bias = nan; expected a finite number > 0"),
+    (lambda: posenc.alibi_slopes(4, -8.0), r"max_bias = -8.0"),
+    (lambda: posenc.rope(torch.randn(1, 4, 2, 8), base=float("nan")), r"\['base'\] = nan; expected a finite number"),
+    (lambda: posenc.rope(torch.randn(1, 4, 2, 8), scaling={"rope_type": "linear", "factor": math.inf}),
+     r"\['factor'\] = inf"),
+    (lambda: posenc.Sandwich(2, base=float("nan")), r"\['base'\] = nan"),
+    (lambda: posenc.PositionTemperature(attn_scale=float("nan")), r"PositionTemperature\['attn_scale'\] = nan"),
+])
+def test_bad_values_are_refused_by_name(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_alibi_slopes_types():
+    with pytest.raises(TypeError, match="heads is bool"):
+        posenc.alibi_slopes(True)
+    with pytest.raises(TypeError, match="heads is float"):
+        posenc.alibi_slopes(4.0)
+
+
+def test_non_finite_values_reach_only_the_rows_that_see_them():
+    # docs/attention.md, "Non-finite inputs": a NaN value at key 2 of a causal call reaches rows
+    # 2 and 3, not rows 0 and 1 (which share its tile); a NaN query gives its row NaN, not 0.
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 2, 8) for _ in range(3))
+    v[0, 2, 0, 3] = float("nan")
+    out = posenc.attention(q, k, v, causal=True)
+    assert torch.isnan(out[0, :, 0]).any(-1).tolist() == [False, False, True, True]
+    q[0, 1, 1, 0] = float("nan")
+    out = posenc.attention(q, k, v.nan_to_num(), causal=True)
+    assert torch.isnan(out[0, :, 1]).any(-1).tolist() == [False, True, False, False]

@@ -41,3 +41,12 @@ def test_non_finite_values_reach_only_the_rows_that_see_them():
     q[0, 1, 1, 0] = float("nan")
     out = posenc.attention(q, k, v.nan_to_num(), causal=True)
     assert torch.isnan(out[0, :, 1]).any(-1).tolist() == [False, True, False, False]
+
+
+def test_shaw_distance_that_would_overflow_the_table():
+    # 2k + 1 rows of a k = 2^62 overflow int64: refused by name, not a crash or zeros.
+    q, p = torch.randn(1, 4, 2, 8), torch.arange(4)
+    with pytest.raises(ValueError, match="max_distance = 4611686018427387904"):
+        posenc.shaw_scores(q, torch.randn(5, 8), p, p, 2**62)
+    with pytest.raises(ValueError, match="max_distance = 4611686018427387904"):
+        posenc.shaw_values(torch.rand(1, 2, 4, 4), torch.randn(5, 8), p, p, 2**62)

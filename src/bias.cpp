@@ -180,15 +180,7 @@ T5BiasParams::T5BiasParams(std::int64_t heads, std::int64_t num_buckets, std::in
       table_(std::move(table)) {
   check_heads("T5BiasParams", heads);
   check_t5("T5BiasParams", num_buckets, max_distance, bidirectional);
-  std::int64_t count = 0;
-  if (__builtin_mul_overflow(num_buckets, heads, &count)) count = -1;
-  if (count < 0) {
-    throw Error(
-        "T5BiasParams", "num_buckets", std::to_string(num_buckets),
-        "a count whose table of num_buckets · heads values fits in int64 (heads " + std::to_string(heads) + ")");
-  }
-  const std::size_t size =
-      checked_allocation(count, sizeof(double), "T5BiasParams", "num_buckets · heads") / sizeof(double);
+  const std::size_t size = detail::table_count("T5BiasParams", "num_buckets · heads", {num_buckets, heads});
   if (table_.empty()) table_.assign(size, 0.0);
   detail::check_parameter("T5BiasParams", "table", table_, size,
                           "num_buckets · heads = " + std::to_string(size) + " ([num_buckets, heads] row-major)");

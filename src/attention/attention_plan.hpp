@@ -105,6 +105,11 @@ struct RowBlock {
   std::vector<unsigned char> chunk_uniform;
   std::int64_t key_lo = 0, key_hi = 0;  // union of the rows' visible keys
   void slice(std::int64_t r0, std::int64_t n, RowBlock& out) const;
+  // Whether row r is a real row that sees key `key` of the sequence.
+  bool sees(std::int64_t r, std::int64_t key) const {
+    const auto at = static_cast<std::size_t>(r);
+    return head[at] >= 0 && key >= lo[at] && key < hi[at];
+  }
 };
 
 // Per-thread scratch, reused across calls (first-touch of fresh pages is expensive).

@@ -25,8 +25,7 @@ namespace {
 // −inf (a row whose visible logits are all −inf outputs 0 and passes no gradient, like a row
 // without keys).
 bool pair_counts(const RowBlock& rb, const float* lse, std::int64_t r, std::int64_t key) {
-  const auto at = static_cast<std::size_t>(r);
-  return rb.head[at] >= 0 && key >= rb.lo[at] && key < rb.hi[at] && lse[r] != -std::numeric_limits<float>::infinity();
+  return rb.sees(r, key) && lse[r] != kNegInf;
 }
 
 // P^T and dS^T [keys][rb.width] of a tile: exactly 0 for the pairs that do not count (a NaN lse,
@@ -291,6 +290,7 @@ void AttentionPlan::backward_unit(const BackwardCall& call, const BackwardUnit& 
   grow(s.o, dp);
   std::fill(s.dq.begin(), s.dq.begin() + w * dp, 0.0f);
   const QKTables& tq = tables_of_head(kvh * group_size);
+  bool dead_rows = false;  // a row whose logits are all −inf (lse −inf): full tiles check too
   for (std::int64_t r = 0; r < w; ++r) {
     float* qrow = s.q.data() + r * dp;
     float* drow = s.dout.data() + r * dp;
@@ -320,6 +320,7 @@ void AttentionPlan::backward_unit(const BackwardCall& call, const BackwardUnit& 
       s.delta[static_cast<std::size_t>(r)] =
           finite ? static_cast<float>(delta) : std::numeric_limits<float>::quiet_NaN();
       s.lse[static_cast<std::size_t>(r)] = read_lse(lse, seq, h, i);
+      dead_rows = dead_rows || s.lse[static_cast<std::size_t>(r)] == kNegInf;
     }
     for (std::int64_t t = 0; t < d; ++t) {
       s.qt[static_cast<std::size_t>(t * ldt + r)] = qrow[t];
@@ -421,10 +422,8 @@ void AttentionPlan::backward_unit(const BackwardCall& call, const BackwardUnit& 
     // A partly masked tile (or one with a row whose logits were all −inf) whose operands hold inf
     // or NaN (engine.hpp: rows_non_finite): the pairs that do not count get P = dS = 0 exactly,
     // and the products sum over the others only.
-    bool dead_row = false;
-    for (std::int64_t r = 0; r < bw; ++r) dead_row = dead_row || s.lse[static_cast<std::size_t>(r0 + r)] == kNegInf;
     const bool exact =
-        (!full || dead_row) &&
+        (!full || dead_rows) &&
         (rows_non_finite(s.q.data() + r0 * dp, dp, bw, d) || rows_non_finite(s.dout.data() + r0 * dp, dp, bw, dim_v) ||
          rows_non_finite(k_rows, ldkv, keys, d) || rows_non_finite(v_rows, ldkv, keys, dim_v) ||
          rows_non_finite(s.lse.data() + r0, 0, 1, bw) || rows_non_finite(s.delta.data() + r0, 0, 1, bw));

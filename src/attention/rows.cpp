@@ -226,12 +226,9 @@ void add_visible_values(const RowBlock& rb, std::int64_t r_first, std::int64_t r
                         std::int64_t keys, const float* p, std::int64_t ldp, const float* v, std::int64_t ldv,
                         std::int64_t cols, float* out, std::int64_t ldo) {
   for (std::int64_t r = 0; r < rows; ++r) {
-    const auto at = static_cast<std::size_t>(r_first + r);
-    if (rb.head[at] < 0) continue;
     float* o = out + r * ldo;
     for (std::int64_t j = 0; j < keys; ++j) {
-      const std::int64_t key = k_first + j;
-      if (key < rb.lo[at] || key >= rb.hi[at]) continue;
+      if (!rb.sees(r_first + r, k_first + j)) continue;
       const float pj = p[j * ldp + r];
       const float* vj = v + j * ldv;
       for (std::int64_t t = 0; t < cols; ++t) o[t] += pj * vj[t];

@@ -14,6 +14,10 @@ namespace posenc::cli {
 
 using Runner = std::function<void()>;
 
+// The whole command (app.cpp): parses argv, runs the subcommand, returns the exit status (0, 1 for
+// an error, 2 for a usage error; usage.hpp). `study` is posenc-study's, handed over by main().
+int run(int argc, char** argv);
+
 // An option whose absence is "unset" and whose every given value is kept (and later checked): no
 // sentinel value stands for "unset".
 template <class T>

@@ -6,7 +6,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if git rev-parse --is-inside-work-tree > /dev/null 2>&1; then
   mapfile -t files < <(git ls-files '*.cpp' '*.hpp' '*.h')
 else  # an unpacked archive
-  mapfile -t files < <(find bench cli include perf src study tests torch -name '*.cpp' -o -name '*.hpp' -o -name '*.h' | sort)
+  mapfile -t files < <(find bench cli fuzz include perf src study tests torch -name '*.cpp' -o -name '*.hpp' -o -name '*.h' | sort)
 fi
 if [ "${1:-}" = "--check" ]; then
   bad=()

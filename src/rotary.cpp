@@ -144,9 +144,12 @@ RopeParams::RopeParams(std::int64_t head_dim, std::int64_t rotary_dim, double ba
               "< 2^11 (a factor below 2^-11 would push angles past the exact range)");
     }
   }
+  // The kernels scale cos and sin by α (and 1/α for the inverse) in f32: both must be normal f32
+  // numbers, else every rotated value overflows or flushes and inf·0 makes NaN of finite inputs.
   const double alpha = attention_factor();
-  require(alpha > 0 && std::isfinite(alpha), "attention_factor()", to_text(alpha),
-          "a finite number > 0 (check mscale, mscale_all_dim and original_max_position_embeddings)");
+  require(alpha >= std::ldexp(1.0, -126) && alpha <= std::ldexp(1.0, 126), "attention_factor()", to_text(alpha),
+          "a number in [2^-126, 2^126], normal in f32 with its inverse (check attention_factor, mscale, "
+          "mscale_all_dim and original_max_position_embeddings)");
 }
 
 std::int64_t RopeParams::original_max_position_embeddings() const {

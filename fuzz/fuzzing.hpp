@@ -172,6 +172,10 @@ inline void expect_match(const char* what, const std::vector<double>& got, const
   require(got.size() == want.size(), std::string(what) + ": sizes differ");
   for (std::size_t i = 0; i < got.size(); ++i) {
     if (kind(got[i]) != kind(want[i]) || (kind(want[i]) == 0 && !(std::fabs(got[i] - want[i]) <= tolerance))) {
+      if (std::getenv("POSENC_FUZZ_VERBOSE") != nullptr) {  // every element, to see the pattern
+        for (std::size_t j = 0; j < got.size(); ++j)
+          std::fprintf(stderr, "%zu: %s %s\n", j, number(got[j]).c_str(), number(want[j]).c_str());
+      }
       fail(std::string(what) + ": element " + std::to_string(i) + " is " + number(got[i]) +
            ", the fp64 reference gives " + number(want[i]) + " (tolerance " + number(tolerance) + ")");
     }

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # All the tests: install what is missing; check the C++ format; build (Release) and run the whole
-# suite; then build again with AddressSanitizer + UndefinedBehaviorSanitizer and run the suite once more.
+# suite; then build again with AddressSanitizer + UndefinedBehaviorSanitizer and run the suite once more;
+# then build the libFuzzer targets with clang (and both sanitizers) and run each for a short while.
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
-POSENC_PACKAGES+=("${POSENC_TORCH_PACKAGES[@]}" "${POSENC_STUDY_PACKAGES[@]}" clang-format-14)
+POSENC_PACKAGES+=("${POSENC_TORCH_PACKAGES[@]}" "${POSENC_STUDY_PACKAGES[@]}" clang-format-14 clang-14 libclang-rt-14-dev)
 posenc_install_dependencies
 jobs="$(nproc)"
 
@@ -22,3 +23,10 @@ posenc_build "$POSENC_ROOT/build-sanitize" all -DCMAKE_BUILD_TYPE=RelWithDebInfo
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
   ctest --test-dir "$POSENC_ROOT/build-sanitize" --output-on-failure -j "$jobs" --timeout 900 \
   -E '^install\.'
+
+echo "== Fuzzing (libFuzzer, clang, AddressSanitizer + UndefinedBehaviorSanitizer): each target for 20 s"
+# docs/fuzzing.md: the targets, their corpora, and how to run them longer.
+posenc_build "$POSENC_ROOT/build-fuzz" "fuzz_config fuzz_cli fuzz_views fuzz_rope fuzz_schemes fuzz_attention" \
+  -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_COMPILER=clang-14 -DCMAKE_CXX_COMPILER=clang++-14 \
+  -DPOSENC_SANITIZE=ON -DPOSENC_FUZZ=ON -DPOSENC_BUILD_TESTS=OFF -DPOSENC_BUILD_BENCH=OFF
+bash "$POSENC_ROOT/scripts/fuzz.sh" "$POSENC_ROOT/build-fuzz" 20

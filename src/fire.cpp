@@ -147,7 +147,12 @@ void fire_contract_moments(const FireParams& params, const double* s0, const dou
       const double m0 = s0[s * heads + h], m1 = s1[s * heads + h];
       grads.b2[h] += m0;
       for (std::size_t k = 0; k < hidden; ++k) {
-        if (!params.active(static_cast<std::int64_t>(s), static_cast<std::int64_t>(k))) continue;
+        if (!params.active(static_cast<std::int64_t>(s), static_cast<std::int64_t>(k))) {
+          // relu is exactly 0 here: ∂b/∂W2 = 0, and 0·NaN or 0·inf is NaN, as autograd gives it
+          // (relu's own backward passes nothing to W1 and B1, as autograd's does).
+          if (!std::isfinite(m0) || !std::isfinite(m1)) grads.w2[h * hidden + k] += 0.0 * (m0 + m1);
+          continue;
+        }
         const double w2 = params.w2()[h * hidden + k];
         grads.w2[h * hidden + k] += params.w1()[k] * m1 + params.b1()[k] * m0;
         grads.w1[k] += w2 * m1;

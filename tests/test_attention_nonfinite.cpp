@@ -54,6 +54,7 @@ TEST_P(AttentionNonFiniteTargets, PropagateExactlyAsTheReference) {
     bool causal;
     std::int64_t window_left;
     bool alibi, packed;
+    double softcap = 0.0;
   };
   // Lengths past one key tile and one query block, so that the values land in first, diagonal and
   // later tiles; gentle ALiBi slopes, so that no tile vanishes (the documented exception).
@@ -64,6 +65,11 @@ TEST_P(AttentionNonFiniteTargets, PropagateExactlyAsTheReference) {
       {"decode of 3 queries", 3, 300, 4, 2, 16, true, -1, false, false},
       {"decode of one query", 1, 300, 4, 1, 16, true, -1, false, false},
       {"packed sequences", 0, 0, 2, 1, 8, true, -1, false, true},
+      // Three heads on a KV head leave padding rows in the backward's blocks, whose zero query
+      // meets an infinite key as NaN; a soft-cap turns an infinite logit into ±cap.
+      {"GQA of 3", 40, 40, 3, 1, 8, false, -1, false, false},
+      {"soft-cap 41, GQA of 3", 40, 40, 3, 1, 8, true, -1, false, false, 41.0},
+      {"soft-cap 30, tiles", 150, 150, 2, 1, 16, true, 70, false, false, 30.0},
   };
   const double values[] = {std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity(),
                            -std::numeric_limits<double>::infinity()};
@@ -85,6 +91,7 @@ TEST_P(AttentionNonFiniteTargets, PropagateExactlyAsTheReference) {
         AttentionSpec spec = spec_of(p);
         spec.mask.causal = c.causal;
         spec.mask.window_left = c.window_left;
+        spec.mask.softcap = c.softcap;
         HeadGroup group{c.heads, {}, {}};
         if (c.alibi) group.bias = AlibiParams(std::vector<double>(static_cast<std::size_t>(c.heads), 0.01));
         spec.groups = {group};

@@ -326,5 +326,16 @@ TEST(Error, CarriesTheParameter) {
   EXPECT_EQ(e.param(), "dim");
 }
 
+// Found by fuzz_schemes and fuzz_config: an option name or a JSON excerpt with a newline made a
+// message of several lines. Every message is one line of printable text, whatever the caller passed.
+TEST(Error, IsOneLineWhateverTheValue) {
+  const Error e("where", std::string("na\nme\x01", 7), "{\n  \"a\":\t1\x7f}", "one line");
+  EXPECT_STREQ(e.what(), "where: na\\nme\\x01\\x00 = {\\n  \"a\":\\t1\\x7f}; expected one line");
+  const Error long_value("where", "json", std::string(1000, 'x'), "a short value");
+  EXPECT_NE(std::string(long_value.what()).find(std::string(200, 'x') + "… (1000 bytes); expected a short value"),
+            std::string::npos);
+  EXPECT_EQ(std::string(long_value.what()).find(std::string(201, 'x')), std::string::npos);
+}
+
 }  // namespace
 }  // namespace posenc

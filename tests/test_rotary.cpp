@@ -50,6 +50,17 @@ TEST(RopeParams, RejectsInvalidValues) {
   bad_m0.short_factor.assign(32, 1.0);
   bad_m0.long_factor.assign(32, 1.0);
   expect_error([&] { RopeParams(64, 64, 1e4, RopeLayout::kHalfSplit, bad_m0); }, {"attention_factor() = inf"});
+  // A factor whose f32 value or inverse is not normal: cos·α overflows or flushes in the kernels
+  // (found by fuzz_rope: α = 1e306 turned finite inputs into NaN).
+  for (const double alpha : {1e306, 1e-300, std::ldexp(1.0, 127), std::ldexp(1.0, -127)}) {
+    RopeScaling huge;
+    huge.attention_factor = alpha;
+    expect_error([&] { RopeParams(64, 64, 1e4, RopeLayout::kHalfSplit, huge); },
+                 {"attention_factor()", "[2^-126, 2^126]"});
+  }
+  RopeScaling edge;
+  edge.attention_factor = std::ldexp(1.0, 126);
+  EXPECT_EQ(RopeParams(64, 64, 1e4, RopeLayout::kHalfSplit, edge).attention_factor(), std::ldexp(1.0, 126));
   expect_error([] { rope_type_from_name("su"); }, {"rope_type = su", "one of default, linear"});
   EXPECT_EQ(rope_type_from_name("llama3"), RopeType::kLlama3);
 }

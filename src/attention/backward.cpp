@@ -419,11 +419,13 @@ void AttentionPlan::backward_unit(const BackwardCall& call, const BackwardUnit& 
     // P^T, dS^T (with the soft-cap's derivative).
     kernels::attn_backward_tile(s.st.data(), s.dpt.data(), keys, bw, s.lse.data() + r0, s.delta.data() + r0,
                                 static_cast<float>(mask.softcap));
-    // A partly masked tile (or one with a row whose logits were all −inf) whose operands hold inf
-    // or NaN (engine.hpp: rows_non_finite): the pairs that do not count get P = dS = 0 exactly,
-    // and the products sum over the others only.
+    // A partly masked tile (or one with a row whose logits were all −inf, or a padding row, whose
+    // zero q meets an infinite key as NaN) whose operands hold inf or NaN (engine.hpp:
+    // rows_non_finite): the pairs that do not count get P = dS = 0 exactly, and the products sum
+    // over the others only.
+    const bool padded = std::any_of(sub.head.begin(), sub.head.begin() + bw, [](std::int64_t h) { return h < 0; });
     const bool exact =
-        (!full || dead_rows) &&
+        (!full || dead_rows || padded) &&
         (rows_non_finite(s.q.data() + r0 * dp, dp, bw, d) || rows_non_finite(s.dout.data() + r0 * dp, dp, bw, dim_v) ||
          rows_non_finite(k_rows, ldkv, keys, d) || rows_non_finite(v_rows, ldkv, keys, dim_v) ||
          rows_non_finite(s.lse.data() + r0, 0, 1, bw) || rows_non_finite(s.delta.data() + r0, 0, 1, bw));

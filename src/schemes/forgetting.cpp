@@ -70,6 +70,13 @@ void ForgetGate::accumulate_gradient(std::int64_t head, const TokenPair& pair, d
   const double sign = pair.query_token >= pair.key_token ? 1.0 : -1.0;
   for (std::int64_t l = lo + 1; l <= hi; ++l)
     grads[static_cast<std::size_t>((row + l) * heads + head)] += sign * weight;
+  // The eager composition (c = cumsum(log f), D = c_i − c_j) also sends the weight to the gates at
+  // or before the earlier token, once with each sign: exactly 0 for a finite weight, NaN for a
+  // non-finite one — as autograd (and the fused row and column sums) give it.
+  if (!std::isfinite(weight)) {
+    for (std::int64_t l = pair.sequence_start; l <= lo; ++l)
+      grads[static_cast<std::size_t>((row + l) * heads + head)] += weight - weight;
+  }
 }
 
 namespace detail {

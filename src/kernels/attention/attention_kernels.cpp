@@ -197,8 +197,10 @@ void AttnSoftcapTile(float* HWY_RESTRICT st, std::int64_t keys, std::int64_t wid
   const VF c = hn::Set(d, cap), inv = hn::Set(d, 1.0f / cap);
   for (std::int64_t t = 0; t < keys * width; t += n) {
     const VF x = hn::LoadU(d, st + t);
-    // −inf (masked) stays −inf; tanh saturates finite logits.
-    hn::StoreU(hn::IfThenElse(hn::IsFinite(x), hn::Mul(c, hn::Tanh(d, hn::Mul(x, inv))), x), d, st + t);
+    // Masks apply after the cap, so an infinite logit here is a real one: ±inf caps to ±cap, as
+    // cap·tanh(x/cap) does; NaN stays NaN.
+    const VF capped = hn::IfThenElse(hn::IsInf(x), hn::CopySign(c, x), hn::Mul(c, hn::Tanh(d, hn::Mul(x, inv))));
+    hn::StoreU(hn::IfThenElse(hn::IsNaN(x), x, capped), d, st + t);
   }
 }
 
@@ -219,7 +221,9 @@ void AttnBackwardTile(float* HWY_RESTRICT st, float* HWY_RESTRICT dpt, std::int6
   const DF d;
   const auto n = static_cast<std::int64_t>(hn::Lanes(d));
   const VF neg_inf = hn::Set(d, -std::numeric_limits<float>::infinity());
-  const VF one = hn::Set(d, 1.0f), inv_cap = hn::Set(d, cap > 0 ? 1.0f / cap : 0.0f);
+  // The soft-cap's derivative 1 − (z/c)² as ((c − z)/c)·((c + z)/c): exactly 0 where the cap
+  // saturates (z = ±c, as the reference's 1 − tanh² is), without 1 − u²'s cancellation near it.
+  const VF c = hn::Set(d, cap), inv_cap = hn::Set(d, cap > 0 ? 1.0f / cap : 0.0f);
   for (std::int64_t r = 0; r < width; r += n) {
     const VF lv = hn::LoadU(d, lse + r);
     const auto dead = hn::Eq(lv, neg_inf);
@@ -230,8 +234,10 @@ void AttnBackwardTile(float* HWY_RESTRICT st, float* HWY_RESTRICT dpt, std::int6
       const VF p = hn::IfThenZeroElse(dead, ExpFlushed(d, hn::Sub(z, shift)));
       VF ds = hn::Mul(p, hn::Sub(hn::LoadU(d, dpt + j * width + r), dv));
       if (cap > 0) {
-        const VF u = hn::Mul(z, inv_cap);
-        ds = hn::IfThenZeroElse(hn::Eq(p, hn::Zero(d)), hn::Mul(ds, hn::NegMulAdd(u, u, one)));
+        const VF slope = hn::Mul(hn::Mul(hn::Sub(c, z), inv_cap), hn::Mul(hn::Add(c, z), inv_cap));
+        // Capped logits are finite: −inf is a masked pair, which passes nothing (the slope would
+        // be −inf there); a visible pair whose p underflows still multiplies, as 0·NaN must.
+        ds = hn::IfThenZeroElse(hn::Eq(z, neg_inf), hn::Mul(ds, slope));
       }
       hn::StoreU(p, d, st + j * width + r);
       hn::StoreU(ds, d, dpt + j * width + r);

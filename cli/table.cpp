@@ -8,6 +8,7 @@
 //   is attention's job). t5 prints bucket ids (the learned table is a model's).
 #include <fmt/core.h>
 
+#include <algorithm>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -382,6 +383,49 @@ void run_table(const TableOptions& o) {
   }
 }
 
+// A flag given for an encoding that does not read it is refused by name rather than ignored.
+void check_flags_apply(const CLI::App& sub, const std::string& encoding) {
+  std::vector<std::string> other_biases;  // registered relative biases without flags of their own (--set)
+  for (const SchemeEntry& e : schemes()) {
+    if (e.family == "relative-bias" && e.name != "alibi" && e.name != "t5" && e.name != "kerple")
+      other_biases.push_back(e.name);
+  }
+  std::vector<std::string> per_head = {"alibi", "kerple", "fire", "tupe", "xl", "nope"};
+  per_head.insert(per_head.end(), other_biases.begin(), other_biases.end());
+  const std::vector<std::pair<std::string, std::vector<std::string>>> readers = {
+      {"--dim", {"sinusoidal", "rope", "floater"}},
+      {"--base", {"sinusoidal", "rope"}},
+      {"--layout", {"sinusoidal"}},
+      {"--dtype", {"sinusoidal", "rope"}},
+      {"--heads", per_head},
+      {"--head", per_head},
+      {"--symmetric", {"alibi"}},
+      {"--max-bias", {"alibi"}},
+      {"--num-buckets", {"t5"}},
+      {"--causal", {"t5"}},
+      {"--max-distance", {"t5", "shaw"}},
+      {"--form", {"kerple"}},
+      {"--r1", {"kerple"}},
+      {"--r2", {"kerple"}},
+      {"--hidden", {"fire", "floater"}},
+      {"--seed", {"fire", "tupe", "xl", "floater"}},
+      {"--cls-reset", {"tupe"}},
+      {"--time-per-position", {"floater"}},
+      {"--substeps", {"floater"}},
+      {"--c", {"fire"}},
+      {"--threshold", {"fire"}},
+      {"--set", other_biases},
+  };
+  for (const auto& [flag, names] : readers) {
+    const CLI::Option* opt = sub.get_option_no_throw(flag);
+    if (opt == nullptr || opt->count() == 0 || std::find(names.begin(), names.end(), encoding) != names.end()) continue;
+    std::string list;
+    for (const std::string& n : names) list += (list.empty() ? "" : ", ") + n;
+    throw Error("table", flag, opt->results().empty() ? "given" : opt->results().front(),
+                "only with " + list + " (" + encoding + " does not read it)");
+  }
+}
+
 }  // namespace
 
 Runner add_table(CLI::App& app) {
@@ -421,7 +465,10 @@ Runner add_table(CLI::App& app) {
   sub->add_option("--c", o->fire_c, "fire: c of ψ(t) = log(1 + c·t)")->capture_default_str();
   sub->add_option("--threshold", o->threshold, "fire: L, the smallest normaliser position")->capture_default_str();
   sub->add_option("--set", o->settings, "Other registered schemes (posenc schemes): an option, NAME=VALUE");
-  return [o] { run_table(*o); };
+  return [o, sub] {
+    check_flags_apply(*sub, o->encoding);
+    run_table(*o);
+  };
 }
 
 }  // namespace posenc::cli

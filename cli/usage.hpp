@@ -7,7 +7,10 @@
 #include <fmt/core.h>
 
 #include <CLI/CLI.hpp>
+#include <charconv>
+#include <cstdint>
 #include <cstdio>
+#include <string>
 #include <exception>
 #include <new>
 #include <string_view>
@@ -19,8 +22,41 @@ namespace posenc::cli {
 // A posenc::Error about a flag ("--heads", "--to − --from") is the caller's usage error.
 inline bool names_flag(const Error& e) { return std::string_view(e.param()).substr(0, 2) == "--"; }
 
+// CLI11 saturates an integer past int64's range (99999999999999999999 reads as 2^63 − 1): every
+// integer option of `app` and its subcommands refuses such a value instead, naming it.
+inline void refuse_integer_overflow(CLI::App& app) {
+  for (CLI::Option* opt : app.get_options()) {
+    if (opt->get_type_name().rfind("INT", 0) != 0 && opt->get_type_name().rfind("UINT", 0) != 0) continue;
+    opt->check(CLI::Validator(
+        [](std::string& text) -> std::string {
+          std::int64_t value = 0;
+          const char* end = text.data() + text.size();
+          const auto [at, ec] = std::from_chars(text.data() + (text.rfind('+', 0) == 0 ? 1 : 0), end, value);
+          if (ec == std::errc::result_out_of_range)
+            return text + " is past int64; expected an integer in [-2^63, 2^63)";
+          return {};
+        },
+        "", "int64"));
+  }
+  for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) refuse_integer_overflow(*sub);
+}
+
 // CLI11's parse, ending the program as above. Returns -1 when the program should go on.
 inline int parse_or_exit(CLI::App& app, int argc, char** argv, const char* program) {
+  // An unknown command word: name it and the commands (CLI11 would only say one is required).
+  const auto commands = app.get_subcommands([](CLI::App*) { return true; });
+  const auto known = [&](const char* word) {
+    for (const CLI::App* c : commands) {
+      if (c->check_name(word)) return true;
+    }
+    return false;
+  };
+  if (argc >= 2 && argv[1][0] != '-' && !commands.empty() && !known(argv[1])) {
+    std::string names;
+    for (const CLI::App* c : commands) names += (names.empty() ? "" : ", ") + c->get_name();
+    fmt::print(stderr, "{}: command = {}; expected one of {}\n", program, argv[1], names);
+    return 2;
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

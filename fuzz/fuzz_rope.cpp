@@ -102,18 +102,22 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   if (!ran) return 0;
   std::vector<double> g(static_cast<std::size_t>(count)), w(g.size());
   double omega = 0;
-  for (const double o : params->inv_frequencies(seq_len)) omega = std::max(omega, o);
+  // The frequencies the call used: seq_len 0 means max_position + 1 (rope_apply's contract).
+  const std::int64_t effective_len = seq_len == 0 ? start + seq : seq_len;
+  for (const double o : params->inv_frequencies(effective_len)) omega = std::max(omega, o);
   for (std::size_t i = 0; i < g.size(); ++i) {
     g[i] = fuzz::element(got, dtype, i);
     w[i] = fuzz::element(fuzz::store({fuzz::element(want, DType::kF64, i)}, dtype), dtype, 0);
   }
   // Per element (|x| <= 1, so |y| <= α·√2): f32 kernels carry ~3 ulps of α plus the fp64
-  // reference's own angle error, (start + S)·ω·2^-52 rad; a 16-bit store adds one ulp of |y|
+  // reference's own angle error, (start + S)·ω·2^-53 rad (2^-51 here); a 16-bit store adds one ulp of |y|
   // (relative 2^-7 for bf16, 2^-10 for f16; both sides are rounded to the dtype here).
   const double sigma = direction == RopeDirection::kInverse ? 1 / alpha : alpha;
   const double angle = static_cast<double>(start + seq) * omega * std::ldexp(1.0, -51);
   const double rel = dtype == DType::kBF16 ? std::ldexp(1.0, -7) : dtype == DType::kF16 ? std::ldexp(1.0, -10) : 0.0;
-  const double tol = dtype == DType::kF64 ? 0.0 : (1e-6 + angle) * 2 * sigma + rel * 2 * sigma;
+  // f16 values below 2^-14 are subnormal, spaced 2^-24 apart whatever their size.
+  const double floor16 = dtype == DType::kF16 ? std::ldexp(1.0, -24) : 0.0;
+  const double tol = dtype == DType::kF64 ? 0.0 : (1e-6 + angle) * 2 * sigma + rel * 2 * sigma + floor16;
   const std::string context =
       "rope (" + std::string(rope_type_name(params->scaling().type)) + ", D " + std::to_string(d) + ", r " +
       std::to_string(params->rotary_dim()) + ", offset " + std::to_string(params->rotary_offset()) + ", " +
@@ -123,7 +127,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   // The kernels take α·cos θ and α·sin θ in f32: a coefficient below f32's smallest subnormal is 0
   // there, so an infinite partner gives inf·0 = NaN (as an f32 eager composition does) where the
   // fp64 reference's tiny coefficient gives ±inf. That element is the documented exception.
-  const std::vector<double> omegas = params->inv_frequencies(seq_len);
+  const std::vector<double> omegas = params->inv_frequencies(effective_len);
   const std::int64_t r = params->rotary_dim(), offset = params->rotary_offset();
   for (std::size_t i = 0; i < g.size(); ++i) {
     if (!(std::isnan(g[i]) && std::isinf(w[i]))) continue;

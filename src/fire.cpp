@@ -26,6 +26,23 @@ void check_positive(const char* name, double value) {
 
 }  // namespace
 
+namespace {
+
+// The piecewise-linear form tabulates, for each of the hidden + 1 pieces, every unit's activity
+// and every head's slope: (hidden + 1)·hidden bytes and (hidden + 1)·hidden·heads multiply-adds,
+// kept to 2^28 (the paper's MLP has 32 units: heads up to 2·10^5).
+void check_fire_size(const char* where, std::int64_t heads, std::int64_t hidden) {
+  std::int64_t work = 0;
+  if (__builtin_mul_overflow(hidden + 1, hidden, &work) || __builtin_mul_overflow(work, heads, &work) ||
+      work > (std::int64_t{1} << 28)) {
+    throw Error(where, "heads · hidden · (hidden + 1)",
+                std::to_string(heads) + " · " + std::to_string(hidden) + " · " + std::to_string(hidden + 1),
+                "at most 2^28 (the piecewise-linear form tabulates each piece's slope per head)");
+  }
+}
+
+}  // namespace
+
 FireParams::FireParams(std::int64_t heads, std::vector<double> w1, std::vector<double> b1, std::vector<double> w2,
                        std::vector<double> b2, double c, double threshold)
     : heads_(heads),
@@ -38,6 +55,7 @@ FireParams::FireParams(std::int64_t heads, std::vector<double> w1, std::vector<d
   if (heads < 1) throw Error("FireParams", "heads", std::to_string(heads), ">= 1");
   if (w1_.empty()) throw Error("FireParams", "w1.size()", "0", ">= 1 (the hidden width)");
   const std::size_t hidden = w1_.size();
+  check_fire_size("FireParams", heads, static_cast<std::int64_t>(hidden));
   detail::check_parameter("FireParams", "w1", w1_, hidden, "");
   detail::check_parameter("FireParams", "b1", b1_, hidden, "hidden = " + std::to_string(hidden));
   detail::check_parameter(
@@ -78,6 +96,7 @@ FireParams::FireParams(std::int64_t heads, std::vector<double> w1, std::vector<d
 FireParams FireParams::init(std::int64_t heads, std::int64_t hidden, std::uint64_t seed, double c, double threshold) {
   if (heads < 1) throw Error("FireParams::init", "heads", std::to_string(heads), ">= 1");
   if (hidden < 1) throw Error("FireParams::init", "hidden", std::to_string(hidden), ">= 1");
+  check_fire_size("FireParams::init", heads, hidden);
   const auto n = static_cast<std::size_t>(hidden);
   std::vector<double> w1(n), b1(n), w2(static_cast<std::size_t>(heads) * n), b2(static_cast<std::size_t>(heads), 0.0);
   std::uint64_t index = 0;

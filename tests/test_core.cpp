@@ -117,6 +117,19 @@ TEST(AllocationLimit, RefusesWhatWouldNotFitByName) {
   }
 }
 
+// Found by fuzz_schemes: Kerple's 2^31 heads and FIRE's hidden width reached std::bad_alloc, and
+// FIRE's pieces made (hidden + 1)·hidden tables. The registry checks a scheme's parameters against
+// the allocation limit before its factory runs; FIRE bounds its tabulated pieces.
+TEST(AllocationLimit, SchemeSizesAreRefusedByName) {
+  SchemeArgs args;
+  args.heads = std::int64_t{1} << 31;
+  args.head_dim = 8;
+  expect_error([&] { make_head_group("kerple", args); }, {"parameters [2, 2147483648]", "allocation limit"});
+  expect_error([] { FireParams::init(1, std::int64_t{1} << 15); },
+               {"FireParams::init", "heads · hidden · (hidden + 1) = 1 · 32768 · 32769", "at most 2^28"});
+  EXPECT_EQ(FireParams::init(8, 32).hidden(), 32);
+}
+
 // −(−2^63) does not exist in int64: the farthest relative position still has the last bucket.
 TEST(T5Buckets, TheMostNegativePositionIsTheLastBucket) {
   EXPECT_EQ(t5_bucket(std::numeric_limits<std::int64_t>::min(), 32, 128, true), 15);

@@ -3,6 +3,8 @@
 // whose classes predate src/schemes/; src/schemes/<name>.cpp for the others).
 #include "posenc/registry.hpp"
 
+#include "posenc/memory.hpp"
+
 #include <cmath>
 #include <limits>
 #include <string>
@@ -120,6 +122,11 @@ SchemeArgs complete_scheme_args(const SchemeEntry& entry, SchemeArgs args) {
     }
     count = shape.empty() ? extent : count * extent;
     shape += (shape.empty() ? "" : ", ") + std::to_string(extent);
+  }
+  // The factory allocates about that many values (and the group's gradients as many again).
+  if (count > 0) {
+    const std::string what = "parameters [" + shape + "]";
+    checked_allocation(count, 2 * sizeof(double), std::string(where).c_str(), what.c_str());
   }
   if (!args.parameters.empty() && static_cast<std::int64_t>(args.parameters.size()) != count) {
     throw Error(where, "parameters", std::to_string(args.parameters.size()) + " values",

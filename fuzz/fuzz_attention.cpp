@@ -69,6 +69,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     k_len = in.flag() ? in.integer(1, 300) : in.integer(1, 40);
     q_len = in.flag() ? in.integer(1, 4) : in.integer(1, std::min<std::int64_t>(k_len, 48));
   }
+  // The fp64 reference and the naive composition run under the sanitizers, about 100 times slower
+  // than a release build: at most 2^19 (query, key, head, dim) products per call.
+  if (batch * q_len * k_len * heads * dim > (std::int64_t{1} << 19)) return 0;
   const std::int64_t tokens_q = batch * q_len, tokens_k = batch * k_len;
   AttentionSpec spec;
   spec.mask.causal = in.flag();
@@ -153,6 +156,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       (spec.mask.chunk_size ? ", chunk " + std::to_string(*spec.mask.chunk_size) : "") +
       (spec.mask.key_lengths.empty() ? "" : ", key lengths " + std::to_string(spec.mask.key_lengths[0]) + "…") +
       (forgetting ? ", forget gates" : "") + (sinks ? ", sinks" : "") + ", non-finite: " + placed + ")";
+  if (std::getenv("POSENC_FUZZ_VERBOSE") != nullptr) std::fprintf(stderr, "case%s\n", context.c_str());
   std::optional<Attention> att;
   if (!fuzz::accepted("Attention", [&] { att.emplace(spec); })) return 0;
 
@@ -190,8 +194,11 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const double ulp = dtype == DType::kBF16 ? std::ldexp(1.0, -7) : dtype == DType::kF16 ? std::ldexp(1.0, -10) : 0.0;
   const double vmax = std::max(fuzz::max_finite(v), 1e-3);
   const double naive_err = fuzz::max_finite_difference(naive, exact);
+  // The floor is recursive summation's worst case over the keys (Higham: n·u of Σ|p·v| <= max|v|),
+  // which the fused order can reach where the naive order is lucky (one query over 294 keys).
+  const double sum_floor = static_cast<double>(k_len) * std::ldexp(1.0, -23);
   fuzz::expect_match(("out" + context).c_str(), fused, exact_rounded,
-                     4 * naive_err + (std::ldexp(1.0, -20) + ulp) * vmax);
+                     4 * naive_err + (std::ldexp(1.0, -20) + sum_floor + ulp) * vmax);
   const std::vector<double> fl(fused_lse.begin(), fused_lse.end()), el(exact_lse.begin(), exact_lse.end()),
       nl(naive_lse.begin(), naive_lse.end());
   fuzz::expect_match(("lse" + context).c_str(), fl, el,

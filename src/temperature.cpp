@@ -18,12 +18,16 @@ PositionTemperature PositionTemperature::llama4(double floor_scale, double attn_
   if (!(std::isfinite(floor_scale) && floor_scale > 0)) {
     throw Error(kWhere, "floor_scale", to_text(floor_scale), "a finite number > 0");
   }
-  if (!std::isfinite(attn_scale)) throw Error(kWhere, "attn_scale", to_text(attn_scale), "a finite number");
+  // A negative scale would shrink the queries with the position, to 0 and past it (flipping the
+  // attention) at long enough positions: no model does that.
+  if (!(std::isfinite(attn_scale) && attn_scale >= 0)) {
+    throw Error(kWhere, "attn_scale", to_text(attn_scale), "a finite number >= 0");
+  }
   return PositionTemperature(Kind::kLlama4, floor_scale, attn_scale);
 }
 
 PositionTemperature PositionTemperature::mistral(double beta, std::int64_t original_max_position_embeddings) {
-  if (!std::isfinite(beta)) throw Error(kWhere, "beta", detail::to_text(beta), "a finite number");
+  if (!(std::isfinite(beta) && beta >= 0)) throw Error(kWhere, "beta", detail::to_text(beta), "a finite number >= 0");
   if (original_max_position_embeddings < 1) {
     throw Error(kWhere, "original_max_position_embeddings", std::to_string(original_max_position_embeddings), ">= 1");
   }

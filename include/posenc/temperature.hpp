@@ -15,8 +15,8 @@
 // transform; s commutes with a rotation), and the gradient of q is s(p) times that of the row.
 // s is computed in fp64 and rounded once to f32 per query row.
 //
-// Errors: posenc::Error for a non-finite or non-positive floor_scale, a non-finite attn_scale or
-// beta, original_max_position_embeddings < 1, and factor() of a position below 0.
+// Errors: posenc::Error for a non-finite or non-positive floor_scale, an attn_scale or beta that is
+// not finite or below 0, original_max_position_embeddings < 1, and factor() of a position below 0.
 #pragma once
 
 #include <cstdint>

@@ -13,6 +13,7 @@ Use with Debian's interpreter after ``bash scripts/test.sh`` (or a build with
 """
 import json
 import math
+import numbers
 import os
 
 import torch
@@ -48,6 +49,31 @@ def _json(name, value):
                 check(f"{path}[{i}]", v)
     check(name, value)
     return json.dumps(value)
+
+
+def _int(where, name, value, minimum=None):
+    """value as an int, refusing bools, floats (no silent truncation) and other types by name."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{where}: {name} is {type(value).__name__}; expected an int")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{where}: {name} = {value}; expected an int >= {minimum}")
+    if not -2**63 <= value < 2**63:
+        raise ValueError(f"{where}: {name} = {value}; expected an int in [-2^63, 2^63)")
+    return int(value)
+
+
+def _number(where, name, value):
+    """value as a float, refusing bools, strings and None by name."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{where}: {name} is {type(value).__name__}; expected a number")
+    return float(value)
+
+
+def _flag(where, name, value):
+    """value as a bool: only True or False (a string such as 'no' would otherwise count as True)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{where}: {name} is {type(value).__name__}; expected True or False")
+    return value
 
 
 _load()
@@ -94,21 +120,25 @@ _DIRECTIONS = {"forward": 0, "backward": 1, "inverse": 2}
 
 def _rope_params(head_dim, rotary_dim, base, layout, scaling, max_position_embeddings, freq_factors=None, xpos=None,
                  seq_len=0, rotary_offset=0):
-    params = {"head_dim": int(head_dim), "rotary_dim": int(rotary_dim if rotary_dim is not None else head_dim),
-              "base": float(base), "layout": layout, "max_position_embeddings": int(max_position_embeddings),
-              "seq_len": int(seq_len)}
+    head_dim = _int("rope", "head_dim", head_dim)
+    params = {"head_dim": head_dim,
+              "rotary_dim": head_dim if rotary_dim is None else _int("rope", "rotary_dim", rotary_dim),
+              "base": _number("rope", "base", base), "layout": layout,
+              "max_position_embeddings": _int("rope", "max_position_embeddings", max_position_embeddings),
+              "seq_len": _int("rope", "seq_len", seq_len, 0)}
     if rotary_offset:
         if isinstance(rotary_offset, bool) or not isinstance(rotary_offset, int):
             raise TypeError(f"rope: rotary_offset is {type(rotary_offset).__name__}; expected an int")
         params["rotary_offset"] = rotary_offset
     if xpos is not None:
-        scale_base, center = (xpos, 0.0) if isinstance(xpos, (int, float)) else tuple(xpos)
-        params["xpos"] = {"scale_base": float(scale_base), "center": float(center)}
+        scale_base, center = (xpos, 0.0) if isinstance(xpos, numbers.Real) else tuple(xpos)
+        params["xpos"] = {"scale_base": _number("rope", "xpos scale_base", scale_base),
+                          "center": _number("rope", "xpos center", center)}
     if scaling:
         params.update({key: value for key, value in scaling.items() if key != "type"})
         params.setdefault("rope_type", scaling.get("type", "default"))
     if freq_factors is not None:
-        params["freq_factors"] = [float(x) for x in freq_factors]
+        params["freq_factors"] = [_number("rope", f"freq_factors[{i}]", x) for i, x in enumerate(freq_factors)]
     return params
 
 
@@ -732,7 +762,9 @@ def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size
     else:
         spec, params = _attention_scheme(gate_of(scheme, q.shape[2]), q.shape[2], keys_rotated)
         _complete_rope(spec, q)
-    spec["skip_vanishing_tiles"] = bool(skip_vanishing_tiles)
+    spec["skip_vanishing_tiles"] = _flag("attention", "skip_vanishing_tiles", skip_vanishing_tiles)
+    _flag("attention", "keys_rotated", keys_rotated)
+    _flag("attention", "return_lse", return_lse)
     empty = torch.empty(0, dtype=torch.long)
     if all(g.numel() == 0 for g in gates):
         gates = []
@@ -749,9 +781,14 @@ def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size
     if temperature is not None and not isinstance(temperature, PositionTemperature):
         raise TypeError(f"attention: temperature is {type(temperature).__name__}; expected a "
                         "posenc.PositionTemperature or None")
-    out, lse = _ops.attention(q, k, v, _json("scheme", spec), params, gates, sinks, bool(causal), int(window[0]),
-                              int(window[1]), chunk_size, None if temperature is None else temperature._json(),
-                              float(softcap), float(scale or 0.0),
+    if not isinstance(window, (list, tuple)) or len(window) != 2:
+        raise TypeError(f"attention: window = {window!r}; expected a pair (left, right) of ints (-1: unlimited)")
+    if scale is not None and not _number("attention", "scale", scale) > 0:
+        raise ValueError(f"attention: scale = {scale}; expected a number > 0, or None for 1/sqrt(D)")
+    out, lse = _ops.attention(q, k, v, _json("scheme", spec), params, gates, sinks, _flag("attention", "causal", causal),
+                              _int("attention", "window[0]", window[0]), _int("attention", "window[1]", window[1]),
+                              chunk_size, None if temperature is None else temperature._json(),
+                              _number("attention", "softcap", softcap), 0.0 if scale is None else float(scale),
                               empty if q_positions is None else _positions(q_positions, 0),
                               empty if k_positions is None else _positions(k_positions, 0))
     if layout == "bhsd":

@@ -50,3 +50,27 @@ def test_shaw_distance_that_would_overflow_the_table():
         posenc.shaw_scores(q, torch.randn(5, 8), p, p, 2**62)
     with pytest.raises(ValueError, match="max_distance = 4611686018427387904"):
         posenc.shaw_values(torch.rand(1, 2, 4, 4), torch.randn(5, 8), p, p, 2**62)
+
+
+def _qkv():
+    return torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    # No silent truncation, no bool as 1, no string or None reaching float().
+    (lambda q, k, v: posenc.rope(q, k, rotary_dim=8.7), TypeError, "rope: rotary_dim is float; expected an int"),
+    (lambda q, k, v: posenc.rope(q, k, rotary_dim=True), TypeError, "rope: rotary_dim is bool"),
+    (lambda q, k, v: posenc.rope(q, k, base="x"), TypeError, "rope: base is str; expected a number"),
+    (lambda q, k, v: posenc.rope(q, k, base=None), TypeError, "rope: base is NoneType"),
+    (lambda q, k, v: posenc.rope(q, k, seq_len=2**70), ValueError, r"seq_len = 1180591620717411303424; expected an int"),
+    # An explicit 0 is not "unset": None asks for 1/sqrt(D).
+    (lambda q, k, v: posenc.attention(q, k, v, scale=0.0), ValueError, r"scale = 0.0; expected a number > 0, or None"),
+    (lambda q, k, v: posenc.attention(q, k, v, causal="yes"), TypeError, "causal is str; expected True or False"),
+    (lambda q, k, v: posenc.attention(q, k, v, window=2.5), TypeError, r"window = 2.5; expected a pair"),
+    (lambda q, k, v: posenc.attention(q, k, v, window=(1.5, 0)), TypeError, r"window\[0\] is float"),
+    (lambda q, k, v: posenc.attention(q, k, v, softcap="3"), TypeError, "softcap is str"),
+    (lambda q, k, v: posenc.PositionTemperature(attn_scale=-0.1), ValueError, r"attn_scale = -0.1; expected a finite number >= 0"),
+])
+def test_types_and_explicit_values_are_refused_by_name(call, error, match):
+    with pytest.raises(error, match=match):
+        call(*_qkv())

@@ -13,7 +13,9 @@ namespace posenc {
 
 SandwichBias::SandwichBias(std::int64_t heads, std::int64_t dim, double base) : heads_(heads), dim_(dim), base_(base) {
   if (heads < 1) throw Error("SandwichBias", "heads", std::to_string(heads), ">= 1");
-  if (dim < 2 || dim % 2 != 0) throw Error("SandwichBias", "dim", std::to_string(dim), "even and >= 2");
+  // Each bias value sums dim/2 cosines: a model's width (128 to a few thousand), not millions.
+  if (dim < 2 || dim % 2 != 0 || dim > 65536)
+    throw Error("SandwichBias", "dim", std::to_string(dim), "even, in [2, 65536]");
   if (!std::isfinite(base) || base <= 1) throw Error("SandwichBias", "base", detail::to_text(base), "finite and > 1");
   frequencies_.resize(static_cast<std::size_t>(dim / 2));
   for (std::int64_t k = 0; k < dim / 2; ++k) {

@@ -111,7 +111,8 @@ Case make_attention_case(const CaseOptions& o) {
       names += (names.empty() ? "" : ", ") + e.name;
       known = known || e.name == o.scheme;
     }
-    if (!known) throw Error("bench", "--scheme", o.scheme, "one of " + names);
+    // The attention terms that are not registry entries: forget gates and sinks.
+    if (!known) throw Error("bench", "--scheme", o.scheme, "one of " + names + ", fox, sinks");
     groups.push_back(make_head_group(o.scheme, SchemeArgs{.heads = heads, .head_dim = dim}));
   }
   struct State {

@@ -316,6 +316,19 @@ RopeParams rope_params_from_hf(const HfRopeConfig& c, RopeLayout layout) {
   }
   s.short_factor = c.short_factor;
   s.long_factor = c.long_factor;
+  // M-RoPE's sections split the rotary pairs among the axes (transformers splits cos and sin by
+  // them, and fails when they do not add up).
+  if (!c.mrope_section.empty()) {
+    std::int64_t pairs = 0;
+    std::string text;
+    for (const std::int64_t n : c.mrope_section) {
+      pairs = n < 0 ? -1 : pairs < 0 ? -1 : checked_add(pairs, n, "mrope_section");
+      text += (text.empty() ? "[" : ", ") + std::to_string(n);
+    }
+    if (pairs != rotary_dim / 2) {
+      throw Error(where, "mrope_section", text + "]", "sections >= 0 that sum to rotary_dim / 2 = " + std::to_string(rotary_dim / 2));
+    }
+  }
   return RopeParams(head_dim, rotary_dim, c.rope_theta, layout, std::move(s), c.max_position_embeddings);
 }
 

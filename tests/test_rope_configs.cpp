@@ -156,6 +156,11 @@ TEST(RopeConfigs, Qwen3VlNamesItsInterleavedSections) {
   testing::expect_error(
       [] { hf_rope_config_from_json(R"({"rope_scaling": {"rope_type": "default", "mrope_section": [24, 2.5]}})"); },
       {"rope_scaling.mrope_section", "integers >= 1"});
+  // Sections that do not cover the rotary pairs (transformers' split of cos and sin fails).
+  HfRopeConfig wrong = c;
+  wrong.mrope_section = {16, 24, 99};
+  testing::expect_error([&] { rope_params_from_hf(wrong); },
+                        {"mrope_section = [16, 24, 99]", "sum to rotary_dim / 2 = 64"});
 }
 
 // transformers looks rope_scaling's type up and fails without one: so does posenc, by name.

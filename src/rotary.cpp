@@ -326,7 +326,8 @@ RopeParams rope_params_from_hf(const HfRopeConfig& c, RopeLayout layout) {
       text += (text.empty() ? "[" : ", ") + std::to_string(n);
     }
     if (pairs != rotary_dim / 2) {
-      throw Error(where, "mrope_section", text + "]", "sections >= 0 that sum to rotary_dim / 2 = " + std::to_string(rotary_dim / 2));
+      throw Error(where, "mrope_section", text + "]",
+                  "sections >= 0 that sum to rotary_dim / 2 = " + std::to_string(rotary_dim / 2));
     }
   }
   return RopeParams(head_dim, rotary_dim, c.rope_theta, layout, std::move(s), c.max_position_embeddings);

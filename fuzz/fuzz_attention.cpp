@@ -129,6 +129,29 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     placed = fuzz::number(value) + " in " + "qkvd"[which] + " at " + std::to_string(at);
     spec.skip_vanishing_tiles = false;  // a skipped tile is the policy's one documented exception
   }
+  // Now and then a non-finite learned parameter instead (drawn last, so that the inputs of the
+  // corpus keep their meaning): the scheme refuses it by name, or it propagates as in the reference.
+  if (!args.parameters.empty() && in.flag()) {
+    const double bad[] = {std::nan(""), INFINITY, -INFINITY};
+    const double value = bad[in.pick(3)];
+    const std::size_t at = in.pick(args.parameters.size());
+    args.parameters[at] = value;
+    const std::vector<AttentionTermRef> terms = group->terms;
+    group.reset();
+    fuzz::accepted(entry.name.c_str(), [&] { group = make_head_group(entry.name, args); });
+    if (!group) return 0;
+    group->terms = terms;
+    placed = fuzz::number(value) + " in parameter " + std::to_string(at);
+    spec.skip_vanishing_tiles = false;
+  }
+  // Or a NaN or −inf forget gate (+inf is refused): it propagates as the running-sum composition.
+  if (forgetting && in.flag()) {
+    const double value = in.flag() ? std::nan("") : -INFINITY;
+    const std::size_t at = in.pick(log_fgate.size());
+    log_fgate[at] = value;
+    placed = fuzz::number(value) + " in log_fgate at " + std::to_string(at);
+    spec.skip_vanishing_tiles = false;
+  }
   const std::vector<std::int64_t> q_shape =
       packed ? std::vector<std::int64_t>{q_len, heads, dim} : std::vector<std::int64_t>{batch, q_len, heads, dim};
   const std::vector<std::int64_t> k_shape =

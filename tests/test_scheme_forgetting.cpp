@@ -155,6 +155,22 @@ TEST_P(ForgettingAttention, AccurateWhereTheRunningSumIsLarge) {
   expect_accurate(p, spec, "long");
 }
 
+// Found by fuzz_attention: one query over 245 keys with c down to about −245. The backward's
+// padding rows (15 of a 16-row block) took c_{k0} − c_j, up to +150: exp() was infinite there and
+// 0·inf reached dK through their zero queries. Padding rows are masked now.
+TEST_P(ForgettingAttention, PaddingRowsStayOutOfTheBackward) {
+  for (const bool causal : {true, false}) {
+    Problem p = make_problem(1, 1, 245, 1, 1, 4);
+    const Gates gates = make_gates(1, 245, 1, -3.0, 0.5);
+    AttentionSpec spec = spec_of(p);
+    spec.mask.causal = causal;
+    HeadGroup group{1, {}, {}};
+    group.terms = {gate_of(gates)};
+    spec.groups = {group};
+    expect_backward_matches_reference(p, Attention(spec), random_values(static_cast<std::size_t>(p.q_count())));
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Targets, ForgettingAttention, ::testing::ValuesIn(testing::all_targets()));
 
 // The reference's gate gradient against central differences of the fp64 reference forward's

@@ -413,7 +413,11 @@ void AttentionPlan::backward_unit(const BackwardCall& call, const BackwardUnit& 
     const TermTile tile = term_tile(seq, sub, r0, k0, keys, kpos, false);
     for (std::size_t t = 0; t < terms.size(); ++t) terms[t]->add_scores(tile, s.st.data(), s.terms[t]);
     if (mask.softcap > 0) kernels::attn_softcap_tile(s.st.data(), keys, bw, static_cast<float>(mask.softcap));
-    if (!full) kernels::attn_mask_tile(s.st.data(), keys, bw, k0, sub.lo.data(), sub.hi.data());
+    // Padding rows (a block the rows do not fill) see no key: their logits, which terms and biases
+    // fill from other rows' positions (a forget gate's c_{k0} − c_j can reach +100), must not make
+    // exp() infinite and 0·inf reach dK through their zero queries.
+    const bool padded = std::any_of(sub.head.begin(), sub.head.begin() + bw, [](std::int64_t h) { return h < 0; });
+    if (!full || padded) kernels::attn_mask_tile(s.st.data(), keys, bw, k0, sub.lo.data(), sub.hi.data());
     kernels::attn_gemm(v_rows, ldkv, 1, s.doutt.data() + r0, ldt, s.dpt.data(), bw, keys, bw, d, false);
     for (std::size_t t = 0; t < terms.size(); ++t) terms[t]->add_dp(tile, s.dpt.data(), s.terms[t]);
     // P^T, dS^T (with the soft-cap's derivative).
@@ -423,7 +427,6 @@ void AttentionPlan::backward_unit(const BackwardCall& call, const BackwardUnit& 
     // zero q meets an infinite key as NaN) whose operands hold inf or NaN (engine.hpp:
     // rows_non_finite): the pairs that do not count get P = dS = 0 exactly, and the products sum
     // over the others only.
-    const bool padded = std::any_of(sub.head.begin(), sub.head.begin() + bw, [](std::int64_t h) { return h < 0; });
     const bool exact =
         (!full || dead_rows || padded) &&
         (rows_non_finite(s.q.data() + r0 * dp, dp, bw, d) || rows_non_finite(s.dout.data() + r0 * dp, dp, bw, dim_v) ||

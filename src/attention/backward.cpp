@@ -380,7 +380,13 @@ void AttentionPlan::backward_unit(const BackwardCall& call, const BackwardUnit& 
     bool any = false;
     *full = true;
     for (std::int64_t r = r0; r < r0 + bw; ++r) {
-      if (rb.head[static_cast<std::size_t>(r)] < 0) continue;
+      // A padding row sees no key, so its block is not full: the mask gives it −inf logits, which
+      // terms and biases would otherwise fill from other rows' positions (a forget gate's
+      // c_{k0} − c_j reaches +100: exp() infinite, and 0·inf into dK through its zero query).
+      if (rb.head[static_cast<std::size_t>(r)] < 0) {
+        *full = false;
+        continue;
+      }
       const bool sees = rb.lo[static_cast<std::size_t>(r)] < k0 + keys && rb.hi[static_cast<std::size_t>(r)] > k0;
       any = any || sees;
       *full = *full && rb.lo[static_cast<std::size_t>(r)] <= k0 && rb.hi[static_cast<std::size_t>(r)] >= k0 + keys;
@@ -413,22 +419,18 @@ void AttentionPlan::backward_unit(const BackwardCall& call, const BackwardUnit& 
     const TermTile tile = term_tile(seq, sub, r0, k0, keys, kpos, false);
     for (std::size_t t = 0; t < terms.size(); ++t) terms[t]->add_scores(tile, s.st.data(), s.terms[t]);
     if (mask.softcap > 0) kernels::attn_softcap_tile(s.st.data(), keys, bw, static_cast<float>(mask.softcap));
-    // Padding rows (a block the rows do not fill) see no key: their logits, which terms and biases
-    // fill from other rows' positions (a forget gate's c_{k0} − c_j can reach +100), must not make
-    // exp() infinite and 0·inf reach dK through their zero queries.
-    const bool padded = std::any_of(sub.head.begin(), sub.head.begin() + bw, [](std::int64_t h) { return h < 0; });
-    if (!full || padded) kernels::attn_mask_tile(s.st.data(), keys, bw, k0, sub.lo.data(), sub.hi.data());
+    if (!full) kernels::attn_mask_tile(s.st.data(), keys, bw, k0, sub.lo.data(), sub.hi.data());
     kernels::attn_gemm(v_rows, ldkv, 1, s.doutt.data() + r0, ldt, s.dpt.data(), bw, keys, bw, d, false);
     for (std::size_t t = 0; t < terms.size(); ++t) terms[t]->add_dp(tile, s.dpt.data(), s.terms[t]);
     // P^T, dS^T (with the soft-cap's derivative).
     kernels::attn_backward_tile(s.st.data(), s.dpt.data(), keys, bw, s.lse.data() + r0, s.delta.data() + r0,
                                 static_cast<float>(mask.softcap));
-    // A partly masked tile (or one with a row whose logits were all −inf, or a padding row, whose
-    // zero q meets an infinite key as NaN) whose operands hold inf or NaN (engine.hpp:
+    // A partly masked tile (padding rows included, whose zero q meets an infinite key as NaN; or
+    // one with a row whose logits were all −inf) whose operands hold inf or NaN (engine.hpp:
     // rows_non_finite): the pairs that do not count get P = dS = 0 exactly, and the products sum
     // over the others only.
     const bool exact =
-        (!full || dead_rows || padded) &&
+        (!full || dead_rows) &&
         (rows_non_finite(s.q.data() + r0 * dp, dp, bw, d) || rows_non_finite(s.dout.data() + r0 * dp, dp, bw, dim_v) ||
          rows_non_finite(k_rows, ldkv, keys, d) || rows_non_finite(v_rows, ldkv, keys, dim_v) ||
          rows_non_finite(s.lse.data() + r0, 0, 1, bw) || rows_non_finite(s.delta.data() + r0, 0, 1, bw));

@@ -126,7 +126,7 @@ SchemeArgs complete_scheme_args(const SchemeEntry& entry, SchemeArgs args) {
   // The factory allocates about that many values (and the group's gradients as many again).
   if (count > 0) {
     const std::string what = "parameters [" + shape + "]";
-    checked_allocation(count, 2 * sizeof(double), std::string(where).c_str(), what.c_str());
+    checked_allocation(count, 2 * sizeof(double), where.c_str(), what.c_str());
   }
   if (!args.parameters.empty() && static_cast<std::int64_t>(args.parameters.size()) != count) {
     throw Error(where, "parameters", std::to_string(args.parameters.size()) + " values",

@@ -2,9 +2,11 @@
 // the fp64 reference on every target (with ALiBi and its far-tile skip, RoPE, windows, soft-caps,
 // GQA, packed sequences, chunked decode, 16-bit inputs), the sink's gradient by finite
 // differences, rows that see no key, thread counts and bad input.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "attention_testing.hpp"
@@ -77,6 +79,48 @@ TEST_P(AttentionSinkTargets, PackedSequencesAndPartOfTheHeads) {
   spec.groups = {HeadGroup{2, {}, AlibiParams(2)}, sinks};
   expect_accurate(p, spec, "packed");
   expect_backward_matches_reference(p, Attention(spec), random_values(static_cast<std::size_t>(p.q_count())));
+}
+
+// A row whose dO holds an inf: every dS is NaN, but δ = Σ_j P_ij·dP_ij and with it the sink's
+// gradient −Σ_i p_sink·δ_i is an infinity when every visible dO·v_j is one (v_j[0] > 0 against
+// dO[0] = ±inf), NaN when the signs differ. Over several key tiles and row blocks, GQA.
+TEST_P(AttentionSinkTargets, AnInfiniteDOutGivesTheSinkGradientOfTheEagerComposition) {
+  for (const double bad : {std::numeric_limits<double>::infinity(), -std::numeric_limits<double>::infinity()}) {
+    for (const bool mixed_signs : {false, true}) {
+      SCOPED_TRACE(std::to_string(bad) + (mixed_signs ? ", v of both signs" : ", v > 0"));
+      Problem p = make_problem(1, 300, 300, 4, 2, 16);
+      for (std::size_t at = 0; at < p.v.size(); at += static_cast<std::size_t>(p.dim)) {
+        p.v[at] = mixed_signs && (at / static_cast<std::size_t>(p.dim)) % 7 == 3 ? -0.5 : 0.25 + std::abs(p.v[at]);
+      }
+      p.vb = testing::to_dtype(p.v, p.dtype);
+      AttentionSpec spec = spec_of(p);
+      spec.mask.causal = true;
+      HeadGroup group{4, {}, {}};
+      group.terms = {sinks_of(4)};
+      spec.groups = {group};
+      const Attention att(spec);
+      std::vector<double> d_out = random_values(static_cast<std::size_t>(p.q_count()));
+      const std::int64_t row = 250, head = 1;  // [B, S, H, D]
+      d_out[static_cast<std::size_t>((row * p.heads + head) * p.dim)] = bad;
+      const Grads fused = run_backward(p, att, d_out, false), exact = run_backward(p, att, d_out, true);
+      const std::vector<double>& got = fused.params.groups[0].terms[0];
+      const std::vector<double>& want = exact.params.groups[0].terms[0];
+      ASSERT_EQ(got.size(), want.size());
+      for (std::size_t h = 0; h < want.size(); ++h) {
+        if (h != static_cast<std::size_t>(head)) {
+          EXPECT_NEAR(got[h], want[h], 1e-4 * std::max(1.0, std::abs(want[h]))) << h;
+          continue;
+        }
+        if (mixed_signs) {
+          EXPECT_TRUE(std::isnan(want[h]) && std::isnan(got[h])) << got[h] << " vs " << want[h];
+        } else {
+          // ∂L/∂s = −p_sink·δ: the opposite infinity of dO[0]'s.
+          EXPECT_EQ(want[h], -bad);
+          EXPECT_EQ(got[h], want[h]);
+        }
+      }
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Targets, AttentionSinkTargets, ::testing::ValuesIn(testing::all_targets()));

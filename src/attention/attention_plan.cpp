@@ -70,7 +70,9 @@ std::int64_t AttentionUnitScratch::bytes() const {
     total += static_cast<std::int64_t>(buffer->capacity() * sizeof(float));
   }
   for (const TermState& t : terms) total += t.bytes();
-  return total + static_cast<std::int64_t>(kpos.capacity() * sizeof(std::int64_t) + hist.capacity() * sizeof(double));
+  return total +
+         static_cast<std::int64_t>((kpos.capacity() + exact_rows.capacity()) * sizeof(std::int64_t) +
+                                   (hist.capacity() + row_norm.capacity() + exact_delta.capacity()) * sizeof(double));
 }
 
 AttentionUnitScratch& unit_scratch() {

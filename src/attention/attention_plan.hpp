@@ -121,7 +121,11 @@ struct AttentionUnitScratch {
   AlignedFloats rope_rows;
   std::vector<std::int64_t> kpos;
   std::vector<double> hist;
-  std::vector<double> row_norm;               // the far-tile skip: |scale·q| per row
+  std::vector<double> row_norm;  // the far-tile skip: |scale·q| per row
+  // Backward: the unit's rows whose dO is not finite, and their δ as the softmax backward sums
+  // it, Σ_j P_ij·dP_ij over the visible keys.
+  std::vector<double> exact_delta;
+  std::vector<std::int64_t> exact_rows;
   std::int64_t steps = 0, skipped_steps = 0;  // backward's (tile, row block) steps in the current call
   std::vector<TermState> terms;               // one per AttentionPlan::terms entry
   std::int64_t bytes() const;

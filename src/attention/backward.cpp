@@ -60,6 +60,27 @@ void visible_products(const RowBlock& rb, const float* lse, std::int64_t k_first
   }
 }
 
+// Adds Σ_j P_ij·dP_ij over the visible keys of a tile to exact_delta for the block's rows listed
+// in exact_rows (in the unit's row numbering; the tile holds rows [r0, r0 + rb.width)). st holds
+// the masked logits S^T, dpt dP^T, both [keys][rb.width]; P_ij = exp(s_ij − lse_i) in fp64, and a
+// visible P of 0 still multiplies (0·inf is NaN, as in the reference).
+void sum_exact_delta(const RowBlock& rb, std::int64_t r0, std::int64_t k_first, std::int64_t keys, const float* st,
+                     const float* dpt, const float* lse, std::span<const std::int64_t> exact_rows,
+                     std::vector<double>& exact_delta) {
+  const std::int64_t rows = rb.width;
+  for (const std::int64_t row : exact_rows) {
+    const std::int64_t r = row - r0;
+    if (r < 0 || r >= rows) continue;
+    double sum = 0;
+    for (std::int64_t j = 0; j < keys; ++j) {
+      if (!rb.sees(r, k_first + j)) continue;
+      const double p = std::exp(static_cast<double>(st[j * rows + r]) - static_cast<double>(lse[row]));
+      sum += p * static_cast<double>(dpt[j * rows + r]);
+    }
+    exact_delta[static_cast<std::size_t>(row)] += sum;
+  }
+}
+
 }  // namespace
 
 // ─── Backward ────────────────────────────────────────────────────────────────────────────────
@@ -290,6 +311,7 @@ void AttentionPlan::backward_unit(const BackwardCall& call, const BackwardUnit& 
   grow(s.o, dp);
   std::fill(s.dq.begin(), s.dq.begin() + w * dp, 0.0f);
   const QKTables& tq = tables_of_head(kvh * group_size);
+  s.exact_rows.clear();
   bool dead_rows = false;  // a row whose logits are all −inf (lse −inf): full tiles check too
   for (std::int64_t r = 0; r < w; ++r) {
     float* qrow = s.q.data() + r * dp;
@@ -315,10 +337,13 @@ void AttentionPlan::backward_unit(const BackwardCall& call, const BackwardUnit& 
         delta += static_cast<double>(drow[t]) * s.o[static_cast<std::size_t>(t)];
         finite = finite && std::isfinite(drow[t]);
       }
-      // δ = dO·O equals Σ_j P_ij·(dO·v_j), the softmax backward's form, for finite dO; with an
-      // inf in dO every dO·v_j is inf or NaN and that sum is NaN, which dO·O need not be.
+      // δ = dO·O equals Σ_j P_ij·dP_ij, the softmax backward's form, for finite dO. With an inf
+      // in dO every dP_ij is ±inf or NaN, so every dS of the row is NaN whatever δ is: the tiles
+      // get NaN, and the sum itself (±inf when every dP_ij is one infinity: a sink's gradient)
+      // accumulates over the visible pairs (exact_delta) for the terms' finish_backward.
       s.delta[static_cast<std::size_t>(r)] =
           finite ? static_cast<float>(delta) : std::numeric_limits<float>::quiet_NaN();
+      if (!finite) s.exact_rows.push_back(r);
       s.lse[static_cast<std::size_t>(r)] = read_lse(lse, seq, h, i);
       dead_rows = dead_rows || s.lse[static_cast<std::size_t>(r)] == kNegInf;
     }
@@ -349,6 +374,7 @@ void AttentionPlan::backward_unit(const BackwardCall& call, const BackwardUnit& 
     grow(s.hist, group_size * hist_width);
     std::fill(s.hist.begin(), s.hist.begin() + group_size * hist_width, 0.0);
   }
+  if (!s.exact_rows.empty()) s.exact_delta.assign(static_cast<std::size_t>(w), 0.0);
   if (s.terms.size() < terms.size()) s.terms.resize(terms.size());
   TermRows term_rows;
   term_rows.seq = &seq;
@@ -422,6 +448,9 @@ void AttentionPlan::backward_unit(const BackwardCall& call, const BackwardUnit& 
     if (!full) kernels::attn_mask_tile(s.st.data(), keys, bw, k0, sub.lo.data(), sub.hi.data());
     kernels::attn_gemm(v_rows, ldkv, 1, s.doutt.data() + r0, ldt, s.dpt.data(), bw, keys, bw, d, false);
     for (std::size_t t = 0; t < terms.size(); ++t) terms[t]->add_dp(tile, s.dpt.data(), s.terms[t]);
+    if (!s.exact_rows.empty()) {
+      sum_exact_delta(sub, r0, k0, keys, s.st.data(), s.dpt.data(), s.lse.data(), s.exact_rows, s.exact_delta);
+    }
     // P^T, dS^T (with the soft-cap's derivative).
     kernels::attn_backward_tile(s.st.data(), s.dpt.data(), keys, bw, s.lse.data() + r0, s.delta.data() + r0,
                                 static_cast<float>(mask.softcap));
@@ -519,6 +548,9 @@ void AttentionPlan::backward_unit(const BackwardCall& call, const BackwardUnit& 
     for (std::int64_t k0 = 0; k0 < seq.lk; k0 += backward_key_tile) {
       store_keys(k0, std::min(backward_key_tile, seq.lk - k0), s.dk.data() + k0 * dp, s.dv.data() + k0 * dp);
     }
+  }
+  for (const std::int64_t r : s.exact_rows) {
+    s.delta[static_cast<std::size_t>(r)] = static_cast<float>(s.exact_delta[static_cast<std::size_t>(r)]);
   }
   for (std::size_t t = 0; t < terms.size(); ++t) terms[t]->finish_backward(s.terms[t]);
   // dQ: times the scale (and the temperature), rotated back.

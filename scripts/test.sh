@@ -15,14 +15,14 @@ posenc_build "$POSENC_ROOT/build" all -DCMAKE_BUILD_TYPE=Release -DPOSENC_BUILD_
 ctest --test-dir "$POSENC_ROOT/build" --output-on-failure -j "$jobs" --timeout 600
 
 echo "== AddressSanitizer + UndefinedBehaviorSanitizer build and tests"
-# The installed-package test links a plain executable against the sanitized library, which the
-# sanitizer runtime forbids; it ran in the Release build above, as did the Python tests (torch
-# cannot be loaded into a sanitized interpreter).
+# The installed-package and README tests link plain executables against the sanitized library,
+# which the sanitizer runtime forbids; they ran in the Release build above, as did the Python
+# tests (torch cannot be loaded into a sanitized interpreter).
 posenc_build "$POSENC_ROOT/build-sanitize" all -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DPOSENC_SANITIZE=ON -DPOSENC_BUILD_BENCH=OFF
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
   ctest --test-dir "$POSENC_ROOT/build-sanitize" --output-on-failure -j "$jobs" --timeout 900 \
-  -E '^install\.'
+  -E '^(install|readme)\.'
 
 echo "== Fuzzing (libFuzzer, clang, AddressSanitizer + UndefinedBehaviorSanitizer): each target for 20 s"
 # docs/fuzzing.md: the targets, their corpora, and how to run them longer.

@@ -6,8 +6,8 @@ positions are int64 tensors ``[S]`` (shared by the batch) or ``[B, S]``. Bad arg
 ``ValueError`` (bad values or shapes; the message names the parameter, its value and what was
 expected) or ``TypeError`` (wrong device or dtype).
 
-Use with Debian's interpreter after ``bash scripts/test.sh`` (or a build with
-``-DPOSENC_BUILD_TORCH=ON``)::
+Use with Debian's interpreter after either set-up command (a build with
+``-DPOSENC_BUILD_TORCH=ON``), or install it with pip or ``cmake --install`` (README)::
 
     PYTHONPATH=build/python /usr/bin/python3 -c "import posenc"
 """
@@ -31,7 +31,7 @@ __all__ = [
 def _load():
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libposenc_torch.so")
     if not os.path.exists(path):
-        raise ImportError(f"posenc: {path} is missing; build with -DPOSENC_BUILD_TORCH=ON (bash scripts/test.sh does)")
+        raise ImportError(f"posenc: {path} is missing; build with -DPOSENC_BUILD_TORCH=ON (both set-up commands do)")
     torch.ops.load_library(path)
 
 

@@ -282,6 +282,24 @@ void rope_apply_inplace(at::Tensor& q, at::Tensor& k, const at::Tensor& position
   });
 }
 
+// KV-cache re-rotation in place (rotary.hpp: rope_rerotate): keys rotated under (from params,
+// from positions) become keys rotated under (to params, to positions). Caches hold no gradient.
+at::Tensor rope_rerotate_op(at::Tensor k, const at::Tensor& from_positions, std::string from_params,
+                            const at::Tensor& to_positions, std::string to_params) {
+  return translating([&] {
+    const char* where = "rope_rerotate_";
+    TORCH_CHECK_VALUE(!k.requires_grad() || !at::GradMode::is_enabled(), where,
+                      ": k requires grad; expected a cache tensor (re-rotation has no gradient)");
+    const RopeParams from = rope_params_from_json(from_params), to = rope_params_from_json(to_params);
+    const at::Tensor from_ids = from_positions.contiguous(), to_ids = to_positions.contiguous();
+    const Positions from_pos = positions_of(where, "from_positions", from_ids);
+    const Positions to_pos = positions_of(where, "to_positions", to_ids);
+    rope_rerotate(from, from_pos, rope_seq_len_from_json(from_params), to, to_pos, rope_seq_len_from_json(to_params),
+                  const_view(where, "k", k), mutable_view(where, "k", k));
+    return k;
+  });
+}
+
 // Multi-axis RoPE (M-RoPE, 2-D axial): positions [A, S] or [A, B, S], one row per axis.
 std::tuple<at::Tensor, at::Tensor> rope_multi_tensors(const at::Tensor& q, const at::Tensor& k,
                                                       const at::Tensor& positions, const std::string& params,
@@ -926,6 +944,10 @@ TORCH_LIBRARY(posenc, m) {
   m.def("rope_config(str config, int? layer) -> str", &rope_config_op);
   m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor positions, str params, int direction) -> (Tensor(a!), Tensor(b!))",
         &rope_inplace_op);
+  m.def(
+      "rope_rerotate_(Tensor(a!) k, Tensor from_positions, str from_params, Tensor to_positions, str to_params) "
+      "-> Tensor(a!)",
+      &rope_rerotate_op);
   m.def(
       "rope_multi(Tensor q, Tensor k, Tensor positions, str params, int[] sections, bool interleaved, "
       "int[] axis_of_pair, bool restart, int direction) "

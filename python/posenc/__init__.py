@@ -25,6 +25,7 @@ __all__ = [
     "SinusoidalPositionalEncoding", "LearnedPositionalEncoding", "RotaryPositionalEncoding", "ALiBi",
     "T5RelativeBias", "Kerple", "FIRE", "TUPE", "FLOATER", "ShawRelativePositions", "TransformerXLRelative",
     "schemes", "RelativeBias", "Sandwich", "Forgetting", "forgetting_attention", "PositionTemperature",
+    "nn", "KVCache",
 ]
 
 
@@ -794,3 +795,7 @@ def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size
     if layout == "bhsd":
         out = out.transpose(1, 2)
     return (out, lse) if return_lse else out
+
+
+from . import nn  # noqa: E402  (nn builds on the names above)
+from .nn import KVCache  # noqa: E402

@@ -290,6 +290,19 @@ struct AttentionPlanHolder : torch::CustomClassHolder {
   AttentionCall call;
 };
 
+// The learned parameters' gradients of every group, flattened and concatenated as bias_params is.
+std::vector<double> flat_parameter_gradients(const std::string& scheme, const AttentionGradients& grads) {
+  const nlohmann::json j = nlohmann::json::parse(scheme);
+  const nlohmann::json groups = j.contains("groups") ? j.at("groups") : nlohmann::json::array({j});
+  std::vector<double> flat;
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    const std::vector<double> part =
+        scheme_gradients(find_scheme(groups[g].value("kind", std::string("none"))), grads.groups[g]);
+    flat.insert(flat.end(), part.begin(), part.end());
+  }
+  return flat;
+}
+
 class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -337,16 +350,8 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
                                mutable_view("attention", "dk", dk), mutable_view("attention", "dv", dv),
                                trainable ? &param_grads : nullptr);
       at::Tensor d_bias;
-      if (trainable) {
-        const nlohmann::json j = nlohmann::json::parse(ctx->saved_data["scheme"].toStringRef());
-        const nlohmann::json groups = j.contains("groups") ? j.at("groups") : nlohmann::json::array({j});
-        std::vector<double> flat;
-        for (std::size_t g = 0; g < groups.size(); ++g) {
-          const std::vector<double> part =
-              scheme_gradients(find_scheme(groups[g].value("kind", std::string("none"))), param_grads.groups[g]);
-          flat.insert(flat.end(), part.begin(), part.end());
-        }
-        if (!absent(bias_params) && bias_params.requires_grad()) d_bias = tensor_of(flat, bias_params);
+      if (trainable && !absent(bias_params) && bias_params.requires_grad()) {
+        d_bias = tensor_of(flat_parameter_gradients(ctx->saved_data["scheme"].toStringRef(), param_grads), bias_params);
       }
       variable_list result{dq, dk, dv, at::Tensor(), d_bias};
       // One gradient per gate (the list's tensors are inputs of their own), in the gate's shape.
@@ -382,6 +387,35 @@ std::tuple<at::Tensor, at::Tensor> attention_op(
   return {out[0], out[1]};
 }
 
+// The backward of one attention call given the output and log-sum-exp it is part of: context
+// parallelism (posenc.distributed) runs it per block of keys with the whole sequence's out and lse,
+// so that P = exp(S − lse) and δ = dO·out are the global ones and the blocks' gradients add up.
+// Returns dq, dk, dv and the learned parameters' gradient (float64, flattened as bias_params;
+// empty without parameters). No forget gates or sinks: their terms span the blocks.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_op(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std::string scheme, const at::Tensor& bias_params,
+    bool causal, std::int64_t window_left, std::int64_t window_right, c10::optional<std::int64_t> chunk_size,
+    const c10::optional<std::string>& temperature, double softcap, double scale, const at::Tensor& q_positions,
+    const at::Tensor& k_positions, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& d_out) {
+  return translating([&] {
+    const AttentionCall call =
+        make_attention(q, k, v, scheme, bias_params, causal, window_left, window_right, chunk_size, temperature,
+                       softcap, scale, q_positions, k_positions, {}, at::Tensor());
+    at::Tensor dq = at::zeros_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
+    const bool trainable = !absent(bias_params) && bias_params.numel() > 0;
+    AttentionGradients grads = call.attention->zero_gradients();
+    const at::Tensor d_out_c = d_out.contiguous();
+    call.attention->backward(const_view("attention_backward", "out", out), const_view("attention_backward", "lse", lse),
+                             const_view("attention_backward", "d_out", d_out_c),
+                             mutable_view("attention_backward", "dq", dq), mutable_view("attention_backward", "dk", dk),
+                             mutable_view("attention_backward", "dv", dv), trainable ? &grads : nullptr);
+    const std::vector<double> flat = trainable ? flat_parameter_gradients(scheme, grads) : std::vector<double>{};
+    at::Tensor d_params = at::empty({static_cast<std::int64_t>(flat.size())}, at::kDouble);
+    std::copy(flat.begin(), flat.end(), d_params.data_ptr<double>());
+    return std::make_tuple(dq, dk, dv, d_params);
+  });
+}
+
 // s(position) of a temperature given as attention's op takes it (validates it, for Python).
 double attention_temperature_op(const std::string& temperature, std::int64_t position) {
   return translating([&] { return temperature_of("PositionTemperature", temperature).factor(position); });
@@ -405,6 +439,11 @@ void define_attention_ops(torch::Library& m) {
       "k_positions) -> "
       "(Tensor, Tensor)",
       &attention_op);
+  m.def(
+      "attention_backward(Tensor q, Tensor k, Tensor v, str scheme, Tensor bias_params, bool causal, int window_left, "
+      "int window_right, int? chunk_size, str? temperature, float softcap, float scale, Tensor q_positions, Tensor "
+      "k_positions, Tensor out, Tensor lse, Tensor d_out) -> (Tensor, Tensor, Tensor, Tensor)",
+      &attention_backward_op);
 }
 
 }  // namespace posenc::torch_adapter

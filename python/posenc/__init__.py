@@ -25,7 +25,7 @@ __all__ = [
     "SinusoidalPositionalEncoding", "LearnedPositionalEncoding", "RotaryPositionalEncoding", "ALiBi",
     "T5RelativeBias", "Kerple", "FIRE", "TUPE", "FLOATER", "ShawRelativePositions", "TransformerXLRelative",
     "schemes", "RelativeBias", "Sandwich", "Forgetting", "forgetting_attention", "PositionTemperature",
-    "nn", "KVCache",
+    "nn", "KVCache", "distributed",
 ]
 
 
@@ -723,6 +723,19 @@ def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     elif layout != "bshd":
         raise ValueError(f"attention: layout = {layout!r}; expected 'bshd' or 'bhsd'")
+    _flag("attention", "return_lse", return_lse)
+    out, lse = _ops.attention(*_attention_args(q, k, v, scheme, causal, window, chunk_size, temperature, softcap, scale,
+                                               q_positions, k_positions, keys_rotated, skip_vanishing_tiles, sinks))
+    if layout == "bhsd":
+        out = out.transpose(1, 2)
+    return (out, lse) if return_lse else out
+
+
+def _attention_args(q, k, v, scheme, causal, window, chunk_size, temperature, softcap, scale, q_positions,
+                    k_positions, keys_rotated, skip_vanishing_tiles, sinks):
+    """The arguments of the attention op for ``attention``'s (q, k, v in [B, S, H, D]), checked:
+    (q, k, v, scheme JSON, parameters, gates, sinks, causal, window_left, window_right, chunk_size,
+    temperature JSON, softcap, scale, q_positions, k_positions)."""
     if q.dim() != 4:
         raise ValueError(f"attention: q has {q.dim()} dimensions; expected 4 ([B, Sq, H, D] or with layout='bhsd')")
     gates = []  # per head group: its forget gate, or an empty tensor
@@ -765,7 +778,6 @@ def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size
         _complete_rope(spec, q)
     spec["skip_vanishing_tiles"] = _flag("attention", "skip_vanishing_tiles", skip_vanishing_tiles)
     _flag("attention", "keys_rotated", keys_rotated)
-    _flag("attention", "return_lse", return_lse)
     empty = torch.empty(0, dtype=torch.long)
     if all(g.numel() == 0 for g in gates):
         gates = []
@@ -786,16 +798,13 @@ def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size
         raise TypeError(f"attention: window = {window!r}; expected a pair (left, right) of ints (-1: unlimited)")
     if scale is not None and not _number("attention", "scale", scale) > 0:
         raise ValueError(f"attention: scale = {scale}; expected a number > 0, or None for 1/sqrt(D)")
-    out, lse = _ops.attention(q, k, v, _json("scheme", spec), params, gates, sinks, _flag("attention", "causal", causal),
-                              _int("attention", "window[0]", window[0]), _int("attention", "window[1]", window[1]),
-                              chunk_size, None if temperature is None else temperature._json(),
-                              _number("attention", "softcap", softcap), 0.0 if scale is None else float(scale),
-                              empty if q_positions is None else _positions(q_positions, 0),
-                              empty if k_positions is None else _positions(k_positions, 0))
-    if layout == "bhsd":
-        out = out.transpose(1, 2)
-    return (out, lse) if return_lse else out
+    return (q, k, v, _json("scheme", spec), params, gates, sinks, _flag("attention", "causal", causal),
+            _int("attention", "window[0]", window[0]), _int("attention", "window[1]", window[1]), chunk_size,
+            None if temperature is None else temperature._json(), _number("attention", "softcap", softcap),
+            0.0 if scale is None else float(scale), empty if q_positions is None else _positions(q_positions, 0),
+            empty if k_positions is None else _positions(k_positions, 0))
 
 
 from . import nn  # noqa: E402  (nn builds on the names above)
 from .nn import KVCache  # noqa: E402
+from . import distributed  # noqa: E402

@@ -82,6 +82,15 @@ def _mode(q_run, k_run, causal):
                      "(zigzag_shard, or equal contiguous slices)")
 
 
+def _pairs(q_runs, k_positions, causal):
+    """The (query slice, key slice, mode) of each pair of runs a block computes."""
+    for q_run in q_runs:
+        for k_run in _runs(k_positions):
+            mode = _mode(q_run, k_run, causal)
+            if mode is not None:
+                yield slice(q_run[0], q_run[0] + q_run[1]), slice(k_run[0], k_run[0] + k_run[1]), mode
+
+
 class _Ring:
     def __init__(self, group):
         self.group = group
@@ -129,17 +138,11 @@ class _RingAttention(torch.autograd.Function):
             pending = ring.start(block, _KEYS) if step < ring.world - 1 else None
             start = time.perf_counter()
             kb, vb, kpos = block
-            for q_run in q_runs:
-                qs = slice(q_run[0], q_run[0] + q_run[1])
-                for k_run in _runs(kpos):
-                    mode = _mode(q_run, k_run, causal)
-                    if mode is None:
-                        continue
-                    ks = slice(k_run[0], k_run[0] + k_run[1])
-                    o, l = _ops.attention(q[:, qs], kb[:, ks], vb[:, ks], spec, params, [], torch.empty(0),
-                                          mode == "causal", -1, -1, chunk, temperature, softcap, scale,
-                                          positions[qs].contiguous(), kpos[ks].contiguous())
-                    _merge(out[:, qs], lse[:, :, qs], o, l)
+            for qs, ks, mode in _pairs(q_runs, kpos, causal):
+                o, l = _ops.attention(q[:, qs], kb[:, ks], vb[:, ks], spec, params, [], torch.empty(0),
+                                      mode == "causal", -1, -1, chunk, temperature, softcap, scale,
+                                      positions[qs].contiguous(), kpos[ks].contiguous())
+                _merge(out[:, qs], lse[:, :, qs], o, l)
             stats.compute_seconds += time.perf_counter() - start
             stats.steps += 1
             if pending is not None:
@@ -174,22 +177,16 @@ class _RingAttention(torch.autograd.Function):
             start = time.perf_counter()
             kb, vb, kpos = block
             dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-            for q_run in q_runs:
-                qs = slice(q_run[0], q_run[0] + q_run[1])
-                for k_run in _runs(kpos):
-                    mode = _mode(q_run, k_run, causal)
-                    if mode is None:
-                        continue
-                    ks = slice(k_run[0], k_run[0] + k_run[1])
-                    gq, gk, gv, gp = _ops.attention_backward(
-                        q[:, qs], kb[:, ks], vb[:, ks], spec, params, mode == "causal", -1, -1, chunk, temperature,
-                        softcap, scale, positions[qs].contiguous(), kpos[ks].contiguous(), out[:, qs],
-                        lse[:, :, qs], d_out[:, qs])
-                    dq[:, qs] += gq
-                    dk[:, ks] += gk
-                    dv[:, ks] += gv
-                    if gp.numel():
-                        d_params += gp
+            for qs, ks, mode in _pairs(q_runs, kpos, causal):
+                gq, gk, gv, gp = _ops.attention_backward(
+                    q[:, qs], kb[:, ks], vb[:, ks], spec, params, mode == "causal", -1, -1, chunk, temperature,
+                    softcap, scale, positions[qs].contiguous(), kpos[ks].contiguous(), out[:, qs],
+                    lse[:, :, qs], d_out[:, qs])
+                dq[:, qs] += gq
+                dk[:, ks] += gk
+                dv[:, ks] += gv
+                if gp.numel():
+                    d_params += gp
             stats.compute_seconds += time.perf_counter() - start
             stats.steps += 1
             if incoming is not None:

@@ -11,7 +11,6 @@ import time
 
 import torch
 
-import posenc
 from posenc.nn import SelfAttention
 
 

@@ -54,23 +54,27 @@ stats = RingStats()
 _KEYS, _GRADIENTS = 1, 2  # message tags
 
 
-def _runs(positions):
-    """Maximal runs of consecutive positions: [(start index, length, first position)]."""
-    p = positions.tolist()
+def _runs(positions, ids):
+    """Maximal runs of consecutive positions within one sequence: [(start index, length, first
+    position, sequence id)]."""
+    p, d = positions.tolist(), ids.tolist()
     runs, start = [], 0
     for i in range(1, len(p) + 1):
-        if i == len(p) or p[i] != p[i - 1] + 1:
-            runs.append((start, i - start, p[start]))
+        if i == len(p) or p[i] != p[i - 1] + 1 or d[i] != d[i - 1]:
+            runs.append((start, i - start, p[start], d[start]))
             start = i
     return runs
 
 
 def _mode(q_run, k_run, causal):
-    """How a run of queries meets a run of keys: "full", "causal" (the same positions) or None."""
+    """How a run of queries meets a run of keys: "full", "causal" (the same positions) or None
+    (another sequence, or keys after the queries)."""
+    _, q_len, q_first, q_id = q_run
+    _, k_len, k_first, k_id = k_run
+    if q_id != k_id:
+        return None
     if not causal:
         return "full"
-    _, q_len, q_first = q_run
-    _, k_len, k_first = k_run
     if k_first + k_len - 1 < q_first:
         return "full"
     if k_first > q_first + q_len - 1:
@@ -82,10 +86,10 @@ def _mode(q_run, k_run, causal):
                      "(zigzag_shard, or equal contiguous slices)")
 
 
-def _pairs(q_runs, k_positions, causal):
+def _pairs(q_runs, k_positions, k_ids, causal):
     """The (query slice, key slice, mode) of each pair of runs a block computes."""
     for q_run in q_runs:
-        for k_run in _runs(k_positions):
+        for k_run in _runs(k_positions, k_ids):
             mode = _mode(q_run, k_run, causal)
             if mode is not None:
                 yield slice(q_run[0], q_run[0] + q_run[1]), slice(k_run[0], k_run[0] + k_run[1]), mode
@@ -127,18 +131,18 @@ def _merge(out, lse, o, l):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, params, sinks, positions, ring, args):
+    def forward(ctx, q, k, v, params, sinks, positions, ids, ring, args):
         spec, causal, chunk, temperature, softcap, scale = args
         b, s, h, _ = q.shape
         out = torch.zeros(b, s, h, v.shape[-1], dtype=torch.float64)
         lse = torch.full((b, h, s), float("-inf"), dtype=torch.float64)
-        q_runs = _runs(positions)
-        block = [k.contiguous(), v.contiguous(), positions]
+        q_runs = _runs(positions, ids)
+        block = [k.contiguous(), v.contiguous(), positions, ids]
         for step in range(ring.world):
             pending = ring.start(block, _KEYS) if step < ring.world - 1 else None
             start = time.perf_counter()
-            kb, vb, kpos = block
-            for qs, ks, mode in _pairs(q_runs, kpos, causal):
+            kb, vb, kpos, kids = block
+            for qs, ks, mode in _pairs(q_runs, kpos, kids, causal):
                 o, l = _ops.attention(q[:, qs], kb[:, ks], vb[:, ks], spec, params, [], torch.empty(0),
                                       mode == "causal", -1, -1, chunk, temperature, softcap, scale,
                                       positions[qs].contiguous(), kpos[ks].contiguous())
@@ -154,30 +158,30 @@ class _RingAttention(torch.autograd.Function):
             out.mul_(torch.exp(lse - total).nan_to_num(0.0).transpose(1, 2).unsqueeze(-1))
             lse = total
         out, lse = out.to(q.dtype), lse.to(torch.float32)
-        ctx.save_for_backward(q, k, v, params, sinks, positions, out, lse)
+        ctx.save_for_backward(q, k, v, params, sinks, positions, ids, out, lse)
         ctx.ring, ctx.args = ring, args
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, d_out, _d_lse):
-        q, k, v, params, sinks, positions, out, lse = ctx.saved_tensors
+        q, k, v, params, sinks, positions, ids, out, lse = ctx.saved_tensors
         ring = ctx.ring
         spec, causal, chunk, temperature, softcap, scale = ctx.args
         d_out = d_out.contiguous()
         dq = torch.zeros_like(q)
         d_params = torch.zeros(params.numel(), dtype=torch.float64)
-        q_runs = _runs(positions)
+        q_runs = _runs(positions, ids)
         # The key blocks go round as in forward, and each block's gradients follow it one step
         # behind: a rank adds its part to what the previous rank sent, and after world hops a
         # block's gradients are home. Both transfers overlap the kernels.
-        block, incoming = [k.contiguous(), v.contiguous(), positions], None
+        block, incoming = [k.contiguous(), v.contiguous(), positions, ids], None
         for step in range(ring.world):
             pending = ring.start(block, _KEYS) if step < ring.world - 1 else None
             start = time.perf_counter()
-            kb, vb, kpos = block
+            kb, vb, kpos, kids = block
             dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-            for qs, ks, mode in _pairs(q_runs, kpos, causal):
+            for qs, ks, mode in _pairs(q_runs, kpos, kids, causal):
                 gq, gk, gv, gp = _ops.attention_backward(
                     q[:, qs], kb[:, ks], vb[:, ks], spec, params, mode == "causal", -1, -1, chunk, temperature,
                     softcap, scale, positions[qs].contiguous(), kpos[ks].contiguous(), out[:, qs],
@@ -212,18 +216,20 @@ class _RingAttention(torch.autograd.Function):
         if params.numel():
             dist.all_reduce(d_params, group=ring.group)
             d_params_out = d_params.to(params.dtype).view(params.shape)
-        return dq, dk, dv, d_params_out, d_sinks, None, None, None
+        return dq, dk, dv, d_params_out, d_sinks, None, None, None, None
 
 
-def ring_attention(q, k, v, scheme=None, *, positions, group=None, causal=True, chunk_size=None, temperature=None,
-                   softcap=0.0, scale=None, sinks=None, return_lse=False):
+def ring_attention(q, k, v, scheme=None, *, positions, sequence_ids=None, group=None, causal=True, chunk_size=None,
+                   temperature=None, softcap=0.0, scale=None, sinks=None, return_lse=False):
     """Attention over a sequence split across the ranks of ``group`` (default: every rank), as
     ``posenc.attention`` over the whole sequence would give it.
 
     Each rank passes its own tokens: q ``[B, S, H, D]``, k and v ``[B, S, G, D]`` and their global
     ``positions`` (int64 ``[S]``), S the same on every rank. The positions form runs of consecutive
     integers (a contiguous slice, or ``zigzag_shard``'s two chunks, which balance a causal mask);
-    under ``causal`` two runs are either equal or disjoint. ``scheme``: any scheme whose terms
+    under ``causal`` two runs are either equal or disjoint. Packed sequences: ``sequence_ids``
+    (int64 ``[S]``) names each token's sequence, whose positions restart at 0; a token attends only
+    within its sequence, which may span ranks. ``scheme``: any scheme whose terms
     depend on positions only (RoPE, ALiBi, T5, Kerple, FIRE, Sandwich, Shaw, XL, TUPE, head
     groups); ``sinks`` ``[H]`` join the denominator once. Differentiable in q, k, v, the scheme's
     parameters and the sinks; the parameters' and sinks' gradients are summed over the ranks in
@@ -235,10 +241,13 @@ def ring_attention(q, k, v, scheme=None, *, positions, group=None, causal=True, 
     # leaves the others waiting in the ring.
     error, args = None, None
     try:
-        if not isinstance(positions, torch.Tensor) or positions.dtype != torch.long or positions.dim() != 1 \
-                or q.dim() != 4 or positions.shape[0] != q.shape[1]:
-            raise ValueError(f"ring_attention: positions must be an int64 tensor [S] with q's S = "
-                             f"{q.shape[1] if q.dim() == 4 else '?'} tokens")
+        for name, t in (("positions", positions), ("sequence_ids", sequence_ids)):
+            if t is None and name == "sequence_ids":
+                continue
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.long or t.dim() != 1 or q.dim() != 4 \
+                    or t.shape[0] != q.shape[1]:
+                raise ValueError(f"ring_attention: {name} must be an int64 tensor [S] with q's S = "
+                                 f"{q.shape[1] if q.dim() == 4 else '?'} tokens")
         groups = scheme if isinstance(scheme, (list, tuple)) else [(None, scheme)]
         if any(isinstance(g, (list, tuple)) and len(g) == 2 and isinstance(g[1], Forgetting) for g in groups):
             raise ValueError("ring_attention: scheme = Forgetting; expected a scheme whose terms depend on positions "
@@ -258,16 +267,18 @@ def ring_attention(q, k, v, scheme=None, *, positions, group=None, causal=True, 
         raise ValueError(f"ring_attention: this rank holds S = {size} tokens and another a different number; "
                          "expected the same S on every rank")
     (_, _, _, spec, params, _, sink_tensor, causal, _, _, chunk, temp, softcap, scale, _, _) = args
-    # Every rank's runs of positions, to check each pair the ring will meet (the same on every rank).
-    everyone = [torch.empty_like(positions) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(everyone, positions.contiguous(), group=group)
-    for q_positions in everyone:
-        for k_positions in everyone:
-            for q_run in _runs(q_positions):
-                for k_run in _runs(k_positions):
+    ids = torch.zeros_like(positions) if sequence_ids is None else sequence_ids.contiguous()
+    # Every rank's runs, to check each pair the ring will meet (the same on every rank).
+    mine = torch.stack([positions, ids])
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    for q_rank in everyone:
+        for k_rank in everyone:
+            for q_run in _runs(q_rank[0], q_rank[1]):
+                for k_run in _runs(k_rank[0], k_rank[1]):
                     _mode(q_run, k_run, causal)
     ring = _Ring(group)
     stats.reset()
-    out, lse = _RingAttention.apply(q, k, v, params, sink_tensor, positions.contiguous(), ring,
+    out, lse = _RingAttention.apply(q, k, v, params, sink_tensor, positions.contiguous(), ids, ring,
                                     (spec, causal, chunk, temp, softcap, scale))
     return (out, lse) if return_lse else out

@@ -64,6 +64,14 @@ def inputs(seq, heads, kv_heads, dim):
     return q, k, v, w, sinks
 
 
+def packing(seq):
+    """Packed sequences of 37, 50 and 5 tokens and the rest: each token's sequence and position."""
+    lengths = [37, 50, 5, seq - 92]
+    ids = torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(lengths)])
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    return lengths, ids, positions
+
+
 def worker(rank, world, port, out_dir, seq):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.set_num_threads(1)
@@ -82,6 +90,17 @@ def worker(rank, world, port, out_dir, seq):
             "index": index, "out": out.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad,
             "params": [p.grad.clone() for p in parameters_of(scheme)], "sinks": None if sink is None else sink.grad,
             "bytes": posenc.distributed.stats.bytes_sent}
+    # Packed sequences across the ranks (zigzag cuts them), ALiBi with sinks, GQA.
+    q, k, v, w, sinks = inputs(seq, 4, 2, 16)
+    _, ids, positions = packing(seq)
+    index = zigzag_indices(seq, rank, world)
+    ql, kl, vl = (x[:, index].clone().requires_grad_() for x in (q, k, v))
+    sink = sinks.clone().requires_grad_()
+    scheme = make_scheme("alibi", 4, 16)
+    out = ring_attention(ql, kl, vl, scheme, positions=positions[index], sequence_ids=ids[index], sinks=sink)
+    (out * w[:, index]).sum().backward()
+    results["packed"] = {"index": index, "out": out.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad,
+                         "params": [scheme.slopes.grad.clone()], "sinks": sink.grad}
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -110,10 +129,28 @@ def test_ring_attention_equals_one_process(tmp_path, world):
                 torch.testing.assert_close(got_p, want_p, rtol=1e-4, atol=1e-5, msg=f"parameters: {where}")
             if with_sinks:
                 torch.testing.assert_close(got["sinks"], sink.grad, rtol=1e-4, atol=1e-5, msg=f"sinks: {where}")
-            # Forward and backward: world − 1 hops of k, v and positions each; backward also world
-            # hops of dk, dv. One of k, v, dk, dv: S·B·G·D fp32 values.
+            # Forward and backward: world − 1 hops of k, v, positions and sequence ids each;
+            # backward also world hops of dk, dv. One of k, v, dk, dv: S·B·G·D fp32 values.
             kv = index.numel() * 2 * 2 * 16 * 4
-            assert got["bytes"] == 2 * (world - 1) * (2 * kv + index.numel() * 8) + world * 2 * kv, where
+            assert got["bytes"] == 2 * (world - 1) * (2 * kv + index.numel() * 16) + world * 2 * kv, where
+
+
+    # Packed: one process attends within each sequence, one call per sequence.
+    q, k, v, w, sinks = inputs(seq, 4, 2, 16)
+    q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
+    sink = sinks.clone().requires_grad_()
+    scheme = make_scheme("alibi", 4, 16)
+    lengths, _, _ = packing(seq)
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    out = torch.cat([posenc.attention(q[:, a:a + n], k[:, a:a + n], v[:, a:a + n], scheme, causal=True, sinks=sink)
+                     for a, n in zip(starts, lengths)], 1)
+    (out * w).sum().backward()
+    for r, result in enumerate(ranks):
+        got, index = result["packed"], result["packed"]["index"]
+        for part, want in (("out", out.detach()), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+            torch.testing.assert_close(got[part], want[:, index], atol=2e-5, rtol=0, msg=f"packed {part}, rank {r}")
+        torch.testing.assert_close(got["params"][0], scheme.slopes.grad, rtol=1e-4, atol=1e-5, msg=f"packed, rank {r}")
+        torch.testing.assert_close(got["sinks"], sink.grad, rtol=1e-4, atol=1e-5, msg=f"packed sinks, rank {r}")
 
 
 def test_zigzag_layout():

@@ -1,7 +1,8 @@
 """posenc.distributed.ring_attention with 2 and 4 gloo processes on loopback: the forward and every
 gradient (q, k, v, the scheme's parameters, sinks) equal one process's posenc.attention over the
 whole sequence, for causal (zigzag layout) and bidirectional (contiguous slices) attention, GQA,
-RoPE, ALiBi, T5, Kerple, FIRE, head groups, sinks and chunked attention; bad input is refused.
+RoPE, ALiBi, T5, Kerple, FIRE, Shaw, Transformer-XL, TUPE, head groups, sinks, chunked attention
+and packed sequences; bad input is refused.
 
 Tolerance: fp32 results of O(1) whose sums run in another order (blocks merged through their
 log-sum-exp in fp64, the whole sequence in tiles): 2e-5 absolute, about 100 ulps; the parameters'
@@ -38,6 +39,12 @@ def make_scheme(name, heads, head_dim):
         return posenc.Kerple(heads)
     if name == "fire":
         return posenc.FIRE(heads, hidden=8)
+    if name == "shaw":
+        return posenc.ShawRelativePositions(8, head_dim, std=0.3)
+    if name == "xl":
+        return posenc.TransformerXLRelative(heads, head_dim, 32, std=0.3)
+    if name == "tupe":
+        return posenc.TUPE(heads, head_dim, 32, 512, std=0.3)
     if name == "groups":
         return [(2, posenc.RotaryPositionalEncoding(head_dim)), (2, posenc.ALiBi(2, trainable=True))]
     return None
@@ -46,6 +53,7 @@ def make_scheme(name, heads, head_dim):
 CASES = [  # (scheme, causal, sinks, chunk_size)
     ("rope", True, False, None), ("alibi", True, True, None), ("t5", False, False, None), ("kerple", True, False, None),
     ("fire", True, False, None), ("groups", True, True, None), (None, False, True, None), ("rope", True, False, 24),
+    ("shaw", True, False, None), ("xl", False, False, None), ("tupe", True, False, None),
 ]
 
 

@@ -3,6 +3,7 @@ with the core linked in statically) against Debian's libtorch, and the wheel car
 the package's Python files. Configured by pyproject.toml; run by `pip install .`."""
 import os
 import re
+import shutil
 import subprocess
 
 from setuptools import setup
@@ -27,7 +28,7 @@ class BuildWithCMake(build_py):
     def run(self):
         super().run()
         build = os.path.join(os.path.abspath(self.get_finalized_command("build").build_temp), "cmake")
-        generator = ["-G", "Ninja"] if subprocess.call(["which", "ninja"], stdout=subprocess.DEVNULL) == 0 else []
+        generator = ["-G", "Ninja"] if shutil.which("ninja") else []
         subprocess.check_call(["cmake", "-S", ROOT, "-B", build, *generator, "-DCMAKE_BUILD_TYPE=Release",
                                "-DBUILD_SHARED_LIBS=OFF", "-DPOSENC_BUILD_TORCH=ON", "-DPOSENC_BUILD_STUDY=OFF",
                                "-DPOSENC_BUILD_CLI=OFF", "-DPOSENC_BUILD_TESTS=OFF", "-DPOSENC_BUILD_BENCH=OFF"])

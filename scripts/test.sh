@@ -17,12 +17,14 @@ ctest --test-dir "$POSENC_ROOT/build" --output-on-failure -j "$jobs" --timeout 6
 echo "== AddressSanitizer + UndefinedBehaviorSanitizer build and tests"
 # The installed-package and README tests link plain executables against the sanitized library,
 # which the sanitizer runtime forbids; they ran in the Release build above, as did the Python
-# tests (torch cannot be loaded into a sanitized interpreter).
+# tests (torch cannot be loaded into a sanitized interpreter). The 4096-token accuracy test spends
+# its time in the fp64 reference (2 minutes under the sanitizers, a third of this stage) on paths
+# the other attention tests run here at smaller sizes; it ran in the Release build.
 posenc_build "$POSENC_ROOT/build-sanitize" all -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DPOSENC_SANITIZE=ON -DPOSENC_BUILD_BENCH=OFF
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
   ctest --test-dir "$POSENC_ROOT/build-sanitize" --output-on-failure -j "$jobs" --timeout 900 \
-  -E '^(install|readme)\.'
+  -E '^(install|readme)\.|^Attention\.AccurateAtFourThousandTokens$'
 
 echo "== Fuzzing (libFuzzer, clang, AddressSanitizer + UndefinedBehaviorSanitizer): each target for 20 s"
 # docs/fuzzing.md: the targets, their corpora, and how to run them longer.

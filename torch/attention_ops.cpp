@@ -150,7 +150,7 @@ struct AttentionCall {
 // Sinks (posenc/sinks.hpp): one logit per query head, split over the head groups.
 void add_sinks(const char* where, const at::Tensor& sinks, AttentionSpec& spec) {
   if (absent(sinks) || sinks.numel() == 0) return;
-  const std::int64_t heads = spec.q.size(2);
+  const std::int64_t heads = spec.q.size(spec.q.rank() - 2);
   TORCH_CHECK_VALUE(sinks.dim() == 1 && sinks.size(0) == heads, where, ": sinks shape ", sinks.sizes(), "; expected [",
                     heads, "] (one logit per query head)");
   const std::vector<double> logits = doubles_of(where, "sinks", sinks);
@@ -210,11 +210,17 @@ AttentionCall make_attention(const at::Tensor& q, const at::Tensor& k, const at:
                              std::int64_t window_right, c10::optional<std::int64_t> chunk_size,
                              const c10::optional<std::string>& temperature, double softcap, double scale,
                              const at::Tensor& q_positions, const at::Tensor& k_positions,
-                             const std::vector<at::Tensor>& gates, const at::Tensor& sinks) {
+                             const std::vector<at::Tensor>& gates, const at::Tensor& sinks,
+                             at::IntArrayRef cu_seqlens_q, at::IntArrayRef cu_seqlens_k) {
   const char* where = "attention";
-  TORCH_CHECK_VALUE(q.dim() == 4, where, ": q shape ", q.sizes(), "; expected [B, Sq, H, D]");
+  // Packed sequences (cu_seqlens, both or neither): q [Tq, H, D], k and v [Tk, G, D].
+  const bool packed = !cu_seqlens_q.empty() || !cu_seqlens_k.empty();
+  TORCH_CHECK_VALUE(q.dim() == (packed ? 3 : 4), where, ": q shape ", q.sizes(), "; expected ",
+                    packed ? "[Tq, H, D] with cu_seqlens" : "[B, Sq, H, D]");
   AttentionCall call;
   AttentionSpec spec;
+  spec.cu_seqlens_q.assign(cu_seqlens_q.begin(), cu_seqlens_q.end());
+  spec.cu_seqlens_k.assign(cu_seqlens_k.begin(), cu_seqlens_k.end());
   spec.q = const_view(where, "q", q);
   spec.k = const_view(where, "k", k);
   spec.v = const_view(where, "v", v);
@@ -242,7 +248,7 @@ AttentionCall make_attention(const at::Tensor& q, const at::Tensor& k, const at:
       TORCH_CHECK_VALUE(heads >= 1, where, ": scheme groups' heads = ", heads, "; expected >= 1");
       g.erase("heads");
       const SchemeEntry& entry = find_scheme(g.value("kind", std::string("none")));
-      const SchemeArgs args = complete_scheme_args(entry, scheme_args(where, g, heads, q.size(3), scale));
+      const SchemeArgs args = complete_scheme_args(entry, scheme_args(where, g, heads, q.size(-1), scale));
       std::int64_t count = entry.parameter_shape(args).empty() ? 0 : 1;
       for (const std::int64_t extent : entry.parameter_shape(args)) count *= extent;  // checked by the registry
       at::Tensor part = at::empty({0}, at::kDouble);
@@ -252,14 +258,14 @@ AttentionCall make_attention(const at::Tensor& q, const at::Tensor& k, const at:
         part = flat.narrow(0, offset, count).reshape(at::IntArrayRef(entry.parameter_shape(args)));
       }
       offset += count;
-      spec.groups.push_back(attention_group(g, part, heads, q.size(3), scale));
+      spec.groups.push_back(attention_group(g, part, heads, q.size(-1), scale));
     }
     TORCH_CHECK_VALUE(absent(flat) || flat.numel() == 0 || offset == flat.numel(), where, ": bias_params has ",
                       flat.numel(), " values; the groups' parameters take ", offset);
   } else {
     TORCH_CHECK_VALUE(!scheme_json.contains("heads"), where, ": scheme.heads = ", scheme_json.value("heads", 0),
                       "; expected it only inside \"groups\" (one scheme covers every head)");
-    spec.groups = {attention_group(scheme_json, bias_params, q.size(2), q.size(3), scale)};
+    spec.groups = {attention_group(scheme_json, bias_params, q.size(-2), q.size(-1), scale)};
   }
   add_gates(where, gates, spec, call);
   add_sinks(where, sinks, spec);
@@ -310,16 +316,21 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
                                const at::Tensor& sinks, bool causal, std::int64_t window_left,
                                std::int64_t window_right, c10::optional<std::int64_t> chunk_size,
                                const c10::optional<std::string>& temperature, double softcap, double scale,
-                               const at::Tensor& q_positions, const at::Tensor& k_positions) {
+                               const at::Tensor& q_positions, const at::Tensor& k_positions,
+                               const std::vector<std::int64_t>& cu_seqlens_q,
+                               const std::vector<std::int64_t>& cu_seqlens_k) {
     return translating([&] {
       auto holder = c10::make_intrusive<AttentionPlanHolder>();
-      holder->call = make_attention(q, k, v, scheme, bias_params, causal, window_left, window_right, chunk_size,
-                                    temperature, softcap, scale, q_positions, k_positions, gates.vec(), sinks);
+      holder->call =
+          make_attention(q, k, v, scheme, bias_params, causal, window_left, window_right, chunk_size, temperature,
+                         softcap, scale, q_positions, k_positions, gates.vec(), sinks, cu_seqlens_q, cu_seqlens_k);
       const AttentionCall& call = holder->call;
       std::vector<std::int64_t> out_shape(q.sizes().begin(), q.sizes().end());
       out_shape.back() = v.size(-1);  // MLA: values narrower than q and k
       at::Tensor out = empty_output(out_shape, q.scalar_type());
-      at::Tensor lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
+      // [B, H, Sq], or [H, Tq] for packed sequences.
+      at::Tensor lse = q.dim() == 3 ? at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat))
+                                    : at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
       call.attention->forward(mutable_view("attention", "out", out), mutable_view("attention", "lse", lse));
       ctx->saved_data["plan"] = holder;
       ctx->saved_data["scheme"] = scheme;
@@ -370,7 +381,7 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
         d_sinks = tensor_of(flat, sinks);
       }
       result.push_back(d_sinks);
-      for (int i = 0; i < 9; ++i) result.emplace_back();  // causal … k_positions
+      for (int i = 0; i < 11; ++i) result.emplace_back();  // causal … cu_seqlens_k
       return result;
     });
   }
@@ -380,10 +391,11 @@ std::tuple<at::Tensor, at::Tensor> attention_op(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std::string scheme, const at::Tensor& bias_params,
     const std::vector<at::Tensor>& gates, const at::Tensor& sinks, bool causal, std::int64_t window_left,
     std::int64_t window_right, c10::optional<std::int64_t> chunk_size, const c10::optional<std::string>& temperature,
-    double softcap, double scale, const at::Tensor& q_positions, const at::Tensor& k_positions) {
-  const variable_list out =
-      AttentionFunction::apply(q, k, v, scheme, bias_params, at::TensorList(gates), sinks, causal, window_left,
-                               window_right, chunk_size, temperature, softcap, scale, q_positions, k_positions);
+    double softcap, double scale, const at::Tensor& q_positions, const at::Tensor& k_positions,
+    std::vector<std::int64_t> cu_seqlens_q, std::vector<std::int64_t> cu_seqlens_k) {
+  const variable_list out = AttentionFunction::apply(q, k, v, scheme, bias_params, at::TensorList(gates), sinks, causal,
+                                                     window_left, window_right, chunk_size, temperature, softcap, scale,
+                                                     q_positions, k_positions, cu_seqlens_q, cu_seqlens_k);
   return {out[0], out[1]};
 }
 
@@ -396,11 +408,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_op
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std::string scheme, const at::Tensor& bias_params,
     bool causal, std::int64_t window_left, std::int64_t window_right, c10::optional<std::int64_t> chunk_size,
     const c10::optional<std::string>& temperature, double softcap, double scale, const at::Tensor& q_positions,
-    const at::Tensor& k_positions, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& d_out) {
+    const at::Tensor& k_positions, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& d_out,
+    std::vector<std::int64_t> cu_seqlens_q, std::vector<std::int64_t> cu_seqlens_k) {
   return translating([&] {
     const AttentionCall call =
         make_attention(q, k, v, scheme, bias_params, causal, window_left, window_right, chunk_size, temperature,
-                       softcap, scale, q_positions, k_positions, {}, at::Tensor());
+                       softcap, scale, q_positions, k_positions, {}, at::Tensor(), cu_seqlens_q, cu_seqlens_k);
     at::Tensor dq = at::zeros_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
     const bool trainable = !absent(bias_params) && bias_params.numel() > 0;
     AttentionGradients grads = call.attention->zero_gradients();
@@ -436,13 +449,13 @@ void define_attention_ops(torch::Library& m) {
       "attention(Tensor q, Tensor k, Tensor v, str scheme, Tensor bias_params, Tensor[] gates, Tensor sinks, "
       "bool causal, int window_left, "
       "int window_right, int? chunk_size, str? temperature, float softcap, float scale, Tensor q_positions, Tensor "
-      "k_positions) -> "
-      "(Tensor, Tensor)",
+      "k_positions, int[] cu_seqlens_q=[], int[] cu_seqlens_k=[]) -> (Tensor, Tensor)",
       &attention_op);
   m.def(
       "attention_backward(Tensor q, Tensor k, Tensor v, str scheme, Tensor bias_params, bool causal, int window_left, "
       "int window_right, int? chunk_size, str? temperature, float softcap, float scale, Tensor q_positions, Tensor "
-      "k_positions, Tensor out, Tensor lse, Tensor d_out) -> (Tensor, Tensor, Tensor, Tensor)",
+      "k_positions, Tensor out, Tensor lse, Tensor d_out, int[] cu_seqlens_q=[], int[] cu_seqlens_k=[]) -> (Tensor, "
+      "Tensor, Tensor, Tensor)",
       &attention_backward_op);
 }
 

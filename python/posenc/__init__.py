@@ -557,14 +557,15 @@ class Forgetting:
     for ``posenc.attention`` (causal only), alone or in a head group, optionally over a ``base``
     scheme of the same heads ("FoX Pro": ``Forgetting(log_fgate, base="rope")``).
 
-    ``log_fgate`` ``[B, Sk, heads]`` (float32/64, bfloat16, float16), e.g. ``F.logsigmoid`` of the
+    ``log_fgate`` ``[B, Sk, heads]`` (``[Tk, heads]`` packed; float32/64, bfloat16, float16), e.g. ``F.logsigmoid`` of the
     gate's logits: every value <= 0. It is an activation: the attention's backward reaches it."""
 
     def __init__(self, log_fgate, base=None):
         if not isinstance(log_fgate, torch.Tensor):
             raise TypeError(f"Forgetting: log_fgate is {type(log_fgate).__name__}; expected a torch.Tensor")
-        if log_fgate.dim() != 3:
-            raise ValueError(f"Forgetting: log_fgate shape {tuple(log_fgate.shape)}; expected [B, Sk, heads]")
+        if log_fgate.dim() not in (2, 3):
+            raise ValueError(f"Forgetting: log_fgate shape {tuple(log_fgate.shape)}; expected [B, Sk, heads] (or "
+                             "[Tk, heads] for packed sequences)")
         if not log_fgate.is_floating_point():
             raise TypeError(f"Forgetting: log_fgate dtype {log_fgate.dtype}; expected a floating dtype")
         if isinstance(base, Forgetting):
@@ -574,13 +575,16 @@ class Forgetting:
 
     @property
     def heads(self):
-        return self.log_fgate.shape[2]
+        return self.log_fgate.shape[-1]
 
 
-def forgetting_attention(q, k, v, log_fgate, *, scale=None, layout="bshd", return_lse=False):
+def forgetting_attention(q, k, v, log_fgate, *, cu_seqlens=None, scale=None, layout="bshd", return_lse=False):
     """Causal Forgetting Attention (``Forgetting``): ``attention(q, k, v, Forgetting(log_fgate),
-    causal=True)``. Query i of Sq is key token Sk − Sq + i and reads that token's gate."""
-    return attention(q, k, v, Forgetting(log_fgate), causal=True, scale=scale, layout=layout, return_lse=return_lse)
+    causal=True)``. Query i of Sq is key token Sk − Sq + i and reads that token's gate. Packed
+    sequences (``cu_seqlens``, as ``attention`` takes them): q [Tq, H, D], log_fgate [Tk, H]; each
+    sequence's running sum starts afresh."""
+    return attention(q, k, v, Forgetting(log_fgate), causal=True, scale=scale, layout=layout, return_lse=return_lse,
+                     cu_seqlens=cu_seqlens)
 
 
 def _attention_scheme(scheme, heads, keys_rotated):
@@ -690,7 +694,7 @@ def _complete_rope(spec, q):
 
 def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size=None, temperature=None, softcap=0.0,
               scale=None, layout="bshd", q_positions=None, k_positions=None, keys_rotated=False, return_lse=False,
-              skip_vanishing_tiles=True, sinks=None):
+              skip_vanishing_tiles=True, sinks=None, cu_seqlens=None):
     """Fused attention softmax(scale·q·kᵀ + positional terms + mask)·v, flash-style: no [S, S]
     matrix is ever stored, and the positional scheme runs inside the kernel.
 
@@ -718,26 +722,54 @@ def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size
     flush to 0 are skipped, which changes no bit for finite inputs; False runs every tile (a
     non-finite value in such a tile then reaches the output as NaN). ``sinks``: a ``[H]`` tensor of
     attention-sink logits (gpt-oss): each joins its head's softmax denominator with no value,
-    differentiable."""
+    differentiable. ``cu_seqlens``: packed sequences — q ``[Tq, H, D]``, k and v ``[Tk, G, D]``
+    hold sequences one after another, the cumulative lengths ``[0, l1, l1 + l2, …, T]`` (an int64
+    tensor or a list; a pair ``(cu_q, cu_k)`` when queries and keys differ); each sequence attends
+    within itself, its positions restart at 0, and the lse is ``[H, Tq]``."""
     if layout == "bhsd":
+        if cu_seqlens is not None:
+            raise ValueError("attention: layout = 'bhsd' with cu_seqlens; expected packed [T, H, D] tensors")
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     elif layout != "bshd":
         raise ValueError(f"attention: layout = {layout!r}; expected 'bshd' or 'bhsd'")
     _flag("attention", "return_lse", return_lse)
     out, lse = _ops.attention(*_attention_args(q, k, v, scheme, causal, window, chunk_size, temperature, softcap, scale,
-                                               q_positions, k_positions, keys_rotated, skip_vanishing_tiles, sinks))
+                                               q_positions, k_positions, keys_rotated, skip_vanishing_tiles, sinks,
+                                               cu_seqlens))
     if layout == "bhsd":
         out = out.transpose(1, 2)
     return (out, lse) if return_lse else out
 
 
+def _cu_seqlens(cu_seqlens):
+    """cu_seqlens as the op's (cu_q, cu_k) lists of ints ([] and []: not packed)."""
+    if cu_seqlens is None:
+        return [], []
+    pair = cu_seqlens if isinstance(cu_seqlens, tuple) else (cu_seqlens, cu_seqlens)
+    if len(pair) != 2:
+        raise TypeError(f"attention: cu_seqlens is a tuple of {len(pair)}; expected one sequence or a pair (cu_q, cu_k)")
+    lists = []
+    for name, cu in zip(("cu_seqlens_q", "cu_seqlens_k"), pair):
+        if isinstance(cu, torch.Tensor):
+            if cu.dtype not in (torch.int32, torch.int64) or cu.dim() != 1:
+                raise TypeError(f"attention: {name} is a {cu.dtype} tensor of shape {tuple(cu.shape)}; expected a 1-D "
+                                "integer tensor")
+            cu = cu.tolist()
+        if not isinstance(cu, (list, tuple)):
+            raise TypeError(f"attention: {name} is {type(cu).__name__}; expected a 1-D integer tensor or a list")
+        lists.append([_int("attention", f"{name}[{i}]", x) for i, x in enumerate(cu)])
+    return lists[0], lists[1]
+
+
 def _attention_args(q, k, v, scheme, causal, window, chunk_size, temperature, softcap, scale, q_positions,
-                    k_positions, keys_rotated, skip_vanishing_tiles, sinks):
-    """The arguments of the attention op for ``attention``'s (q, k, v in [B, S, H, D]), checked:
-    (q, k, v, scheme JSON, parameters, gates, sinks, causal, window_left, window_right, chunk_size,
-    temperature JSON, softcap, scale, q_positions, k_positions)."""
-    if q.dim() != 4:
-        raise ValueError(f"attention: q has {q.dim()} dimensions; expected 4 ([B, Sq, H, D] or with layout='bhsd')")
+                    k_positions, keys_rotated, skip_vanishing_tiles, sinks, cu_seqlens=None):
+    """The arguments of the attention op for ``attention``'s (q, k, v in [B, S, H, D], or [T, H, D]
+    packed), checked: (q, k, v, scheme JSON, parameters, gates, sinks, causal, window_left,
+    window_right, chunk_size, temperature JSON, softcap, scale, q_positions, k_positions, cu_q, cu_k)."""
+    cu_q, cu_k = _cu_seqlens(cu_seqlens)
+    if q.dim() != (3 if cu_q else 4):
+        raise ValueError(f"attention: q has {q.dim()} dimensions; expected " +
+                         ("3 ([Tq, H, D] with cu_seqlens)" if cu_q else "4 ([B, Sq, H, D] or with layout='bhsd')"))
     gates = []  # per head group: its forget gate, or an empty tensor
 
     def gate_of(group_scheme, group_heads):
@@ -766,15 +798,15 @@ def _attention_args(q, k, v, scheme, causal, window, chunk_size, temperature, so
             _complete_rope(g_spec, q)
             groups.append({**g_spec, "heads": group_heads})
             parts.append(g_params)
-        if sum(g["heads"] for g in groups) != q.shape[2]:
+        if sum(g["heads"] for g in groups) != q.shape[-2]:
             raise ValueError(f"attention: the groups' heads sum to {sum(g['heads'] for g in groups)}; expected "
-                             f"the {q.shape[2]} heads of q")
+                             f"the {q.shape[-2]} heads of q")
         spec = {"groups": groups}
         # Every group's parameters, flattened and concatenated (names bring none but alibi's slopes).
         params = torch.cat([p.reshape(-1).to(torch.float64) for p in parts]) if any(p.numel() for p in parts) \
             else torch.empty(0, dtype=torch.float64)
     else:
-        spec, params = _attention_scheme(gate_of(scheme, q.shape[2]), q.shape[2], keys_rotated)
+        spec, params = _attention_scheme(gate_of(scheme, q.shape[-2]), q.shape[-2], keys_rotated)
         _complete_rope(spec, q)
     spec["skip_vanishing_tiles"] = _flag("attention", "skip_vanishing_tiles", skip_vanishing_tiles)
     _flag("attention", "keys_rotated", keys_rotated)
@@ -785,8 +817,8 @@ def _attention_args(q, k, v, scheme, causal, window, chunk_size, temperature, so
         sinks = torch.empty(0)
     elif not isinstance(sinks, torch.Tensor):
         raise TypeError(f"attention: sinks is {type(sinks).__name__}; expected a torch.Tensor [H] or None")
-    elif sinks.dim() != 1 or sinks.shape[0] != q.shape[2]:
-        raise ValueError(f"attention: sinks shape {tuple(sinks.shape)}; expected [{q.shape[2]}] (one per query head)")
+    elif sinks.dim() != 1 or sinks.shape[0] != q.shape[-2]:
+        raise ValueError(f"attention: sinks shape {tuple(sinks.shape)}; expected [{q.shape[-2]}] (one per query head)")
     if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)):
         raise TypeError(f"attention: chunk_size is {type(chunk_size).__name__}; expected an int >= 1 or None")
     if chunk_size is not None and chunk_size < 1:
@@ -802,7 +834,7 @@ def _attention_args(q, k, v, scheme, causal, window, chunk_size, temperature, so
             _int("attention", "window[0]", window[0]), _int("attention", "window[1]", window[1]), chunk_size,
             None if temperature is None else temperature._json(), _number("attention", "softcap", softcap),
             0.0 if scale is None else float(scale), empty if q_positions is None else _positions(q_positions, 0),
-            empty if k_positions is None else _positions(k_positions, 0))
+            empty if k_positions is None else _positions(k_positions, 0), cu_q, cu_k)
 
 
 from . import nn  # noqa: E402  (nn builds on the names above)

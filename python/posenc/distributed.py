@@ -266,7 +266,7 @@ def ring_attention(q, k, v, scheme=None, *, positions, sequence_ids=None, group=
     if verdict[1] != size or -verdict[2] != size:
         raise ValueError(f"ring_attention: this rank holds S = {size} tokens and another a different number; "
                          "expected the same S on every rank")
-    (_, _, _, spec, params, _, sink_tensor, causal, _, _, chunk, temp, softcap, scale, _, _) = args
+    (_, _, _, spec, params, _, sink_tensor, causal, _, _, chunk, temp, softcap, scale, _, _, _, _) = args
     ids = torch.zeros_like(positions) if sequence_ids is None else sequence_ids.contiguous()
     # Every rank's runs, to check each pair the ring will meet (the same on every rank).
     mine = torch.stack([positions, ids])

@@ -88,6 +88,8 @@ def test_errors_name_the_argument():
     with pytest.raises(ValueError, match="log_fgate"):
         posenc.forgetting_attention(q, k, v, lf[:1])
     with pytest.raises(ValueError, match="log_fgate"):
-        posenc.Forgetting(lf[0])
+        posenc.Forgetting(lf[0, 0])
+    with pytest.raises(ValueError, match="log_fgate"):  # the packed form [Tk, heads] without cu_seqlens
+        posenc.forgetting_attention(q, k, v, lf[0])
     with pytest.raises(TypeError, match="log_fgate"):
         posenc.Forgetting([0.0])

@@ -17,7 +17,8 @@ using AttentionOp = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const 
                                                        std::string, const at::Tensor&, const std::vector<at::Tensor>&,
                                                        const at::Tensor&, bool, std::int64_t, std::int64_t,
                                                        c10::optional<std::int64_t>, const c10::optional<std::string>&,
-                                                       double, double, const at::Tensor&, const at::Tensor&);
+                                                       double, double, const at::Tensor&, const at::Tensor&,
+                                                       std::vector<std::int64_t>, std::vector<std::int64_t>);
 using SinusoidOp = at::Tensor(const at::Tensor&, std::int64_t, double, bool, at::ScalarType);
 
 // T5: 32 buckets up to distance 128 (the T5 paper's defaults); FIRE: a 32-unit MLP; xPos: its
@@ -206,7 +207,7 @@ torch::Tensor LanguageModelImpl::forward(const torch::Tensor& bytes, std::int64_
     const torch::Tensor qkv = layer.qkv->forward(layer.norm1->forward(x)).view({b, s, 3, h, hd});
     const torch::Tensor q = qkv.select(2, 0), k = qkv.select(2, 1), v = qkv.select(2, 2);
     const auto [attended, lse] = attention.call(q, k, v, scheme, layer_bias_params(layer), {}, none, true, -1, -1,
-                                                c10::nullopt, c10::nullopt, 0.0, 0.0, none, none);
+                                                c10::nullopt, c10::nullopt, 0.0, 0.0, none, none, {}, {});
     (void)lse;
     x = x + layer.out->forward(attended.reshape({b, s, d}));
     x = x + layer.down->forward(torch::gelu(layer.up->forward(layer.norm2->forward(x))));

@@ -54,6 +54,16 @@ Gates make_gates(std::int64_t batch, std::int64_t tokens, std::int64_t heads, do
 
 AttentionTermRef gate_of(const Gates& g, bool packed = false) { return std::make_shared<ForgetGate>(g.view(packed)); }
 
+// A spec whose one head group (every head of p) carries the gates.
+AttentionSpec gated_spec(const Problem& p, const Gates& gates, bool causal) {
+  AttentionSpec spec = spec_of(p);
+  spec.mask.causal = causal;
+  HeadGroup group{p.heads, {}, {}};
+  group.terms = {gate_of(gates)};
+  spec.groups = {group};
+  return spec;
+}
+
 // Hand-worked: gates log f = −0.1, −0.2, −0.3, −0.4 on one head; D(3, 1) = −0.3 − 0.4.
 TEST(ForgetGate, ValueIsTheDecayBetweenQueryAndKey) {
   std::vector<float> lf = {-0.1f, -0.2f, -0.3f, -0.4f};
@@ -144,11 +154,7 @@ TEST_P(ForgettingAttention, PackedSequencesAndPartOfTheHeads) {
 TEST_P(ForgettingAttention, AccurateWhereTheRunningSumIsLarge) {
   Problem p = make_problem(1, 700, 700, 2, 1, 32);
   const Gates gates = make_gates(1, 700, 2, -3.0, 0.5);
-  AttentionSpec spec = spec_of(p);
-  spec.mask.causal = true;
-  HeadGroup group{2, {}, {}};
-  group.terms = {gate_of(gates)};
-  spec.groups = {group};
+  AttentionSpec spec = gated_spec(p, gates, true);
   double c_min = 0;
   for (std::int64_t t = 0; t < 700; ++t) c_min += gates.at(0, t, 0);
   ASSERT_LT(c_min, -500.0);
@@ -162,11 +168,7 @@ TEST_P(ForgettingAttention, PaddingRowsStayOutOfTheBackward) {
   for (const bool causal : {true, false}) {
     Problem p = make_problem(1, 1, 245, 1, 1, 4);
     const Gates gates = make_gates(1, 245, 1, -3.0, 0.5);
-    AttentionSpec spec = spec_of(p);
-    spec.mask.causal = causal;
-    HeadGroup group{1, {}, {}};
-    group.terms = {gate_of(gates)};
-    spec.groups = {group};
+    const AttentionSpec spec = gated_spec(p, gates, causal);
     expect_backward_matches_reference(p, Attention(spec), random_values(static_cast<std::size_t>(p.q_count())));
   }
 }
@@ -179,11 +181,7 @@ INSTANTIATE_TEST_SUITE_P(Targets, ForgettingAttention, ::testing::ValuesIn(testi
 TEST(ForgettingAttention, GateGradientMatchesFiniteDifferences) {
   Problem p = make_problem(1, 12, 12, 2, 1, 8);
   Gates gates = make_gates(1, 12, 2, -1.0, 4.0, 0, DType::kF64);
-  AttentionSpec spec = spec_of(p);
-  spec.mask.causal = true;
-  HeadGroup group{2, {}, {}};
-  group.terms = {gate_of(gates)};
-  spec.groups = {group};
+  AttentionSpec spec = gated_spec(p, gates, true);
   const std::vector<double> d_out = random_values(static_cast<std::size_t>(p.q_count()));
   const Grads exact = run_backward(p, Attention(spec), d_out, true);
   const auto loss = [&] {
@@ -210,11 +208,7 @@ TEST(ForgettingAttention, GateGradientMatchesFiniteDifferences) {
 TEST(ForgettingAttention, BitwiseIdenticalForAnyThreadCount) {
   Problem p = make_problem(1, 600, 600, 4, 2, 32);
   const Gates gates = make_gates(1, 600, 4);
-  AttentionSpec spec = spec_of(p);
-  spec.mask.causal = true;
-  HeadGroup group{4, {}, {}};
-  group.terms = {gate_of(gates)};
-  spec.groups = {group};
+  AttentionSpec spec = gated_spec(p, gates, true);
   const Attention att(spec);
   const std::vector<double> d_out = random_values(static_cast<std::size_t>(p.q_count()));
   std::vector<Grads> runs;
@@ -237,11 +231,7 @@ TEST(ForgettingAttention, ANaNGateReachesOnlyLaterQueries) {
   Problem p = make_problem(1, 150, 150, 1, 1, 16);
   Gates gates = make_gates(1, 150, 1, -1.0, 4.0, 0);
   reinterpret_cast<float*>(gates.bytes.data())[100] = std::nanf("");
-  AttentionSpec spec = spec_of(p);
-  spec.mask.causal = true;
-  HeadGroup group{1, {}, {}};
-  group.terms = {gate_of(gates)};
-  spec.groups = {group};
+  AttentionSpec spec = gated_spec(p, gates, true);
   const Attention att(spec);
   const Outputs fused = run_forward(p, att, 0), exact = run_forward(p, att, 1);
   for (std::int64_t i = 0; i < 150; ++i) {

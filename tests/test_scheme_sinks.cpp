@@ -24,6 +24,16 @@ AttentionTermRef sinks_of(std::int64_t heads, double lo = -1.0, double hi = 3.0)
   return std::make_shared<AttentionSinks>(logits);
 }
 
+// A causal spec whose one head group (every head of p) carries the given sinks.
+AttentionSpec causal_with_sinks(const Problem& p, AttentionTermRef sinks) {
+  AttentionSpec spec = spec_of(p);
+  spec.mask.causal = true;
+  HeadGroup group{p.heads, {}, {}};
+  group.terms = {std::move(sinks)};
+  spec.groups = {group};
+  return spec;
+}
+
 class AttentionSinkTargets : public testing::EveryTarget {};
 
 TEST_P(AttentionSinkTargets, MatchTheReference) {
@@ -93,12 +103,7 @@ TEST_P(AttentionSinkTargets, AnInfiniteDOutGivesTheSinkGradientOfTheEagerComposi
         p.v[at] = mixed_signs && (at / static_cast<std::size_t>(p.dim)) % 7 == 3 ? -0.5 : 0.25 + std::abs(p.v[at]);
       }
       p.vb = testing::to_dtype(p.v, p.dtype);
-      AttentionSpec spec = spec_of(p);
-      spec.mask.causal = true;
-      HeadGroup group{4, {}, {}};
-      group.terms = {sinks_of(4)};
-      spec.groups = {group};
-      const Attention att(spec);
+      const Attention att(causal_with_sinks(p, sinks_of(4)));
       std::vector<double> d_out = random_values(static_cast<std::size_t>(p.q_count()));
       const std::int64_t row = 250, head = 1;  // [B, S, H, D]
       d_out[static_cast<std::size_t>((row * p.heads + head) * p.dim)] = bad;
@@ -107,6 +112,7 @@ TEST_P(AttentionSinkTargets, AnInfiniteDOutGivesTheSinkGradientOfTheEagerComposi
       const std::vector<double>& want = exact.params.groups[0].terms[0];
       ASSERT_EQ(got.size(), want.size());
       for (std::size_t h = 0; h < want.size(); ++h) {
+        // The other heads' sums are finite: f32 backward terms against fp64, 300 rows each.
         if (h != static_cast<std::size_t>(head)) {
           EXPECT_NEAR(got[h], want[h], 1e-4 * std::max(1.0, std::abs(want[h]))) << h;
           continue;
@@ -174,11 +180,7 @@ TEST(AttentionSinks, GradientMatchesFiniteDifferences) {
 
 TEST(AttentionSinks, BitwiseIdenticalForAnyThreadCount) {
   Problem p = make_problem(1, 600, 600, 4, 2, 32);
-  AttentionSpec spec = spec_of(p);
-  spec.mask.causal = true;
-  HeadGroup group{4, {}, {}};
-  group.terms = {sinks_of(4)};
-  spec.groups = {group};
+  const AttentionSpec spec = causal_with_sinks(p, sinks_of(4));
   const Attention att(spec);
   Problem d = make_problem(1, 1, 20000, 4, 2, 32);
   AttentionSpec ds = spec_of(d);

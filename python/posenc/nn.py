@@ -8,8 +8,7 @@ context shift). Caches hold no gradient: they serve inference."""
 import torch
 
 from . import (ALiBi, FIRE, Kerple, RotaryPositionalEncoding, Sandwich, ShawRelativePositions, T5RelativeBias,
-               TUPE, TransformerXLRelative, _int, _json, _ops, _rope_params, attention, huge_page_zeros, rope_,
-               schemes)
+               TUPE, TransformerXLRelative, _int, _json, _ops, _rope_params, attention, huge_page_zeros, schemes)
 
 __all__ = ["SelfAttention", "KVCache"]
 
@@ -143,9 +142,8 @@ class KVCache:
             if self.length and state != self._state:
                 self._rerotate(self.rope, self._seq_len, self.positions, self.rope, seq_len, self.positions,
                                self.length)
-            rope_(self._k[:, new], None, positions, head_dim=self.rope.head_dim, rotary_dim=self.rope.rotary_dim,
-                  base=self.rope.base, layout=self.rope.layout, scaling=self.rope.scaling,
-                  max_position_embeddings=self.rope.max_position_embeddings, xpos=self.rope.xpos, seq_len=seq_len)
+            keys = self._k[:, new]
+            _ops.rope_(keys, keys.new_empty(0), positions, _rope_json(self.rope, seq_len), 0)  # 0: forward
             self._state, self._seq_len = state, seq_len
         self.length += s
 

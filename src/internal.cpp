@@ -126,6 +126,19 @@ void check_parameter(const char* where, const char* name, const std::vector<doub
   }
 }
 
+void check_cu_seqlens(const char* where, const char* name, const std::vector<std::int64_t>& cu, std::int64_t tokens) {
+  if (cu.size() < 2) throw Error(where, name, "size " + std::to_string(cu.size()), "at least 2 entries (0, …, tokens)");
+  if (cu.front() != 0) throw Error(where, name, "[0] = " + std::to_string(cu.front()), "0");
+  for (std::size_t t = 1; t < cu.size(); ++t) {
+    if (cu[t] < cu[t - 1]) {
+      throw Error(where, name, "[" + std::to_string(t) + "] = " + std::to_string(cu[t]),
+                  "non-decreasing (>= " + std::to_string(cu[t - 1]) + ")");
+    }
+  }
+  if (cu.back() != tokens)
+    throw Error(where, name, "last = " + std::to_string(cu.back()), "the token count " + std::to_string(tokens));
+}
+
 std::string to_text(double value) {
   char buffer[32];
   const auto result = std::to_chars(buffer, buffer + sizeof(buffer), value);

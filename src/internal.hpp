@@ -59,6 +59,12 @@ struct HeadsGrid {
 
   std::int64_t offset(std::int64_t b, std::int64_t s) const { return b * batch_stride + s * seq_stride; }
 };
+// Row (b, s, h) of a [B, S, H, D] grid in f32, zero-padded to `padded` floats (f32, bf16, f16 or
+// f64 memory; attention/rows.cpp), and its inverse: row rounded once into dtype (+= with accumulate).
+void load_heads_row(const void* base, DType dtype, const HeadsGrid& g, std::int64_t b, std::int64_t s, std::int64_t h,
+                    float* out, std::int64_t padded);
+void store_heads_row(const float* row, void* base, DType dtype, const HeadsGrid& g, std::int64_t b, std::int64_t s,
+                     std::int64_t h, bool accumulate);
 // Throws posenc::Error unless the view has rank 4 or 3.
 HeadsGrid heads_grid(const char* where, const char* name, ConstTensorView view);
 // An output (or gradient) of the shape of the tokens `like` describes, and writable.
@@ -82,6 +88,8 @@ void check_parameter(const char* where, const char* name, const std::vector<doub
 std::size_t table_count(const char* where, const char* what, std::initializer_list<std::int64_t> factors);
 // Throws unless a gradient buffer's size `got` equals `expected`.
 void check_gradient_size(const char* where, const char* name, std::size_t got, std::int64_t expected);
+// Packed sequences' offsets: at least 2 entries, from 0, non-decreasing, ending at `tokens`.
+void check_cu_seqlens(const char* where, const char* name, const std::vector<std::int64_t>& cu, std::int64_t tokens);
 // Shortest text that reads back as the same double ("1e-09", "0.5", "nan"), for error messages.
 std::string to_text(double value);
 

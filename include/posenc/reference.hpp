@@ -8,6 +8,7 @@
 
 #include "posenc/absolute.hpp"
 #include "posenc/attention.hpp"
+#include "posenc/stickbreaking.hpp"
 #include "posenc/bias.hpp"
 #include "posenc/relative.hpp"
 #include "posenc/rotary.hpp"
@@ -74,5 +75,11 @@ void xl_position_terms_backward(const XlParams& params, ConstTensorView q, Const
 void attention_forward(const Attention& attention, TensorView out, TensorView lse, bool naive_f32 = false);
 void attention_backward(const Attention& attention, ConstTensorView out, ConstTensorView lse, ConstTensorView d_out,
                         TensorView dq, TensorView dk, TensorView dv, AttentionGradients* grads);
+
+// Stick-breaking attention (stickbreaking.hpp), each row walked leftwards in fp64; rem = 1 − Σ A.
+// Backward recomputes the weights (out and rem are only checked) and adds into dq, dk, dv.
+void stickbreaking_forward(const StickBreakingAttention& attention, TensorView out, TensorView rem);
+void stickbreaking_backward(const StickBreakingAttention& attention, ConstTensorView out, ConstTensorView rem,
+                            ConstTensorView d_out, ConstTensorView d_rem, TensorView dq, TensorView dk, TensorView dv);
 
 }  // namespace posenc::ref

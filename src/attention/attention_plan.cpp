@@ -29,19 +29,6 @@ void require(bool ok, const char* param, const std::string& value, const std::st
 
 std::string shape_text(ConstTensorView v) { return v.describe(); }
 
-void check_cu_seqlens(const char* name, const std::vector<std::int64_t>& cu, std::int64_t tokens) {
-  require(cu.size() >= 2, name, "size " + std::to_string(cu.size()), "at least 2 entries (0, …, tokens)");
-  require(cu.front() == 0, name, "[0] = " + std::to_string(cu.front()), "0");
-  for (std::size_t t = 1; t < cu.size(); ++t) {
-    if (cu[t] < cu[t - 1]) {
-      throw Error(kWhere, name, "[" + std::to_string(t) + "] = " + std::to_string(cu[t]),
-                  "non-decreasing (>= " + std::to_string(cu[t - 1]) + ")");
-    }
-  }
-  require(cu.back() == tokens, name, "last = " + std::to_string(cu.back()),
-          "the token count " + std::to_string(tokens));
-}
-
 }  // namespace
 
 void RowBlock::slice(std::int64_t r0, std::int64_t n, RowBlock& out) const {
@@ -202,8 +189,8 @@ void AttentionPlan::plan_sequences() {
   if (packed) {
     require(!spec.cu_seqlens_q.empty() && !spec.cu_seqlens_k.empty(), "cu_seqlens_k",
             spec.cu_seqlens_k.empty() ? "empty" : "given", "both cu_seqlens_q and cu_seqlens_k, or neither");
-    check_cu_seqlens("cu_seqlens_q", spec.cu_seqlens_q, q_len);
-    check_cu_seqlens("cu_seqlens_k", spec.cu_seqlens_k, k_len);
+    check_cu_seqlens(kWhere, "cu_seqlens_q", spec.cu_seqlens_q, q_len);
+    check_cu_seqlens(kWhere, "cu_seqlens_k", spec.cu_seqlens_k, k_len);
     require(spec.cu_seqlens_q.size() == spec.cu_seqlens_k.size(), "cu_seqlens_k",
             "size " + std::to_string(spec.cu_seqlens_k.size()),
             "size of cu_seqlens_q, " + std::to_string(spec.cu_seqlens_q.size()));

@@ -3,10 +3,6 @@
 // far-tile bound, the runs of rows by head, per-group term tables and term tiles. Internal.
 #pragma once
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <xmmintrin.h>
-#endif
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -15,6 +11,7 @@
 
 #include "attention/attention_plan.hpp"
 #include "kernels/attention/attention_kernels.hpp"
+#include "kernels/common/flush_denormals.hpp"
 
 namespace posenc::detail {
 
@@ -31,31 +28,6 @@ inline std::int64_t round_up(std::int64_t x, std::int64_t to) { return (x + to -
 // reloads its panel from L2. Measured, S = 2048, H = 4, D = 128, causal forward, 1 thread: 48–66
 // ms with V read in place and stride w, 43–45 ms with V packed at Dp + 16 and Qᵀ at w + 16.
 inline std::int64_t padded_stride(std::int64_t w) { return w + kAttnAlign; }
-
-// Denormals flushed to zero (FTZ) and read as zero (DAZ) while a thread runs attention: ALiBi's
-// far keys give probabilities near FLT_MIN whose products with values are denormal, and each
-// denormal result costs a microcode assist (~100 cycles) on x86 — the forward pass ran at half
-// speed. Flushing changes results only below FLT_MIN (absolute), and identically on every
-// thread, so results stay bitwise reproducible. The caller's mode is restored afterwards.
-class FlushDenormals {
- public:
-  FlushDenormals() {
-#if defined(__x86_64__) || defined(__i386__)
-    saved_ = _mm_getcsr();
-    _mm_setcsr(saved_ | 0x8040u);  // FTZ (bit 15) | DAZ (bit 6)
-#endif
-  }
-  ~FlushDenormals() {
-#if defined(__x86_64__) || defined(__i386__)
-    _mm_setcsr(saved_);
-#endif
-  }
-  FlushDenormals(const FlushDenormals&) = delete;
-  FlushDenormals& operator=(const FlushDenormals&) = delete;
-
- private:
-  unsigned saved_ = 0;
-};
 
 template <class T, class Allocator>
 inline void grow(std::vector<T, Allocator>& v, std::int64_t n) {

@@ -54,8 +54,8 @@ void AttentionPlan::transform_row(const QKTables& t, bool is_q, std::int64_t tab
 }
 
 // One token's head vector (any dtype, any dim stride) into f32 with zero padding to Dp.
-void AttentionPlan::load_row(const void* base, const HeadsGrid& g, std::int64_t b, std::int64_t s, std::int64_t h,
-                             float* out) const {
+void load_heads_row(const void* base, DType dtype, const HeadsGrid& g, std::int64_t b, std::int64_t s, std::int64_t h,
+                    float* out, std::int64_t padded) {
   const std::int64_t offset = g.offset(b, s) + h * g.head_stride;
   if (g.dim_stride == 1) {
     kernels::attn_load_f32(static_cast<const char*>(base) + offset * static_cast<std::int64_t>(dtype_size(dtype)),
@@ -63,7 +63,27 @@ void AttentionPlan::load_row(const void* base, const HeadsGrid& g, std::int64_t 
   } else {
     for (std::int64_t d = 0; d < g.dim; ++d) out[d] = static_cast<float>(load(base, dtype, offset + d * g.dim_stride));
   }
-  for (std::int64_t d = g.dim; d < dim_padded; ++d) out[d] = 0.0f;
+  for (std::int64_t d = g.dim; d < padded; ++d) out[d] = 0.0f;
+}
+
+void store_heads_row(const float* row, void* base, DType dtype, const HeadsGrid& g, std::int64_t b, std::int64_t s,
+                     std::int64_t h, bool accumulate) {
+  const std::int64_t offset = g.offset(b, s) + h * g.head_stride;
+  if (g.dim_stride == 1) {
+    kernels::attn_store(row, g.dim, dtype,
+                        static_cast<char*>(base) + offset * static_cast<std::int64_t>(dtype_size(dtype)), accumulate);
+    return;
+  }
+  for (std::int64_t d = 0; d < g.dim; ++d) {
+    const std::int64_t at = offset + d * g.dim_stride;
+    const double prior = accumulate ? load(base, dtype, at) : 0.0;
+    store(base, dtype, at, static_cast<double>(static_cast<float>(prior) + row[d]));
+  }
+}
+
+void AttentionPlan::load_row(const void* base, const HeadsGrid& g, std::int64_t b, std::int64_t s, std::int64_t h,
+                             float* out) const {
+  load_heads_row(base, dtype, g, b, s, h, out, dim_padded);
 }
 
 kernels::RowPrefetch AttentionPlan::rows_ahead(const void* base, const HeadsGrid& g, const Sequence& seq,
@@ -82,17 +102,7 @@ kernels::RowPrefetch AttentionPlan::rows_ahead(const void* base, const HeadsGrid
 
 void AttentionPlan::store_row(const float* row, void* base, const HeadsGrid& g, std::int64_t b, std::int64_t s,
                               std::int64_t h, bool accumulate) const {
-  const std::int64_t offset = g.offset(b, s) + h * g.head_stride;
-  if (g.dim_stride == 1) {
-    kernels::attn_store(row, g.dim, dtype,
-                        static_cast<char*>(base) + offset * static_cast<std::int64_t>(dtype_size(dtype)), accumulate);
-    return;
-  }
-  for (std::int64_t d = 0; d < g.dim; ++d) {
-    const std::int64_t at = offset + d * g.dim_stride;
-    const double prior = accumulate ? load(base, dtype, at) : 0.0;
-    store(base, dtype, at, static_cast<double>(static_cast<float>(prior) + row[d]));
-  }
+  store_heads_row(row, base, dtype, g, b, s, h, accumulate);
 }
 
 // ─── Row blocks ──────────────────────────────────────────────────────────────────────────────

@@ -150,7 +150,7 @@ Runner add_bench(CLI::App& app) {
   sub->add_option("--scheme", o->shape.scheme,
                   "bias: alibi, t5, kerple, fire, nope or another relative bias; attention: any registered scheme "
                   "(posenc schemes), with its defaults, fox (Forgetting Attention with gates of 0.73–0.99) or sinks "
-                  "(no scheme, a sink per head)")
+                  "(no scheme, a sink per head); stickbreaking (stick-breaking attention, causal by definition)")
       ->capture_default_str();
   sub->add_option(
          "--pass", o->shape.pass,
@@ -165,6 +165,9 @@ Runner add_bench(CLI::App& app) {
       "attention: the values' head size, at most --head-dim (MLA: 128 of 192; absorbed: 512 of 576)");
   sub->add_flag("--values-in-keys", o->shape.values_in_keys,
                 "attention: v is a view of the first --value-dim columns of k's rows (MLA's absorbed decode)");
+  sub->add_flag(
+      "--no-skip", [o](std::int64_t) { o->shape.skip_vanishing_tiles = false; },
+      "attention: run every tile of the mask (no vanishing-tile skip), so that the flops count is the work done");
   sub->add_flag("--in-place", o->shape.in_place, "rope: rotate in place (judged against rmw)");
   sub->add_flag("--huge-pages", o->shape.huge_pages,
                 "Put the kernel's buffers and the limits' buffers on 2 MiB pages (posenc::HugePageBuffer)");

@@ -42,6 +42,114 @@ std::string shape(const CaseOptions& o) {
   return "[" + std::to_string(o.batch) + ", " + std::to_string(o.length) + ", " + std::to_string(o.dim) + "] f32";
 }
 
+// Stick-breaking attention at a model shape (always causal; queries and keys as make_attention_case
+// makes them). Flops as for softmax attention, causal: 2 products forward, 5 backward.
+Case make_stickbreaking_case(const CaseOptions& o, DType dtype) {
+  const std::int64_t heads = o.heads, dim = o.dim, kv = o.kv_heads, dim_v = o.value_dim.value_or(o.dim);
+  if (dim_v < 1) throw Error("bench", "--value-dim", std::to_string(dim_v), ">= 1");
+  if (o.values_in_keys) throw Error("bench", "--values-in-keys", "set", "not with --scheme stickbreaking");
+  if (o.chunk_size) throw Error("bench", "--chunk-size", std::to_string(*o.chunk_size), "none with stickbreaking");
+  const std::int64_t q_len = o.pass == "decode" ? 1 : o.length, k_len = o.length;
+  struct State {
+    std::vector<BenchArray<float>> f;  // q, k, v, out (f32), dout, dq, dk, dv
+    std::vector<BenchArray<std::uint16_t>> h;
+    std::vector<float> rem, d_rem;
+    std::unique_ptr<StickBreakingAttention> attention;
+    AttentionStats stats;
+  };
+  auto st = std::make_shared<State>();
+  st->f.resize(8);
+  st->h.resize(8);
+  const std::int64_t counts[8] = {checked_mul(checked_mul(o.batch, q_len, "q"), heads * dim, "q"),
+                                  checked_mul(checked_mul(o.batch, k_len, "k"), kv * dim, "k"),
+                                  checked_mul(checked_mul(o.batch, k_len, "v"), kv * dim_v, "v"),
+                                  checked_mul(checked_mul(o.batch, q_len, "out"), heads * dim_v, "out"),
+                                  checked_mul(checked_mul(o.batch, q_len, "out"), heads * dim_v, "out"),
+                                  checked_mul(checked_mul(o.batch, q_len, "q"), heads * dim, "q"),
+                                  checked_mul(checked_mul(o.batch, k_len, "k"), kv * dim, "k"),
+                                  checked_mul(checked_mul(o.batch, k_len, "v"), kv * dim_v, "v")};
+  std::uint64_t state = 99;
+  const bool backward = o.pass == "backward";
+  for (int b = 0; b < 8; ++b) {
+    if (b >= 4 && !backward) break;
+    // out stays f32 (backward then reads an unrounded out, stickbreaking.hpp); the rest in dtype.
+    const bool wide = b == 3 || dtype == DType::kF32;
+    st->f[static_cast<std::size_t>(b)].assign(static_cast<std::size_t>(counts[b]), 0.0f, o.huge_pages);
+    if (b < 3 || b == 4) {
+      for (auto& x : st->f[static_cast<std::size_t>(b)]) {
+        state = state * 6364136223846793005ull + 1442695040888963407ull;
+        x = static_cast<float>(static_cast<double>(state >> 40) / static_cast<double>(1ull << 24) * 2.0 - 1.0);
+      }
+    }
+    if (!wide) {
+      auto& f = st->f[static_cast<std::size_t>(b)];
+      auto& h = st->h[static_cast<std::size_t>(b)];
+      h.assign(f.size(), 0, o.huge_pages);
+      for (std::size_t i = 0; i < f.size(); ++i)
+        h.data()[i] = dtype == DType::kBF16 ? to_bf16(f.data()[i]).bits : to_f16(f.data()[i]).bits;
+      f.clear();
+    }
+  }
+  const auto view = [&](int b, std::vector<std::int64_t> shape) {
+    void* data = st->f[static_cast<std::size_t>(b)].size() == 0
+                     ? static_cast<void*>(st->h[static_cast<std::size_t>(b)].data())
+                     : static_cast<void*>(st->f[static_cast<std::size_t>(b)].data());
+    return TensorView::contiguous(data, b == 3 ? DType::kF32 : dtype, shape);
+  };
+  const std::vector<std::int64_t> q_shape = {o.batch, q_len, heads, dim}, k_shape = {o.batch, k_len, kv, dim};
+  const std::vector<std::int64_t> o_shape = {o.batch, q_len, heads, dim_v}, v_shape = {o.batch, k_len, kv, dim_v};
+  StickBreakingSpec spec;
+  spec.q = view(0, q_shape);
+  spec.k = view(1, k_shape);
+  spec.v = view(2, v_shape);
+  spec.skip_vanishing_tiles = o.skip_vanishing_tiles;
+  st->attention = std::make_unique<StickBreakingAttention>(spec);
+  st->rem.assign(static_cast<std::size_t>(o.batch * q_len * heads), 0.0f);
+  const TensorView out = view(3, o_shape);
+  const TensorView rem = TensorView::of(st->rem.data(), {o.batch, q_len, heads});
+  Case c;
+  c.name = "attention";
+  c.description = "q [" + std::to_string(o.batch) + ", " + std::to_string(q_len) + ", " + std::to_string(heads) + ", " +
+                  std::to_string(dim) + "], k, v [" + std::to_string(o.batch) + ", " + std::to_string(k_len) + ", " +
+                  std::to_string(kv) + ", " + std::to_string(dim) + "] " +
+                  (dim_v != dim ? "v " + std::to_string(dim_v) + " wide, " : "") + o.dtype + ", stickbreaking, causal" +
+                  (o.skip_vanishing_tiles ? "" : ", no skip") + ", " + o.pass;
+  const double pairs = static_cast<double>(o.batch) * static_cast<double>(q_len) * static_cast<double>(k_len) *
+                       static_cast<double>(heads) * static_cast<double>(dim);
+  const double forward_flops =
+      2.0 * pairs * (1.0 + static_cast<double>(dim_v) / static_cast<double>(dim)) * (o.pass == "decode" ? 1.0 : 0.5);
+  c.elements_per_run = static_cast<double>(o.batch * heads) * static_cast<double>(q_len) * static_cast<double>(k_len);
+  if (o.pass == "decode") {
+    c.bytes_per_run = static_cast<double>(counts[1] + counts[2]) * static_cast<double>(dtype_size(dtype));
+    c.limit_name = "copy";
+    c.run = [st, out, rem] { st->stats = st->attention->forward(out, rem); };
+  } else if (o.pass == "forward") {
+    c.flops_per_run = forward_flops;
+    c.limit_name = "fma";
+    c.run = [st, out, rem] { st->stats = st->attention->forward(out, rem); };
+  } else {
+    c.flops_per_run = 2.5 * forward_flops;
+    c.limit_name = "fma";
+    st->attention->forward(out, rem);
+    st->d_rem.assign(st->rem.size(), 0.25f);
+    const ConstTensorView d_rem =
+        ConstTensorView::of(static_cast<const float*>(st->d_rem.data()), {o.batch, q_len, heads});
+    const ConstTensorView dout = view(4, o_shape);
+    const TensorView dq = view(5, q_shape), dk = view(6, k_shape), dv = view(7, v_shape);
+    c.run = [st, out, rem, d_rem, dout, dq, dk, dv] {
+      st->stats = st->attention->backward(out, rem, dout, d_rem, dq, dk, dv);
+    };
+  }
+  c.workspace_bytes = [st] { return static_cast<double>(st->stats.workspace_bytes); };
+  c.remark = [st] {
+    const AttentionStats& n = st->stats;
+    return "skipped " + std::to_string(n.skipped) + " of " + std::to_string(n.tiles) +
+           " key tiles of row blocks (every weight below FLT_MIN; the flops count them all)";
+  };
+  c.state = st;
+  return c;
+}
+
 // Fused attention at a model shape. Inputs hold a deterministic pseudo-random pattern in
 // [−1, 1] (constant inputs would make every score equal). Forward and backward count the
 // matrix products' flops as flash-attention does: 4·B·Sq·Sk·H·D forward (2 products), halved
@@ -55,6 +163,7 @@ Case make_attention_case(const CaseOptions& o) {
   if (o.dtype != "f32" && o.dtype != "bf16" && o.dtype != "f16")
     throw Error("bench", "--dtype", o.dtype, "f32, bf16 or f16");
   const DType dtype = o.dtype == "bf16" ? DType::kBF16 : o.dtype == "f16" ? DType::kF16 : DType::kF32;
+  if (o.scheme == "stickbreaking") return make_stickbreaking_case(o, dtype);
   const std::int64_t heads = o.heads, dim = o.dim, kv = o.kv_heads, dim_v = o.value_dim.value_or(o.dim);
   if (dim_v < 1 || dim_v > dim) throw Error("bench", "--value-dim", std::to_string(dim_v), "1 to --head-dim");
   const std::int64_t q_len = o.pass == "decode" ? 1 : o.length, k_len = o.length;
@@ -112,7 +221,7 @@ Case make_attention_case(const CaseOptions& o) {
       known = known || e.name == o.scheme;
     }
     // The attention terms that are not registry entries: forget gates and sinks.
-    if (!known) throw Error("bench", "--scheme", o.scheme, "one of " + names + ", fox, sinks");
+    if (!known) throw Error("bench", "--scheme", o.scheme, "one of " + names + ", fox, sinks, stickbreaking");
     groups.push_back(make_head_group(o.scheme, SchemeArgs{.heads = heads, .head_dim = dim}));
   }
   struct State {
@@ -174,6 +283,7 @@ Case make_attention_case(const CaseOptions& o) {
   spec.groups = groups;
   spec.mask.causal = o.causal;
   spec.mask.chunk_size = o.chunk_size;
+  spec.skip_vanishing_tiles = o.skip_vanishing_tiles;
   st->attention = std::make_unique<Attention>(spec);
   const TensorView out = TensorView::contiguous(data(st->out, st->out16), dtype, o_shape);
   const TensorView lse = TensorView::of(st->lse.data(), {o.batch, heads, q_len});

@@ -28,7 +28,8 @@ struct CaseOptions {
   std::string pass = "forward";
   // attention: q [batch, length, heads, dim], k, v [batch, length, kv_heads, dim]; pass forward,
   // backward or decode (one query against a cache of `length` keys); scheme none, rope, alibi,
-  // t5, kerple, fire, tupe, shaw or xl
+  // t5, kerple, fire, tupe, shaw or xl (or any registered scheme), fox, sinks, or stickbreaking
+  // (posenc::StickBreakingAttention: causal by definition)
   bool causal = false;
   // attention: Llama 4's chunked mask (attention.hpp), chunks of this many positions; absent: none
   std::optional<std::int64_t> chunk_size{};
@@ -36,6 +37,9 @@ struct CaseOptions {
   // first value_dim columns of k's rows (absorbed decode: one cache read for both)
   std::optional<std::int64_t> value_dim{};
   bool values_in_keys = false;
+  // attention: the vanishing-tile skip (AttentionSpec / StickBreakingSpec::skip_vanishing_tiles);
+  // off, every tile of the mask runs and the flops count is the work done
+  bool skip_vanishing_tiles = true;
   // Every buffer on 2 MiB pages (posenc::HugePageBuffer) instead of ordinary ones; the limits
   // must then be measured with measure_limits(…, huge_pages = true).
   bool huge_pages = false;

@@ -77,8 +77,9 @@ SbShape check_stickbreaking(const StickBreakingSpec& spec) {
       const std::int64_t lq = spec.cu_seqlens_q[t + 1] - spec.cu_seqlens_q[t];
       const std::int64_t lk = spec.cu_seqlens_k[t + 1] - spec.cu_seqlens_k[t];
       if (lq > lk) {
-        throw Error(kStickBreaking, "cu_seqlens_q", "sequence " + std::to_string(t) + " with " + std::to_string(lq) +
-                    " queries", "at most its " + std::to_string(lk) + " keys (queries are the last tokens)");
+        throw Error(kStickBreaking, "cu_seqlens_q",
+                    "sequence " + std::to_string(t) + " with " + std::to_string(lq) + " queries",
+                    "at most its " + std::to_string(lk) + " keys (queries are the last tokens)");
       }
     }
   } else {
@@ -171,13 +172,9 @@ SbBackwardGrids check_sb_backward(const StickBreakingSpec& spec, const SbShape& 
   g.dqg = gradient("dq", dq, shape.qg);
   g.dkg = gradient("dk", dk, shape.kg);
   g.dvg = gradient("dv", dv, shape.vg);
-  check_disjoint({{"dq", dq}, {"dk", dk}, {"dv", dv}}, {{"q", spec.q},
-                                                         {"k", spec.k},
-                                                         {"v", spec.v},
-                                                         {"out", out},
-                                                         {"rem", rem},
-                                                         {"d_out", d_out},
-                                                         {"d_rem", d_rem}});
+  check_disjoint(
+      {{"dq", dq}, {"dk", dk}, {"dv", dv}},
+      {{"q", spec.q}, {"k", spec.k}, {"v", spec.v}, {"out", out}, {"rem", rem}, {"d_out", d_out}, {"d_rem", d_rem}});
   return g;
 }
 
@@ -289,8 +286,8 @@ struct StickBreakingAttention::Plan {
       if (h < 0) {
         std::fill(row, row + dp, 0.0f);
       } else {
-        detail::load_heads_row(spec.q.data(), shape.dtype, shape.qg, seq.b, seq.q0 + blk.query[static_cast<std::size_t>(r)],
-                               h, row, dp);
+        detail::load_heads_row(spec.q.data(), shape.dtype, shape.qg, seq.b,
+                               seq.q0 + blk.query[static_cast<std::size_t>(r)], h, row, dp);
         for (std::int64_t t = 0; t < d; ++t) row[t] *= scale;
         if (!finite_floats(row, d)) finite = 0;
       }
@@ -298,15 +295,47 @@ struct StickBreakingAttention::Plan {
     }
   }
 
-  // Keys and values of the tile [k0, k0 + keys) of KV head kvh, as f32 rows.
-  void load_tile(const Sequence& seq, std::int64_t kvh, std::int64_t k0, std::int64_t keys, Scratch& s) const {
-    grow(s.k, keys * padded(dp));
+  // Keys and values of the tile [k0, k0 + keys) of KV head kvh, as f32 rows: keys read in place
+  // where they are f32 rows of unit stride (the broadcast operand; as the softmax engine does),
+  // values always packed (engine.hpp's padded_stride: rows 4 KiB apart thrash L1 sets).
+  struct Tile {
+    const float* k;
+    std::int64_t ldk;
+  };
+  Tile load_tile(const Sequence& seq, std::int64_t kvh, std::int64_t k0, std::int64_t keys, Scratch& s) const {
     grow(s.v, keys * padded(dvp));
+    for (std::int64_t j = 0; j < keys; ++j) {
+      detail::load_heads_row(spec.v.data(), shape.dtype, shape.vg, seq.b, seq.k0 + k0 + j, kvh,
+                             s.v.data() + j * padded(dvp), dvp);
+    }
+    // (D a multiple of the lanes: backward's dQ product reads the keys' rows dp wide.)
+    if (shape.dtype == DType::kF32 && shape.kg.dim_stride == 1 && shape.dim == dp) {
+      return {
+          static_cast<const float*>(spec.k.data()) + shape.kg.offset(seq.b, seq.k0 + k0) + kvh * shape.kg.head_stride,
+          shape.kg.seq_stride};
+    }
+    grow(s.k, keys * padded(dp));
     for (std::int64_t j = 0; j < keys; ++j) {
       detail::load_heads_row(spec.k.data(), shape.dtype, shape.kg, seq.b, seq.k0 + k0 + j, kvh,
                              s.k.data() + j * padded(dp), dp);
-      detail::load_heads_row(spec.v.data(), shape.dtype, shape.vg, seq.b, seq.k0 + k0 + j, kvh,
-                             s.v.data() + j * padded(dvp), dvp);
+    }
+    return {s.k.data(), padded(dp)};
+  }
+
+  // The key and value rows of keys [k0, k0 + keys) into L2 (prefetcht1), ahead of their tile:
+  // consecutive keys of one head lie G·D elements apart in [B, S, G, D] memory, often a page,
+  // which the hardware prefetchers do not cross (forward.cpp's prefetch_rows measured the same).
+  void prefetch(const Sequence& seq, std::int64_t kvh, std::int64_t k0, std::int64_t keys) const {
+    const auto width = static_cast<std::int64_t>(dtype_size(shape.dtype));
+    const std::int64_t k_bytes = ((shape.dim - 1) * shape.kg.dim_stride + 1) * width;
+    const std::int64_t v_bytes = ((shape.dim_v - 1) * shape.vg.dim_stride + 1) * width;
+    for (std::int64_t j = std::max<std::int64_t>(k0, 0); j < k0 + keys; ++j) {
+      const char* k = static_cast<const char*>(spec.k.data()) +
+                      (shape.kg.offset(seq.b, seq.k0 + j) + kvh * shape.kg.head_stride) * width;
+      const char* v = static_cast<const char*>(spec.v.data()) +
+                      (shape.vg.offset(seq.b, seq.k0 + j) + kvh * shape.vg.head_stride) * width;
+      for (std::int64_t at = 0; at < k_bytes; at += 64) __builtin_prefetch(k + at, 0, 2);
+      for (std::int64_t at = 0; at < v_bytes; at += 64) __builtin_prefetch(v + at, 0, 2);
     }
   }
 
@@ -442,9 +471,9 @@ AttentionStats StickBreakingAttention::Plan::forward(TensorView out, TensorView 
           break;
         }
         ++tiles;
-        load_tile(seq, un.kvh, k0, keys, s);
-        kernels::attn_gemm(s.k.data(), padded(dp), 1, s.qt.data(), padded(w), s.st.data(), w, keys, w, shape.dim,
-                           false);
+        if (t > 0) prefetch(seq, un.kvh, k0 - kKeyTile, kKeyTile);
+        const Tile kt = load_tile(seq, un.kvh, k0, keys, s);
+        kernels::attn_gemm(kt.k, kt.ldk, 1, s.qt.data(), padded(w), s.st.data(), w, keys, w, shape.dim, false);
         const bool masked = blk.any_masked(k0 + keys);
         kernels::sb_forward_tile(s.st.data(), keys, w, k0, blk.hi.data(), masked, s.carry.data());
         if (masked && !rows_finite(s.v.data(), padded(dvp), keys, shape.dim_v)) {
@@ -556,7 +585,8 @@ AttentionStats StickBreakingAttention::Plan::backward(ConstTensorView out, Const
             detail::load_heads_row(d_out.data(), shape.dtype, g.dog, seq.b, seq.q0 + i, h, dor, dvp);
             detail::load_heads_row(out.data(), out.dtype(), g.og, seq.b, seq.q0 + i, h, s.row.data(), dvp);
             double total = 0;
-            for (std::int64_t c = 0; c < dv_cols; ++c) total += static_cast<double>(dor[c]) * s.row[static_cast<std::size_t>(c)];
+            for (std::int64_t c = 0; c < dv_cols; ++c)
+              total += static_cast<double>(dor[c]) * s.row[static_cast<std::size_t>(c)];
             float dr = 0.0f;
             if (has_d_rem) {
               dr = static_cast<const float*>(d_rem.data())[g.d_rem.offset(seq.b, seq.q0 + i, h)];
@@ -580,10 +610,11 @@ AttentionStats StickBreakingAttention::Plan::backward(ConstTensorView out, Const
             break;
           }
           ++tiles;
-          load_tile(seq, un.kvh, k0, keys, s);
-          const float* kt = s.k.data();
+          if (t > 0) prefetch(seq, un.kvh, k0 - kKeyTile, kKeyTile);
+          const Tile tile = load_tile(seq, un.kvh, k0, keys, s);
+          const float* kt = tile.k;
           const float* vt = s.v.data();
-          kernels::attn_gemm(kt, padded(dp), 1, s.qt.data(), ldt, s.st.data(), w, keys, w, d, false);
+          kernels::attn_gemm(kt, tile.ldk, 1, s.qt.data(), ldt, s.st.data(), w, keys, w, d, false);
           kernels::attn_gemm(vt, padded(dvp), 1, s.dot.data(), ldt, s.dpt.data(), w, keys, w, dv_cols, false);
           const bool masked = blk.any_masked(k0 + keys);
           kernels::sb_backward_tile(s.st.data(), s.dpt.data(), keys, w, k0, blk.hi.data(), masked, s.total.data(),
@@ -599,10 +630,10 @@ AttentionStats StickBreakingAttention::Plan::backward(ConstTensorView out, Const
           } else {
             kernels::attn_gemm(s.dpt.data(), w, 1, s.qrows.data(), dp, dk_acc + k0 * dp, dp, keys, dp, w, true);
           }
-          if (masked && !rows_finite(kt, padded(dp), keys, d)) {
-            add_visible(blk, k0, keys, s.dpt.data(), kt, padded(dp), dp, s.dq.data(), dp, true);
+          if (masked && !rows_finite(kt, tile.ldk, keys, d)) {
+            add_visible(blk, k0, keys, s.dpt.data(), kt, tile.ldk, d, s.dq.data(), dp, true);
           } else {
-            kernels::attn_gemm(s.dpt.data(), 1, w, kt, padded(dp), s.dq.data(), dp, w, dp, keys, true);
+            kernels::attn_gemm(s.dpt.data(), 1, w, kt, tile.ldk, s.dq.data(), dp, w, dp, keys, true);
           }
         }
         if (!want_dq) continue;
@@ -612,8 +643,8 @@ AttentionStats StickBreakingAttention::Plan::backward(ConstTensorView out, Const
           if (h < 0) continue;
           float* row = s.dq.data() + r * dp;
           for (std::int64_t c = 0; c < d; ++c) row[c] *= scale;
-          detail::store_heads_row(row, dq.data(), shape.dtype, g.dqg, seq.b, seq.q0 + blk.query[static_cast<std::size_t>(r)],
-                                  h, true);
+          detail::store_heads_row(row, dq.data(), shape.dtype, g.dqg, seq.b,
+                                  seq.q0 + blk.query[static_cast<std::size_t>(r)], h, true);
         }
       }
     }

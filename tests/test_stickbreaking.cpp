@@ -82,16 +82,19 @@ Grads run_backward(const SbProblem& s, const StickBreakingAttention& att, DType 
   if (out_dt == DType::kF64) out_dt = dt;
   const Problem& p = s.p;
   const std::vector<std::int64_t> oshape = s.vshape(p.q_len, p.heads);
-  const std::vector<std::int64_t> rs = p.packed() ? std::vector<std::int64_t>{p.q_len, p.heads}
-                                                  : std::vector<std::int64_t>{p.batch, p.q_len, p.heads};
+  const std::vector<std::int64_t> rs =
+      p.packed() ? std::vector<std::int64_t>{p.q_len, p.heads} : std::vector<std::int64_t>{p.batch, p.q_len, p.heads};
   std::vector<unsigned char> out = testing::garbage_buffer(out_dt, s.out_count());
   std::vector<float> rem(static_cast<std::size_t>(s.rows()));
   att.forward(TensorView::contiguous(out.data(), out_dt, oshape), TensorView::contiguous(rem.data(), DType::kF32, rs));
   const std::vector<unsigned char> dob = testing::to_dtype(d_out, dt);
   std::vector<float> drem(d_rem.begin(), d_rem.end());
-  std::vector<unsigned char> dq = testing::to_dtype(std::vector<double>(static_cast<std::size_t>(p.q_count()), 0.0), dt);
-  std::vector<unsigned char> dk = testing::to_dtype(std::vector<double>(static_cast<std::size_t>(p.k_count()), 0.0), dt);
-  std::vector<unsigned char> dv = testing::to_dtype(std::vector<double>(static_cast<std::size_t>(s.v_count()), 0.0), dt);
+  std::vector<unsigned char> dq =
+      testing::to_dtype(std::vector<double>(static_cast<std::size_t>(p.q_count()), 0.0), dt);
+  std::vector<unsigned char> dk =
+      testing::to_dtype(std::vector<double>(static_cast<std::size_t>(p.k_count()), 0.0), dt);
+  std::vector<unsigned char> dv =
+      testing::to_dtype(std::vector<double>(static_cast<std::size_t>(s.v_count()), 0.0), dt);
   att.backward(ConstTensorView::contiguous(out.data(), out_dt, oshape),
                ConstTensorView::contiguous(rem.data(), DType::kF32, rs),
                ConstTensorView::contiguous(dob.data(), dt, oshape),
@@ -141,7 +144,8 @@ TEST(StickBreaking, WorkedByHand) {
     SCOPED_TRACE(current ? "attend_current" : "default");
     spec.attend_current = current;
     std::vector<float> out(3), rem(3);
-    StickBreakingAttention(spec).forward(TensorView::of(out.data(), {1, 3, 1, 1}), TensorView::of(rem.data(), {1, 3, 1}));
+    StickBreakingAttention(spec).forward(TensorView::of(out.data(), {1, 3, 1, 1}),
+                                         TensorView::of(rem.data(), {1, 3, 1}));
     // Query 2 (default): A_21 = σ(2), A_20 = σ(1)(1 − σ(2)); with the diagonal A_22 = σ(1) first.
     const double lead = current ? 1 - sig(1) : 1.0;
     const double a21 = lead * sig(2), a20 = lead * (1 - sig(2)) * sig(1);
@@ -365,9 +369,7 @@ TEST(StickBreaking, RefusesBadInput) {
   // out over q's memory.
   const std::vector<std::int64_t> q_as_out = {2, 10, 4, 8}, q_strides = {640, 64, 16, 1};
   expect_error(
-      [&] {
-        att.forward(TensorView(const_cast<unsigned char*>(s.p.qb.data()), DType::kF32, q_as_out, q_strides));
-      },
+      [&] { att.forward(TensorView(const_cast<unsigned char*>(s.p.qb.data()), DType::kF32, q_as_out, q_strides)); },
       {"out", "q"});
   expect_error(
       [&] {

@@ -67,8 +67,8 @@ namespace posenc {
 
 struct StickBreakingSpec {
   ConstTensorView q, k, v;
-  double scale = 0.0;           // 0: 1/sqrt(D)
-  bool attend_current = false;  // the query's own token takes the first break
+  double scale = 0.0;                                    // 0: 1/sqrt(D)
+  bool attend_current = false;                           // the query's own token takes the first break
   std::vector<std::int64_t> cu_seqlens_q, cu_seqlens_k;  // packed sequences (both or neither)
   bool skip_vanishing_tiles = true;
 };

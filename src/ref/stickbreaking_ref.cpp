@@ -86,7 +86,8 @@ void stickbreaking_forward(const StickBreakingAttention& attention, TensorView o
         for (std::int64_t c = 0; c < shape.dim_v; ++c) {
           double o = 0;
           for (std::size_t j = 0; j < row.a.size(); ++j)
-            o += row.a[j] * at(spec.v.data(), shape.dtype, shape.vg, seq.b, seq.k0 + static_cast<std::int64_t>(j), kvh, c);
+            o += row.a[j] *
+                 at(spec.v.data(), shape.dtype, shape.vg, seq.b, seq.k0 + static_cast<std::int64_t>(j), kvh, c);
           detail::store(out.data(), out.dtype(), og.offset(seq.b, seq.q0 + i) + h * og.head_stride + c * og.dim_stride,
                         o);
         }
@@ -113,7 +114,8 @@ void stickbreaking_backward(const StickBreakingAttention& attention, ConstTensor
       const std::int64_t kvh = h / shape.group;
       for (std::int64_t i = 0; i < seq.lq; ++i) {
         walk(spec, shape, seq, h, i, row);
-        const double dr = has_d_rem ? static_cast<const float*>(d_rem.data())[g.d_rem.offset(seq.b, seq.q0 + i, h)] : 0.0;
+        const double dr =
+            has_d_rem ? static_cast<const float*>(d_rem.data())[g.d_rem.offset(seq.b, seq.q0 + i, h)] : 0.0;
         std::fill(gq.begin(), gq.end(), 0.0);
         double left = 0;  // Σ_{m<j} g_im
         for (std::size_t ju = 0; ju < row.a.size(); ++ju) {
@@ -138,7 +140,8 @@ void stickbreaking_backward(const StickBreakingAttention& attention, ConstTensor
         if (dq.rank() > 0) {
           for (std::int64_t t = 0; t < d; ++t) {
             const std::int64_t o = g.dqg.offset(seq.b, seq.q0 + i) + h * g.dqg.head_stride + t * g.dqg.dim_stride;
-            detail::store(dq.data(), shape.dtype, o, detail::load(dq.data(), shape.dtype, o) + gq[static_cast<std::size_t>(t)]);
+            detail::store(dq.data(), shape.dtype, o,
+                          detail::load(dq.data(), shape.dtype, o) + gq[static_cast<std::size_t>(t)]);
           }
         }
       }
@@ -149,14 +152,16 @@ void stickbreaking_backward(const StickBreakingAttention& attention, ConstTensor
           for (std::int64_t t = 0; t < d; ++t) {
             const std::int64_t o = g.dkg.offset(seq.b, seq.k0 + j) + kvh * g.dkg.head_stride + t * g.dkg.dim_stride;
             detail::store(dk.data(), shape.dtype, o,
-                          detail::load(dk.data(), shape.dtype, o) + gk[static_cast<std::size_t>((j * shape.kv_heads + kvh) * d + t)]);
+                          detail::load(dk.data(), shape.dtype, o) +
+                              gk[static_cast<std::size_t>((j * shape.kv_heads + kvh) * d + t)]);
           }
         }
         if (dv.rank() > 0) {
           for (std::int64_t t = 0; t < dvc; ++t) {
             const std::int64_t o = g.dvg.offset(seq.b, seq.k0 + j) + kvh * g.dvg.head_stride + t * g.dvg.dim_stride;
             detail::store(dv.data(), shape.dtype, o,
-                          detail::load(dv.data(), shape.dtype, o) + gv[static_cast<std::size_t>((j * shape.kv_heads + kvh) * dvc + t)]);
+                          detail::load(dv.data(), shape.dtype, o) +
+                              gv[static_cast<std::size_t>((j * shape.kv_heads + kvh) * dvc + t)]);
           }
         }
       }

@@ -40,5 +40,7 @@ auto translating(Fn&& fn) -> decltype(fn()) {
 
 // The fused attention's ops and the registry's (attention_ops.cpp).
 void define_attention_ops(torch::Library& m);
+// Stick-breaking attention's op (stickbreaking_ops.cpp).
+void define_stickbreaking_ops(torch::Library& m);
 
 }  // namespace posenc::torch_adapter

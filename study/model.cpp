@@ -20,6 +20,9 @@ using AttentionOp = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const 
                                                        double, double, const at::Tensor&, const at::Tensor&,
                                                        std::vector<std::int64_t>, std::vector<std::int64_t>);
 using SinusoidOp = at::Tensor(const at::Tensor&, std::int64_t, double, bool, at::ScalarType);
+using StickBreakingOp = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                           double, bool, std::vector<std::int64_t>,
+                                                           std::vector<std::int64_t>, bool);
 
 // T5: 32 buckets up to distance 128 (the T5 paper's defaults); FIRE: a 32-unit MLP; xPos: its
 // paper's scale base 512.
@@ -50,6 +53,8 @@ const std::vector<std::string>& known_schemes() {
     for (const posenc::SchemeEntry& e : posenc::schemes()) {
       if (registered_relative_bias(e.name)) all.push_back(e.name);
     }
+    all.push_back("fox");
+    all.push_back("stickbreaking");
     return all;
   }();
   return known;
@@ -123,6 +128,10 @@ LanguageModelImpl::LanguageModelImpl(const ModelConfig& config) : config_(config
         const std::vector<std::int64_t> shape = entry.parameter_shape(posenc::complete_scheme_args(entry, args));
         param("registry_params", torch::tensor(initial, torch::kFloat64).reshape(shape));
       }
+    } else if (config.scheme == "fox") {
+      layer.fgate = register_module(p + "fgate", torch::nn::Linear(d, h));
+    } else if (config.scheme == "stickbreaking") {
+      layer.head_bias = register_parameter(p + "head_bias", torch::zeros({h, d / h}));
     } else if (config.scheme == "alibi") {
       // The paper's slopes 2^(−8h/H), fixed.
       auto slopes = torch::empty({h}, torch::kFloat64);
@@ -192,6 +201,8 @@ torch::Tensor LanguageModelImpl::forward(const torch::Tensor& bytes, std::int64_
       c10::Dispatcher::singleton().findSchemaOrThrow("posenc::attention", "").typed<AttentionOp>();
   static const auto sinusoid =
       c10::Dispatcher::singleton().findSchemaOrThrow("posenc::sinusoidal_table", "").typed<SinusoidOp>();
+  static const auto stickbreaking =
+      c10::Dispatcher::singleton().findSchemaOrThrow("posenc::stickbreaking_attention", "").typed<StickBreakingOp>();
   const std::int64_t b = bytes.size(0), s = bytes.size(1), d = config_.width, h = config_.heads, hd = d / h;
   if (context_length <= 0) context_length = s;
   torch::Tensor x = embed_->forward(bytes);
@@ -204,11 +215,21 @@ torch::Tensor LanguageModelImpl::forward(const torch::Tensor& bytes, std::int64_
   const std::string scheme = scheme_json(context_length);
   const torch::Tensor none = torch::empty({0}, torch::kInt64);
   for (Layer& layer : layers_) {
-    const torch::Tensor qkv = layer.qkv->forward(layer.norm1->forward(x)).view({b, s, 3, h, hd});
+    const torch::Tensor normed = layer.norm1->forward(x);
+    const torch::Tensor qkv = layer.qkv->forward(normed).view({b, s, 3, h, hd});
     const torch::Tensor q = qkv.select(2, 0), k = qkv.select(2, 1), v = qkv.select(2, 2);
-    const auto [attended, lse] = attention.call(q, k, v, scheme, layer_bias_params(layer), {}, none, true, -1, -1,
-                                                c10::nullopt, c10::nullopt, 0.0, 0.0, none, none, {}, {});
-    (void)lse;
+    torch::Tensor attended;
+    if (config_.scheme == "stickbreaking") {
+      const auto [o, rem] = stickbreaking.call(q, k, v, 0.0, false, {}, {}, true);
+      attended = o + rem.unsqueeze(-1) * layer.head_bias;
+    } else {
+      std::vector<at::Tensor> gates;
+      if (config_.scheme == "fox") gates.push_back(torch::log_sigmoid(layer.fgate->forward(normed)));
+      const auto [o, lse] = attention.call(q, k, v, scheme, layer_bias_params(layer), gates, none, true, -1, -1,
+                                           c10::nullopt, c10::nullopt, 0.0, 0.0, none, none, {}, {});
+      (void)lse;
+      attended = o;
+    }
     x = x + layer.out->forward(attended.reshape({b, s, d}));
     x = x + layer.down->forward(torch::gelu(layer.up->forward(layer.norm2->forward(x))));
   }

@@ -9,6 +9,12 @@
 //   t5, alibi, kerple, fire  score biases inside the fused attention (T5's table, Kerple's r1 r2
 //                            and FIRE's MLP trained; ALiBi's slopes fixed, as in the paper)
 //   nope                     nothing (causal attention alone)
+//   fox                      Forgetting Attention without other positions (the FoX paper's own
+//                            setting): log f = logsigmoid(W_f·x + b_f) per token and head, W_f a
+//                            linear layer of the block's normalised input (default init)
+//   stickbreaking            stick-breaking attention (no softmax, no positions; posenc's
+//                            stickbreaking_attention op) plus rem·b_h, a learned per-head vector
+//                            for the stick left over (zero at first), as the authors' models add
 //
 // Attention, its backward and every scheme's gradients are posenc's fused op (posenc::attention,
 // torch/ops.cpp), called through the dispatcher as Python calls it.
@@ -31,8 +37,9 @@ struct ModelConfig {
 const std::vector<std::string>& all_schemes();
 // The scheme a scheme's model is trained as: rope for rope-ntk and rope-yarn, else itself.
 std::string training_scheme(const std::string& scheme);
-// Every scheme the study can train: all_schemes() and, after them, the registry's other schemes of
-// the relative-bias family (posenc/registry.hpp), each with its defaults and initial parameters.
+// Every scheme the study can train: all_schemes(), the registry's other schemes of the
+// relative-bias family (posenc/registry.hpp), each with its defaults and initial parameters, then
+// fox and stickbreaking (last, so that the others keep their seeds).
 const std::vector<std::string>& known_schemes();
 // "one of …" for an error message.
 std::string known_schemes_text();
@@ -51,8 +58,10 @@ class LanguageModelImpl : public torch::nn::Module {
   struct Layer {
     torch::nn::LayerNorm norm1{nullptr}, norm2{nullptr};
     torch::nn::Linear qkv{nullptr}, out{nullptr}, up{nullptr}, down{nullptr};
-    torch::Tensor bias_params;       // the scheme's per-layer parameters (or an empty tensor)
-    std::vector<torch::Tensor> raw;  // trainable tensors bias_params is made of
+    torch::nn::Linear fgate{nullptr};  // fox: the forget gates' logits
+    torch::Tensor head_bias;           // stickbreaking: b_h, [heads, head_dim]
+    torch::Tensor bias_params;         // the scheme's per-layer parameters (or an empty tensor)
+    std::vector<torch::Tensor> raw;    // trainable tensors bias_params is made of
   };
   std::string scheme_json(std::int64_t context_length) const;
   torch::Tensor layer_bias_params(const Layer& layer) const;

@@ -68,8 +68,8 @@ class StickBreakingFunction : public torch::autograd::Function<StickBreakingFunc
     return translating([&] {
       const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &rem = saved[4];
       const StickBreakingAttention& att = *ctx->saved_data["call"].toCustomClass<StickBreakingHolder>()->attention;
-      const at::Tensor d_out = grads[0].defined() ? grads[0].to(q.scalar_type()).contiguous()
-                                                  : at::zeros(out.sizes(), q.options());
+      const at::Tensor d_out =
+          grads[0].defined() ? grads[0].to(q.scalar_type()).contiguous() : at::zeros(out.sizes(), q.options());
       const at::Tensor d_rem = grads[1].defined() ? grads[1].to(at::kFloat).contiguous() : at::Tensor();
       at::Tensor dq = at::zeros_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
       const char* where = "stickbreaking_attention";
@@ -85,8 +85,8 @@ std::tuple<at::Tensor, at::Tensor> stickbreaking_op(const at::Tensor& q, const a
                                                     double scale, bool attend_current,
                                                     std::vector<std::int64_t> cu_seqlens_q,
                                                     std::vector<std::int64_t> cu_seqlens_k, bool skip_vanishing_tiles) {
-  const variable_list r = StickBreakingFunction::apply(q, k, v, scale, attend_current, cu_seqlens_q, cu_seqlens_k,
-                                                       skip_vanishing_tiles);
+  const variable_list r =
+      StickBreakingFunction::apply(q, k, v, scale, attend_current, cu_seqlens_q, cu_seqlens_k, skip_vanishing_tiles);
   return {r[0], r[1]};
 }
 

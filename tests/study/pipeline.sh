@@ -72,16 +72,20 @@ cmp "$work/a.numbers" "$work/d.numbers" || { echo "a resumed run gives other num
 (cd "$work" && "$posenc" study --quick --schemes alibi --corpus "$work/corpus.txt" --out relative > /dev/null 2>&1)
 [ -s "$work/relative/bpb.png" ] || { echo "relative --out: no plot"; exit 1; }
 
-# A scheme the study knows only from the registry (posenc schemes): trained and evaluated alike.
-"$posenc" study --quick --schemes sandwich --corpus "$work/corpus.txt" --out "$work/s" > "$work/s.log" 2>&1 ||
+# A scheme the study knows only from the registry (posenc schemes), and the content-based ones
+# (Forgetting Attention, stick-breaking attention): trained and evaluated alike.
+"$posenc" study --quick --schemes sandwich,fox,stickbreaking --corpus "$work/corpus.txt" --out "$work/s" > "$work/s.log" 2>&1 ||
   { cat "$work/s.log"; exit 1; }
 "$python" -c '
 import json, math, sys
-r = json.load(open(sys.argv[1]))["results"]["sandwich"]
-values = [v for kind in ("bpb", "bpb_sliding") for v in r[kind].values()]
-assert values and all(math.isfinite(v) and v > 0 for v in values), values
-' "$work/s/results.json" || { echo "sandwich: bad numbers"; exit 1; }
-grep -q "| sandwich |" "$work/s.log" || { echo "sandwich: no results table"; cat "$work/s.log"; exit 1; }
+for scheme in ("sandwich", "fox", "stickbreaking"):
+    r = json.load(open(sys.argv[1]))["results"][scheme]
+    values = [v for kind in ("bpb", "bpb_sliding") for v in r[kind].values()]
+    assert values and all(math.isfinite(v) and v > 0 for v in values), (scheme, values)
+' "$work/s/results.json" || { echo "sandwich, fox, stickbreaking: bad numbers"; exit 1; }
+for scheme in sandwich fox stickbreaking; do
+  grep -q "| $scheme |" "$work/s.log" || { echo "$scheme: no results table"; cat "$work/s.log"; exit 1; }
+done
 
 # Errors.
 if "$posenc" study --quick --corpus "$work/missing.txt" --out "$work/e" 2> "$work/e.err"; then exit 1; fi

@@ -216,14 +216,15 @@ struct Block {
 };
 
 struct Scratch {
-  Floats qt, qrows, o, st, dpt, k, v, dot, dorows, dq, row;
+  Floats qt, qrows, o, st, dpt, k, v, dot, dorows, dq, row, sig;
   std::vector<float> carry, suffix, total, d_rem;
+  std::vector<double> sums;  // backward's exact path: per tile and row, Σ g
   std::int64_t bytes() const {
     std::int64_t n = 0;
-    for (const Floats* f : {&qt, &qrows, &o, &st, &dpt, &k, &v, &dot, &dorows, &dq, &row})
+    for (const Floats* f : {&qt, &qrows, &o, &st, &dpt, &k, &v, &dot, &dorows, &dq, &row, &sig})
       n += static_cast<std::int64_t>(f->capacity());
     for (const std::vector<float>* f : {&carry, &suffix, &total, &d_rem}) n += static_cast<std::int64_t>(f->capacity());
-    return n * static_cast<std::int64_t>(sizeof(float));
+    return n * static_cast<std::int64_t>(sizeof(float)) + static_cast<std::int64_t>(sums.capacity() * sizeof(double));
   }
 };
 
@@ -367,11 +368,12 @@ struct StickBreakingAttention::Plan {
     return spec.skip_vanishing_tiles ? bad[static_cast<std::size_t>(si * shape.kv_heads + kvh)] : -1;
   }
 
-  // Per (sequence, KV head): first_non_finite, or −1 everywhere when tiles are not skipped.
-  std::vector<std::int64_t> scan_non_finite(int threads) const {
+  // Per (sequence, KV head): first_non_finite, or −1 everywhere when tiles are not skipped (and
+  // not `always`).
+  std::vector<std::int64_t> scan_non_finite(int threads, bool always = false) const {
     const auto pairs = static_cast<std::int64_t>(sequences.size()) * shape.kv_heads;
     std::vector<std::int64_t> bad(static_cast<std::size_t>(pairs), -1);
-    if (!spec.skip_vanishing_tiles) return bad;
+    if (!spec.skip_vanishing_tiles && !always) return bad;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (std::int64_t u = 0; u < pairs; ++u) {
       const Sequence& seq = sequences[static_cast<std::size_t>(u / shape.kv_heads)];
@@ -409,6 +411,55 @@ bool rows_finite(const float* rows, std::int64_t ld, std::int64_t count, std::in
     if (!finite_floats(rows + r * ld, cols)) return false;
   }
   return true;
+}
+
+// The exact path of backward (a block whose inputs hold an inf or NaN): the tile's leftward walk
+// in scalar code, leaving A in st, g = A·(dP − d_rem) in dpt and σ(z) in sig, and adding each
+// row's Σ g over the tile to tile_sum (fp64). Masked pairs get 0 everywhere.
+void exact_walk(const Block& blk, std::int64_t k0, std::int64_t keys, float* st, float* dpt, float* sig,
+                const float* d_rem, float* carry, double* tile_sum) {
+  const std::int64_t w = blk.width;
+  for (std::int64_t r = 0; r < w; ++r) {
+    const std::int64_t hi = blk.head[static_cast<std::size_t>(r)] < 0 ? 0 : blk.hi[static_cast<std::size_t>(r)];
+    float c = carry[r];
+    for (std::int64_t j = keys - 1; j >= 0; --j) {
+      const std::int64_t at = j * w + r;
+      if (k0 + j >= hi) {
+        st[at] = dpt[at] = sig[at] = 0.0f;
+        continue;
+      }
+      const float z = st[at];
+      const float e = std::exp(-std::fabs(z));
+      const float t = std::isnan(z) ? z : std::log1p(e);
+      const float sp = std::max(z, 0.0f) + t, sp_neg = std::max(-z, 0.0f) + t;
+      const float log_a = c - sp_neg;
+      const float a = std::isnan(log_a) ? log_a : (log_a < kSbDead ? 0.0f : std::exp(log_a));
+      const float g = a * (dpt[at] - d_rem[r]);
+      c -= sp;
+      st[at] = a;
+      dpt[at] = g;
+      sig[at] = std::isnan(z) ? z : (z >= 0 ? 1.0f / (1.0f + e) : e / (1.0f + e));
+      tile_sum[r] += static_cast<double>(g);
+    }
+    carry[r] = c;
+  }
+}
+
+// Then dz = g·σ(−z) − σ(z)·R with R = Σ_{m<j} g summed from the left: `left` holds each row's sum
+// over the keys left of the tile; an inf there stays an inf (G − suffix would make it NaN).
+void exact_finish(const Block& blk, std::int64_t k0, std::int64_t keys, float* dpt, const float* sig,
+                  const double* left) {
+  const std::int64_t w = blk.width;
+  for (std::int64_t r = 0; r < w; ++r) {
+    const std::int64_t hi = blk.head[static_cast<std::size_t>(r)] < 0 ? 0 : blk.hi[static_cast<std::size_t>(r)];
+    double run = left[r];
+    for (std::int64_t j = 0; j < keys && k0 + j < hi; ++j) {
+      const std::int64_t at = j * w + r;
+      const double g = dpt[at], sg = sig[at];
+      dpt[at] = static_cast<float>(g * (1.0 - sg) - sg * run);
+      run += g;
+    }
+  }
 }
 
 // The work split: per (sequence, KV head), query ranges — one when there are at least 8 pairs,
@@ -541,7 +592,7 @@ AttentionStats StickBreakingAttention::Plan::backward(ConstTensorView out, Const
   for (const Sequence& seq : sequences) work += seq.lq * seq.lk;
   const int threads = std::min<int>(detail::threads_for(work * shape.heads * (shape.dim + shape.dim_v) * 2),
                                     static_cast<int>(std::max<std::size_t>(units.size(), 1)));
-  const std::vector<std::int64_t> bad = scan_non_finite(threads);
+  const std::vector<std::int64_t> bad = scan_non_finite(threads, true);
   const std::int64_t d = shape.dim, dv_cols = shape.dim_v;
   std::int64_t tiles = 0, skipped = 0, scratch_bytes = 0;
 #pragma omp parallel num_threads(threads) reduction(+ : tiles, skipped, scratch_bytes)
@@ -600,8 +651,42 @@ AttentionStats StickBreakingAttention::Plan::backward(ConstTensorView out, Const
           }
           for (std::int64_t c = 0; c < dv_cols; ++c) s.dot[static_cast<std::size_t>(c * ldt + r)] = dor[c];
         }
-        const std::int64_t bad_from = q_finite && do_finite ? this->bad_from(un.kvh, bad, un.seq) : -1;
+        bool totals_finite = true;
+        for (std::int64_t r = 0; r < w; ++r)
+          totals_finite = totals_finite && std::isfinite(s.total[static_cast<std::size_t>(r)]);
+        const std::int64_t first_bad = bad[static_cast<std::size_t>(un.seq * shape.kv_heads + un.kvh)];
+        // A block that meets an inf or NaN (its queries, d_out, d_rem, G, or a key or value row it
+        // sees) takes R = Σ_{m<j} g from the left, in two passes (exact_walk): G − suffix would turn
+        // an infinite G into NaN where the composition has ±inf.
+        const bool exact = !(q_finite && do_finite && totals_finite && first_bad >= blk.key_end);
+        const std::int64_t bad_from = exact ? -1 : (spec.skip_vanishing_tiles ? first_bad : -1);
         const std::int64_t n_tiles = (blk.key_end + kKeyTile - 1) / kKeyTile;
+        // Recomputes the tile's z (in st) and d_out·v (in dpt); returns its keys.
+        const auto scores = [&](std::int64_t k0, std::int64_t keys) {
+          const Tile tile = load_tile(seq, un.kvh, k0, keys, s);
+          kernels::attn_gemm(tile.k, tile.ldk, 1, s.qt.data(), ldt, s.st.data(), w, keys, w, d, false);
+          kernels::attn_gemm(s.v.data(), padded(dvp), 1, s.dot.data(), ldt, s.dpt.data(), w, keys, w, dv_cols, false);
+          return tile;
+        };
+        if (exact) {
+          // Pass 1: each tile's Σ g per row; then the sums of the tiles left of each tile.
+          grow(s.sig, kKeyTile * w);
+          s.sums.assign(static_cast<std::size_t>((n_tiles + 1) * w), 0.0);
+          for (std::int64_t t = n_tiles - 1; t >= 0; --t) {
+            const std::int64_t k0 = t * kKeyTile, keys = std::min(kKeyTile, blk.key_end - k0);
+            scores(k0, keys);
+            exact_walk(blk, k0, keys, s.st.data(), s.dpt.data(), s.sig.data(), s.d_rem.data(), s.carry.data(),
+                       s.sums.data() + (t + 1) * w);
+          }
+          for (std::int64_t t = 1; t <= n_tiles; ++t) {
+            for (std::int64_t r = 0; r < w; ++r)
+              s.sums[static_cast<std::size_t>(t * w + r)] += s.sums[static_cast<std::size_t>((t - 1) * w + r)];
+          }
+          for (std::int64_t r = 0; r < w; ++r)
+            s.carry[static_cast<std::size_t>(r)] =
+                blk.head[static_cast<std::size_t>(r)] < 0 ? -std::numeric_limits<float>::infinity() : 0.0f;
+        }
+        std::vector<double> discard;
         for (std::int64_t t = n_tiles - 1; t >= 0; --t) {
           const std::int64_t k0 = t * kKeyTile, keys = std::min(kKeyTile, blk.key_end - k0);
           if (vanished(blk, s.carry.data(), k0 + keys, bad_from)) {
@@ -611,14 +696,18 @@ AttentionStats StickBreakingAttention::Plan::backward(ConstTensorView out, Const
           }
           ++tiles;
           if (t > 0) prefetch(seq, un.kvh, k0 - kKeyTile, kKeyTile);
-          const Tile tile = load_tile(seq, un.kvh, k0, keys, s);
+          const Tile tile = scores(k0, keys);
           const float* kt = tile.k;
-          const float* vt = s.v.data();
-          kernels::attn_gemm(kt, tile.ldk, 1, s.qt.data(), ldt, s.st.data(), w, keys, w, d, false);
-          kernels::attn_gemm(vt, padded(dvp), 1, s.dot.data(), ldt, s.dpt.data(), w, keys, w, dv_cols, false);
           const bool masked = blk.any_masked(k0 + keys);
-          kernels::sb_backward_tile(s.st.data(), s.dpt.data(), keys, w, k0, blk.hi.data(), masked, s.total.data(),
-                                    s.d_rem.data(), s.carry.data(), s.suffix.data());
+          if (exact) {
+            discard.assign(static_cast<std::size_t>(w), 0.0);
+            exact_walk(blk, k0, keys, s.st.data(), s.dpt.data(), s.sig.data(), s.d_rem.data(), s.carry.data(),
+                       discard.data());
+            exact_finish(blk, k0, keys, s.dpt.data(), s.sig.data(), s.sums.data() + t * w);
+          } else {
+            kernels::sb_backward_tile(s.st.data(), s.dpt.data(), keys, w, k0, blk.hi.data(), masked, s.total.data(),
+                                      s.d_rem.data(), s.carry.data(), s.suffix.data());
+          }
           // dV_j += Σ_r A[j][r]·dO_r;  dK_j += Σ_r dz[j][r]·(scale·q_r);  dQ_r += Σ_j dz[j][r]·k_j.
           if (masked && !do_finite) {
             add_visible(blk, k0, keys, s.st.data(), s.dorows.data(), dvp, dvp, dv_acc + k0 * dvp, dvp, false);

@@ -4,6 +4,7 @@
 // finite differences, thread counts, the vanishing-tile skip, non-finite inputs and bad input.
 #include <cmath>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 #include "attention_testing.hpp"
@@ -343,6 +344,55 @@ TEST(StickBreaking, ANonFiniteTokenReachesOnlyTheQueriesThatSeeIt) {
         }
       }
     }
+  }
+}
+
+int kind(double x) { return std::isnan(x) ? 1 : std::isinf(x) ? (x > 0 ? 2 : 3) : 0; }
+
+// The gradients where an input holds an inf or NaN: NaN, +inf, −inf and finite values in the same
+// places as the reference (which sums Σ_{m<j} g from the left), finite ones within tolerance.
+TEST(StickBreaking, ANonFiniteInputReachesTheGradientsAsInTheReference) {
+  const double inf = std::numeric_limits<double>::infinity();
+  struct Case {
+    const char* what;
+    int where;  // 0 d_out, 1 v, 2 k, 3 q, 4 d_rem
+    double value;
+  };
+  const Case cases[] = {{"+inf in d_out", 0, inf}, {"-inf in d_out", 0, -inf}, {"NaN in v", 1, std::nan("")},
+                        {"+inf in v", 1, inf},     {"+inf in k", 2, inf},      {"-inf in q", 3, -inf},
+                        {"+inf in d_rem", 4, inf}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    SbProblem s = make_sb(make_problem(1, 150, 150, 2, 1, 16, DType::kF32, false, 0.5), 16);
+    std::vector<double> d_out(static_cast<std::size_t>(s.out_count())), d_rem(static_cast<std::size_t>(s.rows()));
+    for (auto& x : d_out) x = uniform(-1, 1);
+    for (auto& x : d_rem) x = uniform(-1, 1);
+    const std::int64_t token = 100;
+    if (c.where == 0) d_out[static_cast<std::size_t>((token * s.p.heads) * s.dv + 3)] = c.value;
+    if (c.where == 1) s.v[static_cast<std::size_t>(token * s.dv + 3)] = c.value;
+    if (c.where == 2) s.p.k[static_cast<std::size_t>(token * s.p.dim + 3)] = c.value;
+    if (c.where == 3) s.p.q[static_cast<std::size_t>((token * s.p.heads + 1) * s.p.dim + 3)] = c.value;
+    if (c.where == 4) d_rem[static_cast<std::size_t>(token * s.p.heads)] = c.value;
+    s.vb = testing::to_dtype(s.v, DType::kF32);
+    s.p.kb = testing::to_dtype(s.p.k, DType::kF32);
+    s.p.qb = testing::to_dtype(s.p.q, DType::kF32);
+    const Grads g = run_backward(s, StickBreakingAttention(s.spec()), DType::kF32, d_out, d_rem);
+    const Grads w = run_backward(s, StickBreakingAttention(s.spec(true)), DType::kF64, d_out, d_rem);
+    std::int64_t non_finite = 0;
+    for (const auto& [got, want, name] :
+         {std::tuple{&g.dq, &w.dq, "dq"}, std::tuple{&g.dk, &w.dk, "dk"}, std::tuple{&g.dv, &w.dv, "dv"}}) {
+      double size = 0;
+      for (const double x : *want) size = std::isfinite(x) ? std::max(size, std::abs(x)) : size;
+      for (std::size_t i = 0; i < want->size(); ++i) {
+        ASSERT_EQ(kind((*got)[i]), kind((*want)[i])) << name << " " << i << ": " << (*got)[i] << " vs " << (*want)[i];
+        if (kind((*want)[i]) == 0) {
+          ASSERT_NEAR((*got)[i], (*want)[i], 1e-4 * size + 1e-6) << name << " " << i;
+        } else {
+          ++non_finite;
+        }
+      }
+    }
+    EXPECT_GT(non_finite, 0);  // the case reaches the gradients
   }
 }
 

@@ -216,12 +216,12 @@ struct Block {
 };
 
 struct Scratch {
-  Floats qt, qrows, o, st, dpt, k, v, dot, dorows, dq, row, sig;
+  Floats qt, qrows, o, st, dpt, k, v, dot, dorows, dq, row, sig, own;
   std::vector<float> carry, suffix, total, d_rem;
   std::vector<double> sums;  // backward's exact path: per tile and row, Σ g
   std::int64_t bytes() const {
     std::int64_t n = 0;
-    for (const Floats* f : {&qt, &qrows, &o, &st, &dpt, &k, &v, &dot, &dorows, &dq, &row, &sig})
+    for (const Floats* f : {&qt, &qrows, &o, &st, &dpt, &k, &v, &dot, &dorows, &dq, &row, &sig, &own})
       n += static_cast<std::int64_t>(f->capacity());
     for (const std::vector<float>* f : {&carry, &suffix, &total, &d_rem}) n += static_cast<std::int64_t>(f->capacity());
     return n * static_cast<std::int64_t>(sizeof(float)) + static_cast<std::int64_t>(sums.capacity() * sizeof(double));
@@ -560,8 +560,9 @@ AttentionStats StickBreakingAttention::Plan::backward(ConstTensorView out, Const
   const detail::SbBackwardGrids g = detail::check_sb_backward(spec, shape, out, rem, d_out, d_rem, dq, dk, dv);
   const bool has_d_rem = d_rem.rank() > 0 && d_rem.data() != nullptr;
   const bool want_dq = dq.rank() > 0, want_dk = dk.rank() > 0, want_dv = dv.rank() > 0;
-  // Units: (sequence, KV head, query range); each sums its dK, dV into a slab of its own, and the
-  // slabs of a pair are added in range order afterwards.
+  // Units: (sequence, KV head, query range); each sums its dK, dV from zero. A pair's only unit
+  // adds them to dk, dv itself, from a buffer of its thread (slab −1); the units of a split pair
+  // leave them in slabs of the call, added in range order afterwards.
   struct Unit {
     std::int64_t seq, kvh, i0, i1, key_end, slab;
   };
@@ -576,12 +577,14 @@ AttentionStats StickBreakingAttention::Plan::backward(ConstTensorView out, Const
     if (seq.lq == 0) continue;
     const std::int64_t ranges = ranges_per_pair(pairs, seq.lq);
     const std::int64_t span = round_up((seq.lq + ranges - 1) / ranges, qc);
+    const bool split = span < seq.lq;
     for (std::int64_t kvh = 0; kvh < shape.kv_heads; ++kvh) {
       for (std::int64_t i0 = 0; i0 < seq.lq; i0 += span) {
         const std::int64_t i1 = std::min(seq.lq, i0 + span);
-        const std::int64_t key_end = std::min(seq.lk, seq.lk - seq.lq + i1 - 1 + (spec.attend_current ? 1 : 0));
-        units.push_back({static_cast<std::int64_t>(si), kvh, i0, i1, std::max<std::int64_t>(key_end, 0), slab_floats});
-        slab_floats += std::max<std::int64_t>(key_end, 0) * slab_row;
+        const std::int64_t key_end =
+            std::max<std::int64_t>(0, std::min(seq.lk, seq.lk - seq.lq + i1 - 1 + (spec.attend_current ? 1 : 0)));
+        units.push_back({static_cast<std::int64_t>(si), kvh, i0, i1, key_end, split ? slab_floats : -1});
+        if (split) slab_floats += key_end * slab_row;
       }
     }
   }
@@ -604,7 +607,8 @@ AttentionStats StickBreakingAttention::Plan::backward(ConstTensorView out, Const
     for (std::size_t u = 0; u < units.size(); ++u) {
       const Unit& un = units[u];
       const Sequence& seq = sequences[static_cast<std::size_t>(un.seq)];
-      float* slab = slabs + un.slab;
+      if (un.slab < 0) grow(s.own, un.key_end * slab_row);
+      float* slab = un.slab < 0 ? s.own.data() : slabs + un.slab;
       std::fill(slab, slab + un.key_end * slab_row, 0.0f);
       float* dk_acc = slab;                    // [key_end][dp]
       float* dv_acc = slab + un.key_end * dp;  // [key_end][dvp]
@@ -736,6 +740,13 @@ AttentionStats StickBreakingAttention::Plan::backward(ConstTensorView out, Const
                                   seq.q0 + blk.query[static_cast<std::size_t>(r)], h, true);
         }
       }
+      if (un.slab >= 0) continue;
+      for (std::int64_t j = 0; j < un.key_end; ++j) {
+        if (want_dk)
+          detail::store_heads_row(dk_acc + j * dp, dk.data(), shape.dtype, g.dkg, seq.b, seq.k0 + j, un.kvh, true);
+        if (want_dv)
+          detail::store_heads_row(dv_acc + j * dvp, dv.data(), shape.dtype, g.dvg, seq.b, seq.k0 + j, un.kvh, true);
+      }
     }
     scratch_bytes += s.bytes();
   }
@@ -752,7 +763,7 @@ AttentionStats StickBreakingAttention::Plan::backward(ConstTensorView out, Const
         keys = std::max(keys, un.key_end);
       }
     }
-    if (mine.empty()) continue;
+    if (mine.empty() || mine[0]->slab < 0) continue;  // added by its unit
     Floats sum(static_cast<std::size_t>(slab_row));
     for (std::int64_t j = 0; j < keys; ++j) {
       std::fill(sum.begin(), sum.end(), 0.0f);

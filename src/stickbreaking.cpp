@@ -63,7 +63,12 @@ SbShape check_stickbreaking(const StickBreakingSpec& spec) {
           spec.v.describe(), "the batch, tokens and heads of k, " + spec.k.describe() + ", and head_dim >= 1");
   require(s.k_len < (std::int64_t{1} << 31), "k", spec.k.describe(), "fewer than 2^31 keys");
   s.group = s.heads / s.kv_heads;
-  require(std::isfinite(spec.scale), "scale", to_text(spec.scale), "a finite number (0: 1/sqrt(head_dim))");
+  // The logits are f32 (scale·q rounded once): a scale past FLT_MAX would be inf there, one below
+  // FLT_MIN 0 or a denormal.
+  const double magnitude = std::abs(spec.scale);
+  require(spec.scale == 0.0 ||
+              (magnitude >= std::numeric_limits<float>::min() && magnitude <= std::numeric_limits<float>::max()),
+          "scale", to_text(spec.scale), "0 (1/sqrt(head_dim)) or a magnitude within f32's normal range");
   s.scale = spec.scale == 0.0 ? 1.0 / std::sqrt(static_cast<double>(s.dim)) : spec.scale;
   if (s.packed) {
     require(!spec.cu_seqlens_q.empty() && !spec.cu_seqlens_k.empty(), "cu_seqlens_k",
@@ -414,7 +419,7 @@ bool rows_finite(const float* rows, std::int64_t ld, std::int64_t count, std::in
 }
 
 // The exact path of backward (a block whose inputs hold an inf or NaN): the tile's leftward walk
-// in scalar code, leaving A in st, g = A·(dP − d_rem) in dpt and σ(z) in sig, and adding each
+// in scalar code, leaving A in st, g = A·(dP − d_rem) in dpt and z in sig, and adding each
 // row's Σ g over the tile to tile_sum (fp64). Masked pairs get 0 everywhere.
 void exact_walk(const Block& blk, std::int64_t k0, std::int64_t keys, float* st, float* dpt, float* sig,
                 const float* d_rem, float* carry, double* tile_sum) {
@@ -438,14 +443,15 @@ void exact_walk(const Block& blk, std::int64_t k0, std::int64_t keys, float* st,
       c -= sp;
       st[at] = a;
       dpt[at] = g;
-      sig[at] = std::isnan(z) ? z : (z >= 0 ? 1.0f / (1.0f + e) : e / (1.0f + e));
+      sig[at] = z;
       tile_sum[r] += static_cast<double>(g);
     }
     carry[r] = c;
   }
 }
 
-// Then dz = g·σ(−z) − σ(z)·R with R = Σ_{m<j} g summed from the left: `left` holds each row's sum
+// Then dz = g·σ(−z) − σ(z)·R (σ as the reference flushes it) with R = Σ_{m<j} g summed from the
+// left: `left` holds each row's sum
 // over the keys left of the tile; an inf there stays an inf (G − suffix would make it NaN).
 void exact_finish(const Block& blk, std::int64_t k0, std::int64_t keys, float* dpt, const float* sig,
                   const double* left) {
@@ -455,8 +461,8 @@ void exact_finish(const Block& blk, std::int64_t k0, std::int64_t keys, float* d
     double run = left[r];
     for (std::int64_t j = 0; j < keys && k0 + j < hi; ++j) {
       const std::int64_t at = j * w + r;
-      const double g = dpt[at], sg = sig[at];
-      dpt[at] = static_cast<float>(g * (1.0 - sg) - sg * run);
+      const double g = dpt[at], z = sig[at];
+      dpt[at] = static_cast<float>(g * detail::sb_sigmoid(-z) - detail::sb_sigmoid(z) * run);
       run += g;
     }
   }

@@ -3,6 +3,7 @@
 // exactly the same input.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -12,6 +13,11 @@
 namespace posenc::detail {
 
 inline constexpr const char* kStickBreaking = "stickbreaking_attention";
+
+// The semantics both the fused passes and the reference keep (stickbreaking.hpp): a weight or a
+// sigmoid below FLT_MIN (an exponent below −87.3, kernels::kSbDead) is 0.
+inline double sb_exp(double x) { return x < -87.3 ? 0.0 : std::exp(x); }
+inline double sb_sigmoid(double z) { return z >= 0 ? 1.0 / (1.0 + std::exp(-z)) : sb_exp(z) / (1.0 + std::exp(z)); }
 
 // The shapes of a validated spec.
 struct SbShape {

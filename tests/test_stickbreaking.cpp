@@ -403,7 +403,10 @@ TEST(StickBreaking, RefusesBadInput) {
     edit(spec);
     StickBreakingAttention att(spec);
   };
-  expect_error([&] { build([](StickBreakingSpec& sp) { sp.scale = std::nan(""); }); }, {"scale", "nan", "finite"});
+  expect_error([&] { build([](StickBreakingSpec& sp) { sp.scale = std::nan(""); }); },
+               {"scale", "nan", "f32's normal range"});
+  expect_error([&] { build([](StickBreakingSpec& sp) { sp.scale = 1e39; }); }, {"scale", "1e+39"});
+  expect_error([&] { build([](StickBreakingSpec& sp) { sp.scale = -1e-39; }); }, {"scale", "-1e-39"});
   expect_error([&] { build([&](StickBreakingSpec& sp) { std::swap(sp.q, sp.k); }); },
                {"k", "a KV head count dividing"});
   {

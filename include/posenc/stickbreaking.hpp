@@ -13,6 +13,10 @@
 // The first token sees no key: out = 0, rem = 1. The remainder rem is returned for the model to
 // use (the authors' models add rem_i·b_h, a learned per-head vector, to the output).
 //
+// A weight (or, in backward, a σ(z)) below FLT_MIN is 0, in the fused kernels and in the fp64
+// reference alike: an inf or NaN in a value or d_out then meets 0·inf = NaN on both sides, as in
+// an f32 composition.
+//
 // Computed in log space from the diagonal leftwards, as the authors' kernels do:
 //   log A_ij = −softplus(−z_ij) − Σ_{j<m<e_i} softplus(z_im),  softplus(x) = max(x, 0) + log1p(e^−|x|)
 // (the running sum is the row's "carry"); rem_i = exp(carry after every key) — the product
@@ -51,9 +55,9 @@
 //
 // Errors (posenc::Error naming the parameter): ranks, shapes and dtypes that do not match, a KV
 // head count that does not divide H, a sequence with more queries than keys, a scale that is
-// not finite, cu_seqlens that do not start at 0, decrease, differ in size or end elsewhere than
-// the token count, outputs that share memory with an input or with each other, a rem of the
-// wrong shape or dtype, and a d_rem without rem.
+// not 0 or of a magnitude in [FLT_MIN, FLT_MAX] (the logits are f32), cu_seqlens that do not start at 0, decrease,
+// differ in size or end elsewhere than the token count, outputs that share memory with an input or with each other, a
+// rem of the wrong shape or dtype, and a d_rem without rem.
 #pragma once
 
 #include <cstdint>

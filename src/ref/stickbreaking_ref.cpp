@@ -1,8 +1,8 @@
 // Reference stick-breaking attention: each row walked from its last visible key leftwards in
 // fp64, the weights A_ij = σ(z_ij)·Π(1 − σ(z_im)) taken in log space as the definition
-// (stickbreaking.hpp) writes them, rem = 1 − Σ_j A_ij; backward by the chain rule on the same
-// walk, with Σ_{m<j} g_im summed from the left (the fused kernel subtracts from the total).
-// Sequences are read from the spec here, not from the fused plan.
+// (stickbreaking.hpp) writes them (below FLT_MIN: 0, as there), rem = 1 − Σ_j A_ij; backward by the chain rule on the
+// same walk, with Σ_{m<j} g_im summed from the left (the fused kernel subtracts from the total). Sequences are read
+// from the spec here, not from the fused plan.
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -32,7 +32,6 @@ std::vector<Sequence> sequences_of(const StickBreakingSpec& spec, const detail::
 }
 
 double softplus(double x) { return std::max(x, 0.0) + std::log1p(std::exp(-std::abs(x))); }
-double sigmoid(double x) { return x >= 0 ? 1.0 / (1.0 + std::exp(-x)) : std::exp(x) / (1.0 + std::exp(x)); }
 
 double at(const void* base, DType dtype, const detail::HeadsGrid& g, std::int64_t b, std::int64_t s, std::int64_t h,
           std::int64_t d) {
@@ -59,7 +58,7 @@ void walk(const StickBreakingSpec& spec, const detail::SbShape& shape, const Seq
              at(spec.k.data(), shape.dtype, shape.kg, seq.b, seq.k0 + j, kvh, d);
     }
     const double z = shape.scale * dot;
-    const double a = std::exp(carry - softplus(-z));
+    const double a = detail::sb_exp(carry - softplus(-z));
     carry -= softplus(z);
     row.z[static_cast<std::size_t>(j)] = z;
     row.a[static_cast<std::size_t>(j)] = a;
@@ -128,7 +127,7 @@ void stickbreaking_backward(const StickBreakingAttention& attention, ConstTensor
           }
           const double gj = row.a[ju] * da;
           const double z = row.z[ju];
-          const double dz = gj * sigmoid(-z) - sigmoid(z) * left;
+          const double dz = gj * detail::sb_sigmoid(-z) - detail::sb_sigmoid(z) * left;
           left += gj;
           for (std::int64_t t = 0; t < d; ++t) {
             gq[static_cast<std::size_t>(t)] +=

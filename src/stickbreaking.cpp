@@ -387,6 +387,15 @@ struct StickBreakingAttention::Plan {
     return bad;
   }
 
+  // Threads for a pass over `units` units doing `passes` times the forward's products (the
+  // results do not depend on it).
+  int threads_for(std::size_t units, std::int64_t passes) const {
+    std::int64_t work = 0;
+    for (const Sequence& seq : sequences) work += seq.lq * seq.lk;
+    return std::min<int>(detail::threads_for(work * shape.heads * (shape.dim + shape.dim_v) * passes),
+                         static_cast<int>(std::max<std::size_t>(units, 1)));
+  }
+
   AttentionStats forward(TensorView out, TensorView rem) const;
   AttentionStats backward(ConstTensorView out, ConstTensorView rem, ConstTensorView d_out, ConstTensorView d_rem,
                           TensorView dq, TensorView dk, TensorView dv) const;
@@ -492,10 +501,7 @@ AttentionStats StickBreakingAttention::Plan::forward(TensorView out, TensorView 
         units.push_back({static_cast<std::int64_t>(si), kvh, i0, std::min(sequences[si].lq, i0 + qc)});
     }
   }
-  std::int64_t work = 0;
-  for (const Sequence& seq : sequences) work += seq.lq * seq.lk;
-  const int threads = std::min<int>(detail::threads_for(work * shape.heads * (shape.dim + shape.dim_v)),
-                                    static_cast<int>(std::max<std::size_t>(units.size(), 1)));
+  const int threads = threads_for(units.size(), 1);
   const std::vector<std::int64_t> bad = scan_non_finite(threads);
   std::int64_t tiles = 0, skipped = 0, scratch_bytes = 0;
 #pragma omp parallel num_threads(threads) reduction(+ : tiles, skipped, scratch_bytes)
@@ -597,10 +603,7 @@ AttentionStats StickBreakingAttention::Plan::backward(ConstTensorView out, Const
   thread_local Floats slab_store;  // the calling thread's, kept between calls
   grow(slab_store, slab_floats);
   float* const slabs = slab_store.data();  // (the workers' thread_local would be their own)
-  std::int64_t work = 0;
-  for (const Sequence& seq : sequences) work += seq.lq * seq.lk;
-  const int threads = std::min<int>(detail::threads_for(work * shape.heads * (shape.dim + shape.dim_v) * 2),
-                                    static_cast<int>(std::max<std::size_t>(units.size(), 1)));
+  const int threads = threads_for(units.size(), 2);
   const std::vector<std::int64_t> bad = scan_non_finite(threads, true);
   const std::int64_t d = shape.dim, dv_cols = shape.dim_v;
   std::int64_t tiles = 0, skipped = 0, scratch_bytes = 0;

@@ -145,26 +145,23 @@ void stickbreaking_backward(const StickBreakingAttention& attention, ConstTensor
         }
       }
     }
-    for (std::int64_t j = 0; j < seq.lk; ++j) {
-      for (std::int64_t kvh = 0; kvh < shape.kv_heads; ++kvh) {
-        if (dk.rank() > 0) {
-          for (std::int64_t t = 0; t < d; ++t) {
-            const std::int64_t o = g.dkg.offset(seq.b, seq.k0 + j) + kvh * g.dkg.head_stride + t * g.dkg.dim_stride;
-            detail::store(dk.data(), shape.dtype, o,
-                          detail::load(dk.data(), shape.dtype, o) +
-                              gk[static_cast<std::size_t>((j * shape.kv_heads + kvh) * d + t)]);
-          }
-        }
-        if (dv.rank() > 0) {
-          for (std::int64_t t = 0; t < dvc; ++t) {
-            const std::int64_t o = g.dvg.offset(seq.b, seq.k0 + j) + kvh * g.dvg.head_stride + t * g.dvg.dim_stride;
-            detail::store(dv.data(), shape.dtype, o,
-                          detail::load(dv.data(), shape.dtype, o) +
-                              gv[static_cast<std::size_t>((j * shape.kv_heads + kvh) * dvc + t)]);
+    // dst[j, kvh, ·] += sums[(j·G + kvh)·width + ·] for every key j (an empty view: skipped).
+    const auto add_keys = [&](TensorView dst, const detail::HeadsGrid& grid, const std::vector<double>& sums,
+                              std::int64_t width) {
+      if (dst.rank() == 0) return;
+      for (std::int64_t j = 0; j < seq.lk; ++j) {
+        for (std::int64_t kvh = 0; kvh < shape.kv_heads; ++kvh) {
+          for (std::int64_t t = 0; t < width; ++t) {
+            const std::int64_t o = grid.offset(seq.b, seq.k0 + j) + kvh * grid.head_stride + t * grid.dim_stride;
+            detail::store(dst.data(), shape.dtype, o,
+                          detail::load(dst.data(), shape.dtype, o) +
+                              sums[static_cast<std::size_t>((j * shape.kv_heads + kvh) * width + t)]);
           }
         }
       }
-    }
+    };
+    add_keys(dk, g.dkg, gk, d);
+    add_keys(dv, g.dvg, gv, dvc);
   }
 }
 

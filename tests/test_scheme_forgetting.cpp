@@ -224,6 +224,42 @@ TEST(ForgettingAttention, BitwiseIdenticalForAnyThreadCount) {
   }
 }
 
+// Strong decay (gates of 0.27–0.5: log f of −1.3 to −0.7) makes far tiles vanish: they are
+// skipped, forward and backward, without changing a bit for finite inputs. A NaN value in a
+// vanishing tile is the skip's documented exception (AttentionSpec::skip_vanishing_tiles): the
+// full run spreads it through 0·NaN, the skip does not.
+TEST(ForgettingAttention, VanishingFarTilesAreSkippedWithoutChangingABit) {
+  Problem p = make_problem(1, 700, 700, 4, 2, 32);
+  const Gates gates = make_gates(1, 700, 4, -1.0, 0.0);
+  for (const bool poison : {false, true}) {
+    SCOPED_TRACE(poison ? "a NaN value at key 3" : "finite");
+    if (poison) {
+      p.v[3 * 2 * 32] = std::nan("");
+      p.vb = testing::to_dtype(p.v, DType::kF32);
+    }
+    AttentionSpec on = gated_spec(p, gates, true), off = on;
+    off.skip_vanishing_tiles = false;
+    const Attention a(on), b(off);
+    const Outputs fa = run_forward(p, a, 0), fb = run_forward(p, b, 0);
+    if (!poison) {
+      EXPECT_GT(fa.stats.skipped, fa.stats.tiles / 4);
+      EXPECT_EQ(fb.stats.skipped, 0);
+      EXPECT_EQ(fa.out, fb.out);
+      EXPECT_EQ(fa.lse, fb.lse);
+      const std::vector<double> d_out = random_values(static_cast<std::size_t>(p.q_count()));
+      const Grads ga = run_backward(p, a, d_out, false), gb = run_backward(p, b, d_out, false);
+      EXPECT_EQ(ga.dq, gb.dq);
+      EXPECT_EQ(ga.dk, gb.dk);
+      EXPECT_EQ(ga.dv, gb.dv);
+      EXPECT_EQ(ga.params.groups[0].terms[0], gb.params.groups[0].terms[0]);
+    } else {
+      // Query 699 sees key 3 with a probability far below FLT_MIN.
+      EXPECT_FALSE(std::isnan(fa.out[static_cast<std::size_t>(699 * 4 * 32)]));
+      EXPECT_TRUE(std::isnan(fb.out[static_cast<std::size_t>(699 * 4 * 32)]));
+    }
+  }
+}
+
 // A NaN gate at token t makes every c from t on NaN: the rows of queries before t do not see it
 // (their keys' c are finite), and the fused rows from t on are non-finite exactly where the fp64
 // reference's are (attention.hpp's policy for a row whose every logit is NaN).

@@ -594,17 +594,23 @@ void AttentionPlan::plan_far_tiles(const std::vector<HeadGroup>& groups, float l
   bool keys_keep_norms = true;
   for (const QKTables& t : tables)
     keys_keep_norms = keys_keep_norms && (!t.transform_keys || t.kind != QKTables::kAbsolute);
-  far_tiles_first = lowest_table_bias < -kFarBias && mask.softcap <= 0 && keys_keep_norms &&
+  // A head can vanish far away through its bias table or a term (a forget gate's decay).
+  const auto steep_head = [&](std::int64_t h) {
+    const HeadBias& hb = head_bias[static_cast<std::size_t>(h)];
+    const bool table = hb.kind == HeadBias::kTable && *std::min_element(hb.table, hb.table + hb.width) < -kFarBias;
+    return table || std::any_of(terms.begin(), terms.end(), [h](const auto& t) { return t->steep(h); });
+  };
+  bool any_steep_term = false;
+  for (std::int64_t h = 0; h < heads; ++h)
+    for (const auto& t : terms) any_steep_term = any_steep_term || t->steep(h);
+  far_tiles_first = (lowest_table_bias < -kFarBias || any_steep_term) && mask.softcap <= 0 && keys_keep_norms &&
                     std::all_of(terms.begin(), terms.end(), [](const auto& t) { return t->keeps_tile_bound(); });
-  // Per KV head: only where every query head's table falls below −100 can a block's rows all
-  // vanish; the others run their tiles in key order (see far_first_kv).
+  // Per KV head: only where every query head falls below −100 can a block's rows all vanish; the
+  // others run their tiles in key order (see far_first_kv).
   far_first_kv.assign(static_cast<std::size_t>(kv_heads), 0);
   for (std::int64_t g = 0; far_tiles_first && g < kv_heads; ++g) {
     bool steep = true;
-    for (std::int64_t h = g * group_size; h < (g + 1) * group_size; ++h) {
-      const HeadBias& hb = head_bias[static_cast<std::size_t>(h)];
-      steep = steep && hb.kind == HeadBias::kTable && *std::min_element(hb.table, hb.table + hb.width) < -kFarBias;
-    }
+    for (std::int64_t h = g * group_size; h < (g + 1) * group_size; ++h) steep = steep && steep_head(h);
     far_first_kv[static_cast<std::size_t>(g)] = steep ? 1 : 0;
   }
   skip_far_tiles = far_tiles_first && spec.skip_vanishing_tiles;

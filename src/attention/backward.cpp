@@ -430,10 +430,12 @@ void AttentionPlan::backward_unit(const BackwardCall& call, const BackwardUnit& 
     if (skip_far_tiles) {
       // Every probability 0: dS = 0 and the products would add only zeros.
       const auto [k_lo, k_hi] = std::minmax_element(kpos, kpos + keys);
-      const bool vanishes = tile_vanishes(*this, sub, s.row_norm.data() + r0, s.lse.data() + r0, *k_lo, *k_hi, [&] {
-        if (tile_key_norm < 0) tile_key_norm = row_norms(k_rows, ldkv, keys, d, nullptr);
-        return tile_key_norm;
-      });
+      const bool vanishes = tile_vanishes(*this, seq, sub, s.row_norm.data() + r0, s.lse.data() + r0, *k_lo, *k_hi, k0,
+                                          k0 + keys - 1, [&] {
+                                            if (tile_key_norm < 0)
+                                              tile_key_norm = row_norms(k_rows, ldkv, keys, d, nullptr);
+                                            return tile_key_norm;
+                                          });
       if (vanishes) {
         ++s.skipped_steps;
         return;

@@ -59,19 +59,28 @@ void add_visible_values(const RowBlock& rb, std::int64_t r_first, std::int64_t r
 // x = −87.3, so a bound under row_max − 89 leaves 1.7 to spare: every probability of the tile is
 // exactly 0, and skipping it changes no bit (for finite values). The bias bound is checked first;
 // key_norm() (the tile's largest |k|) is called only when it passes.
+// The keys [k_first, k_last] of `seq` are the tile's (by index, for the terms' tile_max): their
+// bound joins the bias's (a head without a bias table: 0 plus the terms').
 template <class KeyNorm>
-bool tile_vanishes(const AttentionPlan& p, const RowBlock& rb, const double* row_norm, const float* row_max,
-                   std::int64_t k_lo, std::int64_t k_hi, KeyNorm&& key_norm) {
+bool tile_vanishes(const AttentionPlan& p, const Sequence& seq, const RowBlock& rb, const double* row_norm,
+                   const float* row_max, std::int64_t k_lo, std::int64_t k_hi, std::int64_t k_first,
+                   std::int64_t k_last, KeyNorm&& key_norm) {
   const auto rows_pass = [&](double norm) {
     for (std::int64_t r = 0; r < rb.width; ++r) {
       const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
       if (h < 0) continue;
       const HeadBias& hb = p.head_bias[static_cast<std::size_t>(h)];
-      if (hb.kind != HeadBias::kTable || hb.max_from == nullptr) return false;
-      const std::int64_t qp = rb.position[static_cast<std::size_t>(r)];
-      const std::int64_t a = qp - k_hi - hb.delta_min, b = qp - k_lo - hb.delta_min;
-      if (a < 0 || b >= hb.width) return false;
-      const double bias = std::min(hb.max_from[a], hb.max_to[b]);
+      double bias = 0;
+      if (hb.kind == HeadBias::kTable && hb.max_from != nullptr) {
+        const std::int64_t qp = rb.position[static_cast<std::size_t>(r)];
+        const std::int64_t a = qp - k_hi - hb.delta_min, b = qp - k_lo - hb.delta_min;
+        if (a < 0 || b >= hb.width) return false;
+        bias = std::min(hb.max_from[a], hb.max_to[b]);
+      } else if (hb.kind != HeadBias::kNone) {
+        return false;
+      }
+      for (const auto& term : p.terms)
+        bias += term->tile_max(seq, h, rb.query[static_cast<std::size_t>(r)], k_first, k_last);
       const double bound = (1 + 1e-3) * row_norm[r] * norm + bias + 1e-3 * std::abs(bias) + 1.0;
       // A row that has no max yet (−inf) or a NaN norm fails here: the tile runs.
       if (!(bound < static_cast<double>(row_max[r]) - 89.0)) return false;

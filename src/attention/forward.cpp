@@ -184,7 +184,7 @@ bool far_tile_vanishes(const AttentionPlan& p, const Sequence& seq, std::int64_t
     k_lo = std::min(k_lo, kp);
     k_hi = std::max(k_hi, kp);
   }
-  return detail::tile_vanishes(p, rb, s.row_norm.data(), s.m.data(), k_lo, k_hi, [&] {
+  return detail::tile_vanishes(p, seq, rb, s.row_norm.data(), s.m.data(), k_lo, k_hi, k0, k0 + keys - 1, [&] {
     grow(s.tmp, p.dim_padded);
     double largest = 0;
     for (std::int64_t j = 0; j < keys; ++j) {

@@ -17,6 +17,7 @@
 
 #include <array>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <span>
 #include <vector>
@@ -99,6 +100,16 @@ class ScoreTerm {
   // Whether a bound on a tile's logits without the term is still one with it (it adds nothing,
   // or nothing above 0), so that the far-tile skip stays exact (AttentionPlan::skip_far_tiles).
   virtual bool keeps_tile_bound() const { return false; }
+  // An upper bound of the term's part of the logits of row (head h, query i of seq) over the
+  // sequence's keys [k_first, k_last], for the far-tile skip (tile_vanishes): 0 for a term that
+  // keeps the tile bound, else +inf (no skip). A NaN bound fails the test (the tile runs).
+  virtual double tile_max(const Sequence& /* seq */, std::int64_t /* h */, std::int64_t /* i */,
+                          std::int64_t /* k_first */, std::int64_t /* k_last */) const {
+    return keeps_tile_bound() ? 0.0 : std::numeric_limits<double>::infinity();
+  }
+  // Whether the term's values for head h fall below −100 in some sequence, so that far tiles of
+  // the head can vanish without a steep bias (the plan then runs them from the diagonal down).
+  virtual bool steep(std::int64_t /* h */) const { return false; }
 
   // Added to the query row of head h before the scale (Transformer-XL's u).
   virtual void adjust_query(std::int64_t /* h */, float* /* row */) const {}

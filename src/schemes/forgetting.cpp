@@ -92,6 +92,14 @@ class ForgetTerm final : public ScoreTerm {
   std::int64_t bytes() const override { return static_cast<std::int64_t>(c_.size() * sizeof(double)); }
   // c_i − c_j <= 0 for every key at or before the query, the only keys it lets through.
   bool keeps_tile_bound() const override { return true; }
+  // Over keys [k_first, k_last] the decay c_i − c_j is largest at the last key (c does not grow).
+  double tile_max(const Sequence& seq, std::int64_t h, std::int64_t i, std::int64_t /* k_first */,
+                  std::int64_t k_last) const override {
+    return ours(h) ? c(seq, query_key(seq, i), h) - c(seq, k_last, h) : 0.0;
+  }
+  bool steep(std::int64_t h) const override {
+    return ours(h) && steep_[static_cast<std::size_t>(h - first_head_)] != 0;
+  }
   void add_scores(const TermTile& tile, float* st, TermState& s) const override;
 
   std::int64_t unit_gradient_size() const override { return max_keys_ * p_.group_size; }
@@ -116,7 +124,8 @@ class ForgetTerm final : public ScoreTerm {
 
   const AttentionPlan& p_;
   std::int64_t group_ = 0, index_ = 0, first_head_ = 0, heads_ = 0, max_keys_ = 0;
-  std::vector<double> c_;  // [key tokens of the grid][heads]
+  std::vector<double> c_;    // [key tokens of the grid][heads]
+  std::vector<char> steep_;  // per head: the decay across some sequence is below −100
 };
 
 ForgetTerm::ForgetTerm(const ForgetGate& gate, const AttentionPlan& p, std::int64_t group, std::int64_t index)
@@ -155,6 +164,7 @@ ForgetTerm::ForgetTerm(const ForgetGate& gate, const AttentionPlan& p, std::int6
     }
   }
   c_.assign(static_cast<std::size_t>(p.batch * p.k_len * heads_), 0.0);
+  steep_.assign(static_cast<std::size_t>(heads_), 0);
   for (const Sequence& seq : p.sequences) {
     for (std::int64_t h = 0; h < heads_; ++h) {
       double running = 0;
@@ -162,6 +172,8 @@ ForgetTerm::ForgetTerm(const ForgetGate& gate, const AttentionPlan& p, std::int6
         running += gate.log_gate(seq.b, seq.k0 + j, h);
         c_[static_cast<std::size_t>((seq.b * p.k_len + seq.k0 + j) * heads_ + h)] = running;
       }
+      if (running - (seq.lk > 0 ? gate.log_gate(seq.b, seq.k0, h) : 0.0) < -100.0)
+        steep_[static_cast<std::size_t>(h)] = 1;
     }
   }
 }
@@ -205,11 +217,10 @@ void ForgetTerm::add_scores(const TermTile& tile, float* st, TermState& s) const
           // Padding rows (masked later) take the first key's c: a finite 0 for finite gates.
           ci[static_cast<std::size_t>(r)] = c(seq, i < 0 ? k0 : query_key(seq, i), h);
         }
-        for (std::int64_t j = 0; j < keys; ++j) {
-          float* row = st + j * w;
-          const double cj = c(seq, k0 + j, h);
-          for (std::int64_t r = ra; r < ra + n; ++r) row[r] += static_cast<float>(ci[static_cast<std::size_t>(r)] - cj);
-        }
+        thread_local std::vector<double> cj;  // the tile's keys' c (more_doubles holds backward's row sums)
+        cj.resize(static_cast<std::size_t>(keys));
+        for (std::int64_t j = 0; j < keys; ++j) cj[static_cast<std::size_t>(j)] = c(seq, k0 + j, h);
+        kernels::attn_add_differences(st, keys, w, ra, n, ci.data(), cj.data());
       });
 }
 

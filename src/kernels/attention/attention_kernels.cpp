@@ -191,6 +191,21 @@ void AttnSoftmaxTile(float* HWY_RESTRICT st, std::int64_t keys, std::int64_t wid
   }
 }
 
+void AttnAddDifferences(float* HWY_RESTRICT st, std::int64_t keys, std::int64_t width, std::int64_t r0, std::int64_t n,
+                        const double* HWY_RESTRICT row, const double* HWY_RESTRICT key) {
+  const hn::ScalableTag<double> dd;
+  const hn::Rebind<float, decltype(dd)> df;  // half a float vector: one lane per double
+  const auto lanes = static_cast<std::int64_t>(hn::Lanes(dd));
+  for (std::int64_t j = 0; j < keys; ++j) {
+    const auto kj = hn::Set(dd, key[j]);
+    float* out = st + j * width;
+    for (std::int64_t r = r0; r < r0 + n; r += lanes) {
+      const auto diff = hn::DemoteTo(df, hn::Sub(hn::LoadU(dd, row + r), kj));
+      hn::StoreU(hn::Add(hn::LoadU(df, out + r), diff), df, out + r);
+    }
+  }
+}
+
 void AttnSoftcapTile(float* HWY_RESTRICT st, std::int64_t keys, std::int64_t width, float cap) {
   const DF d;
   const auto n = static_cast<std::int64_t>(hn::Lanes(d));
@@ -407,6 +422,7 @@ HWY_EXPORT(AttnFireKeys);
 HWY_EXPORT(AttnFireMoments);
 
 HWY_EXPORT(AttnMaskTile);
+HWY_EXPORT(AttnAddDifferences);
 
 HWY_EXPORT(AttnAddBiasRows);
 void attn_add_bias_rows(float* st, std::int64_t keys, std::int64_t width, const float* table, std::int64_t base,
@@ -452,6 +468,11 @@ void attn_gemm_add(const float* a, std::int64_t a_row, std::int64_t a_depth, con
   }
   HWY_DYNAMIC_DISPATCH(AttnGemm)(a, a_row, a_depth, b, ldb, c, ldc, rows, cols, depth, 2);  // kAddSum
 }
+void attn_add_differences(float* st, std::int64_t keys, std::int64_t width, std::int64_t r0, std::int64_t n,
+                          const double* row, const double* key) {
+  HWY_DYNAMIC_DISPATCH(AttnAddDifferences)(st, keys, width, r0, n, row, key);
+}
+
 void attn_softmax_tile(float* st, std::int64_t keys, std::int64_t width, float* m, float* l, float* correction) {
   HWY_DYNAMIC_DISPATCH(AttnSoftmaxTile)(st, keys, width, m, l, correction);
 }

@@ -373,8 +373,8 @@ struct StickBreakingAttention::Plan {
     return spec.skip_vanishing_tiles ? bad[static_cast<std::size_t>(si * shape.kv_heads + kvh)] : -1;
   }
 
-  // Per (sequence, KV head): first_non_finite, or −1 everywhere when tiles are not skipped (and
-  // not `always`).
+  // Per (sequence, KV head): first_non_finite (backward always asks; forward only to skip), or
+  // −1 everywhere.
   std::vector<std::int64_t> scan_non_finite(int threads, bool always = false) const {
     const auto pairs = static_cast<std::int64_t>(sequences.size()) * shape.kv_heads;
     std::vector<std::int64_t> bad(static_cast<std::size_t>(pairs), -1);
@@ -460,8 +460,8 @@ void exact_walk(const Block& blk, std::int64_t k0, std::int64_t keys, float* st,
 }
 
 // Then dz = g·σ(−z) − σ(z)·R (σ as the reference flushes it) with R = Σ_{m<j} g summed from the
-// left: `left` holds each row's sum
-// over the keys left of the tile; an inf there stays an inf (G − suffix would make it NaN).
+// left: `left` holds each row's sum over the keys left of the tile; an inf there stays an inf
+// (G − suffix would make it NaN).
 void exact_finish(const Block& blk, std::int64_t k0, std::int64_t keys, float* dpt, const float* sig,
                   const double* left) {
   const std::int64_t w = blk.width;

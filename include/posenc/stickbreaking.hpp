@@ -53,11 +53,16 @@
 // trained model's short-range heads then cost O(S·span) rather than O(S²). AttentionStats
 // counts the tiles met and skipped.
 //
+// Non-finite inputs: a block whose queries, d_out, d_rem, out or any key or value row it sees hold
+// an inf or NaN takes Σ_{m<j} g_im as a sum from the left, in two passes (G − Σ_{m>=j} would turn
+// an infinite G into NaN where the composition has ±inf): its gradients are ±inf and NaN where
+// the reference's are.
+//
 // Errors (posenc::Error naming the parameter): ranks, shapes and dtypes that do not match, a KV
-// head count that does not divide H, a sequence with more queries than keys, a scale that is
-// not 0 or of a magnitude in [FLT_MIN, FLT_MAX] (the logits are f32), cu_seqlens that do not start at 0, decrease,
-// differ in size or end elsewhere than the token count, outputs that share memory with an input or with each other, a
-// rem of the wrong shape or dtype, and a d_rem without rem.
+// head count that does not divide H, a sequence with more queries than keys, a scale that is not
+// 0 or of a magnitude in [FLT_MIN, FLT_MAX] (the logits are f32), cu_seqlens that do not start at
+// 0, decrease, differ in size or end elsewhere than the token count, outputs that share memory
+// with an input or with each other, a rem of the wrong shape or dtype, and a d_rem without rem.
 #pragma once
 
 #include <cstdint>
@@ -90,7 +95,9 @@ class StickBreakingAttention {
   std::int64_t kv_heads() const;
   std::int64_t head_dim() const;
   std::int64_t value_dim() const;
-  double scale() const;  // the resolved scale
+  std::int64_t q_len() const;  // Sq (or Tq)
+  std::int64_t k_len() const;  // Sk (or Tk)
+  double scale() const;        // the resolved scale
 
   // out like q with Dv columns (in q's dtype, or f32); rem [B, Sq, H] f32 or an empty view.
   AttentionStats forward(TensorView out, TensorView rem = {}) const;
@@ -98,9 +105,6 @@ class StickBreakingAttention {
   // reaches rem). dq, dk, dv (+=) like q, k, v; empty views skip them.
   AttentionStats backward(ConstTensorView out, ConstTensorView rem, ConstTensorView d_out, ConstTensorView d_rem,
                           TensorView dq, TensorView dk, TensorView dv) const;
-
-  std::int64_t q_len() const;  // Sq (or Tq)
-  std::int64_t k_len() const;  // Sk (or Tk)
 
  private:
   struct Plan;  // validated shapes and sequences (src/stickbreaking.cpp)

@@ -137,4 +137,18 @@ LearnedGrids check_learned_backward(ConstTensorView dy, const Positions& positio
   return g;
 }
 
+void check_disjoint(const char* where, std::initializer_list<NamedView> outputs,
+                    std::initializer_list<NamedView> inputs) {
+  const auto empty = [](ConstTensorView v) { return v.rank() == 0 || v.data() == nullptr; };
+  for (auto o = outputs.begin(); o != outputs.end(); ++o) {
+    if (empty(o->second)) continue;
+    for (const NamedView& in : inputs) {
+      if (!empty(in.second)) check_alias(where, o->first, o->second, in.first, in.second, Alias::kDisjoint);
+    }
+    for (auto other = std::next(o); other != outputs.end(); ++other) {
+      if (!empty(other->second)) check_alias(where, o->first, o->second, other->first, other->second, Alias::kDisjoint);
+    }
+  }
+}
+
 }  // namespace posenc::detail

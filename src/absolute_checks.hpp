@@ -2,6 +2,9 @@
 // and the fp64 reference (ref/absolute_ref.cpp), so that both reject exactly the same input.
 #pragma once
 
+#include <initializer_list>
+#include <utility>
+
 #include "internal.hpp"
 #include "posenc/absolute.hpp"
 
@@ -28,5 +31,9 @@ enum class Alias : bool { kDisjoint, kDisjointOrInPlace };
 // `out` must not overlap `in`, except (with kDisjointOrInPlace) by being exactly the same view.
 void check_alias(const char* where, const char* out_name, ConstTensorView out, const char* in_name, ConstTensorView in,
                  Alias allowed);
+// Outputs (name, view) disjoint from every input and from each other (empty views skipped).
+using NamedView = std::pair<const char*, ConstTensorView>;
+void check_disjoint(const char* where, std::initializer_list<NamedView> outputs,
+                    std::initializer_list<NamedView> inputs);
 
 }  // namespace posenc::detail

@@ -65,6 +65,8 @@ void load_heads_row(const void* base, DType dtype, const HeadsGrid& g, std::int6
                     float* out, std::int64_t padded);
 void store_heads_row(const float* row, void* base, DType dtype, const HeadsGrid& g, std::int64_t b, std::int64_t s,
                      std::int64_t h, bool accumulate);
+// Whether the first `cols` floats of `count` rows, ld apart, hold an inf or NaN (attention/rows.cpp).
+bool rows_non_finite(const float* rows, std::int64_t ld, std::int64_t count, std::int64_t cols);
 // Throws posenc::Error unless the view has rank 4 or 3.
 HeadsGrid heads_grid(const char* where, const char* name, ConstTensorView view);
 // An output (or gradient) of the shape of the tokens `like` describes, and writable.

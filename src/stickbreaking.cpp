@@ -128,20 +128,6 @@ void check_out_dtype(const SbShape& shape, ConstTensorView out) {
   }
 }
 
-using NamedView = std::pair<const char*, ConstTensorView>;
-void check_disjoint(std::initializer_list<NamedView> outputs, std::initializer_list<NamedView> inputs) {
-  for (auto o = outputs.begin(); o != outputs.end(); ++o) {
-    if (!given(o->second)) continue;
-    for (const NamedView& in : inputs) {
-      if (given(in.second)) check_alias(kStickBreaking, o->first, o->second, in.first, in.second, Alias::kDisjoint);
-    }
-    for (auto other = std::next(o); other != outputs.end(); ++other) {
-      if (given(other->second))
-        check_alias(kStickBreaking, o->first, o->second, other->first, other->second, Alias::kDisjoint);
-    }
-  }
-}
-
 }  // namespace
 
 HeadsGrid check_sb_forward_outputs(const StickBreakingSpec& spec, const SbShape& shape, ConstTensorView out,
@@ -150,7 +136,7 @@ HeadsGrid check_sb_forward_outputs(const StickBreakingSpec& spec, const SbShape&
   check_out_dtype(shape, out);
   check_writable(kStickBreaking, "out", out);
   if (given(rem)) check_rem(shape, "rem", rem, true);
-  check_disjoint({{"out", out}, {"rem", rem}}, {{"q", spec.q}, {"k", spec.k}, {"v", spec.v}});
+  check_disjoint(kStickBreaking, {{"out", out}, {"rem", rem}}, {{"q", spec.q}, {"k", spec.k}, {"v", spec.v}});
   return og;
 }
 
@@ -178,7 +164,7 @@ SbBackwardGrids check_sb_backward(const StickBreakingSpec& spec, const SbShape& 
   g.dkg = gradient("dk", dk, shape.kg);
   g.dvg = gradient("dv", dv, shape.vg);
   check_disjoint(
-      {{"dq", dq}, {"dk", dk}, {"dv", dv}},
+      kStickBreaking, {{"dq", dq}, {"dk", dk}, {"dv", dv}},
       {{"q", spec.q}, {"k", spec.k}, {"v", spec.v}, {"out", out}, {"rem", rem}, {"d_out", d_out}, {"d_rem", d_rem}});
   return g;
 }
@@ -243,11 +229,7 @@ Scratch& thread_scratch() {
   return s;
 }
 
-bool finite_floats(const float* x, std::int64_t n) {
-  float acc = 0.0f;
-  for (std::int64_t t = 0; t < n; ++t) acc += x[t] * 0.0f;  // NaN iff some x is inf or NaN
-  return acc == 0.0f;
-}
+bool finite_floats(const float* x, std::int64_t n) { return !detail::rows_non_finite(x, 0, 1, n); }
 
 }  // namespace
 
@@ -280,12 +262,13 @@ struct StickBreakingAttention::Plan {
     }
   }
 
-  void load_q(const Sequence& seq, const Block& blk, Scratch& s, std::int64_t& finite) const {
+  // The block's queries, scaled, as rows (s.qrows) and transposed (s.qt); whether all are finite.
+  bool load_q(const Sequence& seq, const Block& blk, Scratch& s) const {
     const std::int64_t w = blk.width, ldt = padded(w), d = shape.dim;
     grow(s.qt, d * ldt);
     grow(s.qrows, w * dp);
     const auto scale = static_cast<float>(shape.scale);
-    finite = 1;
+    bool finite = true;
     for (std::int64_t r = 0; r < w; ++r) {
       float* row = s.qrows.data() + r * dp;
       const std::int64_t h = blk.head[static_cast<std::size_t>(r)];
@@ -295,10 +278,11 @@ struct StickBreakingAttention::Plan {
         detail::load_heads_row(spec.q.data(), shape.dtype, shape.qg, seq.b,
                                seq.q0 + blk.query[static_cast<std::size_t>(r)], h, row, dp);
         for (std::int64_t t = 0; t < d; ++t) row[t] *= scale;
-        if (!finite_floats(row, d)) finite = 0;
+        finite = finite && finite_floats(row, d);
       }
       for (std::int64_t t = 0; t < d; ++t) s.qt[static_cast<std::size_t>(t * ldt + r)] = row[t];
     }
+    return finite;
   }
 
   // Keys and values of the tile [k0, k0 + keys) of KV head kvh, as f32 rows: keys read in place
@@ -356,6 +340,14 @@ struct StickBreakingAttention::Plan {
       if (!finite_floats(s.row.data(), shape.dim_v)) return j;
     }
     return seq.lk;
+  }
+
+  // Each row's carry before its first key: 0, and −inf for padding rows (no weight, ever dead).
+  static void start_carries(const Block& blk, std::vector<float>& carry) {
+    grow(carry, blk.width);
+    for (std::int64_t r = 0; r < blk.width; ++r)
+      carry[static_cast<std::size_t>(r)] =
+          blk.head[static_cast<std::size_t>(r)] < 0 ? -std::numeric_limits<float>::infinity() : 0.0f;
   }
 
   // Whether the block may stop before the tile ending at `tile_end`: every row's carry is below
@@ -420,16 +412,9 @@ void add_visible(const Block& blk, std::int64_t k0, std::int64_t keys, const flo
   }
 }
 
-bool rows_finite(const float* rows, std::int64_t ld, std::int64_t count, std::int64_t cols) {
-  for (std::int64_t r = 0; r < count; ++r) {
-    if (!finite_floats(rows + r * ld, cols)) return false;
-  }
-  return true;
-}
-
 // The exact path of backward (a block whose inputs hold an inf or NaN): the tile's leftward walk
 // in scalar code, leaving A in st, g = A·(dP − d_rem) in dpt and z in sig, and adding each
-// row's Σ g over the tile to tile_sum (fp64). Masked pairs get 0 everywhere.
+// row's Σ g over the tile to tile_sum (fp64; null: not wanted). Masked pairs get 0 everywhere.
 void exact_walk(const Block& blk, std::int64_t k0, std::int64_t keys, float* st, float* dpt, float* sig,
                 const float* d_rem, float* carry, double* tile_sum) {
   const std::int64_t w = blk.width;
@@ -453,7 +438,7 @@ void exact_walk(const Block& blk, std::int64_t k0, std::int64_t keys, float* st,
       st[at] = a;
       dpt[at] = g;
       sig[at] = z;
-      tile_sum[r] += static_cast<double>(g);
+      if (tile_sum != nullptr) tile_sum[r] += static_cast<double>(g);
     }
     carry[r] = c;
   }
@@ -515,15 +500,11 @@ AttentionStats StickBreakingAttention::Plan::forward(TensorView out, TensorView 
       const Sequence& seq = sequences[static_cast<std::size_t>(un.seq)];
       layout(seq, un.kvh, un.i0, un.i1, blk);
       const std::int64_t w = blk.width;
-      std::int64_t q_finite = 1;
-      load_q(seq, blk, s, q_finite);
+      const bool q_finite = load_q(seq, blk, s);
       grow(s.o, w * dvp);
       grow(s.st, kKeyTile * w);
-      grow(s.carry, w);
       std::fill(s.o.begin(), s.o.begin() + w * dvp, 0.0f);
-      for (std::int64_t r = 0; r < w; ++r)
-        s.carry[static_cast<std::size_t>(r)] =
-            blk.head[static_cast<std::size_t>(r)] < 0 ? -std::numeric_limits<float>::infinity() : 0.0f;
+      start_carries(blk, s.carry);
       const std::int64_t bad_from = q_finite ? this->bad_from(un.kvh, bad, un.seq) : -1;
       const std::int64_t n_tiles = (blk.key_end + kKeyTile - 1) / kKeyTile;
       for (std::int64_t t = n_tiles - 1; t >= 0; --t) {
@@ -539,7 +520,7 @@ AttentionStats StickBreakingAttention::Plan::forward(TensorView out, TensorView 
         kernels::attn_gemm(kt.k, kt.ldk, 1, s.qt.data(), padded(w), s.st.data(), w, keys, w, shape.dim, false);
         const bool masked = blk.any_masked(k0 + keys);
         kernels::sb_forward_tile(s.st.data(), keys, w, k0, blk.hi.data(), masked, s.carry.data());
-        if (masked && !rows_finite(s.v.data(), padded(dvp), keys, shape.dim_v)) {
+        if (masked && detail::rows_non_finite(s.v.data(), padded(dvp), keys, shape.dim_v)) {
           add_visible(blk, k0, keys, s.st.data(), s.v.data(), padded(dvp), dvp, s.o.data(), dvp, true);
         } else {
           kernels::attn_gemm_add(s.st.data(), 1, w, s.v.data(), padded(dvp), s.o.data(), dvp, w, dvp, keys);
@@ -624,17 +605,17 @@ AttentionStats StickBreakingAttention::Plan::backward(ConstTensorView out, Const
       for (std::int64_t b0 = un.i0; b0 < un.i1; b0 += qc) {
         layout(seq, un.kvh, b0, std::min(un.i1, b0 + qc), blk);
         const std::int64_t w = blk.width, ldt = padded(w);
-        std::int64_t q_finite = 1;
-        load_q(seq, blk, s, q_finite);
+        const bool q_finite = load_q(seq, blk, s);
         grow(s.dorows, w * dvp);
         grow(s.dot, dvp * ldt);
         grow(s.dq, w * dp);
         grow(s.st, kKeyTile * w);
         grow(s.dpt, kKeyTile * w);
         grow(s.row, std::max(dp, dvp));
-        for (auto* v : {&s.carry, &s.suffix, &s.total, &s.d_rem}) grow(*v, w);
+        for (auto* v : {&s.suffix, &s.total, &s.d_rem}) grow(*v, w);
+        start_carries(blk, s.carry);
         std::fill(s.dq.begin(), s.dq.begin() + w * dp, 0.0f);
-        bool do_finite = true;
+        bool do_finite = true, totals_finite = true;
         for (std::int64_t r = 0; r < w; ++r) {
           const auto at = static_cast<std::size_t>(r);
           float* dor = s.dorows.data() + r * dvp;
@@ -642,7 +623,6 @@ AttentionStats StickBreakingAttention::Plan::backward(ConstTensorView out, Const
           s.suffix[at] = 0.0f;
           if (h < 0) {
             std::fill(dor, dor + dvp, 0.0f);
-            s.carry[at] = -std::numeric_limits<float>::infinity();
             s.total[at] = s.d_rem[at] = 0.0f;
           } else {
             const std::int64_t i = blk.query[at];
@@ -657,16 +637,13 @@ AttentionStats StickBreakingAttention::Plan::backward(ConstTensorView out, Const
               const float rm = static_cast<const float*>(rem.data())[g.rem.offset(seq.b, seq.q0 + i, h)];
               total -= static_cast<double>(dr) * (1.0 - static_cast<double>(rm));
             }
-            s.carry[at] = 0.0f;
             s.total[at] = static_cast<float>(total);
             s.d_rem[at] = dr;
             do_finite = do_finite && finite_floats(dor, dv_cols) && std::isfinite(dr);
+            totals_finite = totals_finite && std::isfinite(s.total[at]);
           }
           for (std::int64_t c = 0; c < dv_cols; ++c) s.dot[static_cast<std::size_t>(c * ldt + r)] = dor[c];
         }
-        bool totals_finite = true;
-        for (std::int64_t r = 0; r < w; ++r)
-          totals_finite = totals_finite && std::isfinite(s.total[static_cast<std::size_t>(r)]);
         const std::int64_t first_bad = bad[static_cast<std::size_t>(un.seq * shape.kv_heads + un.kvh)];
         // A block that meets an inf or NaN (its queries, d_out, d_rem, G, or a key or value row it
         // sees) takes R = Σ_{m<j} g from the left, in two passes (exact_walk): G − suffix would turn
@@ -695,11 +672,8 @@ AttentionStats StickBreakingAttention::Plan::backward(ConstTensorView out, Const
             for (std::int64_t r = 0; r < w; ++r)
               s.sums[static_cast<std::size_t>(t * w + r)] += s.sums[static_cast<std::size_t>((t - 1) * w + r)];
           }
-          for (std::int64_t r = 0; r < w; ++r)
-            s.carry[static_cast<std::size_t>(r)] =
-                blk.head[static_cast<std::size_t>(r)] < 0 ? -std::numeric_limits<float>::infinity() : 0.0f;
+          start_carries(blk, s.carry);
         }
-        std::vector<double> discard;
         for (std::int64_t t = n_tiles - 1; t >= 0; --t) {
           const std::int64_t k0 = t * kKeyTile, keys = std::min(kKeyTile, blk.key_end - k0);
           if (vanished(blk, s.carry.data(), k0 + keys, bad_from)) {
@@ -713,9 +687,7 @@ AttentionStats StickBreakingAttention::Plan::backward(ConstTensorView out, Const
           const float* kt = tile.k;
           const bool masked = blk.any_masked(k0 + keys);
           if (exact) {
-            discard.assign(static_cast<std::size_t>(w), 0.0);
-            exact_walk(blk, k0, keys, s.st.data(), s.dpt.data(), s.sig.data(), s.d_rem.data(), s.carry.data(),
-                       discard.data());
+            exact_walk(blk, k0, keys, s.st.data(), s.dpt.data(), s.sig.data(), s.d_rem.data(), s.carry.data(), nullptr);
             exact_finish(blk, k0, keys, s.dpt.data(), s.sig.data(), s.sums.data() + t * w);
           } else {
             kernels::sb_backward_tile(s.st.data(), s.dpt.data(), keys, w, k0, blk.hi.data(), masked, s.total.data(),
@@ -732,7 +704,7 @@ AttentionStats StickBreakingAttention::Plan::backward(ConstTensorView out, Const
           } else {
             kernels::attn_gemm(s.dpt.data(), w, 1, s.qrows.data(), dp, dk_acc + k0 * dp, dp, keys, dp, w, true);
           }
-          if (masked && !rows_finite(kt, tile.ldk, keys, d)) {
+          if (masked && detail::rows_non_finite(kt, tile.ldk, keys, d)) {
             add_visible(blk, k0, keys, s.dpt.data(), kt, tile.ldk, d, s.dq.data(), dp, true);
           } else {
             kernels::attn_gemm(s.dpt.data(), 1, w, kt, tile.ldk, s.dq.data(), dp, w, dp, keys, true);

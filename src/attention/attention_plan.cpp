@@ -649,17 +649,7 @@ std::int64_t AttentionPlan::table_bytes() const {
 
 void AttentionPlan::check_disjoint(std::initializer_list<NamedView> outputs,
                                    std::initializer_list<NamedView> inputs) const {
-  const auto empty = [](ConstTensorView v) { return v.rank() == 0 || v.data() == nullptr; };
-  for (auto o = outputs.begin(); o != outputs.end(); ++o) {
-    if (empty(o->second)) continue;
-    for (const NamedView& in : inputs) {
-      if (!empty(in.second)) check_alias(kWhere, o->first, o->second, in.first, in.second, Alias::kDisjoint);
-    }
-    for (auto other = std::next(o); other != outputs.end(); ++other) {
-      if (!empty(other->second))
-        check_alias(kWhere, o->first, o->second, other->first, other->second, Alias::kDisjoint);
-    }
-  }
+  detail::check_disjoint(kWhere, outputs, inputs);
 }
 
 // ─── lse ─────────────────────────────────────────────────────────────────────────────────────

@@ -41,8 +41,6 @@ inline void grow(std::vector<T, Allocator>& v, std::int64_t n) {
 // and, where one is not finite, sum over each row's visible keys only, as the reference does.
 // The check reads the tile's values once; only partly masked tiles pay it.
 
-// Whether the first `cols` floats of `count` rows, ld apart, hold an inf or NaN.
-bool rows_non_finite(const float* rows, std::int64_t ld, std::int64_t count, std::int64_t cols);
 // out[r][t] += Σ_j p[j·ldp + r]·v[j·ldv + t] over rows r of rb (block rows r_first + r) and the
 // keys k_first + j they see (rb.lo <= key < rb.hi), t < cols: O += P·V without masked pairs.
 void add_visible_values(const RowBlock& rb, std::int64_t r_first, std::int64_t rows, std::int64_t k_first,

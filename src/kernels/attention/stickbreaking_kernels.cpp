@@ -90,8 +90,10 @@ void BackwardLanes(float* HWY_RESTRICT st, float* HWY_RESTRICT dpt, std::int64_t
     VF a = ExpOrZero(d, hn::Sub(c, sp.neg));
     VF next = hn::Sub(c, sp.pos);
     VF g = hn::Mul(a, hn::Sub(hn::LoadU(d, dat), dr));
+    // Visible keys (every one when not masked); the others keep a, g and dz at 0, the carry as is.
+    const auto seen = kMasked ? hn::RebindMask(d, hn::Lt(hn::Set(di, static_cast<std::int32_t>(k_first + j)), hv))
+                              : hn::FirstN(d, hn::Lanes(d));
     if constexpr (kMasked) {
-      const auto seen = hn::RebindMask(d, hn::Lt(hn::Set(di, static_cast<std::int32_t>(k_first + j)), hv));
       a = hn::IfThenElseZero(seen, a);
       g = hn::IfThenElseZero(seen, g);
       next = hn::IfThenElse(seen, next, c);
@@ -105,9 +107,7 @@ void BackwardLanes(float* HWY_RESTRICT st, float* HWY_RESTRICT dpt, std::int64_t
     const VF sig_neg = hn::IfThenElse(positive, small, inv);
     const VF rest = hn::IfThenZeroElse(hn::Lt(next, dead), hn::Sub(g_total, u));
     VF dz = hn::NegMulAdd(sig, rest, hn::Mul(g, sig_neg));
-    if constexpr (kMasked) {
-      dz = hn::IfThenElseZero(hn::RebindMask(d, hn::Lt(hn::Set(di, static_cast<std::int32_t>(k_first + j)), hv)), dz);
-    }
+    if constexpr (kMasked) dz = hn::IfThenElseZero(seen, dz);
     hn::StoreU(a, d, at);
     hn::StoreU(dz, d, dat);
     c = next;

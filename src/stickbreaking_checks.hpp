@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "internal.hpp"
+#include "row_blocks.hpp"
 #include "posenc/stickbreaking.hpp"
 
 namespace posenc::detail {
@@ -20,25 +21,11 @@ inline double sb_exp(double x) { return x < -87.3 ? 0.0 : std::exp(x); }
 inline double sb_sigmoid(double z) { return z >= 0 ? 1.0 / (1.0 + std::exp(-z)) : sb_exp(z) / (1.0 + std::exp(z)); }
 
 // The shapes of a validated spec.
-struct SbShape {
-  bool packed = false;
-  DType dtype = DType::kF32;
-  HeadsGrid qg, kg, vg;
-  std::int64_t batch = 0, q_len = 0, k_len = 0, heads = 0, kv_heads = 0, group = 0, dim = 0, dim_v = 0;
-  double scale = 0;
-  HeadsGrid out_grid() const {
-    HeadsGrid g = qg;
-    g.dim = dim_v;
-    return g;
-  }
-};
+using SbShape = QkvShape;
 SbShape check_stickbreaking(const StickBreakingSpec& spec);
 
-// rem or d_rem: [B, Sq, H] (packed [Tq, H]) f32; element (b, s, h) at b·batch + s·seq + h·head.
-struct RemGrid {
-  std::int64_t batch = 0, seq = 0, head = 0;
-  std::int64_t offset(std::int64_t b, std::int64_t s, std::int64_t h) const { return b * batch + s * seq + h * head; }
-};
+// rem or d_rem: [B, Sq, H] (packed [Tq, H]) f32.
+using RemGrid = RowStatGrid;
 RemGrid check_rem(const SbShape& shape, const char* name, ConstTensorView rem, bool writable);
 
 // Forward's outputs: out like q with Dv columns, in q's dtype; rem (optional). Neither may share

@@ -1,0 +1,341 @@
+// Query-row blocks over key tiles walked from the diagonal leftwards (row_blocks.hpp).
+#include "row_blocks.hpp"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "absolute_checks.hpp"
+#include "kernels/attention/attention_kernels.hpp"
+#include "posenc/error.hpp"
+
+namespace posenc::detail {
+
+namespace {
+
+void require(bool ok, const char* where, const char* param, const std::string& value, const std::string& expected) {
+  if (!ok) throw Error(where, param, value, expected);
+}
+
+}  // namespace
+
+QkvShape check_qkv(const char* where, ConstTensorView q, ConstTensorView k, ConstTensorView v, double scale,
+                   const std::vector<std::int64_t>& cu_seqlens_q, const std::vector<std::int64_t>& cu_seqlens_k) {
+  QkvShape s;
+  s.packed = !cu_seqlens_q.empty() || !cu_seqlens_k.empty();
+  require(q.rank() == 3 || q.rank() == 4, where, "q", q.describe(), "[B, Sq, H, D] or packed [Tq, H, D]");
+  s.qg = heads_grid(where, "q", q);
+  s.kg = heads_grid(where, "k", k);
+  s.vg = heads_grid(where, "v", v);
+  require(k.rank() == q.rank(), where, "k", k.describe(), "the rank of q, " + std::to_string(q.rank()));
+  require(v.rank() == q.rank(), where, "v", v.describe(), "the rank of q, " + std::to_string(q.rank()));
+  if (s.packed) require(q.rank() == 3, where, "q", q.describe(), "packed [Tq, H, D] with cu_seqlens");
+  s.dtype = q.dtype();
+  require(s.dtype == DType::kF32 || s.dtype == DType::kBF16 || s.dtype == DType::kF16 || s.dtype == DType::kF64,
+          where, "q.dtype", std::string(dtype_name(s.dtype)), "f32, bf16, f16 or f64");
+  check_dtype(where, "k", k.dtype(), s.dtype);
+  check_dtype(where, "v", v.dtype(), s.dtype);
+  s.batch = s.qg.batch;
+  s.q_len = s.qg.seq;
+  s.k_len = s.kg.seq;
+  s.heads = s.qg.heads;
+  s.kv_heads = s.kg.heads;
+  s.dim = s.qg.dim;
+  s.dim_v = s.vg.dim;
+  require(s.dim >= 1, where, "q", q.describe(), "head_dim >= 1");
+  require(s.heads >= 1, where, "q", q.describe(), "at least one head");
+  require(s.kg.batch == s.batch && s.kg.dim == s.dim, where, "k", k.describe(),
+          "the batch and head_dim of q, " + q.describe());
+  require(s.kv_heads >= 1 && s.heads % s.kv_heads == 0, where, "k", k.describe(),
+          "a KV head count dividing the query heads (" + std::to_string(s.heads) + ")");
+  require(s.vg.batch == s.batch && s.vg.seq == s.k_len && s.vg.heads == s.kv_heads && s.dim_v >= 1, where, "v",
+          v.describe(), "the batch, tokens and heads of k, " + k.describe() + ", and head_dim >= 1");
+  require(s.k_len < (std::int64_t{1} << 31), where, "k", k.describe(), "fewer than 2^31 keys");
+  s.group = s.heads / s.kv_heads;
+  // The logits are f32 (scale·q rounded once): a scale past FLT_MAX would be inf there, one below
+  // FLT_MIN 0 or a denormal.
+  const double magnitude = std::abs(scale);
+  require(scale == 0.0 ||
+              (magnitude >= std::numeric_limits<float>::min() && magnitude <= std::numeric_limits<float>::max()),
+          where, "scale", to_text(scale), "0 (1/sqrt(head_dim)) or a magnitude within f32's normal range");
+  s.scale = scale == 0.0 ? 1.0 / std::sqrt(static_cast<double>(s.dim)) : scale;
+  if (s.packed) {
+    require(!cu_seqlens_q.empty() && !cu_seqlens_k.empty(), where, "cu_seqlens_k",
+            cu_seqlens_k.empty() ? "empty" : "given", "both cu_seqlens_q and cu_seqlens_k, or neither");
+    check_cu_seqlens(where, "cu_seqlens_q", cu_seqlens_q, s.q_len);
+    check_cu_seqlens(where, "cu_seqlens_k", cu_seqlens_k, s.k_len);
+    require(cu_seqlens_q.size() == cu_seqlens_k.size(), where, "cu_seqlens_k",
+            "size " + std::to_string(cu_seqlens_k.size()), "size of cu_seqlens_q, " + std::to_string(cu_seqlens_q.size()));
+    for (std::size_t t = 0; t + 1 < cu_seqlens_q.size(); ++t) {
+      const std::int64_t lq = cu_seqlens_q[t + 1] - cu_seqlens_q[t];
+      const std::int64_t lk = cu_seqlens_k[t + 1] - cu_seqlens_k[t];
+      if (lq > lk) {
+        throw Error(where, "cu_seqlens_q", "sequence " + std::to_string(t) + " with " + std::to_string(lq) + " queries",
+                    "at most its " + std::to_string(lk) + " keys (queries are the last tokens)");
+      }
+    }
+  } else {
+    require(s.q_len <= s.k_len, where, "q", q.describe(),
+            "at most as many queries as keys, " + std::to_string(s.k_len) + " (queries are the last tokens)");
+  }
+  return s;
+}
+
+RowStatGrid check_row_stat(const char* where, const QkvShape& shape, const char* name, ConstTensorView view,
+                           bool writable) {
+  check_dtype(where, name, view.dtype(), DType::kF32);
+  RowStatGrid g;
+  if (shape.packed) {
+    require(view.rank() == 2 && view.size(0) == shape.q_len && view.size(1) == shape.heads, where, name,
+            view.describe(), "[Tq, H] = [" + std::to_string(shape.q_len) + ", " + std::to_string(shape.heads) + "]");
+    g.seq = view.stride(0);
+    g.head = view.stride(1);
+  } else {
+    require(view.rank() == 3 && view.size(0) == shape.batch && view.size(1) == shape.q_len &&
+                view.size(2) == shape.heads,
+            where, name, view.describe(),
+            "[B, Sq, H] = [" + std::to_string(shape.batch) + ", " + std::to_string(shape.q_len) + ", " +
+                std::to_string(shape.heads) + "]");
+    g.batch = view.stride(0);
+    g.seq = view.stride(1);
+    g.head = view.stride(2);
+  }
+  if (writable) check_writable(where, name, view);
+  return g;
+}
+
+void check_out_dtype(const char* where, const QkvShape& shape, ConstTensorView out) {
+  if (out.dtype() != shape.dtype && out.dtype() != DType::kF32) {
+    throw Error(where, "out", std::string(dtype_name(out.dtype())),
+                std::string(dtype_name(shape.dtype)) + " (as q) or f32");
+  }
+}
+
+namespace rows {
+
+std::int64_t padded(std::int64_t w) { return w + kernels::kAttnAlign; }
+
+bool Block::any_masked(std::int64_t key_end_of_tile) const {
+  for (std::int64_t r = 0; r < width; ++r) {
+    if (hi[static_cast<std::size_t>(r)] < key_end_of_tile) return true;
+  }
+  return false;
+}
+
+Geometry::Geometry(ConstTensorView q_, ConstTensorView k_, ConstTensorView v_, QkvShape shape_,
+                   const std::vector<std::int64_t>& cu_seqlens_q, const std::vector<std::int64_t>& cu_seqlens_k,
+                   std::int64_t extra_)
+    : q(q_), k(k_), v(v_), shape(shape_), extra(extra_) {
+  dp = round_up(shape.dim, kernels::kAttnAlign);
+  dvp = round_up(shape.dim_v, kernels::kAttnAlign);
+  if (shape.packed) {
+    for (std::size_t t = 0; t + 1 < cu_seqlens_q.size(); ++t) {
+      sequences.push_back({0, cu_seqlens_q[t], cu_seqlens_q[t + 1] - cu_seqlens_q[t], cu_seqlens_k[t],
+                           cu_seqlens_k[t + 1] - cu_seqlens_k[t]});
+    }
+  } else {
+    for (std::int64_t b = 0; b < shape.batch; ++b) sequences.push_back({b, 0, shape.q_len, 0, shape.k_len});
+  }
+}
+
+void Geometry::layout(const Sequence& seq, std::int64_t kvh, std::int64_t i0, std::int64_t i1, Block& blk) const {
+  blk.valid = (i1 - i0) * shape.group;
+  blk.width = round_up(blk.valid, kernels::kAttnAlign);
+  blk.head.assign(static_cast<std::size_t>(blk.width), -1);
+  blk.query.assign(static_cast<std::size_t>(blk.width), 0);
+  blk.hi.assign(static_cast<std::size_t>(blk.width), 0);
+  blk.key_end = 0;
+  std::int64_t r = 0;
+  for (std::int64_t h = kvh * shape.group; h < (kvh + 1) * shape.group; ++h) {
+    for (std::int64_t i = i0; i < i1; ++i, ++r) {
+      const auto at = static_cast<std::size_t>(r);
+      blk.head[at] = h;
+      blk.query[at] = i;
+      const std::int64_t hi = seq.lk - seq.lq + i + extra;
+      blk.hi[at] = static_cast<std::int32_t>(hi);
+      blk.key_end = std::max(blk.key_end, hi);
+    }
+  }
+}
+
+bool Geometry::load_q(const Sequence& seq, const Block& blk, float row_scale, float t_scale, Floats& qrows,
+                      Floats& qt) const {
+  const std::int64_t w = blk.width, ldt = padded(w), d = shape.dim;
+  grow(qt, d * ldt);
+  grow(qrows, w * dp);
+  bool finite = true;
+  for (std::int64_t r = 0; r < w; ++r) {
+    float* row = qrows.data() + r * dp;
+    const std::int64_t h = blk.head[static_cast<std::size_t>(r)];
+    if (h < 0) {
+      std::fill(row, row + dp, 0.0f);
+    } else {
+      load_heads_row(q.data(), shape.dtype, shape.qg, seq.b, seq.q0 + blk.query[static_cast<std::size_t>(r)], h, row,
+                     dp);
+      finite = finite && finite_floats(row, d);
+    }
+    for (std::int64_t t = 0; t < d; ++t) qt[static_cast<std::size_t>(t * ldt + r)] = row[t] * t_scale;
+    if (row_scale != 1.0f) {
+      for (std::int64_t t = 0; t < d; ++t) row[t] *= row_scale;
+    }
+  }
+  return finite;
+}
+
+Tile Geometry::load_tile(const Sequence& seq, std::int64_t kvh, std::int64_t k0, std::int64_t keys, Floats& kbuf,
+                         Floats& vbuf) const {
+  grow(vbuf, keys * padded(dvp));
+  for (std::int64_t j = 0; j < keys; ++j) {
+    load_heads_row(v.data(), shape.dtype, shape.vg, seq.b, seq.k0 + k0 + j, kvh, vbuf.data() + j * padded(dvp), dvp);
+  }
+  // (D a multiple of the lanes: backward's dQ product reads the keys' rows dp wide.)
+  if (shape.dtype == DType::kF32 && shape.kg.dim_stride == 1 && shape.dim == dp) {
+    return {static_cast<const float*>(k.data()) + shape.kg.offset(seq.b, seq.k0 + k0) + kvh * shape.kg.head_stride,
+            shape.kg.seq_stride};
+  }
+  grow(kbuf, keys * padded(dp));
+  for (std::int64_t j = 0; j < keys; ++j) {
+    load_heads_row(k.data(), shape.dtype, shape.kg, seq.b, seq.k0 + k0 + j, kvh, kbuf.data() + j * padded(dp), dp);
+  }
+  return {kbuf.data(), padded(dp)};
+}
+
+void Geometry::prefetch(const Sequence& seq, std::int64_t kvh, std::int64_t k0, std::int64_t keys) const {
+  const auto width = static_cast<std::int64_t>(dtype_size(shape.dtype));
+  const std::int64_t k_bytes = ((shape.dim - 1) * shape.kg.dim_stride + 1) * width;
+  const std::int64_t v_bytes = ((shape.dim_v - 1) * shape.vg.dim_stride + 1) * width;
+  for (std::int64_t j = std::max<std::int64_t>(k0, 0); j < k0 + keys; ++j) {
+    const char* kr =
+        static_cast<const char*>(k.data()) + (shape.kg.offset(seq.b, seq.k0 + j) + kvh * shape.kg.head_stride) * width;
+    const char* vr =
+        static_cast<const char*>(v.data()) + (shape.vg.offset(seq.b, seq.k0 + j) + kvh * shape.vg.head_stride) * width;
+    for (std::int64_t at = 0; at < k_bytes; at += 64) __builtin_prefetch(kr + at, 0, 2);
+    for (std::int64_t at = 0; at < v_bytes; at += 64) __builtin_prefetch(vr + at, 0, 2);
+  }
+}
+
+std::vector<std::int64_t> Geometry::scan_non_finite(int threads) const {
+  const auto pairs = static_cast<std::int64_t>(sequences.size()) * shape.kv_heads;
+  std::vector<std::int64_t> bad(static_cast<std::size_t>(pairs), -1);
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+  for (std::int64_t u = 0; u < pairs; ++u) {
+    thread_local Floats row;
+    grow(row, std::max(dp, dvp));
+    const Sequence& seq = sequences[static_cast<std::size_t>(u / shape.kv_heads)];
+    const std::int64_t kvh = u % shape.kv_heads;
+    std::int64_t first = seq.lk;
+    for (std::int64_t j = 0; j < seq.lk && first == seq.lk; ++j) {
+      load_heads_row(k.data(), shape.dtype, shape.kg, seq.b, seq.k0 + j, kvh, row.data(), dp);
+      if (!finite_floats(row.data(), shape.dim)) first = j;
+      load_heads_row(v.data(), shape.dtype, shape.vg, seq.b, seq.k0 + j, kvh, row.data(), dvp);
+      if (!finite_floats(row.data(), shape.dim_v)) first = j;
+    }
+    bad[static_cast<std::size_t>(u)] = first;
+  }
+  return bad;
+}
+
+int Geometry::threads_for(std::size_t units, std::int64_t passes) const {
+  std::int64_t work = 0;
+  for (const Sequence& seq : sequences) work += seq.lq * seq.lk;
+  return std::min<int>(detail::threads_for(work * shape.heads * (shape.dim + shape.dim_v) * passes),
+                       static_cast<int>(std::max<std::size_t>(units, 1)));
+}
+
+std::vector<Unit> Geometry::forward_units() const {
+  std::vector<Unit> units;
+  const std::int64_t qc = rows_per_block_queries();
+  for (std::size_t si = 0; si < sequences.size(); ++si) {
+    for (std::int64_t kvh = 0; kvh < shape.kv_heads; ++kvh) {
+      for (std::int64_t i0 = 0; i0 < sequences[si].lq; i0 += qc)
+        units.push_back({static_cast<std::int64_t>(si), kvh, i0, std::min(sequences[si].lq, i0 + qc), 0, -1});
+    }
+  }
+  return units;
+}
+
+Split Geometry::backward_split() const {
+  Split split;
+  std::int64_t pairs = 0;
+  for (const Sequence& seq : sequences) pairs += seq.lq > 0 ? shape.kv_heads : 0;
+  const std::int64_t qc = rows_per_block_queries();
+  for (std::size_t si = 0; si < sequences.size(); ++si) {
+    const Sequence& seq = sequences[si];
+    if (seq.lq == 0) continue;
+    const std::int64_t ranges =
+        pairs >= 8 ? 1 : std::max<std::int64_t>(1, std::min((8 + pairs - 1) / pairs, seq.lq / 256));
+    const std::int64_t span = round_up((seq.lq + ranges - 1) / ranges, qc);
+    const bool split_pair = span < seq.lq;
+    for (std::int64_t kvh = 0; kvh < shape.kv_heads; ++kvh) {
+      for (std::int64_t i0 = 0; i0 < seq.lq; i0 += span) {
+        const std::int64_t i1 = std::min(seq.lq, i0 + span);
+        const std::int64_t key_end = std::max<std::int64_t>(0, std::min(seq.lk, seq.lk - seq.lq + i1 - 1 + extra));
+        split.units.push_back(
+            {static_cast<std::int64_t>(si), kvh, i0, i1, key_end, split_pair ? split.slab_floats : -1});
+        if (split_pair) split.slab_floats += key_end * slab_row();
+      }
+    }
+  }
+  return split;
+}
+
+void Geometry::store_unit(const Unit& un, const float* dk_acc, const float* dv_acc, TensorView dk,
+                          const HeadsGrid& dkg, TensorView dv, const HeadsGrid& dvg) const {
+  const Sequence& seq = sequences[static_cast<std::size_t>(un.seq)];
+  for (std::int64_t j = 0; j < un.key_end; ++j) {
+    if (dk.rank() > 0) store_heads_row(dk_acc + j * dp, dk.data(), shape.dtype, dkg, seq.b, seq.k0 + j, un.kvh, true);
+    if (dv.rank() > 0)
+      store_heads_row(dv_acc + j * dvp, dv.data(), shape.dtype, dvg, seq.b, seq.k0 + j, un.kvh, true);
+  }
+}
+
+void Geometry::add_slabs(const Split& split, const float* slabs, int threads, TensorView dk, const HeadsGrid& dkg,
+                         TensorView dv, const HeadsGrid& dvg) const {
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+  for (std::int64_t pair = 0; pair < static_cast<std::int64_t>(sequences.size()) * shape.kv_heads; ++pair) {
+    const std::int64_t si = pair / shape.kv_heads, kvh = pair % shape.kv_heads;
+    const Sequence& seq = sequences[static_cast<std::size_t>(si)];
+    std::vector<const Unit*> mine;
+    std::int64_t keys = 0;
+    for (const Unit& un : split.units) {
+      if (un.seq == si && un.kvh == kvh) {
+        mine.push_back(&un);
+        keys = std::max(keys, un.key_end);
+      }
+    }
+    if (mine.empty() || mine[0]->slab < 0) continue;  // added by its unit
+    Floats sum(static_cast<std::size_t>(slab_row()));
+    for (std::int64_t j = 0; j < keys; ++j) {
+      std::fill(sum.begin(), sum.end(), 0.0f);
+      for (const Unit* un : mine) {
+        if (j >= un->key_end) continue;
+        const float* dk_row = slabs + un->slab + j * dp;
+        const float* dv_row = slabs + un->slab + un->key_end * dp + j * dvp;
+        for (std::int64_t c = 0; c < dp; ++c) sum[static_cast<std::size_t>(c)] += dk_row[c];
+        for (std::int64_t c = 0; c < dvp; ++c) sum[static_cast<std::size_t>(dp + c)] += dv_row[c];
+      }
+      if (dk.rank() > 0) store_heads_row(sum.data(), dk.data(), shape.dtype, dkg, seq.b, seq.k0 + j, kvh, true);
+      if (dv.rank() > 0) store_heads_row(sum.data() + dp, dv.data(), shape.dtype, dvg, seq.b, seq.k0 + j, kvh, true);
+    }
+  }
+}
+
+void add_visible(const Block& blk, std::int64_t k0, std::int64_t keys, const float* t, const float* b, std::int64_t ldb,
+                 std::int64_t cols, float* out, std::int64_t ldo, bool by_rows) {
+  for (std::int64_t r = 0; r < blk.width; ++r) {
+    const std::int64_t hi = blk.hi[static_cast<std::size_t>(r)];
+    if (blk.head[static_cast<std::size_t>(r)] < 0) continue;
+    for (std::int64_t j = 0; j < keys && k0 + j < hi; ++j) {
+      const float w = t[j * blk.width + r];
+      const float* src = b + (by_rows ? j : r) * ldb;
+      float* dst = out + (by_rows ? r : j) * ldo;
+      for (std::int64_t c = 0; c < cols; ++c) dst[c] += w * src[c];
+    }
+  }
+}
+
+}  // namespace rows
+}  // namespace posenc::detail

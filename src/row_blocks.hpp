@@ -1,0 +1,149 @@
+// Query-row blocks over key tiles walked from the diagonal leftwards: what the attention engines
+// whose rows carry a running sum from their nearest key (stick-breaking, CoPE) share. Validation
+// of q, k, v and their sequences; blocks of up to 64 rows of one KV head's group; f32 tiles of
+// keys and values; the backward's work split and its dK, dV sums, whose rules look at the shapes
+// only so that results are bitwise identical for any thread count.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "internal.hpp"
+#include "posenc/tensor.hpp"
+
+namespace posenc::detail {
+
+// The shapes of validated q, k, v.
+struct QkvShape {
+  bool packed = false;
+  DType dtype = DType::kF32;
+  HeadsGrid qg, kg, vg;
+  std::int64_t batch = 0, q_len = 0, k_len = 0, heads = 0, kv_heads = 0, group = 0, dim = 0, dim_v = 0;
+  double scale = 0;  // resolved: 1/sqrt(D) for 0
+  HeadsGrid out_grid() const {
+    HeadsGrid g = qg;
+    g.dim = dim_v;
+    return g;
+  }
+};
+// q [B, Sq, H, D] (packed [Tq, H, D] with cu_seqlens), k [B, Sk, G, D] with G dividing H,
+// v [B, Sk, G, Dv]; f32, bf16, f16 or f64 alike; scale 0 or of a magnitude in f32's normal
+// range (the logits are f32); cu_seqlens both or neither, each valid, with Lq <= Lk per sequence.
+QkvShape check_qkv(const char* where, ConstTensorView q, ConstTensorView k, ConstTensorView v, double scale,
+                   const std::vector<std::int64_t>& cu_seqlens_q, const std::vector<std::int64_t>& cu_seqlens_k);
+
+// A per-row statistic ([B, Sq, H], packed [Tq, H], f32); element (b, s, h) at
+// b·batch + s·seq + h·head.
+struct RowStatGrid {
+  std::int64_t batch = 0, seq = 0, head = 0;
+  std::int64_t offset(std::int64_t b, std::int64_t s, std::int64_t h) const { return b * batch + s * seq + h * head; }
+};
+RowStatGrid check_row_stat(const char* where, const QkvShape& shape, const char* name, ConstTensorView view,
+                           bool writable);
+// out in the inputs' dtype, or f32 for any.
+void check_out_dtype(const char* where, const QkvShape& shape, ConstTensorView out);
+inline bool given(ConstTensorView v) { return v.rank() > 0 && v.data() != nullptr; }
+
+namespace rows {
+
+using Floats = AlignedFloats;
+
+inline constexpr std::int64_t kBlockRows = 64;  // query rows per block (the lanes of a tile)
+inline constexpr std::int64_t kKeyTile = 64;    // keys per tile (<= kernels::kAttnGemmAddDepth)
+
+inline std::int64_t round_up(std::int64_t x, std::int64_t to) { return (x + to - 1) / to * to; }
+// One cache line more than the rows need: see engine.hpp's padded_stride.
+std::int64_t padded(std::int64_t w);
+
+template <class V>
+void grow(V& v, std::int64_t n) {
+  if (static_cast<std::int64_t>(v.size()) < n) v.resize(static_cast<std::size_t>(n));
+}
+
+struct Sequence {
+  std::int64_t b = 0, q0 = 0, lq = 0, k0 = 0, lk = 0;
+};
+
+// The rows of a block: (head, query) pairs of one KV head's group, padded to whole lane chunks.
+struct Block {
+  std::int64_t width = 0, valid = 0, key_end = 0;
+  std::vector<std::int64_t> head, query;  // head −1: a padding row
+  std::vector<std::int32_t> hi;           // the row sees keys [0, hi)
+  bool any_masked(std::int64_t key_end_of_tile) const;
+};
+
+// Keys of a tile as f32 rows.
+struct Tile {
+  const float* k;
+  std::int64_t ldk;
+};
+
+// Backward's work: per (sequence, KV head), query ranges; each unit sums its dK and dV from zero.
+// A pair's only unit adds them to dk, dv itself (slab −1); the units of a split pair leave them in
+// slabs of slab_row floats per key (dK's dp, then dV's dvp), added in range order by add_slabs.
+struct Unit {
+  std::int64_t seq, kvh, i0, i1, key_end, slab;
+};
+struct Split {
+  std::vector<Unit> units;
+  std::int64_t slab_floats = 0;
+};
+
+struct Geometry {
+  ConstTensorView q, k, v;
+  QkvShape shape;
+  std::vector<Sequence> sequences;
+  std::int64_t dp = 0, dvp = 0;  // D and Dv padded to lane chunks
+  std::int64_t extra = 0;        // query t of a sequence sees keys [0, Lk − Lq + t + extra)
+
+  Geometry() = default;
+  Geometry(ConstTensorView q, ConstTensorView k, ConstTensorView v, QkvShape shape,
+           const std::vector<std::int64_t>& cu_seqlens_q, const std::vector<std::int64_t>& cu_seqlens_k,
+           std::int64_t extra);
+
+  std::int64_t rows_per_block_queries() const { return std::max<std::int64_t>(1, kBlockRows / shape.group); }
+  std::int64_t slab_row() const { return dp + dvp; }
+  // The block of the group of KV head kvh over queries [i0, i1) of seq.
+  void layout(const Sequence& seq, std::int64_t kvh, std::int64_t i0, std::int64_t i1, Block& blk) const;
+  // The block's queries as rows times row_scale (qrows, dp wide) and transposed times t_scale (qt,
+  // padded(width) apart); whether all are finite.
+  bool load_q(const Sequence& seq, const Block& blk, float row_scale, float t_scale, Floats& qrows,
+              Floats& qt) const;
+  // Keys and values of the tile [k0, k0 + keys) of KV head kvh: keys read in place where they are
+  // f32 rows of unit stride (the broadcast operand, as the softmax engine reads them), else into
+  // kbuf; values always into vbuf, padded(dvp) apart (rows 4 KiB apart thrash L1 sets).
+  Tile load_tile(const Sequence& seq, std::int64_t kvh, std::int64_t k0, std::int64_t keys, Floats& kbuf,
+                 Floats& vbuf) const;
+  // The key and value rows of keys [k0, k0 + keys) into L2, ahead of their tile: consecutive keys
+  // of one head lie G·D elements apart in [B, S, G, D] memory, often a page, which the hardware
+  // prefetchers do not cross (forward.cpp's prefetch_rows measured the same).
+  void prefetch(const Sequence& seq, std::int64_t kvh, std::int64_t k0, std::int64_t keys) const;
+  // Per (sequence, KV head): the first key whose key or value row holds an inf or NaN (Lk if none).
+  std::vector<std::int64_t> scan_non_finite(int threads) const;
+  // Threads for a pass over `units` units doing `passes` times the forward's products.
+  int threads_for(std::size_t units, std::int64_t passes) const;
+  // Forward's units: (sequence, KV head, query block).
+  std::vector<Unit> forward_units() const;
+  // Backward's units: one per pair when there are at least 8 pairs, else enough ranges (of at
+  // least 256 queries) for 8 units.
+  Split backward_split() const;
+  // A unit's dK and dV sums (key_end rows of dp and then of dvp floats) into dk, dv (+=).
+  void store_unit(const Unit& un, const float* dk_acc, const float* dv_acc, TensorView dk, const HeadsGrid& dkg,
+                  TensorView dv, const HeadsGrid& dvg) const;
+  // The slabs of each split pair, added in range order, into dk and dv.
+  void add_slabs(const Split& split, const float* slabs, int threads, TensorView dk, const HeadsGrid& dkg,
+                 TensorView dv, const HeadsGrid& dvg) const;
+};
+
+// out[r][c] (+)= Σ_j T[j][r]·B[j][c] (by_rows) or out[j][c] += Σ_r T[j][r]·B[r][c], over the
+// pairs the block's rows see only: the matrix kernels' 0·inf would spread a non-finite operand of
+// a masked pair to a row (or key) that must not meet it.
+void add_visible(const Block& blk, std::int64_t k0, std::int64_t keys, const float* t, const float* b, std::int64_t ldb,
+                 std::int64_t cols, float* out, std::int64_t ldo, bool by_rows);
+
+inline bool finite_floats(const float* x, std::int64_t n) { return !rows_non_finite(x, 0, 1, n); }
+
+}  // namespace rows
+}  // namespace posenc::detail

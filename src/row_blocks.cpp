@@ -34,8 +34,8 @@ QkvShape check_qkv(const char* where, ConstTensorView q, ConstTensorView k, Cons
   require(v.rank() == q.rank(), where, "v", v.describe(), "the rank of q, " + std::to_string(q.rank()));
   if (s.packed) require(q.rank() == 3, where, "q", q.describe(), "packed [Tq, H, D] with cu_seqlens");
   s.dtype = q.dtype();
-  require(s.dtype == DType::kF32 || s.dtype == DType::kBF16 || s.dtype == DType::kF16 || s.dtype == DType::kF64,
-          where, "q.dtype", std::string(dtype_name(s.dtype)), "f32, bf16, f16 or f64");
+  require(s.dtype == DType::kF32 || s.dtype == DType::kBF16 || s.dtype == DType::kF16 || s.dtype == DType::kF64, where,
+          "q.dtype", std::string(dtype_name(s.dtype)), "f32, bf16, f16 or f64");
   check_dtype(where, "k", k.dtype(), s.dtype);
   check_dtype(where, "v", v.dtype(), s.dtype);
   s.batch = s.qg.batch;
@@ -68,7 +68,8 @@ QkvShape check_qkv(const char* where, ConstTensorView q, ConstTensorView k, Cons
     check_cu_seqlens(where, "cu_seqlens_q", cu_seqlens_q, s.q_len);
     check_cu_seqlens(where, "cu_seqlens_k", cu_seqlens_k, s.k_len);
     require(cu_seqlens_q.size() == cu_seqlens_k.size(), where, "cu_seqlens_k",
-            "size " + std::to_string(cu_seqlens_k.size()), "size of cu_seqlens_q, " + std::to_string(cu_seqlens_q.size()));
+            "size " + std::to_string(cu_seqlens_k.size()),
+            "size of cu_seqlens_q, " + std::to_string(cu_seqlens_q.size()));
     for (std::size_t t = 0; t + 1 < cu_seqlens_q.size(); ++t) {
       const std::int64_t lq = cu_seqlens_q[t + 1] - cu_seqlens_q[t];
       const std::int64_t lk = cu_seqlens_k[t + 1] - cu_seqlens_k[t];
@@ -94,11 +95,11 @@ RowStatGrid check_row_stat(const char* where, const QkvShape& shape, const char*
     g.seq = view.stride(0);
     g.head = view.stride(1);
   } else {
-    require(view.rank() == 3 && view.size(0) == shape.batch && view.size(1) == shape.q_len &&
-                view.size(2) == shape.heads,
-            where, name, view.describe(),
-            "[B, Sq, H] = [" + std::to_string(shape.batch) + ", " + std::to_string(shape.q_len) + ", " +
-                std::to_string(shape.heads) + "]");
+    require(
+        view.rank() == 3 && view.size(0) == shape.batch && view.size(1) == shape.q_len && view.size(2) == shape.heads,
+        where, name, view.describe(),
+        "[B, Sq, H] = [" + std::to_string(shape.batch) + ", " + std::to_string(shape.q_len) + ", " +
+            std::to_string(shape.heads) + "]");
     g.batch = view.stride(0);
     g.seq = view.stride(1);
     g.head = view.stride(2);
@@ -282,13 +283,12 @@ Split Geometry::backward_split() const {
   return split;
 }
 
-void Geometry::store_unit(const Unit& un, const float* dk_acc, const float* dv_acc, TensorView dk,
-                          const HeadsGrid& dkg, TensorView dv, const HeadsGrid& dvg) const {
+void Geometry::store_unit(const Unit& un, const float* dk_acc, const float* dv_acc, TensorView dk, const HeadsGrid& dkg,
+                          TensorView dv, const HeadsGrid& dvg) const {
   const Sequence& seq = sequences[static_cast<std::size_t>(un.seq)];
   for (std::int64_t j = 0; j < un.key_end; ++j) {
     if (dk.rank() > 0) store_heads_row(dk_acc + j * dp, dk.data(), shape.dtype, dkg, seq.b, seq.k0 + j, un.kvh, true);
-    if (dv.rank() > 0)
-      store_heads_row(dv_acc + j * dvp, dv.data(), shape.dtype, dvg, seq.b, seq.k0 + j, un.kvh, true);
+    if (dv.rank() > 0) store_heads_row(dv_acc + j * dvp, dv.data(), shape.dtype, dvg, seq.b, seq.k0 + j, un.kvh, true);
   }
 }
 

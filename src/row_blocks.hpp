@@ -109,8 +109,7 @@ struct Geometry {
   void layout(const Sequence& seq, std::int64_t kvh, std::int64_t i0, std::int64_t i1, Block& blk) const;
   // The block's queries as rows times row_scale (qrows, dp wide) and transposed times t_scale (qt,
   // padded(width) apart); whether all are finite.
-  bool load_q(const Sequence& seq, const Block& blk, float row_scale, float t_scale, Floats& qrows,
-              Floats& qt) const;
+  bool load_q(const Sequence& seq, const Block& blk, float row_scale, float t_scale, Floats& qrows, Floats& qt) const;
   // Keys and values of the tile [k0, k0 + keys) of KV head kvh: keys read in place where they are
   // f32 rows of unit stride (the broadcast operand, as the softmax engine reads them), else into
   // kbuf; values always into vbuf, padded(dvp) apart (rows 4 KiB apart thrash L1 sets).

@@ -408,7 +408,8 @@ AttentionStats StickBreakingAttention::Plan::backward(ConstTensorView out, Const
           }
           // dV_j += Σ_r A[j][r]·dO_r;  dK_j += Σ_r dz[j][r]·(scale·q_r);  dQ_r += Σ_j dz[j][r]·k_j.
           if (masked && !do_finite) {
-            detail::rows::add_visible(blk, k0, keys, s.st.data(), s.dorows.data(), dvp, dvp, dv_acc + k0 * dvp, dvp, false);
+            detail::rows::add_visible(blk, k0, keys, s.st.data(), s.dorows.data(), dvp, dvp, dv_acc + k0 * dvp, dvp,
+                                      false);
           } else {
             kernels::attn_gemm(s.st.data(), w, 1, s.dorows.data(), dvp, dv_acc + k0 * dvp, dvp, keys, dvp, w, true);
           }
@@ -452,8 +453,8 @@ StickBreakingAttention::StickBreakingAttention(StickBreakingSpec spec) : plan_(s
   const SbShape shape = detail::check_stickbreaking(spec);
   plan_->spec = std::move(spec);
   const StickBreakingSpec& sp = plan_->spec;
-  plan_->geo = detail::rows::Geometry(sp.q, sp.k, sp.v, shape, sp.cu_seqlens_q, sp.cu_seqlens_k,
-                                      sp.attend_current ? 1 : 0);
+  plan_->geo =
+      detail::rows::Geometry(sp.q, sp.k, sp.v, shape, sp.cu_seqlens_q, sp.cu_seqlens_k, sp.attend_current ? 1 : 0);
 }
 
 StickBreakingAttention::~StickBreakingAttention() = default;

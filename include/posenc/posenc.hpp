@@ -17,6 +17,7 @@
 #include "posenc/runtime.hpp"
 #include "posenc/scheme.hpp"
 #include "posenc/sinks.hpp"
+#include "posenc/cope.hpp"
 #include "posenc/stickbreaking.hpp"
 #include "posenc/temperature.hpp"
 #include "posenc/tensor.hpp"

@@ -8,6 +8,7 @@
 
 #include "posenc/absolute.hpp"
 #include "posenc/attention.hpp"
+#include "posenc/cope.hpp"
 #include "posenc/stickbreaking.hpp"
 #include "posenc/bias.hpp"
 #include "posenc/relative.hpp"
@@ -81,5 +82,11 @@ void attention_backward(const Attention& attention, ConstTensorView out, ConstTe
 void stickbreaking_forward(const StickBreakingAttention& attention, TensorView out, TensorView rem);
 void stickbreaking_backward(const StickBreakingAttention& attention, ConstTensorView out, ConstTensorView rem,
                             ConstTensorView d_out, ConstTensorView d_rem, TensorView dq, TensorView dk, TensorView dv);
+
+// CoPE (cope.hpp), each row walked leftwards in fp64, then a materialised softmax. Backward
+// recomputes everything (out and lse are only checked) and adds into dq, dk, dv and d_table.
+void cope_forward(const CopeAttention& attention, TensorView out, TensorView lse);
+void cope_backward(const CopeAttention& attention, ConstTensorView out, ConstTensorView lse, ConstTensorView d_out,
+                   TensorView dq, TensorView dk, TensorView dv, TensorView d_table);
 
 }  // namespace posenc::ref

@@ -33,8 +33,9 @@ TableGrid table_grid(const CopeShape& shape, const char* name, ConstTensorView t
           name, table.describe(),
           "[npos, D] with 1 <= npos <= " + std::to_string(kCopeMaxPositions) + " and D = " + std::to_string(shape.dim));
   if (table.dtype() != shape.dtype && table.dtype() != DType::kF32) {
-    throw Error(kCope, std::string(name) + ".dtype", std::string(dtype_name(table.dtype())),
-                shape.dtype == DType::kF32 ? std::string("f32") : std::string(dtype_name(shape.dtype)) + " (as q) or f32");
+    throw Error(
+        kCope, std::string(name) + ".dtype", std::string(dtype_name(table.dtype())),
+        shape.dtype == DType::kF32 ? std::string("f32") : std::string(dtype_name(shape.dtype)) + " (as q) or f32");
   }
   return {table.stride(0), table.stride(1), table.dtype()};
 }
@@ -347,8 +348,7 @@ AttentionStats CopeAttention::Plan::backward(ConstTensorView out, ConstTensorVie
           const auto scores = [&](std::int64_t k0, std::int64_t keys) {
             const Tile tile = geo.load_tile(seq, un.kvh, k0, keys, s.k, s.v);
             kernels::attn_gemm(tile.k, tile.ldk, 1, s.qt.data(), ldt, s.st.data(), w, keys, w, d, false);
-            kernels::attn_gemm(s.v.data(), padded(dvp), 1, s.dot.data(), ldt, s.dpt.data(), w, keys, w, dv_cols,
-                               false);
+            kernels::attn_gemm(s.v.data(), padded(dvp), 1, s.dot.data(), ldt, s.dpt.data(), w, keys, w, dv_cols, false);
             return tile;
           };
           // Pass 1: each tile's Σ dp per row, over the tiles before every row has counted cap
@@ -401,8 +401,7 @@ AttentionStats CopeAttention::Plan::backward(ConstTensorView out, ConstTensorVie
             }
           }
           // de[n] += Σ_r dqe[r][n]·q_r;  dq_r = scale·dQ_r + Σ_n dqe[r][n]·e[n].
-          if (de != nullptr)
-            kernels::attn_gemm(s.dqe.data(), 1, npp, s.qrows.data(), dp, de, dp, npos, dp, w, true);
+          if (de != nullptr) kernels::attn_gemm(s.dqe.data(), 1, npp, s.qrows.data(), dp, de, dp, npos, dp, w, true);
           if (!want_dq) continue;
           for (std::int64_t x = 0; x < w * dp; ++x) s.dq[static_cast<std::size_t>(x)] *= scale;
           kernels::attn_gemm(s.dqe.data(), npp, 1, erows.data(), dp, s.dq.data(), dp, w, dp, npos, true);

@@ -65,9 +65,10 @@ CopeProblem make_cope(Problem p, std::int64_t dv, std::int64_t npos, DType table
     const std::int64_t d = s.p.dim;
     for (std::int64_t n = 1; n < npos; ++n) {
       for (std::int64_t t = 0; t < d; ++t) {
-        s.table[static_cast<std::size_t>(n * d + t)] = testing::round_to(
-            s.table[static_cast<std::size_t>(t)] + static_cast<double>(n) * s.table[static_cast<std::size_t>(d + t)] / 8,
-            s.table_dtype);
+        s.table[static_cast<std::size_t>(n * d + t)] =
+            testing::round_to(s.table[static_cast<std::size_t>(t)] +
+                                  static_cast<double>(n) * s.table[static_cast<std::size_t>(d + t)] / 8,
+                              s.table_dtype);
       }
     }
     s.tb = testing::to_dtype(s.table, s.table_dtype);
@@ -218,27 +219,27 @@ TEST_P(CopeTargets, MatchesTheReference) {
   };
   for (const Case& c : cases) {
     for (const bool linear : {false, true}) {
-    SCOPED_TRACE(c.what);
-    SCOPED_TRACE(linear ? "linear table" : "random table");
-    CopeProblem s =
-        make_cope(make_problem(c.batch, c.q_len, c.k_len, c.heads, c.kv_heads, c.dim, c.dtype, c.head_major, 1.0), c.dv,
-                  c.npos, c.table_dtype, linear);
-    const CopeAttention fused(s.spec()), ref(s.spec(true));
-    const Result got = run(s, fused, c.dtype), want = run(s, ref, DType::kF64);
-    const double out_tol = c.dtype == DType::kF32 ? 5e-5 : c.dtype == DType::kBF16 ? 8e-3 : 1e-3;
-    expect_near_all(got.out, want.out, out_tol * std::max(1.0, largest(want.out)), "out");
-    expect_near_all(got.lse, want.lse, c.dtype == DType::kF32 ? 1e-5 * largest(want.lse) : 1e-2, "lse");
-    std::vector<double> d_out(static_cast<std::size_t>(s.out_count()));
-    for (auto& x : d_out) x = testing::round_to(uniform(-1, 1), c.dtype);
-    const Grads g = run_backward(s, fused, c.dtype, d_out, DType::kF32);
-    const Grads w = run_backward(s, ref, DType::kF64, d_out);
-    const double rel = c.dtype == DType::kF32 ? 2e-4 : 1.0 / 256;
-    if (linear) {
-      expect_near_all(g.dq, w.dq, rel * largest(w.dq) + 1e-6, "dq");
-      expect_near_all(g.dk, w.dk, rel * largest(w.dk) + 1e-6, "dk");
-    }
-    expect_near_all(g.dv, w.dv, rel * largest(w.dv) + 1e-6, "dv");
-    expect_near_all(g.de, w.de, rel * largest(w.de) + 1e-6, "d_table");
+      SCOPED_TRACE(c.what);
+      SCOPED_TRACE(linear ? "linear table" : "random table");
+      CopeProblem s =
+          make_cope(make_problem(c.batch, c.q_len, c.k_len, c.heads, c.kv_heads, c.dim, c.dtype, c.head_major, 1.0),
+                    c.dv, c.npos, c.table_dtype, linear);
+      const CopeAttention fused(s.spec()), ref(s.spec(true));
+      const Result got = run(s, fused, c.dtype), want = run(s, ref, DType::kF64);
+      const double out_tol = c.dtype == DType::kF32 ? 5e-5 : c.dtype == DType::kBF16 ? 8e-3 : 1e-3;
+      expect_near_all(got.out, want.out, out_tol * std::max(1.0, largest(want.out)), "out");
+      expect_near_all(got.lse, want.lse, c.dtype == DType::kF32 ? 1e-5 * largest(want.lse) : 1e-2, "lse");
+      std::vector<double> d_out(static_cast<std::size_t>(s.out_count()));
+      for (auto& x : d_out) x = testing::round_to(uniform(-1, 1), c.dtype);
+      const Grads g = run_backward(s, fused, c.dtype, d_out, DType::kF32);
+      const Grads w = run_backward(s, ref, DType::kF64, d_out);
+      const double rel = c.dtype == DType::kF32 ? 2e-4 : 1.0 / 256;
+      if (linear) {
+        expect_near_all(g.dq, w.dq, rel * largest(w.dq) + 1e-6, "dq");
+        expect_near_all(g.dk, w.dk, rel * largest(w.dk) + 1e-6, "dk");
+      }
+      expect_near_all(g.dv, w.dv, rel * largest(w.dv) + 1e-6, "dv");
+      expect_near_all(g.de, w.de, rel * largest(w.de) + 1e-6, "d_table");
     }
   }
 }
@@ -310,8 +311,7 @@ TEST(Cope, BitwiseIdenticalForAnyThreadCount) {
     const Result r = run(s, att, DType::kF32);
     const Grads g = run_backward(s, att, DType::kF32, d_out);
     EXPECT_TRUE(same_bits(r.out, r1.out) && same_bits(r.lse, r1.lse)) << n << " threads";
-    EXPECT_TRUE(same_bits(g.dq, g1.dq) && same_bits(g.dk, g1.dk) && same_bits(g.dv, g1.dv) &&
-                same_bits(g.de, g1.de))
+    EXPECT_TRUE(same_bits(g.dq, g1.dq) && same_bits(g.dk, g1.dk) && same_bits(g.dv, g1.dv) && same_bits(g.de, g1.de))
         << n << " threads";
   }
   set_num_threads(before);
@@ -351,14 +351,24 @@ TEST(Cope, RefusesBadInput) {
   const std::vector<float> big(static_cast<std::size_t>(65537 * 16));
   const std::vector<std::uint16_t> half(96);
   expect_error([&] { build([](CopeSpec& sp) { sp.scale = std::nan(""); }); }, {"scale", "nan"});
-  expect_error([&] { build([&](CopeSpec& sp) { sp.table = ConstTensorView::of(big.data(), {6, 15}); }); },
+  expect_error([&] { build([&](CopeSpec& sp) {
+                       sp.table = ConstTensorView::of(big.data(), {6, 15});
+                     }); },
                {"table", "D = 16"});
-  expect_error([&] { build([&](CopeSpec& sp) { sp.table = ConstTensorView::of(big.data(), {0, 16}); }); },
+  expect_error([&] { build([&](CopeSpec& sp) {
+                       sp.table = ConstTensorView::of(big.data(), {0, 16});
+                     }); },
                {"table", "1 <= npos <= 65536"});
-  expect_error([&] { build([&](CopeSpec& sp) { sp.table = ConstTensorView::of(big.data(), {65537, 16}); }); },
+  expect_error([&] { build([&](CopeSpec& sp) {
+                       sp.table = ConstTensorView::of(big.data(), {65537, 16});
+                     }); },
                {"table", "1 <= npos <= 65536"});
   expect_error(
-      [&] { build([&](CopeSpec& sp) { sp.table = ConstTensorView::contiguous(half.data(), DType::kF16, std::vector<std::int64_t>{6, 16}); }); },
+      [&] {
+        build([&](CopeSpec& sp) {
+          sp.table = ConstTensorView::contiguous(half.data(), DType::kF16, std::vector<std::int64_t>{6, 16});
+        });
+      },
       {"table.dtype", "f16", "f32"});
   expect_error([&] { build([](CopeSpec& sp) { sp.table = {}; }); }, {"table"});
   expect_error([&] { build([](CopeSpec& sp) { sp.cu_seqlens_q = {0, 10}; }); }, {"cu_seqlens"});
@@ -367,14 +377,20 @@ TEST(Cope, RefusesBadInput) {
   const TensorView ov = TensorView::contiguous(out.data(), DType::kF32, s.vshape(10, 4));
   expect_error([&] { att.forward(ov, TensorView::of(lse.data(), {2, 4, 10})); }, {"lse", "[B, Sq, H] = [2, 10, 4]"});
   // out over the table's memory.
-  expect_error([&] { att.forward(TensorView::contiguous(const_cast<unsigned char*>(s.tb.data()), DType::kF32,
-                                                   std::vector<std::int64_t>{2, 10, 4, 8})); },
-               {"out", "table"});
+  expect_error(
+      [&] {
+        att.forward(TensorView::contiguous(const_cast<unsigned char*>(s.tb.data()), DType::kF32,
+                                           std::vector<std::int64_t>{2, 10, 4, 8}));
+      },
+      {"out", "table"});
   std::vector<float> de(static_cast<std::size_t>(5 * 16));
   const TensorView lv = TensorView::of(lse.data(), {2, 10, 4});
   expect_error([&] { att.backward(ov, {}, ov, {}, {}, {}, {}); }, {"lse", "the forward's lse"});
-  expect_error([&] { att.backward(ov, lv, ov, {}, {}, {}, TensorView::of(de.data(), {5, 16})); },
-               {"d_table", "the shape and dtype of table"});
+  expect_error(
+      [&] {
+        att.backward(ov, lv, ov, {}, {}, {}, TensorView::of(de.data(), {5, 16}));
+      },
+      {"d_table", "the shape and dtype of table"});
 }
 
 }  // namespace

@@ -42,5 +42,7 @@ auto translating(Fn&& fn) -> decltype(fn()) {
 void define_attention_ops(torch::Library& m);
 // Stick-breaking attention's op (stickbreaking_ops.cpp).
 void define_stickbreaking_ops(torch::Library& m);
+// CoPE's op (cope_ops.cpp).
+void define_cope_ops(torch::Library& m);
 
 }  // namespace posenc::torch_adapter

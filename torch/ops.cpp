@@ -939,6 +939,7 @@ TORCH_LIBRARY(posenc, m) {
   using namespace posenc::torch_adapter;
   define_attention_ops(m);
   define_stickbreaking_ops(m);
+  define_cope_ops(m);
   m.def("sinusoidal_table(Tensor positions, int dim, float base, bool interleaved, ScalarType dtype) -> Tensor",
         &sinusoidal_table_op);
   m.def("rope(Tensor q, Tensor k, Tensor positions, str params, int direction) -> (Tensor, Tensor)", &rope_op);

@@ -62,8 +62,8 @@ namespace posenc {
 
 struct CopeSpec {
   ConstTensorView q, k, v;
-  ConstTensorView table;  // e [npos, D]
-  double scale = 0.0;     // 0: 1/sqrt(D)
+  ConstTensorView table;                                 // e [npos, D]
+  double scale = 0.0;                                    // 0: 1/sqrt(D)
   std::vector<std::int64_t> cu_seqlens_q, cu_seqlens_k;  // packed sequences (both or neither)
 };
 
@@ -89,8 +89,8 @@ class CopeAttention {
   AttentionStats forward(TensorView out, TensorView lse = {}) const;
   // out and lse from forward; dq, dk, dv (+=) like q, k, v, d_table (+=) like table; empty
   // views skip them.
-  AttentionStats backward(ConstTensorView out, ConstTensorView lse, ConstTensorView d_out, TensorView dq,
-                          TensorView dk, TensorView dv, TensorView d_table) const;
+  AttentionStats backward(ConstTensorView out, ConstTensorView lse, ConstTensorView d_out, TensorView dq, TensorView dk,
+                          TensorView dv, TensorView d_table) const;
 
  private:
   struct Plan;  // validated shapes and sequences (src/cope.cpp)

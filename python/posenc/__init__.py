@@ -25,7 +25,7 @@ __all__ = [
     "SinusoidalPositionalEncoding", "LearnedPositionalEncoding", "RotaryPositionalEncoding", "ALiBi",
     "T5RelativeBias", "Kerple", "FIRE", "TUPE", "FLOATER", "ShawRelativePositions", "TransformerXLRelative",
     "schemes", "RelativeBias", "Sandwich", "Forgetting", "forgetting_attention", "PositionTemperature",
-    "stickbreaking_attention",
+    "stickbreaking_attention", "CoPE", "cope_attention",
     "nn", "KVCache", "distributed",
 ]
 
@@ -627,6 +627,72 @@ def stickbreaking_attention(q, k, v, *, scale=None, attend_current=False, cu_seq
     return out, rem
 
 
+def _qkv_layout(where, q, k, v, layout, cu_seqlens):
+    """q, k, v as [B, S, H, D] (or packed [T, H, D]) views, and the op's (cu_q, cu_k) lists."""
+    if layout == "bhsd":
+        if cu_seqlens is not None:
+            raise ValueError(f"{where}: layout = 'bhsd' with cu_seqlens; expected packed [T, H, D] tensors")
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    elif layout != "bshd":
+        raise ValueError(f"{where}: layout = {layout!r}; expected 'bshd' or 'bhsd'")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{where}: {name} is {type(t).__name__}; expected a torch.Tensor")
+    cu_q, cu_k = _cu_seqlens(cu_seqlens)
+    if q.dim() != (3 if cu_q else 4):
+        raise ValueError(f"{where}: q has {q.dim()} dimensions; expected " +
+                         ("3 ([Tq, H, D] with cu_seqlens)" if cu_q else "4 ([B, Sq, H, D] or with layout='bhsd')"))
+    return q, k, v, cu_q, cu_k
+
+
+def cope_attention(q, k, v, table, *, scale=None, cu_seqlens=None, layout="bshd", return_lse=False):
+    """CoPE, contextual position encoding (Golovneva et al. 2024): causal softmax attention whose
+    positions are counted by gates from the content. For query i and key j <= i: z = scale·q_i·k_j
+    (scale None: 1/sqrt(D)), gate σ(z), position p_ij = min(Σ_{m=j..i} σ(z_im), npos − 1), and the
+    logit z + ⟨q_i, e[p]⟩ interpolated between the rows ⌊p⌋ and ⌈p⌉ of ``table`` e ``[npos, D]``
+    (1 <= npos <= 65536, shared by the heads). Query i of Sq is key token Sk − Sq + i (decode:
+    Sq = 1). q ``[B, Sq, H, D]``, k ``[B, Sk, G, D]`` (G divides H), v ``[B, Sk, G, Dv]``; float32,
+    bfloat16, float16 or float64 (the fp64 reference); the table in q's dtype or float32.
+    Differentiable in q, k, v and the table. ``cu_seqlens``: packed sequences as ``attention``
+    takes them, each counting its own positions. Returns out like q (and the log-sum-exp
+    ``[B, Sq, H]`` float32, ``[B, H, Sq]`` with ``layout="bhsd"``, with ``return_lse=True``; it
+    carries no gradient)."""
+    q, k, v, cu_q, cu_k = _qkv_layout("cope_attention", q, k, v, layout, cu_seqlens)
+    if not isinstance(table, torch.Tensor):
+        raise TypeError(f"cope_attention: table is {type(table).__name__}; expected a torch.Tensor")
+    if scale is not None and not _number("cope_attention", "scale", scale) > 0:
+        raise ValueError(f"cope_attention: scale = {scale}; expected a number > 0, or None for 1/sqrt(D)")
+    if table.is_floating_point() and table.dtype not in (q.dtype, torch.float32):
+        table = table.to(q.dtype)
+    out, lse = _ops.cope_attention(q, k, v, table, 0.0 if scale is None else float(scale), cu_q, cu_k)
+    if layout == "bhsd":
+        out, lse = out.transpose(1, 2), lse.transpose(1, 2)
+    return (out, lse) if _flag("cope_attention", "return_lse", return_lse) else out
+
+
+class CoPE(torch.nn.Module):
+    """CoPE's learned position table ``[npos_max, head_dim]`` (zeros at first, as the paper's: the
+    layer starts as attention without positions), used as ``posenc.attention(q, k, v, cope)``
+    (causal) or called as ``cope(q, k, v, scale=…, cu_seqlens=…, layout=…)``. See
+    ``cope_attention``."""
+
+    def __init__(self, npos_max, head_dim, dtype=torch.float32):
+        super().__init__()
+        npos_max = _int("CoPE", "npos_max", npos_max, 1)
+        if npos_max > 65536:
+            raise ValueError(f"CoPE: npos_max = {npos_max}; expected at most 65536")
+        head_dim = _int("CoPE", "head_dim", head_dim, 1)
+        self.npos_max, self.head_dim = npos_max, head_dim
+        self.table = torch.nn.Parameter(torch.zeros(npos_max, head_dim, dtype=dtype))
+
+    def forward(self, q, k, v, *, scale=None, cu_seqlens=None, layout="bshd", return_lse=False):
+        return cope_attention(q, k, v, self.table, scale=scale, cu_seqlens=cu_seqlens, layout=layout,
+                              return_lse=return_lse)
+
+    def extra_repr(self):
+        return f"npos_max={self.npos_max}, head_dim={self.head_dim}"
+
+
 def _attention_scheme(scheme, heads, keys_rotated):
     """(JSON dict, parameter tensor) of a scheme: None, a registered name (posenc.schemes(): its
     options' defaults and initial parameters), or a module."""
@@ -766,6 +832,12 @@ def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size
     hold sequences one after another, the cumulative lengths ``[0, l1, l1 + l2, …, T]`` (an int64
     tensor or a list; a pair ``(cu_q, cu_k)`` when queries and keys differ); each sequence attends
     within itself, its positions restart at 0, and the lse is ``[H, Tq]``."""
+    if isinstance(scheme, CoPE):
+        _cope_alone(causal, window, chunk_size, temperature, softcap, q_positions, k_positions, keys_rotated, sinks)
+        out = scheme(q, k, v, scale=scale, cu_seqlens=cu_seqlens, layout=layout, return_lse=return_lse)
+        if not return_lse:
+            return out
+        return out[0], out[1] if layout == "bhsd" else out[1].transpose(-1, -2)
     if layout == "bhsd":
         if cu_seqlens is not None:
             raise ValueError("attention: layout = 'bhsd' with cu_seqlens; expected packed [T, H, D] tensors")
@@ -779,6 +851,28 @@ def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size
     if layout == "bhsd":
         out = out.transpose(1, 2)
     return (out, lse) if return_lse else out
+
+
+def _cope_alone(causal, window, chunk_size, temperature, softcap, q_positions, k_positions, keys_rotated, sinks):
+    """CoPE runs its own causal kernel: the options it does not combine with are refused by name."""
+    if causal is not True:
+        raise ValueError(f"attention: causal = {causal!r} with CoPE; expected causal=True (its positions count "
+                         "gates from the query leftwards)")
+    given = [name for name, value, unset in (
+        ("window", window, (-1, -1)), ("chunk_size", chunk_size, None), ("temperature", temperature, None),
+        ("softcap", softcap, 0.0), ("q_positions", q_positions, None), ("k_positions", k_positions, None),
+        ("keys_rotated", keys_rotated, False), ("sinks", sinks, None)) if not _unset(value, unset)]
+    if given:
+        raise ValueError(f"attention: {given[0]} with CoPE; expected it left unset (CoPE's positions come from "
+                         "its gates, and its kernel takes no other term)")
+
+
+def _unset(value, unset):
+    if unset is None:
+        return value is None
+    if isinstance(value, torch.Tensor):
+        return False
+    return value == unset
 
 
 def _cu_seqlens(cu_seqlens):

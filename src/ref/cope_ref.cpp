@@ -102,8 +102,7 @@ void walk(const CopeSpec& spec, const detail::CopeShape& shape, const Sequence& 
   for (std::int64_t c = 0; c < shape.dim_v; ++c) {
     double o = 0;
     for (std::size_t j = 0; j < ue; ++j)
-      o += row.prob[j] *
-           at(spec.v.data(), shape.dtype, shape.vg, seq.b, seq.k0 + static_cast<std::int64_t>(j), kvh, c);
+      o += row.prob[j] * at(spec.v.data(), shape.dtype, shape.vg, seq.b, seq.k0 + static_cast<std::int64_t>(j), kvh, c);
     row.out[static_cast<std::size_t>(c)] = o;
   }
 }
@@ -120,8 +119,9 @@ void cope_forward(const CopeAttention& attention, TensorView out, TensorView lse
   const detail::HeadsGrid og =
       detail::check_cope_forward_outputs(spec, shape, ConstTensorView(out), ConstTensorView(lse));
   const bool want_lse = detail::given(ConstTensorView(lse));
-  const detail::RowStatGrid lg =
-      want_lse ? detail::check_row_stat(detail::kCope, shape, "lse", ConstTensorView(lse), true) : detail::RowStatGrid{};
+  const detail::RowStatGrid lg = want_lse
+                                     ? detail::check_row_stat(detail::kCope, shape, "lse", ConstTensorView(lse), true)
+                                     : detail::RowStatGrid{};
   Row row;
   for (const Sequence& seq : sequences_of(spec, shape)) {
     for (std::int64_t h = 0; h < shape.heads; ++h) {
@@ -168,7 +168,8 @@ void cope_backward(const CopeAttention& attention, ConstTensorView out, ConstTen
           const auto j = static_cast<std::int64_t>(ju);
           double dprob = 0;
           for (std::int64_t c = 0; c < dvc; ++c) {
-            dprob += go[static_cast<std::size_t>(c)] * at(spec.v.data(), shape.dtype, shape.vg, seq.b, seq.k0 + j, kvh, c);
+            dprob +=
+                go[static_cast<std::size_t>(c)] * at(spec.v.data(), shape.dtype, shape.vg, seq.b, seq.k0 + j, kvh, c);
             gv[static_cast<std::size_t>((j * shape.kv_heads + kvh) * dvc + c)] +=
                 row.prob[ju] * go[static_cast<std::size_t>(c)];
           }
@@ -177,8 +178,9 @@ void cope_backward(const CopeAttention& attention, ConstTensorView out, ConstTen
           const Interp t = interp(sum >= cap ? cap : sum);
           dqe[static_cast<std::size_t>(t.fl)] += ds[ju] * (1 - t.w);
           dqe[static_cast<std::size_t>(t.ce)] += ds[ju] * t.w;
-          dp[ju] = sum >= cap ? 0.0
-                              : ds[ju] * (row.qe[static_cast<std::size_t>(t.ce)] - row.qe[static_cast<std::size_t>(t.fl)]);
+          dp[ju] = sum >= cap
+                       ? 0.0
+                       : ds[ju] * (row.qe[static_cast<std::size_t>(t.ce)] - row.qe[static_cast<std::size_t>(t.fl)]);
         }
         std::fill(gq.begin(), gq.end(), 0.0);
         double run = 0;  // Σ_{m<=j} dp_im

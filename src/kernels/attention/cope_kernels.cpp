@@ -271,8 +271,8 @@ void cope_forward_tile(float* st, std::int64_t keys, std::int64_t width, std::in
 void cope_backward_tile(float* st, float* dpt, float* dpp, float* gg, std::int64_t keys, std::int64_t width,
                         std::int64_t k_first, const std::int32_t* hi, bool masked, const float* qe, std::int64_t ldqe,
                         float cap, const float* lse, const float* delta, float* carry, float* dqe, float* tile_sum) {
-  HWY_DYNAMIC_DISPATCH(CopeBackwardTile)(st, dpt, dpp, gg, keys, width, k_first, hi, masked, qe, ldqe, cap, lse, delta,
-                                         carry, dqe, tile_sum);
+  HWY_DYNAMIC_DISPATCH(CopeBackwardTile)
+  (st, dpt, dpp, gg, keys, width, k_first, hi, masked, qe, ldqe, cap, lse, delta, carry, dqe, tile_sum);
 }
 
 void cope_backward_finish(float* dpt, const float* dpp, const float* gg, std::int64_t keys, std::int64_t width,

@@ -150,7 +150,8 @@ Runner add_bench(CLI::App& app) {
   sub->add_option("--scheme", o->shape.scheme,
                   "bias: alibi, t5, kerple, fire, nope or another relative bias; attention: any registered scheme "
                   "(posenc schemes), with its defaults, fox (Forgetting Attention with gates of 0.73–0.99) or sinks "
-                  "(no scheme, a sink per head); stickbreaking (stick-breaking attention, causal by definition)")
+                  "(no scheme, a sink per head); stickbreaking (stick-breaking attention), cope (CoPE with 64 "
+                  "positions; both causal by definition)")
       ->capture_default_str();
   sub->add_option(
          "--pass", o->shape.pass,

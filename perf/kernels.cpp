@@ -42,19 +42,24 @@ std::string shape(const CaseOptions& o) {
   return "[" + std::to_string(o.batch) + ", " + std::to_string(o.length) + ", " + std::to_string(o.dim) + "] f32";
 }
 
-// Stick-breaking attention at a model shape (always causal; queries and keys as make_attention_case
-// makes them). Flops as for softmax attention, causal: 2 products forward, 5 backward.
-Case make_stickbreaking_case(const CaseOptions& o, DType dtype) {
+// Stick-breaking attention or CoPE at a model shape (always causal; queries and keys as
+// make_attention_case makes them; CoPE with a table of 64 positions). Flops as for softmax
+// attention, causal: 2 products forward, 5 backward (CoPE's ⟨q, e[n]⟩ products and its first
+// backward walk over the tiles not yet clamped are not counted).
+Case make_rowblock_case(const CaseOptions& o, DType dtype) {
+  const bool cope = o.scheme == "cope";
   const std::int64_t heads = o.heads, dim = o.dim, kv = o.kv_heads, dim_v = o.value_dim.value_or(o.dim);
+  const std::int64_t npos = 64;
   if (dim_v < 1) throw Error("bench", "--value-dim", std::to_string(dim_v), ">= 1");
-  if (o.values_in_keys) throw Error("bench", "--values-in-keys", "set", "not with --scheme stickbreaking");
-  if (o.chunk_size) throw Error("bench", "--chunk-size", std::to_string(*o.chunk_size), "none with stickbreaking");
+  if (o.values_in_keys) throw Error("bench", "--values-in-keys", "set", "not with --scheme " + o.scheme);
+  if (o.chunk_size) throw Error("bench", "--chunk-size", std::to_string(*o.chunk_size), "none with " + o.scheme);
   const std::int64_t q_len = o.pass == "decode" ? 1 : o.length, k_len = o.length;
   struct State {
     std::vector<BenchArray<float>> f;  // q, k, v, out (f32), dout, dq, dk, dv
     std::vector<BenchArray<std::uint16_t>> h;
-    std::vector<float> rem, d_rem;
-    std::unique_ptr<StickBreakingAttention> attention;
+    std::vector<float> stat, d_rem, table, d_table;
+    std::unique_ptr<StickBreakingAttention> sb;
+    std::unique_ptr<CopeAttention> cope;
     AttentionStats stats;
   };
   auto st = std::make_shared<State>();
@@ -69,17 +74,18 @@ Case make_stickbreaking_case(const CaseOptions& o, DType dtype) {
                                   checked_mul(checked_mul(o.batch, k_len, "k"), kv * dim, "k"),
                                   checked_mul(checked_mul(o.batch, k_len, "v"), kv * dim_v, "v")};
   std::uint64_t state = 99;
+  const auto next = [&state] {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    return static_cast<float>(static_cast<double>(state >> 40) / static_cast<double>(1ull << 24) * 2.0 - 1.0);
+  };
   const bool backward = o.pass == "backward";
   for (int b = 0; b < 8; ++b) {
     if (b >= 4 && !backward) break;
-    // out stays f32 (backward then reads an unrounded out, stickbreaking.hpp); the rest in dtype.
+    // out stays f32 (backward then reads an unrounded out); the rest in dtype.
     const bool wide = b == 3 || dtype == DType::kF32;
     st->f[static_cast<std::size_t>(b)].assign(static_cast<std::size_t>(counts[b]), 0.0f, o.huge_pages);
     if (b < 3 || b == 4) {
-      for (auto& x : st->f[static_cast<std::size_t>(b)]) {
-        state = state * 6364136223846793005ull + 1442695040888963407ull;
-        x = static_cast<float>(static_cast<double>(state >> 40) / static_cast<double>(1ull << 24) * 2.0 - 1.0);
-      }
+      for (auto& x : st->f[static_cast<std::size_t>(b)]) x = next();
     }
     if (!wide) {
       auto& f = st->f[static_cast<std::size_t>(b)];
@@ -98,54 +104,74 @@ Case make_stickbreaking_case(const CaseOptions& o, DType dtype) {
   };
   const std::vector<std::int64_t> q_shape = {o.batch, q_len, heads, dim}, k_shape = {o.batch, k_len, kv, dim};
   const std::vector<std::int64_t> o_shape = {o.batch, q_len, heads, dim_v}, v_shape = {o.batch, k_len, kv, dim_v};
-  StickBreakingSpec spec;
-  spec.q = view(0, q_shape);
-  spec.k = view(1, k_shape);
-  spec.v = view(2, v_shape);
-  spec.skip_vanishing_tiles = o.skip_vanishing_tiles;
-  st->attention = std::make_unique<StickBreakingAttention>(spec);
-  st->rem.assign(static_cast<std::size_t>(o.batch * q_len * heads), 0.0f);
+  if (cope) {
+    st->table.resize(static_cast<std::size_t>(npos * dim));
+    for (float& x : st->table) x = next();
+    st->d_table.assign(st->table.size(), 0.0f);
+    CopeSpec spec;
+    spec.q = view(0, q_shape);
+    spec.k = view(1, k_shape);
+    spec.v = view(2, v_shape);
+    spec.table = ConstTensorView::of(static_cast<const float*>(st->table.data()), {npos, dim});
+    st->cope = std::make_unique<CopeAttention>(spec);
+  } else {
+    StickBreakingSpec spec;
+    spec.q = view(0, q_shape);
+    spec.k = view(1, k_shape);
+    spec.v = view(2, v_shape);
+    spec.skip_vanishing_tiles = o.skip_vanishing_tiles;
+    st->sb = std::make_unique<StickBreakingAttention>(spec);
+  }
+  st->stat.assign(static_cast<std::size_t>(o.batch * q_len * heads), 0.0f);  // rem or lse
   const TensorView out = view(3, o_shape);
-  const TensorView rem = TensorView::of(st->rem.data(), {o.batch, q_len, heads});
+  const TensorView stat = TensorView::of(st->stat.data(), {o.batch, q_len, heads});
   Case c;
   c.name = "attention";
   c.description = "q [" + std::to_string(o.batch) + ", " + std::to_string(q_len) + ", " + std::to_string(heads) + ", " +
                   std::to_string(dim) + "], k, v [" + std::to_string(o.batch) + ", " + std::to_string(k_len) + ", " +
                   std::to_string(kv) + ", " + std::to_string(dim) + "] " +
-                  (dim_v != dim ? "v " + std::to_string(dim_v) + " wide, " : "") + o.dtype + ", stickbreaking, causal" +
-                  (o.skip_vanishing_tiles ? "" : ", no skip") + ", " + o.pass;
+                  (dim_v != dim ? "v " + std::to_string(dim_v) + " wide, " : "") + o.dtype + ", " +
+                  (cope ? "cope (64 positions)" : "stickbreaking") + ", causal" +
+                  (o.skip_vanishing_tiles || cope ? "" : ", no skip") + ", " + o.pass;
   const double pairs = static_cast<double>(o.batch) * static_cast<double>(q_len) * static_cast<double>(k_len) *
                        static_cast<double>(heads) * static_cast<double>(dim);
   const double forward_flops =
       2.0 * pairs * (1.0 + static_cast<double>(dim_v) / static_cast<double>(dim)) * (o.pass == "decode" ? 1.0 : 0.5);
   c.elements_per_run = static_cast<double>(o.batch * heads) * static_cast<double>(q_len) * static_cast<double>(k_len);
+  const auto forward = [st, out, stat] {
+    st->stats = st->cope ? st->cope->forward(out, stat) : st->sb->forward(out, stat);
+  };
   if (o.pass == "decode") {
     c.bytes_per_run = static_cast<double>(counts[1] + counts[2]) * static_cast<double>(dtype_size(dtype));
     c.limit_name = "copy";
-    c.run = [st, out, rem] { st->stats = st->attention->forward(out, rem); };
+    c.run = forward;
   } else if (o.pass == "forward") {
     c.flops_per_run = forward_flops;
     c.limit_name = "fma";
-    c.run = [st, out, rem] { st->stats = st->attention->forward(out, rem); };
+    c.run = forward;
   } else {
     c.flops_per_run = 2.5 * forward_flops;
     c.limit_name = "fma";
-    st->attention->forward(out, rem);
-    st->d_rem.assign(st->rem.size(), 0.25f);
+    forward();
+    st->d_rem.assign(st->stat.size(), 0.25f);
     const ConstTensorView d_rem =
         ConstTensorView::of(static_cast<const float*>(st->d_rem.data()), {o.batch, q_len, heads});
     const ConstTensorView dout = view(4, o_shape);
     const TensorView dq = view(5, q_shape), dk = view(6, k_shape), dv = view(7, v_shape);
-    c.run = [st, out, rem, d_rem, dout, dq, dk, dv] {
-      st->stats = st->attention->backward(out, rem, dout, d_rem, dq, dk, dv);
+    const TensorView d_table = cope ? TensorView::of(st->d_table.data(), {npos, dim}) : TensorView{};
+    c.run = [st, out, stat, d_rem, dout, dq, dk, dv, d_table] {
+      st->stats = st->cope ? st->cope->backward(out, stat, dout, dq, dk, dv, d_table)
+                           : st->sb->backward(out, stat, dout, d_rem, dq, dk, dv);
     };
   }
   c.workspace_bytes = [st] { return static_cast<double>(st->stats.workspace_bytes); };
-  c.remark = [st] {
-    const AttentionStats& n = st->stats;
-    return "skipped " + std::to_string(n.skipped) + " of " + std::to_string(n.tiles) +
-           " key tiles of row blocks (every weight below FLT_MIN; the flops count them all)";
-  };
+  if (!cope) {
+    c.remark = [st] {
+      const AttentionStats& n = st->stats;
+      return "skipped " + std::to_string(n.skipped) + " of " + std::to_string(n.tiles) +
+             " key tiles of row blocks (every weight below FLT_MIN; the flops count them all)";
+    };
+  }
   c.state = st;
   return c;
 }
@@ -163,7 +189,7 @@ Case make_attention_case(const CaseOptions& o) {
   if (o.dtype != "f32" && o.dtype != "bf16" && o.dtype != "f16")
     throw Error("bench", "--dtype", o.dtype, "f32, bf16 or f16");
   const DType dtype = o.dtype == "bf16" ? DType::kBF16 : o.dtype == "f16" ? DType::kF16 : DType::kF32;
-  if (o.scheme == "stickbreaking") return make_stickbreaking_case(o, dtype);
+  if (o.scheme == "stickbreaking" || o.scheme == "cope") return make_rowblock_case(o, dtype);
   const std::int64_t heads = o.heads, dim = o.dim, kv = o.kv_heads, dim_v = o.value_dim.value_or(o.dim);
   if (dim_v < 1 || dim_v > dim) throw Error("bench", "--value-dim", std::to_string(dim_v), "1 to --head-dim");
   const std::int64_t q_len = o.pass == "decode" ? 1 : o.length, k_len = o.length;
@@ -221,7 +247,7 @@ Case make_attention_case(const CaseOptions& o) {
       known = known || e.name == o.scheme;
     }
     // The attention terms that are not registry entries: forget gates and sinks.
-    if (!known) throw Error("bench", "--scheme", o.scheme, "one of " + names + ", fox, sinks, stickbreaking");
+    if (!known) throw Error("bench", "--scheme", o.scheme, "one of " + names + ", fox, sinks, stickbreaking, cope");
     groups.push_back(make_head_group(o.scheme, SchemeArgs{.heads = heads, .head_dim = dim}));
   }
   struct State {

@@ -8,7 +8,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="$1" seconds="$2"
 shift 2
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(config cli views rope schemes attention stickbreaking)
+[ ${#targets[@]} -gt 0 ] || targets=(config cli views rope schemes attention stickbreaking cope)
 mkdir -p "$build/fuzz/findings"
 for name in "${targets[@]}"; do
   mkdir -p "$build/fuzz/new/$name"

@@ -28,7 +28,7 @@ ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
 
 echo "== Fuzzing (libFuzzer, clang, AddressSanitizer + UndefinedBehaviorSanitizer): each target for 20 s"
 # docs/fuzzing.md: the targets, their corpora, and how to run them longer.
-posenc_build "$POSENC_ROOT/build-fuzz" "fuzz_config fuzz_cli fuzz_views fuzz_rope fuzz_schemes fuzz_attention fuzz_stickbreaking" \
+posenc_build "$POSENC_ROOT/build-fuzz" "fuzz_config fuzz_cli fuzz_views fuzz_rope fuzz_schemes fuzz_attention fuzz_stickbreaking fuzz_cope" \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_COMPILER=clang-14 -DCMAKE_CXX_COMPILER=clang++-14 \
   -DPOSENC_SANITIZE=ON -DPOSENC_FUZZ=ON -DPOSENC_BUILD_TESTS=OFF -DPOSENC_BUILD_BENCH=OFF
 bash "$POSENC_ROOT/scripts/fuzz.sh" "$POSENC_ROOT/build-fuzz" 20

@@ -68,7 +68,7 @@ CopeBackwardGrids check_cope_backward(const CopeSpec& spec, const CopeShape& sha
   CopeBackwardGrids g;
   g.og = check_output_tokens(kCope, "out", out, shape.out_grid());
   check_out_dtype(kCope, shape, out);
-  require(given(lse), "lse", "empty", "the forward's lse");
+  require(lse.rank() > 0, "lse", "empty", "the forward's lse");
   g.lse = check_row_stat(kCope, shape, "lse", lse, false);
   g.dog = check_output_tokens(kCope, "d_out", d_out, shape.out_grid());
   check_dtype(kCope, "d_out", d_out.dtype(), shape.dtype);

@@ -23,6 +23,9 @@ using SinusoidOp = at::Tensor(const at::Tensor&, std::int64_t, double, bool, at:
 using StickBreakingOp = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                            double, bool, std::vector<std::int64_t>,
                                                            std::vector<std::int64_t>, bool);
+using CopeOp = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                  const at::Tensor&, double, std::vector<std::int64_t>,
+                                                  std::vector<std::int64_t>);
 
 // T5: 32 buckets up to distance 128 (the T5 paper's defaults); FIRE: a 32-unit MLP; xPos: its
 // paper's scale base 512.
@@ -55,6 +58,7 @@ const std::vector<std::string>& known_schemes() {
     }
     all.push_back("fox");
     all.push_back("stickbreaking");
+    all.push_back("cope");
     return all;
   }();
   return known;
@@ -132,6 +136,8 @@ LanguageModelImpl::LanguageModelImpl(const ModelConfig& config) : config_(config
       layer.fgate = register_module(p + "fgate", torch::nn::Linear(d, h));
     } else if (config.scheme == "stickbreaking") {
       layer.head_bias = register_parameter(p + "head_bias", torch::zeros({h, d / h}));
+    } else if (config.scheme == "cope") {
+      layer.cope_table = register_parameter(p + "cope_table", torch::zeros({config.train_length + 1, d / h}));
     } else if (config.scheme == "alibi") {
       // The paper's slopes 2^(−8h/H), fixed.
       auto slopes = torch::empty({h}, torch::kFloat64);
@@ -203,6 +209,7 @@ torch::Tensor LanguageModelImpl::forward(const torch::Tensor& bytes, std::int64_
       c10::Dispatcher::singleton().findSchemaOrThrow("posenc::sinusoidal_table", "").typed<SinusoidOp>();
   static const auto stickbreaking =
       c10::Dispatcher::singleton().findSchemaOrThrow("posenc::stickbreaking_attention", "").typed<StickBreakingOp>();
+  static const auto cope = c10::Dispatcher::singleton().findSchemaOrThrow("posenc::cope_attention", "").typed<CopeOp>();
   const std::int64_t b = bytes.size(0), s = bytes.size(1), d = config_.width, h = config_.heads, hd = d / h;
   if (context_length <= 0) context_length = s;
   torch::Tensor x = embed_->forward(bytes);
@@ -222,6 +229,8 @@ torch::Tensor LanguageModelImpl::forward(const torch::Tensor& bytes, std::int64_
     if (config_.scheme == "stickbreaking") {
       const auto [o, rem] = stickbreaking.call(q, k, v, 0.0, false, {}, {}, true);
       attended = o + rem.unsqueeze(-1) * layer.head_bias;
+    } else if (config_.scheme == "cope") {
+      attended = std::get<0>(cope.call(q, k, v, layer.cope_table, 0.0, {}, {}));
     } else {
       std::vector<at::Tensor> gates;
       if (config_.scheme == "fox") gates.push_back(torch::log_sigmoid(layer.fgate->forward(normed)));

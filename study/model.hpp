@@ -15,6 +15,9 @@
 //   stickbreaking            stick-breaking attention (no softmax, no positions; posenc's
 //                            stickbreaking_attention op) plus rem·b_h, a learned per-head vector
 //                            for the stick left over (zero at first), as the authors' models add
+//   cope                     CoPE (posenc's cope_attention op): a learned table of
+//                            train_length + 1 positions per layer (the authors' default, block size
+//                            + 1, since position 0 occurs), zero at first as theirs
 //
 // Attention, its backward and every scheme's gradients are posenc's fused op (posenc::attention,
 // torch/ops.cpp), called through the dispatcher as Python calls it.
@@ -39,7 +42,7 @@ const std::vector<std::string>& all_schemes();
 std::string training_scheme(const std::string& scheme);
 // Every scheme the study can train: all_schemes(), the registry's other schemes of the
 // relative-bias family (posenc/registry.hpp), each with its defaults and initial parameters, then
-// fox and stickbreaking (last, so that the others keep their seeds).
+// fox, stickbreaking and cope (last, so that the others keep their seeds).
 const std::vector<std::string>& known_schemes();
 // "one of …" for an error message.
 std::string known_schemes_text();
@@ -60,6 +63,7 @@ class LanguageModelImpl : public torch::nn::Module {
     torch::nn::Linear qkv{nullptr}, out{nullptr}, up{nullptr}, down{nullptr};
     torch::nn::Linear fgate{nullptr};  // fox: the forget gates' logits
     torch::Tensor head_bias;           // stickbreaking: b_h, [heads, head_dim]
+    torch::Tensor cope_table;          // cope: [train_length + 1, head_dim]
     torch::Tensor bias_params;         // the scheme's per-layer parameters (or an empty tensor)
     std::vector<torch::Tensor> raw;    // trainable tensors bias_params is made of
   };

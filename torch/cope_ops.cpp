@@ -57,8 +57,7 @@ class CopeFunction : public torch::autograd::Function<CopeFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     return translating([&] {
-      const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &table = saved[3], &out = saved[4],
-                       &lse = saved[5];
+      const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &table = saved[3], &out = saved[4], &lse = saved[5];
       const CopeAttention& att = *ctx->saved_data["call"].toCustomClass<CopeHolder>()->attention;
       const at::Tensor d_out =
           grads[0].defined() ? grads[0].to(q.scalar_type()).contiguous() : at::zeros(out.sizes(), q.options());
@@ -72,7 +71,8 @@ class CopeFunction : public torch::autograd::Function<CopeFunction> {
 };
 
 std::tuple<at::Tensor, at::Tensor> cope_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                           const at::Tensor& table, double scale, std::vector<std::int64_t> cu_seqlens_q,
+                                           const at::Tensor& table, double scale,
+                                           std::vector<std::int64_t> cu_seqlens_q,
                                            std::vector<std::int64_t> cu_seqlens_k) {
   const variable_list r = CopeFunction::apply(q, k, v, table, scale, cu_seqlens_q, cu_seqlens_k);
   return {r[0], r[1]};

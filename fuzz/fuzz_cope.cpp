@@ -63,8 +63,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     for (std::int64_t n = 2; n < npos; ++n) {
       for (std::int64_t t = 0; t < dim; ++t) {
         const auto at = [&](std::int64_t m) -> double& { return table[static_cast<std::size_t>(m * dim + t)]; };
-        at(n) = fuzz::element(fuzz::store({at(0) + static_cast<double>(n) * (at(1) - at(0))}, table_dtype),
-                              table_dtype, 0);
+        at(n) =
+            fuzz::element(fuzz::store({at(0) + static_cast<double>(n) * (at(1) - at(0))}, table_dtype), table_dtype, 0);
       }
     }
   }
@@ -104,13 +104,12 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   spec64.k = ConstTensorView::contiguous(k64.data(), DType::kF64, k_shape);
   spec64.v = ConstTensorView::contiguous(v64.data(), DType::kF64, v_shape);
   spec64.table = ConstTensorView::contiguous(t64.data(), DType::kF64, t_shape);
-  const std::string context = std::string(" (") + std::string(dtype_name(dtype)) + ", table " +
-                              std::string(dtype_name(table_dtype)) + (linear ? " on a line" : "") + ", B " +
-                              std::to_string(batch) + ", Sq " + std::to_string(q_len) + ", Sk " +
-                              std::to_string(k_len) + ", H " + std::to_string(heads) + "/" + std::to_string(kv_heads) +
-                              ", D " + std::to_string(dim) + "/" + std::to_string(dim_v) + ", npos " +
-                              std::to_string(npos) + (packed ? ", packed" : "") + ", scale " +
-                              fuzz::number(spec.scale) + ", non-finite: " + placed + ")";
+  const std::string context =
+      std::string(" (") + std::string(dtype_name(dtype)) + ", table " + std::string(dtype_name(table_dtype)) +
+      (linear ? " on a line" : "") + ", B " + std::to_string(batch) + ", Sq " + std::to_string(q_len) + ", Sk " +
+      std::to_string(k_len) + ", H " + std::to_string(heads) + "/" + std::to_string(kv_heads) + ", D " +
+      std::to_string(dim) + "/" + std::to_string(dim_v) + ", npos " + std::to_string(npos) +
+      (packed ? ", packed" : "") + ", scale " + fuzz::number(spec.scale) + ", non-finite: " + placed + ")";
   if (std::getenv("POSENC_FUZZ_VERBOSE") != nullptr) std::fprintf(stderr, "case%s\n", context.c_str());
   std::optional<CopeAttention> fused, exact;
   if (!fuzz::accepted("CopeAttention", [&] { fused.emplace(spec); })) return 0;
@@ -176,8 +175,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   // positions' dp (times the table's slope), carrying the logits' error, over the keys or rows
   // it meets, times max|q|, max|k| or max|e|.
   const double mg = static_cast<double>(dim_v) * std::max(fuzz::max_finite(d_out), 1e-3) * vmax + 1;
-  const double terms =
-      static_cast<double>(k_len + q_len * heads + npos) * (scale * 2 + qe) * mg * (1 + 2 * qe);
+  const double terms = static_cast<double>(k_len + q_len * heads + npos) * (scale * 2 + qe) * mg * (1 + 2 * qe);
   const char* names[] = {"dq", "dk", "dv", "d_table"};
   for (int i = 0; i < 4; ++i) {
     if (i < 2 && !linear) continue;

@@ -374,7 +374,6 @@ AttentionStats CopeAttention::Plan::backward(ConstTensorView out, ConstTensorVie
             ++tiles;
             if (t > 0) geo.prefetch(seq, un.kvh, k0 - kKeyTile, kKeyTile);
             const Tile tile = scores(k0, keys);
-            const float* kt = tile.k;
             const bool masked = blk.any_masked(k0 + keys);
             kernels::cope_backward_tile(s.st.data(), s.dpt.data(), s.dpp.data(), s.gg.data(), keys, w, k0,
                                         blk.hi.data(), masked, s.qe.data(), npp, cap, s.lse.data(), s.delta.data(),
@@ -382,23 +381,9 @@ AttentionStats CopeAttention::Plan::backward(ConstTensorView out, ConstTensorVie
             std::copy(s.sums.begin() + t * w, s.sums.begin() + (t + 1) * w, s.left.begin());
             kernels::cope_backward_finish(s.dpt.data(), s.dpp.data(), s.gg.data(), keys, w, k0, blk.hi.data(), masked,
                                           s.left.data());
-            // dV_j += Σ_r P[j][r]·dO_r;  dK_j += Σ_r dz[j][r]·(scale·q_r);  dQ_r += Σ_j dz[j][r]·k_j.
-            if (masked && !do_finite) {
-              detail::rows::add_visible(blk, k0, keys, s.st.data(), s.dorows.data(), dvp, dvp, dv_acc + k0 * dvp, dvp,
-                                        false);
-            } else {
-              kernels::attn_gemm(s.st.data(), w, 1, s.dorows.data(), dvp, dv_acc + k0 * dvp, dvp, keys, dvp, w, true);
-            }
-            if (masked && !q_finite) {
-              detail::rows::add_visible(blk, k0, keys, s.dpt.data(), s.qs.data(), dp, dp, dk_acc + k0 * dp, dp, false);
-            } else {
-              kernels::attn_gemm(s.dpt.data(), w, 1, s.qs.data(), dp, dk_acc + k0 * dp, dp, keys, dp, w, true);
-            }
-            if (masked && detail::rows_non_finite(kt, tile.ldk, keys, d)) {
-              detail::rows::add_visible(blk, k0, keys, s.dpt.data(), kt, tile.ldk, d, s.dq.data(), dp, true);
-            } else {
-              kernels::attn_gemm(s.dpt.data(), 1, w, kt, tile.ldk, s.dq.data(), dp, w, dp, keys, true);
-            }
+            detail::rows::add_tile_gradients(geo, blk, k0, keys, masked, tile,
+                                             {s.st.data(), s.dpt.data(), s.dorows.data(), s.qs.data(), do_finite,
+                                              q_finite, dv_acc + k0 * dvp, dk_acc + k0 * dp, s.dq.data()});
           }
           // de[n] += Σ_r dqe[r][n]·q_r;  dq_r = scale·dQ_r + Σ_n dqe[r][n]·e[n].
           if (de != nullptr) kernels::attn_gemm(s.dqe.data(), 1, npp, s.qrows.data(), dp, de, dp, npos, dp, w, true);

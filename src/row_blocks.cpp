@@ -337,5 +337,25 @@ void add_visible(const Block& blk, std::int64_t k0, std::int64_t keys, const flo
   }
 }
 
+void add_tile_gradients(const Geometry& geo, const Block& blk, std::int64_t k0, std::int64_t keys, bool masked,
+                        const Tile& tile, const TileGradients& t) {
+  const std::int64_t w = blk.width, dp = geo.dp, dvp = geo.dvp;
+  if (masked && !t.do_finite) {
+    add_visible(blk, k0, keys, t.p, t.dorows, dvp, dvp, t.dv_acc, dvp, false);
+  } else {
+    kernels::attn_gemm(t.p, w, 1, t.dorows, dvp, t.dv_acc, dvp, keys, dvp, w, true);
+  }
+  if (masked && !t.q_finite) {
+    add_visible(blk, k0, keys, t.dz, t.qs, dp, dp, t.dk_acc, dp, false);
+  } else {
+    kernels::attn_gemm(t.dz, w, 1, t.qs, dp, t.dk_acc, dp, keys, dp, w, true);
+  }
+  if (masked && rows_non_finite(tile.k, tile.ldk, keys, geo.shape.dim)) {
+    add_visible(blk, k0, keys, t.dz, tile.k, tile.ldk, geo.shape.dim, t.dq, dp, true);
+  } else {
+    kernels::attn_gemm(t.dz, 1, w, tile.k, tile.ldk, t.dq, dp, w, dp, keys, true);
+  }
+}
+
 }  // namespace rows
 }  // namespace posenc::detail

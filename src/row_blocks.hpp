@@ -142,6 +142,18 @@ struct Geometry {
 void add_visible(const Block& blk, std::int64_t k0, std::int64_t keys, const float* t, const float* b, std::int64_t ldb,
                  std::int64_t cols, float* out, std::int64_t ldo, bool by_rows);
 
+// A tile's share of backward's products: dV_j += Σ_r P[j][r]·dO_r, dK_j += Σ_r dz[j][r]·qs_r and
+// dQ_r += Σ_j dz[j][r]·k_j (p and dz transposed tiles, width apart; dorows dvp wide, qs and dq dp
+// wide; dv_acc, dk_acc the tile's first key's rows). In a masked tile, an operand that is not
+// finite goes through add_visible.
+struct TileGradients {
+  const float *p, *dz, *dorows, *qs;
+  bool do_finite, q_finite;
+  float *dv_acc, *dk_acc, *dq;
+};
+void add_tile_gradients(const Geometry& geo, const Block& blk, std::int64_t k0, std::int64_t keys, bool masked,
+                        const Tile& tile, const TileGradients& t);
+
 inline bool finite_floats(const float* x, std::int64_t n) { return !rows_non_finite(x, 0, 1, n); }
 
 }  // namespace rows

@@ -397,7 +397,6 @@ AttentionStats StickBreakingAttention::Plan::backward(ConstTensorView out, Const
           ++tiles;
           if (t > 0) geo.prefetch(seq, un.kvh, k0 - kKeyTile, kKeyTile);
           const Tile tile = scores(k0, keys);
-          const float* kt = tile.k;
           const bool masked = blk.any_masked(k0 + keys);
           if (exact) {
             exact_walk(blk, k0, keys, s.st.data(), s.dpt.data(), s.sig.data(), s.d_rem.data(), s.carry.data(), nullptr);
@@ -406,23 +405,9 @@ AttentionStats StickBreakingAttention::Plan::backward(ConstTensorView out, Const
             kernels::sb_backward_tile(s.st.data(), s.dpt.data(), keys, w, k0, blk.hi.data(), masked, s.total.data(),
                                       s.d_rem.data(), s.carry.data(), s.suffix.data());
           }
-          // dV_j += Σ_r A[j][r]·dO_r;  dK_j += Σ_r dz[j][r]·(scale·q_r);  dQ_r += Σ_j dz[j][r]·k_j.
-          if (masked && !do_finite) {
-            detail::rows::add_visible(blk, k0, keys, s.st.data(), s.dorows.data(), dvp, dvp, dv_acc + k0 * dvp, dvp,
-                                      false);
-          } else {
-            kernels::attn_gemm(s.st.data(), w, 1, s.dorows.data(), dvp, dv_acc + k0 * dvp, dvp, keys, dvp, w, true);
-          }
-          if (masked && !q_finite) {
-            detail::rows::add_visible(blk, k0, keys, s.dpt.data(), s.qrows.data(), dp, dp, dk_acc + k0 * dp, dp, false);
-          } else {
-            kernels::attn_gemm(s.dpt.data(), w, 1, s.qrows.data(), dp, dk_acc + k0 * dp, dp, keys, dp, w, true);
-          }
-          if (masked && detail::rows_non_finite(kt, tile.ldk, keys, d)) {
-            detail::rows::add_visible(blk, k0, keys, s.dpt.data(), kt, tile.ldk, d, s.dq.data(), dp, true);
-          } else {
-            kernels::attn_gemm(s.dpt.data(), 1, w, kt, tile.ldk, s.dq.data(), dp, w, dp, keys, true);
-          }
+          detail::rows::add_tile_gradients(geo, blk, k0, keys, masked, tile,
+                                           {s.st.data(), s.dpt.data(), s.dorows.data(), s.qrows.data(), do_finite,
+                                            q_finite, dv_acc + k0 * dvp, dk_acc + k0 * dp, s.dq.data()});
         }
         if (!want_dq) continue;
         for (std::int64_t r = 0; r < w; ++r) {

@@ -588,45 +588,6 @@ def forgetting_attention(q, k, v, log_fgate, *, cu_seqlens=None, scale=None, lay
                      cu_seqlens=cu_seqlens)
 
 
-def stickbreaking_attention(q, k, v, *, scale=None, attend_current=False, cu_seqlens=None, layout="bshd",
-                            skip_vanishing_tiles=True):
-    """Stick-breaking attention (Tan et al., ICLR 2025): no softmax and no positional encoding.
-    Query i breaks a stick of length 1 from its nearest key leftwards, key j taking σ(z_ij) of
-    what the nearer keys left: A_ij = σ(z_ij)·Π_{j<m<i}(1 − σ(z_im)), z = scale·q·k (scale None:
-    1/sqrt(D)), out_i = Σ_j A_ij·v_j over keys before the query's own token (``attend_current``:
-    from it). Returns ``(out, rem)`` with rem_i = 1 − Σ_j A_ij, the stick left over, ``[B, Sq, H]``
-    float32 (``[B, H, Sq]`` with ``layout="bhsd"``, ``[Tq, H]`` packed); the authors' models add
-    ``rem[..., None] * b`` with a learned per-head vector b. Query i of Sq is key token Sk − Sq + i
-    (decode: Sq = 1). q ``[B, Sq, H, D]``, k ``[B, Sk, G, D]`` (G divides H), v ``[B, Sk, G, Dv]``;
-    float32, bfloat16, float16 or float64 (the fp64 reference). Differentiable in q, k and v
-    through out and rem. ``cu_seqlens``: packed sequences as ``attention`` takes them.
-    ``skip_vanishing_tiles``: a block of rows stops once every row's stick is used up below
-    FLT_MIN, which changes no bit (non-finite inputs further left still run and spread)."""
-    if layout == "bhsd":
-        if cu_seqlens is not None:
-            raise ValueError("stickbreaking_attention: layout = 'bhsd' with cu_seqlens; expected packed [T, H, D] "
-                             "tensors")
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    elif layout != "bshd":
-        raise ValueError(f"stickbreaking_attention: layout = {layout!r}; expected 'bshd' or 'bhsd'")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"stickbreaking_attention: {name} is {type(t).__name__}; expected a torch.Tensor")
-    cu_q, cu_k = _cu_seqlens(cu_seqlens)
-    if q.dim() != (3 if cu_q else 4):
-        raise ValueError(f"stickbreaking_attention: q has {q.dim()} dimensions; expected " +
-                         ("3 ([Tq, H, D] with cu_seqlens)" if cu_q else "4 ([B, Sq, H, D] or with layout='bhsd')"))
-    if scale is not None and not _number("stickbreaking_attention", "scale", scale) > 0:
-        raise ValueError(f"stickbreaking_attention: scale = {scale}; expected a number > 0, or None for 1/sqrt(D)")
-    out, rem = _ops.stickbreaking_attention(
-        q, k, v, 0.0 if scale is None else float(scale), _flag("stickbreaking_attention", "attend_current",
-                                                               attend_current),
-        cu_q, cu_k, _flag("stickbreaking_attention", "skip_vanishing_tiles", skip_vanishing_tiles))
-    if layout == "bhsd":
-        out, rem = out.transpose(1, 2), rem.transpose(1, 2)
-    return out, rem
-
-
 def _qkv_layout(where, q, k, v, layout, cu_seqlens):
     """q, k, v as [B, S, H, D] (or packed [T, H, D]) views, and the op's (cu_q, cu_k) lists."""
     if layout == "bhsd":
@@ -643,6 +604,32 @@ def _qkv_layout(where, q, k, v, layout, cu_seqlens):
         raise ValueError(f"{where}: q has {q.dim()} dimensions; expected " +
                          ("3 ([Tq, H, D] with cu_seqlens)" if cu_q else "4 ([B, Sq, H, D] or with layout='bhsd')"))
     return q, k, v, cu_q, cu_k
+
+
+def stickbreaking_attention(q, k, v, *, scale=None, attend_current=False, cu_seqlens=None, layout="bshd",
+                            skip_vanishing_tiles=True):
+    """Stick-breaking attention (Tan et al., ICLR 2025): no softmax and no positional encoding.
+    Query i breaks a stick of length 1 from its nearest key leftwards, key j taking σ(z_ij) of
+    what the nearer keys left: A_ij = σ(z_ij)·Π_{j<m<i}(1 − σ(z_im)), z = scale·q·k (scale None:
+    1/sqrt(D)), out_i = Σ_j A_ij·v_j over keys before the query's own token (``attend_current``:
+    from it). Returns ``(out, rem)`` with rem_i = 1 − Σ_j A_ij, the stick left over, ``[B, Sq, H]``
+    float32 (``[B, H, Sq]`` with ``layout="bhsd"``, ``[Tq, H]`` packed); the authors' models add
+    ``rem[..., None] * b`` with a learned per-head vector b. Query i of Sq is key token Sk − Sq + i
+    (decode: Sq = 1). q ``[B, Sq, H, D]``, k ``[B, Sk, G, D]`` (G divides H), v ``[B, Sk, G, Dv]``;
+    float32, bfloat16, float16 or float64 (the fp64 reference). Differentiable in q, k and v
+    through out and rem. ``cu_seqlens``: packed sequences as ``attention`` takes them.
+    ``skip_vanishing_tiles``: a block of rows stops once every row's stick is used up below
+    FLT_MIN, which changes no bit (non-finite inputs further left still run and spread)."""
+    q, k, v, cu_q, cu_k = _qkv_layout("stickbreaking_attention", q, k, v, layout, cu_seqlens)
+    if scale is not None and not _number("stickbreaking_attention", "scale", scale) > 0:
+        raise ValueError(f"stickbreaking_attention: scale = {scale}; expected a number > 0, or None for 1/sqrt(D)")
+    out, rem = _ops.stickbreaking_attention(
+        q, k, v, 0.0 if scale is None else float(scale), _flag("stickbreaking_attention", "attend_current",
+                                                               attend_current),
+        cu_q, cu_k, _flag("stickbreaking_attention", "skip_vanishing_tiles", skip_vanishing_tiles))
+    if layout == "bhsd":
+        out, rem = out.transpose(1, 2), rem.transpose(1, 2)
+    return out, rem
 
 
 def cope_attention(q, k, v, table, *, scale=None, cu_seqlens=None, layout="bshd", return_lse=False):

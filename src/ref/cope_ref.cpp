@@ -10,31 +10,10 @@
 #include "cope_checks.hpp"
 #include "internal.hpp"
 #include "posenc/reference.hpp"
+#include "ref/row_sequences.hpp"
 
 namespace posenc::ref {
 namespace {
-
-struct Sequence {
-  std::int64_t b, q0, lq, k0, lk;
-};
-
-std::vector<Sequence> sequences_of(const CopeSpec& spec, const detail::CopeShape& shape) {
-  std::vector<Sequence> out;
-  if (shape.packed) {
-    for (std::size_t t = 0; t + 1 < spec.cu_seqlens_q.size(); ++t) {
-      out.push_back({0, spec.cu_seqlens_q[t], spec.cu_seqlens_q[t + 1] - spec.cu_seqlens_q[t], spec.cu_seqlens_k[t],
-                     spec.cu_seqlens_k[t + 1] - spec.cu_seqlens_k[t]});
-    }
-  } else {
-    for (std::int64_t b = 0; b < shape.batch; ++b) out.push_back({b, 0, shape.q_len, 0, shape.k_len});
-  }
-  return out;
-}
-
-double at(const void* base, DType dtype, const detail::HeadsGrid& g, std::int64_t b, std::int64_t s, std::int64_t h,
-          std::int64_t d) {
-  return detail::load(base, dtype, g.offset(b, s) + h * g.head_stride + d * g.dim_stride);
-}
 
 // The interpolation of a position p: floor index, ceiling index (the floor's at an integer), and
 // the ceiling's weight. A NaN position takes index 0 with a NaN weight (cope.hpp).
@@ -123,7 +102,7 @@ void cope_forward(const CopeAttention& attention, TensorView out, TensorView lse
                                      ? detail::check_row_stat(detail::kCope, shape, "lse", ConstTensorView(lse), true)
                                      : detail::RowStatGrid{};
   Row row;
-  for (const Sequence& seq : sequences_of(spec, shape)) {
+  for (const Sequence& seq : sequences_of(shape, spec.cu_seqlens_q, spec.cu_seqlens_k)) {
     for (std::int64_t h = 0; h < shape.heads; ++h) {
       for (std::int64_t i = 0; i < seq.lq; ++i) {
         walk(spec, shape, seq, h, i, row);
@@ -146,7 +125,7 @@ void cope_backward(const CopeAttention& attention, ConstTensorView out, ConstTen
   const auto cap = static_cast<double>(npos - 1);
   std::vector<double> gq(static_cast<std::size_t>(d)), dqe, dp, de(static_cast<std::size_t>(npos * d), 0.0);
   Row row;
-  for (const Sequence& seq : sequences_of(spec, shape)) {
+  for (const Sequence& seq : sequences_of(shape, spec.cu_seqlens_q, spec.cu_seqlens_k)) {
     // fp64 sums of dK and dV of this sequence, [lk][G][D] and [lk][G][Dv].
     std::vector<double> gk(static_cast<std::size_t>(seq.lk * shape.kv_heads * d), 0.0);
     std::vector<double> gv(static_cast<std::size_t>(seq.lk * shape.kv_heads * dvc), 0.0);

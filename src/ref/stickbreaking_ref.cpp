@@ -9,34 +9,13 @@
 
 #include "internal.hpp"
 #include "posenc/reference.hpp"
+#include "ref/row_sequences.hpp"
 #include "stickbreaking_checks.hpp"
 
 namespace posenc::ref {
 namespace {
 
-struct Sequence {
-  std::int64_t b, q0, lq, k0, lk;
-};
-
-std::vector<Sequence> sequences_of(const StickBreakingSpec& spec, const detail::SbShape& shape) {
-  std::vector<Sequence> out;
-  if (shape.packed) {
-    for (std::size_t t = 0; t + 1 < spec.cu_seqlens_q.size(); ++t) {
-      out.push_back({0, spec.cu_seqlens_q[t], spec.cu_seqlens_q[t + 1] - spec.cu_seqlens_q[t], spec.cu_seqlens_k[t],
-                     spec.cu_seqlens_k[t + 1] - spec.cu_seqlens_k[t]});
-    }
-  } else {
-    for (std::int64_t b = 0; b < shape.batch; ++b) out.push_back({b, 0, shape.q_len, 0, shape.k_len});
-  }
-  return out;
-}
-
 double softplus(double x) { return std::max(x, 0.0) + std::log1p(std::exp(-std::abs(x))); }
-
-double at(const void* base, DType dtype, const detail::HeadsGrid& g, std::int64_t b, std::int64_t s, std::int64_t h,
-          std::int64_t d) {
-  return detail::load(base, dtype, g.offset(b, s) + h * g.head_stride + d * g.dim_stride);
-}
 
 // One row's walk: the keys it sees (e of them), their logits and weights, and rem.
 struct Row {
@@ -77,7 +56,7 @@ void stickbreaking_forward(const StickBreakingAttention& attention, TensorView o
   const bool want_rem = rem.rank() > 0 && rem.data() != nullptr;
   const detail::RemGrid rg = want_rem ? detail::check_rem(shape, "rem", ConstTensorView(rem), true) : detail::RemGrid{};
   Row row;
-  for (const Sequence& seq : sequences_of(spec, shape)) {
+  for (const Sequence& seq : sequences_of(shape, spec.cu_seqlens_q, spec.cu_seqlens_k)) {
     for (std::int64_t h = 0; h < shape.heads; ++h) {
       const std::int64_t kvh = h / shape.group;
       for (std::int64_t i = 0; i < seq.lq; ++i) {
@@ -105,7 +84,7 @@ void stickbreaking_backward(const StickBreakingAttention& attention, ConstTensor
   const std::int64_t d = shape.dim, dvc = shape.dim_v;
   std::vector<double> gq(static_cast<std::size_t>(d)), prefix;
   Row row;
-  for (const Sequence& seq : sequences_of(spec, shape)) {
+  for (const Sequence& seq : sequences_of(shape, spec.cu_seqlens_q, spec.cu_seqlens_k)) {
     // fp64 sums of dK and dV of this sequence, [lk][G][D] and [lk][G][Dv].
     std::vector<double> gk(static_cast<std::size_t>(seq.lk * shape.kv_heads * d), 0.0);
     std::vector<double> gv(static_cast<std::size_t>(seq.lk * shape.kv_heads * dvc), 0.0);

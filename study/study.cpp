@@ -9,11 +9,15 @@
 // as sliding windows (each byte after the first half-window scored with at least E/2 bytes of
 // context, stride E/2); the fraction of symbols copied right at each copy length.
 //
-// Output in --out: schemes/<name>.json per finished scheme (written to a temporary file and
-// renamed: a killed run leaves whole files only, and a rerun with the same settings skips them),
-// results.json (configuration and every number), report.md, and bpb, bpb_sliding and
-// copy_accuracy as .png and .svg when gnuplot is installed. Deterministic for a given --seed and
-// --threads.
+// --seeds N trains every scheme under N seeds (--seed, --seed + 1, …): each cell then holds the
+// mean and a 95% interval (Student's t over the seeds), in the tables, the JSON and the plots'
+// error bars.
+//
+// Output in --out: schemes/<name>.seed<s>.json per finished scheme and seed (written to a
+// temporary file and renamed: a killed run leaves whole files only, and a rerun with the same
+// settings skips them; a run with more seeds reuses those of a run with fewer), results.json
+// (configuration and every number), report.md, and bpb, bpb_sliding and copy_accuracy as .png and
+// .svg when gnuplot is installed. Deterministic for a given --seed and --threads.
 #include <ATen/Parallel.h>
 #include <fmt/core.h>
 #include <torch/torch.h>
@@ -58,8 +62,8 @@ struct Settings {
   // The copy task (copy_task.hpp): its own training length (16·copy_length ≤ 512: 255 distinct
   // symbols), steps of `batch` examples, and test examples per evaluation length.
   std::int64_t copy_length = 32, copy_steps = 1000, copy_eval_examples = 32;
-  std::uint64_t seed = 1;
-  int threads = 1;
+  std::uint64_t seed = 1;  // the first seed (and, in a scheme's own file, its seed)
+  int seeds = 1, threads = 1;
   std::vector<std::int64_t> lengths() const { return {length, 2 * length, 4 * length, 8 * length, 16 * length}; }
   std::vector<std::int64_t> copy_lengths() const {
     return {copy_length, 2 * copy_length, 4 * copy_length, 8 * copy_length, 16 * copy_length};
@@ -327,14 +331,56 @@ std::string results_table(const json& results, const std::vector<std::int64_t>& 
   out += "\n|---|";
   for (std::size_t i = 0; i < lengths.size(); ++i) out += "---:|";
   out += "\n";
+  const std::string ci = std::string(key) + "_ci95";
   for (const auto& [name, r] : results.items()) {
     out += "| " + name + " |";
     for (std::int64_t e : lengths) {
       const double v = r.at(key).at(std::to_string(e)).get<double>();
-      out += percent ? fmt::format(" {:.1f}% |", 100.0 * v) : fmt::format(" {:.3f} |", v);
+      out += percent ? fmt::format(" {:.1f}%", 100.0 * v) : fmt::format(" {:.3f}", v);
+      if (r.contains(ci)) {
+        const double h = r.at(ci).at(std::to_string(e)).get<double>();
+        out += percent ? fmt::format(" ± {:.1f}", 100.0 * h) : fmt::format(" ± {:.3f}", h);
+      }
+      out += " |";
     }
     out += "\n";
   }
+  return out;
+}
+
+// The two-sided 95% quantile of Student's t with df degrees of freedom (tables; 1.96 past 30).
+double t95(std::int64_t df) {
+  static const double table[] = {12.706, 4.303, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201,
+                                 2.179,  2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080,
+                                 2.074,  2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042};
+  return df >= 1 && df <= 29 ? table[df - 1] : 1.96;
+}
+
+// One scheme's cells over its seeds' runs: the mean of every number, and with two or more seeds
+// the half-width t95·s/√N of its 95% interval (key + "_ci95"); the runs themselves under "runs".
+json aggregate(const std::vector<json>& runs) {
+  json out = {{"scheme", runs.front().at("scheme")}, {"trained_as", runs.front().at("trained_as")}};
+  const auto n = static_cast<double>(runs.size());
+  for (const char* key : {"train_seconds", "final_train_bpb", "copy_train_seconds", "copy_final_loss"}) {
+    double sum = 0;
+    for (const json& r : runs) sum += r.at(key).get<double>();
+    out[key] = sum / n;
+  }
+  for (const char* key : {"bpb", "bpb_sliding", "copy_accuracy"}) {
+    for (const auto& [length, unused] : runs.front().at(key).items()) {
+      (void)unused;
+      double sum = 0, squares = 0;
+      for (const json& r : runs) sum += r.at(key).at(length).get<double>();
+      const double mean = sum / n;
+      for (const json& r : runs) squares += std::pow(r.at(key).at(length).get<double>() - mean, 2);
+      out[key][length] = mean;
+      if (runs.size() >= 2) {
+        out[std::string(key) + "_ci95"][length] =
+            t95(static_cast<std::int64_t>(runs.size()) - 1) * std::sqrt(squares / (n - 1)) / std::sqrt(n);
+      }
+    }
+  }
+  out["runs"] = runs;
   return out;
 }
 
@@ -353,11 +399,15 @@ void plot(const fs::path& out, const json& results, const std::vector<Figure>& f
   for (const Figure& f : figures) {
     const bool percent = std::string_view(f.key) == "copy_accuracy";
     std::string data;
+    const std::string ci = std::string(f.key) + "_ci95";
+    bool bars = false;
     for (const auto& [name, r] : results.items()) {
       data += "\"" + name + "\"\n";
       for (std::int64_t e : *f.lengths) {
         const double v = r.at(f.key).at(std::to_string(e)).get<double>();
-        data += fmt::format("{} {:.6f}\n", e, percent ? 100.0 * v : v);
+        const double h = r.contains(ci) ? r.at(ci).at(std::to_string(e)).get<double>() : 0.0;
+        bars = bars || r.contains(ci);
+        data += fmt::format("{} {:.6f} {:.6f}\n", e, percent ? 100.0 * v : v, percent ? 100.0 * h : h);
       }
       data += "\n\n";
     }
@@ -367,14 +417,15 @@ void plot(const fs::path& out, const json& results, const std::vector<Figure>& f
       script += fmt::format(
           "set terminal {}\nset output '{}.{}'\nset title '{}'\n"
           "set xlabel 'evaluation length (tokens, log scale)'\nset ylabel '{}'\n"
-          "set logscale x 2\nset key outside right\nset grid\n{}"
+          "set logscale x 2\nset offsets graph 0.04, graph 0.04, 0, 0\nset key outside right\nset grid\n{}"
           // gnuplot has eight line colours; four more so that eleven schemes differ in colour
           // (and point type).
           "set linetype 9 lc rgb '#8c564b'\nset linetype 10 lc rgb '#e377c2'\nset linetype 11 lc rgb '#7f7f7f'\n"
           "set linetype 12 lc rgb '#bcbd22'\n"
-          "plot for [i=0:*] '{}.dat' index i using 1:2 with linespoints lw 2 lc (i + 1) pt (i + 1) "
+          "plot for [i=0:*] '{}.dat' index i using 1:2{} with {} lw 2 lc (i + 1) pt (i + 1) "
           "title columnheader(1)\nunset yrange\n",
-          terminal, f.key, extension, f.title, f.ylabel, percent ? "set yrange [0:100]\n" : "", f.key);
+          terminal, f.key, extension, f.title, f.ylabel, percent ? "set yrange [0:100]\n" : "", f.key, bars ? ":3" : "",
+          bars ? "yerrorlines" : "linespoints");
     }
   }
   write_atomically(out / "plots.gp", script);
@@ -399,6 +450,15 @@ int main(int argc, char** argv) {
   std::int64_t seed = static_cast<std::int64_t>(st.seed);
   app.add_option("--seed", seed, "Random seed, 0 to 2^63 − 1 (same seed, same numbers)")->capture_default_str();
   app.add_option("--scale", scale, "Multiply the training tokens, 0 < scale <= 1000 (longer, better-trained runs)");
+  app.add_option("--seeds", st.seeds, "Seeds per scheme, 1 to 100 (--seed, --seed + 1, …): means and 95% intervals")
+      ->capture_default_str();
+  std::int64_t width = 0, layers = 0, heads = 0, train_length = 0;
+  double train_bytes = 0;
+  app.add_option("--width", width, "Model width, a multiple of --heads with an even head size (default 64)");
+  app.add_option("--layers", layers, "Transformer layers, 1 to 64 (default 3)");
+  app.add_option("--heads", heads, "Attention heads, 1 to 64 (default 4)");
+  app.add_option("--train-length", train_length, "Training length L in bytes, 8 to 4096 (default 64); tested to 16L");
+  app.add_option("--train-bytes", train_bytes, "Training bytes per scheme, 1 to 1e12 (default 1e6), times --scale");
   int jobs = 2;
   app.add_option("--jobs", jobs, "Schemes trained at once, 1 to 64 (each on --threads threads)")->capture_default_str();
   app.add_option("--threads", st.threads,
@@ -421,6 +481,28 @@ int main(int argc, char** argv) {
       st.train_tokens = 100000, st.eval_tokens = 2048, st.lr = 3e-3;
       st.copy_length = 16, st.copy_steps = 150, st.copy_eval_examples = 8;
     }
+    // The model's shape, after --quick: explicit values win, and every given value is checked.
+    const auto require = [](bool ok, const char* name, const std::string& value, const std::string& expected) {
+      if (!ok) throw posenc::Error("study", name, value, expected);
+    };
+    if (app.count("--layers")) st.layers = layers;
+    if (app.count("--heads")) st.heads = heads;
+    if (app.count("--width")) st.width = width;
+    if (app.count("--train-length")) st.length = train_length;
+    require(st.layers >= 1 && st.layers <= 64, "--layers", std::to_string(st.layers), "1 to 64");
+    require(st.heads >= 1 && st.heads <= 64, "--heads", std::to_string(st.heads), "1 to 64");
+    require(
+        st.width >= 2 && st.width <= 4096 && st.width % st.heads == 0 && st.width / st.heads % 2 == 0, "--width",
+        std::to_string(st.width),
+        "2 to 4096, a multiple of --heads (" + std::to_string(st.heads) + ") whose head size is even (RoPE's pairs)");
+    require(st.length >= 8 && st.length <= 4096, "--train-length", std::to_string(st.length), "8 to 4096");
+    if (app.count("--train-bytes")) {
+      require(train_bytes >= 1 && train_bytes <= 1e12, "--train-bytes", fmt::format("{}", train_bytes), "1 to 1e12");
+      st.train_tokens = train_bytes;
+    }
+    require(st.seeds >= 1 && st.seeds <= 100, "--seeds", std::to_string(st.seeds), "1 to 100");
+    // Every held-out byte is scored once at every length up to 16L.
+    st.eval_tokens = (st.eval_tokens + 16 * st.length - 1) / (16 * st.length) * (16 * st.length);
     st.train_tokens *= scale;
     st.copy_steps = static_cast<std::int64_t>(std::ceil(static_cast<double>(st.copy_steps) * scale));
     std::vector<std::string> schemes;
@@ -468,10 +550,17 @@ int main(int argc, char** argv) {
     }
     const fs::path out(out_dir);
     fs::create_directories(out / "schemes");
-    const json config = {{"settings", st.to_json()},
-                         {"corpus", corpus.source},
-                         {"train_bytes", corpus.train.size()},
-                         {"validation_bytes", corpus.validation.size()}};
+    // The configuration of one seed's run (a scheme's file holds its own seed, so that a run with
+    // more seeds reuses the files of a run with fewer).
+    const auto config_of = [&](std::uint64_t seed) {
+      Settings one = st;
+      one.seed = seed;
+      return json{{"settings", one.to_json()},
+                  {"corpus", corpus.source},
+                  {"train_bytes", corpus.train.size()},
+                  {"validation_bytes", corpus.validation.size()}};
+    };
+    const json config = config_of(st.seed);
     fmt::print("posenc study: {} schemes, {} training bytes from {}, model width {} × {} layers, trained at {} bytes\n",
                schemes.size(), corpus.train.size(), corpus.source, st.width, st.layers, st.length);
     // Trainings: one per training scheme, evaluated under each requested variant.
@@ -487,43 +576,54 @@ int main(int argc, char** argv) {
         variants[static_cast<std::size_t>(at - trainings.begin())].push_back(s);
       }
     }
-    jobs = static_cast<int>(std::min<std::size_t>(static_cast<std::size_t>(jobs), trainings.size()));
-    Progress progress(trainings.size(), isatty(STDERR_FILENO) != 0);
+    // Work items: every training under every seed.
+    std::vector<std::pair<std::size_t, std::uint64_t>> items;
+    for (std::size_t i = 0; i < trainings.size(); ++i) {
+      for (int k = 0; k < st.seeds; ++k) items.emplace_back(i, st.seed + static_cast<std::uint64_t>(k));
+    }
+    jobs = static_cast<int>(std::min<std::size_t>(static_cast<std::size_t>(jobs), items.size()));
+    Progress progress(items.size(), isatty(STDERR_FILENO) != 0);
     // Trainings run `jobs` at a time, each on `threads` threads; every scheme's numbers depend
     // only on the seed and its own computation, not on which worker runs it or when.
-    std::map<std::string, json> finished;
+    std::map<std::pair<std::string, std::uint64_t>, json> finished;
     std::mutex finished_mutex;
     std::atomic<std::size_t> next{0};
     std::vector<std::exception_ptr> failures(static_cast<std::size_t>(jobs));
     const auto worker = [&](std::size_t w) {
       try {
         at::set_num_threads(st.threads);
-        for (std::size_t i = next++; i < trainings.size(); i = next++) {
+        for (std::size_t item = next++; item < items.size(); item = next++) {
+          const auto [i, seed] = items[item];
+          const json seed_config = config_of(seed);
+          const auto file_of = [&](const std::string& v) {
+            return out / "schemes" / fmt::format("{}.seed{}.json", v, seed);
+          };
           // Resumed: every variant finished in an earlier run of the same study.
           std::vector<json> saved;
           for (const std::string& v : variants[i]) {
-            const fs::path file = out / "schemes" / (v + ".json");
-            if (!fs::exists(file)) break;
-            std::ifstream in(file);
+            if (!fs::exists(file_of(v))) break;
+            std::ifstream in(file_of(v));
             const json previous = json::parse(in, nullptr, false);
-            if (previous.is_discarded() || !previous.contains("config") || previous.at("config") != config) break;
+            if (previous.is_discarded() || !previous.contains("config") || previous.at("config") != seed_config) break;
             saved.push_back(previous.at("result"));
           }
           if (saved.size() != variants[i].size()) {
-            saved = run_scheme(trainings[i], variants[i], i, st, corpus, progress);
+            Settings one = st;
+            one.seed = seed;
+            saved = run_scheme(trainings[i], variants[i], item, one, corpus, progress);
             for (const json& r : saved) {
-              write_atomically(out / "schemes" / (r.at("scheme").get<std::string>() + ".json"),
-                               json{{"config", config}, {"result", r}}.dump(2));
+              write_atomically(file_of(r.at("scheme").get<std::string>()),
+                               json{{"config", seed_config}, {"result", r}}.dump(2));
             }
           } else {
-            progress.show(i, 1.0, trainings[i] + ": done in an earlier run");
+            progress.show(item, 1.0, fmt::format("{} (seed {}): done in an earlier run", trainings[i], seed));
           }
           const std::lock_guard lock(finished_mutex);
-          for (const json& r : saved) finished[r.at("scheme").get<std::string>()] = r;
+          for (const json& r : saved) finished[{r.at("scheme").get<std::string>(), seed}] = r;
         }
       } catch (...) {
         failures[w] = std::current_exception();
-        next = trainings.size();  // the other workers stop after their current training
+        next = items.size();  // the other workers stop after their current training
       }
     };
     std::vector<std::thread> workers;
@@ -535,9 +635,14 @@ int main(int argc, char** argv) {
       if (failure) std::rethrow_exception(failure);
     }
     json results = json::object();
-    for (const std::string& s : schemes) results[s] = finished.at(s);
+    for (const std::string& s : schemes) {
+      std::vector<json> runs;
+      for (int k = 0; k < st.seeds; ++k) runs.push_back(finished.at({s, st.seed + static_cast<std::uint64_t>(k)}));
+      results[s] = aggregate(runs);
+    }
     const std::vector<std::int64_t> lengths = st.lengths();
     json all = config;
+    all["seeds"] = st.seeds;
     all["lengths"] = lengths;
     all["results"] = results;
     // Press et al. 2022 (ALiBi), Table 2: WikiText-103 perplexity trained at L = 512, at L and ≈2L.
@@ -556,14 +661,19 @@ int main(int argc, char** argv) {
     fmt::print("Copy task, symbols copied right (trained at lengths up to {}):\n\n{}\n", st.copy_length, copy_table);
     std::string report = fmt::format(
         "# posenc study\n\nCorpus: {} ({} training bytes). Model: width {}, {} layers, {} heads, trained at {} bytes "
-        "on {:.0f} tokens, seed {}.\n\n## Bits per byte, non-overlapping chunks\n\n{}\n## Bits per byte, sliding "
+        "on {:.0f} tokens, {}.\n\n## Bits per byte, non-overlapping chunks\n\n{}\n## Bits per byte, sliding "
         "windows (stride E/2)\n\n{}\n## Copy task: symbols copied right\n\nA second model per scheme, trained for {} "
         "steps of {} examples to copy n distinct symbols (n from 2 to {}, lengths up to {}), then tested with n = E/2 "
         "− 1 "
         "at each length E ({} examples per length). Perplexity can hide whether a scheme reaches distant tokens; this "
         "cannot.\n\n{}\n",
-        corpus.source, corpus.train.size(), st.width, st.layers, st.heads, st.length, st.train_tokens, st.seed, table,
-        sliding, st.copy_steps, st.batch, st.copy_length / 2 - 1, st.copy_length, st.copy_eval_examples, copy_table);
+        corpus.source, corpus.train.size(), st.width, st.layers, st.heads, st.length, st.train_tokens,
+        st.seeds == 1 ? fmt::format("seed {}", st.seed)
+                      : fmt::format("seeds {} to {}; each cell is the mean over the seeds ± the half-width of its 95% "
+                                    "interval (Student's t)",
+                                    st.seed, st.seed + static_cast<std::uint64_t>(st.seeds) - 1),
+        table, sliding, st.copy_steps, st.batch, st.copy_length / 2 - 1, st.copy_length, st.copy_eval_examples,
+        copy_table);
     if (have_gnuplot()) {
       const std::string trained = fmt::format("trained at {} bytes", st.length);
       plot(out, results,

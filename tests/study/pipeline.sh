@@ -12,7 +12,7 @@ cat "$src"/README.md "$src"/docs/*.md > "$work/corpus.txt"
 run() { "$posenc" study --quick --schemes rope,alibi,rope-yarn,learned --corpus "$work/corpus.txt" "$@"; }
 
 run --out "$work/a" > "$work/a.log" 2> "$work/a.err"
-for f in results.json report.md bpb.png bpb.svg bpb_sliding.png bpb_sliding.svg copy_accuracy.png copy_accuracy.svg schemes/rope.json schemes/alibi.json schemes/rope-yarn.json schemes/learned.json; do
+for f in results.json report.md bpb.png bpb.svg bpb_sliding.png bpb_sliding.svg copy_accuracy.png copy_accuracy.svg schemes/rope.seed1.json schemes/alibi.seed1.json schemes/rope-yarn.seed1.json schemes/learned.seed1.json; do
   [ -s "$work/a/$f" ] || { echo "missing or empty: $f"; exit 1; }
 done
 grep -q "| rope-yarn |" "$work/a.log" || { echo "no results table"; cat "$work/a.log"; exit 1; }
@@ -68,22 +68,58 @@ grep -q "done in an earlier run" "$work/d.err" || { echo "the rerun did not resu
 numbers "$work/d/results.json" > "$work/d.numbers"
 cmp "$work/a.numbers" "$work/d.numbers" || { echo "a resumed run gives other numbers"; exit 1; }
 
+# Two seeds in the same directory: seed 1's files are reused, seed 2 trains; every cell has a mean
+# (seed 1's value and seed 2's between them) and a 95% interval; the table prints both.
+run --out "$work/a" --seeds 2 > "$work/a2.log" 2> "$work/a2.err"
+grep -q "(seed 1): done in an earlier run" "$work/a2.err" || { echo "--seeds 2 did not reuse seed 1"; exit 1; }
+[ -s "$work/a/schemes/rope.seed2.json" ] || { echo "--seeds 2: no seed 2 file"; exit 1; }
+grep -q "| rope | [0-9.]* ± [0-9.]* |" "$work/a2.log" || { echo "--seeds 2: no intervals in the table"; cat "$work/a2.log"; exit 1; }
+"$python" -c '
+import json, math, sys
+all = json.load(open(sys.argv[1]))
+assert all["seeds"] == 2
+for scheme, r in all["results"].items():
+    runs = r["runs"]
+    assert len(runs) == 2
+    for length, mean in r["bpb"].items():
+        a, b = (run["bpb"][length] for run in runs)
+        assert abs(mean - (a + b) / 2) < 1e-12 and r["bpb_ci95"][length] > 0, (scheme, length)
+        # Student t with 1 degree of freedom: 12.706 · |a − b| / 2.
+        assert abs(r["bpb_ci95"][length] - 12.706 * abs(a - b) / 2) < 1e-9, (scheme, length)
+' "$work/a/results.json" || { echo "--seeds 2: bad means or intervals"; exit 1; }
+
+# The model's shape from the command line, and its errors.
+one() { "$posenc" study --quick --schemes alibi --corpus "$work/corpus.txt" "$@"; }
+one --out "$work/m" --width 48 --layers 1 --heads 3 --train-length 16 --train-bytes 20000 > /dev/null 2>&1
+"$python" -c '
+import json, sys
+s = json.load(open(sys.argv[1]))["settings"]
+assert (s["width"], s["layers"], s["heads"], s["train_length"], s["train_tokens"]) == (48, 1, 3, 16, 20000), s
+assert s["eval_tokens"] % (16 * 16) == 0' "$work/m/results.json" || { echo "model flags not applied"; exit 1; }
+for bad in "--width 30|--width = 30; expected 2 to 4096, a multiple of --heads (2) whose head size is even" "--heads 0|--heads = 0; expected 1 to 64" \
+           "--train-length 4|--train-length = 4; expected 8 to 4096" "--seeds 0|--seeds = 0; expected 1 to 100" \
+           "--train-bytes 0|--train-bytes = 0; expected 1 to 1e12" "--layers 65|--layers = 65; expected 1 to 64"; do
+  flag="${bad%%|*}" message="${bad#*|}"
+  if one --out "$work/e" $flag 2> "$work/e.err"; then echo "$flag accepted"; exit 1; fi
+  grep -qF -- "$message" "$work/e.err" || { echo "$flag: unexpected message"; cat "$work/e.err"; exit 1; }
+done
+
 # A relative --out (gnuplot runs inside it): the plots land there.
 (cd "$work" && "$posenc" study --quick --schemes alibi --corpus "$work/corpus.txt" --out relative > /dev/null 2>&1)
 [ -s "$work/relative/bpb.png" ] || { echo "relative --out: no plot"; exit 1; }
 
 # A scheme the study knows only from the registry (posenc schemes), and the content-based ones
-# (Forgetting Attention, stick-breaking attention): trained and evaluated alike.
-"$posenc" study --quick --schemes sandwich,fox,stickbreaking --corpus "$work/corpus.txt" --out "$work/s" > "$work/s.log" 2>&1 ||
+# (Forgetting Attention, stick-breaking attention, CoPE): trained and evaluated alike.
+"$posenc" study --quick --schemes sandwich,fox,stickbreaking,cope --corpus "$work/corpus.txt" --out "$work/s" > "$work/s.log" 2>&1 ||
   { cat "$work/s.log"; exit 1; }
 "$python" -c '
 import json, math, sys
-for scheme in ("sandwich", "fox", "stickbreaking"):
+for scheme in ("sandwich", "fox", "stickbreaking", "cope"):
     r = json.load(open(sys.argv[1]))["results"][scheme]
     values = [v for kind in ("bpb", "bpb_sliding") for v in r[kind].values()]
     assert values and all(math.isfinite(v) and v > 0 for v in values), (scheme, values)
-' "$work/s/results.json" || { echo "sandwich, fox, stickbreaking: bad numbers"; exit 1; }
-for scheme in sandwich fox stickbreaking; do
+' "$work/s/results.json" || { echo "sandwich, fox, stickbreaking, cope: bad numbers"; exit 1; }
+for scheme in sandwich fox stickbreaking cope; do
   grep -q "| $scheme |" "$work/s.log" || { echo "$scheme: no results table"; cat "$work/s.log"; exit 1; }
 done
 

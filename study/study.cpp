@@ -64,7 +64,15 @@ struct Settings {
   std::int64_t copy_length = 32, copy_steps = 1000, copy_eval_examples = 32;
   std::uint64_t seed = 1;  // the first seed (and, in a scheme's own file, its seed)
   int seeds = 1, threads = 1;
-  std::vector<std::int64_t> lengths() const { return {length, 2 * length, 4 * length, 8 * length, 16 * length}; }
+  // A train-long baseline (--train-long) trains at 2L on half the sequences per step and is
+  // evaluated at the L run's lengths, without the synthetic tasks: eval_length L (0: length) and
+  // synthetic false.
+  std::int64_t eval_length = 0;
+  bool synthetic = true;
+  std::vector<std::int64_t> lengths() const {
+    const std::int64_t l = eval_length > 0 ? eval_length : length;
+    return {l, 2 * l, 4 * l, 8 * l, 16 * l};
+  }
   std::vector<std::int64_t> copy_lengths() const {
     return {copy_length, 2 * copy_length, 4 * copy_length, 8 * copy_length, 16 * copy_length};
   }
@@ -81,7 +89,9 @@ struct Settings {
             {"copy_steps", copy_steps},
             {"copy_eval_examples", copy_eval_examples},
             {"seed", seed},
-            {"threads", threads}};
+            {"threads", threads},
+            {"eval_length", eval_length > 0 ? eval_length : length},
+            {"synthetic", synthetic}};
   }
 };
 
@@ -278,12 +288,15 @@ std::vector<json> run_scheme(const std::string& scheme, const std::vector<std::s
   const double train_seconds = seconds_since(t0);
   std::vector<json> results;
   const std::vector<std::int64_t> lengths = st.lengths();
+  const double train_bytes = static_cast<double>(steps * st.batch * st.length);
   for (std::size_t vi = 0; vi < variants.size(); ++vi) {
-    model->set_scheme(variants[vi]);
+    model->set_scheme(variants[vi].substr(0, variants[vi].find('@')));  // "rope@2L": a baseline of rope
     json result = {{"scheme", variants[vi]},
                    {"trained_as", scheme},
+                   {"train_length", st.length},
                    {"train_steps", steps},
                    {"train_seconds", train_seconds},
+                   {"train_seconds_per_mbyte", train_seconds / train_bytes * 1e6},
                    {"final_train_bpb", last_loss / std::log(2.0)}};
     for (std::size_t li = 0; li < lengths.size(); ++li) {
       const std::int64_t e = lengths[li];
@@ -294,6 +307,10 @@ std::vector<json> run_scheme(const std::string& scheme, const std::vector<std::s
       progress.show(index, 0.55 + 0.15 * evaluated, fmt::format("{}: evaluated at {}", variants[vi], e));
     }
     results.push_back(std::move(result));
+  }
+  if (!st.synthetic) {
+    progress.show(index, 1.0, fmt::format("{}: evaluated", variants.front()));
+    return results;
   }
 
   // The copy task: a fresh model of the same shape, trained at copy_length.
@@ -333,6 +350,7 @@ std::string results_table(const json& results, const std::vector<std::int64_t>& 
   out += "\n";
   const std::string ci = std::string(key) + "_ci95";
   for (const auto& [name, r] : results.items()) {
+    if (!r.contains(key)) continue;  // a train-long baseline has no synthetic tasks
     out += "| " + name + " |";
     for (std::int64_t e : lengths) {
       const double v = r.at(key).at(std::to_string(e)).get<double>();
@@ -361,12 +379,16 @@ double t95(std::int64_t df) {
 json aggregate(const std::vector<json>& runs) {
   json out = {{"scheme", runs.front().at("scheme")}, {"trained_as", runs.front().at("trained_as")}};
   const auto n = static_cast<double>(runs.size());
-  for (const char* key : {"train_seconds", "final_train_bpb", "copy_train_seconds", "copy_final_loss"}) {
+  out["train_length"] = runs.front().at("train_length");
+  for (const char* key :
+       {"train_seconds", "train_seconds_per_mbyte", "final_train_bpb", "copy_train_seconds", "copy_final_loss"}) {
+    if (!runs.front().contains(key)) continue;
     double sum = 0;
     for (const json& r : runs) sum += r.at(key).get<double>();
     out[key] = sum / n;
   }
   for (const char* key : {"bpb", "bpb_sliding", "copy_accuracy"}) {
+    if (!runs.front().contains(key)) continue;
     for (const auto& [length, unused] : runs.front().at(key).items()) {
       (void)unused;
       double sum = 0, squares = 0;
@@ -402,6 +424,7 @@ void plot(const fs::path& out, const json& results, const std::vector<Figure>& f
     const std::string ci = std::string(f.key) + "_ci95";
     bool bars = false;
     for (const auto& [name, r] : results.items()) {
+      if (!r.contains(f.key)) continue;
       data += "\"" + name + "\"\n";
       for (std::int64_t e : *f.lengths) {
         const double v = r.at(f.key).at(std::to_string(e)).get<double>();
@@ -433,6 +456,76 @@ void plot(const fs::path& out, const json& results, const std::vector<Figure>& f
   if (std::system(command.c_str()) != 0) throw Error("study", "gnuplot", "plots.gp", "to run (see its message above)");
 }
 
+// A field of /proc/self/status in KiB (VmRSS, VmHWM), or −1.
+double status_kib(const std::string& field) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(field + ":", 0) == 0) return std::stod(line.substr(field.size() + 1));
+  }
+  return -1;
+}
+
+// The --measure-step child: one AdamW step of a fresh model on a batch at its training length;
+// prints the growth of the peak resident memory over the step (MiB), from a peak reset just
+// before it (Linux: writing 5 to /proc/self/clear_refs).
+void measure_step_child(const std::string& spec, int threads) {
+  std::vector<std::string> f;
+  std::stringstream in(spec);
+  for (std::string x; std::getline(in, x, ':');) f.push_back(x);
+  if (f.size() != 6) throw Error("study", "--measure-step", spec, "scheme:width:layers:heads:length:batch");
+  at::set_num_threads(threads);
+  posenc::set_num_threads(threads);
+  torch::manual_seed(1);
+  const std::int64_t length = std::stoll(f[4]), batch = std::stoll(f[5]);
+  LanguageModel model(ModelConfig{f[0], std::stoll(f[1]), std::stoll(f[2]), std::stoll(f[3]), length});
+  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-3));
+  const torch::Tensor bytes = torch::randint(0, 256, {batch, length + 1}, torch::kInt64);
+  const double before = status_kib("VmRSS");
+  std::ofstream("/proc/self/clear_refs") << "5";
+  const torch::Tensor logits = model->forward(bytes.slice(1, 0, length));
+  const torch::Tensor loss =
+      torch::nn::functional::cross_entropy(logits.reshape({-1, 256}), bytes.slice(1, 1).reshape({-1}));
+  optimizer.zero_grad();
+  loss.backward();
+  optimizer.step();
+  fmt::print("{:.3f}\n", (status_kib("VmHWM") - before) / 1024.0);
+}
+
+// Runs measure_step_child in a process of its own for a training of `scheme` under `one`.
+double measure_step(const std::string& scheme, const Settings& one, const std::string& exe) {
+  const std::string command = fmt::format("'{}' --measure-step {}:{}:{}:{}:{}:{} --threads {}", exe, scheme, one.width,
+                                          one.layers, one.heads, one.length, one.batch, one.threads);
+  std::FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) throw Error("study", "--train-long", scheme, "a process to measure memory in");
+  char buffer[64] = {};
+  const bool read = std::fgets(buffer, sizeof buffer, pipe) != nullptr;
+  const int status = pclose(pipe);
+  if (!read || status != 0) throw Error("study", "--train-long", scheme, "a measurement of one step's memory");
+  return std::strtod(buffer, nullptr);
+}
+
+// The train-short-test-long table: every result's training length, bits per byte at L, 2L and
+// 4L, training time per million bytes and one step's peak memory, then the paper's claim.
+std::string train_long_table(const json& results, const Settings& st) {
+  std::string out = fmt::format(
+      "| scheme | trained at | {} | {} | {} | training s per 1M bytes | one step's peak MiB |\n"
+      "|---|---:|---:|---:|---:|---:|---:|\n",
+      st.length, 2 * st.length, 4 * st.length);
+  for (const auto& [name, r] : results.items()) {
+    out += fmt::format("| {} | {} |", name, r.at("train_length").get<std::int64_t>());
+    for (std::int64_t e : {st.length, 2 * st.length, 4 * st.length})
+      out += fmt::format(" {:.3f} |", r.at("bpb").at(std::to_string(e)).get<double>());
+    out += fmt::format(" {:.1f} | {:.1f} |\n", r.at("train_seconds_per_mbyte").get<double>(),
+                       r.at("step_peak_mib").get<double>());
+  }
+  out +=
+      "\nPress et al. 2022 (the ALiBi paper's abstract): a 1.3B-parameter ALiBi model trained at 1024 tokens and "
+      "tested at 2048 matches the perplexity of a sinusoidal model trained at 2048, while training 11% faster and "
+      "using 11% less memory. Times are of trainings that ran side by side (--jobs): compare them within one run.\n";
+  return out;
+}
+
 }  // namespace
 }  // namespace posenc::study
 
@@ -459,6 +552,11 @@ int main(int argc, char** argv) {
   app.add_option("--heads", heads, "Attention heads, 1 to 64 (default 4)");
   app.add_option("--train-length", train_length, "Training length L in bytes, 8 to 4096 (default 64); tested to 16L");
   app.add_option("--train-bytes", train_bytes, "Training bytes per scheme, 1 to 1e12 (default 1e6), times --scale");
+  std::string train_long_text, measure_spec;
+  app.add_option("--train-long", train_long_text,
+                 "Comma-separated schemes also trained at 2L and evaluated at L … 16L (train short, test long), "
+                 "with training time and one step's memory per training");
+  app.add_option("--measure-step", measure_spec, "")->group("");  // internal: measure_step's child
   int jobs = 2;
   app.add_option("--jobs", jobs, "Schemes trained at once, 1 to 64 (each on --threads threads)")->capture_default_str();
   app.add_option("--threads", st.threads,
@@ -468,6 +566,10 @@ int main(int argc, char** argv) {
   if (const int status = posenc::cli::parse_or_exit(app, argc, argv, "posenc study"); status >= 0) return status;
   return posenc::cli::run_or_exit("posenc study", [&] {
     // Checked here rather than by CLI11's validators, whose messages print the whole double range.
+    if (!measure_spec.empty()) {
+      measure_step_child(measure_spec, st.threads);
+      return;
+    }
     if (seed < 0) throw posenc::Error("study", "--seed", std::to_string(seed), "0 to 2^63 − 1");
     st.seed = static_cast<std::uint64_t>(seed);
     // Above 1000 the training tokens (and the copy task's steps) leave any run's reach and int64's.
@@ -522,6 +624,20 @@ int main(int argc, char** argv) {
         schemes.push_back(s);
       }
     }
+    std::vector<std::string> train_long;
+    if (app.count("--train-long")) {
+      std::stringstream list(train_long_text);
+      for (std::string s; std::getline(list, s, ',');) {
+        const bool known = std::find(known_schemes().begin(), known_schemes().end(), s) != known_schemes().end();
+        // rope-ntk and rope-yarn are RoPE at test time: its baseline is rope's.
+        if (!known || training_scheme(s) != s)
+          throw posenc::Error("study", "--train-long", s, "a scheme trained as itself, " + known_schemes_text());
+        if (std::find(train_long.begin(), train_long.end(), s) != train_long.end())
+          throw posenc::Error("study", "--train-long", train_long_text, "each scheme once (" + s + " is given twice)");
+        train_long.push_back(s);
+      }
+      if (train_long.empty()) throw posenc::Error("study", "--train-long", "\"\"", "a comma-separated list of schemes");
+    }
     // The output directory, before any work: it must be one (or be creatable).
     if (out_dir.empty()) throw posenc::Error("study", "--out", "\"\"", "a directory");
     std::error_code out_error;
@@ -552,10 +668,20 @@ int main(int argc, char** argv) {
     fs::create_directories(out / "schemes");
     // The configuration of one seed's run (a scheme's file holds its own seed, so that a run with
     // more seeds reuses the files of a run with fewer).
-    const auto config_of = [&](std::uint64_t seed) {
+    // The settings of one training under one seed: a train-long baseline trains at 2L.
+    const auto settings_of = [&](std::uint64_t seed, bool long_baseline) {
       Settings one = st;
       one.seed = seed;
-      return json{{"settings", one.to_json()},
+      if (long_baseline) {  // the same bytes per step (half the sequences) and the same steps
+        one.eval_length = st.length;
+        one.length = 2 * st.length;
+        one.batch = std::max<std::int64_t>(1, st.batch / 2);
+        one.synthetic = false;
+      }
+      return one;
+    };
+    const auto config_of = [&](std::uint64_t seed, bool long_baseline = false) {
+      return json{{"settings", settings_of(seed, long_baseline).to_json()},
                   {"corpus", corpus.source},
                   {"train_bytes", corpus.train.size()},
                   {"validation_bytes", corpus.validation.size()}};
@@ -576,6 +702,13 @@ int main(int argc, char** argv) {
         variants[static_cast<std::size_t>(at - trainings.begin())].push_back(s);
       }
     }
+    // The train-long baselines: trainings of their own, after the others.
+    std::vector<bool> long_baseline(trainings.size(), false);
+    for (const std::string& s : train_long) {
+      trainings.push_back(s);
+      variants.push_back({s + "@2L"});
+      long_baseline.push_back(true);
+    }
     // Work items: every training under every seed.
     std::vector<std::pair<std::size_t, std::uint64_t>> items;
     for (std::size_t i = 0; i < trainings.size(); ++i) {
@@ -594,7 +727,7 @@ int main(int argc, char** argv) {
         at::set_num_threads(st.threads);
         for (std::size_t item = next++; item < items.size(); item = next++) {
           const auto [i, seed] = items[item];
-          const json seed_config = config_of(seed);
+          const json seed_config = config_of(seed, long_baseline[i]);
           const auto file_of = [&](const std::string& v) {
             return out / "schemes" / fmt::format("{}.seed{}.json", v, seed);
           };
@@ -608,9 +741,7 @@ int main(int argc, char** argv) {
             saved.push_back(previous.at("result"));
           }
           if (saved.size() != variants[i].size()) {
-            Settings one = st;
-            one.seed = seed;
-            saved = run_scheme(trainings[i], variants[i], item, one, corpus, progress);
+            saved = run_scheme(trainings[i], variants[i], item, settings_of(seed, long_baseline[i]), corpus, progress);
             for (const json& r : saved) {
               write_atomically(file_of(r.at("scheme").get<std::string>()),
                                json{{"config", seed_config}, {"result", r}}.dump(2));
@@ -634,11 +765,23 @@ int main(int argc, char** argv) {
     for (const auto& failure : failures) {
       if (failure) std::rethrow_exception(failure);
     }
+    std::vector<std::string> reported = schemes;
+    for (const std::string& s : train_long) reported.push_back(s + "@2L");
     json results = json::object();
-    for (const std::string& s : schemes) {
+    for (const std::string& s : reported) {
       std::vector<json> runs;
       for (int k = 0; k < st.seeds; ++k) runs.push_back(finished.at({s, st.seed + static_cast<std::uint64_t>(k)}));
       results[s] = aggregate(runs);
+    }
+    // Train short, test long: each training's peak memory for one training step, measured alone in
+    // a process of its own (the trainings ran side by side).
+    if (!train_long.empty()) {
+      for (const std::string& s : reported) {
+        const bool long_run = s.ends_with("@2L");
+        const std::string base = training_scheme(s.substr(0, s.find('@')));
+        results[s]["step_peak_mib"] =
+            measure_step(base, settings_of(st.seed, long_run), fs::canonical("/proc/self/exe").string());
+      }
     }
     const std::vector<std::int64_t> lengths = st.lengths();
     json all = config;
@@ -656,6 +799,8 @@ int main(int argc, char** argv) {
     const std::string sliding = results_table(results, lengths, "bpb_sliding");
     const std::vector<std::int64_t> copy_lengths = st.copy_lengths();
     const std::string copy_table = results_table(results, copy_lengths, "copy_accuracy");
+    const std::string long_table = train_long.empty() ? std::string() : train_long_table(results, st);
+    if (!long_table.empty()) fmt::print("\nTrain short, test long:\n\n{}\n", long_table);
     fmt::print("\nBits per byte on {} held-out bytes (non-overlapping chunks; trained at {}):\n\n{}\n", st.eval_tokens,
                st.length, table);
     fmt::print("Copy task, symbols copied right (trained at lengths up to {}):\n\n{}\n", st.copy_length, copy_table);
@@ -674,6 +819,7 @@ int main(int argc, char** argv) {
                                     st.seed, st.seed + static_cast<std::uint64_t>(st.seeds) - 1),
         table, sliding, st.copy_steps, st.batch, st.copy_length / 2 - 1, st.copy_length, st.copy_eval_examples,
         copy_table);
+    if (!long_table.empty()) report += "## Train short, test long\n\n" + long_table + "\n";
     if (have_gnuplot()) {
       const std::string trained = fmt::format("trained at {} bytes", st.length);
       plot(out, results,

@@ -104,6 +104,22 @@ for bad in "--width 30|--width = 30; expected 2 to 4096, a multiple of --heads (
   grep -qF -- "$message" "$work/e.err" || { echo "$flag: unexpected message"; cat "$work/e.err"; exit 1; }
 done
 
+# Train short, test long: rope also trained at 2L (no synthetic tasks), evaluated at L … 16L, with
+# its training time and one step's peak memory beside the others'.
+one --out "$work/t" --train-long rope > "$work/t.log" 2>&1 || { cat "$work/t.log"; exit 1; }
+"$python" -c '
+import json, sys
+r = json.load(open(sys.argv[1]))["results"]
+assert sorted(r) == ["alibi", "rope@2L"], sorted(r)
+assert r["rope@2L"]["train_length"] == 64 and r["alibi"]["train_length"] == 32
+assert sorted(r["rope@2L"]["bpb"]) == sorted(r["alibi"]["bpb"]) and "copy_accuracy" not in r["rope@2L"]
+for x in r.values():
+    assert x["step_peak_mib"] > 0 and x["train_seconds_per_mbyte"] > 0, x
+' "$work/t/results.json" || { echo "--train-long: bad results"; exit 1; }
+grep -q "| rope@2L | 64 |" "$work/t/report.md" || { echo "--train-long: no table in the report"; exit 1; }
+if one --out "$work/e" --train-long rope-yarn 2> "$work/e.err"; then echo "--train-long rope-yarn accepted"; exit 1; fi
+grep -qF -- "--train-long = rope-yarn; expected a scheme trained as itself" "$work/e.err" || { cat "$work/e.err"; exit 1; }
+
 # A relative --out (gnuplot runs inside it): the plots land there.
 (cd "$work" && "$posenc" study --quick --schemes alibi --corpus "$work/corpus.txt" --out relative > /dev/null 2>&1)
 [ -s "$work/relative/bpb.png" ] || { echo "relative --out: no plot"; exit 1; }

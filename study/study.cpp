@@ -514,8 +514,11 @@ std::string train_long_table(const json& results, const Settings& st) {
       st.length, 2 * st.length, 4 * st.length);
   for (const auto& [name, r] : results.items()) {
     out += fmt::format("| {} | {} |", name, r.at("train_length").get<std::int64_t>());
-    for (std::int64_t e : {st.length, 2 * st.length, 4 * st.length})
-      out += fmt::format(" {:.3f} |", r.at("bpb").at(std::to_string(e)).get<double>());
+    for (std::int64_t e : {st.length, 2 * st.length, 4 * st.length}) {
+      out += fmt::format(" {:.3f}", r.at("bpb").at(std::to_string(e)).get<double>());
+      if (r.contains("bpb_ci95")) out += fmt::format(" ± {:.3f}", r.at("bpb_ci95").at(std::to_string(e)).get<double>());
+      out += " |";
+    }
     out += fmt::format(" {:.1f} | {:.1f} |\n", r.at("train_seconds_per_mbyte").get<double>(),
                        r.at("step_peak_mib").get<double>());
   }

@@ -162,7 +162,7 @@ struct CopeAttention::Plan {
   CopeSpec spec;
   detail::rows::Geometry geo;
   std::int64_t npos = 0, npp = 0;  // positions, padded to lane chunks
-  detail::TableGrid table;
+  detail::CopeShape shape;         // validated once, by the constructor
 
   // The table as f32: transposed [D][npp] (for ⟨q, e[n]⟩) and as rows [npos][dp] (for dq).
   void load_table(Floats& et, Floats& rows) const {
@@ -171,7 +171,7 @@ struct CopeAttention::Plan {
     rows.assign(static_cast<std::size_t>(npos * dp), 0.0f);
     for (std::int64_t n = 0; n < npos; ++n) {
       for (std::int64_t t = 0; t < d; ++t) {
-        const auto x = static_cast<float>(detail::load(spec.table.data(), table.dtype, table.offset(n, t)));
+        const auto x = static_cast<float>(detail::load(spec.table.data(), shape.table.dtype, shape.table.offset(n, t)));
         et[static_cast<std::size_t>(t * npp + n)] = x;
         rows[static_cast<std::size_t>(n * dp + t)] = x;
       }
@@ -194,7 +194,7 @@ struct CopeAttention::Plan {
 };
 
 AttentionStats CopeAttention::Plan::forward(TensorView out, TensorView lse) const {
-  const CopeShape qs = detail::check_cope(spec);
+  const CopeShape& qs = shape;
   const std::int64_t dvp = geo.dvp;
   const HeadsGrid og = detail::check_cope_forward_outputs(spec, qs, ConstTensorView(out), ConstTensorView(lse));
   const bool want_lse = detail::given(ConstTensorView(lse));
@@ -267,7 +267,6 @@ AttentionStats CopeAttention::Plan::forward(TensorView out, TensorView lse) cons
 
 AttentionStats CopeAttention::Plan::backward(ConstTensorView out, ConstTensorView lse, ConstTensorView d_out,
                                              TensorView dq, TensorView dk, TensorView dv, TensorView d_table) const {
-  const CopeShape shape = detail::check_cope(spec);
   const detail::CopeBackwardGrids g = detail::check_cope_backward(spec, shape, out, lse, d_out, dq, dk, dv, d_table);
   const std::int64_t dp = geo.dp, dvp = geo.dvp, slab_row = geo.slab_row(), d = shape.dim, dv_cols = shape.dim_v;
   const std::int64_t qc = geo.rows_per_block_queries();
@@ -316,6 +315,7 @@ AttentionStats CopeAttention::Plan::backward(ConstTensorView out, ConstTensorVie
           grow(s.dot, dvp * ldt);
           grow(s.dq, w * dp);
           grow(s.dqe, w * npp);
+          grow(s.o, dvp);  // one row of out at a time
           for (Floats* f : {&s.st, &s.dpt, &s.dpp, &s.gg}) grow(*f, kKeyTile * w);
           for (auto* v : {&s.lse, &s.delta, &s.left}) grow(*v, w);
           std::fill(s.dq.begin(), s.dq.begin() + w * dp, 0.0f);
@@ -332,7 +332,6 @@ AttentionStats CopeAttention::Plan::backward(ConstTensorView out, ConstTensorVie
             } else {
               const std::int64_t i = blk.query[at];
               detail::load_heads_row(d_out.data(), shape.dtype, g.dog, seq.b, seq.q0 + i, h, dor, dvp);
-              grow(s.o, dvp);
               detail::load_heads_row(out.data(), out.dtype(), g.og, seq.b, seq.q0 + i, h, s.o.data(), dvp);
               double delta = 0;
               for (std::int64_t c = 0; c < dv_cols; ++c)
@@ -435,7 +434,7 @@ CopeAttention::CopeAttention(CopeSpec spec) : plan_(std::make_unique<Plan>()) {
   plan_->geo = detail::rows::Geometry(sp.q, sp.k, sp.v, shape, sp.cu_seqlens_q, sp.cu_seqlens_k, 1);
   plan_->npos = shape.npos;
   plan_->npp = detail::rows::round_up(shape.npos, kernels::kAttnAlign);
-  plan_->table = shape.table;
+  plan_->shape = shape;
 }
 
 CopeAttention::~CopeAttention() = default;

@@ -1,7 +1,6 @@
 #include "model.hpp"
 
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -13,12 +12,13 @@
 namespace posenc::study {
 namespace {
 
-using AttentionOp = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                       std::string, const at::Tensor&, const std::vector<at::Tensor>&,
-                                                       const at::Tensor&, bool, std::int64_t, std::int64_t,
-                                                       c10::optional<std::int64_t>, const c10::optional<std::string>&,
-                                                       double, double, const at::Tensor&, const at::Tensor&,
-                                                       std::vector<std::int64_t>, std::vector<std::int64_t>);
+using SchemeList = c10::List<c10::intrusive_ptr<torch_adapter::SchemeClass>>;
+using AttentionOp = std::tuple<at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const SchemeList&, const std::vector<at::Tensor>&,
+    const std::vector<at::Tensor>&, const c10::optional<at::Tensor>&, bool, std::int64_t, std::int64_t,
+    c10::optional<std::int64_t>, const c10::optional<c10::intrusive_ptr<torch_adapter::TemperatureClass>>&, double,
+    c10::optional<double>, const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
+    std::vector<std::int64_t>, std::vector<std::int64_t>, bool);
 using SinusoidOp = at::Tensor(const at::Tensor&, std::int64_t, double, bool, at::ScalarType);
 using StickBreakingOp = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                            double, bool, std::vector<std::int64_t>,
@@ -151,42 +151,44 @@ LanguageModelImpl::LanguageModelImpl(const ModelConfig& config) : config_(config
   head_ = register_module("head", torch::nn::Linear(d, 256));
 }
 
-std::string LanguageModelImpl::scheme_json(std::int64_t context_length) const {
+c10::intrusive_ptr<torch_adapter::SchemeClass> LanguageModelImpl::attention_scheme(std::int64_t context_length) const {
   const std::string& s = config_.scheme;
   const std::int64_t head_dim = config_.width / config_.heads;
-  nlohmann::json j;
+  c10::Dict<std::string, double> options;
+  c10::optional<c10::intrusive_ptr<torch_adapter::RopeClass>> rope;
+  std::string name = "none";
   if (s == "rope" || s == "xpos" || s == "rope-ntk" || s == "rope-yarn") {
-    nlohmann::json rope = {{"head_dim", head_dim},
-                           {"rotary_dim", head_dim},
-                           {"base", 10000.0},
-                           {"max_position_embeddings", config_.train_length}};
+    RopeScaling scaling;
     const bool longer = context_length > config_.train_length;
-    if (s == "xpos") rope["xpos"] = {{"scale_base", kXposScaleBase}};
     if (s == "rope-ntk" && longer) {
       // Hugging Face's dynamic NTK: base·(factor·seq/max − (factor − 1))^(d/(d−2)) with factor 1.
-      rope["rope_type"] = "dynamic";
-      rope["factor"] = 1.0;
+      scaling.type = RopeType::kDynamic;
+      scaling.factor = 1.0;
     }
     if (s == "rope-yarn" && longer) {
-      rope["rope_type"] = "yarn";
-      rope["factor"] = static_cast<double>(context_length) / static_cast<double>(config_.train_length);
-      rope["original_max_position_embeddings"] = config_.train_length;
+      scaling.type = RopeType::kYarn;
+      scaling.factor = static_cast<double>(context_length) / static_cast<double>(config_.train_length);
+      scaling.original_max_position_embeddings = config_.train_length;
     }
-    j = {{"kind", "rope"}, {"rope", rope}};
+    RopeParams p(head_dim, head_dim, 10000.0, RopeLayout::kHalfSplit, scaling, config_.train_length);
+    if (s == "xpos") p = p.with_xpos(kXposScaleBase, 0.0);
+    rope = c10::make_intrusive<torch_adapter::RopeClass>(p);
+    name = "rope";
   } else if (s == "t5") {
-    j = {{"kind", "t5"}, {"num_buckets", kT5Buckets}, {"max_distance", kT5MaxDistance}, {"bidirectional", false}};
-  } else if (s == "alibi") {
-    j = {{"kind", "alibi"}, {"symmetric", false}};
-  } else if (s == "kerple") {
-    j = {{"kind", "kerple"}, {"power", false}};
+    name = "t5";
+    options.insert("num_buckets", static_cast<double>(kT5Buckets));
+    options.insert("max_distance", static_cast<double>(kT5MaxDistance));
+    options.insert("bidirectional", 0.0);
+  } else if (s == "alibi" || s == "kerple") {
+    name = s;
+    options.insert(s == "alibi" ? "symmetric" : "power", 0.0);
   } else if (s == "fire") {
-    j = {{"kind", "fire"}, {"hidden", kFireHidden}};
+    name = "fire";
+    options.insert("hidden", static_cast<double>(kFireHidden));
   } else if (registered_relative_bias(s)) {
-    j = {{"kind", s}};
-  } else {
-    j = {{"kind", "none"}};
+    name = s;
   }
-  return j.dump();
+  return c10::make_intrusive<torch_adapter::SchemeClass>(name, config_.heads, options, rope);
 }
 
 torch::Tensor LanguageModelImpl::layer_bias_params(const Layer& layer) const {
@@ -199,7 +201,7 @@ torch::Tensor LanguageModelImpl::layer_bias_params(const Layer& layer) const {
   }
   if (s == "alibi") return layer.bias_params;
   if (registered_relative_bias(s) && !layer.raw.empty()) return layer.raw[0];
-  return torch::empty({0}, torch::kFloat64);
+  return {};  // the scheme's initial values (none for the others)
 }
 
 torch::Tensor LanguageModelImpl::forward(const torch::Tensor& bytes, std::int64_t context_length) {
@@ -219,8 +221,8 @@ torch::Tensor LanguageModelImpl::forward(const torch::Tensor& bytes, std::int64_
   } else if (config_.scheme == "learned") {
     x = x + positions_->forward(positions.clamp_max(config_.train_length - 1)).unsqueeze(0);
   }
-  const std::string scheme = scheme_json(context_length);
-  const torch::Tensor none = torch::empty({0}, torch::kInt64);
+  SchemeList schemes;
+  schemes.push_back(attention_scheme(context_length));
   for (Layer& layer : layers_) {
     const torch::Tensor normed = layer.norm1->forward(x);
     const torch::Tensor qkv = layer.qkv->forward(normed).view({b, s, 3, h, hd});
@@ -234,8 +236,11 @@ torch::Tensor LanguageModelImpl::forward(const torch::Tensor& bytes, std::int64_
     } else {
       std::vector<at::Tensor> gates;
       if (config_.scheme == "fox") gates.push_back(torch::log_sigmoid(layer.fgate->forward(normed)));
-      const auto [o, lse] = attention.call(q, k, v, scheme, layer_bias_params(layer), gates, none, true, -1, -1,
-                                           c10::nullopt, c10::nullopt, 0.0, 0.0, none, none, {}, {});
+      const torch::Tensor params = layer_bias_params(layer);
+      const auto [o, lse] = attention.call(
+          q, k, v, schemes, params.defined() ? std::vector<at::Tensor>{params} : std::vector<at::Tensor>{}, gates,
+          c10::nullopt, true, -1, -1, c10::nullopt, c10::nullopt, 0.0, c10::nullopt, c10::nullopt, c10::nullopt, {}, {},
+          true);
       (void)lse;
       attended = o;
     }

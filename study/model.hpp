@@ -29,6 +29,8 @@
 #include <string>
 #include <vector>
 
+#include "posenc/torch/classes.hpp"
+
 namespace posenc::study {
 
 struct ModelConfig {
@@ -67,7 +69,8 @@ class LanguageModelImpl : public torch::nn::Module {
     torch::Tensor bias_params;         // the scheme's per-layer parameters (or an empty tensor)
     std::vector<torch::Tensor> raw;    // trainable tensors bias_params is made of
   };
-  std::string scheme_json(std::int64_t context_length) const;
+  // The attention's scheme at an evaluation length (rope-ntk and rope-yarn scale past the training length).
+  c10::intrusive_ptr<torch_adapter::SchemeClass> attention_scheme(std::int64_t context_length) const;
   torch::Tensor layer_bias_params(const Layer& layer) const;
 
   ModelConfig config_;

@@ -17,7 +17,6 @@ ConstTensorView const_view(const char* where, const char* name, const at::Tensor
 TensorView mutable_view(const char* where, const char* name, at::Tensor& t);
 // int64 [S] or [B, S], contiguous; the tensor must outlive the Positions.
 Positions positions_of(const char* where, const char* name, const at::Tensor& ids);
-RopeParams rope_params_from_json(const std::string& text);
 // An optional tensor argument left out: undefined or a 1-D empty tensor.
 bool absent(const at::Tensor& t);
 // An output tensor from the block cache (see ops.cpp).

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "adapter.hpp"
+#include "posenc/torch/classes.hpp"
 #include "posenc/posenc.hpp"
 
 namespace posenc::torch_adapter {
@@ -18,79 +19,54 @@ using torch::autograd::variable_list;
 
 // ─── Fused attention ─────────────────────────────────────────────────────────────────────────
 
-// A JSON scheme {"kind": name, option: value, …} as the registry's arguments (registry.hpp):
-// numbers and booleans are options, "rope" holds RoPE's parameters; the registry refuses names
-// the scheme does not declare.
-SchemeArgs scheme_args(const char* where, const nlohmann::json& j, std::int64_t heads, std::int64_t head_dim,
-                       double scale) {
-  SchemeArgs args;
-  args.heads = heads;
-  args.head_dim = head_dim;
-  args.scale = scale;
-  for (const auto& [key, value] : j.items()) {
-    if (key == "kind") continue;
-    if (key == "rope") {
-      args.rope = rope_params_from_json(value.dump());
-    } else if (value.is_boolean()) {
-      args.options[key] = value.get<bool>() ? 1.0 : 0.0;
-    } else if (value.is_number()) {
-      args.options[key] = value.get<double>();
-    } else {
-      throw Error(where, "scheme." + key, value.dump(), "a number or a boolean");
-    }
-  }
-  return args;
-}
+using SchemeList = c10::List<c10::intrusive_ptr<SchemeClass>>;
+using OptionalTemperature = c10::optional<c10::intrusive_ptr<TemperatureClass>>;
 
-// The head group of a JSON scheme and its learned parameters (bias_params: the registry's
-// parameter_shape, any float dtype; empty: the scheme's initial values).
-HeadGroup attention_group(const nlohmann::json& j, const at::Tensor& bias_params, std::int64_t heads,
-                          std::int64_t head_dim, double scale) {
-  const char* where = "attention";
-  const SchemeEntry& entry = find_scheme(j.value("kind", std::string("none")));
-  SchemeArgs args = scheme_args(where, j, heads, head_dim, scale);
-  const bool given = !absent(bias_params) && bias_params.numel() > 0;
-  if (given) args.parameters = doubles_of(where, "bias_params", bias_params);
-  // The registry checks the count (and refuses any for a parameter-free scheme); the tensor's
-  // shape must also be the declared one.
-  const SchemeArgs complete = complete_scheme_args(entry, std::move(args));
-  if (given) {
-    const std::vector<std::int64_t> shape = entry.parameter_shape(complete);
-    TORCH_CHECK_VALUE(bias_params.sizes() == at::IntArrayRef(shape), where, ": bias_params shape ", bias_params.sizes(),
-                      "; expected ", at::IntArrayRef(shape), " (", entry.name, ": ",
-                      entry.parameters.empty() ? std::string("no parameters") : entry.parameters, ")");
+// A Scheme's head group with its learned parameters: `params` in the registry's parameter_shape
+// (a 1-D empty tensor for a scheme without any), or undefined for the scheme's initial values.
+HeadGroup attention_group(const char* where, const std::string& name, const SchemeClass& scheme,
+                          const at::Tensor& params, std::int64_t head_dim, double scale) {
+  SchemeArgs args = scheme.args(head_dim, scale);
+  if (params.defined()) {
+    const std::vector<std::int64_t> shape = scheme.entry->parameter_shape(args);
+    // A scheme without parameters takes a 1-D empty tensor (a 0-d tensor is one value, not none).
+    const bool fits =
+        shape.empty() ? params.dim() == 1 && params.numel() == 0 : params.sizes() == at::IntArrayRef(shape);
+    TORCH_CHECK_VALUE(
+        fits, where, ": ", name, " shape ", params.sizes(), "; expected ",
+        shape.empty() ? std::string("[0]") : c10::str(at::IntArrayRef(shape)), " (", scheme.entry->name, ": ",
+        scheme.entry->parameters.empty() ? std::string("no learned parameters") : scheme.entry->parameters, ")");
+    args.parameters = doubles_of(where, name.c_str(), params);
   }
-  return entry.make(complete);
+  return scheme.entry->make(args);
 }
 
 // Any registered relative-bias scheme (registry.hpp) materialised as [B, H, Sq, Sk], differentiable
-// in its parameters (params: the registry's parameter_shape, or empty for its initial values).
+// in its parameters (params: the registry's parameter_shape; None: its initial values).
 class RelativeBiasFunction : public torch::autograd::Function<RelativeBiasFunction> {
  public:
-  static BiasScheme scheme_of(const std::string& scheme, const at::Tensor& params, std::int64_t heads) {
-    const nlohmann::json j = nlohmann::json::parse(scheme);
-    const HeadGroup g = attention_group(j, params, heads, 1, 0.0);
-    const SchemeEntry& entry = find_scheme(j.value("kind", std::string("none")));
-    TORCH_CHECK_VALUE(entry.family == "relative-bias" && g.bias, "relative_bias: scheme.kind = ", entry.name,
+  static BiasScheme scheme_of(const SchemeClass& scheme, const at::Tensor& params) {
+    TORCH_CHECK_VALUE(scheme.entry->family == "relative-bias", "relative_bias: scheme = ", scheme.entry->name,
                       "; expected a scheme of the relative-bias family (posenc.schemes())");
+    const HeadGroup g = attention_group("relative_bias", "params", scheme, params, 1, 0.0);
     return *g.bias;
   }
-  static at::Tensor forward(AutogradContext* ctx, const std::string& scheme, const at::Tensor& params,
-                            const at::Tensor& q_positions, const at::Tensor& k_positions, std::int64_t heads,
-                            c10::ScalarType dtype) {
+  static at::Tensor forward(AutogradContext* ctx, const c10::intrusive_ptr<SchemeClass>& scheme,
+                            const c10::optional<at::Tensor>& params, const at::Tensor& q_positions,
+                            const at::Tensor& k_positions, c10::ScalarType dtype) {
     const at::Tensor qi = q_positions.contiguous(), ki = k_positions.contiguous();
+    const at::Tensor p = params ? *params : at::Tensor();
     ctx->saved_data["scheme"] = scheme;
-    ctx->saved_data["heads"] = heads;
-    ctx->save_for_backward({params, qi, ki});
-    return translating([&] { return materialize(scheme_of(scheme, params, heads), qi, ki, dtype); });
+    ctx->saved_data["given"] = p.defined();
+    ctx->save_for_backward({p.defined() ? p : at::empty({0}), qi, ki});
+    return translating([&] { return materialize(scheme_of(*scheme, p), qi, ki, dtype); });
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     return translating([&] {
       at::Tensor d_params;
-      if (saved[0].numel() > 0) {
-        const BiasScheme b =
-            scheme_of(ctx->saved_data["scheme"].toStringRef(), saved[0], ctx->saved_data["heads"].toInt());
+      if (ctx->saved_data["given"].toBool() && saved[0].numel() > 0) {
+        const BiasScheme b = scheme_of(*ctx->saved_data["scheme"].toCustomClass<SchemeClass>(), saved[0]);
         const RelativeBias& rb = *relative_bias(b);
         std::vector<double> d(static_cast<std::size_t>(rb.parameter_count()), 0.0);
         const at::Tensor ds = grads[0].contiguous();
@@ -99,26 +75,14 @@ class RelativeBiasFunction : public torch::autograd::Function<RelativeBiasFuncti
                                const_view("relative_bias", "grad", ds), d);
         d_params = tensor_of(d, saved[0]);
       }
-      return variable_list{at::Tensor(), d_params, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+      return variable_list{at::Tensor(), d_params, at::Tensor(), at::Tensor(), at::Tensor()};
     });
   }
 };
 
-at::Tensor relative_bias_op(const std::string& scheme, const at::Tensor& params, const at::Tensor& q_positions,
-                            const at::Tensor& k_positions, std::int64_t heads, c10::ScalarType dtype) {
-  return RelativeBiasFunction::apply(scheme, params, q_positions, k_positions, heads, dtype);
-}
-
-// A registered scheme's initial parameters in its parameter_shape (float64; empty when it has none).
-at::Tensor scheme_parameters_op(const std::string& scheme, std::int64_t heads, std::int64_t head_dim) {
-  return translating([&] {
-    const nlohmann::json j = nlohmann::json::parse(scheme);
-    const SchemeEntry& entry = find_scheme(j.value("kind", std::string("none")));
-    const SchemeArgs args = complete_scheme_args(entry, scheme_args("scheme_parameters", j, heads, head_dim, 0.0));
-    const std::vector<double> values = scheme_parameters(entry, entry.make(args));
-    const std::vector<std::int64_t> shape = entry.parameter_shape(args);
-    return at::tensor(values, at::kDouble).reshape(shape.empty() ? std::vector<std::int64_t>{0} : shape);
-  });
+at::Tensor relative_bias_op(const c10::intrusive_ptr<SchemeClass>& scheme, const c10::optional<at::Tensor>& params,
+                            const at::Tensor& q_positions, const at::Tensor& k_positions, c10::ScalarType dtype) {
+  return RelativeBiasFunction::apply(scheme, params, q_positions, k_positions, dtype);
 }
 
 // The registry as JSON: [{name, family, summary, source, parameters, options: [{name, default,
@@ -145,11 +109,11 @@ struct AttentionCall {
   std::unique_ptr<Attention> attention;
   at::Tensor q_ids, k_ids;        // kept alive: Positions borrow them
   std::vector<at::Tensor> gates;  // per head group: its ForgetGate's tensor (viewed: kept alive), or undefined
+  std::vector<const SchemeEntry*> entries;  // per head group: its registered scheme
 };
 
 // Sinks (posenc/sinks.hpp): one logit per query head, split over the head groups.
 void add_sinks(const char* where, const at::Tensor& sinks, AttentionSpec& spec) {
-  if (absent(sinks) || sinks.numel() == 0) return;
   const std::int64_t heads = spec.q.size(spec.q.rank() - 2);
   TORCH_CHECK_VALUE(sinks.dim() == 1 && sinks.size(0) == heads, where, ": sinks shape ", sinks.sizes(), "; expected [",
                     heads, "] (one logit per query head)");
@@ -177,111 +141,68 @@ void add_gates(const char* where, const std::vector<at::Tensor>& gates, Attentio
   }
 }
 
-// {"kind": "llama4", "floor_scale", "attn_scale"} or {"kind": "mistral", "beta",
-// "original_max_position_embeddings"} (posenc/temperature.hpp), every key required, no other.
-PositionTemperature temperature_of(const char* where, const std::string& text) {
-  const nlohmann::json j = nlohmann::json::parse(text);
-  TORCH_CHECK_VALUE(j.is_object() && j.contains("kind") && j.at("kind").is_string(), where,
-                    ": temperature = ", j.dump(), "; expected an object with a \"kind\"");
-  const std::string kind = j.at("kind").get<std::string>();
-  const auto keys = kind == "llama4"    ? std::vector<std::string>{"kind", "floor_scale", "attn_scale"}
-                    : kind == "mistral" ? std::vector<std::string>{"kind", "beta", "original_max_position_embeddings"}
-                                        : std::vector<std::string>{};
-  TORCH_CHECK_VALUE(!keys.empty(), where, ": temperature kind = ", kind, "; expected llama4 or mistral");
-  for (const auto& [key, value] : j.items()) {
-    TORCH_CHECK_VALUE(std::find(keys.begin(), keys.end(), key) != keys.end(), where, ": temperature.", key,
-                      " given; expected only ", keys[1], " and ", keys[2], " for ", kind);
-    TORCH_CHECK_VALUE(key == "kind" || value.is_number(), where, ": temperature.", key, " = ", value.dump(),
-                      "; expected a number");
-  }
-  for (const std::string& key : keys) {
-    TORCH_CHECK_VALUE(j.contains(key), where, ": temperature.", key, " missing for ", kind);
-  }
-  if (kind == "llama4")
-    return PositionTemperature::llama4(j.at("floor_scale").get<double>(), j.at("attn_scale").get<double>());
-  const nlohmann::json& l0 = j.at("original_max_position_embeddings");
-  TORCH_CHECK_VALUE(l0.is_number_integer(), where, ": temperature.original_max_position_embeddings = ", l0.dump(),
-                    "; expected an integer");
-  return PositionTemperature::mistral(j.at("beta").get<double>(), l0.get<std::int64_t>());
-}
+// The attention op's arguments besides q, k, v (their schema is in define_attention_ops).
+struct AttentionArgs {
+  SchemeList schemes;
+  std::vector<at::Tensor> params, gates;
+  c10::optional<at::Tensor> sinks;
+  bool causal = false;
+  std::int64_t window_left = -1, window_right = -1;
+  c10::optional<std::int64_t> chunk_size;
+  OptionalTemperature temperature;
+  double softcap = 0.0;
+  c10::optional<double> scale;
+  c10::optional<at::Tensor> q_positions, k_positions;
+  std::vector<std::int64_t> cu_seqlens_q, cu_seqlens_k;
+  bool skip_vanishing_tiles = true;
+};
 
-AttentionCall make_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::string& scheme,
-                             const at::Tensor& bias_params, bool causal, std::int64_t window_left,
-                             std::int64_t window_right, c10::optional<std::int64_t> chunk_size,
-                             const c10::optional<std::string>& temperature, double softcap, double scale,
-                             const at::Tensor& q_positions, const at::Tensor& k_positions,
-                             const std::vector<at::Tensor>& gates, const at::Tensor& sinks,
-                             at::IntArrayRef cu_seqlens_q, at::IntArrayRef cu_seqlens_k) {
-  const char* where = "attention";
+AttentionCall make_attention(const char* where, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const AttentionArgs& a) {
   // Packed sequences (cu_seqlens, both or neither): q [Tq, H, D], k and v [Tk, G, D].
-  const bool packed = !cu_seqlens_q.empty() || !cu_seqlens_k.empty();
+  const bool packed = !a.cu_seqlens_q.empty() || !a.cu_seqlens_k.empty();
   TORCH_CHECK_VALUE(q.dim() == (packed ? 3 : 4), where, ": q shape ", q.sizes(), "; expected ",
                     packed ? "[Tq, H, D] with cu_seqlens" : "[B, Sq, H, D]");
+  TORCH_CHECK_VALUE(!a.scale || (std::isfinite(*a.scale) && *a.scale > 0), where, ": scale = ", *a.scale,
+                    "; expected a finite number > 0, or None for 1/sqrt(head_dim)");
+  const double scale = a.scale ? *a.scale : 0.0;  // the engine's default: 1/sqrt(head_dim)
+  TORCH_CHECK_VALUE(!a.schemes.empty(), where, ": schemes is empty; expected one Scheme per head group");
+  TORCH_CHECK_VALUE(a.params.empty() || a.params.size() == a.schemes.size(), where, ": ", a.params.size(),
+                    " parameter tensors; expected one per head group (", a.schemes.size(),
+                    "), or none for the schemes' initial values");
   AttentionCall call;
   AttentionSpec spec;
-  spec.cu_seqlens_q.assign(cu_seqlens_q.begin(), cu_seqlens_q.end());
-  spec.cu_seqlens_k.assign(cu_seqlens_k.begin(), cu_seqlens_k.end());
+  spec.cu_seqlens_q = a.cu_seqlens_q;
+  spec.cu_seqlens_k = a.cu_seqlens_k;
   spec.q = const_view(where, "q", q);
   spec.k = const_view(where, "k", k);
   spec.v = const_view(where, "v", v);
-  nlohmann::json scheme_json = nlohmann::json::parse(scheme);
-  // The plan's option rides along at the top level (absent: the library's default).
-  if (scheme_json.contains("skip_vanishing_tiles")) {
-    const nlohmann::json& skip = scheme_json.at("skip_vanishing_tiles");
-    TORCH_CHECK_VALUE(skip.is_boolean(), where, ": scheme.skip_vanishing_tiles = ", skip.dump(), "; expected a bool");
-    spec.skip_vanishing_tiles = skip.get<bool>();
-    scheme_json.erase("skip_vanishing_tiles");
+  std::int64_t heads = 0;
+  for (std::size_t g = 0; g < a.schemes.size(); ++g) {
+    const c10::intrusive_ptr<SchemeClass> scheme = a.schemes.get(g);
+    const std::string name = "params[" + std::to_string(g) + "]";
+    spec.groups.push_back(
+        attention_group(where, name, *scheme, a.params.empty() ? at::Tensor() : a.params[g], q.size(-1), scale));
+    call.entries.push_back(scheme->entry);
+    heads += scheme->heads;
   }
-  if (scheme_json.contains("groups")) {
-    for (const auto& [key, value] : scheme_json.items()) {
-      TORCH_CHECK_VALUE(key == "groups", where, ": scheme.", key, " = ", value.dump(),
-                        "; expected only \"groups\" (and skip_vanishing_tiles) beside the groups");
-    }
-    // Several head groups: {"groups": [{"kind", "heads", options…}, …]} covering the heads in order;
-    // bias_params is every group's parameters flattened and concatenated (or empty).
-    const at::Tensor flat = absent(bias_params) ? bias_params : bias_params.reshape({-1});
-    std::int64_t offset = 0;
-    for (nlohmann::json g : scheme_json.at("groups")) {
-      TORCH_CHECK_VALUE(g.is_object() && g.contains("heads") && g.at("heads").is_number_integer(), where,
-                        ": scheme group ", g.dump(), "; expected an object with an integer \"heads\"");
-      const std::int64_t heads = g.at("heads").get<std::int64_t>();
-      TORCH_CHECK_VALUE(heads >= 1, where, ": scheme groups' heads = ", heads, "; expected >= 1");
-      g.erase("heads");
-      const SchemeEntry& entry = find_scheme(g.value("kind", std::string("none")));
-      const SchemeArgs args = complete_scheme_args(entry, scheme_args(where, g, heads, q.size(-1), scale));
-      std::int64_t count = entry.parameter_shape(args).empty() ? 0 : 1;
-      for (const std::int64_t extent : entry.parameter_shape(args)) count *= extent;  // checked by the registry
-      at::Tensor part = at::empty({0}, at::kDouble);
-      if (!absent(flat) && flat.numel() > 0 && count > 0) {
-        TORCH_CHECK_VALUE(offset + count <= flat.numel(), where, ": bias_params has ", flat.numel(),
-                          " values; the groups' parameters need more (", entry.name, ": ", entry.parameters, ")");
-        part = flat.narrow(0, offset, count).reshape(at::IntArrayRef(entry.parameter_shape(args)));
-      }
-      offset += count;
-      spec.groups.push_back(attention_group(g, part, heads, q.size(-1), scale));
-    }
-    TORCH_CHECK_VALUE(absent(flat) || flat.numel() == 0 || offset == flat.numel(), where, ": bias_params has ",
-                      flat.numel(), " values; the groups' parameters take ", offset);
-  } else {
-    TORCH_CHECK_VALUE(!scheme_json.contains("heads"), where, ": scheme.heads = ", scheme_json.value("heads", 0),
-                      "; expected it only inside \"groups\" (one scheme covers every head)");
-    spec.groups = {attention_group(scheme_json, bias_params, q.size(-2), q.size(-1), scale)};
-  }
-  add_gates(where, gates, spec, call);
-  add_sinks(where, sinks, spec);
-  spec.mask.causal = causal;
-  spec.mask.window_left = window_left;
-  spec.mask.window_right = window_right;
-  if (chunk_size) spec.mask.chunk_size = *chunk_size;
-  if (temperature) spec.temperature = temperature_of(where, *temperature);
-  spec.mask.softcap = softcap;
+  TORCH_CHECK_VALUE(heads == q.size(-2), where, ": the schemes' heads sum to ", heads, "; expected q's ", q.size(-2));
+  spec.skip_vanishing_tiles = a.skip_vanishing_tiles;
+  add_gates(where, a.gates, spec, call);
+  if (a.sinks) add_sinks(where, *a.sinks, spec);
+  spec.mask.causal = a.causal;
+  spec.mask.window_left = a.window_left;
+  spec.mask.window_right = a.window_right;
+  if (a.chunk_size) spec.mask.chunk_size = *a.chunk_size;
+  if (a.temperature) spec.temperature = (*a.temperature)->temperature;
+  spec.mask.softcap = a.softcap;
   spec.scale = scale;
-  if (!absent(q_positions)) {
-    call.q_ids = q_positions.contiguous();
+  if (a.q_positions) {
+    call.q_ids = a.q_positions->contiguous();
     spec.q_positions = positions_of(where, "q_positions", call.q_ids);
   }
-  if (!absent(k_positions)) {
-    call.k_ids = k_positions.contiguous();
+  if (a.k_positions) {
+    call.k_ids = a.k_positions->contiguous();
     spec.k_positions = positions_of(where, "k_positions", call.k_ids);
   }
   call.attention = std::make_unique<Attention>(spec);
@@ -296,34 +217,32 @@ struct AttentionPlanHolder : torch::CustomClassHolder {
   AttentionCall call;
 };
 
-// The learned parameters' gradients of every group, flattened and concatenated as bias_params is.
-std::vector<double> flat_parameter_gradients(const std::string& scheme, const AttentionGradients& grads) {
-  const nlohmann::json j = nlohmann::json::parse(scheme);
-  const nlohmann::json groups = j.contains("groups") ? j.at("groups") : nlohmann::json::array({j});
-  std::vector<double> flat;
-  for (std::size_t g = 0; g < groups.size(); ++g) {
-    const std::vector<double> part =
-        scheme_gradients(find_scheme(groups[g].value("kind", std::string("none"))), grads.groups[g]);
-    flat.insert(flat.end(), part.begin(), part.end());
+// Each group's learned parameters' gradient, in the shape of its params tensor (float64 when the
+// params were not given).
+std::vector<at::Tensor> parameter_gradients(const AttentionCall& call, const AttentionGradients& grads,
+                                            const std::vector<at::Tensor>& params) {
+  std::vector<at::Tensor> out;
+  for (std::size_t g = 0; g < call.entries.size(); ++g) {
+    const std::vector<double> d = scheme_gradients(*call.entries[g], grads.groups[g]);
+    out.push_back(params.empty() ? at::tensor(d, at::kDouble) : tensor_of(d, params[g]));
   }
-  return flat;
+  return out;
 }
 
 class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
  public:
+  // The tensor lists go through apply() as TensorLists so that autograd gives each of their
+  // tensors a gradient; the rest rides in AttentionArgs.
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                               const std::string& scheme, const at::Tensor& bias_params, at::TensorList gates,
-                               const at::Tensor& sinks, bool causal, std::int64_t window_left,
-                               std::int64_t window_right, c10::optional<std::int64_t> chunk_size,
-                               const c10::optional<std::string>& temperature, double softcap, double scale,
-                               const at::Tensor& q_positions, const at::Tensor& k_positions,
-                               const std::vector<std::int64_t>& cu_seqlens_q,
-                               const std::vector<std::int64_t>& cu_seqlens_k) {
+                               at::TensorList params, at::TensorList gates, const c10::optional<at::Tensor>& sinks,
+                               const std::shared_ptr<AttentionArgs>& args) {
     return translating([&] {
+      AttentionArgs a = *args;
+      a.params = params.vec();
+      a.gates = gates.vec();
+      a.sinks = sinks;
       auto holder = c10::make_intrusive<AttentionPlanHolder>();
-      holder->call =
-          make_attention(q, k, v, scheme, bias_params, causal, window_left, window_right, chunk_size, temperature,
-                         softcap, scale, q_positions, k_positions, gates.vec(), sinks, cu_seqlens_q, cu_seqlens_k);
+      holder->call = make_attention("attention", q, k, v, a);
       const AttentionCall& call = holder->call;
       std::vector<std::int64_t> out_shape(q.sizes().begin(), q.sizes().end());
       out_shape.back() = v.size(-1);  // MLA: values narrower than q and k
@@ -333,11 +252,15 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
                                     : at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
       call.attention->forward(mutable_view("attention", "out", out), mutable_view("attention", "lse", lse));
       ctx->saved_data["plan"] = holder;
-      ctx->saved_data["scheme"] = scheme;
-      c10::List<bool> gate_grads;
+      c10::List<bool> param_grads, gate_grads;
+      for (const at::Tensor& p : params) param_grads.push_back(p.defined() && p.requires_grad());
       for (const at::Tensor& g : gates) gate_grads.push_back(g.defined() && g.requires_grad());
+      ctx->saved_data["param_grads"] = param_grads;
       ctx->saved_data["gate_grads"] = gate_grads;
-      ctx->save_for_backward({q, k, v, bias_params, q_positions, k_positions, out, lse, sinks});
+      ctx->saved_data["sinks_grad"] = sinks && sinks->requires_grad();
+      std::vector<at::Tensor> saved{q, k, v, out, lse, sinks ? *sinks : at::Tensor()};
+      saved.insert(saved.end(), params.begin(), params.end());
+      ctx->save_for_backward(saved);
       ctx->mark_non_differentiable({lse});
       return variable_list{out, lse};
     });
@@ -345,93 +268,118 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     return translating([&] {
-      const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &bias_params = saved[3];
+      const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2];
+      const std::vector<at::Tensor> params(saved.begin() + 6, saved.end());
       const AttentionCall& call = ctx->saved_data["plan"].toCustomClass<AttentionPlanHolder>()->call;
-      const at::Tensor d_out = grads[0].defined() ? grads[0].contiguous() : at::zeros_like(saved[6]);
+      const at::Tensor d_out = grads[0].defined() ? grads[0].contiguous() : at::zeros_like(saved[3]);
       at::Tensor dq = at::zeros_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
       AttentionGradients param_grads = call.attention->zero_gradients();
-      const c10::List<bool> gate_grads = ctx->saved_data["gate_grads"].toBoolList();
-      bool any_gate_grad = false;
-      for (const bool g : gate_grads) any_gate_grad = any_gate_grad || g;
-      const at::Tensor& sinks = saved[8];
-      const bool sinks_grad = !absent(sinks) && sinks.numel() > 0 && sinks.requires_grad();
-      const bool trainable = (!absent(bias_params) && bias_params.requires_grad()) || any_gate_grad || sinks_grad;
-      call.attention->backward(const_view("attention", "out", saved[6]), const_view("attention", "lse", saved[7]),
+      const c10::List<bool> wants_param = ctx->saved_data["param_grads"].toBoolList();
+      const c10::List<bool> wants_gate = ctx->saved_data["gate_grads"].toBoolList();
+      const bool wants_sinks = ctx->saved_data["sinks_grad"].toBool();
+      bool trainable = wants_sinks;
+      for (const bool w : wants_param) trainable = trainable || w;
+      for (const bool w : wants_gate) trainable = trainable || w;
+      call.attention->backward(const_view("attention", "out", saved[3]), const_view("attention", "lse", saved[4]),
                                const_view("attention", "d_out", d_out), mutable_view("attention", "dq", dq),
                                mutable_view("attention", "dk", dk), mutable_view("attention", "dv", dv),
                                trainable ? &param_grads : nullptr);
-      at::Tensor d_bias;
-      if (trainable && !absent(bias_params) && bias_params.requires_grad()) {
-        d_bias = tensor_of(flat_parameter_gradients(ctx->saved_data["scheme"].toStringRef(), param_grads), bias_params);
-      }
-      variable_list result{dq, dk, dv, at::Tensor(), d_bias};
-      // One gradient per gate (the list's tensors are inputs of their own), in the gate's shape.
-      for (std::size_t g = 0; g < gate_grads.size(); ++g) {
+      variable_list result{dq, dk, dv};
+      const std::vector<at::Tensor> d_params =
+          trainable ? parameter_gradients(call, param_grads, params) : std::vector<at::Tensor>{};
+      for (std::size_t g = 0; g < wants_param.size(); ++g)
+        result.push_back(wants_param.get(g) ? d_params[g] : at::Tensor());
+      // One gradient per gate, in the gate's shape.
+      for (std::size_t g = 0; g < wants_gate.size(); ++g) {
         at::Tensor d_gate;
-        if (gate_grads.get(g) && call.gates[g].defined())
+        if (wants_gate.get(g) && call.gates[g].defined())
           d_gate = tensor_of(param_grads.groups[g].terms[0], call.gates[g]);
         result.push_back(d_gate);
       }
       // The sinks: each group's last term, concatenated over the groups.
       at::Tensor d_sinks;
-      if (sinks_grad) {
+      if (wants_sinks) {
         std::vector<double> flat;
         for (const GroupGradients& g : param_grads.groups)
           flat.insert(flat.end(), g.terms.back().begin(), g.terms.back().end());
-        d_sinks = tensor_of(flat, sinks);
+        d_sinks = tensor_of(flat, saved[5]);
       }
       result.push_back(d_sinks);
-      for (int i = 0; i < 11; ++i) result.emplace_back();  // causal … cu_seqlens_k
+      result.emplace_back();  // args
       return result;
     });
   }
 };
 
 std::tuple<at::Tensor, at::Tensor> attention_op(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std::string scheme, const at::Tensor& bias_params,
-    const std::vector<at::Tensor>& gates, const at::Tensor& sinks, bool causal, std::int64_t window_left,
-    std::int64_t window_right, c10::optional<std::int64_t> chunk_size, const c10::optional<std::string>& temperature,
-    double softcap, double scale, const at::Tensor& q_positions, const at::Tensor& k_positions,
-    std::vector<std::int64_t> cu_seqlens_q, std::vector<std::int64_t> cu_seqlens_k) {
-  const variable_list out = AttentionFunction::apply(q, k, v, scheme, bias_params, at::TensorList(gates), sinks, causal,
-                                                     window_left, window_right, chunk_size, temperature, softcap, scale,
-                                                     q_positions, k_positions, cu_seqlens_q, cu_seqlens_k);
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const SchemeList& schemes,
+    const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& gates, const c10::optional<at::Tensor>& sinks,
+    bool causal, std::int64_t window_left, std::int64_t window_right, c10::optional<std::int64_t> chunk_size,
+    const OptionalTemperature& temperature, double softcap, c10::optional<double> scale,
+    const c10::optional<at::Tensor>& q_positions, const c10::optional<at::Tensor>& k_positions,
+    std::vector<std::int64_t> cu_seqlens_q, std::vector<std::int64_t> cu_seqlens_k, bool skip_vanishing_tiles) {
+  auto args = std::make_shared<AttentionArgs>(AttentionArgs{schemes,
+                                                            {},
+                                                            {},
+                                                            c10::nullopt,
+                                                            causal,
+                                                            window_left,
+                                                            window_right,
+                                                            chunk_size,
+                                                            temperature,
+                                                            softcap,
+                                                            scale,
+                                                            q_positions,
+                                                            k_positions,
+                                                            std::move(cu_seqlens_q),
+                                                            std::move(cu_seqlens_k),
+                                                            skip_vanishing_tiles});
+  const variable_list out =
+      AttentionFunction::apply(q, k, v, at::TensorList(params), at::TensorList(gates), sinks, args);
   return {out[0], out[1]};
 }
 
 // The backward of one attention call given the output and log-sum-exp it is part of: context
 // parallelism (posenc.distributed) runs it per block of keys with the whole sequence's out and lse,
 // so that P = exp(S − lse) and δ = dO·out are the global ones and the blocks' gradients add up.
-// Returns dq, dk, dv and the learned parameters' gradient (float64, flattened as bias_params;
-// empty without parameters). No forget gates or sinks: their terms span the blocks.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_op(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std::string scheme, const at::Tensor& bias_params,
-    bool causal, std::int64_t window_left, std::int64_t window_right, c10::optional<std::int64_t> chunk_size,
-    const c10::optional<std::string>& temperature, double softcap, double scale, const at::Tensor& q_positions,
-    const at::Tensor& k_positions, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& d_out,
-    std::vector<std::int64_t> cu_seqlens_q, std::vector<std::int64_t> cu_seqlens_k) {
+// Returns dq, dk, dv and each group's learned parameters' gradient (in its params tensor's shape;
+// none without params). No forget gates or sinks: their terms span the blocks.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>> attention_backward_op(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const SchemeList& schemes,
+    const std::vector<at::Tensor>& params, bool causal, std::int64_t window_left, std::int64_t window_right,
+    c10::optional<std::int64_t> chunk_size, const OptionalTemperature& temperature, double softcap,
+    c10::optional<double> scale, const c10::optional<at::Tensor>& q_positions,
+    const c10::optional<at::Tensor>& k_positions, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& d_out,
+    std::vector<std::int64_t> cu_seqlens_q, std::vector<std::int64_t> cu_seqlens_k, bool skip_vanishing_tiles) {
   return translating([&] {
-    const AttentionCall call =
-        make_attention(q, k, v, scheme, bias_params, causal, window_left, window_right, chunk_size, temperature,
-                       softcap, scale, q_positions, k_positions, {}, at::Tensor(), cu_seqlens_q, cu_seqlens_k);
+    const char* where = "attention_backward";
+    const AttentionArgs a{schemes,
+                          params,
+                          {},
+                          c10::nullopt,
+                          causal,
+                          window_left,
+                          window_right,
+                          chunk_size,
+                          temperature,
+                          softcap,
+                          scale,
+                          q_positions,
+                          k_positions,
+                          std::move(cu_seqlens_q),
+                          std::move(cu_seqlens_k),
+                          skip_vanishing_tiles};
+    const AttentionCall call = make_attention(where, q, k, v, a);
     at::Tensor dq = at::zeros_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
-    const bool trainable = !absent(bias_params) && bias_params.numel() > 0;
     AttentionGradients grads = call.attention->zero_gradients();
     const at::Tensor d_out_c = d_out.contiguous();
-    call.attention->backward(const_view("attention_backward", "out", out), const_view("attention_backward", "lse", lse),
-                             const_view("attention_backward", "d_out", d_out_c),
-                             mutable_view("attention_backward", "dq", dq), mutable_view("attention_backward", "dk", dk),
-                             mutable_view("attention_backward", "dv", dv), trainable ? &grads : nullptr);
-    const std::vector<double> flat = trainable ? flat_parameter_gradients(scheme, grads) : std::vector<double>{};
-    at::Tensor d_params = at::empty({static_cast<std::int64_t>(flat.size())}, at::kDouble);
-    std::copy(flat.begin(), flat.end(), d_params.data_ptr<double>());
-    return std::make_tuple(dq, dk, dv, d_params);
+    call.attention->backward(const_view(where, "out", out), const_view(where, "lse", lse),
+                             const_view(where, "d_out", d_out_c), mutable_view(where, "dq", dq),
+                             mutable_view(where, "dk", dk), mutable_view(where, "dv", dv),
+                             params.empty() ? nullptr : &grads);
+    return std::make_tuple(dq, dk, dv,
+                           params.empty() ? std::vector<at::Tensor>{} : parameter_gradients(call, grads, params));
   });
-}
-
-// s(position) of a temperature given as attention's op takes it (validates it, for Python).
-double attention_temperature_op(const std::string& temperature, std::int64_t position) {
-  return translating([&] { return temperature_of("PositionTemperature", temperature).factor(position); });
 }
 
 }  // namespace
@@ -439,23 +387,22 @@ double attention_temperature_op(const std::string& temperature, std::int64_t pos
 void define_attention_ops(torch::Library& m) {
   m.class_<AttentionPlanHolder>("AttentionPlan");
   m.def("schemes() -> str", &schemes_op);
-  m.def("attention_temperature(str temperature, int position) -> float", &attention_temperature_op);
-  m.def("scheme_parameters(str scheme, int heads, int head_dim) -> Tensor", &scheme_parameters_op);
   m.def(
-      "relative_bias(str scheme, Tensor params, Tensor q_positions, Tensor k_positions, int heads, ScalarType dtype) "
-      "-> Tensor",
+      "relative_bias(__torch__.torch.classes.posenc.Scheme scheme, Tensor? params, Tensor q_positions, "
+      "Tensor k_positions, ScalarType dtype) -> Tensor",
       &relative_bias_op);
   m.def(
-      "attention(Tensor q, Tensor k, Tensor v, str scheme, Tensor bias_params, Tensor[] gates, Tensor sinks, "
-      "bool causal, int window_left, "
-      "int window_right, int? chunk_size, str? temperature, float softcap, float scale, Tensor q_positions, Tensor "
-      "k_positions, int[] cu_seqlens_q=[], int[] cu_seqlens_k=[]) -> (Tensor, Tensor)",
+      "attention(Tensor q, Tensor k, Tensor v, __torch__.torch.classes.posenc.Scheme[] schemes, Tensor[] params, "
+      "Tensor[] gates, Tensor? sinks, bool causal, int window_left, int window_right, int? chunk_size, "
+      "__torch__.torch.classes.posenc.Temperature? temperature, float softcap, float? scale, Tensor? q_positions, "
+      "Tensor? k_positions, int[] cu_seqlens_q, int[] cu_seqlens_k, bool skip_vanishing_tiles) -> (Tensor, Tensor)",
       &attention_op);
   m.def(
-      "attention_backward(Tensor q, Tensor k, Tensor v, str scheme, Tensor bias_params, bool causal, int window_left, "
-      "int window_right, int? chunk_size, str? temperature, float softcap, float scale, Tensor q_positions, Tensor "
-      "k_positions, Tensor out, Tensor lse, Tensor d_out, int[] cu_seqlens_q=[], int[] cu_seqlens_k=[]) -> (Tensor, "
-      "Tensor, Tensor, Tensor)",
+      "attention_backward(Tensor q, Tensor k, Tensor v, __torch__.torch.classes.posenc.Scheme[] schemes, "
+      "Tensor[] params, bool causal, int window_left, int window_right, int? chunk_size, "
+      "__torch__.torch.classes.posenc.Temperature? temperature, float softcap, float? scale, Tensor? q_positions, "
+      "Tensor? k_positions, Tensor out, Tensor lse, Tensor d_out, int[] cu_seqlens_q, int[] cu_seqlens_k, "
+      "bool skip_vanishing_tiles) -> (Tensor, Tensor, Tensor, Tensor[])",
       &attention_backward_op);
 }
 

@@ -3,10 +3,15 @@
 // go through torch::autograd::Function, so autograd works from either side.
 //
 //   posenc::sinusoidal_table(Tensor positions, int dim, float base, bool interleaved, ScalarType dtype)
-//   posenc::rope(Tensor q, Tensor k, Tensor positions, str params, int direction) -> (Tensor, Tensor)
-//   posenc::rope_(q, k, positions, params, direction)   the same in place (returns q and k)
-//   posenc::rope_multi(q, k, positions [axes, S], params, int[] sections, bool restart, direction)
-//                   multi-axis RoPE (M-RoPE sections, 2-D axial with restart)
+//   posenc::rope(Tensor q, Tensor k, Tensor positions, Rope params, int seq_len, int direction)
+//                   -> (Tensor, Tensor)   seq_len: the length that selects dynamic / longrope
+//                   frequencies (0: the positions' max + 1)
+//   posenc::rope_(q, k, positions, params, seq_len, direction)   the same in place (returns q and k)
+//   posenc::rope_multi(q, k, positions [axes, S], params, seq_len, int[] sections, bool interleaved,
+//                   int[] axis_of_pair, bool restart, direction)   multi-axis RoPE (M-RoPE
+//                   sections, interleaved M-RoPE, 2-D axial with restart)
+//   posenc::rope_rerotate_(k, from_positions, Rope from_params, int from_seq_len, to_positions,
+//                   Rope to_params, int to_seq_len)   a rotated KV cache moved to new positions
 //   posenc::alibi_bias(Tensor slopes, Tensor q_positions, Tensor k_positions, bool symmetric) -> Tensor
 //   posenc::t5_bias(Tensor table, Tensor q_positions, Tensor k_positions, int num_buckets,
 //                   int max_distance, bool bidirectional) -> Tensor
@@ -16,34 +21,33 @@
 //   posenc::shaw_scores, shaw_values, xl_scores   Shaw's score and value terms, Transformer-XL's
 //                   position terms (differentiable in their tensors and tables)
 //   posenc::floater_table(w1, b1, w2, b2, p0, int length, float time_per_position, int substeps)
-//   posenc::attention(q, k, v, str scheme, Tensor bias_params, Tensor[] gates, Tensor sinks,
-//                     bool causal, int window_left, int window_right, int? chunk_size, str? temperature, float softcap,
-//                     float scale,
-//                     Tensor q_positions, Tensor k_positions) -> (Tensor out, Tensor lse)
-//                   fused attention (posenc/attention.hpp), q [B, Sq, H, D], k, v [B, Sk, G, D];
-//                   differentiable in q, k, v, bias_params, the gates and the sinks. `gates`:
-//                   empty, or one per head group, a log forget gate [B, Sk, heads]
-//                   (posenc/forgetting.hpp) or an empty tensor; `sinks`: [H] logits
-//                   (posenc/sinks.hpp) or empty. `scheme` is JSON naming a registered
-//                   scheme and its options (posenc/registry.hpp): {"kind": name, option: number or
-//                   bool, …, "rope": {RopeParams as for rope}}, or {"groups": [{"kind", "heads",
-//                   …}, …]} for several head groups; bias_params holds the learned parameters in
-//                   the registry's parameter_shape (several groups: each flattened, concatenated),
-//                   or is empty for the schemes' initial values
+//   posenc::attention(q, k, v, Scheme[] schemes, Tensor[] params, Tensor[] gates, Tensor? sinks,
+//                     bool causal, int window_left, int window_right, int? chunk_size,
+//                     Temperature? temperature, float softcap, float? scale, Tensor? q_positions,
+//                     Tensor? k_positions, int[] cu_seqlens_q, int[] cu_seqlens_k,
+//                     bool skip_vanishing_tiles) -> (Tensor out, Tensor lse)
+//                   fused attention (posenc/attention.hpp), q [B, Sq, H, D], k, v [B, Sk, G, D]
+//                   (or packed [T, H, D] with cu_seqlens); differentiable in q, k, v, params, the
+//                   gates and the sinks. `schemes`: one registered scheme per head group, their
+//                   heads covering q's in order; `params`: empty (every scheme's initial values) or
+//                   one tensor per group in the registry's parameter_shape (a 1-D empty tensor for
+//                   a scheme without learned parameters); `gates`: empty, or one per head group, a
+//                   log forget gate [B, Sk, heads] (posenc/forgetting.hpp) or an empty tensor;
+//                   `sinks`: [H] logits (posenc/sinks.hpp); `scale`: None for 1/sqrt(D)
+//   posenc::attention_backward(…, out, lse, d_out, …) -> (dq, dk, dv, Tensor[] d_params)
+//                   one call's backward given the whole sequence's out and lse (context parallelism)
 //   posenc::schemes() -> str   the registry as JSON
-//   posenc::scheme_parameters(str scheme, int heads, int head_dim) -> Tensor   initial parameters
-//   posenc::relative_bias(str scheme, Tensor params, Tensor q_positions, Tensor k_positions, int heads,
+//   posenc::relative_bias(Scheme scheme, Tensor? params, Tensor q_positions, Tensor k_positions,
 //                   ScalarType dtype) -> Tensor   any registered relative-bias scheme materialised,
-//                   [B, H, Sq, Sk], differentiable in params
+//                   [B, H, Sq, Sk], differentiable in params (None: its initial values)
 //   posenc::empty_cache()   frees the cached blocks of large outputs (see BlockCache)
 //   posenc::huge_page_zeros(int[] shape, ScalarType dtype)   a zero-filled tensor on 2 MiB pages
 //                   (posenc/memory.hpp): for KV caches that decode reads
 //
-// Positions are int64 tensors [S] (shared by the batch) or [B, S]. `params` of rope is a JSON
-// object with RopeParams' fields (head_dim, rotary_dim, base, layout, rope_type, factor, …; see
-// python/posenc/__init__.py). posenc::Error becomes a Python ValueError (its message names the
-// parameter, the value and what was expected); tensors on another device or of an unsupported
-// dtype become TypeError.
+// Rope, Scheme and Temperature are the typed classes torch.classes.posenc.* (classes.hpp).
+// Positions are int64 tensors [S] (shared by the batch) or [B, S]. posenc::Error becomes a Python
+// ValueError (its message names the parameter, the value and what was expected); tensors on
+// another device or of an unsupported dtype become TypeError.
 #include <torch/library.h>
 #include <torch/torch.h>
 
@@ -55,6 +59,7 @@
 #include <vector>
 
 #include "adapter.hpp"
+#include "posenc/torch/classes.hpp"
 #include "posenc/posenc.hpp"
 
 namespace posenc::torch_adapter {
@@ -107,57 +112,6 @@ Positions positions_of(const char* where, const char* name, const at::Tensor& id
   const std::span<const std::int64_t> span(ids.data_ptr<std::int64_t>(), static_cast<std::size_t>(ids.numel()));
   if (ids.dim() == 1) return Positions::ids(span);
   return Positions::ids(span, ids.size(0), ids.size(1));
-}
-
-RopeParams rope_params_from_json(const std::string& text) {
-  const nlohmann::json j = nlohmann::json::parse(text);
-  const auto number = [&](const char* key, double fallback) {
-    return j.contains(key) ? j.at(key).get<double>() : fallback;
-  };
-  const auto integer = [&](const char* key, std::int64_t fallback) {
-    return j.contains(key) ? j.at(key).get<std::int64_t>() : fallback;
-  };
-  const std::int64_t head_dim = integer("head_dim", 0);
-  RopeScaling scaling;
-  // Hugging Face's legacy names, as rope_params_from_hf reads them: Phi-3's "su" is longrope,
-  // Qwen2-VL's "mrope" the default frequencies.
-  std::string type = j.value("rope_type", std::string("default"));
-  if (type == "su") type = "longrope";
-  if (type == "mrope") type = "default";
-  scaling.type = rope_type_from_name(type);
-  scaling.factor = number("factor", scaling.factor);
-  scaling.original_max_position_embeddings = integer("original_max_position_embeddings", 0);
-  scaling.beta_fast = number("beta_fast", scaling.beta_fast);
-  scaling.beta_slow = number("beta_slow", scaling.beta_slow);
-  scaling.mscale = number("mscale", scaling.mscale);
-  scaling.mscale_all_dim = number("mscale_all_dim", scaling.mscale_all_dim);
-  scaling.truncate = j.value("truncate", true);
-  scaling.attention_factor = number("attention_factor", scaling.attention_factor);
-  scaling.low_freq_factor = number("low_freq_factor", scaling.low_freq_factor);
-  scaling.high_freq_factor = number("high_freq_factor", scaling.high_freq_factor);
-  if (j.contains("short_factor")) scaling.short_factor = j.at("short_factor").get<std::vector<double>>();
-  if (j.contains("long_factor")) scaling.long_factor = j.at("long_factor").get<std::vector<double>>();
-  scaling.partial_rotary_factor = number("partial_rotary_factor", scaling.partial_rotary_factor);
-  const std::string layout = j.value("layout", std::string("half-split"));
-  if (layout != "half-split" && layout != "interleaved")
-    throw Error("rope", "layout", layout, "half-split or interleaved");
-  std::vector<double> freq_factors;
-  if (j.contains("freq_factors")) freq_factors = j.at("freq_factors").get<std::vector<double>>();
-  RopeParams params(head_dim, integer("rotary_dim", head_dim), number("base", 10000.0),
-                    layout == "interleaved" ? RopeLayout::kInterleaved : RopeLayout::kHalfSplit, scaling,
-                    integer("max_position_embeddings", 2048), freq_factors);
-  if (j.contains("rotary_offset")) params = params.with_rotary_offset(j.at("rotary_offset").get<std::int64_t>());
-  if (j.contains("xpos") && !j.at("xpos").is_null()) {
-    const nlohmann::json& x = j.at("xpos");
-    params = params.with_xpos(x.value("scale_base", 512.0), x.value("center", 0.0));
-  }
-  return params;
-}
-
-// seq_len for dynamic / longrope frequencies (0: the positions' max + 1).
-std::int64_t rope_seq_len_from_json(const std::string& text) {
-  const nlohmann::json j = nlohmann::json::parse(text);
-  return j.value("seq_len", std::int64_t{0});
 }
 
 RopeDirection direction_of(std::int64_t code) {
@@ -252,63 +206,67 @@ at::Tensor huge_page_zeros_op(at::IntArrayRef sizes, c10::ScalarType dtype) {
 
 // Rotates q (and k) out of place; returns (q_out, k_out), k_out empty without k.
 std::tuple<at::Tensor, at::Tensor> rope_apply_tensors(const at::Tensor& q, const at::Tensor& k,
-                                                      const at::Tensor& positions, const std::string& params,
+                                                      const at::Tensor& positions,
+                                                      const c10::intrusive_ptr<RopeClass>& params, std::int64_t seq_len,
                                                       std::int64_t direction) {
   return translating([&] {
     const char* where = "rope";
-    const RopeParams p = rope_params_from_json(params);
+    const RopeParams& p = params->params;
     const at::Tensor ids = positions.contiguous();
     const Positions pos = positions_of(where, "positions", ids);
     at::Tensor q_out = empty_output(q.sizes(), q.scalar_type());
     at::Tensor k_out = absent(k) ? q.new_empty({0}) : empty_output(k.sizes(), k.scalar_type());
     rope_apply(p, pos, const_view(where, "q", q), absent(k) ? ConstTensorView() : const_view(where, "k", k),
                mutable_view(where, "q_out", q_out), absent(k) ? TensorView() : mutable_view(where, "k_out", k_out),
-               direction_of(direction), rope_seq_len_from_json(params));
+               direction_of(direction), seq_len);
     return std::make_tuple(q_out, k_out);
   });
 }
 
 // In place: q (and k) rotated where they are.
-void rope_apply_inplace(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const std::string& params,
-                        std::int64_t direction) {
+void rope_apply_inplace(at::Tensor& q, at::Tensor& k, const at::Tensor& positions,
+                        const c10::intrusive_ptr<RopeClass>& params, std::int64_t seq_len, std::int64_t direction) {
   translating([&] {
     const char* where = "rope_";
-    const RopeParams p = rope_params_from_json(params);
+    const RopeParams& p = params->params;
     const at::Tensor ids = positions.contiguous();
     const Positions pos = positions_of(where, "positions", ids);
     rope_apply(p, pos, mutable_view(where, "q", q), absent(k) ? TensorView() : mutable_view(where, "k", k),
-               direction_of(direction), rope_seq_len_from_json(params));
+               direction_of(direction), seq_len);
     return 0;
   });
 }
 
 // KV-cache re-rotation in place (rotary.hpp: rope_rerotate): keys rotated under (from params,
 // from positions) become keys rotated under (to params, to positions). Caches hold no gradient.
-at::Tensor rope_rerotate_op(at::Tensor k, const at::Tensor& from_positions, std::string from_params,
-                            const at::Tensor& to_positions, std::string to_params) {
+at::Tensor rope_rerotate_op(at::Tensor k, const at::Tensor& from_positions,
+                            const c10::intrusive_ptr<RopeClass>& from_params, std::int64_t from_seq_len,
+                            const at::Tensor& to_positions, const c10::intrusive_ptr<RopeClass>& to_params,
+                            std::int64_t to_seq_len) {
   return translating([&] {
     const char* where = "rope_rerotate_";
     TORCH_CHECK_VALUE(!k.requires_grad() || !at::GradMode::is_enabled(), where,
                       ": k requires grad; expected a cache tensor (re-rotation has no gradient)");
-    const RopeParams from = rope_params_from_json(from_params), to = rope_params_from_json(to_params);
+    const RopeParams &from = from_params->params, &to = to_params->params;
     const at::Tensor from_ids = from_positions.contiguous(), to_ids = to_positions.contiguous();
     const Positions from_pos = positions_of(where, "from_positions", from_ids);
     const Positions to_pos = positions_of(where, "to_positions", to_ids);
-    rope_rerotate(from, from_pos, rope_seq_len_from_json(from_params), to, to_pos, rope_seq_len_from_json(to_params),
-                  const_view(where, "k", k), mutable_view(where, "k", k));
+    rope_rerotate(from, from_pos, from_seq_len, to, to_pos, to_seq_len, const_view(where, "k", k),
+                  mutable_view(where, "k", k));
     return k;
   });
 }
 
 // Multi-axis RoPE (M-RoPE, 2-D axial): positions [A, S] or [A, B, S], one row per axis.
 std::tuple<at::Tensor, at::Tensor> rope_multi_tensors(const at::Tensor& q, const at::Tensor& k,
-                                                      const at::Tensor& positions, const std::string& params,
+                                                      const at::Tensor& positions,
+                                                      const c10::intrusive_ptr<RopeClass>& params, std::int64_t seq_len,
                                                       const std::vector<std::int64_t>& sections, bool interleaved,
                                                       const std::vector<std::int64_t>& axis_of_pair, bool restart,
                                                       std::int64_t direction) {
   return translating([&] {
     const char* where = "rope_multi";
-    const RopeParams p = rope_params_from_json(params);
+    const RopeParams& p = params->params;
     TORCH_CHECK_VALUE(positions.dim() == 2 || positions.dim() == 3, where, ": positions shape ", positions.sizes(),
                       "; expected [axes, S] or [axes, B, S]");
     // The pairs' axes: given, or from the sections (consecutive or interleaved, rotary.hpp).
@@ -338,7 +296,7 @@ std::tuple<at::Tensor, at::Tensor> rope_multi_tensors(const at::Tensor& q, const
     rope_apply_axes(p, axes, axis_rows, const_view(where, "q", q),
                     absent(k) ? ConstTensorView() : const_view(where, "k", k), mutable_view(where, "q_out", q_out),
                     absent(k) ? TensorView() : mutable_view(where, "k_out", k_out), direction_of(direction), restart,
-                    rope_seq_len_from_json(params));
+                    seq_len);
     return std::make_tuple(q_out, k_out);
   });
 }
@@ -346,16 +304,19 @@ std::tuple<at::Tensor, at::Tensor> rope_multi_tensors(const at::Tensor& q, const
 class RopeFunction : public torch::autograd::Function<RopeFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
-                               const at::Tensor& positions, const std::string& params, std::int64_t direction) {
+                               const at::Tensor& positions, const c10::intrusive_ptr<RopeClass>& params,
+                               std::int64_t seq_len, std::int64_t direction) {
     ctx->saved_data["params"] = params;
+    ctx->saved_data["seq_len"] = seq_len;
     ctx->saved_data["direction"] = direction;
     ctx->saved_data["has_k"] = !absent(k);
     ctx->save_for_backward({positions});
-    auto [q_out, k_out] = rope_apply_tensors(q, k, positions, params, direction);
+    auto [q_out, k_out] = rope_apply_tensors(q, k, positions, params, seq_len, direction);
     return {q_out, k_out};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const std::string params = ctx->saved_data["params"].toStringRef();
+    const auto params = ctx->saved_data["params"].toCustomClass<RopeClass>();
+    const std::int64_t seq_len = ctx->saved_data["seq_len"].toInt();
     const std::int64_t direction = ctx->saved_data["direction"].toInt();
     const bool has_k = ctx->saved_data["has_k"].toBool();
     const at::Tensor positions = ctx->get_saved_variables()[0];
@@ -365,8 +326,8 @@ class RopeFunction : public torch::autograd::Function<RopeFunction> {
     const at::Tensor dq = grads[0].defined() ? grads[0] : at::zeros_like(grads[1]);
     const at::Tensor dk = has_k ? (grads[1].defined() ? grads[1] : at::Tensor()) : at::Tensor();
     auto [gq, gk] = rope_apply_tensors(dq.contiguous(), has_k && dk.defined() ? dk.contiguous() : dq.new_empty({0}),
-                                       positions, params, direction == 0 ? 1 : 0);
-    return {gq, has_k && dk.defined() ? gk : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+                                       positions, params, seq_len, direction == 0 ? 1 : 0);
+    return {gq, has_k && dk.defined() ? gk : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -401,8 +362,9 @@ std::string rope_config_op(const std::string& config, c10::optional<std::int64_t
 }
 
 std::tuple<at::Tensor, at::Tensor> rope_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
-                                           std::string params, std::int64_t direction) {
-  const variable_list out = RopeFunction::apply(q, k, positions, params, direction);
+                                           const c10::intrusive_ptr<RopeClass>& params, std::int64_t seq_len,
+                                           std::int64_t direction) {
+  const variable_list out = RopeFunction::apply(q, k, positions, params, seq_len, direction);
   return {out[0], out[1]};
 }
 
@@ -411,14 +373,16 @@ std::tuple<at::Tensor, at::Tensor> rope_op(const at::Tensor& q, const at::Tensor
 class RopeInplaceFunction : public torch::autograd::Function<RopeInplaceFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, at::Tensor q, at::Tensor k, const at::Tensor& positions,
-                               const std::string& params, std::int64_t direction) {
+                               const c10::intrusive_ptr<RopeClass>& params, std::int64_t seq_len,
+                               std::int64_t direction) {
     TORCH_CHECK_VALUE(direction != 2 || !(q.requires_grad() || (!absent(k) && k.requires_grad())),
                       "rope_: direction = 2 (inverse); expected 0 or 1 when gradients are needed");
     ctx->saved_data["params"] = params;
+    ctx->saved_data["seq_len"] = seq_len;
     ctx->saved_data["direction"] = direction;
     ctx->saved_data["has_k"] = !absent(k);
     ctx->save_for_backward({positions});
-    rope_apply_inplace(q, k, positions, params, direction);
+    rope_apply_inplace(q, k, positions, params, seq_len, direction);
     if (absent(k)) {
       ctx->mark_dirty({q});
     } else {
@@ -427,31 +391,34 @@ class RopeInplaceFunction : public torch::autograd::Function<RopeInplaceFunction
     return {q, k};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const std::string params = ctx->saved_data["params"].toStringRef();
+    const auto params = ctx->saved_data["params"].toCustomClass<RopeClass>();
+    const std::int64_t seq_len = ctx->saved_data["seq_len"].toInt();
     const std::int64_t direction = ctx->saved_data["direction"].toInt();
     const bool has_k = ctx->saved_data["has_k"].toBool();
     const at::Tensor positions = ctx->get_saved_variables()[0];
     const at::Tensor dq = grads[0].defined() ? grads[0] : at::zeros_like(grads[1]);
     const at::Tensor dk = has_k ? (grads[1].defined() ? grads[1] : at::Tensor()) : at::Tensor();
     auto [gq, gk] = rope_apply_tensors(dq.contiguous(), has_k && dk.defined() ? dk.contiguous() : dq.new_empty({0}),
-                                       positions, params, direction == 0 ? 1 : 0);
-    return {gq, has_k && dk.defined() ? gk : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+                                       positions, params, seq_len, direction == 0 ? 1 : 0);
+    return {gq, has_k && dk.defined() ? gk : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 std::tuple<at::Tensor, at::Tensor> rope_inplace_op(at::Tensor q, at::Tensor k, const at::Tensor& positions,
-                                                   std::string params, std::int64_t direction) {
-  const variable_list out = RopeInplaceFunction::apply(q, k, positions, params, direction);
+                                                   const c10::intrusive_ptr<RopeClass>& params, std::int64_t seq_len,
+                                                   std::int64_t direction) {
+  const variable_list out = RopeInplaceFunction::apply(q, k, positions, params, seq_len, direction);
   return {out[0], out[1]};
 }
 
 class RopeMultiFunction : public torch::autograd::Function<RopeMultiFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
-                               const at::Tensor& positions, const std::string& params,
-                               std::vector<std::int64_t> sections, bool interleaved,
+                               const at::Tensor& positions, const c10::intrusive_ptr<RopeClass>& params,
+                               std::int64_t seq_len, std::vector<std::int64_t> sections, bool interleaved,
                                std::vector<std::int64_t> axis_of_pair, bool restart, std::int64_t direction) {
     ctx->saved_data["params"] = params;
+    ctx->saved_data["seq_len"] = seq_len;
     ctx->saved_data["sections"] = sections;
     ctx->saved_data["interleaved"] = interleaved;
     ctx->saved_data["axis_of_pair"] = axis_of_pair;
@@ -460,7 +427,7 @@ class RopeMultiFunction : public torch::autograd::Function<RopeMultiFunction> {
     ctx->saved_data["has_k"] = !absent(k);
     ctx->save_for_backward({positions});
     auto [q_out, k_out] =
-        rope_multi_tensors(q, k, positions, params, sections, interleaved, axis_of_pair, restart, direction);
+        rope_multi_tensors(q, k, positions, params, seq_len, sections, interleaved, axis_of_pair, restart, direction);
     return {q_out, k_out};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -471,21 +438,22 @@ class RopeMultiFunction : public torch::autograd::Function<RopeMultiFunction> {
     const at::Tensor dk = has_k ? (grads[1].defined() ? grads[1] : at::Tensor()) : at::Tensor();
     auto [gq, gk] = rope_multi_tensors(
         dq.contiguous(), has_k && dk.defined() ? dk.contiguous() : dq.new_empty({0}), ctx->get_saved_variables()[0],
-        ctx->saved_data["params"].toStringRef(), ctx->saved_data["sections"].toIntVector(),
-        ctx->saved_data["interleaved"].toBool(), ctx->saved_data["axis_of_pair"].toIntVector(),
-        ctx->saved_data["restart"].toBool(), direction == 0 ? 1 : 0);
+        ctx->saved_data["params"].toCustomClass<RopeClass>(), ctx->saved_data["seq_len"].toInt(),
+        ctx->saved_data["sections"].toIntVector(), ctx->saved_data["interleaved"].toBool(),
+        ctx->saved_data["axis_of_pair"].toIntVector(), ctx->saved_data["restart"].toBool(), direction == 0 ? 1 : 0);
     variable_list result{gq, has_k && dk.defined() ? gk : at::Tensor()};
-    for (int i = 0; i < 7; ++i) result.emplace_back();  // positions … direction
+    for (int i = 0; i < 8; ++i) result.emplace_back();  // positions … direction
     return result;
   }
 };
 
 std::tuple<at::Tensor, at::Tensor> rope_multi_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
-                                                 std::string params, std::vector<std::int64_t> sections,
-                                                 bool interleaved, std::vector<std::int64_t> axis_of_pair, bool restart,
+                                                 const c10::intrusive_ptr<RopeClass>& params, std::int64_t seq_len,
+                                                 std::vector<std::int64_t> sections, bool interleaved,
+                                                 std::vector<std::int64_t> axis_of_pair, bool restart,
                                                  std::int64_t direction) {
-  const variable_list out =
-      RopeMultiFunction::apply(q, k, positions, params, sections, interleaved, axis_of_pair, restart, direction);
+  const variable_list out = RopeMultiFunction::apply(q, k, positions, params, seq_len, sections, interleaved,
+                                                     axis_of_pair, restart, direction);
   return {out[0], out[1]};
 }
 
@@ -937,21 +905,29 @@ at::Tensor floater_op(const at::Tensor& w1, const at::Tensor& b1, const at::Tens
 
 TORCH_LIBRARY(posenc, m) {
   using namespace posenc::torch_adapter;
+  define_classes(m);
   define_attention_ops(m);
   define_stickbreaking_ops(m);
   define_cope_ops(m);
   m.def("sinusoidal_table(Tensor positions, int dim, float base, bool interleaved, ScalarType dtype) -> Tensor",
         &sinusoidal_table_op);
-  m.def("rope(Tensor q, Tensor k, Tensor positions, str params, int direction) -> (Tensor, Tensor)", &rope_op);
-  m.def("rope_config(str config, int? layer) -> str", &rope_config_op);
-  m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor positions, str params, int direction) -> (Tensor(a!), Tensor(b!))",
-        &rope_inplace_op);
   m.def(
-      "rope_rerotate_(Tensor(a!) k, Tensor from_positions, str from_params, Tensor to_positions, str to_params) "
+      "rope(Tensor q, Tensor k, Tensor positions, __torch__.torch.classes.posenc.Rope params, int seq_len, "
+      "int direction) -> (Tensor, Tensor)",
+      &rope_op);
+  m.def("rope_config(str config, int? layer) -> str", &rope_config_op);
+  m.def(
+      "rope_(Tensor(a!) q, Tensor(b!) k, Tensor positions, __torch__.torch.classes.posenc.Rope params, int seq_len, "
+      "int direction) -> (Tensor(a!), Tensor(b!))",
+      &rope_inplace_op);
+  m.def(
+      "rope_rerotate_(Tensor(a!) k, Tensor from_positions, __torch__.torch.classes.posenc.Rope from_params, "
+      "int from_seq_len, Tensor to_positions, __torch__.torch.classes.posenc.Rope to_params, int to_seq_len) "
       "-> Tensor(a!)",
       &rope_rerotate_op);
   m.def(
-      "rope_multi(Tensor q, Tensor k, Tensor positions, str params, int[] sections, bool interleaved, "
+      "rope_multi(Tensor q, Tensor k, Tensor positions, __torch__.torch.classes.posenc.Rope params, int seq_len, "
+      "int[] sections, bool interleaved, "
       "int[] axis_of_pair, bool restart, int direction) "
       "-> (Tensor, Tensor)",
       &rope_multi_op);

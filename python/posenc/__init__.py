@@ -37,9 +37,9 @@ def _load():
     torch.ops.load_library(path)
 
 
-def _json(name, value):
-    """value as JSON for the ops, after checking that every number in it is finite: JSON has no
-    NaN or inf, and the message names the argument (not the parser)."""
+def _finite(name, value):
+    """value, after checking that every number in it (in dicts and lists too) is finite: the message
+    names the entry."""
     def check(path, x):
         if isinstance(x, float) and not math.isfinite(x):
             raise ValueError(f"{path} = {x}; expected a finite number")
@@ -50,7 +50,7 @@ def _json(name, value):
             for i, v in enumerate(x):
                 check(f"{path}[{i}]", v)
     check(name, value)
-    return json.dumps(value)
+    return value
 
 
 def _int(where, name, value, minimum=None):
@@ -121,27 +121,41 @@ _DIRECTIONS = {"forward": 0, "backward": 1, "inverse": 2}
 
 
 def _rope_params(head_dim, rotary_dim, base, layout, scaling, max_position_embeddings, freq_factors=None, xpos=None,
-                 seq_len=0, rotary_offset=0):
+                 rotary_offset=0):
+    """RoPE's parameters as the ops take them: a ``torch.classes.posenc.Rope`` (torch/classes.hpp),
+    whose typed fields the library validates. ``scaling`` holds Hugging Face's ``rope_scaling``
+    keys: ``rope_type`` (or the legacy ``type``), numbers, flags and the lists of factors."""
     head_dim = _int("rope", "head_dim", head_dim)
-    params = {"head_dim": head_dim,
-              "rotary_dim": head_dim if rotary_dim is None else _int("rope", "rotary_dim", rotary_dim),
-              "base": _number("rope", "base", base), "layout": layout,
-              "max_position_embeddings": _int("rope", "max_position_embeddings", max_position_embeddings),
-              "seq_len": _int("rope", "seq_len", seq_len, 0)}
-    if rotary_offset:
-        if isinstance(rotary_offset, bool) or not isinstance(rotary_offset, int):
-            raise TypeError(f"rope: rotary_offset is {type(rotary_offset).__name__}; expected an int")
-        params["rotary_offset"] = rotary_offset
+    rotary_dim = head_dim if rotary_dim is None else _int("rope", "rotary_dim", rotary_dim)
+    if isinstance(rotary_offset, bool) or not isinstance(rotary_offset, int):
+        raise TypeError(f"rope: rotary_offset is {type(rotary_offset).__name__}; expected an int")
+    params = {"head_dim": head_dim, "rotary_dim": rotary_dim, "base": _number("rope", "base", base),
+              "max_position_embeddings": _int("rope", "max_position_embeddings", max_position_embeddings)}
+    xpos_values = []
     if xpos is not None:
         scale_base, center = (xpos, 0.0) if isinstance(xpos, numbers.Real) else tuple(xpos)
-        params["xpos"] = {"scale_base": _number("rope", "xpos scale_base", scale_base),
-                          "center": _number("rope", "xpos center", center)}
-    if scaling:
-        params.update({key: value for key, value in scaling.items() if key != "type"})
-        params.setdefault("rope_type", scaling.get("type", "default"))
+        xpos_values = [_number("rope", "xpos scale_base", scale_base), _number("rope", "xpos center", center)]
+        params["xpos"] = {"scale_base": xpos_values[0], "center": xpos_values[1]}
+    rope_type, values, factors = "default", {}, {}
+    for key, value in (scaling or {}).items():
+        if key in ("type", "rope_type"):
+            if key == "rope_type" or "rope_type" not in scaling:
+                rope_type = value
+        elif key in ("mrope_section", "mrope_interleaved"):
+            continue  # Qwen-VL's M-RoPE layout: rope_multi's sections, not the frequencies
+        elif isinstance(value, (list, tuple)):
+            factors[key] = [_number("rope", f"scaling[{key!r}][{i}]", x) for i, x in enumerate(value)]
+        else:
+            values[key] = float(value) if isinstance(value, bool) else _number("rope", f"scaling[{key!r}]", value)
+    if not isinstance(rope_type, str):
+        raise TypeError(f"rope: scaling['rope_type'] is {type(rope_type).__name__}; expected a str")
     if freq_factors is not None:
-        params["freq_factors"] = [_number("rope", f"freq_factors[{i}]", x) for i, x in enumerate(freq_factors)]
-    return params
+        factors["freq_factors"] = [_number("rope", f"freq_factors[{i}]", x) for i, x in enumerate(freq_factors)]
+    _finite("rope parameters", {**params, **values, **factors})
+    if not isinstance(layout, str):
+        raise TypeError(f"rope: layout is {type(layout).__name__}; expected 'half-split' or 'interleaved'")
+    return torch.classes.posenc.Rope(head_dim, rotary_dim, params["base"], layout, params["max_position_embeddings"],
+                                     rotary_offset, rope_type, values, factors, xpos_values)
 
 
 def rope(q, k=None, positions=None, *, head_dim=None, rotary_dim=None, base=10000.0, layout="half-split",
@@ -158,11 +172,12 @@ def rope(q, k=None, positions=None, *, head_dim=None, rotary_dim=None, base=1000
     head_dim = q.shape[-1] if head_dim is None else head_dim
     seq = q.shape[-3]
     params = _rope_params(head_dim, rotary_dim, base, layout, scaling, max_position_embeddings, freq_factors, xpos,
-                          seq_len, rotary_offset)
+                          rotary_offset)
     if direction not in _DIRECTIONS:
         raise ValueError(f"rope: direction = {direction}; expected forward, backward or inverse")
     k_in = k if k is not None else q.new_empty(0)
-    q_out, k_out = _ops.rope(q, k_in, _positions(positions, seq), _json("rope parameters", params), _DIRECTIONS[direction])
+    q_out, k_out = _ops.rope(q, k_in, _positions(positions, seq), params, _int("rope", "seq_len", seq_len, 0),
+                             _DIRECTIONS[direction])
     return q_out, (k_out if k is not None else None)
 
 
@@ -171,12 +186,12 @@ def rope_(q, k=None, positions=None, *, head_dim=None, rotary_dim=None, base=100
     """``rope`` in place: q (and k) are rotated where they lie (no new memory) and returned. Works
     under autograd for tensors that may be modified in place (not leaves requiring grad)."""
     head_dim = q.shape[-1] if head_dim is None else head_dim
-    params = _rope_params(head_dim, rotary_dim, base, layout, scaling, max_position_embeddings, freq_factors, xpos,
-                          seq_len)
+    params = _rope_params(head_dim, rotary_dim, base, layout, scaling, max_position_embeddings, freq_factors, xpos)
     if direction not in _DIRECTIONS:
         raise ValueError(f"rope_: direction = {direction}; expected forward, backward or inverse")
     k_in = k if k is not None else q.new_empty(0)
-    q, k_out = _ops.rope_(q, k_in, _positions(positions, q.shape[-3]), _json("rope parameters", params), _DIRECTIONS[direction])
+    q, k_out = _ops.rope_(q, k_in, _positions(positions, q.shape[-3]), params, _int("rope_", "seq_len", seq_len, 0),
+                          _DIRECTIONS[direction])
     return q, (k_out if k is not None else None)
 
 
@@ -191,7 +206,7 @@ def rope_multi(q, k, positions, sections=None, *, interleave_axes=False, axis_of
     ``axis_of_pair``: any other map instead of sections, one axis per pair.
     ``positions``: int64 [axes, S] or [axes, B, S]. Returns (q_out, k_out); differentiable."""
     head_dim = q.shape[-1] if head_dim is None else head_dim
-    params = _rope_params(head_dim, rotary_dim, base, layout, scaling, max_position_embeddings, None, None, seq_len)
+    params = _rope_params(head_dim, rotary_dim, base, layout, scaling, max_position_embeddings)
     if direction not in _DIRECTIONS:
         raise ValueError(f"rope_multi: direction = {direction}; expected forward, backward or inverse")
     if (sections is None) == (axis_of_pair is None):
@@ -200,7 +215,7 @@ def rope_multi(q, k, positions, sections=None, *, interleave_axes=False, axis_of
         raise ValueError("rope_multi: interleave_axes = True with axis_of_pair; expected it only with sections")
     k_in = k if k is not None else q.new_empty(0)
     positions = torch.as_tensor(positions, dtype=torch.long)
-    q_out, k_out = _ops.rope_multi(q, k_in, positions, _json("rope parameters", params),
+    q_out, k_out = _ops.rope_multi(q, k_in, positions, params, _int("rope_multi", "seq_len", seq_len, 0),
                                    [] if sections is None else [int(x) for x in sections], bool(interleave_axes),
                                    [] if axis_of_pair is None else [int(x) for x in axis_of_pair],
                                    bool(restart_frequencies), _DIRECTIONS[direction])
@@ -387,6 +402,18 @@ def _scheme_entry(name):
     raise ValueError(f"scheme = {name!r}; expected one of " + ", ".join(e["name"] for e in schemes()))
 
 
+def _scheme(name, heads, options=None, rope=None):
+    """One head group's registered scheme as the attention op takes it: a
+    ``torch.classes.posenc.Scheme`` (torch/classes.hpp) whose options are numbers (flags 0 or 1)."""
+    values = {}
+    for key, value in (options or {}).items():
+        if not isinstance(key, str):
+            raise TypeError(f"{name}: option name {key!r} is {type(key).__name__}; expected a str")
+        values[key] = float(value) if isinstance(value, bool) else _number(name, key, value)
+    _finite("scheme", values)
+    return torch.classes.posenc.Scheme(name, _int(name, "heads", heads), values, rope)
+
+
 class RelativeBias(torch.nn.Module):
     """Any registered scheme of the relative-bias family (b_h(k − q) added to the scores; see
     ``posenc.schemes()``) by name, with its options as keyword arguments. ``forward(q_positions,
@@ -402,11 +429,11 @@ class RelativeBias(torch.nn.Module):
                              "relative-bias family: " + ", ".join(e["name"] for e in schemes()
                                                                   if e["family"] == "relative-bias"))
         self.name, self.heads, self.options = name, int(heads), dict(options)
-        initial = _ops.scheme_parameters(_json("scheme", self._spec()), self.heads, 1)
+        initial = self._scheme().initial_parameters(1)
         self.parameters_ = torch.nn.Parameter(initial.to(torch.float32)) if initial.numel() > 0 else None
 
-    def _spec(self):
-        return {"kind": self.name, **self.options}
+    def _scheme(self):
+        return _scheme(self.name, self.heads, self.options)
 
     def _parameter_tensor(self):
         return self.parameters_ if self.parameters_ is not None else torch.empty(0, dtype=torch.float64)
@@ -416,8 +443,8 @@ class RelativeBias(torch.nn.Module):
         k_positions = q_positions if k_positions is None else k_positions
         if dtype is None:
             dtype = self.parameters_.dtype if self.parameters_ is not None else torch.float32
-        return _ops.relative_bias(_json("scheme", self._spec()), self._parameter_tensor(), _positions(q_positions, 0),
-                                  _positions(k_positions, 0), self.heads, dtype)
+        return _ops.relative_bias(self._scheme(), self.parameters_, _positions(q_positions, 0),
+                                  _positions(k_positions, 0), dtype)
 
 
 class Sandwich(RelativeBias):
@@ -680,54 +707,57 @@ class CoPE(torch.nn.Module):
         return f"npos_max={self.npos_max}, head_dim={self.head_dim}"
 
 
-def _attention_scheme(scheme, heads, keys_rotated):
-    """(JSON dict, parameter tensor) of a scheme: None, a registered name (posenc.schemes(): its
-    options' defaults and initial parameters), or a module."""
+def _attention_scheme(scheme, heads, keys_rotated, head_dim):
+    """(Scheme, parameter tensor) of one head group: None, a registered name (posenc.schemes(): its
+    options' defaults and initial parameters), or a module. The tensor is in the registry's
+    parameter_shape, empty for a scheme without learned parameters."""
     empty = torch.empty(0, dtype=torch.float64)
     if scheme is None:
-        return {"kind": "none"}, empty
+        return _scheme("none", heads), empty
     if scheme == "rope":
         scheme = RotaryPositionalEncoding(0)
     if scheme == "alibi":
-        return {"kind": "alibi", "symmetric": False}, alibi_slopes(heads)
+        return _scheme("alibi", heads, {"symmetric": False}), alibi_slopes(heads)
     if isinstance(scheme, str):
         # A name means the scheme's defaults; a learned one needs its module (it owns the tensors).
         entry = _scheme_entry(scheme)
         if entry["parameters"]:
             raise ValueError(f"attention: scheme = {scheme!r} has learned parameters ({entry['parameters']}); "
                              "pass its module instead of its name")
-        return {"kind": scheme}, empty
+        return _scheme(scheme, heads), empty
     if isinstance(scheme, RelativeBias):
         if scheme.heads != heads:
             raise ValueError(f"attention: {scheme.name} has heads = {scheme.heads}; expected the group's {heads}")
-        return scheme._spec(), scheme._parameter_tensor()
+        return scheme._scheme(), scheme._parameter_tensor()
     if isinstance(scheme, RotaryPositionalEncoding):
-        return {"kind": "rope", "keys_rotated": bool(keys_rotated),
-                "rope": _rope_params(scheme.head_dim, scheme.rotary_dim, scheme.base, scheme.layout, scheme.scaling,
-                                     scheme.max_position_embeddings, None, scheme.xpos, 0,
-                                     scheme.rotary_offset)}, empty
+        # RotaryPositionalEncoding(0) ("rope" by name) takes q's head size.
+        dims = (scheme.head_dim, scheme.rotary_dim) if scheme.head_dim else (head_dim, head_dim)
+        rope_params = _rope_params(dims[0], dims[1], scheme.base, scheme.layout, scheme.scaling,
+                                   scheme.max_position_embeddings, None, scheme.xpos, scheme.rotary_offset)
+        return _scheme("rope", heads, {"keys_rotated": _flag("attention", "keys_rotated", keys_rotated)},
+                       rope_params), empty
     if isinstance(scheme, SinusoidalPositionalEncoding):
-        return {"kind": "absolute", "dim": scheme.dim, "base": float(scheme.base),
-                "interleaved": bool(scheme.interleaved)}, empty
+        return _scheme("absolute", heads, {"dim": scheme.dim, "base": scheme.base,
+                                           "interleaved": bool(scheme.interleaved)}), empty
     if isinstance(scheme, ALiBi):
-        return {"kind": "alibi", "symmetric": bool(scheme.symmetric)}, scheme.slopes
+        return _scheme("alibi", heads, {"symmetric": bool(scheme.symmetric)}), scheme.slopes
     if isinstance(scheme, T5RelativeBias):
-        return {"kind": "t5", "num_buckets": scheme.num_buckets, "max_distance": scheme.max_distance,
-                "bidirectional": bool(scheme.bidirectional)}, scheme.table
+        return _scheme("t5", heads, {"num_buckets": scheme.num_buckets, "max_distance": scheme.max_distance,
+                                     "bidirectional": bool(scheme.bidirectional)}), scheme.table
     if isinstance(scheme, Kerple):
-        return {"kind": "kerple", "power": bool(scheme.power)}, torch.stack([scheme.r1, scheme.r2])
+        return _scheme("kerple", heads, {"power": bool(scheme.power)}), torch.stack([scheme.r1, scheme.r2])
     if isinstance(scheme, FIRE):
-        return {"kind": "fire", "hidden": int(scheme.w1.shape[0])}, \
+        return _scheme("fire", heads, {"hidden": int(scheme.w1.shape[0])}), \
             torch.cat([scheme.w1, scheme.b1, scheme.w2.reshape(-1), scheme.b2, scheme.c.reshape(1), scheme.threshold.reshape(1)])
     if isinstance(scheme, ShawRelativePositions):
-        return {"kind": "shaw", "max_distance": int(scheme.max_distance)}, \
+        return _scheme("shaw", heads, {"max_distance": int(scheme.max_distance)}), \
             torch.stack([scheme.key_table, scheme.value_table])
     if isinstance(scheme, TransformerXLRelative):
-        return {"kind": "xl", "d_model": int(scheme.w_r.shape[1]), "base": float(scheme.base)}, \
+        return _scheme("xl", heads, {"d_model": int(scheme.w_r.shape[1]), "base": float(scheme.base)}), \
             torch.cat([scheme.u.reshape(-1), scheme.v.reshape(-1), scheme.w_r.reshape(-1)])
     if isinstance(scheme, TUPE):
-        return {"kind": "tupe", "d_model": int(scheme.table.shape[1]), "max_len": int(scheme.table.shape[0]),
-                "cls_reset": bool(scheme.cls_reset)}, \
+        return _scheme("tupe", heads, {"d_model": int(scheme.table.shape[1]), "max_len": int(scheme.table.shape[0]),
+                                       "cls_reset": bool(scheme.cls_reset)}), \
             torch.cat([scheme.table.reshape(-1), scheme.u_q.reshape(-1), scheme.u_k.reshape(-1), scheme.theta1, scheme.theta2])
     raise TypeError(f"attention: scheme = {scheme!r}; expected None, a registered name (posenc.schemes()), a "
                     "list of (heads, scheme) pairs, or a RotaryPositionalEncoding, SinusoidalPositionalEncoding "
@@ -764,25 +794,18 @@ class PositionTemperature:
                 raise TypeError(f"PositionTemperature: {key} is {type(value).__name__}; expected "
                                 f"{'an int' if integer else 'a number'}")
             self.values[key] = value
-        _ops.attention_temperature(self._json(), 0)  # validated by the library (ValueError naming the key)
-
-    def _json(self):
-        return _json("PositionTemperature", {"kind": self.kind, **{
-            k: v if k == "original_max_position_embeddings" else float(v) for k, v in self.values.items()}})
+        _finite("PositionTemperature", self.values)
+        # Validated by the library (ValueError naming the key).
+        self._object = torch.classes.posenc.Temperature(kind, {k: float(v) for k, v in self.values.items()})
 
     def factor(self, positions):
         """s(p) for an int64 tensor of positions (float64)."""
         positions = torch.as_tensor(positions, dtype=torch.long)
-        return torch.tensor([_ops.attention_temperature(self._json(), int(p)) for p in positions.reshape(-1)],
+        return torch.tensor([self._object.factor(int(p)) for p in positions.reshape(-1)],
                             dtype=torch.float64).reshape(positions.shape)
 
     def __repr__(self):
         return f"PositionTemperature(kind={self.kind!r}, " + ", ".join(f"{k}={v!r}" for k, v in self.values.items()) + ")"
-
-
-def _complete_rope(spec, q):
-    if spec["kind"] == "rope" and spec["rope"]["head_dim"] == 0:
-        spec["rope"]["head_dim"] = spec["rope"]["rotary_dim"] = int(q.shape[-1])
 
 
 def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size=None, temperature=None, softcap=0.0,
@@ -885,12 +908,14 @@ def _cu_seqlens(cu_seqlens):
 def _attention_args(q, k, v, scheme, causal, window, chunk_size, temperature, softcap, scale, q_positions,
                     k_positions, keys_rotated, skip_vanishing_tiles, sinks, cu_seqlens=None):
     """The arguments of the attention op for ``attention``'s (q, k, v in [B, S, H, D], or [T, H, D]
-    packed), checked: (q, k, v, scheme JSON, parameters, gates, sinks, causal, window_left,
-    window_right, chunk_size, temperature JSON, softcap, scale, q_positions, k_positions, cu_q, cu_k)."""
+    packed), checked: (q, k, v, schemes, params, gates, sinks, causal, window_left, window_right,
+    chunk_size, temperature, softcap, scale, q_positions, k_positions, cu_q, cu_k,
+    skip_vanishing_tiles), the schemes and params one per head group."""
     cu_q, cu_k = _cu_seqlens(cu_seqlens)
     if q.dim() != (3 if cu_q else 4):
         raise ValueError(f"attention: q has {q.dim()} dimensions; expected " +
                          ("3 ([Tq, H, D] with cu_seqlens)" if cu_q else "4 ([B, Sq, H, D] or with layout='bhsd')"))
+    _flag("attention", "keys_rotated", keys_rotated)
     gates = []  # per head group: its forget gate, or an empty tensor
 
     def gate_of(group_scheme, group_heads):
@@ -910,35 +935,27 @@ def _attention_args(q, k, v, scheme, causal, window, chunk_size, temperature, so
         # Head groups: (heads, scheme) pairs covering the query heads in order.
         if not scheme or not all(isinstance(g, (list, tuple)) and len(g) == 2 for g in scheme):
             raise TypeError(f"attention: scheme = {scheme!r}; expected a non-empty list of (heads, scheme) pairs")
-        groups, parts = [], []
+        groups = []
         for group_heads, group_scheme in scheme:
             if not isinstance(group_heads, int) or isinstance(group_heads, bool) or group_heads < 1:
                 raise ValueError(f"attention: a group's heads = {group_heads!r}; expected an int >= 1")
-            group_scheme = gate_of(group_scheme, group_heads)
-            g_spec, g_params = _attention_scheme(group_scheme, group_heads, keys_rotated)
-            _complete_rope(g_spec, q)
-            groups.append({**g_spec, "heads": group_heads})
-            parts.append(g_params)
-        if sum(g["heads"] for g in groups) != q.shape[-2]:
-            raise ValueError(f"attention: the groups' heads sum to {sum(g['heads'] for g in groups)}; expected "
-                             f"the {q.shape[-2]} heads of q")
-        spec = {"groups": groups}
-        # Every group's parameters, flattened and concatenated (names bring none but alibi's slopes).
-        params = torch.cat([p.reshape(-1).to(torch.float64) for p in parts]) if any(p.numel() for p in parts) \
-            else torch.empty(0, dtype=torch.float64)
+            groups.append((group_heads, gate_of(group_scheme, group_heads)))
+        total = sum(h for h, _ in groups)
+        if total != q.shape[-2]:
+            raise ValueError(f"attention: the groups' heads sum to {total}; expected the {q.shape[-2]} heads of q")
     else:
-        spec, params = _attention_scheme(gate_of(scheme, q.shape[-2]), q.shape[-2], keys_rotated)
-        _complete_rope(spec, q)
-    spec["skip_vanishing_tiles"] = _flag("attention", "skip_vanishing_tiles", skip_vanishing_tiles)
-    _flag("attention", "keys_rotated", keys_rotated)
-    empty = torch.empty(0, dtype=torch.long)
+        groups = [(q.shape[-2], gate_of(scheme, q.shape[-2]))]
+    # One Scheme and one parameter tensor per group (empty for a scheme without learned parameters).
+    schemes, params = [], []
+    for group_heads, group_scheme in groups:
+        group, group_params = _attention_scheme(group_scheme, group_heads, keys_rotated, int(q.shape[-1]))
+        schemes.append(group)
+        params.append(group_params)
     if all(g.numel() == 0 for g in gates):
         gates = []
-    if sinks is None:
-        sinks = torch.empty(0)
-    elif not isinstance(sinks, torch.Tensor):
+    if sinks is not None and not isinstance(sinks, torch.Tensor):
         raise TypeError(f"attention: sinks is {type(sinks).__name__}; expected a torch.Tensor [H] or None")
-    elif sinks.dim() != 1 or sinks.shape[0] != q.shape[-2]:
+    if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != q.shape[-2]):
         raise ValueError(f"attention: sinks shape {tuple(sinks.shape)}; expected [{q.shape[-2]}] (one per query head)")
     if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)):
         raise TypeError(f"attention: chunk_size is {type(chunk_size).__name__}; expected an int >= 1 or None")
@@ -951,11 +968,12 @@ def _attention_args(q, k, v, scheme, causal, window, chunk_size, temperature, so
         raise TypeError(f"attention: window = {window!r}; expected a pair (left, right) of ints (-1: unlimited)")
     if scale is not None and not _number("attention", "scale", scale) > 0:
         raise ValueError(f"attention: scale = {scale}; expected a number > 0, or None for 1/sqrt(D)")
-    return (q, k, v, _json("scheme", spec), params, gates, sinks, _flag("attention", "causal", causal),
+    return (q, k, v, schemes, params, gates, sinks, _flag("attention", "causal", causal),
             _int("attention", "window[0]", window[0]), _int("attention", "window[1]", window[1]), chunk_size,
-            None if temperature is None else temperature._json(), _number("attention", "softcap", softcap),
-            0.0 if scale is None else float(scale), empty if q_positions is None else _positions(q_positions, 0),
-            empty if k_positions is None else _positions(k_positions, 0), cu_q, cu_k)
+            None if temperature is None else temperature._object, _number("attention", "softcap", softcap),
+            None if scale is None else float(scale), None if q_positions is None else _positions(q_positions, 0),
+            None if k_positions is None else _positions(k_positions, 0), cu_q, cu_k,
+            _flag("attention", "skip_vanishing_tiles", skip_vanishing_tiles))
 
 
 from . import nn  # noqa: E402  (nn builds on the names above)

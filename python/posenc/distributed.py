@@ -131,8 +131,8 @@ def _merge(out, lse, o, l):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, params, sinks, positions, ids, ring, args):
-        spec, causal, chunk, temperature, softcap, scale = args
+    def forward(ctx, q, k, v, sinks, positions, ids, ring, args, *params):
+        schemes, causal, chunk, temperature, softcap, scale = args
         b, s, h, _ = q.shape
         out = torch.zeros(b, s, h, v.shape[-1], dtype=torch.float64)
         lse = torch.full((b, h, s), float("-inf"), dtype=torch.float64)
@@ -143,34 +143,35 @@ class _RingAttention(torch.autograd.Function):
             start = time.perf_counter()
             kb, vb, kpos, kids = block
             for qs, ks, mode in _pairs(q_runs, kpos, kids, causal):
-                o, l = _ops.attention(q[:, qs], kb[:, ks], vb[:, ks], spec, params, [], torch.empty(0),
+                o, l = _ops.attention(q[:, qs], kb[:, ks], vb[:, ks], schemes, list(params), [], None,
                                       mode == "causal", -1, -1, chunk, temperature, softcap, scale,
-                                      positions[qs].contiguous(), kpos[ks].contiguous())
+                                      positions[qs].contiguous(), kpos[ks].contiguous(), [], [], True)
                 _merge(out[:, qs], lse[:, :, qs], o, l)
             stats.compute_seconds += time.perf_counter() - start
             stats.steps += 1
             if pending is not None:
                 block, requests = pending
                 ring.finish(requests)
-        if sinks.numel():
+        if sinks is not None:
             # Each head's sink joins the denominator once, with no value.
             total = torch.logaddexp(lse, sinks.to(torch.float64).view(1, h, 1).expand_as(lse))
             out.mul_(torch.exp(lse - total).nan_to_num(0.0).transpose(1, 2).unsqueeze(-1))
             lse = total
         out, lse = out.to(q.dtype), lse.to(torch.float32)
-        ctx.save_for_backward(q, k, v, params, sinks, positions, ids, out, lse)
+        ctx.has_sinks = sinks is not None
+        ctx.save_for_backward(q, k, v, sinks if sinks is not None else torch.empty(0), positions, ids, out, lse, *params)
         ctx.ring, ctx.args = ring, args
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, d_out, _d_lse):
-        q, k, v, params, sinks, positions, ids, out, lse = ctx.saved_tensors
+        q, k, v, sinks, positions, ids, out, lse, *params = ctx.saved_tensors
         ring = ctx.ring
-        spec, causal, chunk, temperature, softcap, scale = ctx.args
+        schemes, causal, chunk, temperature, softcap, scale = ctx.args
         d_out = d_out.contiguous()
         dq = torch.zeros_like(q)
-        d_params = torch.zeros(params.numel(), dtype=torch.float64)
+        d_params = [torch.zeros(p.shape, dtype=torch.float64) for p in params]
         q_runs = _runs(positions, ids)
         # The key blocks go round as in forward, and each block's gradients follow it one step
         # behind: a rank adds its part to what the previous rank sent, and after world hops a
@@ -183,14 +184,14 @@ class _RingAttention(torch.autograd.Function):
             dk, dv = torch.zeros_like(k), torch.zeros_like(v)
             for qs, ks, mode in _pairs(q_runs, kpos, kids, causal):
                 gq, gk, gv, gp = _ops.attention_backward(
-                    q[:, qs], kb[:, ks], vb[:, ks], spec, params, mode == "causal", -1, -1, chunk, temperature,
-                    softcap, scale, positions[qs].contiguous(), kpos[ks].contiguous(), out[:, qs],
-                    lse[:, :, qs], d_out[:, qs])
+                    q[:, qs], kb[:, ks], vb[:, ks], schemes, list(params), mode == "causal", -1, -1, chunk,
+                    temperature, softcap, scale, positions[qs].contiguous(), kpos[ks].contiguous(), out[:, qs],
+                    lse[:, :, qs], d_out[:, qs], [], [], True)
                 dq[:, qs] += gq
                 dk[:, ks] += gk
                 dv[:, ks] += gv
-                if gp.numel():
-                    d_params += gp
+                for total, part in zip(d_params, gp):
+                    total += part
             stats.compute_seconds += time.perf_counter() - start
             stats.steps += 1
             if incoming is not None:
@@ -205,18 +206,19 @@ class _RingAttention(torch.autograd.Function):
         (dk, dv), requests = incoming
         ring.finish(requests)
         d_sinks = None
-        if sinks.numel():
+        if ctx.has_sinks:
             # ∂L/∂s_h = −Σ_i p_sink,i·δ_i, δ_i = dO_i·out_i, over every rank's rows.
             delta = (d_out.to(torch.float64) * out.to(torch.float64)).sum(-1).transpose(1, 2)  # [B, H, S]
             p_sink = torch.exp(sinks.to(torch.float64).view(1, -1, 1) - lse.to(torch.float64))
             d_sinks = -(p_sink * delta).sum((0, 2))
             dist.all_reduce(d_sinks, group=ring.group)
             d_sinks = d_sinks.to(sinks.dtype)
-        d_params_out = None
-        if params.numel():
-            dist.all_reduce(d_params, group=ring.group)
-            d_params_out = d_params.to(params.dtype).view(params.shape)
-        return dq, dk, dv, d_params_out, d_sinks, None, None, None, None
+        d_params_out = []
+        for p, d in zip(params, d_params):
+            if p.numel():
+                dist.all_reduce(d, group=ring.group)
+            d_params_out.append(d.to(p.dtype) if p.numel() else None)
+        return (dq, dk, dv, d_sinks, None, None, None, None, *d_params_out)
 
 
 def ring_attention(q, k, v, scheme=None, *, positions, sequence_ids=None, group=None, causal=True, chunk_size=None,
@@ -266,7 +268,7 @@ def ring_attention(q, k, v, scheme=None, *, positions, sequence_ids=None, group=
     if verdict[1] != size or -verdict[2] != size:
         raise ValueError(f"ring_attention: this rank holds S = {size} tokens and another a different number; "
                          "expected the same S on every rank")
-    (_, _, _, spec, params, _, sink_tensor, causal, _, _, chunk, temp, softcap, scale, _, _, _, _) = args
+    (_, _, _, schemes, params, _, sink_tensor, causal, _, _, chunk, temp, softcap, scale, _, _, _, _, _) = args
     ids = torch.zeros_like(positions) if sequence_ids is None else sequence_ids.contiguous()
     # Every rank's runs, to check each pair the ring will meet (the same on every rank).
     mine = torch.stack([positions, ids])
@@ -279,6 +281,6 @@ def ring_attention(q, k, v, scheme=None, *, positions, sequence_ids=None, group=
                     _mode(q_run, k_run, causal)
     ring = _Ring(group)
     stats.reset()
-    out, lse = _RingAttention.apply(q, k, v, params, sink_tensor, positions.contiguous(), ids, ring,
-                                    (spec, causal, chunk, temp, softcap, scale))
+    out, lse = _RingAttention.apply(q, k, v, sink_tensor, positions.contiguous(), ids, ring,
+                                    (schemes, causal, chunk, temp, softcap, scale), *params)
     return (out, lse) if return_lse else out

@@ -8,16 +8,15 @@ context shift). Caches hold no gradient: they serve inference."""
 import torch
 
 from . import (ALiBi, FIRE, Kerple, RotaryPositionalEncoding, Sandwich, ShawRelativePositions, T5RelativeBias,
-               TUPE, TransformerXLRelative, _int, _json, _ops, _rope_params, attention, huge_page_zeros, schemes)
+               TUPE, TransformerXLRelative, _int, _ops, _rope_params, attention, huge_page_zeros, schemes)
 
 __all__ = ["SelfAttention", "KVCache"]
 
 
-def _rope_json(rope, seq_len):
-    """The op's parameters of a RoPE module at a sequence length (0: the positions' max + 1)."""
-    return _json("rope parameters", _rope_params(rope.head_dim, rope.rotary_dim, rope.base, rope.layout, rope.scaling,
-                                                 rope.max_position_embeddings, None, rope.xpos, seq_len,
-                                                 rope.rotary_offset))
+def _rope_op_params(rope):
+    """The ops' parameters of a RoPE module (torch.classes.posenc.Rope)."""
+    return _rope_params(rope.head_dim, rope.rotary_dim, rope.base, rope.layout, rope.scaling,
+                        rope.max_position_embeddings, None, rope.xpos, rope.rotary_offset)
 
 
 def _frequency_state(rope, seq_len):
@@ -106,8 +105,8 @@ class KVCache:
         if rows == 0:
             return
         keys = self._k[:, :rows]
-        _ops.rope_rerotate_(keys, from_positions.contiguous(), _rope_json(from_rope, from_seq_len),
-                            to_positions.contiguous(), _rope_json(to_rope, to_seq_len))
+        _ops.rope_rerotate_(keys, from_positions.contiguous(), _rope_op_params(from_rope), from_seq_len,
+                            to_positions.contiguous(), _rope_op_params(to_rope), to_seq_len)
 
     @torch.no_grad()
     def append(self, k, v, positions=None):
@@ -143,7 +142,7 @@ class KVCache:
                 self._rerotate(self.rope, self._seq_len, self.positions, self.rope, seq_len, self.positions,
                                self.length)
             keys = self._k[:, new]
-            _ops.rope_(keys, keys.new_empty(0), positions, _rope_json(self.rope, seq_len), 0)  # 0: forward
+            _ops.rope_(keys, keys.new_empty(0), positions, _rope_op_params(self.rope), seq_len, 0)  # 0: forward
             self._state, self._seq_len = state, seq_len
         self.length += s
 

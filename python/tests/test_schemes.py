@@ -76,9 +76,9 @@ def test_materialised_biases_pass_gradcheck(name):
     module = posenc.RelativeBias(name, 3)
     params = (module.parameters_.detach().to(torch.float64) + 0.1).requires_grad_()
     q_pos, k_pos = torch.tensor([0, 3, 9, 20]), torch.arange(12)
-    spec = '{"kind": "%s"}' % name
+    scheme = torch.classes.posenc.Scheme(name, 3, {}, None)
     assert torch.autograd.gradcheck(
-        lambda p: torch.ops.posenc.relative_bias(spec, p, q_pos, k_pos, 3, torch.float64), (params,))
+        lambda p: torch.ops.posenc.relative_bias(scheme, p, q_pos, k_pos, torch.float64), (params,))
 
 
 def test_head_groups_equal_separate_calls():
@@ -120,16 +120,28 @@ def test_errors_name_the_argument():
         posenc.attention(q, k, v, [("none",)])
     with pytest.raises(ValueError, match="whole KV groups"):
         posenc.attention(q, k, v, [(1, "rope"), (3, "none")])
-    empty = torch.empty(0, dtype=torch.long)
+    # The op's typed arguments (torch/classes.hpp), as C++ callers pass them.
+    scheme = torch.classes.posenc.Scheme
+
+    def op(schemes, params, scale=None):
+        return torch.ops.posenc.attention(q, k, v, schemes, params, [], None, True, -1, -1, None, None, 0.0, scale,
+                                          None, None, [], [], True)
     with pytest.raises(ValueError, match="no learned parameters"):  # a 0-d tensor is one value
-        torch.ops.posenc.attention(q, k, v, '{"kind": "none"}', torch.tensor(1.0), [], empty, True, -1, -1, None, None, 0.0, 0.0, empty,
-                                   empty)
-    with pytest.raises(ValueError, match="heads"):
-        torch.ops.posenc.attention(q, k, v, '{"kind": "none", "heads": 4}', empty.double(), [], empty, True, -1, -1, None,
-                                   None, 0.0, 0.0, empty, empty)
-    with pytest.raises(ValueError, match="integer"):
-        torch.ops.posenc.attention(q, k, v, '{"groups": [{"kind": "none", "heads": 2.5}, {"kind": "none", '
-                                   '"heads": 1.5}]}', empty.double(), [], empty, True, -1, -1, None, None, 0.0, 0.0, empty, empty)
+        op([scheme("none", 4, {}, None)], [torch.tensor(1.0)])
+    with pytest.raises(ValueError, match="heads sum to 3"):
+        op([scheme("none", 3, {}, None)], [])
+    with pytest.raises(ValueError, match="one per head group"):
+        op([scheme("none", 2, {}, None), scheme("none", 2, {}, None)], [torch.empty(0)])
+    with pytest.raises(ValueError, match=r"params\[0\] shape \[0\]; expected \[4\]"):
+        op([scheme("alibi", 4, {}, None)], [torch.empty(0)])
+    with pytest.raises(ValueError, match="scale = 0"):
+        op([scheme("none", 4, {}, None)], [], scale=0.0)
+    with pytest.raises(RuntimeError, match="int"):
+        scheme("none", 2.5, {}, None)
+    with pytest.raises(ValueError, match="heads = 0"):
+        scheme("none", 0, {}, None)
+    with pytest.raises(ValueError, match="option = bogus"):
+        scheme("alibi", 4, {"bogus": 1.0}, None)
     with pytest.raises(ValueError, match="symmetric = 3"):
         posenc.RelativeBias("alibi", 4, symmetric=3)
     with pytest.raises(ValueError, match="expected the group's 2"):

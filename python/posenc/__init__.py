@@ -133,6 +133,8 @@ def _rope_params(head_dim, rotary_dim, base, layout, scaling, max_position_embed
               "max_position_embeddings": _int("rope", "max_position_embeddings", max_position_embeddings)}
     xpos_values = []
     if xpos is not None:
+        if not isinstance(xpos, numbers.Real) and not (isinstance(xpos, (list, tuple)) and len(xpos) == 2):
+            raise ValueError(f"rope: xpos = {xpos!r}; expected None, a scale_base or (scale_base, center)")
         scale_base, center = (xpos, 0.0) if isinstance(xpos, numbers.Real) else tuple(xpos)
         xpos_values = [_number("rope", "xpos scale_base", scale_base), _number("rope", "xpos center", center)]
         params["xpos"] = {"scale_base": xpos_values[0], "center": xpos_values[1]}

@@ -17,6 +17,14 @@ import posenc
      r"\['factor'\] = inf"),
     (lambda: posenc.Sandwich(2, base=float("nan")), r"\['base'\] = nan"),
     (lambda: posenc.PositionTemperature(attn_scale=float("nan")), r"PositionTemperature\['attn_scale'\] = nan"),
+    # A misspelt scaling key is refused by name (the typed Rope knows every key it reads).
+    (lambda: posenc.rope(torch.randn(1, 4, 2, 8), scaling={"rope_type": "linear", "factr": 2.0}),
+     r"scaling = factr; expected factor, "),
+    (lambda: posenc.rope(torch.randn(1, 4, 2, 8), scaling={"rope_type": "yarn", "factor": 2.0, "truncate": 0.5}),
+     r"scaling.truncate = 0.5; expected 0 or 1"),
+    (lambda: posenc.rope(torch.randn(1, 4, 2, 8), xpos=(512.0, 0.0, 1.0)), r"xpos = \(512.0, 0.0, 1.0\); expected"),
+    (lambda: posenc.RotaryPositionalEncoding(8, layout="halfsplit")(torch.randn(1, 4, 2, 8)),
+     r"layout = halfsplit; expected half-split or interleaved"),
 ])
 def test_bad_values_are_refused_by_name(call, match):
     with pytest.raises(ValueError, match=match):

@@ -48,6 +48,18 @@ assert r["rope"]["bpb"]["512"] != r["rope-yarn"]["bpb"]["512"], "rope-yarn at 16
 run --out "$work/b" --jobs 1 > /dev/null 2>&1
 numbers "$work/b/results.json" > "$work/b.numbers"
 cmp "$work/a.numbers" "$work/b.numbers" || { echo "same seed, different numbers"; exit 1; }
+# posenc's SIMD target is pinned (avx2 on any host that has it), so that a host's own choice
+# changes no number: forcing another through POSENC_TARGET gives the same numbers, while asking
+# the study for another target (--target) gives other ones, as other reduction orders must.
+target=$("$python" -c 'import json, sys; print(json.load(open(sys.argv[1]))["settings"]["target"])' "$work/a/results.json")
+if [ "$target" = avx2 ]; then
+  POSENC_TARGET=sse4 run --out "$work/t" > /dev/null 2>&1
+  numbers "$work/t/results.json" > "$work/t.numbers"
+  cmp "$work/a.numbers" "$work/t.numbers" || { echo "the host's SIMD target changes the numbers"; exit 1; }
+  run --out "$work/u" --target sse4 > /dev/null 2>&1
+  numbers "$work/u/results.json" > "$work/u.numbers"
+  ! cmp -s "$work/a.numbers" "$work/u.numbers" || { echo "--target sse4 changes nothing"; exit 1; }
+fi
 # Another seed: other numbers.
 run --out "$work/c" --seed 2 > /dev/null 2>&1
 numbers "$work/c/results.json" > "$work/c.numbers"

@@ -33,6 +33,7 @@
 #include <thread>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <algorithm>
 #include <dlfcn.h>
@@ -594,6 +595,9 @@ int main(int argc, char** argv) {
       throw posenc::Error("study", "--target", target, "auto or one of this host's targets: " + names);
     }
     st.target = posenc::active_target();
+    // libtorch's own vectorised kernels likewise: AVX2 is 1.13's default on every such host, and
+    // pinning it keeps a torch that prefers AVX-512 from changing the numbers (a user's setting wins).
+    if (st.target == "avx2") setenv("ATEN_CPU_CAPABILITY", "avx2", 0);
     if (!measure_spec.empty()) {
       measure_step_child(measure_spec, st.threads);
       return;

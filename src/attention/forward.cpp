@@ -266,239 +266,277 @@ std::array<AttentionUnitScratch, kMaxGroupBlocks - 1>& group_scratch() {
   return s;
 }
 
-}  // namespace
-
-namespace detail {
-
-AttentionStats AttentionPlan::forward(TensorView out, TensorView lse) const {
-  const HeadsGrid og = check_output_tokens(kWhere, "out", ConstTensorView(out), out_grid());
-  check_dtype(kWhere, "out", out.dtype(), dtype);
-  check_writable(kWhere, "out", ConstTensorView(out));
-  const bool want_lse = lse.rank() > 0;
-  if (want_lse) check_lse(lse, true);
-  check_disjoint({{"out", out}, {"lse", lse}}, {{"q", spec.q}, {"k", spec.k}, {"v", spec.v}});
-  // Units: (sequence, KV head, query block) for prefill; decode blocks (few rows) run every KV
-  // head per key tile — reading the cache in its memory order — in chunks of keys:
-  // (sequence, query block, key chunk), kvh = −1.
-  // Wide decode blocks (few queries but more than kDecodeRows rows per KV head: MLA's heads on
-  // one latent KV head, GQA groups of 16) run per KV head through the matrix kernel, their rows
-  // compact (no padding of each head's queries to a lane chunk), in key chunks like decode.
-  struct Unit {
-    std::int64_t seq, kvh, i0, count, k_begin, k_end, partial;
-    bool compact;
-    bool first;  // the first of a decode block's key chunks (it starts the rows: sinks)
-    bool wide = false;
-  };
-  std::vector<Unit> units;
+// A forward call's work. Units: (sequence, KV head, query block group) for prefill; decode
+// blocks (few rows) run every KV head per key tile — reading the cache in its memory order — in
+// chunks of keys: (sequence, query block, key chunk), kvh = −1. Wide decode blocks (few queries
+// but more than kDecodeRows rows per KV head: MLA's heads on one latent KV head, GQA groups of
+// 16) run per KV head through the matrix kernel, their rows compact (no padding of each head's
+// queries to a lane chunk), in key chunks like decode.
+struct ForwardUnit {
+  std::int64_t seq, kvh, i0, count, k_begin, k_end, partial;
+  bool compact;
+  bool first;  // the first of a decode block's key chunks (it starts the rows: sinks)
+  bool wide = false;
+};
+// A decode block's chunks, merged after the units in chunk order (their partial indices).
+struct DecodeMerge {
+  std::int64_t seq, i0, count;
+  std::vector<std::int64_t> partials;
+};
+struct ForwardWork {
+  std::vector<ForwardUnit> units;
+  std::vector<DecodeMerge> merges;
   std::int64_t partials = 0;
-  // A decode block's chunks, merged after the units in chunk order (their partial indices).
-  struct Merge {
-    std::int64_t seq, i0, count;
-    std::vector<std::int64_t> partials;
-  };
-  std::vector<Merge> merges;
-  const auto wide_decode = [&](const Sequence& seq) {
-    return terms.empty() && seq.lq * group_size > kDecodeRows && seq.lq <= kWideDecodeQueries;
-  };
-  std::int64_t part_rows = kDecodeRows;
+  std::int64_t part_rows = AttentionPlan::kDecodeRows;  // rows of a chunk's partial result per KV head
+  std::int64_t flops = 0;
+};
+
+bool wide_decode(const AttentionPlan& p, const Sequence& seq) {
+  return p.terms.empty() && seq.lq * p.group_size > AttentionPlan::kDecodeRows && seq.lq <= kWideDecodeQueries;
+}
+
+// A decode block's units: its visible keys in chunks (only the keys some query sees are split: a
+// sliding window or a chunk of a long cache), every KV head per unit, or one unit per KV head
+// when wide.
+void add_decode_units(const AttentionPlan& p, std::int64_t si, std::int64_t bytes_chunk_keys, ForwardWork& w) {
+  const Sequence& seq = p.sequences[static_cast<std::size_t>(si)];
+  const bool wide = wide_decode(p, seq);
+  std::int64_t seen_lo = seq.lk, seen_hi = 0;
+  for (std::int64_t i = 0; i < seq.lq; ++i) {
+    const auto [lo, hi] = p.visible_keys(seq, i);
+    if (lo < hi) seen_lo = std::min(seen_lo, lo), seen_hi = std::max(seen_hi, hi);
+  }
+  const std::int64_t seen = std::max<std::int64_t>(0, seen_hi - seen_lo);
+  const std::int64_t chunk_keys =
+      std::max(bytes_chunk_keys, (seen + AttentionPlan::kDecodeMaxChunks - 1) / AttentionPlan::kDecodeMaxChunks);
+  const std::int64_t chunks = seen > chunk_keys ? (seen + chunk_keys - 1) / chunk_keys : 1;
+  if (chunks > 1) w.merges.push_back({si, 0, seq.lq, {}});
+  for (std::int64_t c = 0; c < chunks; ++c) {
+    const std::int64_t kb = chunks == 1 ? 0 : seen_lo + c * chunk_keys;
+    const std::int64_t ke = chunks == 1 ? seq.lk : std::min(seen_hi, kb + chunk_keys);
+    const std::int64_t partial = chunks == 1 ? -1 : w.partials;
+    for (std::int64_t kvh = wide ? 0 : -1; kvh < (wide ? p.kv_heads : 0); ++kvh)
+      w.units.push_back({si, kvh, 0, seq.lq, kb, ke, partial, true, c == 0, wide});
+    if (chunks > 1) w.merges.back().partials.push_back(w.partials++);
+  }
+}
+
+ForwardWork plan_forward(const AttentionPlan& p) {
+  ForwardWork w;
   // Prefill units of a group of query blocks (forward_blocks): the largest group of 4, 2 or 1 that
   // leaves at least 8 units per thread (the dynamic schedule balances causal units, whose cost
   // grows with their queries, only with several units per thread).
   std::int64_t prefill_blocks = 0;
-  for (const Sequence& seq : sequences) {
-    if (seq.lq * group_size > kDecodeRows && !wide_decode(seq))
-      prefill_blocks += kv_heads * ((seq.lq + query_block - 1) / query_block);
-    if (wide_decode(seq)) part_rows = std::max(part_rows, seq.lq * group_size);
+  for (const Sequence& seq : p.sequences) {
+    if (seq.lq * p.group_size > AttentionPlan::kDecodeRows && !wide_decode(p, seq))
+      prefill_blocks += p.kv_heads * ((seq.lq + p.query_block - 1) / p.query_block);
+    if (wide_decode(p, seq)) w.part_rows = std::max(w.part_rows, seq.lq * p.group_size);
   }
-  const auto flops = static_cast<std::int64_t>(batch) * q_len * k_len * heads * dim;
+  w.flops = static_cast<std::int64_t>(p.batch) * p.q_len * p.k_len * p.heads * p.dim;
   // Grouping never changes a bit (see forward_blocks), so the rule may look at the thread count.
   std::int64_t group_blocks = static_cast<std::int64_t>(kMaxGroupBlocks);
-  while (group_blocks > 1 && prefill_blocks < 8 * group_blocks * static_cast<std::int64_t>(threads_for(flops / 16)))
+  while (group_blocks > 1 &&
+         prefill_blocks < 8 * group_blocks * static_cast<std::int64_t>(detail::threads_for(w.flops / 16)))
     group_blocks /= 2;
-  const std::int64_t unit_queries = group_blocks * query_block;
+  const std::int64_t unit_queries = group_blocks * p.query_block;
   // Decode chunks: keys per chunk from the bytes of one key's keys and values.
-  const std::int64_t bytes_chunk_keys = std::max(kDecodeMinChunkKeys, kDecodeChunkBytes / (2 * decode_key_row_bytes()));
-  for (std::int64_t si = 0; si < static_cast<std::int64_t>(sequences.size()); ++si) {
-    const Sequence& seq = sequences[static_cast<std::size_t>(si)];
+  const std::int64_t bytes_chunk_keys =
+      std::max(AttentionPlan::kDecodeMinChunkKeys, AttentionPlan::kDecodeChunkBytes / (2 * p.decode_key_row_bytes()));
+  for (std::int64_t si = 0; si < static_cast<std::int64_t>(p.sequences.size()); ++si) {
+    const Sequence& seq = p.sequences[static_cast<std::size_t>(si)];
     if (seq.lq == 0) continue;
-    if (seq.lq * group_size <= kDecodeRows || wide_decode(seq)) {
-      const bool wide = wide_decode(seq);
-      // Only the keys some query sees are split (a sliding window or a chunk of a long cache).
-      std::int64_t seen_lo = seq.lk, seen_hi = 0;
-      for (std::int64_t i = 0; i < seq.lq; ++i) {
-        const auto [lo, hi] = visible_keys(seq, i);
-        if (lo < hi) seen_lo = std::min(seen_lo, lo), seen_hi = std::max(seen_hi, hi);
-      }
-      const std::int64_t seen = std::max<std::int64_t>(0, seen_hi - seen_lo);
-      const std::int64_t chunk_keys = std::max(bytes_chunk_keys, (seen + kDecodeMaxChunks - 1) / kDecodeMaxChunks);
-      const std::int64_t chunks = seen > chunk_keys ? (seen + chunk_keys - 1) / chunk_keys : 1;
-      if (chunks > 1) merges.push_back({si, 0, seq.lq, {}});
-      for (std::int64_t c = 0; c < chunks; ++c) {
-        const std::int64_t kb = chunks == 1 ? 0 : seen_lo + c * chunk_keys;
-        const std::int64_t ke = chunks == 1 ? seq.lk : std::min(seen_hi, kb + chunk_keys);
-        const std::int64_t partial = chunks == 1 ? -1 : partials;
-        for (std::int64_t kvh = wide ? 0 : -1; kvh < (wide ? kv_heads : 0); ++kvh)
-          units.push_back({si, kvh, 0, seq.lq, kb, ke, partial, true, c == 0, wide});
-        if (chunks > 1) merges.back().partials.push_back(partials++);
-      }
+    if (seq.lq * p.group_size <= AttentionPlan::kDecodeRows || wide_decode(p, seq)) {
+      add_decode_units(p, si, bytes_chunk_keys, w);
       continue;
     }
-    for (std::int64_t kvh = 0; kvh < kv_heads; ++kvh) {
+    for (std::int64_t kvh = 0; kvh < p.kv_heads; ++kvh) {
       for (std::int64_t i0 = 0; i0 < seq.lq; i0 += unit_queries) {
-        units.push_back({si, kvh, i0, std::min(unit_queries, seq.lq - i0), 0, seq.lk, -1, false, true});
+        w.units.push_back({si, kvh, i0, std::min(unit_queries, seq.lq - i0), 0, seq.lk, -1, false, true});
       }
     }
   }
-  // Chunked decode units leave (m, l, O) rows per KV head here, merged in chunk order afterwards.
-  const std::int64_t part_width = dim_padded + 2;
-  std::vector<float> parts(static_cast<std::size_t>(partials * kv_heads * part_rows * part_width));
-  const int threads = std::min<int>(threads_for(flops / 16), static_cast<int>(std::max<std::size_t>(units.size(), 1)));
-  std::int64_t scratch_bytes = 0;
-  // Normalises and stores the rows of a finished block.
-  const auto finish = [&](const Sequence& seq, const RowBlock& rb, AttentionUnitScratch& s) {
-    const std::int64_t dp = dim_padded;
-    for (std::size_t t = 0; t < terms.size(); ++t) terms[t]->finish(s.o.data(), s.terms[t]);
-    grow(s.tmp, dp);
-    for (std::int64_t r = 0; r < rb.width; ++r) {
-      const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
-      if (h < 0) continue;
-      const std::int64_t i = rb.query[static_cast<std::size_t>(r)];
-      const float l = s.l[static_cast<std::size_t>(r)];
-      // l == 0: no key seen, a row of 0 and lse −inf; a NaN l stays NaN in both.
-      const float inv = l == 0 ? 0.0f : 1.0f / l;
-      for (std::int64_t t = 0; t < dim; ++t)
-        s.tmp[static_cast<std::size_t>(t)] = s.o[static_cast<std::size_t>(r * dp + t)] * inv;
-      store_row(s.tmp.data(), out.data(), og, seq.b, seq.q0 + i, h, false);
-      if (want_lse) write_lse(lse, seq, h, i, l == 0 ? kNegInf : s.m[static_cast<std::size_t>(r)] + std::log(l));
-    }
-  };
+  return w;
+}
+
+// Where a forward call's rows go: the outputs, and the chunked decode units' (m, l, O) rows per KV
+// head, merged in chunk order after the units.
+struct ForwardOutput {
+  TensorView out, lse;
+  detail::HeadsGrid og;
+  bool want_lse;
+  std::int64_t part_rows, part_width;
+  std::vector<float> parts;
+
+  float* part_row(const AttentionPlan& p, std::int64_t partial, std::int64_t kvh, std::int64_t r) {
+    return parts.data() + ((partial * p.kv_heads + kvh) * part_rows + r) * part_width;
+  }
+};
+
+// Normalises and stores the rows of a finished block.
+void finish_rows(const AttentionPlan& p, ForwardOutput& o, const Sequence& seq, const RowBlock& rb,
+                 AttentionUnitScratch& s) {
+  const std::int64_t dp = p.dim_padded;
+  for (std::size_t t = 0; t < p.terms.size(); ++t) p.terms[t]->finish(s.o.data(), s.terms[t]);
+  grow(s.tmp, dp);
+  for (std::int64_t r = 0; r < rb.width; ++r) {
+    const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
+    if (h < 0) continue;
+    const std::int64_t i = rb.query[static_cast<std::size_t>(r)];
+    const float l = s.l[static_cast<std::size_t>(r)];
+    // l == 0: no key seen, a row of 0 and lse −inf; a NaN l stays NaN in both.
+    const float inv = l == 0 ? 0.0f : 1.0f / l;
+    for (std::int64_t t = 0; t < p.dim; ++t)
+      s.tmp[static_cast<std::size_t>(t)] = s.o[static_cast<std::size_t>(r * dp + t)] * inv;
+    p.store_row(s.tmp.data(), o.out.data(), o.og, seq.b, seq.q0 + i, h, false);
+    if (o.want_lse) p.write_lse(o.lse, seq, h, i, l == 0 ? kNegInf : s.m[static_cast<std::size_t>(r)] + std::log(l));
+  }
+}
+
+// A chunk's unnormalised row r as (m, l, O) for the merge.
+void store_partial_row(const AttentionPlan& p, ForwardOutput& o, std::int64_t partial, std::int64_t kvh,
+                       std::int64_t part_r, const AttentionUnitScratch& s, std::int64_t r) {
+  float* row = o.part_row(p, partial, kvh, part_r);
+  row[0] = s.m[static_cast<std::size_t>(r)];
+  row[1] = s.l[static_cast<std::size_t>(r)];
+  std::memcpy(row + 2, s.o.data() + r * p.dim_padded, static_cast<std::size_t>(p.dim_padded) * sizeof(float));
+}
+
+// One thread's rows and scratch for the units it runs.
+struct ForwardThread {
+  AttentionUnitScratch& s = detail::unit_scratch();
+  std::array<RowBlock, kMaxGroupBlocks> group_rows;
+  std::array<const RowBlock*, kMaxGroupBlocks> group{};
+  std::array<AttentionUnitScratch*, kMaxGroupBlocks> group_scratches{&s};
+  std::vector<AttentionUnitScratch>& per_head = per_head_scratch();  // decode: one per KV head
+  std::vector<RowBlock>& per_head_rows = per_head_row_blocks();
   std::int64_t skipped_tiles = 0, prefill_tiles = 0;
-#pragma omp parallel num_threads(threads) reduction(+ : scratch_bytes, skipped_tiles, prefill_tiles)
-  {
-    const FlushDenormals flush;
-    AttentionUnitScratch& s = unit_scratch();
-    thread_local std::vector<AttentionUnitScratch> per_head;  // decode: one per KV head
-    thread_local std::vector<RowBlock> per_head_rows;
-    std::array<RowBlock, kMaxGroupBlocks> group_rows;
-    std::array<const RowBlock*, kMaxGroupBlocks> group{};
-    std::array<AttentionUnitScratch*, kMaxGroupBlocks> group_scratches{&s};
+
+  ForwardThread() {
     for (std::size_t b = 1; b < kMaxGroupBlocks; ++b) group_scratches[b] = &group_scratch()[b - 1];
-#pragma omp for schedule(dynamic, 1)
-    for (std::size_t u = 0; u < units.size(); ++u) {
-      const Unit& un = units[u];
-      const Sequence& seq = sequences[static_cast<std::size_t>(un.seq)];
-      if (!un.compact) {
-        const auto n = static_cast<std::size_t>((un.count + query_block - 1) / query_block);
-        bool same_start = true;
-        for (std::size_t b = 0; b < n; ++b) {
-          const std::int64_t i0 = un.i0 + static_cast<std::int64_t>(b) * query_block;
-          layout_rows(seq, un.kvh, i0, std::min(query_block, un.i0 + un.count - i0), false, group_rows[b]);
-          group[b] = &group_rows[b];
-          same_start = same_start && group_rows[b].key_lo == group_rows[0].key_lo;
-        }
-        const auto count_tiles = [&](const RowBlock& block) {
-          prefill_tiles += (std::max(block.key_hi, block.key_lo) - block.key_lo + key_tile - 1) / key_tile;
-        };
-        if (same_start) {
-          skipped_tiles +=
-              forward_blocks(*this, seq, un.kvh, std::span(group.data(), n), std::span(group_scratches.data(), n));
-          for (std::size_t b = 0; b < n; ++b) {
-            count_tiles(*group[b]);
-            finish(seq, *group[b], *group_scratches[b]);
-          }
-          continue;
-        }
-        // Blocks whose key ranges start apart (sliding windows): one at a time.
-        for (std::size_t b = 0; b < n; ++b) {
-          skipped_tiles +=
-              forward_blocks(*this, seq, un.kvh, std::span(group.data() + b, 1), std::span(group_scratches.data(), 1));
-          count_tiles(*group[b]);
-          finish(seq, *group[b], s);
-        }
-        continue;
-      }
-      if (un.wide) {
-        RowBlock& rb = group_rows[0];
-        layout_rows(seq, un.kvh, un.i0, un.count, true, rb);
-        forward_begin(*this, seq, rb, s, un.first, true);
-        const std::int64_t kb = un.partial >= 0 ? un.k_begin : rb.key_lo;
-        const std::int64_t ke = un.partial >= 0 ? un.k_end : std::max(rb.key_hi, kb);
-        for (std::int64_t k0 = kb; k0 < ke; k0 += key_tile) {
-          const std::int64_t keys = std::min(key_tile, ke - k0);
-          if (k0 + keys < ke) prefetch_rows(*this, seq, un.kvh, k0 + keys, std::min(key_tile, ke - k0 - keys));
-          block_tile(*this, seq, rb, k0, keys, load_tile(*this, seq, un.kvh, k0, keys, s), s);
-        }
-        if (un.partial < 0) {
-          finish(seq, rb, s);
-          continue;
-        }
-        for (std::int64_t r = 0; r < rb.valid_rows; ++r) {
-          float* row = parts.data() + ((un.partial * kv_heads + un.kvh) * part_rows + r) * part_width;
-          row[0] = s.m[static_cast<std::size_t>(r)];
-          row[1] = s.l[static_cast<std::size_t>(r)];
-          std::memcpy(row + 2, s.o.data() + r * dim_padded, static_cast<std::size_t>(dim_padded) * sizeof(float));
-        }
-        continue;
-      }
-      // Decode: one block of every KV head's rows (or a block per KV head for terms that keep
-      // per-head state: ScoreTerm::merges_decode_heads).
-      const bool merged = decode_merges_heads();
-      const std::int64_t blocks = merged ? 1 : kv_heads;
-      if (static_cast<std::int64_t>(per_head.size()) < blocks) per_head.resize(static_cast<std::size_t>(blocks));
-      if (static_cast<std::int64_t>(per_head_rows.size()) < blocks + 1) {
-        per_head_rows.resize(static_cast<std::size_t>(blocks + 1));  // + layout_decode_rows' scratch
-      }
-      if (merged) {
-        layout_decode_rows(seq, un.i0, un.count, per_head_rows[1], per_head_rows[0]);
-        forward_begin(*this, seq, per_head_rows[0], per_head[0], un.first);
-      } else {
-        for (std::int64_t kvh = 0; kvh < kv_heads; ++kvh) {
-          layout_rows(seq, kvh, un.i0, un.count, true, per_head_rows[static_cast<std::size_t>(kvh)]);
-          forward_begin(*this, seq, per_head_rows[static_cast<std::size_t>(kvh)],
-                        per_head[static_cast<std::size_t>(kvh)], un.first);
-        }
-      }
-      const RowBlock& rows0 = per_head_rows[0];
-      const std::int64_t kb = std::max(un.k_begin, un.partial >= 0 ? un.k_begin : rows0.key_lo);
-      const std::int64_t ke = un.partial >= 0 ? un.k_end : std::min(un.k_end, std::max(rows0.key_hi, kb));
-      const auto n_blocks = static_cast<std::size_t>(blocks);
-      decode_tiles(seq, kb, ke, std::span<const RowBlock>(per_head_rows.data(), n_blocks),
-                   std::span<AttentionUnitScratch>(per_head.data(), n_blocks), s);
-      for (std::size_t b = 0; b < n_blocks; ++b) {
-        const RowBlock& hr = per_head_rows[b];
-        AttentionUnitScratch& hs = per_head[b];
-        if (un.partial < 0) {
-          finish(seq, hr, hs);
-          continue;
-        }
-        for (std::size_t t = 0; t < terms.size(); ++t) terms[t]->finish(hs.o.data(), hs.terms[t]);
-        // Rows of KV head kvh at parts[(partial · G + kvh) · part_rows + r].
-        const std::int64_t per_kvh = merged ? hr.valid_rows / kv_heads : hr.valid_rows;
-        for (std::int64_t r = 0; r < hr.valid_rows; ++r) {
-          const std::int64_t kvh = merged ? r / per_kvh : static_cast<std::int64_t>(b);
-          float* row = parts.data() + ((un.partial * kv_heads + kvh) * part_rows + r % per_kvh) * part_width;
-          row[0] = hs.m[static_cast<std::size_t>(r)];
-          row[1] = hs.l[static_cast<std::size_t>(r)];
-          std::memcpy(row + 2, hs.o.data() + r * dim_padded, static_cast<std::size_t>(dim_padded) * sizeof(float));
-        }
-      }
-    }
-    scratch_bytes += s.bytes();
-    for (const AttentionUnitScratch& gs : group_scratch()) scratch_bytes += gs.bytes();
-    for (const auto& hs : per_head) scratch_bytes += hs.bytes();
   }
-  // Merge the chunks of each decode block, in chunk order (fp64 sums; deterministic).
+  static std::vector<AttentionUnitScratch>& per_head_scratch() {
+    thread_local std::vector<AttentionUnitScratch> v;
+    return v;
+  }
+  static std::vector<RowBlock>& per_head_row_blocks() {
+    thread_local std::vector<RowBlock> v;
+    return v;
+  }
+  std::int64_t scratch_bytes() const {
+    std::int64_t bytes = s.bytes();
+    for (const AttentionUnitScratch& gs : group_scratch()) bytes += gs.bytes();
+    for (const auto& hs : per_head) bytes += hs.bytes();
+    return bytes;
+  }
+};
+
+// A prefill unit: its query blocks through the key tiles together (forward_blocks), or one at a
+// time when their key ranges start apart (sliding windows).
+void run_prefill_unit(const AttentionPlan& p, ForwardOutput& o, const ForwardUnit& un, ForwardThread& t) {
+  const Sequence& seq = p.sequences[static_cast<std::size_t>(un.seq)];
+  const auto n = static_cast<std::size_t>((un.count + p.query_block - 1) / p.query_block);
+  bool same_start = true;
+  for (std::size_t b = 0; b < n; ++b) {
+    const std::int64_t i0 = un.i0 + static_cast<std::int64_t>(b) * p.query_block;
+    p.layout_rows(seq, un.kvh, i0, std::min(p.query_block, un.i0 + un.count - i0), false, t.group_rows[b]);
+    t.group[b] = &t.group_rows[b];
+    same_start = same_start && t.group_rows[b].key_lo == t.group_rows[0].key_lo;
+  }
+  const auto count_tiles = [&](const RowBlock& block) {
+    t.prefill_tiles += (std::max(block.key_hi, block.key_lo) - block.key_lo + p.key_tile - 1) / p.key_tile;
+  };
+  if (same_start) {
+    t.skipped_tiles +=
+        forward_blocks(p, seq, un.kvh, std::span(t.group.data(), n), std::span(t.group_scratches.data(), n));
+    for (std::size_t b = 0; b < n; ++b) {
+      count_tiles(*t.group[b]);
+      finish_rows(p, o, seq, *t.group[b], *t.group_scratches[b]);
+    }
+    return;
+  }
+  for (std::size_t b = 0; b < n; ++b) {
+    t.skipped_tiles +=
+        forward_blocks(p, seq, un.kvh, std::span(t.group.data() + b, 1), std::span(t.group_scratches.data(), 1));
+    count_tiles(*t.group[b]);
+    finish_rows(p, o, seq, *t.group[b], t.s);
+  }
+}
+
+// A wide decode unit: one KV head's compact rows through the matrix kernel over its key chunk.
+void run_wide_unit(const AttentionPlan& p, ForwardOutput& o, const ForwardUnit& un, ForwardThread& t) {
+  const Sequence& seq = p.sequences[static_cast<std::size_t>(un.seq)];
+  RowBlock& rb = t.group_rows[0];
+  AttentionUnitScratch& s = t.s;
+  p.layout_rows(seq, un.kvh, un.i0, un.count, true, rb);
+  forward_begin(p, seq, rb, s, un.first, true);
+  const std::int64_t kb = un.partial >= 0 ? un.k_begin : rb.key_lo;
+  const std::int64_t ke = un.partial >= 0 ? un.k_end : std::max(rb.key_hi, kb);
+  for (std::int64_t k0 = kb; k0 < ke; k0 += p.key_tile) {
+    const std::int64_t keys = std::min(p.key_tile, ke - k0);
+    if (k0 + keys < ke) prefetch_rows(p, seq, un.kvh, k0 + keys, std::min(p.key_tile, ke - k0 - keys));
+    block_tile(p, seq, rb, k0, keys, load_tile(p, seq, un.kvh, k0, keys, s), s);
+  }
+  if (un.partial < 0) {
+    finish_rows(p, o, seq, rb, s);
+    return;
+  }
+  for (std::int64_t r = 0; r < rb.valid_rows; ++r) store_partial_row(p, o, un.partial, un.kvh, r, s, r);
+}
+
+// A decode unit: one block of every KV head's rows (or a block per KV head for terms that keep
+// per-head state: ScoreTerm::merges_decode_heads) over its key chunk (decode_tiles).
+void run_decode_unit(const AttentionPlan& p, ForwardOutput& o, const ForwardUnit& un, ForwardThread& t) {
+  const Sequence& seq = p.sequences[static_cast<std::size_t>(un.seq)];
+  const bool merged = p.decode_merges_heads();
+  const std::int64_t blocks = merged ? 1 : p.kv_heads;
+  if (static_cast<std::int64_t>(t.per_head.size()) < blocks) t.per_head.resize(static_cast<std::size_t>(blocks));
+  if (static_cast<std::int64_t>(t.per_head_rows.size()) < blocks + 1) {
+    t.per_head_rows.resize(static_cast<std::size_t>(blocks + 1));  // + layout_decode_rows' scratch
+  }
+  if (merged) {
+    p.layout_decode_rows(seq, un.i0, un.count, t.per_head_rows[1], t.per_head_rows[0]);
+    forward_begin(p, seq, t.per_head_rows[0], t.per_head[0], un.first);
+  } else {
+    for (std::int64_t kvh = 0; kvh < p.kv_heads; ++kvh) {
+      const auto k = static_cast<std::size_t>(kvh);
+      p.layout_rows(seq, kvh, un.i0, un.count, true, t.per_head_rows[k]);
+      forward_begin(p, seq, t.per_head_rows[k], t.per_head[k], un.first);
+    }
+  }
+  const RowBlock& rows0 = t.per_head_rows[0];
+  const std::int64_t kb = std::max(un.k_begin, un.partial >= 0 ? un.k_begin : rows0.key_lo);
+  const std::int64_t ke = un.partial >= 0 ? un.k_end : std::min(un.k_end, std::max(rows0.key_hi, kb));
+  const auto n_blocks = static_cast<std::size_t>(blocks);
+  p.decode_tiles(seq, kb, ke, std::span<const RowBlock>(t.per_head_rows.data(), n_blocks),
+                 std::span<AttentionUnitScratch>(t.per_head.data(), n_blocks), t.s);
+  for (std::size_t b = 0; b < n_blocks; ++b) {
+    const RowBlock& hr = t.per_head_rows[b];
+    AttentionUnitScratch& hs = t.per_head[b];
+    if (un.partial < 0) {
+      finish_rows(p, o, seq, hr, hs);
+      continue;
+    }
+    for (std::size_t k = 0; k < p.terms.size(); ++k) p.terms[k]->finish(hs.o.data(), hs.terms[k]);
+    // Rows of KV head kvh at parts[(partial · G + kvh) · part_rows + r].
+    const std::int64_t per_kvh = merged ? hr.valid_rows / p.kv_heads : hr.valid_rows;
+    for (std::int64_t r = 0; r < hr.valid_rows; ++r) {
+      const std::int64_t kvh = merged ? r / per_kvh : static_cast<std::int64_t>(b);
+      store_partial_row(p, o, un.partial, kvh, r % per_kvh, hs, r);
+    }
+  }
+}
+
+// Merges the chunks of each decode block, in chunk order (fp64 sums; deterministic).
+void merge_decode_chunks(const AttentionPlan& p, ForwardOutput& o, const std::vector<DecodeMerge>& merges) {
   RowBlock rb;
-  std::vector<double> acc(static_cast<std::size_t>(dim));
-  std::vector<float> row(static_cast<std::size_t>(dim));
-  for (const Merge& merge : merges) {
-    const Sequence& seq = sequences[static_cast<std::size_t>(merge.seq)];
-    for (std::int64_t kvh = 0; kvh < kv_heads; ++kvh) {
-      layout_rows(seq, kvh, merge.i0, merge.count, true, rb);
+  std::vector<double> acc(static_cast<std::size_t>(p.dim));
+  std::vector<float> row(static_cast<std::size_t>(p.dim));
+  for (const DecodeMerge& merge : merges) {
+    const Sequence& seq = p.sequences[static_cast<std::size_t>(merge.seq)];
+    for (std::int64_t kvh = 0; kvh < p.kv_heads; ++kvh) {
+      p.layout_rows(seq, kvh, merge.i0, merge.count, true, rb);
       for (std::int64_t r = 0; r < rb.valid_rows; ++r) {
-        const auto part_row = [&](std::int64_t partial) {
-          return parts.data() + ((partial * kv_heads + kvh) * part_rows + r) * part_width;
-        };
+        const auto part_row = [&](std::int64_t partial) { return o.part_row(p, partial, kvh, r); };
         float m = kNegInf;
         bool nan = false;  // std::max drops a NaN maximum; the row must not
         for (const std::int64_t c : merge.partials) {
@@ -514,21 +552,60 @@ AttentionStats AttentionPlan::forward(TensorView out, TensorView lse) const {
             if (pr[0] == kNegInf) continue;
             const double f = std::exp(static_cast<double>(pr[0]) - m);
             l += f * pr[1];
-            for (std::int64_t t = 0; t < dim; ++t) acc[static_cast<std::size_t>(t)] += f * pr[2 + t];
+            for (std::int64_t t = 0; t < p.dim; ++t) acc[static_cast<std::size_t>(t)] += f * pr[2 + t];
           }
         }
-        for (std::int64_t t = 0; t < dim; ++t) {
+        for (std::int64_t t = 0; t < p.dim; ++t) {
           row[static_cast<std::size_t>(t)] = l == 0 ? 0.0f : static_cast<float>(acc[static_cast<std::size_t>(t)] / l);
         }
         const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
         const std::int64_t i = rb.query[static_cast<std::size_t>(r)];
-        store_row(row.data(), out.data(), og, seq.b, seq.q0 + i, h, false);
-        if (want_lse) write_lse(lse, seq, h, i, l == 0 ? kNegInf : static_cast<float>(m + std::log(l)));
+        p.store_row(row.data(), o.out.data(), o.og, seq.b, seq.q0 + i, h, false);
+        if (o.want_lse) p.write_lse(o.lse, seq, h, i, l == 0 ? kNegInf : static_cast<float>(m + std::log(l)));
       }
     }
   }
+}
+
+}  // namespace
+
+namespace detail {
+
+AttentionStats AttentionPlan::forward(TensorView out, TensorView lse) const {
+  const HeadsGrid og = check_output_tokens(kWhere, "out", ConstTensorView(out), out_grid());
+  check_dtype(kWhere, "out", out.dtype(), dtype);
+  check_writable(kWhere, "out", ConstTensorView(out));
+  const bool want_lse = lse.rank() > 0;
+  if (want_lse) check_lse(lse, true);
+  check_disjoint({{"out", out}, {"lse", lse}}, {{"q", spec.q}, {"k", spec.k}, {"v", spec.v}});
+  const ForwardWork work = plan_forward(*this);
+  ForwardOutput o{out, lse, og, want_lse, work.part_rows, dim_padded + 2, {}};
+  o.parts.resize(static_cast<std::size_t>(work.partials * kv_heads * o.part_rows * o.part_width));
+  const int threads =
+      std::min<int>(threads_for(work.flops / 16), static_cast<int>(std::max<std::size_t>(work.units.size(), 1)));
+  std::int64_t scratch_bytes = 0, skipped_tiles = 0, prefill_tiles = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : scratch_bytes, skipped_tiles, prefill_tiles)
+  {
+    const FlushDenormals flush;
+    ForwardThread t;
+#pragma omp for schedule(dynamic, 1)
+    for (std::size_t u = 0; u < work.units.size(); ++u) {
+      const ForwardUnit& un = work.units[u];
+      if (!un.compact) {
+        run_prefill_unit(*this, o, un, t);
+      } else if (un.wide) {
+        run_wide_unit(*this, o, un, t);
+      } else {
+        run_decode_unit(*this, o, un, t);
+      }
+    }
+    scratch_bytes += t.scratch_bytes();
+    skipped_tiles += t.skipped_tiles;
+    prefill_tiles += t.prefill_tiles;
+  }
+  merge_decode_chunks(*this, o, work.merges);
   AttentionStats stats;
-  stats.workspace_bytes = scratch_bytes + static_cast<std::int64_t>(parts.size() * sizeof(float)) + table_bytes();
+  stats.workspace_bytes = scratch_bytes + static_cast<std::int64_t>(o.parts.size() * sizeof(float)) + table_bytes();
   stats.tiles = prefill_tiles;
   stats.skipped = skipped_tiles;
   return stats;

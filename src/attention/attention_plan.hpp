@@ -285,6 +285,10 @@ struct AttentionPlan {
   AttentionStats forward(TensorView out, TensorView lse) const;
   AttentionStats backward(ConstTensorView out, ConstTensorView lse, ConstTensorView d_out, TensorView dq, TensorView dk,
                           TensorView dv, AttentionGradients* grads) const;
+  // backward's checks of its arguments, and what its units share (dq, dk, dv point at the views).
+  struct BackwardCall;
+  BackwardCall check_backward(ConstTensorView out, ConstTensorView lse, ConstTensorView d_out, TensorView& dq,
+                              TensorView& dk, TensorView& dv, AttentionGradients* grads) const;
   AttentionGradients zero_gradients() const;
 
   // Engine pieces (attention.cpp).

@@ -81,113 +81,198 @@ void sum_exact_delta(const RowBlock& rb, std::int64_t r0, std::int64_t k_first, 
   }
 }
 
-}  // namespace
-
-// ─── Backward ────────────────────────────────────────────────────────────────────────────────
-
-AttentionStats AttentionPlan::backward(ConstTensorView out, ConstTensorView lse, ConstTensorView d_out, TensorView dq,
-                                       TensorView dk, TensorView dv, AttentionGradients* grads) const {
-  const HeadsGrid og = check_output_tokens(kWhere, "out", out, out_grid());
-  check_dtype(kWhere, "out", out.dtype(), dtype);
-  const HeadsGrid dog = check_output_tokens(kWhere, "d_out", d_out, out_grid());
-  check_dtype(kWhere, "d_out", d_out.dtype(), dtype);
-  check_lse(lse, false);
-  const bool want_dq = dq.rank() > 0, want_dk = dk.rank() > 0, want_dv = dv.rank() > 0;
-  HeadsGrid dqg, dkg, dvg;
-  if (want_dq) {
-    dqg = check_output_tokens(kWhere, "dq", ConstTensorView(dq), qg);
-    check_dtype(kWhere, "dq", dq.dtype(), dtype);
-    check_writable(kWhere, "dq", ConstTensorView(dq));
-  }
-  if (want_dk) {
-    dkg = check_output_tokens(kWhere, "dk", ConstTensorView(dk), kg);
-    check_dtype(kWhere, "dk", dk.dtype(), dtype);
-    check_writable(kWhere, "dk", ConstTensorView(dk));
-  }
-  if (want_dv) {
-    dvg = check_output_tokens(kWhere, "dv", ConstTensorView(dv), vg);
-    check_dtype(kWhere, "dv", dv.dtype(), dtype);
-    check_writable(kWhere, "dv", ConstTensorView(dv));
-  }
-  if (grads != nullptr) check_gradients(*grads);
-  check_disjoint({{"dq", dq}, {"dk", dk}, {"dv", dv}},
-                 {{"q", spec.q}, {"k", spec.k}, {"v", spec.v}, {"out", out}, {"lse", lse}, {"d_out", d_out}});
-  const bool want_bias_grads = grads != nullptr && any_trainable_bias;
-  // Units: (sequence, KV head, query range). A sequence's queries are split into ranges only when
-  // there are fewer than kSplitBelow (sequence, KV head) pairs, so that batch 1 with few KV heads
-  // still spreads over the cores; ranges hold at least kMinRangeQueries queries. The rule depends
-  // on the shapes only, never on the thread count, so results stay bitwise the same for any
-  // number of threads. A split unit owns its dQ rows and its parameter-gradient slots as before,
-  // and leaves dK, dV for the keys its queries see in `kv_parts` (f32, [dK rows | dV rows]);
-  // those are summed per key in range order afterwards. (Splitting the keys instead would make
-  // every unit load and transpose all the queries it needs: measured 30% slower per thread.)
-  // Transformer-XL runs its row blocks outer over all keys and is not split.
-  constexpr std::int64_t kSplitBelow = 8, kMinRangeQueries = 256;
+// A backward call's units: (sequence, KV head, query range). A sequence's queries are split into
+// ranges only when there are fewer than kSplitBelow (sequence, KV head) pairs, so that batch 1
+// with few KV heads still spreads over the cores; ranges hold at least kMinRangeQueries queries.
+// The rule depends on the shapes only, never on the thread count, so results stay bitwise the
+// same for any number of threads. A split unit owns its dQ rows and its parameter-gradient slots
+// as before, and leaves dK, dV for the keys its queries see in `kv_parts` (f32, [dK rows | dV
+// rows]); those are summed per key in range order afterwards (sum_split_units). (Splitting the
+// keys instead would make every unit load and transpose all the queries it needs: measured 30%
+// slower per thread.) Terms that walk row blocks outer (Transformer-XL) run over all keys unsplit.
+struct BackwardWork {
   struct Unit {
     std::int64_t seq, kvh, i0, count, key_lo, key_hi;
     std::int64_t part;  // offset of its dK, dV rows in kv_parts, or −1: stored directly
   };
   std::vector<Unit> units;
+  std::vector<float> kv_parts;
+  std::int64_t flops = 0;
+};
+
+BackwardWork plan_backward(const AttentionPlan& p, bool rows_outer, bool want_kv) {
+  constexpr std::int64_t kSplitBelow = 8, kMinRangeQueries = 256;
+  BackwardWork w;
   std::int64_t pairs = 0;
-  for (const Sequence& seq : sequences) pairs += seq.lq > 0 && seq.lk > 0 ? kv_heads : 0;
-  const bool rows_outer = std::any_of(terms.begin(), terms.end(), [](const auto& t) { return t->rows_outer(); });
+  for (const Sequence& seq : p.sequences) pairs += seq.lq > 0 && seq.lk > 0 ? p.kv_heads : 0;
   const std::int64_t want_ranges =
       rows_outer || pairs >= kSplitBelow || pairs == 0 ? 1 : (kSplitBelow + pairs - 1) / pairs;
   std::int64_t part_floats = 0;
-  {
-    RowBlock probe;
-    for (std::int64_t si = 0; si < static_cast<std::int64_t>(sequences.size()); ++si) {
-      const Sequence& seq = sequences[static_cast<std::size_t>(si)];
-      if (seq.lq == 0 || seq.lk == 0) continue;
-      const std::int64_t ranges = std::max<std::int64_t>(1, std::min(want_ranges, seq.lq / kMinRangeQueries));
-      for (std::int64_t kvh = 0; kvh < kv_heads; ++kvh) {
-        // Latest queries first: under a causal mask they see the most keys, and the dynamic
-        // schedule balances better with the large units at the front.
-        for (std::int64_t r = ranges - 1; r >= 0; --r) {
-          const std::int64_t i0 = r * seq.lq / ranges, i1 = (r + 1) * seq.lq / ranges;
-          if (ranges == 1) {
-            units.push_back({si, kvh, 0, seq.lq, 0, seq.lk, -1});
-            continue;
-          }
-          layout_rows(seq, kvh, i0, i1 - i0, false, probe);
-          const std::int64_t lo = probe.key_lo, hi = std::max(probe.key_lo, probe.key_hi);
-          units.push_back({si, kvh, i0, i1 - i0, lo, hi, (want_dk || want_dv) && hi > lo ? part_floats : -1});
-          if ((want_dk || want_dv) && hi > lo) part_floats += 2 * (hi - lo) * dim;
+  RowBlock probe;
+  for (std::int64_t si = 0; si < static_cast<std::int64_t>(p.sequences.size()); ++si) {
+    const Sequence& seq = p.sequences[static_cast<std::size_t>(si)];
+    if (seq.lq == 0 || seq.lk == 0) continue;
+    const std::int64_t ranges = std::max<std::int64_t>(1, std::min(want_ranges, seq.lq / kMinRangeQueries));
+    for (std::int64_t kvh = 0; kvh < p.kv_heads; ++kvh) {
+      // Latest queries first: under a causal mask they see the most keys, and the dynamic
+      // schedule balances better with the large units at the front.
+      for (std::int64_t r = ranges - 1; r >= 0; --r) {
+        const std::int64_t i0 = r * seq.lq / ranges, i1 = (r + 1) * seq.lq / ranges;
+        if (ranges == 1) {
+          w.units.push_back({si, kvh, 0, seq.lq, 0, seq.lk, -1});
+          continue;
         }
+        p.layout_rows(seq, kvh, i0, i1 - i0, false, probe);
+        const std::int64_t lo = probe.key_lo, hi = std::max(probe.key_lo, probe.key_hi);
+        w.units.push_back({si, kvh, i0, i1 - i0, lo, hi, want_kv && hi > lo ? part_floats : -1});
+        if (want_kv && hi > lo) part_floats += 2 * (hi - lo) * p.dim;
       }
     }
   }
-  std::vector<float> kv_parts(static_cast<std::size_t>(part_floats));
-  // Per unit, its share of the bias parameters' gradients (summed in unit order afterwards).
-  const std::int64_t grad_size = want_bias_grads ? bias_gradient_size() : 0;
-  std::vector<double>& unit_grads =
-      zeroed_doubles(CallBuffer::kUnitBias, static_cast<std::size_t>(grad_size) * units.size());
-  // Per unit and term, the term's slot (ScoreTerm::reduce sums them afterwards).
-  std::vector<std::int64_t> term_size(terms.size(), 0);
-  std::vector<std::vector<double>*> term_slots(terms.size());
-  std::int64_t slot_bytes = 0;
-  for (std::size_t t = 0; t < terms.size(); ++t) {
-    term_size[t] = grads != nullptr ? terms[t]->unit_gradient_size() : 0;
-    term_slots[t] = &zeroed_term_slots(t, static_cast<std::size_t>(term_size[t]) * units.size());
-    slot_bytes += static_cast<std::int64_t>(term_slots[t]->size() * sizeof(double));
+  w.kv_parts.resize(static_cast<std::size_t>(part_floats));
+  w.flops = static_cast<std::int64_t>(p.batch) * p.q_len * p.k_len * p.heads * p.dim;
+  return w;
+}
+
+// dK, dV of the split units: each key's rows summed over the ranges whose queries see it, in unit
+// order (fp64), then added into dk, dv. Keys are independent, so this loop's thread count does
+// not change a bit.
+void sum_split_units(const AttentionPlan& p, const AttentionPlan::BackwardCall& call, const BackwardWork& w,
+                     int threads) {
+  const std::int64_t dim = p.dim;
+  std::size_t u0 = 0;
+  while (u0 < w.units.size()) {
+    std::size_t u1 = u0 + 1;
+    while (u1 < w.units.size() && w.units[u1].seq == w.units[u0].seq && w.units[u1].kvh == w.units[u0].kvh) ++u1;
+    const Sequence& seq = p.sequences[static_cast<std::size_t>(w.units[u0].seq)];
+    const std::int64_t kvh = w.units[u0].kvh;
+    if (w.units[u0].i0 != 0 || w.units[u0].count != seq.lq) {
+#pragma omp parallel num_threads(threads)
+      {
+        std::vector<double> sum(static_cast<std::size_t>(2 * dim));
+        std::vector<float> row(static_cast<std::size_t>(2 * dim));
+#pragma omp for schedule(static)
+        for (std::int64_t key = 0; key < seq.lk; ++key) {
+          std::fill(sum.begin(), sum.end(), 0.0);
+          bool seen = false;
+          for (std::size_t u = u0; u < u1; ++u) {
+            const BackwardWork::Unit& un = w.units[u];
+            if (un.part < 0 || key < un.key_lo || key >= un.key_hi) continue;
+            seen = true;
+            const float* dk_row = w.kv_parts.data() + un.part + (key - un.key_lo) * dim;
+            const float* dv_row = dk_row + (un.key_hi - un.key_lo) * dim;
+            for (std::int64_t t = 0; t < dim; ++t) {
+              sum[static_cast<std::size_t>(t)] += dk_row[t];
+              sum[static_cast<std::size_t>(dim + t)] += dv_row[t];
+            }
+          }
+          if (!seen) continue;
+          for (std::int64_t t = 0; t < 2 * dim; ++t)
+            row[static_cast<std::size_t>(t)] = static_cast<float>(sum[static_cast<std::size_t>(t)]);
+          if (call.dk != nullptr) p.store_row_to(row.data(), *call.dk, call.dkg, seq.b, seq.k0 + key, kvh);
+          if (call.dv != nullptr) p.store_row_to(row.data() + dim, *call.dv, call.dvg, seq.b, seq.k0 + key, kvh);
+        }
+      }
+    }
+    u0 = u1;
   }
-  const auto flops = static_cast<std::int64_t>(batch) * q_len * k_len * heads * dim;
-  const int threads = std::min<int>(threads_for(flops / 16), static_cast<int>(std::max<std::size_t>(units.size(), 1)));
-  std::int64_t scratch_bytes = 0;
-  std::int64_t steps = 0, skipped_steps = 0;
+}
+
+// Each unit's slots for the parameters' gradients: the bias parameters' (summed in unit order by
+// reduce_gradients) and every term's (ScoreTerm::reduce sums them).
+struct GradientSlots {
+  std::int64_t bias_size = 0;
+  std::vector<double>* bias = nullptr;
+  std::vector<std::int64_t> term_size;
+  std::vector<std::vector<double>*> terms;
+  std::int64_t bytes = 0;
+
+  GradientSlots(const AttentionPlan& p, bool want_bias_grads, bool want_term_grads, std::size_t units)
+      : bias_size(want_bias_grads ? p.bias_gradient_size() : 0),
+        bias(&zeroed_doubles(CallBuffer::kUnitBias, static_cast<std::size_t>(bias_size) * units)),
+        term_size(p.terms.size(), 0),
+        terms(p.terms.size()),
+        bytes(static_cast<std::int64_t>(bias->size() * sizeof(double))) {
+    for (std::size_t t = 0; t < p.terms.size(); ++t) {
+      term_size[t] = want_term_grads ? p.terms[t]->unit_gradient_size() : 0;
+      terms[t] = &zeroed_term_slots(t, static_cast<std::size_t>(term_size[t]) * units);
+      bytes += static_cast<std::int64_t>(terms[t]->size() * sizeof(double));
+    }
+  }
+  // Unit u's slots in `unit`.
+  void assign(std::size_t u, AttentionPlan::BackwardUnit& unit) const {
+    unit.bias_grads = bias_size > 0 ? bias->data() + u * static_cast<std::size_t>(bias_size) : nullptr;
+    for (std::size_t t = 0; t < terms.size(); ++t)
+      unit.term_grads[t] = term_size[t] > 0 ? terms[t]->data() + u * static_cast<std::size_t>(term_size[t]) : nullptr;
+  }
+};
+
+// The units' slots summed into the caller's gradients, in unit order.
+void reduce_gradients(const AttentionPlan& p, const BackwardWork& w, const GradientSlots& slots,
+                      AttentionGradients* grads) {
+  if (slots.bias_size > 0) {
+    std::vector<double> total(static_cast<std::size_t>(slots.bias_size), 0.0);
+    for (std::size_t u = 0; u < w.units.size(); ++u) {
+      for (std::int64_t t = 0; t < slots.bias_size; ++t)
+        total[static_cast<std::size_t>(t)] +=
+            (*slots.bias)[u * static_cast<std::size_t>(slots.bias_size) + static_cast<std::size_t>(t)];
+    }
+    p.scatter_bias_gradients(total, *grads);
+  }
+  for (std::size_t t = 0; t < p.terms.size(); ++t) {
+    if (slots.term_size[t] == 0) continue;
+    std::vector<TermUnit> units(w.units.size());
+    for (std::size_t u = 0; u < w.units.size(); ++u) {
+      units[u].seq = &p.sequences[static_cast<std::size_t>(w.units[u].seq)];
+      units[u].kvh = w.units[u].kvh;
+      units[u].slot = slots.terms[t]->data() + u * static_cast<std::size_t>(slots.term_size[t]);
+    }
+    p.terms[t]->reduce(units, *grads);
+  }
+}
+
+}  // namespace
+
+// ─── Backward ────────────────────────────────────────────────────────────────────────────────
+
+AttentionPlan::BackwardCall AttentionPlan::check_backward(ConstTensorView out, ConstTensorView lse,
+                                                          ConstTensorView d_out, TensorView& dq, TensorView& dk,
+                                                          TensorView& dv, AttentionGradients* grads) const {
   BackwardCall call;
+  call.og = check_output_tokens(kWhere, "out", out, out_grid());
+  check_dtype(kWhere, "out", out.dtype(), dtype);
+  call.dog = check_output_tokens(kWhere, "d_out", d_out, out_grid());
+  check_dtype(kWhere, "d_out", d_out.dtype(), dtype);
+  check_lse(lse, false);
+  const auto check_gradient = [&](const char* name, TensorView& view, const HeadsGrid& grid, HeadsGrid& checked,
+                                  TensorView*& wanted) {
+    if (view.rank() == 0) return;
+    checked = check_output_tokens(kWhere, name, ConstTensorView(view), grid);
+    check_dtype(kWhere, name, view.dtype(), dtype);
+    check_writable(kWhere, name, ConstTensorView(view));
+    wanted = &view;
+  };
+  check_gradient("dq", dq, qg, call.dqg, call.dq);
+  check_gradient("dk", dk, kg, call.dkg, call.dk);
+  check_gradient("dv", dv, vg, call.dvg, call.dv);
+  if (grads != nullptr) check_gradients(*grads);
+  check_disjoint({{"dq", dq}, {"dk", dk}, {"dv", dv}},
+                 {{"q", spec.q}, {"k", spec.k}, {"v", spec.v}, {"out", out}, {"lse", lse}, {"d_out", d_out}});
   call.out = out;
   call.lse = lse;
   call.d_out = d_out;
-  call.og = og;
-  call.dog = dog;
-  call.dq = want_dq ? &dq : nullptr;
-  call.dk = want_dk ? &dk : nullptr;
-  call.dv = want_dv ? &dv : nullptr;
-  call.dqg = dqg;
-  call.dkg = dkg;
-  call.dvg = dvg;
-  call.rows_outer = rows_outer;
+  call.rows_outer = std::any_of(terms.begin(), terms.end(), [](const auto& t) { return t->rows_outer(); });
+  return call;
+}
+
+AttentionStats AttentionPlan::backward(ConstTensorView out, ConstTensorView lse, ConstTensorView d_out, TensorView dq,
+                                       TensorView dk, TensorView dv, AttentionGradients* grads) const {
+  const BackwardCall call = check_backward(out, lse, d_out, dq, dk, dv, grads);
+  BackwardWork work = plan_backward(*this, call.rows_outer, call.dk != nullptr || call.dv != nullptr);
+  const GradientSlots slots(*this, grads != nullptr && any_trainable_bias, grads != nullptr, work.units.size());
+  const int threads =
+      std::min<int>(threads_for(work.flops / 16), static_cast<int>(std::max<std::size_t>(work.units.size(), 1)));
+  std::int64_t scratch_bytes = 0, steps = 0, skipped_steps = 0;
 #pragma omp parallel num_threads(threads) reduction(+ : scratch_bytes, steps, skipped_steps)
   {
     const FlushDenormals flush;
@@ -197,91 +282,29 @@ AttentionStats AttentionPlan::backward(ConstTensorView out, ConstTensorView lse,
     BackwardUnit unit;  // one per thread: its term slots are sized once, not per unit
     unit.term_grads.resize(terms.size());
 #pragma omp for schedule(dynamic, 1)
-    for (std::size_t u = 0; u < units.size(); ++u) {
-      unit.seq = &sequences[static_cast<std::size_t>(units[u].seq)];
-      unit.kvh = units[u].kvh;
-      unit.i0 = units[u].i0;
-      unit.count = units[u].count;
-      unit.bias_grads = want_bias_grads ? unit_grads.data() + u * static_cast<std::size_t>(grad_size) : nullptr;
-      for (std::size_t t = 0; t < terms.size(); ++t) {
-        unit.term_grads[t] =
-            term_size[t] > 0 ? term_slots[t]->data() + u * static_cast<std::size_t>(term_size[t]) : nullptr;
-      }
-      unit.kv_part = units[u].part >= 0 ? kv_parts.data() + units[u].part : nullptr;
-      unit.part_key_lo = units[u].key_lo;
-      unit.part_key_hi = units[u].key_hi;
+    for (std::size_t u = 0; u < work.units.size(); ++u) {
+      const BackwardWork::Unit& un = work.units[u];
+      unit.seq = &sequences[static_cast<std::size_t>(un.seq)];
+      unit.kvh = un.kvh;
+      unit.i0 = un.i0;
+      unit.count = un.count;
+      slots.assign(u, unit);
+      unit.kv_part = un.part >= 0 ? work.kv_parts.data() + un.part : nullptr;
+      unit.part_key_lo = un.key_lo;
+      unit.part_key_hi = un.key_hi;
       backward_unit(call, unit, s, rb);
     }
     scratch_bytes += s.bytes();
     steps += s.steps;
     skipped_steps += s.skipped_steps;
   }
+  if (!work.kv_parts.empty()) sum_split_units(*this, call, work, threads);
+  reduce_gradients(*this, work, slots, grads);
   AttentionStats stats;
   stats.tiles = steps;
   stats.skipped = skipped_steps;
-  if (part_floats > 0) {
-    // dK, dV of the split units: each key's rows summed over the ranges whose queries see it, in
-    // unit order (fp64), then added into dk, dv. Keys are independent, so this loop's thread count
-    // does not change a bit.
-    std::size_t u0 = 0;
-    while (u0 < units.size()) {
-      std::size_t u1 = u0 + 1;
-      while (u1 < units.size() && units[u1].seq == units[u0].seq && units[u1].kvh == units[u0].kvh) ++u1;
-      const Sequence& seq = sequences[static_cast<std::size_t>(units[u0].seq)];
-      const std::int64_t kvh = units[u0].kvh;
-      if (units[u0].i0 != 0 || units[u0].count != seq.lq) {
-#pragma omp parallel num_threads(threads)
-        {
-          std::vector<double> sum(static_cast<std::size_t>(2 * dim));
-          std::vector<float> row(static_cast<std::size_t>(2 * dim));
-#pragma omp for schedule(static)
-          for (std::int64_t key = 0; key < seq.lk; ++key) {
-            std::fill(sum.begin(), sum.end(), 0.0);
-            bool seen = false;
-            for (std::size_t u = u0; u < u1; ++u) {
-              const Unit& un = units[u];
-              if (un.part < 0 || key < un.key_lo || key >= un.key_hi) continue;
-              seen = true;
-              const float* dk_row = kv_parts.data() + un.part + (key - un.key_lo) * dim;
-              const float* dv_row = dk_row + (un.key_hi - un.key_lo) * dim;
-              for (std::int64_t t = 0; t < dim; ++t) {
-                sum[static_cast<std::size_t>(t)] += dk_row[t];
-                sum[static_cast<std::size_t>(dim + t)] += dv_row[t];
-              }
-            }
-            if (!seen) continue;
-            for (std::int64_t t = 0; t < 2 * dim; ++t)
-              row[static_cast<std::size_t>(t)] = static_cast<float>(sum[static_cast<std::size_t>(t)]);
-            if (want_dk) store_row_to(row.data(), dk, dkg, seq.b, seq.k0 + key, kvh);
-            if (want_dv) store_row_to(row.data() + dim, dv, dvg, seq.b, seq.k0 + key, kvh);
-          }
-        }
-      }
-      u0 = u1;
-    }
-  }
-  if (want_bias_grads) {
-    std::vector<double> total(static_cast<std::size_t>(grad_size), 0.0);
-    for (std::size_t u = 0; u < units.size(); ++u) {
-      for (std::int64_t t = 0; t < grad_size; ++t)
-        total[static_cast<std::size_t>(t)] +=
-            unit_grads[u * static_cast<std::size_t>(grad_size) + static_cast<std::size_t>(t)];
-    }
-    scatter_bias_gradients(total, *grads);
-  }
-  for (std::size_t t = 0; t < terms.size(); ++t) {
-    if (term_size[t] == 0) continue;
-    std::vector<TermUnit> slots(units.size());
-    for (std::size_t u = 0; u < units.size(); ++u) {
-      slots[u].seq = &sequences[static_cast<std::size_t>(units[u].seq)];
-      slots[u].kvh = units[u].kvh;
-      slots[u].slot = term_slots[t]->data() + u * static_cast<std::size_t>(term_size[t]);
-    }
-    terms[t]->reduce(slots, *grads);
-  }
-  stats.workspace_bytes = scratch_bytes + table_bytes() + slot_bytes +
-                          static_cast<std::int64_t>(unit_grads.size() * sizeof(double)) +
-                          static_cast<std::int64_t>(kv_parts.size() * sizeof(float));
+  stats.workspace_bytes =
+      scratch_bytes + table_bytes() + slots.bytes + static_cast<std::int64_t>(work.kv_parts.size() * sizeof(float));
   return stats;
 }
 

@@ -308,290 +308,355 @@ AttentionStats AttentionPlan::backward(ConstTensorView out, ConstTensorView lse,
   return stats;
 }
 
-void AttentionPlan::backward_unit(const BackwardCall& call, const BackwardUnit& unit, AttentionUnitScratch& s,
-                                  RowBlock& rb) const {
-  const Sequence& seq = *unit.seq;
-  const std::int64_t kvh = unit.kvh, i0 = unit.i0, count = unit.count;
-  const ConstTensorView &out = call.out, &lse = call.lse, &d_out = call.d_out;
-  const HeadsGrid &og = call.og, &dog = call.dog, &dqg = call.dqg, &dkg = call.dkg, &dvg = call.dvg;
-  TensorView *dq = call.dq, *dk = call.dk, *dv = call.dv;
-  double* unit_grads = unit.bias_grads;
-  float* kv_part = unit.kv_part;
-  const std::int64_t part_key_lo = unit.part_key_lo, part_key_hi = unit.part_key_hi;
-  const std::int64_t dp = dim_padded, d = dim;
-  // The unit's rows (queries [i0, i0 + count) of the KV head's G heads), head-major, each head's
-  // queries padded to the lane count.
-  layout_rows(seq, kvh, i0, count, false, rb);
-  const std::int64_t w = rb.width;
-  grow(s.q, w * dp);
-  const std::int64_t ldt = padded_stride(w), ldkv = padded_stride(dp);
-  grow(s.qt, dp * ldt);
-  grow(s.dout, w * dp);
-  grow(s.doutt, dp * ldt);
-  grow(s.dq, w * dp);
-  grow(s.lse, w);
-  grow(s.delta, w);
-  grow(s.o, dp);
-  std::fill(s.dq.begin(), s.dq.begin() + w * dp, 0.0f);
-  const QKTables& tq = tables_of_head(kvh * group_size);
-  s.exact_rows.clear();
-  bool dead_rows = false;  // a row whose logits are all −inf (lse −inf): full tiles check too
-  for (std::int64_t r = 0; r < w; ++r) {
-    float* qrow = s.q.data() + r * dp;
-    float* drow = s.dout.data() + r * dp;
-    const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
-    if (h < 0) {
-      std::fill(qrow, qrow + dp, 0.0f);
-      std::fill(drow, drow + dp, 0.0f);
-      s.lse[static_cast<std::size_t>(r)] = 0.0f;
-      s.delta[static_cast<std::size_t>(r)] = 0.0f;
+namespace {
+
+// One backward unit (AttentionPlan::backward_unit): its rows' queries, dO, lse and δ loaded once,
+// then (key tile, row block) steps — key tiles outer, or row blocks outer for terms that ask
+// (ScoreTerm::rows_outer) — and dK, dV, dQ stored.
+class UnitBackward {
+ public:
+  UnitBackward(const AttentionPlan& p, const AttentionPlan::BackwardCall& call, const AttentionPlan::BackwardUnit& unit,
+               AttentionUnitScratch& s, RowBlock& rb)
+      : p_(p),
+        call_(call),
+        unit_(unit),
+        seq_(*unit.seq),
+        kvh_(unit.kvh),
+        s_(s),
+        rb_(rb),
+        dp_(p.dim_padded),
+        d_(p.dim),
+        tq_(p.tables_of_head(unit.kvh * p.group_size)) {}
+
+  void run() {
+    load_rows();
+    keys_transformed_ = tq_.kind != QKTables::kNone && tq_.transform_keys;
+    prepare();
+    if (!call_.rows_outer) {
+      keys_outer();
     } else {
-      const std::int64_t i = rb.query[static_cast<std::size_t>(r)];
-      load_row(q_data, qg, seq.b, seq.q0 + i, h, qrow);
-      transform_row(tq, true, q_table_row(seq, i), qrow, 1.0f);
-      temper_row(qrow, rb.position[static_cast<std::size_t>(r)]);
-      for (const auto& term : terms) term->adjust_query(h, qrow);
-      for (std::int64_t t = 0; t < d; ++t) qrow[t] *= scale;
-      load_row_as(d_out, dog, seq.b, seq.q0 + i, h, drow);
-      load_row_as(out, og, seq.b, seq.q0 + i, h, s.o.data());
-      double delta = 0;
-      bool finite = true;
-      for (std::int64_t t = 0; t < d; ++t) {
-        delta += static_cast<double>(drow[t]) * s.o[static_cast<std::size_t>(t)];
-        finite = finite && std::isfinite(drow[t]);
+      rows_outer();
+    }
+    for (const std::int64_t r : s_.exact_rows) {
+      s_.delta[static_cast<std::size_t>(r)] = static_cast<float>(s_.exact_delta[static_cast<std::size_t>(r)]);
+    }
+    for (std::size_t t = 0; t < p_.terms.size(); ++t) p_.terms[t]->finish_backward(s_.terms[t]);
+    if (call_.dq != nullptr) store_dq();
+    if (unit_.bias_grads != nullptr) p_.finish_bias_gradients(s_, kvh_, unit_.bias_grads);
+  }
+
+ private:
+  // The unit's rows (queries [i0, i0 + count) of the KV head's G heads), head-major, each head's
+  // queries padded to the lane count: q (transformed, tempered, scaled), dO, lse and δ, and their
+  // transposes.
+  void load_rows() {
+    p_.layout_rows(seq_, kvh_, unit_.i0, unit_.count, false, rb_);
+    w_ = rb_.width;
+    grow(s_.q, w_ * dp_);
+    ldt_ = padded_stride(w_);
+    ldkv_ = padded_stride(dp_);
+    grow(s_.qt, dp_ * ldt_);
+    grow(s_.dout, w_ * dp_);
+    grow(s_.doutt, dp_ * ldt_);
+    grow(s_.dq, w_ * dp_);
+    grow(s_.lse, w_);
+    grow(s_.delta, w_);
+    grow(s_.o, dp_);
+    std::fill(s_.dq.begin(), s_.dq.begin() + w_ * dp_, 0.0f);
+    s_.exact_rows.clear();
+    for (std::int64_t r = 0; r < w_; ++r) {
+      float* qrow = s_.q.data() + r * dp_;
+      float* drow = s_.dout.data() + r * dp_;
+      if (rb_.head[static_cast<std::size_t>(r)] < 0) {
+        std::fill(qrow, qrow + dp_, 0.0f);
+        std::fill(drow, drow + dp_, 0.0f);
+        s_.lse[static_cast<std::size_t>(r)] = 0.0f;
+        s_.delta[static_cast<std::size_t>(r)] = 0.0f;
+      } else {
+        load_row(r, qrow, drow);
       }
-      // δ = dO·O equals Σ_j P_ij·dP_ij, the softmax backward's form, for finite dO. With an inf
-      // in dO every dP_ij is ±inf or NaN, so every dS of the row is NaN whatever δ is: the tiles
-      // get NaN, and the sum itself (±inf when every dP_ij is one infinity: a sink's gradient)
-      // accumulates over the visible pairs (exact_delta) for the terms' finish_backward.
-      s.delta[static_cast<std::size_t>(r)] =
-          finite ? static_cast<float>(delta) : std::numeric_limits<float>::quiet_NaN();
-      if (!finite) s.exact_rows.push_back(r);
-      s.lse[static_cast<std::size_t>(r)] = read_lse(lse, seq, h, i);
-      dead_rows = dead_rows || s.lse[static_cast<std::size_t>(r)] == kNegInf;
-    }
-    for (std::int64_t t = 0; t < d; ++t) {
-      s.qt[static_cast<std::size_t>(t * ldt + r)] = qrow[t];
-      s.doutt[static_cast<std::size_t>(t * ldt + r)] = drow[t];
+      for (std::int64_t t = 0; t < d_; ++t) {
+        s_.qt[static_cast<std::size_t>(t * ldt_ + r)] = qrow[t];
+        s_.doutt[static_cast<std::size_t>(t * ldt_ + r)] = drow[t];
+      }
     }
   }
-  const bool keys_transformed = tq.kind != QKTables::kNone && tq.transform_keys;
-  // The far-tile skip (tile_vanishes, against each row's lse): the rows' |scale·q|, and the
-  // current tile's largest |k| once a row block asks for it (−1: not yet).
-  double tile_key_norm = -1;
-  if (skip_far_tiles) {
-    grow(s.row_norm, w);
-    row_norms(s.q.data(), dp, w, d, s.row_norm.data());
+
+  void load_row(std::int64_t r, float* qrow, float* drow) {
+    const std::int64_t h = rb_.head[static_cast<std::size_t>(r)];
+    const std::int64_t i = rb_.query[static_cast<std::size_t>(r)];
+    p_.load_row(p_.q_data, p_.qg, seq_.b, seq_.q0 + i, h, qrow);
+    p_.transform_row(tq_, true, p_.q_table_row(seq_, i), qrow, 1.0f);
+    p_.temper_row(qrow, rb_.position[static_cast<std::size_t>(r)]);
+    for (const auto& term : p_.terms) term->adjust_query(h, qrow);
+    for (std::int64_t t = 0; t < d_; ++t) qrow[t] *= p_.scale;
+    p_.load_row_as(call_.d_out, call_.dog, seq_.b, seq_.q0 + i, h, drow);
+    p_.load_row_as(call_.out, call_.og, seq_.b, seq_.q0 + i, h, s_.o.data());
+    double delta = 0;
+    bool finite = true;
+    for (std::int64_t t = 0; t < d_; ++t) {
+      delta += static_cast<double>(drow[t]) * s_.o[static_cast<std::size_t>(t)];
+      finite = finite && std::isfinite(drow[t]);
+    }
+    // δ = dO·O equals Σ_j P_ij·dP_ij, the softmax backward's form, for finite dO. With an inf
+    // in dO every dP_ij is ±inf or NaN, so every dS of the row is NaN whatever δ is: the tiles
+    // get NaN, and the sum itself (±inf when every dP_ij is one infinity: a sink's gradient)
+    // accumulates over the visible pairs (exact_delta) for the terms' finish_backward.
+    s_.delta[static_cast<std::size_t>(r)] =
+        finite ? static_cast<float>(delta) : std::numeric_limits<float>::quiet_NaN();
+    if (!finite) s_.exact_rows.push_back(r);
+    s_.lse[static_cast<std::size_t>(r)] = p_.read_lse(call_.lse, seq_, h, i);
+    dead_rows_ = dead_rows_ || s_.lse[static_cast<std::size_t>(r)] == kNegInf;
   }
-  grow(s.k, backward_key_tile * ldkv);
-  grow(s.v, backward_key_tile * ldkv);
-  grow(s.dk, backward_key_tile * dp);
-  grow(s.dv, backward_key_tile * dp);
-  // Row blocks of at most query_block·G rows share one key tile pass.
-  const std::int64_t rows_per_block = round_up(query_block * group_size, kAttnAlign);
-  grow(s.st, backward_key_tile * rows_per_block);
-  grow(s.dpt, backward_key_tile * rows_per_block);
-  grow(s.kpos, backward_key_tile);
-  // Bias-gradient histograms over δ per head of the unit (distance tables) and the direct path.
-  if (unit_grads != nullptr) {
-    grow(s.hist, group_size * hist_width);
-    std::fill(s.hist.begin(), s.hist.begin() + group_size * hist_width, 0.0);
+
+  // The tiles' scratch, the far-tile skip's row norms, the bias histograms and the terms' rows.
+  void prepare() {
+    if (p_.skip_far_tiles) {
+      grow(s_.row_norm, w_);
+      row_norms(s_.q.data(), dp_, w_, d_, s_.row_norm.data());
+    }
+    const std::int64_t tile = p_.backward_key_tile;
+    grow(s_.k, tile * ldkv_);
+    grow(s_.v, tile * ldkv_);
+    grow(s_.dk, tile * dp_);
+    grow(s_.dv, tile * dp_);
+    // Row blocks of at most query_block·G rows share one key tile pass.
+    rows_per_block_ = round_up(p_.query_block * p_.group_size, kAttnAlign);
+    grow(s_.st, tile * rows_per_block_);
+    grow(s_.dpt, tile * rows_per_block_);
+    grow(s_.kpos, tile);
+    // Bias-gradient histograms over δ per head of the unit (distance tables) and the direct path.
+    if (unit_.bias_grads != nullptr) {
+      grow(s_.hist, p_.group_size * p_.hist_width);
+      std::fill(s_.hist.begin(), s_.hist.begin() + p_.group_size * p_.hist_width, 0.0);
+    }
+    if (!s_.exact_rows.empty()) s_.exact_delta.assign(static_cast<std::size_t>(w_), 0.0);
+    if (s_.terms.size() < p_.terms.size()) s_.terms.resize(p_.terms.size());
+    TermRows term_rows;
+    term_rows.seq = &seq_;
+    term_rows.rows = &rb_;
+    term_rows.kvh = kvh_;
+    term_rows.q = s_.q.data();
+    term_rows.qt = s_.qt.data();
+    term_rows.ldt = ldt_;
+    term_rows.dout = s_.dout.data();
+    term_rows.doutt = s_.doutt.data();
+    term_rows.dq = s_.dq.data();
+    term_rows.lse = s_.lse.data();
+    term_rows.delta = s_.delta.data();
+    for (std::size_t t = 0; t < p_.terms.size(); ++t)
+      p_.terms[t]->begin_backward(term_rows, unit_.term_grads[t], s_.terms[t]);
   }
-  if (!s.exact_rows.empty()) s.exact_delta.assign(static_cast<std::size_t>(w), 0.0);
-  if (s.terms.size() < terms.size()) s.terms.resize(terms.size());
-  TermRows term_rows;
-  term_rows.seq = &seq;
-  term_rows.rows = &rb;
-  term_rows.kvh = kvh;
-  term_rows.q = s.q.data();
-  term_rows.qt = s.qt.data();
-  term_rows.ldt = ldt;
-  term_rows.dout = s.dout.data();
-  term_rows.doutt = s.doutt.data();
-  term_rows.dq = s.dq.data();
-  term_rows.lse = s.lse.data();
-  term_rows.delta = s.delta.data();
-  for (std::size_t t = 0; t < terms.size(); ++t) terms[t]->begin_backward(term_rows, unit.term_grads[t], s.terms[t]);
+
   // Loads the keys [k0, k0 + keys) (transformed) and values into s.k, s.v and their positions into
   // s.kpos.
-  const auto load_keys = [&](std::int64_t k0, std::int64_t keys) {
+  void load_keys(std::int64_t k0, std::int64_t keys) {
     for (std::int64_t j = 0; j < keys; ++j) {
-      float* krow = s.k.data() + j * ldkv;
-      load_row(k_data, kg, seq.b, seq.k0 + k0 + j, kvh, krow);
-      if (keys_transformed) transform_row(tq, false, k_table_row(seq, k0 + j), krow, 1.0f);
-      load_row(v_data, vg, seq.b, seq.k0 + k0 + j, kvh, s.v.data() + j * ldkv);
-      s.kpos[static_cast<std::size_t>(j)] = k_position(seq, k0 + j);
+      float* krow = s_.k.data() + j * ldkv_;
+      p_.load_row(p_.k_data, p_.kg, seq_.b, seq_.k0 + k0 + j, kvh_, krow);
+      if (keys_transformed_) p_.transform_row(tq_, false, p_.k_table_row(seq_, k0 + j), krow, 1.0f);
+      p_.load_row(p_.v_data, p_.vg, seq_.b, seq_.k0 + k0 + j, kvh_, s_.v.data() + j * ldkv_);
+      s_.kpos[static_cast<std::size_t>(j)] = p_.k_position(seq_, k0 + j);
     }
-  };
+  }
+
   // Whether any row of [r0, r0 + bw) sees the keys [k0, k0 + keys), and whether all valid rows
   // see all of them.
-  const auto coverage = [&](std::int64_t r0, std::int64_t bw, std::int64_t k0, std::int64_t keys, bool* full) {
+  bool coverage(std::int64_t r0, std::int64_t bw, std::int64_t k0, std::int64_t keys, bool* full) const {
     bool any = false;
     *full = true;
     for (std::int64_t r = r0; r < r0 + bw; ++r) {
       // A padding row sees no key, so its block is not full: the mask gives it −inf logits, which
       // terms and biases would otherwise fill from other rows' positions (a forget gate's
       // c_{k0} − c_j reaches +100: exp() infinite, and 0·inf into dK through its zero query).
-      if (rb.head[static_cast<std::size_t>(r)] < 0) {
+      if (rb_.head[static_cast<std::size_t>(r)] < 0) {
         *full = false;
         continue;
       }
-      const bool sees = rb.lo[static_cast<std::size_t>(r)] < k0 + keys && rb.hi[static_cast<std::size_t>(r)] > k0;
+      const bool sees = rb_.lo[static_cast<std::size_t>(r)] < k0 + keys && rb_.hi[static_cast<std::size_t>(r)] > k0;
       any = any || sees;
-      *full = *full && rb.lo[static_cast<std::size_t>(r)] <= k0 && rb.hi[static_cast<std::size_t>(r)] >= k0 + keys;
+      *full = *full && rb_.lo[static_cast<std::size_t>(r)] <= k0 && rb_.hi[static_cast<std::size_t>(r)] >= k0 + keys;
     }
     return any;
-  };
+  }
+
+  // Every probability of the step 0 (the far-tile skip against each row's lse): dS = 0 and the
+  // products would add only zeros.
+  bool vanishes(const RowBlock& sub, std::int64_t r0, std::int64_t k0, std::int64_t keys, const float* k_rows,
+                const std::int64_t* kpos) {
+    const auto [k_lo, k_hi] = std::minmax_element(kpos, kpos + keys);
+    return tile_vanishes(p_, seq_, sub, s_.row_norm.data() + r0, s_.lse.data() + r0, *k_lo, *k_hi, k0, k0 + keys - 1,
+                         [&] {
+                           if (tile_key_norm_ < 0) tile_key_norm_ = row_norms(k_rows, ldkv_, keys, d_, nullptr);
+                           return tile_key_norm_;
+                         });
+  }
+
   // One (key tile, row block) step: S, P, dP, dS and the products into dk, dv (rows for the tile's
-  // keys), dq; the schemes' terms.
-  // k_rows, v_rows: the tile's key and value rows, ldkv apart; kpos: their positions.
-  const auto step = [&](const RowBlock& sub, std::int64_t r0, std::int64_t k0, std::int64_t keys, bool full,
-                        const float* k_rows, const float* v_rows, const std::int64_t* kpos, float* dk_rows,
-                        float* dv_rows) {
+  // keys), dq; the schemes' terms. k_rows, v_rows: the tile's key and value rows, ldkv apart;
+  // kpos: their positions.
+  void step(const RowBlock& sub, std::int64_t r0, std::int64_t k0, std::int64_t keys, bool full, const float* k_rows,
+            const float* v_rows, const std::int64_t* kpos, float* dk_rows, float* dv_rows) {
     const std::int64_t bw = sub.width;
-    ++s.steps;
-    if (skip_far_tiles) {
-      // Every probability 0: dS = 0 and the products would add only zeros.
-      const auto [k_lo, k_hi] = std::minmax_element(kpos, kpos + keys);
-      const bool vanishes = tile_vanishes(*this, seq, sub, s.row_norm.data() + r0, s.lse.data() + r0, *k_lo, *k_hi, k0,
-                                          k0 + keys - 1, [&] {
-                                            if (tile_key_norm < 0)
-                                              tile_key_norm = row_norms(k_rows, ldkv, keys, d, nullptr);
-                                            return tile_key_norm;
-                                          });
-      if (vanishes) {
-        ++s.skipped_steps;
-        return;
-      }
+    ++s_.steps;
+    if (p_.skip_far_tiles && vanishes(sub, r0, k0, keys, k_rows, kpos)) {
+      ++s_.skipped_steps;
+      return;
     }
     // S^T = K·Q^T, biases, soft-cap, mask; dP^T = V·dO^T.
-    kernels::attn_gemm(k_rows, ldkv, 1, s.qt.data() + r0, ldt, s.st.data(), bw, keys, bw, d, false);
-    add_bias(seq, sub, k0, keys, kpos, s.st.data());
-    const TermTile tile = term_tile(seq, sub, r0, k0, keys, kpos, false);
-    for (std::size_t t = 0; t < terms.size(); ++t) terms[t]->add_scores(tile, s.st.data(), s.terms[t]);
-    if (mask.softcap > 0) kernels::attn_softcap_tile(s.st.data(), keys, bw, static_cast<float>(mask.softcap));
-    if (!full) kernels::attn_mask_tile(s.st.data(), keys, bw, k0, sub.lo.data(), sub.hi.data());
-    kernels::attn_gemm(v_rows, ldkv, 1, s.doutt.data() + r0, ldt, s.dpt.data(), bw, keys, bw, d, false);
-    for (std::size_t t = 0; t < terms.size(); ++t) terms[t]->add_dp(tile, s.dpt.data(), s.terms[t]);
-    if (!s.exact_rows.empty()) {
-      sum_exact_delta(sub, r0, k0, keys, s.st.data(), s.dpt.data(), s.lse.data(), s.exact_rows, s.exact_delta);
+    kernels::attn_gemm(k_rows, ldkv_, 1, s_.qt.data() + r0, ldt_, s_.st.data(), bw, keys, bw, d_, false);
+    p_.add_bias(seq_, sub, k0, keys, kpos, s_.st.data());
+    const TermTile tile = term_tile(seq_, sub, r0, k0, keys, kpos, false);
+    for (std::size_t t = 0; t < p_.terms.size(); ++t) p_.terms[t]->add_scores(tile, s_.st.data(), s_.terms[t]);
+    if (p_.mask.softcap > 0) kernels::attn_softcap_tile(s_.st.data(), keys, bw, static_cast<float>(p_.mask.softcap));
+    if (!full) kernels::attn_mask_tile(s_.st.data(), keys, bw, k0, sub.lo.data(), sub.hi.data());
+    kernels::attn_gemm(v_rows, ldkv_, 1, s_.doutt.data() + r0, ldt_, s_.dpt.data(), bw, keys, bw, d_, false);
+    for (std::size_t t = 0; t < p_.terms.size(); ++t) p_.terms[t]->add_dp(tile, s_.dpt.data(), s_.terms[t]);
+    if (!s_.exact_rows.empty()) {
+      sum_exact_delta(sub, r0, k0, keys, s_.st.data(), s_.dpt.data(), s_.lse.data(), s_.exact_rows, s_.exact_delta);
     }
     // P^T, dS^T (with the soft-cap's derivative).
-    kernels::attn_backward_tile(s.st.data(), s.dpt.data(), keys, bw, s.lse.data() + r0, s.delta.data() + r0,
-                                static_cast<float>(mask.softcap));
+    kernels::attn_backward_tile(s_.st.data(), s_.dpt.data(), keys, bw, s_.lse.data() + r0, s_.delta.data() + r0,
+                                static_cast<float>(p_.mask.softcap));
     // A partly masked tile (padding rows included, whose zero q meets an infinite key as NaN; or
     // one with a row whose logits were all −inf) whose operands hold inf or NaN (engine.hpp:
     // rows_non_finite): the pairs that do not count get P = dS = 0 exactly, and the products sum
     // over the others only.
     const bool exact =
-        (!full || dead_rows) &&
-        (rows_non_finite(s.q.data() + r0 * dp, dp, bw, d) || rows_non_finite(s.dout.data() + r0 * dp, dp, bw, dim_v) ||
-         rows_non_finite(k_rows, ldkv, keys, d) || rows_non_finite(v_rows, ldkv, keys, dim_v) ||
-         rows_non_finite(s.lse.data() + r0, 0, 1, bw) || rows_non_finite(s.delta.data() + r0, 0, 1, bw));
-    if (exact) zero_masked_pairs(sub, s.lse.data() + r0, k0, keys, s.st.data(), s.dpt.data());
-    for (std::size_t t = 0; t < terms.size(); ++t) terms[t]->backward_tile(tile, s.st.data(), s.dpt.data(), s.terms[t]);
+        (!full || dead_rows_) &&
+        (rows_non_finite(s_.q.data() + r0 * dp_, dp_, bw, d_) ||
+         rows_non_finite(s_.dout.data() + r0 * dp_, dp_, bw, p_.dim_v) || rows_non_finite(k_rows, ldkv_, keys, d_) ||
+         rows_non_finite(v_rows, ldkv_, keys, p_.dim_v) || rows_non_finite(s_.lse.data() + r0, 0, 1, bw) ||
+         rows_non_finite(s_.delta.data() + r0, 0, 1, bw));
+    if (exact) zero_masked_pairs(sub, s_.lse.data() + r0, k0, keys, s_.st.data(), s_.dpt.data());
+    for (std::size_t t = 0; t < p_.terms.size(); ++t)
+      p_.terms[t]->backward_tile(tile, s_.st.data(), s_.dpt.data(), s_.terms[t]);
     if (exact) {
-      visible_products(sub, s.lse.data() + r0, k0, keys, s.st.data(), s.dpt.data(), s.dout.data() + r0 * dp,
-                       s.q.data() + r0 * dp, k_rows, ldkv, dp, dv_rows, dk_rows, s.dq.data() + r0 * dp);
+      visible_products(sub, s_.lse.data() + r0, k0, keys, s_.st.data(), s_.dpt.data(), s_.dout.data() + r0 * dp_,
+                       s_.q.data() + r0 * dp_, k_rows, ldkv_, dp_, dv_rows, dk_rows, s_.dq.data() + r0 * dp_);
     } else {
       // dV += P^T·dO, dK += dS^T·Q (Q carries the scale), dQ += dS·K.
-      kernels::attn_gemm(s.st.data(), bw, 1, s.dout.data() + r0 * dp, dp, dv_rows, dp, keys, dp, bw, true);
-      kernels::attn_gemm(s.dpt.data(), bw, 1, s.q.data() + r0 * dp, dp, dk_rows, dp, keys, dp, bw, true);
-      kernels::attn_gemm(s.dpt.data(), 1, bw, k_rows, ldkv, s.dq.data() + r0 * dp, dp, bw, dp, keys, true);
+      kernels::attn_gemm(s_.st.data(), bw, 1, s_.dout.data() + r0 * dp_, dp_, dv_rows, dp_, keys, dp_, bw, true);
+      kernels::attn_gemm(s_.dpt.data(), bw, 1, s_.q.data() + r0 * dp_, dp_, dk_rows, dp_, keys, dp_, bw, true);
+      kernels::attn_gemm(s_.dpt.data(), 1, bw, k_rows, ldkv_, s_.dq.data() + r0 * dp_, dp_, bw, dp_, keys, true);
     }
-    if (unit_grads != nullptr) accumulate_bias_gradients(seq, sub, k0, keys, kpos, s.dpt.data(), s, kvh, unit_grads);
-  };
+    if (unit_.bias_grads != nullptr)
+      p_.accumulate_bias_gradients(seq_, sub, k0, keys, kpos, s_.dpt.data(), s_, kvh_, unit_.bias_grads);
+  }
+
   // dK (rotated back; the query scale is already in it) and dV rows of keys [k0, k0 + keys).
   // A split unit writes them into its part instead (keys [part_key_lo, part_key_hi), dK rows then
   // dV rows), for backward() to sum over the ranges.
-  const auto store_keys = [&](std::int64_t k0, std::int64_t keys, float* dk_rows, const float* dv_rows) {
+  void store_keys(std::int64_t k0, std::int64_t keys, float* dk_rows, const float* dv_rows) {
+    const std::int64_t lo = unit_.part_key_lo, hi = unit_.part_key_hi;
     for (std::int64_t j = 0; j < keys; ++j) {
-      float* dkrow = dk_rows + j * dp;
-      if (kv_part != nullptr) {
+      float* dkrow = dk_rows + j * dp_;
+      if (unit_.kv_part != nullptr) {
         // A tile can reach past the keys the unit's rows see; those rows of dK, dV are 0 here.
-        if (k0 + j < part_key_lo || k0 + j >= part_key_hi) continue;
-        if (keys_transformed) transform_row(tq, false, k_table_row(seq, k0 + j), dkrow, -1.0f);
-        float* part_row = kv_part + (k0 + j - part_key_lo) * d;
-        std::copy(dkrow, dkrow + d, part_row);
-        std::copy(dv_rows + j * dp, dv_rows + j * dp + d, part_row + (part_key_hi - part_key_lo) * d);
+        if (k0 + j < lo || k0 + j >= hi) continue;
+        if (keys_transformed_) p_.transform_row(tq_, false, p_.k_table_row(seq_, k0 + j), dkrow, -1.0f);
+        float* part_row = unit_.kv_part + (k0 + j - lo) * d_;
+        std::copy(dkrow, dkrow + d_, part_row);
+        std::copy(dv_rows + j * dp_, dv_rows + j * dp_ + d_, part_row + (hi - lo) * d_);
         continue;
       }
-      if (dk != nullptr) {
-        if (keys_transformed) transform_row(tq, false, k_table_row(seq, k0 + j), dkrow, -1.0f);
-        store_row_to(dkrow, *dk, dkg, seq.b, seq.k0 + k0 + j, kvh);
+      if (call_.dk != nullptr) {
+        if (keys_transformed_) p_.transform_row(tq_, false, p_.k_table_row(seq_, k0 + j), dkrow, -1.0f);
+        p_.store_row_to(dkrow, *call_.dk, call_.dkg, seq_.b, seq_.k0 + k0 + j, kvh_);
       }
-      if (dv != nullptr) store_row_to(dv_rows + j * dp, *dv, dvg, seq.b, seq.k0 + k0 + j, kvh);
+      if (call_.dv != nullptr) p_.store_row_to(dv_rows + j * dp_, *call_.dv, call_.dvg, seq_.b, seq_.k0 + k0 + j, kvh_);
     }
-  };
-  if (!call.rows_outer) {
-    // Key tiles outer: dk and dv finish per tile.
-    for (std::int64_t k0 = 0; k0 < seq.lk; k0 += backward_key_tile) {
-      const std::int64_t keys = std::min(backward_key_tile, seq.lk - k0);
+  }
+
+  // Key tiles outer: dk and dv finish per tile.
+  void keys_outer() {
+    for (std::int64_t k0 = 0; k0 < seq_.lk; k0 += p_.backward_key_tile) {
+      const std::int64_t keys = std::min(p_.backward_key_tile, seq_.lk - k0);
       bool full = true;
-      if (!coverage(0, w, k0, keys, &full)) continue;
+      if (!coverage(0, w_, k0, keys, &full)) continue;
       load_keys(k0, keys);
-      tile_key_norm = -1;
-      std::fill(s.dk.begin(), s.dk.begin() + keys * dp, 0.0f);
-      std::fill(s.dv.begin(), s.dv.begin() + keys * dp, 0.0f);
-      for (std::int64_t r0 = 0; r0 < w; r0 += rows_per_block) {
-        const std::int64_t bw = std::min(rows_per_block, w - r0);
+      tile_key_norm_ = -1;
+      std::fill(s_.dk.begin(), s_.dk.begin() + keys * dp_, 0.0f);
+      std::fill(s_.dv.begin(), s_.dv.begin() + keys * dp_, 0.0f);
+      for (std::int64_t r0 = 0; r0 < w_; r0 += rows_per_block_) {
+        const std::int64_t bw = std::min(rows_per_block_, w_ - r0);
         if (!coverage(r0, bw, k0, keys, &full)) continue;
         RowBlock sub;
-        rb.slice(r0, bw, sub);
-        step(sub, r0, k0, keys, full, s.k.data(), s.v.data(), s.kpos.data(), s.dk.data(), s.dv.data());
+        rb_.slice(r0, bw, sub);
+        step(sub, r0, k0, keys, full, s_.k.data(), s_.v.data(), s_.kpos.data(), s_.dk.data(), s_.dv.data());
       }
-      store_keys(k0, keys, s.dk.data(), s.dv.data());
+      store_keys(k0, keys, s_.dk.data(), s_.dv.data());
     }
-  } else {
-    // Row blocks outer (ScoreTerm::rows_outer: Transformer-XL, whose window of Qs·P(δ) dots and
-    // of dS sums slides down the δ range with the tiles instead of being rebuilt per tile); dk
-    // and dv accumulate for the whole sequence (rows in the same order as above). The sequence's
-    // keys and values are loaded once for all the row blocks (reloading them per block cost a
-    // quarter of XL's time).
-    grow(s.k, seq.lk * ldkv);
-    grow(s.v, seq.lk * ldkv);
-    grow(s.kpos, seq.lk);
-    load_keys(0, seq.lk);
-    grow(s.dk, seq.lk * dp);
-    grow(s.dv, seq.lk * dp);
-    std::fill(s.dk.begin(), s.dk.begin() + seq.lk * dp, 0.0f);
-    std::fill(s.dv.begin(), s.dv.begin() + seq.lk * dp, 0.0f);
-    for (std::int64_t r0 = 0; r0 < w; r0 += rows_per_block) {
-      const std::int64_t bw = std::min(rows_per_block, w - r0);
+  }
+
+  // Row blocks outer (ScoreTerm::rows_outer: Transformer-XL, whose window of Qs·P(δ) dots and of
+  // dS sums slides down the δ range with the tiles instead of being rebuilt per tile); dk and dv
+  // accumulate for the whole sequence (rows in the same order as keys_outer). The sequence's keys
+  // and values are loaded once for all the row blocks (reloading them per block cost a quarter of
+  // XL's time).
+  void rows_outer() {
+    const std::int64_t lk = seq_.lk, tile = p_.backward_key_tile;
+    grow(s_.k, lk * ldkv_);
+    grow(s_.v, lk * ldkv_);
+    grow(s_.kpos, lk);
+    load_keys(0, lk);
+    grow(s_.dk, lk * dp_);
+    grow(s_.dv, lk * dp_);
+    std::fill(s_.dk.begin(), s_.dk.begin() + lk * dp_, 0.0f);
+    std::fill(s_.dv.begin(), s_.dv.begin() + lk * dp_, 0.0f);
+    for (std::int64_t r0 = 0; r0 < w_; r0 += rows_per_block_) {
+      const std::int64_t bw = std::min(rows_per_block_, w_ - r0);
       RowBlock sub;
-      rb.slice(r0, bw, sub);
-      for (std::int64_t k0 = 0; k0 < seq.lk; k0 += backward_key_tile) {
-        const std::int64_t keys = std::min(backward_key_tile, seq.lk - k0);
+      rb_.slice(r0, bw, sub);
+      for (std::int64_t k0 = 0; k0 < lk; k0 += tile) {
+        const std::int64_t keys = std::min(tile, lk - k0);
         bool full = true;
         if (!coverage(r0, bw, k0, keys, &full)) continue;
-        const std::int64_t* kpos = s.kpos.data() + k0;
-        step(sub, r0, k0, keys, full, s.k.data() + k0 * ldkv, s.v.data() + k0 * ldkv, kpos, s.dk.data() + k0 * dp,
-             s.dv.data() + k0 * dp);
+        step(sub, r0, k0, keys, full, s_.k.data() + k0 * ldkv_, s_.v.data() + k0 * ldkv_, s_.kpos.data() + k0,
+             s_.dk.data() + k0 * dp_, s_.dv.data() + k0 * dp_);
       }
-      for (std::size_t t = 0; t < terms.size(); ++t) terms[t]->end_rows(sub, r0, s.terms[t]);
+      for (std::size_t t = 0; t < p_.terms.size(); ++t) p_.terms[t]->end_rows(sub, r0, s_.terms[t]);
     }
-    for (std::int64_t k0 = 0; k0 < seq.lk; k0 += backward_key_tile) {
-      store_keys(k0, std::min(backward_key_tile, seq.lk - k0), s.dk.data() + k0 * dp, s.dv.data() + k0 * dp);
+    for (std::int64_t k0 = 0; k0 < lk; k0 += tile) {
+      store_keys(k0, std::min(tile, lk - k0), s_.dk.data() + k0 * dp_, s_.dv.data() + k0 * dp_);
     }
   }
-  for (const std::int64_t r : s.exact_rows) {
-    s.delta[static_cast<std::size_t>(r)] = static_cast<float>(s.exact_delta[static_cast<std::size_t>(r)]);
-  }
-  for (std::size_t t = 0; t < terms.size(); ++t) terms[t]->finish_backward(s.terms[t]);
+
   // dQ: times the scale (and the temperature), rotated back.
-  if (dq != nullptr) {
-    for (std::int64_t r = 0; r < w; ++r) {
-      const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
+  void store_dq() {
+    for (std::int64_t r = 0; r < w_; ++r) {
+      const std::int64_t h = rb_.head[static_cast<std::size_t>(r)];
       if (h < 0) continue;
-      const std::int64_t i = rb.query[static_cast<std::size_t>(r)];
-      float* row = s.dq.data() + r * dp;
-      for (std::int64_t t = 0; t < d; ++t) row[t] *= scale;
-      temper_row(row, rb.position[static_cast<std::size_t>(r)]);
-      transform_row(tq, true, q_table_row(seq, i), row, -1.0f);
-      store_row_to(row, *dq, dqg, seq.b, seq.q0 + i, h);
+      const std::int64_t i = rb_.query[static_cast<std::size_t>(r)];
+      float* row = s_.dq.data() + r * dp_;
+      for (std::int64_t t = 0; t < d_; ++t) row[t] *= p_.scale;
+      p_.temper_row(row, rb_.position[static_cast<std::size_t>(r)]);
+      p_.transform_row(tq_, true, p_.q_table_row(seq_, i), row, -1.0f);
+      p_.store_row_to(row, *call_.dq, call_.dqg, seq_.b, seq_.q0 + i, h);
     }
   }
-  if (unit_grads != nullptr) finish_bias_gradients(s, kvh, unit_grads);
+
+  const AttentionPlan& p_;
+  const AttentionPlan::BackwardCall& call_;
+  const AttentionPlan::BackwardUnit& unit_;
+  const Sequence& seq_;
+  const std::int64_t kvh_;
+  AttentionUnitScratch& s_;
+  RowBlock& rb_;
+  const std::int64_t dp_, d_;
+  const QKTables& tq_;
+  std::int64_t w_ = 0, ldt_ = 0, ldkv_ = 0, rows_per_block_ = 0;
+  bool keys_transformed_ = false;
+  bool dead_rows_ = false;  // a row whose logits are all −inf (lse −inf): full tiles check too
+  // The current tile's largest |k| once a row block's far-tile check asks for it (−1: not yet).
+  double tile_key_norm_ = -1;
+};
+
+}  // namespace
+
+void AttentionPlan::backward_unit(const BackwardCall& call, const BackwardUnit& unit, AttentionUnitScratch& s,
+                                  RowBlock& rb) const {
+  UnitBackward(*this, call, unit, s, rb).run();
 }
 
 }  // namespace posenc::detail

@@ -66,22 +66,9 @@ CopeBackwardGrids check_cope_backward(const CopeSpec& spec, const CopeShape& sha
                                       ConstTensorView lse, ConstTensorView d_out, ConstTensorView dq,
                                       ConstTensorView dk, ConstTensorView dv, ConstTensorView d_table) {
   CopeBackwardGrids g;
-  g.og = check_output_tokens(kCope, "out", out, shape.out_grid());
-  check_out_dtype(kCope, shape, out);
+  static_cast<QkvBackwardGrids&>(g) = check_qkv_backward(kCope, shape, out, d_out, dq, dk, dv);
   require(lse.rank() > 0, "lse", "empty", "the forward's lse");
   g.lse = check_row_stat(kCope, shape, "lse", lse, false);
-  g.dog = check_output_tokens(kCope, "d_out", d_out, shape.out_grid());
-  check_dtype(kCope, "d_out", d_out.dtype(), shape.dtype);
-  const auto gradient = [&](const char* name, ConstTensorView view, const HeadsGrid& like) {
-    if (!given(view)) return HeadsGrid{};
-    const HeadsGrid grid = check_output_tokens(kCope, name, view, like);
-    check_dtype(kCope, name, view.dtype(), shape.dtype);
-    check_writable(kCope, name, view);
-    return grid;
-  };
-  g.dqg = gradient("dq", dq, shape.qg);
-  g.dkg = gradient("dk", dk, shape.kg);
-  g.dvg = gradient("dv", dv, shape.vg);
   if (given(d_table)) {
     g.d_table = table_grid(shape, "d_table", d_table);
     require(d_table.size(0) == shape.npos && d_table.dtype() == shape.table.dtype, "d_table", d_table.describe(),

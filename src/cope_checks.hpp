@@ -35,8 +35,7 @@ CopeShape check_cope(const CopeSpec& spec);
 
 HeadsGrid check_cope_forward_outputs(const CopeSpec& spec, const CopeShape& shape, ConstTensorView out,
                                      ConstTensorView lse);
-struct CopeBackwardGrids {
-  HeadsGrid og, dog, dqg, dkg, dvg;
+struct CopeBackwardGrids : QkvBackwardGrids {
   RowStatGrid lse;
   TableGrid d_table;
 };

@@ -115,6 +115,26 @@ void check_out_dtype(const char* where, const QkvShape& shape, ConstTensorView o
   }
 }
 
+QkvBackwardGrids check_qkv_backward(const char* where, const QkvShape& shape, ConstTensorView out,
+                                    ConstTensorView d_out, ConstTensorView dq, ConstTensorView dk, ConstTensorView dv) {
+  QkvBackwardGrids g;
+  g.og = check_output_tokens(where, "out", out, shape.out_grid());
+  check_out_dtype(where, shape, out);
+  g.dog = check_output_tokens(where, "d_out", d_out, shape.out_grid());
+  check_dtype(where, "d_out", d_out.dtype(), shape.dtype);
+  const auto gradient = [&](const char* name, ConstTensorView view, const HeadsGrid& like) {
+    if (!given(view)) return HeadsGrid{};
+    const HeadsGrid grid = check_output_tokens(where, name, view, like);
+    check_dtype(where, name, view.dtype(), shape.dtype);
+    check_writable(where, name, view);
+    return grid;
+  };
+  g.dqg = gradient("dq", dq, shape.qg);
+  g.dkg = gradient("dk", dk, shape.kg);
+  g.dvg = gradient("dv", dv, shape.vg);
+  return g;
+}
+
 namespace rows {
 
 std::int64_t padded(std::int64_t w) { return w + kernels::kAttnAlign; }

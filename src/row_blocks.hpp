@@ -44,6 +44,13 @@ RowStatGrid check_row_stat(const char* where, const QkvShape& shape, const char*
                            bool writable);
 // out in the inputs' dtype, or f32 for any.
 void check_out_dtype(const char* where, const QkvShape& shape, ConstTensorView out);
+// A backward's out (q's layout, q's dtype or f32) and d_out (q's layout and dtype), and the
+// gradients asked for (dq, dk, dv like q, k, v and writable; an empty grid when not given).
+struct QkvBackwardGrids {
+  HeadsGrid og, dog, dqg, dkg, dvg;
+};
+QkvBackwardGrids check_qkv_backward(const char* where, const QkvShape& shape, ConstTensorView out,
+                                    ConstTensorView d_out, ConstTensorView dq, ConstTensorView dk, ConstTensorView dv);
 inline bool given(ConstTensorView v) { return v.rank() > 0 && v.data() != nullptr; }
 
 namespace rows {

@@ -53,25 +53,12 @@ SbBackwardGrids check_sb_backward(const StickBreakingSpec& spec, const SbShape& 
                                   ConstTensorView rem, ConstTensorView d_out, ConstTensorView d_rem, ConstTensorView dq,
                                   ConstTensorView dk, ConstTensorView dv) {
   SbBackwardGrids g;
-  g.og = check_output_tokens(kStickBreaking, "out", out, shape.out_grid());
-  check_out_dtype(kStickBreaking, shape, out);
-  g.dog = check_output_tokens(kStickBreaking, "d_out", d_out, shape.out_grid());
-  check_dtype(kStickBreaking, "d_out", d_out.dtype(), shape.dtype);
+  static_cast<QkvBackwardGrids&>(g) = check_qkv_backward(kStickBreaking, shape, out, d_out, dq, dk, dv);
   if (given(d_rem)) {
     require(given(rem), "rem", "empty", "the forward's rem when d_rem is given");
     g.d_rem = check_rem(shape, "d_rem", d_rem, false);
   }
   if (given(rem)) g.rem = check_rem(shape, "rem", rem, false);
-  const auto gradient = [&](const char* name, ConstTensorView view, const HeadsGrid& like) {
-    if (!given(view)) return HeadsGrid{};
-    const HeadsGrid grid = check_output_tokens(kStickBreaking, name, view, like);
-    check_dtype(kStickBreaking, name, view.dtype(), shape.dtype);
-    check_writable(kStickBreaking, name, view);
-    return grid;
-  };
-  g.dqg = gradient("dq", dq, shape.qg);
-  g.dkg = gradient("dk", dk, shape.kg);
-  g.dvg = gradient("dv", dv, shape.vg);
   check_disjoint(
       kStickBreaking, {{"dq", dq}, {"dk", dk}, {"dv", dv}},
       {{"q", spec.q}, {"k", spec.k}, {"v", spec.v}, {"out", out}, {"rem", rem}, {"d_out", d_out}, {"d_rem", d_rem}});

@@ -34,8 +34,7 @@ HeadsGrid check_sb_forward_outputs(const StickBreakingSpec& spec, const SbShape&
                                    ConstTensorView rem);
 // Backward's arguments: out, d_out like out; rem when d_rem is given; dq, dk, dv (each optional)
 // like q, k, v and disjoint from everything else.
-struct SbBackwardGrids {
-  HeadsGrid og, dog, dqg, dkg, dvg;
+struct SbBackwardGrids : QkvBackwardGrids {
   RemGrid rem, d_rem;
 };
 SbBackwardGrids check_sb_backward(const StickBreakingSpec& spec, const SbShape& shape, ConstTensorView out,

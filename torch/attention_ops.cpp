@@ -49,6 +49,7 @@ class RelativeBiasFunction : public torch::autograd::Function<RelativeBiasFuncti
     TORCH_CHECK_VALUE(scheme.entry->family == "relative-bias", "relative_bias: scheme = ", scheme.entry->name,
                       "; expected a scheme of the relative-bias family (posenc.schemes())");
     const HeadGroup g = attention_group("relative_bias", "params", scheme, params, 1, 0.0);
+    TORCH_CHECK_VALUE(g.bias.has_value(), "relative_bias: scheme = ", scheme.entry->name, " builds no bias");
     return *g.bias;
   }
   static at::Tensor forward(AutogradContext* ctx, const c10::intrusive_ptr<SchemeClass>& scheme,
@@ -198,11 +199,12 @@ AttentionCall make_attention(const char* where, const at::Tensor& q, const at::T
   spec.mask.softcap = a.softcap;
   spec.scale = scale;
   if (a.q_positions) {
-    call.q_ids = a.q_positions->contiguous();
+    // A copy: Positions borrow it, and the caller may change its tensor before the backward.
+    call.q_ids = a.q_positions->clone(at::MemoryFormat::Contiguous);
     spec.q_positions = positions_of(where, "q_positions", call.q_ids);
   }
   if (a.k_positions) {
-    call.k_ids = a.k_positions->contiguous();
+    call.k_ids = a.k_positions->clone(at::MemoryFormat::Contiguous);
     spec.k_positions = positions_of(where, "k_positions", call.k_ids);
   }
   call.attention = std::make_unique<Attention>(spec);
@@ -395,14 +397,15 @@ void define_attention_ops(torch::Library& m) {
       "attention(Tensor q, Tensor k, Tensor v, __torch__.torch.classes.posenc.Scheme[] schemes, Tensor[] params, "
       "Tensor[] gates, Tensor? sinks, bool causal, int window_left, int window_right, int? chunk_size, "
       "__torch__.torch.classes.posenc.Temperature? temperature, float softcap, float? scale, Tensor? q_positions, "
-      "Tensor? k_positions, int[] cu_seqlens_q, int[] cu_seqlens_k, bool skip_vanishing_tiles) -> (Tensor, Tensor)",
+      "Tensor? k_positions, int[] cu_seqlens_q=[], int[] cu_seqlens_k=[], bool skip_vanishing_tiles=True) -> (Tensor, "
+      "Tensor)",
       &attention_op);
   m.def(
       "attention_backward(Tensor q, Tensor k, Tensor v, __torch__.torch.classes.posenc.Scheme[] schemes, "
       "Tensor[] params, bool causal, int window_left, int window_right, int? chunk_size, "
       "__torch__.torch.classes.posenc.Temperature? temperature, float softcap, float? scale, Tensor? q_positions, "
-      "Tensor? k_positions, Tensor out, Tensor lse, Tensor d_out, int[] cu_seqlens_q, int[] cu_seqlens_k, "
-      "bool skip_vanishing_tiles) -> (Tensor, Tensor, Tensor, Tensor[])",
+      "Tensor? k_positions, Tensor out, Tensor lse, Tensor d_out, int[] cu_seqlens_q=[], int[] cu_seqlens_k=[], "
+      "bool skip_vanishing_tiles=True) -> (Tensor, Tensor, Tensor, Tensor[])",
       &attention_backward_op);
 }
 

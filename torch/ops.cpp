@@ -114,6 +114,12 @@ Positions positions_of(const char* where, const char* name, const at::Tensor& id
   return Positions::ids(span, ids.size(0), ids.size(1));
 }
 
+// The length that selects dynamic / longrope frequencies: 0 means the positions' max + 1.
+std::int64_t seq_len_of(const char* where, const char* name, std::int64_t seq_len) {
+  if (seq_len < 0) throw Error(where, name, std::to_string(seq_len), ">= 0 (0: the positions' max + 1)");
+  return seq_len;
+}
+
 RopeDirection direction_of(std::int64_t code) {
   if (code < 0 || code > 2)
     throw Error("rope", "direction", std::to_string(code), "0 (forward), 1 (backward) or 2 (inverse)");
@@ -218,7 +224,7 @@ std::tuple<at::Tensor, at::Tensor> rope_apply_tensors(const at::Tensor& q, const
     at::Tensor k_out = absent(k) ? q.new_empty({0}) : empty_output(k.sizes(), k.scalar_type());
     rope_apply(p, pos, const_view(where, "q", q), absent(k) ? ConstTensorView() : const_view(where, "k", k),
                mutable_view(where, "q_out", q_out), absent(k) ? TensorView() : mutable_view(where, "k_out", k_out),
-               direction_of(direction), seq_len);
+               direction_of(direction), seq_len_of(where, "seq_len", seq_len));
     return std::make_tuple(q_out, k_out);
   });
 }
@@ -232,7 +238,7 @@ void rope_apply_inplace(at::Tensor& q, at::Tensor& k, const at::Tensor& position
     const at::Tensor ids = positions.contiguous();
     const Positions pos = positions_of(where, "positions", ids);
     rope_apply(p, pos, mutable_view(where, "q", q), absent(k) ? TensorView() : mutable_view(where, "k", k),
-               direction_of(direction), seq_len);
+               direction_of(direction), seq_len_of(where, "seq_len", seq_len));
     return 0;
   });
 }
@@ -251,8 +257,8 @@ at::Tensor rope_rerotate_op(at::Tensor k, const at::Tensor& from_positions,
     const at::Tensor from_ids = from_positions.contiguous(), to_ids = to_positions.contiguous();
     const Positions from_pos = positions_of(where, "from_positions", from_ids);
     const Positions to_pos = positions_of(where, "to_positions", to_ids);
-    rope_rerotate(from, from_pos, from_seq_len, to, to_pos, to_seq_len, const_view(where, "k", k),
-                  mutable_view(where, "k", k));
+    rope_rerotate(from, from_pos, seq_len_of(where, "from_seq_len", from_seq_len), to, to_pos,
+                  seq_len_of(where, "to_seq_len", to_seq_len), const_view(where, "k", k), mutable_view(where, "k", k));
     return k;
   });
 }
@@ -296,7 +302,7 @@ std::tuple<at::Tensor, at::Tensor> rope_multi_tensors(const at::Tensor& q, const
     rope_apply_axes(p, axes, axis_rows, const_view(where, "q", q),
                     absent(k) ? ConstTensorView() : const_view(where, "k", k), mutable_view(where, "q_out", q_out),
                     absent(k) ? TensorView() : mutable_view(where, "k_out", k_out), direction_of(direction), restart,
-                    seq_len);
+                    seq_len_of(where, "seq_len", seq_len));
     return std::make_tuple(q_out, k_out);
   });
 }

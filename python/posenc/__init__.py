@@ -122,11 +122,12 @@ _DIRECTIONS = {"forward": 0, "backward": 1, "inverse": 2}
 
 def _rope_params(head_dim, rotary_dim, base, layout, scaling, max_position_embeddings, freq_factors=None, xpos=None,
                  rotary_offset=0):
-    """RoPE's parameters as the ops take them: a ``torch.classes.posenc.Rope`` (torch/classes.hpp),
+    """RoPE's parameters as the ops take them: a ``torch.classes.posenc.Rope`` (posenc/torch/classes.hpp),
     whose typed fields the library validates. ``scaling`` holds Hugging Face's ``rope_scaling``
     keys: ``rope_type`` (or the legacy ``type``), numbers, flags and the lists of factors."""
     head_dim = _int("rope", "head_dim", head_dim)
     rotary_dim = head_dim if rotary_dim is None else _int("rope", "rotary_dim", rotary_dim)
+    rotary_offset = 0 if rotary_offset is None else rotary_offset
     if isinstance(rotary_offset, bool) or not isinstance(rotary_offset, int):
         raise TypeError(f"rope: rotary_offset is {type(rotary_offset).__name__}; expected an int")
     params = {"head_dim": head_dim, "rotary_dim": rotary_dim, "base": _number("rope", "base", base),
@@ -145,6 +146,11 @@ def _rope_params(head_dim, rotary_dim, base, layout, scaling, max_position_embed
                 rope_type = value
         elif key in ("mrope_section", "mrope_interleaved"):
             continue  # Qwen-VL's M-RoPE layout: rope_multi's sections, not the frequencies
+        elif key == "rope_theta":
+            # transformers' rope_parameters carry the base too: it must be the one given.
+            if _number("rope", "scaling['rope_theta']", value) != params["base"]:
+                raise ValueError(f"rope: scaling['rope_theta'] = {value} but base = {params['base']}; expected "
+                                 "them equal (pass the config's rope_theta as base)")
         elif isinstance(value, (list, tuple)):
             factors[key] = [_number("rope", f"scaling[{key!r}][{i}]", x) for i, x in enumerate(value)]
         else:
@@ -406,7 +412,7 @@ def _scheme_entry(name):
 
 def _scheme(name, heads, options=None, rope=None):
     """One head group's registered scheme as the attention op takes it: a
-    ``torch.classes.posenc.Scheme`` (torch/classes.hpp) whose options are numbers (flags 0 or 1)."""
+    ``torch.classes.posenc.Scheme`` (posenc/torch/classes.hpp) whose options are numbers (flags 0 or 1)."""
     values = {}
     for key, value in (options or {}).items():
         if not isinstance(key, str):
@@ -797,13 +803,17 @@ class PositionTemperature:
                                 f"{'an int' if integer else 'a number'}")
             self.values[key] = value
         _finite("PositionTemperature", self.values)
-        # Validated by the library (ValueError naming the key).
-        self._object = torch.classes.posenc.Temperature(kind, {k: float(v) for k, v in self.values.items()})
+        self._object()  # validated by the library (ValueError naming the key)
+
+    def _object(self):
+        """The op's typed argument (built on demand: the module itself stays a plain, picklable value)."""
+        return torch.classes.posenc.Temperature(self.kind, {k: float(v) for k, v in self.values.items()})
 
     def factor(self, positions):
         """s(p) for an int64 tensor of positions (float64)."""
         positions = torch.as_tensor(positions, dtype=torch.long)
-        return torch.tensor([self._object.factor(int(p)) for p in positions.reshape(-1)],
+        temperature = self._object()
+        return torch.tensor([temperature.factor(int(p)) for p in positions.reshape(-1)],
                             dtype=torch.float64).reshape(positions.shape)
 
     def __repr__(self):
@@ -972,7 +982,7 @@ def _attention_args(q, k, v, scheme, causal, window, chunk_size, temperature, so
         raise ValueError(f"attention: scale = {scale}; expected a number > 0, or None for 1/sqrt(D)")
     return (q, k, v, schemes, params, gates, sinks, _flag("attention", "causal", causal),
             _int("attention", "window[0]", window[0]), _int("attention", "window[1]", window[1]), chunk_size,
-            None if temperature is None else temperature._object, _number("attention", "softcap", softcap),
+            None if temperature is None else temperature._object(), _number("attention", "softcap", softcap),
             None if scale is None else float(scale), None if q_positions is None else _positions(q_positions, 0),
             None if k_positions is None else _positions(k_positions, 0), cu_q, cu_k,
             _flag("attention", "skip_vanishing_tiles", skip_vanishing_tiles))

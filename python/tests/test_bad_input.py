@@ -82,3 +82,37 @@ def _qkv():
 def test_types_and_explicit_values_are_refused_by_name(call, error, match):
     with pytest.raises(error, match=match):
         call(*_qkv())
+
+
+def test_typed_boundary_keeps_values_and_refuses_by_name():
+    import copy
+    import pickle
+    # A temperature is a plain value: it copies and pickles (the op's object is built per call).
+    t = posenc.PositionTemperature(kind="mistral", beta=0.1, original_max_position_embeddings=16)
+    for other in (copy.deepcopy(t), pickle.loads(pickle.dumps(t))):
+        torch.testing.assert_close(other.factor(torch.arange(40)), t.factor(torch.arange(40)), rtol=0, atol=0)
+    q = torch.randn(1, 4, 2, 8)
+    with pytest.raises(ValueError, match=r"seq_len = -1; expected an int >= 0"):
+        posenc.rope(q, seq_len=-1)
+    with pytest.raises(ValueError, match=r"seq_len = -3; expected >= 0"):
+        torch.ops.posenc.rope(q, q.new_empty(0), torch.arange(4), posenc._rope_params(8, 8, 1e4, "half-split", None, 64),
+                              -3, 0)
+    # transformers' rope_parameters carry rope_theta: equal to base it is accepted, else refused.
+    same, _ = posenc.rope(q, base=5e5, scaling={"rope_type": "default", "rope_theta": 5e5})
+    torch.testing.assert_close(same, posenc.rope(q, base=5e5)[0], rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"rope_theta'\] = 500000.0 but base = 10000.0"):
+        posenc.rope(q, scaling={"rope_type": "default", "rope_theta": 5e5})
+
+
+def test_positions_changed_after_forward_do_not_change_the_backward():
+    q, k, v = (torch.randn(1, 6, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    positions = torch.arange(6)
+
+    def grads(change):
+        pos = positions.clone()
+        out = posenc.attention(q, k, v, "alibi", causal=True, q_positions=pos, k_positions=pos)
+        if change:
+            pos.mul_(7)
+        return torch.autograd.grad(out.sum(), [q, k, v])
+    for a, b in zip(grads(False), grads(True)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -1,6 +1,7 @@
 // AttentionSpec → AttentionPlan: validation (once), sequences, default positions, the per-group
 // transform tables and bias tables, lse I/O and the positional parameters' gradients.
 #include "attention/attention_plan.hpp"
+#include "attention/transforms.hpp"
 
 #include <algorithm>
 #include <array>
@@ -10,7 +11,7 @@
 #include <string>
 #include <variant>
 
-#include "absolute_checks.hpp"
+#include "absolute_checks.hpp"  // check_disjoint
 #include "bias_checks.hpp"
 #include "kernels/attention/attention_kernels.hpp"
 #include "posenc/error.hpp"
@@ -392,83 +393,23 @@ void AttentionPlan::plan_transform_tables(const std::vector<HeadGroup>& groups, 
       }
     }
   }
-  const auto rows = static_cast<std::int64_t>(table_ids.size());
   const Positions table_positions = Positions::ids(table_ids);
   for (std::size_t gi = 0; gi < groups.size(); ++gi) {
-    QKTables t;
-    const std::string name = "groups[" + std::to_string(gi) + "].transform";
-    if (const auto* rope = std::get_if<RotaryQK>(&groups[gi].transform)) {
-      t = rope_tables(*rope, name, table_ids, p_max);
-    } else if (const auto* absolute = std::get_if<AbsoluteQK>(&groups[gi].transform)) {
-      if (absolute->params.dim() != dim) {
-        throw Error(kWhere, (name + ".params.dim").c_str(), std::to_string(absolute->params.dim()),
-                    "the head_dim of q, " + std::to_string(dim));
-      }
-      t.kind = QKTables::kAbsolute;
-      t.transform_keys = true;
-      t.absolute.resize(static_cast<std::size_t>(rows * dim));
-      sinusoidal_table(absolute->params, table_positions, TensorView::of(t.absolute.data(), {rows, dim}));
-    }
-    tables.push_back(std::move(t));
+    // Each transform tabulates itself (attention/transforms.hpp; its scheme's file).
+    const TransformRows rows{kWhere,
+                             "groups[" + std::to_string(gi) + "].transform",
+                             table_ids,
+                             table_positions,
+                             p_max,
+                             dim,
+                             *q_positions,
+                             *k_positions,
+                             packed ? 1 : batch,
+                             q_len,
+                             k_len};
+    tables.push_back(
+        std::visit([&](const auto& transform) { return qk_tables(transform, rows); }, groups[gi].transform));
   }
-}
-
-// RoPE's tables for the table rows (QKTables): [cos | sin] per row, ζ^(±e) folded in under xPos.
-QKTables AttentionPlan::rope_tables(const RotaryQK& rope, const std::string& name,
-                                    const std::vector<std::int64_t>& table_ids, std::int64_t p_max) const {
-  QKTables t;
-  const Positions table_positions = Positions::ids(table_ids);
-  const auto rows = static_cast<std::int64_t>(table_ids.size());
-  const RopeParams& rp = rope.params;
-  if (rp.head_dim() != dim) {
-    throw Error(kWhere, (name + ".params.head_dim").c_str(), std::to_string(rp.head_dim()),
-                "the head_dim of q, " + std::to_string(dim));
-  }
-  if (rp.xpos()) {
-    check_xpos_range(rp, *q_positions, packed ? 1 : batch, q_len);
-    check_xpos_range(rp, *k_positions, packed ? 1 : batch, k_len);
-  }
-  t.kind = QKTables::kRope;
-  t.transform_keys = !rope.keys_rotated;
-  t.interleaved = rp.layout() == RopeLayout::kInterleaved;
-  t.half = rp.rotary_dim() / 2;
-  t.offset = rp.rotary_offset();
-  const std::int64_t half = t.half;
-  std::vector<double> c64, s64;
-  std::vector<float> c32, s32;
-  if (rp.xpos()) {
-    c64.resize(static_cast<std::size_t>(rows * half));
-    s64.resize(c64.size());
-    rope_cos_sin(rp, table_positions, TensorView::of(c64.data(), {rows, half}),
-                 TensorView::of(s64.data(), {rows, half}), rope.seq_len > 0 ? rope.seq_len : p_max + 1);
-  } else {
-    c32.resize(static_cast<std::size_t>(rows * half));
-    s32.resize(c32.size());
-    rope_cos_sin(rp, table_positions, TensorView::of(c32.data(), {rows, half}),
-                 TensorView::of(s32.data(), {rows, half}), rope.seq_len > 0 ? rope.seq_len : p_max + 1);
-  }
-  t.q_cos_sin.resize(static_cast<std::size_t>(rows * 2 * half));
-  if (rp.xpos()) t.k_cos_sin.resize(t.q_cos_sin.size());
-  for (std::int64_t row = 0; row < rows; ++row) {
-    const double e = rp.xpos_exponent(static_cast<double>(table_ids[static_cast<std::size_t>(row)]));
-    for (std::int64_t i = 0; i < half; ++i) {
-      const auto at = static_cast<std::size_t>(row * half + i);
-      const auto out = static_cast<std::size_t>(row * 2 * half + i);
-      if (!rp.xpos()) {
-        t.q_cos_sin[out] = c32[at];
-        t.q_cos_sin[out + static_cast<std::size_t>(half)] = s32[at];
-        continue;
-      }
-      // xPos (rotary.hpp): ζ_i^(+e) on queries, ζ_i^(−e) on keys.
-      const double zeta = rp.xpos_zeta(i);
-      const double up = std::pow(zeta, e), down = std::pow(zeta, -e);
-      t.q_cos_sin[out] = static_cast<float>(c64[at] * up);
-      t.q_cos_sin[out + static_cast<std::size_t>(half)] = static_cast<float>(s64[at] * up);
-      t.k_cos_sin[out] = static_cast<float>(c64[at] * down);
-      t.k_cos_sin[out + static_cast<std::size_t>(half)] = static_cast<float>(s64[at] * down);
-    }
-  }
-  return t;
 }
 
 // Bias tables over δ = q − k, with a lane's worth of margin on the query side (padding lanes

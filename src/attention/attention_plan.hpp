@@ -180,8 +180,6 @@ struct AttentionPlan {
   PositionRange plan_positions();
   std::vector<HeadGroup> plan_head_groups();
   void plan_transform_tables(const std::vector<HeadGroup>& groups, const PositionRange& range);
-  QKTables rope_tables(const RotaryQK& rope, const std::string& name, const std::vector<std::int64_t>& table_ids,
-                       std::int64_t p_max) const;
   float plan_bias_tables(const std::vector<HeadGroup>& groups, const PositionRange& range);
   std::unique_ptr<FireRows> fire_rows_for(const FireParams& fire, const PositionRange& range) const;
   void plan_far_tiles(const std::vector<HeadGroup>& groups, float lowest_table_bias);

@@ -158,6 +158,29 @@ struct AttentionArgs {
   bool skip_vanishing_tiles = true;
 };
 
+// The arguments the forward and backward ops share, as make_attention takes them.
+AttentionArgs call_args(const SchemeList& schemes, bool causal, std::int64_t window_left, std::int64_t window_right,
+                        c10::optional<std::int64_t> chunk_size, const OptionalTemperature& temperature, double softcap,
+                        c10::optional<double> scale, const c10::optional<at::Tensor>& q_positions,
+                        const c10::optional<at::Tensor>& k_positions, std::vector<std::int64_t> cu_seqlens_q,
+                        std::vector<std::int64_t> cu_seqlens_k, bool skip_vanishing_tiles) {
+  AttentionArgs a;
+  a.schemes = schemes;
+  a.causal = causal;
+  a.window_left = window_left;
+  a.window_right = window_right;
+  a.chunk_size = chunk_size;
+  a.temperature = temperature;
+  a.softcap = softcap;
+  a.scale = scale;
+  a.q_positions = q_positions;
+  a.k_positions = k_positions;
+  a.cu_seqlens_q = std::move(cu_seqlens_q);
+  a.cu_seqlens_k = std::move(cu_seqlens_k);
+  a.skip_vanishing_tiles = skip_vanishing_tiles;
+  return a;
+}
+
 AttentionCall make_attention(const char* where, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const AttentionArgs& a) {
   // Packed sequences (cu_seqlens, both or neither): q [Tq, H, D], k and v [Tk, G, D].
@@ -320,22 +343,9 @@ std::tuple<at::Tensor, at::Tensor> attention_op(
     const OptionalTemperature& temperature, double softcap, c10::optional<double> scale,
     const c10::optional<at::Tensor>& q_positions, const c10::optional<at::Tensor>& k_positions,
     std::vector<std::int64_t> cu_seqlens_q, std::vector<std::int64_t> cu_seqlens_k, bool skip_vanishing_tiles) {
-  auto args = std::make_shared<AttentionArgs>(AttentionArgs{schemes,
-                                                            {},
-                                                            {},
-                                                            c10::nullopt,
-                                                            causal,
-                                                            window_left,
-                                                            window_right,
-                                                            chunk_size,
-                                                            temperature,
-                                                            softcap,
-                                                            scale,
-                                                            q_positions,
-                                                            k_positions,
-                                                            std::move(cu_seqlens_q),
-                                                            std::move(cu_seqlens_k),
-                                                            skip_vanishing_tiles});
+  auto args = std::make_shared<AttentionArgs>(
+      call_args(schemes, causal, window_left, window_right, chunk_size, temperature, softcap, scale, q_positions,
+                k_positions, std::move(cu_seqlens_q), std::move(cu_seqlens_k), skip_vanishing_tiles));
   const variable_list out =
       AttentionFunction::apply(q, k, v, at::TensorList(params), at::TensorList(gates), sinks, args);
   return {out[0], out[1]};
@@ -355,22 +365,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>> attentio
     std::vector<std::int64_t> cu_seqlens_q, std::vector<std::int64_t> cu_seqlens_k, bool skip_vanishing_tiles) {
   return translating([&] {
     const char* where = "attention_backward";
-    const AttentionArgs a{schemes,
-                          params,
-                          {},
-                          c10::nullopt,
-                          causal,
-                          window_left,
-                          window_right,
-                          chunk_size,
-                          temperature,
-                          softcap,
-                          scale,
-                          q_positions,
-                          k_positions,
-                          std::move(cu_seqlens_q),
-                          std::move(cu_seqlens_k),
-                          skip_vanishing_tiles};
+    AttentionArgs a =
+        call_args(schemes, causal, window_left, window_right, chunk_size, temperature, softcap, scale, q_positions,
+                  k_positions, std::move(cu_seqlens_q), std::move(cu_seqlens_k), skip_vanishing_tiles);
+    a.params = params;
     const AttentionCall call = make_attention(where, q, k, v, a);
     at::Tensor dq = at::zeros_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
     AttentionGradients grads = call.attention->zero_gradients();

@@ -1,13 +1,14 @@
 // posenc study — trains small byte-level language models that differ only in their positional
 // scheme, at a short length L, and measures them at L, 2L, 4L, 8L and 16L (model.hpp for the
-// schemes, corpus.hpp for the data); and a second model per scheme on a synthetic copy task
-// (copy_task.hpp), trained short and tested long, since perplexity alone hides whether a scheme
-// can use distant tokens.
+// schemes, corpus.hpp for the data); and two more models per scheme on synthetic tasks, copying
+// (copy_task.hpp) and associative recall (retrieval_task.hpp), trained short and tested long,
+// since perplexity alone hides whether a scheme can use distant tokens.
 //
 // Evaluation: bits per byte on the same held-out bytes at every length, as non-overlapping
 // chunks (every byte scored once, with the context its chunk gives: Press et al.'s protocol) and
 // as sliding windows (each byte after the first half-window scored with at least E/2 bytes of
-// context, stride E/2); the fraction of symbols copied right at each copy length.
+// context, stride E/2); the fraction of symbols copied, and of values recalled, right at each
+// synthetic length.
 //
 // --seeds N trains every scheme under N seeds (--seed, --seed + 1, …): each cell then holds the
 // mean and a 95% interval (Student's t over the seeds), in the tables, the JSON and the plots'
@@ -15,9 +16,11 @@
 //
 // Output in --out: schemes/<name>.seed<s>.json per finished scheme and seed (written to a
 // temporary file and renamed: a killed run leaves whole files only, and a rerun with the same
-// settings skips them; a run with more seeds reuses those of a run with fewer), results.json
-// (configuration and every number), report.md, and bpb, bpb_sliding and copy_accuracy as .png and
-// .svg when gnuplot is installed. Deterministic for a given --seed and --threads.
+// settings skips them; a run with more seeds reuses those of a run with fewer), and beside it
+// <name>.seed<s>.retrieval.json for the retrieval task (a panel of its own, resumed on its own
+// settings: adding it left earlier runs' files valid); results.json (configuration and every
+// number), report.md, and bpb, bpb_sliding, copy_accuracy and retrieval_accuracy as .png and .svg
+// when gnuplot is installed. Deterministic for a given --seed and --threads.
 #include <ATen/Parallel.h>
 #include <fmt/core.h>
 #include <torch/torch.h>
@@ -48,6 +51,7 @@
 #include "model.hpp"
 #include "posenc/error.hpp"
 #include "posenc/runtime.hpp"
+#include "retrieval_task.hpp"
 #include "usage.hpp"
 
 namespace fs = std::filesystem;
@@ -63,6 +67,9 @@ struct Settings {
   // The copy task (copy_task.hpp): its own training length (16·copy_length ≤ 512: 255 distinct
   // symbols), steps of `batch` examples, and test examples per evaluation length.
   std::int64_t copy_length = 32, copy_steps = 1000, copy_eval_examples = 32;
+  // The retrieval task (retrieval_task.hpp) trains at copy_length too, and is tested on as many
+  // examples per length.
+  std::int64_t retrieval_steps = 1000;
   std::uint64_t seed = 1;  // the first seed (and, in a scheme's own file, its seed)
   int seeds = 1, threads = 1;
   // posenc's SIMD target for the kernels (resolved: "auto" becomes the host's best).
@@ -96,6 +103,13 @@ struct Settings {
             {"target", target},
             {"eval_length", eval_length > 0 ? eval_length : length},
             {"synthetic", synthetic}};
+  }
+  // What the retrieval panel's numbers depend on (its files' resume key).
+  json retrieval_json() const {
+    return {
+        {"width", width}, {"layers", layers},      {"heads", heads},           {"batch", batch},
+        {"lr", lr},       {"length", copy_length}, {"steps", retrieval_steps}, {"eval_examples", copy_eval_examples},
+        {"seed", seed},   {"threads", threads},    {"target", target}};
   }
 };
 
@@ -236,19 +250,48 @@ LanguageModel new_model(const std::string& scheme, const Settings& st, std::int6
   return LanguageModel(ModelConfig{scheme, st.width, st.layers, st.heads, train_length});
 }
 
-// Copy accuracy (copy_task.hpp) at each of st.copy_lengths(): the fraction of copied symbols
-// the model names by arg-max, over copy_eval_examples examples per length (the same examples for
-// every scheme).
-json evaluate_copy(LanguageModel& model, const Settings& st) {
+// A synthetic task: its examples, how many items an example of length e holds, and the seeds
+// that make its training and test examples.
+struct SyntheticTask {
+  const char* name;      // the results' <name>_accuracy, <name>_train_seconds, <name>_final_loss
+  std::uint64_t stream;  // new_model's stream
+  std::int64_t steps;
+  std::int64_t n_min, n_max;  // training draws n uniformly from [n_min, n_max]
+  CopyBatch (*make)(std::int64_t batch, std::int64_t n, std::mt19937_64& rng);
+  std::int64_t (*n_of)(std::int64_t e);
+  std::uint64_t train_seed, eval_seed;  // per-seed multipliers, each task its own
+};
+
+SyntheticTask copy_task(const Settings& st) {
+  return {"copy",
+          1,
+          st.copy_steps,
+          2,
+          st.copy_length / 2 - 1,
+          make_copy_batch,
+          [](std::int64_t e) { return e / 2 - 1; },
+          6271,
+          104729};
+}
+
+SyntheticTask retrieval_task(const Settings& st) {
+  return {
+      "retrieval", 2,     st.retrieval_steps, 2, retrieval_pairs(st.copy_length), make_retrieval_batch, retrieval_pairs,
+      7481,        104723};
+}
+
+// A task's accuracy at each of st.copy_lengths(): the fraction of scored targets the model names
+// by arg-max, over copy_eval_examples examples per length (the same examples for every scheme).
+json evaluate_task(LanguageModel& model, const Settings& st, const SyntheticTask& task) {
   torch::NoGradGuard no_grad;
   model->eval();
   json accuracy;
   for (std::int64_t e : st.copy_lengths()) {
-    std::mt19937_64 rng(st.seed * 104729 + static_cast<std::uint64_t>(e));
+    std::mt19937_64 rng(st.seed * task.eval_seed + static_cast<std::uint64_t>(e));
     const std::int64_t per_batch = std::max<std::int64_t>(1, 8192 / e);
     std::int64_t right = 0, scored = 0;
     for (std::int64_t done = 0; done < st.copy_eval_examples; done += per_batch) {
-      const CopyBatch batch = make_copy_batch(std::min(per_batch, st.copy_eval_examples - done), e / 2 - 1, rng);
+      const CopyBatch batch = task.make(std::min(per_batch, st.copy_eval_examples - done), task.n_of(e), rng);
       const auto [r, n] = count_correct(model->forward(batch.inputs, e), batch.targets);
       right += r, scored += n;
     }
@@ -258,10 +301,45 @@ json evaluate_copy(LanguageModel& model, const Settings& st) {
   return accuracy;
 }
 
+// A fresh model of `scheme` trained on `task` at copy_length, evaluated under each of `variants`:
+// one {<task>_train_seconds, <task>_final_loss, <task>_accuracy} per variant. Progress runs from
+// `from` to `to`, the last 10% of that span for the evaluations.
+std::vector<json> run_synthetic(const SyntheticTask& task, const std::string& scheme,
+                                const std::vector<std::string>& variants, std::size_t index, const Settings& st,
+                                Progress& progress, double from, double to) {
+  LanguageModel model = new_model(scheme, st, st.copy_length, task.stream);
+  std::mt19937_64 rng(st.seed * task.train_seed + std::hash<std::string>{}(scheme) % 1000003);
+  std::uniform_int_distribution<std::int64_t> draw_n(task.n_min, task.n_max);
+  const auto t0 = std::chrono::steady_clock::now();
+  const double loss = train(
+      model, st.lr, task.steps,
+      [&] {
+        const CopyBatch batch = task.make(st.batch, draw_n(rng), rng);
+        return std::pair{batch.inputs, batch.targets};
+      },
+      [&](std::int64_t step, double l) {
+        progress.show(index, from + 0.9 * (to - from) * static_cast<double>(step + 1) / static_cast<double>(task.steps),
+                      fmt::format("{}: {} task, step {}/{}, loss {:.2f}", scheme, task.name, step + 1, task.steps, l));
+      });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const std::string name = task.name;
+  std::vector<json> out;
+  for (std::size_t vi = 0; vi < variants.size(); ++vi) {
+    model->set_scheme(variants[vi]);
+    out.push_back({{name + "_train_seconds", seconds},
+                   {name + "_final_loss", loss},
+                   {name + "_accuracy", evaluate_task(model, st, task)}});
+    progress.show(index,
+                  from + (to - from) * (0.9 + 0.1 * static_cast<double>(vi + 1) / static_cast<double>(variants.size())),
+                  fmt::format("{}: {} task evaluated", variants[vi], task.name));
+  }
+  return out;
+}
+
 // Trains the model of `scheme` (its training scheme) on the corpus and a second one on the copy
 // task, and evaluates both under each of `variants` (the schemes that share its parameters: rope,
 // rope-ntk, rope-yarn); one result per variant. Progress: language model training 0–55%, its
-// evaluation to 70%, the copy task's training to 97%, its evaluation the rest.
+// evaluation to 70%, the copy task the rest.
 std::vector<json> run_scheme(const std::string& scheme, const std::vector<std::string>& variants, std::size_t index,
                              const Settings& st, const Corpus& corpus, Progress& progress) {
   const std::int64_t span = static_cast<std::int64_t>(corpus.train.size()) - st.length - 1;
@@ -318,35 +396,17 @@ std::vector<json> run_scheme(const std::string& scheme, const std::vector<std::s
   }
 
   // The copy task: a fresh model of the same shape, trained at copy_length.
-  LanguageModel copier = new_model(scheme, st, st.copy_length, 1);
-  std::mt19937_64 copy_rng(st.seed * 6271 + std::hash<std::string>{}(scheme) % 1000003);
-  std::uniform_int_distribution<std::int64_t> copy_n(2, st.copy_length / 2 - 1);
-  t0 = std::chrono::steady_clock::now();
-  const double copy_loss = train(
-      copier, st.lr, st.copy_steps,
-      [&] {
-        const CopyBatch batch = make_copy_batch(st.batch, copy_n(copy_rng), copy_rng);
-        return std::pair{batch.inputs, batch.targets};
-      },
-      [&](std::int64_t step, double loss) {
-        progress.show(index, 0.70 + 0.27 * static_cast<double>(step + 1) / static_cast<double>(st.copy_steps),
-                      fmt::format("{}: copy task, step {}/{}, loss {:.2f}", scheme, step + 1, st.copy_steps, loss));
-      });
-  const double copy_seconds = seconds_since(t0);
-  for (std::size_t vi = 0; vi < variants.size(); ++vi) {
-    copier->set_scheme(variants[vi]);
-    results[vi]["copy_train_seconds"] = copy_seconds;
-    results[vi]["copy_final_loss"] = copy_loss;
-    results[vi]["copy_accuracy"] = evaluate_copy(copier, st);
-    progress.show(index, 0.97 + 0.03 * static_cast<double>(vi + 1) / static_cast<double>(variants.size()),
-                  fmt::format("{}: copy task evaluated", variants[vi]));
-  }
+  const std::vector<json> copy = run_synthetic(copy_task(st), scheme, variants, index, st, progress, 0.70, 1.0);
+  for (std::size_t vi = 0; vi < variants.size(); ++vi) results[vi].update(copy[vi]);
   return results;
 }
 
-// A results table as Markdown: bits per byte (3 decimals) or copy accuracy (percent).
+// Accuracies print as percentages.
+bool is_accuracy(std::string_view key) { return key.ends_with("_accuracy"); }
+
+// A results table as Markdown: bits per byte (3 decimals) or a task's accuracy (percent).
 std::string results_table(const json& results, const std::vector<std::int64_t>& lengths, const char* key) {
-  const bool percent = std::string_view(key) == "copy_accuracy";
+  const bool percent = is_accuracy(key);
   std::string out = "| scheme |";
   for (std::int64_t e : lengths) out += fmt::format(" {} |", e);
   out += "\n|---|";
@@ -384,14 +444,14 @@ json aggregate(const std::vector<json>& runs) {
   json out = {{"scheme", runs.front().at("scheme")}, {"trained_as", runs.front().at("trained_as")}};
   const auto n = static_cast<double>(runs.size());
   out["train_length"] = runs.front().at("train_length");
-  for (const char* key :
-       {"train_seconds", "train_seconds_per_mbyte", "final_train_bpb", "copy_train_seconds", "copy_final_loss"}) {
+  for (const char* key : {"train_seconds", "train_seconds_per_mbyte", "final_train_bpb", "copy_train_seconds",
+                          "copy_final_loss", "retrieval_train_seconds", "retrieval_final_loss"}) {
     if (!runs.front().contains(key)) continue;
     double sum = 0;
     for (const json& r : runs) sum += r.at(key).get<double>();
     out[key] = sum / n;
   }
-  for (const char* key : {"bpb", "bpb_sliding", "copy_accuracy"}) {
+  for (const char* key : {"bpb", "bpb_sliding", "copy_accuracy", "retrieval_accuracy"}) {
     if (!runs.front().contains(key)) continue;
     for (const auto& [length, unused] : runs.front().at(key).items()) {
       (void)unused;
@@ -423,7 +483,7 @@ struct Figure {
 void plot(const fs::path& out, const json& results, const std::vector<Figure>& figures) {
   std::string script;
   for (const Figure& f : figures) {
-    const bool percent = std::string_view(f.key) == "copy_accuracy";
+    const bool percent = is_accuracy(f.key);
     std::string data;
     const std::string ci = std::string(f.key) + "_ci95";
     bool bars = false;
@@ -622,7 +682,7 @@ int main(int argc, char** argv) {
     if (quick) {
       st.width = 32, st.layers = 2, st.heads = 2, st.length = 32, st.batch = 16;
       st.train_tokens = 100000, st.eval_tokens = 2048, st.lr = 3e-3;
-      st.copy_length = 16, st.copy_steps = 150, st.copy_eval_examples = 8;
+      st.copy_length = 16, st.copy_steps = 150, st.copy_eval_examples = 8, st.retrieval_steps = 150;
     }
     // The model's shape, after --quick: explicit values win, and every given value is checked.
     const auto require = [](bool ok, const char* name, const std::string& value, const std::string& expected) {
@@ -648,6 +708,7 @@ int main(int argc, char** argv) {
     st.eval_tokens = (st.eval_tokens + 16 * st.length - 1) / (16 * st.length) * (16 * st.length);
     st.train_tokens *= scale;
     st.copy_steps = static_cast<std::int64_t>(std::ceil(static_cast<double>(st.copy_steps) * scale));
+    st.retrieval_steps = static_cast<std::int64_t>(std::ceil(static_cast<double>(st.retrieval_steps) * scale));
     std::vector<std::string> schemes;
     if (app.count("--schemes") == 0) {
       schemes = all_schemes();
@@ -750,16 +811,25 @@ int main(int argc, char** argv) {
       variants.push_back({s + "@2L"});
       long_baseline.push_back(true);
     }
-    // Work items: every training under every seed.
-    std::vector<std::pair<std::size_t, std::uint64_t>> items;
-    for (std::size_t i = 0; i < trainings.size(); ++i) {
-      for (int k = 0; k < st.seeds; ++k) items.emplace_back(i, st.seed + static_cast<std::uint64_t>(k));
+    // Work items: every training under every seed, then the retrieval panel's (the schemes trained
+    // at L only).
+    struct Item {
+      std::size_t training;
+      std::uint64_t seed;
+      bool retrieval;
+    };
+    std::vector<Item> items;
+    for (const bool retrieval : {false, true}) {
+      for (std::size_t i = 0; i < trainings.size(); ++i) {
+        if (retrieval && long_baseline[i]) continue;
+        for (int k = 0; k < st.seeds; ++k) items.push_back({i, st.seed + static_cast<std::uint64_t>(k), retrieval});
+      }
     }
     jobs = static_cast<int>(std::min<std::size_t>(static_cast<std::size_t>(jobs), items.size()));
     Progress progress(items.size(), isatty(STDERR_FILENO) != 0);
     // Trainings run `jobs` at a time, each on `threads` threads; every scheme's numbers depend
     // only on the seed and its own computation, not on which worker runs it or when.
-    std::map<std::pair<std::string, std::uint64_t>, json> finished;
+    std::map<std::pair<std::string, std::uint64_t>, json> finished, recalled;
     std::mutex finished_mutex;
     std::atomic<std::size_t> next{0};
     std::vector<std::exception_ptr> failures(static_cast<std::size_t>(jobs));
@@ -767,10 +837,12 @@ int main(int argc, char** argv) {
       try {
         at::set_num_threads(st.threads);
         for (std::size_t item = next++; item < items.size(); item = next++) {
-          const auto [i, seed] = items[item];
-          const json seed_config = config_of(seed, long_baseline[i]);
+          const auto [i, seed, retrieval] = items[item];
+          const Settings one = settings_of(seed, long_baseline[i]);
+          const json seed_config =
+              retrieval ? json{{"retrieval", one.retrieval_json()}} : config_of(seed, long_baseline[i]);
           const auto file_of = [&](const std::string& v) {
-            return out / "schemes" / fmt::format("{}.seed{}.json", v, seed);
+            return out / "schemes" / fmt::format("{}.seed{}{}.json", v, seed, retrieval ? ".retrieval" : "");
           };
           // Resumed: every variant finished in an earlier run of the same study.
           std::vector<json> saved;
@@ -782,16 +854,23 @@ int main(int argc, char** argv) {
             saved.push_back(previous.at("result"));
           }
           if (saved.size() != variants[i].size()) {
-            saved = run_scheme(trainings[i], variants[i], item, settings_of(seed, long_baseline[i]), corpus, progress);
+            if (retrieval) {
+              saved = run_synthetic(retrieval_task(one), trainings[i], variants[i], item, one, progress, 0.0, 1.0);
+              for (std::size_t vi = 0; vi < variants[i].size(); ++vi) saved[vi]["scheme"] = variants[i][vi];
+            } else {
+              saved = run_scheme(trainings[i], variants[i], item, one, corpus, progress);
+            }
             for (const json& r : saved) {
               write_atomically(file_of(r.at("scheme").get<std::string>()),
                                json{{"config", seed_config}, {"result", r}}.dump(2));
             }
           } else {
-            progress.show(item, 1.0, fmt::format("{} (seed {}): done in an earlier run", trainings[i], seed));
+            progress.show(item, 1.0,
+                          fmt::format("{}{} (seed {}): done in an earlier run", trainings[i],
+                                      retrieval ? " retrieval" : "", seed));
           }
           const std::lock_guard lock(finished_mutex);
-          for (const json& r : saved) finished[{r.at("scheme").get<std::string>(), seed}] = r;
+          for (const json& r : saved) (retrieval ? recalled : finished)[{r.at("scheme").get<std::string>(), seed}] = r;
         }
       } catch (...) {
         failures[w] = std::current_exception();
@@ -811,7 +890,16 @@ int main(int argc, char** argv) {
     json results = json::object();
     for (const std::string& s : reported) {
       std::vector<json> runs;
-      for (int k = 0; k < st.seeds; ++k) runs.push_back(finished.at({s, st.seed + static_cast<std::uint64_t>(k)}));
+      for (int k = 0; k < st.seeds; ++k) {
+        const std::pair key{s, st.seed + static_cast<std::uint64_t>(k)};
+        json run = finished.at(key);
+        if (const auto r = recalled.find(key); r != recalled.end()) {
+          for (const auto& [field, value] : r->second.items()) {
+            if (field != "scheme") run[field] = value;
+          }
+        }
+        runs.push_back(std::move(run));
+      }
       results[s] = aggregate(runs);
     }
     // Train short, test long: each training's peak memory for one training step, measured alone in
@@ -826,6 +914,7 @@ int main(int argc, char** argv) {
     }
     const std::vector<std::int64_t> lengths = st.lengths();
     json all = config;
+    all["retrieval_settings"] = st.retrieval_json();
     all["seeds"] = st.seeds;
     all["lengths"] = lengths;
     all["results"] = results;
@@ -840,11 +929,14 @@ int main(int argc, char** argv) {
     const std::string sliding = results_table(results, lengths, "bpb_sliding");
     const std::vector<std::int64_t> copy_lengths = st.copy_lengths();
     const std::string copy_table = results_table(results, copy_lengths, "copy_accuracy");
+    const std::string retrieval_table = results_table(results, copy_lengths, "retrieval_accuracy");
     const std::string long_table = train_long.empty() ? std::string() : train_long_table(results, st);
     if (!long_table.empty()) fmt::print("\nTrain short, test long:\n\n{}\n", long_table);
     fmt::print("\nBits per byte on {} held-out bytes (non-overlapping chunks; trained at {}):\n\n{}\n", st.eval_tokens,
                st.length, table);
     fmt::print("Copy task, symbols copied right (trained at lengths up to {}):\n\n{}\n", st.copy_length, copy_table);
+    fmt::print("Retrieval task, values recalled right (trained at lengths up to {}):\n\n{}\n", st.copy_length,
+               retrieval_table);
     std::string report = fmt::format(
         "# posenc study\n\nCorpus: {} ({} training bytes). Model: width {}, {} layers, {} heads, trained at {} bytes "
         "on {:.0f} tokens, {}.\n\n## Bits per byte, non-overlapping chunks\n\n{}\n## Bits per byte, sliding "
@@ -860,6 +952,13 @@ int main(int argc, char** argv) {
                                     st.seed, st.seed + static_cast<std::uint64_t>(st.seeds) - 1),
         table, sliding, st.copy_steps, st.batch, st.copy_length / 2 - 1, st.copy_length, st.copy_eval_examples,
         copy_table);
+    report += fmt::format(
+        "## Retrieval task: values recalled right\n\nA third model per scheme, trained for {} steps of {} examples "
+        "to recall the values of n keys queried in a random order (n from 2 to {}, lengths up to {}), then tested "
+        "with n = ⌊(E − 1)/4⌋ pairs at each length E ({} examples per length; chance is 1 in {}). The copy task's "
+        "answer is always n + 1 tokens back; here only a lookup by content finds it.\n\n{}\n",
+        st.retrieval_steps, st.batch, retrieval_pairs(st.copy_length), st.copy_length, st.copy_eval_examples,
+        kRetrievalValues, retrieval_table);
     if (!long_table.empty()) report += "## Train short, test long\n\n" + long_table + "\n";
     if (have_gnuplot()) {
       const std::string trained = fmt::format("trained at {} bytes", st.length);
@@ -870,13 +969,18 @@ int main(int argc, char** argv) {
              "bits per byte (lower is better)", &lengths},
             {"copy_accuracy",
              fmt::format("Copy task: symbols copied right (trained at lengths up to {})", st.copy_length),
-             "symbols copied right (%)", &copy_lengths}});
+             "symbols copied right (%)", &copy_lengths},
+            {"retrieval_accuracy",
+             fmt::format("Retrieval task: values recalled right (trained at lengths up to {})", st.copy_length),
+             "values recalled right (%)", &copy_lengths}});
       report +=
           "![bits per byte against evaluation length](bpb.png)\n\n"
           "![the same with sliding windows](bpb_sliding.png)\n\n"
-          "![copy accuracy against length](copy_accuracy.png)\n";
-      fmt::print("Plots: {}, {} and {} (and .svg)\n", (out / "bpb.png").string(), (out / "bpb_sliding.png").string(),
-                 (out / "copy_accuracy.png").string());
+          "![copy accuracy against length](copy_accuracy.png)\n\n"
+          "![retrieval accuracy against length](retrieval_accuracy.png)\n";
+      fmt::print("Plots: {}, {}, {} and {} (and .svg)\n", (out / "bpb.png").string(),
+                 (out / "bpb_sliding.png").string(), (out / "copy_accuracy.png").string(),
+                 (out / "retrieval_accuracy.png").string());
     } else {
       report += "(gnuplot is not installed: no plot)\n";
       fmt::print(stderr, "posenc study: gnuplot not found; no plot (install gnuplot-nox)\n");

@@ -12,7 +12,7 @@ cat "$src"/README.md "$src"/docs/*.md > "$work/corpus.txt"
 run() { "$posenc" study --quick --schemes rope,alibi,rope-yarn,learned --corpus "$work/corpus.txt" "$@"; }
 
 run --out "$work/a" > "$work/a.log" 2> "$work/a.err"
-for f in results.json report.md bpb.png bpb.svg bpb_sliding.png bpb_sliding.svg copy_accuracy.png copy_accuracy.svg schemes/rope.seed1.json schemes/alibi.seed1.json schemes/rope-yarn.seed1.json schemes/learned.seed1.json; do
+for f in results.json report.md bpb.png bpb.svg bpb_sliding.png bpb_sliding.svg copy_accuracy.png copy_accuracy.svg retrieval_accuracy.png retrieval_accuracy.svg schemes/rope.seed1.json schemes/alibi.seed1.json schemes/rope-yarn.seed1.json schemes/learned.seed1.json schemes/rope-yarn.seed1.retrieval.json schemes/learned.seed1.retrieval.json; do
   [ -s "$work/a/$f" ] || { echo "missing or empty: $f"; exit 1; }
 done
 grep -q "| rope-yarn |" "$work/a.log" || { echo "no results table"; cat "$work/a.log"; exit 1; }
@@ -22,6 +22,7 @@ head -c 8 "$work/a/bpb.png" | od -An -tx1 | grep -q "89 50 4e 47 0d 0a 1a 0a" ||
 grep -q "<svg" "$work/a/bpb.svg" || { echo "bpb.svg is not SVG"; exit 1; }
 head -c 8 "$work/a/copy_accuracy.png" | od -An -tx1 | grep -q "89 50 4e 47 0d 0a 1a 0a" || { echo "copy_accuracy.png is not a PNG"; exit 1; }
 grep -q "Copy task" "$work/a/report.md" || { echo "no copy task in the report"; exit 1; }
+grep -q "Retrieval task" "$work/a/report.md" || { echo "no retrieval task in the report"; exit 1; }
 
 numbers() {  # every bpb of a results.json, one per line
   "$python" -c '
@@ -32,9 +33,10 @@ for scheme in ("rope", "alibi", "rope-yarn", "learned"):
         for length, value in r[scheme][kind].items():
             assert math.isfinite(value) and 0 < value < 8.5, (scheme, kind, length, value)
             print(scheme, kind, length, repr(value))
-    for length, value in r[scheme]["copy_accuracy"].items():
-        assert 0 <= value <= 1, (scheme, "copy_accuracy", length, value)
-        print(scheme, "copy_accuracy", length, repr(value))' "$1"
+    for task in ("copy_accuracy", "retrieval_accuracy"):
+        for length, value in r[scheme][task].items():
+            assert 0 <= value <= 1, (scheme, task, length, value)
+            print(scheme, task, length, repr(value))' "$1"
 }
 numbers "$work/a/results.json" > "$work/a.numbers"
 # rope and rope-yarn share one trained model: equal at the training length, apart beyond it.
@@ -79,6 +81,14 @@ run --out "$work/d" --jobs 1 > /dev/null 2> "$work/d.err"
 grep -q "done in an earlier run" "$work/d.err" || { echo "the rerun did not resume"; cat "$work/d.err"; exit 1; }
 numbers "$work/d/results.json" > "$work/d.numbers"
 cmp "$work/a.numbers" "$work/d.numbers" || { echo "a resumed run gives other numbers"; exit 1; }
+# The retrieval panel resumes on its own: without its file, alibi retrains that task only.
+rm "$work/d/schemes/alibi.seed1.retrieval.json"
+run --out "$work/d" --jobs 1 > /dev/null 2> "$work/d2.err"
+grep -q "alibi (seed 1): done in an earlier run" "$work/d2.err" || { echo "alibi's language model retrained"; exit 1; }
+grep -q "alibi: retrieval task evaluated" "$work/d2.err" || { echo "alibi's retrieval task not retrained"; exit 1; }
+grep -q "rope retrieval (seed 1): done in an earlier run" "$work/d2.err" || { echo "rope's retrieval task retrained"; exit 1; }
+numbers "$work/d/results.json" > "$work/d.numbers"
+cmp "$work/a.numbers" "$work/d.numbers" || { echo "a resumed retrieval panel gives other numbers"; exit 1; }
 
 # Two seeds in the same directory: seed 1's files are reused, seed 2 trains; every cell has a mean
 # (seed 1's value and seed 2's between them) and a 95% interval; the table prints both.
@@ -125,6 +135,7 @@ r = json.load(open(sys.argv[1]))["results"]
 assert sorted(r) == ["alibi", "rope@2L"], sorted(r)
 assert r["rope@2L"]["train_length"] == 64 and r["alibi"]["train_length"] == 32
 assert sorted(r["rope@2L"]["bpb"]) == sorted(r["alibi"]["bpb"]) and "copy_accuracy" not in r["rope@2L"]
+assert "retrieval_accuracy" not in r["rope@2L"] and "retrieval_accuracy" in r["alibi"]
 for x in r.values():
     assert x["step_peak_mib"] > 0 and x["train_seconds_per_mbyte"] > 0, x
 ' "$work/t/results.json" || { echo "--train-long: bad results"; exit 1; }

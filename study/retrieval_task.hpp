@@ -24,8 +24,8 @@
 
 namespace posenc::study {
 
-inline constexpr std::int64_t kRetrievalKeys = 128;     // keys 0 … 127
-inline constexpr std::int64_t kRetrievalValues = 127;   // values 128 … 254
+inline constexpr std::int64_t kRetrievalKeys = 128;    // keys 0 … 127
+inline constexpr std::int64_t kRetrievalValues = 127;  // values 128 … 254
 inline constexpr std::int64_t kRetrievalSeparator = 255;
 
 // `batch` examples of n pairs each; throws posenc::Error unless 1 ≤ n ≤ kRetrievalKeys and

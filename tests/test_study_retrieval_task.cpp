@@ -77,7 +77,7 @@ TEST(StudyRetrievalTask, QueriesInRandomOrderAndEveryKeyAndValueDrawn) {
 }
 
 TEST(StudyRetrievalTask, PairsPerLength) {
-  EXPECT_EQ(retrieval_pairs(32), 7);    // 29 tokens
+  EXPECT_EQ(retrieval_pairs(32), 7);     // 29 tokens
   EXPECT_EQ(retrieval_pairs(512), 127);  // 509 tokens
   EXPECT_EQ(retrieval_pairs(16), 3);
 }

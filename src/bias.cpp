@@ -260,6 +260,18 @@ std::int64_t bias_heads(const BiasScheme& scheme) {
   return relative_bias(scheme)->heads();
 }
 
+std::int64_t bias_parameter_count(const BiasScheme& scheme) {
+  if (std::holds_alternative<NoPE>(scheme)) return 0;
+  if (const auto* fire = std::get_if<FireParams>(&scheme)) {
+    return static_cast<std::int64_t>(fire->w1().size() + fire->b1().size() + fire->w2().size() + fire->b2().size()) + 2;
+  }
+  if (const auto* tupe = std::get_if<TupeParams>(&scheme)) {
+    return static_cast<std::int64_t>(tupe->table().size() + tupe->u_q().size() + tupe->u_k().size() +
+                                     tupe->theta1().size() + tupe->theta2().size());
+  }
+  return relative_bias(scheme)->parameter_count();
+}
+
 namespace {
 double signed_bias_value(const BiasScheme& scheme, std::size_t h, std::int64_t r);
 }  // namespace

@@ -130,6 +130,15 @@ FireGradients::FireGradients(const FireParams& params)
       w2(params.w2().size(), 0.0),
       b2(params.b2().size(), 0.0) {}
 
+std::vector<double> FireGradients::flat() const {
+  std::vector<double> all;
+  all.reserve(w1.size() + b1.size() + w2.size() + b2.size() + 2);
+  for (const std::vector<double>* part : {&w1, &b1, &w2, &b2}) all.insert(all.end(), part->begin(), part->end());
+  all.push_back(c);
+  all.push_back(threshold);
+  return all;
+}
+
 namespace detail {
 
 void fire_rows(const FireParams& params, std::int64_t q_position, const std::int64_t* keys, std::int64_t count,

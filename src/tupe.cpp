@@ -122,6 +122,14 @@ TupeGradients::TupeGradients(const TupeParams& params)
       theta1(params.theta1().size(), 0.0),
       theta2(params.theta2().size(), 0.0) {}
 
+std::vector<double> TupeGradients::flat() const {
+  std::vector<double> all;
+  all.reserve(table.size() + u_q.size() + u_k.size() + theta1.size() + theta2.size());
+  for (const std::vector<double>* part : {&table, &u_q, &u_k, &theta1, &theta2})
+    all.insert(all.end(), part->begin(), part->end());
+  return all;
+}
+
 namespace detail {
 
 double tupe_value(const TupeParams& p, std::int64_t head, std::int64_t q_position, std::int64_t k_position) {

@@ -353,6 +353,60 @@ inline std::vector<double> random_values(std::size_t n) {
   return v;
 }
 
+// A group's score-bias gradients (GroupGradients::bias, flat in the registered order), fused
+// against fp64; FIRE's and TUPE's split into their parameters, where some need their own scale.
+inline void expect_bias_gradients_close(const Attention& att, std::size_t g, const std::vector<double>& fused,
+                                        const std::vector<double>& exact) {
+  ASSERT_EQ(fused.size(), exact.size()) << "bias gradients of group " << g;
+  const auto& groups = att.spec().groups;
+  const BiasScheme* scheme = g < groups.size() && groups[g].bias ? &*groups[g].bias : nullptr;
+  std::size_t at = 0;
+  // The next n entries of both, as a pair.
+  const auto next = [&](std::size_t n) {
+    const auto from = static_cast<std::ptrdiff_t>(at), to = static_cast<std::ptrdiff_t>(at + n);
+    at += n;
+    return std::pair{std::vector<double>(fused.begin() + from, fused.begin() + to),
+                     std::vector<double>(exact.begin() + from, exact.begin() + to)};
+  };
+  if (const auto* fire = scheme ? std::get_if<FireParams>(scheme) : nullptr) {
+    const auto [aw1, bw1] = next(fire->w1().size());
+    const auto [ab1, bb1] = next(fire->b1().size());
+    const auto [aw2, bw2] = next(fire->w2().size());
+    const auto [ab2, bb2] = next(fire->b2().size());
+    expect_close(aw1, bw1, "fire w1");
+    expect_close(ab1, bb1, "fire b1");
+    expect_close(aw2, bw2, "fire w2");
+    // ∂L/∂b2 is Σ dS over whole rows, which softmax makes 0 up to rounding: judge its f32 error
+    // against the size of the dS sums that also feed w2 (same terms, O(1) weights).
+    expect_close_to_scale(ab2, bb2, std::max(max_abs(bw2), max_abs(bb1)), "fire b2");
+    const auto [a_cl, b_cl] = next(2);
+    expect_close(a_cl, b_cl, "fire c, L");
+  } else if (const auto* tupe = scheme ? std::get_if<TupeParams>(scheme) : nullptr) {
+    const auto [at_, bt] = next(tupe->table().size());
+    const auto [auq, buq] = next(tupe->u_q().size());
+    const auto [auk, buk] = next(tupe->u_k().size());
+    const auto [ath1, bth1] = next(tupe->theta1().size());
+    const auto [ath2, bth2] = next(tupe->theta2().size());
+    expect_close(at_, bt, "tupe table");
+    expect_close(auq, buq, "tupe u_q");
+    expect_close(auk, buk, "tupe u_k");
+    // θ1's gradient is the [CLS] query's Σ dS over the other keys, which under a causal mask is
+    // 0 (that row sees only its own key, so P = 1 and dS = dP − δ = 0) up to f32 rounding: judge
+    // both θ against the size of the dS sums that feed U^Q and U^K (same terms, O(1) weights).
+    const double theta_scale = std::max({max_abs(bth1), max_abs(bth2), max_abs(buq), max_abs(buk)});
+    expect_close_to_scale(ath1, bth1, theta_scale, "tupe theta1");
+    expect_close_to_scale(ath2, bth2, theta_scale, "tupe theta2");
+  } else if (const auto* kerple = scheme ? std::get_if<KerpleParams>(scheme) : nullptr) {
+    // r1 and r2 apart: each against its own size.
+    const auto [ar1, br1] = next(static_cast<std::size_t>(kerple->heads()));
+    const auto [ar2, br2] = next(static_cast<std::size_t>(kerple->heads()));
+    expect_close(ar1, br1, "kerple r1");
+    expect_close(ar2, br2, "kerple r2");
+  } else {
+    expect_close(fused, exact, "bias parameters");
+  }
+}
+
 // The fused backward (this target) against the fp64 reference: dq, dk, dv and every scheme's
 // parameter gradients.
 inline void expect_backward_matches_reference(const Problem& p, const Attention& att,
@@ -368,34 +422,9 @@ inline void expect_backward_matches_reference(const Problem& p, const Attention&
   EXPECT_EQ(inputs_only.dk, fused.dk) << "dk without parameter gradients";
   EXPECT_EQ(inputs_only.dv, fused.dv) << "dv without parameter gradients";
   for (std::size_t g = 0; g < exact.params.groups.size(); ++g) {
-    expect_close(fused.params.groups[g].alibi_slopes, exact.params.groups[g].alibi_slopes, "alibi slopes");
-    expect_close(fused.params.groups[g].t5_table, exact.params.groups[g].t5_table, "t5 table");
-    expect_close(fused.params.groups[g].kerple_r1, exact.params.groups[g].kerple_r1, "kerple r1");
-    expect_close(fused.params.groups[g].kerple_r2, exact.params.groups[g].kerple_r2, "kerple r2");
-    if (exact.params.groups[g].fire) {
-      const FireGradients &a = *fused.params.groups[g].fire, &b = *exact.params.groups[g].fire;
-      expect_close(a.w1, b.w1, "fire w1");
-      expect_close(a.b1, b.b1, "fire b1");
-      expect_close(a.w2, b.w2, "fire w2");
-      // ∂L/∂b2 is Σ dS over whole rows, which softmax makes 0 up to rounding: judge its f32 error
-      // against the size of the dS sums that also feed w2 (same terms, O(1) weights).
-      expect_close_to_scale(a.b2, b.b2, std::max(max_abs(b.w2), max_abs(b.b1)), "fire b2");
-      expect_close({a.c, a.threshold}, {b.c, b.threshold}, "fire c, L");
-    }
+    expect_bias_gradients_close(att, g, fused.params.groups[g].bias, exact.params.groups[g].bias);
     expect_close(fused.params.groups[g].shaw_key_table, exact.params.groups[g].shaw_key_table, "shaw key table");
     expect_close(fused.params.groups[g].shaw_value_table, exact.params.groups[g].shaw_value_table, "shaw value table");
-    if (exact.params.groups[g].tupe) {
-      const TupeGradients &a = *fused.params.groups[g].tupe, &b = *exact.params.groups[g].tupe;
-      expect_close(a.table, b.table, "tupe table");
-      expect_close(a.u_q, b.u_q, "tupe u_q");
-      expect_close(a.u_k, b.u_k, "tupe u_k");
-      // θ1's gradient is the [CLS] query's Σ dS over the other keys, which under a causal mask is
-      // 0 (that row sees only its own key, so P = 1 and dS = dP − δ = 0) up to f32 rounding: judge
-      // both θ against the size of the dS sums that feed U^Q and U^K (same terms, O(1) weights).
-      const double theta_scale = std::max({max_abs(b.theta1), max_abs(b.theta2), max_abs(b.u_q), max_abs(b.u_k)});
-      expect_close_to_scale(a.theta1, b.theta1, theta_scale, "tupe theta1");
-      expect_close_to_scale(a.theta2, b.theta2, theta_scale, "tupe theta2");
-    }
     for (std::size_t t = 0; t < exact.params.groups[g].terms.size(); ++t)
       expect_close(fused.params.groups[g].terms[t], exact.params.groups[g].terms[t], "a term's input gradient");
     if (exact.params.groups[g].xl) {
@@ -427,9 +456,7 @@ inline void expect_same_bits_for_any_thread_count(const Problem& p, const Attent
     EXPECT_EQ(runs[r].dv, runs[0].dv);
     for (std::size_t g = 0; g < runs[0].params.groups.size(); ++g) {
       const GroupGradients &a = runs[r].params.groups[g], &b = runs[0].params.groups[g];
-      EXPECT_EQ(a.alibi_slopes, b.alibi_slopes);
-      EXPECT_EQ(a.t5_table, b.t5_table);
-      EXPECT_EQ(a.bias_parameters, b.bias_parameters);
+      EXPECT_EQ(a.bias, b.bias);
       EXPECT_EQ(a.terms, b.terms);
     }
     if (dec != nullptr) {

@@ -159,15 +159,14 @@ struct AttentionSpec {
 // Gradients of the groups' positional parameters, fp64, accumulated (+=). One entry per group,
 // sized for its scheme (empty vectors where the scheme has no such parameter).
 struct GroupGradients {
-  std::vector<double> alibi_slopes;                      // [heads]
-  std::vector<double> t5_table;                          // [buckets·heads], the table's layout
-  std::vector<double> kerple_r1, kerple_r2;              // [heads]
-  std::vector<double> bias_parameters;                   // a RelativeBiasRef's θ (scheme.hpp), [parameter_count]
+  // The score bias's parameters, flat in its registered order (bias_parameter_count in bias.hpp;
+  // `posenc schemes` lists each layout): ALiBi's slopes [heads], T5's table [buckets·heads],
+  // Kerple's [r1 | r2], FIRE's [W1 | B1 | W2 | B2 | c | L], TUPE's [table | U^Q | U^K | θ1 | θ2],
+  // a RelativeBiasRef's θ.
+  std::vector<double> bias;
   std::vector<double> shaw_key_table, shaw_value_table;  // [(2k + 1)·D], the tables' layout
-  std::optional<FireGradients> fire;
-  std::optional<TupeGradients> tupe;
-  std::optional<XlGradients> xl;           // u, v, W_R
-  std::vector<std::vector<double>> terms;  // per HeadGroup::terms entry, its gradient_size()
+  std::optional<XlGradients> xl;                         // u, v, W_R
+  std::vector<std::vector<double>> terms;                // per HeadGroup::terms entry, its gradient_size()
 };
 struct AttentionGradients {
   std::vector<GroupGradients> groups;

@@ -227,6 +227,8 @@ struct FireGradients {
   explicit FireGradients(const FireParams& params);
   std::vector<double> w1, b1, w2, b2;
   double c = 0, threshold = 0;
+  // [w1 | b1 | w2 | b2 | c | L]: the registry's "fire" parameter order (GroupGradients::bias).
+  std::vector<double> flat() const;
 };
 
 // ---------------------------------------------------------------------------------- TUPE
@@ -290,6 +292,8 @@ class TupeEvaluator {
 struct TupeGradients {
   explicit TupeGradients(const TupeParams& params);
   std::vector<double> table, u_q, u_k, theta1, theta2;
+  // [table | U^Q | U^K | θ1 | θ2]: the registry's "tupe" parameter order (GroupGradients::bias).
+  std::vector<double> flat() const;
 };
 
 // ---------------------------------------------------------------------------------- schemes
@@ -298,6 +302,10 @@ struct TupeGradients {
 using BiasScheme = std::variant<NoPE, AlibiParams, T5BiasParams, KerpleParams, FireParams, TupeParams, RelativeBiasRef>;
 
 std::int64_t bias_heads(const BiasScheme& scheme);
+// How many learned parameters the scheme has, flat in its registered parameter order
+// (GroupGradients::bias): ALiBi's slopes, T5's table, Kerple's [r1 | r2], a RelativeBiasRef's θ,
+// FIRE's and TUPE's as FireGradients::flat and TupeGradients::flat order them; 0 for NoPE.
+std::int64_t bias_parameter_count(const BiasScheme& scheme);
 // The scheme as a RelativeBias (ALiBi, T5, Kerple and every RelativeBiasRef), or nullptr (NoPE,
 // FIRE, TUPE). Throws posenc::Error for a null RelativeBiasRef.
 const RelativeBias* relative_bias(const BiasScheme& scheme);

@@ -33,20 +33,7 @@ AttentionGradients AttentionPlan::zero_gradients() const {
       spec.groups.empty() ? std::vector<HeadGroup>{HeadGroup{heads, {}, {}}} : spec.groups;
   for (const HeadGroup& grp : groups) {
     GroupGradients g;
-    if (grp.bias) {
-      const std::int64_t hg = grp.heads;
-      if (std::holds_alternative<AlibiParams>(*grp.bias)) g.alibi_slopes.assign(static_cast<std::size_t>(hg), 0.0);
-      if (const auto* t5 = std::get_if<T5BiasParams>(&*grp.bias))
-        g.t5_table.assign(static_cast<std::size_t>(t5->num_buckets() * hg), 0.0);
-      if (std::holds_alternative<KerpleParams>(*grp.bias)) {
-        g.kerple_r1.assign(static_cast<std::size_t>(hg), 0.0);
-        g.kerple_r2.assign(static_cast<std::size_t>(hg), 0.0);
-      }
-      if (const auto* fire = std::get_if<FireParams>(&*grp.bias)) g.fire.emplace(*fire);
-      if (const auto* tupe_params = std::get_if<TupeParams>(&*grp.bias)) g.tupe.emplace(*tupe_params);
-      if (std::holds_alternative<RelativeBiasRef>(*grp.bias))
-        g.bias_parameters.assign(static_cast<std::size_t>(relative_bias(*grp.bias)->parameter_count()), 0.0);
-    }
+    if (grp.bias) g.bias.assign(static_cast<std::size_t>(bias_parameter_count(*grp.bias)), 0.0);
     if (grp.shaw) {
       g.shaw_key_table.assign(static_cast<std::size_t>(grp.shaw->rows() * grp.shaw->head_dim()), 0.0);
       g.shaw_value_table.assign(g.shaw_key_table.size(), 0.0);
@@ -67,16 +54,7 @@ void AttentionPlan::check_gradients(const AttentionGradients& grads) const {
     const auto& a = grads.groups[g];
     const auto& b = like.groups[g];
     const std::string name = "grads.groups[" + std::to_string(g) + "]";
-    check_gradient_size(kWhere, (name + ".alibi_slopes").c_str(), a.alibi_slopes.size(),
-                        static_cast<std::int64_t>(b.alibi_slopes.size()));
-    check_gradient_size(kWhere, (name + ".t5_table").c_str(), a.t5_table.size(),
-                        static_cast<std::int64_t>(b.t5_table.size()));
-    check_gradient_size(kWhere, (name + ".kerple_r1").c_str(), a.kerple_r1.size(),
-                        static_cast<std::int64_t>(b.kerple_r1.size()));
-    check_gradient_size(kWhere, (name + ".kerple_r2").c_str(), a.kerple_r2.size(),
-                        static_cast<std::int64_t>(b.kerple_r2.size()));
-    check_gradient_size(kWhere, (name + ".bias_parameters").c_str(), a.bias_parameters.size(),
-                        static_cast<std::int64_t>(b.bias_parameters.size()));
+    check_gradient_size(kWhere, (name + ".bias").c_str(), a.bias.size(), static_cast<std::int64_t>(b.bias.size()));
     check_gradient_size(kWhere, (name + ".shaw_key_table").c_str(), a.shaw_key_table.size(),
                         static_cast<std::int64_t>(b.shaw_key_table.size()));
     check_gradient_size(kWhere, (name + ".shaw_value_table").c_str(), a.shaw_value_table.size(),
@@ -87,36 +65,12 @@ void AttentionPlan::check_gradients(const AttentionGradients& grads) const {
       check_gradient_size(kWhere, (name + ".terms[" + std::to_string(t) + "]").c_str(), a.terms[t].size(),
                           static_cast<std::int64_t>(b.terms[t].size()));
     }
-    if (b.fire) {
-      require(a.fire.has_value(), (name + ".fire").c_str(), "empty", "FireGradients sized for the group's FIRE");
-      check_gradient_size(kWhere, (name + ".fire.w1").c_str(), a.fire->w1.size(),
-                          static_cast<std::int64_t>(b.fire->w1.size()));
-      check_gradient_size(kWhere, (name + ".fire.b1").c_str(), a.fire->b1.size(),
-                          static_cast<std::int64_t>(b.fire->b1.size()));
-      check_gradient_size(kWhere, (name + ".fire.w2").c_str(), a.fire->w2.size(),
-                          static_cast<std::int64_t>(b.fire->w2.size()));
-      check_gradient_size(kWhere, (name + ".fire.b2").c_str(), a.fire->b2.size(),
-                          static_cast<std::int64_t>(b.fire->b2.size()));
-    }
     if (b.xl) {
       require(a.xl.has_value(), (name + ".xl").c_str(), "empty", "XlGradients sized for the group's XL");
       check_gradient_size(kWhere, (name + ".xl.u").c_str(), a.xl->u.size(), static_cast<std::int64_t>(b.xl->u.size()));
       check_gradient_size(kWhere, (name + ".xl.v").c_str(), a.xl->v.size(), static_cast<std::int64_t>(b.xl->v.size()));
       check_gradient_size(kWhere, (name + ".xl.w_r").c_str(), a.xl->w_r.size(),
                           static_cast<std::int64_t>(b.xl->w_r.size()));
-    }
-    if (b.tupe) {
-      require(a.tupe.has_value(), (name + ".tupe").c_str(), "empty", "TupeGradients sized for the group's TUPE");
-      check_gradient_size(kWhere, (name + ".tupe.table").c_str(), a.tupe->table.size(),
-                          static_cast<std::int64_t>(b.tupe->table.size()));
-      check_gradient_size(kWhere, (name + ".tupe.u_q").c_str(), a.tupe->u_q.size(),
-                          static_cast<std::int64_t>(b.tupe->u_q.size()));
-      check_gradient_size(kWhere, (name + ".tupe.u_k").c_str(), a.tupe->u_k.size(),
-                          static_cast<std::int64_t>(b.tupe->u_k.size()));
-      check_gradient_size(kWhere, (name + ".tupe.theta1").c_str(), a.tupe->theta1.size(),
-                          static_cast<std::int64_t>(b.tupe->theta1.size()));
-      check_gradient_size(kWhere, (name + ".tupe.theta2").c_str(), a.tupe->theta2.size(),
-                          static_cast<std::int64_t>(b.tupe->theta2.size()));
     }
   }
 }
@@ -203,21 +157,22 @@ void AttentionPlan::finish_bias_gradients(AttentionUnitScratch& s, std::int64_t 
 
 void AttentionPlan::scatter_bias_gradients(const std::vector<double>& total, AttentionGradients& grads) const {
   for (std::size_t g = 0; g < spec.groups.size(); ++g) {
+    const std::optional<BiasScheme>& bias = spec.groups[g].bias;
+    if (!bias) continue;
     const double* at = total.data() + grad_offset[g];
-    GroupGradients& gg = grads.groups[g];
-    for (std::size_t t = 0; t < gg.alibi_slopes.size(); ++t) gg.alibi_slopes[t] += at[t];
-    for (std::size_t t = 0; t < gg.t5_table.size(); ++t) gg.t5_table[t] += at[t];
-    for (std::size_t t = 0; t < gg.kerple_r1.size(); ++t) {
-      gg.kerple_r1[t] += at[t];
-      gg.kerple_r2[t] += at[gg.kerple_r1.size() + t];
-    }
-    for (std::size_t t = 0; t < gg.bias_parameters.size(); ++t) gg.bias_parameters[t] += at[t];
-    if (gg.fire) {
-      const FireParams& fire = std::get<FireParams>(*spec.groups[g].bias);
-      const std::int64_t moments = static_cast<std::int64_t>(fire.kinks().size() + 1) * fire.heads();
-      fire_contract_moments(fire, at, at + moments, *gg.fire);
-      gg.fire->c += at[2 * moments];
-      gg.fire->threshold += at[2 * moments + 1];
+    std::vector<double>& out = grads.groups[g].bias;
+    if (const auto* fire = std::get_if<FireParams>(&*bias)) {
+      // FIRE's flat sums are moments, contracted through its MLP here (FireRows::accumulate_row).
+      FireGradients contracted(*fire);
+      const std::int64_t moments = static_cast<std::int64_t>(fire->kinks().size() + 1) * fire->heads();
+      fire_contract_moments(*fire, at, at + moments, contracted);
+      contracted.c = at[2 * moments];
+      contracted.threshold = at[2 * moments + 1];
+      const std::vector<double> flat = contracted.flat();
+      for (std::size_t t = 0; t < flat.size(); ++t) out[t] += flat[t];
+    } else if (relative_bias(*bias) != nullptr) {
+      // A RelativeBias's θ: the flat sums are its gradient in its own (the registered) order.
+      for (std::size_t t = 0; t < out.size(); ++t) out[t] += at[t];
     }
   }
 }

@@ -127,19 +127,8 @@ void check_gradients(const Attention& attention, const AttentionGradients& grads
   bool ok = grads.groups.size() == like.groups.size();
   for (std::size_t g = 0; ok && g < like.groups.size(); ++g) {
     const GroupGradients &a = grads.groups[g], &b = like.groups[g];
-    ok = same(a.alibi_slopes, b.alibi_slopes) && same(a.t5_table, b.t5_table) && same(a.kerple_r1, b.kerple_r1) &&
-         same(a.bias_parameters, b.bias_parameters) && same(a.kerple_r2, b.kerple_r2) &&
-         same(a.shaw_key_table, b.shaw_key_table) && same(a.shaw_value_table, b.shaw_value_table) &&
-         a.fire.has_value() == b.fire.has_value() && a.tupe.has_value() == b.tupe.has_value() &&
-         a.xl.has_value() == b.xl.has_value();
-    if (ok && b.fire) {
-      ok = same(a.fire->w1, b.fire->w1) && same(a.fire->b1, b.fire->b1) && same(a.fire->w2, b.fire->w2) &&
-           same(a.fire->b2, b.fire->b2);
-    }
-    if (ok && b.tupe) {
-      ok = same(a.tupe->table, b.tupe->table) && same(a.tupe->u_q, b.tupe->u_q) && same(a.tupe->u_k, b.tupe->u_k) &&
-           same(a.tupe->theta1, b.tupe->theta1) && same(a.tupe->theta2, b.tupe->theta2);
-    }
+    ok = same(a.bias, b.bias) && same(a.shaw_key_table, b.shaw_key_table) &&
+         same(a.shaw_value_table, b.shaw_value_table) && a.xl.has_value() == b.xl.has_value();
     if (ok && b.xl) ok = same(a.xl->u, b.xl->u) && same(a.xl->v, b.xl->v) && same(a.xl->w_r, b.xl->w_r);
     ok = ok && a.terms.size() == b.terms.size();
     for (std::size_t t = 0; ok && t < b.terms.size(); ++t) ok = same(a.terms[t], b.terms[t]);
@@ -609,17 +598,28 @@ void attention_backward(const Attention& attention, ConstTensorView out, ConstTe
       if (!bias || lq * lk == 0) continue;
       const ConstTensorView ds = TensorView::of(ds_groups[g].data(), {p.groups[g].heads, lq, lk});
       GroupGradients& gg = grads->groups[g];
-      if (const auto* alibi = std::get_if<AlibiParams>(&*bias))
-        ref::alibi_backward(*alibi, qp, kp, ds, gg.alibi_slopes);
-      if (const auto* t5 = std::get_if<T5BiasParams>(&*bias)) ref::t5_bias_backward(*t5, qp, kp, ds, gg.t5_table);
-      if (const auto* kerple = std::get_if<KerpleParams>(&*bias)) {
-        ref::kerple_backward(*kerple, qp, kp, ds, gg.kerple_r1, gg.kerple_r2);
+      // Each scheme's gradient in its own form, then flat in its registered order (GroupGradients::bias).
+      std::vector<double> flat;
+      if (const auto* fire = std::get_if<FireParams>(&*bias)) {
+        FireGradients fg(*fire);
+        ref::fire_backward(*fire, qp, kp, ds, fg);
+        flat = fg.flat();
+      } else if (const auto* tupe = std::get_if<TupeParams>(&*bias)) {
+        TupeGradients tg(*tupe);
+        ref::tupe_backward(*tupe, qp, kp, ds, tg);
+        flat = tg.flat();
+      } else if (const auto* kerple = std::get_if<KerpleParams>(&*bias)) {
+        const auto h = static_cast<std::size_t>(kerple->heads());
+        flat.assign(2 * h, 0.0);
+        ref::kerple_backward(*kerple, qp, kp, ds, std::span(flat).first(h), std::span(flat).subspan(h));
+      } else {
+        flat.assign(gg.bias.size(), 0.0);
+        if (const auto* alibi = std::get_if<AlibiParams>(&*bias)) ref::alibi_backward(*alibi, qp, kp, ds, flat);
+        if (const auto* t5 = std::get_if<T5BiasParams>(&*bias)) ref::t5_bias_backward(*t5, qp, kp, ds, flat);
+        if (std::holds_alternative<RelativeBiasRef>(*bias))
+          ref::relative_bias_backward(*relative_bias(*bias), qp, kp, ds, flat);
       }
-      if (const auto* fire = std::get_if<FireParams>(&*bias)) ref::fire_backward(*fire, qp, kp, ds, *gg.fire);
-      if (const auto* tupe = std::get_if<TupeParams>(&*bias)) ref::tupe_backward(*tupe, qp, kp, ds, *gg.tupe);
-      if (std::holds_alternative<RelativeBiasRef>(*bias)) {
-        ref::relative_bias_backward(*relative_bias(*bias), qp, kp, ds, gg.bias_parameters);
-      }
+      for (std::size_t t = 0; t < flat.size(); ++t) gg.bias[t] += flat[t];
     }
   }
 }

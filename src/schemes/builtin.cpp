@@ -129,8 +129,7 @@ SchemeEntry alibi_entry() {
          return bias_group(a, a.parameters.empty() ? AlibiParams(a.heads, form, a.number("max_bias"))
                                                    : AlibiParams(a.parameters, form));
        }},
-      [](const HeadGroup& g) { return std::get<AlibiParams>(*g.bias).slopes(); },
-      [](const GroupGradients& g) { return g.alibi_slopes; });
+      [](const HeadGroup& g) { return std::get<AlibiParams>(*g.bias).slopes(); }, {});
 }
 
 SchemeEntry t5_entry() {
@@ -149,78 +148,68 @@ SchemeEntry t5_entry() {
          return bias_group(a, T5BiasParams(a.heads, a.integer("num_buckets"), a.integer("max_distance"),
                                            a.flag("bidirectional"), a.parameters));
        }},
-      [](const HeadGroup& g) { return std::get<T5BiasParams>(*g.bias).table(); },
-      [](const GroupGradients& g) { return g.t5_table; });
+      [](const HeadGroup& g) { return std::get<T5BiasParams>(*g.bias).table(); }, {});
 }
 
 SchemeEntry kerple_entry() {
-  return with_parameters(
-      {"kerple",
-       "relative-bias",
-       "b = −r1_h·log(1 + r2_h·|r|) (log) or −r1_h·|r|^r2_h (power)",
-       "Chi et al. 2022, KERPLE",
-       {flag_option("power", false, "1: the power form"),
-        {"r1", 1.0, "r1 of every head at first"},
-        {"r2", 0.5, "r2 of every head at first"}},
-       "[r1 | r2] [2, heads]",
-       [](const SchemeArgs& a) {
-         return std::vector<std::int64_t>{2, a.heads};
-       },
-       [](const SchemeArgs& a) {
-         const KerpleForm form = a.flag("power") ? KerpleForm::kPower : KerpleForm::kLog;
-         const auto h = static_cast<std::size_t>(a.heads);
-         if (a.parameters.empty()) {
-           return bias_group(
-               a, KerpleParams(form, std::vector<double>(h, a.number("r1")), std::vector<double>(h, a.number("r2"))));
-         }
-         return bias_group(a,
-                           KerpleParams(form, slice(a.parameters, 0, a.heads), slice(a.parameters, a.heads, a.heads)));
-       }},
-      [](const HeadGroup& g) { return std::get<KerpleParams>(*g.bias).parameters(); },
-      [](const GroupGradients& g) {
-        return joined({&g.kerple_r1, &g.kerple_r2});
-      });
+  return with_parameters({"kerple",
+                          "relative-bias",
+                          "b = −r1_h·log(1 + r2_h·|r|) (log) or −r1_h·|r|^r2_h (power)",
+                          "Chi et al. 2022, KERPLE",
+                          {flag_option("power", false, "1: the power form"),
+                           {"r1", 1.0, "r1 of every head at first"},
+                           {"r2", 0.5, "r2 of every head at first"}},
+                          "[r1 | r2] [2, heads]",
+                          [](const SchemeArgs& a) {
+                            return std::vector<std::int64_t>{2, a.heads};
+                          },
+                          [](const SchemeArgs& a) {
+                            const KerpleForm form = a.flag("power") ? KerpleForm::kPower : KerpleForm::kLog;
+                            const auto h = static_cast<std::size_t>(a.heads);
+                            if (a.parameters.empty()) {
+                              return bias_group(a, KerpleParams(form, std::vector<double>(h, a.number("r1")),
+                                                                std::vector<double>(h, a.number("r2"))));
+                            }
+                            return bias_group(a, KerpleParams(form, slice(a.parameters, 0, a.heads),
+                                                              slice(a.parameters, a.heads, a.heads)));
+                          }},
+                         [](const HeadGroup& g) { return std::get<KerpleParams>(*g.bias).parameters(); }, {});
 }
 
 SchemeEntry fire_entry() {
-  return with_parameters(
-      {"fire",
-       "bias",
-       "b = MLP_h(ψ(|i − j|)/ψ(max(L, i))), ψ(t) = log(1 + c·t)",
-       "Li et al. 2023, Functional Interpolation for Relative Positions",
-       {size_option("hidden", 32, "MLP width"),
-        {"c", 1.0, "c of ψ at first"},
-        {"threshold", 512.0, "L at first"},
-        seed_option()},
-       "[w1 (hidden) | b1 (hidden) | w2 (heads·hidden) | b2 (heads) | c | L]",
-       [](const SchemeArgs& a) {
-         const std::int64_t k = a.integer("hidden");
-         return std::vector<std::int64_t>{
-             checked_sum("fire", {2 * k, checked_product("fire", {a.heads, k}), a.heads, 2})};
-       },
-       [](const SchemeArgs& a) {
-         const std::int64_t k = a.integer("hidden"), h = a.heads;
-         if (a.parameters.empty()) {
-           return bias_group(a, FireParams::init(h, k, static_cast<std::uint64_t>(a.integer("seed")), a.number("c"),
-                                                 a.number("threshold")));
-         }
-         const std::vector<double>& p = a.parameters;
-         return bias_group(a, FireParams(h, slice(p, 0, k), slice(p, k, k), slice(p, 2 * k, h * k),
-                                         slice(p, 2 * k + h * k, h), p[p.size() - 2], p[p.size() - 1]));
-       }},
-      [](const HeadGroup& g) {
-        const FireParams& f = std::get<FireParams>(*g.bias);
-        std::vector<double> all = joined({&f.w1(), &f.b1(), &f.w2(), &f.b2()});
-        all.push_back(f.c());
-        all.push_back(f.threshold());
-        return all;
-      },
-      [](const GroupGradients& g) {
-        std::vector<double> all = joined({&g.fire->w1, &g.fire->b1, &g.fire->w2, &g.fire->b2});
-        all.push_back(g.fire->c);
-        all.push_back(g.fire->threshold);
-        return all;
-      });
+  return with_parameters({"fire",
+                          "bias",
+                          "b = MLP_h(ψ(|i − j|)/ψ(max(L, i))), ψ(t) = log(1 + c·t)",
+                          "Li et al. 2023, Functional Interpolation for Relative Positions",
+                          {size_option("hidden", 32, "MLP width"),
+                           {"c", 1.0, "c of ψ at first"},
+                           {"threshold", 512.0, "L at first"},
+                           seed_option()},
+                          "[w1 (hidden) | b1 (hidden) | w2 (heads·hidden) | b2 (heads) | c | L]",
+                          [](const SchemeArgs& a) {
+                            const std::int64_t k = a.integer("hidden");
+                            return std::vector<std::int64_t>{
+                                checked_sum("fire", {2 * k, checked_product("fire", {a.heads, k}), a.heads, 2})};
+                          },
+                          [](const SchemeArgs& a) {
+                            const std::int64_t k = a.integer("hidden"), h = a.heads;
+                            if (a.parameters.empty()) {
+                              return bias_group(a, FireParams::init(h, k, static_cast<std::uint64_t>(a.integer("seed")),
+                                                                    a.number("c"), a.number("threshold")));
+                            }
+                            const std::vector<double>& p = a.parameters;
+                            return bias_group(a,
+                                              FireParams(h, slice(p, 0, k), slice(p, k, k), slice(p, 2 * k, h * k),
+                                                         slice(p, 2 * k + h * k, h), p[p.size() - 2], p[p.size() - 1]));
+                          }},
+                         [](const HeadGroup& g) {
+                           const FireParams& f = std::get<FireParams>(*g.bias);
+                           std::vector<double> all = joined({&f.w1(), &f.b1(), &f.w2(), &f.b2()});
+                           all.push_back(f.c());
+                           all.push_back(f.threshold());
+                           return all;
+                         },
+                         {});
 }
 
 SchemeEntry tupe_entry() {
@@ -254,9 +243,7 @@ SchemeEntry tupe_entry() {
         const TupeParams& t = std::get<TupeParams>(*g.bias);
         return joined({&t.table(), &t.u_q(), &t.u_k(), &t.theta1(), &t.theta2()});
       },
-      [](const GroupGradients& g) {
-        return joined({&g.tupe->table, &g.tupe->u_q, &g.tupe->u_k, &g.tupe->theta1, &g.tupe->theta2});
-      });
+      {});
 }
 
 SchemeEntry shaw_entry() {

@@ -148,8 +148,7 @@ std::vector<double> scheme_parameters(const SchemeEntry& entry, const HeadGroup&
 
 std::vector<double> scheme_gradients(const SchemeEntry& entry, const GroupGradients& grads) {
   if (entry.gradients_of) return entry.gradients_of(grads);
-  if (entry.family == "relative-bias") return grads.bias_parameters;
-  return {};
+  return grads.bias;  // a score bias's, in its registered order; empty for the other schemes
 }
 
 HeadGroup make_head_group(std::string_view name, SchemeArgs args) {

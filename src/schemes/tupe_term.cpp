@@ -322,7 +322,7 @@ void TupeTerm::reduce(std::span<const TermUnit> units, AttentionGradients& grads
     const TupeTables& t = tables_[gi];
     if (t.heads == 0) continue;
     const TupeParams& params = *tupe_of(groups_[gi]);
-    TupeGradients& out = *grads.groups[gi].tupe;
+    TupeGradients out(params);  // added, flat, to GroupGradients::bias at the end
     const std::int64_t hg = t.heads, h_first = p_.group_first_head[gi], cols = hg * dp, hd = hg * dim;
     const std::int64_t dm = params.d_model(), dmp = round_up(dm, kAttnAlign);
     AlignedFloats& rows = zeroed_floats(CallBuffer::kTerm0, static_cast<std::size_t>(count_ * dmp));
@@ -389,6 +389,9 @@ void TupeTerm::reduce(std::span<const TermUnit> units, AttentionGradients& grads
         }
       }
     }
+    const std::vector<double> flat = out.flat();
+    std::vector<double>& bias = grads.groups[gi].bias;
+    for (std::size_t i = 0; i < flat.size(); ++i) bias[i] += flat[i];
   }
 }
 

@@ -74,9 +74,9 @@ struct SchemeEntry {
   std::function<std::vector<std::int64_t>(const SchemeArgs&)> parameter_shape{};
   std::function<HeadGroup(const SchemeArgs&)> make{};
   // A group's learned parameters flat in parameter_shape's order, and its gradients
-  // (AttentionGradients) flattened the same way. Unset: a RelativeBias's parameters() for the
-  // relative-bias family (none for the others), and GroupGradients::bias, which the engine
-  // already fills in this order (scheme_parameters / scheme_gradients apply that rule).
+  // (AttentionGradients) flattened the same way. Unset: the group's score bias's — a
+  // RelativeBias's parameters(), and GroupGradients::bias, which the engine fills in that order —
+  // and none without one (scheme_parameters / scheme_gradients apply that rule).
   std::function<std::vector<double>(const HeadGroup&)> parameters_of{};
   std::function<std::vector<double>(const GroupGradients&)> gradients_of{};
 };

@@ -138,10 +138,12 @@ SchemeArgs complete_scheme_args(const SchemeEntry& entry, SchemeArgs args) {
 
 std::vector<double> scheme_parameters(const SchemeEntry& entry, const HeadGroup& group) {
   if (entry.parameters_of) return entry.parameters_of(group);
-  if (entry.family == "relative-bias" && group.bias) {
-    const RelativeBias* rb = relative_bias(*group.bias);
-    if (rb == nullptr) throw Error("scheme " + entry.name, "bias", "not a RelativeBias", "its family's interface");
-    return rb->parameters();
+  // The same rule as scheme_gradients: a group's score bias (a RelativeBias here; FIRE and TUPE
+  // give parameters_of) owns the learned parameters.
+  if (group.bias) {
+    if (const RelativeBias* rb = relative_bias(*group.bias)) return rb->parameters();
+    if (entry.family == "relative-bias")
+      throw Error("scheme " + entry.name, "bias", "not a RelativeBias", "its family's interface");
   }
   return {};
 }

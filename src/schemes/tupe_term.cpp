@@ -322,7 +322,12 @@ void TupeTerm::reduce(std::span<const TermUnit> units, AttentionGradients& grads
     const TupeTables& t = tables_[gi];
     if (t.heads == 0) continue;
     const TupeParams& params = *tupe_of(groups_[gi]);
-    TupeGradients out(params);  // added, flat, to GroupGradients::bias at the end
+    // GroupGradients::bias in the registered order: [table | U^Q | U^K | θ1 | θ2].
+    double* const d_table = grads.groups[gi].bias.data();
+    double* const d_uq = d_table + params.table().size();
+    double* const d_uk = d_uq + params.u_q().size();
+    double* const d_theta1 = d_uk + params.u_k().size();
+    double* const d_theta2 = d_theta1 + params.theta1().size();
     const std::int64_t hg = t.heads, h_first = p_.group_first_head[gi], cols = hg * dp, hd = hg * dim;
     const std::int64_t dm = params.d_model(), dmp = round_up(dm, kAttnAlign);
     AlignedFloats& rows = zeroed_floats(CallBuffer::kTerm0, static_cast<std::size_t>(count_ * dmp));
@@ -351,21 +356,20 @@ void TupeTerm::reduce(std::span<const TermUnit> units, AttentionGradients& grads
         }
         const double* theta = totals.data() + kvh * per_kv + 2 * count_ * g_count * dp;
         if (is_q && t.cls_reset) {
-          out.theta1[static_cast<std::size_t>(lh)] += theta[g];
-          out.theta2[static_cast<std::size_t>(lh)] += theta[g_count + g];
+          d_theta1[lh] += theta[g];
+          d_theta2[lh] += theta[g_count + g];
         }
       }
       // dU[m][c] = Σ_n rows[n][m]·d_proj[n][c].
       AlignedFloats& du = zeroed_floats(CallBuffer::kTerm2, static_cast<std::size_t>(dmp * cols));
       blocked_gemm(rows.data(), 1, dmp, d_proj.data(), cols, du.data(), cols, dm, cols, count_);
-      std::vector<double>& u_grad = is_q ? out.u_q : out.u_k;
+      double* const u_grad = is_q ? d_uq : d_uk;
       const std::vector<double>& weights = is_q ? params.u_q() : params.u_k();
 #pragma omp parallel for schedule(static) num_threads(threads_for(dm* cols))
       for (std::int64_t m = 0; m < dm; ++m) {
         for (std::int64_t lh = 0; lh < hg; ++lh) {
           for (std::int64_t d = 0; d < dim; ++d) {
-            u_grad[static_cast<std::size_t>(m * hd + lh * dim + d)] +=
-                du[static_cast<std::size_t>(m * cols + lh * dp + d)];
+            u_grad[m * hd + lh * dim + d] += du[static_cast<std::size_t>(m * cols + lh * dp + d)];
           }
         }
       }
@@ -385,13 +389,10 @@ void TupeTerm::reduce(std::span<const TermUnit> units, AttentionGradients& grads
 #pragma omp parallel for schedule(static) num_threads(threads_for(count_* dm))
       for (std::int64_t n = 0; n < count_; ++n) {
         for (std::int64_t m = 0; m < dm; ++m) {
-          out.table[static_cast<std::size_t>((first_ + n) * dm + m)] += dtable[static_cast<std::size_t>(n * dmp + m)];
+          d_table[(first_ + n) * dm + m] += dtable[static_cast<std::size_t>(n * dmp + m)];
         }
       }
     }
-    const std::vector<double> flat = out.flat();
-    std::vector<double>& bias = grads.groups[gi].bias;
-    for (std::size_t i = 0; i < flat.size(); ++i) bias[i] += flat[i];
   }
 }
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job: install what is missing, build posenc with its PyTorch extension, fetch the Brown
-# Corpus, and run the length-extrapolation study (about 17 minutes on 2 cores; results, report
+# Corpus, and run the length-extrapolation study (5 minutes on 2 idle Zen 5 cores; results, report
 # and plots in ./study-results). Extra arguments go to `posenc study` (e.g. --quick, --schemes rope,alibi).
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 POSENC_PACKAGES+=("${POSENC_TORCH_PACKAGES[@]}" "${POSENC_STUDY_PACKAGES[@]}")

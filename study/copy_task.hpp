@@ -1,4 +1,4 @@
-// The study's synthetic panel: copying a sequence of distinct symbols, a task that perplexity
+// The study's first synthetic task: copying a sequence of distinct symbols, a task that perplexity
 // cannot fake — a model either retrieves the token it saw n + 1 positions back or it does not.
 //
 // One example of nominal length E (n = E/2 − 1 symbols, drawn without repetition from the byte
@@ -27,9 +27,10 @@ inline constexpr std::int64_t kCopySeparator = 255;
 inline constexpr std::int64_t kCopySymbols = 255;  // 0 … 254
 inline constexpr std::int64_t kIgnored = -100;     // torch's cross_entropy default ignore_index
 
+// A batch of a synthetic task (this one's examples are 2n + 2 long, retrieval_task.hpp's 4n + 1).
 struct CopyBatch {
-  torch::Tensor inputs;   // [batch, 2n + 2] int64
-  torch::Tensor targets;  // [batch, 2n + 2] int64, kIgnored where not scored
+  torch::Tensor inputs;   // [batch, length] int64
+  torch::Tensor targets;  // [batch, length] int64, kIgnored where not scored
 };
 
 // `batch` examples with n symbols each; throws posenc::Error unless 1 ≤ n ≤ kCopySymbols and

@@ -1,8 +1,7 @@
-// The study's second synthetic task: associative recall, in the spirit of the NoPE paper's
-// retrieval tasks (Kazemnejad et al. 2023) and of multi-query associative recall (Arora et al.
-// 2023, Zoology). Where the copy task's answer always sits n + 1 tokens back (a position-only
-// shortcut fits every training length), here each answer sits at a distance set by a random
-// query order: only a lookup by content solves it.
+// The study's second synthetic task: associative recall, after multi-query associative recall
+// (Arora et al. 2023, Zoology): find the value of a key seen earlier. Where the copy task's answer
+// always sits n + 1 tokens back (a position-only shortcut fits every training length), here each
+// answer sits at a distance set by a random query order: only a lookup by content solves it.
 //
 // One example with n pairs (n distinct keys from 0 … 127, values drawn independently from
 // 128 … 254; 255 is the separator), queried in a random order π:

@@ -133,16 +133,20 @@ std::string duration_text(double seconds) {
 }
 
 // One line on stderr, redrawn (a line per update when stderr is not a terminal): what runs, how
-// far, and the time left for the whole study. Thread-safe: schemes may run in parallel.
+// far, and the time left for the whole study. Thread-safe: schemes may run in parallel. Each item
+// counts in proportion to its weight (its expected work).
 class Progress {
  public:
-  Progress(std::size_t schemes, bool live) : done_(schemes, 0.0), live_(live), start_(now()) {}
+  Progress(std::vector<double> weights, bool live)
+      : weights_(std::move(weights)), done_(weights_.size(), 0.0), live_(live), start_(now()) {
+    for (double w : weights_) total_ += w;
+  }
   // Scheme i is `fraction` done; `text` says what it does.
   void show(std::size_t scheme, double fraction, const std::string& text) {
     const std::lock_guard lock(mutex_);
     done_[scheme] = fraction;
     double done = 0;
-    for (double f : done_) done += f / static_cast<double>(done_.size());
+    for (std::size_t i = 0; i < done_.size(); ++i) done += done_[i] * weights_[i] / total_;
     const double elapsed = now() - start_;
     if (elapsed - last_ < (live_ ? 0.25 : 5.0) && fraction < 1.0) return;
     last_ = elapsed;
@@ -162,7 +166,8 @@ class Progress {
     return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
   }
   std::mutex mutex_;
-  std::vector<double> done_;
+  std::vector<double> weights_, done_;
+  double total_ = 0;
   bool live_;
   double start_, last_ = -1;
 };
@@ -238,7 +243,8 @@ double train(LanguageModel& model, double peak_lr, std::int64_t steps, NextBatch
 }
 
 // A fresh model of `scheme`, seeded by the scheme's place in known_schemes() (a scheme's numbers do
-// not depend on which other schemes run) and by `stream` (0: the language model, 1: the copy task).
+// not depend on which other schemes run) and by `stream` (0: the language model, 1: the copy task,
+// 2: the retrieval task).
 LanguageModel new_model(const std::string& scheme, const Settings& st, std::int64_t train_length,
                         std::uint64_t stream) {
   // torch's generator is global: seed and build under a lock when schemes run in parallel.
@@ -259,25 +265,51 @@ struct SyntheticTask {
   std::int64_t n_min, n_max;  // training draws n uniformly from [n_min, n_max]
   CopyBatch (*make)(std::int64_t batch, std::int64_t n, std::mt19937_64& rng);
   std::int64_t (*n_of)(std::int64_t e);
-  std::uint64_t train_seed, eval_seed;  // per-seed multipliers, each task its own
+  // The generators of the training examples (per scheme) and of the test examples at length e
+  // (the same for every scheme).
+  std::mt19937_64 (*train_rng)(std::uint64_t seed, const std::string& scheme);
+  std::mt19937_64 (*eval_rng)(std::uint64_t seed, std::int64_t e);
 };
 
+std::uint64_t scheme_salt(const std::string& scheme) { return std::hash<std::string>{}(scheme) % 1000003; }
+
 SyntheticTask copy_task(const Settings& st) {
-  return {"copy",
-          1,
-          st.copy_steps,
-          2,
-          st.copy_length / 2 - 1,
-          make_copy_batch,
-          [](std::int64_t e) { return e / 2 - 1; },
-          6271,
-          104729};
+  return {
+      "copy",
+      1,
+      st.copy_steps,
+      2,
+      st.copy_length / 2 - 1,
+      make_copy_batch,
+      [](std::int64_t e) { return e / 2 - 1; },
+      [](std::uint64_t seed, const std::string& scheme) { return std::mt19937_64(seed * 6271 + scheme_salt(scheme)); },
+      [](std::uint64_t seed, std::int64_t e) {
+        return std::mt19937_64(seed * 104729 + static_cast<std::uint64_t>(e));
+      }};
+}
+
+// Every input to the generator's seed kept apart (no two (seed, length) pairs, nor a training
+// and a test stream, share a seed as products and sums can).
+std::mt19937_64 retrieval_rng(std::uint64_t seed, std::uint64_t purpose, std::uint64_t salt) {
+  std::seed_seq sequence{static_cast<std::uint32_t>(seed),
+                         static_cast<std::uint32_t>(seed >> 32),
+                         std::uint32_t{2},
+                         static_cast<std::uint32_t>(purpose),
+                         static_cast<std::uint32_t>(salt),
+                         static_cast<std::uint32_t>(salt >> 32)};
+  return std::mt19937_64(sequence);
 }
 
 SyntheticTask retrieval_task(const Settings& st) {
-  return {
-      "retrieval", 2,     st.retrieval_steps, 2, retrieval_pairs(st.copy_length), make_retrieval_batch, retrieval_pairs,
-      7481,        104723};
+  return {"retrieval",
+          2,
+          st.retrieval_steps,
+          2,
+          retrieval_pairs(st.copy_length),
+          make_retrieval_batch,
+          retrieval_pairs,
+          [](std::uint64_t seed, const std::string& scheme) { return retrieval_rng(seed, 0, scheme_salt(scheme)); },
+          [](std::uint64_t seed, std::int64_t e) { return retrieval_rng(seed, 1, static_cast<std::uint64_t>(e)); }};
 }
 
 // A task's accuracy at each of st.copy_lengths(): the fraction of scored targets the model names
@@ -287,7 +319,7 @@ json evaluate_task(LanguageModel& model, const Settings& st, const SyntheticTask
   model->eval();
   json accuracy;
   for (std::int64_t e : st.copy_lengths()) {
-    std::mt19937_64 rng(st.seed * task.eval_seed + static_cast<std::uint64_t>(e));
+    std::mt19937_64 rng = task.eval_rng(st.seed, e);
     const std::int64_t per_batch = std::max<std::int64_t>(1, 8192 / e);
     std::int64_t right = 0, scored = 0;
     for (std::int64_t done = 0; done < st.copy_eval_examples; done += per_batch) {
@@ -308,7 +340,7 @@ std::vector<json> run_synthetic(const SyntheticTask& task, const std::string& sc
                                 const std::vector<std::string>& variants, std::size_t index, const Settings& st,
                                 Progress& progress, double from, double to) {
   LanguageModel model = new_model(scheme, st, st.copy_length, task.stream);
-  std::mt19937_64 rng(st.seed * task.train_seed + std::hash<std::string>{}(scheme) % 1000003);
+  std::mt19937_64 rng = task.train_rng(st.seed, scheme);
   std::uniform_int_distribution<std::int64_t> draw_n(task.n_min, task.n_max);
   const auto t0 = std::chrono::steady_clock::now();
   const double loss = train(
@@ -612,7 +644,7 @@ int main(int argc, char** argv) {
   std::string preset;
   app.add_option("--preset", preset,
                  "medium: models that use their context (width 128, 4 layers, trained at 128 bytes on 12M bytes; "
-                 "about 1.5 hours on 2 cores)");
+                 "1.5 to 2.5 hours on 2 cores)");
   app.add_option("--schemes", schemes_text, "Comma-separated schemes (default: all)");
   app.add_option("--corpus", corpus_path, "A text file, or the Brown Corpus directory (default: the set-up's copy)");
   app.add_option("--out", out_dir, "Output directory")->capture_default_str();
@@ -826,7 +858,14 @@ int main(int argc, char** argv) {
       }
     }
     jobs = static_cast<int>(std::min<std::size_t>(static_cast<std::size_t>(jobs), items.size()));
-    Progress progress(items.size(), isatty(STDERR_FILENO) != 0);
+    // Weights: the tokens each item trains on (a language model and its copy task, or a retrieval task).
+    std::vector<double> weights;
+    for (const Item& item : items) {
+      const double synthetic = static_cast<double>(st.batch * st.copy_length);
+      weights.push_back(item.retrieval ? static_cast<double>(st.retrieval_steps) * synthetic
+                                       : st.train_tokens + static_cast<double>(st.copy_steps) * synthetic);
+    }
+    Progress progress(std::move(weights), isatty(STDERR_FILENO) != 0);
     // Trainings run `jobs` at a time, each on `threads` threads; every scheme's numbers depend
     // only on the seed and its own computation, not on which worker runs it or when.
     std::map<std::pair<std::string, std::uint64_t>, json> finished, recalled;

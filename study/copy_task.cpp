@@ -9,6 +9,14 @@
 
 namespace posenc::study {
 
+void draw_distinct(std::vector<std::int64_t>& pool, std::int64_t n, std::mt19937_64& rng) {
+  const auto size = static_cast<std::int64_t>(pool.size());
+  for (std::int64_t i = 0; i < n; ++i) {
+    const auto j = i + static_cast<std::int64_t>(rng() % static_cast<std::uint64_t>(size - i));
+    std::swap(pool[static_cast<std::size_t>(i)], pool[static_cast<std::size_t>(j)]);
+  }
+}
+
 CopyBatch make_copy_batch(std::int64_t batch, std::int64_t n, std::mt19937_64& rng) {
   if (n < 1 || n > kCopySymbols) {
     throw Error("study copy task", "n", std::to_string(n), "1 … " + std::to_string(kCopySymbols) + " distinct symbols");
@@ -21,13 +29,8 @@ CopyBatch make_copy_batch(std::int64_t batch, std::int64_t n, std::mt19937_64& r
   auto* tg = targets.data_ptr<std::int64_t>();
   std::vector<std::int64_t> symbols(static_cast<std::size_t>(kCopySymbols));
   for (std::int64_t b = 0; b < batch; ++b) {
-    // The first n of a partial Fisher–Yates shuffle: n distinct symbols, uniformly. Written out
-    // rather than std::shuffle so that the sequence is the same with every standard library.
     std::iota(symbols.begin(), symbols.end(), std::int64_t{0});
-    for (std::int64_t i = 0; i < n; ++i) {
-      const auto j = i + static_cast<std::int64_t>(rng() % static_cast<std::uint64_t>(kCopySymbols - i));
-      std::swap(symbols[static_cast<std::size_t>(i)], symbols[static_cast<std::size_t>(j)]);
-    }
+    draw_distinct(symbols, n, rng);
     std::int64_t* x = in + b * length;
     std::int64_t* y = tg + b * length;
     x[0] = x[n + 1] = kCopySeparator;

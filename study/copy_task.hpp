@@ -20,6 +20,7 @@
 
 #include <cstdint>
 #include <random>
+#include <vector>
 
 namespace posenc::study {
 
@@ -36,6 +37,11 @@ struct CopyBatch {
 // `batch` examples with n symbols each; throws posenc::Error unless 1 ≤ n ≤ kCopySymbols and
 // batch ≥ 1.
 CopyBatch make_copy_batch(std::int64_t batch, std::int64_t n, std::mt19937_64& rng);
+
+// Puts n distinct entries of `pool`, drawn uniformly, at its front: the first n steps of a
+// Fisher–Yates shuffle, written out rather than std::shuffle so that the draw is the same with
+// every standard library. Both synthetic tasks draw their symbols and keys with it.
+void draw_distinct(std::vector<std::int64_t>& pool, std::int64_t n, std::mt19937_64& rng);
 
 // The number of scored targets whose arg-max logit is right, and the number scored: logits
 // [batch, S, vocab], targets [batch, S].

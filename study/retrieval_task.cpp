@@ -7,19 +7,6 @@
 #include "posenc/error.hpp"
 
 namespace posenc::study {
-namespace {
-
-// The first n of a partial Fisher–Yates shuffle of `pool` (n distinct entries, uniformly), written
-// out rather than std::shuffle so that the draw is the same with every standard library.
-void draw_distinct(std::vector<std::int64_t>& pool, std::int64_t n, std::mt19937_64& rng) {
-  const auto size = static_cast<std::int64_t>(pool.size());
-  for (std::int64_t i = 0; i < n; ++i) {
-    const auto j = i + static_cast<std::int64_t>(rng() % static_cast<std::uint64_t>(size - i));
-    std::swap(pool[static_cast<std::size_t>(i)], pool[static_cast<std::size_t>(j)]);
-  }
-}
-
-}  // namespace
 
 CopyBatch make_retrieval_batch(std::int64_t batch, std::int64_t n, std::mt19937_64& rng) {
   if (n < 1 || n > kRetrievalKeys) {

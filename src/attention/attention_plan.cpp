@@ -22,7 +22,6 @@ namespace {
 
 constexpr const char* kWhere = AttentionPlan::kWhere;
 // Largest bias table over all heads (entries): beyond it, biases are evaluated per element.
-constexpr std::int64_t kMaxBiasTable = std::int64_t{1} << 24;
 
 void require(bool ok, const char* param, const std::string& value, const std::string& expected) {
   if (!ok) throw Error(kWhere, param, value, expected);
@@ -350,10 +349,10 @@ std::vector<HeadGroup> AttentionPlan::plan_head_groups() {
 }
 
 // The score terms of the groups (score_term.hpp), in the order they add to a tile. A group's
-// bias is added before them (a row has at most one of a bias and TUPE, so the order of those two
-// never matters).
+// tabulated bias is added before them; FIRE and TUPE, the group biases that are terms, come
+// first, so that a row's logit is summed in the same order whichever form its bias takes.
 void AttentionPlan::plan_terms(const std::vector<HeadGroup>& groups) {
-  for (const auto make : {make_tupe_term, make_shaw_term, make_xl_term}) {
+  for (const auto make : {make_fire_term, make_tupe_term, make_shaw_term, make_xl_term}) {
     if (auto term = make(*this, groups)) terms.push_back(std::move(term));
   }
   for (std::size_t g = 0; g < groups.size(); ++g) {
@@ -413,7 +412,7 @@ void AttentionPlan::plan_transform_tables(const std::vector<HeadGroup>& groups, 
 }
 
 // Bias tables over δ = q − k, with a lane's worth of margin on the query side (padding lanes
-// continue their chunk's positions); FIRE's rows; the gradients' flat layout. Returns the lowest
+// continue their chunk's positions); the gradients' flat layout. Returns the lowest
 // tabulated bias (for the far-tile skip).
 float AttentionPlan::plan_bias_tables(const std::vector<HeadGroup>& groups, const PositionRange& range) {
   const std::int64_t q_min = range.q_min, q_max = range.q_max, k_min = range.k_min, k_max = range.k_max;
@@ -429,17 +428,16 @@ float AttentionPlan::plan_bias_tables(const std::vector<HeadGroup>& groups, cons
     if (!groups[gi].bias) continue;
     const BiasScheme& scheme = *groups[gi].bias;
     const std::int64_t hg = groups[gi].heads, h0 = group_first_head[gi];
-    if (std::holds_alternative<NoPE>(scheme) || std::holds_alternative<TupeParams>(scheme)) continue;  // TUPE: below
+    // NoPE adds nothing; FIRE and TUPE are score terms (plan_terms).
+    if (std::holds_alternative<NoPE>(scheme) || std::holds_alternative<FireParams>(scheme) ||
+        std::holds_alternative<TupeParams>(scheme)) {
+      continue;
+    }
     any_bias = true;
     // Schemes of the relative position only (scheme.hpp): tabulated, θ's gradient flat.
     const RelativeBias* relative = relative_bias(scheme);
     const bool distance_only = relative != nullptr;
     if (relative != nullptr) flat += relative->parameter_count();
-    if (const auto* fire = std::get_if<FireParams>(&scheme)) {
-      // [s0 | s1] per piece and head, then ∂L/∂c and ∂L/∂L (FireRows::accumulate_row).
-      flat += 2 * static_cast<std::int64_t>(fire->kinks().size() + 1) * hg + 2;
-      any_trainable_bias = true;
-    }
     if (relative != nullptr && relative->parameter_count() > 0) any_trainable_bias = true;
     const bool tabulate = distance_only && width * hg <= kMaxBiasTable;
     if (tabulate) {
@@ -459,11 +457,6 @@ float AttentionPlan::plan_bias_tables(const std::vector<HeadGroup>& groups, cons
       lowest_table_bias = std::min(lowest_table_bias, *std::min_element(table.begin(), table.end()));
     } else {
       evaluators.push_back(std::make_unique<BiasEvaluator>(scheme, k_min - q_max, k_max - q_min));
-      if (std::holds_alternative<FireParams>(scheme)) {
-        // Into the plan's own spec: `groups` is a local copy, and FireRows keeps a pointer.
-        auto rows = fire_rows_for(std::get<FireParams>(*spec.groups[gi].bias), range);
-        if (rows) fire_rows.push_back(std::move(rows));
-      }
     }
     for (std::int64_t h = 0; h < hg; ++h) {
       HeadBias& hb = head_bias[static_cast<std::size_t>(h0 + h)];
@@ -477,7 +470,6 @@ float AttentionPlan::plan_bias_tables(const std::vector<HeadGroup>& groups, cons
       } else {
         hb.kind = HeadBias::kDirect;
         hb.evaluator = evaluators.back().get();
-        if (!fire_rows.empty() && std::holds_alternative<FireParams>(scheme)) hb.fire = fire_rows.back().get();
       }
     }
   }
@@ -493,39 +485,6 @@ float AttentionPlan::plan_bias_tables(const std::vector<HeadGroup>& groups, cons
   }
   hist_width = width <= kMaxBiasTable ? width : 0;
   return lowest_table_bias;
-}
-
-// FIRE's ψ and 1/ψ(max(L, q)) tables over the distances and query positions a call meets, when
-// those are of a sensible size (nullptr: rows are evaluated directly). `fire` is the plan's own
-// spec's (FireRows keeps a pointer to it).
-std::unique_ptr<FireRows> AttentionPlan::fire_rows_for(const FireParams& fire, const PositionRange& range) const {
-  const std::int64_t q_min = range.q_min, q_max = range.q_max, k_min = range.k_min, k_max = range.k_max;
-  const std::int64_t max_distance = std::max(std::abs(k_max - q_min), std::abs(q_max - k_min));
-  if (max_distance >= kMaxBiasTable) return nullptr;
-  {
-    auto evaluator_rows = std::make_unique<FireRows>();
-    evaluator_rows->params = &fire;
-    // kAttnAlign past it: a lane chunk's padding lanes read on past the last real row.
-    const std::int64_t entries = max_distance + 1 + kernels::kAttnAlign;
-    evaluator_rows->psi.resize(static_cast<std::size_t>(entries));
-    evaluator_rows->dpsi_dc.resize(static_cast<std::size_t>(entries));
-    for (std::int64_t t = 0; t < entries; ++t) {
-      const auto d = static_cast<double>(t);
-      evaluator_rows->psi[static_cast<std::size_t>(t)] = std::log1p(fire.c() * d);
-      evaluator_rows->dpsi_dc[static_cast<std::size_t>(t)] = d / (1 + fire.c() * d);
-    }
-    // 1/ψ(max(L, q)) per query position (and the padding lanes past the last one), when
-    // that range is of a sensible size too (else add_chunk declines and rows take add_row).
-    evaluator_rows->inv_norm_first = q_min;
-    if (q_max - q_min < kMaxBiasTable) {
-      evaluator_rows->inv_norm.resize(static_cast<std::size_t>(q_max - q_min + 1 + kernels::kAttnAlign));
-    }
-    for (std::size_t t = 0; t < evaluator_rows->inv_norm.size(); ++t) {
-      const auto q = static_cast<double>(q_min + static_cast<std::int64_t>(t));
-      evaluator_rows->inv_norm[t] = 1.0 / std::log1p(fire.c() * std::max(fire.threshold(), q));
-    }
-    return evaluator_rows;
-  }
 }
 
 // The far-tile skip (attention_plan.hpp): whether tiles run from the diagonal down, per KV head,

@@ -40,49 +40,8 @@ struct QKTables {
   }
 };
 
-// FIRE's biases of a row (one query against keys at consecutive positions), exactly as the
-// per-element definition computes them (fp64, rounded once): x = ψ(d)·(1/ψ(max(L, q))) with
-// ψ(d) = log1p(c·d) tabulated for the distances a call meets; the pieces of the MLP walked along
-// the row (x is monotone on each side of the query); one multiply-add per element.
-struct FireRows {
-  const FireParams* params = nullptr;
-  std::vector<double> psi;      // ψ(d), d < psi.size()
-  std::vector<double> dpsi_dc;  // ∂ψ(d)/∂c = d/(1 + c·d)
-  // out[j] += b(head, q, k_first + j) for j < count; false if a distance is past the table.
-  bool add_row(std::int64_t head, std::int64_t q_position, std::int64_t k_first, std::int64_t count, float* out,
-               std::int64_t out_stride) const;
-  std::vector<double> inv_norm;  // 1/ψ(max(L, q)) for q = inv_norm_first + t
-  std::int64_t inv_norm_first = 0;
-  // How many of keys k_first … k_first + count − 1 lie at or before every query of the lane
-  // chunk q_first … q_first + 15 (a contiguous ψ slice per key); −1 if a distance or query
-  // position is past the tables.
-  std::int64_t keys_below(std::int64_t q_first, std::int64_t k_first, std::int64_t count) const;
-  // The same for one lane chunk: lane t (valid when lane_head[t] >= 0) at query position
-  // q_first + t, against keys at positions k_first … k_first + count − 1 (sequence indices from
-  // k_index). Keys at or before every lane's query go through the vector kernel (attn_fire_keys);
-  // the rest through add_row, limited to the keys lane t sees, [lane_lo[t], lane_hi[t]) — the
-  // others are left for the mask. out: S^T of the chunk, rows `out_stride` apart. False (nothing
-  // added) if a distance or query position is past the tables.
-  bool add_chunk(std::int64_t head, const std::int64_t* lane_head, const std::int32_t* lane_lo,
-                 const std::int32_t* lane_hi, std::int64_t q_first, std::int64_t k_index, std::int64_t k_first,
-                 std::int64_t count, float* out, std::int64_t out_stride) const;
-  // Backward moments of one row against keys kpos[0..count) with dL/db = ds[j·ds_stride]:
-  // s0[piece·heads + head] += ds, s1[…] += ds·x, and the c and L gradients (fp64; any key order).
-  void accumulate_row(std::int64_t head, std::int64_t heads, std::int64_t q_position, const std::int64_t* kpos,
-                      std::int64_t count, const float* ds, std::int64_t ds_stride, double* s0, double* s1, double* d_c,
-                      double* d_threshold) const;
-  // The same for one lane chunk, as add_chunk splits it: keys at or before every lane's query
-  // through the vector kernel (attn_fire_moments), the others by accumulate_row over the keys
-  // lane t sees. Key positions kpos[0..count) are consecutive; ds: dS^T of the chunk, rows
-  // `ds_stride` apart. False (nothing added) if a distance or query position is past the tables.
-  bool accumulate_chunk(std::int64_t head, std::int64_t heads, const std::int64_t* lane_head,
-                        const std::int32_t* lane_lo, const std::int32_t* lane_hi, std::int64_t q_first,
-                        std::int64_t k_index, const std::int64_t* kpos, std::int64_t count, const float* ds,
-                        std::int64_t ds_stride, double* s0, double* s1, double* d_c, double* d_threshold) const;
-};
-
 // The bias of one head: tabulated over δ = q − k (distance-only schemes) or evaluated directly
-// (FIRE; tables too wide). TUPE has its own path (TupeTables).
+// (tables too wide). FIRE and TUPE are score terms (src/schemes/fire_term.cpp, tupe_term.cpp).
 struct HeadBias {
   enum Kind { kNone, kTable, kDirect } kind = kNone;
   std::int64_t group = -1, local_head = 0;
@@ -93,7 +52,6 @@ struct HeadBias {
   const float *max_from = nullptr, *max_to = nullptr;
   std::int64_t delta_min = 0, width = 0;
   const BiasEvaluator* evaluator = nullptr;
-  const FireRows* fire = nullptr;  // FIRE: its rows evaluated from ψ tables (any position range)
 };
 
 // Row metadata of a block of (head, query) rows; see AttentionPlan::layout_rows.
@@ -146,6 +104,8 @@ const std::vector<double>& sum_slots_per_kv_head(std::span<const TermUnit> units
 
 struct AttentionPlan {
   static constexpr const char* kWhere = "Attention";
+  // Entries at most in one bias table (beyond: evaluated per element).
+  static constexpr std::int64_t kMaxBiasTable = std::int64_t{1} << 24;
   static constexpr std::int64_t kDecodeRows = 8;  // rows (queries × G) at most for dot-product scores
   static constexpr std::int64_t kDecodeTileBytes = std::int64_t{256} << 10;  // see decode_tiles
   // Bytes of one key's rows over every KV head, as decode's tile and chunk sizes count them: in
@@ -181,7 +141,6 @@ struct AttentionPlan {
   std::vector<HeadGroup> plan_head_groups();
   void plan_transform_tables(const std::vector<HeadGroup>& groups, const PositionRange& range);
   float plan_bias_tables(const std::vector<HeadGroup>& groups, const PositionRange& range);
-  std::unique_ptr<FireRows> fire_rows_for(const FireParams& fire, const PositionRange& range) const;
   void plan_far_tiles(const std::vector<HeadGroup>& groups, float lowest_table_bias);
 
   AttentionSpec spec;
@@ -267,7 +226,6 @@ struct AttentionPlan {
   std::vector<float> bias_by_delta;
   std::vector<std::vector<float>> bias_table_max;  // per group: [heads][max_from | max_to][width]
   std::vector<std::unique_ptr<BiasEvaluator>> evaluators;
-  std::vector<std::unique_ptr<FireRows>> fire_rows;
   bool any_bias = false, any_trainable_bias = false;
   std::int64_t delta_min = 0, hist_width = 0;  // the δ range of the bias tables and histograms
   std::vector<std::int64_t> grad_offset;       // per group, into the flat unit gradients

@@ -86,48 +86,16 @@ void AttentionPlan::add_bias_derivative(std::int64_t h, std::int64_t r, double s
   relative->accumulate_gradient(local, r, sum, at);
 }
 
-void AttentionPlan::accumulate_bias_gradients(const Sequence& /* seq */, const RowBlock& rb, std::int64_t k_first,
+void AttentionPlan::accumulate_bias_gradients(const Sequence& /* seq */, const RowBlock& rb, std::int64_t /* k_first */,
                                               std::int64_t keys, const std::int64_t* kpos, const float* dst,
                                               AttentionUnitScratch& s, std::int64_t kvh, double* unit_grads) const {
-  // FIRE's lane chunks (one head, consecutive positions, consecutive keys) take the vector path;
-  // `done` marks them for the row loop below.
-  std::uint64_t done = 0;  // bit c: chunk c done (row blocks hold at most 64 chunks here)
-  bool keys_consecutive = true;
-  for (std::int64_t j = 1; j < keys && keys_consecutive; ++j) keys_consecutive = kpos[j] == kpos[0] + j;
-  const std::int64_t chunks = rb.width / kernels::kAttnAlign;
-  for (std::int64_t c = 0; c < chunks && c < 64 && keys_consecutive; ++c) {
-    const std::int64_t r0 = c * kernels::kAttnAlign;
-    const std::int64_t h0 = rb.head[static_cast<std::size_t>(r0)];
-    if (h0 < 0 || !rb.chunk_uniform[static_cast<std::size_t>(c)]) continue;
-    const HeadBias& hb = head_bias[static_cast<std::size_t>(h0)];
-    if (hb.fire == nullptr) continue;
-    const HeadGroup& grp = spec.groups[static_cast<std::size_t>(hb.group)];
-    const std::int64_t hg = grp.heads, pieces = static_cast<std::int64_t>(hb.fire->params->kinks().size()) + 1;
-    double* at = unit_grads + grad_offset[static_cast<std::size_t>(hb.group)];
-    if (hb.fire->accumulate_chunk(hb.local_head, hg, rb.head.data() + r0, rb.lo.data() + r0, rb.hi.data() + r0,
-                                  rb.position[static_cast<std::size_t>(r0)], k_first, kpos, keys, dst + r0, rb.width,
-                                  at, at + pieces * hg, at + 2 * pieces * hg, at + 2 * pieces * hg + 1)) {
-      done |= std::uint64_t{1} << c;
-    }
-  }
   for (std::int64_t r = 0; r < rb.width; ++r) {
     const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
     if (h < 0) continue;
-    if (r / kernels::kAttnAlign < 64 && (done >> (r / kernels::kAttnAlign) & 1) != 0) continue;
     const HeadBias& hb = head_bias[static_cast<std::size_t>(h)];
     if (hb.kind != HeadBias::kTable && hb.kind != HeadBias::kDirect) continue;
     const HeadGroup& grp = spec.groups[static_cast<std::size_t>(hb.group)];
     const std::int64_t qp = rb.position[static_cast<std::size_t>(r)];
-    if (const auto* fire = std::get_if<FireParams>(&*grp.bias)) {
-      const std::int64_t hg = grp.heads, pieces = static_cast<std::int64_t>(fire->kinks().size()) + 1;
-      double* at = unit_grads + grad_offset[static_cast<std::size_t>(hb.group)];
-      FireRows fallback;
-      fallback.params = fire;
-      (hb.fire != nullptr ? *hb.fire : fallback)
-          .accumulate_row(hb.local_head, hg, qp, kpos, keys, dst + r, rb.width, at, at + pieces * hg,
-                          at + 2 * pieces * hg, at + 2 * pieces * hg + 1);
-      continue;
-    }
     const RelativeBias* relative = relative_bias(*grp.bias);
     if (relative == nullptr || relative->parameter_count() == 0) continue;
     if (hist_width > 0) {
@@ -147,7 +115,6 @@ void AttentionPlan::finish_bias_gradients(AttentionUnitScratch& s, std::int64_t 
     const std::int64_t h = kvh * group_size + g;
     const HeadBias& hb = head_bias[static_cast<std::size_t>(h)];
     if (hb.kind != HeadBias::kTable && hb.kind != HeadBias::kDirect) continue;
-    if (std::holds_alternative<FireParams>(*spec.groups[static_cast<std::size_t>(hb.group)].bias)) continue;
     const double* hist = s.hist.data() + g * hist_width;
     for (std::int64_t t = 0; t < hist_width; ++t) {
       if (hist[t] != 0.0) add_bias_derivative(h, -(delta_min + t), hist[t], unit_grads);
@@ -161,16 +128,7 @@ void AttentionPlan::scatter_bias_gradients(const std::vector<double>& total, Att
     if (!bias) continue;
     const double* at = total.data() + grad_offset[g];
     std::vector<double>& out = grads.groups[g].bias;
-    if (const auto* fire = std::get_if<FireParams>(&*bias)) {
-      // FIRE's flat sums are moments, contracted through its MLP here (FireRows::accumulate_row).
-      FireGradients contracted(*fire);
-      const std::int64_t moments = static_cast<std::int64_t>(fire->kinks().size() + 1) * fire->heads();
-      fire_contract_moments(*fire, at, at + moments, contracted);
-      contracted.c = at[2 * moments];
-      contracted.threshold = at[2 * moments + 1];
-      const std::vector<double> flat = contracted.flat();
-      for (std::size_t t = 0; t < flat.size(); ++t) out[t] += flat[t];
-    } else if (relative_bias(*bias) != nullptr) {
+    if (relative_bias(*bias) != nullptr) {
       // A RelativeBias's θ: the flat sums are its gradient in its own (the registered) order.
       for (std::size_t t = 0; t < out.size(); ++t) out[t] += at[t];
     }

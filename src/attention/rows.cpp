@@ -248,7 +248,7 @@ void add_visible_values(const RowBlock& rb, std::int64_t r_first, std::int64_t r
 
 // Adds the positional biases of the rows to S^T [keys][width] for keys [k_first, k_first + keys)
 // of the sequence, whose positions are kpos[0..keys).
-void AttentionPlan::add_bias(const Sequence& seq, const RowBlock& rb, std::int64_t k_first, std::int64_t keys,
+void AttentionPlan::add_bias(const Sequence& seq, const RowBlock& rb, std::int64_t /* k_first */, std::int64_t keys,
                              const std::int64_t* kpos, float* st) const {
   if (!any_bias) return;
   bool keys_consecutive = true;
@@ -276,11 +276,6 @@ void AttentionPlan::add_bias(const Sequence& seq, const RowBlock& rb, std::int64
     if (h0 >= 0 && rb.chunk_uniform[static_cast<std::size_t>(c)] && keys_consecutive) {
       const HeadBias& hb = head_bias[static_cast<std::size_t>(h0)];
       if (hb.kind == HeadBias::kNone) continue;
-      if (hb.fire != nullptr &&
-          hb.fire->add_chunk(hb.local_head, rb.head.data() + r0, rb.lo.data() + r0, rb.hi.data() + r0,
-                             rb.position[static_cast<std::size_t>(r0)], k_first, kpos[0], keys, st + r0, rb.width)) {
-        continue;
-      }
       if (hb.kind == HeadBias::kTable) {
         // δ = q − k runs up with the lane and down with the key: a contiguous table slice per key.
         const std::int64_t base = rb.position[static_cast<std::size_t>(r0)] - kpos[0] - hb.delta_min;
@@ -298,10 +293,6 @@ void AttentionPlan::add_bias(const Sequence& seq, const RowBlock& rb, std::int64
       const HeadBias& hb = head_bias[static_cast<std::size_t>(h)];
       if (hb.kind == HeadBias::kNone) continue;
       const std::int64_t qp = rb.position[static_cast<std::size_t>(r)];
-      if (hb.fire != nullptr && keys_consecutive &&
-          hb.fire->add_row(hb.local_head, qp, kpos[0], keys, st + r, rb.width)) {
-        continue;
-      }
       if (hb.kind == HeadBias::kTable && keys_consecutive) {
         // The lane's slice of its head's table, read backwards (decode rows mix heads, so the
         // chunk path above does not apply to them).

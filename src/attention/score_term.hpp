@@ -1,5 +1,6 @@
-// The engine's interface to a score term: a part of the logit that depends on the query row
-// (Shaw, Transformer-XL, TUPE) or on per-token inputs (Forgetting Attention's gate), with its
+// The engine's interface to a score term: a part of the logit that is not a table over q − k:
+// one that depends on the query row (Shaw, Transformer-XL, TUPE, FIRE) or on per-token inputs
+// (Forgetting Attention's gate), with its
 // forward, decode and backward. The engine keeps a list of terms (AttentionPlan::terms), calls
 // each at fixed points of its loops, and names none of them. Internal.
 //
@@ -97,12 +98,14 @@ class ScoreTerm {
   virtual bool rows_outer() const { return false; }
   // Tables the term keeps, for AttentionStats::workspace_bytes.
   virtual std::int64_t bytes() const { return 0; }
-  // Whether a bound on a tile's logits without the term is still one with it (it adds nothing,
-  // or nothing above 0), so that the far-tile skip stays exact (AttentionPlan::skip_far_tiles).
+  // Whether tile_max bounds the term's part of every row (+inf for rows it cannot bound, whose
+  // tiles then all run), so that the far-tile skip stays exact (AttentionPlan::skip_far_tiles);
+  // false: no tile of the call is skipped or run out of key order.
   virtual bool keeps_tile_bound() const { return false; }
   // An upper bound of the term's part of the logits of row (head h, query i of seq) over the
-  // sequence's keys [k_first, k_last], for the far-tile skip (tile_vanishes): 0 for a term that
-  // keeps the tile bound, else +inf (no skip). A NaN bound fails the test (the tile runs).
+  // sequence's keys [k_first, k_last], for the far-tile skip (tile_vanishes); by default 0 for a
+  // term that keeps the tile bound (it adds nothing above 0), else +inf (no skip). A NaN bound
+  // fails the test (the tile runs).
   virtual double tile_max(const Sequence& /* seq */, std::int64_t /* h */, std::int64_t /* i */,
                           std::int64_t /* k_first */, std::int64_t /* k_last */) const {
     return keeps_tile_bound() ? 0.0 : std::numeric_limits<double>::infinity();
@@ -147,6 +150,7 @@ class ScoreTerm {
 
 // The built-in terms of a plan's groups, in the engine's order (src/schemes/*_term.cpp); each
 // returns null when no group uses it.
+std::unique_ptr<ScoreTerm> make_fire_term(const AttentionPlan& p, const std::vector<HeadGroup>& groups);
 std::unique_ptr<ScoreTerm> make_tupe_term(const AttentionPlan& p, const std::vector<HeadGroup>& groups);
 std::unique_ptr<ScoreTerm> make_shaw_term(const AttentionPlan& p, const std::vector<HeadGroup>& groups);
 std::unique_ptr<ScoreTerm> make_xl_term(const AttentionPlan& p, const std::vector<HeadGroup>& groups);

@@ -62,8 +62,9 @@ class DecodeTiles {
     for (std::int64_t k0 = k_begin; k0 < k_end; k0 += tile_) {
       const std::int64_t keys = std::min(tile_, k_end - k0);
       const TileKeys k = tile_keys(k0, keys);
-      // While the scores are computed, this tile's values come in; while the values are summed,
-      // the next tile's keys do.
+      // While the values are summed, the next tile's keys are prefetched; the values themselves
+      // are prefetched during the scores only where they are not read in memory order
+      // (attn_decode_scores).
       const std::int64_t next_keys = std::min(tile_, k_end - (k0 + keys));
       kernels::attn_decode_scores(k.data, k_dtype_, k.ld, k.head_stride, keys, g_count_, q_heads_.data(), dp_, valid_,
                                   p_.dim, st_heads_.data(), w_, p_.rows_ahead(p_.v_data, p_.vg, seq_, k0, keys),

@@ -54,14 +54,16 @@ void attn_pack_rotate_heads(const void* src, DType dtype, std::int64_t seq_strid
 
 // Decode over all KV heads of a key tile (any strides; [S, G, D] memory order is fastest): the
 // scores take blocks of keys of one head (⌊lanes / q_rows⌋ keys when q_rows <= lanes and dim fills
-// whole vectors, else up to 4), every head in turn; the values one head at a time, the
-// keys streaming past a block of columns held in registers. st_heads and p_heads may point into
+// whole vectors, else up to 4), every head in turn; the values key by key over every head (up to
+// 4 query rows per head: the cache in memory order), else one head at a time, the keys streaming
+// past a block of columns held in registers. st_heads and p_heads may point into
 // one tile (head g's rows at lanes g·q_rows …, the engine's merged decode rows):
 //   scores  st_heads[g][j·ld_st + r] = Σ_d k[j·ldk + g·k_head_stride + d]·q_heads[g][r·ldq + d]
 //   values  o_heads[g][r·ldo + c] += Σ_j p_heads[g][j·ld_p + r]·v[j·ldv + g·v_head_stride + c]
 //           for c < cols, in j order (one fused multiply-add per key), straight from the rows
 // At most 8 query rows per head (the engine's kDecodeRows). Each kernel spreads prefetches of
-// `ahead` evenly over its work, into L2: the engine passes the tile's values to the scores and the
+// `ahead` evenly over its work, into L2: the engine passes the tile's values to the scores (used
+// only where the values are not read key by key: the hardware prefetchers follow those) and the
 // next tile's keys to the values, so the memory streams while either computes; `prefetch_keys`
 // (the first tile of a run, whose keys nobody prefetched) makes the scores prefetch their own keys
 // one cache row (4 KiB) ahead as well.

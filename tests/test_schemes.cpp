@@ -3,10 +3,11 @@
 //   - its entry is complete and its parameters have the declared shape;
 //   - every invalid option, parameter count and head count is refused by name;
 //   - the fused attention matches the fp64 reference (flash-attention's criterion against the
-//     naive f32 composition), causal and bidirectional, in a strided layout and in bf16;
+//     naive f32 composition), causal and bidirectional, prefill and decode, with q, k and v in a
+//     strided layout, and in bf16 and f16;
 //   - its parameter gradients match finite differences of the fp64 reference, and the fused
 //     backward's (and dq, dk, dv) match the fp64 reference's;
-//   - forward and backward give the same bits for 1, 2 and 3 threads;
+//   - forward, decode and backward give the same bits for 1, 2 and 3 threads;
 //   - a relative-bias scheme's materialisation and backward match their references.
 // A scheme's own file of tests (test_scheme_<name>.cpp) holds its golden values.
 #include <algorithm>
@@ -14,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "testing.hpp"
@@ -73,39 +75,54 @@ Inputs random_inputs() {
   return in;
 }
 
-// Buffers of one dtype holding the inputs, and views of them: [B, S, H, D], or for q a
-// [B, H, S, D] buffer seen through permuted strides (`strided`).
-struct Call {
-  DType dtype;
-  bool strided;
-  std::vector<unsigned char> q, k, v;
-  AttentionSpec spec;
-
-  Call(const Inputs& in, DType dt, bool strided_q, HeadGroup group, bool causal) : dtype(dt), strided(strided_q) {
-    std::vector<double> q_values = in.q;
-    if (strided) {  // store q as [B, H, S, D]
-      for (std::int64_t b = 0; b < kBatch; ++b) {
-        for (std::int64_t s = 0; s < kQLen; ++s) {
-          for (std::int64_t h = 0; h < kHeads; ++h) {
-            for (std::int64_t d = 0; d < kDim; ++d) {
-              q_values[static_cast<std::size_t>(((b * kHeads + h) * kQLen + s) * kDim + d)] =
-                  in.q[static_cast<std::size_t>(((b * kQLen + s) * kHeads + h) * kDim + d)];
-            }
-          }
+// [B, S, H, D] values (the first `len` of `rows` tokens per batch row) stored [B, S, H, D], or
+// [B, H, S, D] (`head_major`), with the strides that see them as [B, len, H, D].
+struct Stored {
+  std::vector<unsigned char> data;
+  std::vector<std::int64_t> strides;
+};
+Stored store(const std::vector<double>& values, std::int64_t rows, std::int64_t len, std::int64_t heads, DType dt,
+             bool head_major) {
+  std::vector<double> out(static_cast<std::size_t>(kBatch * len * heads * kDim));
+  for (std::int64_t b = 0; b < kBatch; ++b) {
+    for (std::int64_t s = 0; s < len; ++s) {
+      for (std::int64_t h = 0; h < heads; ++h) {
+        for (std::int64_t d = 0; d < kDim; ++d) {
+          const std::int64_t at =
+              head_major ? ((b * heads + h) * len + s) * kDim + d : ((b * len + s) * heads + h) * kDim + d;
+          out[static_cast<std::size_t>(at)] = values[static_cast<std::size_t>(((b * rows + s) * heads + h) * kDim + d)];
         }
       }
     }
-    q = testing::to_dtype(q_values, dt);
-    k = testing::to_dtype(in.k, dt);
-    v = testing::to_dtype(in.v, dt);
-    const std::vector<std::int64_t> q_shape = {kBatch, kQLen, kHeads, kDim};
-    const std::vector<std::int64_t> q_strides =
-        strided ? std::vector<std::int64_t>{kHeads * kQLen * kDim, kDim, kQLen * kDim, 1}
-                : std::vector<std::int64_t>{kQLen * kHeads * kDim, kHeads * kDim, kDim, 1};
+  }
+  Stored st{testing::to_dtype(out, dt), {}};
+  st.strides = head_major ? std::vector<std::int64_t>{heads * len * kDim, kDim, len * kDim, 1}
+                          : std::vector<std::int64_t>{len * heads * kDim, heads * kDim, kDim, 1};
+  return st;
+}
+
+// Buffers of one dtype holding the inputs (the first q_len queries: fewer make a decode call),
+// and views of them: [B, S, H, D], or (`strided`) [B, H, S, D] buffers seen through permuted
+// strides.
+struct Call {
+  DType dtype;
+  bool strided;
+  std::int64_t q_len;
+  Stored q, k, v;
+  AttentionSpec spec;
+
+  Call(const Inputs& in, DType dt, bool strided_qkv, HeadGroup group, bool causal, std::int64_t queries = kQLen)
+      : dtype(dt),
+        strided(strided_qkv),
+        q_len(queries),
+        q(store(in.q, kQLen, queries, kHeads, dt, strided_qkv)),
+        k(store(in.k, kKLen, kKLen, kKvHeads, dt, strided_qkv)),
+        v(store(in.v, kKLen, kKLen, kKvHeads, dt, strided_qkv)) {
     const std::vector<std::int64_t> k_shape = {kBatch, kKLen, kKvHeads, kDim};
-    spec.q = ConstTensorView(q.data(), dt, q_shape, q_strides);
-    spec.k = ConstTensorView::contiguous(k.data(), dt, k_shape);
-    spec.v = ConstTensorView::contiguous(v.data(), dt, k_shape);
+    const std::vector<std::int64_t> q_shape = {kBatch, q_len, kHeads, kDim};
+    spec.q = ConstTensorView(q.data.data(), dt, q_shape, q.strides);
+    spec.k = ConstTensorView(k.data.data(), dt, k_shape, k.strides);
+    spec.v = ConstTensorView(v.data.data(), dt, k_shape, v.strides);
     spec.groups = {std::move(group)};
     spec.mask.causal = causal;
   }
@@ -117,14 +134,14 @@ struct Result {
 
 // out (as values in [B, S, H, D] order) and lse of the fused call or a reference (mode 1: fp64,
 // mode 2: naive f32), out in the call's dtype (f64 for the fp64 reference).
-Result run(const Attention& att, DType dtype, int mode) {
+Result run(const Attention& att, DType dtype, int mode, std::int64_t q_len = kQLen) {
   const DType out_dtype = mode == 1 ? DType::kF64 : dtype;
-  const std::int64_t count = kBatch * kQLen * kHeads * kDim;
+  const std::int64_t count = kBatch * q_len * kHeads * kDim;
   std::vector<unsigned char> out = testing::garbage_buffer(out_dtype, count);
-  std::vector<float> lse(static_cast<std::size_t>(kBatch * kHeads * kQLen));
-  const std::vector<std::int64_t> shape = {kBatch, kQLen, kHeads, kDim};
+  std::vector<float> lse(static_cast<std::size_t>(kBatch * kHeads * q_len));
+  const std::vector<std::int64_t> shape = {kBatch, q_len, kHeads, kDim};
   const TensorView out_view = TensorView::contiguous(out.data(), out_dtype, shape);
-  const TensorView lse_view = TensorView::of(lse.data(), {kBatch, kHeads, kQLen});
+  const TensorView lse_view = TensorView::of(lse.data(), {kBatch, kHeads, q_len});
   if (mode == 0) {
     att.forward(out_view, lse_view);
   } else {
@@ -245,27 +262,35 @@ TEST_P(Schemes, FusedAttentionMatchesTheReference) {
     const HeadGroup g = make_head_group(e.name, with_random_parameters(e, matrix_args(e)));
     for (const bool causal : {true, false}) {
       for (const bool strided : {false, true}) {
-        SCOPED_TRACE(e.name + (causal ? ", causal" : ", bidirectional") + (strided ? ", q [B, H, S, D]" : ""));
-        const Call call(in, DType::kF32, strided, g, causal);
-        const Attention att(call.spec);
-        const Result fused = run(att, DType::kF32, 0), exact = run(att, DType::kF32, 1),
-                     naive = run(att, DType::kF32, 2);
-        // flash-attention's criterion, with a floor of 2^-22 (4 f32 ulps of |out| <= max|v| = 1)
-        // for cases where the naive error happens to be tiny.
-        const double naive_err = max_abs_diff(naive.out, exact.out);
-        EXPECT_LE(max_abs_diff(fused.out, exact.out), 2 * naive_err + std::ldexp(1.0, -22))
-            << "naive f32 error " << naive_err;
-        // lse: f32 carries 2^-24 relative on |lse| ~ log Sk + |logits| (a few units here).
-        EXPECT_LE(max_abs_diff(fused.lse, exact.lse), 2 * max_abs_diff(naive.lse, exact.lse) + std::ldexp(1.0, -18));
+        // Every query (the prefill path), and 1 or 3 queries: 2 or 6 rows per KV head, the decode
+        // path (at most AttentionPlan::kDecodeRows).
+        for (const std::int64_t q_len : {kQLen, std::int64_t{1}, std::int64_t{3}}) {
+          SCOPED_TRACE(e.name + (causal ? ", causal" : ", bidirectional") + (strided ? ", q, k, v [B, H, S, D]" : "") +
+                       ", " + std::to_string(q_len) + " queries");
+          const Call call(in, DType::kF32, strided, g, causal, q_len);
+          const Attention att(call.spec);
+          const Result fused = run(att, DType::kF32, 0, q_len), exact = run(att, DType::kF32, 1, q_len),
+                       naive = run(att, DType::kF32, 2, q_len);
+          // flash-attention's criterion, with a floor of 2^-22 (4 f32 ulps of |out| <= max|v| = 1)
+          // for cases where the naive error happens to be tiny.
+          const double naive_err = max_abs_diff(naive.out, exact.out);
+          EXPECT_LE(max_abs_diff(fused.out, exact.out), 2 * naive_err + std::ldexp(1.0, -22))
+              << "naive f32 error " << naive_err;
+          // lse: f32 carries 2^-24 relative on |lse| ~ log Sk + |logits| (a few units here).
+          EXPECT_LE(max_abs_diff(fused.lse, exact.lse), 2 * max_abs_diff(naive.lse, exact.lse) + std::ldexp(1.0, -18));
+        }
       }
     }
-    // bf16 inputs: the fp64 reference of the same rounded inputs, rounded once to bf16, is off by
-    // half a bf16 ulp (2^-9 relative, |out| <= 1); the f32 computation adds at most the floor.
-    SCOPED_TRACE(e.name + ", bf16");
-    const Call call(in, DType::kBF16, false, g, true);
-    const Attention att(call.spec);
-    EXPECT_LE(max_abs_diff(run(att, DType::kBF16, 0).out, run(att, DType::kBF16, 1).out),
-              std::ldexp(1.0, -9) + std::ldexp(1.0, -20));
+    // 16-bit inputs: the fp64 reference of the same rounded inputs, rounded once to the dtype, is
+    // off by half an ulp (bf16 2^-9, f16 2^-11 relative, |out| <= 1); the f32 computation adds at
+    // most the floor.
+    for (const auto& [dt, half_ulp] : {std::pair{DType::kBF16, -9}, std::pair{DType::kF16, -11}}) {
+      SCOPED_TRACE(e.name + ", " + std::string(dtype_name(dt)));
+      const Call call(in, dt, false, g, true);
+      const Attention att(call.spec);
+      EXPECT_LE(max_abs_diff(run(att, dt, 0).out, run(att, dt, 1).out),
+                std::ldexp(1.0, half_ulp) + std::ldexp(1.0, -20));
+    }
   }
 }
 
@@ -365,14 +390,16 @@ TEST_P(Schemes, SameBitsForAnyThreadCount) {
   for (double& x : w) x = uniform(-1, 1);
   for (const SchemeEntry& e : schemes()) {
     SCOPED_TRACE(e.name);
-    const Call call(in, DType::kF32, false, make_head_group(e.name, with_random_parameters(e, matrix_args(e))), true);
-    const Attention att(call.spec);
+    const HeadGroup g = make_head_group(e.name, with_random_parameters(e, matrix_args(e)));
+    const Call call(in, DType::kF32, false, g, true), decode_call(in, DType::kF32, false, g, true, 3);
+    const Attention att(call.spec), decode(decode_call.spec);
     set_num_threads(1);
-    const Result one = run(att, DType::kF32, 0);
+    const Result one = run(att, DType::kF32, 0), one_decode = run(decode, DType::kF32, 0, 3);
     const Gradients one_grads = backward(e, att, DType::kF32, false, w);
     for (const int threads : {2, 3}) {
       set_num_threads(threads);
       const Result many = run(att, DType::kF32, 0);
+      EXPECT_EQ(run(decode, DType::kF32, 0, 3).out, one_decode.out) << threads << " threads, decode";
       const Gradients many_grads = backward(e, att, DType::kF32, false, w);
       EXPECT_EQ(many.out, one.out) << threads << " threads";
       EXPECT_EQ(many.lse, one.lse) << threads << " threads";

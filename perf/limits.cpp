@@ -80,9 +80,9 @@ void AddOneF32(float* HWY_RESTRICT a, std::size_t n) {
 //
 // The chains must cover the FMA latency on two ports (4 cycles × 2 = 8 in flight on Skylake and
 // Zen 3/4) *and* stay in registers together with the two constants. AVX-512 has 32 vector
-// registers, so 16 chains fit. AVX2 and SSE4 have 16: 16 chains spilled to the stack, and the
-// limit came out at half the machine's peak. Measured on a Zen 3 (2 threads, AVX2): 16 chains
-// 113-115 GFLOP/s, 12 chains 195-201, 10 chains 196-202, 8 chains 163-180.
+// registers, so 16 chains fit. AVX2 and SSE4 have 16: 16 chains would spill to the stack and
+// halve the measured peak. On a Zen 3 (2 threads, AVX2): 16 chains 113-115 GFLOP/s, 12 chains
+// 195-201, 10 chains 196-202, 8 chains 163-180.
 #if HWY_TARGET != HWY_SCALAR && HWY_MAX_BYTES >= 64
 constexpr int kFmaChains = 16;
 #else
@@ -168,9 +168,8 @@ std::size_t sysfs_last_level_cache_bytes() {
 
 }  // namespace
 
-// sysfs first: on the AMD EPYC VM of 2026-11, glibc 2.36's sysconf reported the L3 as 320 MiB
-// where the kernel's sysfs (and lscpu, which reads it) says 32 MiB shared by both cores. The
-// tenfold size made every limit buffer 1.25 GiB and every bench case hold 640 MiB of copies.
+// sysfs first: glibc's sysconf can misreport the L3 (glibc 2.36 on an AMD EPYC VM: 320 MiB where
+// sysfs and lscpu say 32 MiB), which would make every limit buffer 1.25 GiB.
 std::size_t last_level_cache_bytes() {
   if (const std::size_t from_sysfs = sysfs_last_level_cache_bytes(); from_sysfs > 0) return from_sysfs;
   for (const int name : {_SC_LEVEL4_CACHE_SIZE, _SC_LEVEL3_CACHE_SIZE, _SC_LEVEL2_CACHE_SIZE}) {

@@ -101,7 +101,7 @@ TEST(AllocationLimit, RefusesWhatWouldNotFitByName) {
   expect_error([] { alibi_slopes(1000); }, {"alibi_slopes", "heads = 1000", "at most 512"});
   set_allocation_limit(limit);
   expect_error([] { set_allocation_limit(0); }, {"set_allocation_limit", "bytes = 0", "1 to 2^62"});
-  // The products that used to wrap: (2k + 1) Shaw rows, FLOATER's length · substeps states,
+  // Products that could wrap: (2k + 1) Shaw rows, FLOATER's length · substeps states,
   // T5's buckets · heads, and the head count of ALiBi's power-of-two loop.
   expect_error([] { ShawParams(std::int64_t{1} << 62, 1); }, {"ShawParams", "max_distance = 4611686018427387904"});
   expect_error([] { ShawParams(std::int64_t{1} << 40, 64); }, {"ShawParams", "allocation limit"});
@@ -117,8 +117,8 @@ TEST(AllocationLimit, RefusesWhatWouldNotFitByName) {
   }
 }
 
-// Found by fuzz_schemes: Kerple's 2^31 heads and FIRE's hidden width reached std::bad_alloc, and
-// FIRE's pieces made (hidden + 1)·hidden tables. The registry checks a scheme's parameters against
+// From fuzz_schemes: unchecked, Kerple's 2^31 heads and FIRE's hidden width reach std::bad_alloc,
+// and FIRE's pieces make (hidden + 1)·hidden tables. The registry checks a scheme's parameters against
 // the allocation limit before its factory runs; FIRE bounds its tabulated pieces.
 TEST(AllocationLimit, SchemeSizesAreRefusedByName) {
   SchemeArgs args;
@@ -339,8 +339,8 @@ TEST(Error, CarriesTheParameter) {
   EXPECT_EQ(e.param(), "dim");
 }
 
-// Found by fuzz_schemes and fuzz_config: an option name or a JSON excerpt with a newline made a
-// message of several lines. Every message is one line of printable text, whatever the caller passed.
+// From fuzz_schemes and fuzz_config: an option name or a JSON excerpt may hold a newline, yet every
+// message is one line of printable text, whatever the caller passed.
 TEST(Error, IsOneLineWhateverTheValue) {
   const Error e("where", std::string("na\nme\x01", 7), "{\n  \"a\":\t1\x7f}", "one line");
   EXPECT_STREQ(e.what(), "where: na\\nme\\x01\\x00 = {\\n  \"a\":\\t1\\x7f}; expected one line");

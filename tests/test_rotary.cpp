@@ -51,7 +51,7 @@ TEST(RopeParams, RejectsInvalidValues) {
   bad_m0.long_factor.assign(32, 1.0);
   expect_error([&] { RopeParams(64, 64, 1e4, RopeLayout::kHalfSplit, bad_m0); }, {"attention_factor() = inf"});
   // A factor whose f32 value or inverse is not normal: cos·α overflows or flushes in the kernels
-  // (found by fuzz_rope: α = 1e306 turned finite inputs into NaN).
+  // (fuzz_rope: α = 1e306 turns finite inputs into NaN).
   for (const double alpha : {1e306, 1e-300, std::ldexp(1.0, 127), std::ldexp(1.0, -127)}) {
     RopeScaling huge;
     huge.attention_factor = alpha;

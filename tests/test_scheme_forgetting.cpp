@@ -161,9 +161,9 @@ TEST_P(ForgettingAttention, AccurateWhereTheRunningSumIsLarge) {
   expect_accurate(p, spec, "long");
 }
 
-// Found by fuzz_attention: one query over 245 keys with c down to about −245. The backward's
-// padding rows (15 of a 16-row block) took c_{k0} − c_j, up to +150: exp() was infinite there and
-// 0·inf reached dK through their zero queries. Padding rows are masked now.
+// From fuzz_attention: one query over 245 keys with c down to about −245. Unmasked, the backward's
+// padding rows (15 of a 16-row block) would take c_{k0} − c_j, up to +150: exp() is infinite there
+// and 0·inf would reach dK through their zero queries.
 TEST_P(ForgettingAttention, PaddingRowsStayOutOfTheBackward) {
   for (const bool causal : {true, false}) {
     Problem p = make_problem(1, 1, 245, 1, 1, 4);

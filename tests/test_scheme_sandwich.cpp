@@ -60,7 +60,7 @@ TEST(Sandwich, RefusesBadParametersByName) {
   testing::expect_error([] { SandwichBias(0); }, {"SandwichBias", "heads", "0"});
   testing::expect_error([] { SandwichBias(4, 7); }, {"dim", "7", "even"});
   testing::expect_error([] { SandwichBias(4, 0); }, {"dim", "0"});
-  // Found by fuzz_schemes: dim = 2^31 asked for 8 GiB of frequencies.
+  // From fuzz_schemes: dim = 2^31 would ask for 8 GiB of frequencies.
   testing::expect_error([] { SandwichBias(4, std::int64_t{1} << 31); }, {"dim = 2147483648", "[2, 65536]"});
   testing::expect_error([] { SandwichBias(4, 8, 1.0); }, {"base", "1", "> 1"});
   testing::expect_error([] { SandwichBias(4, 8, std::nan("")); }, {"base", "nan"});

@@ -116,16 +116,14 @@ struct AttentionPlan {
   }
   // A decode block's cache splits into chunks of about kDecodeChunkBytes of keys and values (at
   // least kDecodeMinChunkKeys keys) that run in parallel: a rule on the shapes only, so the merge
-  // order and every bit are the same for any thread count. It used to be 4096 keys, split only
-  // above 8192: an 8192-key cache of 8 KV heads (64 MiB) then ran on one thread, 3.6 ms against
-  // 2.3 ms at 8193 keys. With 4 MiB chunks it takes 1.7–1.8 ms, and a 1024-key cache 0.14 ms
-  // instead of 0.24 (8 MiB chunks: one chunk there). The serial merge costs O(chunks · rows · D).
+  // order and every bit are the same for any thread count. 4 MiB keeps mid-size caches parallel:
+  // at 8 KV heads, 8192 keys take 1.7–1.8 ms against 3.6 on one thread, and 1024 keys 0.14 ms
+  // against 0.24 as one (8 MiB) chunk. The serial merge costs O(chunks · rows · D).
   static constexpr std::int64_t kDecodeChunkBytes = std::int64_t{4} << 20;
   static constexpr std::int64_t kDecodeMinChunkKeys = 64;
   // At most this many chunks per sequence (longer chunks beyond): each chunk's first tile has no
-  // earlier tile to prefetch it. At 32768 keys of 8 KV heads in f32, four alternations with 64
-  // chunks of 512 keys gave 10.1–13.2 ms against 9.7–10.5 for the old 8 chunks (within this
-  // host's noise, but in that direction); six with this cap (32 chunks) 9.5–11.2 against 10.0–11.1.
+  // earlier tile to prefetch it. At 32768 keys of 8 KV heads in f32, alternating with 8 chunks:
+  // 64 chunks 10.1–13.2 ms against 9.7–10.5, 32 chunks 9.5–11.2 against 10.0–11.1 (within noise).
   static constexpr std::int64_t kDecodeMaxChunks = 32;
 
   explicit AttentionPlan(AttentionSpec spec);
@@ -179,9 +177,9 @@ struct AttentionPlan {
   bool far_tiles_first = false, skip_far_tiles = false;
   // Forward runs a KV head's tiles from the diagonal down (and tries the skip) only where every
   // query head of it has such a table: a head whose bias decays slowly (Kerple, T5, no bias) never
-  // lets its block's rows all vanish, and summing its largest terms into O first cost accuracy —
-  // at 4096 causal keys a Kerple head sharing a call with ALiBi lost 3.6× the naive f32 error
-  // (tests AccurateAtFourThousandTokens).
+  // lets its block's rows all vanish, and summing its largest terms into O first would cost
+  // accuracy — at 4096 causal keys a Kerple head sharing a call with ALiBi would lose 3.6× the
+  // naive f32 error (tests AccurateAtFourThousandTokens).
   std::vector<char> far_first_kv;
   std::vector<Sequence> sequences;
 

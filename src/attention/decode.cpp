@@ -44,11 +44,10 @@ class DecodeTiles {
         valid_(merged_ ? rows[0].valid_rows / g_count_ : rows[0].valid_rows),  // rows per KV head
         width_(static_cast<std::int64_t>(dtype_size(p.dtype))) {
     // Keys per tile, by bytes: a tile's keys of every KV head are prefetched into L2 while the
-    // previous tile's values are summed, and its values while its scores are computed, so about
-    // three tiles' rows share L2. At 8 KV heads × D 128 in f32 (4 KiB per key) 64 keys take 256
-    // KiB; a multi-head cache (32 KV heads: 16 KiB per key) took 1 MiB per tile at 64 keys, as
-    // much as this host's whole L2. There (8192 keys, 2 threads, alternating runs) 16-key tiles
-    // took 11.7–12.4 ms, 32-key tiles 12.6–12.7 and 64-key tiles 13.2–13.7.
+    // previous tile's values are summed, and (unless they are read key by key) its values while
+    // its scores are computed, so about three tiles' rows share L2. At 8 KV heads × D 128 in f32 (4 KiB per key) 256
+    // KiB is 64 keys; at 32 KV heads 64 keys would fill a 1 MiB L2, and (8192 keys, 2 threads, alternating runs) 16-key
+    // tiles take 11.7–12.4 ms, 32-key tiles 12.6–12.7 and 64-key tiles 13.2–13.7.
     tile_ =
         std::clamp<std::int64_t>(AttentionPlan::kDecodeTileBytes / p.decode_key_row_bytes() / 16 * 16, 16, p.key_tile);
     choose_key_path();

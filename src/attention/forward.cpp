@@ -49,7 +49,7 @@ void prefetch_rows(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh
         static_cast<const char*>(p.v_data) + (p.vg.offset(seq.b, seq.k0 + first + j) + kvh * p.vg.head_stride) * width;
     // Into L2 (prefetcht1): a tile's keys and values are 64 KiB at D = 128, more than L1, where
     // they would evict the block's working rows. perf, 1 thread, S 2048, three alternating pairs:
-    // prefetch_rows' samples fell from 331–397 to 234–293; the totals moved within the noise.
+    // prefetch_rows' samples 234–293 against 331–397 into L1; the totals within the noise.
     for (std::int64_t at = 0; at < row_bytes; at += 64) __builtin_prefetch(k + at, 0, 2);
     for (std::int64_t at = 0; at < v_row_bytes; at += 64) __builtin_prefetch(v + at, 0, 2);
   }

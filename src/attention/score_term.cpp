@@ -26,9 +26,8 @@ namespace posenc::detail {
 //       from (XL's dW_R reads a [δ span, H·D] matrix: 128 MiB at that span and H·D = 1024).
 //   B   a panel of kDepth × kCols per tile and depth step.
 // attn_gemm sums every element in depth order whatever A's layout, so the layout does not move a
-// bit. Measured by perf on an XL backward (S 2048, H 8, D 128, 2 threads, one run each): with A's
-// panel copied per tile and depth step, element by element when transposed, blocked_gemm's own
-// samples and memmove's were 5.8% of the run's; with the strip, at most 3.8%.
+// bit. perf on an XL backward (S 2048, H 8, D 128, 2 threads): blocked_gemm's and memmove's
+// samples are at most 3.8% of the run's with the strip, 5.8% with A's panel copied per tile.
 // cols: a multiple of kAttnAlign.
 void blocked_gemm(const float* a, std::int64_t a_row, std::int64_t a_depth, const float* b, std::int64_t ldb, float* c,
                   std::int64_t ldc, std::int64_t rows, std::int64_t cols, std::int64_t depth) {

@@ -181,7 +181,7 @@ ForgetTerm::ForgetTerm(const ForgetGate& gate, const AttentionPlan& p, std::int6
 // st[j][r] += D_ij = c_i − c_j, the difference taken in fp64 and rounded once, as the reference
 // rounds it (a difference of two f32 offsets from a common c would round twice, each time to
 // the precision of the decay across the tile rather than of D_ij: near the diagonal, where the
-// probabilities are, that was 4–10× the naive f32 error).
+// probabilities are, that gives 4–10× the naive f32 error).
 void ForgetTerm::add_scores(const TermTile& tile, float* st, TermState& s) const {
   const RowBlock& rb = *tile.rows;
   const Sequence& seq = *tile.seq;

@@ -72,8 +72,8 @@ HWY_INLINE VF SumEachVector(DF d, VF* acc) {
 // evenly over its work, so that the memory is busy while the core computes.
 constexpr std::int64_t kDecodeMaxRows = 8;
 // Software prefetch distance of the keys' own stream, in floats (4 KiB ahead): it serves the
-// first tile of a chunk, which no earlier kernel prefetched (`prefetch_keys`). Measured on 32768 keys × 8 KV heads ×
-// D 128 f32, 2 threads, before `ahead` existed: none 10.0–10.1 GB/s, 1 KiB 11.4–12.0, 4 KiB
+// first tile of a chunk, which no earlier kernel prefetched (`prefetch_keys`). 32768 keys × 8 KV heads ×
+// D 128 f32, 2 threads, with no `ahead`: none 10.0–10.1 GB/s, 1 KiB 11.4–12.0, 4 KiB
 // 12.6–12.9, 16 KiB 12.3–12.5.
 constexpr std::int64_t kDecodeAhead = 1024;
 

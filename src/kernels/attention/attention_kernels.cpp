@@ -99,9 +99,9 @@ HWY_INLINE void GemmRows(std::int64_t rows, const float* a, std::int64_t a_row, 
 
 // Depth per pass of the matrix kernel: a column strip of B (kDepthBlockBytes of kVecs-vector rows)
 // stays in L1, together with the lines of A that the pass broadcasts from, while every row block
-// walks it. Deeper products (XL's dQs over a 1024-δ window, Shaw's and TUPE's per-unit sums) used
-// to walk the whole depth per row block: their strip — 64 KiB at depth 1024 on AVX2 — and A's
-// lines (a new one per depth step when A's rows are contiguous) came from L2 each time. One Zen 3
+// walks it. Deeper products (XL's dQs over a 1024-δ window, Shaw's and TUPE's per-unit sums), if
+// each row block walked the whole depth, would fetch their strip — 64 KiB at depth 1024 on AVX2 —
+// and A's lines (a new one per depth step when A's rows are contiguous) from L2 each time. One Zen 3
 // core, XL's dQs += sumsᵀ·P (64 × 128 × 1024), alternating runs: whole depth 37.5-40.3 GFLOP/s,
 // 16 KiB passes 40.0-46.4, 8 KiB 54.7-58.6, 4 KiB 52.5-61.2 (a tile's product, 128 × 64 × 128:
 // 55-88 in all four). Passes never go below 128, so the tiles' products (depth <= 128) run in one pass on

@@ -19,9 +19,9 @@ inline constexpr std::int64_t kAttnAlign = 16;
 // Rows of K or V to pull into L2 while a decode kernel computes on other data: row (j, g) for
 // j < keys, g < heads spans [base + j·ld + g·head_stride, + row_bytes) (bytes). The kernels that
 // take one spread its lines evenly over their work. An empty plan (base == nullptr) prefetches
-// nothing. (Tried in the prefill matrix kernel too: prefetches between register blocks stalled on
-// the line fill buffers, inside the depth loop they spilled the accumulators; the burst before
-// each key tile in forward_blocks measured faster than either.)
+// nothing. (The prefill matrix kernel takes none: between register blocks prefetches stall on the
+// line fill buffers, inside the depth loop they spill the accumulators; forward_blocks' burst
+// before each key tile measures faster than either.)
 struct RowPrefetch {
   const char* base = nullptr;
   std::int64_t ld = 0, head_stride = 0, keys = 0, heads = 0, row_bytes = 0;
@@ -35,8 +35,9 @@ void attn_gemm(const float* a, std::int64_t a_row, std::int64_t a_depth, const f
 // C[m][n] += Σ_t A(m, t)·B[t][n], the sum taken as one chain of fused multiply-adds from 0 in t
 // order and then added to C once (attn_gemm with `accumulate` chains from C instead). Online
 // softmax adds a tile's P·V so: O then takes one rounding per tile, not one per key, and its
-// error no longer grows with the keys already summed (forward with far tiles first put the
-// largest terms into O first, and a 4096-key causal row lost up to 20× the naive f32 accuracy).
+// error does not grow with the keys already summed (forward with far tiles first puts the largest
+// terms into O first; rounded per key, a 4096-key causal row would lose up to 20× the naive f32
+// accuracy).
 // depth <= kAttnGemmAddDepth (one pass of the kernel on every target), else posenc::Error.
 inline constexpr std::int64_t kAttnGemmAddDepth = 128;
 void attn_gemm_add(const float* a, std::int64_t a_row, std::int64_t a_depth, const float* b, std::int64_t ldb, float* c,

@@ -24,7 +24,7 @@ __all__ = [
     "rope_multi",
     "SinusoidalPositionalEncoding", "LearnedPositionalEncoding", "RotaryPositionalEncoding", "ALiBi",
     "T5RelativeBias", "Kerple", "FIRE", "TUPE", "FLOATER", "ShawRelativePositions", "TransformerXLRelative",
-    "schemes", "RelativeBias", "Sandwich", "Forgetting", "forgetting_attention", "PositionTemperature",
+    "schemes", "Scheme", "RelativeBias", "Sandwich", "Forgetting", "forgetting_attention", "PositionTemperature",
     "stickbreaking_attention", "CoPE", "cope_attention",
     "nn", "KVCache", "distributed",
 ]
@@ -395,72 +395,7 @@ class T5RelativeBias(torch.nn.Module):
                        self.max_distance, self.bidirectional)
 
 
-def schemes():
-    """The registered positional schemes (posenc/registry.hpp), as a list of dicts: ``name``,
-    ``family`` (none, transform, relative-bias, bias, relative-terms), ``summary``, ``source``,
-    ``parameters`` (the learned parameters, "" if none) and ``options`` (``name``, ``default``,
-    ``integer``, ``description``). Each name works as ``posenc.attention(..., scheme=name)``."""
-    return json.loads(_ops.schemes())
-
-
-def _scheme_entry(name):
-    for entry in schemes():
-        if entry["name"] == name:
-            return entry
-    raise ValueError(f"scheme = {name!r}; expected one of " + ", ".join(e["name"] for e in schemes()))
-
-
-def _scheme(name, heads, options=None, rope=None):
-    """One head group's registered scheme as the attention op takes it: a
-    ``torch.classes.posenc.Scheme`` (posenc/torch/classes.hpp) whose options are numbers (flags 0 or 1)."""
-    values = {}
-    for key, value in (options or {}).items():
-        if not isinstance(key, str):
-            raise TypeError(f"{name}: option name {key!r} is {type(key).__name__}; expected a str")
-        values[key] = float(value) if isinstance(value, bool) else _number(name, key, value)
-    _finite("scheme", values)
-    return torch.classes.posenc.Scheme(name, _int(name, "heads", heads), values, rope)
-
-
-class RelativeBias(torch.nn.Module):
-    """Any registered scheme of the relative-bias family (b_h(k − q) added to the scores; see
-    ``posenc.schemes()``) by name, with its options as keyword arguments. ``forward(q_positions,
-    k_positions)`` gives the biases [B, H, Sq, Sk]; as an attention scheme it runs inside the fused
-    kernel. Learned parameters, if the scheme has any, are the Parameter ``parameters`` in the
-    registry's shape, initialised as the registry does."""
-
-    def __init__(self, name, heads, **options):
-        super().__init__()
-        entry = _scheme_entry(name)
-        if entry["family"] != "relative-bias":
-            raise ValueError(f"RelativeBias: name = {name!r} is a {entry['family']} scheme; expected one of the "
-                             "relative-bias family: " + ", ".join(e["name"] for e in schemes()
-                                                                  if e["family"] == "relative-bias"))
-        self.name, self.heads, self.options = name, int(heads), dict(options)
-        initial = self._scheme().initial_parameters(1)
-        self.parameters_ = torch.nn.Parameter(initial.to(torch.float32)) if initial.numel() > 0 else None
-
-    def _scheme(self):
-        return _scheme(self.name, self.heads, self.options)
-
-    def _parameter_tensor(self):
-        return self.parameters_ if self.parameters_ is not None else torch.empty(0, dtype=torch.float64)
-
-    def forward(self, q_positions, k_positions=None, dtype=None):
-        """[B, H, Sq, Sk] biases in ``dtype`` (default: the parameters', else float32), computed in fp64."""
-        k_positions = q_positions if k_positions is None else k_positions
-        if dtype is None:
-            dtype = self.parameters_.dtype if self.parameters_ is not None else torch.float32
-        return _ops.relative_bias(self._scheme(), self.parameters_, _positions(q_positions, 0),
-                                  _positions(k_positions, 0), dtype)
-
-
-class Sandwich(RelativeBias):
-    """Sandwich (Chi et al. 2023): the parameter-free bias (Σ_k cos(r·ω_k) − d'/2)·H/(8(h + 1)),
-    ω_k = base^(−2k/d'), r = key − query (posenc/sandwich.hpp)."""
-
-    def __init__(self, heads, dim=128, base=10000.0):
-        super().__init__("sandwich", heads, dim=int(dim), base=float(base))
+from .registry import RelativeBias, Sandwich, Scheme, _scheme, _scheme_entry, schemes  # noqa: E402
 
 
 class LearnedPositionalEncoding(torch.nn.Module):
@@ -727,15 +662,17 @@ def _attention_scheme(scheme, heads, keys_rotated, head_dim):
     if scheme == "alibi":
         return _scheme("alibi", heads, {"symmetric": False}), alibi_slopes(heads)
     if isinstance(scheme, str):
-        # A name means the scheme's defaults; a learned one needs its module (it owns the tensors).
+        # A name means the scheme's defaults; a learned one needs a module (it owns the tensors).
         entry = _scheme_entry(scheme)
         if entry["parameters"]:
             raise ValueError(f"attention: scheme = {scheme!r} has learned parameters ({entry['parameters']}); "
-                             "pass its module instead of its name")
+                             f"pass posenc.Scheme({scheme!r}, heads, head_dim) or its module instead of its name")
         return _scheme(scheme, heads), empty
-    if isinstance(scheme, RelativeBias):
+    if isinstance(scheme, Scheme):
         if scheme.heads != heads:
             raise ValueError(f"attention: {scheme.name} has heads = {scheme.heads}; expected the group's {heads}")
+        if not isinstance(scheme, RelativeBias) and scheme.head_dim != head_dim:
+            raise ValueError(f"attention: {scheme.name} has head_dim = {scheme.head_dim}; expected q's {head_dim}")
         return scheme._scheme(), scheme._parameter_tensor()
     if isinstance(scheme, RotaryPositionalEncoding):
         # RotaryPositionalEncoding(0) ("rope" by name) takes q's head size.
@@ -770,7 +707,7 @@ def _attention_scheme(scheme, heads, keys_rotated, head_dim):
     raise TypeError(f"attention: scheme = {scheme!r}; expected None, a registered name (posenc.schemes()), a "
                     "list of (heads, scheme) pairs, or a RotaryPositionalEncoding, SinusoidalPositionalEncoding "
                     "(Shortformer: added to q and k), ALiBi, T5RelativeBias, Kerple, FIRE, ShawRelativePositions, "
-                    "TransformerXLRelative, TUPE or RelativeBias module")
+                    "TransformerXLRelative, TUPE, Scheme (any registered scheme) or RelativeBias module")
 
 
 class PositionTemperature:
@@ -837,7 +774,8 @@ def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size
     ``T5RelativeBias``, ``Kerple``, ``FIRE``, ``ShawRelativePositions`` (Shaw et al.'s key and
     value terms, scale·q·a^K and Σ p·a^V), ``TransformerXLRelative`` (scale·(u·k + (q + v)·W_R r(i − j)),
     its module's scale is the attention's), ``TUPE`` (the projections' head_dim must be q's),
-    ``RelativeBias`` (any registered relative-bias scheme), ``Forgetting`` (a forget gate per token
+    ``Scheme`` (any registered scheme by name, with its learned parameters), ``RelativeBias`` (any
+    registered relative-bias scheme), ``Forgetting`` (a forget gate per token
     and head; causal) — whose learned parameters (and the gate) receive gradients. ``causal`` aligns the mask
     bottom-right when Sq < Sk; ``window=(left, right)`` limits the keys a query sees (-1:
     unlimited); ``chunk_size`` C (Llama 4's ``attention_chunk_size``) lets a query see only keys in

@@ -7,8 +7,9 @@ length (dynamic NTK, LongRoPE's switch from short to long factors) or when the p
 context shift). Caches hold no gradient: they serve inference."""
 import torch
 
-from . import (ALiBi, FIRE, Kerple, RotaryPositionalEncoding, Sandwich, ShawRelativePositions, T5RelativeBias,
-               TUPE, TransformerXLRelative, _int, _ops, _rope_params, attention, huge_page_zeros, schemes)
+from . import (ALiBi, FIRE, Kerple, RotaryPositionalEncoding, Sandwich, Scheme, ShawRelativePositions,
+               T5RelativeBias, TUPE, TransformerXLRelative, _int, _ops, _rope_params, attention, huge_page_zeros,
+               schemes)
 
 __all__ = ["SelfAttention", "KVCache"]
 
@@ -196,7 +197,9 @@ class KVCache:
         return out.to(q.dtype)
 
 
-# Registered names whose schemes learn parameters: the module SelfAttention builds for them.
+# Registered names whose schemes learn parameters and have a module of their own: the module
+# SelfAttention builds for them. Any other registered scheme with learned parameters gets the
+# registry's generic module (posenc.Scheme).
 _MODULES = {
     "rope": lambda heads, head_dim: RotaryPositionalEncoding(head_dim),
     "alibi": lambda heads, head_dim: ALiBi(heads),
@@ -216,10 +219,11 @@ def _scheme_module(scheme, heads, head_dim):
     if isinstance(scheme, str):
         if scheme in _MODULES:
             return _MODULES[scheme](heads, head_dim)
-        if scheme not in {e["name"] for e in schemes()}:
+        entry = next((e for e in schemes() if e["name"] == scheme), None)
+        if entry is None:
             raise ValueError(f"SelfAttention: scheme = {scheme!r}; expected None, a module, (heads, scheme) pairs "
                              "or one of " + ", ".join(e["name"] for e in schemes()))
-        return scheme
+        return Scheme(scheme, heads, head_dim) if entry["parameters"] else scheme
     if isinstance(scheme, torch.nn.Module):
         return scheme
     raise TypeError(f"SelfAttention: scheme is {type(scheme).__name__}; expected None, a registered name, a scheme "

@@ -1,6 +1,7 @@
-"""The registry from Python: posenc.schemes(), posenc.RelativeBias for every registered scheme of
-the relative-bias family (against eager PyTorch in float64, gradcheck), head groups in one
-posenc.attention call, and the errors.
+"""The registry from Python: posenc.schemes(); posenc.Scheme for every registered scheme (gradcheck
+of the fused op in float64, float32 against float64); posenc.RelativeBias for every registered
+scheme of the relative-bias family (against eager PyTorch in float64, gradcheck); head groups in
+one posenc.attention call, and the errors.
 
 Run: PYTHONPATH=build/python /usr/bin/python3 -m pytest -q python/tests
 """
@@ -81,6 +82,63 @@ def test_materialised_biases_pass_gradcheck(name):
         lambda p: torch.ops.posenc.relative_bias(scheme, p, q_pos, k_pos, torch.float64), (params,))
 
 
+def all_names():
+    return [e["name"] for e in posenc.schemes()]
+
+
+def small_options(entry, head_dim):
+    """Options that keep every scheme's tables small (as the C++ matrix's)."""
+    wanted = {"hidden": 6, "threshold": 4, "d_model": 12, "max_len": 32, "max_distance": 5, "num_buckets": 8,
+              "dim": head_dim if entry["family"] == "transform" else 24}
+    return {o["name"]: wanted[o["name"]] for o in entry["options"] if o["name"] in wanted}
+
+
+def fused(q, k, v, module, params):
+    """The attention op with `params` as the module's parameter tensor (causal)."""
+    args = list(posenc._attention_args(q, k, v, module, True, (-1, -1), None, None, 0.0, None, None, None, False,
+                                       True, None))
+    if params is not None:
+        args[4] = [params]
+    return posenc._ops.attention(*args)[0]
+
+
+@pytest.mark.parametrize("name", all_names())
+def test_every_registered_scheme_runs_by_name_and_differentiates(name):
+    entry = posenc._scheme_entry(name)
+    module = posenc.Scheme(name, 4, 8, **small_options(entry, 8))
+    assert (module.parameters_ is None) == (entry["parameters"] == "")
+    q = torch.randn(1, 6, 4, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 9, 2, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 9, 2, 8, dtype=torch.float64, requires_grad=True)
+    inputs = [q, k, v]
+    params = None
+    if module.parameters_ is not None:
+        # Off the initial values (zero tables, equal slopes); positive ones stay positive.
+        p = module.parameters_.detach().to(torch.float64)
+        p = torch.where(p == 0, torch.empty_like(p).uniform_(-0.5, 0.5), p * torch.empty_like(p).uniform_(0.5, 1.5))
+        params = p.requires_grad_()
+        inputs.append(params)
+    # float64 runs the fp64 reference: its backward against central differences of its forward.
+    assert torch.autograd.gradcheck(lambda *x: fused(x[0], x[1], x[2], module, x[3] if len(x) > 3 else None),
+                                    tuple(inputs))
+    # The fused float32 kernel against it: f32 sums over 9 keys of terms |p·v| <= a few units
+    # (2e-5); parameter gradients are summed over every (query, key) pair, 1e-3 of the largest.
+    exact = fused(q, k, v, module, params)
+    p32 = None if params is None else params.detach().float().requires_grad_()
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    out32 = fused(q32, k32, v32, module, p32)
+    torch.testing.assert_close(out32.double(), exact, rtol=0, atol=2e-5)
+    w = torch.randn_like(exact)
+    grads = torch.autograd.grad((exact * w).sum(), inputs)
+    grads32 = torch.autograd.grad((out32 * w.float()).sum(), [q32, k32, v32] + ([p32] if p32 is not None else []))
+    for got, want in zip(grads32, grads):
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-3 * (want.abs().max().item() + 1e-3))
+    # The module itself in posenc.attention: its float32 parameters receive the gradient.
+    if module.parameters_ is not None:
+        posenc.attention(q32.detach(), k32.detach(), v32.detach(), module, causal=True).sum().backward()
+        assert module.parameters_.grad is not None and module.parameters_.grad.shape == module.parameters_.shape
+
+
 def test_head_groups_equal_separate_calls():
     q = torch.randn(1, 30, 4, 16, dtype=torch.float64, requires_grad=True)
     k = torch.randn(1, 30, 2, 16, dtype=torch.float64, requires_grad=True)
@@ -146,3 +204,15 @@ def test_errors_name_the_argument():
         posenc.RelativeBias("alibi", 4, symmetric=3)
     with pytest.raises(ValueError, match="expected the group's 2"):
         posenc.attention(q, k, v, [(2, posenc.RelativeBias("kerple", 3)), (2, "none")])
+    with pytest.raises(ValueError, match=r"posenc.Scheme\('fire'"):
+        posenc.attention(q, k, v, "fire")
+    with pytest.raises(ValueError, match="bogus"):
+        posenc.Scheme("bogus", 4, 16)
+    with pytest.raises(ValueError, match="head_dim = 0"):
+        posenc.Scheme("fire", 4, 0)
+    with pytest.raises(TypeError, match="heads is float"):
+        posenc.Scheme("fire", 4.0, 16)
+    with pytest.raises(ValueError, match="head_dim = 8; expected q's 16"):
+        posenc.attention(q, k, v, posenc.Scheme("shaw", 4, 8))
+    with pytest.raises(ValueError, match="heads = 2; expected the group's 4"):
+        posenc.attention(q, k, v, posenc.Scheme("fire", 2, 16))

@@ -1,0 +1,95 @@
+"""The registry of positional schemes from Python (posenc/registry.hpp): the listing, one head
+group's scheme as the attention op takes it, and the modules that carry any registered scheme and
+its learned parameters by name."""
+import json
+
+import torch
+
+from . import _finite, _int, _number, _ops, _positions
+
+
+def schemes():
+    """The registered positional schemes (posenc/registry.hpp), as a list of dicts: ``name``,
+    ``family`` (none, transform, relative-bias, bias, relative-terms), ``summary``, ``source``,
+    ``parameters`` (the learned parameters, "" if none) and ``options`` (``name``, ``default``,
+    ``integer``, ``description``). Each name works as ``posenc.attention(..., scheme=name)``."""
+    return json.loads(_ops.schemes())
+
+
+def _scheme_entry(name):
+    for entry in schemes():
+        if entry["name"] == name:
+            return entry
+    raise ValueError(f"scheme = {name!r}; expected one of " + ", ".join(e["name"] for e in schemes()))
+
+
+def _scheme(name, heads, options=None, rope=None):
+    """One head group's registered scheme as the attention op takes it: a
+    ``torch.classes.posenc.Scheme`` (posenc/torch/classes.hpp) whose options are numbers (flags 0 or 1)."""
+    values = {}
+    for key, value in (options or {}).items():
+        if not isinstance(key, str):
+            raise TypeError(f"{name}: option name {key!r} is {type(key).__name__}; expected a str")
+        values[key] = float(value) if isinstance(value, bool) else _number(name, key, value)
+    _finite("scheme", values)
+    return torch.classes.posenc.Scheme(name, _int(name, "heads", heads), values, rope)
+
+
+class Scheme(torch.nn.Module):
+    """Any registered scheme (``posenc.schemes()``) by name, with its options as keyword arguments,
+    as an attention scheme: ``posenc.attention(q, k, v, posenc.Scheme("fire", 8, 64, hidden=32))``.
+    Its learned parameters, if it has any, are the Parameter ``parameters_``, one flat tensor in
+    the registry's parameter shape and order, initialised as the registry does; ``head_dim`` is q's
+    head size, which some schemes' shapes depend on (Shaw, Transformer-XL, TUPE). A scheme
+    registered in C++ is so usable from Python with no module of its own."""
+
+    def __init__(self, name, heads, head_dim, **options):
+        super().__init__()
+        self.entry = _scheme_entry(name)
+        self.name, self.heads, self.options = name, _int(name, "heads", heads, 1), dict(options)
+        self.head_dim = _int(name, "head_dim", head_dim, 1)
+        initial = self._scheme().initial_parameters(self.head_dim)
+        self.parameters_ = torch.nn.Parameter(initial.to(torch.float32)) if initial.numel() > 0 else None
+
+    def _scheme(self):
+        return _scheme(self.name, self.heads, self.options)
+
+    def _parameter_tensor(self):
+        return self.parameters_ if self.parameters_ is not None else torch.empty(0, dtype=torch.float64)
+
+    def extra_repr(self):
+        options = "".join(f", {k}={v}" for k, v in self.options.items())
+        return f"{self.name!r}, heads={self.heads}, head_dim={self.head_dim}{options}"
+
+
+class RelativeBias(Scheme):
+    """Any registered scheme of the relative-bias family (b_h(k − q) added to the scores; see
+    ``posenc.schemes()``) by name, with its options as keyword arguments. ``forward(q_positions,
+    k_positions)`` gives the biases [B, H, Sq, Sk]; as an attention scheme it runs inside the fused
+    kernel. Learned parameters, if the scheme has any, are the Parameter ``parameters`` in the
+    registry's shape, initialised as the registry does."""
+
+    def __init__(self, name, heads, **options):
+        entry = _scheme_entry(name)
+        if entry["family"] != "relative-bias":
+            raise ValueError(f"RelativeBias: name = {name!r} is a {entry['family']} scheme; expected one of the "
+                             "relative-bias family: " + ", ".join(e["name"] for e in schemes()
+                                                                  if e["family"] == "relative-bias"))
+        # A bias of k − q alone: its parameters do not depend on the head size.
+        super().__init__(name, heads, 1, **options)
+
+    def forward(self, q_positions, k_positions=None, dtype=None):
+        """[B, H, Sq, Sk] biases in ``dtype`` (default: the parameters', else float32), computed in fp64."""
+        k_positions = q_positions if k_positions is None else k_positions
+        if dtype is None:
+            dtype = self.parameters_.dtype if self.parameters_ is not None else torch.float32
+        return _ops.relative_bias(self._scheme(), self.parameters_, _positions(q_positions, 0),
+                                  _positions(k_positions, 0), dtype)
+
+
+class Sandwich(RelativeBias):
+    """Sandwich (Chi et al. 2023): the parameter-free bias (Σ_k cos(r·ω_k) − d'/2)·H/(8(h + 1)),
+    ω_k = base^(−2k/d'), r = key − query (posenc/sandwich.hpp)."""
+
+    def __init__(self, heads, dim=128, base=10000.0):
+        super().__init__("sandwich", heads, dim=int(dim), base=float(base))

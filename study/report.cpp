@@ -98,7 +98,6 @@ json aggregate(const std::vector<json>& runs) {
 
 bool have_gnuplot() { return std::system("command -v gnuplot > /dev/null 2>&1") == 0; }
 
-
 // Each figure's numbers against evaluation length per scheme, PNG and SVG, through gnuplot: one
 // script (plots.gp) run in `out`, so every path in it is a plain file name.
 void plot(const fs::path& out, const json& results, const std::vector<Figure>& figures) {

@@ -406,13 +406,15 @@ void DecodeScoresPacked(DF d, const CacheElement<kType>* HWY_RESTRICT k, std::in
 // Whether a tile's values are summed key by key over every KV head (KeyMajorValues): the cache
 // is then read in its memory order, which the hardware prefetchers follow (a head's column
 // blocks walk the tile's keys a key row apart, a page apart at 8 KV heads × D 128). The output
-// rows are then loaded and stored per key, R·D/lanes vectors, which stays below the memory's
-// time while R <= lanes / 4; with more rows register accumulators per head (ValueRows) do
-// better. (Zen 5, D 128, 32768 keys, 2 threads, against ValueRows: AVX-512 1.3–1.5× the
-// bandwidth at 1–2 rows per head, 1.05–1.15× at 3–4, 0.6× at 8; AVX2 1.44× at 1 row, 1.19× at
-// 2, 0.91× at 3.)
-HWY_INLINE bool ValuesKeyMajor(std::int64_t rows) {
-  return HWY_TARGET != HWY_SCALAR && rows * 4 <= static_cast<std::int64_t>(hn::Lanes(DF()));
+// rows are then loaded and stored per key, R·D/lanes vectors, so only while R <= lanes / 8 (about
+// 16 stores per KiB of values at D 128); with more rows register accumulators per head
+// (ValueRows) do better. (Zen 5, D 128, 32768 keys, 2 threads, against ValueRows: 1.3–1.5× the
+// bandwidth at 1–2 rows per head on AVX-512 and 1 row on AVX2; at 32 stores per KiB, AVX-512's
+// 4 rows and AVX2's 2, 1.05–1.3×, but a core with half-rate 512-bit stores (Zen 4) would then
+// spend as long on them as AVX2's 4 rows, 0.84×.)
+// A block of one KV head (decode's per-head blocks) has no memory order to gain.
+HWY_INLINE bool ValuesKeyMajor(std::int64_t rows, std::int64_t heads) {
+  return HWY_TARGET != HWY_SCALAR && heads > 1 && rows * 8 <= static_cast<std::int64_t>(hn::Lanes(DF()));
 }
 
 // Whether the packed scores kernel takes q_rows rows per head at this dim on this target.
@@ -491,7 +493,7 @@ void AttnDecodeScores(const void* HWY_RESTRICT k, DType dtype, std::int64_t ldk,
   const DF d;
   // Values summed key-major are left to the hardware prefetchers: prefetching them here as well
   // cost a fifth of the decode's bandwidth.
-  PrefetchCursor cursor(ValuesKeyMajor(q_rows) ? RowPrefetch{} : ahead);
+  PrefetchCursor cursor(ValuesKeyMajor(q_rows, heads) ? RowPrefetch{} : ahead);
   const std::int64_t per_row = LinesPerStep(cursor.lines(), keys * heads);
   if (dtype != DType::kF32) {
     const auto* k16 = static_cast<const std::uint16_t*>(k);
@@ -632,7 +634,7 @@ void DecodeValuesRows(DF d, const CacheElement<kType>* HWY_RESTRICT v, std::int6
                       std::int64_t rows, std::int64_t cols, float* const* o_heads, std::int64_t ldo,
                       PrefetchCursor& cursor, std::int64_t per_key) {
   if constexpr (!WidensInVectors<kType>()) return;  // never asked (AttnDecodeReadsDirectly)
-  switch (ValuesKeyMajor(rows) ? rows : 0) {
+  switch (ValuesKeyMajor(rows, heads) ? rows : 0) {
 #define POSENC_KEY_MAJOR_VALUES(R)                                                                             \
   case R:                                                                                                      \
     KeyMajorValues<R, kType>(d, v, ldv, v_head_stride, keys, heads, p_heads, ld_p, cols, o_heads, ldo, cursor, \
@@ -640,8 +642,6 @@ void DecodeValuesRows(DF d, const CacheElement<kType>* HWY_RESTRICT v, std::int6
     return;
     POSENC_KEY_MAJOR_VALUES(1)
     POSENC_KEY_MAJOR_VALUES(2)
-    POSENC_KEY_MAJOR_VALUES(3)
-    POSENC_KEY_MAJOR_VALUES(4)
 #undef POSENC_KEY_MAJOR_VALUES
     default:
       break;
@@ -687,7 +687,7 @@ void AttnDecodeValues(const void* HWY_RESTRICT v, DType dtype, std::int64_t ldv,
   const auto n = static_cast<std::int64_t>(hn::Lanes(d));
   PrefetchCursor cursor(ahead);
   // Steps: one per key of every head (key-major), else one per key per column block of every head.
-  const std::int64_t steps = heads * keys * (ValuesKeyMajor(rows) ? 1 : ValueBlocks(rows, cols, n));
+  const std::int64_t steps = heads * keys * (ValuesKeyMajor(rows, heads) ? 1 : ValueBlocks(rows, cols, n));
   const std::int64_t per_key = LinesPerStep(cursor.lines(), steps);
   if (dtype != DType::kF32) {
     const auto values = dtype == DType::kBF16 ? &DecodeValuesRows<DType::kBF16> : &DecodeValuesRows<DType::kF16>;

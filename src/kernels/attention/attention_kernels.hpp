@@ -56,8 +56,8 @@ void attn_pack_rotate_heads(const void* src, DType dtype, std::int64_t seq_strid
 // Decode over all KV heads of a key tile (any strides; [S, G, D] memory order is fastest): the
 // scores take blocks of keys of one head (⌊lanes / q_rows⌋ keys when q_rows <= lanes and dim fills
 // whole vectors, else up to 4), every head in turn; the values key by key over every head (up to
-// 4 query rows per head: the cache in memory order), else one head at a time, the keys streaming
-// past a block of columns held in registers. st_heads and p_heads may point into
+// lanes / 8 query rows per head: the cache in memory order), else one head at a time, the keys
+// streaming past a block of columns held in registers. st_heads and p_heads may point into
 // one tile (head g's rows at lanes g·q_rows …, the engine's merged decode rows):
 //   scores  st_heads[g][j·ld_st + r] = Σ_d k[j·ldk + g·k_head_stride + d]·q_heads[g][r·ldq + d]
 //   values  o_heads[g][r·ldo + c] += Σ_j p_heads[g][j·ld_p + r]·v[j·ldv + g·v_head_stride + c]

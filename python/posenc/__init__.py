@@ -80,6 +80,7 @@ def _flag(where, name, value):
 
 _load()
 _ops = torch.ops.posenc
+_EMPTY = torch.empty(0, dtype=torch.float64)  # the parameter tensor of a scheme without any
 
 
 def _positions(positions, length, device_like=None):
@@ -319,6 +320,11 @@ class SinusoidalPositionalEncoding(torch.nn.Module):
         table = sinusoidal_table(_positions(positions, x.shape[-2]), self.dim, self.base, self.interleaved, x.dtype)
         return x + table
 
+    def _attention_scheme(self, heads, keys_rotated, head_dim):
+        # Shortformer: the sinusoid added to q and k (not v) inside the fused attention.
+        return _scheme("absolute", heads, {"dim": self.dim, "base": self.base,
+                                           "interleaved": bool(self.interleaved)}), _EMPTY
+
 
 class RotaryPositionalEncoding(torch.nn.Module):
     """RoPE for q and k [B, S, H, D], with every layout and Hugging Face scaling of posenc."""
@@ -362,6 +368,14 @@ class RotaryPositionalEncoding(torch.nn.Module):
                     layout=self.layout, scaling=self.scaling, max_position_embeddings=self.max_position_embeddings,
                     xpos=self.xpos, rotary_offset=self.rotary_offset)
 
+    def _attention_scheme(self, heads, keys_rotated, head_dim):
+        # head_dim 0 ("rope" by name) takes q's head size.
+        dims = (self.head_dim, self.rotary_dim) if self.head_dim else (head_dim, head_dim)
+        rope_params = _rope_params(dims[0], dims[1], self.base, self.layout, self.scaling,
+                                   self.max_position_embeddings, None, self.xpos, self.rotary_offset)
+        return _scheme("rope", heads, {"keys_rotated": _flag("attention", "keys_rotated", keys_rotated)},
+                       rope_params), _EMPTY
+
 
 class ALiBi(torch.nn.Module):
     """ALiBi biases [B, H, Sq, Sk] to add to attention scores. The slopes are a buffer (saved in
@@ -380,6 +394,9 @@ class ALiBi(torch.nn.Module):
         k_positions = q_positions if k_positions is None else k_positions
         return alibi_bias(self.slopes, _positions(q_positions, 0), _positions(k_positions, 0), self.symmetric)
 
+    def _attention_scheme(self, heads, keys_rotated, head_dim):
+        return _scheme("alibi", heads, {"symmetric": bool(self.symmetric)}), self.slopes
+
 
 class T5RelativeBias(torch.nn.Module):
     """T5's learned relative bias: a table [num_buckets, heads] and transformers' buckets."""
@@ -393,6 +410,10 @@ class T5RelativeBias(torch.nn.Module):
         k_positions = q_positions if k_positions is None else k_positions
         return t5_bias(self.table, _positions(q_positions, 0), _positions(k_positions, 0), self.num_buckets,
                        self.max_distance, self.bidirectional)
+
+    def _attention_scheme(self, heads, keys_rotated, head_dim):
+        return _scheme("t5", heads, {"num_buckets": self.num_buckets, "max_distance": self.max_distance,
+                                     "bidirectional": bool(self.bidirectional)}), self.table
 
 
 from .registry import RelativeBias, Sandwich, Scheme, _scheme, _scheme_entry, schemes  # noqa: E402
@@ -426,6 +447,9 @@ class Kerple(torch.nn.Module):
         q_positions, k_positions = _pair_positions(q_positions, k_positions)
         return kerple_bias(self.r1, self.r2, q_positions, k_positions, self.power)
 
+    def _attention_scheme(self, heads, keys_rotated, head_dim):
+        return _scheme("kerple", heads, {"power": bool(self.power)}), torch.stack([self.r1, self.r2])
+
 
 class FIRE(torch.nn.Module):
     """FIRE biases with a learnable MLP (hidden width `hidden`), c and threshold L."""
@@ -442,6 +466,10 @@ class FIRE(torch.nn.Module):
     def forward(self, q_positions, k_positions=None):
         q_positions, k_positions = _pair_positions(q_positions, k_positions)
         return fire_bias(self.w1, self.b1, self.w2, self.b2, self.c, self.threshold, q_positions, k_positions)
+
+    def _attention_scheme(self, heads, keys_rotated, head_dim):
+        return _scheme("fire", heads, {"hidden": int(self.w1.shape[0])}), \
+            torch.cat([self.w1, self.b1, self.w2.reshape(-1), self.b2, self.c.reshape(1), self.threshold.reshape(1)])
 
 
 class TUPE(torch.nn.Module):
@@ -460,6 +488,11 @@ class TUPE(torch.nn.Module):
         q_positions, k_positions = _pair_positions(q_positions, k_positions)
         return tupe_bias(self.table, self.u_q, self.u_k, self.theta1, self.theta2, q_positions, k_positions,
                          self.heads, self.cls_reset)
+
+    def _attention_scheme(self, heads, keys_rotated, head_dim):
+        return _scheme("tupe", heads, {"d_model": int(self.table.shape[1]), "max_len": int(self.table.shape[0]),
+                                       "cls_reset": bool(self.cls_reset)}), \
+            torch.cat([self.table.reshape(-1), self.u_q.reshape(-1), self.u_k.reshape(-1), self.theta1, self.theta2])
 
 
 class FLOATER(torch.nn.Module):
@@ -503,6 +536,10 @@ class ShawRelativePositions(torch.nn.Module):
         k_positions = _positions(k_positions, probs.shape[-1])
         return shaw_values(probs, self.value_table, q_positions, k_positions, self.max_distance)
 
+    def _attention_scheme(self, heads, keys_rotated, head_dim):
+        return _scheme("shaw", heads, {"max_distance": int(self.max_distance)}), \
+            torch.stack([self.key_table, self.value_table])
+
 
 class TransformerXLRelative(torch.nn.Module):
     """Transformer-XL's relative position terms with learned u, v [H, D] and W_R [H·D, d_model]."""
@@ -518,6 +555,10 @@ class TransformerXLRelative(torch.nn.Module):
         q_positions = _positions(q_positions, q.shape[-3])
         k_positions = _positions(k_positions, k.shape[-3])
         return xl_scores(q, k, self.u, self.v, self.w_r, q_positions, k_positions, 0.0, self.base)
+
+    def _attention_scheme(self, heads, keys_rotated, head_dim):
+        return _scheme("xl", heads, {"d_model": int(self.w_r.shape[1]), "base": float(self.base)}), \
+            torch.cat([self.u.reshape(-1), self.v.reshape(-1), self.w_r.reshape(-1)])
 
 
 # ─── Fused attention ──────────────────────────────────────────────────────────────────────────
@@ -652,58 +693,24 @@ class CoPE(torch.nn.Module):
 
 def _attention_scheme(scheme, heads, keys_rotated, head_dim):
     """(Scheme, parameter tensor) of one head group: None, a registered name (posenc.schemes(): its
-    options' defaults and initial parameters), or a module. The tensor is in the registry's
+    options' defaults), or a module, which says itself what it is to the op
+    (``_attention_scheme(heads, keys_rotated, head_dim)``). The tensor is in the registry's
     parameter_shape, empty for a scheme without learned parameters."""
-    empty = torch.empty(0, dtype=torch.float64)
     if scheme is None:
-        return _scheme("none", heads), empty
-    if scheme == "rope":
-        scheme = RotaryPositionalEncoding(0)
-    if scheme == "alibi":
-        return _scheme("alibi", heads, {"symmetric": False}), alibi_slopes(heads)
+        return _scheme("none", heads), _EMPTY
     if isinstance(scheme, str):
+        if scheme == "rope":
+            return RotaryPositionalEncoding(0)._attention_scheme(heads, keys_rotated, head_dim)
+        if scheme == "alibi":
+            return _scheme("alibi", heads, {"symmetric": False}), alibi_slopes(heads)
         # A name means the scheme's defaults; a learned one needs a module (it owns the tensors).
         entry = _scheme_entry(scheme)
         if entry["parameters"]:
             raise ValueError(f"attention: scheme = {scheme!r} has learned parameters ({entry['parameters']}); "
                              f"pass posenc.Scheme({scheme!r}, heads, head_dim) or its module instead of its name")
-        return _scheme(scheme, heads), empty
-    if isinstance(scheme, Scheme):
-        if scheme.heads != heads:
-            raise ValueError(f"attention: {scheme.name} has heads = {scheme.heads}; expected the group's {heads}")
-        if not isinstance(scheme, RelativeBias) and scheme.head_dim != head_dim:
-            raise ValueError(f"attention: {scheme.name} has head_dim = {scheme.head_dim}; expected q's {head_dim}")
-        return scheme._scheme(), scheme._parameter_tensor()
-    if isinstance(scheme, RotaryPositionalEncoding):
-        # RotaryPositionalEncoding(0) ("rope" by name) takes q's head size.
-        dims = (scheme.head_dim, scheme.rotary_dim) if scheme.head_dim else (head_dim, head_dim)
-        rope_params = _rope_params(dims[0], dims[1], scheme.base, scheme.layout, scheme.scaling,
-                                   scheme.max_position_embeddings, None, scheme.xpos, scheme.rotary_offset)
-        return _scheme("rope", heads, {"keys_rotated": _flag("attention", "keys_rotated", keys_rotated)},
-                       rope_params), empty
-    if isinstance(scheme, SinusoidalPositionalEncoding):
-        return _scheme("absolute", heads, {"dim": scheme.dim, "base": scheme.base,
-                                           "interleaved": bool(scheme.interleaved)}), empty
-    if isinstance(scheme, ALiBi):
-        return _scheme("alibi", heads, {"symmetric": bool(scheme.symmetric)}), scheme.slopes
-    if isinstance(scheme, T5RelativeBias):
-        return _scheme("t5", heads, {"num_buckets": scheme.num_buckets, "max_distance": scheme.max_distance,
-                                     "bidirectional": bool(scheme.bidirectional)}), scheme.table
-    if isinstance(scheme, Kerple):
-        return _scheme("kerple", heads, {"power": bool(scheme.power)}), torch.stack([scheme.r1, scheme.r2])
-    if isinstance(scheme, FIRE):
-        return _scheme("fire", heads, {"hidden": int(scheme.w1.shape[0])}), \
-            torch.cat([scheme.w1, scheme.b1, scheme.w2.reshape(-1), scheme.b2, scheme.c.reshape(1), scheme.threshold.reshape(1)])
-    if isinstance(scheme, ShawRelativePositions):
-        return _scheme("shaw", heads, {"max_distance": int(scheme.max_distance)}), \
-            torch.stack([scheme.key_table, scheme.value_table])
-    if isinstance(scheme, TransformerXLRelative):
-        return _scheme("xl", heads, {"d_model": int(scheme.w_r.shape[1]), "base": float(scheme.base)}), \
-            torch.cat([scheme.u.reshape(-1), scheme.v.reshape(-1), scheme.w_r.reshape(-1)])
-    if isinstance(scheme, TUPE):
-        return _scheme("tupe", heads, {"d_model": int(scheme.table.shape[1]), "max_len": int(scheme.table.shape[0]),
-                                       "cls_reset": bool(scheme.cls_reset)}), \
-            torch.cat([scheme.table.reshape(-1), scheme.u_q.reshape(-1), scheme.u_k.reshape(-1), scheme.theta1, scheme.theta2])
+        return _scheme(scheme, heads), _EMPTY
+    if isinstance(scheme, torch.nn.Module) and hasattr(scheme, "_attention_scheme"):
+        return scheme._attention_scheme(heads, keys_rotated, head_dim)
     raise TypeError(f"attention: scheme = {scheme!r}; expected None, a registered name (posenc.schemes()), a "
                     "list of (heads, scheme) pairs, or a RotaryPositionalEncoding, SinusoidalPositionalEncoding "
                     "(Shortformer: added to q and k), ALiBi, T5RelativeBias, Kerple, FIRE, ShawRelativePositions, "

@@ -43,6 +43,8 @@ class Scheme(torch.nn.Module):
     head size, which some schemes' shapes depend on (Shaw, Transformer-XL, TUPE). A scheme
     registered in C++ is so usable from Python with no module of its own."""
 
+    _shape_takes_head_dim = True
+
     def __init__(self, name, heads, head_dim, **options):
         super().__init__()
         self.entry = _scheme_entry(name)
@@ -56,6 +58,13 @@ class Scheme(torch.nn.Module):
 
     def _parameter_tensor(self):
         return self.parameters_ if self.parameters_ is not None else torch.empty(0, dtype=torch.float64)
+
+    def _attention_scheme(self, heads, keys_rotated, head_dim):
+        if self.heads != heads:
+            raise ValueError(f"attention: {self.name} has heads = {self.heads}; expected the group's {heads}")
+        if self._shape_takes_head_dim and self.head_dim != head_dim:
+            raise ValueError(f"attention: {self.name} has head_dim = {self.head_dim}; expected q's {head_dim}")
+        return self._scheme(), self._parameter_tensor()
 
     def extra_repr(self):
         options = "".join(f", {k}={v}" for k, v in self.options.items())
@@ -75,8 +84,10 @@ class RelativeBias(Scheme):
             raise ValueError(f"RelativeBias: name = {name!r} is a {entry['family']} scheme; expected one of the "
                              "relative-bias family: " + ", ".join(e["name"] for e in schemes()
                                                                   if e["family"] == "relative-bias"))
-        # A bias of k − q alone: its parameters do not depend on the head size.
         super().__init__(name, heads, 1, **options)
+
+    # A bias of k − q alone: its parameters do not depend on the head size.
+    _shape_takes_head_dim = False
 
     def forward(self, q_positions, k_positions=None, dtype=None):
         """[B, H, Sq, Sk] biases in ``dtype`` (default: the parameters', else float32), computed in fp64."""

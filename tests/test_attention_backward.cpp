@@ -300,7 +300,7 @@ TEST(Attention, AccurateAtFourThousandTokens) {
   // The accuracy criterion at the longest S: 4096 queries over 4096 keys, where the online
   // softmax runs over 64 key tiles. First RoPE with ALiBi (whose KV head runs its tiles from the
   // diagonal down and skips the vanishing far ones) beside Kerple (its KV head in key order: summed
-  // the other way, its far terms, which do not vanish, would cost 20× the naive f32 error); then T5
+  // the other way, its far terms, which do not vanish, would cost 3.6× the naive f32 error); then T5
   // and FIRE with a sliding window. GQA, D 80. The best target only: the fp64 reference and the
   // naive f32 composition take about 20 s per call here.
   const Problem p = make_problem(1, 4096, 4096, 4, 2, 80);

@@ -165,12 +165,13 @@ TEST_P(AttentionMlaTargets, WideDecodeBlocksMatchTheReference) {
   struct Case {
     const char* what;
     std::int64_t batch, q_len, k_len, heads, kv_heads, dim;
-    int scheme;  // 0 none, 1 RoPE, 2 ALiBi
+    int scheme;  // 0 none, 1 RoPE, 2 ALiBi, 3 FIRE (a score term that runs wide)
   };
   const Case cases[] = {
       {"16 heads on one KV head, chunks", 1, 1, 3000, 16, 1, 96, 0},
       {"3 queries, GQA groups of 16, RoPE", 2, 3, 1500, 32, 2, 64, 1},
       {"ALiBi, 12 heads per KV head", 1, 2, 900, 24, 2, 32, 2},
+      {"FIRE, 12 heads per KV head", 1, 3, 900, 24, 2, 32, 3},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.what);
@@ -179,6 +180,7 @@ TEST_P(AttentionMlaTargets, WideDecodeBlocksMatchTheReference) {
     spec.mask.causal = true;
     if (c.scheme == 1) spec.groups = {HeadGroup{c.heads, RotaryQK{RopeParams(c.dim, c.dim)}, {}}};
     if (c.scheme == 2) spec.groups = {HeadGroup{c.heads, {}, AlibiParams(c.heads)}};
+    if (c.scheme == 3) spec.groups = {HeadGroup{c.heads, {}, FireParams::init(c.heads, 8, 3, 1.0, 64.0)}};
     expect_accurate(p, spec, c.what);
   }
 }

@@ -60,15 +60,21 @@ class Scheme(torch.nn.Module):
         return self.parameters_ if self.parameters_ is not None else torch.empty(0, dtype=torch.float64)
 
     def _attention_scheme(self, heads, keys_rotated, head_dim):
+        # The call's keys_rotated (k: a cache of keys already rotated) reaches the schemes that rotate
+        # keys; the others, in a call with head groups, have nothing to rotate.
+        options = self.options
+        if keys_rotated and any(o["name"] == "keys_rotated" for o in self.entry["options"]):
+            options = {**options, "keys_rotated": True}
         if self.heads != heads:
             raise ValueError(f"attention: {self.name} has heads = {self.heads}; expected the group's {heads}")
         if self._shape_takes_head_dim and self.head_dim != head_dim:
             raise ValueError(f"attention: {self.name} has head_dim = {self.head_dim}; expected q's {head_dim}")
-        return self._scheme(), self._parameter_tensor()
+        return _scheme(self.name, self.heads, options), self._parameter_tensor()
 
     def extra_repr(self):
         options = "".join(f", {k}={v}" for k, v in self.options.items())
-        return f"{self.name!r}, heads={self.heads}, head_dim={self.head_dim}{options}"
+        head_dim = f", head_dim={self.head_dim}" if self._shape_takes_head_dim else ""
+        return f"{self.name!r}, heads={self.heads}{head_dim}{options}"
 
 
 class RelativeBias(Scheme):

@@ -139,6 +139,17 @@ def test_every_registered_scheme_runs_by_name_and_differentiates(name):
         assert module.parameters_.grad is not None and module.parameters_.grad.shape == module.parameters_.shape
 
 
+def test_a_generic_rope_reads_a_rotated_cache():
+    q = torch.randn(1, 1, 4, 16, dtype=torch.float64)
+    k, v = torch.randn(1, 12, 2, 16, dtype=torch.float64), torch.randn(1, 12, 2, 16, dtype=torch.float64)
+    rope = posenc.Scheme("rope", 4, 16)
+    k_rotated = posenc.rope(k, None, torch.arange(12))[0]
+    expected = posenc.attention(q, k, v, rope, causal=True)
+    torch.testing.assert_close(posenc.attention(q, k_rotated, v, rope, causal=True, keys_rotated=True), expected,
+                               rtol=1e-12, atol=1e-12)
+    assert "head_dim" not in repr(posenc.RelativeBias("alibi", 4)) and "head_dim=16" in repr(rope)
+
+
 def test_head_groups_equal_separate_calls():
     q = torch.randn(1, 30, 4, 16, dtype=torch.float64, requires_grad=True)
     k = torch.randn(1, 30, 2, 16, dtype=torch.float64, requires_grad=True)

@@ -21,7 +21,6 @@ namespace posenc::detail {
 namespace {
 
 constexpr const char* kWhere = AttentionPlan::kWhere;
-// Largest bias table over all heads (entries): beyond it, biases are evaluated per element.
 
 void require(bool ok, const char* param, const std::string& value, const std::string& expected) {
   if (!ok) throw Error(kWhere, param, value, expected);

@@ -292,7 +292,8 @@ struct ForwardWork {
 };
 
 bool wide_decode(const AttentionPlan& p, const Sequence& seq) {
-  return p.terms.empty() && seq.lq * p.group_size > AttentionPlan::kDecodeRows && seq.lq <= kWideDecodeQueries;
+  return std::all_of(p.terms.begin(), p.terms.end(), [](const auto& t) { return t->allows_wide_decode(); }) &&
+         seq.lq * p.group_size > AttentionPlan::kDecodeRows && seq.lq <= kWideDecodeQueries;
 }
 
 // A decode block's units: its visible keys in chunks (only the keys some query sees are split: a

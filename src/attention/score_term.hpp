@@ -93,6 +93,9 @@ class ScoreTerm {
 
   // Whether decode may run every KV head's rows as one block (else a block per KV head).
   virtual bool merges_decode_heads() const { return true; }
+  // Whether a few queries with many rows per KV head may run as wide decode blocks (compact rows
+  // through the prefill tiles, in key chunks merged by their log-sum-exps).
+  virtual bool allows_wide_decode() const { return false; }
   // Whether backward may split a sequence's queries into ranges, and whether it must walk its
   // row blocks outer (each row block over every key tile in order; no split).
   virtual bool rows_outer() const { return false; }

@@ -366,6 +366,8 @@ class FireTerm final : public GroupTerm<FireGroup> {
     }
     return total;
   }
+  // A bias of the rows' positions alone, added to any layout of rows (as the tabulated biases).
+  bool allows_wide_decode() const override { return true; }
   // FIRE's MLP may rise anywhere along a row, so it brings no bound: its heads' tiles all run (as
   // those of any bias that is not tabulated), and the other heads keep their skip.
   bool keeps_tile_bound() const override { return true; }

@@ -410,11 +410,12 @@ void DecodeScoresPacked(DF d, const CacheElement<kType>* HWY_RESTRICT k, std::in
 // 16 stores per KiB of values at D 128); with more rows register accumulators per head
 // (ValueRows) do better. (Zen 5, D 128, 32768 keys, 2 threads, against ValueRows: 1.3–1.5× the
 // bandwidth at 1–2 rows per head on AVX-512 and 1 row on AVX2; at 32 stores per KiB, AVX-512's
-// 4 rows and AVX2's 2, 1.05–1.3×, but a core with half-rate 512-bit stores (Zen 4) would then
-// spend as long on them as AVX2's 4 rows, 0.84×.)
-// A block of one KV head (decode's per-head blocks) has no memory order to gain.
+// 4 rows and AVX2's 2, key by key still measured 1.05–1.3×, but a core with half-rate 512-bit
+// stores (Zen 4) would then spend as long on them as AVX2's 4 rows, 0.84×.)
+// A cache of one KV head is read in memory order either way. At most 2 rows, the kernels there
+// are (wider vectors than AVX-512's keep ValueRows beyond).
 HWY_INLINE bool ValuesKeyMajor(std::int64_t rows, std::int64_t heads) {
-  return HWY_TARGET != HWY_SCALAR && heads > 1 && rows * 8 <= static_cast<std::int64_t>(hn::Lanes(DF()));
+  return HWY_TARGET != HWY_SCALAR && heads > 1 && rows <= 2 && rows * 8 <= static_cast<std::int64_t>(hn::Lanes(DF()));
 }
 
 // Whether the packed scores kernel takes q_rows rows per head at this dim on this target.

@@ -270,8 +270,7 @@ struct AttentionPlan {
   void decode_tiles(const Sequence& seq, std::int64_t k_begin, std::int64_t k_end, std::span<const RowBlock> rows,
                     std::span<AttentionUnitScratch> blocks_scratch, AttentionUnitScratch& s) const;
   bool tile_unmasked(const RowBlock& rb, std::int64_t k_first, std::int64_t keys) const;
-  void add_bias(const Sequence& seq, const RowBlock& rb, std::int64_t k_first, std::int64_t keys,
-                const std::int64_t* kpos, float* st) const;
+  void add_bias(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, float* st) const;
   // What every unit of one backward call shares: the tensors and their grids (dq, dk, dv null when
   // not wanted).
   struct BackwardCall {
@@ -307,9 +306,8 @@ struct AttentionPlan {
   // Positional parameter gradients (attention_plan.cpp).
   std::int64_t bias_gradient_size() const;
   void check_gradients(const AttentionGradients& grads) const;
-  void accumulate_bias_gradients(const Sequence& seq, const RowBlock& rb, std::int64_t k_first, std::int64_t keys,
-                                 const std::int64_t* kpos, const float* dst, AttentionUnitScratch& s, std::int64_t kvh,
-                                 double* unit_grads) const;
+  void accumulate_bias_gradients(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, const float* dst,
+                                 AttentionUnitScratch& s, std::int64_t kvh, double* unit_grads) const;
   void finish_bias_gradients(AttentionUnitScratch& s, std::int64_t kvh, double* unit_grads) const;
   void scatter_bias_gradients(const std::vector<double>& total, AttentionGradients& grads) const;
   // d b(h, r)/dθ contributions of `sum` at relative position r = k − q for head h, into the flat

@@ -505,7 +505,7 @@ class UnitBackward {
     }
     // S^T = K·Q^T, biases, soft-cap, mask; dP^T = V·dO^T.
     kernels::attn_gemm(k_rows, ldkv_, 1, s_.qt.data() + r0, ldt_, s_.st.data(), bw, keys, bw, d_, false);
-    p_.add_bias(seq_, sub, k0, keys, kpos, s_.st.data());
+    p_.add_bias(sub, keys, kpos, s_.st.data());
     const TermTile tile = term_tile(seq_, sub, r0, k0, keys, kpos, false);
     for (std::size_t t = 0; t < p_.terms.size(); ++t) p_.terms[t]->add_scores(tile, s_.st.data(), s_.terms[t]);
     if (p_.mask.softcap > 0) kernels::attn_softcap_tile(s_.st.data(), keys, bw, static_cast<float>(p_.mask.softcap));
@@ -541,7 +541,7 @@ class UnitBackward {
       kernels::attn_gemm(s_.dpt.data(), 1, bw, k_rows, ldkv_, s_.dq.data() + r0 * dp_, dp_, bw, dp_, keys, true);
     }
     if (unit_.bias_grads != nullptr)
-      p_.accumulate_bias_gradients(seq_, sub, k0, keys, kpos, s_.dpt.data(), s_, kvh_, unit_.bias_grads);
+      p_.accumulate_bias_gradients(sub, keys, kpos, s_.dpt.data(), s_, kvh_, unit_.bias_grads);
   }
 
   // dK (rotated back; the query scale is already in it) and dV rows of keys [k0, k0 + keys).

@@ -197,7 +197,7 @@ class DecodeTiles {
       const RowBlock& rb = rows_[b];
       const bool unmasked = p_.tile_unmasked(rb, k0, keys);
       partly_masked = partly_masked || !unmasked;
-      if (p_.any_bias) p_.add_bias(seq_, rb, k0, keys, kpos, hs.st.data());
+      if (p_.any_bias) p_.add_bias(rb, keys, kpos, hs.st.data());
       const TermTile tile = term_tile(seq_, rb, 0, k0, keys, kpos, true);
       for (std::size_t t = 0; t < p_.terms.size(); ++t) p_.terms[t]->add_scores(tile, hs.st.data(), hs.terms[t]);
       if (p_.mask.softcap > 0) kernels::attn_softcap_tile(hs.st.data(), keys, w_, static_cast<float>(p_.mask.softcap));

@@ -29,6 +29,14 @@ inline std::int64_t round_up(std::int64_t x, std::int64_t to) { return (x + to -
 // packed at Dp + 16 and Qᵀ at w + 16, against 48–66 with V read in place and Qᵀ at w.
 inline std::int64_t padded_stride(std::int64_t w) { return w + kAttnAlign; }
 
+// Whether positions pos[0..n) run up by one (a tile's keys read a contiguous table slice).
+inline bool positions_consecutive(const std::int64_t* pos, std::int64_t n) {
+  for (std::int64_t j = 1; j < n; ++j) {
+    if (pos[j] != pos[0] + j) return false;
+  }
+  return true;
+}
+
 template <class T, class Allocator>
 inline void grow(std::vector<T, Allocator>& v, std::int64_t n) {
   if (static_cast<std::int64_t>(v.size()) < n) v.resize(static_cast<std::size_t>(n));

@@ -156,7 +156,7 @@ void block_tile(const AttentionPlan& p, const Sequence& seq, const RowBlock& rb,
   if (p.any_bias || !p.terms.empty()) {
     for (std::int64_t j = 0; j < keys; ++j) s.kpos[static_cast<std::size_t>(j)] = p.k_position(seq, k0 + j);
   }
-  if (p.any_bias) p.add_bias(seq, rb, k0, keys, s.kpos.data(), s.st.data());
+  if (p.any_bias) p.add_bias(rb, keys, s.kpos.data(), s.st.data());
   const detail::TermTile tile = detail::term_tile(seq, rb, 0, k0, keys, s.kpos.data(), false);
   for (std::size_t t = 0; t < p.terms.size(); ++t) p.terms[t]->add_scores(tile, s.st.data(), s.terms[t]);
   if (p.mask.softcap > 0) kernels::attn_softcap_tile(s.st.data(), keys, w, static_cast<float>(p.mask.softcap));

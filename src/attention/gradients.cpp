@@ -86,9 +86,9 @@ void AttentionPlan::add_bias_derivative(std::int64_t h, std::int64_t r, double s
   relative->accumulate_gradient(local, r, sum, at);
 }
 
-void AttentionPlan::accumulate_bias_gradients(const Sequence& /* seq */, const RowBlock& rb, std::int64_t /* k_first */,
-                                              std::int64_t keys, const std::int64_t* kpos, const float* dst,
-                                              AttentionUnitScratch& s, std::int64_t kvh, double* unit_grads) const {
+void AttentionPlan::accumulate_bias_gradients(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos,
+                                              const float* dst, AttentionUnitScratch& s, std::int64_t kvh,
+                                              double* unit_grads) const {
   for (std::int64_t r = 0; r < rb.width; ++r) {
     const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
     if (h < 0) continue;

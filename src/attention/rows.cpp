@@ -246,13 +246,11 @@ void add_visible_values(const RowBlock& rb, std::int64_t r_first, std::int64_t r
   }
 }
 
-// Adds the positional biases of the rows to S^T [keys][width] for keys [k_first, k_first + keys)
-// of the sequence, whose positions are kpos[0..keys).
-void AttentionPlan::add_bias(const Sequence& seq, const RowBlock& rb, std::int64_t /* k_first */, std::int64_t keys,
-                             const std::int64_t* kpos, float* st) const {
+// Adds the tabulated (or evaluated) biases of the rows to S^T [keys][width] for a tile of keys
+// at positions kpos[0..keys).
+void AttentionPlan::add_bias(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, float* st) const {
   if (!any_bias) return;
-  bool keys_consecutive = true;
-  for (std::int64_t j = 1; j < keys && keys_consecutive; ++j) keys_consecutive = kpos[j] == kpos[0] + j;
+  const bool keys_consecutive = positions_consecutive(kpos, keys);
   // Decode's merged rows of one query (layout_decode_rows: lane r is head r, all at one position):
   // a key's biases for every head are one row of bias_by_delta.
   if (!bias_by_delta.empty() && keys_consecutive && rb.compact && rb.valid_rows == heads && keys > 0) {
@@ -315,7 +313,6 @@ void AttentionPlan::add_bias(const Sequence& seq, const RowBlock& rb, std::int64
       }
     }
   }
-  (void)seq;
 }
 
 }  // namespace detail

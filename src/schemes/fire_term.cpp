@@ -384,20 +384,13 @@ class FireTerm final : public GroupTerm<FireGroup> {
   std::int64_t slots_ = 0;
 };
 
-bool consecutive(const std::int64_t* kpos, std::int64_t keys) {
-  for (std::int64_t j = 1; j < keys; ++j) {
-    if (kpos[j] != kpos[0] + j) return false;
-  }
-  return true;
-}
-
 // Lane chunks of one head at consecutive positions take the vector kernel (add_chunk), other
 // rows add_row over consecutive keys, and any other tile is evaluated per element (as bias_value).
 void FireTerm::add_scores(const TermTile& tile, float* st, TermState& /* s */) const {
   const RowBlock& rb = *tile.rows;
   const std::int64_t keys = tile.keys, w = rb.width;
   const std::int64_t* kpos = tile.kpos;
-  const bool keys_consecutive = consecutive(kpos, keys);
+  const bool keys_consecutive = positions_consecutive(kpos, keys);
   for (std::int64_t c = 0; c < w / kAttnAlign; ++c) {
     const std::int64_t r0 = c * kAttnAlign;
     const std::int64_t h0 = rb.head[static_cast<std::size_t>(r0)];
@@ -435,7 +428,7 @@ void FireTerm::backward_tile(const TermTile& tile, const float* /* pt */, const 
   };
   // Lane chunks first (the vector path); `done` marks them for the rows below.
   std::uint64_t done = 0;  // bit c: chunk c done (row blocks hold at most 64 chunks here)
-  const bool keys_consecutive = consecutive(kpos, keys);
+  const bool keys_consecutive = positions_consecutive(kpos, keys);
   for (std::int64_t c = 0; c < w / kAttnAlign && c < 64 && keys_consecutive; ++c) {
     const std::int64_t r0 = c * kAttnAlign;
     const std::int64_t h0 = rb.head[static_cast<std::size_t>(r0)];

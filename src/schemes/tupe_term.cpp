@@ -188,9 +188,7 @@ void TupeTerm::load_rows(const RowBlock& rb, TermState& s, bool as_rows) const {
 const float* TupeTerm::keys_of(const TupeTables& t, std::int64_t h, std::int64_t keys, const std::int64_t* kpos,
                                TermState& s) const {
   const std::int64_t dp = p_.dim_padded;
-  bool consecutive = true;
-  for (std::int64_t j = 1; j < keys && consecutive; ++j) consecutive = kpos[j] == kpos[0] + j;
-  if (consecutive) return row(t, false, kpos[0], h);
+  if (positions_consecutive(kpos, keys)) return row(t, false, kpos[0], h);
   grow(s.buffers[kPk], keys * dp);
   for (std::int64_t j = 0; j < keys; ++j) {
     std::memcpy(s.buffers[kPk].data() + j * dp, row(t, false, kpos[j], h),

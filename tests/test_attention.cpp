@@ -167,6 +167,34 @@ TEST_P(AttentionForward, DecodeSplitsLongCachesExactly) {
   }
 }
 
+TEST_P(AttentionForward, DecodeXlReadsItsTableAtEveryEdge) {
+  // Decode reads P(δ) for a tile of consecutive keys as one block of table rows; a window, a
+  // chunk, keys past the query (δ < 0) and non-causal rows cut that block at either end of the
+  // table, and gapped positions take the per-pair path.
+  for (const std::int64_t q_len : {1, 3}) {
+    Problem p = make_problem(1, q_len, 700, 4, 2, 48);
+    AttentionSpec spec = spec_of(p);
+    spec.groups = {{4, {}, {}, {}, XlParams::init(4, 48, 20, 0.5, 31)}};
+    expect_accurate(p, spec, "decode xl, full");
+    spec.mask.causal = true;
+    spec.mask.window_left = 130;
+    expect_accurate(p, spec, "decode xl, window");
+    spec.mask.window_left = -1;
+    spec.mask.chunk_size = 96;
+    expect_accurate(p, spec, "decode xl, chunks");
+    spec.mask.chunk_size.reset();
+    spec.q_positions = Positions::range(q_len, 1000);
+    spec.k_positions = Positions::range(700, 400);
+    expect_accurate(p, spec, "decode xl, offset positions");
+    std::vector<std::int64_t> ids(700);
+    for (std::size_t j = 0; j < ids.size(); ++j) ids[j] = static_cast<std::int64_t>(j * 3 + j % 5);
+    spec.q_positions.reset();
+    spec.k_positions = Positions::ids(ids);
+    spec.mask.causal = false;
+    expect_accurate(p, spec, "decode xl, gapped key positions");
+  }
+}
+
 TEST_P(AttentionForward, DecodeSizesTilesAndChunksByBytes) {
   // Wide caches get shorter key tiles (about 256 KiB of keys per tile) and shorter parallel
   // chunks (about 4 MiB of keys and values): 16 KV heads × D 128 in f32 take tiles of 32 keys

@@ -114,8 +114,8 @@ class XlTerm final : public GroupTerm<XlTables> {
                 const float* dots, std::int64_t ld, float* st) const;
   void collect(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, std::int64_t lo, std::int64_t span,
                const float* dst, float* sums, std::int64_t ld) const;
-  void add_direct(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, const float* q_rows,
-                  float* st) const;
+  void add_direct(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, const float* q_rows, float* st,
+                  TermState& s) const;
   void backward_window(const RowBlock& sub, std::int64_t r0, TermState& s) const;
 
   const std::vector<HeadGroup>& groups_;
@@ -362,21 +362,38 @@ void XlTerm::collect(const RowBlock& rb, std::int64_t keys, const std::int64_t* 
   for_each_pair(rb, keys, kpos, lo, span, ld, [&](std::int64_t from, std::int64_t at) { sums[at] += dst[from]; });
 }
 
-// Decode rows (few): st[j][r] += Qs_r·P_h(δ) + c_h(δ), a dot product per pair.
-void XlTerm::add_direct(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, const float* q_rows,
-                        float* st) const {
+// Decode rows (few): st[j][r] += Qs_r·P_h(δ) + c_h(δ). Keys at consecutive positions meet
+// consecutive rows of P (δ falls by one per key): the decode score kernel reads them as a block
+// of rows −Dp apart, in vectors; scattered positions take a dot product per pair.
+void XlTerm::add_direct(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, const float* q_rows, float* st,
+                        TermState& s) const {
   const std::int64_t w = rb.width, dp = p_.dim_padded;
+  const bool consecutive = keys > 0 && positions_consecutive(kpos, keys);
+  if (consecutive) grow(s.buffers[kDots], keys);
   for (std::int64_t r = 0; r < w; ++r) {
     const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
     const XlTables* t = h < 0 ? nullptr : of_head(h);
     if (t == nullptr) continue;
     const std::int64_t lh = local_head(h), qp = rb.position[static_cast<std::size_t>(r)];
     const float* q = q_rows + r * dp;
+    const float* c = t->constant.data() + lh * width_;
+    if (consecutive) {
+      // Key j at table row base − j; the rows outside [0, width) are masked pairs.
+      const std::int64_t base = qp - kpos[0] - delta_min_;
+      const std::int64_t j_lo = std::max<std::int64_t>(0, base - width_ + 1), j_hi = std::min(keys - 1, base);
+      if (j_lo > j_hi) continue;
+      float* dots = s.buffers[kDots].data() + j_lo;
+      kernels::attn_decode_scores(t->p_row(base - j_lo, lh, dp), DType::kF32, -dp, 0, j_hi - j_lo + 1, 1, &q, dp, 1,
+                                  p_.dim, &dots, 1, kernels::RowPrefetch{}, false);
+      for (std::int64_t j = j_lo; j <= j_hi; ++j)
+        st[j * w + r] += s.buffers[kDots][static_cast<std::size_t>(j)] + c[base - j];
+      continue;
+    }
     for (std::int64_t j = 0; j < keys; ++j) {
       const std::int64_t u = qp - kpos[j] - delta_min_;
       if (u < 0 || u >= width_) continue;  // outside every visible pair's δ: masked
       const float* pr = t->p_row(u, lh, dp);
-      float sum = t->constant[static_cast<std::size_t>(lh * width_ + u)];
+      float sum = c[u];
       for (std::int64_t e = 0; e < p_.dim; ++e) sum += q[e] * pr[e];
       st[j * w + r] += sum;
     }
@@ -388,7 +405,7 @@ void XlTerm::add_direct(const RowBlock& rb, std::int64_t keys, const std::int64_
 void XlTerm::add_scores(const TermTile& tile, float* st, TermState& s) const {
   const RowBlock& sub = *tile.rows;
   if (tile.decode) {
-    add_direct(sub, tile.keys, tile.kpos, s.rows.q, st);
+    add_direct(sub, tile.keys, tile.kpos, s.rows.q, st, s);
     return;
   }
   const bool backward = s.rows.dout != nullptr;

@@ -15,6 +15,7 @@
 #include <chrono>
 #include <cstdio>
 #include <string>
+#include <vector>
 
 #include "kernels.hpp"
 #include "limits.hpp"
@@ -105,10 +106,16 @@ void register_all() {
   }
   // Score biases at S = 4096, H = 32 (scores [1, 32, 4096, 4096] f32, 2 GiB): materialisation
   // and the parameters' backward.
+  // Every registered score bias of positions (posenc schemes), and nope.
+  std::vector<std::string> biases = {"nope"};
+  for (const posenc::SchemeEntry& e : posenc::schemes()) {
+    if (e.family == "relative-bias" || e.family == "bias") biases.push_back(e.name);
+  }
   for (const char* pass : {"forward", "backward"}) {
-    for (const char* scheme : {"nope", "alibi", "t5", "kerple", "fire"}) {
-      if (std::string(pass) == "backward" && std::string(scheme) == "nope") continue;
-      const std::string label = std::string("bias/32x4096x4096/") + scheme + "/" + pass;
+    for (const std::string& scheme : biases) {
+      if (std::string(pass) == "backward" && (scheme == "nope" || posenc::find_scheme(scheme).parameters.empty()))
+        continue;
+      const std::string label = "bias/32x4096x4096/" + scheme + "/" + pass;
       benchmark::RegisterBenchmark(label.c_str(),
                                    [scheme, pass](benchmark::State& st) {
                                      posenc::perf::CaseOptions o;
@@ -122,12 +129,14 @@ void register_all() {
           ->Unit(benchmark::kMillisecond);
     }
   }
-  // Fused attention: causal f32 S = 2048, H = 8, D = 128 forward and backward per scheme (ratio
-  // vs the FMA peak), and decode: 1 query × 32 heads over a 32768-token cache of 8 KV heads
-  // (ratio vs copy).
+  // Fused attention: causal f32 S = 2048, H = 8, D = 128 forward and backward per registered
+  // scheme, FoX and sinks (ratio vs the FMA peak), and decode: 1 query × 32 heads over a
+  // 32768-token cache of 8 KV heads (ratio vs copy).
+  std::vector<std::string> all = {"fox", "sinks"};
+  for (const posenc::SchemeEntry& e : posenc::schemes()) all.insert(all.end() - 2, e.name);
   for (const char* pass : {"forward", "backward"}) {
-    for (const char* scheme : {"none", "rope", "alibi", "t5", "kerple"}) {
-      const std::string label = std::string("attention/1x2048/8x128/causal/") + scheme + "/" + pass;
+    for (const std::string& scheme : all) {
+      const std::string label = "attention/1x2048/8x128/causal/" + scheme + "/" + pass;
       benchmark::RegisterBenchmark(label.c_str(),
                                    [scheme, pass](benchmark::State& st) {
                                      posenc::perf::CaseOptions o;

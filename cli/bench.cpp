@@ -148,8 +148,9 @@ Runner add_bench(CLI::App& app) {
   sub->add_option("--positions", o->shape.positions, "rope: contiguous, arbitrary or packed")->capture_default_str();
   sub->add_option("--dtype", o->shape.dtype, "rope: f32, bf16 or f16")->capture_default_str();
   sub->add_option("--scheme", o->shape.scheme,
-                  "bias: alibi, t5, kerple, fire, nope or another relative bias; attention: any registered scheme "
-                  "(posenc schemes), with its defaults, fox (Forgetting Attention with gates of 0.73–0.99) or sinks "
+                  "bias: nope or any registered score bias of positions (posenc schemes: families relative-bias and "
+                  "bias); attention: any registered scheme, with its defaults but for model sizes (Shaw k = 64, "
+                  "XL d_model = H·D), fox (Forgetting Attention with gates of 0.73–0.99) or sinks "
                   "(no scheme, a sink per head); stickbreaking (stick-breaking attention), cope (CoPE with 64 "
                   "positions; both causal by definition)")
       ->capture_default_str();

@@ -176,6 +176,34 @@ Case make_rowblock_case(const CaseOptions& o, DType dtype) {
   return c;
 }
 
+// A registered scheme as the attention benchmark runs it: the registry's defaults, except where
+// a model's sizes are larger than the defaults' (a 129-row Shaw table; Transformer-XL's sinusoid
+// as wide as q's heads, d_model = H·D, as in its models; TUPE's table over every position), a T5
+// table of varied values (its default is zeros), and seed 1 for every initialisation.
+SchemeArgs bench_scheme_args(const CaseOptions& o, std::int64_t heads, std::int64_t dim, std::int64_t k_len) {
+  SchemeArgs args{.heads = heads, .head_dim = dim};
+  const SchemeEntry& entry = find_scheme(o.scheme);
+  for (const SchemeOption& option : entry.options) {
+    if (option.name == "seed") args.options["seed"] = 1;
+  }
+  if (o.scheme == "rope") {
+    args.options["interleaved"] = o.interleaved ? 1 : 0;
+  } else if (o.scheme == "t5") {
+    args.options["bidirectional"] = 0;
+    args.parameters.resize(static_cast<std::size_t>(checked_mul(32, heads, "t5 table (32 buckets · heads)")));
+    for (std::size_t e = 0; e < args.parameters.size(); ++e)
+      args.parameters[e] = static_cast<double>(e % 7) * 0.25 - 0.75;
+  } else if (o.scheme == "tupe") {
+    args.options["d_model"] = 256;
+    args.options["max_len"] = static_cast<double>(k_len + 1);
+  } else if (o.scheme == "shaw") {
+    args.options["max_distance"] = 64;
+  } else if (o.scheme == "xl") {
+    args.options["d_model"] = static_cast<double>(checked_mul(heads, dim, "xl d_model (heads · head_dim)"));
+  }
+  return args;
+}
+
 // Fused attention at a model shape. Inputs hold a deterministic pseudo-random pattern in
 // [−1, 1] (constant inputs would make every score equal). Forward and backward count the
 // matrix products' flops as flash-attention does: 4·B·Sq·Sk·H·D forward (2 products), halved
@@ -213,33 +241,7 @@ Case make_attention_case(const CaseOptions& o) {
     HeadGroup g{heads, {}, {}};
     g.terms = {std::make_shared<AttentionSinks>(std::vector<double>(static_cast<std::size_t>(heads), 1.0))};
     groups.push_back(g);
-  } else if (o.scheme == "rope") {
-    groups.push_back(
-        {heads,
-         RotaryQK{RopeParams(dim, dim, 10000.0, o.interleaved ? RopeLayout::kInterleaved : RopeLayout::kHalfSplit)},
-         {}});
-  } else if (o.scheme == "alibi") {
-    groups.push_back({heads, {}, AlibiParams(heads)});
-  } else if (o.scheme == "t5") {
-    std::vector<double> values(static_cast<std::size_t>(checked_mul(32, heads, "t5 table (32 buckets · heads)")));
-    for (std::size_t e = 0; e < values.size(); ++e) values[e] = static_cast<double>(e % 7) * 0.25 - 0.75;
-    groups.push_back({heads, {}, T5BiasParams(heads, 32, 128, false, values)});
-  } else if (o.scheme == "kerple") {
-    groups.push_back({heads,
-                      {},
-                      KerpleParams(KerpleForm::kLog, std::vector<double>(static_cast<std::size_t>(heads), 1.0),
-                                   std::vector<double>(static_cast<std::size_t>(heads), 0.5))});
-  } else if (o.scheme == "fire") {
-    groups.push_back({heads, {}, FireParams::init(heads, 32, 1)});
-  } else if (o.scheme == "tupe") {
-    groups.push_back({heads, {}, TupeParams::init(heads, dim, 256, k_len + 1, false, 0.02, 1)});
-  } else if (o.scheme == "shaw") {
-    groups.push_back({heads, {}, {}, ShawParams::init(64, dim, 0.02, 1)});  // k = 64: 129 table rows
-  } else if (o.scheme == "xl") {
-    // d_model = H·D, as in Transformer-XL's models (the projection of r(δ) is then as wide as q's).
-    groups.push_back({heads, {}, {}, {}, XlParams::init(heads, dim, heads * dim, 0.02, 1)});
   } else if (o.scheme != "none") {
-    // Any other registered scheme with its defaults (posenc schemes).
     std::string names;
     bool known = false;
     for (const SchemeEntry& e : schemes()) {
@@ -248,7 +250,7 @@ Case make_attention_case(const CaseOptions& o) {
     }
     // The attention terms that are not registry entries: forget gates and sinks.
     if (!known) throw Error("bench", "--scheme", o.scheme, "one of " + names + ", fox, sinks, stickbreaking, cope");
-    groups.push_back(make_head_group(o.scheme, SchemeArgs{.heads = heads, .head_dim = dim}));
+    groups.push_back(make_head_group(o.scheme, bench_scheme_args(o, heads, dim, k_len)));
   }
   struct State {
     BenchArray<std::uint16_t> q16, k16, v16, out16, dout16, dq16, dk16, dv16;
@@ -512,35 +514,34 @@ Case make_case(const std::string& name, const CaseOptions& o) {
   } else if (name == "bias") {
     require_positive("heads", o.heads);
     const std::int64_t heads = o.heads;
+    // Every registered score bias of positions (posenc schemes) with its defaults, except a T5
+    // table of varied values (its default is zeros), seed 1 for every initialisation, and a
+    // position table over every position where there is one (TUPE).
     BiasScheme scheme = NoPE(heads);
-    if (o.scheme == "alibi") {
-      scheme = AlibiParams(heads);
-    } else if (o.scheme == "t5") {
-      std::vector<double> values(static_cast<std::size_t>(checked_mul(32, heads, "t5 table (32 buckets · heads)")));
-      for (std::size_t e = 0; e < values.size(); ++e) values[e] = static_cast<double>(e % 7) - 3.0;
-      scheme = T5BiasParams(heads, 32, 128, false, values);
-    } else if (o.scheme == "kerple") {
-      scheme = KerpleParams(KerpleForm::kLog, std::vector<double>(static_cast<std::size_t>(heads), 1.0),
-                            std::vector<double>(static_cast<std::size_t>(heads), 0.5));
-    } else if (o.scheme == "fire") {
-      scheme = FireParams::init(heads, 32, 1);
-    } else if (o.scheme != "nope") {
-      // Any other registered relative bias with its defaults (posenc schemes).
-      std::string names = "alibi, t5, kerple, fire, nope";
+    if (o.scheme != "nope") {
+      std::string names = "nope";
       bool known = false;
       for (const SchemeEntry& e : schemes()) {
-        if (e.family != "relative-bias" || e.name == "alibi" || e.name == "t5" || e.name == "kerple") continue;
+        if (e.family != "relative-bias" && e.family != "bias") continue;
         names += ", " + e.name;
         known = known || e.name == o.scheme;
       }
       if (!known) throw Error("bench", "--scheme", o.scheme, names);
-      scheme = *make_head_group(o.scheme, SchemeArgs{.heads = heads, .head_dim = 1}).bias;
+      SchemeArgs args{.heads = heads, .head_dim = 1};
+      for (const SchemeOption& option : find_scheme(o.scheme).options) {
+        if (option.name == "seed") args.options["seed"] = 1;
+        if (option.name == "max_len") args.options["max_len"] = static_cast<double>(o.length);
+      }
+      if (o.scheme == "t5") {
+        args.options["bidirectional"] = 0;
+        args.parameters.resize(static_cast<std::size_t>(checked_mul(32, heads, "t5 table (32 buckets · heads)")));
+        for (std::size_t e = 0; e < args.parameters.size(); ++e) args.parameters[e] = static_cast<double>(e % 7) - 3.0;
+      }
+      scheme = *make_head_group(o.scheme, args).bias;
     }
     if (o.pass != "forward" && o.pass != "backward") throw Error("bench", "--pass", o.pass, "forward or backward");
     const RelativeBias* relative = relative_bias(scheme);
-    const bool learned =
-        relative != nullptr ? relative->parameter_count() > 0 : std::holds_alternative<FireParams>(scheme);
-    if (o.pass == "backward" && !learned)
+    if (o.pass == "backward" && bias_parameter_count(scheme) == 0)
       throw Error("bench", "--scheme", o.scheme, "a scheme with parameters for --pass backward");
     const std::int64_t scores =
         checked_mul(checked_mul(o.batch, heads, "scores"), checked_mul(o.length, o.length, "scores"), "scores");
@@ -572,6 +573,9 @@ Case make_case(const std::string& name, const CaseOptions& o) {
       } else if (const auto* fire = std::get_if<FireParams>(&scheme)) {
         FireGradients fire_grads(*fire);
         fire_backward(*fire, positions, positions, ds, fire_grads);
+      } else if (const auto* tupe = std::get_if<TupeParams>(&scheme)) {
+        TupeGradients tupe_grads(*tupe);
+        tupe_backward(*tupe, positions, positions, ds, tupe_grads);
       } else if (const RelativeBias* rb = relative_bias(scheme)) {
         relative_bias_backward(*rb, positions, positions, ds, g.first(static_cast<std::size_t>(rb->parameter_count())));
       }

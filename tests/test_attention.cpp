@@ -167,31 +167,39 @@ TEST_P(AttentionForward, DecodeSplitsLongCachesExactly) {
   }
 }
 
-TEST_P(AttentionForward, DecodeXlReadsItsTableAtEveryEdge) {
-  // Decode reads P(δ) for a tile of consecutive keys as one block of table rows; a window, a
-  // chunk, keys past the query (δ < 0) and non-causal rows cut that block at either end of the
-  // table, and gapped positions take the per-pair path.
+TEST_P(AttentionForward, DecodeReadsXlAndTupeTablesAtEveryEdge) {
+  // Decode reads XL's P(δ) and TUPE's PK rows for a tile of consecutive keys as one block of
+  // table rows; a window, a chunk, keys past the query (δ < 0) and non-causal rows cut that block
+  // at either end of XL's table, [CLS] keys and queries take TUPE's θ, and gapped positions take
+  // the per-pair path.
   for (const std::int64_t q_len : {1, 3}) {
     Problem p = make_problem(1, q_len, 700, 4, 2, 48);
-    AttentionSpec spec = spec_of(p);
-    spec.groups = {{4, {}, {}, {}, XlParams::init(4, 48, 20, 0.5, 31)}};
-    expect_accurate(p, spec, "decode xl, full");
-    spec.mask.causal = true;
-    spec.mask.window_left = 130;
-    expect_accurate(p, spec, "decode xl, window");
-    spec.mask.window_left = -1;
-    spec.mask.chunk_size = 96;
-    expect_accurate(p, spec, "decode xl, chunks");
-    spec.mask.chunk_size.reset();
-    spec.q_positions = Positions::range(q_len, 1000);
-    spec.k_positions = Positions::range(700, 400);
-    expect_accurate(p, spec, "decode xl, offset positions");
-    std::vector<std::int64_t> ids(700);
-    for (std::size_t j = 0; j < ids.size(); ++j) ids[j] = static_cast<std::int64_t>(j * 3 + j % 5);
-    spec.q_positions.reset();
-    spec.k_positions = Positions::ids(ids);
-    spec.mask.causal = false;
-    expect_accurate(p, spec, "decode xl, gapped key positions");
+    for (const bool xl : {true, false}) {
+      SCOPED_TRACE(xl ? "xl" : "tupe");
+      AttentionSpec spec = spec_of(p);
+      spec.groups = {xl ? HeadGroup{4, {}, {}, {}, XlParams::init(4, 48, 20, 0.5, 31)}
+                        : HeadGroup{4, {}, tupe_with_cls(4, 48, 16, 2200, 32)}};
+      expect_accurate(p, spec, "decode, full");
+      spec.mask.causal = true;
+      spec.mask.window_left = 130;
+      expect_accurate(p, spec, "decode, window");
+      spec.mask.window_left = -1;
+      spec.mask.chunk_size = 96;
+      expect_accurate(p, spec, "decode, chunks");
+      spec.mask.chunk_size.reset();
+      spec.q_positions = Positions::range(q_len, 1000);
+      spec.k_positions = Positions::range(700, 400);
+      expect_accurate(p, spec, "decode, offset positions");
+      spec.q_positions = Positions::range(q_len, 0);  // TUPE: the [CLS] query
+      spec.k_positions = Positions::range(700, 0);
+      spec.mask.causal = false;
+      expect_accurate(p, spec, "decode, queries from position 0");
+      std::vector<std::int64_t> ids(700);
+      for (std::size_t j = 0; j < ids.size(); ++j) ids[j] = static_cast<std::int64_t>(j * 3 + j % 5);
+      spec.q_positions.reset();
+      spec.k_positions = Positions::ids(ids);
+      expect_accurate(p, spec, "decode, gapped key positions");
+    }
   }
 }
 

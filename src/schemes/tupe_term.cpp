@@ -53,7 +53,7 @@ class TupeTerm final : public GroupTerm<TupeTables> {
   }
   void add_scores(const TermTile& tile, float* st, TermState& s) const override {
     if (tile.decode) {
-      add_direct(*tile.rows, tile.keys, tile.kpos, s.buffers[kPq].data(), st);
+      add_direct(*tile.rows, tile.keys, tile.kpos, s.buffers[kPq].data(), st, s);
     } else {
       add_tile(*tile.rows, tile.r0, padded_stride(s.rows.rows->width), tile.keys, tile.kpos, s, st);
     }
@@ -86,8 +86,8 @@ class TupeTerm final : public GroupTerm<TupeTables> {
                        TermState& s) const;
   void add_tile(const RowBlock& rb, std::int64_t r0, std::int64_t ld_rows, std::int64_t keys, const std::int64_t* kpos,
                 TermState& s, float* st) const;
-  void add_direct(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, const float* pq_rows,
-                  float* st) const;
+  void add_direct(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, const float* pq_rows, float* st,
+                  TermState& s) const;
 
   const std::vector<HeadGroup>& groups_;
   std::int64_t first_ = 0, count_ = 0;
@@ -225,17 +225,30 @@ void TupeTerm::add_tile(const RowBlock& rb, std::int64_t r0, std::int64_t ld_row
 
 // Decode rows: st[j][r] += b(h, q, k_j) by dot products (pq_rows: [rows][Dp]).
 void TupeTerm::add_direct(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, const float* pq_rows,
-                          float* st) const {
-  const std::int64_t w = rb.width;
+                          float* st, TermState& s) const {
+  const std::int64_t w = rb.width, dp = p_.dim_padded;
+  // Keys at consecutive positions read consecutive PK rows: one block for the decode score
+  // kernel, in vectors (into the keys' gather buffer, which decode does not use).
+  const bool consecutive = keys > 0 && positions_consecutive(kpos, keys);
+  if (consecutive) grow(s.buffers[kPk], keys);
   for (std::int64_t r = 0; r < w; ++r) {
     const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
     const TupeTables* t = h < 0 ? nullptr : of_head(h);
     if (t == nullptr) continue;
     const std::int64_t lh = local_head(h), qp = rb.position[static_cast<std::size_t>(r)];
-    const float* a = pq_rows + r * p_.dim_padded;
+    const float* a = pq_rows + r * dp;
+    const bool query_cls = t->cls_reset && qp == 0;
+    if (consecutive && !query_cls) {
+      float* dots = s.buffers[kPk].data();
+      kernels::attn_decode_scores(row(*t, false, kpos[0], h), DType::kF32, dp, 0, keys, 1, &a, dp, 1, p_.dim, &dots, 1,
+                                  kernels::RowPrefetch{}, false);
+      for (std::int64_t j = 0; j < keys; ++j)
+        st[j * w + r] += t->cls_reset && kpos[j] == 0 ? t->theta2[static_cast<std::size_t>(lh)] : dots[j];
+      continue;
+    }
     for (std::int64_t j = 0; j < keys; ++j) {
       float b;
-      if (t->cls_reset && qp == 0) {
+      if (query_cls) {
         b = t->theta1[static_cast<std::size_t>(lh)];
       } else if (t->cls_reset && kpos[j] == 0) {
         b = t->theta2[static_cast<std::size_t>(lh)];

@@ -104,9 +104,8 @@ void register_all() {
         ->UseManualTime()
         ->Unit(benchmark::kMillisecond);
   }
-  // Score biases at S = 4096, H = 32 (scores [1, 32, 4096, 4096] f32, 2 GiB): materialisation
-  // and the parameters' backward.
-  // Every registered score bias of positions (posenc schemes), and nope.
+  // Every registered score bias of positions (posenc schemes), and nope, at S = 4096, H = 32
+  // (scores [1, 32, 4096, 4096] f32, 2 GiB): materialisation and the parameters' backward.
   std::vector<std::string> biases = {"nope"};
   for (const posenc::SchemeEntry& e : posenc::schemes()) {
     if (e.family == "relative-bias" || e.family == "bias") biases.push_back(e.name);

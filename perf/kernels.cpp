@@ -178,8 +178,9 @@ Case make_rowblock_case(const CaseOptions& o, DType dtype) {
 
 // A registered scheme as the attention benchmark runs it: the registry's defaults, except where
 // a model's sizes are larger than the defaults' (a 129-row Shaw table; Transformer-XL's sinusoid
-// as wide as q's heads, d_model = H·D, as in its models; TUPE's table over every position), a T5
-// table of varied values (its default is zeros), and seed 1 for every initialisation.
+// as wide as q's heads, d_model = H·D, as in its models; TUPE's table of width 256 over every
+// position), a causal T5 table of varied values (its default is bidirectional and zeros), and
+// seed 1 for every initialisation.
 SchemeArgs bench_scheme_args(const CaseOptions& o, std::int64_t heads, std::int64_t dim, std::int64_t k_len) {
   SchemeArgs args{.heads = heads, .head_dim = dim};
   const SchemeEntry& entry = find_scheme(o.scheme);
@@ -514,9 +515,9 @@ Case make_case(const std::string& name, const CaseOptions& o) {
   } else if (name == "bias") {
     require_positive("heads", o.heads);
     const std::int64_t heads = o.heads;
-    // Every registered score bias of positions (posenc schemes) with its defaults, except a T5
-    // table of varied values (its default is zeros), seed 1 for every initialisation, and a
-    // position table over every position where there is one (TUPE).
+    // Every registered score bias of positions (posenc schemes) with its defaults, except a causal
+    // T5 table of varied values (its default is bidirectional and zeros), seed 1 for every
+    // initialisation, and a position table over every position where there is one (TUPE).
     BiasScheme scheme = NoPE(heads);
     if (o.scheme != "nope") {
       std::string names = "nope";

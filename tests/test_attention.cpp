@@ -169,16 +169,17 @@ TEST_P(AttentionForward, DecodeSplitsLongCachesExactly) {
 
 TEST_P(AttentionForward, DecodeReadsXlAndTupeTablesAtEveryEdge) {
   // Decode reads XL's P(δ) and TUPE's PK rows for a tile of consecutive keys as one block of
-  // table rows; a window, a chunk, keys past the query (δ < 0) and non-causal rows cut that block
-  // at either end of XL's table, [CLS] keys and queries take TUPE's θ, and gapped positions take
-  // the per-pair path.
-  for (const std::int64_t q_len : {1, 3}) {
-    Problem p = make_problem(1, q_len, 700, 4, 2, 48);
+  // table rows. With three queries, a window cuts the block at both ends of XL's table and the
+  // causal diagonal at its lower end; δ < 0, offset and non-causal positions read blocks inside
+  // it; [CLS] keys and queries take TUPE's θ; gapped positions take the per-pair path. D 48 takes
+  // the kernel's packed form on every vector target, D 44 its row form with scalar tails.
+  for (const auto [q_len, dim] : {std::pair<std::int64_t, std::int64_t>{1, 48}, {3, 48}, {3, 44}}) {
+    Problem p = make_problem(1, q_len, 700, 4, 2, dim);
     for (const bool xl : {true, false}) {
       SCOPED_TRACE(xl ? "xl" : "tupe");
       AttentionSpec spec = spec_of(p);
-      spec.groups = {xl ? HeadGroup{4, {}, {}, {}, XlParams::init(4, 48, 20, 0.5, 31)}
-                        : HeadGroup{4, {}, tupe_with_cls(4, 48, 16, 2200, 32)}};
+      spec.groups = {xl ? HeadGroup{4, {}, {}, {}, XlParams::init(4, dim, 20, 0.5, 31)}
+                        : HeadGroup{4, {}, tupe_with_cls(4, dim, 16, 2200, 32)}};
       expect_accurate(p, spec, "decode, full");
       spec.mask.causal = true;
       spec.mask.window_left = 130;
@@ -200,6 +201,20 @@ TEST_P(AttentionForward, DecodeReadsXlAndTupeTablesAtEveryEdge) {
       spec.k_positions = Positions::ids(ids);
       expect_accurate(p, spec, "decode, gapped key positions");
     }
+  }
+}
+
+TEST_P(AttentionForward, DecodeBlocksMixShawWithOtherGroups) {
+  // Decode runs every KV head's rows as one block: Shaw rows beside rows of another scheme, or of
+  // another Shaw table width, take the per-row forms.
+  for (const std::int64_t q_len : {1, 3}) {
+    Problem p = make_problem(1, q_len, 700, 4, 2, 32);
+    AttentionSpec spec = spec_of(p);
+    spec.mask.causal = true;
+    spec.groups = {{2, {}, {}, ShawParams::init(5, 32, 0.5, 41)}, {2, {}, AlibiParams(2)}};
+    expect_accurate(p, spec, "decode, shaw + alibi");
+    spec.groups = {{1, {}, {}, ShawParams::init(3, 32, 0.5, 42)}, {3, {}, {}, ShawParams::init(9, 32, 0.5, 43)}};
+    expect_accurate(p, spec, "decode, shaw of two widths");
   }
 }
 

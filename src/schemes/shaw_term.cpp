@@ -34,7 +34,7 @@ class ShawTerm final : public GroupTerm<ShawTables> {
  public:
   ShawTerm(const AttentionPlan& p, const std::vector<HeadGroup>& groups);
 
-  bool merges_decode_heads() const override { return false; }
+  // Decode blocks of every KV head use the per-row forms where a block mixes groups.
 
   void begin(const TermRows& rows, TermState& s) const override {
     s.rows = rows;

@@ -31,8 +31,8 @@ struct TupeTables {
 };
 
 // The term state's buffers: PQ of the rows transposed [Dp][rows] and as rows [rows][Dp]; keys'
-// PK gathered [keys][Dp]; backward: dPQ rows [rows][Dp], a tile's dPK [keys][Dp], the unit's dPK
-// by position [count][G][Dp].
+// PK gathered [keys][Dp] (decode: a row's dots over a tile of consecutive keys, [keys]); backward: dPQ rows [rows][Dp],
+// a tile's dPK [keys][Dp], the unit's dPK by position [count][G][Dp].
 enum Buffer { kPqT, kPq, kPk, kDpq, kDpk, kDpkPositions };
 
 const TupeParams* tupe_of(const HeadGroup& g) { return g.bias ? std::get_if<TupeParams>(&*g.bias) : nullptr; }
@@ -228,7 +228,7 @@ void TupeTerm::add_direct(const RowBlock& rb, std::int64_t keys, const std::int6
                           float* st, TermState& s) const {
   const std::int64_t w = rb.width, dp = p_.dim_padded;
   // Keys at consecutive positions read consecutive PK rows: one block for the decode score
-  // kernel, in vectors (into the keys' gather buffer, which decode does not use).
+  // kernel, in vectors.
   const bool consecutive = keys > 0 && positions_consecutive(kpos, keys);
   if (consecutive) grow(s.buffers[kPk], keys);
   for (std::int64_t r = 0; r < w; ++r) {

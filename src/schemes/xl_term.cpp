@@ -44,8 +44,9 @@ struct XlTables {
 // ~20% over computing each dot once, for 1024 × rows floats (512 KiB at 128 rows) of scratch.
 constexpr std::int64_t kWindow = 1024;
 
-// The term state's buffers: the window's dots [u][rows] and dS sums [u][rows] (lo, span: the
-// window), and the unit's dP table [width][G][Dp]. s.lo, s.span: the window; s.span 0: none yet.
+// The term state's buffers: the window's dots [u][rows] (decode: a row's dots over the tile's
+// keys, [keys]) and dS sums [u][rows] (lo, span: the window), and the unit's dP table
+// [width][G][Dp]. s.lo, s.span: the window; s.span 0: none yet.
 enum Buffer { kDots, kSums, kDp };
 
 class XlTerm final : public GroupTerm<XlTables> {

@@ -173,7 +173,7 @@ TEST_P(AttentionForward, DecodeReadsXlAndTupeTablesAtEveryEdge) {
   // causal diagonal at its lower end; δ < 0, offset and non-causal positions read blocks inside
   // it; [CLS] keys and queries take TUPE's θ; gapped positions take the per-pair path. D 48 takes
   // the kernel's packed form on every vector target, D 44 its row form with scalar tails.
-  for (const auto [q_len, dim] : {std::pair<std::int64_t, std::int64_t>{1, 48}, {3, 48}, {3, 44}}) {
+  for (const auto& [q_len, dim] : {std::pair<std::int64_t, std::int64_t>{1, 48}, {3, 48}, {3, 44}}) {
     Problem p = make_problem(1, q_len, 700, 4, 2, dim);
     for (const bool xl : {true, false}) {
       SCOPED_TRACE(xl ? "xl" : "tupe");

@@ -149,6 +149,21 @@ TEST_P(ForgettingAttention, PackedSequencesAndPartOfTheHeads) {
   expect_backward_matches_reference(p, att, random_values(static_cast<std::size_t>(p.q_count())));
 }
 
+// Decode's block holds every KV head's rows: those of the gated heads read their heads' columns of
+// the running sums, the others (and the padding) keep their scores.
+TEST_P(ForgettingAttention, DecodeRowsOfPartOfTheHeads) {
+  for (const std::int64_t q_len : {1, 2}) {
+    Problem p = make_problem(2, q_len, 300, 6, 3, 32);
+    const Gates gates = make_gates(2, 300, 3);
+    AttentionSpec spec = spec_of(p);
+    spec.mask.causal = true;
+    HeadGroup fox{3, {}, {}};
+    fox.terms = {gate_of(gates)};
+    spec.groups = {HeadGroup{1, {}, AlibiParams(1)}, fox, HeadGroup{2, {}, {}}};
+    expect_accurate(p, spec, "decode, gates on heads 1-3");
+  }
+}
+
 // Strong forgetting over a long sequence: c falls below −500, where f32 keeps only ~3e-5 of an
 // absolute c; D_ij = c_i − c_j taken in fp64 keeps the decays themselves to f32 precision.
 TEST_P(ForgettingAttention, AccurateWhereTheRunningSumIsLarge) {

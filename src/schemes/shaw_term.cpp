@@ -4,7 +4,8 @@
 //
 // Per-row arrays over the table rows are kept transposed, [table row u][row r] with row stride
 // width, so that a tile whose keys all clip to one table row for every row (every tile outside
-// the ±k band around the diagonal) is one vector add per key.
+// the ±k band around the diagonal) is one vector add per key. Rows of several groups or table
+// widths in one block (decode's block of every KV head) take the per-row forms.
 #include <algorithm>
 #include <string>
 
@@ -33,8 +34,6 @@ enum Buffer { kKeyDots, kValueDots, kGrads, kProbs, kTableGrads };
 class ShawTerm final : public GroupTerm<ShawTables> {
  public:
   ShawTerm(const AttentionPlan& p, const std::vector<HeadGroup>& groups);
-
-  // Decode blocks of every KV head use the per-row forms where a block mixes groups.
 
   void begin(const TermRows& rows, TermState& s) const override {
     s.rows = rows;

@@ -31,8 +31,8 @@ struct TupeTables {
 };
 
 // The term state's buffers: PQ of the rows transposed [Dp][rows] and as rows [rows][Dp]; keys'
-// PK gathered [keys][Dp] (decode: a row's dots over a tile of consecutive keys, [keys]); backward: dPQ rows [rows][Dp],
-// a tile's dPK [keys][Dp], the unit's dPK by position [count][G][Dp].
+// PK gathered [keys][Dp] (decode: a row's dots over a tile of consecutive keys, [keys]);
+// backward: dPQ rows [rows][Dp], a tile's dPK [keys][Dp], the unit's dPK by position [count][G][Dp].
 enum Buffer { kPqT, kPq, kPk, kDpq, kDpk, kDpkPositions };
 
 const TupeParams* tupe_of(const HeadGroup& g) { return g.bias ? std::get_if<TupeParams>(&*g.bias) : nullptr; }

@@ -51,6 +51,8 @@ class DecodeTiles {
     tile_ =
         std::clamp<std::int64_t>(AttentionPlan::kDecodeTileBytes / p.decode_key_row_bytes() / 16 * 16, 16, p.key_tile);
     choose_key_path();
+    reads_kpos_ = p.any_bias ||
+                  std::any_of(p.terms.begin(), p.terms.end(), [](const auto& t) { return t->reads_key_positions(); });
     direct_v_ = p.vg.dim_stride == 1 && kernels::attn_decode_reads_directly(p.dtype, valid_, p.dim_v);
     point_heads();
     if (!direct_k_) grow(s_.k, tile_ * g_count_ * dp_);
@@ -185,9 +187,9 @@ class DecodeTiles {
   // The scores' biases, terms, soft-cap and mask, then the online softmax, per block of rows.
   // Returns whether some row does not see every key of the tile.
   bool softmax_step(std::int64_t k0, std::int64_t keys) {
-    // The keys' positions, once per tile for every head.
+    // The keys' positions, once per tile for every head, where a bias or a term reads them.
     const std::int64_t* kpos = blocks_[0].kpos.data();
-    if (p_.any_bias || !p_.terms.empty()) {
+    if (reads_kpos_) {
       for (std::int64_t j = 0; j < keys; ++j)
         blocks_[0].kpos[static_cast<std::size_t>(j)] = p_.k_position(seq_, k0 + j);
     }
@@ -249,7 +251,7 @@ class DecodeTiles {
   const std::int64_t w_, valid_, width_;
   std::int64_t tile_ = 16;
   const QKTables* rope_ = nullptr;  // the one RoPE table every KV head's keys share, if any
-  bool interleaved_ = false, direct_k_ = false, direct_v_ = false;
+  bool interleaved_ = false, direct_k_ = false, direct_v_ = false, reads_kpos_ = true;
   const float* rope_cos_sin_ = nullptr;
   DType k_dtype_ = DType::kF32;
   std::vector<std::int64_t> table_rows_, tile_rows_;

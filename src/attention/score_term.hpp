@@ -93,6 +93,8 @@ class ScoreTerm {
 
   // Whether decode may run every KV head's rows as one block (else a block per KV head).
   virtual bool merges_decode_heads() const { return true; }
+  // Whether add_scores reads TermTile::kpos (decode leaves it unset when no term or bias does).
+  virtual bool reads_key_positions() const { return true; }
   // Whether a few queries with many rows per KV head may run as wide decode blocks (compact rows
   // through the prefill tiles, in key chunks merged by their log-sum-exps).
   virtual bool allows_wide_decode() const { return false; }

@@ -92,6 +92,8 @@ class ForgetTerm final : public ScoreTerm {
   std::int64_t bytes() const override { return static_cast<std::int64_t>(c_.size() * sizeof(double)); }
   // c_i − c_j <= 0 for every key at or before the query, the only keys it lets through.
   bool keeps_tile_bound() const override { return true; }
+  // The decay reads the keys' tokens (c of the running sum), not their positions.
+  bool reads_key_positions() const override { return false; }
   // Over keys [k_first, k_last] the decay c_i − c_j is largest at the last key (c does not grow).
   double tile_max(const Sequence& seq, std::int64_t h, std::int64_t i, std::int64_t /* k_first */,
                   std::int64_t k_last) const override {

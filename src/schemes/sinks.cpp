@@ -43,6 +43,7 @@ class SinkTerm final : public ScoreTerm {
   // The sink adds to no score: the bounds of the far-tile skip stay bounds, and a row's running
   // max only starts higher.
   bool keeps_tile_bound() const override { return true; }
+  bool reads_key_positions() const override { return false; }
   void add_scores(const TermTile& /* tile */, float* /* st */, TermState& /* s */) const override {}
   void start_rows(const TermRows& rows, float* m, float* l) const override {
     const RowBlock& rb = *rows.rows;

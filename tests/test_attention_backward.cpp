@@ -512,6 +512,37 @@ TEST(Attention, ClearErrors) {
                       TensorView::of(zeros.data(), {1, 8, 4, 16}), {}, {}, {}, &grads);
       },
       {"grads.groups[0].bias"});
+  // Shaw's and XL's gradients live outside GroupGradients::bias, and are checked all the same.
+  const auto refuses_gradients = [&](const HeadGroup& group, const auto& spoil,
+                                     std::initializer_list<std::string> words) {
+    s = spec_of(p);
+    s.groups = {group};
+    const Attention a(s);
+    AttentionGradients g = a.zero_gradients();
+    spoil(g.groups[0]);
+    a.forward(TensorView::of(out.data(), {1, 8, 4, 16}), TensorView::of(l2.data(), {1, 4, 8}));
+    expect_error(
+        [&] {
+          a.backward(TensorView::of(out.data(), {1, 8, 4, 16}), TensorView::of(l2.data(), {1, 4, 8}),
+                     TensorView::of(zeros.data(), {1, 8, 4, 16}), {}, {}, {}, &g);
+        },
+        words);
+  };
+  const HeadGroup shaw_group{4, {}, {}, ShawParams::init(3, 16)};
+  refuses_gradients(shaw_group, [](GroupGradients& g) { g.shaw_value_table.pop_back(); },
+                    {"grads.groups[0].shaw_value_table"});
+  refuses_gradients(shaw_group, [](GroupGradients& g) { g.shaw_key_table.clear(); },
+                    {"grads.groups[0].shaw_key_table"});
+  const HeadGroup xl_group{4, {}, {}, {}, XlParams::init(4, 16, 8)};
+  refuses_gradients(xl_group, [](GroupGradients& g) { g.xl->w_r.pop_back(); }, {"grads.groups[0].xl.w_r"});
+  refuses_gradients(xl_group, [](GroupGradients& g) { g.xl.reset(); }, {"grads.groups[0].xl", "empty"});
+  // Shaw's value term has head_dim columns: values narrower than the keys are refused.
+  s = spec_of(p);
+  s.groups = {shaw_group};
+  const std::vector<std::int64_t> narrow = {s.v.size(0), s.v.size(1), s.v.size(2), 8};
+  const std::vector<std::int64_t> v_strides = {s.v.stride(0), s.v.stride(1), s.v.stride(2), s.v.stride(3)};
+  s.v = ConstTensorView(s.v.data(), s.v.dtype(), narrow, v_strides);
+  expect_error([&] { Attention a(s); }, {"groups[0].shaw", "values 8 wide", "values as wide as the keys (16)"});
 }
 
 // Every output of a call must lie apart from its inputs and from the other outputs: out on k's

@@ -319,10 +319,6 @@ std::vector<HeadGroup> AttentionPlan::plan_head_groups() {
           kWhere, (name + ".heads").c_str(), std::to_string(grp.heads),
           "in [1, " + std::to_string(heads - first) + "] (the groups tile the " + std::to_string(heads) + " heads)");
     }
-    if (grp.shaw && dim_v != dim) {
-      throw Error(kWhere, (name + ".shaw").c_str(), "given with values " + std::to_string(dim_v) + " wide",
-                  "values as wide as the keys (" + std::to_string(dim) + "): Shaw's value term has head_dim columns");
-    }
     const bool transforms = grp.transform.index() != 0;
     if (transforms && (first % group_size != 0 || grp.heads % group_size != 0)) {
       throw Error(kWhere, (name + ".heads").c_str(), std::to_string(grp.heads) + " from head " + std::to_string(first),
@@ -351,8 +347,8 @@ std::vector<HeadGroup> AttentionPlan::plan_head_groups() {
 // tabulated bias is added before them; FIRE and TUPE, the group biases that are terms, come
 // first, so that a row's logit is summed in the same order whichever form its bias takes.
 void AttentionPlan::plan_terms(const std::vector<HeadGroup>& groups) {
-  for (const auto make : {make_fire_term, make_tupe_term, make_shaw_term, make_xl_term}) {
-    if (auto term = make(*this, groups)) terms.push_back(std::move(term));
+  for (const BuiltinTerm& builtin : builtin_terms()) {
+    if (auto term = builtin.make(*this, groups)) terms.push_back(std::move(term));
   }
   for (std::size_t g = 0; g < groups.size(); ++g) {
     for (std::size_t t = 0; t < groups[g].terms.size(); ++t) {
@@ -427,18 +423,14 @@ float AttentionPlan::plan_bias_tables(const std::vector<HeadGroup>& groups, cons
     if (!groups[gi].bias) continue;
     const BiasScheme& scheme = *groups[gi].bias;
     const std::int64_t hg = groups[gi].heads, h0 = group_first_head[gi];
-    // NoPE adds nothing; FIRE and TUPE are score terms (plan_terms).
-    if (std::holds_alternative<NoPE>(scheme) || std::holds_alternative<FireParams>(scheme) ||
-        std::holds_alternative<TupeParams>(scheme)) {
-      continue;
-    }
-    any_bias = true;
-    // Schemes of the relative position only (scheme.hpp): tabulated, θ's gradient flat.
+    // Schemes of the relative position only (scheme.hpp): tabulated, θ's gradient flat. NoPE
+    // adds nothing; the others are score terms of their own (plan_terms).
     const RelativeBias* relative = relative_bias(scheme);
-    const bool distance_only = relative != nullptr;
-    if (relative != nullptr) flat += relative->parameter_count();
-    if (relative != nullptr && relative->parameter_count() > 0) any_trainable_bias = true;
-    const bool tabulate = distance_only && width * hg <= kMaxBiasTable;
+    if (relative == nullptr) continue;
+    any_bias = true;
+    flat += relative->parameter_count();
+    if (relative->parameter_count() > 0) any_trainable_bias = true;
+    const bool tabulate = width * hg <= kMaxBiasTable;
     if (tabulate) {
       // table[t] = b(δ_min + t) over δ = q − k, i.e. of r = k − q = −(δ_min + t): a row of r
       // from r_first = −(δ_min + width − 1) read backwards.

@@ -1,6 +1,7 @@
 // The positional parameters' gradients of the fused attention: their zeroed shapes, the checks of
 // a caller's, and the units' flat sums turned into them (the relative biases through RelativeBias).
 #include "attention/attention_plan.hpp"
+#include "attention/score_term.hpp"
 
 #include <algorithm>
 #include <array>
@@ -34,11 +35,9 @@ AttentionGradients AttentionPlan::zero_gradients() const {
   for (const HeadGroup& grp : groups) {
     GroupGradients g;
     if (grp.bias) g.bias.assign(static_cast<std::size_t>(bias_parameter_count(*grp.bias)), 0.0);
-    if (grp.shaw) {
-      g.shaw_key_table.assign(static_cast<std::size_t>(grp.shaw->rows() * grp.shaw->head_dim()), 0.0);
-      g.shaw_value_table.assign(g.shaw_key_table.size(), 0.0);
+    for (const BuiltinTerm& builtin : builtin_terms()) {
+      if (builtin.zero_gradients != nullptr) builtin.zero_gradients(grp, g);
     }
-    if (grp.xl) g.xl.emplace(*grp.xl);
     for (const AttentionTermRef& term : grp.terms)
       g.terms.emplace_back(static_cast<std::size_t>(term->gradient_size()), 0.0);
     grads.groups.push_back(std::move(g));
@@ -55,22 +54,14 @@ void AttentionPlan::check_gradients(const AttentionGradients& grads) const {
     const auto& b = like.groups[g];
     const std::string name = "grads.groups[" + std::to_string(g) + "]";
     check_gradient_size(kWhere, (name + ".bias").c_str(), a.bias.size(), static_cast<std::int64_t>(b.bias.size()));
-    check_gradient_size(kWhere, (name + ".shaw_key_table").c_str(), a.shaw_key_table.size(),
-                        static_cast<std::int64_t>(b.shaw_key_table.size()));
-    check_gradient_size(kWhere, (name + ".shaw_value_table").c_str(), a.shaw_value_table.size(),
-                        static_cast<std::int64_t>(b.shaw_value_table.size()));
+    for (const BuiltinTerm& builtin : builtin_terms()) {
+      if (builtin.check_gradients != nullptr) builtin.check_gradients(a, b, name);
+    }
     require(a.terms.size() == b.terms.size(), (name + ".terms").c_str(), "size " + std::to_string(a.terms.size()),
             std::to_string(b.terms.size()) + " (one per HeadGroup::terms entry)");
     for (std::size_t t = 0; t < b.terms.size(); ++t) {
       check_gradient_size(kWhere, (name + ".terms[" + std::to_string(t) + "]").c_str(), a.terms[t].size(),
                           static_cast<std::int64_t>(b.terms[t].size()));
-    }
-    if (b.xl) {
-      require(a.xl.has_value(), (name + ".xl").c_str(), "empty", "XlGradients sized for the group's XL");
-      check_gradient_size(kWhere, (name + ".xl.u").c_str(), a.xl->u.size(), static_cast<std::int64_t>(b.xl->u.size()));
-      check_gradient_size(kWhere, (name + ".xl.v").c_str(), a.xl->v.size(), static_cast<std::int64_t>(b.xl->v.size()));
-      check_gradient_size(kWhere, (name + ".xl.w_r").c_str(), a.xl->w_r.size(),
-                          static_cast<std::int64_t>(b.xl->w_r.size()));
     }
   }
 }

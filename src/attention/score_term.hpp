@@ -21,6 +21,7 @@
 #include <limits>
 #include <memory>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "internal.hpp"
@@ -153,12 +154,19 @@ class ScoreTerm {
   virtual void reduce(std::span<const TermUnit> /* units */, AttentionGradients& /* grads */) const {}
 };
 
-// The built-in terms of a plan's groups, in the engine's order (src/schemes/*_term.cpp); each
-// returns null when no group uses it.
-std::unique_ptr<ScoreTerm> make_fire_term(const AttentionPlan& p, const std::vector<HeadGroup>& groups);
-std::unique_ptr<ScoreTerm> make_tupe_term(const AttentionPlan& p, const std::vector<HeadGroup>& groups);
-std::unique_ptr<ScoreTerm> make_shaw_term(const AttentionPlan& p, const std::vector<HeadGroup>& groups);
-std::unique_ptr<ScoreTerm> make_xl_term(const AttentionPlan& p, const std::vector<HeadGroup>& groups);
+// A scheme a group holds in a field or a BiasScheme alternative that predates HeadGroup::terms
+// (FIRE, TUPE, Shaw, Transformer-XL: src/schemes/*_term.cpp). The engine reads them through
+// builtin_terms (src/schemes/builtin.cpp), in that order, and names none of them.
+struct BuiltinTerm {
+  // The term over every group that uses the scheme, or null when none does; it checks the groups
+  // against the call.
+  std::unique_ptr<ScoreTerm> (*make)(const AttentionPlan& p, const std::vector<HeadGroup>& groups);
+  // The scheme's gradients outside GroupGradients::bias (null: none there): zeroed to the group's
+  // shapes, and a caller's checked against those (`name`: "grads.groups[g]").
+  void (*zero_gradients)(const HeadGroup& group, GroupGradients& grads);
+  void (*check_gradients)(const GroupGradients& given, const GroupGradients& like, const std::string& name);
+};
+std::span<const BuiltinTerm> builtin_terms();
 
 // Shared by the terms' tables (score_term.cpp): C = A·B for large operands, in parallel with
 // the same bits for any thread count; [rows][heads][dp] → [heads][rows][dp].

@@ -108,6 +108,11 @@ ShawTerm::ShawTerm(const AttentionPlan& p, const std::vector<HeadGroup>& groups)
     grad_offset_[gi + 1] = grad_offset_[gi];
     if (!groups[gi].shaw) continue;
     const ShawParams& params = *groups[gi].shaw;
+    if (p.dim_v != dim) {
+      throw Error(AttentionPlan::kWhere, ("groups[" + std::to_string(gi) + "].shaw").c_str(),
+                  "given with values " + std::to_string(p.dim_v) + " wide",
+                  "values as wide as the keys (" + std::to_string(dim) + "): Shaw's value term has head_dim columns");
+    }
     if (params.head_dim() != dim) {
       throw Error(AttentionPlan::kWhere, ("groups[" + std::to_string(gi) + "].shaw.head_dim").c_str(),
                   std::to_string(params.head_dim()), "the head_dim of q, " + std::to_string(dim));
@@ -326,6 +331,19 @@ void ShawTerm::reduce(std::span<const TermUnit> units, AttentionGradients& grads
 std::unique_ptr<ScoreTerm> make_shaw_term(const AttentionPlan& p, const std::vector<HeadGroup>& groups) {
   const bool any = std::any_of(groups.begin(), groups.end(), [](const HeadGroup& g) { return g.shaw.has_value(); });
   return any ? std::make_unique<ShawTerm>(p, groups) : nullptr;
+}
+
+void shaw_zero_gradients(const HeadGroup& group, GroupGradients& grads) {
+  if (!group.shaw) return;
+  grads.shaw_key_table.assign(static_cast<std::size_t>(group.shaw->rows() * group.shaw->head_dim()), 0.0);
+  grads.shaw_value_table.assign(grads.shaw_key_table.size(), 0.0);
+}
+
+void shaw_check_gradients(const GroupGradients& given, const GroupGradients& like, const std::string& name) {
+  check_gradient_size(AttentionPlan::kWhere, (name + ".shaw_key_table").c_str(), given.shaw_key_table.size(),
+                      static_cast<std::int64_t>(like.shaw_key_table.size()));
+  check_gradient_size(AttentionPlan::kWhere, (name + ".shaw_value_table").c_str(), given.shaw_value_table.size(),
+                      static_cast<std::int64_t>(like.shaw_value_table.size()));
 }
 
 }  // namespace posenc::detail

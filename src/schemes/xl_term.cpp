@@ -534,4 +534,20 @@ std::unique_ptr<ScoreTerm> make_xl_term(const AttentionPlan& p, const std::vecto
   return any ? std::make_unique<XlTerm>(p, groups) : nullptr;
 }
 
+void xl_zero_gradients(const HeadGroup& group, GroupGradients& grads) {
+  if (group.xl) grads.xl.emplace(*group.xl);
+}
+
+void xl_check_gradients(const GroupGradients& given, const GroupGradients& like, const std::string& name) {
+  if (!like.xl) return;
+  if (!given.xl)
+    throw Error(AttentionPlan::kWhere, (name + ".xl").c_str(), "empty", "XlGradients sized for the group's XL");
+  check_gradient_size(AttentionPlan::kWhere, (name + ".xl.u").c_str(), given.xl->u.size(),
+                      static_cast<std::int64_t>(like.xl->u.size()));
+  check_gradient_size(AttentionPlan::kWhere, (name + ".xl.v").c_str(), given.xl->v.size(),
+                      static_cast<std::int64_t>(like.xl->v.size()));
+  check_gradient_size(AttentionPlan::kWhere, (name + ".xl.w_r").c_str(), given.xl->w_r.size(),
+                      static_cast<std::int64_t>(like.xl->w_r.size()));
+}
+
 }  // namespace posenc::detail

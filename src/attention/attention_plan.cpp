@@ -303,8 +303,8 @@ std::pair<std::int64_t, std::int64_t> AttentionPlan::chunk_keys(const Sequence& 
   return {first_from(chunk), chunk == std::numeric_limits<std::int64_t>::max() ? seq.lk : first_from(chunk + 1)};
 }
 
-// The head groups (the spec's, or one group without a scheme) checked against the heads, and
-// Shaw's tables; head_group and group_first_head.
+// The head groups (the spec's, or one group without a scheme) checked against the heads and the
+// KV groups; head_group and group_first_head.
 std::vector<HeadGroup> AttentionPlan::plan_head_groups() {
   std::vector<HeadGroup> groups = spec.groups;
   if (groups.empty()) groups.push_back(HeadGroup{heads, {}, {}});

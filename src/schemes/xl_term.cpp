@@ -32,12 +32,19 @@ struct XlTables {
   std::int64_t heads = 0;  // 0: the group has no XL terms
   std::int64_t width = 0;
   AlignedFloats projected, constant, u;
-  std::vector<float> sinusoids;  // r(δ): [width][d_model_padded] (zero-padded), for dW_R
+  // r(δ)'s frequencies ω_i (d_model / 2). r itself is never held whole: at d_model = H·D it is as
+  // large as P, so the table and dW_R compute it kSinusoidRows rows at a time (sinusoid_rows).
+  std::vector<double> frequency;
   std::int64_t d_model_padded = 0;
   const float* p_row(std::int64_t t, std::int64_t local_head, std::int64_t dp) const {
     return projected.data() + (local_head * width + t) * dp;
   }
 };
+
+// r(δ) rows per block: blocked_gemm's depth panel, so that dW_R summed block by block adds the
+// same panels in the same order as one product over every δ (the same bits); 1 MiB per block at
+// d_model 1024.
+constexpr std::int64_t kSinusoidRows = kGemmDepthPanel;
 
 // Window length: the matrix product over a window re-does the rows' dots for the δ where two
 // windows overlap (at most a tile plus a block of rows), so a window of 1024 δ wastes at most
@@ -58,8 +65,7 @@ class XlTerm final : public GroupTerm<XlTables> {
   std::int64_t bytes() const override {
     std::int64_t total = 0;
     for (const auto& t : tables_)
-      total += static_cast<std::int64_t>((t.projected.size() + t.constant.size() + t.u.size() + t.sinusoids.size()) *
-                                         sizeof(float));
+      total += static_cast<std::int64_t>((t.projected.size() + t.constant.size() + t.u.size()) * sizeof(float));
     return total;
   }
   void adjust_query(std::int64_t h, float* row) const override {
@@ -100,7 +106,7 @@ class XlTerm final : public GroupTerm<XlTables> {
 
  private:
   void plan_range();
-  std::vector<float> sinusoids(const XlParams& params, std::int64_t padded_d_model) const;
+  void sinusoid_rows(const XlTables& t, std::int64_t u0, std::int64_t count, std::vector<float>& r) const;
   bool tile_range(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, std::int64_t* lo,
                   std::int64_t* hi) const;
   void window(const RowBlock& rb, const float* rows_t, std::int64_t ld_t, std::int64_t lo, std::int64_t span,
@@ -152,24 +158,19 @@ void XlTerm::plan_range() {
   width_ = hi - lo + 1;
 }
 
-// r(δ) for the table's δ, as XlParams::sinusoid computes it (same frequencies, same fp64 angle
-// δ·ω_i), rounded to f32; the frequencies once, not per δ.
-std::vector<float> XlTerm::sinusoids(const XlParams& params, std::int64_t padded_d_model) const {
-  const std::int64_t half = params.d_model() / 2;
-  std::vector<double> frequency(static_cast<std::size_t>(half));
-  for (std::int64_t i = 0; i < half; ++i) {
-    frequency[static_cast<std::size_t>(i)] = sinusoid_inv_frequency(params.base(), params.d_model(), i);
-  }
-  std::vector<float> r(static_cast<std::size_t>(width_ * padded_d_model), 0.0f);
-  for (std::int64_t u = 0; u < width_; ++u) {
-    float* row = r.data() + u * padded_d_model;
+// r(δ) of the table's rows u0 … u0 + count − 1 into r ([count][d_model_padded], zero-padded), as
+// XlParams::sinusoid computes it (same frequencies, same fp64 angle δ·ω_i), rounded to f32.
+void XlTerm::sinusoid_rows(const XlTables& t, std::int64_t u0, std::int64_t count, std::vector<float>& r) const {
+  const auto half = static_cast<std::int64_t>(t.frequency.size());
+  r.assign(static_cast<std::size_t>(count * t.d_model_padded), 0.0f);
+  for (std::int64_t u = 0; u < count; ++u) {
+    float* row = r.data() + u * t.d_model_padded;
     for (std::int64_t i = 0; i < half; ++i) {
-      const double angle = static_cast<double>(delta_min_ + u) * frequency[static_cast<std::size_t>(i)];
+      const double angle = static_cast<double>(delta_min_ + u0 + u) * t.frequency[static_cast<std::size_t>(i)];
       row[i] = static_cast<float>(std::sin(angle));
       row[half + i] = static_cast<float>(std::cos(angle));
     }
   }
-  return r;
 }
 
 // P_h(δ) = W_R r(δ) as one f32 matrix product r·W_Rᵀ (blocked_gemm); c_h(δ) from P in fp64.
@@ -212,8 +213,10 @@ XlTerm::XlTerm(const AttentionPlan& p, const std::vector<HeadGroup>& groups) : G
     const std::int64_t hg = groups[gi].heads, dm = params.d_model(), dmp = round_up(dm, kAttnAlign);
     const std::int64_t cols = hg * dp;
     t.heads = hg;
-    t.sinusoids = sinusoids(params, dmp);
     t.d_model_padded = dmp;
+    t.frequency.resize(static_cast<std::size_t>(dm / 2));
+    for (std::int64_t i = 0; i < dm / 2; ++i)
+      t.frequency[static_cast<std::size_t>(i)] = sinusoid_inv_frequency(params.base(), dm, i);
     std::vector<float> wt(static_cast<std::size_t>(dmp * cols), 0.0f);
     for (std::int64_t h = 0; h < hg; ++h) {
       for (std::int64_t d = 0; d < dim; ++d) {
@@ -223,10 +226,21 @@ XlTerm::XlTerm(const AttentionPlan& p, const std::vector<HeadGroup>& groups) : G
         }
       }
     }
-    std::vector<float> by_delta(static_cast<std::size_t>(width_ * cols), 0.0f);
-    blocked_gemm(t.sinusoids.data(), dmp, 1, wt.data(), cols, by_delta.data(), cols, width_, cols, dm);
+    // P by blocks of δ: r's rows, their product with W_Rᵀ, stored head-major.
     t.width = width_;
-    t.projected = heads_major(by_delta, width_, hg, dp);
+    t.projected.assign(static_cast<std::size_t>(width_ * cols), 0.0f);
+    std::vector<float> r, by_delta(static_cast<std::size_t>(std::min(width_, kSinusoidRows) * cols));
+    for (std::int64_t u0 = 0; u0 < width_; u0 += kSinusoidRows) {
+      const std::int64_t n = std::min(kSinusoidRows, width_ - u0);
+      sinusoid_rows(t, u0, n, r);
+      blocked_gemm(r.data(), dmp, 1, wt.data(), cols, by_delta.data(), cols, n, cols, dm);
+      for (std::int64_t h = 0; h < hg; ++h) {
+        for (std::int64_t u = 0; u < n; ++u) {
+          const float* from = by_delta.data() + u * cols + h * dp;
+          std::copy(from, from + dp, t.projected.data() + (h * width_ + u0 + u) * dp);
+        }
+      }
+    }
     t.u.assign(static_cast<std::size_t>(hg * dim), 0.0f);
     t.constant.assign(static_cast<std::size_t>(hg * width_), 0.0f);
     for (std::int64_t h = 0; h < hg; ++h) {
@@ -515,7 +529,12 @@ void XlTerm::reduce(std::span<const TermUnit> units, AttentionGradients& grads) 
     }
     const std::int64_t dm = params.d_model(), dmp = t.d_model_padded;
     AlignedFloats& dw = zeroed_floats(CallBuffer::kTerm1, static_cast<std::size_t>(cols * dmp));
-    blocked_gemm(d_projected.data(), 1, cols, t.sinusoids.data(), dmp, dw.data(), dmp, cols, dmp, width_);
+    thread_local std::vector<float> r;
+    for (std::int64_t u0 = 0; u0 < width_; u0 += kSinusoidRows) {
+      const std::int64_t n = std::min(kSinusoidRows, width_ - u0);
+      sinusoid_rows(t, u0, n, r);
+      blocked_gemm(d_projected.data() + u0 * cols, 1, cols, r.data(), dmp, dw.data(), dmp, cols, dmp, n, u0 > 0);
+    }
 #pragma omp parallel for schedule(static) num_threads(threads_for(cols* dm))
     for (std::int64_t row = 0; row < hg * dim; ++row) {
       const std::int64_t lh = row / dim, d = row % dim;

@@ -129,10 +129,10 @@ void register_all() {
     }
   }
   // Fused attention: causal f32 S = 2048, H = 8, D = 128 forward and backward per registered
-  // scheme, FoX and sinks (ratio vs the FMA peak), and decode: 1 query × 32 heads over a
-  // 32768-token cache of 8 KV heads (ratio vs copy).
-  std::vector<std::string> all = {"fox", "sinks"};
-  for (const posenc::SchemeEntry& e : posenc::schemes()) all.insert(all.end() - 2, e.name);
+  // scheme and FoX (ratio vs the FMA peak), and decode: 1 query × 32 heads over a 32768-token
+  // cache of 8 KV heads (ratio vs copy).
+  std::vector<std::string> all = {"fox"};
+  for (const posenc::SchemeEntry& e : posenc::schemes()) all.insert(all.end() - 1, e.name);
   for (const char* pass : {"forward", "backward"}) {
     for (const std::string& scheme : all) {
       const std::string label = "attention/1x2048/8x128/causal/" + scheme + "/" + pass;

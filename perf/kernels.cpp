@@ -179,8 +179,8 @@ Case make_rowblock_case(const CaseOptions& o, DType dtype) {
 // A registered scheme as the attention benchmark runs it: the registry's defaults, except where
 // a model's sizes are larger than the defaults' (a 129-row Shaw table; Transformer-XL's sinusoid
 // as wide as q's heads, d_model = H·D, as in its models; TUPE's table of width 256 over every
-// position), a causal T5 table of varied values (its default is bidirectional and zeros), and
-// seed 1 for every initialisation.
+// position), a causal T5 table of varied values (its default is bidirectional and zeros), sinks
+// of logit 1 (zeros by default), and seed 1 for every initialisation.
 SchemeArgs bench_scheme_args(const CaseOptions& o, std::int64_t heads, std::int64_t dim, std::int64_t k_len) {
   SchemeArgs args{.heads = heads, .head_dim = dim};
   const SchemeEntry& entry = find_scheme(o.scheme);
@@ -201,6 +201,8 @@ SchemeArgs bench_scheme_args(const CaseOptions& o, std::int64_t heads, std::int6
     args.options["max_distance"] = 64;
   } else if (o.scheme == "xl") {
     args.options["d_model"] = static_cast<double>(checked_mul(heads, dim, "xl d_model (heads · head_dim)"));
+  } else if (o.scheme == "sinks") {
+    args.parameters.assign(static_cast<std::size_t>(heads), 1.0);  // gpt-oss's learned sinks are of about this size
   }
   return args;
 }
@@ -236,12 +238,6 @@ Case make_attention_case(const CaseOptions& o) {
     g.terms = {std::make_shared<ForgetGate>(
         ConstTensorView::of(static_cast<const float*>(gates->data()), {o.batch, k_len, heads}))};
     groups.push_back(g);
-  } else if (o.scheme == "sinks") {
-    // No positional scheme, and a sink of logit 1 per head (gpt-oss's sinks are learned logits of
-    // about this size).
-    HeadGroup g{heads, {}, {}};
-    g.terms = {std::make_shared<AttentionSinks>(std::vector<double>(static_cast<std::size_t>(heads), 1.0))};
-    groups.push_back(g);
   } else if (o.scheme != "none") {
     std::string names;
     bool known = false;
@@ -249,8 +245,8 @@ Case make_attention_case(const CaseOptions& o) {
       names += (names.empty() ? "" : ", ") + e.name;
       known = known || e.name == o.scheme;
     }
-    // The attention terms that are not registry entries: forget gates and sinks.
-    if (!known) throw Error("bench", "--scheme", o.scheme, "one of " + names + ", fox, sinks, stickbreaking, cope");
+    // Forget gates are per-token inputs, not a registry entry; stick-breaking and CoPE are kernels of their own.
+    if (!known) throw Error("bench", "--scheme", o.scheme, "one of " + names + ", fox, stickbreaking, cope");
     groups.push_back(make_head_group(o.scheme, bench_scheme_args(o, heads, dim, k_len)));
   }
   struct State {
@@ -363,10 +359,10 @@ Case make_attention_case(const CaseOptions& o) {
     const TensorView dq = TensorView::contiguous(data(st->dq, st->dq16), dtype, q_shape);
     const TensorView dk = TensorView::contiguous(data(st->dk, st->dk16), dtype, k_shape);
     const TensorView dv = TensorView::contiguous(data(st->dv, st->dv16), dtype, v_shape);
-    // FoX's gates and the sinks are trained (their gradients are part of the backward's work); a
-    // registered scheme is trained when it has parameters.
+    // FoX's gates are trained (their gradients are part of the backward's work); a registered
+    // scheme is trained when it has parameters.
     const bool trainable =
-        o.scheme == "fox" || o.scheme == "sinks" ||
+        o.scheme == "fox" ||
         (!groups.empty() && !scheme_parameters(find_scheme(o.scheme), st->attention->spec().groups[0]).empty());
     auto grads = std::make_shared<AttentionGradients>(st->attention->zero_gradients());
     c.run = [st, out, lse, dout, dq, dk, dv, grads, trainable] {

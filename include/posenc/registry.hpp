@@ -64,7 +64,8 @@ struct SchemeArgs {
 struct SchemeEntry {
   std::string name;
   // "none", "transform" (q and k before the product), "relative-bias" (a RelativeBias,
-  // scheme.hpp), "bias" (a score bias of the positions), "relative-terms" (terms with q or k).
+  // scheme.hpp), "bias" (a score bias of the positions), "relative-terms" (terms with q or k),
+  // "sink" (a logit in the softmax's denominator, term.hpp).
   std::string family;
   std::string summary;  // one line: the formula
   std::string source;   // the paper or model that defines it

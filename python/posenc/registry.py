@@ -10,7 +10,7 @@ from . import _finite, _int, _number, _ops, _positions
 
 def schemes():
     """The registered positional schemes (posenc/registry.hpp), as a list of dicts: ``name``,
-    ``family`` (none, transform, relative-bias, bias, relative-terms), ``summary``, ``source``,
+    ``family`` (none, transform, relative-bias, bias, relative-terms, sink), ``summary``, ``source``,
     ``parameters`` (the learned parameters, "" if none) and ``options`` (``name``, ``default``,
     ``integer``, ``description``). Each name works as ``posenc.attention(..., scheme=name)``."""
     return json.loads(_ops.schemes())

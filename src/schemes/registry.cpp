@@ -25,6 +25,7 @@ SchemeEntry tupe_entry();
 SchemeEntry shaw_entry();
 SchemeEntry xl_entry();
 SchemeEntry sandwich_entry();
+SchemeEntry sinks_entry();
 }  // namespace scheme_entries
 
 const std::vector<SchemeEntry>& schemes() {
@@ -41,6 +42,7 @@ const std::vector<SchemeEntry>& schemes() {
       scheme_entries::shaw_entry(),
       scheme_entries::xl_entry(),
       scheme_entries::sandwich_entry(),
+      scheme_entries::sinks_entry(),
   };
   // clang-format on
   return all;

@@ -1,5 +1,6 @@
-// Attention sinks (sinks.hpp): the logits' checks and the fused term, which starts every row's
-// online softmax from the sink and returns its gradient from lse and dO·out.
+// Attention sinks (sinks.hpp): the logits' checks, the fused term, which starts every row's
+// online softmax from the sink and returns its gradient from lse and dO·out, and the registry
+// entry of sinks alone (registry.hpp).
 #include "posenc/sinks.hpp"
 
 #include <cmath>
@@ -11,6 +12,7 @@
 #include "attention/score_term.hpp"
 #include "internal.hpp"
 #include "posenc/error.hpp"
+#include "posenc/registry.hpp"
 
 namespace posenc {
 
@@ -97,4 +99,34 @@ std::unique_ptr<detail::ScoreTerm> AttentionSinks::score_term(const detail::Atte
   return std::make_unique<detail::SinkTerm>(*this, plan, group, index);
 }
 
+namespace scheme_entries {
+
+// The sinks as a group's whole scheme: a head group of their own in posenc.attention, or
+// posenc.Scheme("sinks", heads) as a module of learned logits. Sinks beside another scheme on the
+// same heads (gpt-oss: RoPE) go through the attention's `sinks` argument (HeadGroup::terms).
+SchemeEntry sinks_entry() {
+  SchemeEntry e{"sinks",
+                "sink",
+                "P_ij = exp(x_ij)/(exp(s_h) + Σ_j exp(x_ij)): a learned logit per head in every row's denominator",
+                "OpenAI 2025, gpt-oss; Xiao et al. 2024, Efficient Streaming Language Models with Attention Sinks",
+                {},
+                "logits [heads] (zeros at first)",
+                [](const SchemeArgs& a) { return std::vector<std::int64_t>{a.heads}; },
+                [](const SchemeArgs& a) {
+                  HeadGroup g{a.heads, {}, {}};
+                  std::vector<double> logits = a.parameters;
+                  if (logits.empty()) logits.assign(static_cast<std::size_t>(a.heads), 0.0);
+                  g.terms = {std::make_shared<const AttentionSinks>(std::move(logits))};
+                  return g;
+                }};
+  e.parameters_of = [](const HeadGroup& g) {
+    const auto* sinks = g.terms.size() == 1 ? dynamic_cast<const AttentionSinks*>(g.terms[0].get()) : nullptr;
+    if (sinks == nullptr) throw Error("scheme sinks", "terms", "not one AttentionSinks", "the group sinks_entry makes");
+    return sinks->logits();
+  };
+  e.gradients_of = [](const GroupGradients& g) { return g.terms.size() == 1 ? g.terms[0] : std::vector<double>{}; };
+  return e;
+}
+
+}  // namespace scheme_entries
 }  // namespace posenc

@@ -11,8 +11,7 @@
 
 namespace posenc::detail {
 
-// C[m][n] = Σ_t A(m, t)·B[t][n] (added to C when accumulating) for large operands (XL's and
-// TUPE's tables and gradients):
+// C[m][n] = Σ_t A(m, t)·B[t][n] for large operands (XL's and TUPE's tables and gradients):
 // attn_gemm streams all of B for every few rows of A, so the work is cut into tiles of kRows ×
 // kCols, run in parallel, each summing its depth panels of kDepth in order — the same bits for
 // any thread count. The operands are copied into aligned per-thread buffers with strides off a
@@ -29,11 +28,10 @@ namespace posenc::detail {
 // attn_gemm sums every element in depth order whatever A's layout, so the layout does not move a
 // bit. perf on an XL backward (S 2048, H 8, D 128, 2 threads): blocked_gemm's and memmove's
 // samples are at most 3.8% of the run's with the strip, 5.8% with A's panel copied per tile.
-// A product cut along the depth into calls of whole panels (multiples of kDepth) and accumulated
-// adds the same panels in the same order as one call. cols: a multiple of kAttnAlign.
+// cols: a multiple of kAttnAlign.
 void blocked_gemm(const float* a, std::int64_t a_row, std::int64_t a_depth, const float* b, std::int64_t ldb, float* c,
-                  std::int64_t ldc, std::int64_t rows, std::int64_t cols, std::int64_t depth, bool accumulate) {
-  constexpr std::int64_t kRows = 64, kCols = 128, kDepth = kGemmDepthPanel;
+                  std::int64_t ldc, std::int64_t rows, std::int64_t cols, std::int64_t depth) {
+  constexpr std::int64_t kRows = 64, kCols = 128, kDepth = 256;
   constexpr std::int64_t kLdb = kCols + kAttnAlign;
   const bool a_transposed = a_depth != 1;
   // The strip's stride: kRows + pad floats per depth step when transposed, else depth + pad per row.
@@ -79,10 +77,10 @@ void blocked_gemm(const float* a, std::int64_t a_row, std::int64_t a_depth, cons
         }
         if (a_transposed) {
           kernels::attn_gemm(a_strip.data() + t0 * lda, 1, lda, b_panel.data(), kLdb, c + m0 * ldc + n0, ldc, m, n, k,
-                             accumulate || t0 > 0);
+                             t0 > 0);
         } else {
           kernels::attn_gemm(a_strip.data() + t0, lda, 1, b_panel.data(), kLdb, c + m0 * ldc + n0, ldc, m, n, k,
-                             accumulate || t0 > 0);
+                             t0 > 0);
         }
       }
     }

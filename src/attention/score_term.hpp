@@ -168,13 +168,10 @@ struct BuiltinTerm {
 };
 std::span<const BuiltinTerm> builtin_terms();
 
-// Shared by the terms' tables (score_term.cpp): C = A·B (C += A·B when accumulating) for large
-// operands, in parallel with the same bits for any thread count; [rows][heads][dp] →
-// [heads][rows][dp].
-// Its depth panel: cut a product along the depth at multiples of it to keep its bits.
-constexpr std::int64_t kGemmDepthPanel = 256;
+// Shared by the terms' tables (score_term.cpp): C = A·B for large operands, in parallel with
+// the same bits for any thread count; [rows][heads][dp] → [heads][rows][dp].
 void blocked_gemm(const float* a, std::int64_t a_row, std::int64_t a_depth, const float* b, std::int64_t ldb, float* c,
-                  std::int64_t ldc, std::int64_t rows, std::int64_t cols, std::int64_t depth, bool accumulate = false);
+                  std::int64_t ldc, std::int64_t rows, std::int64_t cols, std::int64_t depth);
 AlignedFloats heads_major(const std::vector<float>& by_row, std::int64_t rows, std::int64_t heads, std::int64_t dp);
 
 }  // namespace posenc::detail

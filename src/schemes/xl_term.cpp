@@ -10,8 +10,10 @@
 // dS the same way before two more products (dQs += sumsᵀ·P, dP += sums·Qs).
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <limits>
+#include <mutex>
 #include <string>
 
 #include "attention/engine.hpp"
@@ -32,8 +34,8 @@ struct XlTables {
   std::int64_t heads = 0;  // 0: the group has no XL terms
   std::int64_t width = 0;
   AlignedFloats projected, constant, u;
-  // r(δ)'s frequencies ω_i (d_model / 2). r itself is never held whole: at d_model = H·D it is as
-  // large as P, so the table and dW_R compute it kSinusoidRows rows at a time (sinusoid_rows).
+  // r(δ)'s frequencies ω_i (d_model / 2). P is built from r by blocks of kSinusoidRows; the whole
+  // of r, as large as P at d_model = H·D, is kept only once a backward needs it (for dW_R).
   std::vector<double> frequency;
   std::int64_t d_model_padded = 0;
   const float* p_row(std::int64_t t, std::int64_t local_head, std::int64_t dp) const {
@@ -41,10 +43,9 @@ struct XlTables {
   }
 };
 
-// r(δ) rows per block: blocked_gemm's depth panel, so that dW_R summed block by block adds the
-// same panels in the same order as one product over every δ (the same bits); 1 MiB per block at
-// d_model 1024.
-constexpr std::int64_t kSinusoidRows = kGemmDepthPanel;
+// r(δ) rows per block of P's product (1 MiB at d_model 1024); the rows of P do not depend on how
+// they are blocked.
+constexpr std::int64_t kSinusoidRows = 256;
 
 // Window length: the matrix product over a window re-does the rows' dots for the δ where two
 // windows overlap (at most a tile plus a block of rows), so a window of 1024 δ wastes at most
@@ -66,6 +67,9 @@ class XlTerm final : public GroupTerm<XlTables> {
     std::int64_t total = 0;
     for (const auto& t : tables_)
       total += static_cast<std::int64_t>((t.projected.size() + t.constant.size() + t.u.size()) * sizeof(float));
+    if (sinusoids_built_.load(std::memory_order_acquire)) {
+      for (const auto& r : sinusoids_) total += static_cast<std::int64_t>(r.size() * sizeof(float));
+    }
     return total;
   }
   void adjust_query(std::int64_t h, float* row) const override {
@@ -107,6 +111,7 @@ class XlTerm final : public GroupTerm<XlTables> {
  private:
   void plan_range();
   void sinusoid_rows(const XlTables& t, std::int64_t u0, std::int64_t count, std::vector<float>& r) const;
+  const std::vector<float>& sinusoids(std::size_t group) const;
   bool tile_range(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, std::int64_t* lo,
                   std::int64_t* hi) const;
   void window(const RowBlock& rb, const float* rows_t, std::int64_t ld_t, std::int64_t lo, std::int64_t span,
@@ -127,6 +132,11 @@ class XlTerm final : public GroupTerm<XlTables> {
 
   const std::vector<HeadGroup>& groups_;
   std::int64_t delta_min_ = 0, width_ = 0;
+  // r(δ) per group, [width][d_model_padded]: built by the first backward that needs dW_R (calls
+  // may share the Attention from several threads), kept for the next ones.
+  mutable std::once_flag sinusoids_once_;
+  mutable std::vector<std::vector<float>> sinusoids_;
+  mutable std::atomic<bool> sinusoids_built_{false};
 };
 
 // The δ range of the pairs the mask lets through (exact per query with default key positions;
@@ -173,7 +183,19 @@ void XlTerm::sinusoid_rows(const XlTables& t, std::int64_t u0, std::int64_t coun
   }
 }
 
-// P_h(δ) = W_R r(δ) as one f32 matrix product r·W_Rᵀ (blocked_gemm); c_h(δ) from P in fp64.
+const std::vector<float>& XlTerm::sinusoids(std::size_t group) const {
+  std::call_once(sinusoids_once_, [this] {
+    sinusoids_.resize(tables_.size());
+    for (std::size_t gi = 0; gi < tables_.size(); ++gi) {
+      if (tables_[gi].used()) sinusoid_rows(tables_[gi], 0, width_, sinusoids_[gi]);
+    }
+    sinusoids_built_.store(true, std::memory_order_release);
+  });
+  return sinusoids_[group];
+}
+
+// P_h(δ) = W_R r(δ) as f32 matrix products r·W_Rᵀ over blocks of δ (blocked_gemm); c_h(δ) from P
+// in fp64.
 XlTerm::XlTerm(const AttentionPlan& p, const std::vector<HeadGroup>& groups) : GroupTerm(p), groups_(p.spec.groups) {
   const std::int64_t dim = p.dim, dp = p.dim_padded;
   std::int64_t xl_heads = 0;
@@ -529,12 +551,7 @@ void XlTerm::reduce(std::span<const TermUnit> units, AttentionGradients& grads) 
     }
     const std::int64_t dm = params.d_model(), dmp = t.d_model_padded;
     AlignedFloats& dw = zeroed_floats(CallBuffer::kTerm1, static_cast<std::size_t>(cols * dmp));
-    thread_local std::vector<float> r;
-    for (std::int64_t u0 = 0; u0 < width_; u0 += kSinusoidRows) {
-      const std::int64_t n = std::min(kSinusoidRows, width_ - u0);
-      sinusoid_rows(t, u0, n, r);
-      blocked_gemm(d_projected.data() + u0 * cols, 1, cols, r.data(), dmp, dw.data(), dmp, cols, dmp, n, u0 > 0);
-    }
+    blocked_gemm(d_projected.data(), 1, cols, sinusoids(gi).data(), dmp, dw.data(), dmp, cols, dmp, width_);
 #pragma omp parallel for schedule(static) num_threads(threads_for(cols* dm))
     for (std::int64_t row = 0; row < hg * dim; ++row) {
       const std::int64_t lh = row / dim, d = row % dim;

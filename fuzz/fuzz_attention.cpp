@@ -95,6 +95,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   });
   if (!group) return 0;
   std::vector<double> log_fgate;
+  const std::size_t own_terms = group->terms.size();  // the scheme's own (the sinks entry's sink)
   const bool sinks = in.flag();
   if (sinks) {
     std::vector<double> logits(static_cast<std::size_t>(heads));
@@ -128,17 +129,19 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     spec.skip_vanishing_tiles = false;  // a skipped tile is the policy's one documented exception
   }
   // Now and then a non-finite learned parameter instead (drawn last, so that the inputs of the
-  // corpus keep their meaning): the scheme refuses it by name, or it propagates as in the reference.
+  // corpus keep their meaning): the scheme refuses it by name, or it propagates as in the reference
+  // (a sink of −inf is no sink).
   if (!args.parameters.empty() && in.flag()) {
     const double bad[] = {std::nan(""), INFINITY, -INFINITY};
     const double value = bad[in.pick(3)];
     const std::size_t at = in.pick(args.parameters.size());
     args.parameters[at] = value;
-    const std::vector<AttentionTermRef> terms = group->terms;
+    const std::vector<AttentionTermRef> added(group->terms.begin() + static_cast<std::ptrdiff_t>(own_terms),
+                                              group->terms.end());
     group.reset();
     fuzz::accepted(entry.name.c_str(), [&] { group = make_head_group(entry.name, args); });
     if (!group) return 0;
-    group->terms = terms;
+    group->terms.insert(group->terms.end(), added.begin(), added.end());
     placed = fuzz::number(value) + " in parameter " + std::to_string(at);
     spec.skip_vanishing_tiles = false;
   }

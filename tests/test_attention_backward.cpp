@@ -534,6 +534,8 @@ TEST(Attention, ClearErrors) {
   refuses_gradients(shaw_group, [](GroupGradients& g) { g.shaw_key_table.clear(); },
                     {"grads.groups[0].shaw_key_table"});
   const HeadGroup xl_group{4, {}, {}, {}, XlParams::init(4, 16, 8)};
+  refuses_gradients(xl_group, [](GroupGradients& g) { g.xl->u.pop_back(); }, {"grads.groups[0].xl.u"});
+  refuses_gradients(xl_group, [](GroupGradients& g) { g.xl->v.push_back(0.0); }, {"grads.groups[0].xl.v"});
   refuses_gradients(xl_group, [](GroupGradients& g) { g.xl->w_r.pop_back(); }, {"grads.groups[0].xl.w_r"});
   refuses_gradients(xl_group, [](GroupGradients& g) { g.xl.reset(); }, {"grads.groups[0].xl", "empty"});
   // Shaw's value term has head_dim columns: values narrower than the keys are refused.

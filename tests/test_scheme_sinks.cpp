@@ -80,6 +80,25 @@ TEST_P(AttentionSinkTargets, MatchTheReference) {
   }
 }
 
+// Two sinks on the same heads both join the denominator (the reference sums them): the registry's
+// "sinks" group with the attention's sinks argument gives this. Decode (one chunk and several)
+// and backward too, with a −inf sink (none) on one head of the second.
+TEST_P(AttentionSinkTargets, TwoSinksOnTheSameHeadsBothCount) {
+  for (const std::int64_t k_len : {std::int64_t{40}, std::int64_t{9000}}) {
+    SCOPED_TRACE(k_len);
+    Problem p = make_problem(1, k_len == 40 ? 40 : 1, k_len, 4, 2, 32, DType::kF32);
+    AttentionSpec spec = spec_of(p);
+    spec.mask.causal = true;
+    std::vector<double> second = {0.5, -std::numeric_limits<double>::infinity(), 2.0, -1.0};
+    HeadGroup group{4, {}, {}};
+    group.terms = {sinks_of(4), std::make_shared<AttentionSinks>(second)};
+    spec.groups = {group};
+    expect_accurate(p, spec, "two sinks");
+    if (k_len == 40)
+      expect_backward_matches_reference(p, Attention(spec), random_values(static_cast<std::size_t>(p.q_count())));
+  }
+}
+
 TEST_P(AttentionSinkTargets, PackedSequencesAndPartOfTheHeads) {
   Problem p = make_packed({{30, 30}, {1, 1}, {50, 50}, {0, 0}}, 4, 2, 32);
   AttentionSpec spec = spec_of(p);

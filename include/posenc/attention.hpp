@@ -173,7 +173,8 @@ struct AttentionGradients {
 };
 
 // What one forward or backward call did, returned by the call (an Attention holds no state that
-// a call changes, so one object serves several threads at once).
+// a call changes but Transformer-XL's sinusoids, built once by the first backward under a
+// std::call_once, so one object serves several threads at once).
 struct AttentionStats {
   std::int64_t workspace_bytes = 0;  // scratch the call used, all threads, for memory reports
   // Key tiles of query blocks the forward met (backward: its (key tile, row block) steps), and

@@ -94,7 +94,8 @@ class ScoreTerm {
 
   // Whether decode may run every KV head's rows as one block (else a block per KV head).
   virtual bool merges_decode_heads() const { return true; }
-  // Whether add_scores reads TermTile::kpos (decode leaves it unset when no term or bias does).
+  // Whether add_scores or add_probabilities reads TermTile::kpos (decode leaves it unset when no
+  // term or bias does).
   virtual bool reads_key_positions() const { return true; }
   // Whether a few queries with many rows per KV head may run as wide decode blocks (compact rows
   // through the prefill tiles, in key chunks merged by their log-sum-exps).
@@ -154,9 +155,10 @@ class ScoreTerm {
   virtual void reduce(std::span<const TermUnit> /* units */, AttentionGradients& /* grads */) const {}
 };
 
-// A scheme a group holds in a field or a BiasScheme alternative that predates HeadGroup::terms
-// (FIRE, TUPE, Shaw, Transformer-XL: src/schemes/*_term.cpp). The engine reads them through
-// builtin_terms (src/schemes/builtin.cpp), in that order, and names none of them.
+// A scheme a group holds in a field of HeadGroup or a BiasScheme alternative of its own rather
+// than in HeadGroup::terms (FIRE, TUPE, Shaw, Transformer-XL: src/schemes/*_term.cpp). The engine
+// reads them through builtin_terms (src/schemes/builtin_terms.cpp), in that order, and names none
+// of them.
 struct BuiltinTerm {
   // The term over every group that uses the scheme, or null when none does; it checks the groups
   // against the call.

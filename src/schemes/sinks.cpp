@@ -47,13 +47,18 @@ class SinkTerm final : public ScoreTerm {
   bool keeps_tile_bound() const override { return true; }
   bool reads_key_positions() const override { return false; }
   void add_scores(const TermTile& /* tile */, float* /* st */, TermState& /* s */) const override {}
+  // The sink joins the row's running (m, l), which starts at (−inf, 0) or holds another sink of
+  // the group: one sink gives (s, 1) exactly.
   void start_rows(const TermRows& rows, float* m, float* l) const override {
     const RowBlock& rb = *rows.rows;
     for (std::int64_t r = 0; r < rb.width; ++r) {
       const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
       if (h < 0 || !ours(h)) continue;
-      m[r] = static_cast<float>(logit(h));
-      l[r] = std::isinf(m[r]) && m[r] < 0 ? 0.0f : 1.0f;  // −inf: no sink
+      const auto s = static_cast<float>(logit(h));
+      if (std::isinf(s) && s < 0) continue;  // −inf: no sink
+      const float m_new = std::max(m[r], s);
+      l[r] = (l[r] == 0.0f ? 0.0f : l[r] * std::exp(m[r] - m_new)) + std::exp(s - m_new);
+      m[r] = m_new;
     }
   }
 
@@ -120,11 +125,12 @@ SchemeEntry sinks_entry() {
                   return g;
                 }};
   e.parameters_of = [](const HeadGroup& g) {
-    const auto* sinks = g.terms.size() == 1 ? dynamic_cast<const AttentionSinks*>(g.terms[0].get()) : nullptr;
-    if (sinks == nullptr) throw Error("scheme sinks", "terms", "not one AttentionSinks", "the group sinks_entry makes");
+    const auto* sinks = g.terms.empty() ? nullptr : dynamic_cast<const AttentionSinks*>(g.terms[0].get());
+    if (sinks == nullptr) throw Error("scheme sinks", "terms[0]", "not AttentionSinks", "the group sinks_entry makes");
     return sinks->logits();
   };
-  e.gradients_of = [](const GroupGradients& g) { return g.terms.size() == 1 ? g.terms[0] : std::vector<double>{}; };
+  // The entry's sink is the group's first term (the attention's sinks and gates argument append theirs).
+  e.gradients_of = [](const GroupGradients& g) { return g.terms.empty() ? std::vector<double>{} : g.terms[0]; };
   return e;
 }
 

@@ -3,6 +3,7 @@
 // entry of sinks alone (registry.hpp).
 #include "posenc/sinks.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -129,7 +130,7 @@ SchemeEntry sinks_entry() {
     if (sinks == nullptr) throw Error("scheme sinks", "terms[0]", "not AttentionSinks", "the group sinks_entry makes");
     return sinks->logits();
   };
-  // The entry's sink is the group's first term (the attention's sinks and gates argument append theirs).
+  // The entry's sink is the group's first term (the attention's sinks and gates arguments append theirs).
   e.gradients_of = [](const GroupGradients& g) { return g.terms.empty() ? std::vector<double>{} : g.terms[0]; };
   return e;
 }

@@ -677,6 +677,31 @@ TEST_P(AttentionMatrixKernel, AddSumsEachElementFromZeroThenAddsIt) {
       {"attention kernel", "depth", "129", "<= 128"});
 }
 
+// Decode's FoX differences: each row r0 + t takes f32(row − key[j·ld + t]) once rounded, the same
+// bits as the scalar expression, whole vectors and tails alike; rows outside the run stay as
+// they were.
+TEST_P(AttentionMatrixKernel, HeadDifferencesRoundOnceAndTouchOnlyTheirRows) {
+  for (int trial = 0; trial < 40; ++trial) {
+    const std::int64_t width = uniform_int(1, 40), r0 = uniform_int(0, width - 1), n = uniform_int(1, width - r0);
+    const std::int64_t keys = uniform_int(1, 20), ld = n + uniform_int(0, 5);
+    std::vector<double> row(static_cast<std::size_t>(width)), key(static_cast<std::size_t>(keys * ld));
+    for (double& x : row) x = uniform(-3000.0, 0.0);
+    for (double& x : key) x = uniform(-3000.0, 0.0);
+    std::vector<float> st(static_cast<std::size_t>(keys * width));
+    for (float& x : st) x = static_cast<float>(uniform(-5.0, 5.0));
+    std::vector<float> want = st;
+    for (std::int64_t j = 0; j < keys; ++j) {
+      for (std::int64_t t = 0; t < n; ++t) {
+        want[static_cast<std::size_t>(j * width + r0 + t)] +=
+            static_cast<float>(row[static_cast<std::size_t>(r0 + t)] - key[static_cast<std::size_t>(j * ld + t)]);
+      }
+    }
+    kernels::attn_add_head_differences(st.data(), keys, width, r0, n, row.data(), key.data(), ld);
+    SCOPED_TRACE("width " + std::to_string(width) + " r0 " + std::to_string(r0) + " n " + std::to_string(n));
+    EXPECT_EQ(std::memcmp(st.data(), want.data(), st.size() * sizeof(float)), 0);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Targets, AttentionMatrixKernel, ::testing::ValuesIn(testing::all_targets()));
 
 }  // namespace

@@ -201,13 +201,19 @@ void ForgetTerm::add_scores(const TermTile& tile, float* st, TermState& s) const
       local[static_cast<std::size_t>(r)] = h - first_head_;
       ci[static_cast<std::size_t>(r)] = c(seq, query_key(seq, rb.query[static_cast<std::size_t>(r)]), h);
     }
-    for (std::int64_t j = 0; j < keys; ++j) {
-      const double* cj = c_.data() + (seq.b * p_.k_len + seq.k0 + k0 + j) * heads_;
-      float* row = st + j * w;
-      for (std::int64_t r = 0; r < w; ++r) {
-        const std::int64_t lh = local[static_cast<std::size_t>(r)];
-        if (lh >= 0) row[r] += static_cast<float>(ci[static_cast<std::size_t>(r)] - cj[lh]);
+    // Runs of rows on consecutive heads (one query per head: every row of a decode block) read
+    // consecutive doubles of each key's row of c_.
+    const double* c_tile = c_.data() + (seq.b * p_.k_len + seq.k0 + k0) * heads_;
+    for (std::int64_t r = 0; r < w;) {
+      const std::int64_t lh = local[static_cast<std::size_t>(r)];
+      std::int64_t n = 1;
+      if (lh < 0) {
+        ++r;
+        continue;
       }
+      while (r + n < w && local[static_cast<std::size_t>(r + n)] == lh + n) ++n;
+      kernels::attn_add_head_differences(st, keys, w, r, n, ci.data(), c_tile + lh, heads_);
+      r += n;
     }
     return;
   }

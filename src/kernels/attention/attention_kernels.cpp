@@ -206,6 +206,25 @@ void AttnAddDifferences(float* HWY_RESTRICT st, std::int64_t keys, std::int64_t 
   }
 }
 
+void AttnAddHeadDifferences(float* HWY_RESTRICT st, std::int64_t keys, std::int64_t width, std::int64_t r0,
+                            std::int64_t n, const double* HWY_RESTRICT row, const double* HWY_RESTRICT key,
+                            std::int64_t ld_key) {
+  const hn::ScalableTag<double> dd;
+  const hn::Rebind<float, decltype(dd)> df;
+  const auto lanes = static_cast<std::int64_t>(hn::Lanes(dd));
+  const std::int64_t whole = n - n % lanes;
+  for (std::int64_t j = 0; j < keys; ++j) {
+    const double* HWY_RESTRICT kj = key + j * ld_key;
+    float* HWY_RESTRICT out = st + j * width + r0;
+    std::int64_t t = 0;
+    for (; t < whole; t += lanes) {
+      const auto diff = hn::DemoteTo(df, hn::Sub(hn::LoadU(dd, row + r0 + t), hn::LoadU(dd, kj + t)));
+      hn::StoreU(hn::Add(hn::LoadU(df, out + t), diff), df, out + t);
+    }
+    for (; t < n; ++t) out[t] += static_cast<float>(row[r0 + t] - kj[t]);
+  }
+}
+
 void AttnSoftcapTile(float* HWY_RESTRICT st, std::int64_t keys, std::int64_t width, float cap) {
   const DF d;
   const auto n = static_cast<std::int64_t>(hn::Lanes(d));
@@ -423,6 +442,7 @@ HWY_EXPORT(AttnFireMoments);
 
 HWY_EXPORT(AttnMaskTile);
 HWY_EXPORT(AttnAddDifferences);
+HWY_EXPORT(AttnAddHeadDifferences);
 
 HWY_EXPORT(AttnAddBiasRows);
 void attn_add_bias_rows(float* st, std::int64_t keys, std::int64_t width, const float* table, std::int64_t base,
@@ -471,6 +491,11 @@ void attn_gemm_add(const float* a, std::int64_t a_row, std::int64_t a_depth, con
 void attn_add_differences(float* st, std::int64_t keys, std::int64_t width, std::int64_t r0, std::int64_t n,
                           const double* row, const double* key) {
   HWY_DYNAMIC_DISPATCH(AttnAddDifferences)(st, keys, width, r0, n, row, key);
+}
+
+void attn_add_head_differences(float* st, std::int64_t keys, std::int64_t width, std::int64_t r0, std::int64_t n,
+                               const double* row, const double* key, std::int64_t ld_key) {
+  HWY_DYNAMIC_DISPATCH(AttnAddHeadDifferences)(st, keys, width, r0, n, row, key, ld_key);
 }
 
 void attn_softmax_tile(float* st, std::int64_t keys, std::int64_t width, float* m, float* l, float* correction) {

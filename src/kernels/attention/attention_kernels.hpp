@@ -163,6 +163,11 @@ std::int64_t attn_fire_moments(const float* ds, std::int64_t keys, std::int64_t 
 void attn_add_differences(float* st, std::int64_t keys, std::int64_t width, std::int64_t r0, std::int64_t n,
                           const double* row, const double* key);
 
+// S^T[j][r0 + t] += f32(row[r0 + t] − key[j·ld_key + t]) for j < keys and t < n (any n): rows of
+// consecutive heads, each against its own column of a [key][head] table (decode's c_i − c_j).
+void attn_add_head_differences(float* st, std::int64_t keys, std::int64_t width, std::int64_t r0, std::int64_t n,
+                               const double* row, const double* key, std::int64_t ld_key);
+
 // S^T[j][r] = −inf unless lo[r] <= k_first + j < hi[r].
 void attn_mask_tile(float* st, std::int64_t keys, std::int64_t width, std::int64_t k_first, const std::int32_t* lo,
                     const std::int32_t* hi);

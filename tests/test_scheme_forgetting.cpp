@@ -303,7 +303,11 @@ TEST(ForgettingAttention, RefusesBadInput) {
     return std::make_shared<ForgetGate>(ConstTensorView::of(static_cast<const float*>(lf.data()), shape));
   };
   lf[7] = 0.25f;
-  testing::expect_error([&] { gate({2, 10, 2}); }, {"log_fgate"});
+  testing::expect_error([&] { gate({2, 10, 2}); }, {"log_fgate", "[0, 3, 1] = 0.25", "<= 0"});
+  // A head-major view (strides 10, 1, 20) names the same element by its own indices.
+  const std::vector<std::int64_t> shape = {2, 10, 2}, head_major = {10, 1, 20};
+  testing::expect_error([&] { ForgetGate(ConstTensorView(lf.data(), DType::kF32, shape, head_major)); },
+                        {"log_fgate", "[0, 7, 0] = 0.25"});
   lf[7] = std::numeric_limits<float>::infinity();
   testing::expect_error([&] { gate({2, 10, 2}); }, {"log_fgate"});
   lf[7] = -0.5f;

@@ -22,6 +22,26 @@ std::int64_t gate_offset(ConstTensorView v, std::int64_t batch, std::int64_t tok
   return batch * v.stride(0) + token * v.stride(1) + head * v.stride(2);
 }
 
+// The gate at (batch, token) of every head, widened to fp64 (the dtype resolved once per row).
+void gate_row(ConstTensorView v, std::int64_t batch, std::int64_t token, double* out) {
+  const std::int64_t heads = v.size(v.rank() - 1), hs = v.stride(v.rank() - 1);
+  const std::int64_t base = gate_offset(v, batch, token, 0);
+  switch (v.dtype()) {
+    case DType::kF32: {
+      const float* p = static_cast<const float*>(v.data()) + base;
+      for (std::int64_t h = 0; h < heads; ++h) out[h] = p[h * hs];
+      return;
+    }
+    case DType::kF64: {
+      const double* p = static_cast<const double*>(v.data()) + base;
+      for (std::int64_t h = 0; h < heads; ++h) out[h] = p[h * hs];
+      return;
+    }
+    default:
+      for (std::int64_t h = 0; h < heads; ++h) out[h] = detail::load(v.data(), v.dtype(), base + h * hs);
+  }
+}
+
 }  // namespace
 
 ForgetGate::ForgetGate(ConstTensorView log_fgate) : log_fgate_(log_fgate) {
@@ -33,10 +53,12 @@ ForgetGate::ForgetGate(ConstTensorView log_fgate) : log_fgate_(log_fgate) {
   }
   const std::int64_t batch = log_fgate.rank() == 3 ? log_fgate.size(0) : 1;
   const std::int64_t tokens = log_fgate.size(log_fgate.rank() - 2), heads = this->heads();
+  std::vector<double> row(static_cast<std::size_t>(heads));
   for (std::int64_t b = 0; b < batch; ++b) {
     for (std::int64_t t = 0; t < tokens; ++t) {
+      gate_row(log_fgate, b, t, row.data());
       for (std::int64_t h = 0; h < heads; ++h) {
-        const double x = log_gate(b, t, h);
+        const double x = row[static_cast<std::size_t>(h)];
         if (x > 0) {  // NaN and −inf pass: they propagate as the composition gives them
           const std::string at = log_fgate.rank() == 3 ? "[" + std::to_string(b) + ", " + std::to_string(t) + ", " +
                                                              std::to_string(h) + "]"
@@ -167,15 +189,19 @@ ForgetTerm::ForgetTerm(const ForgetGate& gate, const AttentionPlan& p, std::int6
   }
   c_.assign(static_cast<std::size_t>(p.batch * p.k_len * heads_), 0.0);
   steep_.assign(static_cast<std::size_t>(heads_), 0);
+  // Key by key, every head's running sum at once: the gate's rows and c_'s are read in order.
+  const auto n_heads = static_cast<std::size_t>(heads_);
+  std::vector<double> row(static_cast<std::size_t>(gate.heads())), running(n_heads), first(n_heads);
   for (const Sequence& seq : p.sequences) {
-    for (std::int64_t h = 0; h < heads_; ++h) {
-      double running = 0;
-      for (std::int64_t j = 0; j < seq.lk; ++j) {
-        running += gate.log_gate(seq.b, seq.k0 + j, h);
-        c_[static_cast<std::size_t>((seq.b * p.k_len + seq.k0 + j) * heads_ + h)] = running;
-      }
-      if (running - (seq.lk > 0 ? gate.log_gate(seq.b, seq.k0, h) : 0.0) < -100.0)
-        steep_[static_cast<std::size_t>(h)] = 1;
+    std::fill(running.begin(), running.end(), 0.0);
+    for (std::int64_t j = 0; j < seq.lk; ++j) {
+      gate_row(gate.log_fgate(), seq.b, seq.k0 + j, row.data());
+      double* cj = c_.data() + (seq.b * p.k_len + seq.k0 + j) * heads_;
+      for (std::size_t h = 0; h < n_heads; ++h) cj[h] = running[h] += row[h];
+      if (j == 0) std::copy(row.begin(), row.begin() + heads_, first.begin());
+    }
+    for (std::size_t h = 0; seq.lk > 0 && h < n_heads; ++h) {
+      if (running[h] - first[h] < -100.0) steep_[h] = 1;
     }
   }
 }

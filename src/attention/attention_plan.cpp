@@ -252,17 +252,19 @@ AttentionPlan::PositionRange AttentionPlan::plan_positions() {
   }
   PositionRange r{std::numeric_limits<std::int64_t>::max(), 0, std::numeric_limits<std::int64_t>::max(), 0};
   std::int64_t &q_min = r.q_min, &q_max = r.q_max, &k_min = r.k_min, &k_max = r.k_max;
+  // Positions [0, n) of a sequence into [lo, hi]: default ones increase, so only their ends.
+  const auto widen = [](std::int64_t n, bool increasing, auto&& at, std::int64_t& lo, std::int64_t& hi) {
+    for (std::int64_t i = 0; i < n; ++i) {
+      if (increasing && i > 0 && i < n - 1) i = n - 1;
+      lo = std::min(lo, at(i));
+      hi = std::max(hi, at(i));
+    }
+  };
   for (const Sequence& seq : sequences) {
-    for (std::int64_t i = 0; i < seq.lq; ++i) {
-      const std::int64_t p = q_position(seq, i);
-      q_min = std::min(q_min, p);
-      q_max = std::max(q_max, p);
-    }
-    for (std::int64_t j = 0; j < seq.lk; ++j) {
-      const std::int64_t p = k_position(seq, j);
-      k_min = std::min(k_min, p);
-      k_max = std::max(k_max, p);
-    }
+    widen(
+        seq.lq, !spec.q_positions, [&](std::int64_t i) { return q_position(seq, i); }, q_min, q_max);
+    widen(
+        seq.lk, !spec.k_positions, [&](std::int64_t j) { return k_position(seq, j); }, k_min, k_max);
   }
   if (q_min > q_max) q_min = q_max = 0;
   if (k_min > k_max) k_min = k_max = 0;

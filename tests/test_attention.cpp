@@ -685,8 +685,15 @@ TEST_P(AttentionMatrixKernel, HeadDifferencesRoundOnceAndTouchOnlyTheirRows) {
     const std::int64_t width = uniform_int(1, 40), r0 = uniform_int(0, width - 1), n = uniform_int(1, width - r0);
     const std::int64_t keys = uniform_int(1, 20), ld = n + uniform_int(0, 5);
     std::vector<double> row(static_cast<std::size_t>(width)), key(static_cast<std::size_t>(keys * ld));
-    for (double& x : row) x = uniform(-3000.0, 0.0);
-    for (double& x : key) x = uniform(-3000.0, 0.0);
+    // Mostly decays of a few thousand, some ±inf, NaN and beyond f32's range (a −inf gate, f64
+    // gates): those must round as the cast does, to ±inf, on every target.
+    constexpr double kInf = std::numeric_limits<double>::infinity();
+    const std::array<double, 5> extreme = {kInf, -kInf, std::nan(""), 1e300, -1e300};
+    const auto draw = [&] {
+      return uniform_int(0, 9) == 0 ? extreme[static_cast<std::size_t>(uniform_int(0, 4))] : uniform(-3000.0, 0.0);
+    };
+    for (double& x : row) x = draw();
+    for (double& x : key) x = draw();
     std::vector<float> st(static_cast<std::size_t>(keys * width));
     for (float& x : st) x = static_cast<float>(uniform(-5.0, 5.0));
     std::vector<float> want = st;
@@ -698,7 +705,13 @@ TEST_P(AttentionMatrixKernel, HeadDifferencesRoundOnceAndTouchOnlyTheirRows) {
     }
     kernels::attn_add_head_differences(st.data(), keys, width, r0, n, row.data(), key.data(), ld);
     SCOPED_TRACE("width " + std::to_string(width) + " r0 " + std::to_string(r0) + " n " + std::to_string(n));
-    EXPECT_EQ(std::memcmp(st.data(), want.data(), st.size() * sizeof(float)), 0);
+    for (std::size_t i = 0; i < st.size(); ++i) {
+      if (std::isnan(want[i])) {
+        EXPECT_TRUE(std::isnan(st[i])) << i;
+      } else {
+        EXPECT_EQ(std::bit_cast<std::uint32_t>(st[i]), std::bit_cast<std::uint32_t>(want[i])) << i;
+      }
+    }
   }
 }
 

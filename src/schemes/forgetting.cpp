@@ -241,11 +241,11 @@ void ForgetTerm::add_scores(const TermTile& tile, float* st, TermState& s) const
       kernels::attn_add_head_differences(st, keys, w, r, n, ci.data(), c_tile + lh, heads_);
       r += n;
     }
-    // The next tile's rows of c_, which the cache's stream would otherwise evict before they are
-    // read: without this the add waited on memory for 2% of decode's time.
-    const double* next = c_tile + keys * heads_;
-    const double* end = c_.data() + (seq.b * p_.k_len + seq.k0 + seq.lk) * heads_;
-    for (const double* at = next; at < std::min(end, next + keys * heads_); at += 8) __builtin_prefetch(at, 0, 2);
+    // The next tile's rows of c_ (up to the sequence's last key): the cache's stream evicts them
+    // from L2 between tiles, and the add would wait on memory.
+    const std::int64_t next = (seq.b * p_.k_len + seq.k0 + k0 + keys) * heads_;
+    const std::int64_t end = std::min((seq.b * p_.k_len + seq.k0 + seq.lk) * heads_, next + keys * heads_);
+    for (std::int64_t at = next; at < end; at += 8) __builtin_prefetch(c_.data() + at, 0, 2);
     return;
   }
   for_each_head_run(

@@ -148,7 +148,7 @@ HWY_INLINE VF RotateInterleaved(DF d, VF k, const float* HWY_RESTRICT cs, std::i
 // Walks the rows of a RowPrefetch a cache line at a time.
 class PrefetchCursor {
  public:
-  explicit PrefetchCursor(const RowPrefetch& plan) : plan_(plan), non_temporal_(cpu_is_amd()) {
+  explicit PrefetchCursor(const RowPrefetch& plan) : plan_(plan), non_temporal_(amd_family() == 0x1Au) {
     if (plan_.base == nullptr || plan_.keys <= 0 || plan_.heads <= 0 || plan_.row_bytes <= 0) plan_.keys = 0;
     // Rows without gaps ([S, G, D] with unit strides): one range of lines, walked without the
     // row bookkeeping (which cost a fifth of the decode scores' time when cached).
@@ -166,13 +166,10 @@ class PrefetchCursor {
     if (contiguous_) return (last_ - at_) / kLine + 1;
     return plan_.keys * plan_.heads * (plan_.row_bytes / kLine + 1);
   }
-  // Issues prefetches for the next `count` lines (nothing once the plan is done). Kept out of
-  // line: inlined into the value loops it cost decode 5–10% (Zen 5, alternating runs).
+  // Issues prefetches for the next `count` lines (nothing once the plan is done). Out of line:
+  // inlined, it slows the value loops around it (docs/attention.md, "Prefetches").
   HWY_NOINLINE void step(std::int64_t count) {
     if (contiguous_) {
-      // On AMD the non-temporal hint gave decode 0.80–0.82 of copy against 0.74–0.82 with
-      // prefetcht1 (Zen 5, 32768 keys × 8 KV heads × D 128 f32, 2 threads, alternating runs;
-      // 16-bit caches unchanged); other vendors keep prefetcht1, which they were tuned with.
       if (non_temporal_) {
         for (; count > 0 && at_ <= last_; --count, at_ += kLine) __builtin_prefetch(at_, 0, 0);
       } else {
@@ -203,7 +200,7 @@ class PrefetchCursor {
     last_ = row + plan_.row_bytes - 1;
   }
   RowPrefetch plan_;
-  bool non_temporal_ = false;  // prefetchnta for the contiguous rows (AMD)
+  bool non_temporal_ = false;  // prefetchnta for contiguous rows: Zen 5's choice (docs/attention.md)
   bool contiguous_ = false;
   std::int64_t j_ = 0, g_ = 0;
   const char* at_ = nullptr;

@@ -191,8 +191,18 @@ void AttnSoftmaxTile(float* HWY_RESTRICT st, std::int64_t keys, std::int64_t wid
   }
 }
 
+// Whether this target's f64 → f32 DemoteTo rounds as static_cast does: Highway's emulated
+// targets clamp ±inf and values beyond FLT_MAX to ±FLT_MAX, where FoX's −inf decay must stay −inf.
+constexpr bool DemotesAsCast() { return HWY_TARGET != HWY_EMU128 && HWY_TARGET != HWY_SCALAR; }
+
 void AttnAddDifferences(float* HWY_RESTRICT st, std::int64_t keys, std::int64_t width, std::int64_t r0, std::int64_t n,
                         const double* HWY_RESTRICT row, const double* HWY_RESTRICT key) {
+  if constexpr (!DemotesAsCast()) {
+    for (std::int64_t j = 0; j < keys; ++j) {
+      for (std::int64_t r = r0; r < r0 + n; ++r) st[j * width + r] += static_cast<float>(row[r] - key[j]);
+    }
+    return;
+  }
   const hn::ScalableTag<double> dd;
   const hn::Rebind<float, decltype(dd)> df;  // half a float vector: one lane per double
   const auto lanes = static_cast<std::int64_t>(hn::Lanes(dd));
@@ -212,7 +222,7 @@ void AttnAddHeadDifferences(float* HWY_RESTRICT st, std::int64_t keys, std::int6
   const hn::ScalableTag<double> dd;
   const hn::Rebind<float, decltype(dd)> df;
   const auto lanes = static_cast<std::int64_t>(hn::Lanes(dd));
-  const std::int64_t whole = n - n % lanes;
+  const std::int64_t whole = DemotesAsCast() ? n - n % lanes : 0;
   for (std::int64_t j = 0; j < keys; ++j) {
     const double* HWY_RESTRICT kj = key + j * ld_key;
     float* HWY_RESTRICT out = st + j * width + r0;

@@ -16,12 +16,13 @@ namespace posenc::kernels {
 // floats: a multiple of every target's f32 lane count.
 inline constexpr std::int64_t kAttnAlign = 16;
 
-// Rows of K or V to pull into L2 while a decode kernel computes on other data: row (j, g) for
-// j < keys, g < heads spans [base + j·ld + g·head_stride, + row_bytes) (bytes). The kernels that
-// take one spread its lines evenly over their work. An empty plan (base == nullptr) prefetches
-// nothing. (The prefill matrix kernel takes none: between register blocks prefetches stall on the
-// line fill buffers, inside the depth loop they spill the accumulators; forward_blocks' burst
-// before each key tile measures faster than either.)
+// Rows of K or V to pull into L2 (on Zen 5 non-temporally: docs/attention.md) while a decode
+// kernel computes on other data: row (j, g) for j < keys, g < heads spans
+// [base + j·ld + g·head_stride, + row_bytes) (bytes). The kernels that take one spread its lines
+// evenly over their work. An empty plan (base == nullptr) prefetches nothing. (The prefill matrix
+// kernel takes none: between register blocks prefetches stall on the line fill buffers, inside
+// the depth loop they spill the accumulators; forward_blocks' burst before each key tile
+// measures faster than either.)
 struct RowPrefetch {
   const char* base = nullptr;
   std::int64_t ld = 0, head_stride = 0, keys = 0, heads = 0, row_bytes = 0;

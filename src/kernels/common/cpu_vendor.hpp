@@ -1,4 +1,4 @@
-// The processor's vendor, for the few kernel choices measured to differ between vendors.
+// The processor's family, for the few kernel choices measured to differ between processors.
 #pragma once
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -7,17 +7,21 @@
 
 namespace posenc::kernels {
 
-// Whether cpuid leaf 0 names "AuthenticAMD" (false off x86).
-inline bool cpu_is_amd() {
+// AMD's processor family from cpuid (0x19 Zen 3 and Zen 4, 0x1A Zen 5); 0 on other vendors and
+// off x86.
+inline unsigned amd_family() {
 #if defined(__x86_64__) || defined(__i386__)
-  static const bool amd = [] {
+  static const unsigned family = [] {
     unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) == 0) return false;
-    return ebx == 0x68747541u && edx == 0x69746e65u && ecx == 0x444d4163u;  // "Auth" "enti" "cAMD"
+    if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) == 0) return 0u;
+    if (ebx != 0x68747541u || edx != 0x69746e65u || ecx != 0x444d4163u) return 0u;  // "Auth" "enti" "cAMD"
+    if (__get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) return 0u;
+    const unsigned base = (eax >> 8) & 0xFu;
+    return base == 0xFu ? base + ((eax >> 20) & 0xFFu) : base;
   }();
-  return amd;
+  return family;
 #else
-  return false;
+  return 0;
 #endif
 }
 

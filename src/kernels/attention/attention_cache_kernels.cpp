@@ -166,8 +166,8 @@ class PrefetchCursor {
     if (contiguous_) return (last_ - at_) / kLine + 1;
     return plan_.keys * plan_.heads * (plan_.row_bytes / kLine + 1);
   }
-  // Issues prefetches for the next `count` lines (nothing once the plan is done). Out of line:
-  // inlined, it slows the value loops around it (docs/attention.md, "Prefetches").
+  // Issues prefetches for the next `count` lines (nothing once the plan is done). A call, as
+  // measured on Zen 5 (docs/attention.md, "Prefetches").
   HWY_NOINLINE void step(std::int64_t count) {
     if (contiguous_) {
       if (non_temporal_) {

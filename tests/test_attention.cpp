@@ -677,9 +677,9 @@ TEST_P(AttentionMatrixKernel, AddSumsEachElementFromZeroThenAddsIt) {
       {"attention kernel", "depth", "129", "<= 128"});
 }
 
-// Decode's FoX differences: each row r0 + t takes f32(row − key[j·ld + t]) once rounded, the same
-// bits as the scalar expression, whole vectors and tails alike; rows outside the run stay as
-// they were.
+// FoX's differences: each row r0 + t takes f32(row − key) once rounded (decode: its own key
+// column key[j·ld + t]; blocks: key[j] for every row), the same bits as the scalar expression,
+// whole vectors and tails alike; rows outside the run stay as they were.
 TEST_P(AttentionMatrixKernel, HeadDifferencesRoundOnceAndTouchOnlyTheirRows) {
   for (int trial = 0; trial < 40; ++trial) {
     const std::int64_t width = uniform_int(1, 40), r0 = uniform_int(0, width - 1), n = uniform_int(1, width - r0);
@@ -703,13 +703,24 @@ TEST_P(AttentionMatrixKernel, HeadDifferencesRoundOnceAndTouchOnlyTheirRows) {
             static_cast<float>(row[static_cast<std::size_t>(r0 + t)] - key[static_cast<std::size_t>(j * ld + t)]);
       }
     }
+    // attn_add_differences: one key value per key for every row (key[j]).
+    std::vector<float> st_one = st, want_one = st;
+    for (std::int64_t j = 0; j < keys; ++j) {
+      for (std::int64_t t = 0; t < n; ++t) {
+        want_one[static_cast<std::size_t>(j * width + r0 + t)] +=
+            static_cast<float>(row[static_cast<std::size_t>(r0 + t)] - key[static_cast<std::size_t>(j)]);
+      }
+    }
     kernels::attn_add_head_differences(st.data(), keys, width, r0, n, row.data(), key.data(), ld);
+    kernels::attn_add_differences(st_one.data(), keys, width, r0, n, row.data(), key.data());
     SCOPED_TRACE("width " + std::to_string(width) + " r0 " + std::to_string(r0) + " n " + std::to_string(n));
     for (std::size_t i = 0; i < st.size(); ++i) {
-      if (std::isnan(want[i])) {
-        EXPECT_TRUE(std::isnan(st[i])) << i;
-      } else {
-        EXPECT_EQ(std::bit_cast<std::uint32_t>(st[i]), std::bit_cast<std::uint32_t>(want[i])) << i;
+      for (const auto& [got, expected] : {std::pair{st[i], want[i]}, std::pair{st_one[i], want_one[i]}}) {
+        if (std::isnan(expected)) {
+          EXPECT_TRUE(std::isnan(got)) << i;
+        } else {
+          EXPECT_EQ(std::bit_cast<std::uint32_t>(got), std::bit_cast<std::uint32_t>(expected)) << i;
+        }
       }
     }
   }

@@ -195,43 +195,27 @@ void AttnSoftmaxTile(float* HWY_RESTRICT st, std::int64_t keys, std::int64_t wid
 // targets clamp ±inf and values beyond FLT_MAX to ±FLT_MAX, where FoX's −inf decay must stay −inf.
 constexpr bool DemotesAsCast() { return HWY_TARGET != HWY_EMU128 && HWY_TARGET != HWY_SCALAR; }
 
+// S^T[j][r0 + t] += f32(row[r0 + t] − key_jt), key_jt = key[j·ld_key + t] per row (`per_row`)
+// or key[j·ld_key] for every row: attn_add_differences and attn_add_head_differences.
 void AttnAddDifferences(float* HWY_RESTRICT st, std::int64_t keys, std::int64_t width, std::int64_t r0, std::int64_t n,
-                        const double* HWY_RESTRICT row, const double* HWY_RESTRICT key) {
-  if constexpr (!DemotesAsCast()) {
-    for (std::int64_t j = 0; j < keys; ++j) {
-      for (std::int64_t r = r0; r < r0 + n; ++r) st[j * width + r] += static_cast<float>(row[r] - key[j]);
-    }
-    return;
-  }
+                        const double* HWY_RESTRICT row, const double* HWY_RESTRICT key, std::int64_t ld_key,
+                        bool per_row) {
+  if (n <= 0) return;
   const hn::ScalableTag<double> dd;
   const hn::Rebind<float, decltype(dd)> df;  // half a float vector: one lane per double
-  const auto lanes = static_cast<std::int64_t>(hn::Lanes(dd));
-  for (std::int64_t j = 0; j < keys; ++j) {
-    const auto kj = hn::Set(dd, key[j]);
-    float* out = st + j * width;
-    for (std::int64_t r = r0; r < r0 + n; r += lanes) {
-      const auto diff = hn::DemoteTo(df, hn::Sub(hn::LoadU(dd, row + r), kj));
-      hn::StoreU(hn::Add(hn::LoadU(df, out + r), diff), df, out + r);
-    }
-  }
-}
-
-void AttnAddHeadDifferences(float* HWY_RESTRICT st, std::int64_t keys, std::int64_t width, std::int64_t r0,
-                            std::int64_t n, const double* HWY_RESTRICT row, const double* HWY_RESTRICT key,
-                            std::int64_t ld_key) {
-  const hn::ScalableTag<double> dd;
-  const hn::Rebind<float, decltype(dd)> df;
   const auto lanes = static_cast<std::int64_t>(hn::Lanes(dd));
   const std::int64_t whole = DemotesAsCast() ? n - n % lanes : 0;
   for (std::int64_t j = 0; j < keys; ++j) {
     const double* HWY_RESTRICT kj = key + j * ld_key;
+    const auto k_all = hn::Set(dd, kj[0]);
     float* HWY_RESTRICT out = st + j * width + r0;
     std::int64_t t = 0;
     for (; t < whole; t += lanes) {
-      const auto diff = hn::DemoteTo(df, hn::Sub(hn::LoadU(dd, row + r0 + t), hn::LoadU(dd, kj + t)));
+      const auto k = per_row ? hn::LoadU(dd, kj + t) : k_all;
+      const auto diff = hn::DemoteTo(df, hn::Sub(hn::LoadU(dd, row + r0 + t), k));
       hn::StoreU(hn::Add(hn::LoadU(df, out + t), diff), df, out + t);
     }
-    for (; t < n; ++t) out[t] += static_cast<float>(row[r0 + t] - kj[t]);
+    for (; t < n; ++t) out[t] += static_cast<float>(row[r0 + t] - kj[per_row ? t : 0]);
   }
 }
 
@@ -452,7 +436,6 @@ HWY_EXPORT(AttnFireMoments);
 
 HWY_EXPORT(AttnMaskTile);
 HWY_EXPORT(AttnAddDifferences);
-HWY_EXPORT(AttnAddHeadDifferences);
 
 HWY_EXPORT(AttnAddBiasRows);
 void attn_add_bias_rows(float* st, std::int64_t keys, std::int64_t width, const float* table, std::int64_t base,
@@ -500,12 +483,12 @@ void attn_gemm_add(const float* a, std::int64_t a_row, std::int64_t a_depth, con
 }
 void attn_add_differences(float* st, std::int64_t keys, std::int64_t width, std::int64_t r0, std::int64_t n,
                           const double* row, const double* key) {
-  HWY_DYNAMIC_DISPATCH(AttnAddDifferences)(st, keys, width, r0, n, row, key);
+  HWY_DYNAMIC_DISPATCH(AttnAddDifferences)(st, keys, width, r0, n, row, key, 1, false);
 }
 
 void attn_add_head_differences(float* st, std::int64_t keys, std::int64_t width, std::int64_t r0, std::int64_t n,
                                const double* row, const double* key, std::int64_t ld_key) {
-  HWY_DYNAMIC_DISPATCH(AttnAddHeadDifferences)(st, keys, width, r0, n, row, key, ld_key);
+  HWY_DYNAMIC_DISPATCH(AttnAddDifferences)(st, keys, width, r0, n, row, key, ld_key, true);
 }
 
 void attn_softmax_tile(float* st, std::int64_t keys, std::int64_t width, float* m, float* l, float* correction) {

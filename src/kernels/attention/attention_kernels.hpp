@@ -159,8 +159,8 @@ std::int64_t attn_fire_moments(const float* ds, std::int64_t keys, std::int64_t 
                                const double* dpsi, std::int64_t base, const double* inv_norm, const double* lo,
                                const double* hi, const double* slope, double* moments);
 
-// S^T[j][r] += f32(row[r] − key[j]) for j < keys and r in [r0, r0 + n) (n a multiple of
-// kAttnAlign): a difference of fp64 values rounded once (Forgetting Attention's c_i − c_j).
+// S^T[j][r] += f32(row[r] − key[j]) for j < keys and r in [r0, r0 + n) (any n): a difference of
+// fp64 values rounded once (Forgetting Attention's c_i − c_j).
 void attn_add_differences(float* st, std::int64_t keys, std::int64_t width, std::int64_t r0, std::int64_t n,
                           const double* row, const double* key);
 

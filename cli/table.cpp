@@ -1,11 +1,15 @@
 // posenc table sinusoidal --length N --dim D [--base B] [--layout interleaved|split] [--offset P]
 //                         [--dtype f32|f64|bf16|f16] [--format text|csv|json]
 // posenc table rope       --length N --dim D [--base B] [--offset P] [...]
-// posenc table alibi|t5|kerple|fire|tupe|shaw|xl|nope --length N [--heads H] [--head h] [options]
+// posenc table NAME --length N [--heads H] [--head h] [--head-dim D] [--OPTION V] [--set OPTION=V]
+//   any registered scheme with a picture (posenc schemes: alibi, t5, kerple, fire, tupe, shaw, xl,
+//   sandwich, …; nope is none), built by the registry with its defaults: rows = query positions
+//   offset … offset + N − 1, columns = key positions (causal schemes print their values above the
+//   diagonal too: masking is attention's job). The scheme's picture decides what is shown (t5: bucket
+//   ids, shaw: table rows, xl: the position terms of zero q and k). A flag --OPTION sets the
+//   registry option OPTION (dashes for underscores); --causal is bidirectional = 0, --form power
+//   is power = 1.
 // posenc table floater --length N --dim D [--hidden M] [--seed S] [...]
-//   a bias matrix: rows = query positions offset … offset + N − 1, columns = key positions
-//   offset … offset + N − 1 (causal schemes print their values above the diagonal too: masking
-//   is attention's job). t5 prints bucket ids (the learned table is a model's).
 #include <fmt/core.h>
 
 #include <algorithm>
@@ -29,23 +33,16 @@ struct TableOptions {
   std::int64_t offset = 0;
   std::string dtype = "f32";
   std::string format = "text";
-  // bias schemes
+  // registered schemes
   std::int64_t heads = 8;
   std::optional<std::int64_t> head;  // absent: every head
-  bool symmetric = false;
-  double max_bias = 8.0;
-  std::int64_t num_buckets = 32;
-  std::int64_t max_distance = 128;
-  bool causal = false;
-  std::string kerple_form = "log";
-  std::vector<std::string> settings;  // registry schemes: NAME=VALUE options
-  double r1 = 1.0, r2 = 0.5;
+  std::int64_t head_dim = 16;
+  std::vector<std::string> settings;  // NAME=VALUE options
+  // floater
   std::int64_t hidden = 32;
   std::uint64_t seed = 0;
-  bool cls_reset = false;
   double time_per_position = 0.1;
   std::int64_t substeps = 1;
-  double fire_c = 1.0, threshold = 512.0;
 };
 
 DType parse_dtype(const std::string& name) {
@@ -159,7 +156,6 @@ void print_tables(const TableOptions& o, const std::vector<std::pair<std::string
   }
 }
 
-// A bias matrix per head (or the chosen head): rows = query positions, columns = key positions.
 // Whether head h of `heads` is printed; an explicit --head must name one of them.
 bool head_wanted(const TableOptions& o, std::int64_t h, std::int64_t heads) {
   if (o.head && (*o.head < 0 || *o.head >= heads)) {
@@ -169,7 +165,83 @@ bool head_wanted(const TableOptions& o, std::int64_t h, std::int64_t heads) {
   return !o.head || *o.head == h;
 }
 
-void run_bias_table(const TableOptions& o) {
+// The registered scheme an encoding names (nope: none), or null.
+const SchemeEntry* pictured_scheme(const std::string& encoding) {
+  const std::string name = encoding == "nope" ? "none" : encoding;
+  for (const SchemeEntry& e : schemes()) {
+    if (e.name == name && has_picture(e)) return &e;
+  }
+  return nullptr;
+}
+
+// Encodings the table prints without the registry (their own flags below).
+bool native_encoding(const std::string& encoding) {
+  return encoding == "sinusoidal" || encoding == "rope" || encoding == "floater";
+}
+
+// The flags of the command's own shape (every registered scheme reads them) and the aliases of
+// options under the names the table has always taken: --causal (bidirectional = 0), --form.
+bool structural_flag(const std::string& flag) {
+  return flag == "--length" || flag == "--offset" || flag == "--format" || flag == "--heads" || flag == "--head" ||
+         flag == "--head-dim" || flag == "--set";
+}
+std::string option_of_flag(const std::string& flag) {
+  if (flag == "--causal") return "bidirectional";
+  if (flag == "--form") return "power";
+  std::string name = flag.substr(2);
+  std::replace(name.begin(), name.end(), '-', '_');
+  return name;
+}
+bool declares(const SchemeEntry& e, const std::string& option) {
+  return std::any_of(e.options.begin(), e.options.end(), [&](const SchemeOption& o) { return o.name == option; });
+}
+
+double number_of(const std::string& where, const std::string& text) {
+  std::size_t used = 0;
+  double number = 0;
+  try {
+    number = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used == 0 || used != text.size()) throw Error("table", where, text, "a number");
+  return number;
+}
+
+// The registry's arguments from the given flags and --set.
+SchemeArgs scheme_args(const CLI::App& sub, const TableOptions& o, const SchemeEntry& entry) {
+  SchemeArgs args;
+  args.heads = o.heads;
+  args.head_dim = o.head_dim;
+  for (const CLI::Option* opt : sub.get_options()) {
+    const std::string flag = opt->get_lnames().empty() ? "" : "--" + opt->get_lnames().front();
+    if (flag.empty() || opt->count() == 0 || structural_flag(flag)) continue;
+    const std::string option = option_of_flag(flag);
+    if (!declares(entry, option)) continue;  // refused by check_flags_apply
+    const std::string text = opt->results().empty() ? "true" : opt->results().back();
+    double value = 0;
+    if (flag == "--causal") {
+      value = 0.0;
+    } else if (flag == "--form") {
+      if (text != "log" && text != "power") throw Error("table", "--form", text, "log or power");
+      value = text == "power" ? 1.0 : 0.0;
+    } else if (opt->get_expected_min() == 0) {  // a bare flag
+      value = text == "false" ? 0.0 : 1.0;
+    } else {
+      value = number_of(flag, text);
+    }
+    args.options[option] = value;
+  }
+  for (const std::string& assignment : o.settings) {
+    const std::size_t eq = assignment.find('=');
+    if (eq == std::string::npos || eq == 0) throw Error("table", "--set", assignment, "NAME=VALUE");
+    args.options[assignment.substr(0, eq)] = number_of("--set", assignment.substr(eq + 1));
+  }
+  return args;
+}
+
+// A registered scheme's picture: a matrix per head (or the chosen head), or one for all heads.
+void run_scheme_table(const CLI::App& sub, const TableOptions& o, const SchemeEntry& entry) {
   if (o.length < 1) throw Error("table", "--length", std::to_string(o.length), ">= 1");
   if (o.heads < 1) throw Error("table", "--heads", std::to_string(o.heads), ">= 1");
   constexpr std::int64_t kMaxElements = std::int64_t{1} << 26;
@@ -177,116 +249,42 @@ void run_bias_table(const TableOptions& o) {
     throw Error("table", "--length² × --heads", std::to_string(o.length) + "² × " + std::to_string(o.heads),
                 "at most 2^26 values (the C++ API has no such limit)");
   }
-  const Positions positions = Positions::range(o.length, o.offset);
+  const SchemeArgs args = complete_scheme_args(entry, scheme_args(sub, o, entry));
+  const HeadGroup group = entry.make(args);
   const std::int64_t n = o.length;
-  nlohmann::json doc = {{"encoding", o.encoding}, {"length", n}, {"offset", o.offset}};
+  SchemePicture picture = scheme_picture(entry, group, Positions::range(n, o.offset));
+  nlohmann::json doc = {
+      {"encoding", o.encoding}, {"length", n}, {"offset", o.offset}, {"heads", o.heads}, {"head_dim", o.head_dim}};
+  for (const SchemeOption& option : entry.options) {
+    const auto it = args.options.find(option.name);
+    if (it == args.options.end()) continue;
+    if (option.integer && option.minimum == 0.0 && option.maximum == 1.0) {
+      doc[option.name] = it->second != 0.0;
+    } else if (option.integer) {
+      doc[option.name] = static_cast<std::int64_t>(it->second);
+    } else {
+      doc[option.name] = it->second;
+    }
+  }
   std::vector<std::pair<std::string, std::vector<double>>> tables;
-  if (o.encoding == "shaw") {
-    // The table row each (query, key) pair reads: clip(j − i, −k, k) + k.
-    if (o.head)
-      throw Error("table", "--head", std::to_string(*o.head), "no head for shaw (one table of rows for all heads)");
-    const ShawParams shaw(o.max_distance, 1);
-    std::vector<double> rows(static_cast<std::size_t>(n * n));
-    for (std::int64_t i = 0; i < n; ++i) {
-      for (std::int64_t j = 0; j < n; ++j)
-        rows[static_cast<std::size_t>(i * n + j)] = static_cast<double>(shaw.row_of(j - i));
+  if (!picture.shared.empty()) {
+    if (o.head) {
+      throw Error("table", "--head", std::to_string(*o.head),
+                  "no head for " + o.encoding + " (one matrix of " + picture.shared + " for all heads)");
     }
-    doc["max_distance"] = o.max_distance;
-    print_tables(o, {{"rows", rows}}, n, doc, "k");
-    return;
-  }
-  if (o.encoding == "xl") {
-    // The position terms a zero query and zero keys see: scale·v·W_R r(i − j) (a seeded layer).
-    const std::int64_t dim = 16, d_model = 32;
-    const XlParams xl = XlParams::init(o.heads, dim, d_model, 0.5, o.seed);
-    std::vector<double> zeros(static_cast<std::size_t>(n * o.heads * dim), 0.0),
-        all(static_cast<std::size_t>(o.heads * n * n), 0.0);
-    xl_add_position_terms(xl, ConstTensorView::of(zeros.data(), {n, o.heads, dim}),
-                          ConstTensorView::of(zeros.data(), {n, o.heads, dim}), positions, positions,
-                          TensorView::of(all.data(), {o.heads, n, n}));
-    doc.update({{"heads", o.heads}, {"head_dim", dim}, {"d_model", d_model}, {"seed", o.seed}});
-    std::vector<std::pair<std::string, std::vector<double>>> heads_tables;
-    for (std::int64_t h = 0; h < o.heads; ++h) {
-      if (!head_wanted(o, h, o.heads)) continue;
-      heads_tables.emplace_back("head" + std::to_string(h),
-                                std::vector<double>(all.begin() + h * n * n, all.begin() + (h + 1) * n * n));
-    }
-    print_tables(o, heads_tables, n, doc, "k");
-    return;
-  }
-  if (o.encoding == "t5") {
-    // Buckets, one matrix for all heads.
-    if (o.head)
-      throw Error("table", "--head", std::to_string(*o.head), "no head for t5 (one bucket matrix for all heads)");
-    std::vector<double> buckets(static_cast<std::size_t>(n * n));
-    for (std::int64_t i = 0; i < n; ++i) {
-      for (std::int64_t j = 0; j < n; ++j)
-        buckets[static_cast<std::size_t>(i * n + j)] =
-            static_cast<double>(t5_bucket(j - i, o.num_buckets, o.max_distance, !o.causal));
-    }
-    doc.update({{"num_buckets", o.num_buckets}, {"max_distance", o.max_distance}, {"bidirectional", !o.causal}});
-    print_tables(o, {{"buckets", buckets}}, n, doc, "k");
-    return;
-  }
-  BiasScheme scheme = NoPE(std::max<std::int64_t>(o.heads, 1));
-  if (o.encoding == "alibi") {
-    scheme = AlibiParams(o.heads, o.symmetric ? AlibiForm::kSymmetric : AlibiForm::kCausal, o.max_bias);
-    doc.update({{"heads", o.heads},
-                {"max_bias", o.max_bias},
-                {"form", o.symmetric ? "symmetric" : "causal"},
-                {"slopes", std::get<AlibiParams>(scheme).slopes()}});
-  } else if (o.encoding == "kerple") {
-    if (o.kerple_form != "log" && o.kerple_form != "power")
-      throw Error("table", "--form", o.kerple_form, "log or power");
-    const std::vector<double> r1(static_cast<std::size_t>(o.heads), o.r1), r2(static_cast<std::size_t>(o.heads), o.r2);
-    scheme = KerpleParams(o.kerple_form == "log" ? KerpleForm::kLog : KerpleForm::kPower, r1, r2);
-    doc.update({{"heads", o.heads}, {"form", o.kerple_form}, {"r1", o.r1}, {"r2", o.r2}});
-  } else if (o.encoding == "tupe") {
-    scheme = TupeParams::init(o.heads, 16, 32, o.offset + n, o.cls_reset, 0.5, o.seed);
-    doc.update({{"heads", o.heads}, {"head_dim", 16}, {"d_model", 32}, {"seed", o.seed}, {"cls_reset", o.cls_reset}});
-  } else if (o.encoding == "fire") {
-    scheme = FireParams::init(o.heads, o.hidden, o.seed, o.fire_c, o.threshold);
-    doc.update(
-        {{"heads", o.heads}, {"hidden", o.hidden}, {"seed", o.seed}, {"c", o.fire_c}, {"threshold", o.threshold}});
-  } else if (o.encoding == "nope") {
-    scheme = NoPE(o.heads);
-    doc["heads"] = o.heads;
+    tables.emplace_back(picture.shared, std::move(picture.heads.front()));
   } else {
-    // Any other registered relative-bias scheme (posenc schemes), its options from --set.
-    SchemeArgs args;
-    args.heads = o.heads;
-    args.head_dim = 1;
-    for (const std::string& assignment : o.settings) {
-      const std::size_t eq = assignment.find('=');
-      if (eq == std::string::npos || eq == 0) throw Error("table", "--set", assignment, "NAME=VALUE");
-      const std::string value = assignment.substr(eq + 1);
-      std::size_t used = 0;
-      double number = 0;
-      try {
-        number = std::stod(value, &used);
-      } catch (const std::exception&) {
-        used = 0;
-      }
-      if (used == 0 || used != value.size()) throw Error("table", "--set", assignment, "NAME=a number");
-      args.options[assignment.substr(0, eq)] = number;
+    const auto heads = static_cast<std::int64_t>(picture.heads.size());
+    head_wanted(o, 0, heads);  // checks --head
+    for (std::int64_t h = 0; h < heads; ++h) {
+      if (head_wanted(o, h, heads))
+        tables.emplace_back("head" + std::to_string(h), std::move(picture.heads[static_cast<std::size_t>(h)]));
     }
-    scheme = *make_head_group(o.encoding, args).bias;
-    doc["heads"] = o.heads;
-    for (const auto& [name, value] : complete_scheme_args(find_scheme(o.encoding), args).options) doc[name] = value;
-  }
-  const std::int64_t heads = bias_heads(scheme);
-  head_wanted(o, 0, heads);  // checks --head before the work
-  std::vector<double> all(static_cast<std::size_t>(heads * n * n));
-  bias_materialize(scheme, positions, positions, TensorView::of(all.data(), {heads, n, n}));
-  for (std::int64_t h = 0; h < heads; ++h) {
-    if (!head_wanted(o, h, heads)) continue;
-    tables.emplace_back("head" + std::to_string(h),
-                        std::vector<double>(all.begin() + h * n * n, all.begin() + (h + 1) * n * n));
   }
   print_tables(o, tables, n, doc, "k");
 }
 
-void run_table(const TableOptions& o) {
+void run_table(const CLI::App& sub, const TableOptions& o) {
   if (o.encoding == "floater") {
     if (o.length < 0) throw Error("table", "--length", std::to_string(o.length), ">= 0");
     const FloaterParams floater = FloaterParams::init(o.dim, o.hidden, o.seed, 1.0, o.time_per_position, o.substeps);
@@ -308,29 +306,20 @@ void run_table(const TableOptions& o) {
                   {"length", o.length}});
     return;
   }
-  const auto registered_relative_bias = [&] {
-    for (const SchemeEntry& e : schemes()) {
-      if (e.name == o.encoding) return e.family == "relative-bias";
+  if (o.encoding != "sinusoidal" && o.encoding != "rope") {
+    const SchemeEntry* entry = pictured_scheme(o.encoding);
+    if (entry == nullptr) {
+      std::string names = "sinusoidal, rope, floater, nope";
+      for (const SchemeEntry& e : schemes()) {
+        if (has_picture(e) && e.name != "none") names += ", " + e.name;
+      }
+      throw Error("table", "encoding", o.encoding, names);
     }
-    return false;
-  };
-  if (o.encoding == "alibi" || o.encoding == "t5" || o.encoding == "kerple" || o.encoding == "fire" ||
-      o.encoding == "nope" || o.encoding == "shaw" || o.encoding == "xl" || o.encoding == "tupe" ||
-      registered_relative_bias()) {
     if (o.format != "text" && o.format != "csv" && o.format != "json") {
       throw Error("table", "--format", o.format, "text, csv or json");
     }
-    run_bias_table(o);
+    run_scheme_table(sub, o, *entry);
     return;
-  }
-  if (o.encoding != "sinusoidal" && o.encoding != "rope") {
-    std::string others;
-    for (const SchemeEntry& e : schemes()) {
-      if (e.family == "relative-bias" && e.name != "alibi" && e.name != "t5" && e.name != "kerple")
-        others += ", " + e.name;
-    }
-    throw Error("table", "encoding", o.encoding,
-                "sinusoidal, rope, floater, alibi, t5, kerple, fire, tupe, shaw, xl, nope" + others);
   }
   if (o.length < 0) throw Error("table", "--length", std::to_string(o.length), ">= 0");
   if (o.format != "text" && o.format != "csv" && o.format != "json") {
@@ -383,42 +372,26 @@ void run_table(const TableOptions& o) {
   }
 }
 
-// A flag given for an encoding that does not read it is refused by name rather than ignored.
+// A flag given for an encoding that does not read it is refused by name rather than ignored: the
+// table's own encodings read the flags listed here, a registered scheme its options' flags.
 void check_flags_apply(const CLI::App& sub, const std::string& encoding) {
-  std::vector<std::string> other_biases;  // registered relative biases without flags of their own (--set)
-  for (const SchemeEntry& e : schemes()) {
-    if (e.family == "relative-bias" && e.name != "alibi" && e.name != "t5" && e.name != "kerple")
-      other_biases.push_back(e.name);
-  }
-  std::vector<std::string> per_head = {"alibi", "kerple", "fire", "tupe", "xl", "nope"};
-  per_head.insert(per_head.end(), other_biases.begin(), other_biases.end());
-  const std::vector<std::pair<std::string, std::vector<std::string>>> readers = {
-      {"--dim", {"sinusoidal", "rope", "floater"}},
-      {"--base", {"sinusoidal", "rope"}},
-      {"--layout", {"sinusoidal"}},
-      {"--dtype", {"sinusoidal", "rope"}},
-      {"--heads", per_head},
-      {"--head", per_head},
-      {"--symmetric", {"alibi"}},
-      {"--max-bias", {"alibi"}},
-      {"--num-buckets", {"t5"}},
-      {"--causal", {"t5"}},
-      {"--max-distance", {"t5", "shaw"}},
-      {"--form", {"kerple"}},
-      {"--r1", {"kerple"}},
-      {"--r2", {"kerple"}},
-      {"--hidden", {"fire", "floater"}},
-      {"--seed", {"fire", "tupe", "xl", "floater"}},
-      {"--cls-reset", {"tupe"}},
-      {"--time-per-position", {"floater"}},
-      {"--substeps", {"floater"}},
-      {"--c", {"fire"}},
-      {"--threshold", {"fire"}},
-      {"--set", other_biases},
+  const std::vector<std::pair<std::string, std::vector<std::string>>> native = {
+      {"--dim", {"sinusoidal", "rope", "floater"}}, {"--base", {"sinusoidal", "rope"}}, {"--layout", {"sinusoidal"}},
+      {"--dtype", {"sinusoidal", "rope"}},          {"--hidden", {"floater"}},          {"--seed", {"floater"}},
+      {"--time-per-position", {"floater"}},         {"--substeps", {"floater"}},
   };
-  for (const auto& [flag, names] : readers) {
-    const CLI::Option* opt = sub.get_option_no_throw(flag);
-    if (opt == nullptr || opt->count() == 0 || std::find(names.begin(), names.end(), encoding) != names.end()) continue;
+  for (const CLI::Option* opt : sub.get_options()) {
+    const std::string flag = opt->get_lnames().empty() ? "" : "--" + opt->get_lnames().front();
+    if (flag.empty() || opt->count() == 0 || flag == "--length" || flag == "--offset" || flag == "--format") continue;
+    std::vector<std::string> names;
+    for (const auto& [f, readers] : native) {
+      if (f == flag) names = readers;
+    }
+    for (const SchemeEntry& e : schemes()) {
+      if (has_picture(e) && (structural_flag(flag) || declares(e, option_of_flag(flag))))
+        names.push_back(e.name == "none" ? "nope" : e.name);
+    }
+    if (std::find(names.begin(), names.end(), encoding) != names.end()) continue;
     std::string list;
     for (const std::string& n : names) list += (list.empty() ? "" : ", ") + n;
     throw Error("table", flag, opt->results().empty() ? "given" : opt->results().front(),
@@ -431,43 +404,54 @@ void check_flags_apply(const CLI::App& sub, const std::string& encoding) {
 Runner add_table(CLI::App& app) {
   auto o = std::make_shared<TableOptions>();
   CLI::App* sub = app.add_subcommand("table", "Print an encoding table (rows = positions)");
-  sub->add_option(
-         "encoding", o->encoding,
-         "Encoding: sinusoidal; rope (cos and sin, one column per frequency); floater (a seeded layer's "
-         "trajectory); alibi, t5 (bucket ids), kerple, fire, tupe (seeded layers), shaw (table rows), xl "
-         "(position terms of zero q and k, a seeded layer), nope, or any other relative-bias scheme of `posenc "
-         "schemes` such as sandwich (bias matrices: rows = queries, columns = keys)")
+  sub->add_option("encoding", o->encoding,
+                  "Encoding: sinusoidal; rope (cos and sin, one column per frequency); floater (a seeded layer's "
+                  "trajectory); or a registered scheme with a picture (posenc schemes): alibi, t5 (bucket ids), "
+                  "kerple, fire, tupe, shaw (table rows), xl (position terms of zero q and k), sandwich, nope, … "
+                  "(matrices: rows = queries, columns = keys; learned schemes show their initial parameters)")
       ->required();
   sub->add_option("--length,-n", o->length, "Number of positions (rows)")->capture_default_str();
-  sub->add_option("--dim,-d", o->dim, "Encoding width, or rope's rotary dim (even)")->capture_default_str();
-  sub->add_option("--base", o->base, "Frequency base")->capture_default_str();
+  sub->add_option("--dim,-d", o->dim, "Encoding width, or rope's rotary dim (even); a scheme's dim option")
+      ->capture_default_str();
+  sub->add_option("--base", o->base, "Frequency base (a scheme's base option)")->capture_default_str();
   sub->add_option("--layout", o->layout, "interleaved (sin, cos pairs) or split ([sin | cos])")->capture_default_str();
   sub->add_option("--offset", o->offset, "First position")->capture_default_str();
   sub->add_option("--dtype", o->dtype, "f32, f64, bf16 or f16")->capture_default_str();
   sub->add_option("--format", o->format, "text (PyTorch-style), csv or json")->capture_default_str();
-  sub->add_option("--heads,-H", o->heads, "Bias schemes: number of heads")->capture_default_str();
-  add_optional(sub, "--head", o->head, "Bias schemes: print only this head (default: every head)");
-  sub->add_flag("--symmetric", o->symmetric, "alibi: −m·|i − j| (encoder) instead of the causal −m·(i − j)");
-  sub->add_option("--max-bias", o->max_bias, "alibi: slope exponent scale (8 in the paper)")->capture_default_str();
-  sub->add_option("--num-buckets", o->num_buckets, "t5: number of buckets")->capture_default_str();
-  sub->add_option("--max-distance", o->max_distance, "t5: distance of the last bucket; shaw: the clip k")
-      ->capture_default_str();
-  sub->add_flag("--causal", o->causal, "t5: unidirectional buckets");
-  sub->add_option("--form", o->kerple_form, "kerple: log or power")->capture_default_str();
-  sub->add_option("--r1", o->r1, "kerple: r1 (every head)")->capture_default_str();
-  sub->add_option("--r2", o->r2, "kerple: r2 (every head)")->capture_default_str();
-  sub->add_option("--hidden", o->hidden, "fire, floater: MLP width")->capture_default_str();
-  sub->add_option("--seed", o->seed, "fire, tupe, xl, floater: initialisation seed")->capture_default_str();
-  sub->add_flag("--cls-reset", o->cls_reset, "tupe: position 0 is a [CLS] token with its own θ");
+  sub->add_option("--heads,-H", o->heads, "Registered schemes: number of heads")->capture_default_str();
+  add_optional(sub, "--head", o->head, "Registered schemes: print only this head (default: every head)");
+  sub->add_option("--head-dim", o->head_dim, "Registered schemes: head size (tupe, xl, shaw)")->capture_default_str();
+  sub->add_option("--hidden", o->hidden, "floater: MLP width (a scheme's hidden option)")->capture_default_str();
+  sub->add_option("--seed", o->seed, "floater: initialisation seed (a scheme's seed option)")->capture_default_str();
   sub->add_option("--time-per-position", o->time_per_position, "floater: Δ, the ODE time between positions")
       ->capture_default_str();
   sub->add_option("--substeps", o->substeps, "floater: RK4 steps per position")->capture_default_str();
-  sub->add_option("--c", o->fire_c, "fire: c of ψ(t) = log(1 + c·t)")->capture_default_str();
-  sub->add_option("--threshold", o->threshold, "fire: L, the smallest normaliser position")->capture_default_str();
-  sub->add_option("--set", o->settings, "Other registered schemes (posenc schemes): an option, NAME=VALUE");
+  sub->add_option("--set", o->settings, "Registered schemes: an option, NAME=VALUE");
+  sub->add_flag("--causal")->description("Schemes with a bidirectional option (t5): set it to 0");
+  sub->add_option("--form")->description("Schemes with a power option (kerple): log (0) or power (1)");
+  // Every other option of a registered scheme with a picture is a flag of its own name (a bare flag
+  // for 0-or-1 options), read only by the schemes that declare it.
+  for (const SchemeEntry& e : schemes()) {
+    if (!has_picture(e)) continue;
+    for (const SchemeOption& option : e.options) {
+      std::string flag = "--" + option.name;
+      std::replace(flag.begin(), flag.end(), '_', '-');
+      if (sub->get_option_no_throw(flag) != nullptr) continue;
+      std::string readers;
+      for (const SchemeEntry& r : schemes()) {
+        if (has_picture(r) && declares(r, option.name)) readers += (readers.empty() ? "" : ", ") + r.name;
+      }
+      const std::string help = readers + ": " + option.description;
+      if (option.integer && option.minimum == 0.0 && option.maximum == 1.0) {
+        sub->add_flag(flag)->description(help);
+      } else {
+        sub->add_option(flag)->description(help);
+      }
+    }
+  }
   return [o, sub] {
     check_flags_apply(*sub, o->encoding);
-    run_table(*o);
+    run_table(*sub, *o);
   };
 }
 

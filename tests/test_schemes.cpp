@@ -446,6 +446,66 @@ TEST_P(Schemes, RelativeBiasesMaterialiseAndDifferentiateAsTheirReference) {
   }
 }
 
+// A picture (posenc table) is the scheme's logit term: an fp64 attention with q = k = 0 and
+// one-hot values v_j = e_j outputs P itself, whose logs differ along a row as the picture does
+// (T5's bucket ids through its table). Schemes without one refuse by name.
+TEST_P(Schemes, PicturesAreTheLogitsOfZeroQueriesAndKeys) {
+  constexpr std::int64_t n = 7;  // <= kDim: one value dimension per key
+  const Positions positions = Positions::range(n, 3);
+  for (const SchemeEntry& e : schemes()) {
+    SCOPED_TRACE(e.name);
+    const HeadGroup g = make_head_group(e.name, with_random_parameters(e, matrix_args(e)));
+    if (!has_picture(e)) {
+      expect_error([&] { scheme_picture(e, g, positions); }, {"scheme " + e.name, "picture", e.family});
+      continue;
+    }
+    const SchemePicture picture = scheme_picture(e, g, positions);
+    ASSERT_EQ(picture.heads.size(), picture.shared.empty() ? static_cast<std::size_t>(kHeads) : 1);
+    for (const auto& m : picture.heads) ASSERT_EQ(m.size(), static_cast<std::size_t>(n * n));
+    if (e.name == "shaw") {  // table rows clip(r, ±k) + k (q = 0 sees none of them)
+      const std::int64_t k = g.shaw->max_distance();
+      for (std::int64_t i = 0; i < n; ++i) {
+        for (std::int64_t j = 0; j < n; ++j)
+          EXPECT_EQ(picture.heads[0][static_cast<std::size_t>(i * n + j)], std::clamp(j - i, -k, k) + k);
+      }
+      continue;
+    }
+    std::vector<double> zeros(static_cast<std::size_t>(n * kHeads * kDim), 0.0), v = zeros, out = zeros;
+    for (std::int64_t j = 0; j < n; ++j) {
+      for (std::int64_t h = 0; h < kHeads; ++h) v[static_cast<std::size_t>((j * kHeads + h) * kDim + j)] = 1.0;
+    }
+    std::vector<float> lse(static_cast<std::size_t>(kHeads * n));
+    const auto view = [&](std::vector<double>& x) { return TensorView::of(x.data(), {1, n, kHeads, kDim}); };
+    AttentionSpec spec{view(zeros), view(zeros), view(v), {g}};
+    spec.q_positions = positions;
+    spec.k_positions = positions;
+    ref::attention_forward(Attention(spec), view(out), TensorView::of(lse.data(), {1, kHeads, n}));
+    for (std::int64_t h = 0; h < kHeads; ++h) {
+      const auto logit = [&](std::int64_t i, std::int64_t j) {
+        const double x =
+            picture
+                .heads[picture.shared.empty() ? static_cast<std::size_t>(h) : 0][static_cast<std::size_t>(i * n + j)];
+        if (picture.shared.empty()) return x;
+        EXPECT_EQ(picture.shared, "buckets");  // T5: the table's entry [bucket, head]
+        return std::get<T5BiasParams>(*g.bias).table()[static_cast<std::size_t>(x) * kHeads + h];
+      };
+      for (std::int64_t i = 0; i < n; ++i) {
+        const auto p = [&](std::int64_t j) { return out[static_cast<std::size_t>((i * kHeads + h) * kDim + j)]; };
+        double sum = 0;
+        for (std::int64_t j = 0; j < n; ++j) {
+          // fp64 softmax of logits of a few units: log(p_j / p_0) within 1e-12 of the difference.
+          EXPECT_NEAR(std::log(p(j) / p(0)), logit(i, j) - logit(i, 0), 1e-12)
+              << "head " << h << ", (" << i << ", " << j << ")";
+          sum += std::exp(logit(i, j));
+        }
+        // lse is f32: 2^-22 of its size.
+        EXPECT_NEAR(lse[static_cast<std::size_t>(h * n + i)], std::log(sum),
+                    std::ldexp(1.0 + std::fabs(std::log(sum)), -22));
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Targets, Schemes, ::testing::ValuesIn(testing::all_targets()));
 
 }  // namespace

@@ -61,6 +61,14 @@ struct SchemeArgs {
   bool has(std::string_view name) const { return options.find(name) != options.end(); }
 };
 
+// What `posenc table` prints of a scheme: its part of the logit over query × key positions (rows =
+// queries, columns = keys, row-major), one matrix per head, or one `shared` matrix that stands for
+// every head under that name (T5's bucket ids, Shaw's table rows).
+struct SchemePicture {
+  std::vector<std::vector<double>> heads{};
+  std::string shared{};  // non-empty: heads holds one matrix, printed under this name
+};
+
 struct SchemeEntry {
   std::string name;
   // "none", "transform" (q and k before the product), "relative-bias" (a RelativeBias,
@@ -80,6 +88,9 @@ struct SchemeEntry {
   // and none without one (scheme_parameters / scheme_gradients apply that rule).
   std::function<std::vector<double>(const HeadGroup&)> parameters_of{};
   std::function<std::vector<double>(const GroupGradients&)> gradients_of{};
+  // The picture at positions × positions. Unset: a score bias materialised per head, zeros for a
+  // group with no positional part (scheme_picture applies that rule), none for the others.
+  std::function<SchemePicture(const HeadGroup&, const Positions&)> picture{};
 };
 
 // Every registered scheme, in a fixed order.
@@ -94,5 +105,10 @@ SchemeArgs complete_scheme_args(const SchemeEntry& entry, SchemeArgs args);
 // entry.parameters_of / gradients_of, or the family's rule when unset (see SchemeEntry).
 std::vector<double> scheme_parameters(const SchemeEntry& entry, const HeadGroup& group);
 std::vector<double> scheme_gradients(const SchemeEntry& entry, const GroupGradients& grads);
+// entry.picture, or the rule above; throws posenc::Error naming the scheme when it has none (a
+// transform or a sink: no matrix of positions).
+SchemePicture scheme_picture(const SchemeEntry& entry, const HeadGroup& group, const Positions& positions);
+// Whether scheme_picture gives one for this entry.
+bool has_picture(const SchemeEntry& entry);
 
 }  // namespace posenc

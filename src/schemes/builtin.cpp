@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "posenc/error.hpp"
+#include "posenc/memory.hpp"
 #include "posenc/registry.hpp"
 
 namespace posenc::scheme_entries {
@@ -50,6 +51,19 @@ SchemeEntry with_parameters(SchemeEntry entry, std::function<std::vector<double>
   entry.parameters_of = std::move(parameters_of);
   entry.gradients_of = std::move(gradients_of);
   return entry;
+}
+
+// One matrix for every head: value(r) at r = key position − query position.
+SchemePicture shared_picture(std::string name, const Positions& positions,
+                             const std::function<double(std::int64_t)>& value) {
+  const std::int64_t n = positions.seq_len();
+  std::vector<double> m(checked_allocation(checked_mul(n, n, "picture size"), sizeof(double), "picture", "positions²") /
+                        sizeof(double));
+  for (std::int64_t i = 0; i < n; ++i) {
+    for (std::int64_t j = 0; j < n; ++j)
+      m[static_cast<std::size_t>(i * n + j)] = value(positions.at(0, j) - positions.at(0, i));
+  }
+  return {{std::move(m)}, std::move(name)};
 }
 
 HeadGroup bias_group(const SchemeArgs& a, BiasScheme bias) {
@@ -133,7 +147,7 @@ SchemeEntry alibi_entry() {
 }
 
 SchemeEntry t5_entry() {
-  return with_parameters(
+  SchemeEntry entry = with_parameters(
       {"t5",
        "relative-bias",
        "b = table[bucket(r), h]: exact near 0, logarithmic buckets up to max_distance",
@@ -149,6 +163,12 @@ SchemeEntry t5_entry() {
                                            a.flag("bidirectional"), a.parameters));
        }},
       [](const HeadGroup& g) { return std::get<T5BiasParams>(*g.bias).table(); }, {});
+  // The bucket ids (the learned table is a model's, zeros at first).
+  entry.picture = [](const HeadGroup& g, const Positions& positions) {
+    const T5BiasParams& t5 = std::get<T5BiasParams>(*g.bias);
+    return shared_picture("buckets", positions, [&](std::int64_t r) { return static_cast<double>(t5.bucket(r)); });
+  };
+  return entry;
 }
 
 SchemeEntry kerple_entry() {
@@ -247,7 +267,7 @@ SchemeEntry tupe_entry() {
 }
 
 SchemeEntry shaw_entry() {
-  return with_parameters(
+  SchemeEntry entry = with_parameters(
       {"shaw",
        "relative-terms",
        "logit += scale·q·a^K[clip(r, ±k)], out += Σ_j p_ij·a^V[clip(r, ±k)]",
@@ -278,10 +298,15 @@ SchemeEntry shaw_entry() {
       [](const GroupGradients& g) {
         return joined({&g.shaw_key_table, &g.shaw_value_table});
       });
+  // The table row each (query, key) pair reads: clip(r, −k, k) + k.
+  entry.picture = [](const HeadGroup& g, const Positions& positions) {
+    return shared_picture("rows", positions, [&](std::int64_t r) { return static_cast<double>(g.shaw->row_of(r)); });
+  };
+  return entry;
 }
 
 SchemeEntry xl_entry() {
-  return with_parameters(
+  SchemeEntry entry = with_parameters(
       {"xl",
        "relative-terms",
        "logit += scale·(u_h·k_j + (q_i + v_h)·W_R r(i − j)), r a sinusoid of d_model",
@@ -312,6 +337,26 @@ SchemeEntry xl_entry() {
       [](const GroupGradients& g) {
         return joined({&g.xl->u, &g.xl->v, &g.xl->w_r});
       });
+  // The position terms a zero query and zero keys see: scale·v_h·W_R r(i − j).
+  entry.picture = [](const HeadGroup& g, const Positions& positions) {
+    const std::int64_t n = positions.seq_len(), heads = g.heads, dim = g.xl->head_dim();
+    const std::int64_t per_head = checked_mul(n, n, "picture size");
+    const auto count = [](std::int64_t values, const char* what) {
+      return checked_allocation(values, sizeof(double), "picture", what) / sizeof(double);
+    };
+    const std::vector<double> zeros(count(checked_mul(checked_mul(n, heads, "picture size"), dim, "picture size"), "q"),
+                                    0.0);
+    std::vector<double> all(count(checked_mul(heads, per_head, "picture size"), "heads · positions²"), 0.0);
+    xl_add_position_terms(*g.xl, ConstTensorView::of(zeros.data(), {n, heads, dim}),
+                          ConstTensorView::of(zeros.data(), {n, heads, dim}), positions, positions,
+                          TensorView::of(all.data(), {heads, n, n}));
+    SchemePicture picture;
+    for (std::int64_t h = 0; h < heads; ++h) {
+      picture.heads.emplace_back(all.begin() + h * per_head, all.begin() + (h + 1) * per_head);
+    }
+    return picture;
+  };
+  return entry;
 }
 
 }  // namespace posenc::scheme_entries

@@ -93,9 +93,7 @@ SchemeArgs complete_scheme_args(const SchemeEntry& entry, SchemeArgs args) {
       for (const SchemeOption& o : entry.options) names += (names.empty() ? "" : ", ") + o.name;
       throw Error(where, "option", name, names.empty() ? "no options" : "one of " + names);
     }
-    // Integers up to 2^53: beyond, a double no longer holds every integer.
-    constexpr double kLargest = 9007199254740992.0;
-    if (std::isnan(value) || (option->integer && (value != std::trunc(value) || std::fabs(value) > kLargest))) {
+    if (std::isnan(value) || (option->integer && value != std::trunc(value))) {
       throw Error(where, name, detail::to_text(value), option->integer ? "an integer" : "a number");
     }
     if (value < option->minimum || value > option->maximum) {
@@ -107,6 +105,11 @@ SchemeArgs complete_scheme_args(const SchemeEntry& entry, SchemeArgs args) {
                   : option->minimum == -SchemeOption::kUnbounded
                       ? "<= " + bound(option->maximum)
                       : "in [" + bound(option->minimum) + ", " + bound(option->maximum) + "]");
+    }
+    // Integers up to 2^53: beyond, a double no longer holds every integer (the ranges above stop
+    // there; this covers an unbounded one).
+    if (option->integer && std::fabs(value) > 9007199254740992.0) {
+      throw Error(where, name, detail::to_text(value), "an integer of magnitude at most 2^53");
     }
     if (args.rope && (name == "base" || name == "rotary_dim" || name == "interleaved")) {
       throw Error(where, name, detail::to_text(value), "absent when RoPE parameters are given (they set it)");
@@ -153,6 +156,36 @@ std::vector<double> scheme_parameters(const SchemeEntry& entry, const HeadGroup&
 std::vector<double> scheme_gradients(const SchemeEntry& entry, const GroupGradients& grads) {
   if (entry.gradients_of) return entry.gradients_of(grads);
   return grads.bias;  // a score bias's, in its registered order; empty for the other schemes
+}
+
+bool has_picture(const SchemeEntry& entry) {
+  return static_cast<bool>(entry.picture) || entry.family == "relative-bias" || entry.family == "bias" ||
+         entry.family == "none";
+}
+
+SchemePicture scheme_picture(const SchemeEntry& entry, const HeadGroup& group, const Positions& positions) {
+  if (entry.picture) return entry.picture(group, positions);
+  if (!has_picture(entry)) {
+    throw Error("scheme " + entry.name, "picture", entry.family,
+                "a scheme whose logit term is a matrix of positions (a bias, relative terms or none)");
+  }
+  const std::int64_t n = positions.seq_len();
+  const std::int64_t per_head = checked_mul(n, n, "scheme_picture: positions²");
+  checked_allocation(checked_mul(per_head, group.heads, "scheme_picture: heads · positions²"), sizeof(double),
+                     "scheme_picture", "heads · positions²");
+  const auto cells = static_cast<std::size_t>(per_head);
+  SchemePicture picture;
+  if (!group.bias) {
+    picture.heads.assign(static_cast<std::size_t>(group.heads), std::vector<double>(cells, 0.0));
+    return picture;
+  }
+  std::vector<double> all(cells * static_cast<std::size_t>(bias_heads(*group.bias)));
+  bias_materialize(*group.bias, positions, positions, TensorView::of(all.data(), {bias_heads(*group.bias), n, n}));
+  for (std::size_t h = 0; h < all.size() / cells; ++h) {
+    picture.heads.emplace_back(all.begin() + static_cast<std::ptrdiff_t>(h * cells),
+                               all.begin() + static_cast<std::ptrdiff_t>((h + 1) * cells));
+  }
+  return picture;
 }
 
 HeadGroup make_head_group(std::string_view name, SchemeArgs args) {

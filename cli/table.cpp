@@ -13,6 +13,8 @@
 #include <fmt/core.h>
 
 #include <algorithm>
+#include <charconv>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -174,18 +176,12 @@ const SchemeEntry* pictured_scheme(const std::string& encoding) {
   return nullptr;
 }
 
-// Encodings the table prints without the registry (their own flags below).
-bool native_encoding(const std::string& encoding) {
-  return encoding == "sinusoidal" || encoding == "rope" || encoding == "floater";
-}
-
-// The flags of the command's own shape (every registered scheme reads them) and the aliases of
-// options under the names the table has always taken: --causal (bidirectional = 0), --form.
-bool structural_flag(const std::string& flag) {
-  return flag == "--length" || flag == "--offset" || flag == "--format" || flag == "--heads" || flag == "--head" ||
-         flag == "--head-dim" || flag == "--set";
-}
-std::string option_of_flag(const std::string& flag) {
+// What a flag sets for a registered scheme: "heads", "head_dim", or an option's name (dashes for
+// underscores; --causal and --form are the bidirectional and power options' old spellings). ""
+// for the command's own flags, which every encoding reads, and --set.
+std::string target_of_flag(const std::string& flag) {
+  if (flag == "--length" || flag == "--offset" || flag == "--format" || flag == "--set" || flag == "--head") return "";
+  if (flag == "--heads") return "heads";
   if (flag == "--causal") return "bidirectional";
   if (flag == "--form") return "power";
   std::string name = flag.substr(2);
@@ -195,8 +191,27 @@ std::string option_of_flag(const std::string& flag) {
 bool declares(const SchemeEntry& e, const std::string& option) {
   return std::any_of(e.options.begin(), e.options.end(), [&](const SchemeOption& o) { return o.name == option; });
 }
+// Whether the scheme's picture depends on what the flag sets.
+bool reads(const SchemeEntry& e, const std::string& target) {
+  const std::vector<std::string> ignored = picture_ignores(e);
+  if (std::find(ignored.begin(), ignored.end(), target) != ignored.end()) return false;
+  return target == "heads" || target == "head_dim" || declares(e, target);
+}
+std::string flag_of(const CLI::Option& opt) { return opt.get_lnames().empty() ? "" : "--" + opt.get_lnames().front(); }
 
-double number_of(const std::string& where, const std::string& text) {
+constexpr double kExactIntegers = 9007199254740992.0;  // 2^53: a double holds every integer up to it
+
+// An option's value as typed: an integer option reads an int64 (a double past 2^53 would round).
+double number_of(const std::string& where, const std::string& text, bool integer) {
+  if (integer) {
+    std::int64_t value = 0;
+    const char* end = text.data() + text.size();
+    const auto [at, ec] = std::from_chars(text.data(), end, value);
+    if (ec != std::errc() || at != end) throw Error("table", where, text, "an integer");
+    if (static_cast<double>(value < 0 ? -value : value) > kExactIntegers)
+      throw Error("table", where, text, "an integer of magnitude at most 2^53");
+    return static_cast<double>(value);
+  }
   std::size_t used = 0;
   double number = 0;
   try {
@@ -208,34 +223,68 @@ double number_of(const std::string& where, const std::string& text) {
   return number;
 }
 
-// The registry's arguments from the given flags and --set.
+// A bare flag's value: CLI11 keeps "--flag=VALUE" as typed.
+double flag_value(const std::string& flag, const std::string& text) {
+  for (const char* yes : {"true", "1", "on", "yes"}) {
+    if (text == yes) return 1.0;
+  }
+  for (const char* no : {"false", "0", "off", "no"}) {
+    if (text == no) return 0.0;
+  }
+  throw Error("table", flag, text, "true or false (1 or 0)");
+}
+
+// The registry's arguments from the given flags and --set; each option set once.
 SchemeArgs scheme_args(const CLI::App& sub, const TableOptions& o, const SchemeEntry& entry) {
   SchemeArgs args;
   args.heads = o.heads;
   args.head_dim = o.head_dim;
+  std::map<std::string, std::string> set_by;
+  const auto set = [&](const std::string& option, double value, const std::string& source) {
+    if (const auto it = set_by.find(option); it != set_by.end()) {
+      throw Error("table", source, fmt::format("{}", value),
+                  "one value for " + option + " (" + it->second + " sets it too)");
+    }
+    set_by.emplace(option, source);
+    args.options[option] = value;
+  };
+  const auto integer = [&](const std::string& option) {
+    for (const SchemeOption& so : entry.options) {
+      if (so.name == option) return so.integer;
+    }
+    return false;
+  };
   for (const CLI::Option* opt : sub.get_options()) {
-    const std::string flag = opt->get_lnames().empty() ? "" : "--" + opt->get_lnames().front();
-    if (flag.empty() || opt->count() == 0 || structural_flag(flag)) continue;
-    const std::string option = option_of_flag(flag);
-    if (!declares(entry, option)) continue;  // refused by check_flags_apply
+    const std::string flag = flag_of(*opt);
+    const std::string option = flag.empty() ? "" : target_of_flag(flag);
+    if (opt->count() == 0 || !declares(entry, option)) continue;  // the others: check_flags_apply
     const std::string text = opt->results().empty() ? "true" : opt->results().back();
-    double value = 0;
     if (flag == "--causal") {
-      value = 0.0;
+      set(option, 1.0 - flag_value(flag, text), flag);
     } else if (flag == "--form") {
       if (text != "log" && text != "power") throw Error("table", "--form", text, "log or power");
-      value = text == "power" ? 1.0 : 0.0;
-    } else if (opt->get_expected_min() == 0) {  // a bare flag
-      value = text == "false" ? 0.0 : 1.0;
+      set(option, text == "power" ? 1.0 : 0.0, flag);
+    } else if (opt->get_expected_min() == 0) {
+      set(option, flag_value(flag, text), flag);
+    } else if (flag == "--dim") {  // flags the table's own encodings read too: their parsed values
+      set(option, static_cast<double>(o.dim), flag);
+    } else if (flag == "--base") {
+      set(option, o.base, flag);
+    } else if (flag == "--hidden") {
+      set(option, static_cast<double>(o.hidden), flag);
+    } else if (flag == "--seed") {
+      if (o.seed > (std::uint64_t{1} << 53))
+        throw Error("table", flag, std::to_string(o.seed), "at most 2^53 for " + entry.name);
+      set(option, static_cast<double>(o.seed), flag);
     } else {
-      value = number_of(flag, text);
+      set(option, number_of(flag, text, integer(option)), flag);
     }
-    args.options[option] = value;
   }
   for (const std::string& assignment : o.settings) {
     const std::size_t eq = assignment.find('=');
     if (eq == std::string::npos || eq == 0) throw Error("table", "--set", assignment, "NAME=VALUE");
-    args.options[assignment.substr(0, eq)] = number_of("--set", assignment.substr(eq + 1));
+    const std::string name = assignment.substr(0, eq);
+    set(name, number_of("--set " + name, assignment.substr(eq + 1), integer(name)), "--set " + name);
   }
   return args;
 }
@@ -244,20 +293,28 @@ SchemeArgs scheme_args(const CLI::App& sub, const TableOptions& o, const SchemeE
 void run_scheme_table(const CLI::App& sub, const TableOptions& o, const SchemeEntry& entry) {
   if (o.length < 1) throw Error("table", "--length", std::to_string(o.length), ">= 1");
   if (o.heads < 1) throw Error("table", "--heads", std::to_string(o.heads), ">= 1");
+  const bool per_head = reads(entry, "heads");
   constexpr std::int64_t kMaxElements = std::int64_t{1} << 26;
-  if (checked_mul(o.length, o.length, "table size") > kMaxElements / std::max<std::int64_t>(o.heads, 1)) {
-    throw Error("table", "--length² × --heads", std::to_string(o.length) + "² × " + std::to_string(o.heads),
+  if (checked_mul(o.length, o.length, "table size") > kMaxElements / (per_head ? o.heads : 1)) {
+    throw Error("table", per_head ? "--length² × --heads" : "--length²",
+                std::to_string(o.length) + "²" + (per_head ? " × " + std::to_string(o.heads) : ""),
                 "at most 2^26 values (the C++ API has no such limit)");
   }
   const SchemeArgs args = complete_scheme_args(entry, scheme_args(sub, o, entry));
+  // A learned table of positions (TUPE) must reach the last one.
+  if (const auto it = args.options.find("max_len"); it != args.options.end() && o.offset + o.length > it->second) {
+    throw Error("table", "--offset + --length", std::to_string(o.offset) + " + " + std::to_string(o.length),
+                "at most max_len = " + fmt::format("{}", it->second) + " (--max-len)");
+  }
   const HeadGroup group = entry.make(args);
   const std::int64_t n = o.length;
   SchemePicture picture = scheme_picture(entry, group, Positions::range(n, o.offset));
-  nlohmann::json doc = {
-      {"encoding", o.encoding}, {"length", n}, {"offset", o.offset}, {"heads", o.heads}, {"head_dim", o.head_dim}};
+  nlohmann::json doc = {{"encoding", o.encoding}, {"length", n}, {"offset", o.offset}};
+  if (per_head) doc["heads"] = o.heads;
+  if (reads(entry, "head_dim")) doc["head_dim"] = o.head_dim;
   for (const SchemeOption& option : entry.options) {
     const auto it = args.options.find(option.name);
-    if (it == args.options.end()) continue;
+    if (it == args.options.end() || !reads(entry, option.name)) continue;
     if (option.integer && option.minimum == 0.0 && option.maximum == 1.0) {
       doc[option.name] = it->second != 0.0;
     } else if (option.integer) {
@@ -373,7 +430,8 @@ void run_table(const CLI::App& sub, const TableOptions& o) {
 }
 
 // A flag given for an encoding that does not read it is refused by name rather than ignored: the
-// table's own encodings read the flags listed here, a registered scheme its options' flags.
+// table's own encodings read the flags listed here, a registered scheme what its picture depends on
+// (its options, heads and head_dim but those picture_ignores names) and --set.
 void check_flags_apply(const CLI::App& sub, const std::string& encoding) {
   const std::vector<std::pair<std::string, std::vector<std::string>>> native = {
       {"--dim", {"sinusoidal", "rope", "floater"}}, {"--base", {"sinusoidal", "rope"}}, {"--layout", {"sinusoidal"}},
@@ -381,15 +439,18 @@ void check_flags_apply(const CLI::App& sub, const std::string& encoding) {
       {"--time-per-position", {"floater"}},         {"--substeps", {"floater"}},
   };
   for (const CLI::Option* opt : sub.get_options()) {
-    const std::string flag = opt->get_lnames().empty() ? "" : "--" + opt->get_lnames().front();
-    if (flag.empty() || opt->count() == 0 || flag == "--length" || flag == "--offset" || flag == "--format") continue;
+    const std::string flag = flag_of(*opt);
+    if (flag.empty() || opt->count() == 0) continue;
+    const std::string target = target_of_flag(flag);
+    if (target.empty() && flag != "--set" && flag != "--head") continue;  // --length, --offset, --format
     std::vector<std::string> names;
     for (const auto& [f, readers] : native) {
       if (f == flag) names = readers;
     }
     for (const SchemeEntry& e : schemes()) {
-      if (has_picture(e) && (structural_flag(flag) || declares(e, option_of_flag(flag))))
-        names.push_back(e.name == "none" ? "nope" : e.name);
+      if (!has_picture(e)) continue;
+      // --head: every registered scheme (a shared matrix refuses it by name when it is printed).
+      if (flag == "--set" || flag == "--head" || reads(e, target)) names.push_back(e.name == "none" ? "nope" : e.name);
     }
     if (std::find(names.begin(), names.end(), encoding) != names.end()) continue;
     std::string list;
@@ -411,7 +472,8 @@ Runner add_table(CLI::App& app) {
                   "(matrices: rows = queries, columns = keys; learned schemes show their initial parameters)")
       ->required();
   sub->add_option("--length,-n", o->length, "Number of positions (rows)")->capture_default_str();
-  sub->add_option("--dim,-d", o->dim, "Encoding width, or rope's rotary dim (even); a scheme's dim option")
+  sub->add_option("--dim,-d", o->dim,
+                  "Encoding width, or rope's rotary dim (even); a scheme's dim option (default: the scheme's)")
       ->capture_default_str();
   sub->add_option("--base", o->base, "Frequency base (a scheme's base option)")->capture_default_str();
   sub->add_option("--layout", o->layout, "interleaved (sin, cos pairs) or split ([sin | cos])")->capture_default_str();
@@ -420,7 +482,8 @@ Runner add_table(CLI::App& app) {
   sub->add_option("--format", o->format, "text (PyTorch-style), csv or json")->capture_default_str();
   sub->add_option("--heads,-H", o->heads, "Registered schemes: number of heads")->capture_default_str();
   add_optional(sub, "--head", o->head, "Registered schemes: print only this head (default: every head)");
-  sub->add_option("--head-dim", o->head_dim, "Registered schemes: head size (tupe, xl, shaw)")->capture_default_str();
+  sub->add_option("--head-dim", o->head_dim, "Registered schemes whose picture depends on it: head size (tupe, xl)")
+      ->capture_default_str();
   sub->add_option("--hidden", o->hidden, "floater: MLP width (a scheme's hidden option)")->capture_default_str();
   sub->add_option("--seed", o->seed, "floater: initialisation seed (a scheme's seed option)")->capture_default_str();
   sub->add_option("--time-per-position", o->time_per_position, "floater: Δ, the ODE time between positions")

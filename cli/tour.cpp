@@ -228,7 +228,7 @@ void tour_biases() {
       "\n  Transformer-XL (Dai et al. 2019): scores gain u·k_j + (q_i + v)·W_R r(i − j), r sinusoidal.\n"
       "  For a zero query and keys, what remains is v·W_R r(i − j), query 5 against keys 0 … 5:\n   ");
   for (const float value : xl_row) fmt::print(" {:.4f}", value);
-  fmt::print("\n  (`posenc table tupe|shaw|xl --length 6` prints whole matrices.)\n");
+  fmt::print("\n  (`posenc table tupe|shaw|xl --length 6` prints whole matrices, of the registry's initial layers.)\n");
 }
 
 void tour_floater() {

@@ -91,6 +91,10 @@ struct SchemeEntry {
   // The picture at positions × positions. Unset: a score bias materialised per head, zeros for a
   // group with no positional part (scheme_picture applies that rule), none for the others.
   std::function<SchemePicture(const HeadGroup&, const Positions&)> picture{};
+  // What the picture does not depend on: "heads" (one matrix for every head), "head_dim", or option
+  // names; `posenc table` refuses them rather than ignore them. Unset: head_dim for a relative bias
+  // and none, nothing for the others (picture_ignores applies that rule).
+  std::optional<std::vector<std::string>> picture_ignores{};
 };
 
 // Every registered scheme, in a fixed order.
@@ -110,5 +114,7 @@ std::vector<double> scheme_gradients(const SchemeEntry& entry, const GroupGradie
 SchemePicture scheme_picture(const SchemeEntry& entry, const HeadGroup& group, const Positions& positions);
 // Whether scheme_picture gives one for this entry.
 bool has_picture(const SchemeEntry& entry);
+// entry.picture_ignores, or the rule above.
+std::vector<std::string> picture_ignores(const SchemeEntry& entry);
 
 }  // namespace posenc

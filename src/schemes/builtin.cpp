@@ -168,6 +168,7 @@ SchemeEntry t5_entry() {
     const T5BiasParams& t5 = std::get<T5BiasParams>(*g.bias);
     return shared_picture("buckets", positions, [&](std::int64_t r) { return static_cast<double>(t5.bucket(r)); });
   };
+  entry.picture_ignores = {"heads", "head_dim"};
   return entry;
 }
 
@@ -197,39 +198,41 @@ SchemeEntry kerple_entry() {
 }
 
 SchemeEntry fire_entry() {
-  return with_parameters({"fire",
-                          "bias",
-                          "b = MLP_h(ψ(|i − j|)/ψ(max(L, i))), ψ(t) = log(1 + c·t)",
-                          "Li et al. 2023, Functional Interpolation for Relative Positions",
-                          {size_option("hidden", 32, "MLP width"),
-                           {"c", 1.0, "c of ψ at first"},
-                           {"threshold", 512.0, "L at first"},
-                           seed_option()},
-                          "[w1 (hidden) | b1 (hidden) | w2 (heads·hidden) | b2 (heads) | c | L]",
-                          [](const SchemeArgs& a) {
-                            const std::int64_t k = a.integer("hidden");
-                            return std::vector<std::int64_t>{
-                                checked_sum("fire", {2 * k, checked_product("fire", {a.heads, k}), a.heads, 2})};
-                          },
-                          [](const SchemeArgs& a) {
-                            const std::int64_t k = a.integer("hidden"), h = a.heads;
-                            if (a.parameters.empty()) {
-                              return bias_group(a, FireParams::init(h, k, static_cast<std::uint64_t>(a.integer("seed")),
-                                                                    a.number("c"), a.number("threshold")));
-                            }
-                            const std::vector<double>& p = a.parameters;
-                            return bias_group(a,
-                                              FireParams(h, slice(p, 0, k), slice(p, k, k), slice(p, 2 * k, h * k),
+  SchemeEntry entry =
+      with_parameters({"fire",
+                       "bias",
+                       "b = MLP_h(ψ(|i − j|)/ψ(max(L, i))), ψ(t) = log(1 + c·t)",
+                       "Li et al. 2023, Functional Interpolation for Relative Positions",
+                       {size_option("hidden", 32, "MLP width"),
+                        {"c", 1.0, "c of ψ at first"},
+                        {"threshold", 512.0, "L at first"},
+                        seed_option()},
+                       "[w1 (hidden) | b1 (hidden) | w2 (heads·hidden) | b2 (heads) | c | L]",
+                       [](const SchemeArgs& a) {
+                         const std::int64_t k = a.integer("hidden");
+                         return std::vector<std::int64_t>{
+                             checked_sum("fire", {2 * k, checked_product("fire", {a.heads, k}), a.heads, 2})};
+                       },
+                       [](const SchemeArgs& a) {
+                         const std::int64_t k = a.integer("hidden"), h = a.heads;
+                         if (a.parameters.empty()) {
+                           return bias_group(a, FireParams::init(h, k, static_cast<std::uint64_t>(a.integer("seed")),
+                                                                 a.number("c"), a.number("threshold")));
+                         }
+                         const std::vector<double>& p = a.parameters;
+                         return bias_group(a, FireParams(h, slice(p, 0, k), slice(p, k, k), slice(p, 2 * k, h * k),
                                                          slice(p, 2 * k + h * k, h), p[p.size() - 2], p[p.size() - 1]));
-                          }},
-                         [](const HeadGroup& g) {
-                           const FireParams& f = std::get<FireParams>(*g.bias);
-                           std::vector<double> all = joined({&f.w1(), &f.b1(), &f.w2(), &f.b2()});
-                           all.push_back(f.c());
-                           all.push_back(f.threshold());
-                           return all;
-                         },
-                         {});
+                       }},
+                      [](const HeadGroup& g) {
+                        const FireParams& f = std::get<FireParams>(*g.bias);
+                        std::vector<double> all = joined({&f.w1(), &f.b1(), &f.w2(), &f.b2()});
+                        all.push_back(f.c());
+                        all.push_back(f.threshold());
+                        return all;
+                      },
+                      {});
+  entry.picture_ignores = {"head_dim"};  // FIRE's MLP sees positions only
+  return entry;
 }
 
 SchemeEntry tupe_entry() {
@@ -302,6 +305,7 @@ SchemeEntry shaw_entry() {
   entry.picture = [](const HeadGroup& g, const Positions& positions) {
     return shared_picture("rows", positions, [&](std::int64_t r) { return static_cast<double>(g.shaw->row_of(r)); });
   };
+  entry.picture_ignores = {"heads", "head_dim", "seed"};
   return entry;
 }
 

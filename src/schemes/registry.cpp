@@ -163,11 +163,17 @@ bool has_picture(const SchemeEntry& entry) {
          entry.family == "none";
 }
 
+std::vector<std::string> picture_ignores(const SchemeEntry& entry) {
+  if (entry.picture_ignores) return *entry.picture_ignores;
+  if (entry.family == "relative-bias" || entry.family == "none") return {"head_dim"};
+  return {};
+}
+
 SchemePicture scheme_picture(const SchemeEntry& entry, const HeadGroup& group, const Positions& positions) {
   if (entry.picture) return entry.picture(group, positions);
   if (!has_picture(entry)) {
     throw Error("scheme " + entry.name, "picture", entry.family,
-                "a scheme whose logit term is a matrix of positions (a bias, relative terms or none)");
+                "a scheme with a picture (a bias of the positions, none, or an entry that gives one)");
   }
   const std::int64_t n = positions.seq_len();
   const std::int64_t per_head = checked_mul(n, n, "scheme_picture: positions²");

@@ -7,8 +7,8 @@
 //   offset … offset + N − 1, columns = key positions (causal schemes print their values above the
 //   diagonal too: masking is attention's job). The scheme's picture decides what is shown (t5: bucket
 //   ids, shaw: table rows, xl: the position terms of zero q and k). A flag --OPTION sets the
-//   registry option OPTION (dashes for underscores); --causal is bidirectional = 0, --form power
-//   is power = 1.
+//   registry option OPTION (dashes for underscores); --causal sets bidirectional to its negation,
+//   --form power is power = 1. A flag the picture does not depend on is refused.
 // posenc table floater --length N --dim D [--hidden M] [--seed S] [...]
 #include <fmt/core.h>
 
@@ -178,7 +178,7 @@ const SchemeEntry* pictured_scheme(const std::string& encoding) {
 
 // What a flag sets for a registered scheme: "heads", "head_dim", or an option's name (dashes for
 // underscores; --causal and --form are the bidirectional and power options' old spellings). ""
-// for the command's own flags, which every encoding reads, and --set.
+// for --length, --offset and --format (every encoding reads them), --head and --set.
 std::string target_of_flag(const std::string& flag) {
   if (flag == "--length" || flag == "--offset" || flag == "--format" || flag == "--set" || flag == "--head") return "";
   if (flag == "--heads") return "heads";
@@ -199,7 +199,7 @@ bool reads(const SchemeEntry& e, const std::string& target) {
 }
 std::string flag_of(const CLI::Option& opt) { return opt.get_lnames().empty() ? "" : "--" + opt.get_lnames().front(); }
 
-constexpr double kExactIntegers = 9007199254740992.0;  // 2^53: a double holds every integer up to it
+constexpr std::int64_t kExactIntegers = std::int64_t{1} << 53;  // a double holds every integer up to it
 
 // An option's value as typed: an integer option reads an int64 (a double past 2^53 would round).
 double number_of(const std::string& where, const std::string& text, bool integer) {
@@ -208,7 +208,7 @@ double number_of(const std::string& where, const std::string& text, bool integer
     const char* end = text.data() + text.size();
     const auto [at, ec] = std::from_chars(text.data(), end, value);
     if (ec != std::errc() || at != end) throw Error("table", where, text, "an integer");
-    if (static_cast<double>(value < 0 ? -value : value) > kExactIntegers)
+    if (value > kExactIntegers || value < -kExactIntegers)
       throw Error("table", where, text, "an integer of magnitude at most 2^53");
     return static_cast<double>(value);
   }
@@ -284,6 +284,10 @@ SchemeArgs scheme_args(const CLI::App& sub, const TableOptions& o, const SchemeE
     const std::size_t eq = assignment.find('=');
     if (eq == std::string::npos || eq == 0) throw Error("table", "--set", assignment, "NAME=VALUE");
     const std::string name = assignment.substr(0, eq);
+    if (declares(entry, name) && !reads(entry, name)) {
+      throw Error("table", "--set " + name, assignment.substr(eq + 1),
+                  "an option " + entry.name + "'s picture depends on (it shows no " + name + ")");
+    }
     set(name, number_of("--set " + name, assignment.substr(eq + 1), integer(name)), "--set " + name);
   }
   return args;
@@ -302,7 +306,8 @@ void run_scheme_table(const CLI::App& sub, const TableOptions& o, const SchemeEn
   }
   const SchemeArgs args = complete_scheme_args(entry, scheme_args(sub, o, entry));
   // A learned table of positions (TUPE) must reach the last one.
-  if (const auto it = args.options.find("max_len"); it != args.options.end() && o.offset + o.length > it->second) {
+  if (const auto it = args.options.find("max_len");
+      it != args.options.end() && static_cast<double>(o.offset) + static_cast<double>(o.length) > it->second) {
     throw Error("table", "--offset + --length", std::to_string(o.offset) + " + " + std::to_string(o.length),
                 "at most max_len = " + fmt::format("{}", it->second) + " (--max-len)");
   }
@@ -480,7 +485,8 @@ Runner add_table(CLI::App& app) {
   sub->add_option("--offset", o->offset, "First position")->capture_default_str();
   sub->add_option("--dtype", o->dtype, "f32, f64, bf16 or f16")->capture_default_str();
   sub->add_option("--format", o->format, "text (PyTorch-style), csv or json")->capture_default_str();
-  sub->add_option("--heads,-H", o->heads, "Registered schemes: number of heads")->capture_default_str();
+  sub->add_option("--heads,-H", o->heads, "Registered schemes with a matrix per head: number of heads")
+      ->capture_default_str();
   add_optional(sub, "--head", o->head, "Registered schemes: print only this head (default: every head)");
   sub->add_option("--head-dim", o->head_dim, "Registered schemes whose picture depends on it: head size (tupe, xl)")
       ->capture_default_str();
@@ -490,10 +496,10 @@ Runner add_table(CLI::App& app) {
       ->capture_default_str();
   sub->add_option("--substeps", o->substeps, "floater: RK4 steps per position")->capture_default_str();
   sub->add_option("--set", o->settings, "Registered schemes: an option, NAME=VALUE");
-  sub->add_flag("--causal")->description("Schemes with a bidirectional option (t5): set it to 0");
+  sub->add_flag("--causal")->description("Schemes with a bidirectional option (t5): set it to 0 (--causal=false: 1)");
   sub->add_option("--form")->description("Schemes with a power option (kerple): log (0) or power (1)");
   // Every other option of a registered scheme with a picture is a flag of its own name (a bare flag
-  // for 0-or-1 options), read only by the schemes that declare it.
+  // for 0-or-1 options), read only by the schemes whose picture depends on it.
   for (const SchemeEntry& e : schemes()) {
     if (!has_picture(e)) continue;
     for (const SchemeOption& option : e.options) {

@@ -191,6 +191,14 @@ TEST_P(Schemes, EveryEntryIsDescribedAndItsParametersHaveTheDeclaredShape) {
     const Call call(in, DType::kF32, false, g, true);
     const Attention att(call.spec);
     EXPECT_EQ(static_cast<std::int64_t>(scheme_gradients(e, att.zero_gradients().groups[0]).size()), count);
+    // What a picture ignores is an argument or a declared option (a misspelt name would let
+    // `posenc table` accept the flag and ignore it).
+    for (const std::string& ignored : picture_ignores(e)) {
+      EXPECT_TRUE(
+          ignored == "heads" || ignored == "head_dim" ||
+          std::any_of(e.options.begin(), e.options.end(), [&](const SchemeOption& o) { return o.name == ignored; }))
+          << ignored;
+    }
   }
   expect_error([] { find_scheme("bogus"); }, {"schemes", "name", "bogus", "one of none, rope"});
   // Shapes that would overflow an int64 are refused before anything is allocated.

@@ -541,6 +541,8 @@ void AttnDecodeScores(const void* HWY_RESTRICT k, DType dtype, std::int64_t ldk,
   cursor.step(cursor.lines());  // nothing is left unless the tile was empty
 }
 
+constexpr std::int64_t kValueKeysPerStep = 8;
+
 // o[r][c0 + v·lanes …] += Σ_j p[j·ld_p + r]·v_j[c0 + v·lanes …] for r < R, v < V: R·V
 // accumulators in registers across the keys, each value vector loaded once per key.
 template <int R, int V, DType kType>
@@ -552,14 +554,19 @@ HWY_INLINE void ValueColumns(DF d, const CacheElement<kType>* HWY_RESTRICT v, st
   for (int r = 0; r < R; ++r) {
     for (int c = 0; c < V; ++c) acc[r][c] = hn::LoadU(d, o + r * ldo + c * n);
   }
-  for (std::int64_t j = 0; j < keys; ++j) {
-    VF vv[V];
-    for (int c = 0; c < V; ++c) vv[c] = LoadCache<kType>(d, v + j * ldv + c * n);
-    for (int r = 0; r < R; ++r) {
-      const VF pr = hn::Set(d, p[j * ld_p + r]);
-      for (int c = 0; c < V; ++c) acc[r][c] = hn::MulAdd(pr, vv[c], acc[r][c]);
+  // The cursor steps once per kValueKeysPerStep keys: its call spills the R·V accumulators
+  // (every vector register is caller-saved), which per key cost more than the prefetches gained.
+  for (std::int64_t j0 = 0; j0 < keys; j0 += kValueKeysPerStep) {
+    const std::int64_t j1 = std::min(keys, j0 + kValueKeysPerStep);
+    for (std::int64_t j = j0; j < j1; ++j) {
+      VF vv[V];
+      for (int c = 0; c < V; ++c) vv[c] = LoadCache<kType>(d, v + j * ldv + c * n);
+      for (int r = 0; r < R; ++r) {
+        const VF pr = hn::Set(d, p[j * ld_p + r]);
+        for (int c = 0; c < V; ++c) acc[r][c] = hn::MulAdd(pr, vv[c], acc[r][c]);
+      }
     }
-    cursor.step(per_key);
+    cursor.step(per_key * (j1 - j0));
   }
   for (int r = 0; r < R; ++r) {
     for (int c = 0; c < V; ++c) hn::StoreU(acc[r][c], d, o + r * ldo + c * n);

@@ -28,6 +28,8 @@ namespace {
 
 // Largest table the evaluator and the backward build: entries over all heads (64 MiB of f32).
 constexpr std::int64_t kMaxTableEntries = std::int64_t{1} << 24;
+// fp64 entries per slice of a table's tabulation (64 KiB: below malloc's mmap threshold).
+constexpr std::int64_t kTabulateSliceEntries = 8192;
 // Non-temporal stores pay off once the output is much larger than the caches.
 constexpr std::int64_t kStreamBytes = std::int64_t{8} << 20;
 
@@ -329,10 +331,23 @@ BiasEvaluator::BiasEvaluator(const BiasScheme& scheme, std::int64_t min_relative
   min_relative_ = min_relative;
   width_ = width;
   table_.resize(static_cast<std::size_t>(heads_ * width_));
-  std::vector<double> rows(table_.size());
-  relative_bias(scheme_)->tabulate(min_relative_, width_, rows.data());
-  // + 0.0: no −0 at r = 0, as bias_value
-  for (std::size_t e = 0; e < rows.size(); ++e) table_[e] = static_cast<float>(rows[e] + 0.0);
+  // In slices of r through a small fp64 buffer: a buffer the size of the table took fresh pages on
+  // every call (past malloc's mmap threshold) while the other threads waited.
+  const RelativeBias& bias = *relative_bias(scheme_);
+  // Slices of whole multiples of 64 keep Sandwich's restarts (every 64 r from r_first) where one call puts them.
+  const std::int64_t slice = std::min(width_, std::max<std::int64_t>(1, kTabulateSliceEntries / heads_ / 64) * 64);
+  std::vector<double> rows(static_cast<std::size_t>(heads_ * slice));
+  for (std::int64_t t0 = 0; t0 < width_; t0 += slice) {
+    const std::int64_t count = std::min(slice, width_ - t0);
+    bias.tabulate(min_relative_ + t0, count, rows.data());
+    for (std::int64_t h = 0; h < heads_; ++h) {
+      for (std::int64_t t = 0; t < count; ++t) {
+        // + 0.0: no −0 at r = 0, as bias_value
+        table_[static_cast<std::size_t>(h * width_ + t0 + t)] =
+            static_cast<float>(rows[static_cast<std::size_t>(h * count + t)] + 0.0);
+      }
+    }
+  }
 }
 
 BiasEvaluator BiasEvaluator::for_positions(const BiasScheme& scheme, const Positions& q_positions,

@@ -331,23 +331,7 @@ BiasEvaluator::BiasEvaluator(const BiasScheme& scheme, std::int64_t min_relative
   min_relative_ = min_relative;
   width_ = width;
   table_.resize(static_cast<std::size_t>(heads_ * width_));
-  // In slices of r through a small fp64 buffer: a buffer the size of the table took fresh pages on
-  // every call (past malloc's mmap threshold) while the other threads waited.
-  const RelativeBias& bias = *relative_bias(scheme_);
-  // Slices of whole multiples of 64 keep Sandwich's restarts (every 64 r from r_first) where one call puts them.
-  const std::int64_t slice = std::min(width_, std::max<std::int64_t>(1, kTabulateSliceEntries / heads_ / 64) * 64);
-  std::vector<double> rows(static_cast<std::size_t>(heads_ * slice));
-  for (std::int64_t t0 = 0; t0 < width_; t0 += slice) {
-    const std::int64_t count = std::min(slice, width_ - t0);
-    bias.tabulate(min_relative_ + t0, count, rows.data());
-    for (std::int64_t h = 0; h < heads_; ++h) {
-      for (std::int64_t t = 0; t < count; ++t) {
-        // + 0.0: no −0 at r = 0, as bias_value
-        table_[static_cast<std::size_t>(h * width_ + t0 + t)] =
-            static_cast<float>(rows[static_cast<std::size_t>(h * count + t)] + 0.0);
-      }
-    }
-  }
+  detail::tabulate_f32(*relative_bias(scheme_), min_relative_, width_, table_.data(), false);
 }
 
 BiasEvaluator BiasEvaluator::for_positions(const BiasScheme& scheme, const Positions& q_positions,
@@ -405,6 +389,26 @@ void BiasEvaluator::add_row(std::int64_t head, std::int64_t q_position, std::int
 // ------------------------------------------------------------------------------ checks
 
 namespace detail {
+
+void tabulate_f32(const RelativeBias& bias, std::int64_t r_first, std::int64_t count, float* out, bool reversed) {
+  const std::int64_t heads = bias.heads();
+  // Slices of whole multiples of 64 r keep Sandwich's restarts (every 64 r from r_first) where one
+  // call puts them, so the table has the same bits as one call's.
+  const std::int64_t slice = std::min(count, std::max<std::int64_t>(1, kTabulateSliceEntries / heads / 64) * 64);
+  std::vector<double> rows(static_cast<std::size_t>(heads * slice));
+  for (std::int64_t t0 = 0; t0 < count; t0 += slice) {
+    const std::int64_t n = std::min(slice, count - t0);
+    bias.tabulate(r_first + t0, n, rows.data());
+    for (std::int64_t h = 0; h < heads; ++h) {
+      float* row = out + h * count;
+      for (std::int64_t t = 0; t < n; ++t) {
+        // + 0.0: no −0 at r = 0, as bias_value
+        const float v = static_cast<float>(rows[static_cast<std::size_t>(h * n + t)] + 0.0);
+        row[reversed ? count - 1 - (t0 + t) : t0 + t] = v;
+      }
+    }
+  }
+}
 
 ScoreGrid check_scores(const char* where, const char* name, ConstTensorView scores, std::int64_t heads,
                        const Positions& q_positions, const Positions& k_positions) {

@@ -23,6 +23,10 @@ struct ScoreGrid {
 ScoreGrid check_scores(const char* where, const char* name, ConstTensorView scores, std::int64_t heads,
                        const Positions& q_positions, const Positions& k_positions);
 
+// The f32 table of every head: out[h·count + t] = b_h(r_first + t) (reversed: b_h(r_first + count − 1 − t)),
+// with no −0. Tabulated in slices through a small fp64 buffer, so no call takes fresh pages.
+void tabulate_f32(const RelativeBias& bias, std::int64_t r_first, std::int64_t count, float* out, bool reversed);
+
 // The positions of one batch row, gathered (positions.at(b, s) for s < len).
 std::vector<std::int64_t> row_positions(const Positions& positions, std::int64_t b, std::int64_t len);
 

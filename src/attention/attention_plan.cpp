@@ -438,15 +438,7 @@ float AttentionPlan::plan_bias_tables(const std::vector<HeadGroup>& groups, cons
       // from r_first = −(δ_min + width − 1) read backwards.
       auto& table = bias_tables[gi];
       table.resize(static_cast<std::size_t>(width * hg));
-      std::vector<double> rows(table.size());
-      relative->tabulate(-(delta_min + width - 1), width, rows.data());
-      for (std::int64_t h = 0; h < hg; ++h) {
-        for (std::int64_t t = 0; t < width; ++t) {
-          // + 0.0: no −0 at r = 0, as bias_value
-          table[static_cast<std::size_t>(h * width + t)] =
-              static_cast<float>(rows[static_cast<std::size_t>(h * width + width - 1 - t)] + 0.0);
-        }
-      }
+      detail::tabulate_f32(*relative, -(delta_min + width - 1), width, table.data(), true);
       lowest_table_bias = std::min(lowest_table_bias, *std::min_element(table.begin(), table.end()));
     } else {
       evaluators.push_back(std::make_unique<BiasEvaluator>(scheme, k_min - q_max, k_max - q_min));

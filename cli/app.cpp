@@ -31,7 +31,7 @@ int run(int argc, char** argv) {
                      "and measures them at L … 16L (posenc study --help)")
       ->allow_extras();
 
-  refuse_integer_overflow(app);
+  strict_integer_options(app);
   if (const int status = parse_or_exit(app, argc, argv, "posenc"); status >= 0) return status;
   return run_or_exit("posenc", [&] {
     set_target(target);

@@ -7,6 +7,7 @@
 #include <fmt/core.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <charconv>
 #include <cstdint>
 #include <cstdio>
@@ -22,23 +23,35 @@ namespace posenc::cli {
 // A posenc::Error about a flag ("--heads", "--to − --from") is the caller's usage error.
 inline bool names_flag(const Error& e) { return std::string_view(e.param()).substr(0, 2) == "--"; }
 
-// CLI11 saturates an integer past int64's range (99999999999999999999 reads as 2^63 − 1): every
-// integer option of `app` and its subcommands refuses such a value instead, naming it.
-inline void refuse_integer_overflow(CLI::App& app) {
+// CLI11 reads an integer option with strtoll's base 0 (010 is 8, 0x10 is 16), saturates past
+// int64's range (99999999999999999999 reads as 2^63 − 1) and wraps a negative unsigned (--seed -1
+// is 2^64 − 1). Every integer option of `app` and its subcommands reads decimal digits instead
+// (as --set does), and refuses the others naming the value.
+inline void strict_integer_options(CLI::App& app) {
   for (CLI::Option* opt : app.get_options()) {
-    if (opt->get_type_name().rfind("INT", 0) != 0 && opt->get_type_name().rfind("UINT", 0) != 0) continue;
-    opt->check(CLI::Validator(
-        [](std::string& text) -> std::string {
+    const std::string type = opt->get_type_name();
+    const bool is_unsigned = type.rfind("UINT", 0) == 0;
+    if (type.rfind("INT", 0) != 0 && !is_unsigned) continue;
+    opt->transform(CLI::Validator(
+        [is_unsigned](std::string& text) -> std::string {
+          const std::size_t sign = !text.empty() && (text[0] == '+' || text[0] == '-') ? 1 : 0;
+          const std::string_view digits = std::string_view(text).substr(sign);
+          if (digits.empty() || digits.find_first_not_of("0123456789") != std::string_view::npos)
+            return text + " is not a decimal integer; expected digits with an optional sign";
           std::int64_t value = 0;
-          const char* end = text.data() + text.size();
-          const auto [at, ec] = std::from_chars(text.data() + (text.rfind('+', 0) == 0 ? 1 : 0), end, value);
+          const auto [at, ec] =
+              std::from_chars(text.data() + (text[0] == '+' ? 1 : 0), text.data() + text.size(), value);
+          if (is_unsigned && value < 0) return text + " is negative; expected an integer >= 0";
           if (ec == std::errc::result_out_of_range)
             return text + " is past int64; expected an integer in [-2^63, 2^63)";
+          // Leading zeros dropped, so CLI11's base-0 read sees the decimal number.
+          const std::size_t first = std::min(digits.find_first_not_of('0'), digits.size() - 1);
+          text = std::string(text.substr(0, sign)) + std::string(digits.substr(first));
           return {};
         },
         "", "int64"));
   }
-  for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) refuse_integer_overflow(*sub);
+  for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) strict_integer_options(*sub);
 }
 
 // CLI11's parse, ending the program as above. Returns -1 when the program should go on.

@@ -539,7 +539,7 @@ int main(int argc, char** argv) {
   app.add_option("--threads", st.threads,
                  "Threads per scheme, 1 to 256 (results depend on it only through float summation order)")
       ->capture_default_str();
-  posenc::cli::refuse_integer_overflow(app);
+  posenc::cli::strict_integer_options(app);
   if (const int status = posenc::cli::parse_or_exit(app, argc, argv, "posenc study"); status >= 0) return status;
   return posenc::cli::run_or_exit("posenc study", [&] {
     // Checked here rather than by CLI11's validators, whose messages print the whole double range.

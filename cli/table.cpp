@@ -234,18 +234,26 @@ double flag_value(const std::string& flag, const std::string& text) {
   throw Error("table", flag, text, "true or false (1 or 0)");
 }
 
+// Where each of the registry's arguments came from: the flag (or "--set NAME") and its text.
+using ArgSources = std::map<std::string, std::pair<std::string, std::string>>;
+
 // The registry's arguments from the given flags and --set; each option set once.
-SchemeArgs scheme_args(const CLI::App& sub, const TableOptions& o, const SchemeEntry& entry) {
+SchemeArgs scheme_args(const CLI::App& sub, const TableOptions& o, const SchemeEntry& entry, ArgSources& set_by) {
   SchemeArgs args;
   args.heads = o.heads;
   args.head_dim = o.head_dim;
-  std::map<std::string, std::string> set_by;
+  for (const char* flag : {"--heads", "--head-dim"}) {
+    if (sub.get_option(flag)->count() > 0) {
+      set_by[target_of_flag(flag)] = {flag, std::to_string(flag == std::string("--heads") ? o.heads : o.head_dim)};
+    }
+  }
+  std::string text;  // the value as typed, for set_by
   const auto set = [&](const std::string& option, double value, const std::string& source) {
     if (const auto it = set_by.find(option); it != set_by.end()) {
       throw Error("table", source, fmt::format("{}", value),
-                  "one value for " + option + " (" + it->second + " sets it too)");
+                  "one value for " + option + " (" + it->second.first + " sets it too)");
     }
-    set_by.emplace(option, source);
+    set_by.emplace(option, std::pair{source, text});
     args.options[option] = value;
   };
   const auto integer = [&](const std::string& option) {
@@ -258,7 +266,7 @@ SchemeArgs scheme_args(const CLI::App& sub, const TableOptions& o, const SchemeE
     const std::string flag = flag_of(*opt);
     const std::string option = flag.empty() ? "" : target_of_flag(flag);
     if (opt->count() == 0 || !declares(entry, option)) continue;  // the others: check_flags_apply
-    const std::string text = opt->results().empty() ? "true" : opt->results().back();
+    text = opt->results().empty() ? "true" : opt->results().back();
     if (flag == "--causal") {
       set(option, 1.0 - flag_value(flag, text), flag);
     } else if (flag == "--form") {
@@ -284,6 +292,7 @@ SchemeArgs scheme_args(const CLI::App& sub, const TableOptions& o, const SchemeE
     const std::size_t eq = assignment.find('=');
     if (eq == std::string::npos || eq == 0) throw Error("table", "--set", assignment, "NAME=VALUE");
     const std::string name = assignment.substr(0, eq);
+    text = assignment.substr(eq + 1);
     if (declares(entry, name) && !reads(entry, name)) {
       throw Error("table", "--set " + name, assignment.substr(eq + 1),
                   "an option " + entry.name + "'s picture depends on (it shows no " + name + ")");
@@ -304,14 +313,27 @@ void run_scheme_table(const CLI::App& sub, const TableOptions& o, const SchemeEn
                 std::to_string(o.length) + "²" + (per_head ? " × " + std::to_string(o.heads) : ""),
                 "at most 2^26 values (the C++ API has no such limit)");
   }
-  const SchemeArgs args = complete_scheme_args(entry, scheme_args(sub, o, entry));
+  ArgSources sources;
+  SchemeArgs given = scheme_args(sub, o, entry, sources);
+  // The registry and the scheme name an option; the user typed a flag: say it in the flag's terms.
+  const auto by_flag = [&](auto&& build) {
+    try {
+      return build();
+    } catch (const Error& e) {
+      const auto it = sources.find(e.param());
+      if (it == sources.end() || e.expected().empty()) throw;
+      throw Error("table", it->second.first, it->second.second,
+                  e.expected() + " (" + entry.name + "'s " + e.param() + ")");
+    }
+  };
+  const SchemeArgs args = by_flag([&] { return complete_scheme_args(entry, std::move(given)); });
   // A learned table of positions (TUPE) must reach the last one.
   if (const auto it = args.options.find("max_len");
       it != args.options.end() && static_cast<double>(o.offset) + static_cast<double>(o.length) > it->second) {
     throw Error("table", "--offset + --length", std::to_string(o.offset) + " + " + std::to_string(o.length),
                 "at most max_len = " + fmt::format("{}", it->second) + " (--max-len)");
   }
-  const HeadGroup group = entry.make(args);
+  const HeadGroup group = by_flag([&] { return entry.make(args); });
   const std::int64_t n = o.length;
   SchemePicture picture = scheme_picture(entry, group, Positions::range(n, o.offset));
   nlohmann::json doc = {{"encoding", o.encoding}, {"length", n}, {"offset", o.offset}};

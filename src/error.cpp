@@ -43,7 +43,7 @@ std::string compose(std::string_view where, std::string_view param, std::string_
 }  // namespace
 
 Error::Error(std::string_view where, std::string_view param, std::string_view value, std::string_view expected)
-    : std::runtime_error(compose(where, param, value, expected)), param_(param) {}
+    : std::runtime_error(compose(where, param, value, expected)), param_(param), expected_(expected) {}
 
 Error::Error(const std::string& message) : std::runtime_error(message) {}
 

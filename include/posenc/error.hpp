@@ -22,9 +22,13 @@ class Error : public std::runtime_error {
   explicit Error(const std::string& message);
 
   const std::string& param() const noexcept { return param_; }
+  // What was expected of the parameter (empty for a message-only error): a caller that knows the
+  // parameter by another name (a command-line flag) can say it again in its own terms.
+  const std::string& expected() const noexcept { return expected_; }
 
  private:
   std::string param_;
+  std::string expected_;
 };
 
 }  // namespace posenc

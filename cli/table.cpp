@@ -342,7 +342,7 @@ void run_scheme_table(const CLI::App& sub, const TableOptions& o, const SchemeEn
   for (const SchemeOption& option : entry.options) {
     const auto it = args.options.find(option.name);
     if (it == args.options.end() || !reads(entry, option.name)) continue;
-    if (option.integer && option.minimum == 0.0 && option.maximum == 1.0) {
+    if (option.is_flag()) {
       doc[option.name] = it->second != 0.0;
     } else if (option.integer) {
       doc[option.name] = static_cast<std::int64_t>(it->second);
@@ -533,7 +533,7 @@ Runner add_table(CLI::App& app) {
         if (has_picture(r) && declares(r, option.name)) readers += (readers.empty() ? "" : ", ") + r.name;
       }
       const std::string help = readers + ": " + option.description;
-      if (option.integer && option.minimum == 0.0 && option.maximum == 1.0) {
+      if (option.is_flag()) {
         sub->add_flag(flag)->description(help);
       } else {
         sub->add_option(flag)->description(help);

@@ -37,6 +37,9 @@ struct SchemeOption {
   // make_head_group leaves it absent rather than inventing a value that stands for "unset".
   bool optional = false;
 
+  // A flag: an integer option that is 0 or 1 (flag_option).
+  bool is_flag() const { return integer && minimum == 0.0 && maximum == 1.0; }
+
   static constexpr double kUnbounded = 1.7976931348623157e308;
   static constexpr double kMaxSize = 2147483648.0;  // 2^31
 };

@@ -247,7 +247,7 @@ SchemeArgs scheme_args(const CLI::App& sub, const TableOptions& o, const SchemeE
       set_by[target_of_flag(flag)] = {flag, std::to_string(flag == std::string("--heads") ? o.heads : o.head_dim)};
     }
   }
-  std::string text;  // the value as typed, for set_by
+  std::string text;  // the value as given (an integer flag's in decimal), for set_by
   const auto set = [&](const std::string& option, double value, const std::string& source) {
     if (const auto it = set_by.find(option); it != set_by.end()) {
       throw Error("table", source, fmt::format("{}", value),
@@ -320,8 +320,10 @@ void run_scheme_table(const CLI::App& sub, const TableOptions& o, const SchemeEn
     try {
       return build();
     } catch (const Error& e) {
+      // Only an option of the scheme (the registry's unknown-option error names "option").
+      const bool option = declares(entry, e.param()) || e.param() == "heads" || e.param() == "head_dim";
       const auto it = sources.find(e.param());
-      if (it == sources.end() || e.expected().empty()) throw;
+      if (!option || it == sources.end() || e.expected().empty()) throw;
       throw Error("table", it->second.first, it->second.second,
                   e.expected() + " (" + entry.name + "'s " + e.param() + ")");
     }

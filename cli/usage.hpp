@@ -41,9 +41,10 @@ inline void strict_integer_options(CLI::App& app) {
           std::int64_t value = 0;
           const auto [at, ec] =
               std::from_chars(text.data() + (text[0] == '+' ? 1 : 0), text.data() + text.size(), value);
+          if (ec == std::errc::result_out_of_range) {
+            return text + " is past int64; expected an integer in " + (is_unsigned ? "[0, 2^63)" : "[-2^63, 2^63)");
+          }
           if (is_unsigned && value < 0) return text + " is negative; expected an integer >= 0";
-          if (ec == std::errc::result_out_of_range)
-            return text + " is past int64; expected an integer in [-2^63, 2^63)";
           // Leading zeros dropped, so CLI11's base-0 read sees the decimal number.
           const std::size_t first = std::min(digits.find_first_not_of('0'), digits.size() - 1);
           text = std::string(text.substr(0, sign)) + std::string(digits.substr(first));

@@ -242,13 +242,11 @@ SchemeArgs scheme_args(const CLI::App& sub, const TableOptions& o, const SchemeE
   SchemeArgs args;
   args.heads = o.heads;
   args.head_dim = o.head_dim;
-  for (const char* flag : {"--heads", "--head-dim"}) {
-    if (sub.get_option(flag)->count() > 0) {
-      set_by[target_of_flag(flag)] = {flag, std::to_string(flag == std::string("--heads") ? o.heads : o.head_dim)};
-    }
+  for (const auto& [flag, value] : {std::pair{"--heads", o.heads}, std::pair{"--head-dim", o.head_dim}}) {
+    if (sub.get_option(flag)->count() > 0) set_by[target_of_flag(flag)] = {flag, std::to_string(value)};
   }
-  std::string text;  // the value as given (an integer flag's in decimal), for set_by
-  const auto set = [&](const std::string& option, double value, const std::string& source) {
+  // text: the value as given (an integer flag's in decimal), kept to restate the scheme's errors.
+  const auto set = [&](const std::string& option, double value, const std::string& source, const std::string& text) {
     if (const auto it = set_by.find(option); it != set_by.end()) {
       throw Error("table", source, fmt::format("{}", value),
                   "one value for " + option + " (" + it->second.first + " sets it too)");
@@ -266,38 +264,38 @@ SchemeArgs scheme_args(const CLI::App& sub, const TableOptions& o, const SchemeE
     const std::string flag = flag_of(*opt);
     const std::string option = flag.empty() ? "" : target_of_flag(flag);
     if (opt->count() == 0 || !declares(entry, option)) continue;  // the others: check_flags_apply
-    text = opt->results().empty() ? "true" : opt->results().back();
+    const std::string text = opt->results().empty() ? "true" : opt->results().back();
     if (flag == "--causal") {
-      set(option, 1.0 - flag_value(flag, text), flag);
+      set(option, 1.0 - flag_value(flag, text), flag, text);
     } else if (flag == "--form") {
       if (text != "log" && text != "power") throw Error("table", "--form", text, "log or power");
-      set(option, text == "power" ? 1.0 : 0.0, flag);
+      set(option, text == "power" ? 1.0 : 0.0, flag, text);
     } else if (opt->get_expected_min() == 0) {
-      set(option, flag_value(flag, text), flag);
+      set(option, flag_value(flag, text), flag, text);
     } else if (flag == "--dim") {  // flags the table's own encodings read too: their parsed values
-      set(option, static_cast<double>(o.dim), flag);
+      set(option, static_cast<double>(o.dim), flag, text);
     } else if (flag == "--base") {
-      set(option, o.base, flag);
+      set(option, o.base, flag, text);
     } else if (flag == "--hidden") {
-      set(option, static_cast<double>(o.hidden), flag);
+      set(option, static_cast<double>(o.hidden), flag, text);
     } else if (flag == "--seed") {
       if (o.seed > (std::uint64_t{1} << 53))
         throw Error("table", flag, std::to_string(o.seed), "at most 2^53 for " + entry.name);
-      set(option, static_cast<double>(o.seed), flag);
+      set(option, static_cast<double>(o.seed), flag, text);
     } else {
-      set(option, number_of(flag, text, integer(option)), flag);
+      set(option, number_of(flag, text, integer(option)), flag, text);
     }
   }
   for (const std::string& assignment : o.settings) {
     const std::size_t eq = assignment.find('=');
     if (eq == std::string::npos || eq == 0) throw Error("table", "--set", assignment, "NAME=VALUE");
     const std::string name = assignment.substr(0, eq);
-    text = assignment.substr(eq + 1);
+    const std::string text = assignment.substr(eq + 1);
     if (declares(entry, name) && !reads(entry, name)) {
-      throw Error("table", "--set " + name, assignment.substr(eq + 1),
+      throw Error("table", "--set " + name, text,
                   "an option " + entry.name + "'s picture depends on (it shows no " + name + ")");
     }
-    set(name, number_of("--set " + name, assignment.substr(eq + 1), integer(name)), "--set " + name);
+    set(name, number_of("--set " + name, text, integer(name)), "--set " + name, text);
   }
   return args;
 }

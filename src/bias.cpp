@@ -393,8 +393,8 @@ namespace detail {
 void tabulate_f32(const RelativeBias& bias, std::int64_t r_first, std::int64_t count, float* out, bool reversed) {
   const std::int64_t heads = bias.heads();
   if (heads < 1 || count < 1) return;  // nothing to tabulate
-  // Slices of whole multiples of 64 r keep Sandwich's restarts (every 64 r from r_first) where one
-  // call puts them, so the table has the same bits as one call's.
+  // Slices start at r_first + 64·m, as RelativeBias::tabulate promises (scheme.hpp), so a scheme
+  // that restarts every 64 r (Sandwich) gives the bits of one call.
   const std::int64_t slice = std::min(count, std::max<std::int64_t>(1, kTabulateSliceEntries / heads / 64) * 64);
   std::vector<double> rows(static_cast<std::size_t>(heads * slice));
   for (std::int64_t t0 = 0; t0 < count; t0 += slice) {

@@ -1,8 +1,10 @@
 // Sandwich's own tests (posenc/sandwich.hpp); the generic matrix (test_schemes.cpp) covers the
 // reference parity, dtypes, strides, gradients, threads and bad options of every registered scheme.
 #include <cmath>
+#include <memory>
 #include <vector>
 
+#include "posenc/bias.hpp"
 #include "posenc/sandwich.hpp"
 #include "testing.hpp"
 
@@ -51,6 +53,29 @@ TEST(Sandwich, TabulateStaysWithinItsBoundOfTheDefinition) {
         const double bound = 64 * (r * std::ldexp(1.0, -51) + 1e-14) * s.head_factor(h);
         ASSERT_NEAR(rows[static_cast<std::size_t>(h * count + t)], s.value(h, first + t), bound)
             << "r = " << first + t << ", head " << h;
+      }
+    }
+  }
+}
+
+// A materialised bias is tabulate's rows of one call rounded to f32, bit for bit, although the
+// library tabulates a wide table in pieces (8 heads: 1024 r per piece; here 1399 r).
+TEST(Sandwich, MaterialisedTableHasTheBitsOfOneTabulateCall) {
+  constexpr std::int64_t kHeads = 8, kN = 700, kWidth = 2 * kN - 1;
+  const auto s = std::make_shared<const SandwichBias>(kHeads, 128);
+  std::vector<double> rows(static_cast<std::size_t>(kHeads * kWidth));
+  s->tabulate(-(kN - 1), kWidth, rows.data());
+  std::vector<float> out(static_cast<std::size_t>(kHeads * kN * kN));
+  const Positions positions = Positions::range(kN);
+  const std::vector<std::int64_t> shape = {kHeads, kN, kN};
+  bias_materialize(BiasScheme(RelativeBiasRef(s)), positions, positions,
+                   TensorView::contiguous(out.data(), DType::kF32, shape));
+  for (std::int64_t h = 0; h < kHeads; ++h) {
+    for (std::int64_t i = 0; i < kN; ++i) {
+      for (std::int64_t j = 0; j < kN; ++j) {
+        const auto want = static_cast<float>(rows[static_cast<std::size_t>(h * kWidth + j - i + kN - 1)] + 0.0);
+        ASSERT_EQ(out[static_cast<std::size_t>((h * kN + i) * kN + j)], want)
+            << "head " << h << ", q " << i << ", k " << j;
       }
     }
   }

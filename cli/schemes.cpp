@@ -22,12 +22,16 @@ Runner add_schemes(CLI::App& app) {
       for (const SchemeEntry& e : schemes()) {
         nlohmann::json options = nlohmann::json::object();
         for (const SchemeOption& o : e.options) options[o.name] = o.default_value;
+        nlohmann::json inputs = nlohmann::json::object();
+        for (const SchemeInput& in : e.inputs) inputs[in.name] = in.description;
         all.push_back({{"name", e.name},
                        {"family", e.family},
                        {"summary", e.summary},
                        {"source", e.source},
                        {"parameters", e.parameters},
-                       {"options", options}});
+                       {"options", options},
+                       {"inputs", inputs},
+                       {"causal_only", e.causal_only}});
       }
       fmt::print("{}\n", all.dump(2));
       return;
@@ -40,6 +44,8 @@ Runner add_schemes(CLI::App& app) {
       }
       if (!options.empty()) fmt::print("{:<27}options: {}\n", "", options);
       if (!e.parameters.empty()) fmt::print("{:<27}learned: {}\n", "", e.parameters);
+      for (const SchemeInput& in : e.inputs) fmt::print("{:<27}per-token input: {}, {}\n", "", in.name, in.description);
+      if (e.causal_only) fmt::print("{:<27}causal attention only\n", "");
       fmt::print("{:<27}{}\n", "", e.source);
     }
   };

@@ -225,40 +225,41 @@ Case make_attention_case(const CaseOptions& o) {
   if (dim_v < 1 || dim_v > dim) throw Error("bench", "--value-dim", std::to_string(dim_v), "1 to --head-dim");
   const std::int64_t q_len = o.pass == "decode" ? 1 : o.length, k_len = o.length;
   std::vector<HeadGroup> groups;
-  // FoX's log forget gates [B, Sk, H]: logsigmoid of logits in [1, 5], gates of 0.73–0.99 as a
-  // trained FoX's (its forget-gate bias starts them near 1).
-  auto gates = std::make_shared<std::vector<float>>();
-  if (o.scheme == "fox") {
-    gates->resize(static_cast<std::size_t>(checked_mul(checked_mul(o.batch, k_len, "gates"), heads, "gates")));
-    for (std::size_t i = 0; i < gates->size(); ++i) {
-      const double logit = 1.0 + 4.0 * static_cast<double>((i * 2654435761u) % 1000) / 1000.0;
-      (*gates)[i] = static_cast<float>(-std::log1p(std::exp(-logit)));
-    }
-    HeadGroup g{heads, {}, {}};
-    g.terms = {std::make_shared<ForgetGate>(
-        ConstTensorView::of(static_cast<const float*>(gates->data()), {o.batch, k_len, heads}))};
-    groups.push_back(g);
-  } else if (o.scheme != "none") {
+  // fox: the old spelling of forgetting.
+  CaseOptions named = o;
+  if (named.scheme == "fox") named.scheme = "forgetting";
+  // A registered scheme's per-token inputs [B, Sk, H], each spread over a trained model's values
+  // (forgetting's: gates of 0.73–0.99), viewed by the attention.
+  auto inputs = std::make_shared<std::vector<std::vector<float>>>();
+  if (named.scheme != "none") {
     std::string names;
     bool known = false;
     for (const SchemeEntry& e : schemes()) {
       names += (names.empty() ? "" : ", ") + e.name;
-      known = known || e.name == o.scheme;
+      known = known || e.name == named.scheme;
     }
-    // Forget gates are per-token inputs, not a registry entry; stick-breaking and CoPE are kernels of their own.
+    // Stick-breaking and CoPE are kernels of their own.
     if (!known) throw Error("bench", "--scheme", o.scheme, "one of " + names + ", fox, stickbreaking, cope");
-    groups.push_back(make_head_group(o.scheme, bench_scheme_args(o, heads, dim, k_len)));
+    SchemeArgs args = bench_scheme_args(named, heads, dim, k_len);
+    for (const SchemeInput& in : find_scheme(named.scheme).inputs) {
+      std::vector<float>& values = inputs->emplace_back(
+          static_cast<std::size_t>(checked_mul(checked_mul(o.batch, k_len, in.name.c_str()), heads, in.name.c_str())));
+      for (std::size_t i = 0; i < values.size(); ++i)
+        values[i] = static_cast<float>(in.typical(static_cast<double>((i * 2654435761u) % 1000) / 1000.0));
+      args.inputs[in.name] = ConstTensorView::of(static_cast<const float*>(values.data()), {o.batch, k_len, heads});
+    }
+    groups.push_back(make_head_group(named.scheme, args));
   }
   struct State {
     BenchArray<std::uint16_t> q16, k16, v16, out16, dout16, dq16, dk16, dv16;
     BenchArray<float> q, k, v, out, dout, dq, dk, dv;
     std::vector<float> lse;
-    std::shared_ptr<std::vector<float>> gates;  // FoX's, viewed by the attention
+    std::shared_ptr<std::vector<std::vector<float>>> inputs;  // the scheme's per-token inputs, viewed
     std::unique_ptr<Attention> attention;
     AttentionStats stats;  // the last timed call's
   };
   auto st = std::make_shared<State>();
-  st->gates = gates;
+  st->inputs = inputs;
   const std::int64_t q_count = checked_mul(checked_mul(o.batch, q_len, "q"), heads * dim, "q");
   const std::int64_t k_count = checked_mul(checked_mul(o.batch, k_len, "k"), kv * dim, "k");
   const std::int64_t o_count = checked_mul(checked_mul(o.batch, q_len, "out"), heads * dim_v, "out");
@@ -359,11 +360,11 @@ Case make_attention_case(const CaseOptions& o) {
     const TensorView dq = TensorView::contiguous(data(st->dq, st->dq16), dtype, q_shape);
     const TensorView dk = TensorView::contiguous(data(st->dk, st->dk16), dtype, k_shape);
     const TensorView dv = TensorView::contiguous(data(st->dv, st->dv16), dtype, v_shape);
-    // FoX's gates are trained (their gradients are part of the backward's work); a registered
-    // scheme is trained when it has parameters.
+    // A scheme is trained when it has parameters or per-token inputs (FoX's gates: their gradients
+    // are part of the backward's work).
     const bool trainable =
-        o.scheme == "fox" ||
-        (!groups.empty() && !scheme_parameters(find_scheme(o.scheme), st->attention->spec().groups[0]).empty());
+        !groups.empty() && (!find_scheme(named.scheme).inputs.empty() ||
+                            !scheme_parameters(find_scheme(named.scheme), st->attention->spec().groups[0]).empty());
     auto grads = std::make_shared<AttentionGradients>(st->attention->zero_gradients());
     c.run = [st, out, lse, dout, dq, dk, dv, grads, trainable] {
       st->stats = st->attention->backward(out, lse, dout, dq, dk, dv, trainable ? grads.get() : nullptr);

@@ -1,12 +1,12 @@
 // The generic test matrix: every registered scheme (posenc/registry.hpp), on every target, goes
 // through the same checks, so that a new scheme is tested by its registry line alone:
 //   - its entry is complete and its parameters have the declared shape;
-//   - every invalid option, parameter count and head count is refused by name;
+//   - every invalid option, parameter count, head count and per-token input is refused by name;
 //   - the fused attention matches the fp64 reference (flash-attention's criterion against the
 //     naive f32 composition), causal and bidirectional, prefill and decode, with q, k and v in a
 //     strided layout, and in bf16 and f16;
-//   - its parameter gradients match finite differences of the fp64 reference, and the fused
-//     backward's (and dq, dk, dv) match the fp64 reference's;
+//   - its parameter and per-token input gradients match finite differences of the fp64
+//     reference, and the fused backward's (and dq, dk, dv) match the fp64 reference's;
 //   - forward, decode and backward give the same bits for 1, 2 and 3 threads;
 //   - a relative-bias scheme's materialisation and backward match their references.
 // A scheme's own file of tests (test_scheme_<name>.cpp) holds its golden values.
@@ -14,6 +14,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -29,9 +30,25 @@ using testing::uniform;
 
 constexpr std::int64_t kBatch = 2, kQLen = 29, kKLen = 41, kHeads = 4, kKvHeads = 2, kDim = 16;
 
-// Options that keep every scheme's tables small at the matrix's shapes.
+// An entry's per-token inputs [B, Sk, heads], drawn once from their typical ranges (views of these
+// must outlive the matrix's Attentions).
+const std::vector<double>& input_values(const SchemeEntry& entry, const SchemeInput& input) {
+  static std::map<std::string, std::vector<double>> values;
+  std::vector<double>& v = values[entry.name + "." + input.name];
+  if (v.empty()) {
+    v.resize(static_cast<std::size_t>(kBatch * kKLen * kHeads));
+    for (double& x : v) x = input.typical ? input.typical(uniform(0, 1)) : 0.0;
+  }
+  return v;
+}
+ConstTensorView input_view(const std::vector<double>& values) {
+  return ConstTensorView::of(values.data(), {kBatch, kKLen, kHeads});
+}
+
+// Options that keep every scheme's tables small at the matrix's shapes, and the per-token inputs.
 SchemeArgs matrix_args(const SchemeEntry& entry) {
   SchemeArgs a;
+  for (const SchemeInput& input : entry.inputs) a.inputs[input.name] = input_view(input_values(entry, input));
   a.heads = kHeads;
   a.head_dim = kDim;
   const auto set = [&](const char* name, double value) {
@@ -174,7 +191,7 @@ TEST_P(Schemes, EveryEntryIsDescribedAndItsParametersHaveTheDeclaredShape) {
     EXPECT_EQ(std::count(names.begin(), names.end(), e.name), 0) << "duplicate name";
     names.push_back(e.name);
     EXPECT_TRUE(e.family == "none" || e.family == "transform" || e.family == "relative-bias" || e.family == "bias" ||
-                e.family == "relative-terms" || e.family == "sink")
+                e.family == "relative-terms" || e.family == "sink" || e.family == "token-term")
         << e.family;
     EXPECT_FALSE(e.summary.empty());
     EXPECT_FALSE(e.source.empty());
@@ -191,6 +208,14 @@ TEST_P(Schemes, EveryEntryIsDescribedAndItsParametersHaveTheDeclaredShape) {
     const Call call(in, DType::kF32, false, g, true);
     const Attention att(call.spec);
     EXPECT_EQ(static_cast<std::int64_t>(scheme_gradients(e, att.zero_gradients().groups[0]).size()), count);
+    const std::vector<std::vector<double>> input_grads = scheme_input_gradients(e, att.zero_gradients().groups[0]);
+    ASSERT_EQ(input_grads.size(), e.inputs.size());
+    for (std::size_t i = 0; i < e.inputs.size(); ++i) {
+      EXPECT_FALSE(e.inputs[i].description.empty());
+      ASSERT_TRUE(e.inputs[i].typical) << e.inputs[i].name;
+      EXPECT_TRUE(std::isfinite(e.inputs[i].typical(0)) && std::isfinite(e.inputs[i].typical(1))) << e.inputs[i].name;
+      EXPECT_EQ(input_grads[i].size(), input_values(e, e.inputs[i]).size()) << e.inputs[i].name;
+    }
     // What a picture ignores is an argument or a declared option (a misspelt name would let
     // `posenc table` accept the flag and ignore it).
     for (const std::string& ignored : picture_ignores(e)) {
@@ -258,6 +283,19 @@ TEST_P(Schemes, EveryInvalidArgumentIsRefusedByName) {
     SchemeArgs c = matrix_args(e);
     c.parameters = {1.0, 2.0, 3.0};  // no scheme at these shapes has three parameters
     expect_error([&] { make_head_group(e.name, c); }, {"parameters", "3 values"});
+    SchemeArgs i = matrix_args(e);
+    i.inputs["bogus_input"] = input_view(input_values(e, {"bogus_input", "no scheme declares it"}));
+    expect_error([&] { make_head_group(e.name, i); }, {"scheme " + e.name, "input", "bogus_input"});
+    for (const SchemeInput& input : e.inputs) {
+      SCOPED_TRACE(input.name);
+      SchemeArgs absent = matrix_args(e);
+      absent.inputs.erase(input.name);
+      expect_error([&] { make_head_group(e.name, absent); }, {"scheme " + e.name, input.name, "absent"});
+      // [B, Sk, heads] with one head fewer than the group's.
+      SchemeArgs narrow = matrix_args(e);
+      narrow.inputs[input.name] = ConstTensorView::of(input_values(e, input).data(), {kBatch, kKLen, kHeads - 1});
+      expect_error([&] { make_head_group(e.name, narrow); }, {input.name, std::to_string(kHeads - 1)});
+    }
     SchemeArgs d = matrix_args(e);
     d.heads = 0;
     expect_error([&] { make_head_group(e.name, d); }, {"heads", "0", "in [1, 2^31]"});
@@ -276,6 +314,10 @@ TEST_P(Schemes, FusedAttentionMatchesTheReference) {
           SCOPED_TRACE(e.name + (causal ? ", causal" : ", bidirectional") + (strided ? ", q, k, v [B, H, S, D]" : "") +
                        ", " + std::to_string(q_len) + " queries");
           const Call call(in, DType::kF32, strided, g, causal, q_len);
+          if (e.causal_only && !causal && q_len > 1) {  // refused, but for one query per sequence
+            expect_error([&] { const Attention refused(call.spec); }, {"mask", "causal"});
+            continue;
+          }
           const Attention att(call.spec);
           const Result fused = run(att, DType::kF32, 0, q_len), exact = run(att, DType::kF32, 1, q_len),
                        naive = run(att, DType::kF32, 2, q_len);
@@ -303,7 +345,7 @@ TEST_P(Schemes, FusedAttentionMatchesTheReference) {
 }
 
 struct Gradients {
-  std::vector<double> dq, dk, dv, params;
+  std::vector<double> dq, dk, dv, params, inputs;  // inputs: every per-token input's, concatenated
 };
 
 // d(Σ w·out) by the call's backward (fused or the fp64 reference), with w = out_weights.
@@ -339,14 +381,13 @@ Gradients backward(const SchemeEntry& e, const Attention& att, DType dtype, bool
     g.dv.push_back(testing::element(dv.data(), dt, i));
   }
   g.params = scheme_gradients(e, grads.groups[0]);
+  for (const std::vector<double>& d : scheme_input_gradients(e, grads.groups[0]))
+    g.inputs.insert(g.inputs.end(), d.begin(), d.end());
   return g;
 }
 
-// Σ w·out of the fp64 reference with the scheme's parameters θ.
-double loss(const SchemeEntry& e, const SchemeArgs& args, const std::vector<double>& theta, const Inputs& in,
-            const std::vector<double>& w) {
-  SchemeArgs a = args;
-  a.parameters = theta;
+// Σ w·out of the fp64 reference of the scheme with these arguments.
+double loss(const SchemeEntry& e, const SchemeArgs& a, const Inputs& in, const std::vector<double>& w) {
   const Call call(in, DType::kF64, false, make_head_group(e.name, a), true);
   const Attention att(call.spec);
   const Result r = run(att, DType::kF64, 1);
@@ -375,17 +416,40 @@ TEST_P(Schemes, GradientsMatchFiniteDifferencesAndTheReference) {
     for (std::size_t s = 0; s < std::min<std::size_t>(n, 12); ++s) {
       const std::size_t t = s * n / std::min<std::size_t>(n, 12);
       const double h = 1e-5 * std::max(1.0, std::fabs(theta[t]));
-      std::vector<double> plus = theta, minus = theta;
-      plus[t] += h;
-      minus[t] -= h;
-      const double fd = (loss(e, args, plus, in, w) - loss(e, args, minus, in, w)) / (2 * h);
+      SchemeArgs plus = args, minus = args;
+      plus.parameters[t] += h;
+      minus.parameters[t] -= h;
+      const double fd = (loss(e, plus, in, w) - loss(e, minus, in, w)) / (2 * h);
       EXPECT_NEAR(exact.params[t], fd, 1e-7 * (1 + std::fabs(fd))) << "parameter " << t;
     }
+    // The per-token inputs likewise, at up to 12 elements of each (the same h and bound: the
+    // inputs are of the size of the parameters here).
+    std::size_t offset = 0;
+    for (const SchemeInput& input : e.inputs) {
+      const std::vector<double>& values = input_values(e, input);
+      const std::size_t m = values.size();
+      for (std::size_t s = 0; s < std::min<std::size_t>(m, 12); ++s) {
+        const std::size_t t = s * m / std::min<std::size_t>(m, 12) + 1;  // + 1: not only the first token
+        const double h = 1e-5 * std::max(1.0, std::fabs(values[t]));
+        std::vector<double> up = values, down = values;
+        up[t] += h;
+        down[t] -= h;
+        SchemeArgs plus = args, minus = args;
+        plus.inputs[input.name] = input_view(up);
+        minus.inputs[input.name] = input_view(down);
+        const double fd = (loss(e, plus, in, w) - loss(e, minus, in, w)) / (2 * h);
+        EXPECT_NEAR(exact.inputs[offset + t], fd, 1e-7 * (1 + std::fabs(fd))) << input.name << " " << t;
+      }
+      offset += m;
+    }
+    EXPECT_EQ(exact.inputs.size(), offset) << "the inputs' gradients have the inputs' sizes";
     // The fused f32 backward against the fp64 reference: sums of up to B·Sq·Sk f32 terms per
     // parameter, each with a relative error of a few 2^-24: 1e-3 of the largest gradient.
     const Gradients fused = backward(e, att32, DType::kF32, false, w);
     ASSERT_EQ(fused.params.size(), exact.params.size());
     EXPECT_LE(max_abs_diff(fused.params, exact.params), 1e-3 * (max_abs(exact.params) + 1e-3));
+    ASSERT_EQ(fused.inputs.size(), exact.inputs.size());
+    EXPECT_LE(max_abs_diff(fused.inputs, exact.inputs), 1e-3 * (max_abs(exact.inputs) + 1e-3));
     EXPECT_LE(max_abs_diff(fused.dq, exact.dq), 1e-3 * (max_abs(exact.dq) + 1e-3));
     EXPECT_LE(max_abs_diff(fused.dk, exact.dk), 1e-3 * (max_abs(exact.dk) + 1e-3));
     EXPECT_LE(max_abs_diff(fused.dv, exact.dv), 1e-3 * (max_abs(exact.dv) + 1e-3));
@@ -419,6 +483,7 @@ TEST_P(Schemes, SameBitsForAnyThreadCount) {
       EXPECT_EQ(many_grads.dk, one_grads.dk) << threads << " threads";
       EXPECT_EQ(many_grads.dv, one_grads.dv) << threads << " threads";
       EXPECT_EQ(many_grads.params, one_grads.params) << threads << " threads";
+      EXPECT_EQ(many_grads.inputs, one_grads.inputs) << threads << " threads";
     }
   }
 }

@@ -2,6 +2,7 @@
 #include <torch/library.h>
 #include <torch/torch.h>
 
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -25,10 +26,12 @@ using OptionalTemperature = c10::optional<c10::intrusive_ptr<TemperatureClass>>;
 // A Scheme's head group with its learned parameters: `params` in the registry's parameter_shape
 // (a 1-D empty tensor for a scheme without any), or undefined for the scheme's initial values.
 HeadGroup attention_group(const char* where, const std::string& name, const SchemeClass& scheme,
-                          const at::Tensor& params, std::int64_t head_dim, double scale) {
-  SchemeArgs args = scheme.args(head_dim, scale);
+                          const at::Tensor& params, std::int64_t head_dim, double scale,
+                          std::map<std::string, ConstTensorView, std::less<>> inputs = {}) {
+  SchemeArgs args = scheme.given_args(head_dim, scale);
+  args.inputs = std::move(inputs);
   if (params.defined()) {
-    const std::vector<std::int64_t> shape = scheme.entry->parameter_shape(args);
+    const std::vector<std::int64_t> shape = scheme.entry->parameter_shape(scheme.args(head_dim, scale));
     // A scheme without parameters takes a 1-D empty tensor (a 0-d tensor is one value, not none).
     const bool fits =
         shape.empty() ? params.dim() == 1 && params.numel() == 0 : params.sizes() == at::IntArrayRef(shape);
@@ -38,7 +41,7 @@ HeadGroup attention_group(const char* where, const std::string& name, const Sche
         scheme.entry->parameters.empty() ? std::string("no learned parameters") : scheme.entry->parameters, ")");
     args.parameters = doubles_of(where, name.c_str(), params);
   }
-  return scheme.entry->make(args);
+  return make_head_group(scheme.entry->name, std::move(args));
 }
 
 // Any registered relative-bias scheme (registry.hpp) materialised as [B, H, Sq, Sk], differentiable
@@ -87,7 +90,8 @@ at::Tensor relative_bias_op(const c10::intrusive_ptr<SchemeClass>& scheme, const
 }
 
 // The registry as JSON: [{name, family, summary, source, parameters, options: [{name, default,
-// integer, description}]}].
+// integer, description}], inputs: [{name, description, typical: the range of a trained model's
+// values}], causal_only}].
 std::string schemes_op() {
   nlohmann::json all = nlohmann::json::array();
   for (const SchemeEntry& e : schemes()) {
@@ -96,20 +100,28 @@ std::string schemes_op() {
       options.push_back(
           {{"name", o.name}, {"default", o.default_value}, {"integer", o.integer}, {"description", o.description}});
     }
+    nlohmann::json inputs = nlohmann::json::array();
+    for (const SchemeInput& in : e.inputs) {
+      const double a = in.typical ? in.typical(0.0) : 0.0, b = in.typical ? in.typical(1.0) : 0.0;
+      inputs.push_back(
+          {{"name", in.name}, {"description", in.description}, {"typical", {std::min(a, b), std::max(a, b)}}});
+    }
     all.push_back({{"name", e.name},
                    {"family", e.family},
                    {"summary", e.summary},
                    {"source", e.source},
                    {"parameters", e.parameters},
-                   {"options", options}});
+                   {"options", options},
+                   {"inputs", inputs},
+                   {"causal_only", e.causal_only}});
   }
   return all.dump();
 }
 
 struct AttentionCall {
   std::unique_ptr<Attention> attention;
-  at::Tensor q_ids, k_ids;        // kept alive: Positions borrow them
-  std::vector<at::Tensor> gates;  // per head group: its ForgetGate's tensor (viewed: kept alive), or undefined
+  at::Tensor q_ids, k_ids;                  // kept alive: Positions borrow them
+  std::vector<at::Tensor> gates;            // per head group: its gate or input (viewed: kept alive), or undefined
   std::vector<const SchemeEntry*> entries;  // per head group: its registered scheme
 };
 
@@ -128,15 +140,34 @@ void add_sinks(const char* where, const at::Tensor& sinks, AttentionSpec& spec) 
   }
 }
 
-// Group g's forget gate (Forgetting Attention, posenc/forgetting.hpp), if `gates` gives it one:
-// one entry per head group, an empty tensor for none.
+// `gates`: empty, or one tensor per head group. A group whose registered scheme reads a per-token
+// input (SchemeEntry::inputs: Forgetting's log_fgate) takes it from there (input_of); another
+// group's non-empty tensor is a forget gate (posenc/forgetting.hpp) added to its scheme, as FoX
+// Pro adds one to RoPE (add_gates).
+void check_gates(const char* where, const std::vector<at::Tensor>& gates, std::size_t groups) {
+  TORCH_CHECK_VALUE(gates.empty() || gates.size() == groups, where, ": ", gates.size(),
+                    " gates; expected one per head group (", groups, "), or none");
+}
+std::map<std::string, ConstTensorView, std::less<>> input_of(const char* where, const SchemeEntry& entry,
+                                                             const std::vector<at::Tensor>& gates, std::size_t g,
+                                                             AttentionCall& call) {
+  if (entry.inputs.empty()) return {};
+  // The op carries one per-token tensor per group.
+  TORCH_CHECK_VALUE(entry.inputs.size() == 1, where, ": scheme ", entry.name, " reads ", entry.inputs.size(),
+                    " per-token inputs; expected at most one per group");
+  const std::string name = "gates[" + std::to_string(g) + "]";
+  TORCH_CHECK_VALUE(g < gates.size() && !absent(gates[g]) && gates[g].numel() > 0, where, ": ", name,
+                    " is absent; expected scheme ", entry.name, "'s ", entry.inputs[0].name, ", ",
+                    entry.inputs[0].description);
+  call.gates.resize(std::max(call.gates.size(), g + 1));
+  call.gates[g] = gates[g].detach();
+  return {{entry.inputs[0].name, const_view(where, entry.inputs[0].name.c_str(), call.gates[g])}};
+}
 void add_gates(const char* where, const std::vector<at::Tensor>& gates, AttentionSpec& spec, AttentionCall& call) {
   call.gates.resize(spec.groups.size());
   if (gates.empty()) return;
-  TORCH_CHECK_VALUE(gates.size() == spec.groups.size(), where, ": ", gates.size(),
-                    " forget gates; expected one per head group (", spec.groups.size(), "), empty for none");
   for (std::size_t g = 0; g < gates.size(); ++g) {
-    if (absent(gates[g]) || gates[g].numel() == 0) continue;
+    if (absent(gates[g]) || gates[g].numel() == 0 || !call.entries[g]->inputs.empty()) continue;
     call.gates[g] = gates[g].detach();
     spec.groups[g].terms.push_back(std::make_shared<ForgetGate>(const_view(where, "log_fgate", call.gates[g])));
   }
@@ -202,11 +233,12 @@ AttentionCall make_attention(const char* where, const at::Tensor& q, const at::T
   spec.k = const_view(where, "k", k);
   spec.v = const_view(where, "v", v);
   std::int64_t heads = 0;
+  check_gates(where, a.gates, a.schemes.size());
   for (std::size_t g = 0; g < a.schemes.size(); ++g) {
     const c10::intrusive_ptr<SchemeClass> scheme = a.schemes.get(g);
     const std::string name = "params[" + std::to_string(g) + "]";
-    spec.groups.push_back(
-        attention_group(where, name, *scheme, a.params.empty() ? at::Tensor() : a.params[g], q.size(-1), scale));
+    spec.groups.push_back(attention_group(where, name, *scheme, a.params.empty() ? at::Tensor() : a.params[g],
+                                          q.size(-1), scale, input_of(where, *scheme->entry, a.gates, g, call)));
     call.entries.push_back(scheme->entry);
     heads += scheme->heads;
   }
@@ -314,11 +346,16 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
           trainable ? parameter_gradients(call, param_grads, params) : std::vector<at::Tensor>{};
       for (std::size_t g = 0; g < wants_param.size(); ++g)
         result.push_back(wants_param.get(g) ? d_params[g] : at::Tensor());
-      // One gradient per gate, in the gate's shape.
+      // One gradient per gate, in the gate's shape: a scheme's input's as its entry gives it, an
+      // added gate's from the group's first term (the gate comes before the sinks).
       for (std::size_t g = 0; g < wants_gate.size(); ++g) {
         at::Tensor d_gate;
-        if (wants_gate.get(g) && call.gates[g].defined())
-          d_gate = tensor_of(param_grads.groups[g].terms[0], call.gates[g]);
+        if (wants_gate.get(g) && call.gates[g].defined()) {
+          const SchemeEntry& entry = *call.entries[g];
+          d_gate = tensor_of(entry.inputs.empty() ? param_grads.groups[g].terms[0]
+                                                  : scheme_input_gradients(entry, param_grads.groups[g])[0],
+                             call.gates[g]);
+        }
         result.push_back(d_gate);
       }
       // The sinks: each group's last term, concatenated over the groups.

@@ -118,14 +118,18 @@ SchemeClass::SchemeClass(const std::string& name, std::int64_t heads_, const c10
   (void)args(rope ? rope->head_dim() : 2, 0.0);
 }
 
-SchemeArgs SchemeClass::args(std::int64_t head_dim, double scale) const {
+SchemeArgs SchemeClass::given_args(std::int64_t head_dim, double scale) const {
   SchemeArgs a;
   a.heads = heads;
   a.head_dim = head_dim;
   a.scale = scale;
   a.options = options;
   a.rope = rope;
-  return complete_scheme_args(*entry, std::move(a));
+  return a;
+}
+
+SchemeArgs SchemeClass::args(std::int64_t head_dim, double scale) const {
+  return complete_scheme_args(*entry, given_args(head_dim, scale));
 }
 
 std::vector<std::int64_t> SchemeClass::parameter_shape(std::int64_t head_dim) const {
@@ -134,8 +138,11 @@ std::vector<std::int64_t> SchemeClass::parameter_shape(std::int64_t head_dim) co
 
 at::Tensor SchemeClass::initial_parameters(std::int64_t head_dim) const {
   const SchemeArgs a = args(head_dim, 0.0);
-  const std::vector<double> values = scheme_parameters(*entry, entry->make(a));
   const std::vector<std::int64_t> shape = entry->parameter_shape(a);
+  // A scheme that reads per-token inputs cannot be made without them; without learned parameters
+  // it has nothing to initialise.
+  if (shape.empty() && !entry->inputs.empty()) return at::empty({0}, at::kDouble);
+  const std::vector<double> values = scheme_parameters(*entry, entry->make(a));
   return at::tensor(values, at::kDouble).reshape(shape.empty() ? std::vector<std::int64_t>{0} : shape);
 }
 

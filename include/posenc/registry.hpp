@@ -4,13 +4,16 @@
 // (posenc.schemes(), the generic modules), the command line (`posenc schemes`, `table`, `bench
 // attention --scheme`) and the generic test matrix (tests/test_schemes.cpp) read. An entry says
 // what a scheme is called, what it is, which options it takes (numbers; flags are 0 or 1) with
-// their defaults, the shape of its learned parameters, and how to build its HeadGroup.
+// their defaults, the shape of its learned parameters, the per-token inputs it reads (activations
+// a caller passes with each call, such as Forgetting Attention's log forget gate), and how to
+// build its HeadGroup.
 //
 //   const HeadGroup g = posenc::make_head_group("sandwich", {.heads = 8, .head_dim = 64,
 //                                                            .options = {{"dim", 128}}});
 //
-// Errors: an unknown name or option, a non-integral value for an integer option, or parameters
-// of the wrong size throw posenc::Error naming them; the scheme's own constructor checks the rest.
+// Errors: an unknown name, option or input, a non-integral value for an integer option, a declared
+// input that is absent, or parameters of the wrong size throw posenc::Error naming them; the scheme's own constructor
+// checks the rest.
 #pragma once
 
 #include <cstdint>
@@ -48,20 +51,34 @@ SchemeOption flag_option(std::string name, bool default_value, std::string descr
 SchemeOption size_option(std::string name, double default_value, std::string description);
 SchemeOption seed_option();
 
+// A per-token input: an activation of the model, not a learned parameter, over the keys' token
+// grid ([B, Sk, heads], or [Tk, heads] for packed sequences; its last extent the group's heads).
+// The group views it, so it must outlive every Attention built with the group; its gradient has
+// its shape (scheme_input_gradients).
+struct SchemeInput {
+  std::string name;         // e.g. "log_fgate"
+  std::string description;  // what it is and which values are valid
+  // A trained model's value at quantile u in [0, 1] (u uniform gives their spread), which tests and
+  // benchmarks draw (the scheme's constructor checks validity; this is not a bound).
+  std::function<double(double u)> typical{};
+};
+
 // What a factory receives: the head group's size, the options by name (make_head_group fills in
-// the defaults and refuses unknown names), and the learned parameters flattened in the order
-// parameter_shape gives (empty: the scheme's initial values).
+// the defaults and refuses unknown names), the learned parameters flattened in the order
+// parameter_shape gives (empty: the scheme's initial values), and the per-token inputs by name.
 struct SchemeArgs {
   std::int64_t heads = 0, head_dim = 0;
   double scale = 0.0;  // the attention's scale (0: 1/sqrt(head_dim)); Transformer-XL's terms use it
   std::map<std::string, double, std::less<>> options{};
   std::vector<double> parameters{};
   std::optional<RopeParams> rope{};  // "rope": full RoPE parameters (rope types, scaling) instead of options
+  std::map<std::string, ConstTensorView, std::less<>> inputs{};  // SchemeEntry::inputs, every one given
 
   double number(std::string_view name) const;         // the option's value
   std::int64_t integer(std::string_view name) const;  // … checked to be an integer
   bool flag(std::string_view name) const { return number(name) != 0.0; }
   bool has(std::string_view name) const { return options.find(name) != options.end(); }
+  ConstTensorView input(std::string_view name) const;  // the input's view
 };
 
 // What `posenc table` prints of a scheme: its part of the logit over query × key positions (rows =
@@ -76,7 +93,8 @@ struct SchemeEntry {
   std::string name;
   // "none", "transform" (q and k before the product), "relative-bias" (a RelativeBias,
   // scheme.hpp), "bias" (a score bias of the positions), "relative-terms" (terms with q or k),
-  // "sink" (a logit in the softmax's denominator, term.hpp).
+  // "sink" (a logit in the softmax's denominator, term.hpp), "token-term" (a term of per-token
+  // inputs, term.hpp).
   std::string family;
   std::string summary;  // one line: the formula
   std::string source;   // the paper or model that defines it
@@ -85,6 +103,13 @@ struct SchemeEntry {
   // The learned parameters' shape for these arguments ({} when there are none).
   std::function<std::vector<std::int64_t>(const SchemeArgs&)> parameter_shape{};
   std::function<HeadGroup(const SchemeArgs&)> make{};
+  // The per-token inputs the factory reads (SchemeArgs::inputs), and their gradients from a
+  // group's (AttentionGradients), one flat vector per input in its (b, s, h) order.
+  std::vector<SchemeInput> inputs{};
+  std::function<std::vector<std::vector<double>>(const GroupGradients&)> input_gradients_of{};
+  // Defined for a causal mask only (an Attention refuses another mask unless every sequence has
+  // one query, as in decode).
+  bool causal_only = false;
   // A group's learned parameters flat in parameter_shape's order, and its gradients
   // (AttentionGradients) flattened the same way. Unset: the group's score bias's — a
   // RelativeBias's parameters(), and GroupGradients::bias, which the engine fills in that order —
@@ -107,11 +132,14 @@ const SchemeEntry& find_scheme(std::string_view name);
 // The HeadGroup of a registered scheme (options checked and completed with defaults, parameters
 // checked against parameter_shape).
 HeadGroup make_head_group(std::string_view name, SchemeArgs args);
-// The options completed with defaults and checked (what make_head_group passes to the factory).
+// The options completed with defaults and checked, and the inputs given checked to be declared
+// (what make_head_group passes to the factory, after it checks that every declared input is given).
 SchemeArgs complete_scheme_args(const SchemeEntry& entry, SchemeArgs args);
 // entry.parameters_of / gradients_of, or the family's rule when unset (see SchemeEntry).
 std::vector<double> scheme_parameters(const SchemeEntry& entry, const HeadGroup& group);
 std::vector<double> scheme_gradients(const SchemeEntry& entry, const GroupGradients& grads);
+// entry.input_gradients_of (none for an entry without inputs).
+std::vector<std::vector<double>> scheme_input_gradients(const SchemeEntry& entry, const GroupGradients& grads);
 // entry.picture, or the rule above; throws posenc::Error naming the scheme when it has none (a
 // transform or a sink: no matrix of positions).
 SchemePicture scheme_picture(const SchemeEntry& entry, const HeadGroup& group, const Positions& positions);

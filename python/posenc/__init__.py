@@ -703,8 +703,14 @@ def _attention_scheme(scheme, heads, keys_rotated, head_dim):
             return RotaryPositionalEncoding(0)._attention_scheme(heads, keys_rotated, head_dim)
         if scheme == "alibi":
             return _scheme("alibi", heads, {"symmetric": False}), alibi_slopes(heads)
-        # A name means the scheme's defaults; a learned one needs a module (it owns the tensors).
+        # A name means the scheme's defaults; a learned one needs a module (it owns the tensors),
+        # and so does one that reads per-token inputs.
         entry = _scheme_entry(scheme)
+        if entry.get("inputs"):
+            names = ", ".join(i["name"] for i in entry["inputs"])
+            raise ValueError(f"attention: scheme = {scheme!r} reads per-token inputs ({names}); pass "
+                             f"posenc.Scheme({scheme!r}, heads, head_dim, {entry['inputs'][0]['name']}=...) instead of "
+                             "its name")
         if entry["parameters"]:
             raise ValueError(f"attention: scheme = {scheme!r} has learned parameters ({entry['parameters']}); "
                              f"pass posenc.Scheme({scheme!r}, heads, head_dim) or its module instead of its name")
@@ -873,9 +879,17 @@ def _attention_args(q, k, v, scheme, causal, window, chunk_size, temperature, so
         raise ValueError(f"attention: q has {q.dim()} dimensions; expected " +
                          ("3 ([Tq, H, D] with cu_seqlens)" if cu_q else "4 ([B, Sq, H, D] or with layout='bhsd')"))
     _flag("attention", "keys_rotated", keys_rotated)
-    gates = []  # per head group: its forget gate, or an empty tensor
+    gates = []  # per head group: its forget gate or its scheme's per-token input, or an empty tensor
 
     def gate_of(group_scheme, group_heads):
+        if isinstance(group_scheme, Scheme) and group_scheme.inputs:
+            if len(group_scheme.inputs) > 1:
+                raise ValueError(f"attention: {group_scheme.name} reads {len(group_scheme.inputs)} per-token inputs; "
+                                 "expected at most one per head group")
+            if group_scheme.entry.get("causal_only") and not causal:
+                raise ValueError(f"attention: causal = False with {group_scheme.name}; expected causal=True")
+            gates.append(group_scheme._attention_input())
+            return group_scheme
         if not isinstance(group_scheme, Forgetting):
             gates.append(torch.empty(0))
             return group_scheme

@@ -10,9 +10,12 @@ from . import _finite, _int, _number, _ops, _positions
 
 def schemes():
     """The registered positional schemes (posenc/registry.hpp), as a list of dicts: ``name``,
-    ``family`` (none, transform, relative-bias, bias, relative-terms, sink), ``summary``, ``source``,
-    ``parameters`` (the learned parameters, "" if none) and ``options`` (``name``, ``default``,
-    ``integer``, ``description``). Each name works as ``posenc.attention(..., scheme=name)``."""
+    ``family`` (none, transform, relative-bias, bias, relative-terms, sink, token-term),
+    ``summary``, ``source``, ``parameters`` (the learned parameters, "" if none), ``options``
+    (``name``, ``default``, ``integer``, ``description``), ``inputs`` (per-token activations the
+    scheme reads: ``name``, ``description``, ``typical`` [min, max] of a trained model's values) and
+    ``causal_only``. A name without inputs works as ``posenc.attention(..., scheme=name)``; one with
+    inputs as ``posenc.Scheme(name, heads, head_dim, **{input: tensor})``."""
     return json.loads(_ops.schemes())
 
 
@@ -40,7 +43,10 @@ class Scheme(torch.nn.Module):
     as an attention scheme: ``posenc.attention(q, k, v, posenc.Scheme("fire", 8, 64, hidden=32))``.
     Its learned parameters, if it has any, are the Parameter ``parameters_``, one flat tensor in
     the registry's parameter shape and order, initialised as the registry does; ``head_dim`` is q's
-    head size, which some schemes' shapes depend on (Shaw, Transformer-XL, TUPE). A scheme
+    head size, which some schemes' shapes depend on (Shaw, Transformer-XL, TUPE). A scheme's
+    per-token inputs (``posenc.schemes()``' ``inputs``, activations such as forgetting's
+    ``log_fgate`` [B, Sk, heads]) are keyword arguments too, tensors that the attention's backward
+    reaches: ``posenc.Scheme("forgetting", 8, 64, log_fgate=F.logsigmoid(x @ w_f + b_f))``. A scheme
     registered in C++ is so usable from Python with no module of its own."""
 
     _shape_takes_head_dim = True
@@ -48,6 +54,18 @@ class Scheme(torch.nn.Module):
     def __init__(self, name, heads, head_dim, **options):
         super().__init__()
         self.entry = _scheme_entry(name)
+        # The declared inputs are tensors, kept apart from the numeric options.
+        self.inputs = {}
+        for spec in self.entry.get("inputs", []):
+            if spec["name"] not in options:
+                raise ValueError(f"Scheme: {name} reads the per-token input {spec['name']} ({spec['description']}); "
+                                 f"expected {spec['name']}=<tensor>")
+            value = options.pop(spec["name"])
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"Scheme: {name}'s {spec['name']} is {type(value).__name__}; expected a torch.Tensor")
+            if not value.is_floating_point():
+                raise TypeError(f"Scheme: {name}'s {spec['name']} dtype {value.dtype}; expected a floating dtype")
+            self.inputs[spec["name"]] = value
         self.name, self.heads, self.options = name, _int(name, "heads", heads, 1), dict(options)
         self.head_dim = _int(name, "head_dim", head_dim, 1)
         initial = self._scheme().initial_parameters(self.head_dim)
@@ -71,8 +89,13 @@ class Scheme(torch.nn.Module):
             raise ValueError(f"attention: {self.name} has head_dim = {self.head_dim}; expected q's {head_dim}")
         return _scheme(self.name, self.heads, options), self._parameter_tensor()
 
+    def _attention_input(self):
+        """The per-token tensor the op passes for this group (its ``gates`` entry), or None."""
+        return next(iter(self.inputs.values()), None)
+
     def extra_repr(self):
         options = "".join(f", {k}={v}" for k, v in self.options.items())
+        options += "".join(f", {k}=<{tuple(v.shape)}>" for k, v in self.inputs.items())
         head_dim = f", head_dim={self.head_dim}" if self._shape_takes_head_dim else ""
         return f"{self.name!r}, heads={self.heads}{head_dim}{options}"
 

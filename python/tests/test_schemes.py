@@ -93,8 +93,11 @@ def small_options(entry, head_dim):
     return {o["name"]: wanted[o["name"]] for o in entry["options"] if o["name"] in wanted}
 
 
-def fused(q, k, v, module, params):
-    """The attention op with `params` as the module's parameter tensor (causal)."""
+def fused(q, k, v, module, params, scheme_inputs=None):
+    """The attention op with `params` as the module's parameter tensor and `scheme_inputs` (a dict)
+    as its per-token inputs (causal)."""
+    if scheme_inputs:
+        module = posenc.Scheme(module.name, module.heads, module.head_dim, **module.options, **scheme_inputs)
     args = list(posenc._attention_args(q, k, v, module, True, (-1, -1), None, None, 0.0, None, None, None, False,
                                        True, None))
     if params is not None:
@@ -102,10 +105,16 @@ def fused(q, k, v, module, params):
     return posenc._ops.attention(*args)[0]
 
 
+def typical_inputs(entry, batch, keys, heads, dtype=torch.float64):
+    """The entry's per-token inputs [B, Sk, heads], drawn from their typical ranges."""
+    return {i["name"]: torch.empty(batch, keys, heads, dtype=dtype).uniform_(*i["typical"]) for i in entry["inputs"]}
+
+
 @pytest.mark.parametrize("name", all_names())
 def test_every_registered_scheme_runs_by_name_and_differentiates(name):
     entry = posenc._scheme_entry(name)
-    module = posenc.Scheme(name, 4, 8, **small_options(entry, 8))
+    scheme_inputs = {n: t.requires_grad_() for n, t in typical_inputs(entry, 1, 9, 4).items()}
+    module = posenc.Scheme(name, 4, 8, **small_options(entry, 8), **scheme_inputs)
     assert (module.parameters_ is None) == (entry["parameters"] == "")
     q = torch.randn(1, 6, 4, 8, dtype=torch.float64, requires_grad=True)
     k = torch.randn(1, 9, 2, 8, dtype=torch.float64, requires_grad=True)
@@ -118,24 +127,30 @@ def test_every_registered_scheme_runs_by_name_and_differentiates(name):
         p = torch.where(p == 0, torch.empty_like(p).uniform_(-0.5, 0.5), p * torch.empty_like(p).uniform_(0.5, 1.5))
         params = p.requires_grad_()
         inputs.append(params)
+    names = list(scheme_inputs)
+    inputs += [scheme_inputs[n] for n in names]
+    with_params = params is not None
+
+    def call(*x):
+        ins = dict(zip(names, x[3 + with_params:]))
+        return fused(x[0], x[1], x[2], module, x[3] if with_params else None, ins)
+
     # float64 runs the fp64 reference: its backward against central differences of its forward.
-    assert torch.autograd.gradcheck(lambda *x: fused(x[0], x[1], x[2], module, x[3] if len(x) > 3 else None),
-                                    tuple(inputs))
+    assert torch.autograd.gradcheck(call, tuple(inputs))
     # The fused float32 kernel against it: f32 sums over 9 keys of terms |p·v| <= a few units
-    # (2e-5); parameter gradients are summed over every (query, key) pair, 1e-3 of the largest.
-    exact = fused(q, k, v, module, params)
-    p32 = None if params is None else params.detach().float().requires_grad_()
-    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
-    out32 = fused(q32, k32, v32, module, p32)
+    # (2e-5); parameter and input gradients are summed over (query, key) pairs, 1e-3 of the largest.
+    exact = call(*inputs)
+    inputs32 = [x.detach().float().requires_grad_() for x in inputs]
+    out32 = call(*inputs32)
     torch.testing.assert_close(out32.double(), exact, rtol=0, atol=2e-5)
     w = torch.randn_like(exact)
     grads = torch.autograd.grad((exact * w).sum(), inputs)
-    grads32 = torch.autograd.grad((out32 * w.float()).sum(), [q32, k32, v32] + ([p32] if p32 is not None else []))
+    grads32 = torch.autograd.grad((out32 * w.float()).sum(), inputs32)
     for got, want in zip(grads32, grads):
         torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-3 * (want.abs().max().item() + 1e-3))
     # The module itself in posenc.attention: its float32 parameters receive the gradient.
     if module.parameters_ is not None:
-        posenc.attention(q32.detach(), k32.detach(), v32.detach(), module, causal=True).sum().backward()
+        posenc.attention(*inputs32[:3], module, causal=True).sum().backward()
         assert module.parameters_.grad is not None and module.parameters_.grad.shape == module.parameters_.shape
 
 
@@ -227,3 +242,50 @@ def test_errors_name_the_argument():
         posenc.attention(q, k, v, posenc.Scheme("shaw", 4, 8))
     with pytest.raises(ValueError, match="heads = 2; expected the group's 4"):
         posenc.attention(q, k, v, posenc.Scheme("fire", 2, 16))
+
+
+def test_a_scheme_with_a_per_token_input_is_the_forgetting_module():
+    """posenc.Scheme("forgetting", …, log_fgate=…) is the registry's entry for what posenc.Forgetting
+    builds by hand: the same bits, alone and as a head group beside another scheme, and the gate's
+    gradient."""
+    q = torch.randn(2, 12, 4, 16)
+    k, v = torch.randn(2, 12, 2, 16), torch.randn(2, 12, 2, 16)
+    gate = torch.nn.functional.logsigmoid(torch.randn(2, 12, 4) + 2).requires_grad_()
+    by_name = posenc.attention(q, k, v, posenc.Scheme("forgetting", 4, 16, log_fgate=gate), causal=True)
+    by_hand = posenc.attention(q, k, v, posenc.Forgetting(gate), causal=True)
+    torch.testing.assert_close(by_name, by_hand, rtol=0, atol=0)
+    (d_name,) = torch.autograd.grad(by_name.sum(), [gate])
+    (d_hand,) = torch.autograd.grad(by_hand.sum(), [gate])
+    torch.testing.assert_close(d_name, d_hand, rtol=0, atol=0)
+    half = gate[..., :2].detach()
+    groups = posenc.attention(q, k, v, [(2, posenc.Scheme("forgetting", 2, 16, log_fgate=half)), (2, "rope")],
+                              causal=True)
+    torch.testing.assert_close(groups[:, :, :2], posenc.attention(q[:, :, :2], k[:, :, :1], v[:, :, :1],
+                                                                  posenc.Forgetting(half), causal=True), rtol=0, atol=0)
+    entry = posenc._scheme_entry("forgetting")
+    assert entry["family"] == "token-term" and entry["causal_only"] and entry["inputs"][0]["name"] == "log_fgate"
+
+
+def test_per_token_inputs_are_checked_by_name():
+    q, k, v = torch.randn(1, 8, 4, 16), torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16)
+    gate = torch.full((1, 8, 4), -0.1)
+    with pytest.raises(ValueError, match=r"reads per-token inputs \(log_fgate\)"):
+        posenc.attention(q, k, v, "forgetting")
+    with pytest.raises(ValueError, match="log_fgate=<tensor>"):
+        posenc.Scheme("forgetting", 4, 16)
+    with pytest.raises(TypeError, match="log_fgate is list"):
+        posenc.Scheme("forgetting", 4, 16, log_fgate=[0.0])
+    with pytest.raises(ValueError, match="causal = False with forgetting"):
+        posenc.attention(q, k, v, posenc.Scheme("forgetting", 4, 16, log_fgate=gate))
+    with pytest.raises(ValueError, match=r"log_fgate.*\[1, 8, 3\].*heads = 4"):
+        posenc.attention(q, k, v, posenc.Scheme("forgetting", 4, 16, log_fgate=gate[..., :3]), causal=True)
+    with pytest.raises(ValueError, match=r"log_fgate.*= 0.5; expected <= 0"):
+        posenc.attention(q, k, v, posenc.Scheme("forgetting", 4, 16, log_fgate=gate + 0.6), causal=True)
+    # The op itself (C++ callers): the group's input comes in `gates`.
+    scheme = torch.classes.posenc.Scheme("forgetting", 4, {}, None)
+    with pytest.raises(ValueError, match=r"gates\[0\] is absent; expected scheme forgetting's log_fgate"):
+        torch.ops.posenc.attention(q, k, v, [scheme], [], [], None, True, -1, -1, None, None, 0.0, None, None, None,
+                                   [], [], True)
+    with pytest.raises(ValueError, match="2 gates; expected one per head group"):
+        torch.ops.posenc.attention(q, k, v, [scheme], [], [gate, gate], None, True, -1, -1, None, None, 0.0, None,
+                                   None, None, [], [], True)

@@ -10,6 +10,7 @@
 #include "attention/score_term.hpp"
 #include "internal.hpp"
 #include "posenc/error.hpp"
+#include "posenc/registry.hpp"
 
 namespace posenc {
 namespace {
@@ -337,4 +338,39 @@ std::unique_ptr<detail::ScoreTerm> ForgetGate::score_term(const detail::Attentio
   return std::make_unique<detail::ForgetTerm>(*this, plan, group, index);
 }
 
+namespace scheme_entries {
+
+// Forgetting Attention as a group's whole scheme (the paper's FoX, with no positional scheme);
+// beside another scheme on the same heads ("FoX Pro": RoPE) the gate is one of HeadGroup::terms.
+SchemeEntry forgetting_entry() {
+  SchemeEntry e{"forgetting",
+                "token-term",
+                "x_ij += Σ_{l=j+1..i} log f_l: a per-token, per-head forget gate f = σ(w_f·x + b_f) decays older keys",
+                "Lin, Nikishin, He and Courville 2025, Forgetting Transformer: Softmax Attention with a Forget Gate",
+                {},
+                "",
+                [](const SchemeArgs&) { return std::vector<std::int64_t>{}; },
+                [](const SchemeArgs& a) {
+                  const ConstTensorView gate = a.input("log_fgate");
+                  if (gate.rank() >= 1 && gate.size(gate.rank() - 1) != a.heads) {
+                    throw Error("scheme forgetting", "log_fgate", gate.describe(),
+                                "[B, Sk, heads] or [Tk, heads] with heads = " + std::to_string(a.heads));
+                  }
+                  HeadGroup g{a.heads, {}, {}};
+                  g.terms = {std::make_shared<const ForgetGate>(gate)};
+                  return g;
+                }};
+  // log σ of gate logits spread over [1, 5]: gates of 0.73 to 0.99, as a trained FoX's (its
+  // forget-gate bias starts them near 1).
+  e.inputs = {{"log_fgate", "log forget gate [B, Sk, heads] ([Tk, heads] packed), each <= 0",
+               [](double u) { return -std::log1p(std::exp(-(1.0 + 4.0 * u))); }}};
+  // The entry's gate is the group's first term (the attention's sinks argument appends its own).
+  e.input_gradients_of = [](const GroupGradients& g) {
+    return std::vector<std::vector<double>>{g.terms.empty() ? std::vector<double>{} : g.terms[0]};
+  };
+  e.causal_only = true;
+  return e;
+}
+
+}  // namespace scheme_entries
 }  // namespace posenc

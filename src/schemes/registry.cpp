@@ -5,6 +5,7 @@
 
 #include "posenc/memory.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -26,6 +27,7 @@ SchemeEntry shaw_entry();
 SchemeEntry xl_entry();
 SchemeEntry sandwich_entry();
 SchemeEntry sinks_entry();
+SchemeEntry forgetting_entry();
 }  // namespace scheme_entries
 
 const std::vector<SchemeEntry>& schemes() {
@@ -43,6 +45,7 @@ const std::vector<SchemeEntry>& schemes() {
       scheme_entries::xl_entry(),
       scheme_entries::sandwich_entry(),
       scheme_entries::sinks_entry(),
+      scheme_entries::forgetting_entry(),
   };
   // clang-format on
   return all;
@@ -64,6 +67,12 @@ double SchemeArgs::number(std::string_view name) const {
 }
 
 std::int64_t SchemeArgs::integer(std::string_view name) const { return static_cast<std::int64_t>(number(name)); }
+
+ConstTensorView SchemeArgs::input(std::string_view name) const {
+  const auto it = inputs.find(name);
+  if (it == inputs.end()) throw Error("SchemeArgs", name, "absent", "a per-token input the scheme declares");
+  return it->second;
+}
 
 SchemeOption flag_option(std::string name, bool default_value, std::string description) {
   return {std::move(name), default_value ? 1.0 : 0.0, std::move(description), true, 0.0, 1.0};
@@ -118,6 +127,14 @@ SchemeArgs complete_scheme_args(const SchemeEntry& entry, SchemeArgs args) {
   for (const SchemeOption& o : entry.options) {
     if (!o.optional) args.options.emplace(o.name, o.default_value);
   }
+  // Per-token inputs: none but the declared ones (make_head_group requires each of those).
+  std::string input_names;
+  for (const SchemeInput& in : entry.inputs) input_names += (input_names.empty() ? "" : ", ") + in.name;
+  for (const auto& [name, view] : args.inputs) {
+    if (std::none_of(entry.inputs.begin(), entry.inputs.end(), [&](const SchemeInput& in) { return in.name == name; }))
+      throw Error(where, "input", name, input_names.empty() ? "no per-token inputs" : "one of " + input_names);
+  }
+
   // The parameters' count, overflow-checked (sizes are below 2^31, but shapes multiply them).
   std::int64_t count = 0;
   std::string shape;
@@ -158,6 +175,13 @@ std::vector<double> scheme_gradients(const SchemeEntry& entry, const GroupGradie
   return grads.bias;  // a score bias's, in its registered order; empty for the other schemes
 }
 
+std::vector<std::vector<double>> scheme_input_gradients(const SchemeEntry& entry, const GroupGradients& grads) {
+  if (entry.inputs.empty()) return {};
+  if (!entry.input_gradients_of)
+    throw Error("scheme " + entry.name, "input_gradients_of", "unset", "set for an entry with inputs");
+  return entry.input_gradients_of(grads);
+}
+
 bool has_picture(const SchemeEntry& entry) {
   return static_cast<bool>(entry.picture) || entry.family == "relative-bias" || entry.family == "bias" ||
          entry.family == "none";
@@ -196,6 +220,11 @@ SchemePicture scheme_picture(const SchemeEntry& entry, const HeadGroup& group, c
 
 HeadGroup make_head_group(std::string_view name, SchemeArgs args) {
   const SchemeEntry& entry = find_scheme(name);
+  // An input has no default to stand in: each declared one is given.
+  for (const SchemeInput& in : entry.inputs) {
+    if (args.inputs.find(in.name) == args.inputs.end())
+      throw Error("scheme " + entry.name, in.name, "absent", "a tensor: " + in.description);
+  }
   return entry.make(complete_scheme_args(entry, std::move(args)));
 }
 

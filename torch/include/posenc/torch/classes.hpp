@@ -48,8 +48,9 @@ struct SchemeClass : torch::CustomClassHolder {
   // q's head_dim) when the attention completes them.
   SchemeClass(const std::string& name, std::int64_t heads, const c10::Dict<std::string, double>& options,
               const c10::optional<c10::intrusive_ptr<RopeClass>>& rope);
-  // The registry's arguments for q's head size and the attention's scale (0: 1/sqrt(head_dim)),
-  // completed with the defaults and checked.
+  // The registry's arguments for q's head size and the attention's scale (0: 1/sqrt(head_dim)), as
+  // given (make_head_group completes them), and completed with the defaults and checked.
+  SchemeArgs given_args(std::int64_t head_dim, double scale) const;
   SchemeArgs args(std::int64_t head_dim, double scale) const;
   // The learned parameters' shape, and their initial values in that shape (float64).
   std::vector<std::int64_t> parameter_shape(std::int64_t head_dim) const;

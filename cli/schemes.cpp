@@ -1,5 +1,6 @@
 // `posenc schemes`: the registry (posenc/registry.hpp) — every scheme the fused attention takes,
-// its family, options with defaults, learned parameters and formula.
+// its family, options with defaults, learned parameters, per-token inputs and formula (JSON:
+// options {name: default}, inputs {name: description}).
 #include <fmt/core.h>
 
 #include <memory>

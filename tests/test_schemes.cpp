@@ -422,14 +422,15 @@ TEST_P(Schemes, GradientsMatchFiniteDifferencesAndTheReference) {
       const double fd = (loss(e, plus, in, w) - loss(e, minus, in, w)) / (2 * h);
       EXPECT_NEAR(exact.params[t], fd, 1e-7 * (1 + std::fabs(fd))) << "parameter " << t;
     }
-    // The per-token inputs likewise, at up to 12 elements of each (the same h and bound: the
-    // inputs are of the size of the parameters here).
+    // The per-token inputs likewise, at 12 elements of each spread over batch rows, tokens after
+    // the first (a forget gate's first token enters no logit) and heads (the same h and bound).
     std::size_t offset = 0;
     for (const SchemeInput& input : e.inputs) {
       const std::vector<double>& values = input_values(e, input);
       const std::size_t m = values.size();
-      for (std::size_t s = 0; s < std::min<std::size_t>(m, 12); ++s) {
-        const std::size_t t = s * m / std::min<std::size_t>(m, 12) + 1;  // + 1: not only the first token
+      for (std::int64_t s = 0; s < 12; ++s) {
+        const std::int64_t token = 1 + (s * 7) % (kKLen - 1);
+        const auto t = static_cast<std::size_t>(((s % kBatch) * kKLen + token) * kHeads + s % kHeads);
         const double h = 1e-5 * std::max(1.0, std::fabs(values[t]));
         std::vector<double> up = values, down = values;
         up[t] += h;

@@ -122,6 +122,7 @@ struct AttentionCall {
   std::unique_ptr<Attention> attention;
   at::Tensor q_ids, k_ids;                  // kept alive: Positions borrow them
   std::vector<at::Tensor> gates;            // per head group: its gate or input (viewed: kept alive), or undefined
+  std::vector<std::size_t> gate_terms;      // per head group: the index of its gate's term in HeadGroup::terms
   std::vector<const SchemeEntry*> entries;  // per head group: its registered scheme
 };
 
@@ -165,10 +166,13 @@ std::map<std::string, ConstTensorView, std::less<>> input_of(const char* where, 
 }
 void add_gates(const char* where, const std::vector<at::Tensor>& gates, AttentionSpec& spec, AttentionCall& call) {
   call.gates.resize(spec.groups.size());
+  call.gate_terms.assign(spec.groups.size(), 0);
   if (gates.empty()) return;
   for (std::size_t g = 0; g < gates.size(); ++g) {
     if (absent(gates[g]) || gates[g].numel() == 0 || !call.entries[g]->inputs.empty()) continue;
     call.gates[g] = gates[g].detach();
+    // After the scheme's own terms (the sinks entry's logits come first).
+    call.gate_terms[g] = spec.groups[g].terms.size();
     spec.groups[g].terms.push_back(std::make_shared<ForgetGate>(const_view(where, "log_fgate", call.gates[g])));
   }
 }
@@ -317,6 +321,9 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
       ctx->saved_data["sinks_grad"] = sinks && sinks->requires_grad();
       std::vector<at::Tensor> saved{q, k, v, out, lse, sinks ? *sinks : at::Tensor()};
       saved.insert(saved.end(), params.begin(), params.end());
+      // The plan views the gates: saved so that autograd refuses a backward after they change in place.
+      saved.insert(saved.end(), gates.begin(), gates.end());
+      ctx->saved_data["param_count"] = static_cast<std::int64_t>(params.size());
       ctx->save_for_backward(saved);
       ctx->mark_non_differentiable({lse});
       return variable_list{out, lse};
@@ -326,7 +333,8 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     const auto saved = ctx->get_saved_variables();
     return translating([&] {
       const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2];
-      const std::vector<at::Tensor> params(saved.begin() + 6, saved.end());
+      const auto param_end = saved.begin() + 6 + ctx->saved_data["param_count"].toInt();
+      const std::vector<at::Tensor> params(saved.begin() + 6, param_end);
       const AttentionCall& call = ctx->saved_data["plan"].toCustomClass<AttentionPlanHolder>()->call;
       const at::Tensor d_out = grads[0].defined() ? grads[0].contiguous() : at::zeros_like(saved[3]);
       at::Tensor dq = at::zeros_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
@@ -347,12 +355,12 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
       for (std::size_t g = 0; g < wants_param.size(); ++g)
         result.push_back(wants_param.get(g) ? d_params[g] : at::Tensor());
       // One gradient per gate, in the gate's shape: a scheme's input's as its entry gives it, an
-      // added gate's from the group's first term (the gate comes before the sinks).
+      // added gate's from its own term (after the scheme's terms, before the sinks argument's).
       for (std::size_t g = 0; g < wants_gate.size(); ++g) {
         at::Tensor d_gate;
         if (wants_gate.get(g) && call.gates[g].defined()) {
           const SchemeEntry& entry = *call.entries[g];
-          d_gate = tensor_of(entry.inputs.empty() ? param_grads.groups[g].terms[0]
+          d_gate = tensor_of(entry.inputs.empty() ? param_grads.groups[g].terms[call.gate_terms[g]]
                                                   : scheme_input_gradients(entry, param_grads.groups[g])[0],
                              call.gates[g]);
         }
@@ -402,6 +410,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>> attentio
     std::vector<std::int64_t> cu_seqlens_q, std::vector<std::int64_t> cu_seqlens_k, bool skip_vanishing_tiles) {
   return translating([&] {
     const char* where = "attention_backward";
+    for (std::size_t g = 0; g < schemes.size(); ++g) {
+      const SchemeEntry& entry = *schemes.get(g)->entry;
+      TORCH_CHECK_VALUE(entry.inputs.empty(), where, ": schemes[", g, "] = ", entry.name,
+                        ", a scheme of per-token inputs; expected none (their terms span the blocks)");
+    }
     AttentionArgs a =
         call_args(schemes, causal, window_left, window_right, chunk_size, temperature, softcap, scale, q_positions,
                   k_positions, std::move(cu_seqlens_q), std::move(cu_seqlens_k), skip_vanishing_tiles);

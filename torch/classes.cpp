@@ -139,9 +139,13 @@ std::vector<std::int64_t> SchemeClass::parameter_shape(std::int64_t head_dim) co
 at::Tensor SchemeClass::initial_parameters(std::int64_t head_dim) const {
   const SchemeArgs a = args(head_dim, 0.0);
   const std::vector<std::int64_t> shape = entry->parameter_shape(a);
-  // A scheme that reads per-token inputs cannot be made without them; without learned parameters
-  // it has nothing to initialise.
-  if (shape.empty() && !entry->inputs.empty()) return at::empty({0}, at::kDouble);
+  // A scheme that reads per-token inputs cannot be made without them: without learned parameters
+  // it has nothing to initialise, and with them its initial values would need its inputs.
+  if (!entry->inputs.empty()) {
+    if (shape.empty()) return at::empty({0}, at::kDouble);
+    throw Error("scheme " + entry->name, "initial_parameters", "asked without its per-token inputs",
+                "parameters given with the scheme (its initial values depend on its inputs)");
+  }
   const std::vector<double> values = scheme_parameters(*entry, entry->make(a));
   return at::tensor(values, at::kDouble).reshape(shape.empty() ? std::vector<std::int64_t>{0} : shape);
 }

@@ -141,7 +141,7 @@ std::vector<double> scheme_gradients(const SchemeEntry& entry, const GroupGradie
 // entry.input_gradients_of (none for an entry without inputs).
 std::vector<std::vector<double>> scheme_input_gradients(const SchemeEntry& entry, const GroupGradients& grads);
 // entry.picture, or the rule above; throws posenc::Error naming the scheme when it has none (a
-// transform or a sink: no matrix of positions).
+// transform, a sink or a term of per-token inputs: no matrix of positions alone).
 SchemePicture scheme_picture(const SchemeEntry& entry, const HeadGroup& group, const Positions& positions);
 // Whether scheme_picture gives one for this entry.
 bool has_picture(const SchemeEntry& entry);

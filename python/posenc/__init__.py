@@ -582,6 +582,9 @@ class Forgetting:
             raise TypeError(f"Forgetting: log_fgate dtype {log_fgate.dtype}; expected a floating dtype")
         if isinstance(base, Forgetting):
             raise TypeError("Forgetting: base is another Forgetting; expected a positional scheme or None")
+        if isinstance(base, Scheme) and base.inputs:
+            raise ValueError(f"Forgetting: base = {base.name}, a scheme of per-token inputs ("
+                             f"{', '.join(base.inputs)}); expected a positional scheme or None")
         self.log_fgate = log_fgate
         self.base = base
 
@@ -787,7 +790,8 @@ def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size
     ``T5RelativeBias``, ``Kerple``, ``FIRE``, ``ShawRelativePositions`` (Shaw et al.'s key and
     value terms, scale·q·a^K and Σ p·a^V), ``TransformerXLRelative`` (scale·(u·k + (q + v)·W_R r(i − j)),
     its module's scale is the attention's), ``TUPE`` (the projections' head_dim must be q's),
-    ``Scheme`` (any registered scheme by name, with its learned parameters), ``RelativeBias`` (any
+    ``Scheme`` (any registered scheme by name, with its learned parameters and its per-token
+    inputs: ``Scheme("forgetting", H, D, log_fgate=...)``), ``RelativeBias`` (any
     registered relative-bias scheme), ``Forgetting`` (a forget gate per token
     and head; causal) — whose learned parameters (and the gate) receive gradients. ``causal`` aligns the mask
     bottom-right when Sq < Sk; ``window=(left, right)`` limits the keys a query sees (-1:
@@ -796,7 +800,7 @@ def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size
     sequence); ``temperature``: a ``PositionTemperature`` that multiplies each query by a factor
     of its position (Llama 4's NoPE layers, Mistral), inside the kernel; ``softcap`` c > 0 caps logits to c·tanh(x/c). Positions default to 0..Sk-1 for
     keys and Sk-Sq.. for queries. Returns out like q (and the log-sum-exp ``[B, H, Sq]`` with
-    ``return_lse=True``). Differentiable in q, k, v and the scheme's parameters.
+    ``return_lse=True``). Differentiable in q, k, v, the scheme's parameters and its per-token inputs.
     ``skip_vanishing_tiles`` (ALiBi-like steep biases): key tiles whose every probability would
     flush to 0 are skipped, which changes no bit for finite inputs; False runs every tile (a
     non-finite value in such a tile then reaches the output as NaN). ``sinks``: a ``[H]`` tensor of

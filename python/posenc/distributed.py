@@ -10,7 +10,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import Forgetting, _attention_args, _int, _ops
+from . import Forgetting, Scheme, _attention_args, _int, _ops
 
 __all__ = ["ring_attention", "zigzag_indices", "zigzag_shard", "RingStats"]
 
@@ -251,9 +251,12 @@ def ring_attention(q, k, v, scheme=None, *, positions, sequence_ids=None, group=
                 raise ValueError(f"ring_attention: {name} must be an int64 tensor [S] with q's S = "
                                  f"{q.shape[1] if q.dim() == 4 else '?'} tokens")
         groups = scheme if isinstance(scheme, (list, tuple)) else [(None, scheme)]
-        if any(isinstance(g, (list, tuple)) and len(g) == 2 and isinstance(g[1], Forgetting) for g in groups):
-            raise ValueError("ring_attention: scheme = Forgetting; expected a scheme whose terms depend on positions "
-                             "only (a forget gate's running sum spans the ranks)")
+        for g in groups:
+            s = g[1] if isinstance(g, (list, tuple)) and len(g) == 2 else None
+            if isinstance(s, Forgetting) or (isinstance(s, Scheme) and s.inputs):
+                name = "Forgetting" if isinstance(s, Forgetting) else f"{s.name} (a scheme of per-token inputs)"
+                raise ValueError(f"ring_attention: scheme = {name}; expected a scheme whose terms depend on positions "
+                                 "only (a forget gate's running sum spans the ranks)")
         args = _attention_args(q, k, v, scheme, causal, (-1, -1), chunk_size, temperature, softcap, scale, positions,
                                positions, False, True, sinks)
     except (ValueError, TypeError) as e:

@@ -223,7 +223,14 @@ def _scheme_module(scheme, heads, head_dim):
         if entry is None:
             raise ValueError(f"SelfAttention: scheme = {scheme!r}; expected None, a module, (heads, scheme) pairs "
                              "or one of " + ", ".join(e["name"] for e in schemes()))
+        if entry["inputs"]:
+            raise ValueError(f"SelfAttention: scheme = {scheme!r} reads per-token inputs "
+                             f"({', '.join(i['name'] for i in entry['inputs'])}), which SelfAttention does not compute; "
+                             "expected a positional scheme (call posenc.attention with a posenc.Scheme per batch)")
         return Scheme(scheme, heads, head_dim) if entry["parameters"] else scheme
+    if isinstance(scheme, Scheme) and scheme.inputs:
+        raise ValueError(f"SelfAttention: scheme = {scheme.name} with per-token inputs (fixed at one batch's); expected a "
+                         "positional scheme (call posenc.attention with a posenc.Scheme per batch)")
     if isinstance(scheme, torch.nn.Module):
         return scheme
     raise TypeError(f"SelfAttention: scheme is {type(scheme).__name__}; expected None, a registered name, a scheme "

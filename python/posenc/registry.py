@@ -66,6 +66,11 @@ class Scheme(torch.nn.Module):
             if not value.is_floating_point():
                 raise TypeError(f"Scheme: {name}'s {spec['name']} dtype {value.dtype}; expected a floating dtype")
             self.inputs[spec["name"]] = value
+        for key, value in options.items():
+            if isinstance(value, torch.Tensor):
+                declared = ", ".join(i["name"] for i in self.entry.get("inputs", [])) or "none"
+                raise ValueError(f"Scheme: {key} is a tensor, but {name} reads no per-token input {key} (its "
+                                 f"inputs: {declared}); expected a number")
         self.name, self.heads, self.options = name, _int(name, "heads", heads, 1), dict(options)
         self.head_dim = _int(name, "head_dim", head_dim, 1)
         initial = self._scheme().initial_parameters(self.head_dim)

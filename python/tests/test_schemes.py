@@ -41,6 +41,10 @@ def test_the_listing_describes_every_scheme():
         assert e["summary"] and e["source"] and e["family"]
         for option in e["options"]:
             assert set(option) == {"name", "default", "integer", "description"}
+        assert isinstance(e["causal_only"], bool)
+        for i in e["inputs"]:
+            assert set(i) == {"name", "description", "typical"} and i["description"]
+            assert len(i["typical"]) == 2 and i["typical"][0] <= i["typical"][1]
 
 
 @pytest.mark.parametrize("name", relative_bias_names())
@@ -289,3 +293,64 @@ def test_per_token_inputs_are_checked_by_name():
     with pytest.raises(ValueError, match="2 gates; expected one per head group"):
         torch.ops.posenc.attention(q, k, v, [scheme], [], [gate, gate], None, True, -1, -1, None, None, 0.0, None,
                                    None, None, [], [], True)
+
+
+def test_per_token_inputs_beside_other_terms_get_their_own_gradients():
+    """A registered gate, an added gate over RoPE and over the sinks entry, and the sinks argument
+    in one call: each gradient is its own term's (packed sequences too), as separate eager
+    compositions give them in float64."""
+    q = torch.randn(1, 10, 6, 8, dtype=torch.float64)
+    k, v = torch.randn(1, 10, 3, 8, dtype=torch.float64), torch.randn(1, 10, 3, 8, dtype=torch.float64)
+    a = torch.nn.functional.logsigmoid(torch.randn(1, 10, 2, dtype=torch.float64) + 2).requires_grad_()
+    b = torch.nn.functional.logsigmoid(torch.randn(1, 10, 2, dtype=torch.float64) + 2).requires_grad_()
+    c = torch.nn.functional.logsigmoid(torch.randn(1, 10, 2, dtype=torch.float64) + 2).requires_grad_()
+    sinks = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    sink_module = posenc.Scheme("sinks", 2, 8)
+
+    def call(a, b, c, sinks):
+        groups = [(2, posenc.Scheme("forgetting", 2, 8, log_fgate=a)), (2, posenc.Forgetting(b, base="rope")),
+                  (2, posenc.Forgetting(c, base=sink_module))]
+        return posenc.attention(q, k, v, groups, causal=True, sinks=sinks)
+
+    assert torch.autograd.gradcheck(call, (a, b, c, sinks))
+    # Packed: two sequences of 4 and 6 tokens, the gate [Tk, heads] restarting its sum in each.
+    qp, kp, vp = q[0, :, :2], k[0, :, :1], v[0, :, :1]
+    gate = a[0].detach().requires_grad_()
+    cu = torch.tensor([0, 4, 10])
+    packed = posenc.attention(qp, kp, vp, posenc.Scheme("forgetting", 2, 8, log_fgate=gate), causal=True,
+                              cu_seqlens=cu)
+    first = posenc.attention(qp[None, :4], kp[None, :4], vp[None, :4], posenc.Forgetting(gate[None, :4]), causal=True)
+    second = posenc.attention(qp[None, 4:], kp[None, 4:], vp[None, 4:], posenc.Forgetting(gate[None, 4:]),
+                              causal=True)
+    torch.testing.assert_close(packed, torch.cat([first[0], second[0]]), rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(
+        lambda g: posenc.attention(qp, kp, vp, posenc.Scheme("forgetting", 2, 8, log_fgate=g), causal=True,
+                                   cu_seqlens=cu), (gate,))
+
+
+def test_schemes_of_per_token_inputs_are_refused_where_nothing_computes_them():
+    gate = torch.full((1, 8, 4), -0.1)
+    scheme = posenc.Scheme("forgetting", 4, 16, log_fgate=gate)
+    with pytest.raises(ValueError, match="base = forgetting, a scheme of per-token inputs"):
+        posenc.Forgetting(gate, base=scheme)
+    with pytest.raises(ValueError, match="SelfAttention: scheme = 'forgetting' reads per-token inputs"):
+        posenc.nn.SelfAttention(64, 4, scheme="forgetting")
+    with pytest.raises(ValueError, match="SelfAttention: scheme = forgetting with per-token inputs"):
+        posenc.nn.SelfAttention(64, 4, scheme=scheme)
+    with pytest.raises(ValueError, match="reads no per-token input log_fgate"):
+        posenc.Scheme("rope", 4, 16, log_fgate=gate)
+    q, k, v = torch.randn(1, 8, 4, 16), torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16)
+    out = torch.randn(1, 8, 4, 16)
+    lse = torch.randn(1, 4, 8)
+    with pytest.raises(ValueError, match=r"schemes\[0\] = forgetting, a scheme of per-token inputs"):
+        torch.ops.posenc.attention_backward(q, k, v, [torch.classes.posenc.Scheme("forgetting", 4, {}, None)], [],
+                                            True, -1, -1, None, None, 0.0, None, None, None, out, lse, out, [], [],
+                                            True)
+    # The gate is saved: changed in place after the forward, the backward is refused.
+    g = torch.full((1, 8, 4), -0.1, requires_grad=True)
+    leaf = g * 1.0
+    o = posenc.attention(q, k, v, posenc.Scheme("forgetting", 4, 16, log_fgate=leaf), causal=True)
+    with torch.no_grad():
+        leaf.sub_(0.1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        o.sum().backward()

@@ -305,7 +305,8 @@ TEST_P(Schemes, EveryInvalidArgumentIsRefusedByName) {
 TEST_P(Schemes, FusedAttentionMatchesTheReference) {
   const Inputs in = random_inputs();
   for (const SchemeEntry& e : schemes()) {
-    const HeadGroup g = make_head_group(e.name, with_random_parameters(e, matrix_args(e)));
+    const SchemeArgs args = with_random_parameters(e, matrix_args(e));
+    const HeadGroup g = make_head_group(e.name, args);
     for (const bool causal : {true, false}) {
       for (const bool strided : {false, true}) {
         // Every query (the prefill path), and 1 or 3 queries: 2 or 6 rows per KV head, the decode
@@ -340,6 +341,23 @@ TEST_P(Schemes, FusedAttentionMatchesTheReference) {
       const Attention att(call.spec);
       EXPECT_LE(max_abs_diff(run(att, dt, 0).out, run(att, dt, 1).out),
                 std::ldexp(1.0, half_ulp) + std::ldexp(1.0, -20));
+    }
+    // Per-token inputs stored in f32, bf16 and f16 (the matrix's are f64): both paths read the
+    // same stored values, so the f32 criterion above holds.
+    for (const DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
+      if (e.inputs.empty()) break;
+      SCOPED_TRACE(e.name + ", inputs in " + std::string(dtype_name(dt)));
+      SchemeArgs narrow = args;
+      std::vector<std::vector<unsigned char>> stored;
+      for (const SchemeInput& input : e.inputs) {
+        stored.push_back(testing::to_dtype(input_values(e, input), dt));
+        const std::vector<std::int64_t> shape = {kBatch, kKLen, kHeads};
+        narrow.inputs[input.name] = ConstTensorView::contiguous(stored.back().data(), dt, shape);
+      }
+      const Call call(in, DType::kF32, false, make_head_group(e.name, narrow), true);
+      const Attention att(call.spec);
+      const Result fused = run(att, DType::kF32, 0), exact = run(att, DType::kF32, 1), naive = run(att, DType::kF32, 2);
+      EXPECT_LE(max_abs_diff(fused.out, exact.out), 2 * max_abs_diff(naive.out, exact.out) + std::ldexp(1.0, -22));
     }
   }
 }

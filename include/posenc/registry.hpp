@@ -11,9 +11,9 @@
 //   const HeadGroup g = posenc::make_head_group("sandwich", {.heads = 8, .head_dim = 64,
 //                                                            .options = {{"dim", 128}}});
 //
-// Errors: an unknown name, option or input, a non-integral value for an integer option, a declared
-// input that is absent, or parameters of the wrong size throw posenc::Error naming them; the scheme's own constructor
-// checks the rest.
+// Errors: an unknown name, option or input, a non-integral value for an integer option, a
+// declared input that is absent, or parameters of the wrong size throw posenc::Error naming
+// them; the scheme's own constructor checks the rest.
 #pragma once
 
 #include <cstdint>

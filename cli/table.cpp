@@ -397,6 +397,11 @@ void run_table(const CLI::App& sub, const TableOptions& o) {
       for (const SchemeEntry& e : schemes()) {
         if (has_picture(e) && e.name != "none") names += ", " + e.name;
       }
+      // A registered scheme without a picture says why.
+      for (const SchemeEntry& e : schemes()) {
+        if (e.name == o.encoding)
+          names += " (" + e.name + ", a " + e.family + " scheme, is no matrix of positions alone)";
+      }
       throw Error("table", "encoding", o.encoding, names);
     }
     if (o.format != "text" && o.format != "csv" && o.format != "json") {

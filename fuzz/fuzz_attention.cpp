@@ -86,6 +86,15 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const std::vector<SchemeEntry>& entries = schemes();
   const SchemeEntry& entry = entries[in.pick(entries.size())];
   SchemeArgs args = scheme_args(entry, heads, dim);
+  // A scheme's per-token inputs (forgetting's log gate) over the keys' tokens, drawn from the
+  // entry's typical values (drawn only for such entries, so the corpus keeps its meaning).
+  std::vector<std::vector<double>> entry_inputs;
+  for (const SchemeInput& input : entry.inputs) {
+    std::vector<double>& x = entry_inputs.emplace_back(static_cast<std::size_t>(tokens_k * heads));
+    for (double& g : x) g = input.typical(in.uniform(0, 1));
+    args.inputs[input.name] = packed ? ConstTensorView::of(x.data(), {tokens_k, heads})
+                                     : ConstTensorView::of(x.data(), {batch, k_len, heads});
+  }
   std::optional<HeadGroup> group;
   fuzz::accepted(entry.name.c_str(), [&] {
     std::vector<double> theta = scheme_parameters(entry, make_head_group(entry.name, args));

@@ -45,6 +45,16 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     const std::int64_t n = in.flag() ? declared : declared + in.integer(-2, 2);
     for (std::int64_t i = 0; i < n; ++i) args.parameters.push_back(in.flag() ? in.any_number() : in.uniform(-1, 1));
   }
+  // A scheme's per-token inputs: a small [1, tokens, heads] tensor, its heads now and then not the
+  // group's, a value now and then outside the scheme's range (drawn only for such entries).
+  std::vector<std::vector<double>> inputs;
+  for (const SchemeInput& input : entry.inputs) {
+    const std::int64_t tokens = in.integer(1, 4);
+    const std::int64_t h = args.heads >= 1 && args.heads <= 6 && in.flag() ? args.heads : in.integer(1, 6);
+    std::vector<double>& x = inputs.emplace_back(static_cast<std::size_t>(tokens * h));
+    for (double& v : x) v = in.flag() ? in.any_number() : input.typical(in.uniform(0, 1));
+    if (in.flag()) args.inputs[input.name] = ConstTensorView::of(x.data(), {1, tokens, h});
+  }
   std::optional<HeadGroup> group;
   fuzz::accepted(entry.name.c_str(), [&] { group = make_head_group(entry.name, args); });
   if (!group) return 0;

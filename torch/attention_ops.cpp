@@ -157,9 +157,9 @@ std::map<std::string, ConstTensorView, std::less<>> input_of(const char* where, 
   TORCH_CHECK_VALUE(entry.inputs.size() == 1, where, ": scheme ", entry.name, " reads ", entry.inputs.size(),
                     " per-token inputs; expected at most one per group");
   const std::string name = "gates[" + std::to_string(g) + "]";
-  TORCH_CHECK_VALUE(g < gates.size() && !absent(gates[g]) && gates[g].numel() > 0, where, ": ", name,
-                    " is absent; expected scheme ", entry.name, "'s ", entry.inputs[0].name, ", ",
-                    entry.inputs[0].description);
+  // A defined tensor with no elements (a batch of none) is the input, not a missing one.
+  TORCH_CHECK_VALUE(g < gates.size() && !absent(gates[g]), where, ": ", name, " is absent; expected scheme ",
+                    entry.name, "'s ", entry.inputs[0].name, ", ", entry.inputs[0].description);
   call.gates.resize(std::max(call.gates.size(), g + 1));
   call.gates[g] = gates[g].detach();
   return {{entry.inputs[0].name, const_view(where, entry.inputs[0].name.c_str(), call.gates[g])}};
@@ -272,8 +272,9 @@ AttentionCall make_attention(const char* where, const at::Tensor& q, const at::T
 
 // The plan of a forward call, kept in the autograd context for its backward: building it again
 // would redo its tables, among them XL's r·W_Rᵀ (2·Δ·d_model·H·D flops: half of the forward
-// attention's own at S = 2048, H·D = d_model = 1024) and TUPE's projections. Its views point into q, k, v, which
-// the context saves (autograd refuses a backward after they change in place).
+// attention's own at S = 2048, H·D = d_model = 1024) and TUPE's projections. Its views point into
+// q, k, v and the gates, which the context saves (autograd refuses a backward after they change in
+// place).
 struct AttentionPlanHolder : torch::CustomClassHolder {
   AttentionCall call;
 };

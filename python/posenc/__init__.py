@@ -926,7 +926,8 @@ def _attention_args(q, k, v, scheme, causal, window, chunk_size, temperature, so
         group, group_params = _attention_scheme(group_scheme, group_heads, keys_rotated, int(q.shape[-1]))
         schemes.append(group)
         params.append(group_params)
-    if all(g.numel() == 0 for g in gates):
+    # No gate and no per-token input: the op's empty list (an input with no elements still counts).
+    if all(g.numel() == 0 for g in gates) and not any(isinstance(s, Scheme) and s.inputs for _, s in groups):
         gates = []
     if sinks is not None and not isinstance(sinks, torch.Tensor):
         raise TypeError(f"attention: sinks is {type(sinks).__name__}; expected a torch.Tensor [H] or None")

@@ -14,8 +14,9 @@ def schemes():
     ``summary``, ``source``, ``parameters`` (the learned parameters, "" if none), ``options``
     (``name``, ``default``, ``integer``, ``description``), ``inputs`` (per-token activations the
     scheme reads: ``name``, ``description``, ``typical`` [min, max] of a trained model's values) and
-    ``causal_only``. A name without inputs works as ``posenc.attention(..., scheme=name)``; one with
-    inputs as ``posenc.Scheme(name, heads, head_dim, **{input: tensor})``."""
+    ``causal_only``. A name without inputs or learned parameters works as
+    ``posenc.attention(..., scheme=name)``; every one as ``posenc.Scheme(name, heads, head_dim,
+    **options, **{input: tensor})``."""
     return json.loads(_ops.schemes())
 
 

@@ -8,7 +8,8 @@
 // token, as the paper's varlen kernels do). It is an attention term (term.hpp) of a head group,
 // `HeadGroup::terms = {std::make_shared<ForgetGate>(log_fgate)}`, that composes with RoPE ("FoX
 // Pro"), ALiBi-like biases, sliding windows and soft-caps; the paper uses it without a positional
-// scheme (NoPE).
+// scheme (NoPE), as the registry's `forgetting` entry builds it:
+// `make_head_group("forgetting", {.heads = H, .head_dim = D, .inputs = {{"log_fgate", view}}})`.
 //
 // Layout: log_fgate [B, Sk, heads] over the keys' token grid (any strides; f32, f64, bf16 or f16),
 // or [Tk, heads] for packed sequences. Query i of a sequence with Lq queries and Lk keys is the key

@@ -130,7 +130,8 @@ SchemeArgs complete_scheme_args(const SchemeEntry& entry, SchemeArgs args) {
   // Per-token inputs: none but the declared ones (make_head_group requires each of those).
   std::string input_names;
   for (const SchemeInput& in : entry.inputs) input_names += (input_names.empty() ? "" : ", ") + in.name;
-  for (const auto& [name, view] : args.inputs) {
+  for (const auto& given : args.inputs) {
+    const std::string& name = given.first;  // (clang 14 cannot capture a structured binding)
     if (std::none_of(entry.inputs.begin(), entry.inputs.end(), [&](const SchemeInput& in) { return in.name == name; }))
       throw Error(where, "input", name, input_names.empty() ? "no per-token inputs" : "one of " + input_names);
   }

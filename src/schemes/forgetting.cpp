@@ -351,13 +351,8 @@ SchemeEntry forgetting_entry() {
                 "",
                 [](const SchemeArgs&) { return std::vector<std::int64_t>{}; },
                 [](const SchemeArgs& a) {
-                  const ConstTensorView gate = a.input("log_fgate");
-                  if (gate.rank() >= 1 && gate.size(gate.rank() - 1) != a.heads) {
-                    throw Error("scheme forgetting", "log_fgate", gate.describe(),
-                                "[B, Sk, heads] or [Tk, heads] with heads = " + std::to_string(a.heads));
-                  }
                   HeadGroup g{a.heads, {}, {}};
-                  g.terms = {std::make_shared<const ForgetGate>(gate)};
+                  g.terms = {std::make_shared<const ForgetGate>(a.input("log_fgate"))};
                   return g;
                 }};
   // log σ of gate logits spread over [1, 5]: gates of 0.73 to 0.99, as a trained FoX's (its

@@ -221,12 +221,19 @@ SchemePicture scheme_picture(const SchemeEntry& entry, const HeadGroup& group, c
 
 HeadGroup make_head_group(std::string_view name, SchemeArgs args) {
   const SchemeEntry& entry = find_scheme(name);
-  // An input has no default to stand in: each declared one is given.
+  SchemeArgs full = complete_scheme_args(entry, std::move(args));
+  // An input has no default to stand in: each declared one is given, over the group's heads
+  // (SchemeInput's contract, so no factory checks it).
   for (const SchemeInput& in : entry.inputs) {
-    if (args.inputs.find(in.name) == args.inputs.end())
-      throw Error("scheme " + entry.name, in.name, "absent", "a tensor: " + in.description);
+    const auto it = full.inputs.find(in.name);
+    if (it == full.inputs.end()) throw Error("scheme " + entry.name, in.name, "absent", "a tensor: " + in.description);
+    const ConstTensorView& v = it->second;
+    if (v.rank() < 1 || v.size(v.rank() - 1) != full.heads) {
+      throw Error("scheme " + entry.name, in.name, v.describe(),
+                  "[B, Sk, heads] or [Tk, heads] with heads = " + std::to_string(full.heads));
+    }
   }
-  return entry.make(complete_scheme_args(entry, std::move(args)));
+  return entry.make(full);
 }
 
 }  // namespace posenc

@@ -347,14 +347,14 @@ TEST_P(Schemes, FusedAttentionMatchesTheReference) {
     for (const DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
       if (e.inputs.empty()) break;
       SCOPED_TRACE(e.name + ", inputs in " + std::string(dtype_name(dt)));
-      SchemeArgs narrow = args;
+      SchemeArgs stored_args = args;
       std::vector<std::vector<unsigned char>> stored;
       for (const SchemeInput& input : e.inputs) {
         stored.push_back(testing::to_dtype(input_values(e, input), dt));
         const std::vector<std::int64_t> shape = {kBatch, kKLen, kHeads};
-        narrow.inputs[input.name] = ConstTensorView::contiguous(stored.back().data(), dt, shape);
+        stored_args.inputs[input.name] = ConstTensorView::contiguous(stored.back().data(), dt, shape);
       }
-      const Call call(in, DType::kF32, false, make_head_group(e.name, narrow), true);
+      const Call call(in, DType::kF32, false, make_head_group(e.name, stored_args), true);
       const Attention att(call.spec);
       const Result fused = run(att, DType::kF32, 0), exact = run(att, DType::kF32, 1), naive = run(att, DType::kF32, 2);
       EXPECT_LE(max_abs_diff(fused.out, exact.out), 2 * max_abs_diff(naive.out, exact.out) + std::ldexp(1.0, -22));
@@ -446,6 +446,7 @@ TEST_P(Schemes, GradientsMatchFiniteDifferencesAndTheReference) {
     for (const SchemeInput& input : e.inputs) {
       const std::vector<double>& values = input_values(e, input);
       const std::size_t m = values.size();
+      ASSERT_GE(exact.inputs.size(), offset + m) << "the inputs' gradients have the inputs' sizes";
       for (std::int64_t s = 0; s < 12; ++s) {
         const std::int64_t token = 1 + (s * 7) % (kKLen - 1);
         const auto t = static_cast<std::size_t>(((s % kBatch) * kKLen + token) * kHeads + s % kHeads);

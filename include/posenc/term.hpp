@@ -6,11 +6,12 @@
 //   x_ij = scale·⟨T_q(q_i), T_k(k_j)⟩ + b_h(p_i, p'_j) + Σ_terms t_h(pair(i, j))
 //   P_ij = exp(x_ij) / (Σ_terms exp(s_h) + Σ_j exp(x_ij))
 //
-// A term says what it adds for one visible (query, key) pair in fp64 (value), how that depends on
-// its inputs (accumulate_gradient: learned parameters or activations such as a gate, one flat
-// vector), and builds the engine's fused form for one call (score_term). The fp64 attention
-// reference (reference.hpp) uses only value and accumulate_gradient, so it stays an oracle
-// independent of the fused form.
+// A term says what it adds for one visible (query, key) pair in fp64 (value, or row_value when it
+// reads q or k; output_value when it adds to the output), how that depends on its inputs
+// (accumulate_gradient: learned parameters or activations such as a gate, one flat vector), and
+// builds the engine's fused form for one call (score_term). The fp64 attention reference
+// (reference.hpp) reads only the TermDefinition, so it stays an oracle independent of the fused
+// form.
 #pragma once
 
 #include <cstdint>
@@ -37,26 +38,59 @@ struct TokenPair {
   std::int64_t query_position = 0, key_position = 0;
 };
 
-class AttentionTerm {
- public:
-  virtual ~AttentionTerm() = default;
+// The rows a term's definition may read for one pair, for a term whose logit reads the query or
+// the key (Shaw's key term, Transformer-XL's): the head's query row after the group's transform
+// and the temperature, its key row after the transform, both unscaled, and the call's scale.
+// naive_f32: compute as a plain f32 implementation would (reference.hpp's naive composition).
+struct PairRows {
+  std::span<const double> q, k;
+  double scale = 1.0;
+  bool naive_f32 = false;
+};
 
-  virtual std::string_view name() const = 0;
-  virtual std::int64_t heads() const = 0;
+// A term's fp64 definition: all that the attention reference (reference.hpp) reads of it, so the
+// reference stays an oracle independent of the fused form.
+class TermDefinition {
+ public:
+  virtual ~TermDefinition() = default;
+
   // The term's part of the logit of the group's head `head` for a pair the mask lets through
-  // (fp64; the engine rounds to f32 where its fused form says).
-  virtual double value(std::int64_t head, const TokenPair& pair) const = 0;
+  // (fp64; the engine rounds to f32 where its fused form says). 0 by default (a sink).
+  virtual double value(std::int64_t /* head */, const TokenPair& /* pair */) const { return 0.0; }
   // The size of the term's input gradient (GroupGradients::terms), and
   // grads[t] += weight·∂value(head, pair)/∂input_t.
   virtual std::int64_t gradient_size() const { return 0; }
   virtual void accumulate_gradient(std::int64_t /* head */, const TokenPair& /* pair */, double /* weight */,
                                    std::span<double> /* grads */) const {}
+  // The part of the logit of a term that reads the pair's rows (by default value(head, pair)),
+  // and its gradient: grads as above, dq and dk += weight·∂/∂q and ∂/∂k of the rows given.
+  virtual double row_value(std::int64_t head, const TokenPair& pair, const PairRows& /* rows */) const {
+    return value(head, pair);
+  }
+  virtual void accumulate_row_gradient(std::int64_t head, const TokenPair& pair, const PairRows& /* rows */,
+                                       double weight, std::span<double> grads, std::span<double> /* dq */,
+                                       std::span<double> /* dk */) const {
+    accumulate_gradient(head, pair, weight, grads);
+  }
+  // A term that also adds to the output: out_i += Σ_j P_ij·w(pair) (Shaw's value term), w as wide
+  // as the values. output_value writes w; accumulate_output_gradient adds weight·∂⟨d_out, w⟩/∂input
+  // to grads (weight: P_ij).
+  virtual bool adds_to_output() const { return false; }
+  virtual void output_value(std::int64_t /* head */, const TokenPair& /* pair */, std::span<double> /* w */) const {}
+  virtual void accumulate_output_gradient(std::int64_t /* head */, const TokenPair& /* pair */, double /* weight */,
+                                          std::span<const double> /* d_out */, std::span<double> /* grads */) const {}
   // A sink: a logit s_h that joins every row's softmax denominator and has no value,
   //   P_ij = exp(x_ij) / (exp(s_h) + Σ_j exp(x_ij))
   // (none: nullopt), and grads[t] += weight·∂s_head/∂input_t.
   virtual std::optional<double> sink(std::int64_t /* head */) const { return std::nullopt; }
   virtual void accumulate_sink_gradient(std::int64_t /* head */, double /* weight */,
                                         std::span<double> /* grads */) const {}
+};
+
+class AttentionTerm : public TermDefinition {
+ public:
+  virtual std::string_view name() const = 0;
+  virtual std::int64_t heads() const = 0;
   // The engine's fused form for one call: entry `index` of HeadGroup::terms of group `group`.
   // It checks what the term needs of the call (shapes, masks) and throws posenc::Error naming
   // the parameter otherwise.

@@ -2,8 +2,10 @@
 // and k by the library's fp64 references, the full score matrix with biases from bias_value,
 // soft-cap, mask, softmax, P·V — in fp64, or in plain f32 (`naive_f32`: the same composition as
 // a straightforward f32 implementation computes it, the yardstick of the accuracy criterion).
-// Backward in fp64: dP, dS, the parameter gradients through the schemes' reference backwards on
-// the materialised dS, and dq, dk transposed back through the transform.
+// Every other term (Shaw's, Transformer-XL's, HeadGroup::terms) enters per visible pair through
+// its TermDefinition alone (term.hpp). Backward in fp64: dP, dS, the bias parameters' gradients
+// through the schemes' reference backwards on the materialised dS, the terms' per pair, and dq,
+// dk transposed back through the transform.
 //
 // Independent of the engine: sequences, positions, head groups and masks are derived here from
 // the public AttentionSpec by attention.hpp's rules, so a mistake in the engine's plan cannot
@@ -11,10 +13,14 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
+#include <span>
+#include <type_traits>
 #include <variant>
 
 #include "internal.hpp"
 #include "posenc/reference.hpp"
+#include "ref/field_terms.hpp"
 
 namespace posenc::ref {
 namespace {
@@ -45,6 +51,10 @@ struct Problem {
   std::vector<HeadGroup> groups;  // the spec's, or one group without a scheme
   std::vector<std::int64_t> head_group, group_first_head;
   std::int64_t position_max = 0;  // over the sequences' queries and keys (RoPE's default seq_len − 1)
+  // Each group's terms in the engine's order: the schemes it holds in fields (field_terms.hpp),
+  // then HeadGroup::terms; and for each, its FieldScheme's index (−1: HeadGroup::terms).
+  std::vector<std::vector<std::shared_ptr<const TermDefinition>>> terms;
+  std::vector<std::vector<int>> field_of;
 
   // Default positions: key j at j, query i at max(0, Lk − Lq) + i of its sequence (the queries end
   // where the keys do; offsets below 0 would give negative positions and are taken as 0).
@@ -92,6 +102,19 @@ Problem problem_of(const Attention& attention) {
   for (std::size_t g = 0; g < p.groups.size(); ++g) {
     p.group_first_head.push_back(static_cast<std::int64_t>(p.head_group.size()));
     p.head_group.insert(p.head_group.end(), static_cast<std::size_t>(p.groups[g].heads), static_cast<std::int64_t>(g));
+    auto& terms = p.terms.emplace_back();
+    auto& field_of = p.field_of.emplace_back();
+    const auto fields = field_schemes();
+    for (std::size_t f = 0; f < fields.size(); ++f) {
+      if (auto definition = fields[f].definition(p.groups[g])) {
+        terms.push_back(std::move(definition));
+        field_of.push_back(static_cast<int>(f));
+      }
+    }
+    for (const AttentionTermRef& term : p.groups[g].terms) {
+      terms.push_back(term);
+      field_of.push_back(-1);
+    }
   }
   for (const Sequence& seq : p.sequences) {
     for (std::int64_t i = 0; i < seq.lq; ++i) p.position_max = std::max(p.position_max, p.q_position(seq, i));
@@ -127,9 +150,8 @@ void check_gradients(const Attention& attention, const AttentionGradients& grads
   bool ok = grads.groups.size() == like.groups.size();
   for (std::size_t g = 0; ok && g < like.groups.size(); ++g) {
     const GroupGradients &a = grads.groups[g], &b = like.groups[g];
-    ok = same(a.bias, b.bias) && same(a.shaw_key_table, b.shaw_key_table) &&
-         same(a.shaw_value_table, b.shaw_value_table) && a.xl.has_value() == b.xl.has_value();
-    if (ok && b.xl) ok = same(a.xl->u, b.xl->u) && same(a.xl->v, b.xl->v) && same(a.xl->w_r, b.xl->w_r);
+    ok = same(a.bias, b.bias);
+    for (const FieldScheme& field : field_schemes()) ok = ok && field.sizes(a) == field.sizes(b);
     ok = ok && a.terms.size() == b.terms.size();
     for (std::size_t t = 0; ok && t < b.terms.size(); ++t) ok = same(a.terms[t], b.terms[t]);
   }
@@ -196,52 +218,6 @@ void transform(const Problem& p, std::int64_t group, bool is_q, const std::vecto
   }
 }
 
-// Shaw's table entry e of row u (0 for an empty table, which means zeros), fp64.
-double shaw_entry(const std::vector<double>& table, std::int64_t dim, std::int64_t u, std::int64_t e) {
-  return table.empty() ? 0.0 : table[static_cast<std::size_t>(u * dim + e)];
-}
-const ShawParams* shaw_of(const Problem& p, std::int64_t group) {
-  const auto& shaw = p.groups[static_cast<std::size_t>(group)].shaw;
-  return shaw ? &*shaw : nullptr;
-}
-
-const XlParams* xl_of(const Problem& p, std::int64_t group) {
-  const auto& xl = p.groups[static_cast<std::size_t>(group)].xl;
-  return xl ? &*xl : nullptr;
-}
-
-// Transformer-XL's P_h(δ) = W_R r(δ) for one head over the δ = q − k of a sequence's pairs, in T
-// (the sum over d_model in order: what a plain implementation in T computes).
-template <class T>
-struct XlProjection {
-  std::int64_t lo = 0, dim = 0;
-  std::vector<T> rows;  // [(δ − lo)][D]
-  const T* at(std::int64_t delta) const { return rows.data() + (delta - lo) * dim; }
-};
-template <class T>
-XlProjection<T> xl_projection(const XlParams& xl, std::int64_t local, const std::vector<std::int64_t>& qpos,
-                              const std::vector<std::int64_t>& kpos) {
-  XlProjection<T> out;
-  out.dim = xl.head_dim();
-  if (qpos.empty() || kpos.empty()) return out;
-  const auto [q_lo, q_hi] = std::minmax_element(qpos.begin(), qpos.end());
-  const auto [k_lo, k_hi] = std::minmax_element(kpos.begin(), kpos.end());
-  out.lo = *q_lo - *k_hi;
-  const std::int64_t width = *q_hi - *k_lo - out.lo + 1, dm = xl.d_model();
-  out.rows.assign(static_cast<std::size_t>(width * out.dim), T(0));
-  for (std::int64_t t = 0; t < width; ++t) {
-    const std::vector<double> r = xl.sinusoid(out.lo + t);
-    for (std::int64_t d = 0; d < out.dim; ++d) {
-      T acc = 0;
-      const double* w = xl.w_r().data() + (local * out.dim + d) * dm;
-      for (std::int64_t m = 0; m < dm; ++m)
-        acc += static_cast<T>(w[m]) * static_cast<T>(r[static_cast<std::size_t>(m)]);
-      out.rows[static_cast<std::size_t>(t * out.dim + d)] = acc;
-    }
-  }
-  return out;
-}
-
 // Rows times the spec's temperature of their query positions (temperature.hpp), in fp64.
 void temper(const Problem& p, const std::vector<std::int64_t>& positions, Rows& r) {
   if (!p.spec->temperature) return;
@@ -306,6 +282,12 @@ HeadProblem load_head(const Problem& p, const Sequence& seq, std::int64_t h) {
   return hp;
 }
 
+// The rows a term reads for the pair (query i, key j) of a head (term.hpp).
+PairRows pair_rows(const Problem& p, const HeadProblem& hp, std::int64_t i, std::int64_t j, bool naive_f32) {
+  const auto d = static_cast<std::size_t>(p.dim);
+  return {std::span<const double>(hp.q.row(i), d), std::span<const double>(hp.k.row(j), d), p.scale_f64, naive_f32};
+}
+
 // Logits z (before the mask) and probabilities of one head, in T.
 template <class T>
 void scores(const Problem& p, const Sequence& seq, std::int64_t h, const HeadProblem& hp, std::vector<T>& z,
@@ -313,10 +295,7 @@ void scores(const Problem& p, const Sequence& seq, std::int64_t h, const HeadPro
   const std::int64_t group = p.head_group[static_cast<std::size_t>(h)];
   const std::int64_t local = h - p.group_first_head[static_cast<std::size_t>(group)];
   const auto& bias = bias_of(p, group);
-  const ShawParams* shaw = shaw_of(p, group);
-  const XlParams* xl = xl_of(p, group);
-  XlProjection<T> projection;
-  if (xl != nullptr) projection = xl_projection<T>(*xl, local, hp.qpos, hp.kpos);
+  const auto& terms = p.terms[static_cast<std::size_t>(group)];
   const T scale = static_cast<T>(p.scale_f64), cap = static_cast<T>(p.mask.softcap);
   const T neg_inf = -std::numeric_limits<T>::infinity();
   z.assign(static_cast<std::size_t>(seq.lq * seq.lk), T(0));
@@ -334,21 +313,6 @@ void scores(const Problem& p, const Sequence& seq, std::int64_t h, const HeadPro
     for (std::int64_t j = 0; j < seq.lk; ++j) {
       T dot = 0;
       for (std::int64_t t = 0; t < p.dim; ++t) dot += static_cast<T>(hp.q.row(i)[t]) * static_cast<T>(hp.k.row(j)[t]);
-      if (shaw != nullptr) {
-        const std::int64_t u =
-            shaw->row_of(hp.kpos[static_cast<std::size_t>(j)] - hp.qpos[static_cast<std::size_t>(i)]);
-        for (std::int64_t t = 0; t < p.dim; ++t) {
-          dot += static_cast<T>(hp.q.row(i)[t]) * static_cast<T>(shaw_entry(shaw->key_table(), p.dim, u, t));
-        }
-      }
-      if (xl != nullptr) {  // u·k + (q + v)·P(δ)
-        const T* pr = projection.at(hp.qpos[static_cast<std::size_t>(i)] - hp.kpos[static_cast<std::size_t>(j)]);
-        for (std::int64_t t = 0; t < p.dim; ++t) {
-          const auto at = static_cast<std::size_t>(local * p.dim + t);
-          dot += static_cast<T>(xl->u()[at]) * static_cast<T>(hp.k.row(j)[t]) +
-                 (static_cast<T>(hp.q.row(i)[t]) + static_cast<T>(xl->v()[at])) * pr[t];
-        }
-      }
       T x = scale * dot;
       if (bias) {
         x += static_cast<T>(
@@ -357,14 +321,15 @@ void scores(const Problem& p, const Sequence& seq, std::int64_t h, const HeadPro
       // Terms only where the mask lets the pair through: their value need not exist elsewhere
       // (a query's own token before the key's under a forget gate).
       if (sees(j)) {
-        for (const AttentionTermRef& term : p.groups[static_cast<std::size_t>(group)].terms)
-          x += static_cast<T>(term->value(local, token_pair(p, seq, i, j)));
+        const TokenPair pair = token_pair(p, seq, i, j);
+        const PairRows rows = pair_rows(p, hp, i, j, std::is_same_v<T, float>);
+        for (const auto& term : terms) x += static_cast<T>(term->row_value(local, pair, rows));
       }
       zi[j] = cap > 0 ? cap * std::tanh(x / cap) : x;
     }
     // Sinks join the denominator as logits without a value (term.hpp).
     std::vector<T> sinks;
-    for (const AttentionTermRef& term : p.groups[static_cast<std::size_t>(group)].terms) {
+    for (const auto& term : terms) {
       if (const auto sink = term->sink(local)) sinks.push_back(static_cast<T>(*sink));
     }
     T m = neg_inf;
@@ -399,22 +364,25 @@ void forward_impl(const Problem& p, TensorView out, TensorView lse) {
       std::vector<T> z, prob, l;
       scores<T>(p, seq, h, hp, z, prob, l);
       Rows o{seq.lq, p.dim_v, std::vector<double>(static_cast<std::size_t>(seq.lq * p.dim_v))};
-      const ShawParams* shaw = shaw_of(p, p.head_group[static_cast<std::size_t>(h)]);  // dim_v == dim
+      const std::int64_t group = p.head_group[static_cast<std::size_t>(h)];
+      const std::int64_t local = h - p.group_first_head[static_cast<std::size_t>(group)];
+      std::vector<T> acc(static_cast<std::size_t>(p.dim_v)), value(acc.size());
+      std::vector<double> w(acc.size());
       for (std::int64_t i = 0; i < seq.lq; ++i) {
-        for (std::int64_t t = 0; t < p.dim_v; ++t) {
-          T acc = 0;
-          for (std::int64_t j = 0; j < seq.lk; ++j) {
-            T value = static_cast<T>(hp.v.row(j)[t]);
-            if (shaw != nullptr) {
-              const std::int64_t u =
-                  shaw->row_of(hp.kpos[static_cast<std::size_t>(j)] - hp.qpos[static_cast<std::size_t>(i)]);
-              value += static_cast<T>(shaw_entry(shaw->value_table(), p.dim, u, t));
-            }
-            const T pij = prob[static_cast<std::size_t>(i * seq.lk + j)];
-            if (!std::signbit(pij)) acc += pij * value;
+        std::fill(acc.begin(), acc.end(), T(0));
+        for (std::int64_t j = 0; j < seq.lk; ++j) {
+          const T pij = prob[static_cast<std::size_t>(i * seq.lk + j)];
+          if (std::signbit(pij)) continue;  // not seen
+          for (std::int64_t t = 0; t < p.dim_v; ++t)
+            value[static_cast<std::size_t>(t)] = static_cast<T>(hp.v.row(j)[t]);
+          for (const auto& term : p.terms[static_cast<std::size_t>(group)]) {
+            if (!term->adds_to_output()) continue;
+            term->output_value(local, token_pair(p, seq, i, j), w);
+            for (std::size_t t = 0; t < w.size(); ++t) value[t] += static_cast<T>(w[t]);
           }
-          o.row(i)[t] = static_cast<double>(acc);
+          for (std::size_t t = 0; t < acc.size(); ++t) acc[t] += pij * value[t];
         }
+        for (std::int64_t t = 0; t < p.dim_v; ++t) o.row(i)[t] = static_cast<double>(acc[static_cast<std::size_t>(t)]);
         if (want_lse)
           static_cast<float*>(lse.data())[lse_offset(p, lse, seq, h, i)] =
               static_cast<float>(l[static_cast<std::size_t>(i)]);
@@ -450,6 +418,24 @@ void attention_backward(const Attention& attention, ConstTensorView out, ConstTe
   if (want_dv) dvg = detail::check_output_tokens(where, "dv", ConstTensorView(dv), p.vg);
   if (grads != nullptr) check_gradients(attention, *grads);
   const double scale = p.scale_f64, cap = p.mask.softcap;
+  // Each group's term gradients: HeadGroup::terms' in place, the fields' flat, stored back at the
+  // end; without grads, scratch (the terms' dq and dk are still wanted).
+  std::vector<std::vector<std::vector<double>>> owned(p.groups.size());
+  std::vector<std::vector<std::span<double>>> grad_spans(p.groups.size());
+  for (std::size_t g = 0; g < p.groups.size(); ++g) {
+    std::size_t user = 0;
+    owned[g].resize(p.terms[g].size());
+    for (std::size_t t = 0; t < p.terms[g].size(); ++t) {
+      const int f = p.field_of[g][t];
+      if (grads != nullptr && f < 0) {
+        grad_spans[g].emplace_back(grads->groups[g].terms[user++]);
+        continue;
+      }
+      owned[g][t] = grads != nullptr ? field_schemes()[static_cast<std::size_t>(f)].load(grads->groups[g])
+                                     : std::vector<double>(static_cast<std::size_t>(p.terms[g][t]->gradient_size()));
+      grad_spans[g].emplace_back(owned[g][t]);
+    }
+  }
   for (const Sequence& seq : p.sequences) {
     const std::int64_t lq = seq.lq, lk = seq.lk;
     // dS per group, materialised for the schemes' reference backwards: [heads, lq, lk].
@@ -470,19 +456,10 @@ void attention_backward(const Attention& attention, ConstTensorView out, ConstTe
         scores<double>(p, seq, h, hp, z, prob, l);
         const Rows dout = load_rows(p, d_out, dog, seq.b, seq.q0, lq, h);
         Rows dq_t{lq, p.dim, std::vector<double>(static_cast<std::size_t>(lq * p.dim))};
-        const ShawParams* shaw = shaw_of(p, group);
-        GroupGradients* shaw_grads =
-            grads != nullptr && shaw != nullptr ? &grads->groups[static_cast<std::size_t>(group)] : nullptr;
-        const XlParams* xl = xl_of(p, group);
         const std::int64_t local = h - p.group_first_head[static_cast<std::size_t>(group)];
-        XlProjection<double> projection, d_projection;  // P and dL/dP over δ
-        if (xl != nullptr) {
-          projection = xl_projection<double>(*xl, local, hp.qpos, hp.kpos);
-          d_projection = projection;
-          std::fill(d_projection.rows.begin(), d_projection.rows.end(), 0.0);
-        }
-        XlGradients* xl_grads =
-            grads != nullptr && xl != nullptr ? &*grads->groups[static_cast<std::size_t>(group)].xl : nullptr;
+        const auto& terms = p.terms[static_cast<std::size_t>(group)];
+        const auto& term_grads = grad_spans[static_cast<std::size_t>(group)];
+        std::vector<double> w(static_cast<std::size_t>(p.dim_v));
         for (std::int64_t i = 0; i < lq; ++i) {
           std::vector<double> dp(static_cast<std::size_t>(lk));
           double delta = 0;
@@ -490,28 +467,26 @@ void attention_backward(const Attention& attention, ConstTensorView out, ConstTe
             if (std::signbit(prob[static_cast<std::size_t>(i * lk + j)])) continue;  // not seen
             double acc = 0;
             for (std::int64_t t = 0; t < p.dim_v; ++t) acc += dout.row(i)[t] * hp.v.row(j)[t];
-            if (shaw != nullptr) {
-              const std::int64_t u =
-                  shaw->row_of(hp.kpos[static_cast<std::size_t>(j)] - hp.qpos[static_cast<std::size_t>(i)]);
-              for (std::int64_t t = 0; t < p.dim; ++t)
-                acc += dout.row(i)[t] * shaw_entry(shaw->value_table(), p.dim, u, t);
-              if (shaw_grads != nullptr) {
-                for (std::int64_t t = 0; t < p.dim; ++t) {
-                  shaw_grads->shaw_value_table[static_cast<std::size_t>(u * p.dim + t)] +=
-                      prob[static_cast<std::size_t>(i * lk + j)] * dout.row(i)[t];
-                }
+            for (std::size_t t = 0; t < terms.size(); ++t) {  // a term's w joins the value: dp += ⟨dO, w⟩
+              if (!terms[t]->adds_to_output()) continue;
+              const TokenPair pair = token_pair(p, seq, i, j);
+              terms[t]->output_value(local, pair, w);
+              for (std::int64_t e = 0; e < p.dim_v; ++e) acc += dout.row(i)[e] * w[static_cast<std::size_t>(e)];
+              if (grads != nullptr) {
+                terms[t]->accumulate_output_gradient(
+                    local, pair, prob[static_cast<std::size_t>(i * lk + j)],
+                    std::span<const double>(dout.row(i), static_cast<std::size_t>(p.dim_v)), term_grads[t]);
               }
             }
             dp[static_cast<std::size_t>(j)] = acc;
             delta += prob[static_cast<std::size_t>(i * lk + j)] * acc;
           }
           if (grads != nullptr) {  // a sink: ∂L/∂s = p_sink·(0 − δ), its value being 0
-            const auto& terms = p.groups[static_cast<std::size_t>(group)].terms;
             for (std::size_t t = 0; t < terms.size(); ++t) {
               const auto sink = terms[t]->sink(local);
               if (!sink || std::isinf(l[static_cast<std::size_t>(i)])) continue;
               terms[t]->accumulate_sink_gradient(local, -std::exp(*sink - l[static_cast<std::size_t>(i)]) * delta,
-                                                 grads->groups[static_cast<std::size_t>(group)].terms[t]);
+                                                 term_grads[t]);
             }
           }
           for (std::int64_t j = 0; j < lk; ++j) {
@@ -523,55 +498,19 @@ void attention_backward(const Attention& attention, ConstTensorView out, ConstTe
               dx *= 1 - u * u;
             }
             ds_groups[static_cast<std::size_t>(group)][static_cast<std::size_t>((local * lq + i) * lk + j)] = dx;
-            if (grads != nullptr) {
-              const auto& terms = p.groups[static_cast<std::size_t>(group)].terms;
-              for (std::size_t t = 0; t < terms.size(); ++t) {
-                terms[t]->accumulate_gradient(local, token_pair(p, seq, i, j), dx,
-                                              grads->groups[static_cast<std::size_t>(group)].terms[t]);
-              }
-            }
             for (std::int64_t t = 0; t < p.dim; ++t) {
               dq_t.row(i)[t] += scale * dx * hp.k.row(j)[t];
               dk_t.row(j)[t] += scale * dx * hp.q.row(i)[t];
             }
             for (std::int64_t t = 0; t < p.dim_v; ++t) dv_acc.row(j)[t] += pij * dout.row(i)[t];
-            if (xl != nullptr) {
-              // logit += scale·(u·k + (q + v)·P(δ)): dq += scale·dx·P, dk += scale·dx·u, du, dv, dP.
-              const std::int64_t rel = hp.qpos[static_cast<std::size_t>(i)] - hp.kpos[static_cast<std::size_t>(j)];
-              const double* pr = projection.at(rel);
-              double* dpr = d_projection.rows.data() + (rel - d_projection.lo) * p.dim;
-              for (std::int64_t t = 0; t < p.dim; ++t) {
-                const auto at = static_cast<std::size_t>(local * p.dim + t);
-                dq_t.row(i)[t] += scale * dx * pr[t];
-                dk_t.row(j)[t] += scale * dx * xl->u()[at];
-                dpr[t] += scale * dx * (hp.q.row(i)[t] + xl->v()[at]);
-                if (xl_grads != nullptr) {
-                  xl_grads->u[at] += scale * dx * hp.k.row(j)[t];
-                  xl_grads->v[at] += scale * dx * pr[t];
-                }
+            if (!terms.empty()) {
+              const TokenPair pair = token_pair(p, seq, i, j);
+              const PairRows rows = pair_rows(p, hp, i, j, false);
+              const auto d = static_cast<std::size_t>(p.dim);
+              for (std::size_t t = 0; t < terms.size(); ++t) {
+                terms[t]->accumulate_row_gradient(local, pair, rows, dx, term_grads[t],
+                                                  std::span<double>(dq_t.row(i), d), std::span<double>(dk_t.row(j), d));
               }
-            }
-            if (shaw != nullptr) {
-              const std::int64_t u =
-                  shaw->row_of(hp.kpos[static_cast<std::size_t>(j)] - hp.qpos[static_cast<std::size_t>(i)]);
-              for (std::int64_t t = 0; t < p.dim; ++t) {
-                dq_t.row(i)[t] += scale * dx * shaw_entry(shaw->key_table(), p.dim, u, t);
-                if (shaw_grads != nullptr) {
-                  shaw_grads->shaw_key_table[static_cast<std::size_t>(u * p.dim + t)] += scale * dx * hp.q.row(i)[t];
-                }
-              }
-            }
-          }
-        }
-        if (xl_grads != nullptr) {  // dW_R[h·D + d][m] += Σ_δ dP(δ)[d]·r(δ)[m]
-          const std::int64_t dm = xl->d_model(), width = static_cast<std::int64_t>(d_projection.rows.size()) / p.dim;
-          for (std::int64_t t = 0; t < width; ++t) {
-            const std::vector<double> r = xl->sinusoid(d_projection.lo + t);
-            for (std::int64_t d = 0; d < p.dim; ++d) {
-              const double dpd = d_projection.rows[static_cast<std::size_t>(t * p.dim + d)];
-              if (dpd == 0) continue;
-              double* w = xl_grads->w_r.data() + (local * p.dim + d) * dm;
-              for (std::int64_t m = 0; m < dm; ++m) w[m] += dpd * r[static_cast<std::size_t>(m)];
             }
           }
         }
@@ -620,6 +559,13 @@ void attention_backward(const Attention& attention, ConstTensorView out, ConstTe
           ref::relative_bias_backward(*relative_bias(*bias), qp, kp, ds, flat);
       }
       for (std::size_t t = 0; t < flat.size(); ++t) gg.bias[t] += flat[t];
+    }
+  }
+  if (grads == nullptr) return;
+  for (std::size_t g = 0; g < p.groups.size(); ++g) {
+    for (std::size_t t = 0; t < p.terms[g].size(); ++t) {
+      const int f = p.field_of[g][t];
+      if (f >= 0) field_schemes()[static_cast<std::size_t>(f)].store(owned[g][t], grads->groups[g]);
     }
   }
 }

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "posenc/reference.hpp"
+#include "ref/field_terms.hpp"
 #include "relative_checks.hpp"
 
 namespace posenc::ref {
@@ -128,6 +129,70 @@ void shaw_value_term_backward(const ShawParams& params, ConstTensorView probs, C
       }
     }
   }
+}
+
+namespace {
+
+// Shaw's two terms inside attention, per visible pair with r = clip(k_pos − q_pos, ±k):
+// scale·⟨q_i, a^K[r]⟩ added to the logit and a^V[r] to the value the row averages. An empty
+// table means zeros; the gradients keep both tables' full shapes.
+class ShawDefinition final : public TermDefinition {
+ public:
+  explicit ShawDefinition(const ShawParams& params) : params_(params), size_(params.rows() * params.head_dim()) {}
+
+  std::int64_t gradient_size() const override { return 2 * size_; }
+  double row_value(std::int64_t /* head */, const TokenPair& pair, const PairRows& rows) const override {
+    if (params_.key_table().empty()) return 0.0;
+    const double* a = key_row(pair);
+    return rows.naive_f32 ? static_cast<double>(dot<float>(rows.q, a, rows.scale)) : dot<double>(rows.q, a, rows.scale);
+  }
+  void accumulate_row_gradient(std::int64_t /* head */, const TokenPair& pair, const PairRows& rows, double weight,
+                               std::span<double> grads, std::span<double> dq,
+                               std::span<double> /* dk */) const override {
+    const std::int64_t at = row(pair) * params_.head_dim();
+    for (std::int64_t t = 0; t < params_.head_dim(); ++t) {
+      if (!params_.key_table().empty())
+        dq[static_cast<std::size_t>(t)] += rows.scale * weight * params_.key_table()[static_cast<std::size_t>(at + t)];
+      grads[static_cast<std::size_t>(at + t)] += rows.scale * weight * rows.q[static_cast<std::size_t>(t)];
+    }
+  }
+  bool adds_to_output() const override { return true; }
+  void output_value(std::int64_t /* head */, const TokenPair& pair, std::span<double> w) const override {
+    const std::int64_t at = row(pair) * params_.head_dim();
+    for (std::int64_t t = 0; t < params_.head_dim(); ++t) {
+      w[static_cast<std::size_t>(t)] =
+          params_.value_table().empty() ? 0.0 : params_.value_table()[static_cast<std::size_t>(at + t)];
+    }
+  }
+  void accumulate_output_gradient(std::int64_t /* head */, const TokenPair& pair, double weight,
+                                  std::span<const double> d_out, std::span<double> grads) const override {
+    const std::int64_t at = size_ + row(pair) * params_.head_dim();
+    for (std::int64_t t = 0; t < params_.head_dim(); ++t)
+      grads[static_cast<std::size_t>(at + t)] += weight * d_out[static_cast<std::size_t>(t)];
+  }
+
+ private:
+  std::int64_t row(const TokenPair& pair) const { return params_.row_of(pair.key_position - pair.query_position); }
+  const double* key_row(const TokenPair& pair) const {
+    return params_.key_table().data() + row(pair) * params_.head_dim();
+  }
+  // scale·⟨q, a⟩ summed in T, as a plain implementation in T computes it.
+  template <class T>
+  T dot(std::span<const double> q, const double* a, double scale) const {
+    T acc = 0;
+    for (std::int64_t t = 0; t < params_.head_dim(); ++t)
+      acc += static_cast<T>(q[static_cast<std::size_t>(t)]) * static_cast<T>(a[t]);
+    return static_cast<T>(scale) * acc;
+  }
+
+  ShawParams params_;
+  std::int64_t size_;
+};
+
+}  // namespace
+
+std::shared_ptr<const TermDefinition> shaw_definition(const ShawParams& params) {
+  return std::make_shared<const ShawDefinition>(params);
 }
 
 }  // namespace posenc::ref

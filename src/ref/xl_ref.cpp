@@ -1,8 +1,12 @@
 // Transformer-XL's position terms and their backward, r(δ) and W_R r(δ) evaluated per pair in
 // fp64: the oracle of xl.cpp.
 #include <cmath>
+#include <map>
+#include <type_traits>
+#include <utility>
 
 #include "posenc/reference.hpp"
+#include "ref/field_terms.hpp"
 #include "relative_checks.hpp"
 
 namespace posenc::ref {
@@ -90,6 +94,96 @@ void xl_position_terms_backward(const XlParams& params, ConstTensorView q, Const
       }
     }
   }
+}
+
+namespace {
+
+// Transformer-XL's position terms inside attention, per visible pair with δ = q_pos − k_pos:
+// scale·(u_h·k_j + (q_i + v_h)·P_h(δ)), P_h(δ) = W_R[h] r(δ). P (in fp64, and in f32 summed over
+// d_model in order, as a plain f32 implementation computes it) and r are memoised per head and δ:
+// a reference call owns the definition, so the caches are never shared between threads.
+class XlDefinition final : public TermDefinition {
+ public:
+  explicit XlDefinition(const XlParams& params) : params_(params), hd_(params.heads() * params.head_dim()) {}
+
+  std::int64_t gradient_size() const override { return 2 * hd_ + hd_ * params_.d_model(); }
+  double row_value(std::int64_t head, const TokenPair& pair, const PairRows& rows) const override {
+    return rows.naive_f32 ? static_cast<double>(logit<float>(head, pair, rows)) : logit<double>(head, pair, rows);
+  }
+  void accumulate_row_gradient(std::int64_t head, const TokenPair& pair, const PairRows& rows, double weight,
+                               std::span<double> grads, std::span<double> dq, std::span<double> dk) const override {
+    const std::int64_t dim = params_.head_dim(), dm = params_.d_model(),
+                       delta = pair.query_position - pair.key_position;
+    const std::vector<double>& pr = projection<double>(head, delta);
+    const std::vector<double>& r = sinusoid(delta);
+    const double w = rows.scale * weight;
+    for (std::int64_t t = 0; t < dim; ++t) {
+      const auto at = static_cast<std::size_t>(head * dim + t), e = static_cast<std::size_t>(t);
+      dq[e] += w * pr[e];
+      dk[e] += w * params_.u()[at];
+      grads[at] += w * rows.k[e];
+      grads[static_cast<std::size_t>(hd_) + at] += w * pr[e];
+      // dW_R[h·D + t][m] += ∂logit/∂P_t · r(δ)[m]
+      const double dp = w * (rows.q[e] + params_.v()[at]);
+      double* dw = grads.data() + 2 * hd_ + (head * dim + t) * dm;
+      for (std::int64_t m = 0; m < dm; ++m) dw[m] += dp * r[static_cast<std::size_t>(m)];
+    }
+  }
+
+ private:
+  template <class T>
+  T logit(std::int64_t head, const TokenPair& pair, const PairRows& rows) const {
+    const std::vector<T>& pr = projection<T>(head, pair.query_position - pair.key_position);
+    T acc = 0;
+    for (std::int64_t t = 0; t < params_.head_dim(); ++t) {
+      const auto at = static_cast<std::size_t>(head * params_.head_dim() + t), e = static_cast<std::size_t>(t);
+      acc += static_cast<T>(params_.u()[at]) * static_cast<T>(rows.k[e]) +
+             (static_cast<T>(rows.q[e]) + static_cast<T>(params_.v()[at])) * pr[e];
+    }
+    return static_cast<T>(rows.scale) * acc;
+  }
+  const std::vector<double>& sinusoid(std::int64_t delta) const {
+    auto it = sinusoids_.find(delta);
+    if (it == sinusoids_.end()) it = sinusoids_.emplace(delta, params_.sinusoid(delta)).first;
+    return it->second;
+  }
+  template <class T>
+  const std::vector<T>& projection(std::int64_t head, std::int64_t delta) const {
+    auto& cache = [this]() -> auto& {
+      if constexpr (std::is_same_v<T, float>) {
+        return projections_f32_;
+      } else {
+        return projections_;
+      }
+    }
+    ();
+    const auto key = std::make_pair(head, delta);
+    auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+    const std::int64_t dim = params_.head_dim(), dm = params_.d_model();
+    const std::vector<double>& r = sinusoid(delta);
+    std::vector<T> pr(static_cast<std::size_t>(dim));
+    for (std::int64_t d = 0; d < dim; ++d) {
+      T acc = 0;
+      const double* w = params_.w_r().data() + (head * dim + d) * dm;
+      for (std::int64_t m = 0; m < dm; ++m)
+        acc += static_cast<T>(w[m]) * static_cast<T>(r[static_cast<std::size_t>(m)]);
+      pr[static_cast<std::size_t>(d)] = acc;
+    }
+    return cache.emplace(key, std::move(pr)).first->second;
+  }
+
+  XlParams params_;
+  std::int64_t hd_;
+  mutable std::map<std::int64_t, std::vector<double>> sinusoids_;
+  mutable std::map<std::pair<std::int64_t, std::int64_t>, std::vector<double>> projections_;
+  mutable std::map<std::pair<std::int64_t, std::int64_t>, std::vector<float>> projections_f32_;
+};
+
+}  // namespace
+
+std::shared_ptr<const TermDefinition> xl_definition(const XlParams& params) {
+  return std::make_shared<const XlDefinition>(params);
 }
 
 }  // namespace posenc::ref

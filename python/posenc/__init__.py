@@ -566,7 +566,7 @@ class TransformerXLRelative(torch.nn.Module):
 class Forgetting:
     """Forgetting Attention (Lin et al., ICLR 2025, "Forgetting Transformer"): a per-token, per-head
     forget gate decays older keys' logits by Σ_{l=j+1..i} log f_l (posenc/forgetting.hpp). A scheme
-    for ``posenc.attention`` (causal only), alone or in a head group, optionally over a ``base``
+    for ``posenc.attention`` (causal, or no query that sees a later key: decode), alone or in a head group, optionally over a ``base``
     scheme of the same heads ("FoX Pro": ``Forgetting(log_fgate, base="rope")``).
 
     ``log_fgate`` ``[B, Sk, heads]`` (``[Tk, heads]`` packed; float32/64, bfloat16, float16), e.g. ``F.logsigmoid`` of the
@@ -884,14 +884,25 @@ def _attention_args(q, k, v, scheme, causal, window, chunk_size, temperature, so
                          ("3 ([Tq, H, D] with cu_seqlens)" if cu_q else "4 ([B, Sq, H, D] or with layout='bhsd')"))
     _flag("attention", "keys_rotated", keys_rotated)
     gates = []  # per head group: its forget gate or its scheme's per-token input, or an empty tensor
+    # A causal-only scheme (a decay over the keys before the query) runs without the causal mask too
+    # when no query sees a later key: one query per sequence at the end of its keys (decode), or a
+    # window that ends at the query; the engine makes the same exception.
+    queries = max((b - a for a, b in zip(cu_q, cu_q[1:])), default=0) if cu_q else int(q.shape[1])
+    right = window[1] if isinstance(window, (list, tuple)) and len(window) == 2 else None
+    later_keys = not causal and queries > 1 and not (isinstance(right, int) and right == 0)
+
+    def refuse_later_keys(name, why=""):
+        if later_keys:
+            raise ValueError(f"attention: causal = False with {name} and {queries} queries per sequence; expected "
+                             f"causal=True, one query per sequence or window[1] = 0{why}")
 
     def gate_of(group_scheme, group_heads):
         if isinstance(group_scheme, Scheme) and group_scheme.inputs:
             if len(group_scheme.inputs) > 1:
                 raise ValueError(f"attention: {group_scheme.name} reads {len(group_scheme.inputs)} per-token inputs; "
                                  "expected at most one per head group")
-            if group_scheme.entry.get("causal_only") and not causal:
-                raise ValueError(f"attention: causal = False with {group_scheme.name}; expected causal=True")
+            if group_scheme.entry.get("causal_only"):
+                refuse_later_keys(group_scheme.name)
             gates.append(group_scheme._attention_input())
             return group_scheme
         if not isinstance(group_scheme, Forgetting):
@@ -900,9 +911,7 @@ def _attention_args(q, k, v, scheme, causal, window, chunk_size, temperature, so
         if group_scheme.heads != group_heads:
             raise ValueError(f"attention: Forgetting's log_fgate has {group_scheme.heads} heads; expected the "
                              f"group's {group_heads}")
-        if not causal:
-            raise ValueError("attention: causal = False with Forgetting; expected causal=True (the decay "
-                             "Σ log f is defined for keys at or before the query)")
+        refuse_later_keys("Forgetting", " (the decay Σ log f is defined for keys at or before the query)")
         gates.append(group_scheme.log_fgate)
         return group_scheme.base
 

@@ -295,6 +295,34 @@ def test_per_token_inputs_are_checked_by_name():
                                    None, None, [], [], True)
 
 
+def test_causal_only_schemes_run_where_no_query_sees_a_later_key():
+    """Without the causal mask a forget gate is defined when no query sees a later key, as the engine
+    allows: one query per sequence at the end of its keys (decode), or a window ending at the query.
+    Those calls see the same keys as causal ones, so they agree to the bit."""
+    torch.manual_seed(3)
+    k, v = torch.randn(2, 9, 2, 16), torch.randn(2, 9, 2, 16)
+    gate = -torch.rand(2, 9, 4)
+    for name, make in (("forgetting", lambda g: posenc.Scheme("forgetting", 4, 16, log_fgate=g)),
+                       ("Forgetting", posenc.Forgetting)):
+        one = torch.randn(2, 1, 4, 16)
+        torch.testing.assert_close(posenc.attention(one, k, v, make(gate), causal=False),
+                                   posenc.attention(one, k, v, make(gate), causal=True), rtol=0, atol=0)
+        q = torch.randn(2, 9, 4, 16)
+        torch.testing.assert_close(posenc.attention(q, k, v, make(gate), causal=False, window=(-1, 0)),
+                                   posenc.attention(q, k, v, make(gate), causal=True), rtol=0, atol=0)
+        with pytest.raises(ValueError, match=f"causal = False with {name} and 9 queries per sequence"):
+            posenc.attention(q, k, v, make(gate), causal=False, window=(-1, 2))
+    # Packed: the longest sequence counts.
+    q, k, v = torch.randn(3, 4, 16), torch.randn(5, 2, 16), torch.randn(5, 2, 16)
+    gate = -torch.rand(5, 4)
+    scheme = posenc.Scheme("forgetting", 4, 16, log_fgate=gate)
+    torch.testing.assert_close(posenc.attention(q, k, v, scheme, causal=False, cu_seqlens=([0, 1, 2, 3], [0, 2, 3, 5])),
+                               posenc.attention(q, k, v, scheme, causal=True, cu_seqlens=([0, 1, 2, 3], [0, 2, 3, 5])),
+                               rtol=0, atol=0)
+    with pytest.raises(ValueError, match="2 queries per sequence"):
+        posenc.attention(q, k, v, scheme, causal=False, cu_seqlens=([0, 2, 3], [0, 3, 5]))
+
+
 def test_per_token_inputs_beside_other_terms_get_their_own_gradients():
     """A registered gate, an added gate over RoPE and over the sinks entry, and the sinks argument
     in one call: each gradient is its own term's (packed sequences too), as separate eager

@@ -24,9 +24,15 @@ void split(std::span<const double> flat, std::initializer_list<std::vector<doubl
 
 constexpr FieldScheme kShaw{
     [](const HeadGroup& g) { return g.shaw ? shaw_definition(*g.shaw) : nullptr; },
-    [](const GroupGradients& g) { return std::vector<std::size_t>{g.shaw_key_table.size(), g.shaw_value_table.size()}; },
-    [](const GroupGradients& g) { return joined({&g.shaw_key_table, &g.shaw_value_table}); },
-    [](std::span<const double> flat, GroupGradients& g) { split(flat, {&g.shaw_key_table, &g.shaw_value_table}); },
+    [](const GroupGradients& g) {
+      return std::vector<std::size_t>{g.shaw_key_table.size(), g.shaw_value_table.size()};
+    },
+    [](const GroupGradients& g) {
+      return joined({&g.shaw_key_table, &g.shaw_value_table});
+    },
+    [](std::span<const double> flat, GroupGradients& g) {
+      split(flat, {&g.shaw_key_table, &g.shaw_value_table});
+    },
 };
 
 constexpr FieldScheme kXl{
@@ -35,8 +41,12 @@ constexpr FieldScheme kXl{
       return g.xl ? std::vector<std::size_t>{g.xl->u.size(), g.xl->v.size(), g.xl->w_r.size()}
                   : std::vector<std::size_t>{};
     },
-    [](const GroupGradients& g) { return joined({&g.xl->u, &g.xl->v, &g.xl->w_r}); },
-    [](std::span<const double> flat, GroupGradients& g) { split(flat, {&g.xl->u, &g.xl->v, &g.xl->w_r}); },
+    [](const GroupGradients& g) {
+      return joined({&g.xl->u, &g.xl->v, &g.xl->w_r});
+    },
+    [](std::span<const double> flat, GroupGradients& g) {
+      split(flat, {&g.xl->u, &g.xl->v, &g.xl->w_r});
+    },
 };
 
 }  // namespace

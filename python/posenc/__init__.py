@@ -566,8 +566,9 @@ class TransformerXLRelative(torch.nn.Module):
 class Forgetting:
     """Forgetting Attention (Lin et al., ICLR 2025, "Forgetting Transformer"): a per-token, per-head
     forget gate decays older keys' logits by Σ_{l=j+1..i} log f_l (posenc/forgetting.hpp). A scheme
-    for ``posenc.attention`` (causal, or no query that sees a later key: decode), alone or in a head group, optionally over a ``base``
-    scheme of the same heads ("FoX Pro": ``Forgetting(log_fgate, base="rope")``).
+    for ``posenc.attention`` (causal, or where no query sees a later key: decode), alone or in a
+    head group, optionally over a ``base`` scheme of the same heads ("FoX Pro":
+    ``Forgetting(log_fgate, base="rope")``).
 
     ``log_fgate`` ``[B, Sk, heads]`` (``[Tk, heads]`` packed; float32/64, bfloat16, float16), e.g. ``F.logsigmoid`` of the
     gate's logits: every value <= 0. It is an activation: the attention's backward reaches it."""

@@ -101,6 +101,12 @@ inline Problem make_packed(const std::vector<std::pair<std::int64_t, std::int64_
   return p;
 }
 
+// Shaw's and Transformer-XL's terms of a head group (relative.hpp).
+inline AttentionTermRef shaw_term(std::int64_t heads, ShawParams params) {
+  return std::make_shared<ShawTerm>(heads, std::move(params));
+}
+inline AttentionTermRef xl_term(XlParams params) { return std::make_shared<XlTerm>(std::move(params)); }
+
 inline AttentionSpec spec_of(const Problem& p) {
   AttentionSpec s;
   s.q = p.qv();
@@ -340,6 +346,32 @@ inline void expect_close(const std::vector<double>& got, const std::vector<doubl
   EXPECT_LE(max_abs_diff(got, want), tol) << name << " (max |want| " << max_abs(want) << ")";
 }
 
+// A term's gradients, each of its parameters on its own scale: Shaw's two tables, XL's u, v and
+// W_R; another term's (a gate's, the sinks') as one.
+inline void expect_term_gradients_close(const AttentionTerm& term, const std::vector<double>& fused,
+                                        const std::vector<double>& exact) {
+  const auto part = [](const std::vector<double>& all, std::size_t at, std::size_t n) {
+    return std::vector<double>(all.begin() + static_cast<std::ptrdiff_t>(at),
+                               all.begin() + static_cast<std::ptrdiff_t>(std::min(all.size(), at + n)));
+  };
+  std::vector<std::pair<const char*, std::size_t>> parts;
+  if (const auto* shaw = dynamic_cast<const ShawTerm*>(&term)) {
+    const auto n = static_cast<std::size_t>(shaw->params().rows() * shaw->params().head_dim());
+    parts = {{"shaw key table", n}, {"shaw value table", n}};
+  } else if (const auto* xl = dynamic_cast<const XlTerm*>(&term)) {
+    const auto hd = static_cast<std::size_t>(xl->params().heads() * xl->params().head_dim());
+    parts = {{"xl u", hd}, {"xl v", hd}, {"xl w_r", hd * static_cast<std::size_t>(xl->params().d_model())}};
+  } else {
+    parts = {{"a term's input gradient", exact.size()}};
+  }
+  ASSERT_EQ(fused.size(), exact.size()) << term.name() << " gradient size";
+  std::size_t at = 0;
+  for (const auto& [name, n] : parts) {
+    expect_close(part(fused, at, n), part(exact, at, n), name);
+    at += n;
+  }
+}
+
 // As expect_close, with the gradient's scale given (for sums that cancel to ~0).
 inline void expect_close_to_scale(const std::vector<double>& got, const std::vector<double>& want, double scale,
                                   const char* name) {
@@ -423,16 +455,9 @@ inline void expect_backward_matches_reference(const Problem& p, const Attention&
   EXPECT_EQ(inputs_only.dv, fused.dv) << "dv without parameter gradients";
   for (std::size_t g = 0; g < exact.params.groups.size(); ++g) {
     expect_bias_gradients_close(att, g, fused.params.groups[g].bias, exact.params.groups[g].bias);
-    expect_close(fused.params.groups[g].shaw_key_table, exact.params.groups[g].shaw_key_table, "shaw key table");
-    expect_close(fused.params.groups[g].shaw_value_table, exact.params.groups[g].shaw_value_table, "shaw value table");
     for (std::size_t t = 0; t < exact.params.groups[g].terms.size(); ++t)
-      expect_close(fused.params.groups[g].terms[t], exact.params.groups[g].terms[t], "a term's input gradient");
-    if (exact.params.groups[g].xl) {
-      const XlGradients &a = *fused.params.groups[g].xl, &b = *exact.params.groups[g].xl;
-      expect_close(a.u, b.u, "xl u");
-      expect_close(a.v, b.v, "xl v");
-      expect_close(a.w_r, b.w_r, "xl w_r");
-    }
+      expect_term_gradients_close(*att.spec().groups[g].terms[t], fused.params.groups[g].terms[t],
+                                  exact.params.groups[g].terms[t]);
   }
 }
 

@@ -91,20 +91,22 @@ TEST_P(AttentionForward, EveryPositionalScheme) {
   with({{heads, {}, tupe_with_cls(heads, dim, 32, 200, 4)}}, false, "tupe");
   with({{heads, {}, TupeParams::init(heads, dim, 32, 200, false, 0.5, 5)}}, true, "tupe without the [CLS] reset");
   const ShawParams shaw = ShawParams::init(6, dim, 0.5, 11);
-  with({{heads, {}, {}, shaw}}, true, "shaw");
-  with({{2, RotaryQK{rope}, AlibiParams(2), shaw}, {2, {}, {}, ShawParams::init(3, dim, 0.5, 12)}}, false,
-       "shaw with rope + alibi, and another shaw width");
+  with({{heads, {}, {}, {shaw_term(heads, shaw)}}}, true, "shaw");
+  with({{2, RotaryQK{rope}, AlibiParams(2), {shaw_term(2, shaw)}},
+        {2, {}, {}, {shaw_term(2, ShawParams::init(3, dim, 0.5, 12))}}},
+       false, "shaw with rope + alibi, and another shaw width");
   // Transformer-XL: u, v of magnitude ~0.5 so that every term moves the logits.
-  with({{heads, {}, {}, {}, XlParams::init(heads, dim, 40, 0.5, 21)}}, true, "transformer-xl");
-  with({{heads, {}, {}, {}, XlParams::init(heads, dim, 32, 0.5, 22)}}, false, "transformer-xl, keys on both sides");
+  with({{heads, {}, {}, {xl_term(XlParams::init(heads, dim, 40, 0.5, 21))}}}, true, "transformer-xl");
+  with({{heads, {}, {}, {xl_term(XlParams::init(heads, dim, 32, 0.5, 22))}}}, false,
+       "transformer-xl, keys on both sides");
   // d_model past one depth step (256) of the table products (blocked_gemm), and not a multiple of
   // the lane padding.
-  with({{heads, {}, {}, {}, XlParams::init(heads, dim, 300, 0.5, 27)}}, true, "transformer-xl, d_model 300");
+  with({{heads, {}, {}, {xl_term(XlParams::init(heads, dim, 300, 0.5, 27))}}}, true, "transformer-xl, d_model 300");
   with({{heads, {}, TupeParams::init(heads, dim, 300, 200, false, 0.5, 6)}}, true, "tupe, d_model 300");
   // One head of a KV group XL, the other ALiBi (XL transforms nothing, so it may split a group).
-  with({{1, {}, {}, {}, XlParams::init(1, dim, 16, 0.5, 23)},
+  with({{1, {}, {}, {xl_term(XlParams::init(1, dim, 16, 0.5, 23))}},
         {1, {}, AlibiParams(1)},
-        {2, {}, {}, {}, XlParams::init(2, dim, 16, 0.5, 24)}},
+        {2, {}, {}, {xl_term(XlParams::init(2, dim, 16, 0.5, 24))}}},
        true, "xl | alibi | xl");
   // Half the heads RoPE, half ALiBi (KV group boundaries: 2 heads per KV head).
   with({{2, RotaryQK{rope}, {}}, {2, {}, AlibiParams(2)}}, true, "rope + alibi by head group");
@@ -139,12 +141,12 @@ TEST_P(AttentionForward, PackedSequencesAndExplicitPositions) {
   AttentionSpec s3 = spec_of(x);
   s3.q_positions = Positions::ids(xq, 2, 30);
   s3.k_positions = Positions::ids(xk, 2, 50);
-  s3.groups = {{2, {}, {}, {}, XlParams::init(2, 32, 16, 0.5, 25)}};
+  s3.groups = {{2, {}, {}, {xl_term(XlParams::init(2, 32, 16, 0.5, 25))}}};
   expect_accurate(x, s3, "xl, explicit positions");
   Problem xp = make_packed({{5, 9}, {40, 40}, {1, 7}}, 2, 2, 32);
   AttentionSpec s4 = spec_of(xp);
   s4.mask.causal = true;
-  s4.groups = {{2, {}, {}, {}, XlParams::init(2, 32, 24, 0.5, 26)}};
+  s4.groups = {{2, {}, {}, {xl_term(XlParams::init(2, 32, 24, 0.5, 26))}}};
   expect_accurate(xp, s4, "xl, packed");
 }
 
@@ -158,9 +160,9 @@ TEST_P(AttentionForward, DecodeSplitsLongCachesExactly) {
     expect_accurate(p, spec, "decode");
     spec.groups = {{4, RotaryQK{RopeParams(64, 64)}, AlibiParams(4)}};
     expect_accurate(p, spec, "decode rope + alibi");
-    spec.groups = {{4, {}, {}, ShawParams::init(16, 64, 0.5, 5)}};
+    spec.groups = {{4, {}, {}, {shaw_term(4, ShawParams::init(16, 64, 0.5, 5))}}};
     expect_accurate(p, spec, "decode shaw");
-    spec.groups = {{4, {}, {}, {}, XlParams::init(4, 64, 32, 0.5, 6)}};
+    spec.groups = {{4, {}, {}, {xl_term(XlParams::init(4, 64, 32, 0.5, 6))}}};
     expect_accurate(p, spec, "decode xl");
     spec.groups = {{4, {}, tupe_with_cls(4, 64, 16, 9000, 7)}};
     expect_accurate(p, spec, "decode tupe");
@@ -178,7 +180,7 @@ TEST_P(AttentionForward, DecodeReadsXlAndTupeTablesAtEveryEdge) {
     for (const bool xl : {true, false}) {
       SCOPED_TRACE(xl ? "xl" : "tupe");
       AttentionSpec spec = spec_of(p);
-      spec.groups = {xl ? HeadGroup{4, {}, {}, {}, XlParams::init(4, dim, 20, 0.5, 31)}
+      spec.groups = {xl ? HeadGroup{4, {}, {}, {xl_term(XlParams::init(4, dim, 20, 0.5, 31))}}
                         : HeadGroup{4, {}, tupe_with_cls(4, dim, 16, 2200, 32)}};
       expect_accurate(p, spec, "decode, full");
       spec.mask.causal = true;
@@ -211,9 +213,10 @@ TEST_P(AttentionForward, DecodeBlocksMixShawWithOtherGroups) {
     Problem p = make_problem(1, q_len, 700, 4, 2, 32);
     AttentionSpec spec = spec_of(p);
     spec.mask.causal = true;
-    spec.groups = {{2, {}, {}, ShawParams::init(5, 32, 0.5, 41)}, {2, {}, AlibiParams(2)}};
+    spec.groups = {{2, {}, {}, {shaw_term(2, ShawParams::init(5, 32, 0.5, 41))}}, {2, {}, AlibiParams(2)}};
     expect_accurate(p, spec, "decode, shaw + alibi");
-    spec.groups = {{1, {}, {}, ShawParams::init(3, 32, 0.5, 42)}, {3, {}, {}, ShawParams::init(9, 32, 0.5, 43)}};
+    spec.groups = {{1, {}, {}, {shaw_term(1, ShawParams::init(3, 32, 0.5, 42))}},
+                   {3, {}, {}, {shaw_term(3, ShawParams::init(9, 32, 0.5, 43))}}};
     expect_accurate(p, spec, "decode, shaw of two widths");
   }
 }
@@ -371,8 +374,8 @@ TEST_P(AttentionForward, GroupedBlocksKeepTheBitsOfSingleBlocks) {
       {{{8, RotaryQK{rope}, {}}}, "rope"},
       {{{8, {}, T5BiasParams(8, 32, 128, true, t5_table)}}, "t5"},
       {{{8, {}, FireParams::init(8, 16, 3)}}, "fire"},
-      {{{8, {}, {}, ShawParams::init(6, dim, 0.5, 11)}}, "shaw"},
-      {{{8, {}, {}, {}, XlParams::init(8, dim, 24, 0.5, 21)}}, "transformer-xl"},
+      {{{8, {}, {}, {shaw_term(8, ShawParams::init(6, dim, 0.5, 11))}}}, "shaw"},
+      {{{8, {}, {}, {xl_term(XlParams::init(8, dim, 24, 0.5, 21))}}}, "transformer-xl"},
       {{{8, {}, tupe_with_cls(8, dim, 16, 600, 4)}}, "tupe"},
       {{{4, AbsoluteQK{SinusoidalParams(dim)}, {}}, {4, RotaryQK{rope}, {}}}, "shortformer | rope"}};
   for (const auto& [groups, what] : schemes) {

@@ -40,22 +40,22 @@ TEST_P(AttentionBackward, MatchesTheReferenceForEveryTrainableScheme) {
       {{2, RotaryQK{RopeParams(dim, 32, 10000.0, RopeLayout::kInterleaved).with_xpos(32.0)},
         T5BiasParams(2, 16, 32, false, t5_table)},
        {2, AbsoluteQK{SinusoidalParams(dim)}, KerpleParams(KerpleForm::kPower, {1.0, 0.5}, {0.7, 1.3})}},
-      {{heads, RotaryQK{RopeParams(dim, dim)}, {}, ShawParams::init(5, dim, 0.5, 3)}},
+      {{heads, RotaryQK{RopeParams(dim, dim)}, {}, {shaw_term(heads, ShawParams::init(5, dim, 0.5, 3))}}},
       {{heads, {}, FireParams::init(heads, 8, 5, 0.7, 16.0)}},
       // A KV group whose heads mix Shaw and no Shaw (the per-row paths). The bias head is T5, not
       // ALiBi: one head's slope gradient −Σ dS·δ cancels (every row's dS sums to 0) far below the
       // size of its terms, so a tolerance relative to the gradient cannot judge its f32 error (an
       // ALiBi head here gave 0.0133 with an error of 1.5e-5); T5's table gradient is the same δ
       // histogram without the cancellation. Case 1 checks the slopes (four heads).
-      {{1, {}, {}, ShawParams::init(4, dim, 0.5, 7)},
+      {{1, {}, {}, {shaw_term(1, ShawParams::init(4, dim, 0.5, 7))}},
        {1, {}, T5BiasParams(1, 16, 32, false, std::vector<double>(t5_table.begin(), t5_table.begin() + 16))},
-       {2, {}, {}, ShawParams::init(2, dim, 0.5, 8)}},
-      {{heads, {}, {}, {}, XlParams::init(heads, dim, 24, 0.5, 9)}},
+       {2, {}, {}, {shaw_term(2, ShawParams::init(2, dim, 0.5, 8))}}},
+      {{heads, {}, {}, {xl_term(XlParams::init(heads, dim, 24, 0.5, 9))}}},
       {{heads, {}, tupe_with_cls(heads, dim, 24, 60, 4)}},
       // TUPE without the [CLS] reset beside ALiBi inside one KV group.
       {{1, {}, TupeParams::init(1, dim, 16, 60, false, 0.5, 5)}, {3, {}, AlibiParams(3)}},
       // XL beside ALiBi inside one KV group.
-      {{1, {}, AlibiParams(1)}, {3, {}, {}, {}, XlParams::init(3, dim, 16, 0.5, 10)}},
+      {{1, {}, AlibiParams(1)}, {3, {}, {}, {xl_term(XlParams::init(3, dim, 16, 0.5, 10))}}},
       // FIRE without a causal mask (the last case): keys after the query, on both sides of it.
       {{heads, {}, FireParams::init(heads, 8, 6, 0.7, 16.0)}},
   };
@@ -205,7 +205,7 @@ TEST(AttentionReference, ShawBackwardMatchesFiniteDifferences) {
   const std::vector<double> w = random_values(static_cast<std::size_t>(p.q_count()));
   const auto loss = [&](const std::vector<double>& kt, const std::vector<double>& vt) {
     AttentionSpec spec = spec_of(p);
-    spec.groups = {{2, {}, {}, ShawParams(k_max, dim, kt, vt)}};
+    spec.groups = {{2, {}, {}, {shaw_term(2, ShawParams(k_max, dim, kt, vt))}}};
     spec.mask.causal = true;
     const Attention att(spec);
     std::vector<double> out(static_cast<std::size_t>(p.q_count()));
@@ -215,24 +215,25 @@ TEST(AttentionReference, ShawBackwardMatchesFiniteDifferences) {
     return l;
   };
   AttentionSpec spec = spec_of(p);
-  spec.groups = {{2, {}, {}, ShawParams(k_max, dim, key_table, value_table)}};
+  spec.groups = {{2, {}, {}, {shaw_term(2, ShawParams(k_max, dim, key_table, value_table))}}};
   spec.mask.causal = true;
   const Attention att(spec);
   const Grads g = run_backward(p, att, w, true);
-  // Central differences, h = 1e-5: truncation ~1e-10, cancellation ~1e-11 (as above).
+  // Central differences, h = 1e-5: truncation ~1e-10, cancellation ~1e-11 (as above). The term's
+  // gradient is [key table | value table].
   const double h = 1e-5, tol = 1e-7;
+  const std::vector<double>& tables = g.params.groups[0].terms[0];
+  ASSERT_EQ(tables.size(), 2 * key_table.size());
   for (std::size_t e = 0; e < key_table.size(); ++e) {
     std::vector<double> up = key_table, down = key_table;
     up[e] += h;
     down[e] -= h;
-    EXPECT_NEAR(g.params.groups[0].shaw_key_table[e], (loss(up, value_table) - loss(down, value_table)) / (2 * h), tol)
-        << e;
+    EXPECT_NEAR(tables[e], (loss(up, value_table) - loss(down, value_table)) / (2 * h), tol) << e;
     up = value_table;
     down = value_table;
     up[e] += h;
     down[e] -= h;
-    EXPECT_NEAR(g.params.groups[0].shaw_value_table[e], (loss(key_table, up) - loss(key_table, down)) / (2 * h), tol)
-        << e;
+    EXPECT_NEAR(tables[key_table.size() + e], (loss(key_table, up) - loss(key_table, down)) / (2 * h), tol) << e;
   }
 }
 
@@ -245,7 +246,7 @@ TEST(AttentionReference, XlBackwardMatchesFiniteDifferences) {
   const std::vector<double> w = random_values(static_cast<std::size_t>(p.q_count()));
   const auto spec_with = [&](const XlParams& xl) {
     AttentionSpec spec = spec_of(p);
-    spec.groups = {{heads, {}, {}, {}, xl}};
+    spec.groups = {{heads, {}, {}, {xl_term(xl)}}};
     spec.mask.causal = true;
     spec.mask.softcap = 2.0;
     return spec;
@@ -260,7 +261,13 @@ TEST(AttentionReference, XlBackwardMatchesFiniteDifferences) {
   };
   const Attention att(spec_with(base));
   const Grads g = run_backward(p, att, w, true);
-  const XlGradients& xg = *g.params.groups[0].xl;
+  // The term's gradient is [u | v | W_R].
+  const std::vector<double>& flat = g.params.groups[0].terms[0];
+  const auto hd = static_cast<std::ptrdiff_t>(heads * dim);
+  XlGradients xg(base);
+  xg.u.assign(flat.begin(), flat.begin() + hd);
+  xg.v.assign(flat.begin() + hd, flat.begin() + 2 * hd);
+  xg.w_r.assign(flat.begin() + 2 * hd, flat.end());
   // Central differences, h = 1e-5: truncation ~1e-10, cancellation ~1e-11 (as above).
   const double h = 1e-5, tol = 1e-7;
   const auto fd = [&](int which, std::size_t e) {
@@ -343,7 +350,7 @@ TEST(Attention, BitwiseIdenticalForAnyThreadCount) {
   // Transformer-XL's and TUPE's gradients (tables summed per unit, units in order).
   AttentionSpec xs = spec_of(p);
   xs.mask.causal = true;
-  xs.groups = {{2, {}, {}, {}, XlParams::init(2, 64, 32, 0.5, 2)},
+  xs.groups = {{2, {}, {}, {xl_term(XlParams::init(2, 64, 32, 0.5, 2))}},
                {2, {}, TupeParams::init(2, 64, 16, 150, true, 0.5, 3)}};
   const Attention xatt(xs);
   std::vector<Grads> xruns;
@@ -354,8 +361,7 @@ TEST(Attention, BitwiseIdenticalForAnyThreadCount) {
   set_num_threads(2);
   for (std::size_t r = 1; r < xruns.size(); ++r) {
     EXPECT_EQ(xruns[r].dq, xruns[0].dq);
-    EXPECT_EQ(xruns[r].params.groups[0].xl->w_r, xruns[0].params.groups[0].xl->w_r);
-    EXPECT_EQ(xruns[r].params.groups[0].xl->u, xruns[0].params.groups[0].xl->u);
+    EXPECT_EQ(xruns[r].params.groups[0].terms[0], xruns[0].params.groups[0].terms[0]);  // u, v, W_R
     EXPECT_EQ(xruns[r].params.groups[1].bias, xruns[0].params.groups[1].bias);
   }
 }
@@ -413,7 +419,7 @@ TEST(Attention, BackwardSplitsTheQueriesOfFewLongSequences) {
   for (auto& x : t5_table) x = uniform(-1, 1);
   const std::vector<std::vector<HeadGroup>> cases = {
       {{2, RotaryQK{RopeParams(32, 32)}, AlibiParams(2)}},
-      {{1, {}, {}, ShawParams::init(6, 32, 0.5, 3)},
+      {{1, {}, {}, {shaw_term(1, ShawParams::init(6, 32, 0.5, 3))}},
        {1, {}, T5BiasParams(1, 16, 64, false, std::vector<double>(t5_table.begin(), t5_table.begin() + 16))}},
       {{2, {}, tupe_with_cls(2, 32, 24, 600, 4)}},
   };
@@ -437,7 +443,7 @@ TEST(Attention, BackwardSplitsTheQueriesOfFewLongSequences) {
       for (std::size_t r = 1; r < runs.size(); ++r) {
         EXPECT_EQ(runs[r].dq, runs[0].dq);
         EXPECT_EQ(runs[r].dk, runs[0].dk);
-        EXPECT_EQ(runs[r].params.groups[0].shaw_key_table, runs[0].params.groups[0].shaw_key_table);
+        EXPECT_EQ(runs[r].params.groups[0].terms[0], runs[0].params.groups[0].terms[0]);  // Shaw's tables
         EXPECT_EQ(runs[r].params.groups[1].bias, runs[0].params.groups[1].bias);
       }
     }
@@ -458,18 +464,22 @@ TEST(Attention, ClearErrors) {
   expect_error([&] { Attention a(s); }, {"groups[0].heads", "whole KV groups"});
   s.groups = {{4, {}, AlibiParams(2)}};
   expect_error([&] { Attention a(s); }, {"groups[0].bias", "2 heads"});
-  s.groups = {{4, {}, {}, ShawParams::init(3, 8)}};
-  expect_error([&] { Attention a(s); }, {"groups[0].shaw.head_dim", "8", "16"});
-  s.groups = {{4, {}, AlibiParams(4), {}, XlParams::init(4, 16, 8)}};
-  expect_error([&] { Attention a(s); }, {"groups[0].xl", "alone"});
-  s.groups = {{4, {}, {}, {}, XlParams::init(2, 16, 8)}};
-  expect_error([&] { Attention a(s); }, {"groups[0].xl.heads", "2", "4 (the group's heads)"});
-  s.groups = {{4,
-               {},
-               {},
-               {},
-               XlParams(4, 16, 8, std::vector<double>(64), std::vector<double>(64), std::vector<double>(512), 0.5)}};
-  expect_error([&] { Attention a(s); }, {"groups[0].xl.scale", "0.5", "the attention's scale"});
+  s.groups = {{4, {}, {}, {shaw_term(4, ShawParams::init(3, 8))}}};
+  expect_error([&] { Attention a(s); }, {"groups[0].terms[0].params.head_dim", "8", "16"});
+  s.groups = {{4, {}, AlibiParams(4), {xl_term(XlParams::init(4, 16, 8))}}};
+  expect_error([&] { Attention a(s); }, {"groups[0].terms[0]", "alone"});
+  s.groups = {{4, {}, {}, {xl_term(XlParams::init(4, 16, 8)), shaw_term(4, ShawParams::init(3, 16))}}};
+  expect_error([&] { Attention a(s); }, {"groups[0].terms[0]", "another Shaw or XL term", "alone"});
+  s.groups = {{4, {}, {}, {xl_term(XlParams::init(4, 16, 8)), xl_term(XlParams::init(4, 16, 8))}}};
+  expect_error([&] { Attention a(s); }, {"groups[0].terms[0]", "another Shaw or XL term", "alone"});
+  s.groups = {{4, {}, {}, {xl_term(XlParams::init(2, 16, 8))}}};
+  expect_error([&] { Attention a(s); }, {"groups[0].terms[0].heads", "2", "4 (the group's heads)"});
+  s.groups = {
+      {4,
+       {},
+       {},
+       {xl_term(XlParams(4, 16, 8, std::vector<double>(64), std::vector<double>(64), std::vector<double>(512), 0.5))}}};
+  expect_error([&] { Attention a(s); }, {"groups[0].terms[0].params.scale", "0.5", "the attention's scale"});
   s = spec_of(p);
   s.mask.softcap = std::nan("");
   expect_error([&] { Attention a(s); }, {"mask.softcap", "nan"});
@@ -512,7 +522,7 @@ TEST(Attention, ClearErrors) {
                       TensorView::of(zeros.data(), {1, 8, 4, 16}), {}, {}, {}, &grads);
       },
       {"grads.groups[0].bias"});
-  // Shaw's and XL's gradients live outside GroupGradients::bias, and are checked all the same.
+  // Shaw's and XL's gradients are their terms' (GroupGradients::terms), checked all the same.
   const auto refuses_gradients = [&](const HeadGroup& group, const auto& spoil,
                                      std::initializer_list<std::string> words) {
     s = spec_of(p);
@@ -528,23 +538,19 @@ TEST(Attention, ClearErrors) {
         },
         words);
   };
-  const HeadGroup shaw_group{4, {}, {}, ShawParams::init(3, 16)};
-  refuses_gradients(shaw_group, [](GroupGradients& g) { g.shaw_value_table.pop_back(); },
-                    {"grads.groups[0].shaw_value_table"});
-  refuses_gradients(shaw_group, [](GroupGradients& g) { g.shaw_key_table.clear(); },
-                    {"grads.groups[0].shaw_key_table"});
-  const HeadGroup xl_group{4, {}, {}, {}, XlParams::init(4, 16, 8)};
-  refuses_gradients(xl_group, [](GroupGradients& g) { g.xl->u.pop_back(); }, {"grads.groups[0].xl.u"});
-  refuses_gradients(xl_group, [](GroupGradients& g) { g.xl->v.push_back(0.0); }, {"grads.groups[0].xl.v"});
-  refuses_gradients(xl_group, [](GroupGradients& g) { g.xl->w_r.pop_back(); }, {"grads.groups[0].xl.w_r"});
-  refuses_gradients(xl_group, [](GroupGradients& g) { g.xl.reset(); }, {"grads.groups[0].xl", "empty"});
+  const HeadGroup shaw_group{4, {}, {}, {shaw_term(4, ShawParams::init(3, 16))}};
+  refuses_gradients(shaw_group, [](GroupGradients& g) { g.terms[0].pop_back(); }, {"grads.groups[0].terms[0]"});
+  refuses_gradients(shaw_group, [](GroupGradients& g) { g.terms[0].clear(); }, {"grads.groups[0].terms[0]"});
+  const HeadGroup xl_group{4, {}, {}, {xl_term(XlParams::init(4, 16, 8))}};
+  refuses_gradients(xl_group, [](GroupGradients& g) { g.terms[0].push_back(0.0); }, {"grads.groups[0].terms[0]"});
+  refuses_gradients(xl_group, [](GroupGradients& g) { g.terms.clear(); }, {"grads.groups[0].terms", "size 0"});
   // Shaw's value term has head_dim columns: values narrower than the keys are refused.
   s = spec_of(p);
   s.groups = {shaw_group};
   const std::vector<std::int64_t> narrow = {s.v.size(0), s.v.size(1), s.v.size(2), 8};
   const std::vector<std::int64_t> v_strides = {s.v.stride(0), s.v.stride(1), s.v.stride(2), s.v.stride(3)};
   s.v = ConstTensorView(s.v.data(), s.v.dtype(), narrow, v_strides);
-  expect_error([&] { Attention a(s); }, {"groups[0].shaw", "values 8 wide", "values as wide as the keys (16)"});
+  expect_error([&] { Attention a(s); }, {"groups[0].terms[0]", "values 8 wide", "values as wide as the keys (16)"});
 }
 
 // Every output of a call must lie apart from its inputs and from the other outputs: out on k's

@@ -556,7 +556,7 @@ TEST_P(Schemes, PicturesAreTheLogitsOfZeroQueriesAndKeys) {
     ASSERT_EQ(picture.heads.size(), picture.shared.empty() ? static_cast<std::size_t>(kHeads) : 1);
     for (const auto& m : picture.heads) ASSERT_EQ(m.size(), static_cast<std::size_t>(n * n));
     if (e.name == "shaw") {  // table rows clip(r, ±k) + k (q = 0 sees none of them)
-      const std::int64_t k = g.shaw->max_distance();
+      const std::int64_t k = dynamic_cast<const ShawTerm&>(*g.terms.front()).params().max_distance();
       for (std::int64_t i = 0; i < n; ++i) {
         for (std::int64_t j = 0; j < n; ++j)
           EXPECT_EQ(picture.heads[0][static_cast<std::size_t>(i * n + j)], std::clamp(j - i, -k, k) + k);

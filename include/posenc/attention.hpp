@@ -10,9 +10,9 @@
 //
 // T_q, T_k: the group's query/key transform (RoPE from the positions, or Shortformer's absolute
 // sinusoid added to q and k but not v), b: the group's score bias (ALiBi, T5, Kerple, FIRE, TUPE;
-// bias.hpp), p_i / p'_j the query / key positions; Shaw's relative key and value terms and
-// Transformer-XL's terms (HeadGroup, below). Computed flash-style: tiles of keys against blocks
-// of queries with an online softmax; no Sq×Sk matrix is ever stored. Workspace per thread is
+// bias.hpp), p_i / p'_j the query / key positions; then the group's terms (term.hpp: Shaw's
+// relative key and value terms, Transformer-XL's, a forget gate, sinks; HeadGroup, below). Computed flash-style: tiles
+// of keys against blocks of queries with an online softmax; no Sq×Sk matrix is ever stored. Workspace per thread is
 // O(tile·D) in forward; backward keeps a [G·Sq, D] gradient accumulator per thread as well, and,
 // when it splits queries (below), [keys seen, 2·D] of dK, dV per query range.
 // Transformer-XL tabulates P(δ) for the δ the mask lets through ([δ span, H·D] floats, like q),
@@ -110,22 +110,14 @@ struct AbsoluteQK {
 using QKTransform = std::variant<std::monostate, RotaryQK, AbsoluteQK>;
 
 // A run of consecutive heads sharing a scheme. `bias`, when set, has bias_heads == heads (its
-// head 0 is the group's first head). `shaw` (Shaw et al. 2018, relative.hpp; head_dim == D) adds
-// its key term to the logit and its value term to the output, with r = clip(k_pos − q_pos, ±k):
-//   x_ij += scale·⟨T_q(q_i), a^K[r]⟩        out_i += Σ_j p_ij·a^V[r]
-// (scale·(q·k + q·a^K) is the paper's e_ij when scale = 1/sqrt(D)).
-// `xl` (Transformer-XL, Dai et al. 2019, relative.hpp; heads == the group's heads, head_dim == D,
-// its scale equal to the attention's) adds, with δ = p_i − p'_j:
-//   x_ij += scale·(u_h·k_j + (q_i + v_h)·P_h(δ)),   P(δ) = W_R r(δ)
-// A group with xl has no transform, bias or shaw (XL is the whole scheme of its heads).
-// `terms` (term.hpp) add their own parts to the logit, after the bias and the terms above: each
-// has heads == the group's heads (e.g. a ForgetGate, forgetting.hpp).
+// head 0 is the group's first head). `terms` (term.hpp) add their own parts to the logit after
+// the bias, in order, each with heads == the group's heads: Shaw's key and value terms and
+// Transformer-XL's (ShawTerm, XlTerm: relative.hpp), a forget gate (ForgetGate, forgetting.hpp),
+// sinks (AttentionSinks, sinks.hpp).
 struct HeadGroup {
   std::int64_t heads = 0;
   QKTransform transform{};
   std::optional<BiasScheme> bias{};
-  std::optional<ShawParams> shaw{};
-  std::optional<XlParams> xl{};
   std::vector<AttentionTermRef> terms{};
 };
 
@@ -164,9 +156,9 @@ struct GroupGradients {
   // Kerple's [r1 | r2], FIRE's [W1 | B1 | W2 | B2 | c | L], TUPE's [table | U^Q | U^K | θ1 | θ2],
   // a RelativeBiasRef's θ.
   std::vector<double> bias;
-  std::vector<double> shaw_key_table, shaw_value_table;  // [(2k + 1)·D], the tables' layout
-  std::optional<XlGradients> xl;                         // u, v, W_R
-  std::vector<std::vector<double>> terms;                // per HeadGroup::terms entry, its gradient_size()
+  // Per HeadGroup::terms entry, its gradient_size() values in its layout (ShawTerm: [key table |
+  // value table]; XlTerm: [u | v | W_R]; ForgetGate: the gate's elements; sinks: one per head).
+  std::vector<std::vector<double>> terms;
 };
 struct AttentionGradients {
   std::vector<GroupGradients> groups;

@@ -24,11 +24,13 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
 
 #include "posenc/positions.hpp"
 #include "posenc/tensor.hpp"
+#include "posenc/term.hpp"
 
 namespace posenc {
 
@@ -176,6 +178,64 @@ class XlEvaluator {
   std::int64_t min_delta_, width_, hd_, dim_;
   std::vector<float> projected_;  // [width, H·D]
   std::vector<float> u_, v_;
+};
+
+// --------------------------------------------------------------------------- inside the attention
+// Both schemes as terms of a head group (HeadGroup::terms, attention.hpp; term.hpp). Their fp64
+// definitions (the reference's) live in src/ref/, their fused forms in src/schemes/.
+//
+// ShawTerm: the key term in the logit and the value term in the output, r = clip(k_pos − q_pos, ±k),
+//   x_ij += scale·⟨T_q(q_i), a^K[r]⟩        out_i += Σ_j p_ij·a^V[r]
+// (scale·(q·k + q·a^K) is the paper's e_ij when scale = 1/sqrt(D)); one table pair for the
+// group's `heads`, head_dim == D, values as wide as the keys. Gradient: [key table | value table],
+// each [(2k + 1)·D] (an empty table's gradient too).
+class ShawTerm final : public AttentionTerm {
+ public:
+  ShawTerm(std::int64_t heads, ShawParams params);
+  const ShawParams& params() const { return params_; }
+
+  std::string_view name() const override { return "shaw"; }
+  std::int64_t heads() const override { return heads_; }
+  std::int64_t gradient_size() const override { return 2 * params_.rows() * params_.head_dim(); }
+  double row_value(std::int64_t head, const TokenPair& pair, const PairRows& rows) const override;
+  void accumulate_row_gradient(std::int64_t head, const TokenPair& pair, const PairRows& rows, double weight,
+                               std::span<double> grads, std::span<double> dq, std::span<double> dk) const override;
+  bool adds_to_output() const override { return true; }
+  void output_value(std::int64_t head, const TokenPair& pair, std::span<double> w) const override;
+  void accumulate_output_gradient(std::int64_t head, const TokenPair& pair, double weight,
+                                  std::span<const double> d_out, std::span<double> grads) const override;
+  std::unique_ptr<detail::ScoreTerm> score_term(const detail::AttentionPlan& plan, std::int64_t group,
+                                                std::int64_t index) const override;
+
+ private:
+  std::int64_t heads_;
+  ShawParams params_;
+};
+
+// XlTerm: with δ = p_i − p'_j,
+//   x_ij += scale·(u_h·k_j + (q_i + v_h)·P_h(δ)),   P(δ) = W_R r(δ)
+// on params.heads() heads, head_dim == D, params' scale equal to the attention's; the whole
+// scheme of its heads (no transform, bias or Shaw beside it). Gradient: [u | v | W_R], the
+// parameters' layout.
+class XlTerm final : public AttentionTerm {
+ public:
+  explicit XlTerm(XlParams params);
+  ~XlTerm() override;
+  const XlParams& params() const { return params_; }
+
+  std::string_view name() const override { return "xl"; }
+  std::int64_t heads() const override { return params_.heads(); }
+  std::int64_t gradient_size() const override;
+  double row_value(std::int64_t head, const TokenPair& pair, const PairRows& rows) const override;
+  void accumulate_row_gradient(std::int64_t head, const TokenPair& pair, const PairRows& rows, double weight,
+                               std::span<double> grads, std::span<double> dq, std::span<double> dk) const override;
+  std::unique_ptr<detail::ScoreTerm> score_term(const detail::AttentionPlan& plan, std::int64_t group,
+                                                std::int64_t index) const override;
+
+ private:
+  struct Memo;  // the definition's P_h(δ) and r(δ), memoised (thread-safe)
+  XlParams params_;
+  std::unique_ptr<Memo> memo_;
 };
 
 }  // namespace posenc

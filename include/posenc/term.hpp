@@ -1,7 +1,8 @@
-// posenc/term.hpp — a score term of the fused attention that may read per-token inputs, or a
-// sink in the softmax's denominator: the interface through which a scheme such as Forgetting
-// Attention (forgetting.hpp) or attention sinks (sinks.hpp) enters a head group
-// (HeadGroup::terms, attention.hpp) without the engine knowing it by name.
+// posenc/term.hpp — a term of the fused attention: a part of the logit that may read the pair's
+// positions, per-token inputs or the q and k rows, a part of the output, or a sink in the
+// softmax's denominator. The interface through which Shaw's and Transformer-XL's terms
+// (relative.hpp), Forgetting Attention (forgetting.hpp) and attention sinks (sinks.hpp) enter a
+// head group (HeadGroup::terms, attention.hpp) without the engine knowing them by name.
 //
 //   x_ij = scale·⟨T_q(q_i), T_k(k_j)⟩ + b_h(p_i, p'_j) + Σ_terms t_h(pair(i, j))
 //   P_ij = exp(x_ij) / (Σ_terms exp(s_h) + Σ_j exp(x_ij))

@@ -35,9 +35,6 @@ AttentionGradients AttentionPlan::zero_gradients() const {
   for (const HeadGroup& grp : groups) {
     GroupGradients g;
     if (grp.bias) g.bias.assign(static_cast<std::size_t>(bias_parameter_count(*grp.bias)), 0.0);
-    for (const BuiltinTerm& builtin : builtin_terms()) {
-      if (builtin.zero_gradients != nullptr) builtin.zero_gradients(grp, g);
-    }
     for (const AttentionTermRef& term : grp.terms)
       g.terms.emplace_back(static_cast<std::size_t>(term->gradient_size()), 0.0);
     grads.groups.push_back(std::move(g));
@@ -54,9 +51,6 @@ void AttentionPlan::check_gradients(const AttentionGradients& grads) const {
     const auto& b = like.groups[g];
     const std::string name = "grads.groups[" + std::to_string(g) + "]";
     check_gradient_size(kWhere, (name + ".bias").c_str(), a.bias.size(), static_cast<std::int64_t>(b.bias.size()));
-    for (const BuiltinTerm& builtin : builtin_terms()) {
-      if (builtin.check_gradients != nullptr) builtin.check_gradients(a, b, name);
-    }
     require(a.terms.size() == b.terms.size(), (name + ".terms").c_str(), "size " + std::to_string(a.terms.size()),
             std::to_string(b.terms.size()) + " (one per HeadGroup::terms entry)");
     for (std::size_t t = 0; t < b.terms.size(); ++t) {

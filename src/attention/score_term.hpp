@@ -155,18 +155,14 @@ class ScoreTerm {
   virtual void reduce(std::span<const TermUnit> /* units */, AttentionGradients& /* grads */) const {}
 };
 
-// A scheme a group holds in a field of HeadGroup or a BiasScheme alternative of its own rather
-// than in HeadGroup::terms (FIRE, TUPE, Shaw, Transformer-XL: src/schemes/*_term.cpp). The engine
-// reads them through builtin_terms (src/schemes/builtin_terms.cpp), in that order, and names none
-// of them.
+// A BiasScheme alternative that is a score term rather than a table (FIRE, TUPE:
+// src/schemes/*_term.cpp). The engine reads them through builtin_terms
+// (src/schemes/builtin_terms.cpp), in that order, and names none of them; their gradients are
+// GroupGradients::bias.
 struct BuiltinTerm {
-  // The term over every group that uses the scheme, or null when none does; it checks the groups
-  // against the call.
+  // The term over every group whose bias is the scheme, or null when none is; it checks the
+  // groups against the call.
   std::unique_ptr<ScoreTerm> (*make)(const AttentionPlan& p, const std::vector<HeadGroup>& groups);
-  // The scheme's gradients outside GroupGradients::bias (null: none there): zeroed to the group's
-  // shapes, and a caller's checked against those (`name`: "grads.groups[g]").
-  void (*zero_gradients)(const HeadGroup& group, GroupGradients& grads);
-  void (*check_gradients)(const GroupGradients& given, const GroupGradients& like, const std::string& name);
 };
 std::span<const BuiltinTerm> builtin_terms();
 

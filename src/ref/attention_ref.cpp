@@ -2,8 +2,8 @@
 // and k by the library's fp64 references, the full score matrix with biases from bias_value,
 // soft-cap, mask, softmax, P·V — in fp64, or in plain f32 (`naive_f32`: the same composition as
 // a straightforward f32 implementation computes it, the yardstick of the accuracy criterion).
-// Every other term (Shaw's, Transformer-XL's, HeadGroup::terms) enters per visible pair through
-// its TermDefinition alone (term.hpp). Backward in fp64: dP, dS, the bias parameters' gradients
+// The group's terms (Shaw's, Transformer-XL's, a forget gate, sinks) enter per visible pair
+// through their TermDefinition alone (term.hpp). Backward in fp64: dP, dS, the bias parameters' gradients
 // through the schemes' reference backwards on the materialised dS, the terms' per pair, and dq,
 // dk transposed back through the transform.
 //
@@ -20,7 +20,6 @@
 
 #include "internal.hpp"
 #include "posenc/reference.hpp"
-#include "ref/field_terms.hpp"
 
 namespace posenc::ref {
 namespace {
@@ -51,10 +50,6 @@ struct Problem {
   std::vector<HeadGroup> groups;  // the spec's, or one group without a scheme
   std::vector<std::int64_t> head_group, group_first_head;
   std::int64_t position_max = 0;  // over the sequences' queries and keys (RoPE's default seq_len − 1)
-  // Each group's terms in the engine's order: the schemes it holds in fields (field_terms.hpp),
-  // then HeadGroup::terms; and for each, its FieldScheme's index (−1: HeadGroup::terms).
-  std::vector<std::vector<std::shared_ptr<const TermDefinition>>> terms;
-  std::vector<std::vector<int>> field_of;
 
   // Default positions: key j at j, query i at max(0, Lk − Lq) + i of its sequence (the queries end
   // where the keys do; offsets below 0 would give negative positions and are taken as 0).
@@ -102,19 +97,6 @@ Problem problem_of(const Attention& attention) {
   for (std::size_t g = 0; g < p.groups.size(); ++g) {
     p.group_first_head.push_back(static_cast<std::int64_t>(p.head_group.size()));
     p.head_group.insert(p.head_group.end(), static_cast<std::size_t>(p.groups[g].heads), static_cast<std::int64_t>(g));
-    auto& terms = p.terms.emplace_back();
-    auto& field_of = p.field_of.emplace_back();
-    const auto fields = field_schemes();
-    for (std::size_t f = 0; f < fields.size(); ++f) {
-      if (auto definition = fields[f].definition(p.groups[g])) {
-        terms.push_back(std::move(definition));
-        field_of.push_back(static_cast<int>(f));
-      }
-    }
-    for (const AttentionTermRef& term : p.groups[g].terms) {
-      terms.push_back(term);
-      field_of.push_back(-1);
-    }
   }
   for (const Sequence& seq : p.sequences) {
     for (std::int64_t i = 0; i < seq.lq; ++i) p.position_max = std::max(p.position_max, p.q_position(seq, i));
@@ -151,7 +133,6 @@ void check_gradients(const Attention& attention, const AttentionGradients& grads
   for (std::size_t g = 0; ok && g < like.groups.size(); ++g) {
     const GroupGradients &a = grads.groups[g], &b = like.groups[g];
     ok = same(a.bias, b.bias);
-    for (const FieldScheme& field : field_schemes()) ok = ok && field.sizes(a) == field.sizes(b);
     ok = ok && a.terms.size() == b.terms.size();
     for (std::size_t t = 0; ok && t < b.terms.size(); ++t) ok = same(a.terms[t], b.terms[t]);
   }
@@ -295,7 +276,7 @@ void scores(const Problem& p, const Sequence& seq, std::int64_t h, const HeadPro
   const std::int64_t group = p.head_group[static_cast<std::size_t>(h)];
   const std::int64_t local = h - p.group_first_head[static_cast<std::size_t>(group)];
   const auto& bias = bias_of(p, group);
-  const auto& terms = p.terms[static_cast<std::size_t>(group)];
+  const auto& terms = p.groups[static_cast<std::size_t>(group)].terms;
   const T scale = static_cast<T>(p.scale_f64), cap = static_cast<T>(p.mask.softcap);
   const T neg_inf = -std::numeric_limits<T>::infinity();
   z.assign(static_cast<std::size_t>(seq.lq * seq.lk), T(0));
@@ -375,7 +356,7 @@ void forward_impl(const Problem& p, TensorView out, TensorView lse) {
           if (std::signbit(pij)) continue;  // not seen
           for (std::int64_t t = 0; t < p.dim_v; ++t)
             value[static_cast<std::size_t>(t)] = static_cast<T>(hp.v.row(j)[t]);
-          for (const auto& term : p.terms[static_cast<std::size_t>(group)]) {
+          for (const auto& term : p.groups[static_cast<std::size_t>(group)].terms) {
             if (!term->adds_to_output()) continue;
             term->output_value(local, token_pair(p, seq, i, j), w);
             for (std::size_t t = 0; t < w.size(); ++t) value[t] += static_cast<T>(w[t]);
@@ -418,23 +399,16 @@ void attention_backward(const Attention& attention, ConstTensorView out, ConstTe
   if (want_dv) dvg = detail::check_output_tokens(where, "dv", ConstTensorView(dv), p.vg);
   if (grads != nullptr) check_gradients(attention, *grads);
   const double scale = p.scale_f64, cap = p.mask.softcap;
-  // Each group's term gradients: HeadGroup::terms' in place, the fields' flat, stored back at the
-  // end; without grads, scratch (the terms' dq and dk are still wanted).
-  std::vector<std::vector<std::vector<double>>> owned(p.groups.size());
+  // Each group's term gradients; without grads, scratch (the terms' dq and dk are still wanted).
+  std::vector<std::vector<std::vector<double>>> scratch(p.groups.size());
   std::vector<std::vector<std::span<double>>> grad_spans(p.groups.size());
   for (std::size_t g = 0; g < p.groups.size(); ++g) {
-    std::size_t user = 0;
-    owned[g].resize(p.terms[g].size());
-    for (std::size_t t = 0; t < p.terms[g].size(); ++t) {
-      const int f = p.field_of[g][t];
-      if (grads != nullptr && f < 0) {
-        grad_spans[g].emplace_back(grads->groups[g].terms[user++]);
-        continue;
-      }
-      owned[g][t] = grads != nullptr ? field_schemes()[static_cast<std::size_t>(f)].load(grads->groups[g])
-                                     : std::vector<double>(static_cast<std::size_t>(p.terms[g][t]->gradient_size()));
-      grad_spans[g].emplace_back(owned[g][t]);
+    const auto& terms = p.groups[g].terms;
+    if (grads == nullptr) {
+      for (const auto& term : terms) scratch[g].emplace_back(static_cast<std::size_t>(term->gradient_size()));
     }
+    for (std::size_t t = 0; t < terms.size(); ++t)
+      grad_spans[g].emplace_back(grads != nullptr ? grads->groups[g].terms[t] : scratch[g][t]);
   }
   for (const Sequence& seq : p.sequences) {
     const std::int64_t lq = seq.lq, lk = seq.lk;
@@ -457,7 +431,7 @@ void attention_backward(const Attention& attention, ConstTensorView out, ConstTe
         const Rows dout = load_rows(p, d_out, dog, seq.b, seq.q0, lq, h);
         Rows dq_t{lq, p.dim, std::vector<double>(static_cast<std::size_t>(lq * p.dim))};
         const std::int64_t local = h - p.group_first_head[static_cast<std::size_t>(group)];
-        const auto& terms = p.terms[static_cast<std::size_t>(group)];
+        const auto& terms = p.groups[static_cast<std::size_t>(group)].terms;
         const auto& term_grads = grad_spans[static_cast<std::size_t>(group)];
         std::vector<double> w(static_cast<std::size_t>(p.dim_v));
         for (std::int64_t i = 0; i < lq; ++i) {
@@ -559,13 +533,6 @@ void attention_backward(const Attention& attention, ConstTensorView out, ConstTe
           ref::relative_bias_backward(*relative_bias(*bias), qp, kp, ds, flat);
       }
       for (std::size_t t = 0; t < flat.size(); ++t) gg.bias[t] += flat[t];
-    }
-  }
-  if (grads == nullptr) return;
-  for (std::size_t g = 0; g < p.groups.size(); ++g) {
-    for (std::size_t t = 0; t < p.terms[g].size(); ++t) {
-      const int f = p.field_of[g][t];
-      if (f >= 0) field_schemes()[static_cast<std::size_t>(f)].store(owned[g][t], grads->groups[g]);
     }
   }
 }

@@ -1,9 +1,12 @@
 // Shaw et al.'s relative key and value terms and their backward, every (i, j) and dimension in
 // fp64: the oracle of shaw.cpp.
 #include <cmath>
+#include <string>
+#include <utility>
 
+#include "posenc/error.hpp"
 #include "posenc/reference.hpp"
-#include "ref/field_terms.hpp"
+#include "posenc/relative.hpp"
 #include "relative_checks.hpp"
 
 namespace posenc::ref {
@@ -131,68 +134,62 @@ void shaw_value_term_backward(const ShawParams& params, ConstTensorView probs, C
   }
 }
 
+}  // namespace posenc::ref
+
+// ShawTerm's fp64 definition (relative.hpp): per visible pair with r = clip(k_pos − q_pos, ±k),
+// scale·⟨q_i, a^K[r]⟩ added to the logit and a^V[r] to the value the row averages. An empty table
+// means zeros.
+namespace posenc {
 namespace {
 
-// Shaw's two terms inside attention, per visible pair with r = clip(k_pos − q_pos, ±k):
-// scale·⟨q_i, a^K[r]⟩ added to the logit and a^V[r] to the value the row averages. An empty
-// table means zeros; the gradients keep both tables' full shapes.
-class ShawDefinition final : public TermDefinition {
- public:
-  explicit ShawDefinition(const ShawParams& params) : params_(params), size_(params.rows() * params.head_dim()) {}
-
-  std::int64_t gradient_size() const override { return 2 * size_; }
-  double row_value(std::int64_t /* head */, const TokenPair& pair, const PairRows& rows) const override {
-    if (params_.key_table().empty()) return 0.0;
-    const double* a = key_row(pair);
-    return rows.naive_f32 ? static_cast<double>(dot<float>(rows.q, a, rows.scale)) : dot<double>(rows.q, a, rows.scale);
-  }
-  void accumulate_row_gradient(std::int64_t /* head */, const TokenPair& pair, const PairRows& rows, double weight,
-                               std::span<double> grads, std::span<double> dq,
-                               std::span<double> /* dk */) const override {
-    const std::int64_t at = row(pair) * params_.head_dim();
-    for (std::int64_t t = 0; t < params_.head_dim(); ++t) {
-      if (!params_.key_table().empty())
-        dq[static_cast<std::size_t>(t)] += rows.scale * weight * params_.key_table()[static_cast<std::size_t>(at + t)];
-      grads[static_cast<std::size_t>(at + t)] += rows.scale * weight * rows.q[static_cast<std::size_t>(t)];
-    }
-  }
-  bool adds_to_output() const override { return true; }
-  void output_value(std::int64_t /* head */, const TokenPair& pair, std::span<double> w) const override {
-    const std::int64_t at = row(pair) * params_.head_dim();
-    for (std::int64_t t = 0; t < params_.head_dim(); ++t) {
-      w[static_cast<std::size_t>(t)] =
-          params_.value_table().empty() ? 0.0 : params_.value_table()[static_cast<std::size_t>(at + t)];
-    }
-  }
-  void accumulate_output_gradient(std::int64_t /* head */, const TokenPair& pair, double weight,
-                                  std::span<const double> d_out, std::span<double> grads) const override {
-    const std::int64_t at = size_ + row(pair) * params_.head_dim();
-    for (std::int64_t t = 0; t < params_.head_dim(); ++t)
-      grads[static_cast<std::size_t>(at + t)] += weight * d_out[static_cast<std::size_t>(t)];
-  }
-
- private:
-  std::int64_t row(const TokenPair& pair) const { return params_.row_of(pair.key_position - pair.query_position); }
-  const double* key_row(const TokenPair& pair) const {
-    return params_.key_table().data() + row(pair) * params_.head_dim();
-  }
-  // scale·⟨q, a⟩ summed in T, as a plain implementation in T computes it.
-  template <class T>
-  T dot(std::span<const double> q, const double* a, double scale) const {
-    T acc = 0;
-    for (std::int64_t t = 0; t < params_.head_dim(); ++t)
-      acc += static_cast<T>(q[static_cast<std::size_t>(t)]) * static_cast<T>(a[t]);
-    return static_cast<T>(scale) * acc;
-  }
-
-  ShawParams params_;
-  std::int64_t size_;
-};
+// scale·⟨q, a⟩ summed in T, as a plain implementation in T computes it.
+template <class T>
+T scaled_dot(std::span<const double> q, const double* a, double scale) {
+  T acc = 0;
+  for (std::size_t t = 0; t < q.size(); ++t) acc += static_cast<T>(q[t]) * static_cast<T>(a[t]);
+  return static_cast<T>(scale) * acc;
+}
 
 }  // namespace
 
-std::shared_ptr<const TermDefinition> shaw_definition(const ShawParams& params) {
-  return std::make_shared<const ShawDefinition>(params);
+ShawTerm::ShawTerm(std::int64_t heads, ShawParams params) : heads_(heads), params_(std::move(params)) {
+  if (heads < 1) throw Error("ShawTerm", "heads", std::to_string(heads), ">= 1");
 }
 
-}  // namespace posenc::ref
+double ShawTerm::row_value(std::int64_t /* head */, const TokenPair& pair, const PairRows& rows) const {
+  if (params_.key_table().empty()) return 0.0;
+  const double* a =
+      params_.key_table().data() + params_.row_of(pair.key_position - pair.query_position) * params_.head_dim();
+  const std::span<const double> q = rows.q.first(static_cast<std::size_t>(params_.head_dim()));
+  return rows.naive_f32 ? static_cast<double>(scaled_dot<float>(q, a, rows.scale))
+                        : scaled_dot<double>(q, a, rows.scale);
+}
+
+void ShawTerm::accumulate_row_gradient(std::int64_t /* head */, const TokenPair& pair, const PairRows& rows,
+                                       double weight, std::span<double> grads, std::span<double> dq,
+                                       std::span<double> /* dk */) const {
+  const std::int64_t dim = params_.head_dim(), at = params_.row_of(pair.key_position - pair.query_position) * dim;
+  for (std::int64_t t = 0; t < dim; ++t) {
+    if (!params_.key_table().empty())
+      dq[static_cast<std::size_t>(t)] += rows.scale * weight * params_.key_table()[static_cast<std::size_t>(at + t)];
+    grads[static_cast<std::size_t>(at + t)] += rows.scale * weight * rows.q[static_cast<std::size_t>(t)];
+  }
+}
+
+void ShawTerm::output_value(std::int64_t /* head */, const TokenPair& pair, std::span<double> w) const {
+  const std::int64_t dim = params_.head_dim(), at = params_.row_of(pair.key_position - pair.query_position) * dim;
+  for (std::int64_t t = 0; t < dim; ++t) {
+    w[static_cast<std::size_t>(t)] =
+        params_.value_table().empty() ? 0.0 : params_.value_table()[static_cast<std::size_t>(at + t)];
+  }
+}
+
+void ShawTerm::accumulate_output_gradient(std::int64_t /* head */, const TokenPair& pair, double weight,
+                                          std::span<const double> d_out, std::span<double> grads) const {
+  const std::int64_t dim = params_.head_dim();
+  const std::int64_t at = params_.rows() * dim + params_.row_of(pair.key_position - pair.query_position) * dim;
+  for (std::int64_t t = 0; t < dim; ++t)
+    grads[static_cast<std::size_t>(at + t)] += weight * d_out[static_cast<std::size_t>(t)];
+}
+
+}  // namespace posenc

@@ -2,11 +2,11 @@
 // fp64: the oracle of xl.cpp.
 #include <cmath>
 #include <map>
-#include <type_traits>
+#include <mutex>
 #include <utility>
 
 #include "posenc/reference.hpp"
-#include "ref/field_terms.hpp"
+#include "posenc/relative.hpp"
 #include "relative_checks.hpp"
 
 namespace posenc::ref {
@@ -96,94 +96,100 @@ void xl_position_terms_backward(const XlParams& params, ConstTensorView q, Const
   }
 }
 
+}  // namespace posenc::ref
+
+// XlTerm's fp64 definition (relative.hpp): per visible pair with δ = q_pos − k_pos,
+// scale·(u_h·k_j + (q_i + v_h)·P_h(δ)), P_h(δ) = W_R[h] r(δ). P (in fp64, and in f32 summed over
+// d_model in order, as a plain f32 implementation computes it) and r are memoised per head and δ,
+// under a lock: one term may serve several threads' references at once.
+namespace posenc {
+
+struct XlTerm::Memo {
+  std::mutex lock;
+  std::map<std::int64_t, std::vector<double>> sinusoids;
+  std::map<std::pair<std::int64_t, std::int64_t>, std::vector<double>> projections;
+  std::map<std::pair<std::int64_t, std::int64_t>, std::vector<float>> projections_f32;
+};
+
 namespace {
 
-// Transformer-XL's position terms inside attention, per visible pair with δ = q_pos − k_pos:
-// scale·(u_h·k_j + (q_i + v_h)·P_h(δ)), P_h(δ) = W_R[h] r(δ). P (in fp64, and in f32 summed over
-// d_model in order, as a plain f32 implementation computes it) and r are memoised per head and δ:
-// a reference call owns the definition, so the caches are never shared between threads.
-class XlDefinition final : public TermDefinition {
- public:
-  explicit XlDefinition(const XlParams& params) : params_(params), hd_(params.heads() * params.head_dim()) {}
+const std::vector<double>& sinusoid_of(const XlParams& params, std::map<std::int64_t, std::vector<double>>& memo,
+                                       std::int64_t delta) {
+  auto it = memo.find(delta);
+  if (it == memo.end()) it = memo.emplace(delta, params.sinusoid(delta)).first;
+  return it->second;
+}
 
-  std::int64_t gradient_size() const override { return 2 * hd_ + hd_ * params_.d_model(); }
-  double row_value(std::int64_t head, const TokenPair& pair, const PairRows& rows) const override {
-    return rows.naive_f32 ? static_cast<double>(logit<float>(head, pair, rows)) : logit<double>(head, pair, rows);
-  }
-  void accumulate_row_gradient(std::int64_t head, const TokenPair& pair, const PairRows& rows, double weight,
-                               std::span<double> grads, std::span<double> dq, std::span<double> dk) const override {
-    const std::int64_t dim = params_.head_dim(), dm = params_.d_model(),
-                       delta = pair.query_position - pair.key_position;
-    const std::vector<double>& pr = projection<double>(head, delta);
-    const std::vector<double>& r = sinusoid(delta);
-    const double w = rows.scale * weight;
-    for (std::int64_t t = 0; t < dim; ++t) {
-      const auto at = static_cast<std::size_t>(head * dim + t), e = static_cast<std::size_t>(t);
-      dq[e] += w * pr[e];
-      dk[e] += w * params_.u()[at];
-      grads[at] += w * rows.k[e];
-      grads[static_cast<std::size_t>(hd_) + at] += w * pr[e];
-      // dW_R[h·D + t][m] += ∂logit/∂P_t · r(δ)[m]
-      const double dp = w * (rows.q[e] + params_.v()[at]);
-      double* dw = grads.data() + 2 * hd_ + (head * dim + t) * dm;
-      for (std::int64_t m = 0; m < dm; ++m) dw[m] += dp * r[static_cast<std::size_t>(m)];
-    }
-  }
-
- private:
-  template <class T>
-  T logit(std::int64_t head, const TokenPair& pair, const PairRows& rows) const {
-    const std::vector<T>& pr = projection<T>(head, pair.query_position - pair.key_position);
+// P_h(δ) in T, the sum over d_model in order. std::map keeps references to its values valid.
+template <class T>
+const std::vector<T>& projection_of(const XlParams& params, std::map<std::int64_t, std::vector<double>>& sinusoids,
+                                    std::map<std::pair<std::int64_t, std::int64_t>, std::vector<T>>& memo,
+                                    std::int64_t head, std::int64_t delta) {
+  const auto key = std::make_pair(head, delta);
+  if (auto it = memo.find(key); it != memo.end()) return it->second;
+  const std::int64_t dim = params.head_dim(), dm = params.d_model();
+  const std::vector<double>& r = sinusoid_of(params, sinusoids, delta);
+  std::vector<T> pr(static_cast<std::size_t>(dim));
+  for (std::int64_t d = 0; d < dim; ++d) {
     T acc = 0;
-    for (std::int64_t t = 0; t < params_.head_dim(); ++t) {
-      const auto at = static_cast<std::size_t>(head * params_.head_dim() + t), e = static_cast<std::size_t>(t);
-      acc += static_cast<T>(params_.u()[at]) * static_cast<T>(rows.k[e]) +
-             (static_cast<T>(rows.q[e]) + static_cast<T>(params_.v()[at])) * pr[e];
-    }
-    return static_cast<T>(rows.scale) * acc;
+    const double* w = params.w_r().data() + (head * dim + d) * dm;
+    for (std::int64_t m = 0; m < dm; ++m) acc += static_cast<T>(w[m]) * static_cast<T>(r[static_cast<std::size_t>(m)]);
+    pr[static_cast<std::size_t>(d)] = acc;
   }
-  const std::vector<double>& sinusoid(std::int64_t delta) const {
-    auto it = sinusoids_.find(delta);
-    if (it == sinusoids_.end()) it = sinusoids_.emplace(delta, params_.sinusoid(delta)).first;
-    return it->second;
-  }
-  template <class T>
-  const std::vector<T>& projection(std::int64_t head, std::int64_t delta) const {
-    auto& cache = [this]() -> auto& {
-      if constexpr (std::is_same_v<T, float>) {
-        return projections_f32_;
-      } else {
-        return projections_;
-      }
-    }
-    ();
-    const auto key = std::make_pair(head, delta);
-    auto it = cache.find(key);
-    if (it != cache.end()) return it->second;
-    const std::int64_t dim = params_.head_dim(), dm = params_.d_model();
-    const std::vector<double>& r = sinusoid(delta);
-    std::vector<T> pr(static_cast<std::size_t>(dim));
-    for (std::int64_t d = 0; d < dim; ++d) {
-      T acc = 0;
-      const double* w = params_.w_r().data() + (head * dim + d) * dm;
-      for (std::int64_t m = 0; m < dm; ++m)
-        acc += static_cast<T>(w[m]) * static_cast<T>(r[static_cast<std::size_t>(m)]);
-      pr[static_cast<std::size_t>(d)] = acc;
-    }
-    return cache.emplace(key, std::move(pr)).first->second;
-  }
+  return memo.emplace(key, std::move(pr)).first->second;
+}
 
-  XlParams params_;
-  std::int64_t hd_;
-  mutable std::map<std::int64_t, std::vector<double>> sinusoids_;
-  mutable std::map<std::pair<std::int64_t, std::int64_t>, std::vector<double>> projections_;
-  mutable std::map<std::pair<std::int64_t, std::int64_t>, std::vector<float>> projections_f32_;
-};
+template <class T>
+T xl_logit(const XlParams& params, const std::vector<T>& pr, std::int64_t head, const PairRows& rows) {
+  T acc = 0;
+  for (std::int64_t t = 0; t < params.head_dim(); ++t) {
+    const auto at = static_cast<std::size_t>(head * params.head_dim() + t), e = static_cast<std::size_t>(t);
+    acc += static_cast<T>(params.u()[at]) * static_cast<T>(rows.k[e]) +
+           (static_cast<T>(rows.q[e]) + static_cast<T>(params.v()[at])) * pr[e];
+  }
+  return static_cast<T>(rows.scale) * acc;
+}
 
 }  // namespace
 
-std::shared_ptr<const TermDefinition> xl_definition(const XlParams& params) {
-  return std::make_shared<const XlDefinition>(params);
+XlTerm::XlTerm(XlParams params) : params_(std::move(params)), memo_(std::make_unique<Memo>()) {}
+XlTerm::~XlTerm() = default;
+
+std::int64_t XlTerm::gradient_size() const {
+  const std::int64_t hd = params_.heads() * params_.head_dim();
+  return 2 * hd + hd * params_.d_model();
 }
 
-}  // namespace posenc::ref
+double XlTerm::row_value(std::int64_t head, const TokenPair& pair, const PairRows& rows) const {
+  const std::int64_t delta = pair.query_position - pair.key_position;
+  const std::lock_guard<std::mutex> hold(memo_->lock);
+  if (rows.naive_f32) {
+    return static_cast<double>(xl_logit<float>(
+        params_, projection_of(params_, memo_->sinusoids, memo_->projections_f32, head, delta), head, rows));
+  }
+  return xl_logit<double>(params_, projection_of(params_, memo_->sinusoids, memo_->projections, head, delta), head,
+                          rows);
+}
+
+void XlTerm::accumulate_row_gradient(std::int64_t head, const TokenPair& pair, const PairRows& rows, double weight,
+                                     std::span<double> grads, std::span<double> dq, std::span<double> dk) const {
+  const std::int64_t dim = params_.head_dim(), dm = params_.d_model(), hd = params_.heads() * dim;
+  const std::int64_t delta = pair.query_position - pair.key_position;
+  const std::lock_guard<std::mutex> hold(memo_->lock);
+  const std::vector<double>& pr = projection_of(params_, memo_->sinusoids, memo_->projections, head, delta);
+  const std::vector<double>& r = sinusoid_of(params_, memo_->sinusoids, delta);
+  const double w = rows.scale * weight;
+  for (std::int64_t t = 0; t < dim; ++t) {
+    const auto at = static_cast<std::size_t>(head * dim + t), e = static_cast<std::size_t>(t);
+    dq[e] += w * pr[e];
+    dk[e] += w * params_.u()[at];
+    grads[at] += w * rows.k[e];
+    grads[static_cast<std::size_t>(hd) + at] += w * pr[e];
+    // dW_R[h·D + t][m] += ∂logit/∂P_t · r(δ)[m]
+    const double dp = w * (rows.q[e] + params_.v()[at]);
+    double* dw = grads.data() + 2 * hd + (head * dim + t) * dm;
+    for (std::int64_t m = 0; m < dm; ++m) dw[m] += dp * r[static_cast<std::size_t>(m)];
+  }
+}
+
+}  // namespace posenc

@@ -4,6 +4,7 @@
 // papers' (ALiBi's slopes) or the classes' seeded init().
 #include <functional>
 #include <initializer_list>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -269,6 +270,12 @@ SchemeEntry tupe_entry() {
       {});
 }
 
+// The entry's own term: the first of the group its factory built.
+template <class Term>
+const Term& term_of(const HeadGroup& g) {
+  return dynamic_cast<const Term&>(*g.terms.front());
+}
+
 SchemeEntry shaw_entry() {
   SchemeEntry entry = with_parameters(
       {"shaw",
@@ -284,26 +291,27 @@ SchemeEntry shaw_entry() {
          const std::int64_t k = a.integer("max_distance");
          HeadGroup g{a.heads, {}, {}};
          if (a.parameters.empty()) {
-           g.shaw = ShawParams::init(k, a.head_dim, 0.02, static_cast<std::uint64_t>(a.integer("seed")));
+           g.terms.push_back(std::make_shared<ShawTerm>(
+               a.heads, ShawParams::init(k, a.head_dim, 0.02, static_cast<std::uint64_t>(a.integer("seed")))));
          } else {
            const std::int64_t half = static_cast<std::int64_t>(a.parameters.size()) / 2;
-           g.shaw = ShawParams(k, a.head_dim, slice(a.parameters, 0, half), slice(a.parameters, half, half));
+           g.terms.push_back(std::make_shared<ShawTerm>(
+               a.heads, ShawParams(k, a.head_dim, slice(a.parameters, 0, half), slice(a.parameters, half, half))));
          }
          return g;
        }},
       [](const HeadGroup& g) {
-        const auto size = static_cast<std::size_t>(g.shaw->rows() * g.shaw->head_dim());
-        const std::vector<double> zeros(size, 0.0);
-        const auto& key = g.shaw->key_table().empty() ? zeros : g.shaw->key_table();
-        const auto& value = g.shaw->value_table().empty() ? zeros : g.shaw->value_table();
+        const ShawParams& shaw = term_of<ShawTerm>(g).params();
+        const std::vector<double> zeros(static_cast<std::size_t>(shaw.rows() * shaw.head_dim()), 0.0);
+        const auto& key = shaw.key_table().empty() ? zeros : shaw.key_table();
+        const auto& value = shaw.value_table().empty() ? zeros : shaw.value_table();
         return joined({&key, &value});
       },
-      [](const GroupGradients& g) {
-        return joined({&g.shaw_key_table, &g.shaw_value_table});
-      });
+      [](const GroupGradients& g) { return g.terms.front(); });
   // The table row each (query, key) pair reads: clip(r, −k, k) + k.
   entry.picture = [](const HeadGroup& g, const Positions& positions) {
-    return shared_picture("rows", positions, [&](std::int64_t r) { return static_cast<double>(g.shaw->row_of(r)); });
+    const ShawParams& shaw = term_of<ShawTerm>(g).params();
+    return shared_picture("rows", positions, [&](std::int64_t r) { return static_cast<double>(shaw.row_of(r)); });
   };
   entry.picture_ignores = {"heads", "head_dim", "seed"};
   return entry;
@@ -328,22 +336,24 @@ SchemeEntry xl_entry() {
          if (a.parameters.empty()) {
            const XlParams init =
                XlParams::init(a.heads, a.head_dim, d_model, 0.02, static_cast<std::uint64_t>(a.integer("seed")));
-           g.xl = XlParams(a.heads, a.head_dim, d_model, init.u(), init.v(), init.w_r(), a.scale, a.number("base"));
+           g.terms.push_back(std::make_shared<XlTerm>(
+               XlParams(a.heads, a.head_dim, d_model, init.u(), init.v(), init.w_r(), a.scale, a.number("base"))));
          } else {
-           g.xl = XlParams(a.heads, a.head_dim, d_model, slice(a.parameters, 0, hd), slice(a.parameters, hd, hd),
-                           slice(a.parameters, 2 * hd, hd * d_model), a.scale, a.number("base"));
+           g.terms.push_back(std::make_shared<XlTerm>(
+               XlParams(a.heads, a.head_dim, d_model, slice(a.parameters, 0, hd), slice(a.parameters, hd, hd),
+                        slice(a.parameters, 2 * hd, hd * d_model), a.scale, a.number("base"))));
          }
          return g;
        }},
       [](const HeadGroup& g) {
-        return joined({&g.xl->u(), &g.xl->v(), &g.xl->w_r()});
+        const XlParams& xl = term_of<XlTerm>(g).params();
+        return joined({&xl.u(), &xl.v(), &xl.w_r()});
       },
-      [](const GroupGradients& g) {
-        return joined({&g.xl->u, &g.xl->v, &g.xl->w_r});
-      });
+      [](const GroupGradients& g) { return g.terms.front(); });
   // The position terms a zero query and zero keys see: scale·v_h·W_R r(i − j).
   entry.picture = [](const HeadGroup& g, const Positions& positions) {
-    const std::int64_t n = positions.seq_len(), heads = g.heads, dim = g.xl->head_dim();
+    const XlParams& xl = term_of<XlTerm>(g).params();
+    const std::int64_t n = positions.seq_len(), heads = g.heads, dim = xl.head_dim();
     const std::int64_t per_head = checked_mul(n, n, "picture size");
     const auto count = [](std::int64_t values, const char* what) {
       return checked_allocation(values, sizeof(double), "picture", what) / sizeof(double);
@@ -351,7 +361,7 @@ SchemeEntry xl_entry() {
     const std::vector<double> zeros(count(checked_mul(checked_mul(n, heads, "picture size"), dim, "picture size"), "q"),
                                     0.0);
     std::vector<double> all(count(checked_mul(heads, per_head, "picture size"), "heads · positions²"), 0.0);
-    xl_add_position_terms(*g.xl, ConstTensorView::of(zeros.data(), {n, heads, dim}),
+    xl_add_position_terms(xl, ConstTensorView::of(zeros.data(), {n, heads, dim}),
                           ConstTensorView::of(zeros.data(), {n, heads, dim}), positions, positions,
                           TensorView::of(all.data(), {heads, n, n}));
     SchemePicture picture;

@@ -1,4 +1,4 @@
-// Shaw et al. 2018 inside the fused attention (attention.hpp, HeadGroup::shaw): the relative key
+// Shaw et al. 2018 inside the fused attention (ShawTerm, relative.hpp): the relative key
 // term scale·⟨q_i, a^K[r]⟩ added to the logit and the value term Σ_j p_ij·a^V[r] to the output,
 // r = clip(k_pos − q_pos, ±k), forward, decode and backward, as a ScoreTerm.
 //
@@ -31,9 +31,9 @@ struct ShawTables {
 // The term state's buffers, each [width of the table][rows of the block].
 enum Buffer { kKeyDots, kValueDots, kGrads, kProbs, kTableGrads };
 
-class ShawTerm final : public GroupTerm<ShawTables> {
+class ShawScore final : public GroupTerm<ShawTables> {
  public:
-  ShawTerm(const AttentionPlan& p, const std::vector<HeadGroup>& groups);
+  ShawScore(const AttentionPlan& p, std::int64_t group, std::int64_t index, const ShawParams& params);
 
   void begin(const TermRows& rows, TermState& s) const override {
     s.rows = rows;
@@ -96,26 +96,28 @@ class ShawTerm final : public GroupTerm<ShawTables> {
                float* sums, std::int64_t ld) const;
   void add_values(const RowBlock& rb, const float* probs, std::int64_t ld, float* o) const;
 
-  std::int64_t width_ = 0;                 // the widest group's 2k + 1: the rows' scratch
+  std::int64_t width_ = 0;                 // the table's 2k + 1: the rows' scratch
   std::vector<std::int64_t> grad_offset_;  // per group, [key table | value table] in a unit's slot
+  std::int64_t group_, index_;             // the group, and the term's entry in its terms
 };
 
-ShawTerm::ShawTerm(const AttentionPlan& p, const std::vector<HeadGroup>& groups) : GroupTerm(p) {
+ShawScore::ShawScore(const AttentionPlan& p, std::int64_t group, std::int64_t index, const ShawParams& params)
+    : GroupTerm(p), group_(group), index_(index) {
   const std::int64_t dim = p.dim, dp = p.dim_padded;
-  grad_offset_.assign(groups.size() + 1, 0);
-  tables_.resize(groups.size());
-  for (std::size_t gi = 0; gi < groups.size(); ++gi) {
+  const std::size_t groups = p.spec.groups.size();
+  const std::string name = "groups[" + std::to_string(group) + "].terms[" + std::to_string(index) + "]";
+  grad_offset_.assign(groups + 1, 0);
+  tables_.resize(groups);
+  for (std::size_t gi = 0; gi < groups; ++gi) {
     grad_offset_[gi + 1] = grad_offset_[gi];
-    if (!groups[gi].shaw) continue;
-    const ShawParams& params = *groups[gi].shaw;
+    if (static_cast<std::int64_t>(gi) != group) continue;
     if (p.dim_v != dim) {
-      throw Error(AttentionPlan::kWhere, ("groups[" + std::to_string(gi) + "].shaw").c_str(),
-                  "given with values " + std::to_string(p.dim_v) + " wide",
+      throw Error(AttentionPlan::kWhere, name.c_str(), "given with values " + std::to_string(p.dim_v) + " wide",
                   "values as wide as the keys (" + std::to_string(dim) + "): Shaw's value term has head_dim columns");
     }
     if (params.head_dim() != dim) {
-      throw Error(AttentionPlan::kWhere, ("groups[" + std::to_string(gi) + "].shaw.head_dim").c_str(),
-                  std::to_string(params.head_dim()), "the head_dim of q, " + std::to_string(dim));
+      throw Error(AttentionPlan::kWhere, (name + ".params.head_dim").c_str(), std::to_string(params.head_dim()),
+                  "the head_dim of q, " + std::to_string(dim));
     }
     ShawTables& st = tables_[gi];
     st.max_distance = params.max_distance();
@@ -142,7 +144,7 @@ ShawTerm::ShawTerm(const AttentionPlan& p, const std::vector<HeadGroup>& groups)
 }
 
 // The tables every valid row of the block uses, when they all use the same ones.
-const ShawTables* ShawTerm::of_block(const RowBlock& rb) const {
+const ShawTables* ShawScore::of_block(const RowBlock& rb) const {
   const ShawTables* common = nullptr;
   for (std::int64_t r = 0; r < rb.width; ++r) {
     const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
@@ -157,8 +159,8 @@ const ShawTables* ShawTerm::of_block(const RowBlock& rb) const {
 // dots[u][r] = rows_r · table[u] (the key table, or the value table) for rows with Shaw; 0 for
 // the other rows and table rows past their group's width. rows_t: the rows transposed, [d][r]
 // with stride ld_t, when available: one matrix product then does it (a block of one group).
-void ShawTerm::row_dots(const RowBlock& rb, const float* rows, std::int64_t ld_rows, const float* rows_t,
-                        std::int64_t ld_t, bool value_table, float* dots, std::int64_t ld) const {
+void ShawScore::row_dots(const RowBlock& rb, const float* rows, std::int64_t ld_rows, const float* rows_t,
+                         std::int64_t ld_t, bool value_table, float* dots, std::int64_t ld) const {
   const std::int64_t dim = p_.dim, dp = p_.dim_padded;
   for (std::int64_t u = 0; u < width_; ++u) std::fill(dots + u * ld, dots + u * ld + rb.width, 0.0f);
   if (const ShawTables* t = of_block(rb); t != nullptr && rows_t != nullptr) {
@@ -178,7 +180,7 @@ void ShawTerm::row_dots(const RowBlock& rb, const float* rows, std::int64_t ld_r
 }
 
 // The one table row every (row, key) pair of the tile clips to, or −1.
-std::int64_t ShawTerm::uniform_row(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos) const {
+std::int64_t ShawScore::uniform_row(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos) const {
   const auto [k_min, k_max] = std::minmax_element(kpos, kpos + keys);
   std::int64_t uniform = -2;  // −2: no Shaw row seen yet
   for (std::int64_t r = 0; r < rb.width; ++r) {
@@ -194,8 +196,8 @@ std::int64_t ShawTerm::uniform_row(const RowBlock& rb, std::int64_t keys, const 
 }
 
 // st[j][r] += dots[row(k_j − q_r)][r].
-void ShawTerm::add_rows(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, const float* dots,
-                        std::int64_t ld, float* st) const {
+void ShawScore::add_rows(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, const float* dots,
+                         std::int64_t ld, float* st) const {
   const std::int64_t w = rb.width, u0 = uniform_row(rb, keys, kpos);
   if (u0 >= 0) {
     const float* d = dots + u0 * ld;
@@ -212,8 +214,8 @@ void ShawTerm::add_rows(const RowBlock& rb, std::int64_t keys, const std::int64_
 
 // sums[row(k_j − q_r)][r] += pt[j][r] over the tile's keys, after scaling every sum of row r by
 // corr[r] when given (the online softmax's rescaling of what came before).
-void ShawTerm::collect(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, const float* pt,
-                       const float* corr, float* sums, std::int64_t ld) const {
+void ShawScore::collect(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, const float* pt,
+                        const float* corr, float* sums, std::int64_t ld) const {
   const std::int64_t w = rb.width;
   if (corr != nullptr) {
     bool rescale = false;
@@ -240,7 +242,7 @@ void ShawTerm::collect(const RowBlock& rb, std::int64_t keys, const std::int64_t
 }
 
 // o_r += Σ_u probs[u][r]·a^V[u] (unnormalised, as o): a matrix product for a block of one group.
-void ShawTerm::add_values(const RowBlock& rb, const float* probs, std::int64_t ld, float* o) const {
+void ShawScore::add_values(const RowBlock& rb, const float* probs, std::int64_t ld, float* o) const {
   const std::int64_t dim = p_.dim, dp = p_.dim_padded;
   if (const ShawTables* t = of_block(rb); t != nullptr) {
     kernels::attn_gemm(probs, 1, ld, t->value.data(), dp, o, dp, rb.width, dp, t->width, true);
@@ -258,7 +260,7 @@ void ShawTerm::add_values(const RowBlock& rb, const float* probs, std::int64_t l
 }
 
 // dL/dQs += dS-sumᵀ·a^K; the tables' gradients a^K += dS-sum·Qs and a^V += P-sum·dO.
-void ShawTerm::finish_backward(TermState& s) const {
+void ShawScore::finish_backward(TermState& s) const {
   const RowBlock& rb = *s.rows.rows;
   const std::int64_t w = rb.width, dim = p_.dim, dp = p_.dim_padded;
   const float* grads = s.buffers[kGrads].data();
@@ -311,39 +313,26 @@ void ShawTerm::finish_backward(TermState& s) const {
 }
 
 // Units in order; then each group's [key | value] block into its tables' gradients.
-void ShawTerm::reduce(std::span<const TermUnit> units, AttentionGradients& grads) const {
+void ShawScore::reduce(std::span<const TermUnit> units, AttentionGradients& grads) const {
   const std::int64_t size = unit_gradient_size();
   std::vector<double> total(static_cast<std::size_t>(size), 0.0);
   for (const TermUnit& unit : units) {
     for (std::int64_t t = 0; t < size; ++t) total[static_cast<std::size_t>(t)] += unit.slot[t];
   }
-  for (std::size_t g = 0; g < grads.groups.size(); ++g) {
-    GroupGradients& gg = grads.groups[g];
-    const double* at = total.data() + grad_offset_[g];
-    for (std::size_t t = 0; t < gg.shaw_key_table.size(); ++t) gg.shaw_key_table[t] += at[t];
-    for (std::size_t t = 0; t < gg.shaw_value_table.size(); ++t)
-      gg.shaw_value_table[t] += at[gg.shaw_key_table.size() + t];
-  }
+  std::vector<double>& out = grads.groups[static_cast<std::size_t>(group_)].terms[static_cast<std::size_t>(index_)];
+  const double* at = total.data() + grad_offset_[static_cast<std::size_t>(group_)];
+  for (std::size_t t = 0; t < out.size(); ++t) out[t] += at[t];
 }
 
 }  // namespace
 
-std::unique_ptr<ScoreTerm> make_shaw_term(const AttentionPlan& p, const std::vector<HeadGroup>& groups) {
-  const bool any = std::any_of(groups.begin(), groups.end(), [](const HeadGroup& g) { return g.shaw.has_value(); });
-  return any ? std::make_unique<ShawTerm>(p, groups) : nullptr;
-}
-
-void shaw_zero_gradients(const HeadGroup& group, GroupGradients& grads) {
-  if (!group.shaw) return;
-  grads.shaw_key_table.assign(static_cast<std::size_t>(group.shaw->rows() * group.shaw->head_dim()), 0.0);
-  grads.shaw_value_table.assign(grads.shaw_key_table.size(), 0.0);
-}
-
-void shaw_check_gradients(const GroupGradients& given, const GroupGradients& like, const std::string& name) {
-  check_gradient_size(AttentionPlan::kWhere, (name + ".shaw_key_table").c_str(), given.shaw_key_table.size(),
-                      static_cast<std::int64_t>(like.shaw_key_table.size()));
-  check_gradient_size(AttentionPlan::kWhere, (name + ".shaw_value_table").c_str(), given.shaw_value_table.size(),
-                      static_cast<std::int64_t>(like.shaw_value_table.size()));
-}
-
 }  // namespace posenc::detail
+
+namespace posenc {
+
+std::unique_ptr<detail::ScoreTerm> ShawTerm::score_term(const detail::AttentionPlan& plan, std::int64_t group,
+                                                        std::int64_t index) const {
+  return std::make_unique<detail::ShawScore>(plan, group, index, params_);
+}
+
+}  // namespace posenc

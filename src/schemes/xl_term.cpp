@@ -1,4 +1,4 @@
-// Transformer-XL's position terms inside the fused attention (attention.hpp, HeadGroup::xl), as a
+// Transformer-XL's position terms inside the fused attention (XlTerm, relative.hpp), as a
 // ScoreTerm: with δ = p_i − p'_j,
 //   x_ij += scale·(u_h·k_j + (q_i + v_h)·P_h(δ)),   P(δ) = W_R r(δ)
 // u is folded into the query row (adjust_query), so scale·(q + u)·k is the content and global
@@ -57,9 +57,9 @@ constexpr std::int64_t kWindow = 1024;
 // [width][G][Dp]. s.lo, s.span: the window; s.span 0: none yet.
 enum Buffer { kDots, kSums, kDp };
 
-class XlTerm final : public GroupTerm<XlTables> {
+class XlScore final : public GroupTerm<XlTables> {
  public:
-  XlTerm(const AttentionPlan& p, const std::vector<HeadGroup>& groups);
+  XlScore(const AttentionPlan& p, std::int64_t group, std::int64_t index, const XlParams& params);
 
   bool merges_decode_heads() const override { return false; }
   bool rows_outer() const override { return true; }
@@ -130,7 +130,8 @@ class XlTerm final : public GroupTerm<XlTables> {
                   TermState& s) const;
   void backward_window(const RowBlock& sub, std::int64_t r0, TermState& s) const;
 
-  const std::vector<HeadGroup>& groups_;
+  const XlParams& params_;      // the XlTerm's, which outlives the call's plan
+  std::int64_t group_, index_;  // the group, and the term's entry in its terms
   std::int64_t delta_min_ = 0, width_ = 0;
   // r(δ) per group, [width][d_model_padded]: built by the first backward that needs dW_R (calls
   // may share the Attention from several threads), kept for the next ones.
@@ -141,7 +142,7 @@ class XlTerm final : public GroupTerm<XlTables> {
 
 // The δ range of the pairs the mask lets through (exact per query with default key positions;
 // the sequence's key-position range otherwise).
-void XlTerm::plan_range() {
+void XlScore::plan_range() {
   std::int64_t lo = std::numeric_limits<std::int64_t>::max(), hi = std::numeric_limits<std::int64_t>::min();
   const bool default_keys = !p_.spec.k_positions.has_value();
   for (const Sequence& seq : p_.sequences) {
@@ -170,7 +171,7 @@ void XlTerm::plan_range() {
 
 // r(δ) of the table's rows u0 … u0 + count − 1 into r ([count][d_model_padded], zero-padded), as
 // XlParams::sinusoid computes it (same frequencies, same fp64 angle δ·ω_i), rounded to f32.
-void XlTerm::sinusoid_rows(const XlTables& t, std::int64_t u0, std::int64_t count, std::vector<float>& r) const {
+void XlScore::sinusoid_rows(const XlTables& t, std::int64_t u0, std::int64_t count, std::vector<float>& r) const {
   const auto half = static_cast<std::int64_t>(t.frequency.size());
   r.assign(static_cast<std::size_t>(count * t.d_model_padded), 0.0f);
   for (std::int64_t u = 0; u < count; ++u) {
@@ -183,7 +184,7 @@ void XlTerm::sinusoid_rows(const XlTables& t, std::int64_t u0, std::int64_t coun
   }
 }
 
-const std::vector<float>& XlTerm::sinusoids(std::size_t group) const {
+const std::vector<float>& XlScore::sinusoids(std::size_t group) const {
   std::call_once(sinusoids_once_, [this] {
     sinusoids_.resize(tables_.size());
     for (std::size_t gi = 0; gi < tables_.size(); ++gi) {
@@ -196,43 +197,44 @@ const std::vector<float>& XlTerm::sinusoids(std::size_t group) const {
 
 // P_h(δ) = W_R r(δ) as f32 matrix products r·W_Rᵀ over blocks of δ (blocked_gemm); c_h(δ) from P
 // in fp64.
-XlTerm::XlTerm(const AttentionPlan& p, const std::vector<HeadGroup>& groups) : GroupTerm(p), groups_(p.spec.groups) {
+XlScore::XlScore(const AttentionPlan& p, std::int64_t group, std::int64_t index, const XlParams& params)
+    : GroupTerm(p), params_(params), group_(group), index_(index) {
   const std::int64_t dim = p.dim, dp = p.dim_padded;
-  std::int64_t xl_heads = 0;
-  for (std::size_t gi = 0; gi < groups.size(); ++gi) {
-    const HeadGroup& grp = groups[gi];
-    if (!grp.xl) continue;
-    const std::string name = "groups[" + std::to_string(gi) + "].xl";
-    const auto require = [](bool ok, const std::string& param, const std::string& value, const std::string& expected) {
-      if (!ok) throw Error(AttentionPlan::kWhere, param.c_str(), value, expected);
-    };
-    require(grp.transform.index() == 0 && !grp.bias && !grp.shaw, name, "with a transform, bias or shaw",
-            "alone: Transformer-XL is the whole positional scheme of its heads");
-    require(grp.xl->heads() == grp.heads, name + ".heads", std::to_string(grp.xl->heads()),
-            std::to_string(grp.heads) + " (the group's heads)");
-    require(grp.xl->head_dim() == dim, name + ".head_dim", std::to_string(grp.xl->head_dim()),
-            "the head_dim of q, " + std::to_string(dim));
-    const double xl_scale = grp.xl->scale() > 0 ? grp.xl->scale() : 1.0 / std::sqrt(static_cast<double>(dim));
-    require(std::abs(xl_scale - p.scale_f64) <= 1e-12 * p.scale_f64, name + ".scale", to_text(xl_scale),
-            "the attention's scale, " + to_text(p.scale_f64) + " (one scale multiplies all of XL's terms)");
-    xl_heads += grp.heads;
+  const HeadGroup& grp = p.spec.groups[static_cast<std::size_t>(group)];
+  const std::string name = "groups[" + std::to_string(group) + "].terms[" + std::to_string(index) + "]";
+  const auto require = [](bool ok, const std::string& param, const std::string& value, const std::string& expected) {
+    if (!ok) throw Error(AttentionPlan::kWhere, param.c_str(), value, expected);
+  };
+  // XL folds u into the query rows, which a Shaw term or another XL term would then read.
+  bool relative_beside = false;
+  for (std::size_t t = 0; t < grp.terms.size(); ++t) {
+    const AttentionTerm* other = grp.terms[t].get();
+    relative_beside = relative_beside || dynamic_cast<const ShawTerm*>(other) != nullptr ||
+                      (dynamic_cast<const XlTerm*>(other) != nullptr && static_cast<std::int64_t>(t) != index);
   }
+  require(grp.transform.index() == 0 && !grp.bias && !relative_beside, name,
+          "xl with a transform, a bias or another Shaw or XL term",
+          "alone: Transformer-XL is the whole positional scheme of its heads");
+  require(params.head_dim() == dim, name + ".params.head_dim", std::to_string(params.head_dim()),
+          "the head_dim of q, " + std::to_string(dim));
+  const double xl_scale = params.scale() > 0 ? params.scale() : 1.0 / std::sqrt(static_cast<double>(dim));
+  require(std::abs(xl_scale - p.scale_f64) <= 1e-12 * p.scale_f64, name + ".params.scale", to_text(xl_scale),
+          "the attention's scale, " + to_text(p.scale_f64) + " (one scale multiplies all of XL's terms)");
+  const std::int64_t xl_heads = grp.heads;
   plan_range();
   // The table is [δ span, XL heads, Dp] floats; past 2^29 (2 GiB) the positions are too scattered
   // for tabulation: say so rather than allocate it.
   constexpr std::int64_t kMaxXlTable = std::int64_t{1} << 29;
   if (width_ > kMaxXlTable / (xl_heads * dp)) {
-    throw Error(AttentionPlan::kWhere, "groups[].xl", "a δ = q − k span of " + std::to_string(width_) + " positions",
+    throw Error(AttentionPlan::kWhere, name.c_str(), "a δ = q − k span of " + std::to_string(width_) + " positions",
                 "at most " + std::to_string(kMaxXlTable / (xl_heads * dp)) +
                     " for fused Transformer-XL (P(δ) is tabulated); use xl_add_position_terms for scattered positions");
   }
   init_dispatch();
-  tables_.resize(groups.size());
-  for (std::size_t gi = 0; gi < groups.size(); ++gi) {
-    if (!groups[gi].xl) continue;
-    const XlParams& params = *groups[gi].xl;
-    XlTables& t = tables_[gi];
-    const std::int64_t hg = groups[gi].heads, dm = params.d_model(), dmp = round_up(dm, kAttnAlign);
+  tables_.resize(p.spec.groups.size());
+  {
+    XlTables& t = tables_[static_cast<std::size_t>(group)];
+    const std::int64_t hg = grp.heads, dm = params.d_model(), dmp = round_up(dm, kAttnAlign);
     const std::int64_t cols = hg * dp;
     t.heads = hg;
     t.d_model_padded = dmp;
@@ -283,8 +285,8 @@ XlTerm::XlTerm(const AttentionPlan& p, const std::vector<HeadGroup>& groups) : G
 }
 
 // The δ range the XL rows of the block meet against keys kpos[0..keys), within the table.
-bool XlTerm::tile_range(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, std::int64_t* lo,
-                        std::int64_t* hi) const {
+bool XlScore::tile_range(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, std::int64_t* lo,
+                         std::int64_t* hi) const {
   std::int64_t q_lo = std::numeric_limits<std::int64_t>::max(), q_hi = std::numeric_limits<std::int64_t>::min();
   for (std::int64_t r = 0; r < rb.width; ++r) {
     const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
@@ -300,8 +302,8 @@ bool XlTerm::tile_range(const RowBlock& rb, std::int64_t keys, const std::int64_
 }
 
 // dots[u][r] = Qs_r·P_h(lo + u) + c_h(lo + u) for u < span; rows_t: Qs transposed, [d][r].
-void XlTerm::window(const RowBlock& rb, const float* rows_t, std::int64_t ld_t, std::int64_t lo, std::int64_t span,
-                    float* dots, std::int64_t ld) const {
+void XlScore::window(const RowBlock& rb, const float* rows_t, std::int64_t ld_t, std::int64_t lo, std::int64_t span,
+                     float* dots, std::int64_t ld) const {
   for_each_run(rb, [&](std::int64_t r0, std::int64_t n, std::int64_t h) {
     const XlTables& t = *of_head(h);
     const std::int64_t lh = local_head(h), t0 = lo - delta_min_;
@@ -318,8 +320,8 @@ void XlTerm::window(const RowBlock& rb, const float* rows_t, std::int64_t ld_t, 
 // Calls fn(tile index j·w + r, window index u·ld + r) for every pair of an XL row r and key j
 // whose δ falls in the window [lo, lo + span) (pairs outside it are masked ones).
 template <class Fn>
-void XlTerm::for_each_pair(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, std::int64_t lo,
-                           std::int64_t span, std::int64_t ld, Fn&& fn) const {
+void XlScore::for_each_pair(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, std::int64_t lo,
+                            std::int64_t span, std::int64_t ld, Fn&& fn) const {
   const std::int64_t w = rb.width;
   for (std::int64_t r = 0; r < w; ++r) {
     const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
@@ -339,8 +341,8 @@ void XlTerm::for_each_pair(const RowBlock& rb, std::int64_t keys, const std::int
 // 2 GiB cap) plus a row block and a key tile, so in practice only a window·row-block product past
 // 2^30 — small D, G = 1 and a table near the cap, which no test builds — takes the walk.
 template <class Fn>
-bool XlTerm::for_each_chunk(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, std::int64_t lo,
-                            std::int64_t span, std::int64_t ld, Fn&& fn) const {
+bool XlScore::for_each_chunk(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, std::int64_t lo,
+                             std::int64_t span, std::int64_t ld, Fn&& fn) const {
   constexpr std::int64_t kLimit = std::int64_t{1} << 30, kMaxKeys = 256;
   constexpr std::int32_t kNever = -(std::int32_t{1} << 30);  // u = kNever − offset < 0 for every key
   if (keys == 0) return true;
@@ -374,8 +376,8 @@ bool XlTerm::for_each_chunk(const RowBlock& rb, std::int64_t keys, const std::in
 }
 
 // st[j][r] += dots[δ(r, j) − lo][r] for the XL rows.
-void XlTerm::add_rows(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, std::int64_t lo,
-                      std::int64_t span, const float* dots, std::int64_t ld, float* st) const {
+void XlScore::add_rows(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, std::int64_t lo,
+                       std::int64_t span, const float* dots, std::int64_t ld, float* st) const {
   const std::int64_t w = rb.width;
   if (for_each_chunk(rb, keys, kpos, lo, span, ld,
                      [&](std::int64_t c, const std::int32_t* base, const std::int32_t* offset) {
@@ -387,8 +389,8 @@ void XlTerm::add_rows(const RowBlock& rb, std::int64_t keys, const std::int64_t*
 }
 
 // sums[δ(r, j) − lo][r] += dst[j][r] (the transpose of add_rows).
-void XlTerm::collect(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, std::int64_t lo,
-                     std::int64_t span, const float* dst, float* sums, std::int64_t ld) const {
+void XlScore::collect(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, std::int64_t lo,
+                      std::int64_t span, const float* dst, float* sums, std::int64_t ld) const {
   const std::int64_t w = rb.width;
   if (for_each_chunk(rb, keys, kpos, lo, span, ld,
                      [&](std::int64_t c, const std::int32_t* base, const std::int32_t* offset) {
@@ -402,8 +404,8 @@ void XlTerm::collect(const RowBlock& rb, std::int64_t keys, const std::int64_t* 
 // Decode rows (few): st[j][r] += Qs_r·P_h(δ) + c_h(δ). Keys at consecutive positions meet
 // consecutive rows of P (δ falls by one per key): the decode score kernel reads them as a block
 // of rows −Dp apart, in vectors; scattered positions take a dot product per pair.
-void XlTerm::add_direct(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, const float* q_rows, float* st,
-                        TermState& s) const {
+void XlScore::add_direct(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, const float* q_rows,
+                         float* st, TermState& s) const {
   const std::int64_t w = rb.width, dp = p_.dim_padded;
   const bool consecutive = keys > 0 && positions_consecutive(kpos, keys);
   if (consecutive) grow(s.buffers[kDots], keys);
@@ -439,7 +441,7 @@ void XlTerm::add_direct(const RowBlock& rb, std::int64_t keys, const std::int64_
 
 // Prefill blocks keep a window of their rows' dots over kWindow δ values, moved down as the tiles
 // advance (δ = q − k falls); backward flushes a window's dS sums (backward_window) when it moves.
-void XlTerm::add_scores(const TermTile& tile, float* st, TermState& s) const {
+void XlScore::add_scores(const TermTile& tile, float* st, TermState& s) const {
   const RowBlock& sub = *tile.rows;
   if (tile.decode) {
     add_direct(sub, tile.keys, tile.kpos, s.rows.q, st, s);
@@ -468,7 +470,7 @@ void XlTerm::add_scores(const TermTile& tile, float* st, TermState& s) const {
 
 // A row block's window of dS sums over δ: dQs += sumsᵀ·P_h (into the unit's dq rows, which get
 // the scale at the end), dP_h += sums·Qs (the unit's table) and Σ dS per δ (for c_h).
-void XlTerm::backward_window(const RowBlock& sub, std::int64_t r0, TermState& s) const {
+void XlScore::backward_window(const RowBlock& sub, std::int64_t r0, TermState& s) const {
   const std::int64_t bw = sub.width, dp = p_.dim_padded, g_count = p_.group_size;
   const std::int64_t kvh = s.rows.kvh;
   for_each_run(sub, [&](std::int64_t ra, std::int64_t n, std::int64_t h) {
@@ -491,7 +493,7 @@ void XlTerm::backward_window(const RowBlock& sub, std::int64_t r0, TermState& s)
 
 // The unit's slot: [dP [width][G][Dp] | Σ dS per (local head, δ) [G][width] | Σ dQs rows [G][D]],
 // dQs as the engine will store it (times the scale; XL heads have no transform).
-void XlTerm::finish_backward(TermState& s) const {
+void XlScore::finish_backward(TermState& s) const {
   if (s.unit_grads == nullptr) return;
   const RowBlock& rb = *s.rows.rows;
   const std::int64_t dp = p_.dim_padded, d = p_.dim, g_count = p_.group_size;
@@ -512,14 +514,18 @@ void XlTerm::finish_backward(TermState& s) const {
 //   dP_h(δ) = Σ dS·Qs + scale·(v_h − u_h)·Σ dS      (the second part through c_h(δ))
 //   dv_h = scale·Σ_δ (Σ dS)·P_h(δ),   du_h = Σ_i d(q + u)_i − dv_h,
 //   dW_R[h·D + d][m] = Σ_δ dP_h(δ)[d]·r(δ)[m]  (an f32 matrix product, blocked_gemm).
-void XlTerm::reduce(std::span<const TermUnit> units, AttentionGradients& grads) const {
+void XlScore::reduce(std::span<const TermUnit> units, AttentionGradients& grads) const {
   const std::int64_t per_kv = unit_gradient_size(), dp = p_.dim_padded, g_count = p_.group_size, dim = p_.dim;
   const std::vector<double>& totals = sum_slots_per_kv_head(units, per_kv, p_.kv_heads, CallBuffer::kTermTotals);
-  for (std::size_t gi = 0; gi < tables_.size(); ++gi) {
+  {
+    const auto gi = static_cast<std::size_t>(group_);
     const XlTables& t = tables_[gi];
-    if (t.heads == 0) continue;
-    const XlParams& params = *groups_[gi].xl;
-    XlGradients& out = *grads.groups[gi].xl;
+    const XlParams& params = params_;
+    std::vector<double>& flat = grads.groups[gi].terms[static_cast<std::size_t>(index_)];
+    const std::int64_t hd = params.heads() * dim;
+    double* out_u = flat.data();
+    double* out_v = flat.data() + hd;
+    double* out_w_r = flat.data() + 2 * hd;
     const std::int64_t hg = t.heads, h_first = p_.group_first_head[gi], cols = hg * dp;
     AlignedFloats& d_projected = zeroed_floats(CallBuffer::kTerm0, static_cast<std::size_t>(width_ * cols));
     // Heads are independent (their own columns of d_projected, their own u and v): in parallel.
@@ -545,8 +551,8 @@ void XlTerm::reduce(std::span<const TermUnit> units, AttentionGradients& grads) 
       for (std::int64_t d = 0; d < dim; ++d) {
         const auto at = static_cast<std::size_t>(lh * dim + d);
         const double dv_d = dv[static_cast<std::size_t>(d)] * p_.scale_f64;
-        out.v[at] += dv_d;
-        out.u[at] += dqs[d] - dv_d;
+        out_v[at] += dv_d;
+        out_u[at] += dqs[d] - dv_d;
       }
     }
     const std::int64_t dm = params.d_model(), dmp = t.d_model_padded;
@@ -556,8 +562,7 @@ void XlTerm::reduce(std::span<const TermUnit> units, AttentionGradients& grads) 
     for (std::int64_t row = 0; row < hg * dim; ++row) {
       const std::int64_t lh = row / dim, d = row % dim;
       for (std::int64_t m = 0; m < dm; ++m) {
-        out.w_r[static_cast<std::size_t>((lh * dim + d) * dm + m)] +=
-            dw[static_cast<std::size_t>((lh * dp + d) * dmp + m)];
+        out_w_r[(lh * dim + d) * dm + m] += dw[static_cast<std::size_t>((lh * dp + d) * dmp + m)];
       }
     }
   }
@@ -565,25 +570,13 @@ void XlTerm::reduce(std::span<const TermUnit> units, AttentionGradients& grads) 
 
 }  // namespace
 
-std::unique_ptr<ScoreTerm> make_xl_term(const AttentionPlan& p, const std::vector<HeadGroup>& groups) {
-  const bool any = std::any_of(groups.begin(), groups.end(), [](const HeadGroup& g) { return g.xl.has_value(); });
-  return any ? std::make_unique<XlTerm>(p, groups) : nullptr;
-}
-
-void xl_zero_gradients(const HeadGroup& group, GroupGradients& grads) {
-  if (group.xl) grads.xl.emplace(*group.xl);
-}
-
-void xl_check_gradients(const GroupGradients& given, const GroupGradients& like, const std::string& name) {
-  if (!like.xl) return;
-  if (!given.xl)
-    throw Error(AttentionPlan::kWhere, (name + ".xl").c_str(), "empty", "XlGradients sized for the group's XL");
-  check_gradient_size(AttentionPlan::kWhere, (name + ".xl.u").c_str(), given.xl->u.size(),
-                      static_cast<std::int64_t>(like.xl->u.size()));
-  check_gradient_size(AttentionPlan::kWhere, (name + ".xl.v").c_str(), given.xl->v.size(),
-                      static_cast<std::int64_t>(like.xl->v.size()));
-  check_gradient_size(AttentionPlan::kWhere, (name + ".xl.w_r").c_str(), given.xl->w_r.size(),
-                      static_cast<std::int64_t>(like.xl->w_r.size()));
-}
-
 }  // namespace posenc::detail
+
+namespace posenc {
+
+std::unique_ptr<detail::ScoreTerm> XlTerm::score_term(const detail::AttentionPlan& plan, std::int64_t group,
+                                                      std::int64_t index) const {
+  return std::make_unique<detail::XlScore>(plan, group, index, params_);
+}
+
+}  // namespace posenc

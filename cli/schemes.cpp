@@ -1,10 +1,9 @@
 // `posenc schemes`: the registry (posenc/registry.hpp) — every scheme the fused attention takes,
 // its family, options with defaults, learned parameters, per-token inputs and formula (JSON:
-// options {name: default}, inputs {name: description}).
+// schemes_json, the form posenc.schemes() reads).
 #include <fmt/core.h>
 
 #include <memory>
-#include <nlohmann/json.hpp>
 #include <string>
 
 #include "commands.hpp"
@@ -19,22 +18,7 @@ Runner add_schemes(CLI::App& app) {
   return [format] {
     if (*format != "text" && *format != "json") throw Error("schemes", "--format", *format, "text or json");
     if (*format == "json") {
-      nlohmann::json all = nlohmann::json::array();
-      for (const SchemeEntry& e : schemes()) {
-        nlohmann::json options = nlohmann::json::object();
-        for (const SchemeOption& o : e.options) options[o.name] = o.default_value;
-        nlohmann::json inputs = nlohmann::json::object();
-        for (const SchemeInput& in : e.inputs) inputs[in.name] = in.description;
-        all.push_back({{"name", e.name},
-                       {"family", e.family},
-                       {"summary", e.summary},
-                       {"source", e.source},
-                       {"parameters", e.parameters},
-                       {"options", options},
-                       {"inputs", inputs},
-                       {"causal_only", e.causal_only}});
-      }
-      fmt::print("{}\n", all.dump(2));
+      fmt::print("{}\n", schemes_json());
       return;
     }
     for (const SchemeEntry& e : schemes()) {

@@ -4,7 +4,6 @@
 
 #include <map>
 #include <memory>
-#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -89,34 +88,8 @@ at::Tensor relative_bias_op(const c10::intrusive_ptr<SchemeClass>& scheme, const
   return RelativeBiasFunction::apply(scheme, params, q_positions, k_positions, dtype);
 }
 
-// The registry as JSON: [{name, family, summary, source, parameters, options: [{name, default,
-// integer, description}], inputs: [{name, description, typical: the range of a trained model's
-// values}], causal_only}].
-std::string schemes_op() {
-  nlohmann::json all = nlohmann::json::array();
-  for (const SchemeEntry& e : schemes()) {
-    nlohmann::json options = nlohmann::json::array();
-    for (const SchemeOption& o : e.options) {
-      options.push_back(
-          {{"name", o.name}, {"default", o.default_value}, {"integer", o.integer}, {"description", o.description}});
-    }
-    nlohmann::json inputs = nlohmann::json::array();
-    for (const SchemeInput& in : e.inputs) {
-      const double a = in.typical ? in.typical(0.0) : 0.0, b = in.typical ? in.typical(1.0) : 0.0;
-      inputs.push_back(
-          {{"name", in.name}, {"description", in.description}, {"typical", {std::min(a, b), std::max(a, b)}}});
-    }
-    all.push_back({{"name", e.name},
-                   {"family", e.family},
-                   {"summary", e.summary},
-                   {"source", e.source},
-                   {"parameters", e.parameters},
-                   {"options", options},
-                   {"inputs", inputs},
-                   {"causal_only", e.causal_only}});
-  }
-  return all.dump();
-}
+// The registry as JSON (posenc/registry.hpp: schemes_json).
+std::string schemes_op() { return schemes_json(); }
 
 struct AttentionCall {
   std::unique_ptr<Attention> attention;

@@ -127,6 +127,11 @@ struct SchemeEntry {
 
 // Every registered scheme, in a fixed order.
 const std::vector<SchemeEntry>& schemes();
+// The registry as JSON, the one form that `posenc schemes --format json` prints and
+// posenc.schemes() reads: [{name, family, summary, source, parameters, options: [{name, default,
+// integer, description}], inputs: [{name, description, typical: [min, max] of a trained model's
+// values}], causal_only}].
+std::string schemes_json();
 // The entry of that name; throws posenc::Error listing the names otherwise.
 const SchemeEntry& find_scheme(std::string_view name);
 // The HeadGroup of a registered scheme (options checked and completed with defaults, parameters

@@ -6,9 +6,12 @@
 #include "posenc/memory.hpp"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <string>
+#include <string_view>
 
 #include "internal.hpp"
 
@@ -217,6 +220,63 @@ SchemePicture scheme_picture(const SchemeEntry& entry, const HeadGroup& group, c
                                all.begin() + static_cast<std::ptrdiff_t>((h + 1) * cells));
   }
   return picture;
+}
+
+namespace {
+
+// A JSON string: quotes, backslashes and control characters escaped; UTF-8 passes through.
+std::string json_string(std::string_view text) {
+  std::string out = "\"";
+  for (const char c : text) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      char escaped[8];
+      std::snprintf(escaped, sizeof escaped, "\\u%04x", static_cast<unsigned>(static_cast<unsigned char>(c)));
+      out += escaped;
+    } else {
+      out += c;
+    }
+  }
+  return out + "\"";
+}
+
+// A JSON number: the shortest text that reads back to the same double, whatever the locale, with
+// ".0" on an integral value so that it reads back as a float (null when not finite).
+std::string json_number(double x) {
+  if (!std::isfinite(x)) return "null";
+  char text[32];
+  const auto end = std::to_chars(text, text + sizeof text, x).ptr;
+  std::string out(text, end);
+  if (out.find_first_of(".e") == std::string::npos) out += ".0";
+  return out;
+}
+
+}  // namespace
+
+std::string schemes_json() {
+  std::string out = "[";
+  for (const SchemeEntry& e : schemes()) {
+    std::string options, inputs;
+    for (const SchemeOption& o : e.options) {
+      options += (options.empty() ? "{" : ", {") + std::string("\"name\": ") + json_string(o.name) +
+                 ", \"default\": " + json_number(o.default_value) + ", \"integer\": " + (o.integer ? "true" : "false") +
+                 ", \"description\": " + json_string(o.description) + "}";
+    }
+    for (const SchemeInput& in : e.inputs) {
+      const double a = in.typical ? in.typical(0.0) : 0.0, b = in.typical ? in.typical(1.0) : 0.0;
+      inputs += (inputs.empty() ? "{" : ", {") + std::string("\"name\": ") + json_string(in.name) +
+                ", \"description\": " + json_string(in.description) + ", \"typical\": [" + json_number(std::min(a, b)) +
+                ", " + json_number(std::max(a, b)) + "]}";
+    }
+    out += (out.size() == 1 ? "\n  {" : ",\n  {") + std::string("\"name\": ") + json_string(e.name) +
+           ", \"family\": " + json_string(e.family) + ", \"summary\": " + json_string(e.summary) +
+           ", \"source\": " + json_string(e.source) + ", \"parameters\": " + json_string(e.parameters) +
+           ", \"options\": [" + options + "], \"inputs\": [" + inputs +
+           "], \"causal_only\": " + (e.causal_only ? "true" : "false") + "}";
+  }
+  return out + "\n]";
 }
 
 HeadGroup make_head_group(std::string_view name, SchemeArgs args) {

@@ -104,7 +104,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   });
   if (!group) return 0;
   std::vector<double> log_fgate;
-  const std::size_t own_terms = group->terms.size();  // the scheme's own (the sinks entry's sink)
+  const std::size_t own_terms = group->terms.size();  // the scheme's own (Shaw's, XL's, the sinks entry's)
   const bool sinks = in.flag();
   if (sinks) {
     std::vector<double> logits(static_cast<std::size_t>(heads));

@@ -239,6 +239,34 @@ TEST(AttentionReference, ShawBackwardMatchesFiniteDifferences) {
 
 // Transformer-XL's reference gradients (u, v, W_R, and dq, dk through its terms) by central
 // differences of the reference forward.
+// XlTerm's definition gives the same values and gradients with the reference's scratch (P per δ
+// memoised, dW_R deferred to finish_row_gradients) as computed on the spot, for a caller without one.
+TEST(AttentionReference, XlDefinitionWithAndWithoutScratch) {
+  const std::int64_t heads = 2, dim = 4, d_model = 6;
+  const XlTerm term(XlParams::init(heads, dim, d_model, 0.5, 5));
+  std::vector<double> q = random_values(dim), k = random_values(dim);
+  const auto size = static_cast<std::size_t>(term.gradient_size());
+  std::vector<double> grads_spot(size), grads_memo(size), dq_spot(dim), dk_spot(dim), dq_memo(dim), dk_memo(dim);
+  TermScratch scratch;
+  for (const auto& [qp, kp] : {std::pair<std::int64_t, std::int64_t>{7, 3}, {5, 9}, {7, 3}}) {
+    TokenPair pair;
+    pair.query_position = qp;
+    pair.key_position = kp;
+    PairRows spot{q, k, 0.3, false, nullptr}, memo{q, k, 0.3, false, &scratch};
+    EXPECT_EQ(term.row_value(1, pair, spot), term.row_value(1, pair, memo));
+    spot.naive_f32 = memo.naive_f32 = true;
+    EXPECT_EQ(term.row_value(1, pair, spot), term.row_value(1, pair, memo));
+    term.accumulate_row_gradient(1, pair, spot, 0.7, grads_spot, dq_spot, dk_spot);
+    term.accumulate_row_gradient(1, pair, memo, 0.7, grads_memo, dq_memo, dk_memo);
+  }
+  term.finish_row_gradients(1, scratch, grads_memo);
+  EXPECT_EQ(dq_spot, dq_memo);
+  EXPECT_EQ(dk_spot, dk_memo);
+  // dW_R sums a δ's two pairs before it meets r(δ): a few ulps of values below 1.
+  for (std::size_t e = 0; e < size; ++e) EXPECT_NEAR(grads_spot[e], grads_memo[e], 1e-15) << e;
+  EXPECT_GT(max_abs(grads_memo), 0.0);
+}
+
 TEST(AttentionReference, XlBackwardMatchesFiniteDifferences) {
   const std::int64_t heads = 2, dim = 4, d_model = 6;
   Problem p = make_problem(1, 5, 7, heads, 1, dim, DType::kF64);

@@ -8,6 +8,7 @@
 
 #include "attention_testing.hpp"
 #include "posenc/forgetting.hpp"
+#include "posenc/sinks.hpp"
 #include "testing.hpp"
 
 namespace posenc {
@@ -100,13 +101,15 @@ TEST_P(ForgettingAttention, MatchesTheReference) {
     bool head_major;
     std::int64_t window_left;
     double softcap;
-    int extra;  // 0 none, 1 RoPE in the group (FoX Pro), 2 ALiBi in the group
+    int extra;  // 0 none, 1 RoPE in the group (FoX Pro), 2 ALiBi, 3 Shaw's terms and sinks, 4 Transformer-XL
   };
   const Case cases[] = {
       {"self-attention, MHA", 2, 77, 77, 4, 4, 32, DType::kF32, false, -1, 0.0, 0},
       {"GQA, [B, H, S, D] memory", 1, 150, 150, 6, 2, 64, DType::kF32, true, -1, 0.0, 0},
       {"FoX Pro: RoPE", 1, 130, 130, 4, 2, 32, DType::kF32, false, -1, 0.0, 1},
       {"with ALiBi", 1, 130, 130, 4, 4, 32, DType::kF32, false, -1, 0.0, 2},
+      {"after Shaw's terms, before sinks", 1, 110, 110, 4, 2, 32, DType::kF32, false, -1, 0.0, 3},
+      {"after Transformer-XL", 1, 110, 110, 4, 2, 32, DType::kF32, false, -1, 0.0, 4},
       {"sliding window and soft-cap", 2, 100, 100, 2, 1, 16, DType::kF32, false, 20, 5.0, 0},
       {"queries at the end of longer keys", 2, 37, 120, 4, 2, 32, DType::kF32, false, -1, 0.0, 0},
       {"decode", 3, 1, 200, 8, 2, 64, DType::kF32, false, -1, 0.0, 0},
@@ -125,6 +128,12 @@ TEST_P(ForgettingAttention, MatchesTheReference) {
     if (c.extra == 1) group.transform = RotaryQK{RopeParams(c.dim, c.dim)};
     if (c.extra == 2) group.bias = AlibiParams(c.heads);
     group.terms = {gate_of(gates)};
+    if (c.extra == 3) {
+      group.terms.insert(group.terms.begin(), shaw_term(c.heads, ShawParams::init(5, c.dim, 0.5, 7)));
+      group.terms.push_back(
+          std::make_shared<AttentionSinks>(std::vector<double>(static_cast<std::size_t>(c.heads), 0.5)));
+    }
+    if (c.extra == 4) group.terms.insert(group.terms.begin(), xl_term(XlParams::init(c.heads, c.dim, 16, 0.5, 8)));
     spec.groups = {group};
     expect_accurate(p, spec, c.what);
     if (c.dtype == DType::kF32) {

@@ -107,8 +107,8 @@ struct SchemeEntry {
   // group's (AttentionGradients), one flat vector per input in its (b, s, h) order.
   std::vector<SchemeInput> inputs{};
   std::function<std::vector<std::vector<double>>(const GroupGradients&)> input_gradients_of{};
-  // Defined for a causal mask only (an Attention refuses another mask unless every sequence has
-  // one query, as in decode).
+  // Defined where no query sees a later key: a causal mask, a window ending at the query, or one
+  // query per sequence (decode); an Attention refuses another mask.
   bool causal_only = false;
   // A group's learned parameters flat in parameter_shape's order, and its gradients
   // (AttentionGradients) flattened the same way. Unset: the group's score bias's — a

@@ -220,7 +220,6 @@ class ShawTerm final : public AttentionTerm {
 class XlTerm final : public AttentionTerm {
  public:
   explicit XlTerm(XlParams params);
-  ~XlTerm() override;
   const XlParams& params() const { return params_; }
 
   std::string_view name() const override { return "xl"; }
@@ -229,13 +228,12 @@ class XlTerm final : public AttentionTerm {
   double row_value(std::int64_t head, const TokenPair& pair, const PairRows& rows) const override;
   void accumulate_row_gradient(std::int64_t head, const TokenPair& pair, const PairRows& rows, double weight,
                                std::span<double> grads, std::span<double> dq, std::span<double> dk) const override;
+  void finish_row_gradients(std::int64_t head, TermScratch& scratch, std::span<double> grads) const override;
   std::unique_ptr<detail::ScoreTerm> score_term(const detail::AttentionPlan& plan, std::int64_t group,
                                                 std::int64_t index) const override;
 
  private:
-  struct Memo;  // the definition's P_h(δ) and r(δ), memoised (thread-safe)
   XlParams params_;
-  std::unique_ptr<Memo> memo_;
 };
 
 }  // namespace posenc

@@ -15,11 +15,14 @@
 // form.
 #pragma once
 
+#include <array>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <span>
 #include <string_view>
+#include <vector>
 
 namespace posenc {
 
@@ -39,14 +42,23 @@ struct TokenPair {
   std::int64_t query_position = 0, key_position = 0;
 };
 
+// Scratch that one reference call keeps for one term over the pairs of one (sequence, head), for
+// the term to use as it likes: tables it memoises (Transformer-XL's W_R r(δ) per δ), sums it
+// defers to finish_row_gradients. Never shared between calls or threads.
+struct TermScratch {
+  std::array<std::map<std::int64_t, std::vector<double>>, 3> tables;
+};
+
 // The rows a term's definition may read for one pair, for a term whose logit reads the query or
 // the key (Shaw's key term, Transformer-XL's): the head's query row after the group's transform
 // and the temperature, its key row after the transform, both unscaled, and the call's scale.
 // naive_f32: compute as a plain f32 implementation would (reference.hpp's naive composition).
+// scratch: the (sequence, head)'s, or null (compute on the spot).
 struct PairRows {
   std::span<const double> q, k;
   double scale = 1.0;
   bool naive_f32 = false;
+  TermScratch* scratch = nullptr;
 };
 
 // A term's fp64 definition: all that the attention reference (reference.hpp) reads of it, so the
@@ -63,16 +75,21 @@ class TermDefinition {
   virtual std::int64_t gradient_size() const { return 0; }
   virtual void accumulate_gradient(std::int64_t /* head */, const TokenPair& /* pair */, double /* weight */,
                                    std::span<double> /* grads */) const {}
-  // The part of the logit of a term that reads the pair's rows (by default value(head, pair)),
-  // and its gradient: grads as above, dq and dk += weight·∂/∂q and ∂/∂k of the rows given.
+  // The part of the logit of a term that reads the pair's rows (by default value(head, pair); a
+  // term that overrides it overrides accumulate_row_gradient too, and value is then not read),
+  // and its gradient: grads as above (empty: only dq and dk are wanted), dq and dk +=
+  // weight·∂/∂q and ∂/∂k of the rows given. After the last pair of a (sequence, head), the
+  // reference calls finish_row_gradients with that scratch, for sums a term deferred.
   virtual double row_value(std::int64_t head, const TokenPair& pair, const PairRows& /* rows */) const {
     return value(head, pair);
   }
   virtual void accumulate_row_gradient(std::int64_t head, const TokenPair& pair, const PairRows& /* rows */,
                                        double weight, std::span<double> grads, std::span<double> /* dq */,
                                        std::span<double> /* dk */) const {
-    accumulate_gradient(head, pair, weight, grads);
+    if (!grads.empty()) accumulate_gradient(head, pair, weight, grads);
   }
+  virtual void finish_row_gradients(std::int64_t /* head */, TermScratch& /* scratch */,
+                                    std::span<double> /* grads */) const {}
   // A term that also adds to the output: out_i += Σ_j P_ij·w(pair) (Shaw's value term), w as wide
   // as the values. output_value writes w; accumulate_output_gradient adds weight·∂⟨d_out, w⟩/∂input
   // to grads (weight: P_ij).

@@ -794,7 +794,8 @@ def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size
     ``Scheme`` (any registered scheme by name, with its learned parameters and its per-token
     inputs: ``Scheme("forgetting", H, D, log_fgate=...)``), ``RelativeBias`` (any
     registered relative-bias scheme), ``Forgetting`` (a forget gate per token
-    and head; causal) — whose learned parameters (and the gate) receive gradients. ``causal`` aligns the mask
+    and head; causal, or where no query sees a later key) — whose learned parameters (and the
+    gate) receive gradients. ``causal`` aligns the mask
     bottom-right when Sq < Sk; ``window=(left, right)`` limits the keys a query sees (-1:
     unlimited); ``chunk_size`` C (Llama 4's ``attention_chunk_size``) lets a query see only keys in
     its chunk of positions, ⌊k_pos / C⌋ = ⌊q_pos / C⌋ (key positions must not decrease within a
@@ -888,9 +889,10 @@ def _attention_args(q, k, v, scheme, causal, window, chunk_size, temperature, so
     # A causal-only scheme (a decay over the keys before the query) runs without the causal mask too
     # when no query sees a later key: one query per sequence at the end of its keys (decode), or a
     # window that ends at the query; the engine makes the same exception.
+    if not isinstance(window, (list, tuple)) or len(window) != 2:
+        raise TypeError(f"attention: window = {window!r}; expected a pair (left, right) of ints (-1: unlimited)")
     queries = max((b - a for a, b in zip(cu_q, cu_q[1:])), default=0) if cu_q else int(q.shape[1])
-    right = window[1] if isinstance(window, (list, tuple)) and len(window) == 2 else None
-    later_keys = not causal and queries > 1 and not (isinstance(right, int) and right == 0)
+    later_keys = not causal and queries > 1 and _int("attention", "window[1]", window[1]) != 0
 
     def refuse_later_keys(name, why=""):
         if later_keys:
@@ -950,8 +952,6 @@ def _attention_args(q, k, v, scheme, causal, window, chunk_size, temperature, so
     if temperature is not None and not isinstance(temperature, PositionTemperature):
         raise TypeError(f"attention: temperature is {type(temperature).__name__}; expected a "
                         "posenc.PositionTemperature or None")
-    if not isinstance(window, (list, tuple)) or len(window) != 2:
-        raise TypeError(f"attention: window = {window!r}; expected a pair (left, right) of ints (-1: unlimited)")
     if scale is not None and not _number("attention", "scale", scale) > 0:
         raise ValueError(f"attention: scale = {scale}; expected a number > 0, or None for 1/sqrt(D)")
     return (q, k, v, schemes, params, gates, sinks, _flag("attention", "causal", causal),

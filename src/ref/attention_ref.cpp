@@ -264,15 +264,18 @@ HeadProblem load_head(const Problem& p, const Sequence& seq, std::int64_t h) {
 }
 
 // The rows a term reads for the pair (query i, key j) of a head (term.hpp).
-PairRows pair_rows(const Problem& p, const HeadProblem& hp, std::int64_t i, std::int64_t j, bool naive_f32) {
+PairRows pair_rows(const Problem& p, const HeadProblem& hp, std::int64_t i, std::int64_t j, bool naive_f32,
+                   TermScratch& scratch) {
   const auto d = static_cast<std::size_t>(p.dim);
-  return {std::span<const double>(hp.q.row(i), d), std::span<const double>(hp.k.row(j), d), p.scale_f64, naive_f32};
+  return {std::span<const double>(hp.q.row(i), d), std::span<const double>(hp.k.row(j), d), p.scale_f64, naive_f32,
+          &scratch};
 }
 
 // Logits z (before the mask) and probabilities of one head, in T.
+// scratch: one per term of the head's group, kept for the (sequence, head) (term.hpp).
 template <class T>
 void scores(const Problem& p, const Sequence& seq, std::int64_t h, const HeadProblem& hp, std::vector<T>& z,
-            std::vector<T>& prob, std::vector<T>& lse) {
+            std::vector<T>& prob, std::vector<T>& lse, std::vector<TermScratch>& scratch) {
   const std::int64_t group = p.head_group[static_cast<std::size_t>(h)];
   const std::int64_t local = h - p.group_first_head[static_cast<std::size_t>(group)];
   const auto& bias = bias_of(p, group);
@@ -303,8 +306,10 @@ void scores(const Problem& p, const Sequence& seq, std::int64_t h, const HeadPro
       // (a query's own token before the key's under a forget gate).
       if (sees(j)) {
         const TokenPair pair = token_pair(p, seq, i, j);
-        const PairRows rows = pair_rows(p, hp, i, j, std::is_same_v<T, float>);
-        for (const auto& term : terms) x += static_cast<T>(term->row_value(local, pair, rows));
+        for (std::size_t t = 0; t < terms.size(); ++t) {
+          const PairRows rows = pair_rows(p, hp, i, j, std::is_same_v<T, float>, scratch[t]);
+          x += static_cast<T>(terms[t]->row_value(local, pair, rows));
+        }
       }
       zi[j] = cap > 0 ? cap * std::tanh(x / cap) : x;
     }
@@ -343,7 +348,9 @@ void forward_impl(const Problem& p, TensorView out, TensorView lse) {
     for (std::int64_t h = 0; h < p.heads; ++h) {
       const HeadProblem hp = load_head(p, seq, h);
       std::vector<T> z, prob, l;
-      scores<T>(p, seq, h, hp, z, prob, l);
+      std::vector<TermScratch> scratch(
+          p.groups[static_cast<std::size_t>(p.head_group[static_cast<std::size_t>(h)])].terms.size());
+      scores<T>(p, seq, h, hp, z, prob, l, scratch);
       Rows o{seq.lq, p.dim_v, std::vector<double>(static_cast<std::size_t>(seq.lq * p.dim_v))};
       const std::int64_t group = p.head_group[static_cast<std::size_t>(h)];
       const std::int64_t local = h - p.group_first_head[static_cast<std::size_t>(group)];
@@ -399,16 +406,11 @@ void attention_backward(const Attention& attention, ConstTensorView out, ConstTe
   if (want_dv) dvg = detail::check_output_tokens(where, "dv", ConstTensorView(dv), p.vg);
   if (grads != nullptr) check_gradients(attention, *grads);
   const double scale = p.scale_f64, cap = p.mask.softcap;
-  // Each group's term gradients; without grads, scratch (the terms' dq and dk are still wanted).
-  std::vector<std::vector<std::vector<double>>> scratch(p.groups.size());
+  // Each group's term gradients (empty without grads: the terms' dq and dk are still wanted).
   std::vector<std::vector<std::span<double>>> grad_spans(p.groups.size());
   for (std::size_t g = 0; g < p.groups.size(); ++g) {
-    const auto& terms = p.groups[g].terms;
-    if (grads == nullptr) {
-      for (const auto& term : terms) scratch[g].emplace_back(static_cast<std::size_t>(term->gradient_size()));
-    }
-    for (std::size_t t = 0; t < terms.size(); ++t)
-      grad_spans[g].emplace_back(grads != nullptr ? grads->groups[g].terms[t] : scratch[g][t]);
+    for (std::size_t t = 0; t < p.groups[g].terms.size(); ++t)
+      grad_spans[g].emplace_back(grads != nullptr ? std::span<double>(grads->groups[g].terms[t]) : std::span<double>{});
   }
   for (const Sequence& seq : p.sequences) {
     const std::int64_t lq = seq.lq, lk = seq.lk;
@@ -427,7 +429,8 @@ void attention_backward(const Attention& attention, ConstTensorView out, ConstTe
         const HeadProblem hp = load_head(p, seq, h);
         kpos = hp.kpos;
         std::vector<double> z, prob, l;
-        scores<double>(p, seq, h, hp, z, prob, l);
+        std::vector<TermScratch> scratch(p.groups[static_cast<std::size_t>(group)].terms.size());
+        scores<double>(p, seq, h, hp, z, prob, l, scratch);
         const Rows dout = load_rows(p, d_out, dog, seq.b, seq.q0, lq, h);
         Rows dq_t{lq, p.dim, std::vector<double>(static_cast<std::size_t>(lq * p.dim))};
         const std::int64_t local = h - p.group_first_head[static_cast<std::size_t>(group)];
@@ -479,14 +482,18 @@ void attention_backward(const Attention& attention, ConstTensorView out, ConstTe
             for (std::int64_t t = 0; t < p.dim_v; ++t) dv_acc.row(j)[t] += pij * dout.row(i)[t];
             if (!terms.empty()) {
               const TokenPair pair = token_pair(p, seq, i, j);
-              const PairRows rows = pair_rows(p, hp, i, j, false);
               const auto d = static_cast<std::size_t>(p.dim);
               for (std::size_t t = 0; t < terms.size(); ++t) {
+                const PairRows rows = pair_rows(p, hp, i, j, false, scratch[t]);
                 terms[t]->accumulate_row_gradient(local, pair, rows, dx, term_grads[t],
                                                   std::span<double>(dq_t.row(i), d), std::span<double>(dk_t.row(j), d));
               }
             }
           }
+        }
+        if (grads != nullptr) {
+          for (std::size_t t = 0; t < terms.size(); ++t)
+            terms[t]->finish_row_gradients(local, scratch[t], term_grads[t]);
         }
         if (want_dq) {
           temper(p, hp.qpos, dq_t);

@@ -172,7 +172,8 @@ void ShawTerm::accumulate_row_gradient(std::int64_t /* head */, const TokenPair&
   for (std::int64_t t = 0; t < dim; ++t) {
     if (!params_.key_table().empty())
       dq[static_cast<std::size_t>(t)] += rows.scale * weight * params_.key_table()[static_cast<std::size_t>(at + t)];
-    grads[static_cast<std::size_t>(at + t)] += rows.scale * weight * rows.q[static_cast<std::size_t>(t)];
+    if (!grads.empty())
+      grads[static_cast<std::size_t>(at + t)] += rows.scale * weight * rows.q[static_cast<std::size_t>(t)];
   }
 }
 

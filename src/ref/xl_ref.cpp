@@ -2,7 +2,7 @@
 // fp64: the oracle of xl.cpp.
 #include <cmath>
 #include <map>
-#include <mutex>
+#include <type_traits>
 #include <utility>
 
 #include "posenc/reference.hpp"
@@ -99,61 +99,68 @@ void xl_position_terms_backward(const XlParams& params, ConstTensorView q, Const
 }  // namespace posenc::ref
 
 // XlTerm's fp64 definition (relative.hpp): per visible pair with δ = q_pos − k_pos,
-// scale·(u_h·k_j + (q_i + v_h)·P_h(δ)), P_h(δ) = W_R[h] r(δ). P (in fp64, and in f32 summed over
-// d_model in order, as a plain f32 implementation computes it) and r are memoised per head and δ,
-// under a lock: one term may serve several threads' references at once.
+// scale·(u_h·k_j + (q_i + v_h)·P_h(δ)), P_h(δ) = W_R[h] r(δ). With the reference's scratch of a
+// (sequence, head), P is built once per δ (tables 0 and 1: fp64, and f32 summed over d_model in
+// order, as a plain f32 implementation computes it) and ∂/∂P is summed per δ (table 2), to meet
+// r(δ) once per δ in finish_row_gradients, as XL's own backward does.
 namespace posenc {
-
-struct XlTerm::Memo {
-  std::mutex lock;
-  std::map<std::int64_t, std::vector<double>> sinusoids;
-  std::map<std::pair<std::int64_t, std::int64_t>, std::vector<double>> projections;
-  std::map<std::pair<std::int64_t, std::int64_t>, std::vector<float>> projections_f32;
-};
-
 namespace {
 
-const std::vector<double>& sinusoid_of(const XlParams& params, std::map<std::int64_t, std::vector<double>>& memo,
-                                       std::int64_t delta) {
-  auto it = memo.find(delta);
-  if (it == memo.end()) it = memo.emplace(delta, params.sinusoid(delta)).first;
-  return it->second;
-}
+enum Table { kProjection, kProjectionF32, kProjectionGrad };
 
-// P_h(δ) in T, the sum over d_model in order. std::map keeps references to its values valid.
+// P_h(δ) summed over d_model in order in T, stored as doubles.
 template <class T>
-const std::vector<T>& projection_of(const XlParams& params, std::map<std::int64_t, std::vector<double>>& sinusoids,
-                                    std::map<std::pair<std::int64_t, std::int64_t>, std::vector<T>>& memo,
-                                    std::int64_t head, std::int64_t delta) {
-  const auto key = std::make_pair(head, delta);
-  if (auto it = memo.find(key); it != memo.end()) return it->second;
+std::vector<double> projection(const XlParams& params, std::int64_t head, std::int64_t delta) {
   const std::int64_t dim = params.head_dim(), dm = params.d_model();
-  const std::vector<double>& r = sinusoid_of(params, sinusoids, delta);
-  std::vector<T> pr(static_cast<std::size_t>(dim));
+  const std::vector<double> r = params.sinusoid(delta);
+  std::vector<double> pr(static_cast<std::size_t>(dim));
   for (std::int64_t d = 0; d < dim; ++d) {
     T acc = 0;
     const double* w = params.w_r().data() + (head * dim + d) * dm;
     for (std::int64_t m = 0; m < dm; ++m) acc += static_cast<T>(w[m]) * static_cast<T>(r[static_cast<std::size_t>(m)]);
-    pr[static_cast<std::size_t>(d)] = acc;
+    pr[static_cast<std::size_t>(d)] = static_cast<double>(acc);
   }
-  return memo.emplace(key, std::move(pr)).first->second;
+  return pr;
+}
+
+// The pair's P (memoised in the scratch when there is one; `local` holds it otherwise).
+template <class T>
+const std::vector<double>& projection_of(const XlParams& params, std::int64_t head, std::int64_t delta,
+                                         TermScratch* scratch, std::vector<double>& local) {
+  if (scratch == nullptr) return local = projection<T>(params, head, delta);
+  auto& table = scratch->tables[std::is_same_v<T, float> ? kProjectionF32 : kProjection];
+  auto it = table.find(delta);
+  if (it == table.end()) it = table.emplace(delta, projection<T>(params, head, delta)).first;
+  return it->second;
 }
 
 template <class T>
-T xl_logit(const XlParams& params, const std::vector<T>& pr, std::int64_t head, const PairRows& rows) {
+T xl_logit(const XlParams& params, const std::vector<double>& pr, std::int64_t head, const PairRows& rows) {
   T acc = 0;
   for (std::int64_t t = 0; t < params.head_dim(); ++t) {
     const auto at = static_cast<std::size_t>(head * params.head_dim() + t), e = static_cast<std::size_t>(t);
     acc += static_cast<T>(params.u()[at]) * static_cast<T>(rows.k[e]) +
-           (static_cast<T>(rows.q[e]) + static_cast<T>(params.v()[at])) * pr[e];
+           (static_cast<T>(rows.q[e]) + static_cast<T>(params.v()[at])) * static_cast<T>(pr[e]);
   }
   return static_cast<T>(rows.scale) * acc;
 }
 
+// dW_R[h·D + t][m] += dP[t]·r(δ)[m]
+void add_w_r_gradient(const XlParams& params, std::int64_t head, std::int64_t delta, const std::vector<double>& dp,
+                      std::span<double> grads) {
+  const std::int64_t dim = params.head_dim(), dm = params.d_model(), hd = params.heads() * dim;
+  const std::vector<double> r = params.sinusoid(delta);
+  for (std::int64_t t = 0; t < dim; ++t) {
+    const double dpt = dp[static_cast<std::size_t>(t)];
+    if (dpt == 0) continue;
+    double* dw = grads.data() + 2 * hd + (head * dim + t) * dm;
+    for (std::int64_t m = 0; m < dm; ++m) dw[m] += dpt * r[static_cast<std::size_t>(m)];
+  }
+}
+
 }  // namespace
 
-XlTerm::XlTerm(XlParams params) : params_(std::move(params)), memo_(std::make_unique<Memo>()) {}
-XlTerm::~XlTerm() = default;
+XlTerm::XlTerm(XlParams params) : params_(std::move(params)) {}
 
 std::int64_t XlTerm::gradient_size() const {
   const std::int64_t hd = params_.heads() * params_.head_dim();
@@ -162,34 +169,42 @@ std::int64_t XlTerm::gradient_size() const {
 
 double XlTerm::row_value(std::int64_t head, const TokenPair& pair, const PairRows& rows) const {
   const std::int64_t delta = pair.query_position - pair.key_position;
-  const std::lock_guard<std::mutex> hold(memo_->lock);
+  std::vector<double> local;
   if (rows.naive_f32) {
-    return static_cast<double>(xl_logit<float>(
-        params_, projection_of(params_, memo_->sinusoids, memo_->projections_f32, head, delta), head, rows));
+    return static_cast<double>(
+        xl_logit<float>(params_, projection_of<float>(params_, head, delta, rows.scratch, local), head, rows));
   }
-  return xl_logit<double>(params_, projection_of(params_, memo_->sinusoids, memo_->projections, head, delta), head,
-                          rows);
+  return xl_logit<double>(params_, projection_of<double>(params_, head, delta, rows.scratch, local), head, rows);
 }
 
 void XlTerm::accumulate_row_gradient(std::int64_t head, const TokenPair& pair, const PairRows& rows, double weight,
                                      std::span<double> grads, std::span<double> dq, std::span<double> dk) const {
-  const std::int64_t dim = params_.head_dim(), dm = params_.d_model(), hd = params_.heads() * dim;
+  const std::int64_t dim = params_.head_dim(), hd = params_.heads() * dim;
   const std::int64_t delta = pair.query_position - pair.key_position;
-  const std::lock_guard<std::mutex> hold(memo_->lock);
-  const std::vector<double>& pr = projection_of(params_, memo_->sinusoids, memo_->projections, head, delta);
-  const std::vector<double>& r = sinusoid_of(params_, memo_->sinusoids, delta);
+  std::vector<double> local;
+  const std::vector<double>& pr = projection_of<double>(params_, head, delta, rows.scratch, local);
   const double w = rows.scale * weight;
+  std::vector<double> dp_local;
+  std::vector<double>* dp = nullptr;  // ∂/∂P_h(δ)
+  if (!grads.empty()) {
+    dp = rows.scratch != nullptr ? &rows.scratch->tables[kProjectionGrad][delta] : &dp_local;
+    dp->resize(static_cast<std::size_t>(dim), 0.0);
+  }
   for (std::int64_t t = 0; t < dim; ++t) {
     const auto at = static_cast<std::size_t>(head * dim + t), e = static_cast<std::size_t>(t);
     dq[e] += w * pr[e];
     dk[e] += w * params_.u()[at];
+    if (dp == nullptr) continue;
     grads[at] += w * rows.k[e];
     grads[static_cast<std::size_t>(hd) + at] += w * pr[e];
-    // dW_R[h·D + t][m] += ∂logit/∂P_t · r(δ)[m]
-    const double dp = w * (rows.q[e] + params_.v()[at]);
-    double* dw = grads.data() + 2 * hd + (head * dim + t) * dm;
-    for (std::int64_t m = 0; m < dm; ++m) dw[m] += dp * r[static_cast<std::size_t>(m)];
+    (*dp)[e] += w * (rows.q[e] + params_.v()[at]);
   }
+  if (dp == &dp_local) add_w_r_gradient(params_, head, delta, dp_local, grads);
+}
+
+void XlTerm::finish_row_gradients(std::int64_t head, TermScratch& scratch, std::span<double> grads) const {
+  for (const auto& [delta, dp] : scratch.tables[kProjectionGrad]) add_w_r_gradient(params_, head, delta, dp, grads);
+  scratch.tables[kProjectionGrad].clear();
 }
 
 }  // namespace posenc

@@ -272,8 +272,16 @@ SchemeEntry tupe_entry() {
 
 // The entry's own term: the first of the group its factory built.
 template <class Term>
-const Term& term_of(const HeadGroup& g) {
-  return dynamic_cast<const Term&>(*g.terms.front());
+const Term& term_of(const HeadGroup& g, const char* scheme) {
+  const Term* term = g.terms.empty() ? nullptr : dynamic_cast<const Term*>(g.terms.front().get());
+  if (term == nullptr)
+    throw Error(std::string("scheme ") + scheme, "group.terms[0]", "another term or none", "its own");
+  return *term;
+}
+
+// The entry's term's gradient (none for a group without it).
+std::vector<double> first_term_gradient(const GroupGradients& g) {
+  return g.terms.empty() ? std::vector<double>{} : g.terms.front();
 }
 
 SchemeEntry shaw_entry() {
@@ -301,16 +309,16 @@ SchemeEntry shaw_entry() {
          return g;
        }},
       [](const HeadGroup& g) {
-        const ShawParams& shaw = term_of<ShawTerm>(g).params();
+        const ShawParams& shaw = term_of<ShawTerm>(g, "shaw").params();
         const std::vector<double> zeros(static_cast<std::size_t>(shaw.rows() * shaw.head_dim()), 0.0);
         const auto& key = shaw.key_table().empty() ? zeros : shaw.key_table();
         const auto& value = shaw.value_table().empty() ? zeros : shaw.value_table();
         return joined({&key, &value});
       },
-      [](const GroupGradients& g) { return g.terms.front(); });
+      first_term_gradient);
   // The table row each (query, key) pair reads: clip(r, −k, k) + k.
   entry.picture = [](const HeadGroup& g, const Positions& positions) {
-    const ShawParams& shaw = term_of<ShawTerm>(g).params();
+    const ShawParams& shaw = term_of<ShawTerm>(g, "shaw").params();
     return shared_picture("rows", positions, [&](std::int64_t r) { return static_cast<double>(shaw.row_of(r)); });
   };
   entry.picture_ignores = {"heads", "head_dim", "seed"};
@@ -346,13 +354,13 @@ SchemeEntry xl_entry() {
          return g;
        }},
       [](const HeadGroup& g) {
-        const XlParams& xl = term_of<XlTerm>(g).params();
+        const XlParams& xl = term_of<XlTerm>(g, "xl").params();
         return joined({&xl.u(), &xl.v(), &xl.w_r()});
       },
-      [](const GroupGradients& g) { return g.terms.front(); });
+      first_term_gradient);
   // The position terms a zero query and zero keys see: scale·v_h·W_R r(i − j).
   entry.picture = [](const HeadGroup& g, const Positions& positions) {
-    const XlParams& xl = term_of<XlTerm>(g).params();
+    const XlParams& xl = term_of<XlTerm>(g, "xl").params();
     const std::int64_t n = positions.seq_len(), heads = g.heads, dim = xl.head_dim();
     const std::int64_t per_head = checked_mul(n, n, "picture size");
     const auto count = [](std::int64_t values, const char* what) {

@@ -220,10 +220,13 @@ XlScore::XlScore(const AttentionPlan& p, std::int64_t group, std::int64_t index,
   const double xl_scale = params.scale() > 0 ? params.scale() : 1.0 / std::sqrt(static_cast<double>(dim));
   require(std::abs(xl_scale - p.scale_f64) <= 1e-12 * p.scale_f64, name + ".params.scale", to_text(xl_scale),
           "the attention's scale, " + to_text(p.scale_f64) + " (one scale multiplies all of XL's terms)");
-  const std::int64_t xl_heads = grp.heads;
   plan_range();
-  // The table is [δ span, XL heads, Dp] floats; past 2^29 (2 GiB) the positions are too scattered
-  // for tabulation: say so rather than allocate it.
+  // The call's XL tables are [δ span, XL heads, Dp] floats together; past 2^29 (2 GiB) the
+  // positions are too scattered for tabulation: say so rather than allocate them.
+  std::int64_t xl_heads = 0;
+  for (const HeadGroup& g : p.spec.groups) {
+    for (const AttentionTermRef& t : g.terms) xl_heads += dynamic_cast<const XlTerm*>(t.get()) != nullptr ? g.heads : 0;
+  }
   constexpr std::int64_t kMaxXlTable = std::int64_t{1} << 29;
   if (width_ > kMaxXlTable / (xl_heads * dp)) {
     throw Error(AttentionPlan::kWhere, name.c_str(), "a δ = q − k span of " + std::to_string(width_) + " positions",

@@ -492,6 +492,7 @@ TEST(Attention, ClearErrors) {
   expect_error([&] { Attention a(s); }, {"groups[0].heads", "whole KV groups"});
   s.groups = {{4, {}, AlibiParams(2)}};
   expect_error([&] { Attention a(s); }, {"groups[0].bias", "2 heads"});
+  expect_error([] { ShawTerm(0, ShawParams(1, 4)); }, {"ShawTerm", "heads", "0", ">= 1"});
   s.groups = {{4, {}, {}, {shaw_term(4, ShawParams::init(3, 8))}}};
   expect_error([&] { Attention a(s); }, {"groups[0].terms[0].params.head_dim", "8", "16"});
   s.groups = {{4, {}, AlibiParams(4), {xl_term(XlParams::init(4, 16, 8))}}};

@@ -3,10 +3,10 @@
 // soft-cap, mask, softmax, P·V — in fp64, or in plain f32 (`naive_f32`: the same composition as
 // a straightforward f32 implementation computes it, the yardstick of the accuracy criterion).
 // The group's terms (Shaw's, Transformer-XL's, a forget gate, sinks) enter per visible pair
-// through their TermDefinition alone (term.hpp); in plain f32 each is summed and scaled on its own
-// and added after the bias, as an eager composition adds its score tensors. Backward in fp64: dP, dS, the bias
-// parameters' gradients through the schemes' reference backwards on the materialised dS, the terms' per pair, and dq,
-// dk transposed back through the transform.
+// through their TermDefinition alone (term.hpp); in plain f32 each is summed and scaled on its
+// own and added after the bias, as an eager composition adds its score tensors. Backward in
+// fp64: dP, dS, the bias parameters' gradients through the schemes' reference backwards on the
+// materialised dS, the terms' per pair, and dq, dk transposed back through the transform.
 //
 // Independent of the engine: sequences, positions, head groups and masks are derived here from
 // the public AttentionSpec by attention.hpp's rules, so a mistake in the engine's plan cannot

@@ -4,8 +4,8 @@
 //
 // Per-row arrays over the table rows are kept transposed, [table row u][row r] with row stride
 // width, so that a tile whose keys all clip to one table row for every row (every tile outside
-// the ±k band around the diagonal) is one vector add per key. Rows of several groups or table
-// widths in one block (decode's block of every KV head) take the per-row forms.
+// the ±k band around the diagonal) is one vector add per key. A block with rows of other groups
+// (decode's block of every KV head) takes the per-row forms, skipping theirs.
 #include <algorithm>
 #include <string>
 
@@ -53,7 +53,7 @@ class ShawScore final : public GroupTerm<ShawTables> {
     add_values(*s.rows.rows, s.buffers[kProbs].data(), s.rows.rows->width, o);
   }
 
-  std::int64_t unit_gradient_size() const override { return grad_offset_.back(); }
+  std::int64_t unit_gradient_size() const override { return 2 * width_ * p_.dim; }
   void begin_backward(const TermRows& rows, double* unit_grads, TermState& s) const override {
     s.rows = rows;
     s.unit_grads = unit_grads;
@@ -96,21 +96,16 @@ class ShawScore final : public GroupTerm<ShawTables> {
                float* sums, std::int64_t ld) const;
   void add_values(const RowBlock& rb, const float* probs, std::int64_t ld, float* o) const;
 
-  std::int64_t width_ = 0;                 // the table's 2k + 1: the rows' scratch
-  std::vector<std::int64_t> grad_offset_;  // per group, [key table | value table] in a unit's slot
-  std::int64_t group_, index_;             // the group, and the term's entry in its terms
+  std::int64_t width_ = 0;      // the table's 2k + 1; a unit's slot is [key table | value table]
+  std::int64_t group_, index_;  // the group, and the term's entry in its terms
 };
 
 ShawScore::ShawScore(const AttentionPlan& p, std::int64_t group, std::int64_t index, const ShawParams& params)
     : GroupTerm(p), group_(group), index_(index) {
   const std::int64_t dim = p.dim, dp = p.dim_padded;
-  const std::size_t groups = p.spec.groups.size();
   const std::string name = "groups[" + std::to_string(group) + "].terms[" + std::to_string(index) + "]";
-  grad_offset_.assign(groups + 1, 0);
-  tables_.resize(groups);
-  for (std::size_t gi = 0; gi < groups; ++gi) {
-    grad_offset_[gi + 1] = grad_offset_[gi];
-    if (static_cast<std::int64_t>(gi) != group) continue;
+  tables_.resize(p.spec.groups.size());  // GroupTerm's, by group: only this group's is used
+  {
     if (p.dim_v != dim) {
       throw Error(AttentionPlan::kWhere, name.c_str(), "given with values " + std::to_string(p.dim_v) + " wide",
                   "values as wide as the keys (" + std::to_string(dim) + "): Shaw's value term has head_dim columns");
@@ -119,7 +114,7 @@ ShawScore::ShawScore(const AttentionPlan& p, std::int64_t group, std::int64_t in
       throw Error(AttentionPlan::kWhere, (name + ".params.head_dim").c_str(), std::to_string(params.head_dim()),
                   "the head_dim of q, " + std::to_string(dim));
     }
-    ShawTables& st = tables_[gi];
+    ShawTables& st = tables_[static_cast<std::size_t>(group)];
     st.max_distance = params.max_distance();
     st.width = params.rows();
     st.key.assign(static_cast<std::size_t>(st.width * dim), 0.0f);
@@ -138,8 +133,7 @@ ShawScore::ShawScore(const AttentionPlan& p, std::int64_t group, std::int64_t in
         }
       }
     }
-    width_ = std::max(width_, st.width);
-    grad_offset_[gi + 1] += 2 * st.width * dim;
+    width_ = st.width;
   }
 }
 
@@ -276,8 +270,7 @@ void ShawScore::finish_backward(TermState& s) const {
     float* value_part = key_part + t->width * dp;
     kernels::attn_gemm(grads, w, 1, s.rows.q, dp, key_part, dp, t->width, dp, w, false);
     kernels::attn_gemm(probs, w, 1, s.rows.dout, dp, value_part, dp, t->width, dp, w, false);
-    const std::int64_t h0 = rb.head[0] >= 0 ? rb.head[0] : s.rows.kvh * p_.group_size;
-    double* key_grad = slot + grad_offset_[static_cast<std::size_t>(p_.head_group[static_cast<std::size_t>(h0)])];
+    double* key_grad = slot;
     double* value_grad = key_grad + t->width * dim;
     for (std::int64_t u = 0; u < t->width; ++u) {
       for (std::int64_t e = 0; e < dim; ++e) {
@@ -295,9 +288,7 @@ void ShawScore::finish_backward(TermState& s) const {
     const float* ds = grads + r;  // [u][r], stride w
     const float* ps = probs + r;
     float* dq_row = s.rows.dq + r * dp;
-    double* key_grad = slot == nullptr
-                           ? nullptr
-                           : slot + grad_offset_[static_cast<std::size_t>(p_.head_group[static_cast<std::size_t>(h)])];
+    double* key_grad = slot;
     double* value_grad = key_grad == nullptr ? nullptr : key_grad + t->width * dim;
     for (std::int64_t u = 0; u < t->width; ++u) {
       const float dsu = ds[u * w], psu = ps[u * w];
@@ -320,7 +311,7 @@ void ShawScore::reduce(std::span<const TermUnit> units, AttentionGradients& grad
     for (std::int64_t t = 0; t < size; ++t) total[static_cast<std::size_t>(t)] += unit.slot[t];
   }
   std::vector<double>& out = grads.groups[static_cast<std::size_t>(group_)].terms[static_cast<std::size_t>(index_)];
-  const double* at = total.data() + grad_offset_[static_cast<std::size_t>(group_)];
+  const double* at = total.data();
   for (std::size_t t = 0; t < out.size(); ++t) out[t] += at[t];
 }
 

@@ -237,10 +237,9 @@ TEST(AttentionReference, ShawBackwardMatchesFiniteDifferences) {
   }
 }
 
-// Transformer-XL's reference gradients (u, v, W_R, and dq, dk through its terms) by central
-// differences of the reference forward.
 // XlTerm's definition gives the same values and gradients with the reference's scratch (P per δ
-// memoised, dW_R deferred to finish_row_gradients) as computed on the spot, for a caller without one.
+// memoised, dW_R deferred to finish_row_gradients) as computed on the spot, for a caller without
+// one. The naive f32 logit is asked first, so that an f32 P served to the fp64 hooks would show.
 TEST(AttentionReference, XlDefinitionWithAndWithoutScratch) {
   const std::int64_t heads = 2, dim = 4, d_model = 6;
   const XlTerm term(XlParams::init(heads, dim, d_model, 0.5, 5));
@@ -252,14 +251,17 @@ TEST(AttentionReference, XlDefinitionWithAndWithoutScratch) {
     TokenPair pair;
     pair.query_position = qp;
     pair.key_position = kp;
-    PairRows spot{q, k, 0.3, false, nullptr}, memo{q, k, 0.3, false, &scratch};
+    PairRows spot{q, k, 0.3, true, nullptr}, memo{q, k, 0.3, true, &scratch};
     EXPECT_EQ(term.row_value(1, pair, spot), term.row_value(1, pair, memo));
-    spot.naive_f32 = memo.naive_f32 = true;
+    spot.naive_f32 = memo.naive_f32 = false;
     EXPECT_EQ(term.row_value(1, pair, spot), term.row_value(1, pair, memo));
     term.accumulate_row_gradient(1, pair, spot, 0.7, grads_spot, dq_spot, dk_spot);
     term.accumulate_row_gradient(1, pair, memo, 0.7, grads_memo, dq_memo, dk_memo);
   }
   term.finish_row_gradients(1, scratch, grads_memo);
+  const std::vector<double> finished = grads_memo;
+  term.finish_row_gradients(1, scratch, grads_memo);  // the deferred sums were used up
+  EXPECT_EQ(grads_memo, finished);
   EXPECT_EQ(dq_spot, dq_memo);
   EXPECT_EQ(dk_spot, dk_memo);
   // dW_R sums a δ's two pairs before it meets r(δ): a few ulps of values below 1.
@@ -267,6 +269,8 @@ TEST(AttentionReference, XlDefinitionWithAndWithoutScratch) {
   EXPECT_GT(max_abs(grads_memo), 0.0);
 }
 
+// Transformer-XL's reference gradients (u, v, W_R, and dq, dk through its terms) by central
+// differences of the reference forward.
 TEST(AttentionReference, XlBackwardMatchesFiniteDifferences) {
   const std::int64_t heads = 2, dim = 4, d_model = 6;
   Problem p = make_problem(1, 5, 7, heads, 1, dim, DType::kF64);

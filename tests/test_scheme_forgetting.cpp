@@ -140,6 +140,12 @@ TEST_P(ForgettingAttention, MatchesTheReference) {
       const Attention att(spec);
       const std::vector<double> d_out = random_values(static_cast<std::size_t>(p.q_count()));
       expect_backward_matches_reference(p, att, d_out);
+      if (c.extra >= 3) {  // the reference without parameter gradients: dq, dk, dv to the bit
+        const Grads with = run_backward(p, att, d_out, true), without = run_backward(p, att, d_out, true, false);
+        EXPECT_EQ(without.dq, with.dq);
+        EXPECT_EQ(without.dk, with.dk);
+        EXPECT_EQ(without.dv, with.dv);
+      }
     }
   }
 }

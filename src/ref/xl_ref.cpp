@@ -203,7 +203,9 @@ void XlTerm::accumulate_row_gradient(std::int64_t head, const TokenPair& pair, c
 }
 
 void XlTerm::finish_row_gradients(std::int64_t head, TermScratch& scratch, std::span<double> grads) const {
-  for (const auto& [delta, dp] : scratch.tables[kProjectionGrad]) add_w_r_gradient(params_, head, delta, dp, grads);
+  if (!grads.empty()) {
+    for (const auto& [delta, dp] : scratch.tables[kProjectionGrad]) add_w_r_gradient(params_, head, delta, dp, grads);
+  }
   scratch.tables[kProjectionGrad].clear();
 }
 

@@ -348,13 +348,13 @@ void forward_impl(const Problem& p, TensorView out, TensorView lse) {
   for (const Sequence& seq : p.sequences) {
     for (std::int64_t h = 0; h < p.heads; ++h) {
       const HeadProblem hp = load_head(p, seq, h);
-      std::vector<T> z, prob, l;
-      std::vector<TermScratch> scratch(
-          p.groups[static_cast<std::size_t>(p.head_group[static_cast<std::size_t>(h)])].terms.size());
-      scores<T>(p, seq, h, hp, z, prob, l, scratch);
-      Rows o{seq.lq, p.dim_v, std::vector<double>(static_cast<std::size_t>(seq.lq * p.dim_v))};
       const std::int64_t group = p.head_group[static_cast<std::size_t>(h)];
       const std::int64_t local = h - p.group_first_head[static_cast<std::size_t>(group)];
+      const auto& terms = p.groups[static_cast<std::size_t>(group)].terms;
+      std::vector<T> z, prob, l;
+      std::vector<TermScratch> scratch(terms.size());
+      scores<T>(p, seq, h, hp, z, prob, l, scratch);
+      Rows o{seq.lq, p.dim_v, std::vector<double>(static_cast<std::size_t>(seq.lq * p.dim_v))};
       std::vector<T> acc(static_cast<std::size_t>(p.dim_v)), value(acc.size());
       std::vector<double> w(acc.size());
       for (std::int64_t i = 0; i < seq.lq; ++i) {
@@ -364,7 +364,7 @@ void forward_impl(const Problem& p, TensorView out, TensorView lse) {
           if (std::signbit(pij)) continue;  // not seen
           for (std::int64_t t = 0; t < p.dim_v; ++t)
             value[static_cast<std::size_t>(t)] = static_cast<T>(hp.v.row(j)[t]);
-          for (const auto& term : p.groups[static_cast<std::size_t>(group)].terms) {
+          for (const auto& term : terms) {
             if (!term->adds_to_output()) continue;
             term->output_value(local, token_pair(p, seq, i, j), w);
             for (std::size_t t = 0; t < w.size(); ++t) value[t] += static_cast<T>(w[t]);

@@ -150,6 +150,11 @@ T scaled_dot(std::span<const double> q, const double* a, double scale) {
   return static_cast<T>(scale) * acc;
 }
 
+// Where the pair's table row starts: clip(k_pos − q_pos, ±k) + k rows of head_dim.
+std::int64_t row_start(const ShawParams& params, const TokenPair& pair) {
+  return params.row_of(pair.key_position - pair.query_position) * params.head_dim();
+}
+
 }  // namespace
 
 ShawTerm::ShawTerm(std::int64_t heads, ShawParams params) : heads_(heads), params_(std::move(params)) {
@@ -158,8 +163,7 @@ ShawTerm::ShawTerm(std::int64_t heads, ShawParams params) : heads_(heads), param
 
 double ShawTerm::row_value(std::int64_t /* head */, const TokenPair& pair, const PairRows& rows) const {
   if (params_.key_table().empty()) return 0.0;
-  const double* a =
-      params_.key_table().data() + params_.row_of(pair.key_position - pair.query_position) * params_.head_dim();
+  const double* a = params_.key_table().data() + row_start(params_, pair);
   const std::span<const double> q = rows.q.first(static_cast<std::size_t>(params_.head_dim()));
   return rows.naive_f32 ? static_cast<double>(scaled_dot<float>(q, a, rows.scale))
                         : scaled_dot<double>(q, a, rows.scale);
@@ -168,7 +172,7 @@ double ShawTerm::row_value(std::int64_t /* head */, const TokenPair& pair, const
 void ShawTerm::accumulate_row_gradient(std::int64_t /* head */, const TokenPair& pair, const PairRows& rows,
                                        double weight, std::span<double> grads, std::span<double> dq,
                                        std::span<double> /* dk */) const {
-  const std::int64_t dim = params_.head_dim(), at = params_.row_of(pair.key_position - pair.query_position) * dim;
+  const std::int64_t dim = params_.head_dim(), at = row_start(params_, pair);
   for (std::int64_t t = 0; t < dim; ++t) {
     if (!params_.key_table().empty())
       dq[static_cast<std::size_t>(t)] += rows.scale * weight * params_.key_table()[static_cast<std::size_t>(at + t)];
@@ -178,7 +182,7 @@ void ShawTerm::accumulate_row_gradient(std::int64_t /* head */, const TokenPair&
 }
 
 void ShawTerm::output_value(std::int64_t /* head */, const TokenPair& pair, std::span<double> w) const {
-  const std::int64_t dim = params_.head_dim(), at = params_.row_of(pair.key_position - pair.query_position) * dim;
+  const std::int64_t dim = params_.head_dim(), at = row_start(params_, pair);
   for (std::int64_t t = 0; t < dim; ++t) {
     w[static_cast<std::size_t>(t)] =
         params_.value_table().empty() ? 0.0 : params_.value_table()[static_cast<std::size_t>(at + t)];
@@ -188,7 +192,7 @@ void ShawTerm::output_value(std::int64_t /* head */, const TokenPair& pair, std:
 void ShawTerm::accumulate_output_gradient(std::int64_t /* head */, const TokenPair& pair, double weight,
                                           std::span<const double> d_out, std::span<double> grads) const {
   const std::int64_t dim = params_.head_dim();
-  const std::int64_t at = params_.rows() * dim + params_.row_of(pair.key_position - pair.query_position) * dim;
+  const std::int64_t at = params_.rows() * dim + row_start(params_, pair);  // the value table's
   for (std::int64_t t = 0; t < dim; ++t)
     grads[static_cast<std::size_t>(at + t)] += weight * d_out[static_cast<std::size_t>(t)];
 }

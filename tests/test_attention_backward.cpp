@@ -296,6 +296,7 @@ TEST(AttentionReference, XlBackwardMatchesFiniteDifferences) {
   // The term's gradient is [u | v | W_R].
   const std::vector<double>& flat = g.params.groups[0].terms[0];
   const auto hd = static_cast<std::ptrdiff_t>(heads * dim);
+  ASSERT_EQ(flat.size(), static_cast<std::size_t>(2 * hd + hd * d_model));
   XlGradients xg(base);
   xg.u.assign(flat.begin(), flat.begin() + hd);
   xg.v.assign(flat.begin() + hd, flat.begin() + 2 * hd);

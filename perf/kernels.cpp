@@ -538,7 +538,6 @@ Case make_case(const std::string& name, const CaseOptions& o) {
       scheme = *make_head_group(o.scheme, args).bias;
     }
     if (o.pass != "forward" && o.pass != "backward") throw Error("bench", "--pass", o.pass, "forward or backward");
-    const RelativeBias* relative = relative_bias(scheme);
     if (o.pass == "backward" && bias_parameter_count(scheme) == 0)
       throw Error("bench", "--scheme", o.scheme, "a scheme with parameters for --pass backward");
     const std::int64_t scores =
@@ -550,8 +549,8 @@ Case make_case(const std::string& name, const CaseOptions& o) {
     c.bytes_per_run = static_cast<double>(scores) * sizeof(float);  // written (forward) or read (backward)
     c.limit_name = o.pass == "forward" ? "write_nt" : "read";
     c.elements_per_run = static_cast<double>(scores);
-    auto grads = std::make_shared<std::vector<double>>(static_cast<std::size_t>(
-        std::max<std::int64_t>(64 * heads, relative != nullptr ? relative->parameter_count() : 0)));
+    auto grads = std::make_shared<std::vector<double>>(
+        static_cast<std::size_t>(std::max<std::int64_t>(64 * heads, bias_parameter_count(scheme))));
     call = [scheme, o, heads, grads](Buffers& bs) {
       const Positions positions = Positions::range(o.length);
       const std::vector<std::int64_t> shape = {o.batch, heads, o.length, o.length};
@@ -568,12 +567,8 @@ Case make_case(const std::string& name, const CaseOptions& o) {
       } else if (const auto* kerple = std::get_if<KerpleParams>(&scheme)) {
         kerple_backward(*kerple, positions, positions, ds, g.first(static_cast<std::size_t>(heads)),
                         g.subspan(static_cast<std::size_t>(heads), static_cast<std::size_t>(heads)));
-      } else if (const auto* fire = std::get_if<FireParams>(&scheme)) {
-        FireGradients fire_grads(*fire);
-        fire_backward(*fire, positions, positions, ds, fire_grads);
-      } else if (const auto* tupe = std::get_if<TupeParams>(&scheme)) {
-        TupeGradients tupe_grads(*tupe);
-        tupe_backward(*tupe, positions, positions, ds, tupe_grads);
+      } else if (const PositionBias* pb = position_bias(scheme)) {
+        pb->backward(positions, positions, ds, g.first(static_cast<std::size_t>(pb->parameter_count())));
       } else if (const RelativeBias* rb = relative_bias(scheme)) {
         relative_bias_backward(*rb, positions, positions, ds, g.first(static_cast<std::size_t>(rb->parameter_count())));
       }

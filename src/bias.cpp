@@ -13,6 +13,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -255,22 +256,31 @@ const RelativeBias* relative_bias(const BiasScheme& scheme) {
       scheme);
 }
 
+const PositionBias* position_bias(const BiasScheme& scheme) {
+  return std::visit(
+      [](const auto& s) -> const PositionBias* {
+        using S = std::decay_t<decltype(s)>;
+        if constexpr (std::is_same_v<S, PositionBiasRef>) {
+          if (!s) throw Error("BiasScheme", "PositionBiasRef", "null", "a scheme object");
+          return s.get();
+        } else if constexpr (std::is_base_of_v<PositionBias, S>) {
+          return &s;
+        } else {
+          return nullptr;
+        }
+      },
+      scheme);
+}
+
 std::int64_t bias_heads(const BiasScheme& scheme) {
   if (const auto* nope = std::get_if<NoPE>(&scheme)) return nope->heads;
-  if (const auto* fire = std::get_if<FireParams>(&scheme)) return fire->heads();
-  if (const auto* tupe = std::get_if<TupeParams>(&scheme)) return tupe->heads();
+  if (const PositionBias* pb = position_bias(scheme)) return pb->heads();
   return relative_bias(scheme)->heads();
 }
 
 std::int64_t bias_parameter_count(const BiasScheme& scheme) {
   if (std::holds_alternative<NoPE>(scheme)) return 0;
-  if (const auto* fire = std::get_if<FireParams>(&scheme)) {
-    return static_cast<std::int64_t>(fire->w1().size() + fire->b1().size() + fire->w2().size() + fire->b2().size()) + 2;
-  }
-  if (const auto* tupe = std::get_if<TupeParams>(&scheme)) {
-    return static_cast<std::int64_t>(tupe->table().size() + tupe->u_q().size() + tupe->u_k().size() +
-                                     tupe->theta1().size() + tupe->theta2().size());
-  }
+  if (const PositionBias* pb = position_bias(scheme)) return pb->parameter_count();
   return relative_bias(scheme)->parameter_count();
 }
 
@@ -289,8 +299,10 @@ void check_head(const BiasScheme& scheme, std::int64_t head) {
 
 double bias_value(const BiasScheme& scheme, std::int64_t head, std::int64_t r) {
   check_head(scheme, head);
-  if (std::holds_alternative<FireParams>(scheme) || std::holds_alternative<TupeParams>(scheme)) {
-    throw Error("bias_value", "scheme", std::holds_alternative<FireParams>(scheme) ? "FIRE" : "TUPE",
+  if (const PositionBias* pb = position_bias(scheme)) {
+    std::string name(pb->scheme_name());  // shown as the papers write it: FIRE, TUPE
+    std::transform(name.begin(), name.end(), name.begin(), [](unsigned char c) { return std::toupper(c); });
+    throw Error("bias_value", "scheme", name,
                 "a scheme of the relative position only (this one needs the positions: "
                 "bias_value(scheme, head, q_position, k_position))");
   }
@@ -299,11 +311,7 @@ double bias_value(const BiasScheme& scheme, std::int64_t head, std::int64_t r) {
 
 double bias_value(const BiasScheme& scheme, std::int64_t head, std::int64_t q_position, std::int64_t k_position) {
   check_head(scheme, head);
-  if (const auto* fire = std::get_if<FireParams>(&scheme)) {
-    return fire->mlp(head, fire->normalized_distance(q_position, k_position)) + 0.0;
-  }
-  if (const auto* tupe = std::get_if<TupeParams>(&scheme))
-    return detail::tupe_value(*tupe, head, q_position, k_position) + 0.0;
+  if (const PositionBias* pb = position_bias(scheme)) return pb->value(head, q_position, k_position) + 0.0;
   return signed_bias_value(scheme, static_cast<std::size_t>(head), k_position - q_position) + 0.0;
 }
 
@@ -323,9 +331,8 @@ BiasEvaluator::BiasEvaluator(const BiasScheme& scheme, std::int64_t min_relative
                 ">= min_relative = " + std::to_string(min_relative));
   }
   const std::int64_t width = max_relative - min_relative + 1;
-  // Nothing to tabulate (NoPE), not a function of k − q alone (FIRE), or too wide.
-  if (zero_ || std::holds_alternative<FireParams>(scheme) || std::holds_alternative<TupeParams>(scheme) ||
-      width > kMaxTableEntries / heads_) {
+  // Nothing to tabulate (NoPE), not a function of k − q alone, or too wide.
+  if (zero_ || position_bias(scheme) != nullptr || width > kMaxTableEntries / heads_) {
     return;
   }
   min_relative_ = min_relative;
@@ -460,63 +467,21 @@ void kerple_derivatives(const KerpleParams& params, std::int64_t head, std::int6
 
 // ------------------------------------------------------------------------------ materialise
 
-namespace {
-
-// FIRE: per query, x and the piece of every key once, then each head's row by one multiply-add
-// per element (fp64, rounded once).
-void materialize_fire(const FireParams& fire, const Positions& q_positions, const Positions& k_positions,
-                      const detail::ScoreGrid& g, TensorView out) {
-  const std::int64_t rows = g.batch * g.q_len;
-  const int threads = detail::threads_for(rows * g.k_len * g.heads * 4);
-#pragma omp parallel num_threads(threads)
-  {
-    std::vector<double> x(static_cast<std::size_t>(g.k_len));
-    std::vector<std::int64_t> piece(x.size());
-#pragma omp for schedule(static)
-    for (std::int64_t r = 0; r < rows; ++r) {
-      const std::int64_t b = r / g.q_len, i = r % g.q_len, q = q_positions.at(b, i);
-      const std::vector<std::int64_t> keys = detail::row_positions(k_positions, b, g.k_len);
-      detail::fire_rows(fire, q, keys.data(), g.k_len, x.data(), piece.data());
-      for (std::int64_t h = 0; h < g.heads; ++h) {
-        const std::int64_t offset = g.offset(b, h, i);
-        auto value = [&](std::size_t at) {
-          return fire.slope(piece[at], h) * x[at] + fire.intercept(piece[at], h) + 0.0;
-        };
-        if (out.dtype() == DType::kF32 && g.k_stride == 1) {
-          float* dst = static_cast<float*>(out.data()) + offset;
-          for (std::int64_t j = 0; j < g.k_len; ++j) dst[j] = static_cast<float>(value(static_cast<std::size_t>(j)));
-          continue;
-        }
-        for (std::int64_t j = 0; j < g.k_len; ++j) {
-          detail::store(out.data(), out.dtype(), offset + j * g.k_stride, value(static_cast<std::size_t>(j)));
-        }
-      }
-    }
-  }
-}
-
-}  // namespace
-
 void bias_materialize(const BiasScheme& scheme, const Positions& q_positions, const Positions& k_positions,
                       TensorView out) {
   detail::init_dispatch();
   const detail::ScoreGrid g = detail::check_scores("bias_materialize", "out", ConstTensorView(out), bias_heads(scheme),
                                                    q_positions, k_positions);
   detail::check_writable("bias_materialize", "out", ConstTensorView(out));
-  if (const auto* tupe = std::get_if<TupeParams>(&scheme); tupe != nullptr && g.q_len * g.k_len > 0) {
-    detail::check_tupe_positions("bias_materialize", *tupe, q_positions, k_positions);
-  }
+  const PositionBias* pb = position_bias(scheme);
+  if (pb != nullptr && g.q_len * g.k_len > 0) pb->check_positions("bias_materialize", q_positions, k_positions);
   if (detail::use_reference() || out.dtype() == DType::kF64) {
     ref::bias_materialize(scheme, q_positions, k_positions, out);
     return;
   }
   if (g.batch * g.heads * g.q_len * g.k_len == 0) return;
-  if (const auto* fire = std::get_if<FireParams>(&scheme)) {
-    materialize_fire(*fire, q_positions, k_positions, g, out);
-    return;
-  }
-  if (const auto* tupe = std::get_if<TupeParams>(&scheme)) {
-    detail::materialize_tupe(*tupe, q_positions, k_positions, g, out);
+  if (pb != nullptr) {
+    pb->materialize(q_positions, k_positions, out);
     return;
   }
   const BiasEvaluator eval = BiasEvaluator::for_positions(scheme, q_positions, k_positions, g.batch, g.q_len, g.k_len);

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "internal.hpp"
@@ -26,6 +27,12 @@ ScoreGrid check_scores(const char* where, const char* name, ConstTensorView scor
 // The f32 table of every head: out[h·count + t] = b_h(r_first + t) (reversed: b_h(r_first + count − 1 − t)),
 // with no −0. Tabulated in slices through a small fp64 buffer, so no call takes fresh pages.
 void tabulate_f32(const RelativeBias& bias, std::int64_t r_first, std::int64_t count, float* out, bool reversed);
+
+// grads[t] += flat[t]: a scheme's gradients in their own form, added in its registered order
+// (grads checked to have flat.size() entries).
+inline void add_flat(const std::vector<double>& flat, std::span<double> grads) {
+  for (std::size_t t = 0; t < flat.size(); ++t) grads[t] += flat[t];
+}
 
 // The positions of one batch row, gathered (positions.at(b, s) for s < len).
 std::vector<std::int64_t> row_positions(const Positions& positions, std::int64_t b, std::int64_t len);

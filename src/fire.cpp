@@ -274,4 +274,59 @@ void fire_backward(const FireParams& params, const Positions& q_positions, const
   detail::fire_contract_moments(params, s0.data(), s1.data(), grads);
 }
 
+// ------------------------------------------------------------------------------ PositionBias
+
+std::int64_t FireParams::parameter_count() const {
+  return static_cast<std::int64_t>(w1_.size() + b1_.size() + w2_.size() + b2_.size()) + 2;
+}
+
+double FireParams::value(std::int64_t head, std::int64_t q_position, std::int64_t k_position) const {
+  return mlp(head, normalized_distance(q_position, k_position));
+}
+
+void FireParams::backward(const Positions& q_positions, const Positions& k_positions, ConstTensorView d_scores,
+                          std::span<double> grads) const {
+  detail::check_gradient_size("FireParams::backward", "grads", grads.size(), parameter_count());
+  FireGradients parts(*this);
+  fire_backward(*this, q_positions, k_positions, d_scores, parts);
+  detail::add_flat(parts.flat(), grads);
+}
+
+// Per query, x and the piece of every key once, then each head's row by one multiply-add per
+// element (fp64, rounded once).
+void FireParams::materialize(const Positions& q_positions, const Positions& k_positions, TensorView out) const {
+  detail::init_dispatch();
+  const detail::ScoreGrid g =
+      detail::check_scores("FireParams::materialize", "out", ConstTensorView(out), heads_, q_positions, k_positions);
+  detail::check_writable("FireParams::materialize", "out", ConstTensorView(out));
+  const FireParams& fire = *this;
+  const std::int64_t rows = g.batch * g.q_len;
+  const int threads = detail::threads_for(rows * g.k_len * g.heads * 4);
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<double> x(static_cast<std::size_t>(g.k_len));
+    std::vector<std::int64_t> piece(x.size());
+#pragma omp for schedule(static)
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const std::int64_t b = r / g.q_len, i = r % g.q_len, q = q_positions.at(b, i);
+      const std::vector<std::int64_t> keys = detail::row_positions(k_positions, b, g.k_len);
+      detail::fire_rows(fire, q, keys.data(), g.k_len, x.data(), piece.data());
+      for (std::int64_t h = 0; h < g.heads; ++h) {
+        const std::int64_t offset = g.offset(b, h, i);
+        auto value = [&](std::size_t at) {
+          return fire.slope(piece[at], h) * x[at] + fire.intercept(piece[at], h) + 0.0;
+        };
+        if (out.dtype() == DType::kF32 && g.k_stride == 1) {
+          float* dst = static_cast<float*>(out.data()) + offset;
+          for (std::int64_t j = 0; j < g.k_len; ++j) dst[j] = static_cast<float>(value(static_cast<std::size_t>(j)));
+          continue;
+        }
+        for (std::int64_t j = 0; j < g.k_len; ++j) {
+          detail::store(out.data(), out.dtype(), offset + j * g.k_stride, value(static_cast<std::size_t>(j)));
+        }
+      }
+    }
+  }
+}
+
 }  // namespace posenc

@@ -312,4 +312,36 @@ void TupeEvaluator::add_row(std::int64_t head, std::int64_t q_position, std::int
   }
 }
 
+// ------------------------------------------------------------------------------ PositionBias
+
+std::int64_t TupeParams::parameter_count() const {
+  return static_cast<std::int64_t>(table_.size() + u_q_.size() + u_k_.size() + theta1_.size() + theta2_.size());
+}
+
+double TupeParams::value(std::int64_t head, std::int64_t q_position, std::int64_t k_position) const {
+  return detail::tupe_value(*this, head, q_position, k_position);
+}
+
+void TupeParams::check_positions(const char* where, const Positions& q_positions, const Positions& k_positions) const {
+  detail::check_tupe_positions(where, *this, q_positions, k_positions);
+}
+
+void TupeParams::backward(const Positions& q_positions, const Positions& k_positions, ConstTensorView d_scores,
+                          std::span<double> grads) const {
+  detail::check_gradient_size("TupeParams::backward", "grads", grads.size(), parameter_count());
+  TupeGradients parts(*this);
+  tupe_backward(*this, q_positions, k_positions, d_scores, parts);
+  detail::add_flat(parts.flat(), grads);
+}
+
+void TupeParams::materialize(const Positions& q_positions, const Positions& k_positions, TensorView out) const {
+  detail::init_dispatch();
+  const detail::ScoreGrid g =
+      detail::check_scores("TupeParams::materialize", "out", ConstTensorView(out), heads_, q_positions, k_positions);
+  detail::check_writable("TupeParams::materialize", "out", ConstTensorView(out));
+  if (g.batch * g.heads * g.q_len * g.k_len == 0) return;
+  check_positions("TupeParams::materialize", q_positions, k_positions);
+  detail::materialize_tupe(*this, q_positions, k_positions, g, out);
+}
+
 }  // namespace posenc

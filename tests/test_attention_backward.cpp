@@ -8,13 +8,17 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <memory>
+#include <span>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
 
 #include "../src/kernels/attention/attention_kernels.hpp"  // attn_gemm: the matrix kernel under test
+#include "attention/score_term.hpp"                        // ScoreTerm, which a held PositionBias forwards
 #include "attention_testing.hpp"
 #include "testing.hpp"
 
@@ -354,6 +358,82 @@ TEST(Attention, AccurateAtFourThousandTokens) {
   spec.groups = {{2, {}, T5BiasParams(2, 32, 128, true, t5_table)}, {2, {}, FireParams::init(2, 16, 3)}};
   spec.mask.window_left = 1000;
   expect_accurate(p, spec, "T5, FIRE; sliding window of 1000");
+}
+
+// A scheme of both positions held through PositionBiasRef, the open end of BiasScheme: it
+// forwards every hook to the scheme it holds, so the library must reach it only through the
+// interface (scheme.hpp) for the results to keep their bits.
+class HeldPositionBias final : public PositionBias {
+ public:
+  explicit HeldPositionBias(BiasScheme held) : held_(std::move(held)), bias_(*position_bias(held_)) {}
+  std::string_view scheme_name() const override { return bias_.scheme_name(); }
+  std::int64_t heads() const override { return bias_.heads(); }
+  std::int64_t parameter_count() const override { return bias_.parameter_count(); }
+  double value(std::int64_t head, std::int64_t q_position, std::int64_t k_position) const override {
+    return bias_.value(head, q_position, k_position);
+  }
+  void check_positions(const char* where, const Positions& q, const Positions& k) const override {
+    bias_.check_positions(where, q, k);
+  }
+  void reference_backward(const Positions& q, const Positions& k, ConstTensorView ds,
+                          std::span<double> grads) const override {
+    bias_.reference_backward(q, k, ds, grads);
+  }
+  void backward(const Positions& q, const Positions& k, ConstTensorView ds, std::span<double> grads) const override {
+    bias_.backward(q, k, ds, grads);
+  }
+  void materialize(const Positions& q, const Positions& k, TensorView out) const override {
+    bias_.materialize(q, k, out);
+  }
+  std::unique_ptr<detail::ScoreTerm> score_term(const detail::AttentionPlan& plan, std::int64_t group) const override {
+    return bias_.score_term(plan, group);
+  }
+
+ private:
+  BiasScheme held_;
+  const PositionBias& bias_;
+};
+
+TEST(Attention, APositionBiasHeldByReferenceRunsAsItself) {
+  const std::int64_t dim = 32;
+  const Problem p = make_problem(2, 29, 41, 4, 2, dim);
+  const BiasScheme fire = FireParams::init(2, 8, 5, 0.7, 16.0), tupe = tupe_with_cls(2, dim, 16, 60, 4);
+  const auto held = [](const BiasScheme& s) {
+    return BiasScheme(PositionBiasRef(std::make_shared<HeldPositionBias>(s)));
+  };
+  AttentionSpec direct = spec_of(p), through = spec_of(p);
+  direct.mask.causal = through.mask.causal = true;
+  direct.groups = {{2, {}, fire}, {2, {}, tupe}};
+  through.groups = {{2, {}, held(fire)}, {2, {}, held(tupe)}};
+  const Attention a(direct), b(through);
+  const std::vector<double> d_out = random_values(static_cast<std::size_t>(p.q_count()));
+  for (const bool reference : {false, true}) {
+    SCOPED_TRACE(reference ? "reference" : "fused");
+    const Grads x = run_backward(p, a, d_out, reference), y = run_backward(p, b, d_out, reference);
+    EXPECT_EQ(x.dq, y.dq);
+    EXPECT_EQ(x.dk, y.dk);
+    EXPECT_EQ(x.dv, y.dv);
+    for (std::size_t g = 0; g < 2; ++g) EXPECT_EQ(x.params.groups[g].bias, y.params.groups[g].bias);
+  }
+  EXPECT_EQ(run_forward(p, a, 0).out, run_forward(p, b, 0).out);
+  expect_backward_matches_reference(p, b, d_out);
+  // The bias API reads it through the same interface.
+  const Positions pos = Positions::range(7);
+  for (const BiasScheme& s : {fire, tupe}) {
+    std::vector<float> x(2 * 7 * 7), y(x.size());
+    bias_materialize(s, pos, pos, TensorView::of(x.data(), {2, 7, 7}));
+    bias_materialize(held(s), pos, pos, TensorView::of(y.data(), {2, 7, 7}));
+    EXPECT_EQ(x, y);
+    EXPECT_EQ(bias_value(s, 1, 5, 2), bias_value(held(s), 1, 5, 2));
+    EXPECT_EQ(bias_parameter_count(s), bias_parameter_count(held(s)));
+  }
+  expect_error(
+      [&] {
+        bias_materialize(held(tupe), Positions::range(61), Positions::range(61),
+                         TensorView::of(std::vector<float>(2 * 61 * 61).data(), {2, 61, 61}));
+      },
+      {"bias_materialize: position = 60", "max_len = 60"});
+  expect_error([] { bias_heads(BiasScheme(PositionBiasRef())); }, {"PositionBiasRef = null", "a scheme object"});
 }
 
 TEST(Attention, BitwiseIdenticalForAnyThreadCount) {

@@ -34,7 +34,9 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <span>
+#include <string_view>
 #include <variant>
 #include <vector>
 
@@ -176,7 +178,7 @@ class KerpleParams : public RelativeBias {
 // after the query (masked there) get the value of their mirror image, and bidirectional models
 // can use it as is. f_θ is piecewise linear in x (its kinks at x = −B1[k]/W1[k]); posenc evaluates
 // it per segment, in fp64, which makes a bias one multiply-add per head.
-class FireParams {
+class FireParams : public PositionBias {
  public:
   // w1, b1: [hidden]; w2: [heads, hidden] row-major; b2: [heads]. c > 0, threshold L > 0, all
   // finite.
@@ -187,7 +189,7 @@ class FireParams {
   static FireParams init(std::int64_t heads, std::int64_t hidden = 32, std::uint64_t seed = 0, double c = 1.0,
                          double threshold = 512.0);
 
-  std::int64_t heads() const { return heads_; }
+  std::int64_t heads() const override { return heads_; }
   std::int64_t hidden() const { return static_cast<std::int64_t>(w1_.size()); }
   const std::vector<double>& w1() const { return w1_; }
   const std::vector<double>& b1() const { return b1_; }
@@ -213,6 +215,17 @@ class FireParams {
   bool active(std::int64_t piece, std::int64_t unit) const {
     return active_[static_cast<std::size_t>(piece * hidden() + unit)] != 0;
   }
+
+  // As a PositionBias (scheme.hpp): θ = [W1 | B1 | W2 | B2 | c | L] (FireGradients::flat).
+  std::string_view scheme_name() const override { return "fire"; }
+  std::int64_t parameter_count() const override;
+  double value(std::int64_t head, std::int64_t q_position, std::int64_t k_position) const override;
+  void reference_backward(const Positions& q_positions, const Positions& k_positions, ConstTensorView d_scores,
+                          std::span<double> grads) const override;
+  void backward(const Positions& q_positions, const Positions& k_positions, ConstTensorView d_scores,
+                std::span<double> grads) const override;
+  void materialize(const Positions& q_positions, const Positions& k_positions, TensorView out) const override;
+  std::unique_ptr<detail::ScoreTerm> score_term(const detail::AttentionPlan& plan, std::int64_t group) const override;
 
  private:
   std::int64_t heads_;
@@ -243,7 +256,7 @@ struct FireGradients {
 // With the [CLS] reset (their "untied [CLS]"), a token at position 0 is a [CLS] token whose
 // positional correlations are replaced by learned per-head values: b = θ1_h when the query is at
 // position 0, b = θ2_h when only the key is.
-class TupeParams {
+class TupeParams : public PositionBias {
  public:
   TupeParams(std::int64_t heads, std::int64_t head_dim, std::int64_t d_model, std::vector<double> table,
              std::vector<double> u_q, std::vector<double> u_k, bool cls_reset = false, std::vector<double> theta1 = {},
@@ -252,7 +265,7 @@ class TupeParams {
   static TupeParams init(std::int64_t heads, std::int64_t head_dim, std::int64_t d_model, std::int64_t max_len,
                          bool cls_reset = false, double std = 0.02, std::uint64_t seed = 0);
 
-  std::int64_t heads() const { return heads_; }
+  std::int64_t heads() const override { return heads_; }
   std::int64_t head_dim() const { return head_dim_; }
   std::int64_t d_model() const { return d_model_; }
   std::int64_t max_len() const { return static_cast<std::int64_t>(table_.size()) / d_model_; }
@@ -264,6 +277,19 @@ class TupeParams {
   const std::vector<double>& theta2() const { return theta2_; }
   // p[position]·U_h for one head (U = U^Q or U^K), D values, fp64.
   std::vector<double> project(const std::vector<double>& u, std::int64_t position, std::int64_t head) const;
+
+  // As a PositionBias (scheme.hpp): θ = [table | U^Q | U^K | θ1 | θ2] (TupeGradients::flat);
+  // every position must be < max_len().
+  std::string_view scheme_name() const override { return "tupe"; }
+  std::int64_t parameter_count() const override;
+  double value(std::int64_t head, std::int64_t q_position, std::int64_t k_position) const override;
+  void check_positions(const char* where, const Positions& q_positions, const Positions& k_positions) const override;
+  void reference_backward(const Positions& q_positions, const Positions& k_positions, ConstTensorView d_scores,
+                          std::span<double> grads) const override;
+  void backward(const Positions& q_positions, const Positions& k_positions, ConstTensorView d_scores,
+                std::span<double> grads) const override;
+  void materialize(const Positions& q_positions, const Positions& k_positions, TensorView out) const override;
+  std::unique_ptr<detail::ScoreTerm> score_term(const detail::AttentionPlan& plan, std::int64_t group) const override;
 
  private:
   std::int64_t heads_, head_dim_, d_model_;
@@ -297,22 +323,25 @@ struct TupeGradients {
 };
 
 // ---------------------------------------------------------------------------------- schemes
-// RelativeBiasRef: any other scheme of the relative position only (scheme.hpp), such as the
-// registry's (registry.hpp) — the open end of this list.
-using BiasScheme = std::variant<NoPE, AlibiParams, T5BiasParams, KerpleParams, FireParams, TupeParams, RelativeBiasRef>;
+// RelativeBiasRef and PositionBiasRef: any other scheme of the relative position only, or of both
+// positions (scheme.hpp), such as the registry's (registry.hpp) — the open ends of this list.
+using BiasScheme = std::variant<NoPE, AlibiParams, T5BiasParams, KerpleParams, FireParams, TupeParams, RelativeBiasRef,
+                                PositionBiasRef>;
 
 std::int64_t bias_heads(const BiasScheme& scheme);
 // How many learned parameters the scheme has, flat in its registered parameter order
 // (GroupGradients::bias): ALiBi's slopes, T5's table, Kerple's [r1 | r2], a RelativeBiasRef's θ,
 // FIRE's and TUPE's as FireGradients::flat and TupeGradients::flat order them; 0 for NoPE.
 std::int64_t bias_parameter_count(const BiasScheme& scheme);
-// The scheme as a RelativeBias (ALiBi, T5, Kerple and every RelativeBiasRef), or nullptr (NoPE,
-// FIRE, TUPE). Throws posenc::Error for a null RelativeBiasRef.
+// The scheme as a RelativeBias (ALiBi, T5, Kerple and every RelativeBiasRef) or as a
+// PositionBias (FIRE, TUPE and every PositionBiasRef), or nullptr (NoPE and the other family).
+// Throws posenc::Error for a null RelativeBiasRef or PositionBiasRef.
 const RelativeBias* relative_bias(const BiasScheme& scheme);
+const PositionBias* position_bias(const BiasScheme& scheme);
 // b(h, i, j) in fp64 for a query and a key position. h in [0, heads).
 double bias_value(const BiasScheme& scheme, std::int64_t head, std::int64_t q_position, std::int64_t k_position);
-// b(h, r) in fp64, r = key − query position, for the schemes that depend on r only (all but
-// FIRE and TUPE, for which it throws posenc::Error).
+// b(h, r) in fp64, r = key − query position, for the schemes that depend on r only (it throws
+// posenc::Error for a PositionBias).
 double bias_value(const BiasScheme& scheme, std::int64_t head, std::int64_t relative_position);
 
 // out[b, h, i, j] = b(h, k_pos(b, j) − q_pos(b, i)). out: [B, H, Sq, Sk] or [H, Sq, Sk], any
@@ -350,8 +379,8 @@ void tupe_backward(const TupeParams& params, const Positions& q_positions, const
 // The evaluator the fused attention calls inside its tile loop: per-head tables of b against the
 // relative positions a call can meet, [min_relative, max_relative], rounded once to f32, so a row
 // of biases is a copy (contiguous keys) or a gather. Relative positions outside the range, ranges
-// too large to tabulate (more than 2^24 entries over all heads), FIRE and TUPE (which depend on
-// the positions themselves) are evaluated directly.
+// too large to tabulate (more than 2^24 entries over all heads) and PositionBias schemes (which
+// depend on the positions themselves) are evaluated directly.
 class BiasEvaluator {
  public:
   BiasEvaluator(const BiasScheme& scheme, std::int64_t min_relative, std::int64_t max_relative);

@@ -52,6 +52,11 @@ void fire_backward(const FireParams& params, const Positions& q_positions, const
                    ConstTensorView d_scores, FireGradients& grads);
 void tupe_backward(const TupeParams& params, const Positions& q_positions, const Positions& k_positions,
                    ConstTensorView d_scores, TupeGradients& grads);
+// Any BiasScheme: d_params += the gradient of its learned parameters, flat in its registered order
+// (bias_parameter_count entries; GroupGradients::bias): each scheme's own reference above, a
+// PositionBias's reference_backward. Nothing for NoPE.
+void bias_backward(const BiasScheme& scheme, const Positions& q_positions, const Positions& k_positions,
+                   ConstTensorView d_scores, std::span<double> d_params);
 
 void shaw_add_score_term(const ShawParams& params, ConstTensorView q, const Positions& q_positions,
                          const Positions& k_positions, TensorView scores);

@@ -1,5 +1,7 @@
-// posenc/scheme.hpp — the interface of a positional score bias that depends on the head and the
-// relative position only, and through which the library and the fused attention use it.
+// posenc/scheme.hpp — the interfaces of the two families of positional score biases, through
+// which the library and the fused attention use them without naming them.
+//
+// RelativeBias: a bias of the head and the relative position only,
 //
 //   score(h, i, j) = q_i · k_j · scale + b_h(r),   r = p'_j − p_i  (key minus query position)
 //
@@ -13,6 +15,11 @@
 //   - the generic test matrix (tests/test_schemes.cpp) checks every registered scheme.
 // A new scheme of this family is one class implementing this interface in its own file and one
 // line in the registry (registry.hpp): see src/schemes/sandwich.cpp.
+//
+// PositionBias: a bias of the head and both positions themselves, b_h(p_i, p'_j) (FIRE, TUPE),
+// which no table over r holds. Such a scheme brings its fp64 definition (value, and the gradient
+// over a block of score gradients, what the references read) and its fast forms: the
+// materialised bias, its backward, and its term in the fused attention.
 #pragma once
 
 #include <cstdint>
@@ -21,7 +28,15 @@
 #include <string_view>
 #include <vector>
 
+#include "posenc/positions.hpp"
+#include "posenc/tensor.hpp"
+
 namespace posenc {
+
+namespace detail {
+class ScoreTerm;
+struct AttentionPlan;
+}  // namespace detail
 
 class RelativeBias {
  public:
@@ -53,5 +68,43 @@ class RelativeBias {
 
 // A scheme of this family held by the library (HeadGroup::bias, BiasScheme): shared, immutable.
 using RelativeBiasRef = std::shared_ptr<const RelativeBias>;
+
+class PositionBias {
+ public:
+  virtual ~PositionBias() = default;
+
+  // The registry name (registry.hpp), e.g. "fire".
+  virtual std::string_view scheme_name() const = 0;
+  virtual std::int64_t heads() const = 0;
+  // How many learned parameters θ the scheme has, flat in its registered order.
+  virtual std::int64_t parameter_count() const { return 0; }
+  // b_h(p_i, p'_j) in fp64, the definition, for head in [0, heads()) (the caller checks it).
+  // Throws posenc::Error for positions the scheme cannot take, as check_positions does.
+  virtual double value(std::int64_t head, std::int64_t q_position, std::int64_t k_position) const = 0;
+  // Throws posenc::Error, naming `where`, when a position of either grid is one the scheme cannot
+  // take (TUPE: at or past its table); every position is fine by default.
+  virtual void check_positions(const char* /* where */, const Positions& /* q_positions */,
+                               const Positions& /* k_positions */) const {}
+
+  // grads[t] += Σ d_scores[b, h, i, j]·∂b_h(q_pos(b, i), k_pos(b, j))/∂θ_t over a block of score
+  // gradients ([B, H, Sq, Sk] or [H, Sq, Sk], any dtype; grads has parameter_count() entries):
+  // reference_backward by the definition in fp64 (the attention reference reads it), backward by
+  // the fast path, deterministic for any thread count. Both validate their arguments.
+  virtual void reference_backward(const Positions& q_positions, const Positions& k_positions, ConstTensorView d_scores,
+                                  std::span<double> grads) const = 0;
+  virtual void backward(const Positions& q_positions, const Positions& k_positions, ConstTensorView d_scores,
+                        std::span<double> grads) const = 0;
+  // out[b, h, i, j] = b_h(q_pos(b, i), k_pos(b, j)) by the fast path (bias_materialize calls it
+  // with `out` checked: [B, H, Sq, Sk] or [H, Sq, Sk], writable, not fp64).
+  virtual void materialize(const Positions& q_positions, const Positions& k_positions, TensorView out) const = 0;
+  // The fused attention's form of the bias of head group `group` of a call (HeadGroup::bias), its
+  // parameter gradients going to GroupGradients::bias. It checks what it needs of the call and
+  // throws posenc::Error naming the parameter otherwise.
+  virtual std::unique_ptr<detail::ScoreTerm> score_term(const detail::AttentionPlan& plan,
+                                                        std::int64_t group) const = 0;
+};
+
+// A scheme of this family held by the library (HeadGroup::bias, BiasScheme): shared, immutable.
+using PositionBiasRef = std::shared_ptr<const PositionBias>;
 
 }  // namespace posenc

@@ -346,13 +346,15 @@ std::vector<HeadGroup> AttentionPlan::plan_head_groups() {
 }
 
 // The score terms of the groups (score_term.hpp), in the order they add to a tile. A group's
-// tabulated bias is added before them; FIRE and TUPE, the group biases that are terms, come
-// first, so that a row's logit is summed in the same order whichever form its bias takes.
+// tabulated bias is added before them; a bias of both positions (PositionBias) is a term of its
+// own and comes first, so that a row's logit is summed in the same order whichever form its bias
+// takes. The plan's own spec holds the groups (a term may keep a pointer to its scheme).
 void AttentionPlan::plan_terms(const std::vector<HeadGroup>& groups) {
-  for (const BuiltinTerm& builtin : builtin_terms()) {
-    if (auto term = builtin.make(*this, groups)) terms.push_back(std::move(term));
-  }
   for (std::size_t g = 0; g < groups.size(); ++g) {
+    const std::optional<BiasScheme>& bias = spec.groups.empty() ? groups[g].bias : spec.groups[g].bias;
+    if (const PositionBias* position = bias ? position_bias(*bias) : nullptr) {
+      terms.push_back(position->score_term(*this, static_cast<std::int64_t>(g)));
+    }
     for (std::size_t t = 0; t < groups[g].terms.size(); ++t) {
       const std::string name = "groups[" + std::to_string(g) + "].terms[" + std::to_string(t) + "]";
       const AttentionTermRef& term = groups[g].terms[t];

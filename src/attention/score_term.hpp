@@ -155,17 +155,6 @@ class ScoreTerm {
   virtual void reduce(std::span<const TermUnit> /* units */, AttentionGradients& /* grads */) const {}
 };
 
-// A BiasScheme alternative that is a score term rather than a table (FIRE, TUPE:
-// src/schemes/*_term.cpp). The engine reads them through builtin_terms
-// (src/schemes/builtin_terms.cpp), in that order, and names none of them; their gradients are
-// GroupGradients::bias.
-struct BuiltinTerm {
-  // The term over every group whose bias is the scheme, or null when none is; it checks the
-  // groups against the call.
-  std::unique_ptr<ScoreTerm> (*make)(const AttentionPlan& p, const std::vector<HeadGroup>& groups);
-};
-std::span<const BuiltinTerm> builtin_terms();
-
 // Shared by the terms' tables (score_term.cpp): C = A·B for large operands, in parallel with
 // the same bits for any thread count; [rows][heads][dp] → [heads][rows][dp].
 void blocked_gemm(const float* a, std::int64_t a_row, std::int64_t a_depth, const float* b, std::int64_t ldb, float* c,

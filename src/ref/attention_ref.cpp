@@ -519,27 +519,9 @@ void attention_backward(const Attention& attention, ConstTensorView out, ConstTe
       if (!bias || lq * lk == 0) continue;
       const ConstTensorView ds = TensorView::of(ds_groups[g].data(), {p.groups[g].heads, lq, lk});
       GroupGradients& gg = grads->groups[g];
-      // Each scheme's gradient in its own form, then flat in its registered order (GroupGradients::bias).
-      std::vector<double> flat;
-      if (const auto* fire = std::get_if<FireParams>(&*bias)) {
-        FireGradients fg(*fire);
-        ref::fire_backward(*fire, qp, kp, ds, fg);
-        flat = fg.flat();
-      } else if (const auto* tupe = std::get_if<TupeParams>(&*bias)) {
-        TupeGradients tg(*tupe);
-        ref::tupe_backward(*tupe, qp, kp, ds, tg);
-        flat = tg.flat();
-      } else if (const auto* kerple = std::get_if<KerpleParams>(&*bias)) {
-        const auto h = static_cast<std::size_t>(kerple->heads());
-        flat.assign(2 * h, 0.0);
-        ref::kerple_backward(*kerple, qp, kp, ds, std::span(flat).first(h), std::span(flat).subspan(h));
-      } else {
-        flat.assign(gg.bias.size(), 0.0);
-        if (const auto* alibi = std::get_if<AlibiParams>(&*bias)) ref::alibi_backward(*alibi, qp, kp, ds, flat);
-        if (const auto* t5 = std::get_if<T5BiasParams>(&*bias)) ref::t5_bias_backward(*t5, qp, kp, ds, flat);
-        if (std::holds_alternative<RelativeBiasRef>(*bias))
-          ref::relative_bias_backward(*relative_bias(*bias), qp, kp, ds, flat);
-      }
+      // The sequence's gradient on its own, then added: sequences sum in order.
+      std::vector<double> flat(gg.bias.size(), 0.0);
+      ref::bias_backward(*bias, qp, kp, ds, flat);
       for (std::size_t t = 0; t < flat.size(); ++t) gg.bias[t] += flat[t];
     }
   }

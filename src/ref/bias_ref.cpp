@@ -88,4 +88,21 @@ void relative_bias_backward(const RelativeBias& scheme, const Positions& q_posit
   });
 }
 
+void bias_backward(const BiasScheme& scheme, const Positions& q_positions, const Positions& k_positions,
+                   ConstTensorView d_scores, std::span<double> d_params) {
+  detail::check_gradient_size("bias_backward", "d_params", d_params.size(), bias_parameter_count(scheme));
+  if (const PositionBias* pb = position_bias(scheme)) {
+    pb->reference_backward(q_positions, k_positions, d_scores, d_params);
+  } else if (const auto* alibi = std::get_if<AlibiParams>(&scheme)) {
+    ref::alibi_backward(*alibi, q_positions, k_positions, d_scores, d_params);
+  } else if (const auto* t5 = std::get_if<T5BiasParams>(&scheme)) {
+    ref::t5_bias_backward(*t5, q_positions, k_positions, d_scores, d_params);
+  } else if (const auto* kerple = std::get_if<KerpleParams>(&scheme)) {
+    const auto h = static_cast<std::size_t>(kerple->heads());
+    ref::kerple_backward(*kerple, q_positions, k_positions, d_scores, d_params.first(h), d_params.subspan(h));
+  } else if (const RelativeBias* relative = relative_bias(scheme)) {
+    ref::relative_bias_backward(*relative, q_positions, k_positions, d_scores, d_params);
+  }
+}
+
 }  // namespace posenc::ref

@@ -55,3 +55,15 @@ void fire_backward(const FireParams& params, const Positions& q_positions, const
 }
 
 }  // namespace posenc::ref
+
+namespace posenc {
+
+void FireParams::reference_backward(const Positions& q_positions, const Positions& k_positions,
+                                    ConstTensorView d_scores, std::span<double> grads) const {
+  detail::check_gradient_size("FireParams::reference_backward", "grads", grads.size(), parameter_count());
+  FireGradients parts(*this);
+  ref::fire_backward(*this, q_positions, k_positions, d_scores, parts);
+  detail::add_flat(parts.flat(), grads);
+}
+
+}  // namespace posenc

@@ -52,3 +52,15 @@ void tupe_backward(const TupeParams& params, const Positions& q_positions, const
 }
 
 }  // namespace posenc::ref
+
+namespace posenc {
+
+void TupeParams::reference_backward(const Positions& q_positions, const Positions& k_positions,
+                                    ConstTensorView d_scores, std::span<double> grads) const {
+  detail::check_gradient_size("TupeParams::reference_backward", "grads", grads.size(), parameter_count());
+  TupeGradients parts(*this);
+  ref::tupe_backward(*this, q_positions, k_positions, d_scores, parts);
+  detail::add_flat(parts.flat(), grads);
+}
+
+}  // namespace posenc

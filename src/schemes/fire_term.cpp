@@ -342,20 +342,15 @@ struct FireGroup {
 
 class FireTerm final : public GroupTerm<FireGroup> {
  public:
-  FireTerm(const AttentionPlan& p, const std::vector<HeadGroup>& groups) : GroupTerm(p) {
-    tables_.resize(groups.size());
-    for (std::size_t gi = 0; gi < groups.size(); ++gi) {
-      // The plan's own spec: `groups` is a local copy, and FireRows keeps a pointer.
-      const HeadGroup& grp = p.spec.groups.empty() ? groups[gi] : p.spec.groups[gi];
-      const FireParams* fire = grp.bias ? std::get_if<FireParams>(&*grp.bias) : nullptr;
-      if (fire == nullptr) continue;
-      FireGroup& g = tables_[gi];
-      g.rows = fire_rows_for(*fire, p.position_range);
-      g.heads = grp.heads;
-      g.pieces = static_cast<std::int64_t>(fire->kinks().size()) + 1;
-      g.slot = slots_;
-      slots_ += g.slot_size();
-    }
+  // The bias of group `group`: `fire` is the plan's own (FireRows keeps a pointer).
+  FireTerm(const AttentionPlan& p, std::int64_t group, const FireParams& fire) : GroupTerm(p) {
+    tables_.resize(p.group_first_head.size());
+    FireGroup& g = tables_[static_cast<std::size_t>(group)];
+    g.rows = fire_rows_for(fire, p.position_range);
+    g.heads = fire.heads();
+    g.pieces = static_cast<std::int64_t>(fire.kinks().size()) + 1;
+    g.slot = slots_;
+    slots_ += g.slot_size();
   }
 
   std::int64_t bytes() const override {
@@ -477,11 +472,12 @@ void FireTerm::reduce(std::span<const TermUnit> units, AttentionGradients& grads
 
 }  // namespace
 
-std::unique_ptr<ScoreTerm> make_fire_term(const AttentionPlan& p, const std::vector<HeadGroup>& groups) {
-  const bool any = std::any_of(groups.begin(), groups.end(), [](const HeadGroup& g) {
-    return g.bias && std::holds_alternative<FireParams>(*g.bias);
-  });
-  return any ? std::make_unique<FireTerm>(p, groups) : nullptr;
+}  // namespace posenc::detail
+
+namespace posenc {
+
+std::unique_ptr<detail::ScoreTerm> FireParams::score_term(const detail::AttentionPlan& plan, std::int64_t group) const {
+  return std::make_unique<detail::FireTerm>(plan, group, *this);
 }
 
-}  // namespace posenc::detail
+}  // namespace posenc

@@ -35,11 +35,10 @@ struct TupeTables {
 // backward: dPQ rows [rows][Dp], a tile's dPK [keys][Dp], the unit's dPK by position [count][G][Dp].
 enum Buffer { kPqT, kPq, kPk, kDpq, kDpk, kDpkPositions };
 
-const TupeParams* tupe_of(const HeadGroup& g) { return g.bias ? std::get_if<TupeParams>(&*g.bias) : nullptr; }
-
 class TupeTerm final : public GroupTerm<TupeTables> {
  public:
-  TupeTerm(const AttentionPlan& p, const std::vector<HeadGroup>& groups);
+  // The bias of group `group`, `params` the plan's own.
+  TupeTerm(const AttentionPlan& p, std::int64_t group, const TupeParams& params);
 
   bool merges_decode_heads() const override { return false; }
   std::int64_t bytes() const override {
@@ -89,22 +88,22 @@ class TupeTerm final : public GroupTerm<TupeTables> {
   void add_direct(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, const float* pq_rows, float* st,
                   TermState& s) const;
 
-  const std::vector<HeadGroup>& groups_;
+  const TupeParams& params_;
   std::int64_t first_ = 0, count_ = 0;
 };
 
 // Each position's projections for the call's position range, one f32 matrix product per table
 // (p·U, blocked_gemm); pq carries 1/sqrt(2D).
-TupeTerm::TupeTerm(const AttentionPlan& p, const std::vector<HeadGroup>& groups)
-    : GroupTerm(p), groups_(p.spec.groups) {
+TupeTerm::TupeTerm(const AttentionPlan& p, std::int64_t group, const TupeParams& params_in)
+    : GroupTerm(p), params_(params_in) {
   const std::int64_t dim = p.dim, dp = p.dim_padded;
   first_ = std::min(p.position_range.q_min, p.position_range.k_min);
   count_ = std::max(p.position_range.q_max, p.position_range.k_max) - first_ + 1;
   init_dispatch();
-  tables_.resize(groups.size());
-  for (std::size_t gi = 0; gi < groups.size(); ++gi) {
-    const TupeParams* params = tupe_of(groups[gi]);
-    if (params == nullptr) continue;
+  tables_.resize(p.group_first_head.size());
+  {
+    const auto gi = static_cast<std::size_t>(group);
+    const TupeParams* params = &params_;
     check_tupe_positions(AttentionPlan::kWhere, *params, *p.q_positions, *p.k_positions);
     if (params->head_dim() != dim) {
       throw Error(AttentionPlan::kWhere, ("groups[" + std::to_string(gi) + "].bias (TUPE) head_dim").c_str(),
@@ -112,7 +111,7 @@ TupeTerm::TupeTerm(const AttentionPlan& p, const std::vector<HeadGroup>& groups)
                   "the head_dim of q, " + std::to_string(dim) + " (its projections meet in the score tiles)");
     }
     TupeTables& t = tables_[gi];
-    const std::int64_t hg = groups[gi].heads, dm = params->d_model(), dmp = round_up(dm, kAttnAlign);
+    const std::int64_t hg = params->heads(), dm = params->d_model(), dmp = round_up(dm, kAttnAlign);
     const std::int64_t cols = hg * dp, hd = hg * dim;
     t.heads = hg;
     t.cls_reset = params->cls_reset();
@@ -332,7 +331,7 @@ void TupeTerm::reduce(std::span<const TermUnit> units, AttentionGradients& grads
   for (std::size_t gi = 0; gi < tables_.size(); ++gi) {
     const TupeTables& t = tables_[gi];
     if (t.heads == 0) continue;
-    const TupeParams& params = *tupe_of(groups_[gi]);
+    const TupeParams& params = params_;
     // GroupGradients::bias in the registered order: [table | U^Q | U^K | θ1 | θ2].
     double* const d_table = grads.groups[gi].bias.data();
     double* const d_uq = d_table + params.table().size();
@@ -409,9 +408,12 @@ void TupeTerm::reduce(std::span<const TermUnit> units, AttentionGradients& grads
 
 }  // namespace
 
-std::unique_ptr<ScoreTerm> make_tupe_term(const AttentionPlan& p, const std::vector<HeadGroup>& groups) {
-  const bool any = std::any_of(groups.begin(), groups.end(), [](const HeadGroup& g) { return tupe_of(g) != nullptr; });
-  return any ? std::make_unique<TupeTerm>(p, groups) : nullptr;
+}  // namespace posenc::detail
+
+namespace posenc {
+
+std::unique_ptr<detail::ScoreTerm> TupeParams::score_term(const detail::AttentionPlan& plan, std::int64_t group) const {
+  return std::make_unique<detail::TupeTerm>(plan, group, *this);
 }
 
-}  // namespace posenc::detail
+}  // namespace posenc

@@ -135,16 +135,14 @@ void for_each_head_run(const RowBlock& rb, Has&& has, Fn&& fn) {
     c = e;
   }
 }
-// A score term whose tables are per head group (Tables::used(): the group has the term).
+// A score term of one head group (HeadGroup::terms or the group's bias): its tables, and the
+// heads it serves.
 template <class Tables>
 class GroupTerm : public ScoreTerm {
  protected:
-  explicit GroupTerm(const AttentionPlan& p) : p_(p) {}
+  GroupTerm(const AttentionPlan& p, std::int64_t group) : p_(p), group_(group) {}
   std::int64_t group_of(std::int64_t h) const { return p_.head_group[static_cast<std::size_t>(h)]; }
-  const Tables* of_head(std::int64_t h) const {
-    const Tables& t = tables_[static_cast<std::size_t>(group_of(h))];
-    return t.used() ? &t : nullptr;
-  }
+  const Tables* of_head(std::int64_t h) const { return group_of(h) == group_ ? &table_ : nullptr; }
   std::int64_t local_head(std::int64_t h) const {
     return h - p_.group_first_head[static_cast<std::size_t>(group_of(h))];
   }
@@ -156,7 +154,8 @@ class GroupTerm : public ScoreTerm {
   }
 
   const AttentionPlan& p_;
-  std::vector<Tables> tables_;  // per group
+  std::int64_t group_;
+  Tables table_;
 };
 
 // The tile of `rows` (from row r0 of its block) against keys [k0, k0 + keys) at positions kpos.

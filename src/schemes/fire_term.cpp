@@ -331,35 +331,26 @@ FireRows fire_rows_for(const FireParams& fire, const AttentionPlan::PositionRang
   return rows;
 }
 
-// A group's FIRE: its rows and its part of a unit's slot, [s0 | s1] per piece and head, then
+// A group's FIRE: its rows and the layout of a unit's slot, [s0 | s1] per piece and head, then
 // ∂L/∂c and ∂L/∂L (FireRows::accumulate_row).
 struct FireGroup {
-  bool used() const { return rows.params != nullptr; }
   FireRows rows;
-  std::int64_t heads = 0, pieces = 0, slot = 0;
+  std::int64_t heads = 0, pieces = 0;
   std::int64_t slot_size() const { return 2 * pieces * heads + 2; }
 };
 
 class FireTerm final : public GroupTerm<FireGroup> {
  public:
   // The bias of group `group`: `fire` is the plan's own (FireRows keeps a pointer).
-  FireTerm(const AttentionPlan& p, std::int64_t group, const FireParams& fire) : GroupTerm(p) {
-    tables_.resize(p.group_first_head.size());
-    FireGroup& g = tables_[static_cast<std::size_t>(group)];
-    g.rows = fire_rows_for(fire, p.position_range);
-    g.heads = fire.heads();
-    g.pieces = static_cast<std::int64_t>(fire.kinks().size()) + 1;
-    g.slot = slots_;
-    slots_ += g.slot_size();
+  FireTerm(const AttentionPlan& p, std::int64_t group, const FireParams& fire) : GroupTerm(p, group) {
+    table_.rows = fire_rows_for(fire, p.position_range);
+    table_.heads = fire.heads();
+    table_.pieces = static_cast<std::int64_t>(fire.kinks().size()) + 1;
   }
 
   std::int64_t bytes() const override {
-    std::int64_t total = 0;
-    for (const FireGroup& g : tables_) {
-      total += static_cast<std::int64_t>((g.rows.psi.size() + g.rows.dpsi_dc.size() + g.rows.inv_norm.size()) *
-                                         sizeof(double));
-    }
-    return total;
+    const FireRows& r = table_.rows;
+    return static_cast<std::int64_t>((r.psi.size() + r.dpsi_dc.size() + r.inv_norm.size()) * sizeof(double));
   }
   // A bias of the rows' positions alone, added to any layout of rows (as the tabulated biases).
   bool allows_wide_decode() const override { return true; }
@@ -371,12 +362,9 @@ class FireTerm final : public GroupTerm<FireGroup> {
     return of_head(h) != nullptr ? std::numeric_limits<double>::infinity() : 0.0;
   }
   void add_scores(const TermTile& tile, float* st, TermState& s) const override;
-  std::int64_t unit_gradient_size() const override { return slots_; }
+  std::int64_t unit_gradient_size() const override { return table_.slot_size(); }
   void backward_tile(const TermTile& tile, const float* pt, const float* dst, TermState& s) const override;
   void reduce(std::span<const TermUnit> units, AttentionGradients& grads) const override;
-
- private:
-  std::int64_t slots_ = 0;
 };
 
 // Lane chunks of one head at consecutive positions take the vector kernel (add_chunk), other
@@ -417,7 +405,7 @@ void FireTerm::backward_tile(const TermTile& tile, const float* /* pt */, const 
   const std::int64_t keys = tile.keys, w = rb.width;
   const std::int64_t* kpos = tile.kpos;
   const auto moments = [&](const FireGroup& g) {
-    double* at = s.unit_grads + g.slot;
+    double* at = s.unit_grads;
     const std::int64_t n = g.pieces * g.heads;
     return std::array<double*, 4>{at, at + n, at + 2 * n, at + 2 * n + 1};
   };
@@ -448,26 +436,21 @@ void FireTerm::backward_tile(const TermTile& tile, const float* /* pt */, const 
   }
 }
 
-// The units' slots summed in unit order, then each group's moments contracted through its MLP.
+// The units' slots summed in unit order, then the moments contracted through the MLP.
 void FireTerm::reduce(std::span<const TermUnit> units, AttentionGradients& grads) const {
-  std::vector<double>& total = zeroed_doubles(CallBuffer::kTermTotals, static_cast<std::size_t>(slots_));
+  const std::int64_t size = table_.slot_size();
+  std::vector<double>& total = zeroed_doubles(CallBuffer::kTermTotals, static_cast<std::size_t>(size));
   for (const TermUnit& u : units) {
-    for (std::int64_t t = 0; t < slots_; ++t) total[static_cast<std::size_t>(t)] += u.slot[t];
+    for (std::int64_t t = 0; t < size; ++t) total[static_cast<std::size_t>(t)] += u.slot[t];
   }
-  for (std::size_t gi = 0; gi < tables_.size(); ++gi) {
-    const FireGroup& g = tables_[gi];
-    if (!g.used()) continue;
-    const FireParams& fire = *g.rows.params;
-    const double* at = total.data() + g.slot;
-    const std::int64_t n = g.pieces * g.heads;
-    FireGradients contracted(fire);
-    fire_contract_moments(fire, at, at + n, contracted);
-    contracted.c = at[2 * n];
-    contracted.threshold = at[2 * n + 1];
-    const std::vector<double> flat = contracted.flat();
-    std::vector<double>& out = grads.groups[gi].bias;
-    for (std::size_t t = 0; t < flat.size(); ++t) out[t] += flat[t];
-  }
+  const FireParams& fire = *table_.rows.params;
+  const double* at = total.data();
+  const std::int64_t n = table_.pieces * table_.heads;
+  FireGradients contracted(fire);
+  fire_contract_moments(fire, at, at + n, contracted);
+  contracted.c = at[2 * n];
+  contracted.threshold = at[2 * n + 1];
+  add_flat(contracted.flat(), grads.groups[static_cast<std::size_t>(group_)].bias);
 }
 
 }  // namespace

@@ -20,8 +20,7 @@ namespace {
 // Shaw's tables of a head group in f32: key [width][D] (and zero-padded [width][Dp]), value
 // [width][Dp] (zero-padded).
 struct ShawTables {
-  bool used() const { return width > 0; }
-  std::int64_t max_distance = 0, width = 0;  // width 0: the group has no Shaw terms
+  std::int64_t max_distance = 0, width = 0;
   AlignedFloats key, value, key_padded;
   std::int64_t row_of(std::int64_t relative) const {
     return std::clamp(relative, -max_distance, max_distance) + max_distance;
@@ -96,45 +95,42 @@ class ShawScore final : public GroupTerm<ShawTables> {
                float* sums, std::int64_t ld) const;
   void add_values(const RowBlock& rb, const float* probs, std::int64_t ld, float* o) const;
 
-  std::int64_t width_ = 0;      // the table's 2k + 1; a unit's slot is [key table | value table]
-  std::int64_t group_, index_;  // the group, and the term's entry in its terms
+  std::int64_t width_ = 0;  // the table's 2k + 1; a unit's slot is [key table | value table]
+  std::int64_t index_;      // the term's entry in its group's terms
 };
 
 ShawScore::ShawScore(const AttentionPlan& p, std::int64_t group, std::int64_t index, const ShawParams& params)
-    : GroupTerm(p), group_(group), index_(index) {
+    : GroupTerm(p, group), index_(index) {
   const std::int64_t dim = p.dim, dp = p.dim_padded;
   const std::string name = "groups[" + std::to_string(group) + "].terms[" + std::to_string(index) + "]";
-  tables_.resize(p.spec.groups.size());  // GroupTerm's, by group: only this group's is used
-  {
-    if (p.dim_v != dim) {
-      throw Error(AttentionPlan::kWhere, name.c_str(), "given with values " + std::to_string(p.dim_v) + " wide",
-                  "values as wide as the keys (" + std::to_string(dim) + "): Shaw's value term has head_dim columns");
-    }
-    if (params.head_dim() != dim) {
-      throw Error(AttentionPlan::kWhere, (name + ".params.head_dim").c_str(), std::to_string(params.head_dim()),
-                  "the head_dim of q, " + std::to_string(dim));
-    }
-    ShawTables& st = tables_[static_cast<std::size_t>(group)];
-    st.max_distance = params.max_distance();
-    st.width = params.rows();
-    st.key.assign(static_cast<std::size_t>(st.width * dim), 0.0f);
-    st.value.assign(static_cast<std::size_t>(st.width * dp), 0.0f);
-    st.key_padded.assign(static_cast<std::size_t>(st.width * dp), 0.0f);
-    for (std::int64_t t = 0; t < st.width; ++t) {
-      for (std::int64_t e = 0; e < dim; ++e) {
-        if (!params.key_table().empty()) {
-          const auto value = static_cast<float>(params.key_table()[static_cast<std::size_t>(t * dim + e)]);
-          st.key[static_cast<std::size_t>(t * dim + e)] = value;
-          st.key_padded[static_cast<std::size_t>(t * dp + e)] = value;
-        }
-        if (!params.value_table().empty()) {
-          st.value[static_cast<std::size_t>(t * dp + e)] =
-              static_cast<float>(params.value_table()[static_cast<std::size_t>(t * dim + e)]);
-        }
+  if (p.dim_v != dim) {
+    throw Error(AttentionPlan::kWhere, name.c_str(), "given with values " + std::to_string(p.dim_v) + " wide",
+                "values as wide as the keys (" + std::to_string(dim) + "): Shaw's value term has head_dim columns");
+  }
+  if (params.head_dim() != dim) {
+    throw Error(AttentionPlan::kWhere, (name + ".params.head_dim").c_str(), std::to_string(params.head_dim()),
+                "the head_dim of q, " + std::to_string(dim));
+  }
+  ShawTables& st = table_;
+  st.max_distance = params.max_distance();
+  st.width = params.rows();
+  st.key.assign(static_cast<std::size_t>(st.width * dim), 0.0f);
+  st.value.assign(static_cast<std::size_t>(st.width * dp), 0.0f);
+  st.key_padded.assign(static_cast<std::size_t>(st.width * dp), 0.0f);
+  for (std::int64_t t = 0; t < st.width; ++t) {
+    for (std::int64_t e = 0; e < dim; ++e) {
+      if (!params.key_table().empty()) {
+        const auto value = static_cast<float>(params.key_table()[static_cast<std::size_t>(t * dim + e)]);
+        st.key[static_cast<std::size_t>(t * dim + e)] = value;
+        st.key_padded[static_cast<std::size_t>(t * dp + e)] = value;
+      }
+      if (!params.value_table().empty()) {
+        st.value[static_cast<std::size_t>(t * dp + e)] =
+            static_cast<float>(params.value_table()[static_cast<std::size_t>(t * dim + e)]);
       }
     }
-    width_ = st.width;
   }
+  width_ = st.width;
 }
 
 // The tables every valid row of the block uses, when they all use the same ones.

@@ -24,8 +24,7 @@ namespace {
 // A group's projections in f32 for the positions [first, first + count) (shared by the groups),
 // [heads][count][Dp] zero-padded (head-major, as XL's tables, for the same reason).
 struct TupeTables {
-  bool used() const { return heads > 0; }
-  std::int64_t heads = 0;  // 0: the group has no TUPE
+  std::int64_t heads = 0;
   bool cls_reset = false;
   AlignedFloats pq, pk, theta1, theta2;
 };
@@ -42,9 +41,7 @@ class TupeTerm final : public GroupTerm<TupeTables> {
 
   bool merges_decode_heads() const override { return false; }
   std::int64_t bytes() const override {
-    std::int64_t total = 0;
-    for (const auto& t : tables_) total += static_cast<std::int64_t>((t.pq.size() + t.pk.size()) * sizeof(float));
-    return total;
+    return static_cast<std::int64_t>((table_.pq.size() + table_.pk.size()) * sizeof(float));
   }
   void begin(const TermRows& rows, TermState& s) const override {
     s.rows = rows;
@@ -95,53 +92,49 @@ class TupeTerm final : public GroupTerm<TupeTables> {
 // Each position's projections for the call's position range, one f32 matrix product per table
 // (p·U, blocked_gemm); pq carries 1/sqrt(2D).
 TupeTerm::TupeTerm(const AttentionPlan& p, std::int64_t group, const TupeParams& params_in)
-    : GroupTerm(p), params_(params_in) {
+    : GroupTerm(p, group), params_(params_in) {
   const std::int64_t dim = p.dim, dp = p.dim_padded;
   first_ = std::min(p.position_range.q_min, p.position_range.k_min);
   count_ = std::max(p.position_range.q_max, p.position_range.k_max) - first_ + 1;
   init_dispatch();
-  tables_.resize(p.group_first_head.size());
-  {
-    const auto gi = static_cast<std::size_t>(group);
-    const TupeParams* params = &params_;
-    check_tupe_positions(AttentionPlan::kWhere, *params, *p.q_positions, *p.k_positions);
-    if (params->head_dim() != dim) {
-      throw Error(AttentionPlan::kWhere, ("groups[" + std::to_string(gi) + "].bias (TUPE) head_dim").c_str(),
-                  std::to_string(params->head_dim()),
-                  "the head_dim of q, " + std::to_string(dim) + " (its projections meet in the score tiles)");
+  const auto gi = static_cast<std::size_t>(group);
+  const TupeParams* params = &params_;
+  check_tupe_positions(AttentionPlan::kWhere, *params, *p.q_positions, *p.k_positions);
+  if (params->head_dim() != dim) {
+    throw Error(AttentionPlan::kWhere, ("groups[" + std::to_string(gi) + "].bias (TUPE) head_dim").c_str(),
+                std::to_string(params->head_dim()),
+                "the head_dim of q, " + std::to_string(dim) + " (its projections meet in the score tiles)");
+  }
+  TupeTables& t = table_;
+  const std::int64_t hg = params->heads(), dm = params->d_model(), dmp = round_up(dm, kAttnAlign);
+  const std::int64_t cols = hg * dp, hd = hg * dim;
+  t.heads = hg;
+  t.cls_reset = params->cls_reset();
+  std::vector<float> rows(static_cast<std::size_t>(count_ * dmp), 0.0f), u(static_cast<std::size_t>(dmp * cols), 0.0f);
+  for (std::int64_t n = 0; n < count_; ++n) {
+    for (std::int64_t m = 0; m < dm; ++m) {
+      rows[static_cast<std::size_t>(n * dmp + m)] =
+          static_cast<float>(params->table()[static_cast<std::size_t>((first_ + n) * dm + m)]);
     }
-    TupeTables& t = tables_[gi];
-    const std::int64_t hg = params->heads(), dm = params->d_model(), dmp = round_up(dm, kAttnAlign);
-    const std::int64_t cols = hg * dp, hd = hg * dim;
-    t.heads = hg;
-    t.cls_reset = params->cls_reset();
-    std::vector<float> rows(static_cast<std::size_t>(count_ * dmp), 0.0f),
-        u(static_cast<std::size_t>(dmp * cols), 0.0f);
-    for (std::int64_t n = 0; n < count_; ++n) {
-      for (std::int64_t m = 0; m < dm; ++m) {
-        rows[static_cast<std::size_t>(n * dmp + m)] =
-            static_cast<float>(params->table()[static_cast<std::size_t>((first_ + n) * dm + m)]);
-      }
-    }
-    const double pq_scale = 1.0 / std::sqrt(2.0 * static_cast<double>(dim));
-    for (const bool is_q : {true, false}) {
-      const std::vector<double>& weights = is_q ? params->u_q() : params->u_k();
-      for (std::int64_t m = 0; m < dm; ++m) {
-        for (std::int64_t h = 0; h < hg; ++h) {
-          for (std::int64_t d = 0; d < dim; ++d) {
-            const double w = weights[static_cast<std::size_t>(m * hd + h * dim + d)] * (is_q ? pq_scale : 1.0);
-            u[static_cast<std::size_t>(m * cols + h * dp + d)] = static_cast<float>(w);
-          }
+  }
+  const double pq_scale = 1.0 / std::sqrt(2.0 * static_cast<double>(dim));
+  for (const bool is_q : {true, false}) {
+    const std::vector<double>& weights = is_q ? params->u_q() : params->u_k();
+    for (std::int64_t m = 0; m < dm; ++m) {
+      for (std::int64_t h = 0; h < hg; ++h) {
+        for (std::int64_t d = 0; d < dim; ++d) {
+          const double w = weights[static_cast<std::size_t>(m * hd + h * dim + d)] * (is_q ? pq_scale : 1.0);
+          u[static_cast<std::size_t>(m * cols + h * dp + d)] = static_cast<float>(w);
         }
       }
-      std::vector<float> by_position(static_cast<std::size_t>(count_ * cols), 0.0f);
-      blocked_gemm(rows.data(), dmp, 1, u.data(), cols, by_position.data(), cols, count_, cols, dm);
-      if (t.cls_reset && first_ == 0) std::fill(by_position.begin(), by_position.begin() + cols, 0.0f);
-      (is_q ? t.pq : t.pk) = heads_major(by_position, count_, hg, dp);
     }
-    t.theta1.assign(params->theta1().begin(), params->theta1().end());
-    t.theta2.assign(params->theta2().begin(), params->theta2().end());
+    std::vector<float> by_position(static_cast<std::size_t>(count_ * cols), 0.0f);
+    blocked_gemm(rows.data(), dmp, 1, u.data(), cols, by_position.data(), cols, count_, cols, dm);
+    if (t.cls_reset && first_ == 0) std::fill(by_position.begin(), by_position.begin() + cols, 0.0f);
+    (is_q ? t.pq : t.pk) = heads_major(by_position, count_, hg, dp);
   }
+  t.theta1.assign(params->theta1().begin(), params->theta1().end());
+  t.theta2.assign(params->theta2().begin(), params->theta2().end());
 }
 
 // PQ of the block's rows: transposed [Dp][padded_stride(w)] (tile products; the padding keeps
@@ -328,79 +321,77 @@ void TupeTerm::reduce(std::span<const TermUnit> units, AttentionGradients& grads
   const std::int64_t per_kv = unit_gradient_size(), dp = p_.dim_padded, g_count = p_.group_size, dim = p_.dim;
   const std::vector<double>& totals = sum_slots_per_kv_head(units, per_kv, p_.kv_heads, CallBuffer::kTermTotals);
   const double pq_scale = 1.0 / std::sqrt(2.0 * static_cast<double>(dim));
-  for (std::size_t gi = 0; gi < tables_.size(); ++gi) {
-    const TupeTables& t = tables_[gi];
-    if (t.heads == 0) continue;
-    const TupeParams& params = params_;
-    // GroupGradients::bias in the registered order: [table | U^Q | U^K | θ1 | θ2].
-    double* const d_table = grads.groups[gi].bias.data();
-    double* const d_uq = d_table + params.table().size();
-    double* const d_uk = d_uq + params.u_q().size();
-    double* const d_theta1 = d_uk + params.u_k().size();
-    double* const d_theta2 = d_theta1 + params.theta1().size();
-    const std::int64_t hg = t.heads, h_first = p_.group_first_head[gi], cols = hg * dp, hd = hg * dim;
-    const std::int64_t dm = params.d_model(), dmp = round_up(dm, kAttnAlign);
-    AlignedFloats& rows = zeroed_floats(CallBuffer::kTerm0, static_cast<std::size_t>(count_ * dmp));
-    // Every loop below writes disjoint elements, each from its own inputs: in parallel, the same
-    // bits for any thread count.
+  const auto gi = static_cast<std::size_t>(group_);
+  const TupeTables& t = table_;
+  const TupeParams& params = params_;
+  // GroupGradients::bias in the registered order: [table | U^Q | U^K | θ1 | θ2].
+  double* const d_table = grads.groups[gi].bias.data();
+  double* const d_uq = d_table + params.table().size();
+  double* const d_uk = d_uq + params.u_q().size();
+  double* const d_theta1 = d_uk + params.u_k().size();
+  double* const d_theta2 = d_theta1 + params.theta1().size();
+  const std::int64_t hg = t.heads, h_first = p_.group_first_head[gi], cols = hg * dp, hd = hg * dim;
+  const std::int64_t dm = params.d_model(), dmp = round_up(dm, kAttnAlign);
+  AlignedFloats& rows = zeroed_floats(CallBuffer::kTerm0, static_cast<std::size_t>(count_ * dmp));
+  // Every loop below writes disjoint elements, each from its own inputs: in parallel, the same
+  // bits for any thread count.
+#pragma omp parallel for schedule(static) num_threads(threads_for(count_* dm))
+  for (std::int64_t n = 0; n < count_; ++n) {
+    for (std::int64_t m = 0; m < dm; ++m) {
+      rows[static_cast<std::size_t>(n * dmp + m)] =
+          static_cast<float>(params.table()[static_cast<std::size_t>((first_ + n) * dm + m)]);
+    }
+  }
+  for (const bool is_q : {true, false}) {
+    // d(projection) [count][hg·Dp] in f32 from the per-KV-head totals.
+    AlignedFloats& d_proj = zeroed_floats(CallBuffer::kTerm1, static_cast<std::size_t>(count_ * cols));
+#pragma omp parallel for schedule(static) num_threads(std::min <int>(threads_for(count_ * cols), static_cast <int>(hg)))
+    for (std::int64_t lh = 0; lh < hg; ++lh) {
+      const std::int64_t h = h_first + lh, kvh = h / g_count, g = h % g_count;
+      const double* part = totals.data() + kvh * per_kv + (is_q ? 0 : count_ * g_count * dp);
+      const double factor = is_q ? pq_scale : 1.0;
+      for (std::int64_t n = 0; n < count_; ++n) {
+        for (std::int64_t d = 0; d < dim; ++d) {
+          d_proj[static_cast<std::size_t>(n * cols + lh * dp + d)] =
+              static_cast<float>(factor * part[(n * g_count + g) * dp + d]);
+        }
+      }
+      const double* theta = totals.data() + kvh * per_kv + 2 * count_ * g_count * dp;
+      if (is_q && t.cls_reset) {
+        d_theta1[lh] += theta[g];
+        d_theta2[lh] += theta[g_count + g];
+      }
+    }
+    // dU[m][c] = Σ_n rows[n][m]·d_proj[n][c].
+    AlignedFloats& du = zeroed_floats(CallBuffer::kTerm2, static_cast<std::size_t>(dmp * cols));
+    blocked_gemm(rows.data(), 1, dmp, d_proj.data(), cols, du.data(), cols, dm, cols, count_);
+    double* const u_grad = is_q ? d_uq : d_uk;
+    const std::vector<double>& weights = is_q ? params.u_q() : params.u_k();
+#pragma omp parallel for schedule(static) num_threads(threads_for(dm* cols))
+    for (std::int64_t m = 0; m < dm; ++m) {
+      for (std::int64_t lh = 0; lh < hg; ++lh) {
+        for (std::int64_t d = 0; d < dim; ++d) {
+          u_grad[m * hd + lh * dim + d] += du[static_cast<std::size_t>(m * cols + lh * dp + d)];
+        }
+      }
+    }
+    // d table[n][m] = Σ_c d_proj[n][c]·U[m][c]: B = Uᵀ as [cols][dmp].
+    AlignedFloats& ut = zeroed_floats(CallBuffer::kTerm3, static_cast<std::size_t>(cols * dmp));
+    AlignedFloats& dtable = zeroed_floats(CallBuffer::kTerm4, static_cast<std::size_t>(count_ * dmp));
+#pragma omp parallel for schedule(static) num_threads(threads_for(dm* cols))
+    for (std::int64_t m = 0; m < dm; ++m) {
+      for (std::int64_t lh = 0; lh < hg; ++lh) {
+        for (std::int64_t d = 0; d < dim; ++d) {
+          ut[static_cast<std::size_t>((lh * dp + d) * dmp + m)] =
+              static_cast<float>(weights[static_cast<std::size_t>(m * hd + lh * dim + d)]);
+        }
+      }
+    }
+    blocked_gemm(d_proj.data(), cols, 1, ut.data(), dmp, dtable.data(), dmp, count_, dmp, cols);
 #pragma omp parallel for schedule(static) num_threads(threads_for(count_* dm))
     for (std::int64_t n = 0; n < count_; ++n) {
       for (std::int64_t m = 0; m < dm; ++m) {
-        rows[static_cast<std::size_t>(n * dmp + m)] =
-            static_cast<float>(params.table()[static_cast<std::size_t>((first_ + n) * dm + m)]);
-      }
-    }
-    for (const bool is_q : {true, false}) {
-      // d(projection) [count][hg·Dp] in f32 from the per-KV-head totals.
-      AlignedFloats& d_proj = zeroed_floats(CallBuffer::kTerm1, static_cast<std::size_t>(count_ * cols));
-#pragma omp parallel for schedule(static) num_threads(std::min <int>(threads_for(count_ * cols), static_cast <int>(hg)))
-      for (std::int64_t lh = 0; lh < hg; ++lh) {
-        const std::int64_t h = h_first + lh, kvh = h / g_count, g = h % g_count;
-        const double* part = totals.data() + kvh * per_kv + (is_q ? 0 : count_ * g_count * dp);
-        const double factor = is_q ? pq_scale : 1.0;
-        for (std::int64_t n = 0; n < count_; ++n) {
-          for (std::int64_t d = 0; d < dim; ++d) {
-            d_proj[static_cast<std::size_t>(n * cols + lh * dp + d)] =
-                static_cast<float>(factor * part[(n * g_count + g) * dp + d]);
-          }
-        }
-        const double* theta = totals.data() + kvh * per_kv + 2 * count_ * g_count * dp;
-        if (is_q && t.cls_reset) {
-          d_theta1[lh] += theta[g];
-          d_theta2[lh] += theta[g_count + g];
-        }
-      }
-      // dU[m][c] = Σ_n rows[n][m]·d_proj[n][c].
-      AlignedFloats& du = zeroed_floats(CallBuffer::kTerm2, static_cast<std::size_t>(dmp * cols));
-      blocked_gemm(rows.data(), 1, dmp, d_proj.data(), cols, du.data(), cols, dm, cols, count_);
-      double* const u_grad = is_q ? d_uq : d_uk;
-      const std::vector<double>& weights = is_q ? params.u_q() : params.u_k();
-#pragma omp parallel for schedule(static) num_threads(threads_for(dm* cols))
-      for (std::int64_t m = 0; m < dm; ++m) {
-        for (std::int64_t lh = 0; lh < hg; ++lh) {
-          for (std::int64_t d = 0; d < dim; ++d) {
-            u_grad[m * hd + lh * dim + d] += du[static_cast<std::size_t>(m * cols + lh * dp + d)];
-          }
-        }
-      }
-      // d table[n][m] = Σ_c d_proj[n][c]·U[m][c]: B = Uᵀ as [cols][dmp].
-      AlignedFloats& ut = zeroed_floats(CallBuffer::kTerm3, static_cast<std::size_t>(cols * dmp));
-      AlignedFloats& dtable = zeroed_floats(CallBuffer::kTerm4, static_cast<std::size_t>(count_ * dmp));
-#pragma omp parallel for schedule(static) num_threads(threads_for(dm* cols))
-      for (std::int64_t m = 0; m < dm; ++m) {
-        for (std::int64_t lh = 0; lh < hg; ++lh) {
-          for (std::int64_t d = 0; d < dim; ++d) {
-            ut[static_cast<std::size_t>((lh * dp + d) * dmp + m)] =
-                static_cast<float>(weights[static_cast<std::size_t>(m * hd + lh * dim + d)]);
-          }
-        }
-      }
-      blocked_gemm(d_proj.data(), cols, 1, ut.data(), dmp, dtable.data(), dmp, count_, dmp, cols);
-#pragma omp parallel for schedule(static) num_threads(threads_for(count_* dm))
-      for (std::int64_t n = 0; n < count_; ++n) {
-        for (std::int64_t m = 0; m < dm; ++m) {
-          d_table[(first_ + n) * dm + m] += dtable[static_cast<std::size_t>(n * dmp + m)];
-        }
+        d_table[(first_ + n) * dm + m] += dtable[static_cast<std::size_t>(n * dmp + m)];
       }
     }
   }

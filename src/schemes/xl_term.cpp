@@ -30,8 +30,7 @@ namespace {
 // Head-major, so that one head's rows are contiguous: interleaved, they would sit heads·Dp floats
 // apart (4 KiB for 8 heads of 128: every row of a product in the same L1 set).
 struct XlTables {
-  bool used() const { return heads > 0; }
-  std::int64_t heads = 0;  // 0: the group has no XL terms
+  std::int64_t heads = 0;
   std::int64_t width = 0;
   AlignedFloats projected, constant, u;
   // r(δ)'s frequencies ω_i (d_model / 2). P is built from r by blocks of kSinusoidRows; the whole
@@ -64,11 +63,11 @@ class XlScore final : public GroupTerm<XlTables> {
   bool merges_decode_heads() const override { return false; }
   bool rows_outer() const override { return true; }
   std::int64_t bytes() const override {
-    std::int64_t total = 0;
-    for (const auto& t : tables_)
-      total += static_cast<std::int64_t>((t.projected.size() + t.constant.size() + t.u.size()) * sizeof(float));
+    const XlTables& t = table_;
+    std::int64_t total =
+        static_cast<std::int64_t>((t.projected.size() + t.constant.size() + t.u.size()) * sizeof(float));
     if (sinusoids_built_.load(std::memory_order_acquire)) {
-      for (const auto& r : sinusoids_) total += static_cast<std::int64_t>(r.size() * sizeof(float));
+      total += static_cast<std::int64_t>(sinusoids_.size() * sizeof(float));
     }
     return total;
   }
@@ -111,7 +110,7 @@ class XlScore final : public GroupTerm<XlTables> {
  private:
   void plan_range();
   void sinusoid_rows(const XlTables& t, std::int64_t u0, std::int64_t count, std::vector<float>& r) const;
-  const std::vector<float>& sinusoids(std::size_t group) const;
+  const std::vector<float>& sinusoids() const;
   bool tile_range(const RowBlock& rb, std::int64_t keys, const std::int64_t* kpos, std::int64_t* lo,
                   std::int64_t* hi) const;
   void window(const RowBlock& rb, const float* rows_t, std::int64_t ld_t, std::int64_t lo, std::int64_t span,
@@ -130,13 +129,13 @@ class XlScore final : public GroupTerm<XlTables> {
                   TermState& s) const;
   void backward_window(const RowBlock& sub, std::int64_t r0, TermState& s) const;
 
-  const XlParams& params_;      // the XlTerm's, which outlives the call's plan
-  std::int64_t group_, index_;  // the group, and the term's entry in its terms
+  const XlParams& params_;  // the XlTerm's, which outlives the call's plan
+  std::int64_t index_;      // the term's entry in its group's terms
   std::int64_t delta_min_ = 0, width_ = 0;
   // r(δ) per group, [width][d_model_padded]: built by the first backward that needs dW_R (calls
   // may share the Attention from several threads), kept for the next ones.
   mutable std::once_flag sinusoids_once_;
-  mutable std::vector<std::vector<float>> sinusoids_;
+  mutable std::vector<float> sinusoids_;
   mutable std::atomic<bool> sinusoids_built_{false};
 };
 
@@ -184,21 +183,18 @@ void XlScore::sinusoid_rows(const XlTables& t, std::int64_t u0, std::int64_t cou
   }
 }
 
-const std::vector<float>& XlScore::sinusoids(std::size_t group) const {
+const std::vector<float>& XlScore::sinusoids() const {
   std::call_once(sinusoids_once_, [this] {
-    sinusoids_.resize(tables_.size());
-    for (std::size_t gi = 0; gi < tables_.size(); ++gi) {
-      if (tables_[gi].used()) sinusoid_rows(tables_[gi], 0, width_, sinusoids_[gi]);
-    }
+    sinusoid_rows(table_, 0, width_, sinusoids_);
     sinusoids_built_.store(true, std::memory_order_release);
   });
-  return sinusoids_[group];
+  return sinusoids_;
 }
 
 // P_h(δ) = W_R r(δ) as f32 matrix products r·W_Rᵀ over blocks of δ (blocked_gemm); c_h(δ) from P
 // in fp64.
 XlScore::XlScore(const AttentionPlan& p, std::int64_t group, std::int64_t index, const XlParams& params)
-    : GroupTerm(p), params_(params), group_(group), index_(index) {
+    : GroupTerm(p, group), params_(params), index_(index) {
   const std::int64_t dim = p.dim, dp = p.dim_padded;
   const HeadGroup& grp = p.spec.groups[static_cast<std::size_t>(group)];
   const std::string name = "groups[" + std::to_string(group) + "].terms[" + std::to_string(index) + "]";
@@ -234,55 +230,52 @@ XlScore::XlScore(const AttentionPlan& p, std::int64_t group, std::int64_t index,
                     " for fused Transformer-XL (P(δ) is tabulated); use xl_add_position_terms for scattered positions");
   }
   init_dispatch();
-  tables_.resize(p.spec.groups.size());
-  {
-    XlTables& t = tables_[static_cast<std::size_t>(group)];
-    const std::int64_t hg = grp.heads, dm = params.d_model(), dmp = round_up(dm, kAttnAlign);
-    const std::int64_t cols = hg * dp;
-    t.heads = hg;
-    t.d_model_padded = dmp;
-    t.frequency.resize(static_cast<std::size_t>(dm / 2));
-    for (std::int64_t i = 0; i < dm / 2; ++i)
-      t.frequency[static_cast<std::size_t>(i)] = sinusoid_inv_frequency(params.base(), dm, i);
-    std::vector<float> wt(static_cast<std::size_t>(dmp * cols), 0.0f);
+  XlTables& t = table_;
+  const std::int64_t hg = grp.heads, dm = params.d_model(), dmp = round_up(dm, kAttnAlign);
+  const std::int64_t cols = hg * dp;
+  t.heads = hg;
+  t.d_model_padded = dmp;
+  t.frequency.resize(static_cast<std::size_t>(dm / 2));
+  for (std::int64_t i = 0; i < dm / 2; ++i)
+    t.frequency[static_cast<std::size_t>(i)] = sinusoid_inv_frequency(params.base(), dm, i);
+  std::vector<float> wt(static_cast<std::size_t>(dmp * cols), 0.0f);
+  for (std::int64_t h = 0; h < hg; ++h) {
+    for (std::int64_t d = 0; d < dim; ++d) {
+      for (std::int64_t m = 0; m < dm; ++m) {
+        wt[static_cast<std::size_t>(m * cols + h * dp + d)] =
+            static_cast<float>(params.w_r()[static_cast<std::size_t>((h * dim + d) * dm + m)]);
+      }
+    }
+  }
+  // P by blocks of δ: r's rows, their product with W_Rᵀ, stored head-major.
+  t.width = width_;
+  t.projected.assign(static_cast<std::size_t>(width_ * cols), 0.0f);
+  std::vector<float> r, by_delta(static_cast<std::size_t>(std::min(width_, kSinusoidRows) * cols));
+  for (std::int64_t u0 = 0; u0 < width_; u0 += kSinusoidRows) {
+    const std::int64_t n = std::min(kSinusoidRows, width_ - u0);
+    sinusoid_rows(t, u0, n, r);
+    blocked_gemm(r.data(), dmp, 1, wt.data(), cols, by_delta.data(), cols, n, cols, dm);
     for (std::int64_t h = 0; h < hg; ++h) {
+      for (std::int64_t u = 0; u < n; ++u) {
+        const float* from = by_delta.data() + u * cols + h * dp;
+        std::copy(from, from + dp, t.projected.data() + (h * width_ + u0 + u) * dp);
+      }
+    }
+  }
+  t.u.assign(static_cast<std::size_t>(hg * dim), 0.0f);
+  t.constant.assign(static_cast<std::size_t>(hg * width_), 0.0f);
+  for (std::int64_t h = 0; h < hg; ++h) {
+    for (std::int64_t d = 0; d < dim; ++d)
+      t.u[static_cast<std::size_t>(h * dim + d)] =
+          static_cast<float>(params.u()[static_cast<std::size_t>(h * dim + d)]);
+    for (std::int64_t u = 0; u < width_; ++u) {
+      const float* row = t.p_row(u, h, dp);
+      double c = 0;
       for (std::int64_t d = 0; d < dim; ++d) {
-        for (std::int64_t m = 0; m < dm; ++m) {
-          wt[static_cast<std::size_t>(m * cols + h * dp + d)] =
-              static_cast<float>(params.w_r()[static_cast<std::size_t>((h * dim + d) * dm + m)]);
-        }
+        const auto at = static_cast<std::size_t>(h * dim + d);
+        c += (params.v()[at] - params.u()[at]) * static_cast<double>(row[d]);
       }
-    }
-    // P by blocks of δ: r's rows, their product with W_Rᵀ, stored head-major.
-    t.width = width_;
-    t.projected.assign(static_cast<std::size_t>(width_ * cols), 0.0f);
-    std::vector<float> r, by_delta(static_cast<std::size_t>(std::min(width_, kSinusoidRows) * cols));
-    for (std::int64_t u0 = 0; u0 < width_; u0 += kSinusoidRows) {
-      const std::int64_t n = std::min(kSinusoidRows, width_ - u0);
-      sinusoid_rows(t, u0, n, r);
-      blocked_gemm(r.data(), dmp, 1, wt.data(), cols, by_delta.data(), cols, n, cols, dm);
-      for (std::int64_t h = 0; h < hg; ++h) {
-        for (std::int64_t u = 0; u < n; ++u) {
-          const float* from = by_delta.data() + u * cols + h * dp;
-          std::copy(from, from + dp, t.projected.data() + (h * width_ + u0 + u) * dp);
-        }
-      }
-    }
-    t.u.assign(static_cast<std::size_t>(hg * dim), 0.0f);
-    t.constant.assign(static_cast<std::size_t>(hg * width_), 0.0f);
-    for (std::int64_t h = 0; h < hg; ++h) {
-      for (std::int64_t d = 0; d < dim; ++d)
-        t.u[static_cast<std::size_t>(h * dim + d)] =
-            static_cast<float>(params.u()[static_cast<std::size_t>(h * dim + d)]);
-      for (std::int64_t u = 0; u < width_; ++u) {
-        const float* row = t.p_row(u, h, dp);
-        double c = 0;
-        for (std::int64_t d = 0; d < dim; ++d) {
-          const auto at = static_cast<std::size_t>(h * dim + d);
-          c += (params.v()[at] - params.u()[at]) * static_cast<double>(row[d]);
-        }
-        t.constant[static_cast<std::size_t>(h * width_ + u)] = static_cast<float>(p.scale_f64 * c);
-      }
+      t.constant[static_cast<std::size_t>(h * width_ + u)] = static_cast<float>(p.scale_f64 * c);
     }
   }
 }
@@ -520,53 +513,51 @@ void XlScore::finish_backward(TermState& s) const {
 void XlScore::reduce(std::span<const TermUnit> units, AttentionGradients& grads) const {
   const std::int64_t per_kv = unit_gradient_size(), dp = p_.dim_padded, g_count = p_.group_size, dim = p_.dim;
   const std::vector<double>& totals = sum_slots_per_kv_head(units, per_kv, p_.kv_heads, CallBuffer::kTermTotals);
-  {
-    const auto gi = static_cast<std::size_t>(group_);
-    const XlTables& t = tables_[gi];
-    const XlParams& params = params_;
-    std::vector<double>& flat = grads.groups[gi].terms[static_cast<std::size_t>(index_)];
-    const std::int64_t hd = params.heads() * dim;
-    double* out_u = flat.data();
-    double* out_v = flat.data() + hd;
-    double* out_w_r = flat.data() + 2 * hd;
-    const std::int64_t hg = t.heads, h_first = p_.group_first_head[gi], cols = hg * dp;
-    AlignedFloats& d_projected = zeroed_floats(CallBuffer::kTerm0, static_cast<std::size_t>(width_ * cols));
-    // Heads are independent (their own columns of d_projected, their own u and v): in parallel.
+  const auto gi = static_cast<std::size_t>(group_);
+  const XlTables& t = table_;
+  const XlParams& params = params_;
+  std::vector<double>& flat = grads.groups[gi].terms[static_cast<std::size_t>(index_)];
+  const std::int64_t hd = params.heads() * dim;
+  double* out_u = flat.data();
+  double* out_v = flat.data() + hd;
+  double* out_w_r = flat.data() + 2 * hd;
+  const std::int64_t hg = t.heads, h_first = p_.group_first_head[gi], cols = hg * dp;
+  AlignedFloats& d_projected = zeroed_floats(CallBuffer::kTerm0, static_cast<std::size_t>(width_ * cols));
+  // Heads are independent (their own columns of d_projected, their own u and v): in parallel.
 #pragma omp parallel for schedule(static) num_threads(std::min <int>(threads_for(width_ * cols), static_cast <int>(hg)))
-    for (std::int64_t lh = 0; lh < hg; ++lh) {
-      const std::int64_t h = h_first + lh, kvh = h / g_count, g = h % g_count;
-      const double* dp_total = totals.data() + kvh * per_kv;
-      const double* hist = dp_total + width_ * g_count * dp + g * width_;
-      const double* dqs = dp_total + width_ * g_count * (dp + 1) + g * dim;
-      // δ outer, so that every row walks in memory order; each dv[d] still sums over δ in order.
-      std::vector<double> dv(static_cast<std::size_t>(dim), 0.0);
-      for (std::int64_t u = 0; u < width_; ++u) {
-        const double sum = hist[u];
-        const float* p_row = t.p_row(u, lh, dp);
-        const double* dp_row = dp_total + (u * g_count + g) * dp;
-        float* to = d_projected.data() + u * cols + lh * dp;
-        for (std::int64_t d = 0; d < dim; ++d) {
-          const auto at = static_cast<std::size_t>(lh * dim + d);
-          dv[static_cast<std::size_t>(d)] += sum * static_cast<double>(p_row[d]);
-          to[d] = static_cast<float>(dp_row[d] + p_.scale_f64 * (params.v()[at] - params.u()[at]) * sum);
-        }
-      }
+  for (std::int64_t lh = 0; lh < hg; ++lh) {
+    const std::int64_t h = h_first + lh, kvh = h / g_count, g = h % g_count;
+    const double* dp_total = totals.data() + kvh * per_kv;
+    const double* hist = dp_total + width_ * g_count * dp + g * width_;
+    const double* dqs = dp_total + width_ * g_count * (dp + 1) + g * dim;
+    // δ outer, so that every row walks in memory order; each dv[d] still sums over δ in order.
+    std::vector<double> dv(static_cast<std::size_t>(dim), 0.0);
+    for (std::int64_t u = 0; u < width_; ++u) {
+      const double sum = hist[u];
+      const float* p_row = t.p_row(u, lh, dp);
+      const double* dp_row = dp_total + (u * g_count + g) * dp;
+      float* to = d_projected.data() + u * cols + lh * dp;
       for (std::int64_t d = 0; d < dim; ++d) {
         const auto at = static_cast<std::size_t>(lh * dim + d);
-        const double dv_d = dv[static_cast<std::size_t>(d)] * p_.scale_f64;
-        out_v[at] += dv_d;
-        out_u[at] += dqs[d] - dv_d;
+        dv[static_cast<std::size_t>(d)] += sum * static_cast<double>(p_row[d]);
+        to[d] = static_cast<float>(dp_row[d] + p_.scale_f64 * (params.v()[at] - params.u()[at]) * sum);
       }
     }
-    const std::int64_t dm = params.d_model(), dmp = t.d_model_padded;
-    AlignedFloats& dw = zeroed_floats(CallBuffer::kTerm1, static_cast<std::size_t>(cols * dmp));
-    blocked_gemm(d_projected.data(), 1, cols, sinusoids(gi).data(), dmp, dw.data(), dmp, cols, dmp, width_);
+    for (std::int64_t d = 0; d < dim; ++d) {
+      const auto at = static_cast<std::size_t>(lh * dim + d);
+      const double dv_d = dv[static_cast<std::size_t>(d)] * p_.scale_f64;
+      out_v[at] += dv_d;
+      out_u[at] += dqs[d] - dv_d;
+    }
+  }
+  const std::int64_t dm = params.d_model(), dmp = t.d_model_padded;
+  AlignedFloats& dw = zeroed_floats(CallBuffer::kTerm1, static_cast<std::size_t>(cols * dmp));
+  blocked_gemm(d_projected.data(), 1, cols, sinusoids().data(), dmp, dw.data(), dmp, cols, dmp, width_);
 #pragma omp parallel for schedule(static) num_threads(threads_for(cols* dm))
-    for (std::int64_t row = 0; row < hg * dim; ++row) {
-      const std::int64_t lh = row / dim, d = row % dim;
-      for (std::int64_t m = 0; m < dm; ++m) {
-        out_w_r[(lh * dim + d) * dm + m] += dw[static_cast<std::size_t>((lh * dp + d) * dmp + m)];
-      }
+  for (std::int64_t row = 0; row < hg * dim; ++row) {
+    const std::int64_t lh = row / dim, d = row % dim;
+    for (std::int64_t m = 0; m < dm; ++m) {
+      out_w_r[(lh * dim + d) * dm + m] += dw[static_cast<std::size_t>((lh * dp + d) * dmp + m)];
     }
   }
 }

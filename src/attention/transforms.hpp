@@ -1,7 +1,8 @@
 // The query/key transforms' part in the fused attention: each transform of a HeadGroup
 // (posenc/attention.hpp: QKTransform) tabulates itself for a call in its scheme's file
 // (src/schemes/rope_transform.cpp, absolute_transform.cpp), and the plan asks for the tables
-// without naming it. A new transform is an alternative of QKTransform and a qk_tables overload.
+// without naming it. A new transform is an alternative of QKTransform, a qk_tables overload and
+// the overload of its fp64 definition that the reference visits (ref/transforms_ref.hpp).
 // Internal.
 #pragma once
 

@@ -9,6 +9,7 @@
 
 #include "absolute_checks.hpp"
 #include "posenc/reference.hpp"
+#include "ref/transforms_ref.hpp"
 
 namespace posenc::ref {
 namespace {
@@ -111,6 +112,14 @@ void learned_backward(ConstTensorView dy, const Positions& positions, TensorView
       }
     }
   }
+}
+
+// Shortformer adds the sinusoid to the rows; its transpose leaves a gradient as it is.
+void apply_transform(const AbsoluteQK& absolute, const TransformedRows& rows) {
+  if (rows.transpose) return;
+  std::vector<double> table(static_cast<std::size_t>(rows.n * rows.d));
+  ref::sinusoidal_table(absolute.params, rows.positions, TensorView::of(table.data(), {rows.n, rows.d}));
+  for (std::size_t t = 0; t < table.size(); ++t) rows.v[t] += table[t];
 }
 
 }  // namespace posenc::ref

@@ -21,6 +21,7 @@
 
 #include "internal.hpp"
 #include "posenc/reference.hpp"
+#include "ref/transforms_ref.hpp"
 
 namespace posenc::ref {
 namespace {
@@ -173,31 +174,14 @@ void store_rows(const Problem& /* p */, const Rows& r, TensorView view, const de
   }
 }
 
-// The transform of a group applied to rows at `positions` (forward, or its transpose), fp64.
+// The transform of a group applied to rows at `positions` (forward, or its transpose), fp64, by
+// the transform's own reference (ref/transforms_ref.hpp).
 void transform(const Problem& p, std::int64_t group, bool is_q, const std::vector<std::int64_t>& positions, Rows& r,
                bool transpose) {
   if (r.n == 0) return;
-  const HeadGroup& grp = p.groups[static_cast<std::size_t>(group)];
   const Positions pos = Positions::ids(positions);
-  if (const auto* rope = std::get_if<RotaryQK>(&grp.transform)) {
-    if (!is_q && rope->keys_rotated) return;
-    const TensorView view = TensorView::of(r.v.data(), {r.n, 1, r.d});
-    std::vector<double> other(r.v);
-    const TensorView other_view = TensorView::of(other.data(), {r.n, 1, r.d});
-    const RopeDirection dir = transpose ? RopeDirection::kBackward : RopeDirection::kForward;
-    const std::int64_t seq_len = rope->seq_len > 0 ? rope->seq_len : p.position_max + 1;
-    // Keys go in the k slot (xPos scales them the other way); the q slot then holds a discarded copy.
-    if (is_q) {
-      ref::rope_apply(rope->params, pos, view, TensorView{}, view, TensorView{}, dir, seq_len);
-    } else {
-      ref::rope_apply(rope->params, pos, other_view, view, other_view, view, dir, seq_len);
-    }
-  } else if (const auto* absolute = std::get_if<AbsoluteQK>(&grp.transform)) {
-    if (transpose) return;
-    std::vector<double> table(static_cast<std::size_t>(r.n * r.d));
-    ref::sinusoidal_table(absolute->params, pos, TensorView::of(table.data(), {r.n, r.d}));
-    for (std::size_t t = 0; t < table.size(); ++t) r.v[t] += table[t];
-  }
+  const TransformedRows rows{is_q, transpose, pos, p.position_max + 1, r.n, r.d, r.v};
+  std::visit([&](const auto& t) { apply_transform(t, rows); }, p.groups[static_cast<std::size_t>(group)].transform);
 }
 
 // Rows times the spec's temperature of their query positions (temperature.hpp), in fp64.

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "posenc/reference.hpp"
+#include "ref/transforms_ref.hpp"
 #include "rotary_checks.hpp"
 
 namespace posenc::ref {
@@ -168,6 +169,22 @@ void rope_cos_sin(const RopeParams& params, const Positions& positions, TensorVi
       detail::store(cos.data(), cos.dtype(), g.offset(0, n) + col * g.dim_stride, alpha * std::cos(p * w[i]));
       detail::store(sin.data(), sin.dtype(), n * sin.stride(0) + col * sin.stride(1), alpha * std::sin(p * w[i]));
     }
+  }
+}
+
+// Keys go in rope_apply's k slot (xPos scales them the other way); the q slot then holds a
+// discarded copy.
+void apply_transform(const RotaryQK& rope, const TransformedRows& rows) {
+  if (!rows.is_q && rope.keys_rotated) return;
+  const TensorView view = TensorView::of(rows.v.data(), {rows.n, 1, rows.d});
+  std::vector<double> other(rows.v);
+  const TensorView other_view = TensorView::of(other.data(), {rows.n, 1, rows.d});
+  const RopeDirection dir = rows.transpose ? RopeDirection::kBackward : RopeDirection::kForward;
+  const std::int64_t seq_len = rope.seq_len > 0 ? rope.seq_len : rows.default_seq_len;
+  if (rows.is_q) {
+    ref::rope_apply(rope.params, rows.positions, view, TensorView{}, view, TensorView{}, dir, seq_len);
+  } else {
+    ref::rope_apply(rope.params, rows.positions, other_view, view, other_view, view, dir, seq_len);
   }
 }
 

@@ -280,6 +280,15 @@ std::int64_t FireParams::parameter_count() const {
   return static_cast<std::int64_t>(w1_.size() + b1_.size() + w2_.size() + b2_.size()) + 2;
 }
 
+std::vector<double> FireParams::parameters() const {
+  std::vector<double> all;
+  all.reserve(static_cast<std::size_t>(parameter_count()));
+  for (const std::vector<double>* part : {&w1_, &b1_, &w2_, &b2_}) all.insert(all.end(), part->begin(), part->end());
+  all.push_back(c_);
+  all.push_back(threshold_);
+  return all;
+}
+
 double FireParams::value(std::int64_t head, std::int64_t q_position, std::int64_t k_position) const {
   return mlp(head, normalized_distance(q_position, k_position));
 }

@@ -133,12 +133,13 @@ std::vector<double> TupeGradients::flat() const {
 namespace detail {
 
 double tupe_value(const TupeParams& p, std::int64_t head, std::int64_t q_position, std::int64_t k_position) {
-  if (p.cls_reset() && q_position == 0) return p.theta1()[static_cast<std::size_t>(head)];
-  if (p.cls_reset() && k_position == 0) return p.theta2()[static_cast<std::size_t>(head)];
+  // Both positions index the table, a [CLS] pair too (as check_tupe_positions asks of every call).
   if (q_position >= p.max_len() || k_position >= p.max_len()) {
     throw Error("bias_value", "position", std::to_string(std::max(q_position, k_position)),
                 "< max_len = " + std::to_string(p.max_len()) + " (the rows of TUPE's table)");
   }
+  if (p.cls_reset() && q_position == 0) return p.theta1()[static_cast<std::size_t>(head)];
+  if (p.cls_reset() && k_position == 0) return p.theta2()[static_cast<std::size_t>(head)];
   const std::vector<double> a = p.project(p.u_q(), q_position, head), c = p.project(p.u_k(), k_position, head);
   double dot = 0;
   for (std::size_t e = 0; e < a.size(); ++e) dot += a[e] * c[e];
@@ -147,7 +148,6 @@ double tupe_value(const TupeParams& p, std::int64_t head, std::int64_t q_positio
 
 void materialize_tupe(const TupeParams& p, const Positions& q_positions, const Positions& k_positions,
                       const ScoreGrid& g, TensorView out) {
-  detail::check_tupe_positions("bias_materialize", p, q_positions, k_positions);
   const std::vector<double> pq = project_tokens(p, p.u_q(), q_positions, g.batch, g.q_len);
   const std::vector<double> pk = project_tokens(p, p.u_k(), k_positions, g.batch, g.k_len);
   const std::int64_t dim = p.head_dim(), hd = p.heads() * dim, rows = g.batch * g.heads * g.q_len;
@@ -316,6 +316,14 @@ void TupeEvaluator::add_row(std::int64_t head, std::int64_t q_position, std::int
 
 std::int64_t TupeParams::parameter_count() const {
   return static_cast<std::int64_t>(table_.size() + u_q_.size() + u_k_.size() + theta1_.size() + theta2_.size());
+}
+
+std::vector<double> TupeParams::parameters() const {
+  std::vector<double> all;
+  all.reserve(static_cast<std::size_t>(parameter_count()));
+  for (const std::vector<double>* part : {&table_, &u_q_, &u_k_, &theta1_, &theta2_})
+    all.insert(all.end(), part->begin(), part->end());
+  return all;
 }
 
 double TupeParams::value(std::int64_t head, std::int64_t q_position, std::int64_t k_position) const {

@@ -3,6 +3,7 @@
 // bitwise determinism over thread counts; accuracy at 4096 tokens; errors.
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -361,15 +362,22 @@ TEST(Attention, AccurateAtFourThousandTokens) {
 }
 
 // A scheme of both positions held through PositionBiasRef, the open end of BiasScheme: it
-// forwards every hook to the scheme it holds, so the library must reach it only through the
-// interface (scheme.hpp) for the results to keep their bits.
+// forwards every hook to the scheme it holds and counts the calls, so the results keep their bits
+// only if the library reaches it through the interface (scheme.hpp), and the counts say which
+// hook each path took.
 class HeldPositionBias final : public PositionBias {
  public:
+  enum Hook { kValue, kReferenceBackward, kBackward, kMaterialize, kScoreTerm, kHooks };
   explicit HeldPositionBias(BiasScheme held) : held_(std::move(held)), bias_(*position_bias(held_)) {}
+  HeldPositionBias(const HeldPositionBias&) = delete;  // bias_ points into held_
+  HeldPositionBias& operator=(const HeldPositionBias&) = delete;
+
   std::string_view scheme_name() const override { return bias_.scheme_name(); }
   std::int64_t heads() const override { return bias_.heads(); }
   std::int64_t parameter_count() const override { return bias_.parameter_count(); }
+  std::vector<double> parameters() const override { return bias_.parameters(); }
   double value(std::int64_t head, std::int64_t q_position, std::int64_t k_position) const override {
+    ++calls[kValue];
     return bias_.value(head, q_position, k_position);
   }
   void check_positions(const char* where, const Positions& q, const Positions& k) const override {
@@ -377,17 +385,23 @@ class HeldPositionBias final : public PositionBias {
   }
   void reference_backward(const Positions& q, const Positions& k, ConstTensorView ds,
                           std::span<double> grads) const override {
+    ++calls[kReferenceBackward];
     bias_.reference_backward(q, k, ds, grads);
   }
   void backward(const Positions& q, const Positions& k, ConstTensorView ds, std::span<double> grads) const override {
+    ++calls[kBackward];
     bias_.backward(q, k, ds, grads);
   }
   void materialize(const Positions& q, const Positions& k, TensorView out) const override {
+    ++calls[kMaterialize];
     bias_.materialize(q, k, out);
   }
   std::unique_ptr<detail::ScoreTerm> score_term(const detail::AttentionPlan& plan, std::int64_t group) const override {
+    ++calls[kScoreTerm];
     return bias_.score_term(plan, group);
   }
+
+  mutable std::array<std::atomic<int>, kHooks> calls{};
 
  private:
   BiasScheme held_;
@@ -395,17 +409,19 @@ class HeldPositionBias final : public PositionBias {
 };
 
 TEST(Attention, APositionBiasHeldByReferenceRunsAsItself) {
+  using Hook = HeldPositionBias::Hook;
   const std::int64_t dim = 32;
   const Problem p = make_problem(2, 29, 41, 4, 2, dim);
   const BiasScheme fire = FireParams::init(2, 8, 5, 0.7, 16.0), tupe = tupe_with_cls(2, dim, 16, 60, 4);
-  const auto held = [](const BiasScheme& s) {
-    return BiasScheme(PositionBiasRef(std::make_shared<HeldPositionBias>(s)));
-  };
+  const auto held_fire = std::make_shared<HeldPositionBias>(fire);
+  const auto held_tupe = std::make_shared<HeldPositionBias>(tupe);
+  const std::array<const HeldPositionBias*, 2> held = {held_fire.get(), held_tupe.get()};
   AttentionSpec direct = spec_of(p), through = spec_of(p);
   direct.mask.causal = through.mask.causal = true;
   direct.groups = {{2, {}, fire}, {2, {}, tupe}};
-  through.groups = {{2, {}, held(fire)}, {2, {}, held(tupe)}};
+  through.groups = {{2, {}, PositionBiasRef(held_fire)}, {2, {}, PositionBiasRef(held_tupe)}};
   const Attention a(direct), b(through);
+  for (const HeldPositionBias* h : held) EXPECT_EQ(h->calls[Hook::kScoreTerm], 1);
   const std::vector<double> d_out = random_values(static_cast<std::size_t>(p.q_count()));
   for (const bool reference : {false, true}) {
     SCOPED_TRACE(reference ? "reference" : "fused");
@@ -415,22 +431,42 @@ TEST(Attention, APositionBiasHeldByReferenceRunsAsItself) {
     EXPECT_EQ(x.dv, y.dv);
     for (std::size_t g = 0; g < 2; ++g) EXPECT_EQ(x.params.groups[g].bias, y.params.groups[g].bias);
   }
+  // The reference reads the definition: values per pair, the backward per sequence.
+  for (const HeldPositionBias* h : held) {
+    EXPECT_GT(h->calls[Hook::kValue], 0);
+    EXPECT_GT(h->calls[Hook::kReferenceBackward], 0);
+  }
   EXPECT_EQ(run_forward(p, a, 0).out, run_forward(p, b, 0).out);
   expect_backward_matches_reference(p, b, d_out);
-  // The bias API reads it through the same interface.
+  // The bias API reads the fast forms through the same interface.
   const Positions pos = Positions::range(7);
-  for (const BiasScheme& s : {fire, tupe}) {
+  const std::array<BiasScheme, 2> direct_schemes = {fire, tupe};
+  for (std::size_t s = 0; s < 2; ++s) {
+    const BiasScheme through_scheme = PositionBiasRef(s == 0 ? held_fire : held_tupe);
     std::vector<float> x(2 * 7 * 7), y(x.size());
-    bias_materialize(s, pos, pos, TensorView::of(x.data(), {2, 7, 7}));
-    bias_materialize(held(s), pos, pos, TensorView::of(y.data(), {2, 7, 7}));
+    bias_materialize(direct_schemes[s], pos, pos, TensorView::of(x.data(), {2, 7, 7}));
+    bias_materialize(through_scheme, pos, pos, TensorView::of(y.data(), {2, 7, 7}));
     EXPECT_EQ(x, y);
-    EXPECT_EQ(bias_value(s, 1, 5, 2), bias_value(held(s), 1, 5, 2));
-    EXPECT_EQ(bias_parameter_count(s), bias_parameter_count(held(s)));
+    EXPECT_EQ(held[s]->calls[Hook::kMaterialize], 1);
+    std::vector<float> ds(x.size());
+    for (std::size_t t = 0; t < ds.size(); ++t) ds[t] = static_cast<float>(uniform(-1, 1));
+    const auto n = static_cast<std::size_t>(bias_parameter_count(direct_schemes[s]));
+    std::vector<double> gx(n, 0.0), gy(n, 0.0);
+    position_bias(direct_schemes[s])->backward(pos, pos, TensorView::of(ds.data(), {2, 7, 7}), gx);
+    position_bias(through_scheme)->backward(pos, pos, TensorView::of(ds.data(), {2, 7, 7}), gy);
+    EXPECT_EQ(gx, gy);
+    EXPECT_EQ(held[s]->calls[Hook::kBackward], 1);
+    EXPECT_EQ(bias_value(direct_schemes[s], 1, 5, 2), bias_value(through_scheme, 1, 5, 2));
+    EXPECT_EQ(bias_parameter_count(through_scheme), static_cast<std::int64_t>(n));
+    EXPECT_EQ(position_bias(through_scheme)->parameters(), position_bias(direct_schemes[s])->parameters());
+    expect_error([&] { bias_value(through_scheme, 0, 3); },
+                 {"bias_value: scheme = ", "bias_value(scheme, head, q_position, k_position)"});
   }
+  std::vector<float> wide(2 * 61 * 61);
   expect_error(
       [&] {
-        bias_materialize(held(tupe), Positions::range(61), Positions::range(61),
-                         TensorView::of(std::vector<float>(2 * 61 * 61).data(), {2, 61, 61}));
+        bias_materialize(PositionBiasRef(held_tupe), Positions::range(61), Positions::range(61),
+                         TensorView::of(wide.data(), {2, 61, 61}));
       },
       {"bias_materialize: position = 60", "max_len = 60"});
   expect_error([] { bias_heads(BiasScheme(PositionBiasRef())); }, {"PositionBiasRef = null", "a scheme object"});

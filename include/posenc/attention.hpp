@@ -154,7 +154,7 @@ struct GroupGradients {
   // The score bias's parameters, flat in its registered order (bias_parameter_count in bias.hpp;
   // `posenc schemes` lists each layout): ALiBi's slopes [heads], T5's table [buckets·heads],
   // Kerple's [r1 | r2], FIRE's [W1 | B1 | W2 | B2 | c | L], TUPE's [table | U^Q | U^K | θ1 | θ2],
-  // a RelativeBiasRef's θ.
+  // a RelativeBiasRef's or PositionBiasRef's θ.
   std::vector<double> bias;
   // Per HeadGroup::terms entry, its gradient_size() values in its layout (ShawTerm: [key table |
   // value table]; XlTerm: [u | v | W_R]; ForgetGate: the gate's elements; sinks: one per head).

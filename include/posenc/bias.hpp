@@ -219,6 +219,7 @@ class FireParams : public PositionBias {
   // As a PositionBias (scheme.hpp): θ = [W1 | B1 | W2 | B2 | c | L] (FireGradients::flat).
   std::string_view scheme_name() const override { return "fire"; }
   std::int64_t parameter_count() const override;
+  std::vector<double> parameters() const override;
   double value(std::int64_t head, std::int64_t q_position, std::int64_t k_position) const override;
   void reference_backward(const Positions& q_positions, const Positions& k_positions, ConstTensorView d_scores,
                           std::span<double> grads) const override;
@@ -282,6 +283,7 @@ class TupeParams : public PositionBias {
   // every position must be < max_len().
   std::string_view scheme_name() const override { return "tupe"; }
   std::int64_t parameter_count() const override;
+  std::vector<double> parameters() const override;
   double value(std::int64_t head, std::int64_t q_position, std::int64_t k_position) const override;
   void check_positions(const char* where, const Positions& q_positions, const Positions& k_positions) const override;
   void reference_backward(const Positions& q_positions, const Positions& k_positions, ConstTensorView d_scores,
@@ -323,15 +325,17 @@ struct TupeGradients {
 };
 
 // ---------------------------------------------------------------------------------- schemes
-// RelativeBiasRef and PositionBiasRef: any other scheme of the relative position only, or of both
-// positions (scheme.hpp), such as the registry's (registry.hpp) — the open ends of this list.
+// RelativeBiasRef and PositionBiasRef: any other scheme of the relative position only (such as the
+// registry's Sandwich, registry.hpp), or of both positions (scheme.hpp) — the open ends of this
+// list.
 using BiasScheme = std::variant<NoPE, AlibiParams, T5BiasParams, KerpleParams, FireParams, TupeParams, RelativeBiasRef,
                                 PositionBiasRef>;
 
 std::int64_t bias_heads(const BiasScheme& scheme);
 // How many learned parameters the scheme has, flat in its registered parameter order
-// (GroupGradients::bias): ALiBi's slopes, T5's table, Kerple's [r1 | r2], a RelativeBiasRef's θ,
-// FIRE's and TUPE's as FireGradients::flat and TupeGradients::flat order them; 0 for NoPE.
+// (GroupGradients::bias): ALiBi's slopes, T5's table, Kerple's [r1 | r2], a RelativeBiasRef's or
+// PositionBiasRef's θ, FIRE's and TUPE's as FireGradients::flat and TupeGradients::flat order
+// them; 0 for NoPE.
 std::int64_t bias_parameter_count(const BiasScheme& scheme);
 // The scheme as a RelativeBias (ALiBi, T5, Kerple and every RelativeBiasRef) or as a
 // PositionBias (FIRE, TUPE and every PositionBiasRef), or nullptr (NoPE and the other family).

@@ -76,8 +76,9 @@ class PositionBias {
   // The registry name (registry.hpp), e.g. "fire".
   virtual std::string_view scheme_name() const = 0;
   virtual std::int64_t heads() const = 0;
-  // How many learned parameters θ the scheme has, flat in its registered order.
+  // The learned parameters θ, flat in the scheme's registered order (empty: none).
   virtual std::int64_t parameter_count() const { return 0; }
+  virtual std::vector<double> parameters() const { return {}; }
   // b_h(p_i, p'_j) in fp64, the definition, for head in [0, heads()) (the caller checks it).
   // Throws posenc::Error for positions the scheme cannot take, as check_positions does.
   virtual double value(std::int64_t head, std::int64_t q_position, std::int64_t k_position) const = 0;
@@ -97,9 +98,11 @@ class PositionBias {
   // out[b, h, i, j] = b_h(q_pos(b, i), k_pos(b, j)) by the fast path (bias_materialize calls it
   // with `out` checked: [B, H, Sq, Sk] or [H, Sq, Sk], writable, not fp64).
   virtual void materialize(const Positions& q_positions, const Positions& k_positions, TensorView out) const = 0;
-  // The fused attention's form of the bias of head group `group` of a call (HeadGroup::bias), its
-  // parameter gradients going to GroupGradients::bias. It checks what it needs of the call and
-  // throws posenc::Error naming the parameter otherwise.
+  // The fused attention's form of the bias of head group `group` of a call (HeadGroup::bias), never
+  // null, its parameter gradients going to GroupGradients::bias. It checks what it needs of the
+  // call and throws posenc::Error naming the parameter otherwise. ScoreTerm is the engine's own
+  // (src/attention/score_term.hpp): a new scheme of this family lives in the library, as an
+  // AttentionTerm does.
   virtual std::unique_ptr<detail::ScoreTerm> score_term(const detail::AttentionPlan& plan,
                                                         std::int64_t group) const = 0;
 };

@@ -350,11 +350,18 @@ std::vector<HeadGroup> AttentionPlan::plan_head_groups() {
 // own and comes first, so that a row's logit is summed in the same order whichever form its bias
 // takes. The plan's own spec holds the groups (a term may keep a pointer to its scheme).
 void AttentionPlan::plan_terms(const std::vector<HeadGroup>& groups) {
+  // The biases' terms first, so that the call's checks of the biases come before the terms'.
+  std::vector<std::unique_ptr<ScoreTerm>> bias_terms(groups.size());
   for (std::size_t g = 0; g < groups.size(); ++g) {
     const std::optional<BiasScheme>& bias = spec.groups.empty() ? groups[g].bias : spec.groups[g].bias;
     if (const PositionBias* position = bias ? position_bias(*bias) : nullptr) {
-      terms.push_back(position->score_term(*this, static_cast<std::int64_t>(g)));
+      bias_terms[g] = position->score_term(*this, static_cast<std::int64_t>(g));
+      require(bias_terms[g] != nullptr, ("groups[" + std::to_string(g) + "].bias").c_str(),
+              std::string(position->scheme_name()) + " without a fused form", "a PositionBias whose score_term is set");
     }
+  }
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    if (bias_terms[g]) terms.push_back(std::move(bias_terms[g]));
     for (std::size_t t = 0; t < groups[g].terms.size(); ++t) {
       const std::string name = "groups[" + std::to_string(g) + "].terms[" + std::to_string(t) + "]";
       const AttentionTermRef& term = groups[g].terms[t];

@@ -1,6 +1,6 @@
 // Helpers shared by the engine's parts (rows.cpp, forward.cpp, decode.cpp, backward.cpp) and the
 // score terms (src/schemes/*_term.cpp): scratch growth, padded strides, the denormal flush, the
-// far-tile bound, the runs of rows by head, per-group term tables and term tiles. Internal.
+// far-tile bound, the runs of rows by head, a group's term tables and term tiles. Internal.
 #pragma once
 
 #include <algorithm>

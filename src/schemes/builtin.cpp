@@ -200,74 +200,61 @@ SchemeEntry kerple_entry() {
 
 SchemeEntry fire_entry() {
   SchemeEntry entry =
-      with_parameters({"fire",
-                       "bias",
-                       "b = MLP_h(ψ(|i − j|)/ψ(max(L, i))), ψ(t) = log(1 + c·t)",
-                       "Li et al. 2023, Functional Interpolation for Relative Positions",
-                       {size_option("hidden", 32, "MLP width"),
-                        {"c", 1.0, "c of ψ at first"},
-                        {"threshold", 512.0, "L at first"},
-                        seed_option()},
-                       "[w1 (hidden) | b1 (hidden) | w2 (heads·hidden) | b2 (heads) | c | L]",
-                       [](const SchemeArgs& a) {
-                         const std::int64_t k = a.integer("hidden");
-                         return std::vector<std::int64_t>{
-                             checked_sum("fire", {2 * k, checked_product("fire", {a.heads, k}), a.heads, 2})};
-                       },
-                       [](const SchemeArgs& a) {
-                         const std::int64_t k = a.integer("hidden"), h = a.heads;
-                         if (a.parameters.empty()) {
-                           return bias_group(a, FireParams::init(h, k, static_cast<std::uint64_t>(a.integer("seed")),
-                                                                 a.number("c"), a.number("threshold")));
-                         }
-                         const std::vector<double>& p = a.parameters;
-                         return bias_group(a, FireParams(h, slice(p, 0, k), slice(p, k, k), slice(p, 2 * k, h * k),
-                                                         slice(p, 2 * k + h * k, h), p[p.size() - 2], p[p.size() - 1]));
-                       }},
-                      [](const HeadGroup& g) {
-                        const FireParams& f = std::get<FireParams>(*g.bias);
-                        std::vector<double> all = joined({&f.w1(), &f.b1(), &f.w2(), &f.b2()});
-                        all.push_back(f.c());
-                        all.push_back(f.threshold());
-                        return all;
-                      },
-                      {});
+      SchemeEntry{"fire",
+                  "bias",
+                  "b = MLP_h(ψ(|i − j|)/ψ(max(L, i))), ψ(t) = log(1 + c·t)",
+                  "Li et al. 2023, Functional Interpolation for Relative Positions",
+                  {size_option("hidden", 32, "MLP width"),
+                   {"c", 1.0, "c of ψ at first"},
+                   {"threshold", 512.0, "L at first"},
+                   seed_option()},
+                  "[w1 (hidden) | b1 (hidden) | w2 (heads·hidden) | b2 (heads) | c | L]",
+                  [](const SchemeArgs& a) {
+                    const std::int64_t k = a.integer("hidden");
+                    return std::vector<std::int64_t>{
+                        checked_sum("fire", {2 * k, checked_product("fire", {a.heads, k}), a.heads, 2})};
+                  },
+                  [](const SchemeArgs& a) {
+                    const std::int64_t k = a.integer("hidden"), h = a.heads;
+                    if (a.parameters.empty()) {
+                      return bias_group(a, FireParams::init(h, k, static_cast<std::uint64_t>(a.integer("seed")),
+                                                            a.number("c"), a.number("threshold")));
+                    }
+                    const std::vector<double>& p = a.parameters;
+                    return bias_group(a, FireParams(h, slice(p, 0, k), slice(p, k, k), slice(p, 2 * k, h * k),
+                                                    slice(p, 2 * k + h * k, h), p[p.size() - 2], p[p.size() - 1]));
+                  }};
   entry.picture_ignores = {"head_dim"};  // FIRE's MLP sees positions only
   return entry;
 }
 
 SchemeEntry tupe_entry() {
-  return with_parameters(
-      {"tupe",
-       "bias",
-       "b = (p_i U^Q_h)·(p_j U^K_h)/sqrt(2D), p a learned absolute table",
-       "Ke et al. 2021, Rethinking Positional Encoding in Language Pre-training",
-       {size_option("d_model", 64, "width of the position table"),
-        size_option("max_len", 512, "rows of the position table"),
-        flag_option("cls_reset", false, "1: position 0 is a [CLS] token with learned θ1, θ2"), seed_option()},
-       "[table (max_len·d_model) | U^Q (d_model·heads·head_dim) | U^K | θ1 (heads) | θ2 (heads)]",
-       [](const SchemeArgs& a) {
-         const std::int64_t table = checked_product("tupe", {a.integer("max_len"), a.integer("d_model")});
-         const std::int64_t u = checked_product("tupe", {a.integer("d_model"), a.heads, a.head_dim});
-         return std::vector<std::int64_t>{checked_sum("tupe", {table, u, u, 2 * a.heads})};
-       },
-       [](const SchemeArgs& a) {
-         const std::int64_t d_model = a.integer("d_model"), max_len = a.integer("max_len");
-         if (a.parameters.empty()) {
-           return bias_group(a, TupeParams::init(a.heads, a.head_dim, d_model, max_len, a.flag("cls_reset"), 0.02,
-                                                 static_cast<std::uint64_t>(a.integer("seed"))));
-         }
-         const std::int64_t table = max_len * d_model, u = d_model * a.heads * a.head_dim;
-         const std::vector<double>& p = a.parameters;
-         return bias_group(a, TupeParams(a.heads, a.head_dim, d_model, slice(p, 0, table), slice(p, table, u),
-                                         slice(p, table + u, u), a.flag("cls_reset"), slice(p, table + 2 * u, a.heads),
-                                         slice(p, table + 2 * u + a.heads, a.heads)));
-       }},
-      [](const HeadGroup& g) {
-        const TupeParams& t = std::get<TupeParams>(*g.bias);
-        return joined({&t.table(), &t.u_q(), &t.u_k(), &t.theta1(), &t.theta2()});
+  return SchemeEntry{
+      "tupe",
+      "bias",
+      "b = (p_i U^Q_h)·(p_j U^K_h)/sqrt(2D), p a learned absolute table",
+      "Ke et al. 2021, Rethinking Positional Encoding in Language Pre-training",
+      {size_option("d_model", 64, "width of the position table"),
+       size_option("max_len", 512, "rows of the position table"),
+       flag_option("cls_reset", false, "1: position 0 is a [CLS] token with learned θ1, θ2"), seed_option()},
+      "[table (max_len·d_model) | U^Q (d_model·heads·head_dim) | U^K | θ1 (heads) | θ2 (heads)]",
+      [](const SchemeArgs& a) {
+        const std::int64_t table = checked_product("tupe", {a.integer("max_len"), a.integer("d_model")});
+        const std::int64_t u = checked_product("tupe", {a.integer("d_model"), a.heads, a.head_dim});
+        return std::vector<std::int64_t>{checked_sum("tupe", {table, u, u, 2 * a.heads})};
       },
-      {});
+      [](const SchemeArgs& a) {
+        const std::int64_t d_model = a.integer("d_model"), max_len = a.integer("max_len");
+        if (a.parameters.empty()) {
+          return bias_group(a, TupeParams::init(a.heads, a.head_dim, d_model, max_len, a.flag("cls_reset"), 0.02,
+                                                static_cast<std::uint64_t>(a.integer("seed"))));
+        }
+        const std::int64_t table = max_len * d_model, u = d_model * a.heads * a.head_dim;
+        const std::vector<double>& p = a.parameters;
+        return bias_group(a, TupeParams(a.heads, a.head_dim, d_model, slice(p, 0, table), slice(p, table, u),
+                                        slice(p, table + u, u), a.flag("cls_reset"), slice(p, table + 2 * u, a.heads),
+                                        slice(p, table + 2 * u + a.heads, a.heads)));
+      }};
 }
 
 // The entry's own term: the first of the group its factory built.

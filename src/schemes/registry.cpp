@@ -164,10 +164,10 @@ SchemeArgs complete_scheme_args(const SchemeEntry& entry, SchemeArgs args) {
 
 std::vector<double> scheme_parameters(const SchemeEntry& entry, const HeadGroup& group) {
   if (entry.parameters_of) return entry.parameters_of(group);
-  // The same rule as scheme_gradients: a group's score bias (a RelativeBias here; FIRE and TUPE
-  // give parameters_of) owns the learned parameters.
+  // The same rule as scheme_gradients: a group's score bias owns the learned parameters.
   if (group.bias) {
     if (const RelativeBias* rb = relative_bias(*group.bias)) return rb->parameters();
+    if (const PositionBias* pb = position_bias(*group.bias)) return pb->parameters();
     if (entry.family == "relative-bias")
       throw Error("scheme " + entry.name, "bias", "not a RelativeBias", "its family's interface");
   }

@@ -21,7 +21,7 @@
 namespace posenc::detail {
 namespace {
 
-// A group's projections in f32 for the positions [first, first + count) (shared by the groups),
+// The group's projections in f32 for the positions [first, first + count),
 // [heads][count][Dp] zero-padded (head-major, as XL's tables, for the same reason).
 struct TupeTables {
   std::int64_t heads = 0;

@@ -132,7 +132,7 @@ class XlScore final : public GroupTerm<XlTables> {
   const XlParams& params_;  // the XlTerm's, which outlives the call's plan
   std::int64_t index_;      // the term's entry in its group's terms
   std::int64_t delta_min_ = 0, width_ = 0;
-  // r(δ) per group, [width][d_model_padded]: built by the first backward that needs dW_R (calls
+  // r(δ), [width][d_model_padded]: built by the first backward that needs dW_R (calls
   // may share the Attention from several threads), kept for the next ones.
   mutable std::once_flag sinusoids_once_;
   mutable std::vector<float> sinusoids_;

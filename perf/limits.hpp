@@ -2,14 +2,13 @@
 // Internal to posenc's CLI and benchmarks (not installed).
 //
 //   copy      STREAM-like copy b[i] = a[i] with ordinary stores (a loop of loads and stores, never
-//             memcpy: see perf/limits.cpp). Measured on this host: 17–23 GB/s with 2 threads.
+//             memcpy: see perf/limits.cpp).
 //   copy_nt   the same copy with non-temporal (streaming) stores, which skip the read-for-ownership
 //   rmw       in-place read-modify-write a[i] = a[i] + 1: the bound of kernels that update a
 //             buffer in place (no read-for-ownership either: the line was just read)
 //   read      a sum over the buffer read as two streams side by side, with software prefetch
 //             4 KiB ahead (into L2): the bound of kernels that only read (reductions, decode).
-//             Measured on this host: 23–29 GB/s with 2 threads, depending on the moment (one
-//             stream: 22–26 in a test program; four or more streams no more than two).
+//             Two streams, because one reads slower and four or more read no faster.
 //   write_nt  non-temporal stores of zeros: the bound of kernels that only write (bias matrices)
 //   fma       f32 fused multiply-adds on independent register accumulators, in GFLOP/s (2 flops
 //             per lane): the compute bound of attention

@@ -20,7 +20,9 @@
 
 #include "../src/kernels/attention/attention_kernels.hpp"  // attn_gemm: the matrix kernel under test
 #include "attention/score_term.hpp"                        // ScoreTerm, which a held PositionBias forwards
+#include "attention/transforms.hpp"                        // qk_tables, which a held transform forwards
 #include "attention_testing.hpp"
+#include "ref/transforms_ref.hpp"  // apply_transform, likewise
 #include "testing.hpp"
 
 namespace posenc {
@@ -139,6 +141,34 @@ TEST_P(AttentionBackward, OneObjectServesSeveralThreadsAtOnce) {
       EXPECT_EQ(grads[c].params.groups[1].bias, alone_grads.params.groups[1].bias) << "call " << c;
       EXPECT_EQ(grads[c].stats.skipped, alone_grads.stats.skipped) << "call " << c;
     }
+  }
+}
+
+// The first backward of an object with XL builds XL's r(δ) table once (call_once) and TUPE's
+// and XL's slots per call: threads that start at once on a fresh object get the bits of a call
+// made alone afterwards.
+TEST_P(AttentionBackward, AFreshObjectWithXlAndTupeServesSeveralThreadsAtOnce) {
+  const std::int64_t dim = 32;
+  const Problem p = make_problem(2, 70, 96, 4, 2, dim);
+  AttentionSpec spec = spec_of(p);
+  spec.mask.causal = true;
+  spec.groups = {{2, {}, {}, {xl_term(XlParams::init(2, dim, 24, 0.5, 9))}},
+                 {2, {}, tupe_with_cls(2, dim, 16, 100, 4)}};
+  const Attention att(spec);
+  const std::vector<double> d_out = random_values(static_cast<std::size_t>(p.q_count()));
+  constexpr int kThreads = 4;
+  std::vector<Grads> grads(kThreads);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t)
+    threads.emplace_back([&, t] { grads[static_cast<std::size_t>(t)] = run_backward(p, att, d_out, false); });
+  for (std::thread& th : threads) th.join();
+  const Grads alone = run_backward(p, att, d_out, false);
+  for (std::size_t c = 0; c < grads.size(); ++c) {
+    EXPECT_EQ(grads[c].dq, alone.dq) << "call " << c;
+    EXPECT_EQ(grads[c].dk, alone.dk) << "call " << c;
+    EXPECT_EQ(grads[c].dv, alone.dv) << "call " << c;
+    EXPECT_EQ(grads[c].params.groups[0].terms, alone.params.groups[0].terms) << "call " << c;
+    EXPECT_EQ(grads[c].params.groups[1].bias, alone.params.groups[1].bias) << "call " << c;
   }
 }
 
@@ -470,6 +500,53 @@ TEST(Attention, APositionBiasHeldByReferenceRunsAsItself) {
       },
       {"bias_materialize: position = 60", "max_len = 60"});
   expect_error([] { bias_heads(BiasScheme(PositionBiasRef())); }, {"PositionBiasRef = null", "a scheme object"});
+}
+
+// A query/key transform held through QKTransformRef, the open end of QKTransform, forwarding to
+// RoPE's own forms and counting the calls: the plan and the reference reach it only through the
+// interface, with RoPE's bits.
+class HeldRope final : public QKTransformScheme {
+ public:
+  explicit HeldRope(RotaryQK rope) : rope_(std::move(rope)) {}
+  std::string_view scheme_name() const override { return "rope"; }
+  detail::QKTables tables(const detail::TransformRows& rows) const override {
+    ++calls[0];
+    return detail::qk_tables(rope_, rows);
+  }
+  void reference_apply(const ref::TransformedRows& rows) const override {
+    ++calls[1];
+    ref::apply_transform(rope_, rows);
+  }
+  mutable std::array<std::atomic<int>, 2> calls{};
+
+ private:
+  RotaryQK rope_;
+};
+
+TEST(Attention, ATransformHeldByReferenceRunsAsItself) {
+  const std::int64_t dim = 32;
+  const Problem p = make_problem(2, 29, 41, 4, 2, dim);
+  const RotaryQK rope{RopeParams(dim, dim, 10000.0, RopeLayout::kInterleaved).with_xpos(32.0)};
+  const auto held = std::make_shared<HeldRope>(rope);
+  AttentionSpec direct = spec_of(p), through = spec_of(p);
+  direct.mask.causal = through.mask.causal = true;
+  direct.groups = {{2, rope, AlibiParams(2)}, {2, {}, {}}};
+  through.groups = {{2, QKTransformRef(held), AlibiParams(2)}, {2, {}, {}}};
+  const Attention a(direct), b(through);
+  EXPECT_EQ(held->calls[0], 1);
+  const std::vector<double> d_out = random_values(static_cast<std::size_t>(p.q_count()));
+  for (const bool reference : {false, true}) {
+    SCOPED_TRACE(reference ? "reference" : "fused");
+    const Grads x = run_backward(p, a, d_out, reference), y = run_backward(p, b, d_out, reference);
+    EXPECT_EQ(x.dq, y.dq);
+    EXPECT_EQ(x.dk, y.dk);
+    EXPECT_EQ(x.dv, y.dv);
+    EXPECT_EQ(x.params.groups[0].bias, y.params.groups[0].bias);
+  }
+  EXPECT_GT(held->calls[1], 0);
+  EXPECT_EQ(run_forward(p, a, 0).out, run_forward(p, b, 0).out);
+  through.groups[0].transform = QKTransformRef();
+  expect_error([&] { Attention{through}; }, {"groups[0].transform = null", "a QKTransformScheme"});
 }
 
 TEST(Attention, BitwiseIdenticalForAnyThreadCount) {

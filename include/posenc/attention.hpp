@@ -82,6 +82,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <string_view>
 #include <variant>
 #include <vector>
 
@@ -96,6 +97,14 @@
 
 namespace posenc {
 
+namespace detail {
+struct QKTables;
+struct TransformRows;
+}  // namespace detail
+namespace ref {
+struct TransformedRows;
+}  // namespace ref
+
 // RoPE applied inside attention from the tokens' positions.
 struct RotaryQK {
   RopeParams params;
@@ -107,7 +116,21 @@ struct RotaryQK {
 struct AbsoluteQK {
   SinusoidalParams params;
 };
-using QKTransform = std::variant<std::monostate, RotaryQK, AbsoluteQK>;
+// Any other transform of q and k by their positions before the product, in one of the two forms the
+// kernels run (pairs rotated by per-position angles, or per-position rows added): the open end of
+// QKTransform. It gives its fused form for a call (the tables, attention/transforms.hpp) and its
+// fp64 definition, which the attention reference applies (ref/transforms_ref.hpp); both are the
+// library's own types, so a new transform lives in the library, as an attention term does.
+class QKTransformScheme {
+ public:
+  virtual ~QKTransformScheme() = default;
+  virtual std::string_view scheme_name() const = 0;
+  virtual detail::QKTables tables(const detail::TransformRows& rows) const = 0;
+  virtual void reference_apply(const ref::TransformedRows& rows) const = 0;
+};
+using QKTransformRef = std::shared_ptr<const QKTransformScheme>;
+
+using QKTransform = std::variant<std::monostate, RotaryQK, AbsoluteQK, QKTransformRef>;
 
 // A run of consecutive heads sharing a scheme. `bias`, when set, has bias_heads == heads (its
 // head 0 is the group's first head). `terms` (term.hpp) add their own parts to the logit after

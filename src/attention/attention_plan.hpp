@@ -41,7 +41,7 @@ struct QKTables {
 };
 
 // The bias of one head: tabulated over δ = q − k (distance-only schemes) or evaluated directly
-// (tables too wide). FIRE and TUPE are score terms (src/schemes/fire_term.cpp, tupe_term.cpp).
+// (tables too wide). A bias of both positions is a score term of its own (PositionBias::score_term).
 struct HeadBias {
   enum Kind { kNone, kTable, kDirect } kind = kNone;
   std::int64_t group = -1, local_head = 0;

@@ -1,8 +1,8 @@
 // The query/key transforms' part in the fused attention: each transform of a HeadGroup
 // (posenc/attention.hpp: QKTransform) tabulates itself for a call in its scheme's file
 // (src/schemes/rope_transform.cpp, absolute_transform.cpp), and the plan asks for the tables
-// without naming it. A new transform is an alternative of QKTransform, a qk_tables overload and
-// the overload of its fp64 definition that the reference visits (ref/transforms_ref.hpp).
+// without naming it. A new transform is a QKTransformScheme held by QKTransformRef (attention.hpp),
+// whose tables() and reference_apply() take the rows below and ref/transforms_ref.hpp's.
 // Internal.
 #pragma once
 
@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "attention/attention_plan.hpp"
+#include "posenc/error.hpp"
 
 namespace posenc::detail {
 
@@ -30,5 +31,9 @@ struct TransformRows {
 inline QKTables qk_tables(const std::monostate&, const TransformRows&) { return {}; }
 QKTables qk_tables(const RotaryQK& rope, const TransformRows& rows);
 QKTables qk_tables(const AbsoluteQK& absolute, const TransformRows& rows);
+inline QKTables qk_tables(const QKTransformRef& transform, const TransformRows& rows) {
+  if (!transform) throw Error(rows.where, rows.name.c_str(), "null", "a QKTransformScheme");
+  return transform->tables(rows);
+}
 
 }  // namespace posenc::detail

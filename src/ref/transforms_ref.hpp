@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "posenc/attention.hpp"
+#include "posenc/error.hpp"
 
 namespace posenc::ref {
 
@@ -26,5 +27,9 @@ struct TransformedRows {
 inline void apply_transform(const std::monostate& /* none */, const TransformedRows& /* rows */) {}
 void apply_transform(const RotaryQK& rope, const TransformedRows& rows);
 void apply_transform(const AbsoluteQK& absolute, const TransformedRows& rows);
+inline void apply_transform(const QKTransformRef& transform, const TransformedRows& rows) {
+  if (!transform) throw Error("attention_reference", "transform", "null", "a QKTransformScheme");
+  transform->reference_apply(rows);
+}
 
 }  // namespace posenc::ref

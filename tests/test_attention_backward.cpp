@@ -391,6 +391,24 @@ TEST(Attention, AccurateAtFourThousandTokens) {
   expect_accurate(p, spec, "T5, FIRE; sliding window of 1000");
 }
 
+// Two attentions that must agree to the bit: forward, and backward fused and by the reference,
+// every gradient.
+void expect_same_bits(const Problem& p, const Attention& a, const Attention& b, const std::vector<double>& d_out) {
+  EXPECT_EQ(run_forward(p, a, 0).out, run_forward(p, b, 0).out);
+  for (const bool reference : {false, true}) {
+    SCOPED_TRACE(reference ? "reference" : "fused");
+    const Grads x = run_backward(p, a, d_out, reference), y = run_backward(p, b, d_out, reference);
+    EXPECT_EQ(x.dq, y.dq);
+    EXPECT_EQ(x.dk, y.dk);
+    EXPECT_EQ(x.dv, y.dv);
+    ASSERT_EQ(x.params.groups.size(), y.params.groups.size());
+    for (std::size_t g = 0; g < x.params.groups.size(); ++g) {
+      EXPECT_EQ(x.params.groups[g].bias, y.params.groups[g].bias);
+      EXPECT_EQ(x.params.groups[g].terms, y.params.groups[g].terms);
+    }
+  }
+}
+
 // A scheme of both positions held through PositionBiasRef, the open end of BiasScheme: it
 // forwards every hook to the scheme it holds and counts the calls, so the results keep their bits
 // only if the library reaches it through the interface (scheme.hpp), and the counts say which
@@ -453,20 +471,12 @@ TEST(Attention, APositionBiasHeldByReferenceRunsAsItself) {
   const Attention a(direct), b(through);
   for (const HeldPositionBias* h : held) EXPECT_EQ(h->calls[Hook::kScoreTerm], 1);
   const std::vector<double> d_out = random_values(static_cast<std::size_t>(p.q_count()));
-  for (const bool reference : {false, true}) {
-    SCOPED_TRACE(reference ? "reference" : "fused");
-    const Grads x = run_backward(p, a, d_out, reference), y = run_backward(p, b, d_out, reference);
-    EXPECT_EQ(x.dq, y.dq);
-    EXPECT_EQ(x.dk, y.dk);
-    EXPECT_EQ(x.dv, y.dv);
-    for (std::size_t g = 0; g < 2; ++g) EXPECT_EQ(x.params.groups[g].bias, y.params.groups[g].bias);
-  }
+  expect_same_bits(p, a, b, d_out);
   // The reference reads the definition: values per pair, the backward per sequence.
   for (const HeldPositionBias* h : held) {
     EXPECT_GT(h->calls[Hook::kValue], 0);
     EXPECT_GT(h->calls[Hook::kReferenceBackward], 0);
   }
-  EXPECT_EQ(run_forward(p, a, 0).out, run_forward(p, b, 0).out);
   expect_backward_matches_reference(p, b, d_out);
   // The bias API reads the fast forms through the same interface.
   const Positions pos = Positions::range(7);
@@ -535,16 +545,8 @@ TEST(Attention, ATransformHeldByReferenceRunsAsItself) {
   const Attention a(direct), b(through);
   EXPECT_EQ(held->calls[0], 1);
   const std::vector<double> d_out = random_values(static_cast<std::size_t>(p.q_count()));
-  for (const bool reference : {false, true}) {
-    SCOPED_TRACE(reference ? "reference" : "fused");
-    const Grads x = run_backward(p, a, d_out, reference), y = run_backward(p, b, d_out, reference);
-    EXPECT_EQ(x.dq, y.dq);
-    EXPECT_EQ(x.dk, y.dk);
-    EXPECT_EQ(x.dv, y.dv);
-    EXPECT_EQ(x.params.groups[0].bias, y.params.groups[0].bias);
-  }
+  expect_same_bits(p, a, b, d_out);
   EXPECT_GT(held->calls[1], 0);
-  EXPECT_EQ(run_forward(p, a, 0).out, run_forward(p, b, 0).out);
   through.groups[0].transform = QKTransformRef();
   expect_error([&] { Attention{through}; }, {"groups[0].transform = null", "a QKTransformScheme"});
 }

@@ -240,14 +240,18 @@ void KerpleParams::accumulate_gradient(std::int64_t head, std::int64_t r, double
   grads[static_cast<std::size_t>(heads() + head)] += weight * d2;
 }
 
-const RelativeBias* relative_bias(const BiasScheme& scheme) {
+namespace {
+// The scheme as a member of family F (a built-in alternative derived from F, or F's open end
+// held by shared pointer, named `ref_name` in the error for a null one), or nullptr.
+template <class F>
+const F* family_member(const BiasScheme& scheme, const char* ref_name) {
   return std::visit(
-      [](const auto& s) -> const RelativeBias* {
+      [ref_name](const auto& s) -> const F* {
         using S = std::decay_t<decltype(s)>;
-        if constexpr (std::is_same_v<S, RelativeBiasRef>) {
-          if (!s) throw Error("BiasScheme", "RelativeBiasRef", "null", "a scheme object");
+        if constexpr (std::is_same_v<S, std::shared_ptr<const F>>) {
+          if (!s) throw Error("BiasScheme", ref_name, "null", "a scheme object");
           return s.get();
-        } else if constexpr (std::is_base_of_v<RelativeBias, S>) {
+        } else if constexpr (std::is_base_of_v<F, S>) {
           return &s;
         } else {
           return nullptr;
@@ -255,21 +259,14 @@ const RelativeBias* relative_bias(const BiasScheme& scheme) {
       },
       scheme);
 }
+}  // namespace
+
+const RelativeBias* relative_bias(const BiasScheme& scheme) {
+  return family_member<RelativeBias>(scheme, "RelativeBiasRef");
+}
 
 const PositionBias* position_bias(const BiasScheme& scheme) {
-  return std::visit(
-      [](const auto& s) -> const PositionBias* {
-        using S = std::decay_t<decltype(s)>;
-        if constexpr (std::is_same_v<S, PositionBiasRef>) {
-          if (!s) throw Error("BiasScheme", "PositionBiasRef", "null", "a scheme object");
-          return s.get();
-        } else if constexpr (std::is_base_of_v<PositionBias, S>) {
-          return &s;
-        } else {
-          return nullptr;
-        }
-      },
-      scheme);
+  return family_member<PositionBias>(scheme, "PositionBiasRef");
 }
 
 std::int64_t bias_heads(const BiasScheme& scheme) {

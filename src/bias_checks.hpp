@@ -34,6 +34,17 @@ inline void add_flat(const std::vector<double>& flat, std::span<double> grads) {
   for (std::size_t t = 0; t < flat.size(); ++t) grads[t] += flat[t];
 }
 
+// A PositionBias's backward into flat grads (checked to hold parameter_count() values) through
+// its own gradients struct G (FireGradients, TupeGradients): backward(parts) accumulates into a
+// zeroed G, added flat.
+template <class G, class Params, class Backward>
+void add_gradients(const char* where, const Params& params, std::span<double> grads, Backward&& backward) {
+  check_gradient_size(where, "grads", grads.size(), params.parameter_count());
+  G parts(params);
+  backward(parts);
+  add_flat(parts.flat(), grads);
+}
+
 // The positions of one batch row, gathered (positions.at(b, s) for s < len).
 std::vector<std::int64_t> row_positions(const Positions& positions, std::int64_t b, std::int64_t len);
 

@@ -295,10 +295,9 @@ double FireParams::value(std::int64_t head, std::int64_t q_position, std::int64_
 
 void FireParams::backward(const Positions& q_positions, const Positions& k_positions, ConstTensorView d_scores,
                           std::span<double> grads) const {
-  detail::check_gradient_size("FireParams::backward", "grads", grads.size(), parameter_count());
-  FireGradients parts(*this);
-  fire_backward(*this, q_positions, k_positions, d_scores, parts);
-  detail::add_flat(parts.flat(), grads);
+  detail::add_gradients<FireGradients>("FireParams::backward", *this, grads, [&](FireGradients& parts) {
+    fire_backward(*this, q_positions, k_positions, d_scores, parts);
+  });
 }
 
 // Per query, x and the piece of every key once, then each head's row by one multiply-add per

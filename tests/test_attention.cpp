@@ -260,8 +260,10 @@ TEST_P(AttentionForward, DecodeRunsEveryKvHeadAsOneBlock) {
   // a scheme that differs from head to head, masks, the soft-cap and key lengths must each reach
   // their own lanes. 4 KV heads; 2 rows (1 query × 2 heads, 2 queries × 1 head) or 4 rows per KV
   // head; 700 keys (tiles and a partial block), 9000 (three chunks).
-  for (const auto& [q_len, heads, k_len] :
+  for (const std::array<std::int64_t, 3>& shape_of :
        std::vector<std::array<std::int64_t, 3>>{{1, 8, 700}, {2, 4, 700}, {1, 16, 9000}}) {
+    // Named, not a structured binding: a lambda below captures k_len (clang 14 cannot capture bindings).
+    const std::int64_t q_len = shape_of[0], heads = shape_of[1], k_len = shape_of[2];
     const std::int64_t dim = 64;
     Problem p = make_problem(k_len > 1000 ? 1 : 2, q_len, k_len, heads, 4, dim);
     const std::string shape =

@@ -164,7 +164,10 @@ TEST(Shaw, GradientsMatchFiniteDifferences) {
   for (int trial = 0; trial < 10; ++trial) {
     ShawCase c = random_case();
     c.dtype = DType::kF64;
-    const auto [qp, kp] = positions_of(c);
+    // Named, not a structured binding: lambdas below capture them (clang 14 cannot capture bindings).
+    const std::pair<Positions, Positions> positions = positions_of(c);
+    const Positions& qp = positions.first;
+    const Positions& kp = positions.second;
     const ShawParams p = ShawParams::init(c.k, c.dim, 0.5, static_cast<std::uint64_t>(trial + 100));
     const std::int64_t tokens = c.batch * c.q_len * c.heads * c.dim, scores = c.batch * c.heads * c.q_len * c.k_len;
     std::vector<double> q = random_values(tokens), probs = random_values(scores);
@@ -349,7 +352,10 @@ TEST(TransformerXl, GradientsMatchFiniteDifferences) {
   for (int trial = 0; trial < 8; ++trial) {
     ShawCase c = random_case();
     c.dtype = DType::kF64;
-    const auto [qp, kp] = positions_of(c);
+    // Named, not a structured binding: lambdas below capture them (clang 14 cannot capture bindings).
+    const std::pair<Positions, Positions> positions = positions_of(c);
+    const Positions& qp = positions.first;
+    const Positions& kp = positions.second;
     const std::int64_t d_model = 2 * uniform_int(1, 4);
     const XlParams p = XlParams::init(c.heads, c.dim, d_model, 0.5, static_cast<std::uint64_t>(trial + 50));
     const std::int64_t q_count = c.batch * c.q_len * c.heads * c.dim, k_count = c.batch * c.k_len * c.heads * c.dim;

@@ -3,7 +3,7 @@ bytes each rank sends per ring step and the time split between posenc's kernels 
 the ring, forward and backward, beside the ring's own limit measured in the same run (the same
 blocks passed round with no attention).
 
-    PYTHONPATH=build/python /usr/bin/python3 bench/ring_attention.py --world 4 --seq 16384
+    PYTHONPATH=build/python ~/.cache/posenc/venv-torch-2.15.0/bin/python bench/ring_attention.py --world 4 --seq 16384
 """
 import argparse
 import os

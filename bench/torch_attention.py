@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """posenc.attention against eager PyTorch with a materialised bias, forward + backward, in one run.
 
 q, k, v [1, S, H, D] f32 (S = 2048, H = 8, D = 128 by default), causal, with ALiBi or T5:
@@ -8,10 +8,9 @@ q, k, v [1, S, H, D] f32 (S = 2048, H = 8, D = 128 by default), causal, with ALi
   posenc  posenc.attention(q, k, v, ALiBi / T5RelativeBias module, causal=True)
 Each variant runs in its own process: the best of --reps forward + backward steps, and the peak
 resident memory above the inputs (ru_maxrss after the steps minus before). The BLAS library torch
-actually loaded is printed (Debian's torch is only fast with an optimised libblas.so.3, e.g.
-libopenblas0-pthread).
+actually loaded is printed.
 
-    PYTHONPATH=build/python /usr/bin/python3 bench/torch_attention.py --threads 2
+    PYTHONPATH=build/python ~/.cache/posenc/venv-torch-2.15.0/bin/python bench/torch_attention.py --threads 2
 """
 import argparse
 import json

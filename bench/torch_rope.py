@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """posenc.rope against the PyTorch formulations users write, in one run, on Llama-3-8B's shapes.
 
 q [1, 4096, 32, 128] and k [1, 4096, 8, 128] f32, half-split pairs, positions 0..4095:
@@ -9,7 +9,7 @@ q [1, 4096, 32, 128] and k [1, 4096, 8, 128] f32, half-split pairs, positions 0.
 Each is timed as the best of --reps runs, with fresh output tensors each call, and the BLAS torch
 uses is printed (it does not matter for these element-wise forms).
 
-    PYTHONPATH=build/python /usr/bin/python3 bench/torch_rope.py --threads 2
+    PYTHONPATH=build/python ~/.cache/posenc/venv-torch-2.15.0/bin/python bench/torch_rope.py --threads 2
 """
 import argparse
 import math

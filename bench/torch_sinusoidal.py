@@ -1,11 +1,11 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """PyTorch eager baseline for the sinusoidal table, to compare with `posenc bench sinusoidal`.
 
 The tutorial formulation (div_term = exp(arange(0, d, 2) * -ln(10000)/d); pe[:, 0::2] = sin(p * div);
 pe[:, 1::2] = cos(p * div)), timed as the best of several runs.
-Needs Debian's python3-torch (apt-get install python3-torch); run with /usr/bin/python3:
+Run with the set-up's environment (torch from PyPI):
 
-    /usr/bin/python3 bench/torch_sinusoidal.py --length 32768 --dim 1024 --threads 2
+    ~/.cache/posenc/venv-torch-2.15.0/bin/python bench/torch_sinusoidal.py --length 32768 --dim 1024 --threads 2
 """
 import argparse
 import math

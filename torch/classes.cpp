@@ -105,7 +105,9 @@ RopeClass::RopeClass(std::int64_t head_dim, std::int64_t rotary_dim, double base
         if (rotary_offset != 0) p = p.with_rotary_offset(rotary_offset);
         if (!xpos.empty()) p = p.with_xpos(xpos[0], xpos[1]);
         return p;
-      }()) {}
+      }()),
+      state(State{head_dim, rotary_dim, base, layout, max_position_embeddings, rotary_offset, rope_type, scaling.copy(),
+                  factors.copy(), xpos}) {}
 
 SchemeClass::SchemeClass(const std::string& name, std::int64_t heads_, const c10::Dict<std::string, double>& options_,
                          const c10::optional<c10::intrusive_ptr<RopeClass>>& rope_)
@@ -114,6 +116,7 @@ SchemeClass::SchemeClass(const std::string& name, std::int64_t heads_, const c10
     throw Error("Scheme", "heads", std::to_string(heads), "in [1, 2^31]");
   for (const auto& item : options_) options.emplace(item.key(), item.value());
   if (rope_) rope = (*rope_)->params;
+  rope_object = rope_;
   // Option names and values now, with a stand-in head size: the attention checks them again with q's.
   (void)args(rope ? rope->head_dim() : 2, 0.0);
 }
@@ -150,11 +153,15 @@ at::Tensor SchemeClass::initial_parameters(std::int64_t head_dim) const {
   return at::tensor(values, at::kDouble).reshape(shape.empty() ? std::vector<std::int64_t>{0} : shape);
 }
 
-TemperatureClass::TemperatureClass(const std::string& kind, const c10::Dict<std::string, double>& values)
-    : temperature(temperature_of(kind, values)) {}
+TemperatureClass::TemperatureClass(const std::string& kind_, const c10::Dict<std::string, double>& values_)
+    : temperature(temperature_of(kind_, values_)), kind(kind_), values(values_.copy()) {}
 
 void define_classes(torch::Library& m) {
-  // Constructors and methods turn posenc::Error into ValueError, as the ops do.
+  // Constructors and methods turn posenc::Error into ValueError, as the ops do. Each class is an
+  // immutable value that pickles (and so deep-copies) as its constructor's arguments. While
+  // torch.compile or opcheck traces, the ops' fake kernels receive the objects themselves
+  // (tracing_mode "real"), and objects compare by identity.
+  const auto real = [](const auto&) { return std::string("real"); };
   using DoubleDict = c10::Dict<std::string, double>;
   using ListDict = c10::Dict<std::string, std::vector<double>>;
   m.class_<RopeClass>("Rope")
@@ -167,32 +174,74 @@ void define_classes(torch::Library& m) {
                                                     rotary_offset, rope_type, scaling, factors, xpos);
             });
           }))
+      .def("tracing_mode", [real](const c10::intrusive_ptr<RopeClass>& self) { return real(self); })
+      .def("__eq__", [](const c10::intrusive_ptr<RopeClass>& self,
+                        const c10::intrusive_ptr<RopeClass>& other) { return self.get() == other.get(); })
       .def("head_dim", [](const c10::intrusive_ptr<RopeClass>& self) { return self->params.head_dim(); })
       .def("rotary_dim", [](const c10::intrusive_ptr<RopeClass>& self) { return self->params.rotary_dim(); })
-      .def("inv_frequencies", [](const c10::intrusive_ptr<RopeClass>& self, std::int64_t seq_len) {
-        return translating([&] { return at::tensor(self->params.inv_frequencies(seq_len), at::kDouble); });
-      });
+      .def("inv_frequencies",
+           [](const c10::intrusive_ptr<RopeClass>& self, std::int64_t seq_len) {
+             return translating([&] { return at::tensor(self->params.inv_frequencies(seq_len), at::kDouble); });
+           })
+      .def_pickle(
+          [](const c10::intrusive_ptr<RopeClass>& self) {
+            TORCH_CHECK_VALUE(self->state.has_value(),
+                              "Rope: made from RopeParams in C++; expected one made from its "
+                              "arguments to pickle or copy it");
+            return *self->state;
+          },
+          [](RopeClass::State s) {
+            return translating([&] {
+              return c10::make_intrusive<RopeClass>(std::get<0>(s), std::get<1>(s), std::get<2>(s), std::get<3>(s),
+                                                    std::get<4>(s), std::get<5>(s), std::get<6>(s), std::get<7>(s),
+                                                    std::get<8>(s), std::get<9>(s));
+            });
+          });
   m.class_<SchemeClass>("Scheme")
       .def(torch::init([](const std::string& name, std::int64_t heads, const DoubleDict& options,
                           const c10::optional<c10::intrusive_ptr<RopeClass>>& rope) {
         return translating([&] { return c10::make_intrusive<SchemeClass>(name, heads, options, rope); });
       }))
+      .def("tracing_mode", [real](const c10::intrusive_ptr<SchemeClass>& self) { return real(self); })
+      .def("__eq__", [](const c10::intrusive_ptr<SchemeClass>& self,
+                        const c10::intrusive_ptr<SchemeClass>& other) { return self.get() == other.get(); })
       .def("name", [](const c10::intrusive_ptr<SchemeClass>& self) { return self->entry->name; })
       .def("heads", [](const c10::intrusive_ptr<SchemeClass>& self) { return self->heads; })
       .def("parameter_shape",
            [](const c10::intrusive_ptr<SchemeClass>& self, std::int64_t head_dim) {
              return translating([&] { return self->parameter_shape(head_dim); });
            })
-      .def("initial_parameters", [](const c10::intrusive_ptr<SchemeClass>& self, std::int64_t head_dim) {
-        return translating([&] { return self->initial_parameters(head_dim); });
-      });
+      .def("initial_parameters",
+           [](const c10::intrusive_ptr<SchemeClass>& self, std::int64_t head_dim) {
+             return translating([&] { return self->initial_parameters(head_dim); });
+           })
+      .def_pickle(
+          [](const c10::intrusive_ptr<SchemeClass>& self) {
+            DoubleDict options;
+            for (const auto& [key, value] : self->options) options.insert(key, value);
+            return std::make_tuple(self->entry->name, self->heads, options, self->rope_object);
+          },
+          [](std::tuple<std::string, std::int64_t, DoubleDict, c10::optional<c10::intrusive_ptr<RopeClass>>> s) {
+            return translating([&] {
+              return c10::make_intrusive<SchemeClass>(std::get<0>(s), std::get<1>(s), std::get<2>(s), std::get<3>(s));
+            });
+          });
   m.class_<TemperatureClass>("Temperature")
       .def(torch::init([](const std::string& kind, const DoubleDict& values) {
         return translating([&] { return c10::make_intrusive<TemperatureClass>(kind, values); });
       }))
-      .def("factor", [](const c10::intrusive_ptr<TemperatureClass>& self, std::int64_t position) {
-        return translating([&] { return self->temperature.factor(position); });
-      });
+      .def("tracing_mode", [real](const c10::intrusive_ptr<TemperatureClass>& self) { return real(self); })
+      .def("__eq__", [](const c10::intrusive_ptr<TemperatureClass>& self,
+                        const c10::intrusive_ptr<TemperatureClass>& other) { return self.get() == other.get(); })
+      .def("factor",
+           [](const c10::intrusive_ptr<TemperatureClass>& self, std::int64_t position) {
+             return translating([&] { return self->temperature.factor(position); });
+           })
+      .def_pickle(
+          [](const c10::intrusive_ptr<TemperatureClass>& self) { return std::make_tuple(self->kind, self->values); },
+          [](std::tuple<std::string, DoubleDict> s) {
+            return translating([&] { return c10::make_intrusive<TemperatureClass>(std::get<0>(s), std::get<1>(s)); });
+          });
 }
 
 }  // namespace posenc::torch_adapter

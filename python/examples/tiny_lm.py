@@ -2,7 +2,7 @@
 seconds, then generates from it with a posenc.KVCache per layer, one byte per step, and checks
 that every cached step gives the logits of recomputing the whole sequence.
 
-    PYTHONPATH=build/python /usr/bin/python3 python/examples/tiny_lm.py --seconds 10 --scheme rope
+    PYTHONPATH=build/python ~/.cache/posenc/venv-torch-2.15.0/bin/python python/examples/tiny_lm.py --seconds 10 --scheme rope
 """
 import argparse
 import os

@@ -6,10 +6,10 @@ positions are int64 tensors ``[S]`` (shared by the batch) or ``[B, S]``. Bad arg
 ``ValueError`` (bad values or shapes; the message names the parameter, its value and what was
 expected) or ``TypeError`` (wrong device or dtype).
 
-Use with Debian's interpreter after either set-up command (a build with
-``-DPOSENC_BUILD_TORCH=ON``), or install it with pip or ``cmake --install`` (README)::
+Use with the set-up's environment (torch from PyPI) after either set-up command (a build with
+``-DPOSENC_BUILD_TORCH=ON``), or install its wheel or ``cmake --install`` it (README)::
 
-    PYTHONPATH=build/python /usr/bin/python3 -c "import posenc"
+    PYTHONPATH=build/python ~/.cache/posenc/venv-torch-2.15.0/bin/python -c "import posenc"
 """
 import json
 import math
@@ -34,6 +34,13 @@ def _load():
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libposenc_torch.so")
     if not os.path.exists(path):
         raise ImportError(f"posenc: {path} is missing; build with -DPOSENC_BUILD_TORCH=ON (both set-up commands do)")
+    # The extension's C++ ABI is that of the torch it was built against: another major.minor would
+    # abort the interpreter when the library loads, so it is refused here, in one line.
+    from ._build import TORCH_VERSION
+    built, running = TORCH_VERSION.split(".")[:2], torch.__version__.split("+")[0].split(".")[:2]
+    if built != running:
+        raise ImportError(f"posenc: built for torch {TORCH_VERSION}, but this interpreter has torch {torch.__version__}; "
+                          f"install torch=={'.'.join(built)}.* or rebuild posenc against this torch")
     torch.ops.load_library(path)
 
 
@@ -41,7 +48,9 @@ def _finite(name, value):
     """value, after checking that every number in it (in dicts and lists too) is finite: the message
     names the entry."""
     def check(path, x):
-        if isinstance(x, float) and not math.isfinite(x):
+        # While torch.compile traces, a module's floats may be symbolic (dynamic=True); they were
+        # checked when the module was made, and the library checks them again.
+        if isinstance(x, float) and not torch.compiler.is_compiling() and not math.isfinite(x):
             raise ValueError(f"{path} = {x}; expected a finite number")
         if isinstance(x, dict):
             for k, v in x.items():
@@ -79,6 +88,7 @@ def _flag(where, name, value):
 
 
 _load()
+from . import _fake  # noqa: E402,F401  the ops' fake kernels (torch.compile, opcheck)
 _ops = torch.ops.posenc
 _EMPTY = torch.empty(0, dtype=torch.float64)  # the parameter tensor of a scheme without any
 
@@ -121,11 +131,39 @@ def sinusoidal_table(positions, dim, base=10000.0, interleaved=True, dtype=torch
 _DIRECTIONS = {"forward": 0, "backward": 1, "inverse": 2}
 
 
+def _concrete(x):
+    """x with symbolic numbers (torch.compile's dynamic=True traces a module's ints and floats as
+    symbols) made plain: the objects are built from the values the graph is specialised on."""
+    if isinstance(x, (torch.SymInt, torch.SymFloat)):
+        return int(x) if isinstance(x, torch.SymInt) else float(x)
+    if isinstance(x, dict):
+        return {k: _concrete(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_concrete(v) for v in x)
+    return x
+
+
+def _object(spec):
+    """A typed argument of the ops (torch.classes.posenc.Rope, Scheme or Temperature) from its spec
+    (kind, constructor arguments, and for a Scheme its Rope's arguments or None)."""
+    kind, args, rope_args = _concrete(spec)
+    if rope_args is not None:
+        args = (*args[:-1], torch.classes.posenc.Rope(*rope_args))
+    return getattr(torch.classes.posenc, kind)(*args)
+
+
 def _rope_params(head_dim, rotary_dim, base, layout, scaling, max_position_embeddings, freq_factors=None, xpos=None,
                  rotary_offset=0):
     """RoPE's parameters as the ops take them: a ``torch.classes.posenc.Rope`` (posenc/torch/classes.hpp),
     whose typed fields the library validates. ``scaling`` holds Hugging Face's ``rope_scaling``
     keys: ``rope_type`` (or the legacy ``type``), numbers, flags and the lists of factors."""
+    return _object(("Rope", _rope_args(head_dim, rotary_dim, base, layout, scaling, max_position_embeddings,
+                                       freq_factors, xpos, rotary_offset), None))
+
+
+def _rope_args(head_dim, rotary_dim, base, layout, scaling, max_position_embeddings, freq_factors=None, xpos=None,
+               rotary_offset=0):
+    """The arguments of ``torch.classes.posenc.Rope`` (see ``_rope_params``), checked."""
     head_dim = _int("rope", "head_dim", head_dim)
     rotary_dim = head_dim if rotary_dim is None else _int("rope", "rotary_dim", rotary_dim)
     rotary_offset = 0 if rotary_offset is None else rotary_offset
@@ -163,8 +201,8 @@ def _rope_params(head_dim, rotary_dim, base, layout, scaling, max_position_embed
     _finite("rope parameters", {**params, **values, **factors})
     if not isinstance(layout, str):
         raise TypeError(f"rope: layout is {type(layout).__name__}; expected 'half-split' or 'interleaved'")
-    return torch.classes.posenc.Rope(head_dim, rotary_dim, params["base"], layout, params["max_position_embeddings"],
-                                     rotary_offset, rope_type, values, factors, xpos_values)
+    return (head_dim, rotary_dim, params["base"], layout, params["max_position_embeddings"], rotary_offset, rope_type,
+            values, factors, xpos_values)
 
 
 def rope(q, k=None, positions=None, *, head_dim=None, rotary_dim=None, base=10000.0, layout="half-split",
@@ -322,7 +360,7 @@ class SinusoidalPositionalEncoding(torch.nn.Module):
 
     def _attention_scheme(self, heads, keys_rotated, head_dim):
         # Shortformer: the sinusoid added to q and k (not v) inside the fused attention.
-        return _scheme("absolute", heads, {"dim": self.dim, "base": self.base,
+        return _scheme_spec("absolute", heads, {"dim": self.dim, "base": self.base,
                                            "interleaved": bool(self.interleaved)}), _EMPTY
 
 
@@ -371,10 +409,10 @@ class RotaryPositionalEncoding(torch.nn.Module):
     def _attention_scheme(self, heads, keys_rotated, head_dim):
         # head_dim 0 ("rope" by name) takes q's head size.
         dims = (self.head_dim, self.rotary_dim) if self.head_dim else (head_dim, head_dim)
-        rope_params = _rope_params(dims[0], dims[1], self.base, self.layout, self.scaling,
-                                   self.max_position_embeddings, None, self.xpos, self.rotary_offset)
-        return _scheme("rope", heads, {"keys_rotated": _flag("attention", "keys_rotated", keys_rotated)},
-                       rope_params), _EMPTY
+        rope_args = _rope_args(dims[0], dims[1], self.base, self.layout, self.scaling,
+                               self.max_position_embeddings, None, self.xpos, self.rotary_offset)
+        return _scheme_spec("rope", heads, {"keys_rotated": _flag("attention", "keys_rotated", keys_rotated)},
+                       rope_args=rope_args), _EMPTY
 
 
 class ALiBi(torch.nn.Module):
@@ -395,7 +433,7 @@ class ALiBi(torch.nn.Module):
         return alibi_bias(self.slopes, _positions(q_positions, 0), _positions(k_positions, 0), self.symmetric)
 
     def _attention_scheme(self, heads, keys_rotated, head_dim):
-        return _scheme("alibi", heads, {"symmetric": bool(self.symmetric)}), self.slopes
+        return _scheme_spec("alibi", heads, {"symmetric": bool(self.symmetric)}), self.slopes
 
 
 class T5RelativeBias(torch.nn.Module):
@@ -412,11 +450,11 @@ class T5RelativeBias(torch.nn.Module):
                        self.max_distance, self.bidirectional)
 
     def _attention_scheme(self, heads, keys_rotated, head_dim):
-        return _scheme("t5", heads, {"num_buckets": self.num_buckets, "max_distance": self.max_distance,
+        return _scheme_spec("t5", heads, {"num_buckets": self.num_buckets, "max_distance": self.max_distance,
                                      "bidirectional": bool(self.bidirectional)}), self.table
 
 
-from .registry import RelativeBias, Sandwich, Scheme, _scheme, _scheme_entry, schemes  # noqa: E402
+from .registry import RelativeBias, Sandwich, Scheme, _scheme, _scheme_entry, _scheme_spec, schemes  # noqa: E402
 
 
 class LearnedPositionalEncoding(torch.nn.Module):
@@ -448,7 +486,7 @@ class Kerple(torch.nn.Module):
         return kerple_bias(self.r1, self.r2, q_positions, k_positions, self.power)
 
     def _attention_scheme(self, heads, keys_rotated, head_dim):
-        return _scheme("kerple", heads, {"power": bool(self.power)}), torch.stack([self.r1, self.r2])
+        return _scheme_spec("kerple", heads, {"power": bool(self.power)}), torch.stack([self.r1, self.r2])
 
 
 class FIRE(torch.nn.Module):
@@ -468,7 +506,7 @@ class FIRE(torch.nn.Module):
         return fire_bias(self.w1, self.b1, self.w2, self.b2, self.c, self.threshold, q_positions, k_positions)
 
     def _attention_scheme(self, heads, keys_rotated, head_dim):
-        return _scheme("fire", heads, {"hidden": int(self.w1.shape[0])}), \
+        return _scheme_spec("fire", heads, {"hidden": int(self.w1.shape[0])}), \
             torch.cat([self.w1, self.b1, self.w2.reshape(-1), self.b2, self.c.reshape(1), self.threshold.reshape(1)])
 
 
@@ -490,7 +528,7 @@ class TUPE(torch.nn.Module):
                          self.heads, self.cls_reset)
 
     def _attention_scheme(self, heads, keys_rotated, head_dim):
-        return _scheme("tupe", heads, {"d_model": int(self.table.shape[1]), "max_len": int(self.table.shape[0]),
+        return _scheme_spec("tupe", heads, {"d_model": int(self.table.shape[1]), "max_len": int(self.table.shape[0]),
                                        "cls_reset": bool(self.cls_reset)}), \
             torch.cat([self.table.reshape(-1), self.u_q.reshape(-1), self.u_k.reshape(-1), self.theta1, self.theta2])
 
@@ -537,7 +575,7 @@ class ShawRelativePositions(torch.nn.Module):
         return shaw_values(probs, self.value_table, q_positions, k_positions, self.max_distance)
 
     def _attention_scheme(self, heads, keys_rotated, head_dim):
-        return _scheme("shaw", heads, {"max_distance": int(self.max_distance)}), \
+        return _scheme_spec("shaw", heads, {"max_distance": int(self.max_distance)}), \
             torch.stack([self.key_table, self.value_table])
 
 
@@ -557,7 +595,7 @@ class TransformerXLRelative(torch.nn.Module):
         return xl_scores(q, k, self.u, self.v, self.w_r, q_positions, k_positions, 0.0, self.base)
 
     def _attention_scheme(self, heads, keys_rotated, head_dim):
-        return _scheme("xl", heads, {"d_model": int(self.w_r.shape[1]), "base": float(self.base)}), \
+        return _scheme_spec("xl", heads, {"d_model": int(self.w_r.shape[1]), "base": float(self.base)}), \
             torch.cat([self.u.reshape(-1), self.v.reshape(-1), self.w_r.reshape(-1)])
 
 
@@ -701,12 +739,12 @@ def _attention_scheme(scheme, heads, keys_rotated, head_dim):
     (``_attention_scheme(heads, keys_rotated, head_dim)``). The tensor is in the registry's
     parameter_shape, empty for a scheme without learned parameters."""
     if scheme is None:
-        return _scheme("none", heads), _EMPTY
+        return _scheme_spec("none", heads), _EMPTY
     if isinstance(scheme, str):
         if scheme == "rope":
             return RotaryPositionalEncoding(0)._attention_scheme(heads, keys_rotated, head_dim)
         if scheme == "alibi":
-            return _scheme("alibi", heads, {"symmetric": False}), alibi_slopes(heads)
+            return _scheme_spec("alibi", heads, {"symmetric": False}), alibi_slopes(heads)
         # A name means the scheme's defaults; a learned one needs a module (it owns the tensors),
         # and so does one that reads per-token inputs.
         entry = _scheme_entry(scheme)
@@ -718,7 +756,7 @@ def _attention_scheme(scheme, heads, keys_rotated, head_dim):
         if entry["parameters"]:
             raise ValueError(f"attention: scheme = {scheme!r} has learned parameters ({entry['parameters']}); "
                              f"pass posenc.Scheme({scheme!r}, heads, head_dim) or its module instead of its name")
-        return _scheme(scheme, heads), _EMPTY
+        return _scheme_spec(scheme, heads), _EMPTY
     if isinstance(scheme, torch.nn.Module) and hasattr(scheme, "_attention_scheme"):
         return scheme._attention_scheme(heads, keys_rotated, head_dim)
     raise TypeError(f"attention: scheme = {scheme!r}; expected None, a registered name (posenc.schemes()), a "
@@ -761,7 +799,10 @@ class PositionTemperature:
 
     def _object(self):
         """The op's typed argument (built on demand: the module itself stays a plain, picklable value)."""
-        return torch.classes.posenc.Temperature(self.kind, {k: float(v) for k, v in self.values.items()})
+        return _object(self._spec())
+
+    def _spec(self):
+        return "Temperature", (self.kind, {k: float(v) for k, v in self.values.items()}), None
 
     def factor(self, positions):
         """s(p) for an int64 tensor of positions (float64)."""
@@ -824,9 +865,9 @@ def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size
     elif layout != "bshd":
         raise ValueError(f"attention: layout = {layout!r}; expected 'bshd' or 'bhsd'")
     _flag("attention", "return_lse", return_lse)
-    out, lse = _ops.attention(*_attention_args(q, k, v, scheme, causal, window, chunk_size, temperature, softcap, scale,
-                                               q_positions, k_positions, keys_rotated, skip_vanishing_tiles, sinks,
-                                               cu_seqlens))
+    out, lse = _attention_op(*_attention_args(q, k, v, scheme, causal, window, chunk_size, temperature, softcap, scale,
+                                              q_positions, k_positions, keys_rotated, skip_vanishing_tiles, sinks,
+                                              cu_seqlens))
     if layout == "bhsd":
         out = out.transpose(1, 2)
     return (out, lse) if return_lse else out
@@ -874,12 +915,24 @@ def _cu_seqlens(cu_seqlens):
     return lists[0], lists[1]
 
 
+@torch.compiler.allow_in_graph
+def _attention_op(q, k, v, schemes, params, gates, sinks, causal, window_left, window_right, chunk_size, temperature,
+                  *rest):
+    """The attention op on ``_attention_args``' values, its typed arguments made here from their
+    specs. torch.compile puts this call into its graph as it is, with the specs as constants; its
+    autograd then traces it, and the objects reach the op's traced path as constants of the graph
+    (the fake kernels: python/posenc/_fake.py)."""
+    return _ops.attention(q, k, v, [_object(s) for s in schemes], params, gates, sinks, causal, window_left,
+                          window_right, chunk_size, None if temperature is None else _object(temperature), *rest)
+
+
 def _attention_args(q, k, v, scheme, causal, window, chunk_size, temperature, softcap, scale, q_positions,
                     k_positions, keys_rotated, skip_vanishing_tiles, sinks, cu_seqlens=None):
     """The arguments of the attention op for ``attention``'s (q, k, v in [B, S, H, D], or [T, H, D]
     packed), checked: (q, k, v, schemes, params, gates, sinks, causal, window_left, window_right,
     chunk_size, temperature, softcap, scale, q_positions, k_positions, cu_q, cu_k,
-    skip_vanishing_tiles), the schemes and params one per head group."""
+    skip_vanishing_tiles), the schemes (as specs: ``_object`` makes them) and params one per head
+    group, the temperature a spec too."""
     cu_q, cu_k = _cu_seqlens(cu_seqlens)
     if q.dim() != (3 if cu_q else 4):
         raise ValueError(f"attention: q has {q.dim()} dimensions; expected " +
@@ -956,7 +1009,7 @@ def _attention_args(q, k, v, scheme, causal, window, chunk_size, temperature, so
         raise ValueError(f"attention: scale = {scale}; expected a number > 0, or None for 1/sqrt(D)")
     return (q, k, v, schemes, params, gates, sinks, _flag("attention", "causal", causal),
             _int("attention", "window[0]", window[0]), _int("attention", "window[1]", window[1]), chunk_size,
-            None if temperature is None else temperature._object(), _number("attention", "softcap", softcap),
+            None if temperature is None else temperature._spec(), _number("attention", "softcap", softcap),
             None if scale is None else float(scale), None if q_positions is None else _positions(q_positions, 0),
             None if k_positions is None else _positions(k_positions, 0), cu_q, cu_k,
             _flag("attention", "skip_vanishing_tiles", skip_vanishing_tiles))

@@ -10,7 +10,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import Forgetting, Scheme, _attention_args, _int, _ops
+from . import Forgetting, Scheme, _attention_args, _int, _object, _ops
 
 __all__ = ["ring_attention", "zigzag_indices", "zigzag_shard", "RingStats"]
 
@@ -272,6 +272,7 @@ def ring_attention(q, k, v, scheme=None, *, positions, sequence_ids=None, group=
         raise ValueError(f"ring_attention: this rank holds S = {size} tokens and another a different number; "
                          "expected the same S on every rank")
     (_, _, _, schemes, params, _, sink_tensor, causal, _, _, chunk, temp, softcap, scale, _, _, _, _, _) = args
+    schemes, temp = [_object(s) for s in schemes], None if temp is None else _object(temp)
     ids = torch.zeros_like(positions) if sequence_ids is None else sequence_ids.contiguous()
     # Every rank's runs, to check each pair the ring will meet (the same on every rank).
     mine = torch.stack([positions, ids])

@@ -5,9 +5,10 @@ import json
 
 import torch
 
-from . import _finite, _int, _number, _ops, _positions
+from . import _finite, _int, _number, _object, _ops, _positions
 
 
+@torch.compiler.assume_constant_result  # the registry is fixed when the library loads
 def schemes():
     """The registered positional schemes (posenc/registry.hpp), as a list of dicts: ``name``,
     ``family`` (none, transform, relative-bias, bias, relative-terms, sink, token-term),
@@ -27,16 +28,22 @@ def _scheme_entry(name):
     raise ValueError(f"scheme = {name!r}; expected one of " + ", ".join(e["name"] for e in schemes()))
 
 
-def _scheme(name, heads, options=None, rope=None):
-    """One head group's registered scheme as the attention op takes it: a
-    ``torch.classes.posenc.Scheme`` (posenc/torch/classes.hpp) whose options are numbers (flags 0 or 1)."""
+def _scheme(name, heads, options=None, rope_args=None):
+    """One head group's registered scheme as the ops take it: a ``torch.classes.posenc.Scheme``
+    (posenc/torch/classes.hpp) whose options are numbers (flags 0 or 1)."""
+    return _object(_scheme_spec(name, heads, options, rope_args))
+
+
+def _scheme_spec(name, heads, options=None, rope_args=None):
+    """What ``_scheme`` builds, as plain values (``_object`` makes it): the attention passes these
+    through torch.compile's graphs as constants."""
     values = {}
     for key, value in (options or {}).items():
         if not isinstance(key, str):
             raise TypeError(f"{name}: option name {key!r} is {type(key).__name__}; expected a str")
         values[key] = float(value) if isinstance(value, bool) else _number(name, key, value)
     _finite("scheme", values)
-    return torch.classes.posenc.Scheme(name, _int(name, "heads", heads), values, rope)
+    return "Scheme", (name, _int(name, "heads", heads), values, None), rope_args
 
 
 class Scheme(torch.nn.Module):
@@ -93,7 +100,7 @@ class Scheme(torch.nn.Module):
             raise ValueError(f"attention: {self.name} has heads = {self.heads}; expected the group's {heads}")
         if self._shape_takes_head_dim and self.head_dim != head_dim:
             raise ValueError(f"attention: {self.name} has head_dim = {self.head_dim}; expected q's {head_dim}")
-        return _scheme(self.name, self.heads, options), self._parameter_tensor()
+        return _scheme_spec(self.name, self.heads, options), self._parameter_tensor()
 
     def _attention_input(self):
         """The per-token tensor the op passes for this group (its ``gates`` entry), or None."""

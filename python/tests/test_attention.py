@@ -2,7 +2,7 @@
 softmax, P·V) in float64: forward and every gradient, for each scheme, GQA, layouts, masks;
 gradcheck; errors.
 
-Run: PYTHONPATH=build/python /usr/bin/python3 -m pytest -q python/tests
+Run: PYTHONPATH=build/python ~/.cache/posenc/venv-torch-2.15.0/bin/python -m pytest -q python/tests
 """
 import math
 

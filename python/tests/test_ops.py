@@ -1,7 +1,7 @@
 """posenc's torch ops against independent pure-PyTorch references (the tutorial formulations) in
 float64, torch.autograd.gradcheck on every differentiable op, and the error contract.
 
-Run: PYTHONPATH=build/python /usr/bin/python3 -m pytest -q python/tests
+Run: PYTHONPATH=build/python ~/.cache/posenc/venv-torch-2.15.0/bin/python -m pytest -q python/tests
 """
 import copy as copy_module
 import math

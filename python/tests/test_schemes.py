@@ -3,7 +3,7 @@ of the fused op in float64, float32 against float64); posenc.RelativeBias for ev
 scheme of the relative-bias family (against eager PyTorch in float64, gradcheck); head groups in
 one posenc.attention call, and the errors.
 
-Run: PYTHONPATH=build/python /usr/bin/python3 -m pytest -q python/tests
+Run: PYTHONPATH=build/python ~/.cache/posenc/venv-torch-2.15.0/bin/python -m pytest -q python/tests
 """
 import math
 
@@ -106,7 +106,7 @@ def fused(q, k, v, module, params, scheme_inputs=None):
                                        True, None))
     if params is not None:
         args[4] = [params]
-    return posenc._ops.attention(*args)[0]
+    return posenc._attention_op(*args)[0]
 
 
 def typical_inputs(entry, batch, keys, heads, dtype=torch.float64):

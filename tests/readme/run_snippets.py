@@ -9,7 +9,13 @@ one). Then:
           after `#` are the reader's); the lines in NOT_RUN are checked to be in the README and
           skipped, for the reason given there;
   python  the ```python blocks run in order as one program, with PYTHONPATH=build/python and
-          Debian's interpreter, as the README says.
+          the interpreter that runs this script (the set-up's environment), as the README says.
+
+    run_snippets.py installed SOURCE_DIR PYTHON WORK_DIR
+
+  installed  the same program with the interpreter PYTHON of an environment where posenc is
+          installed, in an empty WORK_DIR (a model's config.json only) and without PYTHONPATH:
+          posenc must come from that environment.
 """
 import os
 import re
@@ -80,13 +86,31 @@ def run_python(readme, work):
     if not code:
         sys.exit("README.md has no ```python block to run")
     env = dict(os.environ, PYTHONPATH="build/python")
-    status = subprocess.call(["/usr/bin/python3", "-c", code], cwd=work, env=env)
+    status = subprocess.call([sys.executable, "-c", code], cwd=work, env=env)
     if status != 0:
         sys.exit(f"README.md's Python examples failed with status {status}")
 
 
+def run_installed(readme, source, python, work):
+    code = "\n".join(blocks(readme, "python"))
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    shutil.copy(os.path.join(source, "tests", "data", "llama-3.1-8b.json"), os.path.join(work, "config.json"))
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    prefix = subprocess.check_output([python, "-c", "import sys; print(sys.prefix)"], env=env, text=True).strip()
+    where = f"import posenc, sys; assert posenc.__file__.startswith({prefix!r}), posenc.__file__\n"
+    status = subprocess.call([python, "-c", where + code], cwd=work, env=env)
+    if status != 0:
+        sys.exit(f"README.md's Python examples failed with status {status} in the installed package")
+
+
 def main():
     kind, source, build, work = sys.argv[1:5]
+    if kind == "installed":
+        with open(os.path.join(source, "README.md"), encoding="utf-8") as f:
+            run_installed(f.read(), source, build, work)
+        print("README.md: the Python examples ran with the installed package")
+        return
     with open(os.path.join(source, "README.md"), encoding="utf-8") as f:
         readme = f.read()
     prepare(source, build, work)

@@ -41,6 +41,12 @@ struct RopeClass : torch::CustomClassHolder {
             const std::vector<double>& xpos);
   explicit RopeClass(RopeParams p) : params(std::move(p)) {}
   RopeParams params;
+  // The first constructor's arguments, which pickling (and so copy.deepcopy) stores; a Rope made
+  // from RopeParams in C++ has none and cannot be pickled.
+  using State =
+      std::tuple<std::int64_t, std::int64_t, double, std::string, std::int64_t, std::int64_t, std::string,
+                 c10::Dict<std::string, double>, c10::Dict<std::string, std::vector<double>>, std::vector<double>>;
+  std::optional<State> state;
 };
 
 struct SchemeClass : torch::CustomClassHolder {
@@ -60,6 +66,7 @@ struct SchemeClass : torch::CustomClassHolder {
   std::int64_t heads;
   std::map<std::string, double, std::less<>> options;
   std::optional<RopeParams> rope;
+  c10::optional<c10::intrusive_ptr<RopeClass>> rope_object;  // as given: pickling stores it
 };
 
 struct TemperatureClass : torch::CustomClassHolder {
@@ -67,6 +74,8 @@ struct TemperatureClass : torch::CustomClassHolder {
   // original_max_position_embeddings (an integer). Each required, no other.
   TemperatureClass(const std::string& kind, const c10::Dict<std::string, double>& values);
   PositionTemperature temperature;
+  std::string kind;  // as given: pickling stores them
+  c10::Dict<std::string, double> values;
 };
 
 void define_classes(torch::Library& m);

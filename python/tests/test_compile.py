@@ -1,0 +1,172 @@
+"""posenc's attention under torch.compile and torch.library.opcheck.
+
+opcheck: the op's schema (no input mutated or aliased), its autograd registration, its fake kernel
+against the real kernel's outputs (shapes, dtypes, strides), and AOTAutograd's traced forward and
+backward against eager, with dynamic shapes; over schemes, head groups, gates, sinks, masks and
+layouts. torch.compile(fullgraph=True): a small model of posenc.nn.SelfAttention head groups and a
+FoX block with sinks, against eager, forward and every gradient, with inductor and dynamic shapes.
+
+Run: PYTHONPATH=build/python ~/.cache/posenc/venv-torch-2.15.0/bin/python -m pytest -q python/tests/test_compile.py
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.library import opcheck
+
+import posenc
+
+ops = torch.ops.posenc
+
+
+def op_args(q, k, v, scheme, **options):
+    """The attention op's arguments for posenc.attention(q, k, v, scheme, **options), typed objects
+    made from their specs."""
+    defaults = dict(causal=False, window=(-1, -1), chunk_size=None, temperature=None, softcap=0.0, scale=None,
+                    q_positions=None, k_positions=None, keys_rotated=False, skip_vanishing_tiles=True, sinks=None,
+                    cu_seqlens=None)
+    a = {**defaults, **options}
+    args = list(posenc._attention_args(q, k, v, scheme, a["causal"], a["window"], a["chunk_size"], a["temperature"],
+                                       a["softcap"], a["scale"], a["q_positions"], a["k_positions"],
+                                       a["keys_rotated"], a["skip_vanishing_tiles"], a["sinks"], a["cu_seqlens"]))
+    args[3] = [posenc._object(s) for s in args[3]]
+    args[11] = None if args[11] is None else posenc._object(args[11])
+    return tuple(args)
+
+
+def qkv(b=2, s=11, h=4, g=2, d=8, dv=None, dtype=torch.float32, grad=True):
+    torch.manual_seed(0)
+    q = torch.randn(b, s, h, d, dtype=dtype, requires_grad=grad)
+    k = torch.randn(b, s, g, d, dtype=dtype, requires_grad=grad)
+    v = torch.randn(b, s, g, dv or d, dtype=dtype, requires_grad=grad)
+    return q, k, v
+
+
+def cases():
+    """(name, args of the attention op) over the op's paths."""
+    q, k, v = qkv()
+    yield "alibi-trainable", op_args(q, k, v, posenc.ALiBi(4, trainable=True), causal=True)
+    yield "groups-rope-t5-fire", op_args(q, k, v, [(2, "rope"), (1, posenc.T5RelativeBias(1)), (1, posenc.FIRE(1))],
+                                         causal=True)
+    gate = F.logsigmoid(torch.randn(2, 11, 4)).requires_grad_()
+    sinks = torch.zeros(4, requires_grad=True)
+    yield "fox-rope-sinks", op_args(q, k, v, posenc.Forgetting(gate, base="rope"), causal=True, sinks=sinks)
+    yield "forgetting-scheme-input", op_args(q, k, v, posenc.Scheme("forgetting", 4, 8, log_fgate=gate), causal=True)
+    llama4 = posenc.PositionTemperature(kind="llama4", floor_scale=4, attn_scale=0.1)
+    yield "temperature-chunks-window-softcap", op_args(q, k, v, "none", causal=True, chunk_size=4, temperature=llama4,
+                                                       window=(5, 0), softcap=20.0)
+    yield "kerple-xl-bidirectional", op_args(q, k, v, [(2, posenc.Kerple(2)), (2, posenc.TransformerXLRelative(2, 8, 16))])
+    tq, tk, tv = (x.reshape(22, *x.shape[2:]).detach().requires_grad_() for x in qkv())
+    yield "packed-cu-seqlens", op_args(tq, tk, tv, "rope", causal=True, cu_seqlens=torch.tensor([0, 5, 22]))
+    mq, mk, mv = qkv(d=12, dv=8)
+    yield "mla-narrow-values", op_args(mq, mk, mv, "alibi", causal=True)
+    yield "float64", op_args(*qkv(dtype=torch.float64), "rope", causal=True)
+    yield "bfloat16", op_args(*qkv(dtype=torch.bfloat16), "alibi", causal=True)
+
+
+CASES = dict(cases())
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_opcheck_attention(name):
+    opcheck(ops.attention.default, CASES[name])
+
+
+@pytest.mark.parametrize("name", ["groups-rope-t5-fire", "fox-rope-sinks"])
+def test_opcheck_traced_path_ops(name):
+    """The two ops the autograd kernel calls while it is traced: the forward with its plan, and the
+    backward from the plan; attention_grad refuses a plan that is not one."""
+    args = CASES[name]
+    def detach(a):
+        return a.detach() if isinstance(a, torch.Tensor) else [detach(t) for t in a] if isinstance(a, list) else a
+    detached = tuple(detach(a) for a in args)
+    # Its plan tensor holds a new id at every call, so no two calls' outputs are equal: AOTAutograd's
+    # comparison with eager does not apply (the attention op's opcheck covers that path).
+    opcheck(ops.attention_planned.default, detached, test_utils=("test_schema", "test_faketensor"))
+    out, lse, plan = ops.attention_planned(*detached)
+    q, k, v, _, params, gates, sinks = detached[:7]
+    wanted_params = [p.numel() > 0 for p in params]
+    grad_args = (plan, q, k, v, params, gates, sinks, out, lse, torch.randn_like(out), wanted_params,
+                 [g.numel() > 0 for g in gates], sinks is not None)
+    opcheck(ops.attention_grad.default, grad_args)
+    with pytest.raises(ValueError, match="attention_grad: plan = 0; expected the plan tensor"):
+        ops.attention_grad(torch.zeros(1, dtype=torch.long), *grad_args[1:])
+    with pytest.raises(ValueError, match="attention_grad: plan shape"):
+        ops.attention_grad(torch.zeros(2), *grad_args[1:])
+
+
+class FoxBlock(torch.nn.Module):
+    """Attention with a FoX forget gate on RoPE and learned sinks (gpt-oss)."""
+
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.qkv = torch.nn.Linear(dim, 3 * dim, bias=False)
+        self.gate = torch.nn.Linear(dim, heads)
+        self.sinks = torch.nn.Parameter(torch.randn(heads))
+        self.out = torch.nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, self.head_dim).unbind(2)
+        fox = posenc.Forgetting(F.logsigmoid(self.gate(x)), base="rope")
+        return self.out(posenc.attention(q, k, v, fox, causal=True, sinks=self.sinks).reshape(b, s, d))
+
+
+class Model(torch.nn.Module):
+    """SelfAttention with RoPE, ALiBi, T5 and FIRE head groups (GQA), then a FoX block with sinks."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = posenc.nn.SelfAttention(64, heads=8, kv_heads=4,
+                                            scheme=[(2, "rope"), (2, "alibi"), (2, "t5"), (2, "fire")])
+        self.fox = FoxBlock(64, 4)
+
+    def forward(self, x):
+        return self.fox(self.attn(x) + x)
+
+
+def run(model, x, call=None):
+    """model's output on x and its parameters' gradients, called as `call` (model, or compiled)."""
+    model.zero_grad()
+    y = (model if call is None else call)(x)
+    (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+    return y.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_compile_without_inductor_is_bitwise_eager():
+    """AOTAutograd's graphs with eager kernels: posenc's ops in the traced path give the bits of
+    the eager path (no graph break: fullgraph)."""
+    torch.manual_seed(1)
+    model, x = Model(), torch.randn(2, 24, 64)
+    want, want_grads = run(model, x)
+    got, got_grads = run(model, x, torch.compile(model, fullgraph=True, backend="aot_eager"))
+    assert torch.equal(got, want)
+    for name, g in want_grads.items():
+        assert torch.equal(got_grads[name], g), name
+
+
+def test_compile_with_inductor_and_dynamic_lengths_matches_eager():
+    """Inductor compiles the model once for every sequence length (dynamic=True) and matches eager
+    within float32 reassociation of the projections it fuses (posenc's ops are opaque to it)."""
+    torch.manual_seed(2)
+    model = Model()
+    compiled = torch.compile(model, fullgraph=True, dynamic=True)
+    for i, length in enumerate((24, 37, 50)):
+        if i == 1:
+            torch.compiler.set_stance("fail_on_recompile")
+        try:
+            x = torch.randn(2, length, 64)
+            want, want_grads = run(model, x)
+            got, got_grads = run(model, x, compiled)
+        finally:
+            torch.compiler.set_stance("default")
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for name, g in want_grads.items():
+            torch.testing.assert_close(got_grads[name], g, rtol=1e-4, atol=1e-4, msg=name)

@@ -1,5 +1,6 @@
 // The PyTorch ops of the fused attention and of the scheme registry (list in ops.cpp's header).
 #include <torch/library.h>
+#include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/torch.h>
 
 #include <map>
@@ -354,13 +355,52 @@ torch::jit::Stack call_below_autograd(const char* name, torch::jit::Stack stack)
   return stack;
 }
 
-// The attention op's arguments as a boxed stack, in its schema's order.
-torch::jit::Stack attention_stack(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                  const AttentionArgs& a) {
+// The traced path passes a call's typed objects (its schemes and temperature) to attention_planned
+// as their pickled bytes, a uint8 tensor: a constant of the compiled graph that its cache keeps and
+// another process reads, where torchbind objects would be lost (torch 2.15's inductor cache does
+// not restore them). The classes' __setstate__ checks every value again when they are read.
+at::Tensor objects_tensor(const SchemeList& schemes, const OptionalTemperature& temperature) {
+  const std::vector<char> bytes = torch::pickle_save(
+      c10::ivalue::Tuple::create({c10::IValue(schemes), temperature ? c10::IValue(*temperature) : c10::IValue()}));
+  at::Tensor t;
+  {
+    // Made with data outside the tracer's modes, then handed to them as torch.tensor does: a
+    // tracer records it as a constant of the graph.
+    const c10::impl::ExcludeDispatchKeyGuard no_modes(
+        c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot}));
+    t = at::tensor(at::ArrayRef<std::uint8_t>(reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size()),
+                   at::kByte);
+  }
+  return at::lift_fresh(t);
+}
+std::pair<SchemeList, OptionalTemperature> objects_of(const char* where, const at::Tensor& objects) {
+  TORCH_CHECK_VALUE(objects.device().is_cpu() && objects.scalar_type() == at::kByte && objects.dim() == 1, where,
+                    ": objects shape ", objects.sizes(), " (", objects.scalar_type(),
+                    "); expected the uint8 [n] pickled schemes and temperature of an attention call");
+  const at::Tensor c = objects.contiguous();
+  const auto* data = reinterpret_cast<const char*>(c.data_ptr<std::uint8_t>());
+  c10::IValue value;
+  try {
+    value = torch::jit::pickle_load_obj(std::string_view(data, static_cast<std::size_t>(c.numel())));
+  } catch (const c10::Error& e) {
+    TORCH_CHECK_VALUE(false, where, ": objects are not the pickled schemes and temperature of an attention call (",
+                      e.what_without_backtrace(), ")");
+  }
+  TORCH_CHECK_VALUE(
+      value.isTuple() && value.toTupleRef().elements().size() == 2 && value.toTupleRef().elements()[0].isList(), where,
+      ": objects are not the pickled (schemes, temperature) of an attention call");
+  const auto& items = value.toTupleRef().elements();
+  OptionalTemperature temperature;
+  if (!items[1].isNone()) temperature = items[1].toCustomClass<TemperatureClass>();
+  return {items[0].to<SchemeList>(), temperature};
+}
+
+// attention_planned's arguments as a boxed stack, in its schema's order.
+torch::jit::Stack planned_stack(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionArgs& a) {
   return torch::jit::Stack{q,
                            k,
                            v,
-                           a.schemes,
+                           objects_tensor(a.schemes, a.temperature),
                            a.params,
                            a.gates,
                            a.sinks,
@@ -368,7 +408,6 @@ torch::jit::Stack attention_stack(const at::Tensor& q, const at::Tensor& k, cons
                            a.window_left,
                            a.window_right,
                            a.chunk_size,
-                           a.temperature,
                            a.softcap,
                            a.scale,
                            a.q_positions,
@@ -459,7 +498,7 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
       a.sinks = sinks;
       at::Tensor out, lse, plan;
       if (traced(q) || traced(k) || traced(v) || traced(params) || traced(gates) || (sinks && traced(*sinks))) {
-        const torch::jit::Stack result = call_below_autograd("posenc::attention_planned", attention_stack(q, k, v, a));
+        const torch::jit::Stack result = call_below_autograd("posenc::attention_planned", planned_stack(q, k, v, a));
         out = result[0].toTensor();
         lse = result[1].toTensor();
         plan = result[2].toTensor();
@@ -567,13 +606,14 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_planned_cpu(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const SchemeList& schemes,
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& objects,
     const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& gates, const c10::optional<at::Tensor>& sinks,
     bool causal, std::int64_t window_left, std::int64_t window_right, c10::optional<std::int64_t> chunk_size,
-    const OptionalTemperature& temperature, double softcap, c10::optional<double> scale,
-    const c10::optional<at::Tensor>& q_positions, const c10::optional<at::Tensor>& k_positions,
-    std::vector<std::int64_t> cu_seqlens_q, std::vector<std::int64_t> cu_seqlens_k, bool skip_vanishing_tiles) {
+    double softcap, c10::optional<double> scale, const c10::optional<at::Tensor>& q_positions,
+    const c10::optional<at::Tensor>& k_positions, std::vector<std::int64_t> cu_seqlens_q,
+    std::vector<std::int64_t> cu_seqlens_k, bool skip_vanishing_tiles) {
   return translating([&] {
+    const auto [schemes, temperature] = objects_of("attention_planned", objects);
     AttentionArgs a =
         call_args(schemes, causal, window_left, window_right, chunk_size, temperature, softcap, scale, q_positions,
                   k_positions, std::move(cu_seqlens_q), std::move(cu_seqlens_k), skip_vanishing_tiles);
@@ -683,9 +723,8 @@ void define_attention_ops(torch::Library& m) {
   m.impl("attention", torch::dispatch(c10::DispatchKey::Autograd, TORCH_FN(attention_autograd)));
   // The traced path of attention's autograd kernel: the forward with its plan tensor, and the backward.
   m.def(
-      "attention_planned(Tensor q, Tensor k, Tensor v, __torch__.torch.classes.posenc.Scheme[] schemes, "
-      "Tensor[] params, Tensor[] gates, Tensor? sinks, bool causal, int window_left, int window_right, "
-      "int? chunk_size, __torch__.torch.classes.posenc.Temperature? temperature, float softcap, float? scale, "
+      "attention_planned(Tensor q, Tensor k, Tensor v, Tensor objects, Tensor[] params, Tensor[] gates, "
+      "Tensor? sinks, bool causal, int window_left, int window_right, int? chunk_size, float softcap, float? scale, "
       "Tensor? q_positions, Tensor? k_positions, int[] cu_seqlens_q, int[] cu_seqlens_k, bool skip_vanishing_tiles) "
       "-> (Tensor, Tensor, Tensor)");
   m.impl("attention_planned", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(attention_planned_cpu)));

@@ -19,12 +19,10 @@ def _attention(q, k, v, schemes, params, gates, sinks, causal, window_left, wind
 
 
 @torch.library.register_fake("posenc::attention_planned")
-def _attention_planned(q, k, v, schemes, params, gates, sinks, causal, window_left, window_right, chunk_size,
-                       temperature, softcap, scale, q_positions, k_positions, cu_seqlens_q, cu_seqlens_k,
-                       skip_vanishing_tiles):
-    out, lse = _attention(q, k, v, schemes, params, gates, sinks, causal, window_left, window_right, chunk_size,
-                          temperature, softcap, scale, q_positions, k_positions, cu_seqlens_q, cu_seqlens_k,
-                          skip_vanishing_tiles)
+def _attention_planned(q, k, v, objects, params, gates, sinks, causal, window_left, window_right, chunk_size, softcap,
+                       scale, q_positions, k_positions, cu_seqlens_q, cu_seqlens_k, skip_vanishing_tiles):
+    out, lse = _attention(q, k, v, None, params, gates, sinks, causal, window_left, window_right, chunk_size, None,
+                          softcap, scale, q_positions, k_positions, cu_seqlens_q, cu_seqlens_k, skip_vanishing_tiles)
     return out, lse, q.new_empty(1, dtype=torch.int64)  # the plan: an id, int64 [1]
 
 

@@ -78,11 +78,16 @@ def test_opcheck_traced_path_ops(name):
     args = CASES[name]
     def detach(a):
         return a.detach() if isinstance(a, torch.Tensor) else [detach(t) for t in a] if isinstance(a, list) else a
-    detached = tuple(detach(a) for a in args)
+    detached = [detach(a) for a in args]
+    # The schemes and the temperature travel pickled, as the autograd kernel passes them.
+    objects = torch.frombuffer(bytearray(torch._C._pickle_save((detached[3], detached[11]))), dtype=torch.uint8)
+    planned = (*detached[:3], objects, *detached[4:11], *detached[12:])
     # Its plan tensor holds a new id at every call, so no two calls' outputs are equal: AOTAutograd's
     # comparison with eager does not apply (the attention op's opcheck covers that path).
-    opcheck(ops.attention_planned.default, detached, test_utils=("test_schema", "test_faketensor"))
-    out, lse, plan = ops.attention_planned(*detached)
+    opcheck(ops.attention_planned.default, planned, test_utils=("test_schema", "test_faketensor"))
+    out, lse, plan = ops.attention_planned(*planned)
+    with pytest.raises(ValueError, match="attention_planned: objects are not the pickled"):
+        ops.attention_planned(*planned[:3], torch.zeros(5, dtype=torch.uint8), *planned[4:])
     q, k, v, _, params, gates, sinks = detached[:7]
     wanted_params = [p.numel() > 0 for p in params]
     grad_args = (plan, q, k, v, params, gates, sinks, out, lse, torch.randn_like(out), wanted_params,

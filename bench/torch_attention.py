@@ -7,14 +7,15 @@ q, k, v [1, S, H, D] f32 (S = 2048, H = 8, D = 128 by default), causal, with ALi
           mask, softmax, ·v; backward through autograd; the bias's parameters learn too
   posenc  posenc.attention(q, k, v, ALiBi / T5RelativeBias module, causal=True)
 Each variant runs in its own process: the best of --reps forward + backward steps, and the peak
-resident memory above the inputs (ru_maxrss after the steps minus before). The BLAS library torch
-actually loaded is printed.
+resident memory above the inputs (ru_maxrss after the steps minus before). The BLAS torch was built
+with is printed.
 
     PYTHONPATH=build/python ~/.cache/posenc/venv-torch-2.15.0/bin/python bench/torch_attention.py --threads 2
 """
 import argparse
 import json
 import math
+import re
 import resource
 import subprocess
 import sys
@@ -26,9 +27,9 @@ import posenc
 
 
 def loaded_blas():
-    with open("/proc/self/maps") as maps:
-        libs = {line.split()[-1] for line in maps if "blas" in line.lower() or "mkl" in line.lower()}
-    return ", ".join(sorted(libs)) or "none loaded"
+    """The BLAS torch was built with (PyPI's x86 wheels: MKL, linked into libtorch_cpu)."""
+    blas = re.search(r"BLAS_INFO=(\w+)", torch.__config__.show())
+    return blas.group(1) if blas else "unknown"
 
 
 def scheme_module(name, heads):

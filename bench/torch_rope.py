@@ -13,6 +13,7 @@ uses is printed (it does not matter for these element-wise forms).
 """
 import argparse
 import math
+import re
 import time
 
 import torch
@@ -71,8 +72,8 @@ def main():
         "complex": best_of(lambda: complex_rope(q, k, rotation), args.reps),
         "posenc": best_of(lambda: posenc.rope(q, k, positions), args.reps),
     }
-    blas = [line.strip() for line in torch.__config__.show().splitlines() if "BLAS_INFO" in line]
-    print(f"torch {torch.__version__}, {args.threads} thread(s); {blas[0] if blas else 'BLAS unknown'}")
+    blas = re.search(r"BLAS_INFO=(\w+)", torch.__config__.show())
+    print(f"torch {torch.__version__}, {args.threads} thread(s); BLAS {blas.group(1) if blas else 'unknown'}")
     print(f"q [1, {args.seq}, {args.heads}, {args.head_dim}], k [1, {args.seq}, {args.kv_heads}, {args.head_dim}] f32")
     for name, seconds in times.items():
         print(f"  {name:12s} {seconds * 1e3:8.2f} ms  {bytes_moved / seconds / 1e9:6.2f} GB/s  "

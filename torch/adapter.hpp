@@ -27,6 +27,11 @@ at::Tensor materialize(const BiasScheme& scheme, const at::Tensor& q_ids, const 
 std::vector<double> doubles_of(const char* where, const char* name, const at::Tensor& t);
 at::Tensor tensor_of(const std::vector<double>& values, const at::Tensor& like);
 
+// Calls the op posenc::NAME below autograd with a boxed stack, returning its outputs: its CPU
+// kernel, or its fake kernel while a tracer runs. An autograd kernel calls its forward and backward
+// ops this way, so that torch.compile and opcheck record them.
+torch::jit::Stack call_below_autograd(const char* name, torch::jit::Stack stack);
+
 // posenc::Error → ValueError (the Python exception for bad values and shapes).
 template <class Fn>
 auto translating(Fn&& fn) -> decltype(fn()) {

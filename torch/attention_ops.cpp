@@ -347,14 +347,6 @@ bool traced(at::TensorList ts) {
   return std::any_of(ts.begin(), ts.end(), [](const at::Tensor& t) { return traced(t); });
 }
 
-// Calls posenc::NAME below autograd with a boxed stack (its CPU kernel, or its fake one while tracing).
-torch::jit::Stack call_below_autograd(const char* name, torch::jit::Stack stack) {
-  const c10::OperatorHandle handle = c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
-  at::AutoDispatchBelowADInplaceOrView guard;
-  handle.callBoxed(&stack);
-  return stack;
-}
-
 // The traced path passes a call's typed objects (its schemes and temperature) to attention_planned
 // as their pickled bytes, a uint8 tensor: a constant of the compiled graph that its cache keeps and
 // another process reads, where torchbind objects would be lost (torch 2.15's inductor cache does

@@ -130,6 +130,13 @@ RopeDirection direction_of(std::int64_t code) {
 
 bool absent(const at::Tensor& t) { return !t.defined() || (t.dim() == 1 && t.numel() == 0); }
 
+torch::jit::Stack call_below_autograd(const char* name, torch::jit::Stack stack) {
+  const c10::OperatorHandle handle = c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+  at::AutoDispatchBelowADInplaceOrView guard;
+  handle.callBoxed(&stack);
+  return stack;
+}
+
 // Large outputs come from a cache of the blocks earlier outputs freed. A fresh block of a
 // Llama-sized q and k (80 MB) costs ~25 ms of first-touch page faults on this class of machine —
 // four times the rotation itself — and a training or decoding loop asks for the same sizes every
@@ -502,35 +509,74 @@ at::Tensor tensor_of(const std::vector<double>& values, const at::Tensor& like) 
   return at::from_blob(const_cast<double*>(values.data()), like.sizes(), at::kDouble).clone().to(like.scalar_type());
 }
 
+// ALiBi, T5 and Kerple are each three kernels: the forward (CPU), the backward into their
+// parameters (posenc::NAME_backward, CPU), and autograd over the two through the dispatcher, so
+// that a tracer (torch.compile, opcheck) records both and runs their fake kernels
+// (python/posenc/_fake.py).
+AlibiParams alibi_params_of(const at::Tensor& slopes, bool symmetric) {
+  return AlibiParams(doubles_of("alibi_bias", "slopes", slopes),
+                     symmetric ? AlibiForm::kSymmetric : AlibiForm::kCausal);
+}
+at::Tensor alibi_cpu(const at::Tensor& slopes, const at::Tensor& q_positions, const at::Tensor& k_positions,
+                     bool symmetric) {
+  return translating([&] {
+    return materialize(alibi_params_of(slopes, symmetric), q_positions.contiguous(), k_positions.contiguous(),
+                       slopes.scalar_type());
+  });
+}
+at::Tensor alibi_backward_cpu(const at::Tensor& grad, const at::Tensor& slopes, const at::Tensor& q_positions,
+                              const at::Tensor& k_positions, bool symmetric) {
+  return translating([&] {
+    const AlibiParams p = alibi_params_of(slopes, symmetric);
+    std::vector<double> d_slopes(static_cast<std::size_t>(p.heads()), 0.0);
+    const at::Tensor ds = grad.contiguous(), qi = q_positions.contiguous(), ki = k_positions.contiguous();
+    alibi_backward(p, positions_of("alibi_bias", "q_positions", qi), positions_of("alibi_bias", "k_positions", ki),
+                   const_view("alibi_bias", "grad", ds), d_slopes);
+    return tensor_of(d_slopes, slopes);
+  });
+}
 class AlibiFunction : public torch::autograd::Function<AlibiFunction> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& slopes, const at::Tensor& q_positions,
                             const at::Tensor& k_positions, bool symmetric) {
     ctx->saved_data["symmetric"] = symmetric;
-    const at::Tensor qi = q_positions.contiguous(), ki = k_positions.contiguous();
-    ctx->save_for_backward({slopes, qi, ki});
-    return translating([&] {
-      const AlibiParams p(doubles_of("alibi_bias", "slopes", slopes),
-                          symmetric ? AlibiForm::kSymmetric : AlibiForm::kCausal);
-      return materialize(p, qi, ki, slopes.scalar_type());
-    });
+    ctx->save_for_backward({slopes, q_positions, k_positions});
+    return call_below_autograd("posenc::alibi_bias", {slopes, q_positions, k_positions, symmetric})[0].toTensor();
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const bool symmetric = ctx->saved_data["symmetric"].toBool();
-    return translating([&] {
-      const AlibiParams p(doubles_of("alibi_bias", "slopes", saved[0]),
-                          symmetric ? AlibiForm::kSymmetric : AlibiForm::kCausal);
-      std::vector<double> d_slopes(static_cast<std::size_t>(p.heads()), 0.0);
-      const at::Tensor ds = grads[0].contiguous();
-      alibi_backward(p, positions_of("alibi_bias", "q_positions", saved[1]),
-                     positions_of("alibi_bias", "k_positions", saved[2]), const_view("alibi_bias", "grad", ds),
-                     d_slopes);
-      return variable_list{tensor_of(d_slopes, saved[0]), at::Tensor(), at::Tensor(), at::Tensor()};
-    });
+    const at::Tensor d = call_below_autograd("posenc::alibi_bias_backward",
+                                             {grads[0], saved[0], saved[1], saved[2], ctx->saved_data["symmetric"]})[0]
+                             .toTensor();
+    return variable_list{d, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
+T5BiasParams t5_params_of(const at::Tensor& table, std::int64_t num_buckets, std::int64_t max_distance,
+                          bool bidirectional) {
+  TORCH_CHECK_VALUE(table.dim() == 2 && table.size(0) == num_buckets, "t5_bias: table shape ", table.sizes(),
+                    "; expected [num_buckets = ", num_buckets, ", heads]");
+  return T5BiasParams(table.size(1), num_buckets, max_distance, bidirectional, doubles_of("t5_bias", "table", table));
+}
+at::Tensor t5_cpu(const at::Tensor& table, const at::Tensor& q_positions, const at::Tensor& k_positions,
+                  std::int64_t num_buckets, std::int64_t max_distance, bool bidirectional) {
+  return translating([&] {
+    return materialize(t5_params_of(table, num_buckets, max_distance, bidirectional), q_positions.contiguous(),
+                       k_positions.contiguous(), table.scalar_type());
+  });
+}
+at::Tensor t5_backward_cpu(const at::Tensor& grad, const at::Tensor& table, const at::Tensor& q_positions,
+                           const at::Tensor& k_positions, std::int64_t num_buckets, std::int64_t max_distance,
+                           bool bidirectional) {
+  return translating([&] {
+    const T5BiasParams p = t5_params_of(table, num_buckets, max_distance, bidirectional);
+    std::vector<double> d_table(p.table().size(), 0.0);
+    const at::Tensor ds = grad.contiguous(), qi = q_positions.contiguous(), ki = k_positions.contiguous();
+    t5_bias_backward(p, positions_of("t5_bias", "q_positions", qi), positions_of("t5_bias", "k_positions", ki),
+                     const_view("t5_bias", "grad", ds), d_table);
+    return tensor_of(d_table, table);
+  });
+}
 class T5Function : public torch::autograd::Function<T5Function> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& table, const at::Tensor& q_positions,
@@ -539,63 +585,58 @@ class T5Function : public torch::autograd::Function<T5Function> {
     ctx->saved_data["num_buckets"] = num_buckets;
     ctx->saved_data["max_distance"] = max_distance;
     ctx->saved_data["bidirectional"] = bidirectional;
-    const at::Tensor qi = q_positions.contiguous(), ki = k_positions.contiguous();
-    ctx->save_for_backward({table, qi, ki});
-    return translating([&] {
-      return materialize(params_of(table, num_buckets, max_distance, bidirectional), qi, ki, table.scalar_type());
-    });
+    ctx->save_for_backward({table, q_positions, k_positions});
+    return call_below_autograd("posenc::t5_bias",
+                               {table, q_positions, k_positions, num_buckets, max_distance, bidirectional})[0]
+        .toTensor();
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    return translating([&] {
-      const T5BiasParams p =
-          params_of(saved[0], ctx->saved_data["num_buckets"].toInt(), ctx->saved_data["max_distance"].toInt(),
-                    ctx->saved_data["bidirectional"].toBool());
-      std::vector<double> d_table(p.table().size(), 0.0);
-      const at::Tensor ds = grads[0].contiguous();
-      t5_bias_backward(p, positions_of("t5_bias", "q_positions", saved[1]),
-                       positions_of("t5_bias", "k_positions", saved[2]), const_view("t5_bias", "grad", ds), d_table);
-      return variable_list{
-          tensor_of(d_table, saved[0]), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
-    });
-  }
-
- private:
-  static T5BiasParams params_of(const at::Tensor& table, std::int64_t num_buckets, std::int64_t max_distance,
-                                bool bidirectional) {
-    TORCH_CHECK_VALUE(table.dim() == 2 && table.size(0) == num_buckets, "t5_bias: table shape ", table.sizes(),
-                      "; expected [num_buckets = ", num_buckets, ", heads]");
-    return T5BiasParams(table.size(1), num_buckets, max_distance, bidirectional, doubles_of("t5_bias", "table", table));
+    const at::Tensor d = call_below_autograd("posenc::t5_bias_backward",
+                                             {grads[0], saved[0], saved[1], saved[2], ctx->saved_data["num_buckets"],
+                                              ctx->saved_data["max_distance"], ctx->saved_data["bidirectional"]})[0]
+                             .toTensor();
+    return variable_list{d, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 // Kerple: r1, r2 [H] (float64 or float32), differentiable in both.
+KerpleParams kerple_params_of(const at::Tensor& r1, const at::Tensor& r2, bool power) {
+  return KerpleParams(power ? KerpleForm::kPower : KerpleForm::kLog, doubles_of("kerple_bias", "r1", r1),
+                      doubles_of("kerple_bias", "r2", r2));
+}
+at::Tensor kerple_cpu(const at::Tensor& r1, const at::Tensor& r2, const at::Tensor& q_positions,
+                      const at::Tensor& k_positions, bool power) {
+  return translating([&] {
+    return materialize(kerple_params_of(r1, r2, power), q_positions.contiguous(), k_positions.contiguous(),
+                       r1.scalar_type());
+  });
+}
+std::tuple<at::Tensor, at::Tensor> kerple_backward_cpu(const at::Tensor& grad, const at::Tensor& r1,
+                                                       const at::Tensor& r2, const at::Tensor& q_positions,
+                                                       const at::Tensor& k_positions, bool power) {
+  return translating([&] {
+    const KerpleParams p = kerple_params_of(r1, r2, power);
+    std::vector<double> d1(static_cast<std::size_t>(p.heads()), 0.0), d2(d1.size(), 0.0);
+    const at::Tensor ds = grad.contiguous(), qi = q_positions.contiguous(), ki = k_positions.contiguous();
+    kerple_backward(p, positions_of("kerple_bias", "q_positions", qi), positions_of("kerple_bias", "k_positions", ki),
+                    const_view("kerple_bias", "grad", ds), d1, d2);
+    return std::make_tuple(tensor_of(d1, r1), tensor_of(d2, r2));
+  });
+}
 class KerpleFunction : public torch::autograd::Function<KerpleFunction> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& r1, const at::Tensor& r2,
                             const at::Tensor& q_positions, const at::Tensor& k_positions, bool power) {
     ctx->saved_data["power"] = power;
-    const at::Tensor qi = q_positions.contiguous(), ki = k_positions.contiguous();
-    ctx->save_for_backward({r1, r2, qi, ki});
-    return translating([&] { return materialize(params_of(r1, r2, power), qi, ki, r1.scalar_type()); });
+    ctx->save_for_backward({r1, r2, q_positions, k_positions});
+    return call_below_autograd("posenc::kerple_bias", {r1, r2, q_positions, k_positions, power})[0].toTensor();
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    return translating([&] {
-      const KerpleParams p = params_of(saved[0], saved[1], ctx->saved_data["power"].toBool());
-      std::vector<double> d1(static_cast<std::size_t>(p.heads()), 0.0), d2(d1.size(), 0.0);
-      const at::Tensor ds = grads[0].contiguous();
-      kerple_backward(p, positions_of("kerple_bias", "q_positions", saved[2]),
-                      positions_of("kerple_bias", "k_positions", saved[3]), const_view("kerple_bias", "grad", ds), d1,
-                      d2);
-      return variable_list{tensor_of(d1, saved[0]), tensor_of(d2, saved[1]), at::Tensor(), at::Tensor(), at::Tensor()};
-    });
-  }
-
- private:
-  static KerpleParams params_of(const at::Tensor& r1, const at::Tensor& r2, bool power) {
-    return KerpleParams(power ? KerpleForm::kPower : KerpleForm::kLog, doubles_of("kerple_bias", "r1", r1),
-                        doubles_of("kerple_bias", "r2", r2));
+    const torch::jit::Stack d = call_below_autograd(
+        "posenc::kerple_bias_backward", {grads[0], saved[0], saved[1], saved[2], saved[3], ctx->saved_data["power"]});
+    return variable_list{d[0].toTensor(), d[1].toTensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -917,8 +958,8 @@ TORCH_LIBRARY(posenc, m) {
   define_attention_ops(m);
   define_stickbreaking_ops(m);
   define_cope_ops(m);
-  m.def("sinusoidal_table(Tensor positions, int dim, float base, bool interleaved, ScalarType dtype) -> Tensor",
-        &sinusoidal_table_op);
+  m.def("sinusoidal_table(Tensor positions, int dim, float base, bool interleaved, ScalarType dtype) -> Tensor");
+  m.impl("sinusoidal_table", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(sinusoidal_table_op)));
   m.def(
       "rope(Tensor q, Tensor k, Tensor positions, __torch__.torch.classes.posenc.Rope params, int seq_len, "
       "int direction) -> (Tensor, Tensor)",
@@ -939,10 +980,22 @@ TORCH_LIBRARY(posenc, m) {
       "int[] axis_of_pair, bool restart, int direction) "
       "-> (Tensor, Tensor)",
       &rope_multi_op);
-  m.def("alibi_bias(Tensor slopes, Tensor q_positions, Tensor k_positions, bool symmetric) -> Tensor", &alibi_op);
+  m.def("alibi_bias(Tensor slopes, Tensor q_positions, Tensor k_positions, bool symmetric) -> Tensor");
+  m.impl("alibi_bias", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(alibi_cpu)));
+  m.impl("alibi_bias", torch::dispatch(c10::DispatchKey::Autograd, TORCH_FN(alibi_op)));
+  m.def(
+      "alibi_bias_backward(Tensor grad, Tensor slopes, Tensor q_positions, Tensor k_positions, bool symmetric) -> "
+      "Tensor");
+  m.impl("alibi_bias_backward", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(alibi_backward_cpu)));
   m.def("empty_cache() -> ()", &empty_cache_op);
   m.def("huge_page_zeros(int[] shape, ScalarType dtype) -> Tensor", &huge_page_zeros_op);
-  m.def("kerple_bias(Tensor r1, Tensor r2, Tensor q_positions, Tensor k_positions, bool power) -> Tensor", &kerple_op);
+  m.def("kerple_bias(Tensor r1, Tensor r2, Tensor q_positions, Tensor k_positions, bool power) -> Tensor");
+  m.impl("kerple_bias", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(kerple_cpu)));
+  m.impl("kerple_bias", torch::dispatch(c10::DispatchKey::Autograd, TORCH_FN(kerple_op)));
+  m.def(
+      "kerple_bias_backward(Tensor grad, Tensor r1, Tensor r2, Tensor q_positions, Tensor k_positions, "
+      "bool power) -> (Tensor, Tensor)");
+  m.impl("kerple_bias_backward", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(kerple_backward_cpu)));
   m.def(
       "fire_bias(Tensor w1, Tensor b1, Tensor w2, Tensor b2, Tensor c, Tensor threshold, Tensor q_positions, "
       "Tensor k_positions) -> Tensor",
@@ -968,6 +1021,11 @@ TORCH_LIBRARY(posenc, m) {
       &floater_op);
   m.def(
       "t5_bias(Tensor table, Tensor q_positions, Tensor k_positions, int num_buckets, int max_distance, "
-      "bool bidirectional) -> Tensor",
-      &t5_op);
+      "bool bidirectional) -> Tensor");
+  m.impl("t5_bias", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(t5_cpu)));
+  m.impl("t5_bias", torch::dispatch(c10::DispatchKey::Autograd, TORCH_FN(t5_op)));
+  m.def(
+      "t5_bias_backward(Tensor grad, Tensor table, Tensor q_positions, Tensor k_positions, int num_buckets, "
+      "int max_distance, bool bidirectional) -> Tensor");
+  m.impl("t5_bias_backward", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(t5_backward_cpu)));
 }

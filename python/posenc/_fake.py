@@ -34,3 +34,44 @@ def _attention_grad(plan, q, k, v, params, gates, sinks, out, lse, d_out, params
     d_gates = [_contiguous_like(g) if w else g.new_empty(0) for g, w in zip(gates, gates_grad)]
     d_sinks = _contiguous_like(sinks) if sinks_grad and sinks is not None else q.new_empty(0, dtype=torch.float32)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), d_params, d_gates, d_sinks
+
+
+@torch.library.register_fake("posenc::sinusoidal_table")
+def _sinusoidal_table(positions, dim, base, interleaved, dtype):
+    return positions.new_empty((positions.shape[0], dim), dtype=dtype)
+
+
+def _bias(like, heads, q_positions, k_positions):
+    """A materialised bias [B, H, Sq, Sk] in like's dtype (B: 1 for positions [S])."""
+    batch = q_positions.shape[0] if q_positions.dim() == 2 else 1
+    return like.new_empty((batch, heads, q_positions.shape[-1], k_positions.shape[-1]))
+
+
+@torch.library.register_fake("posenc::alibi_bias")
+def _alibi_bias(slopes, q_positions, k_positions, symmetric):
+    return _bias(slopes, slopes.shape[0], q_positions, k_positions)
+
+
+@torch.library.register_fake("posenc::alibi_bias_backward")
+def _alibi_bias_backward(grad, slopes, q_positions, k_positions, symmetric):
+    return _contiguous_like(slopes)
+
+
+@torch.library.register_fake("posenc::t5_bias")
+def _t5_bias(table, q_positions, k_positions, num_buckets, max_distance, bidirectional):
+    return _bias(table, table.shape[1], q_positions, k_positions)
+
+
+@torch.library.register_fake("posenc::t5_bias_backward")
+def _t5_bias_backward(grad, table, q_positions, k_positions, num_buckets, max_distance, bidirectional):
+    return _contiguous_like(table)
+
+
+@torch.library.register_fake("posenc::kerple_bias")
+def _kerple_bias(r1, r2, q_positions, k_positions, power):
+    return _bias(r1, r1.shape[0], q_positions, k_positions)
+
+
+@torch.library.register_fake("posenc::kerple_bias_backward")
+def _kerple_bias_backward(grad, r1, r2, q_positions, k_positions, power):
+    return _contiguous_like(r1), _contiguous_like(r2)

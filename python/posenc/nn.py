@@ -20,6 +20,14 @@ def _rope_op_params(rope):
                         rope.max_position_embeddings, None, rope.xpos, rope.rotary_offset)
 
 
+# A cache's steps change Python state (its length and positions, buffers that grow, the frequency
+# state its keys were rotated under), which torch.compile cannot trace: they run eagerly, and a
+# model compiled with fullgraph=True that decodes with a cache is refused with this reason.
+_eager_only = torch.compiler.disable(
+    reason="posenc.KVCache's steps run eagerly (they change the cache's Python state); compile the "
+           "model without fullgraph=True to decode with a cache, or call it without one")
+
+
 def _frequency_state(rope, seq_len):
     """What RoPE's frequencies depend on at a sequence length (rotary.hpp): dynamic NTK on
     max(seq_len, M), LongRoPE on whether seq_len passes M0; every other type on nothing."""
@@ -109,6 +117,7 @@ class KVCache:
         _ops.rope_rerotate_(keys, from_positions.contiguous(), _rope_op_params(from_rope), from_seq_len,
                             to_positions.contiguous(), _rope_op_params(to_rope), to_seq_len)
 
+    @_eager_only
     @torch.no_grad()
     def append(self, k, v, positions=None):
         """Stores the keys ``k [B, S, G, D]`` and values ``v [B, S, G, Dv]`` of S new tokens (as they
@@ -147,6 +156,7 @@ class KVCache:
             self._state, self._seq_len = state, seq_len
         self.length += s
 
+    @_eager_only
     @torch.no_grad()
     def shift(self, n):
         """Drops the first ``n`` tokens and moves the others' positions back by n (llama.cpp's
@@ -166,6 +176,7 @@ class KVCache:
             self._rerotate(self.rope, self._seq_len, old, self.rope, seq_len, self.positions, keep)
             self._state, self._seq_len = _frequency_state(self.rope, seq_len), seq_len
 
+    @_eager_only
     @torch.no_grad()
     def set_rope(self, rope):
         """Switches to another RoPE (a new scaling, e.g. LongRoPE's long factors chosen by hand):
@@ -179,6 +190,7 @@ class KVCache:
             self._state, self._seq_len = _frequency_state(rope, seq_len), seq_len
         self.rope = rope
 
+    @_eager_only
     def attend(self, q, q_positions, scheme=None, **options):
         """``posenc.attention`` of the queries ``q [B, Sq, H, D]`` at ``q_positions`` (int64
         ``[Sq]``) over the stored tokens, causal by default, in the cache's dtype. A rotated cache takes its own RoPE as

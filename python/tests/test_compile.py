@@ -1,4 +1,5 @@
-"""posenc's attention under torch.compile and torch.library.opcheck.
+"""posenc's ops under torch.compile and torch.library.opcheck: the attention, the sinusoid table and
+the ALiBi, T5 and Kerple biases.
 
 opcheck: the op's schema (no input mutated or aliased), its autograd registration, its fake kernel
 against the real kernel's outputs (shapes, dtypes, strides), and AOTAutograd's traced forward and
@@ -99,6 +100,34 @@ def test_opcheck_traced_path_ops(name):
         ops.attention_grad(torch.zeros(2), *grad_args[1:])
 
 
+def table_and_bias_cases():
+    """(name, op, args) for the materialising ops that trace: the sinusoid table and the ALiBi, T5
+    and Kerple biases, with [S] and [B, S] positions, differentiable in their parameters."""
+    torch.manual_seed(4)
+    q, k = torch.arange(5) + 3, torch.arange(7)
+    qb, kb = torch.stack([q, q + 9]), torch.stack([k, k + 4])
+    yield "sinusoidal-interleaved", ops.sinusoidal_table, (torch.arange(7) + 100, 16, 10000.0, True, torch.float32)
+    yield "sinusoidal-halves-f64", ops.sinusoidal_table, (torch.arange(9), 6, 500.0, False, torch.float64)
+    slopes = posenc.alibi_slopes(4).float().requires_grad_()
+    yield "alibi", ops.alibi_bias, (slopes, q, k, False)
+    yield "alibi-batched-symmetric", ops.alibi_bias, (slopes, qb, kb, True)
+    table = torch.randn(32, 4, requires_grad=True)
+    yield "t5-bidirectional", ops.t5_bias, (table, q, k, 32, 128, True)
+    yield "t5-batched-causal", ops.t5_bias, (table.detach().double().requires_grad_(), qb, kb, 32, 64, False)
+    r1, r2 = (torch.rand(4, dtype=torch.float64).add(0.5).requires_grad_() for _ in range(2))
+    yield "kerple-log", ops.kerple_bias, (r1, r2, q, k, False)
+    yield "kerple-power-batched", ops.kerple_bias, (r1, r2, qb, kb, True)
+
+
+TABLE_AND_BIAS_CASES = {name: (op, args) for name, op, args in table_and_bias_cases()}
+
+
+@pytest.mark.parametrize("name", list(TABLE_AND_BIAS_CASES))
+def test_opcheck_tables_and_biases(name):
+    op, args = TABLE_AND_BIAS_CASES[name]
+    opcheck(op.default, args)
+
+
 class FoxBlock(torch.nn.Module):
     """Attention with a FoX forget gate on RoPE and learned sinks (gpt-oss)."""
 
@@ -159,7 +188,8 @@ def test_compile_without_inductor_is_bitwise_eager():
 
 def test_compile_with_inductor_and_dynamic_lengths_matches_eager():
     """Inductor compiles the model once for every sequence length (dynamic=True) and matches eager
-    within float32 reassociation of the projections it fuses (posenc's ops are opaque to it)."""
+    within float32 reassociation of the projections it fuses (posenc's ops are opaque to it); the
+    same again from its FX graph cache."""
     torch.manual_seed(2)
     model = Model()
     compiled = torch.compile(model, fullgraph=True, dynamic=True)
@@ -175,3 +205,31 @@ def test_compile_with_inductor_and_dynamic_lengths_matches_eager():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         for name, g in want_grads.items():
             torch.testing.assert_close(got_grads[name], g, rtol=1e-4, atol=1e-4, msg=name)
+    # Compiled again from inductor's FX graph cache: the graphs' constants (the pickled schemes)
+    # must come back with them.
+    torch._dynamo.reset()
+    hits = torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"]
+    x = torch.randn(2, 29, 64)
+    want, want_grads = run(model, x)
+    got, got_grads = run(model, x, torch.compile(model, fullgraph=True, dynamic=True))
+    assert torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"] > hits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for name, g in want_grads.items():
+        torch.testing.assert_close(got_grads[name], g, rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_a_cache_runs_eagerly_inside_a_compiled_model_and_fullgraph_is_refused_by_reason():
+    """KVCache changes Python state at every step: its steps run eagerly in a compiled model (the
+    projections compiled), giving eager's outputs; fullgraph=True is refused with the reason."""
+    torch.manual_seed(3)
+    layer = posenc.nn.SelfAttention(64, heads=4, kv_heads=2, scheme="rope")
+    steps = [torch.randn(1, 10, 64), torch.randn(1, 1, 64), torch.randn(1, 1, 64)]
+    eager_cache, compiled_cache = layer.make_cache(batch=1), layer.make_cache(batch=1)
+    compiled = torch.compile(layer)
+    with torch.no_grad():
+        for x in steps:
+            torch.testing.assert_close(compiled(x, cache=compiled_cache), layer(x, cache=eager_cache),
+                                       rtol=1e-5, atol=1e-5)
+    assert compiled_cache.length == eager_cache.length == 12
+    with pytest.raises(Exception, match="posenc.KVCache's steps run eagerly"):
+        torch.compile(layer, fullgraph=True)(steps[0], cache=layer.make_cache(batch=1))

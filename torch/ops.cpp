@@ -646,21 +646,38 @@ class FireFunction : public torch::autograd::Function<FireFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
                             const at::Tensor& b2, const at::Tensor& c, const at::Tensor& threshold,
                             const at::Tensor& q_positions, const at::Tensor& k_positions) {
-    const at::Tensor qi = q_positions.contiguous(), ki = k_positions.contiguous();
-    ctx->save_for_backward({w1, b1, w2, b2, c, threshold, qi, ki});
-    return translating([&] { return materialize(params_of(w1, b1, w2, b2, c, threshold), qi, ki, w2.scalar_type()); });
+    ctx->save_for_backward({w1, b1, w2, b2, c, threshold, q_positions, k_positions});
+    return call_below_autograd("posenc::fire_bias", {w1, b1, w2, b2, c, threshold, q_positions, k_positions})[0]
+        .toTensor();
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto s = ctx->get_saved_variables();
+    const torch::jit::Stack d =
+        call_below_autograd("posenc::fire_bias_backward", {grads[0], s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7]});
+    return variable_list{d[0].toTensor(), d[1].toTensor(), d[2].toTensor(), d[3].toTensor(),
+                         d[4].toTensor(), d[5].toTensor(), at::Tensor(),    at::Tensor()};
+  }
+
+  // The kernels: the forward and the parameters' gradients (CPU).
+  static at::Tensor cpu(const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2, const at::Tensor& b2,
+                        const at::Tensor& c, const at::Tensor& threshold, const at::Tensor& q_positions,
+                        const at::Tensor& k_positions) {
     return translating([&] {
-      const FireParams p = params_of(s[0], s[1], s[2], s[3], s[4], s[5]);
+      return materialize(params_of(w1, b1, w2, b2, c, threshold), q_positions.contiguous(), k_positions.contiguous(),
+                         w2.scalar_type());
+    });
+  }
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
+      const at::Tensor& grad, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2, const at::Tensor& b2,
+      const at::Tensor& c, const at::Tensor& threshold, const at::Tensor& q_positions, const at::Tensor& k_positions) {
+    return translating([&] {
+      const FireParams p = params_of(w1, b1, w2, b2, c, threshold);
       FireGradients g(p);
-      const at::Tensor ds = grads[0].contiguous();
-      fire_backward(p, positions_of("fire_bias", "q_positions", s[6]), positions_of("fire_bias", "k_positions", s[7]),
+      const at::Tensor ds = grad.contiguous(), qi = q_positions.contiguous(), ki = k_positions.contiguous();
+      fire_backward(p, positions_of("fire_bias", "q_positions", qi), positions_of("fire_bias", "k_positions", ki),
                     const_view("fire_bias", "grad", ds), g);
-      return variable_list{
-          tensor_of(g.w1, s[0]),  tensor_of(g.b1, s[1]),          tensor_of(g.w2, s[2]), tensor_of(g.b2, s[3]),
-          tensor_of({g.c}, s[4]), tensor_of({g.threshold}, s[5]), at::Tensor(),          at::Tensor()};
+      return std::make_tuple(tensor_of(g.w1, w1), tensor_of(g.b1, b1), tensor_of(g.w2, w2), tensor_of(g.b2, b2),
+                             tensor_of({g.c}, c), tensor_of({g.threshold}, threshold));
     });
   }
 
@@ -726,23 +743,32 @@ class LearnedFunction : public torch::autograd::Function<LearnedFunction> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& table, const at::Tensor& x,
                             const at::Tensor& positions) {
-    const at::Tensor ids = positions.contiguous();
-    ctx->save_for_backward({table, ids});
+    ctx->save_for_backward({table, positions});
+    return call_below_autograd("posenc::learned", {table, x, positions})[0].toTensor();
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    const at::Tensor d_table = call_below_autograd("posenc::learned_backward", {grads[0], s[0], s[1]})[0].toTensor();
+    return variable_list{d_table, grads[0], at::Tensor()};  // y = x + table[p]: x's gradient is y's
+  }
+
+  // The kernels: y = x + table[positions], and the table's gradient (CPU).
+  static at::Tensor cpu(const at::Tensor& table, const at::Tensor& x, const at::Tensor& positions) {
     return translating([&] {
+      const at::Tensor ids = positions.contiguous();
       at::Tensor y = empty_output(x.sizes(), x.scalar_type());
       learned_forward(const_view("learned", "table", table), const_view("learned", "x", x),
                       positions_of("learned", "positions", ids), mutable_view("learned", "y", y));
       return y;
     });
   }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto s = ctx->get_saved_variables();
+  static at::Tensor backward_cpu(const at::Tensor& grad, const at::Tensor& table, const at::Tensor& positions) {
     return translating([&] {
-      const at::Tensor dy = grads[0].contiguous();
-      at::Tensor d_table = at::zeros_like(s[0]);
-      learned_backward(const_view("learned", "dy", dy), positions_of("learned", "positions", s[1]),
+      const at::Tensor dy = grad.contiguous(), ids = positions.contiguous();
+      at::Tensor d_table = at::zeros(table.sizes(), table.options());
+      learned_backward(const_view("learned", "dy", dy), positions_of("learned", "positions", ids),
                        mutable_view("learned", "d_table", d_table));
-      return variable_list{d_table, dy, at::Tensor()};
+      return d_table;
     });
   }
 };
@@ -998,13 +1024,22 @@ TORCH_LIBRARY(posenc, m) {
   m.impl("kerple_bias_backward", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(kerple_backward_cpu)));
   m.def(
       "fire_bias(Tensor w1, Tensor b1, Tensor w2, Tensor b2, Tensor c, Tensor threshold, Tensor q_positions, "
-      "Tensor k_positions) -> Tensor",
-      &fire_op);
+      "Tensor k_positions) -> Tensor");
+  m.impl("fire_bias", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(FireFunction::cpu)));
+  m.impl("fire_bias", torch::dispatch(c10::DispatchKey::Autograd, TORCH_FN(fire_op)));
+  m.def(
+      "fire_bias_backward(Tensor grad, Tensor w1, Tensor b1, Tensor w2, Tensor b2, Tensor c, Tensor threshold, "
+      "Tensor q_positions, Tensor k_positions) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.impl("fire_bias_backward", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(FireFunction::backward_cpu)));
   m.def(
       "tupe_bias(Tensor table, Tensor u_q, Tensor u_k, Tensor theta1, Tensor theta2, Tensor q_positions, "
       "Tensor k_positions, int heads, bool cls_reset) -> Tensor",
       &tupe_op);
-  m.def("learned(Tensor table, Tensor x, Tensor positions) -> Tensor", &learned_op);
+  m.def("learned(Tensor table, Tensor x, Tensor positions) -> Tensor");
+  m.impl("learned", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(LearnedFunction::cpu)));
+  m.impl("learned", torch::dispatch(c10::DispatchKey::Autograd, TORCH_FN(learned_op)));
+  m.def("learned_backward(Tensor grad, Tensor table, Tensor positions) -> Tensor");
+  m.impl("learned_backward", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(LearnedFunction::backward_cpu)));
   m.def("shaw_scores(Tensor q, Tensor key_table, Tensor q_positions, Tensor k_positions, int max_distance) -> Tensor",
         &shaw_scores_op);
   m.def(

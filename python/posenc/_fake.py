@@ -75,3 +75,23 @@ def _kerple_bias(r1, r2, q_positions, k_positions, power):
 @torch.library.register_fake("posenc::kerple_bias_backward")
 def _kerple_bias_backward(grad, r1, r2, q_positions, k_positions, power):
     return _contiguous_like(r1), _contiguous_like(r2)
+
+
+@torch.library.register_fake("posenc::fire_bias")
+def _fire_bias(w1, b1, w2, b2, c, threshold, q_positions, k_positions):
+    return _bias(w2, w2.shape[0], q_positions, k_positions)
+
+
+@torch.library.register_fake("posenc::fire_bias_backward")
+def _fire_bias_backward(grad, w1, b1, w2, b2, c, threshold, q_positions, k_positions):
+    return tuple(_contiguous_like(t) for t in (w1, b1, w2, b2, c, threshold))
+
+
+@torch.library.register_fake("posenc::learned")
+def _learned(table, x, positions):
+    return _contiguous_like(x)
+
+
+@torch.library.register_fake("posenc::learned_backward")
+def _learned_backward(grad, table, positions):
+    return _contiguous_like(table)

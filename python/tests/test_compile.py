@@ -1,5 +1,5 @@
 """posenc's ops under torch.compile and torch.library.opcheck: the attention, the sinusoid table and
-the ALiBi, T5 and Kerple biases.
+the ALiBi, T5, Kerple and FIRE biases and the learned table.
 
 opcheck: the op's schema (no input mutated or aliased), its autograd registration, its fake kernel
 against the real kernel's outputs (shapes, dtypes, strides), and AOTAutograd's traced forward and
@@ -101,8 +101,9 @@ def test_opcheck_traced_path_ops(name):
 
 
 def table_and_bias_cases():
-    """(name, op, args) for the materialising ops that trace: the sinusoid table and the ALiBi, T5
-    and Kerple biases, with [S] and [B, S] positions, differentiable in their parameters."""
+    """(name, op, args) for the materialising ops that trace: the sinusoid table, the ALiBi, T5,
+    Kerple and FIRE biases and the learned table, with [S] and [B, S] positions, differentiable in
+    their parameters."""
     torch.manual_seed(4)
     q, k = torch.arange(5) + 3, torch.arange(7)
     qb, kb = torch.stack([q, q + 9]), torch.stack([k, k + 4])
@@ -117,6 +118,13 @@ def table_and_bias_cases():
     r1, r2 = (torch.rand(4, dtype=torch.float64).add(0.5).requires_grad_() for _ in range(2))
     yield "kerple-log", ops.kerple_bias, (r1, r2, q, k, False)
     yield "kerple-power-batched", ops.kerple_bias, (r1, r2, qb, kb, True)
+    fire = posenc.FIRE(4)
+    fire_params = (fire.w1, fire.b1, fire.w2, fire.b2, fire.c, fire.threshold)
+    yield "fire", ops.fire_bias, (*fire_params, q, k)
+    yield "fire-batched", ops.fire_bias, (*fire_params, qb, kb)
+    table, x = torch.randn(64, 8, requires_grad=True), torch.randn(2, 5, 8, requires_grad=True)
+    yield "learned", ops.learned, (table, x, q)
+    yield "learned-batched-f64", ops.learned, (table.detach().double().requires_grad_(), x.detach().double(), qb)
 
 
 TABLE_AND_BIAS_CASES = {name: (op, args) for name, op, args in table_and_bias_cases()}

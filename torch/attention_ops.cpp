@@ -371,20 +371,26 @@ std::pair<SchemeList, OptionalTemperature> objects_of(const char* where, const a
                     "); expected the uint8 [n] pickled schemes and temperature of an attention call");
   const at::Tensor c = objects.contiguous();
   const auto* data = reinterpret_cast<const char*>(c.data_ptr<std::uint8_t>());
-  c10::IValue value;
+  // Any failure to read them (bytes from elsewhere) is the caller's bad value, by name.
+  const auto refuse = [&](const std::string& why) {
+    TORCH_CHECK_VALUE(false, where, ": objects are not the pickled (schemes, temperature) of an attention call (", why,
+                      ")");
+  };
+  std::pair<SchemeList, OptionalTemperature> result;
   try {
-    value = torch::jit::pickle_load_obj(std::string_view(data, static_cast<std::size_t>(c.numel())));
+    const c10::IValue value = torch::jit::pickle_load_obj(std::string_view(data, static_cast<std::size_t>(c.numel())));
+    if (!value.isTuple() || value.toTupleRef().elements().size() != 2) refuse("not a pair");
+    const auto& items = value.toTupleRef().elements();
+    result.first = items[0].to<SchemeList>();
+    if (!items[1].isNone()) result.second = items[1].toCustomClass<TemperatureClass>();
+  } catch (const c10::ValueError&) {
+    throw;
   } catch (const c10::Error& e) {
-    TORCH_CHECK_VALUE(false, where, ": objects are not the pickled schemes and temperature of an attention call (",
-                      e.what_without_backtrace(), ")");
+    refuse(e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    refuse(e.what());
   }
-  TORCH_CHECK_VALUE(
-      value.isTuple() && value.toTupleRef().elements().size() == 2 && value.toTupleRef().elements()[0].isList(), where,
-      ": objects are not the pickled (schemes, temperature) of an attention call");
-  const auto& items = value.toTupleRef().elements();
-  OptionalTemperature temperature;
-  if (!items[1].isNone()) temperature = items[1].toCustomClass<TemperatureClass>();
-  return {items[0].to<SchemeList>(), temperature};
+  return result;
 }
 
 // attention_planned's arguments as a boxed stack, in its schema's order.

@@ -361,7 +361,7 @@ class SinusoidalPositionalEncoding(torch.nn.Module):
     def _attention_scheme(self, heads, keys_rotated, head_dim):
         # Shortformer: the sinusoid added to q and k (not v) inside the fused attention.
         return _scheme_spec("absolute", heads, {"dim": self.dim, "base": self.base,
-                                           "interleaved": bool(self.interleaved)}), _EMPTY
+                                                "interleaved": bool(self.interleaved)}), _EMPTY
 
 
 class RotaryPositionalEncoding(torch.nn.Module):
@@ -412,7 +412,7 @@ class RotaryPositionalEncoding(torch.nn.Module):
         rope_args = _rope_args(dims[0], dims[1], self.base, self.layout, self.scaling,
                                self.max_position_embeddings, None, self.xpos, self.rotary_offset)
         return _scheme_spec("rope", heads, {"keys_rotated": _flag("attention", "keys_rotated", keys_rotated)},
-                       rope_args=rope_args), _EMPTY
+                            rope_args=rope_args), _EMPTY
 
 
 class ALiBi(torch.nn.Module):
@@ -451,7 +451,7 @@ class T5RelativeBias(torch.nn.Module):
 
     def _attention_scheme(self, heads, keys_rotated, head_dim):
         return _scheme_spec("t5", heads, {"num_buckets": self.num_buckets, "max_distance": self.max_distance,
-                                     "bidirectional": bool(self.bidirectional)}), self.table
+                                          "bidirectional": bool(self.bidirectional)}), self.table
 
 
 from .registry import RelativeBias, Sandwich, Scheme, _scheme, _scheme_entry, _scheme_spec, schemes  # noqa: E402
@@ -529,7 +529,7 @@ class TUPE(torch.nn.Module):
 
     def _attention_scheme(self, heads, keys_rotated, head_dim):
         return _scheme_spec("tupe", heads, {"d_model": int(self.table.shape[1]), "max_len": int(self.table.shape[0]),
-                                       "cls_reset": bool(self.cls_reset)}), \
+                                            "cls_reset": bool(self.cls_reset)}), \
             torch.cat([self.table.reshape(-1), self.u_q.reshape(-1), self.u_k.reshape(-1), self.theta1, self.theta2])
 
 

@@ -165,6 +165,15 @@ struct AttentionArgs {
   c10::optional<at::Tensor> q_positions, k_positions;
   std::vector<std::int64_t> cu_seqlens_q, cu_seqlens_k;
   bool skip_vanishing_tiles = true;
+
+  // These arguments with a call's tensor lists and sinks.
+  AttentionArgs with(std::vector<at::Tensor> p, std::vector<at::Tensor> g, c10::optional<at::Tensor> s) const {
+    AttentionArgs a = *this;
+    a.params = std::move(p);
+    a.gates = std::move(g);
+    a.sinks = std::move(s);
+    return a;
+  }
 };
 
 // The arguments the forward and backward ops share, as make_attention takes them.
@@ -490,10 +499,7 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
                                at::TensorList params, at::TensorList gates, const c10::optional<at::Tensor>& sinks,
                                const std::shared_ptr<AttentionArgs>& args) {
     return translating([&] {
-      AttentionArgs a = *args;
-      a.params = params.vec();
-      a.gates = gates.vec();
-      a.sinks = sinks;
+      const AttentionArgs a = args->with(params.vec(), gates.vec(), sinks);
       at::Tensor out, lse, plan;
       if (traced(q) || traced(k) || traced(v) || traced(params) || traced(gates) || (sinks && traced(*sinks))) {
         const torch::jit::Stack result = call_below_autograd("posenc::attention_planned", planned_stack(q, k, v, a));
@@ -594,10 +600,8 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(
   return translating([&] {
     AttentionArgs a =
         call_args(schemes, causal, window_left, window_right, chunk_size, temperature, softcap, scale, q_positions,
-                  k_positions, std::move(cu_seqlens_q), std::move(cu_seqlens_k), skip_vanishing_tiles);
-    a.params = params;
-    a.gates = gates;
-    a.sinks = sinks;
+                  k_positions, std::move(cu_seqlens_q), std::move(cu_seqlens_k), skip_vanishing_tiles)
+            .with(params, gates, sinks);
     const AttentionCall call = make_attention("attention", q, k, v, a);
     return attention_forward(call, q, v);
   });
@@ -614,10 +618,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_planned_cpu(
     const auto [schemes, temperature] = objects_of("attention_planned", objects);
     AttentionArgs a =
         call_args(schemes, causal, window_left, window_right, chunk_size, temperature, softcap, scale, q_positions,
-                  k_positions, std::move(cu_seqlens_q), std::move(cu_seqlens_k), skip_vanishing_tiles);
-    a.params = params;
-    a.gates = gates;
-    a.sinks = sinks;
+                  k_positions, std::move(cu_seqlens_q), std::move(cu_seqlens_k), skip_vanishing_tiles)
+            .with(params, gates, sinks);
     const AttentionCall call = make_attention("attention", q, k, v, a);
     auto [out, lse] = attention_forward(call, q, v);
     // The positions as the call used them (make_attention's copies): the caller may change its tensors.
@@ -641,10 +643,7 @@ attention_grad_cpu(const at::Tensor& plan, const at::Tensor& q, const at::Tensor
                       " flags; expected one per params tensor (", params.size(), ")");
     TORCH_CHECK_VALUE(gates_grad.size() == gates.size(), where, ": gates_grad has ", gates_grad.size(),
                       " flags; expected one per gate (", gates.size(), ")");
-    AttentionArgs a = PlanTable::instance().find(where, plan);
-    a.params = params;
-    a.gates = gates;
-    a.sinks = sinks;
+    const AttentionArgs a = PlanTable::instance().find(where, plan).with(params, gates, sinks);
     const AttentionCall call = make_attention("attention", q, k, v, a);
     WantedGradients wanted;
     for (const bool w : params_grad) wanted.params.push_back(w);

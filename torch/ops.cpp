@@ -976,6 +976,19 @@ at::Tensor floater_op(const at::Tensor& w1, const at::Tensor& b1, const at::Tens
   return FloaterFunction::apply(w1, b1, w2, b2, p0, length, time_per_position, substeps);
 }
 
+// An op of three kernels: its forward (CPU), autograd over it and NAME_backward, and that backward
+// op's own kernel (CPU); torch.compile and opcheck trace the two ops with their fake kernels.
+template <class Cpu, class Autograd, class Backward>
+void define_with_backward(torch::Library& m, const char* name, const char* schema, Cpu cpu, Autograd autograd,
+                          const char* backward_schema, Backward backward) {
+  const std::string backward_name = std::string(name) + "_backward";
+  m.def(schema);
+  m.impl(name, torch::dispatch(c10::DispatchKey::CPU, cpu));
+  m.impl(name, torch::dispatch(c10::DispatchKey::Autograd, autograd));
+  m.def(backward_schema);
+  m.impl(backward_name.c_str(), torch::dispatch(c10::DispatchKey::CPU, backward));
+}
+
 }  // namespace posenc::torch_adapter
 
 TORCH_LIBRARY(posenc, m) {
@@ -1006,40 +1019,37 @@ TORCH_LIBRARY(posenc, m) {
       "int[] axis_of_pair, bool restart, int direction) "
       "-> (Tensor, Tensor)",
       &rope_multi_op);
-  m.def("alibi_bias(Tensor slopes, Tensor q_positions, Tensor k_positions, bool symmetric) -> Tensor");
-  m.impl("alibi_bias", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(alibi_cpu)));
-  m.impl("alibi_bias", torch::dispatch(c10::DispatchKey::Autograd, TORCH_FN(alibi_op)));
-  m.def(
+  define_with_backward(
+      m, "alibi_bias", "alibi_bias(Tensor slopes, Tensor q_positions, Tensor k_positions, bool symmetric) -> Tensor",
+      TORCH_FN(alibi_cpu), TORCH_FN(alibi_op),
       "alibi_bias_backward(Tensor grad, Tensor slopes, Tensor q_positions, Tensor k_positions, bool symmetric) -> "
-      "Tensor");
-  m.impl("alibi_bias_backward", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(alibi_backward_cpu)));
+      "Tensor",
+      TORCH_FN(alibi_backward_cpu));
   m.def("empty_cache() -> ()", &empty_cache_op);
   m.def("huge_page_zeros(int[] shape, ScalarType dtype) -> Tensor", &huge_page_zeros_op);
-  m.def("kerple_bias(Tensor r1, Tensor r2, Tensor q_positions, Tensor k_positions, bool power) -> Tensor");
-  m.impl("kerple_bias", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(kerple_cpu)));
-  m.impl("kerple_bias", torch::dispatch(c10::DispatchKey::Autograd, TORCH_FN(kerple_op)));
-  m.def(
+  define_with_backward(
+      m, "kerple_bias",
+      "kerple_bias(Tensor r1, Tensor r2, Tensor q_positions, Tensor k_positions, bool power) -> Tensor",
+      TORCH_FN(kerple_cpu), TORCH_FN(kerple_op),
       "kerple_bias_backward(Tensor grad, Tensor r1, Tensor r2, Tensor q_positions, Tensor k_positions, "
-      "bool power) -> (Tensor, Tensor)");
-  m.impl("kerple_bias_backward", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(kerple_backward_cpu)));
-  m.def(
+      "bool power) -> (Tensor, Tensor)",
+      TORCH_FN(kerple_backward_cpu));
+  define_with_backward(
+      m, "fire_bias",
       "fire_bias(Tensor w1, Tensor b1, Tensor w2, Tensor b2, Tensor c, Tensor threshold, Tensor q_positions, "
-      "Tensor k_positions) -> Tensor");
-  m.impl("fire_bias", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(FireFunction::cpu)));
-  m.impl("fire_bias", torch::dispatch(c10::DispatchKey::Autograd, TORCH_FN(fire_op)));
-  m.def(
+      "Tensor k_positions) -> Tensor",
+      TORCH_FN(FireFunction::cpu), TORCH_FN(fire_op),
       "fire_bias_backward(Tensor grad, Tensor w1, Tensor b1, Tensor w2, Tensor b2, Tensor c, Tensor threshold, "
-      "Tensor q_positions, Tensor k_positions) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
-  m.impl("fire_bias_backward", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(FireFunction::backward_cpu)));
+      "Tensor q_positions, Tensor k_positions) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+      TORCH_FN(FireFunction::backward_cpu));
   m.def(
       "tupe_bias(Tensor table, Tensor u_q, Tensor u_k, Tensor theta1, Tensor theta2, Tensor q_positions, "
       "Tensor k_positions, int heads, bool cls_reset) -> Tensor",
       &tupe_op);
-  m.def("learned(Tensor table, Tensor x, Tensor positions) -> Tensor");
-  m.impl("learned", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(LearnedFunction::cpu)));
-  m.impl("learned", torch::dispatch(c10::DispatchKey::Autograd, TORCH_FN(learned_op)));
-  m.def("learned_backward(Tensor grad, Tensor table, Tensor positions) -> Tensor");
-  m.impl("learned_backward", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(LearnedFunction::backward_cpu)));
+  define_with_backward(m, "learned", "learned(Tensor table, Tensor x, Tensor positions) -> Tensor",
+                       TORCH_FN(LearnedFunction::cpu), TORCH_FN(learned_op),
+                       "learned_backward(Tensor grad, Tensor table, Tensor positions) -> Tensor",
+                       TORCH_FN(LearnedFunction::backward_cpu));
   m.def("shaw_scores(Tensor q, Tensor key_table, Tensor q_positions, Tensor k_positions, int max_distance) -> Tensor",
         &shaw_scores_op);
   m.def(
@@ -1054,13 +1064,12 @@ TORCH_LIBRARY(posenc, m) {
       "floater_table(Tensor w1, Tensor b1, Tensor w2, Tensor b2, Tensor p0, int length, float time_per_position, "
       "int substeps) -> Tensor",
       &floater_op);
-  m.def(
+  define_with_backward(
+      m, "t5_bias",
       "t5_bias(Tensor table, Tensor q_positions, Tensor k_positions, int num_buckets, int max_distance, "
-      "bool bidirectional) -> Tensor");
-  m.impl("t5_bias", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(t5_cpu)));
-  m.impl("t5_bias", torch::dispatch(c10::DispatchKey::Autograd, TORCH_FN(t5_op)));
-  m.def(
+      "bool bidirectional) -> Tensor",
+      TORCH_FN(t5_cpu), TORCH_FN(t5_op),
       "t5_bias_backward(Tensor grad, Tensor table, Tensor q_positions, Tensor k_positions, int num_buckets, "
-      "int max_distance, bool bidirectional) -> Tensor");
-  m.impl("t5_bias_backward", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(t5_backward_cpu)));
+      "int max_distance, bool bidirectional) -> Tensor",
+      TORCH_FN(t5_backward_cpu));
 }

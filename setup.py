@@ -14,11 +14,14 @@ from setuptools.command.build_py import build_py
 from setuptools.dist import Distribution
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+# CMake reads the real source tree (a symlinked checkout builds with the paths of its target, as a
+# compiler cache shared with another build of the same tree needs).
+SOURCE = os.path.dirname(os.path.realpath(__file__))
 os.makedirs(os.path.join(ROOT, "build-pip"), exist_ok=True)  # egg_base below
 
 
 def cmake_version():
-    with open(os.path.join(ROOT, "CMakeLists.txt"), encoding="utf-8") as f:
+    with open(os.path.join(SOURCE, "CMakeLists.txt"), encoding="utf-8") as f:
         match = re.search(r"project\(posenc VERSION ([0-9.]+)", f.read())
     if match is None:
         raise RuntimeError("posenc: no `project(posenc VERSION …)` in CMakeLists.txt")
@@ -44,7 +47,7 @@ class BuildWithCMake(build_py):
         build = os.path.join(os.path.abspath(self.get_finalized_command("build").build_temp), "cmake")
         generator = ["-G", "Ninja"] if shutil.which("ninja") else []
         # The installed RPATH from the start: the wheel must not point into this build's environment.
-        subprocess.check_call(["cmake", "-S", ROOT, "-B", build, *generator, "-DCMAKE_BUILD_TYPE=Release",
+        subprocess.check_call(["cmake", "-S", SOURCE, "-B", build, *generator, "-DCMAKE_BUILD_TYPE=Release",
                                "-DBUILD_SHARED_LIBS=OFF", "-DPOSENC_BUILD_TORCH=ON", f"-DPOSENC_PYTHON={sys.executable}",
                                "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON", "-DPOSENC_BUILD_STUDY=OFF",
                                "-DPOSENC_BUILD_CLI=OFF", "-DPOSENC_BUILD_TESTS=OFF", "-DPOSENC_BUILD_BENCH=OFF"])

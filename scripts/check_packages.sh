@@ -95,7 +95,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
 EOF
 clang++-14 -fopenmp -fsanitize=fuzzer,address,undefined /tmp/probe.cpp -o /tmp/probe
 /tmp/probe -runs=10 > /dev/null 2>&1
-for tool in clang-format-14 gnuplot cpack dpkg-shlibdeps python3; do command -v "$tool" > /dev/null ||
+for tool in clang-format-14 ccache gnuplot cpack dpkg-shlibdeps python3; do command -v "$tool" > /dev/null ||
   { echo "check_packages: $tool is missing" >&2; exit 1; }; done
 /usr/bin/python3 -c "import venv, ensurepip"
 "$POSENC_PYTHON" -c "import torch, numpy, pytest, setuptools, wheel"

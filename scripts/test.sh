@@ -18,7 +18,7 @@ bash "$POSENC_ROOT/scripts/format.sh" --check
 
 posenc_stage "Release build (GCC, every Highway target, the PyTorch extension)"
 posenc_ccache "$POSENC_ROOT/build"
-posenc_configure_release "$POSENC_ROOT/build" -DCMAKE_CXX_COMPILER_LAUNCHER=ccache
+posenc_configure_release "$POSENC_ROOT/build" -DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DPOSENC_TEST_OPTIONS=-O1
 posenc_build "$POSENC_ROOT/build"
 
 posenc_stage "Release tests (C++ on every target, the command, installs, README, Python)"
@@ -46,6 +46,6 @@ posenc_stage "Fuzz build (clang: libFuzzer, ASan, UBSan; AVX2 target)"
 posenc_configure_fuzz "$POSENC_ROOT/build-fuzz"
 posenc_build "$POSENC_ROOT/build-fuzz" "fuzz_config fuzz_cli fuzz_views fuzz_rope fuzz_schemes fuzz_attention fuzz_stickbreaking fuzz_cope"
 
-posenc_stage "Fuzzing (libFuzzer, ASan, UBSan): each target for 20 s, one per core"
+posenc_stage "Fuzzing (libFuzzer, ASan, UBSan): each target for 20 s"
 # docs/fuzzing.md: the targets, their corpora, and how to run them longer.
 bash "$POSENC_ROOT/scripts/fuzz.sh" "$POSENC_ROOT/build-fuzz" 20

@@ -130,6 +130,12 @@ posenc_configure_release() {
   shift
   posenc_configure "$dir" -DCMAKE_BUILD_TYPE=Release -DPOSENC_BUILD_TORCH=ON "-DPOSENC_PYTHON=$POSENC_PYTHON" "$@"
 }
+# The test command's Release build: posenc_configure_release with the compiler cache
+# (posenc_ccache, which the README's `pip wheel .` under it reads) and the tests' own code at -O1.
+posenc_configure_test_release() {
+  posenc_ccache "$1"
+  posenc_configure_release "$1" -DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DPOSENC_TEST_OPTIONS=-O1
+}
 posenc_configure_sanitize() {
   posenc_configure "$1" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -g1 -DNDEBUG" \
     -DPOSENC_HARNESS_OPTIONS=-O0 -DPOSENC_SANITIZE=ON -DPOSENC_BUILD_BENCH=OFF "-DPOSENC_HWY_DISABLED_TARGETS=$POSENC_INSTRUMENTED_DISABLED_TARGETS"

@@ -17,8 +17,7 @@ posenc_stage "Format (.clang-format)"
 bash "$POSENC_ROOT/scripts/format.sh" --check
 
 posenc_stage "Release build (GCC, every Highway target, the PyTorch extension)"
-posenc_ccache "$POSENC_ROOT/build"
-posenc_configure_release "$POSENC_ROOT/build" -DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DPOSENC_TEST_OPTIONS=-O1
+posenc_configure_test_release "$POSENC_ROOT/build"
 posenc_build "$POSENC_ROOT/build"
 
 posenc_stage "Release tests (C++ on every target, the command, installs, README, Python)"

@@ -67,28 +67,64 @@ void rk4_step(const FloaterParams& f, double t, double h, const double* y, doubl
   for (std::size_t d = 0; d < dim; ++d) y_next[d] = y[d] + h / 6 * (k1[d] + 2 * k2[d] + 2 * k3[d] + k4[d]);
 }
 
-// The states at every step: [length·substeps − substeps + 1, dim] (position n at step n·substeps).
-// The table's length times substeps is checked here: the trajectory holds every step's state.
-std::vector<double> trajectory(const char* where, const FloaterParams& f, std::int64_t length) {
+// RK4 steps of (length − 1)·substeps, checked against int64.
+std::int64_t step_count(const char* where, const FloaterParams& f, std::int64_t length) {
+  std::int64_t steps = 0;
+  if (__builtin_mul_overflow(length - 1, f.substeps(), &steps)) {
+    throw Error(
+        where, "params.substeps()", std::to_string(f.substeps()),
+        "a value whose (length − 1) · substeps steps fit in int64 (table length " + std::to_string(length) + ")");
+  }
+  return steps;
+}
+
+// Integrates from `y` (the state at step `first`) over `count` steps, calling at(s, y_s) for every
+// step s in (first, first + count]. Two state buffers: O(dim) memory whatever the length.
+template <class At>
+void integrate(const FloaterParams& f, std::int64_t first, std::int64_t count, std::vector<double>& y, At&& at) {
   const auto dim = static_cast<std::size_t>(f.dim());
-  std::int64_t steps = 0, states_count = 0;
-  if (__builtin_mul_overflow(length - 1, f.substeps(), &steps) ||
-      __builtin_mul_overflow(steps + 1, f.dim(), &states_count)) {
-    throw Error(where, "params.substeps()", std::to_string(f.substeps()),
-                "a value whose (length − 1) · substeps + 1 states of dim " + std::to_string(f.dim()) +
-                    " fit in int64 (table length " + std::to_string(length) + ")");
-  }
-  checked_allocation(states_count, sizeof(double), where, "trajectory values ((length − 1) · substeps + 1) · dim");
-  std::vector<double> states(static_cast<std::size_t>(states_count)), work(5 * dim);
-  std::copy(f.p0().begin(), f.p0().end(), states.begin());
+  std::vector<double> next(dim), work(5 * dim);
   const double h = f.time_per_position() / static_cast<double>(f.substeps());
-  for (std::int64_t s = 0; s < steps; ++s) {
+  for (std::int64_t s = first; s < first + count; ++s) {
     // t from the step index (not by summing h), so that longer tables repeat shorter ones exactly.
-    const double t = static_cast<double>(s) * h;
-    rk4_step(f, t, h, states.data() + static_cast<std::size_t>(s) * dim,
-             states.data() + static_cast<std::size_t>(s + 1) * dim, work);
+    rk4_step(f, static_cast<double>(s) * h, h, y.data(), next.data(), work);
+    y.swap(next);
+    at(s + 1, y.data());
   }
-  return states;
+}
+
+// The spectral norm of a [rows, cols] row-major block (column offset `first`, row stride `stride`)
+// by power iteration on AᵀA from a fixed pseudo-random start: deterministic, and accurate to far
+// better than the stability margin below needs for the small MLPs FLOATER uses.
+double spectral_norm(const std::vector<double>& a, std::int64_t rows, std::int64_t cols, std::int64_t stride,
+                     std::int64_t first) {
+  const auto r = static_cast<std::size_t>(rows), c = static_cast<std::size_t>(cols);
+  std::vector<double> x(c), ax(r);
+  for (std::size_t j = 0; j < c; ++j) x[j] = detail::seeded_normal(0x5eed, j);
+  double sigma = 0;
+  for (int iteration = 0; iteration < 200; ++iteration) {
+    double norm = 0;
+    for (const double v : x) norm += v * v;
+    norm = std::sqrt(norm);
+    if (!(norm > 0)) return sigma;
+    for (auto& v : x) v /= norm;
+    for (std::size_t i = 0; i < r; ++i) {
+      double sum = 0;
+      for (std::size_t j = 0; j < c; ++j) sum += a[i * static_cast<std::size_t>(stride) + first + j] * x[j];
+      ax[i] = sum;
+    }
+    double ax_norm = 0;
+    for (const double v : ax) ax_norm += v * v;
+    const double previous = sigma;
+    sigma = std::sqrt(ax_norm);  // ‖A·x‖ for a unit x: a lower bound that rises to ‖A‖₂
+    for (std::size_t j = 0; j < c; ++j) {
+      double sum = 0;
+      for (std::size_t i = 0; i < r; ++i) sum += a[i * static_cast<std::size_t>(stride) + first + j] * ax[i];
+      x[j] = sum;
+    }
+    if (iteration > 8 && sigma - previous <= 1e-9 * sigma) break;
+  }
+  return sigma;
 }
 
 struct TableGrid {
@@ -131,7 +167,35 @@ FloaterParams::FloaterParams(std::int64_t dim, std::vector<double> w1, std::vect
   if (!std::isfinite(time_per_position) || time_per_position <= 0) {
     throw Error("FloaterParams", "time_per_position", detail::to_text(time_per_position), "a finite number > 0");
   }
-  if (substeps < 1) throw Error("FloaterParams", "substeps", std::to_string(substeps), ">= 1");
+  if (substeps < 1 || substeps > kMaxSubsteps) {
+    // More substeps cannot make the table more accurate: at a stable step (below) RK4's local error
+    // (h·L)^5 is below fp64's rounding long before 2^16 substeps, while rounding grows with each step.
+    throw Error("FloaterParams", "substeps", std::to_string(substeps),
+                "in [1, " + std::to_string(kMaxSubsteps) + "] (past that, steps add rounding, not accuracy)");
+  }
+  // RK4 is stable for h·λ on the negative real axis down to −2.785 (the root of its stability
+  // polynomial 1 + z + z²/2 + z³/6 + z⁴/24 = 1; Butcher, Numerical Methods for ODEs, §238). The
+  // field's Lipschitz constant in p is at most L = ‖W2‖₂·‖W1[:, 1:]‖₂ (tanh' <= 1): a step h with
+  // h·L beyond that limit may amplify rounding step after step, so its table would be the solver's
+  // artefact, not the ODE's trajectory.
+  const double lipschitz = lipschitz_bound();
+  const double h = time_per_position / static_cast<double>(substeps);
+  if (h * lipschitz > kStableStep) {
+    const double needed = std::ceil(time_per_position * lipschitz / kStableStep);
+    throw Error("FloaterParams", "time_per_position / substeps",
+                detail::to_text(time_per_position) + " / " + std::to_string(substeps),
+                "a step h with h · L <= " + detail::to_text(kStableStep) +
+                    " (RK4's stability limit; L = ‖W2‖·‖W1[:, 1:]‖ = " + detail::to_text(lipschitz) +
+                    ", a bound on the field's Lipschitz constant): " +
+                    (needed <= static_cast<double>(kMaxSubsteps)
+                         ? "substeps >= " + detail::to_text(needed)
+                         : "time_per_position <= " + detail::to_text(kStableStep * kMaxSubsteps / lipschitz)));
+  }
+}
+
+double FloaterParams::lipschitz_bound() const {
+  const std::int64_t hidden = this->hidden();
+  return spectral_norm(w2_, dim_, hidden, hidden, 0) * spectral_norm(w1_, hidden, dim_, dim_ + 1, 1);
 }
 
 FloaterParams FloaterParams::init(std::int64_t dim, std::int64_t hidden, std::uint64_t seed, double scale,
@@ -174,13 +238,16 @@ void floater_table(const FloaterParams& params, TensorView out) {
   const TableGrid g = check_table("floater_table", "out", ConstTensorView(out), params.dim());
   detail::check_writable("floater_table", "out", ConstTensorView(out));
   if (g.length == 0) return;
-  const std::vector<double> states = trajectory("floater_table", params, g.length);
-  const std::int64_t dim = params.dim();
-  for (std::int64_t n = 0; n < g.length; ++n) {
-    const double* y = states.data() + n * params.substeps() * dim;
+  const std::int64_t dim = params.dim(), substeps = params.substeps();
+  const auto write_row = [&](std::int64_t n, const double* y) {
     for (std::int64_t d = 0; d < dim; ++d)
       detail::store(out.data(), out.dtype(), n * g.row_stride + d * g.col_stride, y[d]);
-  }
+  };
+  std::vector<double> y = params.p0();
+  write_row(0, y.data());
+  integrate(params, 0, step_count("floater_table", params, g.length), y, [&](std::int64_t s, const double* state) {
+    if (s % substeps == 0) write_row(s / substeps, state);
+  });
 }
 
 void floater_table_backward(const FloaterParams& params, ConstTensorView d_table, FloaterGradients& grads) {
@@ -194,8 +261,36 @@ void floater_table_backward(const FloaterParams& params, ConstTensorView d_table
   detail::check_gradient_size(where, "grads.p0", grads.p0.size(), params.dim());
   if (g.length == 0) return;
   const auto dim = static_cast<std::size_t>(params.dim());
-  const std::vector<double> states = trajectory(where, params, g.length);
-  const std::int64_t substeps = params.substeps(), steps = (g.length - 1) * substeps;
+  const std::int64_t substeps = params.substeps(), steps = step_count(where, params, g.length);
+  // Checkpoints: the state at each position (a table row), and the states of one position's
+  // substeps recomputed from its checkpoint as the reverse pass reaches it — the same operations
+  // as the forward, so the same bits; memory (length + substeps)·dim, not length·substeps·dim.
+  const std::int64_t rows = checked_mul(g.length, params.dim(), "floater_table_backward length · dim");
+  checked_allocation(rows, sizeof(double), where, "checkpoint values (length · dim)");
+  checked_allocation(checked_mul(substeps, params.dim(), "floater_table_backward substeps · dim"), sizeof(double),
+                     where, "one position's substep values (substeps · dim)");
+  std::vector<double> checkpoints(static_cast<std::size_t>(rows)), segment(static_cast<std::size_t>(substeps) * dim);
+  {
+    std::vector<double> y = params.p0();
+    std::copy(y.begin(), y.end(), checkpoints.begin());
+    integrate(params, 0, steps, y, [&](std::int64_t s, const double* state) {
+      if (s % substeps == 0) std::copy(state, state + dim, checkpoints.begin() + (s / substeps) * params.dim());
+    });
+  }
+  std::int64_t segment_first = -1;  // the step whose state is segment's first row
+  const auto state_at = [&](std::int64_t s) -> const double* {
+    const std::int64_t first = s / substeps * substeps;
+    if (first != segment_first) {
+      std::vector<double> y(checkpoints.begin() + first / substeps * params.dim(),
+                            checkpoints.begin() + (first / substeps + 1) * params.dim());
+      std::copy(y.begin(), y.end(), segment.begin());
+      integrate(params, first, substeps - 1, y, [&](std::int64_t step, const double* state) {
+        std::copy(state, state + dim, segment.begin() + static_cast<std::ptrdiff_t>((step - first) * params.dim()));
+      });
+      segment_first = first;
+    }
+    return segment.data() + (s - first) * params.dim();
+  };
   const double h = params.time_per_position() / static_cast<double>(substeps);
   std::vector<double> y_bar(dim, 0.0), work(5 * dim), z(static_cast<std::size_t>(params.hidden()));
   std::vector<double> k_bar(4 * dim), u(dim), u_bar(dim);
@@ -209,7 +304,7 @@ void floater_table_backward(const FloaterParams& params, ConstTensorView d_table
   for (std::int64_t s = steps - 1; s >= 0; --s) {
     // Reverse RK4 step s: y_{s+1} = y_s + h/6·(k1 + 2k2 + 2k3 + k4).
     const double t = static_cast<double>(s) * h;
-    const double* y = states.data() + static_cast<std::size_t>(s) * dim;
+    const double* y = state_at(s);
     rk4_step(params, t, h, y, u.data(), work);  // refreshes k1 … k4 in work (u is scratch here)
     const double* k1 = work.data();
     const double* k2 = k1 + dim;

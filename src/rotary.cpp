@@ -619,10 +619,11 @@ void rope_rerotate(const RopeParams& from, const Positions& from_positions, std:
                 "from's, " + std::to_string(from.rotary_offset()));
   }
   if (from.head_dim() != to.head_dim() || from.rotary_dim() != to.rotary_dim() || from.layout() != to.layout()) {
-    throw Error(where, "to",
-                "head_dim " + std::to_string(to.head_dim()) + ", rotary_dim " + std::to_string(to.rotary_dim()),
-                "the head_dim (" + std::to_string(from.head_dim()) + "), rotary_dim (" +
-                    std::to_string(from.rotary_dim()) + ") and layout of from");
+    const auto describe = [](const RopeParams& p) {
+      return "head_dim " + std::to_string(p.head_dim()) + ", rotary_dim " + std::to_string(p.rotary_dim()) +
+             ", layout " + (p.layout() == RopeLayout::kInterleaved ? "interleaved" : "half-split");
+    };
+    throw Error(where, "to", describe(to), "from's " + describe(from) + " (a re-rotation keeps the keys' layout)");
   }
   // Both position sets must fit the keys' token grid: checked as two "q" views of one grid.
   const detail::RopeGrids g = detail::check_rope(to, to_positions, k, {}, k_out, {});

@@ -101,7 +101,7 @@ TEST(AllocationLimit, RefusesWhatWouldNotFitByName) {
   expect_error([] { alibi_slopes(1000); }, {"alibi_slopes", "heads = 1000", "at most 512"});
   set_allocation_limit(limit);
   expect_error([] { set_allocation_limit(0); }, {"set_allocation_limit", "bytes = 0", "1 to 2^62"});
-  // Products that could wrap: (2k + 1) Shaw rows, FLOATER's length · substeps states,
+  // Products that could wrap: (2k + 1) Shaw rows, FLOATER's substeps,
   // T5's buckets · heads, and the head count of ALiBi's power-of-two loop.
   expect_error([] { ShawParams(std::int64_t{1} << 62, 1); }, {"ShawParams", "max_distance = 4611686018427387904"});
   expect_error([] { ShawParams(std::int64_t{1} << 40, 64); }, {"ShawParams", "allocation limit"});
@@ -109,11 +109,13 @@ TEST(AllocationLimit, RefusesWhatWouldNotFitByName) {
                {"T5BiasParams", "num_buckets"});
   expect_error([] { alibi_slopes(std::int64_t{1} << 62); }, {"alibi_slopes", "heads = 4611686018427387904"});
   const FloaterParams floater = FloaterParams::init(4, 8, 1);
-  std::vector<float> table(3 * 4);
   for (const std::int64_t substeps : {std::int64_t{1} << 62, std::int64_t{1} << 45}) {
-    const FloaterParams huge(4, floater.w1(), floater.b1(), floater.w2(), floater.b2(), floater.p0(),
-                             floater.time_per_position(), substeps);
-    expect_error([&] { floater_table(huge, TensorView::of(table.data(), {3, 4})); }, {"floater_table"});
+    expect_error(
+        [&] {
+          FloaterParams(4, floater.w1(), floater.b1(), floater.w2(), floater.b2(), floater.p0(),
+                        floater.time_per_position(), substeps);
+        },
+        {"FloaterParams: substeps = " + std::to_string(substeps), "in [1, 65536]"});
   }
 }
 

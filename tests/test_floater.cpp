@@ -94,6 +94,63 @@ TEST(Floater, GradientsMatchFiniteDifferences) {
   }
 }
 
+// The forward keeps two states, not the trajectory: a table of 3 rows at the most substeps runs
+// under an allocation limit that the 2^17 states of the whole trajectory would exceed, and the
+// backward (checkpoints per position, one position's substeps recomputed) gives the gradients of
+// a plain step-by-step reverse pass: here against finite differences at many substeps.
+TEST(Floater, ManySubstepsNeedNoTrajectory) {
+  const std::size_t limit = allocation_limit();
+  const FloaterParams p = FloaterParams::init(3, 4, 7, 1.0, 0.5, FloaterParams::kMaxSubsteps);
+  set_allocation_limit(std::size_t{1} << 20);  // below 2 · 2^16 states · 3 · 8 bytes = 3 MiB
+  std::vector<double> table;
+  EXPECT_NO_THROW(table = table_of(p, 3));
+  set_allocation_limit(limit);
+  // At this many substeps the table is the ODE's trajectory to rounding: 4 substeps agree with it
+  // to RK4's error at h = 0.125 (fourth order), far below the rows' spread.
+  const FloaterParams few(3, p.w1(), p.b1(), p.w2(), p.b2(), p.p0(), 0.5, 4);
+  const std::vector<double> coarse = table_of(few, 3);
+  for (std::size_t e = 0; e < table.size(); ++e) EXPECT_NEAR(table[e], coarse[e], 1e-4) << e;
+
+  const FloaterParams q(3, p.w1(), p.b1(), p.w2(), p.b2(), p.p0(), 0.5, 40);
+  std::vector<double> w(3 * 5);
+  for (auto& v : w) v = uniform(-1, 1);
+  FloaterGradients g(q);
+  floater_table_backward(q, ConstTensorView::of(w.data(), {5, 3}), g);
+  const double step = 1e-5;
+  for (std::size_t e = 0; e < q.w1().size(); e += 3) {
+    auto loss = [&](double delta) {
+      std::vector<double> w1 = q.w1();
+      w1[e] += delta;
+      const std::vector<double> t = table_of(FloaterParams(3, w1, q.b1(), q.w2(), q.b2(), q.p0(), 0.5, 40), 5);
+      double sum = 0;
+      for (std::size_t i = 0; i < t.size(); ++i) sum += w[i] * t[i];
+      return sum;
+    };
+    const double fd = (loss(step) - loss(-step)) / (2 * step);
+    EXPECT_NEAR(g.w1[e], fd, 1e-6 * (1 + std::fabs(fd))) << e;
+  }
+}
+
+// A step past RK4's stability limit for the field is refused, saying what would do: a table of
+// rows near 1e30 from Δ = 1e30 is the solver's artefact, not an encoding.
+TEST(Floater, RefusesUnstableSteps) {
+  const FloaterParams p = FloaterParams::init(4, 8, 3);
+  const double lipschitz = p.lipschitz_bound();
+  EXPECT_GT(lipschitz, 0.5);
+  EXPECT_LT(lipschitz, 20.0);
+  expect_error([] { FloaterParams::init(4, 8, 3, 1.0, 1e30); },
+               {"FloaterParams: time_per_position / substeps = 1e+30 / 1", "h · L <= 2.785", "time_per_position <= "});
+  // Δ = 2·2.785/L needs 2 substeps, and 2 are accepted.
+  const double delta = 1.9 * FloaterParams::kStableStep / lipschitz;
+  expect_error([&] { FloaterParams::init(4, 8, 3, 1.0, delta, 1); }, {"substeps >= 2"});
+  EXPECT_NO_THROW(FloaterParams::init(4, 8, 3, 1.0, delta, 2));
+  // The bound is the product of the two spectral norms: a diagonal W1 and W2 give it exactly.
+  const FloaterParams diagonal(2, {0.0, 3.0, 0.0, 0.0, 0.0, 0.5}, {0.0, 0.0}, {2.0, 0.0, 0.0, 1.0}, {0.0, 0.0},
+                               {1.0, 1.0}, 0.1, 1);
+  EXPECT_NEAR(diagonal.lipschitz_bound(), 6.0, 1e-9);
+  expect_error([] { FloaterParams::init(2, 3, 0, 1.0, 0.1, 10000000); }, {"substeps = 10000000", "[1, 65536]"});
+}
+
 TEST(Floater, RejectsBadArguments) {
   expect_error(
       [] {
@@ -101,7 +158,7 @@ TEST(Floater, RejectsBadArguments) {
       },
       {"FloaterParams: w1.size() = 1", "hidden·(dim + 1) = 3"});
   expect_error([] { FloaterParams::init(2, 3, 0, 1.0, 0.0); }, {"time_per_position = 0", "> 0"});
-  expect_error([] { FloaterParams::init(2, 3, 0, 1.0, 0.1, 0); }, {"substeps = 0", ">= 1"});
+  expect_error([] { FloaterParams::init(2, 3, 0, 1.0, 0.1, 0); }, {"substeps = 0", "in [1, 65536]"});
   const FloaterParams p = FloaterParams::init(3, 2);
   std::vector<double> t(10);
   expect_error(

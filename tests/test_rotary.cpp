@@ -949,7 +949,8 @@ TEST_P(EveryTarget, RopeRerotationMatchesRotatingFromScratch) {
         rope_rerotate(plain, Positions::range(4), 0, RopeParams(d, 32), Positions::range(4), 0,
                       ConstTensorView::of(k.data(), {4, 1, 64}), TensorView::of(k.data(), {4, 1, 64}));
       },
-      {"rope_rerotate", "rotary_dim 32", "the head_dim (64), rotary_dim (64) and layout of from"});
+      {"rope_rerotate: to = head_dim 64, rotary_dim 32, layout half-split",
+       "expected from's head_dim 64, rotary_dim 64, layout interleaved"});
 }
 
 TEST(Rope, RejectsBadArguments) {

@@ -15,13 +15,16 @@
 // its own θ); here a table is computed per θ and added like a learned table.
 //
 // The backward differentiates the discrete solver exactly (reverse mode through every RK4 stage,
-// states kept from the forward pass), so gradients match finite differences of floater_table to
-// rounding; it accumulates (+=) into FloaterGradients. Everything runs in fp64, sequentially
-// along the trajectory (the recurrence has no parallelism across positions); the result is the
-// same for any thread count and is its own fp64 reference.
+// each position's substeps recomputed from its state), so gradients match finite differences of
+// floater_table to rounding; it accumulates (+=) into FloaterGradients. The forward holds two
+// states (O(dim) memory), the backward (length + substeps)·dim values. Everything runs in fp64,
+// sequentially along the trajectory (the recurrence has no parallelism across positions); the
+// result is the same for any thread count and is its own fp64 reference.
 //
 // Errors: posenc::Error naming the parameter for sizes that do not match, non-finite values,
-// time_per_position <= 0, substeps < 1, and tables whose width is not dim.
+// time_per_position <= 0, substeps outside [1, 2^16], a step h = time_per_position / substeps
+// with h·L > 2.785 (RK4's stability limit, L = ‖W2‖₂·‖W1[:, 1:]‖₂ bounding the field's Lipschitz
+// constant; the message says how many substeps would do), and tables whose width is not dim.
 #pragma once
 
 #include <cstdint>
@@ -49,6 +52,11 @@ class FloaterParams {
   const std::vector<double>& p0() const { return p0_; }
   double time_per_position() const { return time_per_position_; }
   std::int64_t substeps() const { return substeps_; }
+  // ‖W2‖₂·‖W1[:, 1:]‖₂ (power iteration): a bound on the field's Lipschitz constant in p.
+  double lipschitz_bound() const;
+
+  static constexpr std::int64_t kMaxSubsteps = std::int64_t{1} << 16;
+  static constexpr double kStableStep = 2.785;  // RK4's real stability interval is [−2.785, 0]
 
   // dp = h_θ(t, p), dim values each.
   void dynamics(double t, const double* p, double* dp) const;

@@ -364,6 +364,19 @@ class SinusoidalPositionalEncoding(torch.nn.Module):
                                                 "interleaved": bool(self.interleaved)}), _EMPTY
 
 
+def _non_finite_key(value, path=""):
+    """The path (``['rope_scaling']['factor']``) and value of the first non-finite float in a
+    config's dicts and lists, or None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path, value
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+    for key, item in items:
+        found = _non_finite_key(item, f"{path}[{key!r}]")
+        if found is not None:
+            return found
+    return None
+
+
 class RotaryPositionalEncoding(torch.nn.Module):
     """RoPE for q and k [B, S, H, D], with every layout and Hugging Face scaling of posenc."""
 
@@ -373,6 +386,17 @@ class RotaryPositionalEncoding(torch.nn.Module):
         self.head_dim, self.rotary_dim, self.base, self.layout = head_dim, rotary_dim or head_dim, base, layout
         self.scaling, self.max_position_embeddings = dict(scaling or {}), max_position_embeddings
         self.xpos, self.rotary_offset = xpos, rotary_offset
+
+    def extra_repr(self):
+        # What a message about a mismatch (KVCache.set_rope) needs to show: every argument that is set.
+        text = f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, base={self.base}, layout={self.layout!r}"
+        if self.scaling:
+            text += f", scaling={self.scaling!r}, max_position_embeddings={self.max_position_embeddings}"
+        if self.xpos is not None:
+            text += f", xpos={self.xpos!r}"
+        if self.rotary_offset:
+            text += f", rotary_offset={self.rotary_offset}"
+        return text
 
     @classmethod
     def from_hf_config(cls, config, layer=None):
@@ -390,9 +414,12 @@ class RotaryPositionalEncoding(torch.nn.Module):
             raise TypeError(f"from_hf_config: config is {type(config).__name__}; expected a dict or a path")
         if layer is not None and (not isinstance(layer, int) or isinstance(layer, bool)):
             raise TypeError(f"from_hf_config: layer is {type(layer).__name__}; expected an int or None")
+        bad = _non_finite_key(config)
+        if bad is not None:
+            raise ValueError(f"from_hf_config: config{bad[0]} = {bad[1]!r}; expected a finite number")
         try:
             text = json.dumps(config, allow_nan=False)
-        except ValueError as e:
+        except (TypeError, ValueError) as e:
             raise ValueError(f"from_hf_config: config holds a value JSON cannot carry ({e})") from None
         p = json.loads(_ops.rope_config(text, layer))
         module = cls(p["head_dim"], p["rotary_dim"], p["base"], "half-split", p["scaling"],
@@ -544,6 +571,8 @@ class FLOATER(torch.nn.Module):
         self.b2 = torch.nn.Parameter(torch.zeros(dim))
         self.p0 = torch.nn.Parameter(torch.randn(dim))
         self.time_per_position, self.substeps = time_per_position, substeps
+        with torch.no_grad():
+            self.table(1)  # the library checks Δ, substeps and the step's stability now, not at the first call
 
     def table(self, length):
         return floater_table(self.w1, self.b1, self.w2, self.b2, self.p0, length, self.time_per_position, self.substeps)
@@ -652,7 +681,7 @@ def _qkv_layout(where, q, k, v, layout, cu_seqlens):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{where}: {name} is {type(t).__name__}; expected a torch.Tensor")
-    cu_q, cu_k = _cu_seqlens(cu_seqlens)
+    cu_q, cu_k = _cu_seqlens(cu_seqlens, where)
     if q.dim() != (3 if cu_q else 4):
         raise ValueError(f"{where}: q has {q.dim()} dimensions; expected " +
                          ("3 ([Tq, H, D] with cu_seqlens)" if cu_q else "4 ([B, Sq, H, D] or with layout='bhsd')"))
@@ -850,7 +879,8 @@ def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size
     attention-sink logits (gpt-oss): each joins its head's softmax denominator with no value,
     differentiable. ``cu_seqlens``: packed sequences — q ``[Tq, H, D]``, k and v ``[Tk, G, D]``
     hold sequences one after another, the cumulative lengths ``[0, l1, l1 + l2, …, T]`` (an int64
-    tensor or a list; a pair ``(cu_q, cu_k)`` when queries and keys differ); each sequence attends
+    tensor, a list or a tuple of ints; a pair ``(cu_q, cu_k)`` of two such sequences when queries
+    and keys differ; given, it holds at least ``[0, T]``); each sequence attends
     within itself, its positions restart at 0, and the lse is ``[H, Tq]``."""
     if isinstance(scheme, CoPE):
         _cope_alone(causal, window, chunk_size, temperature, softcap, q_positions, k_positions, keys_rotated, sinks)
@@ -895,23 +925,37 @@ def _unset(value, unset):
     return value == unset
 
 
-def _cu_seqlens(cu_seqlens):
-    """cu_seqlens as the op's (cu_q, cu_k) lists of ints ([] and []: not packed)."""
+def _cu_seqlens(cu_seqlens, where="attention"):
+    """cu_seqlens as the op's (cu_q, cu_k) lists of ints ([] and []: not packed). One sequence (a
+    1-D integer tensor, or a list or tuple of ints) serves queries and keys; a pair ``(cu_q, cu_k)``
+    is a tuple of two sequences. Given, each holds at least [0, T]: an empty one is not "unset"."""
     if cu_seqlens is None:
         return [], []
-    pair = cu_seqlens if isinstance(cu_seqlens, tuple) else (cu_seqlens, cu_seqlens)
-    if len(pair) != 2:
-        raise TypeError(f"attention: cu_seqlens is a tuple of {len(pair)}; expected one sequence or a pair (cu_q, cu_k)")
+
+    def is_sequence(x):
+        return isinstance(x, (torch.Tensor, list, tuple))
+
+    if isinstance(cu_seqlens, tuple) and cu_seqlens and all(is_sequence(x) for x in cu_seqlens):
+        if len(cu_seqlens) != 2:
+            raise TypeError(f"{where}: cu_seqlens is a tuple of {len(cu_seqlens)} sequences; expected one sequence "
+                            "of ints or a pair (cu_q, cu_k)")
+        pair = cu_seqlens
+    else:
+        pair = (cu_seqlens, cu_seqlens)
     lists = []
-    for name, cu in zip(("cu_seqlens_q", "cu_seqlens_k"), pair):
+    for name, cu in zip(("cu_seqlens_q", "cu_seqlens_k") if pair[0] is not pair[1] else ("cu_seqlens",) * 2, pair):
         if isinstance(cu, torch.Tensor):
             if cu.dtype not in (torch.int32, torch.int64) or cu.dim() != 1:
-                raise TypeError(f"attention: {name} is a {cu.dtype} tensor of shape {tuple(cu.shape)}; expected a 1-D "
+                raise TypeError(f"{where}: {name} is a {cu.dtype} tensor of shape {tuple(cu.shape)}; expected a 1-D "
                                 "integer tensor")
             cu = cu.tolist()
         if not isinstance(cu, (list, tuple)):
-            raise TypeError(f"attention: {name} is {type(cu).__name__}; expected a 1-D integer tensor or a list")
-        lists.append([_int("attention", f"{name}[{i}]", x) for i, x in enumerate(cu)])
+            raise TypeError(f"{where}: {name} is {type(cu).__name__}; expected a 1-D integer tensor, a list or a "
+                            "tuple of ints")
+        if len(cu) < 2:
+            raise ValueError(f"{where}: {name} has {len(cu)} entries; expected at least 2 ([0, ..., T], the "
+                             "cumulative sequence lengths), or cu_seqlens=None for unpacked [B, S, H, D] tensors")
+        lists.append([_int(where, f"{name}[{i}]", x) for i, x in enumerate(cu)])
     return lists[0], lists[1]
 
 

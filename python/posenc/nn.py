@@ -181,9 +181,19 @@ class KVCache:
     def set_rope(self, rope):
         """Switches to another RoPE (a new scaling, e.g. LongRoPE's long factors chosen by hand):
         a rotated cache re-rotates its keys from the old one to it."""
-        if not isinstance(rope, RotaryPositionalEncoding) or rope.head_dim != self.head_dim:
-            raise ValueError(f"KVCache.set_rope: rope = {rope!r}; expected a RotaryPositionalEncoding with head_dim "
-                             f"= {self.head_dim}")
+        if not isinstance(rope, RotaryPositionalEncoding):
+            raise TypeError(f"KVCache.set_rope: rope is {type(rope).__name__}; expected a RotaryPositionalEncoding")
+        if rope.head_dim != self.head_dim:
+            raise ValueError(f"KVCache.set_rope: rope.head_dim = {rope.head_dim}; expected the cache's head_dim = "
+                             f"{self.head_dim}")
+        if self.rotated:
+            # The stored keys move from the old rotation to the new one in place: same pairs, same dims.
+            for name in ("rotary_dim", "layout", "rotary_offset"):
+                new, old = getattr(rope, name), getattr(self.rope, name)
+                if new != old:
+                    raise ValueError(f"KVCache.set_rope: rope.{name} = {new!r}; expected the cache's rope.{name} = "
+                                     f"{old!r} (a cache of rotated keys re-rotates them in place; a cache with "
+                                     "rotated=False takes any RoPE)")
         if self.rotated and self.length:
             seq_len = int(self.positions.max()) + 1
             self._rerotate(self.rope, self._seq_len, self.positions, rope, seq_len, self.positions, self.length)

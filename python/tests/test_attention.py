@@ -431,3 +431,38 @@ def test_mla_values_narrower_than_keys():
     assert torch.allclose(g_fused, g_ref, atol=1e-11, rtol=0)
     with pytest.raises(ValueError, match="head_dim of 1 to k's"):
         posenc.attention(q1[..., :32], cache[..., :32], cache, causal=True)
+
+
+@pytest.mark.parametrize("scheme, options", [(None, {}), ("rope", {"causal": True}), ("alibi", {"causal": True}),
+                                             (posenc.T5RelativeBias(4), {})])
+def test_an_empty_batch_gives_empty_outputs_like_sdpa(scheme, options):
+    q = torch.randn(0, 5, 4, 8, requires_grad=True)
+    k, v = torch.randn(0, 7, 2, 8, requires_grad=True), torch.randn(0, 7, 2, 8, requires_grad=True)
+    out, lse = posenc.attention(q, k, v, scheme, return_lse=True, **options)
+    assert out.shape == (0, 5, 4, 8) and lse.shape == (0, 4, 5)
+    out.sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q.detach().transpose(1, 2), q.detach().transpose(1, 2),
+                                                            q.detach().transpose(1, 2))
+    assert sdpa.transpose(1, 2).shape == out.shape
+
+
+def test_multipliers_past_f32_are_refused_for_f32_math():
+    # f32 math rounds the scale and each query's temperature factor to f32: past FLT_MAX every score
+    # of the row would be ±inf and the row NaN. fp64 inputs take them (and give finite rows).
+    torch.manual_seed(11)
+    q, k, v = (torch.randn(1, 40, 2, 8, dtype=torch.float64) for _ in range(3))
+    huge = posenc.PositionTemperature(kind="llama4", floor_scale=1, attn_scale=1e38)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        with pytest.raises(ValueError, match=r"temperature = 3\.7.*e\+38 at query position 39; expected a factor "
+                                             r"s\(p\) with s\(p\) and s\(p\) · scale"):
+            posenc.attention(q.to(dtype), k.to(dtype), v.to(dtype), temperature=huge, causal=True)
+        with pytest.raises(ValueError, match=r"scale = 1e\+39; expected at most 3\.40282"):
+            posenc.attention(q.to(dtype), k.to(dtype), v.to(dtype), scale=1e39, causal=True)
+    assert torch.isfinite(posenc.attention(q, k, v, temperature=huge, causal=True)).all()
+    assert torch.isfinite(posenc.attention(q, k, v, scale=1e39, causal=True)).all()
+    # Below the limit the f32 call runs (factors up to 3.7e37 times 1/sqrt(8)).
+    fine = posenc.PositionTemperature(kind="llama4", floor_scale=1, attn_scale=1e37)
+    assert torch.isfinite(posenc.attention(q.float(), k.float(), v.float(), temperature=fine, causal=True)).all()
+    with pytest.raises(ValueError, match="attn_scale = -1; expected a finite number >= 0"):
+        posenc.PositionTemperature(kind="llama4", floor_scale=1, attn_scale=-1)

@@ -181,3 +181,22 @@ def test_the_tiny_model_example_trains_and_generates_with_the_cache():
 def test_bad_input_is_refused_by_name(make, error, message):
     with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
         make()
+
+
+def test_set_rope_says_what_differs():
+    cache = KVCache(1, 2, 16, rope=posenc.RotaryPositionalEncoding(16))
+    cache.append(torch.randn(1, 3, 2, 16), torch.randn(1, 3, 2, 16))
+    with pytest.raises(ValueError, match=r"rope.head_dim = 8; expected the cache's head_dim = 16"):
+        cache.set_rope(posenc.RotaryPositionalEncoding(8))
+    with pytest.raises(ValueError, match=r"rope.layout = 'interleaved'; expected the cache's rope.layout = "
+                                         r"'half-split'"):
+        cache.set_rope(posenc.RotaryPositionalEncoding(16, layout="interleaved"))
+    with pytest.raises(ValueError, match=r"rope.rotary_dim = 8; expected the cache's rope.rotary_dim = 16"):
+        cache.set_rope(posenc.RotaryPositionalEncoding(16, rotary_dim=8))
+    with pytest.raises(TypeError, match="rope is ALiBi; expected a RotaryPositionalEncoding"):
+        cache.set_rope(posenc.ALiBi(2))
+    # A cache of unrotated keys takes any layout; the module's repr names its arguments.
+    plain = KVCache(1, 2, 16, rope=posenc.RotaryPositionalEncoding(16), rotated=False)
+    plain.set_rope(posenc.RotaryPositionalEncoding(16, layout="interleaved"))
+    assert repr(plain.rope) == ("RotaryPositionalEncoding(head_dim=16, rotary_dim=16, base=10000.0, "
+                                "layout='interleaved')")

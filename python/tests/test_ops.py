@@ -4,8 +4,10 @@ float64, torch.autograd.gradcheck on every differentiable op, and the error cont
 Run: PYTHONPATH=build/python ~/.cache/posenc/venv-torch-2.15.0/bin/python -m pytest -q python/tests
 """
 import copy as copy_module
+import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -159,8 +161,41 @@ def test_rope_from_hf_config_per_layer_and_proportional():
         posenc.RotaryPositionalEncoding.from_hf_config(path, layer=35)
     with pytest.raises(TypeError, match="layer is str"):
         posenc.RotaryPositionalEncoding.from_hf_config(path, layer="4")
-    with pytest.raises(ValueError, match="JSON cannot carry"):
+    with pytest.raises(ValueError, match=r"config\['rope_theta'\] = nan; expected a finite number"):
         posenc.RotaryPositionalEncoding.from_hf_config({"head_dim": 64, "rope_theta": float("nan")})
+
+
+def test_hf_config_errors_name_the_key_and_the_layer():
+    from_hf = posenc.RotaryPositionalEncoding.from_hf_config
+    longrope = {"head_dim": 4, "rope_theta": 1e4, "max_position_embeddings": 64,
+                "rope_scaling": {"rope_type": "longrope", "original_max_position_embeddings": 16,
+                                 "short_factor": [1.0, 1.0], "long_factor": [2.0, 2.0]}}
+    for path, key in ((("rope_scaling", "factor"), "['rope_scaling']['factor']"),
+                      (("rope_scaling", "short_factor", 1), "['rope_scaling']['short_factor'][1]"),
+                      (("text_config", "rope_theta"), "['text_config']['rope_theta']")):
+        config = json.loads(json.dumps(longrope))
+        node = config
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = float("inf") if len(path) == 3 else float("nan")
+        with pytest.raises(ValueError, match=re.escape(f"config{key} = ")):
+            from_hf(config)
+    # layer: >= 0 always, and below num_hidden_layers where the config has it (also a text_config's).
+    flat = {"head_dim": 64, "rope_theta": 1e4}
+    with pytest.raises(ValueError, match="layer = -1; expected >= 0"):
+        from_hf(flat, layer=-1)
+    assert from_hf(flat, layer=2**40).base == 1e4  # no layer count to check it against
+    for config in (dict(flat, num_hidden_layers=4), {"text_config": dict(flat, num_hidden_layers=4)}):
+        with pytest.raises(ValueError, match=r"layer = 1099511627776; expected in \[0, 4\)"):
+            from_hf(config, layer=2**40)
+        assert from_hf(config, layer=3).base == 1e4
+
+
+def test_floater_refuses_unstable_steps_and_needless_substeps():
+    with pytest.raises(ValueError, match=r"time_per_position / substeps = 1e\+30 / 1; expected a step h with h · L"):
+        posenc.FLOATER(dim=8, hidden=4, time_per_position=1e30)
+    with pytest.raises(ValueError, match=r"substeps = 10000000; expected in \[1, 65536\]"):
+        posenc.FLOATER(dim=8, hidden=4, substeps=10_000_000)
 
 
 def test_rope_reads_legacy_rope_type_names():
@@ -373,6 +408,7 @@ def test_rope_multi_interleaved_follows_qwen3_vl():
     # transformers' apply_interleaved_mrope (Qwen3-VL): the time axis' frequencies, overwritten at
     # slice(1, 3 * 20, 3) by height's and slice(2, 3 * 20, 3) by width's; sections [24, 20, 20].
     sections, d = [24, 20, 20], 128
+    torch.manual_seed(31)
     positions = torch.randint(0, 3000, (3, 7))
     inv_freq = 1.0 / 5e6 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
     freqs = positions[:, :, None].double() * inv_freq  # [3, S, 64]
@@ -383,7 +419,8 @@ def test_rope_multi_interleaved_follows_qwen3_vl():
     q = torch.randn(1, 7, 2, d, dtype=torch.float64)
     want = q * emb.cos() + torch.cat((-q[..., 64:], q[..., :64]), dim=-1) * emb.sin()
     got, _ = posenc.rope_multi(q, None, positions, sections, interleave_axes=True, base=5e6)
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    # The eager angles p·θ (|p·θ| < 3000) carry up to 3000·2^-53 of rounding each, times |q| <= ~5.
+    torch.testing.assert_close(got, want, rtol=0, atol=3e-12)
     axis = [1 if i % 3 == 1 and i < 60 else 2 if i % 3 == 2 and i < 60 else 0 for i in range(64)]
     assert torch.equal(posenc.rope_multi(q, None, positions, axis_of_pair=axis, base=5e6)[0], got)
     assert torch.autograd.gradcheck(

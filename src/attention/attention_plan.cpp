@@ -110,6 +110,7 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), 
   plan_sequences();
   const PositionRange range = plan_positions();
   position_range = range;
+  check_f32_multipliers(range);
   const std::vector<HeadGroup> groups = plan_head_groups();
   plan_transform_tables(groups, range);
   const float lowest_table_bias = plan_bias_tables(groups, range);
@@ -167,6 +168,26 @@ void AttentionPlan::check_views() {
   zero_copy = dtype == DType::kF32 && kg.dim_stride == 1 && vg.dim_stride == 1 && dim == dim_padded && dim_v == dim;
 }
 
+// f32 math (f32, bf16 and f16 inputs) multiplies the scores by the scale and each query row by its
+// temperature factor, both rounded to f32: a factor past FLT_MAX would turn every score of its row
+// into ±inf and the row into NaN. The largest factor is at the largest query position (s(p) does
+// not decrease). fp64 inputs take any finite value.
+void AttentionPlan::check_f32_multipliers(const PositionRange& range) const {
+  if (dtype == DType::kF64) return;
+  constexpr double kLargest = std::numeric_limits<float>::max();
+  require(scale_f64 <= kLargest, "scale", to_text(scale_f64),
+          "at most " + to_text(kLargest) + " (f32's largest: " + std::string(dtype_name(dtype)) +
+              " inputs are computed in f32)");
+  if (!spec.temperature) return;
+  const double factor = spec.temperature->factor(range.q_max);
+  if (!(factor <= kLargest && factor * scale_f64 <= kLargest)) {
+    throw Error(kWhere, "temperature", to_text(factor) + " at query position " + std::to_string(range.q_max),
+                "a factor s(p) with s(p) and s(p) · scale (" + to_text(scale_f64) + ") at most " + to_text(kLargest) +
+                    " (f32's largest: " + std::string(dtype_name(dtype)) +
+                    " inputs are computed in f32; a smaller attn_scale or beta)");
+  }
+}
+
 // The mask's fields (attention.hpp: Masks).
 void AttentionPlan::check_mask() {
   require(mask.window_left >= -1, "mask.window_left", std::to_string(mask.window_left), ">= -1 (-1: unlimited)");
@@ -221,24 +242,27 @@ void AttentionPlan::plan_sequences() {
 
 // The tokens' positions (explicit, or the defaults of attention.hpp) and their range.
 AttentionPlan::PositionRange AttentionPlan::plan_positions() {
+  // Rows of default ids: one for packed sequences, else one per batch row — and one for a batch of
+  // 0 (no sequences read them; the call returns its empty outputs, as torch's SDPA does).
+  const std::int64_t id_rows = packed ? 1 : std::max<std::int64_t>(batch, 1);
   if (spec.q_positions) {
     spec.q_positions->check_grid(kWhere, packed ? 1 : batch, q_len);
     q_positions = spec.q_positions;
   } else {
-    default_q_ids.resize(static_cast<std::size_t>((packed ? 1 : batch) * q_len));
+    default_q_ids.resize(static_cast<std::size_t>(id_rows * q_len));
     for (const Sequence& seq : sequences) {
       const std::int64_t offset = std::max<std::int64_t>(0, seq.lk - seq.lq);
       for (std::int64_t i = 0; i < seq.lq; ++i) {
         default_q_ids[static_cast<std::size_t>(seq.b * q_len + seq.q0 + i)] = offset + i;
       }
     }
-    q_positions = Positions::ids(default_q_ids, packed ? 1 : batch, q_len);
+    q_positions = Positions::ids(default_q_ids, id_rows, q_len);
   }
   if (spec.k_positions) {
     spec.k_positions->check_grid(kWhere, packed ? 1 : batch, k_len);
     k_positions = spec.k_positions;
   } else {
-    default_k_ids.resize(static_cast<std::size_t>((packed ? 1 : batch) * k_len));
+    default_k_ids.resize(static_cast<std::size_t>(id_rows * k_len));
     if (packed) {
       for (const Sequence& seq : sequences) {
         for (std::int64_t j = 0; j < seq.lk; ++j) default_k_ids[static_cast<std::size_t>(seq.k0 + j)] = j;
@@ -248,7 +272,7 @@ AttentionPlan::PositionRange AttentionPlan::plan_positions() {
         for (std::int64_t j = 0; j < k_len; ++j) default_k_ids[static_cast<std::size_t>(b * k_len + j)] = j;
       }
     }
-    k_positions = Positions::ids(default_k_ids, packed ? 1 : batch, k_len);
+    k_positions = Positions::ids(default_k_ids, id_rows, k_len);
   }
   PositionRange r{std::numeric_limits<std::int64_t>::max(), 0, std::numeric_limits<std::int64_t>::max(), 0};
   std::int64_t &q_min = r.q_min, &q_max = r.q_max, &k_min = r.k_min, &k_max = r.k_max;

@@ -135,6 +135,7 @@ struct AttentionPlan {
   void check_views();
   void check_mask();
   void plan_sequences();
+  void check_f32_multipliers(const PositionRange& range) const;
   PositionRange plan_positions();
   std::vector<HeadGroup> plan_head_groups();
   void plan_transform_tables(const std::vector<HeadGroup>& groups, const PositionRange& range);

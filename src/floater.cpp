@@ -99,6 +99,17 @@ void integrate(const FloaterParams& f, std::int64_t first, std::int64_t count, s
 double spectral_norm(const std::vector<double>& a, std::int64_t rows, std::int64_t cols, std::int64_t stride,
                      std::int64_t first) {
   const auto r = static_cast<std::size_t>(rows), c = static_cast<std::size_t>(cols);
+  // Iterate on A / max|a| (finite entries, checked by the constructor), so that no square
+  // overflows whatever the weights' size; the norm is scaled back at the end.
+  double largest = 0;
+  for (std::size_t i = 0; i < r; ++i) {
+    for (std::size_t j = 0; j < c; ++j)
+      largest = std::max(largest, std::fabs(a[i * static_cast<std::size_t>(stride) + first + j]));
+  }
+  if (largest == 0) return 0;
+  const auto at = [&](std::size_t i, std::size_t j) {
+    return a[i * static_cast<std::size_t>(stride) + first + j] / largest;
+  };
   std::vector<double> x(c), ax(r);
   for (std::size_t j = 0; j < c; ++j) x[j] = detail::seeded_normal(0x5eed, j);
   double sigma = 0;
@@ -106,11 +117,11 @@ double spectral_norm(const std::vector<double>& a, std::int64_t rows, std::int64
     double norm = 0;
     for (const double v : x) norm += v * v;
     norm = std::sqrt(norm);
-    if (!(norm > 0)) return sigma;
+    if (!(norm > 0)) return sigma * largest;
     for (auto& v : x) v /= norm;
     for (std::size_t i = 0; i < r; ++i) {
       double sum = 0;
-      for (std::size_t j = 0; j < c; ++j) sum += a[i * static_cast<std::size_t>(stride) + first + j] * x[j];
+      for (std::size_t j = 0; j < c; ++j) sum += at(i, j) * x[j];
       ax[i] = sum;
     }
     double ax_norm = 0;
@@ -119,12 +130,12 @@ double spectral_norm(const std::vector<double>& a, std::int64_t rows, std::int64
     sigma = std::sqrt(ax_norm);  // ‖A·x‖ for a unit x: a lower bound that rises to ‖A‖₂
     for (std::size_t j = 0; j < c; ++j) {
       double sum = 0;
-      for (std::size_t i = 0; i < r; ++i) sum += a[i * static_cast<std::size_t>(stride) + first + j] * ax[i];
+      for (std::size_t i = 0; i < r; ++i) sum += at(i, j) * ax[i];
       x[j] = sum;
     }
     if (iteration > 8 && sigma - previous <= 1e-9 * sigma) break;
   }
-  return sigma;
+  return sigma * largest;
 }
 
 struct TableGrid {
@@ -180,7 +191,7 @@ FloaterParams::FloaterParams(std::int64_t dim, std::vector<double> w1, std::vect
   // artefact, not the ODE's trajectory.
   const double lipschitz = lipschitz_bound();
   const double h = time_per_position / static_cast<double>(substeps);
-  if (h * lipschitz > kStableStep) {
+  if (!(h * lipschitz <= kStableStep)) {  // an overflowing product (inf) is refused too
     const double needed = std::ceil(time_per_position * lipschitz / kStableStep);
     throw Error("FloaterParams", "time_per_position / substeps",
                 detail::to_text(time_per_position) + " / " + std::to_string(substeps),

@@ -101,8 +101,8 @@ TEST(AllocationLimit, RefusesWhatWouldNotFitByName) {
   expect_error([] { alibi_slopes(1000); }, {"alibi_slopes", "heads = 1000", "at most 512"});
   set_allocation_limit(limit);
   expect_error([] { set_allocation_limit(0); }, {"set_allocation_limit", "bytes = 0", "1 to 2^62"});
-  // Products that could wrap: (2k + 1) Shaw rows, FLOATER's substeps,
-  // T5's buckets · heads, and the head count of ALiBi's power-of-two loop.
+  // Products that could wrap: (2k + 1) Shaw rows, T5's buckets · heads, and the head count of
+  // ALiBi's power-of-two loop; and FLOATER's substeps, bounded before any product is formed.
   expect_error([] { ShawParams(std::int64_t{1} << 62, 1); }, {"ShawParams", "max_distance = 4611686018427387904"});
   expect_error([] { ShawParams(std::int64_t{1} << 40, 64); }, {"ShawParams", "allocation limit"});
   expect_error([] { T5BiasParams(8, std::int64_t{1} << 61, std::int64_t{1} << 60, true); },

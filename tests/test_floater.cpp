@@ -95,9 +95,9 @@ TEST(Floater, GradientsMatchFiniteDifferences) {
 }
 
 // The forward keeps two states, not the trajectory: a table of 3 rows at the most substeps runs
-// under an allocation limit that the 2^17 states of the whole trajectory would exceed, and the
-// backward (checkpoints per position, one position's substeps recomputed) gives the gradients of
-// a plain step-by-step reverse pass: here against finite differences at many substeps.
+// under an allocation limit that the 2^17 states of the whole trajectory would exceed. The
+// backward (checkpoints per position, one position's substeps recomputed) matches finite
+// differences at 40 substeps, where every position's segment is recomputed.
 TEST(Floater, ManySubstepsNeedNoTrajectory) {
   const std::size_t limit = allocation_limit();
   const FloaterParams p = FloaterParams::init(3, 4, 7, 1.0, 0.5, FloaterParams::kMaxSubsteps);
@@ -140,14 +140,26 @@ TEST(Floater, RefusesUnstableSteps) {
   EXPECT_LT(lipschitz, 20.0);
   expect_error([] { FloaterParams::init(4, 8, 3, 1.0, 1e30); },
                {"FloaterParams: time_per_position / substeps = 1e+30 / 1", "h · L <= 2.785", "time_per_position <= "});
-  // Δ = 2·2.785/L needs 2 substeps, and 2 are accepted.
+  // Δ = 1.9·2.785/L needs 2 substeps, and 2 are accepted.
   const double delta = 1.9 * FloaterParams::kStableStep / lipschitz;
   expect_error([&] { FloaterParams::init(4, 8, 3, 1.0, delta, 1); }, {"substeps >= 2"});
   EXPECT_NO_THROW(FloaterParams::init(4, 8, 3, 1.0, delta, 2));
-  // The bound is the product of the two spectral norms: a diagonal W1 and W2 give it exactly.
-  const FloaterParams diagonal(2, {0.0, 3.0, 0.0, 0.0, 0.0, 0.5}, {0.0, 0.0}, {2.0, 0.0, 0.0, 1.0}, {0.0, 0.0},
-                               {1.0, 1.0}, 0.1, 1);
+  // The bound is the product of the two spectral norms, W1's time column left out: W1[:, 1:] =
+  // [[3, 0], [0, 0.5], [0, 0]] (norm 3) beside a time column 5, 7, 9, and W2 = [[2, 0, 0],
+  // [0, 1, 0]] (norm 2).
+  const FloaterParams diagonal(2, {5.0, 3.0, 0.0, 7.0, 0.0, 0.5, 9.0, 0.0, 0.0}, {0.0, 0.0, 0.0},
+                               {2.0, 0.0, 0.0, 0.0, 1.0, 0.0}, {0.0, 0.0}, {1.0, 1.0}, 0.1, 1);
   EXPECT_NEAR(diagonal.lipschitz_bound(), 6.0, 1e-9);
+  // Weights whose squares overflow fp64: W2 of 1e200 beside W1 of 1e-100 has the finite bound
+  // 1e100 (the norms are computed on the scaled matrices), and a step of 1e-101 is stable; with W1
+  // of 1e200 too the bound is inf, and every step is refused.
+  const std::vector<double> b1(3, 0.0), b2(2, 0.0), p0(2, 1.0);
+  const auto w1_of = [](double x) { return std::vector<double>{0.0, x, 0.0, 0.0, 0.0, x, 0.0, 0.0, 0.0}; };
+  const std::vector<double> w2 = {1e200, 0.0, 0.0, 0.0, 1e200, 0.0};
+  const FloaterParams large(2, w1_of(1e-100), b1, w2, b2, p0, 1e-101, 1);
+  EXPECT_NEAR(large.lipschitz_bound() / 1e100, 1.0, 1e-12);
+  expect_error([&] { FloaterParams(2, w1_of(1e200), b1, w2, b2, p0, 1e-300, 1); },
+               {"time_per_position / substeps = 1e-300 / 1", "= inf, a bound"});
   expect_error([] { FloaterParams::init(2, 3, 0, 1.0, 0.1, 10000000); }, {"substeps = 10000000", "[1, 65536]"});
 }
 

@@ -17,6 +17,10 @@
 //                   int max_distance, bool bidirectional) -> Tensor
 //   posenc::kerple_bias, fire_bias, tupe_bias   the other bias schemes, differentiable in their
 //                   parameters (tensors; see python/posenc/__init__.py for shapes)
+//   posenc::NAME_backward   the gradients of alibi_bias, t5_bias, kerple_bias, fire_bias, tupe_bias,
+//                   learned, floater_table, shaw_scores, shaw_values and xl_scores: their autograd
+//                   kernels call the forward and this op through the dispatcher, so that a tracer
+//                   records both (fake kernels: python/posenc/_fake.py)
 //   posenc::learned(Tensor table, Tensor x, Tensor positions) -> Tensor   x + table[positions]
 //   posenc::shaw_scores, shaw_values, xl_scores   Shaw's score and value terms, Transformer-XL's
 //                   position terms (differentiable in their tensors and tables)
@@ -113,6 +117,8 @@ Positions positions_of(const char* where, const char* name, const at::Tensor& id
                     " must be a contiguous [S] or [B, S] tensor, got shape ", ids.sizes());
   const std::span<const std::int64_t> span(ids.data_ptr<std::int64_t>(), static_cast<std::size_t>(ids.numel()));
   if (ids.dim() == 1) return Positions::ids(span);
+  // [0, S] ids (a batch of 0, whose outputs are empty) name no token: positions shared by no rows.
+  if (ids.size(0) == 0) return Positions::range(ids.size(1));
   return Positions::ids(span, ids.size(0), ids.size(1));
 }
 
@@ -135,6 +141,34 @@ torch::jit::Stack call_below_autograd(const char* name, torch::jit::Stack stack)
   at::AutoDispatchBelowADInplaceOrView guard;
   handle.callBoxed(&stack);
   return stack;
+}
+
+// An op split as NAME and NAME_backward, from its autograd kernel. The forward saves the tensors
+// and the options (by name) and calls NAME(tensors…, options…) below autograd; the backward calls
+// NAME_backward(grad, tensors…, the options it names…), whose outputs are the gradients of the
+// first inputs, and gives the other inputs (positions, options) none.
+at::Tensor call_forward(AutogradContext* ctx, const char* name, const variable_list& tensors,
+                        std::initializer_list<std::pair<const char*, c10::IValue>> options) {
+  ctx->save_for_backward(tensors);
+  ctx->saved_data["inputs"] = static_cast<std::int64_t>(tensors.size() + options.size());
+  torch::jit::Stack stack(tensors.begin(), tensors.end());
+  for (const auto& [key, value] : options) {
+    ctx->saved_data[key] = value;
+    stack.push_back(value);
+  }
+  return call_below_autograd(name, std::move(stack))[0].toTensor();
+}
+variable_list call_backward(AutogradContext* ctx, const char* name, const at::Tensor& grad,
+                            std::initializer_list<const char*> options) {
+  const variable_list saved = ctx->get_saved_variables();
+  torch::jit::Stack stack{grad};
+  stack.insert(stack.end(), saved.begin(), saved.end());
+  for (const char* key : options) stack.push_back(ctx->saved_data[key]);
+  const torch::jit::Stack d = call_below_autograd(name, std::move(stack));
+  variable_list grads;
+  for (const c10::IValue& g : d) grads.push_back(g.toTensor());
+  grads.resize(static_cast<std::size_t>(ctx->saved_data["inputs"].toInt()));
+  return grads;
 }
 
 // Large outputs come from a cache of the blocks earlier outputs freed. A fresh block of a
@@ -509,6 +543,21 @@ at::Tensor tensor_of(const std::vector<double>& values, const at::Tensor& like) 
   return at::from_blob(const_cast<double*>(values.data()), like.sizes(), at::kDouble).clone().to(like.scalar_type());
 }
 
+bool is_16_bit(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf; }
+
+RowOutputs row_outputs(const at::Tensor& q, const at::Tensor& v) {
+  std::vector<std::int64_t> out_shape(q.sizes().begin(), q.sizes().end());
+  out_shape.back() = v.size(-1);
+  const std::vector<std::int64_t> row_shape(q.sizes().begin(), q.sizes().end() - 1);
+  return {at::empty(out_shape, q.options().dtype(is_16_bit(q) ? at::kFloat : q.scalar_type())),
+          at::empty(row_shape, q.options().dtype(at::kFloat))};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> returned(const at::Tensor& q, const RowOutputs& o) {
+  if (!is_16_bit(q)) return std::make_tuple(o.out, o.row, q.new_empty({0}, q.options().dtype(at::kFloat)));
+  return std::make_tuple(o.out.to(q.scalar_type()), o.row, o.out);
+}
+
 // ALiBi, T5 and Kerple are each three kernels: the forward (CPU), the backward into their
 // parameters (posenc::NAME_backward, CPU), and autograd over the two through the dispatcher, so
 // that a tracer (torch.compile, opcheck) records both and runs their fake kernels
@@ -646,16 +695,10 @@ class FireFunction : public torch::autograd::Function<FireFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
                             const at::Tensor& b2, const at::Tensor& c, const at::Tensor& threshold,
                             const at::Tensor& q_positions, const at::Tensor& k_positions) {
-    ctx->save_for_backward({w1, b1, w2, b2, c, threshold, q_positions, k_positions});
-    return call_below_autograd("posenc::fire_bias", {w1, b1, w2, b2, c, threshold, q_positions, k_positions})[0]
-        .toTensor();
+    return call_forward(ctx, "posenc::fire_bias", {w1, b1, w2, b2, c, threshold, q_positions, k_positions}, {});
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto s = ctx->get_saved_variables();
-    const torch::jit::Stack d =
-        call_below_autograd("posenc::fire_bias_backward", {grads[0], s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7]});
-    return variable_list{d[0].toTensor(), d[1].toTensor(), d[2].toTensor(), d[3].toTensor(),
-                         d[4].toTensor(), d[5].toTensor(), at::Tensor(),    at::Tensor()};
+    return call_backward(ctx, "posenc::fire_bias_backward", grads[0], {});
   }
 
   // The kernels: the forward and the parameters' gradients (CPU).
@@ -697,32 +740,34 @@ class TupeFunction : public torch::autograd::Function<TupeFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& table, const at::Tensor& u_q, const at::Tensor& u_k,
                             const at::Tensor& theta1, const at::Tensor& theta2, const at::Tensor& q_positions,
                             const at::Tensor& k_positions, std::int64_t heads, bool cls_reset) {
-    ctx->saved_data["heads"] = heads;
-    ctx->saved_data["cls_reset"] = cls_reset;
-    const at::Tensor qi = q_positions.contiguous(), ki = k_positions.contiguous();
-    ctx->save_for_backward({table, u_q, u_k, theta1, theta2, qi, ki});
-    return translating([&] {
-      return materialize(params_of(table, u_q, u_k, theta1, theta2, heads, cls_reset), qi, ki, table.scalar_type());
-    });
+    return call_forward(ctx, "posenc::tupe_bias", {table, u_q, u_k, theta1, theta2, q_positions, k_positions},
+                        {{"heads", heads}, {"cls_reset", cls_reset}});
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto s = ctx->get_saved_variables();
+    return call_backward(ctx, "posenc::tupe_bias_backward", grads[0], {"heads", "cls_reset"});
+  }
+
+  // The kernels: the bias and its parameters' gradients (CPU).
+  static at::Tensor cpu(const at::Tensor& table, const at::Tensor& u_q, const at::Tensor& u_k, const at::Tensor& theta1,
+                        const at::Tensor& theta2, const at::Tensor& q_positions, const at::Tensor& k_positions,
+                        std::int64_t heads, bool cls_reset) {
     return translating([&] {
-      const TupeParams p = params_of(s[0], s[1], s[2], s[3], s[4], ctx->saved_data["heads"].toInt(),
-                                     ctx->saved_data["cls_reset"].toBool());
+      return materialize(params_of(table, u_q, u_k, theta1, theta2, heads, cls_reset), q_positions.contiguous(),
+                         k_positions.contiguous(), table.scalar_type());
+    });
+  }
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
+      const at::Tensor& grad, const at::Tensor& table, const at::Tensor& u_q, const at::Tensor& u_k,
+      const at::Tensor& theta1, const at::Tensor& theta2, const at::Tensor& q_positions, const at::Tensor& k_positions,
+      std::int64_t heads, bool cls_reset) {
+    return translating([&] {
+      const TupeParams p = params_of(table, u_q, u_k, theta1, theta2, heads, cls_reset);
       TupeGradients g(p);
-      const at::Tensor ds = grads[0].contiguous();
-      tupe_backward(p, positions_of("tupe_bias", "q_positions", s[5]), positions_of("tupe_bias", "k_positions", s[6]),
+      const at::Tensor ds = grad.contiguous(), qi = q_positions.contiguous(), ki = k_positions.contiguous();
+      tupe_backward(p, positions_of("tupe_bias", "q_positions", qi), positions_of("tupe_bias", "k_positions", ki),
                     const_view("tupe_bias", "grad", ds), g);
-      return variable_list{tensor_of(g.table, s[0]),
-                           tensor_of(g.u_q, s[1]),
-                           tensor_of(g.u_k, s[2]),
-                           tensor_of(g.theta1, s[3]),
-                           tensor_of(g.theta2, s[4]),
-                           at::Tensor(),
-                           at::Tensor(),
-                           at::Tensor(),
-                           at::Tensor()};
+      return std::make_tuple(tensor_of(g.table, table), tensor_of(g.u_q, u_q), tensor_of(g.u_k, u_k),
+                             tensor_of(g.theta1, theta1), tensor_of(g.theta2, theta2));
     });
   }
 
@@ -779,9 +824,16 @@ class FloaterFunction : public torch::autograd::Function<FloaterFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
                             const at::Tensor& b2, const at::Tensor& p0, std::int64_t length, double time_per_position,
                             std::int64_t substeps) {
-    ctx->saved_data["time_per_position"] = time_per_position;
-    ctx->saved_data["substeps"] = substeps;
-    ctx->save_for_backward({w1, b1, w2, b2, p0});
+    return call_forward(ctx, "posenc::floater_table", {w1, b1, w2, b2, p0},
+                        {{"length", length}, {"time_per_position", time_per_position}, {"substeps", substeps}});
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return call_backward(ctx, "posenc::floater_table_backward", grads[0], {"time_per_position", "substeps"});
+  }
+
+  // The kernels: the table and its parameters' gradients (CPU).
+  static at::Tensor cpu(const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2, const at::Tensor& b2,
+                        const at::Tensor& p0, std::int64_t length, double time_per_position, std::int64_t substeps) {
     return translating([&] {
       const FloaterParams p = params_of(w1, b1, w2, b2, p0, time_per_position, substeps);
       if (length < 0) throw Error("floater_table", "length", std::to_string(length), ">= 0");
@@ -790,16 +842,16 @@ class FloaterFunction : public torch::autograd::Function<FloaterFunction> {
       return out;
     });
   }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto s = ctx->get_saved_variables();
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
+      const at::Tensor& grad, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2, const at::Tensor& b2,
+      const at::Tensor& p0, double time_per_position, std::int64_t substeps) {
     return translating([&] {
-      const FloaterParams p = params_of(s[0], s[1], s[2], s[3], s[4], ctx->saved_data["time_per_position"].toDouble(),
-                                        ctx->saved_data["substeps"].toInt());
+      const FloaterParams p = params_of(w1, b1, w2, b2, p0, time_per_position, substeps);
       FloaterGradients g(p);
-      const at::Tensor dt = grads[0].contiguous();
+      const at::Tensor dt = grad.contiguous();
       floater_table_backward(p, const_view("floater_table", "grad", dt), g);
-      return variable_list{tensor_of(g.w1, s[0]), tensor_of(g.b1, s[1]), tensor_of(g.w2, s[2]), tensor_of(g.b2, s[3]),
-                           tensor_of(g.p0, s[4]), at::Tensor(),          at::Tensor(),          at::Tensor()};
+      return std::make_tuple(tensor_of(g.w1, w1), tensor_of(g.b1, b1), tensor_of(g.w2, w2), tensor_of(g.b2, b2),
+                             tensor_of(g.p0, p0));
     });
   }
 
@@ -818,15 +870,28 @@ at::Tensor zero_scores(const at::Tensor& q, std::int64_t k_len, c10::ScalarType 
   return empty_output({batch, q.size(-2), q.size(-3), k_len}, dtype).zero_();
 }
 
-// Shaw's score term: q [B, S, H, D] and key_table [2k + 1, D], both differentiable.
-class ShawScoreFunction : public torch::autograd::Function<ShawScoreFunction> {
+// Shaw's score and value terms share their autograd: (x, table, q_positions, k_positions,
+// max_distance), differentiable in x and the table; Term names the op and holds its kernels.
+template <class Term>
+class ShawFunction : public torch::autograd::Function<ShawFunction<Term>> {
  public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& key_table,
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& table,
                             const at::Tensor& q_positions, const at::Tensor& k_positions, std::int64_t max_distance) {
-    ctx->saved_data["max_distance"] = max_distance;
-    const at::Tensor qi = q_positions.contiguous(), ki = k_positions.contiguous();
-    ctx->save_for_backward({q, key_table, qi, ki});
+    return call_forward(ctx, Term::kOp, {x, table, q_positions, k_positions}, {{"max_distance", max_distance}});
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return call_backward(ctx, Term::kBackwardOp, grads[0], {"max_distance"});
+  }
+};
+
+// Shaw's score term: q [B, S, H, D] and key_table [2k + 1, D] give scores [B, H, Sq, Sk].
+struct ShawScores {
+  static constexpr const char* kOp = "posenc::shaw_scores";
+  static constexpr const char* kBackwardOp = "posenc::shaw_scores_backward";
+  static at::Tensor cpu(const at::Tensor& q, const at::Tensor& key_table, const at::Tensor& q_positions,
+                        const at::Tensor& k_positions, std::int64_t max_distance) {
     return translating([&] {
+      const at::Tensor qi = q_positions.contiguous(), ki = k_positions.contiguous();
       const ShawParams p(max_distance, key_table.size(-1), doubles_of("shaw", "key_table", key_table));
       at::Tensor scores = zero_scores(q, ki.size(-1), q.scalar_type());
       shaw_add_score_term(p, const_view("shaw", "q", q), positions_of("shaw", "q_positions", qi),
@@ -834,31 +899,31 @@ class ShawScoreFunction : public torch::autograd::Function<ShawScoreFunction> {
       return scores;
     });
   }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto s = ctx->get_saved_variables();
+  static std::tuple<at::Tensor, at::Tensor> backward_cpu(const at::Tensor& grad, const at::Tensor& q,
+                                                         const at::Tensor& key_table, const at::Tensor& q_positions,
+                                                         const at::Tensor& k_positions, std::int64_t max_distance) {
     return translating([&] {
-      const ShawParams p(ctx->saved_data["max_distance"].toInt(), s[1].size(-1), doubles_of("shaw", "key_table", s[1]));
-      at::Tensor dq = at::zeros_like(s[0]);
+      const ShawParams p(max_distance, key_table.size(-1), doubles_of("shaw", "key_table", key_table));
+      at::Tensor dq = at::zeros_like(q);
       std::vector<double> d_table(p.key_table().size(), 0.0);
-      const at::Tensor ds = grads[0].contiguous();
-      shaw_score_term_backward(p, const_view("shaw", "q", s[0]), const_view("shaw", "grad", ds),
-                               positions_of("shaw", "q_positions", s[2]), positions_of("shaw", "k_positions", s[3]),
+      const at::Tensor ds = grad.contiguous(), qi = q_positions.contiguous(), ki = k_positions.contiguous();
+      shaw_score_term_backward(p, const_view("shaw", "q", q), const_view("shaw", "grad", ds),
+                               positions_of("shaw", "q_positions", qi), positions_of("shaw", "k_positions", ki),
                                mutable_view("shaw", "dq", dq), d_table);
-      return variable_list{dq, tensor_of(d_table, s[1]), at::Tensor(), at::Tensor(), at::Tensor()};
+      return std::make_tuple(dq, tensor_of(d_table, key_table));
     });
   }
 };
 
-// Shaw's value term: probs [B, H, Sq, Sk] and value_table [2k + 1, D], both differentiable.
-class ShawValueFunction : public torch::autograd::Function<ShawValueFunction> {
- public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& probs, const at::Tensor& value_table,
-                            const at::Tensor& q_positions, const at::Tensor& k_positions, std::int64_t max_distance) {
-    ctx->saved_data["max_distance"] = max_distance;
-    const at::Tensor qi = q_positions.contiguous(), ki = k_positions.contiguous();
-    ctx->save_for_backward({probs, value_table, qi, ki});
+// Shaw's value term: probs [B, H, Sq, Sk] and value_table [2k + 1, D] give [B, Sq, H, D].
+struct ShawValues {
+  static constexpr const char* kOp = "posenc::shaw_values";
+  static constexpr const char* kBackwardOp = "posenc::shaw_values_backward";
+  static at::Tensor cpu(const at::Tensor& probs, const at::Tensor& value_table, const at::Tensor& q_positions,
+                        const at::Tensor& k_positions, std::int64_t max_distance) {
     return translating([&] {
       TORCH_CHECK_VALUE(probs.dim() == 4, "shaw: probs shape ", probs.sizes(), "; expected [B, H, Sq, Sk]");
+      const at::Tensor qi = q_positions.contiguous(), ki = k_positions.contiguous();
       const ShawParams p(max_distance, value_table.size(-1), {}, doubles_of("shaw", "value_table", value_table));
       at::Tensor out =
           empty_output({probs.size(0), probs.size(2), probs.size(1), value_table.size(-1)}, probs.scalar_type())
@@ -868,18 +933,18 @@ class ShawValueFunction : public torch::autograd::Function<ShawValueFunction> {
       return out;
     });
   }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto s = ctx->get_saved_variables();
+  static std::tuple<at::Tensor, at::Tensor> backward_cpu(const at::Tensor& grad, const at::Tensor& probs,
+                                                         const at::Tensor& value_table, const at::Tensor& q_positions,
+                                                         const at::Tensor& k_positions, std::int64_t max_distance) {
     return translating([&] {
-      const ShawParams p(ctx->saved_data["max_distance"].toInt(), s[1].size(-1), {},
-                         doubles_of("shaw", "value_table", s[1]));
-      at::Tensor d_probs = at::zeros_like(s[0]);
+      const ShawParams p(max_distance, value_table.size(-1), {}, doubles_of("shaw", "value_table", value_table));
+      at::Tensor d_probs = at::zeros_like(probs);
       std::vector<double> d_table(p.value_table().size(), 0.0);
-      const at::Tensor d_out = grads[0].contiguous();
-      shaw_value_term_backward(p, const_view("shaw", "probs", s[0]), const_view("shaw", "grad", d_out),
-                               positions_of("shaw", "q_positions", s[2]), positions_of("shaw", "k_positions", s[3]),
+      const at::Tensor d_out = grad.contiguous(), qi = q_positions.contiguous(), ki = k_positions.contiguous();
+      shaw_value_term_backward(p, const_view("shaw", "probs", probs), const_view("shaw", "grad", d_out),
+                               positions_of("shaw", "q_positions", qi), positions_of("shaw", "k_positions", ki),
                                mutable_view("shaw", "d_probs", d_probs), d_table);
-      return variable_list{d_probs, tensor_of(d_table, s[1]), at::Tensor(), at::Tensor(), at::Tensor()};
+      return std::make_tuple(d_probs, tensor_of(d_table, value_table));
     });
   }
 };
@@ -890,11 +955,19 @@ class XlFunction : public torch::autograd::Function<XlFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& u,
                             const at::Tensor& v, const at::Tensor& w_r, const at::Tensor& q_positions,
                             const at::Tensor& k_positions, double scale, double base) {
-    ctx->saved_data["scale"] = scale;
-    ctx->saved_data["base"] = base;
-    const at::Tensor qi = q_positions.contiguous(), ki = k_positions.contiguous();
-    ctx->save_for_backward({q, k, u, v, w_r, qi, ki});
+    return call_forward(ctx, "posenc::xl_scores", {q, k, u, v, w_r, q_positions, k_positions},
+                        {{"scale", scale}, {"base", base}});
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return call_backward(ctx, "posenc::xl_scores_backward", grads[0], {"scale", "base"});
+  }
+
+  // The kernels: the terms' scores, and the gradients of q, k, u, v and W_R (CPU).
+  static at::Tensor cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& u, const at::Tensor& v,
+                        const at::Tensor& w_r, const at::Tensor& q_positions, const at::Tensor& k_positions,
+                        double scale, double base) {
     return translating([&] {
+      const at::Tensor qi = q_positions.contiguous(), ki = k_positions.contiguous();
       const XlParams p = params_of(u, v, w_r, scale, base);
       at::Tensor scores = zero_scores(q, k.size(-3), q.scalar_type());
       xl_add_position_terms(p, const_view("xl", "q", q), const_view("xl", "k", k),
@@ -903,21 +976,18 @@ class XlFunction : public torch::autograd::Function<XlFunction> {
       return scores;
     });
   }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto s = ctx->get_saved_variables();
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
+      const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& u, const at::Tensor& v,
+      const at::Tensor& w_r, const at::Tensor& q_positions, const at::Tensor& k_positions, double scale, double base) {
     return translating([&] {
-      const XlParams p =
-          params_of(s[2], s[3], s[4], ctx->saved_data["scale"].toDouble(), ctx->saved_data["base"].toDouble());
-      at::Tensor dq = at::zeros_like(s[0]), dk = at::zeros_like(s[1]);
+      const XlParams p = params_of(u, v, w_r, scale, base);
+      at::Tensor dq = at::zeros_like(q), dk = at::zeros_like(k);
       XlGradients g(p);
-      const at::Tensor ds = grads[0].contiguous();
-      xl_position_terms_backward(p, const_view("xl", "q", s[0]), const_view("xl", "k", s[1]),
-                                 const_view("xl", "grad", ds), positions_of("xl", "q_positions", s[5]),
-                                 positions_of("xl", "k_positions", s[6]), mutable_view("xl", "dq", dq),
-                                 mutable_view("xl", "dk", dk), g);
-      return variable_list{
-          dq,           dk,           tensor_of(g.u, s[2]), tensor_of(g.v, s[3]), tensor_of(g.w_r, s[4]),
-          at::Tensor(), at::Tensor(), at::Tensor(),         at::Tensor()};
+      const at::Tensor ds = grad.contiguous(), qi = q_positions.contiguous(), ki = k_positions.contiguous();
+      xl_position_terms_backward(p, const_view("xl", "q", q), const_view("xl", "k", k), const_view("xl", "grad", ds),
+                                 positions_of("xl", "q_positions", qi), positions_of("xl", "k_positions", ki),
+                                 mutable_view("xl", "dq", dq), mutable_view("xl", "dk", dk), g);
+      return std::make_tuple(dq, dk, tensor_of(g.u, u), tensor_of(g.v, v), tensor_of(g.w_r, w_r));
     });
   }
 
@@ -943,11 +1013,11 @@ at::Tensor t5_op(const at::Tensor& table, const at::Tensor& q_positions, const a
 
 at::Tensor shaw_scores_op(const at::Tensor& q, const at::Tensor& key_table, const at::Tensor& q_positions,
                           const at::Tensor& k_positions, std::int64_t max_distance) {
-  return ShawScoreFunction::apply(q, key_table, q_positions, k_positions, max_distance);
+  return ShawFunction<ShawScores>::apply(q, key_table, q_positions, k_positions, max_distance);
 }
 at::Tensor shaw_values_op(const at::Tensor& probs, const at::Tensor& value_table, const at::Tensor& q_positions,
                           const at::Tensor& k_positions, std::int64_t max_distance) {
-  return ShawValueFunction::apply(probs, value_table, q_positions, k_positions, max_distance);
+  return ShawFunction<ShawValues>::apply(probs, value_table, q_positions, k_positions, max_distance);
 }
 at::Tensor xl_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& u, const at::Tensor& v,
                  const at::Tensor& w_r, const at::Tensor& q_positions, const at::Tensor& k_positions, double scale,
@@ -1042,28 +1112,49 @@ TORCH_LIBRARY(posenc, m) {
       "fire_bias_backward(Tensor grad, Tensor w1, Tensor b1, Tensor w2, Tensor b2, Tensor c, Tensor threshold, "
       "Tensor q_positions, Tensor k_positions) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
       TORCH_FN(FireFunction::backward_cpu));
-  m.def(
+  define_with_backward(
+      m, "tupe_bias",
       "tupe_bias(Tensor table, Tensor u_q, Tensor u_k, Tensor theta1, Tensor theta2, Tensor q_positions, "
       "Tensor k_positions, int heads, bool cls_reset) -> Tensor",
-      &tupe_op);
+      TORCH_FN(TupeFunction::cpu), TORCH_FN(tupe_op),
+      "tupe_bias_backward(Tensor grad, Tensor table, Tensor u_q, Tensor u_k, Tensor theta1, Tensor theta2, "
+      "Tensor q_positions, Tensor k_positions, int heads, bool cls_reset) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+      TORCH_FN(TupeFunction::backward_cpu));
   define_with_backward(m, "learned", "learned(Tensor table, Tensor x, Tensor positions) -> Tensor",
                        TORCH_FN(LearnedFunction::cpu), TORCH_FN(learned_op),
                        "learned_backward(Tensor grad, Tensor table, Tensor positions) -> Tensor",
                        TORCH_FN(LearnedFunction::backward_cpu));
-  m.def("shaw_scores(Tensor q, Tensor key_table, Tensor q_positions, Tensor k_positions, int max_distance) -> Tensor",
-        &shaw_scores_op);
-  m.def(
+  define_with_backward(
+      m, "shaw_scores",
+      "shaw_scores(Tensor q, Tensor key_table, Tensor q_positions, Tensor k_positions, int max_distance) -> Tensor",
+      TORCH_FN(ShawScores::cpu), TORCH_FN(shaw_scores_op),
+      "shaw_scores_backward(Tensor grad, Tensor q, Tensor key_table, Tensor q_positions, Tensor k_positions, "
+      "int max_distance) -> (Tensor, Tensor)",
+      TORCH_FN(ShawScores::backward_cpu));
+  define_with_backward(
+      m, "shaw_values",
       "shaw_values(Tensor probs, Tensor value_table, Tensor q_positions, Tensor k_positions, int max_distance) -> "
       "Tensor",
-      &shaw_values_op);
-  m.def(
+      TORCH_FN(ShawValues::cpu), TORCH_FN(shaw_values_op),
+      "shaw_values_backward(Tensor grad, Tensor probs, Tensor value_table, Tensor q_positions, Tensor k_positions, "
+      "int max_distance) -> (Tensor, Tensor)",
+      TORCH_FN(ShawValues::backward_cpu));
+  define_with_backward(
+      m, "xl_scores",
       "xl_scores(Tensor q, Tensor k, Tensor u, Tensor v, Tensor w_r, Tensor q_positions, Tensor k_positions, "
       "float scale, float base) -> Tensor",
-      &xl_op);
-  m.def(
+      TORCH_FN(XlFunction::cpu), TORCH_FN(xl_op),
+      "xl_scores_backward(Tensor grad, Tensor q, Tensor k, Tensor u, Tensor v, Tensor w_r, Tensor q_positions, "
+      "Tensor k_positions, float scale, float base) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+      TORCH_FN(XlFunction::backward_cpu));
+  define_with_backward(
+      m, "floater_table",
       "floater_table(Tensor w1, Tensor b1, Tensor w2, Tensor b2, Tensor p0, int length, float time_per_position, "
       "int substeps) -> Tensor",
-      &floater_op);
+      TORCH_FN(FloaterFunction::cpu), TORCH_FN(floater_op),
+      "floater_table_backward(Tensor grad, Tensor w1, Tensor b1, Tensor w2, Tensor b2, Tensor p0, "
+      "float time_per_position, int substeps) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+      TORCH_FN(FloaterFunction::backward_cpu));
   define_with_backward(
       m, "t5_bias",
       "t5_bias(Tensor table, Tensor q_positions, Tensor k_positions, int num_buckets, int max_distance, "

@@ -388,7 +388,7 @@ class RotaryPositionalEncoding(torch.nn.Module):
         self.xpos, self.rotary_offset = xpos, rotary_offset
 
     def extra_repr(self):
-        # What a message about a mismatch (KVCache.set_rope) needs to show: every argument that is set.
+        # Every argument that is set, so that a message quoting the module shows what it is.
         text = f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, base={self.base}, layout={self.layout!r}"
         if self.scaling:
             text += f", scaling={self.scaling!r}, max_position_embeddings={self.max_position_embeddings}"
@@ -572,7 +572,7 @@ class FLOATER(torch.nn.Module):
         self.p0 = torch.nn.Parameter(torch.randn(dim))
         self.time_per_position, self.substeps = time_per_position, substeps
         with torch.no_grad():
-            self.table(1)  # the library checks Δ, substeps and the step's stability now, not at the first call
+            self.table(1)  # Δ, substeps and the step's stability checked at construction
 
     def table(self, length):
         return floater_table(self.w1, self.b1, self.w2, self.b2, self.p0, length, self.time_per_position, self.substeps)
@@ -933,7 +933,12 @@ def _cu_seqlens(cu_seqlens, where="attention"):
         return [], []
 
     def is_sequence(x):
-        return isinstance(x, (torch.Tensor, list, tuple))
+        return isinstance(x, (list, tuple)) or (isinstance(x, torch.Tensor) and x.dim() == 1)
+
+    def entry(x):  # an int, or a 0-dim integer tensor (as tuple(tensor) gives them)
+        if isinstance(x, torch.Tensor) and x.dim() == 0 and not x.is_floating_point() and not x.is_complex():
+            return x.item()
+        return x
 
     if isinstance(cu_seqlens, tuple) and cu_seqlens and all(is_sequence(x) for x in cu_seqlens):
         if len(cu_seqlens) != 2:
@@ -953,9 +958,9 @@ def _cu_seqlens(cu_seqlens, where="attention"):
             raise TypeError(f"{where}: {name} is {type(cu).__name__}; expected a 1-D integer tensor, a list or a "
                             "tuple of ints")
         if len(cu) < 2:
-            raise ValueError(f"{where}: {name} has {len(cu)} entries; expected at least 2 ([0, ..., T], the "
+            raise ValueError(f"{where}: len({name}) = {len(cu)}; expected at least 2 ([0, ..., T], the "
                              "cumulative sequence lengths), or cu_seqlens=None for unpacked [B, S, H, D] tensors")
-        lists.append([_int(where, f"{name}[{i}]", x) for i, x in enumerate(cu)])
+        lists.append([_int(where, f"{name}[{i}]", entry(x)) for i, x in enumerate(cu)])
     return lists[0], lists[1]
 
 

@@ -95,3 +95,102 @@ def _learned(table, x, positions):
 @torch.library.register_fake("posenc::learned_backward")
 def _learned_backward(grad, table, positions):
     return _contiguous_like(table)
+
+
+@torch.library.register_fake("posenc::tupe_bias")
+def _tupe_bias(table, u_q, u_k, theta1, theta2, q_positions, k_positions, heads, cls_reset):
+    return _bias(table, heads, q_positions, k_positions)
+
+
+@torch.library.register_fake("posenc::tupe_bias_backward")
+def _tupe_bias_backward(grad, table, u_q, u_k, theta1, theta2, q_positions, k_positions, heads, cls_reset):
+    return tuple(_contiguous_like(t) for t in (table, u_q, u_k, theta1, theta2))
+
+
+@torch.library.register_fake("posenc::floater_table")
+def _floater_table(w1, b1, w2, b2, p0, length, time_per_position, substeps):
+    return p0.new_empty((length, p0.numel()))
+
+
+@torch.library.register_fake("posenc::floater_table_backward")
+def _floater_table_backward(grad, w1, b1, w2, b2, p0, time_per_position, substeps):
+    return tuple(_contiguous_like(t) for t in (w1, b1, w2, b2, p0))
+
+
+def _scores(q, k_len):
+    """Scores [B, H, Sq, Sk] for q [B, Sq, H, D] (or [Sq, H, D]: B = 1), in q's dtype."""
+    batch = q.shape[0] if q.dim() == 4 else 1
+    return q.new_empty((batch, q.shape[-2], q.shape[-3], k_len))
+
+
+@torch.library.register_fake("posenc::shaw_scores")
+def _shaw_scores(q, key_table, q_positions, k_positions, max_distance):
+    return _scores(q, k_positions.shape[-1])
+
+
+@torch.library.register_fake("posenc::shaw_scores_backward")
+def _shaw_scores_backward(grad, q, key_table, q_positions, k_positions, max_distance):
+    return torch.empty_like(q), _contiguous_like(key_table)  # dq as zeros_like makes it
+
+
+@torch.library.register_fake("posenc::shaw_values")
+def _shaw_values(probs, value_table, q_positions, k_positions, max_distance):
+    return probs.new_empty((probs.shape[0], probs.shape[2], probs.shape[1], value_table.shape[-1]))
+
+
+@torch.library.register_fake("posenc::shaw_values_backward")
+def _shaw_values_backward(grad, probs, value_table, q_positions, k_positions, max_distance):
+    return torch.empty_like(probs), _contiguous_like(value_table)
+
+
+@torch.library.register_fake("posenc::xl_scores")
+def _xl_scores(q, k, u, v, w_r, q_positions, k_positions, scale, base):
+    return _scores(q, k.shape[-3])
+
+
+@torch.library.register_fake("posenc::xl_scores_backward")
+def _xl_scores_backward(grad, q, k, u, v, w_r, q_positions, k_positions, scale, base):
+    return (torch.empty_like(q), torch.empty_like(k), *(_contiguous_like(t) for t in (u, v, w_r)))
+
+
+def _attention_outputs(q, v):
+    """out like q with v's head size, and a float32 [B, Sq, H] (or [Tq, H]) per-row output."""
+    return q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+def _wide_out(q, v):
+    """The f32 out that backward reads for 16-bit inputs; an empty float32 tensor otherwise."""
+    if q.dtype in (torch.bfloat16, torch.float16):
+        return q.new_empty((*q.shape[:-1], v.shape[-1]), dtype=torch.float32)
+    return q.new_empty(0, dtype=torch.float32)
+
+
+@torch.library.register_fake("posenc::stickbreaking_attention")
+def _stickbreaking(q, k, v, scale, attend_current, cu_seqlens_q=(), cu_seqlens_k=(), skip_vanishing_tiles=True):
+    return _attention_outputs(q, v)
+
+
+@torch.library.register_fake("posenc::stickbreaking_attention_forward")
+def _stickbreaking_forward(q, k, v, scale, attend_current, cu_seqlens_q, cu_seqlens_k, skip_vanishing_tiles):
+    return (*_attention_outputs(q, v), _wide_out(q, v))
+
+
+@torch.library.register_fake("posenc::stickbreaking_attention_backward")
+def _stickbreaking_backward(q, k, v, out, rem, d_out, d_rem, scale, attend_current, cu_seqlens_q, cu_seqlens_k,
+                            skip_vanishing_tiles):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+@torch.library.register_fake("posenc::cope_attention")
+def _cope(q, k, v, table, scale, cu_seqlens_q=(), cu_seqlens_k=()):
+    return _attention_outputs(q, v)
+
+
+@torch.library.register_fake("posenc::cope_attention_forward")
+def _cope_forward(q, k, v, table, scale, cu_seqlens_q, cu_seqlens_k):
+    return (*_attention_outputs(q, v), _wide_out(q, v))
+
+
+@torch.library.register_fake("posenc::cope_attention_backward")
+def _cope_backward(q, k, v, table, out, lse, d_out, scale, cu_seqlens_q, cu_seqlens_k):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(table)

@@ -186,14 +186,14 @@ class KVCache:
         if rope.head_dim != self.head_dim:
             raise ValueError(f"KVCache.set_rope: rope.head_dim = {rope.head_dim}; expected the cache's head_dim = "
                              f"{self.head_dim}")
-        if self.rotated:
+        if self.rotated and self.length:
             # The stored keys move from the old rotation to the new one in place: same pairs, same dims.
             for name in ("rotary_dim", "layout", "rotary_offset"):
                 new, old = getattr(rope, name), getattr(self.rope, name)
                 if new != old:
                     raise ValueError(f"KVCache.set_rope: rope.{name} = {new!r}; expected the cache's rope.{name} = "
-                                     f"{old!r} (a cache of rotated keys re-rotates them in place; a cache with "
-                                     "rotated=False takes any RoPE)")
+                                     f"{old!r} (a cache of rotated keys re-rotates them in place; an empty cache "
+                                     "or one with rotated=False takes any RoPE)")
         if self.rotated and self.length:
             seq_len = int(self.positions.max()) + 1
             self._rerotate(self.rope, self._seq_len, self.positions, rope, seq_len, self.positions, self.length)

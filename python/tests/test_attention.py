@@ -442,9 +442,13 @@ def test_an_empty_batch_gives_empty_outputs_like_sdpa(scheme, options):
     assert out.shape == (0, 5, 4, 8) and lse.shape == (0, 4, 5)
     out.sum().backward()
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
-    sdpa = torch.nn.functional.scaled_dot_product_attention(q.detach().transpose(1, 2), q.detach().transpose(1, 2),
-                                                            q.detach().transpose(1, 2))
+    sdpa = torch.nn.functional.scaled_dot_product_attention(*(t.detach().transpose(1, 2) for t in (q, k, v)),
+                                                            enable_gqa=True)
     assert sdpa.transpose(1, 2).shape == out.shape
+    # Explicit positions of an empty batch, [0, S], name no token either.
+    explicit = posenc.attention(q.detach(), k.detach(), v.detach(), scheme, q_positions=torch.zeros(0, 5,
+                                dtype=torch.long), k_positions=torch.zeros(0, 7, dtype=torch.long), **options)
+    assert explicit.shape == (0, 5, 4, 8)
 
 
 def test_multipliers_past_f32_are_refused_for_f32_math():

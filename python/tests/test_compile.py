@@ -1,5 +1,6 @@
-"""posenc's ops under torch.compile and torch.library.opcheck: the attention, the sinusoid table and
-the ALiBi, T5, Kerple and FIRE biases and the learned table.
+"""posenc's ops under torch.compile and torch.library.opcheck: the attention, the sinusoid table,
+the ALiBi, T5, Kerple, FIRE and TUPE biases, the learned and FLOATER tables, and Shaw's and
+Transformer-XL's terms.
 
 opcheck: the op's schema (no input mutated or aliased), its autograd registration, its fake kernel
 against the real kernel's outputs (shapes, dtypes, strides), and AOTAutograd's traced forward and
@@ -102,8 +103,8 @@ def test_opcheck_traced_path_ops(name):
 
 def table_and_bias_cases():
     """(name, op, args) for the materialising ops that trace: the sinusoid table, the ALiBi, T5,
-    Kerple and FIRE biases and the learned table, with [S] and [B, S] positions, differentiable in
-    their parameters."""
+    Kerple, FIRE and TUPE biases, the learned and FLOATER tables, Shaw's score and value terms and
+    Transformer-XL's, with [S] and [B, S] positions, differentiable in their parameters."""
     torch.manual_seed(4)
     q, k = torch.arange(5) + 3, torch.arange(7)
     qb, kb = torch.stack([q, q + 9]), torch.stack([k, k + 4])
@@ -125,6 +126,27 @@ def table_and_bias_cases():
     table, x = torch.randn(64, 8, requires_grad=True), torch.randn(2, 5, 8, requires_grad=True)
     yield "learned", ops.learned, (table, x, q)
     yield "learned-batched-f64", ops.learned, (table.detach().double().requires_grad_(), x.detach().double(), qb)
+    d_model, heads, head_dim = 8, 2, 4
+    tupe = [torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+            for shape in ((32, d_model), (d_model, heads * head_dim), (d_model, heads * head_dim), (heads,), (heads,))]
+    yield "tupe", ops.tupe_bias, (*tupe, q, k, heads, False)
+    yield "tupe-batched-cls", ops.tupe_bias, (*tupe, qb, kb, heads, True)
+    floater = [torch.randn(*shape, dtype=torch.float64).mul(0.5).requires_grad_()
+               for shape in ((4, 3 + 1), (4,), (3, 4), (3,), (3,))]
+    yield "floater", ops.floater_table, (*floater, 6, 0.1, 2)
+    yield "floater-f32", ops.floater_table, (*(t.detach().float().requires_grad_() for t in floater), 3, 0.25, 1)
+    sq = torch.randn(2, 5, heads, head_dim, requires_grad=True)
+    key_table, value_table = (torch.randn(7, head_dim, requires_grad=True) for _ in range(2))
+    yield "shaw-scores", ops.shaw_scores, (sq, key_table, q, k, 3)
+    yield "shaw-scores-batched", ops.shaw_scores, (sq, key_table, qb, kb, 3)
+    probs = torch.rand(2, heads, 5, 7).softmax(-1).requires_grad_()
+    yield "shaw-values", ops.shaw_values, (probs, value_table, q, k, 3)
+    sk = torch.randn(2, 7, heads, head_dim, requires_grad=True)
+    u, v, w_r = (torch.randn(*shape, requires_grad=True) for shape in ((heads, head_dim), (heads, head_dim),
+                                                                         (heads * head_dim, 6)))
+    yield "xl", ops.xl_scores, (sq, sk, u, v, w_r, q, k, 0.5, 10000.0)
+    yield "xl-batched-f64", ops.xl_scores, (*(t.detach().double().requires_grad_() for t in (sq, sk, u, v, w_r)),
+                                            qb, kb, 0.5, 500.0)
 
 
 TABLE_AND_BIAS_CASES = {name: (op, args) for name, op, args in table_and_bias_cases()}
@@ -134,6 +156,41 @@ TABLE_AND_BIAS_CASES = {name: (op, args) for name, op, args in table_and_bias_ca
 def test_opcheck_tables_and_biases(name):
     op, args = TABLE_AND_BIAS_CASES[name]
     opcheck(op.default, args)
+
+
+def stickbreaking_and_cope_cases():
+    """(name, op, args) for the two attentions with kernels of their own: stick-breaking (out and
+    rem, both differentiable) and CoPE (out, and an lse without gradient), padded and packed, f32
+    and bf16 (whose backward reads the forward's f32 out)."""
+    q, k, v = qkv(b=2, s=9, h=4, g=2, d=8)
+    packed = [t.detach()[0].requires_grad_() for t in (q, k, v)]
+    wide = [t.detach().bfloat16().requires_grad_() for t in (q, k, v)]
+    yield "stickbreaking", ops.stickbreaking_attention, (q, k, v, 0.0, False, [], [], True)
+    yield "stickbreaking-current-packed", ops.stickbreaking_attention, (*packed, 0.5, True, [0, 4, 9], [0, 4, 9], False)
+    yield "stickbreaking-bf16", ops.stickbreaking_attention, (*wide, 0.0, False, [], [], True)
+    torch.manual_seed(8)
+    table = torch.randn(12, 8).mul(0.1).requires_grad_()
+    yield "cope", ops.cope_attention, (q, k, v, table, 0.0, [], [])
+    yield "cope-packed", ops.cope_attention, (*packed, table, 0.3, [0, 4, 9], [0, 4, 9])
+    yield "cope-bf16", ops.cope_attention, (*wide, table, 0.0, [], [])
+
+
+STICKBREAKING_AND_COPE_CASES = {name: (op, args) for name, op, args in stickbreaking_and_cope_cases()}
+
+
+@pytest.mark.parametrize("name", list(STICKBREAKING_AND_COPE_CASES))
+def test_opcheck_stickbreaking_and_cope(name):
+    op, args = STICKBREAKING_AND_COPE_CASES[name]
+    opcheck(op.default, args)
+    # The forward op the autograd kernel calls: the same out and per-row output, and the f32 out
+    # for 16-bit inputs (an empty tensor otherwise).
+    forward = ops.stickbreaking_attention_forward if name.startswith("stick") else ops.cope_attention_forward
+    detached = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+    opcheck(forward.default, detached, test_utils=("test_schema", "test_faketensor"))
+    out, row, wide = forward(*detached)
+    want_out, want_row = op(*detached)
+    assert torch.equal(out, want_out) and torch.equal(row, want_row)
+    assert wide.numel() == (out.numel() if out.dtype == torch.bfloat16 else 0)
 
 
 class FoxBlock(torch.nn.Module):

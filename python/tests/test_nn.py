@@ -195,7 +195,11 @@ def test_set_rope_says_what_differs():
         cache.set_rope(posenc.RotaryPositionalEncoding(16, rotary_dim=8))
     with pytest.raises(TypeError, match="rope is ALiBi; expected a RotaryPositionalEncoding"):
         cache.set_rope(posenc.ALiBi(2))
-    # A cache of unrotated keys takes any layout; the module's repr names its arguments.
+    # An empty rotated cache and a cache of unrotated keys take any layout; the module's repr names
+    # its arguments.
+    empty = KVCache(1, 2, 16, rope=posenc.RotaryPositionalEncoding(16))
+    empty.set_rope(posenc.RotaryPositionalEncoding(16, layout="interleaved"))
+    assert empty.rope.layout == "interleaved"
     plain = KVCache(1, 2, 16, rope=posenc.RotaryPositionalEncoding(16), rotated=False)
     plain.set_rope(posenc.RotaryPositionalEncoding(16, layout="interleaved"))
     assert repr(plain.rope) == ("RotaryPositionalEncoding(head_dim=16, rotary_dim=16, base=10000.0, "

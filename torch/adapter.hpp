@@ -45,6 +45,43 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> returned(const at::Tensor& q, con
 // ops this way, so that torch.compile and opcheck record them.
 torch::jit::Stack call_below_autograd(const char* name, torch::jit::Stack stack);
 
+// While torch.compile or torch.library.opcheck traces, the tensors are subclasses (fake or
+// functional tensors: the Python dispatch key) that hold no data; an autograd kernel then goes
+// through the ops, so that the tracer records them and runs their fake kernels.
+bool traced(const at::Tensor& t);
+bool traced(at::TensorList ts);
+
+// A traced call passes its typed objects (Rope, Scheme, Temperature) as their pickled bytes, a uint8
+// [n] tensor: a constant of the compiled graph that its cache keeps and another process reads,
+// where torchbind objects would be lost (torch 2.15's AOTAutograd refuses them as values saved for
+// the backward, and its inductor cache does not restore them). The classes' __setstate__ checks
+// every value again when the bytes are read.
+at::Tensor pickled(const c10::IValue& value);
+// The value in such bytes; bytes that are not one are the caller's bad value: a ValueError
+// "WHERE: NAME are not EXPECTED (why)".
+c10::IValue unpickled(const char* where, const char* name, const at::Tensor& bytes, const char* expected);
+template <class T>
+c10::intrusive_ptr<T> unpickled_object(const char* where, const char* name, const at::Tensor& bytes,
+                                       const char* expected) {
+  const c10::IValue value = unpickled(where, name, bytes, expected);
+  try {
+    return value.toCustomClass<T>();
+  } catch (const c10::Error& e) {
+    TORCH_CHECK_VALUE(false, where, ": ", name, " are not ", expected, " (", e.what_without_backtrace(), ")");
+  }
+}
+
+// Defines posenc::NAME from its schema "NAME(…) -> …" with its CPU kernel and, when given, its
+// autograd kernel (a TORCH_FN or a torch::CppFunction).
+template <class Cpu, class... Autograd>
+void define_op(torch::Library& m, const std::string& schema, Cpu cpu, Autograd&&... autograd) {
+  static_assert(sizeof...(Autograd) <= 1, "one autograd kernel at most");
+  const std::string name = schema.substr(0, schema.find('('));
+  m.def(schema.c_str());
+  m.impl(name.c_str(), torch::dispatch(c10::DispatchKey::CPU, cpu));
+  (m.impl(name.c_str(), torch::dispatch(c10::DispatchKey::Autograd, std::forward<Autograd>(autograd))), ...);
+}
+
 // posenc::Error → ValueError (the Python exception for bad values and shapes).
 template <class Fn>
 auto translating(Fn&& fn) -> decltype(fn()) {

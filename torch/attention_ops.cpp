@@ -1,5 +1,6 @@
 // The PyTorch ops of the fused attention and of the scheme registry (list in ops.cpp's header).
 #include <torch/library.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/torch.h>
 
@@ -45,48 +46,95 @@ HeadGroup attention_group(const char* where, const std::string& name, const Sche
 }
 
 // Any registered relative-bias scheme (registry.hpp) materialised as [B, H, Sq, Sk], differentiable
-// in its parameters (params: the registry's parameter_shape; None: its initial values).
+// in its parameters (params: the registry's parameter_shape; None: its initial values). The scheme
+// is the object (relative_bias) or its pickled bytes (relative_bias_pickled, which a traced call
+// records; its `heads` is the scheme's, given for the fake kernel, which cannot read the bytes).
+c10::intrusive_ptr<SchemeClass> scheme_object(const char* where, const c10::IValue& scheme) {
+  if (scheme.isTensor()) {
+    return unpickled_object<SchemeClass>(where, "scheme", scheme.toTensor(), "a pickled torch.classes.posenc.Scheme");
+  }
+  return scheme.toCustomClass<SchemeClass>();
+}
+BiasScheme bias_scheme_of(const SchemeClass& scheme, const at::Tensor& params) {
+  TORCH_CHECK_VALUE(scheme.entry->family == "relative-bias", "relative_bias: scheme = ", scheme.entry->name,
+                    "; expected a scheme of the relative-bias family (posenc.schemes())");
+  const HeadGroup g = attention_group("relative_bias", "params", scheme, params, 1, 0.0);
+  TORCH_CHECK_VALUE(g.bias.has_value(), "relative_bias: scheme = ", scheme.entry->name, " builds no bias");
+  return *g.bias;
+}
+at::Tensor relative_bias_cpu(const c10::intrusive_ptr<SchemeClass>& scheme, const c10::optional<at::Tensor>& params,
+                             const at::Tensor& q_positions, const at::Tensor& k_positions, c10::ScalarType dtype) {
+  const at::Tensor p = params ? *params : at::Tensor();
+  return translating([&] {
+    return materialize(bias_scheme_of(*scheme, p), q_positions.contiguous(), k_positions.contiguous(), dtype);
+  });
+}
+at::Tensor relative_bias_pickled_cpu(const at::Tensor& scheme, const c10::optional<at::Tensor>& params,
+                                     const at::Tensor& q_positions, const at::Tensor& k_positions,
+                                     c10::ScalarType dtype, std::int64_t heads) {
+  const auto object = scheme_object("relative_bias_pickled", scheme);
+  TORCH_CHECK_VALUE(heads == object->heads, "relative_bias_pickled: heads = ", heads, "; expected the scheme's (",
+                    object->heads, ")");
+  return relative_bias_cpu(object, params, q_positions, k_positions, dtype);
+}
+// The gradient of params (given, non-empty) for grad [B, H, Sq, Sk], in params' shape.
+at::Tensor relative_bias_backward_cpu(const at::Tensor& grad, const at::Tensor& scheme, const at::Tensor& params,
+                                      const at::Tensor& q_positions, const at::Tensor& k_positions) {
+  const char* where = "relative_bias_backward";
+  const auto object = scheme_object(where, scheme);
+  return translating([&] {
+    const BiasScheme b = bias_scheme_of(*object, params);
+    const RelativeBias& rb = *relative_bias(b);
+    std::vector<double> d(static_cast<std::size_t>(rb.parameter_count()), 0.0);
+    const at::Tensor ds = grad.contiguous(), qi = q_positions.contiguous(), ki = k_positions.contiguous();
+    relative_bias_backward(rb, positions_of(where, "q_positions", qi), positions_of(where, "k_positions", ki),
+                           const_view(where, "grad", ds), d);
+    return tensor_of(d, params);
+  });
+}
+
 class RelativeBiasFunction : public torch::autograd::Function<RelativeBiasFunction> {
  public:
-  static BiasScheme scheme_of(const SchemeClass& scheme, const at::Tensor& params) {
-    TORCH_CHECK_VALUE(scheme.entry->family == "relative-bias", "relative_bias: scheme = ", scheme.entry->name,
-                      "; expected a scheme of the relative-bias family (posenc.schemes())");
-    const HeadGroup g = attention_group("relative_bias", "params", scheme, params, 1, 0.0);
-    TORCH_CHECK_VALUE(g.bias.has_value(), "relative_bias: scheme = ", scheme.entry->name, " builds no bias");
-    return *g.bias;
-  }
-  static at::Tensor forward(AutogradContext* ctx, const c10::intrusive_ptr<SchemeClass>& scheme,
-                            const c10::optional<at::Tensor>& params, const at::Tensor& q_positions,
-                            const at::Tensor& k_positions, c10::ScalarType dtype) {
-    const at::Tensor qi = q_positions.contiguous(), ki = k_positions.contiguous();
+  static at::Tensor forward(AutogradContext* ctx, c10::IValue scheme, const c10::optional<at::Tensor>& params,
+                            const at::Tensor& q_positions, const at::Tensor& k_positions, c10::ScalarType dtype,
+                            std::int64_t heads) {
     const at::Tensor p = params ? *params : at::Tensor();
+    if (!scheme.isTensor() && (traced(p) || traced(q_positions) || traced(k_positions))) scheme = pickled(scheme);
     ctx->saved_data["scheme"] = scheme;
-    ctx->saved_data["given"] = p.defined();
-    ctx->save_for_backward({p.defined() ? p : at::empty({0}), qi, ki});
-    return translating([&] { return materialize(scheme_of(*scheme, p), qi, ki, dtype); });
+    // A gradient for given parameters (a scheme without any takes an empty tensor); sizes may be symbolic.
+    ctx->saved_data["given"] = p.defined() && p.sym_numel().sym_ne(0).guard_bool(__FILE__, __LINE__);
+    ctx->save_for_backward({p.defined() ? p : at::empty({0}), q_positions, k_positions});
+    if (scheme.isTensor()) {
+      return call_below_autograd("posenc::relative_bias_pickled",
+                                 {scheme, params, q_positions, k_positions, dtype, heads})[0]
+          .toTensor();
+    }
+    return call_below_autograd("posenc::relative_bias", {scheme, params, q_positions, k_positions, dtype})[0]
+        .toTensor();
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    return translating([&] {
-      at::Tensor d_params;
-      if (ctx->saved_data["given"].toBool() && saved[0].numel() > 0) {
-        const BiasScheme b = scheme_of(*ctx->saved_data["scheme"].toCustomClass<SchemeClass>(), saved[0]);
-        const RelativeBias& rb = *relative_bias(b);
-        std::vector<double> d(static_cast<std::size_t>(rb.parameter_count()), 0.0);
-        const at::Tensor ds = grads[0].contiguous();
-        relative_bias_backward(rb, positions_of("relative_bias", "q_positions", saved[1]),
-                               positions_of("relative_bias", "k_positions", saved[2]),
-                               const_view("relative_bias", "grad", ds), d);
-        d_params = tensor_of(d, saved[0]);
-      }
-      return variable_list{at::Tensor(), d_params, at::Tensor(), at::Tensor(), at::Tensor()};
-    });
+    at::Tensor d_params;
+    if (ctx->saved_data["given"].toBool() && grads[0].defined()) {
+      const c10::IValue scheme = ctx->saved_data["scheme"];
+      d_params = call_below_autograd("posenc::relative_bias_backward",
+                                     {grads[0], scheme.isTensor() ? scheme.toTensor() : pickled(scheme), saved[0],
+                                      saved[1], saved[2]})[0]
+                     .toTensor();
+    }
+    return variable_list{at::Tensor(), d_params, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
-at::Tensor relative_bias_op(const c10::intrusive_ptr<SchemeClass>& scheme, const c10::optional<at::Tensor>& params,
-                            const at::Tensor& q_positions, const at::Tensor& k_positions, c10::ScalarType dtype) {
-  return RelativeBiasFunction::apply(scheme, params, q_positions, k_positions, dtype);
+at::Tensor relative_bias_autograd(const c10::intrusive_ptr<SchemeClass>& scheme,
+                                  const c10::optional<at::Tensor>& params, const at::Tensor& q_positions,
+                                  const at::Tensor& k_positions, c10::ScalarType dtype) {
+  return RelativeBiasFunction::apply(c10::IValue(scheme), params, q_positions, k_positions, dtype, scheme->heads);
+}
+at::Tensor relative_bias_pickled_autograd(const at::Tensor& scheme, const c10::optional<at::Tensor>& params,
+                                          const at::Tensor& q_positions, const at::Tensor& k_positions,
+                                          c10::ScalarType dtype, std::int64_t heads) {
+  return RelativeBiasFunction::apply(c10::IValue(scheme), params, q_positions, k_positions, dtype, heads);
 }
 
 // The registry as JSON (posenc/registry.hpp: schemes_json).
@@ -346,58 +394,23 @@ AttentionGrads attention_gradients(const AttentionCall& call, const at::Tensor& 
   return r;
 }
 
-// While torch.compile or torch.library.opcheck traces, the tensors are subclasses (fake or
-// functional tensors: the Python dispatch key) that hold no data; the autograd kernel then goes
-// through the ops (attention, attention_grad), so that the tracer records them and runs their fake
-// kernels. An eager call computes directly and keeps its plan for the backward, which saves
-// building XL's and TUPE's tables a second time.
-bool traced(const at::Tensor& t) { return t.defined() && t.key_set().has(c10::DispatchKey::Python); }
-bool traced(at::TensorList ts) {
-  return std::any_of(ts.begin(), ts.end(), [](const at::Tensor& t) { return traced(t); });
-}
-
-// The traced path passes a call's typed objects (its schemes and temperature) to attention_planned
-// as their pickled bytes, a uint8 tensor: a constant of the compiled graph that its cache keeps and
-// another process reads, where torchbind objects would be lost (torch 2.15's inductor cache does
-// not restore them). The classes' __setstate__ checks every value again when they are read.
+// An eager call computes directly and keeps its plan for the backward, which saves building XL's
+// and TUPE's tables a second time; a traced one goes through attention_planned and attention_grad.
 at::Tensor objects_tensor(const SchemeList& schemes, const OptionalTemperature& temperature) {
-  const std::vector<char> bytes = torch::pickle_save(
+  return pickled(
       c10::ivalue::Tuple::create({c10::IValue(schemes), temperature ? c10::IValue(*temperature) : c10::IValue()}));
-  at::Tensor t;
-  {
-    // Made with data outside the tracer's modes, then handed to them as torch.tensor does: a
-    // tracer records it as a constant of the graph.
-    const c10::impl::ExcludeDispatchKeyGuard no_modes(
-        c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot}));
-    t = at::tensor(at::ArrayRef<std::uint8_t>(reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size()),
-                   at::kByte);
-  }
-  return at::lift_fresh(t);
 }
 std::pair<SchemeList, OptionalTemperature> objects_of(const char* where, const at::Tensor& objects) {
-  TORCH_CHECK_VALUE(objects.device().is_cpu() && objects.scalar_type() == at::kByte && objects.dim() == 1, where,
-                    ": objects shape ", objects.sizes(), " (", objects.scalar_type(),
-                    "); expected the uint8 [n] pickled schemes and temperature of an attention call");
-  const at::Tensor c = objects.contiguous();
-  const auto* data = reinterpret_cast<const char*>(c.data_ptr<std::uint8_t>());
-  // Any failure to read them (bytes from elsewhere) is the caller's bad value, by name.
-  const auto refuse = [&](const std::string& why) {
-    TORCH_CHECK_VALUE(false, where, ": objects are not the pickled (schemes, temperature) of an attention call (", why,
-                      ")");
-  };
+  const char* expected = "the pickled (schemes, temperature) of an attention call";
+  const c10::IValue value = unpickled(where, "objects", objects, expected);
   std::pair<SchemeList, OptionalTemperature> result;
   try {
-    const c10::IValue value = torch::jit::pickle_load_obj(std::string_view(data, static_cast<std::size_t>(c.numel())));
-    if (!value.isTuple() || value.toTupleRef().elements().size() != 2) refuse("not a pair");
+    TORCH_CHECK(value.isTuple() && value.toTupleRef().elements().size() == 2, "not a pair");
     const auto& items = value.toTupleRef().elements();
     result.first = items[0].to<SchemeList>();
     if (!items[1].isNone()) result.second = items[1].toCustomClass<TemperatureClass>();
-  } catch (const c10::ValueError&) {
-    throw;
   } catch (const c10::Error& e) {
-    refuse(e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    refuse(e.what());
+    TORCH_CHECK_VALUE(false, where, ": objects are not ", expected, " (", e.what_without_backtrace(), ")");
   }
   return result;
 }
@@ -706,37 +719,49 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>> attentio
 void define_attention_ops(torch::Library& m) {
   m.class_<AttentionPlanHolder>("AttentionPlan");
   m.def("schemes() -> str", &schemes_op);
-  m.def(
-      "relative_bias(__torch__.torch.classes.posenc.Scheme scheme, Tensor? params, Tensor q_positions, "
-      "Tensor k_positions, ScalarType dtype) -> Tensor",
-      &relative_bias_op);
-  m.def(
+  define_op(m,
+            "relative_bias(__torch__.torch.classes.posenc.Scheme scheme, Tensor? params, Tensor q_positions, "
+            "Tensor k_positions, ScalarType dtype) -> Tensor",
+            TORCH_FN(relative_bias_cpu), TORCH_FN(relative_bias_autograd));
+  define_op(m,
+            "relative_bias_pickled(Tensor scheme, Tensor? params, Tensor q_positions, Tensor k_positions, "
+            "ScalarType dtype, int heads) -> Tensor",
+            TORCH_FN(relative_bias_pickled_cpu), TORCH_FN(relative_bias_pickled_autograd));
+  define_op(m,
+            "relative_bias_backward(Tensor grad, Tensor scheme, Tensor params, Tensor q_positions, Tensor k_positions) "
+            "-> Tensor",
+            TORCH_FN(relative_bias_backward_cpu));
+  define_op(
+      m,
       "attention(Tensor q, Tensor k, Tensor v, __torch__.torch.classes.posenc.Scheme[] schemes, Tensor[] params, "
       "Tensor[] gates, Tensor? sinks, bool causal, int window_left, int window_right, int? chunk_size, "
       "__torch__.torch.classes.posenc.Temperature? temperature, float softcap, float? scale, Tensor? q_positions, "
       "Tensor? k_positions, int[] cu_seqlens_q=[], int[] cu_seqlens_k=[], bool skip_vanishing_tiles=True) -> (Tensor, "
-      "Tensor)");
-  m.impl("attention", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(attention_cpu)));
-  m.impl("attention", torch::dispatch(c10::DispatchKey::Autograd, TORCH_FN(attention_autograd)));
+      "Tensor)",
+      TORCH_FN(attention_cpu), TORCH_FN(attention_autograd));
   // The traced path of attention's autograd kernel: the forward with its plan tensor, and the backward.
-  m.def(
+  define_op(
+      m,
       "attention_planned(Tensor q, Tensor k, Tensor v, Tensor objects, Tensor[] params, Tensor[] gates, "
       "Tensor? sinks, bool causal, int window_left, int window_right, int? chunk_size, float softcap, float? scale, "
       "Tensor? q_positions, Tensor? k_positions, int[] cu_seqlens_q, int[] cu_seqlens_k, bool skip_vanishing_tiles) "
-      "-> (Tensor, Tensor, Tensor)");
-  m.impl("attention_planned", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(attention_planned_cpu)));
-  m.def(
-      "attention_grad(Tensor plan, Tensor q, Tensor k, Tensor v, Tensor[] params, Tensor[] gates, Tensor? sinks, "
-      "Tensor out, Tensor lse, Tensor d_out, bool[] params_grad, bool[] gates_grad, bool sinks_grad) "
-      "-> (Tensor, Tensor, Tensor, Tensor[], Tensor[], Tensor)");
-  m.impl("attention_grad", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(attention_grad_cpu)));
-  m.def(
+      "-> (Tensor, Tensor, Tensor)",
+      TORCH_FN(attention_planned_cpu));
+  define_op(m,
+            "attention_grad(Tensor plan, Tensor q, Tensor k, Tensor v, Tensor[] params, Tensor[] gates, Tensor? sinks, "
+            "Tensor out, Tensor lse, Tensor d_out, bool[] params_grad, bool[] gates_grad, bool sinks_grad) "
+            "-> (Tensor, Tensor, Tensor, Tensor[], Tensor[], Tensor)",
+            TORCH_FN(attention_grad_cpu));
+  define_op(
+      m,
       "attention_backward(Tensor q, Tensor k, Tensor v, __torch__.torch.classes.posenc.Scheme[] schemes, "
       "Tensor[] params, bool causal, int window_left, int window_right, int? chunk_size, "
       "__torch__.torch.classes.posenc.Temperature? temperature, float softcap, float? scale, Tensor? q_positions, "
       "Tensor? k_positions, Tensor out, Tensor lse, Tensor d_out, int[] cu_seqlens_q=[], int[] cu_seqlens_k=[], "
       "bool skip_vanishing_tiles=True) -> (Tensor, Tensor, Tensor, Tensor[])",
-      &attention_backward_op);
+      TORCH_FN(attention_backward_op),
+      // A backward itself: its outputs have no gradient (an error if one is asked for).
+      torch::autograd::autogradNotImplementedFallback());
 }
 
 }  // namespace posenc::torch_adapter

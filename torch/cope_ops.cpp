@@ -112,19 +112,18 @@ std::tuple<at::Tensor, at::Tensor> cope_autograd(const at::Tensor& q, const at::
 void define_cope_ops(torch::Library& m) {
   // The call (CPU, and autograd over the two below), its forward with the f32 out that backward
   // reads, and its backward; traced with their fake kernels (python/posenc/_fake.py).
-  m.def(
-      "cope_attention(Tensor q, Tensor k, Tensor v, Tensor table, float scale, int[] cu_seqlens_q=[], "
-      "int[] cu_seqlens_k=[]) -> (Tensor, Tensor)");
-  m.impl("cope_attention", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(cope_cpu)));
-  m.impl("cope_attention", torch::dispatch(c10::DispatchKey::Autograd, TORCH_FN(cope_autograd)));
-  m.def(
-      "cope_attention_forward(Tensor q, Tensor k, Tensor v, Tensor table, float scale, int[] cu_seqlens_q, "
-      "int[] cu_seqlens_k) -> (Tensor, Tensor, Tensor)");
-  m.impl("cope_attention_forward", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(forward_cpu)));
-  m.def(
-      "cope_attention_backward(Tensor q, Tensor k, Tensor v, Tensor table, Tensor out, Tensor lse, Tensor d_out, "
-      "float scale, int[] cu_seqlens_q, int[] cu_seqlens_k) -> (Tensor, Tensor, Tensor, Tensor)");
-  m.impl("cope_attention_backward", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(backward_cpu)));
+  define_op(m,
+            "cope_attention(Tensor q, Tensor k, Tensor v, Tensor table, float scale, int[] cu_seqlens_q=[], "
+            "int[] cu_seqlens_k=[]) -> (Tensor, Tensor)",
+            TORCH_FN(cope_cpu), TORCH_FN(cope_autograd));
+  define_op(m,
+            "cope_attention_forward(Tensor q, Tensor k, Tensor v, Tensor table, float scale, int[] cu_seqlens_q, "
+            "int[] cu_seqlens_k) -> (Tensor, Tensor, Tensor)",
+            TORCH_FN(forward_cpu));
+  define_op(m,
+            "cope_attention_backward(Tensor q, Tensor k, Tensor v, Tensor table, Tensor out, Tensor lse, Tensor d_out, "
+            "float scale, int[] cu_seqlens_q, int[] cu_seqlens_k) -> (Tensor, Tensor, Tensor, Tensor)",
+            TORCH_FN(backward_cpu));
 }
 
 }  // namespace posenc::torch_adapter

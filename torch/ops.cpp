@@ -12,6 +12,8 @@
 //                   sections, interleaved M-RoPE, 2-D axial with restart)
 //   posenc::rope_rerotate_(k, from_positions, Rope from_params, int from_seq_len, to_positions,
 //                   Rope to_params, int to_seq_len)   a rotated KV cache moved to new positions
+//   posenc::rope_pickled, rope_pickled_ (-> ()), rope_multi_pickled   the same with the Rope as its
+//                   pickled bytes (uint8 [n]): what the autograd kernels call while a tracer runs
 //   posenc::alibi_bias(Tensor slopes, Tensor q_positions, Tensor k_positions, bool symmetric) -> Tensor
 //   posenc::t5_bias(Tensor table, Tensor q_positions, Tensor k_positions, int num_buckets,
 //                   int max_distance, bool bidirectional) -> Tensor
@@ -45,7 +47,9 @@
 //   posenc::schemes() -> str   the registry as JSON
 //   posenc::relative_bias(Scheme scheme, Tensor? params, Tensor q_positions, Tensor k_positions,
 //                   ScalarType dtype) -> Tensor   any registered relative-bias scheme materialised,
-//                   [B, H, Sq, Sk], differentiable in params (None: its initial values)
+//                   [B, H, Sq, Sk], differentiable in params (None: its initial values);
+//                   relative_bias_pickled(Tensor scheme, …, int heads) its traced form and
+//                   relative_bias_backward(grad, Tensor scheme, params, q_positions, k_positions)
 //   posenc::empty_cache()   frees the cached blocks of large outputs (see BlockCache)
 //   posenc::huge_page_zeros(int[] shape, ScalarType dtype)   a zero-filled tensor on 2 MiB pages
 //                   (posenc/memory.hpp): for KV caches that decode reads
@@ -54,6 +58,7 @@
 // Positions are int64 tensors [S] (shared by the batch) or [B, S]. posenc::Error becomes a Python
 // ValueError (its message names the parameter, the value and what was expected); tensors on
 // another device or of an unsupported dtype become TypeError.
+#include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/library.h>
 #include <torch/torch.h>
 
@@ -141,6 +146,43 @@ torch::jit::Stack call_below_autograd(const char* name, torch::jit::Stack stack)
   at::AutoDispatchBelowADInplaceOrView guard;
   handle.callBoxed(&stack);
   return stack;
+}
+
+bool traced(const at::Tensor& t) { return t.defined() && t.key_set().has(c10::DispatchKey::Python); }
+bool traced(at::TensorList ts) {
+  return std::any_of(ts.begin(), ts.end(), [](const at::Tensor& t) { return traced(t); });
+}
+
+at::Tensor pickled(const c10::IValue& value) {
+  const std::vector<char> bytes = torch::pickle_save(value);
+  at::Tensor t;
+  {
+    // Made with data outside the tracer's modes, then handed to them as torch.tensor does: a
+    // tracer records it as a constant of the graph.
+    const c10::impl::ExcludeDispatchKeyGuard no_modes(
+        c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot}));
+    t = at::tensor(at::ArrayRef<std::uint8_t>(reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size()),
+                   at::kByte);
+  }
+  return at::lift_fresh(t);
+}
+
+c10::IValue unpickled(const char* where, const char* name, const at::Tensor& bytes, const char* expected) {
+  TORCH_CHECK_VALUE(bytes.defined() && bytes.device().is_cpu() && bytes.scalar_type() == at::kByte && bytes.dim() == 1,
+                    where, ": ", name, " shape ", bytes.defined() ? c10::str(bytes.sizes()) : std::string("undefined"),
+                    " (", bytes.defined() ? c10::toString(bytes.scalar_type()) : "none", "); expected the uint8 [n] ",
+                    expected);
+  const at::Tensor c = bytes.contiguous();
+  const auto* data = reinterpret_cast<const char*>(c.data_ptr<std::uint8_t>());
+  try {
+    return torch::jit::pickle_load_obj(std::string_view(data, static_cast<std::size_t>(c.numel())));
+  } catch (const c10::ValueError&) {
+    throw;  // a value the classes' __setstate__ refused, by name
+  } catch (const c10::Error& e) {
+    TORCH_CHECK_VALUE(false, where, ": ", name, " are not ", expected, " (", e.what_without_backtrace(), ")");
+  } catch (const std::exception& e) {
+    TORCH_CHECK_VALUE(false, where, ": ", name, " are not ", expected, " (", e.what(), ")");
+  }
 }
 
 // An op split as NAME and NAME_backward, from its autograd kernel. The forward saves the tensors
@@ -294,8 +336,6 @@ at::Tensor rope_rerotate_op(at::Tensor k, const at::Tensor& from_positions,
                             std::int64_t to_seq_len) {
   return translating([&] {
     const char* where = "rope_rerotate_";
-    TORCH_CHECK_VALUE(!k.requires_grad() || !at::GradMode::is_enabled(), where,
-                      ": k requires grad; expected a cache tensor (re-rotation has no gradient)");
     const RopeParams &from = from_params->params, &to = to_params->params;
     const at::Tensor from_ids = from_positions.contiguous(), to_ids = to_positions.contiguous();
     const Positions from_pos = positions_of(where, "from_positions", from_ids);
@@ -304,6 +344,19 @@ at::Tensor rope_rerotate_op(at::Tensor k, const at::Tensor& from_positions,
                   seq_len_of(where, "to_seq_len", to_seq_len), const_view(where, "k", k), mutable_view(where, "k", k));
     return k;
   });
+}
+
+// Caches hold no gradient: refused for a k that requires one; the in-place write bumps k's version.
+at::Tensor rope_rerotate_autograd(at::Tensor k, const at::Tensor& from_positions,
+                                  const c10::intrusive_ptr<RopeClass>& from_params, std::int64_t from_seq_len,
+                                  const at::Tensor& to_positions, const c10::intrusive_ptr<RopeClass>& to_params,
+                                  std::int64_t to_seq_len) {
+  TORCH_CHECK_VALUE(!k.requires_grad() || !at::GradMode::is_enabled(),
+                    "rope_rerotate_: k requires grad; expected a cache tensor (re-rotation has no gradient)");
+  call_below_autograd("posenc::rope_rerotate_", torch::jit::Stack{k, from_positions, from_params, from_seq_len,
+                                                                  to_positions, to_params, to_seq_len});
+  if (!k.is_inference()) torch::autograd::impl::bump_version(k);
+  return k;
 }
 
 // Multi-axis RoPE (M-RoPE, 2-D axial): positions [A, S] or [A, B, S], one row per axis.
@@ -350,33 +403,99 @@ std::tuple<at::Tensor, at::Tensor> rope_multi_tensors(const at::Tensor& q, const
   });
 }
 
-class RopeFunction : public torch::autograd::Function<RopeFunction> {
+// A Rope argument: the object (an eager call of rope, rope_, rope_multi) or its pickled bytes (their
+// _pickled forms, which a traced call records).
+c10::intrusive_ptr<RopeClass> rope_object(const char* where, const c10::IValue& params) {
+  if (params.isTensor()) {
+    return unpickled_object<RopeClass>(where, "params", params.toTensor(), "a pickled torch.classes.posenc.Rope");
+  }
+  return params.toCustomClass<RopeClass>();
+}
+
+// The op a rotation's autograd kernel calls below autograd: NAME with the object, or, while a
+// tracer runs, NAME_pickled (NAME_pickled_ in place) with its bytes as a constant of the graph.
+std::string rotation_op(const std::string& name, torch::jit::Stack& options, bool tracing) {
+  if (tracing && !options[0].isTensor()) options[0] = pickled(options[0]);
+  if (!options[0].isTensor()) return "posenc::" + name;
+  return "posenc::" + (name.back() == '_' ? name.substr(0, name.size() - 1) + "_pickled_" : name + "_pickled");
+}
+
+c10::List<c10::IValue> ivalue_list(const torch::jit::Stack& values) {
+  c10::List<c10::IValue> list(c10::AnyType::get());
+  for (const c10::IValue& v : values) list.push_back(v);
+  return list;
+}
+
+// The gradient of a rotation: y = α·S·R(±θ)·x, so dx = α·S·R(∓θ)·dy — the same op out of place
+// with the direction flipped. The inverse, R(−θ)·y/(α·S), would need R(θ)/(α·S), none of the three
+// directions. `options` are the op's arguments after positions: the Rope first, the direction last.
+variable_list rotation_gradients(AutogradContext* ctx, const std::string& name, const variable_list& grads) {
+  const bool has_k = ctx->saved_data["has_k"].toBool();
+  torch::jit::Stack options = ctx->saved_data["options"].toList().vec();
+  const std::int64_t direction = options.back().toInt();
+  TORCH_CHECK_VALUE(direction != 2, name, ": direction = 2 (inverse); expected 0 or 1 when gradients are needed");
+  options.back() = direction == 0 ? 1 : 0;
+  const std::string op = rotation_op(name, options, false);  // the forward's: bytes if it was traced
+  // Both gradients are defined: autograd materializes an unused output's as zeros.
+  const at::Tensor dq = grads[0].contiguous();
+  const at::Tensor dk = has_k ? grads[1].contiguous() : dq.new_empty({0});
+  const at::Tensor positions = ctx->get_saved_variables()[0];
+  torch::jit::Stack stack{dq, dk, positions};
+  stack.insert(stack.end(), options.begin(), options.end());
+  const torch::jit::Stack d = call_below_autograd(op.c_str(), std::move(stack));
+  return {d[0].toTensor(), has_k ? d[1].toTensor() : at::Tensor()};
+}
+
+void save_rotation(AutogradContext* ctx, const at::Tensor& k, const at::Tensor& positions,
+                   const torch::jit::Stack& options) {
+  ctx->saved_data["has_k"] = !absent(k);
+  ctx->saved_data["options"] = ivalue_list(options);
+  ctx->save_for_backward({positions});
+}
+
+// The autograd kernel of rope, rope_multi and their _pickled forms.
+class RotationFunction : public torch::autograd::Function<RotationFunction> {
  public:
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
-                               const at::Tensor& positions, const c10::intrusive_ptr<RopeClass>& params,
-                               std::int64_t seq_len, std::int64_t direction) {
-    ctx->saved_data["params"] = params;
-    ctx->saved_data["seq_len"] = seq_len;
-    ctx->saved_data["direction"] = direction;
-    ctx->saved_data["has_k"] = !absent(k);
-    ctx->save_for_backward({positions});
-    auto [q_out, k_out] = rope_apply_tensors(q, k, positions, params, seq_len, direction);
-    return {q_out, k_out};
+  static variable_list forward(AutogradContext* ctx, const std::string& name, const at::Tensor& q, const at::Tensor& k,
+                               const at::Tensor& positions, torch::jit::Stack options) {
+    const std::string op = rotation_op(name, options, traced(q) || traced(k) || traced(positions));
+    ctx->saved_data["name"] = name;
+    save_rotation(ctx, k, positions, options);
+    torch::jit::Stack stack{q, k, positions};
+    stack.insert(stack.end(), options.begin(), options.end());
+    const torch::jit::Stack out = call_below_autograd(op.c_str(), std::move(stack));
+    return {out[0].toTensor(), out[1].toTensor()};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto params = ctx->saved_data["params"].toCustomClass<RopeClass>();
-    const std::int64_t seq_len = ctx->saved_data["seq_len"].toInt();
-    const std::int64_t direction = ctx->saved_data["direction"].toInt();
-    const bool has_k = ctx->saved_data["has_k"].toBool();
-    const at::Tensor positions = ctx->get_saved_variables()[0];
-    // y = α·S·R(±θ)·x, so dx = α·S·R(∓θ)·dy: forward and backward are each other's gradient. The
-    // inverse, R(−θ)·y/(α·S), would need R(θ)/(α·S), which is none of the three directions.
-    TORCH_CHECK_VALUE(direction != 2, "rope: direction = 2 (inverse); expected 0 or 1 when gradients are needed");
-    const at::Tensor dq = grads[0].defined() ? grads[0] : at::zeros_like(grads[1]);
-    const at::Tensor dk = has_k ? (grads[1].defined() ? grads[1] : at::Tensor()) : at::Tensor();
-    auto [gq, gk] = rope_apply_tensors(dq.contiguous(), has_k && dk.defined() ? dk.contiguous() : dq.new_empty({0}),
-                                       positions, params, seq_len, direction == 0 ? 1 : 0);
-    return {gq, has_k && dk.defined() ? gk : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    const std::string name = ctx->saved_data["name"].toStringRef();
+    const variable_list d = rotation_gradients(ctx, name, grads);
+    return {at::Tensor(), d[0], d[1], at::Tensor(), at::Tensor()};
+  }
+};
+
+// In place, differentiable: the rotated tensors are marked dirty (autograd then rejects leaves
+// that require grad, as for any in-place op); the gradient is the flipped rotation out of place.
+class RotationInplaceFunction : public torch::autograd::Function<RotationInplaceFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, at::Tensor q, at::Tensor k, const at::Tensor& positions,
+                               torch::jit::Stack options) {
+    TORCH_CHECK_VALUE(options.back().toInt() != 2 || !(q.requires_grad() || (!absent(k) && k.requires_grad())),
+                      "rope_: direction = 2 (inverse); expected 0 or 1 when gradients are needed");
+    const std::string op = rotation_op("rope_", options, traced(q) || traced(k) || traced(positions));
+    save_rotation(ctx, k, positions, options);
+    torch::jit::Stack stack{q, k, positions};
+    stack.insert(stack.end(), options.begin(), options.end());
+    call_below_autograd(op.c_str(), std::move(stack));
+    if (absent(k)) {
+      ctx->mark_dirty({q});
+    } else {
+      ctx->mark_dirty({q, k});
+    }
+    return {q, k};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list d = rotation_gradients(ctx, "rope", grads);
+    return {d[0], d[1], at::Tensor(), at::Tensor()};
   }
 };
 
@@ -410,99 +529,64 @@ std::string rope_config_op(const std::string& config, c10::optional<std::int64_t
   });
 }
 
-std::tuple<at::Tensor, at::Tensor> rope_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
-                                           const c10::intrusive_ptr<RopeClass>& params, std::int64_t seq_len,
-                                           std::int64_t direction) {
-  const variable_list out = RopeFunction::apply(q, k, positions, params, seq_len, direction);
+// The kernels of rope and rope_pickled (CPU) and their autograd kernel.
+template <class Params>
+std::tuple<at::Tensor, at::Tensor> rope_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
+                                            const Params& params, std::int64_t seq_len, std::int64_t direction) {
+  return rope_apply_tensors(q, k, positions, rope_object("rope", params), seq_len, direction);
+}
+template <class Params>
+std::tuple<at::Tensor, at::Tensor> rope_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
+                                                 const Params& params, std::int64_t seq_len, std::int64_t direction) {
+  const variable_list out =
+      RotationFunction::apply("rope", q, k, positions, torch::jit::Stack{params, seq_len, direction});
   return {out[0], out[1]};
 }
 
-// In place, differentiable: the rotated tensors are marked dirty (autograd then rejects leaves
-// that require grad, as for any in-place op); the gradient is the flipped rotation.
-class RopeInplaceFunction : public torch::autograd::Function<RopeInplaceFunction> {
- public:
-  static variable_list forward(AutogradContext* ctx, at::Tensor q, at::Tensor k, const at::Tensor& positions,
-                               const c10::intrusive_ptr<RopeClass>& params, std::int64_t seq_len,
-                               std::int64_t direction) {
-    TORCH_CHECK_VALUE(direction != 2 || !(q.requires_grad() || (!absent(k) && k.requires_grad())),
-                      "rope_: direction = 2 (inverse); expected 0 or 1 when gradients are needed");
-    ctx->saved_data["params"] = params;
-    ctx->saved_data["seq_len"] = seq_len;
-    ctx->saved_data["direction"] = direction;
-    ctx->saved_data["has_k"] = !absent(k);
-    ctx->save_for_backward({positions});
-    rope_apply_inplace(q, k, positions, params, seq_len, direction);
-    if (absent(k)) {
-      ctx->mark_dirty({q});
-    } else {
-      ctx->mark_dirty({q, k});
-    }
-    return {q, k};
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto params = ctx->saved_data["params"].toCustomClass<RopeClass>();
-    const std::int64_t seq_len = ctx->saved_data["seq_len"].toInt();
-    const std::int64_t direction = ctx->saved_data["direction"].toInt();
-    const bool has_k = ctx->saved_data["has_k"].toBool();
-    const at::Tensor positions = ctx->get_saved_variables()[0];
-    const at::Tensor dq = grads[0].defined() ? grads[0] : at::zeros_like(grads[1]);
-    const at::Tensor dk = has_k ? (grads[1].defined() ? grads[1] : at::Tensor()) : at::Tensor();
-    auto [gq, gk] = rope_apply_tensors(dq.contiguous(), has_k && dk.defined() ? dk.contiguous() : dq.new_empty({0}),
-                                       positions, params, seq_len, direction == 0 ? 1 : 0);
-    return {gq, has_k && dk.defined() ? gk : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
-  }
-};
-
-std::tuple<at::Tensor, at::Tensor> rope_inplace_op(at::Tensor q, at::Tensor k, const at::Tensor& positions,
-                                                   const c10::intrusive_ptr<RopeClass>& params, std::int64_t seq_len,
-                                                   std::int64_t direction) {
-  const variable_list out = RopeInplaceFunction::apply(q, k, positions, params, seq_len, direction);
+// rope_ and rope_pickled_ (which returns nothing, so that torch.compile functionalizes it).
+template <class Params>
+std::tuple<at::Tensor, at::Tensor> rope_inplace_cpu(at::Tensor q, at::Tensor k, const at::Tensor& positions,
+                                                    const Params& params, std::int64_t seq_len,
+                                                    std::int64_t direction) {
+  rope_apply_inplace(q, k, positions, rope_object("rope_", params), seq_len, direction);
+  return {q, k};
+}
+template <class Params>
+std::tuple<at::Tensor, at::Tensor> rope_inplace_autograd(at::Tensor q, at::Tensor k, const at::Tensor& positions,
+                                                         const Params& params, std::int64_t seq_len,
+                                                         std::int64_t direction) {
+  const variable_list out =
+      RotationInplaceFunction::apply(q, k, positions, torch::jit::Stack{params, seq_len, direction});
   return {out[0], out[1]};
 }
+void rope_pickled_inplace_cpu(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::Tensor& params,
+                              std::int64_t seq_len, std::int64_t direction) {
+  rope_inplace_cpu(q, k, positions, params, seq_len, direction);
+}
+void rope_pickled_inplace_autograd(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::Tensor& params,
+                                   std::int64_t seq_len, std::int64_t direction) {
+  rope_inplace_autograd(q, k, positions, params, seq_len, direction);
+}
 
-class RopeMultiFunction : public torch::autograd::Function<RopeMultiFunction> {
- public:
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
-                               const at::Tensor& positions, const c10::intrusive_ptr<RopeClass>& params,
-                               std::int64_t seq_len, std::vector<std::int64_t> sections, bool interleaved,
-                               std::vector<std::int64_t> axis_of_pair, bool restart, std::int64_t direction) {
-    ctx->saved_data["params"] = params;
-    ctx->saved_data["seq_len"] = seq_len;
-    ctx->saved_data["sections"] = sections;
-    ctx->saved_data["interleaved"] = interleaved;
-    ctx->saved_data["axis_of_pair"] = axis_of_pair;
-    ctx->saved_data["restart"] = restart;
-    ctx->saved_data["direction"] = direction;
-    ctx->saved_data["has_k"] = !absent(k);
-    ctx->save_for_backward({positions});
-    auto [q_out, k_out] =
-        rope_multi_tensors(q, k, positions, params, seq_len, sections, interleaved, axis_of_pair, restart, direction);
-    return {q_out, k_out};
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const std::int64_t direction = ctx->saved_data["direction"].toInt();
-    TORCH_CHECK_VALUE(direction != 2, "rope_multi: direction = 2 (inverse); expected 0 or 1 when gradients are needed");
-    const bool has_k = ctx->saved_data["has_k"].toBool();
-    const at::Tensor dq = grads[0].defined() ? grads[0] : at::zeros_like(grads[1]);
-    const at::Tensor dk = has_k ? (grads[1].defined() ? grads[1] : at::Tensor()) : at::Tensor();
-    auto [gq, gk] = rope_multi_tensors(
-        dq.contiguous(), has_k && dk.defined() ? dk.contiguous() : dq.new_empty({0}), ctx->get_saved_variables()[0],
-        ctx->saved_data["params"].toCustomClass<RopeClass>(), ctx->saved_data["seq_len"].toInt(),
-        ctx->saved_data["sections"].toIntVector(), ctx->saved_data["interleaved"].toBool(),
-        ctx->saved_data["axis_of_pair"].toIntVector(), ctx->saved_data["restart"].toBool(), direction == 0 ? 1 : 0);
-    variable_list result{gq, has_k && dk.defined() ? gk : at::Tensor()};
-    for (int i = 0; i < 8; ++i) result.emplace_back();  // positions … direction
-    return result;
-  }
-};
-
-std::tuple<at::Tensor, at::Tensor> rope_multi_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
-                                                 const c10::intrusive_ptr<RopeClass>& params, std::int64_t seq_len,
-                                                 std::vector<std::int64_t> sections, bool interleaved,
-                                                 std::vector<std::int64_t> axis_of_pair, bool restart,
-                                                 std::int64_t direction) {
-  const variable_list out = RopeMultiFunction::apply(q, k, positions, params, seq_len, sections, interleaved,
-                                                     axis_of_pair, restart, direction);
+// rope_multi and rope_multi_pickled.
+template <class Params>
+std::tuple<at::Tensor, at::Tensor> rope_multi_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
+                                                  const Params& params, std::int64_t seq_len,
+                                                  std::vector<std::int64_t> sections, bool interleaved,
+                                                  std::vector<std::int64_t> axis_of_pair, bool restart,
+                                                  std::int64_t direction) {
+  return rope_multi_tensors(q, k, positions, rope_object("rope_multi", params), seq_len, sections, interleaved,
+                            axis_of_pair, restart, direction);
+}
+template <class Params>
+std::tuple<at::Tensor, at::Tensor> rope_multi_autograd(const at::Tensor& q, const at::Tensor& k,
+                                                       const at::Tensor& positions, const Params& params,
+                                                       std::int64_t seq_len, std::vector<std::int64_t> sections,
+                                                       bool interleaved, std::vector<std::int64_t> axis_of_pair,
+                                                       bool restart, std::int64_t direction) {
+  const variable_list out = RotationFunction::apply(
+      "rope_multi", q, k, positions,
+      torch::jit::Stack{params, seq_len, sections, interleaved, axis_of_pair, restart, direction});
   return {out[0], out[1]};
 }
 
@@ -1049,14 +1133,10 @@ at::Tensor floater_op(const at::Tensor& w1, const at::Tensor& b1, const at::Tens
 // An op of three kernels: its forward (CPU), autograd over it and NAME_backward, and that backward
 // op's own kernel (CPU); torch.compile and opcheck trace the two ops with their fake kernels.
 template <class Cpu, class Autograd, class Backward>
-void define_with_backward(torch::Library& m, const char* name, const char* schema, Cpu cpu, Autograd autograd,
+void define_with_backward(torch::Library& m, const char* schema, Cpu cpu, Autograd autograd,
                           const char* backward_schema, Backward backward) {
-  const std::string backward_name = std::string(name) + "_backward";
-  m.def(schema);
-  m.impl(name, torch::dispatch(c10::DispatchKey::CPU, cpu));
-  m.impl(name, torch::dispatch(c10::DispatchKey::Autograd, autograd));
-  m.def(backward_schema);
-  m.impl(backward_name.c_str(), torch::dispatch(c10::DispatchKey::CPU, backward));
+  define_op(m, schema, cpu, autograd);
+  define_op(m, backward_schema, backward);
 }
 
 }  // namespace posenc::torch_adapter
@@ -1067,45 +1147,62 @@ TORCH_LIBRARY(posenc, m) {
   define_attention_ops(m);
   define_stickbreaking_ops(m);
   define_cope_ops(m);
-  m.def("sinusoidal_table(Tensor positions, int dim, float base, bool interleaved, ScalarType dtype) -> Tensor");
-  m.impl("sinusoidal_table", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(sinusoidal_table_op)));
-  m.def(
-      "rope(Tensor q, Tensor k, Tensor positions, __torch__.torch.classes.posenc.Rope params, int seq_len, "
-      "int direction) -> (Tensor, Tensor)",
-      &rope_op);
+  define_op(m, "sinusoidal_table(Tensor positions, int dim, float base, bool interleaved, ScalarType dtype) -> Tensor",
+            TORCH_FN(sinusoidal_table_op));
+  // RoPE: each op with the Rope object (eager) and as NAME_pickled with its bytes (traced; see
+  // rotation_op), with a CPU kernel and an autograd kernel each; the fake kernels are in _fake.py.
+  using Rope = c10::intrusive_ptr<RopeClass>;
+  const auto rotation = [&m](const char* name, const std::string& args, const std::string& returns, auto cpu,
+                             auto autograd, auto pickled_cpu, auto pickled_autograd,
+                             const std::string& pickled_returns) {
+    const std::string rope = "__torch__.torch.classes.posenc.Rope params";
+    std::string pickled_name = name;
+    pickled_name = pickled_name.back() == '_' ? pickled_name.substr(0, pickled_name.size() - 1) + "_pickled_"
+                                              : pickled_name + "_pickled";
+    const auto with = [&](const std::string& params) {
+      std::string a = args;
+      a.replace(a.find("PARAMS"), 6, params);
+      return a;
+    };
+    define_op(m, name + ("(" + with(rope) + ") -> " + returns), cpu, autograd);
+    define_op(m, pickled_name + "(" + with("Tensor params") + ") -> " + pickled_returns, pickled_cpu, pickled_autograd);
+  };
+  rotation("rope", "Tensor q, Tensor k, Tensor positions, PARAMS, int seq_len, int direction", "(Tensor, Tensor)",
+           TORCH_FN(rope_cpu<Rope>), TORCH_FN(rope_autograd<Rope>), TORCH_FN(rope_cpu<at::Tensor>),
+           TORCH_FN(rope_autograd<at::Tensor>), "(Tensor, Tensor)");
+  rotation("rope_", "Tensor(a!) q, Tensor(b!) k, Tensor positions, PARAMS, int seq_len, int direction",
+           "(Tensor(a!), Tensor(b!))", TORCH_FN(rope_inplace_cpu<Rope>), TORCH_FN(rope_inplace_autograd<Rope>),
+           TORCH_FN(rope_pickled_inplace_cpu), TORCH_FN(rope_pickled_inplace_autograd), "()");
+  rotation("rope_multi",
+           "Tensor q, Tensor k, Tensor positions, PARAMS, int seq_len, int[] sections, bool interleaved, "
+           "int[] axis_of_pair, bool restart, int direction",
+           "(Tensor, Tensor)", TORCH_FN(rope_multi_cpu<Rope>), TORCH_FN(rope_multi_autograd<Rope>),
+           TORCH_FN(rope_multi_cpu<at::Tensor>), TORCH_FN(rope_multi_autograd<at::Tensor>), "(Tensor, Tensor)");
   m.def("rope_config(str config, int? layer) -> str", &rope_config_op);
-  m.def(
-      "rope_(Tensor(a!) q, Tensor(b!) k, Tensor positions, __torch__.torch.classes.posenc.Rope params, int seq_len, "
-      "int direction) -> (Tensor(a!), Tensor(b!))",
-      &rope_inplace_op);
   m.def(
       "rope_rerotate_(Tensor(a!) k, Tensor from_positions, __torch__.torch.classes.posenc.Rope from_params, "
       "int from_seq_len, Tensor to_positions, __torch__.torch.classes.posenc.Rope to_params, int to_seq_len) "
       "-> Tensor(a!)",
-      &rope_rerotate_op);
-  m.def(
-      "rope_multi(Tensor q, Tensor k, Tensor positions, __torch__.torch.classes.posenc.Rope params, int seq_len, "
-      "int[] sections, bool interleaved, "
-      "int[] axis_of_pair, bool restart, int direction) "
-      "-> (Tensor, Tensor)",
-      &rope_multi_op);
+      {at::Tag::inplace});  // mutates and returns k: torch.compile functionalizes it
+  m.impl("rope_rerotate_", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(rope_rerotate_op)));
+  m.impl("rope_rerotate_", torch::dispatch(c10::DispatchKey::Autograd, TORCH_FN(rope_rerotate_autograd)));
   define_with_backward(
-      m, "alibi_bias", "alibi_bias(Tensor slopes, Tensor q_positions, Tensor k_positions, bool symmetric) -> Tensor",
+      m, "alibi_bias(Tensor slopes, Tensor q_positions, Tensor k_positions, bool symmetric) -> Tensor",
       TORCH_FN(alibi_cpu), TORCH_FN(alibi_op),
       "alibi_bias_backward(Tensor grad, Tensor slopes, Tensor q_positions, Tensor k_positions, bool symmetric) -> "
       "Tensor",
       TORCH_FN(alibi_backward_cpu));
   m.def("empty_cache() -> ()", &empty_cache_op);
-  m.def("huge_page_zeros(int[] shape, ScalarType dtype) -> Tensor", &huge_page_zeros_op);
+  m.def("huge_page_zeros(int[] shape, ScalarType dtype) -> Tensor");
+  m.impl("huge_page_zeros", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(huge_page_zeros_op)));
   define_with_backward(
-      m, "kerple_bias",
-      "kerple_bias(Tensor r1, Tensor r2, Tensor q_positions, Tensor k_positions, bool power) -> Tensor",
+      m, "kerple_bias(Tensor r1, Tensor r2, Tensor q_positions, Tensor k_positions, bool power) -> Tensor",
       TORCH_FN(kerple_cpu), TORCH_FN(kerple_op),
       "kerple_bias_backward(Tensor grad, Tensor r1, Tensor r2, Tensor q_positions, Tensor k_positions, "
       "bool power) -> (Tensor, Tensor)",
       TORCH_FN(kerple_backward_cpu));
   define_with_backward(
-      m, "fire_bias",
+      m,
       "fire_bias(Tensor w1, Tensor b1, Tensor w2, Tensor b2, Tensor c, Tensor threshold, Tensor q_positions, "
       "Tensor k_positions) -> Tensor",
       TORCH_FN(FireFunction::cpu), TORCH_FN(fire_op),
@@ -1113,26 +1210,24 @@ TORCH_LIBRARY(posenc, m) {
       "Tensor q_positions, Tensor k_positions) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
       TORCH_FN(FireFunction::backward_cpu));
   define_with_backward(
-      m, "tupe_bias",
+      m,
       "tupe_bias(Tensor table, Tensor u_q, Tensor u_k, Tensor theta1, Tensor theta2, Tensor q_positions, "
       "Tensor k_positions, int heads, bool cls_reset) -> Tensor",
       TORCH_FN(TupeFunction::cpu), TORCH_FN(tupe_op),
       "tupe_bias_backward(Tensor grad, Tensor table, Tensor u_q, Tensor u_k, Tensor theta1, Tensor theta2, "
       "Tensor q_positions, Tensor k_positions, int heads, bool cls_reset) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
       TORCH_FN(TupeFunction::backward_cpu));
-  define_with_backward(m, "learned", "learned(Tensor table, Tensor x, Tensor positions) -> Tensor",
-                       TORCH_FN(LearnedFunction::cpu), TORCH_FN(learned_op),
-                       "learned_backward(Tensor grad, Tensor table, Tensor positions) -> Tensor",
+  define_with_backward(m, "learned(Tensor table, Tensor x, Tensor positions) -> Tensor", TORCH_FN(LearnedFunction::cpu),
+                       TORCH_FN(learned_op), "learned_backward(Tensor grad, Tensor table, Tensor positions) -> Tensor",
                        TORCH_FN(LearnedFunction::backward_cpu));
   define_with_backward(
-      m, "shaw_scores",
-      "shaw_scores(Tensor q, Tensor key_table, Tensor q_positions, Tensor k_positions, int max_distance) -> Tensor",
+      m, "shaw_scores(Tensor q, Tensor key_table, Tensor q_positions, Tensor k_positions, int max_distance) -> Tensor",
       TORCH_FN(ShawScores::cpu), TORCH_FN(shaw_scores_op),
       "shaw_scores_backward(Tensor grad, Tensor q, Tensor key_table, Tensor q_positions, Tensor k_positions, "
       "int max_distance) -> (Tensor, Tensor)",
       TORCH_FN(ShawScores::backward_cpu));
   define_with_backward(
-      m, "shaw_values",
+      m,
       "shaw_values(Tensor probs, Tensor value_table, Tensor q_positions, Tensor k_positions, int max_distance) -> "
       "Tensor",
       TORCH_FN(ShawValues::cpu), TORCH_FN(shaw_values_op),
@@ -1140,7 +1235,7 @@ TORCH_LIBRARY(posenc, m) {
       "int max_distance) -> (Tensor, Tensor)",
       TORCH_FN(ShawValues::backward_cpu));
   define_with_backward(
-      m, "xl_scores",
+      m,
       "xl_scores(Tensor q, Tensor k, Tensor u, Tensor v, Tensor w_r, Tensor q_positions, Tensor k_positions, "
       "float scale, float base) -> Tensor",
       TORCH_FN(XlFunction::cpu), TORCH_FN(xl_op),
@@ -1148,7 +1243,7 @@ TORCH_LIBRARY(posenc, m) {
       "Tensor k_positions, float scale, float base) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
       TORCH_FN(XlFunction::backward_cpu));
   define_with_backward(
-      m, "floater_table",
+      m,
       "floater_table(Tensor w1, Tensor b1, Tensor w2, Tensor b2, Tensor p0, int length, float time_per_position, "
       "int substeps) -> Tensor",
       TORCH_FN(FloaterFunction::cpu), TORCH_FN(floater_op),
@@ -1156,7 +1251,7 @@ TORCH_LIBRARY(posenc, m) {
       "float time_per_position, int substeps) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
       TORCH_FN(FloaterFunction::backward_cpu));
   define_with_backward(
-      m, "t5_bias",
+      m,
       "t5_bias(Tensor table, Tensor q_positions, Tensor k_positions, int num_buckets, int max_distance, "
       "bool bidirectional) -> Tensor",
       TORCH_FN(t5_cpu), TORCH_FN(t5_op),

@@ -126,20 +126,20 @@ void define_stickbreaking_ops(torch::Library& m) {
   // Three ops, as the other differentiable ones: the call (CPU, and autograd over the two below),
   // its forward with the f32 out that backward reads, and its backward; torch.compile and opcheck
   // trace them with their fake kernels (python/posenc/_fake.py).
-  m.def(
+  define_op(
+      m,
       "stickbreaking_attention(Tensor q, Tensor k, Tensor v, float scale, bool attend_current, int[] cu_seqlens_q=[], "
-      "int[] cu_seqlens_k=[], bool skip_vanishing_tiles=True) -> (Tensor, Tensor)");
-  m.impl("stickbreaking_attention", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(stickbreaking_cpu)));
-  m.impl("stickbreaking_attention", torch::dispatch(c10::DispatchKey::Autograd, TORCH_FN(stickbreaking_autograd)));
-  m.def(
-      "stickbreaking_attention_forward(Tensor q, Tensor k, Tensor v, float scale, bool attend_current, "
-      "int[] cu_seqlens_q, int[] cu_seqlens_k, bool skip_vanishing_tiles) -> (Tensor, Tensor, Tensor)");
-  m.impl("stickbreaking_attention_forward", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(forward_cpu)));
-  m.def(
-      "stickbreaking_attention_backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor rem, Tensor d_out, "
-      "Tensor? d_rem, float scale, bool attend_current, int[] cu_seqlens_q, int[] cu_seqlens_k, "
-      "bool skip_vanishing_tiles) -> (Tensor, Tensor, Tensor)");
-  m.impl("stickbreaking_attention_backward", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(backward_cpu)));
+      "int[] cu_seqlens_k=[], bool skip_vanishing_tiles=True) -> (Tensor, Tensor)",
+      TORCH_FN(stickbreaking_cpu), TORCH_FN(stickbreaking_autograd));
+  define_op(m,
+            "stickbreaking_attention_forward(Tensor q, Tensor k, Tensor v, float scale, bool attend_current, "
+            "int[] cu_seqlens_q, int[] cu_seqlens_k, bool skip_vanishing_tiles) -> (Tensor, Tensor, Tensor)",
+            TORCH_FN(forward_cpu));
+  define_op(m,
+            "stickbreaking_attention_backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor rem, Tensor d_out, "
+            "Tensor? d_rem, float scale, bool attend_current, int[] cu_seqlens_q, int[] cu_seqlens_k, "
+            "bool skip_vanishing_tiles) -> (Tensor, Tensor, Tensor)",
+            TORCH_FN(backward_cpu));
 }
 
 }  // namespace posenc::torch_adapter

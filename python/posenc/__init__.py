@@ -161,6 +161,19 @@ def _rope_params(head_dim, rotary_dim, base, layout, scaling, max_position_embed
                                        freq_factors, xpos, rotary_offset), None))
 
 
+def _rope_spec(*args):
+    """``_rope_params``' Rope as a spec (``_object`` makes it): plain values that torch.compile keeps
+    as constants of its graph."""
+    return "Rope", _rope_args(*args), None
+
+
+@torch.compiler.allow_in_graph
+def _rope_op(name, q, k, positions, spec, *rest):
+    """The op ``name`` (rope, rope_ or rope_multi) with the Rope made here from its spec: torch.compile
+    puts this call into its graph as it is, and its autograd then traces the op's _pickled form."""
+    return getattr(_ops, name)(q, k, positions, _object(spec), *rest)
+
+
 def _rope_args(head_dim, rotary_dim, base, layout, scaling, max_position_embeddings, freq_factors=None, xpos=None,
                rotary_offset=0):
     """The arguments of ``torch.classes.posenc.Rope`` (see ``_rope_params``), checked."""
@@ -218,13 +231,13 @@ def rope(q, k=None, positions=None, *, head_dim=None, rotary_dim=None, base=1000
     k_out None without k. Differentiable in q and k."""
     head_dim = q.shape[-1] if head_dim is None else head_dim
     seq = q.shape[-3]
-    params = _rope_params(head_dim, rotary_dim, base, layout, scaling, max_position_embeddings, freq_factors, xpos,
-                          rotary_offset)
+    spec = _rope_spec(head_dim, rotary_dim, base, layout, scaling, max_position_embeddings, freq_factors, xpos,
+                      rotary_offset)
     if direction not in _DIRECTIONS:
         raise ValueError(f"rope: direction = {direction}; expected forward, backward or inverse")
     k_in = k if k is not None else q.new_empty(0)
-    q_out, k_out = _ops.rope(q, k_in, _positions(positions, seq), params, _int("rope", "seq_len", seq_len, 0),
-                             _DIRECTIONS[direction])
+    q_out, k_out = _rope_op("rope", q, k_in, _positions(positions, seq), spec, _int("rope", "seq_len", seq_len, 0),
+                            _DIRECTIONS[direction])
     return q_out, (k_out if k is not None else None)
 
 
@@ -233,12 +246,12 @@ def rope_(q, k=None, positions=None, *, head_dim=None, rotary_dim=None, base=100
     """``rope`` in place: q (and k) are rotated where they lie (no new memory) and returned. Works
     under autograd for tensors that may be modified in place (not leaves requiring grad)."""
     head_dim = q.shape[-1] if head_dim is None else head_dim
-    params = _rope_params(head_dim, rotary_dim, base, layout, scaling, max_position_embeddings, freq_factors, xpos)
+    spec = _rope_spec(head_dim, rotary_dim, base, layout, scaling, max_position_embeddings, freq_factors, xpos)
     if direction not in _DIRECTIONS:
         raise ValueError(f"rope_: direction = {direction}; expected forward, backward or inverse")
     k_in = k if k is not None else q.new_empty(0)
-    q, k_out = _ops.rope_(q, k_in, _positions(positions, q.shape[-3]), params, _int("rope_", "seq_len", seq_len, 0),
-                          _DIRECTIONS[direction])
+    q, k_out = _rope_op("rope_", q, k_in, _positions(positions, q.shape[-3]), spec,
+                        _int("rope_", "seq_len", seq_len, 0), _DIRECTIONS[direction])
     return q, (k_out if k is not None else None)
 
 
@@ -253,7 +266,7 @@ def rope_multi(q, k, positions, sections=None, *, interleave_axes=False, axis_of
     ``axis_of_pair``: any other map instead of sections, one axis per pair.
     ``positions``: int64 [axes, S] or [axes, B, S]. Returns (q_out, k_out); differentiable."""
     head_dim = q.shape[-1] if head_dim is None else head_dim
-    params = _rope_params(head_dim, rotary_dim, base, layout, scaling, max_position_embeddings)
+    spec = _rope_spec(head_dim, rotary_dim, base, layout, scaling, max_position_embeddings)
     if direction not in _DIRECTIONS:
         raise ValueError(f"rope_multi: direction = {direction}; expected forward, backward or inverse")
     if (sections is None) == (axis_of_pair is None):
@@ -262,7 +275,7 @@ def rope_multi(q, k, positions, sections=None, *, interleave_axes=False, axis_of
         raise ValueError("rope_multi: interleave_axes = True with axis_of_pair; expected it only with sections")
     k_in = k if k is not None else q.new_empty(0)
     positions = torch.as_tensor(positions, dtype=torch.long)
-    q_out, k_out = _ops.rope_multi(q, k_in, positions, params, _int("rope_multi", "seq_len", seq_len, 0),
+    q_out, k_out = _rope_op("rope_multi", q, k_in, positions, spec, _int("rope_multi", "seq_len", seq_len, 0),
                                    [] if sections is None else [int(x) for x in sections], bool(interleave_axes),
                                    [] if axis_of_pair is None else [int(x) for x in axis_of_pair],
                                    bool(restart_frequencies), _DIRECTIONS[direction])

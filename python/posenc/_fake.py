@@ -194,3 +194,61 @@ def _cope_forward(q, k, v, table, scale, cu_seqlens_q, cu_seqlens_k):
 @torch.library.register_fake("posenc::cope_attention_backward")
 def _cope_backward(q, k, v, table, out, lse, d_out, scale, cu_seqlens_q, cu_seqlens_k):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(table)
+
+
+def _rotated(q, k):
+    """rope's (q_out, k_out): contiguous in q's and k's shapes and dtypes; k_out an empty tensor of
+    q's dtype where k is left out (a 1-D empty tensor)."""
+    absent = k.dim() == 1 and k.numel() == 0
+    return _contiguous_like(q), q.new_empty(0) if absent else _contiguous_like(k)
+
+
+for _name in ("rope", "rope_pickled"):
+    torch.library.register_fake(f"posenc::{_name}")(
+        lambda q, k, positions, params, seq_len, direction: _rotated(q, k))
+    torch.library.register_fake(f"posenc::{_name.replace('rope', 'rope_multi')}")(
+        lambda q, k, positions, params, seq_len, sections, interleaved, axis_of_pair, restart, direction:
+        _rotated(q, k))
+
+
+@torch.library.register_fake("posenc::rope_")
+def _rope_inplace(q, k, positions, params, seq_len, direction):
+    return q, k
+
+
+@torch.library.register_fake("posenc::rope_pickled_")
+def _rope_pickled_inplace(q, k, positions, params, seq_len, direction):
+    return None
+
+
+@torch.library.register_fake("posenc::rope_rerotate_")
+def _rope_rerotate(k, from_positions, from_params, from_seq_len, to_positions, to_params, to_seq_len):
+    return k
+
+
+@torch.library.register_fake("posenc::relative_bias")
+def _relative_bias(scheme, params, q_positions, k_positions, dtype):
+    return _bias(q_positions.new_empty(0, dtype=dtype), scheme.heads(), q_positions, k_positions)
+
+
+@torch.library.register_fake("posenc::relative_bias_pickled")
+def _relative_bias_pickled(scheme, params, q_positions, k_positions, dtype, heads):
+    return _bias(q_positions.new_empty(0, dtype=dtype), heads, q_positions, k_positions)
+
+
+@torch.library.register_fake("posenc::relative_bias_backward")
+def _relative_bias_backward(grad, scheme, params, q_positions, k_positions):
+    return _contiguous_like(params)
+
+
+@torch.library.register_fake("posenc::attention_backward")
+def _attention_backward(q, k, v, schemes, params, causal, window_left, window_right, chunk_size, temperature, softcap,
+                        scale, q_positions, k_positions, out, lse, d_out, cu_seqlens_q=(), cu_seqlens_k=(),
+                        skip_vanishing_tiles=True):
+    # dq, dk, dv as zeros_like makes them; each group's parameters' gradient in its params' shape.
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), [_contiguous_like(p) for p in params]
+
+
+@torch.library.register_fake("posenc::huge_page_zeros")
+def _huge_page_zeros(shape, dtype):
+    return torch.empty(shape, dtype=dtype)

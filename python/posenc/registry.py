@@ -46,6 +46,12 @@ def _scheme_spec(name, heads, options=None, rope_args=None):
     return "Scheme", (name, _int(name, "heads", heads), values, None), rope_args
 
 
+@torch.compiler.allow_in_graph
+def _relative_bias_op(spec, params, q_positions, k_positions, dtype):
+    """The relative_bias op with the Scheme made here from its spec (as ``posenc._rope_op``)."""
+    return _ops.relative_bias(_object(spec), params, q_positions, k_positions, dtype)
+
+
 class Scheme(torch.nn.Module):
     """Any registered scheme (``posenc.schemes()``) by name, with its options as keyword arguments,
     as an attention scheme: ``posenc.attention(q, k, v, posenc.Scheme("fire", 8, 64, hidden=32))``.
@@ -136,8 +142,8 @@ class RelativeBias(Scheme):
         k_positions = q_positions if k_positions is None else k_positions
         if dtype is None:
             dtype = self.parameters_.dtype if self.parameters_ is not None else torch.float32
-        return _ops.relative_bias(self._scheme(), self.parameters_, _positions(q_positions, 0),
-                                  _positions(k_positions, 0), dtype)
+        return _relative_bias_op(_scheme_spec(self.name, self.heads, self.options), self.parameters_,
+                                 _positions(q_positions, 0), _positions(k_positions, 0), dtype)
 
 
 class Sandwich(RelativeBias):

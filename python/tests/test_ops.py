@@ -103,6 +103,20 @@ def test_rope_gradcheck_and_module():
     torch.testing.assert_close(q_out, fn(q, k)[0])
 
 
+def test_rope_gradient_of_one_output_alone():
+    # Only k_out (or only q_out) reaches the loss: q and k have their own head counts, and xPos
+    # scales them oppositely, so each gradient must come from its own slot.
+    q = torch.randn(1, 6, 4, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 6, 2, 8, dtype=torch.float64, requires_grad=True)
+    for pick in (0, 1):
+        for inplace in (False, True):
+            def fn(a, b):
+                if inplace:
+                    return posenc.rope_(a * 1, b * 1, xpos=4, direction="backward")[pick]
+                return posenc.rope(a, b, xpos=4)[pick]
+            assert torch.autograd.gradcheck(fn, (q, k)), (pick, inplace)
+
+
 def test_rope_from_hf_config_reproduces_transformers_inv_freq():
     # Llama 3.1's rope_scaling; the rotation at position 1 of a unit pair exposes ω_i = angle.
     config = {"hidden_size": 4096, "num_attention_heads": 32, "rope_theta": 500000.0,
@@ -353,9 +367,10 @@ def test_bad_values_raise_value_error_naming_the_parameter():
         posenc.t5_bias(torch.zeros(3, 2), torch.arange(2), torch.arange(2), num_buckets=3)
 
 
-def test_other_devices_and_dtypes_raise_type_error():
-    with pytest.raises(TypeError, match="device = meta"):
-        posenc.rope(torch.empty(1, 3, 2, 8, device="meta"))
+def test_meta_tensors_give_shapes_and_other_dtypes_raise_type_error():
+    # Meta tensors run the fake kernel (python/posenc/_fake.py), as torch's own ops infer shapes.
+    q_out, k_out = posenc.rope(torch.empty(1, 3, 2, 8, device="meta"), torch.empty(1, 3, 1, 8, device="meta"))
+    assert q_out.device.type == "meta" and q_out.shape == (1, 3, 2, 8) and k_out.shape == (1, 3, 1, 8)
     with pytest.raises(TypeError, match="dtype = Int"):
         posenc.rope(torch.zeros(1, 3, 2, 8, dtype=torch.int32))
 

@@ -78,12 +78,11 @@ at::Tensor relative_bias_pickled_cpu(const at::Tensor& scheme, const c10::option
   return relative_bias_cpu(object, params, q_positions, k_positions, dtype);
 }
 // The gradient of params (given, non-empty) for grad [B, H, Sq, Sk], in params' shape.
-at::Tensor relative_bias_backward_cpu(const at::Tensor& grad, const at::Tensor& scheme, const at::Tensor& params,
-                                      const at::Tensor& q_positions, const at::Tensor& k_positions) {
-  const char* where = "relative_bias_backward";
-  const auto object = scheme_object(where, scheme);
+at::Tensor relative_bias_gradient(const char* where, const SchemeClass& scheme, const at::Tensor& grad,
+                                  const at::Tensor& params, const at::Tensor& q_positions,
+                                  const at::Tensor& k_positions) {
   return translating([&] {
-    const BiasScheme b = bias_scheme_of(*object, params);
+    const BiasScheme b = bias_scheme_of(scheme, params);
     const RelativeBias& rb = *relative_bias(b);
     std::vector<double> d(static_cast<std::size_t>(rb.parameter_count()), 0.0);
     const at::Tensor ds = grad.contiguous(), qi = q_positions.contiguous(), ki = k_positions.contiguous();
@@ -91,6 +90,11 @@ at::Tensor relative_bias_backward_cpu(const at::Tensor& grad, const at::Tensor& 
                            const_view(where, "grad", ds), d);
     return tensor_of(d, params);
   });
+}
+at::Tensor relative_bias_backward_cpu(const at::Tensor& grad, const at::Tensor& scheme, const at::Tensor& params,
+                                      const at::Tensor& q_positions, const at::Tensor& k_positions) {
+  const char* where = "relative_bias_backward";
+  return relative_bias_gradient(where, *scheme_object(where, scheme), grad, params, q_positions, k_positions);
 }
 
 class RelativeBiasFunction : public torch::autograd::Function<RelativeBiasFunction> {
@@ -103,7 +107,7 @@ class RelativeBiasFunction : public torch::autograd::Function<RelativeBiasFuncti
     ctx->saved_data["scheme"] = scheme;
     // A gradient for given parameters (a scheme without any takes an empty tensor); sizes may be symbolic.
     ctx->saved_data["given"] = p.defined() && p.sym_numel().sym_ne(0).guard_bool(__FILE__, __LINE__);
-    ctx->save_for_backward({p.defined() ? p : at::empty({0}), q_positions, k_positions});
+    ctx->save_for_backward({p.defined() ? p : at::empty({0}), q_positions.contiguous(), k_positions.contiguous()});
     if (scheme.isTensor()) {
       return call_below_autograd("posenc::relative_bias_pickled",
                                  {scheme, params, q_positions, k_positions, dtype, heads})[0]
@@ -117,10 +121,12 @@ class RelativeBiasFunction : public torch::autograd::Function<RelativeBiasFuncti
     at::Tensor d_params;
     if (ctx->saved_data["given"].toBool() && grads[0].defined()) {
       const c10::IValue scheme = ctx->saved_data["scheme"];
-      d_params = call_below_autograd("posenc::relative_bias_backward",
-                                     {grads[0], scheme.isTensor() ? scheme.toTensor() : pickled(scheme), saved[0],
-                                      saved[1], saved[2]})[0]
-                     .toTensor();
+      // Traced (bytes): through the op, which the tracer records; eager (the object): directly.
+      d_params = scheme.isTensor() ? call_below_autograd("posenc::relative_bias_backward",
+                                                         {grads[0], scheme, saved[0], saved[1], saved[2]})[0]
+                                         .toTensor()
+                                   : relative_bias_gradient("relative_bias", *scheme.toCustomClass<SchemeClass>(),
+                                                            grads[0], saved[0], saved[1], saved[2]);
     }
     return variable_list{at::Tensor(), d_params, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }

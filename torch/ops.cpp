@@ -56,8 +56,10 @@
 //
 // Rope, Scheme and Temperature are the typed classes torch.classes.posenc.* (classes.hpp).
 // Positions are int64 tensors [S] (shared by the batch) or [B, S]. posenc::Error becomes a Python
-// ValueError (its message names the parameter, the value and what was expected); tensors on
-// another device or of an unsupported dtype become TypeError.
+// ValueError (its message names the parameter, the value and what was expected); tensors of an
+// unsupported dtype, or on another device beside a CPU tensor, become TypeError. Meta tensors run
+// the fake kernels (python/posenc/_fake.py); an op whose tensors are all on another device finds
+// no kernel there (the dispatcher's NotImplementedError names the op and the device).
 #include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/library.h>
 #include <torch/torch.h>
@@ -169,9 +171,10 @@ at::Tensor pickled(const c10::IValue& value) {
 
 c10::IValue unpickled(const char* where, const char* name, const at::Tensor& bytes, const char* expected) {
   TORCH_CHECK_VALUE(bytes.defined() && bytes.device().is_cpu() && bytes.scalar_type() == at::kByte && bytes.dim() == 1,
-                    where, ": ", name, " shape ", bytes.defined() ? c10::str(bytes.sizes()) : std::string("undefined"),
-                    " (", bytes.defined() ? c10::toString(bytes.scalar_type()) : "none", "); expected the uint8 [n] ",
-                    expected);
+                    where, ": ", name, " is ",
+                    bytes.defined() ? c10::str(bytes.scalar_type(), " ", bytes.sizes(), " on ", bytes.device())
+                                    : std::string("undefined"),
+                    "; expected ", expected, " as a uint8 [n] cpu tensor");
   const at::Tensor c = bytes.contiguous();
   const auto* data = reinterpret_cast<const char*>(c.data_ptr<std::uint8_t>());
   try {
@@ -404,12 +407,25 @@ std::tuple<at::Tensor, at::Tensor> rope_multi_tensors(const at::Tensor& q, const
 }
 
 // A Rope argument: the object (an eager call of rope, rope_, rope_multi) or its pickled bytes (their
-// _pickled forms, which a traced call records).
+// _pickled forms, which a traced call records). A compiled graph passes the same bytes at every
+// run: the objects read from them are kept (at most 64, the Rope of each distinct configuration).
 c10::intrusive_ptr<RopeClass> rope_object(const char* where, const c10::IValue& params) {
-  if (params.isTensor()) {
-    return unpickled_object<RopeClass>(where, "params", params.toTensor(), "a pickled torch.classes.posenc.Rope");
+  if (!params.isTensor()) return params.toCustomClass<RopeClass>();
+  const at::Tensor bytes = params.toTensor();
+  static std::mutex mutex;
+  static std::map<std::string, c10::intrusive_ptr<RopeClass>, std::less<>> read;
+  std::string key;
+  if (bytes.defined() && bytes.device().is_cpu() && bytes.scalar_type() == at::kByte && bytes.dim() == 1) {
+    const at::Tensor c = bytes.contiguous();
+    key.assign(reinterpret_cast<const char*>(c.data_ptr<std::uint8_t>()), static_cast<std::size_t>(c.numel()));
+    const std::lock_guard<std::mutex> lock(mutex);
+    if (const auto it = read.find(key); it != read.end()) return it->second;
   }
-  return params.toCustomClass<RopeClass>();
+  auto object = unpickled_object<RopeClass>(where, "params", bytes, "a pickled torch.classes.posenc.Rope");
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (read.size() >= 64) read.clear();
+  read.emplace(std::move(key), object);
+  return object;
 }
 
 // The op a rotation's autograd kernel calls below autograd: NAME with the object, or, while a
@@ -426,6 +442,27 @@ c10::List<c10::IValue> ivalue_list(const torch::jit::Stack& values) {
   return list;
 }
 
+// An eager rotation with the Rope object runs its kernel directly, as attention's eager path does:
+// no boxed call through the dispatcher in a decode loop. NAME: rope or rope_multi.
+std::tuple<at::Tensor, at::Tensor> rotate_eagerly(const std::string& name, const at::Tensor& q, const at::Tensor& k,
+                                                  const at::Tensor& positions, const torch::jit::Stack& o) {
+  const auto rope = o[0].toCustomClass<RopeClass>();
+  if (name == "rope") return rope_apply_tensors(q, k, positions, rope, o[1].toInt(), o[2].toInt());
+  return rope_multi_tensors(q, k, positions, rope, o[1].toInt(), o[2].toIntVector(), o[3].toBool(), o[4].toIntVector(),
+                            o[5].toBool(), o[6].toInt());
+}
+// The rotation NAME through the op `op` below autograd (traced, the Rope as bytes, or meta tensors
+// for the fake kernel), else directly.
+std::tuple<at::Tensor, at::Tensor> rotate(const std::string& name, const std::string& op, const at::Tensor& q,
+                                          const at::Tensor& k, const at::Tensor& positions,
+                                          const torch::jit::Stack& options) {
+  if (!options[0].isTensor() && q.device().is_cpu()) return rotate_eagerly(name, q, k, positions, options);
+  torch::jit::Stack stack{q, k, positions};
+  stack.insert(stack.end(), options.begin(), options.end());
+  const torch::jit::Stack out = call_below_autograd(op.c_str(), std::move(stack));
+  return {out[0].toTensor(), out[1].toTensor()};
+}
+
 // The gradient of a rotation: y = α·S·R(±θ)·x, so dx = α·S·R(∓θ)·dy — the same op out of place
 // with the direction flipped. The inverse, R(−θ)·y/(α·S), would need R(θ)/(α·S), none of the three
 // directions. `options` are the op's arguments after positions: the Rope first, the direction last.
@@ -439,11 +476,8 @@ variable_list rotation_gradients(AutogradContext* ctx, const std::string& name, 
   // Both gradients are defined: autograd materializes an unused output's as zeros.
   const at::Tensor dq = grads[0].contiguous();
   const at::Tensor dk = has_k ? grads[1].contiguous() : dq.new_empty({0});
-  const at::Tensor positions = ctx->get_saved_variables()[0];
-  torch::jit::Stack stack{dq, dk, positions};
-  stack.insert(stack.end(), options.begin(), options.end());
-  const torch::jit::Stack d = call_below_autograd(op.c_str(), std::move(stack));
-  return {d[0].toTensor(), has_k ? d[1].toTensor() : at::Tensor()};
+  const auto [gq, gk] = rotate(name, op, dq, dk, ctx->get_saved_variables()[0], options);
+  return {gq, has_k ? gk : at::Tensor()};
 }
 
 void save_rotation(AutogradContext* ctx, const at::Tensor& k, const at::Tensor& positions,
@@ -461,10 +495,8 @@ class RotationFunction : public torch::autograd::Function<RotationFunction> {
     const std::string op = rotation_op(name, options, traced(q) || traced(k) || traced(positions));
     ctx->saved_data["name"] = name;
     save_rotation(ctx, k, positions, options);
-    torch::jit::Stack stack{q, k, positions};
-    stack.insert(stack.end(), options.begin(), options.end());
-    const torch::jit::Stack out = call_below_autograd(op.c_str(), std::move(stack));
-    return {out[0].toTensor(), out[1].toTensor()};
+    const auto [q_out, k_out] = rotate(name, op, q, k, positions, options);
+    return {q_out, k_out};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const std::string name = ctx->saved_data["name"].toStringRef();
@@ -483,9 +515,15 @@ class RotationInplaceFunction : public torch::autograd::Function<RotationInplace
                       "rope_: direction = 2 (inverse); expected 0 or 1 when gradients are needed");
     const std::string op = rotation_op("rope_", options, traced(q) || traced(k) || traced(positions));
     save_rotation(ctx, k, positions, options);
-    torch::jit::Stack stack{q, k, positions};
-    stack.insert(stack.end(), options.begin(), options.end());
-    call_below_autograd(op.c_str(), std::move(stack));
+    if (options[0].isTensor() || !q.device().is_cpu()) {
+      torch::jit::Stack stack{q, k, positions};
+      stack.insert(stack.end(), options.begin(), options.end());
+      call_below_autograd(op.c_str(), std::move(stack));
+    } else {
+      rope_apply_inplace(q, k, positions, options[0].toCustomClass<RopeClass>(), options[1].toInt(),
+                         options[2].toInt());
+    }
+    // mark_dirty bumps their versions: a backward that saved them before refuses to run.
     if (absent(k)) {
       ctx->mark_dirty({q});
     } else {
@@ -529,11 +567,20 @@ std::string rope_config_op(const std::string& config, c10::optional<std::int64_t
   });
 }
 
+// An op's name in its messages: NAME, or its _pickled form's for the bytes.
+template <class Params>
+const char* where_of(const char* name) {
+  if constexpr (!std::is_same_v<Params, at::Tensor>) return name;
+  static const std::map<std::string, std::string, std::less<>> pickled = {
+      {"rope", "rope_pickled"}, {"rope_", "rope_pickled_"}, {"rope_multi", "rope_multi_pickled"}};
+  return pickled.find(name)->second.c_str();
+}
+
 // The kernels of rope and rope_pickled (CPU) and their autograd kernel.
 template <class Params>
 std::tuple<at::Tensor, at::Tensor> rope_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
                                             const Params& params, std::int64_t seq_len, std::int64_t direction) {
-  return rope_apply_tensors(q, k, positions, rope_object("rope", params), seq_len, direction);
+  return rope_apply_tensors(q, k, positions, rope_object(where_of<Params>("rope"), params), seq_len, direction);
 }
 template <class Params>
 std::tuple<at::Tensor, at::Tensor> rope_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
@@ -548,7 +595,7 @@ template <class Params>
 std::tuple<at::Tensor, at::Tensor> rope_inplace_cpu(at::Tensor q, at::Tensor k, const at::Tensor& positions,
                                                     const Params& params, std::int64_t seq_len,
                                                     std::int64_t direction) {
-  rope_apply_inplace(q, k, positions, rope_object("rope_", params), seq_len, direction);
+  rope_apply_inplace(q, k, positions, rope_object(where_of<Params>("rope_"), params), seq_len, direction);
   return {q, k};
 }
 template <class Params>
@@ -575,8 +622,8 @@ std::tuple<at::Tensor, at::Tensor> rope_multi_cpu(const at::Tensor& q, const at:
                                                   std::vector<std::int64_t> sections, bool interleaved,
                                                   std::vector<std::int64_t> axis_of_pair, bool restart,
                                                   std::int64_t direction) {
-  return rope_multi_tensors(q, k, positions, rope_object("rope_multi", params), seq_len, sections, interleaved,
-                            axis_of_pair, restart, direction);
+  return rope_multi_tensors(q, k, positions, rope_object(where_of<Params>("rope_multi"), params), seq_len, sections,
+                            interleaved, axis_of_pair, restart, direction);
 }
 template <class Params>
 std::tuple<at::Tensor, at::Tensor> rope_multi_autograd(const at::Tensor& q, const at::Tensor& k,

@@ -251,4 +251,7 @@ def _attention_backward(q, k, v, schemes, params, causal, window_left, window_ri
 
 @torch.library.register_fake("posenc::huge_page_zeros")
 def _huge_page_zeros(shape, dtype):
-    return torch.empty(shape, dtype=dtype)
+    for i, s in enumerate(shape):
+        if s < 0:
+            raise ValueError(f"huge_page_zeros: shape[{i}] = {s}; expected >= 0")
+    return torch.empty(shape, dtype=dtype, device="cpu")

@@ -276,6 +276,22 @@ def test_opcheck_rope_registry_and_the_rest(name):
     opcheck_any(*ROPE_AND_REGISTRY_CASES[name])
 
 
+def test_pickled_twins_refuse_bytes_that_are_not_their_object():
+    _, args = ROPE_AND_REGISTRY_CASES["rope_pickled-yarn-xpos"]
+    scheme_bytes = ROPE_AND_REGISTRY_CASES["relative_bias_pickled-kerple"][1][0]
+    for bad in (torch.zeros(5, dtype=torch.uint8), scheme_bytes):
+        with pytest.raises(ValueError, match="rope_pickled: params are not a pickled torch.classes.posenc.Rope"):
+            ops.rope_pickled(*args[:3], bad, *args[4:])
+    with pytest.raises(ValueError, match=r"rope_multi_pickled: params is Float \[5\] on cpu; expected a pickled"):
+        ops.rope_multi_pickled(*args[:3], torch.zeros(5), 0, [2, 2], False, [], False, 0)
+    _, bias_args = ROPE_AND_REGISTRY_CASES["relative_bias_pickled-kerple"]
+    with pytest.raises(ValueError, match=r"relative_bias_pickled: heads = 3; expected the scheme's \(4\)"):
+        ops.relative_bias_pickled(*bias_args[:5], 3)
+    with pytest.raises(ValueError, match="relative_bias_backward: scheme are not a pickled torch.classes.posenc.Scheme"):
+        ops.relative_bias_backward(torch.randn(1, 4, 6, 7), args[3], *ROPE_AND_REGISTRY_CASES[
+            "relative_bias_backward-kerple"][1][2:])
+
+
 def backward_cases():
     """(name, op, args) for each NAME_backward op of the tables, biases and terms, and of
     stick-breaking and CoPE: the first case of NAME (f32 or f64), its forward run, and the backward's
@@ -411,6 +427,18 @@ def close_with_inductor_once_for_every_length(model, lengths, dim, atol):
             torch.testing.assert_close(got_grads[name], g, rtol=1e-4, atol=atol[1], msg=name)
 
 
+def close_from_the_fx_graph_cache(model, x, atol):
+    """model compiled again after a reset (inductor's FX graph cache answers) against eager."""
+    torch._dynamo.reset()
+    hits = torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"]
+    want, want_grads = run(model, x)
+    got, got_grads = run(model, x, torch.compile(model, fullgraph=True, dynamic=True))
+    assert torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"] > hits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=atol[0])
+    for name, g in want_grads.items():
+        torch.testing.assert_close(got_grads[name], g, rtol=1e-4, atol=atol[1], msg=name)
+
+
 def test_compile_with_inductor_and_dynamic_lengths_matches_eager():
     """Inductor compiles the model once for every sequence length (dynamic=True) and matches eager
     within float32 reassociation of the projections it fuses (posenc's ops are opaque to it); the
@@ -420,15 +448,7 @@ def test_compile_with_inductor_and_dynamic_lengths_matches_eager():
     close_with_inductor_once_for_every_length(model, (24, 37, 50), 64, atol=(1e-5, 1e-4))
     # Compiled again from inductor's FX graph cache: the graphs' constants (the pickled schemes)
     # must come back with them.
-    torch._dynamo.reset()
-    hits = torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"]
-    x = torch.randn(2, 29, 64)
-    want, want_grads = run(model, x)
-    got, got_grads = run(model, x, torch.compile(model, fullgraph=True, dynamic=True))
-    assert torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"] > hits
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    for name, g in want_grads.items():
-        torch.testing.assert_close(got_grads[name], g, rtol=1e-4, atol=1e-4, msg=name)
+    close_from_the_fx_graph_cache(model, torch.randn(2, 29, 64), atol=(1e-5, 1e-4))
 
 
 def test_a_cache_runs_eagerly_inside_a_compiled_model_and_fullgraph_is_refused_by_reason():
@@ -482,3 +502,10 @@ def test_compile_rope_and_relative_bias_fullgraph():
         assert torch.equal(got_grads[name], g), name
     torch._dynamo.reset()
     close_with_inductor_once_for_every_length(model, (9, 14, 20), 32, atol=(1e-6, 1e-5))
+    # From inductor's FX graph cache, whose graphs keep the pickled Rope and Scheme; and under
+    # inference_mode, where no autograd kernel runs.
+    x = torch.randn(2, 11, 32)
+    close_from_the_fx_graph_cache(model, x, atol=(1e-6, 1e-5))
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        torch.testing.assert_close(torch.compile(model, fullgraph=True)(x), model(x), rtol=1e-5, atol=1e-6)

@@ -117,6 +117,15 @@ def test_rope_gradient_of_one_output_alone():
             assert torch.autograd.gradcheck(fn, (q, k)), (pick, inplace)
 
 
+def test_rope_in_place_bumps_the_version_of_what_it_rotates():
+    leaf = torch.randn(1, 4, 2, 8, requires_grad=True)
+    x = leaf * 1
+    saved = x.sin()  # its backward reads x
+    posenc.rope_(x)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.sum().backward()
+
+
 def test_rope_from_hf_config_reproduces_transformers_inv_freq():
     # Llama 3.1's rope_scaling; the rotation at position 1 of a unit pair exposes ω_i = angle.
     config = {"hidden_size": 4096, "num_attention_heads": 32, "rope_theta": 500000.0,

@@ -98,7 +98,7 @@ clang++-14 -fopenmp -fsanitize=fuzzer,address,undefined /tmp/probe.cpp -o /tmp/p
 for tool in clang-format-14 ccache gnuplot cpack dpkg-shlibdeps python3; do command -v "$tool" > /dev/null ||
   { echo "check_packages: $tool is missing" >&2; exit 1; }; done
 /usr/bin/python3 -c "import venv, ensurepip"
-"$POSENC_PYTHON" -c "import torch, numpy, pytest, hypothesis, setuptools, wheel"
+"$POSENC_PYTHON" -c "import torch, numpy, pytest, hypothesis, transformers, setuptools, wheel"
 if [ "$FULL" = 1 ]; then CI=true bash scripts/test.sh; fi
 '
 echo "check_packages: the package lists are complete"

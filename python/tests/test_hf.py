@@ -1,0 +1,321 @@
+"""posenc inside Hugging Face transformers (posenc.hf), against transformers' own model classes.
+
+Each family is a model class of transformers built from the positional fields of a published
+config.json (cited; kept as published unless a comment says otherwise), with 2 layers and a few
+heads, random weights from a fixed seed. Its eager attention is the reference: the same weights with
+attn_implementation="posenc" give the same logits (and a 0.1% change of the attention scale does
+not, so the test sees the positions), the same 32 greedy tokens of generate(), padded batches
+included, and the same gradients after one training step. posenc's own RoPE from the same config
+(RotaryPositionalEncoding.from_hf_config) rotates as the model's rotary embedding does, at
+positions up to its context length.
+
+Random small models attend almost uniformly, where positions hardly change the logits: the query
+and key projections are scaled up so that the scores spread.
+
+Run: PYTHONPATH=build/python ~/.cache/posenc/venv-torch-2.15.0/bin/python -m pytest -q python/tests/test_hf.py
+"""
+import copy
+
+import pytest
+import torch
+import transformers
+
+import posenc
+import posenc.hf
+
+posenc.hf.register()
+
+VOCAB = 96
+
+# microsoft/Phi-3-mini-128k-instruct's LongRoPE factors (config.json rope_scaling).
+PHI3_LONG = [
+    1.0700000524520874, 1.1200000047683716, 1.149999976158142, 1.4199999570846558, 1.5699999332427979,
+    1.7999999523162842, 2.129999876022339, 2.129999876022339, 3.009999990463257, 5.910000324249268,
+    6.950000286102295, 9.070000648498535, 9.930000305175781, 10.710000038146973, 11.130000114440918,
+    14.609999656677246, 15.409998893737793, 19.809999465942383, 37.279998779296875, 38.279998779296875,
+    38.599998474121094, 40.12000274658203, 46.20000457763672, 50.940006256103516, 53.66000747680664,
+    54.9373893737793, 56.89738845825195, 57.28738784790039, 59.98738479614258, 60.86738586425781,
+    60.887386322021484, 61.71739196777344, 62.91739273071289, 62.957393646240234, 63.41739273071289,
+    63.8173942565918, 63.83739471435547, 63.897396087646484, 63.93739700317383, 64.06739807128906,
+    64.11434936523438, 64.12435150146484, 64.15435028076172, 64.19435119628906, 64.24435424804688,
+    64.57435607910156, 64.69000244140625, 64.76000213623047
+]
+PHI3_SHORT = ([1.1, 1.1, 1.1, 1.3000000000000003, 1.3500000000000003, 1.3500000000000003, 1.4000000000000004,
+               1.5500000000000005] + [2.000000000000001] * 17 + [2.0500000000000007] * 6 + [2.1000000000000005] * 2 +
+              [2.1500000000000004, 2.25, 2.25, 2.25, 2.25, 2.25, 2.3999999999999995, 2.4499999999999993,
+               2.499999999999999, 2.6999999999999984, 2.6999999999999984, 2.7499999999999982, 2.799999999999998,
+               2.8999999999999977, 3.049999999999997])
+
+# name: (model class, config class, published positional fields, shrunk widths).
+FAMILIES = {
+    # meta-llama/Llama-3.1-8B config.json: rope_theta, rope_scaling (llama3), max_position_embeddings;
+    # head_dim 4096 / 32 = 128.
+    "llama3.1": ("LlamaForCausalLM", "LlamaConfig", dict(
+        rope_theta=500000.0, max_position_embeddings=131072, head_dim=128,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192}), dict(num_attention_heads=4, num_key_value_heads=2)),
+    # Qwen/Qwen2-7B config.json: rope_theta 1e6, max_position_embeddings 131072, no sliding window
+    # in use; head_dim 3584 / 28 = 128.
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(
+        rope_theta=1000000.0, max_position_embeddings=131072, use_sliding_window=False),
+        dict(num_attention_heads=2, num_key_value_heads=1, hidden_size=256)),
+    # Qwen/Qwen3-8B config.json: rope_theta 1e6, max_position_embeddings 40960, head_dim 128.
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(
+        rope_theta=1000000.0, max_position_embeddings=40960, head_dim=128),
+        dict(num_attention_heads=4, num_key_value_heads=2)),
+    # mistralai/Mistral-7B-v0.1 config.json: rope_theta 10000, max_position_embeddings 32768;
+    # its sliding_window 4096 is shrunk to 16 so that a 40-token test crosses it.
+    "mistral-sliding": ("MistralForCausalLM", "MistralConfig", dict(
+        rope_theta=10000.0, max_position_embeddings=32768, head_dim=128, sliding_window=16),
+        dict(num_attention_heads=4, num_key_value_heads=2)),
+    # EleutherAI/pythia-160m config.json: rotary_pct 0.25, rotary_emb_base 10000,
+    # max_position_embeddings 2048; head_dim 768 / 12 = 64.
+    "gpt-neox-partial": ("GPTNeoXForCausalLM", "GPTNeoXConfig", dict(
+        rotary_pct=0.25, rotary_emb_base=10000, max_position_embeddings=2048),
+        dict(num_attention_heads=4, hidden_size=256)),
+    # openai/gpt-oss-20b config.json: rope_theta 150000, YaRN (factor 32, beta_fast 32, beta_slow 1,
+    # original_max_position_embeddings 4096, truncate false), sliding_window 128 on alternate layers,
+    # head_dim 64, max_position_embeddings 131072; learned attention sinks. 4 experts, 2 per token.
+    "gpt-oss-sinks": ("GptOssForCausalLM", "GptOssConfig", dict(
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
+        sliding_window=128, head_dim=64, max_position_embeddings=131072),
+        dict(num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+             length=150)),
+    # google/gemma-3-1b-pt config.json: rope_theta 1e6 on full layers, rope_local_base_freq 10000 on
+    # sliding ones, sliding_window_pattern 6 (every sixth layer full), head_dim 256,
+    # query_pre_attn_scalar 256, 4 heads over 1 KV head, max_position_embeddings 32768; six layers
+    # (five sliding, one full). Its sliding_window 512 is shrunk to 16 so that a 40-token test
+    # crosses it (gpt-oss keeps its published 128, at 150 tokens).
+    "gemma3-local-global": ("Gemma3ForCausalLM", "Gemma3TextConfig", dict(
+        rope_theta=1000000.0, rope_local_base_freq=10000.0, sliding_window=16, sliding_window_pattern=6,
+        head_dim=256, query_pre_attn_scalar=256, max_position_embeddings=32768),
+        dict(num_attention_heads=4, num_key_value_heads=1, num_hidden_layers=6)),
+    # HuggingFaceTB/SmolLM3-3B config.json: rope_theta 5e6, max_position_embeddings 65536,
+    # no_rope_layer_interval 4 (every fourth layer without RoPE); head_dim 2048 / 16 = 128; four
+    # layers, the last without RoPE.
+    "smollm3-nope-layers": ("SmolLM3ForCausalLM", "SmolLM3Config", dict(
+        rope_theta=5000000.0, max_position_embeddings=65536, no_rope_layer_interval=4, use_sliding_window=False),
+        dict(num_attention_heads=2, num_key_value_heads=1, hidden_size=256, num_hidden_layers=4)),
+    # microsoft/Phi-3-mini-128k-instruct config.json: LongRoPE (short and long factors, 48 each),
+    # original_max_position_embeddings 4096, max_position_embeddings 131072, rope_theta 10000;
+    # head_dim 3072 / 32 = 96. Its sliding_window 262144 is far past the test's tokens.
+    "phi3-longrope": ("Phi3ForCausalLM", "Phi3Config", dict(
+        rope_theta=10000.0, max_position_embeddings=131072, original_max_position_embeddings=4096,
+        sliding_window=262144, rope_scaling={"type": "longrope", "short_factor": PHI3_SHORT,
+                                             "long_factor": PHI3_LONG}),
+        dict(num_attention_heads=4, num_key_value_heads=4, hidden_size=384)),
+}
+
+
+def build(family, implementation, seed=0):
+    model_name, config_name, positional, widths = FAMILIES[family]
+    widths = {k: v for k, v in widths.items() if k != "length"}
+    base = dict(vocab_size=VOCAB, hidden_size=widths.get("hidden_size", 256), intermediate_size=128,
+                num_hidden_layers=2, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config = getattr(transformers, config_name)(**{**base, **widths, **positional})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)._from_config(copy.deepcopy(config),
+                                                           attn_implementation=implementation)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if any(s in name for s in ("q_proj", "k_proj", "qkv_proj", "query_key_value")) and p.dim() == 2:
+                p.mul_(8.0)  # spread the scores: positions must matter
+    return model.eval()
+
+
+def pair(family):
+    eager = build(family, "eager")
+    fused = build(family, "posenc")
+    fused.load_state_dict(eager.state_dict())
+    return eager, fused
+
+
+def tokens(batch=2, length=40, seed=1, family=None):
+    """Random tokens; a family's own length where its positional pattern needs one (a sliding
+    window to cross)."""
+    if family is not None:
+        length = FAMILIES[family][3].get("length", length)
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch, length), generator=g)  # no pad, bos or eos id (0, 1, 2)
+
+
+def scaled(model, factor):
+    """The model with every attention layer's scale multiplied by factor."""
+    model = copy.deepcopy(model)
+    for module in model.modules():
+        if hasattr(module, "scaling") and isinstance(module.scaling, float):
+            module.scaling *= factor
+        elif hasattr(module, "norm_factor"):
+            module.norm_factor /= factor
+    return model
+
+
+# float32 logits of the same weights through two attention kernels: summation orders differ.
+ATOL = 2e-4
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_logits_equal_eager_and_see_the_positions(family):
+    eager, fused = pair(family)
+    x = tokens(family=family)
+    with torch.no_grad():
+        want, got = eager(x).logits, fused(x).logits
+        off = scaled(eager, 1.001)(x).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
+    assert (off - want).abs().max() > 2 * ATOL, "a 0.1% change of the scale must fail the comparison"
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_padded_batch_equals_eager_on_its_tokens(family):
+    eager, fused = pair(family)
+    x = tokens(family=family)
+    mask = torch.ones_like(x)
+    mask[1, :9] = 0  # left padding
+    with torch.no_grad():
+        want, got = eager(x, attention_mask=mask).logits, fused(x, attention_mask=mask).logits
+    keep = mask.bool()
+    torch.testing.assert_close(got[keep], want[keep], rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_generate_32_greedy_tokens_identical(family):
+    eager, fused = pair(family)
+    x = tokens(length=12)
+    mask = torch.ones_like(x)
+    mask[0, :3] = 0
+    for kwargs in ({}, {"attention_mask": mask}):
+        want = eager.generate(x, max_new_tokens=32, do_sample=False, pad_token_id=0, **kwargs)
+        got = fused.generate(x, max_new_tokens=32, do_sample=False, pad_token_id=0, **kwargs)
+        assert torch.equal(got, want), kwargs
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_one_training_step_gives_eager_gradients(family):
+    eager, fused = pair(family)
+    eager.train(), fused.train()
+    x = tokens(family=family)
+    grads = []
+    for model in (eager, fused):
+        model.zero_grad()
+        model(x, labels=x).loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    # Each parameter's gradient within 10^-3 of eager's in norm: float32 sums over every token.
+    for name, g in grads[0].items():
+        assert (grads[1][name] - g).norm() <= 1e-3 * g.norm(), name
+
+
+def test_refusals_name_what_the_kernel_cannot_honour_and_sdpa_takes_them_only_when_asked():
+    eager, fused = pair("llama3.1")
+    x = tokens()
+    layer = fused.model.layers[0].self_attn
+    q = torch.randn(2, 4, 40, 128)
+    kv = torch.randn(2, 2, 40, 128)
+    dense = torch.zeros(2, 1, 40, 40)
+    with pytest.raises(ValueError, match=r"posenc attention: an attention mask of shape \(2, 1, 40, 40\)"):
+        posenc.hf.attention_forward(layer, q, kv, kv, dense, scaling=layer.scaling)
+    with pytest.raises(ValueError, match="posenc attention: output_attentions = True"):
+        posenc.hf.attention_forward(layer, q, kv, kv, None, output_attentions=True)
+    with pytest.raises(ValueError, match="posenc attention: sliding_window = 8 on a bidirectional layer"):
+        posenc.hf.attention_forward(layer, q, kv, kv, None, is_causal=False, sliding_window=8)
+    fused.train()
+    for module in fused.modules():
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = 0.1
+    with pytest.raises(ValueError, match="posenc attention: dropout = 0.1 while training"):
+        fused(x)
+    with pytest.raises(ValueError, match="posenc.hf.register: fallback = 'flash'"):
+        posenc.hf.register(fallback="flash")
+    try:
+        posenc.hf.register(fallback="sdpa")
+        out, _ = posenc.hf.attention_forward(layer, q, kv, kv, dense, scaling=layer.scaling)
+        want = torch.nn.functional.scaled_dot_product_attention(q, kv.repeat_interleave(2, 1),
+                                                                 kv.repeat_interleave(2, 1), attn_mask=dense,
+                                                                 scale=layer.scaling)
+        torch.testing.assert_close(out, want.transpose(1, 2), rtol=1e-5, atol=1e-5)
+    finally:
+        posenc.hf.register()
+
+
+def model_module(model):
+    """The modeling_<family> module of a model class (its apply_rotary_pos_emb)."""
+    import sys
+    return sys.modules[type(model).__module__]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_from_hf_config_rotates_as_the_models_rotary_embedding(family):
+    """posenc's RoPE from the model's config against the model's own rotary embedding and
+    apply_rotary_pos_emb, at positions up to its context length. transformers forms the angles
+    ω·p in float32, so it may differ from posenc's exact fp64 angles by about p·2^-23 radians; a
+    wrong frequency would differ by O(1) at such positions."""
+    model = build(family, "eager")
+    config = model.config
+    # Per layer type where the model has several RoPEs (Gemma 3: sliding and full layers).
+    layer_types = getattr(config, "layer_types", None) or [None]
+    for layer_type in dict.fromkeys(layer_types):
+        layer = None if layer_type is None else layer_types.index(layer_type)
+        if getattr(config, "no_rope_layers", None) and layer is not None and not config.no_rope_layers[layer]:
+            continue
+        per_type = layer_type in (getattr(config, "rope_parameters", None) or {})
+        rotary_args = (layer_type,) if per_type else ()
+        check_rope_table(model, config, layer, rotary_args)
+
+
+def check_rope_table(model, config, layer, rotary_args):
+    rope = posenc.RotaryPositionalEncoding.from_hf_config(config.to_dict(), layer)
+    # The same with θ 0.1% off: the bound below must catch it.
+    wrong = config.to_dict()
+    for fields in (wrong, *(v for v in (wrong.get("rope_parameters") or {}).values() if isinstance(v, dict)),
+                   wrong.get("rope_parameters") or {}):
+        if "rope_theta" in fields:
+            fields["rope_theta"] *= 1.001
+    wrong_rope = posenc.RotaryPositionalEncoding.from_hf_config(wrong, layer)
+    top = config.max_position_embeddings - 1
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    # LongRoPE and dynamic scalings choose their factors by length: within the original context too.
+    original = (getattr(config, "rope_parameters", None) or {}).get("original_max_position_embeddings")
+    for last in ([top] if not original or original > top else [original - 1, top]):
+        positions = torch.unique(torch.cat([torch.arange(8), torch.linspace(0, last, 57).round().long()]))
+        torch.manual_seed(3)
+        q = torch.randn(1, heads, positions.numel(), head_dim)
+        cos, sin = model.base_model.rotary_emb(q, positions[None], *rotary_args)
+        want, _ = model_module(model).apply_rotary_pos_emb(q, q, cos, sin)
+        bound = 4 * positions.double() * 2.0 ** -23 * q.abs().max().double() + 1e-5
+
+        def error(module):
+            got, _ = module(q.transpose(1, 2).double(), None, positions)
+            return (got.transpose(1, 2) - want.double()).abs().amax(dim=(0, 1, 3))
+
+        assert (error(rope) <= bound).all(), (layer, last, positions[error(rope) > bound])
+        assert (error(wrong_rope) > bound).any(), (layer, last)
+
+
+def test_packed_position_ids_are_refused_not_attended_across():
+    """position_ids that restart mark packed sequences (without a cache, as in training):
+    transformers folds them into its mask function, which posenc's mask cannot carry, so the call is
+    refused (with the fallback, sdpa's mask and attention run it)."""
+    eager, fused = pair("llama3.1")
+    x = tokens(batch=1)
+    packed = torch.cat([torch.arange(15), torch.arange(25)])[None]
+    with pytest.raises(ValueError, match="posenc attention: the mask pattern"):
+        fused(x, position_ids=packed, use_cache=False)
+    try:
+        posenc.hf.register(fallback="sdpa")
+        with torch.no_grad():
+            torch.testing.assert_close(fused(x, position_ids=packed, use_cache=False).logits,
+                                       eager(x, position_ids=packed, use_cache=False).logits,
+                                       rtol=0, atol=ATOL)
+    finally:
+        posenc.hf.register()
+
+
+def test_a_gap_inside_a_row_is_refused_on_sliding_layers():
+    eager, fused = pair("mistral-sliding")
+    x = tokens()
+    mask = torch.ones_like(x)
+    mask[0, 20:23] = 0
+    with pytest.raises(ValueError, match="posenc attention: sliding_window = 16 with padding inside a row"):
+        fused(x, attention_mask=mask)

@@ -106,12 +106,23 @@ FAMILIES = {
         sliding_window=262144, rope_scaling={"type": "longrope", "short_factor": PHI3_SHORT,
                                              "long_factor": PHI3_LONG}),
         dict(num_attention_heads=4, num_key_value_heads=4, hidden_size=384)),
+    # deepseek-ai/DeepSeek-V3 config.json: MLA (qk_nope_head_dim 128, qk_rope_head_dim 64, v_head_dim
+    # 128: values narrower than queries and keys), rope_theta 10000, YaRN (factor 40, beta_fast 32,
+    # beta_slow 1, mscale 1, mscale_all_dim 1, original_max_position_embeddings 4096),
+    # max_position_embeddings 163840; latent ranks shrunk (kv_lora_rank 512 to 64, q_lora_rank 1536
+    # to 64), dense layers instead of experts.
+    "deepseek-v3-mla": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=163840,
+        rope_scaling={"type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                      "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096}),
+        dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64, q_lora_rank=64,
+             first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2, rope_table=False)),
 }
 
 
 def build(family, implementation, seed=0):
     model_name, config_name, positional, widths = FAMILIES[family]
-    widths = {k: v for k, v in widths.items() if k != "length"}
+    widths = {k: v for k, v in widths.items() if k not in ("length", "rope_table")}
     base = dict(vocab_size=VOCAB, hidden_size=widths.get("hidden_size", 256), intermediate_size=128,
                 num_hidden_layers=2, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     config = getattr(transformers, config_name)(**{**base, **widths, **positional})
@@ -120,7 +131,8 @@ def build(family, implementation, seed=0):
                                                            attn_implementation=implementation)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if any(s in name for s in ("q_proj", "k_proj", "qkv_proj", "query_key_value")) and p.dim() == 2:
+            if any(s in name for s in ("q_proj", "k_proj", "qkv_proj", "query_key_value", "q_b_proj", "kv_b_proj",
+                                       "kv_a_proj_with_mqa")) and p.dim() == 2:
                 p.mul_(8.0)  # spread the scores: positions must matter
     return model.eval()
 
@@ -307,7 +319,10 @@ def model_module(model):
     return sys.modules[type(model).__module__]
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+# DeepSeek-V3 rotates the trailing 64 entries of its 192 (MLA) with interleaved weights inside the
+# layer, which apply_rotary_pos_emb alone does not show: its RoPE is compared elsewhere
+# (python/tests/test_ops.py, from_hf_config's MLA fields).
+@pytest.mark.parametrize("family", [f for f in FAMILIES if FAMILIES[f][3].get("rope_table", True)])
 def test_from_hf_config_rotates_as_the_models_rotary_embedding(family):
     """posenc's RoPE from the model's config against the model's own rotary embedding and
     apply_rotary_pos_emb, at positions up to its context length. transformers forms the angles

@@ -5,6 +5,8 @@
 #include <torch/library.h>
 #include <torch/torch.h>
 
+#include <map>
+#include <mutex>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -58,17 +60,34 @@ bool traced(at::TensorList ts);
 // every value again when the bytes are read.
 at::Tensor pickled(const c10::IValue& value);
 // The value in such bytes; bytes that are not one are the caller's bad value: a ValueError
-// "WHERE: NAME are not EXPECTED (why)".
+// "WHERE: NAME are not EXPECTED (why)". bytes_of checks the tensor and copies its bytes.
+std::string bytes_of(const char* where, const char* name, const at::Tensor& bytes, const char* expected);
+c10::IValue unpickled(const char* where, const char* name, const std::string& bytes, const char* expected);
 c10::IValue unpickled(const char* where, const char* name, const at::Tensor& bytes, const char* expected);
+// The object of class T in such bytes. A compiled graph passes the same bytes at every run: the
+// objects read are kept (at most 64 per class, one per distinct configuration), so a run does not
+// rebuild them.
 template <class T>
 c10::intrusive_ptr<T> unpickled_object(const char* where, const char* name, const at::Tensor& bytes,
                                        const char* expected) {
-  const c10::IValue value = unpickled(where, name, bytes, expected);
+  static std::mutex mutex;
+  static std::map<std::string, c10::intrusive_ptr<T>, std::less<>> read;
+  std::string key = bytes_of(where, name, bytes, expected);
+  {
+    const std::lock_guard<std::mutex> lock(mutex);
+    if (const auto it = read.find(key); it != read.end()) return it->second;
+  }
+  const c10::IValue value = unpickled(where, name, key, expected);
+  c10::intrusive_ptr<T> object;
   try {
-    return value.toCustomClass<T>();
+    object = value.toCustomClass<T>();
   } catch (const c10::Error& e) {
     TORCH_CHECK_VALUE(false, where, ": ", name, " are not ", expected, " (", e.what_without_backtrace(), ")");
   }
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (read.size() >= 64) read.clear();
+  read.emplace(std::move(key), object);
+  return object;
 }
 
 // Defines posenc::NAME from its schema "NAME(…) -> …" with its CPU kernel and, when given, its

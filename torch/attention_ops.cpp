@@ -103,7 +103,7 @@ class RelativeBiasFunction : public torch::autograd::Function<RelativeBiasFuncti
                             const at::Tensor& q_positions, const at::Tensor& k_positions, c10::ScalarType dtype,
                             std::int64_t heads) {
     const at::Tensor p = params ? *params : at::Tensor();
-    if (!scheme.isTensor() && (traced(p) || traced(q_positions) || traced(k_positions))) scheme = pickled(scheme);
+    if (!scheme.isTensor() && traced({p, q_positions, k_positions})) scheme = pickled(scheme);
     ctx->saved_data["scheme"] = scheme;
     // A gradient for given parameters (a scheme without any takes an empty tensor); sizes may be symbolic.
     ctx->saved_data["given"] = p.defined() && p.sym_numel().sym_ne(0).guard_bool(__FILE__, __LINE__);

@@ -169,16 +169,19 @@ at::Tensor pickled(const c10::IValue& value) {
   return at::lift_fresh(t);
 }
 
-c10::IValue unpickled(const char* where, const char* name, const at::Tensor& bytes, const char* expected) {
+std::string bytes_of(const char* where, const char* name, const at::Tensor& bytes, const char* expected) {
   TORCH_CHECK_VALUE(bytes.defined() && bytes.device().is_cpu() && bytes.scalar_type() == at::kByte && bytes.dim() == 1,
                     where, ": ", name, " is ",
                     bytes.defined() ? c10::str(bytes.scalar_type(), " ", bytes.sizes(), " on ", bytes.device())
                                     : std::string("undefined"),
                     "; expected ", expected, " as a uint8 [n] cpu tensor");
   const at::Tensor c = bytes.contiguous();
-  const auto* data = reinterpret_cast<const char*>(c.data_ptr<std::uint8_t>());
+  return {reinterpret_cast<const char*>(c.data_ptr<std::uint8_t>()), static_cast<std::size_t>(c.numel())};
+}
+
+c10::IValue unpickled(const char* where, const char* name, const std::string& bytes, const char* expected) {
   try {
-    return torch::jit::pickle_load_obj(std::string_view(data, static_cast<std::size_t>(c.numel())));
+    return torch::jit::pickle_load_obj(bytes);
   } catch (const c10::ValueError&) {
     throw;  // a value the classes' __setstate__ refused, by name
   } catch (const c10::Error& e) {
@@ -186,6 +189,9 @@ c10::IValue unpickled(const char* where, const char* name, const at::Tensor& byt
   } catch (const std::exception& e) {
     TORCH_CHECK_VALUE(false, where, ": ", name, " are not ", expected, " (", e.what(), ")");
   }
+}
+c10::IValue unpickled(const char* where, const char* name, const at::Tensor& bytes, const char* expected) {
+  return unpickled(where, name, bytes_of(where, name, bytes, expected), expected);
 }
 
 // An op split as NAME and NAME_backward, from its autograd kernel. The forward saves the tensors
@@ -407,25 +413,10 @@ std::tuple<at::Tensor, at::Tensor> rope_multi_tensors(const at::Tensor& q, const
 }
 
 // A Rope argument: the object (an eager call of rope, rope_, rope_multi) or its pickled bytes (their
-// _pickled forms, which a traced call records). A compiled graph passes the same bytes at every
-// run: the objects read from them are kept (at most 64, the Rope of each distinct configuration).
+// _pickled forms, which a traced call records).
 c10::intrusive_ptr<RopeClass> rope_object(const char* where, const c10::IValue& params) {
   if (!params.isTensor()) return params.toCustomClass<RopeClass>();
-  const at::Tensor bytes = params.toTensor();
-  static std::mutex mutex;
-  static std::map<std::string, c10::intrusive_ptr<RopeClass>, std::less<>> read;
-  std::string key;
-  if (bytes.defined() && bytes.device().is_cpu() && bytes.scalar_type() == at::kByte && bytes.dim() == 1) {
-    const at::Tensor c = bytes.contiguous();
-    key.assign(reinterpret_cast<const char*>(c.data_ptr<std::uint8_t>()), static_cast<std::size_t>(c.numel()));
-    const std::lock_guard<std::mutex> lock(mutex);
-    if (const auto it = read.find(key); it != read.end()) return it->second;
-  }
-  auto object = unpickled_object<RopeClass>(where, "params", bytes, "a pickled torch.classes.posenc.Rope");
-  const std::lock_guard<std::mutex> lock(mutex);
-  if (read.size() >= 64) read.clear();
-  read.emplace(std::move(key), object);
-  return object;
+  return unpickled_object<RopeClass>(where, "params", params.toTensor(), "a pickled torch.classes.posenc.Rope");
 }
 
 // The op a rotation's autograd kernel calls below autograd: NAME with the object, or, while a
@@ -492,7 +483,7 @@ class RotationFunction : public torch::autograd::Function<RotationFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const std::string& name, const at::Tensor& q, const at::Tensor& k,
                                const at::Tensor& positions, torch::jit::Stack options) {
-    const std::string op = rotation_op(name, options, traced(q) || traced(k) || traced(positions));
+    const std::string op = rotation_op(name, options, traced({q, k, positions}));
     ctx->saved_data["name"] = name;
     save_rotation(ctx, k, positions, options);
     const auto [q_out, k_out] = rotate(name, op, q, k, positions, options);
@@ -513,7 +504,7 @@ class RotationInplaceFunction : public torch::autograd::Function<RotationInplace
                                torch::jit::Stack options) {
     TORCH_CHECK_VALUE(options.back().toInt() != 2 || !(q.requires_grad() || (!absent(k) && k.requires_grad())),
                       "rope_: direction = 2 (inverse); expected 0 or 1 when gradients are needed");
-    const std::string op = rotation_op("rope_", options, traced(q) || traced(k) || traced(positions));
+    const std::string op = rotation_op("rope_", options, traced({q, k, positions}));
     save_rotation(ctx, k, positions, options);
     if (options[0].isTensor() || !q.device().is_cpu()) {
       torch::jit::Stack stack{q, k, positions};
@@ -567,20 +558,18 @@ std::string rope_config_op(const std::string& config, c10::optional<std::int64_t
   });
 }
 
-// An op's name in its messages: NAME, or its _pickled form's for the bytes.
+// An op's name in its messages: NAME, or its _pickled form's (PICKLED) for the bytes.
 template <class Params>
-const char* where_of(const char* name) {
-  if constexpr (!std::is_same_v<Params, at::Tensor>) return name;
-  static const std::map<std::string, std::string, std::less<>> pickled = {
-      {"rope", "rope_pickled"}, {"rope_", "rope_pickled_"}, {"rope_multi", "rope_multi_pickled"}};
-  return pickled.find(name)->second.c_str();
+constexpr const char* where_of(const char* name, const char* pickled_name) {
+  return std::is_same_v<Params, at::Tensor> ? pickled_name : name;
 }
 
 // The kernels of rope and rope_pickled (CPU) and their autograd kernel.
 template <class Params>
 std::tuple<at::Tensor, at::Tensor> rope_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
                                             const Params& params, std::int64_t seq_len, std::int64_t direction) {
-  return rope_apply_tensors(q, k, positions, rope_object(where_of<Params>("rope"), params), seq_len, direction);
+  return rope_apply_tensors(q, k, positions, rope_object(where_of<Params>("rope", "rope_pickled"), params), seq_len,
+                            direction);
 }
 template <class Params>
 std::tuple<at::Tensor, at::Tensor> rope_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
@@ -595,7 +584,8 @@ template <class Params>
 std::tuple<at::Tensor, at::Tensor> rope_inplace_cpu(at::Tensor q, at::Tensor k, const at::Tensor& positions,
                                                     const Params& params, std::int64_t seq_len,
                                                     std::int64_t direction) {
-  rope_apply_inplace(q, k, positions, rope_object(where_of<Params>("rope_"), params), seq_len, direction);
+  rope_apply_inplace(q, k, positions, rope_object(where_of<Params>("rope_", "rope_pickled_"), params), seq_len,
+                     direction);
   return {q, k};
 }
 template <class Params>
@@ -622,8 +612,8 @@ std::tuple<at::Tensor, at::Tensor> rope_multi_cpu(const at::Tensor& q, const at:
                                                   std::vector<std::int64_t> sections, bool interleaved,
                                                   std::vector<std::int64_t> axis_of_pair, bool restart,
                                                   std::int64_t direction) {
-  return rope_multi_tensors(q, k, positions, rope_object(where_of<Params>("rope_multi"), params), seq_len, sections,
-                            interleaved, axis_of_pair, restart, direction);
+  return rope_multi_tensors(q, k, positions, rope_object(where_of<Params>("rope_multi", "rope_multi_pickled"), params),
+                            seq_len, sections, interleaved, axis_of_pair, restart, direction);
 }
 template <class Params>
 std::tuple<at::Tensor, at::Tensor> rope_multi_autograd(const at::Tensor& q, const at::Tensor& k,

@@ -859,7 +859,7 @@ class PositionTemperature:
 
 def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size=None, temperature=None, softcap=0.0,
               scale=None, layout="bshd", q_positions=None, k_positions=None, keys_rotated=False, return_lse=False,
-              skip_vanishing_tiles=True, sinks=None, cu_seqlens=None):
+              skip_vanishing_tiles=True, sinks=None, cu_seqlens=None, backend=None):
     """Fused attention softmax(scale·q·kᵀ + positional terms + mask)·v, flash-style: no [S, S]
     matrix is ever stored, and the positional scheme runs inside the kernel.
 
@@ -894,7 +894,20 @@ def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size
     hold sequences one after another, the cumulative lengths ``[0, l1, l1 + l2, …, T]`` (an int64
     tensor, a list or a tuple of ints; a pair ``(cu_q, cu_k)`` of two such sequences when queries
     and keys differ; given, it holds at least ``[0, T]``); each sequence attends
-    within itself, its positions restart at 0, and the lse is ``[H, Tq]``."""
+    within itself, its positions restart at 0, and the lse is ``[H, Tq]``. ``backend``: None
+    (posenc's fused kernel for CPU tensors, FlexAttention for others), ``"fused"`` or ``"flex"``
+    (``posenc.flex.attention``, compiled: the same semantics through PyTorch's FlexAttention, on
+    any device; on the CPU it serves inference only)."""
+    if backend is None:
+        backend = "fused" if not isinstance(q, torch.Tensor) or q.device.type == "cpu" else "flex"
+    if backend == "flex":
+        from . import flex
+        return flex.attention(q, k, v, scheme, causal=causal, window=window, chunk_size=chunk_size,
+                              temperature=temperature, softcap=softcap, scale=scale, layout=layout,
+                              q_positions=q_positions, k_positions=k_positions, keys_rotated=keys_rotated,
+                              return_lse=return_lse, sinks=sinks, cu_seqlens=cu_seqlens)
+    if backend != "fused":
+        raise ValueError(f"attention: backend = {backend!r}; expected None, 'fused' or 'flex'")
     if isinstance(scheme, CoPE):
         _cope_alone(causal, window, chunk_size, temperature, softcap, q_positions, k_positions, keys_rotated, sinks)
         out = scheme(q, k, v, scale=scale, cu_seqlens=cu_seqlens, layout=layout, return_lse=return_lse)

@@ -1,0 +1,473 @@
+"""posenc's schemes through PyTorch's FlexAttention (``torch.nn.attention.flex_attention``): the
+same semantics as ``posenc.attention`` (its masks, positions, head groups, sinks, temperature and
+soft-cap), on any device FlexAttention runs on.
+
+``prepare(q, k, v, scheme, …)`` builds a ``FlexCall``: q and k with their transforms applied (RoPE
+and Shortformer's sinusoid from posenc's fp64 tables, moved to the tensors' device; a position
+temperature folded into q), a ``score_mod`` and a ``block_mask``; ``attention(…)`` runs it. The
+terms a score function adds are tabulated in fp64 by posenc where they depend on the relative
+position alone (the relative-bias family: ALiBi, T5, Kerple, Sandwich, … through the
+``relative_bias`` op, which carries their parameters' gradients), or computed in the score
+function from captured tensors (FIRE's MLP, the forget gate's running sum, kept as two float32
+halves so that long sequences lose no precision). Sinks are exact: the output is rescaled by the
+share of the softmax the sink leaves, σ(lse − s_h). Schemes whose terms read the query and a
+per-pair table (Shaw, Transformer-XL), TUPE's projected table, CoPE and stick-breaking are
+refused: see ``_REFUSED``."""
+import torch
+from torch.nn.attention import flex_attention as _flex
+
+from . import CoPE, Forgetting, _attention_args, _flag, _object, _ops, _qkv_layout, _rope_args, sinusoidal_table
+from .registry import Scheme, _relative_bias_op, _scheme_entry
+
+__all__ = ["FlexCall", "prepare", "attention"]
+
+# Why a scheme has no FlexAttention form here, and what works instead.
+_REFUSED = {
+    "shaw": "Shaw's terms are q·a^K[clip(j − i)] and Σ p·a^V — a query-dependent table lookup per pair and a "
+            "second output term, which a score_mod cannot add without materialising [Sq, Sk, D]",
+    "xl": "Transformer-XL's (q + v)·W_R r(i − j) is a query-dependent product per pair ([Sq, Sk, D] work "
+          "outside the score function)",
+    "tupe": "TUPE's bias is a [Sq, Sk] product of projected position tables: materialise it "
+            "(posenc.tupe_bias) and pass it to scaled_dot_product_attention as attn_mask",
+    "cope": "CoPE's positions are running sums of sigmoid gates over the scores themselves, which a score "
+            "function of one pair cannot see",
+    "stickbreaking": "stick-breaking attention has no softmax (its weights multiply the sticks of nearer keys)",
+}
+_INSTEAD = "; use backend='fused' (posenc's CPU kernel) for it"
+# The relative-bias table is [H, span of key − query] floats; past this many per head the
+# positions are too scattered for a table (the fused kernel computes the bias per pair instead).
+_TABLE_LIMIT = 1 << 24
+
+
+def _refuse(name, why):
+    raise ValueError(f"posenc.flex: scheme {name} is not supported through FlexAttention: {why}{_INSTEAD}")
+
+
+class FlexCall:
+    """One attention call in FlexAttention's terms: ``q``, ``k``, ``v`` ``[B, H, S, D]`` (q and k
+    transformed; with sinks, k and v end with one zero key whose score is the sink's logit),
+    ``score_mod``, ``block_mask`` (None: every key visible), ``scale`` and ``enable_gqa``.
+    ``run(flex)`` calls ``flex`` (``flex_attention`` or a compiled one) and returns ``(out, lse)``
+    in posenc's layout (lse None unless asked for)."""
+
+    def __init__(self, q, k, v, score_mod, block_mask, scale, packed, layout, learned):
+        self.q, self.k, self.v = q, k, v
+        self.learned = learned  # the tensors the score function captures that may carry gradients
+        self.score_mod, self.block_mask, self.scale = score_mod, block_mask, scale
+        self.enable_gqa = q.shape[1] != k.shape[1]
+        self.packed, self.layout = packed, layout
+
+    def run(self, flex=None, return_lse=False):
+        flex = _flex.flex_attention if flex is None else flex
+        result = flex(self.q, self.k, self.v, score_mod=self.score_mod, block_mask=self.block_mask, scale=self.scale,
+                      enable_gqa=self.enable_gqa, return_aux=_flex.AuxRequest(lse=True) if return_lse else None)
+        out, lse = (result[0], result[1].lse) if return_lse else (result, None)
+        if self.packed:
+            return out[0].transpose(0, 1), None if lse is None else lse[0]
+        return (out if self.layout == "bhsd" else out.transpose(1, 2)), lse
+
+
+def _positions_grid(positions, batch, length, default, device, what):
+    """Positions as an int64 [batch, length] tensor on device (``default`` when None)."""
+    if positions is None:
+        return default
+    p = torch.as_tensor(positions, dtype=torch.long).to(device)
+    if p.dim() == 1 and p.shape[0] == length:
+        p = p.expand(batch, length)
+    if tuple(p.shape) != (batch, length):
+        raise ValueError(f"posenc.flex: {what} shape {tuple(p.shape)}; expected [{length}] or [{batch}, {length}]")
+    return p
+
+
+def _unique_positions(*grids):
+    positions = torch.cat([g.reshape(-1) for g in grids])
+    return torch.unique(positions)
+
+
+_PARTNERS = {}
+
+
+def _partners(rope, key, head_dim):
+    """partner[j], the entry RoPE rotates entry j with (j itself if unrotated), read from the
+    kernel: the unit vectors rotated at position 1, where every frequency turns."""
+    if key not in _PARTNERS:
+        eye = torch.eye(head_dim, dtype=torch.float64).reshape(1, 1, head_dim, head_dim)
+        out = _ops.rope(eye, eye.new_empty(0), torch.ones(1, dtype=torch.long), rope, 0, 0)[0][0, 0]
+        partner = []
+        for j in range(head_dim):
+            others = [i for i in torch.nonzero(out[j]).reshape(-1).tolist() if i != j]
+            partner.append(others[0] if others else j)
+        _PARTNERS[key] = torch.tensor(partner)
+    return _PARTNERS[key]
+
+
+def _rope_tables(rope_args, head_dim, positions, seq_len):
+    """(A_q, B_q, A_k, B_k, partner) for x' = A ⊙ x + B ⊙ x[partner] at each of ``positions``
+    (int64 [P], CPU): posenc's RoPE in fp64, read by rotating ones in the first and in the second
+    entry of every pair (xPos scales q and k apart, hence two pairs of tables)."""
+    rope = _object(("Rope", rope_args, None))
+    partner = _partners(rope, repr(rope_args), head_dim)
+    first = torch.arange(head_dim) <= partner
+    p = positions.numel()
+    ones_first = first.to(torch.float64).expand(1, p, 1, head_dim).contiguous()
+    ones_second = (~first).to(torch.float64).expand(1, p, 1, head_dim).contiguous()
+    q1, k1 = _ops.rope(ones_first, ones_first, positions, rope, seq_len, 0)
+    q2, k2 = _ops.rope(ones_second, ones_second, positions, rope, seq_len, 0)
+
+    def coefficients(o1, o2):
+        o1, o2 = o1[0, :, 0], o2[0, :, 0]
+        return torch.where(first, o1, o2), torch.where(first, o2, o1)
+
+    return (*coefficients(q1, q2), *coefficients(k1, k2), partner)
+
+
+class _Plan:
+    """The pieces of one call, gathered over its head groups."""
+
+    def __init__(self, q, k, heads, device):
+        self.q, self.k, self.heads, self.device = q, k, heads, device
+        self.rel = []        # (h0, h1, table [h, N] float64 CPU, differentiable)
+        self.fire = []       # (h0, h1, hidden, parameter tensor)
+        self.forget = []     # (h0, h1, log_fgate [B, Sk, h])
+        self.sinks = None    # [H] logits of "sinks" groups, −inf elsewhere
+
+
+def prepare(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size=None, temperature=None, softcap=0.0,
+            scale=None, layout="bshd", q_positions=None, k_positions=None, keys_rotated=False, sinks=None,
+            cu_seqlens=None):
+    """A ``FlexCall`` for ``posenc.attention``'s arguments (the same meaning, checked the same
+    way). Raises ValueError for a scheme this path cannot express (Shaw, Transformer-XL, TUPE,
+    CoPE), naming why."""
+    if isinstance(scheme, CoPE):
+        _refuse("cope", _REFUSED["cope"])
+    q, k, v, cu_q, cu_k = _qkv_layout("posenc.flex", q, k, v, layout, cu_seqlens)
+    args = _attention_args(q, k, v, scheme, causal, window, chunk_size, temperature, softcap, scale, q_positions,
+                           k_positions, keys_rotated, True, sinks, cu_seqlens)
+    (_, _, _, specs, params, gates, sinks, causal, window_left, window_right, chunk_size, _, softcap, scale,
+     q_positions, k_positions, cu_q, cu_k, _) = args
+    device = q.device
+    heads = q.shape[-2]
+    kv_heads = k.shape[-2]
+    if heads % kv_heads:
+        raise ValueError(f"posenc.flex: q has {heads} heads and k {kv_heads}; expected a divisor of {heads}")
+    packed = bool(cu_q)
+    if packed:
+        q, k, v = q[None], k[None], v[None]
+    batch, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+
+    # Per token: its sequence, its index in it, and (queries) the key index its diagonal meets —
+    # the masks are by token index, bottom-right aligned per sequence.
+    if packed:
+        cq, ck = torch.tensor(cu_q, dtype=torch.long), torch.tensor(cu_k, dtype=torch.long)
+        if cq[-1] != sq or ck[-1] != sk or len(cu_q) != len(cu_k):
+            raise ValueError(f"posenc.flex: cu_seqlens end at {cu_q[-1]} and {cu_k[-1]} over {len(cu_q) - 1} and "
+                             f"{len(cu_k) - 1} sequences; expected the tokens of q ({sq}) and k ({sk}), as many "
+                             "sequences of each")
+        lq, lk = cq[1:] - cq[:-1], ck[1:] - ck[:-1]
+        q_doc = torch.repeat_interleave(torch.arange(len(lq)), lq)
+        k_doc = torch.repeat_interleave(torch.arange(len(lk)), lk)
+        q_index = torch.arange(sq) - cq[q_doc]
+        k_index = torch.arange(sk) - ck[k_doc]
+        q_diag = q_index + (lk - lq)[q_doc]
+        q_default = (q_index + (lk - lq).clamp(min=0)[q_doc])[None]
+        k_default = k_index[None]
+        q_key = ck[q_doc] + q_diag  # the key token a query is (forget gates), may be out of its sequence
+        q_doc, k_doc, q_diag, k_index = (t[None].to(device) for t in (q_doc, k_doc, q_diag, k_index))
+    else:
+        q_doc = k_doc = None
+        q_diag = (torch.arange(sq) + (sk - sq)).expand(batch, sq).to(device)
+        k_index = torch.arange(sk).expand(batch, sk).to(device)
+        q_default = (torch.arange(sq) + max(0, sk - sq)).expand(batch, sq)
+        k_default = torch.arange(sk).expand(batch, sk)
+        q_key = torch.arange(sq) + (sk - sq)
+    qpos = _positions_grid(q_positions, batch, sq, q_default.to(device), device, "q_positions")
+    kpos = _positions_grid(k_positions, batch, sk, k_default.to(device), device, "k_positions")
+
+    # Head groups: transforms of q and k now, terms of the score function later.
+    plan = _Plan(q, k, heads, device)
+    group_schemes = scheme if isinstance(scheme, (list, tuple)) else [(heads, scheme)]
+    h0 = 0
+    gate_list = list(gates)
+    for g, ((group_heads, group_scheme), spec, group_params) in enumerate(zip(group_schemes, specs, params)):
+        h1 = h0 + group_heads
+        if isinstance(group_scheme, Forgetting):
+            plan.forget.append((h0, h1, gate_list[g]))
+        elif isinstance(group_scheme, Scheme) and group_scheme.inputs and group_scheme.name == "forgetting":
+            plan.forget.append((h0, h1, gate_list[g]))
+        elif isinstance(group_scheme, Scheme) and group_scheme.inputs:
+            _refuse(group_scheme.name, "its per-token input has no FlexAttention form here")
+        _group(plan, spec, group_params, h0, h1, kv_heads, qpos, kpos)
+        h0 = h1
+    q, k = plan.q, plan.k
+    if temperature is not None:
+        factor = _temperature_factors(temperature, qpos)
+        q = (q.to(torch.float32) * factor[:, :, None, None]).to(q.dtype)
+
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if plan.sinks is not None:  # a "sinks" group's logits beside the call's: both in the denominator
+        sinks = plan.sinks if sinks is None else torch.logaddexp(plan.sinks, sinks.to(plan.device, torch.float32))
+    if sinks is not None:
+        # The sinks as one more key: a zero value, its score the head's logit, seen by every query;
+        # the per-key tensors get an entry for it that no term reads.
+        sinks = sinks.to(device, torch.float32)
+        k = torch.cat([k, k.new_zeros(*k.shape[:2], 1, k.shape[3])], dim=2)
+        v = torch.cat([v, v.new_zeros(*v.shape[:2], 1, v.shape[3])], dim=2)
+        kpos, k_index = (torch.cat([t, t[:, -1:]], dim=1) for t in (kpos, k_index))
+        k_doc = None if k_doc is None else torch.cat([k_doc, k_doc[:, -1:]], dim=1)
+    score_mod = _score_mod(plan, qpos, kpos, q_key, softcap, batch, sk, sinks)
+    block_mask = _block_mask(causal, window_left, window_right, chunk_size, q_doc, k_doc, q_diag, k_index, qpos,
+                             kpos, batch, sq, sk, device, packed, sinks is not None)
+    learned = [p for _, _, _, p in plan.rel] + [p for _, _, _, p in plan.fire] + [g for _, _, g in plan.forget]
+    learned += [] if sinks is None else [sinks]
+    return FlexCall(q, k, v, score_mod, block_mask, scale, packed, layout, learned)
+
+
+def _group(plan, spec, group_params, h0, h1, kv_heads, qpos, kpos):
+    """One head group's transform or term into the plan."""
+    _, (name, _, options, _), _ = spec
+    entry = _scheme_entry(name)
+    if name in _REFUSED:
+        _refuse(name, _REFUSED[name])
+    family = entry["family"]
+    if name == "none" or name == "forgetting":
+        return
+    if name == "rope":
+        _rotate(plan, spec, h0, h1, kv_heads, qpos, kpos, bool(options.get("keys_rotated", 0)))
+        return
+    if name == "absolute":
+        _add_sinusoid(plan, spec, h0, h1, kv_heads, qpos, kpos)
+        return
+    if family == "relative-bias":
+        plan.rel.append((h0, h1, spec, group_params))
+        return
+    if name == "fire":
+        plan.fire.append((h0, h1, int(options.get("hidden", 32)), group_params))
+        return
+    if name == "sinks":
+        # −inf for the other heads: no sink in their denominators.
+        logits = group_params.reshape(-1).to(plan.device, torch.float32)
+        none = torch.full((plan.heads,), float("-inf"), device=plan.device)
+        current = none if plan.sinks is None else plan.sinks
+        plan.sinks = torch.cat([current[:h0], logits, current[h1:]])
+        return
+    _refuse(name, f"its family ({family}) has no FlexAttention form here")
+
+
+def _kv_range(plan, h0, h1, kv_heads):
+    per = plan.heads // kv_heads
+    if h0 % per or h1 % per:
+        raise ValueError(f"posenc.flex: a transform's group covers heads {h0}..{h1 - 1}; expected whole KV groups "
+                         f"of {per} heads")
+    return h0 // per, h1 // per
+
+
+def _rotate(plan, spec, h0, h1, kv_heads, qpos, kpos, keys_rotated):
+    dim = plan.q.shape[-1]
+    rope_args = spec[2]
+    if rope_args is None:  # posenc.Scheme("rope", …): the registry's options
+        options = spec[1][2]
+        rotary = int(options.get("rotary_dim", 0)) or dim
+        rope_args = _rope_args(dim, rotary, float(options.get("base", 10000.0)),
+                               "interleaved" if options.get("interleaved") else "half-split", None, 2048)
+    all_positions = _unique_positions(qpos, kpos).cpu()
+    seq_len = int(torch.cat([qpos.reshape(-1), kpos.reshape(-1)]).max()) + 1
+    aq, bq, ak, bk, partner = _rope_tables(rope_args, dim, all_positions, seq_len)
+    partner = partner.to(plan.device)
+
+    def apply(x, a, b, pos):
+        index = torch.searchsorted(all_positions.to(pos.device), pos.contiguous())
+        a = a.to(plan.device, torch.float32)[index][:, :, None, :]
+        b = b.to(plan.device, torch.float32)[index][:, :, None, :]
+        xf = x.to(torch.float32)
+        return (a * xf + b * xf[..., partner]).to(x.dtype)
+
+    kv0, kv1 = _kv_range(plan, h0, h1, kv_heads)
+    q = plan.q
+    plan.q = torch.cat([q[:, :, :h0], apply(q[:, :, h0:h1], aq, bq, qpos), q[:, :, h1:]], dim=2)
+    if not keys_rotated:
+        k = plan.k
+        plan.k = torch.cat([k[:, :, :kv0], apply(k[:, :, kv0:kv1], ak, bk, kpos), k[:, :, kv1:]], dim=2)
+
+
+def _add_sinusoid(plan, spec, h0, h1, kv_heads, qpos, kpos):
+    options = spec[1][2]
+    dim = plan.q.shape[-1]
+    width = int(options.get("dim", 0)) or dim
+    base, interleaved = float(options.get("base", 10000.0)), bool(options.get("interleaved", 1))
+    kv0, kv1 = _kv_range(plan, h0, h1, kv_heads)
+    all_positions = _unique_positions(qpos, kpos).cpu()
+    table = sinusoidal_table(all_positions, width, base, interleaved, torch.float64).to(plan.device, torch.float32)
+
+    def add(x, pos):
+        rows = table[torch.searchsorted(all_positions.to(pos.device), pos.contiguous())]
+        return (x.to(torch.float32) + rows[:, :, None, :]).to(x.dtype)
+
+    q, k = plan.q, plan.k
+    plan.q = torch.cat([q[:, :, :h0], add(q[:, :, h0:h1], qpos), q[:, :, h1:]], dim=2)
+    plan.k = torch.cat([k[:, :, :kv0], add(k[:, :, kv0:kv1], kpos), k[:, :, kv1:]], dim=2)
+
+
+def _temperature_factors(temperature, qpos):
+    """s(p) of posenc/temperature.hpp for every query position, in fp64 by the library."""
+    unique = torch.unique(qpos.cpu())
+    t = temperature._object()
+    factors = torch.tensor([t.factor(int(p)) for p in unique.tolist()], dtype=torch.float64)
+    return factors.to(qpos.device, torch.float32)[torch.searchsorted(unique.to(qpos.device), qpos.contiguous())]
+
+
+def _relative_table(plan, qpos, kpos):
+    """[H, N] float32 on the device: every relative-bias group's b_h(r) for r = r_min + n, by the
+    library in fp64 (differentiable in the groups' parameters), zero for the other heads."""
+    r_min = int(kpos.min()) - int(qpos.max())
+    r_max = int(kpos.max()) - int(qpos.min())
+    span = r_max - r_min + 1
+    if span > _TABLE_LIMIT:
+        raise ValueError(f"posenc.flex: key − query positions span {span} values; expected at most {_TABLE_LIMIT} "
+                         "for a relative-bias table (positions this scattered need backend='fused')")
+    q0 = max(0, -r_min)
+    q_positions = torch.tensor([q0], dtype=torch.long)
+    k_positions = torch.arange(q0 + r_min, q0 + r_max + 1, dtype=torch.long)
+    rows, h_at = [], 0
+    for h0, h1, spec, group_params in sorted(plan.rel, key=lambda g: g[0]):
+        if h0 > h_at:
+            rows.append(torch.zeros(h0 - h_at, span, dtype=torch.float64))
+        p = group_params.to("cpu", torch.float64) if group_params.numel() else group_params
+        bias = _relative_bias_op(spec[:2] + (None,), p if p.numel() else None, q_positions, k_positions,
+                                 torch.float64)
+        rows.append(bias.reshape(h1 - h0, span))
+        h_at = h1
+    if h_at < plan.heads:
+        rows.append(torch.zeros(plan.heads - h_at, span, dtype=torch.float64))
+    return torch.cat(rows).to(plan.device, torch.float32), r_min
+
+
+def _split(x):
+    """x (float64) as hi + lo float32 halves: differences of the two stay accurate where x is large."""
+    hi = x.to(torch.float32)
+    return hi, (x - hi.to(torch.float64)).to(torch.float32)
+
+
+def _score_mod(plan, qpos, kpos, q_key, softcap, batch, sk, sinks):
+    """The score function of the plan's terms (None when there are none), then the soft-cap."""
+    table = r_min = None
+    if plan.rel:
+        table, r_min = _relative_table(plan, qpos, kpos)
+    fire = []
+    for h0, h1, hidden, p in plan.fire:
+        n = h1 - h0
+        p = p.to(plan.device, torch.float32)
+        # Separate tensors ([1] for the scalars): inductor's CPU FlexAttention fails on views of one
+        # buffer and on 0-dim buffers.
+        w1, b1 = p[:hidden].clone(), p[hidden:2 * hidden].clone()
+        w2 = p[2 * hidden:2 * hidden + n * hidden].reshape(n, hidden).clone()
+        b2 = p[2 * hidden + n * hidden:2 * hidden + n * hidden + n].clone()
+        c, threshold = p[-2:-1].clone(), p[-1:].clone()
+        fire.append((h0, h1, hidden, w1, b1, w2, b2, c, threshold))
+    forget = None
+    if plan.forget:
+        # c[b, h, j] = Σ_{l<=j} log f_l (fp64), zero for heads without a gate; the term for query
+        # token i and key j is c_i − c_j = Σ_{l=j+1..i} log f_l.
+        parts, h_at = [], 0
+        for h0, h1, gate in sorted(plan.forget, key=lambda g: g[0]):
+            gate = gate if gate.dim() == 3 else gate[None]
+            if h0 > h_at:
+                parts.append(torch.zeros(batch, sk, h0 - h_at, dtype=torch.float64, device=plan.device))
+            parts.append(gate.to(plan.device, torch.float64))
+            h_at = h1
+        if h_at < plan.heads:
+            parts.append(torch.zeros(batch, sk, plan.heads - h_at, dtype=torch.float64, device=plan.device))
+        running = torch.cumsum(torch.cat(parts, dim=2), dim=1).transpose(1, 2)  # [B, H, Sk]
+        if sinks is not None:
+            running = torch.cat([running, running[..., -1:]], dim=2)  # read at the sink's key, unused
+        hi, lo = _split(running)
+        q_key = q_key.to(plan.device).reshape(1, -1).expand(batch, -1)
+        forget = (hi, lo, q_key.clamp(min=0, max=sk - 1))
+    if table is None and not fire and forget is None and not softcap and sinks is None:
+        return None
+    # A tensor: a captured Python float would become a symbol FlexAttention's tracer refuses.
+    cap = torch.tensor(float(softcap), device=plan.device) if softcap else None
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        x = score
+        if table is not None:
+            x = x + table[h, kpos[b, kv_idx] - qpos[b, q_idx] - r_min]
+        for h0, h1, hidden, w1, b1, w2, b2, c, threshold in fire:
+            pq, pk = qpos[b, q_idx].to(torch.float32), kpos[b, kv_idx].to(torch.float32)
+            d = torch.abs(pk - pq)
+            ratio = torch.log1p(c[0] * d) / torch.log1p(c[0] * torch.maximum(threshold[0], pq))
+            g = torch.clamp(h - h0, 0, h1 - h0 - 1)
+            value = b2[g]
+            for m in range(hidden):
+                value = value + w2[g, m] * torch.relu(w1[m] * ratio + b1[m])
+            x = x + torch.where((h >= h0) & (h < h1), value, torch.zeros_like(value))
+        if forget is not None:
+            hi, lo, qk = forget
+            i = qk[b, q_idx]
+            x = x + ((hi[b, h, i] - hi[b, h, kv_idx]) + (lo[b, h, i] - lo[b, h, kv_idx]))
+        if cap is not None:
+            x = cap * torch.tanh(x / cap)
+        if sinks is not None:
+            x = torch.where(kv_idx == sk, sinks[h], x)
+        return x
+
+    return score_mod
+
+
+def _block_mask(causal, window_left, window_right, chunk_size, q_doc, k_doc, q_diag, k_index, qpos, kpos, batch,
+                sq, sk, device, packed, sink):
+    if causal:
+        window_right = 0
+    if not packed and window_left < 0 and window_right < 0 and chunk_size is None and not causal:
+        return None  # every key visible
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        d, j = q_diag[b, q_idx], k_index[b, kv_idx]
+        ok = torch.ones_like(d, dtype=torch.bool) if q_doc is None else q_doc[b, q_idx] == k_doc[b, kv_idx]
+        if window_left >= 0:
+            ok = ok & (j >= d - window_left)
+        if window_right >= 0:
+            ok = ok & (j <= d + window_right)
+        if chunk_size is not None:
+            ok = ok & (torch.div(kpos[b, kv_idx], chunk_size, rounding_mode="floor") ==
+                       torch.div(qpos[b, q_idx], chunk_size, rounding_mode="floor"))
+        return (ok | (kv_idx == sk)) if sink else ok
+
+    return _create(mask_mod, batch, sq, sk + sink, device)
+
+
+def _create(mask_mod, batch, sq, sk, device):
+    return _flex.create_block_mask(mask_mod, batch, None, sq, sk, device=device)
+
+
+_compiled_flex = None
+
+
+def _compiled():
+    global _compiled_flex
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(_flex.flex_attention, dynamic=False)
+    return _compiled_flex
+
+
+def attention(q, k, v, scheme=None, *, compiled=True, return_lse=False, layout="bshd", **options):
+    """``posenc.attention`` through FlexAttention (``prepare`` then ``FlexCall.run``), compiled by
+    default (uncompiled FlexAttention is a dense O(Sq·Sk) path, for tests). Same arguments and
+    results; ``skip_vanishing_tiles`` is accepted (it changes no result)."""
+    options.pop("skip_vanishing_tiles", None)
+    call = prepare(q, k, v, scheme, layout=layout, **options)
+    return_lse = _flag("posenc.flex", "return_lse", return_lse)
+    compiled = _flag("posenc.flex", "compiled", compiled)
+    if call.q.device.type == "cpu" and torch.is_grad_enabled():
+        # torch's FlexAttention has no CPU backward for q, k, v, and its compiled CPU kernel none at all.
+        inputs = [t for t in (call.q, call.k, call.v) if t.requires_grad]
+        captured = [t for t in call.learned if isinstance(t, torch.Tensor) and t.requires_grad]
+        if inputs or (compiled and captured):
+            what = "q, k or v" if inputs else "a scheme parameter (or gate, or sink)"
+            raise ValueError(f"posenc.flex: {what} requires grad on the CPU, where torch {torch.__version__}'s "
+                             f"{'compiled ' if not inputs else ''}FlexAttention has no backward; use backend='fused' "
+                             "(the default on the CPU) to train there, or run under torch.no_grad()")
+    if compiled and return_lse and call.q.device.type == "cpu":
+        raise ValueError(f"posenc.flex: return_lse = True with compiled=True on the CPU, where torch "
+                         f"{torch.__version__}'s compiled FlexAttention gives no lse; expected compiled=False for it")
+    out, lse = call.run(_compiled() if compiled else None, return_lse)
+    return (out, lse) if return_lse else out

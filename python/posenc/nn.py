@@ -268,10 +268,12 @@ class SelfAttention(torch.nn.Module):
     groups), then the output projection. ``window``: the keys a query sees, w on each side (an int;
     the left only when causal) or ``(left, right)``; ``bias``: biases in the projections. ``forward(x, positions=None,
     cache=None)``: positions int64 ``[S]`` (default 0..S-1, or after the cache's last); with a
-    ``KVCache`` (``make_cache``) the new tokens join it and attend to everything it holds."""
+    ``KVCache`` (``make_cache``) the new tokens join it and attend to everything it holds.
+    ``backend``: ``posenc.attention``'s (None: the fused kernel on the CPU, FlexAttention on other
+    devices; the cache holds CPU tensors)."""
 
     def __init__(self, dim, heads, kv_heads=None, scheme=None, causal=True, window=None, bias=False, head_dim=None,
-                 softcap=0.0, chunk_size=None):
+                 softcap=0.0, chunk_size=None, backend=None):
         super().__init__()
         self.dim = _int("SelfAttention", "dim", dim, 1)
         self.heads = _int("SelfAttention", "heads", heads, 1)
@@ -291,6 +293,9 @@ class SelfAttention(torch.nn.Module):
         elif not (isinstance(window, tuple) and len(window) == 2):
             raise TypeError(f"SelfAttention: window = {window!r}; expected None, an int or (left, right)")
         self.causal, self.window, self.softcap, self.chunk_size = causal, tuple(window), softcap, chunk_size
+        if backend not in (None, "fused", "flex"):
+            raise ValueError(f"SelfAttention: backend = {backend!r}; expected None, 'fused' or 'flex'")
+        self.backend = backend
         hd = self.head_dim
         self.q_proj = torch.nn.Linear(self.dim, self.heads * hd, bias=bias)
         self.k_proj = torch.nn.Linear(self.dim, self.kv_heads * hd, bias=bias)
@@ -318,7 +323,7 @@ class SelfAttention(torch.nn.Module):
         k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim)
         options = {"causal": self.causal, "window": self.window, "softcap": self.softcap,
-                   "chunk_size": self.chunk_size}
+                   "chunk_size": self.chunk_size, "backend": self.backend}
         if cache is None:
             positions = torch.arange(s, dtype=torch.long) if positions is None else positions
             out = attention(q, k, v, self.scheme, q_positions=positions, k_positions=positions, **options)

@@ -899,7 +899,8 @@ def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size
     (``posenc.flex.attention``, compiled: the same semantics through PyTorch's FlexAttention, on
     any device; on the CPU it serves inference only)."""
     if backend is None:
-        backend = "fused" if not isinstance(q, torch.Tensor) or q.device.type == "cpu" else "flex"
+        # meta tensors (shape propagation) stay with the fused op's fake kernel.
+        backend = "fused" if not isinstance(q, torch.Tensor) or q.device.type in ("cpu", "meta") else "flex"
     if backend == "flex":
         from . import flex
         return flex.attention(q, k, v, scheme, causal=causal, window=window, chunk_size=chunk_size,

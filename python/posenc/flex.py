@@ -9,10 +9,10 @@ terms a score function adds are tabulated in fp64 by posenc where they depend on
 position alone (the relative-bias family: ALiBi, T5, Kerple, Sandwich, … through the
 ``relative_bias`` op, which carries their parameters' gradients), or computed in the score
 function from captured tensors (FIRE's MLP, the forget gate's running sum, kept as two float32
-halves so that long sequences lose no precision). Sinks are exact: the output is rescaled by the
-share of the softmax the sink leaves, σ(lse − s_h). Schemes whose terms read the query and a
-per-pair table (Shaw, Transformer-XL), TUPE's projected table, CoPE and stick-breaking are
-refused: see ``_REFUSED``."""
+halves so that long sequences lose no precision). Sinks are exact: one more key with a zero
+value whose score is the sink's logit. Schemes whose terms read the query and a
+per-pair table (Shaw, Transformer-XL), TUPE's projected table and CoPE are refused: see
+``_REFUSED`` (stick-breaking attention is a function of its own, not a scheme)."""
 import torch
 from torch.nn.attention import flex_attention as _flex
 
@@ -31,7 +31,6 @@ _REFUSED = {
             "(posenc.tupe_bias) and pass it to scaled_dot_product_attention as attn_mask",
     "cope": "CoPE's positions are running sums of sigmoid gates over the scores themselves, which a score "
             "function of one pair cannot see",
-    "stickbreaking": "stick-breaking attention has no softmax (its weights multiply the sticks of nearer keys)",
 }
 _INSTEAD = "; use backend='fused' (posenc's CPU kernel) for it"
 # The relative-bias table is [H, span of key − query] floats; past this many per head the
@@ -56,22 +55,39 @@ class FlexCall:
         self.score_mod, self.block_mask, self.scale = score_mod, block_mask, scale
         self.enable_gqa = q.shape[1] != k.shape[1]
         self.packed, self.layout = packed, layout
+        self.empty_lse = None  # an empty call's lse: the sinks' logits (zero keys, zero outputs), else −inf
 
     def run(self, flex=None, return_lse=False):
-        flex = _flex.flex_attention if flex is None else flex
-        result = flex(self.q, self.k, self.v, score_mod=self.score_mod, block_mask=self.block_mask, scale=self.scale,
-                      enable_gqa=self.enable_gqa, return_aux=_flex.AuxRequest(lse=True) if return_lse else None)
-        out, lse = (result[0], result[1].lse) if return_lse else (result, None)
+        if 0 in self.q.shape[:3] or self.k.shape[2] == 0:
+            # Nothing to attend: zero outputs, as every fully masked row of the fused kernel, and an
+            # lse of −inf, or the sinks' logits (FlexAttention is not called with empty tensors).
+            b, h, sq = self.q.shape[:3]
+            out = self.q.new_zeros(b, h, sq, self.v.shape[-1])
+            lse = torch.full((b, h, sq), float("-inf"), device=self.q.device) if self.empty_lse is None else \
+                self.empty_lse[None, :, None].expand(b, h, sq).clone()
+        else:
+            out, lse = self._flex(flex, return_lse)
         if self.packed:
             return out[0].transpose(0, 1), None if lse is None else lse[0]
         return (out if self.layout == "bhsd" else out.transpose(1, 2)), lse
+
+    def _flex(self, flex, return_lse):
+        flex = _flex.flex_attention if flex is None else flex
+        result = flex(self.q, self.k, self.v, score_mod=self.score_mod, block_mask=self.block_mask, scale=self.scale,
+                      enable_gqa=self.enable_gqa, return_aux=_flex.AuxRequest(lse=True) if return_lse else None)
+        return (result[0], result[1].lse) if return_lse else (result, None)
 
 
 def _positions_grid(positions, batch, length, default, device, what):
     """Positions as an int64 [batch, length] tensor on device (``default`` when None)."""
     if positions is None:
         return default
+    if isinstance(positions, torch.Tensor) and (positions.is_floating_point() or positions.is_complex() or
+                                                positions.dtype == torch.bool):
+        raise TypeError(f"posenc.flex: {what} dtype {positions.dtype}; expected an integer tensor")
     p = torch.as_tensor(positions, dtype=torch.long).to(device)
+    if p.numel() and (int(p.min()) < 0 or int(p.max()) > 1 << 40):
+        raise ValueError(f"posenc.flex: {what} from {int(p.min())} to {int(p.max())}; expected positions in [0, 2^40]")
     if p.dim() == 1 and p.shape[0] == length:
         p = p.expand(batch, length)
     if tuple(p.shape) != (batch, length):
@@ -130,6 +146,8 @@ class _Plan:
         self.fire = []       # (h0, h1, hidden, parameter tensor)
         self.forget = []     # (h0, h1, log_fgate [B, Sk, h])
         self.sinks = None    # [H] logits of "sinks" groups, −inf elsewhere
+        # No query or no key: the groups are checked, nothing is computed (FlexCall.run's zeros).
+        self.empty = q.numel() == 0 or k.shape[1] == 0
 
 
 def prepare(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size=None, temperature=None, softcap=0.0,
@@ -145,11 +163,14 @@ def prepare(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size=N
                            k_positions, keys_rotated, True, sinks, cu_seqlens)
     (_, _, _, specs, params, gates, sinks, causal, window_left, window_right, chunk_size, _, softcap, scale,
      q_positions, k_positions, cu_q, cu_k, _) = args
+    for spec in specs:  # the library checks each group's options against the call (RoPE's head size, …)
+        _object(spec)
+    if temperature is not None:
+        temperature._object()
+    _check_call(q, k, v, cu_q, cu_k, causal, window_left, window_right, softcap, sinks)
     device = q.device
     heads = q.shape[-2]
     kv_heads = k.shape[-2]
-    if heads % kv_heads:
-        raise ValueError(f"posenc.flex: q has {heads} heads and k {kv_heads}; expected a divisor of {heads}")
     packed = bool(cu_q)
     if packed:
         q, k, v = q[None], k[None], v[None]
@@ -159,10 +180,6 @@ def prepare(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size=N
     # the masks are by token index, bottom-right aligned per sequence.
     if packed:
         cq, ck = torch.tensor(cu_q, dtype=torch.long), torch.tensor(cu_k, dtype=torch.long)
-        if cq[-1] != sq or ck[-1] != sk or len(cu_q) != len(cu_k):
-            raise ValueError(f"posenc.flex: cu_seqlens end at {cu_q[-1]} and {cu_k[-1]} over {len(cu_q) - 1} and "
-                             f"{len(cu_k) - 1} sequences; expected the tokens of q ({sq}) and k ({sk}), as many "
-                             "sequences of each")
         lq, lk = cq[1:] - cq[:-1], ck[1:] - ck[:-1]
         q_doc = torch.repeat_interleave(torch.arange(len(lq)), lq)
         k_doc = torch.repeat_interleave(torch.arange(len(lk)), lk)
@@ -171,7 +188,7 @@ def prepare(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size=N
         q_diag = q_index + (lk - lq)[q_doc]
         q_default = (q_index + (lk - lq).clamp(min=0)[q_doc])[None]
         k_default = k_index[None]
-        q_key = ck[q_doc] + q_diag  # the key token a query is (forget gates), may be out of its sequence
+        q_key = ck[q_doc] + q_diag  # the key token a query is (forget gates)
         q_doc, k_doc, q_diag, k_index = (t[None].to(device) for t in (q_doc, k_doc, q_diag, k_index))
     else:
         q_doc = k_doc = None
@@ -183,6 +200,12 @@ def prepare(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size=N
     qpos = _positions_grid(q_positions, batch, sq, q_default.to(device), device, "q_positions")
     kpos = _positions_grid(k_positions, batch, sk, k_default.to(device), device, "k_positions")
 
+    if chunk_size is not None and kpos.shape[1] > 1:
+        step = kpos[:, 1:] - kpos[:, :-1]
+        same = torch.ones_like(step, dtype=torch.bool) if k_doc is None else k_doc[:, 1:] == k_doc[:, :-1]
+        if bool(((step < 0) & same).any()):
+            raise ValueError("posenc.flex: k_positions decrease within a sequence with chunk_size; expected "
+                             "non-decreasing key positions (a query's chunk is a run of keys)")
     # Head groups: transforms of q and k now, terms of the score function later.
     plan = _Plan(q, k, heads, device)
     group_schemes = scheme if isinstance(scheme, (list, tuple)) else [(heads, scheme)]
@@ -198,12 +221,31 @@ def prepare(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size=N
             _refuse(group_scheme.name, "its per-token input has no FlexAttention form here")
         _group(plan, spec, group_params, h0, h1, kv_heads, qpos, kpos)
         h0 = h1
+    for h0, h1, gate in plan.forget:
+        want = (sk, h1 - h0) if packed else (batch, sk, h1 - h0)
+        if tuple(gate.shape) != want:
+            raise ValueError(f"posenc.flex: log_fgate shape {tuple(gate.shape)}; expected {list(want)} (the keys' grid "
+                             "and the group's heads)")
+        if gate.numel() and bool((gate > 0).any()):
+            raise ValueError("posenc.flex: log_fgate holds a value > 0; expected <= 0 (the log of a forget gate in "
+                             "(0, 1], e.g. logsigmoid of its logit)")
+    if plan.forget:
+        longer = bool((lq > lk).any()) if packed else batch > 0 and sq > sk
+        if longer:
+            raise ValueError("posenc.flex: a forget gate with more queries than keys in a sequence; expected at most "
+                             "as many queries as keys (query i is the key token Lk − Lq + i)")
     q, k = plan.q, plan.k
     if temperature is not None:
         factor = _temperature_factors(temperature, qpos)
         q = (q.to(torch.float32) * factor[:, :, None, None]).to(q.dtype)
 
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if plan.empty:
+        call = FlexCall(q, k[:, :, :0], v[:, :, :0], None, None, scale, packed, layout, [])
+        call.empty_lse = sinks if sinks is None else sinks.to(device, torch.float32)
+        if plan.sinks is not None:
+            call.empty_lse = plan.sinks if sinks is None else torch.logaddexp(plan.sinks, call.empty_lse)
+        return call
     if plan.sinks is not None:  # a "sinks" group's logits beside the call's: both in the denominator
         sinks = plan.sinks if sinks is None else torch.logaddexp(plan.sinks, sinks.to(plan.device, torch.float32))
     if sinks is not None:
@@ -214,12 +256,59 @@ def prepare(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size=N
         v = torch.cat([v, v.new_zeros(*v.shape[:2], 1, v.shape[3])], dim=2)
         kpos, k_index = (torch.cat([t, t[:, -1:]], dim=1) for t in (kpos, k_index))
         k_doc = None if k_doc is None else torch.cat([k_doc, k_doc[:, -1:]], dim=1)
-    score_mod = _score_mod(plan, qpos, kpos, q_key, softcap, batch, sk, sinks)
+    score_mod = _score_mod(plan, qpos, kpos, q_key, softcap, batch, sk, sinks, cu_k if packed else None)
     block_mask = _block_mask(causal, window_left, window_right, chunk_size, q_doc, k_doc, q_diag, k_index, qpos,
                              kpos, batch, sq, sk, device, packed, sinks is not None)
     learned = [p for _, _, _, p in plan.rel] + [p for _, _, _, p in plan.fire] + [g for _, _, g in plan.forget]
     learned += [] if sinks is None else [sinks]
     return FlexCall(q, k, v, score_mod, block_mask, scale, packed, layout, learned)
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _check_call(q, k, v, cu_q, cu_k, causal, window_left, window_right, softcap, sinks):
+    """What the fused kernel's planner refuses (include/posenc/attention.hpp, "Errors"), refused here
+    in its terms, before anything is computed."""
+    where = "posenc.flex"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{where}: {name} dtype {t.dtype}; expected float32, bfloat16, float16 or float64")
+        if t.dim() != q.dim():
+            raise ValueError(f"{where}: {name} has {t.dim()} dimensions; expected {q.dim()}, as q")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"{where}: q, k, v dtypes {q.dtype}, {k.dtype}, {v.dtype}; expected one dtype")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"{where}: q, k, v on {q.device}, {k.device}, {v.device}; expected one device")
+    heads, kv_heads = q.shape[-2], k.shape[-2]
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"{where}: k shape {tuple(k.shape)} and v shape {tuple(v.shape)}; expected the same tokens "
+                         "and heads")
+    if k.shape[-1] != q.shape[-1] or v.shape[-1] > q.shape[-1]:
+        raise ValueError(f"{where}: head sizes q {q.shape[-1]}, k {k.shape[-1]}, v {v.shape[-1]}; expected k's "
+                         "equal to q's and v's at most q's")
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(f"{where}: q has {heads} heads and k {kv_heads}; expected a divisor of {heads}")
+    if not cu_q and q.shape[0] != k.shape[0]:
+        raise ValueError(f"{where}: q's batch {q.shape[0]} and k's {k.shape[0]}; expected the same")
+    if causal and window_right not in (0, -1):
+        raise ValueError(f"{where}: window[1] = {window_right} with causal; expected 0 or -1 (causal sees no later "
+                         "key)")
+    if window_left < -1 or window_right < -1:
+        raise ValueError(f"{where}: window = ({window_left}, {window_right}); expected entries >= -1 (-1: unlimited)")
+    if not softcap >= 0 or softcap == float("inf"):
+        raise ValueError(f"{where}: softcap = {softcap}; expected a finite number >= 0")
+    for name, cu, total in (("cu_seqlens_q", cu_q, q.shape[0]), ("cu_seqlens_k", cu_k, k.shape[0])):
+        if cu and (cu[0] != 0 or cu[-1] != total or any(b < a for a, b in zip(cu, cu[1:]))):
+            raise ValueError(f"{where}: {name} = {cu}; expected 0, then non-decreasing sums, ending at the "
+                             f"{total} tokens")
+    if cu_q and len(cu_q) != len(cu_k):
+        raise ValueError(f"{where}: cu_seqlens_q has {len(cu_q) - 1} sequences and cu_seqlens_k {len(cu_k) - 1}; "
+                         "expected as many")
+    if sinks is not None and not sinks.is_floating_point():
+        raise TypeError(f"{where}: sinks dtype {sinks.dtype}; expected a floating dtype")
+    if sinks is not None and bool((torch.isnan(sinks) | (sinks == float("inf"))).any()):
+        raise ValueError(f"{where}: sinks hold a NaN or +inf logit; expected finite numbers, or -inf for no sink")
 
 
 def _group(plan, spec, group_params, h0, h1, kv_heads, qpos, kpos):
@@ -262,6 +351,9 @@ def _kv_range(plan, h0, h1, kv_heads):
 
 
 def _rotate(plan, spec, h0, h1, kv_heads, qpos, kpos, keys_rotated):
+    kv0, kv1 = _kv_range(plan, h0, h1, kv_heads)
+    if plan.empty:
+        return
     dim = plan.q.shape[-1]
     rope_args = spec[2]
     if rope_args is None:  # posenc.Scheme("rope", …): the registry's options
@@ -281,7 +373,6 @@ def _rotate(plan, spec, h0, h1, kv_heads, qpos, kpos, keys_rotated):
         xf = x.to(torch.float32)
         return (a * xf + b * xf[..., partner]).to(x.dtype)
 
-    kv0, kv1 = _kv_range(plan, h0, h1, kv_heads)
     q = plan.q
     plan.q = torch.cat([q[:, :, :h0], apply(q[:, :, h0:h1], aq, bq, qpos), q[:, :, h1:]], dim=2)
     if not keys_rotated:
@@ -290,13 +381,17 @@ def _rotate(plan, spec, h0, h1, kv_heads, qpos, kpos, keys_rotated):
 
 
 def _add_sinusoid(plan, spec, h0, h1, kv_heads, qpos, kpos):
+    kv0, kv1 = _kv_range(plan, h0, h1, kv_heads)
     options = spec[1][2]
     dim = plan.q.shape[-1]
     width = int(options.get("dim", 0)) or dim
     base, interleaved = float(options.get("base", 10000.0)), bool(options.get("interleaved", 1))
-    kv0, kv1 = _kv_range(plan, h0, h1, kv_heads)
+    if width != dim:
+        raise ValueError(f"posenc.flex: the absolute scheme's dim = {width}; expected q's head_dim {dim}")
     all_positions = _unique_positions(qpos, kpos).cpu()
     table = sinusoidal_table(all_positions, width, base, interleaved, torch.float64).to(plan.device, torch.float32)
+    if plan.empty:
+        return
 
     def add(x, pos):
         rows = table[torch.searchsorted(all_positions.to(pos.device), pos.contiguous())]
@@ -347,7 +442,7 @@ def _split(x):
     return hi, (x - hi.to(torch.float64)).to(torch.float32)
 
 
-def _score_mod(plan, qpos, kpos, q_key, softcap, batch, sk, sinks):
+def _score_mod(plan, qpos, kpos, q_key, softcap, batch, sk, sinks, k_starts):
     """The score function of the plan's terms (None when there are none), then the soft-cap."""
     table = r_min = None
     if plan.rel:
@@ -356,8 +451,7 @@ def _score_mod(plan, qpos, kpos, q_key, softcap, batch, sk, sinks):
     for h0, h1, hidden, p in plan.fire:
         n = h1 - h0
         p = p.to(plan.device, torch.float32)
-        # Separate tensors ([1] for the scalars): inductor's CPU FlexAttention fails on views of one
-        # buffer and on 0-dim buffers.
+        # Separate tensors: inductor's CPU FlexAttention fails on views of one buffer.
         w1, b1 = p[:hidden].clone(), p[hidden:2 * hidden].clone()
         w2 = p[2 * hidden:2 * hidden + n * hidden].reshape(n, hidden).clone()
         b2 = p[2 * hidden + n * hidden:2 * hidden + n * hidden + n].clone()
@@ -376,7 +470,12 @@ def _score_mod(plan, qpos, kpos, q_key, softcap, batch, sk, sinks):
             h_at = h1
         if h_at < plan.heads:
             parts.append(torch.zeros(batch, sk, plan.heads - h_at, dtype=torch.float64, device=plan.device))
-        running = torch.cumsum(torch.cat(parts, dim=2), dim=1).transpose(1, 2)  # [B, H, Sk]
+        gates = torch.cat(parts, dim=2)
+        if k_starts is None:
+            running = torch.cumsum(gates, dim=1)
+        else:  # each packed sequence's sum starts afresh (a −inf gate stays in its sequence)
+            running = torch.cat([torch.cumsum(gates[:, a:b], dim=1) for a, b in zip(k_starts, k_starts[1:])], dim=1)
+        running = running.transpose(1, 2)  # [B, H, Sk]
         if sinks is not None:
             running = torch.cat([running, running[..., -1:]], dim=2)  # read at the sink's key, unused
         hi, lo = _split(running)
@@ -392,8 +491,8 @@ def _score_mod(plan, qpos, kpos, q_key, softcap, batch, sk, sinks):
         if table is not None:
             x = x + table[h, kpos[b, kv_idx] - qpos[b, q_idx] - r_min]
         for h0, h1, hidden, w1, b1, w2, b2, c, threshold in fire:
-            pq, pk = qpos[b, q_idx].to(torch.float32), kpos[b, kv_idx].to(torch.float32)
-            d = torch.abs(pk - pq)
+            pq = qpos[b, q_idx].to(torch.float32)
+            d = torch.abs(kpos[b, kv_idx] - qpos[b, q_idx]).to(torch.float32)  # exact in int64 first
             ratio = torch.log1p(c[0] * d) / torch.log1p(c[0] * torch.maximum(threshold[0], pq))
             g = torch.clamp(h - h0, 0, h1 - h0 - 1)
             value = b2[g]
@@ -436,24 +535,30 @@ def _block_mask(causal, window_left, window_right, chunk_size, q_doc, k_doc, q_d
 
 
 def _create(mask_mod, batch, sq, sk, device):
-    return _flex.create_block_mask(mask_mod, batch, None, sq, sk, device=device)
+    # Off the CPU the mask is built by a compiled kernel block by block; eagerly it is a dense
+    # [B, 1, Sq, Sk] boolean first (torch's advice for long sequences).
+    return _flex.create_block_mask(mask_mod, batch, None, sq, sk, device=device, _compile=device.type != "cpu")
 
 
-_compiled_flex = None
+_COMPILED = {}
 
 
-def _compiled():
-    global _compiled_flex
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(_flex.flex_attention, dynamic=False)
-    return _compiled_flex
+def _compiled(device):
+    """flex_attention compiled for a device type. Off the CPU with torch's automatic dynamic shapes:
+    a second length recompiles once with symbolic sizes, not once per length (decode would end at
+    the recompile limit). On the CPU with static shapes: inductor's CPU template fails to compile
+    symbolic sizes in torch 2.15 (CppCompileError, cur_kvSplitSize undeclared)."""
+    kind = device.type
+    if kind not in _COMPILED:
+        _COMPILED[kind] = torch.compile(_flex.flex_attention, dynamic=False if kind == "cpu" else None)
+    return _COMPILED[kind]
 
 
 def attention(q, k, v, scheme=None, *, compiled=True, return_lse=False, layout="bshd", **options):
     """``posenc.attention`` through FlexAttention (``prepare`` then ``FlexCall.run``), compiled by
     default (uncompiled FlexAttention is a dense O(Sq·Sk) path, for tests). Same arguments and
     results; ``skip_vanishing_tiles`` is accepted (it changes no result)."""
-    options.pop("skip_vanishing_tiles", None)
+    _flag("posenc.flex", "skip_vanishing_tiles", options.pop("skip_vanishing_tiles", True))
     call = prepare(q, k, v, scheme, layout=layout, **options)
     return_lse = _flag("posenc.flex", "return_lse", return_lse)
     compiled = _flag("posenc.flex", "compiled", compiled)
@@ -469,5 +574,5 @@ def attention(q, k, v, scheme=None, *, compiled=True, return_lse=False, layout="
     if compiled and return_lse and call.q.device.type == "cpu":
         raise ValueError(f"posenc.flex: return_lse = True with compiled=True on the CPU, where torch "
                          f"{torch.__version__}'s compiled FlexAttention gives no lse; expected compiled=False for it")
-    out, lse = call.run(_compiled() if compiled else None, return_lse)
+    out, lse = call.run(_compiled(call.q.device) if compiled else None, return_lse)
     return (out, lse) if return_lse else out

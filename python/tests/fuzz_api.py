@@ -26,6 +26,7 @@ from hypothesis.errors import InvalidArgument
 from hypothesis import strategies as st
 
 import posenc
+import posenc.flex
 
 SEEDS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fuzz_seeds")
 EXAMPLES = int(os.environ.get("POSENC_FUZZ_EXAMPLES", "500"))
@@ -246,6 +247,66 @@ def check_attention(case):
     return "ok"
 
 
+# ─── posenc.flex on the same cases ─────────────────────────────────────────────────────────────
+
+# What posenc.flex refuses that the fused kernel runs (docs/flex.md): schemes with no score function,
+# biases over too wide a span of positions.
+FLEX_LIMITS = ("not supported through FlexAttention", "positions span")
+ROUNDING = {"float32": 0.0, "bfloat16": 2.0**-8, "float16": 2.0**-11}
+
+
+def check_flex(case):
+    """posenc.flex through torch's eager FlexAttention (no gradients: torch has no CPU backward for
+    q, k, v): a call the fused kernel runs in the case's dtype gives the fp64 reference's output
+    and lse within check_attention's tolerance, or is refused for one of posenc.flex's limits; a
+    call the fused kernel refuses is refused."""
+    q, k, v, scheme, options = attention_inputs(case)
+    dtype = DTYPES[case["dtype"]]
+    q, k, v = (x.to(dtype).double() for x in (q, k, v))
+    try:
+        want, want_lse, _ = run_attention(q, k, v, scheme, options, dtype, False)
+        want, want_lse, _ = run_attention(q, k, v, scheme, options, torch.float64, False)
+    except Exception as error:  # noqa: BLE001
+        assert refused(error), f"{type(error).__name__}: {error}"
+        if "f32's largest" in str(error):
+            return f"refused for {case['dtype']}: {error}"  # a multiplier past f32's range: not flex's to judge
+        want = None
+    opts = dict(options)
+    opts.pop("skip_vanishing_tiles")
+    if "sinks" in opts:
+        opts["sinks"] = opts["sinks"].to(torch.float32)
+    try:
+        with torch.no_grad():
+            got = posenc.flex.attention(q.to(dtype), k.to(dtype), v.to(dtype), scheme, compiled=False, **opts)
+    except Exception as error:  # noqa: BLE001  the contract is about every exception
+        assert refused(error), f"{type(error).__name__}: {error}"
+        assert want is None or any(limit in str(error) for limit in FLEX_LIMITS), \
+            f"posenc.flex refused what the fused kernel runs: {error}"
+        tally(f"refused: {str(error).split(';')[0][:60]}")
+        return f"refused: {error}"
+    assert want is not None, "posenc.flex ran a call the fused kernel refuses"
+    out, lse = got if options["return_lse"] else (got, None)
+    assert out.dtype == dtype and out.shape == want.shape, (out.dtype, out.shape, want.shape)
+    tally(f"compared: {case['scheme']}" + (" packed" if case["packed"] is not None else ""))
+    if largest_score(case, q, k) > 1e37:
+        return "overflow"
+    assert torch.isfinite(out).all(), "finite inputs gave a non-finite output"
+    # 16-bit q and k are transformed (RoPE, the sinusoid, the temperature) in float32 and rounded back
+    # to their dtype for FlexAttention, where the fused kernel keeps them in float32: each score moves
+    # by up to two roundings of the dtype (ROUNDING) relative to its size.
+    transformed = case["scheme"] in ("rope", "rope-yarn", "absolute", "groups") or case["temperature"] is not None
+    error = score_error(case, q, k) + (2 * ROUNDING[case["dtype"]] * largest_score(case, q, k) if transformed else 0)
+    atol = (TOLERANCE[case["dtype"]] + error) * max(1.0, float(v.abs().max()) if v.numel() else 1.0)
+    torch.testing.assert_close(out.double(), want, atol=atol, rtol=0)
+    if lse is not None:
+        assert lse.shape == want_lse.shape, (lse.shape, want_lse.shape)
+        finite = torch.isfinite(want_lse)
+        assert torch.equal(torch.isfinite(lse), finite) or case["dtype"] != "float32"
+        rounded = 2 * ROUNDING[case["dtype"]] * largest_score(case, q, k) if transformed else 0.0
+        torch.testing.assert_close(lse.double()[finite], want_lse.double()[finite], atol=1e-3 + rounded, rtol=1e-4)
+    return "ok"
+
+
 # ─── The Hugging Face config reader ────────────────────────────────────────────────────────────
 
 floats = st.one_of(st.floats(allow_nan=True, allow_infinity=True, width=64), st.sampled_from([0.0, 1.0, 2.0, 8.0]))
@@ -315,7 +376,8 @@ def check_hf_config(case):
 
 # ─── The properties: their seeds, then new cases ───────────────────────────────────────────────
 
-PROPERTIES = {"attention": (check_attention, attention_cases), "hf_config": (check_hf_config, hf_cases)}
+PROPERTIES = {"attention": (check_attention, attention_cases), "flex": (check_flex, attention_cases),
+              "hf_config": (check_hf_config, hf_cases)}
 
 
 @pytest.mark.parametrize("name, case", [(name, case) for name in PROPERTIES for case in load_seeds(f"{name}.json")],
@@ -338,7 +400,7 @@ def test_fuzz(name, data):
 def test_the_seeds_parse_as_cases():
     # A seed edited by hand must still be a case of the generators' shape, with the reason it is kept.
     kept = {"why", "expect"}
-    for case in load_seeds("attention.json"):
+    for case in load_seeds("attention.json") + load_seeds("flex.json"):
         assert set(case) == set(ATTENTION_FIELDS) | kept, sorted(set(case) ^ (set(ATTENTION_FIELDS) | kept))
     for case in load_seeds("hf_config.json"):
         assert set(case) == {"config", "layer", "seed"} | kept, case

@@ -91,8 +91,22 @@ CASES = {
     "decode": dict(scheme=_fire(), shape=dict(sq=1, sk=S)),
     "positions": dict(scheme=_trained(posenc.Kerple(H)), q_positions=torch.arange(S) * 3 + 5,
                       k_positions=torch.arange(S) * 3 + 5),
-    "positions-per-row": dict(scheme="rope", q_positions=torch.stack([torch.arange(S), torch.arange(S) + 100]),
+    # Rows at different offsets, under schemes that read absolute positions (a wrong row would show).
+    "positions-per-row": dict(scheme=posenc.SinusoidalPositionalEncoding(D),
+                              q_positions=torch.stack([torch.arange(S), torch.arange(S) + 100]),
                               k_positions=torch.stack([torch.arange(S), torch.arange(S) + 100])),
+    "positions-per-row-fire": dict(scheme=_fire(), q_positions=torch.stack([torch.arange(S), torch.arange(S) + 60]),
+                                   k_positions=torch.stack([torch.arange(S), torch.arange(S) + 60])),
+    "chunked-by-position": dict(scheme="alibi", chunk_size=16, q_positions=torch.arange(S) * 2 + 3,
+                                k_positions=torch.arange(S) * 2 + 3),
+    "layout-bhsd": dict(scheme="rope", layout="bhsd"),
+    "more-queries-than-keys": dict(scheme="alibi", shape=dict(sq=S, sk=20)),
+    "no-keys": dict(scheme="alibi", sinks="sinks", shape=dict(sq=3, sk=0)),
+    "shortformer-in-a-later-group": dict(scheme=[(2, "alibi"), (2, posenc.SinusoidalPositionalEncoding(D))]),
+    "packed-sinks-window": dict(scheme="rope", sinks="sinks", window=(4, 0), cu_seqlens=[0, 9, 9, 30, 41],
+                                shape=dict(packed=(41, 41))),
+    "packed-queries-and-keys": dict(scheme=_trained(posenc.Kerple(H)), cu_seqlens=([0, 3, 10, 14], [0, 9, 30, 41]),
+                                    shape=dict(packed=(14, 41))),
     "packed": dict(scheme="alibi", cu_seqlens=[0, 9, 30, 41], shape=dict(packed=(41, 41))),
     "packed-forgetting": dict(scheme="gate", cu_seqlens=[0, 9, 30, 41], shape=dict(packed=(41, 41))),
 }
@@ -105,6 +119,8 @@ def _options(name, dtype, device):
     options.setdefault("causal", True)
     q, k, v = _inputs(packed=shape.get("packed"), **{k: v for k, v in shape.items() if k != "packed"})
     packed = "packed" in shape
+    if options.get("layout") == "bhsd":
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if options["scheme"] in ("gate", "gate+rope"):
         gate = _gate(shape=(k.shape[0], H) if packed else (B, k.shape[1], H))
         options["scheme"] = posenc.Forgetting(gate.to(device, dtype if dtype != torch.float64 else dtype),
@@ -233,7 +249,8 @@ def _run_fused(dtype):
 
 GRADIENT_CASES = ["rope", "alibi-trainable", "t5", "kerple", "fire", "forgetting", "fox-pro", "sinks",
                   "sinks-group", "head-groups", "softcap", "window", "chunked", "cache-offset", "packed",
-                  "packed-forgetting", "bidirectional", "llama4-temperature", "shortformer"]
+                  "packed-forgetting", "bidirectional", "llama4-temperature", "shortformer", "positions-per-row-fire",
+                  "packed-sinks-window", "packed-queries-and-keys", "layout-bhsd"]
 
 
 @pytest.mark.parametrize("name", GRADIENT_CASES)
@@ -244,23 +261,17 @@ def test_gradients(name, cpu_flex_backward):
     fused = _gradients(name, dtype, _run_fused(dtype))
     flex = _gradients(name, dtype, _run_flex)
     options, (q, k, _) = _options(name, dtype, torch.device("cpu"))
-    pairs = H * q.shape[-3] * k.shape[-3] * (1 if "cu_seqlens" in options else q.shape[0])
+    rows = 1 if "cu_seqlens" in options else q.shape[0]
+    pairs = H * (q.numel() // (H * D)) * (k.numel() // (G * D)) // rows  # (query, key) pairs of every head
     # Every learned tensor has a gradient to compare (none is left out of the graph).
     assert all(r is not None and r.abs().max() > 0 for r in ref), [r is None for r in ref]
-    try:
-        for i, (r, a, b) in enumerate(zip(ref, fused, flex)):
-            if r is None:
-                assert b is None or b.abs().max() == 0, i
-                continue
-            err_fused, err_flex = (a - r).abs().max().item(), (b - r).abs().max().item()
-            # q, k, v: a floor of float32 rounding. A parameter's gradient is a sum over every (query,
-            # key) pair, which torch's FlexAttention forms in float32 (the fused kernel in fp64): the
-            # floor is then twice a random walk of float32 roundings over those pairs, 2·ε·√pairs.
-            floor = 1e-5 if i < 3 else 2 * torch.finfo(torch.float32).eps * pairs ** 0.5
-            assert err_flex <= 2 * err_fused + floor * max(1.0, r.abs().max().item()), (i, err_fused, err_flex)
-    finally:
-        _modules_to(CASES[name], torch.device("cpu")) if isinstance(CASES[name].get("scheme"), torch.nn.Module) \
-            else None
+    for i, (r, a, b) in enumerate(zip(ref, fused, flex)):
+        err_fused, err_flex = (a - r).abs().max().item(), (b - r).abs().max().item()
+        # q, k, v: a floor of float32 rounding. A parameter's gradient is a sum over every (query,
+        # key) pair, which torch's FlexAttention forms in float32 (the fused kernel in fp64): the
+        # floor is then twice a random walk of float32 roundings over those pairs, 2·ε·√pairs.
+        floor = 1e-5 if i < 3 else 2 * torch.finfo(torch.float32).eps * pairs ** 0.5
+        assert err_flex <= 2 * err_fused + floor * max(1.0, r.abs().max().item()), (i, err_fused, err_flex)
 
 
 # ─── The entry point, the limits, bad input ────────────────────────────────────────────────────
@@ -346,3 +357,27 @@ def test_self_attention_runs_on_either_backend(scheme):
     assert (flex - fused).abs().max() < 1e-5
     with pytest.raises(ValueError, match="backend = 'cuda'"):
         posenc.nn.SelfAttention(64, 4, backend="cuda")
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(causal=True, window=(-1, 2)), r"window\[1\] = 2 with causal"),
+    (dict(window=(-3, 0)), r"window = \(-3, 0\); expected entries >= -1"),
+    (dict(softcap=-1.0), "softcap = -1.0"),
+    (dict(sinks=torch.tensor([float("nan"), 0.0, 0.0, 0.0])), "sinks hold a NaN"),
+    (dict(q_positions=torch.arange(S, dtype=torch.float32)), "q_positions dtype torch.float32"),
+    (dict(k_positions=torch.arange(S) - 1), r"k_positions from -1 to .*expected positions in \[0, 2\^40\]"),
+    (dict(scheme="gate-short", causal=True), r"log_fgate shape \(2, 39, 4\); expected \[2, 40, 4\]"),
+    (dict(scheme="gate-positive", causal=True), "log_fgate holds a value > 0"),
+    (dict(chunk_size=8, k_positions=torch.arange(S).flip(0)), "k_positions decrease within a sequence"),
+])
+def test_bad_input_is_refused_as_the_fused_kernel_refuses_it(options, message):
+    q, k, v = _inputs()
+    options = dict(options)
+    if options.get("scheme") == "gate-short":
+        options["scheme"] = posenc.Forgetting(_gate(shape=(B, S - 1, H)))
+    elif options.get("scheme") == "gate-positive":
+        options["scheme"] = posenc.Forgetting(_gate().abs())
+    with pytest.raises((ValueError, TypeError), match=message):
+        posenc.flex.prepare(q, k, v, **options)
+    with pytest.raises((ValueError, TypeError)):
+        posenc.attention(q, k, v, **options)

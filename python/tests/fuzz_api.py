@@ -11,7 +11,8 @@ minimal failing case, each checked against the library's contract:
 The seeds (``fuzz_seeds/*.json``, cases in the generators' own format, each with the reason it is
 kept and its expected outcome) run first, every time: one per reliability finding and one per
 feature. ``POSENC_FUZZ_EXAMPLES`` sets how many new cases each
-property draws (500 by default, as the test command runs it: about 10 s; 0 replays the seeds alone).
+property draws (500 by default, as the test command runs it, and a quarter of that for posenc.flex;
+0 replays the seeds alone).
 Run: PYTHONPATH=build/python ~/.cache/posenc/venv-torch-2.15.0/bin/python -m pytest -q python/tests/fuzz_api.py
 """
 import json
@@ -389,12 +390,22 @@ def test_seeds(name, case):
 
 
 @pytest.mark.skipif(EXAMPLES == 0, reason="POSENC_FUZZ_EXAMPLES=0: the seeds alone")
-@pytest.mark.parametrize("name", PROPERTIES)
+@pytest.mark.parametrize("name", [name for name in PROPERTIES if name != "flex"])
 @FUZZ
 @given(data=st.data())
 def test_fuzz(name, data):
     check, cases = PROPERTIES[name]
     check(data.draw(cases, label=name))
+
+
+# A quarter of the examples for posenc.flex: each of its calls traces torch's eager FlexAttention
+# (about 50 ms, ten times a fused call), and the cases are the attention property's.
+@pytest.mark.skipif(EXAMPLES == 0, reason="POSENC_FUZZ_EXAMPLES=0: the seeds alone")
+@settings(FUZZ, max_examples=max(EXAMPLES // 4, 1))
+@given(data=st.data())
+def test_fuzz_flex(data):
+    check, cases = PROPERTIES["flex"]
+    check(data.draw(cases, label="flex"))
 
 
 def test_the_seeds_parse_as_cases():

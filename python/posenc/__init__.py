@@ -906,7 +906,8 @@ def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size
         return flex.attention(q, k, v, scheme, causal=causal, window=window, chunk_size=chunk_size,
                               temperature=temperature, softcap=softcap, scale=scale, layout=layout,
                               q_positions=q_positions, k_positions=k_positions, keys_rotated=keys_rotated,
-                              return_lse=return_lse, sinks=sinks, cu_seqlens=cu_seqlens)
+                              return_lse=return_lse, sinks=sinks, cu_seqlens=cu_seqlens,
+                              skip_vanishing_tiles=skip_vanishing_tiles)
     if backend != "fused":
         raise ValueError(f"attention: backend = {backend!r}; expected None, 'fused' or 'flex'")
     if isinstance(scheme, CoPE):

@@ -142,7 +142,7 @@ class _Plan:
 
     def __init__(self, q, k, heads, device):
         self.q, self.k, self.heads, self.device = q, k, heads, device
-        self.rel = []        # (h0, h1, table [h, N] float64 CPU, differentiable)
+        self.rel = []        # (h0, h1, spec, parameters): tabulated together by _relative_table
         self.fire = []       # (h0, h1, hidden, parameter tensor)
         self.forget = []     # (h0, h1, log_fgate [B, Sk, h])
         self.sinks = None    # [H] logits of "sinks" groups, −inf elsewhere
@@ -213,9 +213,8 @@ def prepare(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size=N
     gate_list = list(gates)
     for g, ((group_heads, group_scheme), spec, group_params) in enumerate(zip(group_schemes, specs, params)):
         h1 = h0 + group_heads
-        if isinstance(group_scheme, Forgetting):
-            plan.forget.append((h0, h1, gate_list[g]))
-        elif isinstance(group_scheme, Scheme) and group_scheme.inputs and group_scheme.name == "forgetting":
+        if isinstance(group_scheme, Forgetting) or (isinstance(group_scheme, Scheme) and group_scheme.inputs and
+                                                    group_scheme.name == "forgetting"):
             plan.forget.append((h0, h1, gate_list[g]))
         elif isinstance(group_scheme, Scheme) and group_scheme.inputs:
             _refuse(group_scheme.name, "its per-token input has no FlexAttention form here")
@@ -240,18 +239,17 @@ def prepare(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size=N
         q = (q.to(torch.float32) * factor[:, :, None, None]).to(q.dtype)
 
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if sinks is not None:
+        sinks = sinks.to(device, torch.float32)
+    if plan.sinks is not None:  # a "sinks" group's logits beside the call's: both in the denominator
+        sinks = plan.sinks if sinks is None else torch.logaddexp(plan.sinks, sinks)
     if plan.empty:
         call = FlexCall(q, k[:, :, :0], v[:, :, :0], None, None, scale, packed, layout, [])
-        call.empty_lse = sinks if sinks is None else sinks.to(device, torch.float32)
-        if plan.sinks is not None:
-            call.empty_lse = plan.sinks if sinks is None else torch.logaddexp(plan.sinks, call.empty_lse)
+        call.empty_lse = sinks
         return call
-    if plan.sinks is not None:  # a "sinks" group's logits beside the call's: both in the denominator
-        sinks = plan.sinks if sinks is None else torch.logaddexp(plan.sinks, sinks.to(plan.device, torch.float32))
     if sinks is not None:
         # The sinks as one more key: a zero value, its score the head's logit, seen by every query;
         # the per-key tensors get an entry for it that no term reads.
-        sinks = sinks.to(device, torch.float32)
         k = torch.cat([k, k.new_zeros(*k.shape[:2], 1, k.shape[3])], dim=2)
         v = torch.cat([v, v.new_zeros(*v.shape[:2], 1, v.shape[3])], dim=2)
         kpos, k_index = (torch.cat([t, t[:, -1:]], dim=1) for t in (kpos, k_index))

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <tuple>
 
+#include "linear.hpp"
 #include "posenc/error.hpp"
 #include "posenc/registry.hpp"
 
@@ -225,7 +226,7 @@ torch::Tensor LanguageModelImpl::forward(const torch::Tensor& bytes, std::int64_
   schemes.push_back(attention_scheme(context_length));
   for (Layer& layer : layers_) {
     const torch::Tensor normed = layer.norm1->forward(x);
-    const torch::Tensor qkv = layer.qkv->forward(normed).view({b, s, 3, h, hd});
+    const torch::Tensor qkv = linear(normed, layer.qkv).view({b, s, 3, h, hd});
     const torch::Tensor q = qkv.select(2, 0), k = qkv.select(2, 1), v = qkv.select(2, 2);
     torch::Tensor attended;
     if (config_.scheme == "stickbreaking") {
@@ -235,7 +236,7 @@ torch::Tensor LanguageModelImpl::forward(const torch::Tensor& bytes, std::int64_
       attended = std::get<0>(cope.call(q, k, v, layer.cope_table, 0.0, {}, {}));
     } else {
       std::vector<at::Tensor> gates;
-      if (config_.scheme == "fox") gates.push_back(torch::log_sigmoid(layer.fgate->forward(normed)));
+      if (config_.scheme == "fox") gates.push_back(torch::log_sigmoid(linear(normed, layer.fgate)));
       const torch::Tensor params = layer_bias_params(layer);
       const auto [o, lse] = attention.call(
           q, k, v, schemes, params.defined() ? std::vector<at::Tensor>{params} : std::vector<at::Tensor>{}, gates,
@@ -244,10 +245,10 @@ torch::Tensor LanguageModelImpl::forward(const torch::Tensor& bytes, std::int64_
       (void)lse;
       attended = o;
     }
-    x = x + layer.out->forward(attended.reshape({b, s, d}));
-    x = x + layer.down->forward(torch::gelu(layer.up->forward(layer.norm2->forward(x))));
+    x = x + linear(attended.reshape({b, s, d}), layer.out);
+    x = x + linear(torch::gelu(linear(layer.norm2->forward(x), layer.up)), layer.down);
   }
-  return head_->forward(final_norm_->forward(x));
+  return linear(final_norm_->forward(x), head_);
 }
 
 }  // namespace posenc::study

@@ -20,7 +20,8 @@
 //                            + 1, since position 0 occurs), zero at first as theirs
 //
 // Attention, its backward and every scheme's gradients are posenc's fused op (posenc::attention,
-// torch/ops.cpp), called through the dispatcher as Python calls it.
+// torch/ops.cpp), called through the dispatcher as Python calls it; the linear layers' products are
+// posenc::matmul (linear.hpp), so that no BLAS picks their summation order by CPU.
 #pragma once
 
 #include <torch/torch.h>

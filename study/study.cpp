@@ -45,6 +45,7 @@
 #include <sstream>
 #include <string_view>
 
+#include "adamw.hpp"
 #include "copy_task.hpp"
 #include "corpus.hpp"
 #include "model.hpp"
@@ -208,7 +209,7 @@ double evaluate(LanguageModel& model, const std::vector<std::uint8_t>& stream, s
 // the last loss.
 template <class NextBatch, class Report>
 double train(LanguageModel& model, double peak_lr, std::int64_t steps, NextBatch&& next_batch, Report&& report) {
-  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(peak_lr).weight_decay(0.01));
+  AdamW optimizer(model->parameters(), peak_lr, 0.01);
   const std::int64_t warmup = std::max<std::int64_t>(1, steps / 20);
   double last_loss = 0;
   for (std::int64_t step = 0; step < steps; ++step) {
@@ -216,7 +217,7 @@ double train(LanguageModel& model, double peak_lr, std::int64_t steps, NextBatch
     const double fraction = static_cast<double>(step) / static_cast<double>(steps);
     const double lr = step < warmup ? peak_lr * static_cast<double>(step + 1) / static_cast<double>(warmup)
                                     : peak_lr * (0.1 + 0.45 * (1.0 + std::cos(M_PI * fraction)));
-    for (auto& group : optimizer.param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+    optimizer.set_lr(lr);
     const torch::Tensor logits = model->forward(inputs);
     const torch::Tensor loss = torch::nn::functional::cross_entropy(logits.reshape({-1, 256}), targets.reshape({-1}));
     optimizer.zero_grad();
@@ -443,7 +444,7 @@ void measure_step_child(const std::string& spec, int threads) {
   torch::manual_seed(1);
   const std::int64_t length = std::stoll(f[4]), batch = std::stoll(f[5]);
   LanguageModel model(ModelConfig{f[0], std::stoll(f[1]), std::stoll(f[2]), std::stoll(f[3]), length});
-  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-3));
+  AdamW optimizer(model->parameters(), 1e-3);
   const torch::Tensor bytes = torch::randint(0, 256, {batch, length + 1}, torch::kInt64);
   const double before = status_kib("VmRSS");
   std::ofstream("/proc/self/clear_refs") << "5";
@@ -508,7 +509,8 @@ int main(int argc, char** argv) {
   std::string target;
   app.add_option("--target", target,
                  "posenc's SIMD target for its kernels (default avx2, which every x86-64 host of the last decade "
-                 "runs: the same numbers on any of them; auto: the host's fastest)");
+                 "runs: the same numbers on any of them, docs/reproducibility.md; auto: the host's fastest, and "
+                 "numbers of this host's own)");
   std::string preset;
   app.add_option("--preset", preset,
                  "medium: models that use their context (width 128, 4 layers, trained at 128 bytes on 12M bytes; "
@@ -555,14 +557,16 @@ int main(int argc, char** argv) {
       throw posenc::Error("study", "--target", target, "auto or one of this host's targets: " + names);
     }
     st.target = posenc::active_target();
-    // torch's own kernels likewise: ATen's vectorised ones, MKL's BLAS (conditional numerical
-    // reproducibility) and oneDNN each pick a code path per CPU; pinned to AVX2 so that a host with
-    // AVX-512 gives the same numbers (a user's setting wins). Read when torch first uses each.
-    if (st.target == "avx2") {
-      setenv("ATEN_CPU_CAPABILITY", "avx2", 0);
-      setenv("MKL_CBWR", "AVX2", 0);
-      setenv("ONEDNN_MAX_CPU_ISA", "AVX2", 0);
-    }
+    // torch's own kernels likewise: ATen's vectorised ones pick a code path per CPU, pinned to
+    // AVX2 so that a host with AVX-512 gives the same numbers (a user's setting wins; read when
+    // ATen first dispatches). What ATen hands to vendor libraries, which choose by CPU vendor and
+    // model, the study keeps from them: the linear layers' products (MKL's BLAS) are
+    // posenc::matmul, the optimiser's square roots (MKL's vector library) are written out
+    // (adamw.hpp), and GELU, which ATen gives oneDNN's JIT, runs ATen's own kernel with oneDNN
+    // off (torch.backends.mkldnn.enabled = False). tests/study/golden.sh holds every number of a
+    // small run, bit for bit, and reruns it with MKL and oneDNN forced onto other code paths.
+    if (st.target == "avx2") setenv("ATEN_CPU_CAPABILITY", "avx2", 0);
+    at::globalContext().setUserEnabledMkldnn(false);
     if (!measure_spec.empty()) {
       measure_step_child(measure_spec, st.threads);
       return;

@@ -8,6 +8,7 @@
 #include "posenc/error.hpp"
 #include "posenc/floater.hpp"
 #include "posenc/forgetting.hpp"
+#include "posenc/matmul.hpp"
 #include "posenc/memory.hpp"
 #include "posenc/positions.hpp"
 #include "posenc/reference.hpp"

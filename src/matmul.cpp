@@ -5,6 +5,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -82,12 +83,21 @@ void matmul(ConstTensorView a, ConstTensorView b, TensorView out, ConstTensorVie
     return;
   }
   if (s.m == 0 || s.n == 0) return;
+  if (s.k == 0) {  // no products: the bias, or zeros (the kernel is not handed empty operands)
+    for (std::int64_t i = 0; i < s.m; ++i) {
+      for (std::int64_t j = 0; j < s.n; ++j) {
+        out.typed<float>()[i * out.stride(0) + j * out.stride(1)] =
+            s.bias ? bias.typed<float>()[j * bias.stride(0)] : 0.0f;
+      }
+    }
+    return;
+  }
   const std::int64_t padded = (s.n + kernels::kAttnAlign - 1) / kernels::kAttnAlign * kernels::kAttnAlign;
   // B as the kernel reads it: rows of `padded` floats, unit stride.
   const float* bp = b.typed<float>();
   std::int64_t ldb = b.stride(0);
   AlignedFloats* packed_b = nullptr;
-  if (s.k > 0 && (b.stride(1) != 1 || padded != s.n)) {
+  if (b.stride(1) != 1 || padded != s.n) {
     packed_b = &scratch(0);
     packed_b->assign(static_cast<std::size_t>(checked_mul(s.k, padded, "matmul: packed b")), 0.0f);
     for (std::int64_t t = 0; t < s.k; ++t) {
@@ -108,35 +118,38 @@ void matmul(ConstTensorView a, ConstTensorView b, TensorView out, ConstTensorVie
   const bool direct = out.stride(1) == 1 && padded == s.n;
   const float* a0 = a.typed<float>();
   const std::int64_t blocks = (s.m + kBlockRows - 1) / kBlockRows;
-  const int threads = detail::threads_for(s.m * s.n * std::max<std::int64_t>(s.k, 1));
+  // Multiply-adds, saturated: broadcast (stride-0) operands can be logically larger than int64 counts.
+  std::int64_t work = 0;
+  if (__builtin_mul_overflow(s.m, s.n, &work) || __builtin_mul_overflow(work, s.k, &work)) {
+    work = std::numeric_limits<std::int64_t>::max();
+  }
+  const int threads = detail::threads_for(work);
+  // Each thread's block of C, when C cannot be written in place: allocated here, where a failure
+  // throws to the caller (inside the parallel region it would terminate the process).
+  const std::int64_t tile_floats = direct ? 0 : checked_mul(std::min(kBlockRows, s.m), padded, "matmul: scratch block");
+  AlignedFloats& tiles = scratch(1);
+  const auto need = static_cast<std::size_t>(checked_mul(tile_floats, threads, "matmul: scratch blocks"));
+  if (tiles.size() < need) tiles.resize(need);
 #pragma omp parallel num_threads(threads)
   {
-    AlignedFloats* tile = nullptr;
-    if (!direct) {
-      tile = &scratch(1);
-      const auto need = static_cast<std::size_t>(kBlockRows * padded);
-      if (tile->size() < need) tile->resize(need);
-    }
+    float* tile = tiles.data() + omp_get_thread_num() * tile_floats;
 #pragma omp for schedule(static)
     for (std::int64_t block = 0; block < blocks; ++block) {
       const std::int64_t r0 = block * kBlockRows, rows = std::min(kBlockRows, s.m - r0);
-      float* c = direct ? out.typed<float>(r0 * out.stride(0)) : tile->data();
+      float* c = direct ? out.typed<float>(r0 * out.stride(0)) : tile;
       const std::int64_t ldc = direct ? out.stride(0) : padded;
       // Depth in chunks, each chaining from the last through C (exact: the same bits as one pass).
-      std::int64_t t0 = 0;
-      do {
-        const std::int64_t dt = std::min(kDepthChunk, s.k - t0);
+      for (std::int64_t t0 = 0; t0 < s.k; t0 += kDepthChunk) {
         kernels::attn_gemm(a0 + r0 * a.stride(0) + t0 * a.stride(1), a.stride(0), a.stride(1), bp + t0 * ldb, ldb, c,
-                           ldc, rows, padded, dt, t0 > 0);
-        t0 += dt;
-      } while (t0 < s.k);
+                           ldc, rows, padded, std::min(kDepthChunk, s.k - t0), t0 > 0);
+      }
       for (std::int64_t r = 0; s.bias && r < rows; ++r) {
         float* row = c + r * ldc;
         kernels::add_rows_f32(row, bias_row.data(), row, s.n);
       }
       if (direct) continue;
       for (std::int64_t r = 0; r < rows; ++r) {
-        const float* row = tile->data() + r * padded;
+        const float* row = tile + r * padded;
         float* dst = out.typed<float>((r0 + r) * out.stride(0));
         if (out.stride(1) == 1) {
           std::copy(row, row + s.n, dst);

@@ -48,19 +48,19 @@ void AdamW::zero_grad() {
 }
 
 void AdamW::step() {
-  ++steps_;
   const torch::NoGradGuard no_grad;
   for (std::size_t i = 0; i < params_.size(); ++i) {
     torch::Tensor& p = params_[i];
     if (!p.grad().defined()) continue;
     const torch::Tensor g = p.grad().contiguous();
     Moments& s = moments_[i];
+    ++s.steps;
     if (p.scalar_type() == torch::kFloat32) {
       update(p.data_ptr<float>(), g.data_ptr<float>(), s.m.data_ptr<float>(), s.v.data_ptr<float>(), p.numel(), lr_,
-             weight_decay_, steps_);
+             weight_decay_, s.steps);
     } else {
       update(p.data_ptr<double>(), g.data_ptr<double>(), s.m.data_ptr<double>(), s.v.data_ptr<double>(), p.numel(), lr_,
-             weight_decay_, steps_);
+             weight_decay_, s.steps);
     }
   }
 }

@@ -25,11 +25,11 @@ class AdamW {
  private:
   struct Moments {
     torch::Tensor m, v;
+    std::int64_t steps = 0;  // steps this parameter took (it takes none without a gradient)
   };
   std::vector<torch::Tensor> params_;
   std::vector<Moments> moments_;
   double lr_, weight_decay_;
-  std::int64_t steps_ = 0;
 };
 
 }  // namespace posenc::study

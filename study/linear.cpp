@@ -21,15 +21,17 @@ class Linear : public torch::autograd::Function<Linear> {
     const std::int64_t in = weight.size(1), out = weight.size(0);
     const torch::Tensor rows = x.reshape({-1, in}).contiguous();
     const torch::Tensor w = weight.contiguous();
-    torch::Tensor y = torch::empty({rows.size(0), out}, x.options());
+    std::vector<std::int64_t> shape = x.sizes().vec();
+    shape.back() = out;
+    // Allocated in its final shape: a view made here would be marked as one, and refuse in-place use.
+    torch::Tensor y = torch::empty(shape, x.options());
     // y = rows · wᵀ: wᵀ is w read column by column.
-    matmul(matrix(rows, rows.size(0), in, in, 1), matrix(w, in, out, 1, in), output(y),
+    matmul(matrix(rows, rows.size(0), in, in, 1), matrix(w, in, out, 1, in),
+           TensorView::of(y.data_ptr<float>(), {rows.size(0), out}),
            bias.defined() ? ConstTensorView::of(bias.contiguous().data_ptr<float>(), {out}) : ConstTensorView{});
     ctx->save_for_backward({rows, w});
     ctx->saved_data["has_bias"] = bias.defined();
-    std::vector<std::int64_t> shape = x.sizes().vec();
-    shape.back() = out;
-    return y.view(shape);
+    return y;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,

@@ -501,12 +501,6 @@ std::string train_long_table(const json& results, const Settings& st) {
 
 int main(int argc, char** argv) {
   using namespace posenc::study;
-  // Every training step frees and allocates the same activations again. glibc hands freed memory
-  // above 128 KiB back to the kernel (trimming the heap top, unmapping large blocks), and each
-  // step then faults it in afresh: 180,000 page faults in a tenth of one scheme's training. Kept:
-  // 45,000, and 3% less time on an Intel Xeon host (perf stat). 32 MiB is the largest mmap threshold glibc takes.
-  mallopt(M_MMAP_THRESHOLD, 32 << 20);
-  mallopt(M_TRIM_THRESHOLD, 1 << 30);
   CLI::App app{"posenc study: the length-extrapolation study (train at L, measure at L … 16L)"};
   bool quick = false;
   std::string schemes_text, corpus_path, out_dir = "study-results";
@@ -578,6 +572,13 @@ int main(int argc, char** argv) {
       measure_step_child(measure_spec, st.threads);
       return;
     }
+    // Every training step frees and allocates the same activations again. glibc hands freed memory
+    // above 128 KiB back to the kernel (trimming the heap top, unmapping large blocks), and each
+    // step then faults it in afresh: 180,000 page faults in a tenth of one scheme's training, 45,000
+    // with the memory kept (perf stat, an Intel Xeon host). 32 MiB is the largest mmap threshold
+    // glibc takes. (Not in the --measure-step child, whose peak memory keeps glibc's defaults.)
+    mallopt(M_MMAP_THRESHOLD, 32 << 20);
+    mallopt(M_TRIM_THRESHOLD, 1 << 30);
     if (seed < 0) throw posenc::Error("study", "--seed", std::to_string(seed), "0 to 2^63 − 1");
     st.seed = static_cast<std::uint64_t>(seed);
     // Above 1000 the training tokens (and the copy task's steps) leave any run's reach and int64's.

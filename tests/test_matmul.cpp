@@ -32,10 +32,10 @@ struct Strided {
   ConstTensorView wide_view() const { return ConstTensorView::of(wide.data(), {rows, cols}); }
 };
 
-Strided random_matrix(std::int64_t rows, std::int64_t cols, int layout) {
+Strided random_matrix(std::int64_t rows, std::int64_t cols, int layout, std::int64_t pad = -1) {
   Strided m;
   m.rows = rows, m.cols = cols;
-  const std::int64_t pad = uniform_int(0, 3);
+  if (pad < 0) pad = uniform_int(0, 3);
   switch (layout) {
     case 0:
       m.s0 = cols + pad, m.s1 = 1;
@@ -88,6 +88,14 @@ std::vector<float> run(const Case& c, std::int64_t m, std::int64_t n) {
                      std::vector<std::int64_t>{c.out_s0, c.out_s1});
   const ConstTensorView bias = c.has_bias ? ConstTensorView::of(c.bias.data(), {n}) : ConstTensorView{};
   matmul(c.a.view(), c.b.view(), o, bias);
+  // Nothing outside the view is written.
+  std::vector<bool> inside(out.size(), false);
+  for (std::int64_t i = 0; i < m; ++i) {
+    for (std::int64_t j = 0; j < n; ++j) inside[static_cast<std::size_t>(i * c.out_s0 + j * c.out_s1)] = true;
+  }
+  for (std::size_t e = 0; e < out.size(); ++e) {
+    if (!inside[e] && !std::isnan(out[e])) ADD_FAILURE() << "element " << e << " outside out was written";
+  }
   std::vector<float> dense(static_cast<std::size_t>(m * n));
   for (std::int64_t i = 0; i < m; ++i) {
     for (std::int64_t j = 0; j < n; ++j)
@@ -128,6 +136,41 @@ TEST_P(EveryTarget, MatmulMatchesReference) {
         ASSERT_LE(std::abs(got[static_cast<std::size_t>(i * n + j)] - w), bound) << "at " << i << ", " << j;
         if (has_fma(GetParam())) {
           ASSERT_EQ(got[static_cast<std::size_t>(i * n + j)], chain(c, i, j)) << "at " << i << ", " << j;
+        }
+      }
+    }
+  }
+}
+
+// The layout the study's layers mostly take: dense B and out, N a multiple of the kernel's 16
+// columns, so that out is written in place (bias added there), depth over several chunks of 32.
+TEST_P(EveryTarget, MatmulInPlaceLayouts) {
+  for (const std::int64_t n : {16, 64}) {
+    for (const std::int64_t k : {33, 100}) {
+      for (const bool with_bias : {false, true}) {
+        SCOPED_TRACE(::testing::Message() << "n " << n << ", k " << k << ", bias " << with_bias);
+        const std::int64_t m = 67;
+        Case c;
+        c.a = random_matrix(m, k, 0, 0);
+        c.b = random_matrix(k, n, 0, 0);
+        c.has_bias = with_bias;
+        for (std::int64_t j = 0; j < n; ++j) c.bias.push_back(static_cast<float>(uniform(-1.0, 1.0)));
+        c.out_s0 = n, c.out_s1 = 1;
+        const std::vector<float> got = run(c, m, n);
+        const double u = std::ldexp(1.0, -24), gamma = k * u / (1 - k * u);
+        for (std::int64_t i = 0; i < m; ++i) {
+          for (std::int64_t j = 0; j < n; ++j) {
+            double exact = with_bias ? c.bias[static_cast<std::size_t>(j)] : 0.0, magnitude = std::abs(exact);
+            for (std::int64_t t = 0; t < k; ++t) {
+              exact += static_cast<double>(c.a.at(i, t)) * c.b.at(t, j);
+              magnitude += std::abs(static_cast<double>(c.a.at(i, t)) * c.b.at(t, j));
+            }
+            const float v = got[static_cast<std::size_t>(i * n + j)];
+            ASSERT_LE(std::abs(v - exact), (gamma + u) * magnitude + u * std::abs(exact)) << "at " << i << ", " << j;
+            if (has_fma(GetParam())) {
+              ASSERT_EQ(v, chain(c, i, j)) << "at " << i << ", " << j;
+            }
+          }
         }
       }
     }

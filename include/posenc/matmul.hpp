@@ -22,9 +22,10 @@
 //
 // Views: rank 2 with any non-negative strides (0 broadcasts an input); bias rank 1 of N elements
 // or an empty view (none). f32 runs the SIMD kernel; f64 (all four tensors) and POSENC_TARGET=ref
-// run the fp64 reference (posenc::ref::matmul: sums in fp64, one rounding). out must not overlap
-// an input and must not name one element twice. Non-finite inputs propagate as the chain above
-// does (an inf times 0 is NaN). Work is split over OpenMP threads by rows.
+// run the fp64 reference (posenc::ref::matmul: products summed in fp64 in k order; f32 data is
+// rounded once, at the end). out must not overlap an input and must not name one element twice.
+// Non-finite inputs propagate as the chain above does (an inf times 0 is NaN). Work is split over
+// OpenMP threads by rows.
 #pragma once
 
 #include "posenc/tensor.hpp"

@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """Compares two `posenc study` results.json files number by number, bit for bit.
 
-    compare.py WANT.json GOT.json
+    compare.py [--whole] WANT.json GOT.json
 
-Times and the corpus's path are left out (they are the host's). When both files hold per-seed
-runs (`--seeds N`), each (scheme, seed) the two have in common is compared, so that a main job's
-seed-1 run can be checked against the committed docs/study/results.json of three seeds; otherwise
-the whole files are. Prints how many numbers matched and the first that differs; exits 1 then.
+Times and the corpus's path are left out (they are the host's). By default each (scheme, seed)
+run the two files have in common is compared, so that a main job's seed-1 run can be checked
+against the committed docs/study/results.json of three seeds; --whole compares everything else
+too and needs the same schemes, seeds and settings in both. Prints how many numbers matched and
+the first that differs; exits 1 then.
 """
 import json
 import sys
@@ -38,10 +39,10 @@ def walk(a, b, path, out):
     return 1
 
 
-def pairs(want, got):
-    """(label, want part, got part) to compare: per (scheme, seed) runs, or the whole files."""
+def pairs(want, got, whole):
+    """(label, want part, got part) to compare: the whole files, or per (scheme, seed) runs."""
     runs = all("runs" in r for d in (want, got) for r in d["results"].values())
-    if not runs:
+    if whole or not runs:
         yield "results.json", want, got
         return
     seed_w, seed_g = want["settings"]["seed"], got["settings"]["seed"]
@@ -54,11 +55,15 @@ def pairs(want, got):
 
 
 def main():
-    if len(sys.argv) != 3:
+    args = sys.argv[1:]
+    whole = args[:1] == ["--whole"]
+    if whole:
+        args = args[1:]
+    if len(args) != 2:
         sys.exit(__doc__)
-    want, got = (strip(json.load(open(p))) for p in sys.argv[1:])
+    want, got = (strip(json.load(open(p))) for p in args)
     compared, diffs, parts = 0, [], 0
-    for label, a, b in pairs(want, got):
+    for label, a, b in pairs(want, got, whole):
         parts += 1
         compared += walk(a, b, label, diffs)
     if parts == 0:

@@ -12,7 +12,10 @@ ConstTensorView matrix(const torch::Tensor& t, std::int64_t rows, std::int64_t c
   return ConstTensorView(t.data_ptr<float>(), DType::kF32, std::vector<std::int64_t>{rows, cols},
                          std::vector<std::int64_t>{s0, s1});
 }
-TensorView output(torch::Tensor& t) { return TensorView::of(t.data_ptr<float>(), {t.size(0), t.size(1)}); }
+// t's memory as a dense [rows, cols] matrix (t may have more axes: a [..., cols] tensor).
+TensorView output(torch::Tensor& t, std::int64_t rows, std::int64_t cols) {
+  return TensorView::of(t.data_ptr<float>(), {rows, cols});
+}
 
 class Linear : public torch::autograd::Function<Linear> {
  public:
@@ -26,8 +29,7 @@ class Linear : public torch::autograd::Function<Linear> {
     // Allocated in its final shape: a view made here would be marked as one, and refuse in-place use.
     torch::Tensor y = torch::empty(shape, x.options());
     // y = rows · wᵀ: wᵀ is w read column by column.
-    matmul(matrix(rows, rows.size(0), in, in, 1), matrix(w, in, out, 1, in),
-           TensorView::of(y.data_ptr<float>(), {rows.size(0), out}),
+    matmul(matrix(rows, rows.size(0), in, in, 1), matrix(w, in, out, 1, in), output(y, rows.size(0), out),
            bias.defined() ? ConstTensorView::of(bias.contiguous().data_ptr<float>(), {out}) : ConstTensorView{});
     ctx->save_for_backward({rows, w});
     ctx->saved_data["has_bias"] = bias.defined();
@@ -42,27 +44,21 @@ class Linear : public torch::autograd::Function<Linear> {
     const std::int64_t m = rows.size(0), in = w.size(1), out = w.size(0);
     const torch::Tensor dy = grads[0].reshape({m, out}).contiguous();
     torch::Tensor dx, dw, db;
-    if (ctx->needs_input_grad(0)) {  // dx = dy · w
-      torch::Tensor rows_grad = torch::empty({m, in}, dy.options());
-      matmul(matrix(dy, m, out, out, 1), matrix(w, out, in, in, 1), output(rows_grad));
-      dx = rows_grad;
+    if (ctx->needs_input_grad(0)) {  // dx = dy · w, in x's shape (the output's, `in` wide)
+      std::vector<std::int64_t> shape = grads[0].sizes().vec();
+      shape.back() = in;
+      dx = torch::empty(shape, dy.options());
+      matmul(matrix(dy, m, out, out, 1), matrix(w, out, in, in, 1), output(dx, m, in));
     }
     if (ctx->needs_input_grad(1)) {  // dw = dyᵀ · rows
       dw = torch::empty({out, in}, dy.options());
-      matmul(matrix(dy, out, m, 1, out), matrix(rows, m, in, in, 1), output(dw));
+      matmul(matrix(dy, out, m, 1, out), matrix(rows, m, in, in, 1), output(dw, out, in));
     }
     if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)) {  // db = 1ᵀ · dy, in row order
       const float one = 1.0f;
-      db = torch::empty({1, out}, dy.options());
+      db = torch::empty({out}, dy.options());
       matmul(ConstTensorView(&one, DType::kF32, std::vector<std::int64_t>{1, m}, std::vector<std::int64_t>{0, 0}),
-             matrix(dy, m, out, out, 1), output(db));
-      db = db.view({out});
-    }
-    // x's shape: the output's with the last axis `in` wide.
-    if (dx.defined()) {
-      std::vector<std::int64_t> shape = grads[0].sizes().vec();
-      shape.back() = in;
-      dx = dx.view(shape);
+             matrix(dy, m, out, out, 1), output(db, 1, out));
     }
     return {dx, dw, db};
   }

@@ -12,13 +12,22 @@ queries and keys itself; posenc receives them rotated.
 What the kernel cannot honour is refused by name: dropout while training, a 4-D mask the model
 built itself, ``output_attentions``, a position bias, a layer argument it does not map, a mask
 pattern it cannot carry, a static cache. ``register(fallback="sdpa")`` hands those calls to
-transformers' ``sdpa`` instead (its mask and attention), and only then; never a layer with sinks."""
+transformers' ``sdpa`` instead (its mask and attention), and only then; never a layer with sinks.
+
+``posenc.hf.patch(model)`` moves the model's positional scheme into the kernel too, with the
+model's own parameters: T5's bucket table, BLOOM's ALiBi slopes, or a RoPE model's rotation from
+its config (exact fp64 angles)."""
+import sys
+import types
+import weakref
+
 import torch
 
 import posenc
 
 NAME = "posenc"
 _fallback = None
+_patched = weakref.WeakValueDictionary()  # id(config) -> config of a patched model's layers
 
 
 # The mask patterns the attention reads from its layer (is_causal, sliding_window): transformers'
@@ -63,7 +72,7 @@ def _key_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fun
     back is None, or the 2-D boolean mask of the keys ``[B, kv_length]`` (True: a token), sliced from
     the right as a sliding layer's cache is."""
     config = kwargs.get("config")
-    if config is not None and _model_bypasses_the_interface(config):
+    if config is not None and _patched.get(id(config)) is not config and _model_bypasses_the_interface(config):
         raise ValueError(f"posenc attention: model_type = {config.model_type!r}, whose attention does not go through "
                          "transformers' AttentionInterface; expected a model that supports attention backends")
     parts = [] if mask_function is None else _parts(mask_function)
@@ -95,11 +104,23 @@ def _key_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fun
 
 
 def _refuse(what, module, query, key, value, attention_mask, **kwargs):
-    if _fallback is not None and kwargs.get("s_aux") is None:
+    # A patched layer's queries and keys are not rotated, and its bias is no tensor: sdpa would
+    # attend without positions.
+    patched = isinstance(kwargs.get("position_bias"), _FusedBias) or getattr(module, "_posenc_scheme", None)
+    if _fallback is not None and kwargs.get("s_aux") is None and not patched:
         return _fallback(module, query, key, value, attention_mask, **kwargs)
-    hint = ("sdpa has no attention sinks" if _fallback is not None else
-            "register(fallback='sdpa') hands such calls to sdpa")
+    hint = ("register(fallback='sdpa') hands such calls to sdpa" if _fallback is None else
+            "sdpa has no attention sinks" if kwargs.get("s_aux") is not None else
+            "sdpa cannot run a patched layer, whose positions posenc applies")
     raise ValueError(f"posenc attention: {what}; {hint}")
+
+
+class _FusedBias:
+    """What a patched T5 layer's compute_bias returns in place of its [1, H, Sq, Sk] bias: the
+    scheme (its table the model's own parameter), which the model hands from layer to layer."""
+
+    def __init__(self, scheme):
+        self.scheme = scheme
 
 
 # Arguments a layer may pass that need nothing from the kernel (None or False), beside the named ones.
@@ -137,8 +158,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if kwargs.get("output_attentions"):
         return _refuse("output_attentions = True; expected False (no [S, S] probabilities are formed)", module,
                        query, key, value, attention_mask, **args)
-    if position_bias is not None:
-        return _refuse("a position_bias tensor (T5's buckets); expected none", module, query, key, value,
+    fused = position_bias if isinstance(position_bias, _FusedBias) else None
+    # A zero tensor is transformers' stand-in on layers without a relative bias (T5's cross-attention).
+    if position_bias is not None and fused is None and (not torch.is_tensor(position_bias) or position_bias.any()):
+        return _refuse("a position_bias tensor (T5's buckets, materialised); expected none, or the model patched "
+                       "(posenc.hf.patch) so that its bias runs inside the kernel", module, query, key, value,
                        attention_mask, **args)
     if attention_mask is not None and attention_mask.dim() != 2:
         return _refuse(f"a 4-D mask of shape {tuple(attention_mask.shape)}; expected None or the [B, Sk] key "
@@ -156,42 +180,74 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                        module, query, key, value, attention_mask, **args)
     # transformers' sliding window W lets query i see keys j with i - W < j <= i: W - 1 before it.
     window = (int(sliding_window) - 1, 0) if sliding_window else (-1, -1)
-    batch, _, q_len, _ = query.shape
-    kv_len = key.shape[2]
     options = dict(causal=bool(causal), window=window, softcap=float(softcap or 0.0), scale=scaling,
                    sinks=s_aux)
-    if attention_mask is None:
-        out = posenc.attention(query, key, value, layout="bhsd", **options)
-        return out.transpose(1, 2), None
-    if attention_mask.shape != (batch, kv_len):
-        return _refuse(f"a key mask of shape {tuple(attention_mask.shape)}; expected [{batch}, {kv_len}] (one entry "
-                       "per key: a mask from posenc's mask function)", module, query, key, value, attention_mask,
-                       **args)
-    # Padding: each row's tokens packed into one sequence. A causal layer's queries are the last
-    # q_len entries of its keys (bottom-right, as transformers aligns them), and a query slot whose
-    # key is padding stays zero; a bidirectional layer's (an encoder's, cross-attention's) are all
-    # kept, whatever the keys' length.
-    if causal and q_len > kv_len:
-        return _refuse(f"q_len = {q_len} queries over kv_len = {kv_len} keys on a causal layer; expected "
-                       "q_len <= kv_len", module, query, key, value, attention_mask, **args)
-    q_keep = attention_mask[:, kv_len - q_len:] if causal else torch.ones(batch, q_len, dtype=torch.bool)
-    lengths_q, lengths_k = q_keep.sum(1), attention_mask.sum(1)
-    if sliding_window:
-        # Packed, a row's tokens are one run: a gap inside it would shorten the distances that
-        # transformers' window measures in cache slots.
-        slots = torch.arange(kv_len)
-        first = attention_mask.int().argmax(1, keepdim=True)
-        if not torch.equal(attention_mask, (slots >= first) & (slots < first + lengths_k[:, None])):
-            return _refuse(f"sliding_window = {sliding_window} with padding inside a row; expected padding at its "
-                           "start or end", module, query, key, value, attention_mask, **args)
-    zero = torch.zeros(1, dtype=torch.long)
+    scheme = fused.scheme if fused is not None else getattr(module, "_posenc_scheme", None)
+    if scheme is not None:
+        options["scheme"] = scheme
+        if isinstance(scheme, posenc.RotaryPositionalEncoding):
+            bad = _length_rule_differs(scheme, query, key, attention_mask, kwargs.get("cache_position"))
+            if bad:
+                return _refuse(bad, module, query, key, value, attention_mask, **args)
+    if attention_mask is not None and attention_mask.shape != (query.shape[0], key.shape[2]):
+        return _refuse(f"a key mask of shape {tuple(attention_mask.shape)}; expected [{query.shape[0]}, "
+                       f"{key.shape[2]}] (one entry per key: a mask from posenc's mask function)", module, query, key,
+                       value, attention_mask, **args)
+    # A positional term measures distances in packed positions: a gap inside a row would shorten
+    # them where the model counts cache slots (BLOOM alone counts tokens, as packing does).
+    measures_slots = bool(sliding_window) or (scheme is not None and not getattr(module, "_posenc_counts_tokens",
+                                                                                 False))
+    try:
+        return _attend(query, key, value, attention_mask, options, self_attention=scheme is not None,
+                       contiguous=measures_slots), None
+    except _Refused as e:
+        return _refuse(str(e), module, query, key, value, attention_mask, **args)
+
+
+class _Refused(Exception):
+    pass
+
+
+def _attend(query, key, value, key_mask, options, self_attention=False, contiguous=False):
+    """posenc.attention on transformers' [B, H, S, D] query and [B, G, S, D] keys and values, with
+    key_mask None or [B, Sk] (True: a token); returns [B, Sq, H, D].
+
+    Padding: each row's tokens packed into one sequence. A causal layer's queries (and a
+    self-attention layer's, whose queries are its last keys) are the last Sq entries of its keys
+    (bottom-right, as transformers aligns them), and a query slot whose key is padding stays zero;
+    any other bidirectional layer's (an encoder's without positions, cross-attention's) are all
+    kept, whatever the keys' length. ``contiguous``: a row's tokens must be one run."""
+    options = dict(options)
+    scheme = options.pop("scheme", None)
+    if key_mask is None:
+        out = posenc.attention(query, key, value, scheme, layout="bhsd", **options)
+        return out.transpose(1, 2)
+    batch, _, q_len, _ = query.shape
+    kv_len = key.shape[2]
+    causal = options["causal"]
+    if (causal or self_attention) and q_len > kv_len:
+        raise _Refused(f"q_len = {q_len} queries over kv_len = {kv_len} keys on a "
+                       f"{'causal' if causal else 'self-attention'} layer; expected q_len <= kv_len")
+    if causal or self_attention:
+        q_keep = key_mask[:, kv_len - q_len:]
+    else:
+        q_keep = torch.ones(batch, q_len, dtype=torch.bool, device=key_mask.device)
+    lengths_q, lengths_k = q_keep.sum(1), key_mask.sum(1)
+    if contiguous:
+        slots = torch.arange(kv_len, device=key_mask.device)
+        first = key_mask.int().argmax(1, keepdim=True)
+        if not torch.equal(key_mask, (slots >= first) & (slots < first + lengths_k[:, None])):
+            what = (f"sliding_window = {options['window'][0] + 1}" if options["window"][0] >= 0 else
+                    "a positional term the model measures in cache slots")
+            raise _Refused(f"{what} with padding inside a row; expected padding at its start or end")
+    zero = torch.zeros(1, dtype=torch.long, device=key_mask.device)
     cu_q = torch.cat([zero, lengths_q.cumsum(0)])
     cu_k = torch.cat([zero, lengths_k.cumsum(0)])
-    packed = posenc.attention(_pack(query, q_keep), _pack(key, attention_mask), _pack(value, attention_mask),
+    packed = posenc.attention(_pack(query, q_keep), _pack(key, key_mask), _pack(value, key_mask), scheme,
                               cu_seqlens=(cu_q, cu_k), **options)
     out = query.new_zeros(batch, q_len, query.shape[1], value.shape[-1])
     out[q_keep] = packed
-    return out, None
+    return out
 
 
 def register(fallback=None):
@@ -207,3 +263,145 @@ def register(fallback=None):
     _fallback = None if fallback is None else ALL_ATTENTION_FUNCTIONS["sdpa"]
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, _key_mask)
+
+
+def _length_rule_differs(rope, query, key, key_mask, cache_position):
+    """A reason to refuse, or None: LongRoPE and dynamic NTK choose their frequencies by the
+    sequence's length, transformers by the model's (the last cache position + 1, padding
+    included), the kernel by each packed sequence's keys. Where the two could choose differently
+    (padding, or a sliding cache that dropped keys, across the threshold), the call is refused."""
+    kind = rope.scaling.get("rope_type")
+    if kind not in ("longrope", "dynamic"):
+        return None
+    model_length = int(cache_position[-1]) + 1 if cache_position is not None and len(cache_position) else key.shape[2]
+    lengths = key_mask.sum(1).tolist() if key_mask is not None else [key.shape[2]]
+    if kind == "longrope":
+        threshold = rope.scaling["original_max_position_embeddings"]
+        differs = any((n > threshold) != (model_length > threshold) for n in lengths)
+    else:
+        threshold = rope.max_position_embeddings
+        differs = any(max(n, threshold) != max(model_length, threshold) for n in lengths)
+    if not differs:
+        return None
+    return (f"a {kind} RoPE over sequences of {min(lengths)}..{max(lengths)} keys where the model's length is "
+            f"{model_length}: the two choose different frequencies across {threshold}; expected every "
+            "sequence on the model's side of it")
+
+
+# Model types whose rotation posenc.hf.patch moves into the kernel: the conformance suite checks
+# from_hf_config against each one's rotary embedding and the patched logits against eager.
+_ROPE_MODEL_TYPES = ("gemma3_text", "gpt_neox", "gpt_oss", "llama", "mistral", "phi3", "qwen2", "qwen3", "smollm3")
+
+
+class _T5Bias:
+    """compute_bias of a patched T5 stack's first layer: the scheme instead of the tensor."""
+
+    def __init__(self, scheme):
+        self.scheme = scheme
+
+    def __call__(self, query_length, key_length, device=None, past_seen_tokens=0):
+        return _FusedBias(self.scheme)
+
+
+def _patch_t5(model):
+    for stack in (getattr(model, "encoder", None), getattr(model, "decoder", None)):
+        if stack is None:
+            continue
+        first = stack.block[0].layer[0].SelfAttention
+        scheme = posenc.T5RelativeBias(first.n_heads, first.relative_attention_num_buckets,
+                                       first.relative_attention_max_distance, bidirectional=not first.is_decoder)
+        scheme.table = first.relative_attention_bias.weight  # the model's parameter: it trains
+        first.compute_bias = _T5Bias(scheme)
+
+
+def _bloom_forward(self, hidden_states, residual, alibi, attention_mask, layer_past=None, use_cache=False,
+                   output_attentions=False, **kwargs):
+    """BloomAttention's forward with ALiBi inside posenc's kernel (the model's alibi tensor unused)."""
+    batch, length, _ = hidden_states.shape
+    qkv = self.query_key_value(hidden_states).view(batch, length, self.num_heads, 3, self.head_dim)
+    q, k, v = (qkv[..., i, :].transpose(1, 2) for i in range(3))
+    if layer_past is not None:
+        k, v = layer_past.update(k, v, self.layer_idx)
+    out, _ = attention_forward(self, q, k, v, attention_mask, dropout=self.attention_dropout.p,
+                               scaling=self.inv_norm_factor, is_causal=True, output_attentions=output_attentions)
+    out = self.dense(out.reshape(batch, length, -1))
+    return sys.modules[type(self).__module__].dropout_add(out, residual, self.hidden_dropout, self.training), None
+
+
+def _alibi_scheme(slopes):
+    scheme = posenc.ALiBi(slopes.numel())
+    scheme.slopes = slopes.detach().to(torch.float32).clone()
+    return scheme
+
+
+def _patch_bloom(model):
+    module = sys.modules[type(model).__module__]
+    for layer in model.modules():
+        if type(layer).__name__ == "BloomAttention":
+            # BLOOM's own slopes. Its bias slope·(tokens before the key) differs from posenc's
+            # -slope·(i - j) by a constant per query, which the softmax removes; it counts tokens
+            # (padding skipped), as packed positions do.
+            layer.__dict__["_posenc_scheme"] = _alibi_scheme(module._get_alibi_slopes(layer.num_heads, "cpu"))
+            layer.__dict__["_posenc_counts_tokens"] = True
+            layer.forward = types.MethodType(_bloom_forward, layer)
+
+
+def _identity_rotation(self, *args, **kwargs):
+    """A patched rotary embedding: cos = 1, sin = 0, so that the model's rotation is the identity
+    and its cache keeps keys unrotated; posenc rotates q and k inside the kernel."""
+    cos, sin = type(self).forward(self, *args, **kwargs)
+    return torch.ones_like(cos), torch.zeros_like(sin)
+
+
+def _patch_rope(model):
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    fields = config.to_dict()
+    rotates = getattr(config, "no_rope_layers", None)  # SmolLM3: 1 where a layer rotates
+    for module in model.modules():
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            module.forward = types.MethodType(_identity_rotation, module)
+        elif type(module).__name__.endswith("Attention") and isinstance(getattr(module, "layer_idx", None), int):
+            layer = module.layer_idx
+            rope = None if rotates is not None and not rotates[layer] else \
+                posenc.RotaryPositionalEncoding.from_hf_config(fields, layer)
+            module.__dict__["_posenc_scheme"] = rope
+
+
+def patch(model):
+    """Runs the model's positional scheme inside posenc's kernel, with the model's own parameters,
+    and its attention through posenc (``attn_implementation="posenc"``); returns the model.
+
+    - T5: the relative buckets, its table the model's parameter (trained with it); no [H, S, S] bias.
+    - BLOOM: ALiBi with the model's slopes, instead of the materialised bias.
+    - RoPE models (model_type in ``_ROPE_MODEL_TYPES``): the rotation taken out of the model (its
+      rotary embedding gives the identity) and done in the kernel from the model's config
+      (``RotaryPositionalEncoding.from_hf_config``, exact fp64 angles); the cache holds unrotated keys.
+
+    Other models are refused by name. Patch before caching: a cache filled before holds keys
+    rotated by the model."""
+    from transformers import PretrainedConfig
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if model.__dict__.get("_posenc_patched"):
+        return model
+    kind = getattr(model.config, "model_type", None)
+    if kind == "t5":
+        _patch_t5(model)
+    elif kind == "bloom":
+        _patch_bloom(model)
+    elif kind in _ROPE_MODEL_TYPES:
+        _patch_rope(model)
+    else:
+        # MPT builds its 4-D mask whatever the attention (create_causal_mask(...).to(bool)), so
+        # its patch would keep the [S, S] mask: not offered.
+        raise ValueError(f"posenc.hf.patch: model_type = {kind!r}; expected t5, bloom or a RoPE model of "
+                         f"{', '.join(_ROPE_MODEL_TYPES)}")
+    if NAME not in ALL_ATTENTION_FUNCTIONS:
+        register()
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if isinstance(config, PretrainedConfig) and _patched.get(id(config)) is not config:
+            config._attn_implementation = NAME
+            _patched[id(config)] = config
+    model.__dict__["_posenc_patched"] = True
+    return model

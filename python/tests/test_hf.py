@@ -193,16 +193,19 @@ def test_padded_batch_equals_eager_on_its_tokens(family):
     torch.testing.assert_close(got[keep], want[keep], rtol=0, atol=ATOL)
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_generate_32_greedy_tokens_identical(family):
-    eager, fused = pair(family)
-    x = tokens(length=12)
+def assert_same_generation(eager, other, x):
+    """32 greedy tokens of generate() identical, without and with left padding."""
     mask = torch.ones_like(x)
     mask[0, :3] = 0
     for kwargs in ({}, {"attention_mask": mask}):
         want = eager.generate(x, max_new_tokens=32, do_sample=False, pad_token_id=0, **kwargs)
-        got = fused.generate(x, max_new_tokens=32, do_sample=False, pad_token_id=0, **kwargs)
+        got = other.generate(x, max_new_tokens=32, do_sample=False, pad_token_id=0, **kwargs)
         assert torch.equal(got, want), kwargs
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_generate_32_greedy_tokens_identical(family):
+    assert_same_generation(*pair(family), tokens(length=12))
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -406,3 +409,126 @@ def test_a_gap_inside_a_row_is_refused_on_sliding_layers():
     mask[0, 20:23] = 0
     with pytest.raises(ValueError, match="posenc attention: sliding_window = 16 with padding inside a row"):
         fused(x, attention_mask=mask)
+
+
+# posenc.hf.patch: the model's positional scheme inside the kernel. RoPE families whose rotation
+# the layer does in the model's own way (DeepSeek-V3's interleaved MLA rotation) are refused.
+ROPE_PATCHED = [f for f in FAMILIES if FAMILIES[f][3].get("rope_table", True)]
+
+
+def check_patched(eager, patched, inputs, generate_inputs, atol=ATOL):
+    """The patched model against eager: logits (padded batch included, at its tokens), 32 greedy
+    tokens of generate() with and without padding, and one training step's gradients."""
+    x, mask = inputs["x"], inputs["mask"]
+    extra = inputs.get("extra", {})
+    with torch.no_grad():
+        for kwargs in ({}, {"attention_mask": mask}):
+            want = eager(x, **kwargs, **extra).logits
+            got = patched(x, **kwargs, **extra).logits
+            keep = mask.bool() if kwargs and not extra else torch.ones(want.shape[:2], dtype=torch.bool)
+            torch.testing.assert_close(got[keep], want[keep], rtol=0, atol=atol)
+    assert_same_generation(eager, patched, generate_inputs)
+    eager.train(), patched.train()
+    grads = []
+    for model in (eager, patched):
+        model.zero_grad()
+        # No label is predicted from padding, whose outputs differ (eager's attend to masked keys,
+        # posenc's are zero): a causal LM predicts token t from position t - 1.
+        labels = extra.get("decoder_input_ids")
+        if labels is None:
+            known = mask.bool()
+            known[:, 1:] &= mask[:, :-1].bool()
+            labels = x.masked_fill(~known, -100)
+        model(x, attention_mask=mask, labels=labels).loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name, grad in grads[0].items():
+        assert (grads[1][name] - grad).norm() <= 1e-3 * grad.norm(), name
+    return grads
+
+
+def padded(x):
+    mask = torch.ones_like(x)
+    mask[1, :9] = 0
+    return mask
+
+
+@pytest.mark.parametrize("family", ROPE_PATCHED)
+def test_patch_moves_the_rotation_into_the_kernel(family):
+    """The model's rotary embedding gives the identity, its cache holds unrotated keys, and posenc
+    rotates q and k from the config's exact fp64 angles: eager's logits, tokens and gradients."""
+    eager = build(family, "eager")
+    patched = posenc.hf.patch(build(family, "eager"))
+    patched.load_state_dict(eager.state_dict())
+    layers = [m for m in patched.modules() if hasattr(m, "_posenc_scheme")]
+    assert layers and any(isinstance(m._posenc_scheme, posenc.RotaryPositionalEncoding) for m in layers)
+    x = tokens(family=family)
+    check_patched(eager, patched, {"x": x, "mask": padded(x)}, tokens(length=12))
+
+
+def test_patch_runs_bloom_alibi_in_the_kernel():
+    """BLOOM (bigscience/bloom-560m config.json: 16 heads, ALiBi; widths shrunk, 6 heads so that
+    the slopes take the paper's non-power-of-two rule) with its slopes inside the kernel: eager's
+    logits over a batch with padding inside a row too (BLOOM counts tokens, as packing does)."""
+    config = transformers.BloomConfig(vocab_size=VOCAB, hidden_size=96, n_layer=2, n_head=6, pad_token_id=0)
+    torch.manual_seed(0)
+    eager = transformers.BloomForCausalLM._from_config(copy.deepcopy(config), attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, p in eager.named_parameters():
+            if "query_key_value.weight" in name:
+                p.mul_(4.0)
+    patched = posenc.hf.patch(transformers.BloomForCausalLM._from_config(copy.deepcopy(config),
+                                                                        attn_implementation="eager"))
+    patched.load_state_dict(eager.state_dict())
+    want_slopes = posenc.alibi_slopes(6).to(torch.float32)
+    for layer in patched.transformer.h:
+        torch.testing.assert_close(layer.self_attention._posenc_scheme.slopes, want_slopes, rtol=0, atol=0)
+    x = tokens()
+    check_patched(eager, patched, {"x": x, "mask": padded(x)}, tokens(length=12))
+    gap = torch.ones_like(x)
+    gap[0, 10:14] = 0
+    with torch.no_grad():
+        want, got = eager(x, attention_mask=gap).logits, patched(x, attention_mask=gap).logits
+    torch.testing.assert_close(got[gap.bool()], want[gap.bool()], rtol=0, atol=ATOL)
+
+
+def test_patch_runs_t5_buckets_in_the_kernel_and_trains_the_models_table():
+    """T5 (google-t5/t5-small config.json: 32 buckets, max_distance 128, bidirectional in the
+    encoder, causal in the decoder; widths shrunk) with its bucket table inside the kernel: eager's
+    logits and generate(), and the table's gradient is the model's parameter's."""
+    config = transformers.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, num_heads=4, num_layers=2, d_ff=128,
+                                   relative_attention_num_buckets=32, relative_attention_max_distance=128, dropout_rate=0.0,
+                                   pad_token_id=0, decoder_start_token_id=0)
+    eager, patched = twins(transformers.T5ForConditionalGeneration, config)
+    patched = posenc.hf.patch(patched)
+    torch.manual_seed(5)
+    tables = {"encoder": torch.randn(32, 4), "decoder": torch.randn(32, 4)}  # T5 initialises them near zero
+    with torch.no_grad():
+        for model in (eager, patched):
+            for stack, table in tables.items():
+                getattr(model, stack).block[0].layer[0].SelfAttention.relative_attention_bias.weight.copy_(table)
+    x = tokens(length=30)
+    mask = torch.ones_like(x)
+    mask[1, 22:] = 0  # right padding, as T5's tokenizer pads
+    y = tokens(length=25, seed=2)
+    grads = check_patched(eager, patched, {"x": x, "mask": mask, "extra": {"decoder_input_ids": y}},
+                          tokens(length=12))
+    for stack in ("encoder", "decoder"):
+        name = f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+        assert grads[1][name].norm() > 0, name
+
+
+def test_patch_refuses_what_it_cannot_move():
+    for model in (transformers.MptForCausalLM._from_config(transformers.MptConfig(
+            vocab_size=VOCAB, d_model=64, n_layers=1, n_heads=4)), build("deepseek-v3-mla", "eager")):
+        with pytest.raises(ValueError, match=f"posenc.hf.patch: model_type = '{model.config.model_type}'; expected"):
+            posenc.hf.patch(model)
+    patched = posenc.hf.patch(build("llama3.1", "eager"))
+    try:
+        posenc.hf.register(fallback="sdpa")
+        layer = patched.model.layers[0].self_attn
+        q, kv = torch.randn(1, 4, 8, 128), torch.randn(1, 2, 8, 128)
+        with pytest.raises(ValueError, match="a 4-D mask .*; sdpa cannot run a patched layer"):
+            posenc.hf.attention_forward(layer, q, kv, kv, torch.zeros(1, 1, 8, 8), scaling=layer.scaling)
+    finally:
+        posenc.hf.register()

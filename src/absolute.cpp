@@ -22,7 +22,7 @@ using detail::Grid;
 constexpr std::int64_t kMaxSinusoidDim = std::int64_t{1} << 20;
 
 // Column tables of a sinusoidal encoding (kernels/absolute/absolute_kernels.hpp), cached per
-// thread: building them costs d powl/sin/cos calls, and an encoding is typically applied many
+// thread: building them costs d/2 powl/sin/cos calls, and an encoding is typically applied many
 // times with the same parameters.
 class ColumnCache {
  public:
@@ -30,9 +30,9 @@ class ColumnCache {
     if (params.dim() != dim_ || params.base() != base_ || params.layout() != layout_) {
       build(params);
     }
-    const std::size_t stride = static_cast<std::size_t>(dim_ + kernels::kColumnPadding);
+    const std::size_t stride = static_cast<std::size_t>(dim_ / 2 + kernels::kColumnPadding);
     const double* t = table_.data();
-    return {t, t + stride, t + 2 * stride, t + 3 * stride, dim_};
+    return {t, t + stride, t + 2 * stride, dim_, layout_ == SinusoidalLayout::kInterleaved};
   }
 
  private:
@@ -41,22 +41,15 @@ class ColumnCache {
     base_ = params.base();
     layout_ = params.layout();
     const std::vector<double> inv_freq = params.inv_frequencies();
-    const auto stride = static_cast<std::size_t>(dim_ + kernels::kColumnPadding);
-    table_.assign(4 * stride, 0.0);
+    const auto stride = static_cast<std::size_t>(dim_ / 2 + kernels::kColumnPadding);
+    table_.assign(3 * stride, 0.0);
     double* freq = table_.data();
-    double* quadrant = freq + stride;
-    double* step_cos = freq + 2 * stride;
-    double* step_sin = freq + 3 * stride;
-    const std::int64_t half = dim_ / 2;
-    const bool interleaved = layout_ == SinusoidalLayout::kInterleaved;
-    for (std::int64_t j = 0; j < dim_; ++j) {
-      const auto col = static_cast<std::size_t>(j);
-      const double w = inv_freq[static_cast<std::size_t>(interleaved ? j / 2 : j % half)];
-      const bool is_cos = interleaved ? (j % 2 == 1) : (j >= half);
-      freq[col] = w;
-      quadrant[col] = is_cos ? 1.0 : 0.0;
-      step_cos[col] = std::cos(w);
-      step_sin[col] = is_cos ? -std::sin(w) : std::sin(w);
+    double* step_cos = freq + stride;
+    double* step_sin = freq + 2 * stride;
+    for (std::size_t i = 0; i < inv_freq.size(); ++i) {
+      freq[i] = inv_freq[i];
+      step_cos[i] = std::cos(inv_freq[i]);
+      step_sin[i] = std::sin(inv_freq[i]);
     }
   }
 
@@ -71,13 +64,14 @@ kernels::SinusoidColumns columns_for(const SinusoidalParams& params) {
   return cache.get(params);
 }
 
-// Non-temporal stores pay off once the output is much larger than the caches.
+// Outputs this large are written past the caches where the target streams (kernels decide), and
+// their tables use runs of kernels::kMaxRun rows, which amortise the exact rows best.
 constexpr std::int64_t kStreamBytes = std::int64_t{8} << 20;
 
-// Rows per run when the rows pass through the caches. A run walks a column tile down all its
-// rows; with rows 4 KiB apart (d = 1024 f32) those lines share one L1 set, and 64 rows thrash
-// the 8-way L1 (measured: sinusoid-add at 0.34 of copy bandwidth with 64 rows, 0.82 with 16).
-// Streamed tables bypass the caches and use the full kMaxRun, which amortises the exact rows best.
+// Rows per run of smaller outputs and of sinusoid-add. Where a run starts, its row is computed
+// exactly; the rows after it are rotated, which moves the last fp64 bits and now and then an f32
+// one. The run length is thus part of the values' bits (the study's golden results among them),
+// not only of the speed: the kernels walk long runs in groups of kernels::kGroupRows rows anyway.
 constexpr std::int64_t kCachedRun = 16;
 
 // Per-thread f32 rows for dtypes or strides the kernels do not write directly. Grown on demand,
@@ -87,6 +81,14 @@ std::vector<float>& scratch_rows(std::int64_t dim) {
   const auto size = static_cast<std::size_t>(kCachedRun * dim);  // only unstreamed runs use it
   if (rows.size() < size) rows.resize(size);
   return rows;
+}
+
+// Per-thread rotation state of runs longer than kernels::kGroupRows rows.
+double* run_state(std::int64_t dim) {
+  thread_local std::vector<double> state;
+  const auto size = static_cast<std::size_t>(kernels::sinusoid_state_doubles(dim));
+  if (state.size() < size) state.resize(size);
+  return state.data();
 }
 
 // Length of the run of consecutive positions starting at token s (at most `limit` tokens).
@@ -140,6 +142,7 @@ void sinusoidal_table(const SinusoidalParams& params, const Positions& positions
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float>& buf = scratch_rows(g.dim);
+    double* state = run_state(g.dim);
 #pragma omp for schedule(static)
     for (std::int64_t block = 0; block < blocks; ++block) {
       const std::int64_t end = std::min(g.seq, (block + 1) * run);
@@ -147,9 +150,9 @@ void sinusoidal_table(const SinusoidalParams& params, const Positions& positions
         const std::int64_t rows = run_length(positions, 0, n, end - n);
         const auto p = static_cast<double>(positions.at(0, n));
         if (direct) {
-          kernels::sinusoid_run_f32(cols, p, rows, out.typed<float>(g.offset(0, n)), g.seq_stride, stream);
+          kernels::sinusoid_run_f32(cols, p, rows, out.typed<float>(g.offset(0, n)), g.seq_stride, stream, state);
         } else {
-          kernels::sinusoid_run_f32(cols, p, rows, buf.data(), g.dim, false);
+          kernels::sinusoid_run_f32(cols, p, rows, buf.data(), g.dim, false, state);
           for (std::int64_t r = 0; r < rows; ++r) {
             for (std::int64_t j = 0; j < g.dim; ++j) {
               detail::store(out.data(), out.dtype(), g.offset(0, n + r) + j * g.dim_stride,
@@ -181,6 +184,7 @@ void sinusoidal_add(const SinusoidalParams& params, ConstTensorView x, const Pos
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float>& buf = scratch_rows(g.x.dim);
+    double* state = run_state(g.x.dim);
 #pragma omp for schedule(static)
     for (std::int64_t block = 0; block < blocks; ++block) {
       const std::int64_t b = block / blocks_per_row;
@@ -191,9 +195,9 @@ void sinusoidal_add(const SinusoidalParams& params, ConstTensorView x, const Pos
         const auto p = static_cast<double>(positions.at(b, s));
         if (direct) {
           kernels::sinusoid_add_run_f32(cols, p, rows, x.typed<float>(g.x.offset(b, s)), g.x.seq_stride,
-                                        out.typed<float>(g.out.offset(b, s)), g.out.seq_stride, stream);
+                                        out.typed<float>(g.out.offset(b, s)), g.out.seq_stride, stream, state);
         } else {
-          kernels::sinusoid_run_f32(cols, p, rows, buf.data(), g.x.dim, false);
+          kernels::sinusoid_run_f32(cols, p, rows, buf.data(), g.x.dim, false, state);
           for (std::int64_t r = 0; r < rows; ++r) {
             for (std::int64_t j = 0; j < g.x.dim; ++j) {
               // f32 arithmetic, as the direct path: x is exact in f32 for every supported dtype.

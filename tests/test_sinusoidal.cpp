@@ -335,6 +335,51 @@ TEST_P(EveryTarget, SinusoidalStreamedTableMatchesReference) {
   expect_matches_reference(params, Positions::range(rows, (1 << 20) - 1000), out, DType::kF32, rows, dim, 1);
 }
 
+// Every target with fused multiply-adds (avx2, avx512: every host of the fleet) walks the same
+// fp64 operations per (sin, cos) pair, whatever its tile width, store kind or row grouping, so
+// the tables agree to the bit (the study's golden results rely on it across hosts). sse4 and
+// scalar round each multiply-add twice. Cached runs (16 rows) and large ones (64 rows in groups),
+// both layouts, outputs on and off line boundaries, and the add.
+TEST(Sinusoidal, SameBitsOnEveryFmaTarget) {
+  struct Shape {
+    std::int64_t rows, dim, offset;
+  };
+  const Shape shapes[] = {{37, 130, 0}, {100, 1026, 1}, {2100, 1030, 0}, {2100, 1030, 2}, {2050, 1056, 0}};
+  std::vector<std::string> targets;
+  for (const std::string& t : testing::all_targets()) {
+    if (t == "avx2" || t == "avx512") targets.push_back(t);
+  }
+  if (targets.size() < 2) GTEST_SKIP() << "one target with fused multiply-adds on this host";
+  for (const auto layout : {SinusoidalLayout::kInterleaved, SinusoidalLayout::kSplitHalves}) {
+    for (const Shape& shape : shapes) {
+      const SinusoidalParams params(shape.dim, 10000.0, layout);
+      const auto size = static_cast<std::size_t>(shape.rows * shape.dim + shape.offset);
+      std::vector<float> x(size);
+      for (std::size_t i = 0; i < size; ++i) x[i] = static_cast<float>(i % 7) * 0.25f;
+      std::vector<float> first_table, first_sum;
+      for (const std::string& target : targets) {
+        SCOPED_TRACE(target + ": rows " + std::to_string(shape.rows) + ", dim " + std::to_string(shape.dim) +
+                     ", offset " + std::to_string(shape.offset) + ", layout " +
+                     std::to_string(static_cast<int>(layout)));
+        set_target(target);
+        std::vector<float> table(size), sum(size);
+        const auto positions = Positions::range(shape.rows, 4093);
+        sinusoidal_table(params, positions, TensorView::of(table.data() + shape.offset, {shape.rows, shape.dim}));
+        sinusoidal_add(params, ConstTensorView::of(x.data() + shape.offset, {1, shape.rows, shape.dim}), positions,
+                       TensorView::of(sum.data() + shape.offset, {1, shape.rows, shape.dim}));
+        if (first_table.empty()) {
+          first_table = table;
+          first_sum = sum;
+          continue;
+        }
+        EXPECT_EQ(std::memcmp(table.data(), first_table.data(), size * sizeof(float)), 0) << "table vs " << targets[0];
+        EXPECT_EQ(std::memcmp(sum.data(), first_sum.data(), size * sizeof(float)), 0) << "add vs " << targets[0];
+      }
+      set_target("auto");
+    }
+  }
+}
+
 TEST(Sinusoidal, EmptyInputsAreFine) {
   std::vector<float> none;
   EXPECT_NO_THROW(sinusoidal_table(SinusoidalParams(8), Positions::range(0), TensorView::of(none.data(), {0, 8})));

@@ -61,8 +61,6 @@ HWY_INLINE void SinPair(DD d, VD x, VD q, VD& value, VD& partner) {
   partner = hn::Xor(hn::IfThenElse(odd, s, c), sign_of(partner_m));
 }
 
-// Values of columns [j, j + 2·Lanes) for rows 0 … rows-1 (positions p0 + r), handed to
-// emit(r, low half, high half) as f32 vectors.
 }  // namespace HWY_NAMESPACE
 }  // namespace posenc::kernels::common
 HWY_AFTER_NAMESPACE();

@@ -322,6 +322,13 @@ HWY_INLINE void WriteTile(const SinusoidColumns& cols, double p0, std::int64_t r
                            f = sum;
                          }
                          if (full) {
+                           if constexpr (kHow == Store::kPlain) {
+                             // Rows are pages apart, where the hardware prefetchers stop: fetch
+                             // the lines two tiles on while this one is computed.
+                             __builtin_prefetch(dst + 2 * static_cast<std::int64_t>(vectors) * n, 1, 3);
+                             if (x != nullptr)
+                               __builtin_prefetch(src + 2 * static_cast<std::int64_t>(vectors) * n, 0, 3);
+                           }
 #if HWY_TARGET <= HWY_AVX2
                            // Pairs of half-width vectors as one native vector: half as many stores.
                            const hn::Twice<DF> dw;

@@ -346,6 +346,42 @@ def _patch_bloom(model):
             layer.forward = types.MethodType(_bloom_forward, layer)
 
 
+class _LearnedPositions:
+    """What a patched GPT-2's ``wpe(position_ids)`` returns: the model's next step,
+    ``inputs_embeds + position_embeds.to(device)``, lands in ``__radd__``, where posenc's ``learned``
+    kernel adds the table's rows (x + table[p], one rounding, as eager's add) and its backward
+    accumulates the table's gradient."""
+
+    def __init__(self, table, positions):
+        self.table = table
+        self.positions = positions
+
+    def to(self, *args, **kwargs):
+        return self
+
+    def __radd__(self, x):
+        if not isinstance(x, torch.Tensor):
+            return NotImplemented
+        if x.device.type != "cpu" or self.table.device.type != "cpu":
+            raise ValueError(f"posenc.hf.patch: GPT-2's learned positions run on posenc's CPU kernel; the "
+                             f"embeddings are on {x.device.type} and the table on {self.table.device.type} "
+                             "(patch a model on the CPU)")
+        positions = self.positions
+        if positions.dim() == 2 and positions.shape[0] == 1:
+            positions = positions[0]  # shared by the batch
+        return posenc.learned(self.table, x, positions)
+
+
+def _learned_lookup(self, position_ids):
+    """A patched GPT-2 ``wpe``: the lookup deferred to the add (``_LearnedPositions``)."""
+    return _LearnedPositions(self.weight, position_ids)
+
+
+def _patch_gpt2(model):
+    wpe = model.transformer.wpe if hasattr(model, "transformer") else model.wpe
+    wpe.forward = types.MethodType(_learned_lookup, wpe)
+
+
 def _identity_rotation(self, *args, **kwargs):
     """A patched rotary embedding: cos = 1, sin = 0, so that the model's rotation is the identity
     and its cache keeps keys unrotated; posenc rotates q and k inside the kernel."""
@@ -373,6 +409,8 @@ def patch(model):
 
     - T5: the relative buckets, its table the model's parameter (trained with it); no [H, S, S] bias.
     - BLOOM: ALiBi with the model's slopes, instead of the materialised bias.
+    - GPT-2: its learned positions added by posenc's ``learned`` kernel from the model's table
+      (``wpe.weight``, trained with it); CPU only.
     - RoPE models (model_type in ``_ROPE_MODEL_TYPES``): the rotation taken out of the model (its
       rotary embedding gives the identity) and done in the kernel from the model's config
       (``RotaryPositionalEncoding.from_hf_config``, exact fp64 angles); the cache holds unrotated keys.
@@ -389,12 +427,14 @@ def patch(model):
         _patch_t5(model)
     elif kind == "bloom":
         _patch_bloom(model)
+    elif kind == "gpt2":
+        _patch_gpt2(model)
     elif kind in _ROPE_MODEL_TYPES:
         _patch_rope(model)
     else:
         # MPT builds its 4-D mask whatever the attention (create_causal_mask(...).to(bool)), so
         # its patch would keep the [S, S] mask: not offered.
-        raise ValueError(f"posenc.hf.patch: model_type = {kind!r}; expected t5, bloom or a RoPE model of "
+        raise ValueError(f"posenc.hf.patch: model_type = {kind!r}; expected t5, bloom, gpt2 or a RoPE model of "
                          f"{', '.join(_ROPE_MODEL_TYPES)}")
     if NAME not in ALL_ATTENTION_FUNCTIONS:
         register()

@@ -117,6 +117,12 @@ FAMILIES = {
                       "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096}),
         dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64, q_lora_rank=64,
              first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2, rope_table=False)),
+    # openai-community/gpt2 config.json: learned absolute positions (n_positions 1024), 12 heads of 64
+    # (n_embd 768), scale_attn_weights true; its dropouts (0.1) set to 0 so that a training step is
+    # deterministic, n_embd shrunk to 256 (4 heads of 64).
+    "gpt2-learned": ("GPT2LMHeadModel", "GPT2Config", dict(n_positions=1024, scale_attn_weights=True),
+                     dict(num_attention_heads=4, hidden_size=256, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
+                          rope_table=False)),
 }
 
 
@@ -132,7 +138,7 @@ def build(family, implementation, seed=0):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if any(s in name for s in ("q_proj", "k_proj", "qkv_proj", "query_key_value", "q_b_proj", "kv_b_proj",
-                                       "kv_a_proj_with_mqa")) and p.dim() == 2:
+                                       "kv_a_proj_with_mqa", "attn.c_attn")) and p.dim() == 2:
                 p.mul_(8.0)  # spread the scores: positions must matter
     return model.eval()
 
@@ -516,6 +522,28 @@ def test_patch_runs_t5_buckets_in_the_kernel_and_trains_the_models_table():
     for stack in ("encoder", "decoder"):
         name = f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
         assert grads[1][name].norm() > 0, name
+
+
+def test_patch_adds_gpt2_learned_positions_in_the_kernel_and_trains_the_models_table():
+    """GPT-2 (the gpt2-learned family) with its position table added by posenc's learned kernel:
+    the embeddings bit for bit (one rounding either way), eager's logits, generate() and gradients,
+    the table's among them; a position past the table, or tensors off the CPU, are refused by name."""
+    eager = build("gpt2-learned", "eager")
+    patched = posenc.hf.patch(build("gpt2-learned", "eager"))
+    patched.load_state_dict(eager.state_dict())
+    x = tokens()
+    for positions in (torch.arange(40).unsqueeze(0), torch.arange(80).view(2, 40)):
+        want = eager.transformer.wte(x) + eager.transformer.wpe(positions)
+        got = patched.transformer.wte(x) + patched.transformer.wpe(positions)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    grads = check_patched(eager, patched, {"x": x, "mask": padded(x)}, tokens(length=12))
+    assert grads[1]["transformer.wpe.weight"].norm() > 0
+    too_long = torch.full((1, 1025), 5)
+    with pytest.raises(ValueError, match="position = 1024; expected a position < max_len = 1024"):
+        patched(too_long)
+    lookup = patched.transformer.wpe(torch.arange(4))
+    with pytest.raises(ValueError, match="GPT-2's learned positions run on posenc's CPU kernel; the embeddings are on meta"):
+        torch.empty(4, 256, device="meta") + lookup
 
 
 def test_patch_refuses_what_it_cannot_move():

@@ -130,6 +130,13 @@ def sinusoidal_table(positions, dim, base=10000.0, interleaved=True, dtype=torch
 
 _DIRECTIONS = {"forward": 0, "backward": 1, "inverse": 2}
 
+# transformers' model types whose apply_rotary_pos_emb rotates interleaved pairs (their cos and sin
+# repeat_interleave'd, or rotate_half over x[..., ::2] and x[..., 1::2]), read from transformers
+# 5.24's modeling files; every other config rotates half-split, as Llama's rotate_half does.
+_INTERLEAVED_ROPE_MODEL_TYPES = frozenset({
+    "glm", "glm4", "ernie4_5", "ernie4_5_moe", "helium", "cohere", "cohere2", "cohere2_moe", "moonshine",
+    "moonshine_streaming", "hy_v4_vl"})
+
 
 def _concrete(x):
     """x with symbolic numbers (torch.compile's dynamic=True traces a module's ints and floats as
@@ -435,7 +442,9 @@ class RotaryPositionalEncoding(torch.nn.Module):
         except (TypeError, ValueError) as e:
             raise ValueError(f"from_hf_config: config holds a value JSON cannot carry ({e})") from None
         p = json.loads(_ops.rope_config(text, layer))
-        module = cls(p["head_dim"], p["rotary_dim"], p["base"], "half-split", p["scaling"],
+        # The layout is in the model's code, not its config: these rotate pairs (2i, 2i + 1).
+        layout = "interleaved" if config.get("model_type") in _INTERLEAVED_ROPE_MODEL_TYPES else "half-split"
+        module = cls(p["head_dim"], p["rotary_dim"], p["base"], layout, p["scaling"],
                      p["max_position_embeddings"])
         module.layer_type = p["layer_type"] or None
         module.softmax_scale = p.get("softmax_scale")  # MLA configs: DeepSeek's softmax scale, else None

@@ -599,3 +599,117 @@ def test_bf16_model_logits_near_eager(family):
     err_eager = (want - reference).abs().max().item()
     err_posenc = (got - reference).abs().max().item()
     assert err_posenc <= 1.5 * err_eager + 1e-6, (err_posenc, err_eager)
+
+
+# ─── A corpus of published positional bugs ──────────────────────────────────────────────────────
+# Each test names the bug, the config and field that was misread, and checks posenc's answer against
+# transformers' (the model's own modules) and against the misreading, which must fail the same check.
+
+def rope_error(model, module, positions, rotary_args=(), interleaved=False):
+    """posenc's rotation by `module` against the model's rotary embedding and apply_rotary_pos_emb,
+    as a multiple of the float32 rounding bound of check_rope_table (<= 1: the same rotation); with
+    `interleaved`, the model's pairs are (2i, 2i + 1)."""
+    config = model.config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    torch.manual_seed(3)
+    q = torch.randn(1, heads, positions.numel(), head_dim)
+    rotary = model.base_model.rotary_emb
+    cos, sin = rotary(q, positions[None], *rotary_args)
+    want, _ = model_module(model).apply_rotary_pos_emb(q, q, cos, sin)
+    inv = rotary.inv_freq.double()
+    n = inv.numel()
+    omega = torch.zeros(head_dim, dtype=torch.float64)
+    omega[:2 * n] = inv.repeat_interleave(2) if interleaved else torch.cat([inv, inv])
+    size = q.abs().amax(dim=(0, 1)).double()
+    if interleaved:
+        partner = torch.cat([size[:, :2 * n].view(-1, n, 2).flip(-1).reshape(-1, 2 * n), size[:, 2 * n:]], dim=1)
+    else:
+        partner = torch.cat([size[:, n:2 * n], size[:, :n], size[:, 2 * n:]], dim=1)
+    bound = 2 * (size + partner) * omega * positions.double()[:, None] * 2.0 ** -22 + 1e-6
+    got, _ = module(q.transpose(1, 2).double(), None, positions)
+    return ((got.transpose(1, 2) - want.double()).abs().amax(dim=(0, 1)) / bound).max().item()
+
+
+def test_bug_theta_inside_rope_parameters_is_read():
+    """transformers v5 moved rope_theta into rope_parameters, and vLLM, sglang and DeepSpeed fell
+    back to θ = 10000 without a word. Qwen3-8B's θ 1e6, given only as rope_parameters.rope_theta:
+    posenc reads 1e6, the model rotates by 1e6, and θ = 10000 fails the comparison."""
+    fields = dict(rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, max_position_embeddings=40960,
+                  head_dim=128)
+    config = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=256, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, **fields)
+    assert "rope_theta" not in config.to_dict()  # only inside rope_parameters, as v5 writes it
+    model = transformers.Qwen3ForCausalLM._from_config(config)
+    rope = posenc.RotaryPositionalEncoding.from_hf_config(config.to_dict())
+    assert rope.base == 1000000.0
+    positions = torch.linspace(0, 40959, 33).round().long()
+    assert rope_error(model, rope, positions) <= 1
+    misread = posenc.RotaryPositionalEncoding(128, 128, 10000.0)
+    assert rope_error(model, misread, positions) > 1
+
+
+def test_bug_yarn_attention_factor_is_applied_once():
+    """TensorRT-LLM applied YaRN's attention factor (0.1·ln(s) + 1) twice. gpt-oss-20b's YaRN
+    (factor 32): transformers scales cos and sin by 1.3466 once, so a rotated vector's norm grows by
+    that factor; posenc's rotation does the same, and the square (1.8133) would be caught."""
+    model = build("gpt-oss-sinks", "eager")
+    rope = posenc.RotaryPositionalEncoding.from_hf_config(model.config.to_dict())
+    want = model.base_model.rotary_emb.attention_scaling
+    assert abs(want - (0.1 * torch.log(torch.tensor(32.0)).item() + 1)) < 1e-6
+    x = torch.randn(1, 64, 4, 64, dtype=torch.float64)
+    got, _ = rope(x, None, torch.arange(64))
+    ratio = (got.norm(dim=-1) / x.norm(dim=-1))
+    torch.testing.assert_close(ratio, torch.full_like(ratio, want), rtol=1e-6, atol=0)
+    assert (ratio - want ** 2).abs().min() > 0.4
+    assert rope_error(model, rope, torch.linspace(0, 131071, 33).round().long()) <= 1
+
+
+def test_bug_longrope_factors_follow_the_sequence_not_the_allocation():
+    """llama.cpp chose LongRoPE's factors by the context allocated (131072 for Phi-3-mini-128k)
+    instead of the sequence's length. A 100-token sequence of Phi-3 takes the short factors in
+    transformers and in posenc; the long factors (what the allocation picks) fail the comparison."""
+    model = build("phi3-longrope", "eager")
+    fields = model.config.to_dict()
+    rope = posenc.RotaryPositionalEncoding.from_hf_config(fields)
+    positions = torch.arange(100)
+    assert rope_error(model, rope, positions) <= 1
+    misread = copy.deepcopy(fields)
+    for key in ("rope_scaling", "rope_parameters"):
+        if isinstance(misread.get(key), dict) and "long_factor" in misread[key]:
+            misread[key]["short_factor"] = list(misread[key]["long_factor"])
+    assert rope_error(model, posenc.RotaryPositionalEncoding.from_hf_config(misread), positions) > 1
+
+
+def test_bug_no_rope_layer_flags_are_not_inverted():
+    """transformers #43756: SmolLM3's no_rope_layers holds 1 where a layer rotates, and was read
+    inverted. SmolLM3-3B's no_rope_layer_interval 4: the model rotates in layers 0-2 and not in
+    layer 3 (its use_rope); posenc's patch puts RoPE in exactly those layers."""
+    model = build("smollm3-nope-layers", "eager")
+    want = [bool(layer.self_attn.use_rope) for layer in model.model.layers]
+    assert want == [True, True, True, False]
+    patched = posenc.hf.patch(build("smollm3-nope-layers", "eager"))
+    got = [layer.self_attn._posenc_scheme is not None for layer in patched.model.layers]
+    assert got == want
+    assert got != [not w for w in want]
+
+
+@pytest.mark.parametrize("config_name, model_name", [("GlmConfig", "GlmForCausalLM"),
+                                                     ("CohereConfig", "CohereForCausalLM"),
+                                                     ("HeliumConfig", "HeliumForCausalLM")])
+def test_bug_interleaved_models_rotate_interleaved_pairs(config_name, model_name):
+    """GLM's interleave was ignored (transformers PR #46842): the layout of these models is in their
+    code (pairs (2i, 2i + 1)), not in their config. THUDM/glm-4-9b's partial rotary (half the head),
+    Cohere's and Helium's full rotary, at their defaults: posenc's RoPE from the config rotates
+    interleaved pairs as the model does, and the half-split reading fails the comparison."""
+    config = getattr(transformers, config_name)(vocab_size=VOCAB, hidden_size=256, intermediate_size=128,
+                                                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                                head_dim=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = getattr(transformers, model_name)._from_config(config)
+    rope = posenc.RotaryPositionalEncoding.from_hf_config(config.to_dict())
+    assert rope.layout == "interleaved"
+    positions = torch.unique(torch.cat([torch.arange(8), torch.linspace(0, 8191, 33).round().long()]))
+    assert rope_error(model, rope, positions, interleaved=True) <= 1
+    half_split = posenc.RotaryPositionalEncoding(rope.head_dim, rope.rotary_dim, rope.base, "half-split", rope.scaling,
+                                                 rope.max_position_embeddings)
+    assert rope_error(model, half_split, positions, interleaved=True) > 1

@@ -63,7 +63,7 @@ using VF = hn::Vec<DF>;
 #endif
 
 // Vectors of pairs per tile. Interleaved rows take 2·Lanes floats per vector of pairs, so two
-// vectors fill a 64-byte line on AVX2 and two on AVX-512; split rows take Lanes floats per half,
+// vectors fill a 64-byte line on AVX2 and two lines on AVX-512; split rows take Lanes floats per half,
 // so AVX2 needs four vectors for a whole line in each half. Targets that do not stream (SSE4,
 // scalar, EMU128) keep two, which stay in registers.
 constexpr size_t kInterleavedVectors = 2;

@@ -17,7 +17,8 @@
 //    pairs down all its rows with the state in registers: no scratch memory.
 // 3. Each value is rounded once to f32 (<= 2^-25 for |value| <= 1).
 // Error against the exact sin/cos: 2^-25 + p·2^-52 + 1e-11 (see posenc/absolute.hpp). Every lane
-// follows the same fp64 operations on every target and for either layout, so all give the same bits.
+// follows the same fp64 operations for either layout and any tile width, so every target with
+// fused multiply-adds (AVX2, AVX-512) gives the same bits; SSE4 and scalar round each twice.
 //
 // Data flow for one tile of pairs [i, i + K·Lanes):
 //   row 0:   p0·ω ──► reduce, polynomials ──► sin, cos (registers) ──► demote ──► out[0]
@@ -190,13 +191,12 @@ enum class Store { kPlain, kStream };
 // streamed stores stall the rotations behind them. AVX-512 hosts streamed faster.
 constexpr bool kStreamLargeOutputs = HWY_TARGET != HWY_AVX2;
 
-template <Store kHow>
-HWY_INLINE void StoreVector(VF f, float* HWY_RESTRICT dst) {
-  const DF df;
+template <Store kHow, class D>
+HWY_INLINE void StoreVector(D d, hn::Vec<D> v, float* HWY_RESTRICT dst) {
   if constexpr (kHow == Store::kStream) {
-    hn::Stream(f, df, dst);
+    hn::Stream(v, d, dst);
   } else {
-    hn::StoreU(f, df, dst);
+    hn::StoreU(v, d, dst);
   }
 }
 
@@ -272,11 +272,11 @@ HWY_INLINE void Zip(const VF* sin, const VF* cos, VF* z) {
 #endif
 }
 
-// Calls run(pair_begin, pairs, how, tile_index) over the pairs of a row so that, with streaming, every full
-// tile's stores land on whole aligned lines: a partial tile first up to the first line boundary
-// of row 0, full tiles, and a partial tile at the end. Rows stream only when every row keeps row
-// 0's alignment; otherwise ordinary stores (a streamed partial line is slower than a cached one).
-// `floats_per_pair` is the floats of one pair in a row's first stretch (2 interleaved, 1 split).
+// Calls run(pair_begin, pairs, how, tile_index) over the pairs of a row so that, with streaming,
+// every full tile's stores land on whole aligned lines: a partial tile first up to the first line
+// boundary of row 0, full tiles, and a partial tile at the end. Rows stream only when every row
+// keeps row 0's alignment; otherwise ordinary stores (a streamed partial line is slower than a
+// cached one). A pair takes 2 floats of an interleaved row, 1 of each half of a split one.
 template <size_t K, class Run>
 HWY_INLINE void ForTiles(const SinusoidColumns& cols, const float* out, std::int64_t out_row_stride, bool stream,
                          const Run& run) {
@@ -287,11 +287,11 @@ HWY_INLINE void ForTiles(const SinusoidColumns& cols, const float* out, std::int
   constexpr std::int64_t kLine = 64;
   const auto misalignment = static_cast<std::int64_t>(reinterpret_cast<std::uintptr_t>(out) % kLine);
   const std::int64_t pair_bytes = floats_per_pair * static_cast<std::int64_t>(sizeof(float));
-  bool streamed = stream && kStreamLargeOutputs && StreamableTag(df) &&
-                  (out_row_stride * static_cast<std::int64_t>(sizeof(float))) % kLine == 0 &&
-                  misalignment % pair_bytes == 0 &&
-                  (cols.interleaved || (pairs * static_cast<std::int64_t>(sizeof(float))) % kLine == 0) &&
-                  (width * pair_bytes) % kLine == 0;
+  const bool streamed = stream && kStreamLargeOutputs && StreamableTag(df) &&
+                        (out_row_stride * static_cast<std::int64_t>(sizeof(float))) % kLine == 0 &&
+                        misalignment % pair_bytes == 0 &&
+                        (cols.interleaved || (pairs * static_cast<std::int64_t>(sizeof(float))) % kLine == 0) &&
+                        (width * pair_bytes) % kLine == 0;
   std::int64_t i = 0;
   std::int64_t tile = 0;
   if (streamed && misalignment != 0) {
@@ -313,41 +313,33 @@ HWY_INLINE void WriteTile(const SinusoidColumns& cols, double p0, std::int64_t r
   const bool full = count == static_cast<std::int64_t>(K) * n;
   const std::int64_t half = cols.dim / 2;
   // Writes `floats` floats of f at dst, adding src's first when x is given.
-  const auto put = [&](const VF* f, size_t vectors, const float* src, float* dst, std::int64_t floats)
-                       POSENC_INLINE_LAMBDA {
-                         VF sum[2 * kMaxVectors];
-                         if (x != nullptr) {
-                           LoadPartial(src, static_cast<size_t>(floats), vectors, sum);
-                           for (size_t k = 0; k < vectors; ++k) sum[k] = hn::Add(sum[k], f[k]);
-                           f = sum;
-                         }
-                         if (full) {
-                           if constexpr (kHow == Store::kPlain) {
-                             // Rows are pages apart, where the hardware prefetchers stop: fetch
-                             // the lines two tiles on while this one is computed.
-                             __builtin_prefetch(dst + 2 * static_cast<std::int64_t>(vectors) * n, 1, 3);
-                             if (x != nullptr)
-                               __builtin_prefetch(src + 2 * static_cast<std::int64_t>(vectors) * n, 0, 3);
-                           }
+  const auto put = [&](const VF* f, size_t vectors, const float* src, float* dst,
+                       std::int64_t floats) POSENC_INLINE_LAMBDA {
+    VF sum[2 * kMaxVectors];
+    if (x != nullptr) {
+      LoadPartial(src, static_cast<size_t>(floats), vectors, sum);
+      for (size_t k = 0; k < vectors; ++k) sum[k] = hn::Add(sum[k], f[k]);
+      f = sum;
+    }
+    if (full) {
+      if constexpr (kHow == Store::kPlain) {
+        // Rows are pages apart, where the hardware prefetchers stop: fetch
+        // the lines two tiles on while this one is computed.
+        __builtin_prefetch(dst + 2 * static_cast<std::int64_t>(vectors) * n, 1, 3);
+        if (x != nullptr) __builtin_prefetch(src + 2 * static_cast<std::int64_t>(vectors) * n, 0, 3);
+      }
 #if HWY_TARGET <= HWY_AVX2
-                           // Pairs of half-width vectors as one native vector: half as many stores.
-                           const hn::Twice<DF> dw;
-                           for (size_t k = 0; k < vectors; k += 2) {
-                             const auto joined = hn::Combine(dw, f[k + 1], f[k]);
-                             if constexpr (kHow == Store::kStream) {
-                               hn::Stream(joined, dw, dst + static_cast<std::int64_t>(k) * n);
-                             } else {
-                               hn::StoreU(joined, dw, dst + static_cast<std::int64_t>(k) * n);
-                             }
-                           }
+      // Pairs of half-width vectors as one native vector: half as many stores.
+      const hn::Twice<DF> dw;
+      for (size_t k = 0; k < vectors; k += 2)
+        StoreVector<kHow>(dw, hn::Combine(dw, f[k + 1], f[k]), dst + static_cast<std::int64_t>(k) * n);
 #else
-                           for (size_t k = 0; k < vectors; ++k)
-                             StoreVector<kHow>(f[k], dst + static_cast<std::int64_t>(k) * n);
+      for (size_t k = 0; k < vectors; ++k) StoreVector<kHow>(df, f[k], dst + static_cast<std::int64_t>(k) * n);
 #endif
-                         } else {
-                           StorePartial(f, vectors, dst, static_cast<size_t>(floats));
-                         }
-                       };
+    } else {
+      StorePartial(f, vectors, dst, static_cast<size_t>(floats));
+    }
+  };
   if (cols.interleaved) {
     Tile<K>(cols, p0, rows, i, begin, end, saved,
             [&](std::int64_t r, const VF* sin, const VF* cos) POSENC_INLINE_LAMBDA {

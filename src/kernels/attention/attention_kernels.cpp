@@ -27,8 +27,9 @@ using VF = hn::Vec<DF>;
 // Register blocking of the matrix kernel: kRows broadcast rows × kVecs vectors of accumulators.
 // AVX-512 has 32 vector registers: 6 × 4 accumulators, 4 B vectors and a broadcast fit. AVX2's 16
 // take 6 × 2 (15 registers): 12 chains of multiply-adds hide the 4-cycle latency on two pipes
-// with room to spare, where 4 × 2 had exactly 8 (Zen 3 host, S = 2048 causal, alternating runs:
-// forward 0.63 -> 0.64-0.65 of the FMA peak with RoPE and no scheme, backward +2-6%). SSE4 keeps 4 × 2.
+// with room to spare, where 4 × 2 has exactly 8 (Zen 3 host, S = 2048 causal, alternating runs:
+// forward 0.64-0.65 of the FMA peak against 0.63 with 4 × 2, RoPE and no scheme; backward 2-6%
+// faster). SSE4 keeps 4 × 2.
 #if HWY_TARGET != HWY_SCALAR && HWY_MAX_BYTES >= 64
 constexpr int kRows = 6;
 constexpr int kVecs = 4;

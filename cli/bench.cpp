@@ -165,6 +165,9 @@ Runner add_bench(CLI::App& app) {
   sub->add_option_function<std::int64_t>(
       "--value-dim", [o](std::int64_t d) { o->shape.value_dim = d; },
       "attention: the values' head size, at most --head-dim (MLA: 128 of 192; absorbed: 512 of 576)");
+  sub->add_option("--kv-dtype", o->shape.kv_dtype,
+                  "attention forward and decode: keys and values from a quantized cache: q8_0, q4_0 (ggml's blocks) "
+                  "or fp8_e4m3 (a scale per row); default: k and v in --dtype");
   sub->add_flag("--values-in-keys", o->shape.values_in_keys,
                 "attention: v is a view of the first --value-dim columns of k's rows (MLA's absorbed decode)");
   sub->add_flag(

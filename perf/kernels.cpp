@@ -220,7 +220,17 @@ Case make_attention_case(const CaseOptions& o) {
   if (o.dtype != "f32" && o.dtype != "bf16" && o.dtype != "f16")
     throw Error("bench", "--dtype", o.dtype, "f32, bf16 or f16");
   const DType dtype = o.dtype == "bf16" ? DType::kBF16 : o.dtype == "f16" ? DType::kF16 : DType::kF32;
-  if (o.scheme == "stickbreaking" || o.scheme == "cope") return make_rowblock_case(o, dtype);
+  std::optional<CacheFormat> kv_format;
+  if (!o.kv_dtype.empty()) {
+    kv_format = parse_cache_format(o.kv_dtype);
+    if (!kv_format) throw Error("bench", "--kv-dtype", o.kv_dtype, "q8_0, q4_0 or fp8_e4m3");
+    if (o.pass == "backward") throw Error("bench", "--kv-dtype", o.kv_dtype, "none with --pass backward");
+    if (o.values_in_keys) throw Error("bench", "--kv-dtype", o.kv_dtype, "none with --values-in-keys");
+  }
+  if (o.scheme == "stickbreaking" || o.scheme == "cope") {
+    if (kv_format) throw Error("bench", "--kv-dtype", o.kv_dtype, "none with --scheme " + o.scheme);
+    return make_rowblock_case(o, dtype);
+  }
   const std::int64_t heads = o.heads, dim = o.dim, kv = o.kv_heads, dim_v = o.value_dim.value_or(o.dim);
   if (dim_v < 1 || dim_v > dim) throw Error("bench", "--value-dim", std::to_string(dim_v), "1 to --head-dim");
   const std::int64_t q_len = o.pass == "decode" ? 1 : o.length, k_len = o.length;
@@ -253,6 +263,7 @@ Case make_attention_case(const CaseOptions& o) {
   struct State {
     BenchArray<std::uint16_t> q16, k16, v16, out16, dout16, dq16, dk16, dv16;
     BenchArray<float> q, k, v, out, dout, dq, dk, dv;
+    BenchArray<unsigned char> kq, vq;  // a quantized cache (--kv-dtype)
     std::vector<float> lse;
     std::shared_ptr<std::vector<std::vector<float>>> inputs;  // the scheme's per-token inputs, viewed
     std::unique_ptr<Attention> attention;
@@ -285,8 +296,25 @@ Case make_attention_case(const CaseOptions& o) {
   };
   const bool backward = o.pass == "backward";
   make(st->q, st->q16, q_count, true);
-  make(st->k, st->k16, k_count, true);
-  make(st->v, st->v16, v_count, true);
+  std::int64_t cache_bytes = 0;
+  if (kv_format) {
+    // The same values as an f32 cache, quantized row by row.
+    const auto quantize = [&](BenchArray<unsigned char>& bytes, std::int64_t count, std::int64_t width) {
+      const std::int64_t rows = count / width, rb = cache_row_bytes(*kv_format, width);
+      bytes.assign(static_cast<std::size_t>(checked_mul(rows, rb, "cache bytes")), 0, o.huge_pages);
+      std::vector<float> row(static_cast<std::size_t>(width));
+      for (std::int64_t r = 0; r < rows; ++r) {
+        for (auto& x : row) x = pattern();
+        quantize_rows(*kv_format, row.data(), 1, width, bytes.data() + r * rb, rb);
+      }
+      cache_bytes += rows * rb;
+    };
+    quantize(st->kq, k_count, dim);
+    quantize(st->vq, v_count, dim_v);
+  } else {
+    make(st->k, st->k16, k_count, true);
+    make(st->v, st->v16, v_count, true);
+  }
   make(st->out, st->out16, o_count, false);
   if (backward) {
     make(st->dout, st->dout16, o_count, true);
@@ -303,9 +331,16 @@ Case make_attention_case(const CaseOptions& o) {
   const std::vector<std::int64_t> k_strides = {k_len * kv * dim, kv * dim, dim, 1};
   AttentionSpec spec;
   spec.q = ConstTensorView::contiguous(data(st->q, st->q16), dtype, q_shape);
-  spec.k = ConstTensorView::contiguous(data(st->k, st->k16), dtype, k_shape);
-  spec.v = o.values_in_keys ? ConstTensorView(data(st->k, st->k16), dtype, v_shape, k_strides)
-                            : ConstTensorView::contiguous(data(st->v, st->v16), dtype, v_shape);
+  if (!kv_format) {
+    spec.k = ConstTensorView::contiguous(data(st->k, st->k16), dtype, k_shape);
+    spec.v = o.values_in_keys ? ConstTensorView(data(st->k, st->k16), dtype, v_shape, k_strides)
+                              : ConstTensorView::contiguous(data(st->v, st->v16), dtype, v_shape);
+  } else {
+    const std::int64_t kb = cache_row_bytes(*kv_format, dim), vb = cache_row_bytes(*kv_format, dim_v);
+    spec.cache = QuantizedCache{*kv_format,
+                                {st->kq.data(), o.batch, k_len, kv, dim, k_len * kv * kb, kv * kb, kb},
+                                {st->vq.data(), o.batch, k_len, kv, dim_v, k_len * kv * vb, kv * vb, vb}};
+  }
   spec.groups = groups;
   spec.mask.causal = o.causal;
   spec.mask.chunk_size = o.chunk_size;
@@ -320,9 +355,9 @@ Case make_attention_case(const CaseOptions& o) {
       std::to_string(dim) + "], k, v [" + std::to_string(o.batch) + ", " + std::to_string(k_len) + ", " +
       std::to_string(kv) + ", " + std::to_string(dim) + "] " +
       (dim_v != dim ? "v " + std::to_string(dim_v) + (o.values_in_keys ? " wide, k's rows, " : " wide, ") : "") +
-      o.dtype + ", " + o.scheme + (o.scheme == "rope" && o.interleaved ? " (interleaved)" : "") + ", " +
-      (o.causal ? "causal" : "full") + (o.chunk_size ? ", chunks of " + std::to_string(*o.chunk_size) : "") + ", " +
-      o.pass;
+      (kv_format ? o.dtype + " q, " + o.kv_dtype + " cache" : o.dtype) + ", " + o.scheme +
+      (o.scheme == "rope" && o.interleaved ? " (interleaved)" : "") + ", " + (o.causal ? "causal" : "full") +
+      (o.chunk_size ? ", chunks of " + std::to_string(*o.chunk_size) : "") + ", " + o.pass;
   const double width = static_cast<double>(dtype_size(dtype));
   double pairs = static_cast<double>(o.batch) * static_cast<double>(q_len) * static_cast<double>(k_len) *
                  static_cast<double>(heads) * static_cast<double>(dim);
@@ -344,8 +379,9 @@ Case make_attention_case(const CaseOptions& o) {
   c.elements_per_run = static_cast<double>(o.batch * heads) * static_cast<double>(q_len) * static_cast<double>(k_len);
   if (o.pass == "decode") {
     // The cache read once: keys and (unless they lie in the keys' rows) values.
-    c.bytes_per_run = (static_cast<double>(k_count) + static_cast<double>(v_count)) * width * visible_keys /
-                      static_cast<double>(k_len);
+    const double cache = kv_format ? static_cast<double>(cache_bytes)
+                                   : (static_cast<double>(k_count) + static_cast<double>(v_count)) * width;
+    c.bytes_per_run = cache * visible_keys / static_cast<double>(k_len);
     c.limit_name = "copy";
     c.run = [st, out, lse] { st->stats = st->attention->forward(out, lse); };
   } else if (o.pass == "forward") {

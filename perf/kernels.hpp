@@ -38,6 +38,9 @@ struct CaseOptions {
   // first value_dim columns of k's rows (absorbed decode: one cache read for both)
   std::optional<std::int64_t> value_dim{};
   bool values_in_keys = false;
+  // attention forward and decode: keys and values from a quantized cache (q8_0, q4_0 or
+  // fp8_e4m3, quantized.hpp) instead of k and v in dtype; empty: k and v in dtype
+  std::string kv_dtype{};
   // attention: the vanishing-tile skip (AttentionSpec / StickBreakingSpec::skip_vanishing_tiles);
   // off, every tile of the mask runs and the flops count is the work done
   bool skip_vanishing_tiles = true;

@@ -89,6 +89,7 @@
 #include "posenc/absolute.hpp"
 #include "posenc/bias.hpp"
 #include "posenc/positions.hpp"
+#include "posenc/quantized.hpp"
 #include "posenc/relative.hpp"
 #include "posenc/rotary.hpp"
 #include "posenc/temperature.hpp"
@@ -169,6 +170,12 @@ struct AttentionSpec {
   // vanishing tile's values tells the two apart (it then spreads NaN through 0·∞, as in the
   // unfused composition).
   bool skip_vanishing_tiles = true;
+  // Keys and values read from a quantized cache (quantized.hpp: q8_0, q4_0, fp8_e4m3) instead of
+  // k and v, which then stay empty: cache.k [B, Sk, G, D] and cache.v [B, Sk, G, Dv], dequantised
+  // tile by tile inside the kernels (no f32 copy of the cache). The result is that of k and v
+  // holding the dequantised values, to the bit on the fused path. Not with packed sequences;
+  // forward only (backward: posenc::Error).
+  std::optional<QuantizedCache> cache{};
 };
 
 // Gradients of the groups' positional parameters, fp64, accumulated (+=). One entry per group,

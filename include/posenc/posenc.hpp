@@ -11,6 +11,7 @@
 #include "posenc/matmul.hpp"
 #include "posenc/memory.hpp"
 #include "posenc/positions.hpp"
+#include "posenc/quantized.hpp"
 #include "posenc/reference.hpp"
 #include "posenc/registry.hpp"
 #include "posenc/relative.hpp"

@@ -17,7 +17,10 @@
 
 #include "attention/attention_plan.hpp"
 #include "internal.hpp"
+#include "posenc/error.hpp"
 #include "posenc/reference.hpp"
+
+#include <string>
 
 namespace posenc {
 
@@ -54,6 +57,10 @@ AttentionStats Attention::forward(TensorView out, TensorView lse) const {
 AttentionStats Attention::backward(ConstTensorView out, ConstTensorView lse, ConstTensorView d_out, TensorView dq,
                                    TensorView dk, TensorView dv, AttentionGradients* grads) const {
   detail::init_dispatch();
+  if (spec().cache) {
+    throw Error(Plan::kWhere, "cache", std::string(cache_format_name(spec().cache->format)),
+                "k and v tensors for backward (a quantized cache has no gradient)");
+  }
   if (detail::use_reference() || plan_->dtype == DType::kF64) {
     const detail::HeadsGrid& qg = plan_->qg;
     detail::check_output_tokens(Plan::kWhere, "out", out, plan_->out_grid());

@@ -9,6 +9,7 @@
 #include <deque>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <variant>
 
 #include "absolute_checks.hpp"  // check_disjoint
@@ -123,8 +124,12 @@ void AttentionPlan::check_views() {
   packed = !spec.cu_seqlens_q.empty() || !spec.cu_seqlens_k.empty();
   require(spec.q.rank() == 3 || spec.q.rank() == 4, "q", shape_text(spec.q), "[B, Sq, H, D] or packed [Tq, H, D]");
   qg = heads_grid(kWhere, "q", spec.q);
-  kg = heads_grid(kWhere, "k", spec.k);
-  vg = heads_grid(kWhere, "v", spec.v);
+  if (spec.cache) {
+    check_cache();
+  } else {
+    kg = heads_grid(kWhere, "k", spec.k);
+    vg = heads_grid(kWhere, "v", spec.v);
+  }
   if (packed) {
     require(spec.q.rank() == 3, "q", shape_text(spec.q), "packed [Tq, H, D] with cu_seqlens");
     require(spec.k.rank() == 3, "k", shape_text(spec.k), "packed [Tk, G, D] with cu_seqlens");
@@ -132,29 +137,41 @@ void AttentionPlan::check_views() {
   dtype = spec.q.dtype();
   require(dtype == DType::kF32 || dtype == DType::kBF16 || dtype == DType::kF16 || dtype == DType::kF64, "q.dtype",
           std::string(dtype_name(dtype)), "f32, bf16, f16 or f64");
-  check_dtype(kWhere, "k", spec.k.dtype(), dtype);
-  check_dtype(kWhere, "v", spec.v.dtype(), dtype);
+  if (!spec.cache) {
+    check_dtype(kWhere, "k", spec.k.dtype(), dtype);
+    check_dtype(kWhere, "v", spec.v.dtype(), dtype);
+  }
+  kv_unit = spec.cache ? 1 : static_cast<std::int64_t>(dtype_size(dtype));
+  // Shapes in messages: k and v, or the cache's K and V.
+  const auto cache_text = [&](const HeadsGrid& g) {
+    return "[" + std::to_string(g.batch) + ", " + std::to_string(g.seq) + ", " + std::to_string(g.heads) + ", " +
+           std::to_string(g.dim) + "] " + std::string(cache_format_name(spec.cache->format));
+  };
+  const std::string k_text = spec.cache ? cache_text(kg) : shape_text(spec.k);
+  const std::string v_text = spec.cache ? cache_text(vg) : shape_text(spec.v);
+  const char* k_name = spec.cache ? "cache.k" : "k";
+  const char* v_name = spec.cache ? "cache.v" : "v";
   batch = qg.batch;
   q_len = qg.seq;
   k_len = kg.seq;
   heads = qg.heads;
   kv_heads = kg.heads;
   dim = qg.dim;
-  require(kg.batch == batch, "k", shape_text(spec.k), "batch " + std::to_string(batch) + " as q");
-  require(kg.dim == dim, "k", shape_text(spec.k), "head_dim " + std::to_string(dim) + " as q");
-  require(vg.batch == batch && vg.seq == k_len && vg.heads == kv_heads && vg.dim >= 1 && vg.dim <= dim, "v",
-          shape_text(spec.v), "the shape of k, " + shape_text(spec.k) + ", with a head_dim of 1 to k's");
+  require(kg.batch == batch, k_name, k_text, "batch " + std::to_string(batch) + " as q");
+  require(kg.dim == dim, k_name, k_text, "head_dim " + std::to_string(dim) + " as q");
+  require(vg.batch == batch && vg.seq == k_len && vg.heads == kv_heads && vg.dim >= 1 && vg.dim <= dim, v_name, v_text,
+          "the shape of k, " + k_text + ", with a head_dim of 1 to k's");
   dim_v = vg.dim;
   require(dim >= 1, "q", shape_text(spec.q), "head_dim >= 1");
   require(heads >= 1, "q", shape_text(spec.q), "at least one head");
-  require(kv_heads >= 1 && heads % kv_heads == 0, "k", shape_text(spec.k),
+  require(kv_heads >= 1 && heads % kv_heads == 0, k_name, k_text,
           "a KV head count dividing the query heads (" + std::to_string(heads) + ")");
-  require(k_len < (std::int64_t{1} << 31), "k", shape_text(spec.k), "fewer than 2^31 keys per sequence");
+  require(k_len < (std::int64_t{1} << 31), k_name, k_text, "fewer than 2^31 keys per sequence");
   group_size = heads / kv_heads;
   dim_padded = (dim + kernels::kAttnAlign - 1) / kernels::kAttnAlign * kernels::kAttnAlign;
   q_data = spec.q.data();
-  k_data = spec.k.data();
-  v_data = spec.v.data();
+  k_data = spec.cache ? spec.cache->k.data : spec.k.data();
+  v_data = spec.cache ? spec.cache->v.data : spec.v.data();
   require(std::isfinite(spec.scale) && spec.scale >= 0, "scale", to_text(spec.scale), "finite, >= 0 (0: 1/sqrt(D))");
   scale_f64 = spec.scale > 0 ? spec.scale : 1.0 / std::sqrt(static_cast<double>(dim));
   scale = static_cast<float>(scale_f64);
@@ -165,7 +182,58 @@ void AttentionPlan::check_views() {
   constexpr std::int64_t kBlockRows = 128;
   query_block = std::max<std::int64_t>(kernels::kAttnAlign, kBlockRows / group_size);
   key_tile = 64;
-  zero_copy = dtype == DType::kF32 && kg.dim_stride == 1 && vg.dim_stride == 1 && dim == dim_padded && dim_v == dim;
+  zero_copy = !spec.cache && dtype == DType::kF32 && kg.dim_stride == 1 && vg.dim_stride == 1 && dim == dim_padded &&
+              dim_v == dim;
+}
+
+// spec.cache: k and v empty, the cache's K and V as grids of bytes (every row of the format's
+// bytes, offsets within int64), not with packed sequences.
+void AttentionPlan::check_cache() {
+  const QuantizedCache& c = *spec.cache;
+  const std::string format(cache_format_name(c.format));
+  require(spec.k.rank() == 0 && spec.v.rank() == 0, "k", shape_text(spec.k) + ", v " + shape_text(spec.v),
+          "empty views with spec.cache (the cache holds the keys and values)");
+  require(!packed, "cu_seqlens_k", std::to_string(spec.cu_seqlens_k.size()) + " entries",
+          "none with spec.cache (a quantized cache is [B, Sk, G, D])");
+  require(parse_cache_format(format).has_value(), "cache.format", std::to_string(static_cast<int>(c.format)),
+          "q8_0, q4_0 or fp8_e4m3");
+  cache_format = c.format;
+  const auto grid = [&](const char* name, const QuantizedRows& r) {
+    const std::string param_name = std::string("cache.") + name;
+    const char* param = param_name.c_str();
+    const std::string text = "[" + std::to_string(r.batch) + ", " + std::to_string(r.seq) + ", " +
+                             std::to_string(r.heads) + ", " + std::to_string(r.dim) + "] byte strides [" +
+                             std::to_string(r.batch_stride) + ", " + std::to_string(r.seq_stride) + ", " +
+                             std::to_string(r.head_stride) + "] " + format;
+    require(r.batch >= 0 && r.seq >= 0 && r.heads >= 0, param, text, "extents >= 0");
+    require(r.batch_stride >= 0 && r.seq_stride >= 0 && r.head_stride >= 0, param, text, "strides >= 0");
+    std::int64_t row_bytes = 0;
+    try {
+      row_bytes = cache_row_bytes(c.format, r.dim);
+    } catch (const Error& e) {
+      require(false, param, text, std::string("a dim the format holds: ") + e.expected());
+    }
+    const bool empty = r.batch == 0 || r.seq == 0 || r.heads == 0;
+    if (!empty) {
+      require(r.data != nullptr, param, text, "a non-null data pointer");
+      std::int64_t end = row_bytes;
+      end = checked_add(end, checked_mul(r.batch - 1, r.batch_stride, "cache offset"), "cache offset");
+      end = checked_add(end, checked_mul(r.seq - 1, r.seq_stride, "cache offset"), "cache offset");
+      checked_add(end, checked_mul(r.heads - 1, r.head_stride, "cache offset"), "cache offset");
+    }
+    HeadsGrid g;
+    g.batch = r.batch;
+    g.seq = r.seq;
+    g.heads = r.heads;
+    g.dim = r.dim;
+    g.batch_stride = r.batch_stride;
+    g.seq_stride = r.seq_stride;
+    g.head_stride = r.head_stride;
+    g.dim_stride = 1;
+    return g;
+  };
+  kg = grid("k", c.k);
+  vg = grid("v", c.v);
 }
 
 // f32 math (f32, bf16 and f16 inputs) multiplies the scores by the scale and each query row by its
@@ -568,6 +636,28 @@ std::int64_t AttentionPlan::table_bytes() const {
 void AttentionPlan::check_disjoint(std::initializer_list<NamedView> outputs,
                                    std::initializer_list<NamedView> inputs) const {
   detail::check_disjoint(kWhere, outputs, inputs);
+  if (!cache_format) return;
+  // The cache's bytes against each output's span of bytes.
+  const auto span = [](const void* data, std::int64_t end) {
+    const auto lo = reinterpret_cast<std::uintptr_t>(data);
+    return std::pair<std::uintptr_t, std::uintptr_t>(lo, lo + static_cast<std::uintptr_t>(end));
+  };
+  const auto grid_end = [&](const HeadsGrid& g) {
+    return kv_row_bytes(g) + (g.batch - 1) * g.batch_stride + (g.seq - 1) * g.seq_stride +
+           (g.heads - 1) * g.head_stride;
+  };
+  for (const NamedView& o : outputs) {
+    if (o.second.rank() == 0 || o.second.data() == nullptr || o.second.numel() == 0) continue;
+    std::int64_t last = 0;
+    for (int a = 0; a < o.second.rank(); ++a) last += (o.second.size(a) - 1) * o.second.stride(a);
+    const auto out = span(o.second.data(), (last + 1) * static_cast<std::int64_t>(dtype_size(o.second.dtype())));
+    for (const auto& [name, g, data] : {std::tuple{"cache.k", kg, k_data}, std::tuple{"cache.v", vg, v_data}}) {
+      if (g.batch == 0 || g.seq == 0 || g.heads == 0) continue;
+      const auto in = span(data, grid_end(g));
+      require(out.second <= in.first || in.second <= out.first, o.first, o.second.describe(),
+              std::string("memory apart from ") + name + "'s bytes");
+    }
+  }
 }
 
 // ─── lse ─────────────────────────────────────────────────────────────────────────────────────

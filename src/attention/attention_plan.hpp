@@ -133,6 +133,7 @@ struct AttentionPlan {
     std::int64_t q_min = 0, q_max = 0, k_min = 0, k_max = 0;
   };
   void check_views();
+  void check_cache();
   void check_mask();
   void plan_sequences();
   void check_f32_multipliers(const PositionRange& range) const;
@@ -159,6 +160,24 @@ struct AttentionPlan {
   bool packed = false;
   HeadsGrid qg, kg, vg;
   const void *q_data = nullptr, *k_data = nullptr, *v_data = nullptr;
+  // Keys and values from a quantized cache (spec.cache): kg and vg then count bytes (kv_unit 1),
+  // else elements of dtype (kv_unit its size).
+  std::optional<CacheFormat> cache_format;
+  std::int64_t kv_unit = 4;
+  // Bytes from the first to the last byte + 1 of a row of kg or vg (prefetch extents).
+  std::int64_t kv_row_bytes(const HeadsGrid& g) const {
+    return cache_format ? cache_row_bytes(*cache_format, g.dim) : ((g.dim - 1) * g.dim_stride + 1) * kv_unit;
+  }
+  // Row (b, s, h) of the keys or values as f32, zero-padded to dim_padded (dequantised from a
+  // quantized cache).
+  void load_key_row(std::int64_t b, std::int64_t s, std::int64_t h, float* out) const {
+    load_kv_row(k_data, kg, b, s, h, out);
+  }
+  void load_value_row(std::int64_t b, std::int64_t s, std::int64_t h, float* out) const {
+    load_kv_row(v_data, vg, b, s, h, out);
+  }
+  void load_kv_row(const void* base, const HeadsGrid& g, std::int64_t b, std::int64_t s, std::int64_t h,
+                   float* out) const;
   float scale = 1.0f;
   double scale_f64 = 1.0;
   bool zero_copy = false;

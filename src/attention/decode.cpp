@@ -42,7 +42,7 @@ class DecodeTiles {
         merged_(rows.size() == 1),
         w_(rows[0].width),
         valid_(merged_ ? rows[0].valid_rows / g_count_ : rows[0].valid_rows),  // rows per KV head
-        width_(static_cast<std::int64_t>(dtype_size(p.dtype))) {
+        width_(p.kv_unit) {
     // Keys per tile, by bytes: a tile's keys of every KV head are prefetched into L2 while the
     // previous tile's values are summed, and (unless they are read key by key) its values while
     // its scores are computed, so about three tiles' rows share L2. At 8 KV heads × D 128 in f32 (4 KiB per key) 256
@@ -53,7 +53,8 @@ class DecodeTiles {
     choose_key_path();
     reads_kpos_ = p.any_bias ||
                   std::any_of(p.terms.begin(), p.terms.end(), [](const auto& t) { return t->reads_key_positions(); });
-    direct_v_ = p.vg.dim_stride == 1 && kernels::attn_decode_reads_directly(p.dtype, valid_, p.dim_v);
+    direct_v_ =
+        !p.cache_format && p.vg.dim_stride == 1 && kernels::attn_decode_reads_directly(p.dtype, valid_, p.dim_v);
     point_heads();
     if (!direct_k_) grow(s_.k, tile_ * g_count_ * dp_);
     if (!direct_v_) grow(s_.v, tile_ * g_count_ * dp_);
@@ -88,13 +89,13 @@ class DecodeTiles {
       const QKTables& t = p_.tables_of_head(g * p_.group_size);
       transform_keys = transform_keys || (t.kind != QKTables::kNone && t.transform_keys);
     }
-    const bool reads_dtype = kernels::attn_decode_reads_directly(p_.dtype, valid_, p_.dim);
+    const bool reads_dtype = !p_.cache_format && kernels::attn_decode_reads_directly(p_.dtype, valid_, p_.dim);
     rope_ = &p_.tables_of_head(0);
     for (std::int64_t g = 0; g < g_count_; ++g) {
       if (&p_.tables_of_head(g * p_.group_size) != rope_) rope_ = nullptr;
     }
-    if (rope_ != nullptr &&
-        (rope_->kind != QKTables::kRope || !rope_->transform_keys || p_.kg.dim_stride != 1 || rope_->offset != 0)) {
+    if (rope_ != nullptr && (p_.cache_format || rope_->kind != QKTables::kRope || !rope_->transform_keys ||
+                             p_.kg.dim_stride != 1 || rope_->offset != 0)) {
       rope_ = nullptr;
     }
     const bool rotate_in_scores = rope_ != nullptr && kernels::attn_decode_rotates_keys(
@@ -140,6 +141,12 @@ class DecodeTiles {
 
   // Keys [k0, k0 + keys) of every KV head of `data` as f32 rows [key][head][Dp].
   void pack_tile(const void* data, const HeadsGrid& grid, std::int64_t k0, std::int64_t keys, float* dst) const {
+    if (p_.cache_format) {
+      kernels::attn_dequantize_heads(static_cast<const char*>(data) + grid.offset(seq_.b, seq_.k0 + k0),
+                                     *p_.cache_format, grid.seq_stride, grid.head_stride, keys, g_count_, grid.dim, dst,
+                                     dp_);
+      return;
+    }
     if (grid.dim_stride == 1) {
       kernels::attn_pack_heads(static_cast<const char*>(data) + grid.offset(seq_.b, seq_.k0 + k0) * width_, p_.dtype,
                                grid.seq_stride, grid.head_stride, keys, g_count_, grid.dim, dst, dp_);

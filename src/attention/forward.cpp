@@ -39,9 +39,9 @@ using detail::Sequence;
 
 void prefetch_rows(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh, std::int64_t first,
                    std::int64_t count) {
-  const std::int64_t width = static_cast<std::int64_t>(dtype_size(p.dtype));
-  const std::int64_t row_bytes = (p.dim - 1) * width * p.kg.dim_stride + width;
-  const std::int64_t v_row_bytes = (p.dim_v - 1) * width * p.vg.dim_stride + width;
+  const std::int64_t width = p.kv_unit;
+  const std::int64_t row_bytes = p.kv_row_bytes(p.kg);
+  const std::int64_t v_row_bytes = p.kv_row_bytes(p.vg);
   for (std::int64_t j = 0; j < count; ++j) {
     const char* k =
         static_cast<const char*>(p.k_data) + (p.kg.offset(seq.b, seq.k0 + first + j) + kvh * p.kg.head_stride) * width;
@@ -131,14 +131,13 @@ TileRows load_tile(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh
     rows.ldk = padded_stride(dp);
     for (std::int64_t j = 0; j < keys; ++j) {
       float* row = s.k.data() + j * rows.ldk;
-      p.load_row(p.k_data, p.kg, seq.b, seq.k0 + k0 + j, kvh, row);
+      p.load_key_row(seq.b, seq.k0 + k0 + j, kvh, row);
       if (kt.transform_keys) p.transform_row(kt, false, p.k_table_row(seq, k0 + j), row, 1.0f);
     }
     rows.k = s.k.data();
   }
   rows.ldv = padded_stride(dp);
-  for (std::int64_t j = 0; j < keys; ++j)
-    p.load_row(p.v_data, p.vg, seq.b, seq.k0 + k0 + j, kvh, s.v.data() + j * rows.ldv);
+  for (std::int64_t j = 0; j < keys; ++j) p.load_value_row(seq.b, seq.k0 + k0 + j, kvh, s.v.data() + j * rows.ldv);
   rows.v = s.v.data();
   return rows;
 }
@@ -188,7 +187,7 @@ bool far_tile_vanishes(const AttentionPlan& p, const Sequence& seq, std::int64_t
     grow(s.tmp, p.dim_padded);
     double largest = 0;
     for (std::int64_t j = 0; j < keys; ++j) {
-      p.load_row(p.k_data, p.kg, seq.b, seq.k0 + k0 + j, kvh, s.tmp.data());
+      p.load_key_row(seq.b, seq.k0 + k0 + j, kvh, s.tmp.data());
       largest = detail::max_or_nan(largest, detail::row_norms(s.tmp.data(), 0, 1, p.dim, nullptr));
     }
     return largest;

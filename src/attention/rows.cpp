@@ -86,17 +86,27 @@ void AttentionPlan::load_row(const void* base, const HeadsGrid& g, std::int64_t 
   load_heads_row(base, dtype, g, b, s, h, out, dim_padded);
 }
 
+void AttentionPlan::load_kv_row(const void* base, const HeadsGrid& g, std::int64_t b, std::int64_t s, std::int64_t h,
+                                float* out) const {
+  if (!cache_format) {
+    load_row(base, g, b, s, h, out);
+    return;
+  }
+  kernels::attn_dequantize_heads(static_cast<const char*>(base) + g.offset(b, s) + h * g.head_stride, *cache_format, 0,
+                                 0, 1, 1, g.dim, out, dim_padded);
+}
+
 kernels::RowPrefetch AttentionPlan::rows_ahead(const void* base, const HeadsGrid& g, const Sequence& seq,
                                                std::int64_t k_first, std::int64_t keys) const {
   kernels::RowPrefetch plan;
   if (g.dim_stride != 1 || keys <= 0) return plan;
-  const auto width = static_cast<std::int64_t>(dtype_size(dtype));
+  const std::int64_t width = kv_unit;
   plan.base = static_cast<const char*>(base) + g.offset(seq.b, seq.k0 + k_first) * width;
   plan.ld = g.seq_stride * width;
   plan.head_stride = g.head_stride * width;
   plan.keys = keys;
   plan.heads = kv_heads;
-  plan.row_bytes = g.dim * width;
+  plan.row_bytes = kv_row_bytes(g);
   return plan;
 }
 

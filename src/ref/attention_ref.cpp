@@ -16,10 +16,13 @@
 #include <limits>
 #include <memory>
 #include <span>
+#include <string>
 #include <type_traits>
 #include <variant>
+#include <vector>
 
 #include "internal.hpp"
+#include "posenc/error.hpp"
 #include "posenc/reference.hpp"
 #include "ref/transforms_ref.hpp"
 
@@ -367,7 +370,62 @@ void forward_impl(const Problem& p, TensorView out, TensorView lse) {
 
 }  // namespace
 
+namespace {
+
+// The reference against a quantized cache: the reference over k and v holding the dequantised
+// values (exact in fp64: they are f32 values).
+void forward_from_cache(const Attention& attention, TensorView out, TensorView lse, bool naive_f32) {
+  const AttentionSpec& spec = attention.spec();
+  const QuantizedCache& c = *spec.cache;
+  const auto dequantised = [&](const QuantizedRows& r, std::vector<double>& values) {
+    std::vector<float> row(static_cast<std::size_t>(r.dim));
+    values.resize(static_cast<std::size_t>(r.batch * r.seq * r.heads * r.dim));
+    double* at = values.data();
+    for (std::int64_t b = 0; b < r.batch; ++b) {
+      for (std::int64_t s = 0; s < r.seq; ++s) {
+        for (std::int64_t h = 0; h < r.heads; ++h) {
+          dequantize_rows(c.format,
+                          static_cast<const char*>(r.data) + b * r.batch_stride + s * r.seq_stride + h * r.head_stride,
+                          0, 1, r.dim, row.data());
+          at = std::copy(row.begin(), row.end(), at);
+        }
+      }
+    }
+    return ConstTensorView::of(values.data(), {r.batch, r.seq, r.heads, r.dim});
+  };
+  std::vector<double> k, v;
+  AttentionSpec plain = spec;
+  plain.cache.reset();
+  plain.k = dequantised(c.k, k);
+  plain.v = dequantised(c.v, v);
+  std::vector<double> q;
+  if (spec.q.dtype() != DType::kF64) {
+    // The reference reads each view in its own dtype, but a plan takes q, k and v in one: the
+    // queries go to fp64 too (exactly), and the reference writes out in its own dtype.
+    std::vector<std::int64_t> shape(static_cast<std::size_t>(spec.q.rank())), index(shape.size(), 0);
+    for (int a = 0; a < spec.q.rank(); ++a) shape[static_cast<std::size_t>(a)] = spec.q.size(a);
+    q.resize(static_cast<std::size_t>(spec.q.numel()));
+    for (double& x : q) {
+      std::int64_t offset = 0;
+      for (std::size_t a = 0; a < shape.size(); ++a) offset += index[a] * spec.q.stride(static_cast<int>(a));
+      x = detail::load(spec.q.data(), spec.q.dtype(), offset);
+      for (std::size_t a = shape.size(); a-- > 0;) {
+        if (++index[a] < shape[a]) break;
+        index[a] = 0;
+      }
+    }
+    plain.q = ConstTensorView::contiguous(q.data(), DType::kF64, shape);
+  }
+  attention_forward(Attention(std::move(plain)), out, lse, naive_f32);
+}
+
+}  // namespace
+
 void attention_forward(const Attention& attention, TensorView out, TensorView lse, bool naive_f32) {
+  if (attention.spec().cache) {
+    forward_from_cache(attention, out, lse, naive_f32);
+    return;
+  }
   const Problem p = problem_of(attention);
   // Writes any dtype (f64 outputs keep the reference unrounded).
   if (naive_f32) {
@@ -379,6 +437,10 @@ void attention_forward(const Attention& attention, TensorView out, TensorView ls
 
 void attention_backward(const Attention& attention, ConstTensorView out, ConstTensorView lse, ConstTensorView d_out,
                         TensorView dq, TensorView dk, TensorView dv, AttentionGradients* grads) {
+  if (attention.spec().cache) {
+    throw Error(kWhere, "cache", std::string(cache_format_name(attention.spec().cache->format)),
+                "k and v tensors for backward (a quantized cache has no gradient)");
+  }
   const Problem p = problem_of(attention);
   const char* where = kWhere;
   detail::check_output_tokens(where, "out", out, p.out_grid());

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "posenc/dtype.hpp"
+#include "posenc/quantized.hpp"
 
 namespace posenc::kernels {
 
@@ -53,6 +54,13 @@ void attn_pack_heads(const void* src, DType dtype, std::int64_t seq_stride, std:
 void attn_pack_rotate_heads(const void* src, DType dtype, std::int64_t seq_stride, std::int64_t head_stride,
                             std::int64_t keys, std::int64_t heads, std::int64_t dim, const float* cos_sin,
                             const std::int64_t* table_rows, std::int64_t half, float* dst, std::int64_t dim_padded);
+
+// attn_pack_heads for a quantized cache (quantized.hpp): dst[j][g][0..dim_padded) = row (key j,
+// head g) at src + j·seq_stride + g·head_stride (bytes) dequantised, zero-padded; the values of
+// posenc::dequantize_rows, bit for bit (quantized_kernels.cpp).
+void attn_dequantize_heads(const void* src, CacheFormat format, std::int64_t seq_stride, std::int64_t head_stride,
+                           std::int64_t keys, std::int64_t heads, std::int64_t dim, float* dst,
+                           std::int64_t dim_padded);
 
 // Decode over all KV heads of a key tile (any strides; [S, G, D] memory order is fastest): the
 // scores take blocks of keys of one head (⌊lanes / q_rows⌋ keys when q_rows <= lanes and dim fills

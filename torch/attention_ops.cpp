@@ -219,6 +219,7 @@ struct AttentionArgs {
   c10::optional<at::Tensor> q_positions, k_positions;
   std::vector<std::int64_t> cu_seqlens_q, cu_seqlens_k;
   bool skip_vanishing_tiles = true;
+  c10::optional<std::string> kv_format;  // k and v: uint8 rows of a quantized cache (quantized.hpp)
 
   // These arguments with a call's tensor lists and sinks.
   AttentionArgs with(std::vector<at::Tensor> p, std::vector<at::Tensor> g, c10::optional<at::Tensor> s) const {
@@ -253,6 +254,23 @@ AttentionArgs call_args(const SchemeList& schemes, bool causal, std::int64_t win
   return a;
 }
 
+// k and v as a quantized cache: uint8 [B, S, G, row bytes] with unit stride in the row (the
+// engine checks the rest by name).
+QuantizedCache quantized_cache(const char* where, const std::string& format, const at::Tensor& k, const at::Tensor& v) {
+  const std::optional<CacheFormat> f = parse_cache_format(format);
+  TORCH_CHECK_VALUE(f.has_value(), where, ": kv_format = '", format, "'; expected 'q8_0', 'q4_0' or 'fp8_e4m3'");
+  const auto rows = [&](const char* name, const at::Tensor& t) {
+    TORCH_CHECK_TYPE(t.scalar_type() == at::kByte, where, ": ", name, " is ", t.scalar_type(), " with kv_format = '",
+                     format, "'; expected torch.uint8 rows of the format's bytes");
+    TORCH_CHECK_VALUE(t.dim() == 4 && t.stride(3) == 1, where, ": ", name, " shape ", t.sizes(), " strides ",
+                      t.strides(), "; expected [B, S, G, row bytes] with the row's bytes contiguous");
+    TORCH_CHECK_VALUE(t.device().is_cpu(), where, ": ", name, " is on ", t.device(), "; expected the CPU");
+    return QuantizedRows{t.data_ptr(), t.size(0),   t.size(1),  t.size(2), cache_row_dim(*f, t.size(3)),
+                         t.stride(0),  t.stride(1), t.stride(2)};
+  };
+  return QuantizedCache{*f, rows("k", k), rows("v", v)};
+}
+
 AttentionCall make_attention(const char* where, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const AttentionArgs& a) {
   // Packed sequences (cu_seqlens, both or neither): q [Tq, H, D], k and v [Tk, G, D].
@@ -271,8 +289,12 @@ AttentionCall make_attention(const char* where, const at::Tensor& q, const at::T
   spec.cu_seqlens_q = a.cu_seqlens_q;
   spec.cu_seqlens_k = a.cu_seqlens_k;
   spec.q = const_view(where, "q", q);
-  spec.k = const_view(where, "k", k);
-  spec.v = const_view(where, "v", v);
+  if (a.kv_format) {
+    spec.cache = quantized_cache(where, *a.kv_format, k, v);
+  } else {
+    spec.k = const_view(where, "k", k);
+    spec.v = const_view(where, "v", v);
+  }
   std::int64_t heads = 0;
   check_gates(where, a.gates, a.schemes.size());
   for (std::size_t g = 0; g < a.schemes.size(); ++g) {
@@ -334,7 +356,8 @@ std::vector<at::Tensor> parameter_gradients(const AttentionCall& call, const Att
 std::tuple<at::Tensor, at::Tensor> attention_forward(const AttentionCall& call, const at::Tensor& q,
                                                      const at::Tensor& v) {
   std::vector<std::int64_t> out_shape(q.sizes().begin(), q.sizes().end());
-  out_shape.back() = v.size(-1);
+  out_shape.back() = call.attention->value_dim();
+  (void)v;
   at::Tensor out = empty_output(out_shape, q.scalar_type());
   at::Tensor lse = q.dim() == 3 ? at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat))
                                 : at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
@@ -591,6 +614,46 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
   }
 };
 
+// Rows [..., D] (any float dtype, taken as float32) quantized into uint8 [..., row bytes], and back
+// into float32 [..., D]: posenc::quantize_rows and dequantize_rows.
+CacheFormat cache_format_of(const char* where, const std::string& format) {
+  const std::optional<CacheFormat> f = parse_cache_format(format);
+  TORCH_CHECK_VALUE(f.has_value(), where, ": format = '", format, "'; expected 'q8_0', 'q4_0' or 'fp8_e4m3'");
+  return *f;
+}
+
+at::Tensor quantize_kv_cpu(const at::Tensor& x, const std::string& format) {
+  return translating([&] {
+    const CacheFormat f = cache_format_of("quantize_kv", format);
+    TORCH_CHECK_TYPE(at::isFloatingType(x.scalar_type()), "quantize_kv: x is ", x.scalar_type(),
+                     "; expected a floating-point tensor");
+    TORCH_CHECK_VALUE(x.dim() >= 1, "quantize_kv: x is a scalar; expected rows [..., D]");
+    const at::Tensor rows = x.to(at::kFloat).contiguous();
+    const std::int64_t dim = x.size(-1), row_bytes = cache_row_bytes(f, dim);
+    std::vector<std::int64_t> shape(x.sizes().begin(), x.sizes().end());
+    shape.back() = row_bytes;
+    at::Tensor out = at::empty(shape, x.options().dtype(at::kByte));
+    quantize_rows(f, rows.data_ptr<float>(), dim == 0 ? 0 : rows.numel() / dim, dim, out.data_ptr(), row_bytes);
+    return out;
+  });
+}
+
+at::Tensor dequantize_kv_cpu(const at::Tensor& bytes, const std::string& format) {
+  return translating([&] {
+    const CacheFormat f = cache_format_of("dequantize_kv", format);
+    TORCH_CHECK_TYPE(bytes.scalar_type() == at::kByte, "dequantize_kv: bytes is ", bytes.scalar_type(),
+                     "; expected torch.uint8");
+    TORCH_CHECK_VALUE(bytes.dim() >= 1, "dequantize_kv: bytes is a scalar; expected rows [..., row bytes]");
+    const at::Tensor rows = bytes.contiguous();
+    const std::int64_t row_bytes = bytes.size(-1), dim = cache_row_dim(f, row_bytes);
+    std::vector<std::int64_t> shape(bytes.sizes().begin(), bytes.sizes().end());
+    shape.back() = dim;
+    at::Tensor out = at::empty(shape, bytes.options().dtype(at::kFloat));
+    dequantize_rows(f, rows.data_ptr(), row_bytes, rows.numel() / row_bytes, dim, out.data_ptr<float>());
+    return out;
+  });
+}
+
 // The op's kernels. Autograd: AttentionFunction. CPU: the forward alone; and attention_grad, the
 // backward of one call from its inputs (the plan built again), its output and lse, the output's
 // gradient and which gradients are wanted.
@@ -600,7 +663,40 @@ std::tuple<at::Tensor, at::Tensor> attention_autograd(
     bool causal, std::int64_t window_left, std::int64_t window_right, c10::optional<std::int64_t> chunk_size,
     const OptionalTemperature& temperature, double softcap, c10::optional<double> scale,
     const c10::optional<at::Tensor>& q_positions, const c10::optional<at::Tensor>& k_positions,
-    std::vector<std::int64_t> cu_seqlens_q, std::vector<std::int64_t> cu_seqlens_k, bool skip_vanishing_tiles) {
+    std::vector<std::int64_t> cu_seqlens_q, std::vector<std::int64_t> cu_seqlens_k, bool skip_vanishing_tiles,
+    c10::optional<std::string> kv_format) {
+  if (kv_format) {
+    // A quantized cache has no gradient, and the engine no backward against one: refused before
+    // the forward rather than at a backward that cannot run.
+    const bool wants_grad =
+        at::GradMode::is_enabled() &&
+        (q.requires_grad() || (sinks && sinks->requires_grad()) ||
+         std::any_of(params.begin(), params.end(), [](const at::Tensor& t) { return t.requires_grad(); }) ||
+         std::any_of(gates.begin(), gates.end(), [](const at::Tensor& t) { return t.requires_grad(); }));
+    TORCH_CHECK_VALUE(!wants_grad, "attention: kv_format = '", *kv_format,
+                      "' with inputs that require grad; expected torch.no_grad() (a quantized cache has no backward)");
+    const torch::jit::Stack result = call_below_autograd("posenc::attention", {q,
+                                                                               k,
+                                                                               v,
+                                                                               schemes,
+                                                                               params,
+                                                                               gates,
+                                                                               sinks,
+                                                                               causal,
+                                                                               window_left,
+                                                                               window_right,
+                                                                               chunk_size,
+                                                                               temperature,
+                                                                               softcap,
+                                                                               scale,
+                                                                               q_positions,
+                                                                               k_positions,
+                                                                               cu_seqlens_q,
+                                                                               cu_seqlens_k,
+                                                                               skip_vanishing_tiles,
+                                                                               kv_format});
+    return {result[0].toTensor(), result[1].toTensor()};
+  }
   auto args = std::make_shared<AttentionArgs>(
       call_args(schemes, causal, window_left, window_right, chunk_size, temperature, softcap, scale, q_positions,
                 k_positions, std::move(cu_seqlens_q), std::move(cu_seqlens_k), skip_vanishing_tiles));
@@ -615,12 +711,14 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(
     bool causal, std::int64_t window_left, std::int64_t window_right, c10::optional<std::int64_t> chunk_size,
     const OptionalTemperature& temperature, double softcap, c10::optional<double> scale,
     const c10::optional<at::Tensor>& q_positions, const c10::optional<at::Tensor>& k_positions,
-    std::vector<std::int64_t> cu_seqlens_q, std::vector<std::int64_t> cu_seqlens_k, bool skip_vanishing_tiles) {
+    std::vector<std::int64_t> cu_seqlens_q, std::vector<std::int64_t> cu_seqlens_k, bool skip_vanishing_tiles,
+    c10::optional<std::string> kv_format) {
   return translating([&] {
     AttentionArgs a =
         call_args(schemes, causal, window_left, window_right, chunk_size, temperature, softcap, scale, q_positions,
                   k_positions, std::move(cu_seqlens_q), std::move(cu_seqlens_k), skip_vanishing_tiles)
             .with(params, gates, sinks);
+    a.kv_format = std::move(kv_format);
     const AttentionCall call = make_attention("attention", q, k, v, a);
     return attention_forward(call, q, v);
   });
@@ -742,9 +840,11 @@ void define_attention_ops(torch::Library& m) {
       "attention(Tensor q, Tensor k, Tensor v, __torch__.torch.classes.posenc.Scheme[] schemes, Tensor[] params, "
       "Tensor[] gates, Tensor? sinks, bool causal, int window_left, int window_right, int? chunk_size, "
       "__torch__.torch.classes.posenc.Temperature? temperature, float softcap, float? scale, Tensor? q_positions, "
-      "Tensor? k_positions, int[] cu_seqlens_q=[], int[] cu_seqlens_k=[], bool skip_vanishing_tiles=True) -> (Tensor, "
-      "Tensor)",
+      "Tensor? k_positions, int[] cu_seqlens_q=[], int[] cu_seqlens_k=[], bool skip_vanishing_tiles=True, "
+      "str? kv_format=None) -> (Tensor, Tensor)",
       TORCH_FN(attention_cpu), TORCH_FN(attention_autograd));
+  define_op(m, "quantize_kv(Tensor x, str format) -> Tensor", TORCH_FN(quantize_kv_cpu));
+  define_op(m, "dequantize_kv(Tensor bytes, str format) -> Tensor", TORCH_FN(dequantize_kv_cpu));
   // The traced path of attention's autograd kernel: the forward with its plan tensor, and the backward.
   define_op(
       m,

@@ -26,7 +26,7 @@ __all__ = [
     "T5RelativeBias", "Kerple", "FIRE", "TUPE", "FLOATER", "ShawRelativePositions", "TransformerXLRelative",
     "schemes", "Scheme", "RelativeBias", "Sandwich", "Forgetting", "forgetting_attention", "PositionTemperature",
     "stickbreaking_attention", "CoPE", "cope_attention",
-    "nn", "KVCache", "distributed",
+    "nn", "KVCache", "distributed", "quantize_kv", "dequantize_kv",
 ]
 
 
@@ -868,7 +868,7 @@ class PositionTemperature:
 
 def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size=None, temperature=None, softcap=0.0,
               scale=None, layout="bshd", q_positions=None, k_positions=None, keys_rotated=False, return_lse=False,
-              skip_vanishing_tiles=True, sinks=None, cu_seqlens=None, backend=None):
+              skip_vanishing_tiles=True, sinks=None, cu_seqlens=None, backend=None, kv_format=None):
     """Fused attention softmax(scale·q·kᵀ + positional terms + mask)·v, flash-style: no [S, S]
     matrix is ever stored, and the positional scheme runs inside the kernel.
 
@@ -906,7 +906,25 @@ def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size
     within itself, its positions restart at 0, and the lse is ``[H, Tq]``. ``backend``: None
     (posenc's fused kernel for CPU tensors, FlexAttention for others), ``"fused"`` or ``"flex"``
     (``posenc.flex.attention``, compiled: the same semantics through PyTorch's FlexAttention, on
-    any device; on the CPU it serves inference only)."""
+    any device; on the CPU it serves inference only). ``kv_format``: ``"q8_0"``, ``"q4_0"`` or
+    ``"fp8_e4m3"`` when k and v are a quantized cache, uint8 ``[B, Sk, G, row bytes]`` rows of
+    ``posenc.quantize_kv`` (ggml's block layouts for the first two): dequantised inside the kernel, as
+    attention over ``posenc.dequantize_kv`` of them; forward only (under ``torch.no_grad()``)."""
+    if kv_format is not None:
+        if not isinstance(kv_format, str) or kv_format not in _KV_FORMATS:
+            raise ValueError(f"attention: kv_format = {kv_format!r}; expected None or one of {', '.join(_KV_FORMATS)}")
+        for name, value, unset in (("backend", backend, ("fused", None)), ("layout", layout, ("bshd",)),
+                                   ("cu_seqlens", cu_seqlens, (None,))):
+            if not any(value is u or (isinstance(u, str) and value == u) for u in unset):
+                raise ValueError(f"attention: {name} = {value!r} with kv_format; expected {unset[0]!r} (a quantized "
+                                 "cache runs in the fused kernel, [B, S, G, row bytes])")
+        if isinstance(scheme, CoPE):
+            raise ValueError("attention: CoPE with kv_format; expected k and v tensors (CoPE runs its own kernel)")
+        _flag("attention", "return_lse", return_lse)
+        out, lse = _attention_op(*_attention_args(q, k, v, scheme, causal, window, chunk_size, temperature, softcap,
+                                                  scale, q_positions, k_positions, keys_rotated, skip_vanishing_tiles,
+                                                  sinks), kv_format)
+        return (out, lse) if return_lse else out
     if backend is None:
         # meta tensors (shape propagation) stay with the fused op's fake kernel.
         backend = "fused" if not isinstance(q, torch.Tensor) or q.device.type in ("cpu", "meta") else "flex"
@@ -938,6 +956,30 @@ def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size
     if layout == "bhsd":
         out = out.transpose(1, 2)
     return (out, lse) if return_lse else out
+
+
+_KV_FORMATS = ("q8_0", "q4_0", "fp8_e4m3")
+
+
+def quantize_kv(x, format):
+    """Rows ``x [..., D]`` (any float dtype, taken as float32) quantized into uint8 ``[..., row bytes]``
+    of a KV cache format: ``"q8_0"`` and ``"q4_0"`` (ggml's blocks of 32 values with an f16 scale, 34
+    and 18 bytes; D a multiple of 32) or ``"fp8_e4m3"`` (an f32 scale per row, then a byte per value).
+    The reference quantiser of posenc/quantized.hpp."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"quantize_kv: x is {type(x).__name__}; expected a torch.Tensor")
+    if format not in _KV_FORMATS:
+        raise ValueError(f"quantize_kv: format = {format!r}; expected one of {', '.join(_KV_FORMATS)}")
+    return _ops.quantize_kv(x, format)
+
+
+def dequantize_kv(rows, format):
+    """uint8 rows of ``quantize_kv`` back to float32 ``[..., D]``: the values attention reads from them."""
+    if not isinstance(rows, torch.Tensor):
+        raise TypeError(f"dequantize_kv: rows is {type(rows).__name__}; expected a torch.Tensor")
+    if format not in _KV_FORMATS:
+        raise ValueError(f"dequantize_kv: format = {format!r}; expected one of {', '.join(_KV_FORMATS)}")
+    return _ops.dequantize_kv(rows, format)
 
 
 def _cope_alone(causal, window, chunk_size, temperature, softcap, q_positions, k_positions, keys_rotated, sinks):

@@ -9,11 +9,19 @@ def _contiguous_like(t):
     return t.new_empty(t.shape)
 
 
+def _row_dim(format, row_bytes):
+    """The values a quantized row of row_bytes holds (posenc::cache_row_dim)."""
+    return {"q8_0": row_bytes // 34 * 32, "q4_0": row_bytes // 18 * 32}.get(format, row_bytes - 4)
+
+
 @torch.library.register_fake("posenc::attention")
 def _attention(q, k, v, schemes, params, gates, sinks, causal, window_left, window_right, chunk_size, temperature,
-               softcap, scale, q_positions, k_positions, cu_seqlens_q=(), cu_seqlens_k=(), skip_vanishing_tiles=True):
-    # out like q with v's head size (MLA); lse float32 [B, H, Sq], or [H, Tq] for packed sequences.
-    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+               softcap, scale, q_positions, k_positions, cu_seqlens_q=(), cu_seqlens_k=(), skip_vanishing_tiles=True,
+               kv_format=None):
+    # out like q with v's head size (MLA; a quantized cache's rows hold it); lse float32 [B, H, Sq],
+    # or [H, Tq] for packed sequences.
+    value_dim = v.shape[-1] if kv_format is None else _row_dim(kv_format, v.shape[-1])
+    out = q.new_empty((*q.shape[:-1], value_dim))
     lse_shape = (q.shape[1], q.shape[0]) if q.dim() == 3 else (q.shape[0], q.shape[2], q.shape[1])
     return out, q.new_empty(lse_shape, dtype=torch.float32)
 
@@ -24,6 +32,18 @@ def _attention_planned(q, k, v, objects, params, gates, sinks, causal, window_le
     out, lse = _attention(q, k, v, None, params, gates, sinks, causal, window_left, window_right, chunk_size, None,
                           softcap, scale, q_positions, k_positions, cu_seqlens_q, cu_seqlens_k, skip_vanishing_tiles)
     return out, lse, q.new_empty(1, dtype=torch.int64)  # the plan: an id, int64 [1]
+
+
+@torch.library.register_fake("posenc::quantize_kv")
+def _quantize_kv(x, format):
+    d = x.shape[-1]
+    row_bytes = {"q8_0": d // 32 * 34, "q4_0": d // 32 * 18}.get(format, d + 4)
+    return x.new_empty((*x.shape[:-1], row_bytes), dtype=torch.uint8)
+
+
+@torch.library.register_fake("posenc::dequantize_kv")
+def _dequantize_kv(bytes_, format):
+    return bytes_.new_empty((*bytes_.shape[:-1], _row_dim(format, bytes_.shape[-1])), dtype=torch.float32)
 
 
 @torch.library.register_fake("posenc::attention_grad")

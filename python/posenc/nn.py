@@ -8,8 +8,8 @@ context shift). Caches hold no gradient: they serve inference."""
 import torch
 
 from . import (ALiBi, FIRE, Kerple, RotaryPositionalEncoding, Sandwich, Scheme, ShawRelativePositions,
-               T5RelativeBias, TUPE, TransformerXLRelative, _int, _ops, _rope_params, attention, huge_page_zeros,
-               schemes)
+               T5RelativeBias, TUPE, TransformerXLRelative, _KV_FORMATS, _int, _ops, _rope_params, attention,
+               dequantize_kv, huge_page_zeros, quantize_kv, schemes)
 
 __all__ = ["SelfAttention", "KVCache"]
 
@@ -48,18 +48,38 @@ class KVCache:
     each key is rotated once, when appended; decode rotates only the query) or as they came
     (``rotated=False``: the kernel rotates every key at every step, always under the current
     frequencies). ``capacity`` tokens are allocated at once and doubled when full;
-    ``huge_pages=True`` puts the buffers on 2 MiB pages (``posenc.huge_page_zeros``)."""
+    ``huge_pages=True`` puts the buffers on 2 MiB pages (``posenc.huge_page_zeros``).
+
+    ``dtype``: a torch dtype, or a quantized format — ``"q8_0"``, ``"q4_0"`` (ggml's blocks; head
+    sizes multiples of 32) or ``"fp8_e4m3"`` (a scale per row): rows are quantized as they are
+    appended (``posenc.quantize_kv``; a rotated cache rotates them first, as ggml stores keys) and
+    dequantised inside the attention kernel; ``keys`` and ``values`` are then the uint8 rows.
+    ``rope_after_dequant=True`` (the same as ``rotated=False``) stores keys before RoPE and rotates
+    them after dequantisation, inside the kernel (KVQuant's finding: pre-RoPE keys lose less)."""
 
     def __init__(self, batch, kv_heads, head_dim, *, capacity=256, value_dim=None, dtype=torch.float32, rope=None,
-                 rotated=True, huge_pages=False):
+                 rotated=True, huge_pages=False, rope_after_dequant=None):
         self.batch = _int("KVCache", "batch", batch, 1)
         self.kv_heads = _int("KVCache", "kv_heads", kv_heads, 1)
         self.head_dim = _int("KVCache", "head_dim", head_dim, 1)
         self.value_dim = self.head_dim if value_dim is None else _int("KVCache", "value_dim", value_dim, 1)
         capacity = _int("KVCache", "capacity", capacity, 1)
-        if not isinstance(dtype, torch.dtype) or dtype not in (torch.float32, torch.float64, torch.bfloat16,
-                                                                 torch.float16):
-            raise TypeError(f"KVCache: dtype = {dtype!r}; expected torch.float32, float64, bfloat16 or float16")
+        self.format = dtype if isinstance(dtype, str) else None
+        if self.format is not None:
+            if self.format not in _KV_FORMATS:
+                raise ValueError(f"KVCache: dtype = {dtype!r}; expected a torch dtype or one of {', '.join(_KV_FORMATS)}")
+            for name, width in (("head_dim", self.head_dim), ("value_dim", self.value_dim)):
+                if self.format != "fp8_e4m3" and width % 32:
+                    raise ValueError(f"KVCache: {name} = {width} with dtype = {dtype!r}; expected a multiple of 32 "
+                                     "(blocks of 32 values)")
+        elif not isinstance(dtype, torch.dtype) or dtype not in (torch.float32, torch.float64, torch.bfloat16,
+                                                                   torch.float16):
+            raise TypeError(f"KVCache: dtype = {dtype!r}; expected torch.float32, float64, bfloat16 or float16, or "
+                            f"one of {', '.join(_KV_FORMATS)}")
+        if rope_after_dequant is not None:
+            if not isinstance(rope_after_dequant, bool):
+                raise TypeError("KVCache: rope_after_dequant must be a bool or None")
+            rotated = not rope_after_dequant
         if rope is not None and not isinstance(rope, RotaryPositionalEncoding):
             raise TypeError(f"KVCache: rope is {type(rope).__name__}; expected a RotaryPositionalEncoding or None")
         if rope is not None and rope.head_dim != self.head_dim:
@@ -80,11 +100,18 @@ class KVCache:
         self._allocate(capacity)
 
     def _zeros(self, *shape):
-        return huge_page_zeros(*shape, dtype=self.dtype) if self.huge_pages else torch.zeros(*shape, dtype=self.dtype)
+        dtype = torch.uint8 if self.format else self.dtype
+        return huge_page_zeros(*shape, dtype=dtype) if self.huge_pages else torch.zeros(*shape, dtype=dtype)
+
+    def _width(self, dim):
+        """A row's elements in the buffers: dim values, or a quantized row's bytes."""
+        if self.format is None:
+            return dim
+        return {"q8_0": dim // 32 * 34, "q4_0": dim // 32 * 18}.get(self.format, dim + 4)
 
     def _allocate(self, capacity):
-        k = self._zeros(self.batch, capacity, self.kv_heads, self.head_dim)
-        v = self._zeros(self.batch, capacity, self.kv_heads, self.value_dim)
+        k = self._zeros(self.batch, capacity, self.kv_heads, self._width(self.head_dim))
+        v = self._zeros(self.batch, capacity, self.kv_heads, self._width(self.value_dim))
         positions = torch.zeros(capacity, dtype=torch.long)
         if self.length:
             k[:, :self.length] = self._k[:, :self.length]
@@ -98,7 +125,8 @@ class KVCache:
 
     @property
     def keys(self):
-        """The stored keys ``[B, length, G, D]`` (a view; rotated when ``rotated``)."""
+        """The stored keys ``[B, length, G, D]`` (a view; rotated when ``rotated``; a quantized cache's
+        uint8 rows)."""
         return self._k[:, :self.length]
 
     @property
@@ -113,9 +141,12 @@ class KVCache:
     def _rerotate(self, from_rope, from_seq_len, from_positions, to_rope, to_seq_len, to_positions, rows):
         if rows == 0:
             return
-        keys = self._k[:, :rows]
+        keys = self._k[:, :rows] if self.format is None else dequantize_kv(self._k[:, :rows], self.format)
         _ops.rope_rerotate_(keys, from_positions.contiguous(), _rope_op_params(from_rope), from_seq_len,
                             to_positions.contiguous(), _rope_op_params(to_rope), to_seq_len)
+        if self.format is not None:
+            # Rotated, then quantized again: each re-rotation of a quantized cache rounds once more.
+            self._k[:, :rows] = quantize_kv(keys, self.format)
 
     @_eager_only
     @torch.no_grad()
@@ -140,9 +171,16 @@ class KVCache:
         if self.length + s > self.capacity:
             self._allocate(max(2 * self.capacity, self.length + s))
         new = slice(self.length, self.length + s)
-        self._k[:, new] = k
-        self._v[:, new] = v
+        if self.format is not None:
+            # Keys go in through float32 (rotated there, below), values straight to their rows.
+            k = k.to(torch.float32, copy=True).contiguous()  # rotated below: never the caller's tensor
+            self._v[:, new] = quantize_kv(v, self.format)
+        else:
+            self._k[:, new] = k
+            self._v[:, new] = v
         self._positions[new] = positions
+        if self.format is not None and not self.rotated:
+            self._k[:, new] = quantize_kv(k, self.format)
         if self.rotated:
             # The kernel rotates the query under seq_len = the largest position + 1 (of the query
             # and the keys): the stored keys follow it when the frequencies depend on it.
@@ -151,8 +189,10 @@ class KVCache:
             if self.length and state != self._state:
                 self._rerotate(self.rope, self._seq_len, self.positions, self.rope, seq_len, self.positions,
                                self.length)
-            keys = self._k[:, new]
+            keys = self._k[:, new] if self.format is None else k
             _ops.rope_(keys, keys.new_empty(0), positions, _rope_op_params(self.rope), seq_len, 0)  # 0: forward
+            if self.format is not None:
+                self._k[:, new] = quantize_kv(keys, self.format)
             self._state, self._seq_len = state, seq_len
         self.length += s
 
@@ -213,6 +253,12 @@ class KVCache:
         elif self.rope is not None and scheme is None:
             scheme = self.rope
         options.setdefault("causal", True)
+        if self.format is not None:
+            # Queries in their own dtype against the quantized rows (forward only).
+            with torch.no_grad():
+                return attention(q, self.keys, self.values, scheme, q_positions=q_positions,
+                                 k_positions=self.positions, keys_rotated=self.rotated, kv_format=self.format,
+                                 **options)
         # One dtype per call: queries meet a 16-bit cache in its dtype (the kernel's math is f32).
         out = attention(q.to(self.dtype), self.keys, self.values, scheme, q_positions=q_positions,
                         k_positions=self.positions, keys_rotated=self.rotated, **options)

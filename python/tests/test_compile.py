@@ -63,6 +63,10 @@ def cases():
     yield "mla-narrow-values", op_args(mq, mk, mv, "alibi", causal=True)
     yield "float64", op_args(*qkv(dtype=torch.float64), "rope", causal=True)
     yield "bfloat16", op_args(*qkv(dtype=torch.bfloat16), "alibi", causal=True)
+    # A quantized cache (forward only: nothing requires grad).
+    cq, ck, cv = qkv(d=32, grad=False)
+    yield "q8_0-cache", (*op_args(cq, posenc.quantize_kv(ck, "q8_0"), posenc.quantize_kv(cv, "q8_0"), "rope",
+                                  causal=True), "q8_0")
 
 
 CASES = dict(cases())
@@ -316,6 +320,19 @@ def backward_cases():
 
 BACKWARD_CASES = {name: (op, args) for name, op, args in backward_cases()}
 
+# The quantized cache's rows: quantize_kv and dequantize_kv, every format.
+QUANTIZED_CASES = {}
+for _format in ("q8_0", "q4_0", "fp8_e4m3"):
+    _x = torch.randn(2, 3, 2, 64)
+    QUANTIZED_CASES[f"quantize_kv-{_format}"] = (ops.quantize_kv, (_x, _format))
+    QUANTIZED_CASES[f"dequantize_kv-{_format}"] = (ops.dequantize_kv, (posenc.quantize_kv(_x, _format), _format))
+
+
+@pytest.mark.parametrize("name", list(QUANTIZED_CASES))
+def test_opcheck_quantized_rows(name):
+    op, args = QUANTIZED_CASES[name]
+    opcheck(op.default, args)
+
 
 @pytest.mark.parametrize("name", list(BACKWARD_CASES))
 def test_opcheck_backward_ops(name):
@@ -342,7 +359,8 @@ def test_every_op_of_the_namespace_has_opcheck_cases():
     names = {n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("posenc::")}
     covered = {"attention", "attention_planned", "attention_grad", "stickbreaking_attention_forward",
                "cope_attention_forward"}
-    for table in (TABLE_AND_BIAS_CASES, STICKBREAKING_AND_COPE_CASES, ROPE_AND_REGISTRY_CASES, BACKWARD_CASES):
+    for table in (TABLE_AND_BIAS_CASES, STICKBREAKING_AND_COPE_CASES, ROPE_AND_REGISTRY_CASES, BACKWARD_CASES,
+                  QUANTIZED_CASES):
         covered |= {op._qualified_op_name.split("::")[1] for op, _ in table.values()}
     assert names - WITHOUT_TENSORS == covered
     for name in WITHOUT_TENSORS:

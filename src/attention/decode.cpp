@@ -53,8 +53,8 @@ class DecodeTiles {
     choose_key_path();
     reads_kpos_ = p.any_bias ||
                   std::any_of(p.terms.begin(), p.terms.end(), [](const auto& t) { return t->reads_key_positions(); });
-    direct_v_ =
-        !p.cache_format && p.vg.dim_stride == 1 && kernels::attn_decode_reads_directly(p.dtype, valid_, p.dim_v);
+    direct_v_ = p.cache_format ? kernels::attn_decode_reads_quantized(*p.cache_format, valid_, p.dim_v)
+                               : p.vg.dim_stride == 1 && kernels::attn_decode_reads_directly(p.dtype, valid_, p.dim_v);
     point_heads();
     if (!direct_k_) grow(s_.k, tile_ * g_count_ * dp_);
     if (!direct_v_) grow(s_.v, tile_ * g_count_ * dp_);
@@ -68,9 +68,15 @@ class DecodeTiles {
       // are prefetched during the scores only where they are not read in memory order
       // (attn_decode_scores).
       const std::int64_t next_keys = std::min(tile_, k_end - (k0 + keys));
-      kernels::attn_decode_scores(k.data, k_dtype_, k.ld, k.head_stride, keys, g_count_, q_heads_.data(), dp_, valid_,
-                                  p_.dim, st_heads_.data(), w_, p_.rows_ahead(p_.v_data, p_.vg, seq_, k0, keys),
-                                  k0 == k_begin, rotation_);
+      const kernels::RowPrefetch values_ahead = p_.rows_ahead(p_.v_data, p_.vg, seq_, k0, keys);
+      if (p_.cache_format && direct_k_) {
+        kernels::attn_decode_scores_quantized(k.data, *p_.cache_format, k.ld, k.head_stride, keys, g_count_,
+                                              q_heads_.data(), dp_, valid_, p_.dim, st_heads_.data(), w_, values_ahead,
+                                              k0 == k_begin);
+      } else {
+        kernels::attn_decode_scores(k.data, k_dtype_, k.ld, k.head_stride, keys, g_count_, q_heads_.data(), dp_, valid_,
+                                    p_.dim, st_heads_.data(), w_, values_ahead, k0 == k_begin, rotation_);
+      }
       const bool partly_masked = softmax_step(k0, keys);
       add_values(k0, keys, next_keys, partly_masked);
     }
@@ -107,6 +113,10 @@ class DecodeTiles {
                     : rope_->k_cos_sin.empty() ? rope_->q_cos_sin.data()
                                                : rope_->k_cos_sin.data();
     direct_k_ = p_.kg.dim_stride == 1 && reads_dtype && (!transform_keys || rotate_in_scores);
+    // A quantized cache is read in place unless its keys are transformed (then dequantised into
+    // scratch and transformed there).
+    if (p_.cache_format)
+      direct_k_ = !transform_keys && kernels::attn_decode_reads_quantized(*p_.cache_format, valid_, p_.dim);
     k_dtype_ = direct_k_ ? p_.dtype : DType::kF32;
     table_rows_.assign(rope_ != nullptr ? static_cast<std::size_t>(tile_) : 0, 0);
     // Interleaved pairs: each tile's rows expanded to one cos and one signed sin per rotated dim
@@ -243,6 +253,12 @@ class DecodeTiles {
                                : s_.v.data();
     const std::int64_t ldv = direct_v_ ? p_.vg.seq_stride : g_count_ * dp_;
     const std::int64_t vhs = direct_v_ ? p_.vg.head_stride : dp_;
+    if (p_.cache_format && direct_v_) {
+      kernels::attn_decode_values_quantized(vp, *p_.cache_format, ldv, vhs, keys, g_count_, p_heads_.data(), w_, valid_,
+                                            p_.dim_v, o_heads_.data(), dp_,
+                                            p_.rows_ahead(p_.k_data, p_.kg, seq_, k0 + keys, next_keys));
+      return;
+    }
     kernels::attn_decode_values(vp, direct_v_ ? p_.dtype : DType::kF32, ldv, vhs, keys, g_count_, p_heads_.data(), w_,
                                 valid_, direct_v_ ? p_.dim_v : dp_, o_heads_.data(), dp_,
                                 p_.rows_ahead(p_.k_data, p_.kg, seq_, k0 + keys, next_keys));

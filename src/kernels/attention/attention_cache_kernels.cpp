@@ -18,6 +18,7 @@
 #include "kernels/attention/attention_kernels.hpp"
 #include "kernels/common/cpu_vendor.hpp"
 #include "posenc/error.hpp"
+#include "posenc/quantized.hpp"
 
 HWY_BEFORE_NAMESPACE();
 namespace posenc::kernels {
@@ -308,6 +309,26 @@ void DecodeScoresRows(DF d, const float* HWY_RESTRICT k, std::int64_t ldk, std::
 }
 
 #if HWY_TARGET != HWY_SCALAR
+// acc[i·R + r] += kv[i]·q_r[c …] for KB keys and R query rows: each query vector loaded once.
+template <int R, int KB>
+HWY_INLINE void MulKeysIntoRows(DF d, const VF* kv, const float* HWY_RESTRICT qg, std::int64_t ldq, std::int64_t c,
+                                VF* acc) {
+  for (int r = 0; r < R; ++r) {
+    const VF qv = hn::LoadU(d, qg + r * ldq + c);
+    for (int i = 0; i < KB; ++i) acc[i * R + r] = hn::MulAdd(kv[i], qv, acc[i * R + r]);
+  }
+}
+
+// The lanes' sums of acc (SumEachVector) as scores: key i's R rows at out + i·ld_st.
+template <int R, int KB>
+HWY_INLINE void StoreKeyScores(DF d, VF* acc, float* out, std::int64_t ld_st) {
+  HWY_ALIGN float sums[hn::MaxLanes(DF())];
+  hn::Store(SumEachVector(d, acc), d, sums);
+  for (int i = 0; i < KB; ++i) std::memcpy(out + i * ld_st, sums + i * R, R * sizeof(float));
+}
+#endif
+
+#if HWY_TARGET != HWY_SCALAR
 // The scores when R <= lanes and the dimension fills whole vectors: blocks of KB = ⌊lanes / R⌋
 // keys of one head, the R·KB accumulators (u = i·R + r: key i, row r; the lanes − R·KB others stay
 // zero) summed across lanes in registers by SumEachVector, whose lane u is then score (key i, row
@@ -335,7 +356,6 @@ void DecodeScoresPacked(DF d, const CacheElement<kType>* HWY_RESTRICT k, std::in
   const bool interleaved = kRotate && rotation.interleaved;
   // Half-split rows are [cos(half) | sin(half)], interleaved ones [C(2·half) | S(2·half)].
   const std::int64_t row_floats = interleaved ? 4 * half : 2 * half, sin_at = interleaved ? 2 * half : half;
-  HWY_ALIGN float sums[kLanes];
   for (std::int64_t j0 = 0; j0 < whole; j0 += KB) {
     const float* cos_sin[KB] = {};
     for (int i = 0; kRotate && i < KB; ++i) cos_sin[i] = rotation.cos_sin + rotation.table_rows[j0 + i] * row_floats;
@@ -352,10 +372,7 @@ void DecodeScoresPacked(DF d, const CacheElement<kType>* HWY_RESTRICT k, std::in
         VF kv[KB];
         for (int i = 0; i < KB; ++i)
           kv[i] = RotateInterleaved(d, LoadCache<kType>(d, kr + i * ldk + c), cos_sin[i] + c, sin_at);
-        for (int r = 0; r < R; ++r) {
-          const VF qv = hn::LoadU(d, qg + r * ldq + c);
-          for (int i = 0; i < KB; ++i) acc[i * R + r] = hn::MulAdd(kv[i], qv, acc[i * R + r]);
-        }
+        MulKeysIntoRows<R, KB>(d, kv, qg, ldq, c, acc);
       }
       for (std::int64_t c = 0; kRotate && !interleaved && c < half; c += kLanes) {
         VF lo[KB], hi[KB];
@@ -372,14 +389,9 @@ void DecodeScoresPacked(DF d, const CacheElement<kType>* HWY_RESTRICT k, std::in
       for (std::int64_t c = 2 * half; c < dim; c += kLanes) {
         VF kv[KB];
         for (int i = 0; i < KB; ++i) kv[i] = LoadCache<kType>(d, kr + i * ldk + c);
-        for (int r = 0; r < R; ++r) {
-          const VF qv = hn::LoadU(d, qg + r * ldq + c);
-          for (int i = 0; i < KB; ++i) acc[i * R + r] = hn::MulAdd(kv[i], qv, acc[i * R + r]);
-        }
+        MulKeysIntoRows<R, KB>(d, kv, qg, ldq, c, acc);
       }
-      hn::Store(SumEachVector(d, acc), d, sums);
-      float* out = st_heads[g] + j0 * ld_st;
-      for (int i = 0; i < KB; ++i) std::memcpy(out + i * ld_st, sums + i * R, R * sizeof(float));
+      StoreKeyScores<R, KB>(d, acc, st_heads[g] + j0 * ld_st, ld_st);
     }
   }
   // The last keys % KB keys: one at a time.
@@ -544,11 +556,12 @@ void AttnDecodeScores(const void* HWY_RESTRICT k, DType dtype, std::int64_t ldk,
 constexpr std::int64_t kValueKeysPerStep = 8;
 
 // o[r][c0 + v·lanes …] += Σ_j p[j·ld_p + r]·v_j[c0 + v·lanes …] for r < R, v < V: R·V
-// accumulators in registers across the keys, each value vector loaded once per key.
-template <int R, int V, DType kType>
-HWY_INLINE void ValueColumns(DF d, const CacheElement<kType>* HWY_RESTRICT v, std::int64_t ldv, std::int64_t keys,
-                             const float* HWY_RESTRICT p, std::int64_t ld_p, float* HWY_RESTRICT o, std::int64_t ldo,
-                             PrefetchCursor& cursor, std::int64_t per_key) {
+// accumulators in registers across the keys, each value vector loaded once per key
+// (load_key(j, vv) fills vv[0 … V) with key j's vectors).
+template <int R, int V, class LoadKey>
+HWY_INLINE void ValueColumnsOf(DF d, std::int64_t keys, const float* HWY_RESTRICT p, std::int64_t ld_p,
+                               float* HWY_RESTRICT o, std::int64_t ldo, PrefetchCursor& cursor, std::int64_t per_key,
+                               const LoadKey& load_key) {
   const auto n = static_cast<std::int64_t>(hn::Lanes(d));
   VF acc[R][V];
   for (int r = 0; r < R; ++r) {
@@ -560,7 +573,7 @@ HWY_INLINE void ValueColumns(DF d, const CacheElement<kType>* HWY_RESTRICT v, st
     const std::int64_t j1 = std::min(keys, j0 + kValueKeysPerStep);
     for (std::int64_t j = j0; j < j1; ++j) {
       VF vv[V];
-      for (int c = 0; c < V; ++c) vv[c] = LoadCache<kType>(d, v + j * ldv + c * n);
+      load_key(j, vv);
       for (int r = 0; r < R; ++r) {
         const VF pr = hn::Set(d, p[j * ld_p + r]);
         for (int c = 0; c < V; ++c) acc[r][c] = hn::MulAdd(pr, vv[c], acc[r][c]);
@@ -571,6 +584,16 @@ HWY_INLINE void ValueColumns(DF d, const CacheElement<kType>* HWY_RESTRICT v, st
   for (int r = 0; r < R; ++r) {
     for (int c = 0; c < V; ++c) hn::StoreU(acc[r][c], d, o + r * ldo + c * n);
   }
+}
+
+template <int R, int V, DType kType>
+HWY_INLINE void ValueColumns(DF d, const CacheElement<kType>* HWY_RESTRICT v, std::int64_t ldv, std::int64_t keys,
+                             const float* HWY_RESTRICT p, std::int64_t ld_p, float* HWY_RESTRICT o, std::int64_t ldo,
+                             PrefetchCursor& cursor, std::int64_t per_key) {
+  const auto n = static_cast<std::int64_t>(hn::Lanes(d));
+  ValueColumnsOf<R, V>(d, keys, p, ld_p, o, ldo, cursor, per_key, [&](std::int64_t j, VF* vv) {
+    for (int c = 0; c < V; ++c) vv[c] = LoadCache<kType>(d, v + j * ldv + c * n);
+  });
 }
 
 // Vectors per column block of R rows: 4 while R·4 accumulators fit beside the loads in AVX-512's 32
@@ -713,6 +736,305 @@ void AttnDecodeValues(const void* HWY_RESTRICT v, DType dtype, std::int64_t ldv,
                                   cols, o_heads, ldo, cursor, per_key);
   }
   cursor.step(cursor.lines());
+}
+
+// ─── Quantized caches (quantized.hpp), read where they lie ─────────────────────────────────────
+// Each vector of a row is dequantised in registers — the exactly widened integer (E4M3 value)
+// times its scale, one f32 multiply, the value of posenc::dequantize_rows — and then meets the
+// same multiply-adds, in the same order, as the f32 kernels above give the f32 cache of those
+// values (DecodeScoresPacked without rotation, KeyMajorValues, ValueColumns): the same bits.
+// Row pointers and strides count bytes. A vector never straddles two q8_0 / q4_0 blocks (lanes
+// divide 32).
+#if HWY_TARGET != HWY_SCALAR
+template <CacheFormat kFormat>
+struct QuantRow {
+  // Values per scale (fp8: the whole row, read at column 0).
+  static constexpr std::int64_t kGroup = kFormat == CacheFormat::kFp8E4M3 ? std::int64_t{1} << 40 : 32;
+  static constexpr std::int64_t kBlockBytes = kFormat == CacheFormat::kQ8_0 ? 34 : 18;
+
+  // The scale of column c (a multiple of kGroup) broadcast.
+  static HWY_INLINE VF Scale(DF d, const unsigned char* HWY_RESTRICT row, std::int64_t c) {
+    if constexpr (kFormat == CacheFormat::kFp8E4M3) {
+      (void)c;
+      float scale;
+      std::memcpy(&scale, row, sizeof(float));
+      return hn::Set(d, scale);
+    } else {
+      const unsigned char* at = row + c / 32 * kBlockBytes;
+      const auto bits = static_cast<std::uint16_t>(at[0] | (at[1] << 8));
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2
+      // F16C: the exact widening, broadcast.
+      const hn::Rebind<hwy::float16_t, DF> dh;
+      const hn::RebindToUnsigned<decltype(dh)> du16;
+      return hn::PromoteTo(d, hn::BitCast(dh, hn::Set(du16, bits)));
+#else
+      return hn::Set(d, from_f16(f16{bits}));
+#endif
+    }
+  }
+
+  // Columns [c, c + lanes) of the row, dequantised with `scale` (their group's).
+  static HWY_INLINE VF Load(DF d, const unsigned char* HWY_RESTRICT row, std::int64_t c, VF scale) {
+    const hn::RebindToSigned<DF> di;
+    if constexpr (kFormat == CacheFormat::kQ8_0) {
+      const hn::Rebind<std::int8_t, DF> d8;
+      const auto* q = reinterpret_cast<const std::int8_t*>(row + c / 32 * kBlockBytes + 2 + c % 32);
+      return hn::Mul(hn::ConvertTo(d, hn::PromoteTo(di, hn::LoadU(d8, q))), scale);
+    } else if constexpr (kFormat == CacheFormat::kQ4_0) {
+      const hn::Rebind<std::uint8_t, DF> du8;
+      const std::int64_t at = c % 32;
+      const auto bytes = hn::BitCast(
+          di, hn::PromoteTo(hn::RebindToUnsigned<DF>(), hn::LoadU(du8, row + c / 32 * kBlockBytes + 2 + at % 16)));
+      const auto nibbles = at < 16 ? hn::And(bytes, hn::Set(di, 0x0f)) : hn::ShiftRight<4>(bytes);
+      return hn::Mul(hn::ConvertTo(d, hn::Sub(nibbles, hn::Set(di, 8))), scale);
+    } else {
+      // E4M3 as in RowFp8 (quantized_kernels.cpp): normal bytes moved into f32's fields, subnormals
+      // from their integer, S.1111.111 NaN, then the sign.
+      const hn::Rebind<std::uint8_t, DF> du8;
+      const hn::RebindToUnsigned<DF> du;
+      const auto bytes = hn::PromoteTo(du, hn::LoadU(du8, row + sizeof(float) + c));
+      const auto mag = hn::And(bytes, hn::Set(du, 0x7f));
+      const VF normal = hn::BitCast(d, hn::Add(hn::ShiftLeft<20>(mag), hn::Set(du, 120u << 23)));
+      const VF subnormal = hn::Mul(hn::ConvertTo(d, hn::BitCast(di, mag)), hn::Set(d, 0x1p-9f));
+      VF x = hn::IfThenElse(hn::RebindMask(d, hn::Lt(mag, hn::Set(du, 8))), subnormal, normal);
+      x = hn::IfThenElse(hn::RebindMask(d, hn::Eq(mag, hn::Set(du, 0x7f))), hn::NaN(d), x);
+      x = hn::Or(x, hn::BitCast(d, hn::ShiftLeft<24>(hn::And(bytes, hn::Set(du, 0x80)))));
+      return hn::Mul(x, scale);
+    }
+  }
+};
+
+// DecodeScoresPacked<R, f32, no rotation> on a quantized cache.
+template <int R, CacheFormat kFormat>
+void QuantScoresPacked(DF d, const unsigned char* HWY_RESTRICT k, std::int64_t ldk, std::int64_t k_head_stride,
+                       std::int64_t keys, std::int64_t heads, const float* const* q_heads, std::int64_t ldq,
+                       std::int64_t dim, float* const* st_heads, std::int64_t ld_st, PrefetchCursor& cursor,
+                       std::int64_t per_row, bool prefetch_keys, std::int64_t row_bytes) {
+  using Q = QuantRow<kFormat>;
+  constexpr auto kLanes = static_cast<std::int64_t>(hn::MaxLanes(DF()));
+  constexpr int KB = static_cast<int>(kLanes) / R;
+  static_assert(KB >= 1);
+  const std::int64_t whole = keys - keys % KB;
+  for (std::int64_t j0 = 0; j0 < whole; j0 += KB) {
+    for (std::int64_t g = 0; g < heads; ++g) {
+      const unsigned char* kr = k + j0 * ldk + g * k_head_stride;
+      const float* HWY_RESTRICT qg = q_heads[g];
+      for (int i = 0; prefetch_keys && i < KB; ++i) PrefetchKeyRowAhead(kr + i * ldk, row_bytes);
+      cursor.step(per_row * KB);
+      VF acc[kLanes];
+      for (auto& a : acc) a = hn::Zero(d);
+      VF scale[KB];
+      for (std::int64_t c = 0; c < dim; c += kLanes) {
+        if (c % Q::kGroup == 0) {
+          for (int i = 0; i < KB; ++i) scale[i] = Q::Scale(d, kr + i * ldk, c);
+        }
+        VF kv[KB];
+        for (int i = 0; i < KB; ++i) kv[i] = Q::Load(d, kr + i * ldk, c, scale[i]);
+        MulKeysIntoRows<R, KB>(d, kv, qg, ldq, c, acc);
+      }
+      StoreKeyScores<R, KB>(d, acc, st_heads[g] + j0 * ld_st, ld_st);
+    }
+  }
+  for (std::int64_t j = whole; j < keys; ++j) {
+    for (std::int64_t g = 0; g < heads; ++g) {
+      const unsigned char* kr = k + j * ldk + g * k_head_stride;
+      cursor.step(per_row);
+      for (int r = 0; r < R; ++r) {
+        const float* qr = q_heads[g] + r * ldq;
+        VF acc = hn::Zero(d), scale = hn::Zero(d);
+        for (std::int64_t c = 0; c < dim; c += kLanes) {
+          if (c % Q::kGroup == 0) scale = Q::Scale(d, kr, c);
+          acc = hn::MulAdd(Q::Load(d, kr, c, scale), hn::LoadU(d, qr + c), acc);
+        }
+        st_heads[g][j * ld_st + r] = hn::GetLane(hn::SumOfLanes(d, acc));
+      }
+    }
+  }
+}
+
+// ValueColumns on a quantized cache: columns [c0, c0 + V·lanes) of every key's row.
+template <int R, int V, CacheFormat kFormat>
+HWY_INLINE void QuantValueColumns(DF d, const unsigned char* HWY_RESTRICT v, std::int64_t ldv, std::int64_t c0,
+                                  std::int64_t keys, const float* HWY_RESTRICT p, std::int64_t ld_p,
+                                  float* HWY_RESTRICT o, std::int64_t ldo, PrefetchCursor& cursor,
+                                  std::int64_t per_key) {
+  using Q = QuantRow<kFormat>;
+  const auto n = static_cast<std::int64_t>(hn::Lanes(d));
+  ValueColumnsOf<R, V>(d, keys, p, ld_p, o, ldo, cursor, per_key, [&](std::int64_t j, VF* vv) {
+    const unsigned char* row = v + j * ldv;
+    VF scale = Q::Scale(d, row, c0);
+    for (int c = 0; c < V; ++c) {
+      const std::int64_t col = c0 + c * n;
+      if (c > 0 && col % Q::kGroup == 0) scale = Q::Scale(d, row, col);
+      vv[c] = Q::Load(d, row, col, scale);
+    }
+  });
+}
+
+template <int R, CacheFormat kFormat>
+HWY_INLINE void QuantValueRows(DF d, const unsigned char* HWY_RESTRICT v, std::int64_t ldv, std::int64_t keys,
+                               const float* HWY_RESTRICT p, std::int64_t ld_p, std::int64_t cols, float* HWY_RESTRICT o,
+                               std::int64_t ldo, PrefetchCursor& cursor, std::int64_t per_key) {
+  const auto n = static_cast<std::int64_t>(hn::Lanes(d));
+  constexpr int kWide = ValueBlockVectors(R);
+  std::int64_t c = 0;
+  for (; c + kWide * n <= cols; c += kWide * n)
+    QuantValueColumns<R, kWide, kFormat>(d, v, ldv, c, keys, p, ld_p, o + c, ldo, cursor, per_key);
+  for (; c + n <= cols; c += n)
+    QuantValueColumns<R, 1, kFormat>(d, v, ldv, c, keys, p, ld_p, o + c, ldo, cursor, per_key);
+}
+
+// KeyMajorValues on a quantized cache.
+template <int R, CacheFormat kFormat>
+void QuantKeyMajorValues(DF d, const unsigned char* HWY_RESTRICT v, std::int64_t ldv, std::int64_t v_head_stride,
+                         std::int64_t keys, std::int64_t heads, const float* const* p_heads, std::int64_t ld_p,
+                         std::int64_t cols, float* const* o_heads, std::int64_t ldo, PrefetchCursor& cursor,
+                         std::int64_t per_key) {
+  using Q = QuantRow<kFormat>;
+  const auto n = static_cast<std::int64_t>(hn::Lanes(d));
+  for (std::int64_t j = 0; j < keys; ++j) {
+    for (std::int64_t g = 0; g < heads; ++g) {
+      const unsigned char* HWY_RESTRICT vr = v + j * ldv + g * v_head_stride;
+      const float* p = p_heads[g] + j * ld_p;
+      float* HWY_RESTRICT o = o_heads[g];
+      VF pr[R];
+      for (int r = 0; r < R; ++r) pr[r] = hn::Set(d, p[r]);
+      VF scale = hn::Zero(d);
+      for (std::int64_t c = 0; c < cols; c += n) {
+        if (c % Q::kGroup == 0) scale = Q::Scale(d, vr, c);
+        const VF vv = Q::Load(d, vr, c, scale);
+        for (int r = 0; r < R; ++r)
+          hn::StoreU(hn::MulAdd(pr[r], vv, hn::LoadU(d, o + r * ldo + c)), d, o + r * ldo + c);
+      }
+      cursor.step(per_key);
+    }
+  }
+}
+
+template <CacheFormat kFormat>
+void QuantDecodeScores(DF d, const unsigned char* k, std::int64_t ldk, std::int64_t k_head_stride, std::int64_t keys,
+                       std::int64_t heads, const float* const* q_heads, std::int64_t ldq, std::int64_t q_rows,
+                       std::int64_t dim, float* const* st_heads, std::int64_t ld_st, PrefetchCursor& cursor,
+                       std::int64_t per_row, bool prefetch_keys, std::int64_t row_bytes) {
+  constexpr auto kLanes = static_cast<std::int64_t>(hn::MaxLanes(DF()));
+  switch (q_rows) {
+#define POSENC_QUANT_SCORES(R)                                                                                         \
+  case R:                                                                                                              \
+    if constexpr (kLanes >= R) {                                                                                       \
+      QuantScoresPacked<R, kFormat>(d, k, ldk, k_head_stride, keys, heads, q_heads, ldq, dim, st_heads, ld_st, cursor, \
+                                    per_row, prefetch_keys, row_bytes);                                                \
+    }                                                                                                                  \
+    break;
+    POSENC_QUANT_SCORES(1)
+    POSENC_QUANT_SCORES(2)
+    POSENC_QUANT_SCORES(3)
+    POSENC_QUANT_SCORES(4)
+    POSENC_QUANT_SCORES(5)
+    POSENC_QUANT_SCORES(6)
+    POSENC_QUANT_SCORES(7)
+    POSENC_QUANT_SCORES(8)
+#undef POSENC_QUANT_SCORES
+    default:
+      break;  // AttnDecodeReadsQuantized is false
+  }
+}
+
+template <CacheFormat kFormat>
+void QuantDecodeValues(DF d, const unsigned char* v, std::int64_t ldv, std::int64_t v_head_stride, std::int64_t keys,
+                       std::int64_t heads, const float* const* p_heads, std::int64_t ld_p, std::int64_t rows,
+                       std::int64_t cols, float* const* o_heads, std::int64_t ldo, PrefetchCursor& cursor,
+                       std::int64_t per_key) {
+  switch (ValuesKeyMajor(rows, heads) ? rows : 0) {
+    case 1:
+      QuantKeyMajorValues<1, kFormat>(d, v, ldv, v_head_stride, keys, heads, p_heads, ld_p, cols, o_heads, ldo, cursor,
+                                      per_key);
+      return;
+    case 2:
+      QuantKeyMajorValues<2, kFormat>(d, v, ldv, v_head_stride, keys, heads, p_heads, ld_p, cols, o_heads, ldo, cursor,
+                                      per_key);
+      return;
+    default:
+      break;
+  }
+  for (std::int64_t g = 0; g < heads; ++g) {
+    const unsigned char* vg = v + g * v_head_stride;
+    switch (rows) {
+#define POSENC_QUANT_VALUES(R)                                                                              \
+  case R:                                                                                                   \
+    QuantValueRows<R, kFormat>(d, vg, ldv, keys, p_heads[g], ld_p, cols, o_heads[g], ldo, cursor, per_key); \
+    break;
+      POSENC_QUANT_VALUES(1)
+      POSENC_QUANT_VALUES(2)
+      POSENC_QUANT_VALUES(3)
+      POSENC_QUANT_VALUES(4)
+      POSENC_QUANT_VALUES(5)
+      POSENC_QUANT_VALUES(6)
+      POSENC_QUANT_VALUES(7)
+#undef POSENC_QUANT_VALUES
+      default:
+        QuantValueRows<8, kFormat>(d, vg, ldv, keys, p_heads[g], ld_p, cols, o_heads[g], ldo, cursor, per_key);
+        break;
+    }
+  }
+}
+#endif
+
+// Whether decode reads a quantized cache in place here: where the packed scores fit and whole
+// vectors fill the row's groups (q8_0, q4_0: lanes divide 32; fp8: dim a multiple of lanes).
+bool AttnDecodeReadsQuantized(CacheFormat format, std::int64_t q_rows, std::int64_t dim) {
+#if HWY_TARGET != HWY_SCALAR
+  const auto lanes = static_cast<std::int64_t>(hn::Lanes(DF()));
+  (void)format;
+  return PackedScoresFit(q_rows, dim) && 32 % lanes == 0;
+#else
+  (void)format, (void)q_rows, (void)dim;
+  return false;
+#endif
+}
+
+void AttnDecodeScoresQuantized(const void* HWY_RESTRICT k, CacheFormat format, std::int64_t ldk,
+                               std::int64_t k_head_stride, std::int64_t keys, std::int64_t heads,
+                               const float* const* q_heads, std::int64_t ldq, std::int64_t q_rows, std::int64_t dim,
+                               float* const* st_heads, std::int64_t ld_st, const RowPrefetch& ahead,
+                               bool prefetch_keys) {
+#if HWY_TARGET != HWY_SCALAR
+  const DF d;
+  PrefetchCursor cursor(ValuesKeyMajor(q_rows, heads) ? RowPrefetch{} : ahead);
+  const std::int64_t per_row = LinesPerStep(cursor.lines(), keys * heads);
+  const auto* kb = static_cast<const unsigned char*>(k);
+  const std::int64_t row_bytes = cache_row_bytes(format, dim);
+  const auto scores = format == CacheFormat::kQ8_0   ? &QuantDecodeScores<CacheFormat::kQ8_0>
+                      : format == CacheFormat::kQ4_0 ? &QuantDecodeScores<CacheFormat::kQ4_0>
+                                                     : &QuantDecodeScores<CacheFormat::kFp8E4M3>;
+  scores(d, kb, ldk, k_head_stride, keys, heads, q_heads, ldq, q_rows, dim, st_heads, ld_st, cursor, per_row,
+         prefetch_keys, row_bytes);
+  cursor.step(cursor.lines());
+#else
+  (void)k, (void)format, (void)ldk, (void)k_head_stride, (void)keys, (void)heads, (void)q_heads, (void)ldq;
+  (void)q_rows, (void)dim, (void)st_heads, (void)ld_st, (void)ahead, (void)prefetch_keys;
+#endif
+}
+
+void AttnDecodeValuesQuantized(const void* HWY_RESTRICT v, CacheFormat format, std::int64_t ldv,
+                               std::int64_t v_head_stride, std::int64_t keys, std::int64_t heads,
+                               const float* const* p_heads, std::int64_t ld_p, std::int64_t rows, std::int64_t cols,
+                               float* const* o_heads, std::int64_t ldo, const RowPrefetch& ahead) {
+#if HWY_TARGET != HWY_SCALAR
+  const DF d;
+  const auto n = static_cast<std::int64_t>(hn::Lanes(d));
+  PrefetchCursor cursor(ahead);
+  const std::int64_t steps = heads * keys * (ValuesKeyMajor(rows, heads) ? 1 : ValueBlocks(rows, cols, n));
+  const std::int64_t per_key = LinesPerStep(cursor.lines(), steps);
+  const auto* vb = static_cast<const unsigned char*>(v);
+  const auto values = format == CacheFormat::kQ8_0   ? &QuantDecodeValues<CacheFormat::kQ8_0>
+                      : format == CacheFormat::kQ4_0 ? &QuantDecodeValues<CacheFormat::kQ4_0>
+                                                     : &QuantDecodeValues<CacheFormat::kFp8E4M3>;
+  values(d, vb, ldv, v_head_stride, keys, heads, p_heads, ld_p, rows, cols, o_heads, ldo, cursor, per_key);
+  cursor.step(cursor.lines());
+#else
+  (void)v, (void)format, (void)ldv, (void)v_head_stride, (void)keys, (void)heads, (void)p_heads, (void)ld_p;
+  (void)rows, (void)cols, (void)o_heads, (void)ldo, (void)ahead;
+#endif
 }
 
 void AttnLoadF32(const void* src, DType dtype, std::int64_t n, float* HWY_RESTRICT dst);
@@ -873,6 +1195,36 @@ void attn_pack_heads(const void* src, DType dtype, std::int64_t seq_stride, std:
 }
 HWY_EXPORT(AttnDecodeValues);
 HWY_EXPORT(AttnDecodeReadsDirectly);
+HWY_EXPORT(AttnDecodeReadsQuantized);
+HWY_EXPORT(AttnDecodeScoresQuantized);
+HWY_EXPORT(AttnDecodeValuesQuantized);
+bool attn_decode_reads_quantized(CacheFormat format, std::int64_t q_rows, std::int64_t dim) {
+  return HWY_DYNAMIC_DISPATCH(AttnDecodeReadsQuantized)(format, q_rows, dim);
+}
+void attn_decode_scores_quantized(const void* k, CacheFormat format, std::int64_t ldk, std::int64_t k_head_stride,
+                                  std::int64_t keys, std::int64_t heads, const float* const* q_heads, std::int64_t ldq,
+                                  std::int64_t q_rows, std::int64_t dim, float* const* st_heads, std::int64_t ld_st,
+                                  const RowPrefetch& ahead, bool prefetch_keys) {
+  if (!attn_decode_reads_quantized(format, q_rows, dim)) {
+    throw Error("attention kernel", "k format", std::string(cache_format_name(format)),
+                "a cache this target's decode reads in place at dim " + std::to_string(dim) + " with " +
+                    std::to_string(q_rows) + " rows (attn_decode_reads_quantized)");
+  }
+  HWY_DYNAMIC_DISPATCH(AttnDecodeScoresQuantized)
+  (k, format, ldk, k_head_stride, keys, heads, q_heads, ldq, q_rows, dim, st_heads, ld_st, ahead, prefetch_keys);
+}
+void attn_decode_values_quantized(const void* v, CacheFormat format, std::int64_t ldv, std::int64_t v_head_stride,
+                                  std::int64_t keys, std::int64_t heads, const float* const* p_heads, std::int64_t ld_p,
+                                  std::int64_t rows, std::int64_t cols, float* const* o_heads, std::int64_t ldo,
+                                  const RowPrefetch& ahead) {
+  if (!attn_decode_reads_quantized(format, rows, cols)) {
+    throw Error("attention kernel", "v format", std::string(cache_format_name(format)),
+                "a cache this target's decode reads in place at " + std::to_string(cols) + " columns with " +
+                    std::to_string(rows) + " rows (attn_decode_reads_quantized)");
+  }
+  HWY_DYNAMIC_DISPATCH(AttnDecodeValuesQuantized)
+  (v, format, ldv, v_head_stride, keys, heads, p_heads, ld_p, rows, cols, o_heads, ldo, ahead);
+}
 HWY_EXPORT(AttnDecodeRotatesKeys);
 bool attn_decode_reads_directly(DType dtype, std::int64_t q_rows, std::int64_t dim) {
   return HWY_DYNAMIC_DISPATCH(AttnDecodeReadsDirectly)(dtype, q_rows, dim);

@@ -110,6 +110,20 @@ void attn_decode_values(const void* v, DType dtype, std::int64_t ldv, std::int64
                         std::int64_t heads, const float* const* p_heads, std::int64_t ld_p, std::int64_t rows,
                         std::int64_t cols, float* const* o_heads, std::int64_t ldo, const RowPrefetch& ahead);
 
+// attn_decode_scores / attn_decode_values on a quantized cache (quantized.hpp), rows and strides
+// in bytes, no rotation: each vector dequantised in registers and summed as the f32 kernels sum
+// the f32 cache of the dequantised values (the same bits). Only where attn_decode_reads_quantized
+// says so (else posenc::Error; the engine dequantises such tiles into f32 scratch).
+bool attn_decode_reads_quantized(CacheFormat format, std::int64_t q_rows, std::int64_t dim);
+void attn_decode_scores_quantized(const void* k, CacheFormat format, std::int64_t ldk, std::int64_t k_head_stride,
+                                  std::int64_t keys, std::int64_t heads, const float* const* q_heads, std::int64_t ldq,
+                                  std::int64_t q_rows, std::int64_t dim, float* const* st_heads, std::int64_t ld_st,
+                                  const RowPrefetch& ahead, bool prefetch_keys);
+void attn_decode_values_quantized(const void* v, CacheFormat format, std::int64_t ldv, std::int64_t v_head_stride,
+                                  std::int64_t keys, std::int64_t heads, const float* const* p_heads, std::int64_t ld_p,
+                                  std::int64_t rows, std::int64_t cols, float* const* o_heads, std::int64_t ldo,
+                                  const RowPrefetch& ahead);
+
 // Online-softmax step over a tile S^T [keys][width] (width a multiple of kAttnAlign): with the
 // running max m[r] and sum l[r] of each row, m' = max(m, max_j S^T[j][r]); S^T becomes
 // P^T = exp(S^T − m'); l = l·exp(m − m') + Σ_j P^T; correction[r] = exp(m − m') (1 where m was

@@ -19,7 +19,7 @@ using AttentionOp = std::tuple<at::Tensor, at::Tensor>(
     const std::vector<at::Tensor>&, const c10::optional<at::Tensor>&, bool, std::int64_t, std::int64_t,
     c10::optional<std::int64_t>, const c10::optional<c10::intrusive_ptr<torch_adapter::TemperatureClass>>&, double,
     c10::optional<double>, const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
-    std::vector<std::int64_t>, std::vector<std::int64_t>, bool);
+    std::vector<std::int64_t>, std::vector<std::int64_t>, bool, c10::optional<std::string>);
 using SinusoidOp = at::Tensor(const at::Tensor&, std::int64_t, double, bool, at::ScalarType);
 using StickBreakingOp = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                            double, bool, std::vector<std::int64_t>,
@@ -241,7 +241,7 @@ torch::Tensor LanguageModelImpl::forward(const torch::Tensor& bytes, std::int64_
       const auto [o, lse] = attention.call(
           q, k, v, schemes, params.defined() ? std::vector<at::Tensor>{params} : std::vector<at::Tensor>{}, gates,
           c10::nullopt, true, -1, -1, c10::nullopt, c10::nullopt, 0.0, c10::nullopt, c10::nullopt, c10::nullopt, {}, {},
-          true);
+          true, c10::nullopt);
       (void)lse;
       attended = o;
     }

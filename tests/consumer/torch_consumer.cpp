@@ -31,12 +31,13 @@ int main() {
               const std::vector<at::Tensor>&, const c10::optional<at::Tensor>&, bool, std::int64_t, std::int64_t,
               c10::optional<std::int64_t>, const Temperature&, double, c10::optional<double>,
               const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, std::vector<std::int64_t>,
-              std::vector<std::int64_t>, bool)>();
+              std::vector<std::int64_t>, bool, c10::optional<std::string>)>();
   Schemes schemes;
   schemes.push_back(c10::make_intrusive<SchemeClass>("alibi", 2, c10::Dict<std::string, double>(), c10::nullopt));
   const at::Tensor q = at::randn({1, 1, 2, 8}), k = at::randn({1, 1, 2, 8}), v = at::randn({1, 1, 2, 8});
-  const auto [out, lse] = attention.call(q, k, v, schemes, {}, {}, c10::nullopt, true, -1, -1, c10::nullopt,
-                                         c10::nullopt, 0.0, c10::nullopt, c10::nullopt, c10::nullopt, {}, {}, true);
+  const auto [out, lse] =
+      attention.call(q, k, v, schemes, {}, {}, c10::nullopt, true, -1, -1, c10::nullopt, c10::nullopt, 0.0,
+                     c10::nullopt, c10::nullopt, c10::nullopt, {}, {}, true, c10::nullopt);
   if (!at::allclose(out, v, 0.0, 1e-6)) {
     std::fprintf(stderr, "torch consumer: attention over one key differs from its value\n");
     return 1;

@@ -746,6 +746,9 @@ void AttnDecodeValues(const void* HWY_RESTRICT v, DType dtype, std::int64_t ldv,
 // Row pointers and strides count bytes. A vector never straddles two q8_0 / q4_0 blocks (lanes
 // divide 32).
 #if HWY_TARGET != HWY_SCALAR
+// E4M3 widened through f16 where F16C converts vectors of it (x86 AVX2 and above).
+constexpr bool kFp8ThroughF16 = HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2;
+
 template <CacheFormat kFormat>
 struct QuantRow {
   // Values per scale (fp8: the whole row, read at column 0).
@@ -758,7 +761,9 @@ struct QuantRow {
       (void)c;
       float scale;
       std::memcpy(&scale, row, sizeof(float));
-      return hn::Set(d, scale);
+      // With F16C, Load widens E4M3 through f16 at 2^-8 of its value: the scale takes the 2^8
+      // (exact: s <= FLT_MAX / 448 keeps s·256 finite), so the product is s·e4m3, rounded once.
+      return hn::Set(d, kFp8ThroughF16 ? scale * 256.0f : scale);
     } else {
       const unsigned char* at = row + c / 32 * kBlockBytes;
       const auto bits = static_cast<std::uint16_t>(at[0] | (at[1] << 8));
@@ -787,6 +792,22 @@ struct QuantRow {
           di, hn::PromoteTo(hn::RebindToUnsigned<DF>(), hn::LoadU(du8, row + c / 32 * kBlockBytes + 2 + at % 16)));
       const auto nibbles = at < 16 ? hn::And(bytes, hn::Set(di, 0x0f)) : hn::ShiftRight<4>(bytes);
       return hn::Mul(hn::ConvertTo(d, hn::Sub(nibbles, hn::Set(di, 8))), scale);
+    } else if constexpr (kFp8ThroughF16) {
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2
+      // S.EEEE.MMM placed as the f16 S.0EEEE.MMM0000000 is the value times 2^-8 (f16's bias 15
+      // against 7; subnormals too), widened exactly by F16C; S.1111.111 is NaN.
+      const hn::Rebind<std::uint8_t, DF> du8;
+      const hn::Rebind<std::uint16_t, DF> du16;
+      const hn::Rebind<hwy::float16_t, DF> dh;
+      const auto bytes = hn::PromoteTo(du16, hn::LoadU(du8, row + sizeof(float) + c));
+      const auto half = hn::Or(hn::ShiftLeft<7>(hn::And(bytes, hn::Set(du16, 0x7f))),
+                               hn::ShiftLeft<8>(hn::And(bytes, hn::Set(du16, 0x80))));
+      const VF x = hn::PromoteTo(d, hn::BitCast(dh, half));
+      // S.1111.111 became ±1.875 (480·2^-8, past E4M3's largest 448): no finite byte gives it.
+      return hn::Mul(hn::IfThenElse(hn::Eq(hn::Abs(x), hn::Set(d, 1.875f)), hn::NaN(d), x), scale);
+#else
+      return scale;  // never: kFp8ThroughF16 is false on this target
+#endif
     } else {
       // E4M3 as in RowFp8 (quantized_kernels.cpp): normal bytes moved into f32's fields, subnormals
       // from their integer, S.1111.111 NaN, then the sign.

@@ -28,7 +28,7 @@
 //   lse                 [B, H, Sq]      (or [H, Tq]) f32, natural log; −inf for a fully masked row
 // Any strides (a [B, H, S, D] tensor is a [B, S, H, D] view with permuted strides); q, k, v in
 // f32, bf16 or f16 (all three the same), outputs in the same dtype, math in f32. f64 inputs run
-// the fp64 reference.
+// the fp64 reference. k and v may instead be a quantized cache (AttentionSpec::cache, quantized.hpp).
 //
 //   heads   h:  0 1 2 3 | 4 5 6 7        H = 8, G = 2: heads 0–3 read KV head 0, 4–7 KV head 1
 //   groups      [ RoPE  ] [ ALiBi ]      a scheme per head group; a group that transforms q and k
@@ -65,8 +65,9 @@
 // values each, at most 32 per sequence) that run in parallel and merge by their log-sum-exps in
 // chunk order — exact, and independent of the thread count. It is bound by reading the cache,
 // which it reads where it lies: f32, bf16 and f16 (widened exactly in registers; half the bytes of
-// f32; the same bits as the f32 cache of the same values), and an un-rotated cache with RoPE,
-// half-split or interleaved (rotated in registers). It
+// f32; the same bits as the f32 cache of the same values), q8_0, q4_0 and fp8_e4m3 (dequantised
+// in registers, the same way), and an un-rotated cache with RoPE, half-split or interleaved
+// (rotated in registers; a quantized one tile by tile in scratch). It
 // is fastest with the cache [B, Sk, G, D] (every KV head of a key together) on 2 MiB pages
 // (posenc::HugePageBuffer, memory.hpp: at G·D·4 = 4 KiB per key, each head's row otherwise lies
 // on its own 4 KiB page).

@@ -189,33 +189,63 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       (spec.mask.chunk_size ? ", chunk " + std::to_string(*spec.mask.chunk_size) : "") +
       (spec.mask.key_lengths.empty() ? "" : ", key lengths " + std::to_string(spec.mask.key_lengths[0]) + "…") +
       (forgetting ? ", forget gates" : "") + (sinks ? ", sinks" : "") + ", non-finite: " + placed + ")";
-  if (std::getenv("POSENC_FUZZ_VERBOSE") != nullptr) std::fprintf(stderr, "case%s\n", context.c_str());
   std::optional<Attention> att;
   if (!fuzz::accepted("Attention", [&] { att.emplace(spec); })) return 0;
 
   const std::vector<std::int64_t> lse_shape =
       packed ? std::vector<std::int64_t>{heads, q_len} : std::vector<std::int64_t>{batch, heads, q_len};
-  const auto forward = [&](int mode, DType out_dtype, std::vector<unsigned char>& out, std::vector<float>& lse) {
+  const auto forward_of = [&](const Attention& a, int mode, DType out_dtype, std::vector<unsigned char>& out,
+                              std::vector<float>& lse) {
     out.assign(static_cast<std::size_t>(tokens_q * heads * dim) * dtype_size(out_dtype), 0);
     lse.assign(static_cast<std::size_t>(tokens_q * heads), 0.0f);
     const TensorView ov = TensorView::contiguous(out.data(), out_dtype, q_shape);
     const TensorView lv = TensorView::contiguous(lse.data(), DType::kF32, lse_shape);
     if (mode == 0) {
-      att->forward(ov, lv);
+      a.forward(ov, lv);
     } else {
-      ref::attention_forward(*att, ov, lv, mode == 2);
+      ref::attention_forward(a, ov, lv, mode == 2);
     }
+  };
+  const auto forward = [&](int mode, DType out_dtype, std::vector<unsigned char>& out, std::vector<float>& lse) {
+    forward_of(*att, mode, out_dtype, out, lse);
   };
   const auto as_doubles = [](const std::vector<unsigned char>& bytes, DType dt) {
     std::vector<double> x(bytes.size() / dtype_size(dt));
     for (std::size_t i = 0; i < x.size(); ++i) x[i] = fuzz::element(bytes, dt, i);
     return x;
   };
+  // Now and then (drawn last, so that the corpus keeps its meaning) the keys and values come from a
+  // quantized cache of them instead: the same checks, against the references over that cache.
+  std::vector<unsigned char> kq, vq;
+  std::optional<Attention> cached;
+  std::string cache_text;
+  if (std::getenv("POSENC_FUZZ_VERBOSE") != nullptr) std::fprintf(stderr, "cache draw at byte %zu\n", in.position());
+  if (!packed && in.flag()) {
+    const CacheFormat formats[] = {CacheFormat::kQ8_0, CacheFormat::kQ4_0, CacheFormat::kFp8E4M3};
+    const CacheFormat f = dim % 32 == 0 ? formats[in.pick(3)] : CacheFormat::kFp8E4M3;
+    const std::int64_t rb = cache_row_bytes(f, dim), rows = tokens_k * kv_heads;
+    const std::vector<float> kf(k.begin(), k.end()), vf(v.begin(), v.end());
+    kq.resize(static_cast<std::size_t>(rows * rb));
+    vq.resize(kq.size());
+    quantize_rows(f, kf.data(), rows, dim, kq.data(), rb);
+    quantize_rows(f, vf.data(), rows, dim, vq.data(), rb);
+    AttentionSpec qs = spec;
+    qs.k = {};
+    qs.v = {};
+    qs.cache = QuantizedCache{f,
+                              {kq.data(), batch, k_len, kv_heads, dim, k_len * kv_heads * rb, kv_heads * rb, rb},
+                              {vq.data(), batch, k_len, kv_heads, dim, k_len * kv_heads * rb, kv_heads * rb, rb}};
+    if (!fuzz::accepted("Attention", [&] { cached.emplace(qs); })) return 0;
+    cache_text = ", " + std::string(cache_format_name(f)) + " cache";
+  }
+  if (std::getenv("POSENC_FUZZ_VERBOSE") != nullptr)
+    std::fprintf(stderr, "case%s%s\n", context.c_str(), cache_text.c_str());
+  const Attention& checked = cached ? *cached : *att;
   std::vector<unsigned char> fused_out, exact_out, naive_out;
   std::vector<float> fused_lse, exact_lse, naive_lse;
-  forward(0, dtype, fused_out, fused_lse);
-  forward(1, DType::kF64, exact_out, exact_lse);
-  forward(2, dtype, naive_out, naive_lse);
+  forward_of(checked, 0, dtype, fused_out, fused_lse);
+  forward_of(checked, 1, DType::kF64, exact_out, exact_lse);
+  forward_of(checked, 2, dtype, naive_out, naive_lse);
   const std::vector<double> fused = as_doubles(fused_out, dtype), exact = as_doubles(exact_out, DType::kF64),
                             naive = as_doubles(naive_out, dtype);
   std::vector<double> exact_rounded(exact.size());
@@ -225,19 +255,20 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   // the naive f32 composition's (which meets the same logits and the same output rounding), with
   // a floor of 2^-20 of max|v| and one ulp of the output's dtype (both sides are rounded to it).
   const double ulp = dtype == DType::kBF16 ? std::ldexp(1.0, -7) : dtype == DType::kF16 ? std::ldexp(1.0, -10) : 0.0;
-  const double vmax = std::max(fuzz::max_finite(v), 1e-3);
   const double naive_err = fuzz::max_finite_difference(naive, exact);
   // The floor is recursive summation's worst case over the keys (Higham: n·u of Σ|p·v| <= max|v|),
   // which the fused order can reach where the naive order is lucky (one query over 294 keys).
   const double sum_floor = static_cast<double>(k_len) * std::ldexp(1.0, -23);
-  fuzz::expect_match(("out" + context).c_str(), fused, exact_rounded,
+  // A quantized cache holds the dequantised values: at most max|v|·(1 + 2^-11) (an f16 scale rounded up).
+  const double vmax = std::max(fuzz::max_finite(v), 1e-3) * (cached ? 1.001 : 1.0);
+  fuzz::expect_match(("out" + context + cache_text).c_str(), fused, exact_rounded,
                      4 * naive_err + (std::ldexp(1.0, -20) + sum_floor + ulp) * vmax);
   const std::vector<double> fl(fused_lse.begin(), fused_lse.end()), el(exact_lse.begin(), exact_lse.end()),
       nl(naive_lse.begin(), naive_lse.end());
-  fuzz::expect_match(("lse" + context).c_str(), fl, el,
+  fuzz::expect_match(("lse" + context + cache_text).c_str(), fl, el,
                      4 * fuzz::max_finite_difference(nl, el) + std::ldexp(1.0, -18) * (1 + fuzz::max_finite(el)));
 
-  if (dtype != DType::kF32) return 0;
+  if (dtype != DType::kF32 || cached) return 0;  // a quantized cache has no backward
   // Backward (f32): each gradient is a sum of f32 terms. 2^-13 of its largest magnitude
   // (tests/attention_testing.hpp's expect_close) covers sums of up to ~2^10 terms; where the sum
   // cancels to ~0 the error is that of the terms instead. dS_ij = P_ij·(dP_ij − δ_i): P carries

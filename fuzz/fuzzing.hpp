@@ -41,7 +41,13 @@ class Input {
   Input(const std::uint8_t* data, std::size_t size) : data_(data), size_(size) {}
 
   bool empty() const { return at_ >= size_; }
-  std::uint8_t byte() { return at_ < size_ ? data_[at_++] : 0; }
+  // Bytes drawn so far, those past the end (zeros) included: an input padded with zeros to this
+  // length and then extended reaches its next choice with the same choices before it.
+  std::size_t position() const { return drawn_; }
+  std::uint8_t byte() {
+    ++drawn_;
+    return at_ < size_ ? data_[at_++] : 0;
+  }
   std::uint64_t bits(int count) {
     std::uint64_t x = 0;
     for (int i = 0; i < count; i += 8) x = (x << 8) | byte();
@@ -124,7 +130,7 @@ class Input {
  private:
   const std::uint8_t* data_;
   std::size_t size_;
-  std::size_t at_ = 0;
+  std::size_t at_ = 0, drawn_ = 0;
 };
 
 // The fuzzers' allocation limit: sizes past it must be refused by name (posenc::Error) before

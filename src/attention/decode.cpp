@@ -88,7 +88,8 @@ class DecodeTiles {
   // the scores where the kernel can (attn_decode_rotates_keys, either layout), else, half-split,
   // widened and rotated in one pass per tile (attn_pack_rotate_heads); otherwise row by row. The
   // kernels read the cache where it lies (f32, and bf16 / f16 on targets that widen them in
-  // vectors); otherwise each tile is first widened into f32 scratch rows of dim_padded.
+  // vectors; a quantized cache whose keys are not transformed); otherwise each tile is first
+  // widened (dequantised) into f32 scratch rows of dim_padded.
   void choose_key_path() {
     bool transform_keys = false;
     for (std::int64_t g = 0; g < g_count_; ++g) {

@@ -264,8 +264,21 @@ void ShawScore::finish_backward(TermState& s) const {
     grow(s.buffers[kTableGrads], 2 * t->width * dp);
     float* key_part = s.buffers[kTableGrads].data();
     float* value_part = key_part + t->width * dp;
-    kernels::attn_gemm(grads, w, 1, s.rows.q, dp, key_part, dp, t->width, dp, w, false);
-    kernels::attn_gemm(probs, w, 1, s.rows.dout, dp, value_part, dp, t->width, dp, w, false);
+    if (!rows_non_finite(s.rows.q, dp, w, dim) && !rows_non_finite(s.rows.dout, dp, w, dim)) {
+      kernels::attn_gemm(grads, w, 1, s.rows.q, dp, key_part, dp, t->width, dp, w, false);
+      kernels::attn_gemm(probs, w, 1, s.rows.dout, dp, value_part, dp, t->width, dp, w, false);
+    } else {
+      // An inf or NaN in q or dO: the buckets no pair of the block reaches hold zeros, whose
+      // products with it the reference never forms (0·inf would make them NaN). Skipped.
+      std::fill(key_part, key_part + 2 * t->width * dp, 0.0f);
+      for (std::int64_t u = 0; u < t->width; ++u) {
+        for (std::int64_t r = 0; r < w; ++r) {
+          const float dsu = grads[u * w + r], psu = probs[u * w + r];
+          for (std::int64_t e = 0; dsu != 0.0f && e < dim; ++e) key_part[u * dp + e] += dsu * s.rows.q[r * dp + e];
+          for (std::int64_t e = 0; psu != 0.0f && e < dim; ++e) value_part[u * dp + e] += psu * s.rows.dout[r * dp + e];
+        }
+      }
+    }
     double* key_grad = slot;
     double* value_grad = key_grad + t->width * dim;
     for (std::int64_t u = 0; u < t->width; ++u) {
@@ -291,10 +304,11 @@ void ShawScore::finish_backward(TermState& s) const {
       const float* a = t->key.data() + u * dim;
       for (std::int64_t e = 0; e < dim; ++e) dq_row[e] += dsu * a[e];
       if (key_grad == nullptr) continue;
-      for (std::int64_t e = 0; e < dim; ++e) {
+      // Zeros (buckets the row's pairs do not reach) skipped: as above, for an inf or NaN in q or dO.
+      for (std::int64_t e = 0; dsu != 0.0f && e < dim; ++e)
         key_grad[u * dim + e] += static_cast<double>(dsu) * s.rows.q[r * dp + e];
+      for (std::int64_t e = 0; psu != 0.0f && e < dim; ++e)
         value_grad[u * dim + e] += static_cast<double>(psu) * s.rows.dout[r * dp + e];
-      }
     }
   }
 }

@@ -21,8 +21,9 @@
 //   q8_0      d = max|x| / 127, q_i = round_half_away(x_i / d), d stored as f16 (nearest even)
 //   q4_0      m = the x of largest magnitude (first on ties), d = m / −8,
 //             n_i = min(15, ⌊x_i / d + 8.5⌋), d stored as f16
-//   fp8_e4m3  s = max|x| / 448, b_i = e4m3(x_i / s) rounded to nearest even, saturating at ±448
-// (the divisions multiply by the reciprocal, in f32, as ggml does). A block (q8_0, q4_0) or row
+//   fp8_e4m3  s = max|x| / 448, b_i = e4m3(x_i / s) rounded to nearest even (|x_i / s| <= 448)
+// (the divisions multiply by the reciprocal, in f32, as ggml does; a q8_0 or q4_0 scale past f16's
+// range, max|x| beyond 65504·127 or 65504·8, reads back as inf or NaN, as in ggml). A block (q8_0, q4_0) or row
 // (fp8_e4m3) holding an inf or NaN gets a NaN scale, so every value of it reads back as NaN; a
 // block of zeros gets scale 0.
 #pragma once
@@ -52,8 +53,8 @@ void quantize_rows(CacheFormat format, const float* x, std::int64_t rows, std::i
 void dequantize_rows(CacheFormat format, const void* src, std::int64_t row_stride, std::int64_t rows, std::int64_t dim,
                      float* x);
 
-// OCP E4M3FN byte <-> f32 (the conversion is exact; to_e4m3 rounds to nearest even, saturates
-// finite values at ±448 and keeps NaN a NaN).
+// OCP E4M3FN byte <-> f32 (from_e4m3 is exact; to_e4m3 rounds to nearest even, and a value that
+// rounds past 448, infinities included, becomes NaN, as torch.float8_e4m3fn converts).
 float from_e4m3(std::uint8_t bits) noexcept;
 std::uint8_t to_e4m3(float value) noexcept;
 

@@ -240,7 +240,7 @@ struct Quantized {
 
 Quantized quantize_problem(const Problem& p, CacheFormat f) {
   Quantized q;
-  const std::int64_t rb = cache_row_bytes(f, p.dim), rows = p.batch * p.k_len * p.kv_heads;
+  const std::int64_t rb = cache_row_bytes(f, p.dim);
   const auto one = [&](const std::vector<double>& values, std::vector<unsigned char>& bytes, std::vector<double>& deq) {
     const std::vector<float> x(values.begin(), values.end());
     bytes = quantized(f, x, p.dim);
@@ -257,7 +257,6 @@ Quantized quantize_problem(const Problem& p, CacheFormat f) {
                          p.kv_heads * rb, rb};
   };
   q.cache = {f, rows_of(q.k), rows_of(q.v)};
-  (void)rows;
   return q;
 }
 

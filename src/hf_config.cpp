@@ -216,8 +216,24 @@ HfRopeConfig hf_rope_config_from_json(std::string_view text, std::optional<std::
     }
     read_rope_keys(*block, std::string(block_key) + ".", c);
   }
-  // Gemma 4's full-attention layers are wider (global_head_dim).
+  // Gemma 4's full-attention layers are wider: global_head_dim in its config.json, per_layer_config
+  // {"5": {"head_dim": 512}} where transformers serialises the model's config (to_dict()).
   if (c.layer_type == "full_attention") c.head_dim = integer(doc, "", "global_head_dim", c.head_dim, 1);
+  if (const auto it = doc.find("per_layer_config"); layer && it != doc.end() && !it->is_null()) {
+    if (!it->is_object()) throw Error(kWhere, "per_layer_config", it->dump(), "an object keyed by layer index");
+    if (const auto entry = it->find(std::to_string(*layer)); entry != it->end() && !entry->is_null()) {
+      const std::string prefix = "per_layer_config." + std::to_string(*layer) + ".";
+      if (!entry->is_object())
+        throw Error(kWhere, prefix.substr(0, prefix.size() - 1).c_str(), entry->dump(), "an object");
+      for (const char* key : {"rope_theta", "rope_parameters", "rope_scaling", "partial_rotary_factor"}) {
+        if (entry->contains(key)) {
+          throw Error(kWhere, (prefix + key).c_str(), (*entry)[key].dump(),
+                      "no per-layer override of RoPE's parameters (rope_parameters by layer type carries them)");
+        }
+      }
+      c.head_dim = integer(*entry, prefix, "head_dim", c.head_dim, 1);
+    }
+  }
   // MLA rotates qk_rope_head_dim of each query/key head (DeepseekV3Config sets head_dim to it).
   if (doc.contains("qk_rope_head_dim")) {
     c.head_dim = integer(doc, "", "qk_rope_head_dim", 0, 2);

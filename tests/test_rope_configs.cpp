@@ -110,6 +110,29 @@ TEST(RopeConfigs, Gemma4FullLayersUseProportionalRopeOverTheGlobalHeadDim) {
   testing::expect_error([&] { rope_params_from_hf(config); }, {"layer = missing", "differs by layer type"});
 }
 
+// transformers serialises a Gemma 4 config (to_dict, save_pretrained) with per_layer_config in
+// place of global_head_dim: the full layers' width comes from there.
+TEST(RopeConfigs, Gemma4PerLayerConfigGivesTheFullLayersWidth) {
+  const std::string body = R"("head_dim": 256, "num_hidden_layers": 2,
+      "layer_types": ["sliding_attention", "full_attention"],
+      "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                          "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                             "rope_theta": 1e6}})";
+  const std::string config = "{" + body + R"(, "per_layer_config": {"1": {"head_dim": 512}}})";
+  EXPECT_EQ(rope_params_from_hf(config, 0).head_dim(), 256);
+  const RopeParams full = rope_params_from_hf(config, 1);
+  EXPECT_EQ(full.head_dim(), 512);
+  expect_frequencies(full, expected_frequencies(1e6, 512, 1.0, 64), "full");
+  testing::expect_error(
+      [&] { rope_params_from_hf("{" + body + R"(, "per_layer_config": {"1": {"rope_theta": 5e5}}})", 1); },
+      {"per_layer_config.1.rope_theta = 500000.0", "no per-layer override"});
+  testing::expect_error(
+      [&] { rope_params_from_hf("{" + body + R"(, "per_layer_config": {"1": {"head_dim": 0}}})", 1); },
+      {"per_layer_config.1.head_dim = 0"});
+  testing::expect_error([&] { rope_params_from_hf("{" + body + R"(, "per_layer_config": [512]})", 1); },
+                        {"per_layer_config = [512]", "an object keyed by layer index"});
+}
+
 // DeepSeek-V3 (tests/data/deepseek-v3.json, deepseek-ai/DeepSeek-V3's config.json: yarn ×40 with
 // mscale = mscale_all_dim = 1, legacy key "type"; MLA heads of 128 + 64 dims): RoPE over the 64
 // rotated dims, α = 1 (the mscales cancel), and the softmax scale 192^−½·(0.1·ln 40 + 1)².

@@ -530,7 +530,8 @@ class RotationInplaceFunction : public torch::autograd::Function<RotationInplace
 
 // A config.json's RoPE for one layer (rotary.hpp: rope_params_from_hf), as the parameters
 // Python's RotaryPositionalEncoding takes: {"head_dim", "rotary_dim", "base",
-// "max_position_embeddings", "layer_type", "scaling": {rope_type and its keys}}.
+// "max_position_embeddings", "layer_type", "scaling": {rope_type and its keys}}, and an M-RoPE
+// config's "mrope_section" and "mrope_interleaved".
 std::string rope_config_op(const std::string& config, c10::optional<std::int64_t> layer) {
   return translating([&] {
     const HfRopeConfig c = hf_rope_config_from_json(config, layer ? std::optional<std::int64_t>(*layer) : std::nullopt);
@@ -554,6 +555,10 @@ std::string rope_config_op(const std::string& config, c10::optional<std::int64_t
                           {"base", p.base()},           {"max_position_embeddings", p.max_position_embeddings()},
                           {"layer_type", c.layer_type}, {"scaling", scaling}};
     if (c.qk_head_dim > 0) out["softmax_scale"] = mla_softmax_scale(c);  // MLA: DeepSeek's scale
+    if (!c.mrope_section.empty()) {
+      out["mrope_section"] = c.mrope_section;  // M-RoPE: the pairs of each axis (Qwen-VL)
+      out["mrope_interleaved"] = c.mrope_interleaved;
+    }
     return out.dump();
   });
 }

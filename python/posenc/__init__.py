@@ -131,11 +131,12 @@ def sinusoidal_table(positions, dim, base=10000.0, interleaved=True, dtype=torch
 _DIRECTIONS = {"forward": 0, "backward": 1, "inverse": 2}
 
 # transformers' model types whose apply_rotary_pos_emb rotates interleaved pairs (their cos and sin
-# repeat_interleave'd, or rotate_half over x[..., ::2] and x[..., 1::2]), read from transformers
-# 5.24's modeling files; every other config rotates half-split, as Llama's rotate_half does.
+# repeat_interleave'd, or rotate_half over x[..., ::2] and x[..., 1::2]; Llama 4's apply_rotary_emb
+# multiplies the pairs as complex numbers), read from transformers 5.24's modeling files; every
+# other config rotates half-split, as Llama's rotate_half does.
 _INTERLEAVED_ROPE_MODEL_TYPES = frozenset({
     "glm", "glm4", "ernie4_5", "ernie4_5_moe", "helium", "cohere", "cohere2", "cohere2_moe", "moonshine",
-    "moonshine_streaming", "hy_v4_vl"})
+    "moonshine_streaming", "hy_v4_vl", "llama4", "llama4_text"})
 
 
 def _concrete(x):
@@ -416,6 +417,8 @@ class RotaryPositionalEncoding(torch.nn.Module):
             text += f", xpos={self.xpos!r}"
         if self.rotary_offset:
             text += f", rotary_offset={self.rotary_offset}"
+        if self.mrope_section is not None:
+            text += f", mrope_section={self.mrope_section!r}, mrope_interleaved={self.mrope_interleaved}"
         return text
 
     @classmethod
@@ -426,7 +429,9 @@ class RotaryPositionalEncoding(torch.nn.Module):
         multimodal config's text_config. ``layer``: the layer of a config whose RoPE differs by
         layer (rope_parameters keyed by layer type with ``layer_types``, Gemma 3's
         rope_local_base_freq); the module's ``layer_type`` then names its type. An MLA config
-        (DeepSeek: qk_rope_head_dim) gives RoPE over its rotated dims and ``softmax_scale``."""
+        (DeepSeek: qk_rope_head_dim) gives RoPE over its rotated dims and ``softmax_scale``; an
+        M-RoPE config (Qwen-VL) sets ``mrope_section`` and ``mrope_interleaved``, and forward then
+        takes positions per axis."""
         if isinstance(config, (str, os.PathLike)):
             with open(config) as f:
                 config = json.load(f)
@@ -448,14 +453,33 @@ class RotaryPositionalEncoding(torch.nn.Module):
                      p["max_position_embeddings"])
         module.layer_type = p["layer_type"] or None
         module.softmax_scale = p.get("softmax_scale")  # MLA configs: DeepSeek's softmax scale, else None
+        # M-RoPE (Qwen2-VL, Qwen3-VL: mrope_section, mrope_interleaved): forward takes positions per axis.
+        module.mrope_section = p.get("mrope_section")
+        module.mrope_interleaved = bool(p.get("mrope_interleaved", False))
         return module
 
+    mrope_section, mrope_interleaved = None, False
+
     def forward(self, q, k=None, positions=None):
+        """q (and k) rotated at positions ([S] or [B, S]). A module with ``mrope_section`` (M-RoPE,
+        from a Qwen-VL config) takes positions per axis (time, height, width): ``[3, S]`` or
+        ``[3, B, S]`` (``rope_multi``); 1-D positions, a text-only sequence's, turn every axis alike."""
+        if self.mrope_section is not None and positions is not None and torch.as_tensor(positions).dim() > 1:
+            if self.xpos is not None or self.rotary_offset:
+                raise ValueError(f"RotaryPositionalEncoding: mrope_section = {self.mrope_section} with xpos or "
+                                 "rotary_offset; expected neither (rope_multi has no such terms)")
+            return rope_multi(q, k, positions, self.mrope_section, interleave_axes=self.mrope_interleaved,
+                              head_dim=self.head_dim, rotary_dim=self.rotary_dim, base=self.base, layout=self.layout,
+                              scaling=self.scaling, max_position_embeddings=self.max_position_embeddings)
         return rope(q, k, positions, head_dim=self.head_dim, rotary_dim=self.rotary_dim, base=self.base,
                     layout=self.layout, scaling=self.scaling, max_position_embeddings=self.max_position_embeddings,
                     xpos=self.xpos, rotary_offset=self.rotary_offset)
 
     def _attention_scheme(self, heads, keys_rotated, head_dim):
+        if self.mrope_section is not None:
+            raise ValueError(f"attention: a RotaryPositionalEncoding with mrope_section = {self.mrope_section} (M-RoPE); "
+                             "expected q and k rotated per axis before attention (the module's forward, or "
+                             "rope_multi) and no scheme, or a module without mrope_section")
         # head_dim 0 ("rope" by name) takes q's head size.
         dims = (self.head_dim, self.rotary_dim) if self.head_dim else (head_dim, head_dim)
         rope_args = _rope_args(dims[0], dims[1], self.base, self.layout, self.scaling,

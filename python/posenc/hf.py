@@ -11,7 +11,7 @@ queries and keys itself; posenc receives them rotated.
 
 What the kernel cannot honour is refused by name: dropout while training, a 4-D mask the model
 built itself, ``output_attentions``, a position bias, a layer argument it does not map, a mask
-pattern it cannot carry, a static cache. ``register(fallback="sdpa")`` hands those calls to
+pattern it cannot carry. ``register(fallback="sdpa")`` hands those calls to
 transformers' ``sdpa`` instead (its mask and attention), and only then; never a layer with sinks.
 
 ``posenc.hf.patch(model)`` moves the model's positional scheme into the kernel too, with the
@@ -32,23 +32,30 @@ _patched = weakref.WeakValueDictionary()  # id(config) -> config of a patched mo
 
 # The mask patterns the attention reads from its layer (is_causal, sliding_window): transformers'
 # own mask functions for them, by qualified name, and intersections of them (and_masks, which a
-# sliding window is). Any other part (packed position_ids, a prefix or image overlay, Llama 4's
-# chunks) would be lost with no [S, S] mask: it is refused, or given to sdpa's mask and attention
-# with register(fallback="sdpa").
+# sliding window is). Llama 4's chunks are carried by the keys' positions (_key_mask). Any other
+# part (packed position_ids, a prefix or image overlay) would be lost with no [S, S] mask: it is
+# refused, or given to sdpa's mask and attention with register(fallback="sdpa").
+_CHUNKS = "chunked_overlay.<locals>.inner_mask"
 _LAYER_PATTERNS = {"causal_mask_function", "bidirectional_mask_function",
                    "sliding_window_overlay.<locals>.inner_mask",
-                   "sliding_window_bidirectional_overlay.<locals>.inner_mask"}
+                   "sliding_window_bidirectional_overlay.<locals>.inner_mask", _CHUNKS}
+
+
+def _cells(function):
+    return dict(zip(function.__code__.co_freevars, (c.cell_contents for c in function.__closure__ or ())))
+
+
+def _functions(mask_function):
+    """mask_function's parts (and_masks flattened)."""
+    if getattr(mask_function, "__qualname__", None) != "and_masks.<locals>.and_mask":
+        return [mask_function]
+    parts = _cells(mask_function).get("mask_functions")
+    return [mask_function] if parts is None else [f for part in parts for f in _functions(part)]
 
 
 def _parts(mask_function):
     """The qualified names of mask_function's parts (and_masks flattened)."""
-    name = getattr(mask_function, "__qualname__", repr(mask_function))
-    if name != "and_masks.<locals>.and_mask":
-        return [name]
-    cells = dict(zip(mask_function.__code__.co_freevars, mask_function.__closure__ or ()))
-    if "mask_functions" not in cells:
-        return [name]
-    return [n for part in cells["mask_functions"].cell_contents for n in _parts(part)]
+    return [getattr(f, "__qualname__", repr(f)) for f in _functions(mask_function)]
 
 
 def _model_bypasses_the_interface(config):
@@ -69,23 +76,28 @@ def _key_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fun
               **kwargs):
     """The mask interface's entry for posenc: no ``[S, S]`` mask. The causal and sliding-window
     patterns are the layer's (the attention reads them from its module and arguments); what comes
-    back is None, or the 2-D boolean mask of the keys ``[B, kv_length]`` (True: a token), sliced from
-    the right as a sliding layer's cache is."""
+    back is None, or the 2-D boolean mask of the keys ``[B, Sk]`` (True: a token), sliced from the
+    right as a sliding layer's cache is, or a chunked layer's key positions (``_chunk_positions``).
+    A static cache's slots past the written keys are no keys: the mask then covers the written
+    ones only, and the attention reads no further."""
     config = kwargs.get("config")
     if config is not None and _patched.get(id(config)) is not config and _model_bypasses_the_interface(config):
         raise ValueError(f"posenc attention: model_type = {config.model_type!r}, whose attention does not go through "
                          "transformers' AttentionInterface; expected a model that supports attention backends")
     parts = [] if mask_function is None else _parts(mask_function)
     pattern = next((n for n in parts if n not in _LAYER_PATTERNS), None)
-    # A causal layer's keys end where its queries do: a StaticCache's slots past the written ones
-    # hold no key. (A bidirectional one's may be another sequence's: an encoder's, for cross-attention.)
+    # A causal layer's keys end where its queries do; a static cache's (preallocated) slots past
+    # the written ones hold none, and it has dropped no key before them (kv_offset 0). (A
+    # bidirectional layer's keys may be another sequence's: an encoder's, for cross-attention.)
     written = int(q_offset) + q_length - int(kv_offset)
-    if pattern is None and "causal_mask_function" in parts and written != kv_length:
-        pattern = (f"kv_length = {kv_length} cache slots for keys written up to slot {written} (a static cache); "
-                   "expected the keys to end with the queries (a dynamic cache)")
+    static = pattern is None and "causal_mask_function" in parts and written != kv_length
+    if static and (written > kv_length or int(kv_offset) != 0):
+        pattern = (f"kv_length = {kv_length} cache slots from slot {kv_offset} for keys written up to slot "
+                   f"{int(q_offset) + q_length}; expected the keys to end with the queries, or a static cache's "
+                   "written keys from slot 0")
     elif pattern is not None:
-        pattern = (f"mask_function = {pattern}; expected transformers' causal, sliding-window or bidirectional "
-                   "pattern (packed position_ids, overlays and chunked layers are not supported)")
+        pattern = (f"mask_function = {pattern}; expected transformers' causal, sliding-window, chunked or "
+                   "bidirectional pattern (packed position_ids and overlays are not supported)")
     if pattern is not None:
         if _fallback is not None:
             from transformers.masking_utils import sdpa_mask
@@ -93,14 +105,36 @@ def _key_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fun
             return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
                              **{**kwargs, "allow_is_causal_skip": False})
         raise ValueError(f"posenc attention: {pattern}; register(fallback='sdpa') hands such calls to sdpa")
+    if attention_mask is not None and attention_mask.dim() != 2:
+        return attention_mask  # a 4-D mask the model made: the attention refuses it by name
+    if static:
+        kv_length = written
+        if attention_mask is None:
+            attention_mask = torch.ones(batch_size, written, dtype=torch.bool, device=kwargs.get("device"))
+        attention_mask = attention_mask[:, :written]
+    if _CHUNKS in parts:
+        return _chunk_positions(mask_function, batch_size, kv_length, kv_offset, attention_mask)
     if attention_mask is None:
         return None
-    if attention_mask.dim() != 2:
-        return attention_mask  # a 4-D mask the model made: the attention refuses it by name
     keys = attention_mask[:, -kv_length:].bool()
-    if keys.shape[1] == kv_length and bool(keys.all()):
+    if keys.shape[1] == kv_length and bool(keys.all()) and not static:
         return None
     return keys
+
+
+def _chunk_positions(mask_function, batch_size, kv_length, kv_offset, attention_mask):
+    """A chunked layer's mask: the int64 position of each key ``[B, kv_length]``, -1 at padding.
+    transformers' chunks are ⌊(slot − left padding) / C⌋ over cache slots (a chunked layer's cache
+    drops keys older than its chunk, so the first slot is kv_offset); the attention passes these
+    positions to the kernel, whose chunk rule is the same division."""
+    overlay = next(f for f in _functions(mask_function) if f.__qualname__ == _CHUNKS)
+    left = _cells(overlay)["left_padding"]
+    slots = torch.arange(int(kv_offset), int(kv_offset) + kv_length, device=left.device)
+    positions = slots[None, :] - left.reshape(-1, 1).to(torch.long)
+    positions = positions.expand(batch_size, kv_length).clone()
+    if attention_mask is not None:
+        positions[~attention_mask[:, -kv_length:].bool()] = -1
+    return positions
 
 
 def _refuse(what, module, query, key, value, attention_mask, **kwargs):
@@ -127,13 +161,14 @@ class _FusedBias:
 _IGNORED = {"position_ids", "cache_position", "use_cache", "output_attentions", "layer_idx", "token_type_ids"}
 
 
-def _layer_window(module):
-    """The sliding window that the model's config gives the layer (config.layer_types), or None."""
+def _layer_value(module, layer_type, field):
+    """config.<field> when config.layer_types gives the module's layer layer_type, else None: a
+    sliding layer's window, a chunked layer's chunk size (Llama 4)."""
     config, layer = getattr(module, "config", None), getattr(module, "layer_idx", None)
     types = getattr(config, "layer_types", None)
-    if types is None or layer is None or layer >= len(types) or types[layer] != "sliding_attention":
+    if types is None or layer is None or layer >= len(types) or types[layer] != layer_type:
         return None
-    return getattr(config, "sliding_window", None)
+    return getattr(config, field, None)
 
 
 def _pack(x, keep):
@@ -164,24 +199,38 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         return _refuse("a position_bias tensor (T5's buckets, materialised); expected none, or the model patched "
                        "(posenc.hf.patch) so that its bias runs inside the kernel", module, query, key, value,
                        attention_mask, **args)
+    # A chunked layer's mask is its keys' positions (int64), from posenc's mask function.
+    chunk = _layer_value(module, "chunked_attention", "attention_chunk_size")
+    positions = attention_mask is not None and attention_mask.dim() == 2 and attention_mask.dtype == torch.long
+    if chunk is not None and not positions:
+        return _refuse(f"layer {module.layer_idx}, a chunked layer of config.attention_chunk_size = {chunk}, without "
+                       "its keys' positions; expected the int64 [B, Sk] mask of posenc's mask function", module,
+                       query, key, value, attention_mask, **args)
+    if positions and chunk is None:
+        return _refuse("an int64 [B, Sk] mask (a chunked layer's key positions) on a layer config.layer_types does "
+                       "not name chunked_attention; expected a chunked layer", module, query, key, value,
+                       attention_mask, **args)
     if attention_mask is not None and attention_mask.dim() != 2:
         return _refuse(f"a 4-D mask of shape {tuple(attention_mask.shape)}; expected None or the [B, Sk] key "
                        "mask of posenc's mask function (attn_implementation='posenc' on the model, not on the layer)",
                        module, query, key, value, attention_mask, **args)
     # A sliding layer (config.layer_types) must pass its window: its mask has it, the kernel reads this.
-    expected = _layer_window(module)
+    expected = _layer_value(module, "sliding_attention", "sliding_window")
     if expected is not None and sliding_window != expected:
         return _refuse(f"sliding_window = {sliding_window} on layer {module.layer_idx}, a sliding-window layer of "
                        f"config.sliding_window = {expected}; expected the layer to pass it", module, query, key,
                        value, attention_mask, **args)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    # A static cache's keys: the mask covers the written slots, the rest hold no key.
+    if attention_mask is not None and attention_mask.dim() == 2 and causal and 0 < attention_mask.shape[1] < key.shape[2]:
+        key, value = key[:, :, :attention_mask.shape[1]], value[:, :, :attention_mask.shape[1]]
     if sliding_window and not causal:
         return _refuse(f"sliding_window = {sliding_window} on a bidirectional layer; expected it on causal ones",
                        module, query, key, value, attention_mask, **args)
     # transformers' sliding window W lets query i see keys j with i - W < j <= i: W - 1 before it.
     window = (int(sliding_window) - 1, 0) if sliding_window else (-1, -1)
     options = dict(causal=bool(causal), window=window, softcap=float(softcap or 0.0), scale=scaling,
-                   sinks=s_aux)
+                   sinks=s_aux, chunk_size=chunk)
     scheme = fused.scheme if fused is not None else getattr(module, "_posenc_scheme", None)
     if scheme is not None:
         options["scheme"] = scheme
@@ -216,9 +265,13 @@ def _attend(query, key, value, key_mask, options, self_attention=False, contiguo
     self-attention layer's, whose queries are its last keys) are the last Sq entries of its keys
     (bottom-right, as transformers aligns them), and a query slot whose key is padding stays zero;
     any other bidirectional layer's (an encoder's without positions, cross-attention's) are all
-    kept, whatever the keys' length. ``contiguous``: a row's tokens must be one run."""
+    kept, whatever the keys' length. ``contiguous``: a row's tokens must be one run. An int64
+    key_mask holds the keys' positions (a chunked layer's, -1 at padding): the kernel gets them."""
     options = dict(options)
     scheme = options.pop("scheme", None)
+    positions = None
+    if key_mask is not None and key_mask.dtype == torch.long:
+        positions, key_mask = key_mask, key_mask >= 0
     if key_mask is None:
         out = posenc.attention(query, key, value, scheme, layout="bhsd", **options)
         return out.transpose(1, 2)
@@ -243,6 +296,9 @@ def _attend(query, key, value, key_mask, options, self_attention=False, contiguo
     zero = torch.zeros(1, dtype=torch.long, device=key_mask.device)
     cu_q = torch.cat([zero, lengths_q.cumsum(0)])
     cu_k = torch.cat([zero, lengths_k.cumsum(0)])
+    if positions is not None:
+        options["q_positions"] = positions[:, kv_len - q_len:][q_keep]
+        options["k_positions"] = positions[key_mask]
     packed = posenc.attention(_pack(query, q_keep), _pack(key, key_mask), _pack(value, key_mask), scheme,
                               cu_seqlens=(cu_q, cu_k), **options)
     out = query.new_zeros(batch, q_len, query.shape[1], value.shape[-1])
@@ -290,7 +346,8 @@ def _length_rule_differs(rope, query, key, key_mask, cache_position):
 
 # Model types whose rotation posenc.hf.patch moves into the kernel: the conformance suite checks
 # from_hf_config against each one's rotary embedding and the patched logits against eager.
-_ROPE_MODEL_TYPES = ("gemma3_text", "gpt_neox", "gpt_oss", "llama", "mistral", "phi3", "qwen2", "qwen3", "smollm3")
+_ROPE_MODEL_TYPES = ("gemma3_text", "gemma4_text", "gpt_neox", "gpt_oss", "llama", "llama4_text", "mistral", "phi3",
+                     "qwen2", "qwen3", "smollm3")
 
 
 class _T5Bias:
@@ -385,7 +442,10 @@ def _patch_gpt2(model):
 def _identity_rotation(self, *args, **kwargs):
     """A patched rotary embedding: cos = 1, sin = 0, so that the model's rotation is the identity
     and its cache keeps keys unrotated; posenc rotates q and k inside the kernel."""
-    cos, sin = type(self).forward(self, *args, **kwargs)
+    out = type(self).forward(self, *args, **kwargs)
+    if torch.is_tensor(out) and out.is_complex():
+        return torch.ones_like(out)  # Llama 4's freqs_cis: pairs times 1 + 0i
+    cos, sin = out
     return torch.ones_like(cos), torch.zeros_like(sin)
 
 

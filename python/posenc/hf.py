@@ -5,8 +5,9 @@ a mask function of the same name to its ``AttentionMaskInterface``, so that a mo
 ``from_pretrained(…, attn_implementation="posenc")`` (or ``from_config``) runs every attention
 layer that goes through that interface in posenc's kernel (a model whose attention bypasses it,
 such as BLOOM's, is refused): GQA, the model's scale, causal or bidirectional layers, sliding windows,
-soft-capping, attention sinks (gpt-oss's ``s_aux``), padded batches (packed into sequences, no
-``[S, S]`` mask), prefill and cached decode (``generate()``), and backward. The model rotates its
+Llama 4's chunks, soft-capping, attention sinks (gpt-oss's ``s_aux``), padded batches and packed
+sequences (position_ids that restart) as the kernel's sequences with no ``[S, S]`` mask, prefill and
+cached decode (``generate()``, dynamic or static caches), and backward. The model rotates its
 queries and keys itself; posenc receives them rotated.
 
 What the kernel cannot honour is refused by name: dropout while training, a 4-D mask the model
@@ -32,13 +33,16 @@ _patched = weakref.WeakValueDictionary()  # id(config) -> config of a patched mo
 
 # The mask patterns the attention reads from its layer (is_causal, sliding_window): transformers'
 # own mask functions for them, by qualified name, and intersections of them (and_masks, which a
-# sliding window is). Llama 4's chunks are carried by the keys' positions (_key_mask). Any other
-# part (packed position_ids, a prefix or image overlay) would be lost with no [S, S] mask: it is
+# sliding window is). Llama 4's chunks and packed sequences (position_ids that restart, which
+# transformers folds into the mask function) are carried by the keys' positions and sequences
+# (_key_layout). Any other part (a prefix or image overlay) would be lost with no [S, S] mask: it is
 # refused, or given to sdpa's mask and attention with register(fallback="sdpa").
 _CHUNKS = "chunked_overlay.<locals>.inner_mask"
+_REMAP = "remap_positions_for_packed_sequence.<locals>.inner_mask"
+_SAME_SEQUENCE = "packed_sequence_mask_function.<locals>.inner_mask"
 _LAYER_PATTERNS = {"causal_mask_function", "bidirectional_mask_function",
                    "sliding_window_overlay.<locals>.inner_mask",
-                   "sliding_window_bidirectional_overlay.<locals>.inner_mask", _CHUNKS}
+                   "sliding_window_bidirectional_overlay.<locals>.inner_mask", _CHUNKS, _REMAP, _SAME_SEQUENCE}
 
 
 def _cells(function):
@@ -46,8 +50,11 @@ def _cells(function):
 
 
 def _functions(mask_function):
-    """mask_function's parts (and_masks flattened)."""
-    if getattr(mask_function, "__qualname__", None) != "and_masks.<locals>.and_mask":
+    """mask_function's parts (and_masks flattened, and the pattern inside packed sequences' remap)."""
+    name = getattr(mask_function, "__qualname__", None)
+    if name == _REMAP and "mask_function" in _cells(mask_function):
+        return [mask_function] + _functions(_cells(mask_function)["mask_function"])
+    if name != "and_masks.<locals>.and_mask":
         return [mask_function]
     parts = _cells(mask_function).get("mask_functions")
     return [mask_function] if parts is None else [f for part in parts for f in _functions(part)]
@@ -77,7 +84,8 @@ def _key_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fun
     """The mask interface's entry for posenc: no ``[S, S]`` mask. The causal and sliding-window
     patterns are the layer's (the attention reads them from its module and arguments); what comes
     back is None, or the 2-D boolean mask of the keys ``[B, Sk]`` (True: a token), sliced from the
-    right as a sliding layer's cache is, or a chunked layer's key positions (``_chunk_positions``).
+    right as a sliding layer's cache is, or the keys' layout of a chunked layer or of packed
+    sequences (``_key_layout``).
     A static cache's slots past the written keys are no keys: the mask then covers the written
     ones only, and the attention reads no further."""
     config = kwargs.get("config")
@@ -97,7 +105,9 @@ def _key_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fun
                    "written keys from slot 0")
     elif pattern is not None:
         pattern = (f"mask_function = {pattern}; expected transformers' causal, sliding-window, chunked or "
-                   "bidirectional pattern (packed position_ids and overlays are not supported)")
+                   "bidirectional pattern, or packed sequences of them (overlays are not supported)")
+    elif (_REMAP in parts) != (_SAME_SEQUENCE in parts) or (_REMAP in parts and "causal_mask_function" not in parts):
+        pattern = "packed sequences' mask functions apart, or not causal; expected transformers' causal packing"
     if pattern is not None:
         if _fallback is not None:
             from transformers.masking_utils import sdpa_mask
@@ -112,8 +122,8 @@ def _key_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fun
         if attention_mask is None:
             attention_mask = torch.ones(batch_size, written, dtype=torch.bool, device=kwargs.get("device"))
         attention_mask = attention_mask[:, :written]
-    if _CHUNKS in parts:
-        return _chunk_positions(mask_function, batch_size, kv_length, kv_offset, attention_mask)
+    if _CHUNKS in parts or _REMAP in parts:
+        return _key_layout(mask_function, batch_size, kv_length, kv_offset, attention_mask)
     if attention_mask is None:
         return None
     keys = attention_mask[:, -kv_length:].bool()
@@ -122,19 +132,31 @@ def _key_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fun
     return keys
 
 
-def _chunk_positions(mask_function, batch_size, kv_length, kv_offset, attention_mask):
-    """A chunked layer's mask: the int64 position of each key ``[B, kv_length]``, -1 at padding.
-    transformers' chunks are ⌊(slot − left padding) / C⌋ over cache slots (a chunked layer's cache
-    drops keys older than its chunk, so the first slot is kv_offset); the attention passes these
-    positions to the kernel, whose chunk rule is the same division."""
-    overlay = next(f for f in _functions(mask_function) if f.__qualname__ == _CHUNKS)
-    left = _cells(overlay)["left_padding"]
-    slots = torch.arange(int(kv_offset), int(kv_offset) + kv_length, device=left.device)
-    positions = slots[None, :] - left.reshape(-1, 1).to(torch.long)
-    positions = positions.expand(batch_size, kv_length).clone()
+def _key_layout(mask_function, batch_size, kv_length, kv_offset, attention_mask):
+    """The keys' layout ``[B, 2, kv_length]`` (int64) of a chunked layer or of packed sequences:
+    each key's position (-1 at padding) and its sequence within the row. transformers' chunks are
+    ⌊(position − left padding) / C⌋ with cache slots for positions (a chunked layer's cache drops
+    keys older than its chunk, so the first slot is kv_offset), or position_ids when sequences are
+    packed (a sequence starts where they do not go up by one); the kernel's chunk rule is the same
+    division of the positions it is given."""
+    functions = {f.__qualname__: f for f in _functions(mask_function) if hasattr(f, "__qualname__")}
+    slots = torch.arange(int(kv_offset), int(kv_offset) + kv_length)
+    positions = slots.expand(batch_size, kv_length)
+    sequences = torch.zeros(batch_size, kv_length, dtype=torch.long)
+    if _REMAP in functions:
+        # No cache: queries and keys are the same kv_length tokens (transformers packs only then).
+        positions = _cells(functions[_REMAP])["position_ids"].expand(batch_size, -1)
+        sequences = _cells(functions[_SAME_SEQUENCE])["packed_sequence_mask"].expand(batch_size, -1)
+        if positions.shape[1] != kv_length or sequences.shape[1] != kv_length:
+            raise ValueError(f"posenc attention: packed sequences over {positions.shape[1]} positions for kv_length = "
+                             f"{kv_length} keys; expected one position per key (no cache)")
+    if _CHUNKS in functions:
+        left = _cells(functions[_CHUNKS])["left_padding"]
+        positions = positions.to(left.device) - left.reshape(-1, 1).to(torch.long)
+    positions = positions.to(torch.long).clone()
     if attention_mask is not None:
         positions[~attention_mask[:, -kv_length:].bool()] = -1
-    return positions
+    return torch.stack([positions, sequences.to(positions.device, torch.long)], dim=1)
 
 
 def _refuse(what, module, query, key, value, attention_mask, **kwargs):
@@ -199,18 +221,14 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         return _refuse("a position_bias tensor (T5's buckets, materialised); expected none, or the model patched "
                        "(posenc.hf.patch) so that its bias runs inside the kernel", module, query, key, value,
                        attention_mask, **args)
-    # A chunked layer's mask is its keys' positions (int64), from posenc's mask function.
+    # A chunked layer's mask is its keys' layout (positions and sequences), from posenc's mask function.
     chunk = _layer_value(module, "chunked_attention", "attention_chunk_size")
-    positions = attention_mask is not None and attention_mask.dim() == 2 and attention_mask.dtype == torch.long
-    if chunk is not None and not positions:
+    layout = attention_mask is not None and attention_mask.dim() == 3 and attention_mask.dtype == torch.long
+    if chunk is not None and not layout:
         return _refuse(f"layer {module.layer_idx}, a chunked layer of config.attention_chunk_size = {chunk}, without "
-                       "its keys' positions; expected the int64 [B, Sk] mask of posenc's mask function", module,
+                       "its keys' positions; expected the int64 [B, 2, Sk] layout of posenc's mask function", module,
                        query, key, value, attention_mask, **args)
-    if positions and chunk is None:
-        return _refuse("an int64 [B, Sk] mask (a chunked layer's key positions) on a layer config.layer_types does "
-                       "not name chunked_attention; expected a chunked layer", module, query, key, value,
-                       attention_mask, **args)
-    if attention_mask is not None and attention_mask.dim() != 2:
+    if attention_mask is not None and attention_mask.dim() != 2 and not layout:
         return _refuse(f"a 4-D mask of shape {tuple(attention_mask.shape)}; expected None or the [B, Sk] key "
                        "mask of posenc's mask function (attn_implementation='posenc' on the model, not on the layer)",
                        module, query, key, value, attention_mask, **args)
@@ -221,9 +239,13 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                        f"config.sliding_window = {expected}; expected the layer to pass it", module, query, key,
                        value, attention_mask, **args)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    # A static cache's keys: the mask covers the written slots, the rest hold no key.
-    if attention_mask is not None and attention_mask.dim() == 2 and causal and 0 < attention_mask.shape[1] < key.shape[2]:
-        key, value = key[:, :, :attention_mask.shape[1]], value[:, :, :attention_mask.shape[1]]
+    if layout and not causal:
+        return _refuse("a chunked or packed layout of keys on a bidirectional layer; expected it on causal ones",
+                       module, query, key, value, attention_mask, **args)
+    # The keys the mask covers: a static cache's written slots (the rest hold no key).
+    keys = None if attention_mask is None else attention_mask[:, 0] >= 0 if layout else attention_mask
+    if keys is not None and causal and 0 < keys.shape[1] < key.shape[2]:
+        key, value = key[:, :, :keys.shape[1]], value[:, :, :keys.shape[1]]
     if sliding_window and not causal:
         return _refuse(f"sliding_window = {sliding_window} on a bidirectional layer; expected it on causal ones",
                        module, query, key, value, attention_mask, **args)
@@ -235,11 +257,15 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if scheme is not None:
         options["scheme"] = scheme
         if isinstance(scheme, posenc.RotaryPositionalEncoding):
-            bad = _length_rule_differs(scheme, query, key, attention_mask, kwargs.get("cache_position"))
+            bad = _length_rule_differs(scheme, query, key, keys, kwargs.get("cache_position"))
+            if not bad and layout and bool((attention_mask[:, 1] != 0).any()) and \
+                    scheme.scaling.get("rope_type") in ("longrope", "dynamic"):
+                bad = (f"a {scheme.scaling['rope_type']} RoPE over packed sequences; expected one sequence per row "
+                       "(transformers chooses its frequencies by the row's length)")
             if bad:
                 return _refuse(bad, module, query, key, value, attention_mask, **args)
-    if attention_mask is not None and attention_mask.shape != (query.shape[0], key.shape[2]):
-        return _refuse(f"a key mask of shape {tuple(attention_mask.shape)}; expected [{query.shape[0]}, "
+    if keys is not None and keys.shape != (query.shape[0], key.shape[2]):
+        return _refuse(f"a key mask of shape {tuple(keys.shape)}; expected [{query.shape[0]}, "
                        f"{key.shape[2]}] (one entry per key: a mask from posenc's mask function)", module, query, key,
                        value, attention_mask, **args)
     # A positional term measures distances in packed positions: a gap inside a row would shorten
@@ -266,12 +292,13 @@ def _attend(query, key, value, key_mask, options, self_attention=False, contiguo
     (bottom-right, as transformers aligns them), and a query slot whose key is padding stays zero;
     any other bidirectional layer's (an encoder's without positions, cross-attention's) are all
     kept, whatever the keys' length. ``contiguous``: a row's tokens must be one run. An int64
-    key_mask holds the keys' positions (a chunked layer's, -1 at padding): the kernel gets them."""
+    ``[B, 2, Sk]`` key_mask is the keys' layout (``_key_layout``): the kernel gets their positions,
+    and a row holds as many sequences as it names."""
     options = dict(options)
     scheme = options.pop("scheme", None)
-    positions = None
+    layout = None
     if key_mask is not None and key_mask.dtype == torch.long:
-        positions, key_mask = key_mask, key_mask >= 0
+        layout, key_mask = key_mask, key_mask[:, 0] >= 0
     if key_mask is None:
         out = posenc.attention(query, key, value, scheme, layout="bhsd", **options)
         return out.transpose(1, 2)
@@ -293,12 +320,17 @@ def _attend(query, key, value, key_mask, options, self_attention=False, contiguo
             what = (f"sliding_window = {options['window'][0] + 1}" if options["window"][0] >= 0 else
                     "a positional term the model measures in cache slots")
             raise _Refused(f"{what} with padding inside a row; expected padding at its start or end")
+    if layout is not None:
+        # Sequences in row-major order: a query's sequence is its own key's (q_keep is key_mask there).
+        ids = layout[:, 1] + torch.arange(batch, device=layout.device)[:, None] * (kv_len + 1)
+        groups, lengths_k = torch.unique_consecutive(ids[key_mask], return_counts=True)
+        lengths_q = torch.bincount(torch.searchsorted(groups, ids[:, kv_len - q_len:][q_keep]),
+                                   minlength=groups.numel())
+        options["q_positions"] = layout[:, 0, kv_len - q_len:][q_keep]
+        options["k_positions"] = layout[:, 0][key_mask]
     zero = torch.zeros(1, dtype=torch.long, device=key_mask.device)
     cu_q = torch.cat([zero, lengths_q.cumsum(0)])
     cu_k = torch.cat([zero, lengths_k.cumsum(0)])
-    if positions is not None:
-        options["q_positions"] = positions[:, kv_len - q_len:][q_keep]
-        options["k_positions"] = positions[key_mask]
     packed = posenc.attention(_pack(query, q_keep), _pack(key, key_mask), _pack(value, key_mask), scheme,
                               cu_seqlens=(cu_q, cu_k), **options)
     out = query.new_zeros(batch, q_len, query.shape[1], value.shape[-1])

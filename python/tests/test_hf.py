@@ -349,6 +349,18 @@ def test_what_posenc_would_get_wrong_is_refused():
     model = transformers.BloomForCausalLM._from_config(bloom, attn_implementation="posenc")
     with pytest.raises(ValueError, match="posenc attention: model_type = 'bloom', whose attention does not go"):
         model(tokens())
+    # An overlay (here one key hidden from every query) that no [S, S] mask would carry: refused,
+    # or with the fallback given to sdpa's mask.
+    from transformers.masking_utils import and_masks, causal_mask_function, sdpa_mask
+    overlay = and_masks(causal_mask_function, lambda b, h, q, kv: kv != 3)
+    with pytest.raises(ValueError, match=r"posenc attention: mask_function = .*<lambda>; expected transformers'"):
+        posenc.hf._key_mask(1, 8, 8, mask_function=overlay)
+    try:
+        posenc.hf.register(fallback="sdpa")
+        want = sdpa_mask(1, 8, 8, mask_function=overlay, allow_is_causal_skip=False)
+        assert torch.equal(posenc.hf._key_mask(1, 8, 8, mask_function=overlay), want)
+    finally:
+        posenc.hf.register()
     _, gemma = pair("gemma3-local-global")
     layer = gemma.model.layers[0].self_attn
     q, kv = torch.randn(1, 4, 8, 256), torch.randn(1, 1, 8, 256)
@@ -580,23 +592,39 @@ def test_from_hf_config_mrope_rotates_as_the_models_rotary_embedding(family):
         posenc.attention(q.transpose(1, 2), q.transpose(1, 2), q.transpose(1, 2), rope)
 
 
-def test_packed_position_ids_are_refused_not_attended_across():
-    """position_ids that restart mark packed sequences (without a cache, as in training):
-    transformers folds them into its mask function, which posenc's mask cannot carry, so the call is
-    refused (with the fallback, sdpa's mask and attention run it)."""
-    eager, fused = pair("llama3.1")
-    x = tokens(batch=1)
-    packed = torch.cat([torch.arange(15), torch.arange(25)])[None]
-    with pytest.raises(ValueError, match="posenc attention: mask_function = remap_positions_for_packed_sequence"):
-        fused(x, position_ids=packed, use_cache=False)
-    try:
-        posenc.hf.register(fallback="sdpa")
-        with torch.no_grad():
-            torch.testing.assert_close(fused(x, position_ids=packed, use_cache=False).logits,
-                                       eager(x, position_ids=packed, use_cache=False).logits,
-                                       rtol=0, atol=ATOL)
-    finally:
-        posenc.hf.register()
+PACKED_FAMILIES = ["llama3.1", "mistral-sliding", "gemma3-local-global", "gpt-oss-sinks", "llama4-chunked-nope",
+                   "llama3.1 patched"]
+
+
+@pytest.mark.parametrize("family", PACKED_FAMILIES)
+def test_packed_position_ids_give_eager_logits_and_gradients(family):
+    """Sequences packed into a row, marked by position_ids that restart (transformers'
+    padding-free format, DataCollatorWithFlattening's): transformers folds their boundaries into
+    the mask function, whose sequences and positions posenc's mask hands to the kernel. Three
+    sequences in one row, two in the other, across the 16-token windows and chunks: eager's logits
+    (which differ from one unpacked sequence's by far more than the tolerance) and one training
+    step's gradients."""
+    name, _, patched = family.partition(" ")
+    eager, fused = pair(name)
+    if patched:
+        fused = posenc.hf.patch(fused)
+    x = tokens(length=60)
+    packed = torch.stack([torch.cat([torch.arange(15), torch.arange(25), torch.arange(20)]),
+                          torch.cat([torch.arange(40), torch.arange(20)])])
+    with torch.no_grad():
+        want = eager(x, position_ids=packed, use_cache=False).logits
+        got = fused(x, position_ids=packed, use_cache=False).logits
+        whole = eager(x, use_cache=False).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
+    assert (whole - want).abs().max() > 2 * ATOL, "the sequences' boundaries must change the logits"
+    eager.train(), fused.train()
+    grads = []
+    for model in (eager, fused):
+        model.zero_grad()
+        model(x, position_ids=packed, labels=x, use_cache=False).loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    for n, g in grads[0].items():
+        assert (grads[1][n] - g).norm() <= 1e-3 * g.norm(), n
 
 
 def test_llama4_chunks_matter_and_cross_a_cache_that_dropped_keys():

@@ -990,3 +990,28 @@ def test_bug_interleaved_models_rotate_interleaved_pairs(config_name, model_name
     half_split = posenc.RotaryPositionalEncoding(rope.head_dim, rope.rotary_dim, rope.base, "half-split", rope.scaling,
                                                  rope.max_position_embeddings)
     assert rope_error(model, half_split, positions, interleaved=True) > 1
+
+
+def test_bug_deepseek_v32_indexer_rotates_half_split():
+    """DeepSeek-V3.2's sparse-attention indexer rotates its 64 RoPE entries NeoX-style (half-split),
+    unlike the main attention's interleaved MLA weights; sglang rotated it interleaved (PR #30342,
+    GSM8K 0.955 to 0.931). deepseek-ai/DeepSeek-V3.2-Exp's positional fields are DeepSeek-V3's
+    (tests/data/deepseek-v3.json: YaRN ×40, mscale 1, θ 10000, qk_rope_head_dim 64): posenc's RoPE
+    from the config rotates as transformers' indexer does (the module's apply_rotary_pos_emb, which
+    DeepseekV32Indexer calls on its q and k), and the interleaved reading fails the comparison."""
+    config = transformers.DeepseekV32Config(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, index_n_heads=2, index_head_dim=128, index_topk=8, max_position_embeddings=163840,
+        rope_scaling={"type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                      "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096})
+    model = transformers.DeepseekV32ForCausalLM._from_config(config)
+    indexer = model.model.layers[0].self_attn.indexer
+    assert indexer.qk_rope_head_dim == 64
+    rope = posenc.RotaryPositionalEncoding.from_hf_config(config.to_dict())
+    assert (rope.head_dim, rope.layout) == (64, "half-split")
+    positions = torch.unique(torch.cat([torch.arange(8), torch.linspace(0, 163839, 33).round().long()]))
+    assert rope_error(model, rope, positions) <= 1
+    interleaved = posenc.RotaryPositionalEncoding(rope.head_dim, rope.rotary_dim, rope.base, "interleaved",
+                                                  rope.scaling, rope.max_position_embeddings)
+    assert rope_error(model, interleaved, positions) > 1

@@ -9,17 +9,12 @@
 #include "linear.hpp"
 #include "posenc/error.hpp"
 #include "posenc/registry.hpp"
+#include "posenc/torch/ops.hpp"
 
 namespace posenc::study {
 namespace {
 
-using SchemeList = c10::List<c10::intrusive_ptr<torch_adapter::SchemeClass>>;
-using AttentionOp = std::tuple<at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const SchemeList&, const std::vector<at::Tensor>&,
-    const std::vector<at::Tensor>&, const c10::optional<at::Tensor>&, bool, std::int64_t, std::int64_t,
-    c10::optional<std::int64_t>, const c10::optional<c10::intrusive_ptr<torch_adapter::TemperatureClass>>&, double,
-    c10::optional<double>, const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
-    std::vector<std::int64_t>, std::vector<std::int64_t>, bool, c10::optional<std::string>);
+using SchemeList = torch_adapter::SchemeList;
 using SinusoidOp = at::Tensor(const at::Tensor&, std::int64_t, double, bool, at::ScalarType);
 using StickBreakingOp = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                            double, bool, std::vector<std::int64_t>,
@@ -206,8 +201,6 @@ torch::Tensor LanguageModelImpl::layer_bias_params(const Layer& layer) const {
 }
 
 torch::Tensor LanguageModelImpl::forward(const torch::Tensor& bytes, std::int64_t context_length) {
-  static const auto attention =
-      c10::Dispatcher::singleton().findSchemaOrThrow("posenc::attention", "").typed<AttentionOp>();
   static const auto sinusoid =
       c10::Dispatcher::singleton().findSchemaOrThrow("posenc::sinusoidal_table", "").typed<SinusoidOp>();
   static const auto stickbreaking =
@@ -235,15 +228,12 @@ torch::Tensor LanguageModelImpl::forward(const torch::Tensor& bytes, std::int64_
     } else if (config_.scheme == "cope") {
       attended = std::get<0>(cope.call(q, k, v, layer.cope_table, 0.0, {}, {}));
     } else {
-      std::vector<at::Tensor> gates;
-      if (config_.scheme == "fox") gates.push_back(torch::log_sigmoid(linear(normed, layer.fgate)));
-      const torch::Tensor params = layer_bias_params(layer);
-      const auto [o, lse] = attention.call(
-          q, k, v, schemes, params.defined() ? std::vector<at::Tensor>{params} : std::vector<at::Tensor>{}, gates,
-          c10::nullopt, true, -1, -1, c10::nullopt, c10::nullopt, 0.0, c10::nullopt, c10::nullopt, c10::nullopt, {}, {},
-          true, c10::nullopt);
-      (void)lse;
-      attended = o;
+      torch_adapter::AttentionArgs args;
+      args.schemes = schemes;
+      if (config_.scheme == "fox") args.gates.push_back(torch::log_sigmoid(linear(normed, layer.fgate)));
+      if (const torch::Tensor params = layer_bias_params(layer); params.defined()) args.params.push_back(params);
+      args.causal = true;
+      attended = std::get<0>(torch_adapter::call_attention(q, k, v, args));
     }
     x = x + linear(attended.reshape({b, s, d}), layer.out);
     x = x + linear(torch::gelu(linear(layer.norm2->forward(x), layer.up)), layer.down);

@@ -10,7 +10,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import Forgetting, Scheme, _attention_args, _int, _object, _ops
+from ._checks import _int, _object, _ops
+from ._modules import Forgetting
+from ._attention import _attention_args
+from .registry import Scheme
 
 __all__ = ["ring_attention", "zigzag_indices", "zigzag_shard", "RingStats"]
 

@@ -16,7 +16,10 @@ per-pair table (Shaw, Transformer-XL), TUPE's projected table and CoPE are refus
 import torch
 from torch.nn.attention import flex_attention as _flex
 
-from . import CoPE, Forgetting, _attention_args, _flag, _object, _ops, _qkv_layout, _rope_args, sinusoidal_table
+from ._checks import _flag, _object, _ops
+from ._functional import _qkv_layout, _rope_args, sinusoidal_table
+from ._modules import CoPE, Forgetting
+from ._attention import _attention_args
 from .registry import Scheme, _relative_bias_op, _scheme_entry
 
 __all__ = ["FlexCall", "prepare", "attention"]

@@ -7,9 +7,12 @@ length (dynamic NTK, LongRoPE's switch from short to long factors) or when the p
 context shift). Caches hold no gradient: they serve inference."""
 import torch
 
-from . import (ALiBi, FIRE, Kerple, RotaryPositionalEncoding, Sandwich, Scheme, ShawRelativePositions,
-               T5RelativeBias, TUPE, TransformerXLRelative, _KV_FORMATS, _int, _ops, _rope_params, attention,
-               dequantize_kv, huge_page_zeros, quantize_kv, schemes)
+from ._attention import attention
+from ._checks import _int, _ops
+from ._functional import _KV_FORMATS, _rope_params, dequantize_kv, huge_page_zeros, quantize_kv
+from ._modules import (ALiBi, FIRE, Kerple, RotaryPositionalEncoding, ShawRelativePositions, T5RelativeBias, TUPE,
+                       TransformerXLRelative)
+from .registry import Sandwich, Scheme, schemes
 
 __all__ = ["SelfAttention", "KVCache"]
 

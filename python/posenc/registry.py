@@ -5,7 +5,7 @@ import json
 
 import torch
 
-from . import _finite, _int, _number, _object, _ops, _positions
+from ._checks import _finite, _int, _number, _object, _ops, _positions
 
 
 @torch.compiler.assume_constant_result  # the registry is fixed when the library loads
@@ -48,7 +48,7 @@ def _scheme_spec(name, heads, options=None, rope_args=None):
 
 @torch.compiler.allow_in_graph
 def _relative_bias_op(spec, params, q_positions, k_positions, dtype):
-    """The relative_bias op with the Scheme made here from its spec (as ``posenc._rope_op``)."""
+    """The relative_bias op with the Scheme made here from its spec (as ``posenc._functional._rope_op``)."""
     return _ops.relative_bias(_object(spec), params, q_positions, k_positions, dtype)
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import posenc
+from posenc._functional import _rope_params
 
 
 @pytest.mark.parametrize("call, match", [
@@ -95,7 +96,7 @@ def test_typed_boundary_keeps_values_and_refuses_by_name():
     with pytest.raises(ValueError, match=r"seq_len = -1; expected an int >= 0"):
         posenc.rope(q, seq_len=-1)
     with pytest.raises(ValueError, match=r"seq_len = -3; expected >= 0"):
-        torch.ops.posenc.rope(q, q.new_empty(0), torch.arange(4), posenc._rope_params(8, 8, 1e4, "half-split", None, 64),
+        torch.ops.posenc.rope(q, q.new_empty(0), torch.arange(4), _rope_params(8, 8, 1e4, "half-split", None, 64),
                               -3, 0)
     # transformers' rope_parameters carry rope_theta: equal to base it is accepted, else refused.
     same, _ = posenc.rope(q, base=5e5, scaling={"rope_type": "default", "rope_theta": 5e5})

@@ -16,6 +16,10 @@ import torch.nn.functional as F
 from torch.library import opcheck
 
 import posenc
+from posenc._attention import _attention_args
+from posenc._checks import _object
+from posenc._functional import _rope_params
+from posenc.registry import _scheme_spec
 
 ops = torch.ops.posenc
 
@@ -27,11 +31,11 @@ def op_args(q, k, v, scheme, **options):
                     q_positions=None, k_positions=None, keys_rotated=False, skip_vanishing_tiles=True, sinks=None,
                     cu_seqlens=None)
     a = {**defaults, **options}
-    args = list(posenc._attention_args(q, k, v, scheme, a["causal"], a["window"], a["chunk_size"], a["temperature"],
+    args = list(_attention_args(q, k, v, scheme, a["causal"], a["window"], a["chunk_size"], a["temperature"],
                                        a["softcap"], a["scale"], a["q_positions"], a["k_positions"],
                                        a["keys_rotated"], a["skip_vanishing_tiles"], a["sinks"], a["cu_seqlens"]))
-    args[3] = [posenc._object(s) for s in args[3]]
-    args[11] = None if args[11] is None else posenc._object(args[11])
+    args[3] = [_object(s) for s in args[3]]
+    args[11] = None if args[11] is None else _object(args[11])
     return tuple(args)
 
 
@@ -211,10 +215,10 @@ def rope_and_registry_cases():
     q = torch.randn(2, 5, 4, 8, requires_grad=True)
     k = torch.randn(2, 5, 2, 8, requires_grad=True)
     pos, pos_b = torch.arange(5) + 3, torch.stack([torch.arange(5), torch.arange(5) + 7])
-    yarn_xpos = posenc._rope_params(8, 8, 1e4, "half-split", {"rope_type": "yarn", "factor": 4.0,
+    yarn_xpos = _rope_params(8, 8, 1e4, "half-split", {"rope_type": "yarn", "factor": 4.0,
                                                               "original_max_position_embeddings": 16}, 64, None, 512)
-    partial = posenc._rope_params(8, 4, 500.0, "interleaved", None, 64, rotary_offset=2)
-    plain = posenc._rope_params(8, 8, 1e4, "half-split", None, 64)
+    partial = _rope_params(8, 4, 500.0, "interleaved", None, 64, rotary_offset=2)
+    plain = _rope_params(8, 8, 1e4, "half-split", None, 64)
     for form, wrap in (("", lambda r: r), ("_pickled", pickled)):
         rope, multi, inplace = getattr(ops, "rope" + form), getattr(ops, "rope_multi" + form), \
             getattr(ops, "rope_pickled_" if form else "rope_")
@@ -232,7 +236,7 @@ def rope_and_registry_cases():
                                                          True, 1)
     cache = torch.randn(2, 5, 2, 8)
     yield "rope_rerotate_", ops.rope_rerotate_, (cache, pos, plain, 0, pos + 4, plain, 0)
-    yarn = posenc._rope_params(8, 8, 1e4, "half-split", {"rope_type": "yarn", "factor": 4.0,
+    yarn = _rope_params(8, 8, 1e4, "half-split", {"rope_type": "yarn", "factor": 4.0,
                                                          "original_max_position_embeddings": 16}, 64)
     yield "rope_rerotate_-plain-to-yarn-batched", ops.rope_rerotate_, (cache, pos_b, plain, 0, pos_b + 1, yarn, 0)
     q_pos, k_pos = torch.arange(6) + 2, torch.arange(7)
@@ -240,7 +244,7 @@ def rope_and_registry_cases():
         if entry["family"] != "relative-bias":
             continue
         module = posenc.RelativeBias(entry["name"], 4)
-        scheme = posenc._object(posenc.registry._scheme_spec(module.name, module.heads, module.options))
+        scheme = _object(_scheme_spec(module.name, module.heads, module.options))
         params = module.parameters_
         yield f"relative_bias-{entry['name']}", ops.relative_bias, (scheme, params, q_pos, k_pos, torch.float32)
         yield f"relative_bias-{entry['name']}-initial", ops.relative_bias, (scheme, None, pos_b, pos_b,

@@ -11,6 +11,8 @@ import pytest
 import torch
 
 import posenc
+from posenc._attention import _attention_args, _attention_op
+from posenc.registry import _scheme_entry
 
 torch.manual_seed(0)
 
@@ -102,11 +104,11 @@ def fused(q, k, v, module, params, scheme_inputs=None):
     as its per-token inputs (causal)."""
     if scheme_inputs:
         module = posenc.Scheme(module.name, module.heads, module.head_dim, **module.options, **scheme_inputs)
-    args = list(posenc._attention_args(q, k, v, module, True, (-1, -1), None, None, 0.0, None, None, None, False,
+    args = list(_attention_args(q, k, v, module, True, (-1, -1), None, None, 0.0, None, None, None, False,
                                        True, None))
     if params is not None:
         args[4] = [params]
-    return posenc._attention_op(*args)[0]
+    return _attention_op(*args)[0]
 
 
 def typical_inputs(entry, batch, keys, heads, dtype=torch.float64):
@@ -116,7 +118,7 @@ def typical_inputs(entry, batch, keys, heads, dtype=torch.float64):
 
 @pytest.mark.parametrize("name", all_names())
 def test_every_registered_scheme_runs_by_name_and_differentiates(name):
-    entry = posenc._scheme_entry(name)
+    entry = _scheme_entry(name)
     scheme_inputs = {n: t.requires_grad_() for n, t in typical_inputs(entry, 1, 9, 4).items()}
     module = posenc.Scheme(name, 4, 8, **small_options(entry, 8), **scheme_inputs)
     assert (module.parameters_ is None) == (entry["parameters"] == "")
@@ -266,7 +268,7 @@ def test_a_scheme_with_a_per_token_input_is_the_forgetting_module():
                               causal=True)
     torch.testing.assert_close(groups[:, :, :2], posenc.attention(q[:, :, :2], k[:, :, :1], v[:, :, :1],
                                                                   posenc.Forgetting(half), causal=True), rtol=0, atol=0)
-    entry = posenc._scheme_entry("forgetting")
+    entry = _scheme_entry("forgetting")
     assert entry["family"] == "token-term" and entry["causal_only"] and entry["inputs"][0]["name"] == "log_fgate"
 
 

@@ -89,6 +89,8 @@ struct SchemePicture {
   std::string shared{};  // non-empty: heads holds one matrix, printed under this name
 };
 
+// A scheme's registry entry, built by field name (designated initializers, C++20): the fields
+// left out keep the defaults below.
 struct SchemeEntry {
   std::string name;
   // "none", "transform" (q and k before the product), "relative-bias" (a RelativeBias,

@@ -47,13 +47,6 @@ std::vector<double> joined(std::initializer_list<const std::vector<double>*> par
   return all;
 }
 
-SchemeEntry with_parameters(SchemeEntry entry, std::function<std::vector<double>(const HeadGroup&)> parameters_of,
-                            std::function<std::vector<double>(const GroupGradients&)> gradients_of) {
-  entry.parameters_of = std::move(parameters_of);
-  entry.gradients_of = std::move(gradients_of);
-  return entry;
-}
-
 // One matrix for every head: value(r) at r = key position − query position.
 SchemePicture shared_picture(std::string name, const Positions& positions,
                              const std::function<double(std::int64_t)>& value) {
@@ -77,93 +70,101 @@ HeadGroup bias_group(const SchemeArgs& a, BiasScheme bias) {
 }  // namespace
 
 SchemeEntry none_entry() {
-  return {"none",
-          "none",
-          "no positional term (NoPE: the causal mask is the only signal)",
-          "Kazemnejad et al. 2023, The Impact of Positional Encoding on Length Generalization",
-          {},
-          "",
-          [](const SchemeArgs&) { return std::vector<std::int64_t>{}; },
-          [](const SchemeArgs& a) {
-            return HeadGroup{a.heads, {}, {}};
-          }};
+  return {.name = "none",
+          .family = "none",
+          .summary = "no positional term (NoPE: the causal mask is the only signal)",
+          .source = "Kazemnejad et al. 2023, The Impact of Positional Encoding on Length Generalization",
+          .options = {},
+          .parameters = "",
+          .parameter_shape = [](const SchemeArgs&) { return std::vector<std::int64_t>{}; },
+          .make =
+              [](const SchemeArgs& a) {
+                return HeadGroup{a.heads, {}, {}};
+              }};
 }
 
 SchemeEntry rope_entry() {
-  return {"rope",
-          "transform",
-          "q, k rotated by θ_i·position in pairs, θ_i = base^(−2i/rotary_dim)",
-          "Su et al. 2021, RoFormer",
-          {{"base", 10000.0, "frequency base"},
-           {"rotary_dim", 0, "rotated dimensions (absent: head_dim)", true, 2, SchemeOption::kMaxSize, true},
-           flag_option("interleaved", false, "1: pairs (x0, x1), (x2, x3)…; 0: halves (x_i, x_{i+r/2})"),
-           flag_option("keys_rotated", false, "1: k is a cache of rotated keys (only q is rotated)")},
-          "",
-          [](const SchemeArgs&) { return std::vector<std::int64_t>{}; },
-          [](const SchemeArgs& a) {
-            const std::int64_t rotary = a.has("rotary_dim") ? a.integer("rotary_dim") : a.head_dim;
-            RopeParams params =
-                a.rope ? *a.rope
-                       : RopeParams(a.head_dim, rotary, a.number("base"),
-                                    a.flag("interleaved") ? RopeLayout::kInterleaved : RopeLayout::kHalfSplit);
-            return HeadGroup{a.heads, RotaryQK{std::move(params), a.flag("keys_rotated"), 0}, {}};
-          }};
+  return {.name = "rope",
+          .family = "transform",
+          .summary = "q, k rotated by θ_i·position in pairs, θ_i = base^(−2i/rotary_dim)",
+          .source = "Su et al. 2021, RoFormer",
+          .options = {{"base", 10000.0, "frequency base"},
+                      {"rotary_dim", 0, "rotated dimensions (absent: head_dim)", true, 2, SchemeOption::kMaxSize, true},
+                      flag_option("interleaved", false, "1: pairs (x0, x1), (x2, x3)…; 0: halves (x_i, x_{i+r/2})"),
+                      flag_option("keys_rotated", false, "1: k is a cache of rotated keys (only q is rotated)")},
+          .parameters = "",
+          .parameter_shape = [](const SchemeArgs&) { return std::vector<std::int64_t>{}; },
+          .make =
+              [](const SchemeArgs& a) {
+                const std::int64_t rotary = a.has("rotary_dim") ? a.integer("rotary_dim") : a.head_dim;
+                RopeParams params =
+                    a.rope ? *a.rope
+                           : RopeParams(a.head_dim, rotary, a.number("base"),
+                                        a.flag("interleaved") ? RopeLayout::kInterleaved : RopeLayout::kHalfSplit);
+                return HeadGroup{a.heads, RotaryQK{std::move(params), a.flag("keys_rotated"), 0}, {}};
+              }};
 }
 
 SchemeEntry absolute_entry() {
-  return {"absolute",
-          "transform",
-          "the sinusoid of the position added to q and k, not v (position-infused attention)",
-          "Press et al. 2021, Shortformer",
-          {{"dim", 0, "width of the sinusoid (absent: head_dim; else it must equal head_dim)", true, 1,
-            SchemeOption::kMaxSize, true},
-           {"base", 10000.0, "frequency base"},
-           flag_option("interleaved", true, "1: (sin, cos) pairs; 0: [sin | cos] halves")},
-          "",
-          [](const SchemeArgs&) { return std::vector<std::int64_t>{}; },
-          [](const SchemeArgs& a) {
-            return HeadGroup{a.heads,
-                             AbsoluteQK{SinusoidalParams(a.has("dim") ? a.integer("dim") : a.head_dim, a.number("base"),
-                                                         a.flag("interleaved") ? SinusoidalLayout::kInterleaved
-                                                                               : SinusoidalLayout::kSplitHalves)},
-                             {}};
-          }};
+  return {.name = "absolute",
+          .family = "transform",
+          .summary = "the sinusoid of the position added to q and k, not v (position-infused attention)",
+          .source = "Press et al. 2021, Shortformer",
+          .options = {{"dim", 0, "width of the sinusoid (absent: head_dim; else it must equal head_dim)", true, 1,
+                       SchemeOption::kMaxSize, true},
+                      {"base", 10000.0, "frequency base"},
+                      flag_option("interleaved", true, "1: (sin, cos) pairs; 0: [sin | cos] halves")},
+          .parameters = "",
+          .parameter_shape = [](const SchemeArgs&) { return std::vector<std::int64_t>{}; },
+          .make =
+              [](const SchemeArgs& a) {
+                return HeadGroup{
+                    a.heads,
+                    AbsoluteQK{SinusoidalParams(
+                        a.has("dim") ? a.integer("dim") : a.head_dim, a.number("base"),
+                        a.flag("interleaved") ? SinusoidalLayout::kInterleaved : SinusoidalLayout::kSplitHalves)},
+                    {}};
+              }};
 }
 
 SchemeEntry alibi_entry() {
-  return with_parameters(
-      {"alibi",
-       "relative-bias",
-       "b = m_h·r (causal) or −m_h·|r| (symmetric), r = key − query",
-       "Press et al. 2022, Train Short, Test Long",
-       {flag_option("symmetric", false, "1: −m·|r| (encoders)"), {"max_bias", 8.0, "the slopes' exponent scale"}},
-       "slopes [heads]",
-       [](const SchemeArgs& a) { return std::vector<std::int64_t>{a.heads}; },
-       [](const SchemeArgs& a) {
-         const AlibiForm form = a.flag("symmetric") ? AlibiForm::kSymmetric : AlibiForm::kCausal;
-         return bias_group(a, a.parameters.empty() ? AlibiParams(a.heads, form, a.number("max_bias"))
-                                                   : AlibiParams(a.parameters, form));
-       }},
-      [](const HeadGroup& g) { return std::get<AlibiParams>(*g.bias).slopes(); }, {});
+  return SchemeEntry{.name = "alibi",
+                     .family = "relative-bias",
+                     .summary = "b = m_h·r (causal) or −m_h·|r| (symmetric), r = key − query",
+                     .source = "Press et al. 2022, Train Short, Test Long",
+                     .options = {flag_option("symmetric", false, "1: −m·|r| (encoders)"),
+                                 {"max_bias", 8.0, "the slopes' exponent scale"}},
+                     .parameters = "slopes [heads]",
+                     .parameter_shape = [](const SchemeArgs& a) { return std::vector<std::int64_t>{a.heads}; },
+                     .make =
+                         [](const SchemeArgs& a) {
+                           const AlibiForm form = a.flag("symmetric") ? AlibiForm::kSymmetric : AlibiForm::kCausal;
+                           return bias_group(a, a.parameters.empty() ? AlibiParams(a.heads, form, a.number("max_bias"))
+                                                                     : AlibiParams(a.parameters, form));
+                         },
+                     .parameters_of = [](const HeadGroup& g) { return std::get<AlibiParams>(*g.bias).slopes(); }};
 }
 
 SchemeEntry t5_entry() {
-  SchemeEntry entry = with_parameters(
-      {"t5",
-       "relative-bias",
-       "b = table[bucket(r), h]: exact near 0, logarithmic buckets up to max_distance",
-       "Raffel et al. 2020, T5",
-       {size_option("num_buckets", 32, "buckets"), size_option("max_distance", 128, "distance of the last bucket"),
-        flag_option("bidirectional", true, "0: causal buckets")},
-       "table [num_buckets, heads] (zeros at first)",
-       [](const SchemeArgs& a) {
-         return std::vector<std::int64_t>{a.integer("num_buckets"), a.heads};
-       },
-       [](const SchemeArgs& a) {
-         return bias_group(a, T5BiasParams(a.heads, a.integer("num_buckets"), a.integer("max_distance"),
-                                           a.flag("bidirectional"), a.parameters));
-       }},
-      [](const HeadGroup& g) { return std::get<T5BiasParams>(*g.bias).table(); }, {});
+  SchemeEntry entry =
+      SchemeEntry{.name = "t5",
+                  .family = "relative-bias",
+                  .summary = "b = table[bucket(r), h]: exact near 0, logarithmic buckets up to max_distance",
+                  .source = "Raffel et al. 2020, T5",
+                  .options = {size_option("num_buckets", 32, "buckets"),
+                              size_option("max_distance", 128, "distance of the last bucket"),
+                              flag_option("bidirectional", true, "0: causal buckets")},
+                  .parameters = "table [num_buckets, heads] (zeros at first)",
+                  .parameter_shape =
+                      [](const SchemeArgs& a) {
+                        return std::vector<std::int64_t>{a.integer("num_buckets"), a.heads};
+                      },
+                  .make =
+                      [](const SchemeArgs& a) {
+                        return bias_group(a, T5BiasParams(a.heads, a.integer("num_buckets"), a.integer("max_distance"),
+                                                          a.flag("bidirectional"), a.parameters));
+                      },
+                  .parameters_of = [](const HeadGroup& g) { return std::get<T5BiasParams>(*g.bias).table(); }};
   // The bucket ids (the learned table is a model's, zeros at first).
   entry.picture = [](const HeadGroup& g, const Positions& positions) {
     const T5BiasParams& t5 = std::get<T5BiasParams>(*g.bias);
@@ -174,87 +175,94 @@ SchemeEntry t5_entry() {
 }
 
 SchemeEntry kerple_entry() {
-  return with_parameters({"kerple",
-                          "relative-bias",
-                          "b = −r1_h·log(1 + r2_h·|r|) (log) or −r1_h·|r|^r2_h (power)",
-                          "Chi et al. 2022, KERPLE",
-                          {flag_option("power", false, "1: the power form"),
-                           {"r1", 1.0, "r1 of every head at first"},
-                           {"r2", 0.5, "r2 of every head at first"}},
-                          "[r1 | r2] [2, heads]",
-                          [](const SchemeArgs& a) {
-                            return std::vector<std::int64_t>{2, a.heads};
-                          },
-                          [](const SchemeArgs& a) {
-                            const KerpleForm form = a.flag("power") ? KerpleForm::kPower : KerpleForm::kLog;
-                            const auto h = static_cast<std::size_t>(a.heads);
-                            if (a.parameters.empty()) {
-                              return bias_group(a, KerpleParams(form, std::vector<double>(h, a.number("r1")),
-                                                                std::vector<double>(h, a.number("r2"))));
-                            }
-                            return bias_group(a, KerpleParams(form, slice(a.parameters, 0, a.heads),
-                                                              slice(a.parameters, a.heads, a.heads)));
-                          }},
-                         [](const HeadGroup& g) { return std::get<KerpleParams>(*g.bias).parameters(); }, {});
+  return SchemeEntry{.name = "kerple",
+                     .family = "relative-bias",
+                     .summary = "b = −r1_h·log(1 + r2_h·|r|) (log) or −r1_h·|r|^r2_h (power)",
+                     .source = "Chi et al. 2022, KERPLE",
+                     .options = {flag_option("power", false, "1: the power form"),
+                                 {"r1", 1.0, "r1 of every head at first"},
+                                 {"r2", 0.5, "r2 of every head at first"}},
+                     .parameters = "[r1 | r2] [2, heads]",
+                     .parameter_shape =
+                         [](const SchemeArgs& a) {
+                           return std::vector<std::int64_t>{2, a.heads};
+                         },
+                     .make =
+                         [](const SchemeArgs& a) {
+                           const KerpleForm form = a.flag("power") ? KerpleForm::kPower : KerpleForm::kLog;
+                           const auto h = static_cast<std::size_t>(a.heads);
+                           if (a.parameters.empty()) {
+                             return bias_group(a, KerpleParams(form, std::vector<double>(h, a.number("r1")),
+                                                               std::vector<double>(h, a.number("r2"))));
+                           }
+                           return bias_group(a, KerpleParams(form, slice(a.parameters, 0, a.heads),
+                                                             slice(a.parameters, a.heads, a.heads)));
+                         },
+                     .parameters_of = [](const HeadGroup& g) { return std::get<KerpleParams>(*g.bias).parameters(); }};
 }
 
 SchemeEntry fire_entry() {
   SchemeEntry entry =
-      SchemeEntry{"fire",
-                  "bias",
-                  "b = MLP_h(ψ(|i − j|)/ψ(max(L, i))), ψ(t) = log(1 + c·t)",
-                  "Li et al. 2023, Functional Interpolation for Relative Positions",
-                  {size_option("hidden", 32, "MLP width"),
-                   {"c", 1.0, "c of ψ at first"},
-                   {"threshold", 512.0, "L at first"},
-                   seed_option()},
-                  "[w1 (hidden) | b1 (hidden) | w2 (heads·hidden) | b2 (heads) | c | L]",
-                  [](const SchemeArgs& a) {
-                    const std::int64_t k = a.integer("hidden");
-                    return std::vector<std::int64_t>{
-                        checked_sum("fire", {2 * k, checked_product("fire", {a.heads, k}), a.heads, 2})};
-                  },
-                  [](const SchemeArgs& a) {
-                    const std::int64_t k = a.integer("hidden"), h = a.heads;
-                    if (a.parameters.empty()) {
-                      return bias_group(a, FireParams::init(h, k, static_cast<std::uint64_t>(a.integer("seed")),
-                                                            a.number("c"), a.number("threshold")));
-                    }
-                    const std::vector<double>& p = a.parameters;
-                    return bias_group(a, FireParams(h, slice(p, 0, k), slice(p, k, k), slice(p, 2 * k, h * k),
-                                                    slice(p, 2 * k + h * k, h), p[p.size() - 2], p[p.size() - 1]));
-                  }};
+      SchemeEntry{.name = "fire",
+                  .family = "bias",
+                  .summary = "b = MLP_h(ψ(|i − j|)/ψ(max(L, i))), ψ(t) = log(1 + c·t)",
+                  .source = "Li et al. 2023, Functional Interpolation for Relative Positions",
+                  .options = {size_option("hidden", 32, "MLP width"),
+                              {"c", 1.0, "c of ψ at first"},
+                              {"threshold", 512.0, "L at first"},
+                              seed_option()},
+                  .parameters = "[w1 (hidden) | b1 (hidden) | w2 (heads·hidden) | b2 (heads) | c | L]",
+                  .parameter_shape =
+                      [](const SchemeArgs& a) {
+                        const std::int64_t k = a.integer("hidden");
+                        return std::vector<std::int64_t>{
+                            checked_sum("fire", {2 * k, checked_product("fire", {a.heads, k}), a.heads, 2})};
+                      },
+                  .make =
+                      [](const SchemeArgs& a) {
+                        const std::int64_t k = a.integer("hidden"), h = a.heads;
+                        if (a.parameters.empty()) {
+                          return bias_group(a, FireParams::init(h, k, static_cast<std::uint64_t>(a.integer("seed")),
+                                                                a.number("c"), a.number("threshold")));
+                        }
+                        const std::vector<double>& p = a.parameters;
+                        return bias_group(a, FireParams(h, slice(p, 0, k), slice(p, k, k), slice(p, 2 * k, h * k),
+                                                        slice(p, 2 * k + h * k, h), p[p.size() - 2], p[p.size() - 1]));
+                      }};
   entry.picture_ignores = {"head_dim"};  // FIRE's MLP sees positions only
   return entry;
 }
 
 SchemeEntry tupe_entry() {
   return SchemeEntry{
-      "tupe",
-      "bias",
-      "b = (p_i U^Q_h)·(p_j U^K_h)/sqrt(2D), p a learned absolute table",
-      "Ke et al. 2021, Rethinking Positional Encoding in Language Pre-training",
-      {size_option("d_model", 64, "width of the position table"),
-       size_option("max_len", 512, "rows of the position table"),
-       flag_option("cls_reset", false, "1: position 0 is a [CLS] token with learned θ1, θ2"), seed_option()},
-      "[table (max_len·d_model) | U^Q (d_model·heads·head_dim) | U^K | θ1 (heads) | θ2 (heads)]",
-      [](const SchemeArgs& a) {
-        const std::int64_t table = checked_product("tupe", {a.integer("max_len"), a.integer("d_model")});
-        const std::int64_t u = checked_product("tupe", {a.integer("d_model"), a.heads, a.head_dim});
-        return std::vector<std::int64_t>{checked_sum("tupe", {table, u, u, 2 * a.heads})};
-      },
-      [](const SchemeArgs& a) {
-        const std::int64_t d_model = a.integer("d_model"), max_len = a.integer("max_len");
-        if (a.parameters.empty()) {
-          return bias_group(a, TupeParams::init(a.heads, a.head_dim, d_model, max_len, a.flag("cls_reset"), 0.02,
-                                                static_cast<std::uint64_t>(a.integer("seed"))));
-        }
-        const std::int64_t table = max_len * d_model, u = d_model * a.heads * a.head_dim;
-        const std::vector<double>& p = a.parameters;
-        return bias_group(a, TupeParams(a.heads, a.head_dim, d_model, slice(p, 0, table), slice(p, table, u),
-                                        slice(p, table + u, u), a.flag("cls_reset"), slice(p, table + 2 * u, a.heads),
-                                        slice(p, table + 2 * u + a.heads, a.heads)));
-      }};
+      .name = "tupe",
+      .family = "bias",
+      .summary = "b = (p_i U^Q_h)·(p_j U^K_h)/sqrt(2D), p a learned absolute table",
+      .source = "Ke et al. 2021, Rethinking Positional Encoding in Language Pre-training",
+      .options = {size_option("d_model", 64, "width of the position table"),
+                  size_option("max_len", 512, "rows of the position table"),
+                  flag_option("cls_reset", false, "1: position 0 is a [CLS] token with learned θ1, θ2"), seed_option()},
+      .parameters = "[table (max_len·d_model) | U^Q (d_model·heads·head_dim) | U^K | θ1 (heads) | θ2 (heads)]",
+      .parameter_shape =
+          [](const SchemeArgs& a) {
+            const std::int64_t table = checked_product("tupe", {a.integer("max_len"), a.integer("d_model")});
+            const std::int64_t u = checked_product("tupe", {a.integer("d_model"), a.heads, a.head_dim});
+            return std::vector<std::int64_t>{checked_sum("tupe", {table, u, u, 2 * a.heads})};
+          },
+      .make =
+          [](const SchemeArgs& a) {
+            const std::int64_t d_model = a.integer("d_model"), max_len = a.integer("max_len");
+            if (a.parameters.empty()) {
+              return bias_group(a, TupeParams::init(a.heads, a.head_dim, d_model, max_len, a.flag("cls_reset"), 0.02,
+                                                    static_cast<std::uint64_t>(a.integer("seed"))));
+            }
+            const std::int64_t table = max_len * d_model, u = d_model * a.heads * a.head_dim;
+            const std::vector<double>& p = a.parameters;
+            return bias_group(a,
+                              TupeParams(a.heads, a.head_dim, d_model, slice(p, 0, table), slice(p, table, u),
+                                         slice(p, table + u, u), a.flag("cls_reset"), slice(p, table + 2 * u, a.heads),
+                                         slice(p, table + 2 * u + a.heads, a.heads)));
+          }};
 }
 
 // The entry's own term: the first of the group its factory built.
@@ -272,37 +280,40 @@ std::vector<double> first_term_gradient(const GroupGradients& g) {
 }
 
 SchemeEntry shaw_entry() {
-  SchemeEntry entry = with_parameters(
-      {"shaw",
-       "relative-terms",
-       "logit += scale·q·a^K[clip(r, ±k)], out += Σ_j p_ij·a^V[clip(r, ±k)]",
-       "Shaw et al. 2018, Self-Attention with Relative Position Representations",
-       {{"max_distance", 16, "the clip k", true, 0, SchemeOption::kMaxSize}, seed_option()},
-       "[key table | value table] [2, 2·max_distance + 1, head_dim]",
-       [](const SchemeArgs& a) {
-         return std::vector<std::int64_t>{2, 2 * a.integer("max_distance") + 1, a.head_dim};
-       },
-       [](const SchemeArgs& a) {
-         const std::int64_t k = a.integer("max_distance");
-         HeadGroup g{a.heads, {}, {}};
-         if (a.parameters.empty()) {
-           g.terms.push_back(std::make_shared<ShawTerm>(
-               a.heads, ShawParams::init(k, a.head_dim, 0.02, static_cast<std::uint64_t>(a.integer("seed")))));
-         } else {
-           const std::int64_t half = static_cast<std::int64_t>(a.parameters.size()) / 2;
-           g.terms.push_back(std::make_shared<ShawTerm>(
-               a.heads, ShawParams(k, a.head_dim, slice(a.parameters, 0, half), slice(a.parameters, half, half))));
-         }
-         return g;
-       }},
-      [](const HeadGroup& g) {
-        const ShawParams& shaw = term_of<ShawTerm>(g, "shaw").params();
-        const std::vector<double> zeros(static_cast<std::size_t>(shaw.rows() * shaw.head_dim()), 0.0);
-        const auto& key = shaw.key_table().empty() ? zeros : shaw.key_table();
-        const auto& value = shaw.value_table().empty() ? zeros : shaw.value_table();
-        return joined({&key, &value});
-      },
-      first_term_gradient);
+  SchemeEntry entry = SchemeEntry{
+      .name = "shaw",
+      .family = "relative-terms",
+      .summary = "logit += scale·q·a^K[clip(r, ±k)], out += Σ_j p_ij·a^V[clip(r, ±k)]",
+      .source = "Shaw et al. 2018, Self-Attention with Relative Position Representations",
+      .options = {{"max_distance", 16, "the clip k", true, 0, SchemeOption::kMaxSize}, seed_option()},
+      .parameters = "[key table | value table] [2, 2·max_distance + 1, head_dim]",
+      .parameter_shape =
+          [](const SchemeArgs& a) {
+            return std::vector<std::int64_t>{2, 2 * a.integer("max_distance") + 1, a.head_dim};
+          },
+      .make =
+          [](const SchemeArgs& a) {
+            const std::int64_t k = a.integer("max_distance");
+            HeadGroup g{a.heads, {}, {}};
+            if (a.parameters.empty()) {
+              g.terms.push_back(std::make_shared<ShawTerm>(
+                  a.heads, ShawParams::init(k, a.head_dim, 0.02, static_cast<std::uint64_t>(a.integer("seed")))));
+            } else {
+              const std::int64_t half = static_cast<std::int64_t>(a.parameters.size()) / 2;
+              g.terms.push_back(std::make_shared<ShawTerm>(
+                  a.heads, ShawParams(k, a.head_dim, slice(a.parameters, 0, half), slice(a.parameters, half, half))));
+            }
+            return g;
+          },
+      .parameters_of =
+          [](const HeadGroup& g) {
+            const ShawParams& shaw = term_of<ShawTerm>(g, "shaw").params();
+            const std::vector<double> zeros(static_cast<std::size_t>(shaw.rows() * shaw.head_dim()), 0.0);
+            const auto& key = shaw.key_table().empty() ? zeros : shaw.key_table();
+            const auto& value = shaw.value_table().empty() ? zeros : shaw.value_table();
+            return joined({&key, &value});
+          },
+      .gradients_of = first_term_gradient};
   // The table row each (query, key) pair reads: clip(r, −k, k) + k.
   entry.picture = [](const HeadGroup& g, const Positions& positions) {
     const ShawParams& shaw = term_of<ShawTerm>(g, "shaw").params();
@@ -313,38 +324,43 @@ SchemeEntry shaw_entry() {
 }
 
 SchemeEntry xl_entry() {
-  SchemeEntry entry = with_parameters(
-      {"xl",
-       "relative-terms",
-       "logit += scale·(u_h·k_j + (q_i + v_h)·W_R r(i − j)), r a sinusoid of d_model",
-       "Dai et al. 2019, Transformer-XL",
-       {size_option("d_model", 64, "width of the sinusoid r"), {"base", 10000.0, "the sinusoid's base"}, seed_option()},
-       "[u (heads·head_dim) | v (heads·head_dim) | W_R (heads·head_dim·d_model)]",
-       [](const SchemeArgs& a) {
-         const std::int64_t hd = checked_product("xl", {a.heads, a.head_dim});
-         return std::vector<std::int64_t>{
-             checked_sum("xl", {hd, hd, checked_product("xl", {hd, a.integer("d_model")})})};
-       },
-       [](const SchemeArgs& a) {
-         const std::int64_t d_model = a.integer("d_model"), hd = a.heads * a.head_dim;
-         HeadGroup g{a.heads, {}, {}};
-         if (a.parameters.empty()) {
-           const XlParams init =
-               XlParams::init(a.heads, a.head_dim, d_model, 0.02, static_cast<std::uint64_t>(a.integer("seed")));
-           g.terms.push_back(std::make_shared<XlTerm>(
-               XlParams(a.heads, a.head_dim, d_model, init.u(), init.v(), init.w_r(), a.scale, a.number("base"))));
-         } else {
-           g.terms.push_back(std::make_shared<XlTerm>(
-               XlParams(a.heads, a.head_dim, d_model, slice(a.parameters, 0, hd), slice(a.parameters, hd, hd),
-                        slice(a.parameters, 2 * hd, hd * d_model), a.scale, a.number("base"))));
-         }
-         return g;
-       }},
-      [](const HeadGroup& g) {
-        const XlParams& xl = term_of<XlTerm>(g, "xl").params();
-        return joined({&xl.u(), &xl.v(), &xl.w_r()});
-      },
-      first_term_gradient);
+  SchemeEntry entry = SchemeEntry{
+      .name = "xl",
+      .family = "relative-terms",
+      .summary = "logit += scale·(u_h·k_j + (q_i + v_h)·W_R r(i − j)), r a sinusoid of d_model",
+      .source = "Dai et al. 2019, Transformer-XL",
+      .options = {size_option("d_model", 64, "width of the sinusoid r"),
+                  {"base", 10000.0, "the sinusoid's base"},
+                  seed_option()},
+      .parameters = "[u (heads·head_dim) | v (heads·head_dim) | W_R (heads·head_dim·d_model)]",
+      .parameter_shape =
+          [](const SchemeArgs& a) {
+            const std::int64_t hd = checked_product("xl", {a.heads, a.head_dim});
+            return std::vector<std::int64_t>{
+                checked_sum("xl", {hd, hd, checked_product("xl", {hd, a.integer("d_model")})})};
+          },
+      .make =
+          [](const SchemeArgs& a) {
+            const std::int64_t d_model = a.integer("d_model"), hd = a.heads * a.head_dim;
+            HeadGroup g{a.heads, {}, {}};
+            if (a.parameters.empty()) {
+              const XlParams init =
+                  XlParams::init(a.heads, a.head_dim, d_model, 0.02, static_cast<std::uint64_t>(a.integer("seed")));
+              g.terms.push_back(std::make_shared<XlTerm>(
+                  XlParams(a.heads, a.head_dim, d_model, init.u(), init.v(), init.w_r(), a.scale, a.number("base"))));
+            } else {
+              g.terms.push_back(std::make_shared<XlTerm>(
+                  XlParams(a.heads, a.head_dim, d_model, slice(a.parameters, 0, hd), slice(a.parameters, hd, hd),
+                           slice(a.parameters, 2 * hd, hd * d_model), a.scale, a.number("base"))));
+            }
+            return g;
+          },
+      .parameters_of =
+          [](const HeadGroup& g) {
+            const XlParams& xl = term_of<XlTerm>(g, "xl").params();
+            return joined({&xl.u(), &xl.v(), &xl.w_r()});
+          },
+      .gradients_of = first_term_gradient};
   // The position terms a zero query and zero keys see: scale·v_h·W_R r(i − j).
   entry.picture = [](const HeadGroup& g, const Positions& positions) {
     const XlParams& xl = term_of<XlTerm>(g, "xl").params();

@@ -343,18 +343,20 @@ namespace scheme_entries {
 // Forgetting Attention as a group's whole scheme (the paper's FoX, with no positional scheme);
 // beside another scheme on the same heads ("FoX Pro": RoPE) the gate is one of HeadGroup::terms.
 SchemeEntry forgetting_entry() {
-  SchemeEntry e{"forgetting",
-                "token-term",
-                "x_ij += Σ_{l=j+1..i} log f_l: a per-token, per-head forget gate f = σ(w_f·x + b_f) decays older keys",
-                "Lin, Nikishin, He and Courville 2025, Forgetting Transformer: Softmax Attention with a Forget Gate",
-                {},
-                "",
-                [](const SchemeArgs&) { return std::vector<std::int64_t>{}; },
-                [](const SchemeArgs& a) {
-                  HeadGroup g{a.heads, {}, {}};
-                  g.terms = {std::make_shared<const ForgetGate>(a.input("log_fgate"))};
-                  return g;
-                }};
+  SchemeEntry e{
+      .name = "forgetting",
+      .family = "token-term",
+      .summary = "x_ij += Σ_{l=j+1..i} log f_l: a per-token, per-head forget gate f = σ(w_f·x + b_f) decays older keys",
+      .source = "Lin, Nikishin, He and Courville 2025, Forgetting Transformer: Softmax Attention with a Forget Gate",
+      .options = {},
+      .parameters = "",
+      .parameter_shape = [](const SchemeArgs&) { return std::vector<std::int64_t>{}; },
+      .make =
+          [](const SchemeArgs& a) {
+            HeadGroup g{a.heads, {}, {}};
+            g.terms = {std::make_shared<const ForgetGate>(a.input("log_fgate"))};
+            return g;
+          }};
   // log σ of gate logits spread over [1, 5]: gates of 0.73 to 0.99, as a trained FoX's (its
   // forget-gate bias starts them near 1).
   e.inputs = {{"log_fgate", "log forget gate [B, Sk, heads] ([Tk, heads] packed), each <= 0",

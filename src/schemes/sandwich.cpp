@@ -72,14 +72,16 @@ void SandwichBias::tabulate(std::int64_t r_first, std::int64_t count, double* ou
 namespace scheme_entries {
 
 SchemeEntry sandwich_entry() {
-  return {"sandwich",
-          "relative-bias",
-          "b = (Σ_k cos(r·ω_k) − d'/2)·H/(8·(h + 1)), ω_k = base^(−2k/d'): parameter-free",
-          "Chi et al. 2023, Dissecting Transformer Length Extrapolation via the Lens of Receptive Field Analysis",
-          {size_option("dim", 128, "d', the width of the sinusoid whose dot product is the bias"),
-           {"base", 10000.0, "frequency base"}},
-          "",
-          [](const SchemeArgs&) { return std::vector<std::int64_t>{}; },
+  return {
+      .name = "sandwich",
+      .family = "relative-bias",
+      .summary = "b = (Σ_k cos(r·ω_k) − d'/2)·H/(8·(h + 1)), ω_k = base^(−2k/d'): parameter-free",
+      .source = "Chi et al. 2023, Dissecting Transformer Length Extrapolation via the Lens of Receptive Field Analysis",
+      .options = {size_option("dim", 128, "d', the width of the sinusoid whose dot product is the bias"),
+                  {"base", 10000.0, "frequency base"}},
+      .parameters = "",
+      .parameter_shape = [](const SchemeArgs&) { return std::vector<std::int64_t>{}; },
+      .make =
           [](const SchemeArgs& a) {
             HeadGroup g{a.heads, {}, {}};
             g.bias = RelativeBiasRef(std::make_shared<const SandwichBias>(a.heads, a.integer("dim"), a.number("base")));

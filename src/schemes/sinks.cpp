@@ -111,20 +111,22 @@ namespace scheme_entries {
 // posenc.Scheme("sinks", heads) as a module of learned logits. Sinks beside another scheme on the
 // same heads (gpt-oss: RoPE) go through the attention's `sinks` argument (HeadGroup::terms).
 SchemeEntry sinks_entry() {
-  SchemeEntry e{"sinks",
-                "sink",
-                "P_ij = exp(x_ij)/(exp(s_h) + Σ_j exp(x_ij)): a learned logit per head in every row's denominator",
-                "OpenAI 2025, gpt-oss; Xiao et al. 2024, Efficient Streaming Language Models with Attention Sinks",
-                {},
-                "logits [heads] (zeros at first)",
-                [](const SchemeArgs& a) { return std::vector<std::int64_t>{a.heads}; },
-                [](const SchemeArgs& a) {
-                  HeadGroup g{a.heads, {}, {}};
-                  std::vector<double> logits = a.parameters;
-                  if (logits.empty()) logits.assign(static_cast<std::size_t>(a.heads), 0.0);
-                  g.terms = {std::make_shared<const AttentionSinks>(std::move(logits))};
-                  return g;
-                }};
+  SchemeEntry e{
+      .name = "sinks",
+      .family = "sink",
+      .summary = "P_ij = exp(x_ij)/(exp(s_h) + Σ_j exp(x_ij)): a learned logit per head in every row's denominator",
+      .source = "OpenAI 2025, gpt-oss; Xiao et al. 2024, Efficient Streaming Language Models with Attention Sinks",
+      .options = {},
+      .parameters = "logits [heads] (zeros at first)",
+      .parameter_shape = [](const SchemeArgs& a) { return std::vector<std::int64_t>{a.heads}; },
+      .make =
+          [](const SchemeArgs& a) {
+            HeadGroup g{a.heads, {}, {}};
+            std::vector<double> logits = a.parameters;
+            if (logits.empty()) logits.assign(static_cast<std::size_t>(a.heads), 0.0);
+            g.terms = {std::make_shared<const AttentionSinks>(std::move(logits))};
+            return g;
+          }};
   e.parameters_of = [](const HeadGroup& g) {
     const auto* sinks = g.terms.empty() ? nullptr : dynamic_cast<const AttentionSinks*>(g.terms[0].get());
     if (sinks == nullptr) throw Error("scheme sinks", "terms[0]", "not AttentionSinks", "the group sinks_entry makes");

@@ -16,6 +16,7 @@
 #include <type_traits>
 
 #include "kernels/attention/attention_kernels.hpp"
+#include "kernels/attention/quant_row-inl.h"
 #include "kernels/common/cpu_vendor.hpp"
 #include "posenc/error.hpp"
 #include "posenc/quantized.hpp"
@@ -739,92 +740,11 @@ void AttnDecodeValues(const void* HWY_RESTRICT v, DType dtype, std::int64_t ldv,
 }
 
 // ─── Quantized caches (quantized.hpp), read where they lie ─────────────────────────────────────
-// Each vector of a row is dequantised in registers — the exactly widened integer (E4M3 value)
-// times its scale, one f32 multiply, the value of posenc::dequantize_rows — and then meets the
-// same multiply-adds, in the same order, as the f32 kernels above give the f32 cache of those
-// values (DecodeScoresPacked without rotation, KeyMajorValues, ValueColumns): the same bits.
-// Row pointers and strides count bytes. A vector never straddles two q8_0 / q4_0 blocks (lanes
-// divide 32).
+// Each vector of a row is dequantised in registers (QuantRow, quant_row-inl.h: the values of
+// posenc::dequantize_rows) and then meets the same multiply-adds, in the same order, as the f32
+// kernels above give the f32 cache of those values (DecodeScoresPacked without rotation,
+// KeyMajorValues, ValueColumns): the same bits. Row pointers and strides count bytes.
 #if HWY_TARGET != HWY_SCALAR
-// E4M3 widened through f16 where F16C converts vectors of it (x86 AVX2 and above).
-constexpr bool kFp8ThroughF16 = HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2;
-
-template <CacheFormat kFormat>
-struct QuantRow {
-  // Values per scale (fp8: the whole row, read at column 0).
-  static constexpr std::int64_t kGroup = kFormat == CacheFormat::kFp8E4M3 ? std::int64_t{1} << 40 : 32;
-  static constexpr std::int64_t kBlockBytes = kFormat == CacheFormat::kQ8_0 ? 34 : 18;
-
-  // The scale of column c (a multiple of kGroup) broadcast.
-  static HWY_INLINE VF Scale(DF d, const unsigned char* HWY_RESTRICT row, std::int64_t c) {
-    if constexpr (kFormat == CacheFormat::kFp8E4M3) {
-      (void)c;
-      float scale;
-      std::memcpy(&scale, row, sizeof(float));
-      // With F16C, Load widens E4M3 through f16 at 2^-8 of its value: the scale takes the 2^8
-      // (exact: s <= FLT_MAX / 448 keeps s·256 finite), so the product is s·e4m3, rounded once.
-      return hn::Set(d, kFp8ThroughF16 ? scale * 256.0f : scale);
-    } else {
-      const unsigned char* at = row + c / 32 * kBlockBytes;
-      const auto bits = static_cast<std::uint16_t>(at[0] | (at[1] << 8));
-#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2
-      // F16C: the exact widening, broadcast.
-      const hn::Rebind<hwy::float16_t, DF> dh;
-      const hn::RebindToUnsigned<decltype(dh)> du16;
-      return hn::PromoteTo(d, hn::BitCast(dh, hn::Set(du16, bits)));
-#else
-      return hn::Set(d, from_f16(f16{bits}));
-#endif
-    }
-  }
-
-  // Columns [c, c + lanes) of the row, dequantised with `scale` (their group's).
-  static HWY_INLINE VF Load(DF d, const unsigned char* HWY_RESTRICT row, std::int64_t c, VF scale) {
-    const hn::RebindToSigned<DF> di;
-    if constexpr (kFormat == CacheFormat::kQ8_0) {
-      const hn::Rebind<std::int8_t, DF> d8;
-      const auto* q = reinterpret_cast<const std::int8_t*>(row + c / 32 * kBlockBytes + 2 + c % 32);
-      return hn::Mul(hn::ConvertTo(d, hn::PromoteTo(di, hn::LoadU(d8, q))), scale);
-    } else if constexpr (kFormat == CacheFormat::kQ4_0) {
-      const hn::Rebind<std::uint8_t, DF> du8;
-      const std::int64_t at = c % 32;
-      const auto bytes = hn::BitCast(
-          di, hn::PromoteTo(hn::RebindToUnsigned<DF>(), hn::LoadU(du8, row + c / 32 * kBlockBytes + 2 + at % 16)));
-      const auto nibbles = at < 16 ? hn::And(bytes, hn::Set(di, 0x0f)) : hn::ShiftRight<4>(bytes);
-      return hn::Mul(hn::ConvertTo(d, hn::Sub(nibbles, hn::Set(di, 8))), scale);
-    } else if constexpr (kFp8ThroughF16) {
-#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2
-      // S.EEEE.MMM placed as the f16 S.0EEEE.MMM0000000 is the value times 2^-8 (f16's bias 15
-      // against 7; subnormals too), widened exactly by F16C; S.1111.111 is NaN.
-      const hn::Rebind<std::uint8_t, DF> du8;
-      const hn::Rebind<std::uint16_t, DF> du16;
-      const hn::Rebind<hwy::float16_t, DF> dh;
-      const auto bytes = hn::PromoteTo(du16, hn::LoadU(du8, row + sizeof(float) + c));
-      const auto half = hn::Or(hn::ShiftLeft<7>(hn::And(bytes, hn::Set(du16, 0x7f))),
-                               hn::ShiftLeft<8>(hn::And(bytes, hn::Set(du16, 0x80))));
-      const VF x = hn::PromoteTo(d, hn::BitCast(dh, half));
-      // S.1111.111 became ±1.875 (480·2^-8, past E4M3's largest 448): no finite byte gives it.
-      return hn::Mul(hn::IfThenElse(hn::Eq(hn::Abs(x), hn::Set(d, 1.875f)), hn::NaN(d), x), scale);
-#else
-      return scale;  // never: kFp8ThroughF16 is false on this target
-#endif
-    } else {
-      // E4M3 as in RowFp8 (quantized_kernels.cpp): normal bytes moved into f32's fields, subnormals
-      // from their integer, S.1111.111 NaN, then the sign.
-      const hn::Rebind<std::uint8_t, DF> du8;
-      const hn::RebindToUnsigned<DF> du;
-      const auto bytes = hn::PromoteTo(du, hn::LoadU(du8, row + sizeof(float) + c));
-      const auto mag = hn::And(bytes, hn::Set(du, 0x7f));
-      const VF normal = hn::BitCast(d, hn::Add(hn::ShiftLeft<20>(mag), hn::Set(du, 120u << 23)));
-      const VF subnormal = hn::Mul(hn::ConvertTo(d, hn::BitCast(di, mag)), hn::Set(d, 0x1p-9f));
-      VF x = hn::IfThenElse(hn::RebindMask(d, hn::Lt(mag, hn::Set(du, 8))), subnormal, normal);
-      x = hn::IfThenElse(hn::RebindMask(d, hn::Eq(mag, hn::Set(du, 0x7f))), hn::NaN(d), x);
-      x = hn::Or(x, hn::BitCast(d, hn::ShiftLeft<24>(hn::And(bytes, hn::Set(du, 0x80)))));
-      return hn::Mul(x, scale);
-    }
-  }
-};
-
 // DecodeScoresPacked<R, f32, no rotation> on a quantized cache.
 template <int R, CacheFormat kFormat>
 void QuantScoresPacked(DF d, const unsigned char* HWY_RESTRICT k, std::int64_t ldk, std::int64_t k_head_stride,

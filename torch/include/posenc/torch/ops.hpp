@@ -43,8 +43,8 @@ struct AttentionArgs {
 };
 
 // (out, lse) of torch.ops.posenc.attention(q, k, v, ...).
-inline std::tuple<at::Tensor, at::Tensor> call_attention(const at::Tensor& q, const at::Tensor& k,
-                                                         const at::Tensor& v, const AttentionArgs& a) {
+inline std::tuple<at::Tensor, at::Tensor> call_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                         const AttentionArgs& a) {
   using Op = std::tuple<at::Tensor, at::Tensor>(
       const at::Tensor&, const at::Tensor&, const at::Tensor&, const SchemeList&, const std::vector<at::Tensor>&,
       const std::vector<at::Tensor>&, const c10::optional<at::Tensor>&, bool, std::int64_t, std::int64_t,
@@ -52,9 +52,9 @@ inline std::tuple<at::Tensor, at::Tensor> call_attention(const at::Tensor& q, co
       c10::optional<double>, const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
       std::vector<std::int64_t>, std::vector<std::int64_t>, bool, c10::optional<std::string>);
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("posenc::attention", "").typed<Op>();
-  return op.call(q, k, v, a.schemes, a.params, a.gates, a.sinks, a.causal, a.window_left, a.window_right,
-                 a.chunk_size, a.temperature, a.softcap, a.scale, a.q_positions, a.k_positions, a.cu_seqlens_q,
-                 a.cu_seqlens_k, a.skip_vanishing_tiles, a.kv_format);
+  return op.call(q, k, v, a.schemes, a.params, a.gates, a.sinks, a.causal, a.window_left, a.window_right, a.chunk_size,
+                 a.temperature, a.softcap, a.scale, a.q_positions, a.k_positions, a.cu_seqlens_q, a.cu_seqlens_k,
+                 a.skip_vanishing_tiles, a.kv_format);
 }
 
 }  // namespace posenc::torch_adapter

@@ -107,7 +107,8 @@ def _key_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fun
         pattern = (f"mask_function = {pattern}; expected transformers' causal, sliding-window, chunked or "
                    "bidirectional pattern, or packed sequences of them (overlays are not supported)")
     elif (_REMAP in parts) != (_SAME_SEQUENCE in parts) or (_REMAP in parts and "causal_mask_function" not in parts):
-        pattern = "packed sequences' mask functions apart, or not causal; expected transformers' causal packing"
+        pattern = (f"mask_function of parts {', '.join(parts)}; expected packed sequences with both their "
+                   "position remap and their sequence mask, over a causal pattern (transformers' packing)")
     if pattern is not None:
         if _fallback is not None:
             from transformers.masking_utils import sdpa_mask

@@ -355,6 +355,11 @@ def test_what_posenc_would_get_wrong_is_refused():
     overlay = and_masks(causal_mask_function, lambda b, h, q, kv: kv != 3)
     with pytest.raises(ValueError, match=r"posenc attention: mask_function = .*<lambda>; expected transformers'"):
         posenc.hf._key_mask(1, 8, 8, mask_function=overlay)
+    # A sequence mask without the positions' remap: not transformers' packing.
+    from transformers.masking_utils import packed_sequence_mask_function
+    lone = and_masks(causal_mask_function, packed_sequence_mask_function(torch.zeros(1, 8, dtype=torch.long)))
+    with pytest.raises(ValueError, match="posenc attention: mask_function of parts .*expected packed sequences with"):
+        posenc.hf._key_mask(1, 8, 8, mask_function=lone)
     try:
         posenc.hf.register(fallback="sdpa")
         want = sdpa_mask(1, 8, 8, mask_function=overlay, allow_is_causal_skip=False)

@@ -23,6 +23,14 @@ from .registry import RelativeBias, Sandwich, Scheme, schemes
 from . import nn, distributed
 from .nn import KVCache
 
+# The classes pickle (torch.save of a model) under the package's name, not the part that defines
+# them, so that saved models outlive a move between parts.
+for _class in (ALiBi, CoPE, FIRE, FLOATER, Forgetting, Kerple, LearnedPositionalEncoding, PositionTemperature,
+               RotaryPositionalEncoding, ShawRelativePositions, SinusoidalPositionalEncoding, T5RelativeBias,
+               TransformerXLRelative, TUPE):
+    _class.__module__ = __name__
+del _class
+
 __all__ = [
     "empty_cache", "huge_page_zeros", "sinusoidal_table", "rope", "alibi_slopes", "alibi_bias", "t5_bias", "kerple_bias", "fire_bias",
     "tupe_bias", "learned", "floater_table", "shaw_scores", "shaw_values", "xl_scores", "attention", "rope_",

@@ -204,3 +204,29 @@ def test_set_rope_says_what_differs():
     plain.set_rope(posenc.RotaryPositionalEncoding(16, layout="interleaved"))
     assert repr(plain.rope) == ("RotaryPositionalEncoding(head_dim=16, rotary_dim=16, base=10000.0, "
                                 "layout='interleaved')")
+
+
+def test_a_saved_layer_pickles_under_the_package_name_and_loads():
+    """torch.save of a layer holds posenc's scheme modules under the package's name (posenc.ALiBi),
+    not the part of the package that defines them, and the loaded layer gives the same output."""
+    import io
+    import pickletools
+
+    layer = SelfAttention(32, 4, scheme=posenc.ALiBi(4, trainable=True))
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    names = [arg for op, arg, _ in pickletools.genops(_pickle_of(buffer.getvalue())) if isinstance(arg, str)]
+    assert "posenc ALiBi" in names and not any(n.startswith("posenc._") for n in names), names
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    x = torch.randn(2, 10, 32)
+    torch.testing.assert_close(loaded(x), layer(x), rtol=0, atol=0)
+
+
+def _pickle_of(saved):
+    """The pickle inside torch.save's zip archive."""
+    import io
+    import zipfile
+
+    with zipfile.ZipFile(io.BytesIO(saved)) as archive:
+        return archive.read(next(n for n in archive.namelist() if n.endswith("data.pkl")))

@@ -461,6 +461,36 @@ inline void expect_backward_matches_reference(const Problem& p, const Attention&
   }
 }
 
+// expect_accurate, then the backward against the reference for f32 calls of fewer than 1000 keys
+// (the fp64 backward's cost grows with Sq·Sk·D).
+inline void expect_forward_and_backward_accurate(const Problem& p, const AttentionSpec& spec, const std::string& what) {
+  expect_accurate(p, spec, what);
+  if (p.dtype == DType::kF32 && p.k_len < 1000) {
+    expect_backward_matches_reference(p, Attention(spec), random_values(static_cast<std::size_t>(p.q_count())));
+  }
+}
+
+// The fp64 reference's gradient of the first term of group 0 (parameters θ, spec_with(θ) the
+// call) against central differences of its forward's L = Σ d_out·out; h = 1e-6 on O(1)
+// parameters: truncation ~h², rounding ~1e-16/h.
+template <class SpecWith>
+void expect_term_gradient_matches_differences(const Problem& p, SpecWith&& spec_with, const std::vector<double>& theta,
+                                              const std::vector<double>& d_out, double tolerance) {
+  const Grads exact = run_backward(p, Attention(spec_with(theta)), d_out, true);
+  const auto loss = [&](const std::vector<double>& t) {
+    const Outputs o = run_forward(p, Attention(spec_with(t)), 1);
+    double l = 0;
+    for (std::size_t i = 0; i < o.out.size(); ++i) l += d_out[i] * o.out[i];
+    return l;
+  };
+  for (std::size_t t = 0; t < theta.size(); ++t) {
+    std::vector<double> up = theta, down = theta;
+    up[t] += 1e-6;
+    down[t] -= 1e-6;
+    EXPECT_NEAR(exact.params.groups[0].terms[0][t], (loss(up) - loss(down)) / 2e-6, tolerance) << t;
+  }
+}
+
 // Backward of `att` (on p) and forward of `dec` (on d, e.g. a decode call; may be null) give the
 // same bits for 1, 2 and 3 threads: dq, dk, dv, the groups' parameter and term gradients, out, lse.
 inline void expect_same_bits_for_any_thread_count(const Problem& p, const Attention& att, const Problem& d,

@@ -182,19 +182,7 @@ TEST(AttentionSinks, GradientMatchesFiniteDifferences) {
     spec.groups = {group};
     return spec;
   };
-  const Grads exact = run_backward(p, Attention(spec_with(logits)), d_out, true);
-  const auto loss = [&](const std::vector<double>& s) {
-    const Outputs o = run_forward(p, Attention(spec_with(s)), 1);
-    double l = 0;
-    for (std::size_t i = 0; i < o.out.size(); ++i) l += d_out[i] * o.out[i];
-    return l;
-  };
-  for (std::size_t h = 0; h < logits.size(); ++h) {
-    std::vector<double> up = logits, down = logits;
-    up[h] += 1e-6;
-    down[h] -= 1e-6;
-    EXPECT_NEAR(exact.params.groups[0].terms[0][h], (loss(up) - loss(down)) / 2e-6, 1e-8) << h;
-  }
+  expect_term_gradient_matches_differences(p, spec_with, logits, d_out, 1e-8);
 }
 
 TEST(AttentionSinks, BitwiseIdenticalForAnyThreadCount) {

@@ -191,7 +191,7 @@ TEST_P(Schemes, EveryEntryIsDescribedAndItsParametersHaveTheDeclaredShape) {
     EXPECT_EQ(std::count(names.begin(), names.end(), e.name), 0) << "duplicate name";
     names.push_back(e.name);
     EXPECT_TRUE(e.family == "none" || e.family == "transform" || e.family == "relative-bias" || e.family == "bias" ||
-                e.family == "relative-terms" || e.family == "sink" || e.family == "token-term")
+                e.family == "relative-terms" || e.family == "sink" || e.family == "token-term" || e.family == "term")
         << e.family;
     EXPECT_FALSE(e.summary.empty());
     EXPECT_FALSE(e.source.empty());

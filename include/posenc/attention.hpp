@@ -99,14 +99,6 @@
 
 namespace posenc {
 
-namespace detail {
-struct QKTables;
-struct TransformRows;
-}  // namespace detail
-namespace ref {
-struct TransformedRows;
-}  // namespace ref
-
 // RoPE applied inside attention from the tokens' positions.
 struct RotaryQK {
   RopeParams params;
@@ -120,16 +112,9 @@ struct AbsoluteQK {
 };
 // Any other transform of q and k by their positions before the product, in one of the two forms the
 // kernels run (pairs rotated by per-position angles, or per-position rows added): the open end of
-// QKTransform. It gives its fused form for a call (the tables, attention/transforms.hpp) and its
-// fp64 definition, which the attention reference applies (ref/transforms_ref.hpp); both are the
-// library's own types, so a new transform lives in the library, as an attention term does.
-class QKTransformScheme {
- public:
-  virtual ~QKTransformScheme() = default;
-  virtual std::string_view scheme_name() const = 0;
-  virtual detail::QKTables tables(const detail::TransformRows& rows) const = 0;
-  virtual void reference_apply(const ref::TransformedRows& rows) const = 0;
-};
+// QKTransform, defined inside the library (src/transform_scheme.hpp), whose tables are the
+// engine's own: a new transform lives in the library.
+class QKTransformScheme;
 using QKTransformRef = std::shared_ptr<const QKTransformScheme>;
 
 using QKTransform = std::variant<std::monostate, RotaryQK, AbsoluteQK, QKTransformRef>;

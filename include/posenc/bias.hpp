@@ -226,7 +226,6 @@ class FireParams : public PositionBias {
   void backward(const Positions& q_positions, const Positions& k_positions, ConstTensorView d_scores,
                 std::span<double> grads) const override;
   void materialize(const Positions& q_positions, const Positions& k_positions, TensorView out) const override;
-  std::unique_ptr<detail::ScoreTerm> score_term(const detail::AttentionPlan& plan, std::int64_t group) const override;
 
  private:
   std::int64_t heads_;
@@ -291,7 +290,6 @@ class TupeParams : public PositionBias {
   void backward(const Positions& q_positions, const Positions& k_positions, ConstTensorView d_scores,
                 std::span<double> grads) const override;
   void materialize(const Positions& q_positions, const Positions& k_positions, TensorView out) const override;
-  std::unique_ptr<detail::ScoreTerm> score_term(const detail::AttentionPlan& plan, std::int64_t group) const override;
 
  private:
   std::int64_t heads_, head_dim_, d_model_;

@@ -55,8 +55,6 @@ class ForgetGate final : public AttentionTerm {
   std::int64_t gradient_size() const override { return log_fgate_.numel(); }
   void accumulate_gradient(std::int64_t head, const TokenPair& pair, double weight,
                            std::span<double> grads) const override;
-  std::unique_ptr<detail::ScoreTerm> score_term(const detail::AttentionPlan& plan, std::int64_t group,
-                                                std::int64_t index) const override;
 
  private:
   ConstTensorView log_fgate_;

@@ -197,6 +197,7 @@ class ShawTerm final : public AttentionTerm {
   std::string_view name() const override { return "shaw"; }
   std::int64_t heads() const override { return heads_; }
   std::int64_t gradient_size() const override { return 2 * params_.rows() * params_.head_dim(); }
+  bool reads_rows() const override { return true; }
   double row_value(std::int64_t head, const TokenPair& pair, const PairRows& rows) const override;
   void accumulate_row_gradient(std::int64_t head, const TokenPair& pair, const PairRows& rows, double weight,
                                std::span<double> grads, std::span<double> dq, std::span<double> dk) const override;
@@ -204,8 +205,6 @@ class ShawTerm final : public AttentionTerm {
   void output_value(std::int64_t head, const TokenPair& pair, std::span<double> w) const override;
   void accumulate_output_gradient(std::int64_t head, const TokenPair& pair, double weight,
                                   std::span<const double> d_out, std::span<double> grads) const override;
-  std::unique_ptr<detail::ScoreTerm> score_term(const detail::AttentionPlan& plan, std::int64_t group,
-                                                std::int64_t index) const override;
 
  private:
   std::int64_t heads_;
@@ -225,12 +224,11 @@ class XlTerm final : public AttentionTerm {
   std::string_view name() const override { return "xl"; }
   std::int64_t heads() const override { return params_.heads(); }
   std::int64_t gradient_size() const override;
+  bool reads_rows() const override { return true; }
   double row_value(std::int64_t head, const TokenPair& pair, const PairRows& rows) const override;
   void accumulate_row_gradient(std::int64_t head, const TokenPair& pair, const PairRows& rows, double weight,
                                std::span<double> grads, std::span<double> dq, std::span<double> dk) const override;
   void finish_row_gradients(std::int64_t head, TermScratch& scratch, std::span<double> grads) const override;
-  std::unique_ptr<detail::ScoreTerm> score_term(const detail::AttentionPlan& plan, std::int64_t group,
-                                                std::int64_t index) const override;
 
  private:
   XlParams params_;

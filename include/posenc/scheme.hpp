@@ -19,7 +19,10 @@
 // PositionBias: a bias of the head and both positions themselves, b_h(p_i, p'_j) (FIRE, TUPE),
 // which no table over r holds. Such a scheme brings its fp64 definition (value, and the gradient
 // over a block of score gradients, what the references read) and its fast forms: the
-// materialised bias, its backward, and its term in the fused attention.
+// materialised bias and its backward. Its term in the fused attention is the library's, found by
+// the bias's type (FireParams, TupeParams); the attention refuses another PositionBias by name. A
+// bias of both positions of one's own runs fused as an AttentionTerm (term.hpp), whose value and
+// gradient per pair are enough.
 #pragma once
 
 #include <cstdint>
@@ -32,11 +35,6 @@
 #include "posenc/tensor.hpp"
 
 namespace posenc {
-
-namespace detail {
-class ScoreTerm;
-struct AttentionPlan;
-}  // namespace detail
 
 class RelativeBias {
  public:
@@ -98,13 +96,6 @@ class PositionBias {
   // out[b, h, i, j] = b_h(q_pos(b, i), k_pos(b, j)) by the fast path (bias_materialize calls it
   // with `out` checked: [B, H, Sq, Sk] or [H, Sq, Sk], writable, not fp64).
   virtual void materialize(const Positions& q_positions, const Positions& k_positions, TensorView out) const = 0;
-  // The fused attention's form of the bias of head group `group` of a call (HeadGroup::bias), never
-  // null, its parameter gradients going to GroupGradients::bias. It checks what it needs of the
-  // call and throws posenc::Error naming the parameter otherwise. ScoreTerm is the engine's own
-  // (src/attention/score_term.hpp): a new scheme of this family lives in the library, as an
-  // AttentionTerm does.
-  virtual std::unique_ptr<detail::ScoreTerm> score_term(const detail::AttentionPlan& plan,
-                                                        std::int64_t group) const = 0;
 };
 
 // A scheme of this family held by the library (HeadGroup::bias, BiasScheme): shared, immutable.

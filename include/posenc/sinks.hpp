@@ -47,8 +47,6 @@ class AttentionSinks final : public AttentionTerm {
   void accumulate_sink_gradient(std::int64_t head, double weight, std::span<double> grads) const override {
     grads[static_cast<std::size_t>(head)] += weight;
   }
-  std::unique_ptr<detail::ScoreTerm> score_term(const detail::AttentionPlan& plan, std::int64_t group,
-                                                std::int64_t index) const override;
 
  private:
   std::vector<double> logits_;

@@ -8,11 +8,14 @@
 //   P_ij = exp(x_ij) / (Σ_terms exp(s_h) + Σ_j exp(x_ij))
 //
 // A term says what it adds for one visible (query, key) pair in fp64 (value, or row_value when it
-// reads q or k; output_value when it adds to the output), how that depends on its inputs
-// (accumulate_gradient: learned parameters or activations such as a gate, one flat vector), and
-// builds the engine's fused form for one call (score_term). The fp64 attention reference
-// (reference.hpp) reads only the TermDefinition, so it stays an oracle independent of the fused
-// form.
+// reads q or k; output_value when it adds to the output) and how that depends on its inputs
+// (accumulate_gradient: learned parameters or activations such as a gate, one flat vector). That
+// is enough to run it fused and trainable: the engine evaluates value and accumulate_gradient
+// pair by pair inside its tiles (the generic fused form), unless the library has a faster form
+// written for the term's type (the four terms above; src/schemes/fused_terms.cpp). The generic
+// form refuses a term that reads q or k, adds to the output or is a sink, by name. The fp64
+// attention reference (reference.hpp) reads only the TermDefinition, so it stays an oracle
+// independent of both.
 #pragma once
 
 #include <array>
@@ -25,11 +28,6 @@
 #include <vector>
 
 namespace posenc {
-
-namespace detail {
-class ScoreTerm;
-struct AttentionPlan;
-}  // namespace detail
 
 // One (query, key) pair of a sequence as a term sees it. Tokens are indices on the key grid (the
 // token axis of k: [0, Sk) of batch row `batch`, or packed [0, Tk)); a query is the key token it
@@ -76,10 +74,11 @@ class TermDefinition {
   virtual void accumulate_gradient(std::int64_t /* head */, const TokenPair& /* pair */, double /* weight */,
                                    std::span<double> /* grads */) const {}
   // The part of the logit of a term that reads the pair's rows (by default value(head, pair); a
-  // term that overrides it overrides accumulate_row_gradient too, and value is then not read),
-  // and its gradient: grads as above (empty: only dq and dk are wanted), dq and dk +=
-  // weight·∂/∂q and ∂/∂k of the rows given. After the last pair of a (sequence, head), the
+  // term that overrides it overrides accumulate_row_gradient too, says so in reads_rows, and value
+  // is then not read), and its gradient: grads as above (empty: only dq and dk are wanted), dq and
+  // dk += weight·∂/∂q and ∂/∂k of the rows given. After the last pair of a (sequence, head), the
   // reference calls finish_row_gradients with that scratch, for sums a term deferred.
+  virtual bool reads_rows() const { return false; }
   virtual double row_value(std::int64_t head, const TokenPair& pair, const PairRows& /* rows */) const {
     return value(head, pair);
   }
@@ -105,15 +104,14 @@ class TermDefinition {
                                         std::span<double> /* grads */) const {}
 };
 
+// A term of a head group. Fused, by the generic form (docs/schemes.md): each visible pair's value
+// rounded to f32 and added to its score, and accumulate_gradient with the pair's dS as the
+// weight, summed per backward unit in fp64 and reduced in unit order (the same bits for any
+// thread count); a virtual call per pair, gradient_size() doubles per backward unit.
 class AttentionTerm : public TermDefinition {
  public:
   virtual std::string_view name() const = 0;
   virtual std::int64_t heads() const = 0;
-  // The engine's fused form for one call: entry `index` of HeadGroup::terms of group `group`.
-  // It checks what the term needs of the call (shapes, masks) and throws posenc::Error naming
-  // the parameter otherwise.
-  virtual std::unique_ptr<detail::ScoreTerm> score_term(const detail::AttentionPlan& plan, std::int64_t group,
-                                                        std::int64_t index) const = 0;
 };
 
 // A term held by a head group: shared, immutable (it may view tensors that must outlive the

@@ -340,6 +340,8 @@ def _group(plan, spec, group_params, h0, h1, kv_heads, qpos, kpos):
         current = none if plan.sinks is None else plan.sinks
         plan.sinks = torch.cat([current[:h0], logits, current[h1:]])
         return
+    if family == "term":
+        _refuse(name, "a term given by its fp64 definition in C++ (posenc/term.hpp) has no score_mod form")
     _refuse(name, f"its family ({family}) has no FlexAttention form here")
 
 

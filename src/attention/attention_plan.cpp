@@ -447,9 +447,11 @@ void AttentionPlan::plan_terms(const std::vector<HeadGroup>& groups) {
   for (std::size_t g = 0; g < groups.size(); ++g) {
     const std::optional<BiasScheme>& bias = spec.groups.empty() ? groups[g].bias : spec.groups[g].bias;
     if (const PositionBias* position = bias ? position_bias(*bias) : nullptr) {
-      bias_terms[g] = position->score_term(*this, static_cast<std::int64_t>(g));
+      bias_terms[g] = fused_bias(*position, *this, static_cast<std::int64_t>(g));
       require(bias_terms[g] != nullptr, ("groups[" + std::to_string(g) + "].bias").c_str(),
-              std::string(position->scheme_name()) + " without a fused form", "a PositionBias whose score_term is set");
+              std::string(position->scheme_name()) + ", a PositionBias the library has no fused form for",
+              "the library's (fire, tupe); a bias of both positions of one's own runs fused as an AttentionTerm "
+              "(term.hpp: value and accumulate_gradient per pair)");
     }
   }
   for (std::size_t g = 0; g < groups.size(); ++g) {
@@ -460,7 +462,7 @@ void AttentionPlan::plan_terms(const std::vector<HeadGroup>& groups) {
       require(term != nullptr, name.c_str(), "null", "an AttentionTerm");
       require(term->heads() == groups[g].heads, (name + ".heads").c_str(), std::to_string(term->heads()),
               std::to_string(groups[g].heads) + " (the group's heads)");
-      terms.push_back(term->score_term(*this, static_cast<std::int64_t>(g), static_cast<std::int64_t>(t)));
+      terms.push_back(fused_term(*term, *this, static_cast<std::int64_t>(g), static_cast<std::int64_t>(t)));
     }
   }
 }

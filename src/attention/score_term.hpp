@@ -155,6 +155,17 @@ class ScoreTerm {
   virtual void reduce(std::span<const TermUnit> /* units */, AttentionGradients& /* grads */) const {}
 };
 
+// An attention term's fused form for one call (entry `index` of HeadGroup::terms of group
+// `group`): the library's own form for the term's type (src/schemes/fused_terms.cpp), else the
+// generic form (generic_term.cpp), which evaluates the term's fp64 definition pair by pair. Each
+// checks what the term needs of the call and throws posenc::Error naming the parameter otherwise.
+std::unique_ptr<ScoreTerm> fused_term(const AttentionTerm& term, const AttentionPlan& plan, std::int64_t group,
+                                      std::int64_t index);
+std::unique_ptr<ScoreTerm> generic_term(const AttentionTerm& term, const AttentionPlan& plan, std::int64_t group,
+                                        std::int64_t index);
+// A position bias's fused form (the group's bias), or null where the library has none for its type.
+std::unique_ptr<ScoreTerm> fused_bias(const PositionBias& bias, const AttentionPlan& plan, std::int64_t group);
+
 // Shared by the terms' tables (score_term.cpp): C = A·B for large operands, in parallel with
 // the same bits for any thread count; [rows][heads][dp] → [heads][rows][dp].
 void blocked_gemm(const float* a, std::int64_t a_row, std::int64_t a_depth, const float* b, std::int64_t ldb, float* c,

@@ -1,7 +1,7 @@
 // The query/key transforms' part in the fused attention: each transform of a HeadGroup
 // (posenc/attention.hpp: QKTransform) tabulates itself for a call in its scheme's file
 // (src/schemes/rope_transform.cpp, absolute_transform.cpp), and the plan asks for the tables
-// without naming it. A new transform is a QKTransformScheme held by QKTransformRef (attention.hpp),
+// without naming it. A new transform is a QKTransformScheme held by QKTransformRef (transform_scheme.hpp),
 // whose tables() and reference_apply() take the rows below and ref/transforms_ref.hpp's.
 // Internal.
 #pragma once
@@ -13,6 +13,7 @@
 
 #include "attention/attention_plan.hpp"
 #include "posenc/error.hpp"
+#include "transform_scheme.hpp"
 
 namespace posenc::detail {
 

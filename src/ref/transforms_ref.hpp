@@ -10,6 +10,7 @@
 
 #include "posenc/attention.hpp"
 #include "posenc/error.hpp"
+#include "transform_scheme.hpp"
 
 namespace posenc::ref {
 

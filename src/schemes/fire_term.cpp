@@ -17,6 +17,7 @@
 
 #include "attention/engine.hpp"
 #include "attention/score_term.hpp"
+#include "schemes/fused_terms.hpp"
 #include "bias_checks.hpp"
 #include "kernels/attention/attention_kernels.hpp"
 #include "posenc/error.hpp"
@@ -459,8 +460,9 @@ void FireTerm::reduce(std::span<const TermUnit> units, AttentionGradients& grads
 
 namespace posenc {
 
-std::unique_ptr<detail::ScoreTerm> FireParams::score_term(const detail::AttentionPlan& plan, std::int64_t group) const {
-  return std::make_unique<detail::FireTerm>(plan, group, *this);
+std::unique_ptr<detail::ScoreTerm> detail::fused_form(const FireParams& fire, const AttentionPlan& plan,
+                                                      std::int64_t group) {
+  return std::make_unique<FireTerm>(plan, group, fire);
 }
 
 }  // namespace posenc

@@ -8,6 +8,7 @@
 
 #include "attention/engine.hpp"
 #include "attention/score_term.hpp"
+#include "schemes/fused_terms.hpp"
 #include "internal.hpp"
 #include "posenc/error.hpp"
 #include "posenc/registry.hpp"
@@ -333,9 +334,9 @@ void ForgetTerm::reduce(std::span<const TermUnit> units, AttentionGradients& gra
 }  // namespace
 }  // namespace detail
 
-std::unique_ptr<detail::ScoreTerm> ForgetGate::score_term(const detail::AttentionPlan& plan, std::int64_t group,
-                                                          std::int64_t index) const {
-  return std::make_unique<detail::ForgetTerm>(*this, plan, group, index);
+std::unique_ptr<detail::ScoreTerm> detail::fused_form(const ForgetGate& gate, const AttentionPlan& plan,
+                                                      std::int64_t group, std::int64_t index) {
+  return std::make_unique<ForgetTerm>(gate, plan, group, index);
 }
 
 namespace scheme_entries {

@@ -31,6 +31,7 @@ SchemeEntry xl_entry();
 SchemeEntry sandwich_entry();
 SchemeEntry sinks_entry();
 SchemeEntry forgetting_entry();
+SchemeEntry table_entry();
 }  // namespace scheme_entries
 
 const std::vector<SchemeEntry>& schemes() {
@@ -49,6 +50,7 @@ const std::vector<SchemeEntry>& schemes() {
       scheme_entries::sandwich_entry(),
       scheme_entries::sinks_entry(),
       scheme_entries::forgetting_entry(),
+      scheme_entries::table_entry(),
   };
   // clang-format on
   return all;
@@ -188,7 +190,7 @@ std::vector<std::vector<double>> scheme_input_gradients(const SchemeEntry& entry
 
 bool has_picture(const SchemeEntry& entry) {
   return static_cast<bool>(entry.picture) || entry.family == "relative-bias" || entry.family == "bias" ||
-         entry.family == "none";
+         entry.family == "term" || entry.family == "none";
 }
 
 std::vector<std::string> picture_ignores(const SchemeEntry& entry) {
@@ -209,6 +211,22 @@ SchemePicture scheme_picture(const SchemeEntry& entry, const HeadGroup& group, c
                      "scheme_picture", "heads · positions²");
   const auto cells = static_cast<std::size_t>(per_head);
   SchemePicture picture;
+  if (entry.family == "term") {  // the group's first term at the positions (its tokens their indices)
+    if (group.terms.empty()) throw Error("scheme " + entry.name, "terms", "none", "the term of a term scheme");
+    const AttentionTerm& term = *group.terms[0];
+    for (std::int64_t h = 0; h < group.heads; ++h) {
+      std::vector<double>& m = picture.heads.emplace_back(cells);
+      TokenPair pair;
+      for (pair.query_token = 0; pair.query_token < n; ++pair.query_token) {
+        pair.query_position = positions.at(0, pair.query_token);
+        for (pair.key_token = 0; pair.key_token < n; ++pair.key_token) {
+          pair.key_position = positions.at(0, pair.key_token);
+          m[static_cast<std::size_t>(pair.query_token * n + pair.key_token)] = term.value(h, pair);
+        }
+      }
+    }
+    return picture;
+  }
   if (!group.bias) {
     picture.heads.assign(static_cast<std::size_t>(group.heads), std::vector<double>(cells, 0.0));
     return picture;

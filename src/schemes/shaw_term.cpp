@@ -11,6 +11,7 @@
 
 #include "attention/engine.hpp"
 #include "attention/score_term.hpp"
+#include "schemes/fused_terms.hpp"
 #include "kernels/attention/attention_kernels.hpp"
 #include "posenc/error.hpp"
 
@@ -331,9 +332,9 @@ void ShawScore::reduce(std::span<const TermUnit> units, AttentionGradients& grad
 
 namespace posenc {
 
-std::unique_ptr<detail::ScoreTerm> ShawTerm::score_term(const detail::AttentionPlan& plan, std::int64_t group,
-                                                        std::int64_t index) const {
-  return std::make_unique<detail::ShawScore>(plan, group, index, params_);
+std::unique_ptr<detail::ScoreTerm> detail::fused_form(const ShawTerm& term, const AttentionPlan& plan,
+                                                      std::int64_t group, std::int64_t index) {
+  return std::make_unique<ShawScore>(plan, group, index, term.params());
 }
 
 }  // namespace posenc

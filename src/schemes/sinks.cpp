@@ -11,6 +11,7 @@
 
 #include "attention/engine.hpp"
 #include "attention/score_term.hpp"
+#include "schemes/fused_terms.hpp"
 #include "internal.hpp"
 #include "posenc/error.hpp"
 #include "posenc/registry.hpp"
@@ -100,9 +101,9 @@ class SinkTerm final : public ScoreTerm {
 }  // namespace
 }  // namespace detail
 
-std::unique_ptr<detail::ScoreTerm> AttentionSinks::score_term(const detail::AttentionPlan& plan, std::int64_t group,
-                                                              std::int64_t index) const {
-  return std::make_unique<detail::SinkTerm>(*this, plan, group, index);
+std::unique_ptr<detail::ScoreTerm> detail::fused_form(const AttentionSinks& sinks, const AttentionPlan& plan,
+                                                      std::int64_t group, std::int64_t index) {
+  return std::make_unique<SinkTerm>(sinks, plan, group, index);
 }
 
 namespace scheme_entries {

@@ -14,6 +14,7 @@
 
 #include "attention/engine.hpp"
 #include "attention/score_term.hpp"
+#include "schemes/fused_terms.hpp"
 #include "bias_checks.hpp"
 #include "kernels/attention/attention_kernels.hpp"
 #include "posenc/error.hpp"
@@ -401,8 +402,9 @@ void TupeTerm::reduce(std::span<const TermUnit> units, AttentionGradients& grads
 
 namespace posenc {
 
-std::unique_ptr<detail::ScoreTerm> TupeParams::score_term(const detail::AttentionPlan& plan, std::int64_t group) const {
-  return std::make_unique<detail::TupeTerm>(plan, group, *this);
+std::unique_ptr<detail::ScoreTerm> detail::fused_form(const TupeParams& tupe, const AttentionPlan& plan,
+                                                      std::int64_t group) {
+  return std::make_unique<TupeTerm>(plan, group, tupe);
 }
 
 }  // namespace posenc

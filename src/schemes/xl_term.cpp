@@ -18,6 +18,7 @@
 
 #include "attention/engine.hpp"
 #include "attention/score_term.hpp"
+#include "schemes/fused_terms.hpp"
 #include "kernels/attention/attention_kernels.hpp"
 #include "posenc/error.hpp"
 #include "relative_checks.hpp"
@@ -568,9 +569,9 @@ void XlScore::reduce(std::span<const TermUnit> units, AttentionGradients& grads)
 
 namespace posenc {
 
-std::unique_ptr<detail::ScoreTerm> XlTerm::score_term(const detail::AttentionPlan& plan, std::int64_t group,
-                                                      std::int64_t index) const {
-  return std::make_unique<detail::XlScore>(plan, group, index, params_);
+std::unique_ptr<detail::ScoreTerm> detail::fused_form(const XlTerm& term, const AttentionPlan& plan, std::int64_t group,
+                                                      std::int64_t index) {
+  return std::make_unique<XlScore>(plan, group, index, term.params());
 }
 
 }  // namespace posenc

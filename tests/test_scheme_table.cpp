@@ -1,0 +1,204 @@
+// The "table" scheme's own tests, and through it the generic fused form of an attention term
+// (term.hpp): its golden entries; the fused forward, decode and backward against the fp64
+// reference where the generic matrix does not go (windows, soft-caps, GQA, packed sequences,
+// chunked decode, cache offsets, positions far apart); a term defined here, outside the
+// library, run fused and trained; the terms the generic form refuses.
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "attention_testing.hpp"
+#include "posenc/registry.hpp"
+#include "posenc/term.hpp"
+#include "testing.hpp"
+
+namespace posenc {
+namespace {
+
+using namespace attention_testing;
+
+HeadGroup table_group(std::int64_t heads, std::int64_t max_distance, double lo = -2.0, double hi = 2.0) {
+  std::vector<double> w(static_cast<std::size_t>(heads * (2 * max_distance + 1)));
+  for (double& x : w) x = uniform(lo, hi);
+  return make_head_group("table", {.heads = heads, .head_dim = 16, .options = {{"max_distance", max_distance}},
+                                   .parameters = w});
+}
+
+// w[h, clip(key − query, −K, K) + K], read from the picture at positions 0 … 5.
+TEST(Table, EntriesAreTheClippedKeyMinusQuery) {
+  std::vector<double> w(10);
+  for (std::size_t t = 0; t < w.size(); ++t) w[t] = static_cast<double>(t);
+  const HeadGroup g =
+      make_head_group("table", {.heads = 2, .head_dim = 8, .options = {{"max_distance", 2}}, .parameters = w});
+  const SchemePicture pic = scheme_picture(find_scheme("table"), g, Positions::range(6));
+  ASSERT_EQ(pic.heads.size(), 2u);
+  const auto at = [&](std::size_t h, std::int64_t i, std::int64_t j) { return pic.heads[h][i * 6 + j]; };
+  EXPECT_EQ(at(0, 3, 3), 2.0);  // r = 0: the middle entry
+  EXPECT_EQ(at(0, 3, 2), 1.0);  // r = −1
+  EXPECT_EQ(at(0, 5, 0), 0.0);  // r = −5, clipped to −2
+  EXPECT_EQ(at(0, 0, 5), 4.0);  // r = +5, clipped to +2
+  EXPECT_EQ(at(1, 4, 0), 5.0);  // head 1's row starts at 2K + 1 = 5
+  EXPECT_EQ(at(1, 1, 2), 8.0);
+  // Zeros at first: an untrained table adds nothing.
+  const HeadGroup fresh = make_head_group("table", {.heads = 2, .head_dim = 8});
+  EXPECT_EQ(scheme_parameters(find_scheme("table"), fresh), std::vector<double>(2 * 257, 0.0));
+}
+
+class TableTargets : public testing::EveryTarget {};
+
+TEST_P(TableTargets, MatchTheReference) {
+  struct Case {
+    const char* what;
+    std::int64_t batch, q_len, k_len, heads, kv_heads, dim;
+    DType dtype;
+    bool causal;
+    std::int64_t window_left;
+    double softcap;
+  };
+  const Case cases[] = {
+      {"causal GQA", 2, 70, 70, 4, 2, 32, DType::kF32, true, -1, 0.0},
+      {"bidirectional", 1, 90, 90, 6, 3, 16, DType::kF32, false, -1, 0.0},
+      {"window and soft-cap", 2, 80, 80, 2, 1, 16, DType::kF32, true, 10, 4.0},
+      {"queries after a cache", 1, 7, 150, 4, 2, 32, DType::kF32, true, -1, 0.0},
+      {"decode over chunks", 2, 1, 9000, 8, 2, 64, DType::kF32, true, -1, 0.0},
+      {"bf16", 1, 64, 64, 4, 2, 32, DType::kBF16, true, -1, 0.0},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    Problem p = make_problem(c.batch, c.q_len, c.k_len, c.heads, c.kv_heads, c.dim, c.dtype);
+    AttentionSpec spec = spec_of(p);
+    spec.mask.causal = c.causal;
+    spec.mask.window_left = c.window_left;
+    spec.mask.softcap = c.softcap;
+    spec.groups = {table_group(c.heads, 12)};
+    expect_forward_and_backward_accurate(p, spec, c.what);
+  }
+}
+
+// Packed sequences, the table on half of the heads beside ALiBi on the others, and positions
+// nearly 2^40 apart (the largest the plan takes).
+TEST_P(TableTargets, PackedSequencesPartOfTheHeadsAndFarPositions) {
+  Problem p = make_packed({{30, 30}, {1, 1}, {50, 50}, {0, 0}}, 4, 2, 32);
+  AttentionSpec spec = spec_of(p);
+  spec.mask.causal = true;
+  spec.groups = {HeadGroup{2, {}, AlibiParams(2)}, table_group(2, 5)};
+  expect_accurate(p, spec, "packed");
+  expect_backward_matches_reference(p, Attention(spec), random_values(static_cast<std::size_t>(p.q_count())));
+
+  Problem far = make_problem(1, 20, 20, 2, 1, 16);
+  AttentionSpec s = spec_of(far);
+  std::vector<std::int64_t> ids(20);
+  for (std::size_t t = 0; t < ids.size(); ++t) ids[t] = (t % 2 == 0 ? (std::int64_t{1} << 40) - 20 : 0) + static_cast<std::int64_t>(t);
+  s.q_positions = Positions::ids(ids);
+  s.k_positions = Positions::ids(ids);
+  s.groups = {table_group(2, 3)};
+  expect_accurate(far, s, "positions 2^40 apart");
+  expect_backward_matches_reference(far, Attention(s), random_values(static_cast<std::size_t>(far.q_count())));
+}
+
+TEST_P(TableTargets, SameBitsForAnyThreadCount) {
+  const Problem p = make_problem(2, 150, 150, 4, 2, 32);
+  AttentionSpec spec = spec_of(p);
+  spec.mask.causal = true;
+  spec.groups = {table_group(4, 20)};
+  const Problem d = make_problem(1, 1, 9000, 4, 2, 32);
+  AttentionSpec ds = spec_of(d);
+  ds.groups = spec.groups;
+  const Attention dec(ds);
+  expect_same_bits_for_any_thread_count(p, Attention(spec), d, &dec);
+}
+
+INSTANTIATE_TEST_SUITE_P(Targets, TableTargets, ::testing::ValuesIn(testing::all_targets()));
+
+// A term written outside the library, as a user would prototype one: a learned slope per head on
+// log(1 + |key − query|), given only by its fp64 definition. It runs fused, and its gradient
+// matches the reference's and central differences of the reference's forward.
+class LogDistance final : public AttentionTerm {
+ public:
+  explicit LogDistance(std::vector<double> slopes) : slopes_(std::move(slopes)) {}
+  std::string_view name() const override { return "log-distance"; }
+  std::int64_t heads() const override { return static_cast<std::int64_t>(slopes_.size()); }
+  double value(std::int64_t head, const TokenPair& pair) const override {
+    return -slopes_[static_cast<std::size_t>(head)] * feature(pair);
+  }
+  std::int64_t gradient_size() const override { return heads(); }
+  void accumulate_gradient(std::int64_t head, const TokenPair& pair, double weight,
+                           std::span<double> grads) const override {
+    grads[static_cast<std::size_t>(head)] -= weight * feature(pair);
+  }
+
+ private:
+  static double feature(const TokenPair& pair) {
+    return std::log1p(std::fabs(static_cast<double>(pair.key_position - pair.query_position)));
+  }
+  std::vector<double> slopes_;
+};
+
+TEST(GenericTerm, ATermDefinedOutsideTheLibraryRunsFusedAndTrains) {
+  Problem p = make_problem(1, 40, 40, 3, 1, 16);
+  const std::vector<double> d_out = random_values(static_cast<std::size_t>(p.q_count()));
+  const auto spec_with = [&](const std::vector<double>& slopes) {
+    AttentionSpec spec = spec_of(p);
+    spec.mask.causal = true;
+    HeadGroup group{3, {}, {}};
+    group.terms = {std::make_shared<LogDistance>(slopes)};
+    spec.groups = {group};
+    return spec;
+  };
+  const std::vector<double> slopes = {0.5, 1.0, 2.0};
+  expect_accurate(p, spec_with(slopes), "log-distance");
+  expect_backward_matches_reference(p, Attention(spec_with(slopes)), d_out);
+  // Decode: one query over the same keys.
+  Problem d = make_problem(1, 1, 3000, 3, 1, 16);
+  AttentionSpec ds = spec_of(d);
+  HeadGroup group{3, {}, {}};
+  group.terms = {std::make_shared<LogDistance>(slopes)};
+  ds.groups = {group};
+  expect_accurate(d, ds, "log-distance decode");
+  expect_term_gradient_matches_differences(p, spec_with, slopes, d_out, 1e-7);
+}
+
+// What the generic form cannot run is refused when the Attention is built, by name.
+class ReadsRows final : public AttentionTerm {
+ public:
+  std::string_view name() const override { return "reads-rows"; }
+  std::int64_t heads() const override { return 2; }
+  bool reads_rows() const override { return true; }
+  double row_value(std::int64_t /* head */, const TokenPair& /* pair */, const PairRows& rows) const override {
+    return rows.q[0] * rows.k[0];
+  }
+};
+class AddsToOutput final : public AttentionTerm {
+ public:
+  std::string_view name() const override { return "adds-to-output"; }
+  std::int64_t heads() const override { return 2; }
+  bool adds_to_output() const override { return true; }
+};
+class ASink final : public AttentionTerm {
+ public:
+  std::string_view name() const override { return "a-sink"; }
+  std::int64_t heads() const override { return 2; }
+  std::optional<double> sink(std::int64_t /* head */) const override { return 0.0; }
+};
+
+TEST(GenericTerm, TermsItCannotRunAreRefusedByName) {
+  const Problem p = make_problem(1, 8, 8, 2, 1, 16);
+  const auto build = [&](AttentionTermRef term) {
+    AttentionSpec spec = spec_of(p);
+    HeadGroup group{2, {}, {}};
+    group.terms = {std::move(term)};
+    spec.groups = {group};
+    const Attention att(spec);
+  };
+  testing::expect_error([&] { build(std::make_shared<ReadsRows>()); },
+                        {"groups[0].terms[0]", "reads-rows", "reads the query or key rows", "Shaw's"});
+  testing::expect_error([&] { build(std::make_shared<AddsToOutput>()); },
+                        {"groups[0].terms[0]", "adds-to-output", "adds to the output"});
+  testing::expect_error([&] { build(std::make_shared<ASink>()); }, {"groups[0].terms[0]", "a-sink", "is a sink"});
+}
+
+}  // namespace
+}  // namespace posenc

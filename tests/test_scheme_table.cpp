@@ -23,8 +23,8 @@ using namespace attention_testing;
 HeadGroup table_group(std::int64_t heads, std::int64_t max_distance, double lo = -2.0, double hi = 2.0) {
   std::vector<double> w(static_cast<std::size_t>(heads * (2 * max_distance + 1)));
   for (double& x : w) x = uniform(lo, hi);
-  return make_head_group("table", {.heads = heads, .head_dim = 16, .options = {{"max_distance", max_distance}},
-                                   .parameters = w});
+  return make_head_group(
+      "table", {.heads = heads, .head_dim = 16, .options = {{"max_distance", max_distance}}, .parameters = w});
 }
 
 // w[h, clip(key − query, −K, K) + K], read from the picture at positions 0 … 5.
@@ -91,7 +91,8 @@ TEST_P(TableTargets, PackedSequencesPartOfTheHeadsAndFarPositions) {
   Problem far = make_problem(1, 20, 20, 2, 1, 16);
   AttentionSpec s = spec_of(far);
   std::vector<std::int64_t> ids(20);
-  for (std::size_t t = 0; t < ids.size(); ++t) ids[t] = (t % 2 == 0 ? (std::int64_t{1} << 40) - 20 : 0) + static_cast<std::int64_t>(t);
+  for (std::size_t t = 0; t < ids.size(); ++t)
+    ids[t] = (t % 2 == 0 ? (std::int64_t{1} << 40) - 20 : 0) + static_cast<std::int64_t>(t);
   s.q_positions = Positions::ids(ids);
   s.k_positions = Positions::ids(ids);
   s.groups = {table_group(2, 3)};

@@ -159,7 +159,7 @@ TEST(GenericTerm, ATermDefinedOutsideTheLibraryRunsFusedAndTrains) {
   group.terms = {std::make_shared<LogDistance>(slopes)};
   ds.groups = {group};
   expect_accurate(d, ds, "log-distance decode");
-  expect_term_gradient_matches_differences(p, spec_with, slopes, d_out, 1e-7);
+  expect_term_gradient_matches_differences(p, spec_with, slopes, d_out, 1e-8);
 }
 
 // What the generic form cannot run is refused when the Attention is built, by name.

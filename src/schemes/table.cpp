@@ -4,7 +4,6 @@
 // only by its fp64 definition: the engine runs it through the generic fused form of an attention
 // term (term.hpp), forward, decode and backward, with no code of its own in the engine.
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <span>

@@ -105,7 +105,8 @@ AlignedFloats& zeroed_floats(CallBuffer which, std::size_t n) {
   return b;
 }
 
-AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)), mask(spec.mask) {
+AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)) {
+  mask = spec.mask;
   check_views();
   check_mask();
   plan_sequences();

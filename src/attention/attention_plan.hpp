@@ -102,7 +102,114 @@ std::vector<double>& zeroed_term_slots(std::size_t term, std::size_t n);
 const std::vector<double>& sum_slots_per_kv_head(std::span<const TermUnit> units, std::int64_t size,
                                                  std::int64_t kv_heads, CallBuffer buffer);
 
-struct AttentionPlan {
+// The plan's state, in parts that the constructor's steps fill in turn; the engine reads them
+// through AttentionPlan, which derives from each.
+
+// The call: shapes, dtypes, the views' grids and data, the mask and the scale (check_views,
+// check_cache, check_mask).
+struct CallGeometry {
+  AttentionMask mask;
+  std::int64_t window_right = -1;
+  DType dtype = DType::kF32;
+  std::int64_t batch = 1, q_len = 0, k_len = 0, heads = 0, kv_heads = 0, group_size = 1, dim = 0, dim_padded = 0;
+  // The values' head size (out, d_out and dv have it): 1 … dim (MLA: 128 of 192; absorbed decode
+  // 512 of 576). Value rows are zero-padded to dim_padded like the others.
+  std::int64_t dim_v = 0;
+  bool packed = false;
+  HeadsGrid qg, kg, vg;
+  const void *q_data = nullptr, *k_data = nullptr, *v_data = nullptr;
+  // Keys and values from a quantized cache (spec.cache): kg and vg then count bytes (kv_unit 1),
+  // else elements of dtype (kv_unit its size).
+  std::optional<CacheFormat> cache_format;
+  std::int64_t kv_unit = 4;
+  float scale = 1.0f;
+  double scale_f64 = 1.0;
+  bool zero_copy = false;
+
+  // out's and d_out's grid: q's tokens and heads, dim_v wide.
+  HeadsGrid out_grid() const {
+    HeadsGrid g = qg;
+    g.dim = dim_v;
+    return g;
+  }
+  // Bytes from the first to the last byte + 1 of a row of kg or vg (prefetch extents).
+  std::int64_t kv_row_bytes(const HeadsGrid& g) const {
+    return cache_format ? cache_row_bytes(*cache_format, g.dim) : ((g.dim - 1) * g.dim_stride + 1) * kv_unit;
+  }
+};
+
+// The smallest and largest query and key positions of a call.
+struct PositionRange {
+  std::int64_t q_min = 0, q_max = 0, k_min = 0, k_max = 0;
+};
+
+// The sequences and their positions, and the query/key transform tables indexed by them
+// (plan_sequences, plan_positions, plan_transform_tables).
+struct PositionTables {
+  std::vector<Sequence> sequences;
+  // Positions: explicit (spec) or the defaults, owned here.
+  std::vector<std::int64_t> default_q_ids, default_k_ids;
+  std::int64_t position_max = 0;  // over queries and keys (RoPE's default seq_len is this + 1)
+  std::optional<Positions> q_positions, k_positions;
+  PositionRange position_range;
+  // Per group: transform tables; per head: its group.
+  std::vector<QKTables> tables;
+  std::vector<std::int64_t> head_group, group_first_head;
+  // Table rows by position (from table_position_min) or, with per-token positions too wide to
+  // tabulate, by token (q's, then k's).
+  bool tables_by_position = true;
+  std::int64_t table_position_min = 0;
+
+  std::int64_t q_position(const Sequence& seq, std::int64_t i) const { return q_positions->at(seq.b, seq.q0 + i); }
+  std::int64_t k_position(const Sequence& seq, std::int64_t j) const { return k_positions->at(seq.b, seq.k0 + j); }
+  const QKTables& tables_of_head(std::int64_t h) const {
+    return tables[static_cast<std::size_t>(head_group[static_cast<std::size_t>(h)])];
+  }
+};
+
+// The heads' score biases: tables over δ = q − k or evaluators, their running maxima, and where
+// their gradients go (plan_bias_tables).
+struct BiasTables {
+  std::vector<HeadBias> head_bias;
+  std::vector<std::vector<float>> bias_tables;  // per group: [heads][width]
+  // Every head's table transposed, [width][heads], when every head is tabulated and each
+  // sequence has one query: decode's merged rows (lane r = head r) then add a key's biases as
+  // one contiguous row (add_bias) instead of lane by lane.
+  std::vector<float> bias_by_delta;
+  std::vector<std::vector<float>> bias_table_max;  // per group: [heads][max_from | max_to][width]
+  std::vector<std::unique_ptr<BiasEvaluator>> evaluators;
+  bool any_bias = false, any_trainable_bias = false;
+  std::int64_t delta_min = 0, hist_width = 0;  // the δ range of the bias tables and histograms
+  std::vector<std::int64_t> grad_offset;       // per group, into the flat unit gradients
+};
+
+// How the passes walk the call: block and tile sizes, and the order of forward's key tiles
+// (plan_far_tiles).
+struct PassPlan {
+  std::int64_t query_block = 64, key_tile = 64;
+  // Backward's key tiles are larger: every tile streams all of the unit's query-side rows (Q, dO,
+  // dQ, …: 5 MiB for 2048 queries of D 128, beyond L2), so fewer tiles move fewer bytes. Measured
+  // at S 2048, H 8, D 128, causal, 2 threads, alternating runs: no bias 0.45 / 0.57 / 0.61 of the
+  // FMA peak with 128 keys against 0.39 / 0.38 / 0.56 with 64.
+  std::int64_t backward_key_tile = 128;
+  // Forward skips a key tile when no probability in it can reach FLT_MIN (each would be flushed to
+  // 0, so skipping it changes no bit): scale·|q|·max|k| + the tile's largest bias < m − 89 for
+  // every row, m the row's running max. With ALiBi that drops a head's keys beyond about 100 /
+  // slope. far_tiles_first: plans whose biases are tables that reach below −100 and that have no
+  // soft-cap, Shaw, XL or TUPE terms, and whose key transform, if any, is a rotation (norms
+  // kept); their key tiles run from the diagonal down, so that m is known early, and with
+  // skip_far_tiles (the spec's skip_vanishing_tiles) the vanishing ones are skipped.
+  bool far_tiles_first = false, skip_far_tiles = false;
+  // Forward runs a KV head's tiles from the diagonal down (and tries the skip) only where every
+  // query head of it has such a table: a head whose bias decays slowly (Kerple, T5, no bias) never
+  // lets its block's rows all vanish, and summing its largest terms into O first would cost
+  // accuracy — at 4096 causal keys a Kerple head sharing a call with ALiBi would lose 3.6× the
+  // naive f32 error (tests AccurateAtFourThousandTokens).
+  std::vector<char> far_first_kv;
+};
+
+// The plan: the spec it was built from, its parts, its score terms, and the passes over them.
+struct AttentionPlan : CallGeometry, PositionTables, BiasTables, PassPlan {
   static constexpr const char* kWhere = "Attention";
   // Entries at most in one bias table (beyond: evaluated per element).
   static constexpr std::int64_t kMaxBiasTable = std::int64_t{1} << 24;
@@ -129,9 +236,7 @@ struct AttentionPlan {
   explicit AttentionPlan(AttentionSpec spec);
 
   // The constructor's steps, in order (attention_plan.cpp).
-  struct PositionRange {
-    std::int64_t q_min = 0, q_max = 0, k_min = 0, k_max = 0;
-  };
+  using PositionRange = detail::PositionRange;
   void check_views();
   void check_cache();
   void check_mask();
@@ -144,30 +249,6 @@ struct AttentionPlan {
   void plan_far_tiles(const std::vector<HeadGroup>& groups, float lowest_table_bias);
 
   AttentionSpec spec;
-  AttentionMask mask;
-  std::int64_t window_right = -1;
-  DType dtype = DType::kF32;
-  std::int64_t batch = 1, q_len = 0, k_len = 0, heads = 0, kv_heads = 0, group_size = 1, dim = 0, dim_padded = 0;
-  // The values' head size (out, d_out and dv have it): 1 … dim (MLA: 128 of 192; absorbed decode
-  // 512 of 576). Value rows are zero-padded to dim_padded like the others.
-  std::int64_t dim_v = 0;
-  // out's and d_out's grid: q's tokens and heads, dim_v wide.
-  HeadsGrid out_grid() const {
-    HeadsGrid g = qg;
-    g.dim = dim_v;
-    return g;
-  }
-  bool packed = false;
-  HeadsGrid qg, kg, vg;
-  const void *q_data = nullptr, *k_data = nullptr, *v_data = nullptr;
-  // Keys and values from a quantized cache (spec.cache): kg and vg then count bytes (kv_unit 1),
-  // else elements of dtype (kv_unit its size).
-  std::optional<CacheFormat> cache_format;
-  std::int64_t kv_unit = 4;
-  // Bytes from the first to the last byte + 1 of a row of kg or vg (prefetch extents).
-  std::int64_t kv_row_bytes(const HeadsGrid& g) const {
-    return cache_format ? cache_row_bytes(*cache_format, g.dim) : ((g.dim - 1) * g.dim_stride + 1) * kv_unit;
-  }
   // Row (b, s, h) of the keys or values as f32, zero-padded to dim_padded (dequantised from a
   // quantized cache).
   void load_key_row(std::int64_t b, std::int64_t s, std::int64_t h, float* out) const {
@@ -178,37 +259,6 @@ struct AttentionPlan {
   }
   void load_kv_row(const void* base, const HeadsGrid& g, std::int64_t b, std::int64_t s, std::int64_t h,
                    float* out) const;
-  float scale = 1.0f;
-  double scale_f64 = 1.0;
-  bool zero_copy = false;
-  std::int64_t query_block = 64, key_tile = 64;
-  // Backward's key tiles are larger: every tile streams all of the unit's query-side rows (Q, dO,
-  // dQ, …: 5 MiB for 2048 queries of D 128, beyond L2), so fewer tiles move fewer bytes. Measured
-  // at S 2048, H 8, D 128, causal, 2 threads, alternating runs: no bias 0.45 / 0.57 / 0.61 of the
-  // FMA peak with 128 keys against 0.39 / 0.38 / 0.56 with 64.
-  std::int64_t backward_key_tile = 128;
-  // Forward skips a key tile when no probability in it can reach FLT_MIN (each would be flushed to
-  // 0, so skipping it changes no bit): scale·|q|·max|k| + the tile's largest bias < m − 89 for
-  // every row, m the row's running max. With ALiBi that drops a head's keys beyond about 100 /
-  // slope. far_tiles_first: plans whose biases are tables that reach below −100 and that have no
-  // soft-cap, Shaw, XL or TUPE terms, and whose key transform, if any, is a rotation (norms
-  // kept); their key tiles run from the diagonal down, so that m is known early, and with
-  // skip_far_tiles (the spec's skip_vanishing_tiles) the vanishing ones are skipped.
-  bool far_tiles_first = false, skip_far_tiles = false;
-  // Forward runs a KV head's tiles from the diagonal down (and tries the skip) only where every
-  // query head of it has such a table: a head whose bias decays slowly (Kerple, T5, no bias) never
-  // lets its block's rows all vanish, and summing its largest terms into O first would cost
-  // accuracy — at 4096 causal keys a Kerple head sharing a call with ALiBi would lose 3.6× the
-  // naive f32 error (tests AccurateAtFourThousandTokens).
-  std::vector<char> far_first_kv;
-  std::vector<Sequence> sequences;
-
-  // Positions: explicit (spec) or the defaults, owned here.
-  std::vector<std::int64_t> default_q_ids, default_k_ids;
-  std::int64_t position_max = 0;  // over queries and keys (RoPE's default seq_len is this + 1)
-  std::optional<Positions> q_positions, k_positions;
-  std::int64_t q_position(const Sequence& seq, std::int64_t i) const { return q_positions->at(seq.b, seq.q0 + i); }
-  std::int64_t k_position(const Sequence& seq, std::int64_t j) const { return k_positions->at(seq.b, seq.k0 + j); }
   // row[0..dim) times the spec's temperature of a query at `position` (rounded once to f32); a
   // call without one leaves the row as it is.
   void temper_row(float* row, std::int64_t position) const {
@@ -221,14 +271,7 @@ struct AttentionPlan {
   // The keys [lo, hi) query i of seq sees under the mask (window, causal, chunk); lo == hi: none.
   std::pair<std::int64_t, std::int64_t> visible_keys(const Sequence& seq, std::int64_t i) const;
 
-  // Per group: transform tables; per head: its group and bias.
-  std::vector<QKTables> tables;
-  std::vector<std::int64_t> head_group, group_first_head;
-  const QKTables& tables_of_head(std::int64_t h) const {
-    return tables[static_cast<std::size_t>(head_group[static_cast<std::size_t>(h)])];
-  }
-  bool tables_by_position = true;
-  std::int64_t table_position_min = 0;
+  // Rows of the transform tables of query i / key j of seq.
   std::int64_t q_table_row(const Sequence& seq, std::int64_t i) const {
     return tables_by_position ? q_position(seq, i) - table_position_min : (seq.b * q_len + seq.q0 + i);
   }
@@ -236,21 +279,8 @@ struct AttentionPlan {
     return tables_by_position ? k_position(seq, j) - table_position_min : (batch * q_len + seq.b * k_len + seq.k0 + j);
   }
 
-  std::vector<HeadBias> head_bias;
-  std::vector<std::vector<float>> bias_tables;  // per group: [heads][width]
-  // Every head's table transposed, [width][heads], when every head is tabulated and each
-  // sequence has one query: decode's merged rows (lane r = head r) then add a key's biases as
-  // one contiguous row (add_bias) instead of lane by lane.
-  std::vector<float> bias_by_delta;
-  std::vector<std::vector<float>> bias_table_max;  // per group: [heads][max_from | max_to][width]
-  std::vector<std::unique_ptr<BiasEvaluator>> evaluators;
-  bool any_bias = false, any_trainable_bias = false;
-  std::int64_t delta_min = 0, hist_width = 0;  // the δ range of the bias tables and histograms
-  std::vector<std::int64_t> grad_offset;       // per group, into the flat unit gradients
-
   // The query-dependent and per-token score terms (score_term.hpp), in the order they add.
   std::vector<std::unique_ptr<ScoreTerm>> terms;
-  PositionRange position_range;
   void plan_terms(const std::vector<HeadGroup>& groups);
   bool decode_merges_heads() const;
 

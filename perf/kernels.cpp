@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <memory>
+#include <string_view>
 
 #include <algorithm>
 #include <vector>
@@ -176,34 +177,28 @@ Case make_rowblock_case(const CaseOptions& o, DType dtype) {
   return c;
 }
 
-// A registered scheme as the attention benchmark runs it: the registry's defaults, except where
-// a model's sizes are larger than the defaults' (a 129-row Shaw table; Transformer-XL's sinusoid
-// as wide as q's heads, d_model = H·D, as in its models; TUPE's table of width 256 over every
-// position), a causal T5 table of varied values (its default is bidirectional and zeros), sinks
-// of logit 1 (zeros by default), and seed 1 for every initialisation.
+// Whether a registered scheme takes an option of that name (false for any other name).
+bool takes_option(std::string_view scheme, std::string_view option) {
+  for (const SchemeEntry& e : schemes()) {
+    if (e.name != scheme) continue;
+    for (const SchemeOption& o : e.options) {
+      if (o.name == option) return true;
+    }
+  }
+  return false;
+}
+
+// A registered scheme as the attention benchmark runs it: the registry's defaults and the entry's
+// bench_preset (a model's sizes where they exceed the defaults), seed 1 for every
+// initialisation, and --interleaved for a scheme with that option.
 SchemeArgs bench_scheme_args(const CaseOptions& o, std::int64_t heads, std::int64_t dim, std::int64_t k_len) {
   SchemeArgs args{.heads = heads, .head_dim = dim};
   const SchemeEntry& entry = find_scheme(o.scheme);
   for (const SchemeOption& option : entry.options) {
     if (option.name == "seed") args.options["seed"] = 1;
   }
-  if (o.scheme == "rope") {
-    args.options["interleaved"] = o.interleaved ? 1 : 0;
-  } else if (o.scheme == "t5") {
-    args.options["bidirectional"] = 0;
-    args.parameters.resize(static_cast<std::size_t>(checked_mul(32, heads, "t5 table (32 buckets · heads)")));
-    for (std::size_t e = 0; e < args.parameters.size(); ++e)
-      args.parameters[e] = static_cast<double>(e % 7) * 0.25 - 0.75;
-  } else if (o.scheme == "tupe") {
-    args.options["d_model"] = 256;
-    args.options["max_len"] = static_cast<double>(k_len + 1);
-  } else if (o.scheme == "shaw") {
-    args.options["max_distance"] = 64;
-  } else if (o.scheme == "xl") {
-    args.options["d_model"] = static_cast<double>(checked_mul(heads, dim, "xl d_model (heads · head_dim)"));
-  } else if (o.scheme == "sinks") {
-    args.parameters.assign(static_cast<std::size_t>(heads), 1.0);  // gpt-oss's learned sinks are of about this size
-  }
+  if (o.interleaved && takes_option(o.scheme, "interleaved")) args.options["interleaved"] = 1;
+  if (entry.bench_preset) entry.bench_preset(args, k_len);
   return args;
 }
 
@@ -356,8 +351,9 @@ Case make_attention_case(const CaseOptions& o) {
       std::to_string(kv) + ", " + std::to_string(dim) + "] " +
       (dim_v != dim ? "v " + std::to_string(dim_v) + (o.values_in_keys ? " wide, k's rows, " : " wide, ") : "") +
       (kv_format ? o.dtype + " q, " + o.kv_dtype + " cache" : o.dtype) + ", " + o.scheme +
-      (o.scheme == "rope" && o.interleaved ? " (interleaved)" : "") + ", " + (o.causal ? "causal" : "full") +
-      (o.chunk_size ? ", chunks of " + std::to_string(*o.chunk_size) : "") + ", " + o.pass;
+      (o.interleaved && takes_option(o.scheme, "interleaved") ? " (interleaved)" : "") + ", " +
+      (o.causal ? "causal" : "full") + (o.chunk_size ? ", chunks of " + std::to_string(*o.chunk_size) : "") + ", " +
+      o.pass;
   const double width = static_cast<double>(dtype_size(dtype));
   double pairs = static_cast<double>(o.batch) * static_cast<double>(q_len) * static_cast<double>(k_len) *
                  static_cast<double>(heads) * static_cast<double>(dim);
@@ -548,9 +544,9 @@ Case make_case(const std::string& name, const CaseOptions& o) {
   } else if (name == "bias") {
     require_positive("heads", o.heads);
     const std::int64_t heads = o.heads;
-    // Every registered score bias of positions (posenc schemes) with its defaults, except a causal
-    // T5 table of varied values (its default is bidirectional and zeros), seed 1 for every
-    // initialisation, and a position table over every position where there is one (TUPE).
+    // Every registered score bias of positions (posenc schemes) with its defaults, seed 1 for every
+    // initialisation, a position table over every position where there is one, and the entry's
+    // bench_preset.
     BiasScheme scheme = NoPE(heads);
     if (o.scheme != "nope") {
       std::string names = "nope";
@@ -566,11 +562,7 @@ Case make_case(const std::string& name, const CaseOptions& o) {
         if (option.name == "seed") args.options["seed"] = 1;
         if (option.name == "max_len") args.options["max_len"] = static_cast<double>(o.length);
       }
-      if (o.scheme == "t5") {
-        args.options["bidirectional"] = 0;
-        args.parameters.resize(static_cast<std::size_t>(checked_mul(32, heads, "t5 table (32 buckets · heads)")));
-        for (std::size_t e = 0; e < args.parameters.size(); ++e) args.parameters[e] = static_cast<double>(e % 7) - 3.0;
-      }
+      if (const SchemeEntry& entry = find_scheme(o.scheme); entry.bench_preset) entry.bench_preset(args, o.length);
       scheme = *make_head_group(o.scheme, args).bias;
     }
     if (o.pass != "forward" && o.pass != "backward") throw Error("bench", "--pass", o.pass, "forward or backward");

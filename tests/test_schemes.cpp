@@ -216,6 +216,22 @@ TEST_P(Schemes, EveryEntryIsDescribedAndItsParametersHaveTheDeclaredShape) {
       EXPECT_TRUE(std::isfinite(e.inputs[i].typical(0)) && std::isfinite(e.inputs[i].typical(1))) << e.inputs[i].name;
       EXPECT_EQ(input_grads[i].size(), input_values(e, e.inputs[i]).size()) << e.inputs[i].name;
     }
+    // The bench preset sets only declared options, and the group it gives builds at a model's
+    // shape (8 heads of 128 over 2048 keys), its parameters of the declared shape.
+    if (e.bench_preset) {
+      SchemeArgs bench{.heads = 8, .head_dim = 128};
+      e.bench_preset(bench, 2048);
+      for (const auto& [name, value] : bench.options) {
+        EXPECT_TRUE(std::any_of(e.options.begin(), e.options.end(), [&](const SchemeOption& o) {
+          return o.name == name;
+        })) << name;
+      }
+      const SchemeArgs completed = complete_scheme_args(e, bench);
+      std::int64_t size = e.parameter_shape(completed).empty() ? 0 : 1;
+      for (const std::int64_t extent : e.parameter_shape(completed)) size *= extent;
+      EXPECT_TRUE(bench.parameters.empty() || static_cast<std::int64_t>(bench.parameters.size()) == size);
+      EXPECT_EQ(make_head_group(e.name, bench).heads, 8);
+    }
     // What a picture ignores is an argument or a declared option (a misspelt name would let
     // `posenc table` accept the flag and ignore it).
     for (const std::string& ignored : picture_ignores(e)) {

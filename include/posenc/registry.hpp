@@ -126,6 +126,11 @@ struct SchemeEntry {
   // names; `posenc table` refuses them rather than ignore them. Unset: head_dim for a relative bias
   // and none, nothing for the others (picture_ignores applies that rule).
   std::optional<std::vector<std::string>> picture_ignores{};
+  // What benchmarks set beyond the defaults at a model's shape (`posenc bench attention`, `bench
+  // bias`), given args with heads and head_dim and the call's key count: what a trained model of
+  // the scheme holds and the defaults do not (a causal T5 table of varied values, TUPE's table
+  // over every position). Unset: the defaults.
+  std::function<void(SchemeArgs& args, std::int64_t keys)> bench_preset{};
 };
 
 // Every registered scheme, in a fixed order.

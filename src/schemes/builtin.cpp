@@ -171,6 +171,13 @@ SchemeEntry t5_entry() {
     return shared_picture("buckets", positions, [&](std::int64_t r) { return static_cast<double>(t5.bucket(r)); });
   };
   entry.picture_ignores = {"heads", "head_dim"};
+  // A decoder's causal buckets, and a table of varied values (zeros would make every score's
+  // bias equal).
+  entry.bench_preset = [](SchemeArgs& a, std::int64_t) {
+    a.options["bidirectional"] = 0;
+    a.parameters.resize(static_cast<std::size_t>(checked_mul(32, a.heads, "t5 table (32 buckets · heads)")));
+    for (std::size_t e = 0; e < a.parameters.size(); ++e) a.parameters[e] = static_cast<double>(e % 7) * 0.25 - 0.75;
+  };
   return entry;
 }
 
@@ -262,6 +269,12 @@ SchemeEntry tupe_entry() {
                               TupeParams(a.heads, a.head_dim, d_model, slice(p, 0, table), slice(p, table, u),
                                          slice(p, table + u, u), a.flag("cls_reset"), slice(p, table + 2 * u, a.heads),
                                          slice(p, table + 2 * u + a.heads, a.heads)));
+          },
+      // A model's width of table, over every position of the call.
+      .bench_preset =
+          [](SchemeArgs& a, std::int64_t keys) {
+            a.options["d_model"] = 256;
+            a.options["max_len"] = static_cast<double>(keys + 1);
           }};
 }
 
@@ -320,6 +333,7 @@ SchemeEntry shaw_entry() {
     return shared_picture("rows", positions, [&](std::int64_t r) { return static_cast<double>(shaw.row_of(r)); });
   };
   entry.picture_ignores = {"heads", "head_dim", "seed"};
+  entry.bench_preset = [](SchemeArgs& a, std::int64_t) { a.options["max_distance"] = 64; };  // a 129-row table
   return entry;
 }
 
@@ -380,6 +394,10 @@ SchemeEntry xl_entry() {
       picture.heads.emplace_back(all.begin() + h * per_head, all.begin() + (h + 1) * per_head);
     }
     return picture;
+  };
+  // d_model = H·D, as in its models.
+  entry.bench_preset = [](SchemeArgs& a, std::int64_t) {
+    a.options["d_model"] = static_cast<double>(checked_mul(a.heads, a.head_dim, "xl d_model (heads · head_dim)"));
   };
   return entry;
 }

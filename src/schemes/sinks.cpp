@@ -135,6 +135,8 @@ SchemeEntry sinks_entry() {
   };
   // The entry's sink is the group's first term (the attention's sinks and gates arguments append theirs).
   e.gradients_of = [](const GroupGradients& g) { return g.terms.empty() ? std::vector<double>{} : g.terms[0]; };
+  // Logits of about the size of gpt-oss's learned sinks (zeros by default).
+  e.bench_preset = [](SchemeArgs& a, std::int64_t) { a.parameters.assign(static_cast<std::size_t>(a.heads), 1.0); };
   return e;
 }
 

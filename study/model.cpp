@@ -22,6 +22,10 @@ using StickBreakingOp = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, co
 using CopeOp = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                   const at::Tensor&, double, std::vector<std::int64_t>,
                                                   std::vector<std::int64_t>);
+using QuantizeOp = at::Tensor(const at::Tensor&, const std::string&);
+using RopeOp = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                  const c10::intrusive_ptr<torch_adapter::RopeClass>&, std::int64_t,
+                                                  std::int64_t);
 
 // T5: 32 buckets up to distance 128 (the T5 paper's defaults); FIRE: a 32-unit MLP; xPos: its
 // paper's scale base 512.
@@ -75,6 +79,26 @@ void LanguageModelImpl::set_scheme(const std::string& scheme) {
     throw Error("study", "scheme", scheme, "a scheme sharing the parameters of " + config_.scheme);
   }
   config_.scheme = scheme;
+}
+
+bool LanguageModelImpl::has_rope() const {
+  const std::string& s = config_.scheme;
+  return s == "rope" || s == "xpos" || s == "rope-ntk" || s == "rope-yarn";
+}
+
+void LanguageModelImpl::set_kv_cache(const std::string& format, bool post_rope) {
+  if (!format.empty() && (config_.scheme == "stickbreaking" || config_.scheme == "cope")) {
+    throw Error("study", "--kv-formats", format,
+                "schemes that run on posenc.attention (" + config_.scheme + " has its own attention op)");
+  }
+  const std::int64_t head_dim = config_.width / config_.heads;
+  if ((format == "q8_0" || format == "q4_0") && head_dim % 32 != 0) {
+    throw Error("study", "--kv-formats", format,
+                "a head size that is a multiple of 32 (ggml's blocks; --width / --heads is " +
+                    std::to_string(head_dim) + "), or fp8_e4m3");
+  }
+  kv_format_ = format;
+  kv_post_rope_ = post_rope && has_rope();
 }
 
 LanguageModelImpl::LanguageModelImpl(const ModelConfig& config) : config_(config) {
@@ -170,6 +194,7 @@ c10::intrusive_ptr<torch_adapter::SchemeClass> LanguageModelImpl::attention_sche
     if (s == "xpos") p = p.with_xpos(kXposScaleBase, 0.0);
     rope = c10::make_intrusive<torch_adapter::RopeClass>(p);
     name = "rope";
+    if (!kv_format_.empty() && kv_post_rope_) options.insert("keys_rotated", 1.0);
   } else if (s == "t5") {
     name = "t5";
     options.insert("num_buckets", static_cast<double>(kT5Buckets));
@@ -206,6 +231,9 @@ torch::Tensor LanguageModelImpl::forward(const torch::Tensor& bytes, std::int64_
   static const auto stickbreaking =
       c10::Dispatcher::singleton().findSchemaOrThrow("posenc::stickbreaking_attention", "").typed<StickBreakingOp>();
   static const auto cope = c10::Dispatcher::singleton().findSchemaOrThrow("posenc::cope_attention", "").typed<CopeOp>();
+  static const auto quantize =
+      c10::Dispatcher::singleton().findSchemaOrThrow("posenc::quantize_kv", "").typed<QuantizeOp>();
+  static const auto rotate = c10::Dispatcher::singleton().findSchemaOrThrow("posenc::rope", "").typed<RopeOp>();
   const std::int64_t b = bytes.size(0), s = bytes.size(1), d = config_.width, h = config_.heads, hd = d / h;
   if (context_length <= 0) context_length = s;
   torch::Tensor x = embed_->forward(bytes);
@@ -233,7 +261,18 @@ torch::Tensor LanguageModelImpl::forward(const torch::Tensor& bytes, std::int64_
       if (config_.scheme == "fox") args.gates.push_back(torch::log_sigmoid(linear(normed, layer.fgate)));
       if (const torch::Tensor params = layer_bias_params(layer); params.defined()) args.params.push_back(params);
       args.causal = true;
-      attended = std::get<0>(torch_adapter::call_attention(q, k, v, args));
+      if (kv_format_.empty()) {
+        attended = std::get<0>(torch_adapter::call_attention(q, k, v, args));
+      } else {
+        torch::Tensor keys = k;
+        if (kv_post_rope_) {
+          const auto& rope = schemes.get(0)->rope_object;
+          keys = std::get<1>(rotate.call(q, k, positions, *rope, s, 0));
+        }
+        args.kv_format = kv_format_;
+        attended = std::get<0>(torch_adapter::call_attention(q, quantize.call(keys.contiguous(), kv_format_),
+                                                             quantize.call(v.contiguous(), kv_format_), args));
+      }
     }
     x = x + linear(attended.reshape({b, s, d}), layer.out);
     x = x + linear(torch::gelu(linear(layer.norm2->forward(x), layer.up)), layer.down);

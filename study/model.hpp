@@ -59,6 +59,14 @@ class LanguageModelImpl : public torch::nn::Module {
   // Switches between schemes that share the parameters (rope, rope-ntk, rope-yarn: they differ
   // only at test lengths): one trained model is evaluated under each.
   void set_scheme(const std::string& scheme);
+  // Evaluation against a quantized KV cache (posenc/quantized.hpp: "q8_0", "q4_0", "fp8_e4m3"; ""
+  // turns it off): each layer's keys and values quantized, and attention reading them from the
+  // cache. A scheme with RoPE stores its keys rotated (post_rope, ggml's convention) or as
+  // projected, rotated after dequantisation. Schemes outside posenc.attention (stickbreaking,
+  // cope) are refused; a head size that is not a multiple of 32 is refused for q8_0 and q4_0.
+  void set_kv_cache(const std::string& format, bool post_rope);
+  // Whether the scheme rotates q and k (so that post- and pre-RoPE caches differ).
+  bool has_rope() const;
 
  private:
   struct Layer {
@@ -75,6 +83,8 @@ class LanguageModelImpl : public torch::nn::Module {
   torch::Tensor layer_bias_params(const Layer& layer) const;
 
   ModelConfig config_;
+  std::string kv_format_;
+  bool kv_post_rope_ = false;
   torch::nn::Embedding embed_{nullptr}, positions_{nullptr};
   std::vector<Layer> layers_;
   torch::nn::LayerNorm final_norm_{nullptr};

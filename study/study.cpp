@@ -81,6 +81,8 @@ struct Settings {
   // synthetic false.
   std::int64_t eval_length = 0;
   bool synthetic = true;
+  // Quantized KV-cache formats the language model is also evaluated with, at L and 4L (--kv-formats).
+  std::vector<std::string> kv_formats;
   std::vector<std::int64_t> lengths() const {
     const std::int64_t l = eval_length > 0 ? eval_length : length;
     return {l, 2 * l, 4 * l, 8 * l, 16 * l};
@@ -105,6 +107,13 @@ struct Settings {
             {"target", target},
             {"eval_length", eval_length > 0 ? eval_length : length},
             {"synthetic", synthetic}};
+  }
+  // to_json(), and the KV-cache formats where there are any (a study without them keeps the
+  // settings, and so the resume key and the golden numbers, it always had).
+  json config_json() const {
+    json j = to_json();
+    if (!kv_formats.empty()) j["kv_formats"] = kv_formats;
+    return j;
   }
   // What the retrieval panel's numbers depend on (its files' resume key).
   json retrieval_json() const {
@@ -202,6 +211,44 @@ double evaluate(LanguageModel& model, const std::vector<std::uint8_t>& stream, s
   if (scored != n)
     throw Error("study", "eval_tokens", std::to_string(n), "a multiple of 16·length (every byte scored once)");
   return nats / static_cast<double>(scored) / std::log(2.0);
+}
+
+// The language model against quantized KV caches: for each (format, post_rope) of `caches`, bits
+// per byte of targets [0, n) at context length e (non-overlapping chunks, as evaluate) and the KL
+// divergence of its next-byte distributions from those of the f32 model, in bits per byte.
+std::vector<std::pair<double, double>> evaluate_kv(LanguageModel& model, const std::vector<std::uint8_t>& stream,
+                                                   std::int64_t n, std::int64_t e,
+                                                   const std::vector<std::pair<std::string, bool>>& caches) {
+  torch::NoGradGuard no_grad;
+  model->eval();
+  std::vector<double> nats(caches.size(), 0.0), kl(caches.size(), 0.0);
+  const std::int64_t windows = n / e, per_batch = std::max<std::int64_t>(1, 8192 / e);
+  for (std::int64_t w0 = 0; w0 < windows; w0 += per_batch) {
+    const std::int64_t w1 = std::min(windows, w0 + per_batch);
+    std::vector<torch::Tensor> xs, ys;
+    for (std::int64_t w = w0; w < w1; ++w) {
+      xs.push_back(bytes_tensor(stream, w * e, e));
+      ys.push_back(bytes_tensor(stream, w * e + 1, e));
+    }
+    const torch::Tensor x = torch::stack(xs), y = torch::stack(ys).reshape({-1});
+    model->set_kv_cache("", false);
+    const torch::Tensor reference = torch::log_softmax(model->forward(x, e).reshape({-1, 256}), -1);
+    for (std::size_t c = 0; c < caches.size(); ++c) {
+      model->set_kv_cache(caches[c].first, caches[c].second);
+      const torch::Tensor logp = torch::log_softmax(model->forward(x, e).reshape({-1, 256}), -1);
+      nats[c] -= logp.gather(1, y.unsqueeze(1)).sum().item<double>();
+      kl[c] += (reference.exp() * (reference - logp)).sum().item<double>();
+    }
+  }
+  model->set_kv_cache("", false);
+  model->train();
+  if (windows * e != n)
+    throw Error("study", "eval_tokens", std::to_string(n), "a multiple of 16·length (every byte scored once)");
+  std::vector<std::pair<double, double>> out;
+  for (std::size_t c = 0; c < caches.size(); ++c) {
+    out.emplace_back(nats[c] / static_cast<double>(n) / std::log(2.0), kl[c] / static_cast<double>(n) / std::log(2.0));
+  }
+  return out;
 }
 
 // `steps` AdamW steps (weight decay 0.01, gradients clipped to norm 1) on next_batch()'s
@@ -409,6 +456,27 @@ std::vector<json> run_scheme(const std::string& scheme, const std::vector<std::s
           static_cast<double>(vi * lengths.size() + li + 1) / static_cast<double>(variants.size() * lengths.size());
       progress.show(index, 0.55 + 0.15 * evaluated, fmt::format("{}: evaluated at {}", variants[vi], e));
     }
+    if (!st.kv_formats.empty()) {
+      // kv_cache[format][keys][E] = {bpb, delta_bpb (against the f32 model's), kl_bits}; keys
+      // "post_rope" or "pre_rope" for schemes with RoPE, else "keys".
+      std::vector<std::pair<std::string, bool>> caches;
+      for (const std::string& f : st.kv_formats) {
+        caches.emplace_back(f, model->has_rope());
+        if (model->has_rope()) caches.emplace_back(f, false);
+      }
+      for (const std::int64_t e : {st.length, 4 * st.length}) {
+        const auto measured = evaluate_kv(model, corpus.validation, st.eval_tokens, e, caches);
+        for (std::size_t c = 0; c < caches.size(); ++c) {
+          const char* keys = !model->has_rope() ? "keys" : caches[c].second ? "post_rope" : "pre_rope";
+          const double bpb = measured[c].first;
+          result["kv_cache"][caches[c].first][keys][std::to_string(e)] = {
+              {"bpb", bpb},
+              {"delta_bpb", bpb - result["bpb"][std::to_string(e)].get<double>()},
+              {"kl_bits", measured[c].second}};
+        }
+        progress.show(index, 0.70, fmt::format("{}: quantized KV caches evaluated at {}", variants[vi], e));
+      }
+    }
     results.push_back(std::move(result));
   }
   if (!st.synthetic) {
@@ -470,6 +538,31 @@ double measure_step(const std::string& scheme, const Settings& one, const std::s
   const int status = pclose(pipe);
   if (!read || status != 0) throw Error("study", "--train-long", scheme, "a measurement of one step's memory");
   return std::strtod(buffer, nullptr);
+}
+
+// The quantized KV caches' table: per scheme (its first seed), format and key form, bits per byte,
+// Δ against the f32 cache and KL at L and 4L.
+std::string kv_cache_table(const json& results, std::int64_t length) {
+  const std::string l = std::to_string(length), l4 = std::to_string(4 * length);
+  std::string table = fmt::format(
+      "| scheme | cache | keys | bpb at {0} | Δ at {0} | KL at {0} | bpb at {1} | Δ at {1} | KL at {1} |\n"
+      "|---|---|---|---|---|---|---|---|---|\n",
+      l, l4);
+  for (const auto& [scheme, r] : results.items()) {
+    const json& run = r.at("runs").at(0);
+    if (!run.contains("kv_cache")) continue;
+    for (const auto& [format, forms] : run.at("kv_cache").items()) {
+      for (const auto& [keys, at] : forms.items()) {
+        const auto cell = [&](const std::string& e) {
+          const json& c = at.at(e);
+          return fmt::format("{:.4f} | {:+.4f} | {:.1e}", c.at("bpb").get<double>(), c.at("delta_bpb").get<double>(),
+                             c.at("kl_bits").get<double>());
+        };
+        table += fmt::format("| {} | {} | {} | {} | {} |\n", scheme, format, keys, cell(l), cell(l4));
+      }
+    }
+  }
+  return table;
 }
 
 // The train-short-test-long table: every result's training length, bits per byte at L, 2L and
@@ -535,6 +628,11 @@ int main(int argc, char** argv) {
   app.add_option("--train-long", train_long_text,
                  "Comma-separated schemes also trained at 2L and evaluated at L … 16L (train short, test long), "
                  "with training time and one step's memory per training");
+  std::string kv_formats_text;
+  app.add_option("--kv-formats", kv_formats_text,
+                 "Comma-separated quantized KV-cache formats (q8_0, q4_0, fp8_e4m3) the language models are also "
+                 "evaluated with at L and 4L: bits per byte and KL divergence from the f32 cache, keys stored "
+                 "after and before RoPE");
   app.add_option("--measure-step", measure_spec, "")->group("");  // internal: measure_step's child
   int jobs = 2;
   app.add_option("--jobs", jobs, "Schemes trained at once, 1 to 64 (each on --threads threads)")->capture_default_str();
@@ -657,6 +755,27 @@ int main(int argc, char** argv) {
       }
       if (train_long.empty()) throw posenc::Error("study", "--train-long", "\"\"", "a comma-separated list of schemes");
     }
+    if (app.count("--kv-formats")) {
+      const std::string expected = "a comma-separated list of q8_0, q4_0, fp8_e4m3, each once";
+      std::stringstream list(kv_formats_text);
+      for (std::string f; std::getline(list, f, ',');) {
+        if ((f != "q8_0" && f != "q4_0" && f != "fp8_e4m3") ||
+            std::find(st.kv_formats.begin(), st.kv_formats.end(), f) != st.kv_formats.end())
+          throw posenc::Error("study", "--kv-formats", kv_formats_text, expected);
+        // ggml's blocks hold 32 values of a row.
+        if (f != "fp8_e4m3" && (st.width / st.heads) % 32 != 0)
+          throw posenc::Error("study", "--kv-formats", f,
+                              "fp8_e4m3 with a head size (--width / --heads = " + std::to_string(st.width / st.heads) +
+                                  ") that is not a multiple of 32");
+        st.kv_formats.push_back(f);
+      }
+      if (st.kv_formats.empty()) throw posenc::Error("study", "--kv-formats", "\"\"", expected);
+      for (const std::string& s : schemes) {
+        if (s == "stickbreaking" || s == "cope")
+          throw posenc::Error("study", "--kv-formats", kv_formats_text,
+                              "schemes that run on posenc.attention (" + s + " has its own attention op)");
+      }
+    }
     // The output directory, before any work: it must be one (or be creatable).
     if (out_dir.empty()) throw posenc::Error("study", "--out", "\"\"", "a directory");
     std::error_code out_error;
@@ -693,7 +812,7 @@ int main(int argc, char** argv) {
       return one;
     };
     const auto config_of = [&](std::uint64_t seed, bool long_baseline = false) {
-      return json{{"settings", settings_of(seed, long_baseline).to_json()},
+      return json{{"settings", settings_of(seed, long_baseline).config_json()},
                   {"corpus", corpus.source},
                   {"train_bytes", corpus.train.size()},
                   {"validation_bytes", corpus.validation.size()}};
@@ -848,6 +967,8 @@ int main(int argc, char** argv) {
     const std::string copy_table = results_table(results, copy_lengths, "copy_accuracy");
     const std::string retrieval_table = results_table(results, copy_lengths, "retrieval_accuracy");
     const std::string long_table = train_long.empty() ? std::string() : train_long_table(results, st);
+    const std::string kv_table = st.kv_formats.empty() ? std::string() : kv_cache_table(results, st.length);
+    if (!kv_table.empty()) fmt::print("\nQuantized KV caches against the f32 cache:\n\n{}\n", kv_table);
     if (!long_table.empty()) fmt::print("\nTrain short, test long:\n\n{}\n", long_table);
     fmt::print("\nBits per byte on {} held-out bytes (non-overlapping chunks; trained at {}):\n\n{}\n", st.eval_tokens,
                st.length, table);
@@ -877,6 +998,15 @@ int main(int argc, char** argv) {
         st.retrieval_steps, st.batch, retrieval_pairs(st.copy_length), st.copy_length, st.copy_eval_examples,
         kRetrievalValues, retrieval_table);
     if (!long_table.empty()) report += "## Train short, test long\n\n" + long_table + "\n";
+    if (!kv_table.empty()) {
+      report += fmt::format(
+          "## Quantized KV caches\n\nThe language model of seed {} evaluated with every layer's keys and values "
+          "quantized into the cache format and read back inside the attention's tiles: bits per byte, its "
+          "difference from the f32 cache (Δ) and the KL divergence of the next-byte distributions from the f32 "
+          "cache's, in bits per byte. Keys stored after RoPE (ggml's convention) or before it, rotated after "
+          "dequantisation.\n\n{}\n",
+          st.seed, kv_table);
+    }
     if (have_gnuplot()) {
       const std::string trained = fmt::format("trained at {} bytes", st.length);
       plot(out, results,

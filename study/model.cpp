@@ -27,9 +27,7 @@ using RopeOp = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::T
                                                   const c10::intrusive_ptr<torch_adapter::RopeClass>&, std::int64_t,
                                                   std::int64_t);
 
-// T5: 32 buckets up to distance 128 (the T5 paper's defaults); FIRE: a 32-unit MLP; xPos: its
-// paper's scale base 512.
-constexpr std::int64_t kT5Buckets = 32, kT5MaxDistance = 128, kFireHidden = 32;
+// xPos: its paper's scale base 512.
 constexpr double kXposScaleBase = 512.0;
 
 }  // namespace
@@ -47,6 +45,23 @@ bool registered_relative_bias(const std::string& scheme) {
     if (e.name == scheme) return e.family == "relative-bias";
   }
   return false;
+}
+
+// The registry's entry of a scheme that is a score bias (t5, alibi, kerple, fire, and the other
+// relative biases), or null: its entry says how the model holds and trains it.
+const posenc::SchemeEntry* bias_entry(const std::string& scheme) {
+  for (const posenc::SchemeEntry& e : posenc::schemes()) {
+    if (e.name == scheme) return e.family == "relative-bias" || e.family == "bias" ? &e : nullptr;
+  }
+  return nullptr;
+}
+
+// The entry's arguments for a model of `heads` heads of head_dim: its decoder options, the rest
+// defaults.
+posenc::SchemeArgs decoder_args(const posenc::SchemeEntry& entry, std::int64_t heads, std::int64_t head_dim) {
+  posenc::SchemeArgs args{.heads = heads, .head_dim = head_dim};
+  for (const auto& [name, value] : entry.decoder_options) args.options[name] = value;
+  return posenc::complete_scheme_args(entry, args);
 }
 }  // namespace
 
@@ -127,30 +142,20 @@ LanguageModelImpl::LanguageModelImpl(const ModelConfig& config) : config_(config
     const auto param = [&](const std::string& name, torch::Tensor value) {
       layer.raw.push_back(register_parameter(p + name, std::move(value)));
     };
-    if (config.scheme == "t5") {
-      param("t5_table", torch::zeros({kT5Buckets, h}, torch::kFloat64));
-    } else if (config.scheme == "kerple") {
-      // Positive through softplus: r1 = r2 = softplus(0.5413) = 1 at the start.
-      param("kerple_raw", torch::full({2, h}, 0.5413, torch::kFloat64));
-    } else if (config.scheme == "fire") {
-      param("fire_w1", torch::randn({kFireHidden}, torch::kFloat64));
-      param("fire_b1", torch::randn({kFireHidden}, torch::kFloat64) * 0.5);
-      param("fire_w2", torch::randn({h, kFireHidden}, torch::kFloat64) / std::sqrt(static_cast<double>(kFireHidden)));
-      param("fire_b2", torch::zeros({h}, torch::kFloat64));
-      param("fire_c_raw", torch::full({1}, 2.2522, torch::kFloat64));  // softplus: c = 2.35… ≈ e^0.85
-      param("fire_l_raw",
-            torch::full({1}, static_cast<double>(config.train_length), torch::kFloat64));  // L ≈ train length
-    } else if (registered_relative_bias(config.scheme)) {
+    if (const posenc::SchemeEntry* entry = bias_entry(config.scheme); entry && entry->training) {
+      // The entry's trained slices, drawn in order (torch's generator: the same draws on any host).
+      using enum posenc::TrainedSlice::Init;
+      for (const posenc::TrainedSlice& t : entry->training(decoder_args(*entry, h, d / h), config.train_length)) {
+        param(entry->name + "_" + t.name, t.init == kZeros      ? torch::zeros(t.shape, torch::kFloat64)
+                                          : t.init == kConstant ? torch::full(t.shape, t.value, torch::kFloat64)
+                                                                : torch::randn(t.shape, torch::kFloat64) / t.value);
+      }
+    } else if (entry) {
       // The registry's initial parameters, learned as they are (none for Sandwich).
-      const posenc::SchemeEntry& entry = posenc::find_scheme(config.scheme);
-      posenc::SchemeArgs args;
-      args.heads = h;
-      args.head_dim = d / h;
-      const std::vector<double> initial =
-          posenc::scheme_parameters(entry, entry.make(posenc::complete_scheme_args(entry, args)));
+      const posenc::SchemeArgs args = decoder_args(*entry, h, d / h);
+      const std::vector<double> initial = posenc::scheme_parameters(*entry, entry->make(args));
       if (!initial.empty()) {
-        const std::vector<std::int64_t> shape = entry.parameter_shape(posenc::complete_scheme_args(entry, args));
-        param("registry_params", torch::tensor(initial, torch::kFloat64).reshape(shape));
+        param("registry_params", torch::tensor(initial, torch::kFloat64).reshape(entry->parameter_shape(args)));
       }
     } else if (config.scheme == "fox") {
       layer.fgate = register_module(p + "fgate", torch::nn::Linear(d, h));
@@ -158,12 +163,6 @@ LanguageModelImpl::LanguageModelImpl(const ModelConfig& config) : config_(config
       layer.head_bias = register_parameter(p + "head_bias", torch::zeros({h, d / h}));
     } else if (config.scheme == "cope") {
       layer.cope_table = register_parameter(p + "cope_table", torch::zeros({config.train_length + 1, d / h}));
-    } else if (config.scheme == "alibi") {
-      // The paper's slopes 2^(−8h/H), fixed.
-      auto slopes = torch::empty({h}, torch::kFloat64);
-      for (std::int64_t i = 0; i < h; ++i)
-        slopes[i] = std::pow(2.0, -8.0 * static_cast<double>(i + 1) / static_cast<double>(h));
-      layer.bias_params = register_buffer(p + "alibi_slopes", slopes);
     }
     layers_.push_back(std::move(layer));
   }
@@ -195,34 +194,30 @@ c10::intrusive_ptr<torch_adapter::SchemeClass> LanguageModelImpl::attention_sche
     rope = c10::make_intrusive<torch_adapter::RopeClass>(p);
     name = "rope";
     if (!kv_format_.empty() && kv_post_rope_) options.insert("keys_rotated", 1.0);
-  } else if (s == "t5") {
-    name = "t5";
-    options.insert("num_buckets", static_cast<double>(kT5Buckets));
-    options.insert("max_distance", static_cast<double>(kT5MaxDistance));
-    options.insert("bidirectional", 0.0);
-  } else if (s == "alibi" || s == "kerple") {
+  } else if (const posenc::SchemeEntry* entry = bias_entry(s)) {
     name = s;
-    options.insert(s == "alibi" ? "symmetric" : "power", 0.0);
-  } else if (s == "fire") {
-    name = "fire";
-    options.insert("hidden", static_cast<double>(kFireHidden));
-  } else if (registered_relative_bias(s)) {
-    name = s;
+    for (const auto& [option, value] : entry->decoder_options) options.insert(option, value);
   }
   return c10::make_intrusive<torch_adapter::SchemeClass>(name, config_.heads, options, rope);
 }
 
 torch::Tensor LanguageModelImpl::layer_bias_params(const Layer& layer) const {
-  const std::string& s = config_.scheme;
-  if (s == "t5") return layer.raw[0];
-  if (s == "kerple") return torch::nn::functional::softplus(layer.raw[0]);
-  if (s == "fire") {
-    return torch::cat({layer.raw[0], layer.raw[1], layer.raw[2].reshape({-1}), layer.raw[3],
-                       torch::nn::functional::softplus(layer.raw[4]), torch::nn::functional::softplus(layer.raw[5])});
+  const posenc::SchemeEntry* entry = bias_entry(config_.scheme);
+  if (entry == nullptr || layer.raw.empty()) return {};  // the scheme's initial values (none for the others)
+  if (!entry->training) return layer.raw[0];
+  // The trained slices through their reparametrisation: one as it is, several flat and joined in
+  // the entry's order.
+  const std::int64_t head_dim = config_.width / config_.heads;
+  const std::vector<posenc::TrainedSlice> slices =
+      entry->training(decoder_args(*entry, config_.heads, head_dim), config_.train_length);
+  std::vector<torch::Tensor> parts;
+  for (std::size_t i = 0; i < slices.size(); ++i) {
+    const torch::Tensor& raw = layer.raw[i];
+    parts.push_back(slices[i].softplus ? torch::nn::functional::softplus(raw) : raw);
   }
-  if (s == "alibi") return layer.bias_params;
-  if (registered_relative_bias(s) && !layer.raw.empty()) return layer.raw[0];
-  return {};  // the scheme's initial values (none for the others)
+  if (parts.size() == 1) return parts[0];
+  for (torch::Tensor& part : parts) part = part.reshape({-1});
+  return torch::cat(parts);
 }
 
 torch::Tensor LanguageModelImpl::forward(const torch::Tensor& bytes, std::int64_t context_length) {

@@ -7,7 +7,9 @@
 //   rope-ntk, rope-yarn      RoPE trained as is; at test lengths E > train_length, dynamic NTK
 //                            (base stretched for E) or YaRN with factor E / train_length
 //   t5, alibi, kerple, fire  score biases inside the fused attention (T5's table, Kerple's r1 r2
-//                            and FIRE's MLP trained; ALiBi's slopes fixed, as in the paper)
+//                            and FIRE's MLP trained; ALiBi's slopes fixed, as in the paper),
+//                            held, initialised and reparametrised as their registry entries say
+//                            (SchemeEntry::decoder_options and training, posenc/registry.hpp)
 //   nope                     nothing (causal attention alone)
 //   fox                      Forgetting Attention without other positions (the FoX paper's own
 //                            setting): log f = logsigmoid(W_f·x + b_f) per token and head, W_f a
@@ -75,8 +77,7 @@ class LanguageModelImpl : public torch::nn::Module {
     torch::nn::Linear fgate{nullptr};  // fox: the forget gates' logits
     torch::Tensor head_bias;           // stickbreaking: b_h, [heads, head_dim]
     torch::Tensor cope_table;          // cope: [train_length + 1, head_dim]
-    torch::Tensor bias_params;         // the scheme's per-layer parameters (or an empty tensor)
-    std::vector<torch::Tensor> raw;    // trainable tensors bias_params is made of
+    std::vector<torch::Tensor> raw;    // a score bias's trained slices (SchemeEntry::training)
   };
   // The attention's scheme at an evaluation length (rope-ntk and rope-yarn scale past the training length).
   c10::intrusive_ptr<torch_adapter::SchemeClass> attention_scheme(std::int64_t context_length) const;

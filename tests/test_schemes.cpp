@@ -232,6 +232,30 @@ TEST_P(Schemes, EveryEntryIsDescribedAndItsParametersHaveTheDeclaredShape) {
       EXPECT_TRUE(bench.parameters.empty() || static_cast<std::int64_t>(bench.parameters.size()) == size);
       EXPECT_EQ(make_head_group(e.name, bench).heads, 8);
     }
+    // A decoder's options are declared ones; the trained slices (when any) cover the parameters'
+    // flat size exactly.
+    for (const auto& [name, value] : e.decoder_options) {
+      EXPECT_TRUE(std::any_of(e.options.begin(), e.options.end(), [&](const SchemeOption& o) {
+        return o.name == name;
+      })) << name;
+    }
+    if (e.training) {
+      SchemeArgs decoder{.heads = kHeads, .head_dim = kDim};
+      for (const auto& [name, value] : e.decoder_options) decoder.options[name] = value;
+      decoder = complete_scheme_args(e, decoder);
+      const std::vector<TrainedSlice> slices = e.training(decoder, 64);
+      std::int64_t trained = 0;
+      for (const TrainedSlice& t : slices) {
+        std::int64_t n = 1;
+        for (const std::int64_t extent : t.shape) n *= extent;
+        trained += n;
+        EXPECT_FALSE(t.name.empty());
+        EXPECT_TRUE(t.init != TrainedSlice::Init::kNormal || t.value > 0) << t.name;
+      }
+      std::int64_t size = e.parameter_shape(decoder).empty() ? 0 : 1;
+      for (const std::int64_t extent : e.parameter_shape(decoder)) size *= extent;
+      EXPECT_TRUE(slices.empty() || trained == size) << trained << " of " << size;
+    }
     // What a picture ignores is an argument or a declared option (a misspelt name would let
     // `posenc table` accept the flag and ignore it).
     for (const std::string& ignored : picture_ignores(e)) {

@@ -89,6 +89,18 @@ struct SchemePicture {
   std::string shared{};  // non-empty: heads holds one matrix, printed under this name
 };
 
+// One slice of a scheme's flat parameters (parameter_shape's order) as a trainer holds it: its
+// shape, its initial value, and whether the scheme reads softplus of what is trained (a positive
+// parameter learned without a bound).
+struct TrainedSlice {
+  std::string name;
+  std::vector<std::int64_t> shape;
+  enum class Init { kZeros, kConstant, kNormal } init = Init::kZeros;
+  // kConstant: the value; kNormal: a standard normal draw divided by this.
+  double value = 0.0;
+  bool softplus = false;
+};
+
 // A scheme's registry entry, built by field name (designated initializers, C++20): the fields
 // left out keep the defaults below.
 struct SchemeEntry {
@@ -131,6 +143,12 @@ struct SchemeEntry {
   // the scheme holds and the defaults do not (a causal T5 table of varied values, TUPE's table
   // over every position). Unset: the defaults.
   std::function<void(SchemeArgs& args, std::int64_t keys)> bench_preset{};
+  // How a language model trains the parameters (posenc study): the options of its causal form,
+  // and the slices of its parameters with their initial values and reparametrisation, given the
+  // training length; no slices: none trained (the initial values stay, as ALiBi's slopes). Unset
+  // training: the scheme's initial parameters, learned as they are.
+  std::map<std::string, double, std::less<>> decoder_options{};
+  std::function<std::vector<TrainedSlice>(const SchemeArgs& args, std::int64_t train_length)> training{};
 };
 
 // Every registered scheme, in a fixed order.

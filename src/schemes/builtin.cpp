@@ -2,6 +2,7 @@
 // relative.hpp, rotary.hpp and absolute.hpp: how each is named, which options it takes, the shape
 // of its learned parameters, and its HeadGroup. Initial values (no parameters given) are the
 // papers' (ALiBi's slopes) or the classes' seeded init().
+#include <cmath>
 #include <functional>
 #include <initializer_list>
 #include <memory>
@@ -142,7 +143,9 @@ SchemeEntry alibi_entry() {
                            return bias_group(a, a.parameters.empty() ? AlibiParams(a.heads, form, a.number("max_bias"))
                                                                      : AlibiParams(a.parameters, form));
                          },
-                     .parameters_of = [](const HeadGroup& g) { return std::get<AlibiParams>(*g.bias).slopes(); }};
+                     .parameters_of = [](const HeadGroup& g) { return std::get<AlibiParams>(*g.bias).slopes(); },
+                     // The paper's slopes, fixed.
+                     .training = [](const SchemeArgs&, std::int64_t) { return std::vector<TrainedSlice>{}; }};
 }
 
 SchemeEntry t5_entry() {
@@ -171,6 +174,10 @@ SchemeEntry t5_entry() {
     return shared_picture("buckets", positions, [&](std::int64_t r) { return static_cast<double>(t5.bucket(r)); });
   };
   entry.picture_ignores = {"heads", "head_dim"};
+  entry.decoder_options = {{"bidirectional", 0}};
+  entry.training = [](const SchemeArgs& a, std::int64_t) {
+    return std::vector<TrainedSlice>{{.name = "table", .shape = {a.integer("num_buckets"), a.heads}}};
+  };
   // A decoder's causal buckets, and a table of varied values (zeros would make every score's
   // bias equal).
   entry.bench_preset = [](SchemeArgs& a, std::int64_t) {
@@ -205,7 +212,16 @@ SchemeEntry kerple_entry() {
                            return bias_group(a, KerpleParams(form, slice(a.parameters, 0, a.heads),
                                                              slice(a.parameters, a.heads, a.heads)));
                          },
-                     .parameters_of = [](const HeadGroup& g) { return std::get<KerpleParams>(*g.bias).parameters(); }};
+                     .parameters_of = [](const HeadGroup& g) { return std::get<KerpleParams>(*g.bias).parameters(); },
+                     // r1 and r2 positive through softplus, both 1 at first (softplus(0.5413) = 1.0000).
+                     .training =
+                         [](const SchemeArgs& a, std::int64_t) {
+                           return std::vector<TrainedSlice>{{.name = "raw",
+                                                             .shape = {2, a.heads},
+                                                             .init = TrainedSlice::Init::kConstant,
+                                                             .value = 0.5413,
+                                                             .softplus = true}};
+                         }};
 }
 
 SchemeEntry fire_entry() {
@@ -237,6 +253,23 @@ SchemeEntry fire_entry() {
                                                         slice(p, 2 * k + h * k, h), p[p.size() - 2], p[p.size() - 1]));
                       }};
   entry.picture_ignores = {"head_dim"};  // FIRE's MLP sees positions only
+  // The MLP drawn at random (the output layer scaled by 1/sqrt(hidden)); c and L positive through
+  // softplus, c = softplus(2.2522) = 2.35 ≈ e^0.85 and L about the training length at first.
+  entry.training = [](const SchemeArgs& a, std::int64_t train_length) {
+    using enum TrainedSlice::Init;
+    const std::int64_t k = a.integer("hidden");
+    return std::vector<TrainedSlice>{
+        {.name = "w1", .shape = {k}, .init = kNormal, .value = 1.0},
+        {.name = "b1", .shape = {k}, .init = kNormal, .value = 2.0},
+        {.name = "w2", .shape = {a.heads, k}, .init = kNormal, .value = std::sqrt(static_cast<double>(k))},
+        {.name = "b2", .shape = {a.heads}},
+        {.name = "c_raw", .shape = {1}, .init = kConstant, .value = 2.2522, .softplus = true},
+        {.name = "l_raw",
+         .shape = {1},
+         .init = kConstant,
+         .value = static_cast<double>(train_length),
+         .softplus = true}};
+  };
   return entry;
 }
 

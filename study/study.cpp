@@ -464,7 +464,9 @@ std::vector<json> run_scheme(const std::string& scheme, const std::vector<std::s
         caches.emplace_back(f, model->has_rope());
         if (model->has_rope()) caches.emplace_back(f, false);
       }
-      for (const std::int64_t e : {st.length, 4 * st.length}) {
+      // L and 4L of the study (a train-long baseline's are its L run's).
+      const std::int64_t l = st.lengths().front();
+      for (const std::int64_t e : {l, 4 * l}) {
         const auto measured = evaluate_kv(model, corpus.validation, st.eval_tokens, e, caches);
         for (std::size_t c = 0; c < caches.size(); ++c) {
           const char* keys = !model->has_rope() ? "keys" : caches[c].second ? "post_rope" : "pre_rope";
@@ -770,7 +772,9 @@ int main(int argc, char** argv) {
         st.kv_formats.push_back(f);
       }
       if (st.kv_formats.empty()) throw posenc::Error("study", "--kv-formats", "\"\"", expected);
-      for (const std::string& s : schemes) {
+      std::vector<std::string> trained = schemes;
+      trained.insert(trained.end(), train_long.begin(), train_long.end());
+      for (const std::string& s : trained) {
         if (s == "stickbreaking" || s == "cope")
           throw posenc::Error("study", "--kv-formats", kv_formats_text,
                               "schemes that run on posenc.attention (" + s + " has its own attention op)");

@@ -178,14 +178,14 @@ Case make_rowblock_case(const CaseOptions& o, DType dtype) {
 }
 
 // Whether a registered scheme takes an option of that name (false for any other name).
+bool takes_option(const SchemeEntry& entry, std::string_view option) {
+  return std::any_of(entry.options.begin(), entry.options.end(),
+                     [&](const SchemeOption& o) { return o.name == option; });
+}
 bool takes_option(std::string_view scheme, std::string_view option) {
-  for (const SchemeEntry& e : schemes()) {
-    if (e.name != scheme) continue;
-    for (const SchemeOption& o : e.options) {
-      if (o.name == option) return true;
-    }
-  }
-  return false;
+  const auto& all = schemes();
+  const auto it = std::find_if(all.begin(), all.end(), [&](const SchemeEntry& e) { return e.name == scheme; });
+  return it != all.end() && takes_option(*it, option);
 }
 
 // A registered scheme as the attention benchmark runs it: the registry's defaults and the entry's
@@ -194,10 +194,8 @@ bool takes_option(std::string_view scheme, std::string_view option) {
 SchemeArgs bench_scheme_args(const CaseOptions& o, std::int64_t heads, std::int64_t dim, std::int64_t k_len) {
   SchemeArgs args{.heads = heads, .head_dim = dim};
   const SchemeEntry& entry = find_scheme(o.scheme);
-  for (const SchemeOption& option : entry.options) {
-    if (option.name == "seed") args.options["seed"] = 1;
-  }
-  if (o.interleaved && takes_option(o.scheme, "interleaved")) args.options["interleaved"] = 1;
+  if (takes_option(entry, "seed")) args.options["seed"] = 1;
+  if (o.interleaved && takes_option(entry, "interleaved")) args.options["interleaved"] = 1;
   if (entry.bench_preset) entry.bench_preset(args, k_len);
   return args;
 }

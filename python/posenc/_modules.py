@@ -9,7 +9,7 @@ from ._checks import _EMPTY, _finite, _flag, _int, _non_finite_key, _object, _op
 from ._functional import (_rope_args, alibi_bias, alibi_slopes, cope_attention, fire_bias, floater_table, kerple_bias,
                           learned, rope, rope_multi, shaw_scores, shaw_values, sinusoidal_table, t5_bias, tupe_bias,
                           xl_scores)
-from .registry import Scheme, _scheme_spec
+from .registry import Scheme, _attention_module, _scheme_spec
 
 
 # transformers' model types whose apply_rotary_pos_emb rotates interleaved pairs (their cos and sin
@@ -39,6 +39,7 @@ class SinusoidalPositionalEncoding(torch.nn.Module):
                                                 "interleaved": bool(self.interleaved)}), _EMPTY
 
 
+@_attention_module("rope", lambda cls, heads, head_dim: cls(head_dim))
 class RotaryPositionalEncoding(torch.nn.Module):
     """RoPE for q and k [B, S, H, D], with every layout and Hugging Face scaling of posenc."""
 
@@ -129,6 +130,7 @@ class RotaryPositionalEncoding(torch.nn.Module):
                             rope_args=rope_args), _EMPTY
 
 
+@_attention_module("alibi", lambda cls, heads, head_dim: cls(heads))
 class ALiBi(torch.nn.Module):
     """ALiBi biases [B, H, Sq, Sk] to add to attention scores. The slopes are a buffer (saved in
     state_dict), or a Parameter with ``trainable=True``."""
@@ -150,6 +152,7 @@ class ALiBi(torch.nn.Module):
         return _scheme_spec("alibi", heads, {"symmetric": bool(self.symmetric)}), self.slopes
 
 
+@_attention_module("t5", lambda cls, heads, head_dim: cls(heads))
 class T5RelativeBias(torch.nn.Module):
     """T5's learned relative bias: a table [num_buckets, heads] and transformers' buckets."""
 
@@ -179,6 +182,7 @@ class LearnedPositionalEncoding(torch.nn.Module):
         return learned(self.table, x, positions)
 
 
+@_attention_module("kerple", lambda cls, heads, head_dim: cls(heads))
 class Kerple(torch.nn.Module):
     """Kerple biases with learnable r1, r2 per head (log form, or power with power=True)."""
 
@@ -196,6 +200,7 @@ class Kerple(torch.nn.Module):
         return _scheme_spec("kerple", heads, {"power": bool(self.power)}), torch.stack([self.r1, self.r2])
 
 
+@_attention_module("fire", lambda cls, heads, head_dim: cls(heads))
 class FIRE(torch.nn.Module):
     """FIRE biases with a learnable MLP (hidden width `hidden`), c and threshold L."""
 
@@ -217,6 +222,7 @@ class FIRE(torch.nn.Module):
             torch.cat([self.w1, self.b1, self.w2.reshape(-1), self.b2, self.c.reshape(1), self.threshold.reshape(1)])
 
 
+@_attention_module("tupe", lambda cls, heads, head_dim: cls(heads, head_dim, 64, 512))
 class TUPE(torch.nn.Module):
     """TUPE's positional correlation bias: its own absolute table and projections."""
 
@@ -262,6 +268,7 @@ class FLOATER(torch.nn.Module):
         return x + self.table(int(positions.max()) + 1)[positions].to(x.dtype)
 
 
+@_attention_module("shaw", lambda cls, heads, head_dim: cls(16, head_dim))
 class ShawRelativePositions(torch.nn.Module):
     """Shaw et al. 2018: learned key and value tables [2k + 1, head_dim] for clipped distances.
     scores(q, …) gives the score term to add to q·k/sqrt(D); values(probs, …) the value term to
@@ -288,6 +295,7 @@ class ShawRelativePositions(torch.nn.Module):
             torch.stack([self.key_table, self.value_table])
 
 
+@_attention_module("xl", lambda cls, heads, head_dim: cls(heads, head_dim, 64))
 class TransformerXLRelative(torch.nn.Module):
     """Transformer-XL's relative position terms with learned u, v [H, D] and W_R [H·D, d_model]."""
 

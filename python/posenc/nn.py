@@ -10,9 +10,8 @@ import torch
 from ._attention import attention
 from ._checks import _int, _ops
 from ._functional import _KV_FORMATS, _rope_params, dequantize_kv, huge_page_zeros, quantize_kv
-from ._modules import (ALiBi, FIRE, Kerple, RotaryPositionalEncoding, ShawRelativePositions, T5RelativeBias, TUPE,
-                       TransformerXLRelative)
-from .registry import Sandwich, Scheme, schemes
+from ._modules import RotaryPositionalEncoding  # also registers the schemes' own modules (_attention_module)
+from .registry import _ATTENTION_MODULES, Scheme, schemes
 
 __all__ = ["SelfAttention", "KVCache"]
 
@@ -271,25 +270,12 @@ class KVCache:
 # Registered names whose schemes learn parameters and have a module of their own: the module
 # SelfAttention builds for them. Any other registered scheme with learned parameters gets the
 # registry's generic module (posenc.Scheme).
-_MODULES = {
-    "rope": lambda heads, head_dim: RotaryPositionalEncoding(head_dim),
-    "alibi": lambda heads, head_dim: ALiBi(heads),
-    "t5": lambda heads, head_dim: T5RelativeBias(heads),
-    "kerple": lambda heads, head_dim: Kerple(heads),
-    "fire": lambda heads, head_dim: FIRE(heads),
-    "sandwich": lambda heads, head_dim: Sandwich(heads),
-    "shaw": lambda heads, head_dim: ShawRelativePositions(16, head_dim),
-    "xl": lambda heads, head_dim: TransformerXLRelative(heads, head_dim, 64),
-    "tupe": lambda heads, head_dim: TUPE(heads, head_dim, 64, 512),
-}
-
-
 def _scheme_module(scheme, heads, head_dim):
     if scheme is None or scheme == "none":
         return None
     if isinstance(scheme, str):
-        if scheme in _MODULES:
-            return _MODULES[scheme](heads, head_dim)
+        if scheme in _ATTENTION_MODULES:
+            return _ATTENTION_MODULES[scheme](heads, head_dim)
         entry = next((e for e in schemes() if e["name"] == scheme), None)
         if entry is None:
             raise ValueError(f"SelfAttention: scheme = {scheme!r}; expected None, a module, (heads, scheme) pairs "

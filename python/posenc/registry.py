@@ -21,6 +21,21 @@ def schemes():
     return json.loads(_ops.schemes())
 
 
+# The module posenc.nn.SelfAttention builds for a registered name, where a scheme has its own
+# module class: each class registers itself (_attention_module), so nn.py names no scheme.
+_ATTENTION_MODULES = {}
+
+
+def _attention_module(name, build):
+    """Class decorator: SelfAttention(scheme=name) builds ``build(cls, heads, head_dim)``."""
+    def register(cls):
+        if name in _ATTENTION_MODULES:
+            raise RuntimeError(f"posenc: two modules for scheme {name!r}")
+        _ATTENTION_MODULES[name] = lambda heads, head_dim: build(cls, heads, head_dim)
+        return cls
+    return register
+
+
 def _scheme_entry(name):
     for entry in schemes():
         if entry["name"] == name:
@@ -146,6 +161,7 @@ class RelativeBias(Scheme):
                                  _positions(q_positions, 0), _positions(k_positions, 0), dtype)
 
 
+@_attention_module("sandwich", lambda cls, heads, head_dim: cls(heads))
 class Sandwich(RelativeBias):
     """Sandwich (Chi et al. 2023): the parameter-free bias (Σ_k cos(r·ω_k) − d'/2)·H/(8(h + 1)),
     ω_k = base^(−2k/d'), r = key − query (posenc/sandwich.hpp)."""

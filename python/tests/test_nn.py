@@ -153,6 +153,21 @@ def test_learned_schemes_train_through_the_layer():
     assert any("scheme_modules.0" in n for n in names) and any("scheme_modules.1" in n for n in names), names
 
 
+def test_each_scheme_module_registers_itself_under_its_registry_name():
+    """SelfAttention(scheme=name) builds the module the class registered for that name (no list in
+    nn.py): the name is a registered scheme, and the module hands the op that scheme."""
+    from posenc.registry import _ATTENTION_MODULES
+    registered = {e["name"] for e in posenc.schemes()}
+    assert {"rope", "alibi", "t5", "kerple", "fire", "sandwich", "shaw", "xl", "tupe"} <= set(_ATTENTION_MODULES)
+    for name, build in _ATTENTION_MODULES.items():
+        assert name in registered, name
+        layer = SelfAttention(64, 8, kv_heads=2, scheme=name)
+        assert type(layer.scheme) is type(build(8, 8)), name
+        if hasattr(layer.scheme, "_attention_scheme"):
+            spec, _ = layer.scheme._attention_scheme(8, False, 8)
+            assert name in str(spec), (name, spec)
+
+
 def test_the_tiny_model_example_trains_and_generates_with_the_cache():
     example = os.path.join(os.path.dirname(__file__), "..", "examples", "tiny_lm.py")
     run = subprocess.run([sys.executable, example, "--seconds", "2", "--generate", "40"], capture_output=True,

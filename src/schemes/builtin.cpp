@@ -148,13 +148,16 @@ SchemeEntry alibi_entry() {
                      .training = [](const SchemeArgs&, std::int64_t) { return std::vector<TrainedSlice>{}; }};
 }
 
+// T5's buckets by default (Raffel et al. 2020), the option's default and the bench table's rows.
+constexpr std::int64_t kT5Buckets = 32;
+
 SchemeEntry t5_entry() {
   SchemeEntry entry =
       SchemeEntry{.name = "t5",
                   .family = "relative-bias",
                   .summary = "b = table[bucket(r), h]: exact near 0, logarithmic buckets up to max_distance",
                   .source = "Raffel et al. 2020, T5",
-                  .options = {size_option("num_buckets", 32, "buckets"),
+                  .options = {size_option("num_buckets", kT5Buckets, "buckets"),
                               size_option("max_distance", 128, "distance of the last bucket"),
                               flag_option("bidirectional", true, "0: causal buckets")},
                   .parameters = "table [num_buckets, heads] (zeros at first)",
@@ -182,7 +185,8 @@ SchemeEntry t5_entry() {
   // bias equal).
   entry.bench_preset = [](SchemeArgs& a, std::int64_t) {
     a.options["bidirectional"] = 0;
-    a.parameters.resize(static_cast<std::size_t>(checked_mul(32, a.heads, "t5 table (32 buckets · heads)")));
+    const std::int64_t buckets = a.has("num_buckets") ? a.integer("num_buckets") : kT5Buckets;
+    a.parameters.resize(static_cast<std::size_t>(checked_mul(buckets, a.heads, "t5 table (num_buckets · heads)")));
     for (std::size_t e = 0; e < a.parameters.size(); ++e) a.parameters[e] = static_cast<double>(e % 7) * 0.25 - 0.75;
   };
   return entry;

@@ -50,8 +50,8 @@ int main(int argc, char** argv) {
   const int threads = std::atoi(argv[7]), rounds = std::atoi(argv[8]);
   const ggml_type kv_type = kv == "f32" ? GGML_TYPE_F32 : kv == "f16" ? GGML_TYPE_F16 : GGML_TYPE_Q8_0;
   if ((pass != "prefill" && pass != "decode") || (kv != "f32" && kv != "f16" && kv != "q8_0")) {
-    std::fprintf(stderr, "ggml_attention: pass = %s, kv = %s; expected prefill|decode and f32|f16|q8_0\n",
-                 pass.c_str(), kv.c_str());
+    std::fprintf(stderr, "ggml_attention: pass = %s, kv = %s; expected prefill|decode and f32|f16|q8_0\n", pass.c_str(),
+                 kv.c_str());
     return 2;
   }
   const int64_t queries = pass == "prefill" ? seq : 1;

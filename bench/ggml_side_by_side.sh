@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # posenc's fused attention beside ggml's CPU flash attention (ggml_flash_attn_ext) on this host,
 # the two run alternately: prefill over f32 and f16 keys and values, decode over f16 and q8_0
-# caches (docs/performance.md, "Beside ggml"). Nothing is downloaded: give a ggml checkout.
+# caches, after a check that the two write and read the same cache blocks (docs/performance.md,
+# "Beside ggml"). Nothing is downloaded: give a ggml checkout.
 #
 #   bench/ggml_side_by_side.sh GGML_SOURCE_DIR [RUNS] [THREADS]
 #
 # It builds ggml's CPU backend under build-ggml/ (Release, ggml's own default flags, which
 # compile for this host's processor) and the peer harness bench/ggml_attention.cpp against
-# it, and uses posenc's Release build in build/ (scripts/main.sh or test.sh makes it). Shapes: 32
+# it, checks posenc's q8_0 and q4_0 blocks against ggml's quantizers (bench/ggml_blocks.cpp), and
+# uses posenc's Release build in build/ (scripts/main.sh or test.sh makes it). Shapes: 32
 # query heads over 8 KV heads of 128, no positional scheme; prefill 2048 tokens, causal; decode one
 # query over 32768 keys. Q is f32 in ggml (its kernels' only query type); posenc's "f16" rows run
 # q, k and v in f16 (--dtype f16), its q8_0 rows an f32 query over the q8_0 cache (--kv-dtype).
@@ -27,6 +29,11 @@ ninja -C "$out/ggml" ggml ggml-base ggml-cpu > "$out.build.log" 2>&1 || { tail -
 lib="$(dirname "$(find "$out/ggml" -name 'libggml-cpu.so*' | head -1)")"
 g++ -O2 -std=c++17 -I"$ggml_src/include" "$root/bench/ggml_attention.cpp" -o "$out/ggml_attention" \
   -L"$lib" -lggml -lggml-base -lggml-cpu -Wl,-rpath,"$lib"
+g++ -O2 -std=c++20 -I"$ggml_src/include" -I"$root/include" "$root/bench/ggml_blocks.cpp" -o "$out/ggml_blocks" \
+  -L"$lib" -L"$root/build" -lggml -lggml-base -lggml-cpu -lposenc -Wl,-rpath,"$lib:$root/build"
+
+# The caches first: ggml's q8_0 and q4_0 blocks are posenc's, byte for byte.
+"$out/ggml_blocks"
 
 shape=(--heads 32 --kv-heads 8 --head-dim 128 --scheme none -t "$threads" --rounds 1 --format json)
 posenc_ms() {

@@ -1,13 +1,18 @@
-// posenc's q8_0 and q4_0 blocks against ggml's own quantizers, byte for byte, and their values
-// dequantised by each: the check of bench/ggml_side_by_side.sh that a cache written by ggml is
-// read by posenc as it lies (and the reverse). Built only by that script, against a ggml checkout.
+// posenc's q8_0 and q4_0 blocks against ggml's own quantizers, byte for byte, their values
+// dequantised by each, and attention over one cache in ggml's own layout by both libraries: the
+// check of bench/ggml_side_by_side.sh that a cache written by ggml is read by posenc as it lies
+// (and the reverse). Built only by that script, against a ggml checkout.
 //
 // Rows of 128 values at varied scales (1e-4 … 1e4), with spikes, zero rows and zero blocks.
 // ggml's reference quantizer (ggml_quantize_chunk) must give posenc's bytes exactly; the CPU
 // backend's vector quantizer (its from_float, which ggml_cpy uses to fill llama.cpp's KV cache)
 // rounds a value exactly halfway between two integers to even, where the reference rounds it away
-// from zero: such bytes are counted and listed, not failed. Exit status 1 when a reference byte or
-// a dequantised value differs.
+// from zero: such bytes are counted and listed, not failed. Then ggml_flash_attn_ext and posenc's
+// Attention read the same q8_0 and q4_0 caches ([D, keys, kv_heads], ggml's layout, which posenc
+// takes through QuantizedRows' strides), both compared with posenc's fp64 reference. Exit status
+// 1 when a reference byte or a dequantised value differs, or when either library's attention is
+// off the reference by more than its bound (posenc 1e-5: f32 over exact values; ggml 0.05: it
+// quantizes the query to q8_0 as well).
 #include <ggml-cpu.h>
 #include <ggml.h>
 
@@ -18,7 +23,9 @@
 #include <random>
 #include <vector>
 
+#include "posenc/attention.hpp"
 #include "posenc/quantized.hpp"
+#include "posenc/reference.hpp"
 
 namespace {
 
@@ -38,6 +45,60 @@ std::vector<float> rows() {
     }
   }
   return x;
+}
+
+// Attention over one quantized cache in ggml's layout: 4 queries × 8 heads against 1000 keys of
+// 2 KV heads, D = 128, no mask. Returns whether both libraries are within their bounds.
+bool same_attention(ggml_type type, posenc::CacheFormat format, const char* name) {
+  constexpr long kQueries = 4, kHeads = 8, kKvHeads = 2, kKeys = 1000;
+  const long row_bytes = posenc::cache_row_bytes(format, kDim);
+  ggml_init_params init{size_t{64} << 20, nullptr, false};
+  ggml_context* ctx = ggml_init(init);
+  ggml_tensor* q = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, kDim, kQueries, kHeads, 1);
+  ggml_tensor* k = ggml_new_tensor_4d(ctx, type, kDim, kKeys, kKvHeads, 1);
+  ggml_tensor* v = ggml_new_tensor_4d(ctx, type, kDim, kKeys, kKvHeads, 1);
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  auto* qd = static_cast<float*>(q->data);
+  for (long i = 0; i < kQueries * kHeads * kDim; ++i) qd[i] = normal(rng);
+  for (ggml_tensor* t : {k, v}) {
+    std::vector<float> x(static_cast<size_t>(kKeys * kKvHeads * kDim));
+    for (float& e : x) e = normal(rng);
+    ggml_quantize_chunk(type, x.data(), t->data, 0, kKeys * kKvHeads, kDim, nullptr);
+  }
+  const float scale = 1.0f / std::sqrt(static_cast<float>(kDim));
+  ggml_tensor* out = ggml_flash_attn_ext(ctx, q, k, v, nullptr, scale, 0.0f, 0.0f);
+  ggml_flash_attn_ext_set_prec(out, GGML_PREC_F32);
+  ggml_cgraph* graph = ggml_new_graph(ctx);
+  ggml_build_forward_expand(graph, out);
+  ggml_graph_compute_with_ctx(ctx, graph, 2);
+
+  // posenc reads ggml's tensors where they lie: q [D, Sq, H] as [1, Sq, H, D] with strides, the
+  // caches [D, keys, G] as rows a row apart along the keys and kKeys rows apart across heads.
+  posenc::AttentionSpec spec;
+  spec.q = posenc::ConstTensorView::of(static_cast<const float*>(qd), {1, kQueries, kHeads, kDim},
+                                       {kQueries * kHeads * kDim, kDim, kQueries * kDim, 1});
+  const auto rows_of = [&](const ggml_tensor* t) {
+    return posenc::QuantizedRows{t->data,          1, kKeys, kKvHeads, kDim, kKeys * kKvHeads * row_bytes, row_bytes,
+                                 kKeys * row_bytes};
+  };
+  spec.cache = posenc::QuantizedCache{format, rows_of(k), rows_of(v)};
+  spec.scale = scale;
+  const posenc::Attention attention(spec);
+  std::vector<float> ours(static_cast<size_t>(kQueries * kHeads * kDim)), exact(ours.size());
+  attention.forward(posenc::TensorView::of(ours.data(), {1, kQueries, kHeads, kDim}));
+  posenc::ref::attention_forward(attention, posenc::TensorView::of(exact.data(), {1, kQueries, kHeads, kDim}), {});
+  // ggml's output is [D, H, Sq]: the same order as posenc's [1, Sq, H, D].
+  const auto* theirs = static_cast<const float*>(out->data);
+  double ours_err = 0, theirs_err = 0;
+  for (size_t i = 0; i < ours.size(); ++i) {
+    ours_err = std::max(ours_err, static_cast<double>(std::fabs(ours[i] - exact[i])));
+    theirs_err = std::max(theirs_err, static_cast<double>(std::fabs(theirs[i] - exact[i])));
+  }
+  ggml_free(ctx);
+  std::printf("%s attention over one cache in ggml's layout: largest |posenc − fp64| %.2e, |ggml − fp64| %.2e\n", name,
+              ours_err, theirs_err);
+  return ours_err <= 1e-5 && theirs_err <= 0.05;
 }
 
 }  // namespace
@@ -90,6 +151,7 @@ int main() {
     for (size_t i = 0; i < x.size(); ++i) value_diff += std::memcmp(&by_ggml[i], &by_posenc[i], sizeof(float)) != 0;
     std::printf("%s: %ld of %zu values dequantised differently\n", f.name, value_diff, x.size());
     failed += reference_diff != 0 || value_diff != 0;
+    failed += !same_attention(f.ggml, f.posenc, f.name);
   }
   return failed != 0;
 }

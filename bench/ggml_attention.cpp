@@ -40,6 +40,7 @@ void fill(ggml_tensor* t, std::mt19937& rng) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  ggml_cpu_init();
   if (argc != 9) {
     std::fprintf(stderr, "usage: %s prefill|decode f32|f16|q8_0 SEQ HEADS KV_HEADS HEAD_DIM THREADS ROUNDS\n", argv[0]);
     return 2;
@@ -97,7 +98,8 @@ int main(int argc, char** argv) {
   compute();  // warm-up: first touch of the output and the work buffer
   double best = 1e30;
   for (int r = 0; r < rounds; ++r) {
-    // Repeated calls for at least 0.3 s per round, as posenc's bench repeats its calls.
+    // Repeated calls for at least 0.3 s and 5 calls per round, as posenc's bench repeats its calls
+    // (cli/bench.cpp, time_best).
     int calls = 0;
     const auto t0 = std::chrono::steady_clock::now();
     double elapsed = 0;
@@ -108,7 +110,7 @@ int main(int argc, char** argv) {
       best = std::min(best, t);
       ++calls;
       elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    } while (elapsed < 0.3 || calls < 3);
+    } while (elapsed < 0.3 || calls < 5);
   }
   const double flops = pass == "prefill" ? 4.0 * seq * seq * heads * dim / 2 : 0;
   if (pass == "prefill") {

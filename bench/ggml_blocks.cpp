@@ -4,15 +4,16 @@
 // (and the reverse). Built only by that script, against a ggml checkout.
 //
 // Rows of 128 values at varied scales (1e-4 … 1e4), with spikes, zero rows and zero blocks.
-// ggml's reference quantizer (ggml_quantize_chunk) must give posenc's bytes exactly; the CPU
+// ggml's reference quantizer (ggml_quantize_chunk) must give posenc's bytes exactly. The CPU
 // backend's vector quantizer (its from_float, which ggml_cpy uses to fill llama.cpp's KV cache)
-// rounds a value exactly halfway between two integers to even, where the reference rounds it away
-// from zero: such bytes are counted and listed, not failed. Then ggml_flash_attn_ext and posenc's
+// scales by 127/amax where the reference scales by 1/(amax/127), and rounds a product exactly
+// halfway between two integers to even where the reference rounds it away from zero: the bytes
+// where the two differ are counted and listed, not failed. Then ggml_flash_attn_ext and posenc's
 // Attention read the same q8_0 and q4_0 caches ([D, keys, kv_heads], ggml's layout, which posenc
 // takes through QuantizedRows' strides), both compared with posenc's fp64 reference. Exit status
 // 1 when a reference byte or a dequantised value differs, or when either library's attention is
-// off the reference by more than its bound (posenc 1e-5: f32 over exact values; ggml 0.05: it
-// quantizes the query to q8_0 as well).
+// off the reference by more than its bound (posenc 1e-5: f32 over exact values; ggml 5e-3: it
+// quantizes the query to q8_0 as well, an error of about 1e-3 on outputs of about 0.05).
 #include <ggml-cpu.h>
 #include <ggml.h>
 
@@ -71,7 +72,11 @@ bool same_attention(ggml_type type, posenc::CacheFormat format, const char* name
   ggml_flash_attn_ext_set_prec(out, GGML_PREC_F32);
   ggml_cgraph* graph = ggml_new_graph(ctx);
   ggml_build_forward_expand(graph, out);
-  ggml_graph_compute_with_ctx(ctx, graph, 2);
+  if (ggml_graph_compute_with_ctx(ctx, graph, 2) != GGML_STATUS_SUCCESS) {
+    std::printf("%s: ggml_graph_compute_with_ctx failed\n", name);
+    ggml_free(ctx);
+    return false;
+  }
 
   // posenc reads ggml's tensors where they lie: q [D, Sq, H] as [1, Sq, H, D] with strides, the
   // caches [D, keys, G] as rows a row apart along the keys and kKeys rows apart across heads.
@@ -98,12 +103,13 @@ bool same_attention(ggml_type type, posenc::CacheFormat format, const char* name
   ggml_free(ctx);
   std::printf("%s attention over one cache in ggml's layout: largest |posenc − fp64| %.2e, |ggml − fp64| %.2e\n", name,
               ours_err, theirs_err);
-  return ours_err <= 1e-5 && theirs_err <= 0.05;
+  return ours_err <= 1e-5 && theirs_err <= 5e-3;
 }
 
 }  // namespace
 
 int main() {
+  ggml_cpu_init();  // the CPU backend's type traits (from_float) before their first use
   const std::vector<float> x = rows();
   int failed = 0;
   struct Format {
@@ -137,12 +143,13 @@ int main() {
       const float* xb = x.data() + r * kDim + block * 32;
       float amax = 0.0f;
       for (int t = 0; t < 32; ++t) amax = std::max(amax, std::fabs(xb[t]));
-      const float id = 1.0f / (amax / 127.0f);  // both quantizers scale by 1/d, d = amax/127
-      std::printf("  CPU backend: row %ld, block %ld, value %ld: x/d = %.7g, %d where the reference gives %d\n", r,
-                  block, at, static_cast<double>(xb[at] * id), static_cast<signed char>(backend[i]),
-                  static_cast<signed char>(ours[i]));
+      // Each quantizer's own product before rounding.
+      const float by_reference = xb[at] * (1.0f / (amax / 127.0f)), by_backend = xb[at] * (127.0f / amax);
+      std::printf("  CPU backend: row %ld, block %ld, value %ld: %.9g → %d, where the reference's %.9g → %d\n", r,
+                  block, at, static_cast<double>(by_backend), static_cast<signed char>(backend[i]),
+                  static_cast<double>(by_reference), static_cast<signed char>(ours[i]));
     }
-    std::printf("%s: %ld of %zu bytes differ from the CPU backend's quantizer (ties rounded to even)\n", f.name,
+    std::printf("%s: %ld of %zu bytes differ from the CPU backend's quantizer (its scaling, ties to even)\n", f.name,
                 backend_diff, bytes);
     std::vector<float> by_ggml(x.size()), by_posenc(x.size());
     ggml_get_type_traits(f.ggml)->to_float(reference.data(), by_ggml.data(), kRows * kDim);

@@ -556,11 +556,10 @@ Case make_case(const std::string& name, const CaseOptions& o) {
       }
       if (!known) throw Error("bench", "--scheme", o.scheme, names);
       SchemeArgs args{.heads = heads, .head_dim = 1};
-      for (const SchemeOption& option : find_scheme(o.scheme).options) {
-        if (option.name == "seed") args.options["seed"] = 1;
-        if (option.name == "max_len") args.options["max_len"] = static_cast<double>(o.length);
-      }
-      if (const SchemeEntry& entry = find_scheme(o.scheme); entry.bench_preset) entry.bench_preset(args, o.length);
+      const SchemeEntry& entry = find_scheme(o.scheme);
+      if (takes_option(entry, "seed")) args.options["seed"] = 1;
+      if (takes_option(entry, "max_len")) args.options["max_len"] = static_cast<double>(o.length);
+      if (entry.bench_preset) entry.bench_preset(args, o.length);
       scheme = *make_head_group(o.scheme, args).bias;
     }
     if (o.pass != "forward" && o.pass != "backward") throw Error("bench", "--pass", o.pass, "forward or backward");

@@ -267,9 +267,9 @@ class KVCache:
         return out.to(q.dtype)
 
 
-# Registered names whose schemes learn parameters and have a module of their own: the module
-# SelfAttention builds for them. Any other registered scheme with learned parameters gets the
-# registry's generic module (posenc.Scheme).
+# A registered name whose scheme has a module of its own gets that module (each class registers
+# itself: registry._attention_module). Any other registered scheme with learned parameters gets the
+# registry's generic module (posenc.Scheme); one without is passed by name.
 def _scheme_module(scheme, heads, head_dim):
     if scheme is None or scheme == "none":
         return None

@@ -29,9 +29,16 @@ _ATTENTION_MODULES = {}
 def _attention_module(name, build):
     """Class decorator: SelfAttention(scheme=name) builds ``build(cls, heads, head_dim)``."""
     def register(cls):
-        if name in _ATTENTION_MODULES:
-            raise RuntimeError(f"posenc: two modules for scheme {name!r}")
-        _ATTENTION_MODULES[name] = lambda heads, head_dim: build(cls, heads, head_dim)
+        # The same class again (importlib.reload) replaces its entry; another class is a mistake.
+        known = _ATTENTION_MODULES.get(name)
+        if known is not None and known.cls.__qualname__ != cls.__qualname__:
+            raise RuntimeError(f"posenc: scheme {name!r} has two modules, {known.cls.__qualname__} and "
+                               f"{cls.__qualname__}")
+
+        def make(heads, head_dim):
+            return build(cls, heads, head_dim)
+        make.cls = cls
+        _ATTENTION_MODULES[name] = make
         return cls
     return register
 

@@ -186,6 +186,7 @@ SchemeEntry t5_entry() {
   entry.bench_preset = [](SchemeArgs& a, std::int64_t) {
     a.options["bidirectional"] = 0;
     const std::int64_t buckets = a.has("num_buckets") ? a.integer("num_buckets") : kT5Buckets;
+    if (buckets < 1) throw Error("t5", "num_buckets", std::to_string(buckets), "at least 1");
     a.parameters.resize(static_cast<std::size_t>(checked_mul(buckets, a.heads, "t5 table (num_buckets · heads)")));
     for (std::size_t e = 0; e < a.parameters.size(); ++e) a.parameters[e] = static_cast<double>(e % 7) * 0.25 - 0.75;
   };

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "internal.hpp"
+#include "kernels/attention/attention_kernels.hpp"
 #include "kernels/common/row_kernels.hpp"
 #include "posenc/runtime.hpp"
 
@@ -115,6 +116,12 @@ std::string active_target() {
     if (t.bit == bit) return t.name;
   }
   return hwy::TargetName(bit);
+}
+
+bool bf16_dot_products() {
+  detail::init_dispatch();
+  if (detail::use_reference() || !kernels::attn_bf16_supported()) return false;
+  return (kernels::dispatched_target() & (HWY_AVX3 | HWY_AVX3_DL)) != 0;
 }
 
 void set_target(std::string_view name) {

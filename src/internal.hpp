@@ -41,6 +41,8 @@ struct AlignedAllocator {
 };
 // Floats whose first element sits on a cache line.
 using AlignedFloats = std::vector<float, AlignedAllocator<float>>;
+// Pairs of bf16 (the native bf16 products' operands, kernels::attn_gemm_bf16).
+using AlignedPairs = std::vector<std::uint32_t, AlignedAllocator<std::uint32_t>>;
 
 // A [B, S, D] token grid, from a rank-3 view or a rank-2 [S, D] view (B = 1).
 struct Grid {

@@ -123,7 +123,8 @@ struct Outputs {
 };
 
 // Runs forward (fused, or a reference) and returns out and lse as doubles in [B, S, H, D] order.
-inline Outputs run_forward(const Problem& p, const Attention& att, int mode /* 0 fused, 1 ref f64, 2 naive f32 */) {
+inline Outputs run_forward(const Problem& p, const Attention& att,
+                           int mode /* 0 fused, 1 ref f64, 2 naive f32, 3 naive with bf16 products */) {
   const DType out_dtype = mode == 1 ? DType::kF64 : p.dtype;
   std::vector<unsigned char> out = testing::garbage_buffer(out_dtype, p.q_count());
   const std::int64_t rows = p.heads * (p.packed() ? 1 : p.batch) * p.q_len;
@@ -136,7 +137,11 @@ inline Outputs run_forward(const Problem& p, const Attention& att, int mode /* 0
     stats = att.forward(out_view, lse_view);
   } else {
     // The reference writes any dtype; the fp64 reference writes f64 here (no rounding).
-    ref::attention_forward(att, out_view, lse_view, mode == 2);
+    if (mode == 3) {
+      ref::attention_forward_bf16_products(att, out_view, lse_view);
+    } else {
+      ref::attention_forward(att, out_view, lse_view, mode == 2);
+    }
   }
   Outputs o;
   o.stats = stats;
@@ -178,6 +183,35 @@ inline double max_abs_diff(const std::vector<double>& a, const std::vector<doubl
   return m;
 }
 
+// The native bf16 products (AttentionSpec::bf16_products) against fp64, two ways. The bound of
+// docs/attention.md: the output's rounding (2^-9·|out|), P's rounding (2^-9·max|v|) and the
+// logits' (at most η = 2^-8·(1 + 2^-6)·scale·max|q|·max|k| each: the transformed q and k rounded
+// once) moving the softmax weights by at most a factor e^{±2η} (|Δout| <= (e^{2η} − 1)·max|v|),
+// plus the f32 floor; |q|, |k| <= sqrt(D)·their largest element, as no scheme of these tests grows
+// norms (a rotation keeps them; biases are not rounded). And flash-attention's criterion for its bf16
+// kernels: at most twice the error of the naive composition with the same roundings.
+// Returns η, which also bounds the logits' and so lse's added error.
+inline double expect_bf16_products_accurate(const Problem& p, const Attention& att, const Outputs& fused,
+                                            const Outputs& exact) {
+  const double scale = att.spec().scale > 0 ? att.spec().scale : 1.0 / std::sqrt(static_cast<double>(p.dim));
+  const auto largest = [](const std::vector<double>& x) {
+    double m = 0;
+    for (const double e : x) m = std::max(m, std::fabs(e));
+    return m;
+  };
+  const double root_d = std::sqrt(static_cast<double>(p.dim)), v_max = largest(p.v);
+  const double eta =
+      std::ldexp(1.0, -8) * (1 + std::ldexp(1.0, -6)) * scale * root_d * largest(p.q) * root_d * largest(p.k);
+  const double bound =
+      std::ldexp(1.0, -9) * (largest(exact.out) + v_max) + std::expm1(2 * eta) * v_max + std::ldexp(1.0, -22);
+  const double err = max_abs_diff(fused.out, exact.out);
+  EXPECT_LE(err, bound) << "native bf16 products: η " << eta;
+  const Outputs naive = run_forward(p, att, 3);
+  const double naive_err = max_abs_diff(naive.out, exact.out);
+  EXPECT_LE(err, 2 * naive_err + std::ldexp(1.0, -22)) << "naive bf16-product error " << naive_err;
+  return eta;
+}
+
 // flash-attention's criterion: the fused result's max error against fp64 at most twice the naive
 // f32 composition's. Floor: 2^-22 (4 f32 ulps at 1, the size of |out| <= max|v| = 1) for cases
 // where the naive error happens to be tiny — storing one f32 result costs half an ulp by itself.
@@ -186,10 +220,13 @@ inline void expect_accurate(const Problem& p, const AttentionSpec& spec, const s
   const Attention att(spec);
   const Outputs fused = run_forward(p, att, 0), exact = run_forward(p, att, 1);
   const double floor = std::ldexp(1.0, -22);
+  double rounded_logits = 0;  // the native bf16 products' η
   if (p.dtype == DType::kF32) {
     const Outputs naive = run_forward(p, att, 2);
     const double naive_err = max_abs_diff(naive.out, exact.out), fused_err = max_abs_diff(fused.out, exact.out);
     EXPECT_LE(fused_err, 2 * naive_err + floor) << "naive f32 error " << naive_err;
+  } else if (fused.stats.bf16_products) {
+    rounded_logits = expect_bf16_products_accurate(p, att, fused, exact);
   } else {
     // 16-bit outputs: the fp64 result rounded once to the dtype is off by half its ulp (2^-9 for
     // bf16, 2^-12 for f16 relative; |out| <= 1), plus the f32 computation's error (the floor).
@@ -202,7 +239,7 @@ inline void expect_accurate(const Problem& p, const AttentionSpec& spec, const s
   for (double x : exact.lse) {
     if (std::isfinite(x)) lse_scale = std::max(lse_scale, std::fabs(x));
   }
-  EXPECT_LE(max_abs_diff(fused.lse, exact.lse), std::ldexp(1.0, -18) * lse_scale);
+  EXPECT_LE(max_abs_diff(fused.lse, exact.lse), std::ldexp(1.0, -18) * lse_scale + rounded_logits);
 }
 
 // The plan of `spec` with the vanishing-tile skip on, then off.

@@ -581,6 +581,40 @@ TEST_P(AttentionForward, SixteenBitInputs) {
   }
 }
 
+TEST_P(AttentionForward, BF16ProductsOnHostsThatHaveThem) {
+  // bf16 inputs take the host's bf16 dot products in prefill where bf16_dot_products() says so
+  // (AVX512-BF16 under the avx512 target), each case then within the bound of docs/attention.md and
+  // twice the naive bf16-product error (expect_accurate); elsewhere, or with bf16_products off, the
+  // widened f32 products and their half-ulp bound. Odd head dims and key counts leave half pairs,
+  // GQA shares a tile's pairs among query blocks, RoPE rounds rotated keys, ALiBi skips far tiles.
+  const bool native = bf16_dot_products();
+  for (int trial = 0; trial < 6; ++trial) {
+    const std::int64_t dim = std::vector<std::int64_t>{64, 80, 128, 72, 24, 96}[static_cast<std::size_t>(trial)];
+    const std::int64_t kv = uniform_int(1, 2), heads = kv * uniform_int(1, 4);
+    const std::int64_t q_len = uniform_int(20, 200), k_len = q_len + uniform_int(0, 70);
+    Problem p = make_problem(uniform_int(1, 2), q_len, k_len, heads, kv, dim, DType::kBF16, trial % 2 == 1);
+    AttentionSpec spec = spec_of(p);
+    spec.mask.causal = trial % 3 != 2;
+    if (trial % 3 == 1) spec.groups = {{heads, RotaryQK{RopeParams(dim, dim)}, {}}};
+    if (trial % 3 == 2) spec.groups = {{heads, {}, AlibiParams(heads)}};
+    const std::string what = "D " + std::to_string(dim) + ", " + std::to_string(q_len) + " × " + std::to_string(k_len);
+    expect_accurate(p, spec, what);
+    const Attention att(spec);
+    const Outputs two = run_forward(p, att, 0);
+    EXPECT_EQ(two.stats.bf16_products, native) << what;
+    set_num_threads(1);
+    const Outputs one = run_forward(p, att, 0);
+    set_num_threads(2);
+    for (std::size_t i = 0; i < one.out.size(); ++i)
+      ASSERT_EQ(std::bit_cast<std::uint64_t>(one.out[i]), std::bit_cast<std::uint64_t>(two.out[i]))
+          << what << ", " << i;
+    spec.bf16_products = false;
+    const Attention widened(spec);
+    EXPECT_FALSE(run_forward(p, widened, 0).stats.bf16_products) << what;
+    expect_accurate(p, spec, what + ", widened");
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Targets, AttentionForward, ::testing::ValuesIn(testing::all_targets()));
 
 // ─── The matrix kernel ───────────────────────────────────────────────────────────────────────
@@ -731,7 +765,129 @@ TEST_P(AttentionMatrixKernel, HeadDifferencesRoundOnceAndTouchOnlyTheirRows) {
   }
 }
 
+TEST_P(AttentionMatrixKernel, BF16StoresRoundAsToBF16) {
+  // attn_store's bf16 case a vector at a time: the bits of to_bf16 (ties to even, NaNs quiet with
+  // their upper bits, overflow to inf, denormals kept), storing and accumulating, with tails.
+  const std::vector<std::uint32_t> special = {0x7fc00001u, 0xff800001u, 0x7f800000u, 0xff800000u, 0x7f7fffffu,
+                                              0x00000001u, 0x80007fffu, 0x3f808000u, 0x3f818000u, 0x3f807fffu,
+                                              0x00000000u, 0x80000000u, 0x7f7f8000u, 0x7fbfffffu};
+  for (int trial = 0; trial < 20; ++trial) {
+    const std::int64_t n = uniform_int(1, 70);
+    std::vector<float> src(static_cast<std::size_t>(n));
+    std::vector<std::uint16_t> dst(src.size()), old(src.size());
+    for (std::size_t i = 0; i < src.size(); ++i) {
+      src[i] =
+          uniform_int(0, 3) == 0
+              ? std::bit_cast<float>(
+                    special[static_cast<std::size_t>(uniform_int(0, static_cast<std::int64_t>(special.size()) - 1))])
+              : static_cast<float>(uniform(-1e3, 1e3));
+      old[i] = to_bf16(static_cast<float>(uniform(-10, 10))).bits;
+    }
+    for (const bool accumulate : {false, true}) {
+      dst = old;
+      kernels::attn_store(src.data(), n, DType::kBF16, dst.data(), accumulate);
+      for (std::size_t i = 0; i < src.size(); ++i) {
+        const float x = accumulate ? from_bf16(bf16{old[i]}) + src[i] : src[i];
+        ASSERT_EQ(dst[i], to_bf16(x).bits) << "n " << n << ", " << i << ", accumulate " << accumulate;
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Targets, AttentionMatrixKernel, ::testing::ValuesIn(testing::all_targets()));
+
+TEST(AttentionBF16Kernels, PairsAndProductsOrAClearError) {
+  // The native bf16 products' kernels (attention_kernels.hpp): packing rounds as to_bf16 does
+  // (normal values; the instruction flushes denormals) and pairs rows along the sum's index, an
+  // odd count's last pair half 0; raw pairs are exact and flag non-finite values; the product sums
+  // exact pair products in f32: within (pairs + 1)·2^-23 of Σ|a·b| of the fp64 result. Hosts
+  // without AVX512-BF16: posenc::Error.
+  const std::int64_t rows = 13, cols = 48, count = 21, pairs = (count + 1) / 2, ld = cols + 5;
+  std::vector<float> src(static_cast<std::size_t>(count * ld));
+  for (float& x : src) x = static_cast<float>(uniform(-4, 4));
+  std::vector<std::uint32_t> packed(static_cast<std::size_t>(pairs * cols));
+  if (!kernels::attn_bf16_supported()) {
+    expect_error([&] { kernels::attn_pack_bf16_pairs(src.data(), ld, count, cols, packed.data(), cols); },
+                 {"attn_pack_bf16_pairs", "AVX512-BF16"});
+    GTEST_SKIP() << "no AVX512-BF16 on this host";
+  }
+  kernels::attn_pack_bf16_pairs(src.data(), ld, count, cols, packed.data(), cols);
+  const auto half = [&](std::int64_t p, std::int64_t i, int h) {
+    return static_cast<std::uint16_t>(packed[static_cast<std::size_t>(p * cols + i)] >> (16 * h));
+  };
+  for (std::int64_t p = 0; p < pairs; ++p) {
+    for (std::int64_t i = 0; i < cols; ++i) {
+      ASSERT_EQ(half(p, i, 0), to_bf16(src[static_cast<std::size_t>(2 * p * ld + i)]).bits);
+      const std::uint16_t hi =
+          2 * p + 1 < count ? to_bf16(src[static_cast<std::size_t>((2 * p + 1) * ld + i)]).bits : 0;
+      ASSERT_EQ(half(p, i, 1), hi) << p << ", " << i;
+    }
+  }
+  // Rows transposed into pairs along their columns: 32 rows of 2·pairs values, 13 and 16 pairs.
+  for (const std::int64_t transposed_pairs : {13, 16, 20}) {
+    const std::int64_t t_rows = 32, t_ld = 2 * transposed_pairs + 8, t_ldd = t_rows + 16;
+    std::vector<float> rows_f32(static_cast<std::size_t>(t_rows * t_ld));
+    for (float& x : rows_f32) x = static_cast<float>(uniform(-4, 4));
+    std::vector<std::uint32_t> transposed(static_cast<std::size_t>(transposed_pairs * t_ldd), 0xdeadbeefu);
+    kernels::attn_transpose_bf16_pairs(rows_f32.data(), t_ld, t_rows, transposed_pairs, transposed.data(), t_ldd);
+    for (std::int64_t q = 0; q < transposed_pairs; ++q) {
+      for (std::int64_t r = 0; r < t_rows; ++r) {
+        const auto at = [&](std::int64_t c) -> std::uint32_t {
+          return to_bf16(rows_f32[static_cast<std::size_t>(r * t_ld + c)]).bits;
+        };
+        ASSERT_EQ(transposed[static_cast<std::size_t>(q * t_ldd + r)], at(2 * q) | (at(2 * q + 1) << 16))
+            << transposed_pairs << " pairs: " << q << ", " << r;
+      }
+    }
+  }
+  // Raw bf16 rows of 40 values padded to 48, one non-finite value flagged.
+  std::vector<std::uint16_t> raw(static_cast<std::size_t>(count * ld));
+  for (auto& x : raw) x = to_bf16(static_cast<float>(uniform(-4, 4))).bits;
+  std::vector<std::uint32_t> raw_pairs(packed.size(), 0xdeadbeefu);
+  EXPECT_TRUE(kernels::attn_pack_bf16_raw_pairs(raw.data(), ld, count, 40, cols, raw_pairs.data(), cols));
+  for (std::int64_t p = 0; p < pairs; ++p) {
+    for (std::int64_t i = 0; i < cols; ++i) {
+      const auto at = [&](std::int64_t r) -> std::uint32_t {
+        return r < count && i < 40 ? raw[static_cast<std::size_t>(r * ld + i)] : 0u;
+      };
+      ASSERT_EQ(raw_pairs[static_cast<std::size_t>(p * cols + i)], at(2 * p) | (at(2 * p + 1) << 16)) << p << ", " << i;
+    }
+  }
+  raw[static_cast<std::size_t>(20 * ld + 39)] = 0x7f80;  // +inf in the last (odd) row
+  EXPECT_FALSE(kernels::attn_pack_bf16_raw_pairs(raw.data(), ld, count, 40, cols, raw_pairs.data(), cols));
+  raw[static_cast<std::size_t>(20 * ld + 39)] = 0;
+  raw[static_cast<std::size_t>(3 * ld + 40)] = 0x7fc0;  // NaN beyond dim: never read
+  EXPECT_TRUE(kernels::attn_pack_bf16_raw_pairs(raw.data(), ld, count, 40, cols, raw_pairs.data(), cols));
+  // C (+)= A·B: A's rows of `pairs` pairs (bf16 values in place), B the packed rows above.
+  std::vector<std::uint32_t> a(static_cast<std::size_t>(rows * (pairs + 1)));
+  for (auto& x : a) {
+    x = to_bf16(static_cast<float>(uniform(-4, 4))).bits |
+        (static_cast<std::uint32_t>(to_bf16(static_cast<float>(uniform(-4, 4))).bits) << 16);
+  }
+  const auto value = [](std::uint32_t pair, int h) {
+    return static_cast<double>(from_bf16(bf16{static_cast<std::uint16_t>(pair >> (16 * h))}));
+  };
+  for (const bool add_sum : {false, true}) {
+    std::vector<float> c(static_cast<std::size_t>(rows * cols), 0.5f);
+    kernels::attn_gemm_bf16(a.data(), pairs + 1, 1, packed.data(), cols, c.data(), cols, rows, cols, pairs, add_sum);
+    for (std::int64_t m = 0; m < rows; ++m) {
+      for (std::int64_t n = 0; n < cols; ++n) {
+        double exact = add_sum ? 0.5 : 0.0, magnitude = 0;
+        for (std::int64_t t = 0; t < pairs; ++t) {
+          for (int h = 0; h < 2; ++h) {
+            const double x = value(a[static_cast<std::size_t>(m * (pairs + 1) + t)], h) *
+                             value(packed[static_cast<std::size_t>(t * cols + n)], h);
+            exact += x;
+            magnitude += std::fabs(x);
+          }
+        }
+        EXPECT_NEAR(c[static_cast<std::size_t>(m * cols + n)], exact,
+                    static_cast<double>(pairs + 1) * std::ldexp(1.0, -23) * (magnitude + 0.5))
+            << m << ", " << n;
+      }
+    }
+  }
+}
 
 }  // namespace
 }  // namespace posenc

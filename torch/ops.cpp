@@ -284,6 +284,8 @@ at::Tensor empty_output(at::IntArrayRef sizes, c10::ScalarType dtype) {
 
 void empty_cache_op() { BlockCache::instance().clear(); }
 
+bool bf16_dot_products_op() { return posenc::bf16_dot_products(); }
+
 // A zero-filled contiguous CPU tensor on 2 MiB pages (posenc::HugePageBuffer), for KV caches:
 // decode reads one head's row per 4 KiB page of an ordinary allocation (posenc/memory.hpp).
 at::Tensor huge_page_zeros_op(at::IntArrayRef sizes, c10::ScalarType dtype) {
@@ -1235,6 +1237,7 @@ TORCH_LIBRARY(posenc, m) {
       "Tensor",
       TORCH_FN(alibi_backward_cpu));
   m.def("empty_cache() -> ()", &empty_cache_op);
+  m.def("bf16_dot_products() -> bool", &bf16_dot_products_op);
   m.def("huge_page_zeros(int[] shape, ScalarType dtype) -> Tensor");
   m.impl("huge_page_zeros", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(huge_page_zeros_op)));
   define_with_backward(

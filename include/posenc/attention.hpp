@@ -162,6 +162,13 @@ struct AttentionSpec {
   // holding the dequantised values, to the bit on the fused path. Not with packed sequences;
   // forward only (backward: posenc::Error).
   std::optional<QuantizedCache> cache{};
+  // bf16 q, k and v, where bf16_dot_products() (runtime.hpp) holds: the prefill's two products
+  // run on the host's bf16 dot-product units, each sum over exact products of bf16 pairs in f32,
+  // with the scaled and transformed queries, the transformed keys and the probabilities of P·V
+  // rounded to bf16 (the softmax stays in f32). The error this adds is bounded in
+  // docs/attention.md ("Native bf16 products"). false, or other hosts: every product in f32 from
+  // the exactly widened inputs. Decode and backward widen in either case.
+  bool bf16_products = true;
 };
 
 // Gradients of the groups' positional parameters, fp64, accumulated (+=). One entry per group,
@@ -193,6 +200,9 @@ struct AttentionStats {
   // be flushed to 0, so for finite inputs the result is the same to the bit. Decode does not
   // skip; decode rows and the fp64 / "ref" path count nothing.
   std::int64_t tiles = 0, skipped = 0;
+  // Whether forward ran prefill products on the host's bf16 dot products
+  // (AttentionSpec::bf16_products).
+  bool bf16_products = false;
 };
 
 class Attention {

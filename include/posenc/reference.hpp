@@ -79,6 +79,11 @@ void xl_position_terms_backward(const XlParams& params, ConstTensorView q, Const
 // of bias_value, soft-cap, mask, softmax, P·V — in fp64, or with naive_f32 in plain f32 (how a
 // straightforward f32 implementation computes it: the yardstick of the fused kernel's accuracy).
 void attention_forward(const Attention& attention, TensorView out, TensorView lse, bool naive_f32 = false);
+// The naive f32 composition as a bf16 implementation computes it (flash-attention's, PyTorch's
+// bf16 matrix products): the transformed queries and keys rounded to bf16 before their products,
+// the probabilities rounded to bf16 before P·V: the yardstick of the native bf16 products
+// (AttentionSpec::bf16_products).
+void attention_forward_bf16_products(const Attention& attention, TensorView out, TensorView lse);
 void attention_backward(const Attention& attention, ConstTensorView out, ConstTensorView lse, ConstTensorView d_out,
                         TensorView dq, TensorView dk, TensorView dv, AttentionGradients* grads);
 

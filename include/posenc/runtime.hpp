@@ -29,6 +29,10 @@ std::string active_target();
 // that is unknown or not supported here.
 void set_target(std::string_view name);
 
+// Whether attention with bf16 inputs may now use the host's bf16 dot products
+// (AttentionSpec::bf16_products): the CPU has AVX512-BF16 and the active target is avx512.
+bool bf16_dot_products();
+
 // OpenMP threads used by posenc kernels (defaults to OpenMP's default). n >= 1.
 void set_num_threads(int n);
 int num_threads();

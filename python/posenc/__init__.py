@@ -11,10 +11,10 @@ Use with the set-up's environment (torch from PyPI) after either set-up command 
 
     PYTHONPATH=build/python ~/.cache/posenc/venv-torch-2.15.0/bin/python -c "import posenc"
 """
-from ._functional import (alibi_bias, alibi_slopes, cope_attention, dequantize_kv, empty_cache, fire_bias,
-                          floater_table, huge_page_zeros, kerple_bias, learned, quantize_kv, rope, rope_, rope_multi,
-                          shaw_scores, shaw_values, sinusoidal_table, stickbreaking_attention, t5_bias, tupe_bias,
-                          xl_scores)
+from ._functional import (alibi_bias, alibi_slopes, bf16_dot_products, cope_attention, dequantize_kv, empty_cache,
+                          fire_bias, floater_table, huge_page_zeros, kerple_bias, learned, quantize_kv, rope, rope_,
+                          rope_multi, shaw_scores, shaw_values, sinusoidal_table, stickbreaking_attention, t5_bias,
+                          tupe_bias, xl_scores)
 from ._modules import (ALiBi, CoPE, FIRE, FLOATER, Forgetting, Kerple, LearnedPositionalEncoding, PositionTemperature,
                        RotaryPositionalEncoding, ShawRelativePositions, SinusoidalPositionalEncoding, T5RelativeBias,
                        TransformerXLRelative, TUPE)
@@ -32,7 +32,7 @@ for _class in (ALiBi, CoPE, FIRE, FLOATER, Forgetting, Kerple, LearnedPositional
 del _class
 
 __all__ = [
-    "empty_cache", "huge_page_zeros", "sinusoidal_table", "rope", "alibi_slopes", "alibi_bias", "t5_bias", "kerple_bias", "fire_bias",
+    "empty_cache", "bf16_dot_products", "huge_page_zeros", "sinusoidal_table", "rope", "alibi_slopes", "alibi_bias", "t5_bias", "kerple_bias", "fire_bias",
     "tupe_bias", "learned", "floater_table", "shaw_scores", "shaw_values", "xl_scores", "attention", "rope_",
     "rope_multi",
     "SinusoidalPositionalEncoding", "LearnedPositionalEncoding", "RotaryPositionalEncoding", "ALiBi",

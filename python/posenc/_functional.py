@@ -16,6 +16,14 @@ def empty_cache():
     _ops.empty_cache()
 
 
+def bf16_dot_products():
+    """Whether attention over bfloat16 q, k and v runs prefill's products on this CPU's bf16
+    dot-product units (AVX512-BF16 with the avx512 target): queries, rotated keys and the
+    probabilities are then rounded to bf16 before their products, f32 sums (docs/attention.md,
+    "Native bf16 products", bounds the error). Elsewhere every product is f32."""
+    return bool(_ops.bf16_dot_products())
+
+
 def huge_page_zeros(*shape, dtype=torch.float32):
     """A zero-filled contiguous CPU tensor on 2 MiB pages (posenc::HugePageBuffer; Linux's
     transparent huge pages, where the system grants them), like ``torch.zeros(*shape, dtype=dtype)``.

@@ -77,6 +77,9 @@ struct AttentionUnitScratch {
   AlignedFloats q, qt, o, m, l, corr, st, dpt, k, v, tmp, dout, doutt, dq, dk, dv, lse, delta;
   // Decode with interleaved RoPE over an un-rotated cache: the tile's expanded [C | S] rows.
   AlignedFloats rope_rows;
+  // Native bf16 prefill (AttentionPlan::native_bf16): Qᵀ, P, V paired along their sums' index and
+  // the keys' rows, as kernels::attn_gemm_bf16 reads them.
+  AlignedPairs qt_pairs, p_pairs, v_pairs, k_pairs;
   std::vector<std::int64_t> kpos;
   std::vector<double> hist;
   std::vector<double> row_norm;  // the far-tile skip: |scale·q| per row

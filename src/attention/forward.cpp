@@ -16,6 +16,7 @@
 #include "internal.hpp"
 #include "kernels/attention/attention_kernels.hpp"
 #include "posenc/error.hpp"
+#include "posenc/runtime.hpp"
 
 namespace posenc {
 
@@ -60,7 +61,7 @@ void prefetch_rows(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh
 // in s.o ([width][Dp]) and m, l per row. Compact blocks keep their queries as rows for decode's
 // dot products, unless `transposed` asks for Q^T (a wide decode block through block_tile).
 void forward_begin(const AttentionPlan& p, const Sequence& seq, const RowBlock& rb, AttentionUnitScratch& s,
-                   bool first_chunk, bool transposed = false) {
+                   bool first_chunk, bool transposed = false, bool native_bf16 = false) {
   const std::int64_t w = rb.width, dp = p.dim_padded, d = p.dim;
   const bool dot = rb.compact && !transposed;
   grow(s.q, w * dp);
@@ -77,6 +78,17 @@ void forward_begin(const AttentionPlan& p, const Sequence& seq, const RowBlock& 
   std::fill(s.o.begin(), s.o.begin() + w * dp, 0.0f);
   std::fill(s.m.begin(), s.m.begin() + w, kNegInf);
   std::fill(s.l.begin(), s.l.begin() + w, 0.0f);
+  // The block's query rows lie a token's heads apart: prefetched all at once, they arrive
+  // together instead of one row's misses after another's (5% of a bf16 prefill's time, Zen 5).
+  const std::int64_t q_row_bytes = p.qg.dim * static_cast<std::int64_t>(dtype_size(p.dtype));
+  for (std::int64_t r = 0; r < w; ++r) {
+    const std::int64_t h = rb.head[static_cast<std::size_t>(r)];
+    if (h < 0 || p.qg.dim_stride != 1) continue;
+    const char* row = static_cast<const char*>(p.q_data) +
+                      (p.qg.offset(seq.b, seq.q0 + rb.query[static_cast<std::size_t>(r)]) + h * p.qg.head_stride) *
+                          static_cast<std::int64_t>(dtype_size(p.dtype));
+    for (std::int64_t at = 0; at < q_row_bytes; at += 64) __builtin_prefetch(row + at, 0, 3);
+  }
   // Queries: transformed, scaled, as rows (decode) or transposed (Q^T [d][w]).
   for (std::int64_t r = 0; r < w; ++r) {
     float* row = s.q.data() + r * dp;
@@ -91,9 +103,14 @@ void forward_begin(const AttentionPlan& p, const Sequence& seq, const RowBlock& 
       for (const auto& term : p.terms) term->adjust_query(h, row);
       for (std::int64_t t = 0; t < d; ++t) row[t] *= p.scale;
     }
-    if (!dot) {
+    // The native bf16 products read Qᵀ as pairs (below); only the terms read it in f32 then.
+    if (!dot && !(native_bf16 && p.terms.empty())) {
       for (std::int64_t t = 0; t < d; ++t) s.qt[static_cast<std::size_t>(t * ldt + r)] = row[t];
     }
+  }
+  if (native_bf16) {
+    grow(s.qt_pairs, (d + 1) / 2 * ldt);
+    kernels::attn_transpose_bf16_pairs(s.q.data(), dp, w, (d + 1) / 2, s.qt_pairs.data(), ldt);
   }
   if (p.terms.empty()) return;
   if (s.terms.size() < p.terms.size()) s.terms.resize(p.terms.size());
@@ -110,17 +127,69 @@ void forward_begin(const AttentionPlan& p, const Sequence& seq, const RowBlock& 
   }
 }
 
-// A key tile's keys and values as the matrix kernel reads them: rows ld floats apart.
+// A key tile's keys and values as the matrix kernel reads them: rows ld floats apart; for the
+// native bf16 products also as pairs (keys' rows, values paired along the keys), ld pairs apart.
 struct TileRows {
   const float *k = nullptr, *v = nullptr;
   std::int64_t ldk = 0, ldv = 0;
+  const std::uint32_t *k_pairs = nullptr, *v_pairs = nullptr;
+  std::int64_t ldk_pairs = 0, ldv_pairs = 0;
+  bool values_finite = true;  // where v is null (values paired from memory): whether all are finite
+  std::int64_t kvh = 0;
 };
+
+// The native bf16 products' tile: keys as pairs in place (bf16 rows with an even head dim and no
+// key transform), else converted from their f32 rows; values paired straight from memory (no f32
+// rows: block_tile widens them only for a partly masked tile with a non-finite value).
+TileRows load_bf16_tile(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh, std::int64_t k0,
+                        std::int64_t keys, AttentionUnitScratch& s) {
+  const std::int64_t dp = p.dim_padded, d = p.dim;
+  const detail::QKTables& kt = p.tables_of_head(kvh * p.group_size);
+  TileRows rows;
+  rows.kvh = kvh;
+  const auto* k_base =
+      static_cast<const std::uint16_t*>(p.k_data) + p.kg.offset(seq.b, seq.k0 + k0) + kvh * p.kg.head_stride;
+  if (p.kg.dim_stride == 1 && d % 2 == 0 && (kt.kind == detail::QKTables::kNone || !kt.transform_keys)) {
+    // Odd strides leave pairs unaligned, which the kernel's loads allow.
+    rows.k_pairs = reinterpret_cast<const std::uint32_t*>(k_base);  // NOLINT: read through memcpy
+    rows.ldk_pairs = p.kg.seq_stride / 2;
+    if (p.kg.seq_stride % 2 != 0) rows.k_pairs = nullptr;
+  }
+  if (rows.k_pairs == nullptr) {
+    rows.ldk = padded_stride(dp);
+    for (std::int64_t j = 0; j < keys; ++j) {
+      float* row = s.k.data() + j * rows.ldk;
+      p.load_key_row(seq.b, seq.k0 + k0 + j, kvh, row);
+      if (kt.transform_keys) p.transform_row(kt, false, p.k_table_row(seq, k0 + j), row, 1.0f);
+    }
+    rows.ldk_pairs = dp / 2;
+    grow(s.k_pairs, keys * rows.ldk_pairs);
+    kernels::attn_convert_bf16_rows(s.k.data(), rows.ldk, keys, dp, s.k_pairs.data(), rows.ldk_pairs);
+    rows.k_pairs = s.k_pairs.data();
+  }
+  rows.ldv = padded_stride(dp);
+  rows.ldv_pairs = padded_stride(dp);
+  grow(s.v_pairs, (keys + 1) / 2 * rows.ldv_pairs);
+  if (p.vg.dim_stride == 1) {
+    const auto* v_base =
+        static_cast<const std::uint16_t*>(p.v_data) + p.vg.offset(seq.b, seq.k0 + k0) + kvh * p.vg.head_stride;
+    rows.values_finite =
+        kernels::attn_pack_bf16_raw_pairs(v_base, p.vg.seq_stride, keys, p.dim_v, dp, s.v_pairs.data(), rows.ldv_pairs);
+  } else {
+    for (std::int64_t j = 0; j < keys; ++j) p.load_value_row(seq.b, seq.k0 + k0 + j, kvh, s.v.data() + j * rows.ldv);
+    kernels::attn_pack_bf16_pairs(s.v.data(), rows.ldv, keys, dp, s.v_pairs.data(), rows.ldv_pairs);
+    rows.v = s.v.data();
+  }
+  rows.v_pairs = s.v_pairs.data();
+  return rows;
+}
 
 // Keys: straight from memory (f32, unit stride, D a multiple of the padding, no key transform)
 // or packed into f32 rows (s.k). Values: always packed (s.v; see padded_stride — keys, the
 // broadcast operand, do not gain from it).
 TileRows load_tile(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh, std::int64_t k0, std::int64_t keys,
-                   AttentionUnitScratch& s) {
+                   AttentionUnitScratch& s, bool native_bf16 = false) {
+  if (native_bf16) return load_bf16_tile(p, seq, kvh, k0, keys, s);
   const std::int64_t dp = p.dim_padded;
   const detail::QKTables& kt = p.tables_of_head(kvh * p.group_size);
   TileRows rows;
@@ -150,8 +219,22 @@ void block_tile(const AttentionPlan& p, const Sequence& seq, const RowBlock& rb,
   const float* kp = kv.k;
   const float* vp = kv.v;
   const std::int64_t ldk = kv.ldk, ldv = kv.ldv;
+  const auto values_non_finite = [&] {
+    if (vp != nullptr) return detail::rows_non_finite(vp, ldv, keys, p.dim_v);
+    if (kv.values_finite) return false;
+    // Values paired from memory, one of them not finite: this block's own f32 rows of them.
+    grow(s.v, keys * ldv);
+    for (std::int64_t j = 0; j < keys; ++j) p.load_value_row(seq.b, seq.k0 + k0 + j, kv.kvh, s.v.data() + j * ldv);
+    vp = s.v.data();
+    return detail::rows_non_finite(vp, ldv, keys, p.dim_v);
+  };
   // S^T = K·Q^T (scale and query transform already in Q).
-  kernels::attn_gemm(kp, ldk, 1, s.qt.data(), padded_stride(w), s.st.data(), w, keys, w, d, false);
+  if (kv.k_pairs != nullptr) {
+    kernels::attn_gemm_bf16(kv.k_pairs, kv.ldk_pairs, 1, s.qt_pairs.data(), padded_stride(w), s.st.data(), w, keys, w,
+                            (d + 1) / 2, false);
+  } else {
+    kernels::attn_gemm(kp, ldk, 1, s.qt.data(), padded_stride(w), s.st.data(), w, keys, w, d, false);
+  }
   if (p.any_bias || !p.terms.empty()) {
     for (std::int64_t j = 0; j < keys; ++j) s.kpos[static_cast<std::size_t>(j)] = p.k_position(seq, k0 + j);
   }
@@ -163,8 +246,14 @@ void block_tile(const AttentionPlan& p, const Sequence& seq, const RowBlock& rb,
   if (!unmasked) kernels::attn_mask_tile(s.st.data(), keys, w, k0, rb.lo.data(), rb.hi.data());
   kernels::attn_softmax_tile(s.st.data(), keys, w, s.m.data(), s.l.data(), s.corr.data());
   kernels::attn_scale_rows(s.o.data(), dp, w, dp, s.corr.data());
-  if (!unmasked && detail::rows_non_finite(vp, ldv, keys, p.dim_v)) {
+  if (!unmasked && values_non_finite()) {
     detail::add_visible_values(rb, 0, w, k0, keys, s.st.data(), w, vp, ldv, p.dim_v, s.o.data(), dp);
+  } else if (kv.v_pairs != nullptr) {
+    // P rounded to bf16, paired along the keys (the terms below read the f32 P).
+    grow(s.p_pairs, (keys + 1) / 2 * w);
+    kernels::attn_pack_bf16_pairs(s.st.data(), w, keys, w, s.p_pairs.data(), w);
+    kernels::attn_gemm_bf16(s.p_pairs.data(), 1, w, kv.v_pairs, kv.ldv_pairs, s.o.data(), dp, w, dp, (keys + 1) / 2,
+                            true);
   } else {
     // O += P·V with P(r, j) = P^T[j][r], the tile's sum added to O once (attn_gemm_add).
     kernels::attn_gemm_add(s.st.data(), 1, w, vp, ldv, s.o.data(), dp, w, dp, keys);
@@ -213,14 +302,15 @@ constexpr std::int64_t kWideDecodeQueries = 4;
 // pairs: 3423–3517 samples against 3392–3610, within the noise, but the value loads' samples fell
 // from 330–383 to 313–336 and the prefetches' from 104–123 to 63–82.
 std::int64_t forward_blocks(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh,
-                            std::span<const RowBlock* const> blocks, std::span<AttentionUnitScratch* const> scratch) {
+                            std::span<const RowBlock* const> blocks, std::span<AttentionUnitScratch* const> scratch,
+                            bool native_bf16) {
   constexpr std::size_t kMaxBlocks = kMaxGroupBlocks;
   const std::size_t n = blocks.size();
   const std::int64_t kt = p.key_tile, kb = blocks[0]->key_lo;
   std::array<std::int64_t, kMaxBlocks> ends{}, tiles{};
   std::int64_t ke = kb;
   for (std::size_t b = 0; b < n; ++b) {
-    forward_begin(p, seq, *blocks[b], *scratch[b], true);
+    forward_begin(p, seq, *blocks[b], *scratch[b], true, false, native_bf16);
     ends[b] = std::max(blocks[b]->key_hi, kb);
     tiles[b] = (ends[b] - kb + kt - 1) / kt;
     ke = std::max(ke, ends[b]);
@@ -231,6 +321,11 @@ std::int64_t forward_blocks(const AttentionPlan& p, const Sequence& seq, std::in
     if (skip_far) {
       grow(scratch[b]->row_norm, blocks[b]->width);
       detail::row_norms(scratch[b]->q.data(), p.dim_padded, blocks[b]->width, p.dim, scratch[b]->row_norm.data());
+      // bf16 queries and keys move a logit by up to 2^-8 of |q|·|k| (two roundings), beyond the
+      // 1e-3 that tile_vanishes allows for f32's.
+      if (native_bf16) {
+        for (std::int64_t r = 0; r < blocks[b]->width; ++r) scratch[b]->row_norm[static_cast<std::size_t>(r)] *= 1.01;
+      }
     }
   }
   const std::int64_t all_tiles = (ke - kb + kt - 1) / kt;
@@ -251,7 +346,7 @@ std::int64_t forward_blocks(const AttentionPlan& p, const Sequence& seq, std::in
     // lie G·D elements apart, often a page, which the hardware prefetchers do not cross.
     const std::int64_t next = descending ? k0 - kt : k0 + kt;
     if (next >= kb && next < ke) prefetch_rows(p, seq, kvh, next, std::min(kt, ke - next));
-    const TileRows kv = load_tile(p, seq, kvh, k0, std::min(kt, ke - k0), *scratch[0]);
+    const TileRows kv = load_tile(p, seq, kvh, k0, std::min(kt, ke - k0), *scratch[0], native_bf16);
     for (std::size_t b = 0; b < n; ++b) {
       if (run[b]) block_tile(p, seq, *blocks[b], k0, std::min(kt, ends[b] - k0), kv, *scratch[b]);
     }
@@ -366,6 +461,7 @@ struct ForwardOutput {
   bool want_lse;
   std::int64_t part_rows, part_width;
   std::vector<float> parts;
+  bool native_bf16 = false;  // prefill's products on bf16 dot products (AttentionSpec::bf16_products)
 
   float* part_row(const AttentionPlan& p, std::int64_t partial, std::int64_t kvh, std::int64_t r) {
     return parts.data() + ((partial * p.kv_heads + kvh) * part_rows + r) * part_width;
@@ -446,8 +542,8 @@ void run_prefill_unit(const AttentionPlan& p, ForwardOutput& o, const ForwardUni
     t.prefill_tiles += (std::max(block.key_hi, block.key_lo) - block.key_lo + p.key_tile - 1) / p.key_tile;
   };
   if (same_start) {
-    t.skipped_tiles +=
-        forward_blocks(p, seq, un.kvh, std::span(t.group.data(), n), std::span(t.group_scratches.data(), n));
+    t.skipped_tiles += forward_blocks(p, seq, un.kvh, std::span(t.group.data(), n),
+                                      std::span(t.group_scratches.data(), n), o.native_bf16);
     for (std::size_t b = 0; b < n; ++b) {
       count_tiles(*t.group[b]);
       finish_rows(p, o, seq, *t.group[b], *t.group_scratches[b]);
@@ -455,8 +551,8 @@ void run_prefill_unit(const AttentionPlan& p, ForwardOutput& o, const ForwardUni
     return;
   }
   for (std::size_t b = 0; b < n; ++b) {
-    t.skipped_tiles +=
-        forward_blocks(p, seq, un.kvh, std::span(t.group.data() + b, 1), std::span(t.group_scratches.data(), 1));
+    t.skipped_tiles += forward_blocks(p, seq, un.kvh, std::span(t.group.data() + b, 1),
+                                      std::span(t.group_scratches.data(), 1), o.native_bf16);
     count_tiles(*t.group[b]);
     finish_rows(p, o, seq, *t.group[b], t.s);
   }
@@ -580,6 +676,7 @@ AttentionStats AttentionPlan::forward(TensorView out, TensorView lse) const {
   check_disjoint({{"out", out}, {"lse", lse}}, {{"q", spec.q}, {"k", spec.k}, {"v", spec.v}});
   const ForwardWork work = plan_forward(*this);
   ForwardOutput o{out, lse, og, want_lse, work.part_rows, dim_padded + 2, {}};
+  o.native_bf16 = dtype == DType::kBF16 && !cache_format && spec.bf16_products && bf16_dot_products();
   o.parts.resize(static_cast<std::size_t>(work.partials * kv_heads * o.part_rows * o.part_width));
   const int threads =
       std::min<int>(threads_for(work.flops / 16), static_cast<int>(std::max<std::size_t>(work.units.size(), 1)));
@@ -608,6 +705,8 @@ AttentionStats AttentionPlan::forward(TensorView out, TensorView lse) const {
   stats.workspace_bytes = scratch_bytes + static_cast<std::int64_t>(o.parts.size() * sizeof(float)) + table_bytes();
   stats.tiles = prefill_tiles;
   stats.skipped = skipped_tiles;
+  stats.bf16_products = o.native_bf16 && std::any_of(work.units.begin(), work.units.end(),
+                                                     [](const ForwardUnit& u) { return !u.compact; });
   return stats;
 }
 

@@ -327,20 +327,32 @@ void scores(const Problem& p, const Sequence& seq, std::int64_t h, const HeadPro
   }
 }
 
+// A value rounded to bf16 through f32 (round to nearest even each time).
+double bf16_rounded(double x) { return static_cast<double>(from_bf16(to_bf16(static_cast<float>(x)))); }
+
+// bf16_products (T = float): the logits from the transformed queries and keys rounded to bf16,
+// and the probabilities rounded to bf16 before P·V (reference.hpp).
 template <class T>
-void forward_impl(const Problem& p, TensorView out, TensorView lse) {
+void forward_impl(const Problem& p, TensorView out, TensorView lse, bool bf16_products = false) {
   const detail::HeadsGrid og = detail::check_output_tokens(kWhere, "out", ConstTensorView(out), p.out_grid());
   const bool want_lse = lse.rank() > 0;
   if (want_lse) check_lse(p, lse, true);
   for (const Sequence& seq : p.sequences) {
     for (std::int64_t h = 0; h < p.heads; ++h) {
-      const HeadProblem hp = load_head(p, seq, h);
+      HeadProblem hp = load_head(p, seq, h);
+      if (bf16_products) {
+        for (double& x : hp.q.v) x = bf16_rounded(x);
+        for (double& x : hp.k.v) x = bf16_rounded(x);
+      }
       const std::int64_t group = p.head_group[static_cast<std::size_t>(h)];
       const std::int64_t local = h - p.group_first_head[static_cast<std::size_t>(group)];
       const auto& terms = p.groups[static_cast<std::size_t>(group)].terms;
       std::vector<T> z, prob, l;
       std::vector<TermScratch> scratch(terms.size());
       scores<T>(p, seq, h, hp, z, prob, l, scratch);
+      if (bf16_products) {
+        for (T& x : prob) x = std::signbit(x) ? x : static_cast<T>(bf16_rounded(x));
+      }
       Rows o{seq.lq, p.dim_v, std::vector<double>(static_cast<std::size_t>(seq.lq * p.dim_v))};
       std::vector<T> acc(static_cast<std::size_t>(p.dim_v)), value(acc.size());
       std::vector<double> w(acc.size());
@@ -420,6 +432,14 @@ void forward_from_cache(const Attention& attention, TensorView out, TensorView l
 }
 
 }  // namespace
+
+void attention_forward_bf16_products(const Attention& attention, TensorView out, TensorView lse) {
+  if (attention.spec().cache) {
+    throw Error(kWhere, "cache", std::string(cache_format_name(attention.spec().cache->format)),
+                "k and v tensors (bf16 products need bf16 inputs)");
+  }
+  forward_impl<float>(problem_of(attention), out, lse, true);
+}
 
 void attention_forward(const Attention& attention, TensorView out, TensorView lse, bool naive_f32) {
   if (attention.spec().cache) {

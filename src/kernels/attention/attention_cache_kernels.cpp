@@ -1109,6 +1109,43 @@ void AttnLoadF32(const void* src, DType dtype, std::int64_t n, float* HWY_RESTRI
   for (; t < n; ++t) dst[t] = from_f16(f16{s[t]});
 }
 
+// dst (+)= src rounded to bf16 as posenc::to_bf16 rounds (nearest, ties to even; a NaN stays a
+// quiet NaN with its upper bits), a vector at a time.
+void AttnStoreBF16(const float* HWY_RESTRICT src, std::int64_t n, std::uint16_t* HWY_RESTRICT dst, bool accumulate) {
+  std::int64_t t = 0;
+#if HWY_TARGET != HWY_SCALAR
+  const DF d;
+  const hn::RebindToSigned<DF> di;
+  const hn::Rebind<std::uint16_t, DF> du16;
+  const auto lanes = static_cast<std::int64_t>(hn::Lanes(d));
+  const auto magnitude = hn::Set(di, 0x7fffffff), inf = hn::Set(di, 0x7f800000);
+  const auto half = hn::Set(di, 0x7fff), one = hn::Set(di, 1), quiet = hn::Set(di, 0x0040);
+  for (; t + lanes <= n; t += lanes) {
+    auto x = hn::LoadU(d, src + t);
+    if (accumulate) {
+      const auto old = hn::BitCast(d, hn::ShiftLeft<16>(hn::PromoteTo(di, hn::LoadU(du16, dst + t))));
+      x = hn::Add(old, x);
+    }
+    const auto u = hn::BitCast(di, x);
+    // Integer adds wrap as the scalar's uint32 adds do; the shifts are logical.
+    const auto rounded = hn::ShiftRight<16>(hn::BitCast(
+        hn::RebindToUnsigned<DF>(),
+        hn::Add(u,
+                hn::Add(half, hn::And(hn::BitCast(di, hn::ShiftRight<16>(hn::BitCast(hn::RebindToUnsigned<DF>(), u))),
+                                      one)))));
+    const auto nan = hn::Or(hn::ShiftRight<16>(hn::BitCast(hn::RebindToUnsigned<DF>(), u)),
+                            hn::BitCast(hn::RebindToUnsigned<DF>(), quiet));
+    const auto bits =
+        hn::IfThenElse(hn::RebindMask(hn::RebindToUnsigned<DF>(), hn::Gt(hn::And(u, magnitude), inf)), nan, rounded);
+    hn::StoreU(hn::DemoteTo(du16, hn::BitCast(di, bits)), du16, dst + t);
+  }
+#endif
+  for (; t < n; ++t) {
+    const float x = accumulate ? from_bf16(bf16{dst[t]}) + src[t] : src[t];
+    dst[t] = to_bf16(x).bits;
+  }
+}
+
 }  // namespace HWY_NAMESPACE
 }  // namespace posenc::kernels
 HWY_AFTER_NAMESPACE();
@@ -1117,6 +1154,10 @@ HWY_AFTER_NAMESPACE();
 namespace posenc::kernels {
 
 HWY_EXPORT(AttnLoadF32);
+HWY_EXPORT(AttnStoreBF16);
+void attn_store_bf16(const float* src, std::int64_t n, std::uint16_t* dst, bool accumulate) {
+  HWY_DYNAMIC_DISPATCH(AttnStoreBF16)(src, n, dst, accumulate);
+}
 HWY_EXPORT(AttnDecodeScores);
 HWY_EXPORT(AttnPackHeads);
 HWY_EXPORT(AttnRotateHalfSplit);

@@ -522,8 +522,7 @@ void attn_store(const float* src, std::int64_t n, DType dtype, void* dst, bool a
       return;
     }
     case DType::kBF16: {
-      auto* out = static_cast<bf16*>(dst);
-      for (std::int64_t t = 0; t < n; ++t) out[t] = to_bf16(accumulate ? from_bf16(out[t]) + src[t] : src[t]);
+      attn_store_bf16(src, n, static_cast<std::uint16_t*>(dst), accumulate);
       return;
     }
     case DType::kF16: {

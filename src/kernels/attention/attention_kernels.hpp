@@ -45,6 +45,35 @@ inline constexpr std::int64_t kAttnGemmAddDepth = 128;
 void attn_gemm_add(const float* a, std::int64_t a_row, std::int64_t a_depth, const float* b, std::int64_t ldb, float* c,
                    std::int64_t ldc, std::int64_t rows, std::int64_t cols, std::int64_t depth);
 
+// Native bf16 products (bf16_kernels.cpp), on hosts with AVX512-BF16 only (else posenc::Error):
+// operands are pairs of bf16 in 32-bit words, the even element in the low half, and each
+// instruction adds a pair's two exact products to an f32 lane (denormals flushed).
+bool attn_bf16_supported();
+// C[m][n] = (add_sum: C[m][n] +) Σ_t A(m, t)·B[t][n] for t < pairs, each term a pair's dot
+// product, summed from 0 in t order: A(m, t) = a[m·a_row + t·a_depth] (any alignment: A may be
+// bf16 rows in place, consecutive elements the pairs), B rows at b + t·ldb (pairs),
+// C rows at c + m·ldc; cols a multiple of kAttnAlign.
+void attn_gemm_bf16(const std::uint32_t* a, std::int64_t a_row, std::int64_t a_depth, const std::uint32_t* b,
+                    std::int64_t ldb, float* c, std::int64_t ldc, std::int64_t rows, std::int64_t cols,
+                    std::int64_t pairs, bool add_sum);
+// dst[p·ldd + i] = (bf16(src[2p·ld + i]), bf16(src[(2p + 1)·ld + i])) for p < ⌈count/2⌉, i < cols
+// (a multiple of kAttnAlign): rows paired along the sum's index; an odd count's last pair has 0 in
+// its high half. Rounded to nearest even.
+void attn_pack_bf16_pairs(const float* src, std::int64_t ld, std::int64_t count, std::int64_t cols, std::uint32_t* dst,
+                          std::int64_t ldd);
+// attn_pack_bf16_pairs from bf16 rows as they lie (raw bits; rows ld elements apart, dim of them
+// read, zeros up to cols): exact. Returns whether every value read is finite.
+bool attn_pack_bf16_raw_pairs(const std::uint16_t* src, std::int64_t ld, std::int64_t count, std::int64_t dim,
+                              std::int64_t cols, std::uint32_t* dst, std::int64_t ldd);
+// dst[p·ldd + r] = (bf16(src[r·ld + 2p]), bf16(src[r·ld + 2p + 1])) for r < rows (a multiple of
+// kAttnAlign), p < pairs (2·pairs <= ld): rows transposed into pairs along their columns (Qᵀ).
+void attn_transpose_bf16_pairs(const float* src, std::int64_t ld, std::int64_t rows, std::int64_t pairs,
+                               std::uint32_t* dst, std::int64_t ldd);
+// Row r of dst (ldd pairs apart) = bf16 of src[r·ld + i] for i < cols (a multiple of kAttnAlign):
+// its pairs are consecutive elements (i, i + 1).
+void attn_convert_bf16_rows(const float* src, std::int64_t ld, std::int64_t rows, std::int64_t cols, std::uint32_t* dst,
+                            std::int64_t ldd);
+
 // dst[j][g][0..dim_padded) = f32 of src row (key j, head g) at src + j·seq_stride + g·head_stride
 // (elements; unit dim stride), zero-padded: a tile of the cache converted in its memory order.
 void attn_pack_heads(const void* src, DType dtype, std::int64_t seq_stride, std::int64_t head_stride, std::int64_t keys,
@@ -204,5 +233,7 @@ void attn_rotate_half_split(float* x, const float* c, const float* s, std::int64
 void attn_load_f32(const void* src, DType dtype, std::int64_t n, float* dst);
 // dst[0..n) (+)= src converted from f32 to dtype (round to nearest even for 16-bit).
 void attn_store(const float* src, std::int64_t n, DType dtype, void* dst, bool accumulate);
+// attn_store's bf16 case (raw bits), the bits of posenc::to_bf16.
+void attn_store_bf16(const float* src, std::int64_t n, std::uint16_t* dst, bool accumulate);
 
 }  // namespace posenc::kernels

@@ -328,16 +328,20 @@ inline std::vector<double> gather(const Problem& p, const std::vector<double>& r
 }
 
 // Backward with d_out given in [B, S, H, D]-view order as f64 values (stored in the dtype).
-inline Grads run_backward(const Problem& p, const Attention& att, const std::vector<double>& d_out, bool reference,
+// reference: 0 (false) the fused passes, 1 (true) the fp64 references, 2 the naive compositions
+// with bf16 products (in the inputs' dtype, as the fused passes store; no parameter gradients).
+inline Grads run_backward(const Problem& p, const Attention& att, const std::vector<double>& d_out, int reference,
                           bool with_params = true) {
-  const DType dt = reference ? DType::kF64 : p.dtype;
+  const DType dt = reference == 1 ? DType::kF64 : p.dtype;
   const std::int64_t rows = p.heads * (p.packed() ? 1 : p.batch) * p.q_len;
   std::vector<unsigned char> out = testing::garbage_buffer(dt, p.q_count());
   std::vector<float> lse(static_cast<std::size_t>(rows));
   TensorView lse_view = p.packed() ? TensorView::of(lse.data(), {p.heads, p.q_len})
                                    : TensorView::of(lse.data(), {p.batch, p.heads, p.q_len});
   TensorView out_view = p.view<true>(out.data(), p.q_len, p.heads, dt);
-  if (reference) {
+  if (reference == 2) {
+    ref::attention_forward_bf16_products(att, out_view, lse_view);
+  } else if (reference == 1) {
     ref::attention_forward(att, out_view, lse_view);
   } else {
     att.forward(out_view, lse_view);
@@ -353,7 +357,9 @@ inline Grads run_backward(const Problem& p, const Attention& att, const std::vec
   TensorView dqv = p.view<true>(dqb.data(), p.q_len, p.heads, dt),
              dkv = p.view<true>(dkb.data(), p.k_len, p.kv_heads, dt),
              dvv = p.view<true>(dvb.data(), p.k_len, p.kv_heads, dt);
-  if (reference) {
+  if (reference == 2) {
+    ref::attention_backward_bf16_products(att, out_view, lse_view, dov, dqv, dkv, dvv);
+  } else if (reference == 1) {
     ref::attention_backward(att, out_view, lse_view, dov, dqv, dkv, dvv, with_params ? &g.params : nullptr);
   } else {
     g.stats = att.backward(out_view, lse_view, dov, dqv, dkv, dvv, with_params ? &g.params : nullptr);

@@ -100,6 +100,49 @@ TEST_P(AttentionBackward, PackedAndSixteenBit) {
   }
 }
 
+TEST_P(AttentionBackward, BF16ProductsOnHostsThatHaveThem) {
+  // Backward over bf16 inputs takes the host's bf16 dot products for its five products where
+  // bf16_dot_products() says so (P and dS rounded to bf16 before the three that take them). Each
+  // gradient is then within twice the error of the naive composition with the same roundings
+  // (flash-attention's criterion) plus half a bf16 ulp of the largest gradient (both store bf16);
+  // elsewhere the widened bound of PackedAndSixteenBit. Odd head dims and key counts, GQA, RoPE's
+  // rotated keys, ALiBi's skipped tiles; one thread and two give the same bits.
+  const bool native = bf16_dot_products();
+  for (int trial = 0; trial < 4; ++trial) {
+    const std::int64_t dim = std::vector<std::int64_t>{64, 80, 24, 128}[static_cast<std::size_t>(trial)];
+    const std::int64_t kv = 1 + trial % 2, heads = kv * (1 + trial % 3);
+    const std::int64_t q_len = uniform_int(30, 150), k_len = q_len + uniform_int(0, 41);
+    Problem p = make_problem(1, q_len, k_len, heads, kv, dim, DType::kBF16);
+    AttentionSpec spec = spec_of(p);
+    spec.mask.causal = trial != 2;
+    if (trial == 1) spec.groups = {{heads, RotaryQK{RopeParams(dim, dim)}, {}}};
+    if (trial == 3) spec.groups = {{heads, {}, AlibiParams(heads)}};
+    const std::string what = "D " + std::to_string(dim) + ", " + std::to_string(q_len) + " × " + std::to_string(k_len);
+    SCOPED_TRACE(what);
+    const Attention att(spec);
+    const std::vector<double> d_out = random_values(static_cast<std::size_t>(p.q_count()));
+    const Grads fused = run_backward(p, att, d_out, 0), exact = run_backward(p, att, d_out, 1);
+    EXPECT_EQ(fused.stats.bf16_products, native);
+    const Grads naive = run_backward(p, att, d_out, 2);
+    for (const auto& [name, got, want, yardstick] :
+         {std::tuple{"dq", &fused.dq, &exact.dq, &naive.dq}, std::tuple{"dk", &fused.dk, &exact.dk, &naive.dk},
+          std::tuple{"dv", &fused.dv, &exact.dv, &naive.dv}}) {
+      const double err = max_abs_diff(*got, *want), naive_err = max_abs_diff(*yardstick, *want);
+      if (native) {
+        EXPECT_LE(err, 2 * naive_err + std::ldexp(1.0, -9) * max_abs(*want)) << name << ", naive " << naive_err;
+      } else {
+        EXPECT_LE(err, std::ldexp(1.0, -7) * max_abs(*want)) << name;
+      }
+    }
+    set_num_threads(1);
+    const Grads one = run_backward(p, att, d_out, 0);
+    set_num_threads(2);
+    EXPECT_EQ(one.dq, fused.dq);
+    EXPECT_EQ(one.dk, fused.dk);
+    EXPECT_EQ(one.dv, fused.dv);
+  }
+}
+
 // An Attention holds no state that a call changes: several threads may run one object's forward
 // and backward at once (a model's layer shared by server threads), each getting the bits and the
 // statistics of a call made alone. Decode (one query) and prefill, with the far-tile skip.

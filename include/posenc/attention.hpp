@@ -163,11 +163,12 @@ struct AttentionSpec {
   // forward only (backward: posenc::Error).
   std::optional<QuantizedCache> cache{};
   // bf16 q, k and v, where bf16_dot_products() (runtime.hpp) holds: the prefill's two products
-  // run on the host's bf16 dot-product units, each sum over exact products of bf16 pairs in f32,
-  // with the scaled and transformed queries, the transformed keys and the probabilities of P·V
-  // rounded to bf16 (the softmax stays in f32). The error this adds is bounded in
-  // docs/attention.md ("Native bf16 products"). false, or other hosts: every product in f32 from
-  // the exactly widened inputs. Decode and backward widen in either case.
+  // and backward's five run on the host's bf16 dot-product units, each sum over exact products of
+  // bf16 pairs in f32, with the scaled and transformed queries, the transformed keys, and P and
+  // dS where they enter a product rounded to bf16 (the softmax stays in f32). The error this adds
+  // is bounded in docs/attention.md ("Native bf16 products"). false, or other hosts: every product
+  // in f32 from the exactly widened inputs. Decode, and backward with Transformer-XL, widen in
+  // either case.
   bool bf16_products = true;
 };
 
@@ -200,8 +201,8 @@ struct AttentionStats {
   // be flushed to 0, so for finite inputs the result is the same to the bit. Decode does not
   // skip; decode rows and the fp64 / "ref" path count nothing.
   std::int64_t tiles = 0, skipped = 0;
-  // Whether forward ran prefill products on the host's bf16 dot products
-  // (AttentionSpec::bf16_products).
+  // Whether the call ran products on the host's bf16 dot products (AttentionSpec::bf16_products;
+  // forward: its prefill blocks).
   bool bf16_products = false;
 };
 

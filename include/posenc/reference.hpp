@@ -84,6 +84,10 @@ void attention_forward(const Attention& attention, TensorView out, TensorView ls
 // the probabilities rounded to bf16 before P·V: the yardstick of the native bf16 products
 // (AttentionSpec::bf16_products).
 void attention_forward_bf16_products(const Attention& attention, TensorView out, TensorView lse);
+// Its backward (fp64 sums): the transformed queries and keys rounded to bf16, P and dS rounded to
+// bf16 before dV += Pᵀ·dO, dK += dSᵀ·Q and dQ += dS·K.
+void attention_backward_bf16_products(const Attention& attention, ConstTensorView out, ConstTensorView lse,
+                                      ConstTensorView d_out, TensorView dq, TensorView dk, TensorView dv);
 void attention_backward(const Attention& attention, ConstTensorView out, ConstTensorView lse, ConstTensorView d_out,
                         TensorView dq, TensorView dk, TensorView dv, AttentionGradients* grads);
 

@@ -17,10 +17,10 @@ def empty_cache():
 
 
 def bf16_dot_products():
-    """Whether attention over bfloat16 q, k and v runs prefill's products on this CPU's bf16
-    dot-product units (AVX512-BF16 with the avx512 target): queries, rotated keys and the
-    probabilities are then rounded to bf16 before their products, f32 sums (docs/attention.md,
-    "Native bf16 products", bounds the error). Elsewhere every product is f32."""
+    """Whether attention over bfloat16 q, k and v runs its products (prefill and backward) on this
+    CPU's bf16 dot-product units (AVX512-BF16 with the avx512 target): queries, rotated keys,
+    probabilities and dS are then rounded to bf16 before their products, f32 sums
+    (docs/attention.md, "Native bf16 products", bounds the error). Elsewhere every product is f32."""
     return bool(_ops.bf16_dot_products())
 
 

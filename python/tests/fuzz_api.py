@@ -204,7 +204,7 @@ def score_error(case, q, k):
     bf16 dot products, η = 2^-8·1.02·|score| from the rounded queries and keys, which moves the
     softmax weights by factors within e^{±2η} (docs/attention.md, "Native bf16 products")."""
     if rounded_scores(case):
-        return math.expm1(2 * 2.0**-8 * 1.02 * largest_score(case, q, k))
+        return math.expm1(min(2 * 2.0**-8 * 1.02 * largest_score(case, q, k), 700.0))
     return 4 * case["dim"] * 2.0**-24 * largest_score(case, q, k)
 
 

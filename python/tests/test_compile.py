@@ -353,8 +353,8 @@ def test_attention_backward_has_no_gradient_of_its_own():
 
 
 # Ops that take and return no tensor: nothing for a tracer to record (posenc.schemes(), the HF
-# config reader, posenc.empty_cache()); they run eagerly.
-WITHOUT_TENSORS = {"schemes", "rope_config", "empty_cache"}
+# config reader, posenc.empty_cache(), posenc.bf16_dot_products()); they run eagerly.
+WITHOUT_TENSORS = {"schemes", "rope_config", "empty_cache", "bf16_dot_products"}
 
 
 def test_every_op_of_the_namespace_has_opcheck_cases():

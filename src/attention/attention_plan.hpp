@@ -80,6 +80,10 @@ struct AttentionUnitScratch {
   // Native bf16 prefill (AttentionPlan::native_bf16): Qᵀ, P, V paired along their sums' index and
   // the keys' rows, as kernels::attn_gemm_bf16 reads them.
   AlignedPairs qt_pairs, p_pairs, v_pairs, k_pairs;
+  // Backward's: dOᵀ along the head dim; Q and dO rows paired along the rows (dK's and dV's B);
+  // the tile's values along the head dim and keys along the keys (dQ's B); the step's Pᵀ and dSᵀ
+  // along the rows and dS along the keys.
+  AlignedPairs doutt_pairs, q_row_pairs, dout_row_pairs, v_dim_pairs, k_key_pairs, pt_pairs, dst_pairs, ds_pairs;
   std::vector<std::int64_t> kpos;
   std::vector<double> hist;
   std::vector<double> row_norm;  // the far-tile skip: |scale·q| per row
@@ -331,7 +335,8 @@ struct AttentionPlan : CallGeometry, PositionTables, BiasTables, PassPlan {
     HeadsGrid og, dog;
     TensorView *dq = nullptr, *dk = nullptr, *dv = nullptr;
     HeadsGrid dqg, dkg, dvg;
-    bool rows_outer = false;  // some term walks row blocks outer (ScoreTerm::rows_outer)
+    bool rows_outer = false;   // some term walks row blocks outer (ScoreTerm::rows_outer)
+    bool native_bf16 = false;  // the products on bf16 dot products (AttentionSpec::bf16_products)
   };
   // One unit: queries [i0, i0 + count) of a sequence's KV head, its slots for the parameter
   // gradients (null: not wanted), and for a split unit its dK, dV rows of keys [part_key_lo,

@@ -16,6 +16,7 @@
 #include "internal.hpp"
 #include "kernels/attention/attention_kernels.hpp"
 #include "posenc/error.hpp"
+#include "posenc/runtime.hpp"
 
 namespace posenc::detail {
 
@@ -262,6 +263,8 @@ AttentionPlan::BackwardCall AttentionPlan::check_backward(ConstTensorView out, C
   call.lse = lse;
   call.d_out = d_out;
   call.rows_outer = std::any_of(terms.begin(), terms.end(), [](const auto& t) { return t->rows_outer(); });
+  // Row blocks outer (Transformer-XL) would pair each tile once per row block: f32 there.
+  call.native_bf16 = dtype == DType::kBF16 && spec.bf16_products && !call.rows_outer && bf16_dot_products();
   return call;
 }
 
@@ -303,6 +306,7 @@ AttentionStats AttentionPlan::backward(ConstTensorView out, ConstTensorView lse,
   AttentionStats stats;
   stats.tiles = steps;
   stats.skipped = skipped_steps;
+  stats.bf16_products = call.native_bf16 && !work.units.empty();
   stats.workspace_bytes =
       scratch_bytes + table_bytes() + slots.bytes + static_cast<std::int64_t>(work.kv_parts.size() * sizeof(float));
   return stats;
@@ -332,6 +336,7 @@ class UnitBackward {
     load_rows();
     keys_transformed_ = tq_.kind != QKTables::kNone && tq_.transform_keys;
     prepare();
+    if (call_.native_bf16) pair_rows();
     if (!call_.rows_outer) {
       keys_outer();
     } else {
@@ -414,6 +419,10 @@ class UnitBackward {
     if (p_.skip_far_tiles) {
       grow(s_.row_norm, w_);
       row_norms(s_.q.data(), dp_, w_, d_, s_.row_norm.data());
+      // bf16 queries and keys move a logit by up to 2^-8 of |q|·|k| (forward.cpp's forward_blocks).
+      if (call_.native_bf16) {
+        for (std::int64_t r = 0; r < w_; ++r) s_.row_norm[static_cast<std::size_t>(r)] *= 1.01;
+      }
     }
     const std::int64_t tile = p_.backward_key_tile;
     grow(s_.k, tile * ldkv_);
@@ -449,7 +458,8 @@ class UnitBackward {
   }
 
   // Loads the keys [k0, k0 + keys) (transformed) and values into s.k, s.v and their positions into
-  // s.kpos.
+  // s.kpos; for the native bf16 products also as pairs (keys along the head dim and along the
+  // keys, values along the head dim).
   void load_keys(std::int64_t k0, std::int64_t keys) {
     for (std::int64_t j = 0; j < keys; ++j) {
       float* krow = s_.k.data() + j * ldkv_;
@@ -458,6 +468,34 @@ class UnitBackward {
       p_.load_row(p_.v_data, p_.vg, seq_.b, seq_.k0 + k0 + j, kvh_, s_.v.data() + j * ldkv_);
       s_.kpos[static_cast<std::size_t>(j)] = p_.k_position(seq_, k0 + j);
     }
+    if (!call_.native_bf16) return;
+    pair_both_ways(s_.k.data(), ldkv_, keys, dp_, s_.k_pairs, s_.k_key_pairs, ldkv_);
+    grow(s_.v_dim_pairs, keys * dp_ / 2);
+    kernels::attn_convert_bf16_rows(s_.v.data(), ldkv_, keys, dp_, s_.v_dim_pairs.data(), dp_ / 2);
+  }
+
+  // `count` rows of `cols` floats (ld apart) as bf16 pairs along each row (rows, cols / 2 apart)
+  // and along the rows (down, ldd apart).
+  static void pair_both_ways(const float* rows, std::int64_t ld, std::int64_t count, std::int64_t cols,
+                             AlignedPairs& rows_out, AlignedPairs& down, std::int64_t ldd) {
+    grow(rows_out, count * cols / 2);
+    grow(down, (count + 1) / 2 * ldd);
+    kernels::attn_convert_bf16_rows(rows, ld, count, cols, rows_out.data(), cols / 2);
+    kernels::attn_pack_bf16_pairs(rows, ld, count, cols, down.data(), ldd);
+  }
+
+  // The unit's rows as the native bf16 products read them: Qᵀ and dOᵀ along the head dim, Q and
+  // dO paired along the rows.
+  void pair_rows() {
+    const std::int64_t pairs = (d_ + 1) / 2;
+    grow(s_.qt_pairs, pairs * ldt_);
+    grow(s_.doutt_pairs, pairs * ldt_);
+    grow(s_.q_row_pairs, (w_ + 1) / 2 * dp_);
+    grow(s_.dout_row_pairs, (w_ + 1) / 2 * dp_);
+    kernels::attn_transpose_bf16_pairs(s_.q.data(), dp_, w_, pairs, s_.qt_pairs.data(), ldt_);
+    kernels::attn_transpose_bf16_pairs(s_.dout.data(), dp_, w_, pairs, s_.doutt_pairs.data(), ldt_);
+    kernels::attn_pack_bf16_pairs(s_.q.data(), dp_, w_, dp_, s_.q_row_pairs.data(), dp_);
+    kernels::attn_pack_bf16_pairs(s_.dout.data(), dp_, w_, dp_, s_.dout_row_pairs.data(), dp_);
   }
 
   // Whether any row of [r0, r0 + bw) sees the keys [k0, k0 + keys), and whether all valid rows
@@ -503,14 +541,26 @@ class UnitBackward {
       ++s_.skipped_steps;
       return;
     }
+    const bool native = call_.native_bf16;
+    const std::int64_t pairs = (d_ + 1) / 2;
     // S^T = K·Q^T, biases, soft-cap, mask; dP^T = V·dO^T.
-    kernels::attn_gemm(k_rows, ldkv_, 1, s_.qt.data() + r0, ldt_, s_.st.data(), bw, keys, bw, d_, false);
+    if (native) {
+      kernels::attn_gemm_bf16(s_.k_pairs.data(), dp_ / 2, 1, s_.qt_pairs.data() + r0, ldt_, s_.st.data(), bw, keys, bw,
+                              pairs, false);
+    } else {
+      kernels::attn_gemm(k_rows, ldkv_, 1, s_.qt.data() + r0, ldt_, s_.st.data(), bw, keys, bw, d_, false);
+    }
     p_.add_bias(sub, keys, kpos, s_.st.data());
     const TermTile tile = term_tile(seq_, sub, r0, k0, keys, kpos, false);
     for (std::size_t t = 0; t < p_.terms.size(); ++t) p_.terms[t]->add_scores(tile, s_.st.data(), s_.terms[t]);
     if (p_.mask.softcap > 0) kernels::attn_softcap_tile(s_.st.data(), keys, bw, static_cast<float>(p_.mask.softcap));
     if (!full) kernels::attn_mask_tile(s_.st.data(), keys, bw, k0, sub.lo.data(), sub.hi.data());
-    kernels::attn_gemm(v_rows, ldkv_, 1, s_.doutt.data() + r0, ldt_, s_.dpt.data(), bw, keys, bw, d_, false);
+    if (native) {
+      kernels::attn_gemm_bf16(s_.v_dim_pairs.data(), dp_ / 2, 1, s_.doutt_pairs.data() + r0, ldt_, s_.dpt.data(), bw,
+                              keys, bw, pairs, false);
+    } else {
+      kernels::attn_gemm(v_rows, ldkv_, 1, s_.doutt.data() + r0, ldt_, s_.dpt.data(), bw, keys, bw, d_, false);
+    }
     for (std::size_t t = 0; t < p_.terms.size(); ++t) p_.terms[t]->add_dp(tile, s_.dpt.data(), s_.terms[t]);
     if (!s_.exact_rows.empty()) {
       sum_exact_delta(sub, r0, k0, keys, s_.st.data(), s_.dpt.data(), s_.lse.data(), s_.exact_rows, s_.exact_delta);
@@ -534,6 +584,17 @@ class UnitBackward {
     if (exact) {
       visible_products(sub, s_.lse.data() + r0, k0, keys, s_.st.data(), s_.dpt.data(), s_.dout.data() + r0 * dp_,
                        s_.q.data() + r0 * dp_, k_rows, ldkv_, dp_, dv_rows, dk_rows, s_.dq.data() + r0 * dp_);
+    } else if (native) {
+      // As below, with Pᵀ and dSᵀ paired along the rows, dS along the keys, each rounded to bf16.
+      grow(s_.pt_pairs, keys * bw / 2);
+      kernels::attn_convert_bf16_rows(s_.st.data(), bw, keys, bw, s_.pt_pairs.data(), bw / 2);
+      pair_both_ways(s_.dpt.data(), bw, keys, bw, s_.dst_pairs, s_.ds_pairs, bw);
+      kernels::attn_gemm_bf16(s_.pt_pairs.data(), bw / 2, 1, s_.dout_row_pairs.data() + r0 / 2 * dp_, dp_, dv_rows, dp_,
+                              keys, dp_, bw / 2, true);
+      kernels::attn_gemm_bf16(s_.dst_pairs.data(), bw / 2, 1, s_.q_row_pairs.data() + r0 / 2 * dp_, dp_, dk_rows, dp_,
+                              keys, dp_, bw / 2, true);
+      kernels::attn_gemm_bf16(s_.ds_pairs.data(), 1, bw, s_.k_key_pairs.data(), ldkv_, s_.dq.data() + r0 * dp_, dp_, bw,
+                              dp_, (keys + 1) / 2, true);
     } else {
       // dV += P^T·dO, dK += dS^T·Q (Q carries the scale), dQ += dS·K.
       kernels::attn_gemm(s_.st.data(), bw, 1, s_.dout.data() + r0 * dp_, dp_, dv_rows, dp_, keys, dp_, bw, true);

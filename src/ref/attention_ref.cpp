@@ -455,8 +455,13 @@ void attention_forward(const Attention& attention, TensorView out, TensorView ls
   }
 }
 
-void attention_backward(const Attention& attention, ConstTensorView out, ConstTensorView lse, ConstTensorView d_out,
-                        TensorView dq, TensorView dk, TensorView dv, AttentionGradients* grads) {
+namespace {
+
+// bf16_products: the transformed queries and keys rounded to bf16, and the probabilities and
+// dS rounded to bf16 before the products that take them (dV, dK, dQ); fp64 otherwise. The
+// parameters' and terms' gradients take dS as it is.
+void backward_impl(const Attention& attention, ConstTensorView out, ConstTensorView lse, ConstTensorView d_out,
+                   TensorView dq, TensorView dk, TensorView dv, AttentionGradients* grads, bool bf16_products) {
   if (attention.spec().cache) {
     throw Error(kWhere, "cache", std::string(cache_format_name(attention.spec().cache->format)),
                 "k and v tensors for backward (a quantized cache has no gradient)");
@@ -493,7 +498,11 @@ void attention_backward(const Attention& attention, ConstTensorView out, ConstTe
       for (std::int64_t g = 0; g < p.group_size; ++g) {
         const std::int64_t h = kvh * p.group_size + g;
         const std::int64_t group = p.head_group[static_cast<std::size_t>(h)];
-        const HeadProblem hp = load_head(p, seq, h);
+        HeadProblem hp = load_head(p, seq, h);
+        if (bf16_products) {
+          for (double& x : hp.q.v) x = bf16_rounded(x);
+          for (double& x : hp.k.v) x = bf16_rounded(x);
+        }
         kpos = hp.kpos;
         std::vector<double> z, prob, l;
         std::vector<TermScratch> scratch(p.groups[static_cast<std::size_t>(group)].terms.size());
@@ -542,11 +551,13 @@ void attention_backward(const Attention& attention, ConstTensorView out, ConstTe
               dx *= 1 - u * u;
             }
             ds_groups[static_cast<std::size_t>(group)][static_cast<std::size_t>((local * lq + i) * lk + j)] = dx;
+            const double dx_used = bf16_products ? bf16_rounded(dx) : dx,
+                         p_used = bf16_products ? bf16_rounded(pij) : pij;
             for (std::int64_t t = 0; t < p.dim; ++t) {
-              dq_t.row(i)[t] += scale * dx * hp.k.row(j)[t];
-              dk_t.row(j)[t] += scale * dx * hp.q.row(i)[t];
+              dq_t.row(i)[t] += scale * dx_used * hp.k.row(j)[t];
+              dk_t.row(j)[t] += scale * dx_used * hp.q.row(i)[t];
             }
-            for (std::int64_t t = 0; t < p.dim_v; ++t) dv_acc.row(j)[t] += pij * dout.row(i)[t];
+            for (std::int64_t t = 0; t < p.dim_v; ++t) dv_acc.row(j)[t] += p_used * dout.row(i)[t];
             if (!terms.empty()) {
               const TokenPair pair = token_pair(p, seq, i, j);
               const auto d = static_cast<std::size_t>(p.dim);
@@ -591,6 +602,18 @@ void attention_backward(const Attention& attention, ConstTensorView out, ConstTe
       for (std::size_t t = 0; t < flat.size(); ++t) gg.bias[t] += flat[t];
     }
   }
+}
+
+}  // namespace
+
+void attention_backward(const Attention& attention, ConstTensorView out, ConstTensorView lse, ConstTensorView d_out,
+                        TensorView dq, TensorView dk, TensorView dv, AttentionGradients* grads) {
+  backward_impl(attention, out, lse, d_out, dq, dk, dv, grads, false);
+}
+
+void attention_backward_bf16_products(const Attention& attention, ConstTensorView out, ConstTensorView lse,
+                                      ConstTensorView d_out, TensorView dq, TensorView dk, TensorView dv) {
+  backward_impl(attention, out, lse, d_out, dq, dk, dv, nullptr, true);
 }
 
 }  // namespace posenc::ref

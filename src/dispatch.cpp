@@ -121,7 +121,14 @@ std::string active_target() {
 bool bf16_dot_products() {
   detail::init_dispatch();
   if (detail::use_reference() || !kernels::attn_bf16_supported()) return false;
-  return (kernels::dispatched_target() & (HWY_AVX3 | HWY_AVX3_DL)) != 0;
+  std::int64_t avx512 = HWY_AVX3 | HWY_AVX3_DL;
+#ifdef HWY_AVX3_ZEN4  // later Highway versions' AVX-512 targets
+  avx512 |= HWY_AVX3_ZEN4;
+#endif
+#ifdef HWY_AVX3_SPR
+  avx512 |= HWY_AVX3_SPR;
+#endif
+  return (kernels::dispatched_target() & avx512) != 0;
 }
 
 void set_target(std::string_view name) {

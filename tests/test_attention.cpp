@@ -589,7 +589,7 @@ TEST_P(AttentionForward, BF16ProductsOnHostsThatHaveThem) {
   // GQA shares a tile's pairs among query blocks, RoPE rounds rotated keys, ALiBi skips far tiles.
   const bool native = bf16_dot_products();
   for (int trial = 0; trial < 6; ++trial) {
-    const std::int64_t dim = std::vector<std::int64_t>{64, 80, 128, 72, 24, 96}[static_cast<std::size_t>(trial)];
+    const std::int64_t dim = std::vector<std::int64_t>{64, 80, 128, 33, 24, 96}[static_cast<std::size_t>(trial)];
     const std::int64_t kv = uniform_int(1, 2), heads = kv * uniform_int(1, 4);
     const std::int64_t q_len = uniform_int(20, 200), k_len = q_len + uniform_int(0, 70);
     Problem p = make_problem(uniform_int(1, 2), q_len, k_len, heads, kv, dim, DType::kBF16, trial % 2 == 1);
@@ -613,6 +613,23 @@ TEST_P(AttentionForward, BF16ProductsOnHostsThatHaveThem) {
     EXPECT_FALSE(run_forward(p, widened, 0).stats.bf16_products) << what;
     expect_accurate(p, spec, what + ", widened");
   }
+  // Grouped blocks share a tile's value pairs: with 5 query heads per KV head a block holds 25
+  // queries, so the first causal block ends at key 25, inside the pair (24, 25) of the tile its
+  // group of four loaded (32 blocks on one thread make groups of four). An infinite value at key
+  // 25 must not reach the rows that cannot see it (0·inf).
+  const std::int64_t kv_heads = 8, heads = 5 * kv_heads, dim = 64;
+  Problem g = make_problem(1, 100, 100, heads, kv_heads, dim, DType::kBF16);
+  for (std::int64_t d = 0; d < kv_heads * dim; ++d)
+    g.v[static_cast<std::size_t>(25 * kv_heads * dim + d)] = std::numeric_limits<double>::infinity();
+  g.vb = testing::to_dtype(g.v, g.dtype);
+  AttentionSpec gs = spec_of(g);
+  gs.mask.causal = true;
+  set_num_threads(1);
+  const Outputs grouped = run_forward(g, Attention(gs), 0);
+  set_num_threads(2);
+  for (std::int64_t i = 0; i < 25 * heads * dim; ++i)
+    ASSERT_TRUE(std::isfinite(grouped.out[static_cast<std::size_t>(i)])) << "query " << i / (heads * dim);
+  EXPECT_FALSE(std::isfinite(grouped.out[static_cast<std::size_t>(25 * heads * dim)]));  // key 25 sees itself
 }
 
 INSTANTIATE_TEST_SUITE_P(Targets, AttentionForward, ::testing::ValuesIn(testing::all_targets()));
@@ -802,7 +819,7 @@ TEST(AttentionBF16Kernels, PairsAndProductsOrAClearError) {
   // odd count's last pair half 0; raw pairs are exact and flag non-finite values; the product sums
   // exact pair products in f32: within (pairs + 1)·2^-23 of Σ|a·b| of the fp64 result. Hosts
   // without AVX512-BF16: posenc::Error.
-  const std::int64_t rows = 13, cols = 48, count = 21, pairs = (count + 1) / 2, ld = cols + 5;
+  const std::int64_t rows = 13, cols = 80, count = 21, pairs = (count + 1) / 2, ld = cols + 5;
   std::vector<float> src(static_cast<std::size_t>(count * ld));
   for (float& x : src) x = static_cast<float>(uniform(-4, 4));
   std::vector<std::uint32_t> packed(static_cast<std::size_t>(pairs * cols));
@@ -840,7 +857,7 @@ TEST(AttentionBF16Kernels, PairsAndProductsOrAClearError) {
       }
     }
   }
-  // Raw bf16 rows of 40 values padded to 48, one non-finite value flagged.
+  // Raw bf16 rows of 40 values padded to 80, one non-finite value flagged.
   std::vector<std::uint16_t> raw(static_cast<std::size_t>(count * ld));
   for (auto& x : raw) x = to_bf16(static_cast<float>(uniform(-4, 4))).bits;
   std::vector<std::uint32_t> raw_pairs(packed.size(), 0xdeadbeefu);

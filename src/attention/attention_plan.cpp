@@ -56,8 +56,8 @@ std::int64_t AttentionUnitScratch::bytes() const {
        {&q, &qt, &o, &m, &l, &corr, &st, &dpt, &k, &v, &tmp, &dout, &doutt, &dq, &dk, &dv, &lse, &delta, &rope_rows}) {
     total += static_cast<std::int64_t>(buffer->capacity() * sizeof(float));
   }
-  for (const auto* buffer : {&qt_pairs, &p_pairs, &v_pairs, &k_pairs, &doutt_pairs, &q_row_pairs, &dout_row_pairs,
-                             &v_dim_pairs, &k_key_pairs, &pt_pairs, &dst_pairs, &ds_pairs})
+  for (const auto* buffer : {&qt_pairs, &p_pairs, &v_pairs, &k_pairs, &v_own_pairs, &doutt_pairs, &q_row_pairs,
+                             &dout_row_pairs, &v_dim_pairs, &k_key_pairs, &pt_pairs, &dst_pairs, &ds_pairs})
     total += static_cast<std::int64_t>(buffer->capacity() * sizeof(std::uint32_t));
   for (const TermState& t : terms) total += t.bytes();
   return total +

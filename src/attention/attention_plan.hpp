@@ -79,7 +79,7 @@ struct AttentionUnitScratch {
   AlignedFloats rope_rows;
   // Native bf16 prefill (AttentionPlan::native_bf16): Qᵀ, P, V paired along their sums' index and
   // the keys' rows, as kernels::attn_gemm_bf16 reads them.
-  AlignedPairs qt_pairs, p_pairs, v_pairs, k_pairs;
+  AlignedPairs qt_pairs, p_pairs, v_pairs, k_pairs, v_own_pairs;
   // Backward's: dOᵀ along the head dim; Q and dO rows paired along the rows (dK's and dV's B);
   // the tile's values along the head dim and keys along the keys (dQ's B); the step's Pᵀ and dSᵀ
   // along the rows and dS along the keys.

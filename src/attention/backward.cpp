@@ -541,6 +541,8 @@ class UnitBackward {
       ++s_.skipped_steps;
       return;
     }
+    // Native: the tile's pairs (load_keys) stand for k_rows and v_rows, one tile at a time, which
+    // is why rows-outer walks (several tiles loaded) keep f32 (check_backward).
     const bool native = call_.native_bf16;
     const std::int64_t pairs = (d_ + 1) / 2;
     // S^T = K·Q^T, biases, soft-cap, mask; dP^T = V·dO^T.

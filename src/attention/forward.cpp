@@ -132,10 +132,11 @@ void forward_begin(const AttentionPlan& p, const Sequence& seq, const RowBlock& 
 struct TileRows {
   const float *k = nullptr, *v = nullptr;
   std::int64_t ldk = 0, ldv = 0;
-  const std::uint32_t *k_pairs = nullptr, *v_pairs = nullptr;
+  const void* k_pairs = nullptr;  // pairs (bf16 memory in place, or s.k_pairs)
+  const std::uint32_t* v_pairs = nullptr;
   std::int64_t ldk_pairs = 0, ldv_pairs = 0;
-  bool values_finite = true;  // where v is null (values paired from memory): whether all are finite
-  std::int64_t kvh = 0;
+  bool values_finite = true;       // where v is null (values paired from memory): whether all are finite
+  std::int64_t kvh = 0, keys = 0;  // the KV head; the keys loaded (a group's longest block's)
 };
 
 // The native bf16 products' tile: keys as pairs in place (bf16 rows with an even head dim and no
@@ -147,11 +148,12 @@ TileRows load_bf16_tile(const AttentionPlan& p, const Sequence& seq, std::int64_
   const detail::QKTables& kt = p.tables_of_head(kvh * p.group_size);
   TileRows rows;
   rows.kvh = kvh;
+  rows.keys = keys;
   const auto* k_base =
       static_cast<const std::uint16_t*>(p.k_data) + p.kg.offset(seq.b, seq.k0 + k0) + kvh * p.kg.head_stride;
   if (p.kg.dim_stride == 1 && d % 2 == 0 && (kt.kind == detail::QKTables::kNone || !kt.transform_keys)) {
     // Odd strides leave pairs unaligned, which the kernel's loads allow.
-    rows.k_pairs = reinterpret_cast<const std::uint32_t*>(k_base);  // NOLINT: read through memcpy
+    rows.k_pairs = k_base;
     rows.ldk_pairs = p.kg.seq_stride / 2;
     if (p.kg.seq_stride % 2 != 0) rows.k_pairs = nullptr;
   }
@@ -252,8 +254,17 @@ void block_tile(const AttentionPlan& p, const Sequence& seq, const RowBlock& rb,
     // P rounded to bf16, paired along the keys (the terms below read the f32 P).
     grow(s.p_pairs, (keys + 1) / 2 * w);
     kernels::attn_pack_bf16_pairs(s.st.data(), w, keys, w, s.p_pairs.data(), w);
-    kernels::attn_gemm_bf16(s.p_pairs.data(), 1, w, kv.v_pairs, kv.ldv_pairs, s.o.data(), dp, w, dp, (keys + 1) / 2,
-                            true);
+    const std::uint32_t* v_pairs = kv.v_pairs;
+    if (keys % 2 == 1 && keys < kv.keys) {
+      // The last pair's high half is a key of a longer block of the group: 0 there, or its
+      // value (inf, NaN) would reach these rows through 0·v.
+      grow(s.v_own_pairs, (keys + 1) / 2 * kv.ldv_pairs);
+      std::copy(kv.v_pairs, kv.v_pairs + (keys + 1) / 2 * kv.ldv_pairs, s.v_own_pairs.begin());
+      for (std::int64_t c = 0; c < dp; ++c)
+        s.v_own_pairs[static_cast<std::size_t>(keys / 2 * kv.ldv_pairs + c)] &= 0xffffu;
+      v_pairs = s.v_own_pairs.data();
+    }
+    kernels::attn_gemm_bf16(s.p_pairs.data(), 1, w, v_pairs, kv.ldv_pairs, s.o.data(), dp, w, dp, (keys + 1) / 2, true);
   } else {
     // O += P·V with P(r, j) = P^T[j][r], the tile's sum added to O once (attn_gemm_add).
     kernels::attn_gemm_add(s.st.data(), 1, w, vp, ldv, s.o.data(), dp, w, dp, keys);

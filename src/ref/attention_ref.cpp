@@ -330,6 +330,13 @@ void scores(const Problem& p, const Sequence& seq, std::int64_t h, const HeadPro
 // A value rounded to bf16 through f32 (round to nearest even each time).
 double bf16_rounded(double x) { return static_cast<double>(from_bf16(to_bf16(static_cast<float>(x)))); }
 
+// The rows a bf16 implementation rounds: the scaled query (the fused engine scales q before its
+// products), so q becomes bf16(scale·q)/scale, and the transformed key.
+void round_products(const Problem& p, HeadProblem& hp) {
+  for (double& x : hp.q.v) x = bf16_rounded(p.scale_f64 * x) / p.scale_f64;
+  for (double& x : hp.k.v) x = bf16_rounded(x);
+}
+
 // bf16_products (T = float): the logits from the transformed queries and keys rounded to bf16,
 // and the probabilities rounded to bf16 before P·V (reference.hpp).
 template <class T>
@@ -340,10 +347,7 @@ void forward_impl(const Problem& p, TensorView out, TensorView lse, bool bf16_pr
   for (const Sequence& seq : p.sequences) {
     for (std::int64_t h = 0; h < p.heads; ++h) {
       HeadProblem hp = load_head(p, seq, h);
-      if (bf16_products) {
-        for (double& x : hp.q.v) x = bf16_rounded(x);
-        for (double& x : hp.k.v) x = bf16_rounded(x);
-      }
+      if (bf16_products) round_products(p, hp);
       const std::int64_t group = p.head_group[static_cast<std::size_t>(h)];
       const std::int64_t local = h - p.group_first_head[static_cast<std::size_t>(group)];
       const auto& terms = p.groups[static_cast<std::size_t>(group)].terms;
@@ -499,10 +503,7 @@ void backward_impl(const Attention& attention, ConstTensorView out, ConstTensorV
         const std::int64_t h = kvh * p.group_size + g;
         const std::int64_t group = p.head_group[static_cast<std::size_t>(h)];
         HeadProblem hp = load_head(p, seq, h);
-        if (bf16_products) {
-          for (double& x : hp.q.v) x = bf16_rounded(x);
-          for (double& x : hp.k.v) x = bf16_rounded(x);
-        }
+        if (bf16_products) round_products(p, hp);
         kpos = hp.kpos;
         std::vector<double> z, prob, l;
         std::vector<TermScratch> scratch(p.groups[static_cast<std::size_t>(group)].terms.size());

@@ -50,12 +50,11 @@ void attn_gemm_add(const float* a, std::int64_t a_row, std::int64_t a_depth, con
 // instruction adds a pair's two exact products to an f32 lane (denormals flushed).
 bool attn_bf16_supported();
 // C[m][n] = (add_sum: C[m][n] +) Σ_t A(m, t)·B[t][n] for t < pairs, each term a pair's dot
-// product, summed from 0 in t order: A(m, t) = a[m·a_row + t·a_depth] (any alignment: A may be
-// bf16 rows in place, consecutive elements the pairs), B rows at b + t·ldb (pairs),
+// product, summed from 0 in t order: A(m, t) = the pair at a + 4·(m·a_row + t·a_depth) bytes (any
+// alignment: A may be bf16 rows in place, consecutive elements the pairs), B rows at b + t·ldb (pairs),
 // C rows at c + m·ldc; cols a multiple of kAttnAlign.
-void attn_gemm_bf16(const std::uint32_t* a, std::int64_t a_row, std::int64_t a_depth, const std::uint32_t* b,
-                    std::int64_t ldb, float* c, std::int64_t ldc, std::int64_t rows, std::int64_t cols,
-                    std::int64_t pairs, bool add_sum);
+void attn_gemm_bf16(const void* a, std::int64_t a_row, std::int64_t a_depth, const std::uint32_t* b, std::int64_t ldb,
+                    float* c, std::int64_t ldc, std::int64_t rows, std::int64_t cols, std::int64_t pairs, bool add_sum);
 // dst[p·ldd + i] = (bf16(src[2p·ld + i]), bf16(src[(2p + 1)·ld + i])) for p < ⌈count/2⌉, i < cols
 // (a multiple of kAttnAlign): rows paired along the sum's index; an odd count's last pair has 0 in
 // its high half. Rounded to nearest even.

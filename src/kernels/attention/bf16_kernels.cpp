@@ -42,7 +42,7 @@ constexpr int kVecs = 4;
 constexpr std::int64_t kLanes = 16;
 
 template <int R, int V>
-POSENC_BF16_TARGET inline void Bf16Block(const std::uint32_t* __restrict a, std::int64_t a_row, std::int64_t a_depth,
+POSENC_BF16_TARGET inline void Bf16Block(const char* __restrict a, std::int64_t a_row, std::int64_t a_depth,
                                          const std::uint32_t* __restrict b, std::int64_t ldb, float* __restrict c,
                                          std::int64_t ldc, std::int64_t pairs, bool add_sum) {
   __m512 acc[R][V];
@@ -54,7 +54,7 @@ POSENC_BF16_TARGET inline void Bf16Block(const std::uint32_t* __restrict a, std:
     for (int v = 0; v < V; ++v) bv[v] = (__m512bh)_mm512_loadu_si512(b + t * ldb + v * kLanes);
     for (int r = 0; r < R; ++r) {
       std::uint32_t pair;  // memcpy: A may be bf16 memory read as pairs
-      std::memcpy(&pair, a + r * a_row + t * a_depth, sizeof(pair));
+      std::memcpy(&pair, a + 4 * (r * a_row + t * a_depth), sizeof(pair));
       const auto av = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
       for (int v = 0; v < V; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], av, bv[v]);
     }
@@ -68,13 +68,13 @@ POSENC_BF16_TARGET inline void Bf16Block(const std::uint32_t* __restrict a, std:
 }
 
 template <int V>
-POSENC_BF16_TARGET void Bf16Rows(std::int64_t rows, const std::uint32_t* a, std::int64_t a_row, std::int64_t a_depth,
+POSENC_BF16_TARGET void Bf16Rows(std::int64_t rows, const char* a, std::int64_t a_row, std::int64_t a_depth,
                                  const std::uint32_t* b, std::int64_t ldb, float* c, std::int64_t ldc,
                                  std::int64_t pairs, bool add_sum) {
   std::int64_t m = 0;
   for (; m + kRows <= rows; m += kRows)
-    Bf16Block<kRows, V>(a + m * a_row, a_row, a_depth, b, ldb, c + m * ldc, ldc, pairs, add_sum);
-  const std::uint32_t* at = a + m * a_row;
+    Bf16Block<kRows, V>(a + 4 * m * a_row, a_row, a_depth, b, ldb, c + m * ldc, ldc, pairs, add_sum);
+  const char* at = a + 4 * m * a_row;
   float* ct = c + m * ldc;
   switch (rows - m) {
     case 1:
@@ -97,9 +97,9 @@ POSENC_BF16_TARGET void Bf16Rows(std::int64_t rows, const std::uint32_t* a, std:
   }
 }
 
-POSENC_BF16_TARGET void Bf16Gemm(const std::uint32_t* a, std::int64_t a_row, std::int64_t a_depth,
-                                 const std::uint32_t* b, std::int64_t ldb, float* c, std::int64_t ldc,
-                                 std::int64_t rows, std::int64_t cols, std::int64_t pairs, bool add_sum) {
+POSENC_BF16_TARGET void Bf16Gemm(const char* a, std::int64_t a_row, std::int64_t a_depth, const std::uint32_t* b,
+                                 std::int64_t ldb, float* c, std::int64_t ldc, std::int64_t rows, std::int64_t cols,
+                                 std::int64_t pairs, bool add_sum) {
   const std::int64_t vecs = cols / kLanes;
   std::int64_t v = 0;
   for (; v + kVecs <= vecs; v += kVecs)
@@ -239,12 +239,12 @@ void require_bf16(const char* kernel, std::int64_t cols) {
 }
 }  // namespace
 
-void attn_gemm_bf16(const std::uint32_t* a, std::int64_t a_row, std::int64_t a_depth, const std::uint32_t* b,
-                    std::int64_t ldb, float* c, std::int64_t ldc, std::int64_t rows, std::int64_t cols,
-                    std::int64_t pairs, bool add_sum) {
+void attn_gemm_bf16(const void* a, std::int64_t a_row, std::int64_t a_depth, const std::uint32_t* b, std::int64_t ldb,
+                    float* c, std::int64_t ldc, std::int64_t rows, std::int64_t cols, std::int64_t pairs,
+                    bool add_sum) {
   require_bf16("attn_gemm_bf16", cols);
 #if POSENC_BF16_KERNELS
-  Bf16Gemm(a, a_row, a_depth, b, ldb, c, ldc, rows, cols, pairs, add_sum);
+  Bf16Gemm(static_cast<const char*>(a), a_row, a_depth, b, ldb, c, ldc, rows, cols, pairs, add_sum);
 #endif
 }
 

@@ -104,7 +104,8 @@ TEST_P(AttentionBackward, BF16ProductsOnHostsThatHaveThem) {
   // Backward over bf16 inputs takes the host's bf16 dot products for its five products where
   // bf16_dot_products() says so (P and dS rounded to bf16 before the three that take them). Each
   // gradient is then within twice the error of the naive composition with the same roundings
-  // (flash-attention's criterion) plus half a bf16 ulp of the largest gradient (both store bf16);
+  // (flash-attention's criterion) plus half a bf16 ulp of the largest gradient (both store bf16,
+  // and where their unrounded values differ slightly the two roundings may fall apart by an ulp);
   // elsewhere the widened bound of PackedAndSixteenBit. Odd head dims and key counts, GQA, RoPE's
   // rotated keys, ALiBi's skipped tiles; one thread and two give the same bits.
   const bool native = bf16_dot_products();

@@ -139,6 +139,22 @@ struct TileRows {
   std::int64_t kvh = 0, keys = 0;  // the KV head; the keys loaded (a group's longest block's)
 };
 
+// A tile's keys [k0, k0 + keys) of KV head kvh as f32 rows, ld apart, transformed; its values
+// (load_value_rows) as they are.
+void load_key_rows(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh, std::int64_t k0, std::int64_t keys,
+                   float* out, std::int64_t ld) {
+  const detail::QKTables& kt = p.tables_of_head(kvh * p.group_size);
+  for (std::int64_t j = 0; j < keys; ++j) {
+    float* row = out + j * ld;
+    p.load_key_row(seq.b, seq.k0 + k0 + j, kvh, row);
+    if (kt.transform_keys) p.transform_row(kt, false, p.k_table_row(seq, k0 + j), row, 1.0f);
+  }
+}
+void load_value_rows(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh, std::int64_t k0, std::int64_t keys,
+                     float* out, std::int64_t ld) {
+  for (std::int64_t j = 0; j < keys; ++j) p.load_value_row(seq.b, seq.k0 + k0 + j, kvh, out + j * ld);
+}
+
 // The native bf16 products' tile: keys as pairs in place (bf16 rows with an even head dim and no
 // key transform), else converted from their f32 rows; values paired straight from memory (no f32
 // rows: block_tile widens them only for a partly masked tile with a non-finite value).
@@ -151,19 +167,15 @@ TileRows load_bf16_tile(const AttentionPlan& p, const Sequence& seq, std::int64_
   rows.keys = keys;
   const auto* k_base =
       static_cast<const std::uint16_t*>(p.k_data) + p.kg.offset(seq.b, seq.k0 + k0) + kvh * p.kg.head_stride;
-  if (p.kg.dim_stride == 1 && d % 2 == 0 && (kt.kind == detail::QKTables::kNone || !kt.transform_keys)) {
-    // Odd strides leave pairs unaligned, which the kernel's loads allow.
+  // Whole pairs per row and rows a whole number of pairs apart (an odd head stride leaves pairs
+  // unaligned, which the kernel's loads allow).
+  if (p.kg.dim_stride == 1 && d % 2 == 0 && p.kg.seq_stride % 2 == 0 &&
+      (kt.kind == detail::QKTables::kNone || !kt.transform_keys)) {
     rows.k_pairs = k_base;
     rows.ldk_pairs = p.kg.seq_stride / 2;
-    if (p.kg.seq_stride % 2 != 0) rows.k_pairs = nullptr;
-  }
-  if (rows.k_pairs == nullptr) {
+  } else {
     rows.ldk = padded_stride(dp);
-    for (std::int64_t j = 0; j < keys; ++j) {
-      float* row = s.k.data() + j * rows.ldk;
-      p.load_key_row(seq.b, seq.k0 + k0 + j, kvh, row);
-      if (kt.transform_keys) p.transform_row(kt, false, p.k_table_row(seq, k0 + j), row, 1.0f);
-    }
+    load_key_rows(p, seq, kvh, k0, keys, s.k.data(), rows.ldk);
     rows.ldk_pairs = dp / 2;
     grow(s.k_pairs, keys * rows.ldk_pairs);
     kernels::attn_convert_bf16_rows(s.k.data(), rows.ldk, keys, dp, s.k_pairs.data(), rows.ldk_pairs);
@@ -178,7 +190,7 @@ TileRows load_bf16_tile(const AttentionPlan& p, const Sequence& seq, std::int64_
     rows.values_finite =
         kernels::attn_pack_bf16_raw_pairs(v_base, p.vg.seq_stride, keys, p.dim_v, dp, s.v_pairs.data(), rows.ldv_pairs);
   } else {
-    for (std::int64_t j = 0; j < keys; ++j) p.load_value_row(seq.b, seq.k0 + k0 + j, kvh, s.v.data() + j * rows.ldv);
+    load_value_rows(p, seq, kvh, k0, keys, s.v.data(), rows.ldv);
     kernels::attn_pack_bf16_pairs(s.v.data(), rows.ldv, keys, dp, s.v_pairs.data(), rows.ldv_pairs);
     rows.v = s.v.data();
   }
@@ -200,15 +212,11 @@ TileRows load_tile(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh
     rows.ldk = p.kg.seq_stride;
   } else {
     rows.ldk = padded_stride(dp);
-    for (std::int64_t j = 0; j < keys; ++j) {
-      float* row = s.k.data() + j * rows.ldk;
-      p.load_key_row(seq.b, seq.k0 + k0 + j, kvh, row);
-      if (kt.transform_keys) p.transform_row(kt, false, p.k_table_row(seq, k0 + j), row, 1.0f);
-    }
+    load_key_rows(p, seq, kvh, k0, keys, s.k.data(), rows.ldk);
     rows.k = s.k.data();
   }
   rows.ldv = padded_stride(dp);
-  for (std::int64_t j = 0; j < keys; ++j) p.load_value_row(seq.b, seq.k0 + k0 + j, kvh, s.v.data() + j * rows.ldv);
+  load_value_rows(p, seq, kvh, k0, keys, s.v.data(), rows.ldv);
   rows.v = s.v.data();
   return rows;
 }
@@ -226,7 +234,7 @@ void block_tile(const AttentionPlan& p, const Sequence& seq, const RowBlock& rb,
     if (kv.values_finite) return false;
     // Values paired from memory, one of them not finite: this block's own f32 rows of them.
     grow(s.v, keys * ldv);
-    for (std::int64_t j = 0; j < keys; ++j) p.load_value_row(seq.b, seq.k0 + k0 + j, kv.kvh, s.v.data() + j * ldv);
+    load_value_rows(p, seq, kv.kvh, k0, keys, s.v.data(), ldv);
     vp = s.v.data();
     return detail::rows_non_finite(vp, ldv, keys, p.dim_v);
   };

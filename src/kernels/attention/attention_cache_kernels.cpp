@@ -1115,29 +1115,23 @@ void AttnStoreBF16(const float* HWY_RESTRICT src, std::int64_t n, std::uint16_t*
   std::int64_t t = 0;
 #if HWY_TARGET != HWY_SCALAR
   const DF d;
+  const hn::RebindToUnsigned<DF> du;
   const hn::RebindToSigned<DF> di;
   const hn::Rebind<std::uint16_t, DF> du16;
   const auto lanes = static_cast<std::int64_t>(hn::Lanes(d));
-  const auto magnitude = hn::Set(di, 0x7fffffff), inf = hn::Set(di, 0x7f800000);
-  const auto half = hn::Set(di, 0x7fff), one = hn::Set(di, 1), quiet = hn::Set(di, 0x0040);
+  const auto magnitude = hn::Set(du, 0x7fffffffu), half = hn::Set(du, 0x7fffu), one = hn::Set(du, 1u),
+             quiet = hn::Set(du, 0x0040u);
+  const auto inf = hn::Set(di, 0x7f800000);
   for (; t + lanes <= n; t += lanes) {
     auto x = hn::LoadU(d, src + t);
-    if (accumulate) {
-      const auto old = hn::BitCast(d, hn::ShiftLeft<16>(hn::PromoteTo(di, hn::LoadU(du16, dst + t))));
-      x = hn::Add(old, x);
-    }
-    const auto u = hn::BitCast(di, x);
-    // Integer adds wrap as the scalar's uint32 adds do; the shifts are logical.
-    const auto rounded = hn::ShiftRight<16>(hn::BitCast(
-        hn::RebindToUnsigned<DF>(),
-        hn::Add(u,
-                hn::Add(half, hn::And(hn::BitCast(di, hn::ShiftRight<16>(hn::BitCast(hn::RebindToUnsigned<DF>(), u))),
-                                      one)))));
-    const auto nan = hn::Or(hn::ShiftRight<16>(hn::BitCast(hn::RebindToUnsigned<DF>(), u)),
-                            hn::BitCast(hn::RebindToUnsigned<DF>(), quiet));
-    const auto bits =
-        hn::IfThenElse(hn::RebindMask(hn::RebindToUnsigned<DF>(), hn::Gt(hn::And(u, magnitude), inf)), nan, rounded);
-    hn::StoreU(hn::DemoteTo(du16, hn::BitCast(di, bits)), du16, dst + t);
+    if (accumulate) x = hn::Add(hn::BitCast(d, hn::ShiftLeft<16>(hn::PromoteTo(du, hn::LoadU(du16, dst + t)))), x);
+    const auto u = hn::BitCast(du, x);
+    const auto high = hn::ShiftRight<16>(u);
+    // As the scalar's uint32 arithmetic: the adds wrap, the shifts are logical; |x| > inf (as
+    // signed: both sides are below 2^31) is a NaN.
+    const auto rounded = hn::ShiftRight<16>(hn::Add(u, hn::Add(half, hn::And(high, one))));
+    const auto nan = hn::RebindMask(du, hn::Gt(hn::BitCast(di, hn::And(u, magnitude)), inf));
+    hn::StoreU(hn::DemoteTo(du16, hn::BitCast(di, hn::IfThenElse(nan, hn::Or(high, quiet), rounded))), du16, dst + t);
   }
 #endif
   for (; t < n; ++t) {

@@ -67,55 +67,42 @@ POSENC_BF16_TARGET inline void Bf16Block(const char* __restrict a, std::int64_t 
   }
 }
 
-template <int V>
+// The rows of one column strip of V vectors: blocks of kRows, then one block of the R < kRows
+// left (R found by recursion down from kRows − 1: one instantiation per size).
+template <int V, int R = kRows>
 POSENC_BF16_TARGET void Bf16Rows(std::int64_t rows, const char* a, std::int64_t a_row, std::int64_t a_depth,
                                  const std::uint32_t* b, std::int64_t ldb, float* c, std::int64_t ldc,
                                  std::int64_t pairs, bool add_sum) {
-  std::int64_t m = 0;
-  for (; m + kRows <= rows; m += kRows)
-    Bf16Block<kRows, V>(a + 4 * m * a_row, a_row, a_depth, b, ldb, c + m * ldc, ldc, pairs, add_sum);
-  const char* at = a + 4 * m * a_row;
-  float* ct = c + m * ldc;
-  switch (rows - m) {
-    case 1:
-      Bf16Block<1, V>(at, a_row, a_depth, b, ldb, ct, ldc, pairs, add_sum);
-      break;
-    case 2:
-      Bf16Block<2, V>(at, a_row, a_depth, b, ldb, ct, ldc, pairs, add_sum);
-      break;
-    case 3:
-      Bf16Block<3, V>(at, a_row, a_depth, b, ldb, ct, ldc, pairs, add_sum);
-      break;
-    case 4:
-      Bf16Block<4, V>(at, a_row, a_depth, b, ldb, ct, ldc, pairs, add_sum);
-      break;
-    case 5:
-      Bf16Block<5, V>(at, a_row, a_depth, b, ldb, ct, ldc, pairs, add_sum);
-      break;
-    default:
-      break;
+  if constexpr (R == kRows) {
+    std::int64_t m = 0;
+    for (; m + kRows <= rows; m += kRows)
+      Bf16Block<kRows, V>(a + 4 * m * a_row, a_row, a_depth, b, ldb, c + m * ldc, ldc, pairs, add_sum);
+    Bf16Rows<V, kRows - 1>(rows - m, a + 4 * m * a_row, a_row, a_depth, b, ldb, c + m * ldc, ldc, pairs, add_sum);
+  } else if constexpr (R > 0) {
+    if (rows == R) {
+      Bf16Block<R, V>(a, a_row, a_depth, b, ldb, c, ldc, pairs, add_sum);
+    } else {
+      Bf16Rows<V, R - 1>(rows, a, a_row, a_depth, b, ldb, c, ldc, pairs, add_sum);
+    }
   }
 }
 
+// Column strips of kVecs vectors, then one of the V < kVecs left, likewise.
+template <int V = kVecs>
 POSENC_BF16_TARGET void Bf16Gemm(const char* a, std::int64_t a_row, std::int64_t a_depth, const std::uint32_t* b,
-                                 std::int64_t ldb, float* c, std::int64_t ldc, std::int64_t rows, std::int64_t cols,
+                                 std::int64_t ldb, float* c, std::int64_t ldc, std::int64_t rows, std::int64_t vecs,
                                  std::int64_t pairs, bool add_sum) {
-  const std::int64_t vecs = cols / kLanes;
-  std::int64_t v = 0;
-  for (; v + kVecs <= vecs; v += kVecs)
-    Bf16Rows<kVecs>(rows, a, a_row, a_depth, b + v * kLanes, ldb, c + v * kLanes, ldc, pairs, add_sum);
-  switch (vecs - v) {
-    case 1:
-      Bf16Rows<1>(rows, a, a_row, a_depth, b + v * kLanes, ldb, c + v * kLanes, ldc, pairs, add_sum);
-      break;
-    case 2:
-      Bf16Rows<2>(rows, a, a_row, a_depth, b + v * kLanes, ldb, c + v * kLanes, ldc, pairs, add_sum);
-      break;
-    case 3:
-      Bf16Rows<3>(rows, a, a_row, a_depth, b + v * kLanes, ldb, c + v * kLanes, ldc, pairs, add_sum);
-      break;
-    default:
-      break;
+  if constexpr (V == kVecs) {
+    std::int64_t v = 0;
+    for (; v + kVecs <= vecs; v += kVecs)
+      Bf16Rows<kVecs>(rows, a, a_row, a_depth, b + v * kLanes, ldb, c + v * kLanes, ldc, pairs, add_sum);
+    Bf16Gemm<kVecs - 1>(a, a_row, a_depth, b + v * kLanes, ldb, c + v * kLanes, ldc, rows, vecs - v, pairs, add_sum);
+  } else if constexpr (V > 0) {
+    if (vecs == V) {
+      Bf16Rows<V>(rows, a, a_row, a_depth, b, ldb, c, ldc, pairs, add_sum);
+    } else {
+      Bf16Gemm<V - 1>(a, a_row, a_depth, b, ldb, c, ldc, rows, vecs, pairs, add_sum);
+    }
   }
 }
 
@@ -244,7 +231,7 @@ void attn_gemm_bf16(const void* a, std::int64_t a_row, std::int64_t a_depth, con
                     bool add_sum) {
   require_bf16("attn_gemm_bf16", cols);
 #if POSENC_BF16_KERNELS
-  Bf16Gemm(static_cast<const char*>(a), a_row, a_depth, b, ldb, c, ldc, rows, cols, pairs, add_sum);
+  Bf16Gemm(static_cast<const char*>(a), a_row, a_depth, b, ldb, c, ldc, rows, cols / kLanes, pairs, add_sum);
 #endif
 }
 

@@ -45,6 +45,6 @@ posenc_stage "Fuzz build (clang: libFuzzer, ASan, UBSan; AVX2 target)"
 posenc_configure_fuzz "$POSENC_ROOT/build-fuzz"
 posenc_build "$POSENC_ROOT/build-fuzz" "fuzz_config fuzz_cli fuzz_views fuzz_rope fuzz_schemes fuzz_attention fuzz_stickbreaking fuzz_cope"
 
-posenc_stage "Fuzzing (libFuzzer, ASan, UBSan): each target for 20 s"
+posenc_stage "Fuzzing (libFuzzer, ASan, UBSan): each target for 25 s, one per core"
 # docs/fuzzing.md: the targets, their corpora, and how to run them longer.
-bash "$POSENC_ROOT/scripts/fuzz.sh" "$POSENC_ROOT/build-fuzz" 20
+bash "$POSENC_ROOT/scripts/fuzz.sh" "$POSENC_ROOT/build-fuzz" 25

@@ -4,7 +4,10 @@
 //
 // QuantRow<format>::Scale(d, row, c) broadcasts the scale of column c's group, and Load(d, row, c,
 // scale) gives columns [c, c + lanes) as the exactly widened integer (E4M3 value) times that
-// scale, one f32 multiply: the values of posenc::dequantize_rows to the bit. Row pointers count
+// scale, one f32 multiply: the values of posenc::dequantize_rows to the bit. q4_0 on 16-lane
+// targets instead: Scale gives the group's sixteen values (n − 8)·scale, and Load picks each
+// column's by its nibble, one permute in place of a subtract, a conversion and a multiply (the
+// same exact products). Row pointers count
 // bytes. A vector never straddles two q8_0 / q4_0 blocks (lanes divide 32). Not on HWY_SCALAR.
 #if defined(POSENC_KERNELS_ATTENTION_QUANT_ROW_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef POSENC_KERNELS_ATTENTION_QUANT_ROW_INL_H_
@@ -38,7 +41,13 @@ struct QuantRow {
   static constexpr std::int64_t kGroup = kFormat == CacheFormat::kFp8E4M3 ? std::int64_t{1} << 40 : 32;
   static constexpr std::int64_t kBlockBytes = kFormat == CacheFormat::kQ8_0 ? 34 : 18;
 
-  // The scale of column c (a multiple of kGroup) broadcast.
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+  static constexpr bool kNibbleTable = kFormat == CacheFormat::kQ4_0;
+#else
+  static constexpr bool kNibbleTable = false;
+#endif
+
+  // The scale of column c (a multiple of kGroup) broadcast (kNibbleTable: times n − 8 in lane n).
   static HWY_INLINE VQ Scale(DQ d, const unsigned char* HWY_RESTRICT row, std::int64_t c) {
     if constexpr (kFormat == CacheFormat::kFp8E4M3) {
       (void)c;
@@ -54,7 +63,9 @@ struct QuantRow {
       // F16C: the exact widening, broadcast.
       const hn::Rebind<hwy::float16_t, DQ> dh;
       const hn::RebindToUnsigned<decltype(dh)> du16;
-      return hn::PromoteTo(d, hn::BitCast(dh, hn::Set(du16, bits)));
+      const VQ scale = hn::PromoteTo(d, hn::BitCast(dh, hn::Set(du16, bits)));
+      if constexpr (kNibbleTable) return hn::Mul(hn::Sub(hn::Iota(d, 0.0f), hn::Set(d, 8.0f)), scale);
+      return scale;
 #else
       return hn::Set(d, from_f16(f16{bits}));
 #endif
@@ -68,6 +79,17 @@ struct QuantRow {
       const hn::Rebind<std::int8_t, DQ> d8;
       const auto* q = reinterpret_cast<const std::int8_t*>(row + c / 32 * kBlockBytes + 2 + c % 32);
       return hn::Mul(hn::ConvertTo(d, hn::PromoteTo(di, hn::LoadU(d8, q))), scale);
+    } else if constexpr (kNibbleTable) {
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+      // vpermps reads the low four bits of each index: the low nibble as it lies, the high one
+      // shifted down.
+      const hn::Rebind<std::uint8_t, DQ> du8;
+      const auto bytes = hn::PromoteTo(hn::RebindToUnsigned<DQ>(), hn::LoadU(du8, row + c / 32 * kBlockBytes + 2));
+      const auto index = c % 32 < 16 ? bytes : hn::ShiftRight<4>(bytes);
+      return VQ{_mm512_permutexvar_ps(index.raw, scale.raw)};
+#else
+      return scale;  // never: kNibbleTable is false on this target
+#endif
     } else if constexpr (kFormat == CacheFormat::kQ4_0) {
       const hn::Rebind<std::uint8_t, DQ> du8;
       const std::int64_t at = c % 32;

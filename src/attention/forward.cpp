@@ -281,10 +281,16 @@ void block_tile(const AttentionPlan& p, const Sequence& seq, const RowBlock& rb,
     p.terms[t]->add_probabilities(tile, s.st.data(), s.corr.data(), s.terms[t]);
 }
 
+// The largest key norm of one tile (keys [k0, k0 + keys)), kept for the other blocks of a group.
+struct TileNorm {
+  std::int64_t k0 = -1, keys = 0;
+  double norm = 0;
+};
+
 // The far-tile skip in forward: tile_vanishes against the rows' running maxima; the keys' norms
-// read from the inputs.
+// read from the inputs once per tile and group (`memo`): they do not depend on the block.
 bool far_tile_vanishes(const AttentionPlan& p, const Sequence& seq, std::int64_t kvh, const RowBlock& rb,
-                       std::int64_t k0, std::int64_t keys, AttentionUnitScratch& s) {
+                       std::int64_t k0, std::int64_t keys, AttentionUnitScratch& s, TileNorm& memo) {
   std::int64_t k_lo = std::numeric_limits<std::int64_t>::max(), k_hi = std::numeric_limits<std::int64_t>::min();
   for (std::int64_t j = 0; j < keys; ++j) {
     const std::int64_t kp = p.k_position(seq, k0 + j);
@@ -292,12 +298,14 @@ bool far_tile_vanishes(const AttentionPlan& p, const Sequence& seq, std::int64_t
     k_hi = std::max(k_hi, kp);
   }
   return detail::tile_vanishes(p, seq, rb, s.row_norm.data(), s.m.data(), k_lo, k_hi, k0, k0 + keys - 1, [&] {
+    if (memo.k0 == k0 && memo.keys == keys) return memo.norm;
     grow(s.tmp, p.dim_padded);
     double largest = 0;
     for (std::int64_t j = 0; j < keys; ++j) {
       p.load_key_row(seq.b, seq.k0 + k0 + j, kvh, s.tmp.data());
       largest = detail::max_or_nan(largest, detail::row_norms(s.tmp.data(), 0, 1, p.dim, nullptr));
     }
+    memo = TileNorm{k0, keys, largest};
     return largest;
   });
 }
@@ -353,10 +361,11 @@ std::int64_t forward_blocks(const AttentionPlan& p, const Sequence& seq, std::in
     const std::int64_t t = descending ? all_tiles - 1 - i : i, k0 = kb + t * kt;
     std::array<bool, kMaxBlocks> run{};
     bool any = false;
+    TileNorm norm;
     for (std::size_t b = 0; b < n; ++b) {
       if (t >= tiles[b]) continue;
       run[b] = !(skip_far && t < tiles[b] - 1 &&
-                 far_tile_vanishes(p, seq, kvh, *blocks[b], k0, std::min(kt, ends[b] - k0), *scratch[b]));
+                 far_tile_vanishes(p, seq, kvh, *blocks[b], k0, std::min(kt, ends[b] - k0), *scratch[b], norm));
       skipped += run[b] ? 0 : 1;
       any = any || run[b];
     }

@@ -813,6 +813,39 @@ TEST_P(AttentionMatrixKernel, BF16StoresRoundAsToBF16) {
 
 INSTANTIATE_TEST_SUITE_P(Targets, AttentionMatrixKernel, ::testing::ValuesIn(testing::all_targets()));
 
+// The softmax's exp on AVX-512 (one vscalefps for 2^q) keeps the bits of Highway's Exp, which the
+// avx2 target runs: one tile through both, lane for lane (a row is a lane on either), with −inf
+// (masked keys, a row with no key yet), NaN, and logits down to −150 below the row's maximum.
+TEST(AttentionSoftmaxKernel, AVX512ExpKeepsTheBitsOfHighwaysExp) {
+  const std::vector<std::string> targets = available_targets();
+  const auto has = [&](const char* t) { return std::find(targets.begin(), targets.end(), t) != targets.end(); };
+  if (!has("avx512") || !has("avx2")) GTEST_SKIP() << "needs the avx512 and avx2 targets";
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  const std::int64_t keys = 37, width = 64;
+  std::vector<float> scores(static_cast<std::size_t>(keys * width)), m0(width), l0(width);
+  for (auto& x : scores) x = static_cast<float>(uniform(-150, 30));
+  for (std::int64_t j = 0; j < keys; ++j) scores[static_cast<std::size_t>(j * width + 7)] = -kInf;
+  scores[5] = -kInf;
+  scores[70] = std::numeric_limits<float>::quiet_NaN();
+  for (std::int64_t r = 0; r < width; ++r) {
+    m0[static_cast<std::size_t>(r)] = r % 3 == 0 ? -kInf : static_cast<float>(uniform(-20, 40));
+    l0[static_cast<std::size_t>(r)] = r % 3 == 0 ? 0.0f : static_cast<float>(uniform(0.5, 3));
+  }
+  const auto run = [&](const char* target) {
+    set_target(target);
+    std::vector<float> st = scores, m = m0, l = l0, corr(width);
+    kernels::attn_softmax_tile(st.data(), keys, width, m.data(), l.data(), corr.data());
+    st.insert(st.end(), m.begin(), m.end());
+    st.insert(st.end(), l.begin(), l.end());
+    st.insert(st.end(), corr.begin(), corr.end());
+    return st;
+  };
+  const std::vector<float> wide = run("avx512"), narrow = run("avx2");
+  set_target("auto");
+  for (std::size_t i = 0; i < wide.size(); ++i)
+    ASSERT_EQ(std::bit_cast<std::uint32_t>(wide[i]), std::bit_cast<std::uint32_t>(narrow[i])) << i;
+}
+
 TEST(AttentionBF16Kernels, PairsAndProductsOrAClearError) {
   // The native bf16 products' kernels (attention_kernels.hpp): packing rounds as to_bf16 does
   // (normal values; the instruction flushes denormals) and pairs rows along the sum's index, an

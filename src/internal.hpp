@@ -67,14 +67,21 @@ void load_heads_row(const void* base, DType dtype, const HeadsGrid& g, std::int6
                     float* out, std::int64_t padded);
 void store_heads_row(const float* row, void* base, DType dtype, const HeadsGrid& g, std::int64_t b, std::int64_t s,
                      std::int64_t h, bool accumulate);
-// Row (b, s, h)'s cache lines prefetched into L1 (unit dim stride only). A block's rows lie a
-// token's heads apart: prefetched together, their misses overlap instead of following each other.
+// Row (b, s, h)'s cache lines prefetched into L1 (unit dim stride only), for writing too with
+// `write`. A block's rows lie a token's heads apart: prefetched together, their misses overlap
+// instead of following each other.
 inline void prefetch_heads_row(const void* base, DType dtype, const HeadsGrid& g, std::int64_t b, std::int64_t s,
-                               std::int64_t h) {
+                               std::int64_t h, bool write = false) {
   if (g.dim_stride != 1) return;
   const auto size = static_cast<std::int64_t>(dtype_size(dtype));
   const char* row = static_cast<const char*>(base) + (g.offset(b, s) + h * g.head_stride) * size;
-  for (std::int64_t at = 0; at < g.dim * size; at += 64) __builtin_prefetch(row + at, 0, 3);
+  for (std::int64_t at = 0; at < g.dim * size; at += 64) {
+    if (write) {
+      __builtin_prefetch(row + at, 1, 3);
+    } else {
+      __builtin_prefetch(row + at, 0, 3);
+    }
+  }
 }
 // Whether the first `cols` floats of `count` rows, ld apart, hold an inf or NaN (attention/rows.cpp).
 bool rows_non_finite(const float* rows, std::int64_t ld, std::int64_t count, std::int64_t cols);

@@ -319,6 +319,9 @@ namespace {
 // (ScoreTerm::rows_outer) — and dK, dV, dQ stored.
 class UnitBackward {
  public:
+  // Rows ahead that load_rows and store_dq prefetch.
+  static constexpr std::int64_t kRowsAhead = 8;
+
   UnitBackward(const AttentionPlan& p, const AttentionPlan::BackwardCall& call, const AttentionPlan::BackwardUnit& unit,
                AttentionUnitScratch& s, RowBlock& rb)
       : p_(p),
@@ -371,7 +374,6 @@ class UnitBackward {
     s_.exact_rows.clear();
     // The rows of q, d_out and out lie a token's heads apart, where the hardware prefetchers do
     // not follow: each row's lines are fetched kRowsAhead rows before they are read.
-    constexpr std::int64_t kRowsAhead = 8;
     const auto prefetch = [&](std::int64_t r) {
       const std::int64_t h = r < w_ ? rb_.head[static_cast<std::size_t>(r)] : -1;
       if (h < 0) return;
@@ -700,7 +702,17 @@ class UnitBackward {
 
   // dQ: times the scale (and the temperature), rotated back.
   void store_dq() {
+    // dq += row: each row's lines fetched for writing kRowsAhead rows before (as load_rows).
+    const auto prefetch = [&](std::int64_t r) {
+      const std::int64_t h = r < w_ ? rb_.head[static_cast<std::size_t>(r)] : -1;
+      if (h >= 0) {
+        prefetch_heads_row(call_.dq->data(), call_.dq->dtype(), call_.dqg, seq_.b,
+                           seq_.q0 + rb_.query[static_cast<std::size_t>(r)], h, true);
+      }
+    };
+    for (std::int64_t r = 0; r < kRowsAhead; ++r) prefetch(r);
     for (std::int64_t r = 0; r < w_; ++r) {
+      prefetch(r + kRowsAhead);
       const std::int64_t h = rb_.head[static_cast<std::size_t>(r)];
       if (h < 0) continue;
       const std::int64_t i = rb_.query[static_cast<std::size_t>(r)];

@@ -67,9 +67,9 @@ void load_heads_row(const void* base, DType dtype, const HeadsGrid& g, std::int6
                     float* out, std::int64_t padded);
 void store_heads_row(const float* row, void* base, DType dtype, const HeadsGrid& g, std::int64_t b, std::int64_t s,
                      std::int64_t h, bool accumulate);
-// Row (b, s, h)'s cache lines prefetched into L1 (unit dim stride only), for writing too with
-// `write`. A block's rows lie a token's heads apart: prefetched together, their misses overlap
-// instead of following each other.
+// Row (b, s, h)'s cache lines prefetched into L1 (unit dim stride only); with `write`, as
+// prefetchw where the build's baseline has PRFCHW, else as a read. A block's rows lie a token's heads apart: prefetched
+// together, their misses overlap instead of following each other.
 inline void prefetch_heads_row(const void* base, DType dtype, const HeadsGrid& g, std::int64_t b, std::int64_t s,
                                std::int64_t h, bool write = false) {
   if (g.dim_stride != 1) return;

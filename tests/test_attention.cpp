@@ -831,6 +831,15 @@ TEST(AttentionSoftmaxKernel, AVX512ExpKeepsTheBitsOfHighwaysExp) {
     m0[static_cast<std::size_t>(r)] = r % 3 == 0 ? -kInf : static_cast<float>(uniform(-20, 40));
     l0[static_cast<std::size_t>(r)] = r % 3 == 0 ? 0.0f : static_cast<float>(uniform(0.5, 3));
   }
+  // Row 9 sees no key at all (its maximum stays −inf); row 10's logits step through the flush
+  // threshold, from 80 to 87.5 below its maximum 0.
+  for (std::int64_t j = 0; j < keys; ++j) {
+    scores[static_cast<std::size_t>(j * width + 9)] = -kInf;
+    scores[static_cast<std::size_t>(j * width + 10)] =
+        j == 0 ? 0.0f : -80.0f - 7.5f * static_cast<float>(j) / (keys - 1);
+  }
+  m0[10] = -kInf;
+  l0[10] = 0.0f;
   const auto run = [&](const char* target) {
     set_target(target);
     std::vector<float> st = scores, m = m0, l = l0, corr(width);

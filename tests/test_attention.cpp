@@ -824,16 +824,16 @@ TEST(AttentionSoftmaxKernel, AVX512ExpKeepsTheBitsOfHighwaysExp) {
   const std::int64_t keys = 37, width = 64;
   std::vector<float> scores(static_cast<std::size_t>(keys * width)), m0(width), l0(width);
   for (auto& x : scores) x = static_cast<float>(uniform(-150, 30));
-  for (std::int64_t j = 0; j < keys; ++j) scores[static_cast<std::size_t>(j * width + 7)] = -kInf;
   scores[5] = -kInf;
   scores[70] = std::numeric_limits<float>::quiet_NaN();
   for (std::int64_t r = 0; r < width; ++r) {
     m0[static_cast<std::size_t>(r)] = r % 3 == 0 ? -kInf : static_cast<float>(uniform(-20, 40));
     l0[static_cast<std::size_t>(r)] = r % 3 == 0 ? 0.0f : static_cast<float>(uniform(0.5, 3));
   }
-  // Row 9 sees no key at all (its maximum stays −inf); row 10's logits step through the flush
-  // threshold, from 80 to 87.5 below its maximum 0.
+  // Rows 7 and 9 see no key (row 9's maximum stays −inf, row 7 keeps its earlier one); row 10's
+  // logits step through the flush threshold, from 80 to 87.5 below its maximum 0.
   for (std::int64_t j = 0; j < keys; ++j) {
+    scores[static_cast<std::size_t>(j * width + 7)] = -kInf;
     scores[static_cast<std::size_t>(j * width + 9)] = -kInf;
     scores[static_cast<std::size_t>(j * width + 10)] =
         j == 0 ? 0.0f : -80.0f - 7.5f * static_cast<float>(j) / (keys - 1);

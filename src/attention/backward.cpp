@@ -319,7 +319,7 @@ namespace {
 // (ScoreTerm::rows_outer) — and dK, dV, dQ stored.
 class UnitBackward {
  public:
-  // Rows ahead that load_rows and store_dq prefetch.
+  // Rows ahead that load_rows and store_dq prefetch (prefetch_row).
   static constexpr std::int64_t kRowsAhead = 8;
 
   UnitBackward(const AttentionPlan& p, const AttentionPlan::BackwardCall& call, const AttentionPlan::BackwardUnit& unit,
@@ -372,19 +372,9 @@ class UnitBackward {
     grow(s_.o, dp_);
     std::fill(s_.dq.begin(), s_.dq.begin() + w_ * dp_, 0.0f);
     s_.exact_rows.clear();
-    // The rows of q, d_out and out lie a token's heads apart, where the hardware prefetchers do
-    // not follow: each row's lines are fetched kRowsAhead rows before they are read.
-    const auto prefetch = [&](std::int64_t r) {
-      const std::int64_t h = r < w_ ? rb_.head[static_cast<std::size_t>(r)] : -1;
-      if (h < 0) return;
-      const std::int64_t s = seq_.q0 + rb_.query[static_cast<std::size_t>(r)];
-      prefetch_heads_row(p_.q_data, p_.dtype, p_.qg, seq_.b, s, h);
-      prefetch_heads_row(call_.d_out.data(), call_.d_out.dtype(), call_.dog, seq_.b, s, h);
-      prefetch_heads_row(call_.out.data(), call_.out.dtype(), call_.og, seq_.b, s, h);
-    };
-    for (std::int64_t r = 0; r < kRowsAhead; ++r) prefetch(r);
+    for (std::int64_t r = 0; r < kRowsAhead; ++r) prefetch_row(r, false);
     for (std::int64_t r = 0; r < w_; ++r) {
-      prefetch(r + kRowsAhead);
+      prefetch_row(r + kRowsAhead, false);
       float* qrow = s_.q.data() + r * dp_;
       float* drow = s_.dout.data() + r * dp_;
       if (rb_.head[static_cast<std::size_t>(r)] < 0) {
@@ -400,6 +390,22 @@ class UnitBackward {
         s_.doutt[static_cast<std::size_t>(t * ldt_ + r)] = drow[t];
       }
     }
+  }
+
+  // The rows of q, d_out and out (or, for `dq`, of dq, to be written) lie a token's heads apart,
+  // where the hardware prefetchers do not follow: load_rows and store_dq fetch each row's lines
+  // kRowsAhead rows before they reach it. Rows past the unit's and padding rows fetch nothing.
+  void prefetch_row(std::int64_t r, bool dq) const {
+    const std::int64_t h = r < w_ ? rb_.head[static_cast<std::size_t>(r)] : -1;
+    if (h < 0) return;
+    const std::int64_t s = seq_.q0 + rb_.query[static_cast<std::size_t>(r)];
+    if (dq) {
+      prefetch_heads_row(call_.dq->data(), call_.dq->dtype(), call_.dqg, seq_.b, s, h, true);
+      return;
+    }
+    prefetch_heads_row(p_.q_data, p_.dtype, p_.qg, seq_.b, s, h);
+    prefetch_heads_row(call_.d_out.data(), call_.d_out.dtype(), call_.dog, seq_.b, s, h);
+    prefetch_heads_row(call_.out.data(), call_.out.dtype(), call_.og, seq_.b, s, h);
   }
 
   void load_row(std::int64_t r, float* qrow, float* drow) {
@@ -702,17 +708,9 @@ class UnitBackward {
 
   // dQ: times the scale (and the temperature), rotated back.
   void store_dq() {
-    // dq += row: each row's lines fetched for writing kRowsAhead rows before (as load_rows).
-    const auto prefetch = [&](std::int64_t r) {
-      const std::int64_t h = r < w_ ? rb_.head[static_cast<std::size_t>(r)] : -1;
-      if (h >= 0) {
-        prefetch_heads_row(call_.dq->data(), call_.dq->dtype(), call_.dqg, seq_.b,
-                           seq_.q0 + rb_.query[static_cast<std::size_t>(r)], h, true);
-      }
-    };
-    for (std::int64_t r = 0; r < kRowsAhead; ++r) prefetch(r);
+    for (std::int64_t r = 0; r < kRowsAhead; ++r) prefetch_row(r, true);
     for (std::int64_t r = 0; r < w_; ++r) {
-      prefetch(r + kRowsAhead);
+      prefetch_row(r + kRowsAhead, true);
       const std::int64_t h = rb_.head[static_cast<std::size_t>(r)];
       if (h < 0) continue;
       const std::int64_t i = rb_.query[static_cast<std::size_t>(r)];

@@ -7,8 +7,8 @@
 // scale, one f32 multiply: the values of posenc::dequantize_rows to the bit. q4_0 on 16-lane
 // targets instead: Scale gives the group's sixteen values (n − 8)·scale, and Load picks each
 // column's by its nibble, one permute in place of a subtract, a conversion and a multiply (the
-// same exact products). Row pointers count
-// bytes. A vector never straddles two q8_0 / q4_0 blocks (lanes divide 32). Not on HWY_SCALAR.
+// same exact products). Row pointers count bytes. A vector never straddles two q8_0 / q4_0 blocks
+// (lanes divide 32). Not on HWY_SCALAR.
 #if defined(POSENC_KERNELS_ATTENTION_QUANT_ROW_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef POSENC_KERNELS_ATTENTION_QUANT_ROW_INL_H_
 #undef POSENC_KERNELS_ATTENTION_QUANT_ROW_INL_H_

@@ -3,6 +3,7 @@
 // schemes_json, the form posenc.schemes() reads).
 #include <fmt/core.h>
 
+#include <algorithm>
 #include <memory>
 #include <string>
 
@@ -21,17 +22,21 @@ Runner add_schemes(CLI::App& app) {
       fmt::print("{}\n", schemes_json());
       return;
     }
+    std::size_t width = 0;  // the longest name's
+    for (const SchemeEntry& e : schemes()) width = std::max(width, e.name.size());
+    const std::size_t indent = width + 17;
     for (const SchemeEntry& e : schemes()) {
-      fmt::print("{:<10} {:<15} {}\n", e.name, e.family, e.summary);
+      fmt::print("{:<{}} {:<15} {}\n", e.name, width, e.family, e.summary);
       std::string options;
       for (const SchemeOption& o : e.options) {
         options += (options.empty() ? "" : ", ") + o.name + "=" + fmt::format("{:g}", o.default_value);
       }
-      if (!options.empty()) fmt::print("{:<27}options: {}\n", "", options);
-      if (!e.parameters.empty()) fmt::print("{:<27}learned: {}\n", "", e.parameters);
-      for (const SchemeInput& in : e.inputs) fmt::print("{:<27}per-token input: {}, {}\n", "", in.name, in.description);
-      if (e.causal_only) fmt::print("{:<27}causal attention only\n", "");
-      fmt::print("{:<27}{}\n", "", e.source);
+      if (!options.empty()) fmt::print("{:<{}}options: {}\n", "", indent, options);
+      if (!e.parameters.empty()) fmt::print("{:<{}}learned: {}\n", "", indent, e.parameters);
+      for (const SchemeInput& in : e.inputs)
+        fmt::print("{:<{}}per-token input: {}, {}\n", "", indent, in.name, in.description);
+      if (e.causal_only) fmt::print("{:<{}}causal attention only\n", "", indent);
+      fmt::print("{:<{}}{}\n", "", indent, e.source);
     }
   };
 }

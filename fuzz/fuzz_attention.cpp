@@ -218,6 +218,16 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     for (std::size_t i = 0; i < x.size(); ++i) x[i] = fuzz::element(bytes, dt, i);
     return x;
   };
+  // A normaliser in place of the softmax (stick-breaking, CoPE) has no naive composition: what
+  // Attention accepts of the draws above runs, fused and in fp64 (fuzz_stickbreaking and fuzz_cope
+  // compare the two on the classes Attention hands the call to).
+  if (group->normaliser) {
+    std::vector<unsigned char> fused_out, exact_out;
+    std::vector<float> fused_lse, exact_lse;
+    forward_of(*att, 0, dtype, fused_out, fused_lse);
+    forward_of(*att, 1, DType::kF64, exact_out, exact_lse);
+    return 0;
+  }
   // Now and then (drawn last, so that the corpus keeps its meaning) the keys and values come from a
   // quantized cache of them instead: the same checks, against the references over that cache.
   std::vector<unsigned char> kq, vq;

@@ -241,8 +241,7 @@ Case make_attention_case(const CaseOptions& o) {
       names += (names.empty() ? "" : ", ") + e.name;
       known = known || e.name == named.scheme;
     }
-    // Stick-breaking and CoPE are kernels of their own.
-    if (!known) throw Error("bench", "--scheme", o.scheme, "one of " + names + ", fox, stickbreaking, cope");
+    if (!known) throw Error("bench", "--scheme", o.scheme, "one of " + names + ", fox");
     SchemeArgs args = bench_scheme_args(named, heads, dim, k_len);
     for (const SchemeInput& in : find_scheme(named.scheme).inputs) {
       std::vector<float>& values = inputs->emplace_back(

@@ -19,9 +19,6 @@ using SinusoidOp = at::Tensor(const at::Tensor&, std::int64_t, double, bool, at:
 using StickBreakingOp = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                            double, bool, std::vector<std::int64_t>,
                                                            std::vector<std::int64_t>, bool);
-using CopeOp = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                  const at::Tensor&, double, std::vector<std::int64_t>,
-                                                  std::vector<std::int64_t>);
 using QuantizeOp = at::Tensor(const at::Tensor&, const std::string&);
 using RopeOp = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                   const c10::intrusive_ptr<torch_adapter::RopeClass>&, std::int64_t,
@@ -104,7 +101,7 @@ bool LanguageModelImpl::has_rope() const {
 void LanguageModelImpl::set_kv_cache(const std::string& format, bool post_rope) {
   if (!format.empty() && (config_.scheme == "stickbreaking" || config_.scheme == "cope")) {
     throw Error("study", "--kv-formats", format,
-                "schemes that run on posenc.attention (" + config_.scheme + " has its own attention op)");
+                "schemes with the softmax (" + config_.scheme + " replaces it, on k and v tensors)");
   }
   const std::int64_t head_dim = config_.width / config_.heads;
   if ((format == "q8_0" || format == "q4_0") && head_dim % 32 != 0) {
@@ -194,6 +191,10 @@ c10::intrusive_ptr<torch_adapter::SchemeClass> LanguageModelImpl::attention_sche
     rope = c10::make_intrusive<torch_adapter::RopeClass>(p);
     name = "rope";
     if (!kv_format_.empty() && kv_post_rope_) options.insert("keys_rotated", 1.0);
+  } else if (s == "cope") {
+    // The registered scheme, its table one row longer than the training length.
+    name = s;
+    options.insert("positions", static_cast<double>(config_.train_length + 1));
   } else if (const posenc::SchemeEntry* entry = bias_entry(s)) {
     name = s;
     for (const auto& [option, value] : entry->decoder_options) options.insert(option, value);
@@ -225,7 +226,6 @@ torch::Tensor LanguageModelImpl::forward(const torch::Tensor& bytes, std::int64_
       c10::Dispatcher::singleton().findSchemaOrThrow("posenc::sinusoidal_table", "").typed<SinusoidOp>();
   static const auto stickbreaking =
       c10::Dispatcher::singleton().findSchemaOrThrow("posenc::stickbreaking_attention", "").typed<StickBreakingOp>();
-  static const auto cope = c10::Dispatcher::singleton().findSchemaOrThrow("posenc::cope_attention", "").typed<CopeOp>();
   static const auto quantize =
       c10::Dispatcher::singleton().findSchemaOrThrow("posenc::quantize_kv", "").typed<QuantizeOp>();
   static const auto rotate = c10::Dispatcher::singleton().findSchemaOrThrow("posenc::rope", "").typed<RopeOp>();
@@ -248,13 +248,12 @@ torch::Tensor LanguageModelImpl::forward(const torch::Tensor& bytes, std::int64_
     if (config_.scheme == "stickbreaking") {
       const auto [o, rem] = stickbreaking.call(q, k, v, 0.0, false, {}, {}, true);
       attended = o + rem.unsqueeze(-1) * layer.head_bias;
-    } else if (config_.scheme == "cope") {
-      attended = std::get<0>(cope.call(q, k, v, layer.cope_table, 0.0, {}, {}));
     } else {
       torch_adapter::AttentionArgs args;
       args.schemes = schemes;
       if (config_.scheme == "fox") args.gates.push_back(torch::log_sigmoid(linear(normed, layer.fgate)));
       if (const torch::Tensor params = layer_bias_params(layer); params.defined()) args.params.push_back(params);
+      if (config_.scheme == "cope") args.params.push_back(layer.cope_table);
       args.causal = true;
       if (kv_format_.empty()) {
         attended = std::get<0>(torch_adapter::call_attention(q, k, v, args));

@@ -17,7 +17,7 @@
 //   stickbreaking            stick-breaking attention (no softmax, no positions; posenc's
 //                            stickbreaking_attention op) plus rem·b_h, a learned per-head vector
 //                            for the stick left over (zero at first), as the authors' models add
-//   cope                     CoPE (posenc's cope_attention op): a learned table of
+//   cope                     CoPE (the registered scheme on posenc's attention op): a learned table of
 //                            train_length + 1 positions per layer (the authors' default, block size
 //                            + 1, since position 0 occurs), zero at first as theirs
 //
@@ -64,7 +64,7 @@ class LanguageModelImpl : public torch::nn::Module {
   // Evaluation against a quantized KV cache (posenc/quantized.hpp: "q8_0", "q4_0", "fp8_e4m3"; ""
   // turns it off): each layer's keys and values quantized, and attention reading them from the
   // cache. A scheme with RoPE stores its keys rotated (post_rope, ggml's convention) or as
-  // projected, rotated after dequantisation. Schemes outside posenc.attention (stickbreaking,
+  // projected, rotated after dequantisation. Schemes that replace the softmax (stickbreaking,
   // cope) are refused; a head size that is not a multiple of 32 is refused for q8_0 and q4_0.
   void set_kv_cache(const std::string& format, bool post_rope);
   // Whether the scheme rotates q and k (so that post- and pre-RoPE caches differ).

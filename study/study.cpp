@@ -777,7 +777,7 @@ int main(int argc, char** argv) {
       for (const std::string& s : trained) {
         if (s == "stickbreaking" || s == "cope")
           throw posenc::Error("study", "--kv-formats", kv_formats_text,
-                              "schemes that run on posenc.attention (" + s + " has its own attention op)");
+                              "schemes with the softmax (" + s + " replaces it, on k and v tensors)");
       }
     }
     // The output directory, before any work: it must be one (or be creatable).

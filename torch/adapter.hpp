@@ -30,9 +30,9 @@ at::Tensor materialize(const BiasScheme& scheme, const at::Tensor& q_ids, const 
 std::vector<double> doubles_of(const char* where, const char* name, const at::Tensor& t);
 at::Tensor tensor_of(const std::vector<double>& values, const at::Tensor& like);
 
-// The outputs of an attention with a kernel of its own (stick-breaking, CoPE): out like q with v's
+// The outputs of stick-breaking's own op (stickbreaking_ops.cpp): out like q with v's
 // head size — in f32 for 16-bit inputs, since backward reads it without their rounding — and a
-// float32 value per row, [B, Sq, H] or [Tq, H] (rem, lse).
+// float32 value per row, [B, Sq, H] or [Tq, H] (rem).
 bool is_16_bit(const at::Tensor& t);
 struct RowOutputs {
   at::Tensor out, row;
@@ -115,7 +115,5 @@ auto translating(Fn&& fn) -> decltype(fn()) {
 void define_attention_ops(torch::Library& m);
 // Stick-breaking attention's op (stickbreaking_ops.cpp).
 void define_stickbreaking_ops(torch::Library& m);
-// CoPE's op (cope_ops.cpp).
-void define_cope_ops(torch::Library& m);
 
 }  // namespace posenc::torch_adapter

@@ -1190,7 +1190,6 @@ TORCH_LIBRARY(posenc, m) {
   define_classes(m);
   define_attention_ops(m);
   define_stickbreaking_ops(m);
-  define_cope_ops(m);
   define_op(m, "sinusoidal_table(Tensor positions, int dim, float base, bool interleaved, ScalarType dtype) -> Tensor",
             TORCH_FN(sinusoidal_table_op));
   // RoPE: each op with the Rope object (eager) and as NAME_pickled with its bytes (traced; see

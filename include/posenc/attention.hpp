@@ -119,16 +119,46 @@ using QKTransformRef = std::shared_ptr<const QKTransformScheme>;
 
 using QKTransform = std::variant<std::monostate, RotaryQK, AbsoluteQK, QKTransformRef>;
 
+struct AttentionSpec;
+struct AttentionStats;
+struct GroupGradients;
+
+// A normaliser of the rows in place of the softmax, for the schemes whose weights walk each
+// query's keys from the nearest leftwards: stick-breaking (stickbreaking.hpp; its row statistic is
+// the stick left over, rem) and CoPE (cope.hpp: a softmax whose positions count gates; its
+// statistic is the log-sum-exp). The registry's "stickbreaking" and "cope" make them. Attention
+// hands the whole call to it: its group is the call's only one, with no transform, bias or terms,
+// and the call is causal (or has one query per sequence) with no window, chunks, soft-cap,
+// temperature, positions or quantized cache. Query i of a sequence is its key token Lk − Lq + i.
+class RowNormaliser {
+ public:
+  virtual ~RowNormaliser() = default;
+  virtual std::string_view name() const = 0;
+  // The size of GroupGradients::normaliser: its learned parameters (CoPE: the position table).
+  virtual std::int64_t gradient_size() const { return 0; }
+  // What Attention's constructor asks once it has checked its own part: whether the normaliser
+  // takes this call (posenc::Error naming what it refuses).
+  virtual void check(const AttentionSpec& spec) const = 0;
+  // Attention::forward and backward of a validated spec (stat: their lse argument, [B, H, Sq] f32
+  // or [H, Tq], or empty), on the fused kernels or (`reference`) the fp64 definition.
+  virtual AttentionStats forward(const AttentionSpec& spec, TensorView out, TensorView stat, bool reference) const = 0;
+  virtual AttentionStats backward(const AttentionSpec& spec, ConstTensorView out, ConstTensorView stat,
+                                  ConstTensorView d_out, TensorView dq, TensorView dk, TensorView dv,
+                                  GroupGradients* grads, bool reference) const = 0;
+};
+using RowNormaliserRef = std::shared_ptr<const RowNormaliser>;
+
 // A run of consecutive heads sharing a scheme. `bias`, when set, has bias_heads == heads (its
 // head 0 is the group's first head). `terms` (term.hpp) add their own parts to the logit after
 // the bias, in order, each with heads == the group's heads: Shaw's key and value terms and
 // Transformer-XL's (ShawTerm, XlTerm: relative.hpp), a forget gate (ForgetGate, forgetting.hpp),
-// sinks (AttentionSinks, sinks.hpp).
+// sinks (AttentionSinks, sinks.hpp). `normaliser`, when set, replaces the softmax (RowNormaliser).
 struct HeadGroup {
   std::int64_t heads = 0;
   QKTransform transform{};
   std::optional<BiasScheme> bias{};
   std::vector<AttentionTermRef> terms{};
+  RowNormaliserRef normaliser{};
 };
 
 struct AttentionMask {
@@ -183,6 +213,8 @@ struct GroupGradients {
   // Per HeadGroup::terms entry, its gradient_size() values in its layout (ShawTerm: [key table |
   // value table]; XlTerm: [u | v | W_R]; ForgetGate: the gate's elements; sinks: one per head).
   std::vector<std::vector<double>> terms;
+  // The row normaliser's parameters (RowNormaliser::gradient_size values; CoPE: its table [npos, D]).
+  std::vector<double> normaliser;
 };
 struct AttentionGradients {
   std::vector<GroupGradients> groups;
@@ -226,7 +258,8 @@ class Attention {
   // Zeroed gradients shaped for this attention's groups.
   AttentionGradients zero_gradients() const;
 
-  // out: like q; lse: [B, H, Sq] f32 (or [H, Tq]), or an empty view to skip it.
+  // out: like q; lse: [B, H, Sq] f32 (or [H, Tq]), or an empty view to skip it (a RowNormaliser writes
+  // its own statistic there).
   AttentionStats forward(TensorView out, TensorView lse = {}) const;
   // out and lse from forward; dq, dk, dv (+=) like q, k, v (empty views skip them); grads may be
   // null (then positional gradients are not computed).

@@ -109,7 +109,8 @@ struct SchemeEntry {
   // scheme.hpp), "bias" (a score bias of the positions), "relative-terms" (terms with q or k),
   // "sink" (a logit in the softmax's denominator, term.hpp), "token-term" (a term of per-token
   // inputs, term.hpp), "term" (a term of the pair's positions given by its fp64 definition,
-  // term.hpp: the group's first term; its picture is that term's value).
+  // term.hpp: the group's first term; its picture is that term's value), "normaliser" (a
+  // RowNormaliser, attention.hpp, in place of the softmax: stick-breaking, CoPE).
   std::string family;
   std::string summary;  // one line: the formula
   std::string source;   // the paper or model that defines it

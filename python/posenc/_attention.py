@@ -3,8 +3,8 @@ gives (and forgetting attention, its FoX form)."""
 import torch
 
 from ._checks import _EMPTY, _cu_seqlens, _flag, _int, _number, _object, _ops, _positions, _unset
-from ._functional import _KV_FORMATS, alibi_slopes
-from ._modules import CoPE, Forgetting, PositionTemperature, RotaryPositionalEncoding
+from ._functional import _KV_FORMATS, _attention_op, alibi_slopes
+from ._modules import Forgetting, PositionTemperature, RotaryPositionalEncoding
 from .registry import Scheme, _scheme_entry, _scheme_spec
 
 
@@ -69,8 +69,12 @@ def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size
     ``Scheme`` (any registered scheme by name, with its learned parameters and its per-token
     inputs: ``Scheme("forgetting", H, D, log_fgate=...)``), ``RelativeBias`` (any
     registered relative-bias scheme), ``Forgetting`` (a forget gate per token
-    and head; causal, or where no query sees a later key) — whose learned parameters (and the
-    gate) receive gradients. ``causal`` aligns the mask
+    and head; causal, or where no query sees a later key), ``CoPE`` (its table; as
+    ``Scheme("cope", H, D, positions=n)``) — whose learned parameters (and the
+    gate) receive gradients. ``"stickbreaking"`` and CoPE replace the softmax (the family
+    ``normaliser``): causal, alone on every head, without window, chunks, temperature, soft-cap,
+    positions or sinks; stick-breaking's lse is the stick left over, rem ``[B, H, Sq]``, without a
+    gradient (``stickbreaking_attention`` gives one). ``causal`` aligns the mask
     bottom-right when Sq < Sk; ``window=(left, right)`` limits the keys a query sees (-1:
     unlimited); ``chunk_size`` C (Llama 4's ``attention_chunk_size``) lets a query see only keys in
     its chunk of positions, ⌊k_pos / C⌋ = ⌊q_pos / C⌋ (key positions must not decrease within a
@@ -101,8 +105,6 @@ def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size
             if not any(value is u or (isinstance(u, str) and value == u) for u in unset):
                 raise ValueError(f"attention: {name} = {value!r} with kv_format; expected {unset[0]!r} (a quantized "
                                  "cache runs in the fused kernel, [B, S, G, row bytes])")
-        if isinstance(scheme, CoPE):
-            raise ValueError("attention: CoPE with kv_format; expected k and v tensors (CoPE runs its own kernel)")
         _flag("attention", "return_lse", return_lse)
         out, lse = _attention_op(*_attention_args(q, k, v, scheme, causal, window, chunk_size, temperature, softcap,
                                                   scale, q_positions, k_positions, keys_rotated, skip_vanishing_tiles,
@@ -120,12 +122,6 @@ def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size
                               skip_vanishing_tiles=skip_vanishing_tiles)
     if backend != "fused":
         raise ValueError(f"attention: backend = {backend!r}; expected None, 'fused' or 'flex'")
-    if isinstance(scheme, CoPE):
-        _cope_alone(causal, window, chunk_size, temperature, softcap, q_positions, k_positions, keys_rotated, sinks)
-        out = scheme(q, k, v, scale=scale, cu_seqlens=cu_seqlens, layout=layout, return_lse=return_lse)
-        if not return_lse:
-            return out
-        return out[0], out[1] if layout == "bhsd" else out[1].transpose(-1, -2)
     if layout == "bhsd":
         if cu_seqlens is not None:
             raise ValueError("attention: layout = 'bhsd' with cu_seqlens; expected packed [T, H, D] tensors")
@@ -139,31 +135,6 @@ def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size
     if layout == "bhsd":
         out = out.transpose(1, 2)
     return (out, lse) if return_lse else out
-
-
-def _cope_alone(causal, window, chunk_size, temperature, softcap, q_positions, k_positions, keys_rotated, sinks):
-    """CoPE runs its own causal kernel: the options it does not combine with are refused by name."""
-    if causal is not True:
-        raise ValueError(f"attention: causal = {causal!r} with CoPE; expected causal=True (its positions count "
-                         "gates from the query leftwards)")
-    given = [name for name, value, unset in (
-        ("window", window, (-1, -1)), ("chunk_size", chunk_size, None), ("temperature", temperature, None),
-        ("softcap", softcap, 0.0), ("q_positions", q_positions, None), ("k_positions", k_positions, None),
-        ("keys_rotated", keys_rotated, False), ("sinks", sinks, None)) if not _unset(value, unset)]
-    if given:
-        raise ValueError(f"attention: {given[0]} with CoPE; expected it left unset (CoPE's positions come from "
-                         "its gates, and its kernel takes no other term)")
-
-
-@torch.compiler.allow_in_graph
-def _attention_op(q, k, v, schemes, params, gates, sinks, causal, window_left, window_right, chunk_size, temperature,
-                  *rest):
-    """The attention op on ``_attention_args``' values, its typed arguments made here from their
-    specs. torch.compile puts this call into its graph as it is, with the specs as constants; its
-    autograd then traces it, and the objects reach the op's traced path as constants of the graph
-    (the fake kernels: python/posenc/_fake.py)."""
-    return _ops.attention(q, k, v, [_object(s) for s in schemes], params, gates, sinks, causal, window_left,
-                          window_right, chunk_size, None if temperature is None else _object(temperature), *rest)
 
 
 def _attention_args(q, k, v, scheme, causal, window, chunk_size, temperature, softcap, scale, q_positions,

@@ -201,21 +201,6 @@ def _stickbreaking_backward(q, k, v, out, rem, d_out, d_rem, scale, attend_curre
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-@torch.library.register_fake("posenc::cope_attention")
-def _cope(q, k, v, table, scale, cu_seqlens_q=(), cu_seqlens_k=()):
-    return _attention_outputs(q, v)
-
-
-@torch.library.register_fake("posenc::cope_attention_forward")
-def _cope_forward(q, k, v, table, scale, cu_seqlens_q, cu_seqlens_k):
-    return (*_attention_outputs(q, v), _wide_out(q, v))
-
-
-@torch.library.register_fake("posenc::cope_attention_backward")
-def _cope_backward(q, k, v, table, out, lse, d_out, scale, cu_seqlens_q, cu_seqlens_k):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(table)
-
-
 def _rotated(q, k):
     """rope's (q_out, k_out): contiguous in q's and k's shapes and dtypes; k_out an empty tensor of
     q's dtype where k is left out (a 1-D empty tensor)."""

@@ -7,6 +7,7 @@ import numbers
 import torch
 
 from ._checks import _cu_seqlens, _finite, _flag, _int, _number, _object, _ops, _positions
+from .registry import _scheme_spec
 
 
 def empty_cache():
@@ -272,6 +273,17 @@ def _qkv_layout(where, q, k, v, layout, cu_seqlens):
     return q, k, v, cu_q, cu_k
 
 
+@torch.compiler.allow_in_graph
+def _attention_op(q, k, v, schemes, params, gates, sinks, causal, window_left, window_right, chunk_size, temperature,
+                  *rest):
+    """The attention op on ``_attention_args``' values, its typed arguments made here from their
+    specs. torch.compile puts this call into its graph as it is, with the specs as constants; its
+    autograd then traces it, and the objects reach the op's traced path as constants of the graph
+    (the fake kernels: python/posenc/_fake.py)."""
+    return _ops.attention(q, k, v, [_object(s) for s in schemes], params, gates, sinks, causal, window_left,
+                          window_right, chunk_size, None if temperature is None else _object(temperature), *rest)
+
+
 def stickbreaking_attention(q, k, v, *, scale=None, attend_current=False, cu_seqlens=None, layout="bshd",
                             skip_vanishing_tiles=True):
     """Stick-breaking attention (Tan et al., ICLR 2025): no softmax and no positional encoding.
@@ -315,12 +327,18 @@ def cope_attention(q, k, v, table, *, scale=None, cu_seqlens=None, layout="bshd"
         raise TypeError(f"cope_attention: table is {type(table).__name__}; expected a torch.Tensor")
     if scale is not None and not _number("cope_attention", "scale", scale) > 0:
         raise ValueError(f"cope_attention: scale = {scale}; expected a number > 0, or None for 1/sqrt(D)")
-    if table.is_floating_point() and table.dtype not in (q.dtype, torch.float32):
-        table = table.to(q.dtype)
-    out, lse = _ops.cope_attention(q, k, v, table, 0.0 if scale is None else float(scale), cu_q, cu_k)
+    if table.dim() != 2:
+        raise ValueError(f"cope_attention: table shape {tuple(table.shape)}; expected [npos, D]")
+    _flag("cope_attention", "return_lse", return_lse)
+    # The registered scheme "cope" on the attention op: its lse is [B, H, Sq] ([H, Tq] packed).
+    scheme = _scheme_spec("cope", q.shape[-2], {"positions": int(table.shape[0])})
+    out, lse = _attention_op(q, k, v, [scheme], [table], [], None, True, -1, -1, None, None, 0.0,
+                             None if scale is None else float(scale), None, None, cu_q, cu_k, True)
     if layout == "bhsd":
-        out, lse = out.transpose(1, 2), lse.transpose(1, 2)
-    return (out, lse) if _flag("cope_attention", "return_lse", return_lse) else out
+        out = out.transpose(1, 2)
+    else:
+        lse = lse.transpose(-1, -2)
+    return (out, lse) if return_lse else out
 
 
 _KV_FORMATS = ("q8_0", "q4_0", "fp8_e4m3")

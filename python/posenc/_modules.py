@@ -366,6 +366,12 @@ class CoPE(torch.nn.Module):
         return cope_attention(q, k, v, self.table, scale=scale, cu_seqlens=cu_seqlens, layout=layout,
                               return_lse=return_lse)
 
+    def _attention_scheme(self, heads, keys_rotated, head_dim):
+        # The registered "cope" (posenc.schemes()), its table the parameter tensor.
+        if self.head_dim != head_dim:
+            raise ValueError(f"attention: CoPE has head_dim = {self.head_dim}; expected q's {head_dim}")
+        return _scheme_spec("cope", heads, {"positions": self.npos_max}), self.table
+
     def extra_repr(self):
         return f"npos_max={self.npos_max}, head_dim={self.head_dim}"
 

@@ -11,8 +11,8 @@ position alone (the relative-bias family: ALiBi, T5, Kerple, Sandwich, … throu
 function from captured tensors (FIRE's MLP, the forget gate's running sum, kept as two float32
 halves so that long sequences lose no precision). Sinks are exact: one more key with a zero
 value whose score is the sink's logit. Schemes whose terms read the query and a
-per-pair table (Shaw, Transformer-XL), TUPE's projected table and CoPE are refused: see
-``_REFUSED`` (stick-breaking attention is a function of its own, not a scheme)."""
+per-pair table (Shaw, Transformer-XL), TUPE's projected table and the normalisers that replace
+the softmax (stick-breaking, CoPE) are refused: see ``_REFUSED``."""
 import torch
 from torch.nn.attention import flex_attention as _flex
 
@@ -34,6 +34,8 @@ _REFUSED = {
             "(posenc.tupe_bias) and pass it to scaled_dot_product_attention as attn_mask",
     "cope": "CoPE's positions are running sums of sigmoid gates over the scores themselves, which a score "
             "function of one pair cannot see",
+    "stickbreaking": "stick-breaking's weights σ(z)·Π(1 − σ) replace the softmax, which FlexAttention always "
+                     "applies to the scores",
 }
 _INSTEAD = "; use backend='fused' (posenc's CPU kernel) for it"
 # The relative-bias table is [H, span of key − query] floats; past this many per head the

@@ -11,7 +11,8 @@ from ._checks import _finite, _int, _number, _object, _ops, _positions
 @torch.compiler.assume_constant_result  # the registry is fixed when the library loads
 def schemes():
     """The registered positional schemes (posenc/registry.hpp), as a list of dicts: ``name``,
-    ``family`` (none, transform, relative-bias, bias, relative-terms, sink, token-term, term),
+    ``family`` (none, transform, relative-bias, bias, relative-terms, sink, token-term, term,
+    normaliser),
     ``summary``, ``source``, ``parameters`` (the learned parameters, "" if none), ``options``
     (``name``, ``default``, ``integer``, ``description``), ``inputs`` (per-token activations the
     scheme reads: ``name``, ``description``, ``typical`` [min, max] of a trained model's values) and

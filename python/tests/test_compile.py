@@ -67,6 +67,14 @@ def cases():
     yield "mla-narrow-values", op_args(mq, mk, mv, "alibi", causal=True)
     yield "float64", op_args(*qkv(dtype=torch.float64), "rope", causal=True)
     yield "bfloat16", op_args(*qkv(dtype=torch.bfloat16), "alibi", causal=True)
+    # The row normalisers: stick-breaking by name, CoPE with its table (learned), packed and in bf16.
+    yield "stickbreaking-registered", op_args(q, k, v, "stickbreaking", causal=True)
+    cope = posenc.CoPE(12, 8)
+    with torch.no_grad():
+        cope.table.copy_(torch.randn(12, 8).mul(0.1))
+    yield "cope-registered", op_args(q, k, v, cope, causal=True)
+    yield "cope-packed-bf16", op_args(*(x.bfloat16() for x in (tq, tk, tv)), cope, causal=True,
+                                      cu_seqlens=torch.tensor([0, 5, 22]), scale=0.3)
     # A quantized cache (forward only: nothing requires grad).
     cq, ck, cv = qkv(d=32, grad=False)
     yield "q8_0-cache", (*op_args(cq, posenc.quantize_kv(ck, "q8_0"), posenc.quantize_kv(cv, "q8_0"), "rope",
@@ -166,33 +174,28 @@ def test_opcheck_tables_and_biases(name):
     opcheck(op.default, args)
 
 
-def stickbreaking_and_cope_cases():
-    """(name, op, args) for the two attentions with kernels of their own: stick-breaking (out and
-    rem, both differentiable) and CoPE (out, and an lse without gradient), padded and packed, f32
-    and bf16 (whose backward reads the forward's f32 out)."""
+def stickbreaking_cases():
+    """(name, op, args) for stick-breaking's own op (out and rem, both differentiable; through the
+    attention op, its registered scheme's rem has no gradient), padded and packed, f32 and bf16
+    (whose backward reads the forward's f32 out)."""
     q, k, v = qkv(b=2, s=9, h=4, g=2, d=8)
     packed = [t.detach()[0].requires_grad_() for t in (q, k, v)]
     wide = [t.detach().bfloat16().requires_grad_() for t in (q, k, v)]
     yield "stickbreaking", ops.stickbreaking_attention, (q, k, v, 0.0, False, [], [], True)
     yield "stickbreaking-current-packed", ops.stickbreaking_attention, (*packed, 0.5, True, [0, 4, 9], [0, 4, 9], False)
     yield "stickbreaking-bf16", ops.stickbreaking_attention, (*wide, 0.0, False, [], [], True)
-    torch.manual_seed(8)
-    table = torch.randn(12, 8).mul(0.1).requires_grad_()
-    yield "cope", ops.cope_attention, (q, k, v, table, 0.0, [], [])
-    yield "cope-packed", ops.cope_attention, (*packed, table, 0.3, [0, 4, 9], [0, 4, 9])
-    yield "cope-bf16", ops.cope_attention, (*wide, table, 0.0, [], [])
 
 
-STICKBREAKING_AND_COPE_CASES = {name: (op, args) for name, op, args in stickbreaking_and_cope_cases()}
+STICKBREAKING_CASES = {name: (op, args) for name, op, args in stickbreaking_cases()}
 
 
-@pytest.mark.parametrize("name", list(STICKBREAKING_AND_COPE_CASES))
-def test_opcheck_stickbreaking_and_cope(name):
-    op, args = STICKBREAKING_AND_COPE_CASES[name]
+@pytest.mark.parametrize("name", list(STICKBREAKING_CASES))
+def test_opcheck_stickbreaking(name):
+    op, args = STICKBREAKING_CASES[name]
     opcheck(op.default, args)
     # The forward op the autograd kernel calls: the same out and per-row output, and the f32 out
     # for 16-bit inputs (an empty tensor otherwise).
-    forward = ops.stickbreaking_attention_forward if name.startswith("stick") else ops.cope_attention_forward
+    forward = ops.stickbreaking_attention_forward
     detached = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
     opcheck(forward.default, detached, test_utils=("test_schema", "test_faketensor"))
     out, row, wide = forward(*detached)
@@ -306,7 +309,7 @@ def backward_cases():
     arguments taken by name from the forward's (schemas) and its outputs, with a random gradient."""
     torch.manual_seed(6)
     firsts = {}
-    for op, args in (*TABLE_AND_BIAS_CASES.values(), *STICKBREAKING_AND_COPE_CASES.values()):
+    for op, args in (*TABLE_AND_BIAS_CASES.values(), *STICKBREAKING_CASES.values()):
         firsts.setdefault(op._qualified_op_name, (op, args))
     for name, (op, args) in firsts.items():
         backward = getattr(ops, name.split("::")[1] + "_backward", None)
@@ -361,9 +364,8 @@ def test_every_op_of_the_namespace_has_opcheck_cases():
     """The dispatcher's registry of posenc's ops against the cases above: a new op fails here until
     it has a fake kernel and cases (attention_planned and attention_grad: test_opcheck_traced_path_ops)."""
     names = {n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("posenc::")}
-    covered = {"attention", "attention_planned", "attention_grad", "stickbreaking_attention_forward",
-               "cope_attention_forward"}
-    for table in (TABLE_AND_BIAS_CASES, STICKBREAKING_AND_COPE_CASES, ROPE_AND_REGISTRY_CASES, BACKWARD_CASES,
+    covered = {"attention", "attention_planned", "attention_grad", "stickbreaking_attention_forward"}
+    for table in (TABLE_AND_BIAS_CASES, STICKBREAKING_CASES, ROPE_AND_REGISTRY_CASES, BACKWARD_CASES,
                   QUANTIZED_CASES):
         covered |= {op._qualified_op_name.split("::")[1] for op, _ in table.values()}
     assert names - WITHOUT_TENSORS == covered

@@ -122,14 +122,19 @@ def test_the_scheme_form_layouts_and_lse():
 def test_bad_input_is_refused_by_name():
     q, k, v, table = inputs(sq=10, sk=10, npos=8)
     cope = posenc.CoPE(8, 32)
-    with pytest.raises(ValueError, match="causal = False with CoPE"):
+    with pytest.raises(ValueError, match="mask.causal = false; expected a causal mask .cope replaces the softmax"):
         posenc.attention(q, k, v, cope)
-    with pytest.raises(ValueError, match="window with CoPE"):
+    with pytest.raises(ValueError, match="mask.window_left = 4; expected -1"):
         posenc.attention(q, k, v, cope, causal=True, window=(4, 0))
-    with pytest.raises(ValueError, match="sinks with CoPE"):
+    with pytest.raises(ValueError, match=r"terms = 1 terms; expected none \(sinks included\)"):
         posenc.attention(q, k, v, cope, causal=True, sinks=torch.zeros(4))
-    with pytest.raises(ValueError, match=r"table.*D = 32"):
+    with pytest.raises(ValueError, match=r"cache = q8_0; expected k and v tensors"), torch.no_grad():
+        posenc.attention(q, posenc.quantize_kv(k, "q8_0"), posenc.quantize_kv(v, "q8_0"), cope, causal=True,
+                         kv_format="q8_0")
+    with pytest.raises(ValueError, match=r"params\[0\] shape \[8, 16\]; expected \[8, 32\]"):
         posenc.cope_attention(q, k, v, table[:, :16])
+    with pytest.raises(ValueError, match="has head_dim = 16; expected q's 32"):
+        posenc.attention(q, k, v, posenc.CoPE(8, 16), causal=True)
     with pytest.raises(ValueError, match="npos_max = 70000"):
         posenc.CoPE(70000, 32)
     with pytest.raises(ValueError, match="npos_max"):

@@ -297,6 +297,7 @@ def test_backend_must_be_known():
     (lambda: posenc.TransformerXLRelative(H, D, 64), "Transformer-XL"),
     (lambda: posenc.TUPE(H, D, 64, 64), "TUPE"),
     (lambda: posenc.CoPE(16, D), "CoPE"),
+    (lambda: "stickbreaking", "replace the softmax"),
     (lambda: posenc.Scheme("table", H, D, max_distance=8), "fp64 definition in C"),
 ])
 def test_schemes_without_a_score_function_are_refused(scheme, why):

@@ -384,3 +384,33 @@ def test_schemes_of_per_token_inputs_are_refused_where_nothing_computes_them():
         leaf.sub_(0.1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         o.sum().backward()
+
+
+@pytest.mark.parametrize("name", ["stickbreaking", "cope"])
+def test_normalisers_by_name_in_a_layer_generate_as_they_recompute(name):
+    """The registered normalisers (family ``normaliser``) in posenc.nn.SelfAttention, which passes
+    the tokens' positions: trainable, and a KVCache's steps give the whole sequence's outputs."""
+    torch.manual_seed(3)
+    layer = posenc.nn.SelfAttention(64, 4, kv_heads=2, scheme=name)
+    x = torch.randn(2, 10, 64)
+    layer(x).sum().backward()
+    assert all(p.grad is not None for p in layer.parameters())
+    with torch.no_grad():
+        for p in layer.scheme.parameters() if isinstance(layer.scheme, torch.nn.Module) else ():
+            p.normal_()
+        whole = layer(x)
+        cache = posenc.KVCache(2, 2, 16, capacity=16)
+        steps = [layer(x[:, :3], cache=cache)] + [layer(x[:, t:t + 1], cache=cache) for t in range(3, 10)]
+    torch.testing.assert_close(torch.cat(steps, 1), whole, rtol=0, atol=1e-6)
+
+
+def test_stickbreaking_by_name_is_its_function_with_rem_as_lse():
+    torch.manual_seed(4)
+    q, k, v = torch.randn(2, 9, 4, 8), torch.randn(2, 9, 2, 8), torch.randn(2, 9, 2, 8)
+    out, lse = posenc.attention(q, k, v, "stickbreaking", causal=True, return_lse=True)
+    want, rem = posenc.stickbreaking_attention(q, k, v)
+    assert torch.equal(out, want) and torch.equal(lse, rem.transpose(1, 2))
+    with pytest.raises(ValueError, match="mask.causal = false; expected a causal mask .stickbreaking replaces"):
+        posenc.attention(q, k, v, "stickbreaking")
+    with pytest.raises(ValueError, match=r"k_positions = 1 at key 0 of a sequence; expected 0, the tokens' order"):
+        posenc.attention(q, k, v, "stickbreaking", causal=True, k_positions=torch.arange(1, 10))

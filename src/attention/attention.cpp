@@ -43,6 +43,10 @@ AttentionGradients Attention::zero_gradients() const { return plan_->zero_gradie
 
 AttentionStats Attention::forward(TensorView out, TensorView lse) const {
   detail::init_dispatch();
+  if (plan_->normaliser != nullptr) {
+    if (lse.rank() > 0) plan_->check_lse(lse, true);
+    return plan_->normaliser->forward(spec(), out, lse, detail::use_reference());
+  }
   if (detail::use_reference() || plan_->dtype == DType::kF64) {
     // The plan's checks first, so that errors read the same on every path.
     detail::check_output_tokens(Plan::kWhere, "out", ConstTensorView(out), plan_->out_grid());
@@ -60,6 +64,12 @@ AttentionStats Attention::backward(ConstTensorView out, ConstTensorView lse, Con
   if (spec().cache) {
     throw Error(Plan::kWhere, "cache", std::string(cache_format_name(spec().cache->format)),
                 "k and v tensors for backward (a quantized cache has no gradient)");
+  }
+  if (plan_->normaliser != nullptr) {
+    if (lse.rank() > 0) plan_->check_lse(lse, false);
+    if (grads != nullptr) plan_->check_gradients(*grads);
+    return plan_->normaliser->backward(spec(), out, lse, d_out, dq, dk, dv,
+                                       grads != nullptr ? &grads->groups[0] : nullptr, detail::use_reference());
   }
   if (detail::use_reference() || plan_->dtype == DType::kF64) {
     const detail::HeadsGrid& qg = plan_->qg;

@@ -113,6 +113,7 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)) {
   check_views();
   check_mask();
   plan_sequences();
+  if (check_normaliser()) return;
   const PositionRange range = plan_positions();
   position_range = range;
   check_f32_multipliers(range);
@@ -121,6 +122,60 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)) {
   const float lowest_table_bias = plan_bias_tables(groups, range);
   plan_terms(groups);
   plan_far_tiles(groups, lowest_table_bias);
+}
+
+bool AttentionPlan::check_normaliser() {
+  const auto with =
+      std::find_if(spec.groups.begin(), spec.groups.end(), [](const HeadGroup& g) { return g.normaliser != nullptr; });
+  if (with == spec.groups.end()) return false;
+  const HeadGroup& g = *with;
+  const std::string name(g.normaliser->name());
+  const auto refuse = [&](const char* param, const std::string& value, const std::string& expected) {
+    throw Error(kWhere, param, value, expected + " (" + name + " replaces the softmax and runs the call alone)");
+  };
+  if (spec.groups.size() != 1) refuse("groups", std::to_string(spec.groups.size()) + " groups", "one group");
+  if (g.heads != heads)
+    refuse("groups[0].heads", std::to_string(g.heads), "the " + std::to_string(heads) + " heads of q");
+  if (g.transform.index() != 0) refuse("groups[0].transform", "set", "none");
+  if (g.bias) refuse("groups[0].bias", "set", "none");
+  if (!g.terms.empty()) refuse("groups[0].terms", std::to_string(g.terms.size()) + " terms", "none (sinks included)");
+  // Its weights walk the keys at or before the query (stick-breaking's from the one before it):
+  // a causal mask, or one query per sequence, which sees no later key under any mask.
+  const bool single_queries =
+      std::all_of(sequences.begin(), sequences.end(), [](const Sequence& seq) { return seq.lq <= 1; });
+  if (!spec.mask.causal && !single_queries) refuse("mask.causal", "false", "a causal mask");
+  if (spec.mask.window_left >= 0) refuse("mask.window_left", std::to_string(spec.mask.window_left), "-1");
+  if (spec.mask.window_right > 0) refuse("mask.window_right", std::to_string(spec.mask.window_right), "-1 or 0");
+  if (spec.mask.chunk_size) refuse("mask.chunk_size", std::to_string(*spec.mask.chunk_size), "unset");
+  if (spec.mask.softcap != 0.0) refuse("mask.softcap", std::to_string(spec.mask.softcap), "0");
+  if (!spec.mask.key_lengths.empty()) refuse("mask.key_lengths", "given", "empty (every key)");
+  // Positions play no part but the order of the tokens: given ones must be that order (a cache's
+  // keys 0, 1, … and its queries the last of them), as the defaults are.
+  const std::int64_t rows = packed ? 1 : batch;
+  if (spec.q_positions) spec.q_positions->check_grid(kWhere, rows, q_len);
+  if (spec.k_positions) spec.k_positions->check_grid(kWhere, rows, k_len);
+  for (const Sequence& seq : sequences) {
+    const std::int64_t offset = std::max<std::int64_t>(0, seq.lk - seq.lq);
+    for (std::int64_t i = 0; spec.q_positions && i < seq.lq; ++i) {
+      const std::int64_t p = spec.q_positions->at(packed ? 0 : seq.b, seq.q0 + i);
+      if (p != offset + i) {
+        refuse("q_positions", std::to_string(p) + " at query " + std::to_string(i) + " of a sequence",
+               std::to_string(offset + i) + ", the tokens' order (query i of Lq is key token Lk − Lq + i)");
+      }
+    }
+    for (std::int64_t j = 0; spec.k_positions && j < seq.lk; ++j) {
+      const std::int64_t p = spec.k_positions->at(packed ? 0 : seq.b, seq.k0 + j);
+      if (p != j) {
+        refuse("k_positions", std::to_string(p) + " at key " + std::to_string(j) + " of a sequence",
+               std::to_string(j) + ", the tokens' order");
+      }
+    }
+  }
+  if (spec.temperature) refuse("temperature", "set", "unset");
+  if (spec.cache) refuse("cache", std::string(cache_format_name(spec.cache->format)), "k and v tensors");
+  normaliser = g.normaliser.get();
+  normaliser->check(spec);
+  return true;
 }
 
 // The views: ranks, shapes, dtypes and strides of q, k, v; the block and tile sizes.

@@ -254,8 +254,12 @@ struct AttentionPlan : CallGeometry, PositionTables, BiasTables, PassPlan {
   void plan_transform_tables(const std::vector<HeadGroup>& groups, const PositionRange& range);
   float plan_bias_tables(const std::vector<HeadGroup>& groups, const PositionRange& range);
   void plan_far_tiles(const std::vector<HeadGroup>& groups, float lowest_table_bias);
+  // A group with a RowNormaliser: it is the call's only group and the call one it can run.
+  bool check_normaliser();
 
   AttentionSpec spec;
+  // The spec's RowNormaliser, which runs the whole call, or null.
+  const RowNormaliser* normaliser = nullptr;
   // Row (b, s, h) of the keys or values as f32, zero-padded to dim_padded (dequantised from a
   // quantized cache).
   void load_key_row(std::int64_t b, std::int64_t s, std::int64_t h, float* out) const {

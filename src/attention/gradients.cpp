@@ -37,6 +37,7 @@ AttentionGradients AttentionPlan::zero_gradients() const {
     if (grp.bias) g.bias.assign(static_cast<std::size_t>(bias_parameter_count(*grp.bias)), 0.0);
     for (const AttentionTermRef& term : grp.terms)
       g.terms.emplace_back(static_cast<std::size_t>(term->gradient_size()), 0.0);
+    if (grp.normaliser) g.normaliser.assign(static_cast<std::size_t>(grp.normaliser->gradient_size()), 0.0);
     grads.groups.push_back(std::move(g));
   }
   return grads;
@@ -51,6 +52,8 @@ void AttentionPlan::check_gradients(const AttentionGradients& grads) const {
     const auto& b = like.groups[g];
     const std::string name = "grads.groups[" + std::to_string(g) + "]";
     check_gradient_size(kWhere, (name + ".bias").c_str(), a.bias.size(), static_cast<std::int64_t>(b.bias.size()));
+    check_gradient_size(kWhere, (name + ".normaliser").c_str(), a.normaliser.size(),
+                        static_cast<std::int64_t>(b.normaliser.size()));
     require(a.terms.size() == b.terms.size(), (name + ".terms").c_str(), "size " + std::to_string(a.terms.size()),
             std::to_string(b.terms.size()) + " (one per HeadGroup::terms entry)");
     for (std::size_t t = 0; t < b.terms.size(); ++t) {

@@ -437,7 +437,24 @@ void forward_from_cache(const Attention& attention, TensorView out, TensorView l
 
 }  // namespace
 
+namespace {
+// A call that a RowNormaliser runs: its fp64 definition (it has no naive f32 form).
+const RowNormaliser* row_normaliser(const Attention& attention, bool naive_f32) {
+  const std::vector<HeadGroup>& groups = attention.spec().groups;
+  if (groups.size() != 1 || groups[0].normaliser == nullptr) return nullptr;
+  if (naive_f32) {
+    throw Error(kWhere, "naive_f32", "true",
+                "false for " + std::string(groups[0].normaliser->name()) + " (its reference is fp64 only)");
+  }
+  return groups[0].normaliser.get();
+}
+}  // namespace
+
 void attention_forward_bf16_products(const Attention& attention, TensorView out, TensorView lse) {
+  if (row_normaliser(attention, false) != nullptr) {
+    throw Error(kWhere, "groups[0].normaliser", std::string(attention.spec().groups[0].normaliser->name()),
+                "the softmax (bf16 products are the softmax engine's)");
+  }
   if (attention.spec().cache) {
     throw Error(kWhere, "cache", std::string(cache_format_name(attention.spec().cache->format)),
                 "k and v tensors (bf16 products need bf16 inputs)");
@@ -446,6 +463,10 @@ void attention_forward_bf16_products(const Attention& attention, TensorView out,
 }
 
 void attention_forward(const Attention& attention, TensorView out, TensorView lse, bool naive_f32) {
+  if (const RowNormaliser* n = row_normaliser(attention, naive_f32)) {
+    n->forward(attention.spec(), out, lse, true);
+    return;
+  }
   if (attention.spec().cache) {
     forward_from_cache(attention, out, lse, naive_f32);
     return;
@@ -609,11 +630,19 @@ void backward_impl(const Attention& attention, ConstTensorView out, ConstTensorV
 
 void attention_backward(const Attention& attention, ConstTensorView out, ConstTensorView lse, ConstTensorView d_out,
                         TensorView dq, TensorView dk, TensorView dv, AttentionGradients* grads) {
+  if (const RowNormaliser* n = row_normaliser(attention, false)) {
+    n->backward(attention.spec(), out, lse, d_out, dq, dk, dv, grads != nullptr ? &grads->groups.at(0) : nullptr, true);
+    return;
+  }
   backward_impl(attention, out, lse, d_out, dq, dk, dv, grads, false);
 }
 
 void attention_backward_bf16_products(const Attention& attention, ConstTensorView out, ConstTensorView lse,
                                       ConstTensorView d_out, TensorView dq, TensorView dk, TensorView dv) {
+  if (row_normaliser(attention, false) != nullptr) {
+    throw Error(kWhere, "groups[0].normaliser", std::string(attention.spec().groups[0].normaliser->name()),
+                "the softmax (bf16 products are the softmax engine's)");
+  }
   backward_impl(attention, out, lse, d_out, dq, dk, dv, nullptr, true);
 }
 

@@ -32,6 +32,8 @@ SchemeEntry sandwich_entry();
 SchemeEntry sinks_entry();
 SchemeEntry forgetting_entry();
 SchemeEntry table_entry();
+SchemeEntry stickbreaking_entry();
+SchemeEntry cope_entry();
 }  // namespace scheme_entries
 
 const std::vector<SchemeEntry>& schemes() {
@@ -51,6 +53,8 @@ const std::vector<SchemeEntry>& schemes() {
       scheme_entries::sinks_entry(),
       scheme_entries::forgetting_entry(),
       scheme_entries::table_entry(),
+      scheme_entries::stickbreaking_entry(),
+      scheme_entries::cope_entry(),
   };
   // clang-format on
   return all;

@@ -129,7 +129,8 @@ struct GroupGradients;
 // statistic is the log-sum-exp). The registry's "stickbreaking" and "cope" make them. Attention
 // hands the whole call to it: its group is the call's only one, with no transform, bias or terms,
 // and the call is causal (or has one query per sequence) with no window, chunks, soft-cap,
-// temperature, positions or quantized cache. Query i of a sequence is its key token Lk − Lq + i.
+// temperature or quantized cache, and positions, if given, in the tokens' order (query i of a
+// sequence is its key token Lk − Lq + i, as by default). No gradient reaches its statistic.
 class RowNormaliser {
  public:
   virtual ~RowNormaliser() = default;

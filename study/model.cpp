@@ -16,9 +16,6 @@ namespace {
 
 using SchemeList = torch_adapter::SchemeList;
 using SinusoidOp = at::Tensor(const at::Tensor&, std::int64_t, double, bool, at::ScalarType);
-using StickBreakingOp = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                           double, bool, std::vector<std::int64_t>,
-                                                           std::vector<std::int64_t>, bool);
 using QuantizeOp = at::Tensor(const at::Tensor&, const std::string&);
 using RopeOp = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                   const c10::intrusive_ptr<torch_adapter::RopeClass>&, std::int64_t,
@@ -191,6 +188,8 @@ c10::intrusive_ptr<torch_adapter::SchemeClass> LanguageModelImpl::attention_sche
     rope = c10::make_intrusive<torch_adapter::RopeClass>(p);
     name = "rope";
     if (!kv_format_.empty() && kv_post_rope_) options.insert("keys_rotated", 1.0);
+  } else if (s == "stickbreaking") {
+    name = s;
   } else if (s == "cope") {
     // The registered scheme, its table one row longer than the training length.
     name = s;
@@ -224,8 +223,6 @@ torch::Tensor LanguageModelImpl::layer_bias_params(const Layer& layer) const {
 torch::Tensor LanguageModelImpl::forward(const torch::Tensor& bytes, std::int64_t context_length) {
   static const auto sinusoid =
       c10::Dispatcher::singleton().findSchemaOrThrow("posenc::sinusoidal_table", "").typed<SinusoidOp>();
-  static const auto stickbreaking =
-      c10::Dispatcher::singleton().findSchemaOrThrow("posenc::stickbreaking_attention", "").typed<StickBreakingOp>();
   static const auto quantize =
       c10::Dispatcher::singleton().findSchemaOrThrow("posenc::quantize_kv", "").typed<QuantizeOp>();
   static const auto rotate = c10::Dispatcher::singleton().findSchemaOrThrow("posenc::rope", "").typed<RopeOp>();
@@ -245,28 +242,25 @@ torch::Tensor LanguageModelImpl::forward(const torch::Tensor& bytes, std::int64_
     const torch::Tensor qkv = linear(normed, layer.qkv).view({b, s, 3, h, hd});
     const torch::Tensor q = qkv.select(2, 0), k = qkv.select(2, 1), v = qkv.select(2, 2);
     torch::Tensor attended;
-    if (config_.scheme == "stickbreaking") {
-      const auto [o, rem] = stickbreaking.call(q, k, v, 0.0, false, {}, {}, true);
-      attended = o + rem.unsqueeze(-1) * layer.head_bias;
+    torch_adapter::AttentionArgs args;
+    args.schemes = schemes;
+    if (config_.scheme == "fox") args.gates.push_back(torch::log_sigmoid(linear(normed, layer.fgate)));
+    if (const torch::Tensor params = layer_bias_params(layer); params.defined()) args.params.push_back(params);
+    if (config_.scheme == "cope") args.params.push_back(layer.cope_table);
+    args.causal = true;
+    if (kv_format_.empty()) {
+      const auto [o, lse] = torch_adapter::call_attention(q, k, v, args);
+      // Stick-breaking's lse is rem [B, H, S], the stick left over, which the model adds as rem·b_h.
+      attended = config_.scheme == "stickbreaking" ? o + lse.transpose(1, 2).unsqueeze(-1) * layer.head_bias : o;
     } else {
-      torch_adapter::AttentionArgs args;
-      args.schemes = schemes;
-      if (config_.scheme == "fox") args.gates.push_back(torch::log_sigmoid(linear(normed, layer.fgate)));
-      if (const torch::Tensor params = layer_bias_params(layer); params.defined()) args.params.push_back(params);
-      if (config_.scheme == "cope") args.params.push_back(layer.cope_table);
-      args.causal = true;
-      if (kv_format_.empty()) {
-        attended = std::get<0>(torch_adapter::call_attention(q, k, v, args));
-      } else {
-        torch::Tensor keys = k;
-        if (kv_post_rope_) {
-          const auto& rope = schemes.get(0)->rope_object;
-          keys = std::get<1>(rotate.call(q, k, positions, *rope, s, 0));
-        }
-        args.kv_format = kv_format_;
-        attended = std::get<0>(torch_adapter::call_attention(q, quantize.call(keys.contiguous(), kv_format_),
-                                                             quantize.call(v.contiguous(), kv_format_), args));
+      torch::Tensor keys = k;
+      if (kv_post_rope_) {
+        const auto& rope = schemes.get(0)->rope_object;
+        keys = std::get<1>(rotate.call(q, k, positions, *rope, s, 0));
       }
+      args.kv_format = kv_format_;
+      attended = std::get<0>(torch_adapter::call_attention(q, quantize.call(keys.contiguous(), kv_format_),
+                                                           quantize.call(v.contiguous(), kv_format_), args));
     }
     x = x + linear(attended.reshape({b, s, d}), layer.out);
     x = x + linear(torch::gelu(linear(layer.norm2->forward(x), layer.up)), layer.down);

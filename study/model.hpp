@@ -14,8 +14,8 @@
 //   fox                      Forgetting Attention without other positions (the FoX paper's own
 //                            setting): log f = logsigmoid(W_f·x + b_f) per token and head, W_f a
 //                            linear layer of the block's normalised input (default init)
-//   stickbreaking            stick-breaking attention (no softmax, no positions; posenc's
-//                            stickbreaking_attention op) plus rem·b_h, a learned per-head vector
+//   stickbreaking            stick-breaking attention (no softmax, no positions; the registered
+//                            scheme on posenc's attention op) plus rem·b_h, a learned per-head vector
 //                            for the stick left over (zero at first), as the authors' models add
 //   cope                     CoPE (the registered scheme on posenc's attention op): a learned table of
 //                            train_length + 1 positions per layer (the authors' default, block size

@@ -84,17 +84,28 @@ Outputs zeroed(const Buffers& b, const Shapes& s) {
   return o;
 }
 
-// Forward, then backward from b.d_out, through Attention.
-Outputs through_attention(const Buffers& b, const Shapes& s, const HeadGroup& group) {
+// Forward, then backward from b.d_out (and d_stat, in the row engines' [B, Sq, H] order, when
+// given), through Attention.
+Outputs through_attention(const Buffers& b, const Shapes& s, const HeadGroup& group,
+                          const std::vector<float>& d_stat = {}) {
   const Attention att(attention_spec(b, s, group));
   Outputs o = zeroed(b, s);
   const TensorView out = TensorView::contiguous(o.out.data(), b.dt, s.q);
   const TensorView stat = TensorView::contiguous(o.stat.data(), DType::kF32, attention_stat_shape(s));
   att.forward(out, stat);
   AttentionGradients grads = att.zero_gradients();
+  std::vector<float> d_lse(d_stat.size());
+  for (std::int64_t t = 0; t < s.q_tokens() && !d_stat.empty(); ++t) {
+    for (std::int64_t h = 0; h < kH; ++h) {
+      const std::int64_t at = s.q.size() == 4 ? ((t / kSq) * kH + h) * kSq + t % kSq : h * kSq + t;
+      d_lse[static_cast<std::size_t>(at)] = d_stat[static_cast<std::size_t>(t * kH + h)];
+    }
+  }
   att.backward(out, stat, ConstTensorView::contiguous(b.d_out.data(), b.dt, s.q),
                TensorView::contiguous(o.dq.data(), b.dt, s.q), TensorView::contiguous(o.dk.data(), b.dt, s.k),
-               TensorView::contiguous(o.dv.data(), b.dt, s.k), &grads);
+               TensorView::contiguous(o.dv.data(), b.dt, s.k), &grads,
+               d_stat.empty() ? ConstTensorView{}
+                              : ConstTensorView::contiguous(d_lse.data(), DType::kF32, attention_stat_shape(s)));
   o.d_params = grads.groups[0].normaliser;
   return o;
 }
@@ -124,7 +135,10 @@ TEST_P(RegisteredNormalisers, StickBreakingIsItsOwnClassBitForBit) {
         const Buffers b(dt, s.q_tokens(), s.k_tokens());
         const HeadGroup g =
             make_head_group("stickbreaking", {.heads = kH, .head_dim = kD, .options = {{"attend_current", current}}});
-        const Outputs via = through_attention(b, s, g);
+        // rem's gradient (Attention's d_lse) on every other case.
+        std::vector<float> d_rem(current ? static_cast<std::size_t>(s.q_tokens() * kH) : 0);
+        for (float& x : d_rem) x = static_cast<float>(uniform(-1, 1));
+        const Outputs via = through_attention(b, s, g, d_rem);
 
         const AttentionSpec a = attention_spec(b, s, g);
         const StickBreakingAttention sb(
@@ -137,7 +151,9 @@ TEST_P(RegisteredNormalisers, StickBreakingIsItsOwnClassBitForBit) {
         const TensorView out32 = TensorView::contiguous(wide.data(), DType::kF32, s.q);
         sb.forward(out32, {});
         sb.backward(dt == DType::kF32 ? ConstTensorView(out) : ConstTensorView(out32), rem,
-                    ConstTensorView::contiguous(b.d_out.data(), dt, s.q), {},
+                    ConstTensorView::contiguous(b.d_out.data(), dt, s.q),
+                    d_rem.empty() ? ConstTensorView{}
+                                  : ConstTensorView::contiguous(d_rem.data(), DType::kF32, row_stat_shape(s)),
                     TensorView::contiguous(own.dq.data(), dt, s.q), TensorView::contiguous(own.dk.data(), dt, s.k),
                     TensorView::contiguous(own.dv.data(), dt, s.k));
         expect_same(via, own, s);
@@ -251,6 +267,18 @@ TEST(RegisteredNormaliserCalls, RefuseWhatTheyDoNotCombineWith) {
       {"cope_attention", "at most as many queries as keys"});
   refused([&](AttentionSpec& a) { a.groups = {make_head_group("cope", {.heads = kH, .head_dim = kD / 2})}; },
           {"cope_attention", "table", std::to_string(kD / 2)});
+  // CoPE's lse, and the softmax's, take no gradient.
+  {
+    const Attention cope(attention_spec(b, s, g));
+    const Attention softmax(attention_spec(b, s, make_head_group("none", {.heads = kH, .head_dim = kD})));
+    std::vector<float> out(static_cast<std::size_t>(kB * kSq * kH * kD)), lse(static_cast<std::size_t>(kB * kH * kSq));
+    const TensorView o = TensorView::of(out.data(), {kB, kSq, kH, kD});
+    const TensorView l = TensorView::of(lse.data(), {kB, kH, kSq});
+    for (const Attention* att : {&cope, &softmax}) {
+      att->forward(o, l);
+      expect_error([&] { att->backward(o, l, o, {}, {}, {}, nullptr, l); }, {"d_lse", "empty", "takes no gradient"});
+    }
+  }
   // The fp64 reference has no naive f32 form for them.
   const Attention att(attention_spec(b, s, g));
   std::vector<float> out(static_cast<std::size_t>(kB * kSq * kH * kD));

@@ -30,18 +30,6 @@ at::Tensor materialize(const BiasScheme& scheme, const at::Tensor& q_ids, const 
 std::vector<double> doubles_of(const char* where, const char* name, const at::Tensor& t);
 at::Tensor tensor_of(const std::vector<double>& values, const at::Tensor& like);
 
-// The outputs of stick-breaking's own op (stickbreaking_ops.cpp): out like q with v's
-// head size — in f32 for 16-bit inputs, since backward reads it without their rounding — and a
-// float32 value per row, [B, Sq, H] or [Tq, H] (rem).
-bool is_16_bit(const at::Tensor& t);
-struct RowOutputs {
-  at::Tensor out, row;
-};
-RowOutputs row_outputs(const at::Tensor& q, const at::Tensor& v);
-// What the forward op returns: out in q's dtype, the row values, and the f32 out of 16-bit inputs
-// (an empty float32 tensor for f32 and f64, whose out is exact as it is).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> returned(const at::Tensor& q, const RowOutputs& o);
-
 // Calls the op posenc::NAME below autograd with a boxed stack, returning its outputs: its CPU
 // kernel, or its fake kernel while a tracer runs. An autograd kernel calls its forward and backward
 // ops this way, so that torch.compile and opcheck record them.
@@ -113,7 +101,5 @@ auto translating(Fn&& fn) -> decltype(fn()) {
 
 // The fused attention's ops and the registry's (attention_ops.cpp).
 void define_attention_ops(torch::Library& m);
-// Stick-breaking attention's op (stickbreaking_ops.cpp).
-void define_stickbreaking_ops(torch::Library& m);
 
 }  // namespace posenc::torch_adapter

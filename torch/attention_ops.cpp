@@ -385,7 +385,8 @@ struct AttentionGrads {
 AttentionGrads attention_gradients(const AttentionCall& call, const at::Tensor& q, const at::Tensor& k,
                                    const at::Tensor& v, const std::vector<at::Tensor>& params,
                                    const c10::optional<at::Tensor>& sinks, const at::Tensor& out, const at::Tensor& lse,
-                                   const at::Tensor& grad_out, const WantedGradients& wanted) {
+                                   const at::Tensor& grad_out, const WantedGradients& wanted,
+                                   const at::Tensor& grad_lse = {}) {
   AttentionGrads r;
   const at::Tensor d_out = grad_out.defined() ? grad_out.contiguous() : at::zeros_like(out);
   r.dq = at::zeros_like(q);
@@ -393,10 +394,12 @@ AttentionGrads attention_gradients(const AttentionCall& call, const at::Tensor& 
   r.dv = at::zeros_like(v);
   AttentionGradients param_grads = call.attention->zero_gradients();
   const bool trainable = wanted.any();
+  const at::Tensor d_lse = grad_lse.defined() ? grad_lse.contiguous() : at::Tensor();
   call.attention->backward(const_view("attention", "out", out), const_view("attention", "lse", lse),
                            const_view("attention", "d_out", d_out), mutable_view("attention", "dq", r.dq),
                            mutable_view("attention", "dk", r.dk), mutable_view("attention", "dv", r.dv),
-                           trainable ? &param_grads : nullptr);
+                           trainable ? &param_grads : nullptr,
+                           d_lse.defined() ? const_view("attention", "d_lse", d_lse) : ConstTensorView{});
   const std::vector<at::Tensor> d_params =
       trainable ? parameter_gradients(call, param_grads, params) : std::vector<at::Tensor>{};
   for (std::size_t g = 0; g < wanted.params.size(); ++g)
@@ -533,6 +536,12 @@ class PlanTable {
   std::map<std::int64_t, AttentionArgs> entries_;
 };
 
+// Whether the call's lse is a statistic with a gradient: a single group whose registered scheme
+// says so (SchemeEntry::statistic_has_gradient).
+bool statistic_has_gradient(const AttentionArgs& a) {
+  return a.schemes.size() == 1 && a.schemes.get(0)->entry->statistic_has_gradient;
+}
+
 class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
  public:
   // The tensor lists go through apply() as TensorLists so that autograd gives each of their
@@ -567,7 +576,9 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
       saved.push_back(plan);  // undefined in an eager call
       ctx->saved_data["param_count"] = static_cast<std::int64_t>(params.size());
       ctx->save_for_backward(saved);
-      ctx->mark_non_differentiable({lse});
+      // The lse is differentiable where the call's normaliser says its statistic is (stick-breaking's rem).
+      ctx->saved_data["lse_grad"] = statistic_has_gradient(a);
+      if (!statistic_has_gradient(a)) ctx->mark_non_differentiable({lse});
       return variable_list{out, lse};
     });
   }
@@ -584,10 +595,12 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
       for (const bool w : ctx->saved_data["param_grads"].toBoolList()) wanted.params.push_back(w);
       for (const bool w : ctx->saved_data["gate_grads"].toBoolList()) wanted.gates.push_back(w);
       wanted.sinks = ctx->saved_data["sinks_grad"].toBool();
+      // (Autograd hands a non-differentiable lse a gradient of zeros.)
+      const at::Tensor d_lse = ctx->saved_data["lse_grad"].toBool() ? grads[1] : at::Tensor();
       AttentionGrads r;
       if (ctx->saved_data.count("plan")) {
         const AttentionCall& call = ctx->saved_data["plan"].toCustomClass<AttentionPlanHolder>()->call;
-        r = attention_gradients(call, q, k, v, params, sinks, saved[3], saved[4], grads[0], wanted);
+        r = attention_gradients(call, q, k, v, params, sinks, saved[3], saved[4], grads[0], wanted, d_lse);
       } else {
         torch::jit::Stack stack{plan,
                                 q,
@@ -599,6 +612,7 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
                                 saved[3],
                                 saved[4],
                                 grads[0].defined() ? grads[0] : at::zeros_like(saved[3]),
+                                d_lse.defined() ? c10::IValue(d_lse) : c10::IValue(),
                                 bool_list(wanted.params),
                                 bool_list(wanted.gates),
                                 wanted.sinks};
@@ -753,7 +767,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>, std::vec
 attention_grad_cpu(const at::Tensor& plan, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                    const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& gates,
                    const c10::optional<at::Tensor>& sinks, const at::Tensor& out, const at::Tensor& lse,
-                   const at::Tensor& d_out, c10::List<bool> params_grad, c10::List<bool> gates_grad, bool sinks_grad) {
+                   const at::Tensor& d_out, const c10::optional<at::Tensor>& d_lse, c10::List<bool> params_grad,
+                   c10::List<bool> gates_grad, bool sinks_grad) {
   return translating([&] {
     const char* where = "attention_grad";
     TORCH_CHECK_VALUE(params_grad.size() == params.size(), where, ": params_grad has ", params_grad.size(),
@@ -766,7 +781,8 @@ attention_grad_cpu(const at::Tensor& plan, const at::Tensor& q, const at::Tensor
     for (const bool w : params_grad) wanted.params.push_back(w);
     for (const bool w : gates_grad) wanted.gates.push_back(w);
     wanted.sinks = sinks_grad;
-    AttentionGrads r = attention_gradients(call, q, k, v, params, sinks, out, lse, d_out, wanted);
+    AttentionGrads r =
+        attention_gradients(call, q, k, v, params, sinks, out, lse, d_out, wanted, d_lse ? *d_lse : at::Tensor());
     // As the fake kernel gives them: a wanted gradient in its input's shape (zeros where the input
     // has no term), an empty tensor for one not wanted.
     for (std::size_t g = 0; g < r.d_params.size(); ++g)
@@ -855,7 +871,8 @@ void define_attention_ops(torch::Library& m) {
       TORCH_FN(attention_planned_cpu));
   define_op(m,
             "attention_grad(Tensor plan, Tensor q, Tensor k, Tensor v, Tensor[] params, Tensor[] gates, Tensor? sinks, "
-            "Tensor out, Tensor lse, Tensor d_out, bool[] params_grad, bool[] gates_grad, bool sinks_grad) "
+            "Tensor out, Tensor lse, Tensor d_out, Tensor? d_lse, bool[] params_grad, bool[] gates_grad, "
+            "bool sinks_grad) "
             "-> (Tensor, Tensor, Tensor, Tensor[], Tensor[], Tensor)",
             TORCH_FN(attention_grad_cpu));
   define_op(

@@ -671,21 +671,6 @@ at::Tensor tensor_of(const std::vector<double>& values, const at::Tensor& like) 
   return at::from_blob(const_cast<double*>(values.data()), like.sizes(), at::kDouble).clone().to(like.scalar_type());
 }
 
-bool is_16_bit(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf; }
-
-RowOutputs row_outputs(const at::Tensor& q, const at::Tensor& v) {
-  std::vector<std::int64_t> out_shape(q.sizes().begin(), q.sizes().end());
-  out_shape.back() = v.size(-1);
-  const std::vector<std::int64_t> row_shape(q.sizes().begin(), q.sizes().end() - 1);
-  return {at::empty(out_shape, q.options().dtype(is_16_bit(q) ? at::kFloat : q.scalar_type())),
-          at::empty(row_shape, q.options().dtype(at::kFloat))};
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> returned(const at::Tensor& q, const RowOutputs& o) {
-  if (!is_16_bit(q)) return std::make_tuple(o.out, o.row, q.new_empty({0}, q.options().dtype(at::kFloat)));
-  return std::make_tuple(o.out.to(q.scalar_type()), o.row, o.out);
-}
-
 // ALiBi, T5 and Kerple are each three kernels: the forward (CPU), the backward into their
 // parameters (posenc::NAME_backward, CPU), and autograd over the two through the dispatcher, so
 // that a tracer (torch.compile, opcheck) records both and runs their fake kernels
@@ -1189,7 +1174,6 @@ TORCH_LIBRARY(posenc, m) {
   using namespace posenc::torch_adapter;
   define_classes(m);
   define_attention_ops(m);
-  define_stickbreaking_ops(m);
   define_op(m, "sinusoidal_table(Tensor positions, int dim, float base, bool interleaved, ScalarType dtype) -> Tensor",
             TORCH_FN(sinusoidal_table_op));
   // RoPE: each op with the Rope object (eager) and as NAME_pickled with its bytes (traced; see

@@ -130,7 +130,7 @@ struct GroupGradients;
 // hands the whole call to it: its group is the call's only one, with no transform, bias or terms,
 // and the call is causal (or has one query per sequence) with no window, chunks, soft-cap,
 // temperature or quantized cache, and positions, if given, in the tokens' order (query i of a
-// sequence is its key token Lk − Lq + i, as by default). No gradient reaches its statistic.
+// sequence is its key token Lk − Lq + i, as by default).
 class RowNormaliser {
  public:
   virtual ~RowNormaliser() = default;
@@ -141,11 +141,12 @@ class RowNormaliser {
   // takes this call (posenc::Error naming what it refuses).
   virtual void check(const AttentionSpec& spec) const = 0;
   // Attention::forward and backward of a validated spec (stat: their lse argument, [B, H, Sq] f32
-  // or [H, Tq], or empty), on the fused kernels or (`reference`) the fp64 definition.
+  // or [H, Tq], or empty; d_stat its gradient, or empty), on the fused kernels or (`reference`)
+  // the fp64 definition. A normaliser whose statistic takes no gradient refuses a d_stat by name.
   virtual AttentionStats forward(const AttentionSpec& spec, TensorView out, TensorView stat, bool reference) const = 0;
   virtual AttentionStats backward(const AttentionSpec& spec, ConstTensorView out, ConstTensorView stat,
-                                  ConstTensorView d_out, TensorView dq, TensorView dk, TensorView dv,
-                                  GroupGradients* grads, bool reference) const = 0;
+                                  ConstTensorView d_stat, ConstTensorView d_out, TensorView dq, TensorView dk,
+                                  TensorView dv, GroupGradients* grads, bool reference) const = 0;
 };
 using RowNormaliserRef = std::shared_ptr<const RowNormaliser>;
 
@@ -263,9 +264,11 @@ class Attention {
   // its own statistic there).
   AttentionStats forward(TensorView out, TensorView lse = {}) const;
   // out and lse from forward; dq, dk, dv (+=) like q, k, v (empty views skip them); grads may be
-  // null (then positional gradients are not computed).
+  // null (then positional gradients are not computed). d_lse, like lse: the gradient of a
+  // RowNormaliser's statistic where it takes one (stick-breaking's rem); the softmax's lse takes
+  // none here (posenc::Error when given).
   AttentionStats backward(ConstTensorView out, ConstTensorView lse, ConstTensorView d_out, TensorView dq, TensorView dk,
-                          TensorView dv, AttentionGradients* grads = nullptr) const;
+                          TensorView dv, AttentionGradients* grads = nullptr, ConstTensorView d_lse = {}) const;
 
  private:
   struct Plan;  // the validated, tabulated form the engine runs (src/attention/)

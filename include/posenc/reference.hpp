@@ -89,7 +89,8 @@ void attention_forward_bf16_products(const Attention& attention, TensorView out,
 void attention_backward_bf16_products(const Attention& attention, ConstTensorView out, ConstTensorView lse,
                                       ConstTensorView d_out, TensorView dq, TensorView dk, TensorView dv);
 void attention_backward(const Attention& attention, ConstTensorView out, ConstTensorView lse, ConstTensorView d_out,
-                        TensorView dq, TensorView dk, TensorView dv, AttentionGradients* grads);
+                        TensorView dq, TensorView dk, TensorView dv, AttentionGradients* grads,
+                        ConstTensorView d_lse = {});
 
 // Stick-breaking attention (stickbreaking.hpp), each row walked leftwards in fp64; rem = 1 − Σ A.
 // Backward recomputes the weights (out and rem are only checked) and adds into dq, dk, dv.

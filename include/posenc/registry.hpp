@@ -126,6 +126,9 @@ struct SchemeEntry {
   // Defined where no query sees a later key: a causal mask, a window ending at the query, or one
   // query per sequence (decode); an Attention refuses another mask.
   bool causal_only = false;
+  // A normaliser whose row statistic (Attention's lse argument) takes a gradient
+  // (Attention::backward's d_lse): stick-breaking's rem. The torch op then differentiates it.
+  bool statistic_has_gradient = false;
   // A group's learned parameters flat in parameter_shape's order, and its gradients
   // (AttentionGradients) flattened the same way. Unset: the group's score bias's — a
   // RelativeBias's parameters(), and GroupGradients::bias, which the engine fills in that order —

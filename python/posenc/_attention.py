@@ -73,8 +73,8 @@ def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size
     ``Scheme("cope", H, D, positions=n)``) — whose learned parameters (and the
     gate) receive gradients. ``"stickbreaking"`` and CoPE replace the softmax (the family
     ``normaliser``): causal, alone on every head, without window, chunks, temperature, soft-cap,
-    positions or sinks; stick-breaking's lse is the stick left over, rem ``[B, H, Sq]``, without a
-    gradient (``stickbreaking_attention`` gives one). ``causal`` aligns the mask
+    positions (but the tokens' order) or sinks; stick-breaking's lse is the stick left over, rem
+    ``[B, H, Sq]``, differentiable (the softmax's and CoPE's lse are not). ``causal`` aligns the mask
     bottom-right when Sq < Sk; ``window=(left, right)`` limits the keys a query sees (-1:
     unlimited); ``chunk_size`` C (Llama 4's ``attention_chunk_size``) lets a query see only keys in
     its chunk of positions, ⌊k_pos / C⌋ = ⌊q_pos / C⌋ (key positions must not decrease within a

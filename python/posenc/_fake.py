@@ -47,7 +47,8 @@ def _dequantize_kv(bytes_, format):
 
 
 @torch.library.register_fake("posenc::attention_grad")
-def _attention_grad(plan, q, k, v, params, gates, sinks, out, lse, d_out, params_grad, gates_grad, sinks_grad):
+def _attention_grad(plan, q, k, v, params, gates, sinks, out, lse, d_out, d_lse, params_grad, gates_grad,
+                    sinks_grad):
     # dq, dk, dv as zeros_like makes them; a wanted gradient contiguous in its input's shape and
     # dtype, an empty one where none is wanted.
     d_params = [_contiguous_like(p) if w else p.new_empty(0) for p, w in zip(params, params_grad)]
@@ -171,34 +172,6 @@ def _xl_scores(q, k, u, v, w_r, q_positions, k_positions, scale, base):
 @torch.library.register_fake("posenc::xl_scores_backward")
 def _xl_scores_backward(grad, q, k, u, v, w_r, q_positions, k_positions, scale, base):
     return (torch.empty_like(q), torch.empty_like(k), *(_contiguous_like(t) for t in (u, v, w_r)))
-
-
-def _attention_outputs(q, v):
-    """out like q with v's head size, and a float32 [B, Sq, H] (or [Tq, H]) per-row output."""
-    return q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty(q.shape[:-1], dtype=torch.float32)
-
-
-def _wide_out(q, v):
-    """The f32 out that backward reads for 16-bit inputs; an empty float32 tensor otherwise."""
-    if q.dtype in (torch.bfloat16, torch.float16):
-        return q.new_empty((*q.shape[:-1], v.shape[-1]), dtype=torch.float32)
-    return q.new_empty(0, dtype=torch.float32)
-
-
-@torch.library.register_fake("posenc::stickbreaking_attention")
-def _stickbreaking(q, k, v, scale, attend_current, cu_seqlens_q=(), cu_seqlens_k=(), skip_vanishing_tiles=True):
-    return _attention_outputs(q, v)
-
-
-@torch.library.register_fake("posenc::stickbreaking_attention_forward")
-def _stickbreaking_forward(q, k, v, scale, attend_current, cu_seqlens_q, cu_seqlens_k, skip_vanishing_tiles):
-    return (*_attention_outputs(q, v), _wide_out(q, v))
-
-
-@torch.library.register_fake("posenc::stickbreaking_attention_backward")
-def _stickbreaking_backward(q, k, v, out, rem, d_out, d_rem, scale, attend_current, cu_seqlens_q, cu_seqlens_k,
-                            skip_vanishing_tiles):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _rotated(q, k):

@@ -301,13 +301,15 @@ def stickbreaking_attention(q, k, v, *, scale=None, attend_current=False, cu_seq
     q, k, v, cu_q, cu_k = _qkv_layout("stickbreaking_attention", q, k, v, layout, cu_seqlens)
     if scale is not None and not _number("stickbreaking_attention", "scale", scale) > 0:
         raise ValueError(f"stickbreaking_attention: scale = {scale}; expected a number > 0, or None for 1/sqrt(D)")
-    out, rem = _ops.stickbreaking_attention(
-        q, k, v, 0.0 if scale is None else float(scale), _flag("stickbreaking_attention", "attend_current",
-                                                               attend_current),
-        cu_q, cu_k, _flag("stickbreaking_attention", "skip_vanishing_tiles", skip_vanishing_tiles))
+    # The registered scheme "stickbreaking" on the attention op: rem is its lse, [B, H, Sq] ([H, Tq]).
+    scheme = _scheme_spec("stickbreaking", q.shape[-2],
+                          {"attend_current": _flag("stickbreaking_attention", "attend_current", attend_current)})
+    out, rem = _attention_op(q, k, v, [scheme], [], [], None, True, -1, -1, None, None, 0.0,
+                             None if scale is None else float(scale), None, None, cu_q, cu_k,
+                             _flag("stickbreaking_attention", "skip_vanishing_tiles", skip_vanishing_tiles))
     if layout == "bhsd":
-        out, rem = out.transpose(1, 2), rem.transpose(1, 2)
-    return out, rem
+        return out.transpose(1, 2), rem
+    return out, rem.transpose(-1, -2)
 
 
 def cope_attention(q, k, v, table, *, scale=None, cu_seqlens=None, layout="bshd", return_lse=False):

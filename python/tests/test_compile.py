@@ -67,8 +67,13 @@ def cases():
     yield "mla-narrow-values", op_args(mq, mk, mv, "alibi", causal=True)
     yield "float64", op_args(*qkv(dtype=torch.float64), "rope", causal=True)
     yield "bfloat16", op_args(*qkv(dtype=torch.bfloat16), "alibi", causal=True)
-    # The row normalisers: stick-breaking by name, CoPE with its table (learned), packed and in bf16.
+    # The row normalisers: stick-breaking (its lse, rem, differentiable), CoPE with its table
+    # (learned); packed and in bf16, whose backward reads an f32 out that a second forward makes.
     yield "stickbreaking-registered", op_args(q, k, v, "stickbreaking", causal=True)
+    yield "stickbreaking-current-packed-bf16", op_args(*(x.bfloat16() for x in (tq, tk, tv)),
+                                                       posenc.Scheme("stickbreaking", 4, 8, attend_current=True),
+                                                       causal=True, cu_seqlens=torch.tensor([0, 5, 22]),
+                                                       skip_vanishing_tiles=False)
     cope = posenc.CoPE(12, 8)
     with torch.no_grad():
         cope.table.copy_(torch.randn(12, 8).mul(0.1))
@@ -89,10 +94,11 @@ def test_opcheck_attention(name):
     opcheck(ops.attention.default, CASES[name])
 
 
-@pytest.mark.parametrize("name", ["groups-rope-t5-fire", "fox-rope-sinks"])
+@pytest.mark.parametrize("name", ["groups-rope-t5-fire", "fox-rope-sinks", "stickbreaking-registered"])
 def test_opcheck_traced_path_ops(name):
     """The two ops the autograd kernel calls while it is traced: the forward with its plan, and the
-    backward from the plan; attention_grad refuses a plan that is not one."""
+    backward from the plan (with the lse's gradient where the scheme's statistic takes one);
+    attention_grad refuses a plan that is not one."""
     args = CASES[name]
     def detach(a):
         return a.detach() if isinstance(a, torch.Tensor) else [detach(t) for t in a] if isinstance(a, list) else a
@@ -108,7 +114,8 @@ def test_opcheck_traced_path_ops(name):
         ops.attention_planned(*planned[:3], torch.zeros(5, dtype=torch.uint8), *planned[4:])
     q, k, v, _, params, gates, sinks = detached[:7]
     wanted_params = [p.numel() > 0 for p in params]
-    grad_args = (plan, q, k, v, params, gates, sinks, out, lse, torch.randn_like(out), wanted_params,
+    d_lse = torch.randn_like(lse) if name.startswith("stickbreaking") else None
+    grad_args = (plan, q, k, v, params, gates, sinks, out, lse, torch.randn_like(out), d_lse, wanted_params,
                  [g.numel() > 0 for g in gates], sinks is not None)
     opcheck(ops.attention_grad.default, grad_args)
     with pytest.raises(ValueError, match="attention_grad: plan = 0; expected the plan tensor"):
@@ -172,36 +179,6 @@ TABLE_AND_BIAS_CASES = {name: (op, args) for name, op, args in table_and_bias_ca
 def test_opcheck_tables_and_biases(name):
     op, args = TABLE_AND_BIAS_CASES[name]
     opcheck(op.default, args)
-
-
-def stickbreaking_cases():
-    """(name, op, args) for stick-breaking's own op (out and rem, both differentiable; through the
-    attention op, its registered scheme's rem has no gradient), padded and packed, f32 and bf16
-    (whose backward reads the forward's f32 out)."""
-    q, k, v = qkv(b=2, s=9, h=4, g=2, d=8)
-    packed = [t.detach()[0].requires_grad_() for t in (q, k, v)]
-    wide = [t.detach().bfloat16().requires_grad_() for t in (q, k, v)]
-    yield "stickbreaking", ops.stickbreaking_attention, (q, k, v, 0.0, False, [], [], True)
-    yield "stickbreaking-current-packed", ops.stickbreaking_attention, (*packed, 0.5, True, [0, 4, 9], [0, 4, 9], False)
-    yield "stickbreaking-bf16", ops.stickbreaking_attention, (*wide, 0.0, False, [], [], True)
-
-
-STICKBREAKING_CASES = {name: (op, args) for name, op, args in stickbreaking_cases()}
-
-
-@pytest.mark.parametrize("name", list(STICKBREAKING_CASES))
-def test_opcheck_stickbreaking(name):
-    op, args = STICKBREAKING_CASES[name]
-    opcheck(op.default, args)
-    # The forward op the autograd kernel calls: the same out and per-row output, and the f32 out
-    # for 16-bit inputs (an empty tensor otherwise).
-    forward = ops.stickbreaking_attention_forward
-    detached = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
-    opcheck(forward.default, detached, test_utils=("test_schema", "test_faketensor"))
-    out, row, wide = forward(*detached)
-    want_out, want_row = op(*detached)
-    assert torch.equal(out, want_out) and torch.equal(row, want_row)
-    assert wide.numel() == (out.numel() if out.dtype == torch.bfloat16 else 0)
 
 
 def pickled(obj):
@@ -304,12 +281,12 @@ def test_pickled_twins_refuse_bytes_that_are_not_their_object():
 
 
 def backward_cases():
-    """(name, op, args) for each NAME_backward op of the tables, biases and terms, and of
-    stick-breaking and CoPE: the first case of NAME (f32 or f64), its forward run, and the backward's
+    """(name, op, args) for each NAME_backward op of the tables, biases and terms: the first case
+    of NAME (f32 or f64), its forward run, and the backward's
     arguments taken by name from the forward's (schemas) and its outputs, with a random gradient."""
     torch.manual_seed(6)
     firsts = {}
-    for op, args in (*TABLE_AND_BIAS_CASES.values(), *STICKBREAKING_CASES.values()):
+    for op, args in TABLE_AND_BIAS_CASES.values():
         firsts.setdefault(op._qualified_op_name, (op, args))
     for name, (op, args) in firsts.items():
         backward = getattr(ops, name.split("::")[1] + "_backward", None)
@@ -364,8 +341,8 @@ def test_every_op_of_the_namespace_has_opcheck_cases():
     """The dispatcher's registry of posenc's ops against the cases above: a new op fails here until
     it has a fake kernel and cases (attention_planned and attention_grad: test_opcheck_traced_path_ops)."""
     names = {n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("posenc::")}
-    covered = {"attention", "attention_planned", "attention_grad", "stickbreaking_attention_forward"}
-    for table in (TABLE_AND_BIAS_CASES, STICKBREAKING_CASES, ROPE_AND_REGISTRY_CASES, BACKWARD_CASES,
+    covered = {"attention", "attention_planned", "attention_grad"}
+    for table in (TABLE_AND_BIAS_CASES, ROPE_AND_REGISTRY_CASES, BACKWARD_CASES,
                   QUANTIZED_CASES):
         covered |= {op._qualified_op_name.split("::")[1] for op, _ in table.values()}
     assert names - WITHOUT_TENSORS == covered

@@ -59,7 +59,8 @@ AttentionStats Attention::forward(TensorView out, TensorView lse) const {
 }
 
 AttentionStats Attention::backward(ConstTensorView out, ConstTensorView lse, ConstTensorView d_out, TensorView dq,
-                                   TensorView dk, TensorView dv, AttentionGradients* grads) const {
+                                   TensorView dk, TensorView dv, AttentionGradients* grads,
+                                   ConstTensorView d_lse) const {
   detail::init_dispatch();
   if (spec().cache) {
     throw Error(Plan::kWhere, "cache", std::string(cache_format_name(spec().cache->format)),
@@ -67,9 +68,13 @@ AttentionStats Attention::backward(ConstTensorView out, ConstTensorView lse, Con
   }
   if (plan_->normaliser != nullptr) {
     if (lse.rank() > 0) plan_->check_lse(lse, false);
+    if (d_lse.rank() > 0) plan_->check_lse(d_lse, false);
     if (grads != nullptr) plan_->check_gradients(*grads);
-    return plan_->normaliser->backward(spec(), out, lse, d_out, dq, dk, dv,
+    return plan_->normaliser->backward(spec(), out, lse, d_lse, d_out, dq, dk, dv,
                                        grads != nullptr ? &grads->groups[0] : nullptr, detail::use_reference());
+  }
+  if (d_lse.rank() > 0) {
+    throw Error(Plan::kWhere, "d_lse", d_lse.describe(), "empty (the softmax's lse takes no gradient here)");
   }
   if (detail::use_reference() || plan_->dtype == DType::kF64) {
     const detail::HeadsGrid& qg = plan_->qg;

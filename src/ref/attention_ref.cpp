@@ -629,11 +629,13 @@ void backward_impl(const Attention& attention, ConstTensorView out, ConstTensorV
 }  // namespace
 
 void attention_backward(const Attention& attention, ConstTensorView out, ConstTensorView lse, ConstTensorView d_out,
-                        TensorView dq, TensorView dk, TensorView dv, AttentionGradients* grads) {
+                        TensorView dq, TensorView dk, TensorView dv, AttentionGradients* grads, ConstTensorView d_lse) {
   if (const RowNormaliser* n = row_normaliser(attention, false)) {
-    n->backward(attention.spec(), out, lse, d_out, dq, dk, dv, grads != nullptr ? &grads->groups.at(0) : nullptr, true);
+    n->backward(attention.spec(), out, lse, d_lse, d_out, dq, dk, dv, grads != nullptr ? &grads->groups.at(0) : nullptr,
+                true);
     return;
   }
+  if (d_lse.rank() > 0) throw Error(kWhere, "d_lse", d_lse.describe(), "empty (the softmax's lse takes no gradient)");
   backward_impl(attention, out, lse, d_out, dq, dk, dv, grads, false);
 }
 

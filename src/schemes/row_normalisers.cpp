@@ -112,7 +112,7 @@ class StickBreakingRows final : public RowNormaliser {
   bool attend_current() const { return attend_current_; }
   void check(const AttentionSpec& spec) const override { (void)StickBreakingAttention(spec_of(spec)); }
 
-  // The statistic is rem, the stick left over; no gradient reaches it through Attention.
+  // The statistic is rem, the stick left over, and d_stat its gradient.
   AttentionStats forward(const AttentionSpec& spec, TensorView out, TensorView stat, bool reference) const override {
     if (reference) {
       reference_forward(spec, out, [&](const AttentionSpec& s) {
@@ -123,16 +123,17 @@ class StickBreakingRows final : public RowNormaliser {
     return StickBreakingAttention(spec_of(spec)).forward(out, rows_of(stat));
   }
 
-  AttentionStats backward(const AttentionSpec& spec, ConstTensorView out, ConstTensorView stat, ConstTensorView d_out,
-                          TensorView dq, TensorView dk, TensorView dv, GroupGradients*, bool reference) const override {
+  AttentionStats backward(const AttentionSpec& spec, ConstTensorView out, ConstTensorView stat, ConstTensorView d_stat,
+                          ConstTensorView d_out, TensorView dq, TensorView dk, TensorView dv, GroupGradients*,
+                          bool reference) const override {
     const StickBreakingAttention att(spec_of(spec));
     if (reference) {
-      ref::stickbreaking_backward(att, out, rows_of(stat), d_out, {}, dq, dk, dv);
+      ref::stickbreaking_backward(att, out, rows_of(stat), d_out, rows_of(d_stat), dq, dk, dv);
       return {};
     }
     return with_wide_out(
         out, [&](TensorView wide) { return att.forward(wide, {}); },
-        [&](ConstTensorView o) { return att.backward(o, rows_of(stat), d_out, {}, dq, dk, dv); });
+        [&](ConstTensorView o) { return att.backward(o, rows_of(stat), d_out, rows_of(d_stat), dq, dk, dv); });
   }
 
  private:
@@ -167,9 +168,11 @@ class CopeRows final : public RowNormaliser {
     return CopeAttention(spec_of(spec)).forward(out, rows_of(stat));
   }
 
-  AttentionStats backward(const AttentionSpec& spec, ConstTensorView out, ConstTensorView stat, ConstTensorView d_out,
-                          TensorView dq, TensorView dk, TensorView dv, GroupGradients* grads,
+  // Its lse takes no gradient.
+  AttentionStats backward(const AttentionSpec& spec, ConstTensorView out, ConstTensorView stat, ConstTensorView d_stat,
+                          ConstTensorView d_out, TensorView dq, TensorView dk, TensorView dv, GroupGradients* grads,
                           bool reference) const override {
+    if (d_stat.rank() > 0) throw Error("Attention", "d_lse", d_stat.describe(), "empty (CoPE's lse takes no gradient)");
     const CopeAttention att(spec_of(spec));
     // d_table in the table's dtype, added to the group's fp64 gradient.
     const bool f64 = spec.q.dtype() == DType::kF64;
@@ -236,6 +239,7 @@ SchemeEntry stickbreaking_entry() {
                 return g;
               },
           .causal_only = true,
+          .statistic_has_gradient = true,
           .parameters_of = [](const HeadGroup&) { return std::vector<double>{}; },
           .gradients_of = [](const GroupGradients&) { return std::vector<double>{}; }};
 }

@@ -127,28 +127,6 @@ Grads run_backward(CopeProblem& s, const CopeAttention& att, DType dt, const std
   return g;
 }
 
-double largest(const std::vector<double>& x) {
-  double m = 0;
-  for (const double v : x) m = std::max(m, std::abs(v));
-  return m;
-}
-
-void expect_near_all(const std::vector<double>& got, const std::vector<double>& want, double tol, const char* what) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  for (std::size_t i = 0; i < got.size(); ++i) {
-    ASSERT_NEAR(got[i], want[i], tol) << what << " at " << i;
-  }
-}
-
-bool same_bits(const std::vector<double>& a, const std::vector<double>& b) {
-  if (a.size() != b.size()) return false;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    if (!(a[i] == b[i] || (std::isnan(a[i]) && std::isnan(b[i])))) return false;
-    if (a[i] == 0 && std::signbit(a[i]) != std::signbit(b[i])) return false;
-  }
-  return true;
-}
-
 // Three tokens, one head, D = 1, q = 1 and k = 0 (every gate σ(0) = 1/2), e = (0, 2, 4, 8): query
 // 2 counts keys 2, 1, 0 at positions 0.5, 1, 1.5, so its logits are 1, 2 and 3 (keys 2, 1, 0);
 // with npos = 2 key 0 is clamped to position 1 (logit 2).
@@ -227,20 +205,20 @@ TEST_P(CopeTargets, MatchesTheReference) {
       const CopeAttention fused(s.spec()), ref(s.spec(true));
       const Result got = run(s, fused, c.dtype), want = run(s, ref, DType::kF64);
       const double out_tol = c.dtype == DType::kF32 ? 5e-5 : c.dtype == DType::kBF16 ? 8e-3 : 1e-3;
-      expect_near_all(got.out, want.out, out_tol * std::max(1.0, largest(want.out)), "out");
+      testing::expect_near_all(got.out, want.out, out_tol * std::max(1.0, testing::largest(want.out)), "out");
       // lse is f32 math for every dtype (16-bit inputs are read exactly, as the reference reads them).
-      expect_near_all(got.lse, want.lse, 1e-5 * largest(want.lse), "lse");
+      testing::expect_near_all(got.lse, want.lse, 1e-5 * testing::largest(want.lse), "lse");
       std::vector<double> d_out(static_cast<std::size_t>(s.out_count()));
       for (auto& x : d_out) x = testing::round_to(uniform(-1, 1), c.dtype);
       const Grads g = run_backward(s, fused, c.dtype, d_out, DType::kF32);
       const Grads w = run_backward(s, ref, DType::kF64, d_out);
       const double rel = c.dtype == DType::kF32 ? 2e-4 : 1.0 / 256;
       if (linear) {
-        expect_near_all(g.dq, w.dq, rel * largest(w.dq) + 1e-6, "dq");
-        expect_near_all(g.dk, w.dk, rel * largest(w.dk) + 1e-6, "dk");
+        testing::expect_near_all(g.dq, w.dq, rel * testing::largest(w.dq) + 1e-6, "dq");
+        testing::expect_near_all(g.dk, w.dk, rel * testing::largest(w.dk) + 1e-6, "dk");
       }
-      expect_near_all(g.dv, w.dv, rel * largest(w.dv) + 1e-6, "dv");
-      expect_near_all(g.de, w.de, rel * largest(w.de) + 1e-6, "d_table");
+      testing::expect_near_all(g.dv, w.dv, rel * testing::largest(w.dv) + 1e-6, "dv");
+      testing::expect_near_all(g.de, w.de, rel * testing::largest(w.de) + 1e-6, "d_table");
     }
   }
 }
@@ -251,14 +229,14 @@ TEST_P(CopeTargets, PackedSequences) {
       make_cope(make_packed({{40, 40}, {1, 1}, {70, 70}, {0, 0}, {20, 33}}, 4, 2, 32), 32, 30, DType::kF64, true);
   const CopeAttention fused(s.spec()), ref(s.spec(true));
   const Result got = run(s, fused, DType::kF32), want = run(s, ref, DType::kF64);
-  expect_near_all(got.out, want.out, 5e-5, "out");
+  testing::expect_near_all(got.out, want.out, 5e-5, "out");
   std::vector<double> d_out(static_cast<std::size_t>(s.out_count()));
   for (auto& x : d_out) x = uniform(-1, 1);
   const Grads g = run_backward(s, fused, DType::kF32, d_out), w = run_backward(s, ref, DType::kF64, d_out);
-  expect_near_all(g.dq, w.dq, 2e-4 * largest(w.dq) + 1e-6, "dq");
-  expect_near_all(g.dk, w.dk, 2e-4 * largest(w.dk) + 1e-6, "dk");
-  expect_near_all(g.dv, w.dv, 2e-4 * largest(w.dv) + 1e-6, "dv");
-  expect_near_all(g.de, w.de, 2e-4 * largest(w.de) + 1e-6, "d_table");
+  testing::expect_near_all(g.dq, w.dq, 2e-4 * testing::largest(w.dq) + 1e-6, "dq");
+  testing::expect_near_all(g.dk, w.dk, 2e-4 * testing::largest(w.dk) + 1e-6, "dk");
+  testing::expect_near_all(g.dv, w.dv, 2e-4 * testing::largest(w.dv) + 1e-6, "dv");
+  testing::expect_near_all(g.de, w.de, 2e-4 * testing::largest(w.de) + 1e-6, "d_table");
 }
 
 INSTANTIATE_TEST_SUITE_P(Targets, CopeTargets, ::testing::ValuesIn(testing::all_targets()));
@@ -311,8 +289,9 @@ TEST(Cope, BitwiseIdenticalForAnyThreadCount) {
     set_num_threads(n);
     const Result r = run(s, att, DType::kF32);
     const Grads g = run_backward(s, att, DType::kF32, d_out);
-    EXPECT_TRUE(same_bits(r.out, r1.out) && same_bits(r.lse, r1.lse)) << n << " threads";
-    EXPECT_TRUE(same_bits(g.dq, g1.dq) && same_bits(g.dk, g1.dk) && same_bits(g.dv, g1.dv) && same_bits(g.de, g1.de))
+    EXPECT_TRUE(testing::same_bits(r.out, r1.out) && testing::same_bits(r.lse, r1.lse)) << n << " threads";
+    EXPECT_TRUE(testing::same_bits(g.dq, g1.dq) && testing::same_bits(g.dk, g1.dk) && testing::same_bits(g.dv, g1.dv) &&
+                testing::same_bits(g.de, g1.de))
         << n << " threads";
   }
   set_num_threads(before);

@@ -110,28 +110,6 @@ Grads run_backward(const SbProblem& s, const StickBreakingAttention& att, DType 
   return g;
 }
 
-double largest(const std::vector<double>& x) {
-  double m = 0;
-  for (const double v : x) m = std::max(m, std::abs(v));
-  return m;
-}
-
-void expect_near_all(const std::vector<double>& got, const std::vector<double>& want, double tol, const char* what) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  for (std::size_t i = 0; i < got.size(); ++i) {
-    ASSERT_NEAR(got[i], want[i], tol) << what << " at " << i;
-  }
-}
-
-bool same_bits(const std::vector<double>& a, const std::vector<double>& b) {
-  if (a.size() != b.size()) return false;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    if (!(a[i] == b[i] || (std::isnan(a[i]) && std::isnan(b[i])))) return false;
-    if (a[i] == 0 && std::signbit(a[i]) != std::signbit(b[i])) return false;
-  }
-  return true;
-}
-
 // Three tokens, one head, D = 1, q = k = 1 except k_1 = 2, scale 1: query 2 sees keys 1 then 0.
 TEST(StickBreaking, WorkedByHand) {
   const std::vector<float> q = {1, 1, 1}, k = {1, 2, 1}, v = {10, 20, 30};
@@ -194,17 +172,17 @@ TEST_P(StickBreakingTargets, MatchesTheReference) {
     const StickBreakingAttention fused(spec), ref(spec64);
     const Result got = run(s, fused, c.dtype), want = run(s, ref, DType::kF64);
     const double out_tol = c.dtype == DType::kF32 ? 2e-5 : c.dtype == DType::kBF16 ? 8e-3 : 1e-3;
-    expect_near_all(got.out, want.out, out_tol * std::max(1.0, largest(want.out)), "out");
-    expect_near_all(got.rem, want.rem, 2e-5, "rem");
+    testing::expect_near_all(got.out, want.out, out_tol * std::max(1.0, testing::largest(want.out)), "out");
+    testing::expect_near_all(got.rem, want.rem, 2e-5, "rem");
     std::vector<double> d_out(static_cast<std::size_t>(s.out_count())), d_rem(static_cast<std::size_t>(s.rows()));
     for (auto& x : d_out) x = testing::round_to(uniform(-1, 1), c.dtype);
     for (auto& x : d_rem) x = uniform(-1, 1);
     const Grads g = run_backward(s, fused, c.dtype, d_out, d_rem, DType::kF32);
     const Grads w = run_backward(s, ref, DType::kF64, d_out, d_rem);
     const double rel = c.dtype == DType::kF32 ? 1e-4 : 1.0 / 256;
-    expect_near_all(g.dq, w.dq, rel * largest(w.dq) + 1e-6, "dq");
-    expect_near_all(g.dk, w.dk, rel * largest(w.dk) + 1e-6, "dk");
-    expect_near_all(g.dv, w.dv, rel * largest(w.dv) + 1e-6, "dv");
+    testing::expect_near_all(g.dq, w.dq, rel * testing::largest(w.dq) + 1e-6, "dq");
+    testing::expect_near_all(g.dk, w.dk, rel * testing::largest(w.dk) + 1e-6, "dk");
+    testing::expect_near_all(g.dv, w.dv, rel * testing::largest(w.dv) + 1e-6, "dv");
   }
 }
 
@@ -216,14 +194,14 @@ TEST_P(StickBreakingTargets, PackedSequences) {
     spec.attend_current = spec64.attend_current = current;
     const StickBreakingAttention fused(spec), ref(spec64);
     const Result got = run(s, fused, DType::kF32), want = run(s, ref, DType::kF64);
-    expect_near_all(got.out, want.out, 2e-5, "out");
-    expect_near_all(got.rem, want.rem, 2e-5, "rem");
+    testing::expect_near_all(got.out, want.out, 2e-5, "out");
+    testing::expect_near_all(got.rem, want.rem, 2e-5, "rem");
     std::vector<double> d_out(static_cast<std::size_t>(s.out_count()));
     for (auto& x : d_out) x = uniform(-1, 1);
     const Grads g = run_backward(s, fused, DType::kF32, d_out, {}), w = run_backward(s, ref, DType::kF64, d_out, {});
-    expect_near_all(g.dq, w.dq, 1e-4 * largest(w.dq) + 1e-6, "dq");
-    expect_near_all(g.dk, w.dk, 1e-4 * largest(w.dk) + 1e-6, "dk");
-    expect_near_all(g.dv, w.dv, 1e-4 * largest(w.dv) + 1e-6, "dv");
+    testing::expect_near_all(g.dq, w.dq, 1e-4 * testing::largest(w.dq) + 1e-6, "dq");
+    testing::expect_near_all(g.dk, w.dk, 1e-4 * testing::largest(w.dk) + 1e-6, "dk");
+    testing::expect_near_all(g.dv, w.dv, 1e-4 * testing::largest(w.dv) + 1e-6, "dv");
   }
 }
 
@@ -285,8 +263,9 @@ TEST(StickBreaking, BitwiseIdenticalForAnyThreadCount) {
     set_num_threads(n);
     const Result r = run(s, att, DType::kF32);
     const Grads g = run_backward(s, att, DType::kF32, d_out, d_rem);
-    EXPECT_TRUE(same_bits(r.out, r1.out) && same_bits(r.rem, r1.rem)) << n << " threads";
-    EXPECT_TRUE(same_bits(g.dq, g1.dq) && same_bits(g.dk, g1.dk) && same_bits(g.dv, g1.dv)) << n << " threads";
+    EXPECT_TRUE(testing::same_bits(r.out, r1.out) && testing::same_bits(r.rem, r1.rem)) << n << " threads";
+    EXPECT_TRUE(testing::same_bits(g.dq, g1.dq) && testing::same_bits(g.dk, g1.dk) && testing::same_bits(g.dv, g1.dv))
+        << n << " threads";
   }
   set_num_threads(before);
 }
@@ -308,8 +287,8 @@ TEST(StickBreaking, VanishingTilesAreSkippedWithoutChangingABit) {
     off.skip_vanishing_tiles = false;
     const StickBreakingAttention a(on), b(off);
     const Result ra = run(s, a, DType::kF32), rb = run(s, b, DType::kF32);
-    EXPECT_TRUE(same_bits(ra.out, rb.out));
-    EXPECT_TRUE(same_bits(ra.rem, rb.rem));
+    EXPECT_TRUE(testing::same_bits(ra.out, rb.out));
+    EXPECT_TRUE(testing::same_bits(ra.rem, rb.rem));
     if (!poison) {
       EXPECT_GT(ra.stats.skipped, ra.stats.tiles / 2);
       EXPECT_EQ(rb.stats.skipped, 0);
@@ -319,7 +298,8 @@ TEST(StickBreaking, VanishingTilesAreSkippedWithoutChangingABit) {
       EXPECT_FALSE(std::isnan(ra.out[static_cast<std::size_t>((5 * s.p.heads) * s.dv)]));
     }
     const Grads ga = run_backward(s, a, DType::kF32, d_out, d_rem), gb = run_backward(s, b, DType::kF32, d_out, d_rem);
-    EXPECT_TRUE(same_bits(ga.dq, gb.dq) && same_bits(ga.dk, gb.dk) && same_bits(ga.dv, gb.dv));
+    EXPECT_TRUE(testing::same_bits(ga.dq, gb.dq) && testing::same_bits(ga.dk, gb.dk) &&
+                testing::same_bits(ga.dv, gb.dv));
   }
 }
 

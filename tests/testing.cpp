@@ -1,5 +1,7 @@
 #include "testing.hpp"
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 
 namespace posenc::testing {
@@ -88,6 +90,28 @@ std::vector<unsigned char> to_dtype(const std::vector<double>& values, DType dty
     }
   }
   return bytes;
+}
+
+double largest(const std::vector<double>& x) {
+  double m = 0;
+  for (const double v : x) m = std::max(m, std::abs(v));
+  return m;
+}
+
+void expect_near_all(const std::vector<double>& got, const std::vector<double>& want, double tol, const char* what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    ASSERT_NEAR(got[i], want[i], tol) << what << " at " << i;
+  }
+}
+
+bool same_bits(const std::vector<double>& a, const std::vector<double>& b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (!(a[i] == b[i] || (std::isnan(a[i]) && std::isnan(b[i])))) return false;
+    if (a[i] == 0 && std::signbit(a[i]) != std::signbit(b[i])) return false;
+  }
+  return true;
 }
 
 std::vector<unsigned char> garbage_buffer(DType dtype, std::int64_t count) {

@@ -42,6 +42,13 @@ double round_to(double value, DType dtype);
 // `values` rounded once to `dtype` (through the public conversions), as raw bytes.
 std::vector<unsigned char> to_dtype(const std::vector<double>& values, DType dtype);
 
+// The largest |x| (0 for none).
+double largest(const std::vector<double>& x);
+// got[i] within tol of want[i] for every i (and as many), the first miss reported as `what` at i.
+void expect_near_all(const std::vector<double>& got, const std::vector<double>& want, double tol, const char* what);
+// The same doubles: NaN where the other is NaN, and the sign of each zero.
+bool same_bits(const std::vector<double>& a, const std::vector<double>& b);
+
 // A raw buffer for `count` elements of `dtype`, filled with NaN-like garbage so that untouched
 // elements are noticed.
 std::vector<unsigned char> garbage_buffer(DType dtype, std::int64_t count);

@@ -62,10 +62,9 @@ std::vector<std::int64_t> attention_stat_shape(const Shapes& s) {
 std::vector<std::int64_t> row_stat_shape(const Shapes& s) {
   return s.q.size() == 4 ? std::vector<std::int64_t>{kB, kSq, kH} : std::vector<std::int64_t>{kSq, kH};
 }
-// Element (token t, head h) of each.
-float attention_stat(const std::vector<float>& x, const Shapes& s, std::int64_t t, std::int64_t h) {
-  return s.q.size() == 4 ? x[static_cast<std::size_t>(((t / kSq) * kH + h) * kSq + t % kSq)]
-                         : x[static_cast<std::size_t>(h * kSq + t)];
+// Where Attention's statistic keeps (token t, head h); the row engines' keep it at t·H + h.
+std::size_t attention_stat_at(const Shapes& s, std::int64_t t, std::int64_t h) {
+  return static_cast<std::size_t>(s.q.size() == 4 ? ((t / kSq) * kH + h) * kSq + t % kSq : h * kSq + t);
 }
 
 struct Outputs {
@@ -96,10 +95,8 @@ Outputs through_attention(const Buffers& b, const Shapes& s, const HeadGroup& gr
   AttentionGradients grads = att.zero_gradients();
   std::vector<float> d_lse(d_stat.size());
   for (std::int64_t t = 0; t < s.q_tokens() && !d_stat.empty(); ++t) {
-    for (std::int64_t h = 0; h < kH; ++h) {
-      const std::int64_t at = s.q.size() == 4 ? ((t / kSq) * kH + h) * kSq + t % kSq : h * kSq + t;
-      d_lse[static_cast<std::size_t>(at)] = d_stat[static_cast<std::size_t>(t * kH + h)];
-    }
+    for (std::int64_t h = 0; h < kH; ++h)
+      d_lse[attention_stat_at(s, t, h)] = d_stat[static_cast<std::size_t>(t * kH + h)];
   }
   att.backward(out, stat, ConstTensorView::contiguous(b.d_out.data(), b.dt, s.q),
                TensorView::contiguous(o.dq.data(), b.dt, s.q), TensorView::contiguous(o.dk.data(), b.dt, s.k),
@@ -118,7 +115,7 @@ void expect_same(const Outputs& a, const Outputs& b, const Shapes& s) {
   EXPECT_EQ(a.d_params, b.d_params);
   for (std::int64_t t = 0; t < s.q_tokens(); ++t) {
     for (std::int64_t h = 0; h < kH; ++h) {
-      ASSERT_EQ(attention_stat(a.stat, s, t, h), b.stat[static_cast<std::size_t>(t * kH + h)]) << t << ", " << h;
+      ASSERT_EQ(a.stat[attention_stat_at(s, t, h)], b.stat[static_cast<std::size_t>(t * kH + h)]) << t << ", " << h;
     }
   }
 }

@@ -46,11 +46,8 @@ template <class Forward, class Backward>
 AttentionStats with_wide_out(ConstTensorView out, const Forward& forward, const Backward& backward) {
   if (out.rank() == 0 || !is_16_bit(out.dtype())) return backward(out);
   std::vector<std::int64_t> shape(static_cast<std::size_t>(out.rank()));
-  std::int64_t count = 1;
-  for (int a = 0; a < out.rank(); ++a) {
-    shape[static_cast<std::size_t>(a)] = out.size(a);
-    count *= out.size(a);
-  }
+  for (int a = 0; a < out.rank(); ++a) shape[static_cast<std::size_t>(a)] = out.size(a);
+  const std::int64_t count = out.numel();
   std::vector<float> wide(static_cast<std::size_t>(count));
   const TensorView wide_out = TensorView::contiguous(wide.data(), DType::kF32, shape);
   AttentionStats stats = forward(wide_out);
@@ -70,17 +67,13 @@ struct Widened {
 };
 Widened widened(ConstTensorView x) {
   Widened w;
-  std::int64_t count = 1;
-  for (int a = 0; a < x.rank(); ++a) {
-    w.shape.push_back(x.size(a));
-    count *= x.size(a);
-  }
-  w.values.resize(static_cast<std::size_t>(count));
+  for (int a = 0; a < x.rank(); ++a) w.shape.push_back(x.size(a));
+  w.values.resize(static_cast<std::size_t>(x.numel()));
   std::vector<std::int64_t> index(w.shape.size(), 0);
-  for (std::int64_t i = 0; i < count; ++i) {
+  for (std::size_t i = 0; i < w.values.size(); ++i) {
     std::int64_t offset = 0;
     for (std::size_t a = 0; a < index.size(); ++a) offset += index[a] * x.stride(static_cast<int>(a));
-    w.values[static_cast<std::size_t>(i)] = detail::load(x.data(), x.dtype(), offset);
+    w.values[i] = detail::load(x.data(), x.dtype(), offset);
     for (std::size_t a = index.size(); a-- > 0;) {
       if (++index[a] < w.shape[a]) break;
       index[a] = 0;

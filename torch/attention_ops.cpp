@@ -577,8 +577,9 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
       ctx->saved_data["param_count"] = static_cast<std::int64_t>(params.size());
       ctx->save_for_backward(saved);
       // The lse is differentiable where the call's normaliser says its statistic is (stick-breaking's rem).
-      ctx->saved_data["lse_grad"] = statistic_has_gradient(a);
-      if (!statistic_has_gradient(a)) ctx->mark_non_differentiable({lse});
+      const bool lse_grad = statistic_has_gradient(a);
+      ctx->saved_data["lse_grad"] = lse_grad;
+      if (!lse_grad) ctx->mark_non_differentiable({lse});
       return variable_list{out, lse};
     });
   }

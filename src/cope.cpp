@@ -2,8 +2,6 @@
 // key tiles run from the diagonal leftwards (row_blocks.hpp), with an online softmax.
 #include "posenc/cope.hpp"
 
-#include <omp.h>
-
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -15,7 +13,6 @@
 #include "internal.hpp"
 #include "kernels/attention/attention_kernels.hpp"
 #include "kernels/attention/cope_kernels.hpp"
-#include "kernels/common/flush_denormals.hpp"
 #include "posenc/error.hpp"
 #include "posenc/reference.hpp"
 
@@ -93,26 +90,24 @@ CopeBackwardGrids check_cope_backward(const CopeSpec& spec, const CopeShape& sha
 namespace {
 
 using detail::CopeShape;
-using detail::HeadsGrid;
 using detail::rows::Block;
+using detail::rows::BlockWalk;
 using detail::rows::Floats;
 using detail::rows::grow;
 using detail::rows::kKeyTile;
-using detail::rows::padded;
-using detail::rows::Sequence;
-using detail::rows::Tile;
 using detail::rows::Unit;
+using detail::rows::WalkScratch;
 static_assert(kKeyTile <= kernels::kAttnGemmAddDepth);
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
+// A thread's buffers beside the walk's, kept between calls.
 struct Scratch {
-  Floats qt, qrows, qs, qe, dqe, o, st, dpt, dpp, gg, k, v, dot, dorows, dq, own;
+  Floats qe, dqe, qs, dpp, gg;
   std::vector<float> carry, m, l, corr, lse, delta, left, sums;
   std::int64_t bytes() const {
     std::int64_t n = 0;
-    for (const Floats* f : {&qt, &qrows, &qs, &qe, &dqe, &o, &st, &dpt, &dpp, &gg, &k, &v, &dot, &dorows, &dq, &own})
-      n += static_cast<std::int64_t>(f->capacity());
+    for (const Floats* f : {&qe, &dqe, &qs, &dpp, &gg}) n += static_cast<std::int64_t>(f->capacity());
     for (const std::vector<float>* f : {&carry, &m, &l, &corr, &lse, &delta, &left, &sums})
       n += static_cast<std::int64_t>(f->capacity());
     return n * static_cast<std::int64_t>(sizeof(float));
@@ -165,12 +160,12 @@ struct CopeAttention::Plan {
     }
   }
 
-  // The block's queries (raw rows in s.qrows, scaled and transposed in s.qt) and qe = ⟨q, e[n]⟩.
-  bool load_block(const Sequence& seq, const Block& blk, const Floats& et, Scratch& s) const {
+  // The block's queries (raw rows in w.qrows, scaled and transposed in w.qt) and qe = ⟨q, e[n]⟩.
+  bool load_block(const Unit& un, const Block& blk, const Floats& et, WalkScratch& w, Scratch& s) const {
     const auto scale = static_cast<float>(geo.shape.scale);
-    const bool finite = geo.load_q(seq, blk, 1.0f, scale, s.qrows, s.qt);
+    const bool finite = geo.load_q(geo.sequences[static_cast<std::size_t>(un.seq)], blk, 1.0f, scale, w.qrows, w.qt);
     grow(s.qe, blk.width * npp);
-    kernels::attn_gemm(s.qrows.data(), geo.dp, 1, et.data(), npp, s.qe.data(), npp, blk.width, npp, geo.shape.dim,
+    kernels::attn_gemm(w.qrows.data(), geo.dp, 1, et.data(), npp, s.qe.data(), npp, blk.width, npp, geo.shape.dim,
                        false);
     return finite;
   }
@@ -178,217 +173,172 @@ struct CopeAttention::Plan {
   AttentionStats forward(TensorView out, TensorView lse) const;
   AttentionStats backward(ConstTensorView out, ConstTensorView lse, ConstTensorView d_out, TensorView dq, TensorView dk,
                           TensorView dv, TensorView d_table) const;
+  class Forward;
+  class Backward;
+};
+
+// The forward's rows: gate sums counted from the diagonal, then an online softmax.
+class CopeAttention::Plan::Forward final : public detail::rows::ForwardRows {
+ public:
+  Forward(const Plan& plan, const Floats& et)
+      : plan_(plan), et_(et), cap_(static_cast<float>(plan.npos - 1)), s_(thread_scratch()) {}
+  void start(const Unit& un, const Block& blk, WalkScratch& w) override {
+    plan_.load_block(un, blk, et_, w, s_);
+    start_carries(blk, s_.carry);
+    s_.m.assign(static_cast<std::size_t>(blk.width), -kInf);
+    s_.l.assign(static_cast<std::size_t>(blk.width), 0.0f);
+    grow(s_.corr, blk.width);
+  }
+  void weigh(const Block& blk, std::int64_t k0, std::int64_t keys, bool masked, WalkScratch& w) override {
+    const std::int64_t width = blk.width, dvp = plan_.geo.dvp;
+    kernels::cope_forward_tile(w.st.data(), keys, width, k0, blk.hi.data(), masked, s_.qe.data(), plan_.npp, cap_,
+                               s_.carry.data());
+    kernels::attn_softmax_tile(w.st.data(), keys, width, s_.m.data(), s_.l.data(), s_.corr.data());
+    kernels::attn_scale_rows(w.o.data(), dvp, width, dvp, s_.corr.data());
+  }
+  float finish(std::int64_t r, float* o) override {
+    const auto at = static_cast<std::size_t>(r);
+    // l == 0 (every logit −inf): a row of 0 and lse −inf, as the softmax engine's.
+    const float l = s_.l[at], inv = l == 0 ? 0.0f : 1.0f / l;
+    for (std::int64_t c = 0; c < plan_.geo.shape.dim_v; ++c) o[c] *= inv;
+    return l == 0 ? -kInf : s_.m[at] + std::log(l);
+  }
+  std::int64_t bytes() const override { return s_.bytes(); }
+
+ private:
+  const Plan& plan_;
+  const Floats& et_;
+  float cap_;
+  Scratch& s_;
+};
+
+// The backward's rows: a pass for each tile's Σ dp per row, then the gradients; d_table's sums
+// per run of units (`bins`, run after run).
+class CopeAttention::Plan::Backward final : public detail::rows::BackwardRows {
+ public:
+  Backward(const Plan& plan, const detail::CopeBackwardGrids& g, ConstTensorView lse, const Floats& et,
+           const Floats& erows, float* bins)
+      : plan_(plan),
+        g_(g),
+        lse_(lse),
+        et_(et),
+        erows_(erows),
+        bins_(bins),
+        cap_(static_cast<float>(plan.npos - 1)),
+        s_(thread_scratch()) {}
+  void start_run(std::int64_t run) override {
+    const std::int64_t n = plan_.npos * plan_.geo.dp;
+    de_ = bins_ == nullptr ? nullptr : bins_ + run * n;
+    if (de_ != nullptr) std::fill(de_, de_ + n, 0.0f);
+  }
+  bool start(const Unit& un, const Block& blk, WalkScratch& w) override {
+    const std::int64_t width = blk.width, dp = plan_.geo.dp, npp = plan_.npp;
+    const bool finite = plan_.load_block(un, blk, et_, w, s_);
+    const auto scale = static_cast<float>(plan_.shape.scale);
+    grow(s_.qs, width * dp);
+    for (std::size_t x = 0; x < static_cast<std::size_t>(width * dp); ++x) s_.qs[x] = w.qrows[x] * scale;
+    grow(s_.dqe, width * npp);
+    for (Floats* f : {&s_.dpp, &s_.gg}) grow(*f, kKeyTile * width);
+    for (auto* v : {&s_.lse, &s_.delta, &s_.left}) grow(*v, width);
+    std::fill(s_.dqe.begin(), s_.dqe.begin() + width * npp, 0.0f);
+    return finite;
+  }
+  void pad_row(std::int64_t r) override {
+    s_.lse[static_cast<std::size_t>(r)] = -kInf;
+    s_.delta[static_cast<std::size_t>(r)] = 0.0f;
+  }
+  bool row(std::int64_t r, std::int64_t b, std::int64_t token, std::int64_t h, double dot) override {
+    s_.delta[static_cast<std::size_t>(r)] = static_cast<float>(dot);
+    s_.lse[static_cast<std::size_t>(r)] = static_cast<const float*>(lse_.data())[g_.lse.offset(b, token, h)];
+    return true;
+  }
+  // Each tile's Σ dp per row, over the tiles before every row has counted cap (dp is 0 from there
+  // on); then sums[t] = Σ over the tiles left of tile t.
+  void prepare(BlockWalk& walk) override {
+    const Block& blk = walk.blk;
+    const std::int64_t w = blk.width, n_tiles = walk.n_tiles();
+    s_.sums.assign(static_cast<std::size_t>((n_tiles + 1) * w), 0.0f);
+    start_carries(blk, s_.carry);
+    for (std::int64_t t = n_tiles - 1; t >= 0 && !all_clamped(blk, s_.carry, cap_); --t) {
+      const std::int64_t k0 = walk.k0(t), keys = walk.keys(t);
+      ++walk.tiles;
+      walk.scores(k0, keys);
+      kernels::cope_backward_tile(walk.s.st.data(), walk.s.dpt.data(), s_.dpp.data(), s_.gg.data(), keys, w, k0,
+                                  blk.hi.data(), blk.any_masked(k0 + keys), s_.qe.data(), plan_.npp, cap_,
+                                  s_.lse.data(), s_.delta.data(), s_.carry.data(), nullptr,
+                                  s_.sums.data() + (t + 1) * w);
+    }
+    for (std::int64_t t = 1; t <= n_tiles; ++t) {
+      for (std::int64_t r = 0; r < w; ++r)
+        s_.sums[static_cast<std::size_t>(t * w + r)] += s_.sums[static_cast<std::size_t>((t - 1) * w + r)];
+    }
+    start_carries(blk, s_.carry);
+  }
+  void tile(const BlockWalk& walk, std::int64_t t, bool masked) override {
+    const Block& blk = walk.blk;
+    const std::int64_t w = blk.width, k0 = walk.k0(t), keys = walk.keys(t);
+    kernels::cope_backward_tile(walk.s.st.data(), walk.s.dpt.data(), s_.dpp.data(), s_.gg.data(), keys, w, k0,
+                                blk.hi.data(), masked, s_.qe.data(), plan_.npp, cap_, s_.lse.data(), s_.delta.data(),
+                                s_.carry.data(), s_.dqe.data(), nullptr);
+    std::copy(s_.sums.begin() + t * w, s_.sums.begin() + (t + 1) * w, s_.left.begin());
+    kernels::cope_backward_finish(walk.s.dpt.data(), s_.dpp.data(), s_.gg.data(), keys, w, k0, blk.hi.data(), masked,
+                                  s_.left.data());
+  }
+  const float* scaled_q(const WalkScratch& /*w*/) const override { return s_.qs.data(); }
+  // de[n] += Σ_r dqe[r][n]·q_r;  dq_r = scale·dQ_r + Σ_n dqe[r][n]·e[n].
+  void finish(const Block& blk, WalkScratch& w, bool want_dq) override {
+    const std::int64_t width = blk.width, dp = plan_.geo.dp, npp = plan_.npp, npos = plan_.npos;
+    if (de_ != nullptr) kernels::attn_gemm(s_.dqe.data(), 1, npp, w.qrows.data(), dp, de_, dp, npos, dp, width, true);
+    if (!want_dq) return;
+    const auto scale = static_cast<float>(plan_.shape.scale);
+    for (std::int64_t x = 0; x < width * dp; ++x) w.dq[static_cast<std::size_t>(x)] *= scale;
+    kernels::attn_gemm(s_.dqe.data(), npp, 1, erows_.data(), dp, w.dq.data(), dp, width, dp, npos, true);
+  }
+  std::int64_t bytes() const override { return s_.bytes(); }
+
+ private:
+  const Plan& plan_;
+  const detail::CopeBackwardGrids& g_;
+  ConstTensorView lse_;
+  const Floats &et_, &erows_;
+  float* bins_;
+  float* de_ = nullptr;
+  float cap_;
+  Scratch& s_;
 };
 
 AttentionStats CopeAttention::Plan::forward(TensorView out, TensorView lse) const {
-  const CopeShape& qs = shape;
-  const std::int64_t dvp = geo.dvp;
-  const HeadsGrid og = detail::check_cope_forward_outputs(spec, qs, ConstTensorView(out), ConstTensorView(lse));
-  const bool want_lse = detail::given(ConstTensorView(lse));
-  const detail::RowStatGrid lg =
-      want_lse ? detail::check_row_stat(detail::kCope, qs, "lse", ConstTensorView(lse), true) : detail::RowStatGrid{};
+  const detail::HeadsGrid og =
+      detail::check_cope_forward_outputs(spec, shape, ConstTensorView(out), ConstTensorView(lse));
+  const detail::RowStatGrid lg = detail::given(ConstTensorView(lse))
+                                     ? detail::check_row_stat(detail::kCope, shape, "lse", ConstTensorView(lse), true)
+                                     : detail::RowStatGrid{};
   Floats et, erows;
   load_table(et, erows);
-  const auto cap = static_cast<float>(npos - 1);
-  const std::vector<Unit> units = geo.forward_units();
-  const int threads = geo.threads_for(units.size(), 1);
-  std::int64_t tiles = 0, scratch_bytes = 0;
-#pragma omp parallel num_threads(threads) reduction(+ : tiles, scratch_bytes)
-  {
-    const detail::FlushDenormals flush;
-    Scratch& s = thread_scratch();
-    Block blk;
-#pragma omp for schedule(dynamic, 1)
-    for (std::size_t u = 0; u < units.size(); ++u) {
-      const Unit& un = units[u];
-      const Sequence& seq = geo.sequences[static_cast<std::size_t>(un.seq)];
-      geo.layout(seq, un.kvh, un.i0, un.i1, blk);
-      const std::int64_t w = blk.width;
-      load_block(seq, blk, et, s);
-      grow(s.o, w * dvp);
-      grow(s.st, kKeyTile * w);
-      std::fill(s.o.begin(), s.o.begin() + w * dvp, 0.0f);
-      start_carries(blk, s.carry);
-      s.m.assign(static_cast<std::size_t>(w), -kInf);
-      s.l.assign(static_cast<std::size_t>(w), 0.0f);
-      grow(s.corr, w);
-      const std::int64_t n_tiles = (blk.key_end + kKeyTile - 1) / kKeyTile;
-      for (std::int64_t t = n_tiles - 1; t >= 0; --t) {
-        const std::int64_t k0 = t * kKeyTile, keys = std::min(kKeyTile, blk.key_end - k0);
-        ++tiles;
-        if (t > 0) geo.prefetch(seq, un.kvh, k0 - kKeyTile, kKeyTile);
-        const Tile kt = geo.load_tile(seq, un.kvh, k0, keys, s.k, s.v);
-        kernels::attn_gemm(kt.k, kt.ldk, 1, s.qt.data(), padded(w), s.st.data(), w, keys, w, qs.dim, false);
-        const bool masked = blk.any_masked(k0 + keys);
-        kernels::cope_forward_tile(s.st.data(), keys, w, k0, blk.hi.data(), masked, s.qe.data(), npp, cap,
-                                   s.carry.data());
-        kernels::attn_softmax_tile(s.st.data(), keys, w, s.m.data(), s.l.data(), s.corr.data());
-        kernels::attn_scale_rows(s.o.data(), dvp, w, dvp, s.corr.data());
-        if (masked && detail::rows_non_finite(s.v.data(), padded(dvp), keys, qs.dim_v)) {
-          detail::rows::add_visible(blk, k0, keys, s.st.data(), s.v.data(), padded(dvp), dvp, s.o.data(), dvp, true);
-        } else {
-          kernels::attn_gemm_add(s.st.data(), 1, w, s.v.data(), padded(dvp), s.o.data(), dvp, w, dvp, keys);
-        }
-      }
-      for (std::int64_t r = 0; r < w; ++r) {
-        const auto at = static_cast<std::size_t>(r);
-        const std::int64_t h = blk.head[at];
-        if (h < 0) continue;
-        const std::int64_t i = blk.query[at];
-        // l == 0 (every logit −inf): a row of 0 and lse −inf, as the softmax engine's.
-        const float l = s.l[at], inv = l == 0 ? 0.0f : 1.0f / l;
-        float* row = s.o.data() + r * dvp;
-        for (std::int64_t c = 0; c < qs.dim_v; ++c) row[c] *= inv;
-        detail::store_heads_row(row, out.data(), out.dtype(), og, seq.b, seq.q0 + i, h, false);
-        if (want_lse)
-          static_cast<float*>(lse.data())[lg.offset(seq.b, seq.q0 + i, h)] = l == 0 ? -kInf : s.m[at] + std::log(l);
-      }
-    }
-    scratch_bytes += s.bytes();
-  }
-  AttentionStats stats;
-  stats.tiles = tiles;
-  stats.workspace_bytes = scratch_bytes + static_cast<std::int64_t>((et.size() + erows.size()) * sizeof(float));
+  AttentionStats stats = detail::rows::walk_forward(
+      geo, [&] { return std::make_unique<Forward>(*this, et); }, out, og, lse, lg);
+  stats.workspace_bytes += static_cast<std::int64_t>((et.size() + erows.size()) * sizeof(float));
   return stats;
 }
 
 AttentionStats CopeAttention::Plan::backward(ConstTensorView out, ConstTensorView lse, ConstTensorView d_out,
                                              TensorView dq, TensorView dk, TensorView dv, TensorView d_table) const {
   const detail::CopeBackwardGrids g = detail::check_cope_backward(spec, shape, out, lse, d_out, dq, dk, dv, d_table);
-  const std::int64_t dp = geo.dp, dvp = geo.dvp, slab_row = geo.slab_row(), d = shape.dim, dv_cols = shape.dim_v;
-  const std::int64_t qc = geo.rows_per_block_queries();
+  const std::int64_t dp = geo.dp, d = shape.dim;
   const detail::rows::Split split = geo.backward_split();
-  const std::vector<Unit>& units = split.units;
-  thread_local Floats slab_store, bin_store;  // the calling thread's, kept between calls
-  grow(slab_store, split.slab_floats);
-  float* const slabs = slab_store.data();  // (the workers' thread_local would be their own)
   // d_table sums per bin, a fixed run of units taken in order by one thread: the bins depend on
   // the shapes only, and are added in bin order.
-  const bool want_dq = dq.rank() > 0, want_de = d_table.rank() > 0;
-  const auto n_units = static_cast<std::int64_t>(units.size());
-  const std::int64_t bins = std::min<std::int64_t>(n_units, 16), bin_floats = npos * dp;
+  const bool want_de = d_table.rank() > 0;
+  const std::int64_t bins = std::min<std::int64_t>(static_cast<std::int64_t>(split.units.size()), 16),
+                     bin_floats = npos * dp;
+  thread_local Floats bin_store;  // the calling thread's, kept between calls
   grow(bin_store, want_de ? bins * bin_floats : 0);
-  float* const bin_sums = bin_store.data();
+  float* const bin_sums = want_de ? bin_store.data() : nullptr;
   Floats et, erows;
   load_table(et, erows);
-  const auto cap = static_cast<float>(npos - 1);
-  const auto scale = static_cast<float>(shape.scale);
-  const int threads = geo.threads_for(static_cast<std::size_t>(bins), 2);
-  std::int64_t tiles = 0, scratch_bytes = 0;
-#pragma omp parallel num_threads(threads) reduction(+ : tiles, scratch_bytes)
-  {
-    const detail::FlushDenormals flush;
-    Scratch& s = thread_scratch();
-    Block blk;
-#pragma omp for schedule(dynamic, 1)
-    for (std::int64_t bin = 0; bin < bins; ++bin) {
-      float* de = want_de ? bin_sums + bin * bin_floats : nullptr;
-      if (de != nullptr) std::fill(de, de + bin_floats, 0.0f);
-      for (std::int64_t u = bin * n_units / bins; u < (bin + 1) * n_units / bins; ++u) {
-        const Unit& un = units[static_cast<std::size_t>(u)];
-        const Sequence& seq = geo.sequences[static_cast<std::size_t>(un.seq)];
-        if (un.slab < 0) grow(s.own, un.key_end * slab_row);
-        float* slab = un.slab < 0 ? s.own.data() : slabs + un.slab;
-        std::fill(slab, slab + un.key_end * slab_row, 0.0f);
-        float* dk_acc = slab;                    // [key_end][dp]
-        float* dv_acc = slab + un.key_end * dp;  // [key_end][dvp]
-        for (std::int64_t b0 = un.i0; b0 < un.i1; b0 += qc) {
-          geo.layout(seq, un.kvh, b0, std::min(un.i1, b0 + qc), blk);
-          const std::int64_t w = blk.width, ldt = padded(w);
-          const bool q_finite = load_block(seq, blk, et, s);
-          grow(s.qs, w * dp);
-          for (std::size_t x = 0; x < static_cast<std::size_t>(w * dp); ++x) s.qs[x] = s.qrows[x] * scale;
-          grow(s.dorows, w * dvp);
-          grow(s.dot, dvp * ldt);
-          grow(s.dq, w * dp);
-          grow(s.dqe, w * npp);
-          grow(s.o, dvp);  // one row of out at a time
-          for (Floats* f : {&s.st, &s.dpt, &s.dpp, &s.gg}) grow(*f, kKeyTile * w);
-          for (auto* v : {&s.lse, &s.delta, &s.left}) grow(*v, w);
-          std::fill(s.dq.begin(), s.dq.begin() + w * dp, 0.0f);
-          std::fill(s.dqe.begin(), s.dqe.begin() + w * npp, 0.0f);
-          bool do_finite = true;
-          for (std::int64_t r = 0; r < w; ++r) {
-            const auto at = static_cast<std::size_t>(r);
-            float* dor = s.dorows.data() + r * dvp;
-            const std::int64_t h = blk.head[at];
-            if (h < 0) {
-              std::fill(dor, dor + dvp, 0.0f);
-              s.lse[at] = -kInf;
-              s.delta[at] = 0.0f;
-            } else {
-              const std::int64_t i = blk.query[at];
-              detail::load_heads_row(d_out.data(), shape.dtype, g.dog, seq.b, seq.q0 + i, h, dor, dvp);
-              detail::load_heads_row(out.data(), out.dtype(), g.og, seq.b, seq.q0 + i, h, s.o.data(), dvp);
-              double delta = 0;
-              for (std::int64_t c = 0; c < dv_cols; ++c)
-                delta += static_cast<double>(dor[c]) * s.o[static_cast<std::size_t>(c)];
-              s.delta[at] = static_cast<float>(delta);
-              s.lse[at] = static_cast<const float*>(lse.data())[g.lse.offset(seq.b, seq.q0 + i, h)];
-              do_finite = do_finite && detail::rows::finite_floats(dor, dv_cols);
-            }
-            for (std::int64_t c = 0; c < dv_cols; ++c) s.dot[static_cast<std::size_t>(c * ldt + r)] = dor[c];
-          }
-          const std::int64_t n_tiles = (blk.key_end + kKeyTile - 1) / kKeyTile;
-          // Recomputes the tile's z (in st) and d_out·v (in dpt); returns its keys.
-          const auto scores = [&](std::int64_t k0, std::int64_t keys) {
-            const Tile tile = geo.load_tile(seq, un.kvh, k0, keys, s.k, s.v);
-            kernels::attn_gemm(tile.k, tile.ldk, 1, s.qt.data(), ldt, s.st.data(), w, keys, w, d, false);
-            kernels::attn_gemm(s.v.data(), padded(dvp), 1, s.dot.data(), ldt, s.dpt.data(), w, keys, w, dv_cols, false);
-            return tile;
-          };
-          // Pass 1: each tile's Σ dp per row, over the tiles before every row has counted cap
-          // (dp is 0 from there on); then sums[t] = Σ over the tiles left of tile t.
-          s.sums.assign(static_cast<std::size_t>((n_tiles + 1) * w), 0.0f);
-          start_carries(blk, s.carry);
-          for (std::int64_t t = n_tiles - 1; t >= 0 && !all_clamped(blk, s.carry, cap); --t) {
-            const std::int64_t k0 = t * kKeyTile, keys = std::min(kKeyTile, blk.key_end - k0);
-            ++tiles;
-            scores(k0, keys);
-            kernels::cope_backward_tile(s.st.data(), s.dpt.data(), s.dpp.data(), s.gg.data(), keys, w, k0,
-                                        blk.hi.data(), blk.any_masked(k0 + keys), s.qe.data(), npp, cap, s.lse.data(),
-                                        s.delta.data(), s.carry.data(), nullptr, s.sums.data() + (t + 1) * w);
-          }
-          for (std::int64_t t = 1; t <= n_tiles; ++t) {
-            for (std::int64_t r = 0; r < w; ++r)
-              s.sums[static_cast<std::size_t>(t * w + r)] += s.sums[static_cast<std::size_t>((t - 1) * w + r)];
-          }
-          // Pass 2: the gradients.
-          start_carries(blk, s.carry);
-          for (std::int64_t t = n_tiles - 1; t >= 0; --t) {
-            const std::int64_t k0 = t * kKeyTile, keys = std::min(kKeyTile, blk.key_end - k0);
-            ++tiles;
-            if (t > 0) geo.prefetch(seq, un.kvh, k0 - kKeyTile, kKeyTile);
-            const Tile tile = scores(k0, keys);
-            const bool masked = blk.any_masked(k0 + keys);
-            kernels::cope_backward_tile(s.st.data(), s.dpt.data(), s.dpp.data(), s.gg.data(), keys, w, k0,
-                                        blk.hi.data(), masked, s.qe.data(), npp, cap, s.lse.data(), s.delta.data(),
-                                        s.carry.data(), s.dqe.data(), nullptr);
-            std::copy(s.sums.begin() + t * w, s.sums.begin() + (t + 1) * w, s.left.begin());
-            kernels::cope_backward_finish(s.dpt.data(), s.dpp.data(), s.gg.data(), keys, w, k0, blk.hi.data(), masked,
-                                          s.left.data());
-            detail::rows::add_tile_gradients(geo, blk, k0, keys, masked, tile,
-                                             {s.st.data(), s.dpt.data(), s.dorows.data(), s.qs.data(), do_finite,
-                                              q_finite, dv_acc + k0 * dvp, dk_acc + k0 * dp, s.dq.data()});
-          }
-          // de[n] += Σ_r dqe[r][n]·q_r;  dq_r = scale·dQ_r + Σ_n dqe[r][n]·e[n].
-          if (de != nullptr) kernels::attn_gemm(s.dqe.data(), 1, npp, s.qrows.data(), dp, de, dp, npos, dp, w, true);
-          if (!want_dq) continue;
-          for (std::int64_t x = 0; x < w * dp; ++x) s.dq[static_cast<std::size_t>(x)] *= scale;
-          kernels::attn_gemm(s.dqe.data(), npp, 1, erows.data(), dp, s.dq.data(), dp, w, dp, npos, true);
-          for (std::int64_t r = 0; r < w; ++r) {
-            const std::int64_t h = blk.head[static_cast<std::size_t>(r)];
-            if (h < 0) continue;
-            detail::store_heads_row(s.dq.data() + r * dp, dq.data(), shape.dtype, g.dqg, seq.b,
-                                    seq.q0 + blk.query[static_cast<std::size_t>(r)], h, true);
-          }
-        }
-        if (un.slab < 0) geo.store_unit(un, dk_acc, dv_acc, dk, g.dkg, dv, g.dvg);
-      }
-    }
-    scratch_bytes += s.bytes();
-  }
-  geo.add_slabs(split, slabs, threads, dk, g.dkg, dv, g.dvg);
+  AttentionStats stats = detail::rows::walk_backward(
+      geo, split, bins, [&] { return std::make_unique<Backward>(*this, g, lse, et, erows, bin_sums); }, g, out, d_out,
+      dq, dk, dv);
   if (want_de) {
     Floats row(static_cast<std::size_t>(dp));
     for (std::int64_t n = 0; n < npos; ++n) {
@@ -404,10 +354,7 @@ AttentionStats CopeAttention::Plan::backward(ConstTensorView out, ConstTensorVie
       }
     }
   }
-  AttentionStats stats;
-  stats.tiles = tiles;
-  stats.workspace_bytes = scratch_bytes + (split.slab_floats + (want_de ? bins * bin_floats : 0)) *
-                                              static_cast<std::int64_t>(sizeof(float));
+  stats.workspace_bytes += (want_de ? bins * bin_floats : 0) * static_cast<std::int64_t>(sizeof(float));
   return stats;
 }
 

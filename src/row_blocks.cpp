@@ -10,6 +10,7 @@
 
 #include "absolute_checks.hpp"
 #include "kernels/attention/attention_kernels.hpp"
+#include "kernels/common/flush_denormals.hpp"
 #include "posenc/error.hpp"
 
 namespace posenc::detail {
@@ -375,6 +376,194 @@ void add_tile_gradients(const Geometry& geo, const Block& blk, std::int64_t k0, 
   } else {
     kernels::attn_gemm(t.dz, 1, w, tile.k, tile.ldk, t.dq, dp, w, dp, keys, true);
   }
+}
+
+std::int64_t WalkScratch::bytes() const {
+  std::int64_t n = 0;
+  for (const Floats* f : {&qt, &qrows, &o, &st, &dpt, &k, &v, &dot, &dorows, &dq, &row, &own})
+    n += static_cast<std::int64_t>(f->capacity());
+  return n * static_cast<std::int64_t>(sizeof(float));
+}
+
+namespace {
+
+WalkScratch& walk_scratch() {
+  thread_local WalkScratch s;
+  return s;
+}
+
+}  // namespace
+
+Tile BlockWalk::scores(std::int64_t k0, std::int64_t keys) const {
+  const std::int64_t w = blk.width, ldt = padded(w);
+  const Tile tile = geo.load_tile(seq, un.kvh, k0, keys, s.k, s.v);
+  kernels::attn_gemm(tile.k, tile.ldk, 1, s.qt.data(), ldt, s.st.data(), w, keys, w, geo.shape.dim, false);
+  kernels::attn_gemm(s.v.data(), padded(geo.dvp), 1, s.dot.data(), ldt, s.dpt.data(), w, keys, w, geo.shape.dim_v,
+                     false);
+  return tile;
+}
+
+AttentionStats walk_forward(const Geometry& geo, const std::function<std::unique_ptr<ForwardRows>()>& make,
+                            TensorView out, const HeadsGrid& og, TensorView stat, const RowStatGrid& sg) {
+  const std::int64_t dvp = geo.dvp;
+  const bool want_stat = given(ConstTensorView(stat));
+  const std::vector<Unit> units = geo.forward_units();
+  const int threads = geo.threads_for(units.size(), 1);
+  std::int64_t tiles = 0, skipped = 0, scratch_bytes = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : tiles, skipped, scratch_bytes)
+  {
+    const FlushDenormals flush;
+    WalkScratch& s = walk_scratch();
+    const std::unique_ptr<ForwardRows> rows = make();
+    Block blk;
+#pragma omp for schedule(dynamic, 1)
+    for (std::size_t u = 0; u < units.size(); ++u) {
+      const Unit& un = units[u];
+      const Sequence& seq = geo.sequences[static_cast<std::size_t>(un.seq)];
+      geo.layout(seq, un.kvh, un.i0, un.i1, blk);
+      const std::int64_t w = blk.width;
+      rows->start(un, blk, s);
+      grow(s.o, w * dvp);
+      grow(s.st, kKeyTile * w);
+      std::fill(s.o.begin(), s.o.begin() + w * dvp, 0.0f);
+      const std::int64_t n_tiles = (blk.key_end + kKeyTile - 1) / kKeyTile;
+      for (std::int64_t t = n_tiles - 1; t >= 0; --t) {
+        const std::int64_t k0 = t * kKeyTile, keys = std::min(kKeyTile, blk.key_end - k0);
+        if (rows->vanished(blk, k0 + keys)) {
+          skipped += t + 1;
+          tiles += t + 1;
+          break;
+        }
+        ++tiles;
+        if (t > 0) geo.prefetch(seq, un.kvh, k0 - kKeyTile, kKeyTile);
+        const Tile kt = geo.load_tile(seq, un.kvh, k0, keys, s.k, s.v);
+        kernels::attn_gemm(kt.k, kt.ldk, 1, s.qt.data(), padded(w), s.st.data(), w, keys, w, geo.shape.dim, false);
+        const bool masked = blk.any_masked(k0 + keys);
+        rows->weigh(blk, k0, keys, masked, s);
+        if (masked && rows_non_finite(s.v.data(), padded(dvp), keys, geo.shape.dim_v)) {
+          add_visible(blk, k0, keys, s.st.data(), s.v.data(), padded(dvp), dvp, s.o.data(), dvp, true);
+        } else {
+          kernels::attn_gemm_add(s.st.data(), 1, w, s.v.data(), padded(dvp), s.o.data(), dvp, w, dvp, keys);
+        }
+      }
+      for (std::int64_t r = 0; r < w; ++r) {
+        const std::int64_t h = blk.head[static_cast<std::size_t>(r)];
+        if (h < 0) continue;
+        const std::int64_t token = seq.q0 + blk.query[static_cast<std::size_t>(r)];
+        float* row = s.o.data() + r * dvp;
+        const float value = rows->finish(r, row);
+        store_heads_row(row, out.data(), out.dtype(), og, seq.b, token, h, false);
+        if (want_stat) static_cast<float*>(stat.data())[sg.offset(seq.b, token, h)] = value;
+      }
+    }
+    scratch_bytes += s.bytes() + rows->bytes();
+  }
+  AttentionStats stats;
+  stats.tiles = tiles;
+  stats.skipped = skipped;
+  stats.workspace_bytes = scratch_bytes;
+  return stats;
+}
+
+AttentionStats walk_backward(const Geometry& geo, const Split& split, std::int64_t runs,
+                             const std::function<std::unique_ptr<BackwardRows>()>& make, const QkvBackwardGrids& g,
+                             ConstTensorView out, ConstTensorView d_out, TensorView dq, TensorView dk, TensorView dv) {
+  const std::int64_t dp = geo.dp, dvp = geo.dvp, slab_row = geo.slab_row(), dv_cols = geo.shape.dim_v;
+  const std::int64_t qc = geo.rows_per_block_queries();
+  const std::vector<Unit>& units = split.units;
+  thread_local Floats slab_store;  // the calling thread's, kept between calls
+  grow(slab_store, split.slab_floats);
+  float* const slabs = slab_store.data();  // (the workers' thread_local would be their own)
+  const bool want_dq = dq.rank() > 0;
+  const auto n_units = static_cast<std::int64_t>(units.size());
+  const int threads = geo.threads_for(static_cast<std::size_t>(runs), 2);
+  std::int64_t tiles = 0, skipped = 0, scratch_bytes = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : tiles, skipped, scratch_bytes)
+  {
+    const FlushDenormals flush;
+    WalkScratch& s = walk_scratch();
+    const std::unique_ptr<BackwardRows> rows = make();
+    Block blk;
+#pragma omp for schedule(dynamic, 1)
+    for (std::int64_t run = 0; run < runs; ++run) {
+      rows->start_run(run);
+      for (std::int64_t u = run * n_units / runs; u < (run + 1) * n_units / runs; ++u) {
+        const Unit& un = units[static_cast<std::size_t>(u)];
+        const Sequence& seq = geo.sequences[static_cast<std::size_t>(un.seq)];
+        if (un.slab < 0) grow(s.own, un.key_end * slab_row);
+        float* slab = un.slab < 0 ? s.own.data() : slabs + un.slab;
+        std::fill(slab, slab + un.key_end * slab_row, 0.0f);
+        float* dk_acc = slab;                    // [key_end][dp]
+        float* dv_acc = slab + un.key_end * dp;  // [key_end][dvp]
+        for (std::int64_t b0 = un.i0; b0 < un.i1; b0 += qc) {
+          geo.layout(seq, un.kvh, b0, std::min(un.i1, b0 + qc), blk);
+          const std::int64_t w = blk.width, ldt = padded(w);
+          const bool q_finite = rows->start(un, blk, s);
+          grow(s.dorows, w * dvp);
+          grow(s.dot, dvp * ldt);
+          grow(s.dq, w * dp);
+          grow(s.st, kKeyTile * w);
+          grow(s.dpt, kKeyTile * w);
+          grow(s.row, dvp);
+          std::fill(s.dq.begin(), s.dq.begin() + w * dp, 0.0f);
+          bool do_finite = true;
+          for (std::int64_t r = 0; r < w; ++r) {
+            float* dor = s.dorows.data() + r * dvp;
+            const std::int64_t h = blk.head[static_cast<std::size_t>(r)];
+            if (h < 0) {
+              std::fill(dor, dor + dvp, 0.0f);
+              rows->pad_row(r);
+            } else {
+              const std::int64_t token = seq.q0 + blk.query[static_cast<std::size_t>(r)];
+              load_heads_row(d_out.data(), geo.shape.dtype, g.dog, seq.b, token, h, dor, dvp);
+              load_heads_row(out.data(), out.dtype(), g.og, seq.b, token, h, s.row.data(), dvp);
+              double dot = 0;
+              for (std::int64_t c = 0; c < dv_cols; ++c)
+                dot += static_cast<double>(dor[c]) * s.row[static_cast<std::size_t>(c)];
+              const bool own_finite = rows->row(r, seq.b, token, h, dot);
+              do_finite = do_finite && finite_floats(dor, dv_cols) && own_finite;
+            }
+            for (std::int64_t c = 0; c < dv_cols; ++c) s.dot[static_cast<std::size_t>(c * ldt + r)] = dor[c];
+          }
+          BlockWalk walk{geo, un, seq, blk, s, q_finite, do_finite, tiles};
+          rows->prepare(walk);
+          const float* qs = rows->scaled_q(s);
+          for (std::int64_t t = walk.n_tiles() - 1; t >= 0; --t) {
+            const std::int64_t k0 = walk.k0(t), keys = walk.keys(t);
+            if (rows->vanished(blk, k0 + keys)) {
+              skipped += t + 1;
+              tiles += t + 1;
+              break;
+            }
+            ++tiles;
+            if (t > 0) geo.prefetch(seq, un.kvh, k0 - kKeyTile, kKeyTile);
+            const Tile tile = walk.scores(k0, keys);
+            const bool masked = blk.any_masked(k0 + keys);
+            rows->tile(walk, t, masked);
+            add_tile_gradients(geo, blk, k0, keys, masked, tile,
+                               {s.st.data(), s.dpt.data(), s.dorows.data(), qs, do_finite, q_finite, dv_acc + k0 * dvp,
+                                dk_acc + k0 * dp, s.dq.data()});
+          }
+          rows->finish(blk, s, want_dq);
+          if (!want_dq) continue;
+          for (std::int64_t r = 0; r < w; ++r) {
+            const std::int64_t h = blk.head[static_cast<std::size_t>(r)];
+            if (h < 0) continue;
+            store_heads_row(s.dq.data() + r * dp, dq.data(), geo.shape.dtype, g.dqg, seq.b,
+                            seq.q0 + blk.query[static_cast<std::size_t>(r)], h, true);
+          }
+        }
+        if (un.slab < 0) geo.store_unit(un, dk_acc, dv_acc, dk, g.dkg, dv, g.dvg);
+      }
+    }
+    scratch_bytes += s.bytes() + rows->bytes();
+  }
+  geo.add_slabs(split, slabs, threads, dk, g.dkg, dv, g.dvg);
+  AttentionStats stats;
+  stats.tiles = tiles;
+  stats.skipped = skipped;
+  stats.workspace_bytes = scratch_bytes + split.slab_floats * static_cast<std::int64_t>(sizeof(float));
+  return stats;
 }
 
 }  // namespace rows

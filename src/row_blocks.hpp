@@ -1,16 +1,20 @@
 // Query-row blocks over key tiles walked from the diagonal leftwards: what the attention engines
 // whose rows carry a running sum from their nearest key (stick-breaking, CoPE) share. Validation
 // of q, k, v and their sequences; blocks of up to 64 rows of one KV head's group; f32 tiles of
-// keys and values; the backward's work split and its dK, dV sums, whose rules look at the shapes
-// only so that results are bitwise identical for any thread count.
+// keys and values; the walks themselves (forward and backward), to which an engine gives only
+// what it does with a tile's logits; the backward's work split and its dK, dV sums, whose rules
+// look at the shapes only so that results are bitwise identical for any thread count.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <utility>
 #include <vector>
 
 #include "internal.hpp"
+#include "posenc/attention.hpp"
 #include "posenc/tensor.hpp"
 
 namespace posenc::detail {
@@ -162,6 +166,78 @@ void add_tile_gradients(const Geometry& geo, const Block& blk, std::int64_t k0, 
                         const Tile& tile, const TileGradients& t);
 
 inline bool finite_floats(const float* x, std::int64_t n) { return !rows_non_finite(x, 0, 1, n); }
+
+// ─── The walks ───────────────────────────────────────────────────────────────────────────────
+
+// A thread's buffers for the walks, kept between calls (an engine keeps its own beside them).
+struct WalkScratch {
+  Floats qt, qrows, o, st, dpt, k, v, dot, dorows, dq, row, own;
+  std::int64_t bytes() const;
+};
+
+// One thread's forward engine: what it does with its rows and with each tile's logits.
+class ForwardRows {
+ public:
+  virtual ~ForwardRows() = default;
+  // The block's queries into s.qrows and s.qt (Geometry::load_q), and its rows' state.
+  virtual void start(const Unit& un, const Block& blk, WalkScratch& s) = 0;
+  // Whether the walk may stop before the tile ending at tile_end.
+  virtual bool vanished(const Block& /*blk*/, std::int64_t /*tile_end*/) const { return false; }
+  // The tile's logits (s.st, keys × width) into its values' weights; may rescale s.o's rows.
+  virtual void weigh(const Block& blk, std::int64_t k0, std::int64_t keys, bool masked, WalkScratch& s) = 0;
+  // Row r's output (dvp floats, finished in place) once its walk is done; returns its statistic.
+  virtual float finish(std::int64_t r, float* o) = 0;
+  virtual std::int64_t bytes() const = 0;
+};
+
+// What the backward walk of one block hands its engine.
+struct BlockWalk {
+  const Geometry& geo;
+  const Unit& un;
+  const Sequence& seq;
+  const Block& blk;
+  WalkScratch& s;
+  bool q_finite, do_finite;
+  std::int64_t& tiles;
+  std::int64_t n_tiles() const { return (blk.key_end + kKeyTile - 1) / kKeyTile; }
+  // Tile t's keys [k0, k0 + keys).
+  std::int64_t k0(std::int64_t t) const { return t * kKeyTile; }
+  std::int64_t keys(std::int64_t t) const { return std::min(kKeyTile, blk.key_end - t * kKeyTile); }
+  // The tile's logits into s.st and d_out·v into s.dpt (both keys × width); returns its keys.
+  Tile scores(std::int64_t k0, std::int64_t keys) const;
+};
+
+// One thread's backward engine.
+class BackwardRows {
+ public:
+  virtual ~BackwardRows() = default;
+  // A run of units whose sums the engine keeps apart (runs depend on the shapes only).
+  virtual void start_run(std::int64_t /*run*/) {}
+  // The block's queries into s.qrows and s.qt; whether all are finite.
+  virtual bool start(const Unit& un, const Block& blk, WalkScratch& s) = 0;
+  // A padding row, or query `token` of head h whose Σ d_out·out is dot (fp64); returns whether
+  // the row's own inputs are finite.
+  virtual void pad_row(std::int64_t r) = 0;
+  virtual bool row(std::int64_t r, std::int64_t b, std::int64_t token, std::int64_t h, double dot) = 0;
+  // The engine's passes before the gradient walk (through walk.scores).
+  virtual void prepare(BlockWalk& walk) = 0;
+  virtual bool vanished(const Block& /*blk*/, std::int64_t /*tile_end*/) const { return false; }
+  // Tile t's logits (s.st) and d_out·v (s.dpt) into P (s.st) and dz (s.dpt).
+  virtual void tile(const BlockWalk& walk, std::int64_t t, bool masked) = 0;
+  // The rows of q, times the scale, that dK sums.
+  virtual const float* scaled_q(const WalkScratch& s) const = 0;
+  // After the walk: s.dq's rows (Σ dz·k) into the rows' dq.
+  virtual void finish(const Block& blk, WalkScratch& s, bool want_dq) = 0;
+  virtual std::int64_t bytes() const = 0;
+};
+
+// out ([B, Sq, H, Dv] through og) and the rows' statistic (through sg; an empty view skips it).
+AttentionStats walk_forward(const Geometry& geo, const std::function<std::unique_ptr<ForwardRows>()>& make,
+                            TensorView out, const HeadsGrid& og, TensorView stat, const RowStatGrid& sg);
+// dq, dk, dv (+=, each optional) over `split`, its units taken in `runs` fixed runs.
+AttentionStats walk_backward(const Geometry& geo, const Split& split, std::int64_t runs,
+                             const std::function<std::unique_ptr<BackwardRows>()>& make, const QkvBackwardGrids& g,
+                             ConstTensorView out, ConstTensorView d_out, TensorView dq, TensorView dk, TensorView dv);
 
 }  // namespace rows
 }  // namespace posenc::detail

@@ -2,11 +2,8 @@
 // over blocks of query rows whose key tiles run from the diagonal leftwards.
 #include "posenc/stickbreaking.hpp"
 
-#include <omp.h>
-
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
@@ -15,7 +12,6 @@
 #include "internal.hpp"
 #include "kernels/attention/attention_kernels.hpp"
 #include "kernels/attention/stickbreaking_kernels.hpp"
-#include "kernels/common/flush_denormals.hpp"
 #include "posenc/error.hpp"
 #include "posenc/reference.hpp"
 #include "stickbreaking_checks.hpp"
@@ -71,28 +67,24 @@ SbBackwardGrids check_sb_backward(const StickBreakingSpec& spec, const SbShape& 
 
 namespace {
 
-using detail::HeadsGrid;
 using detail::SbShape;
 using detail::rows::Block;
-using detail::rows::finite_floats;
+using detail::rows::BlockWalk;
 using detail::rows::Floats;
 using detail::rows::grow;
 using detail::rows::kKeyTile;
-using detail::rows::padded;
-using detail::rows::Sequence;
-using detail::rows::Tile;
 using detail::rows::Unit;
+using detail::rows::WalkScratch;
 using kernels::kSbDead;
 static_assert(kKeyTile <= kernels::kAttnGemmAddDepth);
 
+// A thread's buffers beside the walk's, kept between calls.
 struct Scratch {
-  Floats qt, qrows, o, st, dpt, k, v, dot, dorows, dq, row, sig, own;
+  Floats sig;
   std::vector<float> carry, suffix, total, d_rem;
   std::vector<double> sums;  // backward's exact path: per tile and row, Σ g
   std::int64_t bytes() const {
-    std::int64_t n = 0;
-    for (const Floats* f : {&qt, &qrows, &o, &st, &dpt, &k, &v, &dot, &dorows, &dq, &row, &sig, &own})
-      n += static_cast<std::int64_t>(f->capacity());
+    std::int64_t n = static_cast<std::int64_t>(sig.capacity());
     for (const std::vector<float>* f : {&carry, &suffix, &total, &d_rem}) n += static_cast<std::int64_t>(f->capacity());
     return n * static_cast<std::int64_t>(sizeof(float)) + static_cast<std::int64_t>(sums.capacity() * sizeof(double));
   }
@@ -121,31 +113,6 @@ bool vanished(const Block& blk, const float* carry, std::int64_t tile_end, std::
   }
   return true;
 }
-
-}  // namespace
-
-struct StickBreakingAttention::Plan {
-  StickBreakingSpec spec;
-  detail::rows::Geometry geo;
-
-  std::int64_t bad_from(std::int64_t kvh, const std::vector<std::int64_t>& bad, std::int64_t si) const {
-    return spec.skip_vanishing_tiles ? bad[static_cast<std::size_t>(si * geo.shape.kv_heads + kvh)] : -1;
-  }
-
-  // Per (sequence, KV head): the first non-finite key (backward always asks; forward only to
-  // skip), or −1 everywhere.
-  std::vector<std::int64_t> scan_non_finite(int threads, bool always = false) const {
-    if (!spec.skip_vanishing_tiles && !always)
-      return std::vector<std::int64_t>(geo.sequences.size() * static_cast<std::size_t>(geo.shape.kv_heads), -1);
-    return geo.scan_non_finite(threads);
-  }
-
-  AttentionStats forward(TensorView out, TensorView rem) const;
-  AttentionStats backward(ConstTensorView out, ConstTensorView rem, ConstTensorView d_out, ConstTensorView d_rem,
-                          TensorView dq, TensorView dk, TensorView dv) const;
-};
-
-namespace {
 
 // The exact path of backward (a block whose inputs hold an inf or NaN): the tile's leftward walk
 // in scalar code, leaving A in st, g = A·(dP − d_rem) in dpt and z in sig, and adding each
@@ -199,223 +166,182 @@ void exact_finish(const Block& blk, std::int64_t k0, std::int64_t keys, float* d
 
 }  // namespace
 
+struct StickBreakingAttention::Plan {
+  StickBreakingSpec spec;
+  detail::rows::Geometry geo;
+
+  // Per (sequence, KV head): the first non-finite key (backward always asks; forward only to
+  // skip), or −1 everywhere.
+  std::vector<std::int64_t> scan_non_finite(int threads, bool always = false) const {
+    if (!spec.skip_vanishing_tiles && !always)
+      return std::vector<std::int64_t>(geo.sequences.size() * static_cast<std::size_t>(geo.shape.kv_heads), -1);
+    return geo.scan_non_finite(threads);
+  }
+  std::int64_t first_bad(const std::vector<std::int64_t>& bad, const Unit& un) const {
+    return bad[static_cast<std::size_t>(un.seq * geo.shape.kv_heads + un.kvh)];
+  }
+
+  AttentionStats forward(TensorView out, TensorView rem) const;
+  AttentionStats backward(ConstTensorView out, ConstTensorView rem, ConstTensorView d_out, ConstTensorView d_rem,
+                          TensorView dq, TensorView dk, TensorView dv) const;
+  class Forward;
+  class Backward;
+};
+
+// The forward's rows: each row's stick, broken key by key from the diagonal.
+class StickBreakingAttention::Plan::Forward final : public detail::rows::ForwardRows {
+ public:
+  Forward(const Plan& plan, const std::vector<std::int64_t>& bad) : plan_(plan), bad_(bad), s_(thread_scratch()) {}
+  void start(const Unit& un, const Block& blk, WalkScratch& w) override {
+    const auto scale = static_cast<float>(plan_.geo.shape.scale);
+    const bool q_finite =
+        plan_.geo.load_q(plan_.geo.sequences[static_cast<std::size_t>(un.seq)], blk, scale, scale, w.qrows, w.qt);
+    start_carries(blk, s_.carry);
+    bad_from_ = q_finite && plan_.spec.skip_vanishing_tiles ? plan_.first_bad(bad_, un) : -1;
+  }
+  bool vanished(const Block& blk, std::int64_t tile_end) const override {
+    return ::posenc::vanished(blk, s_.carry.data(), tile_end, bad_from_);
+  }
+  void weigh(const Block& blk, std::int64_t k0, std::int64_t keys, bool masked, WalkScratch& w) override {
+    kernels::sb_forward_tile(w.st.data(), keys, blk.width, k0, blk.hi.data(), masked, s_.carry.data());
+  }
+  float finish(std::int64_t r, float* /*o*/) override {
+    const float c = s_.carry[static_cast<std::size_t>(r)];
+    return std::isnan(c) ? c : (c < kSbDead ? 0.0f : std::exp(c));
+  }
+  std::int64_t bytes() const override { return s_.bytes(); }
+
+ private:
+  const Plan& plan_;
+  const std::vector<std::int64_t>& bad_;
+  std::int64_t bad_from_ = -1;
+  Scratch& s_;
+};
+
+// The backward's rows: R = G − Σ_{m>=j} g from the diagonal; a block that meets an inf or NaN
+// (its queries, d_out, d_rem, G, or a key or value row it sees) takes R = Σ_{m<j} g from the left
+// in two passes (exact_walk): G − suffix would turn an infinite G into NaN where the composition
+// has ±inf.
+class StickBreakingAttention::Plan::Backward final : public detail::rows::BackwardRows {
+ public:
+  Backward(const Plan& plan, const detail::SbBackwardGrids& g, ConstTensorView rem, ConstTensorView d_rem,
+           const std::vector<std::int64_t>& bad)
+      : plan_(plan),
+        g_(g),
+        rem_(rem),
+        d_rem_(d_rem),
+        has_d_rem_(detail::given(d_rem)),
+        bad_(bad),
+        s_(thread_scratch()) {}
+  bool start(const Unit& un, const Block& blk, WalkScratch& w) override {
+    const auto scale = static_cast<float>(plan_.geo.shape.scale);
+    un_ = &un;
+    const bool q_finite =
+        plan_.geo.load_q(plan_.geo.sequences[static_cast<std::size_t>(un.seq)], blk, scale, scale, w.qrows, w.qt);
+    for (auto* v : {&s_.suffix, &s_.total, &s_.d_rem}) grow(*v, blk.width);
+    start_carries(blk, s_.carry);
+    totals_finite_ = true;
+    return q_finite;
+  }
+  void pad_row(std::int64_t r) override {
+    const auto at = static_cast<std::size_t>(r);
+    s_.suffix[at] = s_.total[at] = s_.d_rem[at] = 0.0f;
+  }
+  bool row(std::int64_t r, std::int64_t b, std::int64_t token, std::int64_t h, double dot) override {
+    const auto at = static_cast<std::size_t>(r);
+    float dr = 0.0f;
+    if (has_d_rem_) {
+      dr = static_cast<const float*>(d_rem_.data())[g_.d_rem.offset(b, token, h)];
+      const float rm = static_cast<const float*>(rem_.data())[g_.rem.offset(b, token, h)];
+      dot -= static_cast<double>(dr) * (1.0 - static_cast<double>(rm));
+    }
+    s_.suffix[at] = 0.0f;
+    s_.total[at] = static_cast<float>(dot);
+    s_.d_rem[at] = dr;
+    totals_finite_ = totals_finite_ && std::isfinite(s_.total[at]);
+    return std::isfinite(dr);
+  }
+  void prepare(BlockWalk& walk) override {
+    const Block& blk = walk.blk;
+    const std::int64_t w = blk.width, first_bad = plan_.first_bad(bad_, *un_);
+    exact_ = !(walk.q_finite && walk.do_finite && totals_finite_ && first_bad >= blk.key_end);
+    bad_from_ = exact_ ? -1 : (plan_.spec.skip_vanishing_tiles ? first_bad : -1);
+    if (!exact_) return;
+    // Each tile's Σ g per row; then the sums of the tiles left of each tile.
+    const std::int64_t n_tiles = walk.n_tiles();
+    grow(s_.sig, kKeyTile * w);
+    s_.sums.assign(static_cast<std::size_t>((n_tiles + 1) * w), 0.0);
+    for (std::int64_t t = n_tiles - 1; t >= 0; --t) {
+      walk.scores(walk.k0(t), walk.keys(t));
+      exact_walk(blk, walk.k0(t), walk.keys(t), walk.s.st.data(), walk.s.dpt.data(), s_.sig.data(), s_.d_rem.data(),
+                 s_.carry.data(), s_.sums.data() + (t + 1) * w);
+    }
+    for (std::int64_t t = 1; t <= n_tiles; ++t) {
+      for (std::int64_t r = 0; r < w; ++r)
+        s_.sums[static_cast<std::size_t>(t * w + r)] += s_.sums[static_cast<std::size_t>((t - 1) * w + r)];
+    }
+    start_carries(blk, s_.carry);
+  }
+  bool vanished(const Block& blk, std::int64_t tile_end) const override {
+    return ::posenc::vanished(blk, s_.carry.data(), tile_end, bad_from_);
+  }
+  void tile(const BlockWalk& walk, std::int64_t t, bool masked) override {
+    const Block& blk = walk.blk;
+    const std::int64_t k0 = walk.k0(t), keys = walk.keys(t);
+    float *st = walk.s.st.data(), *dpt = walk.s.dpt.data();
+    if (exact_) {
+      exact_walk(blk, k0, keys, st, dpt, s_.sig.data(), s_.d_rem.data(), s_.carry.data(), nullptr);
+      exact_finish(blk, k0, keys, dpt, s_.sig.data(), s_.sums.data() + t * blk.width);
+    } else {
+      kernels::sb_backward_tile(st, dpt, keys, blk.width, k0, blk.hi.data(), masked, s_.total.data(), s_.d_rem.data(),
+                                s_.carry.data(), s_.suffix.data());
+    }
+  }
+  const float* scaled_q(const WalkScratch& w) const override { return w.qrows.data(); }
+  void finish(const Block& blk, WalkScratch& w, bool want_dq) override {
+    if (!want_dq) return;
+    const auto scale = static_cast<float>(plan_.geo.shape.scale);
+    for (std::int64_t r = 0; r < blk.width; ++r) {
+      float* row = w.dq.data() + r * plan_.geo.dp;
+      for (std::int64_t c = 0; c < plan_.geo.shape.dim; ++c) row[c] *= scale;
+    }
+  }
+  std::int64_t bytes() const override { return s_.bytes(); }
+
+ private:
+  const Plan& plan_;
+  const detail::SbBackwardGrids& g_;
+  ConstTensorView rem_, d_rem_;
+  bool has_d_rem_;
+  const std::vector<std::int64_t>& bad_;
+  const Unit* un_ = nullptr;
+  bool totals_finite_ = true, exact_ = false;
+  std::int64_t bad_from_ = -1;
+  Scratch& s_;
+};
+
 AttentionStats StickBreakingAttention::Plan::forward(TensorView out, TensorView rem) const {
   const SbShape& shape = geo.shape;
-  const std::int64_t dvp = geo.dvp;
-  const HeadsGrid og = detail::check_sb_forward_outputs(spec, shape, ConstTensorView(out), ConstTensorView(rem));
-  const bool want_rem = rem.rank() > 0 && rem.data() != nullptr;
-  const detail::RemGrid rg = want_rem ? detail::check_rem(shape, "rem", ConstTensorView(rem), true) : detail::RemGrid{};
-  const std::vector<Unit> units = geo.forward_units();
-  const int threads = geo.threads_for(units.size(), 1);
-  const std::vector<std::int64_t> bad = scan_non_finite(threads);
-  std::int64_t tiles = 0, skipped = 0, scratch_bytes = 0;
-#pragma omp parallel num_threads(threads) reduction(+ : tiles, skipped, scratch_bytes)
-  {
-    const detail::FlushDenormals flush;
-    Scratch& s = thread_scratch();
-    Block blk;
-#pragma omp for schedule(dynamic, 1)
-    for (std::size_t u = 0; u < units.size(); ++u) {
-      const Unit& un = units[u];
-      const Sequence& seq = geo.sequences[static_cast<std::size_t>(un.seq)];
-      geo.layout(seq, un.kvh, un.i0, un.i1, blk);
-      const std::int64_t w = blk.width;
-      const auto scale = static_cast<float>(shape.scale);
-      const bool q_finite = geo.load_q(seq, blk, scale, scale, s.qrows, s.qt);
-      grow(s.o, w * dvp);
-      grow(s.st, kKeyTile * w);
-      std::fill(s.o.begin(), s.o.begin() + w * dvp, 0.0f);
-      start_carries(blk, s.carry);
-      const std::int64_t bad_from = q_finite ? this->bad_from(un.kvh, bad, un.seq) : -1;
-      const std::int64_t n_tiles = (blk.key_end + kKeyTile - 1) / kKeyTile;
-      for (std::int64_t t = n_tiles - 1; t >= 0; --t) {
-        const std::int64_t k0 = t * kKeyTile, keys = std::min(kKeyTile, blk.key_end - k0);
-        if (vanished(blk, s.carry.data(), k0 + keys, bad_from)) {
-          skipped += t + 1;
-          tiles += t + 1;
-          break;
-        }
-        ++tiles;
-        if (t > 0) geo.prefetch(seq, un.kvh, k0 - kKeyTile, kKeyTile);
-        const Tile kt = geo.load_tile(seq, un.kvh, k0, keys, s.k, s.v);
-        kernels::attn_gemm(kt.k, kt.ldk, 1, s.qt.data(), padded(w), s.st.data(), w, keys, w, shape.dim, false);
-        const bool masked = blk.any_masked(k0 + keys);
-        kernels::sb_forward_tile(s.st.data(), keys, w, k0, blk.hi.data(), masked, s.carry.data());
-        if (masked && detail::rows_non_finite(s.v.data(), padded(dvp), keys, shape.dim_v)) {
-          detail::rows::add_visible(blk, k0, keys, s.st.data(), s.v.data(), padded(dvp), dvp, s.o.data(), dvp, true);
-        } else {
-          kernels::attn_gemm_add(s.st.data(), 1, w, s.v.data(), padded(dvp), s.o.data(), dvp, w, dvp, keys);
-        }
-      }
-      for (std::int64_t r = 0; r < w; ++r) {
-        const std::int64_t h = blk.head[static_cast<std::size_t>(r)];
-        if (h < 0) continue;
-        const std::int64_t i = blk.query[static_cast<std::size_t>(r)];
-        detail::store_heads_row(s.o.data() + r * dvp, out.data(), out.dtype(), og, seq.b, seq.q0 + i, h, false);
-        if (want_rem) {
-          const float c = s.carry[static_cast<std::size_t>(r)];
-          static_cast<float*>(rem.data())[rg.offset(seq.b, seq.q0 + i, h)] =
-              std::isnan(c) ? c : (c < kSbDead ? 0.0f : std::exp(c));
-        }
-      }
-    }
-    scratch_bytes += s.bytes();
-  }
-  AttentionStats stats;
-  stats.tiles = tiles;
-  stats.skipped = skipped;
-  stats.workspace_bytes = scratch_bytes;
-  return stats;
+  const detail::HeadsGrid og =
+      detail::check_sb_forward_outputs(spec, shape, ConstTensorView(out), ConstTensorView(rem));
+  const detail::RemGrid rg = detail::given(ConstTensorView(rem))
+                                 ? detail::check_rem(shape, "rem", ConstTensorView(rem), true)
+                                 : detail::RemGrid{};
+  const std::vector<std::int64_t> bad = scan_non_finite(geo.threads_for(geo.forward_units().size(), 1));
+  return detail::rows::walk_forward(
+      geo, [&] { return std::make_unique<Forward>(*this, bad); }, out, og, rem, rg);
 }
 
 AttentionStats StickBreakingAttention::Plan::backward(ConstTensorView out, ConstTensorView rem, ConstTensorView d_out,
                                                       ConstTensorView d_rem, TensorView dq, TensorView dk,
                                                       TensorView dv) const {
-  const SbShape& shape = geo.shape;
-  const detail::SbBackwardGrids g = detail::check_sb_backward(spec, shape, out, rem, d_out, d_rem, dq, dk, dv);
-  const bool has_d_rem = d_rem.rank() > 0 && d_rem.data() != nullptr;
-  const bool want_dq = dq.rank() > 0;
-  const std::int64_t dp = geo.dp, dvp = geo.dvp, slab_row = geo.slab_row();
-  const std::int64_t qc = geo.rows_per_block_queries();
+  const detail::SbBackwardGrids g = detail::check_sb_backward(spec, geo.shape, out, rem, d_out, d_rem, dq, dk, dv);
   const detail::rows::Split split = geo.backward_split();
-  const std::vector<Unit>& units = split.units;
-  const std::int64_t slab_floats = split.slab_floats;
-  thread_local Floats slab_store;  // the calling thread's, kept between calls
-  grow(slab_store, slab_floats);
-  float* const slabs = slab_store.data();  // (the workers' thread_local would be their own)
-  const int threads = geo.threads_for(units.size(), 2);
-  const std::vector<std::int64_t> bad = scan_non_finite(threads, true);
-  const std::int64_t d = shape.dim, dv_cols = shape.dim_v;
-  std::int64_t tiles = 0, skipped = 0, scratch_bytes = 0;
-#pragma omp parallel num_threads(threads) reduction(+ : tiles, skipped, scratch_bytes)
-  {
-    const detail::FlushDenormals flush;
-    Scratch& s = thread_scratch();
-    Block blk;
-#pragma omp for schedule(dynamic, 1)
-    for (std::size_t u = 0; u < units.size(); ++u) {
-      const Unit& un = units[u];
-      const Sequence& seq = geo.sequences[static_cast<std::size_t>(un.seq)];
-      if (un.slab < 0) grow(s.own, un.key_end * slab_row);
-      float* slab = un.slab < 0 ? s.own.data() : slabs + un.slab;
-      std::fill(slab, slab + un.key_end * slab_row, 0.0f);
-      float* dk_acc = slab;                    // [key_end][dp]
-      float* dv_acc = slab + un.key_end * dp;  // [key_end][dvp]
-      for (std::int64_t b0 = un.i0; b0 < un.i1; b0 += qc) {
-        geo.layout(seq, un.kvh, b0, std::min(un.i1, b0 + qc), blk);
-        const std::int64_t w = blk.width, ldt = padded(w);
-        const auto scale = static_cast<float>(shape.scale);
-        const bool q_finite = geo.load_q(seq, blk, scale, scale, s.qrows, s.qt);
-        grow(s.dorows, w * dvp);
-        grow(s.dot, dvp * ldt);
-        grow(s.dq, w * dp);
-        grow(s.st, kKeyTile * w);
-        grow(s.dpt, kKeyTile * w);
-        grow(s.row, std::max(dp, dvp));
-        for (auto* v : {&s.suffix, &s.total, &s.d_rem}) grow(*v, w);
-        start_carries(blk, s.carry);
-        std::fill(s.dq.begin(), s.dq.begin() + w * dp, 0.0f);
-        bool do_finite = true, totals_finite = true;
-        for (std::int64_t r = 0; r < w; ++r) {
-          const auto at = static_cast<std::size_t>(r);
-          float* dor = s.dorows.data() + r * dvp;
-          const std::int64_t h = blk.head[at];
-          s.suffix[at] = 0.0f;
-          if (h < 0) {
-            std::fill(dor, dor + dvp, 0.0f);
-            s.total[at] = s.d_rem[at] = 0.0f;
-          } else {
-            const std::int64_t i = blk.query[at];
-            detail::load_heads_row(d_out.data(), shape.dtype, g.dog, seq.b, seq.q0 + i, h, dor, dvp);
-            detail::load_heads_row(out.data(), out.dtype(), g.og, seq.b, seq.q0 + i, h, s.row.data(), dvp);
-            double total = 0;
-            for (std::int64_t c = 0; c < dv_cols; ++c)
-              total += static_cast<double>(dor[c]) * s.row[static_cast<std::size_t>(c)];
-            float dr = 0.0f;
-            if (has_d_rem) {
-              dr = static_cast<const float*>(d_rem.data())[g.d_rem.offset(seq.b, seq.q0 + i, h)];
-              const float rm = static_cast<const float*>(rem.data())[g.rem.offset(seq.b, seq.q0 + i, h)];
-              total -= static_cast<double>(dr) * (1.0 - static_cast<double>(rm));
-            }
-            s.total[at] = static_cast<float>(total);
-            s.d_rem[at] = dr;
-            do_finite = do_finite && finite_floats(dor, dv_cols) && std::isfinite(dr);
-            totals_finite = totals_finite && std::isfinite(s.total[at]);
-          }
-          for (std::int64_t c = 0; c < dv_cols; ++c) s.dot[static_cast<std::size_t>(c * ldt + r)] = dor[c];
-        }
-        const std::int64_t first_bad = bad[static_cast<std::size_t>(un.seq * shape.kv_heads + un.kvh)];
-        // A block that meets an inf or NaN (its queries, d_out, d_rem, G, or a key or value row it
-        // sees) takes R = Σ_{m<j} g from the left, in two passes (exact_walk): G − suffix would turn
-        // an infinite G into NaN where the composition has ±inf.
-        const bool exact = !(q_finite && do_finite && totals_finite && first_bad >= blk.key_end);
-        const std::int64_t bad_from = exact ? -1 : (spec.skip_vanishing_tiles ? first_bad : -1);
-        const std::int64_t n_tiles = (blk.key_end + kKeyTile - 1) / kKeyTile;
-        // Recomputes the tile's z (in st) and d_out·v (in dpt); returns its keys.
-        const auto scores = [&](std::int64_t k0, std::int64_t keys) {
-          const Tile tile = geo.load_tile(seq, un.kvh, k0, keys, s.k, s.v);
-          kernels::attn_gemm(tile.k, tile.ldk, 1, s.qt.data(), ldt, s.st.data(), w, keys, w, d, false);
-          kernels::attn_gemm(s.v.data(), padded(dvp), 1, s.dot.data(), ldt, s.dpt.data(), w, keys, w, dv_cols, false);
-          return tile;
-        };
-        if (exact) {
-          // Pass 1: each tile's Σ g per row; then the sums of the tiles left of each tile.
-          grow(s.sig, kKeyTile * w);
-          s.sums.assign(static_cast<std::size_t>((n_tiles + 1) * w), 0.0);
-          for (std::int64_t t = n_tiles - 1; t >= 0; --t) {
-            const std::int64_t k0 = t * kKeyTile, keys = std::min(kKeyTile, blk.key_end - k0);
-            scores(k0, keys);
-            exact_walk(blk, k0, keys, s.st.data(), s.dpt.data(), s.sig.data(), s.d_rem.data(), s.carry.data(),
-                       s.sums.data() + (t + 1) * w);
-          }
-          for (std::int64_t t = 1; t <= n_tiles; ++t) {
-            for (std::int64_t r = 0; r < w; ++r)
-              s.sums[static_cast<std::size_t>(t * w + r)] += s.sums[static_cast<std::size_t>((t - 1) * w + r)];
-          }
-          start_carries(blk, s.carry);
-        }
-        for (std::int64_t t = n_tiles - 1; t >= 0; --t) {
-          const std::int64_t k0 = t * kKeyTile, keys = std::min(kKeyTile, blk.key_end - k0);
-          if (vanished(blk, s.carry.data(), k0 + keys, bad_from)) {
-            skipped += t + 1;
-            tiles += t + 1;
-            break;
-          }
-          ++tiles;
-          if (t > 0) geo.prefetch(seq, un.kvh, k0 - kKeyTile, kKeyTile);
-          const Tile tile = scores(k0, keys);
-          const bool masked = blk.any_masked(k0 + keys);
-          if (exact) {
-            exact_walk(blk, k0, keys, s.st.data(), s.dpt.data(), s.sig.data(), s.d_rem.data(), s.carry.data(), nullptr);
-            exact_finish(blk, k0, keys, s.dpt.data(), s.sig.data(), s.sums.data() + t * w);
-          } else {
-            kernels::sb_backward_tile(s.st.data(), s.dpt.data(), keys, w, k0, blk.hi.data(), masked, s.total.data(),
-                                      s.d_rem.data(), s.carry.data(), s.suffix.data());
-          }
-          detail::rows::add_tile_gradients(geo, blk, k0, keys, masked, tile,
-                                           {s.st.data(), s.dpt.data(), s.dorows.data(), s.qrows.data(), do_finite,
-                                            q_finite, dv_acc + k0 * dvp, dk_acc + k0 * dp, s.dq.data()});
-        }
-        if (!want_dq) continue;
-        for (std::int64_t r = 0; r < w; ++r) {
-          const std::int64_t h = blk.head[static_cast<std::size_t>(r)];
-          if (h < 0) continue;
-          float* row = s.dq.data() + r * dp;
-          for (std::int64_t c = 0; c < d; ++c) row[c] *= scale;
-          detail::store_heads_row(row, dq.data(), shape.dtype, g.dqg, seq.b,
-                                  seq.q0 + blk.query[static_cast<std::size_t>(r)], h, true);
-        }
-      }
-      if (un.slab < 0) geo.store_unit(un, dk_acc, dv_acc, dk, g.dkg, dv, g.dvg);
-    }
-    scratch_bytes += s.bytes();
-  }
-  geo.add_slabs(split, slabs, threads, dk, g.dkg, dv, g.dvg);
-  AttentionStats stats;
-  stats.tiles = tiles;
-  stats.skipped = skipped;
-  stats.workspace_bytes = scratch_bytes + slab_floats * static_cast<std::int64_t>(sizeof(float));
-  return stats;
+  const auto runs = static_cast<std::int64_t>(split.units.size());
+  const std::vector<std::int64_t> bad = scan_non_finite(geo.threads_for(split.units.size(), 2), true);
+  return detail::rows::walk_backward(
+      geo, split, runs, [&] { return std::make_unique<Backward>(*this, g, rem, d_rem, bad); }, g, out, d_out, dq, dk,
+      dv);
 }
 
 // ─── The public object ───────────────────────────────────────────────────────────────────────

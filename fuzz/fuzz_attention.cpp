@@ -219,8 +219,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     return x;
   };
   // A normaliser in place of the softmax (stick-breaking, CoPE) has no naive composition: what
-  // Attention accepts of the draws above runs, fused and in fp64 (fuzz_stickbreaking and fuzz_cope
-  // compare the two on the classes Attention hands the call to).
+  // Attention accepts of the draws above runs, fused and in fp64 (fuzz_normalisers compares the
+  // two on the classes Attention hands the call to).
   if (group->normaliser) {
     std::vector<unsigned char> fused_out, exact_out;
     std::vector<float> fused_lse, exact_lse;

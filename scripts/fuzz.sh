@@ -10,7 +10,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="$1" seconds="$2"
 shift 2
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(config cli views rope schemes attention stickbreaking cope)
+[ ${#targets[@]} -gt 0 ] || targets=(config cli views rope schemes attention normalisers)
 parallel="${POSENC_FUZZ_JOBS:-$(nproc)}"
 [[ "$parallel" =~ ^[1-9][0-9]*$ ]] || { echo "fuzz: POSENC_FUZZ_JOBS = '$parallel', expected an integer >= 1" >&2; exit 2; }
 mkdir -p "$build/fuzz/findings"

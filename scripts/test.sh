@@ -43,7 +43,7 @@ ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
 
 posenc_stage "Fuzz build (clang: libFuzzer, ASan, UBSan; AVX2 target)"
 posenc_configure_fuzz "$POSENC_ROOT/build-fuzz"
-posenc_build "$POSENC_ROOT/build-fuzz" "fuzz_config fuzz_cli fuzz_views fuzz_rope fuzz_schemes fuzz_attention fuzz_stickbreaking fuzz_cope"
+posenc_build "$POSENC_ROOT/build-fuzz" "fuzz_config fuzz_cli fuzz_views fuzz_rope fuzz_schemes fuzz_attention fuzz_normalisers"
 
 posenc_stage "Fuzzing (libFuzzer, ASan, UBSan): each target for 25 s, one per core"
 # docs/fuzzing.md: the targets, their corpora, and how to run them longer.

@@ -620,7 +620,11 @@ TEST_P(Schemes, PicturesAreTheLogitsOfZeroQueriesAndKeys) {
     }
     std::vector<float> lse(static_cast<std::size_t>(kHeads * n));
     const auto view = [&](std::vector<double>& x) { return TensorView::of(x.data(), {1, n, kHeads, kDim}); };
-    AttentionSpec spec{view(zeros), view(zeros), view(v), {g}};
+    AttentionSpec spec;
+    spec.q = view(zeros);
+    spec.k = view(zeros);
+    spec.v = view(v);
+    spec.groups = {g};
     spec.q_positions = positions;
     spec.k_positions = positions;
     ref::attention_forward(Attention(spec), view(out), TensorView::of(lse.data(), {1, kHeads, n}));

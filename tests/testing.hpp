@@ -48,6 +48,18 @@ double largest(const std::vector<double>& x);
 void expect_near_all(const std::vector<double>& got, const std::vector<double>& want, double tol, const char* what);
 // The same doubles: NaN where the other is NaN, and the sign of each zero.
 bool same_bits(const std::vector<double>& a, const std::vector<double>& b);
+// (loss(x + h) − loss(x − h)) / 2h, with x restored: the central difference that gradients are
+// checked against (its error O(h²) on a smooth piece).
+template <class Loss>
+double central_difference(double& x, double h, Loss&& loss) {
+  const double keep = x;
+  x = keep + h;
+  const double up = loss();
+  x = keep - h;
+  const double down = loss();
+  x = keep;
+  return (up - down) / (2 * h);
+}
 
 // A raw buffer for `count` elements of `dtype`, filled with NaN-like garbage so that untouched
 // elements are noticed.

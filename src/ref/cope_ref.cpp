@@ -182,27 +182,11 @@ void cope_backward(const CopeAttention& attention, ConstTensorView out, ConstTen
             de[static_cast<std::size_t>(n * d + t)] += w * row.q[static_cast<std::size_t>(t)];
           }
         }
-        if (dq.rank() > 0) {
-          for (std::int64_t t = 0; t < d; ++t)
-            add(dq, shape.dtype, g.dqg.offset(seq.b, seq.q0 + i) + h * g.dqg.head_stride + t * g.dqg.dim_stride,
-                gq[static_cast<std::size_t>(t)]);
-        }
+        if (dq.rank() > 0) add_row(dq, shape.dtype, g.dqg, seq.b, seq.q0 + i, h, gq);
       }
     }
-    // dst[j, kvh, ·] += sums[(j·G + kvh)·width + ·] for every key j (an empty view: skipped).
-    const auto add_keys = [&](TensorView dst, const detail::HeadsGrid& grid, const std::vector<double>& sums,
-                              std::int64_t width) {
-      if (dst.rank() == 0) return;
-      for (std::int64_t j = 0; j < seq.lk; ++j) {
-        for (std::int64_t kvh = 0; kvh < shape.kv_heads; ++kvh) {
-          for (std::int64_t t = 0; t < width; ++t)
-            add(dst, shape.dtype, grid.offset(seq.b, seq.k0 + j) + kvh * grid.head_stride + t * grid.dim_stride,
-                sums[static_cast<std::size_t>((j * shape.kv_heads + kvh) * width + t)]);
-        }
-      }
-    };
-    add_keys(dk, g.dkg, gk, d);
-    add_keys(dv, g.dvg, gv, dvc);
+    add_keys(dk, shape.dtype, g.dkg, seq, shape.kv_heads, gk, d);
+    add_keys(dv, shape.dtype, g.dvg, seq, shape.kv_heads, gv, dvc);
   }
   if (d_table.rank() > 0) {
     for (std::int64_t n = 0; n < npos; ++n) {

@@ -115,32 +115,11 @@ void stickbreaking_backward(const StickBreakingAttention& attention, ConstTensor
                 shape.scale * dz * at(spec.q.data(), shape.dtype, shape.qg, seq.b, seq.q0 + i, h, t);
           }
         }
-        if (dq.rank() > 0) {
-          for (std::int64_t t = 0; t < d; ++t) {
-            const std::int64_t o = g.dqg.offset(seq.b, seq.q0 + i) + h * g.dqg.head_stride + t * g.dqg.dim_stride;
-            detail::store(dq.data(), shape.dtype, o,
-                          detail::load(dq.data(), shape.dtype, o) + gq[static_cast<std::size_t>(t)]);
-          }
-        }
+        if (dq.rank() > 0) add_row(dq, shape.dtype, g.dqg, seq.b, seq.q0 + i, h, gq);
       }
     }
-    // dst[j, kvh, ·] += sums[(j·G + kvh)·width + ·] for every key j (an empty view: skipped).
-    const auto add_keys = [&](TensorView dst, const detail::HeadsGrid& grid, const std::vector<double>& sums,
-                              std::int64_t width) {
-      if (dst.rank() == 0) return;
-      for (std::int64_t j = 0; j < seq.lk; ++j) {
-        for (std::int64_t kvh = 0; kvh < shape.kv_heads; ++kvh) {
-          for (std::int64_t t = 0; t < width; ++t) {
-            const std::int64_t o = grid.offset(seq.b, seq.k0 + j) + kvh * grid.head_stride + t * grid.dim_stride;
-            detail::store(dst.data(), shape.dtype, o,
-                          detail::load(dst.data(), shape.dtype, o) +
-                              sums[static_cast<std::size_t>((j * shape.kv_heads + kvh) * width + t)]);
-          }
-        }
-      }
-    };
-    add_keys(dk, g.dkg, gk, d);
-    add_keys(dv, g.dvg, gv, dvc);
+    add_keys(dk, shape.dtype, g.dkg, seq, shape.kv_heads, gk, d);
+    add_keys(dv, shape.dtype, g.dvg, seq, shape.kv_heads, gv, dvc);
   }
 }
 

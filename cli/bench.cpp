@@ -151,8 +151,8 @@ Runner add_bench(CLI::App& app) {
                   "bias: nope or any registered score bias of positions (posenc schemes: families relative-bias and "
                   "bias); attention: any registered scheme, with its defaults but for model sizes (Shaw k = 64, "
                   "XL d_model = H·D, TUPE d_model 256 over every position; a causal T5 table of varied values; "
-                  "sinks of logit 1; seed 1; forgetting's gates of 0.73–0.99; fox is forgetting); stickbreaking "
-                  "(stick-breaking attention), cope (CoPE with 64 positions; both causal by definition)")
+                  "sinks of logit 1; seed 1; forgetting's gates of 0.73–0.99; fox is forgetting); the normalisers "
+                  "stickbreaking and cope need --causal")
       ->capture_default_str();
   sub->add_option(
          "--pass", o->shape.pass,

@@ -43,140 +43,6 @@ std::string shape(const CaseOptions& o) {
   return "[" + std::to_string(o.batch) + ", " + std::to_string(o.length) + ", " + std::to_string(o.dim) + "] f32";
 }
 
-// Stick-breaking attention or CoPE at a model shape (always causal; queries and keys as
-// make_attention_case makes them; CoPE with a table of 64 positions). Flops as for softmax
-// attention, causal: 2 products forward, 5 backward (CoPE's ⟨q, e[n]⟩ products and its first
-// backward walk over the tiles not yet clamped are not counted).
-Case make_rowblock_case(const CaseOptions& o, DType dtype) {
-  const bool cope = o.scheme == "cope";
-  const std::int64_t heads = o.heads, dim = o.dim, kv = o.kv_heads, dim_v = o.value_dim.value_or(o.dim);
-  const std::int64_t npos = 64;
-  if (dim_v < 1) throw Error("bench", "--value-dim", std::to_string(dim_v), ">= 1");
-  if (o.values_in_keys) throw Error("bench", "--values-in-keys", "set", "not with --scheme " + o.scheme);
-  if (o.chunk_size) throw Error("bench", "--chunk-size", std::to_string(*o.chunk_size), "none with " + o.scheme);
-  const std::int64_t q_len = o.pass == "decode" ? 1 : o.length, k_len = o.length;
-  struct State {
-    std::vector<BenchArray<float>> f;  // q, k, v, out (f32), dout, dq, dk, dv
-    std::vector<BenchArray<std::uint16_t>> h;
-    std::vector<float> stat, d_rem, table, d_table;
-    std::unique_ptr<StickBreakingAttention> sb;
-    std::unique_ptr<CopeAttention> cope;
-    AttentionStats stats;
-  };
-  auto st = std::make_shared<State>();
-  st->f.resize(8);
-  st->h.resize(8);
-  const std::int64_t counts[8] = {checked_mul(checked_mul(o.batch, q_len, "q"), heads * dim, "q"),
-                                  checked_mul(checked_mul(o.batch, k_len, "k"), kv * dim, "k"),
-                                  checked_mul(checked_mul(o.batch, k_len, "v"), kv * dim_v, "v"),
-                                  checked_mul(checked_mul(o.batch, q_len, "out"), heads * dim_v, "out"),
-                                  checked_mul(checked_mul(o.batch, q_len, "out"), heads * dim_v, "out"),
-                                  checked_mul(checked_mul(o.batch, q_len, "q"), heads * dim, "q"),
-                                  checked_mul(checked_mul(o.batch, k_len, "k"), kv * dim, "k"),
-                                  checked_mul(checked_mul(o.batch, k_len, "v"), kv * dim_v, "v")};
-  std::uint64_t state = 99;
-  const auto next = [&state] {
-    state = state * 6364136223846793005ull + 1442695040888963407ull;
-    return static_cast<float>(static_cast<double>(state >> 40) / static_cast<double>(1ull << 24) * 2.0 - 1.0);
-  };
-  const bool backward = o.pass == "backward";
-  for (int b = 0; b < 8; ++b) {
-    if (b >= 4 && !backward) break;
-    // out stays f32 (backward then reads an unrounded out); the rest in dtype.
-    const bool wide = b == 3 || dtype == DType::kF32;
-    st->f[static_cast<std::size_t>(b)].assign(static_cast<std::size_t>(counts[b]), 0.0f, o.huge_pages);
-    if (b < 3 || b == 4) {
-      for (auto& x : st->f[static_cast<std::size_t>(b)]) x = next();
-    }
-    if (!wide) {
-      auto& f = st->f[static_cast<std::size_t>(b)];
-      auto& h = st->h[static_cast<std::size_t>(b)];
-      h.assign(f.size(), 0, o.huge_pages);
-      for (std::size_t i = 0; i < f.size(); ++i)
-        h.data()[i] = dtype == DType::kBF16 ? to_bf16(f.data()[i]).bits : to_f16(f.data()[i]).bits;
-      f.clear();
-    }
-  }
-  const auto view = [&](int b, std::vector<std::int64_t> shape) {
-    void* data = st->f[static_cast<std::size_t>(b)].size() == 0
-                     ? static_cast<void*>(st->h[static_cast<std::size_t>(b)].data())
-                     : static_cast<void*>(st->f[static_cast<std::size_t>(b)].data());
-    return TensorView::contiguous(data, b == 3 ? DType::kF32 : dtype, shape);
-  };
-  const std::vector<std::int64_t> q_shape = {o.batch, q_len, heads, dim}, k_shape = {o.batch, k_len, kv, dim};
-  const std::vector<std::int64_t> o_shape = {o.batch, q_len, heads, dim_v}, v_shape = {o.batch, k_len, kv, dim_v};
-  if (cope) {
-    st->table.resize(static_cast<std::size_t>(npos * dim));
-    for (float& x : st->table) x = next();
-    st->d_table.assign(st->table.size(), 0.0f);
-    CopeSpec spec;
-    spec.q = view(0, q_shape);
-    spec.k = view(1, k_shape);
-    spec.v = view(2, v_shape);
-    spec.table = ConstTensorView::of(static_cast<const float*>(st->table.data()), {npos, dim});
-    st->cope = std::make_unique<CopeAttention>(spec);
-  } else {
-    StickBreakingSpec spec;
-    spec.q = view(0, q_shape);
-    spec.k = view(1, k_shape);
-    spec.v = view(2, v_shape);
-    spec.skip_vanishing_tiles = o.skip_vanishing_tiles;
-    st->sb = std::make_unique<StickBreakingAttention>(spec);
-  }
-  st->stat.assign(static_cast<std::size_t>(o.batch * q_len * heads), 0.0f);  // rem or lse
-  const TensorView out = view(3, o_shape);
-  const TensorView stat = TensorView::of(st->stat.data(), {o.batch, q_len, heads});
-  Case c;
-  c.name = "attention";
-  c.description = "q [" + std::to_string(o.batch) + ", " + std::to_string(q_len) + ", " + std::to_string(heads) + ", " +
-                  std::to_string(dim) + "], k, v [" + std::to_string(o.batch) + ", " + std::to_string(k_len) + ", " +
-                  std::to_string(kv) + ", " + std::to_string(dim) + "] " +
-                  (dim_v != dim ? "v " + std::to_string(dim_v) + " wide, " : "") + o.dtype + ", " +
-                  (cope ? "cope (64 positions)" : "stickbreaking") + ", causal" +
-                  (o.skip_vanishing_tiles || cope ? "" : ", no skip") + ", " + o.pass;
-  const double pairs = static_cast<double>(o.batch) * static_cast<double>(q_len) * static_cast<double>(k_len) *
-                       static_cast<double>(heads) * static_cast<double>(dim);
-  const double forward_flops =
-      2.0 * pairs * (1.0 + static_cast<double>(dim_v) / static_cast<double>(dim)) * (o.pass == "decode" ? 1.0 : 0.5);
-  c.elements_per_run = static_cast<double>(o.batch * heads) * static_cast<double>(q_len) * static_cast<double>(k_len);
-  const auto forward = [st, out, stat] {
-    st->stats = st->cope ? st->cope->forward(out, stat) : st->sb->forward(out, stat);
-  };
-  if (o.pass == "decode") {
-    c.bytes_per_run = static_cast<double>(counts[1] + counts[2]) * static_cast<double>(dtype_size(dtype));
-    c.limit_name = "copy";
-    c.run = forward;
-  } else if (o.pass == "forward") {
-    c.flops_per_run = forward_flops;
-    c.limit_name = "fma";
-    c.run = forward;
-  } else {
-    c.flops_per_run = 2.5 * forward_flops;
-    c.limit_name = "fma";
-    forward();
-    st->d_rem.assign(st->stat.size(), 0.25f);
-    const ConstTensorView d_rem =
-        ConstTensorView::of(static_cast<const float*>(st->d_rem.data()), {o.batch, q_len, heads});
-    const ConstTensorView dout = view(4, o_shape);
-    const TensorView dq = view(5, q_shape), dk = view(6, k_shape), dv = view(7, v_shape);
-    const TensorView d_table = cope ? TensorView::of(st->d_table.data(), {npos, dim}) : TensorView{};
-    c.run = [st, out, stat, d_rem, dout, dq, dk, dv, d_table] {
-      st->stats = st->cope ? st->cope->backward(out, stat, dout, dq, dk, dv, d_table)
-                           : st->sb->backward(out, stat, dout, d_rem, dq, dk, dv);
-    };
-  }
-  c.workspace_bytes = [st] { return static_cast<double>(st->stats.workspace_bytes); };
-  if (!cope) {
-    c.remark = [st] {
-      const AttentionStats& n = st->stats;
-      return "skipped " + std::to_string(n.skipped) + " of " + std::to_string(n.tiles) +
-             " key tiles of row blocks (every weight below FLT_MIN; the flops count them all)";
-    };
-  }
-  c.state = st;
-  return c;
-}
-
 // Whether a registered scheme takes an option of that name (false for any other name).
 bool takes_option(const SchemeEntry& entry, std::string_view option) {
   return std::any_of(entry.options.begin(), entry.options.end(),
@@ -219,10 +85,6 @@ Case make_attention_case(const CaseOptions& o) {
     if (!kv_format) throw Error("bench", "--kv-dtype", o.kv_dtype, "q8_0, q4_0 or fp8_e4m3");
     if (o.pass == "backward") throw Error("bench", "--kv-dtype", o.kv_dtype, "none with --pass backward");
     if (o.values_in_keys) throw Error("bench", "--kv-dtype", o.kv_dtype, "none with --values-in-keys");
-  }
-  if (o.scheme == "stickbreaking" || o.scheme == "cope") {
-    if (kv_format) throw Error("bench", "--kv-dtype", o.kv_dtype, "none with --scheme " + o.scheme);
-    return make_rowblock_case(o, dtype);
   }
   const std::int64_t heads = o.heads, dim = o.dim, kv = o.kv_heads, dim_v = o.value_dim.value_or(o.dim);
   if (dim_v < 1 || dim_v > dim) throw Error("bench", "--value-dim", std::to_string(dim_v), "1 to --head-dim");
@@ -406,7 +268,7 @@ Case make_attention_case(const CaseOptions& o) {
       const AttentionStats& n = st->stats;
       return "skipped " + std::to_string(n.skipped) + " of " + std::to_string(n.tiles) +
              (forward ? " key tiles" : " (key tile, row block) steps") +
-             " (every probability below FLT_MIN; the flops count them all)";
+             " (every weight below FLT_MIN; the flops count them all)";
     };
   }
   c.state = st;

@@ -28,9 +28,8 @@ struct CaseOptions {
   std::string pass = "forward";
   // attention: q [batch, length, heads, dim], k, v [batch, length, kv_heads, dim]; pass forward,
   // backward or decode (one query against a cache of `length` keys); scheme none, rope, alibi,
-  // t5, kerple, fire, tupe, shaw, xl, sinks or forgetting (any registered scheme; fox is
-  // forgetting), stickbreaking (posenc::StickBreakingAttention) or cope (posenc::CopeAttention,
-  // 64 positions): the last two causal by definition
+  // t5, kerple, fire, tupe, shaw, xl, sinks, forgetting, stickbreaking, cope or any other
+  // registered scheme (fox is forgetting), through posenc::Attention
   bool causal = false;
   // attention: Llama 4's chunked mask (attention.hpp), chunks of this many positions; absent: none
   std::optional<std::int64_t> chunk_size{};

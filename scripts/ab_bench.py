@@ -22,7 +22,7 @@ DECODE = "--seq 32768 --heads 32 --kv-heads 8 --head-dim 128 --causal"
 def cases(only):
     out = []
     if only in (None, "attention"):
-        for scheme in ["none", "rope", "alibi", "t5", "shaw", "xl"]:
+        for scheme in ["none", "rope", "alibi", "t5", "shaw", "xl", "stickbreaking", "cope"]:
             for p in ["forward", "backward", "decode"]:
                 out.append(f"attention --scheme {scheme} --pass {p} " + (DECODE if p == "decode" else PREFILL))
     if only in (None, "rope"):

@@ -32,6 +32,7 @@ Runner add_schemes(CLI::App& app) {
         options += (options.empty() ? "" : ", ") + o.name + "=" + fmt::format("{:g}", o.default_value);
       }
       if (!options.empty()) fmt::print("{:<{}}options: {}\n", "", indent, options);
+      for (const std::string& alias : e.aliases) fmt::print("{:<{}}also: {}\n", "", indent, alias);
       if (!e.parameters.empty()) fmt::print("{:<{}}learned: {}\n", "", indent, e.parameters);
       for (const SchemeInput& in : e.inputs)
         fmt::print("{:<{}}per-token input: {}, {}\n", "", indent, in.name, in.description);

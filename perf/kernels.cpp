@@ -90,20 +90,21 @@ Case make_attention_case(const CaseOptions& o) {
   if (dim_v < 1 || dim_v > dim) throw Error("bench", "--value-dim", std::to_string(dim_v), "1 to --head-dim");
   const std::int64_t q_len = o.pass == "decode" ? 1 : o.length, k_len = o.length;
   std::vector<HeadGroup> groups;
-  // fox: the old spelling of forgetting.
+  // The registry's name for a scheme given by an alias (fox: forgetting).
   CaseOptions named = o;
-  if (named.scheme == "fox") named.scheme = "forgetting";
   // A registered scheme's per-token inputs [B, Sk, H], each spread over a trained model's values
   // (forgetting's: gates of 0.73–0.99), viewed by the attention.
   auto inputs = std::make_shared<std::vector<std::vector<float>>>();
   if (named.scheme != "none") {
     std::string names;
-    bool known = false;
+    const SchemeEntry* entry = nullptr;
     for (const SchemeEntry& e : schemes()) {
       names += (names.empty() ? "" : ", ") + e.name;
-      known = known || e.name == named.scheme;
+      for (const std::string& alias : e.aliases) names += ", " + alias;
+      if (e.name == o.scheme || std::find(e.aliases.begin(), e.aliases.end(), o.scheme) != e.aliases.end()) entry = &e;
     }
-    if (!known) throw Error("bench", "--scheme", o.scheme, "one of " + names + ", fox");
+    if (entry == nullptr) throw Error("bench", "--scheme", o.scheme, "one of " + names);
+    named.scheme = entry->name;
     SchemeArgs args = bench_scheme_args(named, heads, dim, k_len);
     for (const SchemeInput& in : find_scheme(named.scheme).inputs) {
       std::vector<float>& values = inputs->emplace_back(

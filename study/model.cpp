@@ -33,29 +33,37 @@ const std::vector<std::string>& all_schemes() {
 }
 
 namespace {
-bool registered_relative_bias(const std::string& scheme) {
-  if (std::find(all_schemes().begin(), all_schemes().end(), scheme) != all_schemes().end()) return false;
+// The registry's entry the study trains a scheme by (its name or an alias): a score bias of the
+// positions (families relative-bias and bias), a term of per-token inputs that a decoder makes
+// (token-term), or a normaliser in place of the softmax; null for the study's own (sinusoidal,
+// learned, the RoPE variants, nope).
+const posenc::SchemeEntry* study_entry(const std::string& scheme) {
   for (const posenc::SchemeEntry& e : posenc::schemes()) {
-    if (e.name == scheme) return e.family == "relative-bias";
-  }
-  return false;
-}
-
-// The registry's entry of a scheme that is a score bias (t5, alibi, kerple, fire, and the other
-// relative biases), or null: its entry says how the model holds and trains it.
-const posenc::SchemeEntry* bias_entry(const std::string& scheme) {
-  for (const posenc::SchemeEntry& e : posenc::schemes()) {
-    if (e.name == scheme) return e.family == "relative-bias" || e.family == "bias" ? &e : nullptr;
+    if (e.name != scheme && std::find(e.aliases.begin(), e.aliases.end(), scheme) == e.aliases.end()) continue;
+    const bool inputs_made = !e.inputs.empty() && std::all_of(e.inputs.begin(), e.inputs.end(),
+                                                              [](const auto& in) { return in.decoder_log_sigmoid; });
+    const bool trained = e.family == "relative-bias" || e.family == "bias" || e.family == "normaliser" ||
+                         (e.family == "token-term" && inputs_made);
+    return trained ? &e : nullptr;
   }
   return nullptr;
 }
 
-// The entry's arguments for a model of `heads` heads of head_dim: its decoder options, the rest
-// defaults.
-posenc::SchemeArgs decoder_args(const posenc::SchemeEntry& entry, std::int64_t heads, std::int64_t head_dim) {
+// The name the study reports an entry by: its first alias where it has one (forgetting: fox, as
+// its paper calls it).
+std::string study_name(const posenc::SchemeEntry& e) { return e.aliases.empty() ? e.name : e.aliases.front(); }
+
+// The entry's options as a decoder of train_length holds it (decoder_preset), the rest absent.
+posenc::SchemeArgs decoder_preset(const posenc::SchemeEntry& entry, std::int64_t heads, std::int64_t head_dim,
+                                  std::int64_t train_length) {
   posenc::SchemeArgs args{.heads = heads, .head_dim = head_dim};
-  for (const auto& [name, value] : entry.decoder_options) args.options[name] = value;
-  return posenc::complete_scheme_args(entry, args);
+  if (entry.decoder_preset) entry.decoder_preset(args, train_length);
+  return args;
+}
+// The same with the defaults filled in.
+posenc::SchemeArgs decoder_args(const posenc::SchemeEntry& entry, std::int64_t heads, std::int64_t head_dim,
+                                std::int64_t train_length) {
+  return posenc::complete_scheme_args(entry, decoder_preset(entry, heads, head_dim, train_length));
 }
 }  // namespace
 
@@ -63,14 +71,22 @@ const std::vector<std::string>& known_schemes() {
   static const std::vector<std::string> known = [] {
     std::vector<std::string> all = all_schemes();
     for (const posenc::SchemeEntry& e : posenc::schemes()) {
-      if (registered_relative_bias(e.name)) all.push_back(e.name);
+      if (e.family == "relative-bias" && std::find(all.begin(), all.end(), e.name) == all.end()) all.push_back(e.name);
     }
-    all.push_back("fox");
-    all.push_back("stickbreaking");
-    all.push_back("cope");
+    // Then the schemes whose logits or weights depend on the content, last so that the others
+    // keep their seeds.
+    for (const posenc::SchemeEntry& e : posenc::schemes()) {
+      if ((e.family == "token-term" || e.family == "normaliser") && study_entry(e.name) == &e)
+        all.push_back(study_name(e));
+    }
     return all;
   }();
   return known;
+}
+
+bool replaces_softmax(const std::string& scheme) {
+  const posenc::SchemeEntry* entry = study_entry(scheme);
+  return entry != nullptr && entry->family == "normaliser";
 }
 
 std::string known_schemes_text() {
@@ -96,7 +112,7 @@ bool LanguageModelImpl::has_rope() const {
 }
 
 void LanguageModelImpl::set_kv_cache(const std::string& format, bool post_rope) {
-  if (!format.empty() && (config_.scheme == "stickbreaking" || config_.scheme == "cope")) {
+  if (!format.empty() && replaces_softmax(config_.scheme)) {
     throw Error("study", "--kv-formats", format,
                 "schemes with the softmax (" + config_.scheme + " replaces it, on k and v tensors)");
   }
@@ -136,28 +152,32 @@ LanguageModelImpl::LanguageModelImpl(const ModelConfig& config) : config_(config
     const auto param = [&](const std::string& name, torch::Tensor value) {
       layer.raw.push_back(register_parameter(p + name, std::move(value)));
     };
-    if (const posenc::SchemeEntry* entry = bias_entry(config.scheme); entry && entry->training) {
+    const posenc::SchemeEntry* entry = study_entry(config.scheme);
+    if (entry && entry->training) {
       // The entry's trained slices, drawn in order (torch's generator: the same draws on any host).
       using enum posenc::TrainedSlice::Init;
-      for (const posenc::TrainedSlice& t : entry->training(decoder_args(*entry, h, d / h), config.train_length)) {
-        param(entry->name + "_" + t.name, t.init == kZeros      ? torch::zeros(t.shape, torch::kFloat64)
-                                          : t.init == kConstant ? torch::full(t.shape, t.value, torch::kFloat64)
-                                                                : torch::randn(t.shape, torch::kFloat64) / t.value);
+      for (const posenc::TrainedSlice& t :
+           entry->training(decoder_args(*entry, h, d / h, config.train_length), config.train_length)) {
+        const auto dtype = t.dtype == posenc::DType::kF32 ? torch::kFloat32 : torch::kFloat64;
+        param(entry->name + "_" + t.name, t.init == kZeros      ? torch::zeros(t.shape, dtype)
+                                          : t.init == kConstant ? torch::full(t.shape, t.value, dtype)
+                                                                : torch::randn(t.shape, dtype) / t.value);
       }
     } else if (entry) {
       // The registry's initial parameters, learned as they are (none for Sandwich).
-      const posenc::SchemeArgs args = decoder_args(*entry, h, d / h);
-      const std::vector<double> initial = posenc::scheme_parameters(*entry, entry->make(args));
-      if (!initial.empty()) {
-        param("registry_params", torch::tensor(initial, torch::kFloat64).reshape(entry->parameter_shape(args)));
+      const posenc::SchemeArgs args = decoder_args(*entry, h, d / h, config.train_length);
+      if (!entry->parameter_shape(args).empty()) {
+        const std::vector<double> initial = posenc::scheme_parameters(*entry, entry->make(args));
+        if (!initial.empty()) {
+          param("registry_params", torch::tensor(initial, torch::kFloat64).reshape(entry->parameter_shape(args)));
+        }
       }
-    } else if (config.scheme == "fox") {
-      layer.fgate = register_module(p + "fgate", torch::nn::Linear(d, h));
-    } else if (config.scheme == "stickbreaking") {
-      layer.head_bias = register_parameter(p + "head_bias", torch::zeros({h, d / h}));
-    } else if (config.scheme == "cope") {
-      layer.cope_table = register_parameter(p + "cope_table", torch::zeros({config.train_length + 1, d / h}));
     }
+    // Per-token inputs: log σ of a linear map of the block's normalised input (default init).
+    for (const posenc::SchemeInput& in : entry ? entry->inputs : std::vector<posenc::SchemeInput>{})
+      layer.inputs.push_back(register_module(p + in.name, torch::nn::Linear(d, h)));
+    if (entry && entry->decoder_statistic_bias)
+      layer.statistic_bias = register_parameter(p + "statistic_bias", torch::zeros({h, d / h}));
     layers_.push_back(std::move(layer));
   }
   final_norm_ = register_module("final_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
@@ -188,28 +208,23 @@ c10::intrusive_ptr<torch_adapter::SchemeClass> LanguageModelImpl::attention_sche
     rope = c10::make_intrusive<torch_adapter::RopeClass>(p);
     name = "rope";
     if (!kv_format_.empty() && kv_post_rope_) options.insert("keys_rotated", 1.0);
-  } else if (s == "stickbreaking") {
-    name = s;
-  } else if (s == "cope") {
-    // The registered scheme, its table one row longer than the training length.
-    name = s;
-    options.insert("positions", static_cast<double>(config_.train_length + 1));
-  } else if (const posenc::SchemeEntry* entry = bias_entry(s)) {
-    name = s;
-    for (const auto& [option, value] : entry->decoder_options) options.insert(option, value);
+  } else if (const posenc::SchemeEntry* entry = study_entry(s)) {
+    name = entry->name;
+    for (const auto& [option, value] : decoder_preset(*entry, config_.heads, head_dim, config_.train_length).options)
+      options.insert(option, value);
   }
   return c10::make_intrusive<torch_adapter::SchemeClass>(name, config_.heads, options, rope);
 }
 
 torch::Tensor LanguageModelImpl::layer_bias_params(const Layer& layer) const {
-  const posenc::SchemeEntry* entry = bias_entry(config_.scheme);
+  const posenc::SchemeEntry* entry = study_entry(config_.scheme);
   if (entry == nullptr || layer.raw.empty()) return {};  // the scheme's initial values (none for the others)
   if (!entry->training) return layer.raw[0];
   // The trained slices through their reparametrisation: one as it is, several flat and joined in
   // the entry's order.
   const std::int64_t head_dim = config_.width / config_.heads;
   const std::vector<posenc::TrainedSlice> slices =
-      entry->training(decoder_args(*entry, config_.heads, head_dim), config_.train_length);
+      entry->training(decoder_args(*entry, config_.heads, head_dim, config_.train_length), config_.train_length);
   std::vector<torch::Tensor> parts;
   for (std::size_t i = 0; i < slices.size(); ++i) {
     const torch::Tensor& raw = layer.raw[i];
@@ -244,14 +259,13 @@ torch::Tensor LanguageModelImpl::forward(const torch::Tensor& bytes, std::int64_
     torch::Tensor attended;
     torch_adapter::AttentionArgs args;
     args.schemes = schemes;
-    if (config_.scheme == "fox") args.gates.push_back(torch::log_sigmoid(linear(normed, layer.fgate)));
+    for (const torch::nn::Linear& input : layer.inputs) args.gates.push_back(torch::log_sigmoid(linear(normed, input)));
     if (const torch::Tensor params = layer_bias_params(layer); params.defined()) args.params.push_back(params);
-    if (config_.scheme == "cope") args.params.push_back(layer.cope_table);
     args.causal = true;
     if (kv_format_.empty()) {
       const auto [o, lse] = torch_adapter::call_attention(q, k, v, args);
-      // Stick-breaking's lse is rem [B, H, S], the stick left over, which the model adds as rem·b_h.
-      attended = config_.scheme == "stickbreaking" ? o + lse.transpose(1, 2).unsqueeze(-1) * layer.head_bias : o;
+      // The row statistic [B, H, S] (stick-breaking's rem, the stick left over) times b_h.
+      attended = layer.statistic_bias.defined() ? o + lse.transpose(1, 2).unsqueeze(-1) * layer.statistic_bias : o;
     } else {
       torch::Tensor keys = k;
       if (kv_post_rope_) {

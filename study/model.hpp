@@ -7,20 +7,21 @@
 //   rope-ntk, rope-yarn      RoPE trained as is; at test lengths E > train_length, dynamic NTK
 //                            (base stretched for E) or YaRN with factor E / train_length
 //   t5, alibi, kerple, fire  score biases inside the fused attention (T5's table, Kerple's r1 r2
-//                            and FIRE's MLP trained; ALiBi's slopes fixed, as in the paper),
-//                            held, initialised and reparametrised as their registry entries say
-//                            (SchemeEntry::decoder_options and training, posenc/registry.hpp)
+//                            and FIRE's MLP trained; ALiBi's slopes fixed, as in the paper)
 //   nope                     nothing (causal attention alone)
 //   fox                      Forgetting Attention without other positions (the FoX paper's own
 //                            setting): log f = logsigmoid(W_f·x + b_f) per token and head, W_f a
 //                            linear layer of the block's normalised input (default init)
-//   stickbreaking            stick-breaking attention (no softmax, no positions; the registered
-//                            scheme on posenc's attention op) plus rem·b_h, a learned per-head vector
-//                            for the stick left over (zero at first), as the authors' models add
-//   cope                     CoPE (the registered scheme on posenc's attention op): a learned table of
-//                            train_length + 1 positions per layer (the authors' default, block size
-//                            + 1, since position 0 occurs), zero at first as theirs
+//   stickbreaking            stick-breaking attention (no softmax, no positions) plus rem·b_h, a
+//                            learned per-head vector for the stick left over (zero at first), as
+//                            the authors' models add
+//   cope                     CoPE: a learned table of train_length + 1 positions per layer (the
+//                            authors' default, block size + 1, since position 0 occurs), zero at
+//                            first as theirs
 //
+// Every registered scheme from t5 on, and the registry's other score biases, is held as its entry
+// says (posenc/registry.hpp: decoder_preset, training, decoder_statistic_bias, and its inputs'
+// decoder_log_sigmoid); this file names none of them.
 // Attention, its backward and every scheme's gradients are posenc's fused op (posenc::attention,
 // torch/ops.cpp), called through the dispatcher as Python calls it; the linear layers' products are
 // posenc::matmul (linear.hpp), so that no BLAS picks their summation order by CPU.
@@ -47,8 +48,12 @@ const std::vector<std::string>& all_schemes();
 std::string training_scheme(const std::string& scheme);
 // Every scheme the study can train: all_schemes(), the registry's other schemes of the
 // relative-bias family (posenc/registry.hpp), each with its defaults and initial parameters, then
-// fox, stickbreaking and cope (last, so that the others keep their seeds).
+// the registry's schemes of the token-term and normaliser families that a decoder can train (fox,
+// stickbreaking, cope: last, so that the others keep their seeds).
 const std::vector<std::string>& known_schemes();
+// Whether the scheme replaces the softmax (a registered normaliser: stick-breaking, CoPE), so that
+// no quantized cache can stand for its k and v.
+bool replaces_softmax(const std::string& scheme);
 // "one of …" for an error message.
 std::string known_schemes_text();
 
@@ -74,10 +79,9 @@ class LanguageModelImpl : public torch::nn::Module {
   struct Layer {
     torch::nn::LayerNorm norm1{nullptr}, norm2{nullptr};
     torch::nn::Linear qkv{nullptr}, out{nullptr}, up{nullptr}, down{nullptr};
-    torch::nn::Linear fgate{nullptr};  // fox: the forget gates' logits
-    torch::Tensor head_bias;           // stickbreaking: b_h, [heads, head_dim]
-    torch::Tensor cope_table;          // cope: [train_length + 1, head_dim]
-    std::vector<torch::Tensor> raw;    // a score bias's trained slices (SchemeEntry::training)
+    std::vector<torch::nn::Linear> inputs;  // the per-token inputs' maps (fox: the forget gates' logits)
+    torch::Tensor statistic_bias;           // b_h [heads, head_dim] (SchemeEntry::decoder_statistic_bias)
+    std::vector<torch::Tensor> raw;         // the scheme's trained slices (SchemeEntry::training)
   };
   // The attention's scheme at an evaluation length (rope-ntk and rope-yarn scale past the training length).
   c10::intrusive_ptr<torch_adapter::SchemeClass> attention_scheme(std::int64_t context_length) const;

@@ -775,7 +775,7 @@ int main(int argc, char** argv) {
       std::vector<std::string> trained = schemes;
       trained.insert(trained.end(), train_long.begin(), train_long.end());
       for (const std::string& s : trained) {
-        if (s == "stickbreaking" || s == "cope")
+        if (replaces_softmax(s))
           throw posenc::Error("study", "--kv-formats", kv_formats_text,
                               "schemes with the softmax (" + s + " replaces it, on k and v tensors)");
       }

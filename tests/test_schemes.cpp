@@ -194,6 +194,12 @@ TEST_P(Schemes, EveryEntryIsDescribedAndItsParametersHaveTheDeclaredShape) {
     SCOPED_TRACE(e.name);
     EXPECT_EQ(std::count(names.begin(), names.end(), e.name), 0) << "duplicate name";
     names.push_back(e.name);
+    // An alias is a name of its own, and finds its entry.
+    for (const std::string& alias : e.aliases) {
+      EXPECT_EQ(std::count(names.begin(), names.end(), alias), 0) << "duplicate name " << alias;
+      names.push_back(alias);
+      EXPECT_EQ(&find_scheme(alias), &e) << alias;
+    }
     EXPECT_TRUE(e.family == "none" || e.family == "transform" || e.family == "relative-bias" || e.family == "bias" ||
                 e.family == "relative-terms" || e.family == "sink" || e.family == "token-term" || e.family == "term" ||
                 e.family == "normaliser")
@@ -237,17 +243,12 @@ TEST_P(Schemes, EveryEntryIsDescribedAndItsParametersHaveTheDeclaredShape) {
       EXPECT_TRUE(bench.parameters.empty() || static_cast<std::int64_t>(bench.parameters.size()) == size);
       EXPECT_EQ(make_head_group(e.name, bench).heads, 8);
     }
-    // A decoder's options are declared ones; the trained slices (when any) cover the parameters'
-    // flat size exactly.
-    for (const auto& [name, value] : e.decoder_options) {
-      EXPECT_TRUE(std::any_of(e.options.begin(), e.options.end(), [&](const SchemeOption& o) {
-        return o.name == name;
-      })) << name;
-    }
+    // A decoder's options are declared ones (complete_scheme_args refuses others by name); the
+    // trained slices (when any) cover the parameters' flat size exactly.
+    SchemeArgs decoder{.heads = kHeads, .head_dim = kDim};
+    if (e.decoder_preset) e.decoder_preset(decoder, 64);
+    decoder = complete_scheme_args(e, decoder);
     if (e.training) {
-      SchemeArgs decoder{.heads = kHeads, .head_dim = kDim};
-      for (const auto& [name, value] : e.decoder_options) decoder.options[name] = value;
-      decoder = complete_scheme_args(e, decoder);
       const std::vector<TrainedSlice> slices = e.training(decoder, 64);
       std::int64_t trained = 0;
       for (const TrainedSlice& t : slices) {

@@ -61,6 +61,10 @@ struct SchemeInput {
   // A trained model's value at quantile u in [0, 1] (u uniform gives their spread), which tests and
   // benchmarks draw (the scheme's constructor checks validity; this is not a bound).
   std::function<double(double u)> typical{};
+  // How a decoder language model (posenc study) makes it from a block's normalised input x: log σ
+  // of a learned linear map of x, one value per token and head (FoX's forget gates). False: a
+  // decoder cannot train the scheme.
+  bool decoder_log_sigmoid = false;
 };
 
 // What a factory receives: the head group's size, the options by name (make_head_group fills in
@@ -99,12 +103,17 @@ struct TrainedSlice {
   // kConstant: the value; kNormal: a standard normal draw divided by this.
   double value = 0.0;
   bool softplus = false;
+  // What the attention reads it in: f64 (a score bias's parameters) or f32 (CoPE's table, which
+  // the attention reads in q's dtype or f32).
+  DType dtype = DType::kF64;
 };
 
 // A scheme's registry entry, built by field name (designated initializers, C++20): the fields
 // left out keep the defaults below.
 struct SchemeEntry {
   std::string name;
+  // Other names find_scheme accepts (forgetting: fox, the FoX paper's).
+  std::vector<std::string> aliases{};
   // "none", "transform" (q and k before the product), "relative-bias" (a RelativeBias,
   // scheme.hpp), "bias" (a score bias of the positions), "relative-terms" (terms with q or k),
   // "sink" (a logit in the softmax's denominator, term.hpp), "token-term" (a term of per-token
@@ -147,22 +156,27 @@ struct SchemeEntry {
   // the scheme holds and the defaults do not (a causal T5 table of varied values, TUPE's table
   // over every position). Unset: the defaults.
   std::function<void(SchemeArgs& args, std::int64_t keys)> bench_preset{};
-  // How a language model trains the parameters (posenc study): the options of its causal form,
-  // and the slices of its parameters with their initial values and reparametrisation, given the
-  // training length; no slices: none trained (the initial values stay, as ALiBi's slopes). Unset
-  // training: the scheme's initial parameters, learned as they are.
-  std::map<std::string, double, std::less<>> decoder_options{};
+  // How a decoder language model (posenc study) holds the scheme: the options of its causal form
+  // given the training length (CoPE's table: train_length + 1 rows, since position 0 occurs);
+  // the slices of its parameters with their initial values and reparametrisation (no slices: none
+  // trained, the initial values stay, as ALiBi's slopes; unset: the scheme's initial parameters,
+  // learned as they are); and for a normaliser, whether the model adds the row statistic times a
+  // learned per-head vector b_h [heads, head_dim], zero at first, to the output (stick-breaking's
+  // rem·b_h, as its authors' models do). Its per-token inputs say how a decoder makes them
+  // (SchemeInput::decoder_log_sigmoid).
+  std::function<void(SchemeArgs& args, std::int64_t train_length)> decoder_preset{};
   std::function<std::vector<TrainedSlice>(const SchemeArgs& args, std::int64_t train_length)> training{};
+  bool decoder_statistic_bias = false;
 };
 
 // Every registered scheme, in a fixed order.
 const std::vector<SchemeEntry>& schemes();
 // The registry as JSON, the one form that `posenc schemes --format json` prints and
-// posenc.schemes() reads: [{name, family, summary, source, parameters, options: [{name, default,
+// posenc.schemes() reads: [{name, aliases, family, summary, source, parameters, options: [{name, default,
 // integer, description}], inputs: [{name, description, typical: [min, max] of a trained model's
 // values}], causal_only}].
 std::string schemes_json();
-// The entry of that name; throws posenc::Error listing the names otherwise.
+// The entry of that name or alias; throws posenc::Error listing the names otherwise.
 const SchemeEntry& find_scheme(std::string_view name);
 // The HeadGroup of a registered scheme (options checked and completed with defaults, parameters
 // checked against parameter_shape).

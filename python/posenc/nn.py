@@ -276,7 +276,7 @@ def _scheme_module(scheme, heads, head_dim):
     if isinstance(scheme, str):
         if scheme in _ATTENTION_MODULES:
             return _ATTENTION_MODULES[scheme](heads, head_dim)
-        entry = next((e for e in schemes() if e["name"] == scheme), None)
+        entry = next((e for e in schemes() if scheme == e["name"] or scheme in e["aliases"]), None)
         if entry is None:
             raise ValueError(f"SelfAttention: scheme = {scheme!r}; expected None, a module, (heads, scheme) pairs "
                              "or one of " + ", ".join(e["name"] for e in schemes()))

@@ -11,9 +11,8 @@ from ._checks import _finite, _int, _number, _object, _ops, _positions
 @torch.compiler.assume_constant_result  # the registry is fixed when the library loads
 def schemes():
     """The registered positional schemes (posenc/registry.hpp), as a list of dicts: ``name``,
-    ``family`` (none, transform, relative-bias, bias, relative-terms, sink, token-term, term,
-    normaliser),
-    ``summary``, ``source``, ``parameters`` (the learned parameters, "" if none), ``options``
+    ``aliases`` (other names every call accepts, as forgetting's fox), ``family`` (none, transform,
+    relative-bias, bias, relative-terms, sink, token-term, term, normaliser), ``summary``, ``source``, ``parameters`` (the learned parameters, "" if none), ``options``
     (``name``, ``default``, ``integer``, ``description``), ``inputs`` (per-token activations the
     scheme reads: ``name``, ``description``, ``typical`` [min, max] of a trained model's values) and
     ``causal_only``. A name without inputs or learned parameters works as
@@ -46,7 +45,7 @@ def _attention_module(name, build):
 
 def _scheme_entry(name):
     for entry in schemes():
-        if entry["name"] == name:
+        if name == entry["name"] or name in entry["aliases"]:
             return entry
     raise ValueError(f"scheme = {name!r}; expected one of " + ", ".join(e["name"] for e in schemes()))
 

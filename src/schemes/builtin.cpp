@@ -177,7 +177,7 @@ SchemeEntry t5_entry() {
     return shared_picture("buckets", positions, [&](std::int64_t r) { return static_cast<double>(t5.bucket(r)); });
   };
   entry.picture_ignores = {"heads", "head_dim"};
-  entry.decoder_options = {{"bidirectional", 0}};
+  entry.decoder_preset = [](SchemeArgs& a, std::int64_t) { a.options["bidirectional"] = 0; };
   entry.training = [](const SchemeArgs& a, std::int64_t) {
     return std::vector<TrainedSlice>{{.name = "table", .shape = {a.integer("num_buckets"), a.heads}}};
   };

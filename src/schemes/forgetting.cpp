@@ -346,6 +346,7 @@ namespace scheme_entries {
 SchemeEntry forgetting_entry() {
   SchemeEntry e{
       .name = "forgetting",
+      .aliases = {"fox"},
       .family = "token-term",
       .summary = "x_ij += Σ_{l=j+1..i} log f_l: a per-token, per-head forget gate f = σ(w_f·x + b_f) decays older keys",
       .source = "Lin, Nikishin, He and Courville 2025, Forgetting Transformer: Softmax Attention with a Forget Gate",
@@ -361,7 +362,7 @@ SchemeEntry forgetting_entry() {
   // log σ of gate logits spread over [1, 5]: gates of 0.73 to 0.99, as a trained FoX's (its
   // forget-gate bias starts them near 1).
   e.inputs = {{"log_fgate", "log forget gate [B, Sk, heads] ([Tk, heads] packed), each <= 0",
-               [](double u) { return -std::log1p(std::exp(-(1.0 + 4.0 * u))); }}};
+               [](double u) { return -std::log1p(std::exp(-(1.0 + 4.0 * u))); }, true}};
   // The entry's gate is the group's first term (the attention's sinks argument appends its own).
   e.input_gradients_of = [](const GroupGradients& g) {
     return std::vector<std::vector<double>>{g.terms.empty() ? std::vector<double>{} : g.terms[0]};

@@ -63,8 +63,9 @@ const std::vector<SchemeEntry>& schemes() {
 const SchemeEntry& find_scheme(std::string_view name) {
   std::string names;
   for (const SchemeEntry& e : schemes()) {
-    if (e.name == name) return e;
+    if (e.name == name || std::find(e.aliases.begin(), e.aliases.end(), name) != e.aliases.end()) return e;
     names += (names.empty() ? "" : ", ") + e.name;
+    for (const std::string& alias : e.aliases) names += ", " + alias;
   }
   throw Error("schemes", "name", name, "one of " + names);
 }
@@ -292,11 +293,13 @@ std::string schemes_json() {
                 ", \"description\": " + json_string(in.description) + ", \"typical\": [" + json_number(std::min(a, b)) +
                 ", " + json_number(std::max(a, b)) + "]}";
     }
+    std::string aliases;
+    for (const std::string& a : e.aliases) aliases += (aliases.empty() ? "" : ", ") + json_string(a);
     out += (out.size() == 1 ? "\n  {" : ",\n  {") + std::string("\"name\": ") + json_string(e.name) +
-           ", \"family\": " + json_string(e.family) + ", \"summary\": " + json_string(e.summary) +
-           ", \"source\": " + json_string(e.source) + ", \"parameters\": " + json_string(e.parameters) +
-           ", \"options\": [" + options + "], \"inputs\": [" + inputs +
-           "], \"causal_only\": " + (e.causal_only ? "true" : "false") + "}";
+           ", \"aliases\": [" + aliases + "], \"family\": " + json_string(e.family) +
+           ", \"summary\": " + json_string(e.summary) + ", \"source\": " + json_string(e.source) +
+           ", \"parameters\": " + json_string(e.parameters) + ", \"options\": [" + options + "], \"inputs\": [" +
+           inputs + "], \"causal_only\": " + (e.causal_only ? "true" : "false") + "}";
   }
   return out + "\n]";
 }

@@ -234,7 +234,8 @@ SchemeEntry stickbreaking_entry() {
           .causal_only = true,
           .statistic_has_gradient = true,
           .parameters_of = [](const HeadGroup&) { return std::vector<double>{}; },
-          .gradients_of = [](const GroupGradients&) { return std::vector<double>{}; }};
+          .gradients_of = [](const GroupGradients&) { return std::vector<double>{}; },
+          .decoder_statistic_bias = true};
 }
 
 SchemeEntry cope_entry() {
@@ -263,7 +264,15 @@ SchemeEntry cope_entry() {
           },
       .causal_only = true,
       .parameters_of = [](const HeadGroup& g) { return rows_of_group<CopeRows>(g, "cope").table(); },
-      .gradients_of = [](const GroupGradients& g) { return g.normaliser; }};
+      .gradients_of = [](const GroupGradients& g) { return g.normaliser; },
+      // A decoder's table: one row per position of its training length, and position 0 (the
+      // authors' default, block size + 1), zeros at first as theirs.
+      .decoder_preset = [](SchemeArgs& a, std::int64_t train_length) { a.options["positions"] = train_length + 1; },
+      .training =
+          [](const SchemeArgs& a, std::int64_t) {
+            return std::vector<TrainedSlice>{
+                {.name = "table", .shape = {a.integer("positions"), a.head_dim}, .dtype = DType::kF32}};
+          }};
 }
 
 }  // namespace scheme_entries

@@ -399,8 +399,8 @@ void run_table(const CLI::App& sub, const TableOptions& o) {
       }
       // A registered scheme without a picture says why.
       for (const SchemeEntry& e : schemes()) {
-        if (e.name == o.encoding)
-          names += " (" + e.name + ", a " + e.family + " scheme, is no matrix of positions alone)";
+        if (e.name == o.encoding || std::find(e.aliases.begin(), e.aliases.end(), o.encoding) != e.aliases.end())
+          names += " (" + o.encoding + ", a " + e.family + " scheme, is no matrix of positions alone)";
       }
       throw Error("table", "encoding", o.encoding, names);
     }

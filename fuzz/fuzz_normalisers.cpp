@@ -240,8 +240,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   // A NaN or inf reaches the table's gradient through every position a row's keys take; a
   // position within rounding of an integer m (a gate of 1e-13 beside gates of 1) is m in f32 and
   // m ± 1e-13 in fp64, so that the two touch e[m − 1] or e[m + 1] with a weight of 0 or of 1e-13:
-  // 0·NaN is NaN in one and absent in the other. Such an element neighbours one non-finite in both,
-  // and is not compared.
+  // 0·NaN is NaN in one and absent in the other. Such an element neighbours one non-finite in both
+  // (on either side: other queries' positions may take the rows beyond it), and is not compared.
   if (cope && placed != "none") {
     std::vector<double>&gd = g[3], &wd = w[3];
     const auto both_bad = [&](std::int64_t n, std::int64_t t) {

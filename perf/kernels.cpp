@@ -211,7 +211,7 @@ Case make_attention_case(const CaseOptions& o) {
       std::to_string(kv) + ", " + std::to_string(dim) + "] " +
       (dim_v != dim ? "v " + std::to_string(dim_v) + (o.values_in_keys ? " wide, k's rows, " : " wide, ") : "") +
       (kv_format ? o.dtype + " q, " + o.kv_dtype + " cache" : o.dtype) + ", " + o.scheme +
-      (o.interleaved && takes_option(o.scheme, "interleaved") ? " (interleaved)" : "") + ", " +
+      (o.interleaved && takes_option(named.scheme, "interleaved") ? " (interleaved)" : "") + ", " +
       (o.causal ? "causal" : "full") + (o.chunk_size ? ", chunks of " + std::to_string(*o.chunk_size) : "") + ", " +
       o.pass;
   const double width = static_cast<double>(dtype_size(dtype));

@@ -12,8 +12,9 @@ from ._checks import _finite, _int, _number, _object, _ops, _positions
 def schemes():
     """The registered positional schemes (posenc/registry.hpp), as a list of dicts: ``name``,
     ``aliases`` (other names every call accepts, as forgetting's fox), ``family`` (none, transform,
-    relative-bias, bias, relative-terms, sink, token-term, term, normaliser), ``summary``, ``source``, ``parameters`` (the learned parameters, "" if none), ``options``
-    (``name``, ``default``, ``integer``, ``description``), ``inputs`` (per-token activations the
+    relative-bias, bias, relative-terms, sink, token-term, term, normaliser), ``summary``,
+    ``source``, ``parameters`` (the learned parameters, "" if none), ``options`` (``name``,
+    ``default``, ``integer``, ``description``), ``inputs`` (per-token activations the
     scheme reads: ``name``, ``description``, ``typical`` [min, max] of a trained model's values) and
     ``causal_only``. A name without inputs or learned parameters works as
     ``posenc.attention(..., scheme=name)``; every one as ``posenc.Scheme(name, heads, head_dim,
@@ -107,7 +108,8 @@ class Scheme(torch.nn.Module):
                 declared = ", ".join(i["name"] for i in self.entry.get("inputs", [])) or "none"
                 raise ValueError(f"Scheme: {key} is a tensor, but {name} reads no per-token input {key} (its "
                                  f"inputs: {declared}); expected a number")
-        self.name, self.heads, self.options = name, _int(name, "heads", heads, 1), dict(options)
+        # The registry's own name (an alias, fox, becomes forgetting).
+        self.name, self.heads, self.options = self.entry["name"], _int(name, "heads", heads, 1), dict(options)
         self.head_dim = _int(name, "head_dim", head_dim, 1)
         initial = self._scheme().initial_parameters(self.head_dim)
         self.parameters_ = torch.nn.Parameter(initial.to(torch.float32)) if initial.numel() > 0 else None

@@ -270,6 +270,12 @@ def test_a_scheme_with_a_per_token_input_is_the_forgetting_module():
                                                                   posenc.Forgetting(half), causal=True), rtol=0, atol=0)
     entry = _scheme_entry("forgetting")
     assert entry["family"] == "token-term" and entry["causal_only"] and entry["inputs"][0]["name"] == "log_fgate"
+    # fox, the alias, is the same entry and the same scheme (flex and the op see forgetting).
+    assert _scheme_entry("fox") is entry or _scheme_entry("fox")["name"] == "forgetting"
+    fox = posenc.Scheme("fox", 2, 16, log_fgate=half)
+    assert fox.name == "forgetting"
+    torch.testing.assert_close(posenc.attention(q[:, :, :2], k[:, :, :1], v[:, :, :1], fox, causal=True),
+                               groups[:, :, :2], rtol=0, atol=0)
 
 
 def test_per_token_inputs_are_checked_by_name():

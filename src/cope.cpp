@@ -363,6 +363,7 @@ AttentionStats CopeAttention::Plan::backward(ConstTensorView out, ConstTensorVie
 CopeAttention::CopeAttention(CopeSpec spec) : plan_(std::make_unique<Plan>()) {
   detail::init_dispatch();
   const CopeShape shape = detail::check_cope(spec);
+  set_sizes(detail::sizes_of(shape));
   plan_->spec = std::move(spec);
   const CopeSpec& sp = plan_->spec;
   plan_->geo = detail::rows::Geometry(sp.q, sp.k, sp.v, shape, sp.cu_seqlens_q, sp.cu_seqlens_k, 1);
@@ -376,15 +377,7 @@ CopeAttention::CopeAttention(CopeAttention&&) noexcept = default;
 CopeAttention& CopeAttention::operator=(CopeAttention&&) noexcept = default;
 
 const CopeSpec& CopeAttention::spec() const { return plan_->spec; }
-std::int64_t CopeAttention::batch() const { return plan_->geo.shape.batch; }
-std::int64_t CopeAttention::heads() const { return plan_->geo.shape.heads; }
-std::int64_t CopeAttention::kv_heads() const { return plan_->geo.shape.kv_heads; }
-std::int64_t CopeAttention::head_dim() const { return plan_->geo.shape.dim; }
-std::int64_t CopeAttention::value_dim() const { return plan_->geo.shape.dim_v; }
-std::int64_t CopeAttention::q_len() const { return plan_->geo.shape.q_len; }
-std::int64_t CopeAttention::k_len() const { return plan_->geo.shape.k_len; }
 std::int64_t CopeAttention::positions() const { return plan_->npos; }
-double CopeAttention::scale() const { return plan_->geo.shape.scale; }
 
 AttentionStats CopeAttention::forward(TensorView out, TensorView lse) const {
   if (plan_->geo.shape.dtype == DType::kF64 || detail::use_reference()) {

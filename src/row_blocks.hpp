@@ -57,6 +57,11 @@ QkvBackwardGrids check_qkv_backward(const char* where, const QkvShape& shape, Co
                                     ConstTensorView d_out, ConstTensorView dq, ConstTensorView dk, ConstTensorView dv);
 inline bool given(ConstTensorView v) { return v.rank() > 0 && v.data() != nullptr; }
 
+// A validated shape as the public objects report it (AttentionSizes).
+inline AttentionSizes::Sizes sizes_of(const QkvShape& s) {
+  return {s.batch, s.heads, s.kv_heads, s.dim, s.dim_v, s.q_len, s.k_len, s.scale};
+}
+
 namespace rows {
 
 using Floats = AlignedFloats;

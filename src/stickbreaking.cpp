@@ -349,6 +349,7 @@ AttentionStats StickBreakingAttention::Plan::backward(ConstTensorView out, Const
 StickBreakingAttention::StickBreakingAttention(StickBreakingSpec spec) : plan_(std::make_unique<Plan>()) {
   detail::init_dispatch();
   const SbShape shape = detail::check_stickbreaking(spec);
+  set_sizes(detail::sizes_of(shape));
   plan_->spec = std::move(spec);
   const StickBreakingSpec& sp = plan_->spec;
   plan_->geo =
@@ -360,14 +361,6 @@ StickBreakingAttention::StickBreakingAttention(StickBreakingAttention&&) noexcep
 StickBreakingAttention& StickBreakingAttention::operator=(StickBreakingAttention&&) noexcept = default;
 
 const StickBreakingSpec& StickBreakingAttention::spec() const { return plan_->spec; }
-std::int64_t StickBreakingAttention::batch() const { return plan_->geo.shape.batch; }
-std::int64_t StickBreakingAttention::heads() const { return plan_->geo.shape.heads; }
-std::int64_t StickBreakingAttention::kv_heads() const { return plan_->geo.shape.kv_heads; }
-std::int64_t StickBreakingAttention::head_dim() const { return plan_->geo.shape.dim; }
-std::int64_t StickBreakingAttention::value_dim() const { return plan_->geo.shape.dim_v; }
-std::int64_t StickBreakingAttention::q_len() const { return plan_->geo.shape.q_len; }
-std::int64_t StickBreakingAttention::k_len() const { return plan_->geo.shape.k_len; }
-double StickBreakingAttention::scale() const { return plan_->geo.shape.scale; }
 
 AttentionStats StickBreakingAttention::forward(TensorView out, TensorView rem) const {
   if (plan_->geo.shape.dtype == DType::kF64 || detail::use_reference()) {

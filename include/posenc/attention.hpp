@@ -150,6 +150,30 @@ class RowNormaliser {
 };
 using RowNormaliserRef = std::shared_ptr<const RowNormaliser>;
 
+// The sizes of a validated call of an attention object with an engine of its own (CopeAttention,
+// StickBreakingAttention), as Attention's accessors name them.
+class AttentionSizes {
+ public:
+  struct Sizes {
+    std::int64_t batch = 0, heads = 0, kv_heads = 0, head_dim = 0, value_dim = 0, q_len = 0, k_len = 0;
+    double scale = 0.0;
+  };
+  std::int64_t batch() const { return sizes_.batch; }
+  std::int64_t heads() const { return sizes_.heads; }
+  std::int64_t kv_heads() const { return sizes_.kv_heads; }
+  std::int64_t head_dim() const { return sizes_.head_dim; }    // D of q and k
+  std::int64_t value_dim() const { return sizes_.value_dim; }  // Dv of v, out and d_out
+  std::int64_t q_len() const { return sizes_.q_len; }          // Sq (or Tq)
+  std::int64_t k_len() const { return sizes_.k_len; }          // Sk (or Tk)
+  double scale() const { return sizes_.scale; }                // the resolved scale
+
+ protected:
+  void set_sizes(const Sizes& sizes) { sizes_ = sizes; }
+
+ private:
+  Sizes sizes_;
+};
+
 // A run of consecutive heads sharing a scheme. `bias`, when set, has bias_heads == heads (its
 // head 0 is the group's first head). `terms` (term.hpp) add their own parts to the logit after
 // the bias, in order, each with heads == the group's heads: Shaw's key and value terms and

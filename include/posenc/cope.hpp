@@ -67,7 +67,7 @@ struct CopeSpec {
   std::vector<std::int64_t> cu_seqlens_q, cu_seqlens_k;  // packed sequences (both or neither)
 };
 
-class CopeAttention {
+class CopeAttention : public AttentionSizes {
  public:
   explicit CopeAttention(CopeSpec spec);
   ~CopeAttention();
@@ -75,15 +75,7 @@ class CopeAttention {
   CopeAttention& operator=(CopeAttention&&) noexcept;
 
   const CopeSpec& spec() const;
-  std::int64_t batch() const;
-  std::int64_t heads() const;
-  std::int64_t kv_heads() const;
-  std::int64_t head_dim() const;
-  std::int64_t value_dim() const;
-  std::int64_t q_len() const;      // Sq (or Tq)
-  std::int64_t k_len() const;      // Sk (or Tk)
   std::int64_t positions() const;  // npos
-  double scale() const;            // the resolved scale
 
   // out like q with Dv columns (q's dtype or f32); lse [B, Sq, H] f32 or an empty view.
   AttentionStats forward(TensorView out, TensorView lse = {}) const;

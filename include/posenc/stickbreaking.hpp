@@ -82,7 +82,7 @@ struct StickBreakingSpec {
   bool skip_vanishing_tiles = true;
 };
 
-class StickBreakingAttention {
+class StickBreakingAttention : public AttentionSizes {
  public:
   explicit StickBreakingAttention(StickBreakingSpec spec);
   ~StickBreakingAttention();
@@ -90,14 +90,6 @@ class StickBreakingAttention {
   StickBreakingAttention& operator=(StickBreakingAttention&&) noexcept;
 
   const StickBreakingSpec& spec() const;
-  std::int64_t batch() const;
-  std::int64_t heads() const;
-  std::int64_t kv_heads() const;
-  std::int64_t head_dim() const;
-  std::int64_t value_dim() const;
-  std::int64_t q_len() const;  // Sq (or Tq)
-  std::int64_t k_len() const;  // Sk (or Tk)
-  double scale() const;        // the resolved scale
 
   // out like q with Dv columns (in q's dtype, or f32); rem [B, Sq, H] f32 or an empty view.
   AttentionStats forward(TensorView out, TensorView rem = {}) const;

@@ -14,12 +14,10 @@
 //                   Rope to_params, int to_seq_len)   a rotated KV cache moved to new positions
 //   posenc::rope_pickled, rope_pickled_ (-> ()), rope_multi_pickled   the same with the Rope as its
 //                   pickled bytes (uint8 [n]): what the autograd kernels call while a tracer runs
-//   posenc::alibi_bias(Tensor slopes, Tensor q_positions, Tensor k_positions, bool symmetric) -> Tensor
-//   posenc::t5_bias(Tensor table, Tensor q_positions, Tensor k_positions, int num_buckets,
-//                   int max_distance, bool bidirectional) -> Tensor
-//   posenc::kerple_bias, fire_bias, tupe_bias   the other bias schemes, differentiable in their
-//                   parameters (tensors; see python/posenc/__init__.py for shapes)
-//   posenc::NAME_backward   the gradients of alibi_bias, t5_bias, kerple_bias, fire_bias, tupe_bias,
+//   posenc::fire_bias, tupe_bias   the position biases, differentiable in their parameters (tensors;
+//                   see python/posenc/__init__.py for shapes); the relative biases (ALiBi, T5,
+//                   Kerple, …) are the registry's, through relative_bias (attention_ops.cpp)
+//   posenc::NAME_backward   the gradients of fire_bias, tupe_bias,
 //                   learned, floater_table, shaw_scores, shaw_values and xl_scores: their autograd
 //                   kernels call the forward and this op through the dispatcher, so that a tracer
 //                   records both (fake kernels: python/posenc/_fake.py)
@@ -671,136 +669,9 @@ at::Tensor tensor_of(const std::vector<double>& values, const at::Tensor& like) 
   return at::from_blob(const_cast<double*>(values.data()), like.sizes(), at::kDouble).clone().to(like.scalar_type());
 }
 
-// ALiBi, T5 and Kerple are each three kernels: the forward (CPU), the backward into their
-// parameters (posenc::NAME_backward, CPU), and autograd over the two through the dispatcher, so
-// that a tracer (torch.compile, opcheck) records both and runs their fake kernels
-// (python/posenc/_fake.py).
-AlibiParams alibi_params_of(const at::Tensor& slopes, bool symmetric) {
-  return AlibiParams(doubles_of("alibi_bias", "slopes", slopes),
-                     symmetric ? AlibiForm::kSymmetric : AlibiForm::kCausal);
-}
-at::Tensor alibi_cpu(const at::Tensor& slopes, const at::Tensor& q_positions, const at::Tensor& k_positions,
-                     bool symmetric) {
-  return translating([&] {
-    return materialize(alibi_params_of(slopes, symmetric), q_positions.contiguous(), k_positions.contiguous(),
-                       slopes.scalar_type());
-  });
-}
-at::Tensor alibi_backward_cpu(const at::Tensor& grad, const at::Tensor& slopes, const at::Tensor& q_positions,
-                              const at::Tensor& k_positions, bool symmetric) {
-  return translating([&] {
-    const AlibiParams p = alibi_params_of(slopes, symmetric);
-    std::vector<double> d_slopes(static_cast<std::size_t>(p.heads()), 0.0);
-    const at::Tensor ds = grad.contiguous(), qi = q_positions.contiguous(), ki = k_positions.contiguous();
-    alibi_backward(p, positions_of("alibi_bias", "q_positions", qi), positions_of("alibi_bias", "k_positions", ki),
-                   const_view("alibi_bias", "grad", ds), d_slopes);
-    return tensor_of(d_slopes, slopes);
-  });
-}
-class AlibiFunction : public torch::autograd::Function<AlibiFunction> {
- public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& slopes, const at::Tensor& q_positions,
-                            const at::Tensor& k_positions, bool symmetric) {
-    ctx->saved_data["symmetric"] = symmetric;
-    ctx->save_for_backward({slopes, q_positions, k_positions});
-    return call_below_autograd("posenc::alibi_bias", {slopes, q_positions, k_positions, symmetric})[0].toTensor();
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor d = call_below_autograd("posenc::alibi_bias_backward",
-                                             {grads[0], saved[0], saved[1], saved[2], ctx->saved_data["symmetric"]})[0]
-                             .toTensor();
-    return variable_list{d, at::Tensor(), at::Tensor(), at::Tensor()};
-  }
-};
-
-T5BiasParams t5_params_of(const at::Tensor& table, std::int64_t num_buckets, std::int64_t max_distance,
-                          bool bidirectional) {
-  TORCH_CHECK_VALUE(table.dim() == 2 && table.size(0) == num_buckets, "t5_bias: table shape ", table.sizes(),
-                    "; expected [num_buckets = ", num_buckets, ", heads]");
-  return T5BiasParams(table.size(1), num_buckets, max_distance, bidirectional, doubles_of("t5_bias", "table", table));
-}
-at::Tensor t5_cpu(const at::Tensor& table, const at::Tensor& q_positions, const at::Tensor& k_positions,
-                  std::int64_t num_buckets, std::int64_t max_distance, bool bidirectional) {
-  return translating([&] {
-    return materialize(t5_params_of(table, num_buckets, max_distance, bidirectional), q_positions.contiguous(),
-                       k_positions.contiguous(), table.scalar_type());
-  });
-}
-at::Tensor t5_backward_cpu(const at::Tensor& grad, const at::Tensor& table, const at::Tensor& q_positions,
-                           const at::Tensor& k_positions, std::int64_t num_buckets, std::int64_t max_distance,
-                           bool bidirectional) {
-  return translating([&] {
-    const T5BiasParams p = t5_params_of(table, num_buckets, max_distance, bidirectional);
-    std::vector<double> d_table(p.table().size(), 0.0);
-    const at::Tensor ds = grad.contiguous(), qi = q_positions.contiguous(), ki = k_positions.contiguous();
-    t5_bias_backward(p, positions_of("t5_bias", "q_positions", qi), positions_of("t5_bias", "k_positions", ki),
-                     const_view("t5_bias", "grad", ds), d_table);
-    return tensor_of(d_table, table);
-  });
-}
-class T5Function : public torch::autograd::Function<T5Function> {
- public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& table, const at::Tensor& q_positions,
-                            const at::Tensor& k_positions, std::int64_t num_buckets, std::int64_t max_distance,
-                            bool bidirectional) {
-    ctx->saved_data["num_buckets"] = num_buckets;
-    ctx->saved_data["max_distance"] = max_distance;
-    ctx->saved_data["bidirectional"] = bidirectional;
-    ctx->save_for_backward({table, q_positions, k_positions});
-    return call_below_autograd("posenc::t5_bias",
-                               {table, q_positions, k_positions, num_buckets, max_distance, bidirectional})[0]
-        .toTensor();
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor d = call_below_autograd("posenc::t5_bias_backward",
-                                             {grads[0], saved[0], saved[1], saved[2], ctx->saved_data["num_buckets"],
-                                              ctx->saved_data["max_distance"], ctx->saved_data["bidirectional"]})[0]
-                             .toTensor();
-    return variable_list{d, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
-  }
-};
-
-// Kerple: r1, r2 [H] (float64 or float32), differentiable in both.
-KerpleParams kerple_params_of(const at::Tensor& r1, const at::Tensor& r2, bool power) {
-  return KerpleParams(power ? KerpleForm::kPower : KerpleForm::kLog, doubles_of("kerple_bias", "r1", r1),
-                      doubles_of("kerple_bias", "r2", r2));
-}
-at::Tensor kerple_cpu(const at::Tensor& r1, const at::Tensor& r2, const at::Tensor& q_positions,
-                      const at::Tensor& k_positions, bool power) {
-  return translating([&] {
-    return materialize(kerple_params_of(r1, r2, power), q_positions.contiguous(), k_positions.contiguous(),
-                       r1.scalar_type());
-  });
-}
-std::tuple<at::Tensor, at::Tensor> kerple_backward_cpu(const at::Tensor& grad, const at::Tensor& r1,
-                                                       const at::Tensor& r2, const at::Tensor& q_positions,
-                                                       const at::Tensor& k_positions, bool power) {
-  return translating([&] {
-    const KerpleParams p = kerple_params_of(r1, r2, power);
-    std::vector<double> d1(static_cast<std::size_t>(p.heads()), 0.0), d2(d1.size(), 0.0);
-    const at::Tensor ds = grad.contiguous(), qi = q_positions.contiguous(), ki = k_positions.contiguous();
-    kerple_backward(p, positions_of("kerple_bias", "q_positions", qi), positions_of("kerple_bias", "k_positions", ki),
-                    const_view("kerple_bias", "grad", ds), d1, d2);
-    return std::make_tuple(tensor_of(d1, r1), tensor_of(d2, r2));
-  });
-}
-class KerpleFunction : public torch::autograd::Function<KerpleFunction> {
- public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& r1, const at::Tensor& r2,
-                            const at::Tensor& q_positions, const at::Tensor& k_positions, bool power) {
-    ctx->saved_data["power"] = power;
-    ctx->save_for_backward({r1, r2, q_positions, k_positions});
-    return call_below_autograd("posenc::kerple_bias", {r1, r2, q_positions, k_positions, power})[0].toTensor();
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const torch::jit::Stack d = call_below_autograd(
-        "posenc::kerple_bias_backward", {grads[0], saved[0], saved[1], saved[2], saved[3], ctx->saved_data["power"]});
-    return variable_list{d[0].toTensor(), d[1].toTensor(), at::Tensor(), at::Tensor(), at::Tensor()};
-  }
-};
+// FIRE and TUPE are each three kernels: the forward (CPU), the backward into their parameters
+// (posenc::NAME_backward, CPU), and autograd over the two through the dispatcher, so that a
+// tracer (torch.compile, opcheck) records both and runs their fake kernels (python/posenc/_fake.py).
 
 // FIRE: w1, b1 [hidden], w2 [H, hidden], b2 [H], c and threshold (0-d), all differentiable.
 class FireFunction : public torch::autograd::Function<FireFunction> {
@@ -1114,16 +985,6 @@ class XlFunction : public torch::autograd::Function<XlFunction> {
   }
 };
 
-at::Tensor alibi_op(const at::Tensor& slopes, const at::Tensor& q_positions, const at::Tensor& k_positions,
-                    bool symmetric) {
-  return AlibiFunction::apply(slopes, q_positions, k_positions, symmetric);
-}
-
-at::Tensor t5_op(const at::Tensor& table, const at::Tensor& q_positions, const at::Tensor& k_positions,
-                 std::int64_t num_buckets, std::int64_t max_distance, bool bidirectional) {
-  return T5Function::apply(table, q_positions, k_positions, num_buckets, max_distance, bidirectional);
-}
-
 at::Tensor shaw_scores_op(const at::Tensor& q, const at::Tensor& key_table, const at::Tensor& q_positions,
                           const at::Tensor& k_positions, std::int64_t max_distance) {
   return ShawFunction<ShawScores>::apply(q, key_table, q_positions, k_positions, max_distance);
@@ -1136,10 +997,6 @@ at::Tensor xl_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& u, 
                  const at::Tensor& w_r, const at::Tensor& q_positions, const at::Tensor& k_positions, double scale,
                  double base) {
   return XlFunction::apply(q, k, u, v, w_r, q_positions, k_positions, scale, base);
-}
-at::Tensor kerple_op(const at::Tensor& r1, const at::Tensor& r2, const at::Tensor& q_positions,
-                     const at::Tensor& k_positions, bool power) {
-  return KerpleFunction::apply(r1, r2, q_positions, k_positions, power);
 }
 at::Tensor fire_op(const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2, const at::Tensor& b2,
                    const at::Tensor& c, const at::Tensor& threshold, const at::Tensor& q_positions,
@@ -1213,22 +1070,10 @@ TORCH_LIBRARY(posenc, m) {
       {at::Tag::inplace});  // mutates and returns k: torch.compile functionalizes it
   m.impl("rope_rerotate_", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(rope_rerotate_op)));
   m.impl("rope_rerotate_", torch::dispatch(c10::DispatchKey::Autograd, TORCH_FN(rope_rerotate_autograd)));
-  define_with_backward(
-      m, "alibi_bias(Tensor slopes, Tensor q_positions, Tensor k_positions, bool symmetric) -> Tensor",
-      TORCH_FN(alibi_cpu), TORCH_FN(alibi_op),
-      "alibi_bias_backward(Tensor grad, Tensor slopes, Tensor q_positions, Tensor k_positions, bool symmetric) -> "
-      "Tensor",
-      TORCH_FN(alibi_backward_cpu));
   m.def("empty_cache() -> ()", &empty_cache_op);
   m.def("bf16_dot_products() -> bool", &bf16_dot_products_op);
   m.def("huge_page_zeros(int[] shape, ScalarType dtype) -> Tensor");
   m.impl("huge_page_zeros", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(huge_page_zeros_op)));
-  define_with_backward(
-      m, "kerple_bias(Tensor r1, Tensor r2, Tensor q_positions, Tensor k_positions, bool power) -> Tensor",
-      TORCH_FN(kerple_cpu), TORCH_FN(kerple_op),
-      "kerple_bias_backward(Tensor grad, Tensor r1, Tensor r2, Tensor q_positions, Tensor k_positions, "
-      "bool power) -> (Tensor, Tensor)",
-      TORCH_FN(kerple_backward_cpu));
   define_with_backward(
       m,
       "fire_bias(Tensor w1, Tensor b1, Tensor w2, Tensor b2, Tensor c, Tensor threshold, Tensor q_positions, "
@@ -1278,12 +1123,4 @@ TORCH_LIBRARY(posenc, m) {
       "floater_table_backward(Tensor grad, Tensor w1, Tensor b1, Tensor w2, Tensor b2, Tensor p0, "
       "float time_per_position, int substeps) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
       TORCH_FN(FloaterFunction::backward_cpu));
-  define_with_backward(
-      m,
-      "t5_bias(Tensor table, Tensor q_positions, Tensor k_positions, int num_buckets, int max_distance, "
-      "bool bidirectional) -> Tensor",
-      TORCH_FN(t5_cpu), TORCH_FN(t5_op),
-      "t5_bias_backward(Tensor grad, Tensor table, Tensor q_positions, Tensor k_positions, int num_buckets, "
-      "int max_distance, bool bidirectional) -> Tensor",
-      TORCH_FN(t5_backward_cpu));
 }

@@ -68,36 +68,6 @@ def _bias(like, heads, q_positions, k_positions):
     return like.new_empty((batch, heads, q_positions.shape[-1], k_positions.shape[-1]))
 
 
-@torch.library.register_fake("posenc::alibi_bias")
-def _alibi_bias(slopes, q_positions, k_positions, symmetric):
-    return _bias(slopes, slopes.shape[0], q_positions, k_positions)
-
-
-@torch.library.register_fake("posenc::alibi_bias_backward")
-def _alibi_bias_backward(grad, slopes, q_positions, k_positions, symmetric):
-    return _contiguous_like(slopes)
-
-
-@torch.library.register_fake("posenc::t5_bias")
-def _t5_bias(table, q_positions, k_positions, num_buckets, max_distance, bidirectional):
-    return _bias(table, table.shape[1], q_positions, k_positions)
-
-
-@torch.library.register_fake("posenc::t5_bias_backward")
-def _t5_bias_backward(grad, table, q_positions, k_positions, num_buckets, max_distance, bidirectional):
-    return _contiguous_like(table)
-
-
-@torch.library.register_fake("posenc::kerple_bias")
-def _kerple_bias(r1, r2, q_positions, k_positions, power):
-    return _bias(r1, r1.shape[0], q_positions, k_positions)
-
-
-@torch.library.register_fake("posenc::kerple_bias_backward")
-def _kerple_bias_backward(grad, r1, r2, q_positions, k_positions, power):
-    return _contiguous_like(r1), _contiguous_like(r2)
-
-
 @torch.library.register_fake("posenc::fire_bias")
 def _fire_bias(w1, b1, w2, b2, c, threshold, q_positions, k_positions):
     return _bias(w2, w2.shape[0], q_positions, k_positions)

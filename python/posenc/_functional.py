@@ -6,8 +6,8 @@ import numbers
 
 import torch
 
-from ._checks import _cu_seqlens, _finite, _flag, _int, _number, _object, _ops, _positions
-from .registry import _scheme_spec
+from ._checks import _concrete, _cu_seqlens, _finite, _flag, _int, _number, _object, _ops, _positions
+from .registry import _relative_bias_op, _scheme_spec
 
 
 def empty_cache():
@@ -193,23 +193,41 @@ def alibi_slopes(heads, max_bias=8.0):
     return torch.tensor([2.0 ** (-max_bias * e) for e in exponents], dtype=torch.float64)
 
 
+def _relative_bias(where, name, params, heads_dim, options, q_positions, k_positions):
+    """A relative-bias scheme of the registry over positions (the generic op), in params' dtype and
+    differentiable in params: the functions below give its parameters in the registry's shape."""
+    if not isinstance(params, torch.Tensor):
+        raise TypeError(f"{where}: parameters are {type(params).__name__}; expected a torch.Tensor")
+    if params.dim() <= heads_dim:
+        raise ValueError(f"{where}: parameters of shape {list(params.shape)}; expected the heads in dimension "
+                         f"{heads_dim}")
+    spec = _scheme_spec(name, _concrete(params.shape[heads_dim]), options)
+    return _relative_bias_op(spec, params, _positions(q_positions, 0), _positions(k_positions, 0), params.dtype)
+
+
 def alibi_bias(slopes, q_positions, k_positions, symmetric=False):
     """ALiBi biases [B, H, Sq, Sk]: -m_h·(i - j) (or -m_h·|i - j| when symmetric), differentiable in
-    the slopes."""
-    return _ops.alibi_bias(slopes, _positions(q_positions, 0), _positions(k_positions, 0), bool(symmetric))
+    the slopes [H]."""
+    return _relative_bias("alibi_bias", "alibi", slopes, 0, {"symmetric": bool(symmetric)}, q_positions, k_positions)
 
 
 def t5_bias(table, q_positions, k_positions, num_buckets=32, max_distance=128, bidirectional=True):
     """T5 relative biases [B, H, Sq, Sk] from a table [num_buckets, H], with transformers' bucket
     function; differentiable in the table."""
-    return _ops.t5_bias(table, _positions(q_positions, 0), _positions(k_positions, 0), int(num_buckets),
-                        int(max_distance), bool(bidirectional))
+    options = {"num_buckets": _int("t5_bias", "num_buckets", num_buckets), "bidirectional": bool(bidirectional),
+               "max_distance": _int("t5_bias", "max_distance", max_distance)}
+    return _relative_bias("t5_bias", "t5", table, 1, options, q_positions, k_positions)
 
 
 def kerple_bias(r1, r2, q_positions, k_positions, power=False):
     """Kerple biases [B, H, Sq, Sk]: -r1·log(1 + r2·|i - j|), or -r1·|i - j|^r2 with power=True
     (0 < r2 <= 2); r1, r2: [H], differentiable."""
-    return _ops.kerple_bias(r1, r2, _positions(q_positions, 0), _positions(k_positions, 0), bool(power))
+    for key, value in (("r1", r1), ("r2", r2)):
+        if not isinstance(value, torch.Tensor) or value.dim() != 1:
+            raise ValueError(f"kerple_bias: {key} = {value!r}; expected a tensor [H]")
+    # The registry's parameters: [r1 | r2], [2, H], in r1's dtype.
+    return _relative_bias("kerple_bias", "kerple", torch.stack([r1, r2.to(r1.dtype)]), 1, {"power": bool(power)},
+                          q_positions, k_positions)
 
 
 def fire_bias(w1, b1, w2, b2, c, threshold, q_positions, k_positions):

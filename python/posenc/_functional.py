@@ -223,8 +223,10 @@ def kerple_bias(r1, r2, q_positions, k_positions, power=False):
     """Kerple biases [B, H, Sq, Sk]: -r1·log(1 + r2·|i - j|), or -r1·|i - j|^r2 with power=True
     (0 < r2 <= 2); r1, r2: [H], differentiable."""
     for key, value in (("r1", r1), ("r2", r2)):
-        if not isinstance(value, torch.Tensor) or value.dim() != 1:
-            raise ValueError(f"kerple_bias: {key} = {value!r}; expected a tensor [H]")
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"kerple_bias: {key} is {type(value).__name__}; expected a torch.Tensor [H]")
+    if r1.dim() != 1 or r2.shape != r1.shape:
+        raise ValueError(f"kerple_bias: r1 shape {list(r1.shape)}, r2 shape {list(r2.shape)}; expected both [H]")
     # The registry's parameters: [r1 | r2], [2, H], in r1's dtype.
     return _relative_bias("kerple_bias", "kerple", torch.stack([r1, r2.to(r1.dtype)]), 1, {"power": bool(power)},
                           q_positions, k_positions)

@@ -374,6 +374,12 @@ def test_bad_values_raise_value_error_naming_the_parameter():
         posenc.rope(q, rotary_dim=7)
     with pytest.raises(ValueError, match="num_buckets = 3"):
         posenc.t5_bias(torch.zeros(3, 2), torch.arange(2), torch.arange(2), num_buckets=3)
+    with pytest.raises(ValueError, match=r"kerple_bias: r1 shape \[3\], r2 shape \[2\]; expected both \[H\]"):
+        posenc.kerple_bias(torch.ones(3), torch.ones(2), torch.arange(2), torch.arange(2))
+    with pytest.raises(TypeError, match="kerple_bias: r2 is list"):
+        posenc.kerple_bias(torch.ones(3), [1.0, 1.0, 1.0], torch.arange(2), torch.arange(2))
+    with pytest.raises(ValueError, match=r"alibi_bias: parameters of shape \[\]"):
+        posenc.alibi_bias(torch.tensor(1.0), torch.arange(2), torch.arange(2))
 
 
 def test_meta_tensors_give_shapes_and_other_dtypes_raise_type_error():

@@ -634,6 +634,16 @@ void relative_bias_backward(const RelativeBias& scheme, const Positions& q_posit
   reduce_relative_bias("relative_bias_backward", scheme, q_positions, k_positions, d_scores, d_params);
 }
 
+void bias_backward(const BiasScheme& scheme, const Positions& q_positions, const Positions& k_positions,
+                   ConstTensorView d_scores, std::span<double> d_params) {
+  detail::check_gradient_size("bias_backward", "d_params", d_params.size(), bias_parameter_count(scheme));
+  if (const PositionBias* pb = position_bias(scheme)) {
+    pb->backward(q_positions, k_positions, d_scores, d_params);
+  } else if (const RelativeBias* relative = relative_bias(scheme)) {
+    relative_bias_backward(*relative, q_positions, k_positions, d_scores, d_params);
+  }
+}
+
 void kerple_backward(const KerpleParams& params, const Positions& q_positions, const Positions& k_positions,
                      ConstTensorView d_scores, std::span<double> d_r1, std::span<double> d_r2) {
   detail::init_dispatch();

@@ -153,7 +153,9 @@ LanguageModelImpl::LanguageModelImpl(const ModelConfig& config) : config_(config
       layer.raw.push_back(register_parameter(p + name, std::move(value)));
     };
     const posenc::SchemeEntry* entry = study_entry(config.scheme);
-    if (entry && entry->training) {
+    if (entry && entry->parameters_fixed) {
+      // The definition's parameters (ALiBi's slopes): none trained.
+    } else if (entry && entry->training) {
       // The entry's trained slices, drawn in order (torch's generator: the same draws on any host).
       using enum posenc::TrainedSlice::Init;
       for (const posenc::TrainedSlice& t :

@@ -45,75 +45,83 @@ HeadGroup attention_group(const char* where, const std::string& name, const Sche
   return make_head_group(scheme.entry->name, std::move(args));
 }
 
-// Any registered relative-bias scheme (registry.hpp) materialised as [B, H, Sq, Sk], differentiable
-// in its parameters (params: the registry's parameter_shape; None: its initial values). The scheme
-// is the object (relative_bias) or its pickled bytes (relative_bias_pickled, which a traced call
-// records; its `heads` is the scheme's, given for the fake kernel, which cannot read the bytes).
+// Any registered score-bias scheme (registry.hpp: the relative-bias and bias families)
+// materialised as [B, H, Sq, Sk], differentiable in its parameters (params: the registry's
+// parameter_shape for head_dim, which only some shapes read (TUPE's U^Q, U^K); None: its initial
+// values). The scheme is the object (score_bias) or its pickled bytes (score_bias_pickled, which a
+// traced call records; its `heads` is the scheme's, given for the fake kernel, which cannot read
+// the bytes).
 c10::intrusive_ptr<SchemeClass> scheme_object(const char* where, const c10::IValue& scheme) {
   if (scheme.isTensor()) {
     return unpickled_object<SchemeClass>(where, "scheme", scheme.toTensor(), "a pickled torch.classes.posenc.Scheme");
   }
   return scheme.toCustomClass<SchemeClass>();
 }
-BiasScheme bias_scheme_of(const SchemeClass& scheme, const at::Tensor& params) {
-  TORCH_CHECK_VALUE(scheme.entry->family == "relative-bias", "relative_bias: scheme = ", scheme.entry->name,
-                    "; expected a scheme of the relative-bias family (posenc.schemes())");
-  const HeadGroup g = attention_group("relative_bias", "params", scheme, params, 1, 0.0);
-  TORCH_CHECK_VALUE(g.bias.has_value(), "relative_bias: scheme = ", scheme.entry->name, " builds no bias");
+BiasScheme bias_scheme_of(const char* where, const SchemeClass& scheme, const at::Tensor& params,
+                          std::int64_t head_dim) {
+  const std::string& family = scheme.entry->family;
+  TORCH_CHECK_VALUE(family == "relative-bias" || family == "bias", where, ": scheme = ", scheme.entry->name,
+                    " (family ", family, "); expected a scheme of the relative-bias or bias family (posenc.schemes())");
+  TORCH_CHECK_VALUE(head_dim >= 1, where, ": head_dim = ", head_dim, "; expected >= 1");
+  const HeadGroup g = attention_group(where, "params", scheme, params, head_dim, 0.0);
+  TORCH_CHECK_VALUE(g.bias.has_value(), where, ": scheme = ", scheme.entry->name, " builds no bias");
   return *g.bias;
 }
-at::Tensor relative_bias_cpu(const c10::intrusive_ptr<SchemeClass>& scheme, const c10::optional<at::Tensor>& params,
-                             const at::Tensor& q_positions, const at::Tensor& k_positions, c10::ScalarType dtype) {
+at::Tensor score_bias_cpu(const c10::intrusive_ptr<SchemeClass>& scheme, const c10::optional<at::Tensor>& params,
+                          const at::Tensor& q_positions, const at::Tensor& k_positions, c10::ScalarType dtype,
+                          std::int64_t head_dim) {
   const at::Tensor p = params ? *params : at::Tensor();
   return translating([&] {
-    return materialize(bias_scheme_of(*scheme, p), q_positions.contiguous(), k_positions.contiguous(), dtype);
+    return materialize(bias_scheme_of("score_bias", *scheme, p, head_dim), q_positions.contiguous(),
+                       k_positions.contiguous(), dtype);
   });
 }
-at::Tensor relative_bias_pickled_cpu(const at::Tensor& scheme, const c10::optional<at::Tensor>& params,
-                                     const at::Tensor& q_positions, const at::Tensor& k_positions,
-                                     c10::ScalarType dtype, std::int64_t heads) {
-  const auto object = scheme_object("relative_bias_pickled", scheme);
-  TORCH_CHECK_VALUE(heads == object->heads, "relative_bias_pickled: heads = ", heads, "; expected the scheme's (",
+at::Tensor score_bias_pickled_cpu(const at::Tensor& scheme, const c10::optional<at::Tensor>& params,
+                                  const at::Tensor& q_positions, const at::Tensor& k_positions, c10::ScalarType dtype,
+                                  std::int64_t heads, std::int64_t head_dim) {
+  const auto object = scheme_object("score_bias_pickled", scheme);
+  TORCH_CHECK_VALUE(heads == object->heads, "score_bias_pickled: heads = ", heads, "; expected the scheme's (",
                     object->heads, ")");
-  return relative_bias_cpu(object, params, q_positions, k_positions, dtype);
+  return score_bias_cpu(object, params, q_positions, k_positions, dtype, head_dim);
 }
 // The gradient of params (given, non-empty) for grad [B, H, Sq, Sk], in params' shape.
-at::Tensor relative_bias_gradient(const char* where, const SchemeClass& scheme, const at::Tensor& grad,
-                                  const at::Tensor& params, const at::Tensor& q_positions,
-                                  const at::Tensor& k_positions) {
+at::Tensor score_bias_gradient(const char* where, const SchemeClass& scheme, const at::Tensor& grad,
+                               const at::Tensor& params, const at::Tensor& q_positions, const at::Tensor& k_positions,
+                               std::int64_t head_dim) {
   return translating([&] {
-    const BiasScheme b = bias_scheme_of(scheme, params);
-    const RelativeBias& rb = *relative_bias(b);
-    std::vector<double> d(static_cast<std::size_t>(rb.parameter_count()), 0.0);
+    const BiasScheme b = bias_scheme_of(where, scheme, params, head_dim);
+    std::vector<double> d(static_cast<std::size_t>(bias_parameter_count(b)), 0.0);
     const at::Tensor ds = grad.contiguous(), qi = q_positions.contiguous(), ki = k_positions.contiguous();
-    relative_bias_backward(rb, positions_of(where, "q_positions", qi), positions_of(where, "k_positions", ki),
-                           const_view(where, "grad", ds), d);
+    bias_backward(b, positions_of(where, "q_positions", qi), positions_of(where, "k_positions", ki),
+                  const_view(where, "grad", ds), d);
     return tensor_of(d, params);
   });
 }
-at::Tensor relative_bias_backward_cpu(const at::Tensor& grad, const at::Tensor& scheme, const at::Tensor& params,
-                                      const at::Tensor& q_positions, const at::Tensor& k_positions) {
-  const char* where = "relative_bias_backward";
-  return relative_bias_gradient(where, *scheme_object(where, scheme), grad, params, q_positions, k_positions);
+at::Tensor score_bias_backward_cpu(const at::Tensor& grad, const at::Tensor& scheme, const at::Tensor& params,
+                                   const at::Tensor& q_positions, const at::Tensor& k_positions,
+                                   std::int64_t head_dim) {
+  const char* where = "score_bias_backward";
+  return score_bias_gradient(where, *scheme_object(where, scheme), grad, params, q_positions, k_positions, head_dim);
 }
 
-class RelativeBiasFunction : public torch::autograd::Function<RelativeBiasFunction> {
+class ScoreBiasFunction : public torch::autograd::Function<ScoreBiasFunction> {
  public:
   static at::Tensor forward(AutogradContext* ctx, c10::IValue scheme, const c10::optional<at::Tensor>& params,
                             const at::Tensor& q_positions, const at::Tensor& k_positions, c10::ScalarType dtype,
-                            std::int64_t heads) {
+                            std::int64_t heads, std::int64_t head_dim) {
     const at::Tensor p = params ? *params : at::Tensor();
     if (!scheme.isTensor() && traced({p, q_positions, k_positions})) scheme = pickled(scheme);
     ctx->saved_data["scheme"] = scheme;
+    ctx->saved_data["head_dim"] = head_dim;
     // A gradient for given parameters (a scheme without any takes an empty tensor); sizes may be symbolic.
     ctx->saved_data["given"] = p.defined() && p.sym_numel().sym_ne(0).guard_bool(__FILE__, __LINE__);
     ctx->save_for_backward({p.defined() ? p : at::empty({0}), q_positions.contiguous(), k_positions.contiguous()});
     if (scheme.isTensor()) {
-      return call_below_autograd("posenc::relative_bias_pickled",
-                                 {scheme, params, q_positions, k_positions, dtype, heads})[0]
+      return call_below_autograd("posenc::score_bias_pickled",
+                                 {scheme, params, q_positions, k_positions, dtype, heads, head_dim})[0]
           .toTensor();
     }
-    return call_below_autograd("posenc::relative_bias", {scheme, params, q_positions, k_positions, dtype})[0]
+    return call_below_autograd("posenc::score_bias", {scheme, params, q_positions, k_positions, dtype, head_dim})[0]
         .toTensor();
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -121,26 +129,28 @@ class RelativeBiasFunction : public torch::autograd::Function<RelativeBiasFuncti
     at::Tensor d_params;
     if (ctx->saved_data["given"].toBool() && grads[0].defined()) {
       const c10::IValue scheme = ctx->saved_data["scheme"];
+      const std::int64_t head_dim = ctx->saved_data["head_dim"].toInt();
       // Traced (bytes): through the op, which the tracer records; eager (the object): directly.
-      d_params = scheme.isTensor() ? call_below_autograd("posenc::relative_bias_backward",
-                                                         {grads[0], scheme, saved[0], saved[1], saved[2]})[0]
+      d_params = scheme.isTensor() ? call_below_autograd("posenc::score_bias_backward",
+                                                         {grads[0], scheme, saved[0], saved[1], saved[2], head_dim})[0]
                                          .toTensor()
-                                   : relative_bias_gradient("relative_bias", *scheme.toCustomClass<SchemeClass>(),
-                                                            grads[0], saved[0], saved[1], saved[2]);
+                                   : score_bias_gradient("score_bias", *scheme.toCustomClass<SchemeClass>(), grads[0],
+                                                         saved[0], saved[1], saved[2], head_dim);
     }
-    return variable_list{at::Tensor(), d_params, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return variable_list{at::Tensor(), d_params, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
-at::Tensor relative_bias_autograd(const c10::intrusive_ptr<SchemeClass>& scheme,
-                                  const c10::optional<at::Tensor>& params, const at::Tensor& q_positions,
-                                  const at::Tensor& k_positions, c10::ScalarType dtype) {
-  return RelativeBiasFunction::apply(c10::IValue(scheme), params, q_positions, k_positions, dtype, scheme->heads);
+at::Tensor score_bias_autograd(const c10::intrusive_ptr<SchemeClass>& scheme, const c10::optional<at::Tensor>& params,
+                               const at::Tensor& q_positions, const at::Tensor& k_positions, c10::ScalarType dtype,
+                               std::int64_t head_dim) {
+  return ScoreBiasFunction::apply(c10::IValue(scheme), params, q_positions, k_positions, dtype, scheme->heads,
+                                  head_dim);
 }
-at::Tensor relative_bias_pickled_autograd(const at::Tensor& scheme, const c10::optional<at::Tensor>& params,
-                                          const at::Tensor& q_positions, const at::Tensor& k_positions,
-                                          c10::ScalarType dtype, std::int64_t heads) {
-  return RelativeBiasFunction::apply(c10::IValue(scheme), params, q_positions, k_positions, dtype, heads);
+at::Tensor score_bias_pickled_autograd(const at::Tensor& scheme, const c10::optional<at::Tensor>& params,
+                                       const at::Tensor& q_positions, const at::Tensor& k_positions,
+                                       c10::ScalarType dtype, std::int64_t heads, std::int64_t head_dim) {
+  return ScoreBiasFunction::apply(c10::IValue(scheme), params, q_positions, k_positions, dtype, heads, head_dim);
 }
 
 // The registry as JSON (posenc/registry.hpp: schemes_json).
@@ -841,17 +851,17 @@ void define_attention_ops(torch::Library& m) {
   m.class_<AttentionPlanHolder>("AttentionPlan");
   m.def("schemes() -> str", &schemes_op);
   define_op(m,
-            "relative_bias(__torch__.torch.classes.posenc.Scheme scheme, Tensor? params, Tensor q_positions, "
-            "Tensor k_positions, ScalarType dtype) -> Tensor",
-            TORCH_FN(relative_bias_cpu), TORCH_FN(relative_bias_autograd));
+            "score_bias(__torch__.torch.classes.posenc.Scheme scheme, Tensor? params, Tensor q_positions, "
+            "Tensor k_positions, ScalarType dtype, int head_dim=1) -> Tensor",
+            TORCH_FN(score_bias_cpu), TORCH_FN(score_bias_autograd));
   define_op(m,
-            "relative_bias_pickled(Tensor scheme, Tensor? params, Tensor q_positions, Tensor k_positions, "
-            "ScalarType dtype, int heads) -> Tensor",
-            TORCH_FN(relative_bias_pickled_cpu), TORCH_FN(relative_bias_pickled_autograd));
+            "score_bias_pickled(Tensor scheme, Tensor? params, Tensor q_positions, Tensor k_positions, "
+            "ScalarType dtype, int heads, int head_dim=1) -> Tensor",
+            TORCH_FN(score_bias_pickled_cpu), TORCH_FN(score_bias_pickled_autograd));
   define_op(m,
-            "relative_bias_backward(Tensor grad, Tensor scheme, Tensor params, Tensor q_positions, Tensor k_positions) "
-            "-> Tensor",
-            TORCH_FN(relative_bias_backward_cpu));
+            "score_bias_backward(Tensor grad, Tensor scheme, Tensor params, Tensor q_positions, Tensor k_positions, "
+            "int head_dim=1) -> Tensor",
+            TORCH_FN(score_bias_backward_cpu));
   define_op(
       m,
       "attention(Tensor q, Tensor k, Tensor v, __torch__.torch.classes.posenc.Scheme[] schemes, Tensor[] params, "

@@ -14,13 +14,11 @@
 //                   Rope to_params, int to_seq_len)   a rotated KV cache moved to new positions
 //   posenc::rope_pickled, rope_pickled_ (-> ()), rope_multi_pickled   the same with the Rope as its
 //                   pickled bytes (uint8 [n]): what the autograd kernels call while a tracer runs
-//   posenc::fire_bias, tupe_bias   the position biases, differentiable in their parameters (tensors;
-//                   see python/posenc/__init__.py for shapes); the relative biases (ALiBi, T5,
-//                   Kerple, …) are the registry's, through relative_bias (attention_ops.cpp)
-//   posenc::NAME_backward   the gradients of fire_bias, tupe_bias,
-//                   learned, floater_table, shaw_scores, shaw_values and xl_scores: their autograd
-//                   kernels call the forward and this op through the dispatcher, so that a tracer
-//                   records both (fake kernels: python/posenc/_fake.py)
+//   posenc::NAME_backward   the gradients of learned, floater_table, shaw_scores, shaw_values and
+//                   xl_scores: their autograd kernels call the forward and this op through the
+//                   dispatcher, so that a tracer records both (fake kernels: python/posenc/_fake.py).
+//                   The score biases (ALiBi, T5, Kerple, FIRE, TUPE, …) are the registry's,
+//                   through score_bias (attention_ops.cpp)
 //   posenc::learned(Tensor table, Tensor x, Tensor positions) -> Tensor   x + table[positions]
 //   posenc::shaw_scores, shaw_values, xl_scores   Shaw's score and value terms, Transformer-XL's
 //                   position terms (differentiable in their tensors and tables)
@@ -43,11 +41,12 @@
 //   posenc::attention_backward(…, out, lse, d_out, …) -> (dq, dk, dv, Tensor[] d_params)
 //                   one call's backward given the whole sequence's out and lse (context parallelism)
 //   posenc::schemes() -> str   the registry as JSON
-//   posenc::relative_bias(Scheme scheme, Tensor? params, Tensor q_positions, Tensor k_positions,
-//                   ScalarType dtype) -> Tensor   any registered relative-bias scheme materialised,
-//                   [B, H, Sq, Sk], differentiable in params (None: its initial values);
-//                   relative_bias_pickled(Tensor scheme, …, int heads) its traced form and
-//                   relative_bias_backward(grad, Tensor scheme, params, q_positions, k_positions)
+//   posenc::score_bias(Scheme scheme, Tensor? params, Tensor q_positions, Tensor k_positions,
+//                   ScalarType dtype, int head_dim=1) -> Tensor   any registered scheme of the
+//                   relative-bias or bias family materialised, [B, H, Sq, Sk], differentiable in
+//                   params (None: its initial values; head_dim: what its parameter shape reads);
+//                   score_bias_pickled(Tensor scheme, …, int heads, int head_dim) its traced form and
+//                   score_bias_backward(grad, Tensor scheme, params, q_positions, k_positions, head_dim)
 //   posenc::empty_cache()   frees the cached blocks of large outputs (see BlockCache)
 //   posenc::huge_page_zeros(int[] shape, ScalarType dtype)   a zero-filled tensor on 2 MiB pages
 //                   (posenc/memory.hpp): for KV caches that decode reads
@@ -669,104 +668,6 @@ at::Tensor tensor_of(const std::vector<double>& values, const at::Tensor& like) 
   return at::from_blob(const_cast<double*>(values.data()), like.sizes(), at::kDouble).clone().to(like.scalar_type());
 }
 
-// FIRE and TUPE are each three kernels: the forward (CPU), the backward into their parameters
-// (posenc::NAME_backward, CPU), and autograd over the two through the dispatcher, so that a
-// tracer (torch.compile, opcheck) records both and runs their fake kernels (python/posenc/_fake.py).
-
-// FIRE: w1, b1 [hidden], w2 [H, hidden], b2 [H], c and threshold (0-d), all differentiable.
-class FireFunction : public torch::autograd::Function<FireFunction> {
- public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
-                            const at::Tensor& b2, const at::Tensor& c, const at::Tensor& threshold,
-                            const at::Tensor& q_positions, const at::Tensor& k_positions) {
-    return call_forward(ctx, "posenc::fire_bias", {w1, b1, w2, b2, c, threshold, q_positions, k_positions}, {});
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return call_backward(ctx, "posenc::fire_bias_backward", grads[0], {});
-  }
-
-  // The kernels: the forward and the parameters' gradients (CPU).
-  static at::Tensor cpu(const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2, const at::Tensor& b2,
-                        const at::Tensor& c, const at::Tensor& threshold, const at::Tensor& q_positions,
-                        const at::Tensor& k_positions) {
-    return translating([&] {
-      return materialize(params_of(w1, b1, w2, b2, c, threshold), q_positions.contiguous(), k_positions.contiguous(),
-                         w2.scalar_type());
-    });
-  }
-  static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
-      const at::Tensor& grad, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2, const at::Tensor& b2,
-      const at::Tensor& c, const at::Tensor& threshold, const at::Tensor& q_positions, const at::Tensor& k_positions) {
-    return translating([&] {
-      const FireParams p = params_of(w1, b1, w2, b2, c, threshold);
-      FireGradients g(p);
-      const at::Tensor ds = grad.contiguous(), qi = q_positions.contiguous(), ki = k_positions.contiguous();
-      fire_backward(p, positions_of("fire_bias", "q_positions", qi), positions_of("fire_bias", "k_positions", ki),
-                    const_view("fire_bias", "grad", ds), g);
-      return std::make_tuple(tensor_of(g.w1, w1), tensor_of(g.b1, b1), tensor_of(g.w2, w2), tensor_of(g.b2, b2),
-                             tensor_of({g.c}, c), tensor_of({g.threshold}, threshold));
-    });
-  }
-
- private:
-  static FireParams params_of(const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2, const at::Tensor& b2,
-                              const at::Tensor& c, const at::Tensor& threshold) {
-    TORCH_CHECK_VALUE(w2.dim() == 2, "fire_bias: w2 shape ", w2.sizes(), "; expected [heads, hidden]");
-    return FireParams(w2.size(0), doubles_of("fire_bias", "w1", w1), doubles_of("fire_bias", "b1", b1),
-                      doubles_of("fire_bias", "w2", w2), doubles_of("fire_bias", "b2", b2), c.item<double>(),
-                      threshold.item<double>());
-  }
-};
-
-// TUPE: table [max_len, d_model], u_q, u_k [d_model, H·D], theta1, theta2 [H].
-class TupeFunction : public torch::autograd::Function<TupeFunction> {
- public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& table, const at::Tensor& u_q, const at::Tensor& u_k,
-                            const at::Tensor& theta1, const at::Tensor& theta2, const at::Tensor& q_positions,
-                            const at::Tensor& k_positions, std::int64_t heads, bool cls_reset) {
-    return call_forward(ctx, "posenc::tupe_bias", {table, u_q, u_k, theta1, theta2, q_positions, k_positions},
-                        {{"heads", heads}, {"cls_reset", cls_reset}});
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return call_backward(ctx, "posenc::tupe_bias_backward", grads[0], {"heads", "cls_reset"});
-  }
-
-  // The kernels: the bias and its parameters' gradients (CPU).
-  static at::Tensor cpu(const at::Tensor& table, const at::Tensor& u_q, const at::Tensor& u_k, const at::Tensor& theta1,
-                        const at::Tensor& theta2, const at::Tensor& q_positions, const at::Tensor& k_positions,
-                        std::int64_t heads, bool cls_reset) {
-    return translating([&] {
-      return materialize(params_of(table, u_q, u_k, theta1, theta2, heads, cls_reset), q_positions.contiguous(),
-                         k_positions.contiguous(), table.scalar_type());
-    });
-  }
-  static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
-      const at::Tensor& grad, const at::Tensor& table, const at::Tensor& u_q, const at::Tensor& u_k,
-      const at::Tensor& theta1, const at::Tensor& theta2, const at::Tensor& q_positions, const at::Tensor& k_positions,
-      std::int64_t heads, bool cls_reset) {
-    return translating([&] {
-      const TupeParams p = params_of(table, u_q, u_k, theta1, theta2, heads, cls_reset);
-      TupeGradients g(p);
-      const at::Tensor ds = grad.contiguous(), qi = q_positions.contiguous(), ki = k_positions.contiguous();
-      tupe_backward(p, positions_of("tupe_bias", "q_positions", qi), positions_of("tupe_bias", "k_positions", ki),
-                    const_view("tupe_bias", "grad", ds), g);
-      return std::make_tuple(tensor_of(g.table, table), tensor_of(g.u_q, u_q), tensor_of(g.u_k, u_k),
-                             tensor_of(g.theta1, theta1), tensor_of(g.theta2, theta2));
-    });
-  }
-
- private:
-  static TupeParams params_of(const at::Tensor& table, const at::Tensor& u_q, const at::Tensor& u_k,
-                              const at::Tensor& theta1, const at::Tensor& theta2, std::int64_t heads, bool cls_reset) {
-    TORCH_CHECK_VALUE(table.dim() == 2 && u_q.dim() == 2 && heads > 0 && u_q.size(1) % heads == 0, "tupe_bias: table ",
-                      table.sizes(), ", u_q ", u_q.sizes(), ", heads ", heads,
-                      "; expected table [max_len, d_model] and u_q [d_model, heads·head_dim]");
-    return TupeParams(heads, u_q.size(1) / heads, table.size(1), doubles_of("tupe_bias", "table", table),
-                      doubles_of("tupe_bias", "u_q", u_q), doubles_of("tupe_bias", "u_k", u_k), cls_reset,
-                      doubles_of("tupe_bias", "theta1", theta1), doubles_of("tupe_bias", "theta2", theta2));
-  }
-};
-
 // Learned absolute encoding: y = x + table[positions]; differentiable in x and the table.
 class LearnedFunction : public torch::autograd::Function<LearnedFunction> {
  public:
@@ -998,16 +899,6 @@ at::Tensor xl_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& u, 
                  double base) {
   return XlFunction::apply(q, k, u, v, w_r, q_positions, k_positions, scale, base);
 }
-at::Tensor fire_op(const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2, const at::Tensor& b2,
-                   const at::Tensor& c, const at::Tensor& threshold, const at::Tensor& q_positions,
-                   const at::Tensor& k_positions) {
-  return FireFunction::apply(w1, b1, w2, b2, c, threshold, q_positions, k_positions);
-}
-at::Tensor tupe_op(const at::Tensor& table, const at::Tensor& u_q, const at::Tensor& u_k, const at::Tensor& theta1,
-                   const at::Tensor& theta2, const at::Tensor& q_positions, const at::Tensor& k_positions,
-                   std::int64_t heads, bool cls_reset) {
-  return TupeFunction::apply(table, u_q, u_k, theta1, theta2, q_positions, k_positions, heads, cls_reset);
-}
 at::Tensor learned_op(const at::Tensor& table, const at::Tensor& x, const at::Tensor& positions) {
   return LearnedFunction::apply(table, x, positions);
 }
@@ -1074,22 +965,6 @@ TORCH_LIBRARY(posenc, m) {
   m.def("bf16_dot_products() -> bool", &bf16_dot_products_op);
   m.def("huge_page_zeros(int[] shape, ScalarType dtype) -> Tensor");
   m.impl("huge_page_zeros", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(huge_page_zeros_op)));
-  define_with_backward(
-      m,
-      "fire_bias(Tensor w1, Tensor b1, Tensor w2, Tensor b2, Tensor c, Tensor threshold, Tensor q_positions, "
-      "Tensor k_positions) -> Tensor",
-      TORCH_FN(FireFunction::cpu), TORCH_FN(fire_op),
-      "fire_bias_backward(Tensor grad, Tensor w1, Tensor b1, Tensor w2, Tensor b2, Tensor c, Tensor threshold, "
-      "Tensor q_positions, Tensor k_positions) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
-      TORCH_FN(FireFunction::backward_cpu));
-  define_with_backward(
-      m,
-      "tupe_bias(Tensor table, Tensor u_q, Tensor u_k, Tensor theta1, Tensor theta2, Tensor q_positions, "
-      "Tensor k_positions, int heads, bool cls_reset) -> Tensor",
-      TORCH_FN(TupeFunction::cpu), TORCH_FN(tupe_op),
-      "tupe_bias_backward(Tensor grad, Tensor table, Tensor u_q, Tensor u_k, Tensor theta1, Tensor theta2, "
-      "Tensor q_positions, Tensor k_positions, int heads, bool cls_reset) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
-      TORCH_FN(TupeFunction::backward_cpu));
   define_with_backward(m, "learned(Tensor table, Tensor x, Tensor positions) -> Tensor", TORCH_FN(LearnedFunction::cpu),
                        TORCH_FN(learned_op), "learned_backward(Tensor grad, Tensor table, Tensor positions) -> Tensor",
                        TORCH_FN(LearnedFunction::backward_cpu));

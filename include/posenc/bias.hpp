@@ -377,6 +377,11 @@ void fire_backward(const FireParams& params, const Positions& q_positions, const
 // thread count (U's columns per head, the table's columns per thread, each in a fixed order).
 void tupe_backward(const TupeParams& params, const Positions& q_positions, const Positions& k_positions,
                    ConstTensorView d_scores, TupeGradients& grads);
+// Any BiasScheme: d_params += the gradient of its learned parameters, flat in its registered
+// order (bias_parameter_count entries; GroupGradients::bias): a RelativeBias's through
+// relative_bias_backward, a PositionBias's through its backward. Nothing for NoPE.
+void bias_backward(const BiasScheme& scheme, const Positions& q_positions, const Positions& k_positions,
+                   ConstTensorView d_scores, std::span<double> d_params);
 
 // The evaluator the fused attention calls inside its tile loop: per-head tables of b against the
 // relative positions a call can meet, [min_relative, max_relative], rounded once to f32, so a row

@@ -138,6 +138,10 @@ struct SchemeEntry {
   // A normaliser whose row statistic (Attention's lse argument) takes a gradient
   // (Attention::backward's d_lse): stick-breaking's rem. The torch op then differentiates it.
   bool statistic_has_gradient = false;
+  // The learned parameters are constants of the scheme's definition at their initial values
+  // (ALiBi's slopes): a name alone gives them (posenc.attention(…, "alibi")), and a decoder
+  // (posenc study) does not train them.
+  bool parameters_fixed = false;
   // A group's learned parameters flat in parameter_shape's order, and its gradients
   // (AttentionGradients) flattened the same way. Unset: the group's score bias's — a
   // RelativeBias's parameters(), and GroupGradients::bias, which the engine fills in that order —
@@ -158,11 +162,10 @@ struct SchemeEntry {
   std::function<void(SchemeArgs& args, std::int64_t keys)> bench_preset{};
   // How a decoder language model (posenc study) holds the scheme: the options of its causal form
   // given the training length (CoPE's table: train_length + 1 rows, since position 0 occurs);
-  // the slices of its parameters with their initial values and reparametrisation (no slices: none
-  // trained, the initial values stay, as ALiBi's slopes; unset: the scheme's initial parameters,
-  // learned as they are); and for a normaliser, whether the model adds the row statistic times a
-  // learned per-head vector b_h [heads, head_dim], zero at first, to the output (stick-breaking's
-  // rem·b_h, as its authors' models do). Its per-token inputs say how a decoder makes them
+  // the slices of its parameters with their initial values and reparametrisation (unset: the
+  // scheme's initial parameters, learned as they are; none with parameters_fixed); and for a normaliser, whether the
+  // model adds the row statistic times a learned per-head vector b_h [heads, head_dim], zero at first, to the output
+  // (stick-breaking's rem·b_h, as its authors' models do). Its per-token inputs say how a decoder makes them
   // (SchemeInput::decoder_log_sigmoid).
   std::function<void(SchemeArgs& args, std::int64_t train_length)> decoder_preset{};
   std::function<std::vector<TrainedSlice>(const SchemeArgs& args, std::int64_t train_length)> training{};
@@ -172,9 +175,9 @@ struct SchemeEntry {
 // Every registered scheme, in a fixed order.
 const std::vector<SchemeEntry>& schemes();
 // The registry as JSON, the one form that `posenc schemes --format json` prints and
-// posenc.schemes() reads: [{name, aliases, family, summary, source, parameters, options: [{name, default,
-// integer, description}], inputs: [{name, description, typical: [min, max] of a trained model's
-// values}], causal_only}].
+// posenc.schemes() reads: [{name, aliases, family, summary, source, parameters, parameters_fixed,
+// options: [{name, default, integer, description}], inputs: [{name, description, typical: [min,
+// max] of a trained model's values}], causal_only}].
 std::string schemes_json();
 // The entry of that name or alias; throws posenc::Error listing the names otherwise.
 const SchemeEntry& find_scheme(std::string_view name);

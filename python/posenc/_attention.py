@@ -3,9 +3,9 @@ gives (and forgetting attention, its FoX form)."""
 import torch
 
 from ._checks import _EMPTY, _cu_seqlens, _flag, _int, _number, _object, _ops, _positions, _unset
-from ._functional import _KV_FORMATS, _attention_op, alibi_slopes
-from ._modules import Forgetting, PositionTemperature, RotaryPositionalEncoding
-from .registry import Scheme, _scheme_entry, _scheme_spec
+from ._functional import _KV_FORMATS, _attention_op
+from ._modules import Forgetting, PositionTemperature
+from .registry import _ATTENTION_MODULES, Scheme, _fixed_parameters, _scheme_entry, _scheme_spec
 
 
 def forgetting_attention(q, k, v, log_fgate, *, cu_seqlens=None, scale=None, layout="bshd", return_lse=False):
@@ -25,10 +25,6 @@ def _attention_scheme(scheme, heads, keys_rotated, head_dim):
     if scheme is None:
         return _scheme_spec("none", heads), _EMPTY
     if isinstance(scheme, str):
-        if scheme == "rope":
-            return RotaryPositionalEncoding(0)._attention_scheme(heads, keys_rotated, head_dim)
-        if scheme == "alibi":
-            return _scheme_spec("alibi", heads, {"symmetric": False}), alibi_slopes(heads)
         # A name means the scheme's defaults; a learned one needs a module (it owns the tensors),
         # and so does one that reads per-token inputs.
         entry = _scheme_entry(scheme)
@@ -37,16 +33,22 @@ def _attention_scheme(scheme, heads, keys_rotated, head_dim):
             raise ValueError(f"attention: scheme = {scheme!r} reads per-token inputs ({names}); pass "
                              f"posenc.Scheme({scheme!r}, heads, head_dim, {entry['inputs'][0]['name']}=...) instead of "
                              "its name")
-        if entry["parameters"]:
+        if entry["parameters"] and not entry["parameters_fixed"]:
             raise ValueError(f"attention: scheme = {scheme!r} has learned parameters ({entry['parameters']}); "
                              f"pass posenc.Scheme({scheme!r}, heads, head_dim) or its module instead of its name")
-        return _scheme_spec(scheme, heads), _EMPTY
+        # The call's keys_rotated (k: a cache of rotated keys) reaches a scheme that rotates keys.
+        options = {"keys_rotated": True} if keys_rotated and any(
+            o["name"] == "keys_rotated" for o in entry["options"]) else {}
+        spec = _scheme_spec(entry["name"], heads, options)
+        # Fixed parameters (ALiBi's slopes): the definition's, as the registry makes them.
+        params = _fixed_parameters(entry["name"], heads, head_dim) if entry["parameters_fixed"] else _EMPTY
+        return spec, params
     if isinstance(scheme, torch.nn.Module) and hasattr(scheme, "_attention_scheme"):
         return scheme._attention_scheme(heads, keys_rotated, head_dim)
+    modules = ", ".join(sorted({make.cls.__name__ for make in _ATTENTION_MODULES.values()}))
     raise TypeError(f"attention: scheme = {scheme!r}; expected None, a registered name (posenc.schemes()), a "
-                    "list of (heads, scheme) pairs, or a RotaryPositionalEncoding, SinusoidalPositionalEncoding "
-                    "(Shortformer: added to q and k), ALiBi, T5RelativeBias, Kerple, FIRE, ShawRelativePositions, "
-                    "TransformerXLRelative, TUPE, Scheme (any registered scheme) or RelativeBias module")
+                    f"list of (heads, scheme) pairs, a posenc.Scheme (any registered scheme), or a scheme's module "
+                    f"({modules}, …)")
 
 
 def attention(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size=None, temperature=None, softcap=0.0,

@@ -68,16 +68,6 @@ def _bias(like, heads, q_positions, k_positions):
     return like.new_empty((batch, heads, q_positions.shape[-1], k_positions.shape[-1]))
 
 
-@torch.library.register_fake("posenc::fire_bias")
-def _fire_bias(w1, b1, w2, b2, c, threshold, q_positions, k_positions):
-    return _bias(w2, w2.shape[0], q_positions, k_positions)
-
-
-@torch.library.register_fake("posenc::fire_bias_backward")
-def _fire_bias_backward(grad, w1, b1, w2, b2, c, threshold, q_positions, k_positions):
-    return tuple(_contiguous_like(t) for t in (w1, b1, w2, b2, c, threshold))
-
-
 @torch.library.register_fake("posenc::learned")
 def _learned(table, x, positions):
     return _contiguous_like(x)
@@ -86,16 +76,6 @@ def _learned(table, x, positions):
 @torch.library.register_fake("posenc::learned_backward")
 def _learned_backward(grad, table, positions):
     return _contiguous_like(table)
-
-
-@torch.library.register_fake("posenc::tupe_bias")
-def _tupe_bias(table, u_q, u_k, theta1, theta2, q_positions, k_positions, heads, cls_reset):
-    return _bias(table, heads, q_positions, k_positions)
-
-
-@torch.library.register_fake("posenc::tupe_bias_backward")
-def _tupe_bias_backward(grad, table, u_q, u_k, theta1, theta2, q_positions, k_positions, heads, cls_reset):
-    return tuple(_contiguous_like(t) for t in (table, u_q, u_k, theta1, theta2))
 
 
 @torch.library.register_fake("posenc::floater_table")
@@ -174,18 +154,18 @@ def _rope_rerotate(k, from_positions, from_params, from_seq_len, to_positions, t
     return k
 
 
-@torch.library.register_fake("posenc::relative_bias")
-def _relative_bias(scheme, params, q_positions, k_positions, dtype):
+@torch.library.register_fake("posenc::score_bias")
+def _score_bias(scheme, params, q_positions, k_positions, dtype, head_dim=1):
     return _bias(q_positions.new_empty(0, dtype=dtype), scheme.heads(), q_positions, k_positions)
 
 
-@torch.library.register_fake("posenc::relative_bias_pickled")
-def _relative_bias_pickled(scheme, params, q_positions, k_positions, dtype, heads):
+@torch.library.register_fake("posenc::score_bias_pickled")
+def _score_bias_pickled(scheme, params, q_positions, k_positions, dtype, heads, head_dim=1):
     return _bias(q_positions.new_empty(0, dtype=dtype), heads, q_positions, k_positions)
 
 
-@torch.library.register_fake("posenc::relative_bias_backward")
-def _relative_bias_backward(grad, scheme, params, q_positions, k_positions):
+@torch.library.register_fake("posenc::score_bias_backward")
+def _score_bias_backward(grad, scheme, params, q_positions, k_positions, head_dim=1):
     return _contiguous_like(params)
 
 

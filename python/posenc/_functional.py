@@ -7,7 +7,7 @@ import numbers
 import torch
 
 from ._checks import _concrete, _cu_seqlens, _finite, _flag, _int, _number, _object, _ops, _positions
-from .registry import _relative_bias_op, _scheme_spec
+from .registry import _scheme_spec, _score_bias_op
 
 
 def empty_cache():
@@ -193,22 +193,49 @@ def alibi_slopes(heads, max_bias=8.0):
     return torch.tensor([2.0 ** (-max_bias * e) for e in exponents], dtype=torch.float64)
 
 
-def _relative_bias(where, name, params, heads_dim, options, q_positions, k_positions):
-    """A relative-bias scheme of the registry over positions (the generic op), in params' dtype and
-    differentiable in params: the functions below give its parameters in the registry's shape."""
-    if not isinstance(params, torch.Tensor):
-        raise TypeError(f"{where}: parameters are {type(params).__name__}; expected a torch.Tensor")
-    if params.dim() <= heads_dim:
-        raise ValueError(f"{where}: parameters of shape {list(params.shape)}; expected the heads in dimension "
-                         f"{heads_dim}")
-    spec = _scheme_spec(name, _concrete(params.shape[heads_dim]), options)
-    return _relative_bias_op(spec, params, _positions(q_positions, 0), _positions(k_positions, 0), params.dtype)
+def _score_bias(where, name, params, heads, options, q_positions, k_positions, head_dim=1):
+    """A registered score-bias scheme (the relative-bias and bias families) over positions (the
+    generic op), in params' dtype and differentiable in params: the functions below give its
+    parameters in the registry's shape, and its head count."""
+    spec = _scheme_spec(name, _concrete(heads), options)
+    return _score_bias_op(spec, params, _positions(q_positions, 0), _positions(k_positions, 0), params.dtype,
+                          head_dim)
+
+
+def _bias_params(where, shapes, **tensors):
+    """Checks tensors against shapes (None: any extent, shared by the same letter in the other
+    shapes; () or [1]: one value) and returns the extents the letters took."""
+    extents = {}
+    for key, value in tensors.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{where}: {key} is {type(value).__name__}; expected a torch.Tensor")
+        if not value.is_floating_point():
+            raise TypeError(f"{where}: {key} dtype {value.dtype}; expected a floating dtype")
+    for key, value in tensors.items():
+        want = shapes[key]
+        if want == ():
+            if value.numel() != 1:
+                raise ValueError(f"{where}: {key} shape {list(value.shape)}; expected one value (a 0-d tensor)")
+            continue
+        fits = value.dim() == len(want)
+        for letter, extent in zip(want, value.shape if fits else ()):
+            extent = _concrete(extent)
+            fits = fits and extents.setdefault(letter, extent) == extent
+        if not fits:
+            def shown(w):
+                return "[" + ", ".join(w) + "]"
+            given = ", ".join(f"{k} {list(v.shape)}" for k, v in tensors.items() if shapes[k] != ())
+            expected = ", ".join(f"{k} {shown(shapes[k])}" for k in tensors if shapes[k] != ())
+            raise ValueError(f"{where}: {given}; expected {expected}")
+    return extents
 
 
 def alibi_bias(slopes, q_positions, k_positions, symmetric=False):
     """ALiBi biases [B, H, Sq, Sk]: -m_h·(i - j) (or -m_h·|i - j| when symmetric), differentiable in
     the slopes [H]."""
-    return _relative_bias("alibi_bias", "alibi", slopes, 0, {"symmetric": bool(symmetric)}, q_positions, k_positions)
+    _bias_params("alibi_bias", {"slopes": ("heads",)}, slopes=slopes)
+    return _score_bias("alibi_bias", "alibi", slopes, slopes.shape[0], {"symmetric": bool(symmetric)}, q_positions,
+                       k_positions)
 
 
 def t5_bias(table, q_positions, k_positions, num_buckets=32, max_distance=128, bidirectional=True):
@@ -216,33 +243,45 @@ def t5_bias(table, q_positions, k_positions, num_buckets=32, max_distance=128, b
     function; differentiable in the table."""
     options = {"num_buckets": _int("t5_bias", "num_buckets", num_buckets), "bidirectional": bool(bidirectional),
                "max_distance": _int("t5_bias", "max_distance", max_distance)}
-    return _relative_bias("t5_bias", "t5", table, 1, options, q_positions, k_positions)
+    _bias_params("t5_bias", {"table": ("num_buckets", "heads")}, table=table)
+    return _score_bias("t5_bias", "t5", table, table.shape[1], options, q_positions, k_positions)
 
 
 def kerple_bias(r1, r2, q_positions, k_positions, power=False):
     """Kerple biases [B, H, Sq, Sk]: -r1·log(1 + r2·|i - j|), or -r1·|i - j|^r2 with power=True
     (0 < r2 <= 2); r1, r2: [H], differentiable."""
-    for key, value in (("r1", r1), ("r2", r2)):
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"kerple_bias: {key} is {type(value).__name__}; expected a torch.Tensor [H]")
-    if r1.dim() != 1 or r2.shape != r1.shape:
-        raise ValueError(f"kerple_bias: r1 shape {list(r1.shape)}, r2 shape {list(r2.shape)}; expected both [H]")
+    _bias_params("kerple_bias", {"r1": ("heads",), "r2": ("heads",)}, r1=r1, r2=r2)
     # The registry's parameters: [r1 | r2], [2, H], in r1's dtype.
-    return _relative_bias("kerple_bias", "kerple", torch.stack([r1, r2.to(r1.dtype)]), 1, {"power": bool(power)},
-                          q_positions, k_positions)
+    return _score_bias("kerple_bias", "kerple", torch.stack([r1, r2.to(r1.dtype)]), r1.shape[0],
+                       {"power": bool(power)}, q_positions, k_positions)
 
 
 def fire_bias(w1, b1, w2, b2, c, threshold, q_positions, k_positions):
     """FIRE biases [B, H, Sq, Sk] = MLP(log(1 + c|i - j|) / log(1 + c·max(L, i))): w1, b1 [hidden],
-    w2 [H, hidden], b2 [H], c and threshold L 0-d tensors; all differentiable."""
-    return _ops.fire_bias(w1, b1, w2, b2, c, threshold, _positions(q_positions, 0), _positions(k_positions, 0))
+    w2 [H, hidden], b2 [H], c and threshold L 0-d tensors; all differentiable. In w2's dtype."""
+    n = _bias_params("fire_bias", {"w1": ("hidden",), "b1": ("hidden",), "w2": ("heads", "hidden"), "b2": ("heads",),
+                                   "c": (), "threshold": ()},
+                     w1=w1, b1=b1, w2=w2, b2=b2, c=c, threshold=threshold)
+    # The registry's parameters: [w1 | b1 | w2 | b2 | c | L], flat.
+    params = torch.cat([t.reshape(-1).to(w2.dtype) for t in (w1, b1, w2, b2, c, threshold)])
+    return _score_bias("fire_bias", "fire", params, n["heads"], {"hidden": n["hidden"]}, q_positions, k_positions)
 
 
 def tupe_bias(table, u_q, u_k, theta1, theta2, q_positions, k_positions, heads, cls_reset=False):
     """TUPE biases [B, H, Sq, Sk] = (p_i U^Q)·(p_j U^K)/sqrt(2D): table [max_len, d_model], u_q and
-    u_k [d_model, H·D], theta1, theta2 [H] (the [CLS] reset); all differentiable."""
-    return _ops.tupe_bias(table, u_q, u_k, theta1, theta2, _positions(q_positions, 0), _positions(k_positions, 0),
-                          int(heads), bool(cls_reset))
+    u_k [d_model, H·D], theta1, theta2 [H] (the [CLS] reset); all differentiable. In table's dtype."""
+    heads = _int("tupe_bias", "heads", heads, 1)
+    n = _bias_params("tupe_bias", {"table": ("max_len", "d_model"), "u_q": ("d_model", "heads·head_dim"),
+                                   "u_k": ("d_model", "heads·head_dim"), "theta1": ("heads",), "theta2": ("heads",)},
+                     table=table, u_q=u_q, u_k=u_k, theta1=theta1, theta2=theta2)
+    if n["heads"] != heads or n["heads·head_dim"] % heads:
+        raise ValueError(f"tupe_bias: heads = {heads}, theta1 shape {list(theta1.shape)}, u_q shape "
+                         f"{list(u_q.shape)}; expected theta1 [heads] and u_q [d_model, heads·head_dim]")
+    # The registry's parameters: [table | U^Q | U^K | θ1 | θ2], flat.
+    params = torch.cat([t.reshape(-1).to(table.dtype) for t in (table, u_q, u_k, theta1, theta2)])
+    options = {"d_model": n["d_model"], "max_len": n["max_len"], "cls_reset": bool(cls_reset)}
+    return _score_bias("tupe_bias", "tupe", params, heads, options, q_positions, k_positions,
+                       n["heads·head_dim"] // heads)
 
 
 def learned(table, x, positions=None):

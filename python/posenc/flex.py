@@ -7,7 +7,7 @@ and Shortformer's sinusoid from posenc's fp64 tables, moved to the tensors' devi
 temperature folded into q), a ``score_mod`` and a ``block_mask``; ``attention(…)`` runs it. The
 terms a score function adds are tabulated in fp64 by posenc where they depend on the relative
 position alone (the relative-bias family: ALiBi, T5, Kerple, Sandwich, … through the
-``relative_bias`` op, which carries their parameters' gradients), or computed in the score
+``score_bias`` op, which carries their parameters' gradients), or computed in the score
 function from captured tensors (FIRE's MLP, the forget gate's running sum, kept as two float32
 halves so that long sequences lose no precision). Sinks are exact: one more key with a zero
 value whose score is the sink's logit. Schemes whose terms read the query and a
@@ -20,7 +20,7 @@ from ._checks import _flag, _object, _ops
 from ._functional import _qkv_layout, _rope_args, sinusoidal_table
 from ._modules import CoPE, Forgetting
 from ._attention import _attention_args
-from .registry import Scheme, _relative_bias_op, _scheme_entry
+from .registry import Scheme, _score_bias_op, _scheme_entry
 
 __all__ = ["FlexCall", "prepare", "attention"]
 
@@ -432,7 +432,7 @@ def _relative_table(plan, qpos, kpos):
         if h0 > h_at:
             rows.append(torch.zeros(h0 - h_at, span, dtype=torch.float64))
         p = group_params.to("cpu", torch.float64) if group_params.numel() else group_params
-        bias = _relative_bias_op(spec[:2] + (None,), p if p.numel() else None, q_positions, k_positions,
+        bias = _score_bias_op(spec[:2] + (None,), p if p.numel() else None, q_positions, k_positions,
                                  torch.float64)
         rows.append(bias.reshape(h1 - h0, span))
         h_at = h1

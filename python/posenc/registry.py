@@ -57,6 +57,18 @@ def _scheme(name, heads, options=None, rope_args=None):
     return _object(_scheme_spec(name, heads, options, rope_args))
 
 
+def _fixed_parameters(name, heads, head_dim):
+    """The initial parameters of a scheme whose entry fixes them (ALiBi's slopes), float64: what a
+    name alone gives the attention. Plain numbers from the library, so that torch.compile reads
+    them as constants."""
+    return torch.tensor(_initial_values(name, heads, head_dim), dtype=torch.float64)
+
+
+@torch.compiler.assume_constant_result  # the registry is fixed when the library loads
+def _initial_values(name, heads, head_dim):
+    return tuple(_scheme(name, heads).initial_parameters(head_dim).tolist())
+
+
 def _scheme_spec(name, heads, options=None, rope_args=None):
     """What ``_scheme`` builds, as plain values (``_object`` makes it): the attention passes these
     through torch.compile's graphs as constants."""
@@ -70,9 +82,9 @@ def _scheme_spec(name, heads, options=None, rope_args=None):
 
 
 @torch.compiler.allow_in_graph
-def _relative_bias_op(spec, params, q_positions, k_positions, dtype):
-    """The relative_bias op with the Scheme made here from its spec (as ``posenc._functional._rope_op``)."""
-    return _ops.relative_bias(_object(spec), params, q_positions, k_positions, dtype)
+def _score_bias_op(spec, params, q_positions, k_positions, dtype, head_dim=1):
+    """The score_bias op with the Scheme made here from its spec (as ``posenc._functional._rope_op``)."""
+    return _ops.score_bias(_object(spec), params, q_positions, k_positions, dtype, head_dim)
 
 
 class Scheme(torch.nn.Module):
@@ -132,6 +144,20 @@ class Scheme(torch.nn.Module):
             raise ValueError(f"attention: {self.name} has head_dim = {self.head_dim}; expected q's {head_dim}")
         return _scheme_spec(self.name, self.heads, options), self._parameter_tensor()
 
+    def bias(self, q_positions, k_positions=None, dtype=None):
+        """A scheme of the relative-bias or bias family (``posenc.schemes()``) materialised: its
+        biases [B, H, Sq, Sk] (B = 1 for [S] positions) in ``dtype`` (default: the
+        parameters', else float32), computed in fp64 and differentiable in ``parameters_``."""
+        if self.entry["family"] not in ("relative-bias", "bias"):
+            raise ValueError(f"Scheme.bias: {self.name} is a {self.entry['family']} scheme; expected one of the "
+                             "relative-bias or bias family: " + ", ".join(
+                                 e["name"] for e in schemes() if e["family"] in ("relative-bias", "bias")))
+        k_positions = q_positions if k_positions is None else k_positions
+        if dtype is None:
+            dtype = self.parameters_.dtype if self.parameters_ is not None else torch.float32
+        return _score_bias_op(_scheme_spec(self.name, self.heads, self.options), self.parameters_,
+                              _positions(q_positions, 0), _positions(k_positions, 0), dtype, self.head_dim)
+
     def _attention_input(self):
         """The per-token tensor the op passes for this group (its ``gates`` entry), or None."""
         return next(iter(self.inputs.values()), None)
@@ -163,11 +189,7 @@ class RelativeBias(Scheme):
 
     def forward(self, q_positions, k_positions=None, dtype=None):
         """[B, H, Sq, Sk] biases in ``dtype`` (default: the parameters', else float32), computed in fp64."""
-        k_positions = q_positions if k_positions is None else k_positions
-        if dtype is None:
-            dtype = self.parameters_.dtype if self.parameters_ is not None else torch.float32
-        return _relative_bias_op(_scheme_spec(self.name, self.heads, self.options), self.parameters_,
-                                 _positions(q_positions, 0), _positions(k_positions, 0), dtype)
+        return self.bias(q_positions, k_positions, dtype)
 
 
 @_attention_module("sandwich", lambda cls, heads, head_dim: cls(heads))

@@ -125,8 +125,8 @@ def test_opcheck_traced_path_ops(name):
 
 
 def table_and_bias_cases():
-    """(name, op, args) for the materialising ops that trace: the sinusoid table, the FIRE and TUPE
-    biases (the relative biases are relative_bias's, below), the learned and FLOATER tables, Shaw's
+    """(name, op, args) for the materialising ops that trace: the sinusoid table (the score biases
+    are score_bias's, below), the learned and FLOATER tables, Shaw's
     score and value terms and Transformer-XL's, with [S] and [B, S] positions, differentiable in
     their parameters."""
     torch.manual_seed(4)
@@ -134,18 +134,10 @@ def table_and_bias_cases():
     qb, kb = torch.stack([q, q + 9]), torch.stack([k, k + 4])
     yield "sinusoidal-interleaved", ops.sinusoidal_table, (torch.arange(7) + 100, 16, 10000.0, True, torch.float32)
     yield "sinusoidal-halves-f64", ops.sinusoidal_table, (torch.arange(9), 6, 500.0, False, torch.float64)
-    fire = posenc.FIRE(4)
-    fire_params = (fire.w1, fire.b1, fire.w2, fire.b2, fire.c, fire.threshold)
-    yield "fire", ops.fire_bias, (*fire_params, q, k)
-    yield "fire-batched", ops.fire_bias, (*fire_params, qb, kb)
     table, x = torch.randn(64, 8, requires_grad=True), torch.randn(2, 5, 8, requires_grad=True)
     yield "learned", ops.learned, (table, x, q)
     yield "learned-batched-f64", ops.learned, (table.detach().double().requires_grad_(), x.detach().double(), qb)
     d_model, heads, head_dim = 8, 2, 4
-    tupe = [torch.randn(*shape, dtype=torch.float64, requires_grad=True)
-            for shape in ((32, d_model), (d_model, heads * head_dim), (d_model, heads * head_dim), (heads,), (heads,))]
-    yield "tupe", ops.tupe_bias, (*tupe, q, k, heads, False)
-    yield "tupe-batched-cls", ops.tupe_bias, (*tupe, qb, kb, heads, True)
     floater = [torch.randn(*shape, dtype=torch.float64).mul(0.5).requires_grad_()
                for shape in ((4, 3 + 1), (4,), (3, 4), (3,), (3,))]
     yield "floater", ops.floater_table, (*floater, 6, 0.1, 2)
@@ -213,19 +205,22 @@ def rope_and_registry_cases():
     yield "rope_rerotate_-plain-to-yarn-batched", ops.rope_rerotate_, (cache, pos_b, plain, 0, pos_b + 1, yarn, 0)
     q_pos, k_pos = torch.arange(6) + 2, torch.arange(7)
     for entry in posenc.schemes():
-        if entry["family"] != "relative-bias":
+        if entry["family"] not in ("relative-bias", "bias"):
             continue
-        module = posenc.RelativeBias(entry["name"], 4)
+        # TUPE's table covers every position given; a head_dim of 3 checks that it reaches the shape.
+        head_dim = 3
+        options = {"max_len": 32, "d_model": 8} if entry["name"] == "tupe" else {}
+        module = posenc.Scheme(entry["name"], 4, head_dim, **options)
         scheme = _object(_scheme_spec(module.name, module.heads, module.options))
         params = module.parameters_
-        yield f"relative_bias-{entry['name']}", ops.relative_bias, (scheme, params, q_pos, k_pos, torch.float32)
-        yield f"relative_bias-{entry['name']}-initial", ops.relative_bias, (scheme, None, pos_b, pos_b,
-                                                                            torch.float64)
-        yield f"relative_bias_pickled-{entry['name']}", ops.relative_bias_pickled, (
-            pickled(scheme), params, q_pos, k_pos, torch.float64, 4)
+        yield f"score_bias-{entry['name']}", ops.score_bias, (scheme, params, q_pos, k_pos, torch.float32, head_dim)
+        yield f"score_bias-{entry['name']}-initial", ops.score_bias, (scheme, None, pos_b, pos_b, torch.float64,
+                                                                      head_dim)
+        yield f"score_bias_pickled-{entry['name']}", ops.score_bias_pickled, (
+            pickled(scheme), params, q_pos, k_pos, torch.float64, 4, head_dim)
         if params is not None and params.numel() > 0:
-            yield f"relative_bias_backward-{entry['name']}", ops.relative_bias_backward, (
-                torch.randn(1, 4, 6, 7), pickled(scheme), params.detach(), q_pos, k_pos)
+            yield f"score_bias_backward-{entry['name']}", ops.score_bias_backward, (
+                torch.randn(1, 4, 6, 7), pickled(scheme), params.detach(), q_pos, k_pos, head_dim)
     for name in ("groups-rope-t5-fire", "kerple-xl-bidirectional", "packed-cu-seqlens"):
         a = CASES[name]
         out, lse = ops.attention(*(x.detach() if isinstance(x, torch.Tensor) else x for x in a))
@@ -258,18 +253,27 @@ def test_opcheck_rope_registry_and_the_rest(name):
 
 def test_pickled_twins_refuse_bytes_that_are_not_their_object():
     _, args = ROPE_AND_REGISTRY_CASES["rope_pickled-yarn-xpos"]
-    scheme_bytes = ROPE_AND_REGISTRY_CASES["relative_bias_pickled-kerple"][1][0]
+    scheme_bytes = ROPE_AND_REGISTRY_CASES["score_bias_pickled-kerple"][1][0]
     for bad in (torch.zeros(5, dtype=torch.uint8), scheme_bytes):
         with pytest.raises(ValueError, match="rope_pickled: params are not a pickled torch.classes.posenc.Rope"):
             ops.rope_pickled(*args[:3], bad, *args[4:])
     with pytest.raises(ValueError, match=r"rope_multi_pickled: params is Float \[5\] on cpu; expected a pickled"):
         ops.rope_multi_pickled(*args[:3], torch.zeros(5), 0, [2, 2], False, [], False, 0)
-    _, bias_args = ROPE_AND_REGISTRY_CASES["relative_bias_pickled-kerple"]
-    with pytest.raises(ValueError, match=r"relative_bias_pickled: heads = 3; expected the scheme's \(4\)"):
-        ops.relative_bias_pickled(*bias_args[:5], 3)
-    with pytest.raises(ValueError, match="relative_bias_backward: scheme are not a pickled torch.classes.posenc.Scheme"):
-        ops.relative_bias_backward(torch.randn(1, 4, 6, 7), args[3], *ROPE_AND_REGISTRY_CASES[
-            "relative_bias_backward-kerple"][1][2:])
+    _, bias_args = ROPE_AND_REGISTRY_CASES["score_bias_pickled-kerple"]
+    with pytest.raises(ValueError, match=r"score_bias_pickled: heads = 3; expected the scheme's \(4\)"):
+        ops.score_bias_pickled(*bias_args[:5], 3, 1)
+    with pytest.raises(ValueError, match="score_bias_backward: scheme are not a pickled torch.classes.posenc.Scheme"):
+        ops.score_bias_backward(torch.randn(1, 4, 6, 7), args[3], *ROPE_AND_REGISTRY_CASES[
+            "score_bias_backward-kerple"][1][2:])
+    _, tupe_args = ROPE_AND_REGISTRY_CASES["score_bias-tupe"]
+    with pytest.raises(ValueError, match=r"score_bias: params shape \[\d+\]; expected \[\d+\] \(tupe: "):
+        ops.score_bias(*tupe_args[:5], 2)
+    with pytest.raises(ValueError, match="score_bias: head_dim = 0; expected >= 1"):
+        ops.score_bias(*tupe_args[:5], 0)
+    rope = _object(_scheme_spec("rope", 4, {}))
+    with pytest.raises(ValueError, match=r"score_bias: scheme = rope \(family transform\); expected a scheme of the "
+                                         "relative-bias or bias family"):
+        ops.score_bias(rope, None, *tupe_args[2:])
 
 
 def backward_cases():

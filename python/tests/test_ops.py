@@ -374,12 +374,30 @@ def test_bad_values_raise_value_error_naming_the_parameter():
         posenc.rope(q, rotary_dim=7)
     with pytest.raises(ValueError, match="num_buckets = 3"):
         posenc.t5_bias(torch.zeros(3, 2), torch.arange(2), torch.arange(2), num_buckets=3)
-    with pytest.raises(ValueError, match=r"kerple_bias: r1 shape \[3\], r2 shape \[2\]; expected both \[H\]"):
+    with pytest.raises(ValueError, match=r"kerple_bias: r1 \[3\], r2 \[2\]; expected r1 \[heads\], r2 \[heads\]"):
         posenc.kerple_bias(torch.ones(3), torch.ones(2), torch.arange(2), torch.arange(2))
     with pytest.raises(TypeError, match="kerple_bias: r2 is list"):
         posenc.kerple_bias(torch.ones(3), [1.0, 1.0, 1.0], torch.arange(2), torch.arange(2))
-    with pytest.raises(ValueError, match=r"alibi_bias: parameters of shape \[\]"):
+    with pytest.raises(ValueError, match=r"alibi_bias: slopes \[\]; expected slopes \[heads\]"):
         posenc.alibi_bias(torch.tensor(1.0), torch.arange(2), torch.arange(2))
+    with pytest.raises(TypeError, match="alibi_bias: slopes dtype torch.int64; expected a floating dtype"):
+        posenc.alibi_bias(torch.ones(2, dtype=torch.long), torch.arange(2), torch.arange(2))
+    fire = [torch.zeros(5), torch.zeros(5), torch.zeros(2, 5), torch.zeros(2), torch.tensor(1.0), torch.tensor(8.0)]
+    with pytest.raises(ValueError, match=r"fire_bias: w1 \[5\], b1 \[5\], w2 \[2, 4\], b2 \[2\]; expected w1 "
+                                         r"\[hidden\], b1 \[hidden\], w2 \[heads, hidden\], b2 \[heads\]"):
+        posenc.fire_bias(*fire[:2], torch.zeros(2, 4), *fire[3:], torch.arange(2), torch.arange(2))
+    with pytest.raises(ValueError, match=r"fire_bias: c shape \[2\]; expected one value"):
+        posenc.fire_bias(*fire[:4], torch.ones(2), fire[5], torch.arange(2), torch.arange(2))
+    with pytest.raises(TypeError, match="fire_bias: threshold is float; expected a torch.Tensor"):
+        posenc.fire_bias(*fire[:5], 8.0, torch.arange(2), torch.arange(2))
+    tupe = [torch.zeros(16, 4), torch.zeros(4, 6), torch.zeros(4, 6), torch.zeros(2), torch.zeros(2)]
+    with pytest.raises(ValueError, match=r"tupe_bias: heads = 3, theta1 shape \[2\], u_q shape \[4, 6\]; expected "
+                                         r"theta1 \[heads\]"):
+        posenc.tupe_bias(*tupe, torch.arange(2), torch.arange(2), 3)
+    with pytest.raises(ValueError, match=r"tupe_bias: table \[16, 4\], u_q \[4, 6\], u_k \[5, 6\]"):
+        posenc.tupe_bias(*tupe[:2], torch.zeros(5, 6), *tupe[3:], torch.arange(2), torch.arange(2), 2)
+    with pytest.raises(ValueError, match="position = 16; expected < max_len = 16"):
+        posenc.tupe_bias(*tupe, torch.arange(2), torch.arange(17), 2)
 
 
 def test_meta_tensors_give_shapes_and_other_dtypes_raise_type_error():

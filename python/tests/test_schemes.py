@@ -44,6 +44,8 @@ def test_the_listing_describes_every_scheme():
         for option in e["options"]:
             assert set(option) == {"name", "default", "integer", "description"}
         assert isinstance(e["causal_only"], bool)
+        # Fixed parameters are some: a scheme without any has nothing to fix.
+        assert isinstance(e["parameters_fixed"], bool) and (bool(e["parameters"]) or not e["parameters_fixed"])
         for i in e["inputs"]:
             assert set(i) == {"name", "description", "typical"} and i["description"]
             assert len(i["typical"]) == 2 and i["typical"][0] <= i["typical"][1]
@@ -85,7 +87,7 @@ def test_materialised_biases_pass_gradcheck(name):
     q_pos, k_pos = torch.tensor([0, 3, 9, 20]), torch.arange(12)
     scheme = torch.classes.posenc.Scheme(name, 3, {}, None)
     assert torch.autograd.gradcheck(
-        lambda p: torch.ops.posenc.relative_bias(scheme, p, q_pos, k_pos, torch.float64), (params,))
+        lambda p: torch.ops.posenc.score_bias(scheme, p, q_pos, k_pos, torch.float64), (params,))
 
 
 def all_names():

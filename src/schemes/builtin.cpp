@@ -143,9 +143,9 @@ SchemeEntry alibi_entry() {
                            return bias_group(a, a.parameters.empty() ? AlibiParams(a.heads, form, a.number("max_bias"))
                                                                      : AlibiParams(a.parameters, form));
                          },
-                     .parameters_of = [](const HeadGroup& g) { return std::get<AlibiParams>(*g.bias).slopes(); },
-                     // The paper's slopes, fixed.
-                     .training = [](const SchemeArgs&, std::int64_t) { return std::vector<TrainedSlice>{}; }};
+                     // The paper's slopes.
+                     .parameters_fixed = true,
+                     .parameters_of = [](const HeadGroup& g) { return std::get<AlibiParams>(*g.bias).slopes(); }};
 }
 
 // T5's buckets by default (Raffel et al. 2020), the option's default and the bench table's rows.

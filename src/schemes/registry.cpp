@@ -298,8 +298,9 @@ std::string schemes_json() {
     out += (out.size() == 1 ? "\n  {" : ",\n  {") + std::string("\"name\": ") + json_string(e.name) +
            ", \"aliases\": [" + aliases + "], \"family\": " + json_string(e.family) +
            ", \"summary\": " + json_string(e.summary) + ", \"source\": " + json_string(e.source) +
-           ", \"parameters\": " + json_string(e.parameters) + ", \"options\": [" + options + "], \"inputs\": [" +
-           inputs + "], \"causal_only\": " + (e.causal_only ? "true" : "false") + "}";
+           ", \"parameters\": " + json_string(e.parameters) +
+           ", \"parameters_fixed\": " + (e.parameters_fixed ? "true" : "false") + ", \"options\": [" + options +
+           "], \"inputs\": [" + inputs + "], \"causal_only\": " + (e.causal_only ? "true" : "false") + "}";
   }
   return out + "\n]";
 }

@@ -153,6 +153,32 @@ at::Tensor score_bias_pickled_autograd(const at::Tensor& scheme, const c10::opti
   return ScoreBiasFunction::apply(c10::IValue(scheme), params, q_positions, k_positions, dtype, heads, head_dim);
 }
 
+// A registered transform scheme (family "transform": RoPE, Shortformer's sinusoid, …) applied to
+// rows x [P, D] at positions [P] by its fp64 definition (posenc::ref::qk_transform_rows): queries,
+// or keys with `keys`; seq_len as the attention's default (the call's largest position + 1).
+// float64 in and out, no gradient: what posenc.flex reads a transform's tables from.
+at::Tensor qk_transform_cpu(const c10::intrusive_ptr<SchemeClass>& scheme, const at::Tensor& x,
+                            const at::Tensor& positions, bool keys, std::int64_t seq_len) {
+  const char* where = "qk_transform";
+  const std::string& family = scheme->entry->family;
+  TORCH_CHECK_VALUE(family == "transform", where, ": scheme = ", scheme->entry->name, " (family ", family,
+                    "); expected a scheme of the transform family (posenc.schemes())");
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kDouble, where, ": x dtype ", x.scalar_type(), "; expected Double");
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) >= 1, where, ": x shape ", x.sizes(), "; expected [positions, head_dim]");
+  TORCH_CHECK_TYPE(positions.scalar_type() == at::kLong, where, ": positions dtype ", positions.scalar_type(),
+                   "; expected Long");
+  TORCH_CHECK_VALUE(positions.dim() == 1 && positions.size(0) == x.size(0), where, ": positions shape ",
+                    positions.sizes(), "; expected [", x.size(0), "], a position per row of x");
+  return translating([&] {
+    const HeadGroup g = attention_group(where, "params", *scheme, at::Tensor(), x.size(1), 0.0);
+    const at::Tensor xc = x.contiguous(), pc = positions.contiguous();
+    std::vector<double> rows(xc.data_ptr<double>(), xc.data_ptr<double>() + xc.numel());
+    ref::qk_transform_rows(g.transform, !keys, {pc.data_ptr<std::int64_t>(), static_cast<std::size_t>(pc.numel())},
+                           seq_len, x.size(1), rows);
+    return at::tensor(rows, x.options()).reshape(x.sizes());
+  });
+}
+
 // The registry as JSON (posenc/registry.hpp: schemes_json).
 std::string schemes_op() { return schemes_json(); }
 
@@ -862,6 +888,10 @@ void define_attention_ops(torch::Library& m) {
             "score_bias_backward(Tensor grad, Tensor scheme, Tensor params, Tensor q_positions, Tensor k_positions, "
             "int head_dim=1) -> Tensor",
             TORCH_FN(score_bias_backward_cpu));
+  define_op(m,
+            "qk_transform(__torch__.torch.classes.posenc.Scheme scheme, Tensor x, Tensor positions, bool keys, "
+            "int seq_len) -> Tensor",
+            TORCH_FN(qk_transform_cpu));
   define_op(
       m,
       "attention(Tensor q, Tensor k, Tensor v, __torch__.torch.classes.posenc.Scheme[] schemes, Tensor[] params, "

@@ -47,6 +47,9 @@
 //                   params (None: its initial values; head_dim: what its parameter shape reads);
 //                   score_bias_pickled(Tensor scheme, …, int heads, int head_dim) its traced form and
 //                   score_bias_backward(grad, Tensor scheme, params, q_positions, k_positions, head_dim)
+//   posenc::qk_transform(Scheme scheme, Tensor x [P, D] f64, Tensor positions [P], bool keys,
+//                   int seq_len) -> Tensor   a registered transform applied by its fp64 definition
+//                   (no gradient: posenc.flex reads the transforms' tables from it)
 //   posenc::empty_cache()   frees the cached blocks of large outputs (see BlockCache)
 //   posenc::huge_page_zeros(int[] shape, ScalarType dtype)   a zero-filled tensor on 2 MiB pages
 //                   (posenc/memory.hpp): for KV caches that decode reads

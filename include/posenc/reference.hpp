@@ -38,6 +38,13 @@ void rope_rerotate(const RopeParams& from, const Positions& from_positions, std:
                    const RopeParams& to, const Positions& to_positions, std::int64_t to_seq_len, ConstTensorView k,
                    TensorView k_out);
 
+// A head group's transform of queries (is_q) or keys (QKTransform: RoPE, Shortformer's sinusoid,
+// any registered transform) by its fp64 definition, in place on `rows` [n, d] row-major, row t at
+// positions[t]; seq_len: the call's default (its largest position + 1), which a RoPE without its
+// own reads. A cache of rotated keys (RotaryQK::keys_rotated) leaves keys as they are.
+void qk_transform_rows(const QKTransform& transform, bool is_q, std::span<const std::int64_t> positions,
+                       std::int64_t seq_len, std::int64_t d, std::span<double> rows);
+
 void bias_materialize(const BiasScheme& scheme, const Positions& q_positions, const Positions& k_positions,
                       TensorView out);
 void alibi_backward(const AlibiParams& params, const Positions& q_positions, const Positions& k_positions,

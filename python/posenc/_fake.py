@@ -154,6 +154,11 @@ def _rope_rerotate(k, from_positions, from_params, from_seq_len, to_positions, t
     return k
 
 
+@torch.library.register_fake("posenc::qk_transform")
+def _qk_transform(scheme, x, positions, keys, seq_len):
+    return torch.empty_like(x)
+
+
 @torch.library.register_fake("posenc::score_bias")
 def _score_bias(scheme, params, q_positions, k_positions, dtype, head_dim=1):
     return _bias(q_positions.new_empty(0, dtype=dtype), scheme.heads(), q_positions, k_positions)

@@ -2,44 +2,43 @@
 same semantics as ``posenc.attention`` (its masks, positions, head groups, sinks, temperature and
 soft-cap), on any device FlexAttention runs on.
 
-``prepare(q, k, v, scheme, …)`` builds a ``FlexCall``: q and k with their transforms applied (RoPE
-and Shortformer's sinusoid from posenc's fp64 tables, moved to the tensors' device; a position
-temperature folded into q), a ``score_mod`` and a ``block_mask``; ``attention(…)`` runs it. The
-terms a score function adds are tabulated in fp64 by posenc where they depend on the relative
-position alone (the relative-bias family: ALiBi, T5, Kerple, Sandwich, … through the
-``score_bias`` op, which carries their parameters' gradients), or computed in the score
-function from captured tensors (FIRE's MLP, the forget gate's running sum, kept as two float32
-halves so that long sequences lose no precision). Sinks are exact: one more key with a zero
-value whose score is the sink's logit. Schemes whose terms read the query and a
-per-pair table (Shaw, Transformer-XL), TUPE's projected table and the normalisers that replace
-the softmax (stick-breaking, CoPE) are refused: see ``_REFUSED``."""
+``prepare(q, k, v, scheme, …)`` builds a ``FlexCall``: q and k with their transforms applied (any
+registered transform, RoPE and Shortformer's sinusoid among them, from posenc's fp64 tables read
+through the qk_transform op and moved to the tensors' device; a position temperature folded into
+q), a ``score_mod`` and a ``block_mask``; ``attention(…)`` runs it. Each head group is handled by
+its scheme's family (``posenc.schemes()``). The terms a score function adds are tabulated in fp64
+by posenc through the ``score_bias`` op, which carries their parameters' gradients: a relative
+bias (ALiBi, T5, Kerple, Sandwich, …) over the key − query distances the call meets, a position
+bias (TUPE, …) over its distinct query × key positions. FIRE's MLP is computed in the score
+function instead, from captured tensors (no table), and so is the forget gate's running sum, kept
+as two float32 halves so that long sequences lose no precision. Sinks are exact: one more key
+with a zero value whose score is the sink's logit. Schemes whose terms read the query and a
+per-pair table (Shaw, Transformer-XL) and the normalisers that replace the softmax
+(stick-breaking, CoPE) are refused: see ``_REFUSED``."""
 import torch
 from torch.nn.attention import flex_attention as _flex
 
 from ._checks import _flag, _object, _ops
-from ._functional import _qkv_layout, _rope_args, sinusoidal_table
-from ._modules import CoPE, Forgetting
+from ._functional import _qkv_layout
+from ._modules import Forgetting
 from ._attention import _attention_args
 from .registry import Scheme, _score_bias_op, _scheme_entry
 
 __all__ = ["FlexCall", "prepare", "attention"]
 
-# Why a scheme has no FlexAttention form here, and what works instead.
+# Why a family's schemes have no FlexAttention form here (posenc.schemes()' families).
 _REFUSED = {
-    "shaw": "Shaw's terms are q·a^K[clip(j − i)] and Σ p·a^V — a query-dependent table lookup per pair and a "
-            "second output term, which a score_mod cannot add without materialising [Sq, Sk, D]",
-    "xl": "Transformer-XL's (q + v)·W_R r(i − j) is a query-dependent product per pair ([Sq, Sk, D] work "
-          "outside the score function)",
-    "tupe": "TUPE's bias is a [Sq, Sk] product of projected position tables: materialise it "
-            "(posenc.tupe_bias) and pass it to scaled_dot_product_attention as attn_mask",
-    "cope": "CoPE's positions are running sums of sigmoid gates over the scores themselves, which a score "
-            "function of one pair cannot see",
-    "stickbreaking": "stick-breaking's weights σ(z)·Π(1 − σ) replace the softmax, which FlexAttention always "
-                     "applies to the scores",
+    "relative-terms": "its terms read the query or the key through a per-pair table (Shaw's q·a^K[clip(j − i)] "
+                      "and Σ p·a^V, Transformer-XL's (q + v)·W_R r(i − j)) and may add to the output, which a "
+                      "score function of one pair cannot do without materialising [Sq, Sk, D]",
+    "normaliser": "its weights replace the softmax (stick-breaking's σ(z)·Π(1 − σ), CoPE's positions counted by "
+                  "gates over the scores themselves), and FlexAttention always applies the softmax",
+    "term": "a term given by its fp64 definition in C++ (posenc/term.hpp) has no score_mod form",
 }
 _INSTEAD = "; use backend='fused' (posenc's CPU kernel) for it"
-# The relative-bias table is [H, span of key − query] floats; past this many per head the
-# positions are too scattered for a table (the fused kernel computes the bias per pair instead).
+# The relative-bias table is [H, span of key − query] floats, a position bias's [H, query
+# positions, key positions]; past this many per head the positions are too scattered (or the
+# sequences too long) for a table (the fused kernel computes the bias per pair instead).
 _TABLE_LIMIT = 1 << 24
 
 
@@ -108,38 +107,41 @@ def _unique_positions(*grids):
 _PARTNERS = {}
 
 
-def _partners(rope, key, head_dim):
-    """partner[j], the entry RoPE rotates entry j with (j itself if unrotated), read from the
-    kernel: the unit vectors rotated at position 1, where every frequency turns."""
+def _partners(scheme, key, head_dim, seq_len):
+    """partner[j], the entry a transform mixes entry j with (j itself if none), read from the
+    library: the unit vectors transformed at position 1 (where every RoPE frequency turns), less
+    the transform of zero (the rows an additive transform adds)."""
     if key not in _PARTNERS:
-        eye = torch.eye(head_dim, dtype=torch.float64).reshape(1, 1, head_dim, head_dim)
-        out = _ops.rope(eye, eye.new_empty(0), torch.ones(1, dtype=torch.long), rope, 0, 0)[0][0, 0]
+        eye = torch.eye(head_dim, dtype=torch.float64)
+        pos = torch.ones(head_dim, dtype=torch.long)
+        out = _ops.qk_transform(scheme, eye, pos, False, seq_len) - \
+            _ops.qk_transform(scheme, torch.zeros_like(eye), pos, False, seq_len)
         partner = []
         for j in range(head_dim):
             others = [i for i in torch.nonzero(out[j]).reshape(-1).tolist() if i != j]
+            if len(others) > 1:
+                raise ValueError(f"posenc.flex: transform {key[0]} mixes entry {j} with entries {others}; expected "
+                                 "pairs at most (the form x' = A ⊙ x + B ⊙ x[partner] + C)")
             partner.append(others[0] if others else j)
         _PARTNERS[key] = torch.tensor(partner)
     return _PARTNERS[key]
 
 
-def _rope_tables(rope_args, head_dim, positions, seq_len):
-    """(A_q, B_q, A_k, B_k, partner) for x' = A ⊙ x + B ⊙ x[partner] at each of ``positions``
-    (int64 [P], CPU): posenc's RoPE in fp64, read by rotating ones in the first and in the second
-    entry of every pair (xPos scales q and k apart, hence two pairs of tables)."""
-    rope = _object(("Rope", rope_args, None))
-    partner = _partners(rope, repr(rope_args), head_dim)
+def _transform_tables(scheme, head_dim, positions, seq_len, keys, partner):
+    """(A, B, C) [P, D] for x' = A ⊙ x + B ⊙ x[partner] + C at each of ``positions`` (int64 [P],
+    CPU): a registered transform by its fp64 definition (the qk_transform op), read by applying it
+    to zero (C) and to ones in the first and in the second entry of every pair. Queries and keys
+    apart (xPos scales them apart; a cache of rotated keys stays as it is)."""
     first = torch.arange(head_dim) <= partner
     p = positions.numel()
-    ones_first = first.to(torch.float64).expand(1, p, 1, head_dim).contiguous()
-    ones_second = (~first).to(torch.float64).expand(1, p, 1, head_dim).contiguous()
-    q1, k1 = _ops.rope(ones_first, ones_first, positions, rope, seq_len, 0)
-    q2, k2 = _ops.rope(ones_second, ones_second, positions, rope, seq_len, 0)
 
-    def coefficients(o1, o2):
-        o1, o2 = o1[0, :, 0], o2[0, :, 0]
-        return torch.where(first, o1, o2), torch.where(first, o2, o1)
+    def apply(x):
+        return _ops.qk_transform(scheme, x.expand(p, head_dim).contiguous(), positions, keys, seq_len)
 
-    return (*coefficients(q1, q2), *coefficients(k1, k2), partner)
+    c = apply(torch.zeros(head_dim, dtype=torch.float64))
+    o1 = apply(first.to(torch.float64)) - c
+    o2 = apply((~first).to(torch.float64)) - c
+    return torch.where(first, o1, o2), torch.where(first, o2, o1), c
 
 
 class _Plan:
@@ -149,6 +151,7 @@ class _Plan:
         self.q, self.k, self.heads, self.device = q, k, heads, device
         self.rel = []        # (h0, h1, spec, parameters): tabulated together by _relative_table
         self.fire = []       # (h0, h1, hidden, parameter tensor)
+        self.pos = []        # (h0, h1, spec, parameters, head_dim): position biases, tabulated by _position_table
         self.forget = []     # (h0, h1, log_fgate [B, Sk, h])
         self.sinks = None    # [H] logits of "sinks" groups, −inf elsewhere
         # No query or no key: the groups are checked, nothing is computed (FlexCall.run's zeros).
@@ -159,10 +162,8 @@ def prepare(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size=N
             scale=None, layout="bshd", q_positions=None, k_positions=None, keys_rotated=False, sinks=None,
             cu_seqlens=None):
     """A ``FlexCall`` for ``posenc.attention``'s arguments (the same meaning, checked the same
-    way). Raises ValueError for a scheme this path cannot express (Shaw, Transformer-XL, TUPE,
-    CoPE), naming why."""
-    if isinstance(scheme, CoPE):
-        _refuse("cope", _REFUSED["cope"])
+    way). Raises ValueError for a scheme this path cannot express (Shaw, Transformer-XL, the
+    normalisers), naming why."""
     q, k, v, cu_q, cu_k = _qkv_layout("posenc.flex", q, k, v, layout, cu_seqlens)
     args = _attention_args(q, k, v, scheme, causal, window, chunk_size, temperature, softcap, scale, q_positions,
                            k_positions, keys_rotated, True, sinks, cu_seqlens)
@@ -262,7 +263,8 @@ def prepare(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size=N
     score_mod = _score_mod(plan, qpos, kpos, q_key, softcap, batch, sk, sinks, cu_k if packed else None)
     block_mask = _block_mask(causal, window_left, window_right, chunk_size, q_doc, k_doc, q_diag, k_index, qpos,
                              kpos, batch, sq, sk, device, packed, sinks is not None)
-    learned = [p for _, _, _, p in plan.rel] + [p for _, _, _, p in plan.fire] + [g for _, _, g in plan.forget]
+    learned = [p for _, _, _, p in plan.rel] + [p for _, _, _, p in plan.fire] + [p for _, _, _, p, _ in plan.pos]
+    learned += [g for _, _, g in plan.forget]
     learned += [] if sinks is None else [sinks]
     return FlexCall(q, k, v, score_mod, block_mask, scale, packed, layout, learned)
 
@@ -315,36 +317,30 @@ def _check_call(q, k, v, cu_q, cu_k, causal, window_left, window_right, softcap,
 
 
 def _group(plan, spec, group_params, h0, h1, kv_heads, qpos, kpos):
-    """One head group's transform or term into the plan."""
+    """One head group's transform or term into the plan, by its scheme's family."""
     _, (name, _, options, _), _ = spec
-    entry = _scheme_entry(name)
-    if name in _REFUSED:
-        _refuse(name, _REFUSED[name])
-    family = entry["family"]
-    if name == "none" or name == "forgetting":
+    family = _scheme_entry(name)["family"]
+    if family in _REFUSED:
+        _refuse(name, _REFUSED[family])
+    if family in ("none", "token-term"):  # a per-token input's term: the plan's forget gates
         return
-    if name == "rope":
-        _rotate(plan, spec, h0, h1, kv_heads, qpos, kpos, bool(options.get("keys_rotated", 0)))
-        return
-    if name == "absolute":
-        _add_sinusoid(plan, spec, h0, h1, kv_heads, qpos, kpos)
-        return
-    if family == "relative-bias":
+    if family == "transform":
+        _transform(plan, spec, h0, h1, kv_heads, qpos, kpos)
+    elif family == "relative-bias":
         plan.rel.append((h0, h1, spec, group_params))
-        return
-    if name == "fire":
+    elif family == "bias" and name == "fire":
+        # FIRE's MLP evaluated in the score function: no [Sq, Sk] table (a speed-up of the rule below).
         plan.fire.append((h0, h1, int(options.get("hidden", 32)), group_params))
-        return
-    if name == "sinks":
-        # −inf for the other heads: no sink in their denominators.
+    elif family == "bias":
+        plan.pos.append((h0, h1, spec, group_params, plan.q.shape[-1]))
+    elif family == "sink":
+        # The group's logits; −inf for the other heads: no sink in their denominators.
         logits = group_params.reshape(-1).to(plan.device, torch.float32)
         none = torch.full((plan.heads,), float("-inf"), device=plan.device)
         current = none if plan.sinks is None else plan.sinks
         plan.sinks = torch.cat([current[:h0], logits, current[h1:]])
-        return
-    if family == "term":
-        _refuse(name, "a term given by its fp64 definition in C++ (posenc/term.hpp) has no score_mod form")
-    _refuse(name, f"its family ({family}) has no FlexAttention form here")
+    else:
+        _refuse(name, f"its family ({family}) has no FlexAttention form here")
 
 
 def _kv_range(plan, h0, h1, kv_heads):
@@ -355,56 +351,32 @@ def _kv_range(plan, h0, h1, kv_heads):
     return h0 // per, h1 // per
 
 
-def _rotate(plan, spec, h0, h1, kv_heads, qpos, kpos, keys_rotated):
+def _transform(plan, spec, h0, h1, kv_heads, qpos, kpos):
+    """q's heads h0..h1 and their KV heads transformed by a registered transform (RoPE,
+    Shortformer's sinusoid, …) from its fp64 tables at the call's positions, in float32."""
     kv0, kv1 = _kv_range(plan, h0, h1, kv_heads)
+    dim = plan.q.shape[-1]
+    scheme = _object(spec)
+    # One row through the definition, so that a call with no tokens is refused as the fused kernel
+    # refuses it (a sinusoid of an odd width, …).
+    _ops.qk_transform(scheme, torch.zeros(1, dim, dtype=torch.float64), torch.zeros(1, dtype=torch.long), False, 1)
     if plan.empty:
         return
-    dim = plan.q.shape[-1]
-    rope_args = spec[2]
-    if rope_args is None:  # posenc.Scheme("rope", …): the registry's options
-        options = spec[1][2]
-        rotary = int(options.get("rotary_dim", 0)) or dim
-        rope_args = _rope_args(dim, rotary, float(options.get("base", 10000.0)),
-                               "interleaved" if options.get("interleaved") else "half-split", None, 2048)
     all_positions = _unique_positions(qpos, kpos).cpu()
     seq_len = int(torch.cat([qpos.reshape(-1), kpos.reshape(-1)]).max()) + 1
-    aq, bq, ak, bk, partner = _rope_tables(rope_args, dim, all_positions, seq_len)
-    partner = partner.to(plan.device)
+    partner = _partners(scheme, (spec[1][0], repr(spec[1:]), dim), dim, seq_len)
 
-    def apply(x, a, b, pos):
+    def apply(x, pos, keys):
+        a, b, c = (t.to(plan.device, torch.float32)
+                   for t in _transform_tables(scheme, dim, all_positions, seq_len, keys, partner))
         index = torch.searchsorted(all_positions.to(pos.device), pos.contiguous())
-        a = a.to(plan.device, torch.float32)[index][:, :, None, :]
-        b = b.to(plan.device, torch.float32)[index][:, :, None, :]
+        a, b, c = a[index][:, :, None, :], b[index][:, :, None, :], c[index][:, :, None, :]
         xf = x.to(torch.float32)
-        return (a * xf + b * xf[..., partner]).to(x.dtype)
-
-    q = plan.q
-    plan.q = torch.cat([q[:, :, :h0], apply(q[:, :, h0:h1], aq, bq, qpos), q[:, :, h1:]], dim=2)
-    if not keys_rotated:
-        k = plan.k
-        plan.k = torch.cat([k[:, :, :kv0], apply(k[:, :, kv0:kv1], ak, bk, kpos), k[:, :, kv1:]], dim=2)
-
-
-def _add_sinusoid(plan, spec, h0, h1, kv_heads, qpos, kpos):
-    kv0, kv1 = _kv_range(plan, h0, h1, kv_heads)
-    options = spec[1][2]
-    dim = plan.q.shape[-1]
-    width = int(options.get("dim", 0)) or dim
-    base, interleaved = float(options.get("base", 10000.0)), bool(options.get("interleaved", 1))
-    if width != dim:
-        raise ValueError(f"posenc.flex: the absolute scheme's dim = {width}; expected q's head_dim {dim}")
-    all_positions = _unique_positions(qpos, kpos).cpu()
-    table = sinusoidal_table(all_positions, width, base, interleaved, torch.float64).to(plan.device, torch.float32)
-    if plan.empty:
-        return
-
-    def add(x, pos):
-        rows = table[torch.searchsorted(all_positions.to(pos.device), pos.contiguous())]
-        return (x.to(torch.float32) + rows[:, :, None, :]).to(x.dtype)
+        return (a * xf + b * xf[..., partner.to(plan.device)] + c).to(x.dtype)
 
     q, k = plan.q, plan.k
-    plan.q = torch.cat([q[:, :, :h0], add(q[:, :, h0:h1], qpos), q[:, :, h1:]], dim=2)
-    plan.k = torch.cat([k[:, :, :kv0], add(k[:, :, kv0:kv1], kpos), k[:, :, kv1:]], dim=2)
+    plan.q = torch.cat([q[:, :, :h0], apply(q[:, :, h0:h1], qpos, False), q[:, :, h1:]], dim=2)
+    plan.k = torch.cat([k[:, :, :kv0], apply(k[:, :, kv0:kv1], kpos, True), k[:, :, kv1:]], dim=2)
 
 
 def _temperature_factors(temperature, qpos):
@@ -441,6 +413,29 @@ def _relative_table(plan, qpos, kpos):
     return torch.cat(rows).to(plan.device, torch.float32), r_min
 
 
+def _position_table(plan, qpos, kpos):
+    """([H, Uq, Uk] float32 on the device, query index [B, Sq], key index [B, Sk]): every
+    position-bias group's b_h(p, p') over the call's distinct query and key positions, by the
+    library in fp64 (differentiable in the groups' parameters), zero for the other heads."""
+    uq, uk = torch.unique(qpos.cpu()), torch.unique(kpos.cpu())
+    if uq.numel() * uk.numel() > _TABLE_LIMIT:
+        raise ValueError(f"posenc.flex: {uq.numel()} query × {uk.numel()} key positions; expected at most "
+                         f"{_TABLE_LIMIT} pairs for a position-bias table (longer calls need backend='fused')")
+    rows, h_at = [], 0
+    for h0, h1, spec, group_params, head_dim in sorted(plan.pos, key=lambda g: g[0]):
+        if h0 > h_at:
+            rows.append(torch.zeros(h0 - h_at, uq.numel(), uk.numel(), dtype=torch.float64))
+        p = group_params.to("cpu", torch.float64) if group_params.numel() else group_params
+        rows.append(_score_bias_op(spec[:2] + (None,), p if p.numel() else None, uq, uk, torch.float64,
+                                   head_dim).reshape(h1 - h0, uq.numel(), uk.numel()))
+        h_at = h1
+    if h_at < plan.heads:
+        rows.append(torch.zeros(plan.heads - h_at, uq.numel(), uk.numel(), dtype=torch.float64))
+    qi = torch.searchsorted(uq.to(qpos.device), qpos.contiguous())
+    ki = torch.searchsorted(uk.to(kpos.device), kpos.contiguous())
+    return torch.cat(rows).to(plan.device, torch.float32), qi, ki
+
+
 def _split(x):
     """x (float64) as hi + lo float32 halves: differences of the two stay accurate where x is large."""
     hi = x.to(torch.float32)
@@ -452,6 +447,7 @@ def _score_mod(plan, qpos, kpos, q_key, softcap, batch, sk, sinks, k_starts):
     table = r_min = None
     if plan.rel:
         table, r_min = _relative_table(plan, qpos, kpos)
+    position = _position_table(plan, qpos, kpos) if plan.pos else None
     fire = []
     for h0, h1, hidden, p in plan.fire:
         n = h1 - h0
@@ -486,7 +482,7 @@ def _score_mod(plan, qpos, kpos, q_key, softcap, batch, sk, sinks, k_starts):
         hi, lo = _split(running)
         q_key = q_key.to(plan.device).reshape(1, -1).expand(batch, -1)
         forget = (hi, lo, q_key.clamp(min=0, max=sk - 1))
-    if table is None and not fire and forget is None and not softcap and sinks is None:
+    if table is None and position is None and not fire and forget is None and not softcap and sinks is None:
         return None
     # A tensor: a captured Python float would become a symbol FlexAttention's tracer refuses.
     cap = torch.tensor(float(softcap), device=plan.device) if softcap else None
@@ -495,6 +491,9 @@ def _score_mod(plan, qpos, kpos, q_key, softcap, batch, sk, sinks, k_starts):
         x = score
         if table is not None:
             x = x + table[h, kpos[b, kv_idx] - qpos[b, q_idx] - r_min]
+        if position is not None:
+            ptable, qi, ki = position
+            x = x + ptable[h, qi[b, q_idx], ki[b, kv_idx]]
         for h0, h1, hidden, w1, b1, w2, b2, c, threshold in fire:
             pq = qpos[b, q_idx].to(torch.float32)
             d = torch.abs(kpos[b, kv_idx] - qpos[b, q_idx]).to(torch.float32)  # exact in int64 first

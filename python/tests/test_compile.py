@@ -221,6 +221,12 @@ def rope_and_registry_cases():
         if params is not None and params.numel() > 0:
             yield f"score_bias_backward-{entry['name']}", ops.score_bias_backward, (
                 torch.randn(1, 4, 6, 7), pickled(scheme), params.detach(), q_pos, k_pos, head_dim)
+    # The transforms by their fp64 definition: RoPE (queries; keys of a cache already rotated), the sinusoid.
+    rows = torch.randn(6, 8, dtype=torch.float64)
+    for name, options, keys in (("rope", {"base": 500.0}, False), ("rope-keys-rotated", {"keys_rotated": 1}, True),
+                                ("absolute", {}, True)):
+        scheme = _object(_scheme_spec(name.split("-")[0], 4, options))
+        yield f"qk_transform-{name}", ops.qk_transform, (scheme, rows, q_pos, keys, 9)
     for name in ("groups-rope-t5-fire", "kerple-xl-bidirectional", "packed-cu-seqlens"):
         a = CASES[name]
         out, lse = ops.attention(*(x.detach() if isinstance(x, torch.Tensor) else x for x in a))
@@ -274,6 +280,27 @@ def test_pickled_twins_refuse_bytes_that_are_not_their_object():
     with pytest.raises(ValueError, match=r"score_bias: scheme = rope \(family transform\); expected a scheme of the "
                                          "relative-bias or bias family"):
         ops.score_bias(rope, None, *tupe_args[2:])
+
+
+def test_qk_transform_applies_the_definition_and_refuses_what_it_cannot():
+    rows, pos = torch.randn(6, 8, dtype=torch.float64), torch.arange(6) + 2
+    rope = _object(_scheme_spec("rope", 4, {}))
+    want = posenc.rope(rows.reshape(1, 6, 1, 8), positions=pos, head_dim=8)[0].reshape(6, 8)
+    torch.testing.assert_close(ops.qk_transform(rope, rows, pos, False, 8), want, rtol=0, atol=1e-15)
+    rotated = _object(_scheme_spec("rope", 4, {"keys_rotated": 1}))
+    assert torch.equal(ops.qk_transform(rotated, rows, pos, True, 8), rows)
+    sinusoid = _object(_scheme_spec("absolute", 4, {}))
+    want = rows + posenc.sinusoidal_table(pos, 8, dtype=torch.float64)
+    torch.testing.assert_close(ops.qk_transform(sinusoid, rows, pos, False, 8), want, rtol=0, atol=1e-15)
+    with pytest.raises(ValueError, match=r"qk_transform: scheme = alibi \(family relative-bias\); expected a scheme "
+                                         "of the transform family"):
+        ops.qk_transform(_object(_scheme_spec("alibi", 4, {})), rows, pos, False, 8)
+    with pytest.raises(TypeError, match="qk_transform: x dtype Float; expected Double"):
+        ops.qk_transform(rope, rows.float(), pos, False, 8)
+    with pytest.raises(ValueError, match=r"qk_transform: positions shape \[5\]; expected \[6\]"):
+        ops.qk_transform(rope, rows, pos[:5], False, 8)
+    with pytest.raises(ValueError, match="seq_len = 0; expected >= 1"):
+        ops.qk_transform(rope, rows, pos, False, 0)
 
 
 def backward_cases():

@@ -97,6 +97,11 @@ CASES = {
                               k_positions=torch.stack([torch.arange(S), torch.arange(S) + 100])),
     "positions-per-row-fire": dict(scheme=_fire(), q_positions=torch.stack([torch.arange(S), torch.arange(S) + 60]),
                                    k_positions=torch.stack([torch.arange(S), torch.arange(S) + 60])),
+    # A position bias tabulated over the distinct query × key positions, rows at different offsets;
+    # bidirectional, so that both [CLS] parameters reach a row of more than one key.
+    "tupe-positions-per-row": dict(scheme=_trained(posenc.TUPE(H, D, 16, 64, cls_reset=True)), causal=False,
+                                   q_positions=torch.stack([torch.arange(S), torch.arange(S) + 20]),
+                                   k_positions=torch.stack([torch.arange(S), torch.arange(S) + 20])),
     "chunked-by-position": dict(scheme="alibi", chunk_size=16, q_positions=torch.arange(S) * 2 + 3,
                                 k_positions=torch.arange(S) * 2 + 3),
     "layout-bhsd": dict(scheme="rope", layout="bhsd"),
@@ -250,7 +255,7 @@ def _run_fused(dtype):
 GRADIENT_CASES = ["rope", "alibi-trainable", "t5", "kerple", "fire", "forgetting", "fox-pro", "sinks",
                   "sinks-group", "head-groups", "softcap", "window", "chunked", "cache-offset", "packed",
                   "packed-forgetting", "bidirectional", "llama4-temperature", "shortformer", "positions-per-row-fire",
-                  "packed-sinks-window", "packed-queries-and-keys", "layout-bhsd"]
+                  "tupe-positions-per-row", "packed-sinks-window", "packed-queries-and-keys", "layout-bhsd"]
 
 
 @pytest.mark.parametrize("name", GRADIENT_CASES)
@@ -295,7 +300,6 @@ def test_backend_must_be_known():
 @pytest.mark.parametrize("scheme,why", [
     (lambda: posenc.ShawRelativePositions(8, D), "Shaw"),
     (lambda: posenc.TransformerXLRelative(H, D, 64), "Transformer-XL"),
-    (lambda: posenc.TUPE(H, D, 64, 64), "TUPE"),
     (lambda: posenc.CoPE(16, D), "CoPE"),
     (lambda: "stickbreaking", "replace the softmax"),
     (lambda: posenc.Scheme("table", H, D, max_distance=8), "fp64 definition in C"),
@@ -311,6 +315,14 @@ def test_scattered_positions_beyond_a_table_are_refused():
     far = torch.arange(S) * (1 << 20)
     with pytest.raises(ValueError, match="positions span .* values; expected at most"):
         posenc.flex.prepare(q, k, v, "alibi", causal=True, q_positions=far, k_positions=far)
+
+
+def test_long_calls_beyond_a_position_table_are_refused(monkeypatch):
+    q, k, v = _inputs()
+    far = torch.arange(S) * 200
+    monkeypatch.setattr(posenc.flex, "_TABLE_LIMIT", 1024)
+    with pytest.raises(ValueError, match=r"40 query × 40 key positions; expected at most 1024 pairs"):
+        posenc.flex.prepare(q, k, v, posenc.TUPE(H, D, 16, 8000), causal=True, q_positions=far, k_positions=far)
 
 
 @pytest.mark.skipif(not CPU, reason="the CPU's FlexAttention limits")

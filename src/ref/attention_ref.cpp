@@ -187,6 +187,26 @@ void transform(const Problem& p, std::int64_t group, bool is_q, const std::vecto
   std::visit([&](const auto& t) { apply_transform(t, rows); }, p.groups[static_cast<std::size_t>(group)].transform);
 }
 
+}  // namespace
+
+void qk_transform_rows(const QKTransform& transform, bool is_q, std::span<const std::int64_t> positions,
+                       std::int64_t seq_len, std::int64_t d, std::span<double> rows) {
+  const auto n = static_cast<std::int64_t>(positions.size());
+  if (d < 1 || static_cast<std::int64_t>(rows.size()) != n * d) {
+    throw Error("qk_transform_rows", "rows", std::to_string(rows.size()) + " values",
+                std::to_string(n) + " positions × d = " + std::to_string(d) + " (d >= 1)");
+  }
+  if (seq_len < 1) throw Error("qk_transform_rows", "seq_len", std::to_string(seq_len), ">= 1");
+  if (n == 0) return;
+  std::vector<double> v(rows.begin(), rows.end());
+  const Positions pos = Positions::ids(positions);
+  const TransformedRows r{is_q, false, pos, seq_len, n, d, v};
+  std::visit([&](const auto& t) { apply_transform(t, r); }, transform);
+  std::copy(v.begin(), v.end(), rows.begin());
+}
+
+namespace {
+
 // Rows times the spec's temperature of their query positions (temperature.hpp), in fp64.
 void temper(const Problem& p, const std::vector<std::int64_t>& positions, Rows& r) {
   if (!p.spec->temperature) return;

@@ -447,18 +447,7 @@ Case make_case(const std::string& name, const CaseOptions& o) {
       }
       const ConstTensorView ds = ConstTensorView::contiguous(bs.a.get(), DType::kF32, shape);
       std::span<double> g(*grads);
-      if (const auto* alibi = std::get_if<AlibiParams>(&scheme)) {
-        alibi_backward(*alibi, positions, positions, ds, g.first(static_cast<std::size_t>(heads)));
-      } else if (const auto* t5 = std::get_if<T5BiasParams>(&scheme)) {
-        t5_bias_backward(*t5, positions, positions, ds, g.first(static_cast<std::size_t>(32 * heads)));
-      } else if (const auto* kerple = std::get_if<KerpleParams>(&scheme)) {
-        kerple_backward(*kerple, positions, positions, ds, g.first(static_cast<std::size_t>(heads)),
-                        g.subspan(static_cast<std::size_t>(heads), static_cast<std::size_t>(heads)));
-      } else if (const PositionBias* pb = position_bias(scheme)) {
-        pb->backward(positions, positions, ds, g.first(static_cast<std::size_t>(pb->parameter_count())));
-      } else if (const RelativeBias* rb = relative_bias(scheme)) {
-        relative_bias_backward(*rb, positions, positions, ds, g.first(static_cast<std::size_t>(rb->parameter_count())));
-      }
+      bias_backward(scheme, positions, positions, ds, g.first(static_cast<std::size_t>(bias_parameter_count(scheme))));
     };
   } else if (name == "attention") {
     return make_attention_case(o);

@@ -591,6 +591,36 @@ TEST_P(Schemes, RelativeBiasesMaterialiseAndDifferentiateAsTheirReference) {
   }
 }
 
+// bias_backward, any score bias's gradient through its family's fast path, against the fp64
+// reference's (ref::bias_backward), and refusing a span of another size by name.
+TEST_P(Schemes, EveryScoreBiasDifferentiatesThroughOneCall) {
+  std::vector<std::int64_t> q_ids(static_cast<std::size_t>(kQLen)), k_ids(static_cast<std::size_t>(kKLen));
+  for (auto& x : q_ids) x = testing::uniform_int(0, 60);  // inside TUPE's table of 64 rows
+  for (std::size_t j = 0; j < k_ids.size(); ++j) k_ids[j] = 10 + static_cast<std::int64_t>(j);
+  const Positions qp = Positions::ids(q_ids), kp = Positions::ids(k_ids);
+  std::vector<double> ds(static_cast<std::size_t>(kHeads * kQLen * kKLen));
+  for (double& x : ds) x = uniform(-1, 1);
+  const ConstTensorView dsv = ConstTensorView::of(ds.data(), {kHeads, kQLen, kKLen});
+  int checked = 0;
+  for (const SchemeEntry& e : schemes()) {
+    if (e.family != "relative-bias" && e.family != "bias") continue;
+    SCOPED_TRACE(e.name);
+    const HeadGroup g = make_head_group(e.name, with_random_parameters(e, matrix_args(e)));
+    const BiasScheme& scheme = *g.bias;
+    std::vector<double> d_fast(static_cast<std::size_t>(bias_parameter_count(scheme)), 0.0), d_exact = d_fast;
+    bias_backward(scheme, qp, kp, dsv, d_fast);
+    ref::bias_backward(scheme, qp, kp, dsv, d_exact);
+    EXPECT_LE(max_abs_diff(d_fast, d_exact), 1e-11 * (max_abs(d_exact) + 1));
+    if (!d_fast.empty()) {
+      std::vector<double> short_span(d_fast.size() - 1);
+      expect_error([&] { bias_backward(scheme, qp, kp, dsv, short_span); },
+                   {"bias_backward", "d_params", std::to_string(d_fast.size())});
+    }
+    ++checked;
+  }
+  EXPECT_GE(checked, 6);  // ALiBi, T5, Kerple, FIRE, TUPE, Sandwich
+}
+
 // A picture (posenc table) is the scheme's logit term: an fp64 attention with q = k = 0 and
 // one-hot values v_j = e_j outputs P itself, whose logs differ along a row as the picture does
 // (T5's bucket ids through its table). Schemes without one refuse by name.

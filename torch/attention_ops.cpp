@@ -25,13 +25,16 @@ using SchemeList = c10::List<c10::intrusive_ptr<SchemeClass>>;
 using OptionalTemperature = c10::optional<c10::intrusive_ptr<TemperatureClass>>;
 
 // A Scheme's head group with its learned parameters: `params` in the registry's parameter_shape
-// (a 1-D empty tensor for a scheme without any), or undefined for the scheme's initial values.
+// (a 1-D empty tensor for a scheme without any), or undefined for the scheme's initial values, as
+// is an empty tensor for a scheme whose parameters its definition fixes (parameters_fixed: ALiBi's
+// slopes, which a name alone gives).
 HeadGroup attention_group(const char* where, const std::string& name, const SchemeClass& scheme,
                           const at::Tensor& params, std::int64_t head_dim, double scale,
                           std::map<std::string, ConstTensorView, std::less<>> inputs = {}) {
   SchemeArgs args = scheme.given_args(head_dim, scale);
   args.inputs = std::move(inputs);
-  if (params.defined()) {
+  const bool fixed = scheme.entry->parameters_fixed && params.defined() && params.dim() == 1 && params.numel() == 0;
+  if (params.defined() && !fixed) {
     const std::vector<std::int64_t> shape = scheme.entry->parameter_shape(scheme.args(head_dim, scale));
     // A scheme without parameters takes a 1-D empty tensor (a 0-d tensor is one value, not none).
     const bool fits =
@@ -381,7 +384,11 @@ std::vector<at::Tensor> parameter_gradients(const AttentionCall& call, const Att
   std::vector<at::Tensor> out;
   for (std::size_t g = 0; g < call.entries.size(); ++g) {
     const std::vector<double> d = scheme_gradients(*call.entries[g], grads.groups[g]);
-    out.push_back(params.empty() ? at::tensor(d, at::kDouble) : tensor_of(d, params[g]));
+    // An empty tensor stood for fixed parameters (attention_group): nothing of them is learned.
+    const bool fixed = !params.empty() && params[g].numel() == 0 && call.entries[g]->parameters_fixed;
+    out.push_back(params.empty() ? at::tensor(d, at::kDouble)
+                  : fixed        ? params[g].new_empty({0})
+                                 : tensor_of(d, params[g]));
   }
   return out;
 }

@@ -33,11 +33,11 @@
 //                   gates and the sinks. `schemes`: one registered scheme per head group, their
 //                   heads covering q's in order; `params`: empty (every scheme's initial values) or
 //                   one tensor per group in the registry's parameter_shape (a 1-D empty tensor for
-//                   a scheme without learned parameters); `gates`: empty, or one per head group:
-//                   the per-token input of a scheme that reads one (the registry's inputs:
-//                   forgetting's log_fgate), else a log forget gate [B, Sk, heads] added to the
-//                   group's scheme (posenc/forgetting.hpp), or an empty tensor;
-//                   `sinks`: [H] logits (posenc/sinks.hpp); `scale`: None for 1/sqrt(D)
+//                   a scheme without learned parameters, or whose entry fixes them: its own); `gates`: empty, or one
+//                   per head group: the per-token input of a scheme that reads one (the registry's inputs: forgetting's
+//                   log_fgate), else a log forget gate [B, Sk, heads] added to the group's scheme
+//                   (posenc/forgetting.hpp), or an empty tensor; `sinks`: [H] logits (posenc/sinks.hpp); `scale`: None
+//                   for 1/sqrt(D)
 //   posenc::attention_backward(…, out, lse, d_out, …) -> (dq, dk, dv, Tensor[] d_params)
 //                   one call's backward given the whole sequence's out and lse (context parallelism)
 //   posenc::schemes() -> str   the registry as JSON

@@ -5,7 +5,7 @@ import torch
 from ._checks import _EMPTY, _cu_seqlens, _flag, _int, _number, _object, _ops, _positions, _unset
 from ._functional import _KV_FORMATS, _attention_op
 from ._modules import Forgetting, PositionTemperature
-from .registry import _ATTENTION_MODULES, Scheme, _fixed_parameters, _scheme_entry, _scheme_spec
+from .registry import _ATTENTION_MODULES, Scheme, _scheme_entry, _scheme_spec
 
 
 def forgetting_attention(q, k, v, log_fgate, *, cu_seqlens=None, scale=None, layout="bshd", return_lse=False):
@@ -39,10 +39,8 @@ def _attention_scheme(scheme, heads, keys_rotated, head_dim):
         # The call's keys_rotated (k: a cache of rotated keys) reaches a scheme that rotates keys.
         options = {"keys_rotated": True} if keys_rotated and any(
             o["name"] == "keys_rotated" for o in entry["options"]) else {}
-        spec = _scheme_spec(entry["name"], heads, options)
-        # Fixed parameters (ALiBi's slopes): the definition's, as the registry makes them.
-        params = _fixed_parameters(entry["name"], heads, head_dim) if entry["parameters_fixed"] else _EMPTY
-        return spec, params
+        # Fixed parameters (ALiBi's slopes) travel as an empty tensor too: the op makes the definition's.
+        return _scheme_spec(entry["name"], heads, options), _EMPTY
     if isinstance(scheme, torch.nn.Module) and hasattr(scheme, "_attention_scheme"):
         return scheme._attention_scheme(heads, keys_rotated, head_dim)
     modules = ", ".join(sorted({make.cls.__name__ for make in _ATTENTION_MODULES.values()}))

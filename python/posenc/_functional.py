@@ -193,13 +193,13 @@ def alibi_slopes(heads, max_bias=8.0):
     return torch.tensor([2.0 ** (-max_bias * e) for e in exponents], dtype=torch.float64)
 
 
-def _score_bias(where, name, params, heads, options, q_positions, k_positions, head_dim=1):
+def _score_bias(where, name, params, heads, options, q_positions, k_positions, head_dim=1, dtype=None):
     """A registered score-bias scheme (the relative-bias and bias families) over positions (the
-    generic op), in params' dtype and differentiable in params: the functions below give its
-    parameters in the registry's shape, and its head count."""
+    generic op), in ``dtype`` (default: params') and differentiable in params: the functions below
+    give its parameters in the registry's shape, and its head count."""
     spec = _scheme_spec(name, _concrete(heads), options)
-    return _score_bias_op(spec, params, _positions(q_positions, 0), _positions(k_positions, 0), params.dtype,
-                          head_dim)
+    return _score_bias_op(spec, params, _positions(q_positions, 0), _positions(k_positions, 0),
+                          params.dtype if dtype is None else dtype, head_dim)
 
 
 def _bias_params(where, shapes, **tensors):
@@ -211,6 +211,10 @@ def _bias_params(where, shapes, **tensors):
             raise TypeError(f"{where}: {key} is {type(value).__name__}; expected a torch.Tensor")
         if not value.is_floating_point():
             raise TypeError(f"{where}: {key} dtype {value.dtype}; expected a floating dtype")
+    devices = {str(value.device) for value in tensors.values()}
+    if len(devices) > 1:
+        raise ValueError(f"{where}: " + ", ".join(f"{k} on {v.device}" for k, v in tensors.items()) +
+                         "; expected one device")
     for key, value in tensors.items():
         want = shapes[key]
         if want == ():
@@ -262,9 +266,11 @@ def fire_bias(w1, b1, w2, b2, c, threshold, q_positions, k_positions):
     n = _bias_params("fire_bias", {"w1": ("hidden",), "b1": ("hidden",), "w2": ("heads", "hidden"), "b2": ("heads",),
                                    "c": (), "threshold": ()},
                      w1=w1, b1=b1, w2=w2, b2=b2, c=c, threshold=threshold)
-    # The registry's parameters: [w1 | b1 | w2 | b2 | c | L], flat.
-    params = torch.cat([t.reshape(-1).to(w2.dtype) for t in (w1, b1, w2, b2, c, threshold)])
-    return _score_bias("fire_bias", "fire", params, n["heads"], {"hidden": n["hidden"]}, q_positions, k_positions)
+    # The registry's parameters: [w1 | b1 | w2 | b2 | c | L], flat in float64 (each tensor as
+    # precise as it is given; the library computes in fp64).
+    params = torch.cat([t.reshape(-1).to(torch.float64) for t in (w1, b1, w2, b2, c, threshold)])
+    return _score_bias("fire_bias", "fire", params, n["heads"], {"hidden": n["hidden"]}, q_positions, k_positions,
+                       dtype=w2.dtype)
 
 
 def tupe_bias(table, u_q, u_k, theta1, theta2, q_positions, k_positions, heads, cls_reset=False):
@@ -274,14 +280,14 @@ def tupe_bias(table, u_q, u_k, theta1, theta2, q_positions, k_positions, heads, 
     n = _bias_params("tupe_bias", {"table": ("max_len", "d_model"), "u_q": ("d_model", "heads·head_dim"),
                                    "u_k": ("d_model", "heads·head_dim"), "theta1": ("heads",), "theta2": ("heads",)},
                      table=table, u_q=u_q, u_k=u_k, theta1=theta1, theta2=theta2)
-    if n["heads"] != heads or n["heads·head_dim"] % heads:
+    if n["heads"] != heads or n["heads·head_dim"] % heads or n["heads·head_dim"] == 0:
         raise ValueError(f"tupe_bias: heads = {heads}, theta1 shape {list(theta1.shape)}, u_q shape "
                          f"{list(u_q.shape)}; expected theta1 [heads] and u_q [d_model, heads·head_dim]")
-    # The registry's parameters: [table | U^Q | U^K | θ1 | θ2], flat.
-    params = torch.cat([t.reshape(-1).to(table.dtype) for t in (table, u_q, u_k, theta1, theta2)])
+    # The registry's parameters: [table | U^Q | U^K | θ1 | θ2], flat in float64 (as FIRE's).
+    params = torch.cat([t.reshape(-1).to(torch.float64) for t in (table, u_q, u_k, theta1, theta2)])
     options = {"d_model": n["d_model"], "max_len": n["max_len"], "cls_reset": bool(cls_reset)}
     return _score_bias("tupe_bias", "tupe", params, heads, options, q_positions, k_positions,
-                       n["heads·head_dim"] // heads)
+                       n["heads·head_dim"] // heads, dtype=table.dtype)
 
 
 def learned(table, x, positions=None):

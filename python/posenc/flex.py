@@ -13,8 +13,8 @@ bias (TUPE, …) over its distinct query × key positions. FIRE's MLP is compute
 function instead, from captured tensors (no table), and so is the forget gate's running sum, kept
 as two float32 halves so that long sequences lose no precision. Sinks are exact: one more key
 with a zero value whose score is the sink's logit. Schemes whose terms read the query and a
-per-pair table (Shaw, Transformer-XL) and the normalisers that replace the softmax
-(stick-breaking, CoPE) are refused: see ``_REFUSED``."""
+per-pair table (Shaw, Transformer-XL), the normalisers that replace the softmax (stick-breaking,
+CoPE) and terms given only by their fp64 definition are refused: see ``_REFUSED``."""
 import torch
 from torch.nn.attention import flex_attention as _flex
 
@@ -36,9 +36,10 @@ _REFUSED = {
     "term": "a term given by its fp64 definition in C++ (posenc/term.hpp) has no score_mod form",
 }
 _INSTEAD = "; use backend='fused' (posenc's CPU kernel) for it"
-# The relative-bias table is [H, span of key − query] floats, a position bias's [H, query
-# positions, key positions]; past this many per head the positions are too scattered (or the
-# sequences too long) for a table (the fused kernel computes the bias per pair instead).
+# The relative-bias table is [H, span of key − query] floats: past this many per head the
+# positions are too scattered for a table. A position bias's is [H, query positions, key
+# positions]: past this many in all the call is too long for one (fp64 on the host first). The
+# fused kernel computes such biases per pair instead.
 _TABLE_LIMIT = 1 << 24
 
 
@@ -123,6 +124,9 @@ def _partners(scheme, key, head_dim, seq_len):
                 raise ValueError(f"posenc.flex: transform {key[0]} mixes entry {j} with entries {others}; expected "
                                  "pairs at most (the form x' = A ⊙ x + B ⊙ x[partner] + C)")
             partner.append(others[0] if others else j)
+        if any(partner[partner[j]] != j for j in range(head_dim)):
+            raise ValueError(f"posenc.flex: transform {key[0]} pairs its entries one way only ({partner}); expected "
+                             "pairs (j mixed with p and p with j)")
         _PARTNERS[key] = torch.tensor(partner)
     return _PARTNERS[key]
 
@@ -141,7 +145,15 @@ def _transform_tables(scheme, head_dim, positions, seq_len, keys, partner):
     c = apply(torch.zeros(head_dim, dtype=torch.float64))
     o1 = apply(first.to(torch.float64)) - c
     o2 = apply((~first).to(torch.float64)) - c
-    return torch.where(first, o1, o2), torch.where(first, o2, o1), c
+    a, b = torch.where(first, o1, o2), torch.where(first, o2, o1)
+    # The form holds for this transform at these positions: a random row through both.
+    x = torch.randn(p, head_dim, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    want = _ops.qk_transform(scheme, x, positions, keys, seq_len)
+    got = a * x + b * x[:, partner] + c
+    if p and not torch.allclose(got, want, rtol=1e-12, atol=1e-12 * (1.0 + float(want.abs().max()))):
+        raise ValueError(f"posenc.flex: transform {scheme.name()} is not of the form x' = A ⊙ x + B ⊙ x[partner] + C "
+                         "at the call's positions; expected a transform by pairs (use backend='fused')")
+    return a, b, c
 
 
 class _Plan:
@@ -418,9 +430,10 @@ def _position_table(plan, qpos, kpos):
     position-bias group's b_h(p, p') over the call's distinct query and key positions, by the
     library in fp64 (differentiable in the groups' parameters), zero for the other heads."""
     uq, uk = torch.unique(qpos.cpu()), torch.unique(kpos.cpu())
-    if uq.numel() * uk.numel() > _TABLE_LIMIT:
-        raise ValueError(f"posenc.flex: {uq.numel()} query × {uk.numel()} key positions; expected at most "
-                         f"{_TABLE_LIMIT} pairs for a position-bias table (longer calls need backend='fused')")
+    if plan.heads * uq.numel() * uk.numel() > _TABLE_LIMIT:
+        raise ValueError(f"posenc.flex: {plan.heads} heads × {uq.numel()} query × {uk.numel()} key positions; "
+                         f"expected at most {_TABLE_LIMIT} entries for a position-bias table (longer calls need "
+                         "backend='fused')")
     rows, h_at = [], 0
     for h0, h1, spec, group_params, head_dim in sorted(plan.pos, key=lambda g: g[0]):
         if h0 > h_at:

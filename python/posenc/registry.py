@@ -16,7 +16,8 @@ def schemes():
     ``source``, ``parameters`` (the learned parameters, "" if none), ``options`` (``name``,
     ``default``, ``integer``, ``description``), ``inputs`` (per-token activations the
     scheme reads: ``name``, ``description``, ``typical`` [min, max] of a trained model's values) and
-    ``causal_only``. A name without inputs or learned parameters works as
+    ``causal_only`` and ``parameters_fixed`` (the learned parameters are constants of the
+    definition: ALiBi's slopes). A name without inputs whose parameters are none or fixed works as
     ``posenc.attention(..., scheme=name)``; every one as ``posenc.Scheme(name, heads, head_dim,
     **options, **{input: tensor})``."""
     return json.loads(_ops.schemes())
@@ -55,18 +56,6 @@ def _scheme(name, heads, options=None, rope_args=None):
     """One head group's registered scheme as the ops take it: a ``torch.classes.posenc.Scheme``
     (posenc/torch/classes.hpp) whose options are numbers (flags 0 or 1)."""
     return _object(_scheme_spec(name, heads, options, rope_args))
-
-
-def _fixed_parameters(name, heads, head_dim):
-    """The initial parameters of a scheme whose entry fixes them (ALiBi's slopes), float64: what a
-    name alone gives the attention. Plain numbers from the library, so that torch.compile reads
-    them as constants."""
-    return torch.tensor(_initial_values(name, heads, head_dim), dtype=torch.float64)
-
-
-@torch.compiler.assume_constant_result  # the registry is fixed when the library loads
-def _initial_values(name, heads, head_dim):
-    return tuple(_scheme(name, heads).initial_parameters(head_dim).tolist())
 
 
 def _scheme_spec(name, heads, options=None, rope_args=None):

@@ -261,8 +261,8 @@ def check_attention(case):
 # ─── posenc.flex on the same cases ─────────────────────────────────────────────────────────────
 
 # What posenc.flex refuses that the fused kernel runs (docs/flex.md): schemes with no score function,
-# biases over too wide a span of positions.
-FLEX_LIMITS = ("not supported through FlexAttention", "positions span")
+# biases over too wide a span of positions or too many of them.
+FLEX_LIMITS = ("not supported through FlexAttention", "positions span", "for a position-bias table")
 ROUNDING = {"float32": 0.0, "bfloat16": 2.0**-8, "float16": 2.0**-11}
 
 

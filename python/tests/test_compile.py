@@ -172,8 +172,8 @@ def pickled(obj):
 
 def rope_and_registry_cases():
     """(name, op, args) for RoPE (out of place, in place, multi-axis, KV-cache re-rotation), each
-    with the Rope object and as its _pickled form; every relative-bias scheme of the registry
-    (posenc.schemes()) through relative_bias, with its parameters and without; the context-parallel
+    with the Rope object and as its _pickled form; every score-bias scheme of the registry
+    (posenc.schemes()) through score_bias, with its parameters and without; the context-parallel
     attention_backward; huge_page_zeros."""
     torch.manual_seed(5)
     q = torch.randn(2, 5, 4, 8, requires_grad=True)
@@ -511,6 +511,20 @@ class RotaryAndBiasModel(torch.nn.Module):
         q3, k3 = posenc.rope_multi(q2, k2, positions * torch.tensor([[1], [2], [3]]), sections=[2, 1, 1])
         scores = torch.einsum("bqhd,bkhd->bhqk", q3, k3) + self.bias(torch.arange(s))
         return scores.softmax(-1)
+
+
+def test_a_name_with_fixed_parameters_compiles_with_symbolic_heads():
+    """posenc.attention(…, "alibi") takes the registry's slopes as constants of the graph, also
+    when the head count is a symbol (dynamic=True), and "rope" by name: the eager bits."""
+    def f(q, k, v):
+        return posenc.attention(q, k, v, "alibi", causal=True) + posenc.attention(q, k, v, "rope", causal=True)
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=True, backend="aot_eager")
+    for heads in (4, 6):
+        q, k, v = torch.randn(1, 7, heads, 8), torch.randn(1, 7, 2, 8), torch.randn(1, 7, 2, 8)
+        assert torch.equal(compiled(q, k, v), f(q, k, v))
+        alibi = posenc.attention(q, k, v, posenc.ALiBi(heads), causal=True)
+        assert torch.equal(posenc.attention(q, k, v, "alibi", causal=True), alibi)
 
 
 def test_compile_rope_and_relative_bias_fullgraph():

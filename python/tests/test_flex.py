@@ -321,7 +321,7 @@ def test_long_calls_beyond_a_position_table_are_refused(monkeypatch):
     q, k, v = _inputs()
     far = torch.arange(S) * 200
     monkeypatch.setattr(posenc.flex, "_TABLE_LIMIT", 1024)
-    with pytest.raises(ValueError, match=r"40 query × 40 key positions; expected at most 1024 pairs"):
+    with pytest.raises(ValueError, match=r"4 heads × 40 query × 40 key positions; expected at most 1024 entries"):
         posenc.flex.prepare(q, k, v, posenc.TUPE(H, D, 16, 8000), causal=True, q_positions=far, k_positions=far)
 
 

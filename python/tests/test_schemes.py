@@ -224,8 +224,13 @@ def test_errors_name_the_argument():
         op([scheme("none", 3, {}, None)], [])
     with pytest.raises(ValueError, match="one per head group"):
         op([scheme("none", 2, {}, None), scheme("none", 2, {}, None)], [torch.empty(0)])
-    with pytest.raises(ValueError, match=r"params\[0\] shape \[0\]; expected \[4\]"):
-        op([scheme("alibi", 4, {}, None)], [torch.empty(0)])
+    with pytest.raises(ValueError, match=r"params\[0\] shape \[0\]; expected \[2, 4\]"):
+        op([scheme("kerple", 4, {}, None)], [torch.empty(0)])
+    # ALiBi's slopes are fixed by its definition (parameters_fixed): an empty tensor stands for them.
+    alibi = scheme("alibi", 4, {}, None)
+    assert torch.equal(op([alibi], [torch.empty(0)])[0], op([alibi], [])[0])
+    with pytest.raises(ValueError, match=r"params\[0\] shape \[3\]; expected \[4\]"):
+        op([alibi], [torch.ones(3)])
     with pytest.raises(ValueError, match="scale = 0"):
         op([scheme("none", 4, {}, None)], [], scale=0.0)
     with pytest.raises(RuntimeError, match="int"):

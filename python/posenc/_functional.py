@@ -193,7 +193,7 @@ def alibi_slopes(heads, max_bias=8.0):
     return torch.tensor([2.0 ** (-max_bias * e) for e in exponents], dtype=torch.float64)
 
 
-def _score_bias(where, name, params, heads, options, q_positions, k_positions, head_dim=1, dtype=None):
+def _score_bias(name, params, heads, options, q_positions, k_positions, head_dim=1, dtype=None):
     """A registered score-bias scheme (the relative-bias and bias families) over positions (the
     generic op), in ``dtype`` (default: params') and differentiable in params: the functions below
     give its parameters in the registry's shape, and its head count."""
@@ -203,8 +203,8 @@ def _score_bias(where, name, params, heads, options, q_positions, k_positions, h
 
 
 def _bias_params(where, shapes, **tensors):
-    """Checks tensors against shapes (None: any extent, shared by the same letter in the other
-    shapes; () or [1]: one value) and returns the extents the letters took."""
+    """Checks tensors against shapes (a name per dimension, whose extent every tensor naming it
+    shares; (): one value) and returns the extents the names took."""
     extents = {}
     for key, value in tensors.items():
         if not isinstance(value, torch.Tensor):
@@ -238,7 +238,7 @@ def alibi_bias(slopes, q_positions, k_positions, symmetric=False):
     """ALiBi biases [B, H, Sq, Sk]: -m_h·(i - j) (or -m_h·|i - j| when symmetric), differentiable in
     the slopes [H]."""
     _bias_params("alibi_bias", {"slopes": ("heads",)}, slopes=slopes)
-    return _score_bias("alibi_bias", "alibi", slopes, slopes.shape[0], {"symmetric": bool(symmetric)}, q_positions,
+    return _score_bias("alibi", slopes, slopes.shape[0], {"symmetric": bool(symmetric)}, q_positions,
                        k_positions)
 
 
@@ -248,7 +248,7 @@ def t5_bias(table, q_positions, k_positions, num_buckets=32, max_distance=128, b
     options = {"num_buckets": _int("t5_bias", "num_buckets", num_buckets), "bidirectional": bool(bidirectional),
                "max_distance": _int("t5_bias", "max_distance", max_distance)}
     _bias_params("t5_bias", {"table": ("num_buckets", "heads")}, table=table)
-    return _score_bias("t5_bias", "t5", table, table.shape[1], options, q_positions, k_positions)
+    return _score_bias("t5", table, table.shape[1], options, q_positions, k_positions)
 
 
 def kerple_bias(r1, r2, q_positions, k_positions, power=False):
@@ -256,7 +256,7 @@ def kerple_bias(r1, r2, q_positions, k_positions, power=False):
     (0 < r2 <= 2); r1, r2: [H], differentiable."""
     _bias_params("kerple_bias", {"r1": ("heads",), "r2": ("heads",)}, r1=r1, r2=r2)
     # The registry's parameters: [r1 | r2], [2, H], in r1's dtype.
-    return _score_bias("kerple_bias", "kerple", torch.stack([r1, r2.to(r1.dtype)]), r1.shape[0],
+    return _score_bias("kerple", torch.stack([r1, r2.to(r1.dtype)]), r1.shape[0],
                        {"power": bool(power)}, q_positions, k_positions)
 
 
@@ -269,7 +269,7 @@ def fire_bias(w1, b1, w2, b2, c, threshold, q_positions, k_positions):
     # The registry's parameters: [w1 | b1 | w2 | b2 | c | L], flat in float64 (each tensor as
     # precise as it is given; the library computes in fp64).
     params = torch.cat([t.reshape(-1).to(torch.float64) for t in (w1, b1, w2, b2, c, threshold)])
-    return _score_bias("fire_bias", "fire", params, n["heads"], {"hidden": n["hidden"]}, q_positions, k_positions,
+    return _score_bias("fire", params, n["heads"], {"hidden": n["hidden"]}, q_positions, k_positions,
                        dtype=w2.dtype)
 
 
@@ -286,7 +286,7 @@ def tupe_bias(table, u_q, u_k, theta1, theta2, q_positions, k_positions, heads, 
     # The registry's parameters: [table | U^Q | U^K | θ1 | θ2], flat in float64 (as FIRE's).
     params = torch.cat([t.reshape(-1).to(torch.float64) for t in (table, u_q, u_k, theta1, theta2)])
     options = {"d_model": n["d_model"], "max_len": n["max_len"], "cls_reset": bool(cls_reset)}
-    return _score_bias("tupe_bias", "tupe", params, heads, options, q_positions, k_positions,
+    return _score_bias("tupe", params, heads, options, q_positions, k_positions,
                        n["heads·head_dim"] // heads, dtype=table.dtype)
 
 

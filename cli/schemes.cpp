@@ -33,6 +33,8 @@ Runner add_schemes(CLI::App& app) {
       }
       if (!options.empty()) fmt::print("{:<{}}options: {}\n", "", indent, options);
       for (const std::string& alias : e.aliases) fmt::print("{:<{}}also: {}\n", "", indent, alias);
+      for (const LengthVariant& v : e.length_variants)
+        fmt::print("{:<{}}at longer contexts: {}-{}, {}\n", "", indent, e.name, v.name, v.summary);
       if (!e.parameters.empty()) fmt::print("{:<{}}learned: {}\n", "", indent, e.parameters);
       for (const SchemeInput& in : e.inputs)
         fmt::print("{:<{}}per-token input: {}, {}\n", "", indent, in.name, in.description);

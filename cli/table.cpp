@@ -167,11 +167,11 @@ bool head_wanted(const TableOptions& o, std::int64_t h, std::int64_t heads) {
   return !o.head || *o.head == h;
 }
 
-// The registered scheme an encoding names (nope: none), or null.
+// The registered scheme an encoding names (by name or alias: nope is none), or null.
 const SchemeEntry* pictured_scheme(const std::string& encoding) {
-  const std::string name = encoding == "nope" ? "none" : encoding;
   for (const SchemeEntry& e : schemes()) {
-    if (e.name == name && has_picture(e)) return &e;
+    const bool named = e.name == encoding || std::find(e.aliases.begin(), e.aliases.end(), encoding) != e.aliases.end();
+    if (named && has_picture(e)) return &e;
   }
   return nullptr;
 }
@@ -393,9 +393,9 @@ void run_table(const CLI::App& sub, const TableOptions& o) {
   if (o.encoding != "sinusoidal" && o.encoding != "rope") {
     const SchemeEntry* entry = pictured_scheme(o.encoding);
     if (entry == nullptr) {
-      std::string names = "sinusoidal, rope, floater, nope";
+      std::string names = "sinusoidal, rope, floater";
       for (const SchemeEntry& e : schemes()) {
-        if (has_picture(e) && e.name != "none") names += ", " + e.name;
+        if (has_picture(e)) names += ", " + (e.aliases.empty() ? e.name : e.aliases.front());
       }
       // A registered scheme without a picture says why.
       for (const SchemeEntry& e : schemes()) {
@@ -482,7 +482,9 @@ void check_flags_apply(const CLI::App& sub, const std::string& encoding) {
     for (const SchemeEntry& e : schemes()) {
       if (!has_picture(e)) continue;
       // --head: every registered scheme (a shared matrix refuses it by name when it is printed).
-      if (flag == "--set" || flag == "--head" || reads(e, target)) names.push_back(e.name == "none" ? "nope" : e.name);
+      // An entry by its first alias where it has one (none: nope).
+      if (flag == "--set" || flag == "--head" || reads(e, target))
+        names.push_back(e.aliases.empty() ? e.name : e.aliases.front());
     }
     if (std::find(names.begin(), names.end(), encoding) != names.end()) continue;
     std::string list;

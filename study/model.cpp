@@ -21,11 +21,12 @@ using RopeOp = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::T
                                                   const c10::intrusive_ptr<torch_adapter::RopeClass>&, std::int64_t,
                                                   std::int64_t);
 
-// xPos: its paper's scale base 512.
-constexpr double kXposScaleBase = 512.0;
-
 }  // namespace
 
+// The study's default arms, in the order that seeds them (known_schemes). sinusoidal and learned
+// are its own: embeddings of the input, added to the residual stream, not terms of the attention
+// that the registry describes. The others are registry names or aliases (nope: none), and
+// <scheme>-<variant> for an entry's length variants.
 const std::vector<std::string>& all_schemes() {
   static const std::vector<std::string> schemes = {"sinusoidal", "learned", "rope",   "rope-ntk", "rope-yarn", "xpos",
                                                    "t5",         "alibi",   "kerple", "fire",     "nope"};
@@ -33,25 +34,38 @@ const std::vector<std::string>& all_schemes() {
 }
 
 namespace {
-// The registry's entry the study trains a scheme by (its name or an alias): a score bias of the
-// positions (families relative-bias and bias), a term of per-token inputs that a decoder makes
-// (token-term), or a normaliser in place of the softmax; null for the study's own (sinusoidal,
-// learned, the RoPE variants, nope).
-const posenc::SchemeEntry* study_entry(const std::string& scheme) {
-  for (const posenc::SchemeEntry& e : posenc::schemes()) {
-    if (e.name != scheme && std::find(e.aliases.begin(), e.aliases.end(), scheme) == e.aliases.end()) continue;
-    const bool inputs_made = !e.inputs.empty() && std::all_of(e.inputs.begin(), e.inputs.end(),
-                                                              [](const auto& in) { return in.decoder_log_sigmoid; });
-    const bool trained = e.family == "relative-bias" || e.family == "bias" || e.family == "normaliser" ||
-                         (e.family == "token-term" && inputs_made);
-    return trained ? &e : nullptr;
-  }
-  return nullptr;
+// Whether a decoder trains the entry: no positions (none), a transform of q and k, a score bias of
+// the positions (families relative-bias and bias), a term of per-token inputs that a decoder makes
+// (token-term), or a normaliser in place of the softmax.
+bool trainable(const posenc::SchemeEntry& e) {
+  const bool inputs_made = !e.inputs.empty() && std::all_of(e.inputs.begin(), e.inputs.end(),
+                                                            [](const auto& in) { return in.decoder_log_sigmoid; });
+  return e.family == "none" || e.family == "transform" || e.family == "relative-bias" || e.family == "bias" ||
+         e.family == "normaliser" || (e.family == "token-term" && inputs_made);
 }
 
 // The name the study reports an entry by: its first alias where it has one (forgetting: fox, as
-// its paper calls it).
+// its paper calls it; none: nope).
 std::string study_name(const posenc::SchemeEntry& e) { return e.aliases.empty() ? e.name : e.aliases.front(); }
+
+// A registry scheme as the study holds it: its entry, and the length variant it is evaluated under
+// (rope-ntk: rope's ntk).
+struct Arm {
+  const posenc::SchemeEntry* entry = nullptr;
+  const posenc::LengthVariant* variant = nullptr;
+};
+// The arm of a study name: an entry's name or alias, or <study name>-<variant>; no entry for the
+// input embeddings and for schemes a decoder does not train.
+Arm study_arm(const std::string& scheme) {
+  for (const posenc::SchemeEntry& e : posenc::schemes()) {
+    if (!trainable(e)) continue;
+    if (e.name == scheme || std::find(e.aliases.begin(), e.aliases.end(), scheme) != e.aliases.end()) return {&e};
+    for (const posenc::LengthVariant& v : e.length_variants) {
+      if (scheme == study_name(e) + "-" + v.name) return {&e, &v};
+    }
+  }
+  return {};
+}
 
 // The entry's options as a decoder of train_length holds it (decoder_preset), the rest absent.
 posenc::SchemeArgs decoder_preset(const posenc::SchemeEntry& entry, std::int64_t heads, std::int64_t head_dim,
@@ -70,14 +84,21 @@ posenc::SchemeArgs decoder_args(const posenc::SchemeEntry& entry, std::int64_t h
 const std::vector<std::string>& known_schemes() {
   static const std::vector<std::string> known = [] {
     std::vector<std::string> all = all_schemes();
+    const auto add = [&all](const std::string& name) {
+      if (std::find(all.begin(), all.end(), name) == all.end()) all.push_back(name);
+    };
     for (const posenc::SchemeEntry& e : posenc::schemes()) {
-      if (e.family == "relative-bias" && std::find(all.begin(), all.end(), e.name) == all.end()) all.push_back(e.name);
+      if (e.family == "relative-bias") add(e.name);
     }
-    // Then the schemes whose logits or weights depend on the content, last so that the others
-    // keep their seeds.
+    // Then the schemes whose logits or weights depend on the content, then the other transforms
+    // and their length variants: later, so that the others keep their seeds.
     for (const posenc::SchemeEntry& e : posenc::schemes()) {
-      if ((e.family == "token-term" || e.family == "normaliser") && study_entry(e.name) == &e)
-        all.push_back(study_name(e));
+      if ((e.family == "token-term" || e.family == "normaliser") && trainable(e)) add(study_name(e));
+    }
+    for (const posenc::SchemeEntry& e : posenc::schemes()) {
+      if (e.family != "transform" && e.family != "none") continue;
+      add(study_name(e));
+      for (const posenc::LengthVariant& v : e.length_variants) add(study_name(e) + "-" + v.name);
     }
     return all;
   }();
@@ -85,8 +106,8 @@ const std::vector<std::string>& known_schemes() {
 }
 
 bool replaces_softmax(const std::string& scheme) {
-  const posenc::SchemeEntry* entry = study_entry(scheme);
-  return entry != nullptr && entry->family == "normaliser";
+  const Arm arm = study_arm(scheme);
+  return arm.entry != nullptr && arm.entry->family == "normaliser";
 }
 
 std::string known_schemes_text() {
@@ -96,7 +117,8 @@ std::string known_schemes_text() {
 }
 
 std::string training_scheme(const std::string& scheme) {
-  return scheme == "rope-ntk" || scheme == "rope-yarn" ? "rope" : scheme;
+  const Arm arm = study_arm(scheme);
+  return arm.variant ? study_name(*arm.entry) : scheme;
 }
 
 void LanguageModelImpl::set_scheme(const std::string& scheme) {
@@ -106,10 +128,26 @@ void LanguageModelImpl::set_scheme(const std::string& scheme) {
   config_.scheme = scheme;
 }
 
-bool LanguageModelImpl::has_rope() const {
-  const std::string& s = config_.scheme;
-  return s == "rope" || s == "xpos" || s == "rope-ntk" || s == "rope-yarn";
+posenc::SchemeArgs LanguageModelImpl::attention_args(std::int64_t context_length) const {
+  const Arm arm = study_arm(config_.scheme);
+  const std::int64_t head_dim = config_.width / config_.heads;
+  posenc::SchemeArgs args = decoder_preset(*arm.entry, config_.heads, head_dim, config_.train_length);
+  if (arm.variant) {
+    args = posenc::complete_scheme_args(*arm.entry, std::move(args));
+    arm.variant->at_length(args, config_.train_length, context_length);
+  }
+  return args;
 }
+
+std::optional<RopeParams> LanguageModelImpl::rotation(std::int64_t context_length) const {
+  const Arm arm = study_arm(config_.scheme);
+  if (arm.entry == nullptr || arm.entry->family != "transform") return std::nullopt;
+  const posenc::HeadGroup group = posenc::make_head_group(arm.entry->name, attention_args(context_length));
+  const auto* rotary = std::get_if<RotaryQK>(&group.transform);
+  return rotary ? std::optional<RopeParams>(rotary->params) : std::nullopt;
+}
+
+bool LanguageModelImpl::has_rope() const { return rotation(config_.train_length).has_value(); }
 
 void LanguageModelImpl::set_kv_cache(const std::string& format, bool post_rope) {
   if (!format.empty() && replaces_softmax(config_.scheme)) {
@@ -152,7 +190,7 @@ LanguageModelImpl::LanguageModelImpl(const ModelConfig& config) : config_(config
     const auto param = [&](const std::string& name, torch::Tensor value) {
       layer.raw.push_back(register_parameter(p + name, std::move(value)));
     };
-    const posenc::SchemeEntry* entry = study_entry(config.scheme);
+    const posenc::SchemeEntry* entry = study_arm(config.scheme).entry;
     if (entry && entry->parameters_fixed) {
       // The definition's parameters (ALiBi's slopes): none trained.
     } else if (entry && entry->training) {
@@ -187,39 +225,22 @@ LanguageModelImpl::LanguageModelImpl(const ModelConfig& config) : config_(config
 }
 
 c10::intrusive_ptr<torch_adapter::SchemeClass> LanguageModelImpl::attention_scheme(std::int64_t context_length) const {
-  const std::string& s = config_.scheme;
-  const std::int64_t head_dim = config_.width / config_.heads;
-  c10::Dict<std::string, double> options;
-  c10::optional<c10::intrusive_ptr<torch_adapter::RopeClass>> rope;
-  std::string name = "none";
-  if (s == "rope" || s == "xpos" || s == "rope-ntk" || s == "rope-yarn") {
-    RopeScaling scaling;
-    const bool longer = context_length > config_.train_length;
-    if (s == "rope-ntk" && longer) {
-      // Hugging Face's dynamic NTK: base·(factor·seq/max − (factor − 1))^(d/(d−2)) with factor 1.
-      scaling.type = RopeType::kDynamic;
-      scaling.factor = 1.0;
-    }
-    if (s == "rope-yarn" && longer) {
-      scaling.type = RopeType::kYarn;
-      scaling.factor = static_cast<double>(context_length) / static_cast<double>(config_.train_length);
-      scaling.original_max_position_embeddings = config_.train_length;
-    }
-    RopeParams p(head_dim, head_dim, 10000.0, RopeLayout::kHalfSplit, scaling, config_.train_length);
-    if (s == "xpos") p = p.with_xpos(kXposScaleBase, 0.0);
-    rope = c10::make_intrusive<torch_adapter::RopeClass>(p);
-    name = "rope";
-    if (!kv_format_.empty() && kv_post_rope_) options.insert("keys_rotated", 1.0);
-  } else if (const posenc::SchemeEntry* entry = study_entry(s)) {
-    name = entry->name;
-    for (const auto& [option, value] : decoder_preset(*entry, config_.heads, head_dim, config_.train_length).options)
-      options.insert(option, value);
+  const Arm arm = study_arm(config_.scheme);
+  if (arm.entry == nullptr) {  // an input embedding: no term in the attention
+    return c10::make_intrusive<torch_adapter::SchemeClass>("none", config_.heads, c10::Dict<std::string, double>(),
+                                                           c10::nullopt);
   }
-  return c10::make_intrusive<torch_adapter::SchemeClass>(name, config_.heads, options, rope);
+  const posenc::SchemeArgs args = attention_args(context_length);
+  c10::Dict<std::string, double> options;
+  for (const auto& [option, value] : args.options) options.insert(option, value);
+  if (!kv_format_.empty() && kv_post_rope_) options.insert_or_assign("keys_rotated", 1.0);
+  c10::optional<c10::intrusive_ptr<torch_adapter::RopeClass>> rope;
+  if (args.rope) rope = c10::make_intrusive<torch_adapter::RopeClass>(*args.rope);
+  return c10::make_intrusive<torch_adapter::SchemeClass>(arm.entry->name, config_.heads, options, rope);
 }
 
 torch::Tensor LanguageModelImpl::layer_bias_params(const Layer& layer) const {
-  const posenc::SchemeEntry* entry = study_entry(config_.scheme);
+  const posenc::SchemeEntry* entry = study_arm(config_.scheme).entry;
   if (entry == nullptr || layer.raw.empty()) return {};  // the scheme's initial values (none for the others)
   if (!entry->training) return layer.raw[0];
   // The trained slices through their reparametrisation: one as it is, several flat and joined in
@@ -271,8 +292,8 @@ torch::Tensor LanguageModelImpl::forward(const torch::Tensor& bytes, std::int64_
     } else {
       torch::Tensor keys = k;
       if (kv_post_rope_) {
-        const auto& rope = schemes.get(0)->rope_object;
-        keys = std::get<1>(rotate.call(q, k, positions, *rope, s, 0));
+        const auto rope = c10::make_intrusive<torch_adapter::RopeClass>(*rotation(context_length));
+        keys = std::get<1>(rotate.call(q, k, positions, rope, s, 0));
       }
       args.kv_format = kv_format_;
       attended = std::get<0>(torch_adapter::call_attention(q, quantize.call(keys.contiguous(), kv_format_),

@@ -2,26 +2,18 @@
 // identical for every positional scheme except for how positions enter:
 //
 //   sinusoidal, learned      added to the byte embeddings (learned: a table of train_length rows;
-//                            positions past it use the last row — it has nothing else)
-//   rope, xpos               rotary inside the fused attention (posenc's op), xPos with its decay
-//   rope-ntk, rope-yarn      RoPE trained as is; at test lengths E > train_length, dynamic NTK
-//                            (base stretched for E) or YaRN with factor E / train_length
-//   t5, alibi, kerple, fire  score biases inside the fused attention (T5's table, Kerple's r1 r2
-//                            and FIRE's MLP trained; ALiBi's slopes fixed, as in the paper)
-//   nope                     nothing (causal attention alone)
-//   fox                      Forgetting Attention without other positions (the FoX paper's own
-//                            setting): log f = logsigmoid(W_f·x + b_f) per token and head, W_f a
-//                            linear layer of the block's normalised input (default init)
-//   stickbreaking            stick-breaking attention (no softmax, no positions) plus rem·b_h, a
-//                            learned per-head vector for the stick left over (zero at first), as
-//                            the authors' models add
-//   cope                     CoPE: a learned table of train_length + 1 positions per layer (the
-//                            authors' default, block size + 1, since position 0 occurs), zero at
-//                            first as theirs
+//                            positions past it use the last row — it has nothing else): the
+//                            study's own, since the registry holds terms of the attention
+//   every other scheme       inside the fused attention, held as its registry entry says
+//                            (posenc/registry.hpp): its decoder_preset, training,
+//                            parameters_fixed, decoder_statistic_bias and its inputs'
+//                            decoder_log_sigmoid, and <scheme>-<variant> for its length variants
 //
-// Every registered scheme from t5 on, and the registry's other score biases, is held as its entry
-// says (posenc/registry.hpp: decoder_preset, training, decoder_statistic_bias, and its inputs'
-// decoder_log_sigmoid); this file names none of them.
+// The default arms (all_schemes) are rope, rope-ntk and rope-yarn (dynamic NTK or YaRN past the
+// training length, from the one model trained as rope), xpos, t5, alibi, kerple, fire and nope
+// (the registry's none); fox, stickbreaking (with rem·b_h, a learned per-head vector for the stick
+// left over, as its authors' models add) and cope (a table of train_length + 1 positions, since
+// position 0 occurs) train with --schemes. This file names none of them.
 // Attention, its backward and every scheme's gradients are posenc's fused op (posenc::attention,
 // torch/ops.cpp), called through the dispatcher as Python calls it; the linear layers' products are
 // posenc::matmul (linear.hpp), so that no BLAS picks their summation order by CPU.
@@ -30,9 +22,11 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "posenc/registry.hpp"
 #include "posenc/torch/classes.hpp"
 
 namespace posenc::study {
@@ -44,12 +38,14 @@ struct ModelConfig {
 
 // The schemes the study knows, in report order.
 const std::vector<std::string>& all_schemes();
-// The scheme a scheme's model is trained as: rope for rope-ntk and rope-yarn, else itself.
+// The scheme a scheme's model is trained as: the scheme of a length variant (rope for rope-ntk and
+// rope-yarn), else itself.
 std::string training_scheme(const std::string& scheme);
 // Every scheme the study can train: all_schemes(), the registry's other schemes of the
 // relative-bias family (posenc/registry.hpp), each with its defaults and initial parameters, then
 // the registry's schemes of the token-term and normaliser families that a decoder can train (fox,
-// stickbreaking, cope: last, so that the others keep their seeds).
+// stickbreaking, cope), then the other transforms and their length variants (absolute): later
+// ones, so that the others keep their seeds.
 const std::vector<std::string>& known_schemes();
 // Whether the scheme replaces the softmax (a registered normaliser: stick-breaking, CoPE), so that
 // no quantized cache can stand for its k and v.
@@ -83,8 +79,13 @@ class LanguageModelImpl : public torch::nn::Module {
     torch::Tensor statistic_bias;           // b_h [heads, head_dim] (SchemeEntry::decoder_statistic_bias)
     std::vector<torch::Tensor> raw;         // the scheme's trained slices (SchemeEntry::training)
   };
-  // The attention's scheme at an evaluation length (rope-ntk and rope-yarn scale past the training length).
+  // The scheme's arguments at an evaluation length (a length variant's past the training length:
+  // rope-ntk, rope-yarn).
+  posenc::SchemeArgs attention_args(std::int64_t context_length) const;
+  // The attention's scheme at an evaluation length.
   c10::intrusive_ptr<torch_adapter::SchemeClass> attention_scheme(std::int64_t context_length) const;
+  // The rotation of q and k at an evaluation length, for a scheme that rotates them (RotaryQK).
+  std::optional<RopeParams> rotation(std::int64_t context_length) const;
   torch::Tensor layer_bias_params(const Layer& layer) const;
 
   ModelConfig config_;

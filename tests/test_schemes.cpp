@@ -271,7 +271,7 @@ TEST_P(Schemes, EveryEntryIsDescribedAndItsParametersHaveTheDeclaredShape) {
           << ignored;
     }
   }
-  expect_error([] { find_scheme("bogus"); }, {"schemes", "name", "bogus", "one of none, rope"});
+  expect_error([] { find_scheme("bogus"); }, {"schemes", "name", "bogus", "one of none, nope, rope, xpos"});
   // Shapes that would overflow an int64 are refused before anything is allocated.
   expect_error(
       [] {

@@ -65,6 +65,10 @@ struct SchemeInput {
   // of a learned linear map of x, one value per token and head (FoX's forget gates). False: a
   // decoder cannot train the scheme.
   bool decoder_log_sigmoid = false;
+  // How the input enters the logit, for a front end that writes the score function itself
+  // (posenc.flex): "sum_after_key", x_ij += Σ_{l=j+1..i} input[l, h], the sum over the tokens after
+  // the key up to the query (FoX's log forget gates); "" when only the scheme's terms say.
+  std::string logit_form{};
 };
 
 // What a factory receives: the head group's size, the options by name (make_head_group fills in
@@ -106,6 +110,17 @@ struct TrainedSlice {
   // What the attention reads it in: f64 (a score bias's parameters) or f32 (CoPE's table, which
   // the attention reads in q's dtype or f32).
   DType dtype = DType::kF64;
+};
+
+// A form of a scheme for a longer context than a model was trained at, chosen at test time from the
+// same trained model (RoPE's dynamic NTK and YaRN scalings). `posenc study` evaluates it as
+// <scheme>-<name> beside the scheme, sharing its training.
+struct LengthVariant {
+  std::string name;
+  std::string summary;
+  // Sets args (the decoder's, with its options completed) for a context of context_length tokens
+  // after training at train_length.
+  std::function<void(SchemeArgs& args, std::int64_t train_length, std::int64_t context_length)> at_length{};
 };
 
 // A scheme's registry entry, built by field name (designated initializers, C++20): the fields
@@ -170,6 +185,8 @@ struct SchemeEntry {
   std::function<void(SchemeArgs& args, std::int64_t train_length)> decoder_preset{};
   std::function<std::vector<TrainedSlice>(const SchemeArgs& args, std::int64_t train_length)> training{};
   bool decoder_statistic_bias = false;
+  // Test-time forms for longer contexts (see LengthVariant).
+  std::vector<LengthVariant> length_variants{};
 };
 
 // Every registered scheme, in a fixed order.
@@ -177,7 +194,7 @@ const std::vector<SchemeEntry>& schemes();
 // The registry as JSON, the one form that `posenc schemes --format json` prints and
 // posenc.schemes() reads: [{name, aliases, family, summary, source, parameters, parameters_fixed,
 // options: [{name, default, integer, description}], inputs: [{name, description, typical: [min,
-// max] of a trained model's values}], causal_only}].
+// max] of a trained model's values, logit_form}], causal_only, length_variants: [{name, summary}]}].
 std::string schemes_json();
 // The entry of that name or alias; throws posenc::Error listing the names otherwise.
 const SchemeEntry& find_scheme(std::string_view name);

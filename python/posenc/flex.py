@@ -231,8 +231,7 @@ def prepare(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size=N
     gate_list = list(gates)
     for g, ((group_heads, group_scheme), spec, group_params) in enumerate(zip(group_schemes, specs, params)):
         h1 = h0 + group_heads
-        if isinstance(group_scheme, Forgetting) or (isinstance(group_scheme, Scheme) and group_scheme.inputs and
-                                                    group_scheme.name == "forgetting"):
+        if isinstance(group_scheme, Forgetting) or _sums_after_key(group_scheme):
             plan.forget.append((h0, h1, gate_list[g]))
         elif isinstance(group_scheme, Scheme) and group_scheme.inputs:
             _refuse(group_scheme.name, "its per-token input has no FlexAttention form here")
@@ -262,6 +261,7 @@ def prepare(q, k, v, scheme=None, *, causal=False, window=(-1, -1), chunk_size=N
     if plan.sinks is not None:  # a "sinks" group's logits beside the call's: both in the denominator
         sinks = plan.sinks if sinks is None else torch.logaddexp(plan.sinks, sinks)
     if plan.empty:
+        _check_bias_positions(plan, (q_positions, k_positions, qpos, kpos))
         call = FlexCall(q, k[:, :, :0], v[:, :, :0], None, None, scale, packed, layout, [])
         call.empty_lse = sinks
         return call
@@ -326,6 +326,15 @@ def _check_call(q, k, v, cu_q, cu_k, causal, window_left, window_right, softcap,
         raise TypeError(f"{where}: sinks dtype {sinks.dtype}; expected a floating dtype")
     if sinks is not None and bool((torch.isnan(sinks) | (sinks == float("inf"))).any()):
         raise ValueError(f"{where}: sinks hold a NaN or +inf logit; expected finite numbers, or -inf for no sink")
+
+
+def _sums_after_key(scheme):
+    """Whether a registered scheme's one per-token input enters the logit as its sum over the tokens
+    after the key up to the query (its entry's logit_form; FoX's log forget gates): the plan's
+    running sums, as forget gates."""
+    if not isinstance(scheme, Scheme) or len(scheme.inputs) != 1:
+        return False
+    return [i.get("logit_form") for i in scheme.entry.get("inputs", [])] == ["sum_after_key"]
 
 
 def _group(plan, spec, group_params, h0, h1, kv_heads, qpos, kpos):
@@ -423,6 +432,19 @@ def _relative_table(plan, qpos, kpos):
     if h_at < plan.heads:
         rows.append(torch.zeros(plan.heads - h_at, span, dtype=torch.float64))
     return torch.cat(rows).to(plan.device, torch.float32), r_min
+
+
+def _check_bias_positions(plan, positions):
+    """A call where no query meets a key computes no bias, but the fused kernel checks every position
+    it is given (TUPE's table rows): each position bias checks them here, through the op, each
+    position against the first."""
+    given = [torch.as_tensor(p).reshape(-1).cpu().long() for p in positions if p is not None]
+    given = torch.unique(torch.cat(given)) if given else torch.zeros(0, dtype=torch.long)
+    if not plan.pos or not given.numel():
+        return
+    for _, _, spec, group_params, head_dim in plan.pos:
+        p = group_params.to("cpu", torch.float64) if group_params.numel() else None
+        _score_bias_op(spec[:2] + (None,), p, given, given[:1], torch.float64, head_dim)
 
 
 def _position_table(plan, qpos, kpos):

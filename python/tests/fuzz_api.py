@@ -41,7 +41,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # or 2^-11 (f16); the factors allow the sums over up to 12 keys. The scores' own rounding is added
 # by score_error: a logit off by δ moves the output by at most about δ·max|v|.
 TOLERANCE = {"float32": 2e-5, "bfloat16": 2e-2, "float16": 3e-3}
-SCHEMES = [None, "none", "rope", "absolute", "alibi", "t5", "kerple", "fire", "tupe", "shaw", "xl", "sandwich",
+SCHEMES = [None, "none", "rope", "xpos", "absolute", "alibi", "t5", "kerple", "fire", "tupe", "shaw", "xl", "sandwich",
            "sinks", "forgetting", "rope-yarn", "alibi-module", "groups"]
 
 
@@ -144,7 +144,7 @@ def attention_inputs(case):
                                                             attn_scale=case["temperature"][1])
     if case["sinks"]:
         options["sinks"] = torch.randn(heads, generator=g, dtype=torch.float64)
-    if case["keys_rotated"] and case["scheme"] in ("rope", "rope-yarn"):
+    if case["keys_rotated"] and case["scheme"] in ("rope", "xpos", "rope-yarn"):
         options["keys_rotated"] = True
     if cu is not None:
         form = case["cu_form"]

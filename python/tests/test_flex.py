@@ -175,6 +175,25 @@ def test_forward_eager(name, dtype):
     assert flex <= 2 * fused + FLOOR[dtype] * max(1.0, ref.abs().max().item()), (fused, flex)
 
 
+@pytest.mark.parametrize("name", [e["name"] for e in posenc.schemes() if e["family"] in ("transform", "token-term")])
+def test_every_registered_transform_and_token_term_by_name(name):
+    """Each registered transform (xPos, Shortformer, …) by its name alone, read through the library's
+    definition, and each token term whose input declares its logit form (FoX's gates as a
+    posenc.Scheme), at positions past a cache's offset."""
+    q, k, v = _inputs(sq=S // 2)
+    inputs = {e["name"]: e for e in posenc.schemes()}[name]["inputs"]
+    scheme = posenc.Scheme(name, H, D, **{i["name"]: _gate(shape=(B, S, H)) for i in inputs})
+    options = dict(scheme=scheme, causal=True, q_positions=torch.arange(S // 2, S) + 300,
+                   k_positions=torch.arange(S) + 300)
+    ref = posenc.attention(q.double(), k.double(), v.double(), **options)
+    fused = posenc.attention(q, k, v, **options)
+    with torch.no_grad():
+        flex = posenc.flex.attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), compiled=False, **options)
+    fused_error = (fused.double() - ref).abs().max().item()
+    flex_error = (flex.cpu().double() - ref).abs().max().item()
+    assert flex_error <= 2 * fused_error + FLOOR[torch.float32] * max(1.0, ref.abs().max().item())
+
+
 # Compiled FlexAttention: every case in float32, and a few in bfloat16 (each compiles its own kernel).
 COMPILED = [(name, torch.float32) for name in CASES] + [
     (name, torch.bfloat16) for name in ("rope", "t5", "fire", "fox-pro", "sinks", "packed")]

@@ -47,8 +47,12 @@ def test_the_listing_describes_every_scheme():
         # Fixed parameters are some: a scheme without any has nothing to fix.
         assert isinstance(e["parameters_fixed"], bool) and (bool(e["parameters"]) or not e["parameters_fixed"])
         for i in e["inputs"]:
-            assert set(i) == {"name", "description", "typical"} and i["description"]
+            assert set(i) == {"name", "description", "typical", "logit_form"} and i["description"]
             assert len(i["typical"]) == 2 and i["typical"][0] <= i["typical"][1]
+            assert i["logit_form"] in ("", "sum_after_key")
+        for variant in e["length_variants"]:
+            assert set(variant) == {"name", "summary"} and variant["name"] and variant["summary"]
+    assert [v["name"] for v in entries[names.index("rope")]["length_variants"]] == ["ntk", "yarn"]
 
 
 @pytest.mark.parametrize("name", relative_bias_names())

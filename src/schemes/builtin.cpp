@@ -72,6 +72,7 @@ HeadGroup bias_group(const SchemeArgs& a, BiasScheme bias) {
 
 SchemeEntry none_entry() {
   return {.name = "none",
+          .aliases = {"nope"},
           .family = "none",
           .summary = "no positional term (NoPE: the causal mask is the only signal)",
           .source = "Kazemnejad et al. 2023, The Impact of Positional Encoding on Length Generalization",
@@ -84,25 +85,87 @@ SchemeEntry none_entry() {
               }};
 }
 
+namespace {
+// RoPE's options (rope, xpos): base, rotary_dim, interleaved, keys_rotated.
+std::vector<SchemeOption> rope_options() {
+  return {{"base", 10000.0, "frequency base"},
+          {"rotary_dim", 0, "rotated dimensions (absent: head_dim)", true, 2, SchemeOption::kMaxSize, true},
+          flag_option("interleaved", false, "1: pairs (x0, x1), (x2, x3)…; 0: halves (x_i, x_{i+r/2})"),
+          flag_option("keys_rotated", false, "1: k is a cache of rotated keys (only q is rotated)")};
+}
+RopeParams rope_params(const SchemeArgs& a, RopeScaling scaling = {}, std::int64_t max_position_embeddings = 2048) {
+  if (a.rope) return *a.rope;
+  const std::int64_t rotary = a.has("rotary_dim") ? a.integer("rotary_dim") : a.head_dim;
+  return RopeParams(a.head_dim, rotary, a.number("base"),
+                    a.flag("interleaved") ? RopeLayout::kInterleaved : RopeLayout::kHalfSplit, scaling,
+                    max_position_embeddings);
+}
+// A test-time scaling of a model trained at train_length, from a longer context on: args.rope
+// with the scaling, in place of the options it holds.
+LengthVariant rope_scaling_variant(std::string name, std::string summary,
+                                   RopeScaling (*scaling)(std::int64_t train_length, std::int64_t context_length)) {
+  return {std::move(name), std::move(summary),
+          [scaling](SchemeArgs& a, std::int64_t train_length, std::int64_t context_length) {
+            if (context_length <= train_length) return;
+            a.rope = rope_params(a, scaling(train_length, context_length), train_length);
+            for (const char* set : {"base", "rotary_dim", "interleaved"}) a.options.erase(set);
+          }};
+}
+}  // namespace
+
 SchemeEntry rope_entry() {
   return {.name = "rope",
           .family = "transform",
           .summary = "q, k rotated by θ_i·position in pairs, θ_i = base^(−2i/rotary_dim)",
           .source = "Su et al. 2021, RoFormer",
-          .options = {{"base", 10000.0, "frequency base"},
-                      {"rotary_dim", 0, "rotated dimensions (absent: head_dim)", true, 2, SchemeOption::kMaxSize, true},
-                      flag_option("interleaved", false, "1: pairs (x0, x1), (x2, x3)…; 0: halves (x_i, x_{i+r/2})"),
-                      flag_option("keys_rotated", false, "1: k is a cache of rotated keys (only q is rotated)")},
+          .options = rope_options(),
           .parameters = "",
           .parameter_shape = [](const SchemeArgs&) { return std::vector<std::int64_t>{}; },
           .make =
               [](const SchemeArgs& a) {
-                const std::int64_t rotary = a.has("rotary_dim") ? a.integer("rotary_dim") : a.head_dim;
-                RopeParams params =
-                    a.rope ? *a.rope
-                           : RopeParams(a.head_dim, rotary, a.number("base"),
-                                        a.flag("interleaved") ? RopeLayout::kInterleaved : RopeLayout::kHalfSplit);
-                return HeadGroup{a.heads, RotaryQK{std::move(params), a.flag("keys_rotated"), 0}, {}};
+                return HeadGroup{a.heads, RotaryQK{rope_params(a), a.flag("keys_rotated"), 0}, {}};
+              },
+          .length_variants = {// Hugging Face's dynamic NTK with factor 1: base·(seq/M)^(d/(d−2)) past M = train_length.
+                              rope_scaling_variant(
+                                  "ntk", "dynamic NTK: the base grows with the context past the training length",
+                                  [](std::int64_t, std::int64_t) {
+                                    RopeScaling scaling;
+                                    scaling.type = RopeType::kDynamic;
+                                    return scaling;
+                                  }),
+                              // YaRN (Peng et al. 2023) with factor = context / training length.
+                              rope_scaling_variant("yarn", "YaRN with factor = context / training length",
+                                                   [](std::int64_t train_length, std::int64_t context_length) {
+                                                     RopeScaling scaling;
+                                                     scaling.type = RopeType::kYarn;
+                                                     scaling.factor = static_cast<double>(context_length) /
+                                                                      static_cast<double>(train_length);
+                                                     scaling.original_max_position_embeddings = train_length;
+                                                     return scaling;
+                                                   })}};
+}
+
+SchemeEntry xpos_entry() {
+  return {.name = "xpos",
+          .family = "transform",
+          .summary =
+              "RoPE with pair i of q scaled by ζ_i^(p/γ), of k by ζ_i^(−p/γ), ζ_i = (2i + 0.4·r)/(1.4·r): q·k decays",
+          .source = "Sun et al. 2022, A Length-Extrapolatable Transformer",
+          .options =
+              [] {
+                std::vector<SchemeOption> options = rope_options();
+                options.push_back({"scale_base", 512.0, "γ, positions per e-fold of the decay", false, 1e-300});
+                options.push_back({"center", 0.0, "the position where the scales are 1"});
+                return options;
+              }(),
+          .parameters = "",
+          .parameter_shape = [](const SchemeArgs&) { return std::vector<std::int64_t>{}; },
+          .make =
+              [](const SchemeArgs& a) {
+                return HeadGroup{a.heads,
+                                 RotaryQK{rope_params(a).with_xpos(a.number("scale_base"), a.number("center")),
+                                          a.flag("keys_rotated"), 0},
+                                 {}};
               }};
 }
 

@@ -362,7 +362,7 @@ SchemeEntry forgetting_entry() {
   // log σ of gate logits spread over [1, 5]: gates of 0.73 to 0.99, as a trained FoX's (its
   // forget-gate bias starts them near 1).
   e.inputs = {{"log_fgate", "log forget gate [B, Sk, heads] ([Tk, heads] packed), each <= 0",
-               [](double u) { return -std::log1p(std::exp(-(1.0 + 4.0 * u))); }, true}};
+               [](double u) { return -std::log1p(std::exp(-(1.0 + 4.0 * u))); }, true, "sum_after_key"}};
   // The entry's gate is the group's first term (the attention's sinks argument appends its own).
   e.input_gradients_of = [](const GroupGradients& g) {
     return std::vector<std::vector<double>>{g.terms.empty() ? std::vector<double>{} : g.terms[0]};

@@ -20,6 +20,7 @@ namespace scheme_entries {
 // The entries, each defined beside its scheme.
 SchemeEntry none_entry();
 SchemeEntry rope_entry();
+SchemeEntry xpos_entry();
 SchemeEntry absolute_entry();
 SchemeEntry alibi_entry();
 SchemeEntry t5_entry();
@@ -41,6 +42,7 @@ const std::vector<SchemeEntry>& schemes() {
   static const std::vector<SchemeEntry> all = {
       scheme_entries::none_entry(),
       scheme_entries::rope_entry(),
+      scheme_entries::xpos_entry(),
       scheme_entries::absolute_entry(),
       scheme_entries::alibi_entry(),
       scheme_entries::t5_entry(),
@@ -291,16 +293,21 @@ std::string schemes_json() {
       const double a = in.typical ? in.typical(0.0) : 0.0, b = in.typical ? in.typical(1.0) : 0.0;
       inputs += (inputs.empty() ? "{" : ", {") + std::string("\"name\": ") + json_string(in.name) +
                 ", \"description\": " + json_string(in.description) + ", \"typical\": [" + json_number(std::min(a, b)) +
-                ", " + json_number(std::max(a, b)) + "]}";
+                ", " + json_number(std::max(a, b)) + "], \"logit_form\": " + json_string(in.logit_form) + "}";
     }
-    std::string aliases;
+    std::string aliases, variants;
     for (const std::string& a : e.aliases) aliases += (aliases.empty() ? "" : ", ") + json_string(a);
+    for (const LengthVariant& v : e.length_variants) {
+      variants += (variants.empty() ? "{" : ", {") + std::string("\"name\": ") + json_string(v.name) +
+                  ", \"summary\": " + json_string(v.summary) + "}";
+    }
     out += (out.size() == 1 ? "\n  {" : ",\n  {") + std::string("\"name\": ") + json_string(e.name) +
            ", \"aliases\": [" + aliases + "], \"family\": " + json_string(e.family) +
            ", \"summary\": " + json_string(e.summary) + ", \"source\": " + json_string(e.source) +
            ", \"parameters\": " + json_string(e.parameters) +
            ", \"parameters_fixed\": " + (e.parameters_fixed ? "true" : "false") + ", \"options\": [" + options +
-           "], \"inputs\": [" + inputs + "], \"causal_only\": " + (e.causal_only ? "true" : "false") + "}";
+           "], \"inputs\": [" + inputs + "], \"causal_only\": " + (e.causal_only ? "true" : "false") +
+           ", \"length_variants\": [" + variants + "]}";
   }
   return out + "\n]";
 }

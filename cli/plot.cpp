@@ -17,8 +17,8 @@
 //   fire-bias            FIRE biases of a freshly initialised MLP (its normalised distance)
 //   rope-scaling         wavelength 2π/ω_i per rotation pair under Llama-3.1-like settings:
 //                        default, linear, dynamic NTK, YaRN and llama3 scalings
-//   <name>-bias          every other relative bias of the registry (posenc schemes) with its
-//                        defaults, e.g. sandwich-bias
+//   <name>-bias          every other score bias of the registry (posenc schemes) with its
+//                        defaults, e.g. sandwich-bias, tupe-bias
 //
 // Errors (posenc::Error): an unknown figure name, an unknown format, an --out that cannot be
 // written, gnuplot missing or failing.
@@ -378,7 +378,7 @@ std::string rope_scaling(const fs::path& dir) {
          plot;
 }
 
-// Any other registered relative bias (posenc schemes) with its defaults: four of eight heads.
+// Any other registered score bias (posenc schemes) with its defaults: four of eight heads.
 std::string registry_bias(const fs::path& dir, const SchemeEntry& entry) {
   const HeadGroup group = make_head_group(entry.name, SchemeArgs{.heads = 8, .head_dim = 64});
   const BiasScheme bias = *group.bias;
@@ -413,9 +413,10 @@ const std::vector<Figure>& figures() {
         {"fire-bias", 1000, 900, fire_bias},
         {"rope-scaling", 1000, 650, rope_scaling},
     };
-    // The registry's relative biases that have no figure of their own above.
+    // The registry's score biases (of the relative position, or of both positions) that have no
+    // figure of their own above.
     for (const SchemeEntry& e : schemes()) {
-      if (e.family != "relative-bias") continue;
+      if (e.family != "relative-bias" && e.family != "bias") continue;
       const std::string name = e.name + "-bias";
       if (std::any_of(list.begin(), list.end(), [&](const Figure& f) { return f.name == name; })) continue;
       list.push_back({name, 1000, 900, [&e](const fs::path& dir) { return registry_bias(dir, e); }});

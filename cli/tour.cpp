@@ -170,7 +170,7 @@ void tour_rope() {
 }
 
 void tour_biases() {
-  section("Score biases: ALiBi, T5, Kerple, NoPE");
+  section("A closer look at the built-in biases: ALiBi, T5, Kerple, NoPE, …");
   fmt::print("  score(h, i, j) = q_i·k_j/√d + b(h, j − i): the bias depends on the key − query distance\n\n");
   const std::vector<double> slopes = alibi_slopes(12);
   fmt::print(
@@ -242,23 +242,24 @@ void tour_floater() {
   print_rows(table, 6, 4, {0, 1, 2, 3, 4, 5});
 }
 
-// Every other registered bias of the relative position (posenc schemes), with its defaults: head
-// 0's b(r) for keys at distances 0 … 16 behind the query.
+// Every registered scheme (posenc schemes): its family, source and formula, and where it has a
+// picture (posenc table), head 0's logit term with its defaults for the query at position 16
+// against keys 16, 15, 14, 12, 8 and 0.
 void tour_registry() {
-  std::vector<const SchemeEntry*> others;
+  section("Every scheme of the attention, from the registry");
+  const Positions positions = Positions::range(17);
   for (const SchemeEntry& e : schemes()) {
-    if (e.family == "relative-bias" && e.name != "alibi" && e.name != "t5" && e.name != "kerple") others.push_back(&e);
-  }
-  if (others.empty()) return;
-  section("More biases of the relative position, from the registry");
-  for (const SchemeEntry* e : others) {
-    const HeadGroup g = make_head_group(e->name, SchemeArgs{.heads = 8, .head_dim = 64});
-    const RelativeBias& rb = *relative_bias(*g.bias);
-    fmt::print("  {} ({}): {}\n  head 0 of 8, r = 0, −1, −2, −4, −8, −16:\n   ", e->name, e->source, e->summary);
-    for (const std::int64_t r : {0, -1, -2, -4, -8, -16}) fmt::print(" {:.4f}", rb.value(0, r));
+    fmt::print("  {} ({}; {}): {}\n", e.name, e.source, e.family, e.summary);
+    if (!has_picture(e) || !e.inputs.empty()) continue;
+    const HeadGroup g = make_head_group(e.name, SchemeArgs{.heads = 8, .head_dim = 64});
+    const SchemePicture picture = scheme_picture(e, g, positions);
+    fmt::print("    {}, query 16 against keys 16, 15, 14, 12, 8, 0:",
+               picture.shared.empty() ? std::string("head 0 of 8") : picture.shared + " (every head)");
+    for (const std::int64_t j : {16, 15, 14, 12, 8, 0})
+      fmt::print(" {:.4g}", picture.heads.front()[static_cast<std::size_t>(16 * 17 + j)]);
     fmt::print("\n");
   }
-  fmt::print("  (`posenc schemes` lists every scheme; `posenc table NAME --length 6` prints a matrix.)\n");
+  fmt::print("  (`posenc schemes` lists their options; `posenc table NAME --length 6` prints a matrix.)\n");
 }
 
 void run_tour() {

@@ -36,6 +36,7 @@ kerple-bias 1000 900 Kerple biases
 fire-bias 1000 900 FIRE biases
 rope-scaling 1000 650 RoPE scalings
 sandwich-bias 1000 900 sandwich:
+tupe-bias 1000 900 tupe: biases with its registry defaults
 FIGURES
 # Axis labels and a legend are there too (two samples).
 grep -q "rotation pair i" "$work/all/rope-scaling.svg" && grep -q "llama3, factor 8" "$work/all/rope-scaling.svg" \

@@ -41,8 +41,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # or 2^-11 (f16); the factors allow the sums over up to 12 keys. The scores' own rounding is added
 # by score_error: a logit off by δ moves the output by at most about δ·max|v|.
 TOLERANCE = {"float32": 2e-5, "bfloat16": 2e-2, "float16": 3e-3}
-SCHEMES = [None, "none", "rope", "xpos", "absolute", "alibi", "t5", "kerple", "fire", "tupe", "shaw", "xl", "sandwich",
-           "sinks", "forgetting", "rope-yarn", "alibi-module", "groups"]
+# Every registered scheme by name (posenc.schemes()), then three forms the registry does not list:
+# RoPE under YaRN's scaling, ALiBi's module, and two head groups.
+ENTRIES = {e["name"]: e for e in posenc.schemes()}
+SCHEMES = [None] + list(ENTRIES) + ["rope-yarn", "alibi-module", "groups"]
 
 
 def load_seeds(name):
@@ -99,14 +101,12 @@ ATTENTION_FIELDS = {
 attention_cases = st.fixed_dictionaries(ATTENTION_FIELDS)
 
 
-LEARNED = {"t5", "kerple", "fire", "tupe", "shaw", "xl"}
-
-
 def scheme_of(name, heads, group, dim, gate):
-    if name in LEARNED:  # the registry's module, its parameters seeded (fp64: the reference casts them)
-        return posenc.Scheme(name, heads, dim)
-    if name == "forgetting":
-        return posenc.Scheme("forgetting", heads, dim, log_fgate=gate)
+    entry = ENTRIES.get(name)
+    if entry is not None and (entry["inputs"] or (entry["parameters"] and not entry["parameters_fixed"])):
+        # The registry's module, its parameters seeded (fp64: the reference casts them), a gate for
+        # each per-token input.
+        return posenc.Scheme(name, heads, dim, **{i["name"]: gate for i in entry["inputs"]})
     if name == "rope-yarn":
         return posenc.RotaryPositionalEncoding(dim, scaling={"rope_type": "yarn", "factor": 4.0,
                                                              "original_max_position_embeddings": 4},
@@ -116,6 +116,10 @@ def scheme_of(name, heads, group, dim, gate):
     if name == "groups":  # the first KV group's heads on RoPE, the rest on ALiBi
         return [(group, "rope"), (heads - group, "alibi")] if heads > group else [(heads, "rope")]
     return name
+
+
+def option_names(name):
+    return {o["name"] for o in ENTRIES[name]["options"]} if name in ENTRIES else set()
 
 
 def attention_inputs(case):
@@ -144,7 +148,7 @@ def attention_inputs(case):
                                                             attn_scale=case["temperature"][1])
     if case["sinks"]:
         options["sinks"] = torch.randn(heads, generator=g, dtype=torch.float64)
-    if case["keys_rotated"] and case["scheme"] in ("rope", "xpos", "rope-yarn"):
+    if case["keys_rotated"] and (case["scheme"] == "rope-yarn" or "keys_rotated" in option_names(case["scheme"])):
         options["keys_rotated"] = True
     if cu is not None:
         form = case["cu_form"]
@@ -305,7 +309,8 @@ def check_flex(case):
     # 16-bit q and k are transformed (RoPE, the sinusoid, the temperature) in float32 and rounded back
     # to their dtype for FlexAttention, where the fused kernel keeps them in float32: each score moves
     # by up to two roundings of the dtype (ROUNDING) relative to its size.
-    transformed = case["scheme"] in ("rope", "rope-yarn", "absolute", "groups") or case["temperature"] is not None
+    family = ENTRIES.get(case["scheme"], {}).get("family")
+    transformed = case["scheme"] in ("rope-yarn", "groups") or family == "transform" or case["temperature"] is not None
     error = score_error(case, q, k) + (2 * ROUNDING[case["dtype"]] * largest_score(case, q, k) if transformed else 0)
     atol = (TOLERANCE[case["dtype"]] + error) * max(1.0, float(v.abs().max()) if v.numel() else 1.0)
     torch.testing.assert_close(out.double(), want, atol=atol, rtol=0)

@@ -275,6 +275,9 @@ torch::Tensor LanguageModelImpl::forward(const torch::Tensor& bytes, std::int64_
   }
   SchemeList schemes;
   schemes.push_back(attention_scheme(context_length));
+  // A post-RoPE cache's rotation of the keys, one for every layer.
+  const auto key_rotation = kv_post_rope_ ? c10::make_intrusive<torch_adapter::RopeClass>(*rotation(context_length))
+                                          : c10::intrusive_ptr<torch_adapter::RopeClass>();
   for (Layer& layer : layers_) {
     const torch::Tensor normed = layer.norm1->forward(x);
     const torch::Tensor qkv = linear(normed, layer.qkv).view({b, s, 3, h, hd});
@@ -291,10 +294,7 @@ torch::Tensor LanguageModelImpl::forward(const torch::Tensor& bytes, std::int64_
       attended = layer.statistic_bias.defined() ? o + lse.transpose(1, 2).unsqueeze(-1) * layer.statistic_bias : o;
     } else {
       torch::Tensor keys = k;
-      if (kv_post_rope_) {
-        const auto rope = c10::make_intrusive<torch_adapter::RopeClass>(*rotation(context_length));
-        keys = std::get<1>(rotate.call(q, k, positions, rope, s, 0));
-      }
+      if (kv_post_rope_) keys = std::get<1>(rotate.call(q, k, positions, key_rotation, s, 0));
       args.kv_format = kv_format_;
       attended = std::get<0>(torch_adapter::call_attention(q, quantize.call(keys.contiguous(), kv_format_),
                                                            quantize.call(v.contiguous(), kv_format_), args));

@@ -272,6 +272,20 @@ TEST_P(Schemes, EveryEntryIsDescribedAndItsParametersHaveTheDeclaredShape) {
     }
   }
   expect_error([] { find_scheme("bogus"); }, {"schemes", "name", "bogus", "one of none, nope, rope, xpos"});
+  // A length variant scales the options' RoPE, and refuses full RoPE parameters rather than leave them unscaled.
+  for (const LengthVariant& v : find_scheme("rope").length_variants) {
+    SchemeArgs scaled = complete_scheme_args(find_scheme("rope"), {.heads = 1, .head_dim = 8});
+    v.at_length(scaled, 16, 64);
+    ASSERT_TRUE(scaled.rope.has_value()) << v.name;
+    EXPECT_NE(scaled.rope->inv_frequencies(64), RopeParams(8, 8).inv_frequencies(64)) << v.name;
+    EXPECT_FALSE(scaled.options.contains("base")) << v.name;
+    expect_error(
+        [&v] {
+          SchemeArgs given{.heads = 1, .head_dim = 8, .rope = RopeParams(8, 8)};
+          v.at_length(given, 16, 64);
+        },
+        {"scheme rope", "rope", "given"});
+  }
   // Shapes that would overflow an int64 are refused before anything is allocated.
   expect_error(
       [] {

@@ -107,6 +107,7 @@ LengthVariant rope_scaling_variant(std::string name, std::string summary,
   return {std::move(name), std::move(summary),
           [scaling](SchemeArgs& a, std::int64_t train_length, std::int64_t context_length) {
             if (context_length <= train_length) return;
+            if (a.rope) throw Error("scheme rope", "rope", "given", "options, which the length variant scales");
             a.rope = rope_params(a, scaling(train_length, context_length), train_length);
             for (const char* set : {"base", "rotary_dim", "interleaved"}) a.options.erase(set);
           }};

@@ -95,15 +95,16 @@ Case make_attention_case(const CaseOptions& o) {
   // A registered scheme's per-token inputs [B, Sk, H], each spread over a trained model's values
   // (forgetting's: gates of 0.73–0.99), viewed by the attention.
   auto inputs = std::make_shared<std::vector<std::vector<float>>>();
-  if (named.scheme != "none") {
-    std::string names;
-    const SchemeEntry* entry = nullptr;
-    for (const SchemeEntry& e : schemes()) {
-      names += (names.empty() ? "" : ", ") + e.name;
-      for (const std::string& alias : e.aliases) names += ", " + alias;
-      if (e.name == o.scheme || std::find(e.aliases.begin(), e.aliases.end(), o.scheme) != e.aliases.end()) entry = &e;
-    }
-    if (entry == nullptr) throw Error("bench", "--scheme", o.scheme, "one of " + names);
+  std::string names;
+  const SchemeEntry* entry = nullptr;
+  for (const SchemeEntry& e : schemes()) {
+    names += (names.empty() ? "" : ", ") + e.name;
+    for (const std::string& alias : e.aliases) names += ", " + alias;
+    if (e.name == o.scheme || std::find(e.aliases.begin(), e.aliases.end(), o.scheme) != e.aliases.end()) entry = &e;
+  }
+  if (entry == nullptr) throw Error("bench", "--scheme", o.scheme, "one of " + names);
+  // The family none is the call without groups, the baseline of every other.
+  if (entry->family != "none") {
     named.scheme = entry->name;
     SchemeArgs args = bench_scheme_args(named, heads, dim, k_len);
     for (const SchemeInput& in : find_scheme(named.scheme).inputs) {
@@ -408,21 +409,26 @@ Case make_case(const std::string& name, const CaseOptions& o) {
     // initialisation, a position table over every position where there is one, and the entry's
     // bench_preset.
     BiasScheme scheme = NoPE(heads);
-    if (o.scheme != "nope") {
-      std::string names = "nope";
-      bool known = false;
-      for (const SchemeEntry& e : schemes()) {
-        if (e.family != "relative-bias" && e.family != "bias") continue;
-        names += ", " + e.name;
-        known = known || e.name == o.scheme;
+    std::string names;
+    const SchemeEntry* known = nullptr;
+    for (const SchemeEntry& e : schemes()) {
+      if (e.family != "relative-bias" && e.family != "bias" && e.family != "none") continue;
+      for (const std::string& alias : e.aliases) {
+        names += (names.empty() ? "" : ", ") + alias;
+        if (alias == o.scheme) known = &e;
       }
-      if (!known) throw Error("bench", "--scheme", o.scheme, names);
+      names += (names.empty() ? "" : ", ") + e.name;
+      if (e.name == o.scheme) known = &e;
+    }
+    if (known == nullptr) throw Error("bench", "--scheme", o.scheme, names);
+    // The family none is NoPE's zeros, the baseline of every other.
+    if (known->family != "none") {
       SchemeArgs args{.heads = heads, .head_dim = 1};
-      const SchemeEntry& entry = find_scheme(o.scheme);
+      const SchemeEntry& entry = *known;
       if (takes_option(entry, "seed")) args.options["seed"] = 1;
       if (takes_option(entry, "max_len")) args.options["max_len"] = static_cast<double>(o.length);
       if (entry.bench_preset) entry.bench_preset(args, o.length);
-      scheme = *make_head_group(o.scheme, args).bias;
+      scheme = *make_head_group(entry.name, args).bias;
     }
     if (o.pass != "forward" && o.pass != "backward") throw Error("bench", "--pass", o.pass, "forward or backward");
     if (o.pass == "backward" && bias_parameter_count(scheme) == 0)

@@ -513,12 +513,13 @@ inline void expect_forward_and_backward_accurate(const Problem& p, const Attenti
   }
 }
 
-// The fp64 reference's gradient of the first term of group 0 (parameters θ, spec_with(θ) the
-// call) against central differences of its forward's L = Σ d_out·out; h = 1e-6 on O(1)
-// parameters: truncation ~h², rounding ~1e-16/h.
+// The fp64 reference's gradient of the first term of group 0 (of its bias: of_bias; parameters
+// θ, spec_with(θ) the call) against central differences of its forward's L = Σ d_out·out;
+// h = 1e-6 on O(1) parameters: truncation ~h², rounding ~1e-16/h.
 template <class SpecWith>
 void expect_term_gradient_matches_differences(const Problem& p, SpecWith&& spec_with, const std::vector<double>& theta,
-                                              const std::vector<double>& d_out, double tolerance) {
+                                              const std::vector<double>& d_out, double tolerance,
+                                              bool of_bias = false) {
   const Grads exact = run_backward(p, Attention(spec_with(theta)), d_out, true);
   const auto loss = [&](const std::vector<double>& t) {
     const Outputs o = run_forward(p, Attention(spec_with(t)), 1);
@@ -530,7 +531,8 @@ void expect_term_gradient_matches_differences(const Problem& p, SpecWith&& spec_
     std::vector<double> up = theta, down = theta;
     up[t] += 1e-6;
     down[t] -= 1e-6;
-    EXPECT_NEAR(exact.params.groups[0].terms[0][t], (loss(up) - loss(down)) / 2e-6, tolerance) << t;
+    const GroupGradients& g = exact.params.groups[0];
+    EXPECT_NEAR(of_bias ? g.bias[t] : g.terms[0][t], (loss(up) - loss(down)) / 2e-6, tolerance) << t;
   }
 }
 

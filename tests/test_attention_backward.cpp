@@ -455,7 +455,8 @@ void expect_same_bits(const Problem& p, const Attention& a, const Attention& b, 
 // A scheme of both positions held through PositionBiasRef, the open end of BiasScheme: it
 // forwards every hook to the scheme it holds and counts the calls, so the results keep their bits
 // only if the library reaches it through the interface (scheme.hpp), and the counts say which
-// hook each path took. Its fused form is the library's, by type: the attention refuses it.
+// hook each path took. The attention runs it by the generic form (its value pair by pair), the
+// hand-written forms being found by type.
 class HeldPositionBias final : public PositionBias {
  public:
   enum Hook { kValue, kReferenceBackward, kBackward, kMaterialize, kHooks };
@@ -506,8 +507,10 @@ TEST(Attention, APositionBiasHeldByReferenceRunsAsItself) {
   AttentionSpec through = spec_of(p);
   through.mask.causal = true;
   through.groups = {{2, {}, PositionBiasRef(held_fire)}, {2, {}, fire}};
-  expect_error([&] { Attention{through}; },
-               {"groups[0].bias = fire, a PositionBias the library has no fused form for", "AttentionTerm"});
+  const Attention generic(through);
+  const int values_before = held_fire->calls[Hook::kValue];
+  (void)run_forward(p, generic, 0);
+  EXPECT_GT(held_fire->calls[Hook::kValue], values_before);
   // The bias API reads the fast forms through the same interface.
   const Positions pos = Positions::range(7);
   const std::array<BiasScheme, 2> direct_schemes = {fire, tupe};
@@ -540,6 +543,37 @@ TEST(Attention, APositionBiasHeldByReferenceRunsAsItself) {
       },
       {"bias_materialize: position = 60", "max_len = 60"});
   expect_error([] { bias_heads(BiasScheme(PositionBiasRef())); }, {"PositionBiasRef = null", "a scheme object"});
+}
+
+// Held, FIRE and TUPE are position biases of another type: the attention runs them by the
+// generic form, their definitions pair by pair, which agrees with their hand-written forms.
+TEST(Attention, FireAndTupeHeldRunByTheirDefinitionsAsTheirHandWrittenForms) {
+  const Problem p = make_problem(2, 29, 41, 4, 2, 32);
+  const std::vector<double> d_out = random_values(static_cast<std::size_t>(p.q_count()));
+  const BiasScheme fire = FireParams::init(4, 8, 5, 0.7, 16.0), tupe = tupe_with_cls(4, 32, 16, 60, 4);
+  for (const BiasScheme& scheme : {fire, tupe}) {
+    const std::string name(position_bias(scheme)->scheme_name());
+    SCOPED_TRACE(name);
+    AttentionSpec own = spec_of(p), generic = spec_of(p);
+    own.mask.causal = generic.mask.causal = true;
+    own.groups = {HeadGroup{4, {}, scheme}};
+    generic.groups = {HeadGroup{4, {}, PositionBiasRef(std::make_shared<HeldPositionBias>(scheme))}};
+    expect_accurate(p, generic, name + " generic");
+    expect_backward_matches_reference(p, Attention(generic), d_out);
+    // Both forms against each other: f32 results of one definition.
+    const Grads a = run_backward(p, Attention(own), d_out, false),
+                b = run_backward(p, Attention(generic), d_out, false);
+    expect_close(b.dq, a.dq, "dq");
+    expect_close(b.dk, a.dk, "dk");
+    expect_close(b.params.groups[0].bias, a.params.groups[0].bias, "bias parameters");
+  }
+  // TUPE's table refuses positions past it through the generic form too, when the Attention is built.
+  AttentionSpec far = spec_of(p);
+  std::vector<std::int64_t> ids(41);
+  for (std::size_t t = 0; t < ids.size(); ++t) ids[t] = 40 + static_cast<std::int64_t>(t);
+  far.k_positions = Positions::ids(ids);
+  far.groups = {HeadGroup{4, {}, PositionBiasRef(std::make_shared<HeldPositionBias>(tupe))}};
+  expect_error([&] { Attention{far}; }, {"max_len = 60"});
 }
 
 // A query/key transform held through QKTransformRef, the open end of QKTransform, forwarding to

@@ -2,7 +2,8 @@
 // (term.hpp): its golden entries; the fused forward, decode and backward against the fp64
 // reference where the generic matrix does not go (windows, soft-caps, GQA, packed sequences,
 // chunked decode, cache offsets, positions far apart); a term defined here, outside the
-// library, run fused and trained; the terms the generic form refuses.
+// library, run fused and trained; the terms the generic form refuses. Then the generic form of
+// a bias of both positions (scheme.hpp: PositionBias), with one defined here.
 #include <cmath>
 #include <limits>
 #include <memory>
@@ -11,7 +12,9 @@
 #include <vector>
 
 #include "attention_testing.hpp"
+#include "posenc/bias.hpp"
 #include "posenc/registry.hpp"
+#include "posenc/scheme.hpp"
 #include "posenc/term.hpp"
 #include "testing.hpp"
 
@@ -199,6 +202,118 @@ TEST(GenericTerm, TermsItCannotRunAreRefusedByName) {
   testing::expect_error([&] { build(std::make_shared<AddsToOutput>()); },
                         {"groups[0].terms[0]", "adds-to-output", "adds to the output"});
   testing::expect_error([&] { build(std::make_shared<ASink>()); }, {"groups[0].terms[0]", "a-sink", "is a sink"});
+}
+
+// A bias of both positions written outside the library, as a user would prototype one: a learned
+// weight per head on log(1 + |key − query|) / log(2 + |query|), which no table over the relative
+// position holds, given only by value and its gradient per pair. It runs fused by the generic
+// form, in decode and trainable; the bias API materialises it and takes its gradient through the
+// interface's defaults.
+class QueryScaledLog final : public PositionBias {
+ public:
+  explicit QueryScaledLog(std::vector<double> weights) : weights_(std::move(weights)) {}
+  std::string_view scheme_name() const override { return "query-scaled-log"; }
+  std::int64_t heads() const override { return static_cast<std::int64_t>(weights_.size()); }
+  std::int64_t parameter_count() const override { return heads(); }
+  std::vector<double> parameters() const override { return weights_; }
+  double value(std::int64_t head, std::int64_t q, std::int64_t k) const override {
+    return -weights_[static_cast<std::size_t>(head)] * feature(q, k);
+  }
+  void accumulate_gradient(std::int64_t head, std::int64_t q, std::int64_t k, double weight,
+                           std::span<double> grads) const override {
+    grads[static_cast<std::size_t>(head)] -= weight * feature(q, k);
+  }
+
+ private:
+  static double feature(std::int64_t q, std::int64_t k) {
+    return std::log1p(std::fabs(static_cast<double>(k - q))) / std::log(2.0 + std::fabs(static_cast<double>(q)));
+  }
+  std::vector<double> weights_;
+};
+
+PositionBiasRef query_scaled_log(const std::vector<double>& weights) {
+  return std::make_shared<QueryScaledLog>(weights);
+}
+
+TEST(GenericBias, ABiasOfBothPositionsDefinedOutsideTheLibraryRunsFusedAndTrains) {
+  const Problem p = make_problem(2, 40, 40, 4, 2, 16);
+  const std::vector<double> d_out = random_values(static_cast<std::size_t>(p.q_count()));
+  const auto spec_with = [&](const std::vector<double>& w) {
+    AttentionSpec spec = spec_of(p);
+    spec.mask.causal = true;
+    spec.groups = {HeadGroup{4, {}, query_scaled_log(w)}};
+    return spec;
+  };
+  const std::vector<double> w = {0.5, 1.0, 2.0, 4.0};
+  expect_accurate(p, spec_with(w), "fused");
+  expect_backward_matches_reference(p, Attention(spec_with(w)), d_out);
+  expect_term_gradient_matches_differences(p, spec_with, w, d_out, 1e-8, /* of_bias */ true);
+  // Beside ALiBi on other heads, packed, and in decode over chunks of 9000 keys.
+  Problem packed = make_packed({{30, 30}, {1, 1}, {50, 50}}, 4, 2, 32);
+  AttentionSpec ps = spec_of(packed);
+  ps.mask.causal = true;
+  ps.groups = {HeadGroup{2, {}, AlibiParams(2)}, HeadGroup{2, {}, query_scaled_log({1.0, 3.0})}};
+  expect_accurate(packed, ps, "packed, beside ALiBi");
+  expect_backward_matches_reference(packed, Attention(ps), random_values(static_cast<std::size_t>(packed.q_count())));
+  const Problem d = make_problem(2, 1, 9000, 4, 2, 16);
+  AttentionSpec ds = spec_of(d);
+  ds.groups = spec_with(w).groups;
+  expect_accurate(d, ds, "decode");
+  const Attention dec(ds);
+  expect_same_bits_for_any_thread_count(p, Attention(spec_with(w)), d, &dec);
+
+  // The bias API: materialised by value() and its gradient through the per-pair form.
+  const BiasScheme scheme = query_scaled_log(w);
+  const Positions qp = Positions::range(5, 7), kp = Positions::range(9);
+  std::vector<float> out(4 * 5 * 9);
+  bias_materialize(scheme, qp, kp, TensorView::of(out.data(), {4, 5, 9}));
+  std::vector<float> ds_values(out.size());
+  for (float& x : ds_values) x = static_cast<float>(uniform(-1, 1));
+  std::vector<double> grads(4, 0.0), want(4, 0.0);
+  bias_backward(scheme, qp, kp, TensorView::of(ds_values.data(), {4, 5, 9}), grads);
+  for (std::int64_t h = 0; h < 4; ++h) {
+    for (std::int64_t i = 0; i < 5; ++i) {
+      for (std::int64_t j = 0; j < 9; ++j) {
+        const std::size_t at = static_cast<std::size_t>((h * 5 + i) * 9 + j);
+        EXPECT_EQ(out[at], static_cast<float>(bias_value(scheme, h, 7 + i, j)));
+        position_bias(scheme)->accumulate_gradient(h, 7 + i, j, ds_values[at], want);
+      }
+    }
+  }
+  for (std::size_t h = 0; h < 4; ++h) EXPECT_NEAR(grads[h], want[h], 1e-12 * (1 + std::fabs(want[h])));
+}
+
+// A PositionBias that gives neither gradient form is refused by name when the Attention is built
+// (not inside the backward's threads) and by the bias API.
+class NoGradient final : public PositionBias {
+ public:
+  std::string_view scheme_name() const override { return "no-gradient"; }
+  std::int64_t heads() const override { return 2; }
+  std::int64_t parameter_count() const override { return 1; }
+  double value(std::int64_t /* head */, std::int64_t q, std::int64_t k) const override {
+    return -0.1 * static_cast<double>(q - k);
+  }
+};
+
+TEST(GenericBias, ASchemeWithoutAGradientIsRefusedByName) {
+  const Problem p = make_problem(1, 8, 8, 2, 1, 16);
+  AttentionSpec spec = spec_of(p);
+  const auto scheme = std::make_shared<NoGradient>();
+  spec.groups = {HeadGroup{2, {}, PositionBiasRef(scheme)}};
+  testing::expect_error([&] { Attention{spec}; },
+                        {"no-gradient", "overrides neither", "accumulate_gradient or reference_backward"});
+  std::vector<float> ds(2 * 3 * 3, 1.0f);
+  std::vector<double> grads(1, 0.0);
+  const Positions pos = Positions::range(3);
+  testing::expect_error(
+      [&] {
+        scheme->reference_backward(pos, pos, TensorView::of(ds.data(), {2, 3, 3}), grads);
+      },
+      {"no-gradient", "overrides neither", "accumulate_gradient or reference_backward"});
+  // Its value alone still materialises.
+  std::vector<float> out(2 * 3 * 3);
+  bias_materialize(BiasScheme(PositionBiasRef(scheme)), pos, pos, TensorView::of(out.data(), {2, 3, 3}));
+  EXPECT_EQ(out[1], 0.1f);
 }
 
 }  // namespace

@@ -335,10 +335,10 @@ TEST_P(Schemes, EveryInvalidArgumentIsRefusedByName) {
       p.parameters = {0.5};
       expect_error([&] { make_head_group(e.name, p); }, {"parameters", "1 values", "no learned parameters"});
     }
-    if (e.name != "rope") {  // RoPE's parameters belong to rope alone
+    if (!e.takes_rope_parameters) {  // full RoPE parameters only where the entry says it takes them
       SchemeArgs r = matrix_args(e);
       r.rope = RopeParams(kDim, kDim);
-      expect_error([&] { make_head_group(e.name, r); }, {"rope", "only for the rope scheme"});
+      expect_error([&] { make_head_group(e.name, r); }, {"rope", "only for a scheme that takes them"});
     }
     SchemeArgs c = matrix_args(e);
     c.parameters = {1.0, 2.0, 3.0};  // no scheme at these shapes has three parameters

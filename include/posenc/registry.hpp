@@ -150,6 +150,9 @@ struct SchemeEntry {
   // Defined where no query sees a later key: a causal mask, a window ending at the query, or one
   // query per sequence (decode); an Attention refuses another mask.
   bool causal_only = false;
+  // Takes SchemeArgs::rope, full RoPE parameters in place of its options base, rotary_dim and
+  // interleaved (rope); another entry refuses them.
+  bool takes_rope_parameters = false;
   // A normaliser whose row statistic (Attention's lse argument) takes a gradient
   // (Attention::backward's d_lse): stick-breaking's rem. The torch op then differentiates it.
   bool statistic_has_gradient = false;

@@ -17,12 +17,12 @@
 // line in the registry (registry.hpp): see src/schemes/sandwich.cpp.
 //
 // PositionBias: a bias of the head and both positions themselves, b_h(p_i, p'_j) (FIRE, TUPE),
-// which no table over r holds. Such a scheme brings its fp64 definition (value, and the gradient
-// over a block of score gradients, what the references read) and its fast forms: the
-// materialised bias and its backward. Its term in the fused attention is the library's, found by
-// the bias's type (FireParams, TupeParams); the attention refuses another PositionBias by name. A
-// bias of both positions of one's own runs fused as an AttentionTerm (term.hpp), whose value and
-// gradient per pair are enough.
+// which no table over r holds. Such a scheme brings its fp64 definition (value, and its gradient
+// per pair or over a block of score gradients, what the references read) and, if it likes, fast
+// forms of the materialised bias and its backward. In the fused attention it runs by the generic
+// form: value for every pair the mask lets through, rounded to f32, and accumulate_gradient with
+// the pair's dS. The library's own, FireParams and TupeParams, have hand-written fused forms,
+// found by their type.
 #pragma once
 
 #include <cstdint>
@@ -85,17 +85,25 @@ class PositionBias {
   virtual void check_positions(const char* /* where */, const Positions& /* q_positions */,
                                const Positions& /* k_positions */) const {}
 
-  // grads[t] += Σ d_scores[b, h, i, j]·∂b_h(q_pos(b, i), k_pos(b, j))/∂θ_t over a block of score
-  // gradients ([B, H, Sq, Sk] or [H, Sq, Sk], any dtype; grads has parameter_count() entries):
-  // reference_backward by the definition in fp64 (the attention reference reads it), backward by
-  // the fast path, deterministic for any thread count. Both validate their arguments.
+  // The gradient, in two forms of which a scheme overrides at least one (each defaults to the
+  // other; a scheme that overrides neither is refused by name when one is called):
+  // - grads[t] += weight·∂b_head(q_position, k_position)/∂θ_t for one pair, what the fused
+  //   attention's generic form calls; by default reference_backward over a block of that pair;
+  // - grads[t] += Σ d_scores[b, h, i, j]·∂b_h(q_pos(b, i), k_pos(b, j))/∂θ_t over a block of
+  //   score gradients ([B, H, Sq, Sk] or [H, Sq, Sk], any dtype), in fp64 by the definition (the
+  //   references read it), validating its arguments; by default accumulate_gradient per element.
+  // grads has parameter_count() entries.
+  virtual void accumulate_gradient(std::int64_t head, std::int64_t q_position, std::int64_t k_position, double weight,
+                                   std::span<double> grads) const;
   virtual void reference_backward(const Positions& q_positions, const Positions& k_positions, ConstTensorView d_scores,
-                                  std::span<double> grads) const = 0;
+                                  std::span<double> grads) const;
+  // The fast forms, which a scheme may give: backward as reference_backward, deterministic for any
+  // thread count (by default reference_backward itself), and the materialised bias out[b, h, i, j]
+  // = b_h(q_pos(b, i), k_pos(b, j)) (bias_materialize calls it with `out` checked: [B, H, Sq, Sk]
+  // or [H, Sq, Sk], writable, not fp64; by default value() per element).
   virtual void backward(const Positions& q_positions, const Positions& k_positions, ConstTensorView d_scores,
-                        std::span<double> grads) const = 0;
-  // out[b, h, i, j] = b_h(q_pos(b, i), k_pos(b, j)) by the fast path (bias_materialize calls it
-  // with `out` checked: [B, H, Sq, Sk] or [H, Sq, Sk], writable, not fp64).
-  virtual void materialize(const Positions& q_positions, const Positions& k_positions, TensorView out) const = 0;
+                        std::span<double> grads) const;
+  virtual void materialize(const Positions& q_positions, const Positions& k_positions, TensorView out) const;
 };
 
 // A scheme of this family held by the library (HeadGroup::bias, BiasScheme): shared, immutable.

@@ -507,10 +507,6 @@ void AttentionPlan::plan_terms(const std::vector<HeadGroup>& groups) {
     const std::optional<BiasScheme>& bias = spec.groups.empty() ? groups[g].bias : spec.groups[g].bias;
     if (const PositionBias* position = bias ? position_bias(*bias) : nullptr) {
       bias_terms[g] = fused_bias(*position, *this, static_cast<std::int64_t>(g));
-      require(bias_terms[g] != nullptr, ("groups[" + std::to_string(g) + "].bias").c_str(),
-              std::string(position->scheme_name()) + ", a PositionBias the library has no fused form for",
-              "the library's (fire, tupe); a bias of both positions of one's own runs fused as an AttentionTerm "
-              "(term.hpp: value and accumulate_gradient per pair)");
     }
   }
   for (std::size_t g = 0; g < groups.size(); ++g) {

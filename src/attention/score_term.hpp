@@ -163,8 +163,10 @@ std::unique_ptr<ScoreTerm> fused_term(const AttentionTerm& term, const Attention
                                       std::int64_t index);
 std::unique_ptr<ScoreTerm> generic_term(const AttentionTerm& term, const AttentionPlan& plan, std::int64_t group,
                                         std::int64_t index);
-// A position bias's fused form (the group's bias), or null where the library has none for its type.
+// A position bias's fused form (the group's bias): the library's own for its type, else the
+// generic form (generic_term.cpp: value and accumulate_gradient pair by pair).
 std::unique_ptr<ScoreTerm> fused_bias(const PositionBias& bias, const AttentionPlan& plan, std::int64_t group);
+std::unique_ptr<ScoreTerm> generic_bias(const PositionBias& bias, const AttentionPlan& plan, std::int64_t group);
 
 // Shared by the terms' tables (score_term.cpp): C = A·B for large operands, in parallel with
 // the same bits for any thread count; [rows][heads][dp] → [heads][rows][dp].

@@ -1,7 +1,9 @@
 // fp64 reference of the score biases: one element at a time, straight from the definitions in
 // posenc/bias.hpp (bias_value per element; gradients summed per element in b, h, i, j order).
+#include <span>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "bias_checks.hpp"
 #include "posenc/reference.hpp"
@@ -106,3 +108,75 @@ void bias_backward(const BiasScheme& scheme, const Positions& q_positions, const
 }
 
 }  // namespace posenc::ref
+
+namespace posenc {
+namespace {
+
+// The PositionBias whose default gradient form runs on this thread: a scheme that overrides
+// neither accumulate_gradient nor reference_backward is refused by name instead of recursing.
+thread_local const PositionBias* running_default = nullptr;
+
+class DefaultForm {
+ public:
+  DefaultForm(const PositionBias& bias, const char* where) : saved_(running_default) {
+    if (running_default == &bias) {
+      throw Error(where, "scheme", std::string(bias.scheme_name()) + ", a PositionBias that overrides neither",
+                  "accumulate_gradient or reference_backward (scheme.hpp): one defines the other");
+    }
+    running_default = &bias;
+  }
+  DefaultForm(const DefaultForm&) = delete;
+  DefaultForm& operator=(const DefaultForm&) = delete;
+  ~DefaultForm() { running_default = saved_; }
+
+ private:
+  const PositionBias* saved_;
+};
+
+}  // namespace
+
+// One pair's gradient by the scheme's block definition: a [heads, 1, 1] block of score gradients,
+// zero but at `head`.
+void PositionBias::accumulate_gradient(std::int64_t head, std::int64_t q_position, std::int64_t k_position,
+                                       double weight, std::span<double> grads) const {
+  const DefaultForm running(*this, "PositionBias::accumulate_gradient");
+  std::vector<double> d_scores(static_cast<std::size_t>(heads()), 0.0);
+  d_scores.at(static_cast<std::size_t>(head)) = weight;
+  reference_backward(Positions::ids(std::span<const std::int64_t>(&q_position, 1)),
+                     Positions::ids(std::span<const std::int64_t>(&k_position, 1)),
+                     ConstTensorView::of(d_scores.data(), {heads(), 1, 1}), grads);
+}
+
+// The block's gradient pair by pair, in b, h, i, j order.
+void PositionBias::reference_backward(const Positions& q_positions, const Positions& k_positions,
+                                      ConstTensorView d_scores, std::span<double> grads) const {
+  const char* const where = "PositionBias::reference_backward";
+  detail::check_gradient_size(where, "grads", grads.size(), parameter_count());
+  const detail::ScoreGrid g = detail::check_scores(where, "d_scores", d_scores, heads(), q_positions, k_positions);
+  if (g.q_len * g.k_len > 0) check_positions(where, q_positions, k_positions);
+  const DefaultForm running(*this, where);
+  ref::for_each_score(g, q_positions, k_positions,
+                      [&](std::int64_t h, std::int64_t offset, std::int64_t q, std::int64_t k) {
+                        accumulate_gradient(h, q, k, detail::load(d_scores.data(), d_scores.dtype(), offset), grads);
+                      });
+}
+
+void PositionBias::backward(const Positions& q_positions, const Positions& k_positions, ConstTensorView d_scores,
+                            std::span<double> grads) const {
+  reference_backward(q_positions, k_positions, d_scores, grads);
+}
+
+// value() per element, rounded once to out's dtype.
+void PositionBias::materialize(const Positions& q_positions, const Positions& k_positions, TensorView out) const {
+  const char* const where = "PositionBias::materialize";
+  const detail::ScoreGrid g =
+      detail::check_scores(where, "out", ConstTensorView(out), heads(), q_positions, k_positions);
+  detail::check_writable(where, "out", ConstTensorView(out));
+  if (g.q_len * g.k_len > 0) check_positions(where, q_positions, k_positions);
+  ref::for_each_score(g, q_positions, k_positions,
+                      [&](std::int64_t h, std::int64_t offset, std::int64_t q, std::int64_t k) {
+                        detail::store(out.data(), out.dtype(), offset, value(h, q, k));
+                      });
+}
+
+}  // namespace posenc

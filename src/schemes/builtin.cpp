@@ -126,6 +126,7 @@ SchemeEntry rope_entry() {
               [](const SchemeArgs& a) {
                 return HeadGroup{a.heads, RotaryQK{rope_params(a), a.flag("keys_rotated"), 0}, {}};
               },
+          .takes_rope_parameters = true,
           .length_variants = {// Hugging Face's dynamic NTK with factor 1: base·(seq/M)^(d/(d−2)) past M = train_length.
                               rope_scaling_variant(
                                   "ntk", "dynamic NTK: the base grows with the context past the training length",

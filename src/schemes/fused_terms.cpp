@@ -1,8 +1,7 @@
 // The fused forms of attention terms and position biases for one call (score_term.hpp:
 // fused_term, fused_bias): the library's hand-written form for the object's type (fused_terms.hpp),
-// else the generic form for a term and none for a bias. A type matches exactly: a class derived
-// from one of these is a scheme of its own (a term then runs through the generic form of its own
-// definition).
+// else the generic form of the definition. A type matches exactly: a class derived from one of
+// these is a scheme of its own (it runs through the generic form of its own definition).
 #include "schemes/fused_terms.hpp"
 
 #include <map>
@@ -52,7 +51,7 @@ std::unique_ptr<ScoreTerm> fused_bias(const PositionBias& bias, const AttentionP
       {typeid(TupeParams), &bias_form_of<TupeParams>},
   };
   const auto it = forms.find(typeid(bias));
-  return it == forms.end() ? nullptr : it->second(bias, plan, group);
+  return it == forms.end() ? generic_bias(bias, plan, group) : it->second(bias, plan, group);
 }
 
 }  // namespace posenc::detail

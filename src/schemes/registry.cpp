@@ -103,8 +103,8 @@ SchemeArgs complete_scheme_args(const SchemeEntry& entry, SchemeArgs args) {
   if (args.head_dim < 1 || args.head_dim > max_size) {
     throw Error(where, "head_dim", std::to_string(args.head_dim), "in [1, 2^31]");
   }
-  if (args.rope && entry.name != "rope") {
-    throw Error(where, "rope", "given", "RoPE parameters only for the rope scheme");
+  if (args.rope && !entry.takes_rope_parameters) {
+    throw Error(where, "rope", "given", "RoPE parameters only for a scheme that takes them (rope)");
   }
   for (const auto& [name, value] : args.options) {
     const SchemeOption* option = nullptr;

@@ -486,6 +486,7 @@ void bias_materialize(const BiasScheme& scheme, const Positions& q_positions, co
   const bool stream = f32_rows && g.batch * g.heads * g.q_len * g.k_len * 4 >= kStreamBytes;
   const std::int64_t rows = g.batch * g.heads * g.q_len;
   const int threads = detail::threads_for(rows * g.k_len);
+  detail::ParallelErrors errors;  // a scheme's own value() may throw
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> row(static_cast<std::size_t>(f32_rows ? 0 : g.k_len));
@@ -494,33 +495,35 @@ void bias_materialize(const BiasScheme& scheme, const Positions& q_positions, co
     std::vector<std::int64_t> keys;
     bool keys_consecutive = false;
 #pragma omp for schedule(static)
-    for (std::int64_t r = 0; r < rows; ++r) {
-      const std::int64_t b = r / (g.heads * g.q_len), h = (r / g.q_len) % g.heads, i = r % g.q_len;
-      if (b != cached_b) {
-        keys = detail::row_positions(k_positions, b, g.k_len);
-        keys_consecutive = consecutive(keys);
-        cached_b = b;
-      }
-      const std::int64_t q = q_positions.at(b, i);
-      const std::int64_t offset = g.offset(b, h, i);
-      float* dst = f32_rows ? static_cast<float*>(out.data()) + offset : row.data();
-      if (!zeros.empty()) {
-        kernels::copy_row_f32(zeros.data(), dst, g.k_len, stream);  // NoPE
-      } else if (const float* src = keys_consecutive ? eval.table_row(h, q, keys[0], g.k_len) : nullptr) {
-        kernels::copy_row_f32(src, dst, g.k_len, stream);  // straight from the table
-      } else if (keys_consecutive) {
-        eval.fill_row(h, q, keys[0], g.k_len, dst);
-      } else {
-        for (std::int64_t j = 0; j < g.k_len; ++j) dst[j] = eval(h, q, keys[static_cast<std::size_t>(j)]);
-      }
-      if (!f32_rows) {
-        for (std::int64_t j = 0; j < g.k_len; ++j) {
-          detail::store(out.data(), out.dtype(), offset + j * g.k_stride, row[static_cast<std::size_t>(j)]);
+    for (std::int64_t r = 0; r < rows; ++r)
+      errors.run([&] {
+        const std::int64_t b = r / (g.heads * g.q_len), h = (r / g.q_len) % g.heads, i = r % g.q_len;
+        if (b != cached_b) {
+          keys = detail::row_positions(k_positions, b, g.k_len);
+          keys_consecutive = consecutive(keys);
+          cached_b = b;
         }
-      }
-    }
+        const std::int64_t q = q_positions.at(b, i);
+        const std::int64_t offset = g.offset(b, h, i);
+        float* dst = f32_rows ? static_cast<float*>(out.data()) + offset : row.data();
+        if (!zeros.empty()) {
+          kernels::copy_row_f32(zeros.data(), dst, g.k_len, stream);  // NoPE
+        } else if (const float* src = keys_consecutive ? eval.table_row(h, q, keys[0], g.k_len) : nullptr) {
+          kernels::copy_row_f32(src, dst, g.k_len, stream);  // straight from the table
+        } else if (keys_consecutive) {
+          eval.fill_row(h, q, keys[0], g.k_len, dst);
+        } else {
+          for (std::int64_t j = 0; j < g.k_len; ++j) dst[j] = eval(h, q, keys[static_cast<std::size_t>(j)]);
+        }
+        if (!f32_rows) {
+          for (std::int64_t j = 0; j < g.k_len; ++j) {
+            detail::store(out.data(), out.dtype(), offset + j * g.k_stride, row[static_cast<std::size_t>(j)]);
+          }
+        }
+      });
     if (stream) kernels::flush_streams();
   }
+  errors.rethrow();
 }
 
 // ------------------------------------------------------------------------------ backward
@@ -529,12 +532,15 @@ namespace {
 
 // Per head h, calls grad(h, r, sum) with sum = Σ d_scores[b, h, i, j] over the pairs with
 // k_pos − q_pos = r, for every r met (in increasing r), or per element (r, d_scores) when the
-// range is too wide to histogram. Heads are split over threads; each head's sums run over
-// b, i, j in order, so results do not depend on the thread count. grad must only touch the
-// gradients of head h.
+// range is too wide to histogram. Heads are split over threads, each head's sums over b, i, j in
+// order. grad_per_head: grad touches only head h's gradients (RelativeBias::gradients_per_head) and
+// runs on the head's thread; otherwise (a scheme whose parameters its heads may share) it runs in one
+// thread, heads and then r ascending, after the sums of each block of heads. Either way the
+// results do not depend on the thread count.
 template <class Grad>
 void reduce_by_relative_position(const char* where, std::int64_t heads, const Positions& q_positions,
-                                 const Positions& k_positions, ConstTensorView d_scores, Grad grad) {
+                                 const Positions& k_positions, ConstTensorView d_scores, bool grad_per_head,
+                                 Grad grad) {
   const detail::ScoreGrid g = detail::check_scores(where, "d_scores", d_scores, heads, q_positions, k_positions);
   if (g.batch * g.heads * g.q_len * g.k_len == 0) return;
   const auto [q_lo, q_hi] = position_bounds(q_positions, g.batch, g.q_len);
@@ -550,52 +556,69 @@ void reduce_by_relative_position(const char* where, std::int64_t heads, const Po
     keys_consecutive[static_cast<std::size_t>(b)] = consecutive(keys[static_cast<std::size_t>(b)]);
   }
   const bool f32_rows = d_scores.dtype() == DType::kF32 && g.k_stride == 1;
-#pragma omp parallel num_threads(threads)
-  {
-    std::vector<double> sums(histogram ? static_cast<std::size_t>(width) : 0);
-#pragma omp for schedule(static)
-    for (std::int64_t h = 0; h < g.heads; ++h) {
-      std::fill(sums.begin(), sums.end(), 0.0);
-      for (std::int64_t b = 0; b < g.batch; ++b) {
-        const auto& ks = keys[static_cast<std::size_t>(b)];
-        const bool fast = histogram && f32_rows && keys_consecutive[static_cast<std::size_t>(b)];
-        for (std::int64_t i = 0; i < g.q_len; ++i) {
-          const std::int64_t q = q_positions.at(b, i), offset = g.offset(b, h, i);
-          if (fast) {
-            // A block of queries at consecutive positions: summed along its diagonals.
-            std::int64_t rows = 1;
-            while (rows < kernels::kDiagonalRows && i + rows < g.q_len && q_positions.at(b, i + rows) == q + rows)
-              ++rows;
-            kernels::accumulate_diagonals_f64(static_cast<const float*>(d_scores.data()) + offset, g.q_stride, rows,
-                                              g.k_len, sums.data() + (ks[0] - q - min_r));
-            i += rows - 1;
-            continue;
-          }
-          for (std::int64_t j = 0; j < g.k_len; ++j) {
-            const double value = detail::load(d_scores.data(), d_scores.dtype(), offset + j * g.k_stride);
-            const std::int64_t r = ks[static_cast<std::size_t>(j)] - q;
-            if (histogram) {
-              sums[static_cast<std::size_t>(r - min_r)] += value;
-            } else {
-              grad(h, r, value);
-            }
-          }
+  // Head h's sums by r − min_r (histogram), or grad per element.
+  const auto head_sums = [&](std::int64_t h, std::vector<double>& sums) {
+    std::fill(sums.begin(), sums.end(), 0.0);
+    for (std::int64_t b = 0; b < g.batch; ++b) {
+      const auto& ks = keys[static_cast<std::size_t>(b)];
+      const bool fast = histogram && f32_rows && keys_consecutive[static_cast<std::size_t>(b)];
+      for (std::int64_t i = 0; i < g.q_len; ++i) {
+        const std::int64_t q = q_positions.at(b, i), offset = g.offset(b, h, i);
+        if (fast) {
+          // A block of queries at consecutive positions: summed along its diagonals.
+          std::int64_t rows = 1;
+          while (rows < kernels::kDiagonalRows && i + rows < g.q_len && q_positions.at(b, i + rows) == q + rows) ++rows;
+          kernels::accumulate_diagonals_f64(static_cast<const float*>(d_scores.data()) + offset, g.q_stride, rows,
+                                            g.k_len, sums.data() + (ks[0] - q - min_r));
+          i += rows - 1;
+          continue;
         }
-      }
-      if (histogram) {
-        for (std::int64_t t = 0; t < width; ++t) {
-          if (sums[static_cast<std::size_t>(t)] != 0.0) grad(h, min_r + t, sums[static_cast<std::size_t>(t)]);
+        for (std::int64_t j = 0; j < g.k_len; ++j) {
+          const double value = detail::load(d_scores.data(), d_scores.dtype(), offset + j * g.k_stride);
+          const std::int64_t r = ks[static_cast<std::size_t>(j)] - q;
+          if (histogram) {
+            sums[static_cast<std::size_t>(r - min_r)] += value;
+          } else {
+            grad(h, r, value);
+          }
         }
       }
     }
+  };
+  std::vector<std::vector<double>> block(static_cast<std::size_t>(threads),
+                                         std::vector<double>(static_cast<std::size_t>(histogram ? width : 0)));
+  const auto emit = [&](std::int64_t h, const std::vector<double>& sums) {
+    for (std::int64_t r = 0; r < static_cast<std::int64_t>(sums.size()); ++r) {
+      if (sums[static_cast<std::size_t>(r)] != 0.0) grad(h, min_r + r, sums[static_cast<std::size_t>(r)]);
+    }
+  };
+  if (grad_per_head) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (std::int64_t h = 0; h < g.heads; ++h) {
+      std::vector<double>& sums = block[static_cast<std::size_t>(omp_get_thread_num())];
+      head_sums(h, sums);
+      emit(h, sums);
+    }
+    return;
+  }
+  if (!histogram) {  // scattered positions too far apart: per element, in one thread
+    for (std::int64_t h = 0; h < g.heads; ++h) head_sums(h, block[0]);
+    return;
+  }
+  for (std::int64_t h0 = 0; h0 < g.heads; h0 += threads) {
+    const std::int64_t n = std::min<std::int64_t>(threads, g.heads - h0);
+#pragma omp parallel for schedule(static) num_threads(static_cast <int>(n))
+    for (std::int64_t t = 0; t < n; ++t) head_sums(h0 + t, block[static_cast<std::size_t>(t)]);
+    for (std::int64_t t = 0; t < n; ++t) emit(h0 + t, block[static_cast<std::size_t>(t)]);
   }
 }
 
 // grads += Σ d_scores·∂b/∂θ of a RelativeBias, through its own derivative (`where` names the caller).
 void reduce_relative_bias(const char* where, const RelativeBias& scheme, const Positions& q_positions,
-                          const Positions& k_positions, ConstTensorView d_scores, std::span<double> grads) {
+                          const Positions& k_positions, ConstTensorView d_scores, std::span<double> grads,
+                          bool grad_per_head) {
   reduce_by_relative_position(
-      where, scheme.heads(), q_positions, k_positions, d_scores,
+      where, scheme.heads(), q_positions, k_positions, d_scores, grad_per_head,
       [&](std::int64_t h, std::int64_t r, double sum) { scheme.accumulate_gradient(h, r, sum, grads); });
 }
 
@@ -609,7 +632,7 @@ void alibi_backward(const AlibiParams& params, const Positions& q_positions, con
     ref::alibi_backward(params, q_positions, k_positions, d_scores, d_slopes);
     return;
   }
-  reduce_relative_bias("alibi_backward", params, q_positions, k_positions, d_scores, d_slopes);
+  reduce_relative_bias("alibi_backward", params, q_positions, k_positions, d_scores, d_slopes, true);
 }
 
 void t5_bias_backward(const T5BiasParams& params, const Positions& q_positions, const Positions& k_positions,
@@ -620,7 +643,7 @@ void t5_bias_backward(const T5BiasParams& params, const Positions& q_positions, 
     ref::t5_bias_backward(params, q_positions, k_positions, d_scores, d_table);
     return;
   }
-  reduce_relative_bias("t5_bias_backward", params, q_positions, k_positions, d_scores, d_table);
+  reduce_relative_bias("t5_bias_backward", params, q_positions, k_positions, d_scores, d_table, true);
 }
 
 void relative_bias_backward(const RelativeBias& scheme, const Positions& q_positions, const Positions& k_positions,
@@ -631,7 +654,8 @@ void relative_bias_backward(const RelativeBias& scheme, const Positions& q_posit
     ref::relative_bias_backward(scheme, q_positions, k_positions, d_scores, d_params);
     return;
   }
-  reduce_relative_bias("relative_bias_backward", scheme, q_positions, k_positions, d_scores, d_params);
+  reduce_relative_bias("relative_bias_backward", scheme, q_positions, k_positions, d_scores, d_params,
+                       scheme.gradients_per_head());
 }
 
 void bias_backward(const BiasScheme& scheme, const Positions& q_positions, const Positions& k_positions,
@@ -653,7 +677,7 @@ void kerple_backward(const KerpleParams& params, const Positions& q_positions, c
     ref::kerple_backward(params, q_positions, k_positions, d_scores, d_r1, d_r2);
     return;
   }
-  reduce_by_relative_position("kerple_backward", params.heads(), q_positions, k_positions, d_scores,
+  reduce_by_relative_position("kerple_backward", params.heads(), q_positions, k_positions, d_scores, true,
                               [&](std::int64_t h, std::int64_t r, double sum) {
                                 double g1 = 0, g2 = 0;
                                 detail::kerple_derivatives(params, h, r, &g1, &g2);

@@ -2,9 +2,12 @@
 // produce posenc::Error messages, element access for any dtype, and the thread count.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <initializer_list>
+#include <mutex>
 #include <new>
 #include <string>
 #include <vector>
@@ -153,6 +156,36 @@ bool use_reference();
 
 // Threads for a parallel region of `work` elementary operations (1 when too small to share).
 int threads_for(std::int64_t work);
+
+// The first exception thrown inside a parallel region, carried out of it: an exception may not
+// leave an OpenMP region (std::terminate), and code run there may throw (a scheme's own
+// definition, which the generic fused forms call pair by pair). run(fn) calls fn unless an
+// earlier call failed, keeping the first exception; rethrow() after the region throws it.
+class ParallelErrors {
+ public:
+  template <class Fn>
+  void run(Fn&& fn) noexcept {
+    if (failed_.load(std::memory_order_relaxed)) return;
+    try {
+      fn();
+    } catch (...) {
+      keep(std::current_exception());
+    }
+  }
+  void rethrow() const {
+    if (first_) std::rethrow_exception(first_);
+  }
+
+ private:
+  void keep(std::exception_ptr e) noexcept {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    if (!first_) first_ = std::move(e);
+    failed_.store(true, std::memory_order_relaxed);
+  }
+  std::atomic<bool> failed_{false};
+  std::mutex mutex_;
+  std::exception_ptr first_;
+};
 
 // The index-th draw of a standard normal stream: depends only on (seed, index), never on the
 // thread count (SplitMix64 as a counter-based generator, Box–Muller on two draws).

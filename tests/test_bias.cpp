@@ -4,10 +4,14 @@
 // dtypes × strides), gradients against the reference and finite differences, determinism across
 // thread counts, the evaluator, and errors.
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <sstream>
+#include <span>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include "testing.hpp"
 
@@ -571,6 +575,49 @@ TEST_P(EveryTarget, BiasBackwardIsThreadCountFree) {
   t5_bias_backward(p, Positions::range(len), Positions::range(len),
                    ConstTensorView::contiguous(ds.data(), DType::kF32, shape), two);
   EXPECT_EQ(std::memcmp(one.data(), two.data(), one.size() * sizeof(double)), 0);
+}
+
+// A RelativeBias whose one parameter every head shares, b_h(r) = −θ·(h + 1)·|r|: its gradient
+// is summed from every head, so relative_bias_backward must call it from one thread at a time. The
+// same bits for 1 and 2 threads, equal to the fp64 sum of the definition.
+class SharedSlope final : public RelativeBias {
+ public:
+  std::string_view scheme_name() const override { return "shared-slope"; }
+  std::int64_t heads() const override { return 8; }
+  double value(std::int64_t head, std::int64_t r) const override {
+    return -0.5 * static_cast<double>(head + 1) * static_cast<double>(std::abs(r));
+  }
+  std::int64_t parameter_count() const override { return 1; }
+  std::vector<double> parameters() const override { return {0.5}; }
+  void accumulate_gradient(std::int64_t head, std::int64_t r, double weight, std::span<double> grads) const override {
+    grads[0] -= weight * static_cast<double>(head + 1) * static_cast<double>(std::abs(r));
+  }
+};
+
+TEST(Bias, ParametersSharedByHeadsGetEveryHeadsGradient) {
+  const std::int64_t heads = 8, len = 400;
+  std::vector<float> ds(static_cast<std::size_t>(heads * len * len));
+  for (auto& v : ds) v = static_cast<float>(uniform(-1, 1));
+  const std::vector<std::int64_t> shape = {heads, len, len};
+  const ConstTensorView view = ConstTensorView::contiguous(ds.data(), DType::kF32, shape);
+  const SharedSlope scheme;
+  double want = 0.0;
+  for (std::int64_t h = 0; h < heads; ++h) {
+    for (std::int64_t i = 0; i < len; ++i) {
+      for (std::int64_t j = 0; j < len; ++j)
+        want -= ds[static_cast<std::size_t>((h * len + i) * len + j)] * static_cast<double>(h + 1) *
+                static_cast<double>(std::abs(j - i));
+    }
+  }
+  std::vector<std::vector<double>> runs;
+  for (const int threads : {1, 2}) {
+    set_num_threads(threads);
+    runs.push_back({0.0});
+    relative_bias_backward(scheme, Positions::range(len), Positions::range(len), view, runs.back());
+  }
+  set_num_threads(2);
+  EXPECT_EQ(std::memcmp(runs[0].data(), runs[1].data(), sizeof(double)), 0);
+  EXPECT_NEAR(runs[0][0], want, 1e-9 * std::fabs(want) + 1e-6);
 }
 
 TEST(BiasEvaluator, RowsAndElementsAgreeWithTheScheme) {

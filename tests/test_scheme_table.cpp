@@ -316,5 +316,56 @@ TEST(GenericBias, ASchemeWithoutAGradientIsRefusedByName) {
   EXPECT_EQ(out[1], 0.1f);
 }
 
+// A definition that throws (a position it cannot take, found only pair by pair) inside the
+// engine's threads: the call throws that posenc::Error, on one thread or several, in forward,
+// decode and backward, and the next call runs.
+class FailsPast final : public PositionBias {
+ public:
+  FailsPast(std::int64_t value_from, std::int64_t gradient_from)
+      : value_from_(value_from), gradient_from_(gradient_from) {}
+  std::string_view scheme_name() const override { return "fails-past"; }
+  std::int64_t heads() const override { return 2; }
+  std::int64_t parameter_count() const override { return 1; }
+  double value(std::int64_t /* head */, std::int64_t q, std::int64_t k) const override {
+    if (q >= value_from_) throw Error("fails-past", "q_position", std::to_string(q), "a value's position");
+    return -0.1 * static_cast<double>(q - k);
+  }
+  void accumulate_gradient(std::int64_t /* head */, std::int64_t q, std::int64_t k, double weight,
+                           std::span<double> grads) const override {
+    if (q >= gradient_from_ && weight != 0.0) {
+      throw Error("fails-past", "q_position", std::to_string(q), "a gradient's position");
+    }
+    grads[0] -= weight * 0.1 * static_cast<double>(q - k);
+  }
+
+ private:
+  std::int64_t value_from_, gradient_from_;
+};
+
+TEST(GenericBias, AnErrorOfTheDefinitionReachesTheCallerFromTheEnginesThreads) {
+  const auto spec_with = [](const Problem& p, std::int64_t value_from, std::int64_t gradient_from) {
+    AttentionSpec spec = spec_of(p);
+    spec.mask.causal = true;
+    spec.groups = {HeadGroup{2, {}, PositionBiasRef(std::make_shared<FailsPast>(value_from, gradient_from))}};
+    return spec;
+  };
+  const Problem p = make_problem(2, 300, 300, 2, 1, 16), d = make_problem(4, 1, 5000, 2, 1, 16);
+  const std::vector<double> d_out = random_values(static_cast<std::size_t>(p.q_count()));
+  for (const int threads : {1, 2}) {
+    SCOPED_TRACE("threads " + std::to_string(threads));
+    set_num_threads(threads);
+    const Attention forward(spec_with(p, 250, 1 << 30)), backward(spec_with(p, 1 << 30, 100));
+    testing::expect_error([&] { (void)run_forward(p, forward, 0); }, {"fails-past", "a value's position"});
+    testing::expect_error([&] { (void)run_backward(p, backward, d_out, 0); }, {"fails-past", "a gradient's position"});
+    testing::expect_error([&] { (void)run_forward(d, Attention(spec_with(d, 4000, 1 << 30)), 0); },
+                          {"fails-past", "q_position = 4999"});
+    // The engine's per-thread scratch serves the next call after the error.
+    const Problem small = make_problem(1, 50, 50, 2, 1, 16);
+    const Attention fine(spec_with(small, 250, 100));
+    expect_backward_matches_reference(small, fine, random_values(static_cast<std::size_t>(small.q_count())));
+  }
+  set_num_threads(2);
+}
+
 }  // namespace
 }  // namespace posenc

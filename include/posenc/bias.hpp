@@ -86,6 +86,7 @@ class AlibiParams : public RelativeBias {
   std::vector<double> parameters() const override { return slopes_; }
   void accumulate_gradient(std::int64_t head, std::int64_t relative_position, double weight,
                            std::span<double> grads) const override;
+  bool gradients_per_head() const override { return true; }
 
  private:
   std::vector<double> slopes_;
@@ -130,6 +131,7 @@ class T5BiasParams : public RelativeBias {
   std::vector<double> parameters() const override { return table_; }
   void accumulate_gradient(std::int64_t head, std::int64_t relative_position, double weight,
                            std::span<double> grads) const override;
+  bool gradients_per_head() const override { return true; }
 
  private:
   std::int64_t heads_, num_buckets_, max_distance_;
@@ -160,6 +162,7 @@ class KerpleParams : public RelativeBias {
   std::vector<double> parameters() const override;
   void accumulate_gradient(std::int64_t head, std::int64_t relative_position, double weight,
                            std::span<double> grads) const override;
+  bool gradients_per_head() const override { return true; }
 
  private:
   KerpleForm form_;

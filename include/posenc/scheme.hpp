@@ -62,6 +62,10 @@ class RelativeBias {
   virtual std::vector<double> parameters() const { return {}; }
   virtual void accumulate_gradient(std::int64_t /* head */, std::int64_t /* relative_position */, double /* weight */,
                                    std::span<double> /* grads */) const {}
+  // Whether accumulate_gradient for head h touches only entries of θ that no other head's does, so
+  // that relative_bias_backward may call it for several heads on threads at once. By default (θ
+  // may be shared by heads) the calls run in one thread.
+  virtual bool gradients_per_head() const { return false; }
 };
 
 // A scheme of this family held by the library (HeadGroup::bias, BiasScheme): shared, immutable.

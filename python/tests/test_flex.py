@@ -293,8 +293,10 @@ def test_gradients(name, cpu_flex_backward):
         err_fused, err_flex = (a - r).abs().max().item(), (b - r).abs().max().item()
         # q, k, v: a floor of float32 rounding. A parameter's gradient is a sum over every (query,
         # key) pair, which torch's FlexAttention forms in float32 (the fused kernel in fp64): the
-        # floor is then twice a random walk of float32 roundings over those pairs, 2·ε·√pairs.
-        floor = 1e-5 if i < 3 else 2 * torch.finfo(torch.float32).eps * pairs ** 0.5
+        # floor is then a random walk of float32 roundings over those pairs, ε·√pairs, taken four
+        # times: a correct sum passes but about once in 10^4 runs (at two, once in 20: FIRE's c,
+        # one scalar, exceeded it).
+        floor = 1e-5 if i < 3 else 4 * torch.finfo(torch.float32).eps * pairs ** 0.5
         assert err_flex <= 2 * err_fused + floor * max(1.0, r.abs().max().item()), (i, err_fused, err_flex)
 
 

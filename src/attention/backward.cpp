@@ -276,6 +276,7 @@ AttentionStats AttentionPlan::backward(ConstTensorView out, ConstTensorView lse,
   const int threads =
       std::min<int>(threads_for(work.flops / 16), static_cast<int>(std::max<std::size_t>(work.units.size(), 1)));
   std::int64_t scratch_bytes = 0, steps = 0, skipped_steps = 0;
+  ParallelErrors errors;  // a term's own definition may throw
 #pragma omp parallel num_threads(threads) reduction(+ : scratch_bytes, steps, skipped_steps)
   {
     const FlushDenormals flush;
@@ -295,12 +296,13 @@ AttentionStats AttentionPlan::backward(ConstTensorView out, ConstTensorView lse,
       unit.kv_part = un.part >= 0 ? work.kv_parts.data() + un.part : nullptr;
       unit.part_key_lo = un.key_lo;
       unit.part_key_hi = un.key_hi;
-      backward_unit(call, unit, s, rb);
+      errors.run([&] { backward_unit(call, unit, s, rb); });
     }
     scratch_bytes += s.bytes();
     steps += s.steps;
     skipped_steps += s.skipped_steps;
   }
+  errors.rethrow();
   if (!work.kv_parts.empty()) sum_split_units(*this, call, work, threads);
   reduce_gradients(*this, work, slots, grads);
   AttentionStats stats;

@@ -704,25 +704,29 @@ AttentionStats AttentionPlan::forward(TensorView out, TensorView lse) const {
   const int threads =
       std::min<int>(threads_for(work.flops / 16), static_cast<int>(std::max<std::size_t>(work.units.size(), 1)));
   std::int64_t scratch_bytes = 0, skipped_tiles = 0, prefill_tiles = 0;
+  ParallelErrors errors;  // a term's own definition may throw
 #pragma omp parallel num_threads(threads) reduction(+ : scratch_bytes, skipped_tiles, prefill_tiles)
   {
     const FlushDenormals flush;
     ForwardThread t;
 #pragma omp for schedule(dynamic, 1)
     for (std::size_t u = 0; u < work.units.size(); ++u) {
-      const ForwardUnit& un = work.units[u];
-      if (!un.compact) {
-        run_prefill_unit(*this, o, un, t);
-      } else if (un.wide) {
-        run_wide_unit(*this, o, un, t);
-      } else {
-        run_decode_unit(*this, o, un, t);
-      }
+      errors.run([&] {
+        const ForwardUnit& un = work.units[u];
+        if (!un.compact) {
+          run_prefill_unit(*this, o, un, t);
+        } else if (un.wide) {
+          run_wide_unit(*this, o, un, t);
+        } else {
+          run_decode_unit(*this, o, un, t);
+        }
+      });
     }
     scratch_bytes += t.scratch_bytes();
     skipped_tiles += t.skipped_tiles;
     prefill_tiles += t.prefill_tiles;
   }
+  errors.rethrow();
   merge_decode_chunks(*this, o, work.merges);
   AttentionStats stats;
   stats.workspace_bytes = scratch_bytes + static_cast<std::int64_t>(o.parts.size() * sizeof(float)) + table_bytes();

@@ -409,22 +409,12 @@ Case make_case(const std::string& name, const CaseOptions& o) {
     // initialisation, a position table over every position where there is one, and the entry's
     // bench_preset.
     BiasScheme scheme = NoPE(heads);
-    std::string names;
-    const SchemeEntry* known = nullptr;
-    for (const SchemeEntry& e : schemes()) {
-      if (e.family != "relative-bias" && e.family != "bias" && e.family != "none") continue;
-      for (const std::string& alias : e.aliases) {
-        names += (names.empty() ? "" : ", ") + alias;
-        if (alias == o.scheme) known = &e;
-      }
-      names += (names.empty() ? "" : ", ") + e.name;
-      if (e.name == o.scheme) known = &e;
-    }
-    if (known == nullptr) throw Error("bench", "--scheme", o.scheme, names);
+    const SchemeEntry& entry = find_scheme(o.scheme);  // names or aliases; lists them otherwise
+    if (entry.family != "relative-bias" && entry.family != "bias" && entry.family != "none")
+      throw Error("bench", "--scheme", o.scheme, "a score bias (family relative-bias or bias, posenc schemes) or none");
     // The family none is NoPE's zeros, the baseline of every other.
-    if (known->family != "none") {
+    if (entry.family != "none") {
       SchemeArgs args{.heads = heads, .head_dim = 1};
-      const SchemeEntry& entry = *known;
       if (takes_option(entry, "seed")) args.options["seed"] = 1;
       if (takes_option(entry, "max_len")) args.options["max_len"] = static_cast<double>(o.length);
       if (entry.bench_preset) entry.bench_preset(args, o.length);

@@ -54,6 +54,16 @@ bool takes_option(std::string_view scheme, std::string_view option) {
   return it != all.end() && takes_option(*it, option);
 }
 
+// The registered scheme of --scheme, by name or alias; an unknown one is refused as the flag, with
+// the registry's list.
+const SchemeEntry& bench_scheme(const std::string& name) {
+  try {
+    return find_scheme(name);
+  } catch (const Error& unknown) {
+    throw Error("bench", "--scheme", name, unknown.expected());
+  }
+}
+
 // A registered scheme as the attention benchmark runs it: the registry's defaults and the entry's
 // bench_preset (a model's sizes where they exceed the defaults), seed 1 for every
 // initialisation, and --interleaved for a scheme with that option.
@@ -95,14 +105,7 @@ Case make_attention_case(const CaseOptions& o) {
   // A registered scheme's per-token inputs [B, Sk, H], each spread over a trained model's values
   // (forgetting's: gates of 0.73–0.99), viewed by the attention.
   auto inputs = std::make_shared<std::vector<std::vector<float>>>();
-  std::string names;
-  const SchemeEntry* entry = nullptr;
-  for (const SchemeEntry& e : schemes()) {
-    names += (names.empty() ? "" : ", ") + e.name;
-    for (const std::string& alias : e.aliases) names += ", " + alias;
-    if (e.name == o.scheme || std::find(e.aliases.begin(), e.aliases.end(), o.scheme) != e.aliases.end()) entry = &e;
-  }
-  if (entry == nullptr) throw Error("bench", "--scheme", o.scheme, "one of " + names);
+  const SchemeEntry* entry = &bench_scheme(o.scheme);
   // The family none is the call without groups, the baseline of every other.
   if (entry->family != "none") {
     named.scheme = entry->name;
@@ -409,7 +412,7 @@ Case make_case(const std::string& name, const CaseOptions& o) {
     // initialisation, a position table over every position where there is one, and the entry's
     // bench_preset.
     BiasScheme scheme = NoPE(heads);
-    const SchemeEntry& entry = find_scheme(o.scheme);  // names or aliases; lists them otherwise
+    const SchemeEntry& entry = bench_scheme(o.scheme);
     if (entry.family != "relative-bias" && entry.family != "bias" && entry.family != "none")
       throw Error("bench", "--scheme", o.scheme, "a score bias (family relative-bias or bias, posenc schemes) or none");
     // The family none is NoPE's zeros, the baseline of every other.

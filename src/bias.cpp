@@ -240,45 +240,28 @@ void KerpleParams::accumulate_gradient(std::int64_t head, std::int64_t r, double
   grads[static_cast<std::size_t>(heads() + head)] += weight * d2;
 }
 
-namespace {
-// The scheme as a member of family F (a built-in alternative derived from F, or F's open end
-// held by shared pointer, named `ref_name` in the error for a null one), or nullptr.
-template <class F>
-const F* family_member(const BiasScheme& scheme, const char* ref_name) {
-  return std::visit(
-      [ref_name](const auto& s) -> const F* {
-        using S = std::decay_t<decltype(s)>;
-        if constexpr (std::is_same_v<S, std::shared_ptr<const F>>) {
-          if (!s) throw Error("BiasScheme", ref_name, "null", "a scheme object");
-          return s.get();
-        } else if constexpr (std::is_base_of_v<F, S>) {
-          return &s;
-        } else {
-          return nullptr;
-        }
-      },
-      scheme);
-}
-}  // namespace
-
-const RelativeBias* relative_bias(const BiasScheme& scheme) {
-  return family_member<RelativeBias>(scheme, "RelativeBiasRef");
+BiasScheme::BiasScheme(RelativeBiasRef scheme) : relative_(std::move(scheme)) {
+  if (!relative_) throw Error("BiasScheme", "RelativeBiasRef", "null", "a scheme object");
 }
 
-const PositionBias* position_bias(const BiasScheme& scheme) {
-  return family_member<PositionBias>(scheme, "PositionBiasRef");
+BiasScheme::BiasScheme(PositionBiasRef scheme) : position_(std::move(scheme)) {
+  if (!position_) throw Error("BiasScheme", "PositionBiasRef", "null", "a scheme object");
 }
 
-std::int64_t bias_heads(const BiasScheme& scheme) {
-  if (const auto* nope = std::get_if<NoPE>(&scheme)) return nope->heads;
-  if (const PositionBias* pb = position_bias(scheme)) return pb->heads();
-  return relative_bias(scheme)->heads();
+std::int64_t BiasScheme::heads() const {
+  if (relative_) return relative_->heads();
+  return position_ ? position_->heads() : heads_;
 }
+
+const RelativeBias* relative_bias(const BiasScheme& scheme) { return scheme.relative(); }
+
+const PositionBias* position_bias(const BiasScheme& scheme) { return scheme.position(); }
+
+std::int64_t bias_heads(const BiasScheme& scheme) { return scheme.heads(); }
 
 std::int64_t bias_parameter_count(const BiasScheme& scheme) {
-  if (std::holds_alternative<NoPE>(scheme)) return 0;
-  if (const PositionBias* pb = position_bias(scheme)) return pb->parameter_count();
-  return relative_bias(scheme)->parameter_count();
+  if (const PositionBias* pb = scheme.position()) return pb->parameter_count();
+  return scheme.relative() ? scheme.relative()->parameter_count() : 0;
 }
 
 namespace {
@@ -322,7 +305,7 @@ double signed_bias_value(const BiasScheme& scheme, std::size_t h, std::int64_t r
 // ------------------------------------------------------------------------------ evaluator
 
 BiasEvaluator::BiasEvaluator(const BiasScheme& scheme, std::int64_t min_relative, std::int64_t max_relative)
-    : scheme_(scheme), heads_(bias_heads(scheme)), zero_(std::holds_alternative<NoPE>(scheme)) {
+    : scheme_(scheme), heads_(bias_heads(scheme)), zero_(scheme.is_none()) {
   if (max_relative < min_relative) {
     throw Error("BiasEvaluator", "max_relative", std::to_string(max_relative),
                 ">= min_relative = " + std::to_string(min_relative));
@@ -490,7 +473,7 @@ void bias_materialize(const BiasScheme& scheme, const Positions& q_positions, co
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> row(static_cast<std::size_t>(f32_rows ? 0 : g.k_len));
-    std::vector<float> zeros(static_cast<std::size_t>(std::holds_alternative<NoPE>(scheme) ? g.k_len : 0), 0.0f);
+    std::vector<float> zeros(static_cast<std::size_t>(scheme.is_none() ? g.k_len : 0), 0.0f);
     std::int64_t cached_b = -1;
     std::vector<std::int64_t> keys;
     bool keys_consecutive = false;

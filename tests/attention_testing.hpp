@@ -443,7 +443,7 @@ inline void expect_bias_gradients_close(const Attention& att, std::size_t g, con
     return std::pair{std::vector<double>(fused.begin() + from, fused.begin() + to),
                      std::vector<double>(exact.begin() + from, exact.begin() + to)};
   };
-  if (const auto* fire = scheme ? std::get_if<FireParams>(scheme) : nullptr) {
+  if (const auto* fire = scheme ? scheme->get_if<FireParams>() : nullptr) {
     const auto [aw1, bw1] = next(fire->w1().size());
     const auto [ab1, bb1] = next(fire->b1().size());
     const auto [aw2, bw2] = next(fire->w2().size());
@@ -456,7 +456,7 @@ inline void expect_bias_gradients_close(const Attention& att, std::size_t g, con
     expect_close_to_scale(ab2, bb2, std::max(max_abs(bw2), max_abs(bb1)), "fire b2");
     const auto [a_cl, b_cl] = next(2);
     expect_close(a_cl, b_cl, "fire c, L");
-  } else if (const auto* tupe = scheme ? std::get_if<TupeParams>(scheme) : nullptr) {
+  } else if (const auto* tupe = scheme ? scheme->get_if<TupeParams>() : nullptr) {
     const auto [at_, bt] = next(tupe->table().size());
     const auto [auq, buq] = next(tupe->u_q().size());
     const auto [auk, buk] = next(tupe->u_k().size());
@@ -471,7 +471,7 @@ inline void expect_bias_gradients_close(const Attention& att, std::size_t g, con
     const double theta_scale = std::max({max_abs(bth1), max_abs(bth2), max_abs(buq), max_abs(buk)});
     expect_close_to_scale(ath1, bth1, theta_scale, "tupe theta1");
     expect_close_to_scale(ath2, bth2, theta_scale, "tupe theta2");
-  } else if (const auto* kerple = scheme ? std::get_if<KerpleParams>(scheme) : nullptr) {
+  } else if (const auto* kerple = scheme ? scheme->get_if<KerpleParams>() : nullptr) {
     // r1 and r2 apart: each against its own size.
     const auto [ar1, br1] = next(static_cast<std::size_t>(kerple->heads()));
     const auto [ar2, br2] = next(static_cast<std::size_t>(kerple->heads()));

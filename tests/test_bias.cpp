@@ -249,7 +249,7 @@ TEST_P(EveryTarget, BiasMaterializeMatchesReference) {
     const auto [qp, kp] = positions_of(c);
     // TUPE indexes a table by position: not with the scattered ids of kind 3.
     const BiasScheme scheme = random_scheme(static_cast<int>(uniform_int(0, c.position_kind == 3 ? 6 : 7)), c.heads);
-    const bool fire = std::holds_alternative<FireParams>(scheme);
+    const bool fire = scheme.get_if<FireParams>() != nullptr;
     const DType dtype = dtypes[uniform_int(0, 4)];
     const bool rank3 = c.batch == 1 && uniform_int(0, 1) == 1;
     const bool keys_strided = uniform_int(0, 2) == 0;  // storage [B, H, Sk, Sq]: keys not innermost

@@ -316,6 +316,36 @@ TEST(GenericBias, ASchemeWithoutAGradientIsRefusedByName) {
   EXPECT_EQ(out[1], 0.1f);
 }
 
+// BiasScheme is open: a scheme of one's own converts to it by value as the library's do, is found
+// again by its type, and is shared (not copied) by copies of the BiasScheme.
+TEST(GenericBias, ASchemeOfOnesOwnIsABiasSchemeByValue) {
+  const BiasScheme own = QueryScaledLog({0.5, 2.0});
+  ASSERT_NE(own.get_if<QueryScaledLog>(), nullptr);
+  EXPECT_EQ(own.get_if<FireParams>(), nullptr);
+  EXPECT_EQ(own.relative(), nullptr);
+  EXPECT_EQ(own.heads(), 2);
+  EXPECT_EQ(bias_parameter_count(own), 2);
+  const BiasScheme copy = own;  // NOLINT(performance-unnecessary-copy-initialization)
+  EXPECT_EQ(copy.position(), own.position());
+  EXPECT_EQ(bias_value(own, 1, 3, 0), own.get_if<QueryScaledLog>()->value(1, 3, 0));
+
+  const BiasScheme alibi = AlibiParams(4), none = NoPE(3);
+  ASSERT_NE(alibi.get_if<AlibiParams>(), nullptr);
+  EXPECT_EQ(alibi.get_if<KerpleParams>(), nullptr);
+  EXPECT_EQ(alibi.position(), nullptr);
+  EXPECT_TRUE(none.is_none());
+  EXPECT_EQ(none.heads(), 3);
+  EXPECT_EQ(bias_parameter_count(none), 0);
+  testing::expect_error([] { const BiasScheme null{RelativeBiasRef()}; },
+                        {"RelativeBiasRef = null", "a scheme object"});
+
+  // The per-pair gradient's default checks the head it is given.
+  std::vector<double> grads(1, 0.0);
+  const NoGradient no_gradient;
+  testing::expect_error([&] { no_gradient.PositionBias::accumulate_gradient(2, 0, 0, 1.0, grads); },
+                        {"PositionBias::accumulate_gradient", "head = 2", "in [0, 2)"});
+}
+
 // A definition that throws (a position it cannot take, found only pair by pair) inside the
 // engine's threads: the call throws that posenc::Error, on one thread or several, in forward,
 // decode and backward, and the next call runs.

@@ -680,7 +680,7 @@ TEST_P(Schemes, PicturesAreTheLogitsOfZeroQueriesAndKeys) {
                 .heads[picture.shared.empty() ? static_cast<std::size_t>(h) : 0][static_cast<std::size_t>(i * n + j)];
         if (picture.shared.empty()) return x;
         EXPECT_EQ(picture.shared, "buckets");  // T5: the table's entry [bucket, head]
-        return std::get<T5BiasParams>(*g.bias).table()[static_cast<std::size_t>(x) * kHeads + h];
+        return g.bias->get_if<T5BiasParams>()->table()[static_cast<std::size_t>(x) * kHeads + h];
       };
       for (std::int64_t i = 0; i < n; ++i) {
         const auto p = [&](std::int64_t j) { return out[static_cast<std::size_t>((i * kHeads + h) * kDim + j)]; };

@@ -33,11 +33,11 @@
 // what was expected. Values are computed in fp64 and rounded once to the output dtype.
 #pragma once
 
+#include <concepts>
 #include <cstdint>
 #include <memory>
 #include <span>
 #include <string_view>
-#include <variant>
 #include <vector>
 
 #include "posenc/positions.hpp"
@@ -326,11 +326,47 @@ struct TupeGradients {
 };
 
 // ---------------------------------------------------------------------------------- schemes
-// RelativeBiasRef and PositionBiasRef: any other scheme of the relative position only (such as the
-// registry's Sandwich, registry.hpp), or of both positions (scheme.hpp) — the open ends of this
-// list.
-using BiasScheme = std::variant<NoPE, AlibiParams, T5BiasParams, KerpleParams, FireParams, TupeParams, RelativeBiasRef,
-                                PositionBiasRef>;
+// Any score bias: none (NoPE), a scheme of the relative position only (RelativeBias) or one of both
+// positions (PositionBias, scheme.hpp). The library's (AlibiParams, FireParams, …), the
+// registry's others (Sandwich) and one's own convert to it alike, by value or held by shared
+// pointer; it keeps the scheme shared and immutable, so copies are cheap.
+class BiasScheme {
+ public:
+  BiasScheme(NoPE none) : heads_(none.heads) {}  // NOLINT(google-explicit-constructor)
+  template <class S>
+  requires(std::derived_from<S, RelativeBias> || std::derived_from<S, PositionBias>)
+      BiasScheme(S scheme) {  // NOLINT(google-explicit-constructor)
+    auto held = std::make_shared<const S>(std::move(scheme));
+    if constexpr (std::derived_from<S, RelativeBias>) {
+      relative_ = std::move(held);
+    } else {
+      position_ = std::move(held);
+    }
+  }
+  // Throw posenc::Error for a null pointer.
+  BiasScheme(RelativeBiasRef scheme);  // NOLINT(google-explicit-constructor)
+  BiasScheme(PositionBiasRef scheme);  // NOLINT(google-explicit-constructor)
+
+  // The scheme in its family, or nullptr (NoPE, or the other family).
+  const RelativeBias* relative() const { return relative_.get(); }
+  const PositionBias* position() const { return position_.get(); }
+  bool is_none() const { return !relative_ && !position_; }
+  std::int64_t heads() const;
+  // The scheme as its own type S (AlibiParams, a class of one's own), or nullptr.
+  template <class S>
+  const S* get_if() const {
+    if constexpr (std::derived_from<S, RelativeBias>) {
+      return dynamic_cast<const S*>(relative_.get());
+    } else {
+      return dynamic_cast<const S*>(position_.get());
+    }
+  }
+
+ private:
+  RelativeBiasRef relative_;
+  PositionBiasRef position_;
+  std::int64_t heads_ = 0;  // NoPE's
+};
 
 std::int64_t bias_heads(const BiasScheme& scheme);
 // How many learned parameters the scheme has, flat in its registered parameter order
@@ -338,9 +374,8 @@ std::int64_t bias_heads(const BiasScheme& scheme);
 // PositionBiasRef's θ, FIRE's and TUPE's as FireGradients::flat and TupeGradients::flat order
 // them; 0 for NoPE.
 std::int64_t bias_parameter_count(const BiasScheme& scheme);
-// The scheme as a RelativeBias (ALiBi, T5, Kerple and every RelativeBiasRef) or as a
-// PositionBias (FIRE, TUPE and every PositionBiasRef), or nullptr (NoPE and the other family).
-// Throws posenc::Error for a null RelativeBiasRef or PositionBiasRef.
+// scheme.relative() and scheme.position(): the scheme as a RelativeBias (ALiBi, T5, Kerple, …) or
+// as a PositionBias (FIRE, TUPE, …), or nullptr (NoPE and the other family).
 const RelativeBias* relative_bias(const BiasScheme& scheme);
 const PositionBias* position_bias(const BiasScheme& scheme);
 // b(h, i, j) in fp64 for a query and a key position. h in [0, heads).

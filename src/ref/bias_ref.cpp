@@ -93,16 +93,17 @@ void relative_bias_backward(const RelativeBias& scheme, const Positions& q_posit
 void bias_backward(const BiasScheme& scheme, const Positions& q_positions, const Positions& k_positions,
                    ConstTensorView d_scores, std::span<double> d_params) {
   detail::check_gradient_size("bias_backward", "d_params", d_params.size(), bias_parameter_count(scheme));
-  if (const PositionBias* pb = position_bias(scheme)) {
+  if (const PositionBias* pb = scheme.position()) {
     pb->reference_backward(q_positions, k_positions, d_scores, d_params);
-  } else if (const auto* alibi = std::get_if<AlibiParams>(&scheme)) {
+  } else if (const auto* alibi = scheme.get_if<AlibiParams>()) {
+    // The built-in relative biases by their own oracles, independent of their accumulate_gradient.
     ref::alibi_backward(*alibi, q_positions, k_positions, d_scores, d_params);
-  } else if (const auto* t5 = std::get_if<T5BiasParams>(&scheme)) {
+  } else if (const auto* t5 = scheme.get_if<T5BiasParams>()) {
     ref::t5_bias_backward(*t5, q_positions, k_positions, d_scores, d_params);
-  } else if (const auto* kerple = std::get_if<KerpleParams>(&scheme)) {
+  } else if (const auto* kerple = scheme.get_if<KerpleParams>()) {
     const auto h = static_cast<std::size_t>(kerple->heads());
     ref::kerple_backward(*kerple, q_positions, k_positions, d_scores, d_params.first(h), d_params.subspan(h));
-  } else if (const RelativeBias* relative = relative_bias(scheme)) {
+  } else if (const RelativeBias* relative = scheme.relative()) {
     ref::relative_bias_backward(*relative, q_positions, k_positions, d_scores, d_params);
   }
 }
@@ -139,9 +140,12 @@ class DefaultForm {
 // zero but at `head`.
 void PositionBias::accumulate_gradient(std::int64_t head, std::int64_t q_position, std::int64_t k_position,
                                        double weight, std::span<double> grads) const {
-  const DefaultForm running(*this, "PositionBias::accumulate_gradient");
+  const char* const where = "PositionBias::accumulate_gradient";
+  if (head < 0 || head >= heads())
+    throw Error(where, "head", std::to_string(head), "in [0, " + std::to_string(heads()) + ")");
+  const DefaultForm running(*this, where);
   std::vector<double> d_scores(static_cast<std::size_t>(heads()), 0.0);
-  d_scores.at(static_cast<std::size_t>(head)) = weight;
+  d_scores[static_cast<std::size_t>(head)] = weight;
   reference_backward(Positions::ids(std::span<const std::int64_t>(&q_position, 1)),
                      Positions::ids(std::span<const std::int64_t>(&k_position, 1)),
                      ConstTensorView::of(d_scores.data(), {heads(), 1, 1}), grads);

@@ -209,8 +209,7 @@ SchemeEntry alibi_entry() {
                                                                      : AlibiParams(a.parameters, form));
                          },
                      // The paper's slopes.
-                     .parameters_fixed = true,
-                     .parameters_of = [](const HeadGroup& g) { return std::get<AlibiParams>(*g.bias).slopes(); }};
+                     .parameters_fixed = true};
 }
 
 // T5's buckets by default (Raffel et al. 2020), the option's default and the bench table's rows.
@@ -234,11 +233,10 @@ SchemeEntry t5_entry() {
                       [](const SchemeArgs& a) {
                         return bias_group(a, T5BiasParams(a.heads, a.integer("num_buckets"), a.integer("max_distance"),
                                                           a.flag("bidirectional"), a.parameters));
-                      },
-                  .parameters_of = [](const HeadGroup& g) { return std::get<T5BiasParams>(*g.bias).table(); }};
+                      }};
   // The bucket ids (the learned table is a model's, zeros at first).
   entry.picture = [](const HeadGroup& g, const Positions& positions) {
-    const T5BiasParams& t5 = std::get<T5BiasParams>(*g.bias);
+    const T5BiasParams& t5 = *g.bias->get_if<T5BiasParams>();
     return shared_picture("buckets", positions, [&](std::int64_t r) { return static_cast<double>(t5.bucket(r)); });
   };
   entry.picture_ignores = {"heads", "head_dim"};
@@ -282,7 +280,6 @@ SchemeEntry kerple_entry() {
                            return bias_group(a, KerpleParams(form, slice(a.parameters, 0, a.heads),
                                                              slice(a.parameters, a.heads, a.heads)));
                          },
-                     .parameters_of = [](const HeadGroup& g) { return std::get<KerpleParams>(*g.bias).parameters(); },
                      // r1 and r2 positive through softplus, both 1 at first (softplus(0.5413) = 1.0000).
                      .training =
                          [](const SchemeArgs& a, std::int64_t) {

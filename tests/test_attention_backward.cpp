@@ -19,9 +19,7 @@
 #include <vector>
 
 #include "../src/kernels/attention/attention_kernels.hpp"  // attn_gemm: the matrix kernel under test
-#include "attention/transforms.hpp"                        // qk_tables, which a held transform forwards
 #include "attention_testing.hpp"
-#include "ref/transforms_ref.hpp"  // apply_transform, likewise
 #include "testing.hpp"
 
 namespace posenc {
@@ -574,45 +572,6 @@ TEST(Attention, FireAndTupeHeldRunByTheirDefinitionsAsTheirHandWrittenForms) {
   far.k_positions = Positions::ids(ids);
   far.groups = {HeadGroup{4, {}, PositionBiasRef(std::make_shared<HeldPositionBias>(tupe))}};
   expect_error([&] { Attention{far}; }, {"max_len = 60"});
-}
-
-// A query/key transform held through QKTransformRef, the open end of QKTransform, forwarding to
-// RoPE's own forms and counting the calls: the plan and the reference reach it only through the
-// interface, with RoPE's bits.
-class HeldRope final : public QKTransformScheme {
- public:
-  explicit HeldRope(RotaryQK rope) : rope_(std::move(rope)) {}
-  std::string_view scheme_name() const override { return "rope"; }
-  detail::QKTables tables(const detail::TransformRows& rows) const override {
-    ++calls[0];
-    return detail::qk_tables(rope_, rows);
-  }
-  void reference_apply(const ref::TransformedRows& rows) const override {
-    ++calls[1];
-    ref::apply_transform(rope_, rows);
-  }
-  mutable std::array<std::atomic<int>, 2> calls{};
-
- private:
-  RotaryQK rope_;
-};
-
-TEST(Attention, ATransformHeldByReferenceRunsAsItself) {
-  const std::int64_t dim = 32;
-  const Problem p = make_problem(2, 29, 41, 4, 2, dim);
-  const RotaryQK rope{RopeParams(dim, dim, 10000.0, RopeLayout::kInterleaved).with_xpos(32.0)};
-  const auto held = std::make_shared<HeldRope>(rope);
-  AttentionSpec direct = spec_of(p), through = spec_of(p);
-  direct.mask.causal = through.mask.causal = true;
-  direct.groups = {{2, rope, AlibiParams(2)}, {2, {}, {}}};
-  through.groups = {{2, QKTransformRef(held), AlibiParams(2)}, {2, {}, {}}};
-  const Attention a(direct), b(through);
-  EXPECT_EQ(held->calls[0], 1);
-  const std::vector<double> d_out = random_values(static_cast<std::size_t>(p.q_count()));
-  expect_same_bits(p, a, b, d_out);
-  EXPECT_GT(held->calls[1], 0);
-  through.groups[0].transform = QKTransformRef();
-  expect_error([&] { Attention{through}; }, {"groups[0].transform = null", "a QKTransformScheme"});
 }
 
 TEST(Attention, BitwiseIdenticalForAnyThreadCount) {

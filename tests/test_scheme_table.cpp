@@ -397,5 +397,181 @@ TEST(GenericBias, AnErrorOfTheDefinitionReachesTheCallerFromTheEnginesThreads) {
   set_num_threads(2);
 }
 
+// A transform of q and k written outside the library, given by its fp64 definition only. A
+// rotation whose angle grows with log(1 + p) rather than p, on the entries [4, 4 + 2·pairs) of
+// each head, optionally scaled as xPos (s^p on queries, s^−p on keys):
+class LogRotation final : public QKTransformScheme {
+ public:
+  LogRotation(std::int64_t dim, std::int64_t pairs, bool interleaved, bool scaled)
+      : dim_(dim), pairs_(pairs), interleaved_(interleaved), scaled_(scaled) {}
+  std::string_view scheme_name() const override { return "log-rotation"; }
+  Form form() const override { return Form::kRotation; }
+  std::int64_t head_dim() const override { return dim_; }
+  std::int64_t rotary_pairs() const override { return pairs_; }
+  std::int64_t rotary_offset() const override { return 4; }
+  bool interleaved() const override { return interleaved_; }
+  double angle(std::int64_t p, std::int64_t i) const override {
+    return 6.0 * std::log1p(std::fabs(static_cast<double>(p))) * std::pow(100.0, -static_cast<double>(i) / pairs_);
+  }
+  bool scaled() const override { return scaled_; }
+  double scale(std::int64_t p, std::int64_t i) const override {
+    return std::pow(0.9 + 0.2 * static_cast<double>(i) / pairs_, static_cast<double>(p) / 512.0);
+  }
+
+ private:
+  std::int64_t dim_, pairs_;
+  bool interleaved_, scaled_;
+};
+
+// A row added to q and k (Shortformer's form): sin(0.07·p·(j + 1)) / 2.
+class SineRows final : public QKTransformScheme {
+ public:
+  explicit SineRows(std::int64_t dim) : dim_(dim) {}
+  std::string_view scheme_name() const override { return "sine-rows"; }
+  Form form() const override { return Form::kAddition; }
+  std::int64_t head_dim() const override { return dim_; }
+  void addition(std::int64_t p, std::span<double> row) const override {
+    for (std::size_t j = 0; j < row.size(); ++j) row[j] = 0.5 * std::sin(0.07 * static_cast<double>(p) * (j + 1.0));
+  }
+
+ private:
+  std::int64_t dim_;
+};
+
+TEST(GenericTransform, ATransformDefinedOutsideTheLibraryRunsFusedInEveryPass) {
+  for (const bool interleaved : {false, true}) {
+    for (const bool scaled : {false, true}) {
+      SCOPED_TRACE(std::string(interleaved ? "interleaved" : "half-split") + (scaled ? ", scaled" : ""));
+      const QKTransformRef rotation = std::make_shared<LogRotation>(32, 10, interleaved, scaled);
+      const Problem p = make_problem(2, 40, 40, 4, 2, 32);
+      AttentionSpec spec = spec_of(p);
+      spec.mask.causal = true;
+      spec.groups = {HeadGroup{4, rotation, {}}};
+      expect_accurate(p, spec, "forward");
+      expect_backward_matches_reference(p, Attention(spec), random_values(static_cast<std::size_t>(p.q_count())));
+      // Decode over chunks of 9000 keys (rotated as the cache is read), packed beside ALiBi.
+      const Problem d = make_problem(2, 1, 9000, 4, 2, 32);
+      AttentionSpec ds = spec_of(d);
+      ds.groups = spec.groups;
+      expect_accurate(d, ds, "decode");
+      Problem packed = make_packed({{30, 30}, {1, 1}, {50, 50}}, 4, 2, 32);
+      AttentionSpec ps = spec_of(packed);
+      ps.mask.causal = true;
+      ps.groups = {HeadGroup{2, {}, AlibiParams(2)}, HeadGroup{2, rotation, {}}};
+      expect_accurate(packed, ps, "packed, beside ALiBi");
+      expect_backward_matches_reference(packed, Attention(ps),
+                                        random_values(static_cast<std::size_t>(packed.q_count())));
+      const Attention dec(ds);
+      expect_same_bits_for_any_thread_count(p, Attention(spec), d, &dec);
+    }
+  }
+  const QKTransformRef rows = std::make_shared<SineRows>(16);
+  const Problem p = make_problem(2, 33, 33, 4, 2, 16), d = make_problem(2, 1, 9000, 4, 2, 16);
+  AttentionSpec spec = spec_of(p), ds = spec_of(d);
+  spec.mask.causal = true;
+  spec.groups = ds.groups = {HeadGroup{4, rows, {}}};
+  expect_accurate(p, spec, "addition");
+  expect_backward_matches_reference(p, Attention(spec), random_values(static_cast<std::size_t>(p.q_count())));
+  expect_accurate(d, ds, "addition, decode");
+}
+
+// RoPE written as a definition, θ(p, i) = p·10000^(−2i/d), held by reference beside ALiBi, runs as
+// the built-in RoPE does: the same outputs and gradients to within their f32 tables' rounding.
+class RopeByDefinition final : public QKTransformScheme {
+ public:
+  RopeByDefinition(std::int64_t dim, bool interleaved) : dim_(dim), interleaved_(interleaved) {}
+  std::string_view scheme_name() const override { return "rope-by-definition"; }
+  Form form() const override { return Form::kRotation; }
+  std::int64_t head_dim() const override { return dim_; }
+  bool interleaved() const override { return interleaved_; }
+  double angle(std::int64_t p, std::int64_t i) const override {
+    return static_cast<double>(p) * std::pow(10000.0, -2.0 * static_cast<double>(i) / static_cast<double>(dim_));
+  }
+
+ private:
+  std::int64_t dim_;
+  bool interleaved_;
+};
+
+TEST(GenericTransform, RopeByItsDefinitionMatchesTheBuiltInRope) {
+  const Problem p = make_problem(2, 29, 41, 4, 2, 32);
+  const std::vector<double> d_out = random_values(static_cast<std::size_t>(p.q_count()));
+  for (const bool interleaved : {false, true}) {
+    SCOPED_TRACE(interleaved ? "interleaved" : "half-split");
+    AttentionSpec mine = spec_of(p), builtin = spec_of(p);
+    mine.mask.causal = builtin.mask.causal = true;
+    mine.groups = {{2, QKTransformRef(std::make_shared<RopeByDefinition>(32, interleaved)), AlibiParams(2)},
+                   {2, {}, {}}};
+    builtin.groups = {
+        {2, RotaryQK{RopeParams(32, 32, 10000.0, interleaved ? RopeLayout::kInterleaved : RopeLayout::kHalfSplit)},
+         AlibiParams(2)},
+        {2, {}, {}}};
+    const Attention a(mine), b(builtin);
+    const Outputs x = run_forward(p, a, 0), y = run_forward(p, b, 0);
+    ASSERT_EQ(x.out.size(), y.out.size());
+    for (std::size_t i = 0; i < x.out.size(); ++i) EXPECT_NEAR(x.out[i], y.out[i], 1e-5) << i;
+    const Grads gx = run_backward(p, a, d_out, false), gy = run_backward(p, b, d_out, false);
+    for (std::size_t i = 0; i < gx.dq.size(); ++i) EXPECT_NEAR(gx.dq[i], gy.dq[i], 1e-4) << i;
+    for (std::size_t i = 0; i < gx.dk.size(); ++i) EXPECT_NEAR(gx.dk[i], gy.dk[i], 1e-4) << i;
+  }
+  AttentionSpec null = spec_of(p);
+  null.groups = {{4, QKTransformRef(), {}}};
+  testing::expect_error([&] { Attention{null}; }, {"groups[0].transform = null", "a QKTransformScheme"});
+}
+
+// What a definition cannot be is refused by name, from the engine's threads too.
+class BadRotation final : public QKTransformScheme {
+ public:
+  BadRotation(std::int64_t pairs, std::int64_t bad_position, double scale)
+      : pairs_(pairs), bad_(bad_position), scale_(scale) {}
+  std::string_view scheme_name() const override { return "bad-rotation"; }
+  Form form() const override { return Form::kRotation; }
+  std::int64_t head_dim() const override { return 16; }
+  std::int64_t rotary_pairs() const override { return pairs_; }
+  double angle(std::int64_t p, std::int64_t /* i */) const override {
+    return p == bad_ ? std::numeric_limits<double>::quiet_NaN() : 0.01 * static_cast<double>(p);
+  }
+  bool scaled() const override { return scale_ != 1.0; }
+  double scale(std::int64_t /* p */, std::int64_t /* i */) const override { return scale_; }
+
+ private:
+  std::int64_t pairs_, bad_;
+  double scale_;
+};
+
+class Undefined final : public QKTransformScheme {
+ public:
+  std::string_view scheme_name() const override { return "undefined"; }
+  Form form() const override { return Form::kRotation; }
+  std::int64_t head_dim() const override { return 16; }
+};
+
+TEST(GenericTransform, WhatADefinitionCannotBeIsRefusedByName) {
+  const auto run = [](std::int64_t dim, const QKTransformRef& t, bool reference) {
+    const Problem p = make_problem(1, 3000, 3000, 2, 1, dim);
+    AttentionSpec spec = spec_of(p);
+    spec.mask.causal = true;
+    spec.groups = {HeadGroup{2, t, {}}};
+    (void)run_forward(p, Attention(spec), reference ? 1 : 0);
+  };
+  const auto bad = [](std::int64_t pairs, std::int64_t position, double scale) -> QKTransformRef {
+    return std::make_shared<BadRotation>(pairs, position, scale);
+  };
+  for (const bool reference : {false, true}) {
+    SCOPED_TRACE(reference ? "reference" : "fused");
+    testing::expect_error([&] { run(32, bad(8, -1, 1.0), reference); },
+                          {"bad-rotation", "head_dim()", "= 16", "the head_dim of q, 32"});
+    testing::expect_error([&] { run(16, bad(2777, -1, 1.0), reference); }, {"bad-rotation", "2777"});
+    testing::expect_error([&] { run(16, bad(8, 2500, 1.0), reference); },
+                          {"bad-rotation", "angle(2500, 0)", "nan", "finite"});
+    testing::expect_error([&] { run(16, bad(8, -1, -2.0), reference); },
+                          {"bad-rotation", "scale(0, 0)", "-2", "finite and > 0"});
+    testing::expect_error([&] { run(16, std::make_shared<Undefined>(), reference); },
+                          {"QKTransformScheme::angle", "undefined", "a rotation (form() kRotation) that defines it"});
+  }
+  // The engine serves the next call.
+  run(16, bad(8, -1, 1.0), false);
+}
+
 }  // namespace
 }  // namespace posenc

@@ -111,10 +111,8 @@ struct AbsoluteQK {
   SinusoidalParams params;
 };
 // Any other transform of q and k by their positions before the product, in one of the two forms the
-// kernels run (pairs rotated by per-position angles, or per-position rows added): the open end of
-// QKTransform, defined inside the library (src/transform_scheme.hpp), whose tables are the
-// engine's own: a new transform lives in the library.
-class QKTransformScheme;
+// kernels run (pairs rotated by per-position angles, or per-position rows added), given by its
+// fp64 definition (scheme.hpp): the open end of QKTransform.
 using QKTransformRef = std::shared_ptr<const QKTransformScheme>;
 
 using QKTransform = std::variant<std::monostate, RotaryQK, AbsoluteQK, QKTransformRef>;

@@ -1,5 +1,6 @@
-// posenc/scheme.hpp — the interfaces of the two families of positional score biases, through
-// which the library and the fused attention use them without naming them.
+// posenc/scheme.hpp — the interfaces of the two families of positional score biases and of the
+// query/key transforms, through which the library and the fused attention use them without
+// naming them.
 //
 // RelativeBias: a bias of the head and the relative position only,
 //
@@ -112,5 +113,40 @@ class PositionBias {
 
 // A scheme of this family held by the library (HeadGroup::bias, BiasScheme): shared, immutable.
 using PositionBiasRef = std::shared_ptr<const PositionBias>;
+
+// QKTransformScheme: a transform of the queries and keys by their own positions before the
+// product (HeadGroup::transform), in one of the two forms the kernels run:
+//   rotation  rotary_pairs() pairs of entries from rotary_offset(), (x[o + 2i], x[o + 2i + 1])
+//             when interleaved, else (x[o + i], x[o + i + pairs]), each turned by θ(p, i) and
+//             scaled by s(p, i) on queries, 1/s on keys (1 unless scaled(); xPos's form):
+//               (a, b) → s·(a cos θ − b sin θ, a sin θ + b cos θ)
+//   addition  a row of the position added to the queries and the keys (Shortformer's form).
+// A scheme gives its fp64 definition and nothing else: the fused attention tabulates it per call
+// over the positions the call meets (cos θ and sin θ computed in fp64, rounded once to f32) and
+// runs it as the built-in RoPE and Shortformer, forward, backward and decode (keys rotated as the
+// cache is read); the reference applies the definition in fp64. It has no learned parameters.
+class QKTransformScheme {
+ public:
+  enum class Form : std::uint8_t { kRotation, kAddition };
+  virtual ~QKTransformScheme() = default;
+
+  virtual std::string_view scheme_name() const = 0;
+  virtual Form form() const = 0;
+  // The head size it transforms (an Attention refuses a q of another).
+  virtual std::int64_t head_dim() const = 0;
+
+  // Rotation. angle and scale must be finite (scale > 0): an Attention refuses another value by
+  // position and pair. angle's default throws posenc::Error (not a rotation).
+  virtual std::int64_t rotary_pairs() const { return head_dim() / 2; }
+  virtual std::int64_t rotary_offset() const { return 0; }
+  virtual bool interleaved() const { return false; }
+  virtual double angle(std::int64_t position, std::int64_t pair) const;
+  virtual bool scaled() const { return false; }
+  virtual double scale(std::int64_t /* position */, std::int64_t /* pair */) const { return 1.0; }
+
+  // Addition: row[d] for d < head_dim(), added at `position` (finite). The default throws
+  // posenc::Error (not an addition).
+  virtual void addition(std::int64_t position, std::span<double> row) const;
+};
 
 }  // namespace posenc

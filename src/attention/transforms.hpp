@@ -1,9 +1,8 @@
 // The query/key transforms' part in the fused attention: each transform of a HeadGroup
 // (posenc/attention.hpp: QKTransform) tabulates itself for a call in its scheme's file
 // (src/schemes/rope_transform.cpp, absolute_transform.cpp), and the plan asks for the tables
-// without naming it. A new transform is a QKTransformScheme held by QKTransformRef (transform_scheme.hpp),
-// whose tables() and reference_apply() take the rows below and ref/transforms_ref.hpp's.
-// Internal.
+// without naming it. Any other transform is a QKTransformScheme (posenc/scheme.hpp) held by
+// QKTransformRef, tabulated from its fp64 definition (generic_transform.cpp). Internal.
 #pragma once
 
 #include <cstdint>
@@ -13,7 +12,6 @@
 
 #include "attention/attention_plan.hpp"
 #include "posenc/error.hpp"
-#include "transform_scheme.hpp"
 
 namespace posenc::detail {
 
@@ -32,9 +30,6 @@ struct TransformRows {
 inline QKTables qk_tables(const std::monostate&, const TransformRows&) { return {}; }
 QKTables qk_tables(const RotaryQK& rope, const TransformRows& rows);
 QKTables qk_tables(const AbsoluteQK& absolute, const TransformRows& rows);
-inline QKTables qk_tables(const QKTransformRef& transform, const TransformRows& rows) {
-  if (!transform) throw Error(rows.where, rows.name.c_str(), "null", "a QKTransformScheme");
-  return transform->tables(rows);
-}
+QKTables qk_tables(const QKTransformRef& transform, const TransformRows& rows);
 
 }  // namespace posenc::detail

@@ -1,7 +1,7 @@
 // The query/key transforms as the fp64 attention reference applies them: each transform of a
 // HeadGroup (posenc/attention.hpp: QKTransform) has an overload in its scheme's reference file
-// (rotary_ref.cpp, absolute_ref.cpp), and the reference visits a group's transform without naming
-// it, as the fused plan does with qk_tables (attention/transforms.hpp). Internal.
+// (rotary_ref.cpp, absolute_ref.cpp; a QKTransformScheme's in transform_ref.cpp), and the reference visits a group's
+// transform without naming it, as the fused plan does with qk_tables (attention/transforms.hpp). Internal.
 #pragma once
 
 #include <cstdint>
@@ -10,7 +10,6 @@
 
 #include "posenc/attention.hpp"
 #include "posenc/error.hpp"
-#include "transform_scheme.hpp"
 
 namespace posenc::ref {
 
@@ -28,9 +27,7 @@ struct TransformedRows {
 inline void apply_transform(const std::monostate& /* none */, const TransformedRows& /* rows */) {}
 void apply_transform(const RotaryQK& rope, const TransformedRows& rows);
 void apply_transform(const AbsoluteQK& absolute, const TransformedRows& rows);
-inline void apply_transform(const QKTransformRef& transform, const TransformedRows& rows) {
-  if (!transform) throw Error("attention_reference", "transform", "null", "a QKTransformScheme");
-  transform->reference_apply(rows);
-}
+// Any other transform, by its fp64 definition (transform_ref.cpp).
+void apply_transform(const QKTransformRef& transform, const TransformedRows& rows);
 
 }  // namespace posenc::ref

@@ -1,7 +1,8 @@
 // The query/key transforms as the fp64 attention reference applies them: each transform of a
 // HeadGroup (posenc/attention.hpp: QKTransform) has an overload in its scheme's reference file
-// (rotary_ref.cpp, absolute_ref.cpp; a QKTransformScheme's in transform_ref.cpp), and the reference visits a group's
-// transform without naming it, as the fused plan does with qk_tables (attention/transforms.hpp). Internal.
+// (rotary_ref.cpp, absolute_ref.cpp; a QKTransformScheme's in transform_ref.cpp), and the
+// reference visits a group's transform without naming it, as the fused plan does with qk_tables
+// (attention/transforms.hpp). Internal.
 #pragma once
 
 #include <cstdint>

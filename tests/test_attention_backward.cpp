@@ -574,6 +574,40 @@ TEST(Attention, FireAndTupeHeldRunByTheirDefinitionsAsTheirHandWrittenForms) {
   expect_error([&] { Attention{far}; }, {"max_len = 60"});
 }
 
+// Where no group changes the keys (RoPE over a cache of rotated keys), the transform tables cover
+// the queries' positions alone: by position (a decode step's one row), or by token where the
+// positions lie far apart; beside a group that rotates its keys, the keys' rows again.
+TEST(Attention, RotatedKeysTabulateTheQueriesAlone) {
+  const std::int64_t dim = 32;
+  const RopeParams rope(dim, dim);
+  const Problem p = make_problem(2, 20, 30, 4, 2, dim);
+  std::vector<std::int64_t> q_ids(2 * 20), k_ids(2 * 30);
+  for (std::size_t t = 0; t < q_ids.size(); ++t) q_ids[t] = 1000000 * static_cast<std::int64_t>(t / 20) + 37 * (t % 20);
+  for (std::size_t t = 0; t < k_ids.size(); ++t) k_ids[t] = 1000000 * static_cast<std::int64_t>(t / 30) + 41 * (t % 30);
+  const std::vector<std::vector<HeadGroup>> groupings = {
+      {{4, RotaryQK{rope, true}, {}}},
+      {{2, RotaryQK{rope, true}, AlibiParams(2)},
+       {2, RotaryQK{RopeParams(dim, dim, 10000.0, RopeLayout::kInterleaved)}, {}}}};
+  for (const auto& groups : groupings) {
+    for (const bool scattered : {false, true}) {
+      SCOPED_TRACE(std::to_string(groups.size()) + " groups" + (scattered ? ", scattered positions" : ""));
+      AttentionSpec spec = spec_of(p);
+      spec.groups = groups;
+      spec.mask.causal = !scattered;
+      if (scattered) {
+        spec.q_positions = Positions::ids(q_ids, 2, 20);
+        spec.k_positions = Positions::ids(k_ids, 2, 30);
+      }
+      expect_accurate(p, spec, "forward");
+      expect_backward_matches_reference(p, Attention(spec), random_values(static_cast<std::size_t>(p.q_count())));
+    }
+    const Problem d = make_problem(2, 1, 9000, 4, 2, dim);
+    AttentionSpec ds = spec_of(d);
+    ds.groups = groups;
+    expect_accurate(d, ds, "decode");
+  }
+}
+
 TEST(Attention, BitwiseIdenticalForAnyThreadCount) {
   Problem p = make_problem(2, 150, 150, 4, 2, 64);
   AttentionSpec spec = spec_of(p);

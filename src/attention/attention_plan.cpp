@@ -529,20 +529,26 @@ bool AttentionPlan::decode_merges_heads() const {
 // The query/key transforms' tables: rows by position (a dense range) or by token.
 void AttentionPlan::plan_transform_tables(const std::vector<HeadGroup>& groups, const PositionRange& range) {
   const std::int64_t q_min = range.q_min, q_max = range.q_max, k_min = range.k_min, k_max = range.k_max;
-  const std::int64_t q_tokens = (packed ? 1 : batch) * q_len, k_tokens = (packed ? 1 : batch) * k_len;
-  const std::int64_t p_min = std::min(q_min, k_min), p_max = std::max(q_max, k_max);
+  // Where no group changes the keys (none, or RoPE over a cache of rotated keys), the rows cover the
+  // queries alone: a decode step tabulates its one position, not the cache's.
+  const bool keys = std::any_of(groups.begin(), groups.end(), [](const HeadGroup& g) {
+    return std::visit([](const auto& transform) { return transforms_keys(transform); }, g.transform);
+  });
+  const std::int64_t q_tokens = (packed ? 1 : batch) * q_len, k_tokens = keys ? (packed ? 1 : batch) * k_len : 0;
+  const std::int64_t p_max = std::max(q_max, k_max);
+  const std::int64_t first = keys ? std::min(q_min, k_min) : q_min, last = keys ? p_max : q_max;
   position_max = p_max;
-  tables_by_position = p_max - p_min + 1 <= 2 * (q_tokens + k_tokens) + 4096;
-  table_position_min = p_min;
+  tables_by_position = last - first + 1 <= 2 * (q_tokens + k_tokens) + 4096;
+  table_position_min = first;
   std::vector<std::int64_t> table_ids;
   if (tables_by_position) {
-    for (std::int64_t p = p_min; p <= p_max; ++p) table_ids.push_back(p);
+    for (std::int64_t p = first; p <= last; ++p) table_ids.push_back(p);
   } else {
     table_ids.assign(static_cast<std::size_t>(q_tokens + k_tokens), 0);
     for (std::int64_t b = 0; b < (packed ? 1 : batch); ++b) {
       for (std::int64_t i = 0; i < q_len; ++i)
         table_ids[static_cast<std::size_t>(b * q_len + i)] = q_positions->at(b, i);
-      for (std::int64_t j = 0; j < k_len; ++j) {
+      for (std::int64_t j = 0; keys && j < k_len; ++j) {
         table_ids[static_cast<std::size_t>(q_tokens + b * k_len + j)] = k_positions->at(b, j);
       }
     }

@@ -27,6 +27,13 @@ struct TransformRows {
   std::int64_t batch_rows, q_len, k_len;
 };
 
+// Whether the transform changes the keys too (not RoPE over a cache of rotated keys): where no
+// group's does, the tables hold the queries' positions alone.
+inline bool transforms_keys(const std::monostate&) { return false; }
+inline bool transforms_keys(const RotaryQK& rope) { return !rope.keys_rotated; }
+inline bool transforms_keys(const AbsoluteQK&) { return true; }
+inline bool transforms_keys(const QKTransformRef&) { return true; }
+
 inline QKTables qk_tables(const std::monostate&, const TransformRows&) { return {}; }
 QKTables qk_tables(const RotaryQK& rope, const TransformRows& rows);
 QKTables qk_tables(const AbsoluteQK& absolute, const TransformRows& rows);

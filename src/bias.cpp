@@ -214,6 +214,21 @@ void AlibiParams::accumulate_gradient(std::int64_t head, std::int64_t r, double 
   grads[static_cast<std::size_t>(head)] += weight * detail::alibi_derivative(form_, r);
 }
 
+void AlibiParams::tabulate(std::int64_t r_first, std::int64_t count, double* out) const {
+  for (std::int64_t h = 0; h < heads(); ++h) {
+    const double slope = slopes_[static_cast<std::size_t>(h)];
+    double* row = out + h * count;
+    for (std::int64_t t = 0; t < count; ++t) row[t] = slope * detail::alibi_derivative(form_, r_first + t);
+  }
+}
+
+void T5BiasParams::tabulate(std::int64_t r_first, std::int64_t count, double* out) const {
+  for (std::int64_t t = 0; t < count; ++t) {
+    const double* row = table_.data() + bucket(r_first + t) * heads_;
+    for (std::int64_t h = 0; h < heads_; ++h) out[h * count + t] = row[h];
+  }
+}
+
 double T5BiasParams::value(std::int64_t head, std::int64_t r) const {
   return table_[static_cast<std::size_t>(bucket(r) * heads_ + head)];
 }
@@ -381,11 +396,12 @@ void tabulate_f32(const RelativeBias& bias, std::int64_t r_first, std::int64_t c
   const std::int64_t heads = bias.heads();
   if (heads < 1 || count < 1) return;  // nothing to tabulate
   // Slices start at r_first + 64·m, as RelativeBias::tabulate promises (scheme.hpp), so a scheme
-  // that restarts every 64 r (Sandwich) gives the bits of one call.
+  // that restarts every 64 r (Sandwich) gives the bits of one call, on any number of threads.
   const std::int64_t slice = std::min(count, std::max<std::int64_t>(1, kTabulateSliceEntries / heads / 64) * 64);
-  std::vector<double> rows(static_cast<std::size_t>(heads * slice));
-  for (std::int64_t t0 = 0; t0 < count; t0 += slice) {
-    const std::int64_t n = std::min(slice, count - t0);
+  const std::int64_t slices = (count + slice - 1) / slice;
+  const auto tabulate = [&](std::int64_t m, std::vector<double>& rows) {
+    const std::int64_t t0 = m * slice, n = std::min(slice, count - t0);
+    rows.resize(static_cast<std::size_t>(heads * slice));
     bias.tabulate(r_first + t0, n, rows.data());
     for (std::int64_t h = 0; h < heads; ++h) {
       float* row = out + h * count;
@@ -395,6 +411,22 @@ void tabulate_f32(const RelativeBias& bias, std::int64_t r_first, std::int64_t c
         row[reversed ? count - 1 - (t0 + t) : t0 + t] = v;
       }
     }
+  };
+  // A scheme's own tabulate may throw: after a failure on the threads, the slices run again in
+  // order, so that the error is the first slice's whatever the thread count.
+  ParallelErrors errors;
+#pragma omp parallel num_threads(static_cast <int>(std::min <std::int64_t>(threads_for(count * heads * 4), slices)))
+  {
+    std::vector<double> rows;
+#pragma omp for schedule(static)
+    for (std::int64_t m = 0; m < slices; ++m) errors.run([&] { tabulate(m, rows); });
+  }
+  try {
+    errors.rethrow();
+  } catch (...) {
+    std::vector<double> rows;
+    for (std::int64_t m = 0; m < slices; ++m) tabulate(m, rows);
+    throw;
   }
 }
 

@@ -10,6 +10,7 @@
 #include <mutex>
 #include <new>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "posenc/dtype.hpp"
@@ -46,6 +47,45 @@ struct AlignedAllocator {
 using AlignedFloats = std::vector<float, AlignedAllocator<float>>;
 // Pairs of bf16 (the native bf16 products' operands, kernels::attn_gemm_bf16).
 using AlignedPairs = std::vector<std::uint32_t, AlignedAllocator<std::uint32_t>>;
+
+// Blocks for the tables of an attention call's plan, 64-byte aligned. Each decode step is a new
+// call over the same sizes (the cache one key longer): its tables are megabytes (ALiBi over 32768
+// keys and 32 heads: 4 MiB per table), and fresh pages cost more than filling them (a third of a
+// step's planning in page faults). So blocks of at least kTableBlockMin bytes go back to a
+// process-wide cache when a plan is destroyed, by size class (steps of 1/8 of a power of two, so
+// that a table one key longer finds the block of the step before), and the next plan takes them.
+// The cache keeps at most kTableCacheBytes, dropping the oldest; posenc::empty_cache() empties it.
+inline constexpr std::size_t kTableBlockMin = std::size_t{256} << 10;
+inline constexpr std::size_t kTableCacheBytes = std::size_t{256} << 20;
+void* take_table_block(std::size_t bytes);
+void give_table_block(void* block, std::size_t bytes) noexcept;
+
+template <class T>
+struct TableAllocator {
+  using value_type = T;
+  TableAllocator() = default;
+  template <class U>
+  explicit TableAllocator(const TableAllocator<U>& /* other */) {}
+  T* allocate(std::size_t n) { return static_cast<T*>(take_table_block(n * sizeof(T))); }
+  void deallocate(T* p, std::size_t n) noexcept { give_table_block(p, n * sizeof(T)); }
+  // resize(n) leaves the new elements uninitialised: every table is written whole after it is
+  // sized, and zeroing megabytes first costs as much as filling them.
+  template <class U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <class U, class... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+  template <class U>
+  bool operator==(const TableAllocator<U>& /* other */) const {
+    return true;
+  }
+};
+// A plan's table (attention/attention_plan.hpp): floats on a cache line, their block reused, not
+// zeroed when sized.
+using TableFloats = std::vector<float, TableAllocator<float>>;
 
 // A [B, S, D] token grid, from a rank-3 view or a rank-2 [S, D] view (B = 1).
 struct Grid {

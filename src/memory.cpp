@@ -4,11 +4,14 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <limits>
+#include <mutex>
 #include <new>
 #include <string>
 #include <utility>
 
+#include "internal.hpp"
 #include "posenc/error.hpp"
 
 #if defined(__linux__)
@@ -149,5 +152,94 @@ HugePageBuffer& HugePageBuffer::operator=(HugePageBuffer&& other) noexcept {
   }
   return *this;
 }
+
+namespace {
+
+// The size class of a table block: bytes rounded up to a multiple of 1/8 of its power of two.
+std::size_t table_block_class(std::size_t bytes) noexcept {
+  if (bytes < detail::kTableBlockMin) return bytes;
+  std::size_t power = detail::kTableBlockMin;
+  while (power <= bytes / 2) power *= 2;
+  const std::size_t step = power / 8;
+  return (bytes + step - 1) / step * step;
+}
+
+class TableCache {
+ public:
+  static TableCache& instance() {
+    static TableCache* cache = new TableCache();  // never destroyed: plans may outlive static destruction
+    return *cache;
+  }
+  void* take(std::size_t bytes) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    for (auto it = free_.rbegin(); it != free_.rend(); ++it) {
+      if (it->bytes == bytes) {
+        void* block = it->block;
+        cached_ -= bytes;
+        free_.erase(std::next(it).base());
+        return block;
+      }
+    }
+    return nullptr;
+  }
+  // Keeps the block, dropping the oldest while over the limit; false: too large to keep.
+  bool give(void* block, std::size_t bytes) {
+    if (bytes > detail::kTableCacheBytes) return false;
+    const std::lock_guard<std::mutex> lock(mutex_);
+    free_.push_back({block, bytes});  // first: if it throws, nothing has changed
+    cached_ += bytes;
+    while (cached_ > detail::kTableCacheBytes) {
+      cached_ -= free_.front().bytes;
+      ::operator delete (free_.front().block, std::align_val_t{64});
+      free_.pop_front();
+    }
+    return true;
+  }
+  void empty() {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    for (const Block& b : free_) ::operator delete (b.block, std::align_val_t{64});
+    free_.clear();
+    cached_ = 0;
+  }
+
+ private:
+  struct Block {
+    void* block;
+    std::size_t bytes;
+  };
+  std::mutex mutex_;
+  std::deque<Block> free_;  // oldest first
+  std::size_t cached_ = 0;
+};
+
+}  // namespace
+
+namespace detail {
+
+void* take_table_block(std::size_t bytes) {
+  const std::size_t size = table_block_class(bytes);
+  if (size >= kTableBlockMin) {
+    if (void* block = TableCache::instance().take(size)) return block;
+  }
+  return ::operator new (size, std::align_val_t{64});
+}
+
+void give_table_block(void* block, std::size_t bytes) noexcept {
+  if (block == nullptr) return;
+  const std::size_t size = table_block_class(bytes);
+  bool kept = false;
+  if (size >= kTableBlockMin) {
+    try {
+      kept = TableCache::instance().give(block, size);
+    } catch (...) {  // the cache's bookkeeping could not grow: the block goes back to the system
+      kept = false;
+    }
+  }
+  if (!kept) ::operator delete (block, std::align_val_t{64});
+}
+
+}  // namespace detail
+
+void empty_cache() { TableCache::instance().empty(); }
 
 }  // namespace posenc

@@ -694,6 +694,11 @@ void rope_cos_sin(const RopeParams& params, const Positions& positions, TensorVi
     RopeScratch& buf = rope_scratch(params.rotary_dim(), params.head_dim());
     kernels::rope_state_start(tables.columns(), static_cast<double>(positions.at(0, n)), buf.state.data());
     kernels::rope_state_emit(tables.columns(), buf.state.data(), alpha, buf.cos_e.data(), buf.sin_e.data());
+    if (cos.dtype() == DType::kF32 && g.dim_stride == 1 && sin.stride(1) == 1) {  // what attention's tables take
+      std::copy_n(buf.cos_e.data(), pairs, static_cast<float*>(cos.data()) + g.offset(0, n));
+      std::copy_n(buf.sin_e.data() + pairs, pairs, static_cast<float*>(sin.data()) + n * sin.stride(0));
+      continue;
+    }
     for (std::int64_t i = 0; i < pairs; ++i) {
       detail::store(cos.data(), cos.dtype(), g.offset(0, n) + i * g.dim_stride, buf.cos_e[static_cast<std::size_t>(i)]);
       detail::store(sin.data(), sin.dtype(), n * sin.stride(0) + i * sin.stride(1),

@@ -608,6 +608,32 @@ TEST(Attention, RotatedKeysTabulateTheQueriesAlone) {
   }
 }
 
+// A decode step's forward never skips far tiles, so its plan leaves the tables' running maxima
+// to the first pass that can (build_tile_maxima): a backward through the same object, after the
+// decode, builds them and skips tiles with the bits of the pass without the skip; the forward
+// after it gives its first bits.
+TEST(Attention, ADecodeStepLeavesTheTileMaximaToThePassesThatSkip) {
+  const Problem d = make_problem(1, 1, 3000, 4, 2, 32);
+  AttentionSpec spec = spec_of(d);
+  spec.mask.causal = true;
+  spec.groups = {{4, {}, AlibiParams(kSteepSlopes)}};
+  const auto [skipping, running] = with_and_without_skip(spec);
+  const Outputs before = run_forward(d, skipping, 0);
+  expect_accurate(d, spec, "decode");
+  const std::vector<double> d_out = random_values(static_cast<std::size_t>(d.q_count()));
+  for (const int threads : {1, 2}) {
+    set_num_threads(threads);
+    const Grads a = run_backward(d, skipping, d_out, false), b = run_backward(d, running, d_out, false);
+    EXPECT_GT(a.stats.skipped, 0);
+    EXPECT_EQ(a.dq, b.dq);
+    EXPECT_EQ(a.dk, b.dk);
+    EXPECT_EQ(a.dv, b.dv);
+    EXPECT_EQ(a.params.groups[0].bias, b.params.groups[0].bias);
+  }
+  set_num_threads(2);
+  EXPECT_EQ(run_forward(d, skipping, 0).out, before.out);
+}
+
 TEST(Attention, BitwiseIdenticalForAnyThreadCount) {
   Problem p = make_problem(2, 150, 150, 4, 2, 64);
   AttentionSpec spec = spec_of(p);

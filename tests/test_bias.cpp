@@ -102,6 +102,31 @@ TEST(Alibi, SubsetOfHeadsAndCustomSlopes) {
       {"alibi_heads[0] = 4", "[0, 4)"});
 }
 
+// ALiBi's and T5's rows (RelativeBias::tabulate, which the fused attention's tables read) are
+// value()'s bits, both forms, across r = 0 and far out.
+TEST(RelativeBias, AlibiAndT5RowsAreTheirValuesBits) {
+  std::vector<double> table(32 * 5);
+  for (std::size_t i = 0; i < table.size(); ++i) table[i] = uniform(-3.0, 3.0);
+  const std::vector<std::shared_ptr<const RelativeBias>> schemes = {
+      std::make_shared<AlibiParams>(5),
+      std::make_shared<AlibiParams>(std::vector<double>{0.5, 0.0, 1.0 / 3.0}, AlibiForm::kSymmetric),
+      std::make_shared<T5BiasParams>(5, 32, 128, true, table),
+      std::make_shared<T5BiasParams>(5, 32, 128, false, table)};
+  for (const auto& s : schemes) {
+    for (const std::int64_t first : {std::int64_t{-300}, std::int64_t{-70000}, std::int64_t{1} << 40}) {
+      const std::int64_t count = 700;
+      std::vector<double> rows(static_cast<std::size_t>(s->heads() * count));
+      s->tabulate(first, count, rows.data());
+      for (std::int64_t h = 0; h < s->heads(); ++h) {
+        for (std::int64_t t = 0; t < count; ++t) {
+          ASSERT_EQ(rows[static_cast<std::size_t>(h * count + t)], s->value(h, first + t))
+              << s->scheme_name() << " head " << h << " r " << first + t;
+        }
+      }
+    }
+  }
+}
+
 // ------------------------------------------------------------------------------ T5 buckets
 
 // tests/data/t5_buckets_torch.txt: PyTorch's buckets as runs (scripts/gen_t5_bucket_goldens.py).

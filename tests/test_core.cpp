@@ -29,6 +29,37 @@ TEST(AlignedFloats, EveryBlockStartsOnACacheLine) {
 }
 
 // ─── Memory on 2 MiB pages ────────────────────────────────────────────────────────────────────
+// The blocks of plans' tables (TableFloats) go back to a cache: a table one key longer (a decode
+// step's next plan) finds its predecessor's block, on a cache line; posenc::empty_cache()
+// returns them, and blocks below kTableBlockMin never enter it.
+TEST(TableFloats, ATableOneKeyLongerReusesTheBlockOfTheStepBefore) {
+  posenc::empty_cache();
+  const std::size_t n = ((std::size_t{4} << 20) + (std::size_t{100} << 10)) / sizeof(float);  // class 4.5 MiB
+  const float* first = nullptr;
+  {
+    posenc::detail::TableFloats t(n, 1.0f);
+    first = t.data();
+    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(first) % 64, 0u);
+  }
+  {
+    posenc::detail::TableFloats t(n + 32 * 17);
+    EXPECT_EQ(t.data(), first);
+    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(t.data()) % 64, 0u);
+    t.back() = 2.0f;  // the block holds the longer table
+  }
+  {
+    // Twice the size is another class: a block of its own.
+    posenc::detail::TableFloats t(2 * n + 4096);
+    EXPECT_NE(t.data(), first);
+    posenc::detail::TableFloats again(n);
+    EXPECT_EQ(again.data(), first);
+  }
+  posenc::empty_cache();
+  // Small tables take ordinary aligned blocks.
+  posenc::detail::TableFloats small(100);
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(small.data()) % 64, 0u);
+}
+
 TEST(HugePageBuffer, AlignedZeroedAndWritableToItsLastByte) {
   constexpr std::size_t page = HugePageBuffer::kPageBytes;
   for (const std::size_t n : {std::size_t{1}, std::size_t{4096}, page - 1, page, page + 1, 5 * page + 3}) {

@@ -50,7 +50,8 @@
 //   posenc::qk_transform(Scheme scheme, Tensor x [P, D] f64, Tensor positions [P], bool keys,
 //                   int seq_len) -> Tensor   a registered transform applied by its fp64 definition
 //                   (no gradient: posenc.flex reads the transforms' tables from it)
-//   posenc::empty_cache()   frees the cached blocks of large outputs (see BlockCache)
+//   posenc::empty_cache()   frees the cached blocks of large outputs (see BlockCache) and of
+//                   attention plans' tables (posenc/memory.hpp)
 //   posenc::huge_page_zeros(int[] shape, ScalarType dtype)   a zero-filled tensor on 2 MiB pages
 //                   (posenc/memory.hpp): for KV caches that decode reads
 //
@@ -282,7 +283,10 @@ at::Tensor empty_output(at::IntArrayRef sizes, c10::ScalarType dtype) {
       block, sizes, [bytes](void* p) { BlockCache::instance().give_back(p, bytes); }, options);
 }
 
-void empty_cache_op() { BlockCache::instance().clear(); }
+void empty_cache_op() {
+  BlockCache::instance().clear();
+  posenc::empty_cache();  // the attention plans' tables
+}
 
 bool bf16_dot_products_op() { return posenc::bf16_dot_products(); }
 

@@ -82,6 +82,7 @@ class AlibiParams : public RelativeBias {
   // RelativeBias (scheme.hpp): θ = the slopes, [heads].
   std::string_view scheme_name() const override { return "alibi"; }
   double value(std::int64_t head, std::int64_t relative_position) const override;
+  void tabulate(std::int64_t r_first, std::int64_t count, double* out) const override;  // value()'s bits
   std::int64_t parameter_count() const override { return heads(); }
   std::vector<double> parameters() const override { return slopes_; }
   void accumulate_gradient(std::int64_t head, std::int64_t relative_position, double weight,
@@ -127,6 +128,8 @@ class T5BiasParams : public RelativeBias {
   // RelativeBias (scheme.hpp): θ = the table, [num_buckets, heads] row-major.
   std::string_view scheme_name() const override { return "t5"; }
   double value(std::int64_t head, std::int64_t relative_position) const override;
+  // value()'s bits, each r's bucket found once for every head.
+  void tabulate(std::int64_t r_first, std::int64_t count, double* out) const override;
   std::int64_t parameter_count() const override { return num_buckets_ * heads_; }
   std::vector<double> parameters() const override { return table_; }
   void accumulate_gradient(std::int64_t head, std::int64_t relative_position, double weight,

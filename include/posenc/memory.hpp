@@ -48,6 +48,12 @@ void set_allocation_limit(std::size_t bytes);
 // most N (… bytes needed; the allocation limit is …)". count < 0 is refused as well.
 std::size_t checked_allocation(std::int64_t count, std::size_t elem_bytes, const char* where, const char* what);
 
+// Returns to the system the memory kept for reuse by later calls: the blocks of attention plans'
+// tables (a decode step plans tables over every cache position; the next step, one key longer,
+// reuses their blocks instead of faulting in fresh pages), at most 256 MiB. posenc.empty_cache()
+// calls it.
+void empty_cache();
+
 class HugePageBuffer {
  public:
   static constexpr std::size_t kPageBytes = std::size_t{2} << 20;  // x86-64's 2 MiB page

@@ -49,8 +49,9 @@ class RelativeBias {
   // b_h(r) of every head for r = r_first … r_first + count − 1: out[h·count + t] = b_h(r_first + t),
   // fp64. The default calls value(); a scheme whose values are costly (a sum of cosines) may
   // compute the rows faster, to within its stated error of value() (the engine rounds them to f32).
-  // The engine asks for a long range in pieces that start at r_first + 64·m: a scheme whose rows
-  // depend on where a call starts keeps the same bits if it restarts every 64 r from r_first.
+  // The engine asks for a long range in pieces that start at r_first + 64·m, on several threads
+  // at once: a scheme whose rows depend on where a call starts keeps the same bits if it restarts
+  // every 64 r from r_first.
   virtual void tabulate(std::int64_t r_first, std::int64_t count, double* out) const {
     for (std::int64_t h = 0; h < heads(); ++h) {
       for (std::int64_t t = 0; t < count; ++t) out[h * count + t] = value(h, r_first + t);

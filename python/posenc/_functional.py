@@ -11,9 +11,10 @@ from .registry import _scheme_spec, _score_bias_op
 
 
 def empty_cache():
-    """Return the memory of freed large outputs, which posenc keeps (up to 1 GiB) for reuse, to
-    the system. Outputs of 1 MiB or more reuse blocks of the same size: a loop that asks for the
-    same shapes every step then pays no first-touch page faults."""
+    """Return the memory posenc keeps for reuse to the system: freed large outputs (up to 1 GiB;
+    outputs of 1 MiB or more reuse blocks of the same size) and the blocks of attention calls'
+    position tables (up to 256 MiB). A loop that asks for the same shapes every step, or a decode
+    loop one key longer each step, then pays no first-touch page faults."""
     _ops.empty_cache()
 
 

@@ -121,7 +121,7 @@ AttentionPlan::AttentionPlan(AttentionSpec spec_in) : spec(std::move(spec_in)) {
   plan_transform_tables(groups, range);
   const float lowest_table_bias = plan_bias_tables(groups, range);
   plan_terms(groups);
-  plan_far_tiles(groups, lowest_table_bias);
+  plan_far_tiles(lowest_table_bias);
 }
 
 bool AttentionPlan::check_normaliser() {
@@ -603,7 +603,6 @@ float AttentionPlan::plan_bias_tables(const std::vector<HeadGroup>& groups, cons
       auto& table = bias_tables[gi];
       table.resize(static_cast<std::size_t>(width * hg));
       detail::tabulate_f32(*relative, -(delta_min + width - 1), width, table.data(), true);
-      lowest_table_bias = std::min(lowest_table_bias, *std::min_element(table.begin(), table.end()));
     } else {
       evaluators.push_back(std::make_unique<BiasEvaluator>(scheme, k_min - q_max, k_max - q_min));
     }
@@ -623,13 +622,38 @@ float AttentionPlan::plan_bias_tables(const std::vector<HeadGroup>& groups, cons
     }
   }
   grad_offset.push_back(flat);
+  // Each table's least entry (std::min_element's, NaN included), a head per thread.
+  std::int64_t entries = 0;
+  for (const TableFloats& t : bias_tables) entries += static_cast<std::int64_t>(t.size());
+#pragma omp parallel for schedule(static) num_threads(threads_for(entries))
+  for (std::int64_t h = 0; h < heads; ++h) {
+    HeadBias& hb = head_bias[static_cast<std::size_t>(h)];
+    if (hb.kind == HeadBias::kTable) hb.table_min = *std::min_element(hb.table, hb.table + hb.width);
+  }
+  // In group order, as over each group's whole table.
+  for (std::size_t gi = 0; gi < groups.size(); ++gi) {
+    if (bias_tables[gi].empty()) continue;
+    const std::int64_t h0 = group_first_head[gi], hg = groups[gi].heads;
+    const auto first = head_bias.begin() + h0;
+    const float least = std::min_element(first, first + hg, [](const HeadBias& a, const HeadBias& b) {
+                          return a.table_min < b.table_min;
+                        })->table_min;
+    lowest_table_bias = std::min(lowest_table_bias, least);
+  }
   bool every_head_tabulated = heads > 0;
   for (const HeadBias& hb : head_bias) every_head_tabulated = every_head_tabulated && hb.kind == HeadBias::kTable;
   if (every_head_tabulated && !packed && q_len == 1) {
     bias_by_delta.resize(static_cast<std::size_t>(width * heads));
-    for (std::int64_t h = 0; h < heads; ++h) {
-      const float* table = head_bias[static_cast<std::size_t>(h)].table;
-      for (std::int64_t t = 0; t < width; ++t) bias_by_delta[static_cast<std::size_t>(t * heads + h)] = table[t];
+    // Transposed in blocks of δ, on the threads.
+    constexpr std::int64_t kBlock = 256;
+    const std::int64_t blocks = (width + kBlock - 1) / kBlock;
+#pragma omp parallel for schedule(static) num_threads(threads_for(width* heads))
+    for (std::int64_t b = 0; b < blocks; ++b) {
+      const std::int64_t t0 = b * kBlock, t1 = std::min(width, t0 + kBlock);
+      for (std::int64_t h = 0; h < heads; ++h) {
+        const float* table = head_bias[static_cast<std::size_t>(h)].table;
+        for (std::int64_t t = t0; t < t1; ++t) bias_by_delta[static_cast<std::size_t>(t * heads + h)] = table[t];
+      }
     }
   }
   hist_width = width <= kMaxBiasTable ? width : 0;
@@ -638,7 +662,7 @@ float AttentionPlan::plan_bias_tables(const std::vector<HeadGroup>& groups, cons
 
 // The far-tile skip (attention_plan.hpp): whether tiles run from the diagonal down, per KV head,
 // and the tables' running maxima that bound a tile's biases.
-void AttentionPlan::plan_far_tiles(const std::vector<HeadGroup>& groups, float lowest_table_bias) {
+void AttentionPlan::plan_far_tiles(float lowest_table_bias) {
   constexpr float kFarBias = 100.0f;
   bool keys_keep_norms = true;
   for (const QKTables& t : tables)
@@ -646,7 +670,7 @@ void AttentionPlan::plan_far_tiles(const std::vector<HeadGroup>& groups, float l
   // A head can vanish far away through its bias table or a term (a forget gate's decay).
   const auto steep_head = [&](std::int64_t h) {
     const HeadBias& hb = head_bias[static_cast<std::size_t>(h)];
-    const bool table = hb.kind == HeadBias::kTable && *std::min_element(hb.table, hb.table + hb.width) < -kFarBias;
+    const bool table = hb.kind == HeadBias::kTable && hb.table_min < -kFarBias;
     return table || std::any_of(terms.begin(), terms.end(), [h](const auto& t) { return t->steep(h); });
   };
   bool any_steep_term = false;
@@ -663,27 +687,32 @@ void AttentionPlan::plan_far_tiles(const std::vector<HeadGroup>& groups, float l
     far_first_kv[static_cast<std::size_t>(g)] = steep ? 1 : 0;
   }
   skip_far_tiles = far_tiles_first && spec.skip_vanishing_tiles;
+}
+
+void AttentionPlan::build_tile_maxima() const {
   if (!skip_far_tiles) return;
-  // The tables' running maxima, which bound a tile's biases (HeadBias::max_from / max_to).
-  bias_table_max.resize(bias_tables.size());
-  for (std::size_t gi = 0; gi < bias_tables.size(); ++gi) {
-    if (bias_tables[gi].empty()) continue;
-    const std::int64_t hg = groups[gi].heads, h0 = group_first_head[gi];
-    auto& maxima = bias_table_max[gi];
-    maxima.resize(2 * bias_tables[gi].size());
-    for (std::int64_t h = 0; h < hg; ++h) {
-      HeadBias& hb = head_bias[static_cast<std::size_t>(h0 + h)];
+  std::call_once(tile_maxima_once, [this] {
+    bias_table_max.resize(bias_tables.size());
+    for (std::size_t gi = 0; gi < bias_tables.size(); ++gi) {
+      if (bias_tables[gi].empty()) continue;
+      bias_table_max[gi].resize(2 * bias_tables[gi].size());
+    }
+    std::int64_t entries = 0;
+    for (const TableFloats& t : bias_tables) entries += static_cast<std::int64_t>(t.size());
+    const auto count = static_cast<std::int64_t>(head_bias.size());
+#pragma omp parallel for schedule(static) num_threads(threads_for(entries))
+    for (std::int64_t h = 0; h < count; ++h) {
+      const HeadBias& hb = head_bias[static_cast<std::size_t>(h)];
+      if (hb.kind != HeadBias::kTable) continue;
       const std::int64_t n = hb.width;  // the plan's table width, as every tabulated head's
-      float* from = maxima.data() + 2 * h * n;
+      float* from = bias_table_max[static_cast<std::size_t>(hb.group)].data() + 2 * hb.local_head * n;
       float* to = from + n;
       from[n - 1] = hb.table[n - 1];
       for (std::int64_t t = n - 2; t >= 0; --t) from[t] = std::max(from[t + 1], hb.table[t]);
       to[0] = hb.table[0];
       for (std::int64_t t = 1; t < n; ++t) to[t] = std::max(to[t - 1], hb.table[t]);
-      hb.max_from = from;
-      hb.max_to = to;
     }
-  }
+  });
 }
 
 std::int64_t AttentionPlan::table_bytes() const {

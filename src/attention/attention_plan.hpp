@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <utility>
@@ -34,7 +35,7 @@ struct QKTables {
   bool interleaved = false;
   std::int64_t half = 0;    // rotary pairs
   std::int64_t offset = 0;  // the first rotated entry (RopeParams::rotary_offset)
-  std::vector<float> q_cos_sin, k_cos_sin, absolute;
+  TableFloats q_cos_sin, k_cos_sin, absolute;
   std::int64_t bytes() const {
     return static_cast<std::int64_t>((q_cos_sin.size() + k_cos_sin.size() + absolute.size()) * sizeof(float));
   }
@@ -46,10 +47,7 @@ struct HeadBias {
   enum Kind { kNone, kTable, kDirect } kind = kNone;
   std::int64_t group = -1, local_head = 0;
   const float* table = nullptr;  // b(δ_min + t), t < width
-  // Running maxima of the table: max_from[t] = max b over [t, width), max_to[t] over [0, t]; so
-  // min(max_from[a], max_to[b]) bounds b over [a, b] (tight for tables monotone on either side
-  // of δ = 0, as ALiBi's). For the far-tile skip (AttentionPlan::skip_far_tiles).
-  const float *max_from = nullptr, *max_to = nullptr;
+  float table_min = 0.0f;        // its least entry (std::min_element's)
   std::int64_t delta_min = 0, width = 0;
   const BiasEvaluator* evaluator = nullptr;
 };
@@ -178,12 +176,18 @@ struct PositionTables {
 // their gradients go (plan_bias_tables).
 struct BiasTables {
   std::vector<HeadBias> head_bias;
-  std::vector<std::vector<float>> bias_tables;  // per group: [heads][width]
+  std::vector<TableFloats> bias_tables;  // per group: [heads][width]
   // Every head's table transposed, [width][heads], when every head is tabulated and each
   // sequence has one query: decode's merged rows (lane r = head r) then add a key's biases as
   // one contiguous row (add_bias) instead of lane by lane.
-  std::vector<float> bias_by_delta;
-  std::vector<std::vector<float>> bias_table_max;  // per group: [heads][max_from | max_to][width]
+  TableFloats bias_by_delta;
+  // Running maxima of each tabulated head's table, per group [heads][max_from | max_to][width]:
+  // max_from[t] = max b over [t, width), max_to[t] over [0, t]; so min(max_from[a], max_to[b])
+  // bounds b over [a, b] (tight for tables monotone on either side of δ = 0, as ALiBi's). For the
+  // far-tile skip (skip_far_tiles), which decode does not take: built by the first pass that can
+  // skip (build_tile_maxima), not by the plan, so that a decode step does not pay for them.
+  mutable std::vector<TableFloats> bias_table_max;
+  mutable std::once_flag tile_maxima_once;
   std::vector<std::unique_ptr<BiasEvaluator>> evaluators;
   bool any_bias = false, any_trainable_bias = false;
   std::int64_t delta_min = 0, hist_width = 0;  // the δ range of the bias tables and histograms
@@ -253,7 +257,16 @@ struct AttentionPlan : CallGeometry, PositionTables, BiasTables, PassPlan {
   std::vector<HeadGroup> plan_head_groups();
   void plan_transform_tables(const std::vector<HeadGroup>& groups, const PositionRange& range);
   float plan_bias_tables(const std::vector<HeadGroup>& groups, const PositionRange& range);
-  void plan_far_tiles(const std::vector<HeadGroup>& groups, float lowest_table_bias);
+  // bias_table_max, once (thread-safe); before a pass's threads start.
+  void build_tile_maxima() const;
+  // Head h's running maxima (bias_table_max), or nullptr before build_tile_maxima or for a head
+  // without a table.
+  const float* tile_maxima(const HeadBias& hb) const {
+    if (hb.kind != HeadBias::kTable || static_cast<std::size_t>(hb.group) >= bias_table_max.size()) return nullptr;
+    const TableFloats& m = bias_table_max[static_cast<std::size_t>(hb.group)];
+    return m.empty() ? nullptr : m.data() + 2 * hb.local_head * hb.width;
+  }
+  void plan_far_tiles(float lowest_table_bias);
   // A group with a RowNormaliser: it is the call's only group and the call one it can run.
   bool check_normaliser();
 

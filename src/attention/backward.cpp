@@ -272,6 +272,7 @@ AttentionStats AttentionPlan::backward(ConstTensorView out, ConstTensorView lse,
                                        TensorView dk, TensorView dv, AttentionGradients* grads) const {
   const BackwardCall call = check_backward(out, lse, d_out, dq, dk, dv, grads);
   BackwardWork work = plan_backward(*this, call.rows_outer, call.dk != nullptr || call.dv != nullptr);
+  build_tile_maxima();
   const GradientSlots slots(*this, grads != nullptr && any_trainable_bias, grads != nullptr, work.units.size());
   const int threads =
       std::min<int>(threads_for(work.flops / 16), static_cast<int>(std::max<std::size_t>(work.units.size(), 1)));

@@ -77,11 +77,11 @@ bool tile_vanishes(const AttentionPlan& p, const Sequence& seq, const RowBlock& 
       if (h < 0) continue;
       const HeadBias& hb = p.head_bias[static_cast<std::size_t>(h)];
       double bias = 0;
-      if (hb.kind == HeadBias::kTable && hb.max_from != nullptr) {
+      if (const float* max_from = p.tile_maxima(hb)) {
         const std::int64_t qp = rb.position[static_cast<std::size_t>(r)];
         const std::int64_t a = qp - k_hi - hb.delta_min, b = qp - k_lo - hb.delta_min;
         if (a < 0 || b >= hb.width) return false;
-        bias = std::min(hb.max_from[a], hb.max_to[b]);
+        bias = std::min(max_from[a], max_from[hb.width + b]);
       } else if (hb.kind != HeadBias::kNone) {
         return false;
       }

@@ -698,6 +698,9 @@ AttentionStats AttentionPlan::forward(TensorView out, TensorView lse) const {
   if (want_lse) check_lse(lse, true);
   check_disjoint({{"out", out}, {"lse", lse}}, {{"q", spec.q}, {"k", spec.k}, {"v", spec.v}});
   const ForwardWork work = plan_forward(*this);
+  // Prefill units may skip far tiles by the tables' maxima; decode's never do.
+  if (std::any_of(work.units.begin(), work.units.end(), [](const ForwardUnit& u) { return !u.compact; }))
+    build_tile_maxima();
   ForwardOutput o{out, lse, og, want_lse, work.part_rows, dim_padded + 2, {}};
   o.native_bf16 = dtype == DType::kBF16 && !cache_format && spec.bf16_products && bf16_dot_products();
   o.parts.resize(static_cast<std::size_t>(work.partials * kv_heads * o.part_rows * o.part_width));

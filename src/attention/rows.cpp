@@ -37,7 +37,7 @@ void AttentionPlan::transform_row(const QKTables& t, bool is_q, std::int64_t tab
     for (std::int64_t d = 0; d < dim; ++d) x[d] += add[d];
     return;
   }
-  const std::vector<float>& cs = (is_q || t.k_cos_sin.empty()) ? t.q_cos_sin : t.k_cos_sin;
+  const TableFloats& cs = (is_q || t.k_cos_sin.empty()) ? t.q_cos_sin : t.k_cos_sin;
   const std::int64_t half = t.half;
   x += t.offset;
   const float* c = cs.data() + table_row * 2 * half;

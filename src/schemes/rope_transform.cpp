@@ -31,8 +31,8 @@ QKTables qk_tables(const RotaryQK& rope, const TransformRows& r) {
   t.half = rp.rotary_dim() / 2;
   t.offset = rp.rotary_offset();
   const std::int64_t half = t.half;
-  std::vector<double> c64, s64;
-  std::vector<float> c32, s32;
+  std::vector<double, TableAllocator<double>> c64, s64;
+  TableFloats c32, s32;
   if (rp.xpos()) {
     c64.resize(static_cast<std::size_t>(rows * half));
     s64.resize(c64.size());
@@ -46,6 +46,7 @@ QKTables qk_tables(const RotaryQK& rope, const TransformRows& r) {
   }
   t.q_cos_sin.resize(static_cast<std::size_t>(rows * 2 * half));
   if (rp.xpos()) t.k_cos_sin.resize(t.q_cos_sin.size());
+#pragma omp parallel for schedule(static) num_threads(threads_for(rows* half*(rp.xpos() ? 64 : 2)))
   for (std::int64_t row = 0; row < rows; ++row) {
     const double e = rp.xpos_exponent(static_cast<double>(table_ids[static_cast<std::size_t>(row)]));
     for (std::int64_t i = 0; i < half; ++i) {

@@ -83,6 +83,9 @@ struct TableAllocator {
     return true;
   }
 };
+// Drops RoPE's rows kept across calls (schemes/rope_transform.cpp), for posenc::empty_cache().
+void empty_rope_row_cache();
+
 // A plan's table (attention/attention_plan.hpp): floats on a cache line, their block reused, not
 // zeroed when sized.
 using TableFloats = std::vector<float, TableAllocator<float>>;

@@ -240,6 +240,9 @@ void give_table_block(void* block, std::size_t bytes) noexcept {
 
 }  // namespace detail
 
-void empty_cache() { TableCache::instance().empty(); }
+void empty_cache() {
+  detail::empty_rope_row_cache();  // first: its tables' blocks then return to the table cache
+  TableCache::instance().empty();
+}
 
 }  // namespace posenc

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <map>
 #include <memory>
 #include <span>
 #include <string>
@@ -632,6 +633,59 @@ TEST(Attention, ADecodeStepLeavesTheTileMaximaToThePassesThatSkip) {
   }
   set_num_threads(2);
   EXPECT_EQ(run_forward(d, skipping, 0).out, before.out);
+}
+
+// RoPE's rows over positions from 0 are kept across calls (a decode step meets every cache
+// position again): a call's bits do not depend on what ran before it — a longer table already
+// kept, a shorter one grown, none — nor on posenc::empty_cache() while its Attention lives.
+// YaRN's frequencies are fixed; dynamic NTK's move with the length (then nothing is shared).
+TEST(Attention, RopeRowsKeptAcrossCallsGiveEachCallItsOwnBits) {
+  const std::int64_t dim = 64;
+  RopeScaling yarn;
+  yarn.type = RopeType::kYarn;
+  yarn.factor = 4.0;
+  RopeScaling dynamic;
+  dynamic.type = RopeType::kDynamic;
+  dynamic.factor = 2.0;
+  for (const RopeParams& rope : {RopeParams(dim, dim), RopeParams(dim, 48, 500000.0, RopeLayout::kInterleaved, yarn),
+                                 RopeParams(dim, dim, 10000.0, RopeLayout::kHalfSplit, dynamic, 4096)}) {
+    std::map<std::int64_t, Problem> problems;  // one per length: the same inputs at every call
+    for (const std::int64_t keys : {2000, 3000, 5000, 9000, 20000})
+      problems.emplace(keys, make_problem(1, 1, keys, 4, 2, dim));
+    const auto step = [&](std::int64_t keys) {
+      const Problem& d = problems.at(keys);
+      AttentionSpec spec = spec_of(d);
+      spec.mask.causal = true;
+      spec.groups = {{4, RotaryQK{rope}, {}}};
+      return run_forward(d, Attention(spec), 0).out;
+    };
+    posenc::empty_cache();
+    const std::vector<double> alone = step(3000), grown_alone = step(20000);
+    posenc::empty_cache();
+    (void)step(9000);
+    EXPECT_EQ(step(3000), alone);  // inside a longer table
+    posenc::empty_cache();
+    (void)step(2000);
+    EXPECT_EQ(step(20000), grown_alone);  // a table grown from a shorter one
+    // A prefill from position 0 shares the rows too; its Attention keeps them through empty_cache.
+    const Problem p = make_problem(1, 300, 300, 4, 2, dim);
+    AttentionSpec spec = spec_of(p);
+    spec.mask.causal = true;
+    spec.groups = {{4, RotaryQK{rope}, {}}};
+    const Attention att(spec);
+    const std::vector<double> before = run_forward(p, att, 0).out;
+    posenc::empty_cache();
+    (void)step(5000);
+    EXPECT_EQ(run_forward(p, att, 0).out, before);
+    expect_accurate(p, spec, "prefill");
+    const std::vector<double> d_out = random_values(static_cast<std::size_t>(p.q_count()));
+    expect_backward_matches_reference(p, att, d_out);
+    const Problem d = make_problem(1, 1, 7000, 4, 2, dim);
+    AttentionSpec ds = spec_of(d);
+    ds.mask.causal = true;
+    ds.groups = {{4, RotaryQK{rope}, {}}};
+    expect_accurate(d, ds, "decode");
+  }
 }
 
 TEST(Attention, BitwiseIdenticalForAnyThreadCount) {

@@ -36,8 +36,18 @@ struct QKTables {
   std::int64_t half = 0;    // rotary pairs
   std::int64_t offset = 0;  // the first rotated entry (RopeParams::rotary_offset)
   TableFloats q_cos_sin, k_cos_sin, absolute;
+  // RoPE's rows kept across calls (rope_transform.cpp): when set, the [cos | sin] rows of the
+  // table start at shared_rows, inside *shared, in place of q_cos_sin.
+  std::shared_ptr<const TableFloats> shared;
+  const float* shared_rows = nullptr;
+  // The [cos | sin] rows of the queries, or of the keys (their own where scaled, as xPos).
+  const float* cos_sin(bool keys) const {
+    if (keys && !k_cos_sin.empty()) return k_cos_sin.data();
+    return shared_rows != nullptr ? shared_rows : q_cos_sin.data();
+  }
   std::int64_t bytes() const {
-    return static_cast<std::int64_t>((q_cos_sin.size() + k_cos_sin.size() + absolute.size()) * sizeof(float));
+    const std::size_t held = shared ? shared->size() : 0;
+    return static_cast<std::int64_t>((q_cos_sin.size() + k_cos_sin.size() + absolute.size() + held) * sizeof(float));
   }
 };
 

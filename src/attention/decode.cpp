@@ -110,9 +110,7 @@ class DecodeTiles {
     if (rope_ != nullptr && rope_->interleaved && !rotate_in_scores) rope_ = nullptr;
     interleaved_ = rope_ != nullptr && rope_->interleaved;
     // The keys' [cos | sin] rows (transform_row's choice: their own table, else the queries').
-    rope_cos_sin_ = rope_ == nullptr           ? nullptr
-                    : rope_->k_cos_sin.empty() ? rope_->q_cos_sin.data()
-                                               : rope_->k_cos_sin.data();
+    rope_cos_sin_ = rope_ == nullptr ? nullptr : rope_->cos_sin(true);
     direct_k_ = p_.kg.dim_stride == 1 && reads_dtype && (!transform_keys || rotate_in_scores);
     // A quantized cache is read in place unless its keys are transformed (then dequantised into
     // scratch and transformed there).

@@ -37,10 +37,9 @@ void AttentionPlan::transform_row(const QKTables& t, bool is_q, std::int64_t tab
     for (std::int64_t d = 0; d < dim; ++d) x[d] += add[d];
     return;
   }
-  const TableFloats& cs = (is_q || t.k_cos_sin.empty()) ? t.q_cos_sin : t.k_cos_sin;
   const std::int64_t half = t.half;
   x += t.offset;
-  const float* c = cs.data() + table_row * 2 * half;
+  const float* c = t.cos_sin(!is_q) + table_row * 2 * half;
   const float* s = c + half;
   if (!t.interleaved) {
     kernels::attn_rotate_half_split(x, c, s, half, sine_sign);

@@ -86,7 +86,8 @@ class DecodeTiles {
   // How the keys reach the scores. Those that RoPE or an absolute encoding transforms go through
   // scratch, unless every KV head rotates them with one RoPE table: then they are rotated inside
   // the scores where the kernel can (attn_decode_rotates_keys, either layout), else, half-split,
-  // widened and rotated in one pass per tile (attn_pack_rotate_heads); otherwise row by row. The
+  // widened (or dequantised) and rotated in one pass per tile (attn_pack_rotate_heads,
+  // attn_dequantize_rotate_heads); otherwise row by row. The
   // kernels read the cache where it lies (f32, and bf16 / f16 on targets that widen them in
   // vectors; a quantized cache whose keys are not transformed); otherwise each tile is first
   // widened (dequantised) into f32 scratch rows of dim_padded.
@@ -101,12 +102,17 @@ class DecodeTiles {
     for (std::int64_t g = 0; g < g_count_; ++g) {
       if (&p_.tables_of_head(g * p_.group_size) != rope_) rope_ = nullptr;
     }
-    if (rope_ != nullptr && (p_.cache_format || rope_->kind != QKTables::kRope || !rope_->transform_keys ||
-                             p_.kg.dim_stride != 1 || rope_->offset != 0)) {
+    if (rope_ != nullptr &&
+        (rope_->kind != QKTables::kRope || !rope_->transform_keys || p_.kg.dim_stride != 1 || rope_->offset != 0)) {
       rope_ = nullptr;
     }
-    const bool rotate_in_scores = rope_ != nullptr && kernels::attn_decode_rotates_keys(
-                                                          p_.dtype, valid_, p_.dim, rope_->half, rope_->interleaved);
+    // A quantized cache's keys: dequantised and rotated in one pass per tile, half-split.
+    if (rope_ != nullptr && p_.cache_format && (rope_->interleaved || !kernels::attn_dequantize_rotates(rope_->half))) {
+      rope_ = nullptr;
+    }
+    const bool rotate_in_scores =
+        rope_ != nullptr && !p_.cache_format &&
+        kernels::attn_decode_rotates_keys(p_.dtype, valid_, p_.dim, rope_->half, rope_->interleaved);
     if (rope_ != nullptr && rope_->interleaved && !rotate_in_scores) rope_ = nullptr;
     interleaved_ = rope_ != nullptr && rope_->interleaved;
     // The keys' [cos | sin] rows (transform_row's choice: their own table, else the queries').
@@ -183,6 +189,12 @@ class DecodeTiles {
     }
     const char* cache = static_cast<const char*>(p_.k_data) + p_.kg.offset(seq_.b, seq_.k0 + k0) * width_;
     if (direct_k_) return {cache, p_.kg.seq_stride, p_.kg.head_stride};
+    if (rope_ != nullptr && p_.cache_format) {
+      kernels::attn_dequantize_rotate_heads(cache, *p_.cache_format, p_.kg.seq_stride, p_.kg.head_stride, keys,
+                                            g_count_, p_.dim, rope_cos_sin_, table_rows_.data(), rope_->half,
+                                            s_.k.data(), dp_);
+      return {s_.k.data(), g_count_ * dp_, dp_};
+    }
     if (rope_ != nullptr) {
       kernels::attn_pack_rotate_heads(cache, p_.dtype, p_.kg.seq_stride, p_.kg.head_stride, keys, g_count_, p_.dim,
                                       rope_cos_sin_, table_rows_.data(), rope_->half, s_.k.data(), dp_);

@@ -89,6 +89,15 @@ void attn_pack_rotate_heads(const void* src, DType dtype, std::int64_t seq_strid
 void attn_dequantize_heads(const void* src, CacheFormat format, std::int64_t seq_stride, std::int64_t head_stride,
                            std::int64_t keys, std::int64_t heads, std::int64_t dim, float* dst,
                            std::int64_t dim_padded);
+// attn_dequantize_heads with key j's rows rotated by the half-split RoPE of its table row
+// ([cos(half) | sin(half)] at cos_sin + table_rows[j]·2·half), in registers: the bits of
+// dequantising and then attn_rotate_half_split. Where attn_dequantize_rotates(half): the pairs
+// fill whole vectors (else posenc::Error).
+bool attn_dequantize_rotates(std::int64_t half);
+void attn_dequantize_rotate_heads(const void* src, CacheFormat format, std::int64_t seq_stride,
+                                  std::int64_t head_stride, std::int64_t keys, std::int64_t heads, std::int64_t dim,
+                                  const float* cos_sin, const std::int64_t* table_rows, std::int64_t half, float* dst,
+                                  std::int64_t dim_padded);
 
 // Decode over all KV heads of a key tile (any strides; [S, G, D] memory order is fastest): the
 // scores take blocks of keys of one head (⌊lanes / q_rows⌋ keys when q_rows <= lanes and dim fills

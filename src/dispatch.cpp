@@ -135,6 +135,8 @@ void set_target(std::string_view name) {
   detail::init_dispatch();
   std::lock_guard lock(g_mutex);
   apply(name);
+  // RoPE's rows kept across calls come from the kernels of the target that made them.
+  detail::empty_rope_row_cache();
 }
 
 void set_num_threads(int n) {

@@ -667,6 +667,14 @@ TEST(Attention, RopeRowsKeptAcrossCallsGiveEachCallItsOwnBits) {
     posenc::empty_cache();
     (void)step(2000);
     EXPECT_EQ(step(20000), grown_alone);  // a table grown from a shorter one
+    // Nor on the target that ran before: set_target empties the cache, so rows made by another
+    // target's kernels (the same bits on this host's targets today) never serve this one.
+    for (const std::string& target : available_targets()) {
+      set_target(target);
+      (void)step(3000);
+      set_target("auto");
+      EXPECT_EQ(step(3000), alone) << target;
+    }
     // A prefill from position 0 shares the rows too; its Attention keeps them through empty_cache.
     const Problem p = make_problem(1, 300, 300, 4, 2, dim);
     AttentionSpec spec = spec_of(p);

@@ -31,7 +31,8 @@ void fill_cos_sin(const RopeParams& rp, const Positions& positions, std::int64_t
 // RoPE's rows for positions 0 … count − 1 under one set of frequencies, kept across calls. Each
 // decode step over an un-rotated cache is a new call that meets every cache position again, and a
 // row depends only on its position, the frequencies ω and the factor α (rope_cos_sin), so the
-// rows of the step before are this step's. Tables are found by ω and α bit for bit. A table is
+// rows of the step before are this step's. Tables are found by ω and α bit for bit, and made by
+// the active target's kernels (set_target empties the cache). A table is
 // made an eighth longer than asked (at least 1024 rows), so that a growing cache is tabulated
 // anew rarely, and then copies the rows it has. At most kTableCacheBytes / 2 in all (one table
 // beyond the rest), the oldest dropped first; posenc::empty_cache() empties it.

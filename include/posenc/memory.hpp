@@ -50,8 +50,8 @@ std::size_t checked_allocation(std::int64_t count, std::size_t elem_bytes, const
 
 // Returns to the system the memory kept for reuse by later calls: the blocks of attention plans'
 // tables (a decode step plans tables over every cache position; the next step, one key longer,
-// reuses their blocks instead of faulting in fresh pages), at most 256 MiB. posenc.empty_cache()
-// calls it.
+// reuses their blocks instead of faulting in fresh ones), at most 256 MiB, and RoPE's rows over
+// positions from 0, kept by their frequencies, at most 128 MiB. posenc.empty_cache() calls it.
 void empty_cache();
 
 class HugePageBuffer {

@@ -12,9 +12,10 @@ from .registry import _scheme_spec, _score_bias_op
 
 def empty_cache():
     """Return the memory posenc keeps for reuse to the system: freed large outputs (up to 1 GiB;
-    outputs of 1 MiB or more reuse blocks of the same size) and the blocks of attention calls'
-    position tables (up to 256 MiB). A loop that asks for the same shapes every step, or a decode
-    loop one key longer each step, then pays no first-touch page faults."""
+    outputs of 1 MiB or more reuse blocks of the same size), the blocks of attention calls'
+    position tables (up to 256 MiB) and RoPE's rows over positions from 0 (up to 128 MiB). A loop
+    that asks for the same shapes every step, or a decode loop one key longer each step, then pays
+    no first-touch page faults and does not tabulate RoPE again."""
     _ops.empty_cache()
 
 
